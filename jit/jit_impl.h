@@ -1,0 +1,212 @@
+/* jit_impl.h -- private structures of the region compiler: arena, IR,
+ * traces with graph breaks, compiled segments and regions.
+ *
+ * IR.  A graph is a list of values and a list of nodes in a valid order.
+ * Value ids index graph->values; each value is either a graph input or the
+ * out_nr-th output of one node.  Nodes reference values by id.  An IR node's
+ * op is an op-table id (EJ_OP_*); a trace additionally has EJ_IR_BREAK nodes
+ * (calls of an eager callee: the AutoEP layer).  Shapes and dtypes are
+ * static (guards cover them).
+ *
+ * Memory.  Everything of one graph lives in its arena and is freed in one
+ * call (ej_graph_free); only captured constants (tensor refs) are released
+ * one by one.
+ */
+#ifndef EPJIT_JIT_IMPL_H
+#define EPJIT_JIT_IMPL_H
+
+#include "jit.h"
+
+#include <string.h>
+
+/* ---- arena ------------------------------------------------------------- */
+
+typedef struct ej_arena ej_arena;
+ej_arena *ej_arena_new(void);
+void ej_arena_free(ej_arena *a);
+/* Zeroed, 16-byte aligned; aborts (EJ_ASSERT) when out of memory: a
+ * compile that cannot get a few KiB cannot report anything useful. */
+void *ej_arena_alloc(ej_arena *a, size_t n);
+char *ej_arena_strdup(ej_arena *a, const char *s);
+char *ej_arena_printf(ej_arena *a, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- IR -------------------------------------------------------------------
+ */
+
+#define EJ_IR_BREAK (-1)
+
+typedef enum ej_input_kind {
+	EJ_IN_ACT = 0, /* activation: an input of the region or segment */
+	EJ_IN_PARAM,   /* parameter, bound by slot at every call */
+	EJ_IN_CONST,   /* constant captured at trace time (tensor ref) */
+	EJ_IN_GRAD,    /* backward graph: gradient of a forward output */
+	EJ_IN_SAVED,   /* backward graph: a value saved by the forward */
+} ej_input_kind;
+
+typedef struct ej_value {
+	epj_dtype dtype;
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+	int node;   /* producing node, -1 for a graph input */
+	int out_nr; /* output index at the producer */
+	int input;  /* index in graph->inputs, -1 for node outputs */
+	bool requires_grad;
+} ej_value;
+
+typedef struct ej_ir_node {
+	int op; /* EJ_OP_* or EJ_IR_BREAK */
+	ej_attrs attrs;
+	int n_in, n_out;
+	int *in, *out; /* value ids */
+	void *callee;  /* EJ_IR_BREAK: the eager callee */
+	const char *reason;
+	bool dead;
+} ej_ir_node;
+
+typedef struct ej_graph_input {
+	int value;
+	ej_input_kind kind;
+	int slot;	   /* PARAM: parameter slot; ACT: input index; GRAD:
+			      forward output index; SAVED: saved index */
+	epj_tensor *konst; /* CONST: captured tensor (owned ref) */
+} ej_graph_input;
+
+typedef struct ej_graph {
+	ej_arena *arena;
+	ej_value *values;
+	int n_values, cap_values;
+	ej_ir_node *nodes;
+	int n_nodes, cap_nodes;
+	ej_graph_input *inputs;
+	int n_inputs, cap_inputs;
+	int *outputs; /* value ids */
+	int n_outputs, cap_outputs;
+	const char *name; /* "segment 0 forward" etc. (debug) */
+} ej_graph;
+
+ej_graph *ej_graph_new(const char *name);
+void ej_graph_free(ej_graph *g);
+int ej_graph_add_value(ej_graph *g, epj_dtype dt, int ndim,
+		       const int64_t *shape);
+int ej_graph_add_input(ej_graph *g, ej_input_kind kind, int slot, epj_dtype dt,
+		       int ndim, const int64_t *shape);
+/* Appends a node; its output values are created with the given metas.
+ * Returns the node index. */
+int ej_graph_add_node(ej_graph *g, int op, const ej_attrs *attrs, const int *in,
+		      int n_in, const ej_meta *out_meta, int n_out);
+void ej_graph_add_output(ej_graph *g, int value);
+/* Canonical text (inputs, nodes, outputs with renumbered values; never
+ * parameter identities or names).  Arena-owned string. */
+const char *ej_graph_text(ej_graph *g);
+/* XXH3-128 of the canonical text (+ constant contents). */
+epj_hash128 ej_graph_signature(ej_graph *g);
+/* Number of live nodes. */
+int ej_graph_live_nodes(const ej_graph *g);
+
+/* ---- passes (passes.c; one pipeline in pipeline.c) --------------------------
+ */
+
+/* Removes nodes whose outputs reach no graph output. */
+void ej_pass_dce(ej_graph *g);
+/* Merges nodes with the same op, attributes and inputs (not breaks, not
+ * creation ops whose result is mutated -- no op mutates in place). */
+void ej_pass_cse(ej_graph *g);
+/* Compacts: drops dead nodes and unused values, renumbers in order. */
+ej_graph *ej_graph_compact(ej_graph *g, const char *name);
+/* Marks requires_grad on values from the inputs' flags. */
+void ej_graph_propagate_grad(ej_graph *g);
+
+/* ---- traces
+ * ------------------------------------------------------------------- */
+
+struct ej_trace {
+	ej_graph *g;	/* all nodes in program order, breaks included */
+	int n_in;	/* region inputs = g inputs 0..n_in-1 (EJ_IN_ACT) */
+	bool grad_mode; /* grad enabled while traced (train) */
+	/* guards: meta of the region inputs and of the parameters */
+	ej_meta *in_meta;
+	bool *in_rg;
+	int n_params;
+	epj_dtype *param_dtype;
+	bool *param_rg;
+	int calls_captured;
+};
+
+/* ---- compiled segments and regions
+ * --------------------------------------------- */
+
+/* One compiled segment: forward graph F, backward graph B (NULL when no
+ * input requires grad or grad mode was off), shared by every region and
+ * call site with the same signature (refcounted, in the jit cache). */
+typedef struct ej_segment {
+	int refcount;
+	epj_hash128 sig;
+	char sig_hex[33];
+	ej_graph *fwd; /* inputs: ACT(slot = segment input index) / PARAM /
+			  CONST; outputs: segment outputs then saved values */
+	int n_seg_out; /* leading outputs that are segment outputs */
+	ej_graph *bwd; /* inputs: GRAD(slot = output idx) / SAVED(slot) */
+	/* For each fwd input: the index of its gradient among bwd outputs,
+	 * or -1 (no gradient). */
+	int *grad_of_input;
+	/* For each SAVED slot: where its value comes from in the forward:
+	 * >= 0 a fwd output index, or -(1 + fwd input index). */
+	int *saved_src;
+	int n_saved;
+	void *backend_state; /* backend artifact (codegen) */
+	double compile_ms;
+} ej_segment;
+
+void ej_segment_unref(ej_segment *s);
+
+/* A step of a compiled region: run a segment or perform a break.  Value
+ * ids are those of the trace graph (the region's environment). */
+typedef struct ej_region_step {
+	bool is_break;
+	ej_segment *seg; /* !is_break */
+	void *callee;	 /* is_break */
+	int n_in, n_out;
+	int *in;  /* trace value ids feeding the step (segment: in order of
+		     the segment's ACT inputs; params/consts bound apart) */
+	int *out; /* trace value ids produced */
+		  /* segment PARAM inputs: fwd input index -> parameter slot;
+		   * CONST inputs carry their tensor in fwd itself */
+} ej_region_step;
+
+struct ej_region_fn {
+	ej_arena *arena;
+	ej_trace *trace; /* kept for guards and debug */
+	ej_region_step *steps;
+	int n_steps;
+	int n_values; /* trace values (environment size) */
+	int *out;     /* trace value ids of the region outputs */
+	int n_out;
+	int *last_use; /* per trace value: last step index using it */
+};
+
+struct ej_jit {
+	epj_ctx *ctx;
+	ej_backend_kind backend;
+	/* cache of segments by signature (open addressing) */
+	ej_segment **cache;
+	int cache_cap, cache_n;
+	int compile_seq; /* numbering of debug dumps */
+};
+
+/* Interpreter backend: runs g on bound inputs (one tensor per graph input;
+ * borrowed).  outs[] receive new references for g's outputs.  Runs with
+ * grad disabled; counts kernels.launched.compiled per node executed. */
+epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
+			 epj_tensor **outs);
+
+/* Joint forward/backward + partition of one segment (autodiff.c).
+ * seg_fwd is the segment's forward graph with requires_grad marked; fills
+ * seg->fwd/bwd/grad_of_input/saved_src. */
+epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *seg_fwd,
+			       ej_segment *seg);
+
+/* Debug dump of a graph after a pass: dir/<seq>-<name>-<pass>.txt */
+void ej_debug_dump_graph(ej_jit *jit, ej_graph *g, const char *pass);
+
+#endif /* EPJIT_JIT_IMPL_H */

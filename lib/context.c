@@ -1,0 +1,79 @@
+/* context.c -- epj_ctx: backend device, allocator, error state, grad mode,
+ * RNG, counters and the trace hook.
+ *
+ * One context is used by one thread at a time.  Backends other than "cpu"
+ * are installed by upper layers later (cuda through a dlopen'ed driver); here
+ * an unknown or unavailable backend is a clean error, never a crash.
+ */
+#include "core_impl.h"
+
+#include <string.h>
+
+epj_status epj_ctx_new(const char *backend, epj_ctx **out)
+{
+	*out = NULL;
+	if (backend && strcmp(backend, "cpu") != 0) {
+		if (!strcmp(backend, "cuda") || !strcmp(backend, "cuda-sim")) {
+			epj_log_msg(
+			    EPJ_LOG_ERROR,
+			    "backend \"%s\" is not available in this build "
+			    "(no CUDA device support yet); use \"cpu\"",
+			    backend);
+			return EPJ_ERR_BACKEND;
+		}
+		epj_log_msg(
+		    EPJ_LOG_ERROR,
+		    "unknown backend \"%s\" (known: cpu, cuda, cuda-sim)",
+		    backend);
+		return EPJ_ERR_INVALID;
+	}
+	epj_ctx *ctx = calloc(1, sizeof *ctx);
+	if (!ctx)
+		return EPJ_ERR_NOMEM;
+	ctx->dev = &ej_device_cpu;
+	ctx->alloc = ej_allocator_new(ctx->dev);
+	ctx->counters = ej_counter_table_new();
+	if (!ctx->alloc || !ctx->counters) {
+		epj_ctx_free(ctx);
+		return EPJ_ERR_NOMEM;
+	}
+	ctx->grad_enabled = true;
+	ej_rng_seed(&ctx->rng, 42);
+	ctx->ctr_eager_launches =
+	    ej_counter_slot(ctx, "kernels.launched.eager");
+	*out = ctx;
+	return EPJ_OK;
+}
+
+void epj_ctx_free(epj_ctx *ctx)
+{
+	if (!ctx)
+		return;
+	if (ctx->alloc)
+		ej_allocator_free(ctx->alloc);
+	if (ctx->counters)
+		ej_counter_table_free(ctx->counters);
+	free(ctx);
+}
+
+void epj_ctx_seed(epj_ctx *ctx, uint64_t seed)
+{
+	ej_rng_seed(&ctx->rng, seed);
+}
+
+bool epj_no_grad_enter(epj_ctx *ctx)
+{
+	bool prev = ctx->grad_enabled;
+	ctx->grad_enabled = false;
+	return prev;
+}
+
+void epj_no_grad_exit(epj_ctx *ctx, bool prev)
+{
+	ctx->grad_enabled = prev;
+}
+
+bool epj_grad_enabled(const epj_ctx *ctx)
+{
+	return ctx->grad_enabled;
+}

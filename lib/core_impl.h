@@ -1,0 +1,373 @@
+/* core_impl.h -- private structures of lib/: storage, tensor, device,
+ * allocator, context, op table, autograd node.
+ *
+ * Internal (non-static) symbols use the `ej_` prefix; only `epj_` symbols are
+ * exported from the shared library (libtool -export-symbols-regex).
+ *
+ * Invariants
+ *  - A tensor's element (i0..in) lives at storage->data + elsize *
+ *    (offset + sum(i_k * stride_k)).  Strides are in elements, may be 0
+ *    (expand) and are never negative.
+ *  - A symbolic tensor (trace mode) has storage == NULL and value_id >= 0.
+ *  - grad_fn holds one reference on its node; a node holds references on its
+ *    saved tensors (detached aliases: never on the tensor that owns the node,
+ *    so there are no cycles) and on the nodes of its inputs.
+ */
+#ifndef EPJIT_CORE_IMPL_H
+#define EPJIT_CORE_IMPL_H
+
+#include "epjit.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ---- invariants --------------------------------------------------------- */
+
+void ej_assert_fail(const char *expr, const char *file, int line,
+		    const char *func) __attribute__((noreturn));
+#define EJ_ASSERT(e)                                                           \
+	((e) ? (void)0 : ej_assert_fail(#e, __FILE__, __LINE__, __func__))
+
+#define EJ_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* ---- errors --------------------------------------------------------------
+ * ej_error sets the context's status and message (printf format) and returns
+ * the status, so `return ej_error(ctx, EPJ_ERR_SHAPE, "...")` reads well. */
+epj_status ej_error(epj_ctx *ctx, epj_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+epj_status ej_verror(epj_ctx *ctx, epj_status s, const char *fmt, va_list ap);
+/* Prefixes the current message with "prefix: " (adds context upward). */
+void ej_error_prefix(epj_ctx *ctx, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Shape as "[2,3,4]" into buf (returns buf). */
+char *ej_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);
+
+/* ---- memory: device vtable + caching allocator ----------------------------
+ */
+
+/* One backend's memory and execution primitives.  Members marked optional may
+ * be NULL.  `self` is passed back to every call. */
+typedef struct ej_device {
+	const char *name; /* "cpu", "cuda", "cuda-sim" */
+	void *self;
+	/* Raw allocation of `bytes` (>0), aligned to 64 bytes; NULL on failure.
+	 */
+	void *(*alloc)(void *self, size_t bytes);
+	void (*free)(void *self, void *ptr);
+	/* Host<->device or device<->device copy of bytes.  On cpu a memcpy. */
+	void (*copy)(void *self, void *dst, const void *src, size_t bytes);
+	/* Optional: fill bytes with zero (default: copy from a host zero page).
+	 */
+	void (*memzero)(void *self, void *ptr, size_t bytes);
+	/* Optional: wait for outstanding work (cpu: nothing). */
+	void (*sync)(void *self);
+	/* True when data pointers are host-addressable. */
+	bool host_visible;
+} ej_device;
+
+extern const ej_device ej_device_cpu;
+
+/* Caching allocator over a device: freed blocks go to size-class free lists
+ * and are reused; statistics as in epj_memory_stats.  Sizes are rounded up to
+ * 512-byte multiples (blocks over 1 MiB to 2 MiB... see alloc.c). */
+typedef struct ej_allocator ej_allocator;
+ej_allocator *ej_allocator_new(const ej_device *dev);
+void ej_allocator_free(ej_allocator *a);
+void *ej_alloc(ej_allocator *a, size_t bytes); /* NULL on failure */
+void ej_dealloc(ej_allocator *a, void *ptr);
+void ej_allocator_stats(const ej_allocator *a, epj_memory_stats *out);
+void ej_allocator_reset_peaks(ej_allocator *a);
+void ej_allocator_empty_cache(ej_allocator *a);
+/* Test hook: the n-th allocation from now fails (0 = off). */
+void ej_allocator_fail_after(ej_allocator *a, int64_t n);
+
+typedef struct ej_storage {
+	int refcount;
+	void *data;
+	size_t bytes;
+	ej_allocator *alloc; /* NULL: data is not owned (external) */
+} ej_storage;
+
+ej_storage *ej_storage_new(epj_ctx *ctx, size_t bytes); /* zero-filled */
+ej_storage *ej_storage_new_uninit(epj_ctx *ctx, size_t bytes);
+void ej_storage_ref(ej_storage *s);
+void ej_storage_unref(ej_storage *s);
+
+/* ---- tensors ------------------------------------------------------------- */
+
+typedef struct ej_node ej_node;
+
+struct epj_tensor {
+	int refcount;
+	epj_dtype dtype;
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+	int64_t stride[EPJ_MAX_DIMS]; /* elements */
+	int64_t offset;		      /* elements */
+	ej_storage *storage;	      /* NULL for symbolic tensors */
+	epj_ctx *ctx;		      /* creating context (borrowed) */
+
+	/* autograd */
+	bool requires_grad;
+	bool retains_grad;
+	epj_tensor *grad; /* owned */
+	ej_node *grad_fn; /* owned ref; NULL for leaves */
+	int output_nr;	  /* which output of grad_fn */
+
+	/* trace mode: IR value id (>= 0) owned by the recorder; -1 otherwise */
+	int value_id;
+	void *trace_owner; /* recorder's graph */
+};
+
+size_t ej_dtype_size(epj_dtype dt);
+/* Allocates a contiguous tensor (uninitialised storage unless zero). */
+epj_tensor *ej_tensor_alloc(epj_ctx *ctx, epj_dtype dt, int ndim,
+			    const int64_t *shape, bool zero);
+/* A tensor struct (refcount 1) with meta only: no storage, value_id -1. */
+epj_tensor *ej_tensor_meta(epj_ctx *ctx, epj_dtype dt, int ndim,
+			   const int64_t *shape);
+/* New tensor viewing t's storage with the given geometry. */
+epj_tensor *ej_tensor_view(epj_tensor *t, int ndim, const int64_t *shape,
+			   const int64_t *stride, int64_t offset);
+void ej_contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
+int64_t ej_numel(int ndim, const int64_t *shape);
+bool ej_is_contiguous(const epj_tensor *t);
+/* Address of element 0 (storage data + offset). */
+static inline void *ej_data(const epj_tensor *t)
+{
+	return (char *)t->storage->data +
+	       (size_t)t->offset * ej_dtype_size(t->dtype);
+}
+/* Normalises a possibly negative axis; -1 when out of range. */
+int ej_axis(int axis, int ndim);
+
+/* Scalar load/store of any dtype through a typed pointer. */
+double ej_load_f64(const void *p, epj_dtype dt);
+void ej_store_f64(void *p, epj_dtype dt, double v);
+
+/* Iterates over all index tuples of `shape` in row-major order. */
+typedef struct ej_iter {
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+	int64_t idx[EPJ_MAX_DIMS];
+} ej_iter;
+
+/* ---- op table -------------------------------------------------------------
+ * One row per op, in lib/ops.def (X-macro).  Attributes are a flat record so
+ * that the compiler can hash and print them canonically. */
+
+enum {
+#define EJ_OP(id, name, nin, nout, flags) EJ_OP_##id,
+#include "ops.def"
+#undef EJ_OP
+	EJ_OP_COUNT
+};
+
+#define EJ_MAX_ATTR_INTS   16
+#define EJ_MAX_ATTR_FLOATS 4
+
+typedef struct ej_attrs {
+	int64_t i[EJ_MAX_ATTR_INTS];
+	double f[EJ_MAX_ATTR_FLOATS];
+	int n_i, n_f;
+} ej_attrs;
+
+/* Output metadata computed by an op's infer function. */
+typedef struct ej_meta {
+	epj_dtype dtype;
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+	/* For view ops on real tensors: strides/offset of the view into the
+	 * (first) input's storage.  is_view = true makes dispatch create a
+	 * view instead of allocating. */
+	bool is_view;
+	int64_t stride[EPJ_MAX_DIMS];
+	int64_t offset;
+} ej_meta;
+
+/* Everything an op's kernel or backward sees about one call.
+ * In a backward formula in[i] is never NULL: it is the saved input when the
+ * op saves inputs (no EJ_OPF_NO_SAVE_IN), else a meta-only tensor (shape and
+ * dtype, no storage) that must not be passed to ops.  out[j] likewise is the
+ * saved output with EJ_OPF_SAVE_OUT, else meta-only. */
+typedef struct ej_call {
+	int op;
+	const ej_attrs *attrs;
+	epj_tensor *const *in; /* n_in inputs */
+	int n_in;
+	epj_tensor *const *out; /* n_out outputs */
+	int n_out;
+} ej_call;
+
+/* Validates inputs and fills out[0..n_out).  Errors name the op and shapes. */
+typedef epj_status (*ej_infer_fn)(epj_ctx *ctx, const ej_call *c, ej_meta *out);
+/* Runs on real (cpu) tensors; outputs are allocated (contiguous,
+ * uninitialised) already.  Inputs may have any strides (also 0).  Not called
+ * when every output is a view (ej_meta.is_view). */
+typedef epj_status (*ej_kernel_fn)(epj_ctx *ctx, const ej_call *c);
+/* Backward formula written with ops (epj_* calls), so it runs eagerly and in
+ * trace mode alike.  grad_out[j] may be NULL (no gradient flows into that
+ * output: treat as zeros).  Set grad_in[i] (new reference) for every i with
+ * needs[i]; leave others NULL. */
+typedef epj_status (*ej_backward_fn)(epj_ctx *ctx, const ej_call *c,
+				     epj_tensor *const *grad_out,
+				     const bool *needs, epj_tensor **grad_in);
+
+/* Flags of an op row. */
+enum {
+	EJ_OPF_NONE = 0,
+	EJ_OPF_VIEW = 1 << 0,	     /* output views input 0's storage */
+	EJ_OPF_VARIADIC_IN = 1 << 1, /* nin is a minimum */
+	EJ_OPF_VARIADIC_OUT = 1 << 2,
+	EJ_OPF_NO_GRAD = 1 << 3,    /* outputs never require grad */
+	EJ_OPF_SAVE_OUT = 1 << 4,   /* backward needs the outputs */
+	EJ_OPF_NO_SAVE_IN = 1 << 5, /* backward needs no inputs (only shapes) */
+	EJ_OPF_POINTWISE = 1 << 6,
+	EJ_OPF_REDUCTION = 1 << 7,
+	EJ_OPF_CREATION = 1 << 8, /* no tensor inputs */
+};
+
+typedef struct ej_op_info {
+	const char *name;
+	int n_in, n_out; /* fixed counts or minimums (variadic) */
+	unsigned flags;
+	ej_infer_fn infer;
+	ej_kernel_fn cpu_kernel;
+	ej_backward_fn backward; /* NULL: not differentiable */
+} ej_op_info;
+
+extern const ej_op_info ej_ops[EJ_OP_COUNT];
+
+/* Per-family registration: each ops_*.c defines the rows of its ops with
+ * these names (declared by ops.def through EJ_OP_DECL in ops.c). */
+#define EJ_OP_FNS(id)                                                          \
+	epj_status ej_infer_##id(epj_ctx *ctx, const ej_call *c,               \
+				 ej_meta *out);                                \
+	epj_status ej_kernel_##id(epj_ctx *ctx, const ej_call *c);             \
+	epj_status ej_backward_##id(epj_ctx *ctx, const ej_call *c,            \
+				    epj_tensor *const *grad_out,               \
+				    const bool *needs, epj_tensor **grad_in);
+
+/* The one dispatch entry: runs op `op` on inputs, eagerly or (while a
+ * recorder is installed) by recording it.  outs[n_out] receive new refs.
+ * Records an autograd node when grad mode is on and an input requires grad
+ * (and the op is differentiable).  Counts kernels.launched.eager. */
+epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
+		       const ej_attrs *attrs, epj_tensor **outs, int n_out);
+/* Convenience for single-output ops: returns the output or NULL.  A NULL
+ * input returns NULL without changing the error. */
+epj_tensor *ej_call1(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
+		     const ej_attrs *attrs);
+
+/* Attribute builders. */
+static inline ej_attrs ej_attrs_none(void)
+{
+	ej_attrs a = { 0 };
+	return a;
+}
+void ej_attrs_push_i(ej_attrs *a, int64_t v);
+void ej_attrs_push_f(ej_attrs *a, double v);
+
+/* ---- autograd -------------------------------------------------------------
+ */
+
+struct ej_node {
+	int refcount;
+	int op;
+	ej_attrs attrs;
+	int n_in, n_out;
+	/* Saved inputs/outputs (detached aliases or NULL when not needed). */
+	epj_tensor **saved_in;
+	epj_tensor **saved_out;
+	/* Input metadata kept even when not saved (for shapes in backward). */
+	ej_meta *in_meta;
+	/* Edges: for input i, the producing node (ref) and its output index,
+	 * or a leaf tensor (ref) that accumulates; or neither (no grad). */
+	ej_node **next;
+	int *next_nr;
+	epj_tensor **leaf;
+	bool *needs; /* needs[i]: input i requires grad */
+	/* Non-leaf outputs that asked for retain_grad (weak pointers cleared
+	 * when the tensor dies). */
+	epj_tensor **retain;
+	/* Optional custom backward (used by compiled regions, checkpointing):
+	 * when set it replaces the op row's formula. */
+	epj_status (*custom_backward)(epj_ctx *ctx, ej_node *n,
+				      epj_tensor *const *grad_out,
+				      epj_tensor **grad_in);
+	void (*custom_free)(void *custom);
+	void *custom;
+	const char *name; /* for errors and debug ("mul", "region ...") */
+	bool released;	  /* saved tensors freed after its backward ran */
+	/* scratch of one epj_backward run */
+	int bw_pending; /* consumers still to deliver a gradient */
+	int bw_slot;	/* index in the run's gradient table, -1 if none */
+};
+
+/* Creates a node for a custom autograd function with n_in inputs (whose
+ * edges are set from the inputs) and n_out outputs (their grad_fn is set). */
+ej_node *ej_node_custom(epj_ctx *ctx, const char *name, epj_tensor *const *in,
+			int n_in, epj_tensor *const *out, int n_out,
+			epj_status (*bw)(epj_ctx *, ej_node *,
+					 epj_tensor *const *, epj_tensor **),
+			void *custom, void (*custom_free)(void *));
+void ej_node_unref(ej_node *n);
+/* Called by epj_tensor_free for a dying non-leaf that retained its grad. */
+void ej_node_forget_retained(ej_node *n, int output_nr);
+bool ej_any_requires_grad(epj_tensor *const *in, int n);
+
+/* ---- trace hook -------------------------------------------------------------
+ * While ctx->recorder is set, ej_dispatch hands every call to it instead of
+ * running a kernel.  The recorder creates the outputs (symbolic tensors with
+ * the inferred meta).  lib/ never includes the compiler: jit/ installs this. */
+typedef struct ej_recorder {
+	void *self;
+	epj_status (*record)(void *self, epj_ctx *ctx, int op,
+			     epj_tensor *const *in, int n_in,
+			     const ej_attrs *attrs, const ej_meta *meta,
+			     epj_tensor **outs, int n_out);
+} ej_recorder;
+
+/* ---- counters -------------------------------------------------------------
+ */
+
+typedef struct ej_counter_table ej_counter_table;
+ej_counter_table *ej_counter_table_new(void);
+void ej_counter_table_free(ej_counter_table *t);
+/* Stable slot for a name (created at 0); lets hot paths avoid lookups. */
+int64_t *ej_counter_slot(epj_ctx *ctx, const char *name);
+
+/* ---- RNG (splitmix64-seeded xoshiro256**) ---------------------------------
+ */
+
+typedef struct ej_rng {
+	uint64_t s[4];
+} ej_rng;
+void ej_rng_seed(ej_rng *r, uint64_t seed);
+uint64_t ej_rng_next(ej_rng *r);
+double ej_rng_uniform(ej_rng *r); /* [0, 1) */
+double ej_rng_normal(ej_rng *r);  /* N(0, 1), Box-Muller */
+
+/* ---- context
+ * ----------------------------------------------------------------- */
+
+struct epj_ctx {
+	const ej_device *dev;
+	ej_allocator *alloc;
+	epj_status status;
+	char errmsg[1024];
+	bool grad_enabled;
+	ej_rng rng;
+	ej_counter_table *counters;
+	int64_t *ctr_eager_launches; /* slot of kernels.launched.eager */
+	const ej_recorder *recorder; /* non-NULL while tracing */
+	/* Runtime hooks (installed by upper layers, may be NULL; lib/ never
+	 * looks inside). */
+	const void *rt_break_hook; /* runtime's ej_break_hook */
+	int rt_replay_depth;	   /* > 0 while checkpoint replays run */
+	void *user;
+};
+
+#endif /* EPJIT_CORE_IMPL_H */

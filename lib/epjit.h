@@ -1,0 +1,567 @@
+/* epjit.h -- the one public header of libepjit.
+ *
+ * epjit trains Mixture-of-Experts transformers with opt-in regional JIT
+ * compilation around expert-parallel (AutoEP) MoE layers.  This header is the
+ * whole public surface: opaque handles, the `epj_` prefix, and plain C11.
+ *
+ * Conventions
+ *  - Every call takes the context first.
+ *  - Ownership is in the name: a function returning `epj_tensor *` returns a
+ *    NEW reference that the caller owns and releases with epj_tensor_free().
+ *    Tensor arguments are borrowed unless the comment says otherwise.
+ *  - Ops return NULL on failure and leave a status and a message with context
+ *    (op name, shapes) in the context: epj_ctx_status(), epj_ctx_error().
+ *    A NULL tensor argument makes an op return NULL without touching the
+ *    message, so a chain of ops can be checked once at its end.
+ *  - Functions returning epj_status return EPJ_OK on success.
+ */
+#ifndef EPJIT_H
+#define EPJIT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPJ_MAX_DIMS 8
+
+typedef enum epj_status {
+	EPJ_OK = 0,
+	EPJ_ERR_INVALID, /* bad argument */
+	EPJ_ERR_SHAPE,	 /* shape mismatch */
+	EPJ_ERR_DTYPE,	 /* dtype mismatch or unsupported dtype */
+	EPJ_ERR_INDEX,	 /* index out of range */
+	EPJ_ERR_NOMEM,	 /* allocation failed */
+	EPJ_ERR_IO,	 /* file or system call failed */
+	EPJ_ERR_FORMAT,	 /* malformed file (safetensors, token file, cache) */
+	EPJ_ERR_CONFIG,	 /* bad configuration (JSON key, value, type) */
+	EPJ_ERR_UNSUPPORTED, /* valid request this build or mode cannot do */
+	EPJ_ERR_BACKEND,     /* backend/driver failure (no driver, launch) */
+	EPJ_ERR_COMPILE,     /* trace or code generation or compiler failure */
+	EPJ_ERR_STATE,	     /* call not valid in the current state */
+} epj_status;
+
+/* Name of a status ("EPJ_ERR_SHAPE" ...). Never NULL. */
+const char *epj_status_name(epj_status s);
+
+typedef enum epj_dtype {
+	EPJ_DTYPE_F32 = 0,
+	EPJ_DTYPE_BF16,
+	EPJ_DTYPE_I32,
+	EPJ_DTYPE_I64,
+	EPJ_DTYPE_F64, /* for references and finite differences */
+	EPJ_DTYPE_COUNT
+} epj_dtype;
+
+const char *epj_dtype_name(epj_dtype dt); /* "f32", "bf16", ... */
+size_t epj_dtype_size(epj_dtype dt);
+bool epj_dtype_is_float(epj_dtype dt);
+
+/* bf16 <-> f32: round to nearest even; NaN stays NaN (quiet), Inf stays Inf. */
+uint16_t epj_f32_to_bf16(float f);
+float epj_bf16_to_f32(uint16_t b);
+
+typedef struct epj_ctx epj_ctx;
+typedef struct epj_tensor epj_tensor;
+typedef struct epj_counters epj_counters;
+typedef struct epj_module epj_module;
+
+/* ---- context --------------------------------------------------------- */
+
+/* Creates a context on a backend ("cpu"; NULL means "cpu").  *out owns it. */
+epj_status epj_ctx_new(const char *backend, epj_ctx **out);
+void epj_ctx_free(epj_ctx *ctx);
+
+epj_status epj_ctx_status(const epj_ctx *ctx);
+/* Message of the last error ("" when none). Valid until the next error. */
+const char *epj_ctx_error(const epj_ctx *ctx);
+void epj_ctx_clear_error(epj_ctx *ctx);
+
+/* Seeds the context RNG (deterministic across runs and thread counts). */
+void epj_ctx_seed(epj_ctx *ctx, uint64_t seed);
+
+/* Gradient mode.  epj_no_grad_enter returns the previous mode for
+ * epj_no_grad_exit, so scopes nest. */
+bool epj_no_grad_enter(epj_ctx *ctx);
+void epj_no_grad_exit(epj_ctx *ctx, bool prev);
+bool epj_grad_enabled(const epj_ctx *ctx);
+
+/* ---- logging ----------------------------------------------------------- */
+
+typedef enum epj_log_level {
+	EPJ_LOG_ERROR = 0,
+	EPJ_LOG_WARN,
+	EPJ_LOG_INFO,
+	EPJ_LOG_DEBUG,
+	EPJ_LOG_TRACE
+} epj_log_level;
+
+/* Logging to stderr: epj_log_msg (epj_log is the natural-log op).
+ * Level from EPJIT_LOG (error|warn|info|debug|trace or 0..4; default warn). */
+epj_log_level epj_log_level_get(void);
+void epj_log_level_set(epj_log_level lvl);
+void epj_log_msg(epj_log_level lvl, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- memory ------------------------------------------------------------ */
+
+typedef struct epj_memory_stats {
+	uint64_t allocated;	 /* bytes in live tensors' storages */
+	uint64_t reserved;	 /* bytes held by the caching allocator */
+	uint64_t peak_allocated; /* since creation or the last reset */
+	uint64_t peak_reserved;
+	uint64_t num_allocs; /* storage allocations served */
+	uint64_t num_frees;
+	uint64_t cache_hits; /* allocations served from the cache */
+} epj_memory_stats;
+
+void epj_memory_stats_get(const epj_ctx *ctx, epj_memory_stats *out);
+void epj_memory_reset_peaks(epj_ctx *ctx);
+/* Returns cached, unused blocks to the system. */
+void epj_memory_empty_cache(epj_ctx *ctx);
+
+/* ---- tensors ----------------------------------------------------------- */
+
+/* New contiguous tensor, zero-filled. */
+epj_tensor *epj_zeros(epj_ctx *ctx, epj_dtype dt, int ndim,
+		      const int64_t *shape);
+epj_tensor *epj_full(epj_ctx *ctx, epj_dtype dt, int ndim, const int64_t *shape,
+		     double value);
+/* New contiguous tensor holding a copy of `data` (row-major, dtype dt). */
+epj_tensor *epj_tensor_from_data(epj_ctx *ctx, epj_dtype dt, int ndim,
+				 const int64_t *shape, const void *data);
+/* Normal(mean, std) and Uniform[lo, hi) from the context RNG. */
+epj_tensor *epj_randn(epj_ctx *ctx, epj_dtype dt, int ndim,
+		      const int64_t *shape, double mean, double std);
+epj_tensor *epj_rand_uniform(epj_ctx *ctx, epj_dtype dt, int ndim,
+			     const int64_t *shape, double lo, double hi);
+/* Integers uniform in [lo, hi). */
+epj_tensor *epj_randint(epj_ctx *ctx, epj_dtype dt, int ndim,
+			const int64_t *shape, int64_t lo, int64_t hi);
+
+epj_tensor *epj_tensor_ref(epj_tensor *t); /* returns t, one more ref */
+void epj_tensor_free(epj_tensor *t);	   /* drops one ref; NULL ok */
+
+epj_dtype epj_tensor_dtype(const epj_tensor *t);
+int epj_tensor_ndim(const epj_tensor *t);
+int64_t epj_tensor_dim(const epj_tensor *t, int i); /* negative i counts back */
+const int64_t *epj_tensor_shape(const epj_tensor *t);
+const int64_t *epj_tensor_strides(const epj_tensor *t); /* in elements */
+int64_t epj_tensor_offset(const epj_tensor *t);		/* in elements */
+int64_t epj_tensor_numel(const epj_tensor *t);
+bool epj_tensor_is_contiguous(const epj_tensor *t);
+/* Host pointer to element 0 (storage + offset) of a cpu tensor, else NULL. */
+void *epj_tensor_data(epj_tensor *t);
+/* True when both tensors view the same storage. */
+bool epj_tensor_shares_storage(const epj_tensor *a, const epj_tensor *b);
+/* Writes "f32[2,3]" into buf. Returns buf. */
+char *epj_tensor_describe(const epj_tensor *t, char *buf, size_t n);
+
+/* Strided copy of all elements, row-major, converted to double. */
+epj_status epj_tensor_to_f64(epj_ctx *ctx, const epj_tensor *t, double *out);
+/* Strided write of numel values converted from double (rounding for bf16). */
+epj_status epj_tensor_from_f64(epj_ctx *ctx, epj_tensor *t, const double *in);
+/* Element at a flat row-major index, as double. */
+double epj_tensor_get_f64(const epj_tensor *t, int64_t flat_index);
+void epj_tensor_set_f64(epj_tensor *t, int64_t flat_index, double v);
+/* Copies src into dst (same shape; dtype converted), through strides. */
+epj_status epj_tensor_copy_(epj_ctx *ctx, epj_tensor *dst,
+			    const epj_tensor *src);
+
+/* ---- autograd ----------------------------------------------------------- */
+
+void epj_tensor_set_requires_grad(epj_tensor *t, bool on);
+bool epj_tensor_requires_grad(const epj_tensor *t);
+bool epj_tensor_is_leaf(const epj_tensor *t);
+/* Borrowed gradient (NULL if none). */
+epj_tensor *epj_tensor_grad(const epj_tensor *t);
+/* Sets the gradient (takes a new reference to g; NULL clears). */
+void epj_tensor_set_grad(epj_tensor *t, epj_tensor *g);
+void epj_tensor_zero_grad(epj_tensor *t);
+/* Keep .grad of a non-leaf tensor during backward (for tests). */
+void epj_tensor_retain_grad(epj_tensor *t);
+/* New tensor sharing storage, cut from the graph, requires_grad false. */
+epj_tensor *epj_detach(epj_ctx *ctx, epj_tensor *t);
+/* Backpropagates from `root`.  grad may be NULL when root has one element
+ * (it is then 1).  Gradients of leaves accumulate into .grad.  The graph is
+ * freed as it is consumed (saved tensors are released after use). */
+epj_status epj_backward(epj_ctx *ctx, epj_tensor *root, epj_tensor *grad);
+
+/* ---- ops ------------------------------------------------------------------
+ * Elementwise binary ops broadcast as numpy does.  Float ops accept f32,
+ * bf16 and f64; bf16 computes in f32.  Results have the inputs' dtype. */
+
+epj_tensor *epj_add(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+epj_tensor *epj_sub(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+epj_tensor *epj_mul(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+epj_tensor *epj_div(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+/* 1.0 where a == b else 0.0, in a's dtype (no gradient). */
+epj_tensor *epj_eq(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+epj_tensor *epj_add_scalar(epj_ctx *ctx, epj_tensor *a, double s);
+epj_tensor *epj_mul_scalar(epj_ctx *ctx, epj_tensor *a, double s);
+epj_tensor *epj_pow_scalar(epj_ctx *ctx, epj_tensor *a, double exponent);
+epj_tensor *epj_neg(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_exp(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_log(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_sqrt(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_rsqrt(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_silu(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_sigmoid(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_tanh(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_gelu(epj_ctx *ctx, epj_tensor *a); /* exact (erf) form */
+epj_tensor *epj_cast(epj_ctx *ctx, epj_tensor *a, epj_dtype dt);
+
+/* Reductions over one axis (negative counts back). */
+epj_tensor *epj_sum(epj_ctx *ctx, epj_tensor *a, int axis, bool keepdim);
+epj_tensor *epj_mean(epj_ctx *ctx, epj_tensor *a, int axis, bool keepdim);
+epj_tensor *epj_amax(epj_ctx *ctx, epj_tensor *a, int axis, bool keepdim);
+/* Max with argmax (i64, first index of the maximum). */
+epj_status epj_max(epj_ctx *ctx, epj_tensor *a, int axis, bool keepdim,
+		   epj_tensor **values, epj_tensor **indices);
+/* Sum of all elements, shape []. */
+epj_tensor *epj_sum_all(epj_ctx *ctx, epj_tensor *a);
+/* Reduces a broadcast result back to `shape` by summing (broadcast rules). */
+epj_tensor *epj_sum_to(epj_ctx *ctx, epj_tensor *a, int ndim,
+		       const int64_t *shape);
+/* Softmax / log-softmax computed in f32 (f64 for f64); result in a's dtype. */
+epj_tensor *epj_softmax(epj_ctx *ctx, epj_tensor *a, int axis);
+epj_tensor *epj_log_softmax(epj_ctx *ctx, epj_tensor *a, int axis);
+
+/* a [..., M, K] @ b [..., K, N]; batch dims broadcast; 1-D not accepted. */
+epj_tensor *epj_matmul(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+/* x [..., in] @ w[out, in]^T (+ bias[out], may be NULL). */
+epj_tensor *epj_linear(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+		       epj_tensor *bias);
+
+/* weight [V, D], ids (i32/i64) any shape -> [..., D]. */
+epj_tensor *epj_embedding(epj_ctx *ctx, epj_tensor *weight, epj_tensor *ids);
+/* Rows of a along axis picked by 1-D index (i32/i64). */
+epj_tensor *epj_index_select(epj_ctx *ctx, epj_tensor *a, int axis,
+			     epj_tensor *index);
+/* out = a with src added at rows index along axis (out of place). */
+epj_tensor *epj_index_add(epj_ctx *ctx, epj_tensor *a, int axis,
+			  epj_tensor *index, epj_tensor *src);
+/* torch.gather / scatter_add semantics (out of place). */
+epj_tensor *epj_gather(epj_ctx *ctx, epj_tensor *a, int axis,
+		       epj_tensor *index);
+epj_tensor *epj_scatter_add(epj_ctx *ctx, epj_tensor *a, int axis,
+			    epj_tensor *index, epj_tensor *src);
+/* Top-k along the last axis, largest first; ties: lower index first.
+ * indices are i64. */
+epj_status epj_topk(epj_ctx *ctx, epj_tensor *a, int64_t k, epj_tensor **values,
+		    epj_tensor **indices);
+/* Stable ascending argsort along axis, i64 result (no gradient). */
+epj_tensor *epj_argsort(epj_ctx *ctx, epj_tensor *a, int axis);
+
+/* n >= 1 tensors concatenated along axis. */
+epj_tensor *epj_cat(epj_ctx *ctx, epj_tensor *const *ts, int n, int axis);
+/* Splits along axis into n pieces of the given sizes (views). outs[n]. */
+epj_status epj_split(epj_ctx *ctx, epj_tensor *a, int axis, int n,
+		     const int64_t *sizes, epj_tensor **outs);
+/* Views (share storage): */
+epj_tensor *epj_reshape(epj_ctx *ctx, epj_tensor *a, int ndim,
+			const int64_t *shape); /* one -1 allowed; copies when
+						  a is not viewable */
+epj_tensor *epj_transpose(epj_ctx *ctx, epj_tensor *a, int d0, int d1);
+epj_tensor *epj_permute(epj_ctx *ctx, epj_tensor *a, const int *perm);
+/* Elements start, start+step, ... < end along axis (step >= 1). */
+epj_tensor *epj_slice(epj_ctx *ctx, epj_tensor *a, int axis, int64_t start,
+		      int64_t end, int64_t step);
+epj_tensor *epj_expand(epj_ctx *ctx, epj_tensor *a, int ndim,
+		       const int64_t *shape);
+/* Contiguous copy (or a new reference when a is already contiguous). */
+epj_tensor *epj_contiguous(epj_ctx *ctx, epj_tensor *a);
+
+/* Causal-optional scaled dot-product attention with grouped-query heads:
+ * q [B, Hq, T, D], k/v [B, Hkv, S, D], Hq % Hkv == 0 -> [B, Hq, T, D].
+ * scale <= 0 means 1/sqrt(D).  Causal masks key j > query i (+ S - T). */
+epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
+		     bool causal, double scale);
+/* Mean cross-entropy of logits [N, V] against targets [N] (i32/i64),
+ * skipping targets equal to ignore_index.  Result shape [] in f32 (f64 for
+ * f64 logits).  All ignored -> NaN, as in PyTorch. */
+epj_tensor *epj_cross_entropy(epj_ctx *ctx, epj_tensor *logits,
+			      epj_tensor *targets, int64_t ignore_index);
+
+/* ---- counters ------------------------------------------------------------ */
+
+/* Adds delta to the named counter of the context (created at 0). */
+void epj_counter_add(epj_ctx *ctx, const char *name, int64_t delta);
+/* Sets a gauge-like counter. */
+void epj_counter_set(epj_ctx *ctx, const char *name, int64_t value);
+int64_t epj_counter_get(const epj_ctx *ctx, const char *name);
+/* Snapshot of all counters (plus memory.* from the allocator). */
+epj_counters *epj_counters_snapshot(epj_ctx *ctx);
+/* b - a for every name in either (missing = 0). */
+epj_counters *epj_counters_diff(const epj_counters *a, const epj_counters *b);
+int64_t epj_counters_value(const epj_counters *c, const char *name);
+int epj_counters_count(const epj_counters *c);
+const char *epj_counters_name_at(const epj_counters *c, int i);
+int64_t epj_counters_value_at(const epj_counters *c, int i);
+/* JSON object {"name": value, ...}, sorted by name; caller frees with free().
+ */
+char *epj_counters_to_json(const epj_counters *c);
+/* Parses what epj_counters_to_json wrote. */
+epj_counters *epj_counters_from_json(const char *json);
+void epj_counters_free(epj_counters *c);
+
+/* ---- hashing ---------------------------------------------------------------
+ */
+
+typedef struct epj_hash128 {
+	uint64_t lo, hi;
+} epj_hash128;
+
+/* XXH3-128 of a buffer (seed 0). */
+epj_hash128 epj_hash(const void *data, size_t len);
+/* 32 lowercase hex digits + NUL into out[33]. */
+void epj_hash_hex(epj_hash128 h, char out[33]);
+
+/* ---- models ----------------------------------------------------------------
+ * A Qwen3-MoE causal LM built from an HF-style config.json.  Parameters are
+ * created in f32 (the engine converts them to bf16 when bf16.enabled) and
+ * carry HF names ("model.layers.0.mlp.gate.weight"). */
+
+typedef struct epj_model epj_model;
+
+typedef enum epj_layout {
+	EPJ_LAYOUT_NESTED = 0, /* model.layers.N.mlp is the AutoEP layer */
+	EPJ_LAYOUT_ROOT	       /* one block; the root owns the AutoEP `mlp` */
+} epj_layout;
+
+typedef struct epj_model_opts {
+	epj_layout layout;
+	uint64_t seed; /* parameter init (HF: normal(0, initializer_range)) */
+	bool fixed_routing; /* deterministic balanced expert assignment */
+	epj_dtype dtype;    /* parameter dtype at creation (f32 default) */
+} epj_model_opts;
+
+/* Builds from config.json at path (NULL: the built-in tiny model). */
+epj_status epj_model_new(epj_ctx *ctx, const char *config_path,
+			 const epj_model_opts *opts, epj_model **out);
+void epj_model_free(epj_model *m);
+/* Root of the module tree (borrowed). */
+epj_module *epj_model_root(epj_model *m);
+/* Forward: input_ids [B, T] (i32/i64) -> logits [B, T, V] (may pass NULL
+ * to skip) and, when labels [B, T] is given (-100 = ignored), the mean
+ * cross-entropy loss [] f32 (else *loss = NULL).  New references. */
+epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
+			     epj_tensor *labels, epj_tensor **logits,
+			     epj_tensor **loss);
+/* Parameters in model order with HF names (borrowed; valid while m lives). */
+int epj_model_num_params(const epj_model *m);
+const char *epj_model_param_name(const epj_model *m, int i);
+epj_tensor *epj_model_param(const epj_model *m, int i);
+/* Replaces parameter i (takes a new reference to t; same shape). */
+epj_status epj_model_set_param(epj_ctx *ctx, epj_model *m, int i,
+			       epj_tensor *t);
+int64_t epj_model_num_elements(const epj_model *m);
+int epj_model_vocab_size(const epj_model *m);
+/* Switches activation checkpointing on or off for every decoder block (the
+ * root in the root layout). */
+void epj_model_set_checkpointing(epj_model *m, bool on);
+
+/* Module tree walking. */
+const char *epj_module_name(const epj_module *m); /* "" for the root */
+const char *epj_module_kind(const epj_module *m);
+int epj_module_num_children(const epj_module *m);
+epj_module *epj_module_child_at(const epj_module *m, int i);
+/* Module by dotted name ("" = root), NULL if absent. */
+epj_module *epj_module_find(epj_module *root, const char *name);
+bool epj_module_has_forward(const epj_module *m);
+bool epj_module_compiler_disabled(const epj_module *m);
+void epj_module_set_checkpoint(epj_module *m, bool on);
+/* The last forward's expert assignment of an AutoEP module ([N, k] i64,
+ * borrowed), NULL for other modules or before the first call. */
+epj_tensor *epj_module_routing(const epj_module *m);
+
+/* ---- engine
+ * ------------------------------------------------------------------
+ * DeepSpeed-style training engine over a model (borrowed: the model must
+ * outlive the engine).  The config is DeepSpeed JSON (doc/config.md). */
+
+typedef struct epj_engine epj_engine;
+
+typedef struct epj_step_info {
+	double loss;	  /* this micro-batch's loss */
+	double mean_loss; /* mean over the micro-batches of the current step */
+	bool stepped;	  /* an optimizer step ended this micro-batch */
+	int64_t step;	  /* optimizer steps taken */
+	int64_t micro_step;
+	double lr;	  /* lr of the last optimizer step */
+	double grad_norm; /* global grad norm before clipping (last step) */
+} epj_step_info;
+
+/* ds_config_path NULL: all defaults. */
+epj_status epj_engine_initialize(epj_ctx *ctx, epj_model *model,
+				 const char *ds_config_path, epj_engine **out);
+epj_status epj_engine_initialize_json(epj_ctx *ctx, epj_model *model,
+				      const char *json, const char *source,
+				      epj_engine **out);
+void epj_engine_free(epj_engine *e);
+/* One micro-batch (ids, labels [B, T]); an optimizer step every
+ * gradient_accumulation_steps micro-batches. */
+epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
+				 epj_tensor *labels, epj_step_info *info);
+epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
+			   epj_tensor *labels, double *loss);
+/* Training checkpoint (atomic): FP32 masters under HF names + optimizer
+ * state + progress.  load also accepts a plain HF safetensors file. */
+epj_status epj_engine_save(epj_engine *e, const char *path);
+epj_status epj_engine_load(epj_engine *e, const char *path);
+int64_t epj_engine_micro_batch_size(const epj_engine *e);
+int64_t epj_engine_grad_accum_steps(const epj_engine *e);
+int64_t epj_engine_steps_per_print(const epj_engine *e);
+int64_t epj_engine_seed(const epj_engine *e);
+int64_t epj_engine_step_count(const epj_engine *e);
+bool epj_engine_bf16(const epj_engine *e);
+epj_model *epj_engine_model(epj_engine *e);
+
+/* The user's engine.compile().  With "compile": {"autoep_non_moe": true}:
+ * regional compilation of every callable direct parent of an AutoEP layer
+ * (each AutoEP call stays an eager graph break); otherwise full-model
+ * compilation (the root forward, with a graph break at every AutoEP layer).
+ * Validation fails fast and changes nothing; a failure part-way restores
+ * every region (rollback).  Calling it again in the same mode does nothing.
+ * Graphs are traced at their first call and cached by signature. */
+epj_status epj_engine_compile(epj_engine *e);
+/* "none", "autoep_non_moe" or "model". */
+const char *epj_engine_compile_mode(const epj_engine *e);
+/* Number of compiled regions (0 before compile). */
+int epj_engine_num_regions(const epj_engine *e);
+const char *epj_engine_region_name(const epj_engine *e, int i);
+
+/* ---- safetensors ----------------------------------------------------------
+ */
+/* (block owned by lib/safetensors.c)
+ *
+ * Hugging Face safetensors files (doc/formats.md): u64 little-endian header
+ * length N, N bytes of JSON, then the data buffer.  Reading validates the
+ * whole header and the file size up front (EPJ_ERR_FORMAT / EPJ_ERR_IO with
+ * the file's path in the message); files that HF's reader accepts open here.
+ * Writing produces the bytes HF's serializer produces for the same tensors
+ * (data ordered by dtype alignment then name, header padded to 8 bytes). */
+
+typedef struct epj_st_file epj_st_file;
+
+/* Opens and validates `path`; *out owns the handle (epj_st_close).  The file
+ * stays open; tensors are read on demand by epj_st_get. */
+epj_status epj_st_open(epj_ctx *ctx, const char *path, epj_st_file **out);
+void epj_st_close(epj_st_file *f); /* NULL ok */
+
+/* Tensors in ascending byte order of their names, i in [0, count). */
+int epj_st_count(const epj_st_file *f);
+const char *epj_st_name_at(const epj_st_file *f, int i);
+/* Index of `name`, or -1. */
+int epj_st_find(const epj_st_file *f, const char *name);
+/* The file's dtype string ("F32", "F16", ...) of tensor i. */
+const char *epj_st_dtype_str_at(const epj_st_file *f, int i);
+/* epjit dtype of tensor i, EPJ_DTYPE_COUNT when the file's dtype has no
+ * epjit equivalent (F16, U8, ...: listed, but epj_st_get refuses them). */
+epj_dtype epj_st_dtype_at(const epj_st_file *f, int i);
+int epj_st_ndim_at(const epj_st_file *f, int i);
+const int64_t *epj_st_shape_at(const epj_st_file *f, int i);
+
+/* New contiguous tensor on ctx's device with the file's dtype and shape;
+ * NULL with an error naming the file and tensor when it is missing, its
+ * dtype or rank is unsupported or the read fails. */
+epj_tensor *epj_st_get(epj_ctx *ctx, epj_st_file *f, const char *name);
+
+/* "__metadata__" entries (string -> string), keys in ascending order.
+ * epj_st_metadata returns NULL for a missing key.  Strings are owned by f. */
+const char *epj_st_metadata(const epj_st_file *f, const char *key);
+int epj_st_metadata_count(const epj_st_file *f);
+const char *epj_st_metadata_key_at(const epj_st_file *f, int i);
+
+typedef struct epj_st_writer epj_st_writer;
+
+/* A writer collecting tensors and metadata; errors go to ctx. */
+epj_status epj_st_writer_new(epj_ctx *ctx, epj_st_writer **out);
+void epj_st_writer_free(epj_st_writer *w); /* releases its tensor refs */
+/* Adds `t` under `name` (takes a new reference; the caller keeps its own).
+ * Any strides; stored contiguous.  Fails on a duplicate name,
+ * "__metadata__", a name that is not UTF-8, a symbolic tensor.  A NULL t
+ * returns the context's pending error status (or EPJ_ERR_INVALID). */
+epj_status epj_st_writer_add(epj_st_writer *w, const char *name, epj_tensor *t);
+/* Sets (or replaces) a metadata entry; both strings are copied. */
+epj_status epj_st_writer_set_metadata(epj_st_writer *w, const char *key,
+				      const char *value);
+/* Writes the file atomically: "<path>.tmp.<pid>", fflush, fsync, rename over
+ * path, fsync of the directory.  On failure the temporary file is removed
+ * and a file already at path is left untouched.  The writer stays usable. */
+epj_status epj_st_writer_save(epj_st_writer *w, const char *path);
+
+/* ---- data: synthetic corpus and token files ---------------------------------
+ */
+/* (block owned by runtime/data.c)
+ *
+ * Token files (doc/formats.md): a 32-byte header ("EPJTOK\0\0", u32
+ * version 1, u32 dtype 1 = uint16 / 2 = uint32, u64 count, u32 vocab_size or
+ * 0, u32 reserved 0) and `count` little-endian tokens.  A corpus is an
+ * endless token stream cut into training batches: either a synthetic Markov
+ * source whose entropy rate (the loss floor, nats/token) is known, or a
+ * token file read in sequential, wrapping windows.  Everything is
+ * deterministic given the seed and independent of the thread count. */
+
+typedef struct epj_tokens {
+	uint64_t count;
+	uint32_t vocab_size; /* 0 = unknown */
+	uint32_t *data;	     /* count tokens, owned */
+} epj_tokens;
+
+/* Writes tokens[count] atomically (as epj_st_writer_save) as uint16 (u16:
+ * every token must be < 65536) or uint32.  vocab_size 0 = unknown; else
+ * every token must be < vocab_size. */
+epj_status epj_tokens_write(epj_ctx *ctx, const char *path,
+			    const uint32_t *tokens, uint64_t count,
+			    uint32_t vocab_size, bool u16);
+/* Reads and validates a token file (magic, version, dtype, reserved, size
+ * against count, tokens < vocab_size).  *out owns the result. */
+epj_status epj_tokens_read(epj_ctx *ctx, const char *path, epj_tokens **out);
+void epj_tokens_free(epj_tokens *t); /* NULL ok */
+/* Byte-level tokenizer: every byte of text_path is one token; writes a
+ * uint16 token file with vocab_size 256 to out_path. */
+epj_status epj_tokens_from_text(epj_ctx *ctx, const char *text_path,
+				const char *out_path);
+
+typedef struct epj_corpus epj_corpus;
+
+/* Synthetic source over `vocab` (2 .. 2^20) tokens: a random sparse
+ * first-order Markov chain fixed by `seed` (each state has a few successors
+ * with skewed probabilities, plus a small uniform smoothing), started from
+ * its stationary distribution so that every position has the same
+ * statistics.  NULL with an error on a bad vocab. */
+epj_corpus *epj_corpus_synthetic(epj_ctx *ctx, uint32_t vocab, uint64_t seed);
+/* Corpus over a token file (read into memory; >= 2 tokens). */
+epj_corpus *epj_corpus_from_tokens(epj_ctx *ctx, const char *path);
+/* Same source, a separate stream (for evaluation): a synthetic corpus draws
+ * an independent sample path selected by `stream` (equal streams give equal
+ * paths; the original corpus is stream 0); a file corpus restarts at token
+ * 0.  Independent of how far c has been read. */
+epj_corpus *epj_corpus_fork(epj_ctx *ctx, const epj_corpus *c, uint64_t stream);
+void epj_corpus_free(epj_corpus *c); /* NULL ok */
+
+uint32_t epj_corpus_vocab(const epj_corpus *c);
+/* Entropy rate of the source in nats/token: the lowest mean cross-entropy a
+ * model can reach.  NaN when unknown (file corpora). */
+double epj_corpus_entropy_rate(const epj_corpus *c);
+/* Stationary distribution (vocab doubles, summing to 1) of a synthetic
+ * source; NULL for file corpora.  Owned by c. */
+const double *epj_corpus_stationary(const epj_corpus *c);
+
+/* Next batch: input_ids and labels, new i64 tensors [B, T] (B, T >= 1).
+ * Each row is T + 1 consecutive tokens x[0..T] of the stream: input_ids =
+ * x[0..T-1], labels = x[1..T]; the next row starts at x[T], so every
+ * transition of the stream is seen exactly once.  On failure both outputs
+ * are NULL. */
+epj_status epj_corpus_next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B,
+				 int64_t T, epj_tensor **input_ids,
+				 epj_tensor **labels);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPJIT_H */

@@ -1,0 +1,883 @@
+/* ops_attention.c -- SDPA (scaled dot-product attention with grouped-query
+ * heads) and CROSS_ENTROPY, with their backward ops: shape inference, CPU
+ * reference kernels, backward formulas and the public wrappers.
+ *
+ * SDPA: q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], Hq % Hkv == 0;
+ * query head h reads kv head h / (Hq / Hkv).  Causal masks key j of query i
+ * when j > i + (S - T) (bottom-right aligned, as in flash-attention; with
+ * T > S the first T - S queries see no key at all: their output is 0 and
+ * their lse -inf, where PyTorch's math kernel would give NaN).  Outputs:
+ * out [B, Hq, T, Dv] in the inputs' dtype and lse [B, Hq, T] (f32, f64 for
+ * f64 inputs), the log-sum-exp of each query's scaled, masked scores.  lse
+ * exists for the backward op and is NOT differentiable: a gradient flowing
+ * into it is ignored.
+ *
+ * Kernels work per (b, head, block of QB queries) with two small GEMMs
+ * (scores = scale q k^T, then P v) and an exact row softmax in between, in
+ * f32 (f64 for f64; bf16 inputs are converted to f32 once).  Causal blocks
+ * stop at their last visible key.  The backward op recomputes P from lse
+ * (flash-attention style) per (b, query head); query heads of one kv group
+ * accumulate dk/dv in slots of their own, summed per group at the end, so
+ * the work items never write the same memory.  Blocks run on OpenMP threads
+ * with BLAS single-threaded meanwhile (see ej_linalg_blas_serial_begin).
+ *
+ * CROSS_ENTROPY: mean over rows whose target is not ignore_index of
+ * logsumexp(row) - row[target], each row in f32 (f64 for f64 logits), the
+ * mean summed in double in row order (deterministic for any thread count).
+ */
+#include "ops_impl.h"
+
+#include <limits.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Shared BLAS helpers of ops_linalg.c (documented there).  Their prototypes
+ * belong in ops_impl.h; they are repeated here until it carries them. */
+bool ej_linalg_layout(int64_t rows, int64_t cols, int64_t srow, int64_t scol,
+		      bool *trans, int64_t *ld);
+void ej_linalg_convert(const void *src, epj_dtype sdt, int64_t ss, void *dst,
+		       epj_dtype ddt, int64_t n);
+void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
+		     int64_t n);
+epj_status ej_linalg_operand(epj_ctx *ctx, const ej_call *c,
+			     const epj_tensor *t, epj_dtype cdt,
+			     const void **base, int64_t *stride, bool *trans,
+			     int64_t *ld, void **owned);
+void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
+		    int64_t k, double alpha, const void *a, int64_t lda,
+		    const void *b, int64_t ldb, double beta, void *c,
+		    int64_t ldc);
+int ej_linalg_blas_serial_begin(void);
+void ej_linalg_blas_serial_end(int prev);
+int ej_linalg_max_threads(void);
+
+/* Queries per block: the scores of a block, QB x S, stay in cache for
+ * S up to a few thousand. */
+#define QB 64
+
+static epj_dtype compute_dtype(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+}
+
+static int64_t max1(int64_t v)
+{
+	return v > 1 ? v : 1;
+}
+
+static int thread_num(void)
+{
+#ifdef _OPENMP
+	return omp_get_thread_num();
+#else
+	return 0;
+#endif
+}
+
+static epj_status bw_status(epj_ctx *ctx, const char *op)
+{
+	epj_status s = epj_ctx_status(ctx);
+	return s != EPJ_OK ? s
+			   : ej_error(ctx, EPJ_ERR_STATE,
+				      "%s backward: an op failed", op);
+}
+
+static epj_tensor *zeros_like(epj_ctx *ctx, const epj_tensor *t)
+{
+	return epj_zeros(ctx, t->dtype, t->ndim, t->shape);
+}
+
+/* ---- SDPA shapes and attributes ------------------------------------------ */
+
+typedef struct sdpa_dims {
+	int64_t b, hq, t, d, hkv, s, dv;
+	bool causal;
+	double scale;
+} sdpa_dims;
+
+/* Keys visible to query i: [0, key_end(i)). */
+static int64_t key_end(const sdpa_dims *m, int64_t i)
+{
+	if (!m->causal)
+		return m->s;
+	int64_t e = i + 1 + m->s - m->t;
+	return e < 0 ? 0 : (e > m->s ? m->s : e);
+}
+
+static double sdpa_scale(double scale, int64_t d)
+{
+	return scale > 0 ? scale : 1.0 / sqrt((double)max1(d));
+}
+
+/* Validates q, k, v = inputs iq, iq+1, iq+2 of the call and fills *m. */
+static epj_status sdpa_check(epj_ctx *ctx, const ej_call *c, int iq,
+			     sdpa_dims *m)
+{
+	epj_status s;
+	for (int i = iq; i < iq + 3; i++)
+		if ((s = ej_check_float(ctx, c, i)) ||
+		    (s = ej_check_same_dtype(ctx, c, iq, i)))
+			return s;
+	const epj_tensor *q = c->in[iq], *k = c->in[iq + 1], *v = c->in[iq + 2];
+	if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "expects 4-D q [B, Hq, T, D], k [B, Hkv, S, "
+				   "D], v [B, Hkv, S, Dv]");
+	m->b = q->shape[0];
+	m->hq = q->shape[1];
+	m->t = q->shape[2];
+	m->d = q->shape[3];
+	m->hkv = k->shape[1];
+	m->s = k->shape[2];
+	m->dv = v->shape[3];
+	if (k->shape[0] != m->b || v->shape[0] != m->b)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "batch sizes of q, k, v differ");
+	if (v->shape[1] != m->hkv || v->shape[2] != m->s)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "k [B, Hkv, S, D] and v [B, Hkv, S, Dv] "
+				   "disagree on Hkv or S");
+	if (k->shape[3] != m->d)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "head dims of q (D=%lld) and k (D=%lld) "
+				   "differ",
+				   (long long)m->d, (long long)k->shape[3]);
+	if (m->hkv < 1 || m->hq % m->hkv != 0)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "query heads Hq=%lld are not a multiple of "
+				   "key/value heads Hkv=%lld",
+				   (long long)m->hq, (long long)m->hkv);
+	if (m->t > INT_MAX || m->s > INT_MAX || m->d > INT_MAX ||
+	    m->dv > INT_MAX)
+		return ej_op_error(ctx, c, EPJ_ERR_UNSUPPORTED,
+				   "sizes exceed the BLAS integer range");
+	const ej_attrs *a = c->attrs;
+	m->causal = a && a->n_i > 0 && a->i[0] != 0;
+	m->scale = sdpa_scale(a && a->n_f > 0 ? a->f[0] : 0.0, m->d);
+	return EPJ_OK;
+}
+
+/* One BLAS-ready 4-D operand [B, H, R, C] (see ej_linalg_operand). */
+typedef struct operand {
+	const char *base;
+	int64_t s[4];
+	bool trans;
+	int64_t ld;
+	void *owned;
+} operand;
+
+static epj_status operand_init(epj_ctx *ctx, const ej_call *c,
+			       const epj_tensor *t, epj_dtype cdt, operand *op)
+{
+	const void *base = NULL;
+	epj_status s = ej_linalg_operand(ctx, c, t, cdt, &base, op->s,
+					 &op->trans, &op->ld, &op->owned);
+	op->base = base;
+	return s;
+}
+
+/* Element offset of matrix (b, h), row r. */
+static int64_t operand_at(const operand *op, int64_t b, int64_t h, int64_t r)
+{
+	return b * op->s[0] + h * op->s[1] + r * op->s[2];
+}
+
+/* ---- row kernels, generated for float (f32, bf16) and double (f64) -------
+ * softmax_rows: scaled scores sc[nr, ncol] of queries i0.. -> probabilities
+ *   in place (0 on masked keys), lse[r] = log-sum-exp (-inf: no key).
+ * probs_rows: sc -> exp(sc - lse) in place (0 on masked keys).
+ * dsoftmax_rows: dp <- p * (dp - di[r]).
+ * rowdot: di[r] = sum_c x[r, c] * y[r, c] through strides.
+ */
+#define DEFINE_ROWS(SFX, REAL, EXPF, LOGF)                                     \
+	static void softmax_rows_##SFX(const sdpa_dims *m, REAL *sc,           \
+				       int64_t nr, int64_t ncol, int64_t i0,   \
+				       REAL *lse)                              \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			REAL *row = sc + r * ncol;                             \
+			int64_t je = key_end(m, i0 + r);                       \
+			if (je > ncol)                                         \
+				je = ncol;                                     \
+			if (je <= 0) {                                         \
+				memset(row, 0, (size_t)ncol * sizeof *row);    \
+				lse[r] = -INFINITY;                            \
+				continue;                                      \
+			}                                                      \
+			REAL mx = row[0];                                      \
+			for (int64_t j = 1; j < je; j++)                       \
+				mx = row[j] > mx ? row[j] : mx;                \
+			double sum = 0;                                        \
+			for (int64_t j = 0; j < je; j++) {                     \
+				row[j] = EXPF(row[j] - mx);                    \
+				sum += row[j];                                 \
+			}                                                      \
+			REAL inv = (REAL)(1.0 / sum);                          \
+			for (int64_t j = 0; j < je; j++)                       \
+				row[j] *= inv;                                 \
+			for (int64_t j = je; j < ncol; j++)                    \
+				row[j] = 0;                                    \
+			lse[r] = mx + (REAL)LOGF((REAL)sum);                   \
+		}                                                              \
+	}                                                                      \
+	static void probs_rows_##SFX(const sdpa_dims *m, REAL *sc, int64_t nr, \
+				     int64_t ncol, int64_t i0,                 \
+				     const REAL *lse)                          \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			REAL *row = sc + r * ncol;                             \
+			int64_t je = key_end(m, i0 + r);                       \
+			if (je > ncol)                                         \
+				je = ncol;                                     \
+			if (!isfinite(lse[r]))                                 \
+				je = 0;                                        \
+			for (int64_t j = 0; j < je; j++)                       \
+				row[j] = EXPF(row[j] - lse[r]);                \
+			for (int64_t j = je < 0 ? 0 : je; j < ncol; j++)       \
+				row[j] = 0;                                    \
+		}                                                              \
+	}                                                                      \
+	static void dsoftmax_rows_##SFX(const REAL *p, REAL *dp, int64_t nr,   \
+					int64_t ncol, const REAL *di)          \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++)                               \
+			for (int64_t j = 0; j < ncol; j++)                     \
+				dp[r * ncol + j] = p[r * ncol + j] *           \
+						   (dp[r * ncol + j] - di[r]); \
+	}                                                                      \
+	static void rowdot_##SFX(const REAL *x, int64_t sxr, int64_t sxc,      \
+				 const REAL *y, int64_t syr, int64_t syc,      \
+				 int64_t nr, int64_t nc, REAL *di)             \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			double acc = 0;                                        \
+			for (int64_t j = 0; j < nc; j++)                       \
+				acc += (double)x[r * sxr + j * sxc] *          \
+				       y[r * syr + j * syc];                   \
+			di[r] = (REAL)acc;                                     \
+		}                                                              \
+	}
+
+DEFINE_ROWS(f32, float, expf, logf)
+DEFINE_ROWS(f64, double, exp, log)
+#undef DEFINE_ROWS
+
+/* ---- SDPA forward ----------------------------------------------------------
+ */
+
+epj_status ej_infer_SDPA(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	sdpa_dims m;
+	epj_status s = sdpa_check(ctx, c, 0, &m);
+	if (s != EPJ_OK)
+		return s;
+	epj_dtype dt = c->in[0]->dtype;
+	int64_t os[4] = { m.b, m.hq, m.t, m.dv };
+	ej_meta_set(&out[0], dt, 4, os);
+	ej_meta_set(&out[1], compute_dtype(dt), 3, os);
+	return EPJ_OK;
+}
+
+/* What every block of one SDPA (or SDPA_BACKWARD) call shares. */
+typedef struct sdpa_run {
+	sdpa_dims m;
+	epj_dtype dt, cdt;	/* tensors' dtype, compute dtype */
+	size_t es;		/* bytes per cdt element */
+	operand q, k, v, o, go; /* o, go: out and grad_out (backward only) */
+} sdpa_run;
+
+static void sdpa_run_free(sdpa_run *w)
+{
+	free(w->q.owned);
+	free(w->k.owned);
+	free(w->v.owned);
+	free(w->o.owned);
+	free(w->go.owned);
+}
+
+/* Queries i0..i0+nr of head h: out rows into op (ld Dv, dtype cdt) and lse
+ * into lse (cdt).  sc: scratch for [nr, S] scores. */
+static void sdpa_fw_block(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
+			  int64_t nr, char *sc, char *op, void *lse)
+{
+	const sdpa_dims *m = &w->m;
+	size_t es = w->es;
+	int64_t g = h / (m->hq / m->hkv);
+	int64_t se = key_end(m, i0 + nr - 1); /* keys any row can see */
+	int64_t ldp = max1(se);
+	/* sc = scale q k^T */
+	ej_linalg_gemm(w->cdt, w->q.trans, !w->k.trans, nr, se, m->d, m->scale,
+		       w->q.base + operand_at(&w->q, b, h, i0) * es, w->q.ld,
+		       w->k.base + operand_at(&w->k, b, g, 0) * es, w->k.ld,
+		       0.0, sc, ldp);
+	if (w->cdt == EPJ_DTYPE_F64)
+		softmax_rows_f64(m, (double *)sc, nr, se, i0, lse);
+	else
+		softmax_rows_f32(m, (float *)sc, nr, se, i0, lse);
+	/* out = P v */
+	ej_linalg_gemm(w->cdt, false, w->v.trans, nr, m->dv, se, 1.0, sc, ldp,
+		       w->v.base + operand_at(&w->v, b, g, 0) * es, w->v.ld,
+		       0.0, op, max1(m->dv));
+}
+
+epj_status ej_kernel_SDPA(epj_ctx *ctx, const ej_call *c)
+{
+	sdpa_run w = { 0 };
+	epj_status s = sdpa_check(ctx, c, 0, &w.m);
+	if (s != EPJ_OK)
+		return s;
+	const sdpa_dims *m = &w.m;
+	epj_tensor *out = c->out[0], *lse = c->out[1];
+	w.dt = out->dtype;
+	w.cdt = compute_dtype(w.dt);
+	w.es = ej_dtype_size(w.cdt);
+	int64_t nblk = (m->t + QB - 1) / QB, items = m->b * m->hq * nblk;
+	char *scratch = NULL;
+	if (items == 0)
+		return EPJ_OK;
+	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.q)) ||
+	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.k)) ||
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)))
+		goto done;
+	/* per thread: scores [QB, S] and, for bf16, an f32 output block */
+	int nthr = ej_linalg_max_threads();
+	size_t per = (size_t)(QB * max1(m->s) + QB * max1(m->dv)) * w.es;
+	scratch = malloc(per * (size_t)nthr);
+	if (!scratch) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				"out of memory for %d x %zu bytes of scratch",
+				nthr, per);
+		goto done;
+	}
+	char *obase = ej_data(out), *lbase = ej_data(lse);
+	size_t eo = ej_dtype_size(w.dt);
+	/* blocks over OpenMP threads, each GEMM on one BLAS thread */
+	bool par = nthr > 1 && items > 1;
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
+	for (int64_t it = 0; it < items; it++) {
+		char *sc = scratch + per * (size_t)thread_num();
+		char *obuf = sc + (size_t)(QB * max1(m->s)) * w.es;
+		int64_t bh = it / nblk, i0 = (it % nblk) * QB;
+		int64_t nr = m->t - i0 < QB ? m->t - i0 : QB;
+		int64_t row = bh * m->t + i0; /* first row of out and lse */
+		char *orow = obase + (size_t)(row * m->dv) * eo;
+		sdpa_fw_block(&w, bh / m->hq, bh % m->hq, i0, nr, sc,
+			      w.dt == w.cdt ? orow : obuf,
+			      lbase + (size_t)row * w.es);
+		if (w.dt != w.cdt)
+			ej_linalg_store(obuf, w.cdt, orow, w.dt, nr * m->dv);
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+done:
+	sdpa_run_free(&w);
+	free(scratch);
+	return s;
+}
+
+/* Gradients of q, k, v through the SDPA_BACKWARD op.  lse's gradient
+ * (grad_out[1]) is ignored: lse is not differentiable. */
+epj_status ej_backward_SDPA(epj_ctx *ctx, const ej_call *c,
+			    epj_tensor *const *grad_out, const bool *needs,
+			    epj_tensor **grad_in)
+{
+	if (!grad_out[0]) {
+		for (int i = 0; i < 3; i++)
+			if (needs[i] &&
+			    !(grad_in[i] = zeros_like(ctx, c->in[i])))
+				return bw_status(ctx, "sdpa");
+		return EPJ_OK;
+	}
+	epj_tensor *in[6] = { grad_out[0], c->in[0],  c->in[1],
+			      c->in[2],	   c->out[0], c->out[1] };
+	epj_tensor *outs[3] = { NULL, NULL, NULL };
+	epj_status s =
+	    ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, 6, c->attrs, outs, 3);
+	if (s != EPJ_OK)
+		return s;
+	for (int i = 0; i < 3; i++) {
+		if (needs[i])
+			grad_in[i] = outs[i];
+		else
+			epj_tensor_free(outs[i]);
+	}
+	return EPJ_OK;
+}
+
+epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
+		     bool causal, double scale)
+{
+	if (!q || !k || !v)
+		return NULL;
+	/* the scale is resolved here so that equal calls have equal attrs */
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, causal ? 1 : 0);
+	ej_attrs_push_f(&at, sdpa_scale(scale, epj_tensor_dim(q, -1)));
+	epj_tensor *in[3] = { q, k, v }, *outs[2] = { NULL, NULL };
+	if (ej_dispatch(ctx, EJ_OP_SDPA, in, 3, &at, outs, 2) != EPJ_OK)
+		return NULL;
+	epj_tensor_free(outs[1]);
+	return outs[0];
+}
+
+/* ---- SDPA backward: (grad_out, q, k, v, out, lse) -> (dq, dk, dv) -------- */
+
+epj_status ej_infer_SDPA_BACKWARD(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	sdpa_dims m;
+	epj_status s = sdpa_check(ctx, c, 1, &m);
+	if (s != EPJ_OK)
+		return s;
+	const epj_tensor *q = c->in[1];
+	int64_t os[4] = { m.b, m.hq, m.t, m.dv };
+	for (int i = 0; i < 6; i += 4) { /* grad_out (0) and out (4) */
+		const epj_tensor *t = c->in[i];
+		if ((s = ej_check_same_dtype(ctx, c, 1, i)))
+			return s;
+		if (t->ndim != 4 || memcmp(t->shape, os, sizeof os) != 0)
+			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+					   "%s must be [B, Hq, T, Dv]",
+					   i == 0 ? "grad_out" : "out");
+	}
+	const epj_tensor *lse = c->in[5];
+	if (lse->dtype != compute_dtype(q->dtype))
+		return ej_op_error(ctx, c, EPJ_ERR_DTYPE,
+				   "lse must be %s for %s inputs",
+				   epj_dtype_name(compute_dtype(q->dtype)),
+				   epj_dtype_name(q->dtype));
+	if (lse->ndim != 3 || memcmp(lse->shape, os, 3 * sizeof *os) != 0)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "lse must be [B, Hq, T]");
+	for (int i = 0; i < 3; i++)
+		ej_meta_from(&out[i], c->in[1 + i]);
+	return EPJ_OK;
+}
+
+/* Per-thread scratch of the backward: P and dP [QB, S], lse and Di [QB]. */
+typedef struct sdpa_bw_scratch {
+	char *p, *dp, *lse, *di;
+} sdpa_bw_scratch;
+
+/* Queries i0..i0+nr of head h (kv head g): writes their dq rows (dqp, ld D)
+ * and accumulates into dk, dv of head g (dkp, dvp: [S, D], [S, Dv]). */
+static void sdpa_bw_block(const sdpa_run *w, const epj_tensor *lse, int64_t b,
+			  int64_t h, int64_t g, int64_t i0, int64_t nr,
+			  const sdpa_bw_scratch *t, char *dqp, char *dkp,
+			  char *dvp)
+{
+	const sdpa_dims *m = &w->m;
+	const operand *q = &w->q, *k = &w->k, *v = &w->v, *go = &w->go;
+	epj_dtype cdt = w->cdt;
+	size_t es = w->es;
+	int64_t se = key_end(m, i0 + nr - 1), ldp = max1(se);
+	if (se <= 0) { /* no row of the block sees a key */
+		memset(dqp, 0, (size_t)(nr * m->d) * es);
+		return;
+	}
+	const char *qp = q->base + operand_at(q, b, h, i0) * es;
+	const char *gp = go->base + operand_at(go, b, h, i0) * es;
+	const char *op = w->o.base + operand_at(&w->o, b, h, i0) * es;
+	const char *kp = k->base + operand_at(k, b, g, 0) * es;
+	const char *vp = v->base + operand_at(v, b, g, 0) * es;
+	const char *lp = (const char *)ej_data(lse) +
+			 (b * lse->stride[0] + h * lse->stride[1]) * es;
+	for (int64_t r = 0; r < nr; r++)
+		memcpy(t->lse + r * es, lp + (i0 + r) * lse->stride[2] * es,
+		       es);
+	/* P = exp(scale q k^T - lse); Di = rowsum(dO * O) */
+	ej_linalg_gemm(cdt, q->trans, !k->trans, nr, se, m->d, m->scale, qp,
+		       q->ld, kp, k->ld, 0.0, t->p, ldp);
+	if (cdt == EPJ_DTYPE_F64) {
+		probs_rows_f64(m, (double *)t->p, nr, se, i0,
+			       (const double *)t->lse);
+		rowdot_f64((const double *)gp, go->s[2], go->s[3],
+			   (const double *)op, w->o.s[2], w->o.s[3], nr, m->dv,
+			   (double *)t->di);
+	} else {
+		probs_rows_f32(m, (float *)t->p, nr, se, i0,
+			       (const float *)t->lse);
+		rowdot_f32((const float *)gp, go->s[2], go->s[3],
+			   (const float *)op, w->o.s[2], w->o.s[3], nr, m->dv,
+			   (float *)t->di);
+	}
+	/* dV += P^T dO */
+	ej_linalg_gemm(cdt, true, go->trans, se, m->dv, nr, 1.0, t->p, ldp, gp,
+		       go->ld, 1.0, dvp, max1(m->dv));
+	/* dP = dO V^T, then dS = P (dP - Di) in place */
+	ej_linalg_gemm(cdt, go->trans, !v->trans, nr, se, m->dv, 1.0, gp,
+		       go->ld, vp, v->ld, 0.0, t->dp, ldp);
+	if (cdt == EPJ_DTYPE_F64)
+		dsoftmax_rows_f64((const double *)t->p, (double *)t->dp, nr, se,
+				  (const double *)t->di);
+	else
+		dsoftmax_rows_f32((const float *)t->p, (float *)t->dp, nr, se,
+				  (const float *)t->di);
+	/* dQ = scale dS K; dK += scale dS^T Q */
+	ej_linalg_gemm(cdt, false, k->trans, nr, m->d, se, m->scale, t->dp, ldp,
+		       kp, k->ld, 0.0, dqp, max1(m->d));
+	ej_linalg_gemm(cdt, true, q->trans, se, m->d, nr, m->scale, t->dp, ldp,
+		       qp, q->ld, 1.0, dkp, max1(m->d));
+}
+
+/* dst[g, e] = sum over r < rep of src[g * rep + r, e], for ngroups groups of
+ * len elements (dtype cdt): the query heads of a kv group summed. */
+static void sum_groups(epj_dtype cdt, const char *src, char *dst,
+		       int64_t ngroups, int64_t rep, int64_t len)
+{
+	int64_t n = ngroups * len;
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+	for (int64_t i = 0; i < n; i++) {
+		int64_t g = i / len, e = i % len;
+		double acc = 0;
+		for (int64_t r = 0; r < rep; r++) {
+			int64_t at = (g * rep + r) * len + e;
+			acc += cdt == EPJ_DTYPE_F64 ? ((const double *)src)[at]
+						    : ((const float *)src)[at];
+		}
+		if (cdt == EPJ_DTYPE_F64)
+			((double *)dst)[i] = acc;
+		else
+			((float *)dst)[i] = (float)acc;
+	}
+}
+
+epj_status ej_kernel_SDPA_BACKWARD(epj_ctx *ctx, const ej_call *c)
+{
+	sdpa_run w = { 0 };
+	epj_status s = sdpa_check(ctx, c, 1, &w.m);
+	if (s != EPJ_OK)
+		return s;
+	const sdpa_dims *m = &w.m;
+	epj_tensor *dq_t = c->out[0], *dk_t = c->out[1], *dv_t = c->out[2];
+	w.dt = dq_t->dtype;
+	w.cdt = compute_dtype(w.dt);
+	w.es = ej_dtype_size(w.cdt);
+	size_t es = w.es;
+	int64_t nq = m->b * m->hq * m->t * m->d;
+	int64_t nk = m->b * m->hkv * m->s * m->d;
+	int64_t nv = m->b * m->hkv * m->s * m->dv;
+	int64_t items = m->b * m->hq, rep = m->hq / m->hkv;
+	char *scratch = NULL, *acc = NULL, *part = NULL;
+	if (items == 0)
+		return EPJ_OK;
+	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.go)) ||
+	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.q)) ||
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.k)) ||
+	    (s = operand_init(ctx, c, c->in[3], w.cdt, &w.v)) ||
+	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)))
+		goto done;
+	/* results go to the outputs, or to f32 accumulators for bf16 */
+	char *dq = ej_data(dq_t), *dk = ej_data(dk_t), *dv = ej_data(dv_t);
+	if (w.dt != w.cdt) {
+		acc = malloc((size_t)(nq + nk + nv + 1) * es);
+		if (!acc) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for f32 gradients");
+			goto done;
+		}
+		dq = acc;
+		dk = dq + (size_t)nq * es;
+		dv = dk + (size_t)nk * es;
+	}
+	/* one item per (b, query head).  Query heads sharing a kv head
+	 * accumulate dk, dv into their own slots [B, Hq, S, D|Dv], summed per
+	 * group afterwards, so items stay independent (no atomics) */
+	char *pk = dk, *pv = dv;
+	if (rep > 1) {
+		int64_t per_head = m->b * m->hq * m->s;
+		part = malloc((size_t)(per_head * (m->d + m->dv) + 1) * es);
+		if (!part) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for per-head dk, dv");
+			goto done;
+		}
+		pk = part;
+		pv = part + (size_t)(per_head * m->d) * es;
+	}
+	int nthr = ej_linalg_max_threads();
+	size_t per = (size_t)(2 * QB * max1(m->s) + 2 * QB) * es;
+	scratch = malloc(per * (size_t)nthr);
+	if (!scratch) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				"out of memory for %d x %zu bytes of scratch",
+				nthr, per);
+		goto done;
+	}
+	/* items over OpenMP threads, each GEMM on one BLAS thread */
+	bool par = nthr > 1 && items > 1;
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
+	for (int64_t it = 0; it < items; it++) {
+		char *base = scratch + per * (size_t)thread_num();
+		sdpa_bw_scratch t = { base, base + QB * max1(m->s) * es,
+				      base + 2 * QB * max1(m->s) * es,
+				      base + (2 * QB * max1(m->s) + QB) * es };
+		int64_t b = it / m->hq, h = it % m->hq, g = h / rep;
+		/* with rep == 1, slot it is (b, g) of dk, dv themselves */
+		char *dkp = pk + (size_t)(it * m->s * m->d) * es;
+		char *dvp = pv + (size_t)(it * m->s * m->dv) * es;
+		memset(dkp, 0, (size_t)(m->s * m->d) * es);
+		memset(dvp, 0, (size_t)(m->s * m->dv) * es);
+		for (int64_t i0 = 0; i0 < m->t; i0 += QB) {
+			int64_t nr = m->t - i0 < QB ? m->t - i0 : QB;
+			int64_t row = it * m->t + i0;
+			sdpa_bw_block(&w, c->in[5], b, h, g, i0, nr, &t,
+				      dq + (size_t)(row * m->d) * es, dkp, dvp);
+		}
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+	if (rep > 1) {
+		sum_groups(w.cdt, pk, dk, m->b * m->hkv, rep, m->s * m->d);
+		sum_groups(w.cdt, pv, dv, m->b * m->hkv, rep, m->s * m->dv);
+	}
+	if (acc) {
+		ej_linalg_store(dq, w.cdt, ej_data(dq_t), w.dt, nq);
+		ej_linalg_store(dk, w.cdt, ej_data(dk_t), w.dt, nk);
+		ej_linalg_store(dv, w.cdt, ej_data(dv_t), w.dt, nv);
+	}
+done:
+	sdpa_run_free(&w);
+	free(scratch);
+	free(acc);
+	free(part);
+	return s;
+}
+
+/* ---- CROSS_ENTROPY ---------------------------------------------------------
+ */
+
+static epj_status ce_check(epj_ctx *ctx, const ej_call *c, int il)
+{
+	epj_status s;
+	if ((s = ej_check_float(ctx, c, il)) ||
+	    (s = ej_check_index_dtype(ctx, c, il + 1)))
+		return s;
+	const epj_tensor *lg = c->in[il], *tg = c->in[il + 1];
+	if (lg->ndim != 2)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "logits must be 2-D [N, V]");
+	if (tg->ndim != 1 || tg->shape[0] != lg->shape[0])
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "targets must be [N] = [%lld]",
+				   (long long)lg->shape[0]);
+	return EPJ_OK;
+}
+
+/* Reads the targets into tgt[N] and checks them: each is ignore_index or in
+ * [0, V).  Counts the rows that are not ignored. */
+static epj_status ce_targets(epj_ctx *ctx, const ej_call *c, int il,
+			     int64_t *tgt, int64_t *n_valid)
+{
+	const epj_tensor *lg = c->in[il], *tg = c->in[il + 1];
+	int64_t n = lg->shape[0], vocab = lg->shape[1];
+	int64_t ign = c->attrs->n_i > 0 ? c->attrs->i[0] : -100;
+	*n_valid = 0;
+	for (int64_t r = 0; r < n; r++) {
+		tgt[r] = ej_index_at(tg, r);
+		if (tgt[r] == ign)
+			continue;
+		if (tgt[r] < 0 || tgt[r] >= vocab)
+			return ej_op_error(ctx, c, EPJ_ERR_INDEX,
+					   "target %lld at row %lld is out of "
+					   "range [0, %lld) and is not "
+					   "ignore_index %lld",
+					   (long long)tgt[r], (long long)r,
+					   (long long)vocab, (long long)ign);
+		++*n_valid;
+	}
+	return EPJ_OK;
+}
+
+/* Row r of logits as a dense array of dtype cdt: in place when possible,
+ * else converted into buf (V elements). */
+static const void *ce_row(const epj_tensor *lg, int64_t r, epj_dtype cdt,
+			  void *buf)
+{
+	const char *p = (const char *)ej_data(lg) +
+			(size_t)(r * lg->stride[0]) * ej_dtype_size(lg->dtype);
+	if (lg->dtype == cdt && lg->stride[1] == 1)
+		return p;
+	ej_linalg_convert(p, lg->dtype, lg->stride[1], buf, cdt, lg->shape[1]);
+	return buf;
+}
+
+/* Row max and sum of exp(x - max) over V logits. */
+#define DEFINE_CE_ROWS(SFX, REAL, EXPF)                                        \
+	static void row_stats_##SFX(const REAL *x, int64_t nv, REAL *mx,       \
+				    double *sum)                               \
+	{                                                                      \
+		REAL m = -INFINITY;                                            \
+		for (int64_t j = 0; j < nv; j++)                               \
+			m = x[j] > m ? x[j] : m;                               \
+		double s = 0;                                                  \
+		for (int64_t j = 0; j < nv; j++)                               \
+			s += EXPF(x[j] - m);                                   \
+		*mx = m;                                                       \
+		*sum = s;                                                      \
+	}                                                                      \
+	/* d[j] = (softmax(x)[j] - [j == t]) * g, in REAL */                   \
+	static void row_grad_##SFX(const REAL *x, int64_t nv, int64_t t,       \
+				   double g, REAL *d)                          \
+	{                                                                      \
+		REAL m;                                                        \
+		double s;                                                      \
+		row_stats_##SFX(x, nv, &m, &s);                                \
+		REAL scale = (REAL)(g / s);                                    \
+		for (int64_t j = 0; j < nv; j++)                               \
+			d[j] = EXPF(x[j] - m) * scale;                         \
+		d[t] -= (REAL)g;                                               \
+	}
+
+DEFINE_CE_ROWS(f32, float, expf)
+DEFINE_CE_ROWS(f64, double, exp)
+#undef DEFINE_CE_ROWS
+
+epj_status ej_infer_CROSS_ENTROPY(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	epj_status s = ce_check(ctx, c, 0);
+	if (s != EPJ_OK)
+		return s;
+	ej_meta_set(out, compute_dtype(c->in[0]->dtype), 0, NULL);
+	return EPJ_OK;
+}
+
+epj_status ej_kernel_CROSS_ENTROPY(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *lg = c->in[0];
+	epj_tensor *out = c->out[0];
+	epj_dtype cdt = compute_dtype(lg->dtype);
+	size_t es = ej_dtype_size(cdt);
+	int64_t n = lg->shape[0], vocab = lg->shape[1], n_valid = 0;
+	int nthr = ej_linalg_max_threads();
+	int64_t *tgt = malloc((size_t)max1(n) * sizeof *tgt);
+	double *loss = malloc((size_t)max1(n) * sizeof *loss);
+	char *buf = malloc((size_t)nthr * (size_t)max1(vocab) * es);
+	epj_status s = EPJ_OK;
+	if (!tgt || !loss || !buf) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM, "out of memory");
+		goto done;
+	}
+	if ((s = ce_targets(ctx, c, 0, tgt, &n_valid)))
+		goto done;
+	int64_t ign = c->attrs->n_i > 0 ? c->attrs->i[0] : -100;
+#pragma omp parallel for schedule(static)                                      \
+    num_threads(nthr) if (n * vocab > 32768)
+	for (int64_t r = 0; r < n; r++) {
+		loss[r] = 0;
+		if (tgt[r] == ign)
+			continue;
+		void *tb = buf + (size_t)thread_num() * (size_t)vocab * es;
+		const void *x = ce_row(lg, r, cdt, tb);
+		double sum;
+		if (cdt == EPJ_DTYPE_F64) {
+			double m;
+			row_stats_f64(x, vocab, &m, &sum);
+			loss[r] = m + log(sum) - ((const double *)x)[tgt[r]];
+		} else {
+			float m;
+			row_stats_f32(x, vocab, &m, &sum);
+			loss[r] = (double)(m + logf((float)sum) -
+					   ((const float *)x)[tgt[r]]);
+		}
+	}
+	double total = 0;
+	for (int64_t r = 0; r < n; r++)
+		total += loss[r];
+	/* 0 / 0: NaN when every row is ignored, as in PyTorch */
+	ej_store_f64(ej_data(out), out->dtype,
+		     n_valid > 0 ? total / (double)n_valid : NAN);
+done:
+	free(tgt);
+	free(loss);
+	free(buf);
+	return s;
+}
+
+epj_status ej_backward_CROSS_ENTROPY(epj_ctx *ctx, const ej_call *c,
+				     epj_tensor *const *grad_out,
+				     const bool *needs, epj_tensor **grad_in)
+{
+	if (!needs[0])
+		return EPJ_OK;
+	if (!grad_out[0]) {
+		grad_in[0] = zeros_like(ctx, c->in[0]);
+	} else {
+		epj_tensor *in[3] = { grad_out[0], c->in[0], c->in[1] };
+		grad_in[0] = ej_call1(ctx, EJ_OP_CROSS_ENTROPY_BACKWARD, in, 3,
+				      c->attrs);
+	}
+	return grad_in[0] ? EPJ_OK : bw_status(ctx, "cross_entropy");
+}
+
+epj_tensor *epj_cross_entropy(epj_ctx *ctx, epj_tensor *logits,
+			      epj_tensor *targets, int64_t ignore_index)
+{
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, ignore_index);
+	epj_tensor *in[2] = { logits, targets };
+	return ej_call1(ctx, EJ_OP_CROSS_ENTROPY, in, 2, &at);
+}
+
+/* ---- CROSS_ENTROPY_BACKWARD: (grad [], logits, targets) -> dlogits ------- */
+
+epj_status ej_infer_CROSS_ENTROPY_BACKWARD(epj_ctx *ctx, const ej_call *c,
+					   ej_meta *out)
+{
+	epj_status s;
+	if ((s = ej_check_float(ctx, c, 0)) || (s = ce_check(ctx, c, 1)))
+		return s;
+	if (c->in[0]->ndim != 0)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "grad must be a scalar of shape []");
+	ej_meta_from(out, c->in[1]);
+	return EPJ_OK;
+}
+
+epj_status ej_kernel_CROSS_ENTROPY_BACKWARD(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *lg = c->in[1];
+	epj_tensor *out = c->out[0];
+	epj_dtype dt = out->dtype, cdt = compute_dtype(dt);
+	size_t es = ej_dtype_size(cdt), eo = ej_dtype_size(dt);
+	int64_t n = lg->shape[0], vocab = lg->shape[1], n_valid = 0;
+	int nthr = ej_linalg_max_threads();
+	int64_t *tgt = malloc((size_t)max1(n) * sizeof *tgt);
+	/* per thread: the row as cdt, and its gradient as cdt */
+	char *buf = malloc((size_t)nthr * 2 * (size_t)max1(vocab) * es);
+	epj_status s = EPJ_OK;
+	if (!tgt || !buf) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM, "out of memory");
+		goto done;
+	}
+	if ((s = ce_targets(ctx, c, 1, tgt, &n_valid)))
+		goto done;
+	int64_t ign = c->attrs->n_i > 0 ? c->attrs->i[0] : -100;
+	double g = ej_load_f64(ej_data(c->in[0]), c->in[0]->dtype);
+	g = n_valid > 0 ? g / (double)n_valid : 0.0;
+	char *obase = ej_data(out);
+#pragma omp parallel for schedule(static)                                      \
+    num_threads(nthr) if (n * vocab > 32768)
+	for (int64_t r = 0; r < n; r++) {
+		char *orow = obase + (size_t)(r * vocab) * eo;
+		if (tgt[r] == ign) {
+			memset(orow, 0, (size_t)vocab * eo);
+			continue;
+		}
+		char *tb = buf + (size_t)thread_num() * 2 * (size_t)vocab * es;
+		char *d = dt == cdt ? orow : tb + (size_t)vocab * es;
+		const void *x = ce_row(lg, r, cdt, tb);
+		if (cdt == EPJ_DTYPE_F64)
+			row_grad_f64(x, vocab, tgt[r], g, (double *)d);
+		else
+			row_grad_f32(x, vocab, tgt[r], g, (float *)d);
+		if (d != orow)
+			ej_linalg_store(d, cdt, orow, dt, vocab);
+	}
+done:
+	free(tgt);
+	free(buf);
+	return s;
+}

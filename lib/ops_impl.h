@@ -1,0 +1,87 @@
+/* ops_impl.h -- shared helpers for the op implementations (lib/ops_*.c).
+ *
+ * Every op family file includes this header, implements for each of its rows
+ * in ops.def: ej_infer_ID, ej_kernel_ID and (if differentiable)
+ * ej_backward_ID, plus the public epj_* wrappers of its ops.  Backward
+ * formulas use only public epj_* ops so they work eagerly and while tracing.
+ */
+#ifndef EPJIT_OPS_IMPL_H
+#define EPJIT_OPS_IMPL_H
+
+#include "core_impl.h"
+
+#include <math.h>
+#include <string.h>
+
+#define EJ_OP(id, name, nin, nout, flags) EJ_OP_FNS(id)
+#include "ops.def"
+#undef EJ_OP
+
+/* Sets an error "<op>: <message> (inputs: f32[2,3], i64[4])" naming the op
+ * and the shapes and dtypes of the call's inputs.  Returns s. */
+epj_status ej_op_error(epj_ctx *ctx, const ej_call *c, epj_status s,
+		       const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Checks used by infer functions; each sets an ej_op_error on failure. */
+epj_status ej_check_float(epj_ctx *ctx, const ej_call *c, int input);
+epj_status ej_check_index_dtype(epj_ctx *ctx, const ej_call *c, int input);
+epj_status ej_check_same_dtype(epj_ctx *ctx, const ej_call *c, int a, int b);
+/* Normalises axis for an input of ndim dims, or sets an error. */
+epj_status ej_check_axis(epj_ctx *ctx, const ej_call *c, int64_t axis, int ndim,
+			 int *out_axis);
+
+/* Broadcast shape of inputs a and b of the call (numpy rules). */
+epj_status ej_broadcast_shape(epj_ctx *ctx, const ej_call *c, int a, int b,
+			      int *ndim, int64_t *shape);
+/* Strides that read t as if broadcast to (ndim, shape): 0 on broadcast
+ * dims, leading dims added. */
+void ej_broadcast_strides(const epj_tensor *t, int ndim, const int64_t *shape,
+			  int64_t *stride);
+
+static inline void ej_meta_set(ej_meta *m, epj_dtype dt, int ndim,
+			       const int64_t *shape)
+{
+	memset(m, 0, sizeof *m);
+	m->dtype = dt;
+	m->ndim = ndim;
+	for (int i = 0; i < ndim; i++)
+		m->shape[i] = shape[i];
+}
+
+static inline void ej_meta_from(ej_meta *m, const epj_tensor *t)
+{
+	ej_meta_set(m, t->dtype, t->ndim, t->shape);
+}
+
+/* Element offset (in elements, relative to ej_data) of multi-index idx. */
+static inline int64_t ej_offset_of(int ndim, const int64_t *idx,
+				   const int64_t *stride)
+{
+	int64_t o = 0;
+	for (int i = 0; i < ndim; i++)
+		o += idx[i] * stride[i];
+	return o;
+}
+
+/* Advances a row-major multi-index; returns false after the last one. */
+static inline bool ej_index_next(int ndim, const int64_t *shape, int64_t *idx)
+{
+	for (int i = ndim - 1; i >= 0; i--) {
+		if (++idx[i] < shape[i])
+			return true;
+		idx[i] = 0;
+	}
+	return false;
+}
+
+/* Reads element i (flat, through strides) of a 1-D index tensor. */
+int64_t ej_index_at(const epj_tensor *idx, int64_t i);
+
+/* True when the tensor can be read as a dense contiguous array. */
+static inline bool ej_dense(const epj_tensor *t)
+{
+	return ej_is_contiguous(t);
+}
+
+#endif /* EPJIT_OPS_IMPL_H */

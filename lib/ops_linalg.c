@@ -1,0 +1,692 @@
+/* ops_linalg.c -- MATMUL and LINEAR: shape inference, CPU reference kernels
+ * on BLAS (OpenBLAS through <cblas.h>), backward formulas, public wrappers.
+ *
+ * Compute dtype: f64 inputs run dgemm; f32 runs sgemm; bf16 is converted to
+ * f32 temporaries, multiplied with sgemm and rounded back (RNE) once at the
+ * end, so a bf16 product carries one rounding per output element.
+ *
+ * BLAS reads a [rows, cols] matrix in place whenever its two strides are a
+ * row-major (stride pattern (ld, 1)) or a transposed row-major ((1, ld))
+ * layout; the backward formulas pass epj_transpose views, so that path must
+ * not copy.  Any other layout (stride 0 from expand, steps from slice,
+ * permuted batch-inner dims are fine) is packed into a contiguous temporary.
+ * Batch dims only move the base pointer, so they may have any strides.
+ *
+ * The BLAS helpers (ej_linalg_*) are shared with ops_attention.c, which
+ * declares their prototypes itself (they belong in ops_impl.h).
+ */
+#include "ops_impl.h"
+
+#include <cblas.h>
+#include <limits.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ---- shared BLAS helpers ------------------------------------------------- */
+
+/* Inline copies of epj_bf16_to_f32 / epj_f32_to_bf16 (same rounding: RNE,
+ * NaN quieted) so that conversion loops vectorise. */
+static inline float bf16_to_f32(uint16_t b)
+{
+	uint32_t u = (uint32_t)b << 16;
+	float f;
+	memcpy(&f, &u, sizeof f);
+	return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, sizeof u);
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((u >> 16) | 0x0040u);
+	u += 0x7fffu + ((u >> 16) & 1u);
+	return (uint16_t)(u >> 16);
+}
+
+/* Compute dtype of a float op: f64 stays f64, f32 and bf16 compute in f32. */
+static epj_dtype compute_dtype(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+}
+
+static int64_t max1(int64_t v)
+{
+	return v > 1 ? v : 1;
+}
+
+/* How BLAS can read the [rows, cols] matrix whose element (i, j) sits at
+ * i * srow + j * scol: as a row-major matrix (trans false, ld = srow), as the
+ * transpose of a row-major [cols, rows] matrix (trans true, ld = scol), or
+ * not at all (returns false: the caller packs).  Strides of size-1 dims are
+ * irrelevant; BLAS wants ld >= max(1, stored columns). */
+bool ej_linalg_layout(int64_t rows, int64_t cols, int64_t srow, int64_t scol,
+		      bool *trans, int64_t *ld)
+{
+	if ((cols <= 1 || scol == 1) && (rows <= 1 || srow >= max1(cols))) {
+		*trans = false;
+		*ld = rows <= 1 ? max1(cols) : srow;
+		return *ld <= INT_MAX;
+	}
+	if ((rows <= 1 || srow == 1) && (cols <= 1 || scol >= max1(rows))) {
+		*trans = true;
+		*ld = cols <= 1 ? max1(rows) : scol;
+		return *ld <= INT_MAX;
+	}
+	return false;
+}
+
+/* Converts n elements read with stride `ss` (elements) from src (dtype sdt)
+ * into the dense array dst of dtype ddt. */
+void ej_linalg_convert(const void *src_, epj_dtype sdt, int64_t ss, void *dst,
+		       epj_dtype ddt, int64_t n)
+{
+	const char *src = src_;
+	if (sdt == EPJ_DTYPE_F32 && ddt == EPJ_DTYPE_F32) {
+		const float *s = (const float *)src;
+		float *d = dst;
+		if (ss == 1)
+			memcpy(d, s, (size_t)n * sizeof *d);
+		else
+			for (int64_t i = 0; i < n; i++)
+				d[i] = s[i * ss];
+	} else if (sdt == EPJ_DTYPE_BF16 && ddt == EPJ_DTYPE_F32) {
+		const uint16_t *s = (const uint16_t *)src;
+		float *d = dst;
+		for (int64_t i = 0; i < n; i++)
+			d[i] = bf16_to_f32(s[i * ss]);
+	} else if (sdt == EPJ_DTYPE_F64 && ddt == EPJ_DTYPE_F64) {
+		const double *s = (const double *)src;
+		double *d = dst;
+		if (ss == 1)
+			memcpy(d, s, (size_t)n * sizeof *d);
+		else
+			for (int64_t i = 0; i < n; i++)
+				d[i] = s[i * ss];
+	} else {
+		size_t es = ej_dtype_size(sdt), ed = ej_dtype_size(ddt);
+		for (int64_t i = 0; i < n; i++)
+			ej_store_f64(
+			    (char *)dst + (size_t)i * ed, ddt,
+			    ej_load_f64(src + (size_t)(i * ss) * es, sdt));
+	}
+}
+
+/* Copies t (any strides) into dst as a dense row-major array of dtype cdt
+ * (f32 or f64), numel(t) elements. */
+void ej_linalg_pack(const epj_tensor *t, epj_dtype cdt, void *dst)
+{
+	int nd = t->ndim;
+	int64_t n = ej_numel(nd, t->shape);
+	if (n == 0)
+		return;
+	int64_t inner = nd > 0 ? t->shape[nd - 1] : 1;
+	int64_t sin = nd > 0 ? t->stride[nd - 1] : 0;
+	int64_t rows = n / inner;
+	const char *src = ej_data(t);
+	size_t es = ej_dtype_size(t->dtype), ed = ej_dtype_size(cdt);
+#pragma omp parallel for schedule(static) if (n > (1 << 18))
+	for (int64_t r = 0; r < rows; r++) {
+		int64_t rem = r, off = 0;
+		for (int d = nd - 2; d >= 0; d--) {
+			off += (rem % t->shape[d]) * t->stride[d];
+			rem /= t->shape[d];
+		}
+		ej_linalg_convert(src + (size_t)off * es, t->dtype, sin,
+				  (char *)dst + (size_t)(r * inner) * ed, cdt,
+				  inner);
+	}
+}
+
+/* Writes n dense values of dtype cdt into the dense array dst of dtype dt
+ * (bf16: round to nearest even). */
+void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
+		     int64_t n)
+{
+	if (cdt == dt) {
+		memcpy(dst, src, (size_t)n * ej_dtype_size(dt));
+	} else if (cdt == EPJ_DTYPE_F32 && dt == EPJ_DTYPE_BF16) {
+		const float *s = src;
+		uint16_t *d = dst;
+#pragma omp parallel for schedule(static) if (n > (1 << 18))
+		for (int64_t i = 0; i < n; i++)
+			d[i] = f32_to_bf16(s[i]);
+	} else {
+		ej_linalg_convert(src, cdt, 1, dst, dt, n);
+	}
+}
+
+/* Prepares t ([..., R, C], ndim >= 2) as a BLAS operand in compute dtype
+ * cdt.  *base is element 0 and stride[0..ndim) its strides: t's own when t
+ * already has dtype cdt and a BLAS layout, else those of a packed contiguous
+ * copy returned in *owned (free() it; NULL when t is used in place).
+ * *trans and *ld give the layout of every [R, C] matrix. */
+epj_status ej_linalg_operand(epj_ctx *ctx, const ej_call *c,
+			     const epj_tensor *t, epj_dtype cdt,
+			     const void **base, int64_t *stride, bool *trans,
+			     int64_t *ld, void **owned)
+{
+	int nd = t->ndim;
+	int64_t rows = t->shape[nd - 2], cols = t->shape[nd - 1];
+	*owned = NULL;
+	if (t->dtype == cdt && ej_linalg_layout(rows, cols, t->stride[nd - 2],
+						t->stride[nd - 1], trans, ld)) {
+		*base = ej_data(t);
+		memcpy(stride, t->stride, (size_t)nd * sizeof *stride);
+		return EPJ_OK;
+	}
+	int64_t n = ej_numel(nd, t->shape);
+	void *buf = malloc((size_t)max1(n) * ej_dtype_size(cdt));
+	if (!buf)
+		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				   "out of memory packing an operand (%lld "
+				   "elements)",
+				   (long long)n);
+	ej_linalg_pack(t, cdt, buf);
+	ej_contiguous_strides(nd, t->shape, stride);
+	bool ok = ej_linalg_layout(rows, cols, stride[nd - 2], stride[nd - 1],
+				   trans, ld);
+	if (!ok) {
+		free(buf);
+		return ej_op_error(ctx, c, EPJ_ERR_UNSUPPORTED,
+				   "matrix of %lld columns exceeds the BLAS "
+				   "integer range",
+				   (long long)cols);
+	}
+	*base = buf;
+	*owned = buf;
+	return EPJ_OK;
+}
+
+/* C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C, all row-major in
+ * dtype cdt (f32: sgemm, f64: dgemm).  op(A) = A^T when ta (A stored as
+ * [k, m]), likewise B.  k == 0 scales C by beta without calling BLAS (some
+ * BLAS builds reject ld < 1 there). */
+void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
+		    int64_t k, double alpha, const void *a, int64_t lda,
+		    const void *b, int64_t ldb, double beta, void *c,
+		    int64_t ldc)
+{
+	if (m <= 0 || n <= 0)
+		return;
+	EJ_ASSERT(ldc >= n);
+	if (k <= 0) {
+		for (int64_t i = 0; i < m; i++)
+			for (int64_t j = 0; j < n; j++) {
+				if (cdt == EPJ_DTYPE_F64) {
+					double *p = (double *)c + i * ldc + j;
+					*p = beta == 0 ? 0 : beta * *p;
+				} else {
+					float *p = (float *)c + i * ldc + j;
+					*p = beta == 0 ? 0 : (float)beta * *p;
+				}
+			}
+		return;
+	}
+	EJ_ASSERT(lda >= (ta ? m : k) && ldb >= (tb ? k : n));
+	EJ_ASSERT(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX &&
+		  lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX);
+	enum CBLAS_TRANSPOSE cta = ta ? CblasTrans : CblasNoTrans;
+	enum CBLAS_TRANSPOSE ctb = tb ? CblasTrans : CblasNoTrans;
+	if (cdt == EPJ_DTYPE_F64)
+		cblas_dgemm(CblasRowMajor, cta, ctb, (int)m, (int)n, (int)k,
+			    alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+	else
+		cblas_sgemm(CblasRowMajor, cta, ctb, (int)m, (int)n, (int)k,
+			    (float)alpha, a, (int)lda, b, (int)ldb, (float)beta,
+			    c, (int)ldc);
+}
+
+/* BLAS threads inside our own OpenMP regions.  A pthreads build of OpenBLAS
+ * called from several OpenMP threads at once oversubscribes the cores and its
+ * workers spin against each other (attention ran 40x slower on 2 cores).  So
+ * a kernel that spreads independent GEMMs over OpenMP threads makes BLAS
+ * single-threaded for the duration of that region, as PyTorch does around
+ * its parallel_for; an OpenMP build of OpenBLAS does this by itself, other
+ * CBLAS libraries are left alone.  The setting is process-wide: a BLAS call
+ * from another host thread meanwhile runs single-threaded (slower, still
+ * correct).  Returns the count to hand to ej_linalg_blas_serial_end. */
+int ej_linalg_blas_serial_begin(void)
+{
+#ifdef OPENBLAS_VERSION
+	if (openblas_get_parallel() == 1) {
+		int n = openblas_get_num_threads();
+		if (n > 1)
+			openblas_set_num_threads(1);
+		return n;
+	}
+#endif
+	return 0;
+}
+
+void ej_linalg_blas_serial_end(int prev)
+{
+#ifdef OPENBLAS_VERSION
+	if (prev > 1)
+		openblas_set_num_threads(prev);
+#else
+	(void)prev;
+#endif
+}
+
+int ej_linalg_max_threads(void)
+{
+#ifdef _OPENMP
+	return omp_get_max_threads();
+#else
+	return 1;
+#endif
+}
+
+/* Batched GEMMs go over OpenMP threads (BLAS serial) when each is small
+ * enough that OpenBLAS would run it on one thread anyway (it does below
+ * 64^3 multiply-adds) or when there are enough of them to balance; else one
+ * after the other on a threaded BLAS. */
+#define SMALL_GEMM_MACS (64 * 64 * 64)
+
+static bool batches_in_parallel(int64_t nbatch, int64_t macs)
+{
+	int nthr = ej_linalg_max_threads();
+	return nthr > 1 && nbatch > 1 &&
+	       (macs <= SMALL_GEMM_MACS || nbatch >= 4 * (int64_t)nthr);
+}
+
+static bool fits_int(int64_t v)
+{
+	return v >= 0 && v <= INT_MAX;
+}
+
+/* Backward results: NULL from an op means the op has set the error. */
+static epj_status bw_status(epj_ctx *ctx, const char *op)
+{
+	epj_status s = epj_ctx_status(ctx);
+	return s != EPJ_OK ? s
+			   : ej_error(ctx, EPJ_ERR_STATE,
+				      "%s backward: an op failed", op);
+}
+
+static epj_tensor *zeros_like(epj_ctx *ctx, const epj_tensor *t)
+{
+	return epj_zeros(ctx, t->dtype, t->ndim, t->shape);
+}
+
+static bool same_shape(const epj_tensor *a, const epj_tensor *b)
+{
+	if (a->ndim != b->ndim)
+		return false;
+	for (int i = 0; i < a->ndim; i++)
+		if (a->shape[i] != b->shape[i])
+			return false;
+	return true;
+}
+
+/* ---- MATMUL: a [..., M, K] @ b [..., K, N] -> [..., M, N] -----------------
+ */
+
+epj_status ej_infer_MATMUL(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	epj_status s;
+	if ((s = ej_check_float(ctx, c, 0)) ||
+	    (s = ej_check_float(ctx, c, 1)) ||
+	    (s = ej_check_same_dtype(ctx, c, 0, 1)))
+		return s;
+	const epj_tensor *a = c->in[0], *b = c->in[1];
+	if (a->ndim < 2 || b->ndim < 2)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "inputs need at least 2 dims ([..., M, K] @ "
+				   "[..., K, N]; 1-D is not accepted)");
+	char sa[96], sb[96];
+	ej_shape_str(a->ndim, a->shape, sa, sizeof sa);
+	ej_shape_str(b->ndim, b->shape, sb, sizeof sb);
+	int64_t k = a->shape[a->ndim - 1];
+	if (b->shape[b->ndim - 2] != k)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "inner dimensions differ: a %s has K=%lld, "
+				   "b %s has K=%lld",
+				   sa, (long long)k, sb,
+				   (long long)b->shape[b->ndim - 2]);
+	/* batch dims broadcast as numpy does, aligned at the right */
+	int na = a->ndim - 2, nb = b->ndim - 2, n = na > nb ? na : nb;
+	int64_t shape[EPJ_MAX_DIMS];
+	for (int d = 0; d < n; d++) {
+		int da = d - (n - na), db = d - (n - nb);
+		int64_t ea = da >= 0 ? a->shape[da] : 1;
+		int64_t eb = db >= 0 ? b->shape[db] : 1;
+		if (ea != eb && ea != 1 && eb != 1)
+			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+					   "batch dimensions of a %s and b %s "
+					   "do not broadcast",
+					   sa, sb);
+		shape[d] = ea == 1 ? eb : ea;
+	}
+	shape[n] = a->shape[a->ndim - 2];
+	shape[n + 1] = b->shape[b->ndim - 1];
+	ej_meta_set(out, a->dtype, n + 2, shape);
+	return EPJ_OK;
+}
+
+/* Strides that walk t's batch dims as if broadcast to the output's nbd batch
+ * dims (0 where t has no such dim or size 1).  tstride: t's strides. */
+static void batch_strides(const epj_tensor *t, const int64_t *tstride, int nbd,
+			  int64_t *out)
+{
+	int nt = t->ndim - 2;
+	for (int d = 0; d < nbd; d++) {
+		int dt = d - (nbd - nt);
+		out[d] = (dt < 0 || t->shape[dt] == 1) ? 0 : tstride[dt];
+	}
+}
+
+epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *a = c->in[0], *b = c->in[1];
+	epj_tensor *o = c->out[0];
+	int nd = o->ndim, nbd = nd - 2;
+	int64_t m = o->shape[nd - 2], n = o->shape[nd - 1];
+	int64_t k = a->shape[a->ndim - 1];
+	int64_t nbatch = ej_numel(nbd, o->shape);
+	if (ej_numel(nd, o->shape) == 0)
+		return EPJ_OK;
+	if (!fits_int(m) || !fits_int(n) || !fits_int(k))
+		return ej_op_error(
+		    ctx, c, EPJ_ERR_UNSUPPORTED,
+		    "matrix sizes exceed the BLAS integer range");
+	epj_dtype cdt = compute_dtype(o->dtype);
+	size_t es = ej_dtype_size(cdt);
+
+	const void *pa = NULL, *pb = NULL;
+	void *owned_a = NULL, *owned_b = NULL, *owned_c = NULL;
+	int64_t stra[EPJ_MAX_DIMS], strb[EPJ_MAX_DIMS], lda = 0, ldb = 0;
+	bool ta = false, tb = false;
+	epj_status s = EPJ_OK;
+	if (k > 0) {
+		s = ej_linalg_operand(ctx, c, a, cdt, &pa, stra, &ta, &lda,
+				      &owned_a);
+		if (s == EPJ_OK)
+			s = ej_linalg_operand(ctx, c, b, cdt, &pb, strb, &tb,
+					      &ldb, &owned_b);
+		if (s != EPJ_OK)
+			goto done;
+	}
+	void *pc = ej_data(o);
+	if (o->dtype != cdt) {
+		owned_c = malloc((size_t)(nbatch * m * n) * es);
+		if (!owned_c) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for the f32 result");
+			goto done;
+		}
+		pc = owned_c;
+	}
+	int64_t sa[EPJ_MAX_DIMS], sb[EPJ_MAX_DIMS];
+	if (k > 0) {
+		batch_strides(a, stra, nbd, sa);
+		batch_strides(b, strb, nbd, sb);
+	}
+	bool par = batches_in_parallel(nbatch, m * n * k);
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(static) if (par)
+	for (int64_t p = 0; p < nbatch; p++) {
+		int64_t rem = p, oa = 0, ob = 0;
+		for (int d = nbd - 1; d >= 0 && k > 0; d--) {
+			int64_t i = rem % o->shape[d];
+			rem /= o->shape[d];
+			oa += i * sa[d];
+			ob += i * sb[d];
+		}
+		ej_linalg_gemm(
+		    cdt, ta, tb, m, n, k, 1.0,
+		    k > 0 ? (const char *)pa + (size_t)oa * es : NULL, lda,
+		    k > 0 ? (const char *)pb + (size_t)ob * es : NULL, ldb, 0.0,
+		    (char *)pc + (size_t)(p * m * n) * es, n);
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+	if (owned_c)
+		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype,
+				nbatch * m * n);
+done:
+	free(owned_a);
+	free(owned_b);
+	free(owned_c);
+	return s;
+}
+
+/* dA = grad @ B^T, dB = A^T @ grad; each summed back over the batch dims its
+ * input was broadcast along. */
+epj_status ej_backward_MATMUL(epj_ctx *ctx, const ej_call *c,
+			      epj_tensor *const *grad_out, const bool *needs,
+			      epj_tensor **grad_in)
+{
+	epj_tensor *a = c->in[0], *b = c->in[1], *g = grad_out[0];
+	for (int i = 0; i < 2; i++) {
+		if (!needs[i])
+			continue;
+		epj_tensor *x = c->in[i], *d;
+		if (!g) {
+			d = zeros_like(ctx, x);
+		} else if (i == 0) {
+			epj_tensor *bt =
+			    epj_transpose(ctx, b, b->ndim - 2, b->ndim - 1);
+			d = epj_matmul(ctx, g, bt);
+			epj_tensor_free(bt);
+		} else {
+			epj_tensor *at =
+			    epj_transpose(ctx, a, a->ndim - 2, a->ndim - 1);
+			d = epj_matmul(ctx, at, g);
+			epj_tensor_free(at);
+		}
+		if (d && !same_shape(d, x)) {
+			epj_tensor *r = epj_sum_to(ctx, d, x->ndim, x->shape);
+			epj_tensor_free(d);
+			d = r;
+		}
+		if (!d)
+			return bw_status(ctx, "matmul");
+		grad_in[i] = d;
+	}
+	return EPJ_OK;
+}
+
+epj_tensor *epj_matmul(epj_ctx *ctx, epj_tensor *a, epj_tensor *b)
+{
+	ej_attrs at = ej_attrs_none();
+	epj_tensor *in[2] = { a, b };
+	return ej_call1(ctx, EJ_OP_MATMUL, in, 2, &at);
+}
+
+/* ---- LINEAR: x [..., in] @ w [out, in]^T (+ bias [out]) -> [..., out] ---- */
+
+epj_status ej_infer_LINEAR(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	if (c->n_in < 2 || c->n_in > 3)
+		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				   "takes (x, w) or (x, w, bias), got %d "
+				   "inputs",
+				   c->n_in);
+	epj_status s;
+	for (int i = 0; i < c->n_in; i++)
+		if ((s = ej_check_float(ctx, c, i)) ||
+		    (i > 0 && (s = ej_check_same_dtype(ctx, c, 0, i))))
+			return s;
+	const epj_tensor *x = c->in[0], *w = c->in[1];
+	if (x->ndim < 1 || w->ndim != 2)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "expects x [..., in] and w [out, in]");
+	if (x->shape[x->ndim - 1] != w->shape[1])
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "x has %lld input features, w [out, in] has "
+				   "%lld",
+				   (long long)x->shape[x->ndim - 1],
+				   (long long)w->shape[1]);
+	if (c->n_in == 3) {
+		const epj_tensor *bias = c->in[2];
+		if (bias->ndim != 1 || bias->shape[0] != w->shape[0])
+			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+					   "bias must be [out] = [%lld]",
+					   (long long)w->shape[0]);
+	}
+	ej_meta_set(out, x->dtype, x->ndim, x->shape);
+	out->shape[x->ndim - 1] = w->shape[0];
+	return EPJ_OK;
+}
+
+/* Row stride of x read as a [rows, in] matrix when its leading dims merge
+ * into one (size-1 dims ignored); false when they do not. */
+static bool rows_stride(const epj_tensor *x, int64_t *srow)
+{
+	int nd = x->ndim;
+	int last = -1; /* innermost leading dim of size > 1 seen so far */
+	*srow = max1(x->shape[nd - 1]);
+	for (int d = nd - 2; d >= 0; d--) {
+		if (x->shape[d] == 1)
+			continue;
+		if (last < 0)
+			*srow = x->stride[d];
+		else if (x->stride[d] != x->stride[last] * x->shape[last])
+			return false;
+		last = d;
+	}
+	return true;
+}
+
+epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *x = c->in[0], *w = c->in[1];
+	const epj_tensor *bias = c->n_in == 3 ? c->in[2] : NULL;
+	epj_tensor *o = c->out[0];
+	int64_t fin = w->shape[1], fout = w->shape[0];
+	int64_t rows = ej_numel(x->ndim - 1, x->shape);
+	if (rows == 0 || fout == 0)
+		return EPJ_OK;
+	if (!fits_int(rows) || !fits_int(fin) || !fits_int(fout))
+		return ej_op_error(
+		    ctx, c, EPJ_ERR_UNSUPPORTED,
+		    "matrix sizes exceed the BLAS integer range");
+	epj_dtype cdt = compute_dtype(o->dtype);
+	size_t es = ej_dtype_size(cdt);
+	void *owned_x = NULL, *owned_w = NULL, *owned_c = NULL;
+	epj_status s = EPJ_OK;
+
+	/* x as A [rows, in]: in place when its rows merge and BLAS can read
+	 * them, else a packed copy */
+	const void *px = ej_data(x);
+	bool tx = false;
+	int64_t ldx = max1(fin), srow;
+	if (!(x->dtype == cdt && rows_stride(x, &srow) &&
+	      ej_linalg_layout(rows, fin, srow, x->stride[x->ndim - 1], &tx,
+			       &ldx))) {
+		owned_x = malloc((size_t)max1(rows * fin) * es);
+		if (!owned_x) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory packing x");
+			goto done;
+		}
+		ej_linalg_pack(x, cdt, owned_x);
+		px = owned_x;
+		tx = false;
+		ldx = max1(fin);
+	}
+	/* w^T as B [in, out]: element (i, j) is w[j, i] */
+	const void *pw = ej_data(w);
+	bool tw = false;
+	int64_t ldw = 0;
+	if (!(w->dtype == cdt && ej_linalg_layout(fin, fout, w->stride[1],
+						  w->stride[0], &tw, &ldw))) {
+		owned_w = malloc((size_t)max1(fout * fin) * es);
+		if (!owned_w) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory packing w");
+			goto done;
+		}
+		ej_linalg_pack(w, cdt, owned_w);
+		pw = owned_w;
+		tw = true; /* dense w [out, in] is w^T transposed */
+		ldw = max1(fin);
+	}
+	void *pc = ej_data(o);
+	if (o->dtype != cdt) {
+		owned_c = malloc((size_t)(rows * fout) * es);
+		if (!owned_c) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for the f32 result");
+			goto done;
+		}
+		pc = owned_c;
+	}
+	/* bias: fill every output row with it, then let the GEMM accumulate
+	 * onto it (beta = 1), so the bias costs no extra pass over C */
+	double beta = 0.0;
+	if (bias) {
+		ej_linalg_pack(bias, cdt, pc);
+		for (int64_t r = 1; r < rows; r++)
+			memcpy((char *)pc + (size_t)(r * fout) * es, pc,
+			       (size_t)fout * es);
+		beta = 1.0;
+	}
+	ej_linalg_gemm(cdt, tx, tw, rows, fout, fin, 1.0, px, ldx, pw, ldw,
+		       beta, pc, fout);
+	if (owned_c)
+		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype,
+				rows * fout);
+done:
+	free(owned_x);
+	free(owned_w);
+	free(owned_c);
+	return s;
+}
+
+/* With g2 = grad as [rows, out] and x2 = x as [rows, in]:
+ * dx = g2 @ w (reshaped to x), dw = g2^T @ x2, dbias = sum of g2 over rows. */
+epj_status ej_backward_LINEAR(epj_ctx *ctx, const ej_call *c,
+			      epj_tensor *const *grad_out, const bool *needs,
+			      epj_tensor **grad_in)
+{
+	epj_tensor *x = c->in[0], *w = c->in[1], *g = grad_out[0];
+	if (!g) {
+		for (int i = 0; i < c->n_in; i++)
+			if (needs[i] &&
+			    !(grad_in[i] = zeros_like(ctx, c->in[i])))
+				return bw_status(ctx, "linear");
+		return EPJ_OK;
+	}
+	int64_t rows = ej_numel(x->ndim - 1, x->shape);
+	int64_t g2s[2] = { rows, w->shape[0] };
+	epj_tensor *g2 = epj_reshape(ctx, g, 2, g2s);
+	if (!g2)
+		return bw_status(ctx, "linear");
+	epj_status s = EPJ_OK;
+	if (needs[0]) {
+		epj_tensor *d = epj_matmul(ctx, g2, w);
+		grad_in[0] = epj_reshape(ctx, d, x->ndim, x->shape);
+		epj_tensor_free(d);
+		if (!grad_in[0])
+			s = bw_status(ctx, "linear");
+	}
+	if (s == EPJ_OK && needs[1]) {
+		int64_t x2s[2] = { rows, w->shape[1] };
+		epj_tensor *x2 = epj_reshape(ctx, x, 2, x2s);
+		epj_tensor *g2t = epj_transpose(ctx, g2, 0, 1);
+		grad_in[1] = epj_matmul(ctx, g2t, x2);
+		epj_tensor_free(x2);
+		epj_tensor_free(g2t);
+		if (!grad_in[1])
+			s = bw_status(ctx, "linear");
+	}
+	if (s == EPJ_OK && c->n_in == 3 && needs[2]) {
+		grad_in[2] = epj_sum(ctx, g2, 0, false);
+		if (!grad_in[2])
+			s = bw_status(ctx, "linear");
+	}
+	epj_tensor_free(g2);
+	return s;
+}
+
+epj_tensor *epj_linear(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+		       epj_tensor *bias)
+{
+	ej_attrs at = ej_attrs_none();
+	epj_tensor *in[3] = { x, w, bias };
+	return ej_call1(ctx, EJ_OP_LINEAR, in, bias ? 3 : 2, &at);
+}

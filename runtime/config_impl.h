@@ -1,0 +1,282 @@
+/* config_impl.h -- the two configuration files of a training run: the
+ * DeepSpeed-style training config (ds.json, config.c) and the Hugging Face
+ * model config (config.json, model_config.c).
+ *
+ * Both parsers are strict where a silent mistake would change a run: the
+ * training config rejects unknown keys (naming the full dotted path and the
+ * nearest known key), wrong types and out-of-range values; the model config
+ * tolerates keys it does not use (HF files carry many) but rejects used keys
+ * whose values this library does not implement.  Every error is
+ * EPJ_ERR_CONFIG (EPJ_ERR_IO for an unreadable file) with a message that
+ * starts "config error in <source>: " and names the key.
+ *
+ * Invariants
+ *  - Both structs are plain values: nothing is heap-allocated, so they may be
+ *    copied with `=` and need no free function.
+ *  - A parse never leaves *out half parsed: on failure it holds the
+ *    defaults (ej_config) or all zeros (ej_model_config).
+ */
+#ifndef EPJIT_CONFIG_IMPL_H
+#define EPJIT_CONFIG_IMPL_H
+
+#include "core_impl.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ==== DeepSpeed-style training config (config.c) ========================= */
+
+#define EJ_CONFIG_STR_MAX 32 /* longest string value kept (with the NUL) */
+
+typedef enum ej_optim_type {
+	EJ_OPTIM_SGD = 0,
+	EJ_OPTIM_ADAM,
+	EJ_OPTIM_ADAMW,
+} ej_optim_type;
+
+typedef enum ej_sched_type {
+	EJ_SCHED_NONE = 0, /* no "scheduler" section: constant lr */
+	EJ_SCHED_WARMUP_LR,
+	EJ_SCHED_WARMUP_DECAY_LR,
+	EJ_SCHED_WARMUP_COSINE_LR,
+} ej_sched_type;
+
+typedef enum ej_warmup_type {
+	EJ_WARMUP_LOG = 0, /* DeepSpeed's default */
+	EJ_WARMUP_LINEAR,
+} ej_warmup_type;
+
+typedef enum ej_offload_device {
+	EJ_OFFLOAD_NONE = 0, /* absent, null, {} or {"device": "none"} */
+	EJ_OFFLOAD_CPU,
+	EJ_OFFLOAD_NVME,
+} ej_offload_device;
+
+/* zero_optimization.offload_optimizer / offload_param. */
+typedef struct ej_offload_config {
+	bool present;		  /* the key was given with an object value */
+	ej_offload_device device; /* default none */
+	bool active;		  /* device present and not "none" */
+	bool pin_memory;	  /* default false */
+	char nvme_path[256];	  /* "" unless given */
+} ej_offload_config;
+
+/* A JSON value that may be false, true or null, remembered exactly (torch
+ * treats dynamic=None differently from dynamic=False). */
+typedef enum ej_json_bool {
+	EJ_JSON_FALSE = 0,
+	EJ_JSON_TRUE,
+	EJ_JSON_NULL,
+} ej_json_bool;
+
+typedef struct ej_config {
+	char source[256]; /* source name of the parse, for later messages */
+
+	/* Batch (DeepSpeed: train_batch_size = micro * gas * world_size).
+	 * The *_given flags say what the file set; ej_config_resolve_batch()
+	 * fills the rest for a world size.  Defaults when nothing is given:
+	 * micro 1, gas 1 (train = world_size). */
+	int64_t train_batch_size; /* 0 until given or resolved */
+	int64_t micro_batch_per_gpu;
+	int64_t gradient_accumulation_steps;
+	bool train_batch_size_given, micro_batch_given, gas_given;
+	int batch_world_size; /* world size of the last resolve, 0 if none */
+
+	/* Precision.  bf16.enabled default false; fp16 only as disabled. */
+	bool bf16_enabled;
+
+	/* optimizer.{type, params}.  Default (section absent): AdamW, lr 1e-3.
+	 * Parameters that the type does not take are rejected (DeepSpeed
+	 * passes params to the optimizer constructor). */
+	struct ej_optimizer_config {
+		bool given; /* the "optimizer" section was present */
+		ej_optim_type type;
+		double lr;	     /* default 1e-3, >= 0 */
+		double momentum;     /* SGD only; default 0, [0, 1) */
+		bool nesterov;	     /* SGD only; needs momentum > 0 */
+		double betas[2];     /* Adam/AdamW; default 0.9, 0.999 */
+		double eps;	     /* Adam/AdamW; default 1e-8, > 0 */
+		double weight_decay; /* default 0 (DeepSpeed's), >= 0 */
+		/* Decoupled (AdamW-style) weight decay: always for AdamW; for
+		 * Adam params.adam_w_mode, default true as in DeepSpeed. */
+		bool adam_w_mode;
+	} optimizer;
+
+	/* scheduler.{type, params}, DeepSpeed's names and defaults. */
+	struct ej_scheduler_config {
+		ej_sched_type type;	    /* default none */
+		double warmup_min_lr;	    /* WarmupLR/DecayLR; default 0 */
+		double warmup_max_lr;	    /* WarmupLR/DecayLR; default 1e-3 */
+		int64_t warmup_num_steps;   /* default 1000 */
+		ej_warmup_type warmup_type; /* default log */
+		int64_t total_num_steps;    /* DecayLR/CosineLR: required */
+		double cos_min_ratio;	    /* CosineLR; default 1e-4 */
+		double warmup_min_ratio;    /* CosineLR; default 0 */
+		int64_t last_batch_iteration; /* default -1 */
+	} scheduler;
+
+	double gradient_clipping; /* >= 0; 0 = off (default) */
+
+	struct ej_zero_config {
+		int stage; /* 0..3, default 0 */
+		ej_offload_config offload_optimizer;
+		ej_offload_config offload_param;
+		int64_t reduce_bucket_size;    /* elements, default 5e8 */
+		int64_t allgather_bucket_size; /* elements, default 5e8 */
+		bool overlap_comm;	       /* default false */
+		bool contiguous_gradients;     /* default true */
+	} zero;
+
+	struct ej_act_ckpt_config {
+		bool enabled; /* epjit extension; default false */
+		bool partition_activations;
+		bool cpu_checkpointing;
+		bool contiguous_memory_optimization;
+		int64_t number_checkpoints; /* 0 = null/absent */
+		bool synchronize_checkpoint_boundary;
+		bool profile;
+	} activation_checkpointing;
+
+	struct ej_ep_config {
+		bool enabled;			      /* default false */
+		int autoep_size;		      /* >= 1, default 1 */
+		char comm_backend[EJ_CONFIG_STR_MAX]; /* "comm" (default),
+							 "deepep" */
+		char preset_model[EJ_CONFIG_STR_MAX]; /* "" = auto */
+		bool async_split_plan;		      /* default false */
+		int top_k;	/* 0 = "auto" (model's num_experts_per_tok)
+				 */
+		int route_norm; /* -1 = auto (model's norm_topk_prob), 0, 1 */
+		double route_scale; /* default 1.0 */
+		bool fixed_routing; /* epjit extension for benchmarks */
+		/* Aux-loss-free expert-bias balancing (DeepSpeed AutoEP):
+		 * default 1e-3; null disables (has_load_balance false). */
+		bool has_load_balance;
+		double load_balance_coeff;
+	} expert_parallel;
+
+	struct ej_compile_config {
+		bool autoep_non_moe; /* default false */
+		/* "" = the device's own default; else "interpreter", "c",
+		 * "nvrtc" or "cuda-sim" (whether this build has it is checked
+		 * by the engine). */
+		char backend[EJ_CONFIG_STR_MAX];
+		ej_json_bool fullgraph; /* default false */
+		bool fullgraph_given;
+		ej_json_bool dynamic; /* default false; null kept as null */
+		bool dynamic_given;
+		bool deepcompile;	/* default false */
+		bool compiled_autograd; /* default false */
+		bool schedule_present;	/* compile.schedule given, non-null */
+	} compile;
+
+	int sequence_parallel_size; /* >= 1, default 1 */
+	int pipeline_stages;	    /* pipeline.stages >= 1, default 1 */
+	int autotp_size;	    /* tensor_parallel.autotp_size >= 1 */
+	int64_t steps_per_print;    /* >= 1, default 10 */
+	int64_t seed;		    /* default 42 */
+	bool wall_clock_breakdown;  /* default false */
+} ej_config;
+
+/* Fills every field with its documented default. */
+void ej_config_defaults(ej_config *cfg);
+
+/* Parses DeepSpeed-style JSON text.  source_name (e.g. the file name; NULL
+ * means "<string>") prefixes every message: "config error in ds.json: ...".
+ * *out is always written (defaults on failure).  Checks that do not need the
+ * world size are done here (train_batch_size divisible by micro * gas). */
+epj_status ej_config_parse(epj_ctx *ctx, const char *json_text,
+			   const char *source_name, ej_config *out);
+/* Reads and parses a file; an unreadable file is EPJ_ERR_IO naming path. */
+epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out);
+
+/* Resolves train_batch_size / micro / gas for world_size ranks (any two
+ * determine the third; only train_batch_size or only micro: gas 1; only gas:
+ * micro 1; nothing: micro = gas = 1).  Inconsistent values are an error naming
+ * all three and the world size.  Idempotent for the same world size. */
+epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *cfg,
+				   int world_size);
+
+/* The support boundary of compile.autoep_non_moe (DESIGN.md section 5).
+ * Returns EPJ_OK when the option is off.  Otherwise rejects each unsupported
+ * setting with EPJ_ERR_CONFIG and its own message beginning
+ * "compile.autoep_non_moe=true" that says what to change.  Not checked here:
+ * whether this build has the backend, whether the model has AutoEP layers. */
+epj_status ej_config_validate_autoep_compile(epj_ctx *ctx,
+					     const ej_config *cfg);
+
+/* The effective config as JSON text (2-space indent) that ej_config_parse
+ * accepts and that parses back to the same values (reals are printed with 15
+ * significant digits: exact for values read from decimal text); malloc'ed
+ * (free()), NULL on allocation failure.  For logging a run's config. */
+char *ej_config_to_json(const ej_config *cfg);
+
+/* Names for logging ("SGD", "WarmupLR", ...). */
+const char *ej_optim_type_name(ej_optim_type t);
+const char *ej_sched_type_name(ej_sched_type t);
+
+/* ==== Hugging Face model config (model_config.c) ========================= */
+
+#define EJ_MODEL_MAX_LAYERS 1024
+
+typedef struct ej_model_config {
+	int64_t vocab_size;	       /* required */
+	int64_t hidden_size;	       /* required */
+	int num_hidden_layers;	       /* required, <= EJ_MODEL_MAX_LAYERS */
+	int num_attention_heads;       /* required */
+	int num_key_value_heads;       /* default num_attention_heads */
+	int head_dim;		       /* default hidden / heads; even */
+	int64_t intermediate_size;     /* required (dense MLP layers) */
+	int64_t moe_intermediate_size; /* required when num_experts > 0 */
+	int num_experts;	       /* default 0 (no MoE layer) */
+	int num_experts_per_tok;       /* required when num_experts > 0 */
+	bool norm_topk_prob;	       /* default false (HF) */
+	int decoder_sparse_step;       /* default 1 */
+	int n_mlp_only_layers;	       /* entries of mlp_only_layers */
+	int mlp_only_layers[EJ_MODEL_MAX_LAYERS]; /* distinct, in range */
+	double rms_norm_eps;			  /* default 1e-6 */
+	double rope_theta;			  /* default 10000 */
+	int64_t max_position_embeddings;	  /* default 32768 */
+	bool tie_word_embeddings;		  /* default false */
+	double initializer_range;		  /* default 0.02 */
+	char torch_dtype[16]; /* informational; "" if absent */
+} ej_model_config;
+
+/* Parses an HF config.json (Qwen3-MoE).  Unused keys are listed once at
+ * debug level; used keys with values this library does not implement
+ * (sliding window, attention bias, rope scaling, activation other than silu,
+ * model_type other than qwen3_moe, dropout, router logits output) are
+ * errors naming the key.  *out is always written (zeros on failure). */
+epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
+				 const char *source_name, ej_model_config *out);
+epj_status ej_model_config_load(epj_ctx *ctx, const char *path,
+				ej_model_config *out);
+
+/* The built-in tiny model of `epjit-train` with no arguments: vocab 64,
+ * hidden 32, 2 layers, 4 heads (2 KV) of dim 8, intermediate 64, 4 experts
+ * of dim 32, top-2 with renormalisation, rope 1e4, eps 1e-6, 256 positions,
+ * untied embeddings. */
+void ej_model_config_tiny(ej_model_config *out);
+
+/* HF rule: layer is MoE iff it is not in mlp_only_layers, num_experts > 0
+ * and (layer + 1) % decoder_sparse_step == 0.  layer must be in
+ * [0, num_hidden_layers) (asserted). */
+bool ej_model_layer_is_moe(const ej_model_config *cfg, int layer);
+
+/* ==== helpers shared by the two parsers ================================== */
+
+/* Edit distance between two strings, ignoring ASCII case: Levenshtein
+ * (insert, delete, substitute) plus adjacent transposition, each 1. */
+int ej_edit_distance(const char *a, const char *b);
+/* Nearest of n candidates to key when close enough to be a likely typo,
+ * else NULL. */
+const char *ej_nearest_key(const char *key, const char *const *cands, int n);
+/* "object", "array", "string", "integer", "real", "boolean", "null". */
+const char *ej_json_type_name(const json_t *v);
+/* Reads a whole text file into a NUL-terminated malloc'ed buffer (free());
+ * on failure sets EPJ_ERR_IO "config error in <path>: cannot read: ..." and
+ * returns NULL.  A file containing a NUL byte is EPJ_ERR_CONFIG. */
+char *ej_config_read_file(epj_ctx *ctx, const char *path);
+
+#endif /* EPJIT_CONFIG_IMPL_H */

@@ -1,0 +1,577 @@
+/* model_config.c -- the Hugging Face config.json of a Qwen3-MoE model.
+ *
+ * The reader accepts a published config as is: HF files carry many keys the
+ * trainer has no use for (token ids, architectures, use_cache ...), so keys
+ * outside the table below are listed once at debug level and otherwise
+ * ignored.  Keys the model builder reads are type- and range-checked, and
+ * keys whose values would change the model in ways this library does not
+ * implement (sliding windows, attention bias, RoPE scaling, another
+ * activation or model family, dropout, router-logit losses) are errors that
+ * name the key, so a model is never silently built differently from the
+ * checkpoint's definition.  A missing required key names any unused key that
+ * looks like a typo of it.
+ *
+ * Invariants
+ *  - On failure *out is all zeros; on success every field is set (defaults
+ *    for optional keys, as HF's Qwen3MoeConfig would fill them, except that
+ *    the MoE sizes are required when num_experts > 0).
+ *  - mlp_only_layers holds distinct indices in [0, num_hidden_layers).
+ */
+#include "config_impl.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <string.h>
+
+#define SIZE_MAX_ ((int64_t)1 << 30) /* bound of every size and count */
+
+/* Keys the model builder reads or checks; all others are "unused". */
+static const char *const used_keys[] = {
+	"vocab_size",
+	"hidden_size",
+	"num_hidden_layers",
+	"num_attention_heads",
+	"num_key_value_heads",
+	"head_dim",
+	"intermediate_size",
+	"moe_intermediate_size",
+	"num_experts",
+	"num_experts_per_tok",
+	"norm_topk_prob",
+	"decoder_sparse_step",
+	"mlp_only_layers",
+	"rms_norm_eps",
+	"rope_theta",
+	"rope_parameters",
+	"max_position_embeddings",
+	"tie_word_embeddings",
+	"initializer_range",
+	"torch_dtype",
+	"use_sliding_window",
+	"attention_bias",
+	"rope_scaling",
+	"hidden_act",
+	"model_type",
+	"attention_dropout",
+	"output_router_logits",
+};
+
+typedef struct mp {
+	epj_ctx *ctx;
+	const char *src;
+	json_t *root;
+	/* Keys of root not in used_keys (borrowed from root). */
+	const char *unused[256];
+	int n_unused;
+} mp;
+
+static epj_status mp_err(mp *p, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static epj_status mp_err(mp *p, const char *fmt, ...)
+{
+	char msg[896];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	return ej_error(p->ctx, EPJ_ERR_CONFIG, "config error in %s: %s",
+			p->src, msg);
+}
+
+static const char *got_str(const json_t *v, char *buf, size_t n)
+{
+	if (json_is_string(v))
+		snprintf(buf, n, "string \"%.60s\"", json_string_value(v));
+	else if (json_is_real(v))
+		snprintf(buf, n, "real %g", json_real_value(v));
+	else if (json_is_integer(v))
+		snprintf(buf, n, "integer %" JSON_INTEGER_FORMAT,
+			 json_integer_value(v));
+	else
+		snprintf(buf, n, "%s", ej_json_type_name(v));
+	return buf;
+}
+
+static epj_status missing(mp *p, const char *key, const char *why)
+{
+	char hint[160] = "";
+	const char *near = ej_nearest_key(key, p->unused, p->n_unused);
+	if (near)
+		snprintf(hint, sizeof hint, " (found \"%s\": a typo?)", near);
+	return mp_err(p, "missing required key \"%s\"%s%s", key, why, hint);
+}
+
+static bool json_as_int(const json_t *v, int64_t *out)
+{
+	if (json_is_integer(v)) {
+		*out = json_integer_value(v);
+		return true;
+	}
+	if (json_is_real(v)) {
+		double d = json_real_value(v);
+		if (d == floor(d) && fabs(d) < 9.0e15) {
+			*out = (int64_t)d;
+			return true;
+		}
+	}
+	return false;
+}
+
+/* Reads root[key] as an integer in [lo, SIZE_MAX_].  Absent or null: OK,
+ * *out untouched, *given false. */
+static epj_status rd_int(mp *p, const char *key, int64_t lo, int64_t *out,
+			 bool *given)
+{
+	json_t *v = json_object_get(p->root, key);
+	*given = false;
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	const char *what = lo == 1   ? "a positive integer"
+			   : lo == 0 ? "a non-negative integer"
+				     : "an integer";
+	int64_t x;
+	char g[100];
+	if (!json_as_int(v, &x))
+		return mp_err(p, "\"%s\" must be %s, got %s", key, what,
+			      got_str(v, g, sizeof g));
+	if (x < lo)
+		return mp_err(p, "\"%s\" must be %s, got %" PRId64, key, what,
+			      x);
+	if (x > SIZE_MAX_)
+		return mp_err(
+		    p, "\"%s\" must be at most %" PRId64 ", got %" PRId64, key,
+		    SIZE_MAX_, x);
+	*out = x;
+	*given = true;
+	return EPJ_OK;
+}
+
+static epj_status rd_req(mp *p, const char *key, int64_t *out)
+{
+	bool given;
+	epj_status s = rd_int(p, key, 1, out, &given);
+	if (s == EPJ_OK && !given)
+		return missing(p, key, "");
+	return s;
+}
+
+/* A positive (or, with allow_zero, non-negative) finite number. */
+static epj_status rd_num(mp *p, json_t *obj, const char *key, bool allow_zero,
+			 double *out)
+{
+	json_t *v = json_object_get(obj, key);
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	char g[100];
+	const char *what = allow_zero ? "a number >= 0" : "a number > 0";
+	if (!json_is_number(v))
+		return mp_err(p, "\"%s\" must be %s, got %s", key, what,
+			      got_str(v, g, sizeof g));
+	double x = json_number_value(v);
+	if (!(allow_zero ? x >= 0 : x > 0))
+		return mp_err(p, "\"%s\" must be %s, got %g", key, what, x);
+	*out = x;
+	return EPJ_OK;
+}
+
+static epj_status rd_bool(mp *p, const char *key, bool *out)
+{
+	json_t *v = json_object_get(p->root, key);
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	if (!json_is_boolean(v)) {
+		char g[100];
+		return mp_err(p, "\"%s\" must be a boolean, got %s", key,
+			      got_str(v, g, sizeof g));
+	}
+	*out = json_is_true(v);
+	return EPJ_OK;
+}
+
+/* Keys whose values select features this library does not implement. */
+static epj_status check_unsupported(mp *p)
+{
+	epj_status s;
+	bool b = false;
+	char g[100];
+	json_t *v;
+	if ((s = rd_bool(p, "use_sliding_window", &b)))
+		return s;
+	if (b)
+		return mp_err(p, "\"use_sliding_window\" is true: "
+				 "sliding-window attention is not implemented "
+				 "(set it to false)");
+	b = false;
+	if ((s = rd_bool(p, "attention_bias", &b)))
+		return s;
+	if (b)
+		return mp_err(p, "\"attention_bias\" is true: attention "
+				 "projections with bias are not implemented "
+				 "(Qwen3 uses none)");
+	b = false;
+	if ((s = rd_bool(p, "output_router_logits", &b)))
+		return s;
+	if (b)
+		return mp_err(p, "\"output_router_logits\" is true: the router "
+				 "auxiliary loss is not implemented (set it to "
+				 "false; expert_parallel.load_balance_coeff "
+				 "balances experts without it)");
+	if ((v = json_object_get(p->root, "rope_scaling")) &&
+	    !json_is_null(v)) {
+		const char *kind = "";
+		if (json_is_object(v)) {
+			json_t *t = json_object_get(v, "rope_type");
+			if (!t)
+				t = json_object_get(v, "type");
+			if (json_is_string(t))
+				kind = json_string_value(t);
+		}
+		return mp_err(
+		    p,
+		    "\"rope_scaling\" must be null: RoPE scaling%s%s%s "
+		    "is not implemented (only plain RoPE with "
+		    "rope_theta)",
+		    kind[0] ? " (\"" : "", kind, kind[0] ? "\")" : "");
+	}
+	if ((v = json_object_get(p->root, "hidden_act")) && !json_is_null(v)) {
+		if (!json_is_string(v))
+			return mp_err(p,
+				      "\"hidden_act\" must be a string, got %s",
+				      got_str(v, g, sizeof g));
+		if (strcmp(json_string_value(v), "silu") != 0)
+			return mp_err(p,
+				      "\"hidden_act\" is \"%.60s\": only "
+				      "\"silu\" (SwiGLU) is implemented",
+				      json_string_value(v));
+	}
+	if ((v = json_object_get(p->root, "model_type")) && !json_is_null(v)) {
+		if (!json_is_string(v))
+			return mp_err(p,
+				      "\"model_type\" must be a string, got %s",
+				      got_str(v, g, sizeof g));
+		if (strcmp(json_string_value(v), "qwen3_moe") != 0)
+			return mp_err(p,
+				      "\"model_type\" is \"%.60s\": only "
+				      "\"qwen3_moe\" (Qwen3-MoE) models are "
+				      "supported",
+				      json_string_value(v));
+	}
+	double dropout = 0;
+	if ((s = rd_num(p, p->root, "attention_dropout", true, &dropout)))
+		return s;
+	if (dropout != 0)
+		return mp_err(p,
+			      "\"attention_dropout\" is %g: dropout is not "
+			      "implemented (set it to 0)",
+			      dropout);
+	return EPJ_OK;
+}
+
+/* rope_theta, or (transformers >= 5) rope_parameters.{rope_type,
+ * rope_theta}. */
+static epj_status parse_rope(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	char g[100];
+	if ((s = rd_num(p, p->root, "rope_theta", false, &m->rope_theta)))
+		return s;
+	json_t *rp = json_object_get(p->root, "rope_parameters");
+	if (!rp || json_is_null(rp))
+		return EPJ_OK;
+	if (!json_is_object(rp))
+		return mp_err(p,
+			      "\"rope_parameters\" must be an object, got %s",
+			      got_str(rp, g, sizeof g));
+	json_t *t = json_object_get(rp, "rope_type");
+	if (t && !json_is_null(t) &&
+	    (!json_is_string(t) ||
+	     strcmp(json_string_value(t), "default") != 0))
+		return mp_err(p,
+			      "\"rope_parameters.rope_type\" must be "
+			      "\"default\", got %s: RoPE scaling is not "
+			      "implemented",
+			      got_str(t, g, sizeof g));
+	json_t *th = json_object_get(rp, "rope_theta");
+	if (th) {
+		if (!json_is_number(th) || !(json_number_value(th) > 0))
+			return mp_err(p,
+				      "\"rope_parameters.rope_theta\" must be "
+				      "a number > 0, got %s",
+				      got_str(th, g, sizeof g));
+		m->rope_theta = json_number_value(th);
+	}
+	return EPJ_OK;
+}
+
+static epj_status parse_mlp_only(mp *p, ej_model_config *m)
+{
+	json_t *v = json_object_get(p->root, "mlp_only_layers");
+	char g[100];
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	if (!json_is_array(v))
+		return mp_err(p,
+			      "\"mlp_only_layers\" must be an array of layer "
+			      "indices, got %s",
+			      got_str(v, g, sizeof g));
+	size_t i;
+	json_t *x;
+	json_array_foreach(v, i, x)
+	{
+		int64_t l;
+		if (!json_as_int(x, &l))
+			return mp_err(p,
+				      "\"mlp_only_layers[%zu]\" must be an "
+				      "integer, got %s",
+				      i, got_str(x, g, sizeof g));
+		if (l < 0 || l >= m->num_hidden_layers)
+			return mp_err(p,
+				      "\"mlp_only_layers[%zu]\" = %" PRId64
+				      " is not a layer index in [0, %d) "
+				      "(num_hidden_layers)",
+				      i, l, m->num_hidden_layers);
+		for (int j = 0; j < m->n_mlp_only_layers; j++)
+			if (m->mlp_only_layers[j] == l)
+				return mp_err(p,
+					      "\"mlp_only_layers[%zu]\" = "
+					      "%" PRId64 " is listed twice",
+					      i, l);
+		m->mlp_only_layers[m->n_mlp_only_layers++] = (int)l;
+	}
+	return EPJ_OK;
+}
+
+static epj_status parse_model(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x;
+	bool given;
+	char g[100];
+
+	if ((s = check_unsupported(p)))
+		return s;
+	/* Required sizes. */
+	if ((s = rd_req(p, "vocab_size", &m->vocab_size)) ||
+	    (s = rd_req(p, "hidden_size", &m->hidden_size)))
+		return s;
+	if ((s = rd_req(p, "num_hidden_layers", &x)))
+		return s;
+	if (x > EJ_MODEL_MAX_LAYERS)
+		return mp_err(p,
+			      "\"num_hidden_layers\" is %" PRId64
+			      ": at most %d layers are supported",
+			      x, EJ_MODEL_MAX_LAYERS);
+	m->num_hidden_layers = (int)x;
+	if ((s = rd_req(p, "num_attention_heads", &x)))
+		return s;
+	m->num_attention_heads = (int)x;
+	if ((s = rd_req(p, "intermediate_size", &m->intermediate_size)))
+		return s;
+
+	/* Attention geometry. */
+	x = m->num_attention_heads;
+	if ((s = rd_int(p, "num_key_value_heads", 1, &x, &given)))
+		return s;
+	m->num_key_value_heads = (int)x;
+	if (m->num_attention_heads % m->num_key_value_heads != 0)
+		return mp_err(p,
+			      "\"num_attention_heads\" (%d) must be a multiple "
+			      "of \"num_key_value_heads\" (%d)",
+			      m->num_attention_heads, m->num_key_value_heads);
+	if ((s = rd_int(p, "head_dim", 1, &x, &given)))
+		return s;
+	if (given) {
+		m->head_dim = (int)x;
+	} else {
+		if (m->hidden_size % m->num_attention_heads != 0)
+			return mp_err(p,
+				      "\"head_dim\" is absent and "
+				      "\"hidden_size\" (%" PRId64
+				      ") is not divisible by "
+				      "\"num_attention_heads\" (%d): give "
+				      "head_dim",
+				      m->hidden_size, m->num_attention_heads);
+		m->head_dim = (int)(m->hidden_size / m->num_attention_heads);
+	}
+	if (m->head_dim % 2 != 0)
+		return mp_err(p,
+			      "\"head_dim\" (%d) must be even: rotary "
+			      "embeddings rotate pairs of dimensions",
+			      m->head_dim);
+
+	/* Experts. */
+	x = 0;
+	if ((s = rd_int(p, "num_experts", 0, &x, &given)))
+		return s;
+	m->num_experts = (int)x;
+	if (m->num_experts > 0) {
+		const char *why = " (num_experts > 0)";
+		if ((s = rd_int(p, "num_experts_per_tok", 1, &x, &given)))
+			return s;
+		if (!given)
+			return missing(p, "num_experts_per_tok", why);
+		if (x > m->num_experts)
+			return mp_err(p,
+				      "\"num_experts_per_tok\" (%" PRId64
+				      ") must not exceed \"num_experts\" (%d)",
+				      x, m->num_experts);
+		m->num_experts_per_tok = (int)x;
+		if ((s = rd_int(p, "moe_intermediate_size", 1,
+				&m->moe_intermediate_size, &given)))
+			return s;
+		if (!given)
+			return missing(p, "moe_intermediate_size", why);
+	} else {
+		/* Still type-check them: a typo'd value should not pass. */
+		int64_t unused;
+		if ((s = rd_int(p, "num_experts_per_tok", 1, &unused,
+				&given)) ||
+		    (s = rd_int(p, "moe_intermediate_size", 1, &unused,
+				&given)))
+			return s;
+	}
+	x = 1;
+	if ((s = rd_int(p, "decoder_sparse_step", 1, &x, &given)))
+		return s;
+	m->decoder_sparse_step = (int)x;
+	if ((s = rd_bool(p, "norm_topk_prob", &m->norm_topk_prob)) ||
+	    (s = parse_mlp_only(p, m)))
+		return s;
+
+	/* The rest. */
+	if ((s = rd_num(p, p->root, "rms_norm_eps", false, &m->rms_norm_eps)) ||
+	    (s = parse_rope(p, m)) ||
+	    (s = rd_int(p, "max_position_embeddings", 1,
+			&m->max_position_embeddings, &given)) ||
+	    (s = rd_bool(p, "tie_word_embeddings", &m->tie_word_embeddings)) ||
+	    (s = rd_num(p, p->root, "initializer_range", true,
+			&m->initializer_range)))
+		return s;
+	json_t *v = json_object_get(p->root, "torch_dtype");
+	if (v && !json_is_null(v)) {
+		if (!json_is_string(v))
+			return mp_err(
+			    p, "\"torch_dtype\" must be a string, got %s",
+			    got_str(v, g, sizeof g));
+		snprintf(m->torch_dtype, sizeof m->torch_dtype, "%s",
+			 json_string_value(v));
+	}
+	return EPJ_OK;
+}
+
+static void model_defaults(ej_model_config *m)
+{
+	/* HF Qwen3MoeConfig's defaults for the optional keys. */
+	memset(m, 0, sizeof *m);
+	m->decoder_sparse_step = 1;
+	m->rms_norm_eps = 1e-6;
+	m->rope_theta = 10000.0;
+	m->max_position_embeddings = 32768;
+	m->initializer_range = 0.02;
+}
+
+epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
+				 const char *source_name, ej_model_config *out)
+{
+	EJ_ASSERT(out);
+	memset(out, 0, sizeof *out);
+	mp p = { .ctx = ctx, .src = source_name ? source_name : "<string>" };
+	if (!json_text)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"config error in %s: no JSON text (NULL)",
+				p.src);
+	json_error_t jerr;
+	json_t *root = json_loads(
+	    json_text, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+	if (!root)
+		return mp_err(&p, "invalid JSON at line %d, column %d: %s",
+			      jerr.line, jerr.column, jerr.text);
+	epj_status s = EPJ_OK;
+	if (!json_is_object(root)) {
+		char g[100];
+		s = mp_err(&p, "the top level must be a JSON object, got %s",
+			   got_str(root, g, sizeof g));
+		json_decref(root);
+		return s;
+	}
+	p.root = root;
+
+	/* Unused keys, listed once at debug level. */
+	char list[900];
+	size_t o = 0;
+	list[0] = '\0';
+	const char *key;
+	json_t *val;
+	json_object_foreach(root, key, val)
+	{
+		bool used = false;
+		for (size_t i = 0; i < EJ_ARRAY_LEN(used_keys) && !used; i++)
+			used = strcmp(key, used_keys[i]) == 0;
+		if (used)
+			continue;
+		if (p.n_unused < (int)EJ_ARRAY_LEN(p.unused))
+			p.unused[p.n_unused++] = key;
+		if (o < sizeof list)
+			o += (size_t)snprintf(list + o, sizeof list - o, "%s%s",
+					      o ? ", " : "", key);
+	}
+	if (p.n_unused)
+		epj_log_msg(EPJ_LOG_DEBUG, "%s: keys not used by epjit: %s",
+			    p.src, list);
+
+	ej_model_config *tmp = malloc(sizeof *tmp);
+	if (!tmp) {
+		json_decref(root);
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"config error in %s: out of memory", p.src);
+	}
+	model_defaults(tmp);
+	s = parse_model(&p, tmp);
+	if (s == EPJ_OK)
+		*out = *tmp;
+	free(tmp);
+	json_decref(root);
+	return s;
+}
+
+epj_status ej_model_config_load(epj_ctx *ctx, const char *path,
+				ej_model_config *out)
+{
+	EJ_ASSERT(out && path);
+	memset(out, 0, sizeof *out);
+	char *text = ej_config_read_file(ctx, path);
+	if (!text)
+		return epj_ctx_status(ctx);
+	epj_status s = ej_model_config_parse(ctx, text, path, out);
+	free(text);
+	return s;
+}
+
+void ej_model_config_tiny(ej_model_config *m)
+{
+	model_defaults(m);
+	m->vocab_size = 64;
+	m->hidden_size = 32;
+	m->num_hidden_layers = 2;
+	m->num_attention_heads = 4;
+	m->num_key_value_heads = 2;
+	m->head_dim = 8;
+	m->intermediate_size = 64;
+	m->moe_intermediate_size = 32;
+	m->num_experts = 4;
+	m->num_experts_per_tok = 2;
+	m->norm_topk_prob = true;
+	m->rope_theta = 10000.0;
+	m->rms_norm_eps = 1e-6;
+	m->max_position_embeddings = 256;
+	m->tie_word_embeddings = false;
+}
+
+bool ej_model_layer_is_moe(const ej_model_config *m, int layer)
+{
+	EJ_ASSERT(m && layer >= 0 && layer < m->num_hidden_layers);
+	for (int i = 0; i < m->n_mlp_only_layers; i++)
+		if (m->mlp_only_layers[i] == layer)
+			return false;
+	return m->num_experts > 0 && (layer + 1) % m->decoder_sparse_step == 0;
+}

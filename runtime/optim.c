@@ -1,0 +1,648 @@
+/* optim.c -- SGD, Adam and AdamW on FP32 master parameters, gradient
+ * clipping by global norm, and DeepSpeed's learning-rate schedules.
+ *
+ * The update formulas are PyTorch's (torch.optim.SGD / Adam / AdamW,
+ * single-tensor path), computed per element in double from f32 storage:
+ *
+ *   SGD:   g += wd * p;  b = momentum * b + g (dampening 0);
+ *          g = nesterov ? g + momentum * b : b;  p -= lr * g
+ *   Adam (L2, adam_w_mode false):  g += wd * p, then the Adam update
+ *   AdamW (decoupled: type AdamW, or Adam with adam_w_mode true as in
+ *          DeepSpeed):  p *= 1 - lr * wd, then the Adam update
+ *   Adam update (t = step count + 1):
+ *          m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g^2;
+ *          p -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+ *
+ * SGD's momentum buffer starts at zero, which gives PyTorch's first step
+ * (b = g) exactly.  t is one global count (DeepSpeed's FusedAdam keeps one
+ * per parameter group); a parameter without a gradient is skipped entirely.
+ *
+ * Kernels are flat loops over contiguous f32 arrays (ej_data), OpenMP
+ * parallel above PAR_MIN elements; elementwise updates are independent of
+ * the thread count, and the global norm is summed in fixed chunks and then
+ * in chunk order, so it is too.  No autograd is involved: only raw data is
+ * touched.
+ */
+#include "optim_impl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PAR_MIN	   (1 << 15) /* elements below which loops stay serial */
+#define NORM_CHUNK 8192	     /* elements per partial sum of the norm */
+
+typedef struct opt_param {
+	char *name;
+	epj_tensor *param;  /* owned ref */
+	epj_tensor *master; /* owned ref; == param for f32 parameters */
+	epj_tensor *mgrad;  /* owned ref; f32 accumulator, bf16 only */
+	epj_tensor *s1;	    /* momentum buffer or exp_avg; NULL if unused */
+	epj_tensor *s2;	    /* exp_avg_sq; NULL if unused */
+	int64_t numel;
+	bool has_grad; /* bf16: mgrad received a gradient since the last step */
+} opt_param;
+
+typedef struct opt_state {
+	char *name;    /* "optimizer.<kind>.<param name>" (owned) */
+	epj_tensor *t; /* borrowed from an opt_param */
+} opt_state;
+
+struct ej_optim {
+	epj_ctx *ctx;
+	ej_optim_type type;
+	double momentum, beta1, beta2, eps, wd, clip;
+	bool nesterov;
+	bool decoupled; /* AdamW-style weight decay */
+	int n;
+	opt_param *p;
+	int n_state;
+	opt_state *state;
+	int64_t steps;
+	double *partial; /* norm scratch: one slot per NORM_CHUNK */
+};
+
+/* ---- creation -------------------------------------------------------------
+ */
+
+static char *dup_str(const char *s)
+{
+	size_t n = strlen(s) + 1;
+	char *d = malloc(n);
+	if (d)
+		memcpy(d, s, n);
+	return d;
+}
+
+static epj_tensor *zeros_like_f32(epj_ctx *ctx, const epj_tensor *t)
+{
+	return epj_zeros(ctx, EPJ_DTYPE_F32, t->ndim, t->shape);
+}
+
+static epj_status add_state(epj_ctx *ctx, ej_optim *o, const char *kind,
+			    const char *pname, epj_tensor *t)
+{
+	size_t len = strlen("optimizer...") + strlen(kind) + strlen(pname) + 1;
+	char *name = malloc(len);
+	if (!name)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"optim: out of memory naming state of %s",
+				pname);
+	snprintf(name, len, "optimizer.%s.%s", kind, pname);
+	o->state[o->n_state].name = name;
+	o->state[o->n_state].t = t;
+	o->n_state++;
+	return EPJ_OK;
+}
+
+/* Validates parameter i; the message names it, its description and the
+ * optimizer. */
+static epj_status check_param(epj_ctx *ctx, epj_tensor *const *params,
+			      const char *const *names, int i)
+{
+	char d[64];
+	const char *nm = names[i];
+	epj_tensor *t = params[i];
+	if (!t)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"optim: parameter %d (%s) is NULL", i, nm);
+	if (!t->storage)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"optim: parameter %s %s has no data (symbolic "
+				"tensor of trace mode)",
+				nm, epj_tensor_describe(t, d, sizeof d));
+	if (t->dtype != EPJ_DTYPE_F32 && t->dtype != EPJ_DTYPE_BF16)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"optim: parameter %s is %s: only f32 and bf16 "
+				"parameters are supported",
+				nm, epj_tensor_describe(t, d, sizeof d));
+	if (t->dtype == EPJ_DTYPE_F32 && !ej_is_contiguous(t))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"optim: f32 parameter %s %s is not contiguous "
+				"(its master is the parameter itself, updated "
+				"by flat loops)",
+				nm, epj_tensor_describe(t, d, sizeof d));
+	for (int j = 0; j < i; j++) {
+		if (params[j] == t)
+			return ej_error(
+			    ctx, EPJ_ERR_INVALID,
+			    "optim: parameter %s is the same tensor "
+			    "as parameter %s",
+			    nm, names[j]);
+		if (strcmp(names[j], nm) == 0)
+			return ej_error(ctx, EPJ_ERR_INVALID,
+					"optim: parameters %d and %d are both "
+					"named \"%s\"",
+					j, i, nm);
+	}
+	return EPJ_OK;
+}
+
+static epj_status init_param(epj_ctx *ctx, ej_optim *o, opt_param *p,
+			     epj_tensor *t, const char *name)
+{
+	p->name = dup_str(name);
+	if (!p->name)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"optim: out of memory for parameter %s", name);
+	p->param = epj_tensor_ref(t);
+	p->numel = ej_numel(t->ndim, t->shape);
+	epj_status st;
+	if (t->dtype == EPJ_DTYPE_F32) {
+		p->master = epj_tensor_ref(t);
+	} else {
+		p->master = zeros_like_f32(ctx, t);
+		p->mgrad = zeros_like_f32(ctx, t);
+		if (!p->master || !p->mgrad)
+			goto fail;
+		if ((st = epj_tensor_copy_(ctx, p->master, t)) != EPJ_OK)
+			goto fail;
+		if ((st = add_state(ctx, o, "master", name, p->master)))
+			return st;
+	}
+	if (o->type == EJ_OPTIM_SGD) {
+		if (o->momentum > 0) {
+			if (!(p->s1 = zeros_like_f32(ctx, t)))
+				goto fail;
+			if ((st = add_state(ctx, o, "momentum", name, p->s1)))
+				return st;
+		}
+	} else {
+		p->s1 = zeros_like_f32(ctx, t);
+		p->s2 = zeros_like_f32(ctx, t);
+		if (!p->s1 || !p->s2)
+			goto fail;
+		if ((st = add_state(ctx, o, "exp_avg", name, p->s1)) ||
+		    (st = add_state(ctx, o, "exp_avg_sq", name, p->s2)))
+			return st;
+	}
+	return EPJ_OK;
+fail:
+	ej_error_prefix(ctx, "optim: state of parameter %s", name);
+	return ctx->status != EPJ_OK ? ctx->status : EPJ_ERR_NOMEM;
+}
+
+ej_optim *ej_optim_new(epj_ctx *ctx, const ej_config *cfg,
+		       epj_tensor *const *params, const char *const *names,
+		       int n)
+{
+	if (!cfg || n < 0 || (n > 0 && (!params || !names))) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "optim: bad arguments (cfg %p, params %p, names %p, "
+			 "n %d)",
+			 (const void *)cfg, (const void *)params,
+			 (const void *)names, n);
+		return NULL;
+	}
+	for (int i = 0; i < n; i++) {
+		if (!names[i]) {
+			ej_error(ctx, EPJ_ERR_INVALID,
+				 "optim: parameter %d has no name", i);
+			return NULL;
+		}
+		if (check_param(ctx, params, names, i) != EPJ_OK)
+			return NULL;
+	}
+	const struct ej_optimizer_config *oc = &cfg->optimizer;
+	ej_optim *o = calloc(1, sizeof *o);
+	if (!o) {
+		ej_error(ctx, EPJ_ERR_NOMEM, "optim: out of memory");
+		return NULL;
+	}
+	o->ctx = ctx;
+	o->type = oc->type;
+	o->momentum = oc->momentum;
+	o->nesterov = oc->nesterov;
+	o->beta1 = oc->betas[0];
+	o->beta2 = oc->betas[1];
+	o->eps = oc->eps;
+	o->wd = oc->weight_decay;
+	o->decoupled = oc->type == EJ_OPTIM_ADAMW ||
+		       (oc->type == EJ_OPTIM_ADAM && oc->adam_w_mode);
+	o->clip = cfg->gradient_clipping;
+	o->n = n;
+	int64_t max_chunks = 1;
+	for (int i = 0; i < n; i++) {
+		int64_t c = (ej_numel(params[i]->ndim, params[i]->shape) +
+			     NORM_CHUNK - 1) /
+			    NORM_CHUNK;
+		if (c > max_chunks)
+			max_chunks = c;
+	}
+	o->p = calloc((size_t)(n > 0 ? n : 1), sizeof *o->p);
+	/* At most 3 state tensors per parameter (master + 2 moments). */
+	o->state = calloc((size_t)(n > 0 ? 3 * n : 1), sizeof *o->state);
+	o->partial = malloc(sizeof *o->partial * (size_t)max_chunks);
+	if (!o->p || !o->state || !o->partial) {
+		ej_error(ctx, EPJ_ERR_NOMEM,
+			 "optim: out of memory for %d "
+			 "parameters",
+			 n);
+		ej_optim_free(o);
+		return NULL;
+	}
+	for (int i = 0; i < n; i++) {
+		if (init_param(ctx, o, &o->p[i], params[i], names[i]) !=
+		    EPJ_OK) {
+			ej_optim_free(o);
+			return NULL;
+		}
+	}
+	return o;
+}
+
+void ej_optim_free(ej_optim *o)
+{
+	if (!o)
+		return;
+	for (int i = 0; o->p && i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		free(p->name);
+		epj_tensor_free(p->param);
+		epj_tensor_free(p->master);
+		epj_tensor_free(p->mgrad);
+		epj_tensor_free(p->s1);
+		epj_tensor_free(p->s2);
+	}
+	for (int i = 0; i < o->n_state; i++)
+		free(o->state[i].name);
+	free(o->p);
+	free(o->state);
+	free(o->partial);
+	free(o);
+}
+
+int ej_optim_num_params(const ej_optim *o)
+{
+	return o->n;
+}
+
+epj_tensor *ej_optim_param(const ej_optim *o, int i)
+{
+	EJ_ASSERT(i >= 0 && i < o->n);
+	return o->p[i].param;
+}
+
+epj_tensor *ej_optim_master(const ej_optim *o, int i)
+{
+	EJ_ASSERT(i >= 0 && i < o->n);
+	return o->p[i].master;
+}
+
+/* ---- gradients ------------------------------------------------------------
+ */
+
+/* The .grad of p's parameter, checked and made contiguous in place (a
+ * gradient set by hand may be a strided view); NULL when there is none, or
+ * on error (*st set). */
+static epj_tensor *param_grad(epj_ctx *ctx, opt_param *p, epj_status *st)
+{
+	*st = EPJ_OK;
+	epj_tensor *g = p->param->grad;
+	if (!g)
+		return NULL;
+	char gd[64], pd[64];
+	if (g->dtype != p->param->dtype || !g->storage ||
+	    g->ndim != p->param->ndim ||
+	    memcmp(g->shape, p->param->shape, sizeof(int64_t) * g->ndim)) {
+		*st = ej_error(ctx, EPJ_ERR_SHAPE,
+			       "optim: gradient %s of parameter %s %s does not "
+			       "match it",
+			       epj_tensor_describe(g, gd, sizeof gd), p->name,
+			       epj_tensor_describe(p->param, pd, sizeof pd));
+		return NULL;
+	}
+	if (ej_is_contiguous(g))
+		return g;
+	epj_tensor *c =
+	    ej_tensor_alloc(ctx, g->dtype, g->ndim, g->shape, false);
+	if (!c || (*st = epj_tensor_copy_(ctx, c, g)) != EPJ_OK) {
+		epj_tensor_free(c);
+		ej_error_prefix(ctx, "optim: gradient of %s", p->name);
+		*st = ctx->status != EPJ_OK ? ctx->status : EPJ_ERR_NOMEM;
+		return NULL;
+	}
+	epj_tensor_set_grad(p->param, c); /* takes its own reference */
+	epj_tensor_free(c);
+	return p->param->grad;
+}
+
+epj_status ej_optim_accumulate(ej_optim *o)
+{
+	for (int i = 0; i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		if (!p->mgrad)
+			continue; /* f32: autograd accumulates into .grad */
+		epj_status st;
+		epj_tensor *g = param_grad(o->ctx, p, &st);
+		if (st != EPJ_OK)
+			return st;
+		if (!g)
+			continue;
+		const uint16_t *src = ej_data(g);
+		float *acc = ej_data(p->mgrad);
+		int64_t n = p->numel;
+#pragma omp parallel for if (n >= PAR_MIN) schedule(static)
+		for (int64_t k = 0; k < n; k++)
+			acc[k] += epj_bf16_to_f32(src[k]);
+		p->has_grad = true;
+		epj_tensor_zero_grad(p->param);
+	}
+	return EPJ_OK;
+}
+
+/* The accumulated f32 gradient data of parameter p, NULL when it has none
+ * (or on error: *st set). */
+static epj_tensor *acc_grad(ej_optim *o, opt_param *p, epj_status *st)
+{
+	*st = EPJ_OK;
+	if (p->mgrad)
+		return p->has_grad ? p->mgrad : NULL;
+	return param_grad(o->ctx, p, st);
+}
+
+epj_tensor *ej_optim_grad(ej_optim *o, int i, bool create)
+{
+	EJ_ASSERT(i >= 0 && i < o->n);
+	opt_param *p = &o->p[i];
+	epj_status st;
+	epj_tensor *g = acc_grad(o, p, &st);
+	if (g || st != EPJ_OK || !create)
+		return g;
+	if (p->mgrad) {
+		p->has_grad = true; /* mgrad is zero between steps */
+		return p->mgrad;
+	}
+	epj_tensor *z = zeros_like_f32(o->ctx, p->param);
+	if (!z) {
+		ej_error_prefix(o->ctx, "optim: gradient of %s", p->name);
+		return NULL;
+	}
+	epj_tensor_set_grad(p->param, z);
+	epj_tensor_free(z);
+	return p->param->grad;
+}
+
+/* Sum of squares of x[0..n) in double: fixed chunks summed in parallel, the
+ * chunk sums then added in order, so the result does not depend on the
+ * thread count. */
+static double sum_sq(double *partial, const float *x, int64_t n)
+{
+	int64_t nch = (n + NORM_CHUNK - 1) / NORM_CHUNK;
+#pragma omp parallel for if (n >= PAR_MIN) schedule(static)
+	for (int64_t c = 0; c < nch; c++) {
+		int64_t lo = c * NORM_CHUNK;
+		int64_t hi = lo + NORM_CHUNK < n ? lo + NORM_CHUNK : n;
+		double s = 0;
+		for (int64_t k = lo; k < hi; k++)
+			s += (double)x[k] * x[k];
+		partial[c] = s;
+	}
+	double s = 0;
+	for (int64_t c = 0; c < nch; c++)
+		s += partial[c];
+	return s;
+}
+
+/* ---- update kernels -------------------------------------------------------
+ * p: master [n]; g: accumulated gradient [n], multiplied by gs (grad_scale
+ * times the clipping factor) on the fly; s1/s2: state.  All f32, contiguous.
+ */
+
+static void sgd_kernel(const ej_optim *o, float *restrict p,
+		       const float *restrict g, float *restrict b, int64_t n,
+		       double lr, double gs)
+{
+	const double wd = o->wd, mom = o->momentum;
+	const bool nesterov = o->nesterov;
+#pragma omp parallel for if (n >= PAR_MIN) schedule(static)
+	for (int64_t k = 0; k < n; k++) {
+		double pk = p[k];
+		double gk = gs * g[k] + wd * pk;
+		if (b) {
+			double bk = mom * b[k] + gk;
+			b[k] = (float)bk;
+			gk = nesterov ? gk + mom * bk : bk;
+		}
+		p[k] = (float)(pk - lr * gk);
+	}
+}
+
+static void adam_kernel(const ej_optim *o, float *restrict p,
+			const float *restrict g, float *restrict m,
+			float *restrict v, int64_t n, double lr, double gs,
+			int64_t t)
+{
+	const double b1 = o->beta1, b2 = o->beta2, eps = o->eps;
+	const double l2 = o->decoupled ? 0.0 : o->wd;
+	const double decay = o->decoupled ? 1.0 - lr * o->wd : 1.0;
+	const double bc1 = 1.0 - pow(b1, (double)t);
+	const double bc2_sqrt = sqrt(1.0 - pow(b2, (double)t));
+	const double step_size = lr / bc1;
+#pragma omp parallel for if (n >= PAR_MIN) schedule(static)
+	for (int64_t k = 0; k < n; k++) {
+		double pk = p[k];
+		double gk = gs * g[k] + l2 * pk;
+		double mk = b1 * m[k] + (1.0 - b1) * gk;
+		double vk = b2 * v[k] + (1.0 - b2) * gk * gk;
+		m[k] = (float)mk;
+		v[k] = (float)vk;
+		double denom = sqrt(vk) / bc2_sqrt + eps;
+		p[k] = (float)(pk * decay - step_size * mk / denom);
+	}
+}
+
+/* ---- step -----------------------------------------------------------------
+ */
+
+static epj_status clear_grads(ej_optim *o)
+{
+	for (int i = 0; i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		epj_tensor_zero_grad(p->param);
+		if (p->mgrad && p->has_grad)
+			memset(ej_data(p->mgrad), 0,
+			       sizeof(float) * (size_t)p->numel);
+		p->has_grad = false;
+	}
+	return EPJ_OK;
+}
+
+epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
+			 double *grad_norm_out)
+{
+	epj_ctx *ctx = o->ctx;
+	if (!(lr >= 0) || !isfinite(lr) || !isfinite(grad_scale))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"optim step: lr %g must be finite and >= 0, "
+				"grad_scale %g finite",
+				lr, grad_scale);
+	epj_status st = ej_optim_accumulate(o);
+	if (st != EPJ_OK)
+		return st;
+
+	/* Global norm of grad_scale * g over every parameter with a grad. */
+	double ss = 0;
+	for (int i = 0; i < o->n; i++) {
+		epj_tensor *g = acc_grad(o, &o->p[i], &st);
+		if (st != EPJ_OK)
+			return st;
+		if (g)
+			ss += sum_sq(o->partial, ej_data(g), o->p[i].numel);
+	}
+	double norm = fabs(grad_scale) * sqrt(ss);
+	if (grad_norm_out)
+		*grad_norm_out = norm;
+	double gs = grad_scale;
+	if (o->clip > 0) {
+		double coef = o->clip / (norm + 1e-6);
+		if (coef < 1)
+			gs *= coef;
+	}
+
+	const int64_t t = o->steps + 1;
+	for (int i = 0; i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		epj_tensor *g = acc_grad(o, p, &st);
+		if (!g)
+			continue; /* no gradient: skipped, as PyTorch does */
+		float *pm = ej_data(p->master);
+		const float *gd = ej_data(g);
+		if (o->type == EJ_OPTIM_SGD)
+			sgd_kernel(o, pm, gd, p->s1 ? ej_data(p->s1) : NULL,
+				   p->numel, lr, gs);
+		else
+			adam_kernel(o, pm, gd, ej_data(p->s1), ej_data(p->s2),
+				    p->numel, lr, gs, t);
+		if (p->master != p->param &&
+		    (st = epj_tensor_copy_(ctx, p->param, p->master)) !=
+			EPJ_OK) {
+			ej_error_prefix(ctx, "optim step: parameter %s",
+					p->name);
+			return st;
+		}
+	}
+	clear_grads(o);
+	o->steps = t;
+	return EPJ_OK;
+}
+
+int64_t ej_optim_step_count(const ej_optim *o)
+{
+	return o->steps;
+}
+
+void ej_optim_set_step_count(ej_optim *o, int64_t steps)
+{
+	EJ_ASSERT(steps >= 0);
+	o->steps = steps;
+}
+
+/* ---- checkpoint state -----------------------------------------------------
+ */
+
+int ej_optim_state_count(const ej_optim *o)
+{
+	return o->n_state;
+}
+
+const char *ej_optim_state_name(const ej_optim *o, int i)
+{
+	EJ_ASSERT(i >= 0 && i < o->n_state);
+	return o->state[i].name;
+}
+
+epj_tensor *ej_optim_state_tensor(ej_optim *o, int i)
+{
+	EJ_ASSERT(i >= 0 && i < o->n_state);
+	return o->state[i].t;
+}
+
+epj_status ej_optim_sync_params(ej_optim *o)
+{
+	for (int i = 0; i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		if (p->master == p->param)
+			continue;
+		epj_status st = epj_tensor_copy_(o->ctx, p->param, p->master);
+		if (st != EPJ_OK) {
+			ej_error_prefix(o->ctx, "optim sync: parameter %s",
+					p->name);
+			return st;
+		}
+	}
+	return EPJ_OK;
+}
+
+/* ---- learning-rate schedules ----------------------------------------------
+ * Follows deepspeed/runtime/lr_schedules.py: WarmupLR._get_gamma,
+ * WarmupDecayLR._get_gamma and WarmupCosineLR.get_lr_ratio, including
+ * warmup_num_steps = max(2, warmup_num_steps), the cosine progress clamped
+ * to [0, 1] and the values for last_batch_iteration < 0 (get_lr before the
+ * scheduler has started). */
+
+/* DeepSpeed's warmup fraction at iteration it (0 <= it < W). */
+static double warmup_gamma(ej_warmup_type type, int64_t it, int64_t w)
+{
+	if (type == EJ_WARMUP_LINEAR)
+		return (double)it / (double)w;
+	return log((double)it + 1.0) / log((double)w);
+}
+
+double ej_sched_lr(const ej_config *cfg, int64_t step)
+{
+	const struct ej_scheduler_config *s = &cfg->scheduler;
+	/* The scheduler steps after the optimizer: optimizer step k runs at
+	 * the scheduler's last_batch_iteration of the step before. */
+	int64_t it = s->last_batch_iteration + step;
+	int64_t w = s->warmup_num_steps > 2 ? s->warmup_num_steps : 2;
+	double gamma;
+	switch (s->type) {
+	case EJ_SCHED_NONE:
+		return cfg->optimizer.lr;
+	case EJ_SCHED_WARMUP_LR:
+	case EJ_SCHED_WARMUP_DECAY_LR:
+		if (it < 0)
+			return s->warmup_min_lr;
+		if (it < w) {
+			gamma = warmup_gamma(s->warmup_type, it, w);
+		} else if (s->type == EJ_SCHED_WARMUP_LR) {
+			gamma = 1.0;
+		} else {
+			double span = (double)(s->total_num_steps - w);
+			gamma = (double)(s->total_num_steps - it) /
+				(span > 1.0 ? span : 1.0);
+			if (gamma < 0)
+				gamma = 0;
+		}
+		return s->warmup_min_lr +
+		       (s->warmup_max_lr - s->warmup_min_lr) * gamma;
+	case EJ_SCHED_WARMUP_COSINE_LR: {
+		if (it < 0)
+			return 0.0;
+		double ratio;
+		if (it < w) {
+			ratio = s->warmup_min_ratio +
+				warmup_gamma(s->warmup_type, it, w) *
+				    (1.0 - s->warmup_min_ratio);
+		} else {
+			double real_last = (double)(it - w + 1);
+			double real_total = (double)(s->total_num_steps - w);
+			if (real_total < 1)
+				real_total = 1;
+			double prog = real_last / real_total;
+			if (prog > 1)
+				prog = 1;
+			ratio = s->cos_min_ratio +
+				(1.0 - s->cos_min_ratio) *
+				    (1.0 + cos(M_PI * prog)) / 2.0;
+			if (ratio < 0)
+				ratio = 0;
+		}
+		return cfg->optimizer.lr * ratio;
+	}
+	}
+	EJ_ASSERT(!"unknown scheduler type");
+	return 0;
+}

@@ -1,0 +1,767 @@
+/* qwen3.c -- the Qwen3-MoE causal LM, written with epj_* ops so that eager
+ * execution mirrors the Hugging Face reference code op for op:
+ *
+ *   input_ids [B,T] -> embed_tokens -> N x decoder block -> norm -> lm_head
+ *   -> logits [B,T,V] -> cross-entropy(labels) -> loss []
+ *
+ *   decoder block (h [B,T,H]):
+ *     x = input_layernorm(h)                          RMSNorm (f32 inside)
+ *     q = q_norm(q_proj(x).view(B,T,Hq,D)).transpose(1,2)   [B,Hq,T,D]
+ *     k = k_norm(k_proj(x).view(B,T,Hkv,D)).transpose(1,2)  [B,Hkv,T,D]
+ *     v = v_proj(x).view(B,T,Hkv,D).transpose(1,2)
+ *     q, k = rope(q), rope(k)        x*cos + rotate_half(x)*sin
+ *     a = o_proj(sdpa(q, k, v, causal).transpose(1,2).reshape(B,T,Hq*D))
+ *     h = h + a
+ *     h = h + mlp(post_attention_layernorm(h))   mlp: AutoEP (MoE) or dense
+ *
+ * Layouts.  nested: HF names; the root (Qwen3MoeForCausalLM) owns "model"
+ * (container: embed_tokens, layers, norm) and "lm_head"; model.layers is a
+ * ModuleList (no forward); model.layers.N is the decoder block whose forward
+ * takes (h, cos, sin); model.layers.N.mlp is the AutoEP layer.  root: a
+ * single block; the root module itself owns embed_tokens, self_attn, the
+ * norms, mlp (AutoEP) and lm_head and does everything in its own forward.
+ */
+#include "runtime_impl.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Frees a list of temporaries (NULL ok). */
+static void drop(epj_tensor **ts, int n)
+{
+	for (int i = 0; i < n; i++) {
+		epj_tensor_free(ts[i]);
+		ts[i] = NULL;
+	}
+}
+
+epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps)
+{
+	enum { XF, SQ, VAR, VE, RS, NX, NC, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	bool up = epj_tensor_dtype(x) != EPJ_DTYPE_F32 &&
+		  epj_tensor_dtype(x) != EPJ_DTYPE_F64;
+	t[XF] = up ? epj_cast(ctx, x, EPJ_DTYPE_F32) : epj_tensor_ref(x);
+	t[SQ] = epj_pow_scalar(ctx, t[XF], 2.0);
+	t[VAR] = epj_mean(ctx, t[SQ], -1, true);
+	t[VE] = epj_add_scalar(ctx, t[VAR], eps);
+	t[RS] = epj_rsqrt(ctx, t[VE]);
+	t[NX] = epj_mul(ctx, t[XF], t[RS]);
+	t[NC] = up ? epj_cast(ctx, t[NX], epj_tensor_dtype(x))
+		   : epj_tensor_ref(t[NX]);
+	epj_tensor *y = epj_mul(ctx, w, t[NC]);
+	drop(t, N_T);
+	return y;
+}
+
+/* rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]) */
+static epj_tensor *rope(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
+			epj_tensor *sin)
+{
+	enum { X1, X2, NX2, ROT, XC, RS, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	int64_t d = x ? epj_tensor_dim(x, -1) : 0;
+	t[X1] = epj_slice(ctx, x, -1, 0, d / 2, 1);
+	t[X2] = epj_slice(ctx, x, -1, d / 2, d, 1);
+	t[NX2] = epj_neg(ctx, t[X2]);
+	epj_tensor *parts[2] = { t[NX2], t[X1] };
+	t[ROT] = (t[NX2] && t[X1]) ? epj_cat(ctx, parts, 2, -1) : NULL;
+	t[XC] = epj_mul(ctx, x, cos);
+	t[RS] = epj_mul(ctx, t[ROT], sin);
+	epj_tensor *y = epj_add(ctx, t[XC], t[RS]);
+	drop(t, N_T);
+	return y;
+}
+
+static epj_tensor *linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x)
+{
+	return epj_linear(ctx, x, ej_module_param(lin, "weight"), NULL);
+}
+
+/* [B,T,H*D] -> per-head norm (optional) -> [B,H,T,D] */
+static epj_tensor *heads(epj_ctx *ctx, epj_tensor *p, int64_t nh, int64_t d,
+			 epj_module *norm, double eps)
+{
+	epj_tensor *t[3] = { 0 };
+	int64_t shp[4] = { p ? epj_tensor_dim(p, 0) : 0,
+			   p ? epj_tensor_dim(p, 1) : 0, nh, d };
+	t[0] = epj_reshape(ctx, p, 4, shp);
+	t[1] = norm
+		   ? ej_rmsnorm(ctx, t[0], ej_module_param(norm, "weight"), eps)
+		   : epj_tensor_ref(t[0]);
+	epj_tensor *y = t[1] ? epj_transpose(ctx, t[1], 1, 2) : NULL;
+	drop(t, 3);
+	return y;
+}
+
+static const ej_model_config *cfg_of(epj_module *m)
+{
+	/* every block's impl points at the model config */
+	while (m && !m->impl)
+		m = m->parent;
+	EJ_ASSERT(m);
+	return m->impl;
+}
+
+/* Attention sub-block: x normalised [B,T,H] -> o_proj output [B,T,H]. */
+static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
+			     const ej_model_config *cfg, epj_tensor *x,
+			     epj_tensor *cos, epj_tensor *sin)
+{
+	enum { QP, KP, VP, Q, K, V, QR, KR, O, OT, OR, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	int64_t hq = cfg->num_attention_heads, hkv = cfg->num_key_value_heads;
+	int64_t d = cfg->head_dim;
+	double eps = cfg->rms_norm_eps;
+	t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+	t[KP] = linear_of(ctx, ej_module_child(attn, "k_proj"), x);
+	t[VP] = linear_of(ctx, ej_module_child(attn, "v_proj"), x);
+	t[Q] = heads(ctx, t[QP], hq, d, ej_module_child(attn, "q_norm"), eps);
+	t[K] = heads(ctx, t[KP], hkv, d, ej_module_child(attn, "k_norm"), eps);
+	t[V] = heads(ctx, t[VP], hkv, d, NULL, eps);
+	t[QR] = rope(ctx, t[Q], cos, sin);
+	t[KR] = rope(ctx, t[K], cos, sin);
+	t[O] = epj_sdpa(ctx, t[QR], t[KR], t[V], true, 0.0);
+	t[OT] = epj_transpose(ctx, t[O], 1, 2);
+	int64_t shp[3] = { x ? epj_tensor_dim(x, 0) : 0,
+			   x ? epj_tensor_dim(x, 1) : 0, hq * d };
+	t[OR] = epj_reshape(ctx, t[OT], 3, shp);
+	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OR]);
+	drop(t, N_T);
+	return y;
+}
+
+epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
+			   epj_tensor *cos, epj_tensor *sin)
+{
+	enum { X, A, H1, X2, M, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	const ej_model_config *cfg = cfg_of(blk);
+	double eps = cfg->rms_norm_eps;
+	t[X] = ej_rmsnorm(
+	    ctx, h,
+	    ej_module_param(ej_module_child(blk, "input_layernorm"), "weight"),
+	    eps);
+	t[A] = attention(ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos,
+			 sin);
+	t[H1] = epj_add(ctx, h, t[A]);
+	t[X2] = ej_rmsnorm(
+	    ctx, t[H1],
+	    ej_module_param(ej_module_child(blk, "post_attention_layernorm"),
+			    "weight"),
+	    eps);
+	epj_tensor *y = NULL;
+	if (t[X2] && ej_module_call(ctx, ej_module_child(blk, "mlp"), &t[X2], 1,
+				    &t[M], 1) == EPJ_OK)
+		y = epj_add(ctx, t[H1], t[M]);
+	drop(t, N_T);
+	return y;
+}
+
+/* ---- module forwards
+ * --------------------------------------------------------- */
+
+/* decoder block: in = (h, cos, sin) -> (h) */
+static epj_status block_forward(epj_ctx *ctx, epj_module *m,
+				epj_tensor *const *in, int n_in,
+				epj_tensor **out, int n_out)
+{
+	if (n_in != 3 || n_out != 1)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: decoder block takes (h, cos, sin)",
+				m->name);
+	out[0] = ej_qwen3_block(ctx, m, in[0], in[1], in[2]);
+	return out[0] ? EPJ_OK : ctx->status;
+}
+
+/* dense SwiGLU MLP: in = (x) -> down(silu(gate(x)) * up(x)) */
+static epj_status mlp_forward(epj_ctx *ctx, epj_module *m,
+			      epj_tensor *const *in, int n_in, epj_tensor **out,
+			      int n_out)
+{
+	epj_tensor *t[4] = { 0 };
+	t[0] = linear_of(ctx, ej_module_child(m, "gate_proj"), in[0]);
+	t[1] = epj_silu(ctx, t[0]);
+	t[2] = linear_of(ctx, ej_module_child(m, "up_proj"), in[0]);
+	t[3] = epj_mul(ctx, t[1], t[2]);
+	out[0] = linear_of(ctx, ej_module_child(m, "down_proj"), t[3]);
+	drop(t, 4);
+	return out[0] ? EPJ_OK : ctx->status;
+}
+
+/* cos/sin [T, D] for positions 0..T-1 in dtype dt (HF: f32, cast to x). */
+static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
+			      int64_t T, epj_dtype dt, epj_tensor **cos,
+			      epj_tensor **sin)
+{
+	int64_t d = cfg->head_dim, shp[2] = { T, d };
+	double *c = malloc(sizeof *c * (size_t)(T * d));
+	double *s = malloc(sizeof *s * (size_t)(T * d));
+	*cos = *sin = NULL;
+	if (!c || !s) {
+		free(c);
+		free(s);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "rope: out of memory");
+	}
+	for (int64_t p = 0; p < T; p++) {
+		for (int64_t i = 0; i < d / 2; i++) {
+			/* HF computes inv_freq and the angle in f32 */
+			float inv =
+			    (float)(1.0 / pow(cfg->rope_theta,
+					      (double)(2 * i) / (double)d));
+			float ang = (float)p * inv;
+			c[p * d + i] = c[p * d + i + d / 2] = cosf(ang);
+			s[p * d + i] = s[p * d + i + d / 2] = sinf(ang);
+		}
+	}
+	bool prev = epj_no_grad_enter(ctx);
+	*cos = epj_zeros(ctx, dt, 2, shp);
+	*sin = epj_zeros(ctx, dt, 2, shp);
+	epj_no_grad_exit(ctx, prev);
+	epj_status st = (*cos && *sin) ? EPJ_OK : ctx->status;
+	if (st == EPJ_OK)
+		st = epj_tensor_from_f64(ctx, *cos, c);
+	if (st == EPJ_OK)
+		st = epj_tensor_from_f64(ctx, *sin, s);
+	free(c);
+	free(s);
+	if (st != EPJ_OK) {
+		epj_tensor_free(*cos);
+		epj_tensor_free(*sin);
+		*cos = *sin = NULL;
+	}
+	return st;
+}
+
+/* logits (and loss) from the final hidden states */
+static epj_status head(epj_ctx *ctx, epj_module *norm, epj_module *lm_head,
+		       const ej_model_config *cfg, epj_tensor *h,
+		       epj_tensor *labels, epj_tensor **out, int n_out)
+{
+	epj_tensor *t[3] = { 0 };
+	t[0] = ej_rmsnorm(ctx, h, ej_module_param(norm, "weight"),
+			  cfg->rms_norm_eps);
+	out[0] = linear_of(ctx, lm_head, t[0]);
+	if (n_out > 1 && labels && out[0]) {
+		int64_t n =
+		    epj_tensor_dim(out[0], 0) * epj_tensor_dim(out[0], 1);
+		int64_t s2[2] = { n, cfg->vocab_size };
+		t[1] = epj_reshape(ctx, out[0], 2, s2);
+		t[2] = epj_reshape(ctx, labels, 1, &n);
+		out[1] = epj_cross_entropy(ctx, t[1], t[2], -100);
+	}
+	drop(t, 3);
+	if (!out[0] || (n_out > 1 && labels && !out[1]))
+		return ctx->status;
+	return EPJ_OK;
+}
+
+static epj_status check_ids(epj_ctx *ctx, const epj_module *m, epj_tensor *ids,
+			    epj_tensor *labels, const ej_model_config *cfg)
+{
+	if (epj_tensor_ndim(ids) != 2)
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"%s: input_ids must be [B, T], got %d dims",
+				m->kind, epj_tensor_ndim(ids));
+	if (epj_tensor_dim(ids, 1) > cfg->max_position_embeddings)
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"%s: sequence length %lld exceeds "
+				"max_position_embeddings %lld",
+				m->kind, (long long)epj_tensor_dim(ids, 1),
+				(long long)cfg->max_position_embeddings);
+	if (labels && (epj_tensor_ndim(labels) != 2 ||
+		       epj_tensor_dim(labels, 0) != epj_tensor_dim(ids, 0) ||
+		       epj_tensor_dim(labels, 1) != epj_tensor_dim(ids, 1)))
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"%s: labels must have the shape of input_ids",
+				m->kind);
+	return EPJ_OK;
+}
+
+/* nested root: in = (input_ids[, labels]) -> (logits[, loss]) */
+static epj_status causal_lm_forward(epj_ctx *ctx, epj_module *m,
+				    epj_tensor *const *in, int n_in,
+				    epj_tensor **out, int n_out)
+{
+	const ej_model_config *cfg = m->impl;
+	epj_tensor *labels = n_in > 1 ? in[1] : NULL;
+	epj_status st = check_ids(ctx, m, in[0], labels, cfg);
+	if (st != EPJ_OK)
+		return st;
+	epj_module *model = ej_module_child(m, "model");
+	epj_module *layers = ej_module_child(model, "layers");
+	epj_tensor *h = epj_embedding(
+	    ctx,
+	    ej_module_param(ej_module_child(model, "embed_tokens"), "weight"),
+	    in[0]);
+	if (!h)
+		return ctx->status;
+	epj_tensor *cos = NULL, *sin = NULL;
+	st = rope_tables(ctx, cfg, epj_tensor_dim(in[0], 1),
+			 epj_tensor_dtype(h), &cos, &sin);
+	for (int i = 0; st == EPJ_OK && i < layers->n_children; i++) {
+		epj_tensor *args[3] = { h, cos, sin }, *nh = NULL;
+		st = ej_module_call(ctx, layers->children[i], args, 3, &nh, 1);
+		epj_tensor_free(h);
+		h = nh;
+	}
+	if (st == EPJ_OK)
+		st = head(ctx, ej_module_child(model, "norm"),
+			  ej_module_child(m, "lm_head"), cfg, h, labels, out,
+			  n_out);
+	epj_tensor_free(h);
+	epj_tensor_free(cos);
+	epj_tensor_free(sin);
+	return st;
+}
+
+/* root layout: everything in the root's own forward, mlp is a child */
+static epj_status root_forward(epj_ctx *ctx, epj_module *m,
+			       epj_tensor *const *in, int n_in,
+			       epj_tensor **out, int n_out)
+{
+	const ej_model_config *cfg = m->impl;
+	epj_tensor *labels = n_in > 1 ? in[1] : NULL;
+	epj_status st = check_ids(ctx, m, in[0], labels, cfg);
+	if (st != EPJ_OK)
+		return st;
+	epj_tensor *h = epj_embedding(
+	    ctx, ej_module_param(ej_module_child(m, "embed_tokens"), "weight"),
+	    in[0]);
+	if (!h)
+		return ctx->status;
+	epj_tensor *cos = NULL, *sin = NULL, *h2 = NULL;
+	st = rope_tables(ctx, cfg, epj_tensor_dim(in[0], 1),
+			 epj_tensor_dtype(h), &cos, &sin);
+	if (st == EPJ_OK) {
+		h2 = ej_qwen3_block(ctx, m, h, cos, sin);
+		if (!h2)
+			st = ctx->status;
+	}
+	if (st == EPJ_OK)
+		st = head(ctx, ej_module_child(m, "norm"),
+			  ej_module_child(m, "lm_head"), cfg, h2, labels, out,
+			  n_out);
+	epj_tensor_free(h);
+	epj_tensor_free(h2);
+	epj_tensor_free(cos);
+	epj_tensor_free(sin);
+	return st;
+}
+
+/* ---- construction
+ * -------------------------------------------------------------- */
+
+static epj_status add_linear(epj_ctx *ctx, epj_module *parent,
+			     const char *local, int64_t out_f, int64_t in_f,
+			     double std)
+{
+	epj_module *l = ej_module_new(parent, local, "Linear", NULL);
+	int64_t shp[2] = { out_f, in_f };
+	if (!l)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	if (!ej_module_add_param(
+		l, "weight", epj_randn(ctx, EPJ_DTYPE_F32, 2, shp, 0.0, std)))
+		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+	return EPJ_OK;
+}
+
+static epj_status add_norm(epj_ctx *ctx, epj_module *parent, const char *local,
+			   int64_t n)
+{
+	epj_module *l = ej_module_new(parent, local, "Qwen3MoeRMSNorm", NULL);
+	if (!l)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	if (!ej_module_add_param(l, "weight",
+				 epj_full(ctx, EPJ_DTYPE_F32, 1, &n, 1.0)))
+		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+	return EPJ_OK;
+}
+
+/* Block contents (attention, norms, mlp) under `blk`. */
+static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
+			      int layer, const epj_model_opts *opts)
+{
+	const ej_model_config *c = &model->cfg;
+	double std = c->initializer_range;
+	int64_t H = c->hidden_size, D = c->head_dim;
+	epj_status st = add_norm(ctx, blk, "input_layernorm", H);
+	epj_module *attn =
+	    st ? NULL
+	       : ej_module_new(blk, "self_attn", "Qwen3MoeAttention", NULL);
+	if (st == EPJ_OK && !attn)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "q_proj", c->num_attention_heads * D,
+				H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "k_proj", c->num_key_value_heads * D,
+				H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "v_proj", c->num_key_value_heads * D,
+				H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "o_proj", H,
+				c->num_attention_heads * D, std);
+	if (st == EPJ_OK)
+		st = add_norm(ctx, attn, "q_norm", D);
+	if (st == EPJ_OK)
+		st = add_norm(ctx, attn, "k_norm", D);
+	if (st == EPJ_OK)
+		st = add_norm(ctx, blk, "post_attention_layernorm", H);
+	if (st != EPJ_OK)
+		return st;
+	if (ej_model_layer_is_moe(c, layer)) {
+		ej_autoep_opts eo = { .num_experts = c->num_experts,
+				      .top_k = c->num_experts_per_tok,
+				      .norm_topk_prob = c->norm_topk_prob,
+				      .fixed_routing = opts->fixed_routing };
+		epj_module *moe = ej_autoep_new(
+		    ctx, blk, "mlp", (int)H, (int)c->moe_intermediate_size, &eo,
+		    EPJ_DTYPE_F32, std, model->comm);
+		if (!moe)
+			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		epj_module **nm = realloc(
+		    model->moe, sizeof *nm * (size_t)(model->n_moe + 1));
+		if (!nm)
+			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		model->moe = nm;
+		model->moe[model->n_moe++] = moe;
+		return EPJ_OK;
+	}
+	epj_module *mlp = ej_module_new(blk, "mlp", "Qwen3MoeMLP", mlp_forward);
+	if (!mlp)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	int64_t I = c->intermediate_size;
+	st = add_linear(ctx, mlp, "gate_proj", I, H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, mlp, "up_proj", I, H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, mlp, "down_proj", H, I, std);
+	return st;
+}
+
+static void noop_free(void *p)
+{
+	(void)p;
+}
+
+static epj_status build(epj_ctx *ctx, epj_model *model,
+			const epj_model_opts *opts)
+{
+	const ej_model_config *c = &model->cfg;
+	double std = c->initializer_range;
+	epj_status st;
+	if (model->layout == EPJ_LAYOUT_ROOT) {
+		epj_module *r = ej_module_new(NULL, "", "Qwen3MoeRootBlockLM",
+					      root_forward);
+		if (!r)
+			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		model->root = r;
+		r->impl = &model->cfg;
+		r->impl_free = noop_free;
+		int64_t es[2] = { c->vocab_size, c->hidden_size };
+		epj_module *emb =
+		    ej_module_new(r, "embed_tokens", "Embedding", NULL);
+		if (!emb || !ej_module_add_param(
+				emb, "weight",
+				epj_randn(ctx, EPJ_DTYPE_F32, 2, es, 0.0, std)))
+			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		st = build_block(ctx, model, r, 0, opts);
+		if (st == EPJ_OK)
+			st = add_norm(ctx, r, "norm", c->hidden_size);
+		if (st == EPJ_OK)
+			st = add_linear(ctx, r, "lm_head", c->vocab_size,
+					c->hidden_size, std);
+		return st;
+	}
+	epj_module *r =
+	    ej_module_new(NULL, "", "Qwen3MoeForCausalLM", causal_lm_forward);
+	if (!r)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	model->root = r;
+	r->impl = &model->cfg;
+	r->impl_free = noop_free;
+	epj_module *mm = ej_module_new(r, "model", "Qwen3MoeModel", NULL);
+	if (!mm)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	int64_t es[2] = { c->vocab_size, c->hidden_size };
+	epj_module *emb = ej_module_new(mm, "embed_tokens", "Embedding", NULL);
+	if (!emb ||
+	    !ej_module_add_param(
+		emb, "weight", epj_randn(ctx, EPJ_DTYPE_F32, 2, es, 0.0, std)))
+		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+	epj_module *layers = ej_module_new(mm, "layers", "ModuleList", NULL);
+	if (!layers)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int i = 0; i < c->num_hidden_layers; i++) {
+		char nm[16];
+		snprintf(nm, sizeof nm, "%d", i);
+		epj_module *blk = ej_module_new(
+		    layers, nm, "Qwen3MoeDecoderLayer", block_forward);
+		if (!blk)
+			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		st = build_block(ctx, model, blk, i, opts);
+		if (st != EPJ_OK)
+			return st;
+	}
+	st = add_norm(ctx, mm, "norm", c->hidden_size);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, r, "lm_head", c->vocab_size,
+				c->hidden_size, std);
+	return st;
+}
+
+epj_status epj_model_new(epj_ctx *ctx, const char *config_path,
+			 const epj_model_opts *opts, epj_model **out)
+{
+	epj_model_opts def = { .layout = EPJ_LAYOUT_NESTED,
+			       .seed = 42,
+			       .dtype = EPJ_DTYPE_F32 };
+	*out = NULL;
+	if (!opts)
+		opts = &def;
+	epj_model *m = calloc(1, sizeof *m);
+	if (!m)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	epj_status st = EPJ_OK;
+	if (config_path)
+		st = ej_model_config_load(ctx, config_path, &m->cfg);
+	else
+		ej_model_config_tiny(&m->cfg);
+	if (st != EPJ_OK) {
+		free(m);
+		return st;
+	}
+	if (m->cfg.tie_word_embeddings) {
+		free(m);
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"config: tie_word_embeddings=true is not "
+				"supported (separate lm_head expected)");
+	}
+	m->layout = opts->layout;
+	if (m->layout == EPJ_LAYOUT_ROOT && m->cfg.num_hidden_layers != 1) {
+		epj_log_msg(EPJ_LOG_INFO,
+			    "root layout: num_hidden_layers=%d taken as 1 (the "
+			    "root module holds a single block)",
+			    m->cfg.num_hidden_layers);
+		m->cfg.num_hidden_layers = 1;
+	}
+	m->comm = ej_comm_self_new();
+	if (!m->comm) {
+		free(m);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	}
+	/* Initialisation draws from a dedicated seed so that it is identical
+	 * across runs whatever the context has drawn before. */
+	ej_rng saved = ctx->rng;
+	epj_ctx_seed(ctx, opts->seed);
+	st = build(ctx, m, opts);
+	ctx->rng = saved;
+	if (st == EPJ_OK)
+		st = ej_module_params(ctx, m->root, &m->params);
+	bool prev = epj_no_grad_enter(ctx);
+	for (int i = 0;
+	     st == EPJ_OK && opts->dtype != EPJ_DTYPE_F32 && i < m->params.n;
+	     i++) {
+		epj_tensor *c = epj_cast(ctx, m->params.params[i], opts->dtype);
+		st = c ? epj_model_set_param(ctx, m, i, c) : ctx->status;
+		epj_tensor_free(c);
+	}
+	epj_no_grad_exit(ctx, prev);
+	if (st != EPJ_OK) {
+		epj_model_free(m);
+		return st;
+	}
+	*out = m;
+	return EPJ_OK;
+}
+
+void epj_model_free(epj_model *m)
+{
+	if (!m)
+		return;
+	ej_param_list_free(&m->params);
+	ej_module_free(m->root);
+	ej_comm_free(m->comm);
+	free(m->moe);
+	free(m);
+}
+
+epj_module *epj_model_root(epj_model *m)
+{
+	return m->root;
+}
+
+epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
+			     epj_tensor *labels, epj_tensor **logits,
+			     epj_tensor **loss)
+{
+	epj_tensor *in[2] = { input_ids, labels }, *out[2] = { 0 };
+	if (logits)
+		*logits = NULL;
+	if (loss)
+		*loss = NULL;
+	if (!input_ids)
+		return ctx->status ? ctx->status
+				   : ej_error(ctx, EPJ_ERR_INVALID,
+					      "model forward: input_ids is "
+					      "NULL");
+	int n = labels ? 2 : 1;
+	epj_status st = ej_module_call(ctx, m->root, in, n, out, n);
+	if (st != EPJ_OK)
+		return st;
+	if (logits)
+		*logits = out[0];
+	else
+		epj_tensor_free(out[0]);
+	if (loss)
+		*loss = out[1];
+	else
+		epj_tensor_free(out[1]);
+	return EPJ_OK;
+}
+
+int epj_model_num_params(const epj_model *m)
+{
+	return m->params.n;
+}
+
+const char *epj_model_param_name(const epj_model *m, int i)
+{
+	return i >= 0 && i < m->params.n ? m->params.names[i] : NULL;
+}
+
+epj_tensor *epj_model_param(const epj_model *m, int i)
+{
+	return i >= 0 && i < m->params.n ? m->params.params[i] : NULL;
+}
+
+epj_status epj_model_set_param(epj_ctx *ctx, epj_model *m, int i, epj_tensor *t)
+{
+	if (i < 0 || i >= m->params.n || !t)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"set_param: bad index %d or NULL tensor", i);
+	epj_tensor *old = m->params.params[i];
+	bool same = epj_tensor_ndim(old) == epj_tensor_ndim(t);
+	for (int d = 0; same && d < epj_tensor_ndim(t); d++)
+		same = epj_tensor_dim(old, d) == epj_tensor_dim(t, d);
+	if (!same) {
+		char a[64], b[64];
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"set_param %s: shape %s does not match %s",
+				m->params.names[i],
+				epj_tensor_describe(t, a, sizeof a),
+				epj_tensor_describe(old, b, sizeof b));
+	}
+	epj_module *owner = m->params.owners[i];
+	for (int k = 0; k < owner->n_params; k++) {
+		if (owner->params[k] != old)
+			continue;
+		epj_tensor *nt = epj_detach(ctx, t);
+		if (!nt)
+			return ctx->status;
+		epj_tensor_set_requires_grad(nt, true);
+		owner->params[k] = nt;
+		m->params.params[i] = nt;
+		epj_tensor_free(old);
+		return EPJ_OK;
+	}
+	EJ_ASSERT(!"parameter list out of sync with its owner");
+	return EPJ_ERR_STATE;
+}
+
+int64_t epj_model_num_elements(const epj_model *m)
+{
+	int64_t n = 0;
+	for (int i = 0; i < m->params.n; i++)
+		n += epj_tensor_numel(m->params.params[i]);
+	return n;
+}
+
+int epj_model_vocab_size(const epj_model *m)
+{
+	return (int)m->cfg.vocab_size;
+}
+
+void epj_model_set_checkpointing(epj_model *m, bool on)
+{
+	if (m->layout == EPJ_LAYOUT_ROOT) {
+		m->root->checkpoint = on;
+		return;
+	}
+	epj_module *layers =
+	    ej_module_child(ej_module_child(m->root, "model"), "layers");
+	for (int i = 0; i < layers->n_children; i++)
+		layers->children[i]->checkpoint = on;
+}
+
+/* ---- module tree, public
+ * ------------------------------------------------------- */
+
+const char *epj_module_name(const epj_module *m)
+{
+	return m->name;
+}
+
+const char *epj_module_kind(const epj_module *m)
+{
+	return m->kind;
+}
+
+int epj_module_num_children(const epj_module *m)
+{
+	return m->n_children;
+}
+
+epj_module *epj_module_child_at(const epj_module *m, int i)
+{
+	return i >= 0 && i < m->n_children ? m->children[i] : NULL;
+}
+
+epj_module *epj_module_find(epj_module *root, const char *name)
+{
+	if (!name[0])
+		return root;
+	epj_module *m = root;
+	const char *p = name;
+	while (m && *p) {
+		const char *dot = strchr(p, '.');
+		size_t len = dot ? (size_t)(dot - p) : strlen(p);
+		if (len == 0 || (dot && !dot[1]))
+			return NULL; /* empty component: "a..b", "a." */
+		epj_module *next = NULL;
+		for (int i = 0; i < m->n_children; i++) {
+			if (strlen(m->children[i]->local) == len &&
+			    !strncmp(m->children[i]->local, p, len)) {
+				next = m->children[i];
+				break;
+			}
+		}
+		m = next;
+		p = dot ? dot + 1 : p + len;
+	}
+	return m;
+}
+
+bool epj_module_has_forward(const epj_module *m)
+{
+	return m->forward != NULL;
+}
+
+bool epj_module_compiler_disabled(const epj_module *m)
+{
+	return m->compiler_disabled;
+}
+
+void epj_module_set_checkpoint(epj_module *m, bool on)
+{
+	m->checkpoint = on;
+}
+
+epj_tensor *epj_module_routing(const epj_module *m)
+{
+	if (!m->compiler_disabled)
+		return NULL;
+	return ej_autoep_last_routing(m);
+}

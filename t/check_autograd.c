@@ -1,0 +1,320 @@
+/* check_autograd.c -- the autograd machinery itself: fan-out accumulation,
+ * accumulation into .grad across backward calls, no_grad scopes, detach,
+ * retained intermediate gradients, release of saved tensors, errors. */
+#include "check_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core_impl.h"
+
+static epj_tensor *leaf(epj_ctx *ctx, int64_t n)
+{
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F64, 1, &n);
+	epj_tensor_set_requires_grad(x, true);
+	return x;
+}
+
+/* y = x*x + 3x  used twice (fan-out): d sum(y)/dx = 2x + 3 */
+START_TEST(test_fanout)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t n = tu_randint(3, 40);
+	epj_tensor *x = leaf(ctx, n);
+	epj_tensor *xx = epj_mul(ctx, x, x);
+	epj_tensor *x3 = epj_mul_scalar(ctx, x, 3.0);
+	epj_tensor *y = epj_add(ctx, xx, x3);
+	epj_tensor *loss = epj_sum_all(ctx, y);
+	tu_ok(ctx, loss);
+	ck_assert_int_eq(epj_backward(ctx, loss, NULL), EPJ_OK);
+	double *xv = tu_values(ctx, x);
+	double *ref = malloc(sizeof *ref * (size_t)n);
+	for (int64_t i = 0; i < n; i++)
+		ref[i] = 2 * xv[i] + 3;
+	tu_assert_close(ctx, epj_tensor_grad(x), ref, 1e-12, 1e-12, "fanout");
+	free(ref);
+	free(xv);
+	epj_tensor_free(loss);
+	epj_tensor_free(y);
+	epj_tensor_free(x3);
+	epj_tensor_free(xx);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Two backward passes over two graphs accumulate into .grad. */
+START_TEST(test_accumulate)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t n = tu_randint(2, 30);
+	epj_tensor *x = leaf(ctx, n);
+	double s1 = tu_uniform(0.5, 2.0), s2 = tu_uniform(-2.0, -0.5);
+	for (int pass = 0; pass < 2; pass++) {
+		epj_tensor *y = epj_mul_scalar(ctx, x, pass ? s2 : s1);
+		epj_tensor *l = epj_sum_all(ctx, y);
+		tu_ok(ctx, l);
+		ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+		epj_tensor_free(l);
+		epj_tensor_free(y);
+	}
+	double *ref = malloc(sizeof *ref * (size_t)n);
+	for (int64_t i = 0; i < n; i++)
+		ref[i] = s1 + s2;
+	tu_assert_close(ctx, epj_tensor_grad(x), ref, 1e-12, 1e-12,
+			"accumulated grad");
+	ck_assert(epj_tensor_is_contiguous(epj_tensor_grad(x)));
+	epj_tensor_zero_grad(x);
+	ck_assert_ptr_null(epj_tensor_grad(x));
+	free(ref);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_no_grad_and_detach)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_tensor *x = leaf(ctx, 7);
+	bool prev = epj_no_grad_enter(ctx);
+	ck_assert(!epj_grad_enabled(ctx));
+	bool inner = epj_no_grad_enter(ctx); /* nests */
+	epj_tensor *y = epj_mul(ctx, x, x);
+	epj_no_grad_exit(ctx, inner);
+	ck_assert(!epj_grad_enabled(ctx));
+	epj_no_grad_exit(ctx, prev);
+	ck_assert(epj_grad_enabled(ctx));
+	tu_ok(ctx, y);
+	ck_assert(!epj_tensor_requires_grad(y));
+
+	epj_tensor *d = epj_detach(ctx, x);
+	tu_ok(ctx, d);
+	ck_assert(!epj_tensor_requires_grad(d));
+	ck_assert(epj_tensor_shares_storage(d, x));
+	/* z = x * detach(x): gradient only through the first factor */
+	epj_tensor *z = epj_mul(ctx, x, d);
+	epj_tensor *l = epj_sum_all(ctx, z);
+	tu_ok(ctx, l);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	double *xv = tu_values(ctx, x);
+	tu_assert_close(ctx, epj_tensor_grad(x), xv, 1e-12, 1e-12,
+			"detach stops gradient");
+	free(xv);
+	epj_tensor_free(l);
+	epj_tensor_free(z);
+	epj_tensor_free(d);
+	epj_tensor_free(y);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* h = 2x (non-leaf, retained); loss = sum(h*h): h.grad = 2h = 4x */
+START_TEST(test_retain_grad)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t n = tu_randint(3, 17);
+	epj_tensor *x = leaf(ctx, n);
+	epj_tensor *h = epj_mul_scalar(ctx, x, 2.0);
+	tu_ok(ctx, h);
+	ck_assert(!epj_tensor_is_leaf(h));
+	epj_tensor_retain_grad(h);
+	epj_tensor *hh = epj_mul(ctx, h, h);
+	epj_tensor *l = epj_sum_all(ctx, hh);
+	tu_ok(ctx, l);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	ck_assert_ptr_nonnull(epj_tensor_grad(h));
+	double *xv = tu_values(ctx, x);
+	double *ref = malloc(sizeof *ref * (size_t)n);
+	for (int64_t i = 0; i < n; i++)
+		ref[i] = 4 * xv[i];
+	tu_assert_close(ctx, epj_tensor_grad(h), ref, 1e-12, 1e-12,
+			"retained grad");
+	for (int64_t i = 0; i < n; i++)
+		ref[i] = 8 * xv[i];
+	tu_assert_close(ctx, epj_tensor_grad(x), ref, 1e-12, 1e-12, "x grad");
+	free(ref);
+	free(xv);
+	epj_tensor_free(l);
+	epj_tensor_free(hh);
+	epj_tensor_free(h);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Saved tensors are released after use; a second backward is an error. */
+START_TEST(test_saved_released)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_tensor *x = leaf(ctx, 5);
+	epj_tensor *h = epj_exp(ctx, x);
+	epj_tensor *z = epj_mul(ctx, h, x);
+	epj_tensor *l = epj_sum_all(ctx, z);
+	tu_ok(ctx, l);
+	ck_assert_ptr_nonnull(z->grad_fn);
+	ck_assert_ptr_nonnull(z->grad_fn->saved_in[0]);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	ck_assert_ptr_null(z->grad_fn->saved_in[0]);
+	ck_assert_ptr_null(z->grad_fn->saved_in[1]);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_ERR_STATE);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "already"));
+	epj_ctx_clear_error(ctx);
+	epj_tensor_free(l);
+	epj_tensor_free(z);
+	epj_tensor_free(h);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_tensor *x = leaf(ctx, 4), *g3 = NULL;
+	epj_tensor *y = epj_mul_scalar(ctx, x, 2.0);
+	tu_ok(ctx, y);
+	/* non-scalar root without an explicit grad */
+	ck_assert_int_eq(epj_backward(ctx, y, NULL), EPJ_ERR_SHAPE);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "[4]"));
+	/* grad of the wrong shape */
+	int64_t s3 = 3;
+	epj_tensor *g = epj_full(ctx, EPJ_DTYPE_F64, 1, &s3, 1.0);
+	ck_assert_int_eq(epj_backward(ctx, y, g), EPJ_ERR_SHAPE);
+	epj_tensor_free(g);
+	/* explicit grad of the right shape works */
+	int64_t s4 = 4;
+	g = epj_full(ctx, EPJ_DTYPE_F64, 1, &s4, 0.5);
+	ck_assert_int_eq(epj_backward(ctx, y, g), EPJ_OK);
+	double ref[4] = { 1, 1, 1, 1 };
+	tu_assert_close(ctx, epj_tensor_grad(x), ref, 1e-12, 1e-12, "x grad");
+	epj_tensor_free(g);
+	/* a tensor that does not require grad */
+	epj_tensor *c = tu_randn(ctx, EPJ_DTYPE_F64, 1, &s4);
+	ck_assert_int_eq(epj_backward(ctx, c, NULL), EPJ_ERR_INVALID);
+	epj_tensor *c1 = epj_sum_all(ctx, c);
+	ck_assert_int_eq(epj_backward(ctx, c1, NULL), EPJ_ERR_INVALID);
+	/* NULL propagates through ops without replacing the first error */
+	epj_ctx_clear_error(ctx);
+	epj_tensor *bad =
+	    epj_add(ctx, x, g3 = epj_full(ctx, EPJ_DTYPE_F64, 1, &s3, 1.0));
+	ck_assert_ptr_null(bad);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_SHAPE);
+	char first[1024];
+	snprintf(first, sizeof first, "%s", epj_ctx_error(ctx));
+	ck_assert_ptr_nonnull(strstr(first, "add"));
+	epj_tensor *chained = epj_exp(ctx, bad);
+	ck_assert_ptr_null(chained);
+	ck_assert_str_eq(epj_ctx_error(ctx), first);
+	epj_tensor_free(g3);
+	epj_ctx_clear_error(ctx);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_OK);
+	ck_assert_ptr_null(epj_exp(ctx, NULL));
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_INVALID);
+	epj_tensor_free(c1);
+	epj_tensor_free(c);
+	epj_tensor_free(y);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A multi-output op with one output unused: top-k values only. */
+START_TEST(test_unused_output)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t shape[2] = { 3, 6 };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F64, 2, shape);
+	epj_tensor_set_requires_grad(x, true);
+	epj_tensor *v = NULL, *ix = NULL;
+	ck_assert_int_eq(epj_topk(ctx, x, 2, &v, &ix), EPJ_OK);
+	ck_assert(!epj_tensor_requires_grad(ix));
+	epj_tensor *l = epj_sum_all(ctx, v);
+	tu_ok(ctx, l);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	double *g = tu_values(ctx, epj_tensor_grad(x));
+	double *iv = tu_values(ctx, ix);
+	double want[18] = { 0 };
+	for (int r = 0; r < 3; r++)
+		for (int k = 0; k < 2; k++)
+			want[r * 6 + (int)iv[r * 2 + k]] = 1;
+	for (int i = 0; i < 18; i++)
+		ck_assert_double_eq(g[i], want[i]);
+	free(g);
+	free(iv);
+	epj_tensor_free(l);
+	epj_tensor_free(v);
+	epj_tensor_free(ix);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Backward of a leaf root, and a broadcast gradient stored contiguously. */
+START_TEST(test_leaf_root_and_broadcast)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t sb[2] = { 1, 5 }, sa[2] = { 4, 5 };
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F64, 2, sb);
+	epj_tensor_set_requires_grad(b, true);
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F64, 2, sa);
+	epj_tensor *y = epj_add(ctx, a, b);
+	epj_tensor *l = epj_sum_all(ctx, y);
+	tu_ok(ctx, l);
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	double ref[5] = { 4, 4, 4, 4, 4 };
+	tu_assert_close(ctx, epj_tensor_grad(b), ref, 1e-12, 1e-12,
+			"broadcast grad");
+	ck_assert(epj_tensor_is_contiguous(epj_tensor_grad(b)));
+	epj_tensor_zero_grad(b);
+	epj_tensor *g = epj_full(ctx, EPJ_DTYPE_F64, 2, sb, 2.5);
+	ck_assert_int_eq(epj_backward(ctx, b, g), EPJ_OK);
+	double ref2[5] = { 2.5, 2.5, 2.5, 2.5, 2.5 };
+	tu_assert_close(ctx, epj_tensor_grad(b), ref2, 0, 0, "leaf root");
+	epj_tensor_free(g);
+	epj_tensor_free(l);
+	epj_tensor_free(y);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Every eager op call counts one kernel launch; views count none. */
+START_TEST(test_launch_counter)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t s[2] = { 3, 4 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, s);
+	int64_t before = epj_counter_get(ctx, "kernels.launched.eager");
+	epj_tensor *b = epj_exp(ctx, a);
+	epj_tensor *c = epj_add(ctx, a, b);
+	epj_tensor *t = epj_transpose(ctx, c, 0, 1);
+	tu_ok(ctx, t);
+	ck_assert_int_eq(
+	    epj_counter_get(ctx, "kernels.launched.eager") - before, 2);
+	epj_tensor_free(t);
+	epj_tensor_free(c);
+	epj_tensor_free(b);
+	epj_tensor_free(a);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_autograd_suite(void)
+{
+	Suite *s = suite_create("autograd");
+	TCase *tc = tcase_create("core");
+	tcase_add_test(tc, test_fanout);
+	tcase_add_test(tc, test_accumulate);
+	tcase_add_test(tc, test_no_grad_and_detach);
+	tcase_add_test(tc, test_retain_grad);
+	tcase_add_test(tc, test_saved_released);
+	tcase_add_test(tc, test_errors);
+	tcase_add_test(tc, test_unused_output);
+	tcase_add_test(tc, test_leaf_root_and_broadcast);
+	tcase_add_test(tc, test_launch_counter);
+	suite_add_tcase(s, tc);
+	return s;
+}

@@ -1,0 +1,965 @@
+/* check_config.c -- the DeepSpeed-style training config (runtime/config.c).
+ *
+ * Two halves.  The data-driven half walks t/configs/<case>/ (under
+ * $top_srcdir, which `make check` exports): each case holds ds.json and
+ * exactly one expectation file, `error` (the parse must fail with
+ * EPJ_ERR_CONFIG and a message containing that line), `ok` (the parse must
+ * succeed), `compile_error` (the parse succeeds and
+ * ej_config_validate_autoep_compile fails with a message beginning
+ * "compile.autoep_non_moe=true" and containing that line) or `compile_ok`.
+ * A missing or empty folder, or a case without exactly one expectation, is a
+ * failure: the suite must not pass by checking nothing.  The unit half checks
+ * defaults, every parsed field, batch resolution against a reference written
+ * here for random sizes, null/false/true distinctions, the JSON dump's round
+ * trip on random configs, and I/O errors.
+ */
+#include "check_util.h"
+#include "config_impl.h"
+
+#include <dirent.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- helpers ---------------------------------------------------------------
+ */
+
+static const char *srcdir(void)
+{
+	const char *s = getenv("top_srcdir");
+	return s && *s ? s : ".";
+}
+
+/* Whole file as a malloc'ed string, NULL if unreadable. */
+static char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	fseek(f, 0, SEEK_END);
+	long n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	char *b = malloc((size_t)(n > 0 ? n : 0) + 1);
+	ck_assert_ptr_nonnull(b);
+	size_t got = fread(b, 1, (size_t)(n > 0 ? n : 0), f);
+	b[got] = '\0';
+	fclose(f);
+	return b;
+}
+
+/* First line of a file (expected-message files), newline stripped. */
+static char *first_line(const char *path)
+{
+	char *s = slurp(path);
+	if (s)
+		s[strcspn(s, "\r\n")] = '\0';
+	return s;
+}
+
+static bool exists(const char *path)
+{
+	struct stat st;
+	return stat(path, &st) == 0;
+}
+
+static bool starts_with(const char *s, const char *prefix)
+{
+	return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Sorted names of the subfolders of dir (caller frees); -1 if no dir. */
+static int list_cases(const char *dir, char ***out)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return -1;
+	int n = 0, cap = 16;
+	char **names = malloc(sizeof *names * (size_t)cap);
+	ck_assert_ptr_nonnull(names);
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (e->d_name[0] == '.')
+			continue;
+		char p[4096];
+		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+		struct stat st;
+		if (stat(p, &st) != 0 || !S_ISDIR(st.st_mode))
+			continue;
+		if (n == cap) {
+			cap *= 2;
+			names = realloc(names, sizeof *names * (size_t)cap);
+			ck_assert_ptr_nonnull(names);
+		}
+		names[n++] = strdup(e->d_name);
+	}
+	closedir(d);
+	qsort(names, (size_t)n, sizeof *names, cmp_str);
+	*out = names;
+	return n;
+}
+
+/* Appends a line to a failure report (the test fails once with all). */
+static void report(char *buf, size_t n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void report(char *buf, size_t n, const char *fmt, ...)
+{
+	size_t o = strlen(buf);
+	if (o + 1 >= n)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf + o, n - o, fmt, ap);
+	va_end(ap);
+}
+
+/* ---- data-driven cases ----------------------------------------------------
+ */
+
+START_TEST(test_config_cases)
+{
+	char dir[1024];
+	snprintf(dir, sizeof dir, "%s/t/configs", srcdir());
+	char **names = NULL;
+	int n = list_cases(dir, &names);
+	ck_assert_msg(n >= 0, "config case folder %s is missing", dir);
+	ck_assert_msg(n >= 20, "config case folder %s has only %d cases", dir,
+		      n);
+	static char fails[16384];
+	fails[0] = '\0';
+	int nfail = 0;
+	int kinds[4] = { 0 };
+	for (int i = 0; i < n; i++) {
+		char base[2048], path[2200];
+		snprintf(base, sizeof base, "%s/%s", dir, names[i]);
+		static const char *const expect[] = { "error", "ok",
+						      "compile_error",
+						      "compile_ok" };
+		int kind = -1, nexp = 0;
+		for (int k = 0; k < 4; k++) {
+			snprintf(path, sizeof path, "%s/%s", base, expect[k]);
+			if (exists(path)) {
+				kind = k;
+				nexp++;
+			}
+		}
+		snprintf(path, sizeof path, "%s/ds.json", base);
+		if (nexp != 1 || !exists(path)) {
+			report(
+			    fails, sizeof fails,
+			    "%s: needs ds.json and exactly one of error, ok, "
+			    "compile_error, compile_ok (has %d)\n",
+			    names[i], nexp);
+			nfail++;
+			continue;
+		}
+		kinds[kind]++;
+		char *want = NULL;
+		if (kind == 0 || kind == 2) {
+			char ep[2200];
+			snprintf(ep, sizeof ep, "%s/%s", base, expect[kind]);
+			want = first_line(ep);
+			if (!want || !want[0]) {
+				report(fails, sizeof fails,
+				       "%s: empty expectation file %s\n",
+				       names[i], expect[kind]);
+				nfail++;
+				free(want);
+				continue;
+			}
+		}
+		epj_ctx *ctx = tu_ctx();
+		ej_config cfg;
+		epj_status s = ej_config_load(ctx, path, &cfg);
+		const char *msg = epj_ctx_error(ctx);
+		char prefix[2400];
+		snprintf(prefix, sizeof prefix, "config error in %s: ", path);
+		if (kind == 0) {
+			if (s != EPJ_ERR_CONFIG || !starts_with(msg, prefix) ||
+			    !strstr(msg, want)) {
+				report(fails, sizeof fails,
+				       "%s: want EPJ_ERR_CONFIG \"%s\", got %s "
+				       "\"%s\"\n",
+				       names[i], want, epj_status_name(s), msg);
+				nfail++;
+			}
+		} else if (s != EPJ_OK) {
+			report(fails, sizeof fails, "%s: parse failed: %s\n",
+			       names[i], msg);
+			nfail++;
+		} else if (kind >= 2) {
+			s = ej_config_validate_autoep_compile(ctx, &cfg);
+			msg = epj_ctx_error(ctx);
+			if (kind == 2 &&
+			    (s != EPJ_ERR_CONFIG ||
+			     !starts_with(msg, "compile.autoep_non_moe=true") ||
+			     !strstr(msg, want))) {
+				report(fails, sizeof fails,
+				       "%s: want compile error \"%s\", got %s "
+				       "\"%s\"\n",
+				       names[i], want, epj_status_name(s), msg);
+				nfail++;
+			} else if (kind == 3 && s != EPJ_OK) {
+				report(fails, sizeof fails,
+				       "%s: compile validation failed: %s\n",
+				       names[i], msg);
+				nfail++;
+			}
+		}
+		free(want);
+		epj_ctx_free(ctx);
+	}
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+	free(names);
+	ck_assert_msg(nfail == 0, "%d of %d config cases failed:\n%s", nfail, n,
+		      fails);
+	/* Every kind of expectation must be exercised. */
+	for (int k = 0; k < 4; k++)
+		ck_assert_msg(kinds[k] > 0, "no config case of kind %d", k);
+}
+END_TEST
+
+/* ---- defaults and parsed values ------------------------------------------
+ */
+
+static void parse_ok(epj_ctx *ctx, const char *json, ej_config *cfg)
+{
+	epj_status s = ej_config_parse(ctx, json, "test.json", cfg);
+	ck_assert_msg(s == EPJ_OK, "parse failed: %s\n%s", epj_ctx_error(ctx),
+		      json);
+}
+
+static void parse_err(epj_ctx *ctx, const char *json, const char *want)
+{
+	ej_config cfg;
+	epj_status s = ej_config_parse(ctx, json, "test.json", &cfg);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(s == EPJ_ERR_CONFIG, "want error \"%s\", got %s for %s",
+		      want, epj_status_name(s), json);
+	ck_assert_msg(starts_with(msg, "config error in test.json: "),
+		      "message lacks prefix: %s", msg);
+	ck_assert_msg(strstr(msg, want), "want \"%s\" in \"%s\"", want, msg);
+	/* A failed parse leaves the defaults. */
+	ej_config def;
+	ej_config_defaults(&def);
+	snprintf(def.source, sizeof def.source, "%s", cfg.source);
+	ck_assert_int_eq(cfg.zero.stage, def.zero.stage);
+	ck_assert_int_eq(cfg.compile.autoep_non_moe, false);
+	ck_assert_int_eq(cfg.steps_per_print, 10);
+}
+
+START_TEST(test_defaults)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_config c;
+	parse_ok(ctx, "{}", &c);
+	ck_assert_str_eq(c.source, "test.json");
+	ck_assert(!c.train_batch_size_given && !c.micro_batch_given &&
+		  !c.gas_given);
+	ck_assert(!c.bf16_enabled);
+	ck_assert(!c.optimizer.given);
+	ck_assert_int_eq(c.optimizer.type, EJ_OPTIM_ADAMW);
+	ck_assert(c.optimizer.lr == 1e-3);
+	ck_assert(c.optimizer.betas[0] == 0.9 && c.optimizer.betas[1] == 0.999);
+	ck_assert(c.optimizer.eps == 1e-8);
+	ck_assert(c.optimizer.weight_decay == 0.0);
+	ck_assert(c.optimizer.adam_w_mode);
+	ck_assert_int_eq(c.scheduler.type, EJ_SCHED_NONE);
+	ck_assert(c.gradient_clipping == 0.0);
+	ck_assert_int_eq(c.zero.stage, 0);
+	ck_assert(!c.zero.offload_optimizer.present &&
+		  !c.zero.offload_optimizer.active);
+	ck_assert(!c.zero.offload_param.present &&
+		  !c.zero.offload_param.active);
+	ck_assert_int_eq(c.zero.reduce_bucket_size, 500000000);
+	ck_assert(c.zero.contiguous_gradients && !c.zero.overlap_comm);
+	ck_assert(!c.activation_checkpointing.enabled);
+	ck_assert(!c.expert_parallel.enabled);
+	ck_assert_int_eq(c.expert_parallel.autoep_size, 1);
+	ck_assert_str_eq(c.expert_parallel.comm_backend, "comm");
+	ck_assert_int_eq(c.expert_parallel.top_k, 0);
+	ck_assert_int_eq(c.expert_parallel.route_norm, -1);
+	ck_assert(c.expert_parallel.has_load_balance &&
+		  c.expert_parallel.load_balance_coeff == 1e-3);
+	ck_assert(!c.compile.autoep_non_moe);
+	ck_assert_str_eq(c.compile.backend, "");
+	ck_assert_int_eq(c.compile.fullgraph, EJ_JSON_FALSE);
+	ck_assert_int_eq(c.compile.dynamic, EJ_JSON_FALSE);
+	ck_assert(!c.compile.fullgraph_given && !c.compile.dynamic_given);
+	ck_assert(!c.compile.deepcompile && !c.compile.compiled_autograd &&
+		  !c.compile.schedule_present);
+	ck_assert_int_eq(c.sequence_parallel_size, 1);
+	ck_assert_int_eq(c.pipeline_stages, 1);
+	ck_assert_int_eq(c.autotp_size, 1);
+	ck_assert_int_eq(c.steps_per_print, 10);
+	ck_assert_int_eq(c.seed, 42);
+	ck_assert(!c.wall_clock_breakdown);
+	/* The default config passes the autoep compile boundary, and so does
+	 * the option itself with nothing else set. */
+	ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c), EPJ_OK);
+	parse_ok(ctx, "{\"compile\": {\"autoep_non_moe\": true}}", &c);
+	ck_assert(c.compile.autoep_non_moe);
+	ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c), EPJ_OK);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_full_config_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* Random values so that a parser that ignores a key cannot pass by
+	 * matching a default. */
+	int64_t micro = tu_randint(1, 9), gas = tu_randint(1, 7);
+	int64_t world = tu_randint(1, 5);
+	double lr = tu_uniform(1e-5, 1e-2), clip = tu_uniform(0.1, 3.0);
+	double b1 = tu_uniform(0.5, 0.95), b2 = tu_uniform(0.95, 0.9999);
+	double wd = tu_uniform(0, 0.2), eps = tu_uniform(1e-9, 1e-6);
+	int64_t warm = tu_randint(0, 100), total = warm + tu_randint(1, 1000);
+	int stage = (int)tu_randint(0, 4), ep = (int)tu_randint(1, 17);
+	int topk = (int)tu_randint(1, 9);
+	int64_t seed = tu_randint(0, 1000000), spp = tu_randint(1, 50);
+	char json[4096];
+	snprintf(
+	    json, sizeof json,
+	    "{\"train_batch_size\": %" PRId64
+	    ", \"train_micro_batch_size_per_gpu\": %" PRId64 ",\n"
+	    " \"gradient_accumulation_steps\": %" PRId64 ",\n"
+	    " \"bf16\": {\"enabled\": true}, \"fp16\": {\"enabled\": "
+	    "false, \"loss_scale\": 0},\n"
+	    " \"optimizer\": {\"type\": \"adamw\", \"params\": {\"lr\": "
+	    "%.17g, \"betas\": [%.17g, %.17g], \"eps\": %.17g, "
+	    "\"weight_decay\": %.17g}},\n"
+	    " \"scheduler\": {\"type\": \"WarmupCosineLR\", \"params\": "
+	    "{\"total_num_steps\": %" PRId64 ", \"warmup_num_steps\": "
+	    "%" PRId64 ", \"cos_min_ratio\": 0.25, \"warmup_min_ratio\": "
+	    "0.125, \"warmup_type\": \"linear\"}},\n"
+	    " \"gradient_clipping\": %.17g,\n"
+	    " \"zero_optimization\": {\"stage\": %d, \"offload_optimizer\": "
+	    "{\"device\": \"cpu\", \"pin_memory\": true}, "
+	    "\"offload_param\": {\"device\": \"none\"}, "
+	    "\"reduce_bucket_size\": 2e8, \"allgather_bucket_size\": "
+	    "300000000, \"overlap_comm\": true, \"contiguous_gradients\": "
+	    "false},\n"
+	    " \"activation_checkpointing\": {\"enabled\": true, "
+	    "\"partition_activations\": true, \"cpu_checkpointing\": false, "
+	    "\"contiguous_memory_optimization\": true, "
+	    "\"number_checkpoints\": 4, "
+	    "\"synchronize_checkpoint_boundary\": true, \"profile\": "
+	    "true},\n"
+	    " \"expert_parallel\": {\"enabled\": true, \"autoep_size\": %d, "
+	    "\"comm_backend\": \"deepep\", \"async_split_plan\": true, "
+	    "\"top_k\": %d, \"fixed_routing\": true, "
+	    "\"load_balance_coeff\": null, \"route_norm\": false, "
+	    "\"route_scale\": 2.5, \"preset_model\": \"qwen3_moe\"},\n"
+	    " \"compile\": {\"autoep_non_moe\": true, \"backend\": "
+	    "\"cuda-sim\", \"fullgraph\": true, \"dynamic\": null, "
+	    "\"deepcompile\": true, \"compiled_autograd\": true, "
+	    "\"schedule\": [[0, [\"z1\"]]]},\n"
+	    " \"sequence_parallel_size\": 3, \"pipeline\": {\"stages\": 5}, "
+	    "\"tensor_parallel\": {\"autotp_size\": 7},\n"
+	    " \"steps_per_print\": %" PRId64 ", \"seed\": %" PRId64
+	    ", \"wall_clock_breakdown\": true}",
+	    micro * gas * world, micro, gas, lr, b1, b2, eps, wd, total, warm,
+	    clip, stage, ep, topk, spp, seed);
+	ej_config c;
+	parse_ok(ctx, json, &c);
+	ck_assert(c.train_batch_size_given && c.micro_batch_given &&
+		  c.gas_given);
+	ck_assert_int_eq(c.train_batch_size, micro * gas * world);
+	ck_assert_int_eq(c.micro_batch_per_gpu, micro);
+	ck_assert_int_eq(c.gradient_accumulation_steps, gas);
+	ck_assert(c.bf16_enabled);
+	ck_assert(c.optimizer.given && c.optimizer.type == EJ_OPTIM_ADAMW);
+	ck_assert(c.optimizer.lr == lr && c.optimizer.eps == eps);
+	ck_assert(c.optimizer.betas[0] == b1 && c.optimizer.betas[1] == b2);
+	ck_assert(c.optimizer.weight_decay == wd && c.optimizer.adam_w_mode);
+	ck_assert_int_eq(c.scheduler.type, EJ_SCHED_WARMUP_COSINE_LR);
+	ck_assert_int_eq(c.scheduler.total_num_steps, total);
+	ck_assert_int_eq(c.scheduler.warmup_num_steps, warm);
+	ck_assert(c.scheduler.cos_min_ratio == 0.25);
+	ck_assert(c.scheduler.warmup_min_ratio == 0.125);
+	ck_assert_int_eq(c.scheduler.warmup_type, EJ_WARMUP_LINEAR);
+	ck_assert(c.gradient_clipping == clip);
+	ck_assert_int_eq(c.zero.stage, stage);
+	ck_assert(c.zero.offload_optimizer.present &&
+		  c.zero.offload_optimizer.active &&
+		  c.zero.offload_optimizer.device == EJ_OFFLOAD_CPU &&
+		  c.zero.offload_optimizer.pin_memory);
+	ck_assert(c.zero.offload_param.present && !c.zero.offload_param.active);
+	ck_assert_int_eq(c.zero.reduce_bucket_size, 200000000);
+	ck_assert_int_eq(c.zero.allgather_bucket_size, 300000000);
+	ck_assert(c.zero.overlap_comm && !c.zero.contiguous_gradients);
+	ck_assert(c.activation_checkpointing.enabled &&
+		  c.activation_checkpointing.partition_activations &&
+		  !c.activation_checkpointing.cpu_checkpointing &&
+		  c.activation_checkpointing.contiguous_memory_optimization &&
+		  c.activation_checkpointing.synchronize_checkpoint_boundary &&
+		  c.activation_checkpointing.profile);
+	ck_assert_int_eq(c.activation_checkpointing.number_checkpoints, 4);
+	ck_assert(c.expert_parallel.enabled &&
+		  c.expert_parallel.async_split_plan &&
+		  c.expert_parallel.fixed_routing);
+	ck_assert_int_eq(c.expert_parallel.autoep_size, ep);
+	ck_assert_int_eq(c.expert_parallel.top_k, topk);
+	ck_assert_str_eq(c.expert_parallel.comm_backend, "deepep");
+	ck_assert_str_eq(c.expert_parallel.preset_model, "qwen3_moe");
+	ck_assert(!c.expert_parallel.has_load_balance);
+	ck_assert_int_eq(c.expert_parallel.route_norm, 0);
+	ck_assert(c.expert_parallel.route_scale == 2.5);
+	ck_assert(c.compile.autoep_non_moe && c.compile.deepcompile &&
+		  c.compile.compiled_autograd && c.compile.schedule_present);
+	ck_assert_str_eq(c.compile.backend, "cuda-sim");
+	ck_assert(c.compile.fullgraph == EJ_JSON_TRUE &&
+		  c.compile.fullgraph_given);
+	ck_assert(c.compile.dynamic == EJ_JSON_NULL && c.compile.dynamic_given);
+	ck_assert_int_eq(c.sequence_parallel_size, 3);
+	ck_assert_int_eq(c.pipeline_stages, 5);
+	ck_assert_int_eq(c.autotp_size, 7);
+	ck_assert_int_eq(c.steps_per_print, spp);
+	ck_assert_int_eq(c.seed, seed);
+	ck_assert(c.wall_clock_breakdown);
+	/* Everything unsupported at once: the first check reports. */
+	ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "DeepCompile"));
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_null_false_true)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const char *const vals[] = { "false", "true", "null" };
+	static const ej_json_bool want[] = { EJ_JSON_FALSE, EJ_JSON_TRUE,
+					     EJ_JSON_NULL };
+	for (int i = 0; i < 3; i++) {
+		for (int k = 0; k < 2; k++) {
+			char json[200];
+			snprintf(json, sizeof json,
+				 "{\"compile\": {\"autoep_non_moe\": true, "
+				 "\"%s\": %s}}",
+				 k ? "dynamic" : "fullgraph", vals[i]);
+			ej_config c;
+			parse_ok(ctx, json, &c);
+			ej_json_bool got =
+			    k ? c.compile.dynamic : c.compile.fullgraph;
+			ck_assert_int_eq(got, want[i]);
+			ck_assert(k ? c.compile.dynamic_given
+				    : c.compile.fullgraph_given);
+			epj_status s =
+			    ej_config_validate_autoep_compile(ctx, &c);
+			ck_assert_int_eq(s, i == 0 ? EPJ_OK : EPJ_ERR_CONFIG);
+			if (i) {
+				char w[64];
+				snprintf(w, sizeof w,
+					 "compile.%s=false, got %s",
+					 k ? "dynamic" : "fullgraph", vals[i]);
+				ck_assert_msg(strstr(epj_ctx_error(ctx), w),
+					      "%s", epj_ctx_error(ctx));
+			}
+		}
+	}
+	/* schedule: absent and null are "not present", [] and {} are. */
+	static const char *const sched[] = { "null", "[]", "{}" };
+	for (int i = 0; i < 3; i++) {
+		char json[200];
+		snprintf(json, sizeof json, "{\"compile\": {\"schedule\": %s}}",
+			 sched[i]);
+		ej_config c;
+		parse_ok(ctx, json, &c);
+		ck_assert_int_eq(c.compile.schedule_present, i > 0);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_optimizer_names_and_params)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const char *const names[] = { "sgd",  "SGD",   "Sgd",  "adam",
+					     "ADAM", "AdamW", "adamw" };
+	static const ej_optim_type want[] = { EJ_OPTIM_SGD,  EJ_OPTIM_SGD,
+					      EJ_OPTIM_SGD,  EJ_OPTIM_ADAM,
+					      EJ_OPTIM_ADAM, EJ_OPTIM_ADAMW,
+					      EJ_OPTIM_ADAMW };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(names); i++) {
+		char json[200];
+		snprintf(json, sizeof json,
+			 "{\"optimizer\": {\"type\": \"%s\"}}", names[i]);
+		ej_config c;
+		parse_ok(ctx, json, &c);
+		ck_assert_int_eq(c.optimizer.type, want[i]);
+		ck_assert_int_eq(c.optimizer.adam_w_mode,
+				 want[i] != EJ_OPTIM_SGD);
+	}
+	ej_config c;
+	double mom = tu_uniform(0.1, 0.99);
+	char json[300];
+	snprintf(json, sizeof json,
+		 "{\"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": 1, "
+		 "\"momentum\": %.17g, \"nesterov\": true}}}",
+		 mom);
+	parse_ok(ctx, json, &c);
+	ck_assert(c.optimizer.momentum == mom && c.optimizer.nesterov);
+	ck_assert(c.optimizer.lr == 1.0);
+	parse_ok(ctx,
+		 "{\"optimizer\": {\"type\": \"Adam\", \"params\": "
+		 "{\"adam_w_mode\": false}}}",
+		 &c);
+	ck_assert(!c.optimizer.adam_w_mode);
+	parse_err(ctx,
+		  "{\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+		  "{\"momentum\": 0.9}}}",
+		  "\"optimizer.params.momentum\" is not a parameter of "
+		  "optimizer type AdamW");
+	parse_err(ctx, "{\"optimizer\": {\"params\": {\"lr\": 0.1}}}",
+		  "\"optimizer.type\" is required");
+	parse_err(ctx,
+		  "{\"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": "
+		  "-0.5}}}",
+		  "\"optimizer.params.lr\" must be a number >= 0, got -0.5");
+	parse_err(
+	    ctx,
+	    "{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"betas\": "
+	    "[0.9]}}}",
+	    "\"optimizer.params.betas\" must be an array of 2 numbers");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_scheduler_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_config c;
+	parse_ok(ctx, "{\"scheduler\": {\"type\": \"WarmupLR\"}}", &c);
+	ck_assert_int_eq(c.scheduler.type, EJ_SCHED_WARMUP_LR);
+	ck_assert(c.scheduler.warmup_min_lr == 0 &&
+		  c.scheduler.warmup_max_lr == 1e-3);
+	ck_assert_int_eq(c.scheduler.warmup_num_steps, 1000);
+	ck_assert_int_eq(c.scheduler.warmup_type, EJ_WARMUP_LOG);
+	ck_assert_int_eq(c.scheduler.last_batch_iteration, -1);
+	int64_t total = tu_randint(10, 100000);
+	char json[300];
+	snprintf(json, sizeof json,
+		 "{\"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": "
+		 "{\"total_num_steps\": %" PRId64
+		 ", \"warmup_min_lr\": 1e-5, \"warmup_max_lr\": 3e-4, "
+		 "\"warmup_num_steps\": 7}}}",
+		 total);
+	parse_ok(ctx, json, &c);
+	ck_assert_int_eq(c.scheduler.type, EJ_SCHED_WARMUP_DECAY_LR);
+	ck_assert_int_eq(c.scheduler.total_num_steps, total);
+	ck_assert(c.scheduler.warmup_min_lr == 1e-5 &&
+		  c.scheduler.warmup_max_lr == 3e-4);
+	ck_assert_int_eq(c.scheduler.warmup_num_steps, 7);
+	/* Scheduler names are exact (DeepSpeed looks the class up). */
+	parse_err(ctx, "{\"scheduler\": {\"type\": \"warmuplr\"}}",
+		  "(did you mean \"WarmupLR\"?)");
+	parse_err(ctx,
+		  "{\"scheduler\": {\"type\": \"WarmupLR\", \"params\": "
+		  "{\"cos_min_ratio\": 0.1}}}",
+		  "\"scheduler.params.cos_min_ratio\" is not a parameter of "
+		  "scheduler type WarmupLR");
+	parse_err(ctx,
+		  "{\"scheduler\": {\"type\": \"WarmupLR\", \"params\": "
+		  "{\"warmup_type\": \"cosine\"}}}",
+		  "\"scheduler.params.warmup_type\" value \"cosine\" is not "
+		  "supported");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_offload_forms)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* Each form is a format with one %s for the key name. */
+	static const char *const forms[] = {
+		"",
+		", \"%s\": null",
+		", \"%s\": {}",
+		", \"%s\": {\"device\": \"none\"}",
+		", \"%s\": {\"device\": \"none\", \"pin_memory\": true}",
+		", \"%s\": {\"device\": \"cpu\"}",
+		", \"%s\": {\"device\": \"nvme\", \"nvme_path\": \"/nvme\"}",
+	};
+	static const bool present[] = { 0, 0, 1, 1, 1, 1, 1 };
+	static const bool active[] = { 0, 0, 0, 0, 0, 1, 1 };
+	for (int which = 0; which < 2; which++) {
+		for (size_t i = 0; i < EJ_ARRAY_LEN(forms); i++) {
+			char form[200], json[400];
+			snprintf(form, sizeof form, forms[i],
+				 which ? "offload_param" : "offload_optimizer");
+			snprintf(json, sizeof json,
+				 "{\"compile\": {\"autoep_non_moe\": true}, "
+				 "\"zero_optimization\": {\"stage\": 2%s}}",
+				 form);
+			ej_config c;
+			parse_ok(ctx, json, &c);
+			const ej_offload_config *o =
+			    which ? &c.zero.offload_param
+				  : &c.zero.offload_optimizer;
+			ck_assert_msg(o->present == present[i] &&
+					  o->active == active[i],
+				      "%s", json);
+			epj_status s =
+			    ej_config_validate_autoep_compile(ctx, &c);
+			ck_assert_int_eq(s,
+					 active[i] ? EPJ_ERR_CONFIG : EPJ_OK);
+			if (active[i])
+				ck_assert(strstr(epj_ctx_error(ctx),
+						 which ? "parameter offload"
+						       : "optimizer offload"));
+		}
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- batch resolution ------------------------------------------------------
+ */
+
+START_TEST(test_resolve_batch)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int iter = 0; iter < 200; iter++) {
+		int64_t mb = tu_randint(1, 9), ga = tu_randint(1, 6);
+		int w = (int)tu_randint(1, 9);
+		int64_t tb = mb * ga * w;
+		int mask = (int)tu_randint(0, 8); /* which keys are given */
+		char json[300];
+		size_t o = (size_t)snprintf(json, sizeof json, "{");
+		if (mask & 1)
+			o += (size_t)snprintf(
+			    json + o, sizeof json - o,
+			    "\"train_batch_size\": %" PRId64 ",", tb);
+		if (mask & 2)
+			o += (size_t)snprintf(
+			    json + o, sizeof json - o,
+			    "\"train_micro_batch_size_per_gpu\": %" PRId64 ",",
+			    mb);
+		if (mask & 4)
+			o += (size_t)snprintf(
+			    json + o, sizeof json - o,
+			    "\"gradient_accumulation_steps\": %" PRId64 ",",
+			    ga);
+		snprintf(json + o, sizeof json - o, "\"seed\": 1}");
+		ej_config c;
+		parse_ok(ctx, json, &c);
+		ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, w), EPJ_OK);
+		/* Reference: DeepSpeed's rules. */
+		int64_t etb, emb, ega;
+		switch (mask) {
+		case 7:
+		case 3:
+		case 5:
+		case 6:
+			etb = tb, emb = mb, ega = ga;
+			break;
+		case 1:
+			etb = tb, ega = 1, emb = tb / w;
+			break;
+		case 2:
+			etb = mb * w, emb = mb, ega = 1;
+			break;
+		case 4:
+			etb = ga * w, emb = 1, ega = ga;
+			break;
+		default:
+			etb = w, emb = 1, ega = 1;
+			break;
+		}
+		ck_assert_msg(
+		    c.train_batch_size == etb && c.micro_batch_per_gpu == emb &&
+			c.gradient_accumulation_steps == ega,
+		    "mask %d w %d: got %" PRId64 "/%" PRId64 "/%" PRId64
+		    " want %" PRId64 "/%" PRId64 "/%" PRId64,
+		    mask, w, c.train_batch_size, c.micro_batch_per_gpu,
+		    c.gradient_accumulation_steps, etb, emb, ega);
+		ck_assert_int_eq(c.batch_world_size, w);
+		/* Idempotent. */
+		ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, w), EPJ_OK);
+		ck_assert_int_eq(c.train_batch_size, etb);
+	}
+	/* Inconsistent for the world size: the message names the three values
+	 * and the world size. */
+	int64_t mb = tu_randint(2, 9), ga = tu_randint(2, 6);
+	int w = (int)tu_randint(2, 5);
+	char json[300];
+	snprintf(json, sizeof json,
+		 "{\"train_batch_size\": %" PRId64
+		 ", \"train_micro_batch_size_per_gpu\": %" PRId64
+		 ", \"gradient_accumulation_steps\": %" PRId64 "}",
+		 mb * ga * w, mb, ga);
+	ej_config c;
+	parse_ok(ctx, json, &c);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, w + 1),
+			 EPJ_ERR_CONFIG);
+	char want[300];
+	snprintf(want, sizeof want,
+		 "train_batch_size (%" PRId64
+		 ") must equal train_micro_batch_size_per_gpu (%" PRId64
+		 ") * gradient_accumulation_steps (%" PRId64
+		 ") * world size (%d)",
+		 mb * ga * w, mb, ga, w + 1);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), want), "%s",
+		      epj_ctx_error(ctx));
+	ck_assert(starts_with(epj_ctx_error(ctx), "config error in test.json"));
+	/* train_batch_size alone not divisible by the world size. */
+	parse_ok(ctx, "{\"train_batch_size\": 7}", &c);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, 2), EPJ_ERR_CONFIG);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, 7), EPJ_OK);
+	ck_assert_int_eq(c.micro_batch_per_gpu, 1);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, 0), EPJ_ERR_INVALID);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- dump round trip -------------------------------------------------------
+ */
+
+static void expect_same(const ej_config *a, const ej_config *b)
+{
+	/* Flags that record how a value was written, not the value. */
+	ej_config x = *a, y = *b;
+	y.optimizer.given = x.optimizer.given;
+	y.compile.fullgraph_given = x.compile.fullgraph_given;
+	y.compile.dynamic_given = x.compile.dynamic_given;
+	y.train_batch_size_given = x.train_batch_size_given;
+	y.micro_batch_given = x.micro_batch_given;
+	y.gas_given = x.gas_given;
+	y.batch_world_size = x.batch_world_size;
+	memcpy(y.source, x.source, sizeof x.source);
+	ck_assert_int_eq(x.train_batch_size, y.train_batch_size);
+	ck_assert(x.optimizer.lr == y.optimizer.lr);
+	ck_assert(x.scheduler.cos_min_ratio == y.scheduler.cos_min_ratio);
+	ck_assert_str_eq(x.compile.backend, y.compile.backend);
+	ck_assert_msg(memcmp(&x, &y, sizeof x) == 0,
+		      "config differs after a JSON round trip");
+}
+
+/* A random value with 6 decimals, as configs are written: the dump's 15
+ * significant digits reproduce it exactly. */
+static double qu(double lo, double hi)
+{
+	return round(tu_uniform(lo, hi) * 1e6) / 1e6;
+}
+
+START_TEST(test_dump_round_trip)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int iter = 0; iter < 30; iter++) {
+		ej_config c;
+		ej_config_defaults(&c);
+		if (iter % 3 == 0) {
+			c.micro_batch_per_gpu = tu_randint(1, 9);
+			c.micro_batch_given = true;
+			c.gradient_accumulation_steps = tu_randint(1, 9);
+			c.gas_given = true;
+			ck_assert_int_eq(ej_config_resolve_batch(
+					     ctx, &c, (int)tu_randint(1, 5)),
+					 EPJ_OK);
+		}
+		c.bf16_enabled = tu_randint(0, 2);
+		c.optimizer.type = (ej_optim_type)tu_randint(0, 3);
+		c.optimizer.lr = qu(0, 1);
+		c.optimizer.weight_decay = qu(0, 1);
+		if (c.optimizer.type == EJ_OPTIM_SGD) {
+			c.optimizer.momentum = qu(0.1, 0.9);
+			c.optimizer.nesterov = tu_randint(0, 2);
+			c.optimizer.adam_w_mode = false;
+		} else {
+			c.optimizer.betas[0] = qu(0, 0.99);
+			c.optimizer.betas[1] = qu(0, 0.99);
+			c.optimizer.eps = qu(1e-10, 1e-3);
+			c.optimizer.adam_w_mode =
+			    c.optimizer.type == EJ_OPTIM_ADAMW ||
+			    tu_randint(0, 2);
+		}
+		c.scheduler.type = (ej_sched_type)tu_randint(0, 4);
+		if (c.scheduler.type != EJ_SCHED_NONE) {
+			c.scheduler.warmup_num_steps = tu_randint(0, 100);
+			c.scheduler.warmup_type =
+			    (ej_warmup_type)tu_randint(0, 2);
+			c.scheduler.last_batch_iteration = tu_randint(-1, 10);
+			if (c.scheduler.type == EJ_SCHED_WARMUP_COSINE_LR) {
+				c.scheduler.cos_min_ratio = qu(0, 1);
+				c.scheduler.warmup_min_ratio = qu(0, 1);
+			} else {
+				c.scheduler.warmup_min_lr = qu(0, 1);
+				c.scheduler.warmup_max_lr = qu(0, 1);
+			}
+			if (c.scheduler.type != EJ_SCHED_WARMUP_LR)
+				c.scheduler.total_num_steps =
+				    tu_randint(100, 1000);
+		}
+		c.gradient_clipping = qu(0, 2);
+		c.zero.stage = (int)tu_randint(0, 4);
+		if (tu_randint(0, 2)) {
+			c.zero.offload_optimizer.present = true;
+			c.zero.offload_optimizer.device =
+			    (ej_offload_device)tu_randint(0, 2);
+			c.zero.offload_optimizer.active =
+			    c.zero.offload_optimizer.device != EJ_OFFLOAD_NONE;
+			c.zero.offload_optimizer.pin_memory = tu_randint(0, 2);
+		}
+		c.zero.reduce_bucket_size = tu_randint(1, 1000000000);
+		c.zero.overlap_comm = tu_randint(0, 2);
+		c.activation_checkpointing.enabled = tu_randint(0, 2);
+		c.activation_checkpointing.number_checkpoints =
+		    tu_randint(0, 5);
+		c.expert_parallel.enabled = tu_randint(0, 2);
+		c.expert_parallel.autoep_size = (int)tu_randint(1, 64);
+		c.expert_parallel.top_k = (int)tu_randint(0, 9);
+		c.expert_parallel.route_norm = (int)tu_randint(-1, 2);
+		c.expert_parallel.route_scale = qu(0.5, 2);
+		c.expert_parallel.has_load_balance = tu_randint(0, 2);
+		c.expert_parallel.load_balance_coeff =
+		    c.expert_parallel.has_load_balance ? qu(0, 1) : 0;
+		c.expert_parallel.async_split_plan = tu_randint(0, 2);
+		c.compile.autoep_non_moe = tu_randint(0, 2);
+		c.compile.fullgraph = (ej_json_bool)tu_randint(0, 3);
+		c.compile.dynamic = (ej_json_bool)tu_randint(0, 3);
+		c.compile.schedule_present = tu_randint(0, 2);
+		c.compile.deepcompile = tu_randint(0, 2);
+		if (tu_randint(0, 2))
+			snprintf(c.compile.backend, sizeof c.compile.backend,
+				 "%s", "nvrtc");
+		c.sequence_parallel_size = (int)tu_randint(1, 4);
+		c.pipeline_stages = (int)tu_randint(1, 4);
+		c.autotp_size = (int)tu_randint(1, 4);
+		c.steps_per_print = tu_randint(1, 100);
+		c.seed = tu_randint(0, 1 << 30);
+		c.wall_clock_breakdown = tu_randint(0, 2);
+
+		char *text = ej_config_to_json(&c);
+		ck_assert_ptr_nonnull(text);
+		ej_config back;
+		epj_status s = ej_config_parse(ctx, text, "dump", &back);
+		ck_assert_msg(s == EPJ_OK, "%s\n%s", epj_ctx_error(ctx), text);
+		expect_same(&c, &back);
+		free(text);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- messages, I/O ---------------------------------------------------------
+ */
+
+START_TEST(test_messages)
+{
+	epj_ctx *ctx = tu_ctx();
+	parse_err(ctx, "{\"compile\": {\"autoep_non_mo\": true}}",
+		  "unknown key \"compile.autoep_non_mo\" (did you mean "
+		  "\"compile.autoep_non_moe\"?)");
+	parse_err(ctx, "{\"train_micro_batch_size_per_gpu\": \"4\"}",
+		  "\"train_micro_batch_size_per_gpu\" must be a positive "
+		  "integer, got string");
+	parse_err(ctx, "{\"train_micro_batch_size_per_gpu\": 2.5}",
+		  "must be a positive integer, got real 2.5");
+	parse_err(ctx, "{\"zero_optimization\": {\"stage\": -1}}",
+		  "\"zero_optimization.stage\" must be an integer in [0, 3], "
+		  "got -1");
+	parse_err(ctx, "{\"steps_per_print\": 0}",
+		  "\"steps_per_print\" must be a positive integer, got 0");
+	parse_err(ctx, "{\"Seed\": 3}", "(did you mean \"seed\"?)");
+	parse_err(ctx, "{\"xyzzy_plugh\": 3}", "unknown key \"xyzzy_plugh\"");
+	parse_err(ctx, "{\"seed\": 1,\n \"seed\": 2}", "duplicate object key");
+	parse_err(ctx, "{\"seed\": 1,\n  \"bf16\": {\"enabled\": tru}}",
+		  "invalid JSON at line 2, column");
+	parse_err(ctx, "[1, 2]", "the top level must be a JSON object");
+	parse_err(ctx, "", "invalid JSON at line");
+	/* NULL source name and NULL text. */
+	ej_config c;
+	ck_assert_int_eq(ej_config_parse(ctx, "{\"seed\": \"x\"}", NULL, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert(
+	    starts_with(epj_ctx_error(ctx), "config error in <string>: "));
+	ck_assert_int_eq(ej_config_parse(ctx, NULL, "x.json", &c),
+			 EPJ_ERR_INVALID);
+	/* Edit distance: substitutions, insertions, transpositions, case. */
+	ck_assert_int_eq(ej_edit_distance("kitten", "sitting"), 3);
+	ck_assert_int_eq(ej_edit_distance("stage", "stgae"), 1);
+	ck_assert_int_eq(ej_edit_distance("Stage", "stage"), 0);
+	ck_assert_int_eq(ej_edit_distance("", "abc"), 3);
+	ck_assert_int_eq(ej_edit_distance("abc", ""), 3);
+	static const char *const keys[] = { "stage", "overlap_comm" };
+	ck_assert_str_eq(ej_nearest_key("stgae", keys, 2), "stage");
+	ck_assert_ptr_null(ej_nearest_key("zzzzzz", keys, 2));
+	ck_assert_str_eq(ej_optim_type_name(EJ_OPTIM_ADAMW), "AdamW");
+	ck_assert_str_eq(ej_sched_type_name(EJ_SCHED_WARMUP_COSINE_LR),
+			 "WarmupCosineLR");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_load_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_config c;
+	const char *missing = "/nonexistent-epjit-dir/ds.json";
+	ck_assert_int_eq(ej_config_load(ctx, missing, &c), EPJ_ERR_IO);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), missing), "%s",
+		      epj_ctx_error(ctx));
+	ck_assert(strstr(epj_ctx_error(ctx), "No such file"));
+	/* A directory is not a config. */
+	ck_assert_int_ne(ej_config_load(ctx, "/", &c), EPJ_OK);
+	/* Truncated file: every prefix of a valid config fails cleanly. */
+	char tmpl[] = "/tmp/epjit-cfg-XXXXXX";
+	int fd = mkstemp(tmpl);
+	ck_assert_int_ge(fd, 0);
+	const char *full = "{\"zero_optimization\": {\"stage\": 2}, "
+			   "\"bf16\": {\"enabled\": true}}";
+	for (size_t cut = 0; cut < strlen(full); cut++) {
+		FILE *f = fopen(tmpl, "wb");
+		ck_assert_ptr_nonnull(f);
+		fwrite(full, 1, cut, f);
+		fclose(f);
+		ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_ERR_CONFIG);
+		ck_assert(strstr(epj_ctx_error(ctx), "invalid JSON at line 1"));
+	}
+	FILE *f = fopen(tmpl, "wb");
+	fwrite(full, 1, strlen(full), f);
+	fclose(f);
+	ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_OK);
+	ck_assert_int_eq(c.zero.stage, 2);
+	ck_assert_str_eq(c.source, tmpl);
+	/* An embedded NUL byte is rejected rather than parsed as a prefix. */
+	f = fopen(tmpl, "wb");
+	fwrite("{}\0{\"x\": 1}", 1, 11, f);
+	fclose(f);
+	ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "NUL byte"));
+	close(fd);
+	unlink(tmpl);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_config_suite(void)
+{
+	Suite *s = suite_create("config");
+	TCase *tc = tcase_create("core");
+	tcase_add_test(tc, test_config_cases);
+	tcase_add_test(tc, test_defaults);
+	tcase_add_test(tc, test_full_config_values);
+	tcase_add_test(tc, test_null_false_true);
+	tcase_add_test(tc, test_optimizer_names_and_params);
+	tcase_add_test(tc, test_scheduler_values);
+	tcase_add_test(tc, test_offload_forms);
+	tcase_add_test(tc, test_resolve_batch);
+	tcase_add_test(tc, test_dump_round_trip);
+	tcase_add_test(tc, test_messages);
+	tcase_add_test(tc, test_load_errors);
+	suite_add_tcase(s, tc);
+	return s;
+}

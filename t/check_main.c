@@ -1,0 +1,32 @@
+/* check_main.c -- the one Check runner: every module's suite, one exit status.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "check_util.h"
+
+int main(void)
+{
+	Suite *(*suites[])(void) = {
+		make_tensor_suite,	  make_alloc_suite,
+		make_autograd_suite,	  make_counters_suite,
+		make_ops_pointwise_suite, make_ops_reduce_suite,
+		make_ops_linalg_suite,	  make_ops_attention_suite,
+		make_ops_index_suite,	  make_ops_shape_suite,
+		make_config_suite,	  make_model_config_suite,
+		make_safetensors_suite,	  make_data_suite,
+		make_autoep_suite,	  make_module_suite,
+		make_optim_suite,	  make_model_suite,
+		make_engine_suite,	  make_jit_suite,
+		make_compile_suite,
+	};
+	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
+	       (unsigned long long)tu_seed());
+	SRunner *sr = srunner_create(NULL);
+	for (size_t i = 0; i < sizeof suites / sizeof suites[0]; i++)
+		srunner_add_suite(sr, suites[i]());
+	srunner_run_all(sr, CK_NORMAL);
+	int failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

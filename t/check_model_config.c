@@ -1,0 +1,328 @@
+/* check_model_config.c -- the Hugging Face model config
+ * (runtime/model_config.c).
+ *
+ * Data-driven half: t/model_configs/<case>/config.json with `error` (the
+ * parse must fail with EPJ_ERR_CONFIG and a message containing that line) or
+ * `ok`; a missing or empty folder or a case without exactly one expectation
+ * fails.  Unit half: the published Qwen3-30B-A3B config
+ * (../shared/models/ relative to $top_srcdir) parses to its known numbers,
+ * the MoE layer rule against a reference written here on random layouts,
+ * defaults, the built-in tiny model, and I/O errors.
+ */
+#include "check_util.h"
+#include "config_impl.h"
+
+#include <dirent.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static const char *srcdir(void)
+{
+	const char *s = getenv("top_srcdir");
+	return s && *s ? s : ".";
+}
+
+static bool exists(const char *path)
+{
+	struct stat st;
+	return stat(path, &st) == 0;
+}
+
+static char *first_line(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	char *b = calloc(1, 1024);
+	ck_assert_ptr_nonnull(b);
+	if (!fgets(b, 1024, f))
+		b[0] = '\0';
+	fclose(f);
+	b[strcspn(b, "\r\n")] = '\0';
+	return b;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+START_TEST(test_model_config_cases)
+{
+	char dir[1024];
+	snprintf(dir, sizeof dir, "%s/t/model_configs", srcdir());
+	DIR *d = opendir(dir);
+	ck_assert_msg(d != NULL, "model config case folder %s is missing", dir);
+	char *names[512];
+	int n = 0;
+	struct dirent *e;
+	while ((e = readdir(d)) && n < 512) {
+		if (e->d_name[0] != '.')
+			names[n++] = strdup(e->d_name);
+	}
+	closedir(d);
+	qsort(names, (size_t)n, sizeof names[0], cmp_str);
+	ck_assert_msg(n >= 15, "model config case folder %s has only %d cases",
+		      dir, n);
+	static char fails[16384];
+	fails[0] = '\0';
+	int nfail = 0, n_ok = 0, n_err = 0;
+	for (int i = 0; i < n; i++) {
+		char base[2048], cfgp[2200], errp[2200], okp[2200];
+		snprintf(base, sizeof base, "%s/%s", dir, names[i]);
+		snprintf(cfgp, sizeof cfgp, "%s/config.json", base);
+		snprintf(errp, sizeof errp, "%s/error", base);
+		snprintf(okp, sizeof okp, "%s/ok", base);
+		bool is_err = exists(errp), is_ok = exists(okp);
+		size_t o = strlen(fails);
+		if (!exists(cfgp) || is_err == is_ok) {
+			snprintf(fails + o, sizeof fails - o,
+				 "%s: needs config.json and exactly one of "
+				 "error, ok\n",
+				 names[i]);
+			nfail++;
+			continue;
+		}
+		epj_ctx *ctx = tu_ctx();
+		ej_model_config m;
+		epj_status s = ej_model_config_load(ctx, cfgp, &m);
+		const char *msg = epj_ctx_error(ctx);
+		if (is_err) {
+			n_err++;
+			char *want = first_line(errp);
+			char prefix[2400];
+			snprintf(prefix, sizeof prefix,
+				 "config error in %s: ", cfgp);
+			if (!want || !want[0] || s != EPJ_ERR_CONFIG ||
+			    strncmp(msg, prefix, strlen(prefix)) != 0 ||
+			    !strstr(msg, want)) {
+				snprintf(fails + o, sizeof fails - o,
+					 "%s: want EPJ_ERR_CONFIG \"%s\", got "
+					 "%s \"%s\"\n",
+					 names[i], want ? want : "(empty)",
+					 epj_status_name(s), msg);
+				nfail++;
+			}
+			/* A failed parse leaves a zeroed config. */
+			if (m.hidden_size != 0 || m.num_hidden_layers != 0) {
+				o = strlen(fails);
+				snprintf(fails + o, sizeof fails - o,
+					 "%s: config not zeroed on failure\n",
+					 names[i]);
+				nfail++;
+			}
+			free(want);
+		} else {
+			n_ok++;
+			if (s != EPJ_OK) {
+				snprintf(fails + o, sizeof fails - o,
+					 "%s: parse failed: %s\n", names[i],
+					 msg);
+				nfail++;
+			} else if (m.hidden_size < 1 || m.head_dim < 1 ||
+				   m.num_attention_heads %
+					   m.num_key_value_heads !=
+				       0) {
+				snprintf(fails + o, sizeof fails - o,
+					 "%s: accepted an invalid geometry\n",
+					 names[i]);
+				nfail++;
+			}
+		}
+		epj_ctx_free(ctx);
+	}
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+	ck_assert_msg(nfail == 0, "%d of %d model config cases failed:\n%s",
+		      nfail, n, fails);
+	ck_assert(n_ok > 0 && n_err > 0);
+}
+END_TEST
+
+START_TEST(test_qwen3_30b_a3b)
+{
+	char path[4096];
+	snprintf(path, sizeof path,
+		 "%s/../shared/models/qwen3-30b-a3b.config.json", srcdir());
+	if (!exists(path)) {
+		/* Only where the shared folder is not checked out. */
+		fprintf(stderr, "SKIP test_qwen3_30b_a3b: %s absent\n", path);
+		return;
+	}
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config m;
+	ck_assert_msg(ej_model_config_load(ctx, path, &m) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(m.vocab_size, 151936);
+	ck_assert_int_eq(m.hidden_size, 2048);
+	ck_assert_int_eq(m.num_hidden_layers, 48);
+	ck_assert_int_eq(m.num_attention_heads, 32);
+	ck_assert_int_eq(m.num_key_value_heads, 4);
+	ck_assert_int_eq(m.head_dim, 128);
+	ck_assert_int_eq(m.intermediate_size, 6144);
+	ck_assert_int_eq(m.moe_intermediate_size, 768);
+	ck_assert_int_eq(m.num_experts, 128);
+	ck_assert_int_eq(m.num_experts_per_tok, 8);
+	ck_assert(m.norm_topk_prob);
+	ck_assert_int_eq(m.decoder_sparse_step, 1);
+	ck_assert_int_eq(m.n_mlp_only_layers, 0);
+	ck_assert(m.rms_norm_eps == 1e-6);
+	ck_assert(m.rope_theta == 1000000.0);
+	ck_assert_int_eq(m.max_position_embeddings, 40960);
+	ck_assert(!m.tie_word_embeddings);
+	ck_assert(m.initializer_range == 0.02);
+	ck_assert_str_eq(m.torch_dtype, "bfloat16");
+	for (int l = 0; l < m.num_hidden_layers; l++)
+		ck_assert(ej_model_layer_is_moe(&m, l));
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Reference for the HF rule, written independently of the library. */
+static bool ref_is_moe(const int *mlp_only, int n_only, int n_experts, int step,
+		       int layer)
+{
+	bool only = false;
+	for (int i = 0; i < n_only; i++)
+		only |= mlp_only[i] == layer;
+	return !only && n_experts > 0 && (layer + 1) % step == 0;
+}
+
+START_TEST(test_moe_layer_rule)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int iter = 0; iter < 50; iter++) {
+		int layers = (int)tu_randint(1, 40);
+		int step = (int)tu_randint(1, 5);
+		int experts = iter % 7 == 0 ? 0 : (int)tu_randint(1, 17);
+		int only[40], n_only = 0;
+		for (int l = 0; l < layers; l++)
+			if (tu_randint(0, 4) == 0)
+				only[n_only++] = l;
+		/* Shuffle the list: order must not matter. */
+		for (int i = n_only - 1; i > 0; i--) {
+			int j = (int)tu_randint(0, i + 1), t = only[i];
+			only[i] = only[j];
+			only[j] = t;
+		}
+		char json[2048], list[512] = "";
+		size_t o = 0;
+		for (int i = 0; i < n_only; i++)
+			o += (size_t)snprintf(list + o, sizeof list - o, "%s%d",
+					      i ? ", " : "", only[i]);
+		snprintf(
+		    json, sizeof json,
+		    "{\"vocab_size\": 11, \"hidden_size\": 12, "
+		    "\"num_hidden_layers\": %d, \"num_attention_heads\": "
+		    "3, \"num_key_value_heads\": 1, \"intermediate_size\": "
+		    "5, \"num_experts\": %d, \"num_experts_per_tok\": 1, "
+		    "\"moe_intermediate_size\": 7, \"decoder_sparse_step\": "
+		    "%d, \"mlp_only_layers\": [%s]}",
+		    layers, experts, step, list);
+		ej_model_config m;
+		ck_assert_msg(
+		    ej_model_config_parse(ctx, json, "rule.json", &m) == EPJ_OK,
+		    "%s\n%s", epj_ctx_error(ctx), json);
+		ck_assert_int_eq(m.head_dim, 4);
+		ck_assert_int_eq(m.n_mlp_only_layers, n_only);
+		for (int l = 0; l < layers; l++)
+			ck_assert_msg(
+			    ej_model_layer_is_moe(&m, l) ==
+				ref_is_moe(only, n_only, experts, step, l),
+			    "layer %d of %s", l, json);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_defaults_and_tiny)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config m;
+	/* Only the required keys: HF defaults fill the rest. */
+	ck_assert_int_eq(
+	    ej_model_config_parse(ctx,
+				  "{\"vocab_size\": 100, \"hidden_size\": 64, "
+				  "\"num_hidden_layers\": 3, "
+				  "\"num_attention_heads\": 8, "
+				  "\"intermediate_size\": 96}",
+				  "min.json", &m),
+	    EPJ_OK);
+	ck_assert_int_eq(m.num_key_value_heads, 8);
+	ck_assert_int_eq(m.head_dim, 8);
+	ck_assert_int_eq(m.num_experts, 0);
+	ck_assert_int_eq(m.decoder_sparse_step, 1);
+	ck_assert(m.rms_norm_eps == 1e-6 && m.rope_theta == 10000.0);
+	ck_assert_int_eq(m.max_position_embeddings, 32768);
+	ck_assert(m.initializer_range == 0.02);
+	ck_assert(!m.norm_topk_prob && !m.tie_word_embeddings);
+	ck_assert_str_eq(m.torch_dtype, "");
+	for (int l = 0; l < 3; l++)
+		ck_assert(!ej_model_layer_is_moe(&m, l));
+
+	ej_model_config_tiny(&m);
+	ck_assert_int_eq(m.vocab_size, 64);
+	ck_assert_int_eq(m.hidden_size, 32);
+	ck_assert_int_eq(m.num_hidden_layers, 2);
+	ck_assert_int_eq(m.num_attention_heads, 4);
+	ck_assert_int_eq(m.num_key_value_heads, 2);
+	ck_assert_int_eq(m.head_dim, 8);
+	ck_assert_int_eq(m.intermediate_size, 64);
+	ck_assert_int_eq(m.moe_intermediate_size, 32);
+	ck_assert_int_eq(m.num_experts, 4);
+	ck_assert_int_eq(m.num_experts_per_tok, 2);
+	ck_assert(m.norm_topk_prob && !m.tie_word_embeddings);
+	ck_assert(m.rope_theta == 10000.0 && m.rms_norm_eps == 1e-6);
+	ck_assert_int_eq(m.max_position_embeddings, 256);
+	ck_assert(m.initializer_range == 0.02);
+	ck_assert(ej_model_layer_is_moe(&m, 0) && ej_model_layer_is_moe(&m, 1));
+
+	/* transformers >= 5 moves rope_theta into rope_parameters. */
+	ck_assert_int_eq(
+	    ej_model_config_parse(ctx,
+				  "{\"vocab_size\": 10, \"hidden_size\": 8, "
+				  "\"num_hidden_layers\": 1, "
+				  "\"num_attention_heads\": 2, "
+				  "\"intermediate_size\": 4, "
+				  "\"rope_parameters\": {\"rope_type\": "
+				  "\"default\", \"rope_theta\": 5e5}}",
+				  "v5.json", &m),
+	    EPJ_OK);
+	ck_assert(m.rope_theta == 5e5);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_model_io_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config m;
+	const char *missing = "/nonexistent-epjit-dir/config.json";
+	ck_assert_int_eq(ej_model_config_load(ctx, missing, &m), EPJ_ERR_IO);
+	ck_assert(strstr(epj_ctx_error(ctx), missing));
+	ck_assert_int_eq(
+	    ej_model_config_parse(ctx, "{\"vocab_size\": 3,", "t", &m),
+	    EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "config error in t: invalid JSON "
+					     "at line 1, column"));
+	ck_assert_int_eq(ej_model_config_parse(ctx, NULL, "t", &m),
+			 EPJ_ERR_INVALID);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_model_config_suite(void)
+{
+	Suite *s = suite_create("model_config");
+	TCase *tc = tcase_create("core");
+	tcase_add_test(tc, test_model_config_cases);
+	tcase_add_test(tc, test_qwen3_30b_a3b);
+	tcase_add_test(tc, test_moe_layer_rule);
+	tcase_add_test(tc, test_defaults_and_tiny);
+	tcase_add_test(tc, test_model_io_errors);
+	suite_add_tcase(s, tc);
+	return s;
+}

@@ -1,0 +1,703 @@
+/* check_ops_attention.c -- SDPA and CROSS_ENTROPY against straightforward
+ * double-precision references written here.
+ *
+ * SDPA: grouped-query heads, causal and not, T != S (the causal mask is
+ * bottom-right aligned: key j is hidden from query i when j > i + S - T; with
+ * T > S the first queries see nothing and give 0 and lse -inf), odd head dims,
+ * Dv != D, more than one 64-query block, transposed / packed input views;
+ * out and lse (read through the internal dispatch), gradients against a
+ * double reference (f32, bf16) and by finite differences (f64).
+ *
+ * Tolerances: f32 compares with rtol 1e-4 (forward) / 1e-3 (backward).  bf16
+ * inputs are exact in the references and the kernels compute in f32, so the
+ * forward error is the final rounding (2^-8 relative): rtol 1/250, atol 2e-3.
+ * The bf16 backward uses the bf16-rounded out in rowsum(dO * O), and so
+ * does its reference (with the exact out the difference reaches ~0.05 for
+ * sharp softmaxes): rtol 1/250, atol 5e-3.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check_util.h"
+#include "core_impl.h"
+
+#define LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+typedef struct cfg {
+	int64_t b, hq, hkv, t, s, d, dv;
+	bool causal;
+	double scale; /* <= 0: 1/sqrt(D) */
+} cfg;
+
+static double cfg_scale(const cfg *c)
+{
+	return c->scale > 0 ? c->scale : 1.0 / sqrt((double)c->d);
+}
+
+/* Keys [0, key_end) are visible to query i. */
+static int64_t ref_key_end(const cfg *c, int64_t i)
+{
+	int64_t e = c->causal ? i + 1 + c->s - c->t : c->s;
+	return e < 0 ? 0 : (e > c->s ? c->s : e);
+}
+
+/* Softmax probabilities p[S] of query (b, h, i) and their log-sum-exp. */
+static double ref_probs(const cfg *c, const double *q, const double *k,
+			int64_t b, int64_t h, int64_t i, double *p)
+{
+	int64_t g = h / (c->hq / c->hkv), je = ref_key_end(c, i);
+	const double *qi = q + ((b * c->hq + h) * c->t + i) * c->d;
+	double mx = -INFINITY;
+	for (int64_t j = 0; j < c->s; j++) {
+		const double *kj = k + ((b * c->hkv + g) * c->s + j) * c->d;
+		double s = 0;
+		for (int64_t e = 0; e < c->d; e++)
+			s += qi[e] * kj[e];
+		p[j] = j < je ? s * cfg_scale(c) : -INFINITY;
+		mx = p[j] > mx ? p[j] : mx;
+	}
+	if (je == 0) {
+		for (int64_t j = 0; j < c->s; j++)
+			p[j] = 0;
+		return -INFINITY;
+	}
+	double sum = 0;
+	for (int64_t j = 0; j < c->s; j++)
+		sum += exp(p[j] - mx);
+	for (int64_t j = 0; j < c->s; j++)
+		p[j] = exp(p[j] - mx) / sum;
+	return mx + log(sum);
+}
+
+static void ref_sdpa(const cfg *c, const double *q, const double *k,
+		     const double *v, double *out, double *lse)
+{
+	double *p = malloc(sizeof *p * (size_t)(c->s + 1));
+	for (int64_t b = 0; b < c->b; b++)
+		for (int64_t h = 0; h < c->hq; h++)
+			for (int64_t i = 0; i < c->t; i++) {
+				int64_t row = (b * c->hq + h) * c->t + i;
+				int64_t g = h / (c->hq / c->hkv);
+				lse[row] = ref_probs(c, q, k, b, h, i, p);
+				for (int64_t e = 0; e < c->dv; e++) {
+					double s = 0;
+					for (int64_t j = 0; j < c->s; j++)
+						s +=
+						    p[j] *
+						    v[((b * c->hkv + g) * c->s +
+						       j) *
+							  c->dv +
+						      e];
+					out[row * c->dv + e] = s;
+				}
+			}
+	free(p);
+}
+
+/* Gradients of sum(out * dout) with respect to q, k, v (zeroed here).
+ * Di = sum_j p_ij dp_ij, or rowsum(dout * o) over the given out o (the
+ * bf16-rounded out that a bf16 kernel has to use) when o is not NULL. */
+static void ref_sdpa_backward(const cfg *c, const double *q, const double *k,
+			      const double *v, const double *dout,
+			      const double *o, double *dq, double *dk,
+			      double *dv)
+{
+	memset(dq, 0, sizeof *dq * (size_t)(c->b * c->hq * c->t * c->d));
+	memset(dk, 0, sizeof *dk * (size_t)(c->b * c->hkv * c->s * c->d));
+	memset(dv, 0, sizeof *dv * (size_t)(c->b * c->hkv * c->s * c->dv));
+	double *p = malloc(sizeof *p * (size_t)(c->s + 1));
+	double *dp = malloc(sizeof *dp * (size_t)(c->s + 1));
+	double sc = cfg_scale(c);
+	for (int64_t b = 0; b < c->b; b++)
+		for (int64_t h = 0; h < c->hq; h++)
+			for (int64_t i = 0; i < c->t; i++) {
+				int64_t g = h / (c->hq / c->hkv);
+				int64_t row = (b * c->hq + h) * c->t + i;
+				const double *go = dout + row * c->dv;
+				ref_probs(c, q, k, b, h, i, p);
+				double di = 0;
+				for (int64_t j = 0; j < c->s; j++) {
+					int64_t kv =
+					    (b * c->hkv + g) * c->s + j;
+					dp[j] = 0;
+					for (int64_t e = 0; e < c->dv; e++) {
+						dp[j] +=
+						    go[e] * v[kv * c->dv + e];
+						dv[kv * c->dv + e] +=
+						    p[j] * go[e];
+					}
+					di += p[j] * dp[j];
+				}
+				if (o) {
+					di = 0;
+					for (int64_t e = 0; e < c->dv; e++)
+						di +=
+						    go[e] * o[row * c->dv + e];
+				}
+				for (int64_t j = 0; j < c->s; j++) {
+					int64_t kv =
+					    (b * c->hkv + g) * c->s + j;
+					double ds = p[j] * (dp[j] - di) * sc;
+					for (int64_t e = 0; e < c->d; e++) {
+						dq[row * c->d + e] +=
+						    ds * k[kv * c->d + e];
+						dk[kv * c->d + e] +=
+						    ds * q[row * c->d + e];
+					}
+				}
+			}
+	free(p);
+	free(dp);
+}
+
+static const cfg fw_cfgs[] = {
+	{ 2, 6, 2, 5, 7, 5, 3, false, 0 },   /* GQA 3:1, Dv != D */
+	{ 2, 6, 3, 5, 7, 5, 5, true, 0 },    /* causal, offset S - T = 2 */
+	{ 1, 4, 4, 7, 5, 4, 6, true, 0.3 },  /* T > S: 2 queries see nothing */
+	{ 1, 3, 1, 70, 75, 8, 8, true, 0 },  /* two query blocks, MQA */
+	{ 1, 2, 2, 1, 1, 3, 2, false, 0 },   /* one key */
+	{ 1, 2, 1, 67, 67, 4, 3, false, 2 }, /* two blocks, not causal */
+};
+
+static const epj_dtype float_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
+					  EPJ_DTYPE_BF16 };
+
+typedef struct tol {
+	double rtol, atol;
+} tol;
+
+static tol fw_tol(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64    ? (tol){ 1e-10, 1e-12 }
+	       : dt == EPJ_DTYPE_BF16 ? (tol){ 1.0 / 250, 2e-3 }
+				      : (tol){ 1e-4, 1e-5 };
+}
+
+static tol bw_tol(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64    ? (tol){ 1e-9, 1e-11 }
+	       : dt == EPJ_DTYPE_BF16 ? (tol){ 1.0 / 250, 5e-3 }
+				      : (tol){ 1e-3, 1e-4 };
+}
+
+/* Runs the SDPA op on (q, k, v) through the dispatcher: out and lse. */
+static void run_sdpa(epj_ctx *ctx, const cfg *c, epj_tensor *q, epj_tensor *k,
+		     epj_tensor *v, epj_tensor **out, epj_tensor **lse)
+{
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, c->causal);
+	ej_attrs_push_f(&at, c->scale);
+	epj_tensor *in[3] = { q, k, v }, *outs[2] = { NULL, NULL };
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA, in, 3, &at, outs, 2) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	*out = outs[0];
+	*lse = outs[1];
+}
+
+/* Compares out and lse of sdpa(q, k, v) with the reference. */
+static void check_sdpa(epj_ctx *ctx, const cfg *c, epj_tensor *q, epj_tensor *k,
+		       epj_tensor *v, const char *what)
+{
+	epj_dtype dt = epj_tensor_dtype(q);
+	epj_tensor *out, *lse;
+	run_sdpa(ctx, c, q, k, v, &out, &lse);
+	ck_assert_int_eq(epj_tensor_dtype(out), dt);
+	ck_assert_int_eq(epj_tensor_dtype(lse),
+			 dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32);
+	int64_t os[4] = { c->b, c->hq, c->t, c->dv };
+	ck_assert_int_eq(epj_tensor_ndim(out), 4);
+	ck_assert_int_eq(epj_tensor_ndim(lse), 3);
+	for (int i = 0; i < 4; i++)
+		ck_assert_int_eq(epj_tensor_dim(out, i), os[i]);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(epj_tensor_dim(lse, i), os[i]);
+
+	double *qv = tu_values(ctx, q), *kv = tu_values(ctx, k),
+	       *vv = tu_values(ctx, v);
+	double *ro = malloc(sizeof *ro * (size_t)epj_tensor_numel(out));
+	double *rl = malloc(sizeof *rl * (size_t)epj_tensor_numel(lse));
+	ref_sdpa(c, qv, kv, vv, ro, rl);
+	tol t = fw_tol(dt);
+	tu_assert_close(ctx, out, ro, t.rtol, t.atol, what);
+	tu_assert_close(ctx, lse, rl, dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5,
+			dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5, what);
+	/* the public wrapper computes the same out */
+	epj_tensor *o2 = epj_sdpa(ctx, q, k, v, c->causal, c->scale);
+	tu_ok(ctx, o2);
+	tu_assert_tensors_close(ctx, o2, out, 0, 0, what);
+	free(qv);
+	free(kv);
+	free(vv);
+	free(ro);
+	free(rl);
+	epj_tensor_free(o2);
+	epj_tensor_free(out);
+	epj_tensor_free(lse);
+}
+
+static void make_qkv(epj_ctx *ctx, const cfg *c, epj_dtype dt, epj_tensor **q,
+		     epj_tensor **k, epj_tensor **v)
+{
+	int64_t qs[4] = { c->b, c->hq, c->t, c->d };
+	int64_t ks[4] = { c->b, c->hkv, c->s, c->d };
+	int64_t vs[4] = { c->b, c->hkv, c->s, c->dv };
+	*q = tu_randn(ctx, dt, 4, qs);
+	*k = tu_randn(ctx, dt, 4, ks);
+	*v = tu_randn(ctx, dt, 4, vs);
+}
+
+START_TEST(test_sdpa_forward)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(fw_cfgs); i++)
+		for (size_t j = 0; j < LEN(float_dtypes); j++) {
+			epj_tensor *q, *k, *v;
+			make_qkv(ctx, &fw_cfgs[i], float_dtypes[j], &q, &k, &v);
+			char what[64];
+			snprintf(what, sizeof what, "sdpa cfg %zu %s", i,
+				 epj_dtype_name(float_dtypes[j]));
+			check_sdpa(ctx, &fw_cfgs[i], q, k, v, what);
+			epj_tensor_free(q);
+			epj_tensor_free(k);
+			epj_tensor_free(v);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* q as the [B, T, H, D] -> [B, H, T, D] transpose a projection produces (in
+ * place), k with reversed-dim storage (packed), v as a transposed [.., Dv, S]
+ * matrix (BLAS transpose flag). */
+START_TEST(test_sdpa_views)
+{
+	epj_ctx *ctx = tu_ctx();
+	const cfg c = { 2, 6, 2, 5, 7, 5, 3, true, 0 };
+	for (size_t j = 0; j < LEN(float_dtypes); j++) {
+		epj_dtype dt = float_dtypes[j];
+		int64_t qs[4] = { c.b, c.t, c.hq, c.d };
+		int64_t ks[4] = { c.b, c.hkv, c.s, c.d };
+		int64_t vs[4] = { c.b, c.hkv, c.dv, c.s };
+		epj_tensor *q0 = tu_randn(ctx, dt, 4, qs);
+		epj_tensor *k0 = tu_randn(ctx, dt, 4, ks);
+		epj_tensor *v0 = tu_randn(ctx, dt, 4, vs);
+		epj_tensor *q = epj_transpose(ctx, q0, 1, 2);
+		epj_tensor *k = tu_noncontig(ctx, k0);
+		epj_tensor *v = epj_transpose(ctx, v0, 2, 3);
+		tu_ok(ctx, q);
+		tu_ok(ctx, v);
+		check_sdpa(ctx, &c, q, k, v, "sdpa views");
+		epj_tensor *all[] = { q0, k0, v0, q, k, v };
+		for (size_t i = 0; i < LEN(all); i++)
+			epj_tensor_free(all[i]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Autograd through epj_sdpa against ref_sdpa_backward. */
+static void check_sdpa_backward(epj_ctx *ctx, const cfg *c, epj_dtype dt,
+				bool views, const char *what)
+{
+	epj_tensor *q, *k, *v;
+	make_qkv(ctx, c, dt, &q, &k, &v);
+	if (views) {
+		epj_tensor *t = tu_noncontig(ctx, q);
+		epj_tensor_free(q);
+		q = t;
+	}
+	epj_tensor_set_requires_grad(q, true);
+	epj_tensor_set_requires_grad(k, true);
+	epj_tensor_set_requires_grad(v, true);
+	epj_tensor *out = epj_sdpa(ctx, q, k, v, c->causal, c->scale);
+	tu_ok(ctx, out);
+	epj_tensor *w = tu_randn(ctx, dt, 4, epj_tensor_shape(out));
+	epj_tensor *w_use = views ? tu_noncontig(ctx, w) : epj_tensor_ref(w);
+	epj_tensor *prod = epj_mul(ctx, out, w_use);
+	epj_tensor *loss = epj_sum_all(ctx, prod);
+	tu_ok(ctx, loss);
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+
+	double *qv = tu_values(ctx, q), *kv = tu_values(ctx, k),
+	       *vv = tu_values(ctx, v), *wv = tu_values(ctx, w);
+	double *dq = malloc(sizeof *dq * (size_t)epj_tensor_numel(q));
+	double *dk = malloc(sizeof *dk * (size_t)epj_tensor_numel(k));
+	double *dv = malloc(sizeof *dv * (size_t)epj_tensor_numel(v));
+	double *ov = dt == EPJ_DTYPE_BF16 ? tu_values(ctx, out) : NULL;
+	ref_sdpa_backward(c, qv, kv, vv, wv, ov, dq, dk, dv);
+	tol t = bw_tol(dt);
+	ck_assert_ptr_nonnull(epj_tensor_grad(q));
+	ck_assert_ptr_nonnull(epj_tensor_grad(k));
+	ck_assert_ptr_nonnull(epj_tensor_grad(v));
+	ck_assert_int_eq(epj_tensor_dtype(epj_tensor_grad(q)), dt);
+	tu_assert_close(ctx, epj_tensor_grad(q), dq, t.rtol, t.atol, what);
+	tu_assert_close(ctx, epj_tensor_grad(k), dk, t.rtol, t.atol, what);
+	tu_assert_close(ctx, epj_tensor_grad(v), dv, t.rtol, t.atol, what);
+	free(qv);
+	free(kv);
+	free(vv);
+	free(wv);
+	free(ov);
+	free(dq);
+	free(dk);
+	free(dv);
+	epj_tensor *all[] = { q, k, v, out, w, w_use, prod, loss };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+START_TEST(test_sdpa_backward)
+{
+	epj_ctx *ctx = tu_ctx();
+	const size_t picks[] = { 0, 1, 2, 3, 5 };
+	for (size_t i = 0; i < LEN(picks); i++)
+		for (size_t j = 0; j < LEN(float_dtypes); j++) {
+			char what[64];
+			snprintf(what, sizeof what, "sdpa backward cfg %zu %s",
+				 picks[i], epj_dtype_name(float_dtypes[j]));
+			check_sdpa_backward(ctx, &fw_cfgs[picks[i]],
+					    float_dtypes[j], i % 2 == 1, what);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_sdpa(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	const cfg *c = user;
+	return epj_sdpa(ctx, in[0], in[1], in[2], c->causal, c->scale);
+}
+
+START_TEST(test_sdpa_gradcheck)
+{
+	epj_ctx *ctx = tu_ctx();
+	const cfg cfgs[] = {
+		{ 1, 4, 2, 3, 4, 3, 2, false, 0 },
+		{ 1, 2, 1, 4, 3, 3, 3, true, 0 },   /* T > S */
+		{ 2, 2, 2, 3, 5, 2, 2, true, 0.7 }, /* T < S */
+	};
+	for (size_t i = 0; i < LEN(cfgs); i++) {
+		epj_tensor *q, *k, *v;
+		make_qkv(ctx, &cfgs[i], EPJ_DTYPE_F64, &q, &k, &v);
+		epj_tensor_set_requires_grad(q, true);
+		epj_tensor_set_requires_grad(k, true);
+		epj_tensor_set_requires_grad(v, true);
+		epj_tensor *in[3] = { q, k, v };
+		char what[48];
+		snprintf(what, sizeof what, "sdpa gradcheck cfg %zu", i);
+		tu_gradcheck(ctx, fn_sdpa, in, 3, (void *)&cfgs[i], 1e-6, 1e-5,
+			     1e-7, what);
+		epj_tensor_free(q);
+		epj_tensor_free(k);
+		epj_tensor_free(v);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* lse is not differentiable: a loss on lse alone gives zero gradients. */
+START_TEST(test_sdpa_lse_no_grad)
+{
+	epj_ctx *ctx = tu_ctx();
+	const cfg c = { 1, 2, 1, 3, 4, 3, 2, false, 0 };
+	epj_tensor *q, *k, *v, *out, *lse;
+	make_qkv(ctx, &c, EPJ_DTYPE_F64, &q, &k, &v);
+	epj_tensor_set_requires_grad(q, true);
+	run_sdpa(ctx, &c, q, k, v, &out, &lse);
+	epj_tensor *loss = epj_sum_all(ctx, lse);
+	tu_ok(ctx, loss);
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	epj_tensor *g = epj_tensor_grad(q);
+	if (g) {
+		double zero[18] = { 0 };
+		tu_assert_close(ctx, g, zero, 0, 0, "sdpa grad through lse");
+	}
+	epj_tensor *all[] = { q, k, v, out, lse, loss };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static void expect_error(epj_ctx *ctx, epj_tensor *t, epj_status st,
+			 const char *const *needles, int n)
+{
+	ck_assert_ptr_null(t);
+	ck_assert_msg(epj_ctx_status(ctx) == st, "status %s, want %s: %s",
+		      epj_status_name(epj_ctx_status(ctx)), epj_status_name(st),
+		      epj_ctx_error(ctx));
+	for (int i = 0; i < n; i++)
+		ck_assert_msg(strstr(epj_ctx_error(ctx), needles[i]) != NULL,
+			      "message \"%s\" lacks \"%s\"", epj_ctx_error(ctx),
+			      needles[i]);
+	epj_ctx_clear_error(ctx);
+}
+
+START_TEST(test_sdpa_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t qs[4] = { 1, 6, 3, 5 }, k4[4] = { 1, 4, 3, 5 };
+	int64_t k2[4] = { 1, 2, 3, 5 }, kd[4] = { 1, 2, 3, 4 };
+	int64_t q3[3] = { 6, 3, 5 }, v2[4] = { 1, 2, 4, 5 };
+	epj_tensor *q = tu_randn(ctx, EPJ_DTYPE_F32, 4, qs);
+	epj_tensor *kbad = tu_randn(ctx, EPJ_DTYPE_F32, 4, k4);
+	epj_tensor *k = tu_randn(ctx, EPJ_DTYPE_F32, 4, k2);
+	epj_tensor *k64 = tu_randn(ctx, EPJ_DTYPE_F64, 4, k2);
+	epj_tensor *kdd = tu_randn(ctx, EPJ_DTYPE_F32, 4, kd);
+	epj_tensor *qbad = tu_randn(ctx, EPJ_DTYPE_F32, 3, q3);
+	epj_tensor *vs = tu_randn(ctx, EPJ_DTYPE_F32, 4, v2);
+
+	const char *heads[] = { "sdpa", "Hq=6", "Hkv=4" };
+	expect_error(ctx, epj_sdpa(ctx, q, kbad, kbad, false, 0), EPJ_ERR_SHAPE,
+		     heads, 3);
+	const char *dt[] = { "sdpa", "f64" };
+	expect_error(ctx, epj_sdpa(ctx, q, k64, k, true, 0), EPJ_ERR_DTYPE, dt,
+		     2);
+	const char *dd[] = { "sdpa", "D=5", "D=4" };
+	expect_error(ctx, epj_sdpa(ctx, q, kdd, kdd, false, 0), EPJ_ERR_SHAPE,
+		     dd, 3);
+	const char *nd[] = { "sdpa", "4-D" };
+	expect_error(ctx, epj_sdpa(ctx, qbad, k, k, false, 0), EPJ_ERR_SHAPE,
+		     nd, 2);
+	const char *sv[] = { "sdpa", "[1,2,4,5]" };
+	expect_error(ctx, epj_sdpa(ctx, q, k, vs, false, 0), EPJ_ERR_SHAPE, sv,
+		     2);
+
+	epj_tensor *all[] = { q, kbad, k, k64, kdd, qbad, vs };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- cross entropy ----------------------------------------------------------
+ */
+
+/* Mean of lse(row) - row[target] over rows with target != ign; NaN if none.
+ * grad (optional): d loss / d logits scaled by g. */
+static double ref_ce(const double *x, const int64_t *tg, int64_t n, int64_t nv,
+		     int64_t ign, double g, double *grad)
+{
+	int64_t valid = 0;
+	for (int64_t r = 0; r < n; r++)
+		valid += tg[r] != ign;
+	double total = 0;
+	for (int64_t r = 0; r < n; r++) {
+		const double *row = x + r * nv;
+		double mx = -INFINITY, sum = 0;
+		for (int64_t j = 0; j < nv; j++)
+			mx = row[j] > mx ? row[j] : mx;
+		for (int64_t j = 0; j < nv; j++)
+			sum += exp(row[j] - mx);
+		for (int64_t j = 0; grad && j < nv; j++)
+			grad[r * nv + j] =
+			    tg[r] == ign
+				? 0
+				: g / (double)valid *
+				      (exp(row[j] - mx) / sum - (j == tg[r]));
+		if (tg[r] != ign)
+			total += mx + log(sum) - row[tg[r]];
+	}
+	return valid ? total / (double)valid : NAN;
+}
+
+/* Targets [n] in dtype dt from values tg. */
+static epj_tensor *make_targets(epj_ctx *ctx, epj_dtype dt, const int64_t *tg,
+				int64_t n)
+{
+	epj_tensor *t;
+	if (dt == EPJ_DTYPE_I64) {
+		t = epj_tensor_from_data(ctx, dt, 1, &n, tg);
+	} else {
+		int32_t *v = malloc(sizeof *v * (size_t)n);
+		for (int64_t i = 0; i < n; i++)
+			v[i] = (int32_t)tg[i];
+		t = epj_tensor_from_data(ctx, dt, 1, &n, v);
+		free(v);
+	}
+	tu_ok(ctx, t);
+	return t;
+}
+
+/* Random targets, every fourth row (from a random phase) set to ign. */
+static void random_targets(int64_t *tg, int64_t n, int64_t nv, int64_t ign)
+{
+	int64_t phase = tu_randint(0, 4);
+	for (int64_t r = 0; r < n; r++)
+		tg[r] = r % 4 == phase ? ign : tu_randint(0, nv);
+}
+
+static void check_ce(epj_ctx *ctx, epj_dtype dt, epj_dtype tdt, int64_t n,
+		     int64_t nv, int64_t ign, bool noncontig, const char *what)
+{
+	int64_t ls[2] = { n, nv };
+	epj_tensor *lg = tu_randn(ctx, dt, 2, ls);
+	if (noncontig) {
+		epj_tensor *t = tu_noncontig(ctx, lg);
+		epj_tensor_free(lg);
+		lg = t;
+	}
+	int64_t *tg = malloc(sizeof *tg * (size_t)n);
+	random_targets(tg, n, nv, ign);
+	epj_tensor *tt = make_targets(ctx, tdt, tg, n);
+	epj_tensor_set_requires_grad(lg, true);
+	epj_tensor *loss = epj_cross_entropy(ctx, lg, tt, ign);
+	tu_ok(ctx, loss);
+	ck_assert_int_eq(epj_tensor_ndim(loss), 0);
+	ck_assert_int_eq(epj_tensor_dtype(loss),
+			 dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32);
+	double *xv = tu_values(ctx, lg);
+	double *gref = malloc(sizeof *gref * (size_t)(n * nv));
+	double g = tu_uniform(0.5, 2.0);
+	double ref = ref_ce(xv, tg, n, nv, ign, g, gref);
+	double ftol = dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5;
+	tu_assert_close(ctx, loss, &ref, ftol, ftol, what);
+
+	/* backward with an upstream gradient g */
+	epj_tensor *gt = epj_full(ctx, epj_tensor_dtype(loss), 0, NULL, g);
+	tu_ok(ctx, gt);
+	ck_assert_msg(epj_backward(ctx, loss, gt) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	epj_tensor *grad = epj_tensor_grad(lg);
+	ck_assert_ptr_nonnull(grad);
+	ck_assert_int_eq(epj_tensor_dtype(grad), dt);
+	double brt = dt == EPJ_DTYPE_F64    ? 1e-10
+		     : dt == EPJ_DTYPE_BF16 ? 1.0 / 250
+					    : 1e-4;
+	tu_assert_close(ctx, grad, gref, brt,
+			dt == EPJ_DTYPE_F64 ? 1e-14 : 1e-6, what);
+	free(tg);
+	free(xv);
+	free(gref);
+	epj_tensor *all[] = { lg, tt, loss, gt };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+START_TEST(test_ce_forward_backward)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t j = 0; j < LEN(float_dtypes); j++) {
+		epj_dtype dt = float_dtypes[j];
+		check_ce(ctx, dt, EPJ_DTYPE_I64, 13, 7, -100, false, "ce i64");
+		check_ce(ctx, dt, EPJ_DTYPE_I32, 13, 7, 2, true,
+			 "ce i32 ignore 2 noncontig");
+		check_ce(ctx, dt, EPJ_DTYPE_I64, 17, 3001, -1, false,
+			 "ce large vocab");
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+typedef struct ce_user {
+	epj_tensor *targets;
+	int64_t ign;
+} ce_user;
+
+static epj_tensor *fn_ce(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	ce_user *u = user;
+	return epj_cross_entropy(ctx, in[0], u->targets, u->ign);
+}
+
+START_TEST(test_ce_gradcheck)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t ls[2] = { 5, 7 }, tg[5];
+	random_targets(tg, 5, 7, -100);
+	epj_tensor *lg = tu_randn(ctx, EPJ_DTYPE_F64, 2, ls);
+	epj_tensor_set_requires_grad(lg, true);
+	ce_user u = { make_targets(ctx, EPJ_DTYPE_I64, tg, 5), -100 };
+	epj_tensor *in[1] = { lg };
+	tu_gradcheck(ctx, fn_ce, in, 1, &u, 1e-6, 1e-6, 1e-9, "ce gradcheck");
+	epj_tensor_free(lg);
+	epj_tensor_free(u.targets);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_ce_all_ignored)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t ls[2] = { 3, 5 }, tg[3] = { -100, -100, -100 };
+	epj_tensor *lg = tu_randn(ctx, EPJ_DTYPE_F32, 2, ls);
+	epj_tensor_set_requires_grad(lg, true);
+	epj_tensor *tt = make_targets(ctx, EPJ_DTYPE_I64, tg, 3);
+	epj_tensor *loss = epj_cross_entropy(ctx, lg, tt, -100);
+	tu_ok(ctx, loss);
+	ck_assert(isnan(epj_tensor_get_f64(loss, 0)));
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	double zero[15] = { 0 };
+	tu_assert_close(ctx, epj_tensor_grad(lg), zero, 0, 0,
+			"ce all ignored: zero gradient");
+	epj_tensor_free(lg);
+	epj_tensor_free(tt);
+	epj_tensor_free(loss);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_ce_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t ls[2] = { 6, 7 }, l1[1] = { 7 }, t5[1] = { 5 };
+	int64_t big[6] = { 0, 1, 2, 3, 7, 1 }, neg[6] = { 0, 1, -1, 3, 4, 1 };
+	epj_tensor *lg = tu_randn(ctx, EPJ_DTYPE_F32, 2, ls);
+	epj_tensor *lg1 = tu_randn(ctx, EPJ_DTYPE_F32, 1, l1);
+	epj_tensor *tb = make_targets(ctx, EPJ_DTYPE_I64, big, 6);
+	epj_tensor *tn = make_targets(ctx, EPJ_DTYPE_I32, neg, 6);
+	epj_tensor *tf = tu_randn(ctx, EPJ_DTYPE_F32, 1, ls);
+	epj_tensor *t5t = epj_randint(ctx, EPJ_DTYPE_I64, 1, t5, 0, 7);
+
+	const char *range[] = { "cross_entropy", "target 7", "row 4" };
+	expect_error(ctx, epj_cross_entropy(ctx, lg, tb, -100), EPJ_ERR_INDEX,
+		     range, 3);
+	const char *negs[] = { "cross_entropy", "target -1", "row 2" };
+	expect_error(ctx, epj_cross_entropy(ctx, lg, tn, -100), EPJ_ERR_INDEX,
+		     negs, 3);
+	const char *len[] = { "cross_entropy", "[6]" };
+	expect_error(ctx, epj_cross_entropy(ctx, lg, t5t, -100), EPJ_ERR_SHAPE,
+		     len, 2);
+	const char *one[] = { "cross_entropy", "[7]" };
+	expect_error(ctx, epj_cross_entropy(ctx, lg1, t5t, -100), EPJ_ERR_SHAPE,
+		     one, 2);
+	const char *fl[] = { "cross_entropy", "i32 or i64" };
+	expect_error(ctx, epj_cross_entropy(ctx, lg, tf, -100), EPJ_ERR_DTYPE,
+		     fl, 2);
+	/* the -1 row is fine when -1 is the ignore index */
+	epj_tensor *ok = epj_cross_entropy(ctx, lg, tn, -1);
+	tu_ok(ctx, ok);
+
+	epj_tensor *all[] = { lg, lg1, tb, tn, tf, t5t, ok };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_ops_attention_suite(void)
+{
+	Suite *s = suite_create("ops_attention");
+	TCase *ts = tcase_create("sdpa");
+	tcase_set_timeout(ts, 60);
+	tcase_add_test(ts, test_sdpa_forward);
+	tcase_add_test(ts, test_sdpa_views);
+	tcase_add_test(ts, test_sdpa_backward);
+	tcase_add_test(ts, test_sdpa_gradcheck);
+	tcase_add_test(ts, test_sdpa_lse_no_grad);
+	tcase_add_test(ts, test_sdpa_errors);
+	suite_add_tcase(s, ts);
+	TCase *tc = tcase_create("cross_entropy");
+	tcase_set_timeout(tc, 30);
+	tcase_add_test(tc, test_ce_forward_backward);
+	tcase_add_test(tc, test_ce_gradcheck);
+	tcase_add_test(tc, test_ce_all_ignored);
+	tcase_add_test(tc, test_ce_errors);
+	suite_add_tcase(s, tc);
+	return s;
+}

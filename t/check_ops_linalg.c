@@ -1,0 +1,486 @@
+/* check_ops_linalg.c -- MATMUL and LINEAR against double-precision
+ * triple-loop references written here: odd sizes, broadcast batch dims,
+ * transposed / strided / expanded views (the in-place BLAS layouts and the
+ * packing path), f32 / f64 / bf16; gradients by finite differences in f64;
+ * bad shapes and dtypes.
+ *
+ * bf16 tolerance: the references read the bf16 inputs as stored (exact), the
+ * kernel accumulates in f32 (error ~K * 2^-24, negligible here) and rounds
+ * once to bf16, at most 2^-8 relative.  Checked with rtol 1/250
+ * (2^-8 plus a margin for the f32 sums), atol 1e-3; truncation instead of
+ * rounding would fail it.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check_util.h"
+
+#define LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+static const epj_dtype float_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
+					  EPJ_DTYPE_BF16 };
+
+static double rtol_of(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64    ? 1e-12
+	       : dt == EPJ_DTYPE_BF16 ? 1.0 / 250
+				      : 1e-5;
+}
+
+static double atol_of(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? 1e-12 : dt == EPJ_DTYPE_BF16 ? 1e-3 : 1e-5;
+}
+
+/* Reference a [..., M, K] @ b [..., K, N] with numpy broadcasting of the
+ * batch dims, on row-major double arrays; out has shape osh (ndim no). */
+static void ref_matmul(const double *a, int na, const int64_t *ash,
+		       const double *b, int nb, const int64_t *bsh, double *out,
+		       int no, const int64_t *osh)
+{
+	int64_t m = ash[na - 2], k = ash[na - 1], n = bsh[nb - 1];
+	int nbd = no - 2;
+	int64_t nbatch = 1;
+	for (int d = 0; d < nbd; d++)
+		nbatch *= osh[d];
+	for (int64_t p = 0; p < nbatch; p++) {
+		int64_t idx[8], rem = p;
+		for (int d = nbd - 1; d >= 0; d--) {
+			idx[d] = rem % osh[d];
+			rem /= osh[d];
+		}
+		int64_t pa = 0, pb = 0;
+		for (int d = 0; d < nbd; d++) {
+			int da = d - (nbd - (na - 2)),
+			    db = d - (nbd - (nb - 2));
+			if (da >= 0)
+				pa = pa * ash[da] + (ash[da] == 1 ? 0 : idx[d]);
+			if (db >= 0)
+				pb = pb * bsh[db] + (bsh[db] == 1 ? 0 : idx[d]);
+		}
+		const double *am = a + pa * m * k, *bm = b + pb * k * n;
+		double *om = out + p * m * n;
+		for (int64_t i = 0; i < m; i++)
+			for (int64_t j = 0; j < n; j++) {
+				double s = 0;
+				for (int64_t l = 0; l < k; l++)
+					s += am[i * k + l] * bm[l * n + j];
+				om[i * n + j] = s;
+			}
+	}
+}
+
+/* Checks epj_matmul(a, b) against ref_matmul on the values a, b hold. */
+static void check_matmul(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
+			 const char *what)
+{
+	epj_tensor *o = epj_matmul(ctx, a, b);
+	tu_ok(ctx, o);
+	ck_assert_int_eq(epj_tensor_dtype(o), epj_tensor_dtype(a));
+	int na = epj_tensor_ndim(a), nb = epj_tensor_ndim(b),
+	    no = epj_tensor_ndim(o);
+	ck_assert_int_eq(no, na > nb ? na : nb);
+	ck_assert_int_eq(epj_tensor_dim(o, -2), epj_tensor_dim(a, -2));
+	ck_assert_int_eq(epj_tensor_dim(o, -1), epj_tensor_dim(b, -1));
+	double *av = tu_values(ctx, a), *bv = tu_values(ctx, b);
+	double *ref = malloc(sizeof *ref * (size_t)epj_tensor_numel(o));
+	ref_matmul(av, na, epj_tensor_shape(a), bv, nb, epj_tensor_shape(b),
+		   ref, no, epj_tensor_shape(o));
+	epj_dtype dt = epj_tensor_dtype(a);
+	tu_assert_close(ctx, o, ref, rtol_of(dt), atol_of(dt), what);
+	free(av);
+	free(bv);
+	free(ref);
+	epj_tensor_free(o);
+}
+
+static void check_matmul_shapes(epj_ctx *ctx, epj_dtype dt, int na,
+				const int64_t *ash, int nb, const int64_t *bsh,
+				const char *what)
+{
+	epj_tensor *a = tu_randn(ctx, dt, na, ash);
+	epj_tensor *b = tu_randn(ctx, dt, nb, bsh);
+	check_matmul(ctx, a, b, what);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+}
+
+START_TEST(test_matmul_2d)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(float_dtypes); i++) {
+		int64_t as[2] = { 5, 7 }, bs[2] = { 7, 3 };
+		check_matmul_shapes(ctx, float_dtypes[i], 2, as, 2, bs,
+				    "matmul 5x7 @ 7x3");
+		int64_t as1[2] = { 1, 13 }, bs1[2] = { 13, 1 };
+		check_matmul_shapes(ctx, float_dtypes[i], 2, as1, 2, bs1,
+				    "matmul 1x13 @ 13x1");
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_matmul_batched_broadcast)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(float_dtypes); i++) {
+		epj_dtype dt = float_dtypes[i];
+		int64_t a4[4] = { 2, 3, 5, 7 }, b2[2] = { 7, 4 };
+		check_matmul_shapes(ctx, dt, 4, a4, 2, b2,
+				    "matmul [2,3,5,7] @ [7,4]");
+		int64_t b4[4] = { 1, 3, 7, 4 };
+		check_matmul_shapes(ctx, dt, 4, a4, 4, b4,
+				    "matmul [2,3,5,7] @ [1,3,7,4]");
+		int64_t a3[4] = { 3, 1, 5, 5 }, b3[4] = { 1, 2, 5, 3 };
+		check_matmul_shapes(ctx, dt, 4, a3, 4, b3,
+				    "matmul [3,1,5,5] @ [1,2,5,3]");
+		int64_t a2[2] = { 3, 5 }, b5[3] = { 4, 5, 2 };
+		check_matmul_shapes(ctx, dt, 2, a2, 3, b5,
+				    "matmul [3,5] @ [4,5,2]");
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Many small matrices (OpenMP over batches) and one larger product (BLAS
+ * threads). */
+START_TEST(test_matmul_sizes)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t a[3] = { 17, 9, 11 }, b[3] = { 17, 11, 6 };
+	check_matmul_shapes(ctx, EPJ_DTYPE_F32, 3, a, 3, b,
+			    "matmul 17 x [9,11] @ [11,6]");
+	int64_t a2[2] = { 67, 71 }, b2[2] = { 71, 73 };
+	check_matmul_shapes(ctx, EPJ_DTYPE_F32, 2, a2, 2, b2,
+			    "matmul 67x71 @ 71x73");
+	check_matmul_shapes(ctx, EPJ_DTYPE_BF16, 2, a2, 2, b2,
+			    "matmul bf16 67x71 @ 71x73");
+	int64_t z1[2] = { 3, 0 }, z2[2] = { 0, 4 };
+	epj_tensor *za = tu_randn(ctx, EPJ_DTYPE_F32, 2, z1);
+	epj_tensor *zb = tu_randn(ctx, EPJ_DTYPE_F32, 2, z2);
+	epj_tensor *zo = epj_matmul(ctx, za, zb);
+	tu_ok(ctx, zo);
+	double zeros[12] = { 0 };
+	tu_assert_close(ctx, zo, zeros, 0, 0, "matmul with K = 0");
+	epj_tensor_free(za);
+	epj_tensor_free(zb);
+	epj_tensor_free(zo);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Transposed views (BLAS transpose flags), reversed-dim storage and strided
+ * or expanded views (packed), row slices (ld > cols, in place). */
+START_TEST(test_matmul_views)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(float_dtypes); i++) {
+		epj_dtype dt = float_dtypes[i];
+		int64_t s75[2] = { 7, 5 }, s37[2] = { 3, 7 };
+		epj_tensor *a0 = tu_randn(ctx, dt, 2, s75);
+		epj_tensor *b0 = tu_randn(ctx, dt, 2, s37);
+		epj_tensor *at = epj_transpose(ctx, a0, 0, 1); /* [5,7] */
+		epj_tensor *bt = epj_transpose(ctx, b0, 0, 1); /* [7,3] */
+		check_matmul(ctx, at, bt, "matmul transposed views");
+		ck_assert(!epj_tensor_is_contiguous(at));
+
+		/* batched transposed view: [2,3,7,5] -> [2,3,5,7] */
+		int64_t s4[4] = { 2, 3, 7, 5 }, sb[4] = { 2, 1, 7, 4 };
+		epj_tensor *q0 = tu_randn(ctx, dt, 4, s4);
+		epj_tensor *qt = epj_transpose(ctx, q0, 2, 3);
+		epj_tensor *bb = tu_randn(ctx, dt, 4, sb);
+		epj_tensor *bbn = tu_noncontig(ctx, bb);
+		check_matmul(ctx, qt, bb, "matmul batched transposed view");
+		check_matmul(ctx, qt, bbn, "matmul reversed-dims storage");
+
+		/* column steps and a row slice of a wider matrix */
+		int64_t s514[2] = { 5, 14 }, s97[2] = { 9, 7 };
+		epj_tensor *w = tu_randn(ctx, dt, 2, s514);
+		epj_tensor *ws = epj_slice(ctx, w, 1, 0, 14, 2); /* [5,7] */
+		epj_tensor *r = tu_randn(ctx, dt, 2, s97);
+		epj_tensor *rs = epj_slice(ctx, r, 0, 1, 8, 1); /* [7,7] */
+		check_matmul(ctx, ws, rs, "matmul strided views");
+		epj_tensor *wrow = epj_slice(ctx, w, 1, 2, 9, 1); /* [5,7] */
+		check_matmul(ctx, wrow, bt, "matmul ld > cols");
+
+		/* stride-0 rows (expand) inside the matrix and over batches */
+		int64_t s17[2] = { 1, 7 }, e[2] = { 5, 7 };
+		epj_tensor *row = tu_randn(ctx, dt, 2, s17);
+		epj_tensor *ex = epj_expand(ctx, row, 2, e);
+		check_matmul(ctx, ex, bt, "matmul expanded rows");
+		int64_t e3[3] = { 4, 7, 3 };
+		epj_tensor *bex = epj_expand(ctx, bt, 3, e3);
+		check_matmul(ctx, at, bex, "matmul expanded batch");
+
+		epj_tensor *all[] = { a0, b0, at, bt, q0,   qt,	 bb, bbn,
+				      w,  ws, r,  rs, wrow, row, ex, bex };
+		for (size_t j = 0; j < LEN(all); j++)
+			epj_tensor_free(all[j]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_matmul(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	(void)user;
+	return epj_matmul(ctx, in[0], in[1]);
+}
+
+static void gradcheck_matmul(epj_ctx *ctx, int na, const int64_t *as, int nb,
+			     const int64_t *bs, bool noncontig_a,
+			     const char *what)
+{
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F64, na, as);
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F64, nb, bs);
+	if (noncontig_a) {
+		epj_tensor *t = tu_noncontig(ctx, a);
+		epj_tensor_free(a);
+		a = t;
+	}
+	epj_tensor_set_requires_grad(a, true);
+	epj_tensor_set_requires_grad(b, true);
+	epj_tensor *in[2] = { a, b };
+	tu_gradcheck(ctx, fn_matmul, in, 2, NULL, 1e-6, 1e-6, 1e-8, what);
+	ck_assert_int_eq(epj_tensor_ndim(epj_tensor_grad(a)), na);
+	ck_assert_int_eq(epj_tensor_ndim(epj_tensor_grad(b)), nb);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+}
+
+START_TEST(test_matmul_grad)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t a2[2] = { 3, 5 }, b2[2] = { 5, 4 };
+	gradcheck_matmul(ctx, 2, a2, 2, b2, false, "matmul grad 2-D");
+	gradcheck_matmul(ctx, 2, a2, 2, b2, true, "matmul grad noncontig");
+	int64_t a3[3] = { 2, 3, 5 };
+	gradcheck_matmul(ctx, 3, a3, 2, b2, false, "matmul grad broadcast b");
+	int64_t a4[4] = { 2, 1, 3, 4 }, b3[3] = { 3, 4, 2 };
+	gradcheck_matmul(ctx, 4, a4, 3, b3, true, "matmul grad broadcast both");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ctx holds an error of status st whose message has every needle. */
+static void expect_error(epj_ctx *ctx, epj_tensor *t, epj_status st,
+			 const char *const *needles, int n)
+{
+	ck_assert_ptr_null(t);
+	ck_assert_msg(epj_ctx_status(ctx) == st, "status %s, want %s: %s",
+		      epj_status_name(epj_ctx_status(ctx)), epj_status_name(st),
+		      epj_ctx_error(ctx));
+	for (int i = 0; i < n; i++)
+		ck_assert_msg(strstr(epj_ctx_error(ctx), needles[i]) != NULL,
+			      "message \"%s\" lacks \"%s\"", epj_ctx_error(ctx),
+			      needles[i]);
+	epj_ctx_clear_error(ctx);
+}
+
+START_TEST(test_matmul_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t s57[2] = { 5, 7 }, s63[2] = { 6, 3 }, s73[2] = { 7, 3 };
+	int64_t s7[1] = { 7 }, s257[3] = { 2, 5, 7 }, s374[3] = { 3, 7, 4 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, s57);
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F32, 2, s63);
+	epj_tensor *b64 = tu_randn(ctx, EPJ_DTYPE_F64, 2, s73);
+	epj_tensor *v = tu_randn(ctx, EPJ_DTYPE_F32, 1, s7);
+	epj_tensor *a3 = tu_randn(ctx, EPJ_DTYPE_F32, 3, s257);
+	epj_tensor *b3 = tu_randn(ctx, EPJ_DTYPE_F32, 3, s374);
+	epj_tensor *ia = epj_randint(ctx, EPJ_DTYPE_I64, 2, s57, 0, 5);
+	epj_tensor *ib = epj_randint(ctx, EPJ_DTYPE_I64, 2, s73, 0, 5);
+
+	const char *inner[] = { "matmul", "[5,7]", "[6,3]" };
+	expect_error(ctx, epj_matmul(ctx, a, b), EPJ_ERR_SHAPE, inner, 3);
+	const char *dtype[] = { "matmul", "f64" };
+	expect_error(ctx, epj_matmul(ctx, a, b64), EPJ_ERR_DTYPE, dtype, 2);
+	const char *one_d[] = { "matmul", "[7]" };
+	expect_error(ctx, epj_matmul(ctx, v, b), EPJ_ERR_SHAPE, one_d, 2);
+	const char *batch[] = { "matmul", "[2,5,7]", "[3,7,4]" };
+	expect_error(ctx, epj_matmul(ctx, a3, b3), EPJ_ERR_SHAPE, batch, 3);
+	const char *ints[] = { "matmul", "i64" };
+	expect_error(ctx, epj_matmul(ctx, ia, ib), EPJ_ERR_DTYPE, ints, 2);
+
+	epj_tensor *all[] = { a, b, b64, v, a3, b3, ia, ib };
+	for (size_t j = 0; j < LEN(all); j++)
+		epj_tensor_free(all[j]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- linear ----------------------------------------------------------------
+ */
+
+/* out [rows, out] = x [rows, in] @ w[out, in]^T + bias */
+static void ref_linear(const double *x, const double *w, const double *bias,
+		       int64_t rows, int64_t fin, int64_t fout, double *out)
+{
+	for (int64_t r = 0; r < rows; r++)
+		for (int64_t o = 0; o < fout; o++) {
+			double s = bias ? bias[o] : 0;
+			for (int64_t i = 0; i < fin; i++)
+				s += x[r * fin + i] * w[o * fin + i];
+			out[r * fout + o] = s;
+		}
+}
+
+static void check_linear(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+			 epj_tensor *bias, const char *what)
+{
+	epj_tensor *o = epj_linear(ctx, x, w, bias);
+	tu_ok(ctx, o);
+	int nd = epj_tensor_ndim(x);
+	ck_assert_int_eq(epj_tensor_ndim(o), nd);
+	for (int d = 0; d < nd - 1; d++)
+		ck_assert_int_eq(epj_tensor_dim(o, d), epj_tensor_dim(x, d));
+	int64_t fout = epj_tensor_dim(w, 0), fin = epj_tensor_dim(w, 1);
+	ck_assert_int_eq(epj_tensor_dim(o, -1), fout);
+	int64_t rows = epj_tensor_numel(x) / fin;
+	double *xv = tu_values(ctx, x), *wv = tu_values(ctx, w);
+	double *bv = bias ? tu_values(ctx, bias) : NULL;
+	double *ref = malloc(sizeof *ref * (size_t)(rows * fout));
+	ref_linear(xv, wv, bv, rows, fin, fout, ref);
+	epj_dtype dt = epj_tensor_dtype(x);
+	tu_assert_close(ctx, o, ref, rtol_of(dt), atol_of(dt), what);
+	free(xv);
+	free(wv);
+	free(bv);
+	free(ref);
+	epj_tensor_free(o);
+}
+
+START_TEST(test_linear_forward)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(float_dtypes); i++) {
+		epj_dtype dt = float_dtypes[i];
+		int64_t xs[3] = { 2, 3, 7 }, wsh[2] = { 5, 7 }, bs[1] = { 5 };
+		int64_t x1s[1] = { 7 };
+		epj_tensor *x = tu_randn(ctx, dt, 3, xs);
+		epj_tensor *w = tu_randn(ctx, dt, 2, wsh);
+		epj_tensor *bias = tu_randn(ctx, dt, 1, bs);
+		epj_tensor *x1 = tu_randn(ctx, dt, 1, x1s);
+		check_linear(ctx, x, w, bias, "linear with bias");
+		check_linear(ctx, x, w, NULL, "linear without bias");
+		check_linear(ctx, x1, w, bias, "linear 1-D x");
+
+		/* non-contiguous x, w and bias */
+		epj_tensor *xn = tu_noncontig(ctx, x);
+		epj_tensor *wn = tu_noncontig(ctx, w);
+		epj_tensor *bn = tu_noncontig(ctx, bias);
+		check_linear(ctx, xn, wn, bn, "linear noncontig");
+		/* w as the transpose of a [in, out] matrix */
+		int64_t wts[2] = { 7, 5 };
+		epj_tensor *w0 = tu_randn(ctx, dt, 2, wts);
+		epj_tensor *wt = epj_transpose(ctx, w0, 0, 1);
+		check_linear(ctx, x, wt, bias, "linear transposed w");
+		/* x rows with a gap (in place) and unmergeable rows (packed) */
+		int64_t big[3] = { 2, 7, 7 };
+		epj_tensor *xb = tu_randn(ctx, dt, 3, big);
+		epj_tensor *xr = epj_slice(ctx, xb, 1, 0, 7, 2); /* [2,4,7] */
+		check_linear(ctx, xr, w, bias,
+			     "linear unmergeable rows (packed)");
+		epj_tensor *xr2 = epj_slice(ctx, xb, 0, 1, 2, 1); /* [1,7,7] */
+		epj_tensor *xr3 = epj_slice(ctx, xr2, 1, 1, 7, 2);
+		check_linear(ctx, xr3, w, NULL, "linear rows with ld > in");
+
+		epj_tensor *all[] = { x,  w,  bias, x1, xn,  wn, bn,
+				      w0, wt, xb,   xr, xr2, xr3 };
+		for (size_t j = 0; j < LEN(all); j++)
+			epj_tensor_free(all[j]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_linear(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	(void)user;
+	return epj_linear(ctx, in[0], in[1], in[2]);
+}
+
+static void gradcheck_linear(epj_ctx *ctx, int nx, const int64_t *xs,
+			     bool with_bias, bool noncontig, const char *what)
+{
+	int64_t ws[2] = { 4, xs[nx - 1] }, bs[1] = { 4 };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F64, nx, xs);
+	epj_tensor *w = tu_randn(ctx, EPJ_DTYPE_F64, 2, ws);
+	epj_tensor *b = with_bias ? tu_randn(ctx, EPJ_DTYPE_F64, 1, bs) : NULL;
+	if (noncontig) {
+		epj_tensor *t = tu_noncontig(ctx, x);
+		epj_tensor_free(x);
+		x = t;
+	}
+	epj_tensor_set_requires_grad(x, true);
+	epj_tensor_set_requires_grad(w, true);
+	if (b)
+		epj_tensor_set_requires_grad(b, true);
+	epj_tensor *in[3] = { x, w, b };
+	tu_gradcheck(ctx, fn_linear, in, 3, NULL, 1e-6, 1e-6, 1e-8, what);
+	epj_tensor_free(x);
+	epj_tensor_free(w);
+	epj_tensor_free(b);
+}
+
+START_TEST(test_linear_grad)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t x3[3] = { 2, 3, 5 }, x1[1] = { 5 }, x2[2] = { 3, 5 };
+	gradcheck_linear(ctx, 3, x3, true, false, "linear grad bias");
+	gradcheck_linear(ctx, 3, x3, false, true, "linear grad noncontig");
+	gradcheck_linear(ctx, 1, x1, true, false, "linear grad 1-D");
+	gradcheck_linear(ctx, 2, x2, true, true, "linear grad 2-D");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_linear_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t xs[2] = { 3, 7 }, ws[2] = { 5, 6 }, w7[2] = { 5, 7 };
+	int64_t b4[1] = { 4 }, w3[3] = { 1, 5, 7 };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 2, xs);
+	epj_tensor *w = tu_randn(ctx, EPJ_DTYPE_F32, 2, ws);
+	epj_tensor *wok = tu_randn(ctx, EPJ_DTYPE_F32, 2, w7);
+	epj_tensor *w64 = tu_randn(ctx, EPJ_DTYPE_F64, 2, w7);
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F32, 1, b4);
+	epj_tensor *wb = tu_randn(ctx, EPJ_DTYPE_F32, 3, w3);
+
+	const char *feat[] = { "linear", "[3,7]", "[5,6]" };
+	expect_error(ctx, epj_linear(ctx, x, w, NULL), EPJ_ERR_SHAPE, feat, 3);
+	const char *bias[] = { "linear", "bias", "[4]" };
+	expect_error(ctx, epj_linear(ctx, x, wok, b), EPJ_ERR_SHAPE, bias, 3);
+	const char *dt[] = { "linear", "f64" };
+	expect_error(ctx, epj_linear(ctx, x, w64, NULL), EPJ_ERR_DTYPE, dt, 2);
+	const char *w3d[] = { "linear", "[1,5,7]" };
+	expect_error(ctx, epj_linear(ctx, x, wb, NULL), EPJ_ERR_SHAPE, w3d, 2);
+
+	epj_tensor *all[] = { x, w, wok, w64, b, wb };
+	for (size_t j = 0; j < LEN(all); j++)
+		epj_tensor_free(all[j]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_ops_linalg_suite(void)
+{
+	Suite *s = suite_create("ops_linalg");
+	TCase *tc = tcase_create("matmul");
+	tcase_set_timeout(tc, 30);
+	tcase_add_test(tc, test_matmul_2d);
+	tcase_add_test(tc, test_matmul_batched_broadcast);
+	tcase_add_test(tc, test_matmul_sizes);
+	tcase_add_test(tc, test_matmul_views);
+	tcase_add_test(tc, test_matmul_grad);
+	tcase_add_test(tc, test_matmul_errors);
+	suite_add_tcase(s, tc);
+	TCase *tl = tcase_create("linear");
+	tcase_set_timeout(tl, 30);
+	tcase_add_test(tl, test_linear_forward);
+	tcase_add_test(tl, test_linear_grad);
+	tcase_add_test(tl, test_linear_errors);
+	suite_add_tcase(s, tl);
+	return s;
+}

@@ -1,0 +1,798 @@
+/* check_ops_pointwise.c -- elementwise ops: add sub mul div eq (numpy
+ * broadcasting), add_scalar mul_scalar pow_scalar, neg exp log sqrt rsqrt
+ * silu sigmoid tanh gelu, cast, and the silu/gelu backward helpers.
+ *
+ * Every forward result is compared with a double-precision reference
+ * written here (broadcast index mapping and math from libm, in forms that
+ * differ from the kernels': sigmoid through tanh, gelu through erfc), on
+ * fresh random inputs of odd sizes, contiguous and not (tu_noncontig).
+ * The reference is computed from the input tensor's own values, so bf16
+ * inputs are already rounded.  Tolerances, |got - ref| <= atol + rtol|ref|:
+ *  - f64:  rtol 1e-12, atol 1e-14 -- same precision as the reference,
+ *          only libm ulps and operation order differ;
+ *  - f32:  rtol 1e-5, atol 1e-6 -- a few f32 ulps of expf/erff; the atol
+ *          covers gelu's 1 + erf(x) cancellation near -4 (as in PyTorch);
+ *  - bf16: rtol 1e-2, atol 1e-3 -- one bf16 rounding (2^-9 relative) of a
+ *          result computed in f32.
+ * Gradients: tu_gradcheck in f64, central differences with eps 1e-6,
+ * rtol 1e-5, atol 1e-6 (truncation error ~eps^2, rounding ~1e-16/eps);
+ * log/sqrt/rsqrt/div/pow inputs are kept in [0.5, 2.5], away from 0.
+ */
+#include "check_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- helpers -------------------------------------------------------------
+ */
+
+enum gen { G_NORMAL, G_POS, G_SMALLINT };
+
+static const epj_dtype float_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
+					  EPJ_DTYPE_BF16 };
+
+static int64_t numel_of(int nd, const int64_t *shape)
+{
+	int64_t n = 1;
+	for (int i = 0; i < nd; i++)
+		n *= shape[i];
+	return n;
+}
+
+static double gen_value(enum gen g)
+{
+	switch (g) {
+	case G_POS:
+		return tu_uniform(0.5, 2.5);
+	case G_SMALLINT:
+		return (double)tu_randint(-2, 3);
+	default: { /* Box-Muller from the test RNG */
+		double u = tu_uniform(1e-12, 1.0), v = tu_uniform(0.0, 1.0);
+		return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+	}
+	}
+}
+
+/* Fresh random tensor; non-contiguous (same values) when nc and nd >= 1. */
+static epj_tensor *mk(epj_ctx *ctx, epj_dtype dt, int nd, const int64_t *shape,
+		      enum gen g, bool nc)
+{
+	int64_t n = numel_of(nd, shape);
+	double *v = malloc(sizeof *v * (size_t)(n > 0 ? n : 1));
+	ck_assert_ptr_nonnull(v);
+	for (int64_t i = 0; i < n; i++)
+		v[i] = gen_value(g);
+	epj_tensor *t = epj_zeros(ctx, dt, nd, shape);
+	tu_ok(ctx, t);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, t, v), EPJ_OK);
+	free(v);
+	if (nc && nd >= 1) {
+		epj_tensor *u = tu_noncontig(ctx, t);
+		epj_tensor_free(t);
+		t = u;
+	}
+	return t;
+}
+
+static void assert_shape(const epj_tensor *t, int nd, const int64_t *shape)
+{
+	ck_assert_int_eq(epj_tensor_ndim(t), nd);
+	for (int i = 0; i < nd; i++)
+		ck_assert_int_eq(epj_tensor_dim(t, i), shape[i]);
+}
+
+static void assert_error(epj_ctx *ctx, const epj_tensor *t, epj_status s,
+			 const char *n1, const char *n2, const char *n3)
+{
+	ck_assert_ptr_null(t);
+	ck_assert_int_eq(epj_ctx_status(ctx), s);
+	const char *needles[3] = { n1, n2, n3 };
+	for (int i = 0; i < 3; i++)
+		if (needles[i])
+			ck_assert_msg(strstr(epj_ctx_error(ctx), needles[i]),
+				      "error \"%s\" does not mention \"%s\"",
+				      epj_ctx_error(ctx), needles[i]);
+	epj_ctx_clear_error(ctx);
+}
+
+static void tol_for(epj_dtype dt, double *rtol, double *atol)
+{
+	switch (dt) {
+	case EPJ_DTYPE_F64:
+		*rtol = 1e-12, *atol = 1e-14;
+		break;
+	case EPJ_DTYPE_BF16:
+		*rtol = 1e-2, *atol = 1e-3;
+		break;
+	default:
+		*rtol = 1e-5, *atol = 1e-6;
+	}
+}
+
+/* Flat index into a (nd, shape) input read through numpy broadcasting at
+ * output multi-index oidx of an ond-dim output. */
+static int64_t bcast_index(int ond, const int64_t *oidx, int nd,
+			   const int64_t *shape)
+{
+	int64_t f = 0;
+	for (int i = 0; i < nd; i++) {
+		int64_t k = shape[i] == 1 ? 0 : oidx[ond - nd + i];
+		f = f * shape[i] + k;
+	}
+	return f;
+}
+
+static bool next_index(int nd, const int64_t *shape, int64_t *idx)
+{
+	for (int i = nd - 1; i >= 0; i--) {
+		if (++idx[i] < shape[i])
+			return true;
+		idx[i] = 0;
+	}
+	return false;
+}
+
+/* ---- binary ops ----------------------------------------------------------
+ */
+
+typedef epj_tensor *(*bin_fn)(epj_ctx *, epj_tensor *, epj_tensor *);
+
+typedef struct bin_op {
+	const char *name;
+	bin_fn fn;
+	enum gen ga, gb;
+} bin_op;
+
+static const bin_op bin_ops[] = {
+	{ "add", epj_add, G_NORMAL, G_NORMAL },
+	{ "sub", epj_sub, G_NORMAL, G_NORMAL },
+	{ "mul", epj_mul, G_NORMAL, G_NORMAL },
+	{ "div", epj_div, G_NORMAL, G_POS },
+	{ "eq", epj_eq, G_SMALLINT, G_SMALLINT },
+};
+
+static double ref_bin(const char *name, double a, double b)
+{
+	switch (name[0]) {
+	case 'a':
+		return a + b;
+	case 's':
+		return a - b;
+	case 'm':
+		return a * b;
+	case 'd':
+		return a / b;
+	default:
+		return a == b ? 1.0 : 0.0;
+	}
+}
+
+typedef struct shape_pair {
+	int na, nb;
+	int64_t a[4], b[4];
+} shape_pair;
+
+static const shape_pair pairs[] = {
+	{ 3, 2, { 5, 1, 7 }, { 3, 1 } }, /* -> [5,3,7] */
+	{ 1, 1, { 13 }, { 13 } },
+	{ 2, 1, { 3, 5 }, { 5 } },
+	{ 2, 2, { 4, 1 }, { 1, 6 } },
+	{ 0, 2, { 0 }, { 3, 2 } }, /* 0-d with [3,2] */
+	{ 3, 3, { 2, 3, 5 }, { 2, 3, 5 } },
+	{ 3, 3, { 3, 1, 5 }, { 1, 7, 5 } },
+};
+
+/* Output of op(a, b) checked against the reference, elementwise. */
+static void check_binary(epj_ctx *ctx, const bin_op *op, epj_tensor *a,
+			 epj_tensor *b, epj_dtype dt)
+{
+	epj_tensor *y = op->fn(ctx, a, b);
+	tu_ok(ctx, y);
+	ck_assert_int_eq(epj_tensor_dtype(y), dt);
+	int na = epj_tensor_ndim(a), nb = epj_tensor_ndim(b);
+	int nd = na > nb ? na : nb;
+	int64_t shape[8] = { 0 };
+	for (int i = 0; i < nd; i++) {
+		int ia = na - nd + i, ib = nb - nd + i;
+		int64_t da = ia >= 0 ? epj_tensor_dim(a, ia) : 1;
+		int64_t db = ib >= 0 ? epj_tensor_dim(b, ib) : 1;
+		shape[i] = da == 1 ? db : da;
+	}
+	assert_shape(y, nd, shape);
+	double *va = tu_values(ctx, a), *vb = tu_values(ctx, b);
+	int64_t n = numel_of(nd, shape);
+	double *ref = malloc(sizeof *ref * (size_t)n);
+	int64_t idx[8] = { 0 };
+	for (int64_t i = 0; i < n; i++) {
+		double x = va[bcast_index(nd, idx, na, epj_tensor_shape(a))];
+		double z = vb[bcast_index(nd, idx, nb, epj_tensor_shape(b))];
+		ref[i] = ref_bin(op->name, x, z);
+		next_index(nd, shape, idx);
+	}
+	double rtol, atol;
+	tol_for(dt, &rtol, &atol);
+	char what[96];
+	snprintf(what, sizeof what, "%s %s", op->name, epj_dtype_name(dt));
+	tu_assert_close(ctx, y, ref, rtol, atol, what);
+	free(ref);
+	free(va);
+	free(vb);
+	epj_tensor_free(y);
+}
+
+START_TEST(test_binary_broadcast)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t o = 0; o < sizeof bin_ops / sizeof bin_ops[0]; o++)
+		for (size_t d = 0; d < 3; d++)
+			for (size_t p = 0; p < sizeof pairs / sizeof pairs[0];
+			     p++)
+				for (int nc = 0; nc < 2; nc++) {
+					const bin_op *op = &bin_ops[o];
+					const shape_pair *sp = &pairs[p];
+					epj_dtype dt = float_dtypes[d];
+					epj_tensor *a =
+					    mk(ctx, dt, sp->na, sp->a, op->ga,
+					       nc && sp->na > 0 && p % 2 == 0);
+					epj_tensor *b = mk(ctx, dt, sp->nb,
+							   sp->b, op->gb, nc);
+					check_binary(ctx, op, a, b, dt);
+					epj_tensor_free(a);
+					epj_tensor_free(b);
+				}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Many blocks, threads and a broadcast row: [211, 197] op [197]. */
+START_TEST(test_binary_large)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t sa[2] = { 211, 197 + 2 * tu_randint(0, 3) }, sb[1] = { sa[1] };
+	for (size_t o = 0; o < sizeof bin_ops / sizeof bin_ops[0]; o++) {
+		const bin_op *op = &bin_ops[o];
+		epj_tensor *a = mk(ctx, EPJ_DTYPE_F32, 2, sa, op->ga, false);
+		epj_tensor *b = mk(ctx, EPJ_DTYPE_F32, 1, sb, op->gb, false);
+		check_binary(ctx, op, a, b, EPJ_DTYPE_F32);
+		check_binary(ctx, op, a, a, EPJ_DTYPE_F32);
+		epj_tensor *an = tu_noncontig(ctx, a);
+		check_binary(ctx, op, an, b, EPJ_DTYPE_F32);
+		epj_tensor_free(an);
+		epj_tensor_free(a);
+		epj_tensor_free(b);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- unary and scalar ops ------------------------------------------------
+ */
+
+enum uop {
+	U_NEG,
+	U_EXP,
+	U_LOG,
+	U_SQRT,
+	U_RSQRT,
+	U_SILU,
+	U_SIGMOID,
+	U_TANH,
+	U_GELU,
+	U_ADDS,
+	U_MULS,
+	U_POW,
+};
+
+typedef struct un_op {
+	const char *name;
+	enum uop op;
+	enum gen g;
+	double s; /* scalar / exponent */
+} un_op;
+
+static const un_op un_ops[] = {
+	{ "neg", U_NEG, G_NORMAL, 0 },
+	{ "exp", U_EXP, G_NORMAL, 0 },
+	{ "log", U_LOG, G_POS, 0 },
+	{ "sqrt", U_SQRT, G_POS, 0 },
+	{ "rsqrt", U_RSQRT, G_POS, 0 },
+	{ "silu", U_SILU, G_NORMAL, 0 },
+	{ "sigmoid", U_SIGMOID, G_NORMAL, 0 },
+	{ "tanh", U_TANH, G_NORMAL, 0 },
+	{ "gelu", U_GELU, G_NORMAL, 0 },
+	{ "add_scalar", U_ADDS, G_NORMAL, 0.37 },
+	{ "mul_scalar", U_MULS, G_NORMAL, -1.7 },
+	{ "pow_scalar 2", U_POW, G_NORMAL, 2.0 },
+	{ "pow_scalar 3", U_POW, G_NORMAL, 3.0 },
+	{ "pow_scalar 1", U_POW, G_NORMAL, 1.0 },
+	{ "pow_scalar 0.5", U_POW, G_POS, 0.5 },
+	{ "pow_scalar -1.5", U_POW, G_POS, -1.5 },
+};
+
+static epj_tensor *run_un(epj_ctx *ctx, const un_op *u, epj_tensor *x)
+{
+	switch (u->op) {
+	case U_NEG:
+		return epj_neg(ctx, x);
+	case U_EXP:
+		return epj_exp(ctx, x);
+	case U_LOG:
+		return epj_log(ctx, x);
+	case U_SQRT:
+		return epj_sqrt(ctx, x);
+	case U_RSQRT:
+		return epj_rsqrt(ctx, x);
+	case U_SILU:
+		return epj_silu(ctx, x);
+	case U_SIGMOID:
+		return epj_sigmoid(ctx, x);
+	case U_TANH:
+		return epj_tanh(ctx, x);
+	case U_GELU:
+		return epj_gelu(ctx, x);
+	case U_ADDS:
+		return epj_add_scalar(ctx, x, u->s);
+	case U_MULS:
+		return epj_mul_scalar(ctx, x, u->s);
+	default:
+		return epj_pow_scalar(ctx, x, u->s);
+	}
+}
+
+static double sigmoid_ref(double x)
+{
+	return 0.5 * (1.0 + tanh(0.5 * x));
+}
+
+static double ref_un(const un_op *u, double x)
+{
+	switch (u->op) {
+	case U_NEG:
+		return -x;
+	case U_EXP:
+		return exp(x);
+	case U_LOG:
+		return log(x);
+	case U_SQRT:
+		return sqrt(x);
+	case U_RSQRT:
+		return 1.0 / sqrt(x);
+	case U_SILU:
+		return x * sigmoid_ref(x);
+	case U_SIGMOID:
+		return sigmoid_ref(x);
+	case U_TANH:
+		return tanh(x);
+	case U_GELU:
+		return 0.5 * x * erfc(-x / sqrt(2.0));
+	case U_ADDS:
+		return x + u->s;
+	case U_MULS:
+		return x * u->s;
+	default:
+		return pow(x, u->s);
+	}
+}
+
+static void check_unary(epj_ctx *ctx, const un_op *u, epj_tensor *x,
+			epj_dtype dt)
+{
+	epj_tensor *y = run_un(ctx, u, x);
+	tu_ok(ctx, y);
+	ck_assert_int_eq(epj_tensor_dtype(y), dt);
+	assert_shape(y, epj_tensor_ndim(x), epj_tensor_shape(x));
+	int64_t n = epj_tensor_numel(x);
+	double *v = tu_values(ctx, x);
+	for (int64_t i = 0; i < n; i++)
+		v[i] = ref_un(u, v[i]);
+	double rtol, atol;
+	tol_for(dt, &rtol, &atol);
+	char what[96];
+	snprintf(what, sizeof what, "%s %s", u->name, epj_dtype_name(dt));
+	tu_assert_close(ctx, y, v, rtol, atol, what);
+	free(v);
+	epj_tensor_free(y);
+}
+
+START_TEST(test_unary)
+{
+	epj_ctx *ctx = tu_ctx();
+	const int64_t shapes[][3] = { { 13, 0, 0 }, { 3, 5, 7 }, { 1, 9, 1 } };
+	const int nds[] = { 1, 3, 3 };
+	for (size_t o = 0; o < sizeof un_ops / sizeof un_ops[0]; o++)
+		for (size_t d = 0; d < 3; d++)
+			for (size_t s = 0; s < 3; s++)
+				for (int nc = 0; nc < 2; nc++) {
+					epj_tensor *x =
+					    mk(ctx, float_dtypes[d], nds[s],
+					       shapes[s], un_ops[o].g, nc);
+					check_unary(ctx, &un_ops[o], x,
+						    float_dtypes[d]);
+					epj_tensor_free(x);
+				}
+	/* 0-d and a large odd size (threads, block tails) */
+	for (size_t o = 0; o < sizeof un_ops / sizeof un_ops[0]; o++) {
+		epj_tensor *x = mk(ctx, EPJ_DTYPE_F32, 0, NULL, un_ops[o].g, 0);
+		check_unary(ctx, &un_ops[o], x, EPJ_DTYPE_F32);
+		epj_tensor_free(x);
+		int64_t big[1] = { 40000 + 2 * tu_randint(0, 50) + 1 };
+		x = mk(ctx, EPJ_DTYPE_F32, 1, big, un_ops[o].g, 0);
+		check_unary(ctx, &un_ops[o], x, EPJ_DTYPE_F32);
+		epj_tensor_free(x);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Special values follow the IEEE/libm definitions. */
+START_TEST(test_unary_special)
+{
+	epj_ctx *ctx = tu_ctx();
+	const double in[6] = { -INFINITY, INFINITY, NAN, 0.0, -100.0, 100.0 };
+	int64_t n = 6;
+	epj_tensor *x = epj_tensor_from_data(ctx, EPJ_DTYPE_F64, 1, &n, in);
+	tu_ok(ctx, x);
+	epj_tensor *s = epj_sigmoid(ctx, x), *e = epj_exp(ctx, x);
+	tu_ok(ctx, s);
+	tu_ok(ctx, e);
+	const double rs[6] = { 0, 1, NAN, 0.5, 1 / (1 + exp(100.0)), 1 };
+	const double re[6] = { 0, INFINITY, NAN, 1, exp(-100.0), exp(100.0) };
+	tu_assert_close(ctx, s, rs, 1e-12, 0, "sigmoid special");
+	tu_assert_close(ctx, e, re, 1e-12, 0, "exp special");
+	epj_tensor_free(s);
+	epj_tensor_free(e);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- integers ------------------------------------------------------------
+ */
+
+START_TEST(test_int_ops)
+{
+	epj_ctx *ctx = tu_ctx();
+	const epj_dtype dts[2] = { EPJ_DTYPE_I32, EPJ_DTYPE_I64 };
+	for (int d = 0; d < 2; d++) {
+		int64_t sa[3] = { 5, 1, 7 }, sb[2] = { 3, 1 };
+		epj_tensor *a = epj_randint(ctx, dts[d], 3, sa, -1000, 1000);
+		epj_tensor *b = epj_randint(ctx, dts[d], 2, sb, -3, 3);
+		tu_ok(ctx, a);
+		tu_ok(ctx, b);
+		/* exact: the tolerance is zero */
+		const bin_op int_ops[4] = { bin_ops[0], bin_ops[1], bin_ops[2],
+					    bin_ops[4] };
+		for (int o = 0; o < 4; o++) {
+			epj_tensor *y = int_ops[o].fn(ctx, a, b);
+			tu_ok(ctx, y);
+			ck_assert_int_eq(epj_tensor_dtype(y), dts[d]);
+			double *va = tu_values(ctx, a), *vb = tu_values(ctx, b);
+			int64_t shape[3] = { 5, 3, 7 }, idx[3] = { 0 };
+			double ref[105];
+			for (int64_t i = 0; i < 105; i++) {
+				ref[i] =
+				    ref_bin(int_ops[o].name,
+					    va[bcast_index(3, idx, 3, sa)],
+					    vb[bcast_index(3, idx, 2, sb)]);
+				next_index(3, shape, idx);
+			}
+			tu_assert_close(ctx, y, ref, 0, 0, int_ops[o].name);
+			free(va);
+			free(vb);
+			epj_tensor_free(y);
+		}
+		epj_tensor *ng = epj_neg(ctx, a);
+		tu_ok(ctx, ng);
+		double *va = tu_values(ctx, a);
+		for (int i = 0; i < 35; i++)
+			va[i] = -va[i];
+		tu_assert_close(ctx, ng, va, 0, 0, "neg int");
+		free(va);
+		epj_tensor_free(ng);
+		epj_tensor_free(a);
+		epj_tensor_free(b);
+	}
+	/* i32 wraps like two's complement */
+	int64_t one = 1;
+	int32_t mx = INT32_MAX, onev = 1;
+	epj_tensor *a = epj_tensor_from_data(ctx, EPJ_DTYPE_I32, 1, &one, &mx);
+	epj_tensor *b =
+	    epj_tensor_from_data(ctx, EPJ_DTYPE_I32, 1, &one, &onev);
+	epj_tensor *s = epj_add(ctx, a, b);
+	tu_ok(ctx, s);
+	ck_assert_int_eq(((int32_t *)epj_tensor_data(s))[0], INT32_MIN);
+	epj_tensor_free(s);
+
+	/* float-only ops reject integers, naming the op and the dtype */
+	assert_error(ctx, epj_exp(ctx, a), EPJ_ERR_DTYPE, "exp", "i32", NULL);
+	assert_error(ctx, epj_div(ctx, a, b), EPJ_ERR_DTYPE, "div", "i32",
+		     NULL);
+	assert_error(ctx, epj_mul_scalar(ctx, a, 2.0), EPJ_ERR_DTYPE,
+		     "mul_scalar", "i32", NULL);
+	assert_error(ctx, epj_gelu(ctx, a), EPJ_ERR_DTYPE, "gelu", NULL, NULL);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- cast ----------------------------------------------------------------
+ */
+
+START_TEST(test_cast_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	const double in[9] = { -2.7, 2.7,   -0.5,
+			       0.0,  1e10,  -1e10,
+			       NAN,  3.999, tu_uniform(-50, 50) };
+	int64_t n = 9;
+	epj_tensor *x = epj_tensor_from_data(ctx, EPJ_DTYPE_F64, 1, &n, in);
+	tu_ok(ctx, x);
+	/* float -> int: truncation toward zero, NaN -> 0, saturation */
+	epj_tensor *i32 = epj_cast(ctx, x, EPJ_DTYPE_I32);
+	epj_tensor *i64 = epj_cast(ctx, x, EPJ_DTYPE_I64);
+	tu_ok(ctx, i32);
+	tu_ok(ctx, i64);
+	const double r32[9] = { -2,	   2, 0, 0,	      INT32_MAX,
+				INT32_MIN, 0, 3, trunc(in[8]) };
+	const double r64[9] = { -2, 2, 0, 0, 1e10, -1e10, 0, 3, trunc(in[8]) };
+	tu_assert_close(ctx, i32, r32, 0, 0, "cast f64->i32");
+	tu_assert_close(ctx, i64, r64, 0, 0, "cast f64->i64");
+	/* i64 -> i32 keeps the low 32 bits; i32 -> f32 exact */
+	int64_t big = (INT64_C(1) << 32) + 5;
+	int64_t one = 1;
+	epj_tensor *b = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &one, &big);
+	epj_tensor *b32 = epj_cast(ctx, b, EPJ_DTYPE_I32);
+	tu_ok(ctx, b32);
+	ck_assert_int_eq(((int32_t *)epj_tensor_data(b32))[0], 5);
+	epj_tensor *f = epj_cast(ctx, i32, EPJ_DTYPE_F32);
+	tu_ok(ctx, f);
+	tu_assert_close(ctx, f, r32, 1e-7, 0, "cast i32->f32");
+	/* f64 -> f32 rounds once */
+	epj_tensor *x32 = epj_cast(ctx, x, EPJ_DTYPE_F32);
+	tu_ok(ctx, x32);
+	float *p = epj_tensor_data(x32);
+	for (int i = 0; i < 9; i++)
+		if (!isnan(in[i]))
+			ck_assert(p[i] == (float)in[i]);
+	ck_assert(isnan(p[6]));
+	/* cast to the same dtype is the identity */
+	epj_tensor *same = epj_cast(ctx, x, EPJ_DTYPE_F64);
+	ck_assert_ptr_eq(same, x);
+	epj_tensor_free(same);
+	assert_error(ctx, epj_cast(ctx, x, EPJ_DTYPE_COUNT), EPJ_ERR_DTYPE,
+		     "cast", NULL, NULL);
+	epj_tensor_free(x32);
+	epj_tensor_free(f);
+	epj_tensor_free(b32);
+	epj_tensor_free(b);
+	epj_tensor_free(i32);
+	epj_tensor_free(i64);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* f32 <-> bf16 (fast path and strided path) against the library's scalar
+ * conversion, bit for bit; every dtype pair round-trips small integers. */
+START_TEST(test_cast_bf16)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t shape[2] = { 181, 2 * tu_randint(90, 110) + 1 }; /* > 32768 */
+	epj_tensor *x = mk(ctx, EPJ_DTYPE_F32, 2, shape, G_NORMAL, false);
+	epj_tensor *xn = tu_noncontig(ctx, x);
+	for (int nc = 0; nc < 2; nc++) {
+		epj_tensor *src = nc ? xn : x;
+		epj_tensor *h = epj_cast(ctx, src, EPJ_DTYPE_BF16);
+		tu_ok(ctx, h);
+		float *xs = epj_tensor_data(x);
+		uint16_t *hs = epj_tensor_data(h);
+		int64_t n = shape[0] * shape[1];
+		for (int64_t i = 0; i < n; i++)
+			ck_assert_msg(hs[i] == epj_f32_to_bf16(xs[i]),
+				      "bf16 of %.9g at %lld", xs[i],
+				      (long long)i);
+		epj_tensor *hn = tu_noncontig(ctx, h);
+		epj_tensor *back = epj_cast(ctx, nc ? hn : h, EPJ_DTYPE_F32);
+		tu_ok(ctx, back);
+		float *bs = epj_tensor_data(back);
+		for (int64_t i = 0; i < n; i++)
+			ck_assert(bs[i] == epj_bf16_to_f32(hs[i]));
+		epj_tensor_free(back);
+		epj_tensor_free(hn);
+		epj_tensor_free(h);
+	}
+	epj_tensor_free(xn);
+	epj_tensor_free(x);
+
+	int64_t s3[2] = { 3, 5 };
+	for (int from = 0; from < EPJ_DTYPE_COUNT; from++)
+		for (int to = 0; to < EPJ_DTYPE_COUNT; to++) {
+			epj_tensor *a = mk(ctx, (epj_dtype)from, 2, s3,
+					   G_SMALLINT, (from + to) % 2);
+			epj_tensor *c = epj_cast(ctx, a, (epj_dtype)to);
+			tu_ok(ctx, c);
+			ck_assert_int_eq(epj_tensor_dtype(c), to);
+			double *v = tu_values(ctx, a);
+			tu_assert_close(ctx, c, v, 0, 0, "cast small ints");
+			free(v);
+			epj_tensor_free(c);
+			epj_tensor_free(a);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- errors --------------------------------------------------------------
+ */
+
+START_TEST(test_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t s23[2] = { 2, 3 }, s4[1] = { 4 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, s23);
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F32, 1, s4);
+	epj_tensor *c = tu_randn(ctx, EPJ_DTYPE_F64, 2, s23);
+	assert_error(ctx, epj_add(ctx, a, b), EPJ_ERR_SHAPE, "add", "[2,3]",
+		     "[4]");
+	assert_error(ctx, epj_mul(ctx, b, a), EPJ_ERR_SHAPE, "mul", "[2,3]",
+		     "[4]");
+	assert_error(ctx, epj_add(ctx, a, c), EPJ_ERR_DTYPE, "add", "f32",
+		     "f64");
+	assert_error(ctx, epj_eq(ctx, c, a), EPJ_ERR_DTYPE, "eq", "f32", "f64");
+	/* NULL propagates without touching the message */
+	ck_assert_ptr_null(epj_add(ctx, NULL, a));
+	ck_assert_ptr_null(epj_exp(ctx, NULL));
+	ck_assert_ptr_null(epj_cast(ctx, NULL, EPJ_DTYPE_F32));
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+	epj_tensor_free(c);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- gradients -----------------------------------------------------------
+ */
+
+static epj_tensor *fn_bin(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	return ((const bin_op *)user)->fn(ctx, in[0], in[1]);
+}
+
+START_TEST(test_grad_binary)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t o = 0; o < 4; o++) /* eq has no gradient */
+		for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+			const bin_op *op = &bin_ops[o];
+			const shape_pair *sp = &pairs[p];
+			epj_tensor *in[2] = {
+				mk(ctx, EPJ_DTYPE_F64, sp->na, sp->a, op->ga,
+				   p == 5),
+				mk(ctx, EPJ_DTYPE_F64, sp->nb, sp->b, op->gb,
+				   false),
+			};
+			for (int i = 0; i < 2; i++)
+				epj_tensor_set_requires_grad(in[i], true);
+			char what[64];
+			snprintf(what, sizeof what, "grad %s pair %zu",
+				 op->name, p);
+			tu_gradcheck(ctx, fn_bin, in, 2, (void *)op, 1e-6, 1e-5,
+				     1e-6, what);
+			epj_tensor_free(in[0]);
+			epj_tensor_free(in[1]);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_un(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	return run_un(ctx, user, in[0]);
+}
+
+static const un_op pow0 = { "pow_scalar 0", U_POW, G_NORMAL, 0.0 };
+
+START_TEST(test_grad_unary)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t shape[3] = { 3, 5, 7 };
+	for (size_t o = 0; o <= sizeof un_ops / sizeof un_ops[0]; o++) {
+		const un_op *u =
+		    o < sizeof un_ops / sizeof un_ops[0] ? &un_ops[o] : &pow0;
+		epj_tensor *x = mk(ctx, EPJ_DTYPE_F64, 3, shape, u->g, o % 2);
+		epj_tensor_set_requires_grad(x, true);
+		tu_gradcheck(ctx, fn_un, &x, 1, (void *)u, 1e-6, 1e-5, 1e-6,
+			     u->name);
+		epj_tensor_free(x);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_cast_chain(epj_ctx *ctx, epj_tensor *const *in,
+				 void *user)
+{
+	(void)user;
+	return epj_cast(ctx, in[0], EPJ_DTYPE_F64);
+}
+
+/* cast's gradient comes back in the input's dtype: f32 input, f64 output;
+ * the map is linear, so a wide step (1e-2) makes the f32 rounding of x +/-
+ * eps negligible (rtol 1e-3). */
+START_TEST(test_grad_cast)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t shape[2] = { 5, 3 };
+	epj_tensor *x = mk(ctx, EPJ_DTYPE_F32, 2, shape, G_NORMAL, true);
+	epj_tensor_set_requires_grad(x, true);
+	tu_gradcheck(ctx, fn_cast_chain, &x, 1, NULL, 1e-2, 1e-3, 1e-4, "cast");
+	ck_assert_int_eq(epj_tensor_dtype(epj_tensor_grad(x)), EPJ_DTYPE_F32);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* silu/gelu backward helpers in f32 and bf16 against the analytic
+ * derivatives in double (tolerances of the forward tables). */
+START_TEST(test_silu_gelu_backward)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t shape[2] = { 7, 9 };
+	for (int d = 0; d < 3; d++)
+		for (int which = 0; which < 2; which++) {
+			epj_dtype dt = float_dtypes[d];
+			epj_tensor *x = mk(ctx, dt, 2, shape, G_NORMAL, d == 0);
+			epj_tensor_set_requires_grad(x, true);
+			epj_tensor *y =
+			    which ? epj_gelu(ctx, x) : epj_silu(ctx, x);
+			epj_tensor *l = epj_sum_all(ctx, y);
+			tu_ok(ctx, l);
+			ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+			double *v = tu_values(ctx, x);
+			for (int i = 0; i < 63; i++) {
+				double s = sigmoid_ref(v[i]);
+				double cdf = 0.5 * erfc(-v[i] / sqrt(2.0));
+				double pdf = exp(-0.5 * v[i] * v[i]) /
+					     sqrt(2.0 * 3.141592653589793);
+				v[i] = which ? cdf + v[i] * pdf
+					     : s * (1 + v[i] * (1 - s));
+			}
+			double rtol, atol;
+			tol_for(dt, &rtol, &atol);
+			tu_assert_close(ctx, epj_tensor_grad(x), v, rtol, atol,
+					which ? "gelu'" : "silu'");
+			free(v);
+			epj_tensor_free(l);
+			epj_tensor_free(y);
+			epj_tensor_free(x);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_ops_pointwise_suite(void)
+{
+	Suite *s = suite_create("ops_pointwise");
+	TCase *tc = tcase_create("forward");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_binary_broadcast);
+	tcase_add_test(tc, test_binary_large);
+	tcase_add_test(tc, test_unary);
+	tcase_add_test(tc, test_unary_special);
+	tcase_add_test(tc, test_int_ops);
+	tcase_add_test(tc, test_cast_values);
+	tcase_add_test(tc, test_cast_bf16);
+	tcase_add_test(tc, test_errors);
+	suite_add_tcase(s, tc);
+	TCase *tg = tcase_create("grad");
+	tcase_set_timeout(tg, 60);
+	tcase_add_test(tg, test_grad_binary);
+	tcase_add_test(tg, test_grad_unary);
+	tcase_add_test(tg, test_grad_cast);
+	tcase_add_test(tg, test_silu_gelu_backward);
+	suite_add_tcase(s, tg);
+	return s;
+}

@@ -1,0 +1,870 @@
+/* tools/epjit_train.c -- epjit-train, the host trainer.
+ *
+ * Trains a Qwen3-MoE causal LM (a config.json, or the built-in tiny model)
+ * with the DeepSpeed-style engine on a corpus (the synthetic Markov source,
+ * or a token file), using only the public API in epjit.h.  The run is one
+ * straight line:
+ *
+ *   parse flags -> context -> model -> engine (ds.json or the built-in
+ *   config) -> corpus -> [--load + skip consumed batches] -> [--dump-state
+ *   and stop] -> train to --steps -> [--save] -> eval -> summary
+ *
+ * Invariants
+ *  - --steps N is the optimizer step the run ends at, counted from the
+ *    start of training: a run loaded from a checkpoint at step k trains
+ *    N - k more steps (Hugging Face's max_steps).
+ *  - The data stream is deterministic in the run seed.  A resumed run
+ *    regenerates and drops the step_count * gradient_accumulation_steps
+ *    micro-batches the saved run consumed, so "10 steps, save, load, 10
+ *    more" is bit-identical to "20 steps" (t/train.sh checks it).  For the
+ *    same reason the built-in learning-rate schedule does not depend on
+ *    --steps.
+ *  - The run seed is --seed when given, else the config's "seed" (DeepSpeed
+ *    default 42).  It seeds parameter init and the context RNG; the corpus
+ *    seed is derived from it.
+ *  - Every failure prints "epjit-train: <message>" to stderr and exits 1;
+ *    a bad command line prints the usage and exits 2.  All objects live in
+ *    one `run` struct freed on every path.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* setenv, clock_gettime, execv */
+#endif
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+#include "epjit.h"
+
+#ifndef PACKAGE_VERSION
+#define PACKAGE_VERSION "0.1"
+#endif
+
+#define PROG "epjit-train"
+
+/* Defaults of the built-in run (see usage()).  The built-in learning-rate
+ * schedule spans DEFAULT_STEPS whatever --steps says (see the invariants). */
+enum {
+	DEFAULT_STEPS = 200,
+	DEFAULT_SEQ = 32,
+	DEFAULT_MICRO_BATCH = 8,
+	DEFAULT_PRINT = 20,
+	DEFAULT_WARMUP = 20,
+	EVAL_BATCHES = 4, /* micro-batches of the held-out evaluation */
+	EVAL_STREAM = 1,  /* epj_corpus_fork stream of the evaluation */
+};
+#define DEFAULT_LR 3e-3
+
+/* Environment variable that marks a process re-executed by --threads. */
+#define THREADS_ENV "EPJIT_TRAIN_THREADS_SET"
+
+typedef struct opts {
+	const char *model_path;	 /* NULL: built-in tiny model */
+	const char *config_path; /* NULL: built-in ds config */
+	const char *data;	 /* NULL or "synthetic", else a token file */
+	long steps;
+	epj_layout layout;
+	long seq;
+	bool checkpointing;
+	const char *load, *save, *metrics, *dump_state;
+	long eval_every; /* 0: evaluate only at the end */
+	uint64_t seed;
+	bool seed_given;
+	long threads;	     /* 0: leave as is */
+	const char *list_st; /* hidden: --list-safetensors FILE */
+} opts;
+
+/* Everything a run owns; run_free() releases it in reverse order. */
+typedef struct run {
+	epj_ctx *ctx;
+	epj_model *model;
+	epj_engine *engine;
+	epj_corpus *corpus;
+	FILE *metrics;
+	uint64_t seed; /* the run seed */
+	int64_t B, T, gas;
+} run;
+
+/* ---- messages ------------------------------------------------------------
+ */
+
+static int fail_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Prints "epjit-train: <message>" and returns 1 (the exit status). */
+static int fail_msg(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	fputs(PROG ": ", stderr);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+	va_end(ap);
+	return 1;
+}
+
+/* Prints the context's last error and returns 1. */
+static int fail(const epj_ctx *ctx)
+{
+	const char *m = ctx ? epj_ctx_error(ctx) : "";
+	return fail_msg("%s", m && *m ? m : "unknown error");
+}
+
+static void usage(FILE *fp)
+{
+	fprintf(
+	    fp,
+	    "usage: " PROG " [options]\n"
+	    "Trains a Qwen3-MoE model with the epjit engine (eager, cpu).\n"
+	    "\n"
+	    "  --model FILE        HF config.json (default: built-in tiny "
+	    "model)\n"
+	    "  --config FILE       DeepSpeed-style ds.json (default: "
+	    "built-in:\n"
+	    "                      micro-batch %d, AdamW lr %g, warmup %d, "
+	    "cosine\n"
+	    "                      to step %d, clipping 1.0, print every "
+	    "%d)\n"
+	    "  --data SRC          synthetic (default), a token file, or "
+	    "a .txt file\n"
+	    "                      (byte tokens, vocab 256)\n"
+	    "  --steps N           train until optimizer step N (default "
+	    "%d)\n"
+	    "  --layout L          nested (default) or root\n"
+	    "  --seq T             tokens per sequence (default %d)\n"
+	    "  --checkpointing     activation checkpointing of every block\n"
+	    "  --load CKPT         resume from a checkpoint (or HF f32 "
+	    "safetensors)\n"
+	    "  --save CKPT         write a checkpoint at the end\n"
+	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
+	    "peak_alloc_bytes\n"
+	    "  --dump-state FILE   one forward+backward on the next batch, "
+	    "write\n"
+	    "                      ids, labels, logits, loss, weights and "
+	    "grads; no training\n"
+	    "  --eval-every N      held-out eval every N steps (default 0: "
+	    "at the end)\n"
+	    "  --seed S            run seed (default: the config's seed, "
+	    "42)\n"
+	    "  --threads N         OpenMP/BLAS threads\n"
+	    "  --help, --version\n"
+	    "Exit status: 0 ok, 1 error, 2 bad command line.  See "
+	    "epjit-train(1).\n",
+	    DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_WARMUP, DEFAULT_STEPS,
+	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ);
+}
+
+static double now_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double mib(uint64_t bytes)
+{
+	return (double)bytes / (1024.0 * 1024.0);
+}
+
+/* ---- command line --------------------------------------------------------
+ */
+
+/* Parses a decimal integer in [lo, hi]; false on anything else. */
+static bool parse_long(const char *s, long lo, long hi, long *out)
+{
+	char *end;
+	errno = 0;
+	long v = strtol(s, &end, 10);
+	if (errno || end == s || *end || v < lo || v > hi)
+		return false;
+	*out = v;
+	return true;
+}
+
+static bool parse_u64(const char *s, uint64_t *out)
+{
+	char *end;
+	errno = 0;
+	if (*s == '-')
+		return false;
+	unsigned long long v = strtoull(s, &end, 0);
+	if (errno || end == s || *end)
+		return false;
+	*out = v;
+	return true;
+}
+
+static int bad_usage(const char *fmt, const char *a, const char *b)
+{
+	fputs(PROG ": ", stderr);
+	fprintf(stderr, fmt, a, b);
+	fputc('\n', stderr);
+	usage(stderr);
+	return 2;
+}
+
+/* Fills o from argv.  Returns -1 to go on, else the exit status (0 for
+ * --help/--version, 2 for a bad command line). */
+static int parse_args(int argc, char **argv, opts *o)
+{
+	*o = (opts){ .steps = DEFAULT_STEPS,
+		     .layout = EPJ_LAYOUT_NESTED,
+		     .seq = DEFAULT_SEQ };
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i];
+		if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+			usage(stdout);
+			return 0;
+		}
+		if (!strcmp(a, "--version")) {
+			printf(PROG " (epjit) %s\n", PACKAGE_VERSION);
+			return 0;
+		}
+		if (!strcmp(a, "--checkpointing")) {
+			o->checkpointing = true;
+			continue;
+		}
+		if (strncmp(a, "--", 2) != 0)
+			return bad_usage("unexpected argument '%s'%s", a, "");
+		/* Options with a value: "--opt VALUE" or "--opt=VALUE". */
+		char name[64];
+		const char *val = NULL, *eq = strchr(a, '=');
+		size_t n = eq ? (size_t)(eq - a) : strlen(a);
+		if (n >= sizeof name)
+			return bad_usage("unknown option '%s'%s", a, "");
+		memcpy(name, a, n);
+		name[n] = '\0';
+		static const char *const with_value[] = {
+			"--model",	"--config",
+			"--data",	"--steps",
+			"--layout",	"--seq",
+			"--load",	"--save",
+			"--metrics",	"--dump-state",
+			"--eval-every", "--seed",
+			"--threads",	"--list-safetensors",
+		};
+		bool known = false;
+		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
+		     k++)
+			known |= !strcmp(name, with_value[k]);
+		if (!known)
+			return bad_usage("unknown option '%s'%s", a, "");
+		if (eq)
+			val = eq + 1;
+		else if (i + 1 < argc)
+			val = argv[++i];
+		else
+			return bad_usage("option '%s' needs a value%s", name,
+					 "");
+		if (!*val)
+			return bad_usage("option '%s' has an empty value%s",
+					 name, "");
+		long v;
+		if (!strcmp(name, "--model")) {
+			o->model_path = val;
+		} else if (!strcmp(name, "--config")) {
+			o->config_path = val;
+		} else if (!strcmp(name, "--data")) {
+			o->data = val;
+		} else if (!strcmp(name, "--load")) {
+			o->load = val;
+		} else if (!strcmp(name, "--save")) {
+			o->save = val;
+		} else if (!strcmp(name, "--metrics")) {
+			o->metrics = val;
+		} else if (!strcmp(name, "--dump-state")) {
+			o->dump_state = val;
+		} else if (!strcmp(name, "--list-safetensors")) {
+			o->list_st = val;
+		} else if (!strcmp(name, "--layout")) {
+			if (!strcmp(val, "nested"))
+				o->layout = EPJ_LAYOUT_NESTED;
+			else if (!strcmp(val, "root"))
+				o->layout = EPJ_LAYOUT_ROOT;
+			else
+				return bad_usage("--layout wants nested or "
+						 "root, got '%s'%s",
+						 val, "");
+		} else if (!strcmp(name, "--seed")) {
+			if (!parse_u64(val, &o->seed))
+				return bad_usage("%s wants an unsigned "
+						 "integer, got '%s'",
+						 name, val);
+			o->seed_given = true;
+		} else {
+			long lo = !strcmp(name, "--steps") ||
+					  !strcmp(name, "--eval-every")
+				      ? 0
+				      : 1;
+			long hi = !strcmp(name, "--threads") ? 1024 : LONG_MAX;
+			if (!parse_long(val, lo, hi, &v))
+				return bad_usage(lo ? "%s wants an integer >= "
+						      "1, got '%s'"
+						    : "%s wants an integer >= "
+						      "0, got '%s'",
+						 name, val);
+			if (!strcmp(name, "--steps"))
+				o->steps = v;
+			else if (!strcmp(name, "--seq"))
+				o->seq = v;
+			else if (!strcmp(name, "--eval-every"))
+				o->eval_every = v;
+			else
+				o->threads = v;
+		}
+	}
+	return -1;
+}
+
+/* --threads N: OpenMP reads OMP_NUM_THREADS and a pthreads OpenBLAS reads
+ * OPENBLAS_NUM_THREADS when they are loaded, before main runs.  So the
+ * process sets both and re-executes itself once (THREADS_ENV marks the second
+ * run); where that is impossible omp_set_num_threads still bounds our own
+ * OpenMP regions. */
+static void apply_threads(long n, char **argv)
+{
+	if (n <= 0)
+		return;
+	char buf[32];
+	snprintf(buf, sizeof buf, "%ld", n);
+	if (!getenv(THREADS_ENV)) {
+		setenv("OMP_NUM_THREADS", buf, 1);
+		setenv("OPENBLAS_NUM_THREADS", buf, 1);
+		setenv(THREADS_ENV, buf, 1);
+		fflush(NULL);
+		execv("/proc/self/exe", argv);
+		/* exec failed (no /proc): fall through. */
+	}
+#ifdef _OPENMP
+	omp_set_num_threads((int)n);
+#endif
+}
+
+/* ---- --list-safetensors (hidden; used by t/train.sh) ---------------------
+ */
+
+/* Prints "name dtype [d0,d1,...]" per tensor, then "meta key=value". */
+static int list_safetensors(const char *path)
+{
+	epj_ctx *ctx = NULL;
+	epj_st_file *f = NULL;
+	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
+		return fail_msg("cannot create a cpu context");
+	if (epj_st_open(ctx, path, &f) != EPJ_OK) {
+		int rc = fail(ctx);
+		epj_ctx_free(ctx);
+		return rc;
+	}
+	for (int i = 0; i < epj_st_count(f); i++) {
+		printf("%s %s [", epj_st_name_at(f, i),
+		       epj_st_dtype_str_at(f, i));
+		for (int d = 0; d < epj_st_ndim_at(f, i); d++)
+			printf("%s%" PRId64, d ? "," : "",
+			       epj_st_shape_at(f, i)[d]);
+		printf("]\n");
+	}
+	for (int i = 0; i < epj_st_metadata_count(f); i++) {
+		const char *k = epj_st_metadata_key_at(f, i);
+		printf("meta %s=%s\n", k, epj_st_metadata(f, k));
+	}
+	epj_st_close(f);
+	epj_ctx_free(ctx);
+	return 0;
+}
+
+/* ---- setup -----------------------------------------------------------------
+ */
+
+/* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
+ * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
+ * 200, gradient clipping 1.0, a line every 20 steps. */
+static void default_config(char *buf, size_t n)
+{
+	snprintf(buf, n,
+		 "{\n"
+		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
+		 "  \"gradient_accumulation_steps\": 1,\n"
+		 "  \"steps_per_print\": %d,\n"
+		 "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\n"
+		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
+		 "    \"weight_decay\": 0.01}},\n"
+		 "  \"scheduler\": {\"type\": \"WarmupCosineLR\", "
+		 "\"params\": {\n"
+		 "    \"warmup_num_steps\": %d, \"warmup_type\": \"linear\",\n"
+		 "    \"total_num_steps\": %d, \"cos_min_ratio\": 0.1}},\n"
+		 "  \"gradient_clipping\": 1.0\n"
+		 "}\n",
+		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
+		 DEFAULT_STEPS);
+}
+
+/* Model + engine for `seed`.  On failure the context holds the message. */
+static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
+{
+	epj_model_opts mo = { .layout = o->layout,
+			      .seed = seed,
+			      .fixed_routing = false,
+			      .dtype = EPJ_DTYPE_F32 };
+	epj_status st = epj_model_new(r->ctx, o->model_path, &mo, &r->model);
+	if (st != EPJ_OK)
+		return st;
+	if (o->checkpointing)
+		epj_model_set_checkpointing(r->model, true);
+	if (o->config_path) {
+		st = epj_engine_initialize(r->ctx, r->model, o->config_path,
+					   &r->engine);
+	} else {
+		char json[1024];
+		default_config(json, sizeof json);
+		st = epj_engine_initialize_json(
+		    r->ctx, r->model, json, "<built-in ds config>", &r->engine);
+	}
+	return st;
+}
+
+/* A 64-bit mix (splitmix64's finaliser): the corpus seed of a run seed. */
+static uint64_t mix64(uint64_t z)
+{
+	z += 0x9e3779b97f4a7c15ull;
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static bool has_suffix(const char *s, const char *suf)
+{
+	size_t n = strlen(s), k = strlen(suf);
+	return n >= k && !strcmp(s + n - k, suf);
+}
+
+/* --data FILE.txt: byte-level tokens (vocab 256) through a temporary token
+ * file, removed as soon as the corpus has read it into memory. */
+static int text_corpus(run *r, const char *path)
+{
+	const char *dir = getenv("TMPDIR");
+	char tmp[4096];
+	snprintf(tmp, sizeof tmp, "%s/epjit-train.XXXXXX",
+		 dir && *dir ? dir : "/tmp");
+	int fd = mkstemp(tmp);
+	if (fd < 0)
+		return fail_msg("%s: cannot create a temporary token file: %s",
+				tmp, strerror(errno));
+	close(fd);
+	if (epj_tokens_from_text(r->ctx, path, tmp) == EPJ_OK)
+		r->corpus = epj_corpus_from_tokens(r->ctx, tmp);
+	unlink(tmp);
+	return r->corpus ? 0 : fail(r->ctx);
+}
+
+static int setup(run *r, const opts *o)
+{
+	if (epj_ctx_new("cpu", &r->ctx) != EPJ_OK || !r->ctx)
+		return fail_msg("cannot create a cpu context");
+	/* The run seed: --seed, else the config's.  The config is only known
+	 * after the engine has read it, so a config seed other than the
+	 * model's default means building model and engine once more. */
+	uint64_t seed = o->seed_given ? o->seed : 42;
+	if (build_model_engine(r, o, seed) != EPJ_OK)
+		return fail(r->ctx);
+	if (!o->seed_given && (uint64_t)epj_engine_seed(r->engine) != seed) {
+		seed = (uint64_t)epj_engine_seed(r->engine);
+		epj_engine_free(r->engine);
+		epj_model_free(r->model);
+		r->engine = NULL;
+		r->model = NULL;
+		if (build_model_engine(r, o, seed) != EPJ_OK)
+			return fail(r->ctx);
+	}
+	r->seed = seed;
+	epj_ctx_seed(r->ctx, seed);
+	r->B = epj_engine_micro_batch_size(r->engine);
+	r->gas = epj_engine_grad_accum_steps(r->engine);
+	r->T = o->seq;
+
+	int vocab = epj_model_vocab_size(r->model);
+	if (!o->data || !strcmp(o->data, "synthetic")) {
+		r->corpus =
+		    epj_corpus_synthetic(r->ctx, (uint32_t)vocab, mix64(seed));
+		if (!r->corpus)
+			return fail(r->ctx);
+	} else if (has_suffix(o->data, ".txt")) {
+		if (text_corpus(r, o->data))
+			return 1;
+	} else {
+		r->corpus = epj_corpus_from_tokens(r->ctx, o->data);
+		if (!r->corpus)
+			return fail(r->ctx);
+	}
+	/* A token id >= vocab would fail in the embedding: say why now. */
+	if (epj_corpus_vocab(r->corpus) > (uint32_t)vocab)
+		return fail_msg("%s: token vocabulary %u exceeds the model's "
+				"vocab_size %d",
+				o->data, epj_corpus_vocab(r->corpus), vocab);
+	return 0;
+}
+
+/* After --load: drops the micro-batches the saved run consumed, so that
+ * the stream continues where it stopped (the corpus is deterministic). */
+static int skip_consumed(run *r)
+{
+	int64_t n = epj_engine_step_count(r->engine) * r->gas;
+	for (int64_t i = 0; i < n; i++) {
+		epj_tensor *ids = NULL, *lab = NULL;
+		if (epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &ids,
+					  &lab) != EPJ_OK)
+			return fail(r->ctx);
+		epj_tensor_free(ids);
+		epj_tensor_free(lab);
+	}
+	return 0;
+}
+
+/* ---- --dump-state
+ * ------------------------------------------------------------
+ */
+
+/* Adds t cast to f32 (a new tensor when it is not f32) under name. */
+static epj_status add_f32(epj_ctx *ctx, epj_st_writer *w, const char *name,
+			  epj_tensor *t)
+{
+	epj_tensor *c = epj_tensor_dtype(t) == EPJ_DTYPE_F32
+			    ? epj_tensor_ref(t)
+			    : epj_cast(ctx, t, EPJ_DTYPE_F32);
+	epj_status st = EPJ_ERR_INVALID;
+	if (c)
+		st = epj_st_writer_add(w, name, c);
+	else if (epj_ctx_status(ctx) != EPJ_OK)
+		st = epj_ctx_status(ctx);
+	epj_tensor_free(c);
+	return st;
+}
+
+/* One forward and backward of the model (grads on, no optimizer step) on
+ * the next batch; writes input_ids, labels (i64 [B,T]), logits (f32
+ * [B,T,V]), loss (f32 []), every parameter (f32, HF name) and its gradient
+ * (f32, HF name + ".grad"; zeros when it got none). */
+static int dump_state(run *r, const char *path)
+{
+	epj_ctx *ctx = r->ctx;
+	epj_model *m = r->model;
+	epj_tensor *ids = NULL, *lab = NULL, *logits = NULL, *loss = NULL;
+	epj_st_writer *w = NULL;
+	for (int i = 0; i < epj_model_num_params(m); i++)
+		epj_tensor_set_grad(epj_model_param(m, i), NULL);
+	epj_status st =
+	    epj_corpus_next_batch(ctx, r->corpus, r->B, r->T, &ids, &lab);
+	if (st == EPJ_OK)
+		st = epj_model_forward(ctx, m, ids, lab, &logits, &loss);
+	if (st == EPJ_OK)
+		st = epj_backward(ctx, loss, NULL);
+	if (st == EPJ_OK)
+		st = epj_st_writer_new(ctx, &w);
+	bool prev = epj_no_grad_enter(ctx);
+	if (st == EPJ_OK)
+		st = epj_st_writer_add(w, "input_ids", ids);
+	if (st == EPJ_OK)
+		st = epj_st_writer_add(w, "labels", lab);
+	if (st == EPJ_OK)
+		st = add_f32(ctx, w, "logits", logits);
+	if (st == EPJ_OK)
+		st = add_f32(ctx, w, "loss", loss);
+	for (int i = 0; st == EPJ_OK && i < epj_model_num_params(m); i++) {
+		epj_tensor *p = epj_model_param(m, i);
+		const char *nm = epj_model_param_name(m, i);
+		char gname[512];
+		snprintf(gname, sizeof gname, "%s.grad", nm);
+		st = add_f32(ctx, w, nm, p);
+		/* A parameter that got no gradient (an expert no token was
+		 * routed to) has a zero gradient. */
+		epj_tensor *g = epj_tensor_grad(p), *z = NULL;
+		if (!g)
+			g = z =
+			    epj_zeros(ctx, EPJ_DTYPE_F32, epj_tensor_ndim(p),
+				      epj_tensor_shape(p));
+		if (st == EPJ_OK)
+			st = add_f32(ctx, w, gname, g);
+		epj_tensor_free(z);
+	}
+	epj_no_grad_exit(ctx, prev);
+	char seed[32];
+	snprintf(seed, sizeof seed, "%" PRIu64, r->seed);
+	if (st == EPJ_OK)
+		st = epj_st_writer_set_metadata(w, "format",
+						"epjit-train-dump-state-1");
+	if (st == EPJ_OK)
+		st = epj_st_writer_set_metadata(w, "seed", seed);
+	if (st == EPJ_OK)
+		st = epj_st_writer_set_metadata(
+		    w, "bf16", epj_engine_bf16(r->engine) ? "true" : "false");
+	if (st == EPJ_OK)
+		st = epj_st_writer_save(w, path);
+	int rc = st == EPJ_OK ? 0 : fail(ctx);
+	if (rc == 0)
+		printf("dump-state: loss %.6f on input_ids [%" PRId64
+		       ", %" PRId64 "], %d parameters -> %s\n",
+		       epj_tensor_get_f64(loss, 0), r->B, r->T,
+		       epj_model_num_params(m), path);
+	epj_st_writer_free(w);
+	epj_tensor_free(loss);
+	epj_tensor_free(logits);
+	epj_tensor_free(lab);
+	epj_tensor_free(ids);
+	return rc;
+}
+
+/* ---- training --------------------------------------------------------------
+ */
+
+/* Mean loss of EVAL_BATCHES micro-batches of a fresh fork of the corpus
+ * (always the same batches, so successive evaluations compare). */
+static int evaluate(run *r, double *out)
+{
+	epj_corpus *ev = epj_corpus_fork(r->ctx, r->corpus, EVAL_STREAM);
+	if (!ev)
+		return fail(r->ctx);
+	double sum = 0;
+	for (int i = 0; i < EVAL_BATCHES; i++) {
+		epj_tensor *ids = NULL, *lab = NULL;
+		double l = 0;
+		epj_status st =
+		    epj_corpus_next_batch(r->ctx, ev, r->B, r->T, &ids, &lab);
+		if (st == EPJ_OK)
+			st = epj_engine_eval(r->engine, ids, lab, &l);
+		epj_tensor_free(ids);
+		epj_tensor_free(lab);
+		if (st != EPJ_OK) {
+			epj_corpus_free(ev);
+			return fail(r->ctx);
+		}
+		sum += l;
+	}
+	epj_corpus_free(ev);
+	*out = sum / EVAL_BATCHES;
+	return 0;
+}
+
+typedef struct train_stats {
+	double first_loss; /* mean loss of the first step of this process */
+	double last_loss;  /* of the last step */
+	double window_loss;
+	int64_t steps_done; /* optimizer steps run by this process */
+	double seconds;	    /* training time */
+} train_stats;
+
+static int train(run *r, const opts *o, train_stats *ts)
+{
+	epj_ctx *ctx = r->ctx;
+	epj_engine *e = r->engine;
+	int64_t print_every = epj_engine_steps_per_print(e);
+	int64_t tok_per_step = r->B * r->T * r->gas;
+	double t_start = now_s(), t_win = t_start, t_step = t_start;
+	double win_sum = 0;
+	int64_t win_n = 0;
+	*ts = (train_stats){ .first_loss = NAN,
+			     .last_loss = NAN,
+			     .window_loss = NAN };
+	while (epj_engine_step_count(e) < o->steps) {
+		epj_tensor *ids = NULL, *lab = NULL;
+		epj_step_info info;
+		epj_status st = epj_corpus_next_batch(ctx, r->corpus, r->B,
+						      r->T, &ids, &lab);
+		if (st == EPJ_OK)
+			st = epj_engine_train_step(e, ids, lab, &info);
+		epj_tensor_free(ids);
+		epj_tensor_free(lab);
+		if (st != EPJ_OK)
+			return fail(ctx);
+		if (!info.stepped)
+			continue;
+		double t = now_s();
+		epj_memory_stats ms;
+		epj_memory_stats_get(ctx, &ms);
+		if (!isfinite(info.mean_loss))
+			return fail_msg("step %" PRId64 ": loss is %g; "
+					"lower the learning rate",
+					info.step, info.mean_loss);
+		if (ts->steps_done++ == 0)
+			ts->first_loss = info.mean_loss;
+		ts->last_loss = info.mean_loss;
+		win_sum += info.mean_loss;
+		win_n++;
+		if (r->metrics)
+			fprintf(r->metrics,
+				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64 "\n",
+				info.step, info.mean_loss, info.lr,
+				info.grad_norm,
+				(double)tok_per_step / (t - t_step),
+				ms.peak_allocated);
+		bool last = info.step >= o->steps;
+		if (info.step % print_every == 0 || last) {
+			ts->window_loss = win_sum / (double)win_n;
+			printf("step %6" PRId64 "/%ld  loss %.4f  lr %.3e  "
+			       "grad_norm %.3f  tok/s %.0f  peak %.1f MiB\n",
+			       info.step, o->steps, ts->window_loss, info.lr,
+			       info.grad_norm,
+			       (double)(tok_per_step * win_n) / (t - t_win),
+			       mib(ms.peak_allocated));
+			fflush(stdout);
+			win_sum = 0;
+			win_n = 0;
+			t_win = now_s();
+		}
+		if (o->eval_every > 0 && info.step % o->eval_every == 0 &&
+		    !last) {
+			double el, t0 = now_s();
+			if (evaluate(r, &el))
+				return 1;
+			printf("step %6" PRId64 "  eval loss %.4f\n", info.step,
+			       el);
+			/* The evaluation is not training time. */
+			double dt = now_s() - t0;
+			t_start += dt;
+			t_win += dt;
+		}
+		t_step = now_s();
+		if (r->metrics && ferror(r->metrics))
+			return fail_msg("%s: write failed: %s", o->metrics,
+					strerror(errno));
+	}
+	ts->seconds = now_s() - t_start;
+	return 0;
+}
+
+/* The counters of the run as a compact two-column table. */
+static int print_counters(run *r)
+{
+	epj_counters *c = epj_counters_snapshot(r->ctx);
+	if (!c)
+		return fail(r->ctx);
+	printf("counters:\n");
+	for (int i = 0; i < epj_counters_count(c); i++)
+		printf("  %-32s %" PRId64 "\n", epj_counters_name_at(c, i),
+		       epj_counters_value_at(c, i));
+	epj_counters_free(c);
+	return 0;
+}
+
+static void run_free(run *r)
+{
+	if (r->metrics)
+		fclose(r->metrics);
+	epj_corpus_free(r->corpus);
+	epj_engine_free(r->engine);
+	epj_model_free(r->model);
+	epj_ctx_free(r->ctx);
+}
+
+static int run_main(run *r, const opts *o)
+{
+	if (setup(r, o))
+		return 1;
+	if (o->load) {
+		if (epj_engine_load(r->engine, o->load) != EPJ_OK)
+			return fail(r->ctx);
+		if (skip_consumed(r))
+			return 1;
+	}
+	if (o->dump_state)
+		return dump_state(r, o->dump_state);
+
+	const char *data = o->data ? o->data : "synthetic";
+	printf(PROG ": model %s (%s layout, %d params, %" PRId64
+		    " elements, vocab %d), data %s\n",
+	       o->model_path ? o->model_path : "<built-in tiny>",
+	       o->layout == EPJ_LAYOUT_ROOT ? "root" : "nested",
+	       epj_model_num_params(r->model), epj_model_num_elements(r->model),
+	       epj_model_vocab_size(r->model), data);
+	printf(PROG ": config %s, micro-batch %" PRId64 " x seq %" PRId64
+		    ", grad accum %" PRId64 ", %s, seed %" PRIu64
+		    ", steps %" PRId64 " -> %ld%s\n",
+	       o->config_path ? o->config_path : "<built-in>", r->B, r->T,
+	       r->gas, epj_engine_bf16(r->engine) ? "bf16" : "f32", r->seed,
+	       epj_engine_step_count(r->engine), o->steps,
+	       o->checkpointing ? ", checkpointing" : "");
+	fflush(stdout);
+
+	if (o->metrics) {
+		r->metrics = fopen(o->metrics, "w");
+		if (!r->metrics)
+			return fail_msg("%s: cannot open for writing: %s",
+					o->metrics, strerror(errno));
+		fprintf(r->metrics, "step,loss,lr,grad_norm,tokens_per_s,"
+				    "peak_alloc_bytes\n");
+	}
+	train_stats ts;
+	if (train(r, o, &ts))
+		return 1;
+	if (r->metrics) {
+		int bad = ferror(r->metrics);
+		bad |= fclose(r->metrics) != 0;
+		r->metrics = NULL;
+		if (bad)
+			return fail_msg("%s: write failed: %s", o->metrics,
+					strerror(errno));
+	}
+	if (o->save) {
+		if (epj_engine_save(r->engine, o->save) != EPJ_OK)
+			return fail(r->ctx);
+		printf(PROG ": saved step %" PRId64 " to %s\n",
+		       epj_engine_step_count(r->engine), o->save);
+	}
+
+	double eval_loss;
+	if (evaluate(r, &eval_loss))
+		return 1;
+	double floor = epj_corpus_entropy_rate(r->corpus);
+	epj_memory_stats ms;
+	epj_memory_stats_get(r->ctx, &ms);
+	printf("summary: %" PRId64 " steps in %.2f s (%.1f ms/step), "
+	       "%.0f tokens/s\n",
+	       ts.steps_done, ts.seconds,
+	       ts.steps_done ? 1e3 * ts.seconds / (double)ts.steps_done : 0.0,
+	       ts.seconds > 0
+		   ? (double)(ts.steps_done * r->B * r->T * r->gas) / ts.seconds
+		   : 0.0);
+	if (ts.steps_done)
+		printf("summary: train loss %.4f (first step) -> %.4f (last "
+		       "window)\n",
+		       ts.first_loss, ts.window_loss);
+	if (isnan(floor))
+		printf("summary: eval loss %.4f (%d x [%" PRId64 ", %" PRId64
+		       "] from the start of %s; entropy floor unknown)\n",
+		       eval_loss, EVAL_BATCHES, r->B, r->T, data);
+	else
+		printf(
+		    "summary: eval loss %.4f (held-out stream, %d x [%" PRId64
+		    ", %" PRId64 "]), entropy floor %.4f nats/token, "
+		    "gap %.4f\n",
+		    eval_loss, EVAL_BATCHES, r->B, r->T, floor,
+		    eval_loss - floor);
+	printf("summary: memory peak allocated %.1f MiB, peak reserved %.1f "
+	       "MiB\n",
+	       mib(ms.peak_allocated), mib(ms.peak_reserved));
+	return print_counters(r);
+}
+
+int main(int argc, char **argv)
+{
+	opts o;
+	int rc = parse_args(argc, argv, &o);
+	if (rc >= 0)
+		return rc;
+	if (o.list_st)
+		return list_safetensors(o.list_st);
+	apply_threads(o.threads, argv);
+	run r = { 0 };
+	rc = run_main(&r, &o);
+	run_free(&r);
+	return rc;
+}
