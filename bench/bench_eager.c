@@ -47,22 +47,31 @@ typedef struct bopts {
 	bool checkpointing;
 } bopts;
 
-static double now_ms(void)
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+/* Milliseconds of a clock: CLOCK_MONOTONIC (wall) or
+ * CLOCK_PROCESS_CPUTIME_ID (CPU time of all threads of the process). */
+static double clock_ms(clockid_t id)
 {
 	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
+	clock_gettime(id, &ts);
 	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* Median of v[n] (sorts v). */
+static double median(double *v, long n)
+{
+	qsort(v, (size_t)n, sizeof *v, cmp_double);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static double mib(uint64_t b)
 {
 	return (double)b / (1024.0 * 1024.0);
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return (x > y) - (x < y);
 }
 
 static void usage(FILE *fp)
@@ -157,12 +166,15 @@ static int bench(epj_ctx *ctx, const bopts *o)
 	epj_corpus *c = NULL;
 	epj_counters *c0 = NULL, *c1 = NULL, *dc = NULL;
 	double *ms = calloc((size_t)o->steps, sizeof *ms);
+	double *cpu = calloc((size_t)o->steps, sizeof *cpu);
 	int rc = 1;
 	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
 			      .seed = 1234,
 			      .fixed_routing = true,
 			      .dtype = EPJ_DTYPE_F32 };
-	if (!ms) {
+	if (!ms || !cpu) {
+		free(ms);
+		free(cpu);
 		fprintf(stderr, PROG ": out of memory\n");
 		return 1;
 	}
@@ -189,10 +201,12 @@ static int bench(epj_ctx *ctx, const bopts *o)
 	if (!c0)
 		goto err;
 	for (long i = 0; i < o->steps; i++) {
-		double t0 = now_ms();
+		double t0 = clock_ms(CLOCK_MONOTONIC);
+		double c0_ms = clock_ms(CLOCK_PROCESS_CPUTIME_ID);
 		if (opt_step(ctx, e, c, B, T, &loss) != EPJ_OK)
 			goto err;
-		ms[i] = now_ms() - t0;
+		ms[i] = clock_ms(CLOCK_MONOTONIC) - t0;
+		cpu[i] = clock_ms(CLOCK_PROCESS_CPUTIME_ID) - c0_ms;
 		if (isnan(loss0))
 			loss0 = loss;
 	}
@@ -206,10 +220,8 @@ static int bench(epj_ctx *ctx, const bopts *o)
 	double sum = 0;
 	for (long i = 0; i < o->steps; i++)
 		sum += ms[i];
-	qsort(ms, (size_t)o->steps, sizeof *ms, cmp_double);
-	double med = o->steps % 2
-			 ? ms[o->steps / 2]
-			 : 0.5 * (ms[o->steps / 2 - 1] + ms[o->steps / 2]);
+	double med = median(ms, o->steps); /* sorts ms */
+	double cpu_med = median(cpu, o->steps);
 	double tok = (double)(B * T * gas);
 	int threads = 1;
 #ifdef _OPENMP
@@ -232,6 +244,7 @@ static int bench(epj_ctx *ctx, const bopts *o)
 	       ms[o->steps - 1]);
 	printf("| step time, mean (ms)           | %12.1f |\n",
 	       sum / (double)o->steps);
+	printf("| CPU time / step, median (ms)   | %12.1f |\n", cpu_med);
 	printf("| tokens/s (at the median)       | %12.0f |\n",
 	       tok / (med / 1e3));
 	printf("| peak allocated (MiB)           | %12.1f |\n",
@@ -261,6 +274,7 @@ out:
 	epj_corpus_free(c);
 	epj_engine_free(e);
 	epj_model_free(m);
+	free(cpu);
 	free(ms);
 	return rc;
 }

@@ -133,6 +133,24 @@ struct ej_trace {
 	int calls_captured;
 };
 
+/* ---- code generating backends ------------------------------------------ */
+
+/* A code-generating backend (jit/backend_c.c; later nvrtc/cuda-sim): builds
+ * an artifact for one graph (forward or backward of a segment) and runs it
+ * with the interpreter's calling convention.  `state` is owned by the
+ * segment and freed with free_state. */
+typedef struct ej_codegen_backend {
+	const char *name;
+	epj_status (*build)(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
+			    void **state);
+	epj_status (*run)(epj_ctx *ctx, void *state, ej_graph *g,
+			  epj_tensor *const *inputs, epj_tensor **outs);
+	void (*free_state)(void *state);
+} ej_codegen_backend;
+
+/* The C backend (generated C, host cc, dlopen). */
+extern const ej_codegen_backend ej_backend_c;
+
 /* ---- compiled segments and regions
  * --------------------------------------------- */
 
@@ -154,7 +172,9 @@ typedef struct ej_segment {
 	 * >= 0 a fwd output index, or -(1 + fwd input index). */
 	int *saved_src;
 	int n_saved;
-	void *backend_state; /* backend artifact (codegen) */
+	void *fwd_state, *bwd_state; /* backend artifacts (codegen), or NULL
+					for the interpreter */
+	const ej_codegen_backend *backend; /* NULL: interpreter */
 	double compile_ms;
 } ej_segment;
 

@@ -43,15 +43,16 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {
 		if (strcmp(name, backend_names[i]) != 0)
 			continue;
-		if (i == EJ_BACKEND_INTERPRETER) {
-			*out = EJ_BACKEND_INTERPRETER;
+		if (i == EJ_BACKEND_INTERPRETER ||
+		    (i == EJ_BACKEND_C && ej_backend_c.build)) {
+			*out = (ej_backend_kind)i;
 			return EPJ_OK;
 		}
 		if (msg)
 			snprintf(msg, msg_len,
 				 "compile.backend \"%s\" is not available in "
-				 "this build (available: interpreter)",
-				 name);
+				 "this build (available: interpreter%s)",
+				 name, ej_backend_c.build ? ", c" : "");
 		return EPJ_ERR_UNSUPPORTED;
 	}
 	if (msg)
@@ -79,6 +80,10 @@ void ej_segment_unref(ej_segment *s)
 {
 	if (!s || --s->refcount > 0)
 		return;
+	if (s->backend) {
+		s->backend->free_state(s->fwd_state);
+		s->backend->free_state(s->bwd_state);
+	}
 	ej_graph_free(s->fwd);
 	ej_graph_free(s->bwd);
 	free(s->grad_of_input);
@@ -318,6 +323,12 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
 	}
+	if (st == EPJ_OK && jit->backend == EJ_BACKEND_C) {
+		s->backend = &ej_backend_c;
+		st = s->backend->build(ctx, jit, s->fwd, &s->fwd_state);
+		if (st == EPJ_OK && s->bwd)
+			st = s->backend->build(ctx, jit, s->bwd, &s->bwd_state);
+	}
 	if (st == EPJ_OK)
 		st = cache_insert(ctx, jit, s);
 	if (st != EPJ_OK) {
@@ -475,7 +486,9 @@ static epj_status seg_backward(epj_ctx *ctx, ej_node *n,
 		}
 	}
 	if (st == EPJ_OK)
-		st = ej_interp_run(ctx, b, bin, bout);
+		st = s->seg->backend ? s->seg->backend->run(
+					   ctx, s->seg->bwd_state, b, bin, bout)
+				     : ej_interp_run(ctx, b, bin, bout);
 	if (st == EPJ_OK) {
 		for (int i = 0; i < n->n_in; i++) {
 			int k = s->node_in_to_fwd_in[i];
@@ -533,7 +546,8 @@ static epj_status run_segment(epj_ctx *ctx, const ej_region_step *step,
 		}
 		EJ_ASSERT(fin[i]);
 	}
-	st = ej_interp_run(ctx, f, fin, fout);
+	st = seg->backend ? seg->backend->run(ctx, seg->fwd_state, f, fin, fout)
+			  : ej_interp_run(ctx, f, fin, fout);
 	if (st != EPJ_OK)
 		goto out;
 	for (int j = 0; j < seg->n_seg_out; j++) {

@@ -93,7 +93,8 @@ static epj_status value_of(tracer *tr, epj_tensor *t, int *out)
 				       t->ndim, t->shape);
 		tr->g->inputs[tr->g->values[v].input].konst = epj_tensor_ref(t);
 	}
-	tr->g->values[v].requires_grad = t->requires_grad;
+	tr->g->values[v].requires_grad =
+	    t->requires_grad && tr->ctx->grad_enabled;
 	if (tr->n_ext == tr->cap_ext) {
 		int nc = tr->cap_ext ? tr->cap_ext * 2 : 32;
 		ext_entry *ne = realloc(tr->ext, sizeof *ne * (size_t)nc);

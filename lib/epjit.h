@@ -21,6 +21,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -433,6 +434,29 @@ const char *epj_engine_compile_mode(const epj_engine *e);
 /* Number of compiled regions (0 before compile). */
 int epj_engine_num_regions(const epj_engine *e);
 const char *epj_engine_region_name(const epj_engine *e, int i);
+
+/* ---- parity harness
+ * ----------------------------------------------------------- Eager vs compiled
+ * on the same weights and batch for one step: outputs, loss, input (embedding)
+ * gradients, router / expert / dense gradients, the FP32 master update of one
+ * SGD step with lr 1.0, exact routing, eager AutoEP call counts and zero
+ * compile-counter change after a warm-up step. */
+
+typedef struct epj_parity_opts {
+	const char *model_config; /* NULL: the built-in tiny model */
+	epj_layout layout;
+	bool checkpointing;
+	bool bf16;
+	bool regional; /* compile.autoep_non_moe (else full-model) */
+	bool async_split_plan;
+	const char *backend; /* compile.backend, NULL = default */
+	int64_t batch, seq;  /* <= 0: 2 x 16 */
+	uint64_t seed;
+} epj_parity_opts;
+
+/* Prints a table to out (may be NULL); *passed tells the verdict.  Returns
+ * an error status only when an arm could not run at all. */
+epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed);
 
 /* ---- safetensors ----------------------------------------------------------
  */

@@ -90,6 +90,9 @@ static epj_tensor *zeros_like(epj_ctx *ctx, const epj_tensor *t)
 
 /* ---- SDPA shapes and attributes ------------------------------------------ */
 
+/* Below this many multiply-adds (B*Hq*T*S*D) attention runs serially. */
+#define ATTN_PAR_MIN_WORK (1 << 18)
+
 typedef struct sdpa_dims {
 	int64_t b, hq, t, d, hkv, s, dv;
 	bool causal;
@@ -352,8 +355,12 @@ epj_status ej_kernel_SDPA(epj_ctx *ctx, const ej_call *c)
 	}
 	char *obase = ej_data(out), *lbase = ej_data(lse);
 	size_t eo = ej_dtype_size(w.dt);
-	/* blocks over OpenMP threads, each GEMM on one BLAS thread */
-	bool par = nthr > 1 && items > 1;
+	/* blocks over OpenMP threads, each GEMM on one BLAS thread; tiny
+	 * calls stay serial (waking a team costs more than they do) */
+	bool par = nthr > 1 && items > 1 &&
+		   (double)m->b * (double)m->hq * (double)m->t * (double)m->s *
+			   (double)max1(m->d) >=
+		       ATTN_PAR_MIN_WORK;
 	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
 	for (int64_t it = 0; it < items; it++) {
@@ -414,7 +421,8 @@ epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 	/* the scale is resolved here so that equal calls have equal attrs */
 	ej_attrs at = ej_attrs_none();
 	ej_attrs_push_i(&at, causal ? 1 : 0);
-	ej_attrs_push_f(&at, sdpa_scale(scale, epj_tensor_dim(q, -1)));
+	ej_attrs_push_f(
+	    &at, sdpa_scale(scale, q->ndim > 0 ? q->shape[q->ndim - 1] : 1));
 	epj_tensor *in[3] = { q, k, v }, *outs[2] = { NULL, NULL };
 	if (ej_dispatch(ctx, EJ_OP_SDPA, in, 3, &at, outs, 2) != EPJ_OK)
 		return NULL;
@@ -605,8 +613,12 @@ epj_status ej_kernel_SDPA_BACKWARD(epj_ctx *ctx, const ej_call *c)
 				nthr, per);
 		goto done;
 	}
-	/* items over OpenMP threads, each GEMM on one BLAS thread */
-	bool par = nthr > 1 && items > 1;
+	/* items over OpenMP threads, each GEMM on one BLAS thread; tiny
+	 * calls stay serial */
+	bool par = nthr > 1 && items > 1 &&
+		   (double)m->b * (double)m->hq * (double)m->t * (double)m->s *
+			   (double)max1(m->d) >=
+		       ATTN_PAR_MIN_WORK;
 	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
 	for (int64_t it = 0; it < items; it++) {

@@ -8,9 +8,9 @@
  * BLAS reads a [rows, cols] matrix in place whenever its two strides are a
  * row-major (stride pattern (ld, 1)) or a transposed row-major ((1, ld))
  * layout; the backward formulas pass epj_transpose views, so that path must
- * not copy.  Any other layout (stride 0 from expand, steps from slice,
- * permuted batch-inner dims are fine) is packed into a contiguous temporary.
- * Batch dims only move the base pointer, so they may have any strides.
+ * not copy.  Any other matrix layout (stride 0 from expand, steps from
+ * slice) is packed into a contiguous temporary.  Batch dims only move the
+ * base pointer, so they may have any strides.
  *
  * The BLAS helpers (ej_linalg_*) are shared with ops_attention.c, which
  * declares their prototypes itself (they belong in ops_impl.h).

@@ -833,8 +833,10 @@ void epj_tensor_set_grad(epj_tensor *t, epj_tensor *g)
 		return;
 	if (g && (!same_shape(t, g) || t->dtype != g->dtype)) {
 		char td[64], gd[64];
-		ej_error(t->ctx, EPJ_ERR_SHAPE,
-			 "set_grad: gradient %s does not match tensor %s",
+		ej_error(t->ctx,
+			 same_shape(t, g) ? EPJ_ERR_DTYPE : EPJ_ERR_SHAPE,
+			 "set_grad: gradient %s does not match tensor %s "
+			 "(ignored)",
 			 epj_tensor_describe(g, gd, sizeof gd),
 			 epj_tensor_describe(t, td, sizeof td));
 		return;

@@ -1,12 +1,665 @@
-/* STUB: replaced by the real implementation. */
+/* compile.c -- the engine's compile (the user's engine.compile()): mode,
+ * fail-fast validation, region discovery, installation of compiled-forward
+ * wrappers with rollback, and the wrapper itself.
+ *
+ *   epj_engine_compile(e)
+ *     mode      = autoep_non_moe (config option) or model (full-model)
+ *     validate  = config support boundary, backend of this build, regions
+ *                 (nothing is changed when any of it fails)
+ *     regions   = autoep_non_moe: the callable direct parent of every AutoEP
+ *                 layer, deduplicated, in model order; model: the root
+ *     install   = per region: orig_forward = forward, forward = wrapper;
+ *                 a failure part-way restores every region already changed
+ *   region_forward (first call and every guard miss)
+ *     trace orig_forward (TRACE mode; AutoEP calls become graph breaks
+ *     through the runtime's break hook) -> ej_jit_compile -> a variant;
+ *     then ej_region_run (compiled segments + eager AutoEP calls).
+ *
+ * Invariants
+ *  - The engine's compile state owns every region state.  A region's module
+ *    points at it (m->compiled) while the wrapper is installed; the module's
+ *    compiled_free only detaches it (the model may be freed first), the
+ *    engine frees it and restores the module in ej_engine_compile_free.
+ *  - A region's parameter table is its subtree's parameters without the
+ *    subtrees of compiler_disabled modules (those run eagerly in the break),
+ *    in model order; slots are indices into it.  It holds borrowed pointers
+ *    refreshed at every call (epj_model_set_param replaces tensors).
+ *  - Variants of a region are bounded by the recompile limit (8, as torch's
+ *    cache_size_limit; EPJIT_RECOMPILE_LIMIT overrides, read at compile
+ *    time).  A guard miss at the limit runs the original forward eagerly.
+ *
+ * Counters kept here: frames.total (traces started), frames.ok (variants
+ * compiled), recompiles (variants beyond a region's first), and
+ * frames.fallback_eager (calls run eagerly because of the limit).  The jit
+ * keeps the others (stats.*, graph_break.*, cache.*, compile.*).
+ */
+#include "jit.h"
 #include "runtime_impl.h"
 
-void ej_engine_compile_free(epj_engine *e)
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DEFAULT_RECOMPILE_LIMIT 8
+#define AUTOEP_PREFIX		"compile.autoep_non_moe=true"
+
+typedef struct region {
+	struct ej_engine_compile *owner;
+	epj_module *m; /* NULL once the module was freed (detached) */
+	int index;
+	const char *name; /* m->name while attached; "" shown as root */
+	/* compiled variants, at most owner->recompile_limit */
+	ej_region_fn **variants;
+	int n_variants;
+	bool warned_limit;
+	/* current parameter table (borrowed, refreshed per call) */
+	epj_tensor **params;
+	int n_params, cap_params;
+	/* the module fields installation replaced (restored exactly) */
+	ej_forward_fn saved_forward, saved_orig;
+	void *saved_compiled;
+	void (*saved_compiled_free)(void *);
+} region;
+
+struct ej_engine_compile {
+	bool autoep_non_moe; /* the mode, fixed at the first compile */
+	ej_backend_kind backend;
+	ej_jit *jit;
+	int recompile_limit;
+	region **regions;
+	int n_regions;
+};
+
+/* ---- test hook ----------------------------------------------------------- */
+
+/* One-shot failure injection for the rollback tests: the next
+ * epj_engine_compile of `inject_engine` fails while installing region
+ * `inject_index`.  The hook is consumed (reset) by that compile call, whether
+ * or not it reaches the region.  A global rather than engine state because
+ * the engine has no compile state before its first compile. */
+static const epj_engine *inject_engine;
+static int inject_index = -1;
+
+void ej_compile_inject_failure(epj_engine *e, int region_index);
+void ej_compile_inject_failure(epj_engine *e, int region_index)
 {
-	(void)e;
+	inject_engine = e;
+	inject_index = region_index;
 }
+
+/* ---- parameter table ----------------------------------------------------- */
+
+static epj_status params_push(epj_ctx *ctx, region *r, epj_tensor *t)
+{
+	if (r->n_params == r->cap_params) {
+		int nc = r->cap_params ? r->cap_params * 2 : 32;
+		epj_tensor **np = realloc(r->params, sizeof *np * (size_t)nc);
+		if (!np)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"compile: out of memory listing the "
+					"parameters of region \"%s\"",
+					r->name);
+		r->params = np;
+		r->cap_params = nc;
+	}
+	r->params[r->n_params++] = t;
+	return EPJ_OK;
+}
+
+/* Parameters of m's subtree, model order (pre-order, a module's own
+ * parameters before its children's), skipping compiler_disabled subtrees
+ * below the region. */
+static epj_status params_walk(epj_ctx *ctx, region *r, epj_module *m)
+{
+	if (m != r->m && m->compiler_disabled)
+		return EPJ_OK;
+	for (int i = 0; i < m->n_params; i++) {
+		epj_status st = params_push(ctx, r, m->params[i]);
+		if (st != EPJ_OK)
+			return st;
+	}
+	for (int i = 0; i < m->n_children; i++) {
+		epj_status st = params_walk(ctx, r, m->children[i]);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return EPJ_OK;
+}
+
+static epj_status params_refresh(epj_ctx *ctx, region *r)
+{
+	r->n_params = 0;
+	return params_walk(ctx, r, r->m);
+}
+
+/* ej_param_slot_fn: pointer identity against the table. */
+static int param_slot(void *user, const epj_tensor *t)
+{
+	const region *r = user;
+	for (int i = 0; i < r->n_params; i++)
+		if (r->params[i] == t)
+			return i;
+	return -1;
+}
+
+/* ---- region state -------------------------------------------------------- */
+
+static void region_free(region *r)
+{
+	if (!r)
+		return;
+	for (int i = 0; i < r->n_variants; i++)
+		ej_region_fn_free(r->variants[i]);
+	free(r->variants);
+	free(r->params);
+	free(r);
+}
+
+/* compiled_free of a module: the module is being freed before the engine
+ * (the engine owns the state): forget the module. */
+static void region_detach(void *p)
+{
+	region *r = p;
+	if (r) {
+		r->m = NULL;
+		r->name = "(freed module)";
+	}
+}
+
+/* Puts back what installation replaced. */
+static void region_restore(region *r)
+{
+	epj_module *m = r->m;
+	if (!m)
+		return;
+	EJ_ASSERT(m->compiled == r);
+	m->forward = r->saved_forward;
+	m->orig_forward = r->saved_orig;
+	m->compiled = r->saved_compiled;
+	m->compiled_free = r->saved_compiled_free;
+}
+
+/* ---- the wrapper --------------------------------------------------------- */
+
+static epj_status region_forward(epj_ctx *ctx, epj_module *m,
+				 epj_tensor *const *in, int n_in,
+				 epj_tensor **out, int n_out);
+
+/* ej_break_hook.on_call while a region is traced: a call of a
+ * compiler_disabled module becomes a graph-break node. */
+static epj_status on_break(void *self, epj_ctx *ctx, epj_module *m,
+			   epj_tensor *const *in, int n_in, epj_tensor **out,
+			   int n_out)
+{
+	(void)self;
+	const char *reason = strcmp(m->kind, "AutoEPMoELayer") == 0
+				 ? "autoep"
+				 : "compiler_disabled";
+	return ej_trace_break(ctx, m, reason, in, n_in, out, n_out);
+}
+
+/* ej_traced_fn: the region's original forward on symbolic inputs. */
+static epj_status traced_fn(void *user, epj_ctx *ctx, epj_tensor *const *in,
+			    int n_in, epj_tensor **out, int n_out)
+{
+	region *r = user;
+	return r->m->orig_forward(ctx, r->m, in, n_in, out, n_out);
+}
+
+/* ej_break_call_fn: performs a graph break eagerly (the AutoEP layer records
+ * its own autograd nodes and counts its call). */
+static epj_status break_call(void *user, epj_ctx *ctx, void *callee,
+			     epj_tensor *const *in, int n_in, epj_tensor **out,
+			     int n_out)
+{
+	(void)user;
+	return ej_module_call(ctx, callee, in, n_in, out, n_out);
+}
+
+/* Traces and compiles a new variant of r for this call. */
+static epj_status compile_variant(epj_ctx *ctx, region *r,
+				  epj_tensor *const *in, int n_in, int n_out,
+				  ej_region_fn **out)
+{
+	struct ej_engine_compile *c = r->owner;
+	*out = NULL;
+	epj_counter_add(ctx, "frames.total", 1);
+	const ej_break_hook *prev = ej_get_break_hook(ctx);
+	ej_break_hook hook = { .self = r, .on_call = on_break };
+	ej_set_break_hook(ctx, &hook);
+	ej_trace *t = NULL;
+	epj_status st = ej_trace_region(ctx, c->jit, traced_fn, r, in, n_in,
+					n_out, param_slot, r, &t);
+	ej_set_break_hook(ctx, prev);
+	ej_region_fn *f = NULL;
+	if (st == EPJ_OK)
+		st = ej_jit_compile(ctx, c->jit, t, &f); /* owns t */
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "compiling region \"%s\" (%s)", r->name,
+				r->m->kind);
+		return st;
+	}
+	r->variants[r->n_variants++] = f;
+	epj_counter_add(ctx, "frames.ok", 1);
+	*out = f;
+	return EPJ_OK;
+}
+
+/* Why no variant of r accepts this call: each variant's first failing
+ * guard, "; "-separated (for the logs). */
+static void explain_miss(const region *r, const epj_ctx *ctx,
+			 epj_tensor *const *in, int n_in, char *buf, size_t n)
+{
+	size_t o = 0;
+	buf[0] = 0;
+	for (int i = 0; i < r->n_variants && o + 1 < n; i++) {
+		char why[256];
+		ej_region_fn_guard_explain(r->variants[i], ctx, in, n_in,
+					   r->params, r->n_params, why,
+					   sizeof why);
+		int k = snprintf(buf + o, n - o, "%svariant %d: %s",
+				 i ? "; " : "", i + 1, why);
+		if (k < 0)
+			break;
+		o += (size_t)k;
+	}
+}
+
+static epj_status region_forward(epj_ctx *ctx, epj_module *m,
+				 epj_tensor *const *in, int n_in,
+				 epj_tensor **out, int n_out)
+{
+	region *r = m->compiled;
+	EJ_ASSERT(r && r->m == m && m->orig_forward);
+	for (int j = 0; j < n_out; j++)
+		out[j] = NULL;
+	/* Called while an enclosing region is traced (a region nested in
+	 * another): inline the original forward into that trace. */
+	if (ej_tracing(ctx))
+		return m->orig_forward(ctx, m, in, n_in, out, n_out);
+	epj_status st = params_refresh(ctx, r);
+	if (st != EPJ_OK)
+		return st;
+	ej_region_fn *f = NULL;
+	for (int i = 0; i < r->n_variants && !f; i++)
+		if (ej_region_fn_guard_ok(r->variants[i], ctx, in, n_in,
+					  r->params, r->n_params))
+			f = r->variants[i];
+	if (!f && r->n_variants >= r->owner->recompile_limit) {
+		if (!r->warned_limit) {
+			char why[1024];
+			explain_miss(r, ctx, in, n_in, why, sizeof why);
+			epj_log_msg(EPJ_LOG_WARN,
+				    "region \"%s\": recompile limit %d reached "
+				    "(%s); calls that match no compiled "
+				    "variant run eagerly "
+				    "(EPJIT_RECOMPILE_LIMIT raises the limit)",
+				    r->name, r->owner->recompile_limit, why);
+			r->warned_limit = true;
+		}
+		epj_counter_add(ctx, "frames.fallback_eager", 1);
+		return m->orig_forward(ctx, m, in, n_in, out, n_out);
+	}
+	if (!f) {
+		if (r->n_variants > 0) {
+			char why[1024];
+			explain_miss(r, ctx, in, n_in, why, sizeof why);
+			epj_log_msg(EPJ_LOG_INFO,
+				    "region \"%s\": recompiling (variant %d): "
+				    "%s",
+				    r->name, r->n_variants + 1, why);
+			epj_counter_add(ctx, "recompiles", 1);
+		}
+		st = compile_variant(ctx, r, in, n_in, n_out, &f);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return ej_region_run(ctx, f, in, n_in, r->params, r->n_params,
+			     break_call, r, out, n_out);
+}
+
+/* ---- discovery ----------------------------------------------------------- */
+
+typedef struct module_list {
+	epj_module **v;
+	int n, cap;
+} module_list;
+
+static epj_status list_push(epj_ctx *ctx, module_list *l, epj_module *m)
+{
+	for (int i = 0; i < l->n; i++)
+		if (l->v[i] == m)
+			return EPJ_OK; /* dedupe */
+	if (l->n == l->cap) {
+		int nc = l->cap ? l->cap * 2 : 16;
+		epj_module **nv = realloc(l->v, sizeof *nv * (size_t)nc);
+		if (!nv)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"compile: out of memory");
+		l->v = nv;
+		l->cap = nc;
+	}
+	l->v[l->n++] = m;
+	return EPJ_OK;
+}
+
+static bool list_has(const module_list *l, const epj_module *m)
+{
+	for (int i = 0; i < l->n; i++)
+		if (l->v[i] == m)
+			return true;
+	return false;
+}
+
+static const char *shown(const char *name)
+{
+	return name[0] ? name : "<root>";
+}
+
+/* Collects every compiler_disabled module (pre-order; not below another
+ * one: those run inside it eagerly) and validates its parent. */
+static epj_status find_autoep(epj_ctx *ctx, epj_module *m, module_list *parents,
+			      int *n_layers)
+{
+	if (m->compiler_disabled) {
+		(*n_layers)++;
+		epj_module *p = m->parent;
+		if (!p)
+			return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+					AUTOEP_PREFIX
+					": the AutoEP layer (%s) is the model "
+					"root: it has no surrounding region to "
+					"compile; wrap it in a callable module",
+					m->kind);
+		if (!p->forward)
+			return ej_error(
+			    ctx, EPJ_ERR_UNSUPPORTED,
+			    AUTOEP_PREFIX
+			    ": the parent \"%s\" (%s) of AutoEP layer \"%s\" "
+			    "has no forward: the MoE layer must be a direct "
+			    "child of a callable module (e.g. a decoder block, "
+			    "not a layer list)",
+			    shown(p->name), p->kind, m->name);
+		return list_push(ctx, parents, p);
+	}
+	for (int i = 0; i < m->n_children; i++) {
+		epj_status st =
+		    find_autoep(ctx, m->children[i], parents, n_layers);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return EPJ_OK;
+}
+
+/* The modules of `set` in pre-order of the tree. */
+static epj_status order_regions(epj_ctx *ctx, epj_module *m,
+				const module_list *set, module_list *out)
+{
+	if (list_has(set, m)) {
+		epj_status st = list_push(ctx, out, m);
+		if (st != EPJ_OK)
+			return st;
+	}
+	if (m->compiler_disabled)
+		return EPJ_OK;
+	for (int i = 0; i < m->n_children; i++) {
+		epj_status st = order_regions(ctx, m->children[i], set, out);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return EPJ_OK;
+}
+
+/* Regions of the mode, validated; *out is empty on failure. */
+static epj_status discover(epj_ctx *ctx, epj_module *root, bool autoep,
+			   module_list *out)
+{
+	memset(out, 0, sizeof *out);
+	epj_status st = EPJ_OK;
+	if (!autoep) {
+		if (!root->forward)
+			st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				      "compile: the model root (%s) has no "
+				      "forward",
+				      root->kind);
+		else if (root->compiler_disabled)
+			st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				      "compile: the model root (%s) is "
+				      "compiler_disabled",
+				      root->kind);
+		else if (root->orig_forward)
+			st = ej_error(ctx, EPJ_ERR_STATE,
+				      "compile: the model root (%s) is "
+				      "already compiled (by another engine "
+				      "on the same model?)",
+				      root->kind);
+		else
+			st = list_push(ctx, out, root);
+	} else {
+		module_list parents = { 0 };
+		int n_layers = 0;
+		st = find_autoep(ctx, root, &parents, &n_layers);
+		if (st == EPJ_OK && n_layers == 0)
+			st = ej_error(
+			    ctx, EPJ_ERR_UNSUPPORTED,
+			    AUTOEP_PREFIX
+			    " requires at least one AutoEP layer, and the "
+			    "model (%s) has none (num_experts is 0 or every "
+			    "layer is in mlp_only_layers): enable MoE layers "
+			    "or set compile.autoep_non_moe to false",
+			    root->kind);
+		for (int i = 0; st == EPJ_OK && i < parents.n; i++)
+			if (parents.v[i]->orig_forward)
+				st = ej_error(
+				    ctx, EPJ_ERR_STATE,
+				    AUTOEP_PREFIX
+				    ": region \"%s\" (%s) is already compiled "
+				    "(by another engine on the same model?)",
+				    shown(parents.v[i]->name),
+				    parents.v[i]->kind);
+		if (st == EPJ_OK)
+			st = order_regions(ctx, root, &parents, out);
+		free(parents.v);
+	}
+	if (st != EPJ_OK) {
+		free(out->v);
+		memset(out, 0, sizeof *out);
+	}
+	return st;
+}
+
+/* ---- installation -------------------------------------------------------- */
+
+static int recompile_limit(void)
+{
+	const char *s = getenv("EPJIT_RECOMPILE_LIMIT");
+	if (!s || !*s)
+		return DEFAULT_RECOMPILE_LIMIT;
+	char *end;
+	errno = 0;
+	long v = strtol(s, &end, 10);
+	if (errno || *end || v < 1 || v > INT_MAX / 2) {
+		epj_log_msg(EPJ_LOG_WARN,
+			    "EPJIT_RECOMPILE_LIMIT=\"%s\" is not an integer "
+			    ">= 1; using %d",
+			    s, DEFAULT_RECOMPILE_LIMIT);
+		return DEFAULT_RECOMPILE_LIMIT;
+	}
+	return (int)v;
+}
+
+static void compile_state_free(struct ej_engine_compile *c)
+{
+	if (!c)
+		return;
+	for (int i = 0; i < c->n_regions; i++) {
+		region_restore(c->regions[i]);
+		region_free(c->regions[i]);
+	}
+	free(c->regions);
+	ej_jit_free(c->jit);
+	free(c);
+}
+
+/* Installs the wrapper on every region; on failure restores the regions
+ * already changed (compile_state_free) and returns the error. */
+static epj_status install(epj_ctx *ctx, struct ej_engine_compile *c,
+			  const module_list *mods, int inject)
+{
+	c->regions = calloc((size_t)mods->n + 1, sizeof *c->regions);
+	if (!c->regions)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "compile: out of memory");
+	for (int i = 0; i < mods->n; i++) {
+		epj_module *m = mods->v[i];
+		region *r = calloc(1, sizeof *r);
+		if (r)
+			r->variants = calloc((size_t)c->recompile_limit,
+					     sizeof *r->variants);
+		if (!r || !r->variants) {
+			region_free(r);
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"compile: out of memory installing "
+					"region \"%s\"",
+					m->name);
+		}
+		r->owner = c;
+		r->m = m;
+		r->index = i;
+		r->name = m->name;
+		epj_status st = EPJ_OK;
+		if (m->orig_forward || !m->forward)
+			st = ej_error(ctx, EPJ_ERR_STATE,
+				      "compile: region \"%s\" changed during "
+				      "compile",
+				      shown(m->name));
+		else if (i == inject)
+			st = ej_error(ctx, EPJ_ERR_COMPILE,
+				      "injected compile failure at region %d "
+				      "(%s)",
+				      i, m->name);
+		else
+			st = params_refresh(ctx, r);
+		if (st != EPJ_OK) {
+			region_free(r);
+			return st;
+		}
+		r->saved_forward = m->forward;
+		r->saved_orig = m->orig_forward;
+		r->saved_compiled = m->compiled;
+		r->saved_compiled_free = m->compiled_free;
+		m->orig_forward = m->forward;
+		m->forward = region_forward;
+		m->compiled = r;
+		m->compiled_free = region_detach;
+		c->regions[c->n_regions++] = r;
+	}
+	return EPJ_OK;
+}
+
+/* ---- engine API ---------------------------------------------------------- */
 
 epj_status epj_engine_compile(epj_engine *e)
 {
-	return ej_error(e->ctx, EPJ_ERR_UNSUPPORTED, "compile: not yet");
+	epj_ctx *ctx = e->ctx;
+	bool autoep = e->cfg.compile.autoep_non_moe;
+	int inject = -1;
+	if (inject_engine == e) {
+		inject = inject_index;
+		inject_engine = NULL;
+		inject_index = -1;
+	}
+	if (e->compiled) {
+		if (e->compiled->autoep_non_moe == autoep)
+			return EPJ_OK;
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"Engine is already compiled; "
+				"compile.autoep_non_moe cannot be changed "
+				"after compilation.");
+	}
+	/* 1. the configuration's support boundary */
+	epj_status st = ej_config_validate_autoep_compile(ctx, &e->cfg);
+	if (st != EPJ_OK)
+		return st;
+	/* 2. the backend must be in this build */
+	ej_backend_kind backend;
+	char msg[256];
+	st =
+	    ej_backend_parse(e->cfg.compile.backend, &backend, msg, sizeof msg);
+	if (st != EPJ_OK) {
+		if (autoep)
+			return ej_error(ctx, st, AUTOEP_PREFIX ": %s", msg);
+		return ej_error(ctx, st, "compile: %s", msg);
+	}
+	/* 3. regions */
+	module_list mods;
+	st = discover(ctx, e->model->root, autoep, &mods);
+	if (st != EPJ_OK)
+		return st;
+	/* 4. install, with rollback */
+	struct ej_engine_compile *c = calloc(1, sizeof *c);
+	if (c) {
+		c->autoep_non_moe = autoep;
+		c->backend = backend;
+		c->recompile_limit = recompile_limit();
+		c->jit = ej_jit_new(ctx, backend);
+	}
+	if (!c || !c->jit) {
+		free(c);
+		free(mods.v);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "compile: out of memory");
+	}
+	st = install(ctx, c, &mods, inject);
+	free(mods.v);
+	if (st != EPJ_OK) {
+		compile_state_free(c); /* rollback */
+		return st;
+	}
+	e->compiled = c;
+	epj_log_msg(EPJ_LOG_INFO,
+		    "compile: mode %s, backend %s, %d region(s), recompile "
+		    "limit %d",
+		    epj_engine_compile_mode(e), ej_backend_name(backend),
+		    c->n_regions, c->recompile_limit);
+	return EPJ_OK;
+}
+
+const char *epj_engine_compile_mode(const epj_engine *e)
+{
+	if (!e->compiled)
+		return "none";
+	return e->compiled->autoep_non_moe ? "autoep_non_moe" : "model";
+}
+
+int epj_engine_num_regions(const epj_engine *e)
+{
+	return e->compiled ? e->compiled->n_regions : 0;
+}
+
+const char *epj_engine_region_name(const epj_engine *e, int i)
+{
+	if (!e->compiled || i < 0 || i >= e->compiled->n_regions)
+		return NULL;
+	return e->compiled->regions[i]->name;
+}
+
+void ej_engine_compile_free(epj_engine *e)
+{
+	if (!e)
+		return;
+	/* EPJIT_DEBUG_DUMP: the counters at teardown (best effort: a failure
+	 * is logged and leaves the context's error state as it was). */
+	const char *dir = ej_debug_dump_dir();
+	if (dir && e->ctx) {
+		epj_ctx *ctx = e->ctx;
+		epj_status prev_st = ctx->status;
+		char prev_msg[sizeof ctx->errmsg];
+		memcpy(prev_msg, ctx->errmsg, sizeof prev_msg);
+		if (ej_debug_dump_counters(ctx, dir) != EPJ_OK)
+			epj_log_msg(EPJ_LOG_WARN, "%s", ctx->errmsg);
+		ctx->status = prev_st;
+		memcpy(ctx->errmsg, prev_msg, sizeof prev_msg);
+	}
+	compile_state_free(e->compiled);
+	e->compiled = NULL;
 }

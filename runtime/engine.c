@@ -416,28 +416,49 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 				      epj_tensor_describe(p, b, sizeof b));
 		}
 	}
-	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
-		epj_tensor *master = ej_optim_master(e->optim, i);
-		st = load_into(ctx, f, pl->names[i],
-			       master ? master : pl->params[i], path);
-	}
 	bool training = false;
 	const char *fmt = st == EPJ_OK ? epj_st_metadata(f, "format") : NULL;
 	if (fmt && !strcmp(fmt, CKPT_FORMAT))
 		training = true;
+	/* optimizer state of a training checkpoint: all present, all shapes
+	 * right -- still before the first copy */
 	for (int i = 0;
 	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
 	     i++) {
 		const char *nm = ej_optim_state_name(e->optim, i);
 		if (!strncmp(nm, "optimizer.master.", 17))
 			continue;
-		if (epj_st_find(f, nm) < 0) {
+		int k = epj_st_find(f, nm);
+		epj_tensor *dst = ej_optim_state_tensor(e->optim, i);
+		if (k < 0) {
 			st = ej_error(ctx, EPJ_ERR_FORMAT,
 				      "%s: optimizer state \"%s\" is missing "
 				      "(saved with another optimizer?)",
 				      path, nm);
 			break;
 		}
+		bool same = epj_st_ndim_at(f, k) == epj_tensor_ndim(dst);
+		for (int d = 0; same && d < epj_tensor_ndim(dst); d++)
+			same =
+			    epj_st_shape_at(f, k)[d] == epj_tensor_dim(dst, d);
+		if (!same)
+			st = ej_error(ctx, EPJ_ERR_SHAPE,
+				      "%s: optimizer state \"%s\" has another "
+				      "shape than expected",
+				      path, nm);
+	}
+	/* everything checked: copy */
+	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
+		epj_tensor *master = ej_optim_master(e->optim, i);
+		st = load_into(ctx, f, pl->names[i],
+			       master ? master : pl->params[i], path);
+	}
+	for (int i = 0;
+	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
+	     i++) {
+		const char *nm = ej_optim_state_name(e->optim, i);
+		if (!strncmp(nm, "optimizer.master.", 17))
+			continue;
 		st = load_into(ctx, f, nm, ej_optim_state_tensor(e->optim, i),
 			       path);
 	}

@@ -239,8 +239,12 @@ epj_status ej_module_call(epj_ctx *ctx, epj_module *m, epj_tensor *const *in,
 				   : ej_error(ctx, EPJ_ERR_INVALID,
 					      "module \"%s\": input %d is NULL",
 					      m->name, i);
+	/* While tracing, a compiler_disabled module (the AutoEP layer) and a
+	 * checkpointed module met inside a traced graph (full-model compile of
+	 * a model with checkpointed blocks) become graph breaks: they run
+	 * eagerly at run time, the latter with its checkpointing intact. */
 	const ej_break_hook *hook = ej_get_break_hook(ctx);
-	if (ctx->recorder && m->compiler_disabled && hook)
+	if (ctx->recorder && hook && (m->compiler_disabled || m->checkpoint))
 		return hook->on_call(hook->self, ctx, m, in, n_in, out, n_out);
 	epj_status st;
 	if (m->checkpoint && !ctx->recorder && epj_grad_enabled(ctx) &&

@@ -21,6 +21,7 @@
  * single block; the root module itself owns embed_tokens, self_attn, the
  * norms, mlp (AutoEP) and lm_head and does everything in its own forward.
  */
+#include "jit.h"
 #include "runtime_impl.h"
 
 #include <math.h>
@@ -214,6 +215,9 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 			s[p * d + i] = s[p * d + i + d / 2] = sinf(ang);
 		}
 	}
+	/* Real tables even while the forward is traced (full-model compile,
+	 * root layout): recording paused, they are captured as constants. */
+	const void *rec = ej_trace_pause(ctx);
 	bool prev = epj_no_grad_enter(ctx);
 	*cos = epj_zeros(ctx, dt, 2, shp);
 	*sin = epj_zeros(ctx, dt, 2, shp);
@@ -223,6 +227,7 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 		st = epj_tensor_from_f64(ctx, *cos, c);
 	if (st == EPJ_OK)
 		st = epj_tensor_from_f64(ctx, *sin, s);
+	ej_trace_resume(ctx, rec);
 	free(c);
 	free(s);
 	if (st != EPJ_OK) {

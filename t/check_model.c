@@ -67,14 +67,15 @@ static const tcfg CFG_FD = { .V = 11,
 			     .eps = 1e-6,
 			     .theta = 100.0 };
 
-/* Reference config: hidden 10 with 2 query heads of dim 6 (q_proj [12, 10]
- * is not square), 3 layers of which layer 0 is dense (mlp_only_layers),
+/* Reference config: hidden 10 with 4 query heads and 2 KV heads of dim 6
+ * (q_proj [24, 10] is not square; query heads 0, 1 read KV head 0 and 2, 3
+ * read KV head 1), 3 layers of which layer 0 is dense (mlp_only_layers),
  * 5 experts top-2 without renormalisation. */
 static const tcfg CFG_REF = { .V = 13,
 			      .H = 10,
 			      .L = 3,
-			      .Hq = 2,
-			      .Hkv = 1,
+			      .Hq = 4,
+			      .Hkv = 2,
 			      .D = 6,
 			      .I = 9,
 			      .MI = 5,
@@ -267,9 +268,9 @@ static void ref_load(epj_ctx *ctx, const epj_model *m, const tcfg *c,
 		double *dst[3] = { y->eg, y->eu, y->ed };
 		for (int e = 0; e < c->E; e++) {
 			for (int j = 0; j < 3; j++) {
-				double *v = pvals(ctx, m,
-						  "%smlp.experts.%d.%s.weight",
-						  p, e, proj[j]);
+				double *v =
+				    pvals(ctx, m, "%smlp.experts.%d.%s.weight",
+					  p, e, proj[j]);
 				memcpy(dst[j] + eh * (size_t)e, v,
 				       sizeof(double) * eh);
 				free(v);
@@ -373,7 +374,8 @@ static void ref_moe(const ref_model *r, const ref_layer *y, const double *x,
 		for (int j = 0; j < K; j++) {
 			int best = -1;
 			for (int e = 0; e < E; e++)
-				if (!used[e] && (best < 0 || prob[e] > prob[best]))
+				if (!used[e] &&
+				    (best < 0 || prob[e] > prob[best]))
 					best = e;
 			sel[j] = best;
 			used[best] = true;
@@ -506,11 +508,12 @@ static double ref_forward(const ref_model *r, const int64_t *ids,
 					for (int i = 0; i < D; i++) {
 						double acc = 0;
 						for (int u = 0; u <= t; u++)
-							acc += s[u] / z *
-							       v[(size_t)(b * T +
-									  u) *
-								     KD +
-								 kv * D + i];
+							acc +=
+							    s[u] / z *
+							    v[(size_t)(b * T +
+								       u) *
+								  KD +
+							      kv * D + i];
 						o[i] = acc;
 					}
 				}
@@ -522,9 +525,8 @@ static double ref_forward(const ref_model *r, const int64_t *ids,
 			for (int i = 0; i < H; i++)
 				hn[i] += ao[i];
 		}
-		const int64_t *msel = model_routing && y->moe
-					  ? model_routing[moe_i]
-					  : NULL;
+		const int64_t *msel =
+		    model_routing && y->moe ? model_routing[moe_i] : NULL;
 		for (int n = 0; n < N; n++) {
 			double *hn = h + (size_t)n * H, *xn = x + (size_t)n * H;
 			double *mo = tmp;
@@ -680,16 +682,17 @@ static double loss_nograd(epj_ctx *ctx, epj_model *m, const batch *b)
 	return v;
 }
 
-/* ---- reference forward vs the f32 model ---------------------------------------
+/* ---- reference forward vs the f32 model
+ * ---------------------------------------
  */
 
 static void check_against_reference(epj_layout layout, bool fixed)
 {
 	epj_ctx *ctx = tu_ctx();
 	const tcfg *c = &CFG_REF;
-	epj_model *m = build_model(ctx, c, layout,
-				   (uint64_t)tu_randint(1, 1 << 30), fixed,
-				   EPJ_DTYPE_F32);
+	epj_model *m =
+	    build_model(ctx, c, layout, (uint64_t)tu_randint(1, 1 << 30), fixed,
+			EPJ_DTYPE_F32);
 	randomize_norms(ctx, m);
 	int B = 3, T = 7, N = B * T;
 	batch b;
@@ -733,8 +736,7 @@ static void check_against_reference(epj_layout layout, bool fixed)
 	/* without labels: logits only, same values */
 	epj_tensor *logits2 = NULL, *loss2 = logits; /* must be reset */
 	ck_assert_int_eq(
-	    epj_model_forward(ctx, m, b.t_ids, NULL, &logits2, &loss2),
-	    EPJ_OK);
+	    epj_model_forward(ctx, m, b.t_ids, NULL, &logits2, &loss2), EPJ_OK);
 	ck_assert_ptr_null(loss2);
 	tu_assert_tensors_close(ctx, logits2, logits, 0, 0, "logits again");
 	epj_tensor_free(logits2);
@@ -768,9 +770,9 @@ static void check_root_reference(bool fixed)
 	epj_ctx *ctx = tu_ctx();
 	tcfg c = CFG_REF;
 	c.n_only = 0;
-	epj_model *m = build_model(ctx, &c, EPJ_LAYOUT_ROOT,
-				   (uint64_t)tu_randint(1, 1 << 30), fixed,
-				   EPJ_DTYPE_F32);
+	epj_model *m =
+	    build_model(ctx, &c, EPJ_LAYOUT_ROOT,
+			(uint64_t)tu_randint(1, 1 << 30), fixed, EPJ_DTYPE_F32);
 	randomize_norms(ctx, m);
 	int B = 2, T = 9, N = B * T;
 	batch b;
@@ -888,7 +890,8 @@ START_TEST(test_forward_errors)
 }
 END_TEST
 
-/* ---- finite differences in f64 -----------------------------------------------
+/* ---- finite differences in f64
+ * -----------------------------------------------
  */
 
 #define FD_EPS	   1e-6
@@ -964,9 +967,9 @@ static void fd_test(epj_layout layout, bool fixed)
 {
 	epj_ctx *ctx = tu_ctx();
 	const tcfg *c = &CFG_FD;
-	epj_model *m = build_model(ctx, c, layout,
-				   (uint64_t)tu_randint(1, 1 << 30), fixed,
-				   EPJ_DTYPE_F32);
+	epj_model *m =
+	    build_model(ctx, c, layout, (uint64_t)tu_randint(1, 1 << 30), fixed,
+			EPJ_DTYPE_F32);
 	cast_params(ctx, m, EPJ_DTYPE_F64);
 	randomize_norms(ctx, m);
 	batch b;
@@ -1038,7 +1041,8 @@ START_TEST(test_fd_root_learned)
 }
 END_TEST
 
-/* ---- activation checkpointing -------------------------------------------------
+/* ---- activation checkpointing
+ * -------------------------------------------------
  */
 
 typedef struct grads {
@@ -1055,10 +1059,12 @@ static void grads_take(epj_ctx *ctx, epj_model *m, grads *out)
 	ck_assert(out->g && out->numel);
 	for (int i = 0; i < out->n; i++) {
 		epj_tensor *g = epj_tensor_grad(epj_model_param(m, i));
-		ck_assert_msg(g != NULL, "%s: no gradient",
-			      epj_model_param_name(m, i));
-		out->g[i] = tu_values(ctx, g);
-		out->numel[i] = epj_tensor_numel(g);
+		/* an expert no token was routed to has no gradient (NULL) */
+		ck_assert_msg(
+		    g || strstr(epj_model_param_name(m, i), ".experts."),
+		    "%s: no gradient", epj_model_param_name(m, i));
+		out->g[i] = g ? tu_values(ctx, g) : NULL;
+		out->numel[i] = g ? epj_tensor_numel(g) : -1;
 	}
 	clear_grads(m);
 }
@@ -1095,9 +1101,9 @@ static void ckpt_test(epj_layout layout)
 	epj_ctx *ctx = tu_ctx();
 	const tcfg *c = &CFG_FD;
 	int nm = n_moe_layers(c, layout);
-	epj_model *m = build_model(ctx, c, layout,
-				   (uint64_t)tu_randint(1, 1 << 30), false,
-				   EPJ_DTYPE_F32);
+	epj_model *m =
+	    build_model(ctx, c, layout, (uint64_t)tu_randint(1, 1 << 30), false,
+			EPJ_DTYPE_F32);
 	randomize_norms(ctx, m);
 	batch b;
 	make_batch(ctx, &b, 2, 7, c->V, true);
@@ -1118,7 +1124,11 @@ static void ckpt_test(epj_layout layout)
 	ck_assert_msg(l_on == l_off, "loss %.9g with checkpointing, %.9g off",
 		      l_on, l_off);
 	for (int i = 0; i < off.n; i++) {
-		ck_assert_int_eq(off.numel[i], on.numel[i]);
+		ck_assert_msg(off.numel[i] == on.numel[i],
+			      "%s: gradient present %d with checkpointing, %d "
+			      "without",
+			      epj_model_param_name(m, i), on.numel[i] >= 0,
+			      off.numel[i] >= 0);
 		for (int64_t k = 0; k < off.numel[i]; k++)
 			ck_assert_msg(off.g[i][k] == on.g[i][k],
 				      "%s[%lld]: grad %.9g with checkpointing, "
@@ -1134,9 +1144,12 @@ static void ckpt_test(epj_layout layout)
 	ck_assert(l2 == l_on);
 	grads on2;
 	grads_take(ctx, m, &on2);
-	for (int i = 0; i < on.n; i++)
-		ck_assert(!memcmp(on.g[i], on2.g[i],
+	for (int i = 0; i < on.n; i++) {
+		ck_assert_int_eq(on.numel[i], on2.numel[i]);
+		ck_assert(on.numel[i] < 0 ||
+			  !memcmp(on.g[i], on2.g[i],
 				  sizeof(double) * (size_t)on.numel[i]));
+	}
 	grads_free(&on2);
 
 	/* under no-grad (eval) nothing is checkpointed or replayed */
@@ -1173,7 +1186,8 @@ START_TEST(test_ckpt_root)
 }
 END_TEST
 
-/* ---- bf16 --------------------------------------------------------------------
+/* ---- bf16
+ * --------------------------------------------------------------------
  */
 
 /* A bf16 model (opts.dtype BF16) has exactly the RNE-rounded weights of the
@@ -1184,18 +1198,17 @@ END_TEST
  *
  * Tolerance: bf16 has an 8-bit significand (unit roundoff 2^-9 = 0.2%); the
  * activations of each op are rounded once, and a few dozen ops in sequence
- * give relative errors of a few 1e-3..1e-2 on the logits.  Required:
- * relative L2 error of the logits < 3e-2, every logit within 8e-2 * max
- * |logit|, |loss difference| < 2e-2 * loss (measured: about 5x below each
- * bound). */
+ * give relative errors of a few 1e-3..1e-2 on the logits.  Measured over
+ * 20 seeds: relative L2 error of the logits 0.004 .. 0.014, largest error
+ * 0.005 .. 0.02 of max |logit|, relative loss difference 1e-5 .. 1e-3.
+ * Required: < 3e-2, < 6e-2 and < 5e-3 respectively. */
 static void bf16_test(epj_layout layout)
 {
 	epj_ctx *ctx = tu_ctx();
 	tcfg c = CFG_REF;
 	c.n_only = 0;
 	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
-	epj_model *mf =
-	    build_model(ctx, &c, layout, seed, true, EPJ_DTYPE_F32);
+	epj_model *mf = build_model(ctx, &c, layout, seed, true, EPJ_DTYPE_F32);
 	epj_model *mb =
 	    build_model(ctx, &c, layout, seed, true, EPJ_DTYPE_BF16);
 	ck_assert_int_eq(epj_model_num_params(mf), epj_model_num_params(mb));
@@ -1206,7 +1219,8 @@ static void bf16_test(epj_layout layout)
 		ck_assert(epj_tensor_requires_grad(pb));
 		double *vf = tu_values(ctx, pf), *vb = tu_values(ctx, pb);
 		for (int64_t k = 0; k < epj_tensor_numel(pf); k++) {
-			float rne = epj_bf16_to_f32(epj_f32_to_bf16((float)vf[k]));
+			float rne =
+			    epj_bf16_to_f32(epj_f32_to_bf16((float)vf[k]));
 			ck_assert_msg(vb[k] == (double)rne,
 				      "%s[%lld]: bf16 %.9g, RNE(f32) %.9g",
 				      epj_model_param_name(mb, i), (long long)k,
@@ -1222,12 +1236,12 @@ static void bf16_test(epj_layout layout)
 	batch b;
 	make_batch(ctx, &b, B, T, c.V, true);
 	epj_tensor *lf = NULL, *lb = NULL, *sf = NULL, *sb = NULL;
-	ck_assert_msg(epj_model_forward(ctx, mf, b.t_ids, b.t_labels, &lf,
-					&sf) == EPJ_OK,
-		      "%s", epj_ctx_error(ctx));
-	ck_assert_msg(epj_model_forward(ctx, mb, b.t_ids, b.t_labels, &lb,
-					&sb) == EPJ_OK,
-		      "bf16 forward: %s", epj_ctx_error(ctx));
+	ck_assert_msg(
+	    epj_model_forward(ctx, mf, b.t_ids, b.t_labels, &lf, &sf) == EPJ_OK,
+	    "%s", epj_ctx_error(ctx));
+	ck_assert_msg(
+	    epj_model_forward(ctx, mb, b.t_ids, b.t_labels, &lb, &sb) == EPJ_OK,
+	    "bf16 forward: %s", epj_ctx_error(ctx));
 	ck_assert_int_eq(epj_tensor_dtype(lb), EPJ_DTYPE_BF16);
 	double *vf = tu_values(ctx, lf), *vb = tu_values(ctx, lb);
 	double num = 0, den = 0, mx = 0, worst = 0;
@@ -1238,9 +1252,10 @@ static void bf16_test(epj_layout layout)
 		worst = fmax(worst, fabs(vb[i] - vf[i]));
 	}
 	double rel = sqrt(num / den);
-	double lossf = epj_tensor_get_f64(sf, 0), lossb = epj_tensor_get_f64(sb, 0);
-	ck_assert_msg(rel < 3e-2 && worst < 8e-2 * mx &&
-			  fabs(lossb - lossf) < 2e-2 * fabs(lossf),
+	double lossf = epj_tensor_get_f64(sf, 0),
+	       lossb = epj_tensor_get_f64(sb, 0);
+	ck_assert_msg(rel < 3e-2 && worst < 6e-2 * mx &&
+			  fabs(lossb - lossf) < 5e-3 * fabs(lossf),
 		      "bf16 vs f32: logits rel L2 %.3g, max abs %.3g (max "
 		      "|logit| %.3g), loss %.6g vs %.6g",
 		      rel, worst, mx, lossb, lossf);
@@ -1293,8 +1308,8 @@ START_TEST(test_set_param_errors)
 			     "model.layers.1.self_attn.k_proj.weight"),
 		      "%s", epj_ctx_error(ctx));
 	ck_assert_ptr_eq(epj_model_param(m, i), before);
-	ck_assert_int_ne(epj_model_set_param(ctx, m, epj_model_num_params(m), t),
-			 EPJ_OK);
+	ck_assert_int_ne(
+	    epj_model_set_param(ctx, m, epj_model_num_params(m), t), EPJ_OK);
 	ck_assert_int_ne(epj_model_set_param(ctx, m, -1, t), EPJ_OK);
 	ck_assert_int_ne(epj_model_set_param(ctx, m, 0, NULL), EPJ_OK);
 	epj_tensor_free(t);

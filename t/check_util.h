@@ -34,6 +34,7 @@ Suite *make_model_suite(void);
 Suite *make_engine_suite(void);
 Suite *make_jit_suite(void);
 Suite *make_compile_suite(void);
+Suite *make_parity_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

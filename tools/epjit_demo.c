@@ -54,8 +54,8 @@ static void must_ok(epj_ctx *ctx, epj_status s, const char *what)
 
 static double now_ms(void)
 {
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
+	struct timespec ts; /* C11's clock: no POSIX feature macro needed */
+	timespec_get(&ts, TIME_UTC);
 	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
@@ -250,9 +250,10 @@ int main(int argc, char **argv)
 	epj_tensor_free(x);
 	epj_ctx_free(ctx);
 
-	/* The task is learnable: with no training the loss may not fall,
-	 * otherwise it must at least halve. */
-	if (steps > 0 && !(last_loss < 0.5 * first_loss)) {
+	/* The task is learnable: the loss must fall, and by half in a run of
+	 * 50 steps or more (the default run ends near 1/30 of its start). */
+	double want = steps >= 50 ? 0.5 * first_loss : first_loss;
+	if (steps > 0 && !(last_loss < want)) {
 		fprintf(stderr,
 			"epjit-demo: loss did not fall enough (%.4f -> "
 			"%.4f)\n",

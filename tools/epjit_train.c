@@ -2,8 +2,9 @@
  *
  * Trains a Qwen3-MoE causal LM (a config.json, or the built-in tiny model)
  * with the DeepSpeed-style engine on a corpus (the synthetic Markov source,
- * or a token file), using only the public API in epjit.h.  The run is one
- * straight line:
+ * a token file, or a text file read as bytes), using only the public API in
+ * epjit.h; doc/trainer.md and doc/epjit-train.1 describe it for users.  The run
+ * is one straight line:
  *
  *   parse flags -> context -> model -> engine (ds.json or the built-in
  *   config) -> corpus -> [--load + skip consumed batches] -> [--dump-state
@@ -73,11 +74,15 @@ enum {
 typedef struct opts {
 	const char *model_path;	 /* NULL: built-in tiny model */
 	const char *config_path; /* NULL: built-in ds config */
-	const char *data;	 /* NULL or "synthetic", else a token file */
+	const char *data; /* NULL or "synthetic", *.txt, else a token file */
 	long steps;
 	epj_layout layout;
 	long seq;
 	bool checkpointing;
+	bool compile; /* call epj_engine_compile (the config picks the mode) */
+	bool parity;  /* --parity: eager vs compiled check, no training */
+	bool bf16;    /* --parity: bf16 arms */
+	bool full_model; /* --parity: full-model compile instead of regional */
 	const char *load, *save, *metrics, *dump_state;
 	long eval_every; /* 0: evaluate only at the end */
 	uint64_t seed;
@@ -97,8 +102,7 @@ typedef struct run {
 	int64_t B, T, gas;
 } run;
 
-/* ---- messages ------------------------------------------------------------
- */
+/* ---- messages ---- */
 
 static int fail_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -144,6 +148,19 @@ static void usage(FILE *fp)
 	    "  --layout L          nested (default) or root\n"
 	    "  --seq T             tokens per sequence (default %d)\n"
 	    "  --checkpointing     activation checkpointing of every block\n"
+	    "  --compile           call engine.compile() after initialize: "
+	    "regional\n"
+	    "                      compilation around the AutoEP layers when "
+	    "the config\n"
+	    "                      sets compile.autoep_non_moe (the built-in "
+	    "one does),\n"
+	    "                      else full-model compilation\n"
+	    "  --parity            eager vs compiled on one batch (table; exit "
+	    "1 "
+	    "on any\n"
+	    "                      failure); with --layout, --checkpointing, "
+	    "--bf16,\n"
+	    "                      --full-model, --model, --seed\n"
 	    "  --load CKPT         resume from a checkpoint (or HF f32 "
 	    "safetensors)\n"
 	    "  --save CKPT         write a checkpoint at the end\n"
@@ -177,8 +194,7 @@ static double mib(uint64_t bytes)
 	return (double)bytes / (1024.0 * 1024.0);
 }
 
-/* ---- command line --------------------------------------------------------
- */
+/* ---- command line ---- */
 
 /* Parses a decimal integer in [lo, hi]; false on anything else. */
 static bool parse_long(const char *s, long lo, long hi, long *out)
@@ -233,6 +249,22 @@ static int parse_args(int argc, char **argv, opts *o)
 		}
 		if (!strcmp(a, "--checkpointing")) {
 			o->checkpointing = true;
+			continue;
+		}
+		if (!strcmp(a, "--compile")) {
+			o->compile = true;
+			continue;
+		}
+		if (!strcmp(a, "--parity")) {
+			o->parity = true;
+			continue;
+		}
+		if (!strcmp(a, "--bf16")) {
+			o->bf16 = true;
+			continue;
+		}
+		if (!strcmp(a, "--full-model")) {
+			o->full_model = true;
 			continue;
 		}
 		if (strncmp(a, "--", 2) != 0)
@@ -329,16 +361,17 @@ static int parse_args(int argc, char **argv, opts *o)
 
 /* --threads N: OpenMP reads OMP_NUM_THREADS and a pthreads OpenBLAS reads
  * OPENBLAS_NUM_THREADS when they are loaded, before main runs.  So the
- * process sets both and re-executes itself once (THREADS_ENV marks the second
- * run); where that is impossible omp_set_num_threads still bounds our own
- * OpenMP regions. */
+ * process sets both and re-executes itself once (THREADS_ENV = N marks the
+ * second run); where that is impossible omp_set_num_threads still bounds our
+ * own OpenMP regions. */
 static void apply_threads(long n, char **argv)
 {
 	if (n <= 0)
 		return;
 	char buf[32];
 	snprintf(buf, sizeof buf, "%ld", n);
-	if (!getenv(THREADS_ENV)) {
+	const char *done = getenv(THREADS_ENV);
+	if (!done || strcmp(done, buf) != 0) {
 		setenv("OMP_NUM_THREADS", buf, 1);
 		setenv("OPENBLAS_NUM_THREADS", buf, 1);
 		setenv(THREADS_ENV, buf, 1);
@@ -351,8 +384,7 @@ static void apply_threads(long n, char **argv)
 #endif
 }
 
-/* ---- --list-safetensors (hidden; used by t/train.sh) ---------------------
- */
+/* ---- --list-safetensors (hidden; used by t/train.sh) ---- */
 
 /* Prints "name dtype [d0,d1,...]" per tensor, then "meta key=value". */
 static int list_safetensors(const char *path)
@@ -383,8 +415,7 @@ static int list_safetensors(const char *path)
 	return 0;
 }
 
-/* ---- setup -----------------------------------------------------------------
- */
+/* ---- setup ---- */
 
 /* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
  * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
@@ -403,7 +434,8 @@ static void default_config(char *buf, size_t n)
 		 "\"params\": {\n"
 		 "    \"warmup_num_steps\": %d, \"warmup_type\": \"linear\",\n"
 		 "    \"total_num_steps\": %d, \"cos_min_ratio\": 0.1}},\n"
-		 "  \"gradient_clipping\": 1.0\n"
+		 "  \"gradient_clipping\": 1.0,\n"
+		 "  \"compile\": {\"autoep_non_moe\": true}\n"
 		 "}\n",
 		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
 		 DEFAULT_STEPS);
@@ -430,6 +462,9 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 		st = epj_engine_initialize_json(
 		    r->ctx, r->model, json, "<built-in ds config>", &r->engine);
 	}
+	/* --compile stands for the user's engine.compile() call */
+	if (st == EPJ_OK && o->compile)
+		st = epj_engine_compile(r->engine);
 	return st;
 }
 
@@ -530,9 +565,7 @@ static int skip_consumed(run *r)
 	return 0;
 }
 
-/* ---- --dump-state
- * ------------------------------------------------------------
- */
+/* ---- --dump-state ---- */
 
 /* Adds t cast to f32 (a new tensor when it is not f32) under name. */
 static epj_status add_f32(epj_ctx *ctx, epj_st_writer *w, const char *name,
@@ -623,8 +656,7 @@ static int dump_state(run *r, const char *path)
 	return rc;
 }
 
-/* ---- training --------------------------------------------------------------
- */
+/* ---- training ---- */
 
 /* Mean loss of EVAL_BATCHES micro-batches of a fresh fork of the corpus
  * (always the same batches, so successive evaluations compare). */
@@ -755,6 +787,25 @@ static int print_counters(run *r)
 	return 0;
 }
 
+/* --parity: the library's harness; prints its table, exits 1 on failure. */
+static int run_parity(const opts *o)
+{
+	epj_parity_opts po = { .model_config = o->model_path,
+			       .layout = o->layout,
+			       .checkpointing = o->checkpointing,
+			       .bf16 = o->bf16,
+			       .regional = !o->full_model,
+			       .batch = 2,
+			       .seq = o->seq > 0 && o->seq != DEFAULT_SEQ
+					  ? o->seq
+					  : 16,
+			       .seed = o->seed_given ? o->seed : 42 };
+	bool passed = false;
+	if (epj_parity_run(&po, stdout, &passed) != EPJ_OK)
+		return fail_msg("parity: could not run (see above)");
+	return passed ? 0 : 1;
+}
+
 static void run_free(run *r)
 {
 	if (r->metrics)
@@ -792,6 +843,11 @@ static int run_main(run *r, const opts *o)
 	       r->gas, epj_engine_bf16(r->engine) ? "bf16" : "f32", r->seed,
 	       epj_engine_step_count(r->engine), o->steps,
 	       o->checkpointing ? ", checkpointing" : "");
+	if (o->compile)
+		printf(PROG ": compiled: mode %s, %d region%s\n",
+		       epj_engine_compile_mode(r->engine),
+		       epj_engine_num_regions(r->engine),
+		       epj_engine_num_regions(r->engine) == 1 ? "" : "s");
 	fflush(stdout);
 
 	if (o->metrics) {
@@ -862,6 +918,8 @@ int main(int argc, char **argv)
 		return rc;
 	if (o.list_st)
 		return list_safetensors(o.list_st);
+	if (o.parity)
+		return run_parity(&o);
 	apply_threads(o.threads, argv);
 	run r = { 0 };
 	rc = run_main(&r, &o);

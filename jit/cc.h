@@ -1,0 +1,172 @@
+/* cc.h -- the compilers that turn generated source into loadable artifacts:
+ * NVRTC (CUDA C -> cubin, or PTX when the arch is newer than NVRTC knows)
+ * and the host C compiler (C -> shared object, loaded with dlopen); plus a
+ * probe for the CUDA driver, which is dlopen()ed so that the library builds
+ * and runs where there is none.
+ *
+ * Contract
+ *  - Artifacts come back as bytes (malloc'ed), never as paths: the kernel
+ *    cache stores them and the loaders take them back.  Temporary files
+ *    live in private places (mkdtemp, O_EXCL, mode 0600/0700) and are
+ *    removed, except the source of a failed compile, which is kept and
+ *    named in the error message.
+ *  - Every foreign call (NVRTC, dlopen, exec, file I/O) goes through a check
+ *    macro; a failure sets the context message with the statement, file:line
+ *    and the library's own error string (and, for NVRTC, the program log).
+ *  - The identity strings (ej_nvrtc_identity, ej_hostcc_identity) name the
+ *    compiler, its version and the fixed options; they belong in every cache
+ *    key of an artifact the compiler made.
+ *  - All functions are thread-safe (NVRTC programs are per call; the
+ *    identities are computed under a lock).
+ *  - Built without NVRTC (configure found no toolkit), the NVRTC functions
+ *    return EPJ_ERR_UNSUPPORTED "built without NVRTC"; the rest works.
+ */
+#ifndef EPJIT_CC_H
+#define EPJIT_CC_H
+
+#include "core_impl.h"
+
+#include <dlfcn.h>
+#include <string.h>
+
+/* ---- NVRTC ---------------------------------------------------------------
+ */
+
+/* Result of one NVRTC compile; every pointer member is malloc'ed and owned
+ * by the struct (ej_nvrtc_result_free).
+ *  image:  cubin (an ELF) or, when is_ptx, PTX text; for PTX, size counts
+ *          the terminating NUL (cuModuleLoadData wants it).
+ *  log:    the NVRTC program log, NUL-terminated ("" when quiet); on a PTX
+ *          fallback it begins with a "note:" line saying so.
+ *  target: the -arch value actually used ("sm_90", or "compute_121" on a
+ *          fallback); part of the cache key. */
+typedef struct ej_nvrtc_result {
+	void *image;
+	size_t size;
+	bool is_ptx;
+	char *log;
+	char target[16];
+} ej_nvrtc_result;
+
+/* Frees the members and zeroes *r; NULL ok. */
+void ej_nvrtc_result_free(ej_nvrtc_result *r);
+
+/* Compiles one CUDA C translation unit `source` (program name `name`, used
+ * in the log as "<name>.cu") for `arch` ("sm_80", "sm_90a", ...).  Options:
+ * -arch=<target>, then extra_opts[0..n_opts) verbatim (e.g. "-lineinfo").
+ *  - arch newer than every arch this NVRTC supports: PTX for the newest
+ *    supported compute_XX (is_ptx = true; the log says so);
+ *  - arch older than the oldest, or between supported ones but not one of
+ *    them: EPJ_ERR_UNSUPPORTED naming the supported range;
+ *  - arch not of the form sm_<digits>[a|f]: EPJ_ERR_INVALID;
+ *  - failed compile: EPJ_ERR_COMPILE; the message has the failing call,
+ *    file:line, the NVRTC error, the path of a file holding the source
+ *    ($TMPDIR/epjit-nvrtc-<pid>-<n>-<name>.cu, next to it the full log as
+ *    .log) and the program log (truncated to fit the message).
+ * On success *out owns the artifact; on failure *out is zeroed. */
+epj_status ej_nvrtc_compile(epj_ctx *ctx, const char *source, const char *name,
+			    const char *arch, const char *const *extra_opts,
+			    int n_opts, ej_nvrtc_result *out);
+
+/* NVRTC's version; false (0.0) when built without NVRTC. */
+bool ej_nvrtc_version(int *major, int *minor);
+/* "nvrtc 13.0" ("nvrtc none" without NVRTC); static storage. */
+const char *ej_nvrtc_identity(void);
+/* Whether an NVRTC log reports a warning ("k.cu(3): warning #177-D: ..."). */
+bool ej_nvrtc_log_has_warning(const char *log);
+
+/* ---- target arch list ----------------------------------------------------
+ */
+
+#define EJ_CUDA_ARCH_DEFAULT "sm_80,sm_90"
+#define EJ_CUDA_ARCH_MAX     16 /* longest arch name + NUL */
+
+/* Parses a comma-separated arch list ("sm_80, sm_90a"; blanks around
+ * entries are ignored, duplicates dropped, order kept) into archs[0..max).
+ * Returns the count (>= 1), or -1 with EPJ_ERR_CONFIG in ctx naming `what`
+ * (e.g. "EPJIT_CUDA_ARCH") and the offending value: an entry that is not
+ * sm_<digits>[a|f], an empty entry or list, more than max entries. */
+int ej_cuda_archs_parse(epj_ctx *ctx, const char *what, const char *spec,
+			char archs[][EJ_CUDA_ARCH_MAX], int max);
+/* The list from EPJIT_CUDA_ARCH (unset or blank: EJ_CUDA_ARCH_DEFAULT). */
+int ej_cuda_archs(epj_ctx *ctx, char archs[][EJ_CUDA_ARCH_MAX], int max);
+
+/* ---- CUDA driver ---------------------------------------------------------
+ */
+
+/* Checks that the CUDA driver can be loaded (dlopen libcuda.so.1 and find
+ * cuInit).  EPJ_OK, or EPJ_ERR_BACKEND "no CUDA driver (libcuda.so.1 not
+ * found: <dlerror>)".  Loads nothing for good: the handle is closed. */
+epj_status ej_cuda_driver_probe(epj_ctx *ctx);
+
+/* ---- host C compiler -----------------------------------------------------
+ */
+
+/* The fixed flags (also part of the identity).  No -march=native: artifacts
+ * are cached and may be shared between machines. */
+#define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC -shared -fopenmp"
+#define EJ_HOSTCC_LIBS	"-lm"
+
+/* Compiles C `source` to a shared object with $EPJIT_CC (default "cc"; split
+ * at blanks, so "ccache gcc" works, no shell quoting) run directly (no
+ * shell) in a private temporary directory.  On success *so_image and *so_size
+ * hold the .so bytes (malloc'ed, caller frees) and the directory is gone.
+ * *log (may be NULL) receives the compiler's output, malloc'ed, "" when
+ * quiet, also on failure.  On failure: EPJ_ERR_COMPILE with the command,
+ * the exit status, the path where the source was kept, and the output. */
+epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
+			     void **so_image, size_t *so_size, char **log);
+
+/* Loads a shared object from bytes: writes them to a private temporary file,
+ * dlopen(RTLD_NOW | RTLD_LOCAL), unlinks the file.  *handle is for
+ * ej_hostcc_sym and ej_hostcc_unload.  dlopen failure: EPJ_ERR_BACKEND with
+ * dlerror(). */
+epj_status ej_hostcc_load(epj_ctx *ctx, const void *so_image, size_t size,
+			  const char *name, void **handle);
+/* Address of `sym` in a loaded object, NULL when absent. */
+void *ej_hostcc_sym(void *handle, const char *sym);
+/* dlclose; NULL ok. */
+void ej_hostcc_unload(void *handle);
+
+/* "<cc> | <first line of cc --version> | <flags> <libs>", computed once per
+ * distinct $EPJIT_CC value; static storage.  Never empty: when the compiler
+ * cannot be run the version part says why. */
+const char *ej_hostcc_identity(void);
+
+/* ---- shared helpers (jit/hostcc.c) --------------------------------------- */
+
+/* "nvrtc.c" from __FILE__ (out-of-tree builds pass absolute paths). */
+static inline const char *ej_src_file(const char *path)
+{
+	const char *s = strrchr(path, '/');
+	return s ? s + 1 : path;
+}
+
+/* The check macro of dlopen/dlsym: runs `stmt`, assigns it to `var`; when
+ * that is NULL, `err` gets dlerror() (never NULL) and the char array `where`
+ * "<stmt> at <file>:<line>". */
+#define EJ_DL_CALL(var, stmt, where, err)                                      \
+	do {                                                                   \
+		dlerror();                                                     \
+		(var) = (stmt);                                                \
+		(err) = NULL;                                                  \
+		if (!(var)) {                                                  \
+			(err) = dlerror();                                     \
+			if (!(err))                                            \
+				(err) = "unknown dl error";                    \
+			snprintf((where), sizeof(where), "%s at %s:%d", #stmt, \
+				 ej_src_file(__FILE__), __LINE__);             \
+		}                                                              \
+	} while (0)
+
+/* The directory for temporary files: $TMPDIR when set and non-empty, else
+ * "/tmp". */
+const char *ej_tmpdir(void);
+/* Copies name into buf (capacity n >= 2) keeping [A-Za-z0-9_.-] and mapping
+ * anything else to '_', truncated; "" becomes "unnamed".  Returns buf. */
+char *ej_safe_name(const char *name, char *buf, size_t n);
+/* Creates path exclusively (O_CREAT | O_EXCL, mode 0600) and writes n bytes.
+ * Returns 0, or an errno value (the file is removed on a write failure). */
+int ej_write_new_file(const char *path, const void *data, size_t n);
+
+#endif /* EPJIT_CC_H */

@@ -1,0 +1,89 @@
+/* kcache.h -- the kernel cache: compiled artifacts (a cubin or a shared
+ * object, opaque bytes here) plus their source text, stored under a key, in
+ * a per-process memory table in front of a directory on disk.
+ *
+ * The cache knows nothing of the code generator: the caller computes a key
+ * from everything that determines the artifact (ej_kcache_key), asks for it
+ * (ej_kcache_get), and on a miss compiles and stores it (ej_kcache_put).
+ *
+ * Invariants
+ *  - Nothing is read from a directory that is not owned by the effective user
+ *    or is group- or world-writable, or that is a symbolic link: open fails
+ *    instead (a cached module is code that will be executed).
+ *  - An entry on disk is either complete and verified (magic, key, lengths,
+ *    XXH3-128 checksum) or treated as a miss: it is counted in cache.corrupt
+ *    and removed, so the caller recompiles.
+ *  - Entries appear on disk atomically (temporary file, fsync, rename), so any
+ *    number of processes may put the same key into one directory at once.
+ *  - One ej_kcache is used by one thread at a time (like its context); the
+ *    on-disk cache is safe across threads and processes.
+ * Layout and file format: doc/cache.md.
+ */
+#ifndef EPJIT_KCACHE_H
+#define EPJIT_KCACHE_H
+
+#include "core_impl.h"
+
+#include <stddef.h>
+
+/* A key is 64 lowercase hex digits (two XXH3-128 digests, see
+ * ej_kcache_key); keys of any other form are refused (they name files). */
+#define EJ_KCACHE_KEY_LEN 64
+
+typedef struct ej_kcache ej_kcache;
+
+/* Opens (creating with mode 0700 where missing) the cache directory `dir`;
+ * dir NULL means the default: $EPJIT_CACHE_DIR, else $XDG_CACHE_HOME/epjit
+ * (when absolute), else $HOME/.cache/epjit.  The size cap is
+ * EPJIT_CACHE_MAX_MB MiB (default 1024).  Fails (NULL, error in ctx:
+ * EPJ_ERR_STATE naming the directory and the reason) when the directory or
+ * its v1/ subdirectory is a symbolic link, not owned by geteuid(), or group-
+ * or world-writable; EPJ_ERR_IO when it cannot be created or inspected;
+ * EPJ_ERR_CONFIG for a malformed EPJIT_CACHE_MAX_MB.  ctx is borrowed and
+ * receives the cache.* counters; it must outlive the cache. */
+ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir);
+void ej_kcache_close(ej_kcache *c); /* NULL is fine */
+
+/* The cache directory in use (absolute or as given; owned by c). */
+const char *ej_kcache_dir(const ej_kcache *c);
+/* Replaces the size cap (bytes of entry files on disk; also bounds the
+ * memory table).  EPJIT_CACHE_MAX_MB cannot express tiny caps: for tests. */
+void ej_kcache_set_cap_bytes(ej_kcache *c, int64_t bytes);
+
+/* Key of an artifact: 64 lowercase hex digits + NUL into out.  parts[0..n)
+ * are everything the artifact depends on (graph signature, backend, arch,
+ * compiler identity and version, flags, codegen version, template hash...);
+ * a NULL part differs from "".  The parts are joined unambiguously: each one
+ * as an 8-byte little-endian length (UINT64_MAX for NULL) followed by its
+ * bytes; out is the hex of epj_hash(joined) followed by the hex of XXH3-128
+ * with seed EJ_KCACHE_KEY_SEED2 of the same bytes. */
+#define EJ_KCACHE_KEY_SEED2 0x65706a69746b6332ull /* "epjitkc2" */
+void ej_kcache_key(char out[EJ_KCACHE_KEY_LEN + 1], const char *const *parts,
+		   int n);
+
+/* Looks key up: the memory table first (cache.mem_hits), then the disk
+ * (cache.disk_hits; the entry's mtime is refreshed for LRU eviction and it
+ * enters the memory table).  On a hit *data is a malloc'ed copy of the
+ * artifact (the caller frees it with free()) and *len its size; on a miss
+ * (cache.misses; also for a corrupt entry, which is removed and counted in
+ * cache.corrupt) the call returns EPJ_OK with *data NULL and *len 0.
+ * Errors: EPJ_ERR_INVALID for a malformed key, EPJ_ERR_IO when the entry
+ * exists but cannot be read, EPJ_ERR_NOMEM. */
+epj_status ej_kcache_get(ej_kcache *c, const char *key, void **data,
+			 size_t *len);
+/* Same, and when source is non-NULL *source receives a malloc'ed,
+ * NUL-terminated copy of the stored source text on a hit (NULL on a miss). */
+epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
+				     size_t *len, char **source);
+
+/* Stores an artifact of len > 0 bytes (copied; an empty artifact is refused
+ * with EPJ_ERR_INVALID so that *data NULL always means a miss) and its source
+ * (NULL: none) under key, in the memory table and on disk, then evicts least
+ * recently used entries while the disk holds more than the cap (never the
+ * entry just written; cache.evictions).  cache.bytes counts the bytes of
+ * entry files written.  A failed disk write returns EPJ_ERR_IO naming the
+ * file, leaves no temporary file behind, and keeps the memory entry. */
+epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
+			 size_t len, const char *source);
+
+#endif /* EPJIT_KCACHE_H */

@@ -1,0 +1,239 @@
+/* kir.h -- the code generator's data: the schedule of a graph (which nodes
+ * run as one fused kernel, which run as extern op-table calls, in what
+ * order) and the kernel IR of each fused kernel, shared by the C printer
+ * (print_c.c) and the CUDA C printer (print_cuda.c).
+ *
+ *   graph --sched.c--> schedule: steps in order, each a fused kernel or an
+ *                      extern node (ej_dispatch, exactly as the interpreter)
+ *   group --kir.c----> kernel IR: iteration space, inputs and their
+ *                      accesses, an SSA list of scalar ops, outputs
+ *   kernel IR --print_c.c / print_cuda.c--> source text
+ *
+ * Kernel IR.  A kernel iterates over a static space of `rank` dims (the
+ * shape of its outputs; for a row kernel the shape of its reductions'
+ * input).  The last dim is the "column"; the others, flattened row-major,
+ * are the "rows".  Every SSA value is one scalar computed at the current
+ * point of the space:
+ *   - elem: it varies along the columns (computed in a column loop);
+ *   - otherwise it is a row value, computed once per row (loads of inputs
+ *     broadcast along the columns, constants, reductions and everything
+ *     computed only from those).
+ * A row kernel (reduce = true) holds reductions over the columns (RSUM,
+ * RMAX); a reduction of `dep` d is accumulated in column loop d and its
+ * value is available to loops after it (softmax = max in loop 0, sum of
+ * exp in loop 1, outputs in loop 2).  Element outputs are stored in the
+ * loop of their dep; row outputs once per row after the last loop.
+ *
+ * Inputs are graph values with any strides: each access of an input is
+ * the input read through a map from its dims to iteration dims (-1 for a
+ * dim of size 1 or a broadcast one); at run time the caller passes, per
+ * access and iteration dim, the element stride (0 where not mapped), so
+ * views (transposes, slices, expands) are read in place.  Outputs are
+ * contiguous tensors of the group's output values.
+ *
+ * Arithmetic follows the op table's CPU kernels exactly: f32 compute for
+ * f32 and bf16 data, f64 for f64; a value whose graph dtype is bf16 is
+ * rounded to bf16 (RNE) where the interpreter would have stored it, so a
+ * fused kernel differs from op-by-op execution only by the order of
+ * floating-point sums; sums accumulate in double like the reference
+ * reductions.
+ *
+ * Memory: everything here lives in the arena given to the builder.
+ */
+#ifndef EPJIT_KIR_H
+#define EPJIT_KIR_H
+
+#include "jit_impl.h"
+
+/* Bumped whenever generated code changes meaning or calling convention; part
+ * of every kernel cache key. */
+#define EJ_CODEGEN_VERSION "epjit-codegen 1"
+
+/* ---- kernel IR --------------------------------------------------------- */
+
+typedef enum ej_kop {
+	EJ_K_LOAD,  /* access `acc` at the current point */
+	EJ_K_CONST, /* c, in the value's type */
+	/* pointwise, as the op table's kernels (a, b args) */
+	EJ_K_ADD,
+	EJ_K_SUB,
+	EJ_K_MUL,
+	EJ_K_DIV,
+	EJ_K_EQ, /* 1 or 0 */
+	EJ_K_NEG,
+	EJ_K_EXP,
+	EJ_K_LOG,
+	EJ_K_SQRT,
+	EJ_K_RSQRT, /* 1 / sqrt(a) */
+	EJ_K_SILU,
+	EJ_K_SIGMOID,
+	EJ_K_TANH,
+	EJ_K_GELU,
+	EJ_K_SILU_BW, /* (grad a, x b) */
+	EJ_K_GELU_BW,
+	EJ_K_POWC,  /* pow(a, c) (c not 1 or 2: those are a and a*a) */
+	EJ_K_RECIP, /* 1 / a */
+	EJ_K_CVT,   /* a converted to this value's type */
+	EJ_K_RBF16, /* an f32 rounded to bf16 precision (RNE), kept f32 */
+	/* reductions over the columns of a row (row kernels) */
+	EJ_K_RSUM,  /* sum in f64 (the value's type is f64) */
+	EJ_K_RMAX,  /* max, NaN-propagating (amax) */
+	EJ_K_RMAXS, /* max as softmax takes it: m = x > m ? x : m */
+	EJ_K_COUNT
+} ej_kop;
+
+/* Compute types of SSA values. */
+typedef enum ej_ktype { EJ_KT_F32 = 0, EJ_KT_F64 } ej_ktype;
+
+typedef struct ej_kval {
+	ej_kop op;
+	ej_ktype t;
+	int a, b;  /* SSA args (-1 when absent) */
+	int acc;   /* LOAD: access index */
+	double c;  /* CONST / POWC */
+	bool elem; /* varies along the columns */
+	int dep;   /* reductions this value waits for: max over args, +1 for
+		      a reduction itself */
+} ej_kval;
+
+/* A kernel input: one graph value (a graph input or another step's
+ * output). */
+typedef struct ej_kinput {
+	int value;
+	epj_dtype dtype;
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+} ej_kinput;
+
+/* An input read through map[d] (input dim d -> iteration dim, or -1). */
+typedef struct ej_kaccess {
+	int input;
+	int map[EPJ_MAX_DIMS];
+	bool elem; /* maps to the last iteration dim */
+} ej_kaccess;
+
+typedef struct ej_koutput {
+	int value; /* graph value stored */
+	int v;	   /* SSA value */
+	epj_dtype dtype;
+	bool row;  /* one element per row (shape = rows [+ 1]) */
+	int loop;  /* element outputs: the column loop storing it */
+} ej_koutput;
+
+typedef struct ej_kernel {
+	int id;	     /* index in the schedule's kernel list */
+	bool reduce; /* row kernel */
+	int rank;    /* >= 1 (size-1 dims dropped, except a row kernel's
+			columns) */
+	int64_t size[EPJ_MAX_DIMS];
+	int64_t rows, cols, numel;
+	int n_loops; /* column loops of a row kernel (1 for pointwise) */
+	ej_kinput *in;
+	int n_in;
+	ej_kaccess *acc;
+	int n_acc;
+	ej_kval *v;
+	int n_v;
+	ej_koutput *out;
+	int n_out;
+	int *nodes; /* fused graph nodes, in order (debug) */
+	int n_nodes;
+} ej_kernel;
+
+/* ---- graph uses ---------------------------------------------------------
+ * Consumers of every value (CSR), and whether it is a graph output. */
+typedef struct ej_uses {
+	int *start; /* n_values + 1 */
+	int *node;  /* consumer node per use (a node using a value twice is
+		       listed twice) */
+	bool *is_output;
+} ej_uses;
+
+ej_uses *ej_uses_build(ej_arena *A, const ej_graph *g);
+
+/* How the scheduler may treat a node. */
+typedef enum ej_kclass {
+	EJ_KC_EXTERN = 0, /* op-table call (ej_dispatch) */
+	EJ_KC_POINTWISE,  /* float pointwise op */
+	EJ_KC_REDUCE,	  /* float row reduction over the last axis */
+	EJ_KC_VIEW,	  /* expand / unit-dim reshape: an index map */
+} ej_kclass;
+
+ej_kclass ej_kir_node_class(const ej_graph *g, int node);
+
+/* Builds the kernel IR of the group member[] (nodes[0..n) in graph order)
+ * of g.  Returns NULL (and *why, a static string) when the group cannot be
+ * one kernel: outputs of different shapes, a reduction read at another
+ * row, broadcasting that does not line up, etc.  The scheduler uses this
+ * as its legality test. */
+ej_kernel *ej_kir_build(ej_arena *A, const ej_graph *g, const ej_uses *u,
+			const bool *member, const int *nodes, int n_nodes,
+			const char **why);
+
+/* ---- schedule ------------------------------------------------------------ */
+
+typedef struct ej_step {
+	ej_kernel *k; /* fused kernel, or NULL: */
+	int node;     /* the extern node */
+} ej_step;
+
+typedef struct ej_schedule {
+	const ej_graph *g;
+	ej_step *steps; /* execution order (a topological order) */
+	int n_steps;
+	ej_kernel **kernels; /* the fused steps' kernels, by id */
+	int n_kernels;
+	int n_extern;
+} ej_schedule;
+
+/* Groups g's live nodes into fused kernels and extern nodes (sched.c).
+ * Never fails: a node that cannot be fused is extern. */
+ej_schedule *ej_sched_build(ej_arena *A, const ej_graph *g);
+
+/* Human-readable schedule and kernel IR (EPJIT_DEBUG_DUMP), arena string. */
+const char *ej_sched_text(ej_arena *A, const ej_schedule *s);
+
+/* ---- printers -------------------------------------------------------------
+ * Each returns the translation unit for every fused kernel of s (arena
+ * string).  Kernel i is `epjk_<i>`:
+ *   C:    void epjk_i(char *const *ptr, const int64_t *st)
+ *         ptr = inputs then outputs (element 0 of each), st = per access,
+ *         `rank` strides (elements) by iteration dim.
+ *   CUDA: extern "C" __global__ void epjk_i(ej_kargs_i a)  -- a struct of
+ *         the same pointers and strides, passed by value; launch geometry
+ *         from ej_cuda_launch_dims(). */
+const char *ej_print_c(ej_arena *A, const ej_schedule *s, const char *name);
+const char *ej_print_cuda(ej_arena *A, const ej_schedule *s, const char *name);
+
+/* Launch geometry of a CUDA kernel printed by ej_print_cuda. */
+void ej_cuda_launch_dims(const ej_kernel *k, unsigned grid[3],
+			 unsigned block[3]);
+
+/* The preludes pasted at the top of every generated unit (the text of
+ * templates/prelude_c.h and prelude_cuda.h). */
+const char *ej_prelude_c(void);
+const char *ej_prelude_cuda(void);
+
+/* CUDA C of every fused kernel of g (schedule + print), for the NVRTC
+ * compile path and `epjit-train --emit-cuda`.  *source is malloc'ed (caller
+ * frees); NULL with an error in ctx on failure. */
+epj_status ej_codegen_emit_cuda(epj_ctx *ctx, ej_graph *g, const char *name,
+				char **source);
+
+/* ---- string building (kir.c) --------------------------------------------- */
+
+typedef struct ej_sbuf {
+	char *p;
+	size_t len, cap;
+} ej_sbuf;
+
+void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void ej_sb_puts(ej_sbuf *s, const char *str);
+/* Moves the text into the arena and frees the buffer. */
+const char *ej_sb_finish(ej_sbuf *s, ej_arena *A);
+
+/* Short names for dumps. */
+const char *ej_kop_name(ej_kop op);
+
+#endif /* EPJIT_KIR_H */

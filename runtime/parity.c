@@ -1,0 +1,414 @@
+/* parity.c -- the parity harness: eager vs compiled on the same weights and
+ * batch, one step, compared quantity by quantity (DESIGN.md section 8; the
+ * seed's GPU suite).
+ *
+ * Two arms, each with its own context (so counters are per arm), model and
+ * engine built from the same seed; the compiled arm calls
+ * epj_engine_compile().  Each arm runs a warm-up forward+backward (which
+ * traces and compiles), drops the gradients, then the measured step:
+ * forward, backward, one SGD step with lr 1.0 (so FP32 master updates stay
+ * above rounding near unit-valued norm weights, as the seed explains).
+ *
+ * Compared: logits, loss, the input gradient (of the token embedding:
+ * the LM's input is token ids), router / expert / dense gradients, the FP32
+ * master-parameter update, exact routing assignments, the number of eager
+ * AutoEP calls in the measured step (regions x (2 with checkpointing, else
+ * 1)), and zero change of stats.unique_graphs, stats.calls_captured and
+ * recompiles in the measured step.
+ */
+#include "optim_impl.h"
+#include "runtime_impl.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct arm {
+	epj_ctx *ctx;
+	epj_model *model;
+	epj_engine *eng;
+	epj_tensor *logits;
+	double loss;
+	/* per parameter: gradient (f32 copy) and master update */
+	epj_tensor **grad;
+	epj_tensor **update;
+	epj_tensor **routing; /* per AutoEP layer */
+	epj_counters *before, *after;
+} arm;
+
+static void arm_free(arm *a)
+{
+	if (a->model) {
+		for (int i = 0; a->grad && i < a->model->params.n; i++) {
+			epj_tensor_free(a->grad[i]);
+			epj_tensor_free(a->update[i]);
+		}
+		for (int i = 0; a->routing && i < a->model->n_moe; i++)
+			epj_tensor_free(a->routing[i]);
+	}
+	free(a->grad);
+	free(a->update);
+	free(a->routing);
+	epj_tensor_free(a->logits);
+	epj_counters_free(a->before);
+	epj_counters_free(a->after);
+	epj_engine_free(a->eng);
+	epj_model_free(a->model);
+	epj_ctx_free(a->ctx);
+	memset(a, 0, sizeof *a);
+}
+
+static char *config_json(const epj_parity_opts *o, bool compiled)
+{
+	char *s = malloc(1024);
+	if (!s)
+		return NULL;
+	snprintf(
+	    s, 1024,
+	    "{\"train_micro_batch_size_per_gpu\": %lld,"
+	    " \"gradient_accumulation_steps\": 1,"
+	    " \"bf16\": {\"enabled\": %s},"
+	    " \"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": 1.0}},"
+	    " \"zero_optimization\": {\"stage\": 1},"
+	    " \"activation_checkpointing\": {\"enabled\": %s},"
+	    " \"expert_parallel\": {\"enabled\": true, \"async_split_plan\": "
+	    "%s},"
+	    " \"compile\": {\"autoep_non_moe\": %s%s%s%s},"
+	    " \"seed\": %llu}",
+	    (long long)o->batch, o->bf16 ? "true" : "false",
+	    o->checkpointing ? "true" : "false",
+	    o->async_split_plan ? "true" : "false",
+	    o->regional ? "true" : "false",
+	    o->backend ? ", \"backend\": \"" : "", o->backend ? o->backend : "",
+	    o->backend ? "\"" : "", (unsigned long long)o->seed);
+	(void)compiled;
+	return s;
+}
+
+static epj_tensor *to_f32(epj_ctx *ctx, epj_tensor *t)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *r = epj_cast(ctx, t, EPJ_DTYPE_F32);
+	epj_no_grad_exit(ctx, prev);
+	return r;
+}
+
+static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled,
+			  epj_tensor **ids_out, epj_tensor **labels_out)
+{
+	epj_status st = epj_ctx_new("cpu", &a->ctx);
+	if (st != EPJ_OK)
+		return st;
+	epj_ctx *ctx = a->ctx;
+	epj_model_opts mo = { .layout = o->layout,
+			      .seed = o->seed,
+			      .dtype = EPJ_DTYPE_F32 };
+	st = epj_model_new(ctx, o->model_config, &mo, &a->model);
+	if (st != EPJ_OK)
+		return st;
+	char *js = config_json(o, compiled);
+	if (!js)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	st = epj_engine_initialize_json(ctx, a->model, js, "<parity>", &a->eng);
+	free(js);
+	if (st != EPJ_OK)
+		return st;
+	if (compiled && (st = epj_engine_compile(a->eng)) != EPJ_OK)
+		return st;
+	/* the batch: a synthetic stream with the run's seed */
+	epj_corpus *c = epj_corpus_synthetic(
+	    ctx, (uint32_t)epj_model_vocab_size(a->model), o->seed + 17);
+	if (!c)
+		return ctx->status;
+	epj_tensor *ids = NULL, *labels = NULL;
+	st = epj_corpus_next_batch(ctx, c, o->batch, o->seq, &ids, &labels);
+	epj_corpus_free(c);
+	if (st != EPJ_OK)
+		return st;
+	epj_model *m = a->model;
+	/* warm-up: forward + backward (traces, compiles), grads dropped */
+	epj_tensor *loss = NULL;
+	st = epj_model_forward(ctx, m, ids, labels, NULL, &loss);
+	if (st == EPJ_OK)
+		st = epj_backward(ctx, loss, NULL);
+	epj_tensor_free(loss);
+	loss = NULL;
+	for (int i = 0; i < m->params.n; i++)
+		epj_tensor_zero_grad(m->params.params[i]);
+	if (st != EPJ_OK)
+		goto out;
+	/* measured step */
+	a->before = epj_counters_snapshot(ctx);
+	st = epj_model_forward(ctx, m, ids, labels, &a->logits, &loss);
+	if (st == EPJ_OK) {
+		a->loss = epj_tensor_get_f64(loss, 0);
+		st = epj_backward(ctx, loss, NULL);
+	}
+	epj_tensor_free(loss);
+	if (st != EPJ_OK)
+		goto out;
+	a->after = epj_counters_snapshot(ctx);
+	a->grad = calloc((size_t)m->params.n + 1, sizeof *a->grad);
+	a->update = calloc((size_t)m->params.n + 1, sizeof *a->update);
+	a->routing = calloc((size_t)m->n_moe + 1, sizeof *a->routing);
+	if (!a->grad || !a->update || !a->routing) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		goto out;
+	}
+	for (int i = 0; i < m->n_moe; i++) {
+		epj_tensor *r = ej_autoep_last_routing(m->moe[i]);
+		a->routing[i] = r ? epj_tensor_ref(r) : NULL;
+	}
+	for (int i = 0; i < m->params.n && st == EPJ_OK; i++) {
+		epj_tensor *g = epj_tensor_grad(m->params.params[i]);
+		if (g) {
+			a->grad[i] = to_f32(ctx, g);
+			if (!a->grad[i])
+				st = ctx->status;
+		}
+	}
+	/* masters before, one SGD step (lr 1.0 from the config), after */
+	epj_tensor **before = calloc((size_t)m->params.n + 1, sizeof *before);
+	if (!before && st == EPJ_OK)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int i = 0; i < m->params.n && st == EPJ_OK; i++) {
+		epj_tensor *ms = ej_optim_master(a->eng->optim, i);
+		before[i] = to_f32(ctx, ms ? ms : m->params.params[i]);
+		if (!before[i])
+			st = ctx->status;
+	}
+	if (st == EPJ_OK)
+		st = ej_optim_accumulate(a->eng->optim);
+	double norm = 0;
+	if (st == EPJ_OK)
+		st = ej_optim_step(a->eng->optim, 1.0, 1.0, &norm);
+	for (int i = 0; i < m->params.n && st == EPJ_OK; i++) {
+		epj_tensor *ms = ej_optim_master(a->eng->optim, i);
+		epj_tensor *after = to_f32(ctx, ms ? ms : m->params.params[i]);
+		bool prev = epj_no_grad_enter(ctx);
+		a->update[i] = after ? epj_sub(ctx, after, before[i]) : NULL;
+		epj_no_grad_exit(ctx, prev);
+		epj_tensor_free(after);
+		if (!a->update[i])
+			st = ctx->status;
+	}
+	for (int i = 0; before && i < m->params.n; i++)
+		epj_tensor_free(before[i]);
+	free(before);
+out:
+	if (st == EPJ_OK && ids_out) {
+		*ids_out = ids;
+		*labels_out = labels;
+	} else {
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+	}
+	return st;
+}
+
+/* ---- comparison ------------------------------------------------------------
+ */
+
+typedef struct cmp_acc {
+	double max_abs, max_excess; /* excess over atol + rtol*|ref| */
+	double num, den;	    /* squared norms of diff and ref */
+	int64_t n;
+	bool bad;
+} cmp_acc;
+
+static void acc_add(cmp_acc *c, epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
+		    double rtol, double atol_scale)
+{
+	if (!a || !b) {
+		c->bad |= (a != NULL) != (b != NULL);
+		return;
+	}
+	int64_t n = epj_tensor_numel(b);
+	if (n != epj_tensor_numel(a)) {
+		c->bad = true;
+		return;
+	}
+	double *va = malloc(sizeof *va * (size_t)(n ? n : 1));
+	double *vb = malloc(sizeof *vb * (size_t)(n ? n : 1));
+	if (!va || !vb || epj_tensor_to_f64(ctx, a, va) != EPJ_OK ||
+	    epj_tensor_to_f64(ctx, b, vb) != EPJ_OK) {
+		c->bad = true;
+		free(va);
+		free(vb);
+		return;
+	}
+	double rms = 0;
+	for (int64_t i = 0; i < n; i++)
+		rms += vb[i] * vb[i];
+	rms = n ? sqrt(rms / (double)n) : 0;
+	double atol = atol_scale * rms + 1e-30;
+	for (int64_t i = 0; i < n; i++) {
+		double d = fabs(va[i] - vb[i]);
+		if (!isfinite(va[i]) || !isfinite(vb[i]))
+			c->bad |=
+			    !(va[i] == vb[i] || (isnan(va[i]) && isnan(vb[i])));
+		if (d > c->max_abs)
+			c->max_abs = d;
+		double ex = d - (atol + rtol * fabs(vb[i]));
+		if (ex > c->max_excess)
+			c->max_excess = ex;
+		c->num += d * d;
+		c->den += vb[i] * vb[i];
+	}
+	c->n += n;
+	free(va);
+	free(vb);
+}
+
+static bool report(FILE *out, const char *what, const cmp_acc *c,
+		   double rel_l2_max)
+{
+	double rel = c->den > 0 ? sqrt(c->num / c->den) : sqrt(c->num);
+	bool ok = !c->bad && c->max_excess <= 0 && rel <= rel_l2_max;
+	if (out)
+		fprintf(out, "  %-22s %10.3e %10.3e %8lld  %s\n", what,
+			c->max_abs, rel, (long long)c->n, ok ? "ok" : "FAIL");
+	return ok;
+}
+
+static int64_t delta(const arm *a, const char *name)
+{
+	return epj_counters_value(a->after, name) -
+	       epj_counters_value(a->before, name);
+}
+
+static bool check_count(FILE *out, const char *what, int64_t got, int64_t want)
+{
+	bool ok = got == want;
+	if (out)
+		fprintf(out, "  %-22s %10lld %10lld %8s  %s\n", what,
+			(long long)got, (long long)want, "",
+			ok ? "ok" : "FAIL");
+	return ok;
+}
+
+epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed)
+{
+	epj_parity_opts o = *opts;
+	if (o.batch <= 0)
+		o.batch = 2;
+	if (o.seq <= 0)
+		o.seq = 16;
+	*passed = false;
+	arm e = { 0 }, c = { 0 };
+	epj_tensor *ids = NULL, *labels = NULL;
+	epj_status st = run_arm(&e, &o, false, &ids, &labels);
+	if (st != EPJ_OK) {
+		if (out && e.ctx)
+			fprintf(out, "parity: eager arm: %s\n",
+				epj_ctx_error(e.ctx));
+		arm_free(&e);
+		return st;
+	}
+	st = run_arm(&c, &o, true, NULL, NULL);
+	if (st != EPJ_OK) {
+		if (out && c.ctx)
+			fprintf(out, "parity: compiled arm: %s\n",
+				epj_ctx_error(c.ctx));
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		arm_free(&e);
+		arm_free(&c);
+		return st;
+	}
+	/* tolerances: the seed's GPU suite for bf16 (rtol 5e-3, atol per
+	 * quantity = a fraction of the reference's RMS, relative L2 <= 5%);
+	 * much tighter for f32 */
+	double rtol = o.bf16 ? 5e-3 : 1e-5;
+	double atol_s = o.bf16 ? 2e-2 : 1e-5;
+	double l2 = o.bf16 ? 5e-2 : 1e-5;
+	epj_model *m = e.model;
+	int regions = c.eng ? epj_engine_num_regions(c.eng) : 0;
+	if (out) {
+		fprintf(out,
+			"parity: %s layout, %s, checkpointing %s, %s compile "
+			"(%d region%s), batch %lldx%lld\n",
+			o.layout == EPJ_LAYOUT_ROOT ? "root" : "nested",
+			o.bf16 ? "bf16" : "f32", o.checkpointing ? "on" : "off",
+			o.regional ? "regional (autoep_non_moe)" : "full-model",
+			regions, regions == 1 ? "" : "s", (long long)o.batch,
+			(long long)o.seq);
+		fprintf(out, "  %-22s %10s %10s %8s\n", "quantity", "max|diff|",
+			"rel L2", "n");
+	}
+	bool ok = true;
+	cmp_acc a_logits = { 0 }, a_loss = { 0 }, a_in = { 0 },
+		a_router = { 0 }, a_expert = { 0 }, a_dense = { 0 },
+		a_upd = { 0 };
+	acc_add(&a_logits, e.ctx, c.logits, e.logits, rtol, atol_s);
+	{
+		int64_t one = 1;
+		epj_tensor *lc =
+		    epj_full(e.ctx, EPJ_DTYPE_F64, 1, &one, c.loss);
+		epj_tensor *le =
+		    epj_full(e.ctx, EPJ_DTYPE_F64, 1, &one, e.loss);
+		acc_add(&a_loss, e.ctx, lc, le, rtol, 0);
+		epj_tensor_free(lc);
+		epj_tensor_free(le);
+	}
+	for (int i = 0; i < m->params.n; i++) {
+		const char *nm = m->params.names[i];
+		cmp_acc *dst =
+		    strstr(nm, "embed_tokens") ? &a_in
+		    : strstr(nm, ".mlp.gate.") || !strncmp(nm, "mlp.gate.", 9)
+			? &a_router
+		    : strstr(nm, "mlp.experts.") ? &a_expert
+						 : &a_dense;
+		acc_add(dst, e.ctx, c.grad[i], e.grad[i], rtol, atol_s);
+		acc_add(&a_upd, e.ctx, c.update[i], e.update[i], rtol, atol_s);
+	}
+	ok &= report(out, "logits", &a_logits, l2);
+	ok &= report(out, "loss", &a_loss, l2);
+	ok &= report(out, "input grad (embed)", &a_in, l2);
+	ok &= report(out, "router grads", &a_router, l2);
+	ok &= report(out, "expert grads", &a_expert, l2);
+	ok &= report(out, "dense grads", &a_dense, l2);
+	ok &= report(out, "fp32 master update", &a_upd, l2);
+	/* routing: exact */
+	int64_t mism = 0, total = 0;
+	for (int i = 0; i < m->n_moe; i++) {
+		epj_tensor *re = e.routing[i], *rc = c.routing[i];
+		if (!re || !rc) {
+			mism += re != rc;
+			continue;
+		}
+		int64_t n = epj_tensor_numel(re);
+		total += n;
+		if (n != epj_tensor_numel(rc)) {
+			mism += n;
+			continue;
+		}
+		for (int64_t k = 0; k < n; k++)
+			mism += epj_tensor_get_f64(re, k) !=
+				epj_tensor_get_f64(rc, k);
+	}
+	if (out)
+		fprintf(out, "  %-22s %10lld %10s %8lld  %s\n",
+			"routing mismatches", (long long)mism, "",
+			(long long)total, mism == 0 ? "ok" : "FAIL");
+	ok &= mism == 0;
+	int64_t want_calls = (int64_t)m->n_moe * (o.checkpointing ? 2 : 1);
+	ok &= check_count(out, "eager AutoEP calls",
+			  delta(&c, "autoep.calls.forward") +
+			      delta(&c, "autoep.calls.replay"),
+			  want_calls);
+	ok &= check_count(out, "d stats.unique_graphs",
+			  delta(&c, "stats.unique_graphs"), 0);
+	ok &= check_count(out, "d stats.calls_captured",
+			  delta(&c, "stats.calls_captured"), 0);
+	ok &= check_count(out, "d recompiles", delta(&c, "recompiles"), 0);
+	ok &= check_count(out, "compiled launches > 0",
+			  delta(&c, "kernels.launched.compiled") > 0, 1);
+	if (out)
+		fprintf(out, "parity: %s\n", ok ? "PASS" : "FAIL");
+	*passed = ok;
+	epj_tensor_free(ids);
+	epj_tensor_free(labels);
+	arm_free(&e);
+	arm_free(&c);
+	return EPJ_OK;
+}

@@ -1,0 +1,658 @@
+/* check_cc.c -- the compilers (jit/cc.h): NVRTC to cubin (and the PTX
+ * fallback for archs newer than NVRTC), the EPJIT_CUDA_ARCH list, the host C
+ * compiler and loader, the CUDA driver probe.
+ *
+ * The NVRTC tests need a build with NVRTC; without one they check that the
+ * compile says "built without NVRTC" and print "skipped: no NVRTC" (a Check
+ * test cannot report SKIP).  No test needs a GPU or a driver.  Tests that set
+ * EPJIT_CC or EPJIT_CUDA_ARCH restore them (the suite also runs with
+ * CK_FORK=no). */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include "check_util.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cc.h"
+
+Suite *make_cc_suite(void);
+
+/* ---- helpers ------------------------------------------------------------ */
+
+/* Saved value of an environment variable, restored by env_restore. */
+typedef struct saved_env {
+	const char *name;
+	char *value; /* NULL when it was unset */
+} saved_env;
+
+static saved_env env_set(const char *name, const char *value)
+{
+	const char *old = getenv(name);
+	saved_env s = { name, old ? strdup(old) : NULL };
+	if (value)
+		setenv(name, value, 1);
+	else
+		unsetenv(name);
+	return s;
+}
+
+static void env_restore(saved_env s)
+{
+	if (s.value)
+		setenv(s.name, s.value, 1);
+	else
+		unsetenv(s.name);
+	free(s.value);
+}
+
+/* Whole file as a malloc'ed NUL-terminated string, NULL when unreadable. */
+static char *slurp(const char *path)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	size_t cap = 4096, len = 0;
+	char *buf = malloc(cap);
+	size_t r;
+	while (buf && (r = fread(buf + len, 1, cap - 1 - len, f)) > 0) {
+		len += r;
+		if (len + 1 == cap) {
+			char *nb = realloc(buf, cap *= 2);
+			if (!nb)
+				free(buf);
+			buf = nb;
+		}
+	}
+	fclose(f);
+	if (buf)
+		buf[len] = '\0';
+	return buf;
+}
+
+/* The path after "source kept at " in msg (up to a blank or ';'), copied
+ * into buf; false when absent. */
+static bool kept_path(const char *msg, char *buf, size_t n)
+{
+	const char *p = strstr(msg, "source kept at ");
+	if (!p)
+		return false;
+	p += strlen("source kept at ");
+	size_t len = strcspn(p, " ;\n");
+	if (len == 0 || len >= n)
+		return false;
+	memcpy(buf, p, len);
+	buf[len] = '\0';
+	return true;
+}
+
+/* ---- NVRTC --------------------------------------------------------------- */
+
+/* y = a*x + y over n elements; bf16-free, one block dimension. */
+static const char axpy_src[] =
+    "extern \"C\" __global__ void epj_axpy(float a, const float *x,\n"
+    "                                      float *y, int n)\n"
+    "{\n"
+    "\tint i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "\tif (i < n)\n"
+    "\t\ty[i] = a * x[i] + y[i];\n"
+    "}\n";
+
+#ifdef HAVE_NVRTC
+
+/* A cubin is an ELF for the CUDA machine (EM_CUDA = 190) that holds the
+ * kernel's name in its symbol table. */
+static void assert_cubin(const ej_nvrtc_result *r, const char *kernel)
+{
+	const unsigned char *b = r->image;
+	ck_assert_ptr_nonnull(b);
+	ck_assert_uint_gt(r->size, 64);
+	ck_assert_msg(!r->is_ptx, "cubin expected, got PTX");
+	ck_assert_msg(memcmp(b,
+			     "\x7f"
+			     "ELF",
+			     4) == 0,
+		      "no ELF magic: %02x %02x %02x %02x", b[0], b[1], b[2],
+		      b[3]);
+	ck_assert_int_eq(b[4], 2);		     /* ELFCLASS64 */
+	ck_assert_int_eq(b[18] | (b[19] << 8), 190); /* e_machine: EM_CUDA */
+	ck_assert_msg(memmem(b, r->size, kernel, strlen(kernel)) != NULL,
+		      "kernel %s not in the cubin", kernel);
+}
+
+START_TEST(test_nvrtc_cubin)
+{
+	epj_ctx *ctx = tu_ctx();
+	const char *archs[] = { "sm_80", "sm_90" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(archs); i++) {
+		ej_nvrtc_result r;
+		epj_status st = ej_nvrtc_compile(ctx, axpy_src, "axpy",
+						 archs[i], NULL, 0, &r);
+		ck_assert_msg(st == EPJ_OK, "%s: %s", archs[i],
+			      epj_ctx_error(ctx));
+		assert_cubin(&r, "epj_axpy");
+		ck_assert_str_eq(r.target, archs[i]);
+		ck_assert_ptr_nonnull(r.log);
+		ck_assert_msg(!ej_nvrtc_log_has_warning(r.log),
+			      "%s: warnings:\n%s", archs[i], r.log);
+		ej_nvrtc_result_free(&r);
+		ck_assert_ptr_null(r.image);
+	}
+	/* Extra options pass through. */
+	const char *opts[] = { "-lineinfo", "--std=c++17" };
+	ej_nvrtc_result r;
+	ck_assert_msg(ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_90", opts, 2,
+				       &r) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	assert_cubin(&r, "epj_axpy");
+	ej_nvrtc_result_free(&r);
+	/* A bad option is a compile error naming the failed call. */
+	const char *bad[] = { "--no-such-option" };
+	ck_assert_int_eq(
+	    ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_90", bad, 1, &r),
+	    EPJ_ERR_COMPILE);
+	ck_assert_ptr_null(r.image);
+	ck_assert_ptr_nonnull(
+	    strstr(epj_ctx_error(ctx), "nvrtcCompileProgram"));
+	char path[4096];
+	if (kept_path(epj_ctx_error(ctx), path, sizeof path)) {
+		unlink(path);
+		strcpy(path + strlen(path) - 3, ".log");
+		unlink(path);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_nvrtc_warning)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const char src[] =
+	    "extern \"C\" __global__ void epj_warn(float *x)\n"
+	    "{\n"
+	    "\tint unused_var;\n"
+	    "\tx[threadIdx.x] += 1.0f;\n"
+	    "}\n";
+	ej_nvrtc_result r;
+	ck_assert_msg(
+	    ej_nvrtc_compile(ctx, src, "warn", "sm_90", NULL, 0, &r) == EPJ_OK,
+	    "%s", epj_ctx_error(ctx));
+	ck_assert_msg(ej_nvrtc_log_has_warning(r.log),
+		      "warning not detected in:\n%s", r.log);
+	ck_assert_ptr_nonnull(strstr(r.log, "unused_var"));
+	ej_nvrtc_result_free(&r);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_nvrtc_syntax_error)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* A missing ';' on line 3, and a random constant so every run's source
+	 * differs (the kept file must hold exactly this text). */
+	char src[512];
+	snprintf(src, sizeof src,
+		 "extern \"C\" __global__ void epj_bad(float *x)\n"
+		 "{\n"
+		 "\tx[threadIdx.x] += %.9gf\n"
+		 "}\n",
+		 tu_uniform(0.5, 2.0));
+	ej_nvrtc_result r;
+	epj_status st =
+	    ej_nvrtc_compile(ctx, src, "bad kernel/1", "sm_90", NULL, 0, &r);
+	ck_assert_int_eq(st, EPJ_ERR_COMPILE);
+	ck_assert_ptr_null(r.image);
+	ck_assert_ptr_null(r.log);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "error: expected a \";\"") != NULL,
+		      "no NVRTC error text in: %s", msg);
+	ck_assert_msg(strstr(msg, "nvrtcCompileProgram(") != NULL &&
+			  strstr(msg, "nvrtc.c:") != NULL &&
+			  strstr(msg, "NVRTC_ERROR_COMPILATION") != NULL &&
+			  strstr(msg, "bad kernel/1") != NULL &&
+			  strstr(msg, "sm_90") != NULL,
+		      "statement, file:line, error, name or arch missing: %s",
+		      msg);
+	char path[4096];
+	ck_assert_msg(kept_path(msg, path, sizeof path), "no path in: %s", msg);
+	ck_assert_msg(strstr(path, "epjit-nvrtc-") != NULL &&
+			  strstr(path, "/") != NULL &&
+			  strstr(path, "bad_kernel_1.cu") != NULL,
+		      "path %s", path);
+	struct stat sb;
+	ck_assert_int_eq(stat(path, &sb), 0);
+	ck_assert_int_eq(sb.st_mode & 077, 0); /* private */
+	char *kept = slurp(path);
+	ck_assert_ptr_nonnull(kept);
+	ck_assert_str_eq(kept, src);
+	free(kept);
+	unlink(path);
+	/* The full log sits next to it. */
+	strcpy(path + strlen(path) - 3, ".log");
+	char *log = slurp(path);
+	ck_assert_ptr_nonnull(log);
+	ck_assert_ptr_nonnull(strstr(log, "expected a \";\""));
+	free(log);
+	unlink(path);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Archs NVRTC does not know: newer -> PTX for the newest compute_XX (the
+ * documented fallback); older or in a gap -> EPJ_ERR_UNSUPPORTED; junk ->
+ * EPJ_ERR_INVALID.  Never a crash. */
+START_TEST(test_nvrtc_arch_fallback)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_nvrtc_result r;
+	ck_assert_msg(ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_200", NULL, 0,
+				       &r) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert(r.is_ptx);
+	ck_assert_uint_gt(r.size, 1);
+	const char *ptx = r.image;
+	ck_assert_int_eq(ptx[r.size - 1], '\0');
+	ck_assert_uint_eq(strlen(ptx), r.size - 1);
+	ck_assert_ptr_nonnull(strstr(ptx, ".entry epj_axpy"));
+	ck_assert_msg(strncmp(r.target, "compute_", 8) == 0, "target %s",
+		      r.target);
+	char want[32];
+	snprintf(want, sizeof want, ".target sm_%s", r.target + 8);
+	ck_assert_msg(strstr(ptx, want) != NULL, "no '%s' in the PTX", want);
+	ck_assert_msg(strstr(r.log, "sm_200") && strstr(r.log, "PTX") &&
+			  strstr(r.log, r.target),
+		      "fallback not in the log: %s", r.log);
+	ck_assert(!ej_nvrtc_log_has_warning(r.log));
+	ej_nvrtc_result_free(&r);
+
+	ck_assert_int_eq(
+	    ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_35", NULL, 0, &r),
+	    EPJ_ERR_UNSUPPORTED);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "sm_35"));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "sm_90"));
+	ck_assert_int_eq(
+	    ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_85", NULL, 0, &r),
+	    EPJ_ERR_UNSUPPORTED);
+	const char *junk[] = { "compute_90", "sm90",   "sm_9",	 "sm_090",
+			       "",	     "sm_90x", "sm_1000" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(junk); i++) {
+		ck_assert_msg(ej_nvrtc_compile(ctx, axpy_src, "axpy", junk[i],
+					       NULL, 0, &r) == EPJ_ERR_INVALID,
+			      "'%s' accepted", junk[i]);
+		ck_assert_ptr_null(r.image);
+		char q[32];
+		snprintf(q, sizeof q, "'%s'", junk[i]);
+		ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), q));
+	}
+	/* An arch-specific name NVRTC supports stays a cubin. */
+	ck_assert_msg(ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_90a", NULL, 0,
+				       &r) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	assert_cubin(&r, "epj_axpy");
+	ck_assert_str_eq(r.target, "sm_90a");
+	ej_nvrtc_result_free(&r);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_nvrtc_identity)
+{
+	int major = -1, minor = -1;
+	ck_assert(ej_nvrtc_version(&major, &minor));
+	ck_assert_int_ge(major, 11);
+	ck_assert_int_ge(minor, 0);
+	char want[32];
+	snprintf(want, sizeof want, "nvrtc %d.%d", major, minor);
+	ck_assert_str_eq(ej_nvrtc_identity(), want);
+}
+END_TEST
+
+#else /* !HAVE_NVRTC */
+
+/* Without NVRTC the tests are no-ops that say so; the compile itself must
+ * still fail cleanly. */
+static void no_nvrtc(void)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_nvrtc_result r;
+	ck_assert_int_eq(
+	    ej_nvrtc_compile(ctx, axpy_src, "axpy", "sm_90", NULL, 0, &r),
+	    EPJ_ERR_UNSUPPORTED);
+	ck_assert_ptr_nonnull(
+	    strstr(epj_ctx_error(ctx), "built without NVRTC"));
+	ck_assert_ptr_null(r.image);
+	int major, minor;
+	ck_assert(!ej_nvrtc_version(&major, &minor));
+	ck_assert_str_eq(ej_nvrtc_identity(), "nvrtc none");
+	epj_ctx_free(ctx);
+	printf("check_cc: skipped: no NVRTC\n");
+}
+
+START_TEST(test_nvrtc_cubin)
+{
+	no_nvrtc();
+}
+END_TEST
+
+START_TEST(test_nvrtc_warning)
+{
+	no_nvrtc();
+}
+END_TEST
+
+START_TEST(test_nvrtc_syntax_error)
+{
+	no_nvrtc();
+}
+END_TEST
+
+START_TEST(test_nvrtc_arch_fallback)
+{
+	no_nvrtc();
+}
+END_TEST
+
+START_TEST(test_nvrtc_identity)
+{
+	no_nvrtc();
+}
+END_TEST
+
+#endif /* HAVE_NVRTC */
+
+START_TEST(test_nvrtc_log_warning_text)
+{
+	ck_assert(!ej_nvrtc_log_has_warning(NULL));
+	ck_assert(!ej_nvrtc_log_has_warning(""));
+	ck_assert(!ej_nvrtc_log_has_warning("note: sm_200 is newer; PTX\n"));
+	ck_assert(!ej_nvrtc_log_has_warning("k.cu(1): error: expected\n"));
+	ck_assert(ej_nvrtc_log_has_warning(
+	    "k.cu(3): warning #177-D: variable \"v\" was declared\n"));
+	ck_assert(ej_nvrtc_log_has_warning("\nwarning: something\n"));
+	/* A kernel or file named "warning" is not a warning. */
+	ck_assert(!ej_nvrtc_log_has_warning("warning_k.cu(2): error: x\n"
+					    "  void nowarning(): x\n"));
+	ck_assert(!ej_nvrtc_log_has_warning(
+	    "k.cu(2): error: warning_count undeclared\n"));
+}
+END_TEST
+
+/* ---- arch list ----------------------------------------------------------- */
+
+START_TEST(test_cuda_archs)
+{
+	epj_ctx *ctx = tu_ctx();
+	char a[4][EJ_CUDA_ARCH_MAX];
+	saved_env env = env_set("EPJIT_CUDA_ARCH", NULL);
+	ck_assert_int_eq(ej_cuda_archs(ctx, a, 4), 2);
+	ck_assert_str_eq(a[0], "sm_80");
+	ck_assert_str_eq(a[1], "sm_90");
+	setenv("EPJIT_CUDA_ARCH", "  ", 1); /* blank = unset */
+	ck_assert_int_eq(ej_cuda_archs(ctx, a, 4), 2);
+	setenv("EPJIT_CUDA_ARCH", " sm_90a , sm_100,sm_90a,sm_86 ", 1);
+	ck_assert_int_eq(ej_cuda_archs(ctx, a, 4), 3);
+	ck_assert_str_eq(a[0], "sm_90a");
+	ck_assert_str_eq(a[1], "sm_100");
+	ck_assert_str_eq(a[2], "sm_86");
+	setenv("EPJIT_CUDA_ARCH", "sm_80,bogus", 1);
+	ck_assert_int_eq(ej_cuda_archs(ctx, a, 4), -1);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_CONFIG);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "EPJIT_CUDA_ARCH"));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "'bogus'"));
+	env_restore(env);
+
+	const char *bad[] = { "sm_80,,sm_90", "sm_80,",
+			      ",sm_80",	      "90",
+			      "sm_80 sm_90",  "compute_80",
+			      "sm_8",	      "sm_80,sm_123456789012345" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(bad); i++) {
+		epj_ctx_clear_error(ctx);
+		ck_assert_msg(ej_cuda_archs_parse(ctx, "archs", bad[i], a, 4) ==
+				  -1,
+			      "'%s' accepted", bad[i]);
+		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_CONFIG);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), bad[i]) != NULL,
+			      "value missing: %s", epj_ctx_error(ctx));
+	}
+	ck_assert_int_eq(ej_cuda_archs_parse(ctx, "archs", "", a, 4), -1);
+	ck_assert_int_eq(
+	    ej_cuda_archs_parse(ctx, "archs", "sm_80,sm_86,sm_89", a, 2), -1);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "more than 2"));
+	ck_assert_int_eq(ej_cuda_archs_parse(ctx, "archs", "sm_120f", a, 1), 1);
+	ck_assert_str_eq(a[0], "sm_120f");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- host cc ------------------------------------------------------------- */
+
+START_TEST(test_hostcc_compile_load)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* f(x) = a*x*x + sin(x) (libm) + b; g(n) = sum_{i<n} i*a with an
+	 * OpenMP reduction; the source refuses to build without -std=c11
+	 * -fopenmp.  a and b are fresh per run. */
+	double a = tu_uniform(-3.0, 3.0), b = tu_uniform(1.0, 2.0);
+	char src[1024];
+	snprintf(src, sizeof src,
+		 "#if !defined(_OPENMP) || __STDC_VERSION__ != 201112L\n"
+		 "#error not compiled with -std=c11 -fopenmp\n"
+		 "#endif\n"
+		 "#include <math.h>\n"
+		 "double f(double x) { return %.17g * x * x + sin(x) + %.17g; "
+		 "}\n"
+		 "double g(int n)\n"
+		 "{\n"
+		 "\tdouble s = 0;\n"
+		 "#pragma omp parallel for reduction(+ : s)\n"
+		 "\tfor (int i = 0; i < n; i++)\n"
+		 "\t\ts += i * %.17g;\n"
+		 "\treturn s;\n"
+		 "}\n",
+		 a, b, a);
+	void *img = NULL;
+	size_t size = 0;
+	char *log = NULL;
+	epj_status st = ej_hostcc_compile(ctx, src, "f", &img, &size, &log);
+	ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(ctx));
+	ck_assert_ptr_nonnull(log);
+	ck_assert_uint_gt(size, 64);
+	ck_assert(memcmp(img,
+			 "\x7f"
+			 "ELF",
+			 4) == 0);
+
+	/* Two loads of one image are two objects; both work. */
+	void *h1 = NULL, *h2 = NULL;
+	ck_assert_msg(ej_hostcc_load(ctx, img, size, "f", &h1) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_msg(ej_hostcc_load(ctx, img, size, "f", &h2) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_ptr_ne(h1, h2);
+	double (*f)(double) = (double (*)(double))ej_hostcc_sym(h1, "f");
+	double (*g)(int) = (double (*)(int))ej_hostcc_sym(h2, "g");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_ptr_nonnull(g);
+	ck_assert_ptr_null(ej_hostcc_sym(h1, "no_such_symbol"));
+	for (int k = 0; k < 5; k++) {
+		double x = tu_uniform(-4.0, 4.0);
+		double want = a * x * x + sin(x) + b;
+		ck_assert_msg(fabs(f(x) - want) <= 1e-12 * (1 + fabs(want)),
+			      "f(%g) = %.17g, want %.17g", x, f(x), want);
+	}
+	int n = (int)tu_randint(1000, 5000);
+	double want = a * (double)n * (n - 1) / 2;
+	ck_assert_msg(fabs(g(n) - want) <= 1e-9 * (1 + fabs(want)),
+		      "g(%d) = %.17g, want %.17g", n, g(n), want);
+	ej_hostcc_unload(h1);
+	ej_hostcc_unload(h2);
+	ej_hostcc_unload(NULL);
+	free(img);
+	free(log);
+
+	/* Garbage bytes do not load; the message has dlopen's reason. */
+	void *h = (void *)1;
+	char junk[256];
+	for (size_t i = 0; i < sizeof junk; i++)
+		junk[i] = (char)tu_randint(0, 256);
+	ck_assert_int_eq(ej_hostcc_load(ctx, junk, sizeof junk, "junk", &h),
+			 EPJ_ERR_BACKEND);
+	ck_assert_ptr_null(h);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "dlopen("));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "'junk'"));
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_hostcc_compile_error)
+{
+	epj_ctx *ctx = tu_ctx();
+	char src[256];
+	snprintf(src, sizeof src,
+		 "double f(double x) { return x * undeclared_thing_%d; }\n",
+		 (int)tu_randint(0, 1000000));
+	void *img = (void *)1;
+	size_t size = 7;
+	char *log = NULL;
+	epj_status st =
+	    ej_hostcc_compile(ctx, src, "broken", &img, &size, &log);
+	ck_assert_int_eq(st, EPJ_ERR_COMPILE);
+	ck_assert_ptr_null(img);
+	ck_assert_uint_eq(size, 0);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "undeclared_thing_") != NULL &&
+			  strstr(msg, "error") != NULL &&
+			  strstr(msg, "exit status") != NULL &&
+			  strstr(msg, "'broken'") != NULL,
+		      "compiler message missing: %s", msg);
+	ck_assert_ptr_nonnull(log);
+	ck_assert_ptr_nonnull(strstr(log, "undeclared_thing_"));
+	char path[4096];
+	ck_assert_msg(kept_path(msg, path, sizeof path), "no path in: %s", msg);
+	char *kept = slurp(path);
+	ck_assert_ptr_nonnull(kept);
+	ck_assert_str_eq(kept, src);
+	free(kept);
+	unlink(path);
+	*strrchr(path, '/') = '\0'; /* the private directory */
+	ck_assert_int_eq(rmdir(path), 0);
+	free(log);
+
+	/* Also without asking for the log. */
+	st = ej_hostcc_compile(ctx, src, "broken", &img, &size, NULL);
+	ck_assert_int_eq(st, EPJ_ERR_COMPILE);
+	ck_assert(kept_path(epj_ctx_error(ctx), path, sizeof path));
+	unlink(path);
+	*strrchr(path, '/') = '\0';
+	ck_assert_int_eq(rmdir(path), 0);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_hostcc_missing_compiler)
+{
+	epj_ctx *ctx = tu_ctx();
+	const char *id_default = ej_hostcc_identity();
+	saved_env env = env_set("EPJIT_CC", "/nonexistent/epjit-cc");
+	void *img = NULL;
+	size_t size = 0;
+	char *log = NULL;
+	epj_status st =
+	    ej_hostcc_compile(ctx, "int x;\n", "x", &img, &size, &log);
+	ck_assert_int_eq(st, EPJ_ERR_COMPILE);
+	ck_assert_ptr_null(img);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "/nonexistent/epjit-cc") != NULL &&
+			  strstr(msg, "EPJIT_CC") != NULL &&
+			  strstr(msg, strerror(ENOENT)) != NULL,
+		      "%s", msg);
+	free(log);
+	/* A bare name is searched in PATH. */
+	setenv("EPJIT_CC", "epjit-no-such-cc --flag", 1);
+	st = ej_hostcc_compile(ctx, "int x;\n", "x", &img, &size, NULL);
+	ck_assert_int_eq(st, EPJ_ERR_COMPILE);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "'epjit-no-such-cc'") != NULL,
+		      "%s", epj_ctx_error(ctx));
+	setenv("EPJIT_CC", "/nonexistent/epjit-cc", 1);
+	/* The identity follows EPJIT_CC and says the compiler is missing. */
+	const char *id = ej_hostcc_identity();
+	ck_assert_ptr_nonnull(strstr(id, "/nonexistent/epjit-cc"));
+	ck_assert_ptr_nonnull(strstr(id, "cannot run"));
+	ck_assert_str_ne(id, id_default);
+	env_restore(env);
+	ck_assert_str_eq(ej_hostcc_identity(), id_default);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_hostcc_identity)
+{
+	const char *id = ej_hostcc_identity();
+	ck_assert_ptr_nonnull(id);
+	ck_assert_uint_gt(strlen(id), 10);
+	ck_assert_ptr_nonnull(strstr(id, EJ_HOSTCC_FLAGS));
+	ck_assert_ptr_nonnull(strstr(id, "-O3"));
+	ck_assert_ptr_null(strstr(id, "cannot run"));
+	ck_assert_ptr_null(strchr(id, '\n'));
+	char *copy = strdup(id);
+	ck_assert_str_eq(ej_hostcc_identity(), copy);
+	ck_assert_ptr_eq(ej_hostcc_identity(), id);
+	free(copy);
+}
+END_TEST
+
+/* ---- CUDA driver --------------------------------------------------------- */
+
+START_TEST(test_cuda_driver_probe)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_status st = ej_cuda_driver_probe(ctx);
+	if (st == EPJ_OK) {
+		printf("check_cc: a CUDA driver is present\n");
+	} else {
+		ck_assert_int_eq(st, EPJ_ERR_BACKEND);
+		const char *msg = epj_ctx_error(ctx);
+		ck_assert_msg(strstr(msg, "no CUDA driver") != NULL &&
+				  strstr(msg, "libcuda.so.1") != NULL &&
+				  strstr(msg, "dlopen(") != NULL,
+			      "%s", msg);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Four cases, so one can run alone (CK_RUN_CASE=nvrtc). */
+Suite *make_cc_suite(void)
+{
+	Suite *s = suite_create("cc");
+	TCase *tc = tcase_create("nvrtc");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_nvrtc_cubin);
+	tcase_add_test(tc, test_nvrtc_warning);
+	tcase_add_test(tc, test_nvrtc_syntax_error);
+	tcase_add_test(tc, test_nvrtc_arch_fallback);
+	tcase_add_test(tc, test_nvrtc_identity);
+	tcase_add_test(tc, test_nvrtc_log_warning_text);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("cuda_archs");
+	tcase_add_test(tc, test_cuda_archs);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("hostcc");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_hostcc_compile_load);
+	tcase_add_test(tc, test_hostcc_compile_error);
+	tcase_add_test(tc, test_hostcc_missing_compiler);
+	tcase_add_test(tc, test_hostcc_identity);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("cuda_driver");
+	tcase_add_test(tc, test_cuda_driver_probe);
+	suite_add_tcase(s, tc);
+	return s;
+}

@@ -1,0 +1,949 @@
+/* check_kcache.c -- the kernel cache (jit/kcache.c) against its contract.
+ *
+ * Entry files are checked byte by byte against the format of doc/cache.md
+ * (header fields and a checksum recomputed here with epj_hash over a buffer
+ * built independently), not only by reading them back.  Corrupt entries are
+ * made by hand (flipped bytes, truncation, wrong magic, another key's file,
+ * a symbolic link) and must come back as counted misses with the file gone.
+ * Insecure directories (group/world-writable, another owner when running as
+ * root, symbolic links) must be refused before anything is read.  Many
+ * processes write the same keys into one directory while others read: every
+ * read must be complete and right, and nothing temporary may be left.
+ * Every directory is a fresh mkdtemp under /tmp, removed at the end.
+ */
+#include "check_util.h"
+
+#include "kcache.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define HDR 104 /* header bytes of an entry file (doc/cache.md) */
+
+/* ---- helpers --------------------------------------------------------------
+ */
+
+static char *tmpdir_new(void)
+{
+	char *d = strdup("/tmp/epj-kc-XXXXXX");
+	ck_assert_ptr_nonnull(d);
+	ck_assert_ptr_nonnull(mkdtemp(d));
+	return d;
+}
+
+static int rm_one(const char *p, const struct stat *st, int flag,
+		  struct FTW *ftw)
+{
+	(void)st;
+	(void)ftw;
+	if (flag == FTW_DP)
+		return rmdir(p) != 0;
+	return unlink(p) != 0;
+}
+
+/* rm -rf d (never following links), then frees d. */
+static void tmpdir_free(char *d)
+{
+	chmod(d, 0700);
+	ck_assert_int_eq(nftw(d, rm_one, 16, FTW_DEPTH | FTW_PHYS), 0);
+	free(d);
+}
+
+static char *path_of(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+static char *path_of(const char *fmt, ...)
+{
+	static char bufs[4][4096];
+	static int next;
+	char *b = bufs[next++ % 4];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(b, sizeof bufs[0], fmt, ap);
+	va_end(ap);
+	return b;
+}
+
+static char *entry_path(const char *dir, const char *key)
+{
+	return path_of("%s/v1/%.2s/%s.bin", dir, key, key);
+}
+
+static bool exists(const char *p)
+{
+	struct stat st;
+	return lstat(p, &st) == 0;
+}
+
+static int64_t ctr(epj_ctx *ctx, const char *name)
+{
+	return epj_counter_get(ctx, name);
+}
+
+/* A key unique to this run (the run's seed is one of the parts). */
+static void make_key(char out[65], const char *tag, int i)
+{
+	char seed[32], idx[16];
+	snprintf(seed, sizeof seed, "%llu", (unsigned long long)tu_seed());
+	snprintf(idx, sizeof idx, "%d", i);
+	const char *parts[] = { "check_kcache", tag, idx, seed };
+	ej_kcache_key(out, parts, 4);
+}
+
+/* The artifact of a key: deterministic bytes of a length in [1, 256 KiB]
+ * (large enough that a non-atomic writer would be caught half-way), so that
+ * every writer of a key writes the same content.  Caller frees. */
+static unsigned char *blob_of(const char *key, size_t *len)
+{
+	uint64_t x = epj_hash(key, strlen(key)).lo | 1;
+	*len = 1 + (size_t)(x % (256 << 10));
+	unsigned char *b = malloc(*len);
+	ck_assert_ptr_nonnull(b);
+	for (size_t i = 0; i < *len; i++) {
+		x ^= x << 13;
+		x ^= x >> 7;
+		x ^= x << 17;
+		b[i] = (unsigned char)(x >> 24);
+	}
+	return b;
+}
+
+static unsigned char *random_bytes(size_t n)
+{
+	unsigned char *b = malloc(n ? n : 1);
+	ck_assert_ptr_nonnull(b);
+	for (size_t i = 0; i < n; i++)
+		b[i] = (unsigned char)tu_randint(0, 256);
+	return b;
+}
+
+static unsigned char *read_file(const char *path, size_t *n)
+{
+	FILE *f = fopen(path, "rb");
+	ck_assert_msg(f != NULL, "open %s: %s", path, strerror(errno));
+	ck_assert_int_eq(fseek(f, 0, SEEK_END), 0);
+	long sz = ftell(f);
+	ck_assert_int_ge(sz, 0);
+	rewind(f);
+	unsigned char *b = malloc((size_t)sz + 1);
+	ck_assert_ptr_nonnull(b);
+	ck_assert_uint_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
+	fclose(f);
+	*n = (size_t)sz;
+	return b;
+}
+
+static void write_file(const char *path, const void *p, size_t n)
+{
+	FILE *f = fopen(path, "wb");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_uint_eq(fwrite(p, 1, n, f), n);
+	ck_assert_int_eq(fclose(f), 0);
+}
+
+static uint64_t le64(const unsigned char *p)
+{
+	uint64_t v = 0;
+	for (int i = 7; i >= 0; i--)
+		v = v << 8 | p[i];
+	return v;
+}
+
+static ej_kcache *open_ok(epj_ctx *ctx, const char *dir)
+{
+	ej_kcache *c = ej_kcache_open(ctx, dir);
+	ck_assert_msg(c != NULL, "open %s: %s", dir ? dir : "(default)",
+		      epj_ctx_error(ctx));
+	return c;
+}
+
+static void assert_refused(epj_ctx *ctx, const char *dir, const char *what,
+			   const char *why)
+{
+	ej_kcache *c = ej_kcache_open(ctx, dir);
+	ck_assert_msg(c == NULL, "open of %s succeeded", dir);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_STATE);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, what) && strstr(msg, why),
+		      "message \"%s\" should name %s and say %s", msg, what,
+		      why);
+}
+
+/* Gets key and asserts a hit with exactly want[0..n). */
+static void assert_hit(epj_ctx *ctx, ej_kcache *c, const char *key,
+		       const void *want, size_t n)
+{
+	void *d = NULL;
+	size_t len = 12345;
+	ck_assert_int_eq(ej_kcache_get(c, key, &d, &len), EPJ_OK);
+	ck_assert_msg(d != NULL || n == 0, "miss for %s", key);
+	ck_assert_uint_eq(len, n);
+	ck_assert(n == 0 || memcmp(d, want, n) == 0);
+	free(d);
+	(void)ctx;
+}
+
+static void assert_miss(ej_kcache *c, const char *key)
+{
+	void *d = (void *)1;
+	size_t len = 12345;
+	ck_assert_int_eq(ej_kcache_get(c, key, &d, &len), EPJ_OK);
+	ck_assert_ptr_null(d);
+	ck_assert_uint_eq(len, 0);
+}
+
+/* Number of names in the tree under dir containing `part`. */
+static int count_names(const char *dir, const char *part)
+{
+	DIR *d = opendir(dir);
+	ck_assert_ptr_nonnull(d);
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+			continue;
+		char p[4096];
+		snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+		struct stat st;
+		ck_assert_int_eq(lstat(p, &st), 0);
+		if (S_ISDIR(st.st_mode))
+			n += count_names(p, part);
+		else
+			n += strstr(de->d_name, part) != NULL;
+	}
+	closedir(d);
+	return n;
+}
+
+/* ---- round trip and format ------------------------------------------------
+ */
+
+START_TEST(test_roundtrip)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	char key[65], other[65];
+	make_key(key, "roundtrip", 0);
+	make_key(other, "roundtrip", 1);
+	size_t n = (size_t)tu_randint(1, 5000) * 2 + 1; /* odd, >= 3 */
+	unsigned char *blob = random_bytes(n);
+	char src[64];
+	snprintf(src, sizeof src, "extern \"C\" __global__ void k%d(void) {}",
+		 (int)tu_randint(0, 1000));
+
+	ej_kcache *c = open_ok(ctx, dir);
+	ck_assert_str_eq(ej_kcache_dir(c), dir);
+	ck_assert_int_eq(ej_kcache_put(c, key, blob, n, src), EPJ_OK);
+	ck_assert_int_eq(ctr(ctx, "cache.bytes"), HDR + n + strlen(src));
+	assert_hit(ctx, c, key, blob, n);
+	ck_assert_int_eq(ctr(ctx, "cache.mem_hits"), 1);
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), 0);
+	assert_miss(c, other);
+	ck_assert_int_eq(ctr(ctx, "cache.misses"), 1);
+	ej_kcache_close(c);
+
+	/* The file, byte by byte. */
+	size_t fn;
+	unsigned char *f = read_file(entry_path(dir, key), &fn);
+	ck_assert_uint_eq(fn, HDR + n + strlen(src));
+	ck_assert(memcmp(f, "EPJKC\0\0\1", 8) == 0);
+	ck_assert(memcmp(f + 8, key, 64) == 0);
+	ck_assert_uint_eq(le64(f + 72), n);
+	ck_assert_uint_eq(le64(f + 80), strlen(src));
+	ck_assert(memcmp(f + HDR, blob, n) == 0);
+	ck_assert(memcmp(f + HDR + n, src, strlen(src)) == 0);
+	size_t cn = 64 + n + strlen(src);
+	unsigned char *cat = malloc(cn);
+	ck_assert_ptr_nonnull(cat);
+	memcpy(cat, key, 64);
+	memcpy(cat + 64, blob, n);
+	memcpy(cat + 64 + n, src, strlen(src));
+	epj_hash128 h = epj_hash(cat, cn);
+	ck_assert_uint_eq(le64(f + 88), h.lo);
+	ck_assert_uint_eq(le64(f + 96), h.hi);
+	free(cat);
+	free(f);
+	struct stat st;
+	ck_assert_int_eq(stat(entry_path(dir, key), &st), 0);
+	ck_assert_int_eq(st.st_mode & 077, 0);
+	ck_assert_int_eq(stat(path_of("%s/v1/%.2s", dir, key), &st), 0);
+	ck_assert_int_eq(st.st_mode & 077, 0);
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+
+	/* A fresh cache on the same directory: disk hit, then memory hit. */
+	c = open_ok(ctx, dir);
+	void *d = NULL;
+	size_t len = 0;
+	char *s = NULL;
+	ck_assert_int_eq(ej_kcache_get_with_source(c, key, &d, &len, &s),
+			 EPJ_OK);
+	ck_assert_ptr_nonnull(d);
+	ck_assert_uint_eq(len, n);
+	ck_assert(memcmp(d, blob, n) == 0);
+	ck_assert_str_eq(s, src);
+	free(d);
+	free(s);
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), 1);
+	assert_hit(ctx, c, key, blob, n);
+	ck_assert_int_eq(ctr(ctx, "cache.mem_hits"), 2);
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), 1);
+
+	/* Without source; an empty artifact is refused (*data NULL always
+	 * means a miss). */
+	ck_assert_int_eq(ej_kcache_put(c, other, NULL, 0, NULL),
+			 EPJ_ERR_INVALID);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "empty artifact"));
+	ck_assert_int_eq(ej_kcache_put(c, other, blob, 0, NULL),
+			 EPJ_ERR_INVALID);
+	ck_assert_int_eq(ej_kcache_put(c, other, blob + 1, 1, NULL), EPJ_OK);
+	ej_kcache_close(c);
+	c = open_ok(ctx, dir);
+	ck_assert_int_eq(ej_kcache_get_with_source(c, other, &d, &len, &s),
+			 EPJ_OK);
+	ck_assert_ptr_nonnull(d);
+	ck_assert_uint_eq(len, 1);
+	ck_assert_int_eq(*(unsigned char *)d, blob[1]);
+	ck_assert_str_eq(s, "");
+	free(d);
+	free(s);
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), 2);
+	ck_assert_int_eq(ctr(ctx, "cache.misses"), 1);
+
+	/* Malformed keys name files: refused. */
+	char upper[65], longer[66], dots[65];
+	for (int i = 0; i < 65; i++)
+		upper[i] = (char)toupper((unsigned char)key[i]);
+	snprintf(longer, sizeof longer, "%s0", key);
+	snprintf(dots, sizeof dots, "../../%s", key); /* 64 characters */
+	const char *bad[] = { "abc", "", upper, longer, dots, NULL };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(bad); i++) {
+		ck_assert_int_eq(ej_kcache_get(c, bad[i], &d, &len),
+				 EPJ_ERR_INVALID);
+		ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "key"));
+		ck_assert_int_eq(ej_kcache_put(c, bad[i], blob, n, NULL),
+				 EPJ_ERR_INVALID);
+		ck_assert_ptr_nonnull(
+		    strstr(epj_ctx_error(ctx), "ej_kcache_put"));
+	}
+	ej_kcache_close(c);
+	free(blob);
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- keys -------------------------------------------------------------------
+ */
+
+START_TEST(test_key)
+{
+	char buf[32];
+	snprintf(buf, sizeof buf, "sig-%lld",
+		 (long long)tu_randint(0, 1 << 30));
+	const char *base[] = { buf,   "cuda",	   "sm_90",    "nvrtc 13.0",
+			       "-O3", "codegen 1", "tmpl-ab12" };
+	int np = (int)EJ_ARRAY_LEN(base);
+	char k0[65], k1[65];
+	ej_kcache_key(k0, base, np);
+	ck_assert_uint_eq(strlen(k0), 64);
+	for (int i = 0; i < 64; i++)
+		ck_assert(strchr("0123456789abcdef", k0[i]) != NULL);
+	ej_kcache_key(k1, base, np);
+	ck_assert_str_eq(k0, k1);
+
+	/* Any part changed (one byte, appended, emptied) changes the key. */
+	for (int i = 0; i < np; i++) {
+		const char *p[EJ_ARRAY_LEN(base)];
+		char alt[64];
+		memcpy(p, base, sizeof p);
+		snprintf(alt, sizeof alt, "%s", base[i]);
+		alt[0] ^= 1;
+		p[i] = alt;
+		ej_kcache_key(k1, p, np);
+		ck_assert_str_ne(k0, k1);
+		snprintf(alt, sizeof alt, "%s ", base[i]);
+		ej_kcache_key(k1, p, np);
+		ck_assert_str_ne(k0, k1);
+		p[i] = "";
+		ej_kcache_key(k1, p, np);
+		ck_assert_str_ne(k0, k1);
+	}
+	ej_kcache_key(k1, base, np - 1);
+	ck_assert_str_ne(k0, k1);
+
+	/* Joined unambiguously. */
+	const char *a[] = { "ab", "c" }, *b[] = { "a", "bc" }, *c[] = { "abc" };
+	const char *d[] = { "a" }, *e[] = { "a", "" }, *f[] = { "a", NULL };
+	char ka[65], kb[65], kc[65], kd[65], ke[65], kf[65];
+	ej_kcache_key(ka, a, 2);
+	ej_kcache_key(kb, b, 2);
+	ej_kcache_key(kc, c, 1);
+	ej_kcache_key(kd, d, 1);
+	ej_kcache_key(ke, e, 2);
+	ej_kcache_key(kf, f, 2);
+	ck_assert_str_ne(ka, kb);
+	ck_assert_str_ne(ka, kc);
+	ck_assert_str_ne(kd, ke);
+	ck_assert_str_ne(ke, kf);
+	ck_assert_str_ne(kd, kf);
+
+	/* The first half is epj_hash of the documented encoding. */
+	unsigned char enc[256];
+	size_t m = 0;
+	for (int i = 0; i < 2; i++) {
+		uint64_t l = strlen(a[i]);
+		for (int j = 0; j < 8; j++)
+			enc[m++] = (unsigned char)(l >> (8 * j));
+		memcpy(enc + m, a[i], l);
+		m += l;
+	}
+	char hex[33];
+	epj_hash_hex(epj_hash(enc, m), hex);
+	ck_assert(strncmp(ka, hex, 32) == 0);
+	ck_assert(strncmp(ka + 32, hex, 32) != 0);
+}
+END_TEST
+
+/* ---- corrupt entries ------------------------------------------------------
+ */
+
+enum {
+	CORRUPT_FLIP_ARTIFACT,
+	CORRUPT_FLIP_SOURCE,
+	CORRUPT_FLIP_CHECKSUM,
+	CORRUPT_LENGTH_FIELD,
+	CORRUPT_TRUNCATE,
+	CORRUPT_TRUNCATE_HEADER,
+	CORRUPT_EMPTY,
+	CORRUPT_APPEND,
+	CORRUPT_MAGIC,
+	CORRUPT_OTHER_KEY,
+	CORRUPT_SYMLINK,
+	CORRUPT_COUNT
+};
+
+START_TEST(test_corrupt)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	epj_log_level lvl = epj_log_level_get();
+	epj_log_level_set(EPJ_LOG_ERROR); /* the warnings are expected */
+	for (int kind = 0; kind < CORRUPT_COUNT; kind++) {
+		char key[65], key2[65];
+		make_key(key, "corrupt", kind);
+		make_key(key2, "corrupt-other", kind);
+		size_t n = (size_t)tu_randint(3, 3000);
+		unsigned char *blob = random_bytes(n);
+		const char *src = "int k(void) { return 7; }";
+		ej_kcache *c = open_ok(ctx, dir);
+		ck_assert_int_eq(ej_kcache_put(c, key, blob, n, src), EPJ_OK);
+		ck_assert_int_eq(ej_kcache_put(c, key2, blob, n, src), EPJ_OK);
+		ej_kcache_close(c);
+
+		char *p = entry_path(dir, key);
+		size_t fn;
+		unsigned char *f = read_file(p, &fn);
+		size_t at;
+		switch (kind) {
+		case CORRUPT_FLIP_ARTIFACT:
+			at = HDR + (size_t)tu_randint(0, (int64_t)n);
+			f[at] ^= (unsigned char)(1 << tu_randint(0, 8));
+			write_file(p, f, fn);
+			break;
+		case CORRUPT_FLIP_SOURCE:
+			f[fn - 1] ^= 0x20;
+			write_file(p, f, fn);
+			break;
+		case CORRUPT_FLIP_CHECKSUM:
+			f[88 + tu_randint(0, 16)] ^= 0x80;
+			write_file(p, f, fn);
+			break;
+		case CORRUPT_LENGTH_FIELD:
+			f[72] ^= 1; /* artifact length off by one */
+			write_file(p, f, fn);
+			break;
+		case CORRUPT_TRUNCATE:
+			write_file(p, f,
+				   HDR + (size_t)tu_randint(0, (int64_t)n));
+			break;
+		case CORRUPT_TRUNCATE_HEADER:
+			write_file(p, f, (size_t)tu_randint(1, HDR));
+			break;
+		case CORRUPT_EMPTY:
+			write_file(p, f, 0);
+			break;
+		case CORRUPT_APPEND:
+			f[fn] = 'x'; /* read_file left one spare byte */
+			write_file(p, f, fn + 1);
+			break;
+		case CORRUPT_MAGIC:
+			f[7] = 2; /* a future format version */
+			write_file(p, f, fn);
+			break;
+		case CORRUPT_OTHER_KEY: {
+			/* key2's valid entry (same artifact and source) at
+			 * key's path: only the key inside tells them apart. */
+			size_t gn;
+			unsigned char *g =
+			    read_file(entry_path(dir, key2), &gn);
+			write_file(p, g, gn);
+			free(g);
+			break;
+		}
+		case CORRUPT_SYMLINK:
+			ck_assert_int_eq(unlink(p), 0);
+			ck_assert_int_eq(symlink(entry_path(dir, key2), p), 0);
+			break;
+		}
+		free(f);
+
+		int64_t corrupt0 = ctr(ctx, "cache.corrupt");
+		int64_t miss0 = ctr(ctx, "cache.misses");
+		c = open_ok(ctx, dir);
+		assert_miss(c, key);
+		ck_assert_msg(ctr(ctx, "cache.corrupt") == corrupt0 + 1,
+			      "kind %d not counted corrupt", kind);
+		ck_assert_int_eq(ctr(ctx, "cache.misses"), miss0 + 1);
+		ck_assert_msg(!exists(entry_path(dir, key)),
+			      "kind %d: corrupt file kept", kind);
+		/* The other entry is untouched; a new put works. */
+		assert_hit(ctx, c, key2, blob, n);
+		ck_assert_int_eq(ej_kcache_put(c, key, blob, n, src), EPJ_OK);
+		ej_kcache_close(c);
+		c = open_ok(ctx, dir);
+		int64_t disk0 = ctr(ctx, "cache.disk_hits");
+		assert_hit(ctx, c, key, blob, n);
+		ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), disk0 + 1);
+		ck_assert_int_eq(ctr(ctx, "cache.corrupt"), corrupt0 + 1);
+		ej_kcache_close(c);
+		free(blob);
+	}
+	epj_log_level_set(lvl);
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- directory security ---------------------------------------------------
+ */
+
+START_TEST(test_insecure_dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	char key[65];
+	make_key(key, "insecure", 0);
+	unsigned char b[3] = { 1, 2, 3 };
+	ej_kcache *c = open_ok(ctx, dir);
+	ck_assert_int_eq(ej_kcache_put(c, key, b, 3, "s"), EPJ_OK);
+	ej_kcache_close(c);
+
+	ck_assert_int_eq(chmod(dir, 0777), 0);
+	assert_refused(ctx, dir, dir, "group- or world-writable (mode 0777)");
+	ck_assert_int_eq(chmod(dir, 0775), 0);
+	assert_refused(ctx, dir, dir, "group- or world-writable (mode 0775)");
+	ck_assert_int_eq(chmod(dir, 0702), 0);
+	assert_refused(ctx, dir, dir, "(mode 0702)");
+	ck_assert_int_eq(chmod(dir, 0755), 0); /* readable by others: fine */
+	c = open_ok(ctx, dir);
+	ej_kcache_close(c);
+
+	/* v1/ and the shard directories are checked too. */
+	char *v1 = strdup(path_of("%s/v1", dir));
+	ck_assert_int_eq(chmod(v1, 0770), 0);
+	assert_refused(ctx, dir, v1, "(mode 0770)");
+	ck_assert_int_eq(chmod(v1, 0700), 0);
+	char *shard = strdup(path_of("%s/v1/%.2s", dir, key));
+	ck_assert_int_eq(chmod(shard, 0777), 0);
+	c = open_ok(ctx, dir);
+	void *d = NULL;
+	size_t len;
+	ck_assert_int_eq(ej_kcache_get(c, key, &d, &len), EPJ_ERR_STATE);
+	ck_assert_ptr_null(d);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), shard));
+	ck_assert_int_eq(ej_kcache_put(c, key, b, 3, "s"), EPJ_ERR_STATE);
+	ck_assert_int_eq(chmod(shard, 0700), 0);
+	ej_kcache_close(c);
+
+	/* A file where the directory should be. */
+	char *file = strdup(path_of("%s/plain", dir));
+	write_file(file, "x", 1);
+	ck_assert_ptr_null(ej_kcache_open(ctx, file));
+	ck_assert_int_ne(epj_ctx_status(ctx), EPJ_OK);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), file));
+
+	/* Another owner: only root can make one. */
+	if (geteuid() == 0) {
+		ck_assert_int_eq(chown(dir, 65534, 65534), 0);
+		assert_refused(ctx, dir, dir, "owned by uid 65534, not you");
+		ck_assert_int_eq(chown(dir, 0, 0), 0);
+		/* An entry file of another user is not loaded either. */
+		ck_assert_int_eq(chown(entry_path(dir, key), 65534, 65534), 0);
+		epj_log_level lvl = epj_log_level_get();
+		epj_log_level_set(EPJ_LOG_ERROR);
+		c = open_ok(ctx, dir);
+		assert_miss(c, key);
+		ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 1);
+		ej_kcache_close(c);
+		epj_log_level_set(lvl);
+	}
+	free(v1);
+	free(shard);
+	free(file);
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_symlink_dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	char *real = strdup(path_of("%s/real", dir));
+	char *link = strdup(path_of("%s/link", dir));
+	ck_assert_int_eq(mkdir(real, 0700), 0);
+	ck_assert_int_eq(symlink(real, link), 0);
+	assert_refused(ctx, link, link, "symbolic link");
+	char *slash = strdup(path_of("%s/", link));
+	assert_refused(ctx, slash, link, "symbolic link");
+	/* Nothing was created through the link. */
+	ck_assert(!exists(path_of("%s/v1", real)));
+	/* v1 as a link to a directory elsewhere is refused too. */
+	char *other = strdup(path_of("%s/other", dir));
+	ck_assert_int_eq(mkdir(other, 0700), 0);
+	ck_assert_int_eq(symlink(other, path_of("%s/v1", real)), 0);
+	assert_refused(ctx, real, "v1", "symbolic link");
+	free(real);
+	free(link);
+	free(slash);
+	free(other);
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- default directory and size cap from the environment ----------------
+ */
+
+static const char *const env_names[] = { "EPJIT_CACHE_DIR", "XDG_CACHE_HOME",
+					 "HOME", "EPJIT_CACHE_MAX_MB" };
+
+static void assert_default(epj_ctx *ctx, const char *want)
+{
+	ej_kcache *c = open_ok(ctx, NULL);
+	ck_assert_str_eq(ej_kcache_dir(c), want);
+	ej_kcache_close(c);
+	struct stat st;
+	ck_assert_int_eq(lstat(want, &st), 0);
+	ck_assert(S_ISDIR(st.st_mode));
+	ck_assert_int_eq(st.st_mode & 0777, 0700);
+	ck_assert_int_eq(lstat(path_of("%s/v1", want), &st), 0);
+}
+
+START_TEST(test_default_dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	char *saved[EJ_ARRAY_LEN(env_names)];
+	for (size_t i = 0; i < EJ_ARRAY_LEN(env_names); i++) {
+		const char *v = getenv(env_names[i]);
+		saved[i] = v ? strdup(v) : NULL;
+		unsetenv(env_names[i]);
+	}
+
+	ck_assert_int_eq(setenv("EPJIT_CACHE_DIR", path_of("%s/a", dir), 1), 0);
+	ck_assert_int_eq(setenv("XDG_CACHE_HOME", path_of("%s/x", dir), 1), 0);
+	ck_assert_int_eq(setenv("HOME", path_of("%s/h", dir), 1), 0);
+	assert_default(ctx, path_of("%s/a", dir));
+	ck_assert_int_eq(setenv("EPJIT_CACHE_DIR", "", 1), 0); /* = unset */
+	assert_default(ctx, path_of("%s/x/epjit", dir));
+	struct stat st;
+	ck_assert_int_eq(lstat(path_of("%s/x", dir), &st), 0);
+	ck_assert_int_eq(st.st_mode & 0777, 0700); /* parents made 0700 */
+	ck_assert_int_eq(setenv("XDG_CACHE_HOME", "relative/cache", 1), 0);
+	assert_default(ctx, path_of("%s/h/.cache/epjit", dir));
+	unsetenv("XDG_CACHE_HOME");
+	unsetenv("EPJIT_CACHE_DIR");
+	assert_default(ctx, path_of("%s/h/.cache/epjit", dir));
+
+	/* EPJIT_CACHE_MAX_MB must be a positive number of MiB. */
+	const char *badmb[] = { "abc", "0", "-5", "12x", "1e3" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(badmb); i++) {
+		ck_assert_int_eq(setenv("EPJIT_CACHE_MAX_MB", badmb[i], 1), 0);
+		ck_assert_ptr_null(ej_kcache_open(ctx, dir));
+		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_CONFIG);
+		ck_assert_ptr_nonnull(
+		    strstr(epj_ctx_error(ctx), "EPJIT_CACHE_MAX_MB"));
+	}
+	ck_assert_int_eq(setenv("EPJIT_CACHE_MAX_MB", "3", 1), 0);
+	ej_kcache *c = open_ok(ctx, dir);
+	ej_kcache_close(c);
+
+	for (size_t i = 0; i < EJ_ARRAY_LEN(env_names); i++) {
+		if (saved[i])
+			setenv(env_names[i], saved[i], 1);
+		else
+			unsetenv(env_names[i]);
+		free(saved[i]);
+	}
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- eviction ---------------------------------------------------------------
+ */
+
+static void set_mtime(const char *p, time_t t)
+{
+	struct timespec ts[2] = { { .tv_sec = t }, { .tv_sec = t } };
+	ck_assert_int_eq(utimensat(AT_FDCWD, p, ts, AT_SYMLINK_NOFOLLOW), 0);
+}
+
+static int64_t file_size(const char *p)
+{
+	struct stat st;
+	ck_assert_int_eq(stat(p, &st), 0);
+	return (int64_t)st.st_size;
+}
+
+START_TEST(test_eviction)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tmpdir_new();
+	enum { NK = 5 };
+	char key[NK][65];
+	unsigned char *blob[NK];
+	size_t len[NK];
+	for (int i = 0; i < NK; i++) {
+		make_key(key[i], "evict", i);
+		len[i] = (size_t)tu_randint(100, 900) * 2 + 1;
+		blob[i] = random_bytes(len[i]);
+	}
+	ej_kcache *c = open_ok(ctx, dir);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(ej_kcache_put(c, key[i], blob[i], len[i], "s"),
+				 EPJ_OK);
+	ej_kcache_close(c);
+	ck_assert_int_eq(ctr(ctx, "cache.evictions"), 0);
+	/* Ages: key0 oldest, then key1, key2. */
+	time_t now = time(NULL);
+	for (int i = 0; i < 3; i++)
+		set_mtime(entry_path(dir, key[i]), now - 3000 + 1000 * i);
+	int64_t sz[NK];
+	for (int i = 0; i < 3; i++)
+		sz[i] = file_size(entry_path(dir, key[i]));
+
+	/* A disk hit makes key0 the youngest. */
+	c = open_ok(ctx, dir);
+	assert_hit(ctx, c, key[0], blob[0], len[0]);
+	struct stat st;
+	ck_assert_int_eq(stat(entry_path(dir, key[0]), &st), 0);
+	ck_assert_int_ge(st.st_mtime, now - 1);
+
+	/* Stale temporaries of a crashed writer are swept; fresh ones (a
+	 * writer at work) are not. */
+	char *stale =
+	    strdup(path_of("%s/v1/%.2s/%s.tmp.999999.1", dir, key[0], key[0]));
+	char *fresh =
+	    strdup(path_of("%s/v1/%.2s/%s.tmp.999999.2", dir, key[0], key[0]));
+	write_file(stale, "x", 1);
+	write_file(fresh, "x", 1);
+	set_mtime(stale, now - 7200);
+
+	/* Room for key0, key2 and key3 but not key1 too: key1 goes. */
+	int64_t sz3 = HDR + (int64_t)len[3] + 1;
+	ej_kcache_set_cap_bytes(c, sz[0] + sz[2] + sz3 + sz[1] / 2);
+	ck_assert_int_eq(ej_kcache_put(c, key[3], blob[3], len[3], "s"),
+			 EPJ_OK);
+	ck_assert_int_eq(ctr(ctx, "cache.evictions"), 1);
+	ck_assert(exists(entry_path(dir, key[0])));
+	ck_assert(!exists(entry_path(dir, key[1])));
+	ck_assert(exists(entry_path(dir, key[2])));
+	ck_assert(exists(entry_path(dir, key[3])));
+	ck_assert(!exists(stale));
+	ck_assert(exists(fresh));
+	ck_assert_int_eq(unlink(fresh), 0);
+
+	/* A cap below one entry: everything but the new entry goes, and the
+	 * memory table keeps only it as well. */
+	ej_kcache_set_cap_bytes(c, 1);
+	ck_assert_int_eq(ej_kcache_put(c, key[4], blob[4], len[4], "s"),
+			 EPJ_OK);
+	ck_assert_int_eq(ctr(ctx, "cache.evictions"), 4);
+	ck_assert_int_eq(count_names(dir, ".bin"), 1);
+	int64_t mem0 = ctr(ctx, "cache.mem_hits");
+	assert_hit(ctx, c, key[4], blob[4], len[4]);
+	ck_assert_int_eq(ctr(ctx, "cache.mem_hits"), mem0 + 1);
+	assert_miss(c, key[0]);
+	ej_kcache_close(c);
+	c = open_ok(ctx, dir);
+	assert_hit(ctx, c, key[4], blob[4], len[4]);
+	ej_kcache_close(c);
+
+	for (int i = 0; i < NK; i++)
+		free(blob[i]);
+	free(stale);
+	free(fresh);
+	tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- concurrent writers and readers ---------------------------------------
+ */
+
+enum { N_WRITERS = 6, N_READERS = 3, N_KEYS = 20, READER_ROUNDS = 25 };
+
+/* Child exit codes. */
+enum { CHILD_OK = 0, CHILD_WRONG = 10, CHILD_CORRUPT, CHILD_ERROR };
+
+static int child_run(const char *dir, char keys[][65], int role, int gate)
+{
+	char c1;
+	if (read(gate, &c1, 1) < 0) /* EOF when the parent opens the gate */
+		return CHILD_ERROR;
+	epj_ctx *ctx = NULL;
+	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
+		return CHILD_ERROR;
+	int rc = CHILD_OK;
+	if (role < N_WRITERS) {
+		/* Each writer starts at another key, twice round. */
+		ej_kcache *c = ej_kcache_open(ctx, dir);
+		if (!c)
+			rc = CHILD_ERROR;
+		for (int r = 0; c && r < 2 * N_KEYS && rc == CHILD_OK; r++) {
+			const char *k = keys[(r + 3 * role) % N_KEYS];
+			size_t n;
+			unsigned char *b = blob_of(k, &n);
+			if (ej_kcache_put(c, k, b, n, k) != EPJ_OK)
+				rc = CHILD_ERROR;
+			free(b);
+		}
+		ej_kcache_close(c);
+	} else {
+		/* Readers open a fresh cache each round so that every hit
+		 * comes from the disk. */
+		for (int r = 0; r < READER_ROUNDS && rc == CHILD_OK; r++) {
+			ej_kcache *c = ej_kcache_open(ctx, dir);
+			if (!c) {
+				rc = CHILD_ERROR;
+				break;
+			}
+			for (int i = 0; i < N_KEYS && rc == CHILD_OK; i++) {
+				const char *k = keys[(i + r) % N_KEYS];
+				void *d = NULL;
+				size_t len = 0;
+				char *src = NULL;
+				if (ej_kcache_get_with_source(c, k, &d, &len,
+							      &src) != EPJ_OK) {
+					rc = CHILD_ERROR;
+					break;
+				}
+				if (src) {
+					size_t n;
+					unsigned char *b = blob_of(k, &n);
+					if (len != n || memcmp(d, b, n) != 0 ||
+					    strcmp(src, k) != 0)
+						rc = CHILD_WRONG;
+					free(b);
+				}
+				free(d);
+				free(src);
+			}
+			ej_kcache_close(c);
+		}
+	}
+	if (rc == CHILD_OK && epj_counter_get(ctx, "cache.corrupt") != 0)
+		rc = CHILD_CORRUPT;
+	if (rc == CHILD_ERROR)
+		fprintf(stderr, "kcache child %d: %s\n", role,
+			epj_ctx_error(ctx));
+	epj_ctx_free(ctx);
+	return rc;
+}
+
+START_TEST(test_concurrent)
+{
+	/* Nothing is malloc'ed before the fork: under valgrind (CK_FORK=no)
+	 * each child's exit runs a leak check too. */
+	char dir[] = "/tmp/epj-kc-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	char keys[N_KEYS][65];
+	for (int i = 0; i < N_KEYS; i++)
+		make_key(keys[i], "concurrent", i);
+	int gate[2];
+	ck_assert_int_eq(pipe(gate), 0);
+	fflush(NULL);
+	pid_t pid[N_WRITERS + N_READERS];
+	for (int r = 0; r < N_WRITERS + N_READERS; r++) {
+		pid[r] = fork();
+		ck_assert_int_ge(pid[r], 0);
+		if (pid[r] == 0) {
+			close(gate[1]);
+			_exit(child_run(dir, keys, r, gate[0]));
+		}
+	}
+	/* Everybody starts at once. */
+	close(gate[0]);
+	close(gate[1]);
+	for (int r = 0; r < N_WRITERS + N_READERS; r++) {
+		int st;
+		ck_assert_int_eq(waitpid(pid[r], &st, 0), pid[r]);
+		ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == CHILD_OK,
+			      "%s %d: %s %d (exit %d: wrong data, %d: corrupt "
+			      "entry seen, %d: error)",
+			      r < N_WRITERS ? "writer" : "reader", r,
+			      WIFEXITED(st) ? "exit" : "signal",
+			      WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st),
+			      CHILD_WRONG, CHILD_CORRUPT, CHILD_ERROR);
+	}
+
+	/* Every entry is there, verified and right; nothing else is. */
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	ck_assert_int_eq(count_names(dir, ".bin"), N_KEYS);
+	epj_ctx *ctx = tu_ctx();
+	ej_kcache *c = open_ok(ctx, dir);
+	for (int i = 0; i < N_KEYS; i++) {
+		size_t n;
+		unsigned char *b = blob_of(keys[i], &n);
+		assert_hit(ctx, c, keys[i], b, n);
+		free(b);
+	}
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), N_KEYS);
+	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
+	ej_kcache_close(c);
+	tmpdir_free(strdup(dir));
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_kcache_suite(void)
+{
+	Suite *s = suite_create("kcache");
+	TCase *tc = tcase_create("core");
+	tcase_add_test(tc, test_roundtrip);
+	tcase_add_test(tc, test_key);
+	tcase_add_test(tc, test_corrupt);
+	tcase_add_test(tc, test_insecure_dir);
+	tcase_add_test(tc, test_symlink_dir);
+	tcase_add_test(tc, test_default_dir);
+	tcase_add_test(tc, test_eviction);
+	tcase_set_timeout(tc, 30);
+	suite_add_tcase(s, tc);
+	TCase *tp = tcase_create("concurrent");
+	tcase_add_test(tp, test_concurrent);
+	tcase_set_timeout(tp, 60);
+	suite_add_tcase(s, tp);
+	return s;
+}
