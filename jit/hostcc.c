@@ -255,7 +255,7 @@ static int run_capture(char *const *argv, char **output, int *wstatus,
 	bool fa_ok = false;
 	size_t len = 0, cap = 4096;
 	char *buf = malloc(cap);
-	pid_t pid = -1;
+	pid_t pid;
 	int err = 0;
 	char exe[PATH_MAX];
 	*output = NULL;
@@ -276,6 +276,7 @@ static int run_capture(char *const *argv, char **output, int *wstatus,
 		WHERE("malloc(cap)");
 		goto out;
 	}
+	RUN_CHECK(find_program(argv[0], exe, sizeof exe));
 	RUN_CHECK(pipe2(pfd, O_CLOEXEC) ? errno : 0);
 	RUN_CHECK(posix_spawn_file_actions_init(&fa));
 	fa_ok = true;
@@ -283,7 +284,6 @@ static int run_capture(char *const *argv, char **output, int *wstatus,
 	    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0));
 	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 1));
 	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 2));
-	RUN_CHECK(find_program(argv[0], exe, sizeof exe));
 	RUN_CHECK(posix_spawn(&pid, exe, &fa, NULL, argv, environ));
 	close(pfd[1]);
 	pfd[1] = -1;
@@ -320,7 +320,6 @@ static int run_capture(char *const *argv, char **output, int *wstatus,
 			break;
 		}
 	}
-	pid = -1;
 out:
 #undef RUN_CHECK
 #undef WHERE

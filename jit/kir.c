@@ -61,7 +61,8 @@ const char *ej_sb_finish(ej_sbuf *s, ej_arena *A)
 	return r;
 }
 
-/* ---- uses ------------------------------------------------------------------ */
+/* ---- uses ------------------------------------------------------------------
+ */
 
 ej_uses *ej_uses_build(ej_arena *A, const ej_graph *g)
 {
@@ -96,7 +97,8 @@ ej_uses *ej_uses_build(ej_arena *A, const ej_graph *g)
 	return u;
 }
 
-/* ---- node classes ---------------------------------------------------------- */
+/* ---- node classes ----------------------------------------------------------
+ */
 
 static bool is_float(epj_dtype dt)
 {
@@ -205,7 +207,8 @@ ej_kclass ej_kir_node_class(const ej_graph *g, int node)
 	}
 }
 
-/* ---- lowering -------------------------------------------------------------- */
+/* ---- lowering --------------------------------------------------------------
+ */
 
 #define KIR_MAX_VALS 4096 /* a group needing more SSA values is refused */
 
@@ -237,7 +240,8 @@ typedef struct kb {
 	do {                                                                   \
 		if ((n) == (cap)) {                                            \
 			int nc_ = (cap) ? 2 * (cap) : 16;                      \
-			void *p_ = realloc((arr), sizeof *(arr) * (size_t)nc_);    \
+			void *p_ =                                             \
+			    realloc((arr), sizeof *(arr) * (size_t)nc_);       \
 			EJ_ASSERT(p_);                                         \
 			(arr) = p_;                                            \
 			(cap) = nc_;                                           \
@@ -311,8 +315,8 @@ static bool map_ok(const kb *b, int n, const int64_t *shape, const int *map)
 }
 
 /* Map of input value x (numpy-broadcast to output o, read at omap). */
-static void broadcast_map(const ej_value *x, const ej_value *o,
-			  const int *omap, int *imap)
+static void broadcast_map(const ej_value *x, const ej_value *o, const int *omap,
+			  int *imap)
 {
 	int off = o->ndim - x->ndim;
 	for (int d = 0; d < x->ndim; d++)
@@ -406,7 +410,8 @@ static int lower_reduce(kb *b, const ej_ir_node *n, const int *omap)
 		r = emit(b, EJ_K_RSUM, EJ_KT_F64, xv, -1, 0);
 		if (n->op == EJ_OP_MEAN) /* sum / n in double, as ops_reduce */
 			r = emit(b, EJ_K_DIV, EJ_KT_F64, r,
-				 emit_const(b, EJ_KT_F64, (double)b->size[b->rank - 1]),
+				 emit_const(b, EJ_KT_F64,
+					    (double)b->size[b->rank - 1]),
 				 0);
 		if (t == EJ_KT_F32)
 			r = emit(b, EJ_K_CVT, EJ_KT_F32, r, -1, 0);
@@ -439,7 +444,7 @@ static int lower_cast(kb *b, int a, epj_dtype from, epj_dtype to)
 	ej_ktype tf = ktype_of(from), tt = ktype_of(to);
 	if (tf != tt)
 		a = emit(b, EJ_K_CVT, tt, a, -1, 0);
-	if (to == EJ_DTYPE_BF16 && from != EJ_DTYPE_BF16)
+	if (to == EPJ_DTYPE_BF16 && from != EPJ_DTYPE_BF16)
 		a = emit(b, EJ_K_RBF16, EJ_KT_F32, a, -1, 0);
 	return a;
 }
@@ -656,8 +661,10 @@ ej_kernel *ej_kir_build(ej_arena *A, const ej_graph *g, const ej_uses *u,
 	int n_out = 0, *outs = malloc(sizeof(int) * (size_t)(n_nodes + 1));
 	EJ_ASSERT(outs);
 	b.T = ej_arena_new();
-	b.memo = ej_arena_alloc(b.T, sizeof(memo *) * (size_t)(g->n_values + 1));
-	b.input_of = ej_arena_alloc(b.T, sizeof(int) * (size_t)(g->n_values + 1));
+	b.memo =
+	    ej_arena_alloc(b.T, sizeof(memo *) * (size_t)(g->n_values + 1));
+	b.input_of =
+	    ej_arena_alloc(b.T, sizeof(int) * (size_t)(g->n_values + 1));
 	for (int v = 0; v < g->n_values; v++)
 		b.input_of[v] = -1;
 	/* outputs: values used outside the group or by the graph */
@@ -746,21 +753,34 @@ out:
 	return k;
 }
 
-/* ---- dumps ----------------------------------------------------------------- */
+/* ---- dumps -----------------------------------------------------------------
+ */
 
 static const char *const kop_names[EJ_K_COUNT] = {
-	[EJ_K_LOAD] = "load",	    [EJ_K_CONST] = "const",
-	[EJ_K_ADD] = "add",	    [EJ_K_SUB] = "sub",
-	[EJ_K_MUL] = "mul",	    [EJ_K_DIV] = "div",
-	[EJ_K_EQ] = "eq",	    [EJ_K_NEG] = "neg",
-	[EJ_K_EXP] = "exp",	    [EJ_K_LOG] = "log",
-	[EJ_K_SQRT] = "sqrt",	    [EJ_K_RSQRT] = "rsqrt",
-	[EJ_K_SILU] = "silu",	    [EJ_K_SIGMOID] = "sigmoid",
-	[EJ_K_TANH] = "tanh",	    [EJ_K_GELU] = "gelu",
-	[EJ_K_SILU_BW] = "silu_bw", [EJ_K_GELU_BW] = "gelu_bw",
-	[EJ_K_POWC] = "powc",	    [EJ_K_RECIP] = "recip",
-	[EJ_K_CVT] = "cvt",	    [EJ_K_RBF16] = "round_bf16",
-	[EJ_K_RSUM] = "row_sum",    [EJ_K_RMAX] = "row_max",
+	[EJ_K_LOAD] = "load",
+	[EJ_K_CONST] = "const",
+	[EJ_K_ADD] = "add",
+	[EJ_K_SUB] = "sub",
+	[EJ_K_MUL] = "mul",
+	[EJ_K_DIV] = "div",
+	[EJ_K_EQ] = "eq",
+	[EJ_K_NEG] = "neg",
+	[EJ_K_EXP] = "exp",
+	[EJ_K_LOG] = "log",
+	[EJ_K_SQRT] = "sqrt",
+	[EJ_K_RSQRT] = "rsqrt",
+	[EJ_K_SILU] = "silu",
+	[EJ_K_SIGMOID] = "sigmoid",
+	[EJ_K_TANH] = "tanh",
+	[EJ_K_GELU] = "gelu",
+	[EJ_K_SILU_BW] = "silu_bw",
+	[EJ_K_GELU_BW] = "gelu_bw",
+	[EJ_K_POWC] = "powc",
+	[EJ_K_RECIP] = "recip",
+	[EJ_K_CVT] = "cvt",
+	[EJ_K_RBF16] = "round_bf16",
+	[EJ_K_RSUM] = "row_sum",
+	[EJ_K_RMAX] = "row_max",
 	[EJ_K_RMAXS] = "row_max_softmax",
 };
 

@@ -116,8 +116,8 @@ typedef struct ej_koutput {
 	int value; /* graph value stored */
 	int v;	   /* SSA value */
 	epj_dtype dtype;
-	bool row;  /* one element per row (shape = rows [+ 1]) */
-	int loop;  /* element outputs: the column loop storing it */
+	bool row; /* one element per row (shape = rows [+ 1]) */
+	int loop; /* element outputs: the column loop storing it */
 } ej_koutput;
 
 typedef struct ej_kernel {

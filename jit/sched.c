@@ -35,7 +35,7 @@ typedef struct sched {
 	const ej_graph *g;
 	const ej_uses *u;
 	ej_kclass *cls;
-	int *gid;	/* group of each node */
+	int *gid;	  /* group of each node */
 	int *head, *next; /* member lists (node order not kept) */
 	int *size;
 	int *stamp, cur;
@@ -154,8 +154,7 @@ static bool try_merge(sched *s, int a, int b)
 		return false;
 	int n = mark(s, a, b);
 	ej_arena *T = ej_arena_new();
-	ej_kernel *k =
-	    ej_kir_build(T, s->g, s->u, s->member, s->list, n, NULL);
+	ej_kernel *k = ej_kir_build(T, s->g, s->u, s->member, s->list, n, NULL);
 	ej_arena_free(T);
 	unmark(s, n);
 	if (!k)
@@ -268,7 +267,8 @@ ej_schedule *ej_sched_build(ej_arena *A, const ej_graph *g)
 		if (k) {
 			k->id = sc->n_kernels;
 			sc->kernels[sc->n_kernels++] = k;
-			sc->steps[sc->n_steps++] = (ej_step){ .k = k, .node = -1 };
+			sc->steps[sc->n_steps++] =
+			    (ej_step){ .k = k, .node = -1 };
 		} else {
 			for (int i = 0; i < n; i++) {
 				sc->steps[sc->n_steps++] =

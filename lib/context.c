@@ -41,6 +41,8 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	ej_rng_seed(&ctx->rng, 42);
 	ctx->ctr_eager_launches =
 	    ej_counter_slot(ctx, "kernels.launched.eager");
+	const char *prof = getenv("EPJIT_PROFILE");
+	ctx->profile = prof && *prof && strcmp(prof, "0") != 0;
 	*out = ctx;
 	return EPJ_OK;
 }

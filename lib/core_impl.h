@@ -363,6 +363,10 @@ struct epj_ctx {
 	ej_counter_table *counters;
 	int64_t *ctr_eager_launches; /* slot of kernels.launched.eager */
 	const ej_recorder *recorder; /* non-NULL while tracing */
+	/* EPJIT_PROFILE=1: per-op kernel time into counters
+	 * profile.<op>.us / profile.<op>.calls (eager and compiled alike) */
+	bool profile;
+	int64_t *prof_us[EJ_OP_COUNT], *prof_calls[EJ_OP_COUNT];
 	/* Runtime hooks (installed by upper layers, may be NULL; lib/ never
 	 * looks inside). */
 	const void *rt_break_hook; /* runtime's ej_break_hook */

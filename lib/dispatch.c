@@ -12,6 +12,7 @@
 #include "ops_impl.h"
 
 #include <stdarg.h>
+#include <time.h>
 
 /* ---- attributes -----------------------------------------------------------
  */
@@ -237,6 +238,27 @@ static epj_status record_node(epj_ctx *ctx, int op, epj_tensor *const *in,
 
 #define EJ_MAX_STACK_OUTS 8
 
+/* EPJIT_PROFILE: the kernel's wall time in microseconds, per op. */
+static epj_status profiled_kernel(epj_ctx *ctx, const ej_op_info *info,
+				  ej_call *c)
+{
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	epj_status st = info->cpu_kernel(ctx, c);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	if (!ctx->prof_us[c->op]) {
+		char name[96];
+		snprintf(name, sizeof name, "profile.%s.us", info->name);
+		ctx->prof_us[c->op] = ej_counter_slot(ctx, name);
+		snprintf(name, sizeof name, "profile.%s.calls", info->name);
+		ctx->prof_calls[c->op] = ej_counter_slot(ctx, name);
+	}
+	*ctx->prof_us[c->op] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000 +
+				(t1.tv_nsec - t0.tv_nsec) / 1000;
+	(*ctx->prof_calls[c->op])++;
+	return st;
+}
+
 epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 		       const ej_attrs *attrs, epj_tensor **outs, int n_out)
 {
@@ -313,7 +335,11 @@ epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 	}
 	if (run_kernel) {
 		c.out = outs;
-		st = info->cpu_kernel(ctx, &c);
+		if (ctx->profile) {
+			st = profiled_kernel(ctx, info, &c);
+		} else {
+			st = info->cpu_kernel(ctx, &c);
+		}
 		if (st != EPJ_OK)
 			goto fail;
 		(*ctx->ctr_eager_launches)++;

@@ -193,9 +193,11 @@ static epj_status on_break(void *self, epj_ctx *ctx, epj_module *m,
 			   int n_out)
 {
 	(void)self;
-	const char *reason = strcmp(m->kind, "AutoEPMoELayer") == 0
-				 ? "autoep"
-				 : "compiler_disabled";
+	/* an AutoEP layer, or (full-model mode) a checkpointed block that
+	 * runs eagerly with its checkpointing (module.c) */
+	const char *reason = !strcmp(m->kind, "AutoEPMoELayer") ? "autoep"
+			     : m->compiler_disabled ? "compiler_disabled"
+						    : "checkpoint";
 	return ej_trace_break(ctx, m, reason, in, n_in, out, n_out);
 }
 

@@ -180,7 +180,8 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
  * back to x's dtype, times weight. */
 epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps);
 
-/* ---- engine (engine.c, compile.c) ----------------------------------------------- */
+/* ---- engine (engine.c, compile.c)
+ * ----------------------------------------------- */
 
 typedef struct ej_optim ej_optim;
 

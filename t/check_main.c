@@ -19,6 +19,7 @@ int main(void)
 		make_optim_suite,	  make_model_suite,
 		make_engine_suite,	  make_jit_suite,
 		make_compile_suite,	  make_parity_suite,
+		make_kcache_suite,	  make_cc_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

@@ -35,6 +35,8 @@ Suite *make_engine_suite(void);
 Suite *make_jit_suite(void);
 Suite *make_compile_suite(void);
 Suite *make_parity_suite(void);
+Suite *make_kcache_suite(void);
+Suite *make_cc_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

@@ -1,0 +1,329 @@
+/* bench/bench_compile.c -- eager vs regionally compiled, side by side in one
+ * run, on the bench config (bench/configs: hidden 256, 8 layers, 8 experts
+ * top-2, seq 256, micro-batch 4, bf16, fixed routing).
+ *
+ * Two arms, each with its own context (its own allocator, so peak memory is
+ * per arm) and an identical model and engine; the compiled arm calls
+ * epj_engine_compile() with compile.autoep_non_moe and the chosen backend.
+ * After --warmup steps per arm (the compiled arm traces and compiles then),
+ * the arms alternate A B B A ... for --steps steps each, so slow drifts of a
+ * shared machine hit both.  Reported, as ratios compiled/eager:
+ *   - median step time (wall), and CPU time per step,
+ *   - kernel launches per step (eager + compiled counters),
+ *   - peak allocated and peak reserved bytes over the measured window,
+ * and the compile costs:
+ *   - cold compile time of the 2-layer and the 8-layer model (compile.us of
+ *     the first step), their ratio,
+ *   - with --cache-dir, the compile time of a second process on a warm disk
+ *     cache relative to the cold one.
+ * Checks nothing but that the run works; timed claims live here only.
+ *
+ * Usage: bench-compile [--model FILE] [--model2 FILE] [--config FILE]
+ *                      [--backend NAME] [--seq T] [--warmup N] [--steps N]
+ *                      [--checkpointing] [--compile-only]
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "epjit.h"
+
+#define PROG "bench-compile"
+
+typedef struct bopts {
+	const char *model, *model2, *config, *backend;
+	long seq, warmup, steps;
+	bool checkpointing, compile_only;
+} bopts;
+
+typedef struct arm {
+	const char *name;
+	epj_ctx *ctx;
+	epj_model *model;
+	epj_engine *eng;
+	epj_corpus *corpus;
+	double *wall, *cpu;
+	int64_t launches0, launches1;
+	epj_memory_stats mem;
+} arm;
+
+static double clock_ms(clockid_t id)
+{
+	struct timespec ts;
+	clock_gettime(id, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static double median(double *v, long n)
+{
+	double *c = malloc(sizeof *c * (size_t)n);
+	memcpy(c, v, sizeof *c * (size_t)n);
+	qsort(c, (size_t)n, sizeof *c, cmp_double);
+	double m = n % 2 ? c[n / 2] : 0.5 * (c[n / 2 - 1] + c[n / 2]);
+	free(c);
+	return m;
+}
+
+static int die(epj_ctx *ctx, const char *what)
+{
+	fprintf(stderr, PROG ": %s: %s\n", what,
+		ctx ? epj_ctx_error(ctx) : "failed");
+	return 1;
+}
+
+/* ds config text: the bench config file plus the compile section. */
+static char *config_text(const bopts *o, bool compiled)
+{
+	FILE *f = fopen(o->config, "r");
+	if (!f)
+		return NULL;
+	fseek(f, 0, SEEK_END);
+	long n = ftell(f);
+	fseek(f, 0, SEEK_SET);
+	char *base = malloc((size_t)n + 1);
+	if (fread(base, 1, (size_t)n, f) != (size_t)n) {
+		fclose(f);
+		free(base);
+		return NULL;
+	}
+	fclose(f);
+	base[n] = 0;
+	/* insert the compile section before the final brace */
+	char *end = strrchr(base, '}');
+	if (!end) {
+		free(base);
+		return NULL;
+	}
+	*end = 0;
+	size_t cap = (size_t)n + 512;
+	char *s = malloc(cap);
+	snprintf(s, cap,
+		 "%s, \"compile\": {\"autoep_non_moe\": %s, \"backend\": "
+		 "\"%s\"}, \"activation_checkpointing\": {\"enabled\": %s}}",
+		 base, compiled ? "true" : "false", o->backend,
+		 o->checkpointing ? "true" : "false");
+	free(base);
+	return s;
+}
+
+static int arm_init(arm *a, const bopts *o, const char *model, bool compiled)
+{
+	if (epj_ctx_new("cpu", &a->ctx) != EPJ_OK)
+		return die(NULL, "context");
+	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
+			      .seed = 1234,
+			      .fixed_routing = true,
+			      .dtype = EPJ_DTYPE_F32 };
+	if (epj_model_new(a->ctx, model, &mo, &a->model) != EPJ_OK)
+		return die(a->ctx, "model");
+	char *cfg = config_text(o, compiled);
+	if (!cfg) {
+		fprintf(stderr, PROG ": cannot read %s\n", o->config);
+		return 1;
+	}
+	epj_status st = epj_engine_initialize_json(a->ctx, a->model, cfg,
+						   o->config, &a->eng);
+	free(cfg);
+	if (st != EPJ_OK)
+		return die(a->ctx, "engine");
+	if (compiled && epj_engine_compile(a->eng) != EPJ_OK)
+		return die(a->ctx, "compile");
+	a->corpus = epj_corpus_synthetic(
+	    a->ctx, (uint32_t)epj_model_vocab_size(a->model), 99);
+	if (!a->corpus)
+		return die(a->ctx, "corpus");
+	a->wall = calloc((size_t)o->steps + 1, sizeof(double));
+	a->cpu = calloc((size_t)o->steps + 1, sizeof(double));
+	return 0;
+}
+
+static void arm_free(arm *a)
+{
+	free(a->wall);
+	free(a->cpu);
+	epj_corpus_free(a->corpus);
+	epj_engine_free(a->eng);
+	epj_model_free(a->model);
+	epj_ctx_free(a->ctx);
+}
+
+static int64_t launches(epj_ctx *ctx)
+{
+	return epj_counter_get(ctx, "kernels.launched.eager") +
+	       epj_counter_get(ctx, "kernels.launched.compiled");
+}
+
+/* One optimizer step (gas micro-batches); wall and cpu ms out. */
+static int step(arm *a, const bopts *o, double *wall, double *cpu)
+{
+	int64_t B = epj_engine_micro_batch_size(a->eng);
+	int64_t gas = epj_engine_grad_accum_steps(a->eng);
+	double w0 = clock_ms(CLOCK_MONOTONIC),
+	       c0 = clock_ms(CLOCK_PROCESS_CPUTIME_ID);
+	for (int64_t k = 0; k < gas; k++) {
+		epj_tensor *ids = NULL, *labels = NULL;
+		if (epj_corpus_next_batch(a->ctx, a->corpus, B, o->seq, &ids,
+					  &labels) != EPJ_OK)
+			return die(a->ctx, "batch");
+		epj_step_info info;
+		epj_status st =
+		    epj_engine_train_step(a->eng, ids, labels, &info);
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		if (st != EPJ_OK)
+			return die(a->ctx, a->name);
+	}
+	*wall = clock_ms(CLOCK_MONOTONIC) - w0;
+	*cpu = clock_ms(CLOCK_PROCESS_CPUTIME_ID) - c0;
+	return 0;
+}
+
+/* Cold compile time (ms) of a model: compile.us of its first step. */
+static int cold_compile(const bopts *o, const char *model, double *ms,
+			int64_t *graphs)
+{
+	arm a = { .name = "compile" };
+	bopts one = *o;
+	one.steps = 1;
+	int rc = arm_init(&a, &one, model, true);
+	double w, c;
+	if (!rc)
+		rc = step(&a, &one, &w, &c);
+	if (!rc) {
+		*ms = (double)epj_counter_get(a.ctx, "compile.us") / 1e3;
+		*graphs = epj_counter_get(a.ctx, "stats.unique_graphs");
+	}
+	arm_free(&a);
+	return rc;
+}
+
+static int parse(int argc, char **argv, bopts *o)
+{
+	*o = (bopts){ .model = "bench/configs/bench-model.json",
+		      .model2 = "bench/configs/bench-model-2l.json",
+		      .config = "bench/configs/bench-ds.json",
+		      .backend = "interpreter",
+		      .seq = 256,
+		      .warmup = 2,
+		      .steps = 6 };
+	for (int i = 1; i < argc; i++) {
+		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+		if (!strcmp(a, "--checkpointing"))
+			o->checkpointing = true;
+		else if (!strcmp(a, "--compile-only"))
+			o->compile_only = true;
+		else if (v && !strcmp(a, "--model"))
+			o->model = v, i++;
+		else if (v && !strcmp(a, "--model2"))
+			o->model2 = v, i++;
+		else if (v && !strcmp(a, "--config"))
+			o->config = v, i++;
+		else if (v && !strcmp(a, "--backend"))
+			o->backend = v, i++;
+		else if (v && !strcmp(a, "--seq"))
+			o->seq = atol(v), i++;
+		else if (v && !strcmp(a, "--warmup"))
+			o->warmup = atol(v), i++;
+		else if (v && !strcmp(a, "--steps"))
+			o->steps = atol(v), i++;
+		else {
+			fprintf(stderr,
+				"usage: " PROG " [--model F] [--model2 F] "
+				"[--config F] [--backend NAME] [--seq T] "
+				"[--warmup N] [--steps N] [--checkpointing] "
+				"[--compile-only]\n");
+			return 2;
+		}
+	}
+	if (o->seq < 1 || o->steps < 1 || o->warmup < 1) {
+		fprintf(stderr,
+			PROG ": --seq, --steps, --warmup must be >= 1\n");
+		return 2;
+	}
+	return -1;
+}
+
+int main(int argc, char **argv)
+{
+	bopts o;
+	int rc = parse(argc, argv, &o);
+	if (rc >= 0)
+		return rc;
+	printf(PROG ": model %s, seq %ld, backend %s, checkpointing %s, "
+		    "warmup %ld, steps %ld per arm\n",
+	       o.model, o.seq, o.backend, o.checkpointing ? "on" : "off",
+	       o.warmup, o.steps);
+	double c2 = 0, c8 = 0;
+	int64_t g2 = 0, g8 = 0;
+	if ((rc = cold_compile(&o, o.model2, &c2, &g2)) ||
+	    (rc = cold_compile(&o, o.model, &c8, &g8)))
+		return rc;
+	printf("cold compile: 2-layer %.1f ms (%" PRId64
+	       " graphs), 8-layer %.1f ms (%" PRId64 " graphs), ratio %.2f\n",
+	       c2, g2, c8, g8, c2 > 0 ? c8 / c2 : 0.0);
+	if (o.compile_only)
+		return 0;
+
+	arm e = { .name = "eager" }, c = { .name = "compiled" };
+	if ((rc = arm_init(&e, &o, o.model, false)) ||
+	    (rc = arm_init(&c, &o, o.model, true)))
+		goto out;
+	double w, cp;
+	for (long i = 0; i < o.warmup; i++)
+		if ((rc = step(&e, &o, &w, &cp)) ||
+		    (rc = step(&c, &o, &w, &cp)))
+			goto out;
+	epj_memory_reset_peaks(e.ctx);
+	epj_memory_reset_peaks(c.ctx);
+	e.launches0 = launches(e.ctx);
+	c.launches0 = launches(c.ctx);
+	int64_t frames0 = epj_counter_get(c.ctx, "frames.total");
+	for (long i = 0; i < o.steps; i++) {
+		/* A B B A ... */
+		arm *first = i % 2 ? &c : &e, *second = i % 2 ? &e : &c;
+		if ((rc = step(first, &o, &first->wall[i], &first->cpu[i])) ||
+		    (rc = step(second, &o, &second->wall[i], &second->cpu[i])))
+			goto out;
+	}
+	e.launches1 = launches(e.ctx);
+	c.launches1 = launches(c.ctx);
+	epj_memory_stats_get(e.ctx, &e.mem);
+	epj_memory_stats_get(c.ctx, &c.mem);
+	double ew = median(e.wall, o.steps), cw = median(c.wall, o.steps);
+	double ec = median(e.cpu, o.steps), cc = median(c.cpu, o.steps);
+	double el = (double)(e.launches1 - e.launches0) / (double)o.steps;
+	double cl = (double)(c.launches1 - c.launches0) / (double)o.steps;
+	printf("%-26s %14s %14s %8s\n", "", "eager", "compiled", "ratio");
+	printf("%-26s %14.1f %14.1f %8.3f\n", "median step (ms, wall)", ew, cw,
+	       cw / ew);
+	printf("%-26s %14.1f %14.1f %8.3f\n", "median step (ms, cpu)", ec, cc,
+	       cc / ec);
+	printf("%-26s %14.0f %14.0f %8.3f\n", "kernel launches / step", el, cl,
+	       cl / el);
+	printf("%-26s %14.1f %14.1f %8.3f\n", "peak allocated (MiB)",
+	       (double)e.mem.peak_allocated / 1048576.0,
+	       (double)c.mem.peak_allocated / 1048576.0,
+	       (double)c.mem.peak_allocated / (double)e.mem.peak_allocated);
+	printf("%-26s %14.1f %14.1f %8.3f\n", "peak reserved (MiB)",
+	       (double)e.mem.peak_reserved / 1048576.0,
+	       (double)c.mem.peak_reserved / 1048576.0,
+	       (double)c.mem.peak_reserved / (double)e.mem.peak_reserved);
+	printf("frames compiled in the measured window: %" PRId64 "\n",
+	       epj_counter_get(c.ctx, "frames.total") - frames0);
+out:
+	arm_free(&e);
+	arm_free(&c);
+	return rc;
+}

@@ -1,0 +1,739 @@
+/* check_codegen.c -- the code generator: fusion schedule, kernel IR, the C
+ * backend (generated C, host cc, dlopen) against the interpreter, and the
+ * CUDA C printer under NVRTC.
+ *
+ * Every case traces a small function (RMSNorm, RoPE, SwiGLU, softmax,
+ * residual chains...) on random odd-sized inputs, compiles it once with the
+ * C backend and once with the interpreter, and compares outputs and input
+ * gradients (f64 1e-12, f32 1e-5, bf16 two ulps: fused kernels keep every
+ * bf16 rounding of the op-by-op run, so they differ only by the order of
+ * double sums, which can flip a bf16 tie).  Then every generated kernel is
+ * checked alone: its group of nodes becomes a graph of its own, run on
+ * fresh random, non-contiguous inputs by both backends.  Launch counts: the
+ * C backend launches fewer kernels than the interpreter (RMSNorm forward:
+ * one).  Every graph's CUDA C compiles under NVRTC for sm_80 and sm_90
+ * without a warning (when NVRTC is built in).
+ *
+ * The kernel cache goes to a private temporary directory per test.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include "check_util.h"
+
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cc.h"
+#include "jit_impl.h"
+#include "kir.h"
+
+/* ---- private cache directory -----------------------------------------------
+ */
+
+static char cache_dir[256];
+
+static int rm_one(const char *p, const struct stat *sb, int flag,
+		  struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(p);
+}
+
+static void cache_setup(void)
+{
+	snprintf(cache_dir, sizeof cache_dir, "%s/epjit-cg-XXXXXX",
+		 getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR")
+						       : "/tmp");
+	ck_assert_ptr_nonnull(mkdtemp(cache_dir));
+	setenv("EPJIT_CACHE_DIR", cache_dir, 1);
+}
+
+static void cache_teardown(void)
+{
+	if (cache_dir[0])
+		nftw(cache_dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+	cache_dir[0] = 0;
+}
+
+/* ---- traced functions
+ * --------------------------------------------------------- */
+
+typedef epj_tensor *(*cg_fn)(epj_ctx *ctx, epj_tensor *const *in);
+typedef struct cg_user {
+	cg_fn fn;
+} cg_user;
+
+static epj_status traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
+			 int n_in, epj_tensor **out, int n_out)
+{
+	(void)n_in;
+	(void)n_out;
+	out[0] = ((cg_user *)user)->fn(ctx, in);
+	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+/* RMSNorm as the model writes it (runtime/qwen3.c): f32 inside. */
+static epj_tensor *rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
+{
+	bool up = epj_tensor_dtype(x) == EPJ_DTYPE_BF16;
+	epj_tensor *xf =
+	    up ? epj_cast(ctx, x, EPJ_DTYPE_F32) : epj_tensor_ref(x);
+	epj_tensor *sq = epj_pow_scalar(ctx, xf, 2.0);
+	epj_tensor *var = epj_mean(ctx, sq, -1, true);
+	epj_tensor *ve = epj_add_scalar(ctx, var, 1e-6);
+	epj_tensor *rs = epj_rsqrt(ctx, ve);
+	epj_tensor *nx = epj_mul(ctx, xf, rs);
+	epj_tensor *nc =
+	    up ? epj_cast(ctx, nx, epj_tensor_dtype(x)) : epj_tensor_ref(nx);
+	epj_tensor *y = epj_mul(ctx, w, nc);
+	epj_tensor *t[] = { xf, sq, var, ve, rs, nx, nc };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+static epj_tensor *f_rmsnorm(epj_ctx *ctx, epj_tensor *const *in)
+{
+	return rmsnorm(ctx, in[0], in[1]);
+}
+
+/* x [B,H,T,D] * cos + rotate_half(x) * sin; cos, sin [T,D]. */
+static epj_tensor *f_rope(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *x = in[0];
+	int64_t d = epj_tensor_dim(x, -1);
+	epj_tensor *x1 = epj_slice(ctx, x, -1, 0, d / 2, 1);
+	epj_tensor *x2 = epj_slice(ctx, x, -1, d / 2, d, 1);
+	epj_tensor *nx2 = epj_neg(ctx, x2);
+	epj_tensor *parts[2] = { nx2, x1 };
+	epj_tensor *rot = epj_cat(ctx, parts, 2, -1);
+	epj_tensor *xc = epj_mul(ctx, x, in[1]);
+	epj_tensor *rs = epj_mul(ctx, rot, in[2]);
+	epj_tensor *y = epj_add(ctx, xc, rs);
+	epj_tensor *t[] = { x1, x2, nx2, rot, xc, rs };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* down(silu(gate(x)) * up(x)); weights are inputs here. */
+static epj_tensor *f_swiglu(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *g = epj_linear(ctx, in[0], in[1], NULL);
+	epj_tensor *s = epj_silu(ctx, g);
+	epj_tensor *u = epj_linear(ctx, in[0], in[2], NULL);
+	epj_tensor *m = epj_mul(ctx, s, u);
+	epj_tensor *y = epj_linear(ctx, m, in[3], NULL);
+	epj_tensor *t[] = { g, s, u, m };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* softmax(x * scale + mask) + log_softmax(x) + a hand-written softmax. */
+static epj_tensor *f_softmax(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *x = in[0];
+	epj_tensor *xs = epj_mul_scalar(ctx, x, 0.37);
+	epj_tensor *xm = epj_add(ctx, xs, in[1]);
+	epj_tensor *p = epj_softmax(ctx, xm, -1);
+	epj_tensor *lp = epj_log_softmax(ctx, x, -1);
+	epj_tensor *m = epj_amax(ctx, x, -1, true);
+	epj_tensor *d = epj_sub(ctx, x, m);
+	epj_tensor *e = epj_exp(ctx, d);
+	epj_tensor *s = epj_sum(ctx, e, -1, true);
+	epj_tensor *q = epj_div(ctx, e, s);
+	epj_tensor *a = epj_add(ctx, p, lp);
+	epj_tensor *y = epj_add(ctx, a, q);
+	epj_tensor *t[] = { xs, xm, p, lp, m, d, e, s, q, a };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* h = x + a; y = (h * g + b) * sigmoid(h) - tanh(h) / 3 + gelu(x)
+ * with g [T,1], b [H] broadcast, then a cast round trip. */
+static epj_tensor *f_residual(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *h = epj_add(ctx, in[0], in[1]);
+	epj_tensor *hg = epj_mul(ctx, h, in[2]);
+	epj_tensor *hb = epj_add(ctx, hg, in[3]);
+	epj_tensor *sg = epj_sigmoid(ctx, h);
+	epj_tensor *p = epj_mul(ctx, hb, sg);
+	epj_tensor *th = epj_tanh(ctx, h);
+	epj_tensor *t3 = epj_mul_scalar(ctx, th, 1.0 / 3.0);
+	epj_tensor *dd = epj_sub(ctx, p, t3);
+	epj_tensor *ge = epj_gelu(ctx, in[0]);
+	epj_tensor *y = epj_add(ctx, dd, ge);
+	epj_tensor *t[] = { h, hg, hb, sg, p, th, t3, dd, ge };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* ---- compile and compare ------------------------------------------------- */
+
+typedef struct run_out {
+	epj_tensor *y;
+	epj_tensor *grad[8];
+	int64_t launches_fwd, launches_bwd;
+} run_out;
+
+static ej_region_fn *compile(epj_ctx *ctx, ej_jit *jit, cg_fn fn,
+			     epj_tensor *const *in, int n_in)
+{
+	cg_user u = { fn };
+	ej_trace *tr = NULL;
+	epj_status st =
+	    ej_trace_region(ctx, jit, traced, &u, in, n_in, 1, NULL, NULL, &tr);
+	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
+	ej_region_fn *f = NULL;
+	st = ej_jit_compile(ctx, jit, tr, &f);
+	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
+	return f;
+}
+
+/* Compiles fn with `backend` and runs it; with train, also backward of
+ * sum(y * w) into the grads of the inputs that require grad. */
+static ej_region_fn *run_backend(epj_ctx *ctx, ej_jit *jit, cg_fn fn,
+				 epj_tensor *const *in, int n_in, epj_tensor *w,
+				 run_out *r)
+{
+	memset(r, 0, sizeof *r);
+	ej_region_fn *f = compile(ctx, jit, fn, in, n_in);
+	int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+	epj_status st =
+	    ej_region_run(ctx, f, in, n_in, NULL, 0, NULL, NULL, &r->y, 1);
+	ck_assert_msg(st == EPJ_OK, "run: %s", epj_ctx_error(ctx));
+	int64_t l1 = epj_counter_get(ctx, "kernels.launched.compiled");
+	r->launches_fwd = l1 - l0;
+	if (w) {
+		epj_tensor *yw = epj_mul(ctx, r->y, w);
+		epj_tensor *loss = epj_sum_all(ctx, yw);
+		tu_ok(ctx, loss);
+		ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		r->launches_bwd =
+		    epj_counter_get(ctx, "kernels.launched.compiled") - l1;
+		for (int i = 0; i < n_in; i++) {
+			epj_tensor *g = epj_tensor_grad(in[i]);
+			r->grad[i] = g ? epj_detach(ctx, g) : NULL;
+			epj_tensor_zero_grad(in[i]);
+			epj_tensor_set_grad(in[i], NULL);
+		}
+		epj_tensor_free(yw);
+		epj_tensor_free(loss);
+	}
+	return f;
+}
+
+static void run_out_free(run_out *r)
+{
+	epj_tensor_free(r->y);
+	for (int i = 0; i < 8; i++)
+		epj_tensor_free(r->grad[i]);
+}
+
+static double tol_of(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64   ? 1e-12
+	       : dt == EPJ_DTYPE_F32 ? 1e-5
+				     : 1.6e-2;
+}
+
+static void check_kernels_of(epj_ctx *ctx, ej_graph *const *gs, int n_g,
+			     epj_dtype dt);
+static void nvrtc_check_graph(epj_ctx *ctx, ej_graph *g);
+
+/* The shape of the cases: compiles fn with both backends, compares, checks
+ * every kernel of every graph alone, and hands back the C backend's
+ * compiled function (for schedule assertions) when keep is set. */
+typedef struct case_res {
+	int64_t c_fwd, c_bwd, i_fwd, i_bwd;
+	int fwd_kernels, fwd_extern;
+} case_res;
+
+static case_res run_case(epj_ctx *ctx, cg_fn fn, epj_tensor *const *in,
+			 int n_in, bool train, const char *what)
+{
+	case_res cr = { 0 };
+	epj_dtype dt = epj_tensor_dtype(in[0]);
+	double tol = tol_of(dt);
+	bool prev =
+	    train ? epj_ctx_status(ctx) == EPJ_OK : epj_no_grad_enter(ctx);
+	epj_tensor *w = NULL;
+	if (train) {
+		for (int i = 0; i < n_in; i++)
+			epj_tensor_set_requires_grad(in[i], true);
+	}
+	ej_jit *jc = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_jit *ji = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
+	run_out rc, ri;
+	/* the output's shape, for the random weight of the loss */
+	{
+		bool p2 = epj_no_grad_enter(ctx);
+		epj_tensor *y = fn(ctx, in);
+		tu_ok(ctx, y);
+		if (train)
+			w = tu_randn(ctx, epj_tensor_dtype(y),
+				     epj_tensor_ndim(y), epj_tensor_shape(y));
+		epj_tensor_free(y);
+		epj_no_grad_exit(ctx, p2);
+	}
+	ej_region_fn *fc = run_backend(ctx, jc, fn, in, n_in, w, &rc);
+	ej_region_fn *fi = run_backend(ctx, ji, fn, in, n_in, w, &ri);
+	char buf[128];
+	snprintf(buf, sizeof buf, "%s %s output", what, epj_dtype_name(dt));
+	tu_assert_tensors_close(ctx, rc.y, ri.y, tol, tol, buf);
+	for (int i = 0; train && i < n_in; i++) {
+		snprintf(buf, sizeof buf, "%s %s grad of input %d", what,
+			 epj_dtype_name(dt), i);
+		ck_assert_msg(rc.grad[i] && ri.grad[i], "%s missing", buf);
+		tu_assert_tensors_close(ctx, rc.grad[i], ri.grad[i], tol, tol,
+					buf);
+	}
+	cr.c_fwd = rc.launches_fwd;
+	cr.c_bwd = rc.launches_bwd;
+	cr.i_fwd = ri.launches_fwd;
+	cr.i_bwd = ri.launches_bwd;
+	/* kernel-level checks and NVRTC on every graph compiled */
+	for (int s = 0; s < fc->n_steps; s++) {
+		ej_segment *seg = fc->steps[s].seg;
+		if (fc->steps[s].is_break)
+			continue;
+		ej_graph *gs[2] = { seg->fwd, seg->bwd };
+		check_kernels_of(ctx, gs, seg->bwd ? 2 : 1, dt);
+		for (int k = 0; k < 2; k++)
+			if (gs[k])
+				nvrtc_check_graph(ctx, gs[k]);
+		if (s == 0) {
+			ej_arena *A = ej_arena_new();
+			ej_schedule *sc = ej_sched_build(A, seg->fwd);
+			cr.fwd_kernels = sc->n_kernels;
+			cr.fwd_extern = sc->n_extern;
+			ej_arena_free(A);
+		}
+	}
+	run_out_free(&rc);
+	run_out_free(&ri);
+	ej_region_fn_free(fc);
+	ej_region_fn_free(fi);
+	ej_jit_free(jc);
+	ej_jit_free(ji);
+	epj_tensor_free(w);
+	if (!train)
+		epj_no_grad_exit(ctx, prev);
+	return cr;
+}
+
+/* ---- kernel-level: each kernel as a graph of its own ------------------------
+ */
+
+/* Fresh inputs: |N(0,1)| + 0.25 (positive, so log/sqrt/rsqrt stay finite),
+ * every second one non-contiguous. */
+static epj_tensor *fresh_input(epj_ctx *ctx, const ej_value *v, int i)
+{
+	epj_tensor *r = tu_randn(ctx, v->dtype, v->ndim, v->shape);
+	int64_t n = epj_tensor_numel(r);
+	for (int64_t q = 0; q < n; q++)
+		epj_tensor_set_f64(r, q, fabs(epj_tensor_get_f64(r, q)) + 0.25);
+	if (i % 2 == 1 && v->ndim >= 1) {
+		epj_tensor *nc = tu_noncontig(ctx, r);
+		epj_tensor_free(r);
+		r = nc;
+	}
+	return r;
+}
+
+/* All kernels of g's schedule side by side in one graph (each kernel's
+ * nodes reading fresh inputs of their own), built and run by both
+ * backends: one host cc run per graph checks every kernel. */
+static void check_kernels_of(epj_ctx *ctx, ej_graph *const *gs, int n_g,
+			     epj_dtype dt)
+{
+	ej_graph *sub = ej_graph_new("kernels");
+	int n_in = 0, n_out = 0, n_kernels = 0;
+	for (int gi = 0; gi < n_g; gi++) {
+		ej_graph *g = gs[gi];
+		ej_arena *A = ej_arena_new();
+		ej_schedule *s = ej_sched_build(A, g);
+		int *map = calloc((size_t)g->n_values + 1, sizeof(int));
+		ck_assert_ptr_nonnull(map);
+		n_kernels += s->n_kernels;
+		for (int ki = 0; ki < s->n_kernels; ki++) {
+			const ej_kernel *k = s->kernels[ki];
+			for (int i = 0; i < k->n_in; i++) {
+				const ej_value *v = &g->values[k->in[i].value];
+				map[k->in[i].value] = ej_graph_add_input(
+				    sub, EJ_IN_ACT, n_in++, v->dtype, v->ndim,
+				    v->shape);
+			}
+			for (int i = 0; i < k->n_nodes; i++) {
+				const ej_ir_node *n = &g->nodes[k->nodes[i]];
+				int ins[64];
+				ej_meta m;
+				const ej_value *o = &g->values[n->out[0]];
+				memset(&m, 0, sizeof m);
+				m.dtype = o->dtype;
+				m.ndim = o->ndim;
+				memcpy(m.shape, o->shape, sizeof m.shape);
+				for (int j = 0; j < n->n_in; j++)
+					ins[j] = map[n->in[j]];
+				int nn = ej_graph_add_node(
+				    sub, n->op, &n->attrs, ins, n->n_in, &m, 1);
+				map[n->out[0]] = sub->nodes[nn].out[0];
+			}
+			for (int o = 0; o < k->n_out; o++, n_out++)
+				ej_graph_add_output(sub, map[k->out[o].value]);
+		}
+		free(map);
+		ej_arena_free(A);
+	}
+	if (n_kernels == 0) {
+		ej_graph_free(sub);
+		return;
+	}
+	/* the same kernels again, nothing extern */
+	ej_arena *B = ej_arena_new();
+	ej_schedule *s2 = ej_sched_build(B, sub);
+	ck_assert_int_eq(s2->n_kernels, n_kernels);
+	ck_assert_int_eq(s2->n_extern, 0);
+	ej_arena_free(B);
+
+	epj_tensor **in = calloc((size_t)n_in + 1, sizeof *in);
+	epj_tensor **oc = calloc((size_t)n_out + 1, sizeof *oc);
+	epj_tensor **oi = calloc((size_t)n_out + 1, sizeof *oi);
+	ck_assert(in && oc && oi);
+	for (int i = 0; i < n_in; i++)
+		in[i] = fresh_input(ctx, &sub->values[sub->inputs[i].value], i);
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	void *state = NULL;
+	epj_status st = ej_backend_c.build(ctx, jit, sub, &state);
+	ck_assert_msg(st == EPJ_OK, "build: %s", epj_ctx_error(ctx));
+	int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+	st = ej_backend_c.run(ctx, state, sub, in, oc);
+	ck_assert_msg(st == EPJ_OK, "run: %s", epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_counter_get(ctx, "kernels.launched.compiled") - l0,
+			 n_kernels);
+	st = ej_interp_run(ctx, sub, in, oi);
+	ck_assert_msg(st == EPJ_OK, "interp: %s", epj_ctx_error(ctx));
+	for (int o = 0; o < n_out; o++) {
+		char what[96];
+		snprintf(what, sizeof what, "kernel output %d of %d (%s)", o,
+			 n_out, epj_dtype_name(dt));
+		tu_assert_tensors_close(ctx, oc[o], oi[o], tol_of(dt),
+					tol_of(dt), what);
+		epj_tensor_free(oc[o]);
+		epj_tensor_free(oi[o]);
+	}
+	for (int i = 0; i < n_in; i++)
+		epj_tensor_free(in[i]);
+	free(in);
+	free(oc);
+	free(oi);
+	ej_backend_c.free_state(state);
+	ej_jit_free(jit);
+	ej_graph_free(sub);
+}
+
+/* ---- NVRTC ------------------------------------------------------------------
+ */
+
+static int nvrtc_tus;
+
+static void nvrtc_check_graph(epj_ctx *ctx, ej_graph *g)
+{
+#ifdef HAVE_NVRTC
+	char *src = NULL;
+	epj_status st = ej_codegen_emit_cuda(ctx, g, "cg_test", &src);
+	ck_assert_msg(st == EPJ_OK, "emit cuda: %s", epj_ctx_error(ctx));
+	if (!src)
+		return; /* no fused kernel */
+	const char *archs[2] = { "sm_80", "sm_90" };
+	for (int a = 0; a < 2; a++) {
+		ej_nvrtc_result r = { 0 };
+		st = ej_nvrtc_compile(ctx, src, "cg_test", archs[a], NULL, 0,
+				      &r);
+		ck_assert_msg(st == EPJ_OK, "nvrtc %s: %s\n%s", archs[a],
+			      epj_ctx_error(ctx), src);
+		ck_assert_msg(!ej_nvrtc_log_has_warning(r.log),
+			      "nvrtc %s warned:\n%s\n%s", archs[a], r.log, src);
+		ck_assert_msg(r.size > 0 && !r.is_ptx, "no cubin for %s",
+			      archs[a]);
+		ej_nvrtc_result_free(&r);
+	}
+	nvrtc_tus++;
+	free(src);
+#else
+	(void)ctx;
+	(void)g;
+#endif
+}
+
+/* ---- cases ------------------------------------------------------------------
+ */
+
+static const epj_dtype dtypes[3] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
+				     EPJ_DTYPE_BF16 };
+
+START_TEST(test_rmsnorm)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t B = tu_randint(1, 4), T = 2 * tu_randint(1, 4) + 1,
+		H = 2 * tu_randint(2, 9) + 1;
+	int64_t sx[3] = { B, T, H };
+	epj_tensor *x = tu_randn(ctx, dt, 3, sx);
+	epj_tensor *xn = tu_noncontig(ctx, x);
+	epj_tensor *w = tu_randn(ctx, dt, 1, &H);
+	epj_tensor *in[2] = { xn, w };
+	/* eval: the whole norm is one kernel */
+	case_res e = run_case(ctx, f_rmsnorm, in, 2, false, "rmsnorm eval");
+	ck_assert_int_eq(e.c_fwd, 1);
+	ck_assert_int_eq(e.fwd_kernels, 1);
+	ck_assert_int_eq(e.fwd_extern, 0);
+	ck_assert_int_lt(e.c_fwd, e.i_fwd);
+	/* train: forward stays one kernel, backward is fused too */
+	case_res t = run_case(ctx, f_rmsnorm, in, 2, true, "rmsnorm train");
+	ck_assert_int_eq(t.c_fwd, 1);
+	ck_assert_int_lt(t.c_bwd, t.i_bwd);
+	ck_assert_int_le(t.c_bwd, 3); /* row kernel + pointwise + w's sum */
+	epj_tensor_free(x);
+	epj_tensor_free(xn);
+	epj_tensor_free(w);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+START_TEST(test_rope)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t B = tu_randint(1, 3), Hh = 2 * tu_randint(1, 3) + 1,
+		T = 2 * tu_randint(1, 4) + 1, D = 2 * tu_randint(2, 6);
+	int64_t sx[4] = { B, Hh, T, D }, sc[2] = { T, D };
+	epj_tensor *x = tu_randn(ctx, dt, 4, sx);
+	epj_tensor *xt = tu_noncontig(ctx, x);
+	epj_tensor *c = tu_randn(ctx, dt, 2, sc);
+	epj_tensor *s = tu_randn(ctx, dt, 2, sc);
+	epj_tensor *in[3] = { xt, c, s };
+	case_res t = run_case(ctx, f_rope, in, 3, true, "rope");
+	ck_assert_int_lt(t.c_fwd, t.i_fwd);
+	ck_assert_int_le(t.c_fwd, 3); /* neg, cat, mul-mul-add */
+	ck_assert_int_lt(t.c_fwd + t.c_bwd, t.i_fwd + t.i_bwd);
+	epj_tensor_free(x);
+	epj_tensor_free(xt);
+	epj_tensor_free(c);
+	epj_tensor_free(s);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+START_TEST(test_swiglu)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t N = 2 * tu_randint(1, 5) + 1, H = 2 * tu_randint(1, 4) + 1,
+		I = 2 * tu_randint(1, 5) + 1;
+	int64_t sx[2] = { N, H }, sg[2] = { I, H }, sd[2] = { H, I };
+	epj_tensor *in[4] = { tu_randn(ctx, dt, 2, sx),
+			      tu_randn(ctx, dt, 2, sg),
+			      tu_randn(ctx, dt, 2, sg),
+			      tu_randn(ctx, dt, 2, sd) };
+	case_res t = run_case(ctx, f_swiglu, in, 4, true, "swiglu");
+	ck_assert_int_eq(t.c_fwd, 4); /* 3 GEMMs + silu*mul */
+	ck_assert_int_eq(t.i_fwd, 5);
+	ck_assert_int_lt(t.c_bwd, t.i_bwd);
+	for (int i = 0; i < 4; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+START_TEST(test_softmax)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t R = 2 * tu_randint(1, 5) + 1, C = 2 * tu_randint(1, 9) + 1;
+	int64_t sx[2] = { R, C }, sm[2] = { 1, C };
+	epj_tensor *x = tu_randn(ctx, dt, 2, sx);
+	epj_tensor *xn = tu_noncontig(ctx, x);
+	epj_tensor *in[2] = { xn, tu_randn(ctx, dt, 2, sm) };
+	case_res t = run_case(ctx, f_softmax, in, 2, true, "softmax");
+	ck_assert_int_eq(t.c_fwd, 1); /* everything is one row kernel */
+	ck_assert_int_lt(t.c_fwd + t.c_bwd, t.i_fwd + t.i_bwd);
+	epj_tensor_free(x);
+	epj_tensor_free(xn);
+	epj_tensor_free(in[1]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+START_TEST(test_residual)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t T = 2 * tu_randint(1, 6) + 1, H = 2 * tu_randint(1, 8) + 1;
+	int64_t sx[2] = { T, H }, sg[2] = { T, 1 };
+	epj_tensor *x = tu_randn(ctx, dt, 2, sx);
+	epj_tensor *a = tu_randn(ctx, dt, 2, sx);
+	epj_tensor *an = tu_noncontig(ctx, a);
+	epj_tensor *in[4] = { x, an, tu_randn(ctx, dt, 2, sg),
+			      tu_randn(ctx, dt, 1, &H) };
+	case_res t = run_case(ctx, f_residual, in, 4, true, "residual");
+	ck_assert_int_eq(t.c_fwd, 1);
+	ck_assert_int_eq(t.i_fwd, 10);
+	ck_assert_int_lt(t.c_fwd + t.c_bwd, t.i_fwd + t.i_bwd);
+	epj_tensor_free(x);
+	epj_tensor_free(a);
+	epj_tensor_free(an);
+	epj_tensor_free(in[2]);
+	epj_tensor_free(in[3]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+/* The schedule of RMSNorm: one row kernel whose IR has one reduction and
+ * stores only the output; the debug dump writes schedule and source. */
+START_TEST(test_schedule_dump)
+{
+	cache_setup();
+	char dump[300];
+	snprintf(dump, sizeof dump, "%s/dump", cache_dir);
+	setenv("EPJIT_DEBUG_DUMP", dump, 1);
+	epj_ctx *ctx = tu_ctx();
+	int64_t sx[2] = { 5, 7 }, h = 7;
+	epj_tensor *in[2] = { tu_randn(ctx, EPJ_DTYPE_F32, 2, sx),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 1, &h) };
+	bool prev = epj_no_grad_enter(ctx);
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_region_fn *f = compile(ctx, jit, f_rmsnorm, in, 2);
+	ej_graph *g = f->steps[0].seg->fwd;
+	ej_arena *A = ej_arena_new();
+	ej_schedule *s = ej_sched_build(A, g);
+	ck_assert_int_eq(s->n_kernels, 1);
+	const ej_kernel *k = s->kernels[0];
+	ck_assert(k->reduce);
+	ck_assert_int_eq(k->rows, 5);
+	ck_assert_int_eq(k->cols, 7);
+	ck_assert_int_eq(k->n_out, 1);
+	ck_assert_int_eq(k->n_loops, 2);
+	int nred = 0;
+	for (int i = 0; i < k->n_v; i++)
+		nred += k->v[i].op == EJ_K_RSUM;
+	ck_assert_int_eq(nred, 1);
+	const char *txt = ej_sched_text(A, s);
+	ck_assert_ptr_nonnull(strstr(txt, "row_sum"));
+	const char *c = ej_print_c(A, s, "t");
+	ck_assert_ptr_nonnull(strstr(c, "void epjk_0("));
+	ck_assert_ptr_nonnull(strstr(c, "ej_f2bf")); /* the prelude */
+	/* the dump has the schedule and the source */
+	char cmd[400];
+	snprintf(cmd, sizeof cmd, "grep -q row_sum %s/kernels/*.txt", dump);
+	ck_assert_int_eq(system(cmd), 0);
+	snprintf(cmd, sizeof cmd, "grep -q epjk_0 %s/kernels/*.c", dump);
+	ck_assert_int_eq(system(cmd), 0);
+	ej_arena_free(A);
+	ej_region_fn_free(f);
+	ej_jit_free(jit);
+	epj_no_grad_exit(ctx, prev);
+	epj_tensor_free(in[0]);
+	epj_tensor_free(in[1]);
+	epj_ctx_free(ctx);
+	unsetenv("EPJIT_DEBUG_DUMP");
+	cache_teardown();
+}
+END_TEST
+
+/* The second compile of the same graph (a new jit, so no segment cache)
+ * comes from the disk cache; a cold compile with a failing compiler is an
+ * error that names the backend. */
+START_TEST(test_cache_hit)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	int64_t sx[2] = { 3, 5 };
+	epj_tensor *in[4] = { tu_randn(ctx, EPJ_DTYPE_F32, 2, sx),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 2, sx), NULL, NULL };
+	int64_t sg[2] = { 3, 1 }, h = 5;
+	in[2] = tu_randn(ctx, EPJ_DTYPE_F32, 2, sg);
+	in[3] = tu_randn(ctx, EPJ_DTYPE_F32, 1, &h);
+	bool prev = epj_no_grad_enter(ctx);
+	ej_jit *j1 = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_region_fn *f1 = compile(ctx, j1, f_residual, in, 4);
+	int64_t hits = epj_counter_get(ctx, "cache.disk_hits");
+	ej_jit *j2 = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_region_fn *f2 = compile(ctx, j2, f_residual, in, 4);
+	ck_assert_int_eq(epj_counter_get(ctx, "cache.disk_hits"), hits + 1);
+	epj_tensor *y1 = NULL, *y2 = NULL;
+	ck_assert_int_eq(
+	    ej_region_run(ctx, f1, in, 4, NULL, 0, NULL, NULL, &y1, 1), EPJ_OK);
+	ck_assert_int_eq(
+	    ej_region_run(ctx, f2, in, 4, NULL, 0, NULL, NULL, &y2, 1), EPJ_OK);
+	tu_assert_tensors_close(ctx, y1, y2, 0, 0, "cached kernel");
+	/* a cold compile with a failing compiler is an error naming it */
+	cache_teardown();
+	cache_setup();
+	setenv("EPJIT_CC", "false", 1);
+	ej_jit *j3 = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_trace *tr = NULL;
+	cg_user u = { f_residual };
+	ck_assert_int_eq(
+	    ej_trace_region(ctx, j3, traced, &u, in, 4, 1, NULL, NULL, &tr),
+	    EPJ_OK);
+	ej_region_fn *f3 = NULL;
+	epj_status st = ej_jit_compile(ctx, j3, tr, &f3);
+	ck_assert_int_ne(st, EPJ_OK);
+	ck_assert_ptr_null(f3);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "c backend") != NULL, "%s",
+		      epj_ctx_error(ctx));
+	unsetenv("EPJIT_CC");
+	epj_tensor_free(y1);
+	epj_tensor_free(y2);
+	ej_region_fn_free(f1);
+	ej_region_fn_free(f2);
+	ej_jit_free(j1);
+	ej_jit_free(j2);
+	ej_jit_free(j3);
+	epj_no_grad_exit(ctx, prev);
+	for (int i = 0; i < 4; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+Suite *make_codegen_suite(void)
+{
+	Suite *s = suite_create("codegen");
+	TCase *tc = tcase_create("codegen");
+	tcase_set_timeout(tc, 120);
+	tcase_add_loop_test(tc, test_rmsnorm, 0, 3);
+	tcase_add_loop_test(tc, test_rope, 0, 3);
+	tcase_add_loop_test(tc, test_swiglu, 0, 3);
+	tcase_add_loop_test(tc, test_softmax, 0, 3);
+	tcase_add_loop_test(tc, test_residual, 0, 3);
+	tcase_add_test(tc, test_schedule_dump);
+	tcase_add_test(tc, test_cache_hit);
+	suite_add_tcase(s, tc);
+	return s;
+}
