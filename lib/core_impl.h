@@ -41,6 +41,15 @@ epj_status ej_verror(epj_ctx *ctx, epj_status s, const char *fmt, va_list ap);
 void ej_error_prefix(epj_ctx *ctx, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* Atomic file write (fileio.c): `fill` writes the content to fp (tmp is
+ * the temporary file's name, for messages); on any failure the temporary
+ * file is removed and `path` is left as it was.  `what` names the kind of
+ * file in messages ("safetensors", "token file"). */
+typedef epj_status (*ej_fill_fn)(epj_ctx *ctx, FILE *fp, const char *tmp,
+				 void *user);
+epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
+			   ej_fill_fn fill, void *user);
+
 /* Shape as "[2,3,4]" into buf (returns buf). */
 char *ej_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);
 
@@ -71,7 +80,7 @@ extern const ej_device ej_device_cpu;
 
 /* Caching allocator over a device: freed blocks go to size-class free lists
  * and are reused; statistics as in epj_memory_stats.  Sizes are rounded up to
- * 512-byte multiples (blocks over 1 MiB to 2 MiB... see alloc.c). */
+ * 512-byte multiples up to 1 MiB and to 64 KiB multiples above (alloc.c). */
 typedef struct ej_allocator ej_allocator;
 ej_allocator *ej_allocator_new(const ej_device *dev);
 void ej_allocator_free(ej_allocator *a);

@@ -276,9 +276,11 @@ epj_tensor *epj_expand(epj_ctx *ctx, epj_tensor *a, int ndim,
 /* Contiguous copy (or a new reference when a is already contiguous). */
 epj_tensor *epj_contiguous(epj_ctx *ctx, epj_tensor *a);
 
-/* Causal-optional scaled dot-product attention with grouped-query heads:
- * q [B, Hq, T, D], k/v [B, Hkv, S, D], Hq % Hkv == 0 -> [B, Hq, T, D].
- * scale <= 0 means 1/sqrt(D).  Causal masks key j > query i (+ S - T). */
+/* Scaled dot-product attention with grouped-query heads:
+ * q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], Hq % Hkv == 0
+ * (query head h reads kv head h / (Hq / Hkv)) -> [B, Hq, T, Dv].
+ * scale <= 0 means 1/sqrt(D).  causal masks key j > i + (S - T); with
+ * T > S the first T - S queries see no key and their output is 0. */
 epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 		     bool causal, double scale);
 /* Mean cross-entropy of logits [N, V] against targets [N] (i32/i64),

@@ -32,26 +32,6 @@
 #include <omp.h>
 #endif
 
-/* Shared BLAS helpers of ops_linalg.c (documented there).  Their prototypes
- * belong in ops_impl.h; they are repeated here until it carries them. */
-bool ej_linalg_layout(int64_t rows, int64_t cols, int64_t srow, int64_t scol,
-		      bool *trans, int64_t *ld);
-void ej_linalg_convert(const void *src, epj_dtype sdt, int64_t ss, void *dst,
-		       epj_dtype ddt, int64_t n);
-void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
-		     int64_t n);
-epj_status ej_linalg_operand(epj_ctx *ctx, const ej_call *c,
-			     const epj_tensor *t, epj_dtype cdt,
-			     const void **base, int64_t *stride, bool *trans,
-			     int64_t *ld, void **owned);
-void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
-		    int64_t k, double alpha, const void *a, int64_t lda,
-		    const void *b, int64_t ldb, double beta, void *c,
-		    int64_t ldc);
-int ej_linalg_blas_serial_begin(void);
-void ej_linalg_blas_serial_end(int prev);
-int ej_linalg_max_threads(void);
-
 /* Queries per block: the scores of a block, QB x S, stay in cache for
  * S up to a few thousand. */
 #define QB 64

@@ -84,4 +84,25 @@ static inline bool ej_dense(const epj_tensor *t)
 	return ej_is_contiguous(t);
 }
 
+/* ---- BLAS helpers shared by ops_linalg.c and ops_attention.c ------------
+ * (documented at their definitions in ops_linalg.c) */
+bool ej_linalg_layout(int64_t rows, int64_t cols, int64_t srow, int64_t scol,
+		      bool *trans, int64_t *ld);
+void ej_linalg_convert(const void *src, epj_dtype sdt, int64_t ss, void *dst,
+		       epj_dtype ddt, int64_t n);
+void ej_linalg_pack(const epj_tensor *t, epj_dtype cdt, void *dst);
+void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
+		     int64_t n);
+epj_status ej_linalg_operand(epj_ctx *ctx, const ej_call *c,
+			     const epj_tensor *t, epj_dtype cdt,
+			     const void **base, int64_t *stride, bool *trans,
+			     int64_t *ld, void **owned);
+void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
+		    int64_t k, double alpha, const void *a, int64_t lda,
+		    const void *b, int64_t ldb, double beta, void *c,
+		    int64_t ldc);
+int ej_linalg_blas_serial_begin(void);
+void ej_linalg_blas_serial_end(int prev);
+int ej_linalg_max_threads(void);
+
 #endif /* EPJIT_OPS_IMPL_H */

@@ -50,85 +50,6 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #define SYN_POWER_TOL	1e-13 /* L1 change that ends power iteration */
 #define SYN_POWER_ITERS 5000  /* a cap: error shrinks >= (1 - EPS) per step */
 
-/* ---- atomic file writes ---------------------------------------------------
- * The same protocol as lib/safetensors.c (temp "<path>.tmp.<pid>", fflush,
- * fsync, rename, directory fsync; on failure the temp file goes and `path`
- * is untouched).  Kept here as a static copy because lib/ exports no
- * internal helper for it (core_impl.h would be the place to share it). */
-
-typedef epj_status (*fill_fn)(epj_ctx *ctx, FILE *fp, const char *tmp,
-			      void *user);
-
-static epj_status write_atomic(epj_ctx *ctx, const char *what, const char *path,
-			       fill_fn fill, void *user)
-{
-	size_t n = strlen(path) + 32;
-	char *tmp = malloc(n);
-	if (!tmp)
-		return ej_error(ctx, EPJ_ERR_NOMEM, "%s '%s': out of memory",
-				what, path);
-	snprintf(tmp, n, "%s.tmp.%ld", path, (long)getpid());
-	int fd = open(
-	    tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
-	if (fd < 0) {
-		epj_status s =
-		    ej_error(ctx, EPJ_ERR_IO, "%s '%s': cannot create '%s': %s",
-			     what, path, tmp, strerror(errno));
-		free(tmp);
-		return s;
-	}
-	FILE *fp = fdopen(fd, "wb");
-	if (!fp) {
-		epj_status s = ej_error(ctx, EPJ_ERR_IO, "%s '%s': fdopen: %s",
-					what, path, strerror(errno));
-		close(fd);
-		unlink(tmp);
-		free(tmp);
-		return s;
-	}
-	epj_status s = fill(ctx, fp, tmp, user);
-	if (s == EPJ_OK && (fflush(fp) != 0 || ferror(fp)))
-		s = ej_error(ctx, EPJ_ERR_IO, "%s '%s': write '%s': %s", what,
-			     path, tmp, strerror(errno));
-	if (s == EPJ_OK && fsync(fd) != 0)
-		s = ej_error(ctx, EPJ_ERR_IO, "%s '%s': fsync '%s': %s", what,
-			     path, tmp, strerror(errno));
-	if (fclose(fp) != 0 && s == EPJ_OK)
-		s = ej_error(ctx, EPJ_ERR_IO, "%s '%s': close '%s': %s", what,
-			     path, tmp, strerror(errno));
-	if (s == EPJ_OK && rename(tmp, path) != 0)
-		s = ej_error(ctx, EPJ_ERR_IO, "%s '%s': rename '%s': %s", what,
-			     path, tmp, strerror(errno));
-	if (s != EPJ_OK) {
-		unlink(tmp);
-		free(tmp);
-		return s;
-	}
-	free(tmp);
-	/* The file is in place; a directory that refuses fsync only costs
-	 * durability of the rename, so it is a warning. */
-	char *dir = strdup(path);
-	if (!dir)
-		return EPJ_OK;
-	char *slash = strrchr(dir, '/');
-	const char *d = ".";
-	if (slash == dir)
-		d = "/";
-	else if (slash) {
-		*slash = '\0';
-		d = dir;
-	}
-	int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	if (dfd < 0 || fsync(dfd) != 0)
-		epj_log_msg(EPJ_LOG_WARN,
-			    "%s '%s': fsync of directory '%s': %s", what, path,
-			    d, strerror(errno));
-	if (dfd >= 0)
-		close(dfd);
-	free(dir);
-	return EPJ_OK;
-}
-
 /* ---- token files --------------------------------------------------------- */
 
 static void put_u32(unsigned char *p, uint32_t v)
@@ -222,7 +143,7 @@ epj_status epj_tokens_write(epj_ctx *ctx, const char *path,
 						   : "the uint16 limit",
 					(unsigned long long)limit);
 	tok_write tw = { path, tokens, count, vocab_size, u16 };
-	return write_atomic(ctx, "token file", path, tok_fill, &tw);
+	return ej_write_atomic(ctx, "token file", path, tok_fill, &tw);
 }
 
 /* "token file '<path>': <message>" with status s. */

@@ -92,7 +92,11 @@ static epj_status engine_setup(epj_engine *e)
 	epj_ctx *ctx = e->ctx;
 	epj_model *m = e->model;
 	ej_config *c = &e->cfg;
-	epj_status st = check_supported(ctx, c, m);
+	/* With compile.autoep_non_moe the support boundary of the feature is
+	 * reported first, in its own words (DESIGN.md section 5). */
+	epj_status st = ej_config_validate_autoep_compile(ctx, c);
+	if (st == EPJ_OK)
+		st = check_supported(ctx, c, m);
 	if (st == EPJ_OK)
 		st = ej_config_resolve_batch(ctx, c, 1);
 	if (st != EPJ_OK)
