@@ -105,4 +105,56 @@ int ej_linalg_blas_serial_begin(void);
 void ej_linalg_blas_serial_end(int prev);
 int ej_linalg_max_threads(void);
 
+/* ---- helpers shared by op families --------------------------------------
+ * (ops_pointwise.c with ops_reduce.c, ops_index.c with ops_shape.c) */
+
+/* bf16 <-> f32 exactly as epj_bf16_to_f32 / epj_f32_to_bf16 (round to
+ * nearest even, NaN kept and made quiet), inline so conversion loops
+ * vectorise. */
+static inline float ej_bf16_load(uint16_t b)
+{
+	uint32_t u = (uint32_t)b << 16;
+	float f;
+	memcpy(&f, &u, sizeof f);
+	return f;
+}
+
+static inline uint16_t ej_bf16_store(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, sizeof u);
+	if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it, make it quiet */
+		return (uint16_t)((u >> 16) | 0x40u);
+	u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+	return (uint16_t)(u >> 16);
+}
+
+/* Last step of a backward: EPJ_OK when every needed grad_in[i] is set;
+ * otherwise releases all of grad_in (NULLs them) and returns the status of
+ * the op that failed, or EPJ_ERR_STATE "<op> backward: no gradient
+ * produced".  (ops_pointwise.c) */
+epj_status ej_backward_done(epj_ctx *ctx, const ej_call *c, const bool *needs,
+			    epj_tensor **grad_in);
+
+/* The gradient of output j of the call (a new reference), or zeros of that
+ * output's shape when no gradient flows into it. */
+static inline epj_tensor *ej_grad_or_zeros(epj_ctx *ctx, const ej_call *c,
+					   epj_tensor *const *grad_out, int j)
+{
+	if (grad_out[j])
+		return epj_tensor_ref(grad_out[j]);
+	EJ_ASSERT(c->out[j]);
+	return epj_zeros(ctx, c->out[j]->dtype, c->out[j]->ndim,
+			 c->out[j]->shape);
+}
+
+/* Stores g (owned, may be NULL) in *slot: EPJ_OK, or the context's status
+ * when g is NULL (the op that made it failed). */
+static inline epj_status ej_set_grad(epj_ctx *ctx, epj_tensor **slot,
+				     epj_tensor *g)
+{
+	*slot = g;
+	return g ? EPJ_OK : ctx->status;
+}
+
 #endif /* EPJIT_OPS_IMPL_H */

@@ -54,15 +54,6 @@ static void copy_elem(char *d, const char *s, size_t es)
 	}
 }
 
-/* Product of shape[lo..hi). */
-static int64_t span(const int64_t *shape, int lo, int hi)
-{
-	int64_t n = 1;
-	for (int i = lo; i < hi; i++)
-		n *= shape[i];
-	return n;
-}
-
 /* Reads index input `input` of the call (i32/i64, any strides) row-major
  * into a malloc'ed int64 array (*out, caller frees), checking that every
  * value is in [0, limit).  `what` names the indexed axis in the error. */
@@ -267,8 +258,8 @@ static void select_rows(char *out, const epj_tensor *a, int axis,
 {
 	const size_t es = ej_dtype_size(a->dtype);
 	const int nd = a->ndim;
-	const int64_t outer = span(a->shape, 0, axis), A = a->shape[axis];
-	const int64_t inner = span(a->shape, axis + 1, nd);
+	const int64_t outer = ej_numel(axis, a->shape), A = a->shape[axis];
+	const int64_t inner = ej_numel(nd - axis - 1, a->shape + axis + 1);
 	const int64_t total = outer * n * inner;
 	if (total == 0)
 		return;
@@ -306,23 +297,6 @@ static void select_rows(char *out, const epj_tensor *a, int axis,
 				  es);
 		}
 	}
-}
-
-/* The gradient of output j or zeros of its shape (new reference). */
-static epj_tensor *grad_or_zeros(epj_ctx *ctx, const ej_call *c,
-				 epj_tensor *const *grad_out, int j)
-{
-	if (grad_out[j])
-		return epj_tensor_ref(grad_out[j]);
-	EJ_ASSERT(c->out[j]);
-	return epj_zeros(ctx, c->out[j]->dtype, c->out[j]->ndim,
-			 c->out[j]->shape);
-}
-
-static epj_status set_grad(epj_ctx *ctx, epj_tensor **slot, epj_tensor *g)
-{
-	*slot = g;
-	return g ? EPJ_OK : ctx->status;
 }
 
 /* Checks a gather/scatter index against a: same ndim, and no larger than a
@@ -396,11 +370,11 @@ epj_status ej_backward_EMBEDDING(epj_ctx *ctx, const ej_call *c,
 		return EPJ_OK;
 	ej_attrs at = ej_attrs_none();
 	ej_attrs_push_i(&at, c->in[0]->shape[0]);
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *in[2] = { g, c->in[1] };
 	epj_tensor *r = ej_call1(ctx, EJ_OP_EMBEDDING_BACKWARD, in, 2, &at);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- EMBEDDING_BACKWARD: (grad [*, D], ids [*]) -> [V, D]; i[0] = V ---- */
@@ -496,12 +470,12 @@ epj_status ej_backward_INDEX_SELECT(epj_ctx *ctx, const ej_call *c,
 	if (!needs[0])
 		return EPJ_OK;
 	const epj_tensor *a = c->in[0];
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *z = g ? epj_zeros(ctx, g->dtype, a->ndim, a->shape) : NULL;
 	epj_tensor *r = epj_index_add(ctx, z, (int)c->attrs->i[0], c->in[1], g);
 	epj_tensor_free(z);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- INDEX_ADD: (a, index [n], src); i[0] = axis ----------------------- */
@@ -557,8 +531,8 @@ epj_status ej_kernel_INDEX_ADD(epj_ctx *ctx, const ej_call *c)
 		free(b.scratch);
 		return ctx->status;
 	}
-	index_accumulate(b.data, b.dt, span(a->shape, 0, axis), a->shape[axis],
-			 span(a->shape, axis + 1, a->ndim), idx,
+	index_accumulate(b.data, b.dt, ej_numel(axis, a->shape), a->shape[axis],
+			 ej_numel(a->ndim - axis - 1, a->shape + axis + 1), idx,
 			 c->in[1]->shape[0], s);
 	acc_end(&b, out);
 	free(tmp);
@@ -570,14 +544,14 @@ epj_status ej_backward_INDEX_ADD(epj_ctx *ctx, const ej_call *c,
 				 epj_tensor *const *grad_out, const bool *needs,
 				 epj_tensor **grad_in)
 {
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	if (!g)
 		return ctx->status;
 	epj_status st = EPJ_OK;
 	if (needs[0])
 		grad_in[0] = epj_tensor_ref(g);
 	if (needs[2])
-		st = set_grad(
+		st = ej_set_grad(
 		    ctx, &grad_in[2],
 		    epj_index_select(ctx, g, (int)c->attrs->i[0], c->in[1]));
 	epj_tensor_free(g);
@@ -644,13 +618,13 @@ epj_status ej_backward_GATHER(epj_ctx *ctx, const ej_call *c,
 	if (!needs[0])
 		return EPJ_OK;
 	const epj_tensor *a = c->in[0];
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *z = g ? epj_zeros(ctx, g->dtype, a->ndim, a->shape) : NULL;
 	epj_tensor *r =
 	    epj_scatter_add(ctx, z, (int)c->attrs->i[0], c->in[1], g);
 	epj_tensor_free(z);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- SCATTER_ADD: (a, index, src of index's shape); i[0] = axis -------- */
@@ -762,16 +736,16 @@ epj_status ej_backward_SCATTER_ADD(epj_ctx *ctx, const ej_call *c,
 				   epj_tensor *const *grad_out,
 				   const bool *needs, epj_tensor **grad_in)
 {
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	if (!g)
 		return ctx->status;
 	epj_status st = EPJ_OK;
 	if (needs[0])
 		grad_in[0] = epj_tensor_ref(g);
 	if (needs[2])
-		st =
-		    set_grad(ctx, &grad_in[2],
-			     epj_gather(ctx, g, (int)c->attrs->i[0], c->in[1]));
+		st = ej_set_grad(
+		    ctx, &grad_in[2],
+		    epj_gather(ctx, g, (int)c->attrs->i[0], c->in[1]));
 	epj_tensor_free(g);
 	return st;
 }
@@ -938,11 +912,11 @@ epj_status ej_backward_TOPK(epj_ctx *ctx, const ej_call *c,
 	epj_dtype dt = grad_out[0] ? grad_out[0]->dtype : a->dtype;
 	epj_tensor *z = epj_zeros(ctx, dt, a->ndim, a->shape);
 	if (!grad_out[0])
-		return set_grad(ctx, &grad_in[0], z);
+		return ej_set_grad(ctx, &grad_in[0], z);
 	epj_tensor *r =
 	    epj_scatter_add(ctx, z, a->ndim - 1, c->out[1], grad_out[0]);
 	epj_tensor_free(z);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- ARGSORT: (a) -> i64 of a's shape; i[0] = axis; stable ascending --- */

@@ -37,27 +37,6 @@
 #define PW_SQRT1_2	0.70710678118654752440 /* 1/sqrt(2) */
 #define PW_INV_SQRT_2PI 0.39894228040143267794 /* 1/sqrt(2 pi) */
 
-/* ---- bf16 (inline copies of epj_f32_to_bf16/epj_bf16_to_f32, so the
- * conversion loops vectorise) ------------------------------------------- */
-
-static inline float bf16_load(uint16_t b)
-{
-	uint32_t u = (uint32_t)b << 16;
-	float f;
-	memcpy(&f, &u, sizeof f);
-	return f;
-}
-
-static inline uint16_t bf16_store(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, sizeof u);
-	if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it, make it quiet */
-		return (uint16_t)((u >> 16) | 0x40u);
-	u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-	return (uint16_t)(u >> 16);
-}
-
 /* ---- compute types ------------------------------------------------------
  * The arithmetic type of one call: f32 for f32/bf16, f64 for f64, int64 for
  * the integer dtypes (cast picks f64 unless both sides are integers). */
@@ -258,7 +237,7 @@ static void gather(const void *data, epj_dtype dt, int64_t off, int64_t st,
 		} else {
 			EJ_ASSERT(dt == EPJ_DTYPE_BF16);
 			const uint16_t *s = (const uint16_t *)p + off;
-			LOOP(d[i] = bf16_load(s[i * st]));
+			LOOP(d[i] = ej_bf16_load(s[i * st]));
 		}
 	} else if (ct == CT_F64) {
 		double *d = dst;
@@ -270,7 +249,7 @@ static void gather(const void *data, epj_dtype dt, int64_t off, int64_t st,
 		}
 		case EPJ_DTYPE_BF16: {
 			const uint16_t *s = (const uint16_t *)p + off;
-			LOOP(d[i] = bf16_load(s[i * st]));
+			LOOP(d[i] = ej_bf16_load(s[i * st]));
 			break;
 		}
 		case EPJ_DTYPE_F64: {
@@ -315,7 +294,7 @@ static void store(void *data, epj_dtype dt, int64_t off, int64_t n, pw_ctype ct,
 		} else {
 			EJ_ASSERT(dt == EPJ_DTYPE_BF16);
 			uint16_t *d = (uint16_t *)p + off;
-			LOOP(d[i] = bf16_store(s[i]));
+			LOOP(d[i] = ej_bf16_store(s[i]));
 		}
 	} else if (ct == CT_F64) {
 		const double *s = src;
@@ -327,7 +306,7 @@ static void store(void *data, epj_dtype dt, int64_t off, int64_t n, pw_ctype ct,
 		}
 		case EPJ_DTYPE_BF16: { /* via f32, as PyTorch rounds f64 */
 			uint16_t *d = (uint16_t *)p + off;
-			LOOP(d[i] = bf16_store((float)s[i]));
+			LOOP(d[i] = ej_bf16_store((float)s[i]));
 			break;
 		}
 		case EPJ_DTYPE_F64:
@@ -722,7 +701,7 @@ epj_status ej_kernel_CAST(epj_ctx *ctx, const ej_call *c)
 		uint16_t *d = ej_data(y);
 #pragma omp parallel for simd schedule(static) if (n > PW_PAR_MIN)
 		for (int64_t i = 0; i < n; i++)
-			d[i] = bf16_store(s[i]);
+			d[i] = ej_bf16_store(s[i]);
 		return EPJ_OK;
 	}
 	if (ej_dense(x) && x->dtype == EPJ_DTYPE_BF16 &&
@@ -731,7 +710,7 @@ epj_status ej_kernel_CAST(epj_ctx *ctx, const ej_call *c)
 		float *d = ej_data(y);
 #pragma omp parallel for simd schedule(static) if (n > PW_PAR_MIN)
 		for (int64_t i = 0; i < n; i++)
-			d[i] = bf16_load(s[i]);
+			d[i] = ej_bf16_load(s[i]);
 		return EPJ_OK;
 	}
 	return pw_kernel(ctx, c, EJ_OP_CAST);
@@ -741,8 +720,8 @@ epj_status ej_kernel_CAST(epj_ctx *ctx, const ej_call *c)
  * Every needed grad_in[i] is set, or on failure all are released and the
  * status of the failing op is returned. */
 
-static epj_status bw_done(epj_ctx *ctx, const ej_call *c, const bool *needs,
-			  epj_tensor **grad_in)
+epj_status ej_backward_done(epj_ctx *ctx, const ej_call *c, const bool *needs,
+			    epj_tensor **grad_in)
 {
 	bool ok = true;
 	for (int i = 0; i < c->n_in; i++)
@@ -769,7 +748,7 @@ static epj_status bw_zeros(epj_ctx *ctx, const ej_call *c, const bool *needs,
 		if (needs[i])
 			grad_in[i] = epj_zeros(ctx, c->in[i]->dtype,
 					       c->in[i]->ndim, c->in[i]->shape);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* g (broadcast shape) summed back to the shape of `like`; steals g. */
@@ -796,7 +775,7 @@ epj_status ej_backward_ADD(BW_ARGS)
 		if (needs[i])
 			grad_in[i] =
 			    reduce_to(ctx, epj_tensor_ref(g), c->in[i]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_SUB(BW_ARGS)
@@ -806,7 +785,7 @@ epj_status ej_backward_SUB(BW_ARGS)
 		grad_in[0] = reduce_to(ctx, epj_tensor_ref(g), c->in[0]);
 	if (needs[1])
 		grad_in[1] = reduce_to(ctx, epj_neg(ctx, g), c->in[1]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_MUL(BW_ARGS)
@@ -817,7 +796,7 @@ epj_status ej_backward_MUL(BW_ARGS)
 		grad_in[0] = reduce_to(ctx, epj_mul(ctx, g, b), a);
 	if (needs[1])
 		grad_in[1] = reduce_to(ctx, epj_mul(ctx, g, a), b);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* d(a/b)/da = 1/b; d(a/b)/db = -a/b^2 = -(g/b) * (a/b). */
@@ -836,7 +815,7 @@ epj_status ej_backward_DIV(BW_ARGS)
 		epj_tensor_free(q);
 	}
 	epj_tensor_free(gb);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_ADD_SCALAR(BW_ARGS)
@@ -844,7 +823,7 @@ epj_status ej_backward_ADD_SCALAR(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_tensor_ref(g);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_MUL_SCALAR(BW_ARGS)
@@ -852,7 +831,7 @@ epj_status ej_backward_MUL_SCALAR(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_mul_scalar(ctx, g, c->attrs->f[0]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* d x^p = p x^(p-1); p == 0 gives zeros (not 0 * x^-1, NaN at 0). */
@@ -874,7 +853,7 @@ epj_status ej_backward_POW_SCALAR(BW_ARGS)
 		epj_tensor_free(d);
 		epj_tensor_free(t);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_NEG(BW_ARGS)
@@ -882,7 +861,7 @@ epj_status ej_backward_NEG(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_neg(ctx, g);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* exp' = out (saved). */
@@ -891,7 +870,7 @@ epj_status ej_backward_EXP(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_mul(ctx, g, c->out[0]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_LOG(BW_ARGS)
@@ -899,7 +878,7 @@ epj_status ej_backward_LOG(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_div(ctx, g, c->in[0]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* sqrt' = 0.5 / out. */
@@ -911,7 +890,7 @@ epj_status ej_backward_SQRT(BW_ARGS)
 		grad_in[0] = epj_div(ctx, h, c->out[0]);
 		epj_tensor_free(h);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* rsqrt' = -0.5 x^-1.5 = -0.5 out^3. */
@@ -925,7 +904,7 @@ epj_status ej_backward_RSQRT(BW_ARGS)
 		epj_tensor_free(d);
 		epj_tensor_free(o3);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_SILU(BW_ARGS)
@@ -936,7 +915,7 @@ epj_status ej_backward_SILU(BW_ARGS)
 		ej_attrs at = ej_attrs_none();
 		grad_in[0] = ej_call1(ctx, EJ_OP_SILU_BACKWARD, in, 2, &at);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* sigmoid' = out (1 - out). */
@@ -953,7 +932,7 @@ epj_status ej_backward_SIGMOID(BW_ARGS)
 		epj_tensor_free(om);
 		epj_tensor_free(ny);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* tanh' = 1 - out^2. */
@@ -970,7 +949,7 @@ epj_status ej_backward_TANH(BW_ARGS)
 		epj_tensor_free(ny2);
 		epj_tensor_free(y2);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_GELU(BW_ARGS)
@@ -981,7 +960,7 @@ epj_status ej_backward_GELU(BW_ARGS)
 		ej_attrs at = ej_attrs_none();
 		grad_in[0] = ej_call1(ctx, EJ_OP_GELU_BACKWARD, in, 2, &at);
 	}
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* The gradient goes back to the input's dtype (only float inputs can
@@ -991,7 +970,7 @@ epj_status ej_backward_CAST(BW_ARGS)
 	BW_GRAD(g);
 	if (needs[0])
 		grad_in[0] = epj_cast(ctx, g, c->in[0]->dtype);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* ---- public wrappers -----------------------------------------------------

@@ -45,24 +45,6 @@
 /* ---- element access ------------------------------------------------------
  */
 
-static inline float bf16_load(uint16_t b)
-{
-	uint32_t u = (uint32_t)b << 16;
-	float f;
-	memcpy(&f, &u, sizeof f);
-	return f;
-}
-
-static inline uint16_t bf16_store(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, sizeof u);
-	if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it, make it quiet */
-		return (uint16_t)((u >> 16) | 0x40u);
-	u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-	return (uint16_t)(u >> 16);
-}
-
 static bool is_int(epj_dtype dt)
 {
 	return dt == EPJ_DTYPE_I32 || dt == EPJ_DTYPE_I64;
@@ -75,7 +57,7 @@ static inline double ld_f(const void *p, epj_dtype dt, int64_t i)
 	case EPJ_DTYPE_F32:
 		return ((const float *)p)[i];
 	case EPJ_DTYPE_BF16:
-		return bf16_load(((const uint16_t *)p)[i]);
+		return ej_bf16_load(((const uint16_t *)p)[i]);
 	default:
 		return ((const double *)p)[i];
 	}
@@ -88,7 +70,7 @@ static inline void st_f(void *p, epj_dtype dt, int64_t i, double v)
 		((float *)p)[i] = (float)v;
 		break;
 	case EPJ_DTYPE_BF16:
-		((uint16_t *)p)[i] = bf16_store((float)v);
+		((uint16_t *)p)[i] = ej_bf16_store((float)v);
 		break;
 	default:
 		((double *)p)[i] = v;
@@ -194,7 +176,7 @@ typedef double (*rowsum_fn)(const void *x, int64_t n);
 typedef void (*colacc_fn)(const void *x, int64_t n, double *restrict acc);
 
 #define LD_F32(v)  ((double)(v))
-#define LD_BF16(v) ((double)bf16_load(v))
+#define LD_BF16(v) ((double)ej_bf16_load(v))
 #define LD_F64(v)  (v)
 
 #define SUM_KERNELS(SFX, T, LD)                                                \
@@ -453,7 +435,7 @@ static void row_load_f32(const char *x, epj_dtype dt, int64_t off, int64_t st,
 	} else {
 		const uint16_t *p = (const uint16_t *)x + off;
 		for (int64_t r = 0; r < n; r++)
-			b[r] = bf16_load(p[r * st]);
+			b[r] = ej_bf16_load(p[r * st]);
 	}
 }
 
@@ -467,7 +449,7 @@ static void row_store_f32(char *y, epj_dtype dt, int64_t off, int64_t st,
 	} else {
 		uint16_t *p = (uint16_t *)y + off;
 		for (int64_t r = 0; r < n; r++)
-			p[r * st] = bf16_store(b[r]);
+			p[r * st] = ej_bf16_store(b[r]);
 	}
 }
 
@@ -718,26 +700,6 @@ epj_status ej_kernel_LOG_SOFTMAX(epj_ctx *ctx, const ej_call *c)
  * Every needed grad_in[i] is set, or on failure all are released and the
  * status of the failing op is returned. */
 
-static epj_status bw_done(epj_ctx *ctx, const ej_call *c, const bool *needs,
-			  epj_tensor **grad_in)
-{
-	bool ok = true;
-	for (int i = 0; i < c->n_in; i++)
-		if (needs[i] && !grad_in[i])
-			ok = false;
-	if (ok)
-		return EPJ_OK;
-	for (int i = 0; i < c->n_in; i++) {
-		epj_tensor_free(grad_in[i]);
-		grad_in[i] = NULL;
-	}
-	epj_status st = epj_ctx_status(ctx);
-	return st != EPJ_OK ? st
-			    : ej_error(ctx, EPJ_ERR_STATE,
-				       "%s backward: no gradient produced",
-				       ej_ops[c->op].name);
-}
-
 #define BW_ARGS                                                                \
 	epj_ctx *ctx, const ej_call *c, epj_tensor *const *grad_out,           \
 	    const bool *needs, epj_tensor **grad_in
@@ -749,7 +711,7 @@ static epj_status bw_done(epj_ctx *ctx, const ej_call *c, const bool *needs,
 	if (!g) {                                                              \
 		grad_in[0] = epj_zeros(ctx, c->in[0]->dtype, c->in[0]->ndim,   \
 				       c->in[0]->shape);                       \
-		return bw_done(ctx, c, needs, grad_in);                        \
+		return ej_backward_done(ctx, c, needs, grad_in);               \
 	}
 
 /* t (shaped like the reduction's output) reshaped to x's shape with 1 at
@@ -781,7 +743,7 @@ epj_status ej_backward_SUM(BW_ARGS)
 	const epj_tensor *x = c->in[0];
 	grad_in[0] = expand_to(
 	    ctx, keepdim_of(ctx, g, x, attr_axis(c), c->attrs->i[1]), x);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_MEAN(BW_ARGS)
@@ -793,7 +755,7 @@ epj_status ej_backward_MEAN(BW_ARGS)
 	grad_in[0] =
 	    expand_to(ctx, keepdim_of(ctx, s, x, ax, c->attrs->i[1]), x);
 	epj_tensor_free(s);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* Ties share the gradient evenly: mask = (x == amax), g * mask / count. */
@@ -814,7 +776,7 @@ epj_status ej_backward_AMAX(BW_ARGS)
 	epj_tensor_free(cnt);
 	epj_tensor_free(mask);
 	epj_tensor_free(yk);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* The gradient goes to the argmax only: zeros + scatter_add at indices. */
@@ -824,7 +786,7 @@ epj_status ej_backward_MAX(BW_ARGS)
 	const epj_tensor *x = c->in[0];
 	if (x->ndim == 0) { /* max of one element: the identity */
 		grad_in[0] = epj_tensor_ref(g);
-		return bw_done(ctx, c, needs, grad_in);
+		return ej_backward_done(ctx, c, needs, grad_in);
 	}
 	int ax = attr_axis(c);
 	bool keep = c->attrs->i[1] != 0;
@@ -835,7 +797,7 @@ epj_status ej_backward_MAX(BW_ARGS)
 	epj_tensor_free(z);
 	epj_tensor_free(gk);
 	epj_tensor_free(ik);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* g has `nd` dims (a suffix of x's, broadcast-compatible); reshaped with
@@ -856,14 +818,14 @@ epj_status ej_backward_SUM_ALL(BW_ARGS)
 {
 	BW_GRAD(g);
 	grad_in[0] = broadcast_back(ctx, g, c->in[0]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 epj_status ej_backward_SUM_TO(BW_ARGS)
 {
 	BW_GRAD(g);
 	grad_in[0] = broadcast_back(ctx, g, c->in[0]);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* dx = y * (g - sum(g * y, axis)). */
@@ -878,7 +840,7 @@ epj_status ej_backward_SOFTMAX(BW_ARGS)
 	epj_tensor_free(d);
 	epj_tensor_free(s);
 	epj_tensor_free(gy);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* dx = g - exp(y) * sum(g, axis). */
@@ -892,7 +854,7 @@ epj_status ej_backward_LOG_SOFTMAX(BW_ARGS)
 	epj_tensor_free(t);
 	epj_tensor_free(e);
 	epj_tensor_free(s);
-	return bw_done(ctx, c, needs, grad_in);
+	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
 /* ---- public wrappers -----------------------------------------------------

@@ -165,24 +165,6 @@ static epj_status kernel_copy_view(epj_ctx *ctx, const ej_call *c,
 	return EPJ_OK;
 }
 
-/* The gradient of output j, or zeros of the output's shape when no gradient
- * flows into it.  New reference. */
-static epj_tensor *grad_or_zeros(epj_ctx *ctx, const ej_call *c,
-				 epj_tensor *const *grad_out, int j)
-{
-	if (grad_out[j])
-		return epj_tensor_ref(grad_out[j]);
-	EJ_ASSERT(c->out[j]);
-	return epj_zeros(ctx, c->out[j]->dtype, c->out[j]->ndim,
-			 c->out[j]->shape);
-}
-
-static epj_status set_grad(epj_ctx *ctx, epj_tensor **slot, epj_tensor *g)
-{
-	*slot = g;
-	return g ? EPJ_OK : ctx->status;
-}
-
 /* ---- RESHAPE ----------------------------------------------------------- */
 
 /* Strides that view (ond, oshape, ostride) as shape (nnd, nshape) without a
@@ -268,10 +250,10 @@ epj_status ej_backward_RESHAPE(epj_ctx *ctx, const ej_call *c,
 {
 	if (!needs[0])
 		return EPJ_OK;
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r = epj_reshape(ctx, g, c->in[0]->ndim, c->in[0]->shape);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- TRANSPOSE --------------------------------------------------------- */
@@ -311,11 +293,11 @@ epj_status ej_backward_TRANSPOSE(epj_ctx *ctx, const ej_call *c,
 {
 	if (!needs[0])
 		return EPJ_OK;
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r =
 	    epj_transpose(ctx, g, (int)c->attrs->i[0], (int)c->attrs->i[1]);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- PERMUTE ----------------------------------------------------------- */
@@ -363,10 +345,10 @@ epj_status ej_backward_PERMUTE(epj_ctx *ctx, const ej_call *c,
 	int inv[EPJ_MAX_DIMS];
 	for (int i = 0; i < c->attrs->n_i; i++)
 		inv[c->attrs->i[i]] = i;
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r = epj_permute(ctx, g, inv);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- SLICE ------------------------------------------------------------- */
@@ -433,10 +415,10 @@ epj_status ej_backward_SLICE(epj_ctx *ctx, const ej_call *c,
 		ej_attrs_push_i(&at, c->attrs->i[i]);
 	for (int i = 0; i < a->ndim; i++)
 		ej_attrs_push_i(&at, a->shape[i]);
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r = ej_call1(ctx, EJ_OP_SLICE_BACKWARD, &g, 1, &at);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- SLICE_BACKWARD: (grad of the slice) -> zeros of the input shape with
@@ -505,11 +487,11 @@ epj_status ej_backward_SLICE_BACKWARD(epj_ctx *ctx, const ej_call *c,
 	if (!needs[0])
 		return EPJ_OK;
 	const ej_attrs *at = c->attrs;
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r =
 	    epj_slice(ctx, g, (int)at->i[0], at->i[1], at->i[2], at->i[3]);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- EXPAND ------------------------------------------------------------ */
@@ -570,10 +552,10 @@ epj_status ej_backward_EXPAND(epj_ctx *ctx, const ej_call *c,
 {
 	if (!needs[0])
 		return EPJ_OK;
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	epj_tensor *r = epj_sum_to(ctx, g, c->in[0]->ndim, c->in[0]->shape);
 	epj_tensor_free(g);
-	return set_grad(ctx, &grad_in[0], r);
+	return ej_set_grad(ctx, &grad_in[0], r);
 }
 
 /* ---- CONTIGUOUS -------------------------------------------------------- */
@@ -597,7 +579,8 @@ epj_status ej_backward_CONTIGUOUS(epj_ctx *ctx, const ej_call *c,
 {
 	if (!needs[0])
 		return EPJ_OK;
-	return set_grad(ctx, &grad_in[0], grad_or_zeros(ctx, c, grad_out, 0));
+	return ej_set_grad(ctx, &grad_in[0],
+			   ej_grad_or_zeros(ctx, c, grad_out, 0));
 }
 
 /* ---- CAT: variadic inputs of one dtype and ndim, equal shapes except on
@@ -661,7 +644,7 @@ epj_status ej_backward_CAT(epj_ctx *ctx, const ej_call *c,
 			   epj_tensor **grad_in)
 {
 	int axis = ej_axis((int)c->attrs->i[0], c->in[0]->ndim);
-	epj_tensor *g = grad_or_zeros(ctx, c, grad_out, 0);
+	epj_tensor *g = ej_grad_or_zeros(ctx, c, grad_out, 0);
 	if (!g)
 		return ctx->status;
 	epj_status st = EPJ_OK;
@@ -669,8 +652,9 @@ epj_status ej_backward_CAT(epj_ctx *ctx, const ej_call *c,
 	for (int k = 0; k < c->n_in && st == EPJ_OK; k++) {
 		int64_t len = c->in[k]->shape[axis];
 		if (needs[k])
-			st = set_grad(ctx, &grad_in[k],
-				      epj_slice(ctx, g, axis, at, at + len, 1));
+			st = ej_set_grad(
+			    ctx, &grad_in[k],
+			    epj_slice(ctx, g, axis, at, at + len, 1));
 		at += len;
 	}
 	epj_tensor_free(g);

@@ -182,6 +182,73 @@ io_fail:
 	return NULL;
 }
 
+epj_status ej_config_error(epj_ctx *ctx, const char *src, const char *fmt, ...)
+{
+	char msg[896];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	return ej_error(ctx, EPJ_ERR_CONFIG, "config error in %s: %s", src,
+			msg);
+}
+
+epj_status ej_config_json_object(epj_ctx *ctx, const char *json_text,
+				 const char *src, json_t **root)
+{
+	*root = NULL;
+	if (!json_text)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"config error in %s: no JSON text (NULL)", src);
+	json_error_t jerr;
+	json_t *r = json_loads(json_text,
+			       JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+	if (!r)
+		return ej_config_error(ctx, src,
+				       "invalid JSON at line %d, column %d: %s",
+				       jerr.line, jerr.column, jerr.text);
+	if (!json_is_object(r)) {
+		char g[100];
+		epj_status s = ej_config_error(
+		    ctx, src, "the top level must be a JSON object, got %s",
+		    ej_json_describe(r, g, sizeof g));
+		json_decref(r);
+		return s;
+	}
+	*root = r;
+	return EPJ_OK;
+}
+
+bool ej_json_as_int(const json_t *v, int64_t *out)
+{
+	if (json_is_integer(v)) {
+		*out = json_integer_value(v);
+		return true;
+	}
+	if (json_is_real(v)) {
+		double d = json_real_value(v);
+		if (d == floor(d) && fabs(d) < 9.0e15) {
+			*out = (int64_t)d;
+			return true;
+		}
+	}
+	return false;
+}
+
+const char *ej_json_describe(const json_t *v, char *buf, size_t n)
+{
+	if (json_is_string(v))
+		snprintf(buf, n, "string \"%.60s\"", json_string_value(v));
+	else if (json_is_real(v))
+		snprintf(buf, n, "real %g", json_real_value(v));
+	else if (json_is_integer(v))
+		snprintf(buf, n, "integer %" JSON_INTEGER_FORMAT,
+			 json_integer_value(v));
+	else
+		snprintf(buf, n, "%s", ej_json_type_name(v));
+	return buf;
+}
+
 /* ==== key tables ========================================================= */
 
 /* One JSON object level of the config: its dotted path and its keys. */
@@ -385,18 +452,8 @@ typedef struct cp {
 	const char *src;
 } cp;
 
-static epj_status cp_err(cp *p, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static epj_status cp_err(cp *p, const char *fmt, ...)
-{
-	char msg[896];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(msg, sizeof msg, fmt, ap);
-	va_end(ap);
-	return ej_error(p->ctx, EPJ_ERR_CONFIG, "config error in %s: %s",
-			p->src, msg);
-}
+/* An EPJ_ERR_CONFIG error naming the config's source (ej_config_error). */
+#define cp_err(p, ...) ej_config_error((p)->ctx, (p)->src, __VA_ARGS__)
 
 static void key_path(char *buf, size_t n, const char *prefix, const char *key)
 {
@@ -404,21 +461,6 @@ static void key_path(char *buf, size_t n, const char *prefix, const char *key)
 		snprintf(buf, n, "%s.%s", prefix, key);
 	else
 		snprintf(buf, n, "%s", key);
-}
-
-/* "got string \"x\"", "got real 2.5", "got null" ... for type errors. */
-static const char *got_str(const json_t *v, char *buf, size_t n)
-{
-	if (json_is_string(v))
-		snprintf(buf, n, "string \"%.60s\"", json_string_value(v));
-	else if (json_is_real(v))
-		snprintf(buf, n, "real %g", json_real_value(v));
-	else if (json_is_integer(v))
-		snprintf(buf, n, "integer %" JSON_INTEGER_FORMAT,
-			 json_integer_value(v));
-	else
-		snprintf(buf, n, "%s", ej_json_type_name(v));
-	return buf;
 }
 
 /* Rejects any key of obj that is not in section `sec`. */
@@ -495,26 +537,11 @@ static epj_status get_section(cp *p, json_t *parent, const char *key, int sec,
 	if (!json_is_object(v)) {
 		char g[100];
 		return cp_err(p, "\"%s\" must be an object, got %s",
-			      sections[sec].path, got_str(v, g, sizeof g));
+			      sections[sec].path,
+			      ej_json_describe(v, g, sizeof g));
 	}
 	*out = v;
 	return check_keys(p, v, sec);
-}
-
-static bool json_as_int(const json_t *v, int64_t *out)
-{
-	if (json_is_integer(v)) {
-		*out = json_integer_value(v);
-		return true;
-	}
-	if (json_is_real(v)) {
-		double d = json_real_value(v);
-		if (d == floor(d) && fabs(d) < 9.0e15) {
-			*out = (int64_t)d;
-			return true;
-		}
-	}
-	return false;
 }
 
 /* "a positive integer", "an integer in [0, 3]" ... */
@@ -546,10 +573,10 @@ static epj_status rd_int(cp *p, json_t *obj, const char *prefix,
 	char path[300], e[80], g[100];
 	key_path(path, sizeof path, prefix, key);
 	int64_t x;
-	if (!json_as_int(v, &x))
+	if (!ej_json_as_int(v, &x))
 		return cp_err(p, "\"%s\" must be %s, got %s", path,
 			      int_expect(e, sizeof e, lo, hi),
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	if (x < lo || x > hi)
 		return cp_err(p, "\"%s\" must be %s, got %" PRId64, path,
 			      int_expect(e, sizeof e, lo, hi), x);
@@ -591,7 +618,7 @@ static epj_status rd_num(cp *p, json_t *obj, const char *prefix,
 			 lo_open ? '(' : '[', lo, hi, hi_open ? ')' : ']');
 	if (!json_is_number(v))
 		return cp_err(p, "\"%s\" must be %s, got %s", path, e,
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	double x = json_number_value(v);
 	if (x < lo || (lo_open && x == lo) || x > hi || (hi_open && x == hi))
 		return cp_err(p, "\"%s\" must be %s, got %g", path, e, x);
@@ -609,7 +636,7 @@ static epj_status rd_bool(cp *p, json_t *obj, const char *prefix,
 		char path[300], g[100];
 		key_path(path, sizeof path, prefix, key);
 		return cp_err(p, "\"%s\" must be a boolean, got %s", path,
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	}
 	*out = json_is_true(v);
 	return EPJ_OK;
@@ -626,7 +653,7 @@ static epj_status rd_json_bool(cp *p, json_t *obj, const char *prefix,
 		char path[300], g[100];
 		key_path(path, sizeof path, prefix, key);
 		return cp_err(p, "\"%s\" must be a boolean or null, got %s",
-			      path, got_str(v, g, sizeof g));
+			      path, ej_json_describe(v, g, sizeof g));
 	}
 	*out = json_is_null(v)	 ? EJ_JSON_NULL
 	       : json_is_true(v) ? EJ_JSON_TRUE
@@ -652,7 +679,7 @@ static epj_status rd_choice(cp *p, json_t *obj, const char *prefix,
 				      i ? ", " : "", choices[i]);
 	if (!json_is_string(v))
 		return cp_err(p, "\"%s\" must be a string (one of %s), got %s",
-			      path, list, got_str(v, g, sizeof g));
+			      path, list, ej_json_describe(v, g, sizeof g));
 	const char *s = json_string_value(v);
 	for (int i = 0; i < n; i++) {
 		if (nocase ? strcasecmp(s, choices[i]) == 0
@@ -702,7 +729,8 @@ static epj_status parse_precision(cp *p, json_t *root, ej_config *c)
 				return cp_err(p,
 					      "\"fp16.%s\" must be a number or "
 					      "a boolean, got %s",
-					      key, got_str(v, g, sizeof g));
+					      key,
+					      ej_json_describe(v, g, sizeof g));
 			}
 		}
 	}
@@ -803,7 +831,7 @@ static epj_status parse_optimizer(cp *p, json_t *root, ej_config *c)
 			return cp_err(p,
 				      "\"optimizer.params.betas\" must be an "
 				      "array of 2 numbers in [0, 1), got %s%s",
-				      got_str(b, g, sizeof g),
+				      ej_json_describe(b, g, sizeof g),
 				      json_is_array(b) ? " of another length"
 						       : "");
 		for (int i = 0; i < 2; i++) {
@@ -818,7 +846,7 @@ static epj_status parse_optimizer(cp *p, json_t *root, ej_config *c)
 				    i,
 				    json_is_number(x)
 					? (snprintf(g, sizeof g, "%g", d), g)
-					: got_str(x, g, sizeof g));
+					: ej_json_describe(x, g, sizeof g));
 			c->optimizer.betas[i] = d;
 		}
 	}
@@ -946,7 +974,7 @@ static epj_status parse_offload(cp *p, json_t *zero, const char *key, int sec,
 			return cp_err(p,
 				      "\"%s.nvme_path\" must be a string, "
 				      "got %s",
-				      P, got_str(np, g, sizeof g));
+				      P, ej_json_describe(np, g, sizeof g));
 		if (strlen(json_string_value(np)) >= sizeof off->nvme_path)
 			return cp_err(p,
 				      "\"%s.nvme_path\" is longer than %zu "
@@ -1066,7 +1094,7 @@ static epj_status parse_ep(cp *p, json_t *root, ej_config *c)
 			return cp_err(p,
 				      "\"expert_parallel.top_k\" must be a "
 				      "positive integer or \"auto\", got %s",
-				      got_str(v, g, sizeof g));
+				      ej_json_describe(v, g, sizeof g));
 		else if ((s = rd_i32(p, o, P, "top_k", 1, INT_FIELD_MAX,
 				     &e->top_k)))
 			return s;
@@ -1081,7 +1109,7 @@ static epj_status parse_ep(cp *p, json_t *root, ej_config *c)
 			return cp_err(p,
 				      "\"expert_parallel.route_norm\" must "
 				      "be a boolean or null, got %s",
-				      got_str(v, g, sizeof g));
+				      ej_json_describe(v, g, sizeof g));
 	}
 	/* load_balance_coeff: number >= 0, or null = balancing off */
 	if ((v = json_object_get(o, "load_balance_coeff"))) {
@@ -1134,7 +1162,7 @@ static epj_status parse_compile(cp *p, json_t *root, ej_config *c)
 			return cp_err(p,
 				      "\"compile.schedule\" must be an "
 				      "array, an object or null, got %s",
-				      got_str(v, g, sizeof g));
+				      ej_json_describe(v, g, sizeof g));
 		k->schedule_present = true;
 	}
 	return EPJ_OK;
@@ -1213,27 +1241,14 @@ epj_status ej_config_parse(epj_ctx *ctx, const char *json_text,
 	cp p = { ctx, source_name ? source_name : "<string>" };
 	ej_config_defaults(out);
 	set_str(out->source, sizeof out->source, p.src);
-	if (!json_text)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"config error in %s: no JSON text (NULL)",
-				p.src);
-	json_error_t jerr;
-	json_t *root = json_loads(
-	    json_text, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
-	if (!root)
-		return cp_err(&p, "invalid JSON at line %d, column %d: %s",
-			      jerr.line, jerr.column, jerr.text);
-	epj_status s;
-	if (!json_is_object(root)) {
-		char g[100];
-		s = cp_err(&p, "the top level must be a JSON object, got %s",
-			   got_str(root, g, sizeof g));
-	} else {
-		ej_config tmp = *out;
-		s = parse_root(&p, root, &tmp);
-		if (s == EPJ_OK)
-			*out = tmp;
-	}
+	json_t *root;
+	epj_status s = ej_config_json_object(ctx, json_text, p.src, &root);
+	if (s != EPJ_OK)
+		return s;
+	ej_config tmp = *out;
+	s = parse_root(&p, root, &tmp);
+	if (s == EPJ_OK)
+		*out = tmp;
 	json_decref(root);
 	return s;
 }

@@ -278,5 +278,21 @@ const char *ej_json_type_name(const json_t *v);
  * on failure sets EPJ_ERR_IO "config error in <path>: cannot read: ..." and
  * returns NULL.  A file containing a NUL byte is EPJ_ERR_CONFIG. */
 char *ej_config_read_file(epj_ctx *ctx, const char *path);
+/* Sets EPJ_ERR_CONFIG "config error in <src>: <message>" (the message cut
+ * at 895 bytes) and returns it. */
+epj_status ej_config_error(epj_ctx *ctx, const char *src, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* json_text parsed as a JSON object (duplicate keys rejected) into *root,
+ * a new reference.  On failure *root is NULL and the status is
+ * EPJ_ERR_INVALID (json_text NULL) or EPJ_ERR_CONFIG (invalid JSON, with
+ * line and column; another top-level type), the message naming src. */
+epj_status ej_config_json_object(epj_ctx *ctx, const char *json_text,
+				 const char *src, json_t **root);
+/* v as an integer: a JSON integer, or a real that is exactly integral and
+ * below 9e15 in magnitude (5e8 for 500000000).  False otherwise. */
+bool ej_json_as_int(const json_t *v, int64_t *out);
+/* v described for a type error: string "x" (first 60 bytes), real 2.5,
+ * integer 3, or the type name; written into buf, returned. */
+const char *ej_json_describe(const json_t *v, char *buf, size_t n);
 
 #endif /* EPJIT_CONFIG_IMPL_H */

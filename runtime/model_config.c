@@ -20,7 +20,6 @@
 #include "config_impl.h"
 
 #include <inttypes.h>
-#include <math.h>
 #include <string.h>
 
 #define SIZE_MAX_ ((int64_t)1 << 30) /* bound of every size and count */
@@ -65,32 +64,8 @@ typedef struct mp {
 	int n_unused;
 } mp;
 
-static epj_status mp_err(mp *p, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static epj_status mp_err(mp *p, const char *fmt, ...)
-{
-	char msg[896];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(msg, sizeof msg, fmt, ap);
-	va_end(ap);
-	return ej_error(p->ctx, EPJ_ERR_CONFIG, "config error in %s: %s",
-			p->src, msg);
-}
-
-static const char *got_str(const json_t *v, char *buf, size_t n)
-{
-	if (json_is_string(v))
-		snprintf(buf, n, "string \"%.60s\"", json_string_value(v));
-	else if (json_is_real(v))
-		snprintf(buf, n, "real %g", json_real_value(v));
-	else if (json_is_integer(v))
-		snprintf(buf, n, "integer %" JSON_INTEGER_FORMAT,
-			 json_integer_value(v));
-	else
-		snprintf(buf, n, "%s", ej_json_type_name(v));
-	return buf;
-}
+/* An EPJ_ERR_CONFIG error naming the config's source (ej_config_error). */
+#define mp_err(p, ...) ej_config_error((p)->ctx, (p)->src, __VA_ARGS__)
 
 static epj_status missing(mp *p, const char *key, const char *why)
 {
@@ -99,22 +74,6 @@ static epj_status missing(mp *p, const char *key, const char *why)
 	if (near)
 		snprintf(hint, sizeof hint, " (found \"%s\": a typo?)", near);
 	return mp_err(p, "missing required key \"%s\"%s%s", key, why, hint);
-}
-
-static bool json_as_int(const json_t *v, int64_t *out)
-{
-	if (json_is_integer(v)) {
-		*out = json_integer_value(v);
-		return true;
-	}
-	if (json_is_real(v)) {
-		double d = json_real_value(v);
-		if (d == floor(d) && fabs(d) < 9.0e15) {
-			*out = (int64_t)d;
-			return true;
-		}
-	}
-	return false;
 }
 
 /* Reads root[key] as an integer in [lo, SIZE_MAX_].  Absent or null: OK,
@@ -131,9 +90,9 @@ static epj_status rd_int(mp *p, const char *key, int64_t lo, int64_t *out,
 				     : "an integer";
 	int64_t x;
 	char g[100];
-	if (!json_as_int(v, &x))
+	if (!ej_json_as_int(v, &x))
 		return mp_err(p, "\"%s\" must be %s, got %s", key, what,
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	if (x < lo)
 		return mp_err(p, "\"%s\" must be %s, got %" PRId64, key, what,
 			      x);
@@ -166,7 +125,7 @@ static epj_status rd_num(mp *p, json_t *obj, const char *key, bool allow_zero,
 	const char *what = allow_zero ? "a number >= 0" : "a number > 0";
 	if (!json_is_number(v))
 		return mp_err(p, "\"%s\" must be %s, got %s", key, what,
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	double x = json_number_value(v);
 	if (!(allow_zero ? x >= 0 : x > 0))
 		return mp_err(p, "\"%s\" must be %s, got %g", key, what, x);
@@ -182,7 +141,7 @@ static epj_status rd_bool(mp *p, const char *key, bool *out)
 	if (!json_is_boolean(v)) {
 		char g[100];
 		return mp_err(p, "\"%s\" must be a boolean, got %s", key,
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	}
 	*out = json_is_true(v);
 	return EPJ_OK;
@@ -237,7 +196,7 @@ static epj_status check_unsupported(mp *p)
 		if (!json_is_string(v))
 			return mp_err(p,
 				      "\"hidden_act\" must be a string, got %s",
-				      got_str(v, g, sizeof g));
+				      ej_json_describe(v, g, sizeof g));
 		if (strcmp(json_string_value(v), "silu") != 0)
 			return mp_err(p,
 				      "\"hidden_act\" is \"%.60s\": only "
@@ -248,7 +207,7 @@ static epj_status check_unsupported(mp *p)
 		if (!json_is_string(v))
 			return mp_err(p,
 				      "\"model_type\" must be a string, got %s",
-				      got_str(v, g, sizeof g));
+				      ej_json_describe(v, g, sizeof g));
 		if (strcmp(json_string_value(v), "qwen3_moe") != 0)
 			return mp_err(p,
 				      "\"model_type\" is \"%.60s\": only "
@@ -281,7 +240,7 @@ static epj_status parse_rope(mp *p, ej_model_config *m)
 	if (!json_is_object(rp))
 		return mp_err(p,
 			      "\"rope_parameters\" must be an object, got %s",
-			      got_str(rp, g, sizeof g));
+			      ej_json_describe(rp, g, sizeof g));
 	json_t *t = json_object_get(rp, "rope_type");
 	if (t && !json_is_null(t) &&
 	    (!json_is_string(t) ||
@@ -290,14 +249,14 @@ static epj_status parse_rope(mp *p, ej_model_config *m)
 			      "\"rope_parameters.rope_type\" must be "
 			      "\"default\", got %s: RoPE scaling is not "
 			      "implemented",
-			      got_str(t, g, sizeof g));
+			      ej_json_describe(t, g, sizeof g));
 	json_t *th = json_object_get(rp, "rope_theta");
 	if (th) {
 		if (!json_is_number(th) || !(json_number_value(th) > 0))
 			return mp_err(p,
 				      "\"rope_parameters.rope_theta\" must be "
 				      "a number > 0, got %s",
-				      got_str(th, g, sizeof g));
+				      ej_json_describe(th, g, sizeof g));
 		m->rope_theta = json_number_value(th);
 	}
 	return EPJ_OK;
@@ -313,17 +272,17 @@ static epj_status parse_mlp_only(mp *p, ej_model_config *m)
 		return mp_err(p,
 			      "\"mlp_only_layers\" must be an array of layer "
 			      "indices, got %s",
-			      got_str(v, g, sizeof g));
+			      ej_json_describe(v, g, sizeof g));
 	size_t i;
 	json_t *x;
 	json_array_foreach(v, i, x)
 	{
 		int64_t l;
-		if (!json_as_int(x, &l))
+		if (!ej_json_as_int(x, &l))
 			return mp_err(p,
 				      "\"mlp_only_layers[%zu]\" must be an "
 				      "integer, got %s",
-				      i, got_str(x, g, sizeof g));
+				      i, ej_json_describe(x, g, sizeof g));
 		if (l < 0 || l >= m->num_hidden_layers)
 			return mp_err(p,
 				      "\"mlp_only_layers[%zu]\" = %" PRId64
@@ -452,7 +411,7 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 		if (!json_is_string(v))
 			return mp_err(
 			    p, "\"torch_dtype\" must be a string, got %s",
-			    got_str(v, g, sizeof g));
+			    ej_json_describe(v, g, sizeof g));
 		snprintf(m->torch_dtype, sizeof m->torch_dtype, "%s",
 			 json_string_value(v));
 	}
@@ -476,24 +435,10 @@ epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
 	EJ_ASSERT(out);
 	memset(out, 0, sizeof *out);
 	mp p = { .ctx = ctx, .src = source_name ? source_name : "<string>" };
-	if (!json_text)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"config error in %s: no JSON text (NULL)",
-				p.src);
-	json_error_t jerr;
-	json_t *root = json_loads(
-	    json_text, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
-	if (!root)
-		return mp_err(&p, "invalid JSON at line %d, column %d: %s",
-			      jerr.line, jerr.column, jerr.text);
-	epj_status s = EPJ_OK;
-	if (!json_is_object(root)) {
-		char g[100];
-		s = mp_err(&p, "the top level must be a JSON object, got %s",
-			   got_str(root, g, sizeof g));
-		json_decref(root);
+	json_t *root;
+	epj_status s = ej_config_json_object(ctx, json_text, p.src, &root);
+	if (s != EPJ_OK)
 		return s;
-	}
 	p.root = root;
 
 	/* Unused keys, listed once at debug level. */

@@ -13,17 +13,6 @@
 #include "check_util.h"
 #include "core_impl.h"
 
-/* ck_assert in hot loops costs a message to the parent process per check;
- * this one only reports failures. */
-#define tq_assert(c)                                                           \
-	do {                                                                   \
-		if (!(c))                                                      \
-			ck_abort_msg(                                          \
-			    "%s:%d: assertion '%s' failed (seed %llu)",        \
-			    __FILE__, __LINE__, #c,                            \
-			    (unsigned long long)tu_seed());                    \
-	} while (0)
-
 static size_t model_round(size_t n)
 {
 	if (n == 0)
@@ -165,8 +154,8 @@ static void random_sequence(bool caching)
 			/* pattern intact: no other block overlapped it */
 			unsigned char *b = ptr[s];
 			for (size_t i = 0; i < len[s]; i += probe_step(len[s]))
-				tq_assert(b[i] == (unsigned char)(s + 1));
-			tq_assert(b[len[s] - 1] == (unsigned char)(s + 1));
+				tu_assert(b[i] == (unsigned char)(s + 1));
+			tu_assert(b[len[s] - 1] == (unsigned char)(s + 1));
 			ej_dealloc(a, ptr[s]);
 			allocated -= model_round(len[s]);
 			ptr[s] = NULL;
@@ -179,7 +168,7 @@ static void random_sequence(bool caching)
 				       : (size_t)tu_randint(1, 8) * 700 +
 					     (size_t)tu_randint(0, 3);
 			ptr[s] = ej_alloc(a, n);
-			tq_assert(ptr[s] != NULL);
+			tu_assert(ptr[s] != NULL);
 			len[s] = n;
 			unsigned char *b = ptr[s];
 			for (size_t i = 0; i < n; i += probe_step(n))
@@ -192,20 +181,20 @@ static void random_sequence(bool caching)
 		}
 		epj_memory_stats st;
 		ej_allocator_stats(a, &st);
-		tq_assert(st.allocated == allocated);
-		tq_assert(st.peak_allocated == peak);
-		tq_assert(st.num_allocs == allocs);
-		tq_assert(st.num_frees == frees);
-		tq_assert(st.reserved >= st.allocated);
-		tq_assert(st.peak_reserved >= st.reserved);
+		tu_assert(st.allocated == allocated);
+		tu_assert(st.peak_allocated == peak);
+		tu_assert(st.num_allocs == allocs);
+		tu_assert(st.num_frees == frees);
+		tu_assert(st.reserved >= st.allocated);
+		tu_assert(st.peak_reserved >= st.reserved);
 		if (!caching) {
-			tq_assert(st.reserved == st.allocated);
-			tq_assert(st.cache_hits == 0);
+			tu_assert(st.reserved == st.allocated);
+			tu_assert(st.cache_hits == 0);
 		}
 		if (step == 1000) {
 			ej_allocator_empty_cache(a);
 			ej_allocator_stats(a, &st);
-			tq_assert(st.reserved == st.allocated);
+			tu_assert(st.reserved == st.allocated);
 		}
 	}
 	epj_memory_stats st;

@@ -53,30 +53,6 @@ static void env_restore(saved_env s)
 	free(s.value);
 }
 
-/* Whole file as a malloc'ed NUL-terminated string, NULL when unreadable. */
-static char *slurp(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return NULL;
-	size_t cap = 4096, len = 0;
-	char *buf = malloc(cap);
-	size_t r;
-	while (buf && (r = fread(buf + len, 1, cap - 1 - len, f)) > 0) {
-		len += r;
-		if (len + 1 == cap) {
-			char *nb = realloc(buf, cap *= 2);
-			if (!nb)
-				free(buf);
-			buf = nb;
-		}
-	}
-	fclose(f);
-	if (buf)
-		buf[len] = '\0';
-	return buf;
-}
-
 /* The path after "source kept at " in msg (up to a blank or ';'), copied
  * into buf; false when absent. */
 static bool kept_path(const char *msg, char *buf, size_t n)
@@ -229,14 +205,14 @@ START_TEST(test_nvrtc_syntax_error)
 	struct stat sb;
 	ck_assert_int_eq(stat(path, &sb), 0);
 	ck_assert_int_eq(sb.st_mode & 077, 0); /* private */
-	char *kept = slurp(path);
+	char *kept = tu_slurp(path, NULL);
 	ck_assert_ptr_nonnull(kept);
 	ck_assert_str_eq(kept, src);
 	free(kept);
 	unlink(path);
 	/* The full log sits next to it. */
 	strcpy(path + strlen(path) - 3, ".log");
-	char *log = slurp(path);
+	char *log = tu_slurp(path, NULL);
 	ck_assert_ptr_nonnull(log);
 	ck_assert_ptr_nonnull(strstr(log, "expected a \";\""));
 	free(log);
@@ -536,7 +512,7 @@ START_TEST(test_hostcc_compile_error)
 	ck_assert_ptr_nonnull(strstr(log, "undeclared_thing_"));
 	char path[4096];
 	ck_assert_msg(kept_path(msg, path, sizeof path), "no path in: %s", msg);
-	char *kept = slurp(path);
+	char *kept = tu_slurp(path, NULL);
 	ck_assert_ptr_nonnull(kept);
 	ck_assert_str_eq(kept, src);
 	free(kept);

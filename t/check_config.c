@@ -16,109 +16,19 @@
 #include "check_util.h"
 #include "config_impl.h"
 
-#include <dirent.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 /* ---- helpers ---------------------------------------------------------------
  */
 
-static const char *srcdir(void)
-{
-	const char *s = getenv("top_srcdir");
-	return s && *s ? s : ".";
-}
-
-/* Whole file as a malloc'ed string, NULL if unreadable. */
-static char *slurp(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return NULL;
-	fseek(f, 0, SEEK_END);
-	long n = ftell(f);
-	fseek(f, 0, SEEK_SET);
-	char *b = malloc((size_t)(n > 0 ? n : 0) + 1);
-	ck_assert_ptr_nonnull(b);
-	size_t got = fread(b, 1, (size_t)(n > 0 ? n : 0), f);
-	b[got] = '\0';
-	fclose(f);
-	return b;
-}
-
-/* First line of a file (expected-message files), newline stripped. */
-static char *first_line(const char *path)
-{
-	char *s = slurp(path);
-	if (s)
-		s[strcspn(s, "\r\n")] = '\0';
-	return s;
-}
-
-static bool exists(const char *path)
-{
-	struct stat st;
-	return stat(path, &st) == 0;
-}
-
 static bool starts_with(const char *s, const char *prefix)
 {
 	return strncmp(s, prefix, strlen(prefix)) == 0;
-}
-
-static int cmp_str(const void *a, const void *b)
-{
-	return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-/* Sorted names of the subfolders of dir (caller frees); -1 if no dir. */
-static int list_cases(const char *dir, char ***out)
-{
-	DIR *d = opendir(dir);
-	if (!d)
-		return -1;
-	int n = 0, cap = 16;
-	char **names = malloc(sizeof *names * (size_t)cap);
-	ck_assert_ptr_nonnull(names);
-	struct dirent *e;
-	while ((e = readdir(d))) {
-		if (e->d_name[0] == '.')
-			continue;
-		char p[4096];
-		snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-		struct stat st;
-		if (stat(p, &st) != 0 || !S_ISDIR(st.st_mode))
-			continue;
-		if (n == cap) {
-			cap *= 2;
-			names = realloc(names, sizeof *names * (size_t)cap);
-			ck_assert_ptr_nonnull(names);
-		}
-		names[n++] = strdup(e->d_name);
-	}
-	closedir(d);
-	qsort(names, (size_t)n, sizeof *names, cmp_str);
-	*out = names;
-	return n;
-}
-
-/* Appends a line to a failure report (the test fails once with all). */
-static void report(char *buf, size_t n, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void report(char *buf, size_t n, const char *fmt, ...)
-{
-	size_t o = strlen(buf);
-	if (o + 1 >= n)
-		return;
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf + o, n - o, fmt, ap);
-	va_end(ap);
 }
 
 /* ---- data-driven cases ----------------------------------------------------
@@ -127,9 +37,9 @@ static void report(char *buf, size_t n, const char *fmt, ...)
 START_TEST(test_config_cases)
 {
 	char dir[1024];
-	snprintf(dir, sizeof dir, "%s/t/configs", srcdir());
+	snprintf(dir, sizeof dir, "%s/t/configs", tu_srcdir());
 	char **names = NULL;
-	int n = list_cases(dir, &names);
+	int n = tu_list_dir(dir, true, &names);
 	ck_assert_msg(n >= 0, "config case folder %s is missing", dir);
 	ck_assert_msg(n >= 20, "config case folder %s has only %d cases", dir,
 		      n);
@@ -146,14 +56,14 @@ START_TEST(test_config_cases)
 		int kind = -1, nexp = 0;
 		for (int k = 0; k < 4; k++) {
 			snprintf(path, sizeof path, "%s/%s", base, expect[k]);
-			if (exists(path)) {
+			if (tu_exists(path)) {
 				kind = k;
 				nexp++;
 			}
 		}
 		snprintf(path, sizeof path, "%s/ds.json", base);
-		if (nexp != 1 || !exists(path)) {
-			report(
+		if (nexp != 1 || !tu_exists(path)) {
+			tu_report(
 			    fails, sizeof fails,
 			    "%s: needs ds.json and exactly one of error, ok, "
 			    "compile_error, compile_ok (has %d)\n",
@@ -166,11 +76,11 @@ START_TEST(test_config_cases)
 		if (kind == 0 || kind == 2) {
 			char ep[2200];
 			snprintf(ep, sizeof ep, "%s/%s", base, expect[kind]);
-			want = first_line(ep);
+			want = tu_first_line(ep);
 			if (!want || !want[0]) {
-				report(fails, sizeof fails,
-				       "%s: empty expectation file %s\n",
-				       names[i], expect[kind]);
+				tu_report(fails, sizeof fails,
+					  "%s: empty expectation file %s\n",
+					  names[i], expect[kind]);
 				nfail++;
 				free(want);
 				continue;
@@ -185,15 +95,16 @@ START_TEST(test_config_cases)
 		if (kind == 0) {
 			if (s != EPJ_ERR_CONFIG || !starts_with(msg, prefix) ||
 			    !strstr(msg, want)) {
-				report(fails, sizeof fails,
-				       "%s: want EPJ_ERR_CONFIG \"%s\", got %s "
-				       "\"%s\"\n",
-				       names[i], want, epj_status_name(s), msg);
+				tu_report(
+				    fails, sizeof fails,
+				    "%s: want EPJ_ERR_CONFIG \"%s\", got %s "
+				    "\"%s\"\n",
+				    names[i], want, epj_status_name(s), msg);
 				nfail++;
 			}
 		} else if (s != EPJ_OK) {
-			report(fails, sizeof fails, "%s: parse failed: %s\n",
-			       names[i], msg);
+			tu_report(fails, sizeof fails, "%s: parse failed: %s\n",
+				  names[i], msg);
 			nfail++;
 		} else if (kind >= 2) {
 			s = ej_config_validate_autoep_compile(ctx, &cfg);
@@ -202,24 +113,23 @@ START_TEST(test_config_cases)
 			    (s != EPJ_ERR_CONFIG ||
 			     !starts_with(msg, "compile.autoep_non_moe=true") ||
 			     !strstr(msg, want))) {
-				report(fails, sizeof fails,
-				       "%s: want compile error \"%s\", got %s "
-				       "\"%s\"\n",
-				       names[i], want, epj_status_name(s), msg);
+				tu_report(
+				    fails, sizeof fails,
+				    "%s: want compile error \"%s\", got %s "
+				    "\"%s\"\n",
+				    names[i], want, epj_status_name(s), msg);
 				nfail++;
 			} else if (kind == 3 && s != EPJ_OK) {
-				report(fails, sizeof fails,
-				       "%s: compile validation failed: %s\n",
-				       names[i], msg);
+				tu_report(fails, sizeof fails,
+					  "%s: compile validation failed: %s\n",
+					  names[i], msg);
 				nfail++;
 			}
 		}
 		free(want);
 		epj_ctx_free(ctx);
 	}
-	for (int i = 0; i < n; i++)
-		free(names[i]);
-	free(names);
+	tu_free_names(names, n);
 	ck_assert_msg(nfail == 0, "%d of %d config cases failed:\n%s", nfail, n,
 		      fails);
 	/* Every kind of expectation must be exercised. */
@@ -920,23 +830,16 @@ START_TEST(test_load_errors)
 	const char *full = "{\"zero_optimization\": {\"stage\": 2}, "
 			   "\"bf16\": {\"enabled\": true}}";
 	for (size_t cut = 0; cut < strlen(full); cut++) {
-		FILE *f = fopen(tmpl, "wb");
-		ck_assert_ptr_nonnull(f);
-		fwrite(full, 1, cut, f);
-		fclose(f);
+		tu_write_file(tmpl, full, cut);
 		ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_ERR_CONFIG);
 		ck_assert(strstr(epj_ctx_error(ctx), "invalid JSON at line 1"));
 	}
-	FILE *f = fopen(tmpl, "wb");
-	fwrite(full, 1, strlen(full), f);
-	fclose(f);
+	tu_write_text(tmpl, full);
 	ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_OK);
 	ck_assert_int_eq(c.zero.stage, 2);
 	ck_assert_str_eq(c.source, tmpl);
 	/* An embedded NUL byte is rejected rather than parsed as a prefix. */
-	f = fopen(tmpl, "wb");
-	fwrite("{}\0{\"x\": 1}", 1, 11, f);
-	fclose(f);
+	tu_write_file(tmpl, "{}\0{\"x\": 1}", 11);
 	ck_assert_int_eq(ej_config_load(ctx, tmpl, &c), EPJ_ERR_CONFIG);
 	ck_assert(strstr(epj_ctx_error(ctx), "NUL byte"));
 	close(fd);

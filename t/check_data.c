@@ -41,29 +41,6 @@ static void tdir_free(tdir *d, const char *const *extra, int n)
 	ck_assert_msg(rmdir(d->dir) == 0, "leftover files in %s", d->dir);
 }
 
-static void write_bytes(const char *path, const void *p, size_t n)
-{
-	FILE *f = fopen(path, "wb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fwrite(p, 1, n, f), n);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
-static unsigned char *read_bytes(const char *path, size_t *n)
-{
-	FILE *f = fopen(path, "rb");
-	ck_assert_ptr_nonnull(f);
-	fseek(f, 0, SEEK_END);
-	long sz = ftell(f);
-	rewind(f);
-	unsigned char *b = malloc((size_t)sz + 1);
-	ck_assert_ptr_nonnull(b);
-	ck_assert_uint_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
-	fclose(f);
-	*n = (size_t)sz;
-	return b;
-}
-
 static void le32(unsigned char *p, uint32_t v)
 {
 	for (int i = 0; i < 4; i++)
@@ -158,7 +135,7 @@ START_TEST(test_tokens_roundtrip)
 
 		/* The bytes, from the spec. */
 		size_t n;
-		unsigned char *b = read_bytes(d.path, &n);
+		unsigned char *b = tu_read_file(d.path, &n);
 		size_t es = u16 ? 2 : 4;
 		ck_assert_uint_eq(n, 32 + count * es);
 		unsigned char h[32];
@@ -236,7 +213,7 @@ START_TEST(test_tokens_malformed)
 		buf[32 + 2 * i] = (unsigned char)(i + 1);
 
 	make_header(buf, 1, 1, 8, 9, 0);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	epj_ctx *ctx = tu_ctx();
 	epj_tokens *t;
 	ck_assert_msg(epj_tokens_read(ctx, d.path, &t) == EPJ_OK, "%s",
@@ -245,46 +222,46 @@ START_TEST(test_tokens_malformed)
 	epj_tokens_free(t);
 	epj_ctx_free(ctx);
 
-	write_bytes(d.path, buf, 20);
+	tu_write_file(d.path, buf, 20);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "shorter than the 32-byte",
 			  "short header");
-	write_bytes(d.path, buf, 32 + 15);
+	tu_write_file(d.path, buf, 32 + 15);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "truncated", "odd size");
-	write_bytes(d.path, buf, 32 + 14);
+	tu_write_file(d.path, buf, 32 + 14);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "truncated", "7 tokens of 8");
-	write_bytes(d.path, buf, 32 + 18);
+	tu_write_file(d.path, buf, 32 + 18);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "trailing", "9 tokens of 8");
 
 	make_header(buf, 1, 1, UINT64_MAX / 2 + 3, 9, 0);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "truncated", "huge count");
 
 	make_header(buf, 1, 1, 8, 9, 0);
 	buf[3] = 'X';
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "bad magic", "magic");
 
 	make_header(buf, 2, 1, 8, 9, 0);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "unsupported version 2",
 			  "version");
 
 	make_header(buf, 1, 3, 8, 9, 0);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "unsupported token dtype 3",
 			  "dtype");
 
 	make_header(buf, 1, 1, 8, 9, 1);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "reserved", "reserved");
 
 	make_header(buf, 1, 1, 8, 8, 0); /* token 8 at index 7 */
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "index 7", "token >= vocab");
 
 	/* u32 file, same count: the size must match 4-byte tokens. */
 	make_header(buf, 1, 2, 8, 0, 0);
-	write_bytes(d.path, buf, 32 + 16);
+	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "truncated", "u32 size");
 
 	unlink(d.path);
@@ -310,11 +287,11 @@ START_TEST(test_tokens_from_text)
 	text[0] = 0;
 	if (n > 1)
 		text[1] = 255;
-	write_bytes(txt, text, n);
+	tu_write_file(txt, text, n);
 	ck_assert_msg(epj_tokens_from_text(ctx, txt, d.path) == EPJ_OK, "%s",
 		      epj_ctx_error(ctx));
 	size_t fn;
-	unsigned char *raw = read_bytes(d.path, &fn);
+	unsigned char *raw = tu_read_file(d.path, &fn);
 	unsigned char h[32];
 	make_header(h, 1, 1, n, 256, 0);
 	ck_assert_uint_eq(fn, 32 + 2 * n);

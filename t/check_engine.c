@@ -33,58 +33,6 @@
 /* ---- helpers --------------------------------------------------------------
  */
 
-/* A private temporary directory; files in it are named by the tests and
- * removed by tmp_rm. */
-typedef struct tmpdir {
-	char dir[64];
-} tmpdir;
-
-static void tmp_make(tmpdir *t)
-{
-	snprintf(t->dir, sizeof t->dir, "/tmp/epjit-engine-XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(t->dir));
-}
-
-static const char *tmp_path(const tmpdir *t, const char *name, char *buf,
-			    size_t n)
-{
-	snprintf(buf, n, "%s/%s", t->dir, name);
-	return buf;
-}
-
-static void tmp_rm(tmpdir *t, const char *const *names, int n)
-{
-	char p[160];
-	for (int i = 0; i < n; i++)
-		unlink(tmp_path(t, names[i], p, sizeof p));
-	rmdir(t->dir);
-}
-
-static void write_file(const char *path, const void *data, size_t n)
-{
-	FILE *f = fopen(path, "wb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_int_eq(fwrite(data, 1, n, f), n);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
-/* Whole file into a malloc'ed buffer; *n its size. */
-static unsigned char *read_file(const char *path, size_t *n)
-{
-	FILE *f = fopen(path, "rb");
-	ck_assert_msg(f != NULL, "cannot open %s", path);
-	ck_assert_int_eq(fseek(f, 0, SEEK_END), 0);
-	long sz = ftell(f);
-	ck_assert_int_ge(sz, 0);
-	rewind(f);
-	unsigned char *b = malloc((size_t)sz + 1);
-	ck_assert_ptr_nonnull(b);
-	ck_assert_int_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
-	fclose(f);
-	*n = (size_t)sz;
-	return b;
-}
-
 /* The engine test model: vocab 16, hidden 16, 2 layers (2 heads / 1 KV
  * head of dim 8), 4 experts of dim 12, top-2 renormalised. */
 #define E_V 16
@@ -98,18 +46,13 @@ static const char *const MODEL_JSON =
 
 static epj_model *new_model(epj_ctx *ctx, uint64_t seed)
 {
-	tmpdir t;
-	char p[160];
-	tmp_make(&t);
-	tmp_path(&t, "config.json", p, sizeof p);
-	write_file(p, MODEL_JSON, strlen(MODEL_JSON));
+	tu_tmpfile cfg = tu_tmpfile_new("engine", "config.json", MODEL_JSON);
 	epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
 			     .seed = seed,
 			     .dtype = EPJ_DTYPE_F32 };
 	epj_model *m = NULL;
-	epj_status st = epj_model_new(ctx, p, &o, &m);
-	const char *names[] = { "config.json" };
-	tmp_rm(&t, names, 1);
+	epj_status st = epj_model_new(ctx, cfg.path, &o, &m);
+	tu_tmpfile_free(&cfg);
 	ck_assert_msg(st == EPJ_OK, "model: %s", epj_ctx_error(ctx));
 	return m;
 }
@@ -295,12 +238,11 @@ END_TEST
 static void resume_identity(const char *json)
 {
 	epj_ctx *ctx = tu_ctx();
-	tmpdir t;
-	tmp_make(&t);
+	char *dir = tu_tmpdir_new("engine");
 	char ck[160], f1[160], f2[160];
-	tmp_path(&t, "ck.safetensors", ck, sizeof ck);
-	tmp_path(&t, "end1.safetensors", f1, sizeof f1);
-	tmp_path(&t, "end2.safetensors", f2, sizeof f2);
+	snprintf(ck, sizeof ck, "%s/ck.safetensors", dir);
+	snprintf(f1, sizeof f1, "%s/end1.safetensors", dir);
+	snprintf(f2, sizeof f2, "%s/end2.safetensors", dir);
 	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
 	batches b;
 	batches_make(ctx, &b, 12, 3, 9, seed);
@@ -346,7 +288,7 @@ static void resume_identity(const char *json)
 	ck_assert_int_eq(epj_engine_save(e1, f1), EPJ_OK);
 	ck_assert_int_eq(epj_engine_save(e2, f2), EPJ_OK);
 	size_t n1, n2;
-	unsigned char *c1 = read_file(f1, &n1), *c2 = read_file(f2, &n2);
+	unsigned char *c1 = tu_read_file(f1, &n1), *c2 = tu_read_file(f2, &n2);
 	ck_assert_msg(n1 == n2 && !memcmp(c1, c2, n1),
 		      "%s: final checkpoints differ (%zu vs %zu bytes)", json,
 		      n1, n2);
@@ -360,9 +302,7 @@ static void resume_identity(const char *json)
 	epj_model_free(m1);
 	epj_model_free(m2);
 	batches_free(&b);
-	const char *names[] = { "ck.safetensors", "end1.safetensors",
-				"end2.safetensors" };
-	tmp_rm(&t, names, 3);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 
@@ -479,14 +419,13 @@ static void write_params(epj_ctx *ctx, const epj_model *m, const char *path,
 START_TEST(test_load_failures)
 {
 	epj_ctx *ctx = tu_ctx();
-	tmpdir t;
-	tmp_make(&t);
+	char *dir = tu_tmpdir_new("engine");
 	const char *names[] = { "good",	   "trunc", "half",  "hdr",
 				"hugelen", "miss",  "shape", "extra",
 				"sgd",	   "plain", "empty", "missing_file" };
 	char p[12][160];
 	for (int i = 0; i < 12; i++)
-		tmp_path(&t, names[i], p[i], sizeof p[i]);
+		snprintf(p[i], sizeof p[i], "%s/%s", dir, names[i]);
 	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
 	batches b;
 	batches_make(ctx, &b, 4, 2, 7, seed);
@@ -502,30 +441,30 @@ START_TEST(test_load_failures)
 	snap_take(ctx, m, &before);
 
 	size_t n;
-	unsigned char *good = read_file(p[0], &n);
+	unsigned char *good = tu_read_file(p[0], &n);
 	ck_assert_int_gt(n, 1000);
 	/* truncated: the last 100 bytes, and half of the file, missing */
-	write_file(p[1], good, n - 100);
+	tu_write_file(p[1], good, n - 100);
 	expect_load_fails(ctx, e, p[1], 0, p[1], &before, "truncated");
-	write_file(p[2], good, n / 2);
+	tu_write_file(p[2], good, n / 2);
 	expect_load_fails(ctx, e, p[2], 0, p[2], &before, "half");
 	/* corrupt JSON header */
 	unsigned char *bad = malloc(n);
 	ck_assert_ptr_nonnull(bad);
 	memcpy(bad, good, n);
 	memcpy(bad + 8, "{\"x\"::[", 7);
-	write_file(p[3], bad, n);
+	tu_write_file(p[3], bad, n);
 	expect_load_fails(ctx, e, p[3], EPJ_ERR_FORMAT, p[3], &before,
 			  "corrupt header");
 	/* header length beyond the file */
 	memcpy(bad, good, n);
 	for (int i = 0; i < 8; i++)
 		bad[i] = i == 5 ? 0x7f : 0x00;
-	write_file(p[4], bad, n);
+	tu_write_file(p[4], bad, n);
 	expect_load_fails(ctx, e, p[4], 0, p[4], &before, "header length");
 	free(bad);
 	/* an empty file */
-	write_file(p[10], "", 0);
+	tu_write_file(p[10], "", 0);
 	expect_load_fails(ctx, e, p[10], 0, p[10], &before, "empty file");
 	/* a file that does not exist */
 	expect_load_fails(ctx, e, p[11], EPJ_ERR_IO, p[11], &before,
@@ -592,7 +531,7 @@ START_TEST(test_load_failures)
 	epj_engine_free(e);
 	epj_model_free(m);
 	batches_free(&b);
-	tmp_rm(&t, names, 12);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -706,23 +645,18 @@ START_TEST(test_initialize_defaults)
 	ck_assert(!epj_engine_bf16(e));
 	ck_assert_ptr_eq(epj_engine_model(e), m);
 	epj_engine_free(e);
-	tmpdir t;
-	tmp_make(&t);
-	char p[160];
-	tmp_path(&t, "ds.json", p, sizeof p);
-	const char *js = "{\"train_batch_size\": 12, "
-			 "\"gradient_accumulation_steps\": 3, \"seed\": 7, "
-			 "\"steps_per_print\": 5}";
-	write_file(p, js, strlen(js));
-	ck_assert_msg(epj_engine_initialize(ctx, m, p, &e) == EPJ_OK, "%s",
-		      epj_ctx_error(ctx));
+	tu_tmpfile ds = tu_tmpfile_new(
+	    "engine", "ds.json",
+	    "{\"train_batch_size\": 12, \"gradient_accumulation_steps\": 3, "
+	    "\"seed\": 7, \"steps_per_print\": 5}");
+	ck_assert_msg(epj_engine_initialize(ctx, m, ds.path, &e) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
 	ck_assert_int_eq(epj_engine_micro_batch_size(e), 4);
 	ck_assert_int_eq(epj_engine_grad_accum_steps(e), 3);
 	ck_assert_int_eq(epj_engine_seed(e), 7);
 	ck_assert_int_eq(epj_engine_steps_per_print(e), 5);
 	epj_engine_free(e);
-	const char *names[] = { "ds.json" };
-	tmp_rm(&t, names, 1);
+	tu_tmpfile_free(&ds);
 	/* train_step without labels */
 	ck_assert_int_eq(epj_engine_initialize(ctx, m, NULL, &e), EPJ_OK);
 	int64_t sh[2] = { 1, 4 };
@@ -885,10 +819,9 @@ static void check_masters(epj_ctx *ctx, epj_engine *e, const char *path,
 START_TEST(test_bf16_masters)
 {
 	epj_ctx *ctx = tu_ctx();
-	tmpdir t;
-	tmp_make(&t);
+	char *dir = tu_tmpdir_new("engine");
 	char p[160];
-	tmp_path(&t, "ck.safetensors", p, sizeof p);
+	snprintf(p, sizeof p, "%s/ck.safetensors", dir);
 	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
 	epj_model *m = new_model(ctx, seed), *mf = new_model(ctx, seed);
 	epj_engine *e = new_engine(
@@ -924,8 +857,7 @@ START_TEST(test_bf16_masters)
 	epj_engine_free(e);
 	epj_model_free(m);
 	epj_model_free(mf);
-	const char *names[] = { "ck.safetensors" };
-	tmp_rm(&t, names, 1);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST

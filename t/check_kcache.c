@@ -19,7 +19,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,32 +32,6 @@
 
 /* ---- helpers --------------------------------------------------------------
  */
-
-static char *tmpdir_new(void)
-{
-	char *d = strdup("/tmp/epj-kc-XXXXXX");
-	ck_assert_ptr_nonnull(d);
-	ck_assert_ptr_nonnull(mkdtemp(d));
-	return d;
-}
-
-static int rm_one(const char *p, const struct stat *st, int flag,
-		  struct FTW *ftw)
-{
-	(void)st;
-	(void)ftw;
-	if (flag == FTW_DP)
-		return rmdir(p) != 0;
-	return unlink(p) != 0;
-}
-
-/* rm -rf d (never following links), then frees d. */
-static void tmpdir_free(char *d)
-{
-	chmod(d, 0700);
-	ck_assert_int_eq(nftw(d, rm_one, 16, FTW_DEPTH | FTW_PHYS), 0);
-	free(d);
-}
 
 static char *path_of(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));
@@ -127,30 +100,6 @@ static unsigned char *random_bytes(size_t n)
 	return b;
 }
 
-static unsigned char *read_file(const char *path, size_t *n)
-{
-	FILE *f = fopen(path, "rb");
-	ck_assert_msg(f != NULL, "open %s: %s", path, strerror(errno));
-	ck_assert_int_eq(fseek(f, 0, SEEK_END), 0);
-	long sz = ftell(f);
-	ck_assert_int_ge(sz, 0);
-	rewind(f);
-	unsigned char *b = malloc((size_t)sz + 1);
-	ck_assert_ptr_nonnull(b);
-	ck_assert_uint_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
-	fclose(f);
-	*n = (size_t)sz;
-	return b;
-}
-
-static void write_file(const char *path, const void *p, size_t n)
-{
-	FILE *f = fopen(path, "wb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fwrite(p, 1, n, f), n);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
 static uint64_t le64(const unsigned char *p)
 {
 	uint64_t v = 0;
@@ -170,13 +119,8 @@ static ej_kcache *open_ok(epj_ctx *ctx, const char *dir)
 static void assert_refused(epj_ctx *ctx, const char *dir, const char *what,
 			   const char *why)
 {
-	ej_kcache *c = ej_kcache_open(ctx, dir);
-	ck_assert_msg(c == NULL, "open of %s succeeded", dir);
-	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_STATE);
-	const char *msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, what) && strstr(msg, why),
-		      "message \"%s\" should name %s and say %s", msg, what,
-		      why);
+	tu_assert_error(ctx, ej_kcache_open(ctx, dir), EPJ_ERR_STATE,
+			TU_STRS(what, why));
 }
 
 /* Gets key and asserts a hit with exactly want[0..n). */
@@ -231,7 +175,7 @@ static int count_names(const char *dir, const char *part)
 START_TEST(test_roundtrip)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	char key[65], other[65];
 	make_key(key, "roundtrip", 0);
 	make_key(other, "roundtrip", 1);
@@ -254,7 +198,7 @@ START_TEST(test_roundtrip)
 
 	/* The file, byte by byte. */
 	size_t fn;
-	unsigned char *f = read_file(entry_path(dir, key), &fn);
+	unsigned char *f = tu_read_file(entry_path(dir, key), &fn);
 	ck_assert_uint_eq(fn, HDR + n + strlen(src));
 	ck_assert(memcmp(f, "EPJKC\0\0\1", 8) == 0);
 	ck_assert(memcmp(f + 8, key, 64) == 0);
@@ -339,7 +283,7 @@ START_TEST(test_roundtrip)
 	}
 	ej_kcache_close(c);
 	free(blob);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -437,7 +381,7 @@ enum {
 START_TEST(test_corrupt)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	epj_log_level lvl = epj_log_level_get();
 	epj_log_level_set(EPJ_LOG_ERROR); /* the warnings are expected */
 	for (int kind = 0; kind < CORRUPT_COUNT; kind++) {
@@ -454,51 +398,51 @@ START_TEST(test_corrupt)
 
 		char *p = entry_path(dir, key);
 		size_t fn;
-		unsigned char *f = read_file(p, &fn);
+		unsigned char *f = tu_read_file(p, &fn);
 		size_t at;
 		switch (kind) {
 		case CORRUPT_FLIP_ARTIFACT:
 			at = HDR + (size_t)tu_randint(0, (int64_t)n);
 			f[at] ^= (unsigned char)(1 << tu_randint(0, 8));
-			write_file(p, f, fn);
+			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_FLIP_SOURCE:
 			f[fn - 1] ^= 0x20;
-			write_file(p, f, fn);
+			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_FLIP_CHECKSUM:
 			f[88 + tu_randint(0, 16)] ^= 0x80;
-			write_file(p, f, fn);
+			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_LENGTH_FIELD:
 			f[72] ^= 1; /* artifact length off by one */
-			write_file(p, f, fn);
+			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_TRUNCATE:
-			write_file(p, f,
-				   HDR + (size_t)tu_randint(0, (int64_t)n));
+			tu_write_file(p, f,
+				      HDR + (size_t)tu_randint(0, (int64_t)n));
 			break;
 		case CORRUPT_TRUNCATE_HEADER:
-			write_file(p, f, (size_t)tu_randint(1, HDR));
+			tu_write_file(p, f, (size_t)tu_randint(1, HDR));
 			break;
 		case CORRUPT_EMPTY:
-			write_file(p, f, 0);
+			tu_write_file(p, f, 0);
 			break;
 		case CORRUPT_APPEND:
-			f[fn] = 'x'; /* read_file left one spare byte */
-			write_file(p, f, fn + 1);
+			f[fn] = 'x'; /* tu_read_file left one spare byte */
+			tu_write_file(p, f, fn + 1);
 			break;
 		case CORRUPT_MAGIC:
 			f[7] = 2; /* a future format version */
-			write_file(p, f, fn);
+			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_OTHER_KEY: {
 			/* key2's valid entry (same artifact and source) at
 			 * key's path: only the key inside tells them apart. */
 			size_t gn;
 			unsigned char *g =
-			    read_file(entry_path(dir, key2), &gn);
-			write_file(p, g, gn);
+			    tu_read_file(entry_path(dir, key2), &gn);
+			tu_write_file(p, g, gn);
 			free(g);
 			break;
 		}
@@ -531,7 +475,7 @@ START_TEST(test_corrupt)
 		free(blob);
 	}
 	epj_log_level_set(lvl);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -542,7 +486,7 @@ END_TEST
 START_TEST(test_insecure_dir)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	char key[65];
 	make_key(key, "insecure", 0);
 	unsigned char b[3] = { 1, 2, 3 };
@@ -579,7 +523,7 @@ START_TEST(test_insecure_dir)
 
 	/* A file where the directory should be. */
 	char *file = strdup(path_of("%s/plain", dir));
-	write_file(file, "x", 1);
+	tu_write_file(file, "x", 1);
 	ck_assert_ptr_null(ej_kcache_open(ctx, file));
 	ck_assert_int_ne(epj_ctx_status(ctx), EPJ_OK);
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), file));
@@ -602,7 +546,7 @@ START_TEST(test_insecure_dir)
 	free(v1);
 	free(shard);
 	free(file);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -610,7 +554,7 @@ END_TEST
 START_TEST(test_symlink_dir)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	char *real = strdup(path_of("%s/real", dir));
 	char *link = strdup(path_of("%s/link", dir));
 	ck_assert_int_eq(mkdir(real, 0700), 0);
@@ -629,7 +573,7 @@ START_TEST(test_symlink_dir)
 	free(link);
 	free(slash);
 	free(other);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -655,7 +599,7 @@ static void assert_default(epj_ctx *ctx, const char *want)
 START_TEST(test_default_dir)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	char *saved[EJ_ARRAY_LEN(env_names)];
 	for (size_t i = 0; i < EJ_ARRAY_LEN(env_names); i++) {
 		const char *v = getenv(env_names[i]);
@@ -698,7 +642,7 @@ START_TEST(test_default_dir)
 			unsetenv(env_names[i]);
 		free(saved[i]);
 	}
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -722,7 +666,7 @@ static int64_t file_size(const char *p)
 START_TEST(test_eviction)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
+	char *dir = tu_tmpdir_new("kc");
 	enum { NK = 5 };
 	char key[NK][65];
 	unsigned char *blob[NK];
@@ -759,8 +703,8 @@ START_TEST(test_eviction)
 	    strdup(path_of("%s/v1/%.2s/%s.tmp.999999.1", dir, key[0], key[0]));
 	char *fresh =
 	    strdup(path_of("%s/v1/%.2s/%s.tmp.999999.2", dir, key[0], key[0]));
-	write_file(stale, "x", 1);
-	write_file(fresh, "x", 1);
+	tu_write_file(stale, "x", 1);
+	tu_write_file(fresh, "x", 1);
 	set_mtime(stale, now - 7200);
 
 	/* Room for key0, key2 and key3 but not key1 too: key1 goes. */
@@ -797,7 +741,7 @@ START_TEST(test_eviction)
 		free(blob[i]);
 	free(stale);
 	free(fresh);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -925,7 +869,7 @@ START_TEST(test_concurrent)
 	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), N_KEYS);
 	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
 	ej_kcache_close(c);
-	tmpdir_free(strdup(dir));
+	tu_tmpdir_free(strdup(dir));
 	epj_ctx_free(ctx);
 }
 END_TEST

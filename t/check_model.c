@@ -102,7 +102,7 @@ static bool layer_is_moe(const tcfg *c, int l)
 static epj_model *build_model(epj_ctx *ctx, const tcfg *c, epj_layout layout,
 			      uint64_t seed, bool fixed, epj_dtype dt)
 {
-	char dir[64], path[128], only[64] = "[", json[2048];
+	char only[64] = "[", json[2048];
 	for (int i = 0; i < c->n_only; i++)
 		snprintf(only + strlen(only), sizeof only - strlen(only),
 			 "%s%d", i ? ", " : "", c->only[i]);
@@ -120,21 +120,14 @@ static epj_model *build_model(epj_ctx *ctx, const tcfg *c, epj_layout layout,
 		 c->V, c->H, c->L, c->Hq, c->Hkv, c->D, c->I, c->MI, c->E, c->K,
 		 c->norm_topk ? "true" : "false", c->sparse_step, only, c->init,
 		 c->eps, c->theta);
-	snprintf(dir, sizeof dir, "/tmp/epjit-model-XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(dir));
-	snprintf(path, sizeof path, "%s/config.json", dir);
-	FILE *f = fopen(path, "w");
-	ck_assert_ptr_nonnull(f);
-	fputs(json, f);
-	ck_assert_int_eq(fclose(f), 0);
+	tu_tmpfile cfg = tu_tmpfile_new("model", "config.json", json);
 	epj_model_opts o = { .layout = layout,
 			     .seed = seed,
 			     .fixed_routing = fixed,
 			     .dtype = dt };
 	epj_model *m = NULL;
-	epj_status st = epj_model_new(ctx, path, &o, &m);
-	unlink(path);
-	rmdir(dir);
+	epj_status st = epj_model_new(ctx, cfg.path, &o, &m);
+	tu_tmpfile_free(&cfg);
 	ck_assert_msg(st == EPJ_OK, "epj_model_new: %s", epj_ctx_error(ctx));
 	return m;
 }

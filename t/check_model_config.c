@@ -12,59 +12,18 @@
 #include "check_util.h"
 #include "config_impl.h"
 
-#include <dirent.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-
-static const char *srcdir(void)
-{
-	const char *s = getenv("top_srcdir");
-	return s && *s ? s : ".";
-}
-
-static bool exists(const char *path)
-{
-	struct stat st;
-	return stat(path, &st) == 0;
-}
-
-static char *first_line(const char *path)
-{
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		return NULL;
-	char *b = calloc(1, 1024);
-	ck_assert_ptr_nonnull(b);
-	if (!fgets(b, 1024, f))
-		b[0] = '\0';
-	fclose(f);
-	b[strcspn(b, "\r\n")] = '\0';
-	return b;
-}
-
-static int cmp_str(const void *a, const void *b)
-{
-	return strcmp(*(char *const *)a, *(char *const *)b);
-}
 
 START_TEST(test_model_config_cases)
 {
 	char dir[1024];
-	snprintf(dir, sizeof dir, "%s/t/model_configs", srcdir());
-	DIR *d = opendir(dir);
-	ck_assert_msg(d != NULL, "model config case folder %s is missing", dir);
-	char *names[512];
-	int n = 0;
-	struct dirent *e;
-	while ((e = readdir(d)) && n < 512) {
-		if (e->d_name[0] != '.')
-			names[n++] = strdup(e->d_name);
-	}
-	closedir(d);
-	qsort(names, (size_t)n, sizeof names[0], cmp_str);
+	snprintf(dir, sizeof dir, "%s/t/model_configs", tu_srcdir());
+	char **names = NULL;
+	int n = tu_list_dir(dir, false, &names);
+	ck_assert_msg(n >= 0, "model config case folder %s is missing", dir);
 	ck_assert_msg(n >= 15, "model config case folder %s has only %d cases",
 		      dir, n);
 	static char fails[16384];
@@ -76,13 +35,12 @@ START_TEST(test_model_config_cases)
 		snprintf(cfgp, sizeof cfgp, "%s/config.json", base);
 		snprintf(errp, sizeof errp, "%s/error", base);
 		snprintf(okp, sizeof okp, "%s/ok", base);
-		bool is_err = exists(errp), is_ok = exists(okp);
-		size_t o = strlen(fails);
-		if (!exists(cfgp) || is_err == is_ok) {
-			snprintf(fails + o, sizeof fails - o,
-				 "%s: needs config.json and exactly one of "
-				 "error, ok\n",
-				 names[i]);
+		bool is_err = tu_exists(errp), is_ok = tu_exists(okp);
+		if (!tu_exists(cfgp) || is_err == is_ok) {
+			tu_report(fails, sizeof fails,
+				  "%s: needs config.json and exactly one of "
+				  "error, ok\n",
+				  names[i]);
 			nfail++;
 			continue;
 		}
@@ -92,50 +50,48 @@ START_TEST(test_model_config_cases)
 		const char *msg = epj_ctx_error(ctx);
 		if (is_err) {
 			n_err++;
-			char *want = first_line(errp);
+			char *want = tu_first_line(errp);
 			char prefix[2400];
 			snprintf(prefix, sizeof prefix,
 				 "config error in %s: ", cfgp);
 			if (!want || !want[0] || s != EPJ_ERR_CONFIG ||
 			    strncmp(msg, prefix, strlen(prefix)) != 0 ||
 			    !strstr(msg, want)) {
-				snprintf(fails + o, sizeof fails - o,
-					 "%s: want EPJ_ERR_CONFIG \"%s\", got "
-					 "%s \"%s\"\n",
-					 names[i], want ? want : "(empty)",
-					 epj_status_name(s), msg);
+				tu_report(fails, sizeof fails,
+					  "%s: want EPJ_ERR_CONFIG \"%s\", got "
+					  "%s \"%s\"\n",
+					  names[i], want ? want : "(empty)",
+					  epj_status_name(s), msg);
 				nfail++;
 			}
 			/* A failed parse leaves a zeroed config. */
 			if (m.hidden_size != 0 || m.num_hidden_layers != 0) {
-				o = strlen(fails);
-				snprintf(fails + o, sizeof fails - o,
-					 "%s: config not zeroed on failure\n",
-					 names[i]);
+				tu_report(fails, sizeof fails,
+					  "%s: config not zeroed on failure\n",
+					  names[i]);
 				nfail++;
 			}
 			free(want);
 		} else {
 			n_ok++;
 			if (s != EPJ_OK) {
-				snprintf(fails + o, sizeof fails - o,
-					 "%s: parse failed: %s\n", names[i],
-					 msg);
+				tu_report(fails, sizeof fails,
+					  "%s: parse failed: %s\n", names[i],
+					  msg);
 				nfail++;
 			} else if (m.hidden_size < 1 || m.head_dim < 1 ||
 				   m.num_attention_heads %
 					   m.num_key_value_heads !=
 				       0) {
-				snprintf(fails + o, sizeof fails - o,
-					 "%s: accepted an invalid geometry\n",
-					 names[i]);
+				tu_report(fails, sizeof fails,
+					  "%s: accepted an invalid geometry\n",
+					  names[i]);
 				nfail++;
 			}
 		}
 		epj_ctx_free(ctx);
 	}
-	for (int i = 0; i < n; i++)
-		free(names[i]);
+	tu_free_names(names, n);
 	ck_assert_msg(nfail == 0, "%d of %d model config cases failed:\n%s",
 		      nfail, n, fails);
 	ck_assert(n_ok > 0 && n_err > 0);
@@ -146,8 +102,8 @@ START_TEST(test_qwen3_30b_a3b)
 {
 	char path[4096];
 	snprintf(path, sizeof path,
-		 "%s/../shared/models/qwen3-30b-a3b.config.json", srcdir());
-	if (!exists(path)) {
+		 "%s/../shared/models/qwen3-30b-a3b.config.json", tu_srcdir());
+	if (!tu_exists(path)) {
 		/* Only where the shared folder is not checked out. */
 		fprintf(stderr, "SKIP test_qwen3_30b_a3b: %s absent\n", path);
 		return;

@@ -30,29 +30,6 @@
 /* ---- helpers --------------------------------------------------------------
  */
 
-/* A config.json in a fresh temporary directory; rm_config removes both. */
-typedef struct tmp_cfg {
-	char dir[64];
-	char path[128];
-} tmp_cfg;
-
-static void write_config(tmp_cfg *t, const char *json)
-{
-	snprintf(t->dir, sizeof t->dir, "/tmp/epjit-module-XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(t->dir));
-	snprintf(t->path, sizeof t->path, "%s/config.json", t->dir);
-	FILE *f = fopen(t->path, "w");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_int_eq(fputs(json, f) >= 0, 1);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
-static void rm_config(tmp_cfg *t)
-{
-	unlink(t->path);
-	rmdir(t->dir);
-}
-
 /* The test model: vocab 11, hidden 10, 2 layers, 2 query heads and 1 KV
  * head of dim 4 (so q_proj [8, 10], o_proj [10, 8]), dense intermediate 7,
  * 3 experts of intermediate 5, top-2. */
@@ -96,11 +73,10 @@ static epj_model *new_test_model(epj_ctx *ctx, epj_layout layout, int layers,
 				 uint64_t seed)
 {
 	char json[1024];
-	tmp_cfg t;
 	snprintf(json, sizeof json, CFG_FMT, layers, 1, "[]");
-	write_config(&t, json);
+	tu_tmpfile t = tu_tmpfile_new("module", "config.json", json);
 	epj_model *m = new_model(ctx, t.path, layout, seed);
-	rm_config(&t);
+	tu_tmpfile_free(&t);
 	return m;
 }
 
@@ -512,12 +488,11 @@ START_TEST(test_dense_layers)
 	};
 	for (size_t c = 0; c < EJ_ARRAY_LEN(cases); c++) {
 		char json[1024];
-		tmp_cfg t;
 		snprintf(json, sizeof json, CFG_FMT, cases[c].layers,
 			 cases[c].step, cases[c].only);
-		write_config(&t, json);
+		tu_tmpfile t = tu_tmpfile_new("module", "config.json", json);
 		epj_model *m = new_model(ctx, t.path, EPJ_LAYOUT_NESTED, 3);
-		rm_config(&t);
+		tu_tmpfile_free(&t);
 		epj_module *r = epj_model_root(m);
 		exp_list *l = calloc(1, sizeof *l);
 		ck_assert_ptr_nonnull(l);
@@ -592,9 +567,8 @@ START_TEST(test_routing_record)
 {
 	epj_ctx *ctx = tu_ctx();
 	char json[1024];
-	tmp_cfg t;
 	snprintf(json, sizeof json, CFG_FMT, 2, 1, "[]");
-	write_config(&t, json);
+	tu_tmpfile t = tu_tmpfile_new("module", "config.json", json);
 	for (int fixed = 0; fixed < 2; fixed++) {
 		epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
 				     .seed = 4,
@@ -633,7 +607,7 @@ START_TEST(test_routing_record)
 		epj_tensor_free(logits);
 		epj_model_free(m);
 	}
-	rm_config(&t);
+	tu_tmpfile_free(&t);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -737,18 +711,18 @@ END_TEST
 START_TEST(test_init_distribution)
 {
 	epj_ctx *ctx = tu_ctx();
-	tmp_cfg t;
-	write_config(&t,
-		     "{\"vocab_size\": 512, \"hidden_size\": 64, "
-		     "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, "
-		     "\"num_key_value_heads\": 2, \"head_dim\": 16, "
-		     "\"intermediate_size\": 96, "
-		     "\"moe_intermediate_size\": 48, \"num_experts\": 4, "
-		     "\"num_experts_per_tok\": 2, "
-		     "\"initializer_range\": 0.05}");
+	tu_tmpfile t = tu_tmpfile_new(
+	    "module", "config.json",
+	    "{\"vocab_size\": 512, \"hidden_size\": 64, "
+	    "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, "
+	    "\"num_key_value_heads\": 2, \"head_dim\": 16, "
+	    "\"intermediate_size\": 96, "
+	    "\"moe_intermediate_size\": 48, \"num_experts\": 4, "
+	    "\"num_experts_per_tok\": 2, "
+	    "\"initializer_range\": 0.05}");
 	epj_model *m = new_model(ctx, t.path, EPJ_LAYOUT_NESTED,
 				 (uint64_t)tu_randint(1, 1 << 30));
-	rm_config(&t);
+	tu_tmpfile_free(&t);
 	const double std = 0.05;
 	double s1 = 0, s2 = 0;
 	int64_t n_all = 0, beyond3 = 0;
@@ -805,14 +779,14 @@ START_TEST(test_init_threads)
 	epj_ctx *ctx = tu_ctx();
 	int prev = omp_get_max_threads();
 	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
-	tmp_cfg t;
 	/* large enough that a parallel fill would split it */
-	write_config(&t,
-		     "{\"vocab_size\": 1031, \"hidden_size\": 48, "
-		     "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-		     "\"head_dim\": 24, \"intermediate_size\": 64, "
-		     "\"moe_intermediate_size\": 40, \"num_experts\": 3, "
-		     "\"num_experts_per_tok\": 2}");
+	tu_tmpfile t = tu_tmpfile_new(
+	    "module", "config.json",
+	    "{\"vocab_size\": 1031, \"hidden_size\": 48, "
+	    "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+	    "\"head_dim\": 24, \"intermediate_size\": 64, "
+	    "\"moe_intermediate_size\": 40, \"num_experts\": 3, "
+	    "\"num_experts_per_tok\": 2}");
 	omp_set_num_threads(1);
 	epj_model *a = new_model(ctx, t.path, EPJ_LAYOUT_NESTED, seed);
 	omp_set_num_threads(2);
@@ -820,7 +794,7 @@ START_TEST(test_init_threads)
 	omp_set_num_threads(3);
 	epj_model *c = new_model(ctx, t.path, EPJ_LAYOUT_NESTED, seed);
 	omp_set_num_threads(prev);
-	rm_config(&t);
+	tu_tmpfile_free(&t);
 	const char *diff = NULL;
 	ck_assert_msg(params_equal(ctx, a, b, &diff),
 		      "1 vs 2 threads: parameter %s differs", diff);
@@ -839,15 +813,15 @@ END_TEST
 START_TEST(test_model_new_errors)
 {
 	epj_ctx *ctx = tu_ctx();
-	tmp_cfg t;
-	write_config(&t,
-		     "{\"vocab_size\": 11, \"hidden_size\": 10, "
-		     "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
-		     "\"head_dim\": 4, \"intermediate_size\": 7, "
-		     "\"tie_word_embeddings\": true}");
+	tu_tmpfile t = tu_tmpfile_new(
+	    "module", "config.json",
+	    "{\"vocab_size\": 11, \"hidden_size\": 10, "
+	    "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+	    "\"head_dim\": 4, \"intermediate_size\": 7, "
+	    "\"tie_word_embeddings\": true}");
 	epj_model *m = (epj_model *)&t; /* must be reset to NULL */
 	epj_status st = epj_model_new(ctx, t.path, NULL, &m);
-	rm_config(&t);
+	tu_tmpfile_free(&t);
 	ck_assert_int_eq(st, EPJ_ERR_UNSUPPORTED);
 	ck_assert_ptr_null(m);
 	ck_assert_msg(strstr(epj_ctx_error(ctx), "tie_word_embeddings"), "%s",

@@ -15,68 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- reference helpers ----------------------------------------------- */
-
-static int64_t numel_of(int nd, const int64_t *shape)
-{
-	int64_t n = 1;
-	for (int i = 0; i < nd; i++)
-		n *= shape[i];
-	return n;
-}
-
-static int64_t flat_of(int nd, const int64_t *shape, const int64_t *m)
-{
-	int64_t f = 0;
-	for (int i = 0; i < nd; i++)
-		f = f * shape[i] + m[i];
-	return f;
-}
-
-static void unflat(int64_t f, int nd, const int64_t *shape, int64_t *m)
-{
-	for (int i = nd - 1; i >= 0; i--) {
-		m[i] = f % shape[i];
-		f /= shape[i];
-	}
-}
-
-static void assert_shape(const epj_tensor *t, int nd, const int64_t *shape)
-{
-	ck_assert_int_eq(epj_tensor_ndim(t), nd);
-	for (int i = 0; i < nd; i++)
-		ck_assert_int_eq(epj_tensor_dim(t, i), shape[i]);
-}
-
-/* t must be NULL with status s and a message containing both needles. */
-static void assert_error(epj_ctx *ctx, const epj_tensor *t, epj_status s,
-			 const char *op, const char *detail)
-{
-	ck_assert_ptr_null(t);
-	ck_assert_int_eq(epj_ctx_status(ctx), s);
-	const char *msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, op) != NULL, "error \"%s\" lacks \"%s\"", msg,
-		      op);
-	if (detail)
-		ck_assert_msg(strstr(msg, detail) != NULL,
-			      "error \"%s\" lacks \"%s\"", msg, detail);
-	epj_ctx_clear_error(ctx);
-}
-
-static epj_tensor *maybe_noncontig(epj_ctx *ctx, epj_tensor *t, bool nc)
-{
-	if (!nc)
-		return t;
-	epj_tensor *v = tu_noncontig(ctx, t);
-	epj_tensor_free(t);
-	return v;
-}
-
-static epj_tensor *rand_float(epj_ctx *ctx, epj_dtype dt, int nd,
-			      const int64_t *shape, bool nc)
-{
-	return maybe_noncontig(ctx, tu_randn(ctx, dt, nd, shape), nc);
-}
+/* ---- random inputs ---------------------------------------------------- */
 
 /* Integers uniform in [lo, hi) of dtype dt (an index or small-int keys). */
 static epj_tensor *rand_int(epj_ctx *ctx, epj_dtype dt, int nd,
@@ -85,14 +24,14 @@ static epj_tensor *rand_int(epj_ctx *ctx, epj_dtype dt, int nd,
 {
 	epj_tensor *t = epj_randint(ctx, dt, nd, shape, lo, hi);
 	tu_ok(ctx, t);
-	return maybe_noncontig(ctx, t, nc);
+	return tu_maybe_noncontig(ctx, t, nc);
 }
 
 /* A float tensor of small integers in [0, levels) (many ties), dtype dt. */
 static epj_tensor *rand_ties(epj_ctx *ctx, epj_dtype dt, int nd,
 			     const int64_t *shape, int64_t levels, bool nc)
 {
-	int64_t n = numel_of(nd, shape);
+	int64_t n = tu_numel(nd, shape);
 	double *v = malloc(sizeof *v * (size_t)n);
 	for (int64_t i = 0; i < n; i++)
 		v[i] = (double)tu_randint(0, levels);
@@ -100,7 +39,7 @@ static epj_tensor *rand_ties(epj_ctx *ctx, epj_dtype dt, int nd,
 	tu_ok(ctx, f);
 	ck_assert_int_eq(epj_tensor_from_f64(ctx, f, v), EPJ_OK);
 	free(v);
-	return maybe_noncontig(ctx, f, nc);
+	return tu_maybe_noncontig(ctx, f, nc);
 }
 
 static const epj_dtype idx_dts[2] = { EPJ_DTYPE_I32, EPJ_DTYPE_I64 };
@@ -116,15 +55,15 @@ START_TEST(test_embedding)
 		int64_t D = big ? 1031 : 13;
 		int64_t wsh[2] = { V, D };
 		int64_t ish[2] = { big ? 41 : 3, big ? 1 : 5 };
-		epj_tensor *w = rand_float(ctx, EPJ_DTYPE_F32, 2, wsh, nc);
+		epj_tensor *w = tu_randn_nc(ctx, EPJ_DTYPE_F32, 2, wsh, nc);
 		epj_tensor *ids =
 		    rand_int(ctx, idx_dts[c & 1], 2, ish, 0, V, !nc);
 		epj_tensor *e = epj_embedding(ctx, w, ids);
 		tu_ok(ctx, e);
 		int64_t esh[3] = { ish[0], ish[1], D };
-		assert_shape(e, 3, esh);
+		tu_assert_shape(e, 3, esh);
 		double *vw = tu_values(ctx, w), *vi = tu_values(ctx, ids);
-		int64_t n = numel_of(2, ish);
+		int64_t n = tu_numel(2, ish);
 		double *ref = malloc(sizeof *ref * (size_t)(n * D));
 		for (int64_t i = 0; i < n; i++)
 			for (int64_t d = 0; d < D; d++)
@@ -185,20 +124,20 @@ START_TEST(test_embedding_errors)
 		char val[32];
 		epj_tensor_set_f64(ids, pos, (double)V);
 		snprintf(val, sizeof val, "value %lld", (long long)V);
-		assert_error(ctx, epj_embedding(ctx, w, ids), EPJ_ERR_INDEX,
-			     "embedding", val);
+		tu_assert_error(ctx, epj_embedding(ctx, w, ids), EPJ_ERR_INDEX,
+				TU_STRS("embedding", val));
 		epj_tensor_set_f64(ids, pos, -1);
-		assert_error(ctx, epj_embedding(ctx, w, ids), EPJ_ERR_INDEX,
-			     "embedding", "value -1");
+		tu_assert_error(ctx, epj_embedding(ctx, w, ids), EPJ_ERR_INDEX,
+				TU_STRS("embedding", "value -1"));
 		epj_tensor_free(ids);
 	}
 	epj_tensor *fid = tu_randn(ctx, EPJ_DTYPE_F32, 2, ish);
-	assert_error(ctx, epj_embedding(ctx, w, fid), EPJ_ERR_DTYPE,
-		     "embedding", NULL);
+	tu_assert_error(ctx, epj_embedding(ctx, w, fid), EPJ_ERR_DTYPE,
+			TU_STRS("embedding"));
 	epj_tensor *w1 = tu_randn(ctx, EPJ_DTYPE_F32, 1, wsh);
 	epj_tensor *ids = rand_int(ctx, EPJ_DTYPE_I64, 2, ish, 0, V, false);
-	assert_error(ctx, epj_embedding(ctx, w1, ids), EPJ_ERR_SHAPE,
-		     "embedding", NULL);
+	tu_assert_error(ctx, epj_embedding(ctx, w1, ids), EPJ_ERR_SHAPE,
+			TU_STRS("embedding"));
 	epj_tensor_free(fid);
 	epj_tensor_free(w1);
 	epj_tensor_free(ids);
@@ -217,7 +156,7 @@ START_TEST(test_index_select)
 		for (int nc = 0; nc < 2; nc++) {
 			int64_t n = tu_randint(1, 10), nsh[1] = { n };
 			epj_tensor *a =
-			    rand_float(ctx, EPJ_DTYPE_F32, 3, sh, nc);
+			    tu_randn_nc(ctx, EPJ_DTYPE_F32, 3, sh, nc);
 			epj_tensor *idx = rand_int(ctx, idx_dts[nc], 1, nsh, 0,
 						   sh[axis], !nc);
 			epj_tensor *o =
@@ -225,16 +164,16 @@ START_TEST(test_index_select)
 			tu_ok(ctx, o);
 			int64_t osh[3] = { 5, 7, 3 };
 			osh[axis] = n;
-			assert_shape(o, 3, osh);
+			tu_assert_shape(o, 3, osh);
 			double *va = tu_values(ctx, a),
 			       *vi = tu_values(ctx, idx);
-			int64_t no = numel_of(3, osh);
+			int64_t no = tu_numel(3, osh);
 			double *ref = malloc(sizeof *ref * (size_t)no);
 			for (int64_t f = 0; f < no; f++) {
 				int64_t m[3];
-				unflat(f, 3, osh, m);
+				tu_unflat(f, 3, osh, m);
 				m[axis] = (int64_t)vi[m[axis]];
-				ref[f] = va[flat_of(3, sh, m)];
+				ref[f] = va[tu_flat(3, sh, m)];
 			}
 			tu_assert_close(ctx, o, ref, 0, 0, "index_select");
 			free(va);
@@ -250,13 +189,13 @@ START_TEST(test_index_select)
 	int64_t four[1] = { 4 };
 	epj_tensor *idx = rand_int(ctx, EPJ_DTYPE_I64, 1, four, 0, 7, false);
 	epj_tensor_set_f64(idx, 2, 7);
-	assert_error(ctx, epj_index_select(ctx, a, 1, idx), EPJ_ERR_INDEX,
-		     "index_select", "value 7");
+	tu_assert_error(ctx, epj_index_select(ctx, a, 1, idx), EPJ_ERR_INDEX,
+			TU_STRS("index_select", "value 7"));
 	epj_tensor *idx2 = rand_int(ctx, EPJ_DTYPE_I64, 2, sh, 0, 3, false);
-	assert_error(ctx, epj_index_select(ctx, a, 1, idx2), EPJ_ERR_SHAPE,
-		     "index_select", NULL);
-	assert_error(ctx, epj_index_select(ctx, a, 3, idx), EPJ_ERR_INVALID,
-		     "index_select", NULL);
+	tu_assert_error(ctx, epj_index_select(ctx, a, 1, idx2), EPJ_ERR_SHAPE,
+			TU_STRS("index_select"));
+	tu_assert_error(ctx, epj_index_select(ctx, a, 3, idx), EPJ_ERR_INVALID,
+			TU_STRS("index_select"));
 	epj_tensor_free(idx2);
 	epj_tensor_free(idx);
 	epj_tensor_free(a);
@@ -282,22 +221,22 @@ START_TEST(test_index_add)
 			a = rand_int(ctx, dt, 3, sh, -50, 50, nc);
 			src = rand_int(ctx, dt, 3, ssh, -50, 50, !nc);
 		} else {
-			a = rand_float(ctx, dt, 3, sh, nc);
-			src = rand_float(ctx, dt, 3, ssh, !nc);
+			a = tu_randn_nc(ctx, dt, 3, sh, nc);
+			src = tu_randn_nc(ctx, dt, 3, ssh, !nc);
 		}
 		epj_tensor *idx =
 		    rand_int(ctx, idx_dts[c & 1], 1, nsh, 0, sh[axis], nc);
 		epj_tensor *o = epj_index_add(ctx, a, axis, idx, src);
 		tu_ok(ctx, o);
-		assert_shape(o, 3, sh);
+		tu_assert_shape(o, 3, sh);
 		ck_assert_int_eq(epj_tensor_dtype(o), dt);
 		double *ref = tu_values(ctx, a), *vs = tu_values(ctx, src),
 		       *vi = tu_values(ctx, idx);
-		for (int64_t f = 0; f < numel_of(3, ssh); f++) {
+		for (int64_t f = 0; f < tu_numel(3, ssh); f++) {
 			int64_t m[3];
-			unflat(f, 3, ssh, m);
+			tu_unflat(f, 3, ssh, m);
 			m[axis] = (int64_t)vi[m[axis]];
-			ref[flat_of(3, sh, m)] += vs[f];
+			ref[tu_flat(3, sh, m)] += vs[f];
 		}
 		double tol = dt == EPJ_DTYPE_BF16  ? 1e-2
 			     : dt == EPJ_DTYPE_F32 ? 1e-5
@@ -316,18 +255,18 @@ START_TEST(test_index_add)
 	int64_t nsh[1] = { 4 }, ssh[3] = { 5, 5, 3 };
 	epj_tensor *idx = rand_int(ctx, EPJ_DTYPE_I32, 1, nsh, 0, 7, false);
 	epj_tensor *src = tu_randn(ctx, EPJ_DTYPE_F32, 3, ssh);
-	assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_SHAPE,
-		     "index_add", NULL);
+	tu_assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_SHAPE,
+			TU_STRS("index_add"));
 	epj_tensor_free(src);
 	ssh[1] = 4;
 	src = tu_randn(ctx, EPJ_DTYPE_F64, 3, ssh);
-	assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_DTYPE,
-		     "index_add", NULL);
+	tu_assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_DTYPE,
+			TU_STRS("index_add"));
 	epj_tensor_free(src);
 	src = tu_randn(ctx, EPJ_DTYPE_F32, 3, ssh);
 	epj_tensor_set_f64(idx, 3, -2);
-	assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_INDEX,
-		     "index_add", "value -2");
+	tu_assert_error(ctx, epj_index_add(ctx, a, 1, idx, src), EPJ_ERR_INDEX,
+			TU_STRS("index_add", "value -2"));
 	epj_tensor_free(src);
 	epj_tensor_free(idx);
 	epj_tensor_free(a);
@@ -355,20 +294,20 @@ START_TEST(test_gather)
 		bool nc = c >= 3;
 		int64_t ish[3];
 		scatter_index_shape(sh, axis, ish);
-		epj_tensor *a = rand_float(ctx, EPJ_DTYPE_F32, 3, sh, nc);
+		epj_tensor *a = tu_randn_nc(ctx, EPJ_DTYPE_F32, 3, sh, nc);
 		epj_tensor *idx =
 		    rand_int(ctx, idx_dts[c & 1], 3, ish, 0, sh[axis], nc);
 		epj_tensor *o = epj_gather(ctx, a, axis, idx);
 		tu_ok(ctx, o);
-		assert_shape(o, 3, ish);
+		tu_assert_shape(o, 3, ish);
 		double *va = tu_values(ctx, a), *vi = tu_values(ctx, idx);
-		int64_t n = numel_of(3, ish);
+		int64_t n = tu_numel(3, ish);
 		double *ref = malloc(sizeof *ref * (size_t)n);
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[3];
-			unflat(f, 3, ish, m);
+			tu_unflat(f, 3, ish, m);
 			m[axis] = (int64_t)vi[f];
-			ref[f] = va[flat_of(3, sh, m)];
+			ref[f] = va[tu_flat(3, sh, m)];
 		}
 		tu_assert_close(ctx, o, ref, 0, 0, "gather");
 		free(va);
@@ -382,13 +321,13 @@ START_TEST(test_gather)
 	int64_t ish[3] = { 4, 3, 5 };
 	epj_tensor *idx = rand_int(ctx, EPJ_DTYPE_I64, 3, ish, 0, 6, false);
 	epj_tensor_set_f64(idx, 17, 6);
-	assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_INDEX, "gather",
-		     "value 6");
+	tu_assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_INDEX,
+			TU_STRS("gather", "value 6"));
 	epj_tensor_free(idx);
 	int64_t big[3] = { 5, 3, 5 };
 	idx = rand_int(ctx, EPJ_DTYPE_I64, 3, big, 0, 6, false);
-	assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_SHAPE, "gather",
-		     NULL);
+	tu_assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_SHAPE,
+			TU_STRS("gather"));
 	epj_tensor_free(idx);
 	epj_tensor_free(a);
 	epj_ctx_free(ctx);
@@ -406,20 +345,20 @@ START_TEST(test_scatter_add)
 		bool nc = c & 1;
 		int64_t ish[3];
 		scatter_index_shape(sh, axis, ish);
-		epj_tensor *a = rand_float(ctx, dt, 3, sh, nc);
-		epj_tensor *src = rand_float(ctx, dt, 3, ish, !nc);
+		epj_tensor *a = tu_randn_nc(ctx, dt, 3, sh, nc);
+		epj_tensor *src = tu_randn_nc(ctx, dt, 3, ish, !nc);
 		epj_tensor *idx =
 		    rand_int(ctx, idx_dts[nc], 3, ish, 0, sh[axis], nc);
 		epj_tensor *o = epj_scatter_add(ctx, a, axis - 3, idx, src);
 		tu_ok(ctx, o);
-		assert_shape(o, 3, sh);
+		tu_assert_shape(o, 3, sh);
 		double *ref = tu_values(ctx, a), *vs = tu_values(ctx, src),
 		       *vi = tu_values(ctx, idx);
-		for (int64_t f = 0; f < numel_of(3, ish); f++) {
+		for (int64_t f = 0; f < tu_numel(3, ish); f++) {
 			int64_t m[3];
-			unflat(f, 3, ish, m);
+			tu_unflat(f, 3, ish, m);
 			m[axis] = (int64_t)vi[f];
-			ref[flat_of(3, sh, m)] += vs[f];
+			ref[tu_flat(3, sh, m)] += vs[f];
 		}
 		double tol = dt == EPJ_DTYPE_BF16  ? 1e-2
 			     : dt == EPJ_DTYPE_F32 ? 1e-5
@@ -438,12 +377,12 @@ START_TEST(test_scatter_add)
 	epj_tensor *idx = rand_int(ctx, EPJ_DTYPE_I32, 3, ish, 0, 4, false);
 	epj_tensor *src = tu_randn(ctx, EPJ_DTYPE_F32, 3, ish);
 	epj_tensor_set_f64(idx, 31, -7);
-	assert_error(ctx, epj_scatter_add(ctx, a, 0, idx, src), EPJ_ERR_INDEX,
-		     "scatter_add", "value -7");
+	tu_assert_error(ctx, epj_scatter_add(ctx, a, 0, idx, src),
+			EPJ_ERR_INDEX, TU_STRS("scatter_add", "value -7"));
 	int64_t ssh[3] = { 2, 6, 4 };
 	epj_tensor *src2 = tu_randn(ctx, EPJ_DTYPE_F32, 3, ssh);
-	assert_error(ctx, epj_scatter_add(ctx, a, 0, idx, src2), EPJ_ERR_SHAPE,
-		     "scatter_add", NULL);
+	tu_assert_error(ctx, epj_scatter_add(ctx, a, 0, idx, src2),
+			EPJ_ERR_SHAPE, TU_STRS("scatter_add"));
 	epj_tensor_free(src2);
 	epj_tensor_free(src);
 	epj_tensor_free(idx);
@@ -507,7 +446,7 @@ START_TEST(test_topk)
 	epj_ctx *ctx = tu_ctx();
 	int64_t sh[2] = { 7, 13 };
 	for (int nc = 0; nc < 2; nc++) {
-		epj_tensor *a = rand_float(ctx, EPJ_DTYPE_F32, 2, sh, nc);
+		epj_tensor *a = tu_randn_nc(ctx, EPJ_DTYPE_F32, 2, sh, nc);
 		int64_t ks[4] = { 1, 4, tu_randint(1, 14), 13 };
 		for (int q = 0; q < 4; q++)
 			check_topk(ctx, a, ks[q], "topk");
@@ -551,7 +490,7 @@ static void check_argsort(epj_ctx *ctx, epj_tensor *a, int axis,
 	epj_tensor *o = epj_argsort(ctx, a, axis);
 	tu_ok(ctx, o);
 	ck_assert_int_eq(epj_tensor_dtype(o), EPJ_DTYPE_I64);
-	assert_shape(o, nd, sh);
+	tu_assert_shape(o, nd, sh);
 	double *va = tu_values(ctx, a);
 	int64_t n = epj_tensor_numel(a), A = sh[ax];
 	double *ref = malloc(sizeof *ref * (size_t)n);
@@ -559,13 +498,13 @@ static void check_argsort(epj_ctx *ctx, epj_tensor *a, int axis,
 	int64_t *pos = malloc(sizeof *pos * (size_t)A);
 	for (int64_t f = 0; f < n; f++) {
 		int64_t m[EPJ_MAX_DIMS] = { 0 };
-		unflat(f, nd, sh, m);
+		tu_unflat(f, nd, sh, m);
 		if (m[ax] != 0)
 			continue;
 		/* stable insertion sort of the lane (NaN last) */
 		for (int64_t j = 0; j < A; j++) {
 			m[ax] = j;
-			pos[j] = flat_of(nd, sh, m);
+			pos[j] = tu_flat(nd, sh, m);
 			int64_t p = j;
 			while (p > 0 &&
 			       ref_greater(va[pos[lane[p - 1]]], va[pos[j]])) {
@@ -590,7 +529,7 @@ START_TEST(test_argsort)
 	epj_ctx *ctx = tu_ctx();
 	int64_t sh[2] = { 9, 37 };
 	for (int nc = 0; nc < 2; nc++) {
-		epj_tensor *a = rand_float(ctx, EPJ_DTYPE_F32, 2, sh, nc);
+		epj_tensor *a = tu_randn_nc(ctx, EPJ_DTYPE_F32, 2, sh, nc);
 		check_argsort(ctx, a, 1, "argsort");
 		check_argsort(ctx, a, 0, "argsort axis 0");
 		epj_tensor_free(a);
@@ -678,41 +617,41 @@ START_TEST(test_grad_index)
 		int64_t wsh[2] = { 5, 3 }, ish[2] = { 3, 4 };
 		epj_tensor *in[3];
 		index_args u = { .kind = G_EMB };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 2, wsh, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 2, wsh, nc);
 		in[1] = rand_int(ctx, EPJ_DTYPE_I32, 2, ish, 0, 5, nc);
 		run_gradcheck(ctx, &u, in, 2, "grad embedding");
 
 		int64_t ash[3] = { 3, 5, 4 }, nsh[1] = { 7 };
 		int axis = (int)tu_randint(0, 3);
 		u = (index_args){ .kind = G_SELECT, .axis = axis };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 3, ash, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, ash, nc);
 		in[1] = rand_int(ctx, EPJ_DTYPE_I64, 1, nsh, 0, ash[axis], nc);
 		run_gradcheck(ctx, &u, in, 2, "grad index_select");
 
 		int64_t ssh[3] = { 3, 5, 4 };
 		ssh[axis] = 7;
 		u = (index_args){ .kind = G_ADD, .axis = axis };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 3, ash, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, ash, nc);
 		in[1] = rand_int(ctx, EPJ_DTYPE_I64, 1, nsh, 0, ash[axis], nc);
-		in[2] = rand_float(ctx, EPJ_DTYPE_F64, 3, ssh, !nc);
+		in[2] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, ssh, !nc);
 		run_gradcheck(ctx, &u, in, 3, "grad index_add");
 
 		int64_t gsh[3];
 		scatter_index_shape(ash, axis, gsh);
 		u = (index_args){ .kind = G_GATHER, .axis = axis };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 3, ash, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, ash, nc);
 		in[1] = rand_int(ctx, EPJ_DTYPE_I64, 3, gsh, 0, ash[axis], nc);
 		run_gradcheck(ctx, &u, in, 2, "grad gather");
 
 		u = (index_args){ .kind = G_SCATTER, .axis = axis };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 3, ash, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, ash, nc);
 		in[1] = rand_int(ctx, EPJ_DTYPE_I32, 3, gsh, 0, ash[axis], nc);
-		in[2] = rand_float(ctx, EPJ_DTYPE_F64, 3, gsh, !nc);
+		in[2] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, gsh, !nc);
 		run_gradcheck(ctx, &u, in, 3, "grad scatter_add");
 
 		int64_t tsh[3] = { 2, 3, 7 };
 		u = (index_args){ .kind = G_TOPK, .k = tu_randint(1, 8) };
-		in[0] = rand_float(ctx, EPJ_DTYPE_F64, 3, tsh, nc);
+		in[0] = tu_randn_nc(ctx, EPJ_DTYPE_F64, 3, tsh, nc);
 		run_gradcheck(ctx, &u, in, 1, "grad topk");
 	}
 	epj_ctx_free(ctx);

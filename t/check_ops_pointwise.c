@@ -33,14 +33,6 @@ enum gen { G_NORMAL, G_POS, G_SMALLINT };
 static const epj_dtype float_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
 					  EPJ_DTYPE_BF16 };
 
-static int64_t numel_of(int nd, const int64_t *shape)
-{
-	int64_t n = 1;
-	for (int i = 0; i < nd; i++)
-		n *= shape[i];
-	return n;
-}
-
 static double gen_value(enum gen g)
 {
 	switch (g) {
@@ -59,7 +51,7 @@ static double gen_value(enum gen g)
 static epj_tensor *mk(epj_ctx *ctx, epj_dtype dt, int nd, const int64_t *shape,
 		      enum gen g, bool nc)
 {
-	int64_t n = numel_of(nd, shape);
+	int64_t n = tu_numel(nd, shape);
 	double *v = malloc(sizeof *v * (size_t)(n > 0 ? n : 1));
 	ck_assert_ptr_nonnull(v);
 	for (int64_t i = 0; i < n; i++)
@@ -68,33 +60,7 @@ static epj_tensor *mk(epj_ctx *ctx, epj_dtype dt, int nd, const int64_t *shape,
 	tu_ok(ctx, t);
 	ck_assert_int_eq(epj_tensor_from_f64(ctx, t, v), EPJ_OK);
 	free(v);
-	if (nc && nd >= 1) {
-		epj_tensor *u = tu_noncontig(ctx, t);
-		epj_tensor_free(t);
-		t = u;
-	}
-	return t;
-}
-
-static void assert_shape(const epj_tensor *t, int nd, const int64_t *shape)
-{
-	ck_assert_int_eq(epj_tensor_ndim(t), nd);
-	for (int i = 0; i < nd; i++)
-		ck_assert_int_eq(epj_tensor_dim(t, i), shape[i]);
-}
-
-static void assert_error(epj_ctx *ctx, const epj_tensor *t, epj_status s,
-			 const char *n1, const char *n2, const char *n3)
-{
-	ck_assert_ptr_null(t);
-	ck_assert_int_eq(epj_ctx_status(ctx), s);
-	const char *needles[3] = { n1, n2, n3 };
-	for (int i = 0; i < 3; i++)
-		if (needles[i])
-			ck_assert_msg(strstr(epj_ctx_error(ctx), needles[i]),
-				      "error \"%s\" does not mention \"%s\"",
-				      epj_ctx_error(ctx), needles[i]);
-	epj_ctx_clear_error(ctx);
+	return tu_maybe_noncontig(ctx, t, nc);
 }
 
 static void tol_for(epj_dtype dt, double *rtol, double *atol)
@@ -122,16 +88,6 @@ static int64_t bcast_index(int ond, const int64_t *oidx, int nd,
 		f = f * shape[i] + k;
 	}
 	return f;
-}
-
-static bool next_index(int nd, const int64_t *shape, int64_t *idx)
-{
-	for (int i = nd - 1; i >= 0; i--) {
-		if (++idx[i] < shape[i])
-			return true;
-		idx[i] = 0;
-	}
-	return false;
 }
 
 /* ---- binary ops ----------------------------------------------------------
@@ -200,16 +156,16 @@ static void check_binary(epj_ctx *ctx, const bin_op *op, epj_tensor *a,
 		int64_t db = ib >= 0 ? epj_tensor_dim(b, ib) : 1;
 		shape[i] = da == 1 ? db : da;
 	}
-	assert_shape(y, nd, shape);
+	tu_assert_shape(y, nd, shape);
 	double *va = tu_values(ctx, a), *vb = tu_values(ctx, b);
-	int64_t n = numel_of(nd, shape);
+	int64_t n = tu_numel(nd, shape);
 	double *ref = malloc(sizeof *ref * (size_t)n);
 	int64_t idx[8] = { 0 };
 	for (int64_t i = 0; i < n; i++) {
 		double x = va[bcast_index(nd, idx, na, epj_tensor_shape(a))];
 		double z = vb[bcast_index(nd, idx, nb, epj_tensor_shape(b))];
 		ref[i] = ref_bin(op->name, x, z);
-		next_index(nd, shape, idx);
+		tu_next_index(nd, shape, idx);
 	}
 	double rtol, atol;
 	tol_for(dt, &rtol, &atol);
@@ -382,7 +338,7 @@ static void check_unary(epj_ctx *ctx, const un_op *u, epj_tensor *x,
 	epj_tensor *y = run_un(ctx, u, x);
 	tu_ok(ctx, y);
 	ck_assert_int_eq(epj_tensor_dtype(y), dt);
-	assert_shape(y, epj_tensor_ndim(x), epj_tensor_shape(x));
+	tu_assert_shape(y, epj_tensor_ndim(x), epj_tensor_shape(x));
 	int64_t n = epj_tensor_numel(x);
 	double *v = tu_values(ctx, x);
 	for (int64_t i = 0; i < n; i++)
@@ -476,7 +432,7 @@ START_TEST(test_int_ops)
 				    ref_bin(int_ops[o].name,
 					    va[bcast_index(3, idx, 3, sa)],
 					    vb[bcast_index(3, idx, 2, sb)]);
-				next_index(3, shape, idx);
+				tu_next_index(3, shape, idx);
 			}
 			tu_assert_close(ctx, y, ref, 0, 0, int_ops[o].name);
 			free(va);
@@ -506,12 +462,13 @@ START_TEST(test_int_ops)
 	epj_tensor_free(s);
 
 	/* float-only ops reject integers, naming the op and the dtype */
-	assert_error(ctx, epj_exp(ctx, a), EPJ_ERR_DTYPE, "exp", "i32", NULL);
-	assert_error(ctx, epj_div(ctx, a, b), EPJ_ERR_DTYPE, "div", "i32",
-		     NULL);
-	assert_error(ctx, epj_mul_scalar(ctx, a, 2.0), EPJ_ERR_DTYPE,
-		     "mul_scalar", "i32", NULL);
-	assert_error(ctx, epj_gelu(ctx, a), EPJ_ERR_DTYPE, "gelu", NULL, NULL);
+	tu_assert_error(ctx, epj_exp(ctx, a), EPJ_ERR_DTYPE,
+			TU_STRS("exp", "i32"));
+	tu_assert_error(ctx, epj_div(ctx, a, b), EPJ_ERR_DTYPE,
+			TU_STRS("div", "i32"));
+	tu_assert_error(ctx, epj_mul_scalar(ctx, a, 2.0), EPJ_ERR_DTYPE,
+			TU_STRS("mul_scalar", "i32"));
+	tu_assert_error(ctx, epj_gelu(ctx, a), EPJ_ERR_DTYPE, TU_STRS("gelu"));
 	epj_tensor_free(a);
 	epj_tensor_free(b);
 	epj_ctx_free(ctx);
@@ -562,8 +519,8 @@ START_TEST(test_cast_values)
 	epj_tensor *same = epj_cast(ctx, x, EPJ_DTYPE_F64);
 	ck_assert_ptr_eq(same, x);
 	epj_tensor_free(same);
-	assert_error(ctx, epj_cast(ctx, x, EPJ_DTYPE_COUNT), EPJ_ERR_DTYPE,
-		     "cast", NULL, NULL);
+	tu_assert_error(ctx, epj_cast(ctx, x, EPJ_DTYPE_COUNT), EPJ_ERR_DTYPE,
+			TU_STRS("cast"));
 	epj_tensor_free(x32);
 	epj_tensor_free(f);
 	epj_tensor_free(b32);
@@ -635,13 +592,14 @@ START_TEST(test_errors)
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, s23);
 	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F32, 1, s4);
 	epj_tensor *c = tu_randn(ctx, EPJ_DTYPE_F64, 2, s23);
-	assert_error(ctx, epj_add(ctx, a, b), EPJ_ERR_SHAPE, "add", "[2,3]",
-		     "[4]");
-	assert_error(ctx, epj_mul(ctx, b, a), EPJ_ERR_SHAPE, "mul", "[2,3]",
-		     "[4]");
-	assert_error(ctx, epj_add(ctx, a, c), EPJ_ERR_DTYPE, "add", "f32",
-		     "f64");
-	assert_error(ctx, epj_eq(ctx, c, a), EPJ_ERR_DTYPE, "eq", "f32", "f64");
+	tu_assert_error(ctx, epj_add(ctx, a, b), EPJ_ERR_SHAPE,
+			TU_STRS("add", "[2,3]", "[4]"));
+	tu_assert_error(ctx, epj_mul(ctx, b, a), EPJ_ERR_SHAPE,
+			TU_STRS("mul", "[2,3]", "[4]"));
+	tu_assert_error(ctx, epj_add(ctx, a, c), EPJ_ERR_DTYPE,
+			TU_STRS("add", "f32", "f64"));
+	tu_assert_error(ctx, epj_eq(ctx, c, a), EPJ_ERR_DTYPE,
+			TU_STRS("eq", "f32", "f64"));
 	/* NULL propagates without touching the message */
 	ck_assert_ptr_null(epj_add(ctx, NULL, a));
 	ck_assert_ptr_null(epj_exp(ctx, NULL));

@@ -14,62 +14,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- reference helpers ----------------------------------------------- */
+/* ---- random inputs ---------------------------------------------------- */
 
-static int64_t numel_of(int nd, const int64_t *shape)
-{
-	int64_t n = 1;
-	for (int i = 0; i < nd; i++)
-		n *= shape[i];
-	return n;
-}
-
-/* Row-major flat index <-> multi-index. */
-static int64_t flat_of(int nd, const int64_t *shape, const int64_t *m)
-{
-	int64_t f = 0;
-	for (int i = 0; i < nd; i++)
-		f = f * shape[i] + m[i];
-	return f;
-}
-
-static void unflat(int64_t f, int nd, const int64_t *shape, int64_t *m)
-{
-	for (int i = nd - 1; i >= 0; i--) {
-		m[i] = f % shape[i];
-		f /= shape[i];
-	}
-}
-
-static void assert_shape(const epj_tensor *t, int nd, const int64_t *shape)
-{
-	ck_assert_int_eq(epj_tensor_ndim(t), nd);
-	for (int i = 0; i < nd; i++)
-		ck_assert_int_eq(epj_tensor_dim(t, i), shape[i]);
-}
-
-static void assert_error(epj_ctx *ctx, const epj_tensor *t, epj_status s,
-			 const char *needle)
-{
-	ck_assert_ptr_null(t);
-	ck_assert_int_eq(epj_ctx_status(ctx), s);
-	ck_assert_msg(strstr(epj_ctx_error(ctx), needle) != NULL,
-		      "error \"%s\" does not mention \"%s\"",
-		      epj_ctx_error(ctx), needle);
-	epj_ctx_clear_error(ctx);
-}
-
-/* Random f32 tensor, or its non-contiguous copy when noncontig. */
+/* Random tensor, or its non-contiguous copy (checked to be one) when
+ * noncontig; nd >= 1. */
 static epj_tensor *rand_input(epj_ctx *ctx, epj_dtype dt, int nd,
 			      const int64_t *shape, bool noncontig)
 {
-	epj_tensor *t = tu_randn(ctx, dt, nd, shape);
-	if (!noncontig)
-		return t;
-	epj_tensor *v = tu_noncontig(ctx, t);
-	epj_tensor_free(t);
-	ck_assert(!epj_tensor_is_contiguous(v));
-	return v;
+	epj_tensor *t = tu_randn_nc(ctx, dt, nd, shape, noncontig);
+	if (noncontig)
+		ck_assert(!epj_tensor_is_contiguous(t));
+	return t;
 }
 
 /* ---- reshape ----------------------------------------------------------- */
@@ -79,12 +34,12 @@ START_TEST(test_reshape_view)
 	epj_ctx *ctx = tu_ctx();
 	int64_t a_sh[3] = { 3, tu_randint(2, 6) * 2 + 1, 7 };
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 3, a_sh);
-	int64_t n = numel_of(3, a_sh);
+	int64_t n = tu_numel(3, a_sh);
 	int64_t want[3] = { 7, -1, 3 };
 	epj_tensor *r = epj_reshape(ctx, a, 3, want);
 	tu_ok(ctx, r);
 	int64_t r_sh[3] = { 7, a_sh[1], 3 };
-	assert_shape(r, 3, r_sh);
+	tu_assert_shape(r, 3, r_sh);
 	ck_assert(epj_tensor_shares_storage(a, r));
 	double *va = tu_values(ctx, a);
 	tu_assert_close(ctx, r, va, 0, 0, "reshape view values");
@@ -158,7 +113,7 @@ START_TEST(test_scalar_shapes)
 	ck_assert(epj_tensor_get_f64(back, 0) == v);
 	epj_tensor *e = epj_expand(ctx, s, 2, big);
 	tu_ok(ctx, e);
-	assert_shape(e, 2, big);
+	tu_assert_shape(e, 2, big);
 	for (int64_t i = 0; i < big[0] * big[1]; i++)
 		ck_assert(epj_tensor_get_f64(e, i) == v);
 	epj_tensor_free(s);
@@ -239,17 +194,17 @@ START_TEST(test_reshape_errors)
 		      "message: %s", msg);
 	epj_ctx_clear_error(ctx);
 	int64_t two[3] = { -1, -1, 15 };
-	assert_error(ctx, epj_reshape(ctx, a, 3, two), EPJ_ERR_SHAPE,
-		     "reshape");
+	tu_assert_error(ctx, epj_reshape(ctx, a, 3, two), EPJ_ERR_SHAPE,
+			TU_STRS("reshape"));
 	int64_t nodiv[2] = { 4, -1 };
-	assert_error(ctx, epj_reshape(ctx, a, 2, nodiv), EPJ_ERR_SHAPE,
-		     "reshape");
+	tu_assert_error(ctx, epj_reshape(ctx, a, 2, nodiv), EPJ_ERR_SHAPE,
+			TU_STRS("reshape"));
 	int64_t zero[2] = { 0, -1 };
-	assert_error(ctx, epj_reshape(ctx, a, 2, zero), EPJ_ERR_SHAPE,
-		     "reshape");
+	tu_assert_error(ctx, epj_reshape(ctx, a, 2, zero), EPJ_ERR_SHAPE,
+			TU_STRS("reshape"));
 	int64_t neg[2] = { -3, -5 };
-	assert_error(ctx, epj_reshape(ctx, a, 2, neg), EPJ_ERR_SHAPE,
-		     "reshape");
+	tu_assert_error(ctx, epj_reshape(ctx, a, 2, neg), EPJ_ERR_SHAPE,
+			TU_STRS("reshape"));
 	/* NULL propagates without a new message */
 	ck_assert_ptr_null(epj_reshape(ctx, NULL, 2, sh));
 	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_OK);
@@ -269,24 +224,24 @@ START_TEST(test_transpose)
 		epj_tensor *t = epj_transpose(ctx, a, -1, 0);
 		tu_ok(ctx, t);
 		int64_t tsh[3] = { sh[2], sh[1], sh[0] };
-		assert_shape(t, 3, tsh);
+		tu_assert_shape(t, 3, tsh);
 		ck_assert(epj_tensor_shares_storage(a, t));
 		double *va = tu_values(ctx, a);
-		int64_t n = numel_of(3, sh);
+		int64_t n = tu_numel(3, sh);
 		double *ref = malloc(sizeof *ref * (size_t)n);
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[3], src[3];
-			unflat(f, 3, tsh, m);
+			tu_unflat(f, 3, tsh, m);
 			src[0] = m[2];
 			src[1] = m[1];
 			src[2] = m[0];
-			ref[f] = va[flat_of(3, sh, src)];
+			ref[f] = va[tu_flat(3, sh, src)];
 		}
 		tu_assert_close(ctx, t, ref, 0, 0, "transpose");
 		/* write through the transposed view */
 		int64_t m[3] = { 1, 0, 2 }, src[3] = { 2, 0, 1 };
-		epj_tensor_set_f64(t, flat_of(3, tsh, m), 7.75);
-		ck_assert(epj_tensor_get_f64(a, flat_of(3, sh, src)) == 7.75);
+		epj_tensor_set_f64(t, tu_flat(3, tsh, m), 7.75);
+		ck_assert(epj_tensor_get_f64(a, tu_flat(3, sh, src)) == 7.75);
 		free(va);
 		free(ref);
 		epj_tensor_free(a);
@@ -313,17 +268,17 @@ START_TEST(test_permute)
 		int64_t psh[4];
 		for (int i = 0; i < 4; i++)
 			psh[i] = sh[perm[i]];
-		assert_shape(p, 4, psh);
+		tu_assert_shape(p, 4, psh);
 		ck_assert(epj_tensor_shares_storage(a, p));
 		double *va = tu_values(ctx, a);
-		int64_t n = numel_of(4, sh);
+		int64_t n = tu_numel(4, sh);
 		double *ref = malloc(sizeof *ref * (size_t)n);
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[4], src[4];
-			unflat(f, 4, psh, m);
+			tu_unflat(f, 4, psh, m);
 			for (int i = 0; i < 4; i++)
 				src[perm[i]] = m[i];
-			ref[f] = va[flat_of(4, sh, src)];
+			ref[f] = va[tu_flat(4, sh, src)];
 		}
 		tu_assert_close(ctx, p, ref, 0, 0, "permute");
 		free(va);
@@ -335,11 +290,12 @@ START_TEST(test_permute)
 	int64_t sh[3] = { 2, 3, 5 };
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
 	int dup[3] = { 0, 1, 1 }, range[3] = { 0, 3, 1 };
-	assert_error(ctx, epj_permute(ctx, a, dup), EPJ_ERR_INVALID, "permute");
-	assert_error(ctx, epj_permute(ctx, a, range), EPJ_ERR_INVALID,
-		     "permutation");
-	assert_error(ctx, epj_transpose(ctx, a, 0, 3), EPJ_ERR_INVALID,
-		     "transpose");
+	tu_assert_error(ctx, epj_permute(ctx, a, dup), EPJ_ERR_INVALID,
+			TU_STRS("permute"));
+	tu_assert_error(ctx, epj_permute(ctx, a, range), EPJ_ERR_INVALID,
+			TU_STRS("permutation"));
+	tu_assert_error(ctx, epj_transpose(ctx, a, 0, 3), EPJ_ERR_INVALID,
+			TU_STRS("transpose"));
 	epj_tensor_free(a);
 	epj_ctx_free(ctx);
 }
@@ -377,31 +333,31 @@ START_TEST(test_slice)
 			for (int64_t i = b; i < e; i += step)
 				pick[np++] = i;
 			int64_t ssh[3] = { sh[0], np, sh[2] };
-			assert_shape(s, 3, ssh);
+			tu_assert_shape(s, 3, ssh);
 			double *ref = malloc(sizeof *ref *
-					     (size_t)(numel_of(3, ssh) + 1));
-			for (int64_t f = 0; f < numel_of(3, ssh); f++) {
+					     (size_t)(tu_numel(3, ssh) + 1));
+			for (int64_t f = 0; f < tu_numel(3, ssh); f++) {
 				int64_t m[3];
-				unflat(f, 3, ssh, m);
+				tu_unflat(f, 3, ssh, m);
 				m[1] = pick[m[1]];
-				ref[f] = va[flat_of(3, sh, m)];
+				ref[f] = va[tu_flat(3, sh, m)];
 			}
 			tu_assert_close(ctx, s, ref, 0, 0, "slice");
 			if (np > 0) {
 				ck_assert(epj_tensor_shares_storage(a, s));
 				/* view <-> base writes */
 				int64_t m[3] = { sh[0] - 1, np - 1, 1 };
-				epj_tensor_set_f64(s, flat_of(3, ssh, m), 9.5);
+				epj_tensor_set_f64(s, tu_flat(3, ssh, m), 9.5);
 				m[1] = pick[np - 1];
 				ck_assert(epj_tensor_get_f64(
-					      a, flat_of(3, sh, m)) == 9.5);
-				epj_tensor_set_f64(a, flat_of(3, sh, m), -1.5);
+					      a, tu_flat(3, sh, m)) == 9.5);
+				epj_tensor_set_f64(a, tu_flat(3, sh, m), -1.5);
 				m[1] = np - 1;
 				ck_assert(epj_tensor_get_f64(
-					      s, flat_of(3, ssh, m)) == -1.5);
+					      s, tu_flat(3, ssh, m)) == -1.5);
 				m[1] = pick[np - 1];
-				epj_tensor_set_f64(a, flat_of(3, sh, m),
-						   va[flat_of(3, sh, m)]);
+				epj_tensor_set_f64(a, tu_flat(3, sh, m),
+						   va[tu_flat(3, sh, m)]);
 			}
 			free(ref);
 			epj_tensor_free(s);
@@ -417,10 +373,10 @@ START_TEST(test_slice)
 	}
 	int64_t sh[2] = { 3, 5 };
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, sh);
-	assert_error(ctx, epj_slice(ctx, a, 0, 0, 3, 0), EPJ_ERR_INVALID,
-		     "slice");
-	assert_error(ctx, epj_slice(ctx, a, 2, 0, 3, 1), EPJ_ERR_INVALID,
-		     "slice");
+	tu_assert_error(ctx, epj_slice(ctx, a, 0, 0, 3, 0), EPJ_ERR_INVALID,
+			TU_STRS("slice"));
+	tu_assert_error(ctx, epj_slice(ctx, a, 2, 0, 3, 1), EPJ_ERR_INVALID,
+			TU_STRS("slice"));
 	epj_tensor_free(a);
 	epj_ctx_free(ctx);
 }
@@ -475,26 +431,26 @@ START_TEST(test_expand)
 		epj_tensor *e = epj_expand(ctx, a, 4, want);
 		tu_ok(ctx, e);
 		int64_t esh[4] = { 2, 3, k, 5 };
-		assert_shape(e, 4, esh);
+		tu_assert_shape(e, 4, esh);
 		ck_assert(epj_tensor_shares_storage(a, e));
 		ck_assert_int_eq(epj_tensor_strides(e)[0], 0);
 		ck_assert_int_eq(epj_tensor_strides(e)[2], 0);
 		double *va = tu_values(ctx, a);
-		int64_t n = numel_of(4, esh);
+		int64_t n = tu_numel(4, esh);
 		double *ref = malloc(sizeof *ref * (size_t)n);
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[4], src[3];
-			unflat(f, 4, esh, m);
+			tu_unflat(f, 4, esh, m);
 			src[0] = m[1];
 			src[1] = 0;
 			src[2] = m[3];
-			ref[f] = va[flat_of(3, sh, src)];
+			ref[f] = va[tu_flat(3, sh, src)];
 		}
 		tu_assert_close(ctx, e, ref, 0, 0, "expand");
 		/* a write in the base shows in every expanded copy */
 		epj_tensor_set_f64(a, 0, 11.0);
 		ck_assert(epj_tensor_get_f64(e, 0) == 11.0);
-		ck_assert(epj_tensor_get_f64(e, n - numel_of(3, esh + 1)) ==
+		ck_assert(epj_tensor_get_f64(e, n - tu_numel(3, esh + 1)) ==
 			  11.0);
 		/* contiguous() materialises the stride-0 dims */
 		epj_tensor *c = epj_contiguous(ctx, e);
@@ -504,7 +460,7 @@ START_TEST(test_expand)
 		ref[0] = 11.0;
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[4];
-			unflat(f, 4, esh, m);
+			tu_unflat(f, 4, esh, m);
 			if (m[1] == 0 && m[3] == 0)
 				ref[f] = 11.0;
 		}
@@ -517,10 +473,13 @@ START_TEST(test_expand)
 	}
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
 	int64_t bad[3] = { 4, 1, 5 };
-	assert_error(ctx, epj_expand(ctx, a, 3, bad), EPJ_ERR_SHAPE, "expand");
+	tu_assert_error(ctx, epj_expand(ctx, a, 3, bad), EPJ_ERR_SHAPE,
+			TU_STRS("expand"));
 	int64_t lead[4] = { -1, 3, 1, 5 };
-	assert_error(ctx, epj_expand(ctx, a, 4, lead), EPJ_ERR_SHAPE, "expand");
-	assert_error(ctx, epj_expand(ctx, a, 2, bad), EPJ_ERR_SHAPE, "expand");
+	tu_assert_error(ctx, epj_expand(ctx, a, 4, lead), EPJ_ERR_SHAPE,
+			TU_STRS("expand"));
+	tu_assert_error(ctx, epj_expand(ctx, a, 2, bad), EPJ_ERR_SHAPE,
+			TU_STRS("expand"));
 	epj_tensor_free(a);
 	epj_ctx_free(ctx);
 }
@@ -572,16 +531,16 @@ START_TEST(test_cat)
 		tu_ok(ctx, c);
 		int64_t csh[3] = { 3, 5, 7 };
 		csh[axis] = total;
-		assert_shape(c, 3, csh);
-		int64_t n = numel_of(3, csh);
+		tu_assert_shape(c, 3, csh);
+		int64_t n = tu_numel(3, csh);
 		double *ref = malloc(sizeof *ref * (size_t)n);
 		for (int64_t f = 0; f < n; f++) {
 			int64_t m[3];
-			unflat(f, 3, csh, m);
+			tu_unflat(f, 3, csh, m);
 			int k = 0;
 			while (m[axis] >= shs[k][axis])
 				m[axis] -= shs[k++][axis];
-			ref[f] = vals[k][flat_of(3, shs[k], m)];
+			ref[f] = vals[k][tu_flat(3, shs[k], m)];
 		}
 		tu_assert_close(ctx, c, ref, 0, 0, "cat");
 		free(ref);
@@ -607,8 +566,10 @@ START_TEST(test_cat)
 	epj_tensor_free(c);
 	epj_tensor_free(pair[1]);
 	pair[1] = tu_randn(ctx, EPJ_DTYPE_F64, 2, s1);
-	assert_error(ctx, epj_cat(ctx, pair, 2, 0), EPJ_ERR_DTYPE, "cat");
-	assert_error(ctx, epj_cat(ctx, pair, 0, 0), EPJ_ERR_INVALID, "cat");
+	tu_assert_error(ctx, epj_cat(ctx, pair, 2, 0), EPJ_ERR_DTYPE,
+			TU_STRS("cat"));
+	tu_assert_error(ctx, epj_cat(ctx, pair, 0, 0), EPJ_ERR_INVALID,
+			TU_STRS("cat"));
 	epj_tensor_free(pair[0]);
 	epj_tensor_free(pair[1]);
 	epj_ctx_free(ctx);
@@ -628,7 +589,7 @@ START_TEST(test_full)
 		epj_tensor *f = epj_full(ctx, dts[d], 2, sh, v);
 		tu_ok(ctx, f);
 		ck_assert_int_eq(epj_tensor_dtype(f), dts[d]);
-		assert_shape(f, 2, sh);
+		tu_assert_shape(f, 2, sh);
 		double want = dts[d] == EPJ_DTYPE_I32 || dts[d] == EPJ_DTYPE_I64
 				  ? trunc(v)
 				  : v;
@@ -654,10 +615,10 @@ START_TEST(test_full)
 	ck_assert(epj_tensor_get_f64(s, 0) == 2.5);
 	epj_tensor_free(s);
 	int64_t neg[2] = { 3, -1 };
-	assert_error(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 2, neg), EPJ_ERR_SHAPE,
-		     "full");
-	assert_error(ctx, epj_full(ctx, EPJ_DTYPE_I32, 2, sh, NAN),
-		     EPJ_ERR_INVALID, "full");
+	tu_assert_error(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 2, neg),
+			EPJ_ERR_SHAPE, TU_STRS("full"));
+	tu_assert_error(ctx, epj_full(ctx, EPJ_DTYPE_I32, 2, sh, NAN),
+			EPJ_ERR_INVALID, TU_STRS("full"));
 	epj_ctx_free(ctx);
 }
 END_TEST

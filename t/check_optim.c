@@ -777,13 +777,8 @@ static void expect_new_error(epj_ctx *ctx, const ej_config *cfg,
 			     const char *const *names, int n, epj_status st,
 			     const char *needle)
 {
-	ej_optim *o = ej_optim_new(ctx, cfg, params, names, n);
-	ck_assert_ptr_null(o);
-	ck_assert_int_eq(epj_ctx_status(ctx), st);
-	const char *msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, "optim") && strstr(msg, needle),
-		      "message \"%s\" lacks \"%s\"", msg, needle);
-	epj_ctx_clear_error(ctx);
+	tu_assert_error(ctx, ej_optim_new(ctx, cfg, params, names, n), st,
+			TU_STRS("optim", needle));
 }
 
 START_TEST(test_errors)

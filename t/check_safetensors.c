@@ -22,33 +22,6 @@
 /* ---- helpers --------------------------------------------------------------
  */
 
-static char *tmpdir_new(void)
-{
-	char *d = strdup("/tmp/epj-st-XXXXXX");
-	ck_assert_ptr_nonnull(d);
-	ck_assert_ptr_nonnull(mkdtemp(d));
-	return d;
-}
-
-/* Removes the directory and the plain files and empty directories in it. */
-static void tmpdir_free(char *d)
-{
-	DIR *dir = opendir(d);
-	ck_assert_ptr_nonnull(dir);
-	struct dirent *de;
-	char p[4096];
-	while ((de = readdir(dir))) {
-		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-			continue;
-		snprintf(p, sizeof p, "%s/%s", d, de->d_name);
-		if (unlink(p) != 0)
-			rmdir(p);
-	}
-	closedir(dir);
-	ck_assert_int_eq(rmdir(d), 0);
-	free(d);
-}
-
 /* Number of directory entries (other than . and ..). */
 static int dir_count(const char *d)
 {
@@ -60,31 +33,6 @@ static int dir_count(const char *d)
 		n += strcmp(de->d_name, ".") && strcmp(de->d_name, "..");
 	closedir(dir);
 	return n;
-}
-
-static void write_bytes(const char *path, const void *p, size_t n)
-{
-	FILE *f = fopen(path, "wb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_uint_eq(fwrite(p, 1, n, f), n);
-	ck_assert_int_eq(fclose(f), 0);
-}
-
-/* Whole file into a malloc'ed buffer; *n its size. */
-static unsigned char *read_bytes(const char *path, size_t *n)
-{
-	FILE *f = fopen(path, "rb");
-	ck_assert_ptr_nonnull(f);
-	ck_assert_int_eq(fseek(f, 0, SEEK_END), 0);
-	long sz = ftell(f);
-	ck_assert_int_ge(sz, 0);
-	rewind(f);
-	unsigned char *b = malloc((size_t)sz + 1);
-	ck_assert_ptr_nonnull(b);
-	ck_assert_uint_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
-	fclose(f);
-	*n = (size_t)sz;
-	return b;
 }
 
 /* A safetensors file: header length `n` (as declared), header text, then
@@ -101,7 +49,7 @@ static void write_st(const char *path, uint64_t n, const char *hdr,
 	memcpy(b + 8, hdr, hl);
 	for (size_t i = 0; i < data_len; i++)
 		b[8 + hl + i] = (unsigned char)(i * 7 + 1);
-	write_bytes(path, b, total);
+	tu_write_file(path, b, total);
 	free(b);
 }
 
@@ -122,15 +70,6 @@ static void expect_open_error(const char *path, epj_status want,
 	ck_assert_msg(strstr(msg, frag), "%s: message lacks '%s': %s", what,
 		      frag, msg);
 	epj_ctx_free(ctx);
-}
-
-static char *path_in(const char *dir, const char *name)
-{
-	size_t n = strlen(dir) + strlen(name) + 2;
-	char *p = malloc(n);
-	ck_assert_ptr_nonnull(p);
-	snprintf(p, n, "%s/%s", dir, name);
-	return p;
 }
 
 /* Random tensor of any dtype (integers in a wide range, negatives too). */
@@ -166,8 +105,8 @@ static void assert_same(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
 START_TEST(test_roundtrip)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "model.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "model.safetensors");
 	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
 					 EPJ_DTYPE_I64, EPJ_DTYPE_I32,
 					 EPJ_DTYPE_F64 };
@@ -206,7 +145,7 @@ START_TEST(test_roundtrip)
 
 	/* The data is aligned: the header length is a multiple of 8. */
 	size_t n;
-	unsigned char *raw = read_bytes(path, &n);
+	unsigned char *raw = tu_read_file(path, &n);
 	uint64_t hl = 0;
 	for (int i = 7; i >= 0; i--)
 		hl = hl << 8 | raw[i];
@@ -248,7 +187,7 @@ START_TEST(test_roundtrip)
 	for (int i = 0; i < NT; i++)
 		epj_tensor_free(ts[i]);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -257,8 +196,8 @@ END_TEST
 START_TEST(test_roundtrip_empty_and_zero_size)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "z.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "z.safetensors");
 	epj_st_writer *w;
 	ck_assert_int_eq(epj_st_writer_new(ctx, &w), EPJ_OK);
 	int64_t s0[2] = { 3, 0 }, s1[1] = { 5 };
@@ -290,7 +229,7 @@ START_TEST(test_roundtrip_empty_and_zero_size)
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
 	epj_st_writer_free(w);
 	size_t n;
-	unsigned char *b = read_bytes(path, &n);
+	unsigned char *b = tu_read_file(path, &n);
 	static const unsigned char want[] = {
 		8, 0, 0, 0, 0, 0, 0, 0, 123, 125, 32, 32, 32, 32, 32, 32
 	};
@@ -301,7 +240,7 @@ START_TEST(test_roundtrip_empty_and_zero_size)
 	ck_assert_int_eq(epj_st_count(f), 0);
 	epj_st_close(f);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -324,8 +263,8 @@ static const unsigned char hf_attn[] = {
 START_TEST(test_exact_bytes_hf_vector)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "attn.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "attn.safetensors");
 	float v[6] = { 0, 1, 2, 3, 4, 5 };
 	int64_t shape[3] = { 1, 2, 3 };
 	epj_tensor *t = epj_tensor_from_data(ctx, EPJ_DTYPE_F32, 3, shape, v);
@@ -336,7 +275,7 @@ START_TEST(test_exact_bytes_hf_vector)
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
 	epj_st_writer_free(w);
 	size_t n;
-	unsigned char *b = read_bytes(path, &n);
+	unsigned char *b = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, sizeof hf_attn);
 	ck_assert_int_eq(memcmp(b, hf_attn, n), 0);
 	free(b);
@@ -349,7 +288,7 @@ START_TEST(test_exact_bytes_hf_vector)
 	unsigned char file[8 + 60 + 16] = { 60 };
 	memcpy(file + 8, hdr, 60);
 	file[8 + 60] = 5; /* element [0,0] = 5 */
-	write_bytes(path, file, sizeof file);
+	tu_write_file(path, file, sizeof file);
 	epj_st_file *f;
 	ck_assert_msg(epj_st_open(ctx, path, &f) == EPJ_OK, "%s",
 		      epj_ctx_error(ctx));
@@ -361,7 +300,7 @@ START_TEST(test_exact_bytes_hf_vector)
 	epj_st_close(f);
 	epj_tensor_free(t);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -373,8 +312,8 @@ END_TEST
 START_TEST(test_exact_bytes_by_hand)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "hand.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "hand.safetensors");
 	const char *hdr =
 	    "{\"__metadata__\":{\"format\":\"pt\",\"z\":\"1\"},"
 	    "\"c\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[0,8]},"
@@ -413,7 +352,7 @@ START_TEST(test_exact_bytes_by_hand)
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
 	epj_st_writer_free(w);
 	size_t n;
-	unsigned char *got = read_bytes(path, &n);
+	unsigned char *got = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, sizeof want);
 	for (size_t i = 0; i < n; i++)
 		ck_assert_msg(got[i] == want[i],
@@ -422,7 +361,7 @@ START_TEST(test_exact_bytes_by_hand)
 	free(got);
 
 	/* Our reader on the hand-made bytes (written independently). */
-	write_bytes(path, want, sizeof want);
+	tu_write_file(path, want, sizeof want);
 	epj_st_file *f;
 	ck_assert_msg(epj_st_open(ctx, path, &f) == EPJ_OK, "%s",
 		      epj_ctx_error(ctx));
@@ -444,7 +383,7 @@ START_TEST(test_exact_bytes_by_hand)
 	epj_tensor_free(b);
 	epj_tensor_free(c);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -541,8 +480,8 @@ static const struct bad_case {
 
 START_TEST(test_malformed)
 {
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "bad.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "bad.safetensors");
 	for (size_t i = 0; i < sizeof bad_cases / sizeof bad_cases[0]; i++) {
 		const struct bad_case *c = &bad_cases[i];
 		write_st(path, (uint64_t)((int64_t)strlen(c->hdr) + c->n_delta),
@@ -550,20 +489,20 @@ START_TEST(test_malformed)
 		expect_open_error(path, c->want, c->frag, c->what);
 	}
 	/* Files shorter than the length field. */
-	write_bytes(path, "", 0);
+	tu_write_file(path, "", 0);
 	expect_open_error(path, EPJ_ERR_FORMAT, "shorter than", "empty file");
-	write_bytes(path, "\x02\0\0\0\0", 5);
+	tu_write_file(path, "\x02\0\0\0\0", 5);
 	expect_open_error(path, EPJ_ERR_FORMAT, "shorter than", "5-byte file");
 	/* A header length with the top bit set (negative as i64). */
 	unsigned char big[16] = { 0, 0, 0, 0, 0, 0, 0, 0x80, '{', '}' };
-	write_bytes(path, big, sizeof big);
+	tu_write_file(path, big, sizeof big);
 	expect_open_error(path, EPJ_ERR_FORMAT, "100 MB", "2^63 length");
 	/* Missing file, directory. */
 	expect_open_error(dir, EPJ_ERR_IO, "not a regular file", "directory");
 	unlink(path);
 	expect_open_error(path, EPJ_ERR_IO, "cannot open", "missing file");
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 }
 END_TEST
 
@@ -572,8 +511,8 @@ END_TEST
 START_TEST(test_unsupported_dtype)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "f16.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "f16.safetensors");
 	const char *hdr =
 	    "{\"h\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[0,4]},"
 	    "\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}";
@@ -593,7 +532,7 @@ START_TEST(test_unsupported_dtype)
 	epj_tensor_free(x);
 	epj_st_close(f);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -631,8 +570,8 @@ START_TEST(test_writer_errors)
 	ck_assert_int_eq(epj_st_writer_add(w, "m", NULL), EPJ_ERR_INVALID);
 	/* The writer keeps its own reference. */
 	epj_tensor_free(t);
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "w.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "w.safetensors");
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
 	epj_st_writer_free(w);
 	epj_st_file *f;
@@ -642,7 +581,7 @@ START_TEST(test_writer_errors)
 	epj_tensor_free(a);
 	epj_tensor_free(b);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -660,13 +599,13 @@ static epj_st_writer *writer_with(epj_ctx *ctx, int64_t n, epj_tensor **t)
 START_TEST(test_atomic_save)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "ckpt.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "ckpt.safetensors");
 	epj_tensor *old_t, *new_t;
 	epj_st_writer *w_old = writer_with(ctx, 7, &old_t);
 	ck_assert_int_eq(epj_st_writer_save(w_old, path), EPJ_OK);
 	size_t n_old;
-	unsigned char *old = read_bytes(path, &n_old);
+	unsigned char *old = tu_read_file(path, &n_old);
 	epj_st_writer *w = writer_with(ctx, 16384, &new_t); /* 64 KiB */
 
 	/* 1. The temporary name is taken by a directory: open fails. */
@@ -679,7 +618,7 @@ START_TEST(test_atomic_save)
 	ck_assert_int_eq(stat(tmp, &st), 0); /* not ours: left alone */
 	ck_assert_int_eq(rmdir(tmp), 0);
 	size_t n;
-	unsigned char *now = read_bytes(path, &n);
+	unsigned char *now = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, n_old);
 	ck_assert_int_eq(memcmp(now, old, n), 0);
 	free(now);
@@ -700,13 +639,13 @@ START_TEST(test_atomic_save)
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), path));
 	ck_assert_int_eq(stat(tmp, &st), -1);
 	ck_assert_int_eq(dir_count(dir), 1);
-	now = read_bytes(path, &n);
+	now = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, n_old);
 	ck_assert_int_eq(memcmp(now, old, n), 0);
 	free(now);
 
 	/* 3. Target directory missing. */
-	char *nodir = path_in(dir, "missing/ckpt.safetensors");
+	char *nodir = tu_path(dir, "missing/ckpt.safetensors");
 	ck_assert_int_eq(epj_st_writer_save(w, nodir), EPJ_ERR_IO);
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), nodir));
 	free(nodir);
@@ -728,7 +667,7 @@ START_TEST(test_atomic_save)
 	epj_tensor_free(old_t);
 	epj_tensor_free(new_t);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -737,8 +676,8 @@ END_TEST
 START_TEST(test_file_changed_after_open)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = tmpdir_new();
-	char *path = path_in(dir, "c.safetensors");
+	char *dir = tu_tmpdir_new("st");
+	char *path = tu_path(dir, "c.safetensors");
 	epj_tensor *t;
 	epj_st_writer *w = writer_with(ctx, 33, &t);
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
@@ -752,7 +691,7 @@ START_TEST(test_file_changed_after_open)
 	epj_st_writer_free(w);
 	epj_tensor_free(t);
 	free(path);
-	tmpdir_free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST

@@ -15,17 +15,6 @@
 #include "check_util.h"
 #include "core_impl.h"
 
-/* ck_assert in hot loops costs a message to the parent process per check;
- * this one only reports failures. */
-#define tq_assert(c)                                                           \
-	do {                                                                   \
-		if (!(c))                                                      \
-			ck_abort_msg(                                          \
-			    "%s:%d: assertion '%s' failed (seed %llu)",        \
-			    __FILE__, __LINE__, #c,                            \
-			    (unsigned long long)tu_seed());                    \
-	} while (0)
-
 static float f32_of_bits(uint32_t u)
 {
 	float f;
@@ -165,9 +154,9 @@ START_TEST(test_bf16_roundtrip_all)
 {
 	for (uint32_t b = 0; b < 0x10000u; b++) {
 		float f = epj_bf16_to_f32((uint16_t)b);
-		tq_assert(bits_of_f32(f) == b << 16);
+		tu_assert(bits_of_f32(f) == b << 16);
 		if (!isnan(f))
-			tq_assert(epj_f32_to_bf16(f) == b);
+			tu_assert(epj_f32_to_bf16(f) == b);
 	}
 }
 END_TEST
@@ -178,31 +167,31 @@ START_TEST(test_load_store)
 	for (int i = 0; i < 1000; i++) {
 		double v = tu_uniform(-1e6, 1e6);
 		ej_store_f64(buf, EPJ_DTYPE_F64, v);
-		tq_assert(ej_load_f64(buf, EPJ_DTYPE_F64) == v);
+		tu_assert(ej_load_f64(buf, EPJ_DTYPE_F64) == v);
 		ej_store_f64(buf, EPJ_DTYPE_F32, v);
-		tq_assert(ej_load_f64(buf, EPJ_DTYPE_F32) == (double)(float)v);
+		tu_assert(ej_load_f64(buf, EPJ_DTYPE_F32) == (double)(float)v);
 		ej_store_f64(buf, EPJ_DTYPE_BF16, v);
-		tq_assert(ej_load_f64(buf, EPJ_DTYPE_BF16) ==
+		tu_assert(ej_load_f64(buf, EPJ_DTYPE_BF16) ==
 			  (double)epj_bf16_to_f32(ref_bf16((float)v)));
 		ej_store_f64(buf, EPJ_DTYPE_I32, v);
-		tq_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == trunc(v));
+		tu_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == trunc(v));
 		ej_store_f64(buf, EPJ_DTYPE_I64, v);
-		tq_assert(ej_load_f64(buf, EPJ_DTYPE_I64) == trunc(v));
+		tu_assert(ej_load_f64(buf, EPJ_DTYPE_I64) == trunc(v));
 	}
 	/* saturation and NaN for integers (documented in dtype.c) */
 	ej_store_f64(buf, EPJ_DTYPE_I32, 1e12);
-	tq_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == 2147483647.0);
+	tu_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == 2147483647.0);
 	ej_store_f64(buf, EPJ_DTYPE_I32, -1e12);
-	tq_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == -2147483648.0);
+	tu_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == -2147483648.0);
 	ej_store_f64(buf, EPJ_DTYPE_I32, NAN);
-	tq_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == 0.0);
+	tu_assert(ej_load_f64(buf, EPJ_DTYPE_I32) == 0.0);
 	ej_store_f64(buf, EPJ_DTYPE_I64, -1e30);
 	int64_t i64;
 	memcpy(&i64, buf, 8);
-	tq_assert(i64 == INT64_MIN);
+	tu_assert(i64 == INT64_MIN);
 	ej_store_f64(buf, EPJ_DTYPE_I64, -2.75);
 	memcpy(&i64, buf, 8);
-	tq_assert(i64 == -2);
+	tu_assert(i64 == -2);
 }
 END_TEST
 
@@ -433,7 +422,7 @@ START_TEST(test_strided_f64_access)
 				want = (float)want;
 			else if (dt == EPJ_DTYPE_BF16)
 				want = epj_bf16_to_f32(ref_bf16((float)want));
-			tq_assert(br[i] == want);
+			tu_assert(br[i] == want);
 		}
 		/* view [3, 13]: columns 1, 3, 5, transposed */
 		const int64_t vsh[] = { 3, 13 }, vst[] = { 2, 6 };
@@ -442,9 +431,9 @@ START_TEST(test_strided_f64_access)
 		ck_assert_int_eq(epj_tensor_to_f64(ctx, v, got), EPJ_OK);
 		for (int a = 0; a < 3; a++)
 			for (int b = 0; b < 13; b++) {
-				tq_assert(got[a * 13 + b] ==
+				tu_assert(got[a * 13 + b] ==
 					  br[b * 6 + 1 + 2 * a]);
-				tq_assert(epj_tensor_get_f64(v, a * 13 + b) ==
+				tu_assert(epj_tensor_get_f64(v, a * 13 + b) ==
 					  br[b * 6 + 1 + 2 * a]);
 			}
 		/* write through the view: only its elements change */
@@ -466,9 +455,9 @@ START_TEST(test_strided_f64_access)
 			}
 		/* out of range */
 		epj_ctx_clear_error(ctx);
-		tq_assert(isnan(epj_tensor_get_f64(v, 39)));
+		tu_assert(isnan(epj_tensor_get_f64(v, 39)));
 		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_INDEX);
-		tq_assert(isnan(epj_tensor_get_f64(v, -1)));
+		tu_assert(isnan(epj_tensor_get_f64(v, -1)));
 		epj_tensor_set_f64(v, 39, 1.0);
 		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_INDEX);
 		epj_ctx_clear_error(ctx);
@@ -546,7 +535,7 @@ START_TEST(test_copy_conversion)
 					}
 			if (dbuf) /* the gaps stay untouched (zero) */
 				for (int64_t i = 0; i < 210; i += 2)
-					tq_assert(epj_tensor_get_f64(dbuf, i) ==
+					tu_assert(epj_tensor_get_f64(dbuf, i) ==
 						  0);
 			epj_tensor_free(dbuf);
 			epj_tensor_free(dst);
@@ -864,7 +853,7 @@ START_TEST(test_rng_determinism)
 	int same_c = 0;
 	for (int i = 0; i < 1000; i++) {
 		uint64_t x = ej_rng_next(&a), y = ej_rng_next(&b);
-		tq_assert(x == y);
+		tu_assert(x == y);
 		same_c += ej_rng_next(&c) == x;
 	}
 	ck_assert_int_lt(same_c, 2);
@@ -882,8 +871,8 @@ START_TEST(test_rng_determinism)
 	ej_rng_seed(&r, seed);
 	for (int64_t i = 0; i < 91; i++) {
 		double want = (float)(1.0 + 2.0 * ej_rng_normal(&r));
-		tq_assert(epj_tensor_get_f64(x1, i) == want);
-		tq_assert(epj_tensor_get_f64(x2, i) == want);
+		tu_assert(epj_tensor_get_f64(x1, i) == want);
+		tu_assert(epj_tensor_get_f64(x2, i) == want);
 	}
 	epj_tensor *u = epj_rand_uniform(c1, EPJ_DTYPE_F64, 2, sh, -3.0, 5.0);
 	epj_tensor *k = epj_randint(c1, EPJ_DTYPE_I32, 2, sh, -4, 3);
@@ -892,9 +881,9 @@ START_TEST(test_rng_determinism)
 	int hits[7] = { 0 };
 	for (int64_t i = 0; i < 91; i++) {
 		double uv = epj_tensor_get_f64(u, i);
-		tq_assert(uv >= -3.0 && uv < 5.0);
+		tu_assert(uv >= -3.0 && uv < 5.0);
 		double kv = epj_tensor_get_f64(k, i);
-		tq_assert(kv >= -4 && kv < 3 && kv == trunc(kv));
+		tu_assert(kv >= -4 && kv < 3 && kv == trunc(kv));
 		hits[(int)kv + 4]++;
 	}
 	for (int i = 0; i < 7; i++)
@@ -928,13 +917,13 @@ START_TEST(test_rng_moments)
 	int tail = 0;
 	for (int i = 0; i < N; i++) {
 		double z = ej_rng_normal(&r);
-		tq_assert(isfinite(z));
+		tu_assert(isfinite(z));
 		s += z;
 		s2 += z * z;
 		s4 += z * z * z * z;
 		tail += fabs(z) > 1.959964;
 		double u = ej_rng_uniform(&r);
-		tq_assert(u >= 0.0 && u < 1.0);
+		tu_assert(u >= 0.0 && u < 1.0);
 		us += u;
 	}
 	double mean = s / N, var = s2 / N - mean * mean;

@@ -1,11 +1,20 @@
 /* check_util.c -- shared helpers of the Check suites: seeds, random tensors,
- * comparisons against double references, and the finite-difference gradient
- * check every differentiable op is tested with. */
+ * row-major index arithmetic and comparisons for double references, expected
+ * error messages, temporary directories and whole-file I/O, and the
+ * finite-difference gradient check every differentiable op is tested with.
+ * Every helper fails the calling test (ck_assert) rather than returning an
+ * error, except where its comment says it returns NULL. */
 #include "check_util.h"
 
+#include <dirent.h>
+#include <errno.h>
+#include <ftw.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -108,6 +117,260 @@ epj_tensor *tu_noncontig(epj_ctx *ctx, epj_tensor *t)
 	epj_no_grad_exit(ctx, prev);
 	free(vals);
 	return view;
+}
+
+epj_tensor *tu_maybe_noncontig(epj_ctx *ctx, epj_tensor *t, bool nc)
+{
+	if (!nc || epj_tensor_ndim(t) < 1)
+		return t;
+	epj_tensor *v = tu_noncontig(ctx, t);
+	epj_tensor_free(t);
+	return v;
+}
+
+epj_tensor *tu_randn_nc(epj_ctx *ctx, epj_dtype dt, int nd,
+			const int64_t *shape, bool nc)
+{
+	return tu_maybe_noncontig(ctx, tu_randn(ctx, dt, nd, shape), nc);
+}
+
+/* ---- row-major index arithmetic ----------------------------------------- */
+
+int64_t tu_numel(int nd, const int64_t *shape)
+{
+	int64_t n = 1;
+	for (int i = 0; i < nd; i++)
+		n *= shape[i];
+	return n;
+}
+
+int64_t tu_flat(int nd, const int64_t *shape, const int64_t *m)
+{
+	int64_t f = 0;
+	for (int i = 0; i < nd; i++)
+		f = f * shape[i] + m[i];
+	return f;
+}
+
+void tu_unflat(int64_t f, int nd, const int64_t *shape, int64_t *m)
+{
+	for (int i = nd - 1; i >= 0; i--) {
+		m[i] = f % shape[i];
+		f /= shape[i];
+	}
+}
+
+bool tu_next_index(int nd, const int64_t *shape, int64_t *idx)
+{
+	for (int i = nd - 1; i >= 0; i--) {
+		if (++idx[i] < shape[i])
+			return true;
+		idx[i] = 0;
+	}
+	return false;
+}
+
+void tu_assert_shape(const epj_tensor *t, int nd, const int64_t *shape)
+{
+	ck_assert_int_eq(epj_tensor_ndim(t), nd);
+	for (int i = 0; i < nd; i++)
+		ck_assert_int_eq(epj_tensor_dim(t, i), shape[i]);
+}
+
+/* ---- expected errors ---------------------------------------------------- */
+
+void tu_assert_ctx_error(epj_ctx *ctx, epj_status st,
+			 const char *const *needles, int n)
+{
+	ck_assert_msg(epj_ctx_status(ctx) == st, "status %s, want %s: %s",
+		      epj_status_name(epj_ctx_status(ctx)), epj_status_name(st),
+		      epj_ctx_error(ctx));
+	for (int i = 0; i < n; i++)
+		if (needles[i])
+			ck_assert_msg(strstr(epj_ctx_error(ctx), needles[i]) !=
+					  NULL,
+				      "error \"%s\" lacks \"%s\"",
+				      epj_ctx_error(ctx), needles[i]);
+	epj_ctx_clear_error(ctx);
+}
+
+void tu_assert_error(epj_ctx *ctx, const void *result, epj_status st,
+		     const char *const *needles, int n)
+{
+	ck_assert_msg(result == NULL, "call succeeded; want %s",
+		      epj_status_name(st));
+	tu_assert_ctx_error(ctx, st, needles, n);
+}
+
+void tu_report(char *buf, size_t n, const char *fmt, ...)
+{
+	size_t o = strlen(buf);
+	if (o + 1 >= n)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf + o, n - o, fmt, ap);
+	va_end(ap);
+}
+
+/* ---- files -------------------------------------------------------------- */
+
+const char *tu_srcdir(void)
+{
+	const char *s = getenv("top_srcdir");
+	return s && *s ? s : ".";
+}
+
+char *tu_tmpdir_new(const char *tag)
+{
+	char *d = malloc(strlen(tag) + 32);
+	ck_assert_ptr_nonnull(d);
+	sprintf(d, "/tmp/epjit-%s-XXXXXX", tag);
+	ck_assert_msg(mkdtemp(d) != NULL, "mkdtemp %s: %s", d, strerror(errno));
+	return d;
+}
+
+static int rm_one(const char *p, const struct stat *st, int flag,
+		  struct FTW *ftw)
+{
+	(void)st;
+	(void)ftw;
+	if (flag == FTW_DP)
+		return rmdir(p) != 0;
+	return unlink(p) != 0;
+}
+
+void tu_tmpdir_free(char *dir)
+{
+	/* Tests may leave the directory without write permission. */
+	chmod(dir, 0700);
+	ck_assert_msg(nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS) == 0,
+		      "cannot remove %s: %s", dir, strerror(errno));
+	free(dir);
+}
+
+char *tu_path(const char *dir, const char *name)
+{
+	size_t n = strlen(dir) + strlen(name) + 2;
+	char *p = malloc(n);
+	ck_assert_ptr_nonnull(p);
+	snprintf(p, n, "%s/%s", dir, name);
+	return p;
+}
+
+tu_tmpfile tu_tmpfile_new(const char *tag, const char *name, const char *text)
+{
+	tu_tmpfile f = { tu_tmpdir_new(tag), NULL };
+	f.path = tu_path(f.dir, name);
+	tu_write_text(f.path, text);
+	return f;
+}
+
+void tu_tmpfile_free(tu_tmpfile *f)
+{
+	free(f->path);
+	tu_tmpdir_free(f->dir);
+	f->path = f->dir = NULL;
+}
+
+bool tu_exists(const char *path)
+{
+	struct stat st;
+	return stat(path, &st) == 0;
+}
+
+void tu_write_file(const char *path, const void *p, size_t n)
+{
+	FILE *f = fopen(path, "wb");
+	ck_assert_msg(f != NULL, "open %s: %s", path, strerror(errno));
+	ck_assert_uint_eq(fwrite(p, 1, n, f), n);
+	ck_assert_int_eq(fclose(f), 0);
+}
+
+void tu_write_text(const char *path, const char *s)
+{
+	tu_write_file(path, s, strlen(s));
+}
+
+char *tu_slurp(const char *path, size_t *n)
+{
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	ck_assert_int_eq(fseek(f, 0, SEEK_END), 0);
+	long sz = ftell(f);
+	ck_assert_int_ge(sz, 0);
+	rewind(f);
+	char *b = malloc((size_t)sz + 1);
+	ck_assert_ptr_nonnull(b);
+	ck_assert_uint_eq(fread(b, 1, (size_t)sz, f), (size_t)sz);
+	fclose(f);
+	b[sz] = '\0';
+	if (n)
+		*n = (size_t)sz;
+	return b;
+}
+
+unsigned char *tu_read_file(const char *path, size_t *n)
+{
+	char *b = tu_slurp(path, n);
+	ck_assert_msg(b != NULL, "open %s: %s", path, strerror(errno));
+	return (unsigned char *)b;
+}
+
+char *tu_first_line(const char *path)
+{
+	char *s = tu_slurp(path, NULL);
+	if (s)
+		s[strcspn(s, "\r\n")] = '\0';
+	return s;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int tu_list_dir(const char *dir, bool dirs_only, char ***out)
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return -1;
+	int n = 0, cap = 16;
+	char **names = malloc(sizeof *names * (size_t)cap);
+	ck_assert_ptr_nonnull(names);
+	struct dirent *e;
+	while ((e = readdir(d))) {
+		if (e->d_name[0] == '.')
+			continue;
+		if (dirs_only) {
+			char *p = tu_path(dir, e->d_name);
+			struct stat st;
+			bool is_dir = stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+			free(p);
+			if (!is_dir)
+				continue;
+		}
+		if (n == cap) {
+			cap *= 2;
+			names = realloc(names, sizeof *names * (size_t)cap);
+			ck_assert_ptr_nonnull(names);
+		}
+		names[n] = strdup(e->d_name);
+		ck_assert_ptr_nonnull(names[n]);
+		n++;
+	}
+	closedir(d);
+	qsort(names, (size_t)n, sizeof *names, cmp_str);
+	*out = names;
+	return n;
+}
+
+void tu_free_names(char **names, int n)
+{
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+	free(names);
 }
 
 static bool close_enough(double a, double r, double rtol, double atol)

@@ -8,6 +8,8 @@
 #define EPJIT_CHECK_UTIL_H
 
 #include <check.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "epjit.h"
@@ -66,6 +68,98 @@ void tu_assert_tensors_close(epj_ctx *ctx, const epj_tensor *a,
 			     const char *what);
 /* Fails with the context message when t is NULL. */
 #define tu_ok(ctx, t) ck_assert_msg((t) != NULL, "%s", epj_ctx_error(ctx))
+
+/* Like ck_assert, but sends nothing to Check's parent process unless the
+ * condition fails: for asserts in hot loops (ck_assert costs a message per
+ * check). */
+#define tu_assert(c)                                                           \
+	do {                                                                   \
+		if (!(c))                                                      \
+			ck_abort_msg(                                          \
+			    "%s:%d: assertion '%s' failed (seed %llu)",        \
+			    __FILE__, __LINE__, #c,                            \
+			    (unsigned long long)tu_seed());                    \
+	} while (0)
+
+/* ---- row-major index arithmetic for double references ---------------- */
+
+/* Product of shape[0..nd) (1 for nd == 0). */
+int64_t tu_numel(int nd, const int64_t *shape);
+/* Row-major flat index of multi-index m, and back. */
+int64_t tu_flat(int nd, const int64_t *shape, const int64_t *m);
+void tu_unflat(int64_t f, int nd, const int64_t *shape, int64_t *m);
+/* Advances a row-major multi-index; false after the last one. */
+bool tu_next_index(int nd, const int64_t *shape, int64_t *idx);
+/* Fails unless t has exactly the dims shape[0..nd). */
+void tu_assert_shape(const epj_tensor *t, int nd, const int64_t *shape);
+
+/* t itself, or when nc (and t has ndim >= 1) its non-contiguous copy
+ * (tu_noncontig) with t freed: takes t. */
+epj_tensor *tu_maybe_noncontig(epj_ctx *ctx, epj_tensor *t, bool nc);
+/* tu_randn, non-contiguous when nc (see tu_maybe_noncontig). */
+epj_tensor *tu_randn_nc(epj_ctx *ctx, epj_dtype dt, int nd,
+			const int64_t *shape, bool nc);
+
+/* ---- expected errors ---------------------------------------------------- */
+
+/* Fails unless ctx holds an error of status st whose message contains every
+ * non-NULL needles[i], i < n; then clears the error. */
+void tu_assert_ctx_error(epj_ctx *ctx, epj_status st,
+			 const char *const *needles, int n);
+/* Same, after failing unless result is NULL (the call that reported the
+ * error returns NULL on failure). */
+void tu_assert_error(epj_ctx *ctx, const void *result, epj_status st,
+		     const char *const *needles, int n);
+/* A needle list written inline, as the two arguments needles, n:
+ *   tu_assert_error(ctx, epj_add(ctx, a, b), EPJ_ERR_SHAPE,
+ *                   TU_STRS("add", "[2,3]")); */
+#define TU_STRS(...)                                                           \
+	(const char *const[]){ __VA_ARGS__ },                                  \
+	    (int)(sizeof((const char *const[]){ __VA_ARGS__ }) /               \
+		  sizeof(const char *))
+
+/* Appends printf-style text to the NUL-terminated report in buf (capacity
+ * n), cut at the capacity: data-driven tests collect every failing case and
+ * fail once with all of them. */
+void tu_report(char *buf, size_t n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- files -------------------------------------------------------------- */
+
+/* $top_srcdir (set by `make check`), else ".". */
+const char *tu_srcdir(void);
+/* A fresh private directory /tmp/epjit-<tag>-XXXXXX (malloc'ed). */
+char *tu_tmpdir_new(const char *tag);
+/* Removes dir and everything under it (rm -rf, never following links;
+ * fails the test when something cannot be removed), then frees dir. */
+void tu_tmpdir_free(char *dir);
+/* A file `name` holding `text` in a fresh temporary directory, for APIs
+ * that read a path; tu_tmpfile_free removes the directory with everything
+ * in it. */
+typedef struct tu_tmpfile {
+	char *dir;
+	char *path;
+} tu_tmpfile;
+tu_tmpfile tu_tmpfile_new(const char *tag, const char *name, const char *text);
+void tu_tmpfile_free(tu_tmpfile *f);
+/* "dir/name", malloc'ed. */
+char *tu_path(const char *dir, const char *name);
+bool tu_exists(const char *path); /* stat() succeeds (links followed) */
+/* Writes n bytes (or the string s) as the whole file at path. */
+void tu_write_file(const char *path, const void *p, size_t n);
+void tu_write_text(const char *path, const char *s);
+/* The whole file at path, malloc'ed with a NUL after the last byte; *n (when
+ * n is not NULL) its size.  tu_read_file fails the test when the file cannot
+ * be opened, tu_slurp returns NULL. */
+unsigned char *tu_read_file(const char *path, size_t *n);
+char *tu_slurp(const char *path, size_t *n);
+/* The first line of a file (newline stripped), NULL when unreadable. */
+char *tu_first_line(const char *path);
+/* The names in dir (only subdirectories when dirs_only), "." files left
+ * out, sorted by strcmp, into *out (malloc'ed, like each name).  Returns
+ * their number, or -1 when dir cannot be opened. */
+int tu_list_dir(const char *dir, bool dirs_only, char ***out);
+void tu_free_names(char **names, int n);
 
 /* Gradient check.  fn maps the inputs to one output tensor.  The check draws
  * a random weight w shaped like the output, backpropagates sum(out * w)
