@@ -24,13 +24,10 @@
 #include "check_util.h"
 
 #include <dirent.h>
-#include <ftw.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "jit.h"
@@ -45,35 +42,7 @@ extern void ej_compile_inject_failure(epj_engine *e, int region_index);
 #define RTOL 1e-5
 #define ATOL 1e-6
 
-static const char *srcdir(void)
-{
-	const char *s = getenv("top_srcdir");
-	return s && *s ? s : ".";
-}
-
 /* ---- temporary files ----------------------------------------------------- */
-
-static int rm_entry(const char *p, const struct stat *sb, int flag,
-		    struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(p);
-}
-
-static void rm_rf(const char *dir)
-{
-	nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static char *make_tmpdir(void)
-{
-	char *d = strdup("/tmp/epjit-check-compile-XXXXXX");
-	ck_assert_ptr_nonnull(d);
-	ck_assert_ptr_nonnull(mkdtemp(d));
-	return d;
-}
 
 /* The tiny model's config with `layers` decoder layers, in dir/config.json;
  * returns the path (malloc'ed). */
@@ -290,17 +259,6 @@ static void snap_assert_same(const snap *s, epj_module *root, const char *what)
  * initializing with defaults and assigning the parsed config to the engine:
  * what is tested here is the compile-time validation. */
 
-static int cmp_str(const void *a, const void *b)
-{
-	return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-static bool exists(const char *p)
-{
-	struct stat sb;
-	return stat(p, &sb) == 0;
-}
-
 /* Lines of a file without their newline (NULL-terminated array). */
 static char **read_lines(const char *path, int *n)
 {
@@ -327,19 +285,6 @@ static void free_lines(char **v, int n)
 	free(v);
 }
 
-static void report(char *buf, size_t n, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void report(char *buf, size_t n, const char *fmt, ...)
-{
-	size_t o = strlen(buf);
-	if (o + 1 >= n)
-		return;
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf + o, n - o, fmt, ap);
-	va_end(ap);
-}
-
 /* Runs one case; returns false with a line in fails. */
 static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 {
@@ -351,23 +296,23 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 	snprintf(p_backend, sizeof p_backend, "%s/backend", base);
 	snprintf(p_err, sizeof p_err, "%s/error", base);
 	snprintf(p_ok, sizeof p_ok, "%s/ok", base);
-	bool want_err = exists(p_err), want_ok = exists(p_ok);
-	if (!exists(p_ds) || want_err == want_ok) {
-		report(fails, nf, "%s: needs ds.json and one of error, ok\n",
-		       name);
+	bool want_err = tu_exists(p_err), want_ok = tu_exists(p_ok);
+	if (!tu_exists(p_ds) || want_err == want_ok) {
+		tu_report(fails, nf, "%s: needs ds.json and one of error, ok\n",
+			  name);
 		return false;
 	}
 	int n_exp = 0;
 	char **exp = read_lines(want_err ? p_err : p_ok, &n_exp);
 	if (!exp || n_exp < 1 || !exp[0][0]) {
-		report(fails, nf, "%s: empty expectation\n", name);
+		tu_report(fails, nf, "%s: empty expectation\n", name);
 		free_lines(exp, n_exp);
 		return false;
 	}
 	epj_ctx *ctx = tu_ctx();
 	epj_layout layout = EPJ_LAYOUT_NESTED;
 	const char *cfg_path = NULL;
-	if (exists(p_model)) {
+	if (tu_exists(p_model)) {
 		int nl = 0;
 		char **ml = read_lines(p_model, &nl);
 		if (nl >= 1 && !strcmp(ml[0], "root"))
@@ -383,15 +328,15 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 		/* refused at initialize: test the compile-time check */
 		ej_config cfg;
 		if (ej_config_load(ctx, p_ds, &cfg) != EPJ_OK) {
-			report(fails, nf, "%s: ds.json: %s\n", name,
-			       epj_ctx_error(ctx));
+			tu_report(fails, nf, "%s: ds.json: %s\n", name,
+				  epj_ctx_error(ctx));
 			ok = false;
 		} else {
 			e = engine_new(ctx, m, "{}");
 			e->cfg = cfg;
 		}
 	}
-	if (ok && exists(p_backend)) {
+	if (ok && tu_exists(p_backend)) {
 		int nl = 0;
 		char **bl = read_lines(p_backend, &nl);
 		snprintf(e->cfg.compile.backend, sizeof e->cfg.compile.backend,
@@ -415,23 +360,24 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 				     !strncmp(msg, pfx, strlen(pfx))))
 				good = false;
 			if (!good) {
-				report(fails, nf,
-				       "%s: want error \"%s\"..., got %s "
-				       "\"%s\"\n",
-				       name, exp[0], epj_status_name(st), msg);
+				tu_report(fails, nf,
+					  "%s: want error \"%s\"..., got %s "
+					  "\"%s\"\n",
+					  name, exp[0], epj_status_name(st),
+					  msg);
 				ok = false;
 			} else if (epj_engine_num_regions(e) != 0 ||
 				   strcmp(epj_engine_compile_mode(e), "none")) {
-				report(fails, nf,
-				       "%s: failed compile left a mode\n",
-				       name);
+				tu_report(fails, nf,
+					  "%s: failed compile left a mode\n",
+					  name);
 				ok = false;
 			} else {
 				snap_assert_same(&before, m->root, name);
 			}
 		} else if (st != EPJ_OK) {
-			report(fails, nf, "%s: compile failed: %s\n", name,
-			       msg);
+			tu_report(fails, nf, "%s: compile failed: %s\n", name,
+				  msg);
 			ok = false;
 		} else {
 			char got[1024];
@@ -448,10 +394,10 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 				    !strcmp(rn[0] ? rn : "<root>", exp[2 + i]);
 			}
 			if (!good) {
-				report(fails, nf,
-				       "%s: mode/regions differ from ok "
-				       "(mode %s, %d regions)\n",
-				       name, epj_engine_compile_mode(e), nr);
+				tu_report(fails, nf,
+					  "%s: mode/regions differ from ok "
+					  "(mode %s, %d regions)\n",
+					  name, epj_engine_compile_mode(e), nr);
 				ok = false;
 			} else {
 				/* and it runs: one eval of a small batch */
@@ -461,9 +407,10 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 				if (epj_engine_eval(e, ids, labels, &l) !=
 					EPJ_OK ||
 				    !isfinite(l)) {
-					report(fails, nf,
-					       "%s: eval after compile: %s\n",
-					       name, epj_ctx_error(ctx));
+					tu_report(
+					    fails, nf,
+					    "%s: eval after compile: %s\n",
+					    name, epj_ctx_error(ctx));
 					ok = false;
 				}
 				epj_tensor_free(ids);
@@ -477,9 +424,9 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 	snap_take(&after, m->root);
 	for (int i = 0; i < after.n; i++)
 		if (after.v[i].m->orig_forward || after.v[i].m->compiled) {
-			report(fails, nf,
-			       "%s: engine free left \"%s\" wrapped\n", name,
-			       after.v[i].m->name);
+			tu_report(fails, nf,
+				  "%s: engine free left \"%s\" wrapped\n", name,
+				  after.v[i].m->name);
 			ok = false;
 		}
 	epj_model_free(m);
@@ -491,29 +438,20 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 START_TEST(test_compile_cases)
 {
 	char dir[1024];
-	snprintf(dir, sizeof dir, "%s/t/compile_cases", srcdir());
-	DIR *d = opendir(dir);
-	ck_assert_msg(d != NULL, "compile case folder %s is missing", dir);
-	char *names[256];
-	int n = 0;
-	struct dirent *de;
-	while ((de = readdir(d)) && n < 256) {
-		if (de->d_name[0] == '.')
-			continue;
-		names[n++] = strdup(de->d_name);
-	}
-	closedir(d);
+	snprintf(dir, sizeof dir, "%s/t/compile_cases", tu_srcdir());
+	char **names = NULL;
+	int n = tu_list_dir(dir, true, &names);
+	ck_assert_msg(n >= 0, "compile case folder %s is missing", dir);
 	ck_assert_msg(n >= 20, "compile case folder %s has only %d cases", dir,
 		      n);
-	qsort(names, (size_t)n, sizeof *names, cmp_str);
 	static char fails[16384];
 	fails[0] = 0;
 	int nfail = 0;
 	for (int i = 0; i < n; i++) {
 		if (!run_case(dir, names[i], fails, sizeof fails))
 			nfail++;
-		free(names[i]);
 	}
+	tu_free_names(names, n);
 	ck_assert_msg(nfail == 0, "%d of %d compile cases failed:\n%s", nfail,
 		      n, fails);
 }
@@ -820,7 +758,7 @@ END_TEST
 START_TEST(test_rollback)
 {
 	epj_ctx *ctx = tu_ctx();
-	char *dir = make_tmpdir();
+	char *dir = tu_tmpdir_new("check-compile");
 	char *cfg = write_model_config(dir, 4);
 	epj_model *m = model_new(ctx, EPJ_LAYOUT_NESTED, cfg, 11);
 	char js[512];
@@ -862,9 +800,8 @@ START_TEST(test_rollback)
 	epj_engine_free(e);
 	snap_assert_same(&before, m->root, "after engine free");
 	epj_model_free(m);
-	rm_rf(dir);
 	free(cfg);
-	free(dir);
+	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -1014,7 +951,7 @@ END_TEST
 /* stats.unique_graphs of an 8-layer model equals that of a 2-layer one. */
 START_TEST(test_unique_graphs_depth)
 {
-	char *dir = make_tmpdir();
+	char *dir = tu_tmpdir_new("check-compile");
 	char *cfg8 = write_model_config(dir, 8);
 	int64_t ug[2], ft[2];
 	for (int k = 0; k < 2; k++) {
@@ -1042,9 +979,8 @@ START_TEST(test_unique_graphs_depth)
 	ck_assert_int_eq(ug[1], ug[0]);
 	ck_assert_int_eq(ft[0], 2);
 	ck_assert_int_eq(ft[1], 8);
-	rm_rf(dir);
 	free(cfg8);
-	free(dir);
+	tu_tmpdir_free(dir);
 }
 END_TEST
 
@@ -1163,7 +1099,7 @@ END_TEST
 /* EPJIT_DEBUG_DUMP: counters.json at engine teardown, graphs per pass. */
 START_TEST(test_debug_dump)
 {
-	char *dir = make_tmpdir();
+	char *dir = tu_tmpdir_new("check-compile");
 	setenv("EPJIT_DEBUG_DUMP", dir, 1);
 	epj_ctx *ctx = tu_ctx();
 	epj_model *m = model_new(ctx, EPJ_LAYOUT_NESTED, NULL, 9);
@@ -1178,10 +1114,10 @@ START_TEST(test_debug_dump)
 	epj_tensor_free(labels);
 	char path[1024];
 	snprintf(path, sizeof path, "%s/counters.json", dir);
-	ck_assert(!exists(path)); /* written at teardown */
+	ck_assert(!tu_exists(path)); /* written at teardown */
 	epj_engine_free(e);
 	unsetenv("EPJIT_DEBUG_DUMP");
-	ck_assert_msg(exists(path), "%s missing", path);
+	ck_assert_msg(tu_exists(path), "%s missing", path);
 	FILE *f = fopen(path, "r");
 	ck_assert_ptr_nonnull(f);
 	char buf[16384];
@@ -1207,8 +1143,7 @@ START_TEST(test_debug_dump)
 	ck_assert_int_gt(files, 0);
 	epj_model_free(m);
 	epj_ctx_free(ctx);
-	rm_rf(dir);
-	free(dir);
+	tu_tmpdir_free(dir);
 }
 END_TEST
 
