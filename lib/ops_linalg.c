@@ -25,26 +25,6 @@
 
 /* ---- shared BLAS helpers ------------------------------------------------- */
 
-/* Inline copies of epj_bf16_to_f32 / epj_f32_to_bf16 (same rounding: RNE,
- * NaN quieted) so that conversion loops vectorise. */
-static inline float bf16_to_f32(uint16_t b)
-{
-	uint32_t u = (uint32_t)b << 16;
-	float f;
-	memcpy(&f, &u, sizeof f);
-	return f;
-}
-
-static inline uint16_t f32_to_bf16(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, sizeof u);
-	if ((u & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((u >> 16) | 0x0040u);
-	u += 0x7fffu + ((u >> 16) & 1u);
-	return (uint16_t)(u >> 16);
-}
-
 /* Compute dtype of a float op: f64 stays f64, f32 and bf16 compute in f32. */
 static epj_dtype compute_dtype(epj_dtype dt)
 {
@@ -95,7 +75,7 @@ void ej_linalg_convert(const void *src_, epj_dtype sdt, int64_t ss, void *dst,
 		const uint16_t *s = (const uint16_t *)src;
 		float *d = dst;
 		for (int64_t i = 0; i < n; i++)
-			d[i] = bf16_to_f32(s[i * ss]);
+			d[i] = ej_bf16_load(s[i * ss]);
 	} else if (sdt == EPJ_DTYPE_F64 && ddt == EPJ_DTYPE_F64) {
 		const double *s = (const double *)src;
 		double *d = dst;
@@ -151,7 +131,7 @@ void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
 		uint16_t *d = dst;
 #pragma omp parallel for schedule(static) if (n > (1 << 18))
 		for (int64_t i = 0; i < n; i++)
-			d[i] = f32_to_bf16(s[i]);
+			d[i] = ej_bf16_store(s[i]);
 	} else {
 		ej_linalg_convert(src, cdt, 1, dst, dt, n);
 	}
