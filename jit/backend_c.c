@@ -1,4 +1,368 @@
-/* STUB: the C backend arrives with the code generator. */
-#include "jit_impl.h"
+/* backend_c.c -- the C backend: compiled graphs run generated C.
+ *
+ *   build(g):  schedule (sched.c: fused kernels + extern nodes)
+ *              -> kernel cache lookup (kcache.h; key: backend, graph text,
+ *                 codegen version, prelude hash, host cc identity)
+ *              -> miss: print C (print_c.c), host cc (hostcc.c), store
+ *              -> dlopen the shared object, look up epjk_<i>
+ *   run(g):    the interpreter's calling convention (inputs bound to
+ *              g->inputs in order, outs[] new references for g->outputs,
+ *              grad disabled).  Steps run in schedule order: a fused kernel
+ *              gets its inputs' element-0 pointers and per-access strides
+ *              (views are read in place) and fresh contiguous outputs; an
+ *              extern node runs through ej_dispatch exactly as in the
+ *              interpreter.  Each kernel and each extern op that launches
+ *              a kernel counts one kernels.launched.compiled.
+ *
+ * Memory plan: a value lives from the step producing it to its last use
+ * (liveness computed at build); it is freed right after that step, so the
+ * caching allocator hands its block to the next allocation of the same
+ * size class.  Values internal to a fused kernel never exist in memory.
+ *
+ * EPJIT_DEBUG_DUMP=dir writes dir/kernels/<seq>-<graph>.txt (schedule and
+ * kernel IR), <seq>-<graph>.c (the generated source) and <seq>-<graph>.cu
+ * (the CUDA C of the same kernels) per built graph.
+ */
+#include "cc.h"
+#include "kcache.h"
+#include "kir.h"
 
-const ej_codegen_backend ej_backend_c = { "c", NULL, NULL, NULL };
+#include <errno.h>
+#include <stdio.h>
+#include <sys/stat.h>
+
+typedef void (*ckernel_fn)(char *const *ptr, const int64_t *st);
+
+typedef struct cstate {
+	ej_arena *A;
+	ej_schedule *s;
+	void *handle;
+	ckernel_fn *fn; /* per kernel */
+	int *last;	/* per value: last step reading it; n_steps for graph
+			   outputs; -1 never read */
+	int max_ptr, max_st;
+} cstate;
+
+static void cstate_free(void *p)
+{
+	cstate *cs = p;
+	if (!cs)
+		return;
+	ej_hostcc_unload(cs->handle);
+	free(cs->fn);
+	free(cs->last);
+	ej_arena_free(cs->A);
+	free(cs);
+}
+
+static void dump_file(ej_jit *jit, const char *name, const char *ext,
+		      const char *text)
+{
+	const char *dir = ej_debug_dump_dir();
+	char path[4200];
+	snprintf(path, sizeof path, "%s", dir);
+	mkdir(path, 0755);
+	snprintf(path, sizeof path, "%s/kernels", dir);
+	if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot create %s: %s",
+			    path, strerror(errno));
+		return;
+	}
+	snprintf(path, sizeof path, "%s/kernels/%03d-%s.%s", dir,
+		 jit ? jit->compile_seq : 0, name, ext);
+	FILE *f = fopen(path, "w");
+	if (!f) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot write %s: %s",
+			    path, strerror(errno));
+		return;
+	}
+	fputs(text, f);
+	fclose(f);
+}
+
+/* Finds or makes the shared object of the schedule and loads it. */
+static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
+			       cstate *cs, const char *name)
+{
+	const char *text = ej_graph_text(g);
+	char prelude_hex[33];
+	epj_hash_hex(epj_hash(ej_prelude_c(), strlen(ej_prelude_c())),
+		     prelude_hex);
+	const char *parts[] = { "backend c", text, EJ_CODEGEN_VERSION,
+				prelude_hex, ej_hostcc_identity() };
+	char key[EJ_KCACHE_KEY_LEN + 1];
+	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
+
+	ej_kcache *kc = ej_kcache_open(ctx, NULL);
+	if (!kc) {
+		/* an unsafe directory is refused loudly (cached modules are
+		 * code); one that cannot be created only costs the caching */
+		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
+			ej_error_prefix(ctx, "c backend: kernel cache");
+			return epj_ctx_status(ctx);
+		}
+		epj_log_msg(EPJ_LOG_WARN,
+			    "c backend: compiling without a kernel cache: %s",
+			    epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+	}
+	void *so = NULL;
+	size_t so_len = 0;
+	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
+	const char *src = NULL;
+	if (st == EPJ_OK && (!so || ej_debug_dump_dir()))
+		src = ej_print_c(cs->A, cs->s, name);
+	if (src && ej_debug_dump_dir())
+		dump_file(jit, name, "c", src);
+	if (st == EPJ_OK && !so) {
+		char *log = NULL;
+		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
+		if (st == EPJ_OK && log && *log)
+			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
+				    name, log);
+		free(log);
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, so, so_len, src);
+	}
+	ej_kcache_close(kc);
+	if (st == EPJ_OK)
+		st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
+	free(so);
+	if (st != EPJ_OK)
+		return st;
+	cs->fn = calloc((size_t)cs->s->n_kernels + 1, sizeof *cs->fn);
+	if (!cs->fn)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+	for (int i = 0; i < cs->s->n_kernels; i++) {
+		char sym[32];
+		snprintf(sym, sizeof sym, "epjk_%d", i);
+		void *p = ej_hostcc_sym(cs->handle, sym);
+		if (!p)
+			return ej_error(ctx, EPJ_ERR_BACKEND,
+					"c backend: %s: symbol %s missing from "
+					"the compiled object",
+					name, sym);
+		/* POSIX: a data pointer from dlsym converts to a function
+		 * pointer */
+		memcpy(&cs->fn[i], &p, sizeof p);
+	}
+	return EPJ_OK;
+}
+
+static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
+{
+	*state = NULL;
+	cstate *cs = calloc(1, sizeof *cs);
+	if (!cs)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+	cs->A = ej_arena_new();
+	cs->s = ej_sched_build(cs->A, g);
+	ej_schedule *s = cs->s;
+	char gh[33], name[48];
+	const char *text = ej_graph_text(g);
+	epj_hash_hex(epj_hash(text, strlen(text)), gh);
+	snprintf(name, sizeof name, "g%.16s", gh);
+
+	/* liveness by step */
+	cs->last = malloc(sizeof(int) * (size_t)(g->n_values + 1));
+	if (!cs->last) {
+		cstate_free(cs);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+	}
+	for (int v = 0; v < g->n_values; v++)
+		cs->last[v] = -1;
+	for (int i = 0; i < s->n_steps; i++) {
+		const ej_step *st = &s->steps[i];
+		if (st->k) {
+			for (int k = 0; k < st->k->n_in; k++)
+				cs->last[st->k->in[k].value] = i;
+			int np = st->k->n_in + st->k->n_out;
+			int ns = st->k->n_acc * st->k->rank;
+			cs->max_ptr = np > cs->max_ptr ? np : cs->max_ptr;
+			cs->max_st = ns > cs->max_st ? ns : cs->max_st;
+		} else {
+			const ej_ir_node *n = &g->nodes[st->node];
+			for (int k = 0; k < n->n_in; k++)
+				cs->last[n->in[k]] = i;
+		}
+	}
+	for (int i = 0; i < g->n_outputs; i++)
+		cs->last[g->outputs[i]] = s->n_steps;
+	if (ej_debug_dump_dir()) {
+		dump_file(jit, name, "txt", ej_sched_text(cs->A, s));
+		if (s->n_kernels > 0) /* what the CUDA path would compile */
+			dump_file(jit, name, "cu",
+				  ej_print_cuda(cs->A, s, name));
+	}
+	epj_status st = EPJ_OK;
+	if (s->n_kernels > 0)
+		st = load_kernels(ctx, jit, g, cs, name);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "c backend (%s)", name);
+		cstate_free(cs);
+		return st;
+	}
+	epj_counter_add(ctx, "codegen.kernels", s->n_kernels);
+	*state = cs;
+	return EPJ_OK;
+}
+
+/* One fused kernel: pointers, strides, outputs, call. */
+static epj_status run_kernel(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
+			     epj_tensor **env, char **ptr, int64_t *st)
+{
+	int r = k->rank;
+	for (int i = 0; i < k->n_in; i++) {
+		epj_tensor *t = env[k->in[i].value];
+		EJ_ASSERT(t && t->ndim == k->in[i].ndim);
+		ptr[i] = ej_data(t);
+	}
+	for (int a = 0; a < k->n_acc; a++) {
+		const ej_kaccess *x = &k->acc[a];
+		const epj_tensor *t = env[k->in[x->input].value];
+		int64_t *sa = st + (size_t)a * (size_t)r;
+		for (int d = 0; d < r; d++)
+			sa[d] = 0;
+		for (int d = 0; d < t->ndim; d++)
+			if (x->map[d] >= 0)
+				sa[x->map[d]] += t->stride[d];
+	}
+	for (int o = 0; o < k->n_out; o++) {
+		const ej_value *v = &cs->s->g->values[k->out[o].value];
+		epj_tensor *t =
+		    ej_tensor_alloc(ctx, v->dtype, v->ndim, v->shape, false);
+		if (!t)
+			return ctx->status ? ctx->status
+					   : ej_error(ctx, EPJ_ERR_NOMEM,
+						      "kernel %d: cannot "
+						      "allocate output %d",
+						      k->id, o);
+		env[k->out[o].value] = t;
+		ptr[k->n_in + o] = ej_data(t);
+	}
+	cs->fn[k->id](ptr, st);
+	(*ctx->ctr_eager_launches)++;
+	return EPJ_OK;
+}
+
+static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
+		      epj_tensor *const *inputs, epj_tensor **outs)
+{
+	cstate *cs = state;
+	const ej_schedule *s = cs->s;
+	epj_status st = EPJ_OK;
+	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
+	char **ptr = calloc((size_t)cs->max_ptr + 1, sizeof *ptr);
+	int64_t *strides = calloc((size_t)cs->max_st + 1, sizeof *strides);
+	if (!env || !ptr || !strides) {
+		free(env);
+		free(ptr);
+		free(strides);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+	}
+	for (int i = 0; i < g->n_inputs; i++)
+		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
+	bool prev = epj_no_grad_enter(ctx);
+	int64_t *saved_ctr = ctx->ctr_eager_launches;
+	ctx->ctr_eager_launches =
+	    ej_counter_slot(ctx, "kernels.launched.compiled");
+	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
+		const ej_step *step = &s->steps[i];
+		if (step->k) {
+			st = run_kernel(ctx, cs, step->k, env, ptr, strides);
+			if (st != EPJ_OK) {
+				ej_error_prefix(ctx, "%s, kernel %d", g->name,
+						step->k->id);
+				break;
+			}
+			for (int k = 0; k < step->k->n_in; k++) {
+				int v = step->k->in[k].value;
+				if (cs->last[v] == i) {
+					epj_tensor_free(env[v]);
+					env[v] = NULL;
+				}
+			}
+			continue;
+		}
+		ej_ir_node *n = &g->nodes[step->node];
+		epj_tensor *ins[64], *res[16] = { 0 };
+		EJ_ASSERT(n->n_in <= 64 && n->n_out <= 16);
+		for (int k = 0; k < n->n_in; k++) {
+			ins[k] = env[n->in[k]];
+			EJ_ASSERT(ins[k]);
+		}
+		st = ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res,
+				 n->n_out);
+		if (st != EPJ_OK) {
+			ej_error_prefix(ctx, "%s, node %d", g->name,
+					step->node);
+			break;
+		}
+		for (int j = 0; j < n->n_out; j++) {
+			env[n->out[j]] = res[j];
+			if (cs->last[n->out[j]] < 0) { /* never used */
+				epj_tensor_free(env[n->out[j]]);
+				env[n->out[j]] = NULL;
+			}
+		}
+		for (int k = 0; k < n->n_in; k++) {
+			int v = n->in[k];
+			if (cs->last[v] == i) {
+				epj_tensor_free(env[v]);
+				env[v] = NULL;
+			}
+		}
+	}
+	ctx->ctr_eager_launches = saved_ctr;
+	epj_no_grad_exit(ctx, prev);
+	for (int i = 0; i < g->n_outputs; i++)
+		outs[i] =
+		    st == EPJ_OK ? epj_tensor_ref(env[g->outputs[i]]) : NULL;
+	for (int v = 0; v < g->n_values; v++)
+		epj_tensor_free(env[v]);
+	free(env);
+	free(ptr);
+	free(strides);
+	return st;
+}
+
+const ej_schedule *ej_backend_c_schedule(const void *state)
+{
+	return ((const cstate *)state)->s;
+}
+
+epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
+				   epj_tensor *const *in, epj_tensor **out)
+{
+	cstate *cs = state;
+	EJ_ASSERT(kernel >= 0 && kernel < cs->s->n_kernels);
+	const ej_kernel *k = cs->s->kernels[kernel];
+	const ej_graph *g = cs->s->g;
+	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
+	char **ptr = calloc((size_t)cs->max_ptr + 1, sizeof *ptr);
+	int64_t *st = calloc((size_t)cs->max_st + 1, sizeof *st);
+	epj_status s = EPJ_OK;
+	if (!env || !ptr || !st) {
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+		goto out;
+	}
+	for (int i = 0; i < k->n_in; i++)
+		env[k->in[i].value] = in[i];
+	int64_t *saved_ctr = ctx->ctr_eager_launches;
+	ctx->ctr_eager_launches =
+	    ej_counter_slot(ctx, "kernels.launched.compiled");
+	s = run_kernel(ctx, cs, k, env, ptr, st);
+	ctx->ctr_eager_launches = saved_ctr;
+	for (int o = 0; o < k->n_out; o++) {
+		out[o] = s == EPJ_OK ? env[k->out[o].value] : NULL;
+		if (s != EPJ_OK)
+			epj_tensor_free(env[k->out[o].value]);
+	}
+out:
+	free(env);
+	free(ptr);
+	free(st);
+	return s;
+}
+
+const ej_codegen_backend ej_backend_c = { "c", build, run, cstate_free };

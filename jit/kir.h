@@ -220,6 +220,17 @@ const char *ej_prelude_cuda(void);
 epj_status ej_codegen_emit_cuda(epj_ctx *ctx, ej_graph *g, const char *name,
 				char **source);
 
+/* ---- C backend test hooks (backend_c.c) -----------------------------------
+ */
+
+/* The schedule a built graph runs (state from ej_backend_c.build). */
+const ej_schedule *ej_backend_c_schedule(const void *state);
+/* Runs fused kernel `kernel` of a built graph alone: in[i] binds the
+ * kernel's input i (any strides), out[o] receives its output o (a new
+ * contiguous tensor).  Counts one kernels.launched.compiled. */
+epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
+				   epj_tensor *const *in, epj_tensor **out);
+
 /* ---- string building (kir.c) --------------------------------------------- */
 
 typedef struct ej_sbuf {

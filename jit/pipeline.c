@@ -303,8 +303,10 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		st = ej_autodiff_segment(ctx, fc, s);
 		ej_graph_free(fc);
 		if (st == EPJ_OK) {
-			s->fwd->name = ej_arena_strdup(s->fwd->arena, s->sig_hex);
-			s->bwd->name = ej_arena_strdup(s->bwd->arena, s->sig_hex);
+			s->fwd->name =
+			    ej_arena_strdup(s->fwd->arena, s->sig_hex);
+			s->bwd->name =
+			    ej_arena_strdup(s->bwd->arena, s->sig_hex);
 			dump(jit, s->fwd, "2-joint-forward");
 			dump(jit, s->bwd, "2-joint-backward");
 			ej_pass_cse(s->fwd);

@@ -22,7 +22,6 @@
 
 #include "check_util.h"
 
-#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,34 +33,20 @@
 #include "jit_impl.h"
 #include "kir.h"
 
-/* ---- private cache directory -----------------------------------------------
- */
+/* ---- private cache directory ------------------------------------------ */
 
-static char cache_dir[256];
-
-static int rm_one(const char *p, const struct stat *sb, int flag,
-		  struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(p);
-}
+static char *cache_dir;
 
 static void cache_setup(void)
 {
-	snprintf(cache_dir, sizeof cache_dir, "%s/epjit-cg-XXXXXX",
-		 getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR")
-						       : "/tmp");
-	ck_assert_ptr_nonnull(mkdtemp(cache_dir));
+	cache_dir = tu_tmpdir_new("codegen");
 	setenv("EPJIT_CACHE_DIR", cache_dir, 1);
 }
 
 static void cache_teardown(void)
 {
-	if (cache_dir[0])
-		nftw(cache_dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-	cache_dir[0] = 0;
+	tu_tmpdir_free(cache_dir);
+	cache_dir = NULL;
 }
 
 /* ---- traced functions
@@ -250,13 +235,15 @@ static double tol_of(epj_dtype dt)
 				     : 1.6e-2;
 }
 
-static void check_kernels_of(epj_ctx *ctx, ej_graph *const *gs, int n_g,
+static void check_kernels_of(epj_ctx *ctx, ej_graph *g, void *state,
 			     epj_dtype dt);
-static void nvrtc_check_graph(epj_ctx *ctx, ej_graph *g);
+static void nvrtc_check(epj_ctx *ctx, ej_graph *const *gs, void *const *states,
+			int n_g);
 
-/* The shape of the cases: compiles fn with both backends, compares, checks
- * every kernel of every graph alone, and hands back the C backend's
- * compiled function (for schedule assertions) when keep is set. */
+/* The shape of the cases: compiles fn with both backends (train: inputs
+ * require grad, forward and backward), compares outputs and gradients,
+ * checks every kernel of every graph alone and under NVRTC, and returns
+ * launch counts and the first forward's schedule size. */
 typedef struct case_res {
 	int64_t c_fwd, c_bwd, i_fwd, i_bwd;
 	int fwd_kernels, fwd_extern;
@@ -268,8 +255,9 @@ static case_res run_case(epj_ctx *ctx, cg_fn fn, epj_tensor *const *in,
 	case_res cr = { 0 };
 	epj_dtype dt = epj_tensor_dtype(in[0]);
 	double tol = tol_of(dt);
-	bool prev =
-	    train ? epj_ctx_status(ctx) == EPJ_OK : epj_no_grad_enter(ctx);
+	bool prev = false;
+	if (!train)
+		prev = epj_no_grad_enter(ctx);
 	epj_tensor *w = NULL;
 	if (train) {
 		for (int i = 0; i < n_in; i++)
@@ -311,10 +299,11 @@ static case_res run_case(epj_ctx *ctx, cg_fn fn, epj_tensor *const *in,
 		if (fc->steps[s].is_break)
 			continue;
 		ej_graph *gs[2] = { seg->fwd, seg->bwd };
-		check_kernels_of(ctx, gs, seg->bwd ? 2 : 1, dt);
-		for (int k = 0; k < 2; k++)
-			if (gs[k])
-				nvrtc_check_graph(ctx, gs[k]);
+		void *states[2] = { seg->fwd_state, seg->bwd_state };
+		int n_g = seg->bwd ? 2 : 1;
+		for (int k = 0; k < n_g; k++)
+			check_kernels_of(ctx, gs[k], states[k], dt);
+		nvrtc_check(ctx, gs, states, n_g);
 		if (s == 0) {
 			ej_arena *A = ej_arena_new();
 			ej_schedule *sc = ej_sched_build(A, seg->fwd);
@@ -354,129 +343,121 @@ static epj_tensor *fresh_input(epj_ctx *ctx, const ej_value *v, int i)
 	return r;
 }
 
-/* All kernels of g's schedule side by side in one graph (each kernel's
- * nodes reading fresh inputs of their own), built and run by both
- * backends: one host cc run per graph checks every kernel. */
-static void check_kernels_of(epj_ctx *ctx, ej_graph *const *gs, int n_g,
+/* Appends kernel k of g to sub: its inputs become sub inputs (numbered
+ * from *n_in on), its nodes are copied, its outputs become sub outputs. */
+static void add_kernel(ej_graph *sub, const ej_graph *g, const ej_kernel *k,
+		       int *n_in)
+{
+	int *map = calloc((size_t)g->n_values + 1, sizeof(int));
+	ck_assert_ptr_nonnull(map);
+	for (int i = 0; i < k->n_in; i++) {
+		const ej_value *v = &g->values[k->in[i].value];
+		map[k->in[i].value] = ej_graph_add_input(
+		    sub, EJ_IN_ACT, (*n_in)++, v->dtype, v->ndim, v->shape);
+	}
+	for (int i = 0; i < k->n_nodes; i++) {
+		const ej_ir_node *n = &g->nodes[k->nodes[i]];
+		int ins[64];
+		ej_meta m;
+		const ej_value *o = &g->values[n->out[0]];
+		memset(&m, 0, sizeof m);
+		m.dtype = o->dtype;
+		m.ndim = o->ndim;
+		memcpy(m.shape, o->shape, sizeof m.shape);
+		for (int j = 0; j < n->n_in; j++)
+			ins[j] = map[n->in[j]];
+		int nn = ej_graph_add_node(sub, n->op, &n->attrs, ins, n->n_in,
+					   &m, 1);
+		map[n->out[0]] = sub->nodes[nn].out[0];
+	}
+	for (int o = 0; o < k->n_out; o++)
+		ej_graph_add_output(sub, map[k->out[o].value]);
+	free(map);
+}
+
+/* Every fused kernel of a built graph alone, on fresh random inputs (every
+ * second one non-contiguous), against its nodes run op by op. */
+static void check_kernels_of(epj_ctx *ctx, ej_graph *g, void *state,
 			     epj_dtype dt)
 {
-	ej_graph *sub = ej_graph_new("kernels");
-	int n_in = 0, n_out = 0, n_kernels = 0;
-	for (int gi = 0; gi < n_g; gi++) {
-		ej_graph *g = gs[gi];
-		ej_arena *A = ej_arena_new();
-		ej_schedule *s = ej_sched_build(A, g);
-		int *map = calloc((size_t)g->n_values + 1, sizeof(int));
-		ck_assert_ptr_nonnull(map);
-		n_kernels += s->n_kernels;
-		for (int ki = 0; ki < s->n_kernels; ki++) {
-			const ej_kernel *k = s->kernels[ki];
-			for (int i = 0; i < k->n_in; i++) {
-				const ej_value *v = &g->values[k->in[i].value];
-				map[k->in[i].value] = ej_graph_add_input(
-				    sub, EJ_IN_ACT, n_in++, v->dtype, v->ndim,
-				    v->shape);
-			}
-			for (int i = 0; i < k->n_nodes; i++) {
-				const ej_ir_node *n = &g->nodes[k->nodes[i]];
-				int ins[64];
-				ej_meta m;
-				const ej_value *o = &g->values[n->out[0]];
-				memset(&m, 0, sizeof m);
-				m.dtype = o->dtype;
-				m.ndim = o->ndim;
-				memcpy(m.shape, o->shape, sizeof m.shape);
-				for (int j = 0; j < n->n_in; j++)
-					ins[j] = map[n->in[j]];
-				int nn = ej_graph_add_node(
-				    sub, n->op, &n->attrs, ins, n->n_in, &m, 1);
-				map[n->out[0]] = sub->nodes[nn].out[0];
-			}
-			for (int o = 0; o < k->n_out; o++, n_out++)
-				ej_graph_add_output(sub, map[k->out[o].value]);
+	const ej_schedule *s = ej_backend_c_schedule(state);
+	for (int ki = 0; ki < s->n_kernels; ki++) {
+		const ej_kernel *k = s->kernels[ki];
+		ej_graph *sub = ej_graph_new("kernel");
+		int n_in = 0;
+		add_kernel(sub, g, k, &n_in);
+		epj_tensor *in[64], *oc[16] = { 0 }, *oi[16] = { 0 };
+		ck_assert(k->n_in <= 64 && k->n_out <= 16);
+		for (int i = 0; i < k->n_in; i++)
+			in[i] = fresh_input(
+			    ctx, &sub->values[sub->inputs[i].value], i);
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+		epj_status st = ej_backend_c_run_kernel(ctx, state, ki, in, oc);
+		ck_assert_msg(st == EPJ_OK, "run: %s", epj_ctx_error(ctx));
+		ck_assert_int_eq(
+		    epj_counter_get(ctx, "kernels.launched.compiled") - l0, 1);
+		st = ej_interp_run(ctx, sub, in, oi);
+		ck_assert_msg(st == EPJ_OK, "interp: %s", epj_ctx_error(ctx));
+		for (int o = 0; o < k->n_out; o++) {
+			char what[96];
+			snprintf(what, sizeof what, "kernel %d output %d (%s)",
+				 ki, o, epj_dtype_name(dt));
+			tu_assert_tensors_close(ctx, oc[o], oi[o], tol_of(dt),
+						tol_of(dt), what);
+			epj_tensor_free(oc[o]);
+			epj_tensor_free(oi[o]);
 		}
-		free(map);
-		ej_arena_free(A);
-	}
-	if (n_kernels == 0) {
+		for (int i = 0; i < k->n_in; i++)
+			epj_tensor_free(in[i]);
 		ej_graph_free(sub);
-		return;
 	}
-	/* the same kernels again, nothing extern */
-	ej_arena *B = ej_arena_new();
-	ej_schedule *s2 = ej_sched_build(B, sub);
-	ck_assert_int_eq(s2->n_kernels, n_kernels);
-	ck_assert_int_eq(s2->n_extern, 0);
-	ej_arena_free(B);
-
-	epj_tensor **in = calloc((size_t)n_in + 1, sizeof *in);
-	epj_tensor **oc = calloc((size_t)n_out + 1, sizeof *oc);
-	epj_tensor **oi = calloc((size_t)n_out + 1, sizeof *oi);
-	ck_assert(in && oc && oi);
-	for (int i = 0; i < n_in; i++)
-		in[i] = fresh_input(ctx, &sub->values[sub->inputs[i].value], i);
-	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
-	void *state = NULL;
-	epj_status st = ej_backend_c.build(ctx, jit, sub, &state);
-	ck_assert_msg(st == EPJ_OK, "build: %s", epj_ctx_error(ctx));
-	int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
-	st = ej_backend_c.run(ctx, state, sub, in, oc);
-	ck_assert_msg(st == EPJ_OK, "run: %s", epj_ctx_error(ctx));
-	ck_assert_int_eq(epj_counter_get(ctx, "kernels.launched.compiled") - l0,
-			 n_kernels);
-	st = ej_interp_run(ctx, sub, in, oi);
-	ck_assert_msg(st == EPJ_OK, "interp: %s", epj_ctx_error(ctx));
-	for (int o = 0; o < n_out; o++) {
-		char what[96];
-		snprintf(what, sizeof what, "kernel output %d of %d (%s)", o,
-			 n_out, epj_dtype_name(dt));
-		tu_assert_tensors_close(ctx, oc[o], oi[o], tol_of(dt),
-					tol_of(dt), what);
-		epj_tensor_free(oc[o]);
-		epj_tensor_free(oi[o]);
-	}
-	for (int i = 0; i < n_in; i++)
-		epj_tensor_free(in[i]);
-	free(in);
-	free(oc);
-	free(oi);
-	ej_backend_c.free_state(state);
-	ej_jit_free(jit);
-	ej_graph_free(sub);
 }
 
 /* ---- NVRTC ------------------------------------------------------------------
  */
 
-static int nvrtc_tus;
-
-static void nvrtc_check_graph(epj_ctx *ctx, ej_graph *g)
+/* The kernels of a segment's forward and backward, side by side in one
+ * graph (the same kernels again, nothing extern), as one CUDA C unit
+ * through NVRTC for sm_80 and sm_90: no error, no warning, a cubin. */
+static void nvrtc_check(epj_ctx *ctx, ej_graph *const *gs, void *const *states,
+			int n_g)
 {
+	ej_graph *sub = ej_graph_new("kernels");
+	int n_in = 0, n_kernels = 0;
+	for (int i = 0; i < n_g; i++) {
+		const ej_schedule *s = ej_backend_c_schedule(states[i]);
+		for (int k = 0; k < s->n_kernels; k++)
+			add_kernel(sub, gs[i], s->kernels[k], &n_in);
+		n_kernels += s->n_kernels;
+	}
+	ej_arena *A = ej_arena_new();
+	ej_schedule *s2 = ej_sched_build(A, sub);
+	ck_assert_int_eq(s2->n_kernels, n_kernels);
+	ck_assert_int_eq(s2->n_extern, 0);
+	ej_arena_free(A);
 #ifdef HAVE_NVRTC
 	char *src = NULL;
-	epj_status st = ej_codegen_emit_cuda(ctx, g, "cg_test", &src);
+	epj_status st = ej_codegen_emit_cuda(ctx, sub, "cg_test", &src);
 	ck_assert_msg(st == EPJ_OK, "emit cuda: %s", epj_ctx_error(ctx));
-	if (!src)
-		return; /* no fused kernel */
+	ck_assert(n_kernels == 0 || src);
 	const char *archs[2] = { "sm_80", "sm_90" };
-	for (int a = 0; a < 2; a++) {
+	for (int a = 0; src && a < 2; a++) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, src, "cg_test", archs[a], NULL, 0,
 				      &r);
-		ck_assert_msg(st == EPJ_OK, "nvrtc %s: %s\n%s", archs[a],
-			      epj_ctx_error(ctx), src);
+		ck_assert_msg(st == EPJ_OK, "nvrtc %s: %s", archs[a],
+			      epj_ctx_error(ctx));
 		ck_assert_msg(!ej_nvrtc_log_has_warning(r.log),
 			      "nvrtc %s warned:\n%s\n%s", archs[a], r.log, src);
 		ck_assert_msg(r.size > 0 && !r.is_ptx, "no cubin for %s",
 			      archs[a]);
 		ej_nvrtc_result_free(&r);
 	}
-	nvrtc_tus++;
 	free(src);
 #else
 	(void)ctx;
-	(void)g;
 #endif
+	ej_graph_free(sub);
 }
 
 /* ---- cases ------------------------------------------------------------------
@@ -694,6 +675,9 @@ START_TEST(test_cache_hit)
 	cache_teardown();
 	cache_setup();
 	setenv("EPJIT_CC", "false", 1);
+	/* the source of the failed compile is kept in $TMPDIR: a private one */
+	char *tmp = tu_tmpdir_new("codegen-cc");
+	setenv("TMPDIR", tmp, 1);
 	ej_jit *j3 = ej_jit_new(ctx, EJ_BACKEND_C);
 	ej_trace *tr = NULL;
 	cg_user u = { f_residual };
@@ -704,9 +688,23 @@ START_TEST(test_cache_hit)
 	epj_status st = ej_jit_compile(ctx, j3, tr, &f3);
 	ck_assert_int_ne(st, EPJ_OK);
 	ck_assert_ptr_null(f3);
-	ck_assert_msg(strstr(epj_ctx_error(ctx), "c backend") != NULL, "%s",
-		      epj_ctx_error(ctx));
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "c backend") != NULL &&
+			  strstr(epj_ctx_error(ctx), tmp) != NULL,
+		      "%s", epj_ctx_error(ctx));
 	unsetenv("EPJIT_CC");
+	unsetenv("TMPDIR");
+	tu_tmpdir_free(tmp);
+	/* a group-writable cache directory is refused: nothing is loaded */
+	ck_assert_int_eq(chmod(cache_dir, 0777), 0);
+	ck_assert_int_eq(
+	    ej_trace_region(ctx, j3, traced, &u, in, 4, 1, NULL, NULL, &tr),
+	    EPJ_OK);
+	st = ej_jit_compile(ctx, j3, tr, &f3);
+	ck_assert_int_ne(st, EPJ_OK);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "kernel cache") != NULL &&
+			  strstr(epj_ctx_error(ctx), cache_dir) != NULL,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_int_eq(chmod(cache_dir, 0700), 0);
 	epj_tensor_free(y1);
 	epj_tensor_free(y2);
 	ej_region_fn_free(f1);
@@ -717,6 +715,75 @@ START_TEST(test_cache_hit)
 	epj_no_grad_exit(ctx, prev);
 	for (int i = 0; i < 4; i++)
 		epj_tensor_free(in[i]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+/* Sizes past the parallel threshold: OpenMP loops, pointwise column blocks
+ * (a row longer than one block), row kernels with many rows. */
+START_TEST(test_large)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	int64_t T = 9, H = 4099 + 2 * tu_randint(0, 8);
+	int64_t sx[2] = { T, H }, sg[2] = { T, 1 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, sx);
+	epj_tensor *in[4] = { tu_randn(ctx, EPJ_DTYPE_F32, 2, sx),
+			      tu_noncontig(ctx, a),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 2, sg),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 1, &H) };
+	case_res r = run_case(ctx, f_residual, in, 4, false, "large residual");
+	ck_assert_int_eq(r.c_fwd, 1);
+	int64_t ss[2] = { 1, H };
+	epj_tensor *sm[2] = { in[0], tu_randn(ctx, EPJ_DTYPE_F32, 2, ss) };
+	r = run_case(ctx, f_softmax, sm, 2, false, "large softmax");
+	ck_assert_int_eq(r.c_fwd, 1);
+	epj_tensor_free(sm[1]);
+	epj_tensor_free(a);
+	for (int i = 0; i < 4; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+/* NaN, infinities, signed zeros and bf16 rounding ties through fused
+ * casts, pointwise math and row reductions: bit-compatible with the
+ * interpreter (NaN matches NaN). */
+static epj_tensor *f_special(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *b = epj_cast(ctx, in[0], EPJ_DTYPE_BF16);
+	epj_tensor *e = epj_exp(ctx, b);
+	epj_tensor *l = epj_log(ctx, b);
+	epj_tensor *s = epj_add(ctx, e, l);
+	epj_tensor *m = epj_amax(ctx, s, -1, true);
+	epj_tensor *sm = epj_softmax(ctx, s, -1);
+	epj_tensor *t = epj_sub(ctx, sm, m);
+	epj_tensor *y = epj_cast(ctx, t, EPJ_DTYPE_F32);
+	epj_tensor *x[] = { b, e, l, s, m, sm, t };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(x); i++)
+		epj_tensor_free(x[i]);
+	return y;
+}
+
+START_TEST(test_special)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	int64_t sx[2] = { 7, 9 };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 2, sx);
+	/* row 0: a NaN; row 1: +inf; row 2: all -inf; row 3: bf16 ties
+	 * (1 + 2^-8 rounds to 1, 1 + 3 * 2^-8 rounds up); row 4: zeros */
+	epj_tensor_set_f64(x, 4, NAN);
+	epj_tensor_set_f64(x, 9 + 2, INFINITY);
+	for (int j = 0; j < 9; j++) {
+		epj_tensor_set_f64(x, 18 + j, -INFINITY);
+		epj_tensor_set_f64(x, 27 + j, 1.0 + (2 * j + 1) / 256.0);
+		epj_tensor_set_f64(x, 36 + j, j % 2 ? -0.0 : 0.0);
+	}
+	run_case(ctx, f_special, &x, 1, false, "special values");
+	epj_tensor_free(x);
 	epj_ctx_free(ctx);
 	cache_teardown();
 }
@@ -734,6 +801,8 @@ Suite *make_codegen_suite(void)
 	tcase_add_loop_test(tc, test_residual, 0, 3);
 	tcase_add_test(tc, test_schedule_dump);
 	tcase_add_test(tc, test_cache_hit);
+	tcase_add_test(tc, test_large);
+	tcase_add_test(tc, test_special);
 	suite_add_tcase(s, tc);
 	return s;
 }

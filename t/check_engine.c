@@ -691,7 +691,7 @@ START_TEST(test_grad_accum)
 	batches_make(ctx, &b, 6, B, T, seed);
 	epj_model *ma = new_model(ctx, seed), *mb = new_model(ctx, seed);
 	const char *opt = "\"optimizer\": {\"type\": \"SGD\", \"params\": "
-			  "{\"lr\": 0.5, \"momentum\": 0.5}}, "
+			  "{\"lr\": 0.1, \"momentum\": 0.5}}, "
 			  "\"expert_parallel\": {\"fixed_routing\": true}";
 	char ja[256], jb[256];
 	snprintf(ja, sizeof ja,
