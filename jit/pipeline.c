@@ -37,7 +37,10 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 	if (msg && msg_len)
 		msg[0] = 0;
 	if (!name || !name[0]) {
-		*out = EJ_BACKEND_INTERPRETER; /* the cpu device's own */
+		/* the cpu device's own code generator: generated C, when this
+		 * build has it (it always does once codegen is compiled in) */
+		*out =
+		    ej_backend_c.build ? EJ_BACKEND_C : EJ_BACKEND_INTERPRETER;
 		return EPJ_OK;
 	}
 	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {

@@ -362,8 +362,11 @@ START_TEST(test_backend_parse)
 {
 	ej_backend_kind k;
 	char msg[256];
+	/* the default is the cpu device's code generator: generated C */
 	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
-	ck_assert_int_eq(k, EJ_BACKEND_INTERPRETER);
+	ck_assert_int_eq(k, EJ_BACKEND_C);
+	ck_assert_int_eq(ej_backend_parse("c", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_C);
 	ck_assert_int_eq(ej_backend_parse("interpreter", &k, msg, sizeof msg),
 			 EPJ_OK);
 	ck_assert_int_eq(ej_backend_parse("nvrtc", &k, msg, sizeof msg),

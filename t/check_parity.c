@@ -10,9 +10,10 @@
 #include <string.h>
 
 static void run_case(epj_layout layout, bool ckpt, bool bf16, bool regional,
-		     bool async_plan)
+		     bool async_plan, const char *backend)
 {
-	epj_parity_opts o = { .layout = layout,
+	epj_parity_opts o = { .backend = backend,
+			      .layout = layout,
 			      .checkpointing = ckpt,
 			      .bf16 = bf16,
 			      .regional = regional,
@@ -27,12 +28,12 @@ static void run_case(epj_layout layout, bool ckpt, bool bf16, bool regional,
 	bool passed = false;
 	epj_status st = epj_parity_run(&o, out, &passed);
 	fclose(out);
-	ck_assert_msg(st == EPJ_OK && passed,
-		      "parity %s/%s/%s/%s: status %s\n%s",
-		      layout == EPJ_LAYOUT_ROOT ? "root" : "nested",
-		      ckpt ? "ckpt" : "no-ckpt", bf16 ? "bf16" : "f32",
-		      regional ? "regional" : "full-model", epj_status_name(st),
-		      buf ? buf : "");
+	ck_assert_msg(
+	    st == EPJ_OK && passed, "parity %s/%s/%s/%s/%s: status %s\n%s",
+	    layout == EPJ_LAYOUT_ROOT ? "root" : "nested",
+	    ckpt ? "ckpt" : "no-ckpt", bf16 ? "bf16" : "f32",
+	    regional ? "regional" : "full-model", backend ? backend : "default",
+	    epj_status_name(st), buf ? buf : "");
 	/* the table must report every quantity */
 	const char *rows[] = { "logits",
 			       "loss",
@@ -56,13 +57,23 @@ START_TEST(test_matrix)
 	/* _i encodes layout, checkpointing, dtype, mode */
 	int i = _i;
 	run_case(i & 1 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED, i & 2, i & 4,
-		 !(i & 8), false);
+		 !(i & 8), false, NULL);
 }
 END_TEST
 
 START_TEST(test_async_split_plan)
 {
-	run_case(EPJ_LAYOUT_NESTED, true, true, true, true);
+	run_case(EPJ_LAYOUT_NESTED, true, true, true, true, NULL);
+}
+END_TEST
+
+/* The matrix above runs the default backend (generated C on the cpu); the
+ * interpreter backend must agree too. */
+START_TEST(test_interpreter)
+{
+	int i = _i;
+	run_case(i & 1 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED, i & 2, i & 4,
+		 true, false, "interpreter");
 }
 END_TEST
 
@@ -73,6 +84,7 @@ Suite *make_parity_suite(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_loop_test(tc, test_matrix, 0, 16);
 	tcase_add_test(tc, test_async_split_plan);
+	tcase_add_loop_test(tc, test_interpreter, 0, 8);
 	suite_add_tcase(s, tc);
 	return s;
 }
