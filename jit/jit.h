@@ -116,6 +116,17 @@ void ej_region_fn_guard_explain(const ej_region_fn *f, const epj_ctx *ctx,
 				epj_tensor *const *params, int n_params,
 				char *buf, size_t n);
 
+/* ---- offline CUDA C ---------------------------------------------------- */
+
+/* Writes the CUDA C translation unit of every compiled graph of the jit
+ * (forward and backward of each unique segment) to dir/<sig>-<dir>.cu with
+ * its NVRTC options in .opts (dir NULL: write nothing).  With nvrtc_check,
+ * compiles each unit under NVRTC for every arch of EPJIT_CUDA_ARCH and fails
+ * on an error or a warning (EPJ_ERR_UNSUPPORTED when built without NVRTC).
+ * *n_units: units emitted. */
+epj_status ej_jit_emit_cuda(epj_ctx *ctx, ej_jit *jit, const char *dir,
+			    bool nvrtc_check, int *n_units);
+
 /* ---- debug dump
  * ---------------------------------------------------------------- */
 

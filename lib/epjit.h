@@ -431,6 +431,16 @@ epj_model *epj_engine_model(epj_engine *e);
  * every region (rollback).  Calling it again in the same mode does nothing.
  * Graphs are traced at their first call and cached by signature. */
 epj_status epj_engine_compile(epj_engine *e);
+/* Compiles (as epj_engine_compile), traces every region at the shape of
+ * (input_ids, labels) by one forward and backward on the CPU (gradients
+ * dropped, no optimizer step), and writes the CUDA C translation unit of
+ * every compiled graph to dir (*.cu, with the NVRTC options in *.opts; dir
+ * may be NULL).  With nvrtc_check every unit is compiled under NVRTC for
+ * each arch of EPJIT_CUDA_ARCH (default sm_80,sm_90) and an error or warning
+ * fails the call (EPJ_ERR_UNSUPPORTED when built without NVRTC). */
+epj_status epj_engine_emit_cuda(epj_engine *e, epj_tensor *input_ids,
+				epj_tensor *labels, const char *dir,
+				bool nvrtc_check, int *n_units);
 /* "none", "autoep_non_moe" or "model". */
 const char *epj_engine_compile_mode(const epj_engine *e);
 /* Number of compiled regions (0 before compile). */

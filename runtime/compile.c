@@ -665,3 +665,30 @@ void ej_engine_compile_free(epj_engine *e)
 	compile_state_free(e->compiled);
 	e->compiled = NULL;
 }
+
+/* ---- offline CUDA C (epjit-train --emit-cuda) ------------------------------
+ */
+
+epj_status epj_engine_emit_cuda(epj_engine *e, epj_tensor *input_ids,
+				epj_tensor *labels, const char *dir,
+				bool nvrtc_check, int *n_units)
+{
+	epj_ctx *ctx = e->ctx;
+	*n_units = 0;
+	epj_status st = epj_engine_compile(e);
+	if (st != EPJ_OK)
+		return st;
+	/* Trace every region at this batch shape: one forward and backward on
+	 * the CPU (gradients dropped, no optimizer step). */
+	epj_tensor *loss = NULL;
+	st = epj_model_forward(ctx, e->model, input_ids, labels, NULL, &loss);
+	if (st == EPJ_OK && loss)
+		st = epj_backward(ctx, loss, NULL);
+	epj_tensor_free(loss);
+	for (int i = 0; i < e->model->params.n; i++)
+		epj_tensor_zero_grad(e->model->params.params[i]);
+	if (st != EPJ_OK)
+		return st;
+	return ej_jit_emit_cuda(ctx, e->compiled->jit, dir, nvrtc_check,
+				n_units);
+}

@@ -63,8 +63,9 @@ enum {
 	DEFAULT_MICRO_BATCH = 8,
 	DEFAULT_PRINT = 20,
 	DEFAULT_WARMUP = 20,
-	EVAL_BATCHES = 4, /* micro-batches of the held-out evaluation */
-	EVAL_STREAM = 1,  /* epj_corpus_fork stream of the evaluation */
+	EVAL_BATCHES = 4,   /* micro-batches of the held-out evaluation */
+	EVAL_STREAM = 1,    /* epj_corpus_fork stream of the evaluation */
+	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
 };
 #define DEFAULT_LR 3e-3
 
@@ -84,7 +85,10 @@ typedef struct opts {
 	bool bf16;    /* --parity: bf16 arms */
 	bool full_model; /* --parity: full-model compile instead of regional */
 	const char *load, *save, *metrics, *dump_state;
-	long eval_every; /* 0: evaluate only at the end */
+	const char *emit_cuda; /* --emit-cuda DIR */
+	bool nvrtc_check;      /* --nvrtc-check: compile the units too */
+	bool compare_eager;    /* --compare-eager: eager vs compiled steps */
+	long eval_every;       /* 0: evaluate only at the end */
 	uint64_t seed;
 	bool seed_given;
 	long threads;	     /* 0: leave as is */
@@ -155,6 +159,17 @@ static void usage(FILE *fp)
 	    "                      sets compile.autoep_non_moe (the built-in "
 	    "one does),\n"
 	    "                      else full-model compilation\n"
+	    "  --compare-eager     with --compile: after the run, time %d more "
+	    "steps of the\n"
+	    "                      compiled engine against a fresh eager one, "
+	    "side by side\n"
+	    "  --emit-cuda DIR     trace every region at the batch shape (one "
+	    "CPU step,\n"
+	    "                      no update) and write each compiled graph's "
+	    "CUDA C\n"
+	    "                      (*.cu) with its NVRTC options (*.opts); "
+	    "--nvrtc-check\n"
+	    "                      also compiles them for EPJIT_CUDA_ARCH\n"
 	    "  --parity            eager vs compiled on one batch (table; exit "
 	    "1 "
 	    "on any\n"
@@ -179,7 +194,7 @@ static void usage(FILE *fp)
 	    "Exit status: 0 ok, 1 error, 2 bad command line.  See "
 	    "epjit-train(1).\n",
 	    DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_WARMUP, DEFAULT_STEPS,
-	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ);
+	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ, (int)COMPARE_STEPS);
 }
 
 static double now_s(void)
@@ -267,6 +282,14 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->full_model = true;
 			continue;
 		}
+		if (!strcmp(a, "--nvrtc-check")) {
+			o->nvrtc_check = true;
+			continue;
+		}
+		if (!strcmp(a, "--compare-eager")) {
+			o->compare_eager = true;
+			continue;
+		}
 		if (strncmp(a, "--", 2) != 0)
 			return bad_usage("unexpected argument '%s'%s", a, "");
 		/* Options with a value: "--opt VALUE" or "--opt=VALUE". */
@@ -285,6 +308,7 @@ static int parse_args(int argc, char **argv, opts *o)
 			"--metrics",	"--dump-state",
 			"--eval-every", "--seed",
 			"--threads",	"--list-safetensors",
+			"--emit-cuda",
 		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
@@ -317,6 +341,8 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->metrics = val;
 		} else if (!strcmp(name, "--dump-state")) {
 			o->dump_state = val;
+		} else if (!strcmp(name, "--emit-cuda")) {
+			o->emit_cuda = val;
 		} else if (!strcmp(name, "--list-safetensors")) {
 			o->list_st = val;
 		} else if (!strcmp(name, "--layout")) {
@@ -587,6 +613,33 @@ static epj_status add_f32(epj_ctx *ctx, epj_st_writer *w, const char *name,
  * the next batch; writes input_ids, labels (i64 [B,T]), logits (f32
  * [B,T,V]), loss (f32 []), every parameter (f32, HF name) and its gradient
  * (f32, HF name + ".grad"; zeros when it got none). */
+/* --emit-cuda DIR: trace every region at the run's batch shape (one CPU
+ * forward and backward, no optimizer step) and write each graph's CUDA C
+ * with its NVRTC options; --nvrtc-check compiles them too. */
+static int emit_cuda(run *r, const opts *o)
+{
+	epj_tensor *ids = NULL, *lab = NULL;
+	if (epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &ids, &lab) !=
+	    EPJ_OK)
+		return fail(r->ctx);
+	int n = 0;
+	epj_status st = epj_engine_emit_cuda(r->engine, ids, lab, o->emit_cuda,
+					     o->nvrtc_check, &n);
+	epj_tensor_free(ids);
+	epj_tensor_free(lab);
+	if (st != EPJ_OK)
+		return fail(r->ctx);
+	printf(PROG ": wrote %d CUDA C unit%s (mode %s, %d region%s, batch "
+		    "%" PRId64 " x %" PRId64 ") to %s%s\n",
+	       n, n == 1 ? "" : "s", epj_engine_compile_mode(r->engine),
+	       epj_engine_num_regions(r->engine),
+	       epj_engine_num_regions(r->engine) == 1 ? "" : "s", r->B, r->T,
+	       o->emit_cuda,
+	       o->nvrtc_check ? "; each compiles under NVRTC without warnings"
+			      : "");
+	return 0;
+}
+
 static int dump_state(run *r, const char *path)
 {
 	epj_ctx *ctx = r->ctx;
@@ -787,6 +840,118 @@ static int print_counters(run *r)
 	return 0;
 }
 
+static void run_free(run *r);
+
+/* One optimizer step of engine e on the next batch of c; wall ms. */
+static epj_status timed_step(run *r, epj_engine *e, epj_ctx *ctx, epj_corpus *c,
+			     double *ms)
+{
+	double t0 = now_s();
+	for (int64_t k = 0; k < r->gas; k++) {
+		epj_tensor *ids = NULL, *lab = NULL;
+		epj_status st =
+		    epj_corpus_next_batch(ctx, c, r->B, r->T, &ids, &lab);
+		epj_step_info info;
+		if (st == EPJ_OK)
+			st = epj_engine_train_step(e, ids, lab, &info);
+		epj_tensor_free(ids);
+		epj_tensor_free(lab);
+		if (st != EPJ_OK)
+			return st;
+	}
+	*ms = (now_s() - t0) * 1e3;
+	return EPJ_OK;
+}
+
+static int cmp_dbl(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+static int64_t launches(epj_ctx *ctx)
+{
+	return epj_counter_get(ctx, "kernels.launched.eager") +
+	       epj_counter_get(ctx, "kernels.launched.compiled");
+}
+
+/* --compare-eager: the trained, compiled engine against a fresh eager
+ * engine of the same model and config, COMPARE_STEPS steps each, A B B A
+ * interleaved, on their own synthetic streams.  Prints the figures the run
+ * observed: median step time, kernel launches per step, peak memory. */
+static int compare_eager(run *r, const opts *o)
+{
+	run e = { 0 };
+	opts eo = *o;
+	eo.compile = false;
+	eo.checkpointing = o->checkpointing;
+	if (epj_ctx_new("cpu", &e.ctx) != EPJ_OK)
+		return fail_msg("cannot create a cpu context");
+	int rc = 0;
+	if (build_model_engine(&e, &eo, r->seed) != EPJ_OK) {
+		rc = fail(e.ctx);
+		goto out;
+	}
+	epj_corpus *ce = epj_corpus_synthetic(
+	    e.ctx, (uint32_t)epj_model_vocab_size(e.model), mix64(r->seed) + 7);
+	epj_corpus *cc = epj_corpus_synthetic(
+	    r->ctx, (uint32_t)epj_model_vocab_size(r->model),
+	    mix64(r->seed) + 7);
+	double te[COMPARE_STEPS], tc[COMPARE_STEPS], ms;
+	/* one warm-up step each (the eager arm's allocator cache) */
+	if (!ce || !cc || timed_step(r, e.engine, e.ctx, ce, &ms) != EPJ_OK ||
+	    timed_step(r, r->engine, r->ctx, cc, &ms) != EPJ_OK) {
+		rc = fail(ce && cc ? e.ctx : r->ctx);
+		goto done;
+	}
+	epj_memory_reset_peaks(e.ctx);
+	epj_memory_reset_peaks(r->ctx);
+	int64_t le0 = launches(e.ctx), lc0 = launches(r->ctx);
+	int64_t f0 = epj_counter_get(r->ctx, "frames.total");
+	for (int i = 0; i < COMPARE_STEPS; i++) {
+		bool eager_first = i % 4 == 0 || i % 4 == 3;
+		for (int k = 0; k < 2; k++) {
+			bool eager = (k == 0) == eager_first;
+			epj_status st =
+			    eager
+				? timed_step(r, e.engine, e.ctx, ce, &te[i])
+				: timed_step(r, r->engine, r->ctx, cc, &tc[i]);
+			if (st != EPJ_OK) {
+				rc = fail(eager ? e.ctx : r->ctx);
+				goto done;
+			}
+		}
+	}
+	double le = (double)(launches(e.ctx) - le0) / COMPARE_STEPS;
+	double lc = (double)(launches(r->ctx) - lc0) / COMPARE_STEPS;
+	qsort(te, COMPARE_STEPS, sizeof *te, cmp_dbl);
+	qsort(tc, COMPARE_STEPS, sizeof *tc, cmp_dbl);
+	double me = te[COMPARE_STEPS / 2], mc = tc[COMPARE_STEPS / 2];
+	epj_memory_stats se, sc;
+	epj_memory_stats_get(e.ctx, &se);
+	epj_memory_stats_get(r->ctx, &sc);
+	printf("compare: %d steps each, eager vs compiled (%s), side by "
+	       "side:\n",
+	       COMPARE_STEPS, epj_engine_compile_mode(r->engine));
+	printf("compare:   %-24s %10s %10s %7s\n", "", "eager", "compiled",
+	       "ratio");
+	printf("compare:   %-24s %10.2f %10.2f %7.3f\n", "median step (ms)", me,
+	       mc, mc / me);
+	printf("compare:   %-24s %10.0f %10.0f %7.3f\n", "kernel launches/step",
+	       le, lc, lc / le);
+	printf("compare:   %-24s %10.2f %10.2f %7.3f\n", "peak allocated (MiB)",
+	       mib(se.peak_allocated), mib(sc.peak_allocated),
+	       (double)sc.peak_allocated / (double)se.peak_allocated);
+	printf("compare:   frames compiled while measuring: %" PRId64 "\n",
+	       epj_counter_get(r->ctx, "frames.total") - f0);
+done:
+	epj_corpus_free(ce);
+	epj_corpus_free(cc);
+out:
+	run_free(&e);
+	return rc;
+}
+
 /* --parity: the library's harness; prints its table, exits 1 on failure. */
 static int run_parity(const opts *o)
 {
@@ -828,6 +993,8 @@ static int run_main(run *r, const opts *o)
 	}
 	if (o->dump_state)
 		return dump_state(r, o->dump_state);
+	if (o->emit_cuda)
+		return emit_cuda(r, o);
 
 	const char *data = o->data ? o->data : "synthetic";
 	printf(PROG ": model %s (%s layout, %d params, %" PRId64
@@ -907,7 +1074,10 @@ static int run_main(run *r, const opts *o)
 	printf("summary: memory peak allocated %.1f MiB, peak reserved %.1f "
 	       "MiB\n",
 	       mib(ms.peak_allocated), mib(ms.peak_reserved));
-	return print_counters(r);
+	int rc = print_counters(r);
+	if (!rc && o->compare_eager && o->compile)
+		rc = compare_eager(r, o);
+	return rc;
 }
 
 int main(int argc, char **argv)
