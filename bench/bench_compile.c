@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "epjit.h"
 
@@ -40,6 +41,8 @@ typedef struct bopts {
 	const char *model, *model2, *config, *backend;
 	long seq, warmup, steps;
 	bool checkpointing, compile_only;
+	bool
+	    child; /* --child: only measure compile_cost of --model, print it */
 } bopts;
 
 typedef struct arm {
@@ -50,6 +53,7 @@ typedef struct arm {
 	epj_corpus *corpus;
 	double *wall, *cpu;
 	int64_t launches0, launches1;
+	int64_t compiled0, compiled1; /* kernels.launched.compiled */
 	epj_memory_stats mem;
 } arm;
 
@@ -190,23 +194,57 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 	return 0;
 }
 
-/* Cold compile time (ms) of a model: compile.us of its first step. */
-static int cold_compile(const bopts *o, const char *model, double *ms,
-			int64_t *graphs)
+/* Compile cost of a model in this process: compile.us (graph passes, code
+ * generation, host compiler, load; not the trace) and the first step's
+ * extra wall time over the second (trace + compile + first run). */
+typedef struct ccost {
+	double compile_ms, first_extra_ms;
+	int64_t graphs, disk_hits, misses;
+} ccost;
+
+static int compile_cost(const bopts *o, const char *model, ccost *c)
 {
 	arm a = { .name = "compile" };
-	bopts one = *o;
-	one.steps = 1;
-	int rc = arm_init(&a, &one, model, true);
-	double w, c;
+	bopts two = *o;
+	two.steps = 2;
+	int rc = arm_init(&a, &two, model, true);
+	double w1 = 0, w2 = 0, cpu;
 	if (!rc)
-		rc = step(&a, &one, &w, &c);
+		rc = step(&a, &two, &w1, &cpu);
 	if (!rc) {
-		*ms = (double)epj_counter_get(a.ctx, "compile.us") / 1e3;
-		*graphs = epj_counter_get(a.ctx, "stats.unique_graphs");
+		c->compile_ms =
+		    (double)epj_counter_get(a.ctx, "compile.us") / 1e3;
+		c->graphs = epj_counter_get(a.ctx, "stats.unique_graphs");
+		c->disk_hits = epj_counter_get(a.ctx, "cache.disk_hits");
+		c->misses = epj_counter_get(a.ctx, "cache.misses");
+		rc = step(&a, &two, &w2, &cpu);
 	}
+	c->first_extra_ms = w1 - w2;
 	arm_free(&a);
 	return rc;
+}
+
+/* A fresh private kernel cache directory for a cold measurement. */
+static char *fresh_cache(void)
+{
+	char *d = strdup("/tmp/bench-compile-cache-XXXXXX");
+	if (!d || !mkdtemp(d)) {
+		free(d);
+		return NULL;
+	}
+	setenv("EPJIT_CACHE_DIR", d, 1);
+	return d;
+}
+
+static void drop_cache(char *d)
+{
+	if (!d)
+		return;
+	char cmd[256];
+	snprintf(cmd, sizeof cmd, "rm -rf '%s'", d);
+	if (system(cmd) != 0)
+		fprintf(stderr, PROG ": could not remove %s\n", d);
+	free(d);
 }
 
 static int parse(int argc, char **argv, bopts *o)
@@ -224,6 +262,8 @@ static int parse(int argc, char **argv, bopts *o)
 			o->checkpointing = true;
 		else if (!strcmp(a, "--compile-only"))
 			o->compile_only = true;
+		else if (!strcmp(a, "--child"))
+			o->child = true;
 		else if (v && !strcmp(a, "--model"))
 			o->model = v, i++;
 		else if (v && !strcmp(a, "--model2"))
@@ -265,14 +305,69 @@ int main(int argc, char **argv)
 		    "warmup %ld, steps %ld per arm\n",
 	       o.model, o.seq, o.backend, o.checkpointing ? "on" : "off",
 	       o.warmup, o.steps);
-	double c2 = 0, c8 = 0;
-	int64_t g2 = 0, g8 = 0;
-	if ((rc = cold_compile(&o, o.model2, &c2, &g2)) ||
-	    (rc = cold_compile(&o, o.model, &c8, &g8)))
+	if (o.child) {
+		ccost w = { 0 };
+		if ((rc = compile_cost(&o, o.model, &w)))
+			return rc;
+		printf("child %.3f %.3f %" PRId64 " %" PRId64 "\n",
+		       w.compile_ms, w.first_extra_ms, w.disk_hits, w.misses);
+		return 0;
+	}
+	ccost c2 = { 0 }, c8 = { 0 };
+	char *d2 = fresh_cache();
+	rc = compile_cost(&o, o.model2, &c2);
+	drop_cache(d2);
+	if (rc)
 		return rc;
-	printf("cold compile: 2-layer %.1f ms (%" PRId64
-	       " graphs), 8-layer %.1f ms (%" PRId64 " graphs), ratio %.2f\n",
-	       c2, g2, c8, g8, c2 > 0 ? c8 / c2 : 0.0);
+	char *d8 = fresh_cache();
+	if ((rc = compile_cost(&o, o.model, &c8))) {
+		drop_cache(d8);
+		return rc;
+	}
+	printf("cold compile (fresh kernel cache; compile = passes + codegen + "
+	       "cc + load, first-step extra = + trace + first run):\n");
+	printf("  2-layer: compile %.1f ms, first-step extra %.1f ms, %" PRId64
+	       " unique graphs\n",
+	       c2.compile_ms, c2.first_extra_ms, c2.graphs);
+	printf("  8-layer: compile %.1f ms, first-step extra %.1f ms, %" PRId64
+	       " unique graphs\n",
+	       c8.compile_ms, c8.first_extra_ms, c8.graphs);
+	printf("  8-layer / 2-layer: compile %.2f, first-step extra %.2f\n",
+	       c8.compile_ms / c2.compile_ms,
+	       c8.first_extra_ms / c2.first_extra_ms);
+	/* a second process on the warm disk cache of the 8-layer run */
+	char self[2048], cmd[4096];
+	ssize_t ns = readlink("/proc/self/exe", self, sizeof self - 1);
+	if (ns <= 0) {
+		drop_cache(d8);
+		fprintf(stderr, PROG ": cannot find its own executable\n");
+		return 1;
+	}
+	self[ns] = 0;
+	snprintf(cmd, sizeof cmd,
+		 "'%s' --child --model '%s' --config '%s' --backend '%s' "
+		 "--seq %ld%s",
+		 self, o.model, o.config, o.backend, o.seq,
+		 o.checkpointing ? " --checkpointing" : "");
+	FILE *p = popen(cmd, "r");
+	double wc = -1, wf = -1;
+	long long wh = -1, wm = -1;
+	char line[256];
+	while (p && fgets(line, sizeof line, p))
+		if (sscanf(line, "child %lf %lf %lld %lld", &wc, &wf, &wh,
+			   &wm) == 4)
+			break;
+	if (p)
+		pclose(p);
+	drop_cache(d8);
+	if (wc < 0) {
+		fprintf(stderr, PROG ": the warm-cache child process failed\n");
+		return 1;
+	}
+	printf("warm disk cache, second process (8-layer): compile %.1f ms "
+	       "(%.1f%% of cold), first-step extra %.1f ms, disk hits %lld, "
+	       "misses %lld\n",
+	       wc, 100.0 * wc / c8.compile_ms, wf, wh, wm);
 	if (o.compile_only)
 		return 0;
 
@@ -289,6 +384,7 @@ int main(int argc, char **argv)
 	epj_memory_reset_peaks(c.ctx);
 	e.launches0 = launches(e.ctx);
 	c.launches0 = launches(c.ctx);
+	c.compiled0 = epj_counter_get(c.ctx, "kernels.launched.compiled");
 	int64_t frames0 = epj_counter_get(c.ctx, "frames.total");
 	for (long i = 0; i < o.steps; i++) {
 		/* A B B A ... */
@@ -299,6 +395,7 @@ int main(int argc, char **argv)
 	}
 	e.launches1 = launches(e.ctx);
 	c.launches1 = launches(c.ctx);
+	c.compiled1 = epj_counter_get(c.ctx, "kernels.launched.compiled");
 	epj_memory_stats_get(e.ctx, &e.mem);
 	epj_memory_stats_get(c.ctx, &c.mem);
 	double ew = median(e.wall, o.steps), cw = median(c.wall, o.steps);
@@ -312,6 +409,10 @@ int main(int argc, char **argv)
 	       cc / ec);
 	printf("%-26s %14.0f %14.0f %8.3f\n", "kernel launches / step", el, cl,
 	       cl / el);
+	double cg = (double)(c.compiled1 - c.compiled0) / (double)o.steps;
+	printf("%-26s %14s %14.0f\n", "  of which in regions", "", cg);
+	printf("%-26s %14s %14.0f\n", "  of which eager (AutoEP...)", "",
+	       cl - cg);
 	printf("%-26s %14.1f %14.1f %8.3f\n", "peak allocated (MiB)",
 	       (double)e.mem.peak_allocated / 1048576.0,
 	       (double)c.mem.peak_allocated / 1048576.0,

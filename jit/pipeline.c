@@ -274,13 +274,13 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 	epj_hash128 sig = epj_hash(key, strlen(key));
 	ej_segment *hit = cache_find(jit, sig);
 	if (hit) {
-		epj_counter_add(ctx, "cache.mem_hits", 1);
+		epj_counter_add(ctx, "stats.graph_cache_hits", 1);
 		hit->refcount++;
 		ej_graph_free(f);
 		*out = hit;
 		return EPJ_OK;
 	}
-	epj_counter_add(ctx, "cache.misses", 1);
+	epj_counter_add(ctx, "stats.graph_cache_misses", 1);
 	ej_segment *s = calloc(1, sizeof *s);
 	if (!s) {
 		ej_graph_free(f);

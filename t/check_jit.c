@@ -260,7 +260,7 @@ START_TEST(test_signature_sharing)
 	}
 	/* two segments (before and after the break), compiled once */
 	ck_assert_int_eq(epj_counter_get(ctx, "stats.unique_graphs") - u0, 2);
-	ck_assert_int_eq(epj_counter_get(ctx, "cache.mem_hits"), 4);
+	ck_assert_int_eq(epj_counter_get(ctx, "stats.graph_cache_hits"), 4);
 	ck_assert_int_eq(epj_counter_get(ctx, "graph_break.test"), 3);
 	ck_assert_ptr_eq(f[0]->steps[0].seg, f[2]->steps[0].seg);
 	/* a different shape is a different graph */
