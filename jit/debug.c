@@ -45,6 +45,27 @@ void ej_debug_dump_graph(ej_jit *jit, ej_graph *g, const char *pass)
 	fclose(f);
 }
 
+void ej_debug_dump_compile_time(ej_jit *jit, const char *sig, double ms,
+				int fwd_nodes, int bwd_nodes)
+{
+	const char *dir = ej_debug_dump_dir();
+	if (!dir)
+		return;
+	char path[4200];
+	mkdir_p(dir);
+	snprintf(path, sizeof path, "%s/compile_times.txt", dir);
+	FILE *f = fopen(path, "a");
+	if (!f) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot write %s: %s",
+			    path, strerror(errno));
+		return;
+	}
+	fprintf(f, "%03d %s %.3f ms forward %d nodes backward %d nodes (%s)\n",
+		jit->compile_seq, sig, ms, fwd_nodes, bwd_nodes,
+		ej_backend_name(jit->backend));
+	fclose(f);
+}
+
 epj_status ej_debug_dump_counters(epj_ctx *ctx, const char *dir)
 {
 	char path[4200];

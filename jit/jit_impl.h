@@ -226,6 +226,11 @@ epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
 epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *seg_fwd,
 			       ej_segment *seg);
 
+/* Debug dump: one line per compiled segment appended to
+ * dir/compile_times.txt: signature, milliseconds, forward and backward
+ * node counts. */
+void ej_debug_dump_compile_time(ej_jit *jit, const char *sig, double ms,
+				int fwd_nodes, int bwd_nodes);
 /* Debug dump of a graph after a pass: dir/<seq>-<name>-<pass>.txt */
 void ej_debug_dump_graph(ej_jit *jit, ej_graph *g, const char *pass);
 

@@ -343,6 +343,9 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		return st;
 	}
 	s->compile_ms = now_ms() - t0;
+	ej_debug_dump_compile_time(jit, s->sig_hex, s->compile_ms,
+				   ej_graph_live_nodes(s->fwd),
+				   s->bwd ? ej_graph_live_nodes(s->bwd) : 0);
 	epj_counter_add(ctx, "stats.unique_graphs", 1);
 	epj_counter_add(ctx, "compile.us", (int64_t)(s->compile_ms * 1000.0));
 	epj_counter_add(ctx, "compile.ms", (int64_t)(s->compile_ms + 0.5));
