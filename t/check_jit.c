@@ -378,6 +378,127 @@ START_TEST(test_backend_parse)
 }
 END_TEST
 
+/* Partition with recomputation: in an RMSNorm y = x * rsqrt(mean(x*x) + eps)
+ * * g the normalised product x * r (full size) is recomputed in the
+ * backward from x (a forward input, kept by reference) and the small r,
+ * so no saved node value is as large as x; the gradients, run through
+ * the interpreter, match a double-precision reference. */
+static int rp_node(ej_graph *g, int op, const int *in, int n_in,
+		   const ej_attrs *a, int ndim, const int64_t *shape)
+{
+	ej_meta m;
+	memset(&m, 0, sizeof m);
+	m.dtype = EPJ_DTYPE_F64;
+	m.ndim = ndim;
+	memcpy(m.shape, shape, sizeof(int64_t) * (size_t)ndim);
+	ej_attrs none = { 0 };
+	int k = ej_graph_add_node(g, op, a ? a : &none, in, n_in, &m, 1);
+	return g->nodes[k].out[0];
+}
+
+START_TEST(test_partition_recompute)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t R = 3, D = 2 * tu_randint(2, 5) + 1;
+	int64_t sx[2] = { R, D }, sr[2] = { R, 1 }, sg[1] = { D };
+	const double eps = 1e-5;
+	ej_graph *g = ej_graph_new("rmsnorm");
+	int x = ej_graph_add_input(g, EJ_IN_ACT, 0, EPJ_DTYPE_F64, 2, sx);
+	int w = ej_graph_add_input(g, EJ_IN_PARAM, 0, EPJ_DTYPE_F64, 1, sg);
+	g->values[x].requires_grad = g->values[w].requires_grad = true;
+	ej_attrs am = { .i = { 1, 1 }, .n_i = 2 };
+	ej_attrs ae = { .f = { eps }, .n_f = 1 };
+	int xx[2] = { x, x };
+	int sq = rp_node(g, EJ_OP_MUL, xx, 2, NULL, 2, sx);
+	int ms = rp_node(g, EJ_OP_MEAN, &sq, 1, &am, 2, sr);
+	int e = rp_node(g, EJ_OP_ADD_SCALAR, &ms, 1, &ae, 2, sr);
+	int r = rp_node(g, EJ_OP_RSQRT, &e, 1, NULL, 2, sr);
+	int xr[2] = { x, r };
+	int a = rp_node(g, EJ_OP_MUL, xr, 2, NULL, 2, sx);
+	int ag[2] = { a, w };
+	int y = rp_node(g, EJ_OP_MUL, ag, 2, NULL, 2, sx);
+	ej_graph_add_output(g, y);
+	ej_graph_propagate_grad(g);
+	ej_segment *seg = calloc(1, sizeof *seg);
+	seg->refcount = 1;
+	ck_assert_int_eq(ej_autodiff_segment(ctx, g, seg), EPJ_OK);
+	int n_node_saved = 0;
+	for (int q = 0; q < seg->n_saved; q++) {
+		if (seg->saved_src[q] < 0)
+			continue;
+		const ej_value *v =
+		    &seg->fwd->values[seg->fwd->outputs[seg->saved_src[q]]];
+		ck_assert_msg(ej_numel(v->ndim, v->shape) < R * D,
+			      "saved a full-size value:\n%s\n%s",
+			      ej_graph_text(seg->fwd), ej_graph_text(seg->bwd));
+		n_node_saved++;
+	}
+	ck_assert_int_eq(n_node_saved, 1); /* r */
+	/* run forward and backward */
+	epj_tensor *tx = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
+	epj_tensor *tg = tu_randn(ctx, EPJ_DTYPE_F64, 1, sg);
+	epj_tensor *tdy = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
+	epj_tensor *fin[2], *fout[8] = { 0 }, *bin[8] = { 0 }, *bout[8] = { 0 };
+	ck_assert(seg->fwd->n_inputs == 2 && seg->fwd->n_outputs <= 8);
+	ck_assert(seg->bwd->n_inputs <= 8 && seg->bwd->n_outputs <= 8);
+	for (int i = 0; i < 2; i++)
+		fin[i] = seg->fwd->inputs[i].kind == EJ_IN_ACT ? tx : tg;
+	ck_assert_int_eq(ej_interp_run(ctx, seg->fwd, fin, fout), EPJ_OK);
+	for (int i = 0; i < seg->bwd->n_inputs; i++) {
+		const ej_graph_input *gi = &seg->bwd->inputs[i];
+		if (gi->kind == EJ_IN_GRAD) {
+			bin[i] = tdy;
+			continue;
+		}
+		int src = seg->saved_src[gi->slot];
+		bin[i] = src >= 0 ? fout[src] : fin[-(src + 1)];
+	}
+	ck_assert_int_eq(ej_interp_run(ctx, seg->bwd, bin, bout), EPJ_OK);
+	double *vx = tu_values(ctx, tx), *vg = tu_values(ctx, tg),
+	       *vdy = tu_values(ctx, tdy);
+	double *rdx = calloc((size_t)(R * D), sizeof(double));
+	double *rdg = calloc((size_t)D, sizeof(double));
+	double *ry = calloc((size_t)(R * D), sizeof(double));
+	for (int64_t i = 0; i < R; i++) {
+		const double *xi = vx + i * D, *dyi = vdy + i * D;
+		double s = 0, t = 0;
+		for (int64_t k = 0; k < D; k++)
+			s += xi[k] * xi[k];
+		double rr = 1.0 / sqrt(s / (double)D + eps);
+		for (int64_t k = 0; k < D; k++)
+			t += dyi[k] * vg[k] * xi[k];
+		for (int64_t k = 0; k < D; k++) {
+			ry[i * D + k] = xi[k] * rr * vg[k];
+			rdx[i * D + k] = rr * vg[k] * dyi[k] -
+					 xi[k] * rr * rr * rr * t / (double)D;
+			rdg[k] += dyi[k] * xi[k] * rr;
+		}
+	}
+	tu_assert_close(ctx, fout[0], ry, 1e-10, 1e-12, "recompute y");
+	int ox = seg->fwd->inputs[0].kind == EJ_IN_ACT ? 0 : 1;
+	tu_assert_close(ctx, bout[seg->grad_of_input[ox]], rdx, 1e-9, 1e-12,
+			"recompute dx");
+	tu_assert_close(ctx, bout[seg->grad_of_input[1 - ox]], rdg, 1e-9, 1e-12,
+			"recompute dg");
+	for (int i = 0; i < 8; i++) {
+		epj_tensor_free(fout[i]);
+		epj_tensor_free(bout[i]);
+	}
+	free(vx);
+	free(vg);
+	free(vdy);
+	free(rdx);
+	free(rdg);
+	free(ry);
+	epj_tensor_free(tx);
+	epj_tensor_free(tg);
+	epj_tensor_free(tdy);
+	ej_segment_unref(seg);
+	ej_graph_free(g);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_jit_suite(void)
 {
 	Suite *s = suite_create("jit");
@@ -390,6 +511,7 @@ Suite *make_jit_suite(void)
 	tcase_add_test(tc, test_passes);
 	tcase_add_test(tc, test_trace_error);
 	tcase_add_test(tc, test_backend_parse);
+	tcase_add_test(tc, test_partition_recompute);
 	suite_add_tcase(s, tc);
 	return s;
 }
