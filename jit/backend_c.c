@@ -55,6 +55,17 @@ static void cstate_free(void *p)
 	free(cs);
 }
 
+/* Values step i of schedule u reads (ej_step_read_fn). */
+static int step_read(const void *u, int i, int j)
+{
+	const ej_schedule *s = u;
+	const ej_step *st = &s->steps[i];
+	if (st->k)
+		return j < st->k->n_in ? st->k->in[j].value : -1;
+	const ej_ir_node *n = &s->g->nodes[st->node];
+	return j < n->n_in ? n->in[j] : -1;
+}
+
 static void dump_file(ej_jit *jit, const char *name, const char *ext,
 		      const char *text)
 {
@@ -164,30 +175,20 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	snprintf(name, sizeof name, "g%.16s", gh);
 
 	/* liveness by step */
-	cs->last = malloc(sizeof(int) * (size_t)(g->n_values + 1));
+	cs->last = ej_last_use(g, s->n_steps, step_read, s);
 	if (!cs->last) {
 		cstate_free(cs);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
 	}
-	for (int v = 0; v < g->n_values; v++)
-		cs->last[v] = -1;
 	for (int i = 0; i < s->n_steps; i++) {
-		const ej_step *st = &s->steps[i];
-		if (st->k) {
-			for (int k = 0; k < st->k->n_in; k++)
-				cs->last[st->k->in[k].value] = i;
-			int np = st->k->n_in + st->k->n_out;
-			int ns = st->k->n_acc * st->k->rank;
-			cs->max_ptr = np > cs->max_ptr ? np : cs->max_ptr;
-			cs->max_st = ns > cs->max_st ? ns : cs->max_st;
-		} else {
-			const ej_ir_node *n = &g->nodes[st->node];
-			for (int k = 0; k < n->n_in; k++)
-				cs->last[n->in[k]] = i;
-		}
+		const ej_kernel *k = s->steps[i].k;
+		if (!k)
+			continue;
+		int np = k->n_in + k->n_out;
+		int ns = k->n_acc * k->rank;
+		cs->max_ptr = np > cs->max_ptr ? np : cs->max_ptr;
+		cs->max_st = ns > cs->max_st ? ns : cs->max_st;
 	}
-	for (int i = 0; i < g->n_outputs; i++)
-		cs->last[g->outputs[i]] = s->n_steps;
 	if (ej_debug_dump_dir()) {
 		dump_file(jit, name, "txt", ej_sched_text(cs->A, s));
 		if (s->n_kernels > 0) /* what the CUDA path would compile */
@@ -275,43 +276,11 @@ static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
 						step->k->id);
 				break;
 			}
-			for (int k = 0; k < step->k->n_in; k++) {
-				int v = step->k->in[k].value;
-				if (cs->last[v] == i) {
-					epj_tensor_free(env[v]);
-					env[v] = NULL;
-				}
-			}
+			ej_release_reads(env, cs->last, i, step_read, s);
 			continue;
 		}
-		ej_ir_node *n = &g->nodes[step->node];
-		epj_tensor *ins[64], *res[16] = { 0 };
-		EJ_ASSERT(n->n_in <= 64 && n->n_out <= 16);
-		for (int k = 0; k < n->n_in; k++) {
-			ins[k] = env[n->in[k]];
-			EJ_ASSERT(ins[k]);
-		}
-		st = ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res,
-				 n->n_out);
-		if (st != EPJ_OK) {
-			ej_error_prefix(ctx, "%s, node %d", g->name,
-					step->node);
-			break;
-		}
-		for (int j = 0; j < n->n_out; j++) {
-			env[n->out[j]] = res[j];
-			if (cs->last[n->out[j]] < 0) { /* never used */
-				epj_tensor_free(env[n->out[j]]);
-				env[n->out[j]] = NULL;
-			}
-		}
-		for (int k = 0; k < n->n_in; k++) {
-			int v = n->in[k];
-			if (cs->last[v] == i) {
-				epj_tensor_free(env[v]);
-				env[v] = NULL;
-			}
-		}
+		st = ej_run_node(ctx, g, step->node, env, cs->last, i,
+				 step_read, s);
 	}
 	ctx->ctr_eager_launches = saved_ctr;
 	epj_no_grad_exit(ctx, prev);

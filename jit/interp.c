@@ -5,33 +5,90 @@
  * Runs with grad disabled (a compiled segment is one autograd node) and
  * counts every node executed as kernels.launched.compiled.  Values are
  * released after their last use, so peak memory follows the graph's
- * liveness rather than holding every intermediate.
+ * liveness rather than holding every intermediate.  The liveness helpers
+ * (ej_last_use, ej_release_*) serve the C backend's steps as well.
  */
 #include "jit_impl.h"
+
+int *ej_last_use(const ej_graph *g, int n_steps, ej_step_read_fn read,
+		 const void *u)
+{
+	int *last = malloc(sizeof *last * (size_t)(g->n_values + 1));
+	if (!last)
+		return NULL;
+	for (int v = 0; v < g->n_values; v++)
+		last[v] = -1;
+	for (int i = 0; i < n_steps; i++)
+		for (int j = 0, v; (v = read(u, i, j)) >= 0; j++)
+			last[v] = i;
+	for (int i = 0; i < g->n_outputs; i++)
+		last[g->outputs[i]] = n_steps;
+	return last;
+}
+
+void ej_release_reads(epj_tensor **env, const int *last, int step,
+		      ej_step_read_fn read, const void *u)
+{
+	for (int j = 0, v; (v = read(u, step, j)) >= 0; j++)
+		if (last[v] == step) {
+			epj_tensor_free(env[v]);
+			env[v] = NULL;
+		}
+}
+
+void ej_release_unused(epj_tensor **env, const int *last, const int *vals,
+		       int n)
+{
+	for (int j = 0; j < n; j++)
+		if (last[vals[j]] < 0) {
+			epj_tensor_free(env[vals[j]]);
+			env[vals[j]] = NULL;
+		}
+}
+
+epj_status ej_run_node(epj_ctx *ctx, ej_graph *g, int node, epj_tensor **env,
+		       const int *last, int step, ej_step_read_fn read,
+		       const void *u)
+{
+	ej_ir_node *n = &g->nodes[node];
+	epj_tensor *ins[64], *res[16] = { 0 };
+	EJ_ASSERT(n->n_in <= 64 && n->n_out <= 16);
+	for (int k = 0; k < n->n_in; k++) {
+		ins[k] = env[n->in[k]];
+		EJ_ASSERT(ins[k]);
+	}
+	epj_status st =
+	    ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res, n->n_out);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "%s, node %d", g->name, node);
+		return st;
+	}
+	for (int j = 0; j < n->n_out; j++)
+		env[n->out[j]] = res[j];
+	ej_release_reads(env, last, step, read, u);
+	ej_release_unused(env, last, n->out, n->n_out);
+	return EPJ_OK;
+}
+
+/* Steps of the interpreter: the graph's nodes (dead ones read nothing). */
+static int node_read(const void *u, int step, int j)
+{
+	const ej_ir_node *n = &((const ej_graph *)u)->nodes[step];
+	return !n->dead && j < n->n_in ? n->in[j] : -1;
+}
 
 epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
 			 epj_tensor **outs)
 {
 	epj_status st = EPJ_OK;
 	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	int *last = malloc(sizeof *last * (size_t)(g->n_values + 1));
+	int *last = ej_last_use(g, g->n_nodes, node_read, g);
 	if (!env || !last) {
 		free(env);
 		free(last);
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"interpreter: out of memory");
 	}
-	/* last use by a node; graph outputs live to the end */
-	for (int v = 0; v < g->n_values; v++)
-		last[v] = -1;
-	for (int i = 0; i < g->n_nodes; i++) {
-		if (g->nodes[i].dead)
-			continue;
-		for (int k = 0; k < g->nodes[i].n_in; k++)
-			last[g->nodes[i].in[k]] = i;
-	}
-	for (int i = 0; i < g->n_outputs; i++)
-		last[g->outputs[i]] = g->n_nodes;
 	for (int i = 0; i < g->n_inputs; i++)
 		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
 
@@ -44,33 +101,7 @@ epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
 		if (n->dead)
 			continue;
 		EJ_ASSERT(n->op != EJ_IR_BREAK);
-		epj_tensor *ins[64], *res[16] = { 0 };
-		for (int k = 0; k < n->n_in; k++) {
-			ins[k] = env[n->in[k]];
-			EJ_ASSERT(ins[k]);
-		}
-		st = ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res,
-				 n->n_out);
-		if (st != EPJ_OK) {
-			ej_error_prefix(ctx, "%s, node %d", g->name, i);
-			break;
-		}
-		for (int j = 0; j < n->n_out; j++)
-			env[n->out[j]] = res[j];
-		for (int k = 0; k < n->n_in; k++) {
-			int v = n->in[k];
-			if (last[v] == i) {
-				epj_tensor_free(env[v]);
-				env[v] = NULL;
-			}
-		}
-		for (int j = 0; j < n->n_out; j++) {
-			int v = n->out[j];
-			if (last[v] < 0) { /* never used */
-				epj_tensor_free(env[v]);
-				env[v] = NULL;
-			}
-		}
+		st = ej_run_node(ctx, g, i, env, last, i, node_read, g);
 	}
 	ctx->ctr_eager_launches = saved_ctr;
 	epj_no_grad_exit(ctx, prev);

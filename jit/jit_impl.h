@@ -220,6 +220,27 @@ struct ej_jit {
 epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
 			 epj_tensor **outs);
 
+/* Liveness shared by the interpreter and the C backend (interp.c).  A run is
+ * a sequence of steps; read(u, i, j) is the j-th value step i reads, -1
+ * past its last.  ej_last_use returns per value of g the last step reading
+ * it, n_steps for graph outputs, -1 if never read (malloc'ed; NULL when out
+ * of memory).  ej_release_reads frees (and clears in env) the values step i
+ * read for the last time; ej_release_unused those of vals[0..n) that are
+ * never read. */
+typedef int (*ej_step_read_fn)(const void *u, int step, int j);
+int *ej_last_use(const ej_graph *g, int n_steps, ej_step_read_fn read,
+		 const void *u);
+void ej_release_reads(epj_tensor **env, const int *last, int step,
+		      ej_step_read_fn read, const void *u);
+void ej_release_unused(epj_tensor **env, const int *last, const int *vals,
+		       int n);
+/* Runs node `node` of g through the op table (its inputs bound in env),
+ * binds its outputs in env, then releases what step `step` read last and
+ * the outputs never read.  On error the message names g and the node. */
+epj_status ej_run_node(epj_ctx *ctx, ej_graph *g, int node, epj_tensor **env,
+		       const int *last, int step, ej_step_read_fn read,
+		       const void *u);
+
 /* Joint forward/backward + partition of one segment (autodiff.c).
  * seg_fwd is the segment's forward graph with requires_grad marked; fills
  * seg->fwd/bwd/grad_of_input/saved_src. */

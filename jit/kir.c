@@ -884,3 +884,275 @@ const char *ej_sched_text(ej_arena *A, const ej_schedule *s)
 	}
 	return ej_sb_finish(&b, A);
 }
+
+/* ---- kernel body printing (print_c.c, print_cuda.c) ---------------------- */
+
+void ej_kpr_init(ej_kpr *p, ej_sbuf *s, const ej_kernel *k)
+{
+	*p = (ej_kpr){ .s = s, .k = k, .lane = -1 };
+	p->row_done = calloc((size_t)k->n_v + 1, sizeof(bool));
+	p->elem_done = calloc((size_t)k->n_v + 1, sizeof(int));
+	p->seen = calloc((size_t)k->n_v + 1, sizeof(int));
+	EJ_ASSERT(p->row_done && p->elem_done && p->seen);
+}
+
+void ej_kpr_fini(ej_kpr *p)
+{
+	free(p->row_done);
+	free(p->elem_done);
+	free(p->seen);
+}
+
+void ej_kpr_line(ej_kpr *p, const char *fmt, ...)
+{
+	char buf[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof buf, fmt, ap);
+	va_end(ap);
+	for (int i = 0; i < p->ind; i++)
+		ej_sb_puts(p->s, "\t");
+	ej_sb_puts(p->s, buf);
+	ej_sb_puts(p->s, "\n");
+}
+
+const char *ej_kt_ctype(ej_ktype t)
+{
+	return t == EJ_KT_F64 ? "double" : "float";
+}
+
+bool ej_kop_is_red(ej_kop op)
+{
+	return op == EJ_K_RSUM || op == EJ_K_RMAX || op == EJ_K_RMAXS;
+}
+
+/* Name of value v at the current lane. */
+static void kpr_name(const ej_kpr *p, int v, char *buf, size_t n)
+{
+	if (p->lane >= 0 && p->k->v[v].elem)
+		snprintf(buf, n, "v%d_%d", v, p->lane);
+	else
+		snprintf(buf, n, "v%d", v);
+}
+
+/* Expression of load x at the current point. */
+static void kpr_load(const ej_kpr *p, const ej_kval *x, char *buf, size_t n)
+{
+	const ej_kernel *k = p->k;
+	const ej_kaccess *a = &k->acc[x->acc];
+	epj_dtype dt = k->in[a->input].dtype;
+	if (a->elem && p->lane >= 0) { /* unpacked by the vector load */
+		snprintf(buf, n, "l%d[%d]", x->acc, p->lane);
+		return;
+	}
+	char idx[96];
+	if (!a->elem)
+		snprintf(idx, sizeof idx, "b%d", x->acc);
+	else if (p->unit)
+		snprintf(idx, sizeof idx, "b%d + j", x->acc);
+	else
+		snprintf(idx, sizeof idx, "b%d + j * s%d_%d", x->acc, x->acc,
+			 k->rank - 1);
+	if (dt == EPJ_DTYPE_BF16)
+		snprintf(buf, n, "ej_bf2f(in%d[%s])", a->input, idx);
+	else
+		snprintf(buf, n, "in%d[%s]", a->input, idx);
+}
+
+/* The right-hand side of SSA value v (not reductions). */
+static void kpr_rhs(const ej_kpr *p, int v, char *buf, size_t n)
+{
+	const ej_kval *x = &p->k->v[v];
+	bool d = x->t == EJ_KT_F64;
+	const char *f = d ? "" : "f";	 /* libm suffix */
+	const char *h = d ? "_d" : "_f"; /* prelude suffix */
+	const char *one = d ? "1.0" : "1.0f";
+	char a[32] = "", b[32] = "", lit[64];
+	if (x->a >= 0)
+		kpr_name(p, x->a, a, sizeof a);
+	if (x->b >= 0)
+		kpr_name(p, x->b, b, sizeof b);
+	switch (x->op) {
+	case EJ_K_LOAD:
+		kpr_load(p, x, buf, n);
+		return;
+	case EJ_K_CONST:
+		p->constant(buf, n, x->t, x->c);
+		return;
+	case EJ_K_ADD:
+		snprintf(buf, n, "%s + %s", a, b);
+		return;
+	case EJ_K_SUB:
+		snprintf(buf, n, "%s - %s", a, b);
+		return;
+	case EJ_K_MUL:
+		snprintf(buf, n, "%s * %s", a, b);
+		return;
+	case EJ_K_DIV:
+		snprintf(buf, n, "%s / %s", a, b);
+		return;
+	case EJ_K_EQ:
+		snprintf(buf, n, "%s == %s ? %s : %s", a, b, one,
+			 d ? "0.0" : "0.0f");
+		return;
+	case EJ_K_NEG:
+		snprintf(buf, n, "-%s", a);
+		return;
+	case EJ_K_EXP:
+		snprintf(buf, n, "exp%s(%s)", f, a);
+		return;
+	case EJ_K_LOG:
+		snprintf(buf, n, "log%s(%s)", f, a);
+		return;
+	case EJ_K_SQRT:
+		snprintf(buf, n, "sqrt%s(%s)", f, a);
+		return;
+	case EJ_K_RSQRT:
+		snprintf(buf, n, "%s / sqrt%s(%s)", one, f, a);
+		return;
+	case EJ_K_SILU:
+		snprintf(buf, n, "ej_silu%s(%s)", h, a);
+		return;
+	case EJ_K_SIGMOID:
+		snprintf(buf, n, "ej_sigmoid%s(%s)", h, a);
+		return;
+	case EJ_K_TANH:
+		snprintf(buf, n, "tanh%s(%s)", f, a);
+		return;
+	case EJ_K_GELU:
+		snprintf(buf, n, "ej_gelu%s(%s)", h, a);
+		return;
+	case EJ_K_SILU_BW:
+		snprintf(buf, n, "ej_silu_bw%s(%s, %s)", h, a, b);
+		return;
+	case EJ_K_GELU_BW:
+		snprintf(buf, n, "ej_gelu_bw%s(%s, %s)", h, a, b);
+		return;
+	case EJ_K_POWC:
+		p->literal(lit, sizeof lit, x->t, x->c);
+		snprintf(buf, n, "pow%s(%s, %s)", f, a, lit);
+		return;
+	case EJ_K_RECIP:
+		snprintf(buf, n, "%s / %s", one, a);
+		return;
+	case EJ_K_CVT:
+		snprintf(buf, n, "(%s)%s", ej_kt_ctype(x->t), a);
+		return;
+	case EJ_K_RBF16:
+		snprintf(buf, n, "ej_rbf16(%s)", a);
+		return;
+	default:
+		EJ_ASSERT(!"reduction has no expression");
+	}
+}
+
+static void kpr_decl(ej_kpr *p, int v)
+{
+	char buf[256], name[32];
+	kpr_rhs(p, v, buf, sizeof buf);
+	kpr_name(p, v, name, sizeof name);
+	ej_kpr_line(p, "const %s %s = %s;", ej_kt_ctype(p->k->v[v].t), name,
+		    buf);
+}
+
+void ej_kpr_need_row(ej_kpr *p, int v)
+{
+	const ej_kval *x = &p->k->v[v];
+	if (p->row_done[v])
+		return;
+	EJ_ASSERT(!x->elem && !ej_kop_is_red(x->op));
+	if (x->a >= 0)
+		ej_kpr_need_row(p, x->a);
+	if (x->b >= 0)
+		ej_kpr_need_row(p, x->b);
+	int lane = p->lane;
+	p->lane = -1;
+	kpr_decl(p, v);
+	p->lane = lane;
+	p->row_done[v] = true;
+}
+
+void ej_kpr_need_elem(ej_kpr *p, int v)
+{
+	const ej_kval *x = &p->k->v[v];
+	if (!x->elem) {
+		EJ_ASSERT(p->row_done[v]);
+		return;
+	}
+	if (p->elem_done[v] == p->body)
+		return;
+	if (x->a >= 0)
+		ej_kpr_need_elem(p, x->a);
+	if (x->b >= 0)
+		ej_kpr_need_elem(p, x->b);
+	kpr_decl(p, v);
+	p->elem_done[v] = p->body;
+}
+
+void ej_kpr_pre_row(ej_kpr *p, int v)
+{
+	const ej_kval *x = &p->k->v[v];
+	if (!x->elem) {
+		if (!ej_kop_is_red(x->op))
+			ej_kpr_need_row(p, v);
+		return;
+	}
+	if (p->seen[v] == p->stamp)
+		return;
+	p->seen[v] = p->stamp;
+	if (x->a >= 0)
+		ej_kpr_pre_row(p, x->a);
+	if (x->b >= 0)
+		ej_kpr_pre_row(p, x->b);
+}
+
+void ej_kpr_pre_loop(ej_kpr *p, int l)
+{
+	const ej_kernel *k = p->k;
+	p->stamp++;
+	for (int v = 0; v < k->n_v; v++)
+		if (ej_kop_is_red(k->v[v].op) && k->v[v].dep - 1 == l)
+			ej_kpr_pre_row(p, k->v[v].a);
+	for (int o = 0; o < k->n_out; o++)
+		if (!k->out[o].row && k->out[o].loop == l)
+			ej_kpr_pre_row(p, k->out[o].v);
+}
+
+void ej_kpr_store(ej_kpr *p, int o, const char *idx)
+{
+	const ej_koutput *out = &p->k->out[o];
+	char name[32];
+	kpr_name(p, out->v, name, sizeof name);
+	int n = p->k->n_in + o;
+	if (out->dtype == EPJ_DTYPE_BF16)
+		ej_kpr_line(p, "out%d[%s] = ej_f2bf(%s);", n, idx, name);
+	else
+		ej_kpr_line(p, "out%d[%s] = %s;", n, idx, name);
+}
+
+void ej_kpr_loop_body(ej_kpr *p, int l)
+{
+	const ej_kernel *k = p->k;
+	p->body++;
+	for (int v = 0; v < k->n_v; v++) {
+		const ej_kval *x = &k->v[v];
+		if (!ej_kop_is_red(x->op) || x->dep - 1 != l)
+			continue;
+		ej_kpr_need_elem(p, x->a);
+		const char *cast = k->v[x->a].t == x->t ? "" : "(double)";
+		if (x->op == EJ_K_RSUM)
+			ej_kpr_line(p, "acc%d += %sv%d;", v, cast, x->a);
+		else if (x->op == EJ_K_RMAX)
+			ej_kpr_line(p, "acc%d = ej_maxnan%s(acc%d, v%d);", v,
+				    x->t == EJ_KT_F64 ? "_d" : "_f", v, x->a);
+		else
+			ej_kpr_line(p, "acc%d = v%d > acc%d ? v%d : acc%d;", v,
+				    x->a, v, x->a, v);
+	}
+	for (int o = 0; o < k->n_out; o++) {
+		if (k->out[o].row || k->out[o].loop != l)
+			continue;
+		ej_kpr_need_elem(p, k->out[o].v);
+		ej_kpr_store(p, o, "ob + j");
+	}
+}

@@ -244,6 +244,50 @@ void ej_sb_puts(ej_sbuf *s, const char *str);
 /* Moves the text into the arena and frees the buffer. */
 const char *ej_sb_finish(ej_sbuf *s, ej_arena *A);
 
+/* ---- kernel body printing shared by print_c.c and print_cuda.c (kir.c) ----
+ * The scalar SSA body of a kernel prints the same in both dialects: values
+ * are `const T v<i> = <expr>;` (v<i>_<lane> on the CUDA vector path), loads
+ * read in<n>[b<a> + column offset] (bf16 through ej_bf2f), stores write
+ * out<n>[idx] (bf16 through ej_f2bf), reductions fold into acc<i>.  What
+ * differs is how an exact constant is spelled (`literal`; `constant` for a
+ * CONST value), the unit-stride copy of the C loops (`unit`) and the CUDA
+ * vector lanes (`lane`).  row_done/elem_done/seen have n_v + 1 entries. */
+typedef struct ej_kpr {
+	ej_sbuf *s;
+	const ej_kernel *k;
+	void (*literal)(char *buf, size_t n, ej_ktype t, double c);
+	void (*constant)(char *buf, size_t n, ej_ktype t, double c);
+	bool *row_done; /* per value: declared in the row scope */
+	int *elem_done; /* per value: stamp of the loop body that has it */
+	int body;
+	int *seen, stamp; /* pre_row walk marks */
+	bool unit;	  /* printing the unit-stride copy of a loop (C) */
+	int lane; /* vector path: lane being printed; -1 scalar (CUDA) */
+	int ind;  /* indent (tabs) */
+} ej_kpr;
+
+/* Allocates the marks (lane -1); ej_kpr_fini frees them. */
+void ej_kpr_init(ej_kpr *p, ej_sbuf *s, const ej_kernel *k);
+void ej_kpr_fini(ej_kpr *p);
+/* One line of code at the current indent. */
+void ej_kpr_line(ej_kpr *p, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+const char *ej_kt_ctype(ej_ktype t);
+bool ej_kop_is_red(ej_kop op);
+/* Row value v into the row scope (once per row). */
+void ej_kpr_need_row(ej_kpr *p, int v);
+/* Element value v into the current loop body. */
+void ej_kpr_need_elem(ej_kpr *p, int v);
+/* Before a loop: the row values its element values read. */
+void ej_kpr_pre_row(ej_kpr *p, int v);
+/* Before column loop l: the row values it reads (new walk stamp). */
+void ej_kpr_pre_loop(ej_kpr *p, int l);
+/* out<n_in + o>[idx] = the output's value at the current lane. */
+void ej_kpr_store(ej_kpr *p, int o, const char *idx);
+/* Body of column loop l (new body): reductions of loop l folded into
+ * acc<v>, element outputs of loop l stored at ob + j. */
+void ej_kpr_loop_body(ej_kpr *p, int l);
+
 /* Short names for dumps. */
 const char *ej_kop_name(ej_kop op);
 

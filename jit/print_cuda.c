@@ -100,38 +100,10 @@ void ej_cuda_launch_dims(const ej_kernel *k, unsigned grid[3],
 }
 
 typedef struct cu {
-	ej_sbuf *s;
-	const ej_kernel *k;
+	ej_kpr p;	 /* the shared body printer */
 	const char *idx; /* "int" or "long long" */
-	bool *row_done;
-	int *elem_done; /* per value: stamp of the body that has it */
-	int body;
-	int *seen, stamp;
-	int lane;  /* vector path: lane being printed; -1 scalar */
-	int lanes; /* V */
-	int ind;
+	int lanes;	 /* V */
 } cu;
-
-static void line(cu *c, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static void line(cu *c, const char *fmt, ...)
-{
-	char buf[1024];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf, sizeof buf, fmt, ap);
-	va_end(ap);
-	for (int i = 0; i < c->ind; i++)
-		ej_sb_puts(c->s, "\t");
-	ej_sb_puts(c->s, buf);
-	ej_sb_puts(c->s, "\n");
-}
-
-static const char *ctype(ej_ktype t)
-{
-	return t == EJ_KT_F64 ? "double" : "float";
-}
 
 static const char *stype(epj_dtype dt)
 {
@@ -170,250 +142,66 @@ static void literal(char *buf, size_t n, ej_ktype t, double c)
 	}
 }
 
-/* Name of value v at the current lane. */
-static void vname(const cu *c, int v, char *buf, size_t n)
+/* A CONST value: infinities and NaN through the prelude. */
+static void constant(char *buf, size_t n, ej_ktype t, double c)
 {
-	if (c->lane >= 0 && c->k->v[v].elem)
-		snprintf(buf, n, "v%d_%d", v, c->lane);
+	const char *h = t == EJ_KT_F64 ? "_d" : "_f";
+	if (isinf(c))
+		snprintf(buf, n, "%sej_inf%s()", c < 0 ? "-" : "", h);
+	else if (isnan(c))
+		snprintf(buf, n, "(ej_inf%s() - ej_inf%s())", h, h);
 	else
-		snprintf(buf, n, "v%d", v);
-}
-
-static void load_expr(cu *c, const ej_kval *x, char *buf, size_t n)
-{
-	const ej_kernel *k = c->k;
-	const ej_kaccess *a = &k->acc[x->acc];
-	epj_dtype dt = k->in[a->input].dtype;
-	if (a->elem && c->lane >= 0) { /* unpacked by the vector load */
-		snprintf(buf, n, "l%d[%d]", x->acc, c->lane);
-		return;
-	}
-	char idx[96];
-	if (!a->elem)
-		snprintf(idx, sizeof idx, "b%d", x->acc);
-	else
-		snprintf(idx, sizeof idx, "b%d + j * s%d_%d", x->acc, x->acc,
-			 k->rank - 1);
-	if (dt == EPJ_DTYPE_BF16)
-		snprintf(buf, n, "ej_bf2f(in%d[%s])", a->input, idx);
-	else
-		snprintf(buf, n, "in%d[%s]", a->input, idx);
-}
-
-static void rhs(cu *c, int v, char *buf, size_t n)
-{
-	const ej_kval *x = &c->k->v[v];
-	bool d = x->t == EJ_KT_F64;
-	const char *f = d ? "" : "f";
-	const char *h = d ? "_d" : "_f";
-	const char *one = d ? "1.0" : "1.0f";
-	char a[32] = "", b[32] = "", lit[64];
-	if (x->a >= 0)
-		vname(c, x->a, a, sizeof a);
-	if (x->b >= 0)
-		vname(c, x->b, b, sizeof b);
-	switch (x->op) {
-	case EJ_K_LOAD:
-		load_expr(c, x, buf, n);
-		return;
-	case EJ_K_CONST:
-		literal(buf, n, x->t, x->c);
-		if (isinf(x->c))
-			snprintf(buf, n, "%sej_inf%s()", x->c < 0 ? "-" : "",
-				 h);
-		else if (isnan(x->c))
-			snprintf(buf, n, "(ej_inf%s() - ej_inf%s())", h, h);
-		return;
-	case EJ_K_ADD:
-		snprintf(buf, n, "%s + %s", a, b);
-		return;
-	case EJ_K_SUB:
-		snprintf(buf, n, "%s - %s", a, b);
-		return;
-	case EJ_K_MUL:
-		snprintf(buf, n, "%s * %s", a, b);
-		return;
-	case EJ_K_DIV:
-		snprintf(buf, n, "%s / %s", a, b);
-		return;
-	case EJ_K_EQ:
-		snprintf(buf, n, "%s == %s ? %s : %s", a, b, one,
-			 d ? "0.0" : "0.0f");
-		return;
-	case EJ_K_NEG:
-		snprintf(buf, n, "-%s", a);
-		return;
-	case EJ_K_EXP:
-		snprintf(buf, n, "exp%s(%s)", f, a);
-		return;
-	case EJ_K_LOG:
-		snprintf(buf, n, "log%s(%s)", f, a);
-		return;
-	case EJ_K_SQRT:
-		snprintf(buf, n, "sqrt%s(%s)", f, a);
-		return;
-	case EJ_K_RSQRT:
-		snprintf(buf, n, "%s / sqrt%s(%s)", one, f, a);
-		return;
-	case EJ_K_SILU:
-		snprintf(buf, n, "ej_silu%s(%s)", h, a);
-		return;
-	case EJ_K_SIGMOID:
-		snprintf(buf, n, "ej_sigmoid%s(%s)", h, a);
-		return;
-	case EJ_K_TANH:
-		snprintf(buf, n, "tanh%s(%s)", f, a);
-		return;
-	case EJ_K_GELU:
-		snprintf(buf, n, "ej_gelu%s(%s)", h, a);
-		return;
-	case EJ_K_SILU_BW:
-		snprintf(buf, n, "ej_silu_bw%s(%s, %s)", h, a, b);
-		return;
-	case EJ_K_GELU_BW:
-		snprintf(buf, n, "ej_gelu_bw%s(%s, %s)", h, a, b);
-		return;
-	case EJ_K_POWC:
-		literal(lit, sizeof lit, x->t, x->c);
-		snprintf(buf, n, "pow%s(%s, %s)", f, a, lit);
-		return;
-	case EJ_K_RECIP:
-		snprintf(buf, n, "%s / %s", one, a);
-		return;
-	case EJ_K_CVT:
-		snprintf(buf, n, "(%s)%s", ctype(x->t), a);
-		return;
-	case EJ_K_RBF16:
-		snprintf(buf, n, "ej_rbf16(%s)", a);
-		return;
-	default:
-		EJ_ASSERT(!"reduction has no expression");
-	}
-}
-
-static void decl(cu *c, int v)
-{
-	char buf[256], name[32];
-	rhs(c, v, buf, sizeof buf);
-	vname(c, v, name, sizeof name);
-	line(c, "const %s %s = %s;", ctype(c->k->v[v].t), name, buf);
-}
-
-static bool is_red(ej_kop op)
-{
-	return op == EJ_K_RSUM || op == EJ_K_RMAX || op == EJ_K_RMAXS;
-}
-
-static void need_row(cu *c, int v)
-{
-	const ej_kval *x = &c->k->v[v];
-	if (c->row_done[v])
-		return;
-	EJ_ASSERT(!x->elem && !is_red(x->op));
-	if (x->a >= 0)
-		need_row(c, x->a);
-	if (x->b >= 0)
-		need_row(c, x->b);
-	int lane = c->lane;
-	c->lane = -1;
-	decl(c, v);
-	c->lane = lane;
-	c->row_done[v] = true;
-}
-
-static void need_elem(cu *c, int v)
-{
-	const ej_kval *x = &c->k->v[v];
-	if (!x->elem) {
-		EJ_ASSERT(c->row_done[v]);
-		return;
-	}
-	if (c->elem_done[v] == c->body)
-		return;
-	if (x->a >= 0)
-		need_elem(c, x->a);
-	if (x->b >= 0)
-		need_elem(c, x->b);
-	decl(c, v);
-	c->elem_done[v] = c->body;
-}
-
-static void pre_row(cu *c, int v)
-{
-	const ej_kval *x = &c->k->v[v];
-	if (!x->elem) {
-		if (!is_red(x->op))
-			need_row(c, v);
-		return;
-	}
-	if (c->seen[v] == c->stamp)
-		return;
-	c->seen[v] = c->stamp;
-	if (x->a >= 0)
-		pre_row(c, x->a);
-	if (x->b >= 0)
-		pre_row(c, x->b);
-}
-
-static void store_scalar(cu *c, int o, const char *idx)
-{
-	const ej_koutput *out = &c->k->out[o];
-	char name[32];
-	vname(c, out->v, name, sizeof name);
-	int n = c->k->n_in + o;
-	if (out->dtype == EPJ_DTYPE_BF16)
-		line(c, "out%d[%s] = ej_f2bf(%s);", n, idx, name);
-	else
-		line(c, "out%d[%s] = %s;", n, idx, name);
+		literal(buf, n, t, c);
 }
 
 /* ---- shared prologue ---------------------------------------------------- */
 
 static void kargs_struct(cu *c)
 {
-	const ej_kernel *k = c->k;
-	ej_sb_printf(c->s, "struct ej_kargs_%d {\n", k->id);
+	const ej_kernel *k = c->p.k;
+	ej_sb_printf(c->p.s, "struct ej_kargs_%d {\n", k->id);
 	for (int i = 0; i < k->n_in; i++)
-		ej_sb_printf(c->s, "\tconst %s *in%d;\n", stype(k->in[i].dtype),
-			     i);
+		ej_sb_printf(c->p.s, "\tconst %s *in%d;\n",
+			     stype(k->in[i].dtype), i);
 	for (int o = 0; o < k->n_out; o++)
-		ej_sb_printf(c->s, "\t%s *out%d;\n", stype(k->out[o].dtype),
+		ej_sb_printf(c->p.s, "\t%s *out%d;\n", stype(k->out[o].dtype),
 			     k->n_in + o);
 	int ns = k->n_acc * k->rank;
-	ej_sb_printf(c->s, "\tlong long st[%d];\n};\n", ns > 0 ? ns : 1);
+	ej_sb_printf(c->p.s, "\tlong long st[%d];\n};\n", ns > 0 ? ns : 1);
 }
 
 static void prologue(cu *c)
 {
-	const ej_kernel *k = c->k;
+	const ej_kernel *k = c->p.k;
 	int r = k->rank;
 	for (int i = 0; i < k->n_in; i++)
-		line(c, "const %s *__restrict__ in%d = a.in%d;",
-		     stype(k->in[i].dtype), i, i);
+		ej_kpr_line(&c->p, "const %s *__restrict__ in%d = a.in%d;",
+			    stype(k->in[i].dtype), i, i);
 	for (int o = 0; o < k->n_out; o++)
-		line(c, "%s *__restrict__ out%d = a.out%d;",
-		     stype(k->out[o].dtype), k->n_in + o, k->n_in + o);
+		ej_kpr_line(&c->p, "%s *__restrict__ out%d = a.out%d;",
+			    stype(k->out[o].dtype), k->n_in + o, k->n_in + o);
 	for (int x = 0; x < k->n_acc; x++)
 		for (int d = 0; d < EPJ_MAX_DIMS; d++)
 			if (k->acc[x].map[d] >= 0)
-				line(c, "const %s s%d_%d = (%s)a.st[%d];",
-				     c->idx, x, k->acc[x].map[d], c->idx,
-				     x * r + k->acc[x].map[d]);
+				ej_kpr_line(&c->p,
+					    "const %s s%d_%d = (%s)a.st[%d];",
+					    c->idx, x, k->acc[x].map[d], c->idx,
+					    x * r + k->acc[x].map[d]);
 }
 
 /* row index `row` -> i0..i(r-2) and the bases b<a> of every access */
 static void row_bases(cu *c)
 {
-	const ej_kernel *k = c->k;
+	const ej_kernel *k = c->p.k;
 	int r = k->rank;
 	if (r > 1) {
-		line(c, "%s q = row;", c->idx);
+		ej_kpr_line(&c->p, "%s q = row;", c->idx);
 		for (int d = r - 2; d >= 1; d--) {
-			line(c, "const %s i%d = q %% %lld;", c->idx, d,
-			     (long long)k->size[d]);
-			line(c, "q /= %lld;", (long long)k->size[d]);
+			ej_kpr_line(&c->p, "const %s i%d = q %% %lld;", c->idx,
+				    d, (long long)k->size[d]);
+			ej_kpr_line(&c->p, "q /= %lld;", (long long)k->size[d]);
 		}
-		line(c, "const %s i0 = q;", c->idx);
+		ej_kpr_line(&c->p, "const %s i0 = q;", c->idx);
 	}
 	for (int x = 0; x < k->n_acc; x++) {
 		char expr[512] = "";
@@ -426,48 +214,49 @@ static void row_bases(cu *c)
 			    expr + used, sizeof expr - used, "%si%d * s%d_%d",
 			    used ? " + " : "", m, x, m);
 		}
-		line(c, "const %s b%d = %s;", c->idx, x, used ? expr : "0");
+		ej_kpr_line(&c->p, "const %s b%d = %s;", c->idx, x,
+			    used ? expr : "0");
 	}
 	for (int d = 0; d < r - 1; d++)
-		line(c, "(void)i%d;", d);
+		ej_kpr_line(&c->p, "(void)i%d;", d);
 }
 
 /* ---- pointwise ---------------------------------------------------------- */
 
 static void pw_scalar_lanes(cu *c, const char *j0, const char *jend)
 {
-	const ej_kernel *k = c->k;
-	line(c, "for (%s j = %s; j < %s; j++) {", c->idx, j0, jend);
-	c->ind++;
-	c->body++;
+	const ej_kernel *k = c->p.k;
+	ej_kpr_line(&c->p, "for (%s j = %s; j < %s; j++) {", c->idx, j0, jend);
+	c->p.ind++;
+	c->p.body++;
 	for (int o = 0; o < k->n_out; o++) {
-		need_elem(c, k->out[o].v);
-		store_scalar(c, o, "ob + j");
+		ej_kpr_need_elem(&c->p, k->out[o].v);
+		ej_kpr_store(&c->p, o, "ob + j");
 	}
-	c->ind--;
-	line(c, "}");
+	c->p.ind--;
+	ej_kpr_line(&c->p, "}");
 }
 
 static void pw_vector(cu *c)
 {
-	const ej_kernel *k = c->k;
+	const ej_kernel *k = c->p.k;
 	int V = c->lanes;
 	/* unpacked lanes of every column access */
 	for (int x = 0; x < k->n_acc; x++) {
 		if (!k->acc[x].elem)
 			continue;
 		epj_dtype dt = k->in[k->acc[x].input].dtype;
-		line(c, "%s l%d[%d];", dt == EPJ_DTYPE_F64 ? "double" : "float",
-		     x, V);
-		line(c, "ej_vld_%sx%d(in%d + b%d + j0, l%d);", vsuffix(dt), V,
-		     k->acc[x].input, x, x);
+		ej_kpr_line(&c->p, "%s l%d[%d];",
+			    dt == EPJ_DTYPE_F64 ? "double" : "float", x, V);
+		ej_kpr_line(&c->p, "ej_vld_%sx%d(in%d + b%d + j0, l%d);",
+			    vsuffix(dt), V, k->acc[x].input, x, x);
 	}
 	/* each lane's chain, names carrying the lane */
 	for (int l = 0; l < V; l++) {
-		c->lane = l;
-		c->body++;
+		c->p.lane = l;
+		c->p.body++;
 		for (int o = 0; o < k->n_out; o++)
-			need_elem(c, k->out[o].v);
+			ej_kpr_need_elem(&c->p, k->out[o].v);
 	}
 	for (int o = 0; o < k->n_out; o++) {
 		const ej_koutput *out = &k->out[o];
@@ -484,39 +273,40 @@ static void pw_vector(cu *c)
 				    list + used, sizeof list - used, "%sv%d",
 				    l ? ", " : "", out->v);
 		}
-		line(c, "{");
-		c->ind++;
-		line(c, "const %s w[%d] = { %s };", ctype(k->v[out->v].t), V,
-		     list);
-		line(c, "ej_vst_%sx%d(out%d + ob + j0, w);",
-		     vsuffix(out->dtype), V, k->n_in + o);
-		c->ind--;
-		line(c, "}");
+		ej_kpr_line(&c->p, "{");
+		c->p.ind++;
+		ej_kpr_line(&c->p, "const %s w[%d] = { %s };",
+			    ej_kt_ctype(k->v[out->v].t), V, list);
+		ej_kpr_line(&c->p, "ej_vst_%sx%d(out%d + ob + j0, w);",
+			    vsuffix(out->dtype), V, k->n_in + o);
+		c->p.ind--;
+		ej_kpr_line(&c->p, "}");
 	}
-	c->lane = -1;
+	c->p.lane = -1;
 }
 
 static void print_pointwise(cu *c)
 {
-	const ej_kernel *k = c->k;
+	const ej_kernel *k = c->p.k;
 	int V = c->lanes;
 	int64_t upr = (k->cols + V - 1) / V;
 	int64_t units = k->rows * upr;
-	line(c,
-	     "for (%s u = (%s)blockIdx.x * blockDim.x + threadIdx.x; "
-	     "u < %lld; u += (%s)gridDim.x * blockDim.x) {",
-	     c->idx, c->idx, (long long)units, c->idx);
-	c->ind++;
-	line(c, "const %s row = u / %lld, j0 = (u %% %lld) * %d;", c->idx,
-	     (long long)upr, (long long)upr, V);
-	line(c, "const %s ob = row * %lld;", c->idx, (long long)k->cols);
+	ej_kpr_line(&c->p,
+		    "for (%s u = (%s)blockIdx.x * blockDim.x + threadIdx.x; "
+		    "u < %lld; u += (%s)gridDim.x * blockDim.x) {",
+		    c->idx, c->idx, (long long)units, c->idx);
+	c->p.ind++;
+	ej_kpr_line(&c->p, "const %s row = u / %lld, j0 = (u %% %lld) * %d;",
+		    c->idx, (long long)upr, (long long)upr, V);
+	ej_kpr_line(&c->p, "const %s ob = row * %lld;", c->idx,
+		    (long long)k->cols);
 	row_bases(c);
 	/* row values (loads broadcast along the columns...) once per unit */
-	c->stamp++;
+	c->p.stamp++;
 	for (int o = 0; o < k->n_out; o++)
-		pre_row(c, k->out[o].v);
+		ej_kpr_pre_row(&c->p, k->out[o].v);
 	if (V == 1) {
-		line(c, "const %s j1 = j0 + 1;", c->idx);
+		ej_kpr_line(&c->p, "const %s j1 = j0 + 1;", c->idx);
 		pw_scalar_lanes(c, "j0", "j1");
 	} else {
 		/* vector path: full vector, unit column strides, aligned */
@@ -539,131 +329,109 @@ static void print_pointwise(cu *c)
 			    cond + used, sizeof cond - used,
 			    " && ej_aligned(out%d + ob + j0, %zu)", k->n_in + o,
 			    (size_t)V * dt_size(k->out[o].dtype));
-		line(c, "if (%s) {", cond);
-		c->ind++;
+		ej_kpr_line(&c->p, "if (%s) {", cond);
+		c->p.ind++;
 		pw_vector(c);
-		c->ind--;
-		line(c, "} else {");
-		c->ind++;
-		line(c, "const %s j1 = j0 + %d < %lld ? j0 + %d : %lld;",
-		     c->idx, V, (long long)k->cols, V, (long long)k->cols);
+		c->p.ind--;
+		ej_kpr_line(&c->p, "} else {");
+		c->p.ind++;
+		ej_kpr_line(
+		    &c->p, "const %s j1 = j0 + %d < %lld ? j0 + %d : %lld;",
+		    c->idx, V, (long long)k->cols, V, (long long)k->cols);
 		pw_scalar_lanes(c, "j0", "j1");
-		c->ind--;
-		line(c, "}");
+		c->p.ind--;
+		ej_kpr_line(&c->p, "}");
 	}
-	c->ind--;
-	line(c, "}");
+	c->p.ind--;
+	ej_kpr_line(&c->p, "}");
 }
 
 /* ---- row reductions ------------------------------------------------------ */
 
 static void reduce_loop(cu *c, int l)
 {
-	const ej_kernel *k = c->k;
-	c->stamp++;
-	for (int v = 0; v < k->n_v; v++)
-		if (is_red(k->v[v].op) && k->v[v].dep - 1 == l)
-			pre_row(c, k->v[v].a);
-	for (int o = 0; o < k->n_out; o++)
-		if (!k->out[o].row && k->out[o].loop == l)
-			pre_row(c, k->out[o].v);
+	const ej_kernel *k = c->p.k;
+	ej_kpr_pre_loop(&c->p, l);
 	for (int v = 0; v < k->n_v; v++) {
 		const ej_kval *x = &k->v[v];
-		if (!is_red(x->op) || x->dep - 1 != l)
+		if (!ej_kop_is_red(x->op) || x->dep - 1 != l)
 			continue;
 		if (x->op == EJ_K_RSUM)
-			line(c, "double acc%d = 0.0;", v);
+			ej_kpr_line(&c->p, "double acc%d = 0.0;", v);
 		else
-			line(c, "%s acc%d = -ej_inf%s();", ctype(x->t), v,
-			     x->t == EJ_KT_F64 ? "_d" : "_f");
+			ej_kpr_line(&c->p, "%s acc%d = -ej_inf%s();",
+				    ej_kt_ctype(x->t), v,
+				    x->t == EJ_KT_F64 ? "_d" : "_f");
 	}
-	line(c, "for (%s j = threadIdx.x; j < %lld; j += blockDim.x) {", c->idx,
-	     (long long)k->cols);
-	c->ind++;
-	c->body++;
+	ej_kpr_line(&c->p,
+		    "for (%s j = threadIdx.x; j < %lld; j += blockDim.x) {",
+		    c->idx, (long long)k->cols);
+	c->p.ind++;
+	ej_kpr_loop_body(&c->p, l);
+	c->p.ind--;
+	ej_kpr_line(&c->p, "}");
 	for (int v = 0; v < k->n_v; v++) {
 		const ej_kval *x = &k->v[v];
-		if (!is_red(x->op) || x->dep - 1 != l)
-			continue;
-		need_elem(c, x->a);
-		const char *cast = k->v[x->a].t == x->t ? "" : "(double)";
-		const char *h = x->t == EJ_KT_F64 ? "_d" : "_f";
-		if (x->op == EJ_K_RSUM)
-			line(c, "acc%d += %sv%d;", v, cast, x->a);
-		else if (x->op == EJ_K_RMAX)
-			line(c, "acc%d = ej_maxnan%s(acc%d, v%d);", v, h, v,
-			     x->a);
-		else
-			line(c, "acc%d = v%d > acc%d ? v%d : acc%d;", v, x->a,
-			     v, x->a, v);
-	}
-	for (int o = 0; o < k->n_out; o++) {
-		if (k->out[o].row || k->out[o].loop != l)
-			continue;
-		need_elem(c, k->out[o].v);
-		store_scalar(c, o, "ob + j");
-	}
-	c->ind--;
-	line(c, "}");
-	for (int v = 0; v < k->n_v; v++) {
-		const ej_kval *x = &k->v[v];
-		if (!is_red(x->op) || x->dep - 1 != l)
+		if (!ej_kop_is_red(x->op) || x->dep - 1 != l)
 			continue;
 		const char *h = x->t == EJ_KT_F64 ? "_d" : "_f";
 		if (x->op == EJ_K_RSUM)
-			line(c,
-			     "const double v%d = ej_block_sum(acc%d, ej_sh);",
-			     v, v);
+			ej_kpr_line(
+			    &c->p,
+			    "const double v%d = ej_block_sum(acc%d, ej_sh);", v,
+			    v);
 		else
-			line(c,
-			     "const %s v%d = ej_block_%smax%s(acc%d, (%s "
-			     "*)ej_sh, "
-			     "-ej_inf%s());",
-			     ctype(x->t), v, x->op == EJ_K_RMAX ? "" : "s", h,
-			     v, ctype(x->t), h);
-		c->row_done[v] = true;
+			ej_kpr_line(
+			    &c->p,
+			    "const %s v%d = ej_block_%smax%s(acc%d, (%s "
+			    "*)ej_sh, "
+			    "-ej_inf%s());",
+			    ej_kt_ctype(x->t), v, x->op == EJ_K_RMAX ? "" : "s",
+			    h, v, ej_kt_ctype(x->t), h);
+		c->p.row_done[v] = true;
 	}
 }
 
 static void print_rows(cu *c)
 {
-	const ej_kernel *k = c->k;
-	line(c, "__shared__ double ej_sh[32];");
-	line(c, "for (%s row = blockIdx.x; row < %lld; row += gridDim.x) {",
-	     c->idx, (long long)k->rows);
-	c->ind++;
-	line(c, "const %s ob = row * %lld;", c->idx, (long long)k->cols);
-	line(c, "(void)ob;");
+	const ej_kernel *k = c->p.k;
+	ej_kpr_line(&c->p, "__shared__ double ej_sh[32];");
+	ej_kpr_line(&c->p,
+		    "for (%s row = blockIdx.x; row < %lld; row += gridDim.x) {",
+		    c->idx, (long long)k->rows);
+	c->p.ind++;
+	ej_kpr_line(&c->p, "const %s ob = row * %lld;", c->idx,
+		    (long long)k->cols);
+	ej_kpr_line(&c->p, "(void)ob;");
 	row_bases(c);
 	for (int l = 0; l < k->n_loops; l++)
 		reduce_loop(c, l);
 	bool any_row = false;
 	for (int o = 0; o < k->n_out; o++)
 		if (k->out[o].row) {
-			need_row(c, k->out[o].v);
+			ej_kpr_need_row(&c->p, k->out[o].v);
 			any_row = true;
 		}
 	if (any_row) {
-		line(c, "if (threadIdx.x == 0) {");
-		c->ind++;
+		ej_kpr_line(&c->p, "if (threadIdx.x == 0) {");
+		c->p.ind++;
 		for (int o = 0; o < k->n_out; o++)
 			if (k->out[o].row)
-				store_scalar(c, o, "row");
-		c->ind--;
-		line(c, "}");
+				ej_kpr_store(&c->p, o, "row");
+		c->p.ind--;
+		ej_kpr_line(&c->p, "}");
 	}
 	/* the next row's reductions reuse ej_sh */
-	c->ind--;
-	line(c, "}");
+	c->p.ind--;
+	ej_kpr_line(&c->p, "}");
 }
 
 static void print_kernel(ej_sbuf *s, const ej_kernel *k)
 {
-	cu c = { .s = s, .k = k, .lane = -1 };
-	c.row_done = calloc((size_t)k->n_v + 1, sizeof(bool));
-	c.elem_done = calloc((size_t)k->n_v + 1, sizeof(int));
-	c.seen = calloc((size_t)k->n_v + 1, sizeof(int));
-	EJ_ASSERT(c.row_done && c.elem_done && c.seen);
+	cu c;
+	ej_kpr_init(&c.p, s, k);
+	c.p.literal = literal;
+	c.p.constant = constant;
 	bool big = k->numel >= INT32_MAX;
 	for (int i = 0; i < k->n_in; i++)
 		big |= ej_numel(k->in[i].ndim, k->in[i].shape) >= INT32_MAX;
@@ -685,16 +453,14 @@ static void print_kernel(ej_sbuf *s, const ej_kernel *k)
 		     "extern \"C\" __global__ void __launch_bounds__(%u)\n"
 		     "epjk_%d(const struct ej_kargs_%d a)\n{\n",
 		     block[0], k->id, k->id);
-	c.ind = 1;
+	c.p.ind = 1;
 	prologue(&c);
 	if (k->reduce)
 		print_rows(&c);
 	else
 		print_pointwise(&c);
 	ej_sb_puts(s, "}\n");
-	free(c.row_done);
-	free(c.elem_done);
-	free(c.seen);
+	ej_kpr_fini(&c.p);
 }
 
 const char *ej_print_cuda(ej_arena *A, const ej_schedule *s, const char *name)
