@@ -347,25 +347,15 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 	return st;
 }
 
+/* Copies entry `name` into dst (shapes were checked by check_entry;
+ * epj_tensor_copy_ refuses a mismatch anyway). */
 static epj_status load_into(epj_ctx *ctx, epj_st_file *f, const char *name,
-			    epj_tensor *dst, const char *path)
+			    epj_tensor *dst)
 {
 	epj_tensor *t = epj_st_get(ctx, f, name);
 	if (!t)
 		return ctx->status;
-	bool same = epj_tensor_ndim(t) == epj_tensor_ndim(dst);
-	for (int d = 0; same && d < epj_tensor_ndim(t); d++)
-		same = epj_tensor_dim(t, d) == epj_tensor_dim(dst, d);
-	epj_status st = EPJ_OK;
-	if (!same) {
-		char a[96], b[96];
-		st = ej_error(ctx, EPJ_ERR_SHAPE,
-			      "%s: tensor \"%s\" is %s, the model expects %s",
-			      path, name, epj_tensor_describe(t, a, sizeof a),
-			      epj_tensor_describe(dst, b, sizeof b));
-	} else {
-		st = epj_tensor_copy_(ctx, dst, t);
-	}
+	epj_status st = epj_tensor_copy_(ctx, dst, t);
 	epj_tensor_free(t);
 	return st;
 }
@@ -374,6 +364,32 @@ static int64_t meta_i64(const epj_st_file *f, const char *k)
 {
 	const char *v = epj_st_metadata(f, k);
 	return v ? strtoll(v, NULL, 10) : 0;
+}
+
+/* Entry `name` of f exists with the shape of dst; else an error naming
+ * the file, the kind of entry and the tensor. */
+static epj_status check_entry(epj_ctx *ctx, const epj_st_file *f,
+			      const char *path, const char *kind,
+			      const char *name, const epj_tensor *dst,
+			      const char *hint)
+{
+	int k = epj_st_find(f, name);
+	if (k < 0)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"%s: %s \"%s\" is missing%s", path, kind, name,
+				hint);
+	bool same = epj_st_ndim_at(f, k) == epj_tensor_ndim(dst);
+	for (int d = 0; same && d < epj_tensor_ndim(dst); d++)
+		same = epj_st_shape_at(f, k)[d] == epj_tensor_dim(dst, d);
+	if (same)
+		return EPJ_OK;
+	char a[96], b[96];
+	return ej_error(ctx, EPJ_ERR_SHAPE,
+			"%s: %s \"%s\" is %s in the file, the model expects %s",
+			path, kind, name,
+			ej_shape_str(epj_st_ndim_at(f, k),
+				     epj_st_shape_at(f, k), a, sizeof a),
+			epj_tensor_describe(dst, b, sizeof b));
 }
 
 epj_status epj_engine_load(epj_engine *e, const char *path)
@@ -397,65 +413,31 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 				      "this model",
 				      path, nm);
 	}
-	/* Validate every shape before the first copy: a failed load changes
+	/* Validate every entry before the first copy: a failed load changes
 	 * nothing. */
-	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
-		int k = epj_st_find(f, pl->names[i]);
-		if (k < 0) {
-			st = ej_error(ctx, EPJ_ERR_FORMAT,
-				      "%s: parameter \"%s\" is missing", path,
-				      pl->names[i]);
-			break;
-		}
-		epj_tensor *p = pl->params[i];
-		bool same = epj_st_ndim_at(f, k) == epj_tensor_ndim(p);
-		for (int d = 0; same && d < epj_tensor_ndim(p); d++)
-			same = epj_st_shape_at(f, k)[d] == epj_tensor_dim(p, d);
-		if (!same) {
-			char b[96];
-			st = ej_error(ctx, EPJ_ERR_SHAPE,
-				      "%s: tensor \"%s\" has %d dims / another "
-				      "shape than the model's %s",
-				      path, pl->names[i], epj_st_ndim_at(f, k),
-				      epj_tensor_describe(p, b, sizeof b));
-		}
-	}
+	for (int i = 0; st == EPJ_OK && i < pl->n; i++)
+		st = check_entry(ctx, f, path, "parameter", pl->names[i],
+				 pl->params[i], "");
 	bool training = false;
 	const char *fmt = st == EPJ_OK ? epj_st_metadata(f, "format") : NULL;
 	if (fmt && !strcmp(fmt, CKPT_FORMAT))
 		training = true;
-	/* optimizer state of a training checkpoint: all present, all shapes
-	 * right -- still before the first copy */
+	/* optimizer state of a training checkpoint (masters are the
+	 * parameters' entries) */
 	for (int i = 0;
 	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
 	     i++) {
 		const char *nm = ej_optim_state_name(e->optim, i);
-		if (!strncmp(nm, "optimizer.master.", 17))
-			continue;
-		int k = epj_st_find(f, nm);
-		epj_tensor *dst = ej_optim_state_tensor(e->optim, i);
-		if (k < 0) {
-			st = ej_error(ctx, EPJ_ERR_FORMAT,
-				      "%s: optimizer state \"%s\" is missing "
-				      "(saved with another optimizer?)",
-				      path, nm);
-			break;
-		}
-		bool same = epj_st_ndim_at(f, k) == epj_tensor_ndim(dst);
-		for (int d = 0; same && d < epj_tensor_ndim(dst); d++)
-			same =
-			    epj_st_shape_at(f, k)[d] == epj_tensor_dim(dst, d);
-		if (!same)
-			st = ej_error(ctx, EPJ_ERR_SHAPE,
-				      "%s: optimizer state \"%s\" has another "
-				      "shape than expected",
-				      path, nm);
+		if (strncmp(nm, "optimizer.master.", 17) != 0)
+			st = check_entry(ctx, f, path, "optimizer state", nm,
+					 ej_optim_state_tensor(e->optim, i),
+					 " (saved with another optimizer?)");
 	}
 	/* everything checked: copy */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *master = ej_optim_master(e->optim, i);
 		st = load_into(ctx, f, pl->names[i],
-			       master ? master : pl->params[i], path);
+			       master ? master : pl->params[i]);
 	}
 	for (int i = 0;
 	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
@@ -463,8 +445,7 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		const char *nm = ej_optim_state_name(e->optim, i);
 		if (!strncmp(nm, "optimizer.master.", 17))
 			continue;
-		st = load_into(ctx, f, nm, ej_optim_state_tensor(e->optim, i),
-			       path);
+		st = load_into(ctx, f, nm, ej_optim_state_tensor(e->optim, i));
 	}
 	if (st == EPJ_OK)
 		st = ej_optim_sync_params(e->optim);
