@@ -159,6 +159,9 @@ static const cfg fw_cfgs[] = {
 	{ 1, 3, 1, 70, 75, 8, 8, true, 0 },  /* two query blocks, MQA */
 	{ 1, 2, 2, 1, 1, 3, 2, false, 0 },   /* one key */
 	{ 1, 2, 1, 67, 67, 4, 3, false, 2 }, /* two blocks, not causal */
+	/* above the kernels' serial threshold (B*Hq*T*S*D >= 2^18): the
+	 * OpenMP path over (batch, head, query block) */
+	{ 2, 4, 2, 70, 72, 16, 16, true, 0 },
 };
 
 static const epj_dtype float_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
@@ -352,7 +355,7 @@ static void check_sdpa_backward(epj_ctx *ctx, const cfg *c, epj_dtype dt,
 START_TEST(test_sdpa_backward)
 {
 	epj_ctx *ctx = tu_ctx();
-	const size_t picks[] = { 0, 1, 2, 3, 5 };
+	const size_t picks[] = { 0, 1, 2, 3, 5, 6 };
 	for (size_t i = 0; i < LEN(picks); i++)
 		for (size_t j = 0; j < LEN(float_dtypes); j++) {
 			char what[64];
