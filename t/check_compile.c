@@ -722,6 +722,14 @@ START_TEST(test_nested_regions_parity)
 		tu_assert_tensors_close(ctx, epj_tensor_grad(h), gh0, RTOL,
 					ATOL, "toy input grad");
 		for (int i = 0; i < pl.n; i++) {
+			/* an expert that received no token has no gradient,
+			 * eagerly and compiled alike (same routing) */
+			if (!g0[i]) {
+				ck_assert_msg(
+				    epj_tensor_grad(pl.params[i]) == NULL,
+				    "grad for %s, none eagerly", pl.names[i]);
+				continue;
+			}
 			ck_assert_msg(epj_tensor_grad(pl.params[i]) != NULL,
 				      "no grad for %s", pl.names[i]);
 			tu_assert_tensors_close(ctx,
