@@ -689,7 +689,8 @@ START_TEST(test_dump_round_trip)
 		} else {
 			c.optimizer.betas[0] = qu(0, 0.99);
 			c.optimizer.betas[1] = qu(0, 0.99);
-			c.optimizer.eps = qu(1e-10, 1e-3);
+			c.optimizer.eps =
+			    qu(1e-6, 1e-3); /* > 0 after rounding */
 			c.optimizer.adam_w_mode =
 			    c.optimizer.type == EJ_OPTIM_ADAMW ||
 			    tu_randint(0, 2);
