@@ -117,42 +117,12 @@ int ej_graph_live_nodes(const ej_graph *g)
 /* ---- canonical text ---------------------------------------------------------
  */
 
-typedef struct sbuf {
-	char *p;
-	size_t n, cap;
-} sbuf;
-
-static void sb_printf(sbuf *s, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static void sb_printf(sbuf *s, const char *fmt, ...)
+static void sb_meta(ej_sbuf *s, const ej_value *v)
 {
-	for (;;) {
-		va_list ap;
-		va_start(ap, fmt);
-		int w = vsnprintf(s->p ? s->p + s->n : NULL,
-				  s->p ? s->cap - s->n : 0, fmt, ap);
-		va_end(ap);
-		EJ_ASSERT(w >= 0);
-		if (s->p && s->n + (size_t)w < s->cap) {
-			s->n += (size_t)w;
-			return;
-		}
-		size_t nc = s->cap ? s->cap * 2 : 4096;
-		while (nc < s->n + (size_t)w + 1)
-			nc *= 2;
-		char *np = realloc(s->p, nc);
-		EJ_ASSERT(np);
-		s->p = np;
-		s->cap = nc;
-	}
-}
-
-static void sb_meta(sbuf *s, const ej_value *v)
-{
-	sb_printf(s, "%s[", epj_dtype_name(v->dtype));
+	ej_sb_printf(s, "%s[", epj_dtype_name(v->dtype));
 	for (int i = 0; i < v->ndim; i++)
-		sb_printf(s, "%s%lld", i ? "," : "", (long long)v->shape[i]);
-	sb_printf(s, "]");
+		ej_sb_printf(s, "%s%lld", i ? "," : "", (long long)v->shape[i]);
+	ej_sb_printf(s, "]");
 }
 
 static const char *kind_name(ej_input_kind k)
@@ -185,7 +155,7 @@ static void const_hash_hex(const epj_tensor *t, char out[33])
 
 const char *ej_graph_text(ej_graph *g)
 {
-	sbuf s = { 0 };
+	ej_sbuf s = { 0 };
 	int *num = calloc((size_t)g->n_values + 1, sizeof *num);
 	EJ_ASSERT(num);
 	int next = 0;
@@ -194,17 +164,17 @@ const char *ej_graph_text(ej_graph *g)
 	for (int i = 0; i < g->n_inputs; i++) {
 		const ej_graph_input *in = &g->inputs[i];
 		num[in->value] = next++;
-		sb_printf(&s, "in %%%d %s %d ", num[in->value],
-			  kind_name(in->kind), in->slot);
+		ej_sb_printf(&s, "in %%%d %s %d ", num[in->value],
+			     kind_name(in->kind), in->slot);
 		sb_meta(&s, &g->values[in->value]);
 		if (g->values[in->value].requires_grad)
-			sb_printf(&s, " rg");
+			ej_sb_printf(&s, " rg");
 		if (in->kind == EJ_IN_CONST && in->konst) {
 			char h[33];
 			const_hash_hex(in->konst, h);
-			sb_printf(&s, " #%s", h);
+			ej_sb_printf(&s, " #%s", h);
 		}
-		sb_printf(&s, "\n");
+		ej_sb_printf(&s, "\n");
 	}
 	for (int i = 0; i < g->n_nodes; i++) {
 		const ej_ir_node *n = &g->nodes[i];
@@ -212,43 +182,43 @@ const char *ej_graph_text(ej_graph *g)
 			continue;
 		for (int j = 0; j < n->n_out; j++) {
 			num[n->out[j]] = next++;
-			sb_printf(&s, "%s%%%d", j ? ", " : "", num[n->out[j]]);
+			ej_sb_printf(&s, "%s%%%d", j ? ", " : "",
+				     num[n->out[j]]);
 		}
 		if (n->op == EJ_IR_BREAK)
-			sb_printf(&s, " = break.%s(",
-				  n->reason ? n->reason : "call");
+			ej_sb_printf(&s, " = break.%s(",
+				     n->reason ? n->reason : "call");
 		else
-			sb_printf(&s, " = %s(", ej_ops[n->op].name);
+			ej_sb_printf(&s, " = %s(", ej_ops[n->op].name);
 		for (int k = 0; k < n->n_in; k++)
-			sb_printf(&s, "%s%%%d", k ? ", " : "", num[n->in[k]]);
-		sb_printf(&s, ")");
+			ej_sb_printf(&s, "%s%%%d", k ? ", " : "",
+				     num[n->in[k]]);
+		ej_sb_printf(&s, ")");
 		if (n->attrs.n_i || n->attrs.n_f) {
-			sb_printf(&s, " {");
+			ej_sb_printf(&s, " {");
 			for (int k = 0; k < n->attrs.n_i; k++)
-				sb_printf(&s, "%s%lld", k ? "," : "i:",
-					  (long long)n->attrs.i[k]);
+				ej_sb_printf(&s, "%s%lld", k ? "," : "i:",
+					     (long long)n->attrs.i[k]);
 			for (int k = 0; k < n->attrs.n_f; k++)
-				sb_printf(&s, "%s%.17g",
-					  k ? ","
-					    : (n->attrs.n_i ? " f:" : "f:"),
-					  n->attrs.f[k]);
-			sb_printf(&s, "}");
+				ej_sb_printf(&s, "%s%.17g",
+					     k ? ","
+					       : (n->attrs.n_i ? " f:" : "f:"),
+					     n->attrs.f[k]);
+			ej_sb_printf(&s, "}");
 		}
-		sb_printf(&s, " :");
+		ej_sb_printf(&s, " :");
 		for (int j = 0; j < n->n_out; j++) {
-			sb_printf(&s, " ");
+			ej_sb_printf(&s, " ");
 			sb_meta(&s, &g->values[n->out[j]]);
 		}
-		sb_printf(&s, "\n");
+		ej_sb_printf(&s, "\n");
 	}
-	sb_printf(&s, "out");
+	ej_sb_printf(&s, "out");
 	for (int i = 0; i < g->n_outputs; i++)
-		sb_printf(&s, " %%%d", num[g->outputs[i]]);
-	sb_printf(&s, "\n");
+		ej_sb_printf(&s, " %%%d", num[g->outputs[i]]);
+	ej_sb_printf(&s, "\n");
 	free(num);
-	char *r = ej_arena_strdup(g->arena, s.p);
-	free(s.p);
-	return r;
+	return ej_sb_finish(&s, g->arena);
 }
 
 epj_hash128 ej_graph_signature(ej_graph *g)

@@ -31,6 +31,18 @@ char *ej_arena_strdup(ej_arena *a, const char *s);
 char *ej_arena_printf(ej_arena *a, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
+/* A growable string (malloc'ed; graph text, generated sources). */
+typedef struct ej_sbuf {
+	char *p;
+	size_t len, cap;
+} ej_sbuf;
+
+void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void ej_sb_puts(ej_sbuf *s, const char *str);
+/* Moves the text into the arena and frees the buffer. */
+const char *ej_sb_finish(ej_sbuf *s, ej_arena *A);
+
 /* ---- IR -------------------------------------------------------------------
  */
 

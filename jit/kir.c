@@ -24,43 +24,6 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-/* ---- string buffer ------------------------------------------------------- */
-
-void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	int n = vsnprintf(NULL, 0, fmt, ap);
-	va_end(ap);
-	EJ_ASSERT(n >= 0);
-	if (s->len + (size_t)n + 1 > s->cap) {
-		size_t nc = s->cap ? s->cap * 2 : 4096;
-		while (nc < s->len + (size_t)n + 1)
-			nc *= 2;
-		char *p = realloc(s->p, nc);
-		EJ_ASSERT(p);
-		s->p = p;
-		s->cap = nc;
-	}
-	va_start(ap, fmt);
-	vsnprintf(s->p + s->len, (size_t)n + 1, fmt, ap);
-	va_end(ap);
-	s->len += (size_t)n;
-}
-
-void ej_sb_puts(ej_sbuf *s, const char *str)
-{
-	ej_sb_printf(s, "%s", str);
-}
-
-const char *ej_sb_finish(ej_sbuf *s, ej_arena *A)
-{
-	const char *r = ej_arena_strdup(A, s->p ? s->p : "");
-	free(s->p);
-	memset(s, 0, sizeof *s);
-	return r;
-}
-
 /* ---- uses ------------------------------------------------------------------
  */
 

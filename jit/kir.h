@@ -231,19 +231,6 @@ const ej_schedule *ej_backend_c_schedule(const void *state);
 epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				   epj_tensor *const *in, epj_tensor **out);
 
-/* ---- string building (kir.c) --------------------------------------------- */
-
-typedef struct ej_sbuf {
-	char *p;
-	size_t len, cap;
-} ej_sbuf;
-
-void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-void ej_sb_puts(ej_sbuf *s, const char *str);
-/* Moves the text into the arena and frees the buffer. */
-const char *ej_sb_finish(ej_sbuf *s, ej_arena *A);
-
 /* ---- kernel body printing shared by print_c.c and print_cuda.c (kir.c) ----
  * The scalar SSA body of a kernel prints the same in both dialects: values
  * are `const T v<i> = <expr>;` (v<i>_<lane> on the CUDA vector path), loads
