@@ -9,7 +9,6 @@
  */
 #include "jit_impl.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 
 #define GROW(g, arr, n, cap, type)                                             \
