@@ -1,9 +1,11 @@
 /* backend_c.c -- the C backend: compiled graphs run generated C.
  *
  *   build(g):  schedule (sched.c: fused kernels + extern nodes)
- *              -> kernel cache lookup (kcache.h; key: backend, graph text,
- *                 codegen version, prelude hash, host cc identity)
- *              -> miss: print C (print_c.c), host cc (hostcc.c), store
+ *              -> print C (print_c.c)
+ *              -> kernel cache lookup (the jit's cache, open for its
+ *                 lifetime; key: ej_artifact_key of the source, the host
+ *                 cc identity and flags)
+ *              -> miss: host cc (hostcc.c), store
  *              -> dlopen the shared object, look up epjk_<i>
  *   run(g):    the interpreter's calling convention (inputs bound to
  *              g->inputs in order, outs[] new references for g->outputs,
@@ -91,23 +93,22 @@ static void dump_file(ej_jit *jit, const char *name, const char *ext,
 	fclose(f);
 }
 
-/* Finds or makes the shared object of the schedule and loads it. */
-static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
-			       cstate *cs, const char *name)
+/* The jit's kernel cache, opened at its first use and kept for the jit's
+ * lifetime (so the memory table serves every later build).  *kc is NULL
+ * when there is none to use: no jit (a lone build, e.g. in tests) opens a
+ * cache of its own that the caller closes (*own = true); a directory that
+ * cannot be created or read costs only the caching (warned once per jit);
+ * an unsafe one is an error (cached modules are code). */
+static epj_status jit_cache(epj_ctx *ctx, ej_jit *jit, ej_kcache **kc,
+			    bool *own)
 {
-	const char *text = ej_graph_text(g);
-	char prelude_hex[33];
-	epj_hash_hex(epj_hash(ej_prelude_c(), strlen(ej_prelude_c())),
-		     prelude_hex);
-	const char *parts[] = { "backend c", text, EJ_CODEGEN_VERSION,
-				prelude_hex, ej_hostcc_identity() };
-	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
-
-	ej_kcache *kc = ej_kcache_open(ctx, NULL);
-	if (!kc) {
-		/* an unsafe directory is refused loudly (cached modules are
-		 * code); one that cannot be created only costs the caching */
+	*own = jit == NULL;
+	if (jit && jit->kc_opened) {
+		*kc = jit->kc;
+		return EPJ_OK;
+	}
+	*kc = ej_kcache_open(ctx, NULL);
+	if (!*kc) {
 		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
 			ej_error_prefix(ctx, "c backend: kernel cache");
 			return epj_ctx_status(ctx);
@@ -117,14 +118,36 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			    epj_ctx_error(ctx));
 		epj_ctx_clear_error(ctx);
 	}
+	if (jit) {
+		jit->kc = *kc;
+		jit->kc_opened = true;
+	}
+	return EPJ_OK;
+}
+
+/* Finds or makes the shared object of the schedule and loads it.  The key
+ * is that of the artifact (ej_artifact_key): the generated source, the host
+ * compiler's identity and its flags, so that any change of the generator
+ * that changes the source misses. */
+static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
+			       cstate *cs, const char *name)
+{
+	(void)g;
+	const char *src = ej_print_c(cs->A, cs->s, name);
+	if (ej_debug_dump_dir())
+		dump_file(jit, name, "c", src);
+	char key[EJ_KCACHE_KEY_LEN + 1];
+	ej_artifact_key(key, "c", ej_hostcc_identity(),
+			EJ_HOSTCC_FLAGS " " EJ_HOSTCC_LIBS, "", src);
+
+	ej_kcache *kc = NULL;
+	bool own = false;
+	epj_status st = jit_cache(ctx, jit, &kc, &own);
+	if (st != EPJ_OK)
+		return st;
 	void *so = NULL;
 	size_t so_len = 0;
-	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
-	const char *src = NULL;
-	if (st == EPJ_OK && (!so || ej_debug_dump_dir()))
-		src = ej_print_c(cs->A, cs->s, name);
-	if (src && ej_debug_dump_dir())
-		dump_file(jit, name, "c", src);
+	st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
 	if (st == EPJ_OK && !so) {
 		char *log = NULL;
 		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
@@ -135,7 +158,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 		if (st == EPJ_OK && kc)
 			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
-	ej_kcache_close(kc);
+	if (own)
+		ej_kcache_close(kc);
 	if (st == EPJ_OK)
 		st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
 	free(so);

@@ -224,6 +224,10 @@ struct ej_jit {
 	ej_segment **cache;
 	int cache_cap, cache_n;
 	int compile_seq; /* numbering of debug dumps */
+	/* the kernel cache of compiled backends, opened at first use and
+	 * closed with the jit (NULL after a failed open: no caching) */
+	struct ej_kcache *kc;
+	bool kc_opened;
 };
 
 /* Interpreter backend: runs g on bound inputs (one tensor per graph input;

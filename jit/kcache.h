@@ -86,4 +86,23 @@ epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
 epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 			 size_t len, const char *source);
 
+/* ---- what keys are made of (keys.c) -------------------------------------
+ */
+
+/* Key of a compiled artifact: the hash of `source` (the exact text handed
+ * to the compiler), the compiler's identity and version, its flags and the
+ * target (an NVRTC arch such as "sm_90", a host ISA; "" for none), under a
+ * backend `kind` ("c", "nvrtc", ...).  NULL identity/flags/target differ
+ * from "".  Every backend keys its artifacts with this function, so a
+ * change anywhere in the generator that changes the source changes the
+ * key. */
+void ej_artifact_key(char out[EJ_KCACHE_KEY_LEN + 1], const char *kind,
+		     const char *compiler_identity, const char *flags,
+		     const char *target, const char *source);
+
+/* The generator's build id: 32 hex digits hashing, at build time, the
+ * sources of lib/, jit/ and templates/ (jit/build_id.h, made by make).  Part
+ * of the key of anything cached above the generated source. */
+const char *ej_build_id(void);
+
 #endif /* EPJIT_KCACHE_H */

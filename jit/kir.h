@@ -45,10 +45,6 @@
 
 #include "jit_impl.h"
 
-/* Bumped whenever generated code changes meaning or calling convention; part
- * of every kernel cache key. */
-#define EJ_CODEGEN_VERSION "epjit-codegen 1"
-
 /* ---- kernel IR --------------------------------------------------------- */
 
 typedef enum ej_kop {

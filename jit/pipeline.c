@@ -16,6 +16,7 @@
  * EPJIT_DEBUG_DUMP=dir writes each graph after each pass (debug.c).
  */
 #include "jit_impl.h"
+#include "kcache.h"
 
 #include <stdio.h>
 #include <time.h>
@@ -101,6 +102,7 @@ void ej_jit_free(ej_jit *j)
 	for (int i = 0; i < j->cache_cap; i++)
 		ej_segment_unref(j->cache[i]);
 	free(j->cache);
+	ej_kcache_close(j->kc);
 	free(j);
 }
 

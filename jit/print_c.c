@@ -33,9 +33,17 @@
 #define EJ_C_PAR_MIN 32768 /* elements; below this a kernel stays serial */
 #define EJ_C_BLOCK   4096  /* columns per unit of a pointwise kernel */
 
+/* Test hook, deliberately in no header: when non-NULL it replaces the
+ * prelude pasted into every unit, so a test can change the generator's
+ * output at run time and see that the kernel cache misses
+ * (t/check_keys.c).  Not an interface of the jit. */
+const char *ej_print_c_test_prelude;
+const char *ej_print_c_test_prelude = NULL;
+
 const char *ej_prelude_c(void)
 {
-	return ej_prelude_c_text;
+	return ej_print_c_test_prelude ? ej_print_c_test_prelude
+				       : ej_prelude_c_text;
 }
 
 static const char *storage_type(epj_dtype dt)
@@ -227,10 +235,10 @@ const char *ej_print_c(ej_arena *A, const ej_schedule *s, const char *name)
 {
 	ej_sbuf b = { 0 };
 	ej_sb_printf(&b,
-		     "/* epjit generated C (%s): graph %s, %d kernels.\n"
+		     "/* epjit generated C: graph %s, %d kernels.\n"
 		     " * Build: cc -std=c11 -O3 -fPIC -shared -fopenmp. */\n",
-		     EJ_CODEGEN_VERSION, name ? name : "?", s->n_kernels);
-	ej_sb_puts(&b, ej_prelude_c_text);
+		     name ? name : "?", s->n_kernels);
+	ej_sb_puts(&b, ej_prelude_c());
 	for (int i = 0; i < s->n_kernels; i++)
 		print_kernel(&b, s->kernels[i]);
 	return ej_sb_finish(&b, A);

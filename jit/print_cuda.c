@@ -467,9 +467,9 @@ const char *ej_print_cuda(ej_arena *A, const ej_schedule *s, const char *name)
 {
 	ej_sbuf b = { 0 };
 	ej_sb_printf(&b,
-		     "/* epjit generated CUDA C (%s): graph %s, %d kernels.\n"
+		     "/* epjit generated CUDA C: graph %s, %d kernels.\n"
 		     " * NVRTC: -arch=sm_XX, no include path needed. */\n",
-		     EJ_CODEGEN_VERSION, name ? name : "?", s->n_kernels);
+		     name ? name : "?", s->n_kernels);
 	ej_sb_puts(&b, ej_prelude_cuda_text);
 	for (int i = 0; i < s->n_kernels; i++)
 		print_kernel(&b, s->kernels[i]);

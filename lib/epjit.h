@@ -446,6 +446,19 @@ const char *epj_engine_compile_mode(const epj_engine *e);
 /* Number of compiled regions (0 before compile). */
 int epj_engine_num_regions(const epj_engine *e);
 const char *epj_engine_region_name(const epj_engine *e, int i);
+/* What region i has run since compile: the proof that a compiled arm ran
+ * compiled code.  compiled_calls counts calls that ran a compiled variant
+ * (their compiled kernel launches, also in kernels.launched.compiled, are
+ * compiled_launches); eager_calls counts calls run by the original forward
+ * because the recompile limit was reached.  name is owned by the engine. */
+typedef struct epj_region_stats {
+	const char *name;
+	int variants;
+	int64_t compiled_calls, eager_calls, compiled_launches;
+} epj_region_stats;
+/* EPJ_ERR_INVALID (message in the engine's context) for i out of range. */
+epj_status epj_engine_region_stats(const epj_engine *e, int i,
+				   epj_region_stats *out);
 
 /* ---- parity harness
  * ----------------------------------------------------------- Eager vs compiled

@@ -53,6 +53,9 @@ typedef struct region {
 	ej_region_fn **variants;
 	int n_variants;
 	bool warned_limit;
+	/* calls that ran a compiled variant / the original forward (limit),
+	 * and the compiled kernel launches those calls made */
+	int64_t compiled_calls, eager_calls, compiled_launches;
 	/* current parameter table (borrowed, refreshed per call) */
 	epj_tensor **params;
 	int n_params, cap_params;
@@ -301,6 +304,7 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 			r->warned_limit = true;
 		}
 		epj_counter_add(ctx, "frames.fallback_eager", 1);
+		r->eager_calls++;
 		return m->orig_forward(ctx, m, in, n_in, out, n_out);
 	}
 	if (!f) {
@@ -317,8 +321,13 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 		if (st != EPJ_OK)
 			return st;
 	}
-	return ej_region_run(ctx, f, in, n_in, r->params, r->n_params,
-			     break_call, r, out, n_out);
+	int64_t k0 = epj_counter_get(ctx, "kernels.launched.compiled");
+	st = ej_region_run(ctx, f, in, n_in, r->params, r->n_params, break_call,
+			   r, out, n_out);
+	r->compiled_calls++;
+	r->compiled_launches +=
+	    epj_counter_get(ctx, "kernels.launched.compiled") - k0;
+	return st;
 }
 
 /* ---- discovery ----------------------------------------------------------- */
@@ -643,6 +652,23 @@ const char *epj_engine_region_name(const epj_engine *e, int i)
 	if (!e->compiled || i < 0 || i >= e->compiled->n_regions)
 		return NULL;
 	return e->compiled->regions[i]->name;
+}
+
+epj_status epj_engine_region_stats(const epj_engine *e, int i,
+				   epj_region_stats *out)
+{
+	memset(out, 0, sizeof *out);
+	if (!e->compiled || i < 0 || i >= e->compiled->n_regions)
+		return ej_error(e->ctx, EPJ_ERR_INVALID,
+				"region index %d out of range [0, %d)", i,
+				e->compiled ? e->compiled->n_regions : 0);
+	const region *r = e->compiled->regions[i];
+	out->name = r->name;
+	out->variants = r->n_variants;
+	out->compiled_calls = r->compiled_calls;
+	out->eager_calls = r->eager_calls;
+	out->compiled_launches = r->compiled_launches;
+	return EPJ_OK;
 }
 
 void ej_engine_compile_free(epj_engine *e)

@@ -3,9 +3,13 @@
  * discovery, rollback, and compiled-vs-eager parity of whole models.
  *
  * Parity: two models built from one (fresh random) seed, one compiled, one
- * eager, see the same batch.  The interpreter backend runs the op table's
- * kernels, so forward values match bit for bit and gradients up to the
- * summation order of the joint graph: the tolerances here are tight f32 ones
+ * eager, see the same batch.  The compiled model runs the default backend
+ * (generated C compiled by the host cc, on the cpu device) through a kernel
+ * cache that this test run created (make check gives every test program a
+ * fresh empty EPJIT_CACHE_DIR).  Each step proves which arm ran what: the
+ * compiled model makes compiled launches in every region
+ * (epj_engine_region_stats: a compiled call, compiled launches, no eager
+ * fallback) and the eager one makes none.  Tolerances are tight f32 ones
  * (rtol 1e-5, atol 1e-6), far below the seed's bf16 GPU gates.
  *
  * Observed counters (tiny model, 2 MoE layers, nested layout):
@@ -17,9 +21,9 @@
  *    backward are two guard variants: step 1 frames.total = 4, recompiles 2;
  *    step 2 adds nothing; autoep.calls.forward + replay = 2 per block.
  *  - full-model mode (region = root): frames.total 1 (2 with checkpointing in
- *    the root layout).  In the nested layout the per-block checkpointing is
- *    not applied inside the traced root (module.c skips checkpointing while
- *    tracing), so the compiled model makes no AutoEP replay calls.
+ *    the root layout).  In the nested layout the checkpointed blocks become
+ *    graph breaks of the root's graph (graph_break.checkpoint) and run
+ *    eagerly with their checkpointing, so AutoEP is still replayed.
  */
 #include "check_util.h"
 
@@ -866,10 +870,32 @@ START_TEST(test_parity)
 		batch(ctx, B, T, &ids, &labels);
 		int64_t af = ctr(ctx, "autoep.calls.forward");
 		int64_t ar = ctr(ctx, "autoep.calls.replay");
+		int64_t kc0 = ctr(ctx, "kernels.launched.compiled");
+		epj_region_stats rs0[8];
+		ck_assert_int_le(R, 8);
+		for (int i = 0; i < R; i++)
+			ck_assert(epj_engine_region_stats(ea, i, &rs0[i]) ==
+				  EPJ_OK);
 		double la = fwd_bwd(ctx, ma, ids, labels);
 		int64_t daf = ctr(ctx, "autoep.calls.forward") - af;
 		int64_t dar = ctr(ctx, "autoep.calls.replay") - ar;
+		int64_t kc1 = ctr(ctx, "kernels.launched.compiled");
 		double lb = fwd_bwd(ctx, mb, ids, labels);
+		/* which arm ran compiled code: the compiled model launched
+		 * compiled kernels in every region and fell back nowhere; the
+		 * eager model launched none */
+		ck_assert_int_gt(kc1 - kc0, 0);
+		ck_assert_int_eq(ctr(ctx, "kernels.launched.compiled"), kc1);
+		for (int i = 0; i < R; i++) {
+			epj_region_stats rs;
+			ck_assert(epj_engine_region_stats(ea, i, &rs) ==
+				  EPJ_OK);
+			ck_assert_int_ge(
+			    rs.compiled_calls - rs0[i].compiled_calls, 1);
+			ck_assert_int_eq(rs.eager_calls, rs0[i].eager_calls);
+			ck_assert_int_gt(
+			    rs.compiled_launches - rs0[i].compiled_launches, 0);
+		}
 		assert_loss_close(la, lb, what);
 		assert_grads_close(ctx, ma, mb, RTOL, ATOL, what);
 		assert_routing_equal(ctx, ma, mb, what);

@@ -45,7 +45,11 @@ static void run_case(epj_layout layout, bool ckpt, bool bf16, bool regional,
 			       "routing mismatches",
 			       "eager AutoEP calls",
 			       "d stats.unique_graphs",
-			       "d recompiles" };
+			       "d recompiles",
+			       "update=-grad eager",
+			       "update=-grad compiled",
+			       "regions ran compiled",
+			       "eager arm compiled" };
 	for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
 		ck_assert_msg(strstr(buf, rows[i]) != NULL, "missing row %s",
 			      rows[i]);
