@@ -19,7 +19,9 @@
 #include "optim_impl.h"
 #include "runtime_impl.h"
 
+#include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CKPT_FORMAT "epjit-train-checkpoint-1"
@@ -59,6 +61,25 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 		    c->sequence_parallel_size > 1 ? "sequence_parallel_size"
 		    : c->pipeline_stages > 1	  ? "pipeline.stages"
 					     : "tensor_parallel.autotp_size");
+	/* Launched as one of several ranks (mpirun, Slurm, torchrun): every
+	 * rank would train a world of one on its own, which is not what the
+	 * user asked for; ZeRO 1/2 and async split planning in particular
+	 * would silently run as their world-of-one forms. */
+	int world = 1;
+	const char *wvar = ej_launcher_world_size(&world);
+	if (world > 1)
+		return ej_error(
+		    ctx, EPJ_ERR_UNSUPPORTED,
+		    "%s: launched as one of %d ranks (%s=%d), but multi-rank "
+		    "training is not implemented yet%s%s; run one process",
+		    src, world, wvar, world,
+		    c->zero.stage == 1 || c->zero.stage == 2
+			? " (zero_optimization.stage 1/2 would run unsharded)"
+			: "",
+		    c->expert_parallel.async_split_plan
+			? " (expert_parallel.async_split_plan would run the "
+			  "synchronous plan)"
+			: "");
 	if (c->expert_parallel.autoep_size > 1)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 				"%s: expert_parallel.autoep_size=%d needs %d "
@@ -85,6 +106,29 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 		    "is not supported",
 		    src);
 	return EPJ_OK;
+}
+
+/* The world size a launcher announced in the environment (Open MPI, PMI,
+ * an srun step, torchrun), 1 when none did; returns the variable's name or
+ * NULL. Malformed values are ignored (the launcher's business, not ours). */
+const char *ej_launcher_world_size(int *world)
+{
+	/* not SLURM_NTASKS: a batch script's single process sees its
+	 * allocation's task count there */
+	static const char *const vars[] = { "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+					    "SLURM_STEP_NUM_TASKS",
+					    "WORLD_SIZE" };
+	*world = 1;
+	for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+		const char *v = getenv(vars[i]);
+		char *end = NULL;
+		long n = v && *v ? strtol(v, &end, 10) : 0;
+		if (v && *v && end && *end == 0 && n > 1 && n <= INT_MAX) {
+			*world = (int)n;
+			return vars[i];
+		}
+	}
+	return NULL;
 }
 
 static epj_status engine_setup(epj_engine *e)

@@ -202,4 +202,9 @@ struct epj_engine {
 /* Frees the compile state (restores every region) -- compile.c. */
 void ej_engine_compile_free(epj_engine *e);
 
+/* The world size a launcher announced (OMPI_COMM_WORLD_SIZE, PMI_SIZE,
+ * SLURM_STEP_NUM_TASKS, WORLD_SIZE; the first > 1), else 1; returns the
+ * variable's name, NULL when none (engine.c). */
+const char *ej_launcher_world_size(int *world);
+
 #endif /* EPJIT_RUNTIME_IMPL_H */
