@@ -128,6 +128,20 @@ void *ej_hostcc_sym(void *handle, const char *sym);
 /* dlclose; NULL ok. */
 void ej_hostcc_unload(void *handle);
 
+/* C++ mode, for the cuda-sim device: $EPJIT_CXX (default "c++"), source
+ * <name>.cc, these fixed flags, then `extra_flags` (blank-separated words,
+ * e.g. "-fsanitize=address"; NULL for none; callers put them in their
+ * cache key), otherwise exactly ej_hostcc_compile. */
+#define EJ_HOSTCXX_FLAGS                                                       \
+	"-std=c++17 -O2 -fPIC -shared -fno-strict-aliasing -fno-exceptions "   \
+	"-fno-rtti"
+#define EJ_HOSTCXX_LIBS "-lm"
+epj_status ej_hostcxx_compile(epj_ctx *ctx, const char *source,
+			      const char *name, const char *extra_flags,
+			      void **so_image, size_t *so_size, char **log);
+/* As ej_hostcc_identity, for $EPJIT_CXX and the C++ flags. */
+const char *ej_hostcxx_identity(void);
+
 /* "<cc> | <first line of cc --version> | <flags> <libs>", computed once per
  * distinct $EPJIT_CC value; static storage.  Never empty: when the compiler
  * cannot be run the version part says why. */

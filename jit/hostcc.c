@@ -160,15 +160,26 @@ out:
 /* ---- running the compiler ------------------------------------------------
  */
 
-/* Words of $EPJIT_CC (default "cc"), split at blanks, in a malloc'ed copy
- * (*store) that argv points into.  Returns the count (>= 1). */
+/* The two languages: C ($EPJIT_CC) and C++ ($EPJIT_CXX, for cuda-sim). */
+typedef struct cc_lang {
+	const char *env, *dflt, *ext, *flags, *libs, *what;
+} cc_lang;
+static const cc_lang lang_c = { "EPJIT_CC",	 "cc",		 "c",
+				EJ_HOSTCC_FLAGS, EJ_HOSTCC_LIBS, "C" };
+static const cc_lang lang_cxx = { "EPJIT_CXX",	    "c++",	     "cc",
+				  EJ_HOSTCXX_FLAGS, EJ_HOSTCXX_LIBS, "C++" };
+static _Thread_local const cc_lang *cur_lang = &lang_c;
+
+/* Words of $EPJIT_CC (default "cc"; $EPJIT_CXX / "c++" in C++ mode), split
+ * at blanks, in a malloc'ed copy (*store) that argv points into.  Returns
+ * the count (>= 1). */
 static int cc_words(char **store, char **argv, int max, const char **cc)
 {
-	const char *env = getenv("EPJIT_CC");
+	const char *env = getenv(cur_lang->env);
 	bool blank = true;
 	for (const char *c = env; c && *c; c++)
 		blank &= isspace((unsigned char)*c) != 0;
-	*cc = blank ? "cc" : env;
+	*cc = blank ? cur_lang->dflt : env;
 	*store = strdup(*cc);
 	if (!*store)
 		return -1;
@@ -352,8 +363,31 @@ static void describe_wait(int ws, char *buf, size_t n)
 
 #define ARGV_MAX 64
 
+static epj_status compile_lang(epj_ctx *ctx, const char *source,
+			       const char *name, const char *extra,
+			       void **so_image, size_t *so_size, char **log);
+
 epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 			     void **so_image, size_t *so_size, char **log)
+{
+	cur_lang = &lang_c;
+	return compile_lang(ctx, source, name, NULL, so_image, so_size, log);
+}
+
+epj_status ej_hostcxx_compile(epj_ctx *ctx, const char *source,
+			      const char *name, const char *extra_flags,
+			      void **so_image, size_t *so_size, char **log)
+{
+	cur_lang = &lang_cxx;
+	epj_status st = compile_lang(ctx, source, name, extra_flags, so_image,
+				     so_size, log);
+	cur_lang = &lang_c;
+	return st;
+}
+
+static epj_status compile_lang(epj_ctx *ctx, const char *source,
+			       const char *name, const char *extra,
+			       void **so_image, size_t *so_size, char **log)
 {
 	EJ_ASSERT(so_image && so_size);
 	*so_image = NULL;
@@ -365,6 +399,7 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	epj_status st = EPJ_OK;
 	char safe[64], dir[PATH_MAX], src[PATH_MAX + 80], so[PATH_MAX + 80];
 	char *words = NULL, *flags = NULL, *libs = NULL, *output = NULL;
+	char *xflags = NULL;
 	char *argv[ARGV_MAX];
 	const char *cc;
 	bool made_dir = false, keep_source = false;
@@ -373,7 +408,7 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	snprintf(dir, sizeof dir, "%s/epjit-cc-XXXXXX", ej_tmpdir());
 	SYS_CHECK(ctx, mkdtemp(dir), == NULL, "making a private directory");
 	made_dir = true;
-	snprintf(src, sizeof src, "%s/%s.c", dir, safe);
+	snprintf(src, sizeof src, "%s/%s.%s", dir, safe, cur_lang->ext);
 	snprintf(so, sizeof so, "%s/%s.so", dir, safe);
 	int err = ej_write_new_file(src, source, strlen(source));
 	if (err) {
@@ -386,7 +421,9 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	 * libs, NULL. */
 	int n = cc_words(&words, argv, ARGV_MAX - 24, &cc);
 	if (n >= 1)
-		n = add_words(&flags, EJ_HOSTCC_FLAGS, argv, n, ARGV_MAX - 8);
+		n = add_words(&flags, cur_lang->flags, argv, n, ARGV_MAX - 16);
+	if (n >= 1 && extra && *extra)
+		n = add_words(&xflags, extra, argv, n, ARGV_MAX - 8);
 	if (n < 1) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
 		goto out;
@@ -394,7 +431,7 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	argv[n++] = "-o";
 	argv[n++] = so;
 	argv[n++] = src;
-	n = add_words(&libs, EJ_HOSTCC_LIBS, argv, n, ARGV_MAX - 1);
+	n = add_words(&libs, cur_lang->libs, argv, n, ARGV_MAX - 1);
 	if (n < 1) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
 		goto out;
@@ -407,19 +444,20 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	err = run_capture(argv, &output, &ws, where, sizeof where);
 	if (err) {
 		st = ej_error(ctx, EPJ_ERR_COMPILE,
-			      "host cc: compiling '%s': cannot run the C "
-			      "compiler '%s' (EPJIT_CC=%s): %s failed: %s",
-			      safe, argv[0], cc, where, strerror(err));
+			      "host cc: compiling '%s': cannot run the %s "
+			      "compiler '%s' (%s=%s): %s failed: %s",
+			      safe, cur_lang->what, argv[0], cur_lang->env, cc,
+			      where, strerror(err));
 		goto out;
 	}
 	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
 		describe_wait(ws, how, sizeof how);
 		keep_source = true;
-		st = ej_error(
-		    ctx, EPJ_ERR_COMPILE,
-		    "host cc: compiling '%s' failed (%s; EPJIT_CC=%s); "
-		    "source kept at %s; command: %s; output:\n%s",
-		    safe, how, cc, src, cmd, output[0] ? output : "(none)\n");
+		st = ej_error(ctx, EPJ_ERR_COMPILE,
+			      "host cc: compiling '%s' failed (%s; %s=%s); "
+			      "source kept at %s; command: %s; output:\n%s",
+			      safe, how, cur_lang->env, cc, src, cmd,
+			      output[0] ? output : "(none)\n");
 		goto out;
 	}
 	st = read_all(ctx, so, so_image, so_size);
@@ -443,6 +481,7 @@ out:
 	}
 	free(words);
 	free(flags);
+	free(xflags);
 	free(libs);
 	if (log)
 		*log = output ? output : strdup("");
@@ -523,7 +562,6 @@ typedef struct cc_ident {
 } cc_ident;
 
 static pthread_mutex_t ident_lock = PTHREAD_MUTEX_INITIALIZER;
-static cc_ident *idents;
 
 static char *compute_identity(void)
 {
@@ -550,19 +588,37 @@ static char *compute_identity(void)
 	}
 	free(output);
 	char *id = NULL;
-	if (asprintf(&id, "%s | %s | %s %s", cc, version, EJ_HOSTCC_FLAGS,
-		     EJ_HOSTCC_LIBS) < 0)
+	if (asprintf(&id, "%s | %s | %s %s", cc, version, cur_lang->flags,
+		     cur_lang->libs) < 0)
 		id = NULL;
 	free(words);
 	return id;
 }
 
+static const char *identity_of(cc_ident **list);
+
 const char *ej_hostcc_identity(void)
 {
-	const char *env = getenv("EPJIT_CC");
+	static cc_ident *c_idents;
+	cur_lang = &lang_c;
+	return identity_of(&c_idents);
+}
+
+const char *ej_hostcxx_identity(void)
+{
+	static cc_ident *cxx_idents;
+	cur_lang = &lang_cxx;
+	const char *id = identity_of(&cxx_idents);
+	cur_lang = &lang_c;
+	return id;
+}
+
+static const char *identity_of(cc_ident **list)
+{
+	const char *env = getenv(cur_lang->env);
 	const char *key = env ? env : "";
 	pthread_mutex_lock(&ident_lock);
-	cc_ident *e = idents;
+	cc_ident *e = *list;
 	while (e && strcmp(e->cc, key) != 0)
 		e = e->next;
 	if (!e) {
@@ -570,8 +626,8 @@ const char *ej_hostcc_identity(void)
 		char *id = compute_identity();
 		if (e && id && (e->cc = strdup(key)) != NULL) {
 			e->identity = id;
-			e->next = idents;
-			idents = e;
+			e->next = *list;
+			*list = e;
 		} else {
 			free(e);
 			free(id);

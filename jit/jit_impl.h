@@ -162,6 +162,8 @@ typedef struct ej_codegen_backend {
 
 /* The C backend (generated C, host cc, dlopen). */
 extern const ej_codegen_backend ej_backend_c;
+/* The cuda-sim backend (generated CUDA C, host C++ compiler, simulator). */
+extern const ej_codegen_backend ej_backend_sim;
 
 /* ---- compiled segments and regions
  * --------------------------------------------- */

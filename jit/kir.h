@@ -227,6 +227,41 @@ const ej_schedule *ej_backend_c_schedule(const void *state);
 epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				   epj_tensor *const *in, epj_tensor **out);
 
+/* ---- host launch code of the CUDA devices (launch_cuda.c) ---------------- */
+
+/* Bytes of kernel k's argument struct (struct ej_kargs_<id>). */
+size_t ej_cuda_args_size(const ej_kernel *k);
+/* Prepares a launch of kernel k: in[i] binds input i (any strides), out[o]
+ * is output o (contiguous, allocated); packs the argument struct into buf
+ * (ej_cuda_args_size bytes), fills outs[0..n_out) and l (geometry from
+ * ej_cuda_launch_dims, no dynamic shared memory). */
+void ej_cuda_launch_prepare(const ej_kernel *k, epj_tensor *const *in,
+			    epj_tensor *const *out, void *buf,
+			    ej_launch_out *outs, ej_launch *l);
+
+/* ---- cuda-sim backend (backend_sim.c) -------------------------------------
+ */
+
+/* Builds a cuda-sim module from CUDA C `cuda_src` (prelude included or not,
+ * as the caller wrote it): the simulator header, the source, then one launch
+ * entry per kernel[i] taking one argument of type arg_type[i] (e.g. "struct
+ * ej_kargs_0"); compiled with $EPJIT_CXX (ASan flags when the library is
+ * built with ASan, or EPJIT_SIM_ASAN=1; EPJIT_SIM_ASAN=0 never), cached in
+ * the kernel cache under the hash of that full source and the compiler
+ * identity and flags, and loaded on ej_device_sim.  *module for the
+ * device's function/unload. */
+epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
+			       const char *const *kernel,
+			       const char *const *arg_type, int n,
+			       const char *name, void **module);
+/* Whether modules are built with -fsanitize=address. */
+bool ej_sim_asan(void);
+/* Test hooks as the C backend's: the schedule of a built graph, and one
+ * fused kernel run alone on cuda-sim (outputs new contiguous tensors). */
+const ej_schedule *ej_backend_sim_schedule(const void *state);
+epj_status ej_backend_sim_run_kernel(epj_ctx *ctx, void *state, int kernel,
+				     epj_tensor *const *in, epj_tensor **out);
+
 /* ---- kernel body printing shared by print_c.c and print_cuda.c (kir.c) ----
  * The scalar SSA body of a kernel prints the same in both dialects: values
  * are `const T v<i> = <expr>;` (v<i>_<lane> on the CUDA vector path), loads

@@ -42,12 +42,16 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 		 * build has it (it always does once codegen is compiled in) */
 		*out =
 		    ej_backend_c.build ? EJ_BACKEND_C : EJ_BACKEND_INTERPRETER;
+		/* EPJIT_DEVICE=cuda-sim: the simulated cuda device's */
+		const char *dev = getenv("EPJIT_DEVICE");
+		if (dev && !strcmp(dev, "cuda-sim"))
+			*out = EJ_BACKEND_CUDA_SIM;
 		return EPJ_OK;
 	}
 	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {
 		if (strcmp(name, backend_names[i]) != 0)
 			continue;
-		if (i == EJ_BACKEND_INTERPRETER ||
+		if (i == EJ_BACKEND_INTERPRETER || i == EJ_BACKEND_CUDA_SIM ||
 		    (i == EJ_BACKEND_C && ej_backend_c.build)) {
 			*out = (ej_backend_kind)i;
 			return EPJ_OK;
@@ -55,7 +59,8 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 		if (msg)
 			snprintf(msg, msg_len,
 				 "compile.backend \"%s\" is not available in "
-				 "this build (available: interpreter%s)",
+				 "this build (available: interpreter%s, "
+				 "cuda-sim)",
 				 name, ej_backend_c.build ? ", c" : "");
 		return EPJ_ERR_UNSUPPORTED;
 	}
@@ -332,8 +337,10 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
 	}
-	if (st == EPJ_OK && jit->backend == EJ_BACKEND_C) {
-		s->backend = &ej_backend_c;
+	if (st == EPJ_OK && (jit->backend == EJ_BACKEND_C ||
+			     jit->backend == EJ_BACKEND_CUDA_SIM)) {
+		s->backend = jit->backend == EJ_BACKEND_C ? &ej_backend_c
+							  : &ej_backend_sim;
 		st = s->backend->build(ctx, jit, s->fwd, &s->fwd_state);
 		if (st == EPJ_OK && s->bwd)
 			st = s->backend->build(ctx, jit, s->bwd, &s->bwd_state);

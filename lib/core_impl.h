@@ -56,6 +56,8 @@ char *ej_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);
 /* ---- memory: device vtable + caching allocator ----------------------------
  */
 
+struct ej_launch;
+
 /* One backend's memory and execution primitives.  Members marked optional may
  * be NULL.  `self` is passed back to every call. */
 typedef struct ej_device {
@@ -74,9 +76,46 @@ typedef struct ej_device {
 	void (*sync)(void *self);
 	/* True when data pointers are host-addressable. */
 	bool host_visible;
+	/* Optional (default NULL: the device runs no generated code): loads
+	 * an artifact of `size` bytes (cuda-sim: a shared object; cuda: a
+	 * cubin or PTX) under `name` into *module.  Errors go to ctx. */
+	epj_status (*load)(void *self, epj_ctx *ctx, const void *image,
+			   size_t size, const char *name, void **module);
+	/* Optional, set with load: releases a module (NULL ok). */
+	void (*unload)(void *self, void *module);
+	/* Optional, set with load: the kernel `kernel` of a module (cuda-sim:
+	 * its launch entry ej_sim_<kernel>); NULL when absent. */
+	void *(*function)(void *self, void *module, const char *kernel);
+	/* Optional, set with load: runs kernel fn (named `kernel`, for
+	 * messages) as l describes; returns when it is done (there is one
+	 * stream).  A failed launch, or a bug the device detects (cuda-sim:
+	 * divergent barrier, race, unwritten output), is EPJ_ERR_BACKEND with
+	 * the device's report in ctx. */
+	epj_status (*launch)(void *self, epj_ctx *ctx, void *fn,
+			     const char *kernel, const struct ej_launch *l);
 } ej_device;
 
+/* One launch (the host launch code of the cuda devices, jit/launch_cuda.c,
+ * fills it).  outs: the output buffers of the launch, which cuda-sim's
+ * checks fill and compare (elem: element size); cuda ignores them. */
+typedef struct ej_launch_out {
+	void *ptr;
+	size_t bytes;
+	size_t elem;
+} ej_launch_out;
+typedef struct ej_launch {
+	unsigned grid[3], block[3];
+	size_t smem; /* dynamic shared memory bytes */
+	const void *args;
+	size_t args_size;
+	const ej_launch_out *outs;
+	int n_out;
+} ej_launch;
+
 extern const ej_device ej_device_cpu;
+/* Host memory, kernels are CUDA C compiled by the host C++ compiler and run
+ * by the simulator (lib/device_sim.c, templates/cuda_sim.cuh). */
+extern const ej_device ej_device_sim;
 
 /* Caching allocator over a device: freed blocks go to size-class free lists
  * and are reused; statistics as in epj_memory_stats.  Sizes are rounded up to

@@ -41,6 +41,7 @@ Suite *make_kcache_suite(void);
 Suite *make_cc_suite(void);
 Suite *make_codegen_suite(void);
 Suite *make_keys_suite(void);
+Suite *make_sim_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

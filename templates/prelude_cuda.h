@@ -12,7 +12,10 @@
  * bit for bit lib/dtype.c), the pointwise math written as
  * lib/ops_pointwise.c writes it, 4/8/16-byte vector loads and stores that
  * unpack to f32/f64 lanes, and block-wide reductions (warp shuffles, then
- * shared memory across warps) whose result every thread receives.
+ * shared memory across warps) whose result every thread receives, and
+ * ej_dyn_smem(), the one way our kernels reach dynamic shared memory (the
+ * cuda-sim device, templates/cuda_sim.cuh, supplies its own under
+ * EJ_CUDA_SIM).
  */
 #ifndef EPJIT_PRELUDE_CUDA_H
 #define EPJIT_PRELUDE_CUDA_H
@@ -232,6 +235,14 @@ static const char ej_prelude_cuda_text[] =
     "EJ_BLOCK_MAX(ej_block_max_d, double, ej_maxnan_d)\n"
     "EJ_BLOCK_MAX(ej_block_smax_f, float, EJ_SMAX)\n"
     "EJ_BLOCK_MAX(ej_block_smax_d, double, EJ_SMAX)\n"
+    "#ifndef EJ_CUDA_SIM\n"
+    "/* The launch's dynamic shared memory (cuda-sim has its own). */\n"
+    "EJ_D unsigned char *ej_dyn_smem(void)\n"
+    "{\n"
+    "\textern __shared__ __align__(16) unsigned char ej_dsmem[];\n"
+    "\treturn ej_dsmem;\n"
+    "}\n"
+    "#endif\n"
     "/* ---- end of prelude ---- */\n";
 
 #endif /* EPJIT_PRELUDE_CUDA_H */

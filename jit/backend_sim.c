@@ -1,0 +1,327 @@
+/* backend_sim.c -- the cuda-sim backend: compiled graphs run the CUDA C the
+ * cuda device would load, compiled by the host C++ compiler and executed by
+ * the simulator (templates/cuda_sim.cuh) on the cuda-sim device.
+ *
+ *   build(g):  schedule (sched.c, the same as the C backend's)
+ *              -> CUDA C (print_cuda.c: prelude + kernels, the exact unit
+ *                 NVRTC gets)
+ *              -> module source: simulator header + that unit + one launch
+ *                 entry per kernel (EJ_SIM_ENTRY)
+ *              -> kernel cache (key: the hash of the full module source, the
+ *                 C++ compiler identity and the extra flags); miss: compile
+ *                 with $EPJIT_CXX (hostcc.c, C++ mode), store
+ *              -> load on ej_device_sim, look up ej_sim_epjk_<i>
+ *   run(g):    as the C backend: steps in schedule order; a fused kernel
+ *              gets fresh contiguous outputs and is launched through the
+ *              shared host launch code (launch_cuda.c: geometry, argument
+ *              packing); extern nodes (GEMM, attention, indexing, ...) run
+ *              through ej_dispatch, i.e. the CPU reference kernels on the
+ *              same host buffers.
+ *
+ * Modules get -fsanitize=address when this library is built with ASan
+ * (or EPJIT_SIM_ASAN=1; =0 turns it off), so the simulator's global and
+ * dynamic shared memory accesses are bounds-checked.
+ */
+#include "cc.h"
+#include "kcache.h"
+#include "kir.h"
+
+#include "templates/cuda_sim_text.h"
+
+#include <stdio.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define LIB_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LIB_ASAN 1
+#endif
+#endif
+#ifndef LIB_ASAN
+#define LIB_ASAN 0
+#endif
+
+bool ej_sim_asan(void)
+{
+	const char *v = getenv("EPJIT_SIM_ASAN");
+	if (v && *v)
+		return strcmp(v, "0") != 0;
+	return LIB_ASAN;
+}
+
+static const char *sim_flags(void)
+{
+	return ej_sim_asan() ? "-fsanitize=address -fno-omit-frame-pointer"
+			     : "";
+}
+
+epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
+			       const char *const *kernel,
+			       const char *const *arg_type, int n,
+			       const char *name, void **module)
+{
+	*module = NULL;
+	ej_sbuf b = { 0 };
+	ej_sb_puts(&b, ej_cuda_sim_text);
+	ej_sb_puts(&b, cuda_src);
+	ej_sb_puts(&b, "\n/* ---- cuda-sim launch entries ---- */\n");
+	for (int i = 0; i < n; i++)
+		ej_sb_printf(&b, "EJ_SIM_ENTRY(%s, %s)\n", kernel[i],
+			     arg_type[i]);
+	ej_arena *A = ej_arena_new();
+	const char *src = ej_sb_finish(&b, A);
+	if (!src) {
+		ej_arena_free(A);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	}
+	char src_hex[33];
+	epj_hash_hex(epj_hash(src, strlen(src)), src_hex);
+	const char *flags = sim_flags();
+	const char *parts[] = { "backend cuda-sim", src_hex,
+				ej_hostcxx_identity(), flags };
+	char key[EJ_KCACHE_KEY_LEN + 1];
+	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
+
+	ej_kcache *kc = ej_kcache_open(ctx, NULL);
+	if (!kc) {
+		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
+			ej_error_prefix(ctx, "cuda-sim: kernel cache");
+			ej_arena_free(A);
+			return epj_ctx_status(ctx);
+		}
+		epj_log_msg(EPJ_LOG_WARN,
+			    "cuda-sim: compiling without a kernel cache: %s",
+			    epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+	}
+	void *so = NULL;
+	size_t so_len = 0;
+	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
+	if (st == EPJ_OK && !so) {
+		char *log = NULL;
+		st = ej_hostcxx_compile(ctx, src, name, flags, &so, &so_len,
+					&log);
+		if (st == EPJ_OK && log && *log)
+			epj_log_msg(EPJ_LOG_INFO, "cuda-sim: %s: c++ said: %s",
+				    name, log);
+		free(log);
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, so, so_len, src);
+	}
+	ej_kcache_close(kc);
+	ej_arena_free(A);
+	if (st == EPJ_OK)
+		st = ej_device_sim.load(ej_device_sim.self, ctx, so, so_len,
+					name, module);
+	free(so);
+	return st;
+}
+
+typedef struct sstate {
+	ej_arena *A;
+	ej_schedule *s;
+	void *module;
+	void **fn; /* per kernel: launch entry */
+	int *last;
+	size_t max_args;
+	int max_in, max_out;
+} sstate;
+
+static void sstate_free(void *p)
+{
+	sstate *ss = p;
+	if (!ss)
+		return;
+	ej_device_sim.unload(ej_device_sim.self, ss->module);
+	free(ss->fn);
+	free(ss->last);
+	ej_arena_free(ss->A);
+	free(ss);
+}
+
+static int step_read(const void *u, int i, int j)
+{
+	const ej_schedule *s = u;
+	const ej_step *st = &s->steps[i];
+	if (st->k)
+		return j < st->k->n_in ? st->k->in[j].value : -1;
+	const ej_ir_node *n = &s->g->nodes[st->node];
+	return j < n->n_in ? n->in[j] : -1;
+}
+
+static epj_status load_kernels(epj_ctx *ctx, sstate *ss, const char *name)
+{
+	const ej_schedule *s = ss->s;
+	const char *cuda = ej_print_cuda(ss->A, s, name);
+	const char **kn =
+	    ej_arena_alloc(ss->A, sizeof(char *) * (size_t)(s->n_kernels + 1));
+	const char **ty =
+	    ej_arena_alloc(ss->A, sizeof(char *) * (size_t)(s->n_kernels + 1));
+	for (int i = 0; i < s->n_kernels; i++) {
+		kn[i] = ej_arena_printf(ss->A, "epjk_%d", i);
+		ty[i] = ej_arena_printf(ss->A, "struct ej_kargs_%d", i);
+	}
+	epj_status st = ej_sim_build_module(ctx, cuda, kn, ty, s->n_kernels,
+					    name, &ss->module);
+	if (st != EPJ_OK)
+		return st;
+	ss->fn = calloc((size_t)s->n_kernels + 1, sizeof *ss->fn);
+	if (!ss->fn)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	for (int i = 0; i < s->n_kernels; i++) {
+		ss->fn[i] = ej_device_sim.function(ej_device_sim.self,
+						   ss->module, kn[i]);
+		if (!ss->fn[i])
+			return ej_error(ctx, EPJ_ERR_BACKEND,
+					"cuda-sim: %s: entry of %s missing "
+					"from the module",
+					name, kn[i]);
+	}
+	return EPJ_OK;
+}
+
+static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
+{
+	(void)jit;
+	*state = NULL;
+	sstate *ss = calloc(1, sizeof *ss);
+	if (!ss)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	ss->A = ej_arena_new();
+	ss->s = ej_sched_build(ss->A, g);
+	ej_schedule *s = ss->s;
+	char gh[33], name[48];
+	const char *text = ej_graph_text(g);
+	epj_hash_hex(epj_hash(text, strlen(text)), gh);
+	snprintf(name, sizeof name, "g%.16s", gh);
+	ss->last = ej_last_use(g, s->n_steps, step_read, s);
+	if (!ss->last) {
+		sstate_free(ss);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	}
+	for (int i = 0; i < s->n_kernels; i++) {
+		const ej_kernel *k = s->kernels[i];
+		size_t a = ej_cuda_args_size(k);
+		ss->max_args = a > ss->max_args ? a : ss->max_args;
+		ss->max_in = k->n_in > ss->max_in ? k->n_in : ss->max_in;
+		ss->max_out = k->n_out > ss->max_out ? k->n_out : ss->max_out;
+	}
+	epj_status st = EPJ_OK;
+	if (s->n_kernels > 0)
+		st = load_kernels(ctx, ss, name);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "cuda-sim backend (%s)", name);
+		sstate_free(ss);
+		return st;
+	}
+	epj_counter_add(ctx, "codegen.kernels", s->n_kernels);
+	*state = ss;
+	return EPJ_OK;
+}
+
+/* One fused kernel: fresh outputs bound in env, launch on cuda-sim. */
+static epj_status run_kernel(epj_ctx *ctx, sstate *ss, const ej_kernel *k,
+			     epj_tensor **env)
+{
+	epj_tensor *in[ss->max_in + 1], *out[ss->max_out + 1];
+	ej_launch_out lo[ss->max_out + 1];
+	_Alignas(16) unsigned char args[ss->max_args + 16];
+	for (int i = 0; i < k->n_in; i++)
+		in[i] = env[k->in[i].value];
+	for (int o = 0; o < k->n_out; o++) {
+		const ej_value *v = &ss->s->g->values[k->out[o].value];
+		out[o] =
+		    ej_tensor_alloc(ctx, v->dtype, v->ndim, v->shape, false);
+		if (!out[o])
+			return ctx->status ? ctx->status
+					   : ej_error(ctx, EPJ_ERR_NOMEM,
+						      "kernel %d: cannot "
+						      "allocate output %d",
+						      k->id, o);
+		env[k->out[o].value] = out[o];
+	}
+	ej_launch l;
+	ej_cuda_launch_prepare(k, in, out, args, lo, &l);
+	char kname[32];
+	snprintf(kname, sizeof kname, "epjk_%d", k->id);
+	epj_status st = ej_device_sim.launch(ej_device_sim.self, ctx,
+					     ss->fn[k->id], kname, &l);
+	if (st == EPJ_OK)
+		(*ctx->ctr_eager_launches)++;
+	return st;
+}
+
+static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
+		      epj_tensor *const *inputs, epj_tensor **outs)
+{
+	sstate *ss = state;
+	const ej_schedule *s = ss->s;
+	epj_status st = EPJ_OK;
+	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
+	if (!env)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	for (int i = 0; i < g->n_inputs; i++)
+		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
+	bool prev = epj_no_grad_enter(ctx);
+	int64_t *saved_ctr = ctx->ctr_eager_launches;
+	ctx->ctr_eager_launches =
+	    ej_counter_slot(ctx, "kernels.launched.compiled");
+	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
+		const ej_step *step = &s->steps[i];
+		if (step->k) {
+			st = run_kernel(ctx, ss, step->k, env);
+			if (st != EPJ_OK) {
+				ej_error_prefix(ctx, "%s, kernel %d", g->name,
+						step->k->id);
+				break;
+			}
+			ej_release_reads(env, ss->last, i, step_read, s);
+			continue;
+		}
+		st = ej_run_node(ctx, g, step->node, env, ss->last, i,
+				 step_read, s);
+	}
+	ctx->ctr_eager_launches = saved_ctr;
+	epj_no_grad_exit(ctx, prev);
+	for (int i = 0; i < g->n_outputs; i++)
+		outs[i] =
+		    st == EPJ_OK ? epj_tensor_ref(env[g->outputs[i]]) : NULL;
+	for (int v = 0; v < g->n_values; v++)
+		epj_tensor_free(env[v]);
+	free(env);
+	return st;
+}
+
+const ej_schedule *ej_backend_sim_schedule(const void *state)
+{
+	return ((const sstate *)state)->s;
+}
+
+epj_status ej_backend_sim_run_kernel(epj_ctx *ctx, void *state, int kernel,
+				     epj_tensor *const *in, epj_tensor **out)
+{
+	sstate *ss = state;
+	EJ_ASSERT(kernel >= 0 && kernel < ss->s->n_kernels);
+	const ej_kernel *k = ss->s->kernels[kernel];
+	const ej_graph *g = ss->s->g;
+	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
+	if (!env)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
+	for (int i = 0; i < k->n_in; i++)
+		env[k->in[i].value] = in[i];
+	int64_t *saved_ctr = ctx->ctr_eager_launches;
+	ctx->ctr_eager_launches =
+	    ej_counter_slot(ctx, "kernels.launched.compiled");
+	epj_status s = run_kernel(ctx, ss, k, env);
+	ctx->ctr_eager_launches = saved_ctr;
+	for (int o = 0; o < k->n_out; o++) {
+		out[o] = s == EPJ_OK ? env[k->out[o].value] : NULL;
+		if (s != EPJ_OK)
+			epj_tensor_free(env[k->out[o].value]);
+	}
+	free(env);
+	return s;
+}
+
+const ej_codegen_backend ej_backend_sim = { "cuda-sim", build, run,
+					    sstate_free };
