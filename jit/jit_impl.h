@@ -164,6 +164,8 @@ typedef struct ej_codegen_backend {
 extern const ej_codegen_backend ej_backend_c;
 /* The cuda-sim backend (generated CUDA C, host C++ compiler, simulator). */
 extern const ej_codegen_backend ej_backend_sim;
+/* The nvrtc backend (generated CUDA C, NVRTC, the cuda device). */
+extern const ej_codegen_backend ej_backend_cuda;
 
 /* ---- compiled segments and regions
  * --------------------------------------------- */

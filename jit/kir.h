@@ -262,6 +262,29 @@ const ej_schedule *ej_backend_sim_schedule(const void *state);
 epj_status ej_backend_sim_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				     epj_tensor *const *in, epj_tensor **out);
 
+/* ---- nvrtc backend on the cuda device (backend_cuda.c) -------------------
+ * Test and benchmark hooks as the other backends': the schedule and CUDA C
+ * unit of a built graph, one fused kernel run alone (host tensors in, fresh
+ * host tensors out, computed on the GPU), and the device allocator's
+ * statistics. */
+const ej_schedule *ej_backend_cuda_schedule(const void *state);
+const char *ej_backend_cuda_source(const void *state);
+epj_status ej_backend_cuda_run_kernel(epj_ctx *ctx, void *state, int kernel,
+				      epj_tensor *const *in, epj_tensor **out);
+void ej_backend_cuda_memory_stats(epj_memory_stats *out);
+/* Times fused kernel `kernel` of a built graph on the GPU: in[] (host
+ * tensors, the kernel's inputs) staged once, outputs allocated once, one
+ * warm-up launch, then `iters` launches between two events.  *us: mean
+ * microseconds per launch; *bytes: the bytes the kernel reads (input spans)
+ * and writes (outputs). */
+epj_status ej_backend_cuda_time_kernel(epj_ctx *ctx, void *state, int kernel,
+				       epj_tensor *const *in, int iters,
+				       double *us, double *bytes);
+/* The device-to-device copy bandwidth (GB/s, bytes read + written) of
+ * `iters` copies of `bytes`, timed with events on the compute stream. */
+epj_status ej_backend_cuda_copy_bandwidth(epj_ctx *ctx, size_t bytes,
+					  int iters, double *gbps);
+
 /* ---- kernel body printing shared by print_c.c and print_cuda.c (kir.c) ----
  * The scalar SSA body of a kernel prints the same in both dialects: values
  * are `const T v<i> = <expr>;` (v<i>_<lane> on the CUDA vector path), loads

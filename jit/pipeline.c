@@ -15,6 +15,7 @@
  *
  * EPJIT_DEBUG_DUMP=dir writes each graph after each pass (debug.c).
  */
+#include "cc.h"
 #include "jit_impl.h"
 #include "kcache.h"
 
@@ -30,6 +31,13 @@ const char *ej_backend_name(ej_backend_kind k)
 {
 	return (unsigned)k < EJ_ARRAY_LEN(backend_names) ? backend_names[k]
 							 : "?";
+}
+
+/* Whether this build compiles CUDA C with NVRTC. */
+static bool ej_nvrtc_available(void)
+{
+	int major = 0, minor = 0;
+	return ej_nvrtc_version(&major, &minor);
 }
 
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
@@ -52,16 +60,18 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 		if (strcmp(name, backend_names[i]) != 0)
 			continue;
 		if (i == EJ_BACKEND_INTERPRETER || i == EJ_BACKEND_CUDA_SIM ||
-		    (i == EJ_BACKEND_C && ej_backend_c.build)) {
+		    (i == EJ_BACKEND_C && ej_backend_c.build) ||
+		    (i == EJ_BACKEND_NVRTC && ej_nvrtc_available())) {
 			*out = (ej_backend_kind)i;
 			return EPJ_OK;
 		}
 		if (msg)
 			snprintf(msg, msg_len,
 				 "compile.backend \"%s\" is not available in "
-				 "this build (available: interpreter%s, "
+				 "this build (available: interpreter%s%s, "
 				 "cuda-sim)",
-				 name, ej_backend_c.build ? ", c" : "");
+				 name, ej_backend_c.build ? ", c" : "",
+				 ej_nvrtc_available() ? ", nvrtc" : "");
 		return EPJ_ERR_UNSUPPORTED;
 	}
 	if (msg)
@@ -338,9 +348,12 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		dump(jit, s->fwd, "3-forward-final");
 	}
 	if (st == EPJ_OK && (jit->backend == EJ_BACKEND_C ||
-			     jit->backend == EJ_BACKEND_CUDA_SIM)) {
+			     jit->backend == EJ_BACKEND_CUDA_SIM ||
+			     jit->backend == EJ_BACKEND_NVRTC)) {
 		s->backend = jit->backend == EJ_BACKEND_C ? &ej_backend_c
-							  : &ej_backend_sim;
+			     : jit->backend == EJ_BACKEND_NVRTC
+				 ? &ej_backend_cuda
+				 : &ej_backend_sim;
 		st = s->backend->build(ctx, jit, s->fwd, &s->fwd_state);
 		if (st == EPJ_OK && s->bwd)
 			st = s->backend->build(ctx, jit, s->bwd, &s->bwd_state);

@@ -6,6 +6,7 @@
  * an unknown or unavailable backend is a clean error, never a crash.
  */
 #include "core_impl.h"
+#include "cuda_driver.h"
 
 #include <string.h>
 
@@ -13,7 +14,24 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 {
 	*out = NULL;
 	if (backend && strcmp(backend, "cpu") != 0) {
-		if (!strcmp(backend, "cuda") || !strcmp(backend, "cuda-sim")) {
+		if (!strcmp(backend, "cuda")) {
+			/* the driver's own verdict first ("no CUDA driver
+			 * (libcuda.so.1 not found: ...)") */
+			epj_ctx probe = { 0 };
+			if (!ej_cuda_driver_get(&probe))
+				epj_log_msg(EPJ_LOG_ERROR, "backend \"cuda\": %s",
+					    probe.errmsg);
+			else
+				epj_log_msg(
+				    EPJ_LOG_ERROR,
+				    "backend \"cuda\": tensors cannot live on "
+				    "the GPU yet (the eager ops have no CUDA "
+				    "kernels); use \"cpu\" with "
+				    "compile.backend \"nvrtc\" to run the "
+				    "compiled kernels on the GPU");
+			return EPJ_ERR_BACKEND;
+		}
+		if (!strcmp(backend, "cuda-sim")) {
 			epj_log_msg(
 			    EPJ_LOG_ERROR,
 			    "backend \"%s\" is not available in this build "

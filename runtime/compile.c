@@ -33,6 +33,7 @@
  * frames.fallback_eager (calls run eagerly because of the limit).  The jit
  * keeps the others (stats.*, graph_break.*, cache.*, compile.*).
  */
+#include "cuda_driver.h"
 #include "jit.h"
 #include "runtime_impl.h"
 
@@ -602,6 +603,16 @@ epj_status epj_engine_compile(epj_engine *e)
 			return ej_error(ctx, st, AUTOEP_PREFIX ": %s", msg);
 		return ej_error(ctx, st, "compile: %s", msg);
 	}
+	/* the nvrtc backend needs a GPU: fail here, not at the first call */
+	if (backend == EJ_BACKEND_NVRTC) {
+		ej_cuda_dev *dev = NULL;
+		st = ej_cuda_open(ctx, &dev);
+		if (st != EPJ_OK) {
+			ej_error_prefix(ctx, "compile: compile.backend "
+					     "\"nvrtc\"");
+			return st;
+		}
+	}
 	/* 3. regions */
 	module_list mods;
 	st = discover(ctx, e->model->root, autoep, &mods);
@@ -645,6 +656,11 @@ const char *epj_engine_compile_mode(const epj_engine *e)
 int epj_engine_num_regions(const epj_engine *e)
 {
 	return e->compiled ? e->compiled->n_regions : 0;
+}
+
+struct ej_jit *ej_engine_jit(const epj_engine *e)
+{
+	return e->compiled ? e->compiled->jit : NULL;
 }
 
 const char *epj_engine_region_name(const epj_engine *e, int i)

@@ -207,4 +207,8 @@ void ej_engine_compile_free(epj_engine *e);
  * variable's name, NULL when none (engine.c). */
 const char *ej_launcher_world_size(int *world);
 
+/* The jit of a compiled engine (its segment cache holds every compiled
+ * graph), NULL before compile; for benchmarks and tools (compile.c). */
+struct ej_jit *ej_engine_jit(const epj_engine *e);
+
 #endif /* EPJIT_RUNTIME_IMPL_H */

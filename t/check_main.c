@@ -22,7 +22,8 @@ int main(void)
 		make_compile_suite,	  make_parity_suite,
 		make_kcache_suite,	  make_cc_suite,
 		make_codegen_suite,	  make_keys_suite,
-		make_sim_suite,
+		make_sim_suite,		  make_cuda_suite,
+		make_gpu_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

@@ -42,6 +42,8 @@ Suite *make_cc_suite(void);
 Suite *make_codegen_suite(void);
 Suite *make_keys_suite(void);
 Suite *make_sim_suite(void);
+Suite *make_cuda_suite(void);
+Suite *make_gpu_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

@@ -1,0 +1,218 @@
+/* cuda_driver.h -- the CUDA Driver API as epjit uses it: loaded at run time
+ * with dlopen (libcuda.so.1, or $EPJIT_CUDA_DRIVER), every entry point found
+ * through cuGetProcAddress with an explicit API version, every call checked.
+ *
+ * The library never links against libcuda and never includes cuda.h: the
+ * handful of types and constants used here are declared below with the
+ * values of the Driver API's ABI (cuda.h, CUDA 12/13), so the same build runs
+ * where no driver is installed and reports "no CUDA driver" cleanly.
+ *
+ * Invariants
+ *  - One driver table per process (ej_cuda_driver), loaded once under a
+ *    lock; a failed load is remembered with its message and never retried.
+ *  - EJ_CU(ctx, call) runs a driver call; a failure returns EPJ_ERR_BACKEND
+ *    from the enclosing function with the call text, file:line, the driver's
+ *    cuGetErrorName and cuGetErrorString in ctx (EJ_CU_TRY stores the status
+ *    instead of returning).
+ */
+#ifndef EPJIT_CUDA_DRIVER_H
+#define EPJIT_CUDA_DRIVER_H
+
+#include "core_impl.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- the ABI subset (values as in cuda.h) --------------------------------
+ */
+typedef int ej_CUresult; /* CUDA_SUCCESS = 0 */
+typedef int ej_CUdevice;
+typedef unsigned long long ej_CUdeviceptr;
+typedef struct ej_CUctx_st *ej_CUcontext;
+typedef struct ej_CUmod_st *ej_CUmodule;
+typedef struct ej_CUfunc_st *ej_CUfunction;
+typedef struct ej_CUstream_st *ej_CUstream;
+typedef struct ej_CUevent_st *ej_CUevent;
+typedef struct ej_CUgraph_st *ej_CUgraph;
+typedef struct ej_CUgraphExec_st *ej_CUgraphExec;
+
+#define EJ_CUDA_SUCCESS			    0
+#define EJ_CUDA_ERROR_OUT_OF_MEMORY	    2
+#define EJ_CU_DEVICE_ATTR_MAX_THREADS_BLOCK 1
+#define EJ_CU_DEVICE_ATTR_SMEM_OPTIN	    97 /* max shared per block, opt-in */
+#define EJ_CU_DEVICE_ATTR_SM_COUNT	    16
+#define EJ_CU_DEVICE_ATTR_CC_MAJOR	    75
+#define EJ_CU_DEVICE_ATTR_CC_MINOR	    76
+#define EJ_CU_FUNC_ATTR_MAX_DYN_SMEM	    8
+#define EJ_CU_STREAM_NON_BLOCKING	    1
+#define EJ_CU_EVENT_DEFAULT		    0
+#define EJ_CU_CAPTURE_MODE_THREAD_LOCAL	    1
+#define EJ_CU_MEMHOSTALLOC_PORTABLE	    1
+
+/* Dynamic shared memory above this needs the opt-in function attribute. */
+#define EJ_CUDA_SMEM_DEFAULT_MAX (48 * 1024)
+
+/* The entry points, with the API version each is requested at
+ * (cuGetProcAddress returns the implementation current at that version:
+ * cuMemAlloc at 12000 is cuMemAlloc_v2).  X(name, version, return, args). */
+#define EJ_CUDA_ENTRY_POINTS(X)                                                \
+	X(cuInit, 12000, (unsigned flags))                                     \
+	X(cuDriverGetVersion, 12000, (int *version))                           \
+	X(cuDeviceGetCount, 12000, (int *count))                               \
+	X(cuDeviceGet, 12000, (ej_CUdevice * dev, int ordinal))                \
+	X(cuDeviceGetName, 12000, (char *name, int len, ej_CUdevice dev))      \
+	X(cuDeviceGetAttribute, 12000,                                         \
+	  (int *value, int attrib, ej_CUdevice dev))                           \
+	X(cuDeviceTotalMem, 12000, (size_t * bytes, ej_CUdevice dev))          \
+	X(cuDevicePrimaryCtxRetain, 12000,                                     \
+	  (ej_CUcontext * ctx, ej_CUdevice dev))                               \
+	X(cuDevicePrimaryCtxRelease, 12000, (ej_CUdevice dev))                 \
+	X(cuCtxSetCurrent, 12000, (ej_CUcontext ctx))                          \
+	X(cuCtxSynchronize, 12000, (void))                                     \
+	X(cuMemAlloc, 12000, (ej_CUdeviceptr * dptr, size_t bytes))            \
+	X(cuMemFree, 12000, (ej_CUdeviceptr dptr))                             \
+	X(cuMemGetInfo, 12000, (size_t * free_bytes, size_t * total))          \
+	X(cuMemHostAlloc, 12000, (void **p, size_t bytes, unsigned flags))     \
+	X(cuMemFreeHost, 12000, (void *p))                                     \
+	X(cuMemcpy, 12000,                                                     \
+	  (ej_CUdeviceptr dst, ej_CUdeviceptr src, size_t bytes))              \
+	X(cuMemcpyAsync, 12000,                                                \
+	  (ej_CUdeviceptr dst, ej_CUdeviceptr src, size_t bytes,               \
+	   ej_CUstream stream))                                                \
+	X(cuMemsetD8Async, 12000,                                              \
+	  (ej_CUdeviceptr dst, unsigned char value, size_t n,                  \
+	   ej_CUstream stream))                                                \
+	X(cuModuleLoadData, 12000, (ej_CUmodule * mod, const void *image))     \
+	X(cuModuleUnload, 12000, (ej_CUmodule mod))                            \
+	X(cuModuleGetFunction, 12000,                                          \
+	  (ej_CUfunction * fn, ej_CUmodule mod, const char *name))             \
+	X(cuFuncSetAttribute, 12000,                                           \
+	  (ej_CUfunction fn, int attrib, int value))                           \
+	X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 12000,                  \
+	  (int *blocks, ej_CUfunction fn, int block_size, size_t smem))        \
+	X(cuLaunchKernel, 12000,                                               \
+	  (ej_CUfunction fn, unsigned gx, unsigned gy, unsigned gz,            \
+	   unsigned bx, unsigned by, unsigned bz, unsigned smem,               \
+	   ej_CUstream stream, void **params, void **extra))                   \
+	X(cuStreamCreate, 12000, (ej_CUstream * stream, unsigned flags))       \
+	X(cuStreamDestroy, 12000, (ej_CUstream stream))                        \
+	X(cuStreamSynchronize, 12000, (ej_CUstream stream))                    \
+	X(cuStreamWaitEvent, 12000,                                            \
+	  (ej_CUstream stream, ej_CUevent ev, unsigned flags))                 \
+	X(cuEventCreate, 12000, (ej_CUevent * ev, unsigned flags))             \
+	X(cuEventDestroy, 12000, (ej_CUevent ev))                              \
+	X(cuEventRecord, 12000, (ej_CUevent ev, ej_CUstream stream))           \
+	X(cuEventSynchronize, 12000, (ej_CUevent ev))                          \
+	X(cuEventElapsedTime, 12000,                                           \
+	  (float *ms, ej_CUevent start, ej_CUevent end))                       \
+	X(cuStreamBeginCapture, 12000, (ej_CUstream stream, int mode))         \
+	X(cuStreamEndCapture, 12000, (ej_CUstream stream, ej_CUgraph * graph)) \
+	X(cuGraphInstantiate, 12000,                                           \
+	  (ej_CUgraphExec * exec, ej_CUgraph graph, unsigned long long flags)) \
+	X(cuGraphLaunch, 12000, (ej_CUgraphExec exec, ej_CUstream stream))     \
+	X(cuGraphExecDestroy, 12000, (ej_CUgraphExec exec))                    \
+	X(cuGraphDestroy, 12000, (ej_CUgraph graph))
+
+typedef struct ej_cuda_driver {
+#define EJ_CUDA_FIELD(name, ver, args) ej_CUresult(*name) args;
+	EJ_CUDA_ENTRY_POINTS(EJ_CUDA_FIELD)
+#undef EJ_CUDA_FIELD
+	/* not through cuGetProcAddress: they must work when it fails */
+	ej_CUresult (*cuGetErrorName)(ej_CUresult err, const char **s);
+	ej_CUresult (*cuGetErrorString)(ej_CUresult err, const char **s);
+	int version; /* cuDriverGetVersion, e.g. 13000 */
+	char path[256];
+} ej_cuda_driver;
+
+/* The process's driver table: loads $EPJIT_CUDA_DRIVER (default
+ * libcuda.so.1) at the first call, resolves every entry point and calls
+ * cuInit(0).  NULL with EPJ_ERR_BACKEND in ctx when there is none: "no CUDA
+ * driver (libcuda.so.1 not found: <dlerror>)", or the entry point / cuInit
+ * failure.  The same answer every later call. */
+const ej_cuda_driver *ej_cuda_driver_get(epj_ctx *ctx);
+
+/* Sets ctx's error for a failed driver call (the check macro's work):
+ * "<what> failed at <file>:<line>: <cuGetErrorName> (<code>): <string>". */
+epj_status ej_cuda_error(epj_ctx *ctx, const ej_cuda_driver *d, ej_CUresult r,
+			 const char *what, const char *file, int line);
+
+#define EJ_CU_TRY(st, ctx, d, call)                                            \
+	do {                                                                   \
+		ej_CUresult ej_cu_r_ = (d)->call;                              \
+		(st) = ej_cu_r_ == EJ_CUDA_SUCCESS                             \
+			   ? EPJ_OK                                            \
+			   : ej_cuda_error((ctx), (d), ej_cu_r_, #call,        \
+					   __FILE__, __LINE__);                \
+	} while (0)
+#define EJ_CU(ctx, d, call)                                                    \
+	do {                                                                   \
+		epj_status ej_cu_st_;                                          \
+		EJ_CU_TRY(ej_cu_st_, ctx, d, call);                            \
+		if (ej_cu_st_ != EPJ_OK)                                       \
+			return ej_cu_st_;                                      \
+	} while (0)
+
+/* ---- the device (device_cuda.c) ---------------------------------------- */
+
+/* The process's cuda device: one primary context on one GPU, a compute
+ * stream and a side stream (for work that overlaps the compute stream, such
+ * as split-plan copies). */
+typedef struct ej_cuda_dev ej_cuda_dev;
+
+/* Opens (the first call) or returns the process's device: the GPU with
+ * ordinal $EPJIT_CUDA_DEVICE when set, else the local rank (LOCAL_RANK,
+ * OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID; 0 when none)
+ * modulo the device count.  Errors (ctx): no driver, no GPU, a bad
+ * EPJIT_CUDA_DEVICE (EPJ_ERR_CONFIG), any failing driver call.  The device
+ * lives until the process ends. */
+epj_status ej_cuda_open(epj_ctx *ctx, ej_cuda_dev **out);
+/* The ordinal for a process: override (a decimal in [0, count)) when
+ * non-empty, else local % count; -1 when impossible. */
+int ej_cuda_pick_ordinal(int device_count, const char *override, int local);
+/* The ej_device vtable of c (memory on the compute stream, modules,
+ * launches); for an ej_allocator or a backend. */
+const ej_device *ej_cuda_device(ej_cuda_dev *c);
+
+typedef struct ej_cuda_dev_info {
+	char name[128];
+	char arch[16]; /* "sm_90" */
+	int ordinal, sm_count, cc_major, cc_minor, max_threads, smem_optin;
+	int driver_version;
+	size_t total_mem;
+	int64_t launches; /* kernels launched through this device */
+} ej_cuda_dev_info;
+void ej_cuda_info(const ej_cuda_dev *c, ej_cuda_dev_info *out);
+/* The last failure of a vtable member that has no context ("" if none). */
+const char *ej_cuda_last_error(const ej_cuda_dev *c);
+
+/* Pinned (page-locked) host memory, for copies that overlap compute. */
+epj_status ej_cuda_host_alloc(epj_ctx *ctx, ej_cuda_dev *c, size_t bytes,
+			      void **out);
+void ej_cuda_host_free(ej_cuda_dev *c, void *p);
+
+/* Events: recorded on the compute stream (side false) or the side stream;
+ * elapsed time waits for `end`. */
+epj_status ej_cuda_event_new(epj_ctx *ctx, ej_cuda_dev *c, void **ev);
+void ej_cuda_event_free(ej_cuda_dev *c, void *ev);
+epj_status ej_cuda_event_record(epj_ctx *ctx, ej_cuda_dev *c, void *ev,
+				bool side);
+/* The compute (side false) or side stream waits for ev. */
+epj_status ej_cuda_stream_wait(epj_ctx *ctx, ej_cuda_dev *c, void *ev,
+			       bool side);
+epj_status ej_cuda_event_elapsed_ms(epj_ctx *ctx, ej_cuda_dev *c, void *start,
+				    void *end, double *ms);
+/* A copy on the compute stream that does not wait for its end. */
+epj_status ej_cuda_copy_async(epj_ctx *ctx, ej_cuda_dev *c, void *dst,
+			      const void *src, size_t bytes);
+/* Waits for both streams. */
+epj_status ej_cuda_sync(epj_ctx *ctx, ej_cuda_dev *c);
+
+/* CUDA graphs: launches on the compute stream between begin and end are
+ * captured (thread-local mode) instead of run; end instantiates them into
+ * *exec, which ej_cuda_graph_launch replays on the compute stream. */
+epj_status ej_cuda_capture_begin(epj_ctx *ctx, ej_cuda_dev *c);
+epj_status ej_cuda_capture_end(epj_ctx *ctx, ej_cuda_dev *c, void **exec);
+epj_status ej_cuda_graph_launch(epj_ctx *ctx, ej_cuda_dev *c, void *exec);
+void ej_cuda_graph_free(ej_cuda_dev *c, void *exec);
+
+#endif /* EPJIT_CUDA_DRIVER_H */

@@ -1,0 +1,605 @@
+/* device_cuda.c -- the cuda device: the CUDA Driver API loaded with dlopen
+ * (cuda_driver.h), one primary context per process on the GPU chosen by the
+ * local rank, a compute stream and a side stream, device memory under the
+ * shared caching allocator (alloc.c), modules (cubins or PTX) loaded from
+ * bytes, kernel launches, events and CUDA graph capture.
+ *
+ *   ej_cuda_driver_get   dlopen -> cuGetProcAddress(name, driver version)
+ *                        for every entry point -> cuInit(0)
+ *   ej_cuda_open         device = local rank % device count (or
+ *                        $EPJIT_CUDA_DEVICE), primary context, streams,
+ *                        attributes; the ej_device vtable over it
+ *
+ * Memory is stream-ordered on the compute stream: copies and fills are
+ * issued there (cuMemcpyAsync / cuMemsetD8Async) and the copy returns after
+ * a stream synchronize, so host buffers may be reused at once; device
+ * pointers are unified addresses, so cuMemcpy infers the direction.  A
+ * failed cuMemAlloc returns NULL and the caching allocator empties its free
+ * lists and retries once (alloc.c), as framework allocators do on OOM.
+ *
+ * The vtable members have no context to report to: a failure is kept in the
+ * device's last error (ej_cuda_last_error) and logged; members that take a
+ * context (load, launch) report there.
+ */
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the driver table ---------------------------------------------------- */
+
+typedef ej_CUresult (*getproc_v2_fn)(const char *, void **, int,
+				     unsigned long long, int *);
+typedef ej_CUresult (*getproc_v1_fn)(const char *, void **, int,
+				     unsigned long long);
+
+static pthread_mutex_t drv_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool drv_tried;
+static ej_cuda_driver drv;
+static ej_cuda_driver *drv_ok;
+static char drv_err[512];
+
+static const char *src_file(const char *p)
+{
+	const char *s = strrchr(p, '/');
+	return s ? s + 1 : p;
+}
+
+epj_status ej_cuda_error(epj_ctx *ctx, const ej_cuda_driver *d, ej_CUresult r,
+			 const char *what, const char *file, int line)
+{
+	const char *name = NULL, *str = NULL;
+	if (d && d->cuGetErrorName)
+		d->cuGetErrorName(r, &name);
+	if (d && d->cuGetErrorString)
+		d->cuGetErrorString(r, &str);
+	return ej_error(ctx, EPJ_ERR_BACKEND,
+			"cuda: %s failed at %s:%d: %s (%d): %s", what,
+			src_file(file), line, name ? name : "CUDA_ERROR_?", r,
+			str ? str : "no description");
+}
+
+/* Loads and resolves the table into drv; false with drv_err set. */
+static bool driver_load(void)
+{
+	const char *path = getenv("EPJIT_CUDA_DRIVER");
+	if (!path || !*path)
+		path = "libcuda.so.1";
+	snprintf(drv.path, sizeof drv.path, "%s", path);
+	dlerror();
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		const char *e = dlerror();
+		snprintf(drv_err, sizeof drv_err,
+			 "no CUDA driver (%s not found: %s)", path,
+			 e ? e : "dlopen failed");
+		return false;
+	}
+	/* POSIX: dlsym's data pointer converts to a function pointer */
+	void *p;
+	p = dlsym(h, "cuGetErrorName");
+	memcpy(&drv.cuGetErrorName, &p, sizeof p);
+	p = dlsym(h, "cuGetErrorString");
+	memcpy(&drv.cuGetErrorString, &p, sizeof p);
+	p = dlsym(h, "cuDriverGetVersion");
+	ej_CUresult (*version)(int *) = NULL;
+	memcpy(&version, &p, sizeof p);
+	getproc_v2_fn gp2 = NULL;
+	getproc_v1_fn gp1 = NULL;
+	p = dlsym(h, "cuGetProcAddress_v2");
+	memcpy(&gp2, &p, sizeof p);
+	p = dlsym(h, "cuGetProcAddress");
+	memcpy(&gp1, &p, sizeof p);
+	if (!version || (!gp2 && !gp1) || !drv.cuGetErrorName ||
+	    !drv.cuGetErrorString) {
+		snprintf(drv_err, sizeof drv_err,
+			 "CUDA driver unusable: %s lacks cuGetProcAddress, "
+			 "cuDriverGetVersion or cuGetErrorName",
+			 path);
+		return false; /* the handle stays open: nothing to undo */
+	}
+	int v = 0;
+	if (version(&v) != EJ_CUDA_SUCCESS || v < 12000) {
+		snprintf(drv_err, sizeof drv_err,
+			 "CUDA driver %s is too old: version %d.%d, epjit "
+			 "needs 12.0 or newer",
+			 path, v / 1000, v % 1000 / 10);
+		return false;
+	}
+	drv.version = v;
+	/* every entry point at the driver's own API version (capped at the
+	 * newest this file knows), so each name resolves to its current
+	 * implementation (cuMemAlloc -> cuMemAlloc_v2, cuEventElapsedTime ->
+	 * _v2 on CUDA 13) */
+	int want = v < 13000 ? v : 13000;
+#define EJ_CUDA_RESOLVE(name, ver, args)                                       \
+	{                                                                      \
+		void *fp = NULL;                                               \
+		int status = 0;                                                \
+		int at = want > (ver) ? want : (ver);                          \
+		ej_CUresult r = gp2 ? gp2(#name, &fp, at, 0, &status)          \
+				    : gp1(#name, &fp, at, 0);                  \
+		if (r != EJ_CUDA_SUCCESS || !fp) {                             \
+			snprintf(drv_err, sizeof drv_err,                      \
+				 "CUDA driver %s: cuGetProcAddress(\"%s\", "   \
+				 "%d) failed (error %d)",                      \
+				 path, #name, at, r);                          \
+			return false;                                          \
+		}                                                              \
+		memcpy(&drv.name, &fp, sizeof fp);                             \
+	}
+	EJ_CUDA_ENTRY_POINTS(EJ_CUDA_RESOLVE)
+#undef EJ_CUDA_RESOLVE
+	ej_CUresult r = drv.cuInit(0);
+	if (r != EJ_CUDA_SUCCESS) {
+		const char *name = NULL, *str = NULL;
+		drv.cuGetErrorName(r, &name);
+		drv.cuGetErrorString(r, &str);
+		snprintf(drv_err, sizeof drv_err,
+			 "CUDA driver %s: cuInit(0) failed: %s (%d): %s", path,
+			 name ? name : "?", r, str ? str : "");
+		return false;
+	}
+	return true;
+}
+
+const ej_cuda_driver *ej_cuda_driver_get(epj_ctx *ctx)
+{
+	pthread_mutex_lock(&drv_lock);
+	if (!drv_tried) {
+		drv_tried = true;
+		drv_ok = driver_load() ? &drv : NULL;
+	}
+	pthread_mutex_unlock(&drv_lock);
+	if (!drv_ok && ctx)
+		ej_error(ctx, EPJ_ERR_BACKEND, "%s", drv_err);
+	return drv_ok;
+}
+
+/* ---- the device ---------------------------------------------------------- */
+
+struct ej_cuda_dev {
+	const ej_cuda_driver *d;
+	int ordinal;
+	ej_CUdevice dev;
+	ej_CUcontext cu;
+	ej_CUstream compute, side;
+	int sm_count, cc_major, cc_minor, max_threads, smem_optin;
+	size_t total_mem;
+	char name[128];
+	ej_device vt;	      /* the vtable, self = this */
+	char last_error[512]; /* of a vtable member without a context */
+	bool capturing;	      /* a stream capture is under way */
+	int64_t launches;     /* cuLaunchKernel calls made */
+};
+
+static pthread_mutex_t dev_lock = PTHREAD_MUTEX_INITIALIZER;
+static ej_cuda_dev *dev_open; /* the process's device (one context) */
+
+/* A failed call inside a vtable member: kept and logged. */
+static void dev_fail(ej_cuda_dev *c, ej_CUresult r, const char *what)
+{
+	const char *name = NULL, *str = NULL;
+	c->d->cuGetErrorName(r, &name);
+	c->d->cuGetErrorString(r, &str);
+	snprintf(c->last_error, sizeof c->last_error,
+		 "cuda: %s failed: %s (%d): %s", what, name ? name : "?", r,
+		 str ? str : "");
+	epj_log_msg(EPJ_LOG_WARN, "%s", c->last_error);
+}
+
+#define DEV_CALL(c, call)                                                      \
+	do {                                                                   \
+		ej_CUresult r_ = (c)->d->call;                                 \
+		if (r_ != EJ_CUDA_SUCCESS)                                     \
+			dev_fail((c), r_, #call);                              \
+	} while (0)
+
+static void *cu_alloc(void *self, size_t bytes)
+{
+	ej_cuda_dev *c = self;
+	ej_CUdeviceptr p = 0;
+	ej_CUresult r = c->d->cuMemAlloc(&p, bytes);
+	if (r != EJ_CUDA_SUCCESS) {
+		/* out of memory is the allocator's cue to empty its cache and
+		 * retry; only a second failure is the caller's problem */
+		if (r != EJ_CUDA_ERROR_OUT_OF_MEMORY)
+			dev_fail(c, r, "cuMemAlloc");
+		else
+			snprintf(c->last_error, sizeof c->last_error,
+				 "cuda: cuMemAlloc(%zu bytes): out of memory",
+				 bytes);
+		return NULL;
+	}
+	return (void *)(uintptr_t)p;
+}
+
+static void cu_free(void *self, void *ptr)
+{
+	ej_cuda_dev *c = self;
+	if (!ptr)
+		return;
+	/* the block may still be read by queued work: frees are ordered after
+	 * it (cuMemFree synchronizes the device) */
+	DEV_CALL(c, cuMemFree((ej_CUdeviceptr)(uintptr_t)ptr));
+}
+
+static void cu_copy(void *self, void *dst, const void *src, size_t bytes)
+{
+	ej_cuda_dev *c = self;
+	if (!bytes)
+		return;
+	DEV_CALL(c, cuMemcpyAsync((ej_CUdeviceptr)(uintptr_t)dst,
+				  (ej_CUdeviceptr)(uintptr_t)src, bytes,
+				  c->compute));
+	DEV_CALL(c, cuStreamSynchronize(c->compute));
+}
+
+static void cu_memzero(void *self, void *ptr, size_t bytes)
+{
+	ej_cuda_dev *c = self;
+	if (bytes)
+		DEV_CALL(c, cuMemsetD8Async((ej_CUdeviceptr)(uintptr_t)ptr, 0,
+					    bytes, c->compute));
+}
+
+static void cu_sync(void *self)
+{
+	ej_cuda_dev *c = self;
+	DEV_CALL(c, cuStreamSynchronize(c->side));
+	DEV_CALL(c, cuStreamSynchronize(c->compute));
+}
+
+static epj_status cu_load(void *self, epj_ctx *ctx, const void *image,
+			  size_t size, const char *name, void **module)
+{
+	ej_cuda_dev *c = self;
+	*module = NULL;
+	if (!image || size < 4)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"cuda: module %s: empty image", name);
+	ej_CUmodule m = NULL;
+	epj_status st;
+	EJ_CU_TRY(st, ctx, c->d, cuModuleLoadData(&m, image));
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "cuda: loading module %s (%zu bytes)",
+				name, size);
+		return st;
+	}
+	*module = m;
+	return EPJ_OK;
+}
+
+static void cu_unload(void *self, void *module)
+{
+	ej_cuda_dev *c = self;
+	if (module)
+		DEV_CALL(c, cuModuleUnload((ej_CUmodule)module));
+}
+
+static void *cu_function(void *self, void *module, const char *kernel)
+{
+	ej_cuda_dev *c = self;
+	ej_CUfunction f = NULL;
+	ej_CUresult r =
+	    c->d->cuModuleGetFunction(&f, (ej_CUmodule)module, kernel);
+	return r == EJ_CUDA_SUCCESS ? (void *)f : NULL;
+}
+
+static epj_status cu_launch(void *self, epj_ctx *ctx, void *fn,
+			    const char *kernel, const ej_launch *l)
+{
+	ej_cuda_dev *c = self;
+	if (l->smem > (size_t)c->smem_optin)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"cuda: kernel %s wants %zu bytes of dynamic "
+				"shared memory; %s allows %d per block",
+				kernel, l->smem, c->name, c->smem_optin);
+	epj_status st;
+	if (l->smem > EJ_CUDA_SMEM_DEFAULT_MAX) {
+		/* above 48 KiB a kernel must opt in, per function */
+		EJ_CU_TRY(st, ctx, c->d,
+			  cuFuncSetAttribute((ej_CUfunction)fn,
+					     EJ_CU_FUNC_ATTR_MAX_DYN_SMEM,
+					     (int)l->smem));
+		if (st != EPJ_OK)
+			return st;
+	}
+	/* the kernel's one parameter is its argument struct, by value:
+	 * kernelParams[0] points at the packed bytes */
+	void *params[1] = { (void *)l->args };
+	EJ_CU_TRY(st, ctx, c->d,
+		  cuLaunchKernel((ej_CUfunction)fn, l->grid[0], l->grid[1],
+				 l->grid[2], l->block[0], l->block[1],
+				 l->block[2], (unsigned)l->smem, c->compute,
+				 params, NULL));
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx,
+				"cuda: launching %s (grid %u,%u,%u block "
+				"%u,%u,%u smem %zu)",
+				kernel, l->grid[0], l->grid[1], l->grid[2],
+				l->block[0], l->block[1], l->block[2], l->smem);
+		return st;
+	}
+	c->launches++;
+	return EPJ_OK;
+}
+
+/* The local rank the launcher gave this process (0 when none). */
+static int local_rank(void)
+{
+	static const char *const vars[] = { "LOCAL_RANK",
+					    "OMPI_COMM_WORLD_LOCAL_RANK",
+					    "MPI_LOCALRANKID",
+					    "SLURM_LOCALID" };
+	for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+		const char *v = getenv(vars[i]);
+		char *end = NULL;
+		long n = v && *v ? strtol(v, &end, 10) : -1;
+		if (v && *v && *end == 0 && n >= 0 && n < 1 << 20)
+			return (int)n;
+	}
+	return 0;
+}
+
+int ej_cuda_pick_ordinal(int device_count, const char *override, int local)
+{
+	if (override && *override) {
+		char *end = NULL;
+		long n = strtol(override, &end, 10);
+		if (*end || n < 0 || n >= device_count)
+			return -1;
+		return (int)n;
+	}
+	return device_count > 0 ? local % device_count : -1;
+}
+
+static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
+			   ej_cuda_dev *c)
+{
+	int n = 0;
+	EJ_CU(ctx, d, cuDeviceGetCount(&n));
+	if (n < 1)
+		return ej_error(ctx, EPJ_ERR_BACKEND,
+				"cuda: the driver sees no GPU");
+	const char *ov = getenv("EPJIT_CUDA_DEVICE");
+	int ord = ej_cuda_pick_ordinal(n, ov, local_rank());
+	if (ord < 0)
+		return ej_error(
+		    ctx, EPJ_ERR_CONFIG,
+		    "cuda: EPJIT_CUDA_DEVICE=\"%s\" is not a device "
+		    "ordinal in [0, %d)",
+		    ov ? ov : "", n);
+	c->d = d;
+	c->ordinal = ord;
+	EJ_CU(ctx, d, cuDeviceGet(&c->dev, ord));
+	EJ_CU(ctx, d, cuDeviceGetName(c->name, (int)sizeof c->name, c->dev));
+	EJ_CU(ctx, d,
+	      cuDeviceGetAttribute(&c->sm_count, EJ_CU_DEVICE_ATTR_SM_COUNT,
+				   c->dev));
+	EJ_CU(ctx, d,
+	      cuDeviceGetAttribute(&c->cc_major, EJ_CU_DEVICE_ATTR_CC_MAJOR,
+				   c->dev));
+	EJ_CU(ctx, d,
+	      cuDeviceGetAttribute(&c->cc_minor, EJ_CU_DEVICE_ATTR_CC_MINOR,
+				   c->dev));
+	EJ_CU(ctx, d,
+	      cuDeviceGetAttribute(&c->max_threads,
+				   EJ_CU_DEVICE_ATTR_MAX_THREADS_BLOCK,
+				   c->dev));
+	EJ_CU(ctx, d,
+	      cuDeviceGetAttribute(&c->smem_optin, EJ_CU_DEVICE_ATTR_SMEM_OPTIN,
+				   c->dev));
+	EJ_CU(ctx, d, cuDeviceTotalMem(&c->total_mem, c->dev));
+	EJ_CU(ctx, d, cuDevicePrimaryCtxRetain(&c->cu, c->dev));
+	EJ_CU(ctx, d, cuCtxSetCurrent(c->cu));
+	EJ_CU(ctx, d, cuStreamCreate(&c->compute, EJ_CU_STREAM_NON_BLOCKING));
+	EJ_CU(ctx, d, cuStreamCreate(&c->side, EJ_CU_STREAM_NON_BLOCKING));
+	c->vt = (ej_device){ .name = "cuda",
+			     .self = c,
+			     .alloc = cu_alloc,
+			     .free = cu_free,
+			     .copy = cu_copy,
+			     .memzero = cu_memzero,
+			     .sync = cu_sync,
+			     .host_visible = false,
+			     .load = cu_load,
+			     .unload = cu_unload,
+			     .function = cu_function,
+			     .launch = cu_launch };
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_open(epj_ctx *ctx, ej_cuda_dev **out)
+{
+	*out = NULL;
+	const ej_cuda_driver *d = ej_cuda_driver_get(ctx);
+	if (!d)
+		return epj_ctx_status(ctx);
+	pthread_mutex_lock(&dev_lock);
+	epj_status st = EPJ_OK;
+	if (!dev_open) {
+		ej_cuda_dev *c = calloc(1, sizeof *c);
+		if (!c)
+			st =
+			    ej_error(ctx, EPJ_ERR_NOMEM, "cuda: out of memory");
+		else if ((st = dev_init(ctx, d, c)) != EPJ_OK)
+			free(c); /* a retained context stays: the driver
+				    frees it at exit */
+		else
+			dev_open = c;
+	} else if (d->cuCtxSetCurrent(dev_open->cu) != EJ_CUDA_SUCCESS) {
+		st = ej_error(ctx, EPJ_ERR_BACKEND,
+			      "cuda: cannot make the context of device %d "
+			      "current in this thread",
+			      dev_open->ordinal);
+	}
+	pthread_mutex_unlock(&dev_lock);
+	if (st == EPJ_OK)
+		*out = dev_open;
+	return st;
+}
+
+/* Test hook, deliberately in no header: forget the driver and the device
+ * (both leaked), so a test run in one process (CK_FORK=no) can load another
+ * driver.  Not an interface of the library. */
+void ej_cuda_test_reset(void);
+void ej_cuda_test_reset(void)
+{
+	pthread_mutex_lock(&drv_lock);
+	drv_tried = false;
+	drv_ok = NULL;
+	memset(&drv, 0, sizeof drv);
+	pthread_mutex_unlock(&drv_lock);
+	pthread_mutex_lock(&dev_lock);
+	dev_open = NULL;
+	pthread_mutex_unlock(&dev_lock);
+}
+
+const ej_device *ej_cuda_device(ej_cuda_dev *c)
+{
+	return &c->vt;
+}
+
+void ej_cuda_info(const ej_cuda_dev *c, ej_cuda_dev_info *out)
+{
+	memset(out, 0, sizeof *out);
+	out->ordinal = c->ordinal;
+	out->sm_count = c->sm_count;
+	out->cc_major = c->cc_major;
+	out->cc_minor = c->cc_minor;
+	out->max_threads = c->max_threads;
+	out->smem_optin = c->smem_optin;
+	out->total_mem = c->total_mem;
+	out->driver_version = c->d->version;
+	out->launches = c->launches;
+	snprintf(out->name, sizeof out->name, "%s", c->name);
+	snprintf(out->arch, sizeof out->arch, "sm_%d%d", c->cc_major,
+		 c->cc_minor);
+}
+
+const char *ej_cuda_last_error(const ej_cuda_dev *c)
+{
+	return c->last_error;
+}
+
+/* ---- pinned host memory, events, graphs ---------------------------------- */
+
+epj_status ej_cuda_host_alloc(epj_ctx *ctx, ej_cuda_dev *c, size_t bytes,
+			      void **out)
+{
+	*out = NULL;
+	EJ_CU(ctx, c->d,
+	      cuMemHostAlloc(out, bytes, EJ_CU_MEMHOSTALLOC_PORTABLE));
+	return EPJ_OK;
+}
+
+void ej_cuda_host_free(ej_cuda_dev *c, void *p)
+{
+	if (p)
+		DEV_CALL(c, cuMemFreeHost(p));
+}
+
+epj_status ej_cuda_event_new(epj_ctx *ctx, ej_cuda_dev *c, void **ev)
+{
+	ej_CUevent e = NULL;
+	EJ_CU(ctx, c->d, cuEventCreate(&e, EJ_CU_EVENT_DEFAULT));
+	*ev = e;
+	return EPJ_OK;
+}
+
+void ej_cuda_event_free(ej_cuda_dev *c, void *ev)
+{
+	if (ev)
+		DEV_CALL(c, cuEventDestroy((ej_CUevent)ev));
+}
+
+epj_status ej_cuda_event_record(epj_ctx *ctx, ej_cuda_dev *c, void *ev,
+				bool side)
+{
+	EJ_CU(ctx, c->d,
+	      cuEventRecord((ej_CUevent)ev, side ? c->side : c->compute));
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_stream_wait(epj_ctx *ctx, ej_cuda_dev *c, void *ev,
+			       bool side)
+{
+	EJ_CU(
+	    ctx, c->d,
+	    cuStreamWaitEvent(side ? c->side : c->compute, (ej_CUevent)ev, 0));
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_event_elapsed_ms(epj_ctx *ctx, ej_cuda_dev *c, void *start,
+				    void *end, double *ms)
+{
+	float f = 0;
+	EJ_CU(ctx, c->d, cuEventSynchronize((ej_CUevent)end));
+	EJ_CU(ctx, c->d,
+	      cuEventElapsedTime(&f, (ej_CUevent)start, (ej_CUevent)end));
+	*ms = f;
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_copy_async(epj_ctx *ctx, ej_cuda_dev *c, void *dst,
+			      const void *src, size_t bytes)
+{
+	EJ_CU(ctx, c->d,
+	      cuMemcpyAsync((ej_CUdeviceptr)(uintptr_t)dst,
+			    (ej_CUdeviceptr)(uintptr_t)src, bytes, c->compute));
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_sync(epj_ctx *ctx, ej_cuda_dev *c)
+{
+	EJ_CU(ctx, c->d, cuStreamSynchronize(c->side));
+	EJ_CU(ctx, c->d, cuStreamSynchronize(c->compute));
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_capture_begin(epj_ctx *ctx, ej_cuda_dev *c)
+{
+	if (c->capturing)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"cuda: a graph capture is already under way");
+	EJ_CU(
+	    ctx, c->d,
+	    cuStreamBeginCapture(c->compute, EJ_CU_CAPTURE_MODE_THREAD_LOCAL));
+	c->capturing = true;
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_capture_end(epj_ctx *ctx, ej_cuda_dev *c, void **exec)
+{
+	*exec = NULL;
+	if (!c->capturing)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"cuda: no graph capture under way");
+	c->capturing = false;
+	ej_CUgraph g = NULL;
+	EJ_CU(ctx, c->d, cuStreamEndCapture(c->compute, &g));
+	ej_CUgraphExec x = NULL;
+	epj_status st;
+	EJ_CU_TRY(st, ctx, c->d, cuGraphInstantiate(&x, g, 0));
+	c->d->cuGraphDestroy(g); /* the executable graph keeps what it needs */
+	if (st != EPJ_OK)
+		return st;
+	*exec = x;
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_graph_launch(epj_ctx *ctx, ej_cuda_dev *c, void *exec)
+{
+	EJ_CU(ctx, c->d, cuGraphLaunch((ej_CUgraphExec)exec, c->compute));
+	return EPJ_OK;
+}
+
+void ej_cuda_graph_free(ej_cuda_dev *c, void *exec)
+{
+	if (exec)
+		DEV_CALL(c, cuGraphExecDestroy((ej_CUgraphExec)exec));
+}

@@ -1,0 +1,885 @@
+/* check_cuda.c -- the cuda device (lib/device_cuda.c) and the nvrtc backend
+ * (jit/backend_cuda.c) on machines without a GPU.
+ *
+ *  - No driver: a clean "no CUDA driver (... not found: ...)" error, the
+ *    same on every later call, and epj_ctx_new("cuda") refused.
+ *  - Everything else runs against t/fake_cuda.c, a stand-in libcuda.so.1
+ *    loaded through $EPJIT_CUDA_DRIVER: entry points resolved through
+ *    cuGetProcAddress, device choice by local rank, device memory under the
+ *    caching allocator (round trips of random data, reuse, the empty-and-
+ *    retry on out of memory), the check macro's message, module loading of
+ *    real NVRTC cubins, the opt-in above 48 KiB of dynamic shared memory.
+ *  - Numbers: the fake runs each launched kernel through cuda-sim, on the
+ *    CUDA C of the module it was asked to run, with the argument struct the
+ *    cuda device packed and passed through cuLaunchKernel: compiled regions
+ *    on the nvrtc backend (NVRTC cubins, device buffers, copies, launches;
+ *    CUDA graph capture and replay) must match the interpreter on fresh
+ *    random inputs of odd shapes, f32 and bf16.
+ * Without NVRTC or without the fake library the NVRTC-dependent cases only
+ * check what they can and say so.
+ */
+#include "check_util.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cc.h"
+#include "cuda_driver.h"
+#include "jit.h"
+#include "jit_impl.h"
+#include "kir.h"
+
+/* Test hooks of jit/backend_cuda.c and lib/device_cuda.c (deliberately in
+ * no header). */
+extern const void *ej_backend_cuda_test_state(const void *module);
+extern void ej_backend_cuda_test_reset(void);
+extern void ej_cuda_test_reset(void);
+
+/* Each test starts with no driver loaded: without fork (valgrind) tests
+ * share the process, and the driver is loaded once per process. */
+static void fresh(void)
+{
+	ej_cuda_test_reset();
+	ej_backend_cuda_test_reset();
+}
+
+/* ---- the fake driver ----------------------------------------------------- */
+
+typedef int (*fake_hook)(void *user, void *module, const char *kernel,
+			 const unsigned *grid, const unsigned *block,
+			 unsigned smem, void *args);
+typedef size_t (*fake_size_fn)(void *user, void *module, const char *kernel);
+typedef struct fake_stats {
+	long long launches, graph_launches, replayed, allocs, frees;
+	long long live_bytes, peak_bytes;
+	unsigned last_grid[3], last_block[3], last_smem;
+	char last_kernel[128];
+} fake_stats;
+
+static void (*fake_set_hook)(fake_hook, fake_size_fn, void *);
+static void (*fake_stats_get)(fake_stats *);
+
+/* Points EPJIT_CUDA_DRIVER at the fake and resolves its test functions;
+ * false (the test returns) when the library was not built. */
+static bool use_fake(void)
+{
+	const char *b = getenv("top_builddir");
+	char path[4096];
+	snprintf(path, sizeof path, "%s/t/.libs/libfakecuda.so", b ? b : ".");
+	struct stat st;
+	if (stat(path, &st) != 0) {
+		fprintf(stderr,
+			"check_cuda: %s missing: fake-driver cases "
+			"skipped\n",
+			path);
+		return false;
+	}
+	setenv("EPJIT_CUDA_DRIVER", path, 1);
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	ck_assert_msg(h, "dlopen %s: %s", path, dlerror());
+	void *p = dlsym(h, "fake_cuda_set_hook");
+	memcpy(&fake_set_hook, &p, sizeof p);
+	p = dlsym(h, "fake_cuda_stats_get");
+	memcpy(&fake_stats_get, &p, sizeof p);
+	ck_assert(fake_set_hook && fake_stats_get);
+	return true;
+}
+
+static fake_stats fstats(void)
+{
+	fake_stats s = { 0 };
+	if (fake_stats_get)
+		fake_stats_get(&s);
+	return s;
+}
+
+/* The hook: a launch on the fake runs the same kernel's CUDA C on
+ * cuda-sim.  Modules are built once per driver module. */
+static struct {
+	epj_ctx *ctx;
+	struct {
+		const void *module;
+		void *sim;
+	} m[128];
+	int n;
+} H;
+
+static const ej_kernel *kernel_of(const void *state, const char *name)
+{
+	const ej_schedule *s = ej_backend_cuda_schedule(state);
+	int i = -1;
+	if (sscanf(name, "epjk_%d", &i) != 1 || i < 0 || i >= s->n_kernels)
+		return NULL;
+	return s->kernels[i];
+}
+
+static void *sim_for(const void *module)
+{
+	for (int i = 0; i < H.n; i++)
+		if (H.m[i].module == module)
+			return H.m[i].sim;
+	const void *state = ej_backend_cuda_test_state(module);
+	ck_assert_msg(state, "the fake was asked to run an unknown module");
+	const ej_schedule *s = ej_backend_cuda_schedule(state);
+	const char *kn[64], *ty[64];
+	char names[64][32], types[64][48];
+	ck_assert_int_le(s->n_kernels, 64);
+	for (int i = 0; i < s->n_kernels; i++) {
+		snprintf(names[i], sizeof names[i], "epjk_%d", i);
+		snprintf(types[i], sizeof types[i], "struct ej_kargs_%d", i);
+		kn[i] = names[i];
+		ty[i] = types[i];
+	}
+	void *sim = NULL;
+	epj_status st =
+	    ej_sim_build_module(H.ctx, ej_backend_cuda_source(state), kn, ty,
+				s->n_kernels, "fake", &sim);
+	ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(H.ctx));
+	ck_assert_int_lt(H.n, 128);
+	H.m[H.n].module = module;
+	H.m[H.n].sim = sim;
+	H.n++;
+	return sim;
+}
+
+static int run_on_sim(void *user, void *module, const char *kernel,
+		      const unsigned *grid, const unsigned *block,
+		      unsigned smem, void *args)
+{
+	(void)user;
+	void *sim = sim_for(module);
+	void *fn = ej_device_sim.function(ej_device_sim.self, sim, kernel);
+	if (!fn)
+		return 1;
+	const ej_kernel *k =
+	    kernel_of(ej_backend_cuda_test_state(module), kernel);
+	ej_launch l = { .smem = smem,
+			.args = args,
+			.args_size = k ? ej_cuda_args_size(k) : 0 };
+	memcpy(l.grid, grid, sizeof l.grid);
+	memcpy(l.block, block, sizeof l.block);
+	epj_status st =
+	    ej_device_sim.launch(ej_device_sim.self, H.ctx, fn, kernel, &l);
+	if (st != EPJ_OK)
+		fprintf(stderr, "check_cuda: %s on cuda-sim: %s\n", kernel,
+			epj_ctx_error(H.ctx));
+	return st != EPJ_OK;
+}
+
+static size_t args_size_of(void *user, void *module, const char *kernel)
+{
+	(void)user;
+	const void *state = ej_backend_cuda_test_state(module);
+	const ej_kernel *k = state ? kernel_of(state, kernel) : NULL;
+	return k ? ej_cuda_args_size(k) : 0;
+}
+
+static void hook_on(void)
+{
+	ck_assert_int_eq(epj_ctx_new("cpu", &H.ctx), EPJ_OK);
+	H.n = 0;
+	if (fake_set_hook)
+		fake_set_hook(run_on_sim, args_size_of, NULL);
+}
+
+static void hook_off(void)
+{
+	if (fake_set_hook)
+		fake_set_hook(NULL, NULL, NULL);
+	for (int i = 0; i < H.n; i++)
+		ej_device_sim.unload(ej_device_sim.self, H.m[i].sim);
+	H.n = 0;
+	epj_ctx_free(H.ctx);
+	H.ctx = NULL;
+}
+
+/* ---- no driver ------------------------------------------------------------
+ */
+
+START_TEST(test_no_driver)
+{
+	fresh();
+	epj_ctx *ctx = tu_ctx();
+	setenv("EPJIT_CUDA_DRIVER", "/nonexistent/epjit/libcuda.so.1", 1);
+	ej_cuda_dev *d = NULL;
+	ck_assert_int_eq(ej_cuda_open(ctx, &d), EPJ_ERR_BACKEND);
+	ck_assert_ptr_null(d);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "no CUDA driver (/nonexistent/epjit/"
+				  "libcuda.so.1 not found: ") == msg,
+		      "%s", msg);
+	/* remembered: the same answer without a second dlopen */
+	epj_ctx_clear_error(ctx);
+	ck_assert_ptr_null(ej_cuda_driver_get(ctx));
+	ck_assert_str_eq(epj_ctx_error(ctx), msg);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The default path on this machine: where dlopen("libcuda.so.1") fails,
+ * the message the issue asks for, word for word. */
+START_TEST(test_no_driver_default)
+{
+	fresh();
+	unsetenv("EPJIT_CUDA_DRIVER");
+	void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (h) {
+		dlclose(h);
+		fprintf(stderr, "check_cuda: a CUDA driver is installed: "
+				"default no-driver case skipped\n");
+		return;
+	}
+	epj_ctx *ctx = tu_ctx();
+	ck_assert_ptr_null(ej_cuda_driver_get(ctx));
+	ck_assert_msg(strstr(epj_ctx_error(ctx),
+			     "no CUDA driver (libcuda.so.1 not found: ") ==
+			  epj_ctx_error(ctx),
+		      "%s", epj_ctx_error(ctx));
+	/* and a context on the cuda device is refused cleanly */
+	epj_ctx *c2 = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda", &c2), EPJ_ERR_BACKEND);
+	ck_assert_ptr_null(c2);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_pick_ordinal)
+{
+	fresh();
+	int n = (int)tu_randint(1, 16);
+	int local = (int)tu_randint(0, 100);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, NULL, local), local % n);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, "", local), local % n);
+	char ov[16];
+	snprintf(ov, sizeof ov, "%d", n - 1);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, ov, local), n - 1);
+	snprintf(ov, sizeof ov, "%d", n);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, ov, local), -1);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, "-1", local), -1);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(n, "1x", local), -1);
+	ck_assert_int_eq(ej_cuda_pick_ordinal(0, NULL, local), -1);
+}
+END_TEST
+
+/* ---- the fake driver ------------------------------------------------------
+ */
+
+/* Device choice: _i = 0 local rank only, 1 override, 2 bad override. */
+START_TEST(test_fake_open)
+{
+	fresh();
+	if (!use_fake())
+		return;
+	setenv("FAKE_CUDA_DEVICES", "4", 1);
+	setenv("OMPI_COMM_WORLD_LOCAL_RANK", "6", 1);
+	unsetenv("LOCAL_RANK");
+	if (_i == 1)
+		setenv("EPJIT_CUDA_DEVICE", "3", 1);
+	else if (_i == 2)
+		setenv("EPJIT_CUDA_DEVICE", "4", 1);
+	else
+		unsetenv("EPJIT_CUDA_DEVICE");
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	epj_status st = ej_cuda_open(ctx, &d);
+	if (_i == 2) {
+		ck_assert_int_eq(st, EPJ_ERR_CONFIG);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), "EPJIT_CUDA_DEVICE") &&
+				  strstr(epj_ctx_error(ctx), "[0, 4)"),
+			      "%s", epj_ctx_error(ctx));
+	} else {
+		ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(ctx));
+		ej_cuda_dev_info in;
+		ej_cuda_info(d, &in);
+		ck_assert_int_eq(in.ordinal, _i == 1 ? 3 : 6 % 4);
+		ck_assert_str_eq(in.name, "epjit fake GPU");
+		ck_assert_str_eq(in.arch, "sm_90");
+		ck_assert_int_eq(in.sm_count, 132);
+		ck_assert_int_eq(in.driver_version, 13000);
+		/* one device per process: the same one again */
+		ej_cuda_dev *d2 = NULL;
+		ck_assert_int_eq(ej_cuda_open(ctx, &d2), EPJ_OK);
+		ck_assert_ptr_eq(d, d2);
+	}
+	unsetenv("FAKE_CUDA_DEVICES");
+	unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+	unsetenv("EPJIT_CUDA_DEVICE");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_fake_memory)
+{
+	fresh();
+	if (!use_fake())
+		return;
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	ck_assert_msg(ej_cuda_open(ctx, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	const ej_device *dev = ej_cuda_device(d);
+	ck_assert(!dev->host_visible);
+	ej_allocator *a = ej_allocator_new(dev);
+	/* round trips of random bytes through device memory, odd sizes */
+	for (int r = 0; r < 8; r++) {
+		size_t n = (size_t)tu_randint(1, 300000);
+		unsigned char *h = malloc(n), *back = malloc(n);
+		for (size_t i = 0; i < n; i++)
+			h[i] = (unsigned char)tu_randint(0, 255);
+		void *p = ej_alloc(a, n);
+		ck_assert_ptr_nonnull(p);
+		dev->copy(dev->self, p, h, n);
+		memset(back, 0xa5, n);
+		dev->copy(dev->self, back, p, n);
+		ck_assert(memcmp(h, back, n) == 0);
+		dev->memzero(dev->self, p, n);
+		dev->copy(dev->self, back, p, n);
+		for (size_t i = 0; i < n; i++)
+			ck_assert_int_eq(back[i], 0);
+		ej_dealloc(a, p);
+		free(h);
+		free(back);
+	}
+	/* a freed block is reused: no new cuMemAlloc */
+	void *p = ej_alloc(a, 100000);
+	ej_dealloc(a, p);
+	long long allocs = fstats().allocs;
+	void *q = ej_alloc(a, 100000);
+	ck_assert_int_eq(fstats().allocs, allocs);
+	epj_memory_stats ms;
+	ej_allocator_stats(a, &ms);
+	ck_assert_int_ge(ms.allocated, 100000);
+	ck_assert_int_ge(ms.reserved, ms.allocated);
+	ck_assert_int_ge(ms.peak_allocated, ms.allocated);
+	ej_dealloc(a, q);
+	/* out of memory: the cached free blocks are released and the request
+	 * retried, so it succeeds where only the cache held the memory */
+	fake_stats s0 = fstats();
+	char lim[32];
+	snprintf(lim, sizeof lim, "%lld", s0.live_bytes + 600000);
+	setenv("FAKE_CUDA_MEM_LIMIT", lim, 1);
+	void *big = ej_alloc(a, 700000);
+	ck_assert_ptr_nonnull(big);
+	ck_assert_int_gt(fstats().frees, s0.frees);
+	/* and beyond what the device has, a clean NULL with the reason */
+	ck_assert_ptr_null(ej_alloc(a, 5000000));
+	ck_assert_msg(strstr(ej_cuda_last_error(d), "out of memory"), "%s",
+		      ej_cuda_last_error(d));
+	unsetenv("FAKE_CUDA_MEM_LIMIT");
+	ej_dealloc(a, big);
+	ej_allocator_free(a);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_fake_errors)
+{
+	fresh();
+	if (!use_fake())
+		return;
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	ck_assert_int_eq(ej_cuda_open(ctx, &d), EPJ_OK);
+	const ej_device *dev = ej_cuda_device(d);
+	void *m = NULL;
+	/* not an image: the driver's own error through the check macro */
+	static const char junk[] = "this is not a cubin";
+	ck_assert_int_eq(
+	    dev->load(dev->self, ctx, junk, sizeof junk, "junk", &m),
+	    EPJ_ERR_BACKEND);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "cuModuleLoadData") &&
+			  strstr(msg, "CUDA_ERROR_INVALID_IMAGE (200)") &&
+			  strstr(msg, "device kernel image is invalid") &&
+			  strstr(msg, "device_cuda.c:") && strstr(msg, "junk"),
+		      "%s", msg);
+	ck_assert_ptr_null(m);
+	/* an injected failure names the call and the driver's strings */
+	setenv("FAKE_CUDA_FAIL", "cuModuleLoadData", 1);
+	epj_ctx_clear_error(ctx);
+	static const char ptx[] = ".version 8.0\n.target sm_90\n";
+	ck_assert_int_eq(dev->load(dev->self, ctx, ptx, sizeof ptx, "ptx", &m),
+			 EPJ_ERR_BACKEND);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "CUDA_ERROR_UNKNOWN") &&
+			  strstr(epj_ctx_error(ctx), "unknown error"),
+		      "%s", epj_ctx_error(ctx));
+	unsetenv("FAKE_CUDA_FAIL");
+	ck_assert_int_eq(dev->load(dev->self, ctx, ptx, sizeof ptx, "ptx", &m),
+			 EPJ_OK);
+	ck_assert_ptr_null(dev->function(dev->self, m, "no_such_kernel"));
+	dev->unload(dev->self, m);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- compiled regions on the nvrtc backend (fake driver + cuda-sim) ------ */
+
+typedef epj_tensor *(*cu_fn)(epj_ctx *ctx, epj_tensor *const *in);
+typedef struct cu_user {
+	cu_fn fn;
+} cu_user;
+
+static epj_status traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
+			 int n_in, epj_tensor **out, int n_out)
+{
+	(void)n_in;
+	(void)n_out;
+	out[0] = ((cu_user *)user)->fn(ctx, in);
+	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+/* rmsnorm(x) * w + residual, then silu: row reduction + pointwise. */
+static epj_tensor *f_norm(epj_ctx *ctx, epj_tensor *const *in)
+{
+	bool up = epj_tensor_dtype(in[0]) == EPJ_DTYPE_BF16;
+	epj_tensor *x =
+	    up ? epj_cast(ctx, in[0], EPJ_DTYPE_F32) : epj_tensor_ref(in[0]);
+	epj_tensor *x2 = epj_mul(ctx, x, x);
+	epj_tensor *ms = epj_mean(ctx, x2, -1, true);
+	epj_tensor *e = epj_add_scalar(ctx, ms, 1e-6);
+	epj_tensor *r = epj_rsqrt(ctx, e);
+	epj_tensor *n = epj_mul(ctx, x, r);
+	epj_tensor *nc =
+	    up ? epj_cast(ctx, n, EPJ_DTYPE_BF16) : epj_tensor_ref(n);
+	epj_tensor *nw = epj_mul(ctx, nc, in[1]);
+	epj_tensor *h = epj_add(ctx, nw, in[2]);
+	epj_tensor *y = epj_silu(ctx, h);
+	epj_tensor *t[] = { x, x2, ms, e, r, n, nc, nw, h };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* A pure pointwise chain: one fused kernel, so a CUDA graph. */
+static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *a = epj_silu(ctx, in[0]);
+	epj_tensor *b = epj_mul(ctx, a, in[1]);
+	epj_tensor *y = epj_add(ctx, b, in[2]);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+	return y;
+}
+
+static ej_region_fn *compile_with(epj_ctx *ctx, ej_jit *jit, cu_fn fn,
+				  epj_tensor *const *in, int n_in)
+{
+	cu_user u = { fn };
+	ej_trace *tr = NULL;
+	epj_status st =
+	    ej_trace_region(ctx, jit, traced, &u, in, n_in, 1, NULL, NULL, &tr);
+	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
+	ej_region_fn *f = NULL;
+	st = ej_jit_compile(ctx, jit, tr, &f);
+	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
+	return f;
+}
+
+static bool have_nvrtc(void)
+{
+	int a = 0, b = 0;
+	if (ej_nvrtc_version(&a, &b))
+		return true;
+	fprintf(stderr, "check_cuda: built without NVRTC: nvrtc cases "
+			"skipped\n");
+	return false;
+}
+
+/* f on the nvrtc backend (fake driver, kernels on cuda-sim) against the
+ * interpreter, forward and backward, on fresh inputs; returns the compiled
+ * launches of the forward. */
+static int64_t check_region(epj_ctx *ctx, cu_fn fn, epj_dtype dt,
+			    const int64_t *shape, bool train, int runs)
+{
+	int64_t row[1] = { shape[1] };
+	epj_tensor *in[3] = { tu_randn(ctx, dt, 2, shape),
+			      tu_randn(ctx, dt, 1, row),
+			      tu_randn(ctx, dt, 2, shape) };
+	if (fn == f_pointwise)
+		in[1] = (epj_tensor_free(in[1]), tu_randn(ctx, dt, 2, shape));
+	for (int i = 0; train && i < 3; i++)
+		epj_tensor_set_requires_grad(in[i], true);
+	ej_jit *jn = ej_jit_new(ctx, EJ_BACKEND_NVRTC);
+	ej_jit *ji = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
+	ej_region_fn *fn_n = compile_with(ctx, jn, fn, in, 3);
+	ej_region_fn *fn_i = compile_with(ctx, ji, fn, in, 3);
+	double tol = dt == EPJ_DTYPE_BF16 ? 1.6e-2 : 1e-5;
+	int64_t launches = 0;
+	for (int r = 0; r < runs; r++) {
+		/* fresh values each run (a replayed graph must read them) */
+		for (int i = 0; i < 3 && r > 0; i++) {
+			epj_tensor *x =
+			    tu_randn(ctx, dt, epj_tensor_ndim(in[i]),
+				     epj_tensor_shape(in[i]));
+			ck_assert_int_eq(epj_tensor_copy_(ctx, in[i], x),
+					 EPJ_OK);
+			epj_tensor_free(x);
+		}
+		epj_tensor *yn = NULL, *yi = NULL;
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+		long long f0 = fstats().launches;
+		ck_assert_msg(ej_region_run(ctx, fn_n, in, 3, NULL, 0, NULL,
+					    NULL, &yn, 1) == EPJ_OK,
+			      "nvrtc run: %s", epj_ctx_error(ctx));
+		launches =
+		    epj_counter_get(ctx, "kernels.launched.compiled") - l0;
+		ck_assert_int_gt(launches, 0);
+		ck_assert_int_gt(fstats().launches,
+				 f0); /* through the driver */
+		ck_assert_int_eq(ej_region_run(ctx, fn_i, in, 3, NULL, 0, NULL,
+					       NULL, &yi, 1),
+				 EPJ_OK);
+		tu_assert_tensors_close(ctx, yn, yi, tol, tol,
+					"nvrtc vs interpreter");
+		if (train) {
+			epj_tensor *gn[3], *gi[3];
+			epj_tensor *w = tu_randn(ctx, dt, epj_tensor_ndim(yn),
+						 epj_tensor_shape(yn));
+			epj_tensor *outs[2] = { yn, yi };
+			epj_tensor **gs[2] = { gn, gi };
+			for (int a = 0; a < 2; a++) {
+				epj_tensor *p = epj_mul(ctx, outs[a], w);
+				epj_tensor *l = epj_sum_all(ctx, p);
+				ck_assert_msg(epj_backward(ctx, l, NULL) ==
+						  EPJ_OK,
+					      "%s", epj_ctx_error(ctx));
+				for (int i = 0; i < 3; i++) {
+					epj_tensor *g = epj_tensor_grad(in[i]);
+					ck_assert_ptr_nonnull(g);
+					gs[a][i] = epj_detach(ctx, g);
+					epj_tensor_set_grad(in[i], NULL);
+				}
+				epj_tensor_free(p);
+				epj_tensor_free(l);
+			}
+			for (int i = 0; i < 3; i++) {
+				tu_assert_tensors_close(ctx, gn[i], gi[i],
+							4 * tol, 4 * tol,
+							"nvrtc grad");
+				epj_tensor_free(gn[i]);
+				epj_tensor_free(gi[i]);
+			}
+			epj_tensor_free(w);
+		}
+		epj_tensor_free(yn);
+		epj_tensor_free(yi);
+	}
+	ej_region_fn_free(fn_n);
+	ej_region_fn_free(fn_i);
+	ej_jit_free(jn);
+	ej_jit_free(ji);
+	for (int i = 0; i < 3; i++)
+		epj_tensor_free(in[i]);
+	return launches;
+}
+
+static const int64_t shapes[][2] = { { 1, 7 }, { 5, 33 }, { 3, 515 } };
+
+/* _i: shape x dtype; forward + backward of f_norm with graphs off. */
+START_TEST(test_fake_nvrtc_region)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	setenv("EPJIT_CUDA_GRAPHS", "0", 1);
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	epj_dtype dt = _i & 1 ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32;
+	int64_t sh[2] = { shapes[_i / 2][0] + tu_randint(0, 2),
+			  shapes[_i / 2][1] + 2 * tu_randint(0, 3) };
+	check_region(ctx, f_norm, dt, sh, true, 2);
+	ck_assert_int_eq(epj_counter_get(ctx, "cudagraph.captures"), 0);
+	hook_off();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A graph of fused kernels only: captured once, replayed every run, with
+ * fresh inputs each time; the same numbers as the interpreter. */
+START_TEST(test_fake_cuda_graphs)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	unsetenv("EPJIT_CUDA_GRAPHS");
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	int64_t sh[2] = { tu_randint(1, 6), 2 * tu_randint(3, 200) + 1 };
+	bool prev = epj_no_grad_enter(ctx);
+	long long g0 = fstats().graph_launches;
+	check_region(ctx, f_pointwise, EPJ_DTYPE_F32, sh, false, 3);
+	ck_assert_int_eq(epj_counter_get(ctx, "cudagraph.captures"), 1);
+	ck_assert_int_eq(epj_counter_get(ctx, "cudagraph.replays"), 3);
+	ck_assert_int_eq(fstats().graph_launches - g0, 3);
+	ck_assert_int_ge(fstats().replayed, 3);
+	epj_no_grad_exit(ctx, prev);
+	hook_off();
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The module the nvrtc backend loads is a real NVRTC cubin for the
+ * device's arch, stored in the kernel cache: a second jit loads it from
+ * the cache without NVRTC. */
+START_TEST(test_fake_cubin_cached)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	bool prev = epj_no_grad_enter(ctx);
+	int64_t sh[2] = { 2, 9 };
+	int64_t m0 = epj_counter_get(ctx, "cache.misses");
+	check_region(ctx, f_norm, EPJ_DTYPE_F32, sh, false, 1);
+	int64_t m1 = epj_counter_get(ctx, "cache.misses");
+	int64_t h1 = epj_counter_get(ctx, "cache.disk_hits");
+	ck_assert_int_gt(m1, m0);
+	check_region(ctx, f_norm, EPJ_DTYPE_F32, sh, false, 1);
+	ck_assert_int_eq(epj_counter_get(ctx, "cache.misses"), m1);
+	ck_assert_int_eq(epj_counter_get(ctx, "cache.disk_hits") - h1, m1 - m0);
+	epj_no_grad_exit(ctx, prev);
+	hook_off();
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Above 48 KiB of dynamic shared memory a kernel must opt in (the fake
+ * refuses the launch otherwise); beyond the device's limit, a clear
+ * error before any driver call. */
+START_TEST(test_fake_smem_optin)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	ck_assert_int_eq(ej_cuda_open(ctx, &d), EPJ_OK);
+	const ej_device *dev = ej_cuda_device(d);
+	static const char src[] =
+	    "extern \"C\" __global__ void k(const float *p) { extern "
+	    "__shared__ float s[]; s[threadIdx.x] = p[0]; }\n";
+	ej_nvrtc_result r = { 0 };
+	ck_assert_msg(
+	    ej_nvrtc_compile(ctx, src, "smem", "sm_90", NULL, 0, &r) == EPJ_OK,
+	    "%s", epj_ctx_error(ctx));
+	void *m = NULL;
+	ck_assert_int_eq(dev->load(dev->self, ctx, r.image, r.size, "smem", &m),
+			 EPJ_OK);
+	void *fn = dev->function(dev->self, m, "k");
+	ck_assert_ptr_nonnull(fn);
+	void *arg = NULL;
+	ej_launch l = { .grid = { 1, 1, 1 },
+			.block = { 32, 1, 1 },
+			.smem = 96 * 1024,
+			.args = &arg,
+			.args_size = sizeof arg };
+	ck_assert_msg(dev->launch(dev->self, ctx, fn, "k", &l) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(fstats().last_smem, 96 * 1024);
+	l.smem = 300 * 1024;
+	ck_assert_int_eq(dev->launch(dev->self, ctx, fn, "k", &l),
+			 EPJ_ERR_INVALID);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "dynamic shared memory"), "%s",
+		      epj_ctx_error(ctx));
+	dev->unload(dev->self, m);
+	ej_nvrtc_result_free(&r);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The parity harness with the compiled arm on the nvrtc backend: every
+ * fused kernel of the model compiled by NVRTC, launched through the cuda
+ * device (fake driver, cuda-sim underneath), graphs of fused kernels only
+ * captured and replayed; _i: nested / root with checkpointing. */
+START_TEST(test_fake_parity)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	hook_on();
+	epj_parity_opts o = { .backend = "nvrtc",
+			      .layout =
+				  _i ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED,
+			      .checkpointing = _i == 1,
+			      .regional = true,
+			      .batch = tu_randint(1, 3),
+			      .seq = tu_randint(3, 9),
+			      .seed = tu_seed() };
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *out = open_memstream(&buf, &len);
+	bool passed = false;
+	long long f0 = fstats().launches + fstats().replayed;
+	epj_status st = epj_parity_run(&o, out, &passed);
+	fclose(out);
+	ck_assert_msg(st == EPJ_OK && passed, "parity on nvrtc: %s\n%s",
+		      epj_status_name(st), buf ? buf : "");
+	ck_assert_int_gt(fstats().launches + fstats().replayed, f0);
+	free(buf);
+	hook_off();
+}
+END_TEST
+
+/* ---- the gpu suite: whatever driver this machine has -------------------
+ * tools/gpu-check runs CK_RUN_SUITE=gpu on a machine with a GPU.  Where
+ * EPJIT_CUDA_DRIVER names the fake, the kernels run on cuda-sim (so the
+ * suite and the script are exercised here); without any driver each case
+ * says so and passes (make check on machines without a GPU). */
+static bool gpu_ready(void)
+{
+	fake_set_hook = NULL;
+	fake_stats_get = NULL;
+	const char *path = getenv("EPJIT_CUDA_DRIVER");
+	void *h = dlopen(path && *path ? path : "libcuda.so.1",
+			 RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		fprintf(stderr, "check_cuda: no CUDA driver: gpu case "
+				"skipped\n");
+		return false;
+	}
+	void *p = dlsym(h, "fake_cuda_set_hook");
+	memcpy(&fake_set_hook, &p, sizeof p);
+	p = dlsym(h, "fake_cuda_stats_get");
+	memcpy(&fake_stats_get, &p, sizeof p);
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	epj_status st = ej_cuda_open(ctx, &d);
+	if (st != EPJ_OK)
+		fprintf(stderr, "check_cuda: %s: gpu case skipped\n",
+			epj_ctx_error(ctx));
+	epj_ctx_free(ctx);
+	return st == EPJ_OK && have_nvrtc();
+}
+
+/* Every fused kernel of the model's block shapes on the GPU against the
+ * interpreter: _i = function x dtype x shape, forward and backward. */
+START_TEST(test_gpu_kernels)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	setenv("EPJIT_CUDA_GRAPHS", _i & 8 ? "1" : "0", 1);
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	epj_dtype dt = _i & 1 ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32;
+	const int64_t *base = shapes[(_i >> 1) % 3];
+	int64_t sh[2] = { base[0] + tu_randint(0, 3),
+			  base[1] + 2 * tu_randint(0, 40) };
+	bool pw = _i & 8;
+	check_region(ctx, pw ? f_pointwise : f_norm, dt, sh, !pw, 2);
+	hook_off();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The parity matrix with the compiled arm on the GPU: _i = layout x
+ * checkpointing x dtype. */
+START_TEST(test_gpu_parity)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	hook_on();
+	epj_parity_opts o = { .backend = "nvrtc",
+			      .layout =
+				  _i & 1 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED,
+			      .checkpointing = _i & 2,
+			      .bf16 = _i & 4,
+			      .regional = true,
+			      .batch = tu_randint(1, 4),
+			      .seq = tu_randint(3, 24),
+			      .seed = tu_seed() };
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *out = open_memstream(&buf, &len);
+	bool passed = false;
+	epj_status st = epj_parity_run(&o, out, &passed);
+	fclose(out);
+	ck_assert_msg(st == EPJ_OK && passed, "parity on the GPU: %s\n%s",
+		      epj_status_name(st), buf ? buf : "");
+	free(buf);
+	hook_off();
+}
+END_TEST
+
+/* cuda against cuda-sim on the same inputs: the kernels the GPU ran and
+ * the simulator's run of the same CUDA C agree (to rounding: the GPU may
+ * contract a*b+c into an FMA). */
+START_TEST(test_gpu_vs_sim)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	setenv("EPJIT_CUDA_GRAPHS", "0", 1);
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	int64_t sh[2] = { tu_randint(1, 9), 2 * tu_randint(2, 300) + 1 };
+	int64_t row[1] = { sh[1] };
+	epj_tensor *in[3] = { tu_randn(ctx, EPJ_DTYPE_F32, 2, sh),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 1, row),
+			      tu_randn(ctx, EPJ_DTYPE_F32, 2, sh) };
+	bool prev = epj_no_grad_enter(ctx);
+	ej_jit *jn = ej_jit_new(ctx, EJ_BACKEND_NVRTC);
+	ej_jit *js = ej_jit_new(ctx, EJ_BACKEND_CUDA_SIM);
+	ej_region_fn *fn = compile_with(ctx, jn, f_norm, in, 3);
+	ej_region_fn *fs = compile_with(ctx, js, f_norm, in, 3);
+	epj_tensor *yn = NULL, *ys = NULL;
+	ck_assert_msg(ej_region_run(ctx, fn, in, 3, NULL, 0, NULL, NULL, &yn,
+				    1) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_msg(ej_region_run(ctx, fs, in, 3, NULL, 0, NULL, NULL, &ys,
+				    1) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	tu_assert_tensors_close(ctx, yn, ys, 1e-6, 1e-6, "cuda vs cuda-sim");
+	epj_tensor_free(yn);
+	epj_tensor_free(ys);
+	ej_region_fn_free(fn);
+	ej_region_fn_free(fs);
+	ej_jit_free(jn);
+	ej_jit_free(js);
+	epj_no_grad_exit(ctx, prev);
+	for (int i = 0; i < 3; i++)
+		epj_tensor_free(in[i]);
+	hook_off();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_gpu_suite(void)
+{
+	Suite *s = suite_create("gpu");
+	TCase *tc = tcase_create("gpu");
+	tcase_set_timeout(tc, 300);
+	tcase_add_loop_test(tc, test_gpu_kernels, 0, 16);
+	tcase_add_loop_test(tc, test_gpu_parity, 0, 8);
+	tcase_add_test(tc, test_gpu_vs_sim);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+Suite *make_cuda_suite(void)
+{
+	Suite *s = suite_create("cuda");
+	TCase *tc = tcase_create("cuda");
+	tcase_set_timeout(tc, 180);
+	tcase_add_test(tc, test_no_driver);
+	tcase_add_test(tc, test_no_driver_default);
+	tcase_add_test(tc, test_pick_ordinal);
+	tcase_add_loop_test(tc, test_fake_open, 0, 3);
+	tcase_add_test(tc, test_fake_memory);
+	tcase_add_test(tc, test_fake_errors);
+	tcase_add_loop_test(tc, test_fake_nvrtc_region, 0, 6);
+	tcase_add_test(tc, test_fake_cuda_graphs);
+	tcase_add_test(tc, test_fake_cubin_cached);
+	tcase_add_test(tc, test_fake_smem_optin);
+	tcase_add_loop_test(tc, test_fake_parity, 0, 2);
+	suite_add_tcase(s, tc);
+	return s;
+}

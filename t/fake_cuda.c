@@ -1,0 +1,769 @@
+/* fake_cuda.c -- a stand-in for libcuda.so.1 that the cuda device's tests
+ * load through $EPJIT_CUDA_DRIVER on machines without a GPU.  It implements
+ * the Driver API entry points lib/device_cuda.c resolves, over host memory,
+ * with the driver's rules where the device code relies on them:
+ *
+ *  - cuGetProcAddress_v2 resolves names at a requested version (cuMemAlloc
+ *    at 12000 is the _v2 form); unknown names fail with CUDA_ERROR_NOT_FOUND;
+ *  - "device" memory is malloc'ed; frees of unknown pointers are
+ *    CUDA_ERROR_INVALID_VALUE; FAKE_CUDA_MEM_LIMIT (bytes) makes cuMemAlloc
+ *    fail with CUDA_ERROR_OUT_OF_MEMORY above that many live bytes;
+ *  - cuModuleLoadData accepts an ELF image (a cubin) or PTX text and
+ *    refuses anything else (CUDA_ERROR_INVALID_IMAGE); cuModuleGetFunction
+ *    finds a kernel only if its name is a NUL-terminated string of the
+ *    image (as a cubin's symbol table holds it);
+ *  - a launch with more than 48 KiB of dynamic shared memory fails unless
+ *    cuFuncSetAttribute raised that function's limit first;
+ *  - launches between cuStreamBeginCapture and cuStreamEndCapture are
+ *    recorded (kernel parameters copied, as the driver does) and replayed
+ *    by cuGraphLaunch.
+ * A kernel "runs" through a hook the test installs (fake_cuda_set_hook):
+ * the tests point it at cuda-sim running the same kernel's CUDA C, so
+ * numbers computed through the cuda device's launch path are checked
+ * against the CPU reference.  FAKE_CUDA_FAIL=<entry point> makes that call
+ * fail with CUDA_ERROR_UNKNOWN; FAKE_CUDA_DEVICES=<n> sets the count.
+ *
+ * Test code: built only for make check, never installed.
+ */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+	OK = 0,
+	E_INVALID_VALUE = 1,
+	E_OOM = 2,
+	E_NOT_INIT = 3,
+	E_NO_DEVICE = 100,
+	E_INVALID_DEVICE = 101,
+	E_INVALID_IMAGE = 200,
+	E_INVALID_HANDLE = 400,
+	E_NOT_FOUND = 500,
+	E_CAPTURE = 900, /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+	E_UNKNOWN = 999,
+};
+
+#define MAX_ALLOCS 65536
+#define MAX_FUNCS  1024
+#define MAX_REC	   4096
+
+typedef int (*fake_hook)(void *user, void *module, const char *kernel,
+			 const unsigned *grid, const unsigned *block,
+			 unsigned smem, void *args);
+
+/* what the test reads back (fake_cuda_stats) */
+typedef struct fake_stats {
+	long long launches, graph_launches, replayed, allocs, frees;
+	long long live_bytes, peak_bytes;
+	unsigned last_grid[3], last_block[3], last_smem;
+	char last_kernel[128];
+} fake_stats;
+
+typedef struct func {
+	void *module; /* the module handle it came from */
+	char name[128];
+	int max_dyn_smem;
+
+} func;
+
+typedef struct rec {
+	func *f;
+	unsigned grid[3], block[3], smem;
+	unsigned char *args;
+} rec;
+
+static struct {
+	bool init;
+	struct {
+		void *p;
+		size_t n;
+	} alloc[MAX_ALLOCS];
+	func funcs[MAX_FUNCS];
+	int n_funcs;
+	fake_hook hook;
+	size_t (*size)(void *user, void *module, const char *kernel);
+	void *hook_user;
+	fake_stats st;
+	bool capturing;
+	rec rec[MAX_REC];
+	int n_rec;
+} F;
+
+static bool failing(const char *name)
+{
+	const char *f = getenv("FAKE_CUDA_FAIL");
+	return f && !strcmp(f, name);
+}
+#define ENTER(name)                                                            \
+	do {                                                                   \
+		if (failing(name))                                             \
+			return E_UNKNOWN;                                      \
+	} while (0)
+#define NEED_INIT()                                                            \
+	do {                                                                   \
+		if (!F.init)                                                   \
+			return E_NOT_INIT;                                     \
+	} while (0)
+
+/* ---- the test's side ---------------------------------------------------- */
+
+/* h runs a launched kernel (0: done, else the kernel faulted); size gives
+ * the byte size of a kernel's one parameter (the real driver reads it from
+ * the cubin), needed to copy parameters at capture time. */
+typedef size_t (*fake_size_fn)(void *user, void *module, const char *kernel);
+void fake_cuda_set_hook(fake_hook h, fake_size_fn size, void *user);
+void fake_cuda_set_hook(fake_hook h, fake_size_fn size, void *user)
+{
+	F.hook = h;
+	F.size = size;
+	F.hook_user = user;
+}
+
+void fake_cuda_stats_get(fake_stats *out);
+void fake_cuda_stats_get(fake_stats *out)
+{
+	*out = F.st;
+}
+
+/* ---- errors ---------------------------------------------------------------
+ */
+
+CUresult cuGetErrorName(CUresult e, const char **s);
+CUresult cuGetErrorName(CUresult e, const char **s)
+{
+	switch (e) {
+	case OK:
+		*s = "CUDA_SUCCESS";
+		break;
+	case E_INVALID_VALUE:
+		*s = "CUDA_ERROR_INVALID_VALUE";
+		break;
+	case E_OOM:
+		*s = "CUDA_ERROR_OUT_OF_MEMORY";
+		break;
+	case E_NOT_INIT:
+		*s = "CUDA_ERROR_NOT_INITIALIZED";
+		break;
+	case E_NO_DEVICE:
+		*s = "CUDA_ERROR_NO_DEVICE";
+		break;
+	case E_INVALID_DEVICE:
+		*s = "CUDA_ERROR_INVALID_DEVICE";
+		break;
+	case E_INVALID_IMAGE:
+		*s = "CUDA_ERROR_INVALID_IMAGE";
+		break;
+	case E_INVALID_HANDLE:
+		*s = "CUDA_ERROR_INVALID_HANDLE";
+		break;
+	case E_NOT_FOUND:
+		*s = "CUDA_ERROR_NOT_FOUND";
+		break;
+	case E_CAPTURE:
+		*s = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
+		break;
+	case E_UNKNOWN:
+		*s = "CUDA_ERROR_UNKNOWN";
+		break;
+	default:
+		*s = NULL;
+		return E_INVALID_VALUE;
+	}
+	return OK;
+}
+
+CUresult cuGetErrorString(CUresult e, const char **s);
+CUresult cuGetErrorString(CUresult e, const char **s)
+{
+	switch (e) {
+	case OK:
+		*s = "no error";
+		break;
+	case E_INVALID_VALUE:
+		*s = "invalid argument";
+		break;
+	case E_OOM:
+		*s = "out of memory";
+		break;
+	case E_NOT_INIT:
+		*s = "initialization error";
+		break;
+	case E_NO_DEVICE:
+		*s = "no CUDA-capable device is detected";
+		break;
+	case E_INVALID_DEVICE:
+		*s = "invalid device ordinal";
+		break;
+	case E_INVALID_IMAGE:
+		*s = "device kernel image is invalid";
+		break;
+	case E_INVALID_HANDLE:
+		*s = "invalid resource handle";
+		break;
+	case E_NOT_FOUND:
+		*s = "named symbol not found";
+		break;
+	case E_CAPTURE:
+		*s = "operation not permitted when stream is capturing";
+		break;
+	case E_UNKNOWN:
+		*s = "unknown error";
+		break;
+	default:
+		*s = NULL;
+		return E_INVALID_VALUE;
+	}
+	return OK;
+}
+
+/* ---- init, devices, contexts ------------------------------------------- */
+
+static int n_devices(void)
+{
+	const char *v = getenv("FAKE_CUDA_DEVICES");
+	return v ? atoi(v) : 1;
+}
+
+static CUresult f_cuInit(unsigned flags)
+{
+	ENTER("cuInit");
+	if (flags)
+		return E_INVALID_VALUE;
+	if (n_devices() < 1)
+		return E_NO_DEVICE;
+	F.init = true;
+	return OK;
+}
+
+CUresult cuDriverGetVersion(int *v);
+CUresult cuDriverGetVersion(int *v)
+{
+	*v = 13000;
+	return OK;
+}
+
+static CUresult f_cuDeviceGetCount(int *n)
+{
+	NEED_INIT();
+	*n = n_devices();
+	return OK;
+}
+
+static CUresult f_cuDeviceGet(int *d, int ord)
+{
+	NEED_INIT();
+	if (ord < 0 || ord >= n_devices())
+		return E_INVALID_DEVICE;
+	*d = ord;
+	return OK;
+}
+
+static CUresult f_cuDeviceGetName(char *name, int len, int d)
+{
+	(void)d;
+	snprintf(name, (size_t)len, "epjit fake GPU");
+	return OK;
+}
+
+static CUresult f_cuDeviceGetAttribute(int *v, int attr, int d)
+{
+	(void)d;
+	switch (attr) {
+	case 1:
+		*v = 1024;
+		break; /* max threads per block */
+	case 16:
+		*v = 132;
+		break; /* SM count */
+	case 75:
+		*v = 9;
+		break; /* cc major */
+	case 76:
+		*v = 0;
+		break; /* cc minor */
+	case 97:
+		*v = 227 * 1024;
+		break; /* smem opt-in */
+	default:
+		return E_INVALID_VALUE;
+	}
+	return OK;
+}
+
+static CUresult f_cuDeviceTotalMem(size_t *b, int d)
+{
+	(void)d;
+	*b = (size_t)80 << 30;
+	return OK;
+}
+
+static int the_ctx;
+static CUresult f_cuDevicePrimaryCtxRetain(void **c, int d)
+{
+	NEED_INIT();
+	(void)d;
+	*c = &the_ctx;
+	return OK;
+}
+static CUresult f_cuDevicePrimaryCtxRelease(int d)
+{
+	(void)d;
+	return OK;
+}
+static CUresult f_cuCtxSetCurrent(void *c)
+{
+	return c == &the_ctx || !c ? OK : E_INVALID_HANDLE;
+}
+static CUresult f_cuCtxSynchronize(void)
+{
+	return OK;
+}
+
+/* ---- memory ---------------------------------------------------------------
+ */
+
+static int find_alloc(const void *p)
+{
+	for (int i = 0; i < MAX_ALLOCS; i++)
+		if (F.alloc[i].p == p)
+			return i;
+	return -1;
+}
+
+static CUresult f_cuMemAlloc(CUdeviceptr *d, size_t n)
+{
+	ENTER("cuMemAlloc");
+	NEED_INIT();
+	if (!n)
+		return E_INVALID_VALUE;
+	const char *lim = getenv("FAKE_CUDA_MEM_LIMIT");
+	if (lim && F.st.live_bytes + (long long)n > atoll(lim))
+		return E_OOM;
+	int i = find_alloc(NULL);
+	void *p = i >= 0 ? aligned_alloc(256, (n + 255) & ~(size_t)255) : NULL;
+	if (!p)
+		return E_OOM;
+	F.alloc[i].p = p;
+	F.alloc[i].n = n;
+	F.st.allocs++;
+	F.st.live_bytes += (long long)n;
+	if (F.st.live_bytes > F.st.peak_bytes)
+		F.st.peak_bytes = F.st.live_bytes;
+	*d = (CUdeviceptr)(uintptr_t)p;
+	return OK;
+}
+
+static CUresult f_cuMemFree(CUdeviceptr d)
+{
+	int i = find_alloc((void *)(uintptr_t)d);
+	if (!d || i < 0)
+		return E_INVALID_VALUE;
+	free(F.alloc[i].p);
+	F.st.live_bytes -= (long long)F.alloc[i].n;
+	F.alloc[i].p = NULL;
+	F.st.frees++;
+	return OK;
+}
+
+static CUresult f_cuMemGetInfo(size_t *fr, size_t *total)
+{
+	*total = (size_t)80 << 30;
+	*fr = *total - (size_t)F.st.live_bytes;
+	return OK;
+}
+
+static CUresult f_cuMemHostAlloc(void **p, size_t n, unsigned flags)
+{
+	(void)flags;
+	*p = malloc(n);
+	return *p ? OK : E_OOM;
+}
+static CUresult f_cuMemFreeHost(void *p)
+{
+	free(p);
+	return OK;
+}
+
+static CUresult f_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+	ENTER("cuMemcpy");
+	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	return OK;
+}
+static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
+				void *s)
+{
+	(void)s;
+	ENTER("cuMemcpyAsync");
+	if (F.capturing)
+		return E_CAPTURE; /* not recorded by this fake */
+	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	return OK;
+}
+static CUresult f_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n,
+				  void *s)
+{
+	(void)s;
+	memset((void *)(uintptr_t)dst, v, n);
+	return OK;
+}
+
+/* ---- modules and launches -------------------------------------------------
+ */
+
+typedef struct module {
+	unsigned char *image;
+	size_t size;
+} module;
+
+/* Size of an ELF64 image: the end of its section header table (a cubin
+ * puts it last) or of its program headers, whichever is further. */
+static size_t elf_size(const unsigned char *p)
+{
+	uint64_t shoff, phoff;
+	uint16_t shentsize, shnum, phentsize, phnum;
+	memcpy(&phoff, p + 32, 8);
+	memcpy(&shoff, p + 40, 8);
+	memcpy(&phentsize, p + 54, 2);
+	memcpy(&phnum, p + 56, 2);
+	memcpy(&shentsize, p + 58, 2);
+	memcpy(&shnum, p + 60, 2);
+	uint64_t a = shoff + (uint64_t)shentsize * shnum;
+	uint64_t b = phoff + (uint64_t)phentsize * phnum;
+	return (size_t)(a > b ? a : b);
+}
+
+static CUresult f_cuModuleLoadData(void **m, const void *image)
+{
+	ENTER("cuModuleLoadData");
+	NEED_INIT();
+	const unsigned char *p = image;
+	size_t n;
+	if (!p)
+		return E_INVALID_VALUE;
+	if (!memcmp(p,
+		    "\x7f"
+		    "ELF",
+		    4) &&
+	    p[4] == 2)
+		n = elf_size(p);
+	else if (strstr((const char *)p, ".version") &&
+		 strstr((const char *)p, ".target"))
+		n = strlen((const char *)p) + 1;
+	else
+		return E_INVALID_IMAGE;
+	module *mod = calloc(1, sizeof *mod);
+	mod->image = malloc(n);
+	memcpy(mod->image, p, n);
+	mod->size = n;
+	*m = mod;
+	return OK;
+}
+
+static CUresult f_cuModuleUnload(void *m)
+{
+	module *mod = m;
+	if (!mod)
+		return E_INVALID_HANDLE;
+	free(mod->image);
+	free(mod);
+	return OK;
+}
+
+static CUresult f_cuModuleGetFunction(void **f, void *m, const char *name)
+{
+	module *mod = m;
+	size_t k = strlen(name) + 1;
+	bool found = false;
+	for (size_t i = 0; !found && i + k <= mod->size; i++)
+		found = (i == 0 || mod->image[i - 1] == 0) &&
+			!memcmp(mod->image + i, name, k);
+	if (!found)
+		return E_NOT_FOUND;
+	for (int i = 0; i < F.n_funcs; i++) {
+		if (!strcmp(F.funcs[i].name, name) && F.funcs[i].module == m) {
+			*f = &F.funcs[i];
+			return OK;
+		}
+	}
+	if (F.n_funcs == MAX_FUNCS)
+		return E_UNKNOWN;
+	func *fn = &F.funcs[F.n_funcs++];
+	fn->module = m;
+	snprintf(fn->name, sizeof fn->name, "%s", name);
+	*f = fn;
+	return OK;
+}
+
+static CUresult f_cuFuncSetAttribute(void *f, int attr, int v)
+{
+	if (attr != 8 || v < 0 || v > 227 * 1024)
+		return E_INVALID_VALUE;
+	((func *)f)->max_dyn_smem = v;
+	return OK;
+}
+
+static CUresult f_cuOccupancyMaxActiveBlocksPerMultiprocessor(int *b, void *f,
+							      int bs, size_t sm)
+{
+	(void)f;
+	(void)sm;
+	*b = bs > 0 ? 2048 / bs : 0;
+	return OK;
+}
+
+static CUresult run(func *f, const unsigned *g, const unsigned *b,
+		    unsigned smem, void *args)
+{
+	F.st.launches++;
+	memcpy(F.st.last_grid, g, sizeof F.st.last_grid);
+	memcpy(F.st.last_block, b, sizeof F.st.last_block);
+	F.st.last_smem = smem;
+	snprintf(F.st.last_kernel, sizeof F.st.last_kernel, "%s", f->name);
+	if (F.hook &&
+	    F.hook(F.hook_user, f->module, f->name, g, b, smem, args) != 0)
+		return E_UNKNOWN; /* the kernel "faulted" */
+	return OK;
+}
+
+static CUresult f_cuLaunchKernel(void *fp, unsigned gx, unsigned gy,
+				 unsigned gz, unsigned bx, unsigned by,
+				 unsigned bz, unsigned smem, void *s,
+				 void **params, void **extra)
+{
+	(void)s;
+	ENTER("cuLaunchKernel");
+	func *f = fp;
+	if (!f || extra || !params)
+		return E_INVALID_VALUE;
+	if (!gx || !gy || !gz || !bx || !by || !bz ||
+	    (unsigned long long)bx * by * bz > 1024)
+		return E_INVALID_VALUE;
+	if (smem > 48 * 1024 && (int)smem > f->max_dyn_smem)
+		return E_INVALID_VALUE;
+	unsigned g[3] = { gx, gy, gz }, b[3] = { bx, by, bz };
+	if (F.capturing) {
+		size_t n = F.size ? F.size(F.hook_user, f->module, f->name) : 0;
+		if (F.n_rec == MAX_REC || !n)
+			return E_CAPTURE;
+		rec *r = &F.rec[F.n_rec++];
+		r->f = f;
+		memcpy(r->grid, g, sizeof g);
+		memcpy(r->block, b, sizeof b);
+		r->smem = smem;
+		r->args = malloc(n);
+		memcpy(r->args, params[0], n);
+		return OK;
+	}
+	return run(f, g, b, smem, params[0]);
+}
+
+/* ---- streams, events, graphs -------------------------------------------- */
+
+static int a_stream;
+static CUresult f_cuStreamCreate(void **s, unsigned flags)
+{
+	(void)flags;
+	*s = &a_stream;
+	return OK;
+}
+static CUresult f_cuStreamDestroy(void *s)
+{
+	(void)s;
+	return OK;
+}
+static CUresult f_cuStreamSynchronize(void *s)
+{
+	(void)s;
+	return F.capturing ? E_CAPTURE : OK;
+}
+static CUresult f_cuStreamWaitEvent(void *s, void *e, unsigned fl)
+{
+	(void)s;
+	(void)e;
+	(void)fl;
+	return OK;
+}
+
+static CUresult f_cuEventCreate(void **e, unsigned flags)
+{
+	(void)flags;
+	*e = calloc(1, sizeof(double));
+	return OK;
+}
+static CUresult f_cuEventDestroy(void *e)
+{
+	free(e);
+	return OK;
+}
+static CUresult f_cuEventRecord(void *e, void *s)
+{
+	(void)s;
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	*(double *)e = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+	return OK;
+}
+static CUresult f_cuEventSynchronize(void *e)
+{
+	(void)e;
+	return OK;
+}
+static CUresult f_cuEventElapsedTime(float *ms, void *a, void *b)
+{
+	*ms = (float)(*(double *)b - *(double *)a);
+	return OK;
+}
+
+static int a_graph;
+static CUresult f_cuStreamBeginCapture(void *s, int mode)
+{
+	(void)s;
+	if (F.capturing || mode < 0 || mode > 2)
+		return E_INVALID_VALUE;
+	F.capturing = true;
+	F.n_rec = 0;
+	return OK;
+}
+static CUresult f_cuStreamEndCapture(void *s, void **g)
+{
+	(void)s;
+	if (!F.capturing)
+		return E_INVALID_VALUE;
+	F.capturing = false;
+	*g = &a_graph;
+	return OK;
+}
+
+typedef struct gexec {
+	rec *r;
+	int n;
+} gexec;
+
+static CUresult f_cuGraphInstantiate(void **x, void *g, unsigned long long fl)
+{
+	(void)fl;
+	if (g != &a_graph)
+		return E_INVALID_VALUE;
+	gexec *e = calloc(1, sizeof *e);
+	e->r = calloc((size_t)F.n_rec + 1, sizeof *e->r);
+	memcpy(e->r, F.rec, sizeof *e->r * (size_t)F.n_rec);
+	e->n = F.n_rec;
+	F.n_rec = 0;
+	*x = e;
+	return OK;
+}
+static CUresult f_cuGraphLaunch(void *x, void *s)
+{
+	(void)s;
+	gexec *e = x;
+	F.st.graph_launches++;
+	for (int i = 0; i < e->n; i++) {
+		CUresult r = run(e->r[i].f, e->r[i].grid, e->r[i].block,
+				 e->r[i].smem, e->r[i].args);
+		if (r != OK)
+			return r;
+		F.st.replayed++;
+	}
+	return OK;
+}
+static CUresult f_cuGraphExecDestroy(void *x)
+{
+	gexec *e = x;
+	for (int i = 0; e && i < e->n; i++)
+		free(e->r[i].args);
+	if (e)
+		free(e->r);
+	free(e);
+	return OK;
+}
+static CUresult f_cuGraphDestroy(void *g)
+{
+	return g == &a_graph ? OK : E_INVALID_VALUE;
+}
+
+/* ---- cuGetProcAddress ------------------------------------------------------
+ */
+
+static CUresult f_cuDriverGetVersion(int *v)
+{
+	return cuDriverGetVersion(v);
+}
+
+#define ENTRY(n)                                                               \
+	{                                                                      \
+#n, (void *)f_##n                                              \
+	}
+static const struct {
+	const char *name;
+	void *fn;
+} entries[] = {
+	ENTRY(cuInit),
+	ENTRY(cuDriverGetVersion),
+	ENTRY(cuDeviceGetCount),
+	ENTRY(cuDeviceGet),
+	ENTRY(cuDeviceGetName),
+	ENTRY(cuDeviceGetAttribute),
+	ENTRY(cuDeviceTotalMem),
+	ENTRY(cuDevicePrimaryCtxRetain),
+	ENTRY(cuDevicePrimaryCtxRelease),
+	ENTRY(cuCtxSetCurrent),
+	ENTRY(cuCtxSynchronize),
+	ENTRY(cuMemAlloc),
+	ENTRY(cuMemFree),
+	ENTRY(cuMemGetInfo),
+	ENTRY(cuMemHostAlloc),
+	ENTRY(cuMemFreeHost),
+	ENTRY(cuMemcpy),
+	ENTRY(cuMemcpyAsync),
+	ENTRY(cuMemsetD8Async),
+	ENTRY(cuModuleLoadData),
+	ENTRY(cuModuleUnload),
+	ENTRY(cuModuleGetFunction),
+	ENTRY(cuFuncSetAttribute),
+	ENTRY(cuOccupancyMaxActiveBlocksPerMultiprocessor),
+	ENTRY(cuLaunchKernel),
+	ENTRY(cuStreamCreate),
+	ENTRY(cuStreamDestroy),
+	ENTRY(cuStreamSynchronize),
+	ENTRY(cuStreamWaitEvent),
+	ENTRY(cuEventCreate),
+	ENTRY(cuEventDestroy),
+	ENTRY(cuEventRecord),
+	ENTRY(cuEventSynchronize),
+	ENTRY(cuEventElapsedTime),
+	ENTRY(cuStreamBeginCapture),
+	ENTRY(cuStreamEndCapture),
+	ENTRY(cuGraphInstantiate),
+	ENTRY(cuGraphLaunch),
+	ENTRY(cuGraphExecDestroy),
+	ENTRY(cuGraphDestroy),
+};
+
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version,
+			     unsigned long long flags, int *status);
+CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version,
+			     unsigned long long flags, int *status)
+{
+	*pfn = NULL;
+	if (status)
+		*status = 0;
+	if (flags || version < 1000)
+		return E_INVALID_VALUE;
+	if (version > 13000) /* newer than this "driver" */
+		return E_NOT_FOUND;
+	for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++)
+		if (!strcmp(entries[i].name, sym)) {
+			*pfn = entries[i].fn;
+			return OK;
+		}
+	if (status)
+		*status = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+	return E_NOT_FOUND;
+}
