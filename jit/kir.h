@@ -282,8 +282,8 @@ epj_status ej_backend_cuda_time_kernel(epj_ctx *ctx, void *state, int kernel,
 				       double *us, double *bytes);
 /* The device-to-device copy bandwidth (GB/s, bytes read + written) of
  * `iters` copies of `bytes`, timed with events on the compute stream. */
-epj_status ej_backend_cuda_copy_bandwidth(epj_ctx *ctx, size_t bytes,
-					  int iters, double *gbps);
+epj_status ej_backend_cuda_copy_bandwidth(epj_ctx *ctx, size_t bytes, int iters,
+					  double *gbps);
 
 /* ---- kernel body printing shared by print_c.c and print_cuda.c (kir.c) ----
  * The scalar SSA body of a kernel prints the same in both dialects: values

@@ -19,7 +19,8 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 			 * (libcuda.so.1 not found: ...)") */
 			epj_ctx probe = { 0 };
 			if (!ej_cuda_driver_get(&probe))
-				epj_log_msg(EPJ_LOG_ERROR, "backend \"cuda\": %s",
+				epj_log_msg(EPJ_LOG_ERROR,
+					    "backend \"cuda\": %s",
 					    probe.errmsg);
 			else
 				epj_log_msg(

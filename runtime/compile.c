@@ -608,8 +608,8 @@ epj_status epj_engine_compile(epj_engine *e)
 		ej_cuda_dev *dev = NULL;
 		st = ej_cuda_open(ctx, &dev);
 		if (st != EPJ_OK) {
-			ej_error_prefix(ctx, "compile: compile.backend "
-					     "\"nvrtc\"");
+			ej_error_prefix(ctx, "%s: compile.backend \"nvrtc\"",
+					autoep ? AUTOEP_PREFIX : "compile");
 			return st;
 		}
 	}

@@ -441,6 +441,9 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 
 START_TEST(test_compile_cases)
 {
+	/* the cases assume a machine without a CUDA driver (the nvrtc
+	 * backend's refusal names this path) */
+	setenv("EPJIT_CUDA_DRIVER", "/nonexistent/epjit/libcuda.so.1", 1);
 	char dir[1024];
 	snprintf(dir, sizeof dir, "%s/t/compile_cases", tu_srcdir());
 	char **names = NULL;
