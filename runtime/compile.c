@@ -596,8 +596,13 @@ epj_status epj_engine_compile(epj_engine *e)
 	/* 2. the backend must be in this build */
 	ej_backend_kind backend;
 	char msg[256];
-	st =
-	    ej_backend_parse(e->cfg.compile.backend, &backend, msg, sizeof msg);
+	/* "device": "cuda-sim" with no compile.backend: the cuda-sim one */
+	const char *bname = e->cfg.compile.backend;
+	if (!bname[0] && !strcmp(e->cfg.device, "cuda-sim"))
+		bname = "cuda-sim";
+	else if (!bname[0] && !strcmp(e->cfg.device, "cpu"))
+		bname = "c";
+	st = ej_backend_parse(bname, &backend, msg, sizeof msg);
 	if (st != EPJ_OK) {
 		if (autoep)
 			return ej_error(ctx, st, AUTOEP_PREFIX ": %s", msg);

@@ -290,6 +290,7 @@ static const char *const k_root[] = {
 	"steps_per_print",
 	"seed",
 	"wall_clock_breakdown",
+	"device",
 };
 static const char *const k_bf16[] = { "enabled" };
 /* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
@@ -1197,6 +1198,18 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 	    (s = rd_bool(p, root, "", "wall_clock_breakdown",
 			 &c->wall_clock_breakdown)))
 		return s;
+	{
+		static const char *const devices[] = { "cpu", "cuda-sim" };
+		json_t *dv = json_object_get(root, "device");
+		int d = 0;
+		if (dv && !json_is_null(dv)) {
+			if ((s = rd_choice(p, root, "", "device", devices,
+					   (int)EJ_ARRAY_LEN(devices), false,
+					   &d)))
+				return s;
+			set_str(c->device, sizeof c->device, devices[d]);
+		}
+	}
 	if ((s = get_section(p, root, "pipeline", SEC_PIPELINE, &o)))
 		return s;
 	if (o && (s = rd_i32(p, o, "pipeline", "stages", 1, INT_FIELD_MAX,
@@ -1587,6 +1600,8 @@ char *ej_config_to_json(const ej_config *c)
 	SET(r, "steps_per_print", json_integer(c->steps_per_print));
 	SET(r, "seed", json_integer(c->seed));
 	SET(r, "wall_clock_breakdown", json_boolean(c->wall_clock_breakdown));
+	if (c->device[0])
+		SET(r, "device", json_string(c->device));
 #undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to

@@ -177,6 +177,10 @@ typedef struct ej_config {
 	int64_t steps_per_print;    /* >= 1, default 10 */
 	int64_t seed;		    /* default 42 */
 	bool wall_clock_breakdown;  /* default false */
+	/* "device": "" (default: $EPJIT_DEVICE, else cpu), "cpu" or
+	 * "cuda-sim"; with compile.backend unset, cuda-sim runs compiled
+	 * regions on the cuda-sim backend. */
+	char device[EJ_CONFIG_STR_MAX];
 } ej_config;
 
 /* Fills every field with its documented default. */

@@ -426,6 +426,102 @@ START_TEST(test_asan_oob)
 }
 END_TEST
 
+/* ---- the CUDA prelude's bf16, bit for bit --------------------------------
+ * ej_f2bf (scalar and through the 8-lane vector store) on cuda-sim against
+ * lib/dtype.c's epj_f32_to_bf16 on random floats, exact ties (round to
+ * even both ways), the largest finite values, infinities, NaNs with
+ * payloads and subnormals; ej_bf2f back must be exact. */
+static const char bf16_src[] =
+    "extern \"C\" __global__ void k_bf16(const struct bufs a)\n"
+    "{\n"
+    "\tconst float *in = (const float *)a.p[0];\n"
+    "\tej_bf16 *o = (ej_bf16 *)a.p[1];\n"
+    "\tej_bf16 *ov = (ej_bf16 *)a.p[2];\n"
+    "\tfloat *back = (float *)a.p[3];\n"
+    "\tunsigned i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "\to[i] = ej_f2bf(in[i]);\n"
+    "\tback[i] = ej_bf2f(o[i]);\n"
+    "\tif (i % 8 == 0) {\n"
+    "\t\tfloat l[8];\n"
+    "\t\tfor (int k = 0; k < 8; k++)\n"
+    "\t\t\tl[k] = in[i + k];\n"
+    "\t\tej_vst_bf16x8(ov + i, l);\n"
+    "\t}\n"
+    "}\n";
+
+START_TEST(test_prelude_bf16)
+{
+	epj_ctx *ctx = tu_ctx();
+	const char *k[] = { "k_bf16" };
+	void *m = module_of(ctx, bf16_src, k, 1);
+	enum { N = 4096 };
+	float *in = aligned_alloc(64, sizeof(float) * N);
+	uint16_t *o = aligned_alloc(64, 2 * N), *ov = aligned_alloc(64, 2 * N);
+	float *back = aligned_alloc(64, sizeof(float) * N);
+	for (int i = 0; i < N; i++) {
+		uint32_t u;
+		switch (i % 8) {
+		case 0: /* a tie: low half exactly 0x8000 */
+			u = ((uint32_t)tu_randint(0, 1 << 16) << 16) | 0x8000u;
+			break;
+		case 1: /* just above / below a tie */
+			u = ((uint32_t)tu_randint(0, 1 << 16) << 16) |
+			    (tu_randint(0, 2) ? 0x8001u : 0x7fffu);
+			break;
+		case 2: { /* specials */
+			static const uint32_t sp[] = {
+				0x7f800000u, 0xff800000u, 0x7fc00000u,
+				0x7f800001u, 0xffa5a5a5u, 0x7f7fffffu,
+				0xff7fffffu, 0x00000001u, 0x807fffffu,
+				0x00008000u, 0x7f7f8000u, 0x00000000u,
+				0x80000000u, 0x3f808000u, 0x3f818000u
+			};
+			u = sp[(i / 8) % (int)EJ_ARRAY_LEN(sp)];
+			break;
+		}
+		default: {
+			float f = (float)tu_uniform(-4.0, 4.0) *
+				  (float)pow(2.0, (double)tu_randint(-30, 30));
+			memcpy(&u, &f, 4);
+		}
+		}
+		memcpy(&in[i], &u, 4);
+	}
+	bufs b = { { in, o, ov, back } };
+	void *fn = ej_device_sim.function(NULL, m, "k_bf16");
+	ck_assert_ptr_nonnull(fn);
+	ej_launch_out lo[3] = { { o, 2 * N, 2 },
+				{ ov, 2 * N, 2 },
+				{ back, sizeof(float) * N, 4 } };
+	ej_launch l = { .grid = { N / 128, 1, 1 },
+			.block = { 128, 1, 1 },
+			.args = &b,
+			.args_size = sizeof b,
+			.outs = lo,
+			.n_out = 3 };
+	ck_assert_msg(ej_device_sim.launch(NULL, ctx, fn, "k_bf16", &l) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	for (int i = 0; i < N; i++) {
+		uint16_t want = epj_f32_to_bf16(in[i]);
+		uint32_t u;
+		memcpy(&u, &in[i], 4);
+		ck_assert_msg(o[i] == want && ov[i] == want,
+			      "bf16 of 0x%08x: scalar 0x%04x, vector 0x%04x, "
+			      "want 0x%04x",
+			      u, o[i], ov[i], want);
+		float bb = epj_bf16_to_f32(want);
+		ck_assert(memcmp(&bb, &back[i], 4) == 0);
+	}
+	free(in);
+	free(o);
+	free(ov);
+	free(back);
+	ej_device_sim.unload(NULL, m);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- generated kernels on cuda-sim ---------------------------------------
  * The functions of the model's compiled regions (RMSNorm, RoPE, SwiGLU,
  * softmax, residual chains), traced at odd sizes, compiled with the cuda-sim
@@ -785,6 +881,7 @@ Suite *make_sim_suite(void)
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_warp_semantics);
 	tcase_add_test(tc, test_reports);
+	tcase_add_test(tc, test_prelude_bf16);
 	tcase_add_loop_test(tc, test_model_kernels, 0, 9);
 	suite_add_tcase(s, tc);
 	/* its own case, so that t/sim_asan.sh can run it alone */

@@ -170,6 +170,9 @@ static void usage(FILE *fp)
 	    "                      (*.cu) with its NVRTC options (*.opts); "
 	    "--nvrtc-check\n"
 	    "                      also compiles them for EPJIT_CUDA_ARCH\n"
+	    "  --device DEV        cpu or cuda-sim: compiled regions run "
+	    "their CUDA C\n"
+	    "                      on the simulator (as EPJIT_DEVICE=DEV)\n"
 	    "  --parity            eager vs compiled on one batch (table; exit "
 	    "1 "
 	    "on any\n"
@@ -308,7 +311,7 @@ static int parse_args(int argc, char **argv, opts *o)
 			"--metrics",	"--dump-state",
 			"--eval-every", "--seed",
 			"--threads",	"--list-safetensors",
-			"--emit-cuda",
+			"--emit-cuda",	"--device",
 		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
@@ -345,6 +348,15 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->emit_cuda = val;
 		} else if (!strcmp(name, "--list-safetensors")) {
 			o->list_st = val;
+		} else if (!strcmp(name, "--device")) {
+			/* the same as EPJIT_DEVICE, for this process (the
+			 * parity harness's arms read it too) */
+			if (strcmp(val, "cpu") != 0 &&
+			    strcmp(val, "cuda-sim") != 0)
+				return bad_usage("--device wants cpu or "
+						 "cuda-sim, got '%s'%s",
+						 val, "");
+			setenv("EPJIT_DEVICE", val, 1);
 		} else if (!strcmp(name, "--layout")) {
 			if (!strcmp(val, "nested"))
 				o->layout = EPJ_LAYOUT_NESTED;
