@@ -91,6 +91,8 @@ static void dump_file(ej_jit *jit, const char *name, const char *ext,
 	fclose(f);
 }
 
+static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name);
+
 /* Finds or makes the shared object of the schedule and loads it. */
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			       cstate *cs, const char *name)
@@ -120,27 +122,44 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	void *so = NULL;
 	size_t so_len = 0;
 	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
+	/* A miss: one process per key compiles (the others wait for its
+	 * entry); what is put is only what loaded and has every symbol. */
+	int lock = -1;
+	if (st == EPJ_OK && !so && kc) {
+		st = ej_kcache_lock(kc, key, &lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_get(kc, key, &so, &so_len);
+	}
+	bool fresh = st == EPJ_OK && !so;
 	const char *src = NULL;
 	if (st == EPJ_OK && (!so || ej_debug_dump_dir()))
 		src = ej_print_c(cs->A, cs->s, name);
 	if (src && ej_debug_dump_dir())
 		dump_file(jit, name, "c", src);
-	if (st == EPJ_OK && !so) {
+	if (fresh) {
 		char *log = NULL;
 		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
 		if (st == EPJ_OK && log && *log)
 			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
 				    name, log);
 		free(log);
-		if (st == EPJ_OK && kc)
-			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
-	ej_kcache_close(kc);
 	if (st == EPJ_OK)
 		st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
+	if (st == EPJ_OK)
+		st = find_kernels(ctx, cs, name);
+	if (st == EPJ_OK && fresh && kc)
+		st = ej_kcache_put(kc, key, so, so_len, src);
+	if (kc)
+		ej_kcache_unlock(kc, lock);
+	ej_kcache_close(kc);
 	free(so);
-	if (st != EPJ_OK)
-		return st;
+	return st;
+}
+
+/* Looks up epjk_<i> of every kernel in the loaded object. */
+static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name)
+{
 	cs->fn = calloc((size_t)cs->s->n_kernels + 1, sizeof *cs->fn);
 	if (!cs->fn)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");

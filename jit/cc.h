@@ -109,18 +109,24 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
 
 /* Compiles C `source` to a shared object with $EPJIT_CC (default "cc"; split
  * at blanks, so "ccache gcc" works, no shell quoting) run directly (no
- * shell) in a private temporary directory.  On success *so_image and *so_size
- * hold the .so bytes (malloc'ed, caller frees) and the directory is gone.
- * *log (may be NULL) receives the compiler's output, malloc'ed, "" when
- * quiet, also on failure.  On failure: EPJ_ERR_COMPILE with the command,
- * the exit status, the path where the source was kept, and the output. */
+ * shell) in a private temporary directory (mkdtemp, checked after creation:
+ * owned by us, mode 0700) that is its working directory by descriptor.  The
+ * .so is opened once (O_NOFOLLOW), checked through that descriptor (regular,
+ * owned by us, not writable by group or others) and read from it.  On
+ * success *so_image and *so_size hold the .so bytes (malloc'ed, caller
+ * frees) and the directory is gone.  *log (may be NULL) receives the
+ * compiler's output, malloc'ed, "" when quiet, also on failure.  On failure:
+ * EPJ_ERR_COMPILE with the command, the exit status, the path where the
+ * source was kept, and the output; EPJ_ERR_STATE when the private directory
+ * or the module is not private. */
 epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 			     void **so_image, size_t *so_size, char **log);
 
-/* Loads a shared object from bytes: writes them to a private temporary file,
- * dlopen(RTLD_NOW | RTLD_LOCAL), unlinks the file.  *handle is for
- * ej_hostcc_sym and ej_hostcc_unload.  dlopen failure: EPJ_ERR_BACKEND with
- * dlerror(). */
+/* Loads a shared object from bytes: copies them into a sealed memfd (no path
+ * another user could swap) and dlopen()s "/proc/self/fd/<n>" (RTLD_NOW |
+ * RTLD_LOCAL).  *handle is for ej_hostcc_sym and ej_hostcc_unload (it holds
+ * the descriptor as long as the object is loaded).  dlopen failure:
+ * EPJ_ERR_BACKEND with dlerror(). */
 epj_status ej_hostcc_load(epj_ctx *ctx, const void *so_image, size_t size,
 			  const char *name, void **handle);
 /* Address of `sym` in a loaded object, NULL when absent. */

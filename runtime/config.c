@@ -290,6 +290,7 @@ static const char *const k_root[] = {
 	"steps_per_print",
 	"seed",
 	"wall_clock_breakdown",
+	"skip_nonfinite_steps",
 };
 static const char *const k_bf16[] = { "enabled" };
 /* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
@@ -1195,7 +1196,9 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 			&c->steps_per_print, NULL)) ||
 	    (s = rd_int(p, root, "", "seed", 0, INT64_MAX, &c->seed, NULL)) ||
 	    (s = rd_bool(p, root, "", "wall_clock_breakdown",
-			 &c->wall_clock_breakdown)))
+			 &c->wall_clock_breakdown)) ||
+	    (s = rd_bool(p, root, "", "skip_nonfinite_steps",
+			 &c->skip_nonfinite_steps)))
 		return s;
 	if ((s = get_section(p, root, "pipeline", SEC_PIPELINE, &o)))
 		return s;
@@ -1587,6 +1590,7 @@ char *ej_config_to_json(const ej_config *c)
 	SET(r, "steps_per_print", json_integer(c->steps_per_print));
 	SET(r, "seed", json_integer(c->seed));
 	SET(r, "wall_clock_breakdown", json_boolean(c->wall_clock_breakdown));
+	SET(r, "skip_nonfinite_steps", json_boolean(c->skip_nonfinite_steps));
 #undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to

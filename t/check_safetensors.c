@@ -9,6 +9,8 @@
  */
 #include "check_util.h"
 
+#include "core_impl.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
@@ -610,7 +612,8 @@ START_TEST(test_atomic_save)
 
 	/* 1. The temporary name is taken by a directory: open fails. */
 	char tmp[4096];
-	snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+	snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%s", path, (long)getpid(),
+		 ej_host_tag());
 	ck_assert_int_eq(mkdir(tmp, 0700), 0);
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_ERR_IO);
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), path));

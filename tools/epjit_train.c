@@ -736,6 +736,11 @@ static int evaluate(run *r, double *out)
 	}
 	epj_corpus_free(ev);
 	*out = sum / EVAL_BATCHES;
+	if (!isfinite(*out))
+		return fail_msg("evaluation after step %" PRId64
+				": the mean loss is %g (the weights are no "
+				"longer finite: lower the learning rate)",
+				epj_engine_step_count(r->engine), *out);
 	return 0;
 }
 
@@ -775,6 +780,8 @@ static int train(run *r, const opts *o, train_stats *ts)
 		double t = now_s();
 		epj_memory_stats ms;
 		epj_memory_stats_get(ctx, &ms);
+		if (info.skipped)
+			continue; /* warned and counted by the engine */
 		if (!isfinite(info.mean_loss))
 			return fail_msg("step %" PRId64 ": loss is %g; "
 					"lower the learning rate",
