@@ -139,6 +139,7 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	if (fresh) {
 		char *log = NULL;
 		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
+		epj_counter_add(ctx, "codegen.cc_compiles", 1);
 		if (st == EPJ_OK && log && *log)
 			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
 				    name, log);

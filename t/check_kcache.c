@@ -13,12 +13,14 @@
  */
 #include "check_util.h"
 
+#include "jit.h"
 #include "kcache.h"
 
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -1215,6 +1217,309 @@ START_TEST(test_lock)
 }
 END_TEST
 
+/* ---- many processes compiling into one fresh cache --------------------------
+ *
+ * N_COMPILERS processes start at once on an empty cache and compile the same
+ * G_GRAPHS graphs with the C backend: each key is compiled by exactly one of
+ * them (the per-key lock; codegen.cc_compiles summed over all is the number
+ * of entries), all get identical outputs that agree with eager execution,
+ * and every entry verifies afterwards.  A second round kills some of them
+ * with SIGKILL at random points: no corrupt entry, no temporary file after
+ * the next open, and a fresh process then compiles everything without
+ * waiting for a lock. */
+
+enum { N_COMPILERS = 8, G_GRAPHS = 3 };
+
+/* y = sigmoid(x * (0.37 + g) + b) * tanh(x) - x / 3, graph g. */
+typedef struct cg_graph {
+	int g;
+} cg_graph;
+
+static epj_tensor *cg_eval(epj_ctx *ctx, int g, epj_tensor *const *in)
+{
+	epj_tensor *xs = epj_mul_scalar(ctx, in[0], 0.37 + g);
+	epj_tensor *h = epj_add(ctx, xs, in[1]);
+	epj_tensor *s = epj_sigmoid(ctx, h);
+	epj_tensor *t = epj_tanh(ctx, in[0]);
+	epj_tensor *p = epj_mul(ctx, s, t);
+	epj_tensor *x3 = epj_mul_scalar(ctx, in[0], 1.0 / 3.0);
+	epj_tensor *y = epj_sub(ctx, p, x3);
+	epj_tensor *tmp[] = { xs, h, s, t, p, x3 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(tmp); i++)
+		epj_tensor_free(tmp[i]);
+	return y;
+}
+
+static epj_status cg_traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
+			    int n_in, epj_tensor **out, int n_out)
+{
+	(void)n_in;
+	(void)n_out;
+	out[0] = cg_eval(ctx, ((cg_graph *)user)->g, in);
+	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+/* Deterministic inputs of graph g: x [3 + g, 5 + 2g], b [5 + 2g]. */
+static void cg_inputs(epj_ctx *ctx, int g, uint64_t seed, epj_tensor **in)
+{
+	int64_t sx[2] = { 3 + g, 5 + 2 * g }, sb = 5 + 2 * g;
+	in[0] = epj_zeros(ctx, EPJ_DTYPE_F32, 2, sx);
+	in[1] = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &sb);
+	uint64_t x = seed * 2654435761u + (uint64_t)g + 1;
+	for (int k = 0; k < 2; k++)
+		for (int64_t i = 0; i < epj_tensor_numel(in[k]); i++) {
+			x ^= x << 13;
+			x ^= x >> 7;
+			x ^= x << 17;
+			epj_tensor_set_f64(in[k], i,
+					   (double)(x % 20001) / 5000.0 - 2.0);
+		}
+}
+
+/* What a compiling process reports through its pipe. */
+typedef struct cg_report {
+	uint64_t out_hash[G_GRAPHS]; /* epj_hash of the compiled output */
+	int64_t cc_compiles, lock_waits;
+	int ok; /* 1: every output matched eager */
+} cg_report;
+
+static int compile_child(const char *dir, uint64_t seed, int gate, int out)
+{
+	char c1;
+	if (read(gate, &c1, 1) < 0)
+		return 2;
+	setenv("EPJIT_CACHE_DIR", dir, 1);
+	epj_ctx *ctx = NULL;
+	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
+		return 3;
+	cg_report r = { .ok = 1 };
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	bool prev = epj_no_grad_enter(ctx);
+	for (int g = 0; g < G_GRAPHS && r.ok; g++) {
+		epj_tensor *in[2];
+		cg_inputs(ctx, g, seed, in);
+		cg_graph u = { g };
+		ej_trace *tr = NULL;
+		ej_region_fn *f = NULL;
+		epj_tensor *y = NULL, *ref = cg_eval(ctx, g, in);
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+		if (ej_trace_region(ctx, jit, cg_traced, &u, in, 2, 1, NULL,
+				    NULL, &tr) != EPJ_OK ||
+		    ej_jit_compile(ctx, jit, tr, &f) != EPJ_OK ||
+		    ej_region_run(ctx, f, in, 2, NULL, 0, NULL, NULL, &y, 1) !=
+			EPJ_OK) {
+			fprintf(stderr, "compile child: %s\n",
+				epj_ctx_error(ctx));
+			r.ok = 0;
+		}
+		/* compiled code ran, and agrees with eager */
+		if (r.ok &&
+		    epj_counter_get(ctx, "kernels.launched.compiled") == l0)
+			r.ok = 0;
+		for (int64_t i = 0; r.ok && i < epj_tensor_numel(y); i++) {
+			double a = epj_tensor_get_f64(y, i);
+			double b = epj_tensor_get_f64(ref, i);
+			if (!(fabs(a - b) <= 1e-5 * (1 + fabs(b))))
+				r.ok = 0;
+		}
+		if (r.ok)
+			r.out_hash[g] =
+			    epj_hash(epj_tensor_data(y),
+				     (size_t)epj_tensor_numel(y) * 4)
+				.lo;
+		epj_tensor_free(y);
+		epj_tensor_free(ref);
+		ej_region_fn_free(f);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_no_grad_exit(ctx, prev);
+	r.cc_compiles = epj_counter_get(ctx, "codegen.cc_compiles");
+	r.lock_waits = epj_counter_get(ctx, "cache.lock_waits");
+	ej_jit_free(jit);
+	epj_ctx_free(ctx);
+	return write(out, &r, sizeof r) == (ssize_t)sizeof r && r.ok ? 0 : 4;
+}
+
+/* Starts n compiling processes at once; kill_ms[i] >= 0 kills process i
+ * with SIGKILL that many ms after the start.  Fills rep[i] (zeroed for a
+ * killed or failed one) and returns how many were killed before reporting.
+ */
+static int run_compilers(const char *dir, uint64_t seed, int n,
+			 const int *kill_ms, cg_report *rep, int *status)
+{
+	int gate[2], pipes[N_COMPILERS][2];
+	ck_assert_int_eq(pipe(gate), 0);
+	pid_t pid[N_COMPILERS];
+	fflush(NULL);
+	for (int i = 0; i < n; i++) {
+		ck_assert_int_eq(pipe(pipes[i]), 0);
+		pid[i] = fork();
+		ck_assert_int_ge(pid[i], 0);
+		if (pid[i] == 0) {
+			close(gate[1]);
+			close(pipes[i][0]);
+			_exit(compile_child(dir, seed, gate[0], pipes[i][1]));
+		}
+		close(pipes[i][1]);
+	}
+	close(gate[0]);
+	close(gate[1]); /* go */
+	struct timespec t0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int done = 0; kill_ms && !done;) {
+		struct timespec t;
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		int64_t ms = (int64_t)(t.tv_sec - t0.tv_sec) * 1000 +
+			     (t.tv_nsec - t0.tv_nsec) / 1000000;
+		done = 1;
+		for (int i = 0; i < n; i++) {
+			if (kill_ms[i] < 0)
+				continue;
+			if (ms >= kill_ms[i])
+				kill(pid[i], SIGKILL);
+			else
+				done = 0;
+		}
+		usleep(2000);
+	}
+	int killed = 0;
+	for (int i = 0; i < n; i++) {
+		memset(&rep[i], 0, sizeof rep[i]);
+		ssize_t got = read(pipes[i][0], &rep[i], sizeof rep[i]);
+		close(pipes[i][0]);
+		ck_assert_int_eq(waitpid(pid[i], &status[i], 0), pid[i]);
+		if (WIFSIGNALED(status[i]) && WTERMSIG(status[i]) == SIGKILL &&
+		    got != (ssize_t)sizeof rep[i])
+			killed++;
+	}
+	return killed;
+}
+
+/* Every entry of dir verifies (a fresh cache; no corrupt one); returns the
+ * number of entries. */
+static int verify_entries(const char *dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_kcache *c = open_ok(ctx, dir);
+	int n = 0;
+	DIR *v = opendir(path_of("%s/v1", dir));
+	ck_assert_ptr_nonnull(v);
+	struct dirent *de;
+	while ((de = readdir(v))) {
+		if (de->d_name[0] == '.')
+			continue;
+		char *sh = strdup(path_of("%s/v1/%s", dir, de->d_name));
+		DIR *s = opendir(sh);
+		ck_assert_ptr_nonnull(s);
+		struct dirent *e;
+		while ((e = readdir(s))) {
+			size_t l = strlen(e->d_name);
+			if (l != 68 || strcmp(e->d_name + 64, ".bin"))
+				continue;
+			char key[65];
+			memcpy(key, e->d_name, 64);
+			key[64] = '\0';
+			void *d = NULL;
+			size_t len = 0;
+			ck_assert_int_eq(ej_kcache_get(c, key, &d, &len),
+					 EPJ_OK);
+			ck_assert_msg(d != NULL, "entry %s does not verify",
+				      key);
+			ck_assert(len > 4 && !memcmp(d,
+						     "\x7f"
+						     "ELF",
+						     4));
+			free(d);
+			n++;
+		}
+		closedir(s);
+		free(sh);
+	}
+	closedir(v);
+	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+	return n;
+}
+
+START_TEST(test_many_compilers)
+{
+	char dir[] = "/tmp/epj-kcc-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	uint64_t seed = tu_seed();
+	cg_report rep[N_COMPILERS];
+	int status[N_COMPILERS];
+	ck_assert_int_eq(
+	    run_compilers(dir, seed, N_COMPILERS, NULL, rep, status), 0);
+	int64_t compiles = 0, waits = 0;
+	for (int i = 0; i < N_COMPILERS; i++) {
+		ck_assert_msg(WIFEXITED(status[i]) &&
+				  WEXITSTATUS(status[i]) == 0,
+			      "compiler %d failed (status %#x)", i, status[i]);
+		ck_assert_int_eq(rep[i].ok, 1);
+		for (int g = 0; g < G_GRAPHS; g++)
+			ck_assert_msg(rep[i].out_hash[g] == rep[0].out_hash[g],
+				      "graph %d: process %d differs", g, i);
+		compiles += rep[i].cc_compiles;
+		waits += rep[i].lock_waits;
+	}
+	int entries = verify_entries(dir);
+	ck_assert_int_ge(entries, G_GRAPHS);
+	ck_assert_msg(compiles == entries,
+		      "%lld compiles for %d entries: not one per key",
+		      (long long)compiles, entries);
+	printf("check_kcache: %d processes, %d entries, %lld compiles, "
+	       "%lld lock waits\n",
+	       N_COMPILERS, entries, (long long)compiles, (long long)waits);
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	tu_tmpdir_free(strdup(dir));
+}
+END_TEST
+
+START_TEST(test_compilers_killed)
+{
+	char dir[] = "/tmp/epj-kck-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	uint64_t seed = tu_seed();
+	cg_report rep[N_COMPILERS];
+	int status[N_COMPILERS], kill_ms[N_COMPILERS];
+	for (int round = 0; round < 2; round++) {
+		/* about half of them die at a random point of their work */
+		for (int i = 0; i < N_COMPILERS; i++)
+			kill_ms[i] =
+			    tu_randint(0, 2) ? (int)tu_randint(0, 700) : -1;
+		int killed =
+		    run_compilers(dir, seed, N_COMPILERS, kill_ms, rep, status);
+		for (int i = 0; i < N_COMPILERS; i++)
+			ck_assert_msg((WIFSIGNALED(status[i]) &&
+				       WTERMSIG(status[i]) == SIGKILL) ||
+					  (WIFEXITED(status[i]) &&
+					   WEXITSTATUS(status[i]) == 0),
+				      "compiler %d: status %#x", i, status[i]);
+		printf("check_kcache: round %d: %d of %d killed (at", round,
+		       killed, N_COMPILERS);
+		for (int i = 0; i < N_COMPILERS; i++)
+			if (kill_ms[i] >= 0)
+				printf(" %d%s", kill_ms[i],
+				       WIFSIGNALED(status[i]) ? "" : "(done)");
+		printf(" ms)\n");
+		verify_entries(dir); /* also sweeps dead temporaries */
+		ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	}
+	/* A fresh process finishes everything at once: no stuck lock. */
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(run_compilers(dir, seed, 1, NULL, rep, status), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	ck_assert(WIFEXITED(status[0]) && WEXITSTATUS(status[0]) == 0);
+	ck_assert_int_eq(rep[0].lock_waits, 0);
+	ck_assert_int_lt(t1.tv_sec - t0.tv_sec, 30);
+	ck_assert_int_eq(verify_entries(dir), G_GRAPHS);
+	tu_tmpdir_free(strdup(dir));
+}
+END_TEST
+
 Suite *make_kcache_suite(void)
 {
 	Suite *s = suite_create("kcache");
@@ -1233,7 +1538,9 @@ Suite *make_kcache_suite(void)
 	TCase *tp = tcase_create("concurrent");
 	tcase_add_test(tp, test_concurrent);
 	tcase_add_test(tp, test_lock);
-	tcase_set_timeout(tp, 60);
+	tcase_add_test(tp, test_many_compilers);
+	tcase_add_test(tp, test_compilers_killed);
+	tcase_set_timeout(tp, 180);
 	suite_add_tcase(s, tp);
 	return s;
 }
