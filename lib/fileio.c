@@ -36,6 +36,39 @@ const char *ej_host_tag(void)
 	return tag;
 }
 
+FILE *ej_fopen_regular(const char *path, const char **why)
+{
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0) {
+		*why = strerror(errno);
+		return NULL;
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0) {
+		*why = strerror(errno);
+		close(fd);
+		return NULL;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		*why = S_ISFIFO(st.st_mode) ? "not a regular file (a FIFO)"
+		       : S_ISDIR(st.st_mode)
+			   ? "not a regular file (a directory)"
+		       : S_ISSOCK(st.st_mode) ? "not a regular file (a socket)"
+					      : "not a regular file (a device)";
+		close(fd);
+		return NULL;
+	}
+	int fl = fcntl(fd, F_GETFL);
+	FILE *fp = NULL;
+	if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0)
+		fp = fdopen(fd, "rb");
+	if (!fp) {
+		*why = strerror(errno);
+		close(fd);
+	}
+	return fp;
+}
+
 /* pid of "<pid>[.<n>...]" (0 when malformed) and *rest after the digits. */
 static long tmp_pid(const char *s, const char **rest)
 {

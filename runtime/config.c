@@ -114,9 +114,13 @@ const char *ej_json_type_name(const json_t *v)
 char *ej_config_read_file(epj_ctx *ctx, const char *path)
 {
 	enum { MAX_BYTES = 64 << 20 }; /* a config is never this large */
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		goto io_fail;
+	const char *why = NULL;
+	FILE *f = ej_fopen_regular(path, &why);
+	if (!f) {
+		ej_error(ctx, EPJ_ERR_IO, "config error in %s: cannot read: %s",
+			 path, why);
+		return NULL;
+	}
 	size_t cap = 4096, len = 0;
 	char *buf = malloc(cap);
 	if (!buf) {
@@ -1284,6 +1288,19 @@ epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *c, int world_size)
 	int64_t tb = c->train_batch_size_given ? c->train_batch_size : 0;
 	int64_t mb = c->micro_batch_given ? c->micro_batch_per_gpu : 0;
 	int64_t ga = c->gas_given ? c->gradient_accumulation_steps : 0;
+	/* Every product below is of values <= BATCH_MAX = 2^31 and a world
+	 * size < 2^31: it must not reach past BATCH_MAX (checked, no
+	 * overflow). */
+	int64_t prod;
+	int64_t mbv = mb ? mb : 1, gav = ga ? ga : 1;
+	if (__builtin_mul_overflow(mbv, gav, &prod) ||
+	    __builtin_mul_overflow(prod, w, &prod) || prod > BATCH_MAX)
+		return cp_err(&p,
+			      "train_micro_batch_size_per_gpu (%" PRId64
+			      ") * gradient_accumulation_steps (%" PRId64
+			      ") * world size (%d) is out of range: the "
+			      "global batch must be in [1, %" PRId64 "]",
+			      mbv, gav, world_size, BATCH_MAX);
 	/* DeepSpeed's rules (runtime/config.py _set_batch_related_parameters):
 	 * two given determine the third; one given sets gas = 1 (or micro =
 	 * 1 when only gas is given); none given: micro = gas = 1. */

@@ -576,6 +576,14 @@ START_TEST(test_config_errors)
 		{ "{\"train_batch_size\": 3, "
 		  "\"train_micro_batch_size_per_gpu\": 2}",
 		  EPJ_ERR_CONFIG, "train_batch_size" },
+		/* products near 2^62 in checked arithmetic */
+		{ "{\"train_micro_batch_size_per_gpu\": 2147483647, "
+		  "\"gradient_accumulation_steps\": 2147483647}",
+		  EPJ_ERR_CONFIG,
+		  "the global batch must be in [1, 2147483648]" },
+		{ "{\"train_micro_batch_size_per_gpu\": 65536, "
+		  "\"gradient_accumulation_steps\": 32769}",
+		  EPJ_ERR_CONFIG, "out of range" },
 	};
 	epj_ctx *ctx = tu_ctx();
 	epj_model *m = new_model(ctx, 5);

@@ -434,9 +434,17 @@ static const struct bad_case {
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[2,-1],\"data_offsets\":[0,8]}}",
 	  0, 8, EPJ_ERR_FORMAT, "negative dimension" },
 	{ "numel overflow",
+	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[1099511627776,"
+	  "1099511627776],\"data_offsets\":[0,8]}}",
+	  0, 8, EPJ_ERR_FORMAT, "overflows" },
+	{ "one huge dim",
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,16],"
 	  "\"data_offsets\":[0,8]}}",
-	  0, 8, EPJ_ERR_FORMAT, "overflows" },
+	  0, 8, EPJ_ERR_FORMAT, "shape too large" },
+	{ "empty with huge dims",
+	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[0,4611686018427387904,"
+	  "4611686018427387904],\"data_offsets\":[0,0]}}",
+	  0, 0, EPJ_ERR_FORMAT, "non-zero dimensions must be at most" },
 	{ "offsets one value",
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", 0,
 	  8, EPJ_ERR_FORMAT, "data_offsets" },

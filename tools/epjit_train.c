@@ -68,6 +68,10 @@ enum {
 	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
 };
 #define DEFAULT_LR 3e-3
+/* --seq at most 2^31 - 1 tokens; tokens per optimizer step (micro-batch x
+ * seq x gradient accumulation) at most 2^40. */
+#define SEQ_MAX	   2147483647L
+#define TOKENS_MAX ((int64_t)1 << 40)
 
 /* Environment variable that marks a process re-executed by --threads. */
 #define THREADS_ENV "EPJIT_TRAIN_THREADS_SET"
@@ -365,13 +369,17 @@ static int parse_args(int argc, char **argv, opts *o)
 					  !strcmp(name, "--eval-every")
 				      ? 0
 				      : 1;
-			long hi = !strcmp(name, "--threads") ? 1024 : LONG_MAX;
-			if (!parse_long(val, lo, hi, &v))
-				return bad_usage(lo ? "%s wants an integer >= "
-						      "1, got '%s'"
-						    : "%s wants an integer >= "
-						      "0, got '%s'",
-						 name, val);
+			long hi = !strcmp(name, "--threads") ? 1024
+				  : !strcmp(name, "--seq")   ? SEQ_MAX
+							     : LONG_MAX;
+			if (!parse_long(val, lo, hi, &v)) {
+				char what[96];
+				snprintf(what, sizeof what,
+					 "%%s wants an integer in [%ld, %ld], "
+					 "got '%%s'",
+					 lo, hi);
+				return bad_usage(what, name, val);
+			}
 			if (!strcmp(name, "--steps"))
 				o->steps = v;
 			else if (!strcmp(name, "--seq"))
@@ -552,6 +560,15 @@ static int setup(run *r, const opts *o)
 	r->B = epj_engine_micro_batch_size(r->engine);
 	r->gas = epj_engine_grad_accum_steps(r->engine);
 	r->T = o->seq;
+	/* Tokens per step (and per resume skip) in checked arithmetic. */
+	int64_t bt, tok;
+	if (__builtin_mul_overflow(r->B, r->T, &bt) ||
+	    __builtin_mul_overflow(bt, r->gas, &tok) || tok > TOKENS_MAX)
+		return fail_msg("micro-batch %" PRId64 " x seq %" PRId64
+				" x gradient accumulation %" PRId64
+				" tokens per step is out of range: at most "
+				"%" PRId64 " (2^40)",
+				r->B, r->T, r->gas, TOKENS_MAX);
 
 	int vocab = epj_model_vocab_size(r->model);
 	if (!o->data || !strcmp(o->data, "synthetic")) {
