@@ -102,10 +102,22 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
 /* ---- host C compiler -----------------------------------------------------
  */
 
-/* The fixed flags (also part of the identity).  No -march=native: artifacts
- * are cached and may be shared between machines. */
-#define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC -shared -fopenmp"
+/* The fixed compile flags (also part of the identity; ej_hostcc_cflags adds
+ * -fopenmp when the library runs on an OpenMP runtime).  No -march=native:
+ * artifacts are cached and may be shared between machines. */
+#define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC"
 #define EJ_HOSTCC_LIBS	"-lm"
+
+/* The OpenMP runtime this library itself runs on: the absolute path of the
+ * shared object defining omp_get_max_threads (libgomp.so.1 under gcc,
+ * libomp.so.5 under clang), or NULL when the library was built without
+ * OpenMP.  A module is linked against exactly that object (by path, not
+ * -fopenmp's default), so a process never holds two OpenMP runtimes; without
+ * one, modules are compiled without -fopenmp (serial).  gcc's GOMP calls
+ * work with either runtime; clang's need libomp. */
+const char *ej_hostcc_openmp_runtime(void);
+/* EJ_HOSTCC_FLAGS, plus " -fopenmp" when there is a runtime (static). */
+const char *ej_hostcc_cflags(void);
 
 /* Compiles C `source` to a shared object with $EPJIT_CC (default "cc"; split
  * at blanks, so "ccache gcc" works, no shell quoting) run directly (no

@@ -8,17 +8,18 @@
  * (O_DIRECTORY | O_NOFOLLOW); through that descriptor it must be a directory
  * owned by geteuid() with no group or other permission bits, and the path
  * must still name it.  The source is written into it through the descriptor
- * as <name>.c; `$EPJIT_CC EJ_HOSTCC_FLAGS -o <name>.so <name>.c
- * EJ_HOSTCC_LIBS` runs through posix_spawn (no shell; a spawn rather than
- * fork, so a large multithreaded process is not copied) with its working
- * directory set to the descriptor (fchdir, so renaming the directory under
- * it changes nothing), relative paths and TMPDIR="." (the compiler's own
- * temporaries stay in the private directory), stdout and stderr captured
- * together.  The .so is opened once, relative to the directory descriptor,
- * with O_NOFOLLOW | O_NONBLOCK; through that descriptor it must be a regular
- * file owned by us, not writable by group or others, with one link; the
- * bytes are read from that descriptor.  The directory is removed through the
- * descriptor (rmdir of the path only while it still names the same inode).
+ * as <name>.c; `$EPJIT_CC <ej_hostcc_cflags()> -c -o <name>.o <name>.c`
+ * then `$EPJIT_CC -shared -o <name>.so <name>.o <the library's OpenMP
+ * runtime> EJ_HOSTCC_LIBS` run through posix_spawn (no shell; a spawn
+ * rather than fork, so a large multithreaded process is not copied) with
+ * their working directory set to the descriptor (fchdir, so renaming the
+ * directory under it changes nothing), relative paths and TMPDIR="." (the
+ * compiler's own temporaries stay in the private directory), stdout and
+ * stderr captured together.  The .so is opened once, relative to the directory
+ * descriptor, with O_NOFOLLOW | O_NONBLOCK; through that descriptor it must be
+ * a regular file owned by us, not writable by group or others, with one link;
+ * the bytes are read from that descriptor.  The directory is removed through
+ * the descriptor (rmdir of the path only while it still names the same inode).
  * A failed compile keeps the directory with the source only, and the message
  * names it.
  *
@@ -51,6 +52,9 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 extern char **environ;
 
@@ -359,13 +363,15 @@ typedef struct ej_privdir {
  * swapped it between mkdtemp and open).  On success d->fd >= 0 and d->path
  * is set; on failure d->fd is -1, nothing is left behind and ctx has the
  * reason. */
-static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
+static epj_status privdir_make_once(epj_ctx *ctx, const char *prefix,
+				    ej_privdir *d, bool *made)
 {
 	epj_status st = EPJ_OK;
 	struct stat by_fd, by_path;
 	d->fd = -1;
 	snprintf(d->path, sizeof d->path, "%s/%s-XXXXXX", ej_tmpdir(), prefix);
 	SYS_CHECK(ctx, mkdtemp(d->path), == NULL, "making a private directory");
+	*made = true;
 	d->fd = open(d->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (d->fd < 0) {
 		st = sys_fail(ctx, d->path, "open(dir, O_DIRECTORY|O_NOFOLLOW)",
@@ -394,6 +400,28 @@ static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
 		goto out;
 	}
 out:
+	if (st != EPJ_OK && d->fd >= 0) {
+		close(d->fd);
+		d->fd = -1;
+	}
+	return st;
+}
+
+/* privdir_make_once, tried again with a fresh name when the directory was
+ * made but did not check out (another user renamed or swapped it between
+ * mkdtemp and open: that attempt is refused, the next one usually wins the
+ * race); the last error after 8 attempts. */
+static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
+{
+	epj_status st = EPJ_OK;
+	for (int i = 0; i < 8; i++) {
+		bool made = false;
+		st = privdir_make_once(ctx, prefix, d, &made);
+		if (st == EPJ_OK || !made)
+			break;
+		epj_log_msg(EPJ_LOG_WARN, "%s; trying another name",
+			    epj_ctx_error(ctx));
+	}
 	return st;
 }
 
@@ -490,6 +518,104 @@ static char **env_with_private_tmpdir(void)
 	return e;
 }
 
+/* ---- the OpenMP runtime -----------------------------------------------------
+ */
+
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+static char omp_path[PATH_MAX];
+
+static void find_omp_runtime(void)
+{
+#ifdef _OPENMP
+	int (*fn)(void) = omp_get_max_threads;
+	void *addr;
+	memcpy(&addr, &fn, sizeof addr);
+	Dl_info info;
+	if (dladdr(addr, &info) && info.dli_fname && info.dli_fname[0] == '/' &&
+	    strstr(info.dli_fname, "omp"))
+		snprintf(omp_path, sizeof omp_path, "%s", info.dli_fname);
+#endif
+}
+
+const char *ej_hostcc_openmp_runtime(void)
+{
+	pthread_once(&omp_once, find_omp_runtime);
+	return omp_path[0] ? omp_path : NULL;
+}
+
+const char *ej_hostcc_cflags(void)
+{
+	return ej_hostcc_openmp_runtime() ? EJ_HOSTCC_FLAGS " -fopenmp"
+					  : EJ_HOSTCC_FLAGS;
+}
+
+/* ---- one compiler step ----------------------------------------------------
+ */
+
+/* A step that ran and failed (the source is kept); never returned to
+ * callers of ej_hostcc_compile. */
+#define EJ_STEP_FAILED ((epj_status)-1)
+
+/* Runs `$EPJIT_CC <flags> <args...>` in the private directory (empty args
+ * are left out) and appends its output to *log.  EPJ_ERR_COMPILE when the
+ * compiler cannot be run; EJ_STEP_FAILED (message set: what, exit status,
+ * command, output) when it ran and failed. */
+static epj_status cc_step(epj_ctx *ctx, const ej_privdir *dir, char **envp,
+			  const char *safe, const char *what, const char *flags,
+			  const char *const *args, int n_args, char **log)
+{
+	char *words = NULL, *fl = NULL, *output = NULL, *argv[ARGV_MAX];
+	const char *cc;
+	epj_status st = EPJ_OK;
+	int n = cc_words(&words, argv, ARGV_MAX - 24, &cc);
+	if (n >= 1)
+		n = add_words(&fl, flags, argv, n, ARGV_MAX - 16);
+	if (n < 1) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
+		goto out;
+	}
+	for (int i = 0; i < n_args && n < ARGV_MAX - 1; i++)
+		if (args[i][0])
+			argv[n++] = (char *)args[i];
+	argv[n] = NULL;
+	char where[160], cmd[1024], how[64];
+	int ws = 0;
+	join_argv(argv, cmd, sizeof cmd);
+	int err =
+	    run_capture(argv, dir->fd, envp, &output, &ws, where, sizeof where);
+	if (err) {
+		st = ej_error(ctx, EPJ_ERR_COMPILE,
+			      "host cc: %s '%s': cannot run the C compiler "
+			      "'%s' (EPJIT_CC=%s): %s failed: %s",
+			      what, safe, argv[0], cc, where, strerror(err));
+		goto out;
+	}
+	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+		describe_wait(ws, how, sizeof how);
+		ej_error(ctx, EPJ_ERR_COMPILE,
+			 "host cc: %s '%s' failed (%s; EPJIT_CC=%s); source "
+			 "kept at %s/%s.c; command (in %s): %s; output:\n%s",
+			 what, safe, how, cc, dir->path, safe, dir->path, cmd,
+			 output[0] ? output : "(none)\n");
+		st = EJ_STEP_FAILED;
+	}
+out:
+	if (output && *output) {
+		size_t a = *log ? strlen(*log) : 0, b = strlen(output);
+		char *j = realloc(*log, a + b + 1);
+		if (j) {
+			memcpy(j + a, output, b + 1);
+			*log = j;
+		}
+	} else if (!*log) {
+		*log = strdup("");
+	}
+	free(output);
+	free(words);
+	free(fl);
+	return st;
+}
+
 /* ---- compiling ------------------------------------------------------------
  */
 
@@ -504,15 +630,14 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	if (!source)
 		return ej_error(ctx, EPJ_ERR_INVALID, "host cc: no source");
 	epj_status st = EPJ_OK;
-	char safe[64], src[80], so[80], so_path[PATH_MAX + 80];
-	char *words = NULL, *flags = NULL, *libs = NULL, *output = NULL;
+	char safe[64], src[80], obj[80], so[80], so_path[PATH_MAX + 80];
+	char *output = NULL;
 	char **envp = NULL;
-	char *argv[ARGV_MAX];
-	const char *cc;
 	bool keep_source = false;
 	ej_privdir dir = { .fd = -1 };
 	ej_safe_name(name, safe, sizeof safe);
 	snprintf(src, sizeof src, "%s.c", safe);
+	snprintf(obj, sizeof obj, "%s.o", safe);
 	snprintf(so, sizeof so, "%s.so", safe);
 
 	st = privdir_make(ctx, "epjit-cc", &dir);
@@ -531,49 +656,29 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 		goto out;
 	}
 
-	/* argv: $EPJIT_CC words (at most ARGV_MAX - 24), flags, -o so, src,
-	 * libs, NULL; paths relative to the private directory. */
-	int n = cc_words(&words, argv, ARGV_MAX - 24, &cc);
-	if (n >= 1)
-		n = add_words(&flags, EJ_HOSTCC_FLAGS, argv, n, ARGV_MAX - 8);
-	if (n < 1) {
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
-		goto out;
-	}
-	argv[n++] = "-o";
-	argv[n++] = so;
-	argv[n++] = src;
-	n = add_words(&libs, EJ_HOSTCC_LIBS, argv, n, ARGV_MAX - 1);
 	envp = env_with_private_tmpdir();
-	if (n < 1 || !envp) {
+	if (!envp) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
 		goto out;
 	}
-	argv[n] = NULL;
-
-	char where[160], cmd[1024], how[64];
-	int ws = 0;
-	join_argv(argv, cmd, sizeof cmd);
-	err =
-	    run_capture(argv, dir.fd, envp, &output, &ws, where, sizeof where);
-	if (err) {
-		st = ej_error(ctx, EPJ_ERR_COMPILE,
-			      "host cc: compiling '%s': cannot run the C "
-			      "compiler '%s' (EPJIT_CC=%s): %s failed: %s",
-			      safe, argv[0], cc, where, strerror(err));
-		goto out;
+	/* Compile, then link against the library's own OpenMP runtime (or
+	 * none): never a second runtime in the process. */
+	const char *rt = ej_hostcc_openmp_runtime();
+	const char *c_args[] = { "-c", "-o", obj, src };
+	st = cc_step(ctx, &dir, envp, safe, "compiling", ej_hostcc_cflags(),
+		     c_args, 4, &output);
+	if (st == EPJ_OK) {
+		const char *l_args[] = { "-o", so, obj, rt ? rt : "",
+					 EJ_HOSTCC_LIBS };
+		st = cc_step(ctx, &dir, envp, safe, "linking", "-shared",
+			     l_args, 5, &output);
 	}
-	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
-		describe_wait(ws, how, sizeof how);
+	if (st == EJ_STEP_FAILED) {
 		keep_source = true;
-		st = ej_error(
-		    ctx, EPJ_ERR_COMPILE,
-		    "host cc: compiling '%s' failed (%s; EPJIT_CC=%s); "
-		    "source kept at %s/%s; command (in %s): %s; output:\n%s",
-		    safe, how, cc, dir.path, src, dir.path, cmd,
-		    output[0] ? output : "(none)\n");
-		goto out;
+		st = EPJ_ERR_COMPILE;
 	}
+	if (st != EPJ_OK)
+		goto out;
 	/* The module: opened once, checked and read through one descriptor. */
 	struct stat sb;
 	fd = openat(dir.fd, so, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
@@ -588,18 +693,15 @@ epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 	}
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "host cc: reading back what '%s' built",
-				cmd);
+				so);
 
 out:;
 	/* Only files this function named can be there (and the compiler's
 	 * temporaries, which it removes itself); a compiler that leaves
 	 * others makes rmdir fail, which is logged. */
-	const char *names[] = { so, keep_source ? NULL : src };
-	privdir_remove(&dir, names, 2, keep_source);
+	const char *names[] = { so, obj, keep_source ? NULL : src };
+	privdir_remove(&dir, names, 3, keep_source);
 	free(envp);
-	free(words);
-	free(flags);
-	free(libs);
 	if (log)
 		*log = output ? output : strdup("");
 	else
@@ -775,7 +877,9 @@ static char *compute_identity(void)
 	}
 	free(output);
 	char *id = NULL;
-	if (asprintf(&id, "%s | %s | %s %s", cc, version, EJ_HOSTCC_FLAGS,
+	const char *rt = ej_hostcc_openmp_runtime();
+	if (asprintf(&id, "%s | %s | %s | -shared %s%s%s", cc, version,
+		     ej_hostcc_cflags(), rt ? rt : "", rt ? " " : "",
 		     EJ_HOSTCC_LIBS) < 0)
 		id = NULL;
 	free(words);

@@ -17,6 +17,8 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <link.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -56,6 +58,36 @@ static void env_restore(saved_env s)
 	else
 		unsetenv(s.name);
 	free(s.value);
+}
+
+/* The OpenMP runtimes (libgomp*, libomp*, libiomp*) mapped in the process,
+ * counted by their real path. */
+typedef struct omp_count {
+	int n;
+	char names[4][PATH_MAX];
+} omp_count;
+
+static int count_omp(struct dl_phdr_info *info, size_t size, void *data)
+{
+	(void)size;
+	omp_count *c = data;
+	const char *nm = info->dlpi_name;
+	const char *base = nm ? strrchr(nm, '/') : NULL;
+	base = base ? base + 1 : nm;
+	if (!base || !(strncmp(base, "libgomp", 7) == 0 ||
+		       strncmp(base, "libomp", 6) == 0 ||
+		       strncmp(base, "libiomp", 7) == 0))
+		return 0;
+	char real[PATH_MAX];
+	if (!realpath(nm, real))
+		snprintf(real, sizeof real, "%.*s", (int)sizeof real - 1, nm);
+	for (int i = 0; i < c->n && i < 4; i++)
+		if (!strcmp(c->names[i], real))
+			return 0;
+	if (c->n < 4)
+		memcpy(c->names[c->n], real, strlen(real) + 1);
+	c->n++;
+	return 0;
 }
 
 /* The path after "source kept at " in msg (up to a blank or ';'), copied
@@ -472,6 +504,17 @@ START_TEST(test_hostcc_compile_load)
 	double want = a * (double)n * (n - 1) / 2;
 	ck_assert_msg(fabs(g(n) - want) <= 1e-9 * (1 + fabs(want)),
 		      "g(%d) = %.17g, want %.17g", n, g(n), want);
+	/* One OpenMP runtime in the process: the library's own (the module
+	 * with its parallel loop was linked against it, not -fopenmp's). */
+	omp_count oc = { 0 };
+	dl_iterate_phdr(count_omp, &oc);
+	const char *rt = ej_hostcc_openmp_runtime();
+	ck_assert_msg(oc.n == (rt ? 1 : 0),
+		      "%d OpenMP runtimes loaded (%s%s%s), library's: %s", oc.n,
+		      oc.names[0], oc.n > 1 ? ", " : "",
+		      oc.n > 1 ? oc.names[1] : "", rt ? rt : "none");
+	if (rt)
+		ck_assert_ptr_nonnull(strstr(ej_hostcc_identity(), rt));
 	ej_hostcc_unload(h1);
 	ej_hostcc_unload(h2);
 	ej_hostcc_unload(NULL);

@@ -1520,6 +1520,78 @@ START_TEST(test_compilers_killed)
 }
 END_TEST
 
+/* A compiler that "succeeds" but writes junk: the module does not load,
+ * the build fails naming it, and nothing is cached (every later run would
+ * load the junk and fail until the cache was cleared).  A good compiler
+ * afterwards builds and caches normally. */
+START_TEST(test_junk_not_cached)
+{
+	char *dir = tu_tmpdir_new("kcj");
+	char *script = tu_path(dir, "junkcc.sh");
+	tu_write_text(script, "out=\n"
+			      "while [ $# -gt 0 ]; do\n"
+			      "  [ \"$1\" = -o ] && out=$2\n"
+			      "  shift\n"
+			      "done\n"
+			      "printf 'not an ELF object' > \"$out\"\n");
+	char *cache = tu_path(dir, "cache");
+	char cc[4200];
+	snprintf(cc, sizeof cc, "sh %s", script);
+	char *old_cc = getenv("EPJIT_CC") ? strdup(getenv("EPJIT_CC")) : NULL;
+	char *old_dir = getenv("EPJIT_CACHE_DIR")
+			    ? strdup(getenv("EPJIT_CACHE_DIR"))
+			    : NULL;
+	setenv("EPJIT_CC", cc, 1);
+	setenv("EPJIT_CACHE_DIR", cache, 1);
+	epj_ctx *ctx = tu_ctx();
+	uint64_t seed = tu_seed();
+	bool prev = epj_no_grad_enter(ctx);
+	for (int round = 0; round < 2; round++) {
+		ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+		epj_tensor *in[2];
+		cg_inputs(ctx, 1, seed, in);
+		cg_graph u = { 1 };
+		ej_trace *tr = NULL;
+		ej_region_fn *f = NULL;
+		ck_assert_int_eq(ej_trace_region(ctx, jit, cg_traced, &u, in, 2,
+						 1, NULL, NULL, &tr),
+				 EPJ_OK);
+		epj_status st = ej_jit_compile(ctx, jit, tr, &f);
+		if (round == 0) {
+			ck_assert_int_ne(st, EPJ_OK);
+			ck_assert_msg(strstr(epj_ctx_error(ctx), "dlopen") ||
+					  strstr(epj_ctx_error(ctx), "loading"),
+				      "%s", epj_ctx_error(ctx));
+			ck_assert_int_eq(count_names(cache, ".bin"), 0);
+			epj_ctx_clear_error(ctx);
+			/* the real compiler again */
+			if (old_cc)
+				setenv("EPJIT_CC", old_cc, 1);
+			else
+				unsetenv("EPJIT_CC");
+		} else {
+			ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(ctx));
+			ck_assert_int_eq(count_names(cache, ".bin"), 1);
+		}
+		ej_region_fn_free(f);
+		ej_jit_free(jit);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_no_grad_exit(ctx, prev);
+	if (old_dir)
+		setenv("EPJIT_CACHE_DIR", old_dir, 1);
+	else
+		unsetenv("EPJIT_CACHE_DIR");
+	free(old_cc);
+	free(old_dir);
+	free(script);
+	free(cache);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 Suite *make_kcache_suite(void)
 {
 	Suite *s = suite_create("kcache");
@@ -1540,6 +1612,7 @@ Suite *make_kcache_suite(void)
 	tcase_add_test(tp, test_lock);
 	tcase_add_test(tp, test_many_compilers);
 	tcase_add_test(tp, test_compilers_killed);
+	tcase_add_test(tp, test_junk_not_cached);
 	tcase_set_timeout(tp, 180);
 	suite_add_tcase(s, tp);
 	return s;
