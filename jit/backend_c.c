@@ -93,6 +93,8 @@ static void dump_file(ej_jit *jit, const char *name, const char *ext,
 	fclose(f);
 }
 
+static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name);
+
 /* The jit's kernel cache, opened at its first use and kept for the jit's
  * lifetime (so the memory table serves every later build).  *kc is NULL
  * when there is none to use: no jit (a lone build, e.g. in tests) opens a
@@ -128,7 +130,9 @@ static epj_status jit_cache(epj_ctx *ctx, ej_jit *jit, ej_kcache **kc,
 /* Finds or makes the shared object of the schedule and loads it.  The key
  * is that of the artifact (ej_artifact_key): the generated source, the host
  * compiler's identity and its flags, so that any change of the generator
- * that changes the source misses. */
+ * that changes the source misses.  On a miss one process per key compiles
+ * (the others wait for its entry under the key's lock); what is put is only
+ * what loaded and has every symbol. */
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			       cstate *cs, const char *name)
 {
@@ -137,8 +141,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	if (ej_debug_dump_dir())
 		dump_file(jit, name, "c", src);
 	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_artifact_key(key, "c", ej_hostcc_identity(),
-			EJ_HOSTCC_FLAGS " " EJ_HOSTCC_LIBS, "", src);
+	ej_artifact_key(key, "c", ej_hostcc_identity(), ej_hostcc_cflags(), "",
+			src);
 
 	ej_kcache *kc = NULL;
 	bool own = false;
@@ -148,23 +152,39 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	void *so = NULL;
 	size_t so_len = 0;
 	st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
-	if (st == EPJ_OK && !so) {
+	int lock = -1;
+	if (st == EPJ_OK && !so && kc) {
+		st = ej_kcache_lock(kc, key, &lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_recheck(kc, key, &so, &so_len);
+	}
+	bool fresh = st == EPJ_OK && !so;
+	if (fresh) {
 		char *log = NULL;
 		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
+		epj_counter_add(ctx, "codegen.cc_compiles", 1);
 		if (st == EPJ_OK && log && *log)
 			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
 				    name, log);
 		free(log);
-		if (st == EPJ_OK && kc)
-			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
-	if (own)
-		ej_kcache_close(kc);
 	if (st == EPJ_OK)
 		st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
+	if (st == EPJ_OK)
+		st = find_kernels(ctx, cs, name);
+	if (st == EPJ_OK && fresh && kc)
+		st = ej_kcache_put(kc, key, so, so_len, src);
+	if (kc)
+		ej_kcache_unlock(kc, lock);
+	if (own)
+		ej_kcache_close(kc);
 	free(so);
-	if (st != EPJ_OK)
-		return st;
+	return st;
+}
+
+/* Looks up epjk_<i> of every kernel in the loaded object. */
+static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name)
+{
 	cs->fn = calloc((size_t)cs->s->n_kernels + 1, sizeof *cs->fn);
 	if (!cs->fn)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");

@@ -102,25 +102,43 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
 /* ---- host C compiler -----------------------------------------------------
  */
 
-/* The fixed flags (also part of the identity).  No -march=native: artifacts
- * are cached and may be shared between machines. */
-#define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC -shared -fopenmp"
+/* The fixed compile flags (also part of the identity; ej_hostcc_cflags adds
+ * -fopenmp when the library runs on an OpenMP runtime).  No -march=native:
+ * artifacts are cached and may be shared between machines. */
+#define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC"
 #define EJ_HOSTCC_LIBS	"-lm"
+
+/* The OpenMP runtime this library itself runs on: the absolute path of the
+ * shared object defining omp_get_max_threads (libgomp.so.1 under gcc,
+ * libomp.so.5 under clang), or NULL when the library was built without
+ * OpenMP.  A module is linked against exactly that object (by path, not
+ * -fopenmp's default), so a process never holds two OpenMP runtimes; without
+ * one, modules are compiled without -fopenmp (serial).  gcc's GOMP calls
+ * work with either runtime; clang's need libomp. */
+const char *ej_hostcc_openmp_runtime(void);
+/* EJ_HOSTCC_FLAGS, plus " -fopenmp" when there is a runtime (static). */
+const char *ej_hostcc_cflags(void);
 
 /* Compiles C `source` to a shared object with $EPJIT_CC (default "cc"; split
  * at blanks, so "ccache gcc" works, no shell quoting) run directly (no
- * shell) in a private temporary directory.  On success *so_image and *so_size
- * hold the .so bytes (malloc'ed, caller frees) and the directory is gone.
- * *log (may be NULL) receives the compiler's output, malloc'ed, "" when
- * quiet, also on failure.  On failure: EPJ_ERR_COMPILE with the command,
- * the exit status, the path where the source was kept, and the output. */
+ * shell) in a private temporary directory (mkdtemp, checked after creation:
+ * owned by us, mode 0700) that is its working directory by descriptor.  The
+ * .so is opened once (O_NOFOLLOW), checked through that descriptor (regular,
+ * owned by us, not writable by group or others) and read from it.  On
+ * success *so_image and *so_size hold the .so bytes (malloc'ed, caller
+ * frees) and the directory is gone.  *log (may be NULL) receives the
+ * compiler's output, malloc'ed, "" when quiet, also on failure.  On failure:
+ * EPJ_ERR_COMPILE with the command, the exit status, the path where the
+ * source was kept, and the output; EPJ_ERR_STATE when the private directory
+ * or the module is not private. */
 epj_status ej_hostcc_compile(epj_ctx *ctx, const char *source, const char *name,
 			     void **so_image, size_t *so_size, char **log);
 
-/* Loads a shared object from bytes: writes them to a private temporary file,
- * dlopen(RTLD_NOW | RTLD_LOCAL), unlinks the file.  *handle is for
- * ej_hostcc_sym and ej_hostcc_unload.  dlopen failure: EPJ_ERR_BACKEND with
- * dlerror(). */
+/* Loads a shared object from bytes: copies them into a sealed memfd (no path
+ * another user could swap) and dlopen()s "/proc/self/fd/<n>" (RTLD_NOW |
+ * RTLD_LOCAL).  *handle is for ej_hostcc_sym and ej_hostcc_unload (it holds
+ * the descriptor as long as the object is loaded).  dlopen failure:
+ * EPJ_ERR_BACKEND with dlerror(). */
 epj_status ej_hostcc_load(epj_ctx *ctx, const void *so_image, size_t size,
 			  const char *name, void **handle);
 /* Address of `sym` in a loaded object, NULL when absent. */
@@ -133,7 +151,7 @@ void ej_hostcc_unload(void *handle);
  * e.g. "-fsanitize=address"; NULL for none; callers put them in their
  * cache key), otherwise exactly ej_hostcc_compile. */
 #define EJ_HOSTCXX_FLAGS                                                       \
-	"-std=c++17 -O2 -fPIC -shared -fno-strict-aliasing -fno-exceptions "   \
+	"-std=c++17 -O2 -fPIC -fno-strict-aliasing -fno-exceptions "           \
 	"-fno-rtti"
 #define EJ_HOSTCXX_LIBS "-lm"
 epj_status ej_hostcxx_compile(epj_ctx *ctx, const char *source,

@@ -1,19 +1,35 @@
 /* hostcc.c -- generated C -> shared object with the host C compiler, and the
  * loader that dlopen()s such an object from bytes.
  *
- * Compile: the source goes into a private directory (mkdtemp, 0700) as
- * <name>.c; `$EPJIT_CC EJ_HOSTCC_FLAGS -o <name>.so <name>.c EJ_HOSTCC_LIBS`
- * runs through posix_spawnp (no shell: paths and names need no quoting; a
- * spawn rather than fork, so a large multithreaded process is not copied)
- * with stdout and stderr captured together; the .so is read back into
- * memory for the cache and the directory removed.  A failed compile keeps
- * the directory with the source only, and the message names it.
+ * A compiled module is code that runs with our rights, so nothing on the way
+ * from source to dlopen may be reachable by another user:
  *
- * Load: the bytes go to a private temporary file whose name is unique in
- * this process (pid + counter + mkstemp): glibc's dlopen returns an already
- * loaded object when the path string matches, so a name must never repeat
- * while an object loaded from it is alive.  The file is unlinked right after
- * dlopen; the mapping stays.
+ * Compile: a private directory is made with mkdtemp under $TMPDIR and opened
+ * (O_DIRECTORY | O_NOFOLLOW); through that descriptor it must be a directory
+ * owned by geteuid() with no group or other permission bits, and the path
+ * must still name it.  The source is written into it through the descriptor
+ * as <name>.c; `$EPJIT_CC <ej_hostcc_cflags()> -c -o <name>.o <name>.c`
+ * then `$EPJIT_CC -shared -o <name>.so <name>.o <the library's OpenMP
+ * runtime> EJ_HOSTCC_LIBS` run through posix_spawn (no shell; a spawn
+ * rather than fork, so a large multithreaded process is not copied) with
+ * their working directory set to the descriptor (fchdir, so renaming the
+ * directory under it changes nothing), relative paths and TMPDIR="." (the
+ * compiler's own temporaries stay in the private directory), stdout and
+ * stderr captured together.  The .so is opened once, relative to the directory
+ * descriptor, with O_NOFOLLOW | O_NONBLOCK; through that descriptor it must be
+ * a regular file owned by us, not writable by group or others, with one link;
+ * the bytes are read from that descriptor.  The directory is removed through
+ * the descriptor (rmdir of the path only while it still names the same inode).
+ * A failed compile keeps the directory with the source only, and the message
+ * names it.
+ *
+ * Load: the bytes go to an anonymous memory file (memfd_create, sealed
+ * against writes; where memfd_create is missing, an unlinked file of a
+ * private directory checked as above) and the object is loaded with
+ * dlopen("/proc/self/fd/<n>"): the descriptor, not a path anyone can change
+ * between check and load.  glibc's dlopen returns an already loaded object
+ * when the name string matches, so the descriptor stays open as long as the
+ * object is loaded (its number, hence the name, cannot repeat meanwhile).
  *
  * Every libc/dl call that can fail goes through SYS_CHECK / EJ_DL_CALL, whose
  * message carries the statement, file:line and strerror()/dlerror().
@@ -32,9 +48,13 @@
 #include <spawn.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 extern char **environ;
 
@@ -116,58 +136,17 @@ static epj_status sys_fail(epj_ctx *ctx, const char *what, const char *stmt,
 		}                                                              \
 	} while (0)
 
-/* Reads a whole file into malloc'ed memory. */
-static epj_status read_all(epj_ctx *ctx, const char *path, void **data,
-			   size_t *size)
-{
-	epj_status st = EPJ_OK;
-	char *buf = NULL;
-	struct stat sb;
-	int fd = -1;
-	SYS_CHECK(ctx, fd = open(path, O_RDONLY | O_CLOEXEC), < 0, path);
-	SYS_CHECK(ctx, fstat(fd, &sb), != 0, path);
-	buf = malloc(sb.st_size > 0 ? (size_t)sb.st_size : 1);
-	if (!buf) {
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: %s: %lld bytes",
-			      path, (long long)sb.st_size);
-		goto out;
-	}
-	size_t got = 0;
-	while (got < (size_t)sb.st_size) {
-		ssize_t r;
-		SYS_CHECK(ctx,
-			  r = read(fd, buf + got, (size_t)sb.st_size - got),
-			  < 0 && errno != EINTR, path);
-		if (r == 0) {
-			st = ej_error(ctx, EPJ_ERR_IO,
-				      "host cc: %s: file shrank while read",
-				      path);
-			goto out;
-		}
-		if (r > 0)
-			got += (size_t)r;
-	}
-	*data = buf;
-	*size = got;
-	buf = NULL;
-out:
-	if (fd >= 0)
-		close(fd);
-	free(buf);
-	return st;
-}
-
 /* ---- running the compiler ------------------------------------------------
  */
 
-/* The two languages: C ($EPJIT_CC) and C++ ($EPJIT_CXX, for cuda-sim). */
+/* The two languages: C ($EPJIT_CC, generated kernels) and C++ ($EPJIT_CXX,
+ * cuda-sim modules).  A compile or an identity runs in one of them; the
+ * current one is per thread. */
 typedef struct cc_lang {
-	const char *env, *dflt, *ext, *flags, *libs, *what;
+	const char *env, *dflt, *ext, *what;
 } cc_lang;
-static const cc_lang lang_c = { "EPJIT_CC",	 "cc",		 "c",
-				EJ_HOSTCC_FLAGS, EJ_HOSTCC_LIBS, "C" };
-static const cc_lang lang_cxx = { "EPJIT_CXX",	    "c++",	     "cc",
-				  EJ_HOSTCXX_FLAGS, EJ_HOSTCXX_LIBS, "C++" };
+static const cc_lang lang_c = { "EPJIT_CC", "cc", "c", "C" };
+static const cc_lang lang_cxx = { "EPJIT_CXX", "c++", "cc", "C++" };
 static _Thread_local const cc_lang *cur_lang = &lang_c;
 
 /* Words of $EPJIT_CC (default "cc"; $EPJIT_CXX / "c++" in C++ mode), split
@@ -255,11 +234,13 @@ static int find_program(const char *prog, char *out, size_t n)
 }
 
 /* Runs argv (found by find_program, no shell), stdin from /dev/null, stdout and
- * stderr into *output (malloc'ed, NUL-terminated).  *wstatus is waitpid's
- * status. Returns 0, or an errno value with err_where saying which call failed.
- */
-static int run_capture(char *const *argv, char **output, int *wstatus,
-		       char *err_where, size_t err_len)
+ * stderr into *output (malloc'ed, NUL-terminated), in the directory of the
+ * descriptor cwd_fd (-1: ours) with the environment envp (NULL: ours).
+ * *wstatus is waitpid's status. Returns 0, or an errno value with err_where
+ * saying which call failed. */
+static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
+		       char **output, int *wstatus, char *err_where,
+		       size_t err_len)
 {
 	int pfd[2] = { -1, -1 };
 	posix_spawn_file_actions_t fa;
@@ -295,7 +276,17 @@ static int run_capture(char *const *argv, char **output, int *wstatus,
 	    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0));
 	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 1));
 	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 2));
-	RUN_CHECK(posix_spawn(&pid, exe, &fa, NULL, argv, environ));
+	if (cwd_fd >= 0) {
+#ifdef HAVE_POSIX_SPAWN_FILE_ACTIONS_ADDFCHDIR_NP
+		RUN_CHECK(posix_spawn_file_actions_addfchdir_np(&fa, cwd_fd));
+#else
+		err = ENOSYS;
+		WHERE("posix_spawn_file_actions_addfchdir_np (missing)");
+		goto out;
+#endif
+	}
+	RUN_CHECK(
+	    posix_spawn(&pid, exe, &fa, NULL, argv, envp ? envp : environ));
 	close(pfd[1]);
 	pfd[1] = -1;
 	for (;;) {
@@ -363,6 +354,284 @@ static void describe_wait(int ws, char *buf, size_t n)
 
 #define ARGV_MAX 64
 
+/* ---- private directories --------------------------------------------------
+ */
+
+/* A private directory: its path (for messages) and a descriptor of it
+ * (for everything else). */
+typedef struct ej_privdir {
+	char path[PATH_MAX];
+	int fd;
+} ej_privdir;
+
+/* The mode a module file may have: no write permission for group or others
+ * (the bits of a compiler's output under any sane umask). */
+#define FOREIGN_WRITE (S_IWGRP | S_IWOTH)
+
+/* Makes <TMPDIR>/<prefix>-XXXXXX with mkdtemp and opens it; through the
+ * descriptor it must be a directory owned by geteuid() with no permission
+ * bits for group or others, and the path must name that same inode (nobody
+ * swapped it between mkdtemp and open).  On success d->fd >= 0 and d->path
+ * is set; on failure d->fd is -1, nothing is left behind and ctx has the
+ * reason. */
+static epj_status privdir_make_once(epj_ctx *ctx, const char *prefix,
+				    ej_privdir *d, bool *made)
+{
+	epj_status st = EPJ_OK;
+	struct stat by_fd, by_path;
+	d->fd = -1;
+	snprintf(d->path, sizeof d->path, "%s/%s-XXXXXX", ej_tmpdir(), prefix);
+	SYS_CHECK(ctx, mkdtemp(d->path), == NULL, "making a private directory");
+	*made = true;
+	d->fd = open(d->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (d->fd < 0) {
+		st = sys_fail(ctx, d->path, "open(dir, O_DIRECTORY|O_NOFOLLOW)",
+			      __FILE__, __LINE__, errno);
+		rmdir(d->path);
+		goto out;
+	}
+	SYS_CHECK(ctx, fstat(d->fd, &by_fd), != 0, d->path);
+	SYS_CHECK(ctx, lstat(d->path, &by_path), != 0, d->path);
+	if (!S_ISDIR(by_fd.st_mode) || by_fd.st_uid != geteuid() ||
+	    (by_fd.st_mode & 077) != 0 || by_fd.st_dev != by_path.st_dev ||
+	    by_fd.st_ino != by_path.st_ino) {
+		st = ej_error(ctx, EPJ_ERR_STATE,
+			      "host cc: private directory %s is not private "
+			      "after mkdtemp (owner uid %u, mode %04o, %s); "
+			      "refusing to build code in it (is %s writable "
+			      "by others?)",
+			      d->path, (unsigned)by_fd.st_uid,
+			      (unsigned)(by_fd.st_mode & 07777),
+			      by_fd.st_ino == by_path.st_ino
+				  ? "same inode"
+				  : "the path now names another inode",
+			      ej_tmpdir());
+		close(d->fd);
+		d->fd = -1;
+		goto out;
+	}
+out:
+	if (st != EPJ_OK && d->fd >= 0) {
+		close(d->fd);
+		d->fd = -1;
+	}
+	return st;
+}
+
+/* privdir_make_once, tried again with a fresh name when the directory was
+ * made but did not check out (another user renamed or swapped it between
+ * mkdtemp and open: that attempt is refused, the next one usually wins the
+ * race); the last error after 8 attempts. */
+static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
+{
+	epj_status st = EPJ_OK;
+	for (int i = 0; i < 8; i++) {
+		bool made = false;
+		st = privdir_make_once(ctx, prefix, d, &made);
+		if (st == EPJ_OK || !made)
+			break;
+		epj_log_msg(EPJ_LOG_WARN, "%s; trying another name",
+			    epj_ctx_error(ctx));
+	}
+	return st;
+}
+
+/* Removes name (may be NULL) from d, then d itself while its path still
+ * names the directory of the descriptor; closes the descriptor. */
+static void privdir_remove(ej_privdir *d, const char *const *names, int n,
+			   bool keep_dir)
+{
+	if (d->fd < 0)
+		return;
+	for (int i = 0; i < n; i++)
+		if (names[i])
+			unlinkat(d->fd, names[i], 0);
+	struct stat a, b;
+	if (!keep_dir && fstat(d->fd, &a) == 0 && lstat(d->path, &b) == 0 &&
+	    a.st_dev == b.st_dev && a.st_ino == b.st_ino && rmdir(d->path) != 0)
+		epj_log_msg(
+		    EPJ_LOG_WARN, "host cc: rmdir(dir) failed at %s:%d: %s: %s",
+		    ej_src_file(__FILE__), __LINE__, d->path, strerror(errno));
+	close(d->fd);
+	d->fd = -1;
+}
+
+/* Checks an open module file: a regular file, owned by us, not writable by
+ * group or others, one link.  EPJ_ERR_STATE naming `what` otherwise. */
+static epj_status check_module_fd(epj_ctx *ctx, int fd, const char *what,
+				  struct stat *sb)
+{
+	if (fstat(fd, sb) != 0)
+		return sys_fail(ctx, what, "fstat(fd)", __FILE__, __LINE__,
+				errno);
+	if (!S_ISREG(sb->st_mode) || sb->st_uid != geteuid() ||
+	    (sb->st_mode & FOREIGN_WRITE) || sb->st_nlink != 1)
+		return ej_error(
+		    ctx, EPJ_ERR_STATE,
+		    "host cc: refusing module %s: %s (owner uid %u, mode "
+		    "%04o, %u links); a module must be a regular file of "
+		    "yours (uid %u) that only you can write (check the umask)",
+		    what, S_ISREG(sb->st_mode) ? "not trusted" : "not a file",
+		    (unsigned)sb->st_uid, (unsigned)(sb->st_mode & 07777),
+		    (unsigned)sb->st_nlink, (unsigned)geteuid());
+	return EPJ_OK;
+}
+
+/* Reads the whole (checked) file of fd into malloc'ed memory. */
+static epj_status read_fd(epj_ctx *ctx, int fd, const char *path,
+			  const struct stat *sb, void **data, size_t *size)
+{
+	epj_status st = EPJ_OK;
+	char *buf = malloc(sb->st_size > 0 ? (size_t)sb->st_size : 1);
+	if (!buf)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "host cc: %s: %lld bytes",
+				path, (long long)sb->st_size);
+	size_t got = 0;
+	while (got < (size_t)sb->st_size) {
+		ssize_t r;
+		SYS_CHECK(ctx,
+			  r = read(fd, buf + got, (size_t)sb->st_size - got),
+			  < 0 && errno != EINTR, path);
+		if (r == 0) {
+			st = ej_error(ctx, EPJ_ERR_IO,
+				      "host cc: %s: file shrank while read",
+				      path);
+			goto out;
+		}
+		if (r > 0)
+			got += (size_t)r;
+	}
+	*data = buf;
+	*size = got;
+	buf = NULL;
+out:
+	free(buf);
+	return st;
+}
+
+/* Our environment with TMPDIR replaced by "." (the compiler's temporaries
+ * go to its working directory, the private one).  NULL when out of memory;
+ * free with free() (the strings are environ's, except the one literal). */
+static char **env_with_private_tmpdir(void)
+{
+	size_t n = 0;
+	while (environ && environ[n])
+		n++;
+	char **e = malloc((n + 2) * sizeof *e);
+	if (!e)
+		return NULL;
+	size_t k = 0;
+	for (size_t i = 0; i < n; i++)
+		if (strncmp(environ[i], "TMPDIR=", 7) != 0)
+			e[k++] = environ[i];
+	e[k++] = (char *)"TMPDIR=.";
+	e[k] = NULL;
+	return e;
+}
+
+/* ---- the OpenMP runtime -----------------------------------------------------
+ */
+
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+static char omp_path[PATH_MAX];
+
+static void find_omp_runtime(void)
+{
+#ifdef _OPENMP
+	int (*fn)(void) = omp_get_max_threads;
+	void *addr;
+	memcpy(&addr, &fn, sizeof addr);
+	Dl_info info;
+	if (dladdr(addr, &info) && info.dli_fname && info.dli_fname[0] == '/' &&
+	    strstr(info.dli_fname, "omp"))
+		snprintf(omp_path, sizeof omp_path, "%s", info.dli_fname);
+#endif
+}
+
+const char *ej_hostcc_openmp_runtime(void)
+{
+	pthread_once(&omp_once, find_omp_runtime);
+	return omp_path[0] ? omp_path : NULL;
+}
+
+const char *ej_hostcc_cflags(void)
+{
+	return ej_hostcc_openmp_runtime() ? EJ_HOSTCC_FLAGS " -fopenmp"
+					  : EJ_HOSTCC_FLAGS;
+}
+
+/* ---- one compiler step ----------------------------------------------------
+ */
+
+/* A step that ran and failed (the source is kept); never returned to
+ * callers of ej_hostcc_compile. */
+#define EJ_STEP_FAILED ((epj_status)-1)
+
+/* Runs `$EPJIT_CC <flags> <args...>` in the private directory (empty args
+ * are left out) and appends its output to *log.  EPJ_ERR_COMPILE when the
+ * compiler cannot be run; EJ_STEP_FAILED (message set: what, exit status,
+ * command, output) when it ran and failed. */
+static epj_status cc_step(epj_ctx *ctx, const ej_privdir *dir, char **envp,
+			  const char *safe, const char *what, const char *flags,
+			  const char *const *args, int n_args, char **log)
+{
+	char *words = NULL, *fl = NULL, *output = NULL, *argv[ARGV_MAX];
+	const char *cc;
+	epj_status st = EPJ_OK;
+	int n = cc_words(&words, argv, ARGV_MAX - 24, &cc);
+	if (n >= 1)
+		n = add_words(&fl, flags, argv, n, ARGV_MAX - 16);
+	if (n < 1) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
+		goto out;
+	}
+	for (int i = 0; i < n_args && n < ARGV_MAX - 1; i++)
+		if (args[i][0])
+			argv[n++] = (char *)args[i];
+	argv[n] = NULL;
+	char where[160], cmd[1024], how[64];
+	int ws = 0;
+	join_argv(argv, cmd, sizeof cmd);
+	int err =
+	    run_capture(argv, dir->fd, envp, &output, &ws, where, sizeof where);
+	if (err) {
+		st = ej_error(ctx, EPJ_ERR_COMPILE,
+			      "host cc: %s '%s': cannot run the %s compiler "
+			      "'%s' (%s=%s): %s failed: %s",
+			      what, safe, cur_lang->what, argv[0],
+			      cur_lang->env, cc, where, strerror(err));
+		goto out;
+	}
+	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
+		describe_wait(ws, how, sizeof how);
+		ej_error(ctx, EPJ_ERR_COMPILE,
+			 "host cc: %s '%s' failed (%s; %s=%s); source "
+			 "kept at %s/%s.%s; command (in %s): %s; output:\n%s",
+			 what, safe, how, cur_lang->env, cc, dir->path, safe,
+			 cur_lang->ext, dir->path, cmd,
+			 output[0] ? output : "(none)\n");
+		st = EJ_STEP_FAILED;
+	}
+out:
+	if (output && *output) {
+		size_t a = *log ? strlen(*log) : 0, b = strlen(output);
+		char *j = realloc(*log, a + b + 1);
+		if (j) {
+			memcpy(j + a, output, b + 1);
+			*log = j;
+		}
+	} else if (!*log) {
+		*log = strdup("");
+	}
+	free(output);
+	free(words);
+	free(fl);
+	return st;
+}
+
+/* ---- compiling ------------------------------------------------------------
+ */
+
 static epj_status compile_lang(epj_ctx *ctx, const char *source,
 			       const char *name, const char *extra,
 			       void **so_image, size_t *so_size, char **log);
@@ -385,6 +654,19 @@ epj_status ej_hostcxx_compile(epj_ctx *ctx, const char *source,
 	return st;
 }
 
+/* The compile and link flags of the current language (+ extra). */
+static char *lang_flags(bool link, const char *extra)
+{
+	const char *base = cur_lang == &lang_c
+			       ? (link ? "-shared" : ej_hostcc_cflags())
+			       : (link ? "-shared" : EJ_HOSTCXX_FLAGS);
+	char *f = NULL;
+	if (asprintf(&f, "%s%s%s", base, extra && *extra ? " " : "",
+		     extra ? extra : "") < 0)
+		f = NULL;
+	return f;
+}
+
 static epj_status compile_lang(epj_ctx *ctx, const char *source,
 			       const char *name, const char *extra,
 			       void **so_image, size_t *so_size, char **log)
@@ -397,92 +679,90 @@ static epj_status compile_lang(epj_ctx *ctx, const char *source,
 	if (!source)
 		return ej_error(ctx, EPJ_ERR_INVALID, "host cc: no source");
 	epj_status st = EPJ_OK;
-	char safe[64], dir[PATH_MAX], src[PATH_MAX + 80], so[PATH_MAX + 80];
-	char *words = NULL, *flags = NULL, *libs = NULL, *output = NULL;
-	char *xflags = NULL;
-	char *argv[ARGV_MAX];
-	const char *cc;
-	bool made_dir = false, keep_source = false;
+	char safe[64], src[80], obj[80], so[80], so_path[PATH_MAX + 80];
+	char *output = NULL;
+	char **envp = NULL;
+	bool keep_source = false;
+	ej_privdir dir = { .fd = -1 };
 	ej_safe_name(name, safe, sizeof safe);
+	snprintf(src, sizeof src, "%s.%s", safe, cur_lang->ext);
+	snprintf(obj, sizeof obj, "%s.o", safe);
+	snprintf(so, sizeof so, "%s.so", safe);
 
-	snprintf(dir, sizeof dir, "%s/epjit-cc-XXXXXX", ej_tmpdir());
-	SYS_CHECK(ctx, mkdtemp(dir), == NULL, "making a private directory");
-	made_dir = true;
-	snprintf(src, sizeof src, "%s/%s.%s", dir, safe, cur_lang->ext);
-	snprintf(so, sizeof so, "%s/%s.so", dir, safe);
-	int err = ej_write_new_file(src, source, strlen(source));
+	st = privdir_make(ctx, "epjit-cc", &dir);
+	if (st != EPJ_OK)
+		goto out;
+	snprintf(so_path, sizeof so_path, "%s/%s", dir.path, so);
+	int fd =
+	    openat(dir.fd, src,
+		   O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+	int err = fd < 0 ? errno : write_all(fd, source, strlen(source));
+	if (fd >= 0 && close(fd) != 0 && !err)
+		err = errno;
 	if (err) {
-		st = sys_fail(ctx, src, "ej_write_new_file(src, source, n)",
+		st = sys_fail(ctx, dir.path, "openat/write(src, source, n)",
 			      __FILE__, __LINE__, err);
 		goto out;
 	}
 
-	/* argv: $EPJIT_CC words (at most ARGV_MAX - 24), flags, -o so, src,
-	 * libs, NULL. */
-	int n = cc_words(&words, argv, ARGV_MAX - 24, &cc);
-	if (n >= 1)
-		n = add_words(&flags, cur_lang->flags, argv, n, ARGV_MAX - 16);
-	if (n >= 1 && extra && *extra)
-		n = add_words(&xflags, extra, argv, n, ARGV_MAX - 8);
-	if (n < 1) {
+	envp = env_with_private_tmpdir();
+	if (!envp) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
 		goto out;
 	}
-	argv[n++] = "-o";
-	argv[n++] = so;
-	argv[n++] = src;
-	n = add_words(&libs, cur_lang->libs, argv, n, ARGV_MAX - 1);
-	if (n < 1) {
+	/* Compile, then link against the library's own OpenMP runtime (or
+	 * none): never a second runtime in the process. */
+	const char *rt =
+	    cur_lang == &lang_c ? ej_hostcc_openmp_runtime() : NULL;
+	const char *libs =
+	    cur_lang == &lang_c ? EJ_HOSTCC_LIBS : EJ_HOSTCXX_LIBS;
+	char *cflags = lang_flags(false, extra),
+	     *lflags = lang_flags(true, extra);
+	if (!cflags || !lflags) {
+		free(cflags);
+		free(lflags);
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
 		goto out;
 	}
-	argv[n] = NULL;
-
-	char where[160], cmd[1024], how[64];
-	int ws = 0;
-	join_argv(argv, cmd, sizeof cmd);
-	err = run_capture(argv, &output, &ws, where, sizeof where);
-	if (err) {
-		st = ej_error(ctx, EPJ_ERR_COMPILE,
-			      "host cc: compiling '%s': cannot run the %s "
-			      "compiler '%s' (%s=%s): %s failed: %s",
-			      safe, cur_lang->what, argv[0], cur_lang->env, cc,
-			      where, strerror(err));
-		goto out;
+	const char *c_args[] = { "-c", "-o", obj, src };
+	st = cc_step(ctx, &dir, envp, safe, "compiling", cflags, c_args, 4,
+		     &output);
+	if (st == EPJ_OK) {
+		const char *l_args[] = { "-o", so, obj, rt ? rt : "", libs };
+		st = cc_step(ctx, &dir, envp, safe, "linking", lflags, l_args,
+			     5, &output);
 	}
-	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
-		describe_wait(ws, how, sizeof how);
+	free(cflags);
+	free(lflags);
+	if (st == EJ_STEP_FAILED) {
 		keep_source = true;
-		st = ej_error(ctx, EPJ_ERR_COMPILE,
-			      "host cc: compiling '%s' failed (%s; %s=%s); "
-			      "source kept at %s; command: %s; output:\n%s",
-			      safe, how, cur_lang->env, cc, src, cmd,
-			      output[0] ? output : "(none)\n");
-		goto out;
+		st = EPJ_ERR_COMPILE;
 	}
-	st = read_all(ctx, so, so_image, so_size);
+	if (st != EPJ_OK)
+		goto out;
+	/* The module: opened once, checked and read through one descriptor. */
+	struct stat sb;
+	fd = openat(dir.fd, so, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0) {
+		st = sys_fail(ctx, so_path, "openat(dir, so, O_NOFOLLOW)",
+			      __FILE__, __LINE__, errno);
+	} else {
+		st = check_module_fd(ctx, fd, so_path, &sb);
+		if (st == EPJ_OK)
+			st = read_fd(ctx, fd, so_path, &sb, so_image, so_size);
+		close(fd);
+	}
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "host cc: reading back what '%s' built",
-				cmd);
+				so);
 
-out:
-	if (made_dir) {
-		/* Only files this function named can be there; a compiler
-		 * that leaves others makes rmdir fail, which is logged. */
-		unlink(so);
-		if (!keep_source)
-			unlink(src);
-		if (!keep_source && rmdir(dir) != 0)
-			epj_log_msg(EPJ_LOG_WARN,
-				    "host cc: rmdir(dir) failed at %s:%d: "
-				    "%s: %s",
-				    ej_src_file(__FILE__), __LINE__, dir,
-				    strerror(errno));
-	}
-	free(words);
-	free(flags);
-	free(xflags);
-	free(libs);
+out:;
+	/* Only files this function named can be there (and the compiler's
+	 * temporaries, which it removes itself); a compiler that leaves
+	 * others makes rmdir fail, which is logged. */
+	const char *names[] = { so, obj, keep_source ? NULL : src };
+	privdir_remove(&dir, names, 3, keep_source);
+	free(envp);
 	if (log)
 		*log = output ? output : strdup("");
 	else
@@ -492,7 +772,68 @@ out:
 
 /* ---- loading ----------------------------------------------------------- */
 
-static atomic_uint load_seq;
+/* A loaded module: the dlopen handle and the descriptor it was loaded
+ * from, kept open while the handle lives (see the file comment). */
+typedef struct hostcc_module {
+	void *dl;
+	int fd;
+} hostcc_module;
+
+/* A descriptor holding size bytes of so_image that nobody else can change:
+ * a sealed memfd, or an unlinked file of a checked private directory. */
+static epj_status image_fd(epj_ctx *ctx, const void *so_image, size_t size,
+			   const char *safe, int *out)
+{
+	epj_status st = EPJ_OK;
+	int fd = -1, err;
+	*out = -1;
+#ifdef HAVE_MEMFD_CREATE
+	char nm[96];
+	snprintf(nm, sizeof nm, "epjit-%s", safe);
+	fd = memfd_create(nm, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd >= 0) {
+		err = write_all(fd, so_image, size);
+		if (!err && fcntl(fd, F_ADD_SEALS,
+				  F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE |
+				      F_SEAL_SEAL) != 0)
+			err = errno;
+		if (err) {
+			close(fd);
+			return sys_fail(ctx, "memfd", "write/seal(memfd)",
+					__FILE__, __LINE__, err);
+		}
+		*out = fd;
+		return EPJ_OK;
+	}
+	if (errno != ENOSYS)
+		return sys_fail(ctx, "a module file", "memfd_create(name)",
+				__FILE__, __LINE__, errno);
+#endif
+	ej_privdir dir = { .fd = -1 };
+	char path[PATH_MAX + 80];
+	st = privdir_make(ctx, "epjit-so", &dir);
+	if (st != EPJ_OK)
+		return st;
+	snprintf(path, sizeof path, "%s/m.so", dir.path);
+	fd = openat(dir.fd, "m.so",
+		    O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0500);
+	err = fd < 0 ? errno : write_all(fd, so_image, size);
+	struct stat sb;
+	if (err)
+		st = sys_fail(ctx, path, "openat/write(m.so)", __FILE__,
+			      __LINE__, err);
+	else
+		st = check_module_fd(ctx, fd, path, &sb);
+	const char *names[] = { "m.so" };
+	privdir_remove(&dir, names, 1, false);
+	if (st != EPJ_OK) {
+		if (fd >= 0)
+			close(fd);
+		return st;
+	}
+	*out = fd;
+	return EPJ_OK;
+}
 
 epj_status ej_hostcc_load(epj_ctx *ctx, const void *so_image, size_t size,
 			  const char *name, void **handle)
@@ -503,51 +844,58 @@ epj_status ej_hostcc_load(epj_ctx *ctx, const void *so_image, size_t size,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"host cc: loading '%s': empty image",
 				name ? name : "(null)");
-	epj_status st = EPJ_OK;
-	char safe[64], path[PATH_MAX];
+	char safe[64], path[64];
 	ej_safe_name(name, safe, sizeof safe);
-	snprintf(path, sizeof path, "%s/epjit-so-%d-%u-%s-XXXXXX", ej_tmpdir(),
-		 (int)getpid(), atomic_fetch_add(&load_seq, 1), safe);
-	int fd = -1;
-	bool made = false;
-	SYS_CHECK(ctx, fd = mkstemp(path), < 0, "a temporary file for dlopen");
-	made = true;
-	int err = write_all(fd, so_image, size);
-	if (close(fd) != 0 && !err)
-		err = errno;
-	if (err) {
-		st = sys_fail(ctx, path, "write_all(fd, so_image, size)",
-			      __FILE__, __LINE__, err);
-		goto out;
+	hostcc_module *m = calloc(1, sizeof *m);
+	if (!m)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "host cc: out of memory");
+	epj_status st = image_fd(ctx, so_image, size, safe, &m->fd);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "host cc: loading '%s'", safe);
+		free(m);
+		return st;
 	}
+	snprintf(path, sizeof path, "/proc/self/fd/%d", m->fd);
 	char where[PATH_MAX + 160];
 	const char *dl_err;
-	void *h;
-	EJ_DL_CALL(h, dlopen(path, RTLD_NOW | RTLD_LOCAL), where, dl_err);
-	if (!h) {
+	EJ_DL_CALL(m->dl, dlopen(path, RTLD_NOW | RTLD_LOCAL), where, dl_err);
+	if (!m->dl) {
 		st =
 		    ej_error(ctx, EPJ_ERR_BACKEND,
 			     "host cc: loading '%s' (%zu bytes): %s failed: %s",
 			     safe, size, where, dl_err);
-		goto out;
+		close(m->fd);
+		free(m);
+		return st;
 	}
-	*handle = h;
-out:
-	if (made)
-		unlink(path);
-	return st;
+	*handle = m;
+	return EPJ_OK;
 }
 
 void *ej_hostcc_sym(void *handle, const char *sym)
 {
-	return handle && sym ? dlsym(handle, sym) : NULL;
+	hostcc_module *m = handle;
+	return m && sym ? dlsym(m->dl, sym) : NULL;
 }
 
 void ej_hostcc_unload(void *handle)
 {
-	if (handle && dlclose(handle) != 0)
+	hostcc_module *m = handle;
+	if (!m)
+		return;
+	if (dlclose(m->dl) != 0)
 		epj_log_msg(EPJ_LOG_WARN, "host cc: dlclose failed: %s",
 			    dlerror());
+	/* An object that stays resident (dlclose need not unmap) keeps its
+	 * descriptor, so that its name is never reused for another one. */
+	char path[64];
+	snprintf(path, sizeof path, "/proc/self/fd/%d", m->fd);
+	void *still = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+	if (still)
+		dlclose(still);
+	else
+		close(m->fd);
+	free(m);
 }
 
 /* ---- identity ------------------------------------------------------------
@@ -574,7 +922,8 @@ static char *compute_identity(void)
 	argv[n] = NULL;
 	char where[160];
 	int ws = 0;
-	int err = run_capture(argv, &output, &ws, where, sizeof where);
+	int err =
+	    run_capture(argv, -1, NULL, &output, &ws, where, sizeof where);
 	if (err) {
 		snprintf(version, sizeof version, "(cannot run: %s)",
 			 strerror(err));
@@ -588,9 +937,16 @@ static char *compute_identity(void)
 	}
 	free(output);
 	char *id = NULL;
-	if (asprintf(&id, "%s | %s | %s %s", cc, version, cur_lang->flags,
-		     cur_lang->libs) < 0)
+	if (cur_lang == &lang_c) {
+		const char *rt = ej_hostcc_openmp_runtime();
+		if (asprintf(&id, "%s | %s | %s | -shared %s%s%s", cc, version,
+			     ej_hostcc_cflags(), rt ? rt : "", rt ? " " : "",
+			     EJ_HOSTCC_LIBS) < 0)
+			id = NULL;
+	} else if (asprintf(&id, "%s | %s | %s | -shared %s", cc, version,
+			    EJ_HOSTCXX_FLAGS, EJ_HOSTCXX_LIBS) < 0) {
 		id = NULL;
+	}
 	free(words);
 	return id;
 }
@@ -613,6 +969,7 @@ const char *ej_hostcxx_identity(void)
 	return id;
 }
 
+/* One computed identity per distinct value of the language's variable. */
 static const char *identity_of(cc_ident **list)
 {
 	const char *env = getenv(cur_lang->env);

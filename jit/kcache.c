@@ -5,12 +5,13 @@
  * file is, all integers little-endian:
  *
  *   offset  size  field
- *        0     8  magic "EPJKC\0\0\1" (the last byte is the format version)
+ *        0     8  magic "EPJKC\0\0\2" (the last byte is the format version)
  *        8    64  the key (ASCII hex)
  *       72     8  artifact length A (>= 1)
  *       80     8  source length S
- *       88    16  checksum: XXH3-128 (seed 0) of key (64) + artifact + source,
- *                 low 64 bits first
+ *       88    16  checksum: XXH3-128 (seed 0) of the 88 header bytes before
+ *                 it (magic, key, both lengths) + artifact + source, low 64
+ *                 bits first
  *      104     A  artifact bytes
  *    104+A     S  source bytes (no terminating NUL)
  *
@@ -18,7 +19,11 @@
  * removed (only if the path still names the inode that was read, so a fresh
  * entry renamed in meanwhile survives) and reported as a miss.
  *
- * Concurrency.  A writer fills DIR/v1/xx/<key>.tmp.<pid>.<n>, fsyncs it and
+ * Version 1 entries (checksum over key + artifact + source only, which let
+ * the split between artifact and source move unnoticed) read as corrupt.
+ *
+ * Concurrency.  A writer fills DIR/v1/xx/<key>.tmp.<pid>.<n>.<host>, fsyncs
+ * it and
  * renames it over <key>.bin: readers see the old file, the new one or none,
  * never a partial one; when several processes write the same key the last
  * rename wins and all are identical.  Eviction unlinks whole files; a reader
@@ -26,10 +31,31 @@
  * fsynced after the rename: after a crash an entry may be missing (a miss),
  * never half there.
  *
- * Security.  The cache directory, v1/ and every shard directory are checked
- * with lstat before anything under them is read: owned by geteuid(), not
- * group- or world-writable, not a symbolic link.  Entry files are opened with
- * O_NOFOLLOW and must be regular files owned by the user.
+ * <host> is the first 8 hex digits of a hash of the host name: a temporary
+ * file of this host whose pid is no longer alive is removed when a cache is
+ * opened (any temporary older than STALE_TMP_SECONDS at eviction).
+ * Processes that miss the same key take DIR/v1/xx/<key>.lock with flock
+ * (ej_kcache_lock): one compiles, the others wait and then read its entry;
+ * the kernel drops the lock of a process that dies.  Lock files stay.
+ *
+ * Security.  The directory as given must not be a symbolic link (also not
+ * as "link/." or "link/"); it is resolved with realpath once and used by
+ * that path from then on.  Every directory above the resolved one must be
+ * owned by root or the user and not writable by group or others unless it
+ * has the sticky bit (else another user could rename the cache away and put
+ * theirs in its place), and so must the directory holding any symbolic
+ * link on the given path (whose owner must be root or the user).  The
+ * cache directory, v1/ and every shard directory are checked with lstat
+ * before anything under them is read: owned by geteuid(), not group- or
+ * world-writable, not a symbolic link.  Entry files are opened with
+ * O_NOFOLLOW | O_NONBLOCK (a FIFO does not block) and must be regular files
+ * owned by the user and not writable by group or others; others are
+ * removed as corrupt.
+ *
+ * Degrading.  A directory that cannot be created, or an entry that cannot be
+ * written (read-only file system, full disk, a directory in the way), makes
+ * the cache keep working in memory only: warned once per process, counted
+ * in cache.write_errors.  Only an insecure directory is an error.
  *
  * Memory table.  A plain array scanned linearly: a process holds a few
  * hundred kernels at most and a lookup happens once per compile, not per
@@ -38,14 +64,17 @@
  */
 #include "kcache.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pwd.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <time.h>
@@ -55,7 +84,7 @@
 #include <xxhash.h>
 
 #define HDR_SIZE	  104
-#define MAGIC		  "EPJKC\0\0\1"
+#define MAGIC		  "EPJKC\0\0\2"
 #define MAGIC_LEN	  8
 #define DEFAULT_CAP_MB	  1024
 #define STALE_TMP_SECONDS 3600 /* a temporary file this old is a crash's */
@@ -77,7 +106,11 @@ struct ej_kcache {
 	int n_mem, cap_mem;
 	int64_t mem_bytes; /* sum of len + strlen(source) over mem */
 	uint64_t tick;
+	bool no_disk; /* degraded: memory table only */
 };
+
+/* Degradation is warned about once per process. */
+static atomic_flag warned_write = ATOMIC_FLAG_INIT;
 
 /* Per-process counter for temporary file names (several caches or threads of
  * one process may write the same key at once). */
@@ -130,14 +163,16 @@ static uint64_t get_u64(const unsigned char *p)
 	return v;
 }
 
-/* XXH3-128 of key + artifact + source, 16 bytes low word first. */
-static void entry_checksum(const char *key, const void *data, size_t len,
-			   const char *src, size_t slen, unsigned char out[16])
+/* XXH3-128 of the header before the checksum (hdr, 88 bytes: magic, key,
+ * lengths) + artifact + source, 16 bytes low word first. */
+static void entry_checksum(const unsigned char *hdr, const void *data,
+			   size_t len, const char *src, size_t slen,
+			   unsigned char out[16])
 {
 	XXH3_state_t st;
 	XXH3_INITSTATE(&st);
 	XXH3_128bits_reset(&st);
-	XXH3_128bits_update(&st, key, EJ_KCACHE_KEY_LEN);
+	XXH3_128bits_update(&st, hdr, 88);
 	if (len)
 		XXH3_128bits_update(&st, data, len);
 	if (slen)
@@ -198,8 +233,8 @@ static epj_status check_dir(epj_ctx *ctx, const char *path)
 				"directory); a cached module is code",
 				path);
 	if (!S_ISDIR(st.st_mode))
-		return ej_error(ctx, EPJ_ERR_STATE,
-				"kernel cache: refusing %s: not a directory",
+		return ej_error(ctx, EPJ_ERR_IO,
+				"kernel cache: cannot use %s: not a directory",
 				path);
 	if (st.st_uid != geteuid())
 		return ej_error(ctx, EPJ_ERR_STATE,
@@ -297,6 +332,162 @@ static int64_t cap_from_env(epj_ctx *ctx)
 	return (int64_t)mb << 20;
 }
 
+/* ---- trusted path ---------------------------------------------------------
+ */
+
+/* A directory above the cache (or holding a symbolic link on the way to
+ * it): owned by root or the user, and not writable by group or others
+ * unless sticky (then others cannot rename what is ours in it). */
+static epj_status check_ancestor(epj_ctx *ctx, const char *path,
+				 const char *dir)
+{
+	struct stat st;
+	if (stat(path, &st) != 0)
+		return ej_error(ctx, EPJ_ERR_IO,
+				"kernel cache: cannot inspect %s: %s", path,
+				strerror(errno));
+	if (st.st_uid != 0 && st.st_uid != geteuid())
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"kernel cache: refusing %s: the directory %s "
+				"above it is owned by uid %u (neither root "
+				"nor you), who could replace the cache; a "
+				"cached module is code",
+				dir, path, (unsigned)st.st_uid);
+	if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX))
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"kernel cache: refusing %s: the directory %s "
+				"above it is group- or world-writable without "
+				"the sticky bit (mode %04o), so others could "
+				"replace the cache; a cached module is code",
+				dir, path, (unsigned)(st.st_mode & 07777));
+	return EPJ_OK;
+}
+
+/* Every proper prefix directory of the absolute, resolved path real. */
+static epj_status check_ancestors(epj_ctx *ctx, const char *real,
+				  const char *dir)
+{
+	char *p = strdup(real);
+	if (!p)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"kernel cache: out of memory");
+	epj_status s = check_ancestor(ctx, "/", dir);
+	for (char *q = p + 1; s == EPJ_OK && (q = strchr(q, '/')); q++) {
+		*q = '\0';
+		s = check_ancestor(ctx, p, dir);
+		*q = '/';
+	}
+	free(p);
+	return s;
+}
+
+/* Each symbolic link on the given path (walked lexically): owned by root
+ * or the user, in a directory that passes check_ancestor. */
+static epj_status check_links(epj_ctx *ctx, const char *given)
+{
+	char *p = strdup(given);
+	if (!p)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"kernel cache: out of memory");
+	epj_status s = EPJ_OK;
+	size_t n = strlen(p);
+	for (size_t i = 1; i <= n && s == EPJ_OK; i++) {
+		if (p[i] != '/' && p[i] != '\0')
+			continue;
+		char saved = p[i];
+		p[i] = '\0';
+		struct stat st;
+		if (lstat(p, &st) == 0 && S_ISLNK(st.st_mode)) {
+			if (st.st_uid != 0 && st.st_uid != geteuid()) {
+				s = ej_error(
+				    ctx, EPJ_ERR_STATE,
+				    "kernel cache: refusing %s: the symbolic "
+				    "link %s on its path is owned by uid %u "
+				    "(neither root nor you); a cached module "
+				    "is code",
+				    given, p, (unsigned)st.st_uid);
+			} else {
+				char *slash = strrchr(p, '/');
+				char keep = slash[1];
+				slash[1] = '\0';
+				s = check_ancestor(ctx, p, given);
+				slash[1] = keep;
+			}
+		}
+		p[i] = saved;
+	}
+	free(p);
+	return s;
+}
+
+/* Strips trailing "/" and "/." so that "link/." and "link/" are checked as
+ * "link" itself (lstat on them would follow the link). */
+static void strip_tail(char *d)
+{
+	for (size_t n = strlen(d); n > 1;) {
+		if (d[n - 1] == '/')
+			d[--n] = '\0';
+		else if (n > 2 && d[n - 1] == '.' && d[n - 2] == '/')
+			d[n -= 2] = '\0';
+		else
+			break;
+	}
+}
+
+/* ---- stale temporaries ----------------------------------------------------
+ */
+
+/* Removes temporary files of dead processes of this host from every shard
+ * (best effort: errors are ignored). */
+static void sweep_dead_tmps(ej_kcache *c)
+{
+	DIR *d = opendir(c->vdir);
+	if (!d)
+		return;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		if (strlen(de->d_name) != 2 ||
+		    !isxdigit((unsigned char)de->d_name[0]))
+			continue;
+		char *shard = str_printf("%s/%s", c->vdir, de->d_name);
+		DIR *sd = shard ? opendir(shard) : NULL;
+		struct dirent *e;
+		while (sd && (e = readdir(sd))) {
+			const char *t = strstr(e->d_name, ".tmp.");
+			if (!t || !ej_tmp_is_dead(t + 5))
+				continue;
+			char *p = str_printf("%s/%s", shard, e->d_name);
+			struct stat st;
+			if (p && lstat(p, &st) == 0 && S_ISREG(st.st_mode) &&
+			    unlink(p) == 0)
+				epj_counter_add(c->ctx,
+						"cache.stale_tmp_removed", 1);
+			free(p);
+		}
+		if (sd)
+			closedir(sd);
+		free(shard);
+	}
+	closedir(d);
+}
+
+/* ---- degrading ------------------------------------------------------------
+ */
+
+/* Counts a failed disk write and warns about the first of the process;
+ * clears the error from ctx. */
+static void write_failed(ej_kcache *c)
+{
+	epj_counter_add(c->ctx, "cache.write_errors", 1);
+	if (!atomic_flag_test_and_set(&warned_write))
+		epj_log_msg(EPJ_LOG_WARN,
+			    "%s; kernels are kept in memory "
+			    "only (warned once; counted in "
+			    "cache.write_errors)",
+			    epj_ctx_error(c->ctx));
+	epj_ctx_clear_error(c->ctx);
+}
+
 /* ---- open / close ---------------------------------------------------------
  */
 
@@ -313,26 +504,63 @@ ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir)
 				 "kernel cache: out of memory");
 		return NULL;
 	}
-	/* Strip trailing slashes so that lstat sees a symlink itself, not
-	 * what it points at ("link/" follows the link). */
-	for (size_t n = strlen(d); n > 1 && d[n - 1] == '/'; n--)
-		d[n - 1] = '\0';
+	strip_tail(d);
 	ej_kcache *c = calloc(1, sizeof *c);
-	char *v = str_printf("%s/v1", d);
-	if (!c || !v) {
+	char *real = NULL, *v = NULL;
+	if (!c) {
 		ej_error(ctx, EPJ_ERR_NOMEM, "kernel cache: out of memory");
 		goto fail;
 	}
-	if (mkdir_p(ctx, d) != EPJ_OK || check_dir(ctx, d) != EPJ_OK ||
-	    subdir(ctx, v) != EPJ_OK)
-		goto fail;
 	c->ctx = ctx;
-	c->dir = d;
-	c->vdir = v;
 	c->cap = cap;
+	epj_status s = mkdir_p(ctx, d);
+	if (s == EPJ_OK)
+		s = check_dir(ctx, d);
+	if (s == EPJ_OK) {
+		real = realpath(d, NULL);
+		if (!real)
+			s = ej_error(ctx, EPJ_ERR_IO,
+				     "kernel cache: cannot resolve %s: %s", d,
+				     strerror(errno));
+	}
+	if (s == EPJ_OK)
+		s = check_links(ctx, d);
+	if (s == EPJ_OK)
+		s = check_ancestors(ctx, real, d);
+	if (s == EPJ_OK)
+		s = check_dir(ctx, real);
+	if (s == EPJ_OK) {
+		v = str_printf("%s/v1", real);
+		s = v ? subdir(ctx, v)
+		      : ej_error(ctx, EPJ_ERR_NOMEM,
+				 "kernel cache: out of memory");
+	}
+	if (s == EPJ_ERR_IO) {
+		/* Not there and not creatable, or not a directory: an
+		 * optimization lost, not a reason to stop. */
+		write_failed(c);
+		c->no_disk = true;
+		free(real);
+		free(v);
+		c->dir = d;
+		c->vdir = str_printf("%s/v1", d);
+		if (!c->vdir) {
+			ej_error(ctx, EPJ_ERR_NOMEM,
+				 "kernel cache: out of memory");
+			goto fail;
+		}
+		return c;
+	}
+	if (s != EPJ_OK)
+		goto fail;
+	free(d);
+	c->dir = real;
+	c->vdir = v;
+	sweep_dead_tmps(c);
 	return c;
 fail:
 	free(c);
+	free(real);
 	free(v);
 	free(d);
 	return NULL;
@@ -365,6 +593,11 @@ void ej_kcache_set_cap_bytes(ej_kcache *c, int64_t bytes)
 {
 	EJ_ASSERT(bytes >= 0);
 	c->cap = bytes;
+}
+
+bool ej_kcache_on_disk(const ej_kcache *c)
+{
+	return !c->no_disk;
 }
 
 /* ---- key ------------------------------------------------------------------
@@ -498,9 +731,14 @@ static epj_status disk_read(ej_kcache *c, const char *key, const char *shard,
 	if (lstat(shard, &st) != 0 && errno == ENOENT)
 		return EPJ_OK;
 	epj_status s = check_dir(c->ctx, shard);
+	if (s == EPJ_ERR_IO) {
+		/* not a directory: nothing to read, nothing insecure */
+		epj_ctx_clear_error(c->ctx);
+		return EPJ_OK;
+	}
 	if (s != EPJ_OK)
 		return s;
-	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
 	if (fd < 0) {
 		if (errno == ENOENT)
 			return EPJ_OK;
@@ -522,6 +760,10 @@ static epj_status disk_read(ej_kcache *c, const char *key, const char *shard,
 	}
 	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
 		why = "not a regular file owned by you";
+		goto out;
+	}
+	if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+		why = "writable by group or others; a cached module is code";
 		goto out;
 	}
 	if (st.st_size < HDR_SIZE) {
@@ -563,7 +805,7 @@ static epj_status disk_read(ej_kcache *c, const char *key, const char *shard,
 		   slen != size - HDR_SIZE - alen) {
 		why = "bad lengths (empty artifact or not the file size)";
 	} else {
-		entry_checksum(key, buf + HDR_SIZE, alen,
+		entry_checksum(buf, buf + HDR_SIZE, alen,
 			       (char *)buf + HDR_SIZE + alen, slen, sum);
 		if (memcmp(sum, buf + 88, 16) != 0)
 			why = "checksum mismatch";
@@ -612,11 +854,11 @@ static epj_status disk_write(ej_kcache *c, const char *key, const char *shard,
 	memcpy(hdr + 8, key, EJ_KCACHE_KEY_LEN);
 	put_u64(hdr + 72, len);
 	put_u64(hdr + 80, slen);
-	entry_checksum(key, data, len, source, slen, hdr + 88);
+	entry_checksum(hdr, data, len, source, slen, hdr + 88);
 
 	uint64_t seq = atomic_fetch_add(&tmp_seq, 1);
-	char *tmp = str_printf("%s/%s.tmp.%ld.%" PRIu64, shard, key,
-			       (long)getpid(), seq);
+	char *tmp = str_printf("%s/%s.tmp.%ld.%" PRIu64 ".%s", shard, key,
+			       (long)getpid(), seq, ej_host_tag());
 	if (!tmp)
 		return ej_error(c->ctx, EPJ_ERR_NOMEM,
 				"kernel cache: out of memory");
@@ -825,8 +1067,10 @@ static epj_status hand_out(ej_kcache *c, const mem_entry *m, void **data,
 	return EPJ_OK;
 }
 
-epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
-				     size_t *len, char **source)
+/* A lookup; a miss adds to cache.misses only when count_miss (a re-check
+ * under the key's lock follows a miss that was counted already). */
+static epj_status lookup(ej_kcache *c, const char *key, void **data,
+			 size_t *len, char **source, bool count_miss)
 {
 	EJ_ASSERT(c && data && len);
 	*data = NULL;
@@ -840,6 +1084,11 @@ epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
 		m->tick = ++c->tick;
 		epj_counter_add(c->ctx, "cache.mem_hits", 1);
 		return hand_out(c, m, data, len, source);
+	}
+	if (c->no_disk) {
+		if (count_miss)
+			epj_counter_add(c->ctx, "cache.misses", 1);
+		return EPJ_OK;
 	}
 	char *shard, *path;
 	epj_status s = entry_paths(c, key, &shard, &path);
@@ -855,7 +1104,8 @@ epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
 	if (s != EPJ_OK)
 		return s;
 	if (!found) {
-		epj_counter_add(c->ctx, "cache.misses", 1);
+		if (count_miss)
+			epj_counter_add(c->ctx, "cache.misses", 1);
 		return EPJ_OK;
 	}
 	epj_counter_add(c->ctx, "cache.disk_hits", 1);
@@ -867,10 +1117,22 @@ epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
 	return hand_out(c, m, data, len, source);
 }
 
+epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
+				     size_t *len, char **source)
+{
+	return lookup(c, key, data, len, source, true);
+}
+
 epj_status ej_kcache_get(ej_kcache *c, const char *key, void **data,
 			 size_t *len)
 {
-	return ej_kcache_get_with_source(c, key, data, len, NULL);
+	return lookup(c, key, data, len, NULL, true);
+}
+
+epj_status ej_kcache_recheck(ej_kcache *c, const char *key, void **data,
+			     size_t *len)
+{
+	return lookup(c, key, data, len, NULL, false);
 }
 
 epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
@@ -899,7 +1161,7 @@ epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 	if (len)
 		memcpy(d, data, len);
 	epj_status s = mem_insert(c, key, d, len, src);
-	if (s != EPJ_OK)
+	if (s != EPJ_OK || c->no_disk)
 		return s;
 	char *shard, *path;
 	s = entry_paths(c, key, &shard, &path);
@@ -910,5 +1172,111 @@ epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 	free(path);
 	if (s == EPJ_OK)
 		evict(c, key);
+	if (s == EPJ_ERR_IO) {
+		write_failed(c);
+		s = EPJ_OK;
+	}
 	return s;
+}
+
+/* ---- per-key lock ---------------------------------------------------------
+ */
+
+/* Seconds to wait for another process's compile (EPJIT_CACHE_LOCK_TIMEOUT,
+ * default 600). */
+static double lock_timeout(void)
+{
+	const char *e = getenv("EPJIT_CACHE_LOCK_TIMEOUT");
+	char *end;
+	double t = e && *e ? strtod(e, &end) : 600.0;
+	if (e && *e && (*end || !(t >= 0)))
+		t = 600.0;
+	return t;
+}
+
+epj_status ej_kcache_lock(ej_kcache *c, const char *key, int *lock)
+{
+	EJ_ASSERT(c && lock);
+	*lock = -1;
+	if (!key_valid(key))
+		return bad_key(c, "ej_kcache_lock", key);
+	if (c->no_disk)
+		return EPJ_OK;
+	char *shard, *path;
+	epj_status s = entry_paths(c, key, &shard, &path);
+	if (s != EPJ_OK)
+		return s;
+	s = subdir(c->ctx, shard);
+	char *lp = s == EPJ_OK ? str_printf("%s/%s.lock", shard, key) : NULL;
+	int fd = -1;
+	if (s == EPJ_OK && !lp)
+		s = ej_error(c->ctx, EPJ_ERR_NOMEM,
+			     "kernel cache: out of memory");
+	if (s == EPJ_OK) {
+		fd = open(
+		    lp, O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC,
+		    0600);
+		struct stat st;
+		if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+			s = ej_error(c->ctx, EPJ_ERR_IO,
+				     "kernel cache: cannot use lock file %s: "
+				     "%s",
+				     lp,
+				     fd < 0 ? strerror(errno)
+					    : "not a regular file");
+	}
+	if (s == EPJ_OK && flock(fd, LOCK_EX | LOCK_NB) != 0) {
+		if (errno != EWOULDBLOCK) {
+			s = ej_error(c->ctx, EPJ_ERR_IO,
+				     "kernel cache: flock %s: %s", lp,
+				     strerror(errno));
+		} else {
+			/* Another process compiles this key: wait for it
+			 * (its death releases the lock), polling so that a
+			 * hung compile cannot hold us forever. */
+			epj_counter_add(c->ctx, "cache.lock_waits", 1);
+			double limit = lock_timeout(), waited = 0;
+			long us = 1000;
+			int rc;
+			while ((rc = flock(fd, LOCK_EX | LOCK_NB)) != 0 &&
+			       errno == EWOULDBLOCK && waited < limit) {
+				usleep((useconds_t)us);
+				waited += (double)us / 1e6;
+				us = us < 100000 ? us * 2 : 100000;
+			}
+			if (rc != 0) {
+				epj_log_msg(EPJ_LOG_WARN,
+					    "kernel cache: %s still locked "
+					    "after %.0f s "
+					    "(EPJIT_CACHE_LOCK_TIMEOUT); "
+					    "compiling without the lock",
+					    lp, limit);
+				epj_counter_add(c->ctx, "cache.lock_timeouts",
+						1);
+				close(fd);
+				fd = -1;
+			}
+		}
+	}
+	if (s == EPJ_ERR_IO) {
+		/* no lock possible (read-only, full): compile anyway */
+		write_failed(c);
+		s = EPJ_OK;
+	}
+	if (s != EPJ_OK && fd >= 0) {
+		close(fd);
+		fd = -1;
+	}
+	*lock = fd;
+	free(lp);
+	free(shard);
+	free(path);
+	return s;
+}
+
+void ej_kcache_unlock(ej_kcache *c, int lock)
+{
+	(void)c;
+	if (lock >= 0)
+		close(lock); /* drops the flock */
 }

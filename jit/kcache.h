@@ -8,11 +8,19 @@
  *
  * Invariants
  *  - Nothing is read from a directory that is not owned by the effective user
- *    or is group- or world-writable, or that is a symbolic link: open fails
- *    instead (a cached module is code that will be executed).
+ *    or is group- or world-writable, or that is a symbolic link (also given
+ *    as "link/."), or below a directory that another user could rename
+ *    (see kcache.c): open fails instead (a cached module is code that will
+ *    be executed).
  *  - An entry on disk is either complete and verified (magic, key, lengths,
- *    XXH3-128 checksum) or treated as a miss: it is counted in cache.corrupt
- *    and removed, so the caller recompiles.
+ *    XXH3-128 checksum over header, artifact and source; a regular file of
+ *    the user that group and others cannot write) or treated as a miss: it
+ *    is counted in cache.corrupt and removed, so the caller recompiles.
+ *  - The disk is an optimization: a directory that cannot be created or an
+ *    entry that cannot be written (read-only, full, something in the way)
+ *    leaves a cache that works in memory (warned once per process, counted
+ *    in cache.write_errors).  Only an insecure directory is an error.
+ *  - Callers insert only artifacts that loaded and passed their checks.
  *  - Entries appear on disk atomically (temporary file, fsync, rename), so any
  *    number of processes may put the same key into one directory at once.
  *  - One ej_kcache is used by one thread at a time (like its context); the
@@ -38,14 +46,21 @@ typedef struct ej_kcache ej_kcache;
  * EPJIT_CACHE_MAX_MB MiB (default 1024).  Fails (NULL, error in ctx:
  * EPJ_ERR_STATE naming the directory and the reason) when the directory or
  * its v1/ subdirectory is a symbolic link, not owned by geteuid(), or group-
- * or world-writable; EPJ_ERR_IO when it cannot be created or inspected;
- * EPJ_ERR_CONFIG for a malformed EPJIT_CACHE_MAX_MB.  ctx is borrowed and
- * receives the cache.* counters; it must outlive the cache. */
+ * or world-writable, or when a directory above it may be replaced by
+ * another user; EPJ_ERR_CONFIG for a malformed EPJIT_CACHE_MAX_MB.  A
+ * directory that cannot be created or is not a directory gives a
+ * memory-only cache (ej_kcache_on_disk false; warned once, counted in
+ * cache.write_errors).  Temporary files of dead processes of this host are
+ * removed (cache.stale_tmp_removed).  ctx is borrowed and receives the
+ * cache.* counters; it must outlive the cache. */
 ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir);
 void ej_kcache_close(ej_kcache *c); /* NULL is fine */
 
-/* The cache directory in use (absolute or as given; owned by c). */
+/* The cache directory in use (resolved with realpath; as given for a
+ * memory-only cache; owned by c). */
 const char *ej_kcache_dir(const ej_kcache *c);
+/* False when the cache degraded to memory only at open. */
+bool ej_kcache_on_disk(const ej_kcache *c);
 /* Replaces the size cap (bytes of entry files on disk; also bounds the
  * memory table).  EPJIT_CACHE_MAX_MB cannot express tiny caps: for tests. */
 void ej_kcache_set_cap_bytes(ej_kcache *c, int64_t bytes);
@@ -81,8 +96,10 @@ epj_status ej_kcache_get_with_source(ej_kcache *c, const char *key, void **data,
  * (NULL: none) under key, in the memory table and on disk, then evicts least
  * recently used entries while the disk holds more than the cap (never the
  * entry just written; cache.evictions).  cache.bytes counts the bytes of
- * entry files written.  A failed disk write returns EPJ_ERR_IO naming the
- * file, leaves no temporary file behind, and keeps the memory entry. */
+ * entry files written.  A failed disk write (read-only, full disk, a
+ * directory in the way) leaves no temporary file behind, keeps the memory
+ * entry, counts cache.write_errors, warns once per process and returns
+ * EPJ_OK; an insecure shard directory is EPJ_ERR_STATE. */
 epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 			 size_t len, const char *source);
 
@@ -104,5 +121,23 @@ void ej_artifact_key(char out[EJ_KCACHE_KEY_LEN + 1], const char *kind,
  * sources of lib/, jit/ and templates/ (jit/build_id.h, made by make).  Part
  * of the key of anything cached above the generated source. */
 const char *ej_build_id(void);
+/* Takes the per-key lock DIR/v1/xx/<key>.lock (flock, exclusive), so that
+ * of the processes that miss a key at once one compiles and the others wait
+ * (cache.lock_waits counts the waits) and then find its entry: callers do
+ * get, on a miss lock, get again, on a miss compile + load + check + put,
+ * unlock.  A dead holder never blocks (the kernel drops its lock); a wait
+ * longer than EPJIT_CACHE_LOCK_TIMEOUT seconds (default 600) gives up the
+ * lock (warned, cache.lock_timeouts).  *lock is -1 when no lock could be
+ * taken (memory-only cache, read-only directory: counted like a failed
+ * write), which is still EPJ_OK.  Errors: EPJ_ERR_INVALID for a malformed
+ * key, EPJ_ERR_STATE for an insecure shard directory. */
+epj_status ej_kcache_lock(ej_kcache *c, const char *key, int *lock);
+/* ej_kcache_get again after ej_kcache_lock: a hit is counted as usual, a
+ * miss is not (the get before the lock counted it), so cache.misses stays
+ * one per artifact built. */
+epj_status ej_kcache_recheck(ej_kcache *c, const char *key, void **data,
+			     size_t *len);
+/* Releases a lock of ej_kcache_lock (-1 is fine). */
+void ej_kcache_unlock(ej_kcache *c, int lock);
 
 #endif /* EPJIT_KCACHE_H */

@@ -49,6 +49,19 @@ typedef epj_status (*ej_fill_fn)(epj_ctx *ctx, FILE *fp, const char *tmp,
 				 void *user);
 epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			   ej_fill_fn fill, void *user);
+/* Temporary files of interrupted writes are named "<name>.tmp.<pid>[.<n>]
+ * .<host>" with <host> = ej_host_tag() (8 hex digits of a hash of the host
+ * name).  ej_tmp_is_dead(s), s the part after ".tmp.", says whether the
+ * file belongs to a process of this host that is no longer alive (another
+ * host's pid means nothing here).  ej_write_atomic removes such files of
+ * `path` before it writes. */
+const char *ej_host_tag(void);
+bool ej_tmp_is_dead(const char *after_tmp);
+/* fopen(path, "rb") of a regular file only: opened with O_NONBLOCK first so
+ * that a FIFO (or a device) never blocks, refused unless fstat says it is a
+ * regular file.  NULL with *why set (strerror(errno), or "not a regular
+ * file (a FIFO)" and the like) on failure. */
+FILE *ej_fopen_regular(const char *path, const char **why);
 
 /* Shape as "[2,3,4]" into buf (returns buf). */
 char *ej_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);

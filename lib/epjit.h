@@ -396,6 +396,8 @@ typedef struct epj_step_info {
 	int64_t micro_step;
 	double lr;	  /* lr of the last optimizer step */
 	double grad_norm; /* global grad norm before clipping (last step) */
+	bool skipped; /* that step had a non-finite loss or gradient norm and
+			 was skipped (config "skip_nonfinite_steps") */
 } epj_step_info;
 
 /* ds_config_path NULL: all defaults. */

@@ -1,26 +1,155 @@
 /* fileio.c -- atomic file writes shared by safetensors, token files and
  * the kernel cache's users.
  *
- * Protocol: write to "<path>.tmp.<pid>" (O_NOFOLLOW), fflush, fsync, rename
- * over path, fsync the directory.  Any failure before the rename removes the
- * temporary file and leaves `path` exactly as it was.
+ * Protocol: write to "<path>.tmp.<pid>.<host>" (O_NOFOLLOW), fflush, fsync,
+ * rename over path, fsync the directory.  Any failure before the rename
+ * removes the temporary file and leaves `path` exactly as it was.  A process
+ * killed meanwhile leaves its temporary file: the next write of the same
+ * path removes those of dead processes of this host (and those of the
+ * older "<path>.tmp.<pid>" form whose process is gone, when an hour old).
  */
 #include "core_impl.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
+
+const char *ej_host_tag(void)
+{
+	static char tag[9];
+	static atomic_int done;
+	if (!atomic_load(&done)) {
+		char h[256] = "", hex[33];
+		if (gethostname(h, sizeof h - 1) != 0)
+			h[0] = '\0';
+		epj_hash_hex(epj_hash(h, strlen(h)), hex);
+		memcpy(tag, hex, 8);
+		tag[8] = '\0';
+		atomic_store(&done, 1);
+	}
+	return tag;
+}
+
+FILE *ej_fopen_regular(const char *path, const char **why)
+{
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0) {
+		*why = strerror(errno);
+		return NULL;
+	}
+	struct stat st;
+	if (fstat(fd, &st) != 0) {
+		*why = strerror(errno);
+		close(fd);
+		return NULL;
+	}
+	if (!S_ISREG(st.st_mode)) {
+		*why = S_ISFIFO(st.st_mode) ? "not a regular file (a FIFO)"
+		       : S_ISDIR(st.st_mode)
+			   ? "not a regular file (a directory)"
+		       : S_ISSOCK(st.st_mode) ? "not a regular file (a socket)"
+					      : "not a regular file (a device)";
+		close(fd);
+		return NULL;
+	}
+	int fl = fcntl(fd, F_GETFL);
+	FILE *fp = NULL;
+	if (fl >= 0 && fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) == 0)
+		fp = fdopen(fd, "rb");
+	if (!fp) {
+		*why = strerror(errno);
+		close(fd);
+	}
+	return fp;
+}
+
+/* pid of "<pid>[.<n>...]" (0 when malformed) and *rest after the digits. */
+static long tmp_pid(const char *s, const char **rest)
+{
+	char *end;
+	errno = 0;
+	long pid = strtol(s, &end, 10);
+	*rest = end;
+	return errno || end == s || pid <= 0 || *s < '0' || *s > '9' ? 0 : pid;
+}
+
+static bool pid_dead(long pid)
+{
+	return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
+bool ej_tmp_is_dead(const char *after)
+{
+	const char *rest;
+	long pid = tmp_pid(after, &rest);
+	if (!pid || *rest != '.')
+		return false;
+	const char *host = strrchr(rest, '.');
+	if (strcmp(host + 1, ej_host_tag()) != 0)
+		return false;
+	return pid_dead(pid);
+}
+
+/* Removes "<base>.tmp.*" files of dead processes next to path. */
+static void sweep_stale(const char *path)
+{
+	char *dir = strdup(path);
+	if (!dir)
+		return;
+	char *slash = strrchr(dir, '/');
+	const char *d = ".", *base = path;
+	if (slash) {
+		*slash = '\0';
+		d = slash == dir ? "/" : dir;
+		base = path + (slash - dir) + 1;
+	}
+	size_t bl = strlen(base);
+	DIR *dp = opendir(d);
+	struct dirent *de;
+	time_t now = time(NULL);
+	while (dp && (de = readdir(dp))) {
+		const char *nm = de->d_name;
+		if (strncmp(nm, base, bl) != 0 || strncmp(nm + bl, ".tmp.", 5))
+			continue;
+		const char *after = nm + bl + 5, *rest;
+		long pid = tmp_pid(after, &rest);
+		struct stat st;
+		char p[4096];
+		if (snprintf(p, sizeof p, "%s/%s", d, nm) >= (int)sizeof p ||
+		    lstat(p, &st) != 0 || !S_ISREG(st.st_mode))
+			continue;
+		bool old_form = pid && *rest == '\0' && pid_dead(pid) &&
+				now - st.st_mtime > 3600;
+		if (ej_tmp_is_dead(after) || old_form) {
+			if (unlink(p) == 0)
+				epj_log_msg(EPJ_LOG_INFO,
+					    "removed %s, left by an "
+					    "interrupted write of a process "
+					    "that is gone",
+					    p);
+		}
+	}
+	if (dp)
+		closedir(dp);
+	free(dir);
+}
 
 epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			   ej_fill_fn fill, void *user)
 {
-	size_t n = strlen(path) + 32;
+	size_t n = strlen(path) + 48;
 	char *tmp = malloc(n);
 	if (!tmp)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "%s '%s': out of memory",
 				what, path);
-	snprintf(tmp, n, "%s.tmp.%ld", path, (long)getpid());
+	sweep_stale(path);
+	snprintf(tmp, n, "%s.tmp.%ld.%s", path, (long)getpid(), ej_host_tag());
 
 	/* O_NOFOLLOW: never write through a symlink planted at the temp
 	 * name; a directory there fails with EISDIR. */

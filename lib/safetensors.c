@@ -182,7 +182,7 @@ static epj_status parse_entry(epj_ctx *ctx, const char *path, const char *name,
 			return st_error(ctx, EPJ_ERR_NOMEM, path,
 					"out of memory");
 	}
-	uint64_t numel = 1;
+	uint64_t numel = 1, nonzero = 1;
 	for (int i = 0; i < e->ndim; i++) {
 		json_t *d = json_array_get(shape, (size_t)i);
 		if (!json_is_integer(d))
@@ -201,6 +201,17 @@ static epj_status parse_entry(epj_ctx *ctx, const char *path, const char *name,
 			return ST_FMT(ctx, path,
 				      "entry '%s': element count overflows",
 				      name);
+		/* The non-zero dimensions bound the strides even when
+		 * another dimension is 0 (tensor.c's limit). */
+		if (e->shape[i] > 0 &&
+		    (__builtin_mul_overflow(nonzero, (uint64_t)e->shape[i],
+					    &nonzero) ||
+		     nonzero > (uint64_t)(INT64_MAX / 8)))
+			return ST_FMT(ctx, path,
+				      "entry '%s': shape too large: the "
+				      "product of the non-zero dimensions "
+				      "must be at most %lld",
+				      name, (long long)(INT64_MAX / 8));
 	}
 	uint64_t bytes;
 	if (__builtin_mul_overflow(numel, (uint64_t)st_dtypes[e->dtype].size,
@@ -385,10 +396,10 @@ epj_status epj_st_open(epj_ctx *ctx, const char *path, epj_st_file **out)
 	}
 	epj_status s = EPJ_OK;
 	char *hdr = NULL;
-	f->fp = fopen(path, "rbe");
+	const char *why = NULL;
+	f->fp = ej_fopen_regular(path, &why);
 	if (!f->fp) {
-		s = st_error(ctx, EPJ_ERR_IO, path, "cannot open: %s",
-			     strerror(errno));
+		s = st_error(ctx, EPJ_ERR_IO, path, "cannot open: %s", why);
 		goto fail;
 	}
 	struct stat st;

@@ -19,6 +19,7 @@
  */
 #include "core_impl.h"
 
+#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
 #include <string.h>
@@ -31,7 +32,10 @@ void ej_contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
 	int64_t s = 1;
 	for (int i = ndim - 1; i >= 0; i--) {
 		stride[i] = s;
-		s *= shape[i] > 1 ? shape[i] : 1;
+		/* shapes were checked (check_new_shape): no overflow */
+		bool ovf =
+		    __builtin_mul_overflow(s, shape[i] > 1 ? shape[i] : 1, &s);
+		EJ_ASSERT(!ovf);
 	}
 }
 
@@ -94,17 +98,25 @@ static epj_status check_new_shape(epj_ctx *ctx, const char *who, epj_dtype dt,
 	if (ndim > 0 && !shape)
 		return ej_error(ctx, EPJ_ERR_INVALID, "%s: NULL shape", who);
 	char buf[256];
-	int64_t n = 1;
+	/* n: elements; nz: product of the non-zero dimensions, which bounds
+	 * the contiguous strides even of an empty tensor ([0, 2^62, 2^62]
+	 * has no element but strides past int64). */
+	int64_t n = 1, nz = 1;
 	for (int i = 0; i < ndim; i++) {
 		if (shape[i] < 0)
 			return ej_error(
 			    ctx, EPJ_ERR_SHAPE,
 			    "%s: negative dimension in shape %s", who,
 			    ej_shape_str(ndim, shape, buf, sizeof buf));
-		if (shape[i] > 0 && n > INT64_MAX / 8 / shape[i])
+		if (shape[i] > 0 && nz > INT64_MAX / 8 / shape[i])
 			return ej_error(
-			    ctx, EPJ_ERR_SHAPE, "%s: shape %s is too large",
-			    who, ej_shape_str(ndim, shape, buf, sizeof buf));
+			    ctx, EPJ_ERR_SHAPE,
+			    "%s: shape %s is too large: the product of its "
+			    "non-zero dimensions must be at most %" PRId64,
+			    who, ej_shape_str(ndim, shape, buf, sizeof buf),
+			    INT64_MAX / 8);
+		if (shape[i] > 0)
+			nz *= shape[i];
 		n *= shape[i];
 	}
 	if ((uint64_t)n * epj_dtype_size(dt) > SIZE_MAX)

@@ -32,10 +32,15 @@
  */
 #include "runtime_impl.h"
 
+#include <inttypes.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #define AUTOEP_KIND "AutoEPMoELayer"
+/* Experts of one layer at most (the parameter list holds 1 + 3 x local
+ * experts entries, counted in int). */
+#define AUTOEP_MAX_EXPERTS (1 << 16)
 
 typedef struct autoep_impl {
 	ej_autoep_opts opts;
@@ -544,10 +549,26 @@ static epj_status check_opts(epj_ctx *ctx, const char *local, int hidden,
 				"%s (%s): hidden size %d and intermediate "
 				"size %d must be >= 1",
 				who, AUTOEP_KIND, hidden, inter);
-	if (o->num_experts < 1)
+	if (o->num_experts < 1 || o->num_experts > AUTOEP_MAX_EXPERTS)
+		return ej_error(
+		    ctx, EPJ_ERR_INVALID,
+		    "%s (%s): num_experts %d is out of range [1, %d]", who,
+		    AUTOEP_KIND, o->num_experts, AUTOEP_MAX_EXPERTS);
+	/* Elements of the gate and of all experts (3 matrices each), in
+	 * checked arithmetic: each tensor's and the sum must fit in int64. */
+	int64_t gate_n, exp_n, all_n;
+	if (__builtin_mul_overflow((int64_t)o->num_experts, (int64_t)hidden,
+				   &gate_n) ||
+	    __builtin_mul_overflow((int64_t)inter, (int64_t)hidden, &exp_n) ||
+	    __builtin_mul_overflow(exp_n, (int64_t)3 * o->num_experts,
+				   &all_n) ||
+	    __builtin_add_overflow(all_n, gate_n, &all_n))
 		return ej_error(ctx, EPJ_ERR_INVALID,
-				"%s (%s): num_experts %d must be >= 1", who,
-				AUTOEP_KIND, o->num_experts);
+				"%s (%s): num_experts %d x 3 x intermediate "
+				"%d x hidden %d parameters overflow 64 bits "
+				"(at most %" PRId64 " elements)",
+				who, AUTOEP_KIND, o->num_experts, inter, hidden,
+				INT64_MAX);
 	if (o->top_k < 1 || o->top_k > o->num_experts)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s (%s): top_k %d must be in [1, "

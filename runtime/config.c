@@ -114,9 +114,13 @@ const char *ej_json_type_name(const json_t *v)
 char *ej_config_read_file(epj_ctx *ctx, const char *path)
 {
 	enum { MAX_BYTES = 64 << 20 }; /* a config is never this large */
-	FILE *f = fopen(path, "rb");
-	if (!f)
-		goto io_fail;
+	const char *why = NULL;
+	FILE *f = ej_fopen_regular(path, &why);
+	if (!f) {
+		ej_error(ctx, EPJ_ERR_IO, "config error in %s: cannot read: %s",
+			 path, why);
+		return NULL;
+	}
 	size_t cap = 4096, len = 0;
 	char *buf = malloc(cap);
 	if (!buf) {
@@ -291,6 +295,7 @@ static const char *const k_root[] = {
 	"seed",
 	"wall_clock_breakdown",
 	"device",
+	"skip_nonfinite_steps",
 };
 static const char *const k_bf16[] = { "enabled" };
 /* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
@@ -1196,7 +1201,9 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 			&c->steps_per_print, NULL)) ||
 	    (s = rd_int(p, root, "", "seed", 0, INT64_MAX, &c->seed, NULL)) ||
 	    (s = rd_bool(p, root, "", "wall_clock_breakdown",
-			 &c->wall_clock_breakdown)))
+			 &c->wall_clock_breakdown)) ||
+	    (s = rd_bool(p, root, "", "skip_nonfinite_steps",
+			 &c->skip_nonfinite_steps)))
 		return s;
 	{
 		static const char *const devices[] = { "cpu", "cuda-sim" };
@@ -1294,6 +1301,19 @@ epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *c, int world_size)
 	int64_t tb = c->train_batch_size_given ? c->train_batch_size : 0;
 	int64_t mb = c->micro_batch_given ? c->micro_batch_per_gpu : 0;
 	int64_t ga = c->gas_given ? c->gradient_accumulation_steps : 0;
+	/* Every product below is of values <= BATCH_MAX = 2^31 and a world
+	 * size < 2^31: it must not reach past BATCH_MAX (checked, no
+	 * overflow). */
+	int64_t prod;
+	int64_t mbv = mb ? mb : 1, gav = ga ? ga : 1;
+	if (__builtin_mul_overflow(mbv, gav, &prod) ||
+	    __builtin_mul_overflow(prod, w, &prod) || prod > BATCH_MAX)
+		return cp_err(&p,
+			      "train_micro_batch_size_per_gpu (%" PRId64
+			      ") * gradient_accumulation_steps (%" PRId64
+			      ") * world size (%d) is out of range: the "
+			      "global batch must be in [1, %" PRId64 "]",
+			      mbv, gav, world_size, BATCH_MAX);
 	/* DeepSpeed's rules (runtime/config.py _set_batch_related_parameters):
 	 * two given determine the third; one given sets gas = 1 (or micro =
 	 * 1 when only gas is given); none given: micro = gas = 1. */
@@ -1602,6 +1622,7 @@ char *ej_config_to_json(const ej_config *c)
 	SET(r, "wall_clock_breakdown", json_boolean(c->wall_clock_breakdown));
 	if (c->device[0])
 		SET(r, "device", json_string(c->device));
+	SET(r, "skip_nonfinite_steps", json_boolean(c->skip_nonfinite_steps));
 #undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to

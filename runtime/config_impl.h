@@ -117,6 +117,10 @@ typedef struct ej_config {
 	} scheduler;
 
 	double gradient_clipping; /* >= 0; 0 = off (default) */
+	/* epjit extension: a step whose mean loss or gradient norm is not
+	 * finite is skipped (no update, counted) instead of failing the
+	 * train step; default false */
+	bool skip_nonfinite_steps;
 
 	struct ej_zero_config {
 		int stage; /* 0..3, default 0 */

@@ -246,6 +246,16 @@ static epj_status tok_read_fp(epj_ctx *ctx, const char *path, FILE *fp,
 				t->data[i + j] = buf[j];
 		}
 	}
+	/* Without a vocab_size the vocabulary is max + 1, which must fit in
+	 * 32 bits: 0xFFFFFFFF would wrap it to 0 (unknown). */
+	for (uint64_t i = 0; !vocab && i < count; i++)
+		if (t->data[i] == UINT32_MAX)
+			return tok_error(ctx, EPJ_ERR_FORMAT, path,
+					 "token %u at index %llu: without a "
+					 "vocab_size token ids must be in "
+					 "[0, %u]",
+					 t->data[i], (unsigned long long)i,
+					 UINT32_MAX - 1);
 	for (uint64_t i = 0; vocab && i < count; i++)
 		if (t->data[i] >= vocab)
 			return tok_error(ctx, EPJ_ERR_FORMAT, path,
@@ -263,10 +273,10 @@ epj_status epj_tokens_read(epj_ctx *ctx, const char *path, epj_tokens **out)
 				"epj_tokens_read: %s is NULL",
 				out ? "path" : "out");
 	*out = NULL;
-	FILE *fp = fopen(path, "rbe");
+	const char *why = NULL;
+	FILE *fp = ej_fopen_regular(path, &why);
 	if (!fp)
-		return tok_error(ctx, EPJ_ERR_IO, path, "cannot open: %s",
-				 strerror(errno));
+		return tok_error(ctx, EPJ_ERR_IO, path, "cannot open: %s", why);
 	epj_tokens *t = calloc(1, sizeof *t);
 	epj_status s = t ? tok_read_fp(ctx, path, fp, t)
 			 : tok_error(ctx, EPJ_ERR_NOMEM, path, "out of memory");
@@ -294,11 +304,12 @@ epj_status epj_tokens_from_text(epj_ctx *ctx, const char *text_path,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"epj_tokens_from_text: %s is NULL",
 				text_path ? "out_path" : "text_path");
-	FILE *fp = fopen(text_path, "rbe");
+	const char *why = NULL;
+	FILE *fp = ej_fopen_regular(text_path, &why);
 	if (!fp)
 		return ej_error(ctx, EPJ_ERR_IO,
 				"text file '%s': cannot open: %s", text_path,
-				strerror(errno));
+				why);
 	uint32_t *tok = NULL;
 	size_t n = 0, cap = 0;
 	unsigned char buf[TOK_CHUNK];

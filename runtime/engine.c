@@ -19,8 +19,11 @@
 #include "optim_impl.h"
 #include "runtime_impl.h"
 
+#include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -265,12 +268,47 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 	epj_counter_add(ctx, "train.micro_steps", 1);
 	int64_t gas = e->cfg.gradient_accumulation_steps;
 	bool boundary = e->micro_step % gas == 0;
+	bool skipped = false;
 	if (boundary) {
 		double lr = ej_sched_lr(&e->cfg, e->step);
-		double norm = 0;
-		st = ej_optim_step(e->optim, lr, 1.0 / (double)gas, &norm);
+		double norm = 0, mean = e->accum_loss / (double)e->accum_n;
+		/* A non-finite loss or gradient norm never reaches the
+		 * weights: the step fails, or is skipped when asked for. */
+		if (!isfinite(mean)) {
+			st = ej_optim_drop_grads(e->optim);
+			norm = NAN;
+		} else {
+			st = ej_optim_step(e->optim, lr, 1.0 / (double)gas,
+					   &norm);
+		}
 		if (st != EPJ_OK)
 			return st;
+		if (!isfinite(mean) || !isfinite(norm)) {
+			if (!e->cfg.skip_nonfinite_steps) {
+				e->accum_loss = 0;
+				e->accum_n = 0;
+				return ej_error(
+				    ctx, EPJ_ERR_STATE,
+				    "train step %" PRId64 ": %s is %g (lr %g); "
+				    "stopped before the update (lower the "
+				    "learning rate, or set "
+				    "\"skip_nonfinite_steps\": true to skip "
+				    "such steps)",
+				    e->step + 1,
+				    !isfinite(mean) ? "the mean loss"
+						    : "the gradient norm",
+				    !isfinite(mean) ? mean : norm, lr);
+			}
+			skipped = true;
+			epj_counter_add(ctx, "train.skipped_steps", 1);
+			epj_log_msg(EPJ_LOG_WARN,
+				    "train step %" PRId64 ": %s is %g; step "
+				    "skipped (skip_nonfinite_steps)",
+				    e->step + 1,
+				    !isfinite(mean) ? "the mean loss"
+						    : "the gradient norm",
+				    !isfinite(mean) ? mean : norm);
+		}
 		e->step++;
 		e->last_lr = lr;
 		e->last_grad_norm = norm;
@@ -284,6 +322,7 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		info->micro_step = e->micro_step;
 		info->lr = e->last_lr;
 		info->grad_norm = e->last_grad_norm;
+		info->skipped = skipped;
 	}
 	if (boundary) {
 		e->accum_loss = 0;
@@ -404,10 +443,49 @@ static epj_status load_into(epj_ctx *ctx, epj_st_file *f, const char *name,
 	return st;
 }
 
-static int64_t meta_i64(const epj_st_file *f, const char *k)
+/* Largest step / micro_step / optimizer_steps a checkpoint may carry (a run
+ * of more than 2^31 - 1 optimizer steps is not a thing; larger values are
+ * corruption and would overflow the micro-batch count of a resume). */
+#define CKPT_STEP_MAX INT32_MAX
+
+/* Metadata k of a training checkpoint as a whole decimal number in
+ * [0, CKPT_STEP_MAX]; else EPJ_ERR_FORMAT naming the file and the field. */
+static epj_status meta_i64(epj_ctx *ctx, const epj_st_file *f, const char *path,
+			   const char *k, int64_t *out)
 {
 	const char *v = epj_st_metadata(f, k);
-	return v ? strtoll(v, NULL, 10) : 0;
+	if (!v)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"%s: training checkpoint without metadata "
+				"\"%s\"",
+				path, k);
+	char *end;
+	errno = 0;
+	long long x = strtoll(v, &end, 10);
+	bool digits = *v >= '0' && *v <= '9';
+	if (!digits || *end || errno || x < 0 || x > CKPT_STEP_MAX)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"%s: metadata \"%s\" is \"%.40s\": expected a "
+				"whole number in [0, %d]",
+				path, k, v, CKPT_STEP_MAX);
+	*out = x;
+	return EPJ_OK;
+}
+
+/* The file's entry i holds a floating-point dtype (what a parameter or an
+ * optimizer state can be loaded from); else EPJ_ERR_DTYPE. */
+static epj_status check_float(epj_ctx *ctx, const epj_st_file *f,
+			      const char *path, const char *kind,
+			      const char *name)
+{
+	int k = epj_st_find(f, name);
+	epj_dtype dt = k >= 0 ? epj_st_dtype_at(f, k) : EPJ_DTYPE_F32;
+	if (dt == EPJ_DTYPE_F32 || dt == EPJ_DTYPE_BF16 || dt == EPJ_DTYPE_F64)
+		return EPJ_OK;
+	return ej_error(ctx, EPJ_ERR_DTYPE,
+			"%s: %s \"%s\" has dtype %s in the file; expected a "
+			"floating-point dtype (F32, BF16 or F64)",
+			path, kind, name, epj_st_dtype_str_at(f, k));
 }
 
 /* Entry `name` of f exists with the shape of dst; else an error naming
@@ -448,24 +526,49 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	 * state.  Every parameter must be present. */
 	for (int i = 0; st == EPJ_OK && i < epj_st_count(f); i++) {
 		const char *nm = epj_st_name_at(f, i);
-		bool known = !strncmp(nm, "optimizer.", 10);
-		for (int k = 0; !known && k < pl->n; k++)
+		bool opt = !strncmp(nm, "optimizer.", 10), known = false;
+		for (int k = 0;
+		     !known && opt && k < ej_optim_state_count(e->optim); k++)
+			known = !strcmp(ej_optim_state_name(e->optim, k), nm) &&
+				strncmp(nm, "optimizer.master.", 17) != 0;
+		for (int k = 0; !known && !opt && k < pl->n; k++)
 			known = !strcmp(pl->names[k], nm);
 		if (!known)
 			st = ej_error(ctx, EPJ_ERR_FORMAT,
-				      "%s: tensor \"%s\" is not a parameter of "
-				      "this model",
+				      opt ? "%s: tensor \"%s\" is not a state "
+					    "of this optimizer (saved with "
+					    "another optimizer?)"
+					  : "%s: tensor \"%s\" is not a "
+					    "parameter of this model",
 				      path, nm);
 	}
 	/* Validate every entry before the first copy: a failed load changes
 	 * nothing. */
-	for (int i = 0; st == EPJ_OK && i < pl->n; i++)
+	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		st = check_entry(ctx, f, path, "parameter", pl->names[i],
 				 pl->params[i], "");
+		if (st == EPJ_OK)
+			st = check_float(ctx, f, path, "parameter",
+					 pl->names[i]);
+	}
 	bool training = false;
 	const char *fmt = st == EPJ_OK ? epj_st_metadata(f, "format") : NULL;
 	if (fmt && !strcmp(fmt, CKPT_FORMAT))
 		training = true;
+	int64_t m_step = 0, m_micro = 0, m_opt = 0;
+	if (st == EPJ_OK && training) {
+		st = meta_i64(ctx, f, path, "step", &m_step);
+		if (st == EPJ_OK)
+			st = meta_i64(ctx, f, path, "micro_step", &m_micro);
+		if (st == EPJ_OK)
+			st = meta_i64(ctx, f, path, "optimizer_steps", &m_opt);
+		if (st == EPJ_OK && m_opt > m_step)
+			st = ej_error(ctx, EPJ_ERR_FORMAT,
+				      "%s: metadata \"optimizer_steps\" is "
+				      "%" PRId64 ": expected at most \"step\" "
+				      "(%" PRId64 ")",
+				      path, m_opt, m_step);
+	}
 	/* optimizer state of a training checkpoint (masters are the
 	 * parameters' entries) */
 	for (int i = 0;
@@ -476,6 +579,8 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			st = check_entry(ctx, f, path, "optimizer state", nm,
 					 ej_optim_state_tensor(e->optim, i),
 					 " (saved with another optimizer?)");
+		if (st == EPJ_OK && strncmp(nm, "optimizer.master.", 17) != 0)
+			st = check_float(ctx, f, path, "optimizer state", nm);
 	}
 	/* everything checked: copy */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
@@ -495,10 +600,9 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		st = ej_optim_sync_params(e->optim);
 	if (st == EPJ_OK) {
 		if (training) {
-			e->step = meta_i64(f, "step");
-			e->micro_step = meta_i64(f, "micro_step");
-			ej_optim_set_step_count(e->optim,
-						meta_i64(f, "optimizer_steps"));
+			e->step = m_step;
+			e->micro_step = m_micro;
+			ej_optim_set_step_count(e->optim, m_opt);
 		} else {
 			e->step = e->micro_step = 0;
 			ej_optim_set_step_count(e->optim, 0);

@@ -362,6 +362,11 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 	x = 0;
 	if ((s = rd_int(p, "num_experts", 0, &x, &given)))
 		return s;
+	if (x > (1 << 16)) /* the AutoEP layer's limit */
+		return mp_err(p,
+			      "\"num_experts\" (%" PRId64 ") is out of range "
+			      "[0, %d]",
+			      x, 1 << 16);
 	m->num_experts = (int)x;
 	if (m->num_experts > 0) {
 		const char *why = " (num_experts > 0)";

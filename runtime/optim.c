@@ -494,6 +494,11 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	double norm = fabs(grad_scale) * sqrt(ss);
 	if (grad_norm_out)
 		*grad_norm_out = norm;
+	if (!isfinite(norm)) {
+		/* nothing applied: the caller fails or skips the step */
+		clear_grads(o);
+		return EPJ_OK;
+	}
 	double gs = grad_scale;
 	if (o->clip > 0) {
 		double coef = o->clip / (norm + 1e-6);
@@ -526,6 +531,14 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	clear_grads(o);
 	o->steps = t;
 	return EPJ_OK;
+}
+
+epj_status ej_optim_drop_grads(ej_optim *o)
+{
+	epj_status st = ej_optim_accumulate(o);
+	if (st == EPJ_OK)
+		clear_grads(o);
+	return st;
 }
 
 int64_t ej_optim_step_count(const ej_optim *o)

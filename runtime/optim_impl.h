@@ -87,6 +87,11 @@ epj_tensor *ej_optim_grad(ej_optim *o, int i, bool create);
 epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 			 double *grad_norm_out);
 
+/* A gradient norm that is not finite applies nothing: the gradients are
+ * dropped, the step count stays, *grad_norm_out has the norm (the caller
+ * fails or skips the step). */
+/* Drops the accumulated gradients without an update (a skipped step). */
+epj_status ej_optim_drop_grads(ej_optim *o);
 /* Number of optimizer steps taken (restored from checkpoints). */
 int64_t ej_optim_step_count(const ej_optim *o);
 void ej_optim_set_step_count(ej_optim *o, int64_t steps); /* steps >= 0 */

@@ -910,6 +910,19 @@ START_TEST(test_bad_options)
 	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 8, 4, &o,
 					 EPJ_DTYPE_F32, 0.02, NULL));
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "num_experts"));
+	/* 2^30 experts: refused with the allowed range before any count
+	 * (1 + 3 x experts parameters) can overflow. */
+	o = mk_opts(1 << 30, 2, true, false);
+	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 8, 4, &o,
+					 EPJ_DTYPE_F32, 0.02, NULL));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx),
+				     "num_experts 1073741824 is out of "
+				     "range [1, 65536]"));
+	/* Many experts of huge matrices: the element count overflows. */
+	o = mk_opts(65536, 2, true, false);
+	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 1 << 30, 1 << 30, &o,
+					 EPJ_DTYPE_F32, 0.02, NULL));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "overflow 64 bits"));
 	o = mk_opts(4, 2, true, false);
 	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 0, 4, &o,
 					 EPJ_DTYPE_F32, 0.02, NULL));

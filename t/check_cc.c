@@ -13,12 +13,19 @@
 
 #include "check_util.h"
 
+#include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <link.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cc.h"
@@ -51,6 +58,36 @@ static void env_restore(saved_env s)
 	else
 		unsetenv(s.name);
 	free(s.value);
+}
+
+/* The OpenMP runtimes (libgomp*, libomp*, libiomp*) mapped in the process,
+ * counted by their real path. */
+typedef struct omp_count {
+	int n;
+	char names[4][PATH_MAX];
+} omp_count;
+
+static int count_omp(struct dl_phdr_info *info, size_t size, void *data)
+{
+	(void)size;
+	omp_count *c = data;
+	const char *nm = info->dlpi_name;
+	const char *base = nm ? strrchr(nm, '/') : NULL;
+	base = base ? base + 1 : nm;
+	if (!base || !(strncmp(base, "libgomp", 7) == 0 ||
+		       strncmp(base, "libomp", 6) == 0 ||
+		       strncmp(base, "libiomp", 7) == 0))
+		return 0;
+	char real[PATH_MAX];
+	if (!realpath(nm, real))
+		snprintf(real, sizeof real, "%.*s", (int)sizeof real - 1, nm);
+	for (int i = 0; i < c->n && i < 4; i++)
+		if (!strcmp(c->names[i], real))
+			return 0;
+	if (c->n < 4)
+		memcpy(c->names[c->n], real, strlen(real) + 1);
+	c->n++;
+	return 0;
 }
 
 /* The path after "source kept at " in msg (up to a blank or ';'), copied
@@ -467,6 +504,17 @@ START_TEST(test_hostcc_compile_load)
 	double want = a * (double)n * (n - 1) / 2;
 	ck_assert_msg(fabs(g(n) - want) <= 1e-9 * (1 + fabs(want)),
 		      "g(%d) = %.17g, want %.17g", n, g(n), want);
+	/* One OpenMP runtime in the process: the library's own (the module
+	 * with its parallel loop was linked against it, not -fopenmp's). */
+	omp_count oc = { 0 };
+	dl_iterate_phdr(count_omp, &oc);
+	const char *rt = ej_hostcc_openmp_runtime();
+	ck_assert_msg(oc.n == (rt ? 1 : 0),
+		      "%d OpenMP runtimes loaded (%s%s%s), library's: %s", oc.n,
+		      oc.names[0], oc.n > 1 ? ", " : "",
+		      oc.n > 1 ? oc.names[1] : "", rt ? rt : "none");
+	if (rt)
+		ck_assert_ptr_nonnull(strstr(ej_hostcc_identity(), rt));
 	ej_hostcc_unload(h1);
 	ej_hostcc_unload(h2);
 	ej_hostcc_unload(NULL);
@@ -584,6 +632,170 @@ START_TEST(test_hostcc_identity)
 }
 END_TEST
 
+/* ---- another user swapping files ----------------------------------------
+ *
+ * A world-writable directory without the sticky bit (a badly set up TMPDIR):
+ * another user may rename or replace anything in it.  A swapper process
+ * (uid 65534 when the test runs as root, else ourselves) replaces every
+ * regular file it sees there with a module whose constructor leaves a
+ * marker file, and renames every directory it sees away, putting its own
+ * directory (holding its module as f.so) in its place.  Loading by path
+ * from there runs its code; ej_hostcc_compile + ej_hostcc_load must not. */
+
+/* The swapper's loop (never returns). */
+static void swapper_run(const char *dir, const void *evil, size_t n)
+{
+	if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0))
+		_exit(3);
+	for (unsigned long k = 0;; k++) {
+		DIR *d = opendir(dir);
+		if (!d)
+			_exit(4);
+		struct dirent *de;
+		while ((de = readdir(d))) {
+			const char *nm = de->d_name;
+			if (nm[0] == '.' || !strncmp(nm, "swap", 4) ||
+			    !strcmp(nm, "PWNED") || !strncmp(nm, "moved", 5))
+				continue;
+			char p[4096], q[4200];
+			snprintf(p, sizeof p, "%s/%s", dir, nm);
+			struct stat st;
+			if (lstat(p, &st) != 0 || st.st_uid == geteuid())
+				continue;
+			if (S_ISREG(st.st_mode)) {
+				snprintf(q, sizeof q, "%s/swap.%lu", dir, k);
+				int fd =
+				    open(q, O_WRONLY | O_CREAT | O_EXCL, 0755);
+				if (fd < 0)
+					continue;
+				ssize_t w = write(fd, evil, n);
+				close(fd);
+				if (w == (ssize_t)n)
+					rename(q, p);
+				unlink(q);
+			} else if (S_ISDIR(st.st_mode)) {
+				snprintf(q, sizeof q, "%s/moved.%lu", dir, k);
+				if (rename(p, q) != 0 || mkdir(p, 0777) != 0)
+					continue;
+				chmod(p, 0777);
+				snprintf(q, sizeof q, "%s/f.so", p);
+				int fd = open(q, O_WRONLY | O_CREAT, 0755);
+				if (fd >= 0) {
+					if (write(fd, evil, n) < 0)
+						_exit(5);
+					close(fd);
+				}
+			}
+		}
+		closedir(d);
+	}
+}
+
+START_TEST(test_hostcc_swap_attack)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *w = tu_tmpdir_new("swap");
+	ck_assert_int_eq(chmod(w, 0777), 0); /* world-writable, no sticky */
+	char *marker = tu_path(w, "PWNED");
+	int good_k = (int)tu_randint(2, 1000);
+	char evil_src[4096], good_src[256];
+	snprintf(evil_src, sizeof evil_src,
+		 "#include <fcntl.h>\n#include <unistd.h>\n"
+		 "__attribute__((constructor)) static void pwn(void)\n"
+		 "{ int fd = open(\"%s\", O_WRONLY | O_CREAT, 0644);\n"
+		 "  if (fd >= 0) close(fd); }\n"
+		 "double f(double x) { return -x; }\n",
+		 marker);
+	snprintf(good_src, sizeof good_src,
+		 "double f(double x) { return %d * x + 1; }\n", good_k);
+	void *evil = NULL, *good = NULL;
+	size_t evil_n = 0, good_n = 0;
+	ck_assert_msg(ej_hostcc_compile(ctx, evil_src, "evil", &evil, &evil_n,
+					NULL) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_msg(ej_hostcc_compile(ctx, good_src, "f", &good, &good_n,
+					NULL) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	fflush(NULL);
+	pid_t pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0)
+		swapper_run(w, evil, evil_n);
+
+	/* The old way, path-based: write the module to a file in TMPDIR and
+	 * dlopen that path.  The window between the two is made wide here
+	 * (wait until the file changed) so that the swap always wins. */
+	char path[4200];
+	snprintf(path, sizeof path, "%s/epjit-so-old-XXXXXX", w);
+	int fd = mkstemp(path);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, good, good_n), (ssize_t)good_n);
+	close(fd);
+	struct stat st0, st1;
+	ck_assert_int_eq(lstat(path, &st0), 0);
+	for (int i = 0; i < 30000; i++) { /* up to 30 s on a loaded host */
+		if (lstat(path, &st1) == 0 && st1.st_ino != st0.st_ino)
+			break;
+		usleep(1000);
+	}
+	ck_assert_msg(st1.st_ino != st0.st_ino, "the swapper did not swap");
+	usleep(20000); /* let its rename settle */
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	ck_assert_msg(h != NULL, "%s", dlerror());
+	double (*f)(double) = (double (*)(double))dlsym(h, "f");
+	ck_assert_ptr_nonnull(f);
+	ck_assert(f(2.0) == -2.0); /* the swapper's code ran */
+	ck_assert(tu_exists(marker));
+	dlclose(h);
+	unlink(path);
+	ck_assert_int_eq(unlink(marker), 0);
+
+	/* The library's way: build and load through descriptors. */
+	saved_env env = env_set("TMPDIR", w);
+	for (int i = 0; i < 12; i++) {
+		void *img = NULL;
+		size_t n = 0;
+		ck_assert_msg(ej_hostcc_compile(ctx, good_src, "f", &img, &n,
+						NULL) == EPJ_OK,
+			      "round %d: %s", i, epj_ctx_error(ctx));
+		void *m = NULL;
+		ck_assert_msg(ej_hostcc_load(ctx, img, n, "f", &m) == EPJ_OK,
+			      "round %d: %s", i, epj_ctx_error(ctx));
+		f = (double (*)(double))ej_hostcc_sym(m, "f");
+		ck_assert_ptr_nonnull(f);
+		double x = tu_uniform(-3, 3);
+		ck_assert_msg(f(x) == good_k * x + 1, "round %d: foreign code",
+			      i);
+		ej_hostcc_unload(m);
+		free(img);
+		ck_assert_msg(!tu_exists(marker), "round %d: foreign code ran",
+			      i);
+	}
+	env_restore(env);
+	kill(pid, SIGKILL);
+	int ws;
+	ck_assert_int_eq(waitpid(pid, &ws, 0), pid);
+	ck_assert_msg(WIFSIGNALED(ws), "swapper ended early (exit %d)",
+		      WEXITSTATUS(ws));
+	/* As root the swapper was another user and attacked the private
+	 * build directories too (it renamed some away). */
+	if (geteuid() == 0) {
+		int moved = 0;
+		DIR *d = opendir(w);
+		struct dirent *de;
+		while ((de = readdir(d)))
+			moved += !strncmp(de->d_name, "moved", 5);
+		closedir(d);
+		ck_assert_msg(moved > 0, "no build directory was attacked");
+	}
+	free(evil);
+	free(good);
+	free(marker);
+	tu_tmpdir_free(w);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- CUDA driver --------------------------------------------------------- */
 
 START_TEST(test_cuda_driver_probe)
@@ -626,6 +838,7 @@ Suite *make_cc_suite(void)
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
 	tcase_add_test(tc, test_hostcc_identity);
+	tcase_add_test(tc, test_hostcc_swap_attack);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("cuda_driver");
 	tcase_add_test(tc, test_cuda_driver_probe);

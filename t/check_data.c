@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* ---- helpers --------------------------------------------------------------
@@ -264,6 +265,27 @@ START_TEST(test_tokens_malformed)
 	tu_write_file(d.path, buf, 32 + 16);
 	expect_read_error(d.path, EPJ_ERR_FORMAT, "truncated", "u32 size");
 
+	/* u32 file without vocab_size holding 0xFFFFFFFF: the vocabulary
+	 * (max + 1) would wrap to 0, "unknown", and pass every check. */
+	unsigned char b32[32 + 4 * 3];
+	make_header(b32, 1, 2, 3, 0, 0);
+	for (int i = 0; i < 12; i++)
+		b32[32 + i] = (unsigned char)(i < 4 ? 7 : i < 8 ? 0xFF : 2);
+	tu_write_file(d.path, b32, sizeof b32);
+	expect_read_error(d.path, EPJ_ERR_FORMAT, "[0, 4294967294]",
+			  "token 0xFFFFFFFF without vocab_size");
+	epj_ctx *cx = tu_ctx();
+	ck_assert_ptr_null(epj_corpus_from_tokens(cx, d.path));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(cx), "index 1"));
+	epj_ctx_free(cx);
+
+	/* A FIFO is refused at once, not waited on. */
+	unlink(d.path);
+	ck_assert_int_eq(mkfifo(d.path, 0600), 0);
+	alarm(10);
+	expect_read_error(d.path, EPJ_ERR_IO, "not a regular file (a FIFO)",
+			  "FIFO");
+	alarm(0);
 	unlink(d.path);
 	expect_read_error(d.path, EPJ_ERR_IO, "cannot open", "missing");
 	expect_read_error(d.dir, EPJ_ERR_IO, "", "directory");

@@ -22,6 +22,9 @@
  */
 #include "check_util.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -573,6 +576,14 @@ START_TEST(test_config_errors)
 		{ "{\"train_batch_size\": 3, "
 		  "\"train_micro_batch_size_per_gpu\": 2}",
 		  EPJ_ERR_CONFIG, "train_batch_size" },
+		/* products near 2^62 in checked arithmetic */
+		{ "{\"train_micro_batch_size_per_gpu\": 2147483647, "
+		  "\"gradient_accumulation_steps\": 2147483647}",
+		  EPJ_ERR_CONFIG,
+		  "the global batch must be in [1, 2147483648]" },
+		{ "{\"train_micro_batch_size_per_gpu\": 65536, "
+		  "\"gradient_accumulation_steps\": 32769}",
+		  EPJ_ERR_CONFIG, "out of range" },
 	};
 	epj_ctx *ctx = tu_ctx();
 	epj_model *m = new_model(ctx, 5);
@@ -913,6 +924,268 @@ START_TEST(test_bf16_masters)
 }
 END_TEST
 
+/* ---- checkpoint metadata and dtypes ----------------------------------------
+ */
+
+/* Copies the checkpoint src to dst with metadata key set to val (NULL:
+ * dropped), the tensor `as_i32` (when non-NULL) stored as I32, and an extra
+ * F32 tensor `extra` (when non-NULL). */
+static void rewrite_ckpt(epj_ctx *ctx, const char *src, const char *dst,
+			 const char *key, const char *val, const char *as_i32,
+			 const char *extra)
+{
+	epj_st_file *f = NULL;
+	ck_assert_int_eq(epj_st_open(ctx, src, &f), EPJ_OK);
+	epj_st_writer *w = NULL;
+	ck_assert_int_eq(epj_st_writer_new(ctx, &w), EPJ_OK);
+	for (int i = 0; i < epj_st_count(f); i++) {
+		const char *nm = epj_st_name_at(f, i);
+		epj_tensor *t = epj_st_get(ctx, f, nm);
+		tu_ok(ctx, t);
+		if (as_i32 && !strcmp(nm, as_i32)) {
+			epj_tensor *c = epj_cast(ctx, t, EPJ_DTYPE_I32);
+			tu_ok(ctx, c);
+			epj_tensor_free(t);
+			t = c;
+		}
+		ck_assert_int_eq(epj_st_writer_add(w, nm, t), EPJ_OK);
+		epj_tensor_free(t);
+	}
+	if (extra) {
+		int64_t n = 2;
+		epj_tensor *t = epj_full(ctx, EPJ_DTYPE_F32, 1, &n, 0.25);
+		ck_assert_int_eq(epj_st_writer_add(w, extra, t), EPJ_OK);
+		epj_tensor_free(t);
+	}
+	for (int i = 0; i < epj_st_metadata_count(f); i++) {
+		const char *k = epj_st_metadata_key_at(f, i);
+		if (key && !strcmp(k, key))
+			continue;
+		ck_assert_int_eq(
+		    epj_st_writer_set_metadata(w, k, epj_st_metadata(f, k)),
+		    EPJ_OK);
+	}
+	if (key && val)
+		ck_assert_int_eq(epj_st_writer_set_metadata(w, key, val),
+				 EPJ_OK);
+	ck_assert_int_eq(epj_st_writer_save(w, dst), EPJ_OK);
+	epj_st_writer_free(w);
+	epj_st_close(f);
+}
+
+START_TEST(test_load_metadata)
+{
+	static const struct {
+		const char *key, *val; /* val NULL: the field dropped */
+		const char *needle;
+	} cases[] = {
+		{ "optimizer_steps", "-1", "\"optimizer_steps\" is \"-1\"" },
+		{ "optimizer_steps", "9223372036854775807", "[0, 2147483647]" },
+		{ "optimizer_steps", "99999999999999999999",
+		  "optimizer_steps" },
+		{ "step", "4611686018427387904", "\"step\" is" },
+		{ "step", "-5", "\"step\" is \"-5\"" },
+		{ "step", "abc", "\"step\" is \"abc\"" },
+		{ "step", "", "\"step\" is \"\"" },
+		{ "step", "3x", "\"step\" is \"3x\"" },
+		{ "step", " 3", "\"step\" is \" 3\"" },
+		{ "micro_step", "1e3", "\"micro_step\"" },
+		{ "step", NULL, "without metadata \"step\"" },
+		{ "optimizer_steps", "3", "at most \"step\"" },
+	};
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("engine");
+	char good[200], bad[200];
+	snprintf(good, sizeof good, "%s/good.safetensors", dir);
+	snprintf(bad, sizeof bad, "%s/bad.safetensors", dir);
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	batches b;
+	batches_make(ctx, &b, 3, 2, 5, seed);
+	epj_model *m = new_model(ctx, seed);
+	epj_engine *e = new_engine(
+	    ctx, m, "{\"train_micro_batch_size_per_gpu\": 2, " ADAMW "}");
+	train(e, ctx, b.ids[0], b.labels[0], NULL);
+	train(e, ctx, b.ids[1], b.labels[1], NULL);
+	ck_assert_int_eq(epj_engine_save(e, good), EPJ_OK);
+	train(e, ctx, b.ids[2], b.labels[2], NULL);
+	snap before;
+	snap_take(ctx, m, &before);
+	for (size_t i = 0; i < EJ_ARRAY_LEN(cases); i++) {
+		rewrite_ckpt(ctx, good, bad, cases[i].key, cases[i].val, NULL,
+			     NULL);
+		expect_load_fails(ctx, e, bad, EPJ_ERR_FORMAT, cases[i].needle,
+				  &before, cases[i].needle);
+		/* the message names the file too */
+		rewrite_ckpt(ctx, good, bad, cases[i].key, cases[i].val, NULL,
+			     NULL);
+		ck_assert_int_ne(epj_engine_load(e, bad), EPJ_OK);
+		ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), bad));
+		epj_ctx_clear_error(ctx);
+	}
+	/* An integer tensor for a float parameter, and for an optimizer
+	 * state. */
+	const char *par = "model.layers.1.self_attn.o_proj.weight";
+	rewrite_ckpt(ctx, good, bad, NULL, NULL, par, NULL);
+	expect_load_fails(ctx, e, bad, EPJ_ERR_DTYPE, par, &before,
+			  "I32 parameter");
+	char st_name[128];
+	snprintf(st_name, sizeof st_name, "optimizer.exp_avg.%s", par);
+	rewrite_ckpt(ctx, good, bad, NULL, NULL, st_name, NULL);
+	expect_load_fails(ctx, e, bad, EPJ_ERR_DTYPE, st_name, &before,
+			  "I32 optimizer state");
+	/* Optimizer tensors this optimizer does not have. */
+	const char *unknown[] = { "optimizer.bogus.model.norm.weight",
+				  "optimizer.master.model.norm.weight",
+				  "optimizer.exp_avg.model.nope" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(unknown); i++) {
+		rewrite_ckpt(ctx, good, bad, NULL, NULL, NULL, unknown[i]);
+		expect_load_fails(ctx, e, bad, EPJ_ERR_FORMAT, unknown[i],
+				  &before, unknown[i]);
+	}
+	/* The good one still loads, with its counts. */
+	ck_assert_msg(epj_engine_load(e, good) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_engine_step_count(e), 2);
+	snap_free(&before);
+	epj_engine_free(e);
+	epj_model_free(m);
+	batches_free(&b);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- non-finite steps -------------------------------------------------------
+ */
+
+/* Raw parameter bytes, so that NaN and inf compare as themselves. */
+static unsigned char *param_bytes(const epj_model *m, size_t *n)
+{
+	size_t total = 0;
+	for (int i = 0; i < epj_model_num_params(m); i++)
+		total += (size_t)epj_tensor_numel(epj_model_param(m, i)) * 4;
+	unsigned char *b = malloc(total), *p = b;
+	ck_assert_ptr_nonnull(b);
+	for (int i = 0; i < epj_model_num_params(m); i++) {
+		epj_tensor *t = epj_model_param(m, i);
+		size_t k = (size_t)epj_tensor_numel(t) * 4;
+		memcpy(p, epj_tensor_data(t), k);
+		p += k;
+	}
+	*n = total;
+	return b;
+}
+
+/* lr 1e308 (the reported reproduction): the first update makes weights
+ * infinite, the next loss is not finite.  That step fails naming it and
+ * the weights are not touched; with "skip_nonfinite_steps" it is skipped
+ * (counted, flagged) and training goes on. */
+static void nonfinite_run(bool skip)
+{
+	epj_ctx *ctx = tu_ctx();
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	batches b;
+	batches_make(ctx, &b, 3, 2, 5, seed);
+	epj_model *m = new_model(ctx, seed);
+	char json[256];
+	snprintf(json, sizeof json,
+		 "{\"train_micro_batch_size_per_gpu\": 2, \"optimizer\": "
+		 "{\"type\": \"SGD\", \"params\": {\"lr\": 1e308}}%s}",
+		 skip ? ", \"skip_nonfinite_steps\": true" : "");
+	epj_engine *e = new_engine(ctx, m, json);
+	epj_step_info info;
+	ck_assert_int_eq(epj_engine_train_step(e, b.ids[0], b.labels[0], &info),
+			 EPJ_OK);
+	ck_assert(isfinite(info.loss) && !info.skipped);
+	size_t n0, n1;
+	unsigned char *w0 = param_bytes(m, &n0);
+	epj_status st = epj_engine_train_step(e, b.ids[1], b.labels[1], &info);
+	unsigned char *w1 = param_bytes(m, &n1);
+	ck_assert(n0 == n1 && memcmp(w0, w1, n0) == 0); /* not touched */
+	if (!skip) {
+		ck_assert_int_eq(st, EPJ_ERR_STATE);
+		const char *msg = epj_ctx_error(ctx);
+		ck_assert_msg(strstr(msg, "train step 2") &&
+				  (strstr(msg, "the mean loss is") ||
+				   strstr(msg, "the gradient norm is")) &&
+				  strstr(msg, "skip_nonfinite_steps"),
+			      "%s", msg);
+		ck_assert_int_eq(epj_engine_step_count(e), 1);
+	} else {
+		ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(ctx));
+		ck_assert(info.stepped && info.skipped);
+		ck_assert_int_eq(info.step, 2);
+		ck_assert_int_eq(epj_counter_get(ctx, "train.skipped_steps"),
+				 1);
+		ck_assert_int_eq(
+		    epj_engine_train_step(e, b.ids[2], b.labels[2], &info),
+		    EPJ_OK);
+		ck_assert(info.skipped);
+		ck_assert_int_eq(epj_counter_get(ctx, "train.skipped_steps"),
+				 2);
+	}
+	free(w0);
+	free(w1);
+	epj_engine_free(e);
+	epj_model_free(m);
+	batches_free(&b);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_nonfinite_fails)
+{
+	nonfinite_run(false);
+}
+END_TEST
+
+START_TEST(test_nonfinite_skipped)
+{
+	epj_log_level lvl = epj_log_level_get();
+	epj_log_level_set(EPJ_LOG_ERROR);
+	nonfinite_run(true);
+	epj_log_level_set(lvl);
+}
+END_TEST
+
+/* Temporary files of saves killed half-way (a dead process of this host)
+ * are removed by the next save of the same path; a live writer's and
+ * another host's are not. */
+START_TEST(test_save_sweeps_stale)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("engine");
+	char ck[200], gone[260], live[260], other[260], h[256] = "", hex[33];
+	snprintf(ck, sizeof ck, "%s/ck.safetensors", dir);
+	ck_assert_int_eq(gethostname(h, sizeof h - 1), 0);
+	epj_hash_hex(epj_hash(h, strlen(h)), hex);
+	hex[8] = '\0';
+	pid_t dead = fork();
+	ck_assert_int_ge(dead, 0);
+	if (dead == 0)
+		_exit(0);
+	ck_assert_int_eq(waitpid(dead, NULL, 0), dead);
+	snprintf(gone, sizeof gone, "%s.tmp.%d.%s", ck, (int)dead, hex);
+	snprintf(live, sizeof live, "%s.tmp.%d.%s", ck, (int)getppid(), hex);
+	snprintf(other, sizeof other, "%s.tmp.%d.0badc0de", ck, (int)dead);
+	tu_write_text(gone, "half a checkpoint");
+	tu_write_text(live, "a save at work");
+	tu_write_text(other, "another host's");
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	epj_model *m = new_model(ctx, seed);
+	epj_engine *e = new_engine(
+	    ctx, m, "{\"train_micro_batch_size_per_gpu\": 2, " ADAMW "}");
+	ck_assert_int_eq(epj_engine_save(e, ck), EPJ_OK);
+	ck_assert(!tu_exists(gone));
+	ck_assert(tu_exists(live));
+	ck_assert(tu_exists(other));
+	ck_assert(tu_exists(ck));
+	epj_engine_free(e);
+	epj_model_free(m);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_engine_suite(void)
 {
 	Suite *s = suite_create("engine");
@@ -920,6 +1193,8 @@ Suite *make_engine_suite(void)
 	tcase_set_timeout(tt, 60);
 	tcase_add_test(tt, test_train_converges);
 	tcase_add_test(tt, test_grad_accum);
+	tcase_add_test(tt, test_nonfinite_fails);
+	tcase_add_test(tt, test_nonfinite_skipped);
 	suite_add_tcase(s, tt);
 	TCase *tr = tcase_create("checkpoint");
 	tcase_set_timeout(tr, 60);
@@ -928,6 +1203,8 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tr, test_resume_sgd_bf16);
 	tcase_add_test(tr, test_resume_adamw_bf16);
 	tcase_add_test(tr, test_load_failures);
+	tcase_add_test(tr, test_load_metadata);
+	tcase_add_test(tr, test_save_sweeps_stale);
 	suite_add_tcase(s, tr);
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);

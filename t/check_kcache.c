@@ -13,16 +13,21 @@
  */
 #include "check_util.h"
 
+#include "jit.h"
 #include "kcache.h"
 
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -200,18 +205,20 @@ START_TEST(test_roundtrip)
 	size_t fn;
 	unsigned char *f = tu_read_file(entry_path(dir, key), &fn);
 	ck_assert_uint_eq(fn, HDR + n + strlen(src));
-	ck_assert(memcmp(f, "EPJKC\0\0\1", 8) == 0);
+	ck_assert(memcmp(f, "EPJKC\0\0\2", 8) == 0);
 	ck_assert(memcmp(f + 8, key, 64) == 0);
 	ck_assert_uint_eq(le64(f + 72), n);
 	ck_assert_uint_eq(le64(f + 80), strlen(src));
 	ck_assert(memcmp(f + HDR, blob, n) == 0);
 	ck_assert(memcmp(f + HDR + n, src, strlen(src)) == 0);
-	size_t cn = 64 + n + strlen(src);
+	/* The checksum covers the header before it (magic, key, lengths),
+	 * the artifact and the source. */
+	size_t cn = 88 + n + strlen(src);
 	unsigned char *cat = malloc(cn);
 	ck_assert_ptr_nonnull(cat);
-	memcpy(cat, key, 64);
-	memcpy(cat + 64, blob, n);
-	memcpy(cat + 64 + n, src, strlen(src));
+	memcpy(cat, f, 88);
+	memcpy(cat + 88, blob, n);
+	memcpy(cat + 88 + n, src, strlen(src));
 	epj_hash128 h = epj_hash(cat, cn);
 	ck_assert_uint_eq(le64(f + 88), h.lo);
 	ck_assert_uint_eq(le64(f + 96), h.hi);
@@ -375,8 +382,41 @@ enum {
 	CORRUPT_MAGIC,
 	CORRUPT_OTHER_KEY,
 	CORRUPT_SYMLINK,
+	CORRUPT_V1_FORGED,   /* format 1 with its checksum recomputed */
+	CORRUPT_OLD_SUM,     /* format 2, checksum of key + artifact + source */
+	CORRUPT_SPLIT,	     /* one artifact byte moved to the source */
+	CORRUPT_MODE_0666,   /* a valid entry others can write */
+	CORRUPT_GROUP_WRITE, /* a valid entry the group can write */
+	CORRUPT_FIFO,	     /* must not block */
 	CORRUPT_COUNT
 };
+
+static void put_le64(unsigned char *p, uint64_t v)
+{
+	for (int i = 0; i < 8; i++)
+		p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* The checksum of format 1 (key + artifact + source, no lengths), which
+ * anyone can recompute, written into f's header. */
+static void old_style_sum(unsigned char *f, size_t fn)
+{
+	size_t cn = 64 + (fn - HDR);
+	unsigned char *cat = malloc(cn);
+	ck_assert_ptr_nonnull(cat);
+	memcpy(cat, f + 8, 64);
+	memcpy(cat + 64, f + HDR, fn - HDR);
+	epj_hash128 h = epj_hash(cat, cn);
+	put_le64(f + 88, h.lo);
+	put_le64(f + 96, h.hi);
+	free(cat);
+}
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	ck_abort_msg("blocked reading a FIFO entry");
+}
 
 START_TEST(test_corrupt)
 {
@@ -433,7 +473,7 @@ START_TEST(test_corrupt)
 			tu_write_file(p, f, fn + 1);
 			break;
 		case CORRUPT_MAGIC:
-			f[7] = 2; /* a future format version */
+			f[7] = 3; /* a future format version */
 			tu_write_file(p, f, fn);
 			break;
 		case CORRUPT_OTHER_KEY: {
@@ -450,13 +490,45 @@ START_TEST(test_corrupt)
 			ck_assert_int_eq(unlink(p), 0);
 			ck_assert_int_eq(symlink(entry_path(dir, key2), p), 0);
 			break;
+		case CORRUPT_V1_FORGED:
+			f[7] = 1;
+			f[HDR] ^= 0x55; /* a forged artifact */
+			old_style_sum(f, fn);
+			tu_write_file(p, f, fn);
+			break;
+		case CORRUPT_OLD_SUM:
+			f[HDR] ^= 0x55;
+			old_style_sum(f, fn);
+			tu_write_file(p, f, fn);
+			break;
+		case CORRUPT_SPLIT:
+			/* Same bytes after the header, one more in the
+			 * source: key + artifact + source is unchanged. */
+			put_le64(f + 72, le64(f + 72) - 1);
+			put_le64(f + 80, le64(f + 80) + 1);
+			old_style_sum(f, fn);
+			tu_write_file(p, f, fn);
+			break;
+		case CORRUPT_MODE_0666:
+			ck_assert_int_eq(chmod(p, 0666), 0);
+			break;
+		case CORRUPT_GROUP_WRITE:
+			ck_assert_int_eq(chmod(p, 0620), 0);
+			break;
+		case CORRUPT_FIFO:
+			ck_assert_int_eq(unlink(p), 0);
+			ck_assert_int_eq(mkfifo(p, 0600), 0);
+			break;
 		}
 		free(f);
 
 		int64_t corrupt0 = ctr(ctx, "cache.corrupt");
 		int64_t miss0 = ctr(ctx, "cache.misses");
 		c = open_ok(ctx, dir);
+		signal(SIGALRM, on_alarm);
+		alarm(10);
 		assert_miss(c, key);
+		alarm(0);
 		ck_assert_msg(ctr(ctx, "cache.corrupt") == corrupt0 + 1,
 			      "kind %d not counted corrupt", kind);
 		ck_assert_int_eq(ctr(ctx, "cache.misses"), miss0 + 1);
@@ -521,12 +593,20 @@ START_TEST(test_insecure_dir)
 	ck_assert_int_eq(chmod(shard, 0700), 0);
 	ej_kcache_close(c);
 
-	/* A file where the directory should be. */
+	/* A file where the directory should be: not insecure, only useless:
+	 * a cache in memory (counted), which still works. */
 	char *file = strdup(path_of("%s/plain", dir));
 	tu_write_file(file, "x", 1);
-	ck_assert_ptr_null(ej_kcache_open(ctx, file));
-	ck_assert_int_ne(epj_ctx_status(ctx), EPJ_OK);
-	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), file));
+	int64_t werr0 = ctr(ctx, "cache.write_errors");
+	c = ej_kcache_open(ctx, file);
+	ck_assert_ptr_nonnull(c);
+	ck_assert(!ej_kcache_on_disk(c));
+	ck_assert_int_eq(ctr(ctx, "cache.write_errors"), werr0 + 1);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_OK);
+	assert_miss(c, key);
+	ck_assert_int_eq(ej_kcache_put(c, key, b, 3, "s"), EPJ_OK);
+	assert_hit(ctx, c, key, b, 3);
+	ej_kcache_close(c);
 
 	/* Another owner: only root can make one. */
 	if (geteuid() == 0) {
@@ -569,6 +649,43 @@ START_TEST(test_symlink_dir)
 	ck_assert_int_eq(mkdir(other, 0700), 0);
 	ck_assert_int_eq(symlink(other, path_of("%s/v1", real)), 0);
 	assert_refused(ctx, real, "v1", "symbolic link");
+	ck_assert_int_eq(unlink(path_of("%s/v1", real)), 0);
+	/* "link/." names the link's target through the link: refused too,
+	 * also with more dots and slashes. */
+	char *dot = strdup(path_of("%s/.", link));
+	assert_refused(ctx, dot, link, "symbolic link");
+	char *dots = strdup(path_of("%s/././/", link));
+	assert_refused(ctx, dots, link, "symbolic link");
+	ck_assert(!exists(path_of("%s/v1", real)));
+	/* A link higher up (ours, in a directory only we can write) is
+	 * resolved: the cache uses the real path. */
+	char *below = strdup(path_of("%s/sub", link));
+	ej_kcache *c = open_ok(ctx, below);
+	ck_assert_str_eq(ej_kcache_dir(c), path_of("%s/sub", real));
+	ej_kcache_close(c);
+	/* A directory above the cache that others may write without the
+	 * sticky bit: they could rename the cache and put theirs there. */
+	char *open_dir = strdup(path_of("%s/open", dir));
+	ck_assert_int_eq(mkdir(open_dir, 0700), 0);
+	ck_assert_int_eq(chmod(open_dir, 0777), 0);
+	char *inside = strdup(path_of("%s/cache", open_dir));
+	assert_refused(ctx, inside, open_dir, "without the sticky bit");
+	ck_assert_int_eq(chmod(open_dir, 01777), 0); /* like /tmp */
+	c = open_ok(ctx, inside);
+	ej_kcache_close(c);
+	/* ... and a link in such a directory can be repointed by others. */
+	char *link2 = strdup(path_of("%s/link2", open_dir));
+	ck_assert_int_eq(symlink(real, link2), 0);
+	ck_assert_int_eq(chmod(open_dir, 0777), 0);
+	char *via = strdup(path_of("%s/sub", link2));
+	assert_refused(ctx, via, open_dir, "without the sticky bit");
+	free(dot);
+	free(dots);
+	free(below);
+	free(open_dir);
+	free(inside);
+	free(link2);
+	free(via);
 	free(real);
 	free(link);
 	free(slash);
@@ -874,6 +991,607 @@ START_TEST(test_concurrent)
 }
 END_TEST
 
+/* ---- degrading ------------------------------------------------------------
+ */
+
+/* A full disk (RLIMIT_FSIZE below the entry's size; SIGXFSZ ignored, so the
+ * write fails with EFBIG), a directory where the entry should go, and (not
+ * as root) a read-only cache: every put still succeeds in memory, counts
+ * cache.write_errors, leaves no temporary file. */
+START_TEST(test_degrade)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("kc");
+	epj_log_level lvl = epj_log_level_get();
+	epj_log_level_set(EPJ_LOG_ERROR);
+	char key[65], key2[65], key3[65];
+	make_key(key, "degrade", 0);
+	make_key(key2, "degrade", 1);
+	make_key(key3, "degrade", 2);
+	size_t n = (size_t)tu_randint(5000, 20000);
+	unsigned char *blob = random_bytes(n);
+	ej_kcache *c = open_ok(ctx, dir);
+
+	struct rlimit old, tiny = { .rlim_cur = 2048 };
+	ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+	tiny.rlim_max = old.rlim_max;
+	void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &tiny), 0);
+	epj_status st = ej_kcache_put(c, key, blob, n, "src");
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+	signal(SIGXFSZ, prev);
+	ck_assert_int_eq(st, EPJ_OK);
+	ck_assert_int_eq(epj_ctx_status(ctx), EPJ_OK);
+	ck_assert_int_eq(ctr(ctx, "cache.write_errors"), 1);
+	ck_assert(!exists(entry_path(dir, key)));
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	assert_hit(ctx, c, key, blob, n); /* from memory */
+
+	/* A directory where the entry file should be made. */
+	ck_assert_int_eq(mkdir(path_of("%s/v1/%.2s", dir, key2), 0700), 0);
+	ck_assert_int_eq(mkdir(entry_path(dir, key2), 0700), 0);
+	ck_assert_int_eq(mkdir(path_of("%s/x", entry_path(dir, key2)), 0700),
+			 0);
+	ck_assert_int_eq(ej_kcache_put(c, key2, blob, n, "src"), EPJ_OK);
+	ck_assert_int_eq(ctr(ctx, "cache.write_errors"), 2);
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	assert_hit(ctx, c, key2, blob, n);
+	ej_kcache_close(c);
+
+	/* A file where a shard directory should be. */
+	if (!exists(path_of("%s/v1/%.2s", dir, key3))) {
+		tu_write_file(path_of("%s/v1/%.2s", dir, key3), "x", 1);
+		c = open_ok(ctx, dir);
+		assert_miss(c, key3);
+		ck_assert_int_eq(ej_kcache_put(c, key3, blob, n, "s"), EPJ_OK);
+		ck_assert_int_eq(ctr(ctx, "cache.write_errors"), 3);
+		assert_hit(ctx, c, key3, blob, n);
+		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_OK);
+		ej_kcache_close(c);
+	}
+
+	/* A cache that cannot be created under a read-only directory (only
+	 * without root: root writes anyway). */
+	if (geteuid() != 0) {
+		char *ro = strdup(path_of("%s/ro", dir));
+		ck_assert_int_eq(mkdir(ro, 0500), 0);
+		c = ej_kcache_open(ctx, path_of("%s/cache", ro));
+		ck_assert_ptr_nonnull(c);
+		ck_assert(!ej_kcache_on_disk(c));
+		ck_assert_int_eq(ej_kcache_put(c, key, blob, n, "s"), EPJ_OK);
+		assert_hit(ctx, c, key, blob, n);
+		ej_kcache_close(c);
+		free(ro);
+	}
+	/* An insecure shard stays an error. */
+	c = open_ok(ctx, dir);
+	char *shard = strdup(path_of("%s/v1/%.2s", dir, key2));
+	ck_assert_int_eq(chmod(shard, 0777), 0);
+	ck_assert_int_eq(ej_kcache_put(c, key2, blob, n, "src"), EPJ_ERR_STATE);
+	ck_assert_int_eq(chmod(shard, 0700), 0);
+	ej_kcache_close(c);
+	free(shard);
+	epj_log_level_set(lvl);
+	free(blob);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The host tag of temporary file names (kcache.c): 8 hex digits of
+ * epj_hash of the host name. */
+static void host_tag(char out[9])
+{
+	char h[256] = "", hex[33];
+	ck_assert_int_eq(gethostname(h, sizeof h - 1), 0);
+	epj_hash_hex(epj_hash(h, strlen(h)), hex);
+	memcpy(out, hex, 8);
+	out[8] = '\0';
+}
+
+START_TEST(test_stale_tmp)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("kc");
+	char key[65], tag[9];
+	make_key(key, "stale", 0);
+	host_tag(tag);
+	unsigned char b[3] = { 4, 5, 6 };
+	ej_kcache *c = open_ok(ctx, dir);
+	ck_assert_int_eq(ej_kcache_put(c, key, b, 3, "s"), EPJ_OK);
+	ej_kcache_close(c);
+	/* A dead process of this host: a child that has exited. */
+	pid_t dead = fork();
+	ck_assert_int_ge(dead, 0);
+	if (dead == 0)
+		_exit(0);
+	ck_assert_int_eq(waitpid(dead, NULL, 0), dead);
+	const char *sh = path_of("%s/v1/%.2s", dir, key);
+	char *gone =
+	    strdup(path_of("%s/%s.tmp.%d.7.%s", sh, key, (int)dead, tag));
+	char *live =
+	    strdup(path_of("%s/%s.tmp.%d.7.%s", sh, key, (int)getpid(), tag));
+	char *other =
+	    strdup(path_of("%s/%s.tmp.%d.7.0badc0de", sh, key, (int)dead));
+	tu_write_file(gone, "partial", 7);
+	tu_write_file(live, "partial", 7);
+	tu_write_file(other, "partial", 7);
+	c = open_ok(ctx, dir);
+	ck_assert(!exists(gone));
+	ck_assert(exists(live));  /* a writer at work */
+	ck_assert(exists(other)); /* another host's pid means nothing here */
+	ck_assert_int_eq(ctr(ctx, "cache.stale_tmp_removed"), 1);
+	assert_hit(ctx, c, key, b, 3);
+	ej_kcache_close(c);
+	free(gone);
+	free(live);
+	free(other);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- per-key lock -----------------------------------------------------------
+ */
+
+/* A child takes the lock and reports through a pipe; the parent's lock
+ * waits (counted) until the child is killed with SIGKILL, then is taken at
+ * once: a dead holder never blocks. */
+START_TEST(test_lock)
+{
+	char dir[] = "/tmp/epj-kcl-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	char key[65], other[65];
+	make_key(key, "lock", 0);
+	make_key(other, "lock", 1);
+	int up[2];
+	ck_assert_int_eq(pipe(up), 0);
+	fflush(NULL);
+	pid_t pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		epj_ctx *cx = NULL;
+		if (epj_ctx_new("cpu", &cx) != EPJ_OK)
+			_exit(2);
+		ej_kcache *c = ej_kcache_open(cx, dir);
+		int lk = -1;
+		if (!c || ej_kcache_lock(c, key, &lk) != EPJ_OK || lk < 0)
+			_exit(3);
+		if (write(up[1], "L", 1) != 1)
+			_exit(4);
+		for (;;)
+			pause();
+	}
+	close(up[1]); /* a child that fails closes the pipe: read sees EOF */
+	char ch;
+	ck_assert_int_eq(read(up[0], &ch, 1), 1);
+	epj_ctx *ctx = tu_ctx();
+	ej_kcache *c = open_ok(ctx, dir);
+	/* Another key is not held up. */
+	int lk = -1;
+	ck_assert_int_eq(ej_kcache_lock(c, other, &lk), EPJ_OK);
+	ck_assert_int_ge(lk, 0);
+	ej_kcache_unlock(c, lk);
+	ck_assert_int_eq(ctr(ctx, "cache.lock_waits"), 0);
+	/* The held key: kill the holder while we wait. */
+	pid_t killer = fork();
+	ck_assert_int_ge(killer, 0);
+	if (killer == 0) {
+		usleep(300000);
+		kill(pid, SIGKILL);
+		_exit(0);
+	}
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(ej_kcache_lock(c, key, &lk), EPJ_OK);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	ck_assert_int_ge(lk, 0);
+	double waited = (double)(t1.tv_sec - t0.tv_sec) +
+			(double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+	ck_assert_msg(waited >= 0.25 && waited < 5, "waited %.3f s", waited);
+	ck_assert_int_eq(ctr(ctx, "cache.lock_waits"), 1);
+	ej_kcache_unlock(c, lk);
+	int ws;
+	ck_assert_int_eq(waitpid(pid, &ws, 0), pid);
+	ck_assert(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+	ck_assert_int_eq(waitpid(killer, &ws, 0), killer);
+	/* Taken again at once; a timeout of 0 gives up a held lock. */
+	ck_assert_int_eq(ej_kcache_lock(c, key, &lk), EPJ_OK);
+	ck_assert_int_ge(lk, 0);
+	ej_kcache *c2 = open_ok(ctx, dir);
+	setenv("EPJIT_CACHE_LOCK_TIMEOUT", "0", 1);
+	epj_log_level lvl = epj_log_level_get();
+	epj_log_level_set(EPJ_LOG_ERROR);
+	int lk2 = 7;
+	ck_assert_int_eq(ej_kcache_lock(c2, key, &lk2), EPJ_OK);
+	epj_log_level_set(lvl);
+	unsetenv("EPJIT_CACHE_LOCK_TIMEOUT");
+	ck_assert_int_eq(lk2, -1);
+	ck_assert_int_eq(ctr(ctx, "cache.lock_timeouts"), 1);
+	ej_kcache_unlock(c, lk);
+	ej_kcache_close(c2);
+	ej_kcache_close(c);
+	close(up[0]);
+	tu_tmpdir_free(strdup(dir));
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- many processes compiling into one fresh cache --------------------------
+ *
+ * N_COMPILERS processes start at once on an empty cache and compile the same
+ * G_GRAPHS graphs with the C backend: each key is compiled by exactly one of
+ * them (the per-key lock; codegen.cc_compiles summed over all is the number
+ * of entries), all get identical outputs that agree with eager execution,
+ * and every entry verifies afterwards.  A second round kills some of them
+ * with SIGKILL at random points: no corrupt entry, no temporary file after
+ * the next open, and a fresh process then compiles everything without
+ * waiting for a lock. */
+
+enum { N_COMPILERS = 8, G_GRAPHS = 3 };
+
+/* y = sigmoid(x * (0.37 + g) + b) * tanh(x) - x / 3, graph g. */
+typedef struct cg_graph {
+	int g;
+} cg_graph;
+
+static epj_tensor *cg_eval(epj_ctx *ctx, int g, epj_tensor *const *in)
+{
+	epj_tensor *xs = epj_mul_scalar(ctx, in[0], 0.37 + g);
+	epj_tensor *h = epj_add(ctx, xs, in[1]);
+	epj_tensor *s = epj_sigmoid(ctx, h);
+	epj_tensor *t = epj_tanh(ctx, in[0]);
+	epj_tensor *p = epj_mul(ctx, s, t);
+	epj_tensor *x3 = epj_mul_scalar(ctx, in[0], 1.0 / 3.0);
+	epj_tensor *y = epj_sub(ctx, p, x3);
+	epj_tensor *tmp[] = { xs, h, s, t, p, x3 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(tmp); i++)
+		epj_tensor_free(tmp[i]);
+	return y;
+}
+
+static epj_status cg_traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
+			    int n_in, epj_tensor **out, int n_out)
+{
+	(void)n_in;
+	(void)n_out;
+	out[0] = cg_eval(ctx, ((cg_graph *)user)->g, in);
+	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+/* Deterministic inputs of graph g: x [3 + g, 5 + 2g], b [5 + 2g]. */
+static void cg_inputs(epj_ctx *ctx, int g, uint64_t seed, epj_tensor **in)
+{
+	int64_t sx[2] = { 3 + g, 5 + 2 * g }, sb = 5 + 2 * g;
+	in[0] = epj_zeros(ctx, EPJ_DTYPE_F32, 2, sx);
+	in[1] = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &sb);
+	uint64_t x = seed * 2654435761u + (uint64_t)g + 1;
+	for (int k = 0; k < 2; k++)
+		for (int64_t i = 0; i < epj_tensor_numel(in[k]); i++) {
+			x ^= x << 13;
+			x ^= x >> 7;
+			x ^= x << 17;
+			epj_tensor_set_f64(in[k], i,
+					   (double)(x % 20001) / 5000.0 - 2.0);
+		}
+}
+
+/* What a compiling process reports through its pipe. */
+typedef struct cg_report {
+	uint64_t out_hash[G_GRAPHS]; /* epj_hash of the compiled output */
+	int64_t cc_compiles, lock_waits;
+	int ok; /* 1: every output matched eager */
+} cg_report;
+
+static int compile_child(const char *dir, uint64_t seed, int gate, int out)
+{
+	char c1;
+	if (read(gate, &c1, 1) < 0)
+		return 2;
+	setenv("EPJIT_CACHE_DIR", dir, 1);
+	epj_ctx *ctx = NULL;
+	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
+		return 3;
+	cg_report r = { .ok = 1 };
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	bool prev = epj_no_grad_enter(ctx);
+	for (int g = 0; g < G_GRAPHS && r.ok; g++) {
+		epj_tensor *in[2];
+		cg_inputs(ctx, g, seed, in);
+		cg_graph u = { g };
+		ej_trace *tr = NULL;
+		ej_region_fn *f = NULL;
+		epj_tensor *y = NULL, *ref = cg_eval(ctx, g, in);
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
+		if (ej_trace_region(ctx, jit, cg_traced, &u, in, 2, 1, NULL,
+				    NULL, &tr) != EPJ_OK ||
+		    ej_jit_compile(ctx, jit, tr, &f) != EPJ_OK ||
+		    ej_region_run(ctx, f, in, 2, NULL, 0, NULL, NULL, &y, 1) !=
+			EPJ_OK) {
+			fprintf(stderr, "compile child: %s\n",
+				epj_ctx_error(ctx));
+			r.ok = 0;
+		}
+		/* compiled code ran, and agrees with eager */
+		if (r.ok &&
+		    epj_counter_get(ctx, "kernels.launched.compiled") == l0)
+			r.ok = 0;
+		for (int64_t i = 0; r.ok && i < epj_tensor_numel(y); i++) {
+			double a = epj_tensor_get_f64(y, i);
+			double b = epj_tensor_get_f64(ref, i);
+			if (!(fabs(a - b) <= 1e-5 * (1 + fabs(b))))
+				r.ok = 0;
+		}
+		if (r.ok)
+			r.out_hash[g] =
+			    epj_hash(epj_tensor_data(y),
+				     (size_t)epj_tensor_numel(y) * 4)
+				.lo;
+		epj_tensor_free(y);
+		epj_tensor_free(ref);
+		ej_region_fn_free(f);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_no_grad_exit(ctx, prev);
+	r.cc_compiles = epj_counter_get(ctx, "codegen.cc_compiles");
+	r.lock_waits = epj_counter_get(ctx, "cache.lock_waits");
+	ej_jit_free(jit);
+	epj_ctx_free(ctx);
+	return write(out, &r, sizeof r) == (ssize_t)sizeof r && r.ok ? 0 : 4;
+}
+
+/* Starts n compiling processes at once; kill_ms[i] >= 0 kills process i
+ * with SIGKILL that many ms after the start.  Fills rep[i] (zeroed for a
+ * killed or failed one) and returns how many were killed before reporting.
+ */
+static int run_compilers(const char *dir, uint64_t seed, int n,
+			 const int *kill_ms, cg_report *rep, int *status)
+{
+	int gate[2], pipes[N_COMPILERS][2];
+	ck_assert_int_eq(pipe(gate), 0);
+	pid_t pid[N_COMPILERS];
+	fflush(NULL);
+	for (int i = 0; i < n; i++) {
+		ck_assert_int_eq(pipe(pipes[i]), 0);
+		pid[i] = fork();
+		ck_assert_int_ge(pid[i], 0);
+		if (pid[i] == 0) {
+			close(gate[1]);
+			close(pipes[i][0]);
+			_exit(compile_child(dir, seed, gate[0], pipes[i][1]));
+		}
+		close(pipes[i][1]);
+	}
+	close(gate[0]);
+	close(gate[1]); /* go */
+	struct timespec t0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int done = 0; kill_ms && !done;) {
+		struct timespec t;
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		int64_t ms = (int64_t)(t.tv_sec - t0.tv_sec) * 1000 +
+			     (t.tv_nsec - t0.tv_nsec) / 1000000;
+		done = 1;
+		for (int i = 0; i < n; i++) {
+			if (kill_ms[i] < 0)
+				continue;
+			if (ms >= kill_ms[i])
+				kill(pid[i], SIGKILL);
+			else
+				done = 0;
+		}
+		usleep(2000);
+	}
+	int killed = 0;
+	for (int i = 0; i < n; i++) {
+		memset(&rep[i], 0, sizeof rep[i]);
+		ssize_t got = read(pipes[i][0], &rep[i], sizeof rep[i]);
+		close(pipes[i][0]);
+		ck_assert_int_eq(waitpid(pid[i], &status[i], 0), pid[i]);
+		if (WIFSIGNALED(status[i]) && WTERMSIG(status[i]) == SIGKILL &&
+		    got != (ssize_t)sizeof rep[i])
+			killed++;
+	}
+	return killed;
+}
+
+/* Every entry of dir verifies (a fresh cache; no corrupt one); returns the
+ * number of entries. */
+static int verify_entries(const char *dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_kcache *c = open_ok(ctx, dir);
+	int n = 0;
+	DIR *v = opendir(path_of("%s/v1", dir));
+	ck_assert_ptr_nonnull(v);
+	struct dirent *de;
+	while ((de = readdir(v))) {
+		if (de->d_name[0] == '.')
+			continue;
+		char *sh = strdup(path_of("%s/v1/%s", dir, de->d_name));
+		DIR *s = opendir(sh);
+		ck_assert_ptr_nonnull(s);
+		struct dirent *e;
+		while ((e = readdir(s))) {
+			size_t l = strlen(e->d_name);
+			if (l != 68 || strcmp(e->d_name + 64, ".bin"))
+				continue;
+			char key[65];
+			memcpy(key, e->d_name, 64);
+			key[64] = '\0';
+			void *d = NULL;
+			size_t len = 0;
+			ck_assert_int_eq(ej_kcache_get(c, key, &d, &len),
+					 EPJ_OK);
+			ck_assert_msg(d != NULL, "entry %s does not verify",
+				      key);
+			ck_assert(len > 4 && !memcmp(d,
+						     "\x7f"
+						     "ELF",
+						     4));
+			free(d);
+			n++;
+		}
+		closedir(s);
+		free(sh);
+	}
+	closedir(v);
+	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+	return n;
+}
+
+START_TEST(test_many_compilers)
+{
+	char dir[] = "/tmp/epj-kcc-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	uint64_t seed = tu_seed();
+	cg_report rep[N_COMPILERS];
+	int status[N_COMPILERS];
+	ck_assert_int_eq(
+	    run_compilers(dir, seed, N_COMPILERS, NULL, rep, status), 0);
+	int64_t compiles = 0, waits = 0;
+	for (int i = 0; i < N_COMPILERS; i++) {
+		ck_assert_msg(WIFEXITED(status[i]) &&
+				  WEXITSTATUS(status[i]) == 0,
+			      "compiler %d failed (status %#x)", i, status[i]);
+		ck_assert_int_eq(rep[i].ok, 1);
+		for (int g = 0; g < G_GRAPHS; g++)
+			ck_assert_msg(rep[i].out_hash[g] == rep[0].out_hash[g],
+				      "graph %d: process %d differs", g, i);
+		compiles += rep[i].cc_compiles;
+		waits += rep[i].lock_waits;
+	}
+	int entries = verify_entries(dir);
+	ck_assert_int_ge(entries, G_GRAPHS);
+	ck_assert_msg(compiles == entries,
+		      "%lld compiles for %d entries: not one per key",
+		      (long long)compiles, entries);
+	printf("check_kcache: %d processes, %d entries, %lld compiles, "
+	       "%lld lock waits\n",
+	       N_COMPILERS, entries, (long long)compiles, (long long)waits);
+	ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	tu_tmpdir_free(strdup(dir));
+}
+END_TEST
+
+START_TEST(test_compilers_killed)
+{
+	char dir[] = "/tmp/epj-kck-XXXXXX";
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	uint64_t seed = tu_seed();
+	cg_report rep[N_COMPILERS];
+	int status[N_COMPILERS], kill_ms[N_COMPILERS];
+	for (int round = 0; round < 2; round++) {
+		/* about half of them die at a random point of their work */
+		for (int i = 0; i < N_COMPILERS; i++)
+			kill_ms[i] =
+			    tu_randint(0, 2) ? (int)tu_randint(0, 700) : -1;
+		int killed =
+		    run_compilers(dir, seed, N_COMPILERS, kill_ms, rep, status);
+		for (int i = 0; i < N_COMPILERS; i++)
+			ck_assert_msg((WIFSIGNALED(status[i]) &&
+				       WTERMSIG(status[i]) == SIGKILL) ||
+					  (WIFEXITED(status[i]) &&
+					   WEXITSTATUS(status[i]) == 0),
+				      "compiler %d: status %#x", i, status[i]);
+		printf("check_kcache: round %d: %d of %d killed (at", round,
+		       killed, N_COMPILERS);
+		for (int i = 0; i < N_COMPILERS; i++)
+			if (kill_ms[i] >= 0)
+				printf(" %d%s", kill_ms[i],
+				       WIFSIGNALED(status[i]) ? "" : "(done)");
+		printf(" ms)\n");
+		verify_entries(dir); /* also sweeps dead temporaries */
+		ck_assert_int_eq(count_names(dir, ".tmp."), 0);
+	}
+	/* A fresh process finishes everything at once: no stuck lock. */
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	ck_assert_int_eq(run_compilers(dir, seed, 1, NULL, rep, status), 0);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	ck_assert(WIFEXITED(status[0]) && WEXITSTATUS(status[0]) == 0);
+	ck_assert_int_eq(rep[0].lock_waits, 0);
+	ck_assert_int_lt(t1.tv_sec - t0.tv_sec, 30);
+	ck_assert_int_eq(verify_entries(dir), G_GRAPHS);
+	tu_tmpdir_free(strdup(dir));
+}
+END_TEST
+
+/* A compiler that "succeeds" but writes junk: the module does not load,
+ * the build fails naming it, and nothing is cached (every later run would
+ * load the junk and fail until the cache was cleared).  A good compiler
+ * afterwards builds and caches normally. */
+START_TEST(test_junk_not_cached)
+{
+	char *dir = tu_tmpdir_new("kcj");
+	char *script = tu_path(dir, "junkcc.sh");
+	tu_write_text(script, "out=\n"
+			      "while [ $# -gt 0 ]; do\n"
+			      "  [ \"$1\" = -o ] && out=$2\n"
+			      "  shift\n"
+			      "done\n"
+			      "printf 'not an ELF object' > \"$out\"\n");
+	char *cache = tu_path(dir, "cache");
+	char cc[4200];
+	snprintf(cc, sizeof cc, "sh %s", script);
+	char *old_cc = getenv("EPJIT_CC") ? strdup(getenv("EPJIT_CC")) : NULL;
+	char *old_dir = getenv("EPJIT_CACHE_DIR")
+			    ? strdup(getenv("EPJIT_CACHE_DIR"))
+			    : NULL;
+	setenv("EPJIT_CC", cc, 1);
+	setenv("EPJIT_CACHE_DIR", cache, 1);
+	epj_ctx *ctx = tu_ctx();
+	uint64_t seed = tu_seed();
+	bool prev = epj_no_grad_enter(ctx);
+	for (int round = 0; round < 2; round++) {
+		ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+		epj_tensor *in[2];
+		cg_inputs(ctx, 1, seed, in);
+		cg_graph u = { 1 };
+		ej_trace *tr = NULL;
+		ej_region_fn *f = NULL;
+		ck_assert_int_eq(ej_trace_region(ctx, jit, cg_traced, &u, in, 2,
+						 1, NULL, NULL, &tr),
+				 EPJ_OK);
+		epj_status st = ej_jit_compile(ctx, jit, tr, &f);
+		if (round == 0) {
+			ck_assert_int_ne(st, EPJ_OK);
+			ck_assert_msg(strstr(epj_ctx_error(ctx), "dlopen") ||
+					  strstr(epj_ctx_error(ctx), "loading"),
+				      "%s", epj_ctx_error(ctx));
+			ck_assert_int_eq(count_names(cache, ".bin"), 0);
+			epj_ctx_clear_error(ctx);
+			/* the real compiler again */
+			if (old_cc)
+				setenv("EPJIT_CC", old_cc, 1);
+			else
+				unsetenv("EPJIT_CC");
+		} else {
+			ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(ctx));
+			ck_assert_int_eq(count_names(cache, ".bin"), 1);
+		}
+		ej_region_fn_free(f);
+		ej_jit_free(jit);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_no_grad_exit(ctx, prev);
+	if (old_dir)
+		setenv("EPJIT_CACHE_DIR", old_dir, 1);
+	else
+		unsetenv("EPJIT_CACHE_DIR");
+	free(old_cc);
+	free(old_dir);
+	free(script);
+	free(cache);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 Suite *make_kcache_suite(void)
 {
 	Suite *s = suite_create("kcache");
@@ -885,11 +1603,17 @@ Suite *make_kcache_suite(void)
 	tcase_add_test(tc, test_symlink_dir);
 	tcase_add_test(tc, test_default_dir);
 	tcase_add_test(tc, test_eviction);
+	tcase_add_test(tc, test_degrade);
+	tcase_add_test(tc, test_stale_tmp);
 	tcase_set_timeout(tc, 30);
 	suite_add_tcase(s, tc);
 	TCase *tp = tcase_create("concurrent");
 	tcase_add_test(tp, test_concurrent);
-	tcase_set_timeout(tp, 60);
+	tcase_add_test(tp, test_lock);
+	tcase_add_test(tp, test_many_compilers);
+	tcase_add_test(tp, test_compilers_killed);
+	tcase_add_test(tp, test_junk_not_cached);
+	tcase_set_timeout(tp, 180);
 	suite_add_tcase(s, tp);
 	return s;
 }

@@ -9,6 +9,8 @@
  */
 #include "check_util.h"
 
+#include "core_impl.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
@@ -432,9 +434,17 @@ static const struct bad_case {
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[2,-1],\"data_offsets\":[0,8]}}",
 	  0, 8, EPJ_ERR_FORMAT, "negative dimension" },
 	{ "numel overflow",
+	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[1099511627776,"
+	  "1099511627776],\"data_offsets\":[0,8]}}",
+	  0, 8, EPJ_ERR_FORMAT, "overflows" },
+	{ "one huge dim",
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904,16],"
 	  "\"data_offsets\":[0,8]}}",
-	  0, 8, EPJ_ERR_FORMAT, "overflows" },
+	  0, 8, EPJ_ERR_FORMAT, "shape too large" },
+	{ "empty with huge dims",
+	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[0,4611686018427387904,"
+	  "4611686018427387904],\"data_offsets\":[0,0]}}",
+	  0, 0, EPJ_ERR_FORMAT, "non-zero dimensions must be at most" },
 	{ "offsets one value",
 	  "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0]}}", 0,
 	  8, EPJ_ERR_FORMAT, "data_offsets" },
@@ -610,7 +620,8 @@ START_TEST(test_atomic_save)
 
 	/* 1. The temporary name is taken by a directory: open fails. */
 	char tmp[4096];
-	snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
+	snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%s", path, (long)getpid(),
+		 ej_host_tag());
 	ck_assert_int_eq(mkdir(tmp, 0700), 0);
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_ERR_IO);
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), path));

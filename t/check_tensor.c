@@ -199,6 +199,33 @@ END_TEST
  * --------------------------------------------------------
  */
 
+/* An empty shape whose other dimensions multiply past int64: its
+ * contiguous strides cannot be represented, so it is refused with the
+ * range; it used to overflow computing them. */
+START_TEST(test_empty_huge_shape)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t sh[3] = { 0, (int64_t)1 << 62, (int64_t)1 << 62 };
+	for (int p = 0; p < 3; p++) {
+		int64_t s[3] = { sh[(p + 0) % 3], sh[(p + 1) % 3],
+				 sh[(p + 2) % 3] };
+		epj_tensor *t = epj_zeros(ctx, EPJ_DTYPE_F32, 3, s);
+		ck_assert_ptr_null(t);
+		ck_assert_int_eq(epj_ctx_status(ctx), EPJ_ERR_SHAPE);
+		ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx),
+					     "non-zero dimensions must be at "
+					     "most 1152921504606846975"));
+	}
+	/* an empty tensor with moderate dimensions is fine */
+	int64_t ok[3] = { 0, 1 << 20, (int64_t)tu_randint(1, 1 << 20) };
+	epj_tensor *t = epj_zeros(ctx, EPJ_DTYPE_F32, 3, ok);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(epj_tensor_numel(t), 0);
+	epj_tensor_free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -950,6 +977,7 @@ Suite *make_tensor_suite(void)
 
 	tc = tcase_create("error");
 	tcase_add_test(tc, test_errors);
+	tcase_add_test(tc, test_empty_huge_shape);
 	tcase_add_test(tc, test_log_level);
 	suite_add_tcase(s, tc);
 

@@ -12,8 +12,9 @@
 #     --list-safetensors flag), is deterministic, and works after --load of
 #     a training checkpoint and (when python3 is there to make one) of a
 #     plain f32 HF safetensors file;
-#  4. bad inputs exit 1 with a message naming the file or key; a bad command
-#     line exits 2.
+#  4. bad inputs exit 1 with a message naming the file or key (a FIFO as any
+#     input file is refused, not waited on; sizes past their range say the
+#     range); a bad command line exits 2.
 # Exit 77 (SKIP) when the trainer was not built.  One thread each, so the
 # timings do not depend on how loaded the machine is (about 20 s in all).
 
@@ -212,6 +213,23 @@ cp "$srcdir/t/models/byte.json" text.txt
 expect_fail 1 vocab_size --data text.txt --steps 1
 run text.log --data text.txt --model "$srcdir/t/models/byte.json" --steps 2 \
 	--seq 16
+# A FIFO for any input file is refused at once (nobody writes to it, so
+# opening it for reading would block forever).
+if mkfifo fifo 2>/dev/null; then
+	for opt in --load --config --model --data; do
+		timeout 20 "$TRAIN" $opt fifo --steps 1 >out.txt 2>err.txt
+		rc=$?
+		[ "$rc" -eq 1 ] ||
+			fail "epjit-train $opt fifo: exit $rc: $(cat err.txt)"
+		grep -q 'not a regular file (a FIFO)' err.txt ||
+			fail "epjit-train $opt fifo: $(cat err.txt)"
+	done
+fi
+# Sizes near INT64_MAX go through checked arithmetic with the range.
+expect_fail 2 '[1, 2147483647]' --seq 9223372036854775807
+printf '{"train_micro_batch_size_per_gpu": 1048576}\n' >huge.json
+expect_fail 1 'at most 1099511627776' --config huge.json --seq 2147483647 \
+	--steps 1
 expect_fail 2 --bogus --bogus
 expect_fail 2 --steps --steps many
 expect_fail 2 --layout --layout sideways

@@ -68,6 +68,10 @@ enum {
 	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
 };
 #define DEFAULT_LR 3e-3
+/* --seq at most 2^31 - 1 tokens; tokens per optimizer step (micro-batch x
+ * seq x gradient accumulation) at most 2^40. */
+#define SEQ_MAX	   2147483647L
+#define TOKENS_MAX ((int64_t)1 << 40)
 
 /* Environment variable that marks a process re-executed by --threads. */
 #define THREADS_ENV "EPJIT_TRAIN_THREADS_SET"
@@ -377,13 +381,17 @@ static int parse_args(int argc, char **argv, opts *o)
 					  !strcmp(name, "--eval-every")
 				      ? 0
 				      : 1;
-			long hi = !strcmp(name, "--threads") ? 1024 : LONG_MAX;
-			if (!parse_long(val, lo, hi, &v))
-				return bad_usage(lo ? "%s wants an integer >= "
-						      "1, got '%s'"
-						    : "%s wants an integer >= "
-						      "0, got '%s'",
-						 name, val);
+			long hi = !strcmp(name, "--threads") ? 1024
+				  : !strcmp(name, "--seq")   ? SEQ_MAX
+							     : LONG_MAX;
+			if (!parse_long(val, lo, hi, &v)) {
+				char what[96];
+				snprintf(what, sizeof what,
+					 "%%s wants an integer in [%ld, %ld], "
+					 "got '%%s'",
+					 lo, hi);
+				return bad_usage(what, name, val);
+			}
 			if (!strcmp(name, "--steps"))
 				o->steps = v;
 			else if (!strcmp(name, "--seq"))
@@ -564,6 +572,15 @@ static int setup(run *r, const opts *o)
 	r->B = epj_engine_micro_batch_size(r->engine);
 	r->gas = epj_engine_grad_accum_steps(r->engine);
 	r->T = o->seq;
+	/* Tokens per step (and per resume skip) in checked arithmetic. */
+	int64_t bt, tok;
+	if (__builtin_mul_overflow(r->B, r->T, &bt) ||
+	    __builtin_mul_overflow(bt, r->gas, &tok) || tok > TOKENS_MAX)
+		return fail_msg("micro-batch %" PRId64 " x seq %" PRId64
+				" x gradient accumulation %" PRId64
+				" tokens per step is out of range: at most "
+				"%" PRId64 " (2^40)",
+				r->B, r->T, r->gas, TOKENS_MAX);
 
 	int vocab = epj_model_vocab_size(r->model);
 	if (!o->data || !strcmp(o->data, "synthetic")) {
@@ -748,6 +765,11 @@ static int evaluate(run *r, double *out)
 	}
 	epj_corpus_free(ev);
 	*out = sum / EVAL_BATCHES;
+	if (!isfinite(*out))
+		return fail_msg("evaluation after step %" PRId64
+				": the mean loss is %g (the weights are no "
+				"longer finite: lower the learning rate)",
+				epj_engine_step_count(r->engine), *out);
 	return 0;
 }
 
@@ -787,6 +809,8 @@ static int train(run *r, const opts *o, train_stats *ts)
 		double t = now_s();
 		epj_memory_stats ms;
 		epj_memory_stats_get(ctx, &ms);
+		if (info.skipped)
+			continue; /* warned and counted by the engine */
 		if (!isfinite(info.mean_loss))
 			return fail_msg("step %" PRId64 ": loss is %g; "
 					"lower the learning rate",
