@@ -679,6 +679,17 @@ START_TEST(test_symlink_dir)
 	ck_assert_int_eq(chmod(open_dir, 0777), 0);
 	char *via = strdup(path_of("%s/sub", link2));
 	assert_refused(ctx, via, open_dir, "without the sticky bit");
+	/* Relative paths through a link in the working directory. */
+	int cwd = open(".", O_RDONLY | O_DIRECTORY);
+	ck_assert_int_ge(cwd, 0);
+	ck_assert_int_eq(chdir(dir), 0);
+	ck_assert_int_eq(symlink("real", "rel"), 0);
+	assert_refused(ctx, "rel", "rel", "symbolic link");
+	c = open_ok(ctx, "rel/sub2");
+	ck_assert_str_eq(ej_kcache_dir(c), path_of("%s/sub2", real));
+	ej_kcache_close(c);
+	ck_assert_int_eq(fchdir(cwd), 0);
+	close(cwd);
 	free(dot);
 	free(dots);
 	free(below);
