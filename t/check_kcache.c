@@ -1300,6 +1300,12 @@ static int compile_child(const char *dir, uint64_t seed, int gate, int out)
 	if (read(gate, &c1, 1) < 0)
 		return 2;
 	setenv("EPJIT_CACHE_DIR", dir, 1);
+	/* Build directories of killed compiles stay: keep them in the test's
+	 * directory, not in /tmp. */
+	char tmp[4200];
+	snprintf(tmp, sizeof tmp, "%s/tmp", dir);
+	mkdir(tmp, 0700);
+	setenv("TMPDIR", tmp, 1);
 	epj_ctx *ctx = NULL;
 	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
 		return 3;
