@@ -408,10 +408,15 @@ static epj_status check_links(epj_ctx *ctx, const char *given)
 				    given, p, (unsigned)st.st_uid);
 			} else {
 				char *slash = strrchr(p, '/');
-				char keep = slash[1];
-				slash[1] = '\0';
-				s = check_ancestor(ctx, p, given);
-				slash[1] = keep;
+				if (!slash) {
+					/* a relative link in the cwd */
+					s = check_ancestor(ctx, ".", given);
+				} else {
+					char keep = slash[1];
+					slash[1] = '\0';
+					s = check_ancestor(ctx, p, given);
+					slash[1] = keep;
+				}
 			}
 		}
 		p[i] = saved;

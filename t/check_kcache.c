@@ -679,6 +679,17 @@ START_TEST(test_symlink_dir)
 	ck_assert_int_eq(chmod(open_dir, 0777), 0);
 	char *via = strdup(path_of("%s/sub", link2));
 	assert_refused(ctx, via, open_dir, "without the sticky bit");
+	/* Relative paths through a link in the working directory. */
+	int cwd = open(".", O_RDONLY | O_DIRECTORY);
+	ck_assert_int_ge(cwd, 0);
+	ck_assert_int_eq(chdir(dir), 0);
+	ck_assert_int_eq(symlink("real", "rel"), 0);
+	assert_refused(ctx, "rel", "rel", "symbolic link");
+	c = open_ok(ctx, "rel/sub2");
+	ck_assert_str_eq(ej_kcache_dir(c), path_of("%s/sub2", real));
+	ej_kcache_close(c);
+	ck_assert_int_eq(fchdir(cwd), 0);
+	close(cwd);
 	free(dot);
 	free(dots);
 	free(below);
@@ -1289,6 +1300,12 @@ static int compile_child(const char *dir, uint64_t seed, int gate, int out)
 	if (read(gate, &c1, 1) < 0)
 		return 2;
 	setenv("EPJIT_CACHE_DIR", dir, 1);
+	/* Build directories of killed compiles stay: keep them in the test's
+	 * directory, not in /tmp. */
+	char tmp[4200];
+	snprintf(tmp, sizeof tmp, "%s/tmp", dir);
+	mkdir(tmp, 0700);
+	setenv("TMPDIR", tmp, 1);
 	epj_ctx *ctx = NULL;
 	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
 		return 3;
