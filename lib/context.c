@@ -12,12 +12,14 @@
 epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 {
 	*out = NULL;
-	if (backend && strcmp(backend, "cpu") != 0) {
-		if (!strcmp(backend, "cuda") || !strcmp(backend, "cuda-sim")) {
+	bool sim = backend && !strcmp(backend, "cuda-sim");
+	if (backend && strcmp(backend, "cpu") != 0 && !sim) {
+		if (!strcmp(backend, "cuda")) {
 			epj_log_msg(
 			    EPJ_LOG_ERROR,
 			    "backend \"%s\" is not available in this build "
-			    "(no CUDA device support yet); use \"cpu\"",
+			    "(no CUDA device support yet); use \"cpu\" or "
+			    "\"cuda-sim\"",
 			    backend);
 			return EPJ_ERR_BACKEND;
 		}
@@ -30,7 +32,9 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	epj_ctx *ctx = calloc(1, sizeof *ctx);
 	if (!ctx)
 		return EPJ_ERR_NOMEM;
-	ctx->dev = &ej_device_cpu;
+	/* cuda-sim: host memory too; compiled regions default to the
+	 * cuda-sim backend (runtime/compile.c) */
+	ctx->dev = sim ? &ej_device_sim : &ej_device_cpu;
 	ctx->alloc = ej_allocator_new(ctx->dev);
 	ctx->counters = ej_counter_table_new();
 	if (!ctx->alloc || !ctx->counters) {

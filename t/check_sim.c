@@ -952,6 +952,50 @@ START_TEST(test_single_ops)
 }
 END_TEST
 
+/* Selecting the device: EPJIT_DEVICE picks the default compile backend (a
+ * bad value is a clear error); a "cuda-sim" context holds host memory on
+ * the cuda-sim device and runs eager ops. */
+START_TEST(test_device_select)
+{
+	ej_backend_kind k = EJ_BACKEND_INTERPRETER;
+	char msg[256];
+	setenv("EPJIT_DEVICE", "cuda-sim", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_CUDA_SIM);
+	/* an explicit backend wins */
+	ck_assert_int_eq(ej_backend_parse("c", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_C);
+	setenv("EPJIT_DEVICE", "cpu", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_C);
+	setenv("EPJIT_DEVICE", "gpu0", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg),
+			 EPJ_ERR_CONFIG);
+	ck_assert_msg(strstr(msg, "EPJIT_DEVICE=\"gpu0\"") &&
+			  strstr(msg, "cpu, cuda-sim"),
+		      "%s", msg);
+	unsetenv("EPJIT_DEVICE");
+	ck_assert_int_eq(ej_backend_parse("cuda-sim", &k, msg, sizeof msg),
+			 EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_CUDA_SIM);
+
+	epj_ctx *ctx = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &ctx), EPJ_OK);
+	ck_assert_str_eq(ctx->dev->name, "cuda-sim");
+	int64_t sh[2] = { 3, 5 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, sh);
+	epj_tensor *e = epj_exp(ctx, a);
+	tu_ok(ctx, e);
+	for (int64_t i = 0; i < 15; i++)
+		ck_assert_double_eq_tol(epj_tensor_get_f64(e, i),
+					exp(epj_tensor_get_f64(a, i)), 1e-5);
+	epj_tensor_free(a);
+	epj_tensor_free(e);
+	epj_ctx_free(ctx);
+	ck_assert_int_eq(epj_ctx_new("cuda", &ctx), EPJ_ERR_BACKEND);
+}
+END_TEST
+
 Suite *make_sim_suite(void)
 {
 	Suite *s = suite_create("sim");
@@ -959,6 +1003,7 @@ Suite *make_sim_suite(void)
 	tcase_add_checked_fixture(tc, cache_setup, cache_teardown);
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_warp_semantics);
+	tcase_add_test(tc, test_device_select);
 	tcase_add_test(tc, test_reports);
 	tcase_add_test(tc, test_prelude_bf16);
 	tcase_add_loop_test(tc, test_model_kernels, 0, 9);
