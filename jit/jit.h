@@ -32,7 +32,9 @@ typedef enum ej_backend_kind {
 	EJ_BACKEND_CUDA_SIM,	    /* CUDA C on CPU (later issue) */
 } ej_backend_kind;
 
-/* Parses a backend name ("" = the device's default).  Returns
+/* Parses a backend name ("" = the device's default: cuda-sim when
+ * EPJIT_DEVICE=cuda-sim, else c; an EPJIT_DEVICE other than cpu or
+ * cuda-sim is EPJ_ERR_CONFIG).  Returns
  * EPJ_ERR_UNSUPPORTED for a known backend this build does not have and
  * EPJ_ERR_CONFIG for an unknown name; msg describes which. */
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,

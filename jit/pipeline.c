@@ -54,6 +54,14 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 		const char *dev = getenv("EPJIT_DEVICE");
 		if (dev && !strcmp(dev, "cuda-sim"))
 			*out = EJ_BACKEND_CUDA_SIM;
+		else if (dev && *dev && strcmp(dev, "cpu") != 0) {
+			if (msg)
+				snprintf(msg, msg_len,
+					 "EPJIT_DEVICE=\"%s\" is not a device "
+					 "(known: cpu, cuda-sim)",
+					 dev);
+			return EPJ_ERR_CONFIG;
+		}
 		return EPJ_OK;
 	}
 	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {

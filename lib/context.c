@@ -13,7 +13,8 @@
 epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 {
 	*out = NULL;
-	if (backend && strcmp(backend, "cpu") != 0) {
+	bool sim = backend && !strcmp(backend, "cuda-sim");
+	if (backend && strcmp(backend, "cpu") != 0 && !sim) {
 		if (!strcmp(backend, "cuda")) {
 			/* the driver's own verdict first ("no CUDA driver
 			 * (libcuda.so.1 not found: ...)") */
@@ -27,17 +28,9 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 				    EPJ_LOG_ERROR,
 				    "backend \"cuda\": tensors cannot live on "
 				    "the GPU yet (the eager ops have no CUDA "
-				    "kernels); use \"cpu\" with "
-				    "compile.backend \"nvrtc\" to run the "
+				    "kernels); use \"cpu\" or \"cuda-sim\", "
+				    "and compile.backend \"nvrtc\" to run the "
 				    "compiled kernels on the GPU");
-			return EPJ_ERR_BACKEND;
-		}
-		if (!strcmp(backend, "cuda-sim")) {
-			epj_log_msg(
-			    EPJ_LOG_ERROR,
-			    "backend \"%s\" is not available in this build "
-			    "(no CUDA device support yet); use \"cpu\"",
-			    backend);
 			return EPJ_ERR_BACKEND;
 		}
 		epj_log_msg(
@@ -49,7 +42,9 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	epj_ctx *ctx = calloc(1, sizeof *ctx);
 	if (!ctx)
 		return EPJ_ERR_NOMEM;
-	ctx->dev = &ej_device_cpu;
+	/* cuda-sim: host memory too; compiled regions default to the
+	 * cuda-sim backend (runtime/compile.c) */
+	ctx->dev = sim ? &ej_device_sim : &ej_device_cpu;
 	ctx->alloc = ej_allocator_new(ctx->dev);
 	ctx->counters = ej_counter_table_new();
 	if (!ctx->alloc || !ctx->counters) {

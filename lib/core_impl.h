@@ -79,6 +79,7 @@ typedef struct ej_device {
 	/* Raw allocation of `bytes` (>0), aligned to 64 bytes; NULL on failure.
 	 */
 	void *(*alloc)(void *self, size_t bytes);
+	/* Releases a pointer from alloc. */
 	void (*free)(void *self, void *ptr);
 	/* Host<->device or device<->device copy of bytes.  On cpu a memcpy. */
 	void (*copy)(void *self, void *dst, const void *src, size_t bytes);

@@ -72,7 +72,9 @@ typedef struct epj_module epj_module;
 
 /* ---- context --------------------------------------------------------- */
 
-/* Creates a context on a backend ("cpu"; NULL means "cpu").  *out owns it. */
+/* Creates a context on a backend ("cpu"; NULL means "cpu"; "cuda-sim": host
+ * memory, eager ops on the CPU kernels, compiled regions on the cuda-sim
+ * backend by default).  *out owns it. */
 epj_status epj_ctx_new(const char *backend, epj_ctx **out);
 void epj_ctx_free(epj_ctx *ctx);
 

@@ -598,7 +598,8 @@ epj_status epj_engine_compile(epj_engine *e)
 	char msg[256];
 	/* "device": "cuda-sim" with no compile.backend: the cuda-sim one */
 	const char *bname = e->cfg.compile.backend;
-	if (!bname[0] && !strcmp(e->cfg.device, "cuda-sim"))
+	if (!bname[0] && (!strcmp(e->cfg.device, "cuda-sim") ||
+			  (!e->cfg.device[0] && ctx->dev == &ej_device_sim)))
 		bname = "cuda-sim";
 	else if (!bname[0] && !strcmp(e->cfg.device, "cpu"))
 		bname = "c";

@@ -1,6 +1,6 @@
 #!/bin/sh
 # t/emit_cuda.sh -- every CUDA C kernel generated for the test models
-# compiles under NVRTC for sm_80 and sm_90 with no warnings.
+# compiles under NVRTC for sm_80, sm_90 and sm_100 with no warnings.
 #
 # epjit-train --emit-cuda traces every region of the built-in tiny model at
 # an odd batch shape (micro-batch 3 x seq 13), lowers the forward and
@@ -18,7 +18,7 @@ if [ ! -x "$TRAIN" ]; then
 	exit 77
 fi
 OMP_NUM_THREADS=1
-EPJIT_CUDA_ARCH=sm_80,sm_90
+EPJIT_CUDA_ARCH=sm_80,sm_90,sm_100
 export OMP_NUM_THREADS EPJIT_CUDA_ARCH
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-emit-test.XXXXXX") || exit 1
 trap 'rm -rf "$tmp"' EXIT

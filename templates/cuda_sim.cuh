@@ -6,8 +6,10 @@
  * C++ compiler ($EPJIT_CXX) into a shared object.
  *
  * Execution model.  The blocks of a grid run one after another on the
- * calling OS thread.  The threads of a block are cooperative fibers
- * (ucontext, one 64 KiB stack per thread, allocated once per launch): a
+ * calling OS thread.  The threads of a block are cooperative fibers (one
+ * 64 KiB stack per thread, allocated once per launch; switched by a
+ * six-register stack switch on x86-64, by ucontext elsewhere and under
+ * ASan, which understands swapcontext): a
  * thread runs until it reaches __syncthreads, a warp collective (shuffle,
  * vote, __syncwarp) or its end, then the next thread runs.  Warps are
  * threads 32w..32w+31 of the linear thread index, as on the GPU.
@@ -294,6 +296,73 @@ static inline unsigned atomicInc(unsigned *p, unsigned lim)
 
 /* ---- fibers -------------------------------------------------------------- */
 
+#if defined(__x86_64__) && !defined(EJ_SIM_ASAN)
+/* ej_sim_switch(&from_sp, to_sp): saves the callee-saved registers on the
+ * current stack, stores its stack pointer in *from_sp, continues on to_sp
+ * (a stack saved the same way, or made by ej_sim_ctx_make). */
+extern "C" __attribute__((visibility("hidden"))) void
+ej_sim_switch(void **from_sp, void *to_sp);
+__asm__(".text\n"
+	".p2align 4\n"
+	".globl ej_sim_switch\n"
+	".hidden ej_sim_switch\n"
+	".type ej_sim_switch, @function\n"
+	"ej_sim_switch:\n"
+	"\tpushq %rbp\n"
+	"\tpushq %rbx\n"
+	"\tpushq %r12\n"
+	"\tpushq %r13\n"
+	"\tpushq %r14\n"
+	"\tpushq %r15\n"
+	"\tmovq %rsp, (%rdi)\n"
+	"\tmovq %rsi, %rsp\n"
+	"\tpopq %r15\n"
+	"\tpopq %r14\n"
+	"\tpopq %r13\n"
+	"\tpopq %r12\n"
+	"\tpopq %rbx\n"
+	"\tpopq %rbp\n"
+	"\tret\n"
+	".size ej_sim_switch, .-ej_sim_switch\n");
+struct ej_sim_ctx {
+	void *sp;
+};
+/* A context that starts fn (which never returns) on stack[0..size). */
+static void ej_sim_ctx_make(ej_sim_ctx *c, char *stack, size_t size,
+			    void (*fn)(void))
+{
+	uintptr_t top = ((uintptr_t)stack + size) & ~(uintptr_t)15;
+	void **a = (void **)(top - 16); /* the return address slot */
+	a[0] = (void *)fn;
+	a[1] = NULL;
+	void **sp = a - 6; /* r15 r14 r13 r12 rbx rbp */
+	for (int i = 0; i < 6; i++)
+		sp[i] = NULL;
+	c->sp = sp;
+}
+static inline void ej_sim_ctx_swap(ej_sim_ctx *from, ej_sim_ctx *to)
+{
+	ej_sim_switch(&from->sp, to->sp);
+}
+#else
+struct ej_sim_ctx {
+	ucontext_t uc;
+};
+static void ej_sim_ctx_make(ej_sim_ctx *c, char *stack, size_t size,
+			    void (*fn)(void))
+{
+	getcontext(&c->uc);
+	c->uc.uc_stack.ss_sp = stack;
+	c->uc.uc_stack.ss_size = size;
+	c->uc.uc_link = NULL;
+	makecontext(&c->uc, fn, 0);
+}
+static inline void ej_sim_ctx_swap(ej_sim_ctx *from, ej_sim_ctx *to)
+{
+	swapcontext(&from->uc, &to->uc);
+}
+#endif
+
 enum { EJ_ST_NEW, EJ_ST_RUN, EJ_ST_BAR, EJ_ST_WARP, EJ_ST_DONE };
 enum {
 	EJ_W_SYNC,
@@ -311,7 +380,8 @@ static const char *const ej_sim_wname[] = {
 };
 
 struct ej_sim_thr {
-	ucontext_t uc;
+	ej_sim_ctx ctx;
+	char *stack; /* EJ_SIM_STACK bytes */
 	uint3 tid;
 	unsigned lin;
 	int state;
@@ -324,7 +394,7 @@ struct ej_sim_thr {
 };
 
 struct ej_sim_blk {
-	ucontext_t sched;
+	ej_sim_ctx sched;
 	ej_sim_thr *t;
 	unsigned n;
 	uint3 bidx, bdim, gdim;
@@ -353,7 +423,7 @@ extern "C" char __stop_ej_shared[] __attribute__((weak));
 
 static void ej_sim_yield(void)
 {
-	swapcontext(&ej_sim_cur->uc, &ej_sim_b->sched);
+	ej_sim_ctx_swap(&ej_sim_cur->ctx, &ej_sim_b->sched);
 }
 
 /* Records the first report of the block, as "kernel K, block (..), thread
@@ -422,6 +492,16 @@ static int ej_sim_src(const ej_sim_thr *t, unsigned l)
  * of them wait in it; returns whether it did. */
 static bool ej_sim_try_complete(unsigned warp, unsigned mask, int op)
 {
+	/* the usual miss first: a neighbour of the caller still running */
+	unsigned me = ej_sim_cur->lin & 31u;
+	for (int d = -1; d <= 1; d += 2) {
+		unsigned l = (unsigned)((int)me + d);
+		if (l < 32 && (mask >> l & 1u)) {
+			const ej_sim_thr *o = ej_sim_lane(warp, l);
+			if (o->state == EJ_ST_NEW || o->state == EJ_ST_RUN)
+				return false;
+		}
+	}
 	for (unsigned l = 0; l < 32; l++) {
 		if (!(mask >> l & 1u))
 			continue;
@@ -569,7 +649,8 @@ static void ej_sim_entry(void)
 {
 	ej_sim_b->body(ej_sim_b->args);
 	ej_sim_cur->state = EJ_ST_DONE;
-	swapcontext(&ej_sim_cur->uc, &ej_sim_b->sched);
+	for (;;) /* never resumed */
+		ej_sim_yield();
 }
 
 static void ej_sim_stuck_report(void)
@@ -641,6 +722,13 @@ static void ej_sim_stuck_report(void)
 			    nb, bar->line, bar->tid.x, bar->tid.y, bar->tid.z);
 }
 
+static void ej_sim_report_entry(void)
+{
+	ej_sim_stuck_report();
+	for (;;) /* never resumed */
+		ej_sim_yield();
+}
+
 static void ej_sim_block(ej_sim_blk *b, bool reverse)
 {
 	ej_sim_b = b;
@@ -653,10 +741,11 @@ static void ej_sim_block(ej_sim_blk *b, bool reverse)
 			if (t->state != EJ_ST_NEW && t->state != EJ_ST_RUN)
 				continue;
 			if (t->state == EJ_ST_NEW)
-				makecontext(&t->uc, ej_sim_entry, 0);
+				ej_sim_ctx_make(&t->ctx, t->stack,
+						EJ_SIM_STACK, ej_sim_entry);
 			t->state = EJ_ST_RUN;
 			ej_sim_cur = t;
-			swapcontext(&b->sched, &t->uc);
+			ej_sim_ctx_swap(&b->sched, &t->ctx);
 			ran = true;
 			if (b->failed)
 				return;
@@ -684,13 +773,9 @@ static void ej_sim_block(ej_sim_blk *b, bool reverse)
 		/* reports from the scheduler's own context: no fiber to
 		 * leave, so run the report on a helper fiber */
 		ej_sim_cur = &b->t[0];
-		ucontext_t *rep = &b->t[0].uc;
-		getcontext(rep);
-		rep->uc_stack.ss_sp = (char *)b->t + sizeof(ej_sim_thr) * b->n;
-		rep->uc_stack.ss_size = EJ_SIM_STACK;
-		rep->uc_link = &b->sched;
-		makecontext(rep, ej_sim_stuck_report, 0);
-		swapcontext(&b->sched, rep);
+		ej_sim_ctx_make(&b->t[0].ctx, b->t[0].stack, EJ_SIM_STACK,
+				ej_sim_report_entry);
+		ej_sim_ctx_swap(&b->sched, &b->t[0].ctx);
 		if (!b->failed) {
 			ej_sim_cur = NULL;
 			snprintf(b->msg, 1024,
@@ -760,15 +845,6 @@ static int ej_sim_grid(ej_sim_blk *b, const ej_sim_launch *L, bool reverse,
 		if (sst)
 			memset(__start_ej_shared, 0xff, sst);
 		memset(ej_dsmem, 0xff, (size_t)L->smem);
-		for (unsigned i = 0; i < b->n; i++) {
-			ej_sim_thr *t = &b->t[i];
-			getcontext(&t->uc);
-			t->uc.uc_stack.ss_sp =
-			    (char *)b->t + sizeof(ej_sim_thr) * b->n +
-			    (size_t)i * EJ_SIM_STACK;
-			t->uc.uc_stack.ss_size = EJ_SIM_STACK;
-			t->uc.uc_link = &b->sched;
-		}
 		ej_sim_block(b, reverse);
 		if (b->failed)
 			return 1;
@@ -852,6 +928,8 @@ static int ej_sim_run(ej_sim_launch *L, const char *kernel,
 	memset(b.t, 0, sizeof(ej_sim_thr) * (size_t)n);
 	for (unsigned i = 0; i < b.n; i++) {
 		b.t[i].lin = i;
+		b.t[i].stack = (char *)b.t + sizeof(ej_sim_thr) * (size_t)n +
+			       (size_t)i * EJ_SIM_STACK;
 		b.t[i].tid.x = i % L->block[0];
 		b.t[i].tid.y = i / L->block[0] % L->block[1];
 		b.t[i].tid.z = i / L->block[0] / L->block[1];
