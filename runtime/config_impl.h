@@ -177,6 +177,8 @@ typedef struct ej_config {
 	int64_t steps_per_print;    /* >= 1, default 10 */
 	int64_t seed;		    /* default 42 */
 	bool wall_clock_breakdown;  /* default false */
+	double comm_timeout_s; /* comm.timeout_s > 0: bound of every blocking
+				  collective (seconds), default 300 */
 } ej_config;
 
 /* Fills every field with its documented default. */

@@ -59,12 +59,19 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 		    c->sequence_parallel_size > 1 ? "sequence_parallel_size"
 		    : c->pipeline_stages > 1	  ? "pipeline.stages"
 					     : "tensor_parallel.autotp_size");
-	if (c->expert_parallel.autoep_size > 1)
+	const int W = ej_comm_world()->size,
+		  ep = c->expert_parallel.autoep_size;
+	if (ep > 1 && W % ep != 0)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: expert_parallel.autoep_size=%d needs %d "
-				"ranks; this run has 1",
-				src, c->expert_parallel.autoep_size,
-				c->expert_parallel.autoep_size);
+				"%s: expert_parallel.autoep_size=%d needs a "
+				"world of a multiple of %d ranks; this run has "
+				"%d (launch with mpirun -np N)",
+				src, ep, ep, W);
+	if (ep > 1 && m->n_moe > 0 && m->cfg.num_experts % ep != 0)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: the model's num_experts=%d is not "
+				"divisible by expert_parallel.autoep_size=%d",
+				src, m->cfg.num_experts, ep);
 	if (c->expert_parallel.top_k &&
 	    c->expert_parallel.top_k != m->cfg.num_experts_per_tok)
 		return ej_error(ctx, EPJ_ERR_CONFIG,
@@ -87,6 +94,52 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 	return EPJ_OK;
 }
 
+/* Parameter i belongs to an expert of an AutoEP layer (owner: the
+ * projection Linear, under expert N, under the experts list). */
+static bool is_expert_param(const epj_model *m, int i)
+{
+	const epj_module *o = m->params.owners[i];
+	return o && o->parent && o->parent->parent &&
+	       o->parent->parent->parent &&
+	       !strcmp(o->parent->parent->local, "experts") &&
+	       !strcmp(o->parent->parent->parent->kind, "AutoEPMoELayer");
+}
+
+/* More than one rank: the parallel groups (kept by the model, whose AutoEP
+ * layers use the expert-parallel group) and, with autoep_size > 1, the
+ * experts sharded over the EP group (the model's parameter list then holds
+ * this rank's experts).  A model is sharded once; a later engine must ask
+ * for the same expert-parallel size. */
+static epj_status setup_parallel(epj_ctx *ctx, const ej_config *c, epj_model *m,
+				 ej_comm *world)
+{
+	const int ep = c->expert_parallel.autoep_size;
+	if (m->has_groups) {
+		if (m->groups.ep->size != ep)
+			return ej_error(
+			    ctx, EPJ_ERR_STATE,
+			    "%s: expert_parallel.autoep_size=%d, but this "
+			    "model was sharded for autoep_size=%d by an "
+			    "earlier engine; build a new model",
+			    c->source, ep, m->groups.ep->size);
+		return EPJ_OK;
+	}
+	if (world->size == 1)
+		return EPJ_OK;
+	epj_status st = ej_groups_new(ctx, world, ep, &m->groups);
+	if (st != EPJ_OK)
+		return st;
+	m->has_groups = true;
+	if (ep == 1)
+		return EPJ_OK;
+	for (int i = 0; st == EPJ_OK && i < m->n_moe; i++)
+		st = ej_autoep_shard(ctx, m->moe[i], m->groups.ep);
+	if (st != EPJ_OK)
+		return st;
+	ej_param_list_free(&m->params);
+	return ej_module_params(ctx, m->root, &m->params);
+}
+
 static epj_status engine_setup(epj_engine *e)
 {
 	epj_ctx *ctx = e->ctx;
@@ -97,8 +150,12 @@ static epj_status engine_setup(epj_engine *e)
 	epj_status st = ej_config_validate_autoep_compile(ctx, c);
 	if (st == EPJ_OK)
 		st = check_supported(ctx, c, m);
+	ej_comm *world = ej_comm_world();
+	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)
-		st = ej_config_resolve_batch(ctx, c, 1);
+		st = ej_config_resolve_batch(ctx, c, world->size);
+	if (st == EPJ_OK)
+		st = setup_parallel(ctx, c, m, world);
 	if (st != EPJ_OK)
 		return st;
 	if (c->expert_parallel.has_load_balance)
@@ -130,9 +187,25 @@ static epj_status engine_setup(epj_engine *e)
 	}
 	if (st != EPJ_OK)
 		return st;
-	e->optim =
-	    ej_optim_new(ctx, c, m->params.params,
-			 (const char *const *)m->params.names, m->params.n);
+	ej_optim_dist d = { 0 };
+	bool *expert = NULL;
+	if (world->size > 1) {
+		expert = calloc((size_t)m->params.n + 1, sizeof *expert);
+		if (!expert)
+			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		for (int i = 0; i < m->params.n; i++)
+			expert[i] = is_expert_param(m, i);
+		d = (ej_optim_dist){ .zero_stage = c->zero.stage,
+				     .dp = m->groups.dp,
+				     .edp = m->groups.edp,
+				     .world = world,
+				     .grad_scale = 1.0 / world->size,
+				     .expert = expert };
+	}
+	e->optim = ej_optim_new_dist(ctx, c, m->params.params,
+				     (const char *const *)m->params.names,
+				     m->params.n, world->size > 1 ? &d : NULL);
+	free(expert);
 	return e->optim ? EPJ_OK : (ctx->status ? ctx->status : EPJ_ERR_NOMEM);
 }
 
@@ -232,9 +305,20 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		e->last_grad_norm = norm;
 		epj_counter_add(ctx, "train.steps", 1);
 	}
+	double mean = e->accum_loss / (double)e->accum_n;
+	ej_comm *world = e->model->has_groups ? e->model->groups.world : NULL;
+	if (boundary && world && world->size > 1) {
+		/* the mean over the global batch (equal micro-batches) */
+		float hl[2] = { (float)mean, 0 };
+		hl[1] = (float)(mean - (double)hl[0]);
+		st = ej_comm_allreduce(ctx, world, "train.loss", hl, 2);
+		if (st != EPJ_OK)
+			return st;
+		mean = ((double)hl[0] + (double)hl[1]) / world->size;
+	}
 	if (info) {
 		info->loss = lv;
-		info->mean_loss = e->accum_loss / (double)e->accum_n;
+		info->mean_loss = mean;
 		info->stepped = boundary;
 		info->step = e->step;
 		info->micro_step = e->micro_step;
@@ -310,7 +394,63 @@ static epj_status add_meta_i64(epj_st_writer *w, const char *k, int64_t v)
 	return epj_st_writer_set_metadata(w, k, buf);
 }
 
+/* The world of a multi-rank engine, NULL for a world of one. */
+static ej_comm *multi_world(const epj_engine *e)
+{
+	return e->model->has_groups && e->model->groups.world->size > 1
+		   ? e->model->groups.world
+		   : NULL;
+}
+
+/* The file of `rank` of a multi-rank checkpoint PATH: PATH.rank<R>. */
+static void rank_file(char *buf, size_t n, const char *path, int rank)
+{
+	snprintf(buf, n, "%s.rank%d", path, rank);
+}
+
+static bool file_exists(const char *p)
+{
+	FILE *f = fopen(p, "rb");
+	if (f)
+		fclose(f);
+	return f != NULL;
+}
+
+/* Every rank learns whether all ranks succeeded (st is this rank's); a
+ * failure elsewhere becomes an error here naming the failing ranks' count. */
+static epj_status agree(epj_ctx *ctx, ej_comm *world, epj_status st,
+			const char *what)
+{
+	float f = st == EPJ_OK ? 0.0f : 1.0f;
+	epj_status cs = ej_comm_allreduce(ctx, world, what, &f, 1);
+	if (st != EPJ_OK)
+		return st;
+	if (cs != EPJ_OK)
+		return cs;
+	if (f > 0)
+		return ej_error(ctx, EPJ_ERR_IO,
+				"%s failed on %g other rank%s (see their "
+				"messages)",
+				what, f, f == 1 ? "" : "s");
+	return EPJ_OK;
+}
+
+static epj_status engine_save_file(epj_engine *e, const char *path);
+
+/* With several ranks every rank writes the state it owns -- its experts,
+ * its ZeRO partitions, and (replicated state) the dense parameters -- to
+ * PATH.rank<R>; metadata records the world. */
 epj_status epj_engine_save(epj_engine *e, const char *path)
+{
+	ej_comm *world = multi_world(e);
+	if (!world)
+		return engine_save_file(e, path);
+	char f[4096];
+	rank_file(f, sizeof f, path, world->rank);
+	return agree(e->ctx, world, engine_save_file(e, f), "checkpoint save");
+}
+
+static epj_status engine_save_file(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_st_writer *w = NULL;
@@ -318,12 +458,25 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 	if (st != EPJ_OK)
 		return st;
 	ej_param_list *pl = &e->model->params;
-	/* FP32 master values under the HF names. */
+	/* FP32 master values under the HF names (partitioned masters are
+	 * optimizer state: "optimizer.master_shard.<name>"). */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *p = pl->params[i];
 		epj_tensor *master = ej_optim_master(e->optim, i);
+		if (ej_optim_sharded(e->optim, i, NULL, NULL))
+			continue;
 		st = epj_st_writer_add(w, pl->names[i], master ? master : p);
 	}
+	ej_comm *world = multi_world(e);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "world_size", world->size);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "rank", world->rank);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "zero_stage", e->cfg.zero.stage);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "autoep_size",
+				  e->cfg.expert_parallel.autoep_size);
 	for (int i = 0; st == EPJ_OK && i < ej_optim_state_count(e->optim);
 	     i++) {
 		const char *nm = ej_optim_state_name(e->optim, i);
@@ -392,7 +545,63 @@ static epj_status check_entry(epj_ctx *ctx, const epj_st_file *f,
 			epj_tensor_describe(dst, b, sizeof b));
 }
 
+static epj_status engine_load_file(epj_engine *e, const char *path,
+				   bool rank_file);
+
+/* With several ranks each rank reads its own PATH.rank<R> (saved by a
+ * world of the same size and layout), or, when there is none, PATH as
+ * plain weights (an HF checkpoint: every rank takes its parameters). */
 epj_status epj_engine_load(epj_engine *e, const char *path)
+{
+	epj_ctx *ctx = e->ctx;
+	ej_comm *world = multi_world(e);
+	char f[4096];
+	if (!world) {
+		rank_file(f, sizeof f, path, 0);
+		if (!file_exists(path) && file_exists(f))
+			return ej_error(
+			    ctx, EPJ_ERR_UNSUPPORTED,
+			    "%s: a checkpoint of several ranks (%s, ...): "
+			    "resume it under mpirun with the world size it "
+			    "was saved with",
+			    path, f);
+		return engine_load_file(e, path, false);
+	}
+	rank_file(f, sizeof f, path, world->rank);
+	epj_status st = file_exists(f) ? engine_load_file(e, f, true)
+				       : engine_load_file(e, path, false);
+	return agree(ctx, world, st, "checkpoint load");
+}
+
+/* The metadata of a rank file must match this run. */
+static epj_status check_world_meta(epj_engine *e, const epj_st_file *f,
+				   const char *path)
+{
+	ej_comm *world = multi_world(e);
+	const char *ws = epj_st_metadata(f, "world_size");
+	int64_t zs = meta_i64(f, "zero_stage"), es = meta_i64(f, "autoep_size");
+	if (!ws || strtoll(ws, NULL, 10) != world->size ||
+	    meta_i64(f, "rank") != world->rank)
+		return ej_error(
+		    e->ctx, EPJ_ERR_UNSUPPORTED,
+		    "%s: saved by rank %lld of a world of %s ranks; "
+		    "this is rank %d of %d: resuming on another "
+		    "world size is not supported",
+		    path, (long long)meta_i64(f, "rank"), ws ? ws : "1",
+		    world->rank, world->size);
+	if (zs != e->cfg.zero.stage || es != e->cfg.expert_parallel.autoep_size)
+		return ej_error(e->ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: saved with zero_optimization.stage=%lld "
+				"and expert_parallel.autoep_size=%lld; this "
+				"run has %d and %d: the partitions differ",
+				path, (long long)zs, (long long)es,
+				e->cfg.zero.stage,
+				e->cfg.expert_parallel.autoep_size);
+	return EPJ_OK;
+}
+
+static epj_status engine_load_file(epj_engine *e, const char *path,
+				   bool rank_file)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_st_file *f = NULL;
@@ -400,11 +609,30 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	if (st != EPJ_OK)
 		return st;
 	ej_param_list *pl = &e->model->params;
+	const bool sharded_experts =
+	    e->model->has_groups && e->model->groups.ep->size > 1;
+	if (rank_file)
+		st = check_world_meta(e, f, path);
+	else if (multi_world(e) && epj_st_metadata(f, "format") &&
+		 !strcmp(epj_st_metadata(f, "format"), CKPT_FORMAT))
+		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			      "%s: a training checkpoint of a world of %s "
+			      "rank(s); this run has %d ranks: resuming on "
+			      "another world size is not supported (its "
+			      "weights alone load from an HF checkpoint)",
+			      path,
+			      epj_st_metadata(f, "world_size")
+				  ? epj_st_metadata(f, "world_size")
+				  : "1",
+			      multi_world(e)->size);
 	/* Every name in the file must be known: a parameter or optimizer
-	 * state.  Every parameter must be present. */
+	 * state (or, with sharded experts, another rank's expert).  Every
+	 * parameter must be present. */
 	for (int i = 0; st == EPJ_OK && i < epj_st_count(f); i++) {
 		const char *nm = epj_st_name_at(f, i);
-		bool known = !strncmp(nm, "optimizer.", 10);
+		bool known =
+		    !strncmp(nm, "optimizer.", 10) ||
+		    (sharded_experts && !rank_file && strstr(nm, ".experts."));
 		for (int k = 0; !known && k < pl->n; k++)
 			known = !strcmp(pl->names[k], nm);
 		if (!known)
@@ -416,8 +644,9 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	/* Validate every entry before the first copy: a failed load changes
 	 * nothing. */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++)
-		st = check_entry(ctx, f, path, "parameter", pl->names[i],
-				 pl->params[i], "");
+		if (!rank_file || !ej_optim_sharded(e->optim, i, NULL, NULL))
+			st = check_entry(ctx, f, path, "parameter",
+					 pl->names[i], pl->params[i], "");
 	bool training = false;
 	const char *fmt = st == EPJ_OK ? epj_st_metadata(f, "format") : NULL;
 	if (fmt && !strcmp(fmt, CKPT_FORMAT))
@@ -436,9 +665,14 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	/* everything checked: copy */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *master = ej_optim_master(e->optim, i);
+		bool sharded = ej_optim_sharded(e->optim, i, NULL, NULL);
+		if (sharded && rank_file)
+			continue; /* optimizer.master_shard.<name> below */
 		st = load_into(ctx, f, pl->names[i],
-			       master ? master : pl->params[i]);
+			       master && !sharded ? master : pl->params[i]);
 	}
+	if (st == EPJ_OK && !training)
+		st = ej_optim_masters_from_params(e->optim);
 	for (int i = 0;
 	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
 	     i++) {
