@@ -546,7 +546,7 @@ static epj_status check_entry(epj_ctx *ctx, const epj_st_file *f,
 }
 
 static epj_status engine_load_file(epj_engine *e, const char *path,
-				   bool rank_file);
+				   bool rank_file, ej_comm *world);
 
 /* With several ranks each rank reads its own PATH.rank<R> (saved by a
  * world of the same size and layout), or, when there is none, PATH as
@@ -565,12 +565,11 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			    "resume it under mpirun with the world size it "
 			    "was saved with",
 			    path, f);
-		return engine_load_file(e, path, false);
+		return engine_load_file(e, path, false, NULL);
 	}
 	rank_file(f, sizeof f, path, world->rank);
-	epj_status st = file_exists(f) ? engine_load_file(e, f, true)
-				       : engine_load_file(e, path, false);
-	return agree(ctx, world, st, "checkpoint load");
+	return file_exists(f) ? engine_load_file(e, f, true, world)
+			      : engine_load_file(e, path, false, world);
 }
 
 /* The metadata of a rank file must match this run. */
@@ -600,14 +599,13 @@ static epj_status check_world_meta(epj_engine *e, const epj_st_file *f,
 	return EPJ_OK;
 }
 
-static epj_status engine_load_file(epj_engine *e, const char *path,
-				   bool rank_file)
+/* Validates every entry of f against the engine before anything is copied
+ * (a failed load changes nothing). */
+static epj_status load_check(epj_engine *e, epj_st_file *f, const char *path,
+			     bool rank_file, bool *training_out)
 {
 	epj_ctx *ctx = e->ctx;
-	epj_st_file *f = NULL;
-	epj_status st = epj_st_open(ctx, path, &f);
-	if (st != EPJ_OK)
-		return st;
+	epj_status st = EPJ_OK;
 	ej_param_list *pl = &e->model->params;
 	const bool sharded_experts =
 	    e->model->has_groups && e->model->groups.ep->size > 1;
@@ -651,6 +649,7 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 	const char *fmt = st == EPJ_OK ? epj_st_metadata(f, "format") : NULL;
 	if (fmt && !strcmp(fmt, CKPT_FORMAT))
 		training = true;
+	*training_out = training;
 	/* optimizer state of a training checkpoint (masters are the
 	 * parameters' entries) */
 	for (int i = 0;
@@ -662,6 +661,16 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 					 ej_optim_state_tensor(e->optim, i),
 					 " (saved with another optimizer?)");
 	}
+	return st;
+}
+
+/* Copies the checked entries into masters, parameters and state. */
+static epj_status load_copy(epj_engine *e, epj_st_file *f, bool rank_file,
+			    bool training)
+{
+	epj_ctx *ctx = e->ctx;
+	ej_param_list *pl = &e->model->params;
+	epj_status st = EPJ_OK;
 	/* everything checked: copy */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *master = ej_optim_master(e->optim, i);
@@ -681,6 +690,28 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 			continue;
 		st = load_into(ctx, f, nm, ej_optim_state_tensor(e->optim, i));
 	}
+	return st;
+}
+
+/* With several ranks (world) every rank takes part in the same agreements
+ * whatever happens locally: after the checks (nothing changed yet when a
+ * rank fails them) and after the copies; then the collective refresh of
+ * the parameters from their masters. */
+static epj_status engine_load_file(epj_engine *e, const char *path,
+				   bool rank_file, ej_comm *world)
+{
+	epj_ctx *ctx = e->ctx;
+	epj_st_file *f = NULL;
+	bool training = false;
+	epj_status st = epj_st_open(ctx, path, &f);
+	if (st == EPJ_OK)
+		st = load_check(e, f, path, rank_file, &training);
+	if (world)
+		st = agree(ctx, world, st, "checkpoint load");
+	if (st == EPJ_OK)
+		st = load_copy(e, f, rank_file, training);
+	if (world)
+		st = agree(ctx, world, st, "checkpoint load (copy)");
 	if (st == EPJ_OK)
 		st = ej_optim_sync_params(e->optim);
 	if (st == EPJ_OK) {
@@ -696,6 +727,7 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 		e->accum_loss = 0;
 		e->accum_n = 0;
 	}
-	epj_st_close(f);
+	if (f)
+		epj_st_close(f);
 	return st;
 }

@@ -127,6 +127,50 @@ timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2z1.json \
 	fail "ZeRO 1 loaded a ZeRO 2 checkpoint"
 grep -q 'zero_optimization.stage=2' z1.txt || fail "ZeRO refusal: $(cat z1.txt)"
 
+# A plain HF f32 file (a single-rank checkpoint without "optimizer.*")
+# loads on 2 ranks: every rank takes its experts from it.
+if command -v python3 >/dev/null 2>&1; then
+	"$TRAIN" --steps 2 --seq 8 --save one.ckpt >one.log 2>&1 ||
+		fail "single-rank save: $(cat one.log)"
+	python3 - one.ckpt hf.safetensors <<'EOF' || fail "python3 could not write hf.safetensors"
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    hdr = json.loads(f.read(n))
+    data = f.read()
+out, blobs, off = {}, [], 0
+for name in sorted(k for k in hdr if k != "__metadata__"):
+    if name.startswith("optimizer."):
+        continue
+    e = hdr[name]
+    b = data[e["data_offsets"][0]:e["data_offsets"][1]]
+    out[name] = {"dtype": e["dtype"], "shape": e["shape"],
+                 "data_offsets": [off, off + len(b)]}
+    blobs.append(b)
+    off += len(b)
+h = json.dumps(out, separators=(",", ":")).encode()
+h += b" " * (-len(h) % 8)
+with open(sys.argv[2], "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+EOF
+	sed -e 's/"enabled": true}/"enabled": false}/' ep2.json >ep2f32.json
+	mpi2 hf.log "$TRAIN" --config ep2f32.json --seq 8 --load hf.safetensors \
+		--dump-state d.st
+	[ -s d.st.rank0 ] && [ -s d.st.rank1 ] || fail "--dump-state: no rank files"
+	python3 - hf.safetensors d.st.rank1 <<'EOF' || fail "rank 1 did not take its weights from the HF file"
+import json, struct, sys
+def read(p):
+    with open(p, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), f.read()
+(ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
+for k in ("lm_head.weight", "model.layers.1.mlp.experts.3.up_proj.weight"):
+    a, b = ha[k]["data_offsets"], hb[k]["data_offsets"]
+    assert da[a[0]:a[1]] == db[b[0]:b[1]], k
+assert "model.layers.1.mlp.experts.0.up_proj.weight" not in hb
+EOF
+fi
+
 # ---- 3. the parity matrix at world 2 --------------------------------------------
 pass=0
 for layout in nested root; do

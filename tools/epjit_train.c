@@ -986,6 +986,10 @@ static int compare_eager(run *r, const opts *o)
 	epj_memory_reset_peaks(e.ctx);
 	epj_memory_reset_peaks(r->ctx);
 	int64_t le0 = launches(e.ctx), lc0 = launches(r->ctx);
+	int64_t be0 = epj_counter_get(e.ctx, "comm.bytes"),
+		bc0 = epj_counter_get(r->ctx, "comm.bytes"),
+		ue0 = epj_counter_get(e.ctx, "comm.us"),
+		uc0 = epj_counter_get(r->ctx, "comm.us");
 	int64_t f0 = epj_counter_get(r->ctx, "frames.total");
 	for (int i = 0; i < COMPARE_STEPS; i++) {
 		bool eager_first = i % 4 == 0 || i % 4 == 3;
@@ -1023,6 +1027,29 @@ static int compare_eager(run *r, const opts *o)
 	       (double)sc.peak_allocated / (double)se.peak_allocated);
 	printf("compare:   frames compiled while measuring: %" PRId64 "\n",
 	       epj_counter_get(r->ctx, "frames.total") - f0);
+	if (epj_dist_size() > 1) {
+		/* this rank's collectives (bytes sent, wall time inside the
+		 * calls, which includes waiting for the peers) */
+		double be = (double)(epj_counter_get(e.ctx, "comm.bytes") -
+				     be0) /
+			    COMPARE_STEPS,
+		       bc = (double)(epj_counter_get(r->ctx, "comm.bytes") -
+				     bc0) /
+			    COMPARE_STEPS;
+		double ue = 1e-3 *
+			    (double)(epj_counter_get(e.ctx, "comm.us") - ue0) /
+			    COMPARE_STEPS,
+		       uc = 1e-3 *
+			    (double)(epj_counter_get(r->ctx, "comm.us") - uc0) /
+			    COMPARE_STEPS;
+		printf("compare:   %-24s %10.3f %10.3f\n", "comm MiB sent/step",
+		       be / (1024.0 * 1024.0), bc / (1024.0 * 1024.0));
+		printf("compare:   %-24s %10.2f %10.2f\n", "comm ms/step", ue,
+		       uc);
+		printf("compare:   %-24s %10.1f %10.1f\n",
+		       "comm share of step (%)", 100.0 * ue / me,
+		       100.0 * uc / mc);
+	}
 done:
 	epj_corpus_free(ce);
 	epj_corpus_free(cc);
@@ -1097,8 +1124,15 @@ static int run_main(run *r, const opts *o)
 		if (skip_consumed(r))
 			return 1;
 	}
-	if (o->dump_state)
-		return dump_state(r, o->dump_state);
+	if (o->dump_state) {
+		/* several ranks: one file per rank (its batch, its experts) */
+		char path[4096];
+		snprintf(path, sizeof path, "%s", o->dump_state);
+		if (epj_dist_size() > 1)
+			snprintf(path, sizeof path, "%s.rank%d", o->dump_state,
+				 epj_dist_rank());
+		return dump_state(r, path);
+	}
 	if (o->emit_cuda)
 		return emit_cuda(r, o);
 
@@ -1123,7 +1157,9 @@ static int run_main(run *r, const opts *o)
 		       epj_engine_num_regions(r->engine) == 1 ? "" : "s");
 	fflush(stdout);
 
-	if (o->metrics) {
+	/* one metrics file per run: rank 0 writes it (the loss is the
+	 * global batch's on every rank) */
+	if (o->metrics && epj_dist_rank() == 0) {
 		r->metrics = fopen(o->metrics, "w");
 		if (!r->metrics)
 			return fail_msg("%s: cannot open for writing: %s",
@@ -1145,8 +1181,10 @@ static int run_main(run *r, const opts *o)
 	if (o->save) {
 		if (epj_engine_save(r->engine, o->save) != EPJ_OK)
 			return fail(r->ctx);
-		printf(PROG ": saved step %" PRId64 " to %s\n",
-		       epj_engine_step_count(r->engine), o->save);
+		printf(PROG ": saved step %" PRId64 " to %s%s\n",
+		       epj_engine_step_count(r->engine), o->save,
+		       epj_dist_size() > 1 ? ".rank<R> (one file per rank)"
+					   : "");
 	}
 
 	double eval_loss;
