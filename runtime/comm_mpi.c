@@ -9,8 +9,9 @@
  * the caller's buffers), every later call fails at once, and the trainer
  * exits non-zero, which makes the launcher end the other ranks.
  *
- * Every MPI call goes through MPI_CK: on failure the message holds the
- * statement text, file:line and MPI_Error_string.  Communicators use
+ * Every MPI call goes through one check (MPI_TRY and its forms MPI_TRY_M,
+ * MPI_CK): on failure the message holds the statement text, file:line and
+ * MPI_Error_string, and for a comm its rank and group.  Communicators use
  * MPI_ERRORS_RETURN.  Rows of any byte size travel as a contiguous derived
  * datatype of `row` bytes; counts and displacements (in rows) must fit in an
  * int, checked before posting.
@@ -102,24 +103,45 @@ static const char *grp(const mpi_comm *m)
 	return m->pub->group ? m->pub->group : "world";
 }
 
-static epj_status mpi_fail(mpi_comm *m, const char *stmt, const char *file,
-			   int line, int rc)
+/* The one check of every MPI call: MPI_TRY(err, n, stmt) runs stmt and
+ * returns EPJ_OK, or EPJ_ERR_BACKEND with "stmt at file:line:
+ * MPI_Error_string" in err[n] (err may be NULL).  MPI_TRY_M writes into the
+ * comm's message and adds its rank and group; MPI_CK returns on failure. */
+static epj_status mpi_rc(int rc, const char *stmt, const char *file, int line,
+			 char *err, size_t n)
 {
+	if (rc == MPI_SUCCESS)
+		return EPJ_OK;
 	char es[MPI_MAX_ERROR_STRING];
 	int len = 0;
 	if (MPI_Error_string(rc, es, &len) != MPI_SUCCESS)
 		snprintf(es, sizeof es, "MPI error %d", rc);
-	snprintf(m->err, sizeof m->err,
-		 "%s at %s:%d: %s (rank %d of %d, group %s)", stmt, file, line,
-		 es, m->pub->rank, m->pub->size, grp(m));
+	if (err && n)
+		snprintf(err, n, "%s at %s:%d: %s", stmt, file, line, es);
 	return EPJ_ERR_BACKEND;
 }
 
+#define MPI_TRY(err, n, stmt) mpi_rc((stmt), #stmt, __FILE__, __LINE__, err, n)
+
+static epj_status with_rank(mpi_comm *m, epj_status s)
+{
+	if (s != EPJ_OK) {
+		size_t k = strlen(m->err);
+		snprintf(m->err + k, sizeof m->err - k,
+			 " (rank %d of %d, group %s)", m->pub->rank,
+			 m->pub->size, grp(m));
+	}
+	return s;
+}
+
+#define MPI_TRY_M(m, stmt)                                                     \
+	with_rank((m), MPI_TRY((m)->err, sizeof(m)->err, stmt))
+
 #define MPI_CK(m, stmt)                                                        \
 	do {                                                                   \
-		int rc_ = (stmt);                                              \
-		if (rc_ != MPI_SUCCESS)                                        \
-			return mpi_fail((m), #stmt, __FILE__, __LINE__, rc_);  \
+		epj_status s_ = MPI_TRY_M(m, stmt);                            \
+		if (s_ != EPJ_OK)                                              \
+			return s_;                                             \
 	} while (0)
 
 static epj_status bad(mpi_comm *m, const char *fmt, const char *call,
@@ -149,11 +171,11 @@ static epj_status wait_req(mpi_comm *m, MPI_Request *req, const char *call)
 	long polls = 0;
 	for (;;) {
 		int flag = 0;
-		int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
-		if (rc != MPI_SUCCESS) {
+		epj_status s =
+		    MPI_TRY_M(m, MPI_Test(req, &flag, MPI_STATUS_IGNORE));
+		if (s != EPJ_OK) {
 			m->broken = true;
-			return mpi_fail(m, "MPI_Test(req, &flag, ...)",
-					__FILE__, __LINE__, rc);
+			return s;
 		}
 		if (flag)
 			return EPJ_OK;
@@ -226,20 +248,16 @@ static epj_status mpi_a2av(void *self, const void *sendbuf,
 	if ((s = int_plan(m, call, send_counts, sc, sd)) == EPJ_OK &&
 	    (s = int_plan(m, call, recv_counts, rc, rd)) == EPJ_OK &&
 	    (s = row_type(m, call, row, &t)) == EPJ_OK) {
+		const void *sp = sendbuf ? sendbuf : dummy;
+		void *rp = recvbuf ? recvbuf : dummy;
 		MPI_Request req;
-		int e = MPI_Ialltoallv(sendbuf ? sendbuf : dummy, sc, sd, t,
-				       recvbuf ? recvbuf : dummy, rc, rd, t,
-				       m->comm, &req);
-		if (e != MPI_SUCCESS)
-			s = mpi_fail(m,
-				     "MPI_Ialltoallv(send, sc, sd, t, "
-				     "recv, rc, rd, t, comm, &req)",
-				     __FILE__, __LINE__, e);
-		else
+		s = MPI_TRY_M(m, MPI_Ialltoallv(sp, sc, sd, t, rp, rc, rd, t,
+						m->comm, &req));
+		if (s == EPJ_OK)
 			s = wait_req(m, &req, call);
 	}
 	if (t != MPI_DATATYPE_NULL)
-		MPI_Type_free(&t);
+		(void)MPI_TRY(NULL, 0, MPI_Type_free(&t));
 	free(buf);
 	return s;
 }
@@ -255,14 +273,11 @@ static epj_status mpi_a2a_i64_start(void *self, const int64_t *send,
 	ej_comm_req *r = malloc(sizeof *r);
 	if (!r)
 		return EPJ_ERR_NOMEM;
-	int e = MPI_Ialltoall(send, n_per, MPI_INT64_T, recv, n_per,
-			      MPI_INT64_T, m->comm, &r->r);
-	if (e != MPI_SUCCESS) {
+	s = MPI_TRY_M(m, MPI_Ialltoall(send, n_per, MPI_INT64_T, recv, n_per,
+				       MPI_INT64_T, m->comm, &r->r));
+	if (s != EPJ_OK) {
 		free(r);
-		return mpi_fail(m,
-				"MPI_Ialltoall(send, n_per, MPI_INT64_T, recv, "
-				"n_per, MPI_INT64_T, comm, &req)",
-				__FILE__, __LINE__, e);
+		return s;
 	}
 	*req = r;
 	return EPJ_OK;
@@ -317,16 +332,12 @@ static epj_status mpi_reduce_scatter(void *self, const float *send, float *recv,
 		return EPJ_ERR_NOMEM;
 	static float dummy[1];
 	if ((s = int_plan(m, call, counts, buf, buf + P)) == EPJ_OK) {
+		const float *sp = send ? send : dummy;
+		float *rp = recv ? recv : dummy;
 		MPI_Request req;
-		int e = MPI_Ireduce_scatter(send ? send : dummy,
-					    recv ? recv : dummy, buf, MPI_FLOAT,
-					    MPI_SUM, m->comm, &req);
-		if (e != MPI_SUCCESS)
-			s = mpi_fail(m,
-				     "MPI_Ireduce_scatter(send, recv, counts, "
-				     "MPI_FLOAT, MPI_SUM, comm, &req)",
-				     __FILE__, __LINE__, e);
-		else
+		s = MPI_TRY_M(m, MPI_Ireduce_scatter(sp, rp, buf, MPI_FLOAT,
+						     MPI_SUM, m->comm, &req));
+		if (s == EPJ_OK)
 			s = wait_req(m, &req, call);
 	}
 	free(buf);
@@ -349,20 +360,17 @@ static epj_status mpi_allgather(void *self, const void *send, void *recv,
 	static char dummy[1];
 	if ((s = int_plan(m, call, counts, buf, buf + P)) == EPJ_OK &&
 	    (s = row_type(m, call, row, &t)) == EPJ_OK) {
+		const void *sp = send ? send : dummy;
+		void *rp = recv ? recv : dummy;
+		int mine = buf[m->pub->rank];
 		MPI_Request req;
-		int e = MPI_Iallgatherv(send ? send : dummy, buf[m->pub->rank],
-					t, recv ? recv : dummy, buf, buf + P, t,
-					m->comm, &req);
-		if (e != MPI_SUCCESS)
-			s = mpi_fail(m,
-				     "MPI_Iallgatherv(send, n, t, recv, "
-				     "counts, displs, t, comm, &req)",
-				     __FILE__, __LINE__, e);
-		else
+		s = MPI_TRY_M(m, MPI_Iallgatherv(sp, mine, t, rp, buf, buf + P,
+						 t, m->comm, &req));
+		if (s == EPJ_OK)
 			s = wait_req(m, &req, call);
 	}
 	if (t != MPI_DATATYPE_NULL)
-		MPI_Type_free(&t);
+		(void)MPI_TRY(NULL, 0, MPI_Type_free(&t));
 	free(buf);
 	return s;
 }
@@ -408,14 +416,13 @@ static void mpi_destroy(void *self)
 	if (!m)
 		return;
 	int fin = 0;
-	MPI_Finalized(&fin);
-	if (!fin && !m->broken && m->comm != MPI_COMM_WORLD &&
-	    m->comm != MPI_COMM_NULL)
-		MPI_Comm_free(&m->comm);
+	if (MPI_TRY(NULL, 0, MPI_Finalized(&fin)) == EPJ_OK && !fin &&
+	    !m->broken && m->comm != MPI_COMM_WORLD && m->comm != MPI_COMM_NULL)
+		(void)MPI_TRY(NULL, 0, MPI_Comm_free(&m->comm));
 	free(m);
 }
 
-static ej_comm *wrap(MPI_Comm comm, const char *group);
+static ej_comm *wrap(MPI_Comm comm, const char *group, char *err, size_t n);
 
 static ej_comm *mpi_split(void *self, int color, int key, const char *group)
 {
@@ -423,38 +430,35 @@ static ej_comm *mpi_split(void *self, int color, int key, const char *group)
 	if (usable(m, "MPI_Comm_split") != EPJ_OK)
 		return NULL;
 	MPI_Comm nc = MPI_COMM_NULL;
-	int e = MPI_Comm_split(m->comm, color, key, &nc);
-	if (e != MPI_SUCCESS) {
-		mpi_fail(m, "MPI_Comm_split(comm, color, key, &nc)", __FILE__,
-			 __LINE__, e);
+	if (MPI_TRY_M(m, MPI_Comm_split(m->comm, color, key, &nc)) != EPJ_OK)
 		return NULL;
+	ej_comm *c = NULL;
+	if (MPI_TRY_M(m, MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN)) ==
+	    EPJ_OK) {
+		c = wrap(nc, group, m->err, sizeof m->err);
+		if (!c)
+			with_rank(m, EPJ_ERR_BACKEND);
 	}
-	e = MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN);
-	if (e != MPI_SUCCESS) {
-		mpi_fail(m, "MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN)",
-			 __FILE__, __LINE__, e);
-		MPI_Comm_free(&nc);
-		return NULL;
-	}
-	ej_comm *c = wrap(nc, group);
-	if (!c) {
-		snprintf(m->err, sizeof m->err, "out of memory");
-		MPI_Comm_free(&nc);
-	}
+	if (!c)
+		(void)MPI_TRY(NULL, 0, MPI_Comm_free(&nc));
 	return c;
 }
 
-static ej_comm *wrap(MPI_Comm comm, const char *group)
+/* A comm over comm (owned from now on when it is not the world); NULL with
+ * the reason in err[n]. */
+static ej_comm *wrap(MPI_Comm comm, const char *group, char *err, size_t n)
 {
 	int rank = 0, size = 1;
-	if (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS ||
-	    MPI_Comm_size(comm, &size) != MPI_SUCCESS)
+	if (MPI_TRY(err, n, MPI_Comm_rank(comm, &rank)) != EPJ_OK ||
+	    MPI_TRY(err, n, MPI_Comm_size(comm, &size)) != EPJ_OK)
 		return NULL;
 	ej_comm *c = calloc(1, sizeof *c);
 	mpi_comm *m = calloc(1, sizeof *m);
 	if (!c || !m) {
 		free(c);
 		free(m);
+		if (err && n)
+			snprintf(err, n, "out of memory");
 		return NULL;
 	}
 	m->comm = comm;
@@ -482,9 +486,9 @@ static ej_comm *wrap(MPI_Comm comm, const char *group)
 ej_comm *ej_comm_mpi_world(void)
 {
 	int init = 0;
-	if (MPI_Initialized(&init) != MPI_SUCCESS || !init)
+	if (MPI_TRY(NULL, 0, MPI_Initialized(&init)) != EPJ_OK || !init)
 		return NULL;
-	return wrap(MPI_COMM_WORLD, "world");
+	return wrap(MPI_COMM_WORLD, "world", NULL, 0);
 }
 
 void ej_comm_set_timeout(ej_comm *c, double timeout_s)
@@ -500,22 +504,25 @@ epj_status ej_mpi_init(char *err, size_t n, bool *started)
 	const char *v = launcher_var();
 	if (!v)
 		return EPJ_OK;
-	int init = 0;
-	MPI_Initialized(&init);
-	if (!init) {
-		int provided = 0;
-		int e =
-		    MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
-		if (e != MPI_SUCCESS) {
-			if (err && n)
-				snprintf(err, n,
-					 "MPI_Init_thread failed (error %d; "
-					 "started by a launcher: %s=%s)",
-					 e, v, getenv(v));
-			return EPJ_ERR_BACKEND;
+	int init = 0, provided = 0;
+	epj_status s = MPI_TRY(err, n, MPI_Initialized(&init));
+	if (s == EPJ_OK && !init)
+		s = MPI_TRY(err, n,
+			    MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED,
+					    &provided));
+	if (s == EPJ_OK)
+		s = MPI_TRY(
+		    err, n,
+		    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+	if (s != EPJ_OK) {
+		if (err && n) {
+			size_t k = strlen(err);
+			snprintf(err + k, n - k,
+				 " (started by a launcher: %s=%s)", v,
+				 getenv(v));
 		}
+		return s;
 	}
-	MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
 	*started = true;
 	return EPJ_OK;
 }
@@ -523,9 +530,8 @@ epj_status ej_mpi_init(char *err, size_t n, bool *started)
 void ej_mpi_finalize(void)
 {
 	int fin = 0;
-	MPI_Finalized(&fin);
-	if (!fin)
-		MPI_Finalize();
+	if (MPI_TRY(NULL, 0, MPI_Finalized(&fin)) == EPJ_OK && !fin)
+		(void)MPI_TRY(NULL, 0, MPI_Finalize());
 }
 
 #endif /* HAVE_MPI */

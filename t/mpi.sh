@@ -2,7 +2,8 @@
 # t/mpi.sh -- two ranks under mpirun (make check sets top_builddir and
 # top_srcdir; by hand: top_builddir=BUILD top_srcdir=SRC sh t/mpi.sh).
 #
-#  1. t/mpi_check: the mpi comm's collectives, an AutoEP layer sharded over
+#  1. t/mpi_check (2 ranks, and 4 for EP 2 x EDP 2): the mpi comm's
+#     collectives, an AutoEP layer sharded over
 #     2 ranks against the unsharded layer (also with a rank that receives
 #     nothing), EP = 2 / EP = 1 with ZeRO 0/1/2 against a single-rank
 #     reference on the global batch (loss, routing, every gradient, the
@@ -71,6 +72,13 @@ last_fields() {
 mpi2 check.log "$CHECK"
 cat check.log
 grep -q 'mpi_check: PASS' check.log || fail "mpi_check did not pass"
+# 4 ranks: EP 2 x expert-data-parallel 2 (expert partitions under ZeRO)
+if ! timeout 300 "$MPIRUN" -np 4 --oversubscribe "$CHECK" >check4.log 2>&1; then
+	cat check4.log >&2
+	fail "mpi_check on 4 ranks"
+fi
+grep -q 'mpi_check: PASS (0 failures over 4 ranks)' check4.log ||
+	fail "mpi_check on 4 ranks did not pass"
 
 # ---- 2. the trainer ------------------------------------------------------------
 cat >ep2.json <<'EOF'

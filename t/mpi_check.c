@@ -16,6 +16,8 @@
  *             gradient (reduced over its group and scaled as the engine
  *             does), the grad norm and the parameters after 2 optimizer
  *             steps (non-zero updates), f32 within 1e-5 relative.
+ *  errors     an MPI error inside a collective (truncation) comes back
+ *             with the statement, file:line and MPI_Error_string.
  *  timeout    a collective that the peer never joins fails within
  *             comm.timeout_s with a message naming the call and the rank;
  *             the comm is broken afterwards.
@@ -35,6 +37,10 @@
 
 static int rank, world_size, failures;
 static uint64_t seed;
+/* Tolerances are for 2 ranks; with W ranks the gradients are sums of W
+ * partial sums (W / 2 times as many roundings), so they scale by W / 2. */
+static double tscale = 1.0;
+static double worst_grad, worst_param; /* largest relative differences seen */
 
 static void fail_at(int line, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -221,6 +227,21 @@ static double rel_diff(const float *a, const float *b, int64_t n)
 		double e = fabs((double)a[i] - (double)b[i]);
 		d = e > d ? e : d;
 		m = fabs((double)b[i]) > m ? fabs((double)b[i]) : m;
+	}
+	return m > 0 ? d / m : d;
+}
+
+/* As rel_diff, with the denominator at least floor: a gradient that is
+ * rounding noise (e.g. the query / key gradients when every token of a
+ * batch is the same, so that attention is uniform) compares against the
+ * scale of the other gradients. */
+static double rel_diff_floor(const float *a, const float *b, int64_t n,
+			     double floor)
+{
+	double d = 0, m = floor;
+	for (int64_t i = 0; i < n; i++) {
+		d = fmax(d, fabs((double)a[i] - (double)b[i]));
+		m = fmax(m, fabs((double)b[i]));
 	}
 	return m > 0 ? d / m : d;
 }
@@ -461,10 +482,16 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 	 * opposite sign amplifies 1e-7 differences of summation order, so
 	 * its update is compared to 1e-3 of its size. */
 	const bool adam = strstr(optim, "Adam") != NULL;
-	const double ptol = adam ? 1e-4 : 1e-5, utol = adam ? 1e-3 : 1e-4;
+	const double ptol = (adam ? 1e-4 : 1e-5) * tscale,
+		     utol = (adam ? 1e-3 : 1e-4) * tscale;
 	epj_corpus *corp = epj_corpus_synthetic(
 	    cr, (uint32_t)epj_model_vocab_size(mr), seed + 3);
-	for (int step = 0; step < 2; step++) {
+	/* SGD: 2 steps (the second uses the partitioned momentum); Adam: 1
+	 * (a second step's gradients already depend on how the first step's
+	 * noise-driven updates of near-zero gradients rounded; its partitioned
+	 * moments are checked bit for bit by t/mpi.sh's resume test) */
+	const int steps = adam ? 1 : 2;
+	for (int step = 0; step < steps; step++) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		OK(cr, epj_corpus_next_batch(cr, corp, B * P, T, &ids, &lab));
 		epj_tensor *ida = rows_of(ca, ids, w->rank, B);
@@ -477,7 +504,7 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 		float lv[2] = { (float)epj_tensor_get_f64(la, 0), 0 };
 		OK(ca, ej_comm_allreduce(ca, w, "test", lv, 1));
 		double lref = epj_tensor_get_f64(lr, 0);
-		CHECK(fabs(lv[0] / P - lref) <= 1e-5 * fabs(lref),
+		CHECK(fabs(lv[0] / P - lref) <= 1e-5 * tscale * fabs(lref),
 		      "%s step %d: loss %.9g vs reference %.9g", label, step,
 		      lv[0] / P, lref);
 		/* routing: this rank's tokens route as in the reference */
@@ -496,7 +523,15 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 		OK(cr, epj_backward(cr, lr, NULL));
 		OK(ca, ej_optim_accumulate(ea->optim));
 		OK(cr, ej_optim_accumulate(er->optim));
-		/* every gradient, reduced over its group and scaled by 1/W */
+		/* every gradient, reduced over its group and scaled by 1/W;
+		 * none is compared below 1e-2 of the largest one */
+		double gmax = 0;
+		for (int j = 0; j < mr->params.n; j++) {
+			epj_tensor *gr = ej_optim_grad(er->optim, j, true);
+			const float *d = ej_data(gr);
+			for (int64_t k = 0; k < epj_tensor_numel(gr); k++)
+				gmax = fmax(gmax, fabs((double)d[k]));
+		}
 		int compared = 0;
 		for (int i = 0; i < ma->params.n; i++) {
 			const char *nm = ma->params.names[i];
@@ -515,9 +550,13 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 				   "test", f1, n));
 			for (int64_t k = 0; k < n; k++)
 				f1[k] /= (float)P;
-			double d = rel_diff(f1, f2, n);
-			CHECK(d <= 1e-5, "%s: grad of %s differs: %g", label,
-			      nm, d);
+			double d = rel_diff_floor(f1, f2, n, 1e-2 * gmax);
+			if (d > worst_grad && getenv("MPI_CHECK_VERBOSE"))
+				fprintf(stderr, "worst so far: %s %s %g\n",
+					label, nm, d);
+			worst_grad = fmax(worst_grad, d);
+			CHECK(d <= 1e-5 * tscale, "%s: grad of %s differs: %g",
+			      label, nm, d);
 			compared++;
 			free(f1);
 			free(f2);
@@ -531,8 +570,26 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 		double na = 0, nr = 0;
 		OK(ca, ej_optim_step(ea->optim, 0.05, 1.0, &na));
 		OK(cr, ej_optim_step(er->optim, 0.05, 1.0, &nr));
-		CHECK(fabs(na - nr) <= 1e-5 * nr, "%s: grad norm %.9g vs %.9g",
-		      label, na, nr);
+		CHECK(fabs(na - nr) <= 1e-5 * tscale * nr,
+		      "%s: grad norm %.9g vs %.9g", label, na, nr);
+		/* the largest update of any parameter: updates are compared
+		 * relative to their own size, but not below ufloor of it
+		 * (Adam divides by |g| + eps, so a gradient that is rounding
+		 * noise moves its parameter by up to lr * noise / eps: its
+		 * updates compare against the largest, about lr) */
+		const double ufloor = adam ? 0.1 : 1e-3;
+		double umax = 0;
+		for (int j = 0; j < mr->params.n; j++) {
+			int i = param_index(ma, mr->params.names[j]);
+			if (i < 0)
+				continue;
+			float *f2 = host_f32(cr, mr->params.params[j]);
+			for (int64_t k = 0;
+			     k < epj_tensor_numel(mr->params.params[j]); k++)
+				umax = fmax(umax,
+					    fabs((double)f2[k] - before[i][k]));
+			free(f2);
+		}
 		int moved = 0;
 		for (int i = 0; i < ma->params.n; i++) {
 			int j = param_index(mr, ma->params.names[i]);
@@ -548,7 +605,9 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 					  fabs((double)f2[k] - before[i][k]));
 			}
 			moved += dm > 0;
-			CHECK(d <= ptol && du <= utol * dm + 1e-7,
+			if (!adam)
+				worst_param = fmax(worst_param, d);
+			CHECK(d <= ptol && du <= utol * fmax(dm, ufloor * umax),
 			      "%s step %d: %s after the step differs: %g "
 			      "(update diff %g of %g)",
 			      label, step, ma->params.names[i], d, du, dm);
@@ -579,6 +638,32 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 /* ---- timeout --------------------------------------------------------------
  */
 
+/* An MPI error inside a collective (a receive count smaller than what the
+ * peer sends: truncation) comes back as an error with the statement,
+ * file:line and MPI's own text, on a comm of its own (broken afterwards). */
+static void check_mpi_error(epj_ctx *ctx, ej_comm *w)
+{
+	ej_comm *c = w->split(w->self, 0, w->rank, "trunc");
+	CHECK(c != NULL, "split");
+	if (!c)
+		return;
+	int64_t sc[8], rc[8];
+	for (int p = 0; p < 8; p++)
+		sc[p] = rc[p] = 3;
+	if (w->rank == 1)
+		rc[0] = 1; /* rank 0 sends 3 rows of 8 bytes, 1 is expected */
+	char sb[8 * 24] = { 0 }, rb[8 * 24];
+	epj_status st = ej_comm_a2av(ctx, c, "mismatch", sb, sc, rb, rc, 8);
+	if (w->rank == 1 && getenv("MPI_CHECK_VERBOSE"))
+		fprintf(stderr, "%s\n", epj_ctx_error(ctx));
+	if (w->rank == 1)
+		CHECK(st != EPJ_OK && strstr(epj_ctx_error(ctx), "MPI_") &&
+			  strstr(epj_ctx_error(ctx), "comm_mpi.c:") &&
+			  strstr(epj_ctx_error(ctx), "MPI_ERR_TRUNCATE"),
+		      "MPI error message: %s", epj_ctx_error(ctx));
+	OK(ctx, ej_comm_barrier_c(ctx, w, "test"));
+}
+
 static void check_timeout(epj_ctx *ctx, ej_comm *w)
 {
 	ej_comm *c = w->split(w->self, 0, w->rank, "test");
@@ -586,6 +671,8 @@ static void check_timeout(epj_ctx *ctx, ej_comm *w)
 	if (!c)
 		return;
 	ej_comm_set_timeout(w, 1.0);
+	char want_rank[32];
+	snprintf(want_rank, sizeof want_rank, "rank 0 of %d", w->size);
 	if (w->rank == 0) {
 		struct timespec t0, t1;
 		clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -596,8 +683,8 @@ static void check_timeout(epj_ctx *ctx, ej_comm *w)
 			    1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
 		const char *m = epj_ctx_error(ctx);
 		CHECK(st != EPJ_OK && strstr(m, "did not complete within") &&
-			  strstr(m, "rank 0 of 2") &&
-			  strstr(m, "MPI_Iallreduce") && strstr(m, "lonely"),
+			  strstr(m, want_rank) && strstr(m, "MPI_Iallreduce") &&
+			  strstr(m, "lonely"),
 		      "timeout message: %s", m);
 		CHECK(dt >= 0.9 && dt < 10, "timeout after %.2f s", dt);
 		st = ej_comm_barrier_c(ctx, c, "after");
@@ -634,6 +721,7 @@ int main(void)
 		return 1;
 	}
 	seed %= 1000000007u;
+	tscale = world_size > 2 ? world_size / 2.0 : 1.0;
 	if (rank == 0)
 		printf("mpi_check: %d ranks, EPJIT_TEST_SEED=%llu\n",
 		       world_size, (unsigned long long)seed);
@@ -657,8 +745,16 @@ int main(void)
 	check_model(w, self, world_size, 2, adamw, false);
 	check_model(w, self, 1, 1, sgd, false);
 	check_model(w, self, 1, 2, adamw, true);
+	if (world_size > 2 && world_size % 2 == 0) /* EP 2 x EDP W/2 */
+		check_model(w, self, 2, 2, sgd, true);
+	check_mpi_error(ctx, w);
 	check_timeout(ctx, w);
 
+	float worst[2] = { (float)worst_grad, (float)worst_param };
+	printf("mpi_check: rank %d: largest relative difference to the "
+	       "single-rank reference: gradients %.2e, SGD parameters %.2e "
+	       "(tolerance %.0e)\n",
+	       rank, worst[0], worst[1], 1e-5 * tscale);
 	float f = (float)failures;
 	if (ej_comm_allreduce(ctx, w, "failures", &f, 1) != EPJ_OK)
 		f = 1;
