@@ -5,15 +5,27 @@
  *   router:   logits = x @ gate.weight^T [N, E]; probs = softmax in fp32
  *             top-k -> (w [N, k], idx [N, k] i64), optional renormalisation
  *             (fixed routing: idx[n, j] = (n*k + j) % E, w = probs at idx)
+ *   plan:     rows per global expert (from idx), exchanged with the EP
+ *             group: rows to / from every rank, and per local expert the
+ *             rows from every rank.  async_split_plan posts the exchange
+ *             here and waits for it after the permutation
  *   permute:  order = stable argsort of idx flattened [N*k]; the routed row r
  *             (sorted by expert, token order kept within one expert) carries
- *             token order[r] / k; x_sorted = x[token_of_row] [N*k, H]
- *   dispatch: split plan (rows per expert, per destination rank) exchanged,
- *             then AllToAll-v of the rows (world of one: nothing moves)
+ *             token order[r] / k; x_sorted = x[token_of_row] [N*k, H]; the
+ *             rows of rank p's experts are contiguous (experts in blocks)
+ *   dispatch: AllToAll-v of the rows (world of one: nothing moves), then the
+ *             local-expert permutation: received rows, grouped by source
+ *             rank, regrouped by local expert
  *   experts:  SwiGLU per local expert on its contiguous block of rows
- *             (a grouped GEMM as a loop of linear calls): y_sorted [N*k, H]
- *   combine:  AllToAll-v back, then out[token] += w * y in fp32 (index_add),
- *             cast to hidden's dtype, reshaped to [B, T, H]
+ *             (a grouped GEMM as a loop of linear calls), unpermuted back
+ *             to source-rank order
+ *   combine:  AllToAll-v back with the reversed plan: y_sorted [N*k, H];
+ *             then out[token] += w * y in fp32 (index_add), cast to
+ *             hidden's dtype, reshaped to [B, T, H]
+ *
+ * Each AllToAll-v is one autograd node (a2a_rows) whose backward is the
+ * reverse exchange of the gradient over the same group; the graph is the
+ * same on every rank, so the backward exchanges match too.
  *
  * Everything that carries values is computed with public epj_* ops, so
  * autograd covers the router, the experts and the input; only the index
@@ -24,8 +36,10 @@
  *
  * Parameters (HF names under the layer): gate.weight [E, H],
  * experts.{e}.gate_proj.weight [I, H], experts.{e}.up_proj.weight [I, H],
- * experts.{e}.down_proj.weight [H, I]; a rank holds its E / world_size local
- * experts, named by their global index (all E in a world of one).
+ * experts.{e}.down_proj.weight [H, I]; a rank holds the E / P local experts
+ * of its position in the EP group of P ranks, named by their global index
+ * (all E in a world of one; ej_autoep_shard drops the others).  All E are
+ * drawn at construction, so an expert's initial values do not depend on P.
  *
  * Routing math runs in f32 for f32 and bf16 layers (as HF's router does) and
  * in f64 for f64 layers, so that the layer can be gradient-checked.
