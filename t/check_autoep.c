@@ -1049,6 +1049,27 @@ START_TEST(test_multi_rank_comm_failure)
 	f.wait_status = EPJ_ERR_BACKEND;
 	expect_call_error(ctx, m, x, EPJ_ERR_BACKEND, "split plan");
 	ck_assert_int_eq(f.waits, 2);
+	/* an error while the plan is in flight (allocation n fails, for
+	 * every n up to past the dispatch): every posted plan is waited for
+	 * before the error returns, and some of those errors hit the window
+	 * between post and wait (drained) */
+	f.wait_status = EPJ_OK;
+	int64_t drained0 = epj_counter_get(ctx, "autoep.split_plan.drained");
+	for (int64_t n = 1; n <= 200; n++) {
+		f.starts = f.waits = 0;
+		epj_ctx_clear_error(ctx);
+		ej_allocator_fail_after(ctx->alloc, n);
+		epj_tensor *out = NULL;
+		epj_status st = ej_module_call(ctx, m, &x, 1, &out, 1);
+		ej_allocator_fail_after(ctx->alloc, 0);
+		ck_assert_int_ne(st, EPJ_OK); /* NOMEM, or the fake dispatch */
+		ck_assert_ptr_null(out);
+		ck_assert_msg(f.waits == f.starts,
+			      "allocation %lld: %d plans posted, %d waited",
+			      (long long)n, f.starts, f.waits);
+	}
+	ck_assert_int_gt(epj_counter_get(ctx, "autoep.split_plan.drained"),
+			 drained0);
 	ck_assert_int_eq(epj_counter_get(ctx, "autoep.calls.forward"), f0);
 	epj_tensor_free(x);
 	ej_module_free(root);
