@@ -12,7 +12,7 @@
 #     --rank-log files of the other rank, one rank file per rank of a
 #     checkpoint; resuming on 2 ranks (bf16, ZeRO 2, AdamW) is identical to
 #     the straight run; a world of 1 and another ZeRO stage are refused;
-#     a plain HF file loads on 2 ranks; EP 2 x gradient accumulation 2 on 2
+#     a plain HF file loads on 2 ranks; impossible EP sizes are refused; EP 2 x gradient accumulation 2 on 2
 #     ranks trains as 1 rank x 4 on the same micro-batches (loss, norm);
 #  3. the parity matrix at world 2 (EP 2, ZeRO 1, bf16, SGD lr 1.0):
 #     nested / root x checkpointing off / on x async split plan off / on,
@@ -201,6 +201,19 @@ paste -d, g1.csv g2.csv | sed 1d | awk -F, '
 	{ if (rel($8, $2) > 1e-5 || rel($10, $4) > 1e-5) bad = 1; n++ }
 	END { exit bad || n != 3 }' ||
 	fail "EP 2 on 2 ranks differs from 1 rank: $(cat g1.csv g2.csv)"
+
+# Expert-parallel sizes that cannot work are refused at initialize.
+sed 's/"num_experts": 4,/"num_experts": 3,/' "$srcdir/t/models/byte.json" >e3.json
+timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model e3.json \
+	--config ep2.json --steps 1 --seq 8 >e3.txt 2>&1 &&
+	fail "3 experts sharded over 2 ranks"
+grep -q "num_experts=3 is not divisible by expert_parallel.autoep_size=2" e3.txt ||
+	fail "3 experts over 2: $(cat e3.txt)"
+sed 's/"autoep_size": 2/"autoep_size": 4/' ep2.json >ep4.json
+timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep4.json \
+	--steps 1 --seq 8 >ep4.txt 2>&1 && fail "autoep_size 4 on 2 ranks"
+grep -q "autoep_size=4 needs a world of a multiple of 4 ranks; this run has 2" ep4.txt ||
+	fail "autoep_size 4 on 2 ranks: $(cat ep4.txt)"
 
 # ---- 3. the parity matrix at world 2 --------------------------------------------
 pass=0
