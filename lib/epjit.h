@@ -614,6 +614,21 @@ epj_status epj_corpus_next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B,
 				 int64_t T, epj_tensor **input_ids,
 				 epj_tensor **labels);
 
+/* ---- distributed runs -------------------------------------------------------
+ * One process per rank, started by an MPI launcher (mpirun, srun).  The
+ * process calls epj_dist_init before anything else; it starts MPI when the
+ * environment says a launcher started it (OMPI_COMM_WORLD_SIZE, PMI_SIZE or
+ * PMIX_RANK) and otherwise leaves a world of one.  Engines then use the
+ * world for expert parallelism (expert_parallel.autoep_size), data
+ * parallelism and ZeRO.  On failure err (n bytes) holds the message. */
+epj_status epj_dist_init(char *err, size_t n);
+/* ok: the run succeeded; MPI is finalized.  After a failure (ok false) MPI
+ * is left alone -- a peer may wait in a collective -- and the process
+ * should exit non-zero: the launcher then ends the other ranks. */
+void epj_dist_finalize(bool ok);
+int epj_dist_rank(void); /* rank in the world (0 without MPI) */
+int epj_dist_size(void); /* ranks in the world (1 without MPI) */
+
 #ifdef __cplusplus
 }
 #endif

@@ -5,15 +5,27 @@
  *   router:   logits = x @ gate.weight^T [N, E]; probs = softmax in fp32
  *             top-k -> (w [N, k], idx [N, k] i64), optional renormalisation
  *             (fixed routing: idx[n, j] = (n*k + j) % E, w = probs at idx)
+ *   plan:     rows per global expert (from idx), exchanged with the EP
+ *             group: rows to / from every rank, and per local expert the
+ *             rows from every rank.  async_split_plan posts the exchange
+ *             here and waits for it after the permutation
  *   permute:  order = stable argsort of idx flattened [N*k]; the routed row r
  *             (sorted by expert, token order kept within one expert) carries
- *             token order[r] / k; x_sorted = x[token_of_row] [N*k, H]
- *   dispatch: split plan (rows per expert, per destination rank) exchanged,
- *             then AllToAll-v of the rows (world of one: nothing moves)
+ *             token order[r] / k; x_sorted = x[token_of_row] [N*k, H]; the
+ *             rows of rank p's experts are contiguous (experts in blocks)
+ *   dispatch: AllToAll-v of the rows (world of one: nothing moves), then the
+ *             local-expert permutation: received rows, grouped by source
+ *             rank, regrouped by local expert
  *   experts:  SwiGLU per local expert on its contiguous block of rows
- *             (a grouped GEMM as a loop of linear calls): y_sorted [N*k, H]
- *   combine:  AllToAll-v back, then out[token] += w * y in fp32 (index_add),
- *             cast to hidden's dtype, reshaped to [B, T, H]
+ *             (a grouped GEMM as a loop of linear calls), unpermuted back
+ *             to source-rank order
+ *   combine:  AllToAll-v back with the reversed plan: y_sorted [N*k, H];
+ *             then out[token] += w * y in fp32 (index_add), cast to
+ *             hidden's dtype, reshaped to [B, T, H]
+ *
+ * Each AllToAll-v is one autograd node (a2a_rows) whose backward is the
+ * reverse exchange of the gradient over the same group; the graph is the
+ * same on every rank, so the backward exchanges match too.
  *
  * Everything that carries values is computed with public epj_* ops, so
  * autograd covers the router, the experts and the input; only the index
@@ -24,8 +36,10 @@
  *
  * Parameters (HF names under the layer): gate.weight [E, H],
  * experts.{e}.gate_proj.weight [I, H], experts.{e}.up_proj.weight [I, H],
- * experts.{e}.down_proj.weight [H, I]; a rank holds its E / world_size local
- * experts, named by their global index (all E in a world of one).
+ * experts.{e}.down_proj.weight [H, I]; a rank holds the E / P local experts
+ * of its position in the EP group of P ranks, named by their global index
+ * (all E in a world of one; ej_autoep_shard drops the others).  All E are
+ * drawn at construction, so an expert's initial values do not depend on P.
  *
  * Routing math runs in f32 for f32 and bf16 layers (as HF's router does) and
  * in f64 for f64 layers, so that the layer can be gradient-checked.
@@ -51,6 +65,7 @@ typedef struct autoep_impl {
 	int n_local;	 /* experts on this rank: num_experts / comm->size */
 	int first_local; /* global index of local expert 0 */
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
+	int64_t ops_at_post;	  /* eager launches when the plan was posted */
 	int64_t n_forward, n_replay; /* calls of this layer */
 } autoep_impl;
 
@@ -94,14 +109,120 @@ static epj_status index_to_host(epj_ctx *ctx, const epj_tensor *t, int64_t *out)
 }
 
 /* Token AllToAll-v of the rows of x [R, H] with send_counts[p] rows going to
- * rank p and recv_counts[p] rows coming from it; returns the received rows.
- * Autograd-aware by construction: its backward is the reverse exchange of the
- * gradient (counts swapped), which a multi-rank version records as one
- * custom node.  In a world of one every row stays here in the same order, so
- * no data moves and no node is needed: the result is x itself (a new
- * reference) and gradients flow through unchanged. */
+ * rank p and recv_counts[p] rows coming from it; returns the received rows
+ * [sum recv_counts, H].  With grad enabled and x requiring grad, the result
+ * carries one custom autograd node whose backward is the reverse exchange
+ * of the gradient (counts swapped) over the same comm.  Every rank runs
+ * that backward in the same order (the graph is the same on every rank),
+ * also for zero rows, so the collectives match.  In a world of one every
+ * row stays here in the same order, so no data moves and no node is
+ * needed: the result is x itself (a new reference). */
+typedef struct a2a_node {
+	ej_comm *comm;
+	int P;
+	int64_t *send, *recv; /* of the forward exchange */
+	const char *what;     /* counter / message name of the backward */
+} a2a_node;
+
+static void a2a_node_free(void *p)
+{
+	a2a_node *a = p;
+	if (!a)
+		return;
+	free(a->send);
+	free(a->recv);
+	free(a);
+}
+
+static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
+			    epj_tensor *x, const int64_t *send_counts,
+			    const int64_t *recv_counts);
+
+static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
+			       epj_tensor *const *grad_out,
+			       epj_tensor **grad_in)
+{
+	a2a_node *a = n->custom;
+	epj_tensor *g = grad_out[0] ? epj_tensor_ref(grad_out[0]) : NULL;
+	if (!g) {
+		int64_t rows = 0;
+		for (int p = 0; p < a->P; p++)
+			rows += a->recv[p];
+		int64_t sh[2] = { rows, n->in_meta[0].shape[1] };
+		g = epj_zeros(ctx, n->in_meta[0].dtype, 2, sh);
+		if (!g)
+			return epj_ctx_status(ctx);
+	}
+	bool prev = epj_no_grad_enter(ctx);
+	grad_in[0] = a2a_rows(ctx, a->comm, a->what, g, a->recv, a->send);
+	epj_no_grad_exit(ctx, prev);
+	epj_tensor_free(g);
+	return grad_in[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
+			    epj_tensor *x, const int64_t *send_counts,
+			    const int64_t *recv_counts)
+{
+	const int P = comm->size;
+	EJ_ASSERT(epj_tensor_ndim(x) == 2);
+	int64_t rows_in = 0, rows_out = 0;
+	for (int p = 0; p < P; p++) {
+		rows_in += send_counts[p];
+		rows_out += recv_counts[p];
+	}
+	EJ_ASSERT(rows_in == epj_tensor_dim(x, 0));
+	const int64_t H = epj_tensor_dim(x, 1);
+	epj_tensor *xc =
+	    ej_is_contiguous(x) ? epj_tensor_ref(x) : epj_contiguous(ctx, x);
+	int64_t sh[2] = { rows_out, H };
+	epj_tensor *y =
+	    xc ? ej_tensor_alloc(ctx, epj_tensor_dtype(x), 2, sh, false) : NULL;
+	if (!y) {
+		epj_tensor_free(xc);
+		return NULL;
+	}
+	size_t row = (size_t)H * epj_dtype_size(epj_tensor_dtype(x));
+	epj_status s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
+				    ej_data(y), recv_counts, row);
+	epj_tensor_free(xc);
+	if (s != EPJ_OK) {
+		epj_tensor_free(y);
+		return NULL;
+	}
+	if (!epj_grad_enabled(ctx) || !x->requires_grad)
+		return y;
+	a2a_node *a = calloc(1, sizeof *a);
+	if (a) {
+		a->send = malloc(sizeof(int64_t) * (size_t)P);
+		a->recv = malloc(sizeof(int64_t) * (size_t)P);
+	}
+	if (!a || !a->send || !a->recv) {
+		a2a_node_free(a);
+		epj_tensor_free(y);
+		ej_error(ctx, EPJ_ERR_NOMEM, "all_to_all_v: out of memory");
+		return NULL;
+	}
+	a->comm = comm;
+	a->P = P;
+	memcpy(a->send, send_counts, sizeof(int64_t) * (size_t)P);
+	memcpy(a->recv, recv_counts, sizeof(int64_t) * (size_t)P);
+	a->what = !strcmp(what, "autoep.dispatch") ? "autoep.dispatch_grad"
+						   : "autoep.combine_grad";
+	ej_node *node = ej_node_custom(ctx, "autoep.all_to_all_v", &x, 1, &y, 1,
+				       a2a_backward, a, a2a_node_free);
+	if (!node) {
+		a2a_node_free(a);
+		epj_tensor_free(y);
+		return NULL;
+	}
+	if (y->grad_fn != node)
+		ej_node_unref(node);
+	return y;
+}
+
 static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
-				 const ej_comm *comm, epj_tensor *x,
+				 ej_comm *comm, const char *what, epj_tensor *x,
 				 const int64_t *send_counts,
 				 const int64_t *recv_counts)
 {
@@ -112,70 +233,117 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 			  send_counts[0] == epj_tensor_dim(x, 0));
 		return epj_tensor_ref(x);
 	}
-	ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-		 "%s (%s): token all_to_all_v over %d ranks (comm '%s'): "
-		 "multi-rank AutoEP comes with the Distributed issue",
-		 m->name, AUTOEP_KIND, comm->size, comm->name);
-	return NULL;
+	epj_tensor *y = a2a_rows(ctx, comm, what, x, send_counts, recv_counts);
+	if (!y)
+		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
+	return y;
 }
 
-/* Exchanges the split plan.  counts[e] = routed rows for global expert e.
- * Out: send_counts[p] / recv_counts[p] = rows to / from rank p (size P), and
- * local_counts[e] = rows this rank's local expert e receives from all ranks
- * (n_local).  The per-rank totals go through all_to_all_i64; the per-expert
- * detail (needed for the local-expert permutation) through all_to_all_v with
- * one row of n_local int64 per rank.
+/* The split plan.  counts[e] = routed rows for global expert e, laid out
+ * [P][L] (rank p owns global experts [p*L, (p+1)*L)).  Out: send_counts[p]
+ * / recv_counts[p] = rows to / from rank p, and recv_plan[p][l] = rows this
+ * rank's local expert l receives from rank p.
  *
- * With async_split_plan a multi-rank backend posts this exchange before the
- * tokens are permuted and waits for it only at the token dispatch, so it
- * overlaps with the permutation; in a world of one it completes at once, so
- * both modes take this synchronous path. */
-static epj_status
-exchange_split_plan(epj_ctx *ctx, const epj_module *m, const autoep_impl *im,
-		    const int64_t *counts, int64_t *send_counts,
-		    int64_t *recv_counts, int64_t *local_counts)
+ * Synchronous plan: the per-rank totals through all_to_all_i64 and the
+ * per-expert detail through all_to_all_v, now.  Asynchronous plan
+ * (async_split_plan): plan_post posts one non-blocking exchange of the
+ * [P][L] detail before the local permutation runs and plan_wait completes
+ * it after (the totals follow from the detail), so the exchange overlaps
+ * with the permutation; the numbers are the same. */
+typedef struct split_plan {
+	int P, L;
+	int64_t *send_counts, *recv_counts, *recv_plan;
+	ej_comm_req *req; /* posted, not yet waited for */
+} split_plan;
+
+static void plan_totals(split_plan *sp, const int64_t *counts)
 {
-	const ej_comm *comm = im->comm;
-	int P = comm->size, L = im->n_local;
+	for (int p = 0; p < sp->P; p++) {
+		sp->send_counts[p] = 0;
+		for (int e = 0; e < sp->L; e++)
+			sp->send_counts[p] += counts[(int64_t)p * sp->L + e];
+	}
+}
+
+static epj_status plan_sync(epj_ctx *ctx, const epj_module *m,
+			    const autoep_impl *im, split_plan *sp,
+			    const int64_t *counts)
+{
+	ej_comm *comm = im->comm;
+	int P = sp->P, L = sp->L;
+	plan_totals(sp, counts);
 	int64_t *ones = malloc(sizeof *ones * (size_t)P);
-	int64_t *recv_plan = malloc(sizeof *recv_plan * (size_t)P * (size_t)L);
-	if (!ones || !recv_plan) {
-		free(ones);
-		free(recv_plan);
+	if (!ones)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
 				m->name, AUTOEP_KIND);
-	}
-	for (int p = 0; p < P; p++) {
+	for (int p = 0; p < P; p++)
 		ones[p] = 1;
-		send_counts[p] = 0;
-		/* global experts of rank p: [p*L, (p+1)*L) */
-		for (int e = 0; e < L; e++)
-			send_counts[p] += counts[(int64_t)p * L + e];
-	}
-	const char *what = "all_to_all_i64";
-	epj_status s =
-	    comm->all_to_all_i64(comm->self, send_counts, recv_counts);
-	if (s == EPJ_OK) {
-		/* counts is laid out [P][L] already: row p goes to rank p */
-		what = "all_to_all_v (split plan)";
-		s = comm->all_to_all_v(comm->self, counts, ones, recv_plan,
-				       ones, sizeof(int64_t) * (size_t)L);
-	}
-	if (s == EPJ_OK) {
-		for (int e = 0; e < L; e++) {
-			local_counts[e] = 0;
-			for (int p = 0; p < P; p++)
-				local_counts[e] +=
-				    recv_plan[(int64_t)p * L + e];
-		}
-	}
+	epj_status s = ej_comm_a2a_i64(ctx, comm, "autoep.split_plan",
+				       sp->send_counts, sp->recv_counts);
+	/* counts is laid out [P][L] already: row p goes to rank p */
+	if (s == EPJ_OK)
+		s = ej_comm_a2av(ctx, comm, "autoep.split_plan", counts, ones,
+				 sp->recv_plan, ones,
+				 sizeof(int64_t) * (size_t)L);
 	free(ones);
-	free(recv_plan);
 	if (s != EPJ_OK)
-		return ej_error(ctx, s, "%s (%s): comm '%s' %s failed (%s)",
-				m->name, AUTOEP_KIND, comm->name, what,
-				epj_status_name(s));
+		ej_error_prefix(ctx, "%s (%s): split plan", m->name,
+				AUTOEP_KIND);
+	else
+		epj_counter_add(ctx, "autoep.split_plan.sync", 1);
+	return s;
+}
+
+static epj_status plan_post(epj_ctx *ctx, const epj_module *m,
+			    const autoep_impl *im, split_plan *sp,
+			    const int64_t *counts)
+{
+	plan_totals(sp, counts);
+	epj_status s =
+	    ej_comm_a2a_i64_start(ctx, im->comm, "autoep.split_plan", counts,
+				  sp->recv_plan, sp->L, &sp->req);
+	if (s != EPJ_OK)
+		ej_error_prefix(ctx, "%s (%s): posting the split plan", m->name,
+				AUTOEP_KIND);
+	else
+		epj_counter_add(ctx, "autoep.split_plan.async", 1);
+	return s;
+}
+
+static epj_status plan_wait(epj_ctx *ctx, const epj_module *m,
+			    const autoep_impl *im, split_plan *sp)
+{
+	ej_comm_req *r = sp->req;
+	sp->req = NULL;
+	epj_status s = ej_comm_wait(ctx, im->comm, "autoep.split_plan", r);
+	if (s != EPJ_OK) {
+		ej_error_prefix(ctx, "%s (%s): split plan", m->name,
+				AUTOEP_KIND);
+		return s;
+	}
+	for (int p = 0; p < sp->P; p++) {
+		sp->recv_counts[p] = 0;
+		for (int e = 0; e < sp->L; e++)
+			sp->recv_counts[p] += sp->recv_plan[p * sp->L + e];
+	}
 	return EPJ_OK;
+}
+
+/* A posted plan that an error left behind is completed (its buffers are
+ * the plan's) before the plan is freed; the first error stays. */
+static void plan_drain(epj_ctx *ctx, const autoep_impl *im, split_plan *sp)
+{
+	if (!sp->req)
+		return;
+	char saved[1024];
+	epj_status st = epj_ctx_status(ctx);
+	snprintf(saved, sizeof saved, "%s", epj_ctx_error(ctx));
+	ej_comm_req *r = sp->req;
+	sp->req = NULL;
+	(void)ej_comm_wait(ctx, im->comm, "autoep.split_plan (drain)", r);
+	epj_counter_add(ctx, "autoep.split_plan.drained", 1);
+	if (st != EPJ_OK)
+		ej_error(ctx, st, "%s", saved);
 }
 
 /* SwiGLU experts over rows grouped by local expert: block e holds
@@ -232,9 +400,15 @@ static epj_tensor *run_experts(epj_ctx *ctx, epj_module *m,
 		start += c;
 	}
 	epj_tensor *y = NULL;
-	if (!failed) {
-		/* every routed row belongs to some expert, and R >= 1 */
-		EJ_ASSERT(n_y > 0 && start == epj_tensor_dim(x_recv, 0));
+	if (!failed && n_y == 0) {
+		/* A rank that received no rows: an empty result that stays
+		 * connected to x_recv, so that the backward exchanges run on
+		 * this rank too (the peers wait for them). */
+		EJ_ASSERT(start == 0 && epj_tensor_dim(x_recv, 0) == 0);
+		y = epj_mul(ctx, x_recv, x_recv);
+	} else if (!failed) {
+		/* every received row belongs to some local expert */
+		EJ_ASSERT(start == epj_tensor_dim(x_recv, 0));
 		y = epj_cat(ctx, ys, n_y, 0);
 	}
 	for (int i = 0; i < n_y; i++)
@@ -370,22 +544,31 @@ static epj_status autoep_forward(epj_ctx *ctx, epj_module *m,
 	    im->dtype == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
 
 	/* host bookkeeping (owned) */
+	const int L = im->n_local;
 	int64_t *idx_h = malloc(sizeof *idx_h * (size_t)R);
 	int64_t *order_h = malloc(sizeof *order_h * (size_t)R);
 	int64_t *tok_h = malloc(sizeof *tok_h * (size_t)R);
 	int64_t *counts = calloc((size_t)E, sizeof *counts);
 	int64_t *send_counts = calloc((size_t)P, sizeof *send_counts);
 	int64_t *recv_counts = calloc((size_t)P, sizeof *recv_counts);
-	int64_t *local_counts = calloc((size_t)im->n_local, sizeof(int64_t));
+	int64_t *local_counts = calloc((size_t)L, sizeof(int64_t));
+	int64_t *recv_plan = calloc((size_t)P * (size_t)L, sizeof(int64_t));
+	int64_t *perm_h = NULL, *inv_h = NULL;
+	split_plan sp = { .P = P,
+			  .L = L,
+			  .send_counts = send_counts,
+			  .recv_counts = recv_counts,
+			  .recv_plan = recv_plan };
 	/* tensors (owned) */
 	epj_tensor *x = NULL, *w = NULL, *idx = NULL, *idx_flat = NULL,
 		   *order = NULL, *tok = NULL, *x_sorted = NULL, *x_recv = NULL,
 		   *y_recv = NULL, *y_sorted = NULL, *w_flat = NULL,
 		   *w_sorted = NULL, *w_col = NULL, *y_r = NULL, *y_w = NULL,
-		   *acc = NULL, *out_r = NULL, *out_h = NULL, *routing = NULL;
+		   *acc = NULL, *out_r = NULL, *out_h = NULL, *routing = NULL,
+		   *perm = NULL, *inv = NULL, *x_grp = NULL, *y_grp = NULL;
 
 	if (!idx_h || !order_h || !tok_h || !counts || !send_counts ||
-	    !recv_counts || !local_counts) {
+	    !recv_counts || !local_counts || !recv_plan) {
 		s = ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
 			     m->name, AUTOEP_KIND);
 		goto done;
@@ -400,25 +583,42 @@ static epj_status autoep_forward(epj_ctx *ctx, epj_module *m,
 	s = route(ctx, m, im, x, rdt, N, &w, &idx); /* [N, k] each */
 	if (s != EPJ_OK)
 		goto fail_op;
+	s = index_to_host(ctx, idx, idx_h);
+	if (s != EPJ_OK)
+		goto fail_op;
+	for (int64_t r = 0; r < R; r++) {
+		EJ_ASSERT(idx_h[r] >= 0 && idx_h[r] < E);
+		counts[idx_h[r]]++;
+	}
+
+	/* Split plan: with async_split_plan posted now and completed after
+	 * the local permutation below; else exchanged now. */
+	const bool async = im->opts.async_split_plan;
+	if (async) {
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
+		s = plan_post(ctx, m, im, &sp, counts);
+		im->ops_at_post = l0;
+	} else {
+		s = plan_sync(ctx, m, im, &sp, counts);
+	}
+	if (s != EPJ_OK)
+		goto done;
 
 	/* Permutation: routed rows sorted by expert (stable, so rows of one
-	 * expert keep token order); routed row r carries token order[r] / k. */
+	 * expert keep token order); routed row r carries token order[r] / k.
+	 * The rows of rank p's experts are contiguous in x_sorted because
+	 * experts are assigned to ranks in blocks of n_local. */
 	idx_flat = epj_reshape(ctx, idx, 1, &R);
 	order = epj_argsort(ctx, idx_flat, 0);
 	if (!order) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-	s = index_to_host(ctx, idx, idx_h);
-	if (s == EPJ_OK)
-		s = index_to_host(ctx, order, order_h);
+	s = index_to_host(ctx, order, order_h);
 	if (s != EPJ_OK)
 		goto fail_op;
-	for (int64_t r = 0; r < R; r++) {
-		EJ_ASSERT(idx_h[r] >= 0 && idx_h[r] < E);
-		counts[idx_h[r]]++;
+	for (int64_t r = 0; r < R; r++)
 		tok_h[r] = order_h[r] / k;
-	}
 	routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
 				       (int64_t[]){ N, k }, idx_h);
 	tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
@@ -426,39 +626,100 @@ static epj_status autoep_forward(epj_ctx *ctx, epj_module *m,
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-
-	/* Split plan, then dispatch of the rows [R, H] to their experts'
-	 * ranks.  The rows of rank p's experts are contiguous in x_sorted
-	 * because experts are assigned to ranks in blocks of n_local. */
-	s = exchange_split_plan(ctx, m, im, counts, send_counts, recv_counts,
-				local_counts);
-	if (s != EPJ_OK)
-		goto done;
 	x_sorted = epj_index_select(ctx, x, 0, tok); /* [R, H] */
 	if (!x_sorted) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-	x_recv =
-	    ep_all_to_all(ctx, m, im->comm, x_sorted, send_counts, recv_counts);
+	if (async) {
+		/* the eager ops that ran while the plan was in flight */
+		epj_counter_add(ctx, "autoep.split_plan.overlapped_ops",
+				epj_counter_get(ctx, "kernels.launched.eager") -
+				    im->ops_at_post);
+		s = plan_wait(ctx, m, im, &sp);
+		if (s != EPJ_OK)
+			goto done;
+	}
+	int64_t R_recv = 0;
+	for (int p = 0; p < P; p++)
+		R_recv += recv_counts[p];
+	for (int e = 0; e < L; e++) {
+		local_counts[e] = 0;
+		for (int p = 0; p < P; p++)
+			local_counts[e] += recv_plan[(int64_t)p * L + e];
+	}
+
+	/* Dispatch of the rows [R, H] to their experts' ranks. */
+	x_recv = ep_all_to_all(ctx, m, im->comm, "autoep.dispatch", x_sorted,
+			       send_counts, recv_counts);
 	if (!x_recv) {
 		s = epj_ctx_status(ctx);
 		goto done; /* the message names the layer already */
 	}
 	/* Local-expert permutation: received rows are grouped by source rank
-	 * and by local expert within it; regrouping them by local expert is
-	 * the identity for a single source rank (a world of one, the only
-	 * case the exchange above lets through). */
-	EJ_ASSERT(P == 1);
+	 * and, within one, by local expert; the experts want them grouped by
+	 * local expert (source rank order kept within one).  perm[j] = the
+	 * received row at grouped position j, inv its inverse.  For a single
+	 * source rank it is the identity and is skipped. */
+	if (P > 1) {
+		perm_h = malloc(sizeof *perm_h * (size_t)(R_recv + 1));
+		inv_h = malloc(sizeof *inv_h * (size_t)(R_recv + 1));
+		int64_t *src_off =
+		    calloc((size_t)P * (size_t)L + 1, sizeof *src_off);
+		if (!perm_h || !inv_h || !src_off) {
+			free(src_off);
+			s = ej_error(ctx, EPJ_ERR_NOMEM,
+				     "%s (%s): out of memory", m->name,
+				     AUTOEP_KIND);
+			goto done;
+		}
+		int64_t off = 0;
+		for (int p = 0; p < P; p++)
+			for (int e = 0; e < L; e++) {
+				src_off[p * L + e] = off;
+				off += recv_plan[(int64_t)p * L + e];
+			}
+		int64_t j = 0;
+		for (int e = 0; e < L; e++)
+			for (int p = 0; p < P; p++)
+				for (int64_t q = 0;
+				     q < recv_plan[(int64_t)p * L + e]; q++) {
+					perm_h[j] = src_off[p * L + e] + q;
+					inv_h[perm_h[j]] = j;
+					j++;
+				}
+		free(src_off);
+		EJ_ASSERT(j == R_recv);
+		perm = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv,
+					    perm_h);
+		inv =
+		    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, inv_h);
+		x_grp =
+		    perm && inv ? epj_index_select(ctx, x_recv, 0, perm) : NULL;
+		if (!x_grp) {
+			s = epj_ctx_status(ctx);
+			goto fail_op;
+		}
+	} else {
+		x_grp = epj_tensor_ref(x_recv);
+	}
 
-	y_recv = run_experts(ctx, m, im, x_recv, local_counts); /* [R, H] */
+	y_grp = run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
+	if (!y_grp) {
+		s = epj_ctx_status(ctx);
+		goto fail_op;
+	}
+	/* Unpermute back to (source rank, local expert) order. */
+	y_recv = P > 1 ? epj_index_select(ctx, y_grp, 0, inv)
+		       : epj_tensor_ref(y_grp);
 	if (!y_recv) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-	/* Return the expert outputs to the ranks their tokens came from. */
-	y_sorted =
-	    ep_all_to_all(ctx, m, im->comm, y_recv, recv_counts, send_counts);
+	/* Return the expert outputs to the ranks their tokens came from:
+	 * the reversed plan. */
+	y_sorted = ep_all_to_all(ctx, m, im->comm, "autoep.combine", y_recv,
+				 recv_counts, send_counts);
 	if (!y_sorted) {
 		s = epj_ctx_status(ctx);
 		goto done;
@@ -504,6 +765,14 @@ fail_op:
 		s = EPJ_ERR_INVALID;
 	ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 done:
+	plan_drain(ctx, im, &sp);
+	epj_tensor_free(perm);
+	epj_tensor_free(inv);
+	epj_tensor_free(x_grp);
+	epj_tensor_free(y_grp);
+	free(perm_h);
+	free(inv_h);
+	free(recv_plan);
 	epj_tensor_free(x);
 	epj_tensor_free(w);
 	epj_tensor_free(idx);
@@ -627,8 +896,10 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 
 	/* Draw every parameter first, in the documented order (gate, then
 	 * experts' gate_proj, up_proj, down_proj), so that a failure leaves
-	 * no half-built layer in the parent. */
-	const int L = im->n_local, np = 1 + 3 * L;
+	 * no half-built layer in the parent.  All num_experts experts are
+	 * drawn and a rank keeps its own: expert e has the same initial
+	 * values whatever the expert-parallel size. */
+	const int L = im->n_local, EA = opts->num_experts, np = 1 + 3 * EA;
 	epj_tensor **p = calloc((size_t)np, sizeof *p);
 	if (!p) {
 		autoep_impl_free(im);
@@ -641,7 +912,7 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 	bool ok = true;
 	p[0] = epj_randn(ctx, dt, 2, sh_gate, 0.0, init_std);
 	ok = p[0] != NULL;
-	for (int e = 0; e < L && ok; e++) {
+	for (int e = 0; e < EA && ok; e++) {
 		p[1 + 3 * e] = epj_randn(ctx, dt, 2, sh_in, 0.0, init_std);
 		p[2 + 3 * e] = epj_randn(ctx, dt, 2, sh_in, 0.0, init_std);
 		p[3 + 3 * e] = epj_randn(ctx, dt, 2, sh_out, 0.0, init_std);
@@ -662,7 +933,6 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 	 * of parent) and frees it. */
 	epj_module *m =
 	    ej_module_new(parent, local, AUTOEP_KIND, autoep_forward);
-	int used = 0;
 	ok = m != NULL;
 	if (ok) {
 		m->compiler_disabled = true;
@@ -670,7 +940,8 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		m->impl_free = autoep_impl_free;
 		im = NULL; /* owned by m now */
 		epj_module *gate = ej_module_new(m, "gate", "Linear", NULL);
-		ok = gate && ej_module_add_param(gate, "weight", p[used++]);
+		ok = gate && ej_module_add_param(gate, "weight", p[0]);
+		p[0] = NULL;
 	}
 	epj_module *experts =
 	    ok ? ej_module_new(m, "experts", "ModuleList", NULL) : NULL;
@@ -686,11 +957,12 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		for (int j = 0; j < 3 && ok; j++) {
 			epj_module *lin =
 			    ej_module_new(ex, proj[j], "Linear", NULL);
-			ok = lin &&
-			     ej_module_add_param(lin, "weight", p[used++]);
+			int k = 1 + 3 * (first_local + e) + j;
+			ok = lin && ej_module_add_param(lin, "weight", p[k]);
+			p[k] = NULL;
 		}
 	}
-	for (int i = used; i < np; i++)
+	for (int i = 0; i < np; i++)
 		epj_tensor_free(p[i]);
 	free(p);
 	if (!ok) {
@@ -727,5 +999,44 @@ epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 	autoep_impl *im = m->impl;
 	im->opts.fixed_routing = fixed_routing;
 	im->opts.async_split_plan = async_split_plan;
+	return EPJ_OK;
+}
+
+epj_status ej_autoep_shard(epj_ctx *ctx, epj_module *m, ej_comm *ep)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"autoep shard: not an AutoEP layer");
+	autoep_impl *im = m->impl;
+	const int E = im->opts.num_experts;
+	if (ep->size < 1 || E % ep->size != 0)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s (%s): num_experts %d is not divisible by "
+				"expert_parallel.autoep_size %d",
+				m->name, AUTOEP_KIND, E, ep->size);
+	if (im->comm->size != 1)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"%s (%s): already sharded over %d ranks",
+				m->name, AUTOEP_KIND, im->comm->size);
+	const int L = E / ep->size, first = ep->rank * L;
+	epj_module *experts = ej_module_child(m, "experts");
+	EJ_ASSERT(experts && experts->n_children == E);
+	int kept = 0;
+	for (int i = 0; i < experts->n_children; i++) {
+		epj_module *c = experts->children[i];
+		int g = atoi(c->local);
+		if (g >= first && g < first + L)
+			experts->children[kept++] = c;
+		else
+			ej_module_free(c);
+	}
+	experts->n_children = kept;
+	EJ_ASSERT(kept == L);
+	if (im->owns_comm)
+		ej_comm_free(im->comm);
+	im->owns_comm = false;
+	im->comm = ep;
+	im->n_local = L;
+	im->first_local = first;
 	return EPJ_OK;
 }

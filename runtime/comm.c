@@ -1,90 +1,18 @@
-/* comm.c -- collective backends behind the ej_comm vtable.
+/* comm.c -- what every collective backend shares: the process's world, the
+ * parallel groups of an engine, and the checked wrappers through which the
+ * library calls a comm (messages with context, counters).
  *
- * Only `self` lives here for now: a world of one process (rank 0, size 1).
- * Its collectives are what any backend degenerates to with one rank: an
- * all-to-all sends every row to itself (a copy), an all-reduce of one
- * contribution is the identity, a barrier of one returns at once.  The MPI
- * (CPU collectives, launcher, bootstrap of NCCL's unique id) and NCCL (GPU
- * collectives) implementations come with the Distributed issue and fill the
- * same vtable.
- *
- * Buffers handed to `self` are host memory: the AutoEP layer never moves
- * device tensors through a world of one (it skips the exchange entirely), so
- * the copies below only see host-side split plans and test buffers.  The
- * vtable carries no context, so failures return a status without a message;
- * callers add the message with their own context.
+ * Backends: comm_self.c (a world of one) and comm_mpi.c (Open MPI).  The
+ * world is `mpi` once epj_dist_init has started MPI (the process was
+ * launched by mpirun / srun), else `self`.
  */
 #include "runtime_impl.h"
 
 #include <string.h>
+#include <time.h>
 
-/* send_counts[0] rows go to rank 0 (ourselves) and recv_counts[0] rows come
- * back from it: the two counts must agree. */
-static epj_status self_all_to_all_v(void *self, const void *sendbuf,
-				    const int64_t *send_counts, void *recvbuf,
-				    const int64_t *recv_counts, size_t row)
-{
-	(void)self;
-	if (!send_counts || !recv_counts || send_counts[0] < 0 ||
-	    send_counts[0] != recv_counts[0])
-		return EPJ_ERR_INVALID;
-	size_t bytes = (size_t)send_counts[0] * row;
-	if (bytes == 0)
-		return EPJ_OK;
-	if (!sendbuf || !recvbuf)
-		return EPJ_ERR_INVALID;
-	if (sendbuf != recvbuf)
-		memmove(recvbuf, sendbuf, bytes);
-	return EPJ_OK;
-}
-
-/* One int64 per rank: with one rank, recv[0] = send[0]. */
-static epj_status self_all_to_all_i64(void *self, const int64_t *send,
-				      int64_t *recv)
-{
-	(void)self;
-	if (!send || !recv)
-		return EPJ_ERR_INVALID;
-	recv[0] = send[0];
-	return EPJ_OK;
-}
-
-/* The sum over one rank is the buffer itself. */
-static epj_status self_all_reduce_f32(void *self, float *buf, int64_t n)
-{
-	(void)self;
-	if (n < 0 || (n > 0 && !buf))
-		return EPJ_ERR_INVALID;
-	return EPJ_OK;
-}
-
-static epj_status self_barrier(void *self)
-{
-	(void)self;
-	return EPJ_OK;
-}
-
-static void self_destroy(void *self)
-{
-	(void)self; /* `self` holds no state */
-}
-
-ej_comm *ej_comm_self_new(void)
-{
-	ej_comm *c = calloc(1, sizeof *c);
-	if (!c)
-		return NULL;
-	c->name = "self";
-	c->rank = 0;
-	c->size = 1;
-	c->self = NULL;
-	c->all_to_all_v = self_all_to_all_v;
-	c->all_to_all_i64 = self_all_to_all_i64;
-	c->all_reduce_f32 = self_all_reduce_f32;
-	c->barrier = self_barrier;
-	c->destroy = self_destroy;
-	return c;
-}
+static ej_comm *g_world;   /* the process's world (owned) */
+static bool g_mpi_started; /* epj_dist_init started MPI */
 
 void ej_comm_free(ej_comm *c)
 {
@@ -93,4 +21,288 @@ void ej_comm_free(ej_comm *c)
 	if (c->destroy)
 		c->destroy(c->self);
 	free(c);
+}
+
+ej_comm *ej_comm_world(void)
+{
+	if (!g_world)
+		g_world = g_mpi_started ? ej_comm_mpi_world() : NULL;
+	if (!g_world)
+		g_world = ej_comm_self_new();
+	EJ_ASSERT(g_world != NULL);
+	return g_world;
+}
+
+ej_comm *ej_comm_world_set(ej_comm *c)
+{
+	ej_comm *prev = ej_comm_world();
+	g_world = c;
+	return prev;
+}
+
+epj_status epj_dist_init(char *err, size_t n)
+{
+	if (err && n)
+		err[0] = '\0';
+	if (g_mpi_started || g_world)
+		return EPJ_OK;
+	bool started = false;
+	epj_status s = ej_mpi_init(err, n, &started);
+	if (s != EPJ_OK)
+		return s;
+	g_mpi_started = started;
+	(void)ej_comm_world();
+	return EPJ_OK;
+}
+
+void epj_dist_finalize(bool ok)
+{
+	/* After a failure a peer may still wait in a collective: finalizing
+	 * would wait for it.  The process exits instead and the launcher
+	 * ends the others. */
+	if (!ok)
+		return;
+	ej_comm_free(g_world);
+	g_world = NULL;
+	if (g_mpi_started)
+		ej_mpi_finalize();
+	g_mpi_started = false;
+}
+
+int epj_dist_rank(void)
+{
+	return ej_comm_world()->rank;
+}
+
+int epj_dist_size(void)
+{
+	return ej_comm_world()->size;
+}
+
+/* ---- groups ---------------------------------------------------------------
+ */
+
+epj_status ej_groups_new(epj_ctx *ctx, ej_comm *world, int ep_size,
+			 ej_groups *out)
+{
+	memset(out, 0, sizeof *out);
+	int W = world->size, r = world->rank;
+	if (ep_size < 1 || W % ep_size != 0)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"expert_parallel.autoep_size=%d does not "
+				"divide the world size %d (comm '%s')",
+				ep_size, W, world->name);
+	out->world = world;
+	out->dp = world;
+	if (W == 1) {
+		out->ep = out->edp = world;
+		return EPJ_OK;
+	}
+	if (!world->split)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"comm '%s' cannot make sub-groups (no split)",
+				world->name);
+	out->owned = true;
+	/* EP group: ranks [g*ep, (g+1)*ep); EDP group: ranks with the same
+	 * position r % ep in their EP group. */
+	out->ep = world->split(world->self, r / ep_size, r, "ep");
+	out->edp =
+	    out->ep ? world->split(world->self, r % ep_size, r, "edp") : NULL;
+	if (!out->ep || !out->edp) {
+		const char *why =
+		    world->error ? world->error(world->self) : "out of memory";
+		ej_groups_free(out);
+		return ej_error(ctx, EPJ_ERR_BACKEND,
+				"comm '%s' (rank %d of %d): creating the "
+				"expert-parallel groups (size %d) failed: %s",
+				world->name, r, W, ep_size, why);
+	}
+	EJ_ASSERT(out->ep->size == ep_size && out->edp->size == W / ep_size);
+	return EPJ_OK;
+}
+
+void ej_groups_free(ej_groups *g)
+{
+	if (g->owned) {
+		ej_comm_free(g->ep);
+		ej_comm_free(g->edp);
+	}
+	memset(g, 0, sizeof *g);
+}
+
+/* ---- checked wrappers -----------------------------------------------------
+ */
+
+static double wall_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const char *group_of(const ej_comm *c)
+{
+	return c->group ? c->group : "world";
+}
+
+static epj_status comm_fail(epj_ctx *ctx, ej_comm *c, const char *call,
+			    const char *what, epj_status s)
+{
+	if (s == EPJ_OK)
+		s = EPJ_ERR_BACKEND;
+	return ej_error(ctx, s,
+			"comm '%s' (group %s, rank %d of %d): %s (%s) "
+			"failed: %s",
+			c->name, group_of(c), c->rank, c->size, call, what,
+			c->error ? c->error(c->self) : epj_status_name(s));
+}
+
+static epj_status missing(epj_ctx *ctx, ej_comm *c, const char *call,
+			  const char *what)
+{
+	return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			"comm '%s' (group %s): %s (%s) is not provided",
+			c->name, group_of(c), call, what);
+}
+
+static void account(epj_ctx *ctx, ej_comm *c, const char *what, int64_t bytes,
+		    double t0)
+{
+	double dt = wall_s() - t0;
+	c->stat_calls++;
+	c->stat_bytes += bytes;
+	c->stat_seconds += dt;
+	if (!ctx)
+		return;
+	epj_counter_add(ctx, "comm.calls", 1);
+	epj_counter_add(ctx, "comm.bytes", bytes);
+	epj_counter_add(ctx, "comm.us", (int64_t)(dt * 1e6));
+	char name[96];
+	snprintf(name, sizeof name, "comm.%s.bytes", what);
+	epj_counter_add(ctx, name, bytes);
+}
+
+epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,
+			const void *send, const int64_t *send_counts,
+			void *recv, const int64_t *recv_counts, size_t row)
+{
+	double t0 = wall_s();
+	epj_status s =
+	    c->all_to_all_v(c->self, send, send_counts, recv, recv_counts, row);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_to_all_v", what, s);
+	int64_t b = 0;
+	for (int p = 0; p < c->size; p++)
+		if (p != c->rank)
+			b += send_counts[p] * (int64_t)row;
+	account(ctx, c, what, b, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_a2a_i64(epj_ctx *ctx, ej_comm *c, const char *what,
+			   const int64_t *send, int64_t *recv)
+{
+	double t0 = wall_s();
+	epj_status s = c->all_to_all_i64(c->self, send, recv);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_to_all_i64", what, s);
+	account(ctx, c, what, 8 * (int64_t)(c->size - 1), t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_a2a_i64_start(epj_ctx *ctx, ej_comm *c, const char *what,
+				 const int64_t *send, int64_t *recv, int n_per,
+				 ej_comm_req **req)
+{
+	*req = NULL;
+	if (!c->all_to_all_i64_start)
+		return missing(ctx, c, "all_to_all_i64_start", what);
+	double t0 = wall_s();
+	epj_status s = c->all_to_all_i64_start(c->self, send, recv, n_per, req);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_to_all_i64_start", what, s);
+	account(ctx, c, what, 8 * (int64_t)n_per * (c->size - 1), t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_wait(epj_ctx *ctx, ej_comm *c, const char *what,
+			ej_comm_req *req)
+{
+	if (!c->wait)
+		return missing(ctx, c, "wait", what);
+	double t0 = wall_s();
+	epj_status s = c->wait(c->self, req);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "wait", what, s);
+	account(ctx, c, what, 0, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_allreduce(epj_ctx *ctx, ej_comm *c, const char *what,
+			     float *buf, int64_t n)
+{
+	if (c->size == 1)
+		return EPJ_OK;
+	double t0 = wall_s();
+	epj_status s = c->all_reduce_f32(c->self, buf, n);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_reduce", what, s);
+	account(ctx, c, what, 4 * n, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_reduce_scatter(epj_ctx *ctx, ej_comm *c, const char *what,
+				  const float *send, float *recv,
+				  const int64_t *counts)
+{
+	if (!c->reduce_scatter_f32)
+		return missing(ctx, c, "reduce_scatter", what);
+	double t0 = wall_s();
+	epj_status s = c->reduce_scatter_f32(c->self, send, recv, counts);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "reduce_scatter", what, s);
+	int64_t b = 0;
+	for (int p = 0; p < c->size; p++)
+		if (p != c->rank)
+			b += 4 * counts[p];
+	account(ctx, c, what, b, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_allgather(epj_ctx *ctx, ej_comm *c, const char *what,
+			     const void *send, void *recv,
+			     const int64_t *counts, size_t row)
+{
+	if (!c->all_gather_v)
+		return missing(ctx, c, "all_gather", what);
+	double t0 = wall_s();
+	epj_status s = c->all_gather_v(c->self, send, recv, counts, row);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_gather", what, s);
+	account(ctx, c, what,
+		(int64_t)(c->size - 1) * counts[c->rank] * (int64_t)row, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_bcast(epj_ctx *ctx, ej_comm *c, const char *what, void *buf,
+			 size_t bytes, int root)
+{
+	if (!c->broadcast)
+		return missing(ctx, c, "broadcast", what);
+	double t0 = wall_s();
+	epj_status s = c->broadcast(c->self, buf, bytes, root);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "broadcast", what, s);
+	account(ctx, c, what, c->rank == root ? (int64_t)bytes : 0, t0);
+	return EPJ_OK;
+}
+
+epj_status ej_comm_barrier_c(epj_ctx *ctx, ej_comm *c, const char *what)
+{
+	double t0 = wall_s();
+	epj_status s = c->barrier(c->self);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "barrier", what, s);
+	account(ctx, c, what, 0, t0);
+	return EPJ_OK;
 }

@@ -272,6 +272,7 @@ enum {
 	SEC_COMPILE,
 	SEC_PIPELINE,
 	SEC_TP,
+	SEC_COMM,
 	SEC_COUNT
 };
 
@@ -296,6 +297,7 @@ static const char *const k_root[] = {
 	"wall_clock_breakdown",
 	"device",
 	"skip_nonfinite_steps",
+	"comm",
 };
 static const char *const k_bf16[] = { "enabled" };
 /* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
@@ -359,6 +361,7 @@ static const char *const k_compile[] = {
 };
 static const char *const k_pipeline[] = { "stages" };
 static const char *const k_tp[] = { "autotp_size" };
+static const char *const k_comm[] = { "timeout_s" };
 
 static const struct section {
 	const char *path; /* "" for the top level */
@@ -381,6 +384,7 @@ static const struct section {
 	SEC(SEC_COMPILE, "compile", k_compile),
 	SEC(SEC_PIPELINE, "pipeline", k_pipeline),
 	SEC(SEC_TP, "tensor_parallel", k_tp),
+	SEC(SEC_COMM, "comm", k_comm),
 #undef SEC
 };
 
@@ -446,6 +450,7 @@ void ej_config_defaults(ej_config *c)
 	c->compile.dynamic = EJ_JSON_FALSE;
 	c->sequence_parallel_size = 1;
 	c->pipeline_stages = 1;
+	c->comm_timeout_s = 300.0;
 	c->autotp_size = 1;
 	c->steps_per_print = 10;
 	c->seed = 42;
@@ -1227,6 +1232,11 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 	if (o && (s = rd_i32(p, o, "tensor_parallel", "autotp_size", 1,
 			     INT_FIELD_MAX, &c->autotp_size)))
 		return s;
+	if ((s = get_section(p, root, "comm", SEC_COMM, &o)))
+		return s;
+	if (o && (s = rd_num(p, o, "comm", "timeout_s", 0, true, 86400.0 * 7,
+			     false, &c->comm_timeout_s)))
+		return s;
 
 	/* Batch rules that hold for every world size: train_batch_size is a
 	 * multiple of micro * gas (the quotient being the world size). */
@@ -1623,6 +1633,7 @@ char *ej_config_to_json(const ej_config *c)
 	if (c->device[0])
 		SET(r, "device", json_string(c->device));
 	SET(r, "skip_nonfinite_steps", json_boolean(c->skip_nonfinite_steps));
+	SET(r, "comm", json_pack("{s:f}", "timeout_s", c->comm_timeout_s));
 #undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to

@@ -185,6 +185,8 @@ typedef struct ej_config {
 	 * "cuda-sim"; with compile.backend unset, cuda-sim runs compiled
 	 * regions on the cuda-sim backend. */
 	char device[EJ_CONFIG_STR_MAX];
+	double comm_timeout_s; /* comm.timeout_s > 0: bound of every blocking
+				  collective (seconds), default 300 */
 } ej_config;
 
 /* Fills every field with its documented default. */

@@ -64,31 +64,19 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 		    c->sequence_parallel_size > 1 ? "sequence_parallel_size"
 		    : c->pipeline_stages > 1	  ? "pipeline.stages"
 					     : "tensor_parallel.autotp_size");
-	/* Launched as one of several ranks (mpirun, Slurm, torchrun): every
-	 * rank would train a world of one on its own, which is not what the
-	 * user asked for; ZeRO 1/2 and async split planning in particular
-	 * would silently run as their world-of-one forms. */
-	int world = 1;
-	const char *wvar = ej_launcher_world_size(&world);
-	if (world > 1)
-		return ej_error(
-		    ctx, EPJ_ERR_UNSUPPORTED,
-		    "%s: launched as one of %d ranks (%s=%d), but multi-rank "
-		    "training is not implemented yet%s%s; run one process",
-		    src, world, wvar, world,
-		    c->zero.stage == 1 || c->zero.stage == 2
-			? " (zero_optimization.stage 1/2 would run unsharded)"
-			: "",
-		    c->expert_parallel.async_split_plan
-			? " (expert_parallel.async_split_plan would run the "
-			  "synchronous plan)"
-			: "");
-	if (c->expert_parallel.autoep_size > 1)
+	const int W = ej_comm_world()->size,
+		  ep = c->expert_parallel.autoep_size;
+	if (ep > 1 && W % ep != 0)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: expert_parallel.autoep_size=%d needs %d "
-				"ranks; this run has 1",
-				src, c->expert_parallel.autoep_size,
-				c->expert_parallel.autoep_size);
+				"%s: expert_parallel.autoep_size=%d needs a "
+				"world of a multiple of %d ranks; this run has "
+				"%d (launch with mpirun -np N)",
+				src, ep, ep, W);
+	if (ep > 1 && m->n_moe > 0 && m->cfg.num_experts % ep != 0)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: the model's num_experts=%d is not "
+				"divisible by expert_parallel.autoep_size=%d",
+				src, m->cfg.num_experts, ep);
 	if (c->expert_parallel.top_k &&
 	    c->expert_parallel.top_k != m->cfg.num_experts_per_tok)
 		return ej_error(ctx, EPJ_ERR_CONFIG,
@@ -111,27 +99,50 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 	return EPJ_OK;
 }
 
-/* The world size a launcher announced in the environment (Open MPI, PMI,
- * an srun step, torchrun), 1 when none did; returns the variable's name or
- * NULL. Malformed values are ignored (the launcher's business, not ours). */
-const char *ej_launcher_world_size(int *world)
+/* Parameter i belongs to an expert of an AutoEP layer (owner: the
+ * projection Linear, under expert N, under the experts list). */
+static bool is_expert_param(const epj_model *m, int i)
 {
-	/* not SLURM_NTASKS: a batch script's single process sees its
-	 * allocation's task count there */
-	static const char *const vars[] = { "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-					    "SLURM_STEP_NUM_TASKS",
-					    "WORLD_SIZE" };
-	*world = 1;
-	for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
-		const char *v = getenv(vars[i]);
-		char *end = NULL;
-		long n = v && *v ? strtol(v, &end, 10) : 0;
-		if (v && *v && end && *end == 0 && n > 1 && n <= INT_MAX) {
-			*world = (int)n;
-			return vars[i];
-		}
+	const epj_module *o = m->params.owners[i];
+	return o && o->parent && o->parent->parent &&
+	       o->parent->parent->parent &&
+	       !strcmp(o->parent->parent->local, "experts") &&
+	       !strcmp(o->parent->parent->parent->kind, "AutoEPMoELayer");
+}
+
+/* More than one rank: the parallel groups (kept by the model, whose AutoEP
+ * layers use the expert-parallel group) and, with autoep_size > 1, the
+ * experts sharded over the EP group (the model's parameter list then holds
+ * this rank's experts).  A model is sharded once; a later engine must ask
+ * for the same expert-parallel size. */
+static epj_status setup_parallel(epj_ctx *ctx, const ej_config *c, epj_model *m,
+				 ej_comm *world)
+{
+	const int ep = c->expert_parallel.autoep_size;
+	if (m->has_groups) {
+		if (m->groups.ep->size != ep)
+			return ej_error(
+			    ctx, EPJ_ERR_STATE,
+			    "%s: expert_parallel.autoep_size=%d, but this "
+			    "model was sharded for autoep_size=%d by an "
+			    "earlier engine; build a new model",
+			    c->source, ep, m->groups.ep->size);
+		return EPJ_OK;
 	}
-	return NULL;
+	if (world->size == 1)
+		return EPJ_OK;
+	epj_status st = ej_groups_new(ctx, world, ep, &m->groups);
+	if (st != EPJ_OK)
+		return st;
+	m->has_groups = true;
+	if (ep == 1)
+		return EPJ_OK;
+	for (int i = 0; st == EPJ_OK && i < m->n_moe; i++)
+		st = ej_autoep_shard(ctx, m->moe[i], m->groups.ep);
+	if (st != EPJ_OK)
+		return st;
+	ej_param_list_free(&m->params);
+	return ej_module_params(ctx, m->root, &m->params);
 }
 
 static epj_status engine_setup(epj_engine *e)
@@ -144,8 +155,12 @@ static epj_status engine_setup(epj_engine *e)
 	epj_status st = ej_config_validate_autoep_compile(ctx, c);
 	if (st == EPJ_OK)
 		st = check_supported(ctx, c, m);
+	ej_comm *world = ej_comm_world();
+	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)
-		st = ej_config_resolve_batch(ctx, c, 1);
+		st = ej_config_resolve_batch(ctx, c, world->size);
+	if (st == EPJ_OK)
+		st = setup_parallel(ctx, c, m, world);
 	if (st != EPJ_OK)
 		return st;
 	if (c->expert_parallel.has_load_balance)
@@ -177,9 +192,25 @@ static epj_status engine_setup(epj_engine *e)
 	}
 	if (st != EPJ_OK)
 		return st;
-	e->optim =
-	    ej_optim_new(ctx, c, m->params.params,
-			 (const char *const *)m->params.names, m->params.n);
+	ej_optim_dist d = { 0 };
+	bool *expert = NULL;
+	if (world->size > 1) {
+		expert = calloc((size_t)m->params.n + 1, sizeof *expert);
+		if (!expert)
+			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		for (int i = 0; i < m->params.n; i++)
+			expert[i] = is_expert_param(m, i);
+		d = (ej_optim_dist){ .zero_stage = c->zero.stage,
+				     .dp = m->groups.dp,
+				     .edp = m->groups.edp,
+				     .world = world,
+				     .grad_scale = 1.0 / world->size,
+				     .expert = expert };
+	}
+	e->optim = ej_optim_new_dist(ctx, c, m->params.params,
+				     (const char *const *)m->params.names,
+				     m->params.n, world->size > 1 ? &d : NULL);
+	free(expert);
 	return e->optim ? EPJ_OK : (ctx->status ? ctx->status : EPJ_ERR_NOMEM);
 }
 
@@ -314,9 +345,20 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		e->last_grad_norm = norm;
 		epj_counter_add(ctx, "train.steps", 1);
 	}
+	double mean = e->accum_loss / (double)e->accum_n;
+	ej_comm *world = e->model->has_groups ? e->model->groups.world : NULL;
+	if (boundary && world && world->size > 1) {
+		/* the mean over the global batch (equal micro-batches) */
+		float hl[2] = { (float)mean, 0 };
+		hl[1] = (float)(mean - (double)hl[0]);
+		st = ej_comm_allreduce(ctx, world, "train.loss", hl, 2);
+		if (st != EPJ_OK)
+			return st;
+		mean = ((double)hl[0] + (double)hl[1]) / world->size;
+	}
 	if (info) {
 		info->loss = lv;
-		info->mean_loss = e->accum_loss / (double)e->accum_n;
+		info->mean_loss = mean;
 		info->stepped = boundary;
 		info->step = e->step;
 		info->micro_step = e->micro_step;
@@ -393,7 +435,63 @@ static epj_status add_meta_i64(epj_st_writer *w, const char *k, int64_t v)
 	return epj_st_writer_set_metadata(w, k, buf);
 }
 
+/* The world of a multi-rank engine, NULL for a world of one. */
+static ej_comm *multi_world(const epj_engine *e)
+{
+	return e->model->has_groups && e->model->groups.world->size > 1
+		   ? e->model->groups.world
+		   : NULL;
+}
+
+/* The file of `rank` of a multi-rank checkpoint PATH: PATH.rank<R>. */
+static void rank_file(char *buf, size_t n, const char *path, int rank)
+{
+	snprintf(buf, n, "%s.rank%d", path, rank);
+}
+
+static bool file_exists(const char *p)
+{
+	FILE *f = fopen(p, "rb");
+	if (f)
+		fclose(f);
+	return f != NULL;
+}
+
+/* Every rank learns whether all ranks succeeded (st is this rank's); a
+ * failure elsewhere becomes an error here naming the failing ranks' count. */
+static epj_status agree(epj_ctx *ctx, ej_comm *world, epj_status st,
+			const char *what)
+{
+	float f = st == EPJ_OK ? 0.0f : 1.0f;
+	epj_status cs = ej_comm_allreduce(ctx, world, what, &f, 1);
+	if (st != EPJ_OK)
+		return st;
+	if (cs != EPJ_OK)
+		return cs;
+	if (f > 0)
+		return ej_error(ctx, EPJ_ERR_IO,
+				"%s failed on %g other rank%s (see their "
+				"messages)",
+				what, f, f == 1 ? "" : "s");
+	return EPJ_OK;
+}
+
+static epj_status engine_save_file(epj_engine *e, const char *path);
+
+/* With several ranks every rank writes the state it owns -- its experts,
+ * its ZeRO partitions, and (replicated state) the dense parameters -- to
+ * PATH.rank<R>; metadata records the world. */
 epj_status epj_engine_save(epj_engine *e, const char *path)
+{
+	ej_comm *world = multi_world(e);
+	if (!world)
+		return engine_save_file(e, path);
+	char f[4096];
+	rank_file(f, sizeof f, path, world->rank);
+	return agree(e->ctx, world, engine_save_file(e, f), "checkpoint save");
+}
+
+static epj_status engine_save_file(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_st_writer *w = NULL;
@@ -401,12 +499,25 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 	if (st != EPJ_OK)
 		return st;
 	ej_param_list *pl = &e->model->params;
-	/* FP32 master values under the HF names. */
+	/* FP32 master values under the HF names (partitioned masters are
+	 * optimizer state: "optimizer.master_shard.<name>"). */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *p = pl->params[i];
 		epj_tensor *master = ej_optim_master(e->optim, i);
+		if (ej_optim_sharded(e->optim, i, NULL, NULL))
+			continue;
 		st = epj_st_writer_add(w, pl->names[i], master ? master : p);
 	}
+	ej_comm *world = multi_world(e);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "world_size", world->size);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "rank", world->rank);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "zero_stage", e->cfg.zero.stage);
+	if (world && st == EPJ_OK)
+		st = add_meta_i64(w, "autoep_size",
+				  e->cfg.expert_parallel.autoep_size);
 	for (int i = 0; st == EPJ_OK && i < ej_optim_state_count(e->optim);
 	     i++) {
 		const char *nm = ej_optim_state_name(e->optim, i);
@@ -514,16 +625,95 @@ static epj_status check_entry(epj_ctx *ctx, const epj_st_file *f,
 			epj_tensor_describe(dst, b, sizeof b));
 }
 
+static epj_status engine_load_file(epj_engine *e, const char *path,
+				   bool rank_file, ej_comm *world);
+
+/* With several ranks each rank reads its own PATH.rank<R> (saved by a
+ * world of the same size and layout), or, when there is none, PATH as
+ * plain weights (an HF checkpoint: every rank takes its parameters). */
 epj_status epj_engine_load(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
-	epj_st_file *f = NULL;
-	epj_status st = epj_st_open(ctx, path, &f);
-	if (st != EPJ_OK)
-		return st;
+	ej_comm *world = multi_world(e);
+	char f[4096];
+	if (!world) {
+		rank_file(f, sizeof f, path, 0);
+		if (!file_exists(path) && file_exists(f))
+			return ej_error(
+			    ctx, EPJ_ERR_UNSUPPORTED,
+			    "%s: a checkpoint of several ranks (%s, ...): "
+			    "resume it under mpirun with the world size it "
+			    "was saved with",
+			    path, f);
+		return engine_load_file(e, path, false, NULL);
+	}
+	rank_file(f, sizeof f, path, world->rank);
+	return file_exists(f) ? engine_load_file(e, f, true, world)
+			      : engine_load_file(e, path, false, world);
+}
+
+/* Metadata k as an integer, 0 when absent or malformed (check_world_meta:
+ * any mismatch with this run is refused there). */
+static int64_t meta_int(const epj_st_file *f, const char *k)
+{
+	const char *v = epj_st_metadata(f, k);
+	return v ? strtoll(v, NULL, 10) : 0;
+}
+
+/* The metadata of a rank file must match this run. */
+static epj_status check_world_meta(epj_engine *e, const epj_st_file *f,
+				   const char *path)
+{
+	ej_comm *world = multi_world(e);
+	const char *ws = epj_st_metadata(f, "world_size");
+	int64_t zs = meta_int(f, "zero_stage"), es = meta_int(f, "autoep_size");
+	if (!ws || strtoll(ws, NULL, 10) != world->size ||
+	    meta_int(f, "rank") != world->rank)
+		return ej_error(
+		    e->ctx, EPJ_ERR_UNSUPPORTED,
+		    "%s: saved by rank %lld of a world of %s ranks; "
+		    "this is rank %d of %d: resuming on another "
+		    "world size is not supported",
+		    path, (long long)meta_int(f, "rank"), ws ? ws : "1",
+		    world->rank, world->size);
+	if (zs != e->cfg.zero.stage || es != e->cfg.expert_parallel.autoep_size)
+		return ej_error(e->ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: saved with zero_optimization.stage=%lld "
+				"and expert_parallel.autoep_size=%lld; this "
+				"run has %d and %d: the partitions differ",
+				path, (long long)zs, (long long)es,
+				e->cfg.zero.stage,
+				e->cfg.expert_parallel.autoep_size);
+	return EPJ_OK;
+}
+
+/* Validates every entry of f against the engine before anything is copied
+ * (a failed load changes nothing). */
+static epj_status load_check(epj_engine *e, epj_st_file *f, const char *path,
+			     bool rank_file, bool *training_out, int64_t *meta)
+{
+	epj_ctx *ctx = e->ctx;
+	epj_status st = EPJ_OK;
 	ej_param_list *pl = &e->model->params;
+	const bool sharded_experts =
+	    e->model->has_groups && e->model->groups.ep->size > 1;
+	if (rank_file)
+		st = check_world_meta(e, f, path);
+	else if (multi_world(e) && epj_st_metadata(f, "format") &&
+		 !strcmp(epj_st_metadata(f, "format"), CKPT_FORMAT))
+		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			      "%s: a training checkpoint of a world of %s "
+			      "rank(s); this run has %d ranks: resuming on "
+			      "another world size is not supported (its "
+			      "weights alone load from an HF checkpoint)",
+			      path,
+			      epj_st_metadata(f, "world_size")
+				  ? epj_st_metadata(f, "world_size")
+				  : "1",
+			      multi_world(e)->size);
 	/* Every name in the file must be known: a parameter or optimizer
-	 * state.  Every parameter must be present. */
+	 * state (or, with sharded experts, another rank's expert).  Every
+	 * parameter must be present. */
 	for (int i = 0; st == EPJ_OK && i < epj_st_count(f); i++) {
 		const char *nm = epj_st_name_at(f, i);
 		bool opt = !strncmp(nm, "optimizer.", 10), known = false;
@@ -531,6 +721,12 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		     !known && opt && k < ej_optim_state_count(e->optim); k++)
 			known = !strcmp(ej_optim_state_name(e->optim, k), nm) &&
 				strncmp(nm, "optimizer.master.", 17) != 0;
+		/* a rank's file holds its optimizer shards (checked by
+		 * check_world_meta and the entries below); with sharded
+		 * experts a full file holds other ranks' experts */
+		known |= opt && rank_file;
+		known |=
+		    sharded_experts && !rank_file && strstr(nm, ".experts.");
 		for (int k = 0; !known && !opt && k < pl->n; k++)
 			known = !strcmp(pl->names[k], nm);
 		if (!known)
@@ -545,6 +741,8 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	/* Validate every entry before the first copy: a failed load changes
 	 * nothing. */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
+		if (rank_file && ej_optim_sharded(e->optim, i, NULL, NULL))
+			continue;
 		st = check_entry(ctx, f, path, "parameter", pl->names[i],
 				 pl->params[i], "");
 		if (st == EPJ_OK)
@@ -569,6 +767,12 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 				      "(%" PRId64 ")",
 				      path, m_opt, m_step);
 	}
+	if (st == EPJ_OK && training) {
+		meta[0] = m_step;
+		meta[1] = m_micro;
+		meta[2] = m_opt;
+	}
+	*training_out = training;
 	/* optimizer state of a training checkpoint (masters are the
 	 * parameters' entries) */
 	for (int i = 0;
@@ -582,12 +786,27 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		if (st == EPJ_OK && strncmp(nm, "optimizer.master.", 17) != 0)
 			st = check_float(ctx, f, path, "optimizer state", nm);
 	}
+	return st;
+}
+
+/* Copies the checked entries into masters, parameters and state. */
+static epj_status load_copy(epj_engine *e, epj_st_file *f, bool rank_file,
+			    bool training)
+{
+	epj_ctx *ctx = e->ctx;
+	ej_param_list *pl = &e->model->params;
+	epj_status st = EPJ_OK;
 	/* everything checked: copy */
 	for (int i = 0; st == EPJ_OK && i < pl->n; i++) {
 		epj_tensor *master = ej_optim_master(e->optim, i);
+		bool sharded = ej_optim_sharded(e->optim, i, NULL, NULL);
+		if (sharded && rank_file)
+			continue; /* optimizer.master_shard.<name> below */
 		st = load_into(ctx, f, pl->names[i],
-			       master ? master : pl->params[i]);
+			       master && !sharded ? master : pl->params[i]);
 	}
+	if (st == EPJ_OK && !training)
+		st = ej_optim_masters_from_params(e->optim);
 	for (int i = 0;
 	     st == EPJ_OK && training && i < ej_optim_state_count(e->optim);
 	     i++) {
@@ -596,13 +815,36 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			continue;
 		st = load_into(ctx, f, nm, ej_optim_state_tensor(e->optim, i));
 	}
+	return st;
+}
+
+/* With several ranks (world) every rank takes part in the same agreements
+ * whatever happens locally: after the checks (nothing changed yet when a
+ * rank fails them) and after the copies; then the collective refresh of
+ * the parameters from their masters. */
+static epj_status engine_load_file(epj_engine *e, const char *path,
+				   bool rank_file, ej_comm *world)
+{
+	epj_ctx *ctx = e->ctx;
+	epj_st_file *f = NULL;
+	bool training = false;
+	int64_t meta[3] = { 0 }; /* step, micro_step, optimizer_steps */
+	epj_status st = epj_st_open(ctx, path, &f);
+	if (st == EPJ_OK)
+		st = load_check(e, f, path, rank_file, &training, meta);
+	if (world)
+		st = agree(ctx, world, st, "checkpoint load");
+	if (st == EPJ_OK)
+		st = load_copy(e, f, rank_file, training);
+	if (world)
+		st = agree(ctx, world, st, "checkpoint load (copy)");
 	if (st == EPJ_OK)
 		st = ej_optim_sync_params(e->optim);
 	if (st == EPJ_OK) {
 		if (training) {
-			e->step = m_step;
-			e->micro_step = m_micro;
-			ej_optim_set_step_count(e->optim, m_opt);
+			e->step = meta[0];
+			e->micro_step = meta[1];
+			ej_optim_set_step_count(e->optim, meta[2]);
 		} else {
 			e->step = e->micro_step = 0;
 			ej_optim_set_step_count(e->optim, 0);
@@ -610,6 +852,7 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		e->accum_loss = 0;
 		e->accum_n = 0;
 	}
-	epj_st_close(f);
+	if (f)
+		epj_st_close(f);
 	return st;
 }

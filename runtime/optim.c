@@ -24,6 +24,7 @@
  * touched.
  */
 #include "optim_impl.h"
+#include "runtime_impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -42,6 +43,13 @@ typedef struct opt_param {
 	epj_tensor *s2;	    /* exp_avg_sq; NULL if unused */
 	int64_t numel;
 	bool has_grad; /* bf16: mgrad received a gradient since the last step */
+	/* data parallelism: the group the gradient is summed over (NULL: a
+	 * world of one) and this rank's partition [lo, hi) of the flat
+	 * parameter; sharded: master and state hold only that partition */
+	ej_comm *group;
+	int64_t lo, hi;
+	int64_t nlo, nhi; /* partition counted in the global norm */
+	bool sharded;
 } opt_param;
 
 typedef struct opt_state {
@@ -61,6 +69,12 @@ struct ej_optim {
 	opt_state *state;
 	int64_t steps;
 	double *partial; /* norm scratch: one slot per NORM_CHUNK */
+	bool dist;	 /* more than one rank: see ej_optim_dist */
+	ej_optim_dist d;
+	float *gshard;	 /* stage 2 scratch: the reduced gradient shard */
+	float *gather;	 /* all-gather scratch (largest parameter) */
+	int64_t *counts; /* per-rank scratch (largest group) */
+	int64_t max_numel;
 };
 
 /* ---- creation -------------------------------------------------------------
@@ -139,6 +153,32 @@ static epj_status check_param(epj_ctx *ctx, epj_tensor *const *params,
 	return EPJ_OK;
 }
 
+/* The master shard of p from the parameter's values [lo, hi). */
+static epj_status master_from_param(epj_ctx *ctx, opt_param *p)
+{
+	epj_tensor *t = p->param;
+	epj_tensor *full =
+	    ej_tensor_alloc(ctx, EPJ_DTYPE_F32, t->ndim, t->shape, false);
+	epj_status st = full ? epj_tensor_copy_(ctx, full, t) : EPJ_ERR_NOMEM;
+	if (st == EPJ_OK)
+		memcpy(ej_data(p->master), (float *)ej_data(full) + p->lo,
+		       sizeof(float) * (size_t)(p->hi - p->lo));
+	epj_tensor_free(full);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "optim: master shard of %s", p->name);
+		return ctx->status != EPJ_OK ? ctx->status : st;
+	}
+	return EPJ_OK;
+}
+
+/* Optimizer state of p: shaped like the parameter, or its 1-D shard. */
+static epj_tensor *state_zeros(epj_ctx *ctx, const opt_param *p,
+			       const epj_tensor *t, int64_t len)
+{
+	return p->sharded ? epj_zeros(ctx, EPJ_DTYPE_F32, 1, &len)
+			  : zeros_like_f32(ctx, t);
+}
+
 static epj_status init_param(epj_ctx *ctx, ej_optim *o, opt_param *p,
 			     epj_tensor *t, const char *name)
 {
@@ -148,8 +188,28 @@ static epj_status init_param(epj_ctx *ctx, ej_optim *o, opt_param *p,
 				"optim: out of memory for parameter %s", name);
 	p->param = epj_tensor_ref(t);
 	p->numel = ej_numel(t->ndim, t->shape);
+	if (!p->sharded) {
+		p->lo = 0;
+		p->hi = p->numel;
+	}
+	if (!o->dist) {
+		p->nlo = 0;
+		p->nhi = p->numel;
+	}
 	epj_status st;
-	if (t->dtype == EPJ_DTYPE_F32) {
+	if (p->sharded) {
+		/* master = this rank's partition of the flat parameter */
+		int64_t len = p->hi - p->lo;
+		p->master = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &len);
+		if (t->dtype != EPJ_DTYPE_F32)
+			p->mgrad = zeros_like_f32(ctx, t);
+		if (!p->master || (t->dtype != EPJ_DTYPE_F32 && !p->mgrad))
+			goto fail;
+		if ((st = master_from_param(ctx, p)) != EPJ_OK)
+			return st;
+		if ((st = add_state(ctx, o, "master_shard", name, p->master)))
+			return st;
+	} else if (t->dtype == EPJ_DTYPE_F32) {
 		p->master = epj_tensor_ref(t);
 	} else {
 		p->master = zeros_like_f32(ctx, t);
@@ -161,16 +221,17 @@ static epj_status init_param(epj_ctx *ctx, ej_optim *o, opt_param *p,
 		if ((st = add_state(ctx, o, "master", name, p->master)))
 			return st;
 	}
+	int64_t slen = p->hi - p->lo;
 	if (o->type == EJ_OPTIM_SGD) {
 		if (o->momentum > 0) {
-			if (!(p->s1 = zeros_like_f32(ctx, t)))
+			if (!(p->s1 = state_zeros(ctx, p, t, slen)))
 				goto fail;
 			if ((st = add_state(ctx, o, "momentum", name, p->s1)))
 				return st;
 		}
 	} else {
-		p->s1 = zeros_like_f32(ctx, t);
-		p->s2 = zeros_like_f32(ctx, t);
+		p->s1 = state_zeros(ctx, p, t, slen);
+		p->s2 = state_zeros(ctx, p, t, slen);
 		if (!p->s1 || !p->s2)
 			goto fail;
 		if ((st = add_state(ctx, o, "exp_avg", name, p->s1)) ||
@@ -186,6 +247,22 @@ fail:
 ej_optim *ej_optim_new(epj_ctx *ctx, const ej_config *cfg,
 		       epj_tensor *const *params, const char *const *names,
 		       int n)
+{
+	return ej_optim_new_dist(ctx, cfg, params, names, n, NULL);
+}
+
+/* This rank's partition [lo, hi) of n elements over a group of G ranks. */
+static void partition(int64_t n, int G, int g, int64_t *lo, int64_t *hi)
+{
+	int64_t chunk = (n + G - 1) / G;
+	int64_t a = (int64_t)g * chunk;
+	*lo = a < n ? a : n;
+	*hi = a + chunk < n ? a + chunk : n;
+}
+
+ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
+			    epj_tensor *const *params, const char *const *names,
+			    int n, const ej_optim_dist *d)
 {
 	if (!cfg || n < 0 || (n > 0 && (!params || !names))) {
 		ej_error(ctx, EPJ_ERR_INVALID,
@@ -242,6 +319,33 @@ ej_optim *ej_optim_new(epj_ctx *ctx, const ej_config *cfg,
 		ej_optim_free(o);
 		return NULL;
 	}
+	if (d && d->world && d->world->size > 1) {
+		o->dist = true;
+		o->d = *d;
+		o->d.expert = NULL; /* not kept */
+		int gmax = d->world->size;
+		for (int i = 0; i < n; i++) {
+			opt_param *p = &o->p[i];
+			p->group = d->expert && d->expert[i] ? d->edp : d->dp;
+			int64_t ne =
+			    ej_numel(params[i]->ndim, params[i]->shape);
+			if (ne > o->max_numel)
+				o->max_numel = ne;
+			partition(ne, p->group->size, p->group->rank, &p->nlo,
+				  &p->nhi);
+			p->sharded = d->zero_stage >= 1 && p->group->size > 1;
+			p->lo = p->nlo;
+			p->hi = p->nhi;
+		}
+		o->gshard = malloc(sizeof(float) * (size_t)(o->max_numel + 1));
+		o->gather = malloc(sizeof(float) * (size_t)(o->max_numel + 1));
+		o->counts = malloc(sizeof(int64_t) * (size_t)gmax);
+		if (!o->gshard || !o->gather || !o->counts) {
+			ej_error(ctx, EPJ_ERR_NOMEM, "optim: out of memory");
+			ej_optim_free(o);
+			return NULL;
+		}
+	}
 	for (int i = 0; i < n; i++) {
 		if (init_param(ctx, o, &o->p[i], params[i], names[i]) !=
 		    EPJ_OK) {
@@ -270,6 +374,9 @@ void ej_optim_free(ej_optim *o)
 	free(o->p);
 	free(o->state);
 	free(o->partial);
+	free(o->gshard);
+	free(o->gather);
+	free(o->counts);
 	free(o);
 }
 
@@ -469,6 +576,88 @@ static epj_status clear_grads(ej_optim *o)
 	return EPJ_OK;
 }
 
+/* Per-rank element counts of p's partition over its group (o->counts). */
+static const int64_t *part_counts(ej_optim *o, const opt_param *p)
+{
+	int G = p->group->size;
+	for (int g = 0; g < G; g++) {
+		int64_t lo, hi;
+		partition(p->numel, G, g, &lo, &hi);
+		o->counts[g] = hi - lo;
+	}
+	return o->counts;
+}
+
+/* The summed gradient of p that this rank updates with, and its length:
+ * stage 2 (sharded) reduce-scatters into o->gshard (valid until the next
+ * parameter), else the full gradient is all-reduced in place; with one
+ * rank in the group nothing moves. */
+static epj_status reduce_grad(ej_optim *o, opt_param *p, epj_tensor *g,
+			      const float **gd)
+{
+	epj_ctx *ctx = o->ctx;
+	float *full = ej_data(g);
+	epj_status st = EPJ_OK;
+	char what[48];
+	snprintf(what, sizeof what, "zero%d.%s", o->d.zero_stage,
+		 p->sharded && o->d.zero_stage >= 2 ? "reduce_scatter"
+						    : "all_reduce");
+	if (p->group->size == 1) {
+		*gd = full;
+	} else if (p->sharded && o->d.zero_stage >= 2) {
+		st = ej_comm_reduce_scatter(ctx, p->group, what, full,
+					    o->gshard, part_counts(o, p));
+		*gd = o->gshard;
+	} else {
+		st = ej_comm_allreduce(ctx, p->group, what, full, p->numel);
+		*gd = p->sharded ? full + p->lo : full;
+	}
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "optim step: gradient of %s", p->name);
+	return st;
+}
+
+/* After the update: the parameter from its (partitioned) master. */
+static epj_status refresh_param(ej_optim *o, opt_param *p)
+{
+	epj_ctx *ctx = o->ctx;
+	epj_status st = EPJ_OK;
+	if (p->sharded) {
+		epj_tensor *t = p->param;
+		bool direct = t->dtype == EPJ_DTYPE_F32 && ej_is_contiguous(t);
+		float *dst = direct ? ej_data(t) : o->gather;
+		st = ej_comm_allgather(ctx, p->group, "zero.all_gather",
+				       ej_data(p->master), dst,
+				       part_counts(o, p), sizeof(float));
+		if (st == EPJ_OK && !direct) {
+			epj_tensor *full = epj_tensor_from_data(
+			    ctx, EPJ_DTYPE_F32, t->ndim, t->shape, o->gather);
+			st = full ? epj_tensor_copy_(ctx, t, full)
+				  : epj_ctx_status(ctx);
+			epj_tensor_free(full);
+		}
+	} else if (p->master != p->param) {
+		st = epj_tensor_copy_(ctx, p->param, p->master);
+	}
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "optim step: parameter %s", p->name);
+	return st;
+}
+
+/* Sum over the world of x (a double carried as two floats, so that the
+ * sum keeps about double precision). */
+static epj_status world_sum(ej_optim *o, double *x)
+{
+	float hl[2];
+	hl[0] = (float)*x;
+	hl[1] = (float)(*x - (double)hl[0]);
+	epj_status st =
+	    ej_comm_allreduce(o->ctx, o->d.world, "optim.grad_norm", hl, 2);
+	if (st == EPJ_OK)
+		*x = (double)hl[0] + (double)hl[1];
+	return st;
+}
+
 epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 			 double *grad_norm_out)
 {
@@ -481,16 +670,59 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	epj_status st = ej_optim_accumulate(o);
 	if (st != EPJ_OK)
 		return st;
+	if (o->dist)
+		grad_scale *= o->d.grad_scale;
 
-	/* Global norm of grad_scale * g over every parameter with a grad. */
+	/* Data parallelism: sum every gradient over its group first (every
+	 * parameter has one on every rank: replicas decide alike). */
+	if (o->dist) {
+		for (int i = 0; i < o->n; i++) {
+			if (!ej_optim_grad(o, i, true))
+				return epj_ctx_status(ctx);
+		}
+	}
+
+	/* Global norm of grad_scale * g over every parameter with a grad;
+	 * with several ranks each rank sums its partition and the sums are
+	 * added over the world.  Stage 2 reduces (and updates) parameter by
+	 * parameter below, so its norm comes from the shards. */
 	double ss = 0;
-	for (int i = 0; i < o->n; i++) {
-		epj_tensor *g = acc_grad(o, &o->p[i], &st);
+	const bool rs = o->dist && o->d.zero_stage >= 2;
+	for (int i = 0; i < o->n && !rs; i++) {
+		opt_param *p = &o->p[i];
+		epj_tensor *g = acc_grad(o, p, &st);
 		if (st != EPJ_OK)
 			return st;
-		if (g)
-			ss += sum_sq(o->partial, ej_data(g), o->p[i].numel);
+		if (!g)
+			continue;
+		const float *gd = ej_data(g);
+		if (o->dist && (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
+			return st;
+		if (o->dist) /* gd points at the shard when sharded */
+			ss += sum_sq(o->partial,
+				     (const float *)ej_data(g) + p->nlo,
+				     p->nhi - p->nlo);
+		else
+			ss += sum_sq(o->partial, gd, p->numel);
 	}
+	/* Stage 2: reduce-scatter into per-parameter shards kept in the
+	 * full gradient buffer at the shard's offset (the rest is stale). */
+	for (int i = 0; i < o->n && rs; i++) {
+		opt_param *p = &o->p[i];
+		epj_tensor *g = acc_grad(o, p, &st);
+		if (st != EPJ_OK)
+			return st;
+		const float *gd;
+		if ((st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
+			return st;
+		float *full = ej_data(g);
+		if (gd != full + p->lo)
+			memmove(full + p->lo, gd,
+				sizeof(float) * (size_t)(p->hi - p->lo));
+		ss += sum_sq(o->partial, full + p->nlo, p->nhi - p->nlo);
+	}
+	if (o->dist && (st = world_sum(o, &ss)) != EPJ_OK)
+		return st;
 	double norm = fabs(grad_scale) * sqrt(ss);
 	if (grad_norm_out)
 		*grad_norm_out = norm;
@@ -513,20 +745,16 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		if (!g)
 			continue; /* no gradient: skipped, as PyTorch does */
 		float *pm = ej_data(p->master);
-		const float *gd = ej_data(g);
+		const float *gd = (const float *)ej_data(g) + p->lo;
+		int64_t len = p->hi - p->lo;
 		if (o->type == EJ_OPTIM_SGD)
 			sgd_kernel(o, pm, gd, p->s1 ? ej_data(p->s1) : NULL,
-				   p->numel, lr, gs);
+				   len, lr, gs);
 		else
 			adam_kernel(o, pm, gd, ej_data(p->s1), ej_data(p->s2),
-				    p->numel, lr, gs, t);
-		if (p->master != p->param &&
-		    (st = epj_tensor_copy_(ctx, p->param, p->master)) !=
-			EPJ_OK) {
-			ej_error_prefix(ctx, "optim step: parameter %s",
-					p->name);
+				    len, lr, gs, t);
+		if ((st = refresh_param(o, p)) != EPJ_OK)
 			return st;
-		}
 	}
 	clear_grads(o);
 	o->steps = t;
@@ -578,12 +806,32 @@ epj_status ej_optim_sync_params(ej_optim *o)
 		opt_param *p = &o->p[i];
 		if (p->master == p->param)
 			continue;
-		epj_status st = epj_tensor_copy_(o->ctx, p->param, p->master);
-		if (st != EPJ_OK) {
-			ej_error_prefix(o->ctx, "optim sync: parameter %s",
-					p->name);
+		epj_status st = refresh_param(o, p);
+		if (st != EPJ_OK)
 			return st;
-		}
+	}
+	return EPJ_OK;
+}
+
+bool ej_optim_sharded(const ej_optim *o, int i, int64_t *lo, int64_t *hi)
+{
+	EJ_ASSERT(i >= 0 && i < o->n);
+	if (lo)
+		*lo = o->p[i].lo;
+	if (hi)
+		*hi = o->p[i].hi;
+	return o->p[i].sharded;
+}
+
+epj_status ej_optim_masters_from_params(ej_optim *o)
+{
+	for (int i = 0; i < o->n; i++) {
+		opt_param *p = &o->p[i];
+		epj_status st = EPJ_OK;
+		if (p->sharded)
+			st = master_from_param(o->ctx, p);
+		if (st != EPJ_OK)
+			return st;
 	}
 	return EPJ_OK;
 }

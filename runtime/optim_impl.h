@@ -33,6 +33,7 @@
 #include <stdint.h>
 
 typedef struct ej_optim ej_optim;
+typedef struct ej_comm ej_comm; /* runtime_impl.h */
 
 /* The optimizer of cfg->optimizer (type, betas, eps, weight_decay,
  * momentum, nesterov, adam_w_mode) and cfg->gradient_clipping over n >= 0
@@ -44,6 +45,45 @@ ej_optim *ej_optim_new(epj_ctx *ctx, const ej_config *cfg,
 		       epj_tensor *const *params, const char *const *names,
 		       int n);
 void ej_optim_free(ej_optim *o); /* NULL ok; releases the references */
+
+/* Data parallelism and ZeRO (DESIGN.md section 4; DeepSpeed's semantics).
+ * Every rank holds the same dense parameters and its EP group's experts;
+ * each step the accumulated gradient of a dense parameter is summed over
+ * `dp`, that of an expert parameter over `edp`, and both are multiplied by
+ * grad_scale (1 / world size), so that the update equals single-rank
+ * training on the global batch (every rank's loss is the mean over its own
+ * micro-batch).  The global gradient norm is summed over `world`.
+ *  - stage 0: all-reduce; every rank updates whole parameters.
+ *  - stage 1: FP32 masters and optimizer state are partitioned over the
+ *    parameter's group: each parameter's flat elements in contiguous shards
+ *    of ceil(n / G) (rank g owns [g*ceil, (g+1)*ceil) clipped to n); the
+ *    gradient is all-reduced, each rank updates its shard, the updated
+ *    masters are all-gathered into the parameters.
+ *  - stage 2: as stage 1, but the gradient is reduce-scattered: a rank
+ *    receives the summed gradient of its shard only.
+ * A parameter whose group has one rank is never partitioned.  With more
+ * than one rank every parameter is updated at every step (a parameter that
+ * received no gradient on any rank gets a zero gradient): replicas must
+ * take the same decisions.  Checkpoint state of a partitioned parameter is
+ * its shard, 1-D, named "optimizer.master_shard.<name>" (the master) and
+ * "optimizer.<kind>.<name>". */
+typedef struct ej_optim_dist {
+	int zero_stage;		   /* 0, 1 or 2 */
+	ej_comm *dp, *edp, *world; /* borrowed; outlive the optimizer */
+	double grad_scale;	   /* 1 / world size */
+	const bool *expert;	   /* [n]: parameter i is an expert's */
+} ej_optim_dist;
+/* ej_optim_new over the groups of d (copied; NULL: a world of one). */
+ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
+			    epj_tensor *const *params, const char *const *names,
+			    int n, const ej_optim_dist *d);
+/* Parameter i is partitioned: its master is a shard [hi - lo] of the flat
+ * parameter (*lo, *hi may be NULL). */
+bool ej_optim_sharded(const ej_optim *o, int i, int64_t *lo, int64_t *hi);
+/* Sets every partitioned master from its parameter's current values (after
+ * loading plain weights into the parameters; other masters were loaded
+ * directly). */
+epj_status ej_optim_masters_from_params(ej_optim *o);
 
 int ej_optim_num_params(const ej_optim *o);
 /* Parameter i (borrowed) and its FP32 master (borrowed: the parameter
@@ -110,7 +150,9 @@ void ej_optim_set_step_count(ej_optim *o, int64_t steps); /* steps >= 0 */
 int ej_optim_state_count(const ej_optim *o);
 const char *ej_optim_state_name(const ej_optim *o, int i);
 epj_tensor *ej_optim_state_tensor(ej_optim *o, int i);
-/* Copies every master into its bf16 parameter (round to nearest even). */
+/* Copies every master into its bf16 parameter (round to nearest even);
+ * partitioned masters are all-gathered first (a collective: every rank of
+ * the group calls it). */
 epj_status ej_optim_sync_params(ej_optim *o);
 
 /* Learning rate of the optimizer step with index `step` (the number of

@@ -87,12 +87,12 @@ static char *config_json(const epj_parity_opts *o, bool compiled)
 	    " \"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": 1.0}},"
 	    " \"zero_optimization\": {\"stage\": 1},"
 	    " \"activation_checkpointing\": {\"enabled\": %s},"
-	    " \"expert_parallel\": {\"enabled\": true, \"async_split_plan\": "
-	    "%s},"
+	    " \"expert_parallel\": {\"enabled\": true, \"autoep_size\": %d,"
+	    " \"async_split_plan\": %s},"
 	    " \"compile\": {\"autoep_non_moe\": %s%s%s%s},"
 	    " \"seed\": %llu}",
 	    (long long)o->batch, o->bf16 ? "true" : "false",
-	    o->checkpointing ? "true" : "false",
+	    o->checkpointing ? "true" : "false", ej_comm_world()->size,
 	    o->async_split_plan ? "true" : "false",
 	    o->regional ? "true" : "false",
 	    o->backend ? ", \"backend\": \"" : "", o->backend ? o->backend : "",
@@ -139,7 +139,8 @@ static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled,
 		return st;
 	/* the batch: a synthetic stream with the run's seed */
 	epj_corpus *c = epj_corpus_synthetic(
-	    ctx, (uint32_t)epj_model_vocab_size(a->model), o->seed + 17);
+	    ctx, (uint32_t)epj_model_vocab_size(a->model),
+	    o->seed + 17 + (uint64_t)ej_comm_world()->rank);
 	if (!c)
 		return ctx->status;
 	epj_tensor *ids = NULL, *labels = NULL;
@@ -511,8 +512,9 @@ epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed)
 	ok &=
 	    check_count(out, "eager arm compiled",
 			epj_counter_get(e.ctx, "kernels.launched.compiled"), 0);
-	/* what this world of one can and cannot tell apart */
-	if (out) {
+	ej_comm *world = ej_comm_world();
+	/* what a world of one can and cannot tell apart */
+	if (out && world->size == 1) {
 		fprintf(out, "  world size 1: ZeRO stage 1 runs the same "
 			     "computation as stage 0 (one shard)\n");
 		if (o.async_split_plan)
@@ -520,6 +522,25 @@ epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed)
 				     "runs the same computation as the "
 				     "synchronous plan (no count exchange); "
 				     "not a distinct code path\n");
+	}
+	if (world->size > 1) {
+		/* every rank compares its own batch and experts: all must pass
+		 */
+		float f = ok ? 1.0f : 0.0f;
+		if (ej_comm_allreduce(e.ctx, world, "parity.result", &f, 1) !=
+		    EPJ_OK) {
+			if (out)
+				fprintf(out, "parity: %s\n",
+					epj_ctx_error(e.ctx));
+			f = 0;
+		}
+		ok = f == (float)world->size;
+		if (out)
+			fprintf(out,
+				"parity: world of %d ranks (EP %d, each "
+				"rank its own batch and experts): %s\n",
+				world->size, world->size,
+				ok ? "every rank passed" : "a rank FAILED");
 	}
 	if (out)
 		fprintf(out, "parity: %s\n", ok ? "PASS" : "FAIL");

@@ -589,6 +589,8 @@ void epj_model_free(epj_model *m)
 	ej_param_list_free(&m->params);
 	ej_module_free(m->root);
 	ej_comm_free(m->comm);
+	if (m->has_groups)
+		ej_groups_free(&m->groups);
 	free(m->moe);
 	free(m);
 }

@@ -108,13 +108,23 @@ epj_status ej_checkpoint_call(epj_ctx *ctx, epj_module *m,
 /* True while a checkpointed forward is being replayed in backward. */
 bool ej_in_replay(const epj_ctx *ctx);
 
-/* ---- comm (comm.c)
+/* ---- comm (comm.c, comm_self.c, comm_mpi.c)
  * ------------------------------------------------------------ */
 
-/* Collective backends (vtable).  Counts and offsets are in rows of `row`
- * bytes.  `self` is a world of one; MPI and NCCL come later. */
+/* Collective backends (vtable), one file per backend: `self` (a world of
+ * one, comm_self.c) and `mpi` (Open MPI, comm_mpi.c; built with HAVE_MPI).
+ * Counts and offsets are in rows of `row` bytes; displacements are the
+ * prefix sums of the counts (rows to / from rank p are contiguous, in rank
+ * order).  Buffers are host memory.  Members after `destroy` are optional
+ * in hand-made test comms (NULL: the wrappers below report "not
+ * provided").  A failure returns a status; `error` (when set) gives its
+ * text: the call, the file:line, the backend's message, group and rank.
+ * Blocking members wait at most `timeout_s` seconds (a vanished peer never
+ * hangs the caller); after a timeout the comm is broken and every later
+ * call fails at once. */
+typedef struct ej_comm_req ej_comm_req; /* a posted non-blocking call */
 typedef struct ej_comm {
-	const char *name;
+	const char *name; /* backend: "self", "mpi" */
 	int rank, size;
 	void *self;
 	/* send[i] rows to rank i, receive recv[i] rows from rank i. */
@@ -124,12 +134,100 @@ typedef struct ej_comm {
 	/* exchange one int64 per rank (the split plan) */
 	epj_status (*all_to_all_i64)(void *self, const int64_t *send,
 				     int64_t *recv);
+	/* in-place sum over the ranks */
 	epj_status (*all_reduce_f32)(void *self, float *buf, int64_t n);
 	epj_status (*barrier)(void *self);
 	void (*destroy)(void *self);
+	/* ---- optional members ---- */
+	const char *group; /* "world", "ep", "edp", "dp"; NULL: "world" */
+	/* send holds sum(counts) floats laid out by rank; recv receives the
+	 * sum over the ranks of block `rank` (counts[rank] floats). */
+	epj_status (*reduce_scatter_f32)(void *self, const float *send,
+					 float *recv, const int64_t *counts);
+	/* send holds counts[rank] rows; recv gets every rank's rows in rank
+	 * order. */
+	epj_status (*all_gather_v)(void *self, const void *send, void *recv,
+				   const int64_t *counts, size_t row);
+	epj_status (*broadcast)(void *self, void *buf, size_t bytes, int root);
+	/* Non-blocking exchange of n_per int64 per rank (send [size][n_per]
+	 * -> recv [size][n_per]): posted now, completed by wait (which frees
+	 * the request, also on failure).  Buffers stay untouched meanwhile. */
+	epj_status (*all_to_all_i64_start)(void *self, const int64_t *send,
+					   int64_t *recv, int n_per,
+					   ej_comm_req **req);
+	epj_status (*wait)(void *self, ej_comm_req *req);
+	/* A sub-communicator of the ranks passing the same color, ordered by
+	 * key (MPI_Comm_split); group names it.  NULL on failure. */
+	struct ej_comm *(*split)(void *self, int color, int key,
+				 const char *group);
+	const char *(*error)(void *self); /* text of the last failure */
+	/* statistics, updated by the backend */
+	int64_t stat_calls, stat_bytes; /* bytes sent by this rank */
+	double stat_seconds;		/* wall time inside the calls */
 } ej_comm;
 ej_comm *ej_comm_self_new(void);
 void ej_comm_free(ej_comm *c);
+
+/* The process's world (borrowed, never NULL after ej_comm_world_init or
+ * on first use): `mpi` when epj_dist_init started MPI, else `self`. */
+ej_comm *ej_comm_world(void);
+/* Makes c (borrowed, not NULL) the world that engines made from now on use
+ * and returns the previous one (owned by the caller again while c is set):
+ * how a test builds a single-rank reference engine inside a multi-rank
+ * run.  Set the previous world back before epj_dist_finalize. */
+ej_comm *ej_comm_world_set(ej_comm *c);
+
+/* The parallel groups of one engine (comm.c): world W, expert-parallel
+ * (ep_size consecutive ranks), expert-data-parallel (ranks with the same
+ * position in their EP group: W / ep_size of them) and data-parallel (the
+ * whole world: every rank is a data-parallel replica of the dense
+ * parameters).  All borrowed from / owned by the struct. */
+typedef struct ej_groups {
+	ej_comm *world, *ep, *edp, *dp;
+	bool owned; /* ep/edp were split (freed by ej_groups_free) */
+} ej_groups;
+epj_status ej_groups_new(epj_ctx *ctx, ej_comm *world, int ep_size,
+			 ej_groups *out);
+void ej_groups_free(ej_groups *g);
+
+/* Checked wrappers: on failure the context gets a message naming the call,
+ * the comm's backend and group, this rank and the backend's text; the
+ * counters comm.calls, comm.bytes and comm.us (wall microseconds) and
+ * comm.<what>.bytes are advanced. */
+epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,
+			const void *send, const int64_t *send_counts,
+			void *recv, const int64_t *recv_counts, size_t row);
+epj_status ej_comm_a2a_i64(epj_ctx *ctx, ej_comm *c, const char *what,
+			   const int64_t *send, int64_t *recv);
+epj_status ej_comm_a2a_i64_start(epj_ctx *ctx, ej_comm *c, const char *what,
+				 const int64_t *send, int64_t *recv, int n_per,
+				 ej_comm_req **req);
+epj_status ej_comm_wait(epj_ctx *ctx, ej_comm *c, const char *what,
+			ej_comm_req *req);
+epj_status ej_comm_allreduce(epj_ctx *ctx, ej_comm *c, const char *what,
+			     float *buf, int64_t n);
+epj_status ej_comm_reduce_scatter(epj_ctx *ctx, ej_comm *c, const char *what,
+				  const float *send, float *recv,
+				  const int64_t *counts);
+epj_status ej_comm_allgather(epj_ctx *ctx, ej_comm *c, const char *what,
+			     const void *send, void *recv,
+			     const int64_t *counts, size_t row);
+epj_status ej_comm_bcast(epj_ctx *ctx, ej_comm *c, const char *what, void *buf,
+			 size_t bytes, int root);
+epj_status ej_comm_barrier_c(epj_ctx *ctx, ej_comm *c, const char *what);
+
+/* comm_mpi.c: the world over MPI_COMM_WORLD (MPI initialised by
+ * epj_dist_init); NULL in a build without MPI. */
+ej_comm *ej_comm_mpi_world(void);
+/* comm_mpi.c: MPI_Init_thread when the environment says the process was
+ * started by an MPI launcher (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK);
+ * *started tells whether it did.  Errors: launched but built without MPI,
+ * or MPI_Init_thread failed. */
+epj_status ej_mpi_init(char *err, size_t n, bool *started);
+void ej_mpi_finalize(void);
+/* Timeout of every later blocking call of comms made from the world
+ * (comm.timeout_s). */
+void ej_comm_set_timeout(ej_comm *c, double timeout_s);
 
 /* ---- AutoEP layer (autoep.c)
  * --------------------------------------------------- */
@@ -153,6 +251,11 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 /* The last forward's expert assignment: [N, top_k] i64 (borrowed; NULL
  * before the first call). */
 epj_tensor *ej_autoep_last_routing(const epj_module *m);
+/* Shards an AutoEP layer built over a world of one over the expert-parallel
+ * group ep (borrowed; must outlive the layer): the layer keeps experts
+ * [ep->rank * E / P, (ep->rank + 1) * E / P) (named by their global index)
+ * and frees the others.  Error when num_experts % ep->size != 0. */
+epj_status ej_autoep_shard(epj_ctx *ctx, epj_module *m, ej_comm *ep);
 /* Changes the routing options of an AutoEP module (engine config). */
 epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 				 bool async_split_plan);
@@ -169,6 +272,10 @@ struct epj_model {
 	/* AutoEP layers in model order (borrowed) */
 	epj_module **moe;
 	int n_moe;
+	/* parallel groups made by the first multi-rank engine (owned; the
+	 * AutoEP layers borrow groups.ep) */
+	ej_groups groups;
+	bool has_groups;
 };
 
 /* Attention + norms of one decoder block, shared by both layouts.  `blk` is
@@ -201,11 +308,6 @@ struct epj_engine {
 
 /* Frees the compile state (restores every region) -- compile.c. */
 void ej_engine_compile_free(epj_engine *e);
-
-/* The world size a launcher announced (OMPI_COMM_WORLD_SIZE, PMI_SIZE,
- * SLURM_STEP_NUM_TASKS, WORLD_SIZE; the first > 1), else 1; returns the
- * variable's name, NULL when none (engine.c). */
-const char *ej_launcher_world_size(int *world);
 
 /* The jit of a compiled engine (its segment cache holds every compiled
  * graph), NULL before compile; for benchmarks and tools (compile.c). */

@@ -940,26 +940,61 @@ START_TEST(test_bad_options)
 }
 END_TEST
 
-/* A pretend two-rank comm: collectives mirror send into recv.  Enough to
- * reach the token exchange, which must refuse honestly. */
+/* A pretend two-rank comm: the split plan mirrors send into recv; the token
+ * exchange fails as a vanished peer would, with the backend's text. */
+typedef struct fake_comm {
+	int plan_calls, starts, waits;
+	epj_status wait_status;
+} fake_comm;
+
 static epj_status fake_a2a_v(void *self, const void *sendbuf,
 			     const int64_t *send_counts, void *recvbuf,
 			     const int64_t *recv_counts, size_t row)
 {
-	(void)self;
+	fake_comm *f = self;
 	int64_t rows = send_counts[0] + send_counts[1];
 	ck_assert_int_eq(rows, recv_counts[0] + recv_counts[1]);
+	/* the [P][L] plan travels as one row per rank; 6 routed rows of
+	 * tokens never do */
+	if (row != 2 * sizeof(int64_t) || send_counts[0] != 1 ||
+	    send_counts[1] != 1)
+		return EPJ_ERR_BACKEND;
+	f->plan_calls++;
 	memcpy(recvbuf, sendbuf, (size_t)rows * row);
 	return EPJ_OK;
 }
 
 static epj_status fake_a2a_i64(void *self, const int64_t *send, int64_t *recv)
 {
-	int *calls = self;
-	(*calls)++;
+	fake_comm *f = self;
+	f->plan_calls++;
 	recv[0] = send[0];
 	recv[1] = send[1];
 	return EPJ_OK;
+}
+
+static epj_status fake_start(void *self, const int64_t *send, int64_t *recv,
+			     int n_per, ej_comm_req **req)
+{
+	fake_comm *f = self;
+	f->starts++;
+	memcpy(recv, send, sizeof(int64_t) * 2 * (size_t)n_per);
+	*req = (ej_comm_req *)f;
+	return EPJ_OK;
+}
+
+static epj_status fake_wait(void *self, ej_comm_req *req)
+{
+	fake_comm *f = self;
+	ck_assert_ptr_eq(req, f);
+	f->waits++;
+	return f->wait_status;
+}
+
+static const char *fake_error(void *self)
+{
+	(void)self;
+	return "peer 1 is gone";
 }
 
 static epj_status fake_ok(void *self)
@@ -968,18 +1003,22 @@ static epj_status fake_ok(void *self)
 	return EPJ_OK;
 }
 
-START_TEST(test_multi_rank_unsupported)
+START_TEST(test_multi_rank_comm_failure)
 {
-	int calls = 0;
+	fake_comm f = { 0 };
 	ej_comm fake = { .name = "fake2",
 			 .rank = 0,
 			 .size = 2,
-			 .self = &calls,
+			 .self = &f,
 			 .all_to_all_v = fake_a2a_v,
 			 .all_to_all_i64 = fake_a2a_i64,
 			 .all_reduce_f32 = NULL,
 			 .barrier = fake_ok,
-			 .destroy = NULL };
+			 .destroy = NULL,
+			 .group = "ep",
+			 .all_to_all_i64_start = fake_start,
+			 .wait = fake_wait,
+			 .error = fake_error };
 	epj_ctx *ctx = tu_ctx();
 	epj_module *root = ej_module_new(NULL, "", "Root", NULL);
 	ej_autoep_opts o = mk_opts(3, 1, true, false);
@@ -999,8 +1038,51 @@ START_TEST(test_multi_rank_unsupported)
 	int64_t sh[3] = { 1, 3, 4 };
 	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
 	int64_t f0 = epj_counter_get(ctx, "autoep.calls.forward");
-	expect_call_error(ctx, m, x, EPJ_ERR_UNSUPPORTED, "Distributed");
-	ck_assert_int_eq(calls, 1); /* the split plan was exchanged */
+	/* synchronous plan: exchanged (2 calls), then the dispatch fails
+	 * with a message naming the comm, group, rank, call and cause */
+	expect_call_error(ctx, m, x, EPJ_ERR_BACKEND, "peer 1 is gone");
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "mlp") && strstr(msg, "fake2") &&
+			  strstr(msg, "group ep, rank 0 of 2") &&
+			  strstr(msg, "all_to_all_v (autoep.dispatch)"),
+		      "%s", msg);
+	ck_assert_int_eq(f.plan_calls, 2);
+	ck_assert_int_eq(f.starts, 0);
+	ck_assert_int_eq(epj_counter_get(ctx, "autoep.split_plan.sync"), 1);
+	/* asynchronous plan: posted and waited for (another code path) */
+	ck_assert_int_eq(ej_autoep_set_routing(m, false, true), EPJ_OK);
+	expect_call_error(ctx, m, x, EPJ_ERR_BACKEND, "peer 1 is gone");
+	ck_assert_int_eq(f.plan_calls, 2);
+	ck_assert_int_eq(f.starts, 1);
+	ck_assert_int_eq(f.waits, 1);
+	ck_assert_int_eq(epj_counter_get(ctx, "autoep.split_plan.async"), 1);
+	ck_assert_int_gt(
+	    epj_counter_get(ctx, "autoep.split_plan.overlapped_ops"), 0);
+	/* a failing wait names the split plan */
+	f.wait_status = EPJ_ERR_BACKEND;
+	expect_call_error(ctx, m, x, EPJ_ERR_BACKEND, "split plan");
+	ck_assert_int_eq(f.waits, 2);
+	/* an error while the plan is in flight (allocation n fails, for
+	 * every n up to past the dispatch): every posted plan is waited for
+	 * before the error returns, and some of those errors hit the window
+	 * between post and wait (drained) */
+	f.wait_status = EPJ_OK;
+	int64_t drained0 = epj_counter_get(ctx, "autoep.split_plan.drained");
+	for (int64_t n = 1; n <= 200; n++) {
+		f.starts = f.waits = 0;
+		epj_ctx_clear_error(ctx);
+		ej_allocator_fail_after(ctx->alloc, n);
+		epj_tensor *out = NULL;
+		epj_status st = ej_module_call(ctx, m, &x, 1, &out, 1);
+		ej_allocator_fail_after(ctx->alloc, 0);
+		ck_assert_int_ne(st, EPJ_OK); /* NOMEM, or the fake dispatch */
+		ck_assert_ptr_null(out);
+		ck_assert_msg(f.waits == f.starts,
+			      "allocation %lld: %d plans posted, %d waited",
+			      (long long)n, f.starts, f.waits);
+	}
+	ck_assert_int_gt(epj_counter_get(ctx, "autoep.split_plan.drained"),
+			 drained0);
 	ck_assert_int_eq(epj_counter_get(ctx, "autoep.calls.forward"), f0);
 	epj_tensor_free(x);
 	ej_module_free(root);
@@ -1071,7 +1153,7 @@ Suite *make_autoep_suite(void)
 	TCase *te = tcase_create("errors");
 	tcase_add_test(te, test_bad_input);
 	tcase_add_test(te, test_bad_options);
-	tcase_add_test(te, test_multi_rank_unsupported);
+	tcase_add_test(te, test_multi_rank_comm_failure);
 	tcase_add_test(te, test_comm_self);
 	suite_add_tcase(s, te);
 	return s;

@@ -813,6 +813,28 @@ START_TEST(test_messages)
 }
 END_TEST
 
+/* comm.timeout_s: default, a drawn value, the range. */
+START_TEST(test_comm_timeout)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_config c;
+	parse_ok(ctx, "{}", &c);
+	ck_assert(c.comm_timeout_s == 300.0);
+	double t = 0.25 + (double)tu_randint(0, 10000) / 8.0;
+	char js[96];
+	snprintf(js, sizeof js, "{\"comm\": {\"timeout_s\": %.17g}}", t);
+	parse_ok(ctx, js, &c);
+	ck_assert(c.comm_timeout_s == t);
+	parse_err(ctx, "{\"comm\": {\"timeout_s\": 0}}",
+		  "\"comm.timeout_s\" must be a number in (0, 604800]");
+	parse_err(ctx, "{\"comm\": {\"timeout_s\": \"10\"}}",
+		  "\"comm.timeout_s\" must be");
+	parse_err(ctx, "{\"comm\": {\"timeout\": 10}}",
+		  "unknown key \"comm.timeout\"");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_load_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -862,6 +884,7 @@ Suite *make_config_suite(void)
 	tcase_add_test(tc, test_offload_forms);
 	tcase_add_test(tc, test_resolve_batch);
 	tcase_add_test(tc, test_dump_round_trip);
+	tcase_add_test(tc, test_comm_timeout);
 	tcase_add_test(tc, test_messages);
 	tcase_add_test(tc, test_load_errors);
 	suite_add_tcase(s, tc);

@@ -641,57 +641,6 @@ START_TEST(test_config_errors)
 }
 END_TEST
 
-/* Launched as one of several ranks: refused (multi-rank training is not
- * implemented yet), naming the launcher's variable and what ZeRO 1/2 or
- * async split planning would have silently become; a world of one announced
- * by the launcher, or a malformed value, is fine. */
-START_TEST(test_launcher_world_refused)
-{
-	static const char *const vars[] = { "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-					    "SLURM_STEP_NUM_TASKS",
-					    "WORLD_SIZE" };
-	epj_ctx *ctx = tu_ctx();
-	epj_model *m = new_model(ctx, 3);
-	const char *v = vars[_i];
-	int n = (int)tu_randint(2, 64);
-	char num[16];
-	snprintf(num, sizeof num, "%d", n);
-	setenv(v, num, 1);
-	epj_engine *e = NULL;
-	epj_status st = epj_engine_initialize_json(
-	    ctx, m,
-	    "{\"zero_optimization\": {\"stage\": 2}, \"expert_parallel\": "
-	    "{\"enabled\": true, \"async_split_plan\": true}}",
-	    "ranks.json", &e);
-	ck_assert_int_eq(st, EPJ_ERR_UNSUPPORTED);
-	ck_assert_ptr_null(e);
-	const char *msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, "not implemented yet") && strstr(msg, v) &&
-			  strstr(msg, num) && strstr(msg, "ranks.json") &&
-			  strstr(msg, "zero_optimization.stage") &&
-			  strstr(msg, "async_split_plan"),
-		      "%s", msg);
-	/* stage 0, no async: still refused (every rank would train alone) */
-	epj_ctx_clear_error(ctx);
-	ck_assert_int_eq(epj_engine_initialize_json(ctx, m, "{}", "r.json", &e),
-			 EPJ_ERR_UNSUPPORTED);
-	/* a world of one, or garbage: accepted */
-	const char *ok_vals[] = { "1", "", "two", "2x" };
-	for (size_t i = 0; i < EJ_ARRAY_LEN(ok_vals); i++) {
-		setenv(v, ok_vals[i], 1);
-		epj_ctx_clear_error(ctx);
-		ck_assert_msg(epj_engine_initialize_json(ctx, m, "{}", "r.json",
-							 &e) == EPJ_OK,
-			      "%s=%s: %s", v, ok_vals[i], epj_ctx_error(ctx));
-		epj_engine_free(e);
-		e = NULL;
-	}
-	unsetenv(v);
-	epj_model_free(m);
-	epj_ctx_free(ctx);
-}
-END_TEST
-
 /* Defaults (NULL path) and a config file. */
 START_TEST(test_initialize_defaults)
 {
@@ -1209,7 +1158,6 @@ Suite *make_engine_suite(void)
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_config_errors);
-	tcase_add_loop_test(tc, test_launcher_world_refused, 0, 4);
 	tcase_add_test(tc, test_initialize_defaults);
 	tcase_add_test(tc, test_bf16_masters);
 	suite_add_tcase(s, tc);

@@ -34,6 +34,7 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,8 +96,13 @@ typedef struct opts {
 	long eval_every;       /* 0: evaluate only at the end */
 	uint64_t seed;
 	bool seed_given;
-	long threads;	     /* 0: leave as is */
-	const char *list_st; /* hidden: --list-safetensors FILE */
+	long threads;	      /* 0: leave as is */
+	const char *list_st;  /* hidden: --list-safetensors FILE */
+	const char *rank_log; /* --rank-log PREFIX: PREFIX.rank<N>.log */
+	long fault_step;      /* hidden --fault-step: see fault_inject() */
+	const char *fault;    /* hidden --fault kill|stop */
+	long fault_rank;
+	bool async_plan; /* --parity: expert_parallel.async_split_plan */
 } opts;
 
 /* Everything a run owns; run_free() releases it in reverse order. */
@@ -120,6 +126,9 @@ static int fail_msg(const char *fmt, ...)
 	va_list ap;
 	va_start(ap, fmt);
 	fputs(PROG ": ", stderr);
+	if (epj_dist_size() > 1)
+		fprintf(stderr, "rank %d of %d: ", epj_dist_rank(),
+			epj_dist_size());
 	vfprintf(stderr, fmt, ap);
 	fputc('\n', stderr);
 	va_end(ap);
@@ -182,7 +191,10 @@ static void usage(FILE *fp)
 	    "on any\n"
 	    "                      failure); with --layout, --checkpointing, "
 	    "--bf16,\n"
-	    "                      --full-model, --model, --seed\n"
+	    "                      --full-model, --async-split-plan, "
+	    "--model, --seed;\n"
+	    "                      under mpirun: EP over all ranks, every "
+	    "rank must pass\n"
 	    "  --load CKPT         resume from a checkpoint (or HF f32 "
 	    "safetensors)\n"
 	    "  --save CKPT         write a checkpoint at the end\n"
@@ -197,6 +209,11 @@ static void usage(FILE *fp)
 	    "  --seed S            run seed (default: the config's seed, "
 	    "42)\n"
 	    "  --threads N         OpenMP/BLAS threads\n"
+	    "  --rank-log PREFIX   under mpirun: ranks > 0 write their "
+	    "output to\n"
+	    "                      PREFIX.rank<N>.log (default: rank 0 "
+	    "prints, the\n"
+	    "                      others print only errors)\n"
 	    "  --help, --version\n"
 	    "Exit status: 0 ok, 1 error, 2 bad command line.  See "
 	    "epjit-train(1).\n",
@@ -297,6 +314,10 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->compare_eager = true;
 			continue;
 		}
+		if (!strcmp(a, "--async-split-plan")) {
+			o->async_plan = true;
+			continue;
+		}
 		if (strncmp(a, "--", 2) != 0)
 			return bad_usage("unexpected argument '%s'%s", a, "");
 		/* Options with a value: "--opt VALUE" or "--opt=VALUE". */
@@ -316,6 +337,8 @@ static int parse_args(int argc, char **argv, opts *o)
 			"--eval-every", "--seed",
 			"--threads",	"--list-safetensors",
 			"--emit-cuda",	"--device",
+			"--rank-log",	"--fault",
+			"--fault-step", "--fault-rank",
 		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
@@ -350,6 +373,14 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->dump_state = val;
 		} else if (!strcmp(name, "--emit-cuda")) {
 			o->emit_cuda = val;
+		} else if (!strcmp(name, "--rank-log")) {
+			o->rank_log = val;
+		} else if (!strcmp(name, "--fault")) {
+			if (strcmp(val, "kill") && strcmp(val, "stop"))
+				return bad_usage("--fault wants kill or "
+						 "stop, got '%s'%s",
+						 val, "");
+			o->fault = val;
 		} else if (!strcmp(name, "--list-safetensors")) {
 			o->list_st = val;
 		} else if (!strcmp(name, "--device")) {
@@ -378,7 +409,8 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->seed_given = true;
 		} else {
 			long lo = !strcmp(name, "--steps") ||
-					  !strcmp(name, "--eval-every")
+					  !strcmp(name, "--eval-every") ||
+					  !strcmp(name, "--fault-rank")
 				      ? 0
 				      : 1;
 			long hi = !strcmp(name, "--threads") ? 1024
@@ -398,6 +430,10 @@ static int parse_args(int argc, char **argv, opts *o)
 				o->seq = v;
 			else if (!strcmp(name, "--eval-every"))
 				o->eval_every = v;
+			else if (!strcmp(name, "--fault-step"))
+				o->fault_step = v;
+			else if (!strcmp(name, "--fault-rank"))
+				o->fault_rank = v;
 			else
 				o->threads = v;
 		}
@@ -608,7 +644,7 @@ static int setup(run *r, const opts *o)
  * the stream continues where it stopped (the corpus is deterministic). */
 static int skip_consumed(run *r)
 {
-	int64_t n = epj_engine_step_count(r->engine) * r->gas;
+	int64_t n = epj_engine_step_count(r->engine) * r->gas * epj_dist_size();
 	for (int64_t i = 0; i < n; i++) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		if (epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &ids,
@@ -740,6 +776,44 @@ static int dump_state(run *r, const char *path)
 
 /* ---- training ---- */
 
+/* The next micro-batch of this rank: with W ranks the stream's batches go
+ * round-robin, rank r taking batches r, r + W, r + 2W, ... (one global
+ * batch = W consecutive micro-batches of the single-rank stream). */
+static epj_status rank_batch(run *r, epj_tensor **ids, epj_tensor **lab)
+{
+	int W = epj_dist_size(), me = epj_dist_rank();
+	epj_status st = EPJ_OK;
+	*ids = *lab = NULL;
+	for (int k = 0; st == EPJ_OK && k < W; k++) {
+		epj_tensor *a = NULL, *b = NULL;
+		st = epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &a,
+					   &b);
+		if (k == me) {
+			*ids = a;
+			*lab = b;
+		} else {
+			epj_tensor_free(a);
+			epj_tensor_free(b);
+		}
+	}
+	return st;
+}
+
+/* Hidden --fault kill|stop --fault-step S --fault-rank R (tests): rank R
+ * kills itself (SIGKILL) or stops (SIGSTOP: a peer that vanished without
+ * exiting) before optimizer step S, so the other ranks meet a dead peer in
+ * that step's collectives. */
+static void fault_inject(const opts *o, int64_t step)
+{
+	if (!o->fault || step != o->fault_step ||
+	    epj_dist_rank() != o->fault_rank)
+		return;
+	fprintf(stderr, PROG ": rank %d: --fault %s before step %" PRId64 "\n",
+		epj_dist_rank(), o->fault, step);
+	fflush(stderr);
+	raise(!strcmp(o->fault, "kill") ? SIGKILL : SIGSTOP);
+}
+
 /* Mean loss of EVAL_BATCHES micro-batches of a fresh fork of the corpus
  * (always the same batches, so successive evaluations compare). */
 static int evaluate(run *r, double *out)
@@ -777,8 +851,9 @@ typedef struct train_stats {
 	double first_loss; /* mean loss of the first step of this process */
 	double last_loss;  /* of the last step */
 	double window_loss;
-	int64_t steps_done; /* optimizer steps run by this process */
-	double seconds;	    /* training time */
+	int64_t steps_done;	     /* optimizer steps run by this process */
+	double seconds;		     /* training time */
+	int64_t comm_bytes, comm_us; /* comm.* counters over the training */
 } train_stats;
 
 static int train(run *r, const opts *o, train_stats *ts)
@@ -793,11 +868,13 @@ static int train(run *r, const opts *o, train_stats *ts)
 	*ts = (train_stats){ .first_loss = NAN,
 			     .last_loss = NAN,
 			     .window_loss = NAN };
+	int64_t cb0 = epj_counter_get(ctx, "comm.bytes");
+	int64_t cu0 = epj_counter_get(ctx, "comm.us");
 	while (epj_engine_step_count(e) < o->steps) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		epj_step_info info;
-		epj_status st = epj_corpus_next_batch(ctx, r->corpus, r->B,
-						      r->T, &ids, &lab);
+		fault_inject(o, epj_engine_step_count(e) + 1);
+		epj_status st = rank_batch(r, &ids, &lab);
 		if (st == EPJ_OK)
 			st = epj_engine_train_step(e, ids, lab, &info);
 		epj_tensor_free(ids);
@@ -859,6 +936,8 @@ static int train(run *r, const opts *o, train_stats *ts)
 					strerror(errno));
 	}
 	ts->seconds = now_s() - t_start;
+	ts->comm_bytes = epj_counter_get(ctx, "comm.bytes") - cb0;
+	ts->comm_us = epj_counter_get(ctx, "comm.us") - cu0;
 	return 0;
 }
 
@@ -943,6 +1022,10 @@ static int compare_eager(run *r, const opts *o)
 	epj_memory_reset_peaks(e.ctx);
 	epj_memory_reset_peaks(r->ctx);
 	int64_t le0 = launches(e.ctx), lc0 = launches(r->ctx);
+	int64_t be0 = epj_counter_get(e.ctx, "comm.bytes"),
+		bc0 = epj_counter_get(r->ctx, "comm.bytes"),
+		ue0 = epj_counter_get(e.ctx, "comm.us"),
+		uc0 = epj_counter_get(r->ctx, "comm.us");
 	int64_t f0 = epj_counter_get(r->ctx, "frames.total");
 	for (int i = 0; i < COMPARE_STEPS; i++) {
 		bool eager_first = i % 4 == 0 || i % 4 == 3;
@@ -980,6 +1063,29 @@ static int compare_eager(run *r, const opts *o)
 	       (double)sc.peak_allocated / (double)se.peak_allocated);
 	printf("compare:   frames compiled while measuring: %" PRId64 "\n",
 	       epj_counter_get(r->ctx, "frames.total") - f0);
+	if (epj_dist_size() > 1) {
+		/* this rank's collectives (bytes sent, wall time inside the
+		 * calls, which includes waiting for the peers) */
+		double be = (double)(epj_counter_get(e.ctx, "comm.bytes") -
+				     be0) /
+			    COMPARE_STEPS,
+		       bc = (double)(epj_counter_get(r->ctx, "comm.bytes") -
+				     bc0) /
+			    COMPARE_STEPS;
+		double ue = 1e-3 *
+			    (double)(epj_counter_get(e.ctx, "comm.us") - ue0) /
+			    COMPARE_STEPS,
+		       uc = 1e-3 *
+			    (double)(epj_counter_get(r->ctx, "comm.us") - uc0) /
+			    COMPARE_STEPS;
+		printf("compare:   %-24s %10.3f %10.3f\n", "comm MiB sent/step",
+		       be / (1024.0 * 1024.0), bc / (1024.0 * 1024.0));
+		printf("compare:   %-24s %10.2f %10.2f\n", "comm ms/step", ue,
+		       uc);
+		printf("compare:   %-24s %10.1f %10.1f\n",
+		       "comm share of step (%)", 100.0 * ue / me,
+		       100.0 * uc / mc);
+	}
 done:
 	epj_corpus_free(ce);
 	epj_corpus_free(cc);
@@ -996,6 +1102,7 @@ static int run_parity(const opts *o)
 			       .checkpointing = o->checkpointing,
 			       .bf16 = o->bf16,
 			       .regional = !o->full_model,
+			       .async_split_plan = o->async_plan,
 			       .batch = 2,
 			       .seq = o->seq > 0 && o->seq != DEFAULT_SEQ
 					  ? o->seq
@@ -1005,6 +1112,32 @@ static int run_parity(const opts *o)
 	if (epj_parity_run(&po, stdout, &passed) != EPJ_OK)
 		return fail_msg("parity: could not run (see above)");
 	return passed ? 0 : 1;
+}
+
+/* Under mpirun: rank 0 prints; the others print only errors, unless
+ * --rank-log PREFIX sends the stdout and stderr of every rank but 0 to
+ * PREFIX.rank<N>.log. */
+static int rank_output(const opts *o)
+{
+	int W = epj_dist_size(), me = epj_dist_rank();
+	if (W == 1 || me == 0)
+		return 0;
+	const char *path = "/dev/null";
+	char buf[4096];
+	if (o->rank_log) {
+		snprintf(buf, sizeof buf, "%s.rank%d.log", o->rank_log, me);
+		path = buf;
+	}
+	fflush(stdout);
+	fflush(stderr);
+	if (!freopen(path, "w", stdout))
+		return fail_msg("%s: cannot open for writing: %s", path,
+				strerror(errno));
+	if (o->rank_log && dup2(fileno(stdout), fileno(stderr)) < 0)
+		return fail_msg("%s: cannot redirect stderr: %s", path,
+				strerror(errno));
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	return 0;
 }
 
 static void run_free(run *r)
@@ -1027,8 +1160,15 @@ static int run_main(run *r, const opts *o)
 		if (skip_consumed(r))
 			return 1;
 	}
-	if (o->dump_state)
-		return dump_state(r, o->dump_state);
+	if (o->dump_state) {
+		/* several ranks: one file per rank (its batch, its experts) */
+		char path[4096];
+		snprintf(path, sizeof path, "%s", o->dump_state);
+		if (epj_dist_size() > 1)
+			snprintf(path, sizeof path, "%s.rank%d", o->dump_state,
+				 epj_dist_rank());
+		return dump_state(r, path);
+	}
 	if (o->emit_cuda)
 		return emit_cuda(r, o);
 
@@ -1053,7 +1193,9 @@ static int run_main(run *r, const opts *o)
 		       epj_engine_num_regions(r->engine) == 1 ? "" : "s");
 	fflush(stdout);
 
-	if (o->metrics) {
+	/* one metrics file per run: rank 0 writes it (the loss is the
+	 * global batch's on every rank) */
+	if (o->metrics && epj_dist_rank() == 0) {
 		r->metrics = fopen(o->metrics, "w");
 		if (!r->metrics)
 			return fail_msg("%s: cannot open for writing: %s",
@@ -1075,8 +1217,10 @@ static int run_main(run *r, const opts *o)
 	if (o->save) {
 		if (epj_engine_save(r->engine, o->save) != EPJ_OK)
 			return fail(r->ctx);
-		printf(PROG ": saved step %" PRId64 " to %s\n",
-		       epj_engine_step_count(r->engine), o->save);
+		printf(PROG ": saved step %" PRId64 " to %s%s\n",
+		       epj_engine_step_count(r->engine), o->save,
+		       epj_dist_size() > 1 ? ".rank<R> (one file per rank)"
+					   : "");
 	}
 
 	double eval_loss;
@@ -1110,6 +1254,16 @@ static int run_main(run *r, const opts *o)
 	printf("summary: memory peak allocated %.1f MiB, peak reserved %.1f "
 	       "MiB\n",
 	       mib(ms.peak_allocated), mib(ms.peak_reserved));
+	if (epj_dist_size() > 1 && ts.steps_done)
+		printf(
+		    "summary: comm (rank 0 of %d): %.3f MiB sent and %.1f ms "
+		    "in collectives per step, %.1f%% of the step time\n",
+		    epj_dist_size(),
+		    mib((uint64_t)(ts.comm_bytes / ts.steps_done)),
+		    1e-3 * (double)ts.comm_us / (double)ts.steps_done,
+		    ts.seconds > 0
+			? 100.0 * 1e-6 * (double)ts.comm_us / ts.seconds
+			: 0.0);
 	int rc = print_counters(r);
 	if (!rc && o->compare_eager && o->compile)
 		rc = compare_eager(r, o);
@@ -1124,11 +1278,20 @@ int main(int argc, char **argv)
 		return rc;
 	if (o.list_st)
 		return list_safetensors(o.list_st);
-	if (o.parity)
-		return run_parity(&o);
 	apply_threads(o.threads, argv);
-	run r = { 0 };
-	rc = run_main(&r, &o);
-	run_free(&r);
+	char err[512];
+	if (epj_dist_init(err, sizeof err) != EPJ_OK)
+		return fail_msg("%s", err);
+	if (rank_output(&o))
+		return 1;
+	if (o.parity) {
+		rc = run_parity(&o);
+	} else {
+		run r = { 0 };
+		rc = run_main(&r, &o);
+		run_free(&r);
+	}
+	fflush(stdout);
+	epj_dist_finalize(rc == 0);
 	return rc;
 }

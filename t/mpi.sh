@@ -1,0 +1,255 @@
+#!/bin/sh
+# t/mpi.sh -- two ranks under mpirun (make check sets top_builddir and
+# top_srcdir; by hand: top_builddir=BUILD top_srcdir=SRC sh t/mpi.sh).
+#
+#  1. t/mpi_check (2 ranks, and 4 for EP 2 x EDP 2): the mpi comm's
+#     collectives, an AutoEP layer sharded over
+#     2 ranks against the unsharded layer (also with a rank that receives
+#     nothing), EP = 2 / EP = 1 with ZeRO 0/1/2 against a single-rank
+#     reference on the global batch (loss, routing, every gradient, the
+#     update), the collective timeout;
+#  2. epjit-train under mpirun: one progress line per step from rank 0,
+#     --rank-log files of the other rank, one rank file per rank of a
+#     checkpoint; resuming on 2 ranks (bf16, ZeRO 2, AdamW) is identical to
+#     the straight run; a world of 1 and another ZeRO stage are refused;
+#     a plain HF file loads on 2 ranks; impossible EP sizes are refused; EP 2 x gradient accumulation 2 on 2
+#     ranks trains as 1 rank x 4 on the same micro-batches (loss, norm);
+#  3. the parity matrix at world 2 (EP 2, ZeRO 1, bf16, SGD lr 1.0):
+#     nested / root x checkpointing off / on x async split plan off / on,
+#     compiled against eager: 8/8 must pass on every rank;
+#  4. a rank that stops (SIGSTOP) or dies (SIGKILL) mid-run: the job exits
+#     non-zero well within the timeout, the surviving rank naming the call.
+# Exit 77 (SKIP) only where MPI is absent (no mpirun, or a build without
+# MPI).  One thread per rank; about 30 s in all.
+
+builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
+srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
+TRAIN="$builddir/tools/epjit-train"
+CHECK="$builddir/t/mpi_check"
+MPIRUN=$(command -v mpirun || command -v mpiexec)
+if [ -z "$MPIRUN" ]; then
+	echo "SKIP: no mpirun / mpiexec (apt-get install openmpi-bin)"
+	exit 77
+fi
+if ! grep -q '^#define HAVE_MPI 1' "$builddir/config.h" 2>/dev/null; then
+	echo "SKIP: built without MPI (configure --with-mpi)"
+	exit 77
+fi
+[ -x "$TRAIN" ] && [ -x "$CHECK" ] || {
+	echo "FAIL: $TRAIN or $CHECK not built" >&2
+	exit 1
+}
+# CI runs as root; Open MPI refuses that without both variables.
+OMPI_ALLOW_RUN_AS_ROOT=1
+OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+OMP_NUM_THREADS=1
+OPENBLAS_NUM_THREADS=1
+export OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM OMP_NUM_THREADS \
+	OPENBLAS_NUM_THREADS
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-mpi-test.XXXXXX") || exit 1
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+
+fail() {
+	echo "FAIL: $*" >&2
+	exit 1
+}
+
+# mpi2 LOG CMD...: CMD on 2 ranks, output in LOG; fails unless exit 0.
+mpi2() {
+	log=$1
+	shift
+	if ! timeout 300 "$MPIRUN" -np 2 --oversubscribe "$@" >"$log" 2>&1; then
+		cat "$log" >&2
+		fail "mpirun -np 2 $* exited non-zero"
+	fi
+}
+
+last_fields() {
+	tail -n 1 "$1" | cut -d, -f1-4
+}
+
+# ---- 1. the library under two ranks -------------------------------------------
+mpi2 check.log "$CHECK"
+cat check.log
+grep -q 'mpi_check: PASS' check.log || fail "mpi_check did not pass"
+# 4 ranks: EP 2 x expert-data-parallel 2 (expert partitions under ZeRO)
+if ! timeout 300 "$MPIRUN" -np 4 --oversubscribe "$CHECK" >check4.log 2>&1; then
+	cat check4.log >&2
+	fail "mpi_check on 4 ranks"
+fi
+grep -q 'mpi_check: PASS (0 failures over 4 ranks)' check4.log ||
+	fail "mpi_check on 4 ranks did not pass"
+
+# ---- 2. the trainer ------------------------------------------------------------
+cat >ep2.json <<'EOF'
+{
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 1,
+  "steps_per_print": 1,
+  "seed": 11,
+  "bf16": {"enabled": true},
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.01}},
+  "zero_optimization": {"stage": 2},
+  "expert_parallel": {"enabled": true, "autoep_size": 2, "async_split_plan": true},
+  "gradient_clipping": 1.0,
+  "comm": {"timeout_s": 60}
+}
+EOF
+sed 's/"stage": 2/"stage": 1/' ep2.json >ep2z1.json
+mpi2 a1.log "$TRAIN" --config ep2.json --steps 3 --seq 8 --save a1.ckpt \
+	--metrics a1.csv --rank-log a1
+n=$(grep -c '^step ' a1.log)
+[ "$n" -eq 3 ] || fail "expected 3 progress lines from rank 0, got $n: $(cat a1.log)"
+[ -s a1.rank1.log ] || fail "--rank-log wrote no a1.rank1.log"
+grep -q '^step ' a1.rank1.log || fail "rank 1 log lacks its progress"
+[ -f a1.rank0.log ] && fail "rank 0 should print, not log"
+grep -q 'autoep.split_plan.async' a1.log || fail "async plan not counted"
+[ -s a1.ckpt.rank0 ] && [ -s a1.ckpt.rank1 ] ||
+	fail "checkpoint: one file per rank expected: $(ls)"
+[ -f a1.ckpt ] && fail "a multi-rank checkpoint wrote $tmp/a1.ckpt"
+"$TRAIN" --list-safetensors a1.ckpt.rank1 >r1.txt 2>&1 || fail "list: $(cat r1.txt)"
+grep -q 'meta world_size=2' r1.txt || fail "rank file lacks world_size"
+grep -q '^optimizer.master_shard.lm_head.weight F32' r1.txt ||
+	fail "rank file lacks the ZeRO master shard"
+grep -q '^model.layers.0.mlp.experts.3.up_proj.weight ' r1.txt ||
+	fail "rank 1 does not hold expert 3"
+grep -q '^model.layers.0.mlp.experts.0.up_proj.weight ' r1.txt &&
+	fail "rank 1 holds expert 0"
+
+mpi2 a2.log "$TRAIN" --config ep2.json --steps 6 --seq 8 --load a1.ckpt \
+	--save a2.ckpt --metrics a2.csv
+mpi2 b.log "$TRAIN" --config ep2.json --steps 6 --seq 8 --save b.ckpt \
+	--metrics b.csv
+sed 1d a2.csv | cut -d, -f1-4 >a2.txt
+tail -n 3 b.csv | cut -d, -f1-4 >b3.txt
+cmp -s a2.txt b3.txt || fail "resume on 2 ranks differs: $(cat a2.txt) vs $(cat b3.txt)"
+cmp a2.ckpt.rank0 b.ckpt.rank0 && cmp a2.ckpt.rank1 b.ckpt.rank1 ||
+	fail "resumed rank files differ from the straight run"
+
+sed 's/"autoep_size": 2/"autoep_size": 1/' ep2.json >ep1.json
+"$TRAIN" --config ep1.json --steps 4 --load a1.ckpt >w1.txt 2>&1 &&
+	fail "a world of 1 loaded a 2-rank checkpoint"
+grep -q 'several ranks' w1.txt || fail "world-of-1 refusal: $(cat w1.txt)"
+timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2z1.json \
+	--steps 4 --seq 8 --load a1.ckpt >z1.txt 2>&1 &&
+	fail "ZeRO 1 loaded a ZeRO 2 checkpoint"
+grep -q 'zero_optimization.stage=2' z1.txt || fail "ZeRO refusal: $(cat z1.txt)"
+
+# A plain HF f32 file (a single-rank checkpoint without "optimizer.*")
+# loads on 2 ranks: every rank takes its experts from it.
+if command -v python3 >/dev/null 2>&1; then
+	"$TRAIN" --steps 2 --seq 8 --save one.ckpt >one.log 2>&1 ||
+		fail "single-rank save: $(cat one.log)"
+	python3 - one.ckpt hf.safetensors <<'EOF' || fail "python3 could not write hf.safetensors"
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    hdr = json.loads(f.read(n))
+    data = f.read()
+out, blobs, off = {}, [], 0
+for name in sorted(k for k in hdr if k != "__metadata__"):
+    if name.startswith("optimizer."):
+        continue
+    e = hdr[name]
+    b = data[e["data_offsets"][0]:e["data_offsets"][1]]
+    out[name] = {"dtype": e["dtype"], "shape": e["shape"],
+                 "data_offsets": [off, off + len(b)]}
+    blobs.append(b)
+    off += len(b)
+h = json.dumps(out, separators=(",", ":")).encode()
+h += b" " * (-len(h) % 8)
+with open(sys.argv[2], "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+EOF
+	sed -e 's/"enabled": true}/"enabled": false}/' ep2.json >ep2f32.json
+	mpi2 hf.log "$TRAIN" --config ep2f32.json --seq 8 --load hf.safetensors \
+		--dump-state d.st
+	[ -s d.st.rank0 ] && [ -s d.st.rank1 ] || fail "--dump-state: no rank files"
+	python3 - hf.safetensors d.st.rank1 <<'EOF' || fail "rank 1 did not take its weights from the HF file"
+import json, struct, sys
+def read(p):
+    with open(p, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), f.read()
+(ha, da), (hb, db) = read(sys.argv[1]), read(sys.argv[2])
+for k in ("lm_head.weight", "model.layers.1.mlp.experts.3.up_proj.weight"):
+    a, b = ha[k]["data_offsets"], hb[k]["data_offsets"]
+    assert da[a[0]:a[1]] == db[b[0]:b[1]], k
+assert "model.layers.1.mlp.experts.0.up_proj.weight" not in hb
+EOF
+fi
+
+# EP 2 on 2 ranks against one rank on the same global batches, through the
+# trainer: rank r takes micro-batches r, r + 2, ... so 2 ranks x 2
+# accumulation steps see the micro-batches of 1 rank x 4.  Loss and
+# gradient norm of every step agree to f32 rounding.
+cat >g1.json <<'EOF'
+{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+ "steps_per_print": 1, "seed": 5, "gradient_clipping": 1.0,
+ "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+EOF
+sed -e 's/"gradient_accumulation_steps": 4/"gradient_accumulation_steps": 2/' \
+	-e 's/"seed": 5,/"seed": 5, "zero_optimization": {"stage": 1}, "expert_parallel": {"autoep_size": 2},/' \
+	g1.json >g2.json
+"$TRAIN" --config g1.json --steps 3 --seq 8 --metrics g1.csv >g1.log 2>&1 ||
+	fail "one rank, gas 4: $(cat g1.log)"
+mpi2 g2.log "$TRAIN" --config g2.json --steps 3 --seq 8 --metrics g2.csv
+paste -d, g1.csv g2.csv | sed 1d | awk -F, '
+	function rel(a, b) { d = a - b; if (d < 0) d = -d; return d / (b < 0 ? -b : b) }
+	{ if (rel($8, $2) > 1e-5 || rel($10, $4) > 1e-5) bad = 1; n++ }
+	END { exit bad || n != 3 }' ||
+	fail "EP 2 on 2 ranks differs from 1 rank: $(cat g1.csv g2.csv)"
+
+# Expert-parallel sizes that cannot work are refused at initialize.
+sed 's/"num_experts": 4,/"num_experts": 3,/' "$srcdir/t/models/byte.json" >e3.json
+timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model e3.json \
+	--config ep2.json --steps 1 --seq 8 >e3.txt 2>&1 &&
+	fail "3 experts sharded over 2 ranks"
+grep -q "num_experts=3 is not divisible by expert_parallel.autoep_size=2" e3.txt ||
+	fail "3 experts over 2: $(cat e3.txt)"
+sed 's/"autoep_size": 2/"autoep_size": 4/' ep2.json >ep4.json
+timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep4.json \
+	--steps 1 --seq 8 >ep4.txt 2>&1 && fail "autoep_size 4 on 2 ranks"
+grep -q "autoep_size=4 needs a world of a multiple of 4 ranks; this run has 2" ep4.txt ||
+	fail "autoep_size 4 on 2 ranks: $(cat ep4.txt)"
+
+# ---- 3. the parity matrix at world 2 --------------------------------------------
+pass=0
+for layout in nested root; do
+	for ck in "" --checkpointing; do
+		for as in "" --async-split-plan; do
+			log="parity-$layout$ck$as.log"
+			mpi2 "$log" "$TRAIN" --parity --bf16 --layout "$layout" \
+				$ck $as
+			grep -q 'every rank passed' "$log" &&
+				grep -q '^parity: PASS' "$log" ||
+				fail "parity $layout $ck $as: $(cat "$log")"
+			pass=$((pass + 1))
+		done
+	done
+done
+[ "$pass" -eq 8 ] || fail "parity: $pass/8"
+echo "parity at world 2: $pass/8"
+
+# ---- 4. a rank that vanishes -----------------------------------------------------
+sed 's/"timeout_s": 60/"timeout_s": 3/' ep2.json >short.json
+for fault in stop kill; do
+	start=$(date +%s)
+	timeout 120 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config short.json \
+		--steps 5 --seq 8 --fault "$fault" --fault-step 3 \
+		--fault-rank 1 >"f-$fault.txt" 2>&1
+	rc=$?
+	took=$(($(date +%s) - start))
+	[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] ||
+		fail "--fault $fault: exit $rc: $(cat "f-$fault.txt")"
+	[ "$took" -lt 60 ] || fail "--fault $fault: took $took s"
+	grep -q 'rank 1: --fault' "f-$fault.txt" ||
+		fail "--fault $fault: no fault injected: $(cat "f-$fault.txt")"
+done
+# A stopped peer: rank 0 itself reports the call that timed out.
+grep -q 'rank 0 of 2: .*did not complete within 3 s' f-stop.txt ||
+	fail "stopped peer: rank 0's message: $(cat f-stop.txt)"
+echo "PASS: mpi"
+exit 0
