@@ -1,9 +1,10 @@
 /* backend_c.c -- the C backend: compiled graphs run generated C.
  *
  *   build(g):  schedule (sched.c: fused kernels + extern nodes)
- *              -> kernel cache lookup (kcache.h; key: backend, graph text,
- *                 codegen version, prelude hash, host cc identity)
- *              -> miss: print C (print_c.c), host cc (hostcc.c), store
+ *              -> print C (print_c.c)
+ *              -> kernel cache lookup (kcache.h; key: ej_backend_c_key of
+ *                 the source: the source itself + host cc identity)
+ *              -> miss: host cc (hostcc.c), store
  *              -> dlopen the shared object, look up epjk_<i>
  *   run(g):    the interpreter's calling convention (inputs bound to
  *              g->inputs in order, outs[] new references for g->outputs,
@@ -91,18 +92,30 @@ static void dump_file(ej_jit *jit, const char *name, const char *ext,
 	fclose(f);
 }
 
-/* Finds or makes the shared object of the schedule and loads it. */
+void ej_codegen_graph_name(ej_graph *g, char name[48])
+{
+	char gh[33];
+	const char *text = ej_graph_text(g);
+	epj_hash_hex(epj_hash(text, strlen(text)), gh);
+	snprintf(name, 48, "g%.16s", gh);
+}
+
+void ej_backend_c_key(const char *src, char key[EJ_KCACHE_KEY_LEN + 1])
+{
+	const char *parts[] = { "backend c", src, ej_hostcc_identity() };
+	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
+}
+
+/* Finds or makes the shared object of the schedule and loads it.  The key
+ * is that of the generated source (ej_backend_c_key), so the source is
+ * printed on every build (it is cheap next to a compile). */
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			       cstate *cs, const char *name)
 {
-	const char *text = ej_graph_text(g);
-	char prelude_hex[33];
-	epj_hash_hex(epj_hash(ej_prelude_c(), strlen(ej_prelude_c())),
-		     prelude_hex);
-	const char *parts[] = { "backend c", text, EJ_CODEGEN_VERSION,
-				prelude_hex, ej_hostcc_identity() };
+	(void)g;
+	const char *src = ej_print_c(cs->A, cs->s, name);
 	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
+	ej_backend_c_key(src, key);
 
 	ej_kcache *kc = ej_kcache_open(ctx, NULL);
 	if (!kc) {
@@ -120,10 +133,7 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	void *so = NULL;
 	size_t so_len = 0;
 	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
-	const char *src = NULL;
-	if (st == EPJ_OK && (!so || ej_debug_dump_dir()))
-		src = ej_print_c(cs->A, cs->s, name);
-	if (src && ej_debug_dump_dir())
+	if (ej_debug_dump_dir())
 		dump_file(jit, name, "c", src);
 	if (st == EPJ_OK && !so) {
 		char *log = NULL;
@@ -169,10 +179,8 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	cs->A = ej_arena_new();
 	cs->s = ej_sched_build(cs->A, g);
 	ej_schedule *s = cs->s;
-	char gh[33], name[48];
-	const char *text = ej_graph_text(g);
-	epj_hash_hex(epj_hash(text, strlen(text)), gh);
-	snprintf(name, sizeof name, "g%.16s", gh);
+	char name[48];
+	ej_codegen_graph_name(g, name);
 
 	/* liveness by step */
 	cs->last = ej_last_use(g, s->n_steps, step_read, s);

@@ -163,6 +163,16 @@ typedef struct ej_codegen_backend {
 /* The C backend (generated C, host cc, dlopen). */
 extern const ej_codegen_backend ej_backend_c;
 
+/* Name of graph g's generated translation units: "g" + 16 hex digits of the
+ * hash of its canonical text (it appears in the sources, so loaders and the
+ * warm-up must use this one). */
+void ej_codegen_graph_name(ej_graph *g, char name[48]);
+/* Kernel-cache key of the shared object built from C source `src` (the
+ * whole translation unit, prelude included): the source, the host compiler
+ * identity (compiler, version, fixed flags).  The C backend looks artifacts
+ * up under this key and the warm-up stores them under it. */
+void ej_backend_c_key(const char *src, char key[65]);
+
 /* ---- compiled segments and regions
  * --------------------------------------------- */
 
@@ -224,6 +234,10 @@ struct ej_jit {
 	ej_segment **cache;
 	int cache_cap, cache_n;
 	int compile_seq; /* numbering of debug dumps */
+	/* Offline warm-up: segments are traced, differentiated and passed but
+	 * not built by the backend (their artifacts are compiled apart, see
+	 * jit/warmup.c); such segments cannot run. */
+	bool defer_build;
 };
 
 /* Interpreter backend: runs g on bound inputs (one tensor per graph input;

@@ -25,6 +25,7 @@
 #endif
 
 #include "cc.h"
+#include "kcache.h"
 
 #include <ctype.h>
 #include <dlfcn.h>
@@ -478,6 +479,25 @@ const char *ej_nvrtc_identity(void)
 }
 
 #endif /* HAVE_NVRTC */
+
+/* ---- cache key ------------------------------------------------------------
+ */
+
+void ej_nvrtc_cache_key(const char *source, const char *arch,
+			const char *const *opts, int n_opts, char key[65])
+{
+	/* "nvrtc", source, identity, arch, then one part per option */
+	const char *parts[4 + 16];
+	int n = 0;
+	parts[n++] = "nvrtc";
+	parts[n++] = source;
+	parts[n++] = ej_nvrtc_identity();
+	parts[n++] = arch;
+	EJ_ASSERT(n_opts >= 0 && n_opts <= 16);
+	for (int i = 0; i < n_opts; i++)
+		parts[n++] = opts[i];
+	ej_kcache_key(key, parts, n);
+}
 
 /* ---- CUDA driver ---------------------------------------------------------
  */

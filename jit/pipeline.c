@@ -330,7 +330,7 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
 	}
-	if (st == EPJ_OK && jit->backend == EJ_BACKEND_C) {
+	if (st == EPJ_OK && jit->backend == EJ_BACKEND_C && !jit->defer_build) {
 		s->backend = &ej_backend_c;
 		st = s->backend->build(ctx, jit, s->fwd, &s->fwd_state);
 		if (st == EPJ_OK && s->bwd)

@@ -40,6 +40,7 @@ Suite *make_parity_suite(void);
 Suite *make_kcache_suite(void);
 Suite *make_cc_suite(void);
 Suite *make_codegen_suite(void);
+Suite *make_archive_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

@@ -48,6 +48,7 @@
 #include "config.h"
 #endif
 #include "epjit.h"
+#include "train_defaults.h"
 
 #ifndef PACKAGE_VERSION
 #define PACKAGE_VERSION "0.1"
@@ -55,19 +56,12 @@
 
 #define PROG "epjit-train"
 
-/* Defaults of the built-in run (see usage()).  The built-in learning-rate
- * schedule spans DEFAULT_STEPS whatever --steps says (see the invariants). */
+/* Defaults of the built-in run (see usage() and train_defaults.h). */
 enum {
-	DEFAULT_STEPS = 200,
-	DEFAULT_SEQ = 32,
-	DEFAULT_MICRO_BATCH = 8,
-	DEFAULT_PRINT = 20,
-	DEFAULT_WARMUP = 20,
 	EVAL_BATCHES = 4,   /* micro-batches of the held-out evaluation */
 	EVAL_STREAM = 1,    /* epj_corpus_fork stream of the evaluation */
 	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
 };
-#define DEFAULT_LR 3e-3
 
 /* Environment variable that marks a process re-executed by --threads. */
 #define THREADS_ENV "EPJIT_TRAIN_THREADS_SET"
@@ -442,30 +436,6 @@ static int list_safetensors(const char *path)
 }
 
 /* ---- setup ---- */
-
-/* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
- * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
- * 200, gradient clipping 1.0, a line every 20 steps. */
-static void default_config(char *buf, size_t n)
-{
-	snprintf(buf, n,
-		 "{\n"
-		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
-		 "  \"gradient_accumulation_steps\": 1,\n"
-		 "  \"steps_per_print\": %d,\n"
-		 "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\n"
-		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
-		 "    \"weight_decay\": 0.01}},\n"
-		 "  \"scheduler\": {\"type\": \"WarmupCosineLR\", "
-		 "\"params\": {\n"
-		 "    \"warmup_num_steps\": %d, \"warmup_type\": \"linear\",\n"
-		 "    \"total_num_steps\": %d, \"cos_min_ratio\": 0.1}},\n"
-		 "  \"gradient_clipping\": 1.0,\n"
-		 "  \"compile\": {\"autoep_non_moe\": true}\n"
-		 "}\n",
-		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
-		 DEFAULT_STEPS);
-}
 
 /* Model + engine for `seed`.  On failure the context holds the message. */
 static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
