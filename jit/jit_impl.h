@@ -278,6 +278,13 @@ epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *seg_fwd,
  * node counts. */
 void ej_debug_dump_compile_time(ej_jit *jit, const char *sig, double ms,
 				int fwd_nodes, int bwd_nodes);
+/* Debug dump index: appends one JSON object (one line) describing a
+ * compiled segment to dir/graphs.jsonl: seq, signature, mode, backend,
+ * segment (its index in the region trace), forward/backward node and
+ * fused-kernel counts, compile_ms, and the dump files written for it (IR
+ * after each pass, schedules and generated sources), relative to dir. */
+void ej_debug_dump_segment(ej_jit *jit, const ej_segment *s, bool train,
+			   int segment);
 /* Debug dump of a graph after a pass: dir/<seq>-<name>-<pass>.txt */
 void ej_debug_dump_graph(ej_jit *jit, ej_graph *g, const char *pass);
 

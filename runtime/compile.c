@@ -311,6 +311,8 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 				    "region \"%s\": recompiling (variant %d): "
 				    "%s",
 				    r->name, r->n_variants + 1, why);
+			ej_debug_dump_recompile(r->name, r->n_variants + 1,
+						why);
 			epj_counter_add(ctx, "recompiles", 1);
 		}
 		st = compile_variant(ctx, r, in, n_in, n_out, &f);
