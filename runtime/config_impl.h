@@ -177,6 +177,15 @@ typedef struct ej_config {
 	int64_t steps_per_print;    /* >= 1, default 10 */
 	int64_t seed;		    /* default 42 */
 	bool wall_clock_breakdown;  /* default false */
+
+	/* csv_monitor (DeepSpeed's monitor section): one CSV file per
+	 * training metric under log dir = output_path/job_name (job_name
+	 * alone when output_path is "", as DeepSpeed does). */
+	struct ej_csv_monitor_config {
+		bool enabled;		/* default false */
+		char output_path[1024]; /* default "" */
+		char job_name[256];	/* default "DeepSpeedJobName" */
+	} csv_monitor;
 } ej_config;
 
 /* Fills every field with its documented default. */

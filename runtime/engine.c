@@ -465,3 +465,15 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	epj_st_close(f);
 	return st;
 }
+
+bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n)
+{
+	const struct ej_csv_monitor_config *m = &e->cfg.csv_monitor;
+	if (!m->enabled)
+		return false;
+	if (m->output_path[0])
+		snprintf(dir, n, "%s/%s", m->output_path, m->job_name);
+	else
+		snprintf(dir, n, "%s", m->job_name);
+	return true;
+}

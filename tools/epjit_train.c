@@ -38,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -96,7 +97,8 @@ typedef struct run {
 	epj_engine *engine;
 	epj_corpus *corpus;
 	FILE *metrics;
-	uint64_t seed; /* the run seed */
+	FILE *monitor[7]; /* csv_monitor: one file per event (mon_events) */
+	uint64_t seed;	  /* the run seed */
 	int64_t B, T, gas;
 } run;
 
@@ -174,7 +176,11 @@ static void usage(FILE *fp)
 	    "safetensors)\n"
 	    "  --save CKPT         write a checkpoint at the end\n"
 	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
-	    "peak_alloc_bytes\n"
+	    "peak_alloc_bytes,\n"
+	    "                      step_ms,compile_ms,entropy_floor (the "
+	    "config's\n"
+	    "                      csv_monitor writes DeepSpeed's per-metric "
+	    "files)\n"
 	    "  --dump-state FILE   one forward+backward on the next batch, "
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
@@ -717,6 +723,61 @@ typedef struct train_stats {
 	double seconds;	    /* training time */
 } train_stats;
 
+/* csv_monitor events, as DeepSpeed names them ("Train/Samples/<metric>",
+ * x = samples seen); the file of "A/B/c" is A_B_c.csv with the header
+ * "step,c". */
+static const char *const mon_events[7] = {
+	"Train/Samples/train_loss",   "Train/Samples/lr",
+	"Train/Samples/grad_norm",    "Train/Samples/tokens_per_s",
+	"Train/Samples/step_time_ms", "Train/Samples/peak_alloc_bytes",
+	"Train/Samples/compile_ms",
+};
+
+/* mkdir -p */
+static int make_dirs(const char *dir)
+{
+	char p[4096];
+	snprintf(p, sizeof p, "%s", dir);
+	for (char *c = p + 1; *c; c++) {
+		if (*c != '/')
+			continue;
+		*c = '\0';
+		if (mkdir(p, 0755) != 0 && errno != EEXIST)
+			return -1;
+		*c = '/';
+	}
+	return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* Opens the csv_monitor files when the config enables it (appending, as
+ * DeepSpeed does; a header when a file is new). */
+static int monitor_open(run *r)
+{
+	char dir[4096];
+	if (!epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir))
+		return 0;
+	if (make_dirs(dir) != 0)
+		return fail_msg("csv_monitor: cannot create %s: %s", dir,
+				strerror(errno));
+	for (int i = 0; i < 7; i++) {
+		char name[128], path[4400];
+		snprintf(name, sizeof name, "%s", mon_events[i]);
+		for (char *c = name; *c; c++)
+			if (*c == '/' || *c == ' ')
+				*c = '_';
+		snprintf(path, sizeof path, "%s/%s.csv", dir, name);
+		r->monitor[i] = fopen(path, "a");
+		if (!r->monitor[i])
+			return fail_msg("csv_monitor: cannot open %s: %s", path,
+					strerror(errno));
+		if (ftell(r->monitor[i]) == 0)
+			fprintf(r->monitor[i], "step,%s\n",
+				strrchr(mon_events[i], '/') + 1);
+	}
+	printf(PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n", dir);
+	return 0;
+}
+
 static int train(run *r, const opts *o, train_stats *ts)
 {
 	epj_ctx *ctx = r->ctx;
@@ -726,6 +787,8 @@ static int train(run *r, const opts *o, train_stats *ts)
 	double t_start = now_s(), t_win = t_start, t_step = t_start;
 	double win_sum = 0;
 	int64_t win_n = 0;
+	double floor = epj_corpus_entropy_rate(r->corpus);
+	int64_t compile_us = epj_counter_get(ctx, "compile.us");
 	*ts = (train_stats){ .first_loss = NAN,
 			     .last_loss = NAN,
 			     .window_loss = NAN };
@@ -754,13 +817,30 @@ static int train(run *r, const opts *o, train_stats *ts)
 		ts->last_loss = info.mean_loss;
 		win_sum += info.mean_loss;
 		win_n++;
+		double step_s = t - t_step;
+		int64_t cus = epj_counter_get(ctx, "compile.us");
+		double compile_ms = (double)(cus - compile_us) / 1e3;
+		compile_us = cus;
 		if (r->metrics)
 			fprintf(r->metrics,
-				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64 "\n",
+				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
+				",%.3f,%.3f,%.6g\n",
 				info.step, info.mean_loss, info.lr,
-				info.grad_norm,
-				(double)tok_per_step / (t - t_step),
-				ms.peak_allocated);
+				info.grad_norm, (double)tok_per_step / step_s,
+				ms.peak_allocated, step_s * 1e3, compile_ms,
+				floor);
+		if (r->monitor[0]) {
+			double v[7] = {
+				info.mean_loss, info.lr,
+				info.grad_norm, (double)tok_per_step / step_s,
+				step_s * 1e3,	(double)ms.peak_allocated,
+				compile_ms
+			};
+			int64_t samples = info.step * r->B * r->gas;
+			for (int i = 0; i < 7; i++)
+				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
+					samples, v[i]);
+		}
 		bool last = info.step >= o->steps;
 		if (info.step % print_every == 0 || last) {
 			ts->window_loss = win_sum / (double)win_n;
@@ -945,6 +1025,9 @@ static void run_free(run *r)
 {
 	if (r->metrics)
 		fclose(r->metrics);
+	for (int i = 0; i < 7; i++)
+		if (r->monitor[i])
+			fclose(r->monitor[i]);
 	epj_corpus_free(r->corpus);
 	epj_engine_free(r->engine);
 	epj_model_free(r->model);
@@ -993,8 +1076,11 @@ static int run_main(run *r, const opts *o)
 			return fail_msg("%s: cannot open for writing: %s",
 					o->metrics, strerror(errno));
 		fprintf(r->metrics, "step,loss,lr,grad_norm,tokens_per_s,"
-				    "peak_alloc_bytes\n");
+				    "peak_alloc_bytes,step_ms,compile_ms,"
+				    "entropy_floor\n");
 	}
+	if (monitor_open(r))
+		return 1;
 	train_stats ts;
 	if (train(r, o, &ts))
 		return 1;
