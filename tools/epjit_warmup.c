@@ -370,6 +370,11 @@ static void print_job(const char *state, const ej_warm_job *j)
 
 static int run_warmup(warm *w, const opts *o)
 {
+	/* a refused cache directory fails before any work */
+	ej_kcache *probe = ej_kcache_open(w->ctx, NULL);
+	if (!probe)
+		return fail(w->ctx);
+	ej_kcache_close(probe);
 	if (make_plan(w, o) != EPJ_OK)
 		return fail(w->ctx);
 	print_header(w, o);
