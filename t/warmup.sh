@@ -15,9 +15,13 @@
 #     no misses; a flipped byte, a truncated archive and another host
 #     compiler ($EPJIT_CC) are refused and leave the cache empty;
 #  5. with NVRTC: cubins for two archs, listed and exported;
-#  6. bad command lines exit 2.
+#  6. bad command lines exit 2;
+#  7. the 48-layer qwen3-30b-a3b config (t/models/qwen3-30b-a3b.json, 30B
+#     parameters, 120 GB in f32) warms up under a 3 GB address-space limit:
+#     shapes only, each unique graph once.
 # Exit 77 when the tools were not built.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
+srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 WARM="$builddir/tools/epjit-warmup"
 TRAIN="$builddir/tools/epjit-train"
 if [ ! -x "$WARM" ] || [ ! -x "$TRAIN" ]; then
@@ -183,4 +187,18 @@ for bad in "--backend rocm" "--arch sm_90" "-j 0" "--seq x" "--frobnicate" \
 	[ "$rc" -eq 2 ] || fail "epjit-warmup $bad: exit $rc, expected 2"
 done
 "$WARM" --help | grep -q -- '--dry-run' || fail "--help lacks --dry-run"
+
+# ---- 7. the real 48-layer config, shapes only --------------------------------------
+big=$srcdir/t/models/qwen3-30b-a3b.json
+if (ulimit -v 3000000 && EPJIT_CACHE_DIR=$tmp/big "$WARM" -j 2 \
+    --model "$big") >big.log 2>&1; then
+	grep -q '48 layers.*48 regions' big.log || fail "30b: $(head -n 1 big.log)"
+	grep -q ' 0 failed' big.log || fail "30b: $(tail -n 2 big.log)"
+	# each unique graph once: a handful of artifacts, not 48 x that
+	nb=$(grep -c '^compiled ' big.log)
+	[ "$nb" -gt 0 ] && [ "$nb" -le 8 ] || fail "30b: $nb artifacts compiled"
+else
+	cat big.log >&2
+	fail "warm-up of the 48-layer config failed under a 3 GB limit"
+fi
 exit 0
