@@ -1648,3 +1648,17 @@ char *ej_config_to_json(const ej_config *c)
 	json_decref(r);
 	return text;
 }
+
+/* ==== the keys, for the reference page's drift check ====================== */
+
+bool ej_config_key_at(int i, char *buf, size_t n)
+{
+	for (int s = 0; s < SEC_COUNT; s++) {
+		if (i < sections[s].n) {
+			key_path(buf, n, sections[s].path, sections[s].keys[i]);
+			return true;
+		}
+		i -= sections[s].n;
+	}
+	return false;
+}

@@ -304,4 +304,9 @@ bool ej_json_as_int(const json_t *v, int64_t *out);
  * integer 3, or the type name; written into buf, returned. */
 const char *ej_json_describe(const json_t *v, char *buf, size_t n);
 
+/* The i-th key the parser knows, as its dotted path ("compile.backend",
+ * "seed"), into buf; false past the last one.  The reference page
+ * (doc/config.md) must document every one (check_config_doc). */
+bool ej_config_key_at(int i, char *buf, size_t n);
+
 #endif /* EPJIT_CONFIG_IMPL_H */

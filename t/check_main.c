@@ -21,6 +21,7 @@ int main(void)
 		make_compile_suite,	  make_parity_suite,
 		make_kcache_suite,	  make_cc_suite,
 		make_codegen_suite,	  make_archive_suite,
+		make_config_doc_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

@@ -41,6 +41,7 @@ Suite *make_kcache_suite(void);
 Suite *make_cc_suite(void);
 Suite *make_codegen_suite(void);
 Suite *make_archive_suite(void);
+Suite *make_config_doc_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);
