@@ -335,6 +335,12 @@ static epj_status make_plan(warm *w, const opts *o)
 		return st;
 	ej_jit *jit = ej_engine_jit(w->engine);
 	jit->defer_build = true;
+	if (!o->cuda && jit->backend != EJ_BACKEND_C)
+		fprintf(stderr,
+			PROG ": note: the config's compile.backend is %s: a "
+			     "run with it loads no C artifacts (warming them "
+			     "anyway)\n",
+			ej_backend_name(jit->backend));
 	w->B = epj_engine_micro_batch_size(w->engine);
 	w->T = o->seq;
 	st = ej_engine_compile_trace_all(w->engine, w->B, w->T, &w->n_variants);
