@@ -7,8 +7,8 @@
 #  2. for a matrix of runs (default; checkpointing; root layout with
 #     checkpointing; a bf16 config with gradient accumulation, an odd batch
 #     3 x 17 and checkpointing; full-model compile): warm a fresh cache, then
-#     train 2 steps with EPJIT_DEBUG_DUMP: cache.misses must be 0 and
-#     cache.disk_hits > 0;
+#     train 2 steps with EPJIT_DEBUG_DUMP: cache.misses and compile.cc_us
+#     (host compiler time) must be 0 and cache.disk_hits > 0;
 #  3. a second warm-up finds everything cached and compiles nothing;
 #     --dry-run lists the same keys and compiles nothing;
 #  4. archives: export + import into a fresh cache, after which a run has
@@ -74,6 +74,8 @@ train() {
 train "$tmp/cold" cold
 [ "$(ctr cold/counters.json cache.misses)" -gt 0 ] ||
 	fail "a run on an empty cache did not miss"
+[ "$(ctr cold/counters.json compile.cc_us)" -gt 0 ] ||
+	fail "a run on an empty cache spent no time in the host compiler"
 
 # ---- 2. the matrix ------------------------------------------------------------
 cat >bf16.json <<'EOF'
@@ -97,6 +99,8 @@ for args in "" "--checkpointing" "--layout root --checkpointing" \
 	m=$(ctr d$i/counters.json cache.misses)
 	h=$(ctr d$i/counters.json cache.disk_hits)
 	[ "$m" -eq 0 ] || fail "after warm-up ($args): cache.misses = $m"
+	[ "$(ctr d$i/counters.json compile.cc_us)" -eq 0 ] ||
+		fail "after warm-up ($args): the host compiler ran"
 	[ "$h" -gt 0 ] || fail "after warm-up ($args): no disk hits"
 	[ "$(ctr d$i/counters.json kernels.launched.compiled)" -gt 0 ] ||
 		fail "after warm-up ($args): no compiled kernel ran"
