@@ -32,6 +32,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <time.h>
 
 typedef void (*ckernel_fn)(char *const *ptr, const int64_t *st);
 
@@ -93,6 +94,23 @@ static void dump_file(ej_jit *jit, const char *name, const char *ext,
 	fclose(f);
 }
 
+void ej_codegen_graph_name(ej_graph *g, char name[48])
+{
+	char gh[33];
+	const char *text = ej_graph_text(g);
+	epj_hash_hex(epj_hash(text, strlen(text)), gh);
+	snprintf(name, 48, "g%.16s", gh);
+}
+
+/* The key of the shared object built from C `src`: the artifact rule
+ * (ej_artifact_key) with the host compiler's identity and flags; warm-up
+ * and archive import compute keys through here too. */
+void ej_backend_c_key(const char *src, char key[EJ_KCACHE_KEY_LEN + 1])
+{
+	ej_artifact_key(key, "c", ej_hostcc_identity(), ej_hostcc_cflags(), "",
+			src);
+}
+
 static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name);
 
 /* The jit's kernel cache, opened at its first use and kept for the jit's
@@ -141,8 +159,7 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	if (ej_debug_dump_dir())
 		dump_file(jit, name, "c", src);
 	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_artifact_key(key, "c", ej_hostcc_identity(), ej_hostcc_cflags(), "",
-			src);
+	ej_backend_c_key(src, key);
 
 	ej_kcache *kc = NULL;
 	bool own = false;
@@ -161,8 +178,15 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	bool fresh = st == EPJ_OK && !so;
 	if (fresh) {
 		char *log = NULL;
+		struct timespec t0, t1;
+		clock_gettime(CLOCK_MONOTONIC, &t0);
 		st = ej_hostcc_compile(ctx, src, name, &so, &so_len, &log);
 		epj_counter_add(ctx, "codegen.cc_compiles", 1);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		/* the host compiler's share of compile.us: 0 on a warm cache */
+		epj_counter_add(ctx, "compile.cc_us",
+				(int64_t)(t1.tv_sec - t0.tv_sec) * 1000000 +
+				    (t1.tv_nsec - t0.tv_nsec) / 1000);
 		if (st == EPJ_OK && log && *log)
 			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
 				    name, log);
@@ -213,10 +237,8 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	cs->A = ej_arena_new();
 	cs->s = ej_sched_build(cs->A, g);
 	ej_schedule *s = cs->s;
-	char gh[33], name[48];
-	const char *text = ej_graph_text(g);
-	epj_hash_hex(epj_hash(text, strlen(text)), gh);
-	snprintf(name, sizeof name, "g%.16s", gh);
+	char name[48];
+	ej_codegen_graph_name(g, name);
 
 	/* liveness by step */
 	cs->last = ej_last_use(g, s->n_steps, step_read, s);

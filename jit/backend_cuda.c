@@ -177,10 +177,6 @@ static int step_read(const void *u, int i, int j)
 	return j < n->n_in ? n->in[j] : -1;
 }
 
-/* The options NVRTC gets besides -arch (part of the key). */
-static const char *const nvrtc_opts[] = { "-default-device" };
-#define NVRTC_OPTS_TEXT "-default-device"
-
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 			       const char *name)
 {
@@ -190,8 +186,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	ej_cuda_info(cs->dev, &info);
 	snprintf(cs->target, sizeof cs->target, "%s", info.arch);
 	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_artifact_key(key, "nvrtc", ej_nvrtc_identity(), NVRTC_OPTS_TEXT,
-			cs->target, cs->source);
+	/* the key warm-up computes too: no options besides -arch */
+	ej_nvrtc_cache_key(cs->source, cs->target, NULL, 0, key);
 	ej_kcache *kc = jit ? jit->kc : NULL;
 	bool own = false;
 	if (!jit || !jit->kc_opened) {
@@ -221,9 +217,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	bool compiled = false;
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
-		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target,
-				      nvrtc_opts, (int)EJ_ARRAY_LEN(nvrtc_opts),
-				      &r);
+		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target, NULL,
+				      0, &r);
 		if (st == EPJ_OK) {
 			image = r.image;
 			size = r.size;

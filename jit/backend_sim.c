@@ -74,13 +74,9 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 		ej_arena_free(A);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
 	}
-	char src_hex[33];
-	epj_hash_hex(epj_hash(src, strlen(src)), src_hex);
 	const char *flags = sim_flags();
-	const char *parts[] = { "backend cuda-sim", src_hex,
-				ej_hostcxx_identity(), flags };
 	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_kcache_key(key, parts, (int)EJ_ARRAY_LEN(parts));
+	ej_artifact_key(key, "cuda-sim", ej_hostcxx_identity(), flags, "", src);
 
 	ej_kcache *kc = ej_kcache_open(ctx, NULL);
 	if (!kc) {

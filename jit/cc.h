@@ -72,6 +72,12 @@ epj_status ej_nvrtc_compile(epj_ctx *ctx, const char *source, const char *name,
 bool ej_nvrtc_version(int *major, int *minor);
 /* "nvrtc 13.0" ("nvrtc none" without NVRTC); static storage. */
 const char *ej_nvrtc_identity(void);
+/* Kernel-cache key of the NVRTC artifact of CUDA C `source` for `arch` with
+ * extra options opts[0..n_opts) (the -arch option is implied): the source,
+ * ej_nvrtc_identity(), the arch and the options.  Whatever stores or loads
+ * an NVRTC artifact uses this function (64 hex digits + NUL into key). */
+void ej_nvrtc_cache_key(const char *source, const char *arch,
+			const char *const *opts, int n_opts, char key[65]);
 /* Whether an NVRTC log reports a warning ("k.cu(3): warning #177-D: ..."). */
 bool ej_nvrtc_log_has_warning(const char *log);
 

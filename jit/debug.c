@@ -1,10 +1,14 @@
 /* debug.c -- EPJIT_DEBUG_DUMP=dir: the IR of every compiled graph after each
- * pass (dir/graphs/<sig>-<pass>.txt) and the counters (dir/counters.json).
+ * pass (dir/graphs/<seq>-<sig>-<pass>.txt), an index of the compiled
+ * segments (dir/graphs.jsonl, one JSON object a line), the recompiles with
+ * their guard failures (dir/recompiles.txt) and the counters
+ * (dir/counters.json).  epjit-dump reads them.
  *
  * Dumping is best effort: a failure to write is logged, never an error of
  * the compile.
  */
 #include "jit_impl.h"
+#include "kir.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -91,4 +95,105 @@ epj_status ej_debug_dump_counters(epj_ctx *ctx, const char *dir)
 		return ej_error(ctx, EPJ_ERR_IO, "debug dump: error writing %s",
 				path);
 	return EPJ_OK;
+}
+
+/* Appends `rel` to the JSON array text in sb when dir/rel exists. */
+static void add_path(ej_sbuf *sb, const char *dir, const char *rel, int *n)
+{
+	char full[8400];
+	struct stat st;
+	snprintf(full, sizeof full, "%s/%s", dir, rel);
+	if (stat(full, &st) != 0)
+		return;
+	ej_sb_printf(sb, "%s\"%s\"", (*n)++ ? ", " : "", rel);
+}
+
+static int kernels_of(const ej_segment *s, void *state)
+{
+	if (!state || s->backend != &ej_backend_c)
+		return 0;
+	return ej_backend_c_schedule(state)->n_kernels;
+}
+
+void ej_debug_dump_segment(ej_jit *jit, const ej_segment *s, bool train,
+			   int segment)
+{
+	const char *dir = ej_debug_dump_dir();
+	if (!dir)
+		return;
+	static const char *const passes[] = {
+		"0-traced",	    "1-dce-cse",       "2-joint-forward",
+		"2-joint-backward", "3-forward-final", "3-backward-final",
+	};
+	ej_sbuf sb = { 0 };
+	ej_sb_printf(&sb,
+		     "{\"seq\": %d, \"signature\": \"%s\", \"mode\": "
+		     "\"%s\", \"backend\": \"%s\", \"segment\": %d, "
+		     "\"fwd_nodes\": %d, \"bwd_nodes\": %d, "
+		     "\"fwd_kernels\": %d, \"bwd_kernels\": %d, "
+		     "\"compile_ms\": %.3f, \"ir\": [",
+		     jit->compile_seq, s->sig_hex, train ? "train" : "eval",
+		     ej_backend_name(jit->backend), segment,
+		     ej_graph_live_nodes(s->fwd),
+		     s->bwd ? ej_graph_live_nodes(s->bwd) : 0,
+		     kernels_of(s, s->fwd_state), kernels_of(s, s->bwd_state),
+		     s->compile_ms);
+	int n = 0;
+	char rel[256];
+	for (size_t i = 0; i < EJ_ARRAY_LEN(passes); i++) {
+		snprintf(rel, sizeof rel, "graphs/%03d-%.12s-%s.txt",
+			 jit->compile_seq, s->sig_hex, passes[i]);
+		add_path(&sb, dir, rel, &n);
+	}
+	ej_sb_puts(&sb, "], \"sources\": [");
+	n = 0;
+	ej_graph *gs[2] = { s->fwd, s->bwd };
+	static const char *const exts[] = { "txt", "c", "cu" };
+	for (int g = 0; g < 2; g++) {
+		if (!gs[g])
+			continue;
+		char name[48];
+		ej_codegen_graph_name(gs[g], name);
+		for (size_t e = 0; e < EJ_ARRAY_LEN(exts); e++) {
+			snprintf(rel, sizeof rel, "kernels/%03d-%s.%s",
+				 jit->compile_seq, name, exts[e]);
+			add_path(&sb, dir, rel, &n);
+		}
+	}
+	ej_sb_puts(&sb, "]}\n");
+	char path[4200];
+	mkdir_p(dir);
+	snprintf(path, sizeof path, "%s/graphs.jsonl", dir);
+	FILE *f = fopen(path, "a");
+	if (!f) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot write %s: %s",
+			    path, strerror(errno));
+	} else {
+		fputs(sb.p ? sb.p : "", f);
+		fclose(f);
+	}
+	free(sb.p);
+}
+
+void ej_debug_dump_recompile(const char *region, int variant,
+			     const char *reason)
+{
+	const char *dir = ej_debug_dump_dir();
+	if (!dir)
+		return;
+	char path[4200];
+	mkdir_p(dir);
+	snprintf(path, sizeof path, "%s/recompiles.txt", dir);
+	FILE *f = fopen(path, "a");
+	if (!f) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot write %s: %s",
+			    path, strerror(errno));
+		return;
+	}
+	/* one line: tabs and newlines of the reason become blanks */
+	fprintf(f, "%s\t%d\t", region[0] ? region : "<root>", variant);
+	for (const char *c = reason; *c; c++)
+		fputc(*c == '\t' || *c == '\n' ? ' ' : *c, f);
+	fputc('\n', f);
+	fclose(f);
 }

@@ -136,5 +136,10 @@ epj_status ej_jit_emit_cuda(epj_ctx *ctx, ej_jit *jit, const char *dir,
 const char *ej_debug_dump_dir(void);
 /* Writes counters as JSON to dir/counters.json (at exit or on demand). */
 epj_status ej_debug_dump_counters(epj_ctx *ctx, const char *dir);
+/* Appends one line "<region>\t<variant>\t<reason>" to dir/recompiles.txt
+ * (a region compiled another variant because no guard accepted the call;
+ * reason: each variant's first failing guard).  Best effort. */
+void ej_debug_dump_recompile(const char *region, int variant,
+			     const char *reason);
 
 #endif /* EPJIT_JIT_H */

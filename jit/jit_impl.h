@@ -167,6 +167,16 @@ extern const ej_codegen_backend ej_backend_sim;
 /* The nvrtc backend (generated CUDA C, NVRTC, the cuda device). */
 extern const ej_codegen_backend ej_backend_cuda;
 
+/* Name of graph g's generated translation units: "g" + 16 hex digits of the
+ * hash of its canonical text (it appears in the sources, so loaders and the
+ * warm-up must use this one). */
+void ej_codegen_graph_name(ej_graph *g, char name[48]);
+/* Kernel-cache key of the shared object built from C source `src` (the
+ * whole translation unit, prelude included): the source, the host compiler
+ * identity (compiler, version, fixed flags).  The C backend looks artifacts
+ * up under this key and the warm-up stores them under it. */
+void ej_backend_c_key(const char *src, char key[65]);
+
 /* ---- compiled segments and regions
  * --------------------------------------------- */
 
@@ -232,6 +242,10 @@ struct ej_jit {
 	 * closed with the jit (NULL after a failed open: no caching) */
 	struct ej_kcache *kc;
 	bool kc_opened;
+	/* Offline warm-up: segments are traced, differentiated and passed but
+	 * not built by the backend (their artifacts are compiled apart, see
+	 * jit/warmup.c); such segments cannot run. */
+	bool defer_build;
 };
 
 /* Interpreter backend: runs g on bound inputs (one tensor per graph input;
@@ -272,6 +286,13 @@ epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *seg_fwd,
  * node counts. */
 void ej_debug_dump_compile_time(ej_jit *jit, const char *sig, double ms,
 				int fwd_nodes, int bwd_nodes);
+/* Debug dump index: appends one JSON object (one line) describing a
+ * compiled segment to dir/graphs.jsonl: seq, signature, mode, backend,
+ * segment (its index in the region trace), forward/backward node and
+ * fused-kernel counts, compile_ms, and the dump files written for it (IR
+ * after each pass, schedules and generated sources), relative to dir. */
+void ej_debug_dump_segment(ej_jit *jit, const ej_segment *s, bool train,
+			   int segment);
 /* Debug dump of a graph after a pass: dir/<seq>-<name>-<pass>.txt */
 void ej_debug_dump_graph(ej_jit *jit, ej_graph *g, const char *pass);
 

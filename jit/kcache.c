@@ -1285,3 +1285,48 @@ void ej_kcache_unlock(ej_kcache *c, int lock)
 	if (lock >= 0)
 		close(lock); /* drops the flock */
 }
+
+/* ---- listing
+ * ---------------------------------------------------------------
+ */
+
+int ej_kcache_list(ej_kcache *c, ej_kcache_list_fn fn, void *user)
+{
+	DIR *d = opendir(c->vdir);
+	if (!d)
+		return 0;
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		if (!is_hex2(de->d_name))
+			continue;
+		char *shard = str_printf("%s/%s", c->vdir, de->d_name);
+		struct stat st;
+		DIR *s = NULL;
+		if (shard && lstat(shard, &st) == 0 && S_ISDIR(st.st_mode))
+			s = opendir(shard);
+		struct dirent *fe;
+		while (s && (fe = readdir(s))) {
+			const char *nm = fe->d_name;
+			char key[EJ_KCACHE_KEY_LEN + 1];
+			if (strlen(nm) != EJ_KCACHE_KEY_LEN + 4 ||
+			    strcmp(nm + EJ_KCACHE_KEY_LEN, ".bin") != 0)
+				continue;
+			memcpy(key, nm, EJ_KCACHE_KEY_LEN);
+			key[EJ_KCACHE_KEY_LEN] = '\0';
+			char *p = str_printf("%s/%s", shard, nm);
+			if (p && key_valid(key) && lstat(p, &st) == 0 &&
+			    S_ISREG(st.st_mode)) {
+				n++;
+				if (fn)
+					fn(user, key, (int64_t)st.st_size);
+			}
+			free(p);
+		}
+		if (s)
+			closedir(s);
+		free(shard);
+	}
+	closedir(d);
+	return n;
+}

@@ -139,5 +139,11 @@ epj_status ej_kcache_recheck(ej_kcache *c, const char *key, void **data,
 			     size_t *len);
 /* Releases a lock of ej_kcache_lock (-1 is fine). */
 void ej_kcache_unlock(ej_kcache *c, int lock);
+/* Calls fn(user, key, file_bytes) for every entry file on disk (any
+ * order; the entries are not read or verified: ej_kcache_get does that).
+ * Returns the number of entries (0 when the directory cannot be listed). */
+typedef void (*ej_kcache_list_fn)(void *user, const char *key,
+				  int64_t file_bytes);
+int ej_kcache_list(ej_kcache *c, ej_kcache_list_fn fn, void *user);
 
 #endif /* EPJIT_KCACHE_H */

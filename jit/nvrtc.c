@@ -25,6 +25,7 @@
 #endif
 
 #include "cc.h"
+#include "kcache.h"
 
 #include <ctype.h>
 #include <dlfcn.h>
@@ -478,6 +479,26 @@ const char *ej_nvrtc_identity(void)
 }
 
 #endif /* HAVE_NVRTC */
+
+/* ---- cache key ------------------------------------------------------------
+ */
+
+void ej_nvrtc_cache_key(const char *source, const char *arch,
+			const char *const *opts, int n_opts, char key[65])
+{
+	/* the artifact rule (ej_artifact_key): source, NVRTC's identity, the
+	 * options (blank-joined), the arch */
+	char flags[1024] = "";
+	size_t o = 0;
+	EJ_ASSERT(n_opts >= 0);
+	for (int i = 0; i < n_opts && o < sizeof flags; i++) {
+		int k = snprintf(flags + o, sizeof flags - o, "%s%s",
+				 i ? " " : "", opts[i]);
+		EJ_ASSERT(k >= 0 && (size_t)k < sizeof flags - o);
+		o += (size_t)k;
+	}
+	ej_artifact_key(key, "nvrtc", ej_nvrtc_identity(), flags, arch, source);
+}
 
 /* ---- CUDA driver ---------------------------------------------------------
  */

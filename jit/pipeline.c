@@ -286,7 +286,7 @@ static void dump(ej_jit *jit, ej_graph *g, const char *pass)
 
 /* Compiles one segment's forward graph (takes ownership of f). */
 static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
-				  bool grad_mode, ej_segment **out)
+				  bool grad_mode, int index, ej_segment **out)
 {
 	*out = NULL;
 	double t0 = now_ms();
@@ -355,9 +355,10 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
 	}
-	if (st == EPJ_OK && (jit->backend == EJ_BACKEND_C ||
-			     jit->backend == EJ_BACKEND_CUDA_SIM ||
-			     jit->backend == EJ_BACKEND_NVRTC)) {
+	if (st == EPJ_OK && !jit->defer_build &&
+	    (jit->backend == EJ_BACKEND_C ||
+	     jit->backend == EJ_BACKEND_CUDA_SIM ||
+	     jit->backend == EJ_BACKEND_NVRTC)) {
 		s->backend = jit->backend == EJ_BACKEND_C ? &ej_backend_c
 			     : jit->backend == EJ_BACKEND_NVRTC
 				 ? &ej_backend_cuda
@@ -376,6 +377,7 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 	ej_debug_dump_compile_time(jit, s->sig_hex, s->compile_ms,
 				   ej_graph_live_nodes(s->fwd),
 				   s->bwd ? ej_graph_live_nodes(s->bwd) : 0);
+	ej_debug_dump_segment(jit, s, grad_mode, index);
 	epj_counter_add(ctx, "stats.unique_graphs", 1);
 	epj_counter_add(ctx, "compile.us", (int64_t)(s->compile_ms * 1000.0));
 	epj_counter_add(ctx, "compile.ms", (int64_t)(s->compile_ms + 0.5));
@@ -418,7 +420,7 @@ epj_status ej_jit_compile(epj_ctx *ctx, ej_jit *jit, ej_trace *trace,
 	rf->steps = ej_arena_alloc(A, sizeof(ej_region_step) *
 					  (size_t)(2 * tg->n_nodes + 2));
 	epj_status st = EPJ_OK;
-	int lo = 0;
+	int lo = 0, n_segments = 0;
 	for (int i = 0; i <= tg->n_nodes && st == EPJ_OK; i++) {
 		bool at_break =
 		    i < tg->n_nodes && tg->nodes[i].op == EJ_IR_BREAK;
@@ -426,7 +428,7 @@ epj_status ej_jit_compile(epj_ctx *ctx, ej_jit *jit, ej_trace *trace,
 			ej_region_step *s = &rf->steps[rf->n_steps];
 			ej_graph *f = segment_graph(&b, lo, i, s);
 			st = compile_segment(ctx, jit, f, trace->grad_mode,
-					     &s->seg);
+					     n_segments++, &s->seg);
 			if (st == EPJ_OK)
 				rf->n_steps++;
 		}

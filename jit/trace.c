@@ -70,7 +70,11 @@ static epj_status value_of(tracer *tr, epj_tensor *t, int *out)
 		*out = t->value_id;
 		return EPJ_OK;
 	}
-	if (!t->storage) {
+	/* a storage-less parameter (shape-only mode, warm-up) is bound by
+	 * slot like any parameter; a storage-less constant has nothing to
+	 * capture */
+	if (!t->storage && (t->value_id >= 0 || !tr->param_slot ||
+			    tr->param_slot(tr->slot_user, t) < 0)) {
 		char d[64];
 		return ej_error(tr->ctx, EPJ_ERR_COMPILE,
 				"trace: tensor %s belongs to another trace or "

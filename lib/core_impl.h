@@ -434,6 +434,11 @@ struct epj_ctx {
 	const void *rt_break_hook; /* runtime's ej_break_hook */
 	int rt_replay_depth;	   /* > 0 while checkpoint replays run */
 	void *user;
+	/* Shape-only mode (offline cache warm-up): new tensors get no storage
+	 * (ej_tensor_alloc, random fills), ops infer their outputs and run no
+	 * kernel, copies between storage-less tensors do nothing.  Such a
+	 * model can be traced and compiled, never run. */
+	bool meta;
 };
 
 #endif /* EPJIT_CORE_IMPL_H */

@@ -333,7 +333,7 @@ epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 			goto fail;
 		}
 	}
-	if (run_kernel) {
+	if (run_kernel && !ctx->meta) { /* shape-only mode runs nothing */
 		c.out = outs;
 		if (ctx->profile) {
 			st = profiled_kernel(ctx, info, &c);

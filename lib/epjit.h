@@ -425,6 +425,10 @@ int64_t epj_engine_steps_per_print(const epj_engine *e);
 int64_t epj_engine_seed(const epj_engine *e);
 int64_t epj_engine_step_count(const epj_engine *e);
 bool epj_engine_bf16(const epj_engine *e);
+/* The config's csv_monitor (DeepSpeed's monitor section): true when it is
+ * enabled, with dir (capacity n) the folder of its CSV files,
+ * output_path/job_name, or job_name alone when output_path is empty. */
+bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n);
 epj_model *epj_engine_model(epj_engine *e);
 
 /* The user's engine.compile().  With "compile": {"autoep_non_moe": true}:

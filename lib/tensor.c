@@ -154,8 +154,8 @@ epj_tensor *ej_tensor_alloc(epj_ctx *ctx, epj_dtype dt, int ndim,
 	if (check_new_shape(ctx, "tensor", dt, ndim, shape, &nbytes) != EPJ_OK)
 		return NULL;
 	epj_tensor *t = header_new(ctx, dt, ndim, shape);
-	if (!t)
-		return NULL;
+	if (!t || ctx->meta)
+		return t; /* shape-only mode: no storage */
 	t->storage = zero ? ej_storage_new(ctx, nbytes)
 			  : ej_storage_new_uninit(ctx, nbytes);
 	if (!t->storage) {
@@ -618,6 +618,8 @@ epj_status epj_tensor_copy_(epj_ctx *ctx, epj_tensor *dst,
 			    "copy_: dst %s has stride 0 in dim %d: several "
 			    "elements share one memory location",
 			    epj_tensor_describe(dst, ds, sizeof ds), i);
+	if (ctx->meta && !dst->storage && dst->value_id < 0)
+		return EPJ_OK; /* shape-only mode */
 	if (!dst->storage || !src->storage)
 		return ej_error(ctx, EPJ_ERR_STATE,
 				"copy_: %s %s has no data (symbolic tensor of "
@@ -741,8 +743,8 @@ static epj_tensor *random_tensor(epj_ctx *ctx, const char *who, fill_kind k,
 		return NULL;
 	}
 	epj_tensor *t = ej_tensor_alloc(ctx, dt, ndim, shape, false);
-	if (!t)
-		return NULL;
+	if (!t || ctx->meta)
+		return t; /* shape-only mode: nothing to fill */
 	int64_t n = ej_numel(ndim, shape);
 	size_t es = ej_dtype_size(dt);
 	bool direct = ctx->dev->host_visible;

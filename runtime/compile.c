@@ -316,6 +316,8 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 				    "region \"%s\": recompiling (variant %d): "
 				    "%s",
 				    r->name, r->n_variants + 1, why);
+			ej_debug_dump_recompile(r->name, r->n_variants + 1,
+						why);
 			epj_counter_add(ctx, "recompiles", 1);
 		}
 		st = compile_variant(ctx, r, in, n_in, n_out, &f);
@@ -739,4 +741,92 @@ epj_status epj_engine_emit_cuda(epj_engine *e, epj_tensor *input_ids,
 		return st;
 	return ej_jit_emit_cuda(ctx, e->compiled->jit, dir, nvrtc_check,
 				n_units);
+}
+
+/* ---- offline warm-up -------------------------------------------------------
+ */
+
+/* One call of region r: arguments as storage-less tensors (requires_grad
+ * for activations when rg), grad mode `grad`; compiles a variant unless one
+ * accepts the call. */
+static epj_status warm_call(epj_ctx *ctx, region *r, const ej_region_arg *a,
+			    int n_in, int n_out, bool grad, bool rg,
+			    int *n_variants)
+{
+	epj_tensor *in[3] = { 0 };
+	epj_status st = EPJ_OK;
+	for (int i = 0; i < n_in && st == EPJ_OK; i++) {
+		in[i] = ej_tensor_meta(ctx, a[i].dtype, a[i].ndim, a[i].shape);
+		if (!in[i])
+			st = ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		else
+			in[i]->requires_grad = rg && a[i].activation;
+	}
+	bool prev = ctx->grad_enabled;
+	ctx->grad_enabled = grad;
+	if (st == EPJ_OK)
+		st = params_refresh(ctx, r);
+	bool found = false;
+	for (int i = 0; st == EPJ_OK && i < r->n_variants && !found; i++)
+		found = ej_region_fn_guard_ok(r->variants[i], ctx, in, n_in,
+					      r->params, r->n_params);
+	if (st == EPJ_OK && !found) {
+		if (r->n_variants >= r->owner->recompile_limit) {
+			st =
+			    ej_error(ctx, EPJ_ERR_STATE,
+				     "warm-up: region \"%s\" needs more than "
+				     "the recompile limit of %d variants",
+				     shown(r->name), r->owner->recompile_limit);
+		} else {
+			ej_region_fn *f = NULL;
+			st = compile_variant(ctx, r, in, n_in, n_out, &f);
+			if (st == EPJ_OK)
+				(*n_variants)++;
+		}
+	}
+	ctx->grad_enabled = prev;
+	for (int i = 0; i < n_in; i++)
+		epj_tensor_free(in[i]);
+	return st;
+}
+
+epj_status ej_engine_compile_trace_all(epj_engine *e, int64_t B, int64_t T,
+				       int *n_variants)
+{
+	epj_ctx *ctx = e->ctx;
+	*n_variants = 0;
+	if (!e->compiled)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"warm-up: the engine is not compiled");
+	epj_status st = EPJ_OK;
+	for (int i = 0; st == EPJ_OK && i < e->compiled->n_regions; i++) {
+		region *r = e->compiled->regions[i];
+		ej_region_arg a[3];
+		int n_in = 0, n_out = 0;
+		st = ej_model_region_args(ctx, e->model, r->m, B, T, a, &n_in,
+					  &n_out);
+		if (st != EPJ_OK)
+			break;
+		/* the training step: a checkpointed region runs its forward
+		 * without grad on inputs that require grad, then replays it
+		 * with grad in the backward (checkpoint.c) */
+		if (r->m->checkpoint) {
+			st = warm_call(ctx, r, a, n_in, n_out, false, true,
+				       n_variants);
+			if (st == EPJ_OK) {
+				ctx->rt_replay_depth++;
+				st = warm_call(ctx, r, a, n_in, n_out, true,
+					       true, n_variants);
+				ctx->rt_replay_depth--;
+			}
+		} else {
+			st = warm_call(ctx, r, a, n_in, n_out, true, true,
+				       n_variants);
+		}
+		/* the evaluation: no grad anywhere */
+		if (st == EPJ_OK)
+			st = warm_call(ctx, r, a, n_in, n_out, false, false,
+				       n_variants);
+	}
+	return st;
 }

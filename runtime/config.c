@@ -273,6 +273,7 @@ enum {
 	SEC_PIPELINE,
 	SEC_TP,
 	SEC_COMM,
+	SEC_CSV_MONITOR,
 	SEC_COUNT
 };
 
@@ -298,8 +299,11 @@ static const char *const k_root[] = {
 	"device",
 	"skip_nonfinite_steps",
 	"comm",
+	"csv_monitor",
 };
 static const char *const k_bf16[] = { "enabled" };
+static const char *const k_csv_monitor[] = { "enabled", "output_path",
+					     "job_name" };
 /* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
 static const char *const k_fp16[] = {
 	"enabled",
@@ -385,6 +389,7 @@ static const struct section {
 	SEC(SEC_PIPELINE, "pipeline", k_pipeline),
 	SEC(SEC_TP, "tensor_parallel", k_tp),
 	SEC(SEC_COMM, "comm", k_comm),
+	SEC(SEC_CSV_MONITOR, "csv_monitor", k_csv_monitor),
 #undef SEC
 };
 
@@ -442,6 +447,8 @@ void ej_config_defaults(ej_config *c)
 	c->expert_parallel.autoep_size = 1;
 	set_str(c->expert_parallel.comm_backend,
 		sizeof c->expert_parallel.comm_backend, "comm");
+	set_str(c->csv_monitor.job_name, sizeof c->csv_monitor.job_name,
+		"DeepSpeedJobName");
 	c->expert_parallel.route_norm = -1;
 	c->expert_parallel.route_scale = 1.0;
 	c->expert_parallel.has_load_balance = true;
@@ -1063,6 +1070,46 @@ static epj_status parse_act_ckpt(cp *p, json_t *root, ej_config *c)
 	return EPJ_OK;
 }
 
+/* Reads obj[key] as a string of fewer than n bytes into dst. */
+static epj_status rd_string(cp *p, json_t *obj, const char *prefix,
+			    const char *key, char *dst, size_t n)
+{
+	json_t *v = json_object_get(obj, key);
+	if (!v)
+		return EPJ_OK;
+	char path[300], g[100];
+	key_path(path, sizeof path, prefix, key);
+	if (!json_is_string(v))
+		return cp_err(p, "\"%s\" must be a string, got %s", path,
+			      ej_json_describe(v, g, sizeof g));
+	if (json_string_length(v) >= n)
+		return cp_err(p, "\"%s\" is too long (%zu bytes, at most %zu)",
+			      path, json_string_length(v), n - 1);
+	set_str(dst, n, json_string_value(v));
+	return EPJ_OK;
+}
+
+static epj_status parse_csv_monitor(cp *p, json_t *root, ej_config *c)
+{
+	epj_status s;
+	json_t *o;
+	if ((s = get_section(p, root, "csv_monitor", SEC_CSV_MONITOR, &o)))
+		return s;
+	if (!o)
+		return EPJ_OK;
+	const char *P = "csv_monitor";
+	struct ej_csv_monitor_config *m = &c->csv_monitor;
+	if ((s = rd_bool(p, o, P, "enabled", &m->enabled)) ||
+	    (s = rd_string(p, o, P, "output_path", m->output_path,
+			   sizeof m->output_path)) ||
+	    (s = rd_string(p, o, P, "job_name", m->job_name,
+			   sizeof m->job_name)))
+		return s;
+	if (!m->job_name[0])
+		return cp_err(p, "\"csv_monitor.job_name\" must not be empty");
+	return EPJ_OK;
+}
+
 static epj_status parse_ep(cp *p, json_t *root, ej_config *c)
 {
 	epj_status s;
@@ -1208,7 +1255,8 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 	    (s = rd_bool(p, root, "", "wall_clock_breakdown",
 			 &c->wall_clock_breakdown)) ||
 	    (s = rd_bool(p, root, "", "skip_nonfinite_steps",
-			 &c->skip_nonfinite_steps)))
+			 &c->skip_nonfinite_steps)) ||
+	    (s = parse_csv_monitor(p, root, c)))
 		return s;
 	{
 		static const char *const devices[] = { "cpu", "cuda-sim" };
@@ -1634,6 +1682,10 @@ char *ej_config_to_json(const ej_config *c)
 		SET(r, "device", json_string(c->device));
 	SET(r, "skip_nonfinite_steps", json_boolean(c->skip_nonfinite_steps));
 	SET(r, "comm", json_pack("{s:f}", "timeout_s", c->comm_timeout_s));
+	SET(r, "csv_monitor",
+	    json_pack("{s:b, s:s, s:s}", "enabled", c->csv_monitor.enabled,
+		      "output_path", c->csv_monitor.output_path, "job_name",
+		      c->csv_monitor.job_name));
 #undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to
@@ -1642,4 +1694,18 @@ char *ej_config_to_json(const ej_config *c)
 				       JSON_REAL_PRECISION(15));
 	json_decref(r);
 	return text;
+}
+
+/* ==== the keys, for the reference page's drift check ====================== */
+
+bool ej_config_key_at(int i, char *buf, size_t n)
+{
+	for (int s = 0; s < SEC_COUNT; s++) {
+		if (i < sections[s].n) {
+			key_path(buf, n, sections[s].path, sections[s].keys[i]);
+			return true;
+		}
+		i -= sections[s].n;
+	}
+	return false;
 }

@@ -187,6 +187,15 @@ typedef struct ej_config {
 	char device[EJ_CONFIG_STR_MAX];
 	double comm_timeout_s; /* comm.timeout_s > 0: bound of every blocking
 				  collective (seconds), default 300 */
+
+	/* csv_monitor (DeepSpeed's monitor section): one CSV file per
+	 * training metric under log dir = output_path/job_name (job_name
+	 * alone when output_path is "", as DeepSpeed does). */
+	struct ej_csv_monitor_config {
+		bool enabled;		/* default false */
+		char output_path[1024]; /* default "" */
+		char job_name[256];	/* default "DeepSpeedJobName" */
+	} csv_monitor;
 } ej_config;
 
 /* Fills every field with its documented default. */
@@ -304,5 +313,10 @@ bool ej_json_as_int(const json_t *v, int64_t *out);
 /* v described for a type error: string "x" (first 60 bytes), real 2.5,
  * integer 3, or the type name; written into buf, returned. */
 const char *ej_json_describe(const json_t *v, char *buf, size_t n);
+
+/* The i-th key the parser knows, as its dotted path ("compile.backend",
+ * "seed"), into buf; false past the last one.  The reference page
+ * (doc/config.md) must document every one (check_config_doc). */
+bool ej_config_key_at(int i, char *buf, size_t n);
 
 #endif /* EPJIT_CONFIG_IMPL_H */

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define CKPT_FORMAT "epjit-train-checkpoint-1"
 
@@ -449,12 +450,12 @@ static void rank_file(char *buf, size_t n, const char *path, int rank)
 	snprintf(buf, n, "%s.rank%d", path, rank);
 }
 
+/* Whether p names something (stat, never open: opening a FIFO would block;
+ * what it is, the loader checks). */
 static bool file_exists(const char *p)
 {
-	FILE *f = fopen(p, "rb");
-	if (f)
-		fclose(f);
-	return f != NULL;
+	struct stat sb;
+	return stat(p, &sb) == 0;
 }
 
 /* Every rank learns whether all ranks succeeded (st is this rank's); a
@@ -855,4 +856,16 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 	if (f)
 		epj_st_close(f);
 	return st;
+}
+
+bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n)
+{
+	const struct ej_csv_monitor_config *m = &e->cfg.csv_monitor;
+	if (!m->enabled)
+		return false;
+	if (m->output_path[0])
+		snprintf(dir, n, "%s/%s", m->output_path, m->job_name);
+	else
+		snprintf(dir, n, "%s", m->job_name);
+	return true;
 }

@@ -121,7 +121,7 @@ static epj_status check_param(epj_ctx *ctx, epj_tensor *const *params,
 	if (!t)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"optim: parameter %d (%s) is NULL", i, nm);
-	if (!t->storage)
+	if (!t->storage && !ctx->meta) /* shape-only mode: none expected */
 		return ej_error(ctx, EPJ_ERR_STATE,
 				"optim: parameter %s %s has no data (symbolic "
 				"tensor of trace mode)",

@@ -772,3 +772,50 @@ epj_tensor *epj_module_routing(const epj_module *m)
 		return NULL;
 	return ej_autoep_last_routing(m);
 }
+
+/* ---- region arguments (offline warm-up) ---------------------------------
+ */
+
+epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
+				const epj_module *m, int64_t B, int64_t T,
+				ej_region_arg *args, int *n_in, int *n_out)
+{
+	const ej_model_config *c = &model->cfg;
+	memset(args, 0, sizeof *args * 3);
+	if (m == model->root) {
+		/* epj_model_forward: (input_ids, labels) -> (logits, loss) */
+		for (int i = 0; i < 2; i++) {
+			args[i].dtype = EPJ_DTYPE_I64;
+			args[i].ndim = 2;
+			args[i].shape[0] = B;
+			args[i].shape[1] = T;
+		}
+		*n_in = 2;
+		*n_out = 2;
+		return EPJ_OK;
+	}
+	if (!strcmp(m->kind, "Qwen3MoeDecoderLayer")) {
+		/* causal_lm_forward: (h, cos, sin) -> h'; h is the embedding's
+		 * output (the parameters' dtype), the tables follow it */
+		epj_module *root = model->root;
+		epj_module *emb = ej_module_child(
+		    ej_module_child(root, "model"), "embed_tokens");
+		epj_dtype dt = epj_tensor_dtype(ej_module_param(emb, "weight"));
+		args[0] = (ej_region_arg){ .dtype = dt,
+					   .ndim = 3,
+					   .shape = { B, T, c->hidden_size },
+					   .activation = true };
+		for (int i = 1; i < 3; i++)
+			args[i] =
+			    (ej_region_arg){ .dtype = dt,
+					     .ndim = 2,
+					     .shape = { T, c->head_dim } };
+		*n_in = 3;
+		*n_out = 1;
+		return EPJ_OK;
+	}
+	return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			"warm-up: the arguments of region \"%s\" (%s) are not "
+			"known",
+			m->name, m->kind);
+}

@@ -312,5 +312,31 @@ void ej_engine_compile_free(epj_engine *e);
 /* The jit of a compiled engine (its segment cache holds every compiled
  * graph), NULL before compile; for benchmarks and tools (compile.c). */
 struct ej_jit *ej_engine_jit(const epj_engine *e);
+/* ---- offline warm-up (qwen3.c, compile.c) ------------------------------ */
+
+/* One argument a module is called with: meta, and whether it is a float
+ * activation that requires grad when the caller runs with grad enabled (the
+ * hidden state, which flows from the parameters). */
+typedef struct ej_region_arg {
+	epj_dtype dtype;
+	int ndim;
+	int64_t shape[EPJ_MAX_DIMS];
+	bool activation;
+} ej_region_arg;
+
+/* The arguments (at most 3) and output count with which the model calls
+ * region module m at micro-batch B x T.  EPJ_ERR_UNSUPPORTED for a module
+ * the model does not call as a region. */
+epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
+				const epj_module *m, int64_t B, int64_t T,
+				ej_region_arg *args, int *n_in, int *n_out);
+
+/* Traces and compiles, without running anything, every variant a training
+ * run at B x T asks of each region of a compiled engine: the training
+ * forward (with activation checkpointing: the no-grad forward and the
+ * replay instead) and the evaluation forward.  Variants already compiled
+ * are skipped.  *n_variants: variants compiled. */
+epj_status ej_engine_compile_trace_all(epj_engine *e, int64_t B, int64_t T,
+				       int *n_variants);
 
 #endif /* EPJIT_RUNTIME_IMPL_H */

@@ -22,8 +22,11 @@ fi
 
 dirs="lib runtime jit tools t bench"
 list=
+# git only when $srcdir is the top of a work tree: a tarball unpacked inside
+# another checkout (make distcheck in a build folder) is not that checkout.
 if command -v git >/dev/null 2>&1 &&
-	git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+	git rev-parse --is-inside-work-tree >/dev/null 2>&1 &&
+	[ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
 	# Pathspec '*' also matches '/', so subfolders are included.
 	list=$(git ls-files --cached --others --exclude-standard -- \
 		'lib/*.[ch]' 'runtime/*.[ch]' 'jit/*.[ch]' 'tools/*.[ch]' \

@@ -76,7 +76,7 @@ last_fields() {
 # ---- 1. the default run ------------------------------------------------------
 run default.log --steps 60 --metrics default.csv
 head -n 1 default.csv |
-	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes$' ||
+	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes,step_ms,compile_ms,entropy_floor$' ||
 	fail "metrics header: $(head -n 1 default.csv)"
 [ "$(wc -l <default.csv)" -eq 61 ] ||
 	fail "metrics: expected 60 rows, got $(($(wc -l <default.csv) - 1))"

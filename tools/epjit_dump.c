@@ -1,18 +1,29 @@
 /* epjit_dump.c -- epjit-dump: reads counter snapshots and debug dumps.
  *
- *   epjit-dump FILE.json          the counters, sorted by name, aligned
- *   epjit-dump --diff A.json B.json
- *                                 each counter's change B - A; compile
+ *   epjit-dump [--json] FILE.json  the counters, grouped as in
+ *                                 doc/counters.md
+ *   epjit-dump [--json] DIR        a debug dump (EPJIT_DEBUG_DUMP): the
+ *                                 counters grouped, graph breaks with their
+ *                                 reasons, recompiles with their guard
+ *                                 failures (recompiles.txt), and each
+ *                                 compiled segment (graphs.jsonl) with its
+ *                                 signature, segment, node and kernel
+ *                                 counts, compile time and the paths of its
+ *                                 IR after each pass and its generated
+ *                                 sources.  A dump with rank<N>/ folders
+ *                                 (one per rank of a job) is summarized
+ *                                 side by side, one column a rank.
+ *   epjit-dump [--json] --diff A B
+ *                                 each counter's change B - A (A and B are
+ *                                 counter files or dump folders); compile
  *                                 counters are marked, and the exit status
  *                                 is 1 when any of them changed (the
  *                                 measured window of a run must show none)
- *   epjit-dump DIR                a debug dump directory (EPJIT_DEBUG_DUMP):
- *                                 its files, then DIR/counters.json
  *
  * Compile counters: frames.*, stats.*, recompiles, graph_break.*,
  * compile.*, cache.misses.  Exit status: 0 ok (no compile-counter change),
- * 1 compile counters changed, 2 usage or input error.  Uses only the public
- * API (epjit.h).
+ * 1 compile counters changed, 2 usage or input error.  Uses the public API
+ * (epjit.h) and jansson for the graphs index and --json.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -23,18 +34,39 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <jansson.h>
+
 #include "epjit.h"
 
-enum { EXIT_CHANGED = 1, EXIT_USAGE = 2 };
+enum { EXIT_CHANGED = 1, EXIT_USAGE = 2, MAX_RANKS = 64 };
+
+static bool json_out;
 
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: epjit-dump FILE.json\n"
-		   "       epjit-dump --diff A.json B.json\n"
-		   "       epjit-dump DIR   (an EPJIT_DEBUG_DUMP directory)\n"
-		   "Prints counter snapshots; --diff exits 1 when a compile "
-		   "counter\n(frames.*, stats.*, recompiles, graph_break.*, "
-		   "compile.*, cache.misses)\nchanged between A and B.\n");
+	fprintf(f,
+		"usage: epjit-dump [--json] FILE.json\n"
+		"       epjit-dump [--json] DIR     (an EPJIT_DEBUG_DUMP "
+		"directory)\n"
+		"       epjit-dump [--json] --diff A B   (counter files or "
+		"dump directories)\n"
+		"Prints counters grouped (frames, graphs, graph breaks, "
+		"recompiles, compile,\n"
+		"cache, kernels, AutoEP, memory, train, other), and for a "
+		"dump directory the\n"
+		"recompiles with their guard failures and every compiled "
+		"segment with its IR\n"
+		"and source files; rank<N>/ folders are shown side by side.  "
+		"--diff exits 1\n"
+		"when a compile counter (frames.*, stats.*, recompiles, "
+		"graph_break.*,\n"
+		"compile.*, cache.misses) changed between A and B.  --json: "
+		"one JSON object.\n");
+}
+
+static bool has_prefix(const char *s, const char *p)
+{
+	return !strncmp(s, p, strlen(p));
 }
 
 static bool is_compile_counter(const char *n)
@@ -42,18 +74,52 @@ static bool is_compile_counter(const char *n)
 	static const char *const prefixes[] = { "frames.", "stats.",
 						"graph_break.", "compile." };
 	for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++)
-		if (!strncmp(n, prefixes[i], strlen(prefixes[i])))
+		if (has_prefix(n, prefixes[i]))
 			return true;
 	return !strcmp(n, "recompiles") || !strcmp(n, "cache.misses");
 }
 
-/* Whole file as a NUL-terminated string, NULL with a message on stderr. */
-static char *read_file(const char *path)
+/* ---- groups (doc/counters.md) ---- */
+
+static const char *const group_names[] = {
+	"frames",  "graphs", "graph breaks", "compile", "cache",
+	"kernels", "autoep", "memory",	     "train",	"other",
+};
+enum { N_GROUPS = sizeof group_names / sizeof group_names[0] };
+
+static int group_of(const char *n)
+{
+	if (has_prefix(n, "frames.") || !strcmp(n, "recompiles"))
+		return 0;
+	if (has_prefix(n, "stats."))
+		return 1;
+	if (has_prefix(n, "graph_break."))
+		return 2;
+	if (has_prefix(n, "compile.") || has_prefix(n, "codegen."))
+		return 3;
+	if (has_prefix(n, "cache."))
+		return 4;
+	if (has_prefix(n, "kernels."))
+		return 5;
+	if (has_prefix(n, "autoep."))
+		return 6;
+	if (has_prefix(n, "memory."))
+		return 7;
+	if (has_prefix(n, "train."))
+		return 8;
+	return 9;
+}
+
+/* ---- files ---- */
+
+/* Whole file as a NUL-terminated string, NULL (quiet when `quiet`). */
+static char *read_file(const char *path, bool quiet)
 {
 	FILE *f = fopen(path, "rb");
 	if (!f) {
-		fprintf(stderr, "epjit-dump: cannot open %s: %s\n", path,
-			strerror(errno));
+		if (!quiet)
+			fprintf(stderr, "epjit-dump: cannot open %s: %s\n",
+				path, strerror(errno));
 		return NULL;
 	}
 	size_t cap = 4096, n = 0;
@@ -86,9 +152,29 @@ static char *read_file(const char *path)
 	return buf;
 }
 
+static bool is_dir(const char *p)
+{
+	struct stat sb;
+	return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/* Counters of a file, or of DIR/counters.json. */
 static epj_counters *load(const char *path)
 {
-	char *js = read_file(path);
+	char buf[4200];
+	if (is_dir(path)) {
+		snprintf(buf, sizeof buf, "%s/counters.json", path);
+		struct stat sb;
+		if (stat(buf, &sb) != 0) {
+			fprintf(stderr,
+				"epjit-dump: %s has no counters.json (written "
+				"when the engine is freed)\n",
+				path);
+			return NULL;
+		}
+		path = buf;
+	}
+	char *js = read_file(path, false);
 	if (!js)
 		return NULL;
 	epj_counters *c = epj_counters_from_json(js);
@@ -101,7 +187,7 @@ static epj_counters *load(const char *path)
 	return c;
 }
 
-/* Indices of c's counters sorted by name (malloc'ed). */
+/* Indices of c's counters sorted by (group, name) (malloc'ed). */
 static int *sorted(const epj_counters *c, int *n)
 {
 	int cnt = epj_counters_count(c);
@@ -110,11 +196,14 @@ static int *sorted(const epj_counters *c, int *n)
 		return NULL;
 	for (int i = 0; i < cnt; i++)
 		ix[i] = i;
-	/* insertion sort: counter sets are small (tens to hundreds) */
 	for (int i = 1; i < cnt; i++) {
 		int v = ix[i], j = i;
-		while (j > 0 && strcmp(epj_counters_name_at(c, ix[j - 1]),
-				       epj_counters_name_at(c, v)) > 0) {
+		const char *nv = epj_counters_name_at(c, v);
+		while (j > 0) {
+			const char *np = epj_counters_name_at(c, ix[j - 1]);
+			int gp = group_of(np), gv = group_of(nv);
+			if (gp < gv || (gp == gv && strcmp(np, nv) <= 0))
+				break;
 			ix[j] = ix[j - 1];
 			j--;
 		}
@@ -124,32 +213,67 @@ static int *sorted(const epj_counters *c, int *n)
 	return ix;
 }
 
-static int print_counters(const char *path)
+/* ---- counters ---- */
+
+static json_t *counters_json(const epj_counters *c)
 {
-	epj_counters *c = load(path);
-	if (!c)
-		return EXIT_USAGE;
+	json_t *o = json_object();
+	for (int g = 0; g < N_GROUPS; g++)
+		json_object_set_new(o, group_names[g], json_object());
+	for (int i = 0; i < epj_counters_count(c); i++) {
+		const char *nm = epj_counters_name_at(c, i);
+		json_object_set_new(
+		    json_object_get(o, group_names[group_of(nm)]), nm,
+		    json_integer(epj_counters_value_at(c, i)));
+	}
+	return o;
+}
+
+static void print_grouped(const epj_counters *c)
+{
 	int n = 0;
 	int *ix = sorted(c, &n);
-	if (!ix) {
-		epj_counters_free(c);
-		fprintf(stderr, "epjit-dump: out of memory\n");
-		return EXIT_USAGE;
-	}
+	if (!ix)
+		return;
 	int w = 0;
 	for (int i = 0; i < n; i++) {
 		int l = (int)strlen(epj_counters_name_at(c, i));
 		w = l > w ? l : w;
 	}
-	printf("# %s: %d counters\n", path, n);
-	for (int i = 0; i < n; i++)
-		printf("%-*s %20" PRId64 "\n", w,
-		       epj_counters_name_at(c, ix[i]),
+	int last = -1;
+	for (int i = 0; i < n; i++) {
+		const char *nm = epj_counters_name_at(c, ix[i]);
+		int g = group_of(nm);
+		if (g != last)
+			printf("== %s\n", group_names[g]);
+		last = g;
+		printf("  %-*s %20" PRId64 "\n", w, nm,
 		       epj_counters_value_at(c, ix[i]));
+	}
 	free(ix);
+}
+
+static int print_counters(const char *path)
+{
+	epj_counters *c = load(path);
+	if (!c)
+		return EXIT_USAGE;
+	if (json_out) {
+		json_t *o = json_object();
+		json_object_set_new(o, "file", json_string(path));
+		json_object_set_new(o, "counters", counters_json(c));
+		json_dumpf(o, stdout, JSON_INDENT(2) | JSON_SORT_KEYS);
+		putchar('\n');
+		json_decref(o);
+	} else {
+		printf("# %s: %d counters\n", path, epj_counters_count(c));
+		print_grouped(c);
+	}
 	epj_counters_free(c);
 	return 0;
 }
+
+/* ---- diff ---- */
 
 static int diff(const char *pa, const char *pb)
 {
@@ -175,24 +299,47 @@ static int diff(const char *pa, const char *pb)
 		w = l > w ? l : w;
 	}
 	int changed = 0, compile_changed = 0;
-	if (n >= 0)
+	json_t *arr = json_array();
+	if (n >= 0 && !json_out)
 		printf("# %s -> %s (C = compile counter)\n%-*s %16s %16s "
 		       "%16s\n",
 		       pa, pb, w + 2, "counter", "A", "B", "B - A");
 	for (int i = 0; i < n; i++) {
 		const char *nm = epj_counters_name_at(d, ix[i]);
 		int64_t dv = epj_counters_value_at(d, ix[i]);
+		int64_t va = epj_counters_value(a, nm);
+		int64_t vb = epj_counters_value(b, nm);
 		bool cc = is_compile_counter(nm);
 		changed += dv != 0;
 		compile_changed += cc && dv != 0;
+		if (json_out) {
+			json_array_append_new(
+			    arr,
+			    json_pack("{s:s, s:s, s:I, s:I, s:I, s:b}", "name",
+				      nm, "group", group_names[group_of(nm)],
+				      "a", (json_int_t)va, "b", (json_int_t)vb,
+				      "delta", (json_int_t)dv, "compile", cc));
+			continue;
+		}
 		printf("%c %-*s %16" PRId64 " %16" PRId64 " %+16" PRId64 "%s\n",
-		       cc ? 'C' : ' ', w, nm, epj_counters_value(a, nm),
-		       epj_counters_value(b, nm), dv,
+		       cc ? 'C' : ' ', w, nm, va, vb, dv,
 		       cc && dv ? "  <- compile counter changed" : "");
 	}
-	if (n >= 0)
-		printf("# %d counter(s) changed; compile counters: %s\n",
-		       changed, compile_changed ? "CHANGED" : "unchanged");
+	if (n >= 0 && json_out) {
+		json_t *o = json_pack("{s:s, s:s, s:o, s:i, s:b}", "a", pa, "b",
+				      pb, "counters", arr, "changed", changed,
+				      "compile_changed", compile_changed > 0);
+		json_dumpf(o, stdout, JSON_INDENT(2));
+		putchar('\n');
+		json_decref(o);
+	} else {
+		json_decref(arr);
+		if (n >= 0)
+			printf("# %d counter(s) changed; compile counters: "
+			       "%s\n",
+			       changed,
+			       compile_changed ? "CHANGED" : "unchanged");
+	}
 	free(ix);
 	epj_counters_free(a);
 	epj_counters_free(b);
@@ -202,96 +349,333 @@ static int diff(const char *pa, const char *pb)
 	return compile_changed ? EXIT_CHANGED : 0;
 }
 
-static int cmp_str(const void *x, const void *y)
+/* ---- a dump directory ---- */
+
+/* graphs.jsonl as an array (empty when absent; malformed lines are
+ * reported and skipped). */
+static json_t *load_graphs(const char *dir)
 {
-	return strcmp(*(char *const *)x, *(char *const *)y);
+	char path[4200];
+	snprintf(path, sizeof path, "%s/graphs.jsonl", dir);
+	json_t *arr = json_array();
+	char *text = read_file(path, true);
+	if (!text)
+		return arr;
+	int line = 0;
+	for (char *p = text; *p;) {
+		char *nl = strchr(p, '\n');
+		if (nl)
+			*nl = '\0';
+		line++;
+		if (*p) {
+			json_error_t err;
+			json_t *o = json_loads(p, 0, &err);
+			if (o && json_is_object(o))
+				json_array_append_new(arr, o);
+			else {
+				fprintf(stderr,
+					"epjit-dump: %s:%d: not a JSON object "
+					"(%s); skipped\n",
+					path, line, err.text);
+				json_decref(o);
+			}
+		}
+		if (!nl)
+			break;
+		p = nl + 1;
+	}
+	free(text);
+	return arr;
 }
 
-/* Files of dir (and of its subdirectories, one level: graphs/), sorted. */
-static int list_dir(const char *dir, const char *rel, int depth)
+/* recompiles.txt as an array of {region, variant, reason}. */
+static json_t *load_recompiles(const char *dir)
 {
-	char path[4096];
-	snprintf(path, sizeof path, "%s%s%s", dir, rel[0] ? "/" : "", rel);
-	DIR *d = opendir(path);
-	if (!d) {
-		fprintf(stderr, "epjit-dump: cannot open directory %s: %s\n",
-			path, strerror(errno));
-		return EXIT_USAGE;
-	}
-	char **names = NULL;
-	int n = 0, cap = 0;
-	struct dirent *de;
-	while ((de = readdir(d))) {
-		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
-			continue;
-		if (n == cap) {
-			cap = cap ? cap * 2 : 64;
-			char **nn = realloc(names, sizeof *nn * (size_t)cap);
-			if (!nn)
-				break;
-			names = nn;
+	char path[4200];
+	snprintf(path, sizeof path, "%s/recompiles.txt", dir);
+	json_t *arr = json_array();
+	char *text = read_file(path, true);
+	if (!text)
+		return arr;
+	for (char *p = text; *p;) {
+		char *nl = strchr(p, '\n');
+		if (nl)
+			*nl = '\0';
+		char *t1 = strchr(p, '\t');
+		char *t2 = t1 ? strchr(t1 + 1, '\t') : NULL;
+		if (t1 && t2) {
+			*t1 = *t2 = '\0';
+			json_array_append_new(
+			    arr,
+			    json_pack("{s:s, s:i, s:s}", "region", p, "variant",
+				      atoi(t1 + 1), "reason", t2 + 1));
 		}
-		names[n] = strdup(de->d_name);
-		if (names[n])
-			n++;
+		if (!nl)
+			break;
+		p = nl + 1;
+	}
+	free(text);
+	return arr;
+}
+
+static int64_t jint(const json_t *o, const char *k)
+{
+	return (int64_t)json_integer_value(json_object_get(o, k));
+}
+
+static const char *jstr(const json_t *o, const char *k)
+{
+	const char *s = json_string_value(json_object_get(o, k));
+	return s ? s : "?";
+}
+
+static void print_paths(const char *what, const json_t *arr)
+{
+	size_t n = json_array_size(arr);
+	if (!n)
+		return;
+	printf("      %s:", what);
+	for (size_t i = 0; i < n; i++)
+		printf(" %s", json_string_value(json_array_get(arr, i)));
+	putchar('\n');
+}
+
+static void print_dump(const char *dir, const epj_counters *c,
+		       const json_t *graphs, const json_t *rec)
+{
+	printf("# debug dump %s: %d counters, %zu compiled segment%s\n", dir,
+	       epj_counters_count(c), json_array_size(graphs),
+	       json_array_size(graphs) == 1 ? "" : "s");
+	print_grouped(c);
+	printf("== graph breaks by reason\n");
+	int nb = 0;
+	for (int i = 0; i < epj_counters_count(c); i++) {
+		const char *nm = epj_counters_name_at(c, i);
+		if (has_prefix(nm, "graph_break.")) {
+			printf("  %-20s %" PRId64 "\n", nm + 12,
+			       epj_counters_value_at(c, i));
+			nb++;
+		}
+	}
+	if (!nb)
+		printf("  (none)\n");
+	printf("== recompiles: %" PRId64 " (guard failures)\n",
+	       epj_counters_value(c, "recompiles"));
+	for (size_t i = 0; i < json_array_size(rec); i++) {
+		const json_t *r = json_array_get(rec, i);
+		printf("  %s variant %" PRId64 ": %s\n", jstr(r, "region"),
+		       jint(r, "variant"), jstr(r, "reason"));
+	}
+	printf("== compiled segments\n");
+	if (json_array_size(graphs) == 0) {
+		printf("  (none: no graphs.jsonl)\n");
+		return;
+	}
+	printf("  %-3s %-32s %-5s %3s %7s %7s %7s %7s %10s\n", "seq",
+	       "signature", "mode", "seg", "fwd.n", "fwd.k", "bwd.n", "bwd.k",
+	       "ms");
+	for (size_t i = 0; i < json_array_size(graphs); i++) {
+		const json_t *g = json_array_get(graphs, i);
+		printf("  %03" PRId64 " %-32s %-5s %3" PRId64 " %7" PRId64
+		       " %7" PRId64 " %7" PRId64 " %7" PRId64 " %10.3f\n",
+		       jint(g, "seq"), jstr(g, "signature"), jstr(g, "mode"),
+		       jint(g, "segment"), jint(g, "fwd_nodes"),
+		       jint(g, "fwd_kernels"), jint(g, "bwd_nodes"),
+		       jint(g, "bwd_kernels"),
+		       json_number_value(json_object_get(g, "compile_ms")));
+		print_paths("ir", json_object_get(g, "ir"));
+		print_paths("sources", json_object_get(g, "sources"));
+	}
+}
+
+static json_t *dump_json(const char *dir, const epj_counters *c, json_t *graphs,
+			 json_t *rec)
+{
+	json_t *br = json_object();
+	for (int i = 0; i < epj_counters_count(c); i++) {
+		const char *nm = epj_counters_name_at(c, i);
+		if (has_prefix(nm, "graph_break."))
+			json_object_set_new(
+			    br, nm + 12,
+			    json_integer(epj_counters_value_at(c, i)));
+	}
+	return json_pack("{s:s, s:o, s:o, s:o, s:o}", "dir", dir, "counters",
+			 counters_json(c), "graph_breaks", br, "recompiles",
+			 rec, "graphs", graphs);
+}
+
+/* rank<N>/ subfolders of dir, sorted by N; returns their count. */
+static int find_ranks(const char *dir, int ranks[MAX_RANKS])
+{
+	DIR *d = opendir(dir);
+	if (!d)
+		return 0;
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(d)) && n < MAX_RANKS) {
+		char *end;
+		if (strncmp(de->d_name, "rank", 4) != 0 || !de->d_name[4])
+			continue;
+		long r = strtol(de->d_name + 4, &end, 10);
+		char sub[4200];
+		snprintf(sub, sizeof sub, "%s/%s", dir, de->d_name);
+		if (*end || r < 0 || r > 1000000 || !is_dir(sub))
+			continue;
+		ranks[n++] = (int)r;
 	}
 	closedir(d);
-	if (n)
-		qsort(names, (size_t)n, sizeof *names, cmp_str);
-	for (int i = 0; i < n; i++) {
-		char sub[4096], full[8192];
-		snprintf(sub, sizeof sub, "%s%s%s", rel, rel[0] ? "/" : "",
-			 names[i]);
-		snprintf(full, sizeof full, "%s/%s", dir, sub);
-		struct stat sb;
-		if (stat(full, &sb) == 0 && S_ISDIR(sb.st_mode)) {
-			printf("  %s/\n", sub);
-			if (depth < 1)
-				list_dir(dir, sub, depth + 1);
-		} else {
-			printf("  %-60s %10lld bytes\n", sub,
-			       stat(full, &sb) == 0 ? (long long)sb.st_size
-						    : -1LL);
+	for (int i = 1; i < n; i++)
+		for (int j = i; j > 0 && ranks[j - 1] > ranks[j]; j--) {
+			int t = ranks[j];
+			ranks[j] = ranks[j - 1];
+			ranks[j - 1] = t;
 		}
-		free(names[i]);
+	return n;
+}
+
+/* Side by side: the union of the ranks' counters, one column a rank; a
+ * '*' marks counters that differ between ranks. */
+static int print_ranks(const char *dir, const int *ranks, int n)
+{
+	epj_counters *c[MAX_RANKS] = { 0 };
+	json_t *graphs[MAX_RANKS] = { 0 };
+	int rc = 0;
+	for (int i = 0; i < n && !rc; i++) {
+		char sub[4200];
+		snprintf(sub, sizeof sub, "%s/rank%d", dir, ranks[i]);
+		c[i] = load(sub);
+		graphs[i] = load_graphs(sub);
+		if (!c[i])
+			rc = EXIT_USAGE;
 	}
-	free(names);
+	if (!rc) {
+		/* the union of names: a diff against an empty set */
+		epj_counters *none = epj_counters_from_json("{}");
+		epj_counters *u = epj_counters_diff(none, c[0]);
+		for (int i = 1; u && i < n; i++) {
+			epj_counters *m = epj_counters_diff(u, c[i]);
+			epj_counters_free(u);
+			u = m;
+		}
+		int m = 0;
+		int *ix = u ? sorted(u, &m) : NULL;
+		if (json_out) {
+			json_t *o = json_object();
+			for (int i = 0; i < n; i++) {
+				char sub[4200], k[32];
+				snprintf(sub, sizeof sub, "%s/rank%d", dir,
+					 ranks[i]);
+				snprintf(k, sizeof k, "rank%d", ranks[i]);
+				json_object_set_new(
+				    o, k,
+				    dump_json(sub, c[i], json_incref(graphs[i]),
+					      load_recompiles(sub)));
+			}
+			json_t *top =
+			    json_pack("{s:s, s:o}", "dir", dir, "ranks", o);
+			json_dumpf(top, stdout, JSON_INDENT(2));
+			putchar('\n');
+			json_decref(top);
+		} else {
+			printf("# debug dump %s: %d ranks side by side (* = "
+			       "differs between ranks)\n",
+			       dir, n);
+			int w = 8;
+			for (int i = 0; i < m; i++) {
+				int l = (int)strlen(epj_counters_name_at(u, i));
+				w = l > w ? l : w;
+			}
+			printf("  %-*s", w + 2, "counter");
+			for (int i = 0; i < n; i++) {
+				char k[32];
+				snprintf(k, sizeof k, "rank%d", ranks[i]);
+				printf(" %14s", k);
+			}
+			putchar('\n');
+			int last = -1;
+			for (int j = 0; j < m; j++) {
+				const char *nm = epj_counters_name_at(u, ix[j]);
+				int g = group_of(nm);
+				if (g != last)
+					printf("== %s\n", group_names[g]);
+				last = g;
+				bool differs = false;
+				for (int i = 1; i < n; i++)
+					differs |=
+					    epj_counters_value(c[i], nm) !=
+					    epj_counters_value(c[0], nm);
+				printf("%c %-*s", differs ? '*' : ' ', w + 2,
+				       nm);
+				for (int i = 0; i < n; i++)
+					printf(" %14" PRId64,
+					       epj_counters_value(c[i], nm));
+				putchar('\n');
+			}
+			printf("  %-*s", w + 2, "compiled segments");
+			for (int i = 0; i < n; i++)
+				printf(" %14zu", json_array_size(graphs[i]));
+			putchar('\n');
+		}
+		free(ix);
+		epj_counters_free(u);
+		epj_counters_free(none);
+	}
+	for (int i = 0; i < n; i++) {
+		epj_counters_free(c[i]);
+		json_decref(graphs[i]);
+	}
+	return rc;
+}
+
+static int show_dir(const char *dir)
+{
+	int ranks[MAX_RANKS];
+	int n = find_ranks(dir, ranks);
+	if (n > 0)
+		return print_ranks(dir, ranks, n);
+	epj_counters *c = load(dir);
+	if (!c)
+		return EXIT_USAGE;
+	json_t *graphs = load_graphs(dir), *rec = load_recompiles(dir);
+	if (json_out) {
+		json_t *o = dump_json(dir, c, graphs, rec);
+		json_dumpf(o, stdout, JSON_INDENT(2));
+		putchar('\n');
+		json_decref(o);
+	} else {
+		print_dump(dir, c, graphs, rec);
+		json_decref(graphs);
+		json_decref(rec);
+	}
+	epj_counters_free(c);
 	return 0;
 }
 
 int main(int argc, char **argv)
 {
+	int i = 1;
 	if (argc == 2 &&
 	    (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
 		usage(stdout);
 		return 0;
 	}
-	if (argc == 4 && !strcmp(argv[1], "--diff"))
-		return diff(argv[2], argv[3]);
-	if (argc != 2 || argv[1][0] == '-') {
+	if (i < argc && !strcmp(argv[i], "--json")) {
+		json_out = true;
+		i++;
+	}
+	if (argc - i == 3 && !strcmp(argv[i], "--diff"))
+		return diff(argv[i + 1], argv[i + 2]);
+	if (argc - i != 1 || argv[i][0] == '-') {
 		usage(stderr);
 		return EXIT_USAGE;
 	}
 	struct stat sb;
-	if (stat(argv[1], &sb) != 0) {
-		fprintf(stderr, "epjit-dump: %s: %s\n", argv[1],
+	if (stat(argv[i], &sb) != 0) {
+		fprintf(stderr, "epjit-dump: %s: %s\n", argv[i],
 			strerror(errno));
 		return EXIT_USAGE;
 	}
-	if (!S_ISDIR(sb.st_mode))
-		return print_counters(argv[1]);
-	printf("# debug dump %s\n", argv[1]);
-	int st = list_dir(argv[1], "", 0);
-	if (st != 0)
-		return st;
-	char path[4096];
-	snprintf(path, sizeof path, "%s/counters.json", argv[1]);
-	if (stat(path, &sb) != 0) {
-		fprintf(stderr,
-			"epjit-dump: %s has no counters.json (written when "
-			"the engine is freed)\n",
-			argv[1]);
-		return EXIT_USAGE;
-	}
-	return print_counters(path);
+	if (S_ISDIR(sb.st_mode))
+		return show_dir(argv[i]);
+	return print_counters(argv[i]);
 }

@@ -39,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -49,6 +50,7 @@
 #include "config.h"
 #endif
 #include "epjit.h"
+#include "train_defaults.h"
 
 #ifndef PACKAGE_VERSION
 #define PACKAGE_VERSION "0.1"
@@ -56,19 +58,12 @@
 
 #define PROG "epjit-train"
 
-/* Defaults of the built-in run (see usage()).  The built-in learning-rate
- * schedule spans DEFAULT_STEPS whatever --steps says (see the invariants). */
+/* Defaults of the built-in run (see usage() and train_defaults.h). */
 enum {
-	DEFAULT_STEPS = 200,
-	DEFAULT_SEQ = 32,
-	DEFAULT_MICRO_BATCH = 8,
-	DEFAULT_PRINT = 20,
-	DEFAULT_WARMUP = 20,
 	EVAL_BATCHES = 4,   /* micro-batches of the held-out evaluation */
 	EVAL_STREAM = 1,    /* epj_corpus_fork stream of the evaluation */
 	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
 };
-#define DEFAULT_LR 3e-3
 /* --seq at most 2^31 - 1 tokens; tokens per optimizer step (micro-batch x
  * seq x gradient accumulation) at most 2^40. */
 #define SEQ_MAX	   2147483647L
@@ -112,7 +107,8 @@ typedef struct run {
 	epj_engine *engine;
 	epj_corpus *corpus;
 	FILE *metrics;
-	uint64_t seed; /* the run seed */
+	FILE *monitor[7]; /* csv_monitor: one file per event (mon_events) */
+	uint64_t seed;	  /* the run seed */
 	int64_t B, T, gas;
 } run;
 
@@ -199,7 +195,11 @@ static void usage(FILE *fp)
 	    "safetensors)\n"
 	    "  --save CKPT         write a checkpoint at the end\n"
 	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
-	    "peak_alloc_bytes\n"
+	    "peak_alloc_bytes,\n"
+	    "                      step_ms,compile_ms,entropy_floor (the "
+	    "config's\n"
+	    "                      csv_monitor writes DeepSpeed's per-metric "
+	    "files)\n"
 	    "  --dump-state FILE   one forward+backward on the next batch, "
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
@@ -498,30 +498,6 @@ static int list_safetensors(const char *path)
 }
 
 /* ---- setup ---- */
-
-/* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
- * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
- * 200, gradient clipping 1.0, a line every 20 steps. */
-static void default_config(char *buf, size_t n)
-{
-	snprintf(buf, n,
-		 "{\n"
-		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
-		 "  \"gradient_accumulation_steps\": 1,\n"
-		 "  \"steps_per_print\": %d,\n"
-		 "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\n"
-		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
-		 "    \"weight_decay\": 0.01}},\n"
-		 "  \"scheduler\": {\"type\": \"WarmupCosineLR\", "
-		 "\"params\": {\n"
-		 "    \"warmup_num_steps\": %d, \"warmup_type\": \"linear\",\n"
-		 "    \"total_num_steps\": %d, \"cos_min_ratio\": 0.1}},\n"
-		 "  \"gradient_clipping\": 1.0,\n"
-		 "  \"compile\": {\"autoep_non_moe\": true}\n"
-		 "}\n",
-		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
-		 DEFAULT_STEPS);
-}
 
 /* Model + engine for `seed`.  On failure the context holds the message. */
 static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
@@ -856,6 +832,61 @@ typedef struct train_stats {
 	int64_t comm_bytes, comm_us; /* comm.* counters over the training */
 } train_stats;
 
+/* csv_monitor events, as DeepSpeed names them ("Train/Samples/<metric>",
+ * x = samples seen); the file of "A/B/c" is A_B_c.csv with the header
+ * "step,c". */
+static const char *const mon_events[7] = {
+	"Train/Samples/train_loss",   "Train/Samples/lr",
+	"Train/Samples/grad_norm",    "Train/Samples/tokens_per_s",
+	"Train/Samples/step_time_ms", "Train/Samples/peak_alloc_bytes",
+	"Train/Samples/compile_ms",
+};
+
+/* mkdir -p */
+static int make_dirs(const char *dir)
+{
+	char p[4096];
+	snprintf(p, sizeof p, "%s", dir);
+	for (char *c = p + 1; *c; c++) {
+		if (*c != '/')
+			continue;
+		*c = '\0';
+		if (mkdir(p, 0755) != 0 && errno != EEXIST)
+			return -1;
+		*c = '/';
+	}
+	return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* Opens the csv_monitor files when the config enables it (appending, as
+ * DeepSpeed does; a header when a file is new). */
+static int monitor_open(run *r)
+{
+	char dir[4096];
+	if (!epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir))
+		return 0;
+	if (make_dirs(dir) != 0)
+		return fail_msg("csv_monitor: cannot create %s: %s", dir,
+				strerror(errno));
+	for (int i = 0; i < 7; i++) {
+		char name[128], path[4400];
+		snprintf(name, sizeof name, "%s", mon_events[i]);
+		for (char *c = name; *c; c++)
+			if (*c == '/' || *c == ' ')
+				*c = '_';
+		snprintf(path, sizeof path, "%s/%s.csv", dir, name);
+		r->monitor[i] = fopen(path, "a");
+		if (!r->monitor[i])
+			return fail_msg("csv_monitor: cannot open %s: %s", path,
+					strerror(errno));
+		if (ftell(r->monitor[i]) == 0)
+			fprintf(r->monitor[i], "step,%s\n",
+				strrchr(mon_events[i], '/') + 1);
+	}
+	printf(PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n", dir);
+	return 0;
+}
+
 static int train(run *r, const opts *o, train_stats *ts)
 {
 	epj_ctx *ctx = r->ctx;
@@ -865,6 +896,8 @@ static int train(run *r, const opts *o, train_stats *ts)
 	double t_start = now_s(), t_win = t_start, t_step = t_start;
 	double win_sum = 0;
 	int64_t win_n = 0;
+	double floor = epj_corpus_entropy_rate(r->corpus);
+	int64_t compile_us = epj_counter_get(ctx, "compile.us");
 	*ts = (train_stats){ .first_loss = NAN,
 			     .last_loss = NAN,
 			     .window_loss = NAN };
@@ -897,13 +930,30 @@ static int train(run *r, const opts *o, train_stats *ts)
 		ts->last_loss = info.mean_loss;
 		win_sum += info.mean_loss;
 		win_n++;
+		double step_s = t - t_step;
+		int64_t cus = epj_counter_get(ctx, "compile.us");
+		double compile_ms = (double)(cus - compile_us) / 1e3;
+		compile_us = cus;
 		if (r->metrics)
 			fprintf(r->metrics,
-				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64 "\n",
+				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
+				",%.3f,%.3f,%.6g\n",
 				info.step, info.mean_loss, info.lr,
-				info.grad_norm,
-				(double)tok_per_step / (t - t_step),
-				ms.peak_allocated);
+				info.grad_norm, (double)tok_per_step / step_s,
+				ms.peak_allocated, step_s * 1e3, compile_ms,
+				floor);
+		if (r->monitor[0]) {
+			double v[7] = {
+				info.mean_loss, info.lr,
+				info.grad_norm, (double)tok_per_step / step_s,
+				step_s * 1e3,	(double)ms.peak_allocated,
+				compile_ms
+			};
+			int64_t samples = info.step * r->B * r->gas;
+			for (int i = 0; i < 7; i++)
+				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
+					samples, v[i]);
+		}
 		bool last = info.step >= o->steps;
 		if (info.step % print_every == 0 || last) {
 			ts->window_loss = win_sum / (double)win_n;
@@ -1144,6 +1194,9 @@ static void run_free(run *r)
 {
 	if (r->metrics)
 		fclose(r->metrics);
+	for (int i = 0; i < 7; i++)
+		if (r->monitor[i])
+			fclose(r->monitor[i]);
 	epj_corpus_free(r->corpus);
 	epj_engine_free(r->engine);
 	epj_model_free(r->model);
@@ -1201,8 +1254,11 @@ static int run_main(run *r, const opts *o)
 			return fail_msg("%s: cannot open for writing: %s",
 					o->metrics, strerror(errno));
 		fprintf(r->metrics, "step,loss,lr,grad_norm,tokens_per_s,"
-				    "peak_alloc_bytes\n");
+				    "peak_alloc_bytes,step_ms,compile_ms,"
+				    "entropy_floor\n");
 	}
+	if (monitor_open(r))
+		return 1;
 	train_stats ts;
 	if (train(r, o, &ts))
 		return 1;

@@ -1,0 +1,130 @@
+#!/bin/sh
+# t/dump.sh -- epjit-dump on real debug dumps and on counter files.
+#
+#  1. a compiled run with EPJIT_DEBUG_DUMP: epjit-dump DIR shows the counter
+#     groups, the AutoEP graph breaks, the recompiles with their guard
+#     failures, and every compiled segment; every IR and source path it
+#     lists exists, and the segments match stats.unique_graphs;
+#  2. --diff: exit 0 when only non-compile counters moved, 1 when any
+#     compile counter moved (each family tried), on files and on dump
+#     folders; a second run on a warm cache against the first differs in
+#     cache.misses;
+#  3. --json output parses (when python3 is there) and says the same;
+#  4. rank<N>/ folders are shown side by side, differing counters marked;
+#  5. bad input exits 2.
+builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
+DUMP="$builddir/tools/epjit-dump"
+TRAIN="$builddir/tools/epjit-train"
+if [ ! -x "$DUMP" ] || [ ! -x "$TRAIN" ]; then
+	echo "SKIP: epjit-dump or epjit-train not built"
+	exit 77
+fi
+OMP_NUM_THREADS=1
+OPENBLAS_NUM_THREADS=1
+export OMP_NUM_THREADS OPENBLAS_NUM_THREADS
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-dump-test.XXXXXX") || exit 1
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+
+fail() {
+	echo "FAIL: $*" >&2
+	exit 1
+}
+
+train() {
+	rm -rf "$1"
+	EPJIT_CACHE_DIR=$tmp/kc EPJIT_DEBUG_DUMP=$tmp/$1 "$TRAIN" --compile \
+	    --steps 2 --checkpointing >train.log 2>&1 ||
+		{ cat train.log >&2; fail "epjit-train failed"; }
+}
+
+# ---- 1. a real dump -------------------------------------------------------------
+train d1
+"$DUMP" d1 >out.txt 2>err.txt || fail "epjit-dump d1: $(cat err.txt)"
+for sec in '== frames' '== graphs' '== cache' '== kernels' '== autoep' \
+    '== memory' '== graph breaks by reason' '== recompiles' \
+    '== compiled segments'; do
+	grep -q -- "^$sec" out.txt || fail "no '$sec' section"
+done
+grep -q '^  autoep  *[1-9]' out.txt || fail "no autoep graph break reason"
+# checkpointing: eval variant first, train variant on the replay
+grep -q 'variant 2: .*grad mode' out.txt ||
+	fail "recompile guard failure not shown"
+nseg=$(grep -c '^  [0-9][0-9][0-9] [0-9a-f]\{32\} ' out.txt)
+ug=$(grep '^  stats.unique_graphs ' out.txt | awk '{print $2}')
+[ "$nseg" -gt 0 ] && [ "$nseg" -eq "$ug" ] ||
+	fail "compiled segments listed: $nseg, stats.unique_graphs: $ug"
+grep -q '^  [0-9]* [0-9a-f]* train ' out.txt || fail "no train segment"
+paths=$(sed -n 's/^      \(ir\|sources\)://p' out.txt)
+[ -n "$paths" ] || fail "no IR or source paths listed"
+for p in $paths; do
+	[ -f "d1/$p" ] || fail "listed path d1/$p does not exist"
+done
+echo "$paths" | grep -q '3-backward-final' || fail "no backward IR path"
+echo "$paths" | tr ' ' '\n' | grep -q '\.c$' || fail "no generated C source path"
+
+# ---- 2. --diff ---------------------------------------------------------------------
+printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1}\n' >a.json
+printf '{"kernels.launched.eager": 9, "cache.disk_hits": 8, "train.steps": 2}\n' >b.json
+"$DUMP" --diff a.json b.json >diff.txt
+[ $? -eq 0 ] || fail "--diff with only non-compile changes exited non-zero"
+grep -q 'compile counters: unchanged' diff.txt || fail "diff summary"
+for c in compile.ms frames.total stats.unique_graphs recompiles \
+    graph_break.autoep cache.misses; do
+	printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1, "%s": 7}\n' \
+	    "$c" >c.json
+	"$DUMP" --diff a.json c.json >diff.txt
+	[ $? -eq 1 ] || fail "--diff did not flag a change of $c"
+	grep -q "$c.*compile counter changed" diff.txt ||
+		fail "--diff did not mark $c"
+done
+"$DUMP" --diff d1 d1 >/dev/null || fail "--diff of a dump with itself"
+train d2
+"$DUMP" --diff d1 d2 >diff.txt
+[ $? -eq 1 ] || fail "--diff cold vs warm run did not flag cache.misses"
+grep -q 'cache.misses' diff.txt || fail "cold vs warm: no cache.misses line"
+
+# ---- 3. --json ----------------------------------------------------------------------
+"$DUMP" --json d1 >d1.json || fail "--json d1"
+"$DUMP" --json --diff a.json c.json >dj.json
+[ $? -eq 1 ] || fail "--json --diff exit status"
+if command -v python3 >/dev/null 2>&1; then
+	python3 - d1.json dj.json "$ug" <<'EOF' || fail "--json content"
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert len(d["graphs"]) == int(sys.argv[3]), d["graphs"]
+assert d["counters"]["graph breaks"]["graph_break.autoep"] > 0
+assert d["graph_breaks"]["autoep"] > 0
+assert any(g["mode"] == "train" and g["bwd_nodes"] > 0 for g in d["graphs"])
+assert d["recompiles"] and all("reason" in r for r in d["recompiles"])
+j = json.load(open(sys.argv[2]))
+assert j["compile_changed"] is True
+assert [c for c in j["counters"] if c["name"] == "cache.misses"][0]["compile"]
+EOF
+else
+	grep -q '"compile_changed": true' dj.json || fail "--json --diff"
+fi
+
+# ---- 4. ranks side by side ------------------------------------------------------------
+mkdir ranks
+cp -r d1 ranks/rank0
+cp -r d2 ranks/rank1
+"$DUMP" ranks >r.txt 2>&1 || fail "epjit-dump ranks: $(cat r.txt)"
+grep -q '2 ranks side by side' r.txt || fail "ranks header"
+grep -q '^ *counter *rank0 *rank1$' r.txt || fail "rank columns"
+grep -q '^\* cache.misses ' r.txt || fail "differing cache.misses not marked"
+grep -q '^  train.steps  *2  *2$' r.txt || fail "equal train.steps row"
+"$DUMP" --json ranks >rj.json || fail "--json ranks"
+grep -q '"rank1"' rj.json || fail "--json ranks lacks rank1"
+
+# ---- 5. bad input ------------------------------------------------------------------------
+printf 'not json' >bad.json
+for args in "nope.json" "bad.json" "--diff a.json nope.json" "--frob" ""; do
+	# shellcheck disable=SC2086
+	"$DUMP" $args >/dev/null 2>&1
+	[ $? -eq 2 ] || fail "epjit-dump $args: expected exit 2"
+done
+mkdir empty
+"$DUMP" empty >/dev/null 2>&1
+[ $? -eq 2 ] || fail "a folder without counters.json: expected exit 2"
+exit 0

@@ -1,0 +1,98 @@
+#!/bin/sh
+# t/metrics.sh -- training metrics: the --metrics CSV, the config's
+# csv_monitor (DeepSpeed's file layout), and the epjit-plot chart.
+#
+#  1. a compiled run with csv_monitor and --metrics: one file per event
+#     under output_path/job_name named as DeepSpeed names them, each with
+#     the header "step,<metric>" and one row per optimizer step, x = samples
+#     (step x micro-batch x accumulation); the monitor's loss, lr and
+#     tokens/s equal the --metrics columns; the compile time of step 1 is
+#     > 0 and of the last step 0 (nothing compiles after the first step);
+#     a second run appends without a second header;
+#  2. epjit-plot draws an eager and a compiled run into one PNG (skipped
+#     without gnuplot), and refuses a file that is not a metrics CSV.
+builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
+srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
+TRAIN="$builddir/tools/epjit-train"
+PLOT="$srcdir/tools/epjit-plot"
+if [ ! -x "$TRAIN" ]; then
+	echo "SKIP: $TRAIN not built"
+	exit 77
+fi
+OMP_NUM_THREADS=1
+OPENBLAS_NUM_THREADS=1
+export OMP_NUM_THREADS OPENBLAS_NUM_THREADS
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-metrics-test.XXXXXX") || exit 1
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+EPJIT_CACHE_DIR=$tmp/kc
+export EPJIT_CACHE_DIR
+
+fail() {
+	echo "FAIL: $*" >&2
+	exit 1
+}
+
+cat >mon.json <<'EOF'
+{"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+ "compile": {"autoep_non_moe": true},
+ "csv_monitor": {"enabled": true, "output_path": "logs/out", "job_name": "job1"}}
+EOF
+steps=6
+"$TRAIN" --config mon.json --compile --steps $steps --seq 16 \
+    --metrics m.csv >train.log 2>&1 || { cat train.log >&2; fail "train"; }
+d=logs/out/job1
+for m in train_loss lr grad_norm tokens_per_s step_time_ms peak_alloc_bytes \
+    compile_ms; do
+	f=$d/Train_Samples_$m.csv
+	[ -f "$f" ] || fail "no $f"
+	[ "$(head -n 1 "$f")" = "step,$m" ] || fail "$f header: $(head -n 1 "$f")"
+	[ "$(wc -l <"$f")" -eq $((steps + 1)) ] || fail "$f: $(wc -l <"$f") lines"
+	# x = samples: 6, 12, ... (micro-batch 3 x accumulation 2)
+	[ "$(cut -d, -f1 "$f" | sed 1d | tr '\n' ' ')" = "6 12 18 24 30 36 " ] ||
+		fail "$f: steps are not samples: $(cut -d, -f1 "$f" | tr '\n' ' ')"
+done
+# the same values as the --metrics columns (loss 2, lr 3, tokens/s 5)
+for pair in train_loss:2 lr:3 tokens_per_s:5 compile_ms:8; do
+	m=${pair%:*}
+	c=${pair#*:}
+	sed 1d "$d/Train_Samples_$m.csv" | cut -d, -f2 >a.txt
+	sed 1d m.csv | cut -d, -f"$c" >b.txt
+	awk 'NR == FNR { a[FNR] = $1; next }
+	     { d = a[FNR] - $1; if (d < 0) d = -d;
+	       s = ($1 < 0 ? -$1 : $1); if (d > 1e-3 * (s + 1e-9) + 0.06) exit 1 }' \
+	    a.txt b.txt || fail "$m differs from --metrics column $c"
+done
+first=$(sed -n 2p "$d/Train_Samples_compile_ms.csv" | cut -d, -f2)
+last=$(tail -n 1 "$d/Train_Samples_compile_ms.csv" | cut -d, -f2)
+awk -v f="$first" -v l="$last" 'BEGIN { exit !(f > 0 && l == 0) }' ||
+	fail "compile_ms: first step $first, last $last (want > 0 and 0)"
+floor=$(sed -n 2p m.csv | cut -d, -f9)
+awk -v f="$floor" 'BEGIN { exit !(f > 0.5 && f < 4.2) }' ||
+	fail "entropy floor column: $floor"
+# a second run appends (no second header)
+"$TRAIN" --config mon.json --compile --steps 2 --seq 16 >train.log 2>&1 ||
+	fail "second run"
+[ "$(grep -c '^step,' "$d/Train_Samples_train_loss.csv")" -eq 1 ] ||
+	fail "second run wrote a second header"
+[ "$(wc -l <"$d/Train_Samples_train_loss.csv")" -eq $((steps + 3)) ] ||
+	fail "second run did not append"
+
+# ---- plot -------------------------------------------------------------------------
+if ! command -v gnuplot >/dev/null 2>&1; then
+	echo "note: gnuplot not installed; epjit-plot not tested"
+	exit 0
+fi
+"$TRAIN" --steps 8 --seq 16 --metrics eager.csv >e.log 2>&1 || fail "eager run"
+"$TRAIN" --steps 8 --seq 16 --compile --metrics comp.csv >c.log 2>&1 ||
+	fail "compiled run"
+sh "$PLOT" -o chart.png -t test eager.csv=eager comp.csv=compiled \
+    >plot.log 2>&1 || fail "epjit-plot: $(cat plot.log)"
+[ "$(head -c 4 chart.png | od -An -c | tr -d ' ')" = "211PNG" ] ||
+	fail "chart.png is not a PNG"
+[ "$(wc -c <chart.png)" -gt 20000 ] || fail "chart.png is suspiciously small"
+if sh "$PLOT" -o bad.png mon.json >plot.log 2>&1; then
+	fail "epjit-plot accepted a file that is not a metrics CSV"
+fi
+grep -q 'not an epjit-train --metrics file' plot.log || fail "$(cat plot.log)"
+exit 0

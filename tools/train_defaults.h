@@ -1,0 +1,45 @@
+/* train_defaults.h -- the built-in run of epjit-train, shared with
+ * epjit-warmup so that a cache warmed with the same flags holds exactly what
+ * the trainer compiles.  The built-in learning-rate schedule spans
+ * DEFAULT_STEPS whatever --steps says (see epjit_train.c's invariants).
+ */
+#ifndef EPJIT_TRAIN_DEFAULTS_H
+#define EPJIT_TRAIN_DEFAULTS_H
+
+#include <stdio.h>
+
+enum {
+	DEFAULT_STEPS = 200,
+	DEFAULT_SEQ = 32,
+	DEFAULT_MICRO_BATCH = 8,
+	DEFAULT_PRINT = 20,
+	DEFAULT_WARMUP = 20,
+};
+#define DEFAULT_LR 3e-3
+
+/* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
+ * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
+ * 200, gradient clipping 1.0, a line every 20 steps, regional compilation
+ * around the AutoEP layers. */
+static inline void default_config(char *buf, size_t n)
+{
+	snprintf(buf, n,
+		 "{\n"
+		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
+		 "  \"gradient_accumulation_steps\": 1,\n"
+		 "  \"steps_per_print\": %d,\n"
+		 "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\n"
+		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
+		 "    \"weight_decay\": 0.01}},\n"
+		 "  \"scheduler\": {\"type\": \"WarmupCosineLR\", "
+		 "\"params\": {\n"
+		 "    \"warmup_num_steps\": %d, \"warmup_type\": \"linear\",\n"
+		 "    \"total_num_steps\": %d, \"cos_min_ratio\": 0.1}},\n"
+		 "  \"gradient_clipping\": 1.0,\n"
+		 "  \"compile\": {\"autoep_non_moe\": true}\n"
+		 "}\n",
+		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
+		 DEFAULT_STEPS);
+}
+
+#endif /* EPJIT_TRAIN_DEFAULTS_H */
