@@ -14,10 +14,28 @@
 #include <stdio.h>
 #include <sys/stat.h>
 
+/* rank of a multi-rank run (ej_debug_dump_set_rank), -1 for a world of one */
+static int dump_rank = -1;
+
+void ej_debug_dump_set_rank(int rank, int size)
+{
+	dump_rank = size > 1 ? rank : -1;
+}
+
 const char *ej_debug_dump_dir(void)
 {
 	const char *d = getenv("EPJIT_DEBUG_DUMP");
-	return d && *d ? d : NULL;
+	if (!d || !*d)
+		return NULL;
+	if (dump_rank < 0)
+		return d;
+	/* one folder per rank, DIR/rank<N> (epjit-dump shows them side by
+	 * side); the buffer is rebuilt each call, the variable may change */
+	static _Thread_local char buf[4096];
+	if (mkdir(d, 0755) != 0 && errno != EEXIST)
+		return d;
+	snprintf(buf, sizeof buf, "%s/rank%d", d, dump_rank);
+	return buf;
 }
 
 static void mkdir_p(const char *dir)

@@ -134,6 +134,9 @@ epj_status ej_jit_emit_cuda(epj_ctx *ctx, ej_jit *jit, const char *dir,
 
 /* EPJIT_DEBUG_DUMP=dir (NULL when unset). */
 const char *ej_debug_dump_dir(void);
+/* Multi-rank runs (the runtime's comm init): with size > 1 the dump goes
+ * to $EPJIT_DEBUG_DUMP/rank<rank>, one folder per rank. */
+void ej_debug_dump_set_rank(int rank, int size);
 /* Writes counters as JSON to dir/counters.json (at exit or on demand). */
 epj_status ej_debug_dump_counters(epj_ctx *ctx, const char *dir);
 /* Appends one line "<region>\t<variant>\t<reason>" to dir/recompiles.txt

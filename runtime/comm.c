@@ -6,6 +6,7 @@
  * world is `mpi` once epj_dist_init has started MPI (the process was
  * launched by mpirun / srun), else `self`.
  */
+#include "jit.h"
 #include "runtime_impl.h"
 
 #include <string.h>
@@ -51,7 +52,9 @@ epj_status epj_dist_init(char *err, size_t n)
 	if (s != EPJ_OK)
 		return s;
 	g_mpi_started = started;
-	(void)ej_comm_world();
+	ej_comm *w = ej_comm_world();
+	/* several ranks: one debug-dump folder each (DIR/rank<N>) */
+	ej_debug_dump_set_rank(w->rank, w->size);
 	return EPJ_OK;
 }
 

@@ -249,6 +249,27 @@ for fault in stop kill; do
 	grep -q 'rank 1: --fault' "f-$fault.txt" ||
 		fail "--fault $fault: no fault injected: $(cat "f-$fault.txt")"
 done
+# Two ranks compiling into one empty kernel cache: each key is compiled
+# once on this host (the key's lock), every entry verifies, and the debug
+# dump has a folder per rank that epjit-dump shows side by side.
+rm -rf kc2 dump2
+mkdir -m 700 kc2
+EPJIT_CACHE_DIR=$PWD/kc2 EPJIT_DEBUG_DUMP=$PWD/dump2 mpi2 kc2.log "$TRAIN" \
+	--compile --steps 2 --seq 8
+for r in 0 1; do
+	[ -f "dump2/rank$r/counters.json" ] ||
+		fail "two ranks: no dump2/rank$r/counters.json: $(ls -R dump2)"
+done
+compiles=$(cat dump2/rank0/counters.json dump2/rank1/counters.json |
+	tr ',{}' '\n\n\n' | sed -n 's/.*"codegen.cc_compiles": *\([0-9]*\).*/\1/p' |
+	awk '{ s += $1 } END { print s + 0 }')
+entries=$(find kc2 -name '*.bin' | wc -l)
+[ "$entries" -gt 0 ] && [ "$compiles" -eq "$entries" ] ||
+	fail "two ranks, one cache: $compiles compiles for $entries entries"
+"$builddir/tools/epjit-dump" dump2 >dump2.txt 2>&1 ||
+	fail "epjit-dump of the rank folders: $(cat dump2.txt)"
+grep -q 'rank0' dump2.txt && grep -q 'rank1' dump2.txt ||
+	fail "epjit-dump does not show both ranks: $(cat dump2.txt)"
 # A stopped peer: rank 0 itself reports the call that timed out.
 grep -q 'rank 0 of 2: .*did not complete within 3 s' f-stop.txt ||
 	fail "stopped peer: rank 0's message: $(cat f-stop.txt)"

@@ -11,9 +11,9 @@ dir=$(cd "${1:?usage: run.sh FUZZDIR [SECONDS]}" && pwd)
 secs=${2:-60}
 src=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$dir/work"
-for t in safetensors checkpoint ds_config hf_config tokens kcache; do
+for t in safetensors checkpoint ds_config hf_config tokens kcache archive; do
 	case $t in
-	tokens | kcache) dict=binary ;;
+	tokens | kcache | archive) dict=binary ;;
 	*) dict=json ;;
 	esac
 	mkdir -p "$dir/work/$t"
