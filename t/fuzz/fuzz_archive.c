@@ -32,12 +32,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	if (!c)
 		abort(); /* a fresh private directory must open */
 	int added = 0, present = 0;
-	epj_status st = ej_kcache_archive_import(ctx, c, path, &added,
-						 &present);
+	epj_status st =
+	    ej_kcache_archive_import(ctx, c, path, &added, &present);
 	int n = ej_kcache_list(c, NULL, NULL);
 	if (st != EPJ_OK && n != 0) {
-		fprintf(stderr, "fuzz_archive: a refused import (%s) left %d "
-				"entries in the cache\n",
+		fprintf(stderr,
+			"fuzz_archive: a refused import (%s) left %d "
+			"entries in the cache\n",
 			epj_ctx_error(ctx), n);
 		abort();
 	}
