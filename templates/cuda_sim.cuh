@@ -344,9 +344,22 @@ static inline void ej_sim_ctx_swap(ej_sim_ctx *from, ej_sim_ctx *to)
 {
 	ej_sim_switch(&from->sp, to->sp);
 }
+#define ej_sim_fiber_begin(sched) ((void)(sched))
 #else
+/* ucontext; under ASan every switch is announced to the sanitizer
+ * (__sanitizer_start/finish_switch_fiber) so that it, and LeakSanitizer,
+ * know which stack is current. */
+#ifdef EJ_SIM_ASAN
+extern "C" void __sanitizer_start_switch_fiber(void **fake_stack_save,
+					       const void *bottom, size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void *fake_stack_save,
+						const void **bottom_old,
+						size_t *size_old);
+#endif
 struct ej_sim_ctx {
 	ucontext_t uc;
+	const void *bottom; /* its stack (the scheduler's: learnt by the */
+	size_t size;	    /* first fiber, ej_sim_fiber_begin) */
 };
 static void ej_sim_ctx_make(ej_sim_ctx *c, char *stack, size_t size,
 			    void (*fn)(void))
@@ -355,11 +368,29 @@ static void ej_sim_ctx_make(ej_sim_ctx *c, char *stack, size_t size,
 	c->uc.uc_stack.ss_sp = stack;
 	c->uc.uc_stack.ss_size = size;
 	c->uc.uc_link = NULL;
+	c->bottom = stack;
+	c->size = size;
 	makecontext(&c->uc, fn, 0);
 }
 static inline void ej_sim_ctx_swap(ej_sim_ctx *from, ej_sim_ctx *to)
 {
+#ifdef EJ_SIM_ASAN
+	void *fake = NULL;
+	__sanitizer_start_switch_fiber(&fake, to->bottom, to->size);
 	swapcontext(&from->uc, &to->uc);
+	__sanitizer_finish_switch_fiber(fake, NULL, NULL);
+#else
+	swapcontext(&from->uc, &to->uc);
+#endif
+}
+/* First thing on a new fiber: the stack it came from is the scheduler's. */
+static inline void ej_sim_fiber_begin(ej_sim_ctx *sched)
+{
+#ifdef EJ_SIM_ASAN
+	__sanitizer_finish_switch_fiber(NULL, &sched->bottom, &sched->size);
+#else
+	(void)sched;
+#endif
 }
 #endif
 
@@ -405,8 +436,12 @@ struct ej_sim_blk {
 	const void *args;
 };
 
-static thread_local ej_sim_thr *ej_sim_cur;
-static thread_local ej_sim_blk *ej_sim_b;
+/* The running fiber and block.  Plain statics, not thread_local: dynamic
+ * TLS in dlopen()ed objects costs a __tls_get_addr per threadIdx and
+ * confuses LeakSanitizer once modules are unloaded.  So one module runs
+ * one launch at a time (each loaded copy has its own). */
+static ej_sim_thr *ej_sim_cur;
+static ej_sim_blk *ej_sim_b;
 
 #define threadIdx (ej_sim_cur->tid)
 #define blockIdx  (ej_sim_b->bidx)
@@ -647,6 +682,7 @@ static inline unsigned __activemask(void)
 
 static void ej_sim_entry(void)
 {
+	ej_sim_fiber_begin(&ej_sim_b->sched);
 	ej_sim_b->body(ej_sim_b->args);
 	ej_sim_cur->state = EJ_ST_DONE;
 	for (;;) /* never resumed */
@@ -724,6 +760,7 @@ static void ej_sim_stuck_report(void)
 
 static void ej_sim_report_entry(void)
 {
+	ej_sim_fiber_begin(&ej_sim_b->sched);
 	ej_sim_stuck_report();
 	for (;;) /* never resumed */
 		ej_sim_yield();
