@@ -58,17 +58,6 @@ static void cstate_free(void *p)
 	free(cs);
 }
 
-/* Values step i of schedule u reads (ej_step_read_fn). */
-static int step_read(const void *u, int i, int j)
-{
-	const ej_schedule *s = u;
-	const ej_step *st = &s->steps[i];
-	if (st->k)
-		return j < st->k->n_in ? st->k->in[j].value : -1;
-	const ej_ir_node *n = &s->g->nodes[st->node];
-	return j < n->n_in ? n->in[j] : -1;
-}
-
 static void dump_file(ej_jit *jit, const char *name, const char *ext,
 		      const char *text)
 {
@@ -241,7 +230,7 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	ej_codegen_graph_name(g, name);
 
 	/* liveness by step */
-	cs->last = ej_last_use(g, s->n_steps, step_read, s);
+	cs->last = ej_last_use(g, s->n_steps, ej_sched_step_read, s);
 	if (!cs->last) {
 		cstate_free(cs);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
@@ -308,56 +297,55 @@ static epj_status run_kernel(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
 		ptr[k->n_in + o] = ej_data(t);
 	}
 	cs->fn[k->id](ptr, st);
-	(*ctx->ctr_eager_launches)++;
 	return EPJ_OK;
+}
+
+/* A run's scratch: kernel pointers and strides, sized for the widest
+ * kernel of the schedule. */
+typedef struct crun {
+	cstate *cs;
+	char **ptr;
+	int64_t *st;
+} crun;
+
+static epj_status c_kernel(epj_ctx *ctx, void *user, const ej_kernel *k,
+			   epj_tensor **env)
+{
+	crun *r = user;
+	return run_kernel(ctx, r->cs, k, env, r->ptr, r->st);
+}
+
+static epj_status crun_init(epj_ctx *ctx, cstate *cs, crun *r)
+{
+	r->cs = cs;
+	r->ptr = calloc((size_t)cs->max_ptr + 1, sizeof *r->ptr);
+	r->st = calloc((size_t)cs->max_st + 1, sizeof *r->st);
+	if (r->ptr && r->st)
+		return EPJ_OK;
+	free(r->ptr);
+	free(r->st);
+	return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+}
+
+static void crun_free(crun *r)
+{
+	free(r->ptr);
+	free(r->st);
 }
 
 static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
 		      epj_tensor *const *inputs, epj_tensor **outs)
 {
 	cstate *cs = state;
-	const ej_schedule *s = cs->s;
-	epj_status st = EPJ_OK;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	char **ptr = calloc((size_t)cs->max_ptr + 1, sizeof *ptr);
-	int64_t *strides = calloc((size_t)cs->max_st + 1, sizeof *strides);
-	if (!env || !ptr || !strides) {
-		free(env);
-		free(ptr);
-		free(strides);
-		return ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
+	crun r;
+	epj_status st = crun_init(ctx, cs, &r);
+	if (st != EPJ_OK) {
+		for (int i = 0; i < g->n_outputs; i++)
+			outs[i] = NULL;
+		return st;
 	}
-	for (int i = 0; i < g->n_inputs; i++)
-		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
-	bool prev = epj_no_grad_enter(ctx);
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
-		const ej_step *step = &s->steps[i];
-		if (step->k) {
-			st = run_kernel(ctx, cs, step->k, env, ptr, strides);
-			if (st != EPJ_OK) {
-				ej_error_prefix(ctx, "%s, kernel %d", g->name,
-						step->k->id);
-				break;
-			}
-			ej_release_reads(env, cs->last, i, step_read, s);
-			continue;
-		}
-		st = ej_run_node(ctx, g, step->node, env, cs->last, i,
-				 step_read, s);
-	}
-	ctx->ctr_eager_launches = saved_ctr;
-	epj_no_grad_exit(ctx, prev);
-	for (int i = 0; i < g->n_outputs; i++)
-		outs[i] =
-		    st == EPJ_OK ? epj_tensor_ref(env[g->outputs[i]]) : NULL;
-	for (int v = 0; v < g->n_values; v++)
-		epj_tensor_free(env[v]);
-	free(env);
-	free(ptr);
-	free(strides);
+	st = ej_sched_run(ctx, cs->s, g, cs->last, inputs, outs, c_kernel, &r);
+	crun_free(&r);
 	return st;
 }
 
@@ -370,34 +358,13 @@ epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				   epj_tensor *const *in, epj_tensor **out)
 {
 	cstate *cs = state;
-	EJ_ASSERT(kernel >= 0 && kernel < cs->s->n_kernels);
-	const ej_kernel *k = cs->s->kernels[kernel];
-	const ej_graph *g = cs->s->g;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	char **ptr = calloc((size_t)cs->max_ptr + 1, sizeof *ptr);
-	int64_t *st = calloc((size_t)cs->max_st + 1, sizeof *st);
-	epj_status s = EPJ_OK;
-	if (!env || !ptr || !st) {
-		s = ej_error(ctx, EPJ_ERR_NOMEM, "c backend: out of memory");
-		goto out;
-	}
-	for (int i = 0; i < k->n_in; i++)
-		env[k->in[i].value] = in[i];
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	s = run_kernel(ctx, cs, k, env, ptr, st);
-	ctx->ctr_eager_launches = saved_ctr;
-	for (int o = 0; o < k->n_out; o++) {
-		out[o] = s == EPJ_OK ? env[k->out[o].value] : NULL;
-		if (s != EPJ_OK)
-			epj_tensor_free(env[k->out[o].value]);
-	}
-out:
-	free(env);
-	free(ptr);
-	free(st);
-	return s;
+	crun r;
+	epj_status st = crun_init(ctx, cs, &r);
+	if (st == EPJ_OK)
+		st = ej_sched_run_kernel(ctx, cs->s, kernel, in, out, c_kernel,
+					 &r);
+	crun_free(&r);
+	return st;
 }
 
 const ej_codegen_backend ej_backend_c = { "c", build, run, cstate_free };

@@ -167,16 +167,6 @@ static void cstate_free(void *p)
 	free(cs);
 }
 
-static int step_read(const void *u, int i, int j)
-{
-	const ej_schedule *s = u;
-	const ej_step *st = &s->steps[i];
-	if (st->k)
-		return j < st->k->n_in ? st->k->in[j].value : -1;
-	const ej_ir_node *n = &s->g->nodes[st->node];
-	return j < n->n_in ? n->in[j] : -1;
-}
-
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 			       const char *name)
 {
@@ -272,7 +262,7 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	const char *text = ej_graph_text(g);
 	epj_hash_hex(epj_hash(text, strlen(text)), gh);
 	snprintf(name, sizeof name, "g%.16s", gh);
-	cs->last = ej_last_use(g, s->n_steps, step_read, s);
+	cs->last = ej_last_use(g, s->n_steps, ej_sched_step_read, s);
 	epj_status st = cs->last ? EPJ_OK
 				 : ej_error(ctx, EPJ_ERR_NOMEM,
 					    "nvrtc backend: out of memory");
@@ -410,9 +400,13 @@ static epj_status run_kernel(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
 		ej_dealloc(dev_alloc, din[i]);
 	for (int o = 0; o < n_dout; o++)
 		ej_dealloc(dev_alloc, dout[o]);
-	if (st == EPJ_OK)
-		(*ctx->ctr_eager_launches)++;
 	return st;
+}
+
+static epj_status cuda_kernel(epj_ctx *ctx, void *user, const ej_kernel *k,
+			      epj_tensor **env)
+{
+	return run_kernel(ctx, user, k, env);
 }
 
 static bool graphs_on(void)
@@ -564,46 +558,12 @@ static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
 		      epj_tensor *const *inputs, epj_tensor **outs)
 {
 	cstate *cs = state;
-	const ej_schedule *s = cs->s;
 	for (int i = 0; i < g->n_outputs; i++)
 		outs[i] = NULL;
 	if (cs->fused_only && graphs_on())
 		return run_graph(ctx, cs, inputs, outs);
-	epj_status st = EPJ_OK;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	if (!env)
-		return ej_error(ctx, EPJ_ERR_NOMEM,
-				"nvrtc backend: out of memory");
-	for (int i = 0; i < g->n_inputs; i++)
-		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
-	bool prev = epj_no_grad_enter(ctx);
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
-		const ej_step *step = &s->steps[i];
-		if (step->k) {
-			st = run_kernel(ctx, cs, step->k, env);
-			if (st != EPJ_OK) {
-				ej_error_prefix(ctx, "%s, kernel %d", g->name,
-						step->k->id);
-				break;
-			}
-			ej_release_reads(env, cs->last, i, step_read, s);
-			continue;
-		}
-		st = ej_run_node(ctx, g, step->node, env, cs->last, i,
-				 step_read, s);
-	}
-	ctx->ctr_eager_launches = saved_ctr;
-	epj_no_grad_exit(ctx, prev);
-	for (int i = 0; i < g->n_outputs; i++)
-		outs[i] =
-		    st == EPJ_OK ? epj_tensor_ref(env[g->outputs[i]]) : NULL;
-	for (int v = 0; v < g->n_values; v++)
-		epj_tensor_free(env[v]);
-	free(env);
-	return st;
+	return ej_sched_run(ctx, cs->s, g, cs->last, inputs, outs, cuda_kernel,
+			    cs);
 }
 
 const ej_schedule *ej_backend_cuda_schedule(const void *state)
@@ -620,27 +580,8 @@ epj_status ej_backend_cuda_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				      epj_tensor *const *in, epj_tensor **out)
 {
 	cstate *cs = state;
-	EJ_ASSERT(kernel >= 0 && kernel < cs->s->n_kernels);
-	const ej_kernel *k = cs->s->kernels[kernel];
-	const ej_graph *g = cs->s->g;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	if (!env)
-		return ej_error(ctx, EPJ_ERR_NOMEM,
-				"nvrtc backend: out of memory");
-	for (int i = 0; i < k->n_in; i++)
-		env[k->in[i].value] = in[i];
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	epj_status s = run_kernel(ctx, cs, k, env);
-	ctx->ctr_eager_launches = saved_ctr;
-	for (int o = 0; o < k->n_out; o++) {
-		out[o] = s == EPJ_OK ? env[k->out[o].value] : NULL;
-		if (s != EPJ_OK)
-			epj_tensor_free(env[k->out[o].value]);
-	}
-	free(env);
-	return s;
+	return ej_sched_run_kernel(ctx, cs->s, kernel, in, out, cuda_kernel,
+				   cs);
 }
 
 const ej_codegen_backend ej_backend_cuda = { "nvrtc", build, run, cstate_free };

@@ -135,16 +135,6 @@ static void sstate_free(void *p)
 	free(ss);
 }
 
-static int step_read(const void *u, int i, int j)
-{
-	const ej_schedule *s = u;
-	const ej_step *st = &s->steps[i];
-	if (st->k)
-		return j < st->k->n_in ? st->k->in[j].value : -1;
-	const ej_ir_node *n = &s->g->nodes[st->node];
-	return j < n->n_in ? n->in[j] : -1;
-}
-
 static epj_status load_kernels(epj_ctx *ctx, sstate *ss, const char *name)
 {
 	const ej_schedule *s = ss->s;
@@ -190,7 +180,7 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	const char *text = ej_graph_text(g);
 	epj_hash_hex(epj_hash(text, strlen(text)), gh);
 	snprintf(name, sizeof name, "g%.16s", gh);
-	ss->last = ej_last_use(g, s->n_steps, step_read, s);
+	ss->last = ej_last_use(g, s->n_steps, ej_sched_step_read, s);
 	if (!ss->last) {
 		sstate_free(ss);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
@@ -240,52 +230,22 @@ static epj_status run_kernel(epj_ctx *ctx, sstate *ss, const ej_kernel *k,
 	ej_cuda_launch_prepare(k, in, out, args, lo, &l);
 	char kname[32];
 	snprintf(kname, sizeof kname, "epjk_%d", k->id);
-	epj_status st = ej_device_sim.launch(ej_device_sim.self, ctx,
-					     ss->fn[k->id], kname, &l);
-	if (st == EPJ_OK)
-		(*ctx->ctr_eager_launches)++;
-	return st;
+	return ej_device_sim.launch(ej_device_sim.self, ctx, ss->fn[k->id],
+				    kname, &l);
+}
+
+static epj_status sim_kernel(epj_ctx *ctx, void *user, const ej_kernel *k,
+			     epj_tensor **env)
+{
+	return run_kernel(ctx, user, k, env);
 }
 
 static epj_status run(epj_ctx *ctx, void *state, ej_graph *g,
 		      epj_tensor *const *inputs, epj_tensor **outs)
 {
 	sstate *ss = state;
-	const ej_schedule *s = ss->s;
-	epj_status st = EPJ_OK;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	if (!env)
-		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
-	for (int i = 0; i < g->n_inputs; i++)
-		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
-	bool prev = epj_no_grad_enter(ctx);
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
-		const ej_step *step = &s->steps[i];
-		if (step->k) {
-			st = run_kernel(ctx, ss, step->k, env);
-			if (st != EPJ_OK) {
-				ej_error_prefix(ctx, "%s, kernel %d", g->name,
-						step->k->id);
-				break;
-			}
-			ej_release_reads(env, ss->last, i, step_read, s);
-			continue;
-		}
-		st = ej_run_node(ctx, g, step->node, env, ss->last, i,
-				 step_read, s);
-	}
-	ctx->ctr_eager_launches = saved_ctr;
-	epj_no_grad_exit(ctx, prev);
-	for (int i = 0; i < g->n_outputs; i++)
-		outs[i] =
-		    st == EPJ_OK ? epj_tensor_ref(env[g->outputs[i]]) : NULL;
-	for (int v = 0; v < g->n_values; v++)
-		epj_tensor_free(env[v]);
-	free(env);
-	return st;
+	return ej_sched_run(ctx, ss->s, g, ss->last, inputs, outs, sim_kernel,
+			    ss);
 }
 
 const ej_schedule *ej_backend_sim_schedule(const void *state)
@@ -297,26 +257,7 @@ epj_status ej_backend_sim_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				     epj_tensor *const *in, epj_tensor **out)
 {
 	sstate *ss = state;
-	EJ_ASSERT(kernel >= 0 && kernel < ss->s->n_kernels);
-	const ej_kernel *k = ss->s->kernels[kernel];
-	const ej_graph *g = ss->s->g;
-	epj_tensor **env = calloc((size_t)g->n_values + 1, sizeof *env);
-	if (!env)
-		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
-	for (int i = 0; i < k->n_in; i++)
-		env[k->in[i].value] = in[i];
-	int64_t *saved_ctr = ctx->ctr_eager_launches;
-	ctx->ctr_eager_launches =
-	    ej_counter_slot(ctx, "kernels.launched.compiled");
-	epj_status s = run_kernel(ctx, ss, k, env);
-	ctx->ctr_eager_launches = saved_ctr;
-	for (int o = 0; o < k->n_out; o++) {
-		out[o] = s == EPJ_OK ? env[k->out[o].value] : NULL;
-		if (s != EPJ_OK)
-			epj_tensor_free(env[k->out[o].value]);
-	}
-	free(env);
-	return s;
+	return ej_sched_run_kernel(ctx, ss->s, kernel, in, out, sim_kernel, ss);
 }
 
 const ej_codegen_backend ej_backend_sim = { "cuda-sim", build, run,

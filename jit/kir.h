@@ -227,6 +227,27 @@ const ej_schedule *ej_backend_c_schedule(const void *state);
 epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				   epj_tensor *const *in, epj_tensor **out);
 
+/* ---- running a schedule (sched_run.c) ------------------------------------
+ * Shared by the code-generating backends: fn runs one fused kernel k with
+ * its inputs bound in env (by value id): it binds k's outputs in env (new
+ * references) and launches.  The runner counts each launch in
+ * kernels.launched.compiled. */
+typedef epj_status (*ej_sched_kernel_fn)(epj_ctx *ctx, void *user,
+					 const ej_kernel *k, epj_tensor **env);
+/* Values step i of schedule u reads (an ej_step_read_fn for liveness). */
+int ej_sched_step_read(const void *u, int i, int j);
+/* Runs schedule s of graph g with the interpreter's calling convention
+ * (inputs bound to g->inputs; outs[] new references, all NULL on failure);
+ * last: the liveness of ej_last_use(g, s->n_steps, ej_sched_step_read, s). */
+epj_status ej_sched_run(epj_ctx *ctx, const ej_schedule *s, ej_graph *g,
+			const int *last, epj_tensor *const *inputs,
+			epj_tensor **outs, ej_sched_kernel_fn fn, void *user);
+/* One fused kernel alone (the backends' test hooks): in[] its inputs,
+ * out[] new references to its outputs (NULL on failure). */
+epj_status ej_sched_run_kernel(epj_ctx *ctx, const ej_schedule *s, int kernel,
+			       epj_tensor *const *in, epj_tensor **out,
+			       ej_sched_kernel_fn fn, void *user);
+
 /* ---- host launch code of the CUDA devices (launch_cuda.c) ---------------- */
 
 /* Bytes of kernel k's argument struct (struct ej_kargs_<id>). */
