@@ -102,38 +102,6 @@ void ej_backend_c_key(const char *src, char key[EJ_KCACHE_KEY_LEN + 1])
 
 static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name);
 
-/* The jit's kernel cache, opened at its first use and kept for the jit's
- * lifetime (so the memory table serves every later build).  *kc is NULL
- * when there is none to use: no jit (a lone build, e.g. in tests) opens a
- * cache of its own that the caller closes (*own = true); a directory that
- * cannot be created or read costs only the caching (warned once per jit);
- * an unsafe one is an error (cached modules are code). */
-static epj_status jit_cache(epj_ctx *ctx, ej_jit *jit, ej_kcache **kc,
-			    bool *own)
-{
-	*own = jit == NULL;
-	if (jit && jit->kc_opened) {
-		*kc = jit->kc;
-		return EPJ_OK;
-	}
-	*kc = ej_kcache_open(ctx, NULL);
-	if (!*kc) {
-		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
-			ej_error_prefix(ctx, "c backend: kernel cache");
-			return epj_ctx_status(ctx);
-		}
-		epj_log_msg(EPJ_LOG_WARN,
-			    "c backend: compiling without a kernel cache: %s",
-			    epj_ctx_error(ctx));
-		epj_ctx_clear_error(ctx);
-	}
-	if (jit) {
-		jit->kc = *kc;
-		jit->kc_opened = true;
-	}
-	return EPJ_OK;
-}
-
 /* Finds or makes the shared object of the schedule and loads it.  The key
  * is that of the artifact (ej_artifact_key): the generated source, the host
  * compiler's identity and its flags, so that any change of the generator
@@ -152,7 +120,7 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 
 	ej_kcache *kc = NULL;
 	bool own = false;
-	epj_status st = jit_cache(ctx, jit, &kc, &own);
+	epj_status st = ej_jit_kcache(ctx, jit, "c backend", &kc, &own);
 	if (st != EPJ_OK)
 		return st;
 	void *so = NULL;

@@ -178,29 +178,11 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	char key[EJ_KCACHE_KEY_LEN + 1];
 	/* the key warm-up computes too: no options besides -arch */
 	ej_nvrtc_cache_key(cs->source, cs->target, NULL, 0, key);
-	ej_kcache *kc = jit ? jit->kc : NULL;
+	ej_kcache *kc = NULL;
 	bool own = false;
-	if (!jit || !jit->kc_opened) {
-		kc = ej_kcache_open(ctx, NULL);
-		if (!kc) {
-			if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
-				ej_error_prefix(ctx,
-						"nvrtc backend: kernel cache");
-				return epj_ctx_status(ctx);
-			}
-			epj_log_msg(EPJ_LOG_WARN,
-				    "nvrtc backend: compiling without a "
-				    "kernel cache: %s",
-				    epj_ctx_error(ctx));
-			epj_ctx_clear_error(ctx);
-		}
-		if (jit) {
-			jit->kc = kc;
-			jit->kc_opened = true;
-		} else {
-			own = true;
-		}
-	}
+	epj_status st0 = ej_jit_kcache(ctx, jit, "nvrtc backend", &kc, &own);
+	if (st0 != EPJ_OK)
+		return st0;
 	void *image = NULL;
 	size_t size = 0;
 	epj_status st = kc ? ej_kcache_get(kc, key, &image, &size) : EPJ_OK;

@@ -248,6 +248,14 @@ struct ej_jit {
 	bool defer_build;
 };
 
+/* The kernel cache of jit's code-generating backends (pipeline.c):
+ * opened at the first build and kept for the jit's lifetime; a NULL jit
+ * gets a cache of its own (*own: the caller closes it).  *kc NULL: no
+ * caching (the directory could not be made; warned); an unsafe directory
+ * is an error naming `who`. */
+epj_status ej_jit_kcache(epj_ctx *ctx, ej_jit *jit, const char *who,
+			 struct ej_kcache **kc, bool *own);
+
 /* Interpreter backend: runs g on bound inputs (one tensor per graph input;
  * borrowed).  outs[] receive new references for g's outputs.  Runs with
  * grad disabled; counts kernels.launched.compiled per node executed. */

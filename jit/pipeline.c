@@ -118,6 +118,39 @@ void ej_segment_unref(ej_segment *s)
 	free(s);
 }
 
+/* The jit's kernel cache, opened at its first use and kept for the jit's
+ * lifetime (so the memory table serves every later build).  *kc is NULL
+ * when there is none to use: no jit (a lone build, e.g. in tests) opens a
+ * cache of its own that the caller closes (*own = true); a directory that
+ * cannot be created or read costs only the caching (warned once per jit);
+ * an unsafe one is an error (cached modules are code).  who names the
+ * backend in messages. */
+epj_status ej_jit_kcache(epj_ctx *ctx, ej_jit *jit, const char *who,
+			 ej_kcache **kc, bool *own)
+{
+	*own = jit == NULL;
+	if (jit && jit->kc_opened) {
+		*kc = jit->kc;
+		return EPJ_OK;
+	}
+	*kc = ej_kcache_open(ctx, NULL);
+	if (!*kc) {
+		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
+			ej_error_prefix(ctx, "%s: kernel cache", who);
+			return epj_ctx_status(ctx);
+		}
+		epj_log_msg(EPJ_LOG_WARN,
+			    "%s: compiling without a kernel cache: %s", who,
+			    epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+	}
+	if (jit) {
+		jit->kc = *kc;
+		jit->kc_opened = true;
+	}
+	return EPJ_OK;
+}
+
 void ej_jit_free(ej_jit *j)
 {
 	if (!j)
