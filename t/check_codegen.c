@@ -52,19 +52,7 @@ static void cache_teardown(void)
 /* ---- traced functions
  * --------------------------------------------------------- */
 
-typedef epj_tensor *(*cg_fn)(epj_ctx *ctx, epj_tensor *const *in);
-typedef struct cg_user {
-	cg_fn fn;
-} cg_user;
-
-static epj_status traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
-			 int n_in, epj_tensor **out, int n_out)
-{
-	(void)n_in;
-	(void)n_out;
-	out[0] = ((cg_user *)user)->fn(ctx, in);
-	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
-}
+typedef tu_region_fn cg_fn;
 
 /* RMSNorm as the model writes it (runtime/qwen3.c): f32 inside. */
 static epj_tensor *rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
@@ -173,20 +161,6 @@ typedef struct run_out {
 	int64_t launches_fwd, launches_bwd;
 } run_out;
 
-static ej_region_fn *compile(epj_ctx *ctx, ej_jit *jit, cg_fn fn,
-			     epj_tensor *const *in, int n_in)
-{
-	cg_user u = { fn };
-	ej_trace *tr = NULL;
-	epj_status st =
-	    ej_trace_region(ctx, jit, traced, &u, in, n_in, 1, NULL, NULL, &tr);
-	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
-	ej_region_fn *f = NULL;
-	st = ej_jit_compile(ctx, jit, tr, &f);
-	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
-	return f;
-}
-
 /* Compiles fn with `backend` and runs it; with train, also backward of
  * sum(y * w) into the grads of the inputs that require grad. */
 static ej_region_fn *run_backend(epj_ctx *ctx, ej_jit *jit, cg_fn fn,
@@ -194,7 +168,7 @@ static ej_region_fn *run_backend(epj_ctx *ctx, ej_jit *jit, cg_fn fn,
 				 run_out *r)
 {
 	memset(r, 0, sizeof *r);
-	ej_region_fn *f = compile(ctx, jit, fn, in, n_in);
+	ej_region_fn *f = tu_compile_region(ctx, jit, fn, in, n_in);
 	int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
 	epj_status st =
 	    ej_region_run(ctx, f, in, n_in, NULL, 0, NULL, NULL, &r->y, 1);
@@ -607,7 +581,7 @@ START_TEST(test_schedule_dump)
 			      tu_randn(ctx, EPJ_DTYPE_F32, 1, &h) };
 	bool prev = epj_no_grad_enter(ctx);
 	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
-	ej_region_fn *f = compile(ctx, jit, f_rmsnorm, in, 2);
+	ej_region_fn *f = tu_compile_region(ctx, jit, f_rmsnorm, in, 2);
 	ej_graph *g = f->steps[0].seg->fwd;
 	ej_arena *A = ej_arena_new();
 	ej_schedule *s = ej_sched_build(A, g);
@@ -660,10 +634,10 @@ START_TEST(test_cache_hit)
 	in[3] = tu_randn(ctx, EPJ_DTYPE_F32, 1, &h);
 	bool prev = epj_no_grad_enter(ctx);
 	ej_jit *j1 = ej_jit_new(ctx, EJ_BACKEND_C);
-	ej_region_fn *f1 = compile(ctx, j1, f_residual, in, 4);
+	ej_region_fn *f1 = tu_compile_region(ctx, j1, f_residual, in, 4);
 	int64_t hits = epj_counter_get(ctx, "cache.disk_hits");
 	ej_jit *j2 = ej_jit_new(ctx, EJ_BACKEND_C);
-	ej_region_fn *f2 = compile(ctx, j2, f_residual, in, 4);
+	ej_region_fn *f2 = tu_compile_region(ctx, j2, f_residual, in, 4);
 	ck_assert_int_eq(epj_counter_get(ctx, "cache.disk_hits"), hits + 1);
 	epj_tensor *y1 = NULL, *y2 = NULL;
 	ck_assert_int_eq(
@@ -680,9 +654,9 @@ START_TEST(test_cache_hit)
 	setenv("TMPDIR", tmp, 1);
 	ej_jit *j3 = ej_jit_new(ctx, EJ_BACKEND_C);
 	ej_trace *tr = NULL;
-	cg_user u = { f_residual };
+	tu_region_user u = { f_residual };
 	ck_assert_int_eq(
-	    ej_trace_region(ctx, j3, traced, &u, in, 4, 1, NULL, NULL, &tr),
+	    ej_trace_region(ctx, j3, tu_traced, &u, in, 4, 1, NULL, NULL, &tr),
 	    EPJ_OK);
 	ej_region_fn *f3 = NULL;
 	epj_status st = ej_jit_compile(ctx, j3, tr, &f3);
@@ -699,7 +673,7 @@ START_TEST(test_cache_hit)
 	ck_assert_int_eq(chmod(cache_dir, 0777), 0);
 	ej_jit *j4 = ej_jit_new(ctx, EJ_BACKEND_C);
 	ck_assert_int_eq(
-	    ej_trace_region(ctx, j4, traced, &u, in, 4, 1, NULL, NULL, &tr),
+	    ej_trace_region(ctx, j4, tu_traced, &u, in, 4, 1, NULL, NULL, &tr),
 	    EPJ_OK);
 	st = ej_jit_compile(ctx, j4, tr, &f3);
 	ck_assert_int_ne(st, EPJ_OK);

@@ -417,19 +417,7 @@ END_TEST
 
 /* ---- compiled regions on the nvrtc backend (fake driver + cuda-sim) ------ */
 
-typedef epj_tensor *(*cu_fn)(epj_ctx *ctx, epj_tensor *const *in);
-typedef struct cu_user {
-	cu_fn fn;
-} cu_user;
-
-static epj_status traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
-			 int n_in, epj_tensor **out, int n_out)
-{
-	(void)n_in;
-	(void)n_out;
-	out[0] = ((cu_user *)user)->fn(ctx, in);
-	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
-}
+typedef tu_region_fn cu_fn;
 
 /* rmsnorm(x) * w + residual, then silu: row reduction + pointwise. */
 static epj_tensor *f_norm(epj_ctx *ctx, epj_tensor *const *in)
@@ -464,20 +452,6 @@ static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in)
 	return y;
 }
 
-static ej_region_fn *compile_with(epj_ctx *ctx, ej_jit *jit, cu_fn fn,
-				  epj_tensor *const *in, int n_in)
-{
-	cu_user u = { fn };
-	ej_trace *tr = NULL;
-	epj_status st =
-	    ej_trace_region(ctx, jit, traced, &u, in, n_in, 1, NULL, NULL, &tr);
-	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
-	ej_region_fn *f = NULL;
-	st = ej_jit_compile(ctx, jit, tr, &f);
-	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
-	return f;
-}
-
 static bool have_nvrtc(void)
 {
 	int a = 0, b = 0;
@@ -504,8 +478,8 @@ static int64_t check_region(epj_ctx *ctx, cu_fn fn, epj_dtype dt,
 		epj_tensor_set_requires_grad(in[i], true);
 	ej_jit *jn = ej_jit_new(ctx, EJ_BACKEND_NVRTC);
 	ej_jit *ji = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
-	ej_region_fn *fn_n = compile_with(ctx, jn, fn, in, 3);
-	ej_region_fn *fn_i = compile_with(ctx, ji, fn, in, 3);
+	ej_region_fn *fn_n = tu_compile_region(ctx, jn, fn, in, 3);
+	ej_region_fn *fn_i = tu_compile_region(ctx, ji, fn, in, 3);
 	double tol = dt == EPJ_DTYPE_BF16 ? 1.6e-2 : 1e-5;
 	int64_t launches = 0;
 	for (int r = 0; r < runs; r++) {
@@ -827,8 +801,8 @@ START_TEST(test_gpu_vs_sim)
 	bool prev = epj_no_grad_enter(ctx);
 	ej_jit *jn = ej_jit_new(ctx, EJ_BACKEND_NVRTC);
 	ej_jit *js = ej_jit_new(ctx, EJ_BACKEND_CUDA_SIM);
-	ej_region_fn *fn = compile_with(ctx, jn, f_norm, in, 3);
-	ej_region_fn *fs = compile_with(ctx, js, f_norm, in, 3);
+	ej_region_fn *fn = tu_compile_region(ctx, jn, f_norm, in, 3);
+	ej_region_fn *fs = tu_compile_region(ctx, js, f_norm, in, 3);
 	epj_tensor *yn = NULL, *ys = NULL;
 	ck_assert_msg(ej_region_run(ctx, fn, in, 3, NULL, 0, NULL, NULL, &yn,
 				    1) == EPJ_OK,

@@ -531,19 +531,7 @@ END_TEST
  * graph runs alone on fresh random non-contiguous inputs against its nodes
  * run op by op. */
 
-typedef epj_tensor *(*sim_fn)(epj_ctx *ctx, epj_tensor *const *in);
-typedef struct sim_user {
-	sim_fn fn;
-} sim_user;
-
-static epj_status traced(void *user, epj_ctx *ctx, epj_tensor *const *in,
-			 int n_in, epj_tensor **out, int n_out)
-{
-	(void)n_in;
-	(void)n_out;
-	out[0] = ((sim_user *)user)->fn(ctx, in);
-	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
-}
+typedef tu_region_fn sim_fn;
 
 static epj_tensor *f_rmsnorm(epj_ctx *ctx, epj_tensor *const *in)
 {
@@ -652,14 +640,8 @@ static ej_region_fn *run_with(epj_ctx *ctx, ej_jit *jit, sim_fn fn,
 			      sim_run *r)
 {
 	memset(r, 0, sizeof *r);
-	sim_user u = { fn };
-	ej_trace *tr = NULL;
-	epj_status st =
-	    ej_trace_region(ctx, jit, traced, &u, in, n_in, 1, NULL, NULL, &tr);
-	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
-	ej_region_fn *f = NULL;
-	st = ej_jit_compile(ctx, jit, tr, &f);
-	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
+	ej_region_fn *f = tu_compile_region(ctx, jit, fn, in, n_in);
+	epj_status st;
 	int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
 	st = ej_region_run(ctx, f, in, n_in, NULL, 0, NULL, NULL, &r->y, 1);
 	ck_assert_msg(st == EPJ_OK, "run: %s", epj_ctx_error(ctx));

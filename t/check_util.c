@@ -6,6 +6,8 @@
  * error, except where its comment says it returns NULL. */
 #include "check_util.h"
 
+#include "jit.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <ftw.h>
@@ -496,4 +498,29 @@ void tu_gradcheck(epj_ctx *ctx, tu_fn fn, epj_tensor *const *in, int n_in,
 	}
 	epj_no_grad_exit(ctx, prev);
 	free(w);
+}
+
+/* ---- compiled regions --------------------------------------------------- */
+
+epj_status tu_traced(void *user, epj_ctx *ctx, epj_tensor *const *in, int n_in,
+		     epj_tensor **out, int n_out)
+{
+	(void)n_in;
+	(void)n_out;
+	out[0] = ((tu_region_user *)user)->fn(ctx, in);
+	return out[0] ? EPJ_OK : epj_ctx_status(ctx);
+}
+
+ej_region_fn *tu_compile_region(epj_ctx *ctx, ej_jit *jit, tu_region_fn fn,
+				epj_tensor *const *in, int n_in)
+{
+	tu_region_user u = { fn };
+	ej_trace *tr = NULL;
+	epj_status st = ej_trace_region(ctx, jit, tu_traced, &u, in, n_in, 1,
+					NULL, NULL, &tr);
+	ck_assert_msg(st == EPJ_OK, "trace: %s", epj_ctx_error(ctx));
+	ej_region_fn *f = NULL;
+	st = ej_jit_compile(ctx, jit, tr, &f);
+	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
+	return f;
 }

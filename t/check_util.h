@@ -131,6 +131,25 @@ void tu_assert_error(epj_ctx *ctx, const void *result, epj_status st,
 void tu_report(char *buf, size_t n, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* ---- compiled regions (the jit's tests) ------------------------------ */
+
+struct ej_jit;
+struct ej_region_fn;
+
+/* A function of tensors traced as a region with one output. */
+typedef epj_tensor *(*tu_region_fn)(epj_ctx *ctx, epj_tensor *const *in);
+typedef struct tu_region_user {
+	tu_region_fn fn;
+} tu_region_user;
+/* The ej_traced_fn that calls ((tu_region_user *)user)->fn. */
+epj_status tu_traced(void *user, epj_ctx *ctx, epj_tensor *const *in, int n_in,
+		     epj_tensor **out, int n_out);
+/* Traces fn over in[0..n_in) with jit and compiles it (the test fails on
+ * any error); the caller frees the result (ej_region_fn_free). */
+struct ej_region_fn *tu_compile_region(epj_ctx *ctx, struct ej_jit *jit,
+				       tu_region_fn fn, epj_tensor *const *in,
+				       int n_in);
+
 /* ---- files -------------------------------------------------------------- */
 
 /* $top_srcdir (set by `make check`), else ".". */
