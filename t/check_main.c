@@ -23,8 +23,8 @@ int main(void)
 		make_kcache_suite,	  make_cc_suite,
 		make_codegen_suite,	  make_keys_suite,
 		make_sim_suite,		  make_cuda_suite,
-		make_gpu_suite,		  make_codegen_suite,
-		make_archive_suite,	  make_config_doc_suite,
+		make_gpu_suite,		  make_archive_suite,
+		make_config_doc_suite,	  make_templates_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
