@@ -109,8 +109,8 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
  */
 
 /* The fixed compile flags (also part of the identity; ej_hostcc_cflags adds
- * -fopenmp when the library runs on an OpenMP runtime).  No -march=native:
- * artifacts are cached and may be shared between machines. */
+ * the instruction set and -fopenmp when the library runs on an OpenMP
+ * runtime). */
 #define EJ_HOSTCC_FLAGS "-std=c11 -O3 -fPIC"
 #define EJ_HOSTCC_LIBS	"-lm"
 
@@ -122,8 +122,21 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
  * one, modules are compiled without -fopenmp (serial).  gcc's GOMP calls
  * work with either runtime; clang's need libomp. */
 const char *ej_hostcc_openmp_runtime(void);
-/* EJ_HOSTCC_FLAGS, plus " -fopenmp" when there is a runtime (static). */
+/* EJ_HOSTCC_FLAGS, plus " -march=<level>" for the instruction set of
+ * ej_hostcc_isa() other than baseline, plus " -fopenmp" when there is a
+ * runtime (static storage).  The flags are part of the compiler identity,
+ * so the instruction set is part of every C artifact's cache key. */
 const char *ej_hostcc_cflags(void);
+/* The instruction set generated C is compiled for: $EPJIT_CC_ISA, one of
+ * "baseline" (the compiler's default), "x86-64-v2", "x86-64-v3",
+ * "x86-64-v4", "native"; unset or "auto": the highest x86-64 level this CPU
+ * runs (baseline on other machines).  NULL when $EPJIT_CC_ISA names no
+ * level or one this CPU cannot run (ej_hostcc_isa_check says which). */
+const char *ej_hostcc_isa(void);
+/* EPJ_OK, or the error for a bad $EPJIT_CC_ISA: EPJ_ERR_INVALID for an
+ * unknown value, EPJ_ERR_UNSUPPORTED for a level this CPU cannot run.  C
+ * compiles (ej_hostcc_compile) check it first. */
+epj_status ej_hostcc_isa_check(epj_ctx *ctx);
 
 /* Compiles C `source` to a shared object with $EPJIT_CC (default "cc"; split
  * at blanks, so "ccache gcc" works, no shell quoting) run directly (no

@@ -554,10 +554,104 @@ const char *ej_hostcc_openmp_runtime(void)
 	return omp_path[0] ? omp_path : NULL;
 }
 
+/* ---- instruction set of generated C --------------------------------------
+ */
+
+static const char *const isa_names[] = { "baseline", "x86-64-v2", "x86-64-v3",
+					 "x86-64-v4", "native" };
+enum { ISA_BASE, ISA_V2, ISA_V3, ISA_V4, ISA_NATIVE, ISA_N };
+
+/* Whether this CPU runs code of level `isa` (x86-64 levels as gcc and
+ * clang define them; elsewhere only baseline and native exist). */
+static bool isa_runs(int isa)
+{
+	if (isa == ISA_BASE || isa == ISA_NATIVE)
+		return true;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+	__builtin_cpu_init();
+	bool v2 = __builtin_cpu_supports("sse4.2") &&
+		  __builtin_cpu_supports("popcnt") &&
+		  __builtin_cpu_supports("ssse3");
+	bool v3 = v2 && __builtin_cpu_supports("avx2") &&
+		  __builtin_cpu_supports("fma") &&
+		  __builtin_cpu_supports("bmi2") &&
+		  __builtin_cpu_supports("f16c");
+	bool v4 = v3 && __builtin_cpu_supports("avx512f") &&
+		  __builtin_cpu_supports("avx512bw") &&
+		  __builtin_cpu_supports("avx512vl") &&
+		  __builtin_cpu_supports("avx512dq");
+	return isa == ISA_V2 ? v2 : isa == ISA_V3 ? v3 : v4;
+#else
+	return false;
+#endif
+}
+
+/* The level EPJIT_CC_ISA selects: unset or "auto" = the highest x86-64
+ * level this CPU runs (baseline elsewhere); -1 for a value that is not a
+ * level, or one this CPU cannot run. */
+static int isa_selected(void)
+{
+	const char *v = getenv("EPJIT_CC_ISA");
+	if (!v || !*v || strcmp(v, "auto") == 0) {
+		for (int i = ISA_V4; i > ISA_BASE; i--)
+			if (isa_runs(i))
+				return i;
+		return ISA_BASE;
+	}
+	for (int i = 0; i < ISA_N; i++)
+		if (strcmp(v, isa_names[i]) == 0)
+			return isa_runs(i) ? i : -1;
+	return -1;
+}
+
+const char *ej_hostcc_isa(void)
+{
+	int i = isa_selected();
+	return i < 0 ? NULL : isa_names[i];
+}
+
+epj_status ej_hostcc_isa_check(epj_ctx *ctx)
+{
+	if (isa_selected() >= 0)
+		return EPJ_OK;
+	const char *v = getenv("EPJIT_CC_ISA");
+	for (int i = 0; i < ISA_N; i++)
+		if (strcmp(v, isa_names[i]) == 0)
+			return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+					"EPJIT_CC_ISA=%s: this CPU cannot run "
+					"code built for it",
+					v);
+	return ej_error(ctx, EPJ_ERR_INVALID,
+			"EPJIT_CC_ISA=\"%s\" is not an instruction set (auto, "
+			"baseline, x86-64-v2, x86-64-v3, x86-64-v4, native)",
+			v);
+}
+
+/* Every combination of OpenMP and level, made once (the strings live for
+ * the process). */
+static char cflags_tab[2][ISA_N][96];
+static pthread_once_t cflags_once = PTHREAD_ONCE_INIT;
+
+static void cflags_init(void)
+{
+	for (int omp = 0; omp < 2; omp++)
+		for (int i = 0; i < ISA_N; i++) {
+			char march[32] = "";
+			if (i != ISA_BASE)
+				snprintf(march, sizeof march, " -march=%s",
+					 isa_names[i]);
+			snprintf(cflags_tab[omp][i], sizeof cflags_tab[omp][i],
+				 "%s%s%s", EJ_HOSTCC_FLAGS, march,
+				 omp ? " -fopenmp" : "");
+		}
+}
+
 const char *ej_hostcc_cflags(void)
 {
-	return ej_hostcc_openmp_runtime() ? EJ_HOSTCC_FLAGS " -fopenmp"
-					  : EJ_HOSTCC_FLAGS;
+	pthread_once(&cflags_once, cflags_init);
+	int i = isa_selected();
+	return cflags_tab[ej_hostcc_openmp_runtime() != NULL]
+			 [i < 0 ? ISA_BASE : i];
 }
 
 /* ---- one compiler step ----------------------------------------------------
@@ -678,6 +772,8 @@ static epj_status compile_lang(epj_ctx *ctx, const char *source,
 		*log = NULL;
 	if (!source)
 		return ej_error(ctx, EPJ_ERR_INVALID, "host cc: no source");
+	if (cur_lang == &lang_c && ej_hostcc_isa_check(ctx) != EPJ_OK)
+		return epj_ctx_status(ctx);
 	epj_status st = EPJ_OK;
 	char safe[64], src[80], obj[80], so[80], so_path[PATH_MAX + 80];
 	char *output = NULL;
@@ -973,7 +1069,10 @@ const char *ej_hostcxx_identity(void)
 static const char *identity_of(cc_ident **list)
 {
 	const char *env = getenv(cur_lang->env);
-	const char *key = env ? env : "";
+	/* the C identity holds the flags, which follow EPJIT_CC_ISA */
+	char key[PATH_MAX + 128];
+	snprintf(key, sizeof key, "%s\x1f%s", env ? env : "",
+		 cur_lang == &lang_c ? ej_hostcc_cflags() : "");
 	pthread_mutex_lock(&ident_lock);
 	cc_ident *e = *list;
 	while (e && strcmp(e->cc, key) != 0)

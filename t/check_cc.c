@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "cc.h"
+#include "jit_impl.h"
 
 Suite *make_cc_suite(void);
 
@@ -632,6 +633,82 @@ START_TEST(test_hostcc_identity)
 }
 END_TEST
 
+/* The instruction set of generated C: auto picks a level this CPU runs,
+ * the level is in the flags, the identity and so the cache key, a module
+ * built for it runs, and a bad or unrunnable level is refused. */
+START_TEST(test_hostcc_isa)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *saved =
+	    getenv("EPJIT_CC_ISA") ? strdup(getenv("EPJIT_CC_ISA")) : NULL;
+	unsetenv("EPJIT_CC_ISA");
+	const char *isa = ej_hostcc_isa();
+	ck_assert_ptr_nonnull(isa);
+	const char *flags = ej_hostcc_cflags();
+	char want[64];
+	snprintf(want, sizeof want, " -march=%s", isa);
+	if (strcmp(isa, "baseline") == 0)
+		ck_assert_ptr_null(strstr(flags, "-march"));
+	else
+		ck_assert_msg(strstr(flags, want), "%s lacks %s", flags, want);
+	ck_assert_ptr_nonnull(strstr(ej_hostcc_identity(), flags));
+#if defined(__x86_64__)
+	/* every x86-64 machine this project targets has AVX2 and FMA */
+	if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+	    __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c"))
+		ck_assert_msg(strcmp(isa, "x86-64-v3") == 0 ||
+				  strcmp(isa, "x86-64-v4") == 0,
+			      "auto picked %s on an AVX2 machine", isa);
+#endif
+	char key_auto[65], key_base[65];
+	const char *src = "double f(double x) { return x * 3.0 + 1.0; }\n";
+	ej_backend_c_key(src, key_auto);
+	/* a module built for the level runs */
+	void *img = NULL;
+	size_t size = 0;
+	const char *fsrc = "void f(const float *a, float *o, int n)\n"
+			   "{ for (int i = 0; i < n; i++) o[i] = a[i] * a[i] "
+			   "+ 0.5f; }\n";
+	ck_assert_msg(ej_hostcc_compile(ctx, fsrc, "isa", &img, &size, NULL) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	free(img);
+
+	setenv("EPJIT_CC_ISA", "baseline", 1);
+	ck_assert_str_eq(ej_hostcc_isa(), "baseline");
+	ck_assert_ptr_null(strstr(ej_hostcc_cflags(), "-march"));
+	ck_assert_ptr_null(strstr(ej_hostcc_identity(), "-march"));
+	ej_backend_c_key(src, key_base);
+	if (strcmp(isa, "baseline") != 0)
+		ck_assert_str_ne(key_auto, key_base);
+
+	setenv("EPJIT_CC_ISA", "pentium9", 1);
+	ck_assert_ptr_null(ej_hostcc_isa());
+	epj_status st = ej_hostcc_compile(ctx, fsrc, "isa", &img, &size, NULL);
+	ck_assert_int_eq(st, EPJ_ERR_INVALID);
+	tu_assert_ctx_error(
+	    ctx, EPJ_ERR_INVALID,
+	    (const char *const[]){ "EPJIT_CC_ISA", "pentium9", "x86-64-v3" },
+	    3);
+#if defined(__x86_64__)
+	if (!__builtin_cpu_supports("avx512f")) {
+		setenv("EPJIT_CC_ISA", "x86-64-v4", 1);
+		st = ej_hostcc_compile(ctx, fsrc, "isa", &img, &size, NULL);
+		ck_assert_int_eq(st, EPJ_ERR_UNSUPPORTED);
+		tu_assert_ctx_error(ctx, EPJ_ERR_UNSUPPORTED,
+				    (const char *const[]){ "cannot run" }, 1);
+	}
+#endif
+	if (saved)
+		setenv("EPJIT_CC_ISA", saved, 1);
+	else
+		unsetenv("EPJIT_CC_ISA");
+	free(saved);
+	ck_assert_str_eq(ej_hostcc_isa(), isa);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- another user swapping files ----------------------------------------
  *
  * A world-writable directory without the sticky bit (a badly set up TMPDIR):
@@ -841,6 +918,7 @@ Suite *make_cc_suite(void)
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
 	tcase_add_test(tc, test_hostcc_identity);
+	tcase_add_test(tc, test_hostcc_isa);
 	tcase_add_test(tc, test_hostcc_swap_attack);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("cuda_driver");
