@@ -17,6 +17,7 @@
  *    undefined behaviour there).
  */
 #include "core_impl.h"
+#include "ops_impl.h"
 
 #include <math.h>
 #include <string.h>
@@ -161,4 +162,20 @@ void ej_store_f64(void *p, epj_dtype dt, double v)
 		break;
 	}
 	EJ_ASSERT(!"ej_store_f64: bad dtype");
+}
+
+EJ_ISA_CLONES void ej_cvt_bf16_to_f32(const uint16_t *restrict s,
+				      float *restrict d, int64_t n)
+{
+#pragma omp simd
+	for (int64_t i = 0; i < n; i++)
+		d[i] = ej_bf16_load(s[i]);
+}
+
+EJ_ISA_CLONES void ej_cvt_f32_to_bf16(const float *restrict s,
+				      uint16_t *restrict d, int64_t n)
+{
+#pragma omp simd
+	for (int64_t i = 0; i < n; i++)
+		d[i] = ej_bf16_store(s[i]);
 }

@@ -129,6 +129,28 @@ static inline uint16_t ej_bf16_store(float f)
 	return (uint16_t)(u >> 16);
 }
 
+/* EJ_ISA_CLONES: the hot loops of the CPU kernels (conversions, pointwise
+ * arithmetic) are built twice on x86-64, for the baseline and for AVX2,
+ * and the loader picks the clone the CPU runs (an ifunc), so the eager
+ * kernels use the vector width the generated C gets (jit/hostcc.c) without
+ * building the library for one machine.  AVX2 without FMA: no contraction
+ * is possible, so both clones compute the same bits. */
+#if defined(__x86_64__) && defined(__ELF__) && defined(__has_attribute) &&     \
+    !defined(EJ_NO_ISA_CLONES)
+#if __has_attribute(target_clones)
+#define EJ_ISA_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef EJ_ISA_CLONES
+#define EJ_ISA_CLONES
+#endif
+
+/* Dense conversions, bit for bit ej_bf16_load / ej_bf16_store (dtype.c). */
+void ej_cvt_bf16_to_f32(const uint16_t *restrict s, float *restrict d,
+			int64_t n);
+void ej_cvt_f32_to_bf16(const float *restrict s, uint16_t *restrict d,
+			int64_t n);
+
 /* Last step of a backward: EPJ_OK when every needed grad_in[i] is set;
  * otherwise releases all of grad_in (NULLs them) and returns the status of
  * the op that failed, or EPJ_ERR_STATE "<op> backward: no gradient

@@ -74,8 +74,11 @@ void ej_linalg_convert(const void *src_, epj_dtype sdt, int64_t ss, void *dst,
 	} else if (sdt == EPJ_DTYPE_BF16 && ddt == EPJ_DTYPE_F32) {
 		const uint16_t *s = (const uint16_t *)src;
 		float *d = dst;
-		for (int64_t i = 0; i < n; i++)
-			d[i] = ej_bf16_load(s[i * ss]);
+		if (ss == 1)
+			ej_cvt_bf16_to_f32(s, d, n);
+		else
+			for (int64_t i = 0; i < n; i++)
+				d[i] = ej_bf16_load(s[i * ss]);
 	} else if (sdt == EPJ_DTYPE_F64 && ddt == EPJ_DTYPE_F64) {
 		const double *s = (const double *)src;
 		double *d = dst;
@@ -129,9 +132,13 @@ void ej_linalg_store(const void *src, epj_dtype cdt, void *dst, epj_dtype dt,
 	} else if (cdt == EPJ_DTYPE_F32 && dt == EPJ_DTYPE_BF16) {
 		const float *s = src;
 		uint16_t *d = dst;
+		const int64_t chunk = 1 << 14;
+		int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) if (n > (1 << 18))
-		for (int64_t i = 0; i < n; i++)
-			d[i] = ej_bf16_store(s[i]);
+		for (int64_t k = 0; k < chunks; k++)
+			ej_cvt_f32_to_bf16(s + k * chunk, d + k * chunk,
+					   k + 1 < chunks ? chunk
+							  : n - k * chunk);
 	} else {
 		ej_linalg_convert(src, cdt, 1, dst, dt, n);
 	}

@@ -30,6 +30,8 @@
 
 /* Work below this many elements stays on one thread. */
 #define PW_PAR_MIN 32768
+/* elements per conversion call of a parallel cast */
+#define PW_CHUNK 16384
 /* Elements per block of the innermost dim (3 stack buffers of this many
  * doubles per iteration: 24 KiB). */
 #define PW_BLK 1024
@@ -97,8 +99,8 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 	}
 
 #define FLOAT_KERNELS(T, SFX)                                                  \
-	static void unary_##SFX(int op, T s, const T *restrict x,              \
-				T *restrict y, int64_t n)                      \
+	EJ_ISA_CLONES static void unary_##SFX(                                 \
+	    int op, T s, const T *restrict x, T *restrict y, int64_t n)        \
 	{                                                                      \
 		const T one = 1, half = (T)0.5;                                \
 		switch (op) {                                                  \
@@ -151,9 +153,9 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 	}                                                                      \
                                                                                \
 	/* For the backward helpers a is the gradient and b is x. */           \
-	static void binary_##SFX(int op, const T *restrict a,                  \
-				 const T *restrict b, T *restrict y,           \
-				 int64_t n)                                    \
+	EJ_ISA_CLONES static void binary_##SFX(int op, const T *restrict a,    \
+					       const T *restrict b,            \
+					       T *restrict y, int64_t n)       \
 	{                                                                      \
 		const T one = 1, half = (T)0.5;                                \
 		switch (op) {                                                  \
@@ -237,7 +239,10 @@ static void gather(const void *data, epj_dtype dt, int64_t off, int64_t st,
 		} else {
 			EJ_ASSERT(dt == EPJ_DTYPE_BF16);
 			const uint16_t *s = (const uint16_t *)p + off;
-			LOOP(d[i] = ej_bf16_load(s[i * st]));
+			if (st == 1)
+				ej_cvt_bf16_to_f32(s, d, n);
+			else
+				LOOP(d[i] = ej_bf16_load(s[i * st]));
 		}
 	} else if (ct == CT_F64) {
 		double *d = dst;
@@ -293,8 +298,7 @@ static void store(void *data, epj_dtype dt, int64_t off, int64_t n, pw_ctype ct,
 			memcpy((float *)p + off, s, (size_t)n * sizeof *s);
 		} else {
 			EJ_ASSERT(dt == EPJ_DTYPE_BF16);
-			uint16_t *d = (uint16_t *)p + off;
-			LOOP(d[i] = ej_bf16_store(s[i]));
+			ej_cvt_f32_to_bf16(s, (uint16_t *)p + off, n);
 		}
 	} else if (ct == CT_F64) {
 		const double *s = src;
@@ -695,22 +699,27 @@ epj_status ej_kernel_CAST(epj_ctx *ctx, const ej_call *c)
 	int64_t n = ej_numel(x->ndim, x->shape);
 	if (n == 0)
 		return EPJ_OK;
+	int64_t chunks = (n + PW_CHUNK - 1) / PW_CHUNK;
 	if (ej_dense(x) && x->dtype == EPJ_DTYPE_F32 &&
 	    y->dtype == EPJ_DTYPE_BF16) {
 		const float *s = ej_data(x);
 		uint16_t *d = ej_data(y);
-#pragma omp parallel for simd schedule(static) if (n > PW_PAR_MIN)
-		for (int64_t i = 0; i < n; i++)
-			d[i] = ej_bf16_store(s[i]);
+#pragma omp parallel for schedule(static) if (n > PW_PAR_MIN)
+		for (int64_t k = 0; k < chunks; k++)
+			ej_cvt_f32_to_bf16(s + k * PW_CHUNK, d + k * PW_CHUNK,
+					   k + 1 < chunks ? PW_CHUNK
+							  : n - k * PW_CHUNK);
 		return EPJ_OK;
 	}
 	if (ej_dense(x) && x->dtype == EPJ_DTYPE_BF16 &&
 	    y->dtype == EPJ_DTYPE_F32) {
 		const uint16_t *s = ej_data(x);
 		float *d = ej_data(y);
-#pragma omp parallel for simd schedule(static) if (n > PW_PAR_MIN)
-		for (int64_t i = 0; i < n; i++)
-			d[i] = ej_bf16_load(s[i]);
+#pragma omp parallel for schedule(static) if (n > PW_PAR_MIN)
+		for (int64_t k = 0; k < chunks; k++)
+			ej_cvt_bf16_to_f32(s + k * PW_CHUNK, d + k * PW_CHUNK,
+					   k + 1 < chunks ? PW_CHUNK
+							  : n - k * PW_CHUNK);
 		return EPJ_OK;
 	}
 	return pw_kernel(ctx, c, EJ_OP_CAST);

@@ -19,6 +19,7 @@
  * log/sqrt/rsqrt/div/pow inputs are kept in [0.5, 2.5], away from 0.
  */
 #include "check_util.h"
+#include "ops_impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -731,6 +732,48 @@ START_TEST(test_silu_gelu_backward)
 }
 END_TEST
 
+/* The dense conversion loops (built per instruction set, lib/dtype.c) give
+ * the bits of the scalar conversions: ties, NaN payloads, subnormals,
+ * infinities, the largest finite values, at lengths with vector tails and
+ * from unaligned starts. */
+START_TEST(test_cvt_bits)
+{
+	static const uint32_t special[] = {
+		0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu,
+		0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f7fffffu,
+		0xff7fffffu, 0x7f800000u, 0xff800000u, 0x7fc00000u,
+		0x7f800001u, 0xffa5a5a5u, 0x7fbfffffu, 0x00008000u,
+	};
+	for (int rep = 0; rep < 8; rep++) {
+		int64_t n = tu_randint(1, 300);
+		int64_t skew = tu_randint(0, 7);
+		float *f = malloc(sizeof *f * (size_t)(n + skew));
+		uint16_t *b = malloc(sizeof *b * (size_t)(n + skew));
+		float *back = malloc(sizeof *back * (size_t)(n + skew));
+		ck_assert(f && b && back);
+		for (int64_t i = 0; i < n; i++) {
+			uint32_t u =
+			    tu_randint(0, 3) == 0
+				? special[tu_randint(0, 15)]
+				: (uint32_t)tu_randint(0, 0xffffffffLL);
+			memcpy(&f[skew + i], &u, sizeof u);
+		}
+		ej_cvt_f32_to_bf16(f + skew, b + skew, n);
+		ej_cvt_bf16_to_f32(b + skew, back + skew, n);
+		for (int64_t i = 0; i < n; i++) {
+			ck_assert_uint_eq(b[skew + i],
+					  epj_f32_to_bf16(f[skew + i]));
+			float want = epj_bf16_to_f32(b[skew + i]);
+			ck_assert_int_eq(
+			    memcmp(&back[skew + i], &want, sizeof want), 0);
+		}
+		free(f);
+		free(b);
+		free(back);
+	}
+}
+END_TEST
+
 Suite *make_ops_pointwise_suite(void)
 {
 	Suite *s = suite_create("ops_pointwise");
@@ -743,6 +786,7 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tc, test_int_ops);
 	tcase_add_test(tc, test_cast_values);
 	tcase_add_test(tc, test_cast_bf16);
+	tcase_add_test(tc, test_cvt_bits);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
 	TCase *tg = tcase_create("grad");
