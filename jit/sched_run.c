@@ -33,13 +33,19 @@ epj_status ej_sched_run(epj_ctx *ctx, const ej_schedule *s, ej_graph *g,
 	for (int i = 0; i < g->n_inputs; i++)
 		env[g->inputs[i].value] = epj_tensor_ref(inputs[i]);
 	bool prev = epj_no_grad_enter(ctx);
+	ej_prof gpf;
+	ej_prof_begin(ctx, &gpf);
 	int64_t *saved_ctr = ctx->ctr_eager_launches;
 	ctx->ctr_eager_launches =
 	    ej_counter_slot(ctx, "kernels.launched.compiled");
 	for (int i = 0; i < s->n_steps && st == EPJ_OK; i++) {
 		const ej_step *step = &s->steps[i];
 		if (step->k) {
+			ej_prof pf;
+			ej_prof_begin(ctx, &pf);
 			st = fn(ctx, user, step->k, env);
+			ej_prof_end(ctx, &pf, "fused.%s.k%d", g->name,
+				    step->k->id);
 			if (st != EPJ_OK) {
 				ej_error_prefix(ctx, "%s, kernel %d", g->name,
 						step->k->id);
@@ -53,6 +59,7 @@ epj_status ej_sched_run(epj_ctx *ctx, const ej_schedule *s, ej_graph *g,
 				 ej_sched_step_read, s);
 	}
 	ctx->ctr_eager_launches = saved_ctr;
+	ej_prof_end(ctx, &gpf, "graph.%s", g->name);
 	epj_no_grad_exit(ctx, prev);
 	for (int i = 0; i < g->n_outputs; i++)
 		outs[i] =

@@ -401,6 +401,18 @@ void ej_counter_table_free(ej_counter_table *t);
 /* Stable slot for a name (created at 0); lets hot paths avoid lookups. */
 int64_t *ej_counter_slot(epj_ctx *ctx, const char *name);
 
+/* EPJIT_PROFILE sections beyond the op kernels (doc/counters.md,
+ * Profiling): ej_prof_begin(ctx, &t) notes the time when the context
+ * profiles; ej_prof_end(ctx, &t, fmt, ...) then adds the wall time since
+ * to profile.<name>.us and 1 to profile.<name>.calls, <name> formatted
+ * from fmt.  Both do nothing when the context does not profile. */
+typedef struct ej_prof {
+	int64_t t0_ns; /* 0: not started */
+} ej_prof;
+void ej_prof_begin(const epj_ctx *ctx, ej_prof *p);
+void ej_prof_end(epj_ctx *ctx, ej_prof *p, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* ---- RNG (splitmix64-seeded xoshiro256**) ---------------------------------
  */
 

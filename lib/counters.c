@@ -15,6 +15,9 @@
  */
 #include "core_impl.h"
 
+#include <stdarg.h>
+#include <time.h>
+
 #include <jansson.h>
 #include <string.h>
 
@@ -101,6 +104,35 @@ int64_t *ej_counter_slot(epj_ctx *ctx, const char *name)
 {
 	EJ_ASSERT(ctx && ctx->counters && name);
 	return table_slot(ctx->counters, name);
+}
+
+static int64_t prof_now_ns(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+void ej_prof_begin(const epj_ctx *ctx, ej_prof *p)
+{
+	p->t0_ns = ctx && ctx->profile ? prof_now_ns() : 0;
+}
+
+void ej_prof_end(epj_ctx *ctx, ej_prof *p, const char *fmt, ...)
+{
+	if (!p->t0_ns || !ctx || !ctx->profile)
+		return;
+	int64_t us = (prof_now_ns() - p->t0_ns) / 1000;
+	p->t0_ns = 0;
+	char name[200], full[220];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(name, sizeof name, fmt, ap);
+	va_end(ap);
+	snprintf(full, sizeof full, "profile.%s.us", name);
+	*ej_counter_slot(ctx, full) += us;
+	snprintf(full, sizeof full, "profile.%s.calls", name);
+	*ej_counter_slot(ctx, full) += 1;
 }
 
 void epj_counter_add(epj_ctx *ctx, const char *name, int64_t delta)

@@ -325,8 +325,11 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 			return st;
 	}
 	int64_t k0 = epj_counter_get(ctx, "kernels.launched.compiled");
+	ej_prof pf;
+	ej_prof_begin(ctx, &pf);
 	st = ej_region_run(ctx, f, in, n_in, r->params, r->n_params, break_call,
 			   r, out, n_out);
+	ej_prof_end(ctx, &pf, "region.forward");
 	r->compiled_calls++;
 	r->compiled_launches +=
 	    epj_counter_get(ctx, "kernels.launched.compiled") - k0;

@@ -273,25 +273,32 @@ void epj_engine_free(epj_engine *e)
 	free(e);
 }
 
-epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
-				 epj_tensor *labels, epj_step_info *info)
+static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
+			     epj_tensor *labels, epj_step_info *info)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_tensor *loss = NULL;
+	ej_prof pf;
 	if (info)
 		memset(info, 0, sizeof *info);
 	if (!labels)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"train_step: labels are required");
+	ej_prof_begin(ctx, &pf);
 	epj_status st =
 	    epj_model_forward(ctx, e->model, input_ids, labels, NULL, &loss);
+	ej_prof_end(ctx, &pf, "forward");
 	if (st != EPJ_OK)
 		return st;
 	double lv = epj_tensor_get_f64(loss, 0);
+	ej_prof_begin(ctx, &pf);
 	st = epj_backward(ctx, loss, NULL);
+	ej_prof_end(ctx, &pf, "backward");
 	epj_tensor_free(loss);
+	ej_prof_begin(ctx, &pf);
 	if (st == EPJ_OK)
 		st = ej_optim_accumulate(e->optim);
+	ej_prof_end(ctx, &pf, "optimizer.accumulate");
 	if (st != EPJ_OK)
 		return st;
 	e->micro_step++;
@@ -306,6 +313,7 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		double norm = 0, mean = e->accum_loss / (double)e->accum_n;
 		/* A non-finite loss or gradient norm never reaches the
 		 * weights: the step fails, or is skipped when asked for. */
+		ej_prof_begin(ctx, &pf);
 		if (!isfinite(mean)) {
 			st = ej_optim_drop_grads(e->optim);
 			norm = NAN;
@@ -315,6 +323,7 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		}
 		if (st != EPJ_OK)
 			return st;
+		ej_prof_end(ctx, &pf, "optimizer.step");
 		if (!isfinite(mean) || !isfinite(norm)) {
 			if (!e->cfg.skip_nonfinite_steps) {
 				e->accum_loss = 0;
@@ -372,6 +381,16 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 		e->accum_n = 0;
 	}
 	return EPJ_OK;
+}
+
+epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
+				 epj_tensor *labels, epj_step_info *info)
+{
+	ej_prof pf;
+	ej_prof_begin(e->ctx, &pf);
+	epj_status st = train_step(e, input_ids, labels, info);
+	ej_prof_end(e->ctx, &pf, "step");
+	return st;
 }
 
 epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,

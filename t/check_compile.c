@@ -1021,6 +1021,126 @@ START_TEST(test_unique_graphs_depth)
 }
 END_TEST
 
+/* Sum of profile.<prefix>*.<suffix> in a snapshot. */
+static int64_t prof_sum(const epj_counters *c, const char *prefix,
+			const char *suffix, int *n_names)
+{
+	int64_t sum = 0;
+	size_t lp = strlen(prefix), ls = strlen(suffix);
+	for (int i = 0; i < epj_counters_count(c); i++) {
+		const char *nm = epj_counters_name_at(c, i);
+		size_t l = strlen(nm);
+		if (l > lp + ls && strncmp(nm, prefix, lp) == 0 &&
+		    strcmp(nm + l - ls, suffix) == 0) {
+			sum += epj_counters_value_at(c, i);
+			if (n_names)
+				(*n_names)++;
+		}
+	}
+	return sum;
+}
+
+/* EPJIT_PROFILE covers the whole step: forward, backward and optimizer
+ * inside the step, every compiled region call, every compiled graph run
+ * and its fused kernels, the AutoEP layers; without it no profile counter
+ * exists. */
+START_TEST(test_profile_whole_step)
+{
+	for (int on = 0; on < 2; on++) {
+		if (on)
+			setenv("EPJIT_PROFILE", "1", 1);
+		else
+			unsetenv("EPJIT_PROFILE");
+		epj_ctx *ctx = tu_ctx();
+		unsetenv("EPJIT_PROFILE");
+		epj_model *m = model_new(ctx, EPJ_LAYOUT_NESTED, NULL, 9);
+		char js[512];
+		engine_json(js, sizeof js, true, false, false);
+		epj_engine *e = engine_new(ctx, m, js);
+		compile_ok(e);
+		epj_tensor *ids, *labels;
+		batch(ctx, 2, 5, &ids, &labels);
+		epj_counters *c0 = epj_counters_snapshot(ctx);
+		for (int step = 0; step < 2; step++)
+			ck_assert_msg(epj_engine_train_step(e, ids, labels,
+							    NULL) == EPJ_OK,
+				      "%s", epj_ctx_error(ctx));
+		epj_counters *c1 = epj_counters_snapshot(ctx);
+		epj_counters *d = epj_counters_diff(c0, c1);
+		int n_prof = 0;
+		prof_sum(d, "profile.", ".calls", &n_prof);
+		if (!on) {
+			ck_assert_int_eq(n_prof, 0);
+		} else {
+			int64_t step_us =
+			    epj_counters_value(d, "profile.step.us");
+			ck_assert_int_eq(
+			    epj_counters_value(d, "profile.step.calls"), 2);
+			static const char *const parts[] = {
+				"forward", "backward", "optimizer.accumulate",
+				"optimizer.step"
+			};
+			int64_t parts_us = 0;
+			char nm[96];
+			for (int i = 0; i < 4; i++) {
+				snprintf(nm, sizeof nm, "profile.%s.calls",
+					 parts[i]);
+				ck_assert_msg(epj_counters_value(d, nm) == 2,
+					      "%s", nm);
+				snprintf(nm, sizeof nm, "profile.%s.us",
+					 parts[i]);
+				parts_us += epj_counters_value(d, nm);
+			}
+			/* sequential parts of the step: never more than it */
+			ck_assert_int_le(parts_us, step_us);
+			ck_assert_int_gt(step_us, 0);
+			int64_t region_calls = 0;
+			for (int i = 0; i < epj_engine_num_regions(e); i++) {
+				epj_region_stats rs;
+				ck_assert_int_eq(
+				    epj_engine_region_stats(e, i, &rs), EPJ_OK);
+				region_calls += rs.compiled_calls;
+			}
+			ck_assert_int_gt(region_calls, 0);
+			ck_assert_int_eq(epj_counters_value(
+					     d, "profile.region.forward.calls"),
+					 region_calls);
+			ck_assert_int_le(
+			    epj_counters_value(d, "profile.region.forward.us"),
+			    epj_counters_value(d, "profile.forward.us"));
+			/* forward and backward graph runs */
+			int n_graphs = 0, n_fused = 0;
+			ck_assert_int_ge(
+			    prof_sum(d, "profile.graph.", ".calls", &n_graphs),
+			    2 * region_calls);
+			int64_t fused =
+			    prof_sum(d, "profile.fused.", ".calls", &n_fused);
+			ck_assert_int_gt(fused, 0);
+			ck_assert_int_le(
+			    fused,
+			    epj_counters_value(d, "kernels.launched.compiled"));
+			ck_assert_int_ge(n_fused, n_graphs);
+			ck_assert_int_eq(
+			    epj_counters_value(d,
+					       "profile.autoep.forward.calls"),
+			    epj_counters_value(d, "autoep.calls.forward") +
+				epj_counters_value(d, "autoep.calls.replay"));
+			ck_assert_int_gt(epj_counters_value(
+					     d, "profile.autoep.forward.calls"),
+					 0);
+		}
+		epj_counters_free(d);
+		epj_counters_free(c0);
+		epj_counters_free(c1);
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		epj_engine_free(e);
+		epj_model_free(m);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
 /* A new sequence length recompiles each region once (guard on the input
  * shape) and still computes what eager computes; eval is one more
  * variant (grad mode). */
@@ -1201,6 +1321,7 @@ Suite *make_compile_suite(void)
 	tcase_add_test(tc, test_recompile_on_shape);
 	tcase_add_test(tc, test_recompile_limit);
 	tcase_add_test(tc, test_debug_dump);
+	tcase_add_test(tc, test_profile_whole_step);
 	suite_add_tcase(s, tc);
 	return s;
 }
