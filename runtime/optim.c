@@ -26,6 +26,8 @@
 #include "optim_impl.h"
 #include "runtime_impl.h"
 
+#include "ops_impl.h" /* ej_bf16_load / ej_bf16_store */
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -452,7 +454,7 @@ epj_status ej_optim_accumulate(ej_optim *o)
 		int64_t n = p->numel;
 #pragma omp parallel for if (n >= PAR_MIN) schedule(static)
 		for (int64_t k = 0; k < n; k++)
-			acc[k] += epj_bf16_to_f32(src[k]);
+			acc[k] += ej_bf16_load(src[k]);
 		p->has_grad = true;
 		epj_tensor_zero_grad(p->param);
 	}
@@ -515,11 +517,14 @@ static double sum_sq(double *partial, const float *x, int64_t n)
 /* ---- update kernels -------------------------------------------------------
  * p: master [n]; g: accumulated gradient [n], multiplied by gs (grad_scale
  * times the clipping factor) on the fly; s1/s2: state.  All f32, contiguous.
+ * bf: NULL, or the bf16 model copy [n] of the master, written in the same
+ * pass (rounded as epj_tensor_copy_ rounds), so a bf16 parameter costs no
+ * second pass over the master.
  */
 
 static void sgd_kernel(const ej_optim *o, float *restrict p,
 		       const float *restrict g, float *restrict b, int64_t n,
-		       double lr, double gs)
+		       double lr, double gs, uint16_t *restrict bf)
 {
 	const double wd = o->wd, mom = o->momentum;
 	const bool nesterov = o->nesterov;
@@ -532,14 +537,17 @@ static void sgd_kernel(const ej_optim *o, float *restrict p,
 			b[k] = (float)bk;
 			gk = nesterov ? gk + mom * bk : bk;
 		}
-		p[k] = (float)(pk - lr * gk);
+		float nk = (float)(pk - lr * gk);
+		p[k] = nk;
+		if (bf)
+			bf[k] = ej_bf16_store(nk);
 	}
 }
 
 static void adam_kernel(const ej_optim *o, float *restrict p,
 			const float *restrict g, float *restrict m,
 			float *restrict v, int64_t n, double lr, double gs,
-			int64_t t)
+			int64_t t, uint16_t *restrict bf)
 {
 	const double b1 = o->beta1, b2 = o->beta2, eps = o->eps;
 	const double l2 = o->decoupled ? 0.0 : o->wd;
@@ -556,7 +564,10 @@ static void adam_kernel(const ej_optim *o, float *restrict p,
 		m[k] = (float)mk;
 		v[k] = (float)vk;
 		double denom = sqrt(vk) / bc2_sqrt + eps;
-		p[k] = (float)(pk * decay - step_size * mk / denom);
+		float nk = (float)(pk * decay - step_size * mk / denom);
+		p[k] = nk;
+		if (bf)
+			bf[k] = ej_bf16_store(nk);
 	}
 }
 
@@ -747,13 +758,21 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		float *pm = ej_data(p->master);
 		const float *gd = (const float *)ej_data(g) + p->lo;
 		int64_t len = p->hi - p->lo;
+		/* an unsharded bf16 parameter stored densely gets its copy in
+		 * the update pass; anything else is refreshed after it */
+		uint16_t *bf = !p->sharded && p->master != p->param &&
+				       p->param->dtype == EPJ_DTYPE_BF16 &&
+				       ej_is_contiguous(p->param) &&
+				       len == p->numel
+				   ? ej_data(p->param)
+				   : NULL;
 		if (o->type == EJ_OPTIM_SGD)
 			sgd_kernel(o, pm, gd, p->s1 ? ej_data(p->s1) : NULL,
-				   len, lr, gs);
+				   len, lr, gs, bf);
 		else
 			adam_kernel(o, pm, gd, ej_data(p->s1), ej_data(p->s2),
-				    len, lr, gs, t);
-		if ((st = refresh_param(o, p)) != EPJ_OK)
+				    len, lr, gs, t, bf);
+		if (!bf && (st = refresh_param(o, p)) != EPJ_OK)
 			return st;
 	}
 	clear_grads(o);
