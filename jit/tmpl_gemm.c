@@ -218,11 +218,36 @@ epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
 		     (nb0 <= 1 || d->sc0 == nb1 * mn) && d->res != d->c;
 	ej_launch_out lo = { d->c, (size_t)(mn * nb0 * nb1) * csz, csz };
 
+	/* cuda-sim runs a grid twice (race check) from the same C: a residual
+	 * read from C itself would be added twice, so it reads a copy (host
+	 * memory on cuda-sim) and C becomes a checked output */
+	void *res_copy = NULL;
+	if (d->res && d->res == d->c && strcmp(device, "cuda-sim") == 0) {
+		int64_t span = grouped
+				   ? (d->m - 1) * d->ldc + d->n
+				   : (nb0 - 1) * d->sc0 + (nb1 - 1) * d->sc1 +
+					 (d->m - 1) * d->ldc + d->n;
+		size_t bytes = (size_t)span * ej_dtype_size(d->res_dtype);
+		res_copy = malloc(bytes);
+		if (!res_copy)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"gemm: out of memory copying the "
+					"residual (%zu bytes)",
+					bytes);
+		memcpy(res_copy, d->c, bytes);
+		a.res = res_copy;
+		dense = (d->m <= 1 || d->ldc == d->n) &&
+			(nb1 <= 1 || d->sc1 == mn) &&
+			(nb0 <= 1 || d->sc0 == nb1 * mn);
+	}
+
 	ej_tmpl *m = NULL;
 	epj_status st =
 	    ej_tmpl_get(ctx, device, "gemm", NULL, gemm_kernels, 3, &m);
-	if (st != EPJ_OK)
+	if (st != EPJ_OK) {
+		free(res_copy);
 		return st;
+	}
 	const char *kernel = bf			   ? "ej_gemm_bf16"
 			     : dt == EPJ_DTYPE_F32 ? "ej_gemm_simt_f32"
 						   : "ej_gemm_simt_f64";
@@ -235,6 +260,7 @@ epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
 			.outs = &lo,
 			.n_out = dense ? 1 : 0 };
 	st = ej_tmpl_launch(ctx, m, kernel, &l);
+	free(res_copy);
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "gemm %s m=%lld n=%lld k=%lld",
 				epj_dtype_name(dt), (long long)d->m,

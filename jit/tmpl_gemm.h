@@ -40,7 +40,8 @@ typedef struct ej_gemm_desc {
 	int64_t nb0, nb1;
 	int64_t sa0, sa1, sb0, sb1, sc0, sc1;
 	/* epilogue: bias [n] (element j at bias[j * bias_cs]) and residual
-	 * res [m, n] (row stride ldr; may be c itself) are optional; their
+	 * res [m, n] (row stride ldr; c itself, or disjoint from c) are
+	 * optional; their
 	 * dtypes are f32 or bf16 with bf16 inputs, else dtype */
 	const void *bias;
 	epj_dtype bias_dtype;

@@ -339,6 +339,7 @@ typedef struct gcase {
 	int bias;     /* 0 none, else its dtype: 1 f32 / input, 2 bf16 */
 	int res;      /* likewise */
 	ej_gemm_act act;
+	bool res_in_c; /* the residual is C itself (res must be 0) */
 } gcase;
 
 static size_t esize(epj_dtype dt)
@@ -421,6 +422,12 @@ static void run_case(epj_ctx *ctx, const gcase *g)
 	size_t cs = esize(g->odt);
 	unsigned char *C = malloc((size_t)(sc * nbat) * cs + 1);
 	memset(C, 0x5a, (size_t)(sc * nbat) * cs); /* gaps must keep it */
+	if (g->res_in_c) {
+		free(C);
+		C = rand_buf(g->odt, sc * nbat, vres);
+		res = C;
+		rdt = g->odt;
+	}
 
 	ej_gemm_desc d;
 	ej_gemm_desc_init(&d, g->dt, M, N, K);
@@ -521,7 +528,8 @@ static void run_case(epj_ctx *ctx, const gcase *g)
 	free(A);
 	free(B);
 	free(bias);
-	free(res);
+	if (!g->res_in_c)
+		free(res);
 	free(C);
 }
 
@@ -557,6 +565,27 @@ START_TEST(test_bf16_transposes)
 			    vec ? (int)((8 - lb % 8) % 8) : (lb % 8 ? 0 : 3);
 			run_case(ctx, &g);
 		}
+	/* the residual read from C itself, in place; K = 0 (the epilogue
+	 * alone) */
+	gcase gi = { .dt = EPJ_DTYPE_BF16,
+		     .odt = EPJ_DTYPE_BF16,
+		     .m = 33,
+		     .n = 17,
+		     .k = 33,
+		     .nb0 = 1,
+		     .nb1 = 2,
+		     .bias = 1,
+		     .act = EJ_GEMM_ACT_GELU,
+		     .res_in_c = true };
+	run_case(ctx, &gi);
+	gi.k = 0;
+	gi.odt = EPJ_DTYPE_F32;
+	run_case(ctx, &gi);
+	gi.dt = gi.odt = EPJ_DTYPE_F64;
+	gi.k = 7;
+	run_case(ctx, &gi);
+	gi.k = 0;
+	run_case(ctx, &gi);
 	/* the sizes the issue names, K a multiple of 32 once (no tail) */
 	gcase g = { .dt = EPJ_DTYPE_BF16,
 		    .odt = EPJ_DTYPE_F32,
