@@ -173,6 +173,21 @@ static const char emu_src[] =
     "\tej_mma_bf16_16816(c, a, b, c);\n"
     "\t((float *)p.p[0])[threadIdx.x] = c[0];\n"
     "}\n"
+    /* ldmatrix rows 2 bytes off alignment, and rows in global memory */
+    "extern \"C\" __global__ void k_ldm_bad(const struct bufs p)\n"
+    "{\n"
+    "\t__shared__ __align__(16) unsigned short s[4 * 64 + 8];\n"
+    "\tunsigned r[4];\n"
+    "\tfor (int i = threadIdx.x; i < 264; i += 32)\n"
+    "\t\ts[i] = 0;\n"
+    "\t__syncthreads();\n"
+    "\tif (p.p[0])\n"
+    "\t\tej_ldmatrix_x4(r, (const unsigned short *)p.p[0] +\n"
+    "\t\t\t       threadIdx.x * 8);\n"
+    "\telse\n"
+    "\t\tej_ldmatrix_x4(r, s + 1 + threadIdx.x * 8);\n"
+    "\t((unsigned *)p.p[1])[threadIdx.x] = r[0];\n"
+    "}\n"
     "extern \"C\" __global__ void k_cp_nowait(const struct bufs p)\n"
     "{\n"
     "\t__shared__ __align__(16) unsigned s[64];\n"
@@ -181,8 +196,10 @@ static const char emu_src[] =
     "\tej_cp_async_commit();\n"
     "}\n";
 
-static const char *const emu_kernels[] = { "k_mma", "k_ldm", "k_cp",
-					   "k_mma_missing", "k_cp_nowait" };
+static const char *const emu_kernels[] = { "k_mma",	  "k_ldm",
+					   "k_cp",	  "k_mma_missing",
+					   "k_cp_nowait", "k_ldm_bad" };
+#define N_EMU 6
 
 /* A [16][16] and B [16][8] small integers (exact in bf16 and their
  * products' sums exact in f32), C [16][8]; fragments per the PTX ISA's
@@ -190,7 +207,7 @@ static const char *const emu_kernels[] = { "k_mma", "k_ldm", "k_cp",
 START_TEST(test_mma_layout)
 {
 	epj_ctx *ctx = tu_ctx();
-	void *m = module_of(ctx, emu_src, emu_kernels, 5);
+	void *m = module_of(ctx, emu_src, emu_kernels, N_EMU);
 	double A[16][16], B[16][8], C[16][8];
 	for (int i = 0; i < 16; i++)
 		for (int k = 0; k < 16; k++)
@@ -258,7 +275,7 @@ END_TEST
 START_TEST(test_ldmatrix)
 {
 	epj_ctx *ctx = tu_ctx();
-	void *m = module_of(ctx, emu_src, emu_kernels, 5);
+	void *m = module_of(ctx, emu_src, emu_kernels, N_EMU);
 	uint16_t mat[4][8][8];
 	for (int j = 0; j < 4; j++)
 		for (int r = 0; r < 8; r++)
@@ -287,6 +304,19 @@ START_TEST(test_ldmatrix)
 				      j, t[l][j], wt);
 		}
 	}
+	/* row addresses off 16-byte alignment, or outside shared memory */
+	unsigned o[32];
+	bufs bad = { { NULL, o, NULL, NULL } };
+	ck_assert_int_eq(launch(ctx, m, "k_ldm_bad", 32, &bad, NULL, 0),
+			 EPJ_ERR_BACKEND);
+	tu_assert_ctx_error(ctx, EPJ_ERR_BACKEND,
+			    TU_STRS("k_ldm_bad", "ldmatrix",
+				    "not 16-byte aligned shared memory"));
+	bad.p[0] = mat;
+	ck_assert_int_eq(launch(ctx, m, "k_ldm_bad", 32, &bad, NULL, 0),
+			 EPJ_ERR_BACKEND);
+	tu_assert_ctx_error(ctx, EPJ_ERR_BACKEND,
+			    TU_STRS("ldmatrix", "shared memory"));
 	ej_device_sim.unload(NULL, m);
 	epj_ctx_free(ctx);
 }
@@ -295,7 +325,7 @@ END_TEST
 START_TEST(test_cp_async)
 {
 	epj_ctx *ctx = tu_ctx();
-	void *m = module_of(ctx, emu_src, emu_kernels, 5);
+	void *m = module_of(ctx, emu_src, emu_kernels, N_EMU);
 	uint32_t src[64], o[5 * 64];
 	for (int i = 0; i < 64; i++)
 		src[i] = (uint32_t)tu_randint(8, 1 << 30);
@@ -896,6 +926,19 @@ START_TEST(test_adapter_matmul)
 		epj_tensor_free(a2s);
 		epj_tensor_free(b2s);
 	}
+	/* three batch dims that do not merge (b broadcast in the middle
+	 * one): the outer one is launched per index */
+	int64_t ash[5] = { 2, 3, 2, odd[tu_randint(0, 4)], 17 },
+		bsh[4] = { 3, 1, 17, 7 };
+	epj_tensor *a = tu_randn(cpu, EPJ_DTYPE_F32, 5, ash);
+	epj_tensor *b = tu_randn(cpu, EPJ_DTYPE_F32, 4, bsh);
+	epj_tensor *ic[2] = { a, b };
+	epj_tensor *is[2] = { on(sim, cpu, a), on(sim, cpu, b) };
+	check_op(cpu, sim, EJ_OP_MATMUL, ic, is, 2, "matmul 3 batch dims");
+	epj_tensor_free(is[0]);
+	epj_tensor_free(is[1]);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
 	epj_ctx_free(sim);
 	epj_ctx_free(cpu);
 }
