@@ -36,8 +36,8 @@
  * (m, n and k) are zero-filled through the copy's source size; otherwise
  * every thread loads elements with bounds checks (zeros outside).  The
  * next k tile is in flight while the current one is multiplied
- * (cp.async.wait_group 1), so a k loop of T tiles costs T + 1 barriers
- * pairs.  Grid: (ceil(n / 64), m tiles, batches).
+ * (cp.async.wait_group 1; two barriers per k tile).
+ * Grid: (ceil(n / 64), m tiles, batches).
  *
  * ej_gemm_simt_f32 / ej_gemm_simt_f64: f32 / f64 A and B, plain FMA in the
  * input precision (no tensor cores).  Block 256 threads (16 x 16), tile
