@@ -24,6 +24,13 @@
  *    exited, never arrives, or arrives with a different mask or operation;
  *    a mask without the calling lane; a shuffle reading a lane outside the
  *    mask; a width that is not a power of two <= 32;
+ *  - the tensor-core helpers of the prelude (ej_mma_bf16_16816,
+ *    ej_ldmatrix_x4[_trans]) are warp collectives with the PTX fragment
+ *    layouts: a lane missing from one is reported as for a shuffle, and so
+ *    is an ldmatrix row address that is not aligned shared memory;
+ *    cp.async copies (ej_cp_async16) land in shared memory only at the
+ *    cp.async_wait that completes their group, and a thread ending with
+ *    copies not waited for is reported;
  *  - with EJ_SIM_RACECHECK: the grid runs twice, blocks and threads in
  *    forward and then in reverse order, from the same output contents;
  *    outputs must match bit for bit, and so must each block's shared
@@ -403,11 +410,27 @@ enum {
 	EJ_W_XOR,
 	EJ_W_BALLOT,
 	EJ_W_ANY,
-	EJ_W_ALL
+	EJ_W_ALL,
+	EJ_W_MMA,
+	EJ_W_LDM,
+	EJ_W_LDMT
 };
 static const char *const ej_sim_wname[] = {
 	"__syncwarp",	    "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync",
-	"__shfl_xor_sync", "__ballot_sync", "__any_sync",     "__all_sync"
+	"__shfl_xor_sync", "__ballot_sync", "__any_sync",     "__all_sync",
+	"mma.sync.m16n8k16 (ej_mma_bf16_16816)",
+	"ldmatrix.x4 (ej_ldmatrix_x4)",
+	"ldmatrix.x4.trans (ej_ldmatrix_x4_trans)"
+};
+
+/* One cp.async copy issued and not yet waited for: its 16 bytes as read at
+ * issue (zero-filled past src_bytes), applied to shared memory by the
+ * cp.async.wait_group that completes its group. */
+#define EJ_SIM_CP_MAX 32
+struct ej_sim_cp {
+	void *dst;
+	int grp; /* commit group, -1 while uncommitted */
+	unsigned char data[16];
 };
 
 struct ej_sim_thr {
@@ -422,6 +445,8 @@ struct ej_sim_thr {
 	int warg, wwidth;      /* lane / delta / lane mask; width */
 	unsigned long long wv; /* value bits (shuffles), predicate (votes) */
 	unsigned long long wr; /* result */
+	int ncp, cpg;	       /* pending cp.async copies; groups committed */
+	ej_sim_cp cp[EJ_SIM_CP_MAX];
 };
 
 struct ej_sim_blk {
@@ -523,6 +548,109 @@ static int ej_sim_src(const ej_sim_thr *t, unsigned l)
 	return -1;
 }
 
+/* ---- the tensor-core helpers of the CUDA prelude --------------------------
+ *
+ * mma.sync and ldmatrix are warp collectives like the shuffles (every lane
+ * of the warp must arrive: a lane that exited or never comes is reported
+ * the same way); each lane's wv holds the address of its operands.
+ * Fragment layouts are PTX's for m16n8k16 with .bf16 inputs, with
+ * groupID g = lane >> 2 and threadID_in_group t = lane % 4:
+ *   A (16x16, row): reg r holds A[g + 8 (r & 1)][2t + 8 (r >> 1) + {0,1}]
+ *   B (16x8, col):  reg r holds B[2t + 8 r + {0,1}][g]
+ *   C, D (16x8 f32): element i is [g + 8 (i >> 1)][2t + (i & 1)]
+ * (the lower-numbered element in the low 16 bits).  D = A B + C in fp32:
+ * exact bf16 products, one fmaf per k in increasing k. */
+struct ej_sim_mma_io {
+	const unsigned *a, *b;
+	const float *c;
+	float *d;
+};
+struct ej_sim_ldm_io {
+	const void *row;
+	unsigned *r;
+};
+
+static bool ej_sim_in_shared(const void *p, size_t n)
+{
+	const char *c = (const char *)p;
+	const char *d = (const char *)ej_dsmem;
+	if (c >= d && c + n <= d + EJ_SIM_DSMEM_MAX)
+		return true;
+	return __start_ej_shared && c >= __start_ej_shared &&
+	       c + n <= __stop_ej_shared;
+}
+
+static float ej_sim_bf(unsigned h)
+{
+	return ej_sim_bits<float>((h & 0xffffu) << 16);
+}
+
+static void ej_sim_mma_run(unsigned warp)
+{
+	float A[16][16], B[16][8], C[16][8];
+	for (unsigned l = 0; l < 32; l++) {
+		const ej_sim_mma_io *io =
+		    (const ej_sim_mma_io *)(uintptr_t)ej_sim_lane(warp, l)->wv;
+		unsigned g = l >> 2, t = l & 3u;
+		for (unsigned r = 0; r < 4; r++) {
+			unsigned row = g + 8u * (r & 1u);
+			unsigned col = 2u * t + 8u * (r >> 1);
+			A[row][col] = ej_sim_bf(io->a[r]);
+			A[row][col + 1] = ej_sim_bf(io->a[r] >> 16);
+		}
+		for (unsigned r = 0; r < 2; r++) {
+			unsigned k = 2u * t + 8u * r;
+			B[k][g] = ej_sim_bf(io->b[r]);
+			B[k + 1][g] = ej_sim_bf(io->b[r] >> 16);
+		}
+		for (unsigned i = 0; i < 4; i++)
+			C[g + 8u * (i >> 1)][2u * t + (i & 1u)] = io->c[i];
+	}
+	/* every operand is read before any D is written: d may alias c */
+	for (unsigned l = 0; l < 32; l++) {
+		const ej_sim_mma_io *io =
+		    (const ej_sim_mma_io *)(uintptr_t)ej_sim_lane(warp, l)->wv;
+		unsigned g = l >> 2, t = l & 3u;
+		for (unsigned i = 0; i < 4; i++) {
+			unsigned row = g + 8u * (i >> 1), col = 2u * t + (i & 1u);
+			float acc = C[row][col];
+			for (unsigned k = 0; k < 16; k++)
+				acc = fmaf(A[row][k], B[k][col], acc);
+			io->d[i] = acc;
+		}
+	}
+}
+
+/* ldmatrix .m8n8.x4.b16: lanes 8j..8j+7 give the addresses of rows 0..7 of
+ * matrix j (16 bytes each, 16-byte aligned, in shared memory); register j
+ * of lane l gets row g, columns 2t and 2t+1 of matrix j (.trans: column g,
+ * rows 2t and 2t+1). */
+static void ej_sim_ldm_run(unsigned warp, bool trans)
+{
+	unsigned short M[4][8][8];
+	for (unsigned l = 0; l < 32; l++) {
+		ej_sim_thr *o = ej_sim_lane(warp, l);
+		const ej_sim_ldm_io *io = (const ej_sim_ldm_io *)(uintptr_t)o->wv;
+		if (((uintptr_t)io->row & 15u) || !ej_sim_in_shared(io->row, 16))
+			ej_sim_fail(o,
+				    "%s (line %d): row address %p of lane %u "
+				    "is not 16-byte aligned shared memory",
+				    ej_sim_wname[o->wop], o->line, io->row, l);
+		memcpy(M[l >> 3][l & 7u], io->row, 16);
+	}
+	for (unsigned l = 0; l < 32; l++) {
+		const ej_sim_ldm_io *io =
+		    (const ej_sim_ldm_io *)(uintptr_t)ej_sim_lane(warp, l)->wv;
+		unsigned g = l >> 2, t = l & 3u;
+		for (unsigned j = 0; j < 4; j++) {
+			unsigned lo = trans ? M[j][2u * t][g] : M[j][g][2u * t];
+			unsigned hi = trans ? M[j][2u * t + 1u][g]
+					    : M[j][g][2u * t + 1u];
+			io->r[j] = lo | hi << 16;
+		}
+	}
+}
+
 /* Completes the collective of the lanes of `mask` in warp `warp` when all
  * of them wait in it; returns whether it did. */
 static bool ej_sim_try_complete(unsigned warp, unsigned mask, int op)
@@ -555,12 +683,19 @@ static bool ej_sim_try_complete(unsigned warp, unsigned mask, int op)
 			vote |= (unsigned long long)(ej_sim_lane(warp, l)->wv !=
 						     0)
 				<< l;
+	if (op == EJ_W_MMA)
+		ej_sim_mma_run(warp);
+	else if (op == EJ_W_LDM || op == EJ_W_LDMT)
+		ej_sim_ldm_run(warp, op == EJ_W_LDMT);
 	for (unsigned l = 0; l < 32; l++) {
 		if (!(mask >> l & 1u))
 			continue;
 		ej_sim_thr *o = ej_sim_lane(warp, l);
 		switch (op) {
 		case EJ_W_SYNC:
+		case EJ_W_MMA:
+		case EJ_W_LDM:
+		case EJ_W_LDMT:
 			o->wr = 0;
 			break;
 		case EJ_W_BALLOT:
@@ -665,6 +800,77 @@ struct ej_sim_syncwarp {
 	((int)ej_sim_warp(EJ_W_ANY, (m), (p) != 0, 0, 32, __LINE__))
 #define __all_sync(m, p)                                                       \
 	((int)ej_sim_warp(EJ_W_ALL, (m), (p) != 0, 0, 32, __LINE__))
+/* The prelude's tensor-core helpers (templates/prelude_cuda.h defines the
+ * PTX versions outside EJ_CUDA_SIM): whole-warp collectives. */
+static inline void ej_sim_mma(float *d, const unsigned *a, const unsigned *b,
+			      const float *c, int line)
+{
+	ej_sim_mma_io io = { a, b, c, d };
+	ej_sim_warp(EJ_W_MMA, 0xffffffffu, (uintptr_t)&io, 0, 32, line);
+}
+static inline void ej_sim_ldm(unsigned *r, const void *row, bool trans,
+			      int line)
+{
+	ej_sim_ldm_io io = { row, r };
+	ej_sim_warp(trans ? EJ_W_LDMT : EJ_W_LDM, 0xffffffffu, (uintptr_t)&io,
+		    0, 32, line);
+}
+#define ej_mma_bf16_16816(d, a, b, c) ej_sim_mma((d), (a), (b), (c), __LINE__)
+#define ej_ldmatrix_x4(r, p)	      ej_sim_ldm((r), (p), false, __LINE__)
+#define ej_ldmatrix_x4_trans(r, p)    ej_sim_ldm((r), (p), true, __LINE__)
+
+/* cp.async.cg.shared.global of 16 bytes (src_bytes of them read, the rest
+ * zero), cp.async.commit_group and cp.async.wait_group n, deferred: the
+ * source is read at issue but shared memory changes only when a wait
+ * completes the copy's group, so a read of the tile before the wait (or
+ * the barrier after it) sees the old contents.  A thread that ends with
+ * copies not waited for is reported. */
+static void ej_cp_async16(void *dst, const void *src, int src_bytes)
+{
+	ej_sim_thr *t = ej_sim_cur;
+	if (((uintptr_t)dst & 15u) || !ej_sim_in_shared(dst, 16))
+		ej_sim_fail(t, "cp.async: destination %p is not 16-byte "
+			       "aligned shared memory",
+			    dst);
+	if (src_bytes < 0 || src_bytes > 16 ||
+	    (src_bytes > 0 && ((uintptr_t)src & 15u)))
+		ej_sim_fail(t, "cp.async: source %p with %d bytes (16-byte "
+			       "aligned, 0 to 16 bytes)",
+			    src, src_bytes);
+	if (t->ncp == EJ_SIM_CP_MAX)
+		ej_sim_fail(t, "cp.async: more than %d copies pending in one "
+			       "thread (no cp.async.wait_group)",
+			    EJ_SIM_CP_MAX);
+	ej_sim_cp *e = &t->cp[t->ncp++];
+	e->dst = dst;
+	e->grp = -1;
+	memset(e->data, 0, 16);
+	if (src_bytes > 0)
+		memcpy(e->data, src, (size_t)src_bytes);
+}
+static void ej_cp_async_commit(void)
+{
+	ej_sim_thr *t = ej_sim_cur;
+	for (int i = 0; i < t->ncp; i++)
+		if (t->cp[i].grp < 0)
+			t->cp[i].grp = t->cpg;
+	t->cpg++;
+}
+/* completes every committed group but the newest n */
+static void ej_cp_async_wait(int n)
+{
+	ej_sim_thr *t = ej_sim_cur;
+	int lim = t->cpg - n, k = 0;
+	for (int i = 0; i < t->ncp; i++) {
+		ej_sim_cp *e = &t->cp[i];
+		if (e->grp >= 0 && e->grp < lim)
+			memcpy(e->dst, e->data, 16);
+		else
+			t->cp[k++] = *e;
+	}
+	t->ncp = k;
+}
+
 /* the lanes of the caller's warp that have not exited */
 static inline unsigned __activemask(void)
 {
@@ -684,6 +890,11 @@ static void ej_sim_entry(void)
 {
 	ej_sim_fiber_begin(&ej_sim_b->sched);
 	ej_sim_b->body(ej_sim_b->args);
+	if (ej_sim_cur->ncp)
+		ej_sim_fail(ej_sim_cur,
+			    "ends with %d cp.async copies never completed by "
+			    "a cp.async.wait_group",
+			    ej_sim_cur->ncp);
 	ej_sim_cur->state = EJ_ST_DONE;
 	for (;;) /* never resumed */
 		ej_sim_yield();
@@ -769,8 +980,11 @@ static void ej_sim_report_entry(void)
 static void ej_sim_block(ej_sim_blk *b, bool reverse)
 {
 	ej_sim_b = b;
-	for (unsigned i = 0; i < b->n; i++)
+	for (unsigned i = 0; i < b->n; i++) {
 		b->t[i].state = EJ_ST_NEW;
+		b->t[i].ncp = 0;
+		b->t[i].cpg = 0;
+	}
 	for (;;) {
 		bool ran = false;
 		for (unsigned k = 0; k < b->n; k++) {

@@ -13,9 +13,11 @@
  * lib/ops_pointwise.c writes it, 4/8/16-byte vector loads and stores that
  * unpack to f32/f64 lanes, and block-wide reductions (warp shuffles, then
  * shared memory across warps) whose result every thread receives, and
- * ej_dyn_smem(), the one way our kernels reach dynamic shared memory (the
- * cuda-sim device, templates/cuda_sim.cuh, supplies its own under
- * EJ_CUDA_SIM).
+ * ej_dyn_smem(), the one way our kernels reach dynamic shared memory, and
+ * the inline-PTX helpers of the tensor-core GEMM (mma.sync m16n8k16 bf16,
+ * ldmatrix .x4 [.trans], cp.async 16 bytes + commit + wait), one function
+ * per instruction (the cuda-sim device, templates/cuda_sim.cuh, supplies
+ * its own of all these under EJ_CUDA_SIM).
  */
 #ifndef EPJIT_PRELUDE_CUDA_H
 #define EPJIT_PRELUDE_CUDA_H
@@ -236,6 +238,68 @@ static const char ej_prelude_cuda_text[] =
     "EJ_BLOCK_MAX(ej_block_smax_f, float, EJ_SMAX)\n"
     "EJ_BLOCK_MAX(ej_block_smax_d, double, EJ_SMAX)\n"
     "#ifndef EJ_CUDA_SIM\n"
+    "/* Tensor-core and async-copy helpers: each wraps ONE PTX instruction\n"
+    " * and cuda-sim replaces exactly these functions.  mma: D = A B + C,\n"
+    " * m16n8k16, A row / B col bf16 fragments (a: 4 regs, b: 2), fp32 C/D\n"
+    " * (4 each); d may alias c. */\n"
+    "EJ_D void ej_mma_bf16_16816(float *d, const unsigned *a,\n"
+    "\t\t\t\t  const unsigned *b, const float *c)\n"
+    "{\n"
+    "\tasm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 \"\n"
+    "\t\t     \"{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, \"\n"
+    "\t\t     \"{%10,%11,%12,%13};\"\n"
+    "\t\t     : \"=f\"(d[0]), \"=f\"(d[1]), \"=f\"(d[2]), \"=f\"(d[3])\n"
+    "\t\t     : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]),\n"
+    "\t\t       \"r\"(b[0]), \"r\"(b[1]), \"f\"(c[0]), \"f\"(c[1]),\n"
+    "\t\t       \"f\"(c[2]), \"f\"(c[3]));\n"
+    "}\n"
+    "EJ_D unsigned ej_smem_addr(const void *p)\n"
+    "{\n"
+    "\treturn (unsigned)__cvta_generic_to_shared(p);\n"
+    "}\n"
+    "/* ldmatrix .x4: lane l gives the address of row l % 8 of matrix\n"
+    " * l / 8 (16 aligned bytes of shared memory); r[j] is this lane's\n"
+    " * fragment of matrix j. */\n"
+    "EJ_D void ej_ldmatrix_x4(unsigned *r, const void *row)\n"
+    "{\n"
+    "\tasm volatile(\"ldmatrix.sync.aligned.m8n8.x4.shared.b16 \"\n"
+    "\t\t     \"{%0,%1,%2,%3}, [%4];\"\n"
+    "\t\t     : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3])\n"
+    "\t\t     : \"r\"(ej_smem_addr(row)));\n"
+    "}\n"
+    "EJ_D void ej_ldmatrix_x4_trans(unsigned *r, const void *row)\n"
+    "{\n"
+    "\tasm volatile(\"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 \"\n"
+    "\t\t     \"{%0,%1,%2,%3}, [%4];\"\n"
+    "\t\t     : \"=r\"(r[0]), \"=r\"(r[1]), \"=r\"(r[2]), \"=r\"(r[3])\n"
+    "\t\t     : \"r\"(ej_smem_addr(row)));\n"
+    "}\n"
+    "/* 16 bytes global -> shared, asynchronous: src_bytes (0..16) are\n"
+    " * read, the rest of the 16 is zero-filled; both addresses 16-byte\n"
+    " * aligned.  Visible after the wait that completes its group. */\n"
+    "EJ_D void ej_cp_async16(void *dst, const void *src, int src_bytes)\n"
+    "{\n"
+    "\tasm volatile(\"cp.async.cg.shared.global [%0], [%1], 16, %2;\"\n"
+    "\t\t     :: \"r\"(ej_smem_addr(dst)), \"l\"(src), \"r\"(src_bytes)\n"
+    "\t\t     : \"memory\");\n"
+    "}\n"
+    "EJ_D void ej_cp_async_commit(void)\n"
+    "{\n"
+    "\tasm volatile(\"cp.async.commit_group;\" ::: \"memory\");\n"
+    "}\n"
+    "/* waits until at most n (a constant, 0 to 3) of this thread's\n"
+    " * committed groups are pending */\n"
+    "EJ_D void ej_cp_async_wait(int n)\n"
+    "{\n"
+    "\tif (n <= 0)\n"
+    "\t\tasm volatile(\"cp.async.wait_group 0;\" ::: \"memory\");\n"
+    "\telse if (n == 1)\n"
+    "\t\tasm volatile(\"cp.async.wait_group 1;\" ::: \"memory\");\n"
+    "\telse if (n == 2)\n"
+    "\t\tasm volatile(\"cp.async.wait_group 2;\" ::: \"memory\");\n"
+    "\telse\n"
+    "\t\tasm volatile(\"cp.async.wait_group 3;\" ::: \"memory\");\n"
+    "}\n"
     "/* The launch's dynamic shared memory (cuda-sim has its own). */\n"
     "EJ_D unsigned char *ej_dyn_smem(void)\n"
     "{\n"

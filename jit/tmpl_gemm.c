@@ -1,0 +1,466 @@
+/* tmpl_gemm.c -- the GEMM template's host side (see tmpl_gemm.h).
+ *
+ *   ej_gemm(desc)
+ *       -> check dtypes, sizes, group table
+ *       -> kernel: ej_gemm_bf16 (tensor cores) or ej_gemm_simt_f32/f64
+ *       -> per operand: may tiles load with 16-byte cp.async?  (the
+ *          contiguous stride is 1, the other stride and the batch strides
+ *          are multiples of 8 elements, the base is 16-byte aligned)
+ *       -> grid (n tiles, m tiles or the groups' tiles, batches), launch
+ *          through ej_tmpl_get / ej_tmpl_launch (one module, no defines)
+ *
+ * The op adapters map tensors onto descriptors: strides come straight from
+ * the tensors (any view: transposed, sliced, expanded), matmul's broadcast
+ * batch dims become batch strides (0 on a broadcast dim), two batch dims go
+ * to the kernel and any further leading ones are launched one by one.
+ */
+#include "tmpl_gemm.h"
+
+#include "tmpl.h"
+
+#include <stdio.h>
+
+/* tile sizes of templates/gemm.cuh */
+#define BF_BM	    64
+#define BF_BN	    64
+#define SIMT_BM	    32
+#define SIMT_BN	    32
+#define MAX_GRID_YZ 65535
+
+static const ej_tmpl_kernel gemm_kernels[] = {
+	{ "ej_gemm_bf16", "struct ej_gemm_args" },
+	{ "ej_gemm_simt_f32", "struct ej_gemm_args" },
+	{ "ej_gemm_simt_f64", "struct ej_gemm_args" },
+};
+
+/* Mirrors struct ej_gemm_args of templates/gemm.cuh field by field. */
+struct gemm_args {
+	const void *a, *b;
+	void *c;
+	const void *bias, *res;
+	const int64_t *goff;
+	long long m, n, k;
+	long long a_rs, a_cs, b_rs, b_cs, ldc, ldr, bias_cs;
+	long long sa0, sa1, sb0, sb1, sc0, sc1, sr0, sr1, sbias;
+	int nb1;
+	int groups;
+	int a_vec, b_vec;
+	int c_bf16, bias_bf16, res_bf16;
+	int act;
+};
+
+void ej_gemm_desc_init(ej_gemm_desc *d, epj_dtype dt, int64_t m, int64_t n,
+		       int64_t k)
+{
+	memset(d, 0, sizeof *d);
+	d->dtype = dt;
+	d->out_dtype = dt;
+	d->bias_dtype = dt;
+	d->res_dtype = dt;
+	d->m = m;
+	d->n = n;
+	d->k = k;
+	d->ldc = n;
+	d->nb0 = 1;
+	d->nb1 = 1;
+	d->bias_cs = 1;
+	d->act = EJ_GEMM_ACT_NONE;
+}
+
+void ej_gemm_set_a(ej_gemm_desc *d, const void *a, int64_t lda, bool ta)
+{
+	d->a = a;
+	d->a_rs = ta ? 1 : lda;
+	d->a_cs = ta ? lda : 1;
+}
+
+void ej_gemm_set_b(ej_gemm_desc *d, const void *b, int64_t ldb, bool tb)
+{
+	d->b = b;
+	d->b_rs = tb ? 1 : ldb;
+	d->b_cs = tb ? ldb : 1;
+}
+
+static bool mult8(int64_t v)
+{
+	return v % 8 == 0;
+}
+
+/* cp.async for a [rows, k] operand with strides rs (rows) and cs (k):
+ * the kernel keeps it k-major unless rows are the contiguous direction
+ * (the same test as the template's) and copies 8 elements along it. */
+static bool vec_ok(const void *p, int64_t rs, int64_t cs, int64_t s0,
+		   int64_t s1, bool grouped_rows)
+{
+	bool kmaj = !(rs == 1 && cs != 1);
+	if ((uintptr_t)p % 16 || !mult8(s0) || !mult8(s1))
+		return false;
+	if (kmaj)
+		return cs == 1 && mult8(rs);
+	/* grouped row offsets move a rows-contiguous operand by single
+	 * elements: no alignment */
+	return !grouped_rows && rs == 1 && mult8(cs);
+}
+
+static bool out_dtype_ok(epj_dtype in, epj_dtype x)
+{
+	return in == EPJ_DTYPE_BF16
+		   ? (x == EPJ_DTYPE_BF16 || x == EPJ_DTYPE_F32)
+		   : x == in;
+}
+
+epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
+{
+	epj_dtype dt = d->dtype;
+	if (dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_F64)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"gemm: inputs are %s (the kernels take bf16, "
+				"f32 or f64)",
+				epj_dtype_name(dt));
+	if (!out_dtype_ok(dt, d->out_dtype) ||
+	    (d->bias && !out_dtype_ok(dt, d->bias_dtype)) ||
+	    (d->res && !out_dtype_ok(dt, d->res_dtype)))
+		return ej_error(
+		    ctx, EPJ_ERR_DTYPE,
+		    "gemm: %s inputs with output %s, bias %s, residual %s "
+		    "(bf16 inputs take f32 or bf16 for these, f32 and f64 "
+		    "inputs their own dtype)",
+		    epj_dtype_name(dt), epj_dtype_name(d->out_dtype),
+		    d->bias ? epj_dtype_name(d->bias_dtype) : "none",
+		    d->res ? epj_dtype_name(d->res_dtype) : "none");
+	bool grouped = d->group_off != NULL;
+	int64_t nb0 = d->nb0 < 1 ? 1 : d->nb0, nb1 = d->nb1 < 1 ? 1 : d->nb1;
+	if (d->m < 0 || d->n < 0 || d->k < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: negative size m=%lld n=%lld k=%lld",
+				(long long)d->m, (long long)d->n,
+				(long long)d->k);
+	if ((unsigned)d->act > EJ_GEMM_ACT_GELU)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: activation %d (none, silu, gelu)",
+				(int)d->act);
+	if (grouped && (d->groups < 1 || nb0 * nb1 != 1))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: grouped GEMM with %d groups and %lld "
+				"batches (at least one group, no batches)",
+				d->groups, (long long)(nb0 * nb1));
+	if (d->m == 0 || d->n == 0)
+		return EPJ_OK;
+	if (d->m > 1 && d->ldc < d->n)
+		return ej_error(ctx, EPJ_ERR_INVALID, "gemm: ldc %lld < n %lld",
+				(long long)d->ldc, (long long)d->n);
+	if (!d->c || (d->k > 0 && (!d->a || !d->b)))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: missing A, B or C pointer (m=%lld "
+				"n=%lld k=%lld)",
+				(long long)d->m, (long long)d->n,
+				(long long)d->k);
+	bool bf = dt == EPJ_DTYPE_BF16;
+	int64_t bm = bf ? BF_BM : SIMT_BM, bn = bf ? BF_BN : SIMT_BN;
+	int64_t gx = (d->n + bn - 1) / bn;
+	int64_t gy =
+	    grouped ? (d->m + bm - 1) / bm + d->groups : (d->m + bm - 1) / bm;
+	if (gx > INT32_MAX || gy > MAX_GRID_YZ || nb0 * nb1 > MAX_GRID_YZ)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"gemm: m=%lld n=%lld with %lld batches (or "
+				"%d groups) needs a grid of (%lld, %lld, %lld) "
+				"blocks, beyond (2^31-1, 65535, 65535)",
+				(long long)d->m, (long long)d->n,
+				(long long)(nb0 * nb1), d->groups,
+				(long long)gx, (long long)gy,
+				(long long)(nb0 * nb1));
+
+	struct gemm_args a;
+	memset(&a, 0, sizeof a);
+	a.a = d->a;
+	a.b = d->b;
+	a.c = d->c;
+	a.bias = d->bias;
+	a.res = d->res;
+	a.goff = d->group_off;
+	a.m = d->m;
+	a.n = d->n;
+	a.k = d->k;
+	/* strides of size-1 dims never matter: 0 lets the vector test pass */
+	a.a_rs = !grouped && d->m <= 1 ? 0 : d->a_rs;
+	a.a_cs = d->k <= 1 ? 0 : d->a_cs;
+	a.b_rs = d->k <= 1 ? 0 : d->b_rs;
+	a.b_cs = d->n <= 1 ? 0 : d->b_cs;
+	a.ldc = d->ldc;
+	a.ldr = d->ldr;
+	a.bias_cs = d->bias_cs;
+	a.sa0 = nb0 > 1 ? d->sa0 : 0;
+	a.sa1 = nb1 > 1 ? d->sa1 : 0;
+	a.sb0 = nb0 > 1 || grouped ? d->sb0 : 0;
+	a.sb1 = nb1 > 1 ? d->sb1 : 0;
+	a.sc0 = d->sc0;
+	a.sc1 = d->sc1;
+	a.sr0 = d->sr0;
+	a.sr1 = d->sr1;
+	a.sbias = d->sbias;
+	a.nb1 = (int)nb1;
+	a.groups = grouped ? d->groups : 0;
+	if (bf && d->k > 0) {
+		a.a_vec = vec_ok(d->a, a.a_rs, a.a_cs, a.sa0, a.sa1, grouped);
+		/* B as [n, k]: rows walk n (b_cs), k walks b_rs */
+		a.b_vec = vec_ok(d->b, a.b_cs, a.b_rs, a.sb0, a.sb1, false);
+	}
+	a.c_bf16 = d->out_dtype == EPJ_DTYPE_BF16;
+	a.bias_bf16 = d->bias && d->bias_dtype == EPJ_DTYPE_BF16;
+	a.res_bf16 = d->res && d->res_dtype == EPJ_DTYPE_BF16;
+	a.act = (int)d->act;
+
+	/* C as one dense block: poisoned and race-checked on cuda-sim */
+	size_t csz = ej_dtype_size(d->out_dtype);
+	int64_t mn = d->m * d->n;
+	bool dense = (d->m <= 1 || d->ldc == d->n) &&
+		     (nb1 <= 1 || d->sc1 == mn) &&
+		     (nb0 <= 1 || d->sc0 == nb1 * mn) && d->res != d->c;
+	ej_launch_out lo = { d->c, (size_t)(mn * nb0 * nb1) * csz, csz };
+
+	/* cuda-sim runs a grid twice (race check) from the same C: a residual
+	 * read from C itself would be added twice, so it reads a copy (host
+	 * memory on cuda-sim) and C becomes a checked output */
+	void *res_copy = NULL;
+	if (d->res && d->res == d->c && strcmp(device, "cuda-sim") == 0) {
+		int64_t span = grouped
+				   ? (d->m - 1) * d->ldc + d->n
+				   : (nb0 - 1) * d->sc0 + (nb1 - 1) * d->sc1 +
+					 (d->m - 1) * d->ldc + d->n;
+		size_t bytes = (size_t)span * ej_dtype_size(d->res_dtype);
+		res_copy = malloc(bytes);
+		if (!res_copy)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"gemm: out of memory copying the "
+					"residual (%zu bytes)",
+					bytes);
+		memcpy(res_copy, d->c, bytes);
+		a.res = res_copy;
+		dense = (d->m <= 1 || d->ldc == d->n) &&
+			(nb1 <= 1 || d->sc1 == mn) &&
+			(nb0 <= 1 || d->sc0 == nb1 * mn);
+	}
+
+	ej_tmpl *m = NULL;
+	epj_status st =
+	    ej_tmpl_get(ctx, device, "gemm", NULL, gemm_kernels, 3, &m);
+	if (st != EPJ_OK) {
+		free(res_copy);
+		return st;
+	}
+	const char *kernel = bf			   ? "ej_gemm_bf16"
+			     : dt == EPJ_DTYPE_F32 ? "ej_gemm_simt_f32"
+						   : "ej_gemm_simt_f64";
+	ej_launch l = { .grid = { (unsigned)gx, (unsigned)gy,
+				  (unsigned)(nb0 * nb1) },
+			.block = { bf ? 128u : 256u, 1, 1 },
+			.smem = 0,
+			.args = &a,
+			.args_size = sizeof a,
+			.outs = &lo,
+			.n_out = dense ? 1 : 0 };
+	st = ej_tmpl_launch(ctx, m, kernel, &l);
+	free(res_copy);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "gemm %s m=%lld n=%lld k=%lld",
+				epj_dtype_name(dt), (long long)d->m,
+				(long long)d->n, (long long)d->k);
+	return st;
+}
+
+/* ---- op adapters ---------------------------------------------------------
+ */
+
+static const char *ctx_device(epj_ctx *ctx)
+{
+	return ctx->dev == &ej_device_sim ? "cuda-sim" : "cuda";
+}
+
+/* A batched problem over nbd leading dims shape[0..nbd): per operand
+ * (0: A, 1: B, 2: C) the stride of each batch dim. */
+typedef struct batch_plan {
+	int nbd;
+	int64_t shape[EPJ_MAX_DIMS];
+	int64_t st[3][EPJ_MAX_DIMS];
+} batch_plan;
+
+/* Merges adjacent batch dims that every operand walks as one, and drops
+ * size-1 dims. */
+static void plan_merge(batch_plan *p)
+{
+	int n = 0;
+	for (int d = 0; d < p->nbd; d++) {
+		if (p->shape[d] == 1)
+			continue;
+		if (n > 0) {
+			bool ok = true;
+			for (int o = 0; o < 3; o++)
+				ok = ok && p->st[o][n - 1] ==
+					       p->st[o][d] * p->shape[d];
+			if (ok) {
+				p->shape[n - 1] *= p->shape[d];
+				for (int o = 0; o < 3; o++)
+					p->st[o][n - 1] = p->st[o][d];
+				continue;
+			}
+		}
+		p->shape[n] = p->shape[d];
+		for (int o = 0; o < 3; o++)
+			p->st[o][n] = p->st[o][d];
+		n++;
+	}
+	p->nbd = n;
+}
+
+/* Runs d once per index of the batch dims beyond the last two of p; the
+ * last two become the kernel's nb0 x nb1 batches. */
+static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
+			      const batch_plan *p)
+{
+	int outer = p->nbd > 2 ? p->nbd - 2 : 0;
+	int64_t nouter = ej_numel(outer, p->shape);
+	size_t es = ej_dtype_size(d->dtype), cs = ej_dtype_size(d->out_dtype);
+	const char *a0 = d->a, *b0 = d->b;
+	char *c0 = d->c;
+	if (p->nbd - outer == 2) {
+		d->nb0 = p->shape[outer];
+		d->nb1 = p->shape[outer + 1];
+		d->sa0 = p->st[0][outer];
+		d->sa1 = p->st[0][outer + 1];
+		d->sb0 = p->st[1][outer];
+		d->sb1 = p->st[1][outer + 1];
+		d->sc0 = p->st[2][outer];
+		d->sc1 = p->st[2][outer + 1];
+	} else if (p->nbd - outer == 1) {
+		d->nb1 = p->shape[outer];
+		d->sa1 = p->st[0][outer];
+		d->sb1 = p->st[1][outer];
+		d->sc1 = p->st[2][outer];
+	}
+	for (int64_t q = 0; q < nouter; q++) {
+		int64_t rem = q, oa = 0, ob = 0, oc = 0;
+		for (int dd = outer - 1; dd >= 0; dd--) {
+			int64_t i = rem % p->shape[dd];
+			rem /= p->shape[dd];
+			oa += i * p->st[0][dd];
+			ob += i * p->st[1][dd];
+			oc += i * p->st[2][dd];
+		}
+		d->a = a0 ? a0 + (size_t)oa * es : NULL;
+		d->b = b0 ? b0 + (size_t)ob * es : NULL;
+		d->c = c0 + (size_t)oc * cs;
+		epj_status st = ej_gemm(ctx, ctx_device(ctx), d);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return EPJ_OK;
+}
+
+static epj_status check_dtype(epj_ctx *ctx, const ej_call *c, const char *op)
+{
+	epj_dtype dt = c->out[0]->dtype;
+	for (int i = 0; i < c->n_in; i++)
+		if (c->in[i]->dtype != dt)
+			break;
+		else if (i == c->n_in - 1 &&
+			 (dt == EPJ_DTYPE_BF16 || dt == EPJ_DTYPE_F32 ||
+			  dt == EPJ_DTYPE_F64))
+			return EPJ_OK;
+	char s[96];
+	epj_tensor_describe(c->in[0], s, sizeof s);
+	return ej_error(ctx, EPJ_ERR_DTYPE,
+			"%s on %s: inputs %s and output %s (f32, bf16 or f64, "
+			"all the same)",
+			op, ctx_device(ctx), s, epj_dtype_name(dt));
+}
+
+/* a [..., M, K] @ b [..., K, N] -> out [..., M, N], batch dims broadcast */
+epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c)
+{
+	epj_status st = check_dtype(ctx, c, "matmul");
+	if (st != EPJ_OK)
+		return st;
+	const epj_tensor *a = c->in[0], *b = c->in[1];
+	epj_tensor *o = c->out[0];
+	int nd = o->ndim, nbd = nd - 2;
+	if (ej_numel(nd, o->shape) == 0)
+		return EPJ_OK;
+	int64_t m = o->shape[nd - 2], n = o->shape[nd - 1];
+	int64_t k = a->shape[a->ndim - 1];
+	ej_gemm_desc d;
+	ej_gemm_desc_init(&d, o->dtype, m, n, k);
+	d.a = ej_data(a);
+	d.b = ej_data(b);
+	d.c = ej_data(o);
+	d.a_rs = a->stride[a->ndim - 2];
+	d.a_cs = a->stride[a->ndim - 1];
+	d.b_rs = b->stride[b->ndim - 2];
+	d.b_cs = b->stride[b->ndim - 1];
+	d.ldc = n;
+	batch_plan p;
+	p.nbd = nbd;
+	for (int dd = 0; dd < nbd; dd++) {
+		p.shape[dd] = o->shape[dd];
+		int da = dd - (nbd - (a->ndim - 2)),
+		    db = dd - (nbd - (b->ndim - 2));
+		p.st[0][dd] = da < 0 || a->shape[da] == 1 ? 0 : a->stride[da];
+		p.st[1][dd] = db < 0 || b->shape[db] == 1 ? 0 : b->stride[db];
+		p.st[2][dd] = o->stride[dd];
+	}
+	plan_merge(&p);
+	st = run_batched(ctx, &d, &p);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "matmul");
+	return st;
+}
+
+/* x [..., in] @ w [out, in]^T (+ bias [out]) -> out [..., out] */
+epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c)
+{
+	epj_status st = check_dtype(ctx, c, "linear");
+	if (st != EPJ_OK)
+		return st;
+	const epj_tensor *x = c->in[0], *w = c->in[1];
+	const epj_tensor *bias = c->n_in == 3 ? c->in[2] : NULL;
+	epj_tensor *o = c->out[0];
+	int64_t fin = w->shape[1], fout = w->shape[0];
+	if (ej_numel(o->ndim, o->shape) == 0)
+		return EPJ_OK;
+	/* x's leading dims: the last is M, the others batch dims (merged
+	 * into rows of M where the strides allow) */
+	int lead = x->ndim - 1;
+	int64_t m = lead > 0 ? x->shape[lead - 1] : 1;
+	ej_gemm_desc d;
+	ej_gemm_desc_init(&d, o->dtype, m, fout, fin);
+	d.a = ej_data(x);
+	d.b = ej_data(w);
+	d.c = ej_data(o);
+	d.a_rs = lead > 0 ? x->stride[lead - 1] : 0;
+	d.a_cs = x->stride[lead];
+	d.b_rs = w->stride[1]; /* op(B) = w^T: (p, j) is w[j, p] */
+	d.b_cs = w->stride[0];
+	d.ldc = fout;
+	if (bias) {
+		d.bias = ej_data(bias);
+		d.bias_cs = bias->stride[0];
+	}
+	batch_plan p;
+	p.nbd = lead > 0 ? lead - 1 : 0;
+	for (int dd = 0; dd < p.nbd; dd++) {
+		p.shape[dd] = x->shape[dd];
+		p.st[0][dd] = x->stride[dd];
+		p.st[1][dd] = 0;
+		p.st[2][dd] = o->stride[dd];
+	}
+	plan_merge(&p);
+	/* the innermost batch dim folds into M when it steps over M rows */
+	while (p.nbd > 0 && p.st[0][p.nbd - 1] == d.a_rs * d.m &&
+	       p.st[2][p.nbd - 1] == d.ldc * d.m) {
+		d.m *= p.shape[p.nbd - 1];
+		p.nbd--;
+	}
+	st = run_batched(ctx, &d, &p);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "linear");
+	return st;
+}
