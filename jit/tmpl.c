@@ -67,8 +67,10 @@ struct ej_tmpl {
 	const ej_device *dev;
 	void *module;
 	int n;
-	char **kname;
+	char **kname, **ktype;
 	void **fn;
+	size_t *args_size; /* of the last launch of each kernel */
+	char *source;	   /* the unit compiled (kept for the test hooks) */
 	struct ej_tmpl *next;
 };
 
@@ -81,9 +83,14 @@ static void tmpl_free(ej_tmpl *m)
 		return;
 	if (m->module && m->dev && m->dev->unload)
 		m->dev->unload(m->dev->self, m->module);
-	for (int i = 0; i < m->n; i++)
+	for (int i = 0; i < m->n; i++) {
 		free(m->kname ? m->kname[i] : NULL);
+		free(m->ktype ? m->ktype[i] : NULL);
+	}
 	free(m->kname);
+	free(m->ktype);
+	free(m->args_size);
+	free(m->source);
 	free(m->fn);
 	free(m->key);
 	free(m);
@@ -239,15 +246,19 @@ epj_status ej_tmpl_get(epj_ctx *ctx, const char *device, const char *name,
 	if (st != EPJ_OK)
 		goto done;
 	m->kname = calloc((size_t)n + 1, sizeof *m->kname);
+	m->ktype = calloc((size_t)n + 1, sizeof *m->ktype);
 	m->fn = calloc((size_t)n + 1, sizeof *m->fn);
-	if (!m->kname || !m->fn) {
+	m->args_size = calloc((size_t)n + 1, sizeof *m->args_size);
+	m->source = strdup(src);
+	if (!m->kname || !m->ktype || !m->fn || !m->args_size || !m->source) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "template: out of memory");
 		goto done;
 	}
 	for (int i = 0; i < n; i++) {
 		m->kname[i] = strdup(k[i].name);
+		m->ktype[i] = strdup(k[i].arg_type);
 		m->n = i + 1;
-		if (!m->kname[i]) {
+		if (!m->kname[i] || !m->ktype[i]) {
 			st = ej_error(ctx, EPJ_ERR_NOMEM,
 				      "template: out of memory");
 			goto done;
@@ -277,11 +288,45 @@ epj_status ej_tmpl_launch(epj_ctx *ctx, ej_tmpl *m, const char *kernel,
 			  const ej_launch *l)
 {
 	for (int i = 0; i < m->n; i++)
-		if (strcmp(m->kname[i], kernel) == 0)
+		if (strcmp(m->kname[i], kernel) == 0) {
+			m->args_size[i] = l ? l->args_size : 0;
 			return m->dev->launch(m->dev->self, ctx, m->fn[i],
 					      kernel, l);
+		}
 	return ej_error(ctx, EPJ_ERR_INVALID,
 			"template module: kernel %s was not named when it was "
 			"loaded",
 			kernel);
+}
+
+/* Test hooks, deliberately in no header (t/check_cuda.c: the stand-in
+ * driver runs a launch of a template module on cuda-sim, so it needs the
+ * module's unit, kernels and argument sizes). */
+int ej_tmpl_test_module(const void *module, const char **source,
+			const char *const **kernels,
+			const char *const **arg_types);
+size_t ej_tmpl_test_args_size(const void *module, const char *kernel);
+
+int ej_tmpl_test_module(const void *module, const char **source,
+			const char *const **kernels,
+			const char *const **arg_types)
+{
+	for (ej_tmpl *m = table; m; m = m->next)
+		if (m->module == module) {
+			*source = m->source;
+			*kernels = (const char *const *)m->kname;
+			*arg_types = (const char *const *)m->ktype;
+			return m->n;
+		}
+	return -1;
+}
+
+size_t ej_tmpl_test_args_size(const void *module, const char *kernel)
+{
+	for (ej_tmpl *m = table; m; m = m->next)
+		if (m->module == module)
+			for (int i = 0; i < m->n; i++)
+				if (strcmp(m->kname[i], kernel) == 0)
+					return m->args_size[i];
+	return 0;
 }

@@ -21,6 +21,7 @@
 #include "check_util.h"
 
 #include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,12 +32,19 @@
 #include "jit.h"
 #include "jit_impl.h"
 #include "kir.h"
+#include "tmpl.h"
+#include "tmpl_gemm.h"
 
 /* Test hooks of jit/backend_cuda.c and lib/device_cuda.c (deliberately in
  * no header). */
 extern const void *ej_backend_cuda_test_state(const void *module);
 extern void ej_backend_cuda_test_reset(void);
 extern void ej_cuda_test_reset(void);
+/* of jit/tmpl.c: a template module's unit, kernels and argument sizes */
+extern int ej_tmpl_test_module(const void *module, const char **source,
+			       const char *const **kernels,
+			       const char *const **arg_types);
+extern size_t ej_tmpl_test_args_size(const void *module, const char *kernel);
 
 /* Each test starts with no driver loaded: without fork (valgrind) tests
  * share the process, and the driver is loaded once per process. */
@@ -122,7 +130,22 @@ static void *sim_for(const void *module)
 		if (H.m[i].module == module)
 			return H.m[i].sim;
 	const void *state = ej_backend_cuda_test_state(module);
-	ck_assert_msg(state, "the fake was asked to run an unknown module");
+	const char *tsrc = NULL;
+	const char *const *tk = NULL, *const *tt = NULL;
+	int tn = state ? -1 : ej_tmpl_test_module(module, &tsrc, &tk, &tt);
+	ck_assert_msg(state || tn >= 0,
+		      "the fake was asked to run an unknown module");
+	ck_assert_int_lt(H.n, 128);
+	if (!state) { /* a template module (jit/tmpl.c) */
+		void *sim = NULL;
+		epj_status st = ej_sim_build_module(H.ctx, tsrc, tk, tt, tn,
+						    "fake_tmpl", &sim);
+		ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(H.ctx));
+		H.m[H.n].module = module;
+		H.m[H.n].sim = sim;
+		H.n++;
+		return sim;
+	}
 	const ej_schedule *s = ej_backend_cuda_schedule(state);
 	const char *kn[64], *ty[64];
 	char names[64][32], types[64][48];
@@ -154,11 +177,13 @@ static int run_on_sim(void *user, void *module, const char *kernel,
 	void *fn = ej_device_sim.function(ej_device_sim.self, sim, kernel);
 	if (!fn)
 		return 1;
-	const ej_kernel *k =
-	    kernel_of(ej_backend_cuda_test_state(module), kernel);
+	const void *state = ej_backend_cuda_test_state(module);
+	const ej_kernel *k = state ? kernel_of(state, kernel) : NULL;
 	ej_launch l = { .smem = smem,
 			.args = args,
-			.args_size = k ? ej_cuda_args_size(k) : 0 };
+			.args_size =
+			    k ? ej_cuda_args_size(k)
+			      : ej_tmpl_test_args_size(module, kernel) };
 	memcpy(l.grid, grid, sizeof l.grid);
 	memcpy(l.block, block, sizeof l.block);
 	epj_status st =
@@ -174,7 +199,8 @@ static size_t args_size_of(void *user, void *module, const char *kernel)
 	(void)user;
 	const void *state = ej_backend_cuda_test_state(module);
 	const ej_kernel *k = state ? kernel_of(state, kernel) : NULL;
-	return k ? ej_cuda_args_size(k) : 0;
+	return k ? ej_cuda_args_size(k)
+		 : ej_tmpl_test_args_size(module, kernel);
 }
 
 static void hook_on(void)
@@ -599,6 +625,140 @@ END_TEST
 /* The module the nvrtc backend loads is a real NVRTC cubin for the
  * device's arch, stored in the kernel cache: a second jit loads it from
  * the cache without NVRTC. */
+/* The CUDA templates (jit/tmpl.c) on the cuda device: NVRTC cubins loaded
+ * by the driver, device buffers, launches through cuLaunchKernel (the fake
+ * runs them on cuda-sim), against the same template on cuda-sim and a
+ * double reference, on the same fresh inputs: a bf16 tensor-core GEMM with
+ * a bias and silu epilogue at odd sizes, and a fill. */
+static void templates_on_cuda(bool exact)
+{
+	ej_tmpl_clear();
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *dev = NULL;
+	ck_assert_msg(ej_cuda_open(ctx, &dev) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	const ej_device *vt = ej_cuda_device(dev);
+	int64_t m = tu_randint(1, 40), n = tu_randint(1, 40) | 1,
+		k = tu_randint(1, 50) | 1;
+	uint16_t *a = malloc(sizeof *a * (size_t)(m * k));
+	uint16_t *b = malloc(sizeof *b * (size_t)(n * k));
+	float *bias = malloc(sizeof *bias * (size_t)n);
+	float *c_sim = malloc(sizeof(float) * (size_t)(m * n));
+	float *c_cuda = malloc(sizeof(float) * (size_t)(m * n));
+	ck_assert(a && b && bias && c_sim && c_cuda);
+	for (int64_t i = 0; i < m * k; i++)
+		a[i] = epj_f32_to_bf16((float)tu_uniform(-1, 1));
+	for (int64_t i = 0; i < n * k; i++)
+		b[i] = epj_f32_to_bf16((float)tu_uniform(-1, 1));
+	for (int64_t i = 0; i < n; i++)
+		bias[i] = (float)tu_uniform(-1, 1);
+	/* C = silu(A B^T + bias): B is [n, k] as linear's weight */
+	ej_gemm_desc d;
+	ej_gemm_desc_init(&d, EPJ_DTYPE_BF16, m, n, k);
+	d.out_dtype = EPJ_DTYPE_F32;
+	d.act = EJ_GEMM_ACT_SILU;
+	d.bias_dtype = EPJ_DTYPE_F32;
+	ej_gemm_set_a(&d, a, k, false);
+	ej_gemm_set_b(&d, b, k, true);
+	d.bias = bias;
+	d.c = c_sim;
+	d.ldc = n;
+	ck_assert_msg(ej_gemm(ctx, "cuda-sim", &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	void *da = vt->alloc(vt->self, sizeof *a * (size_t)(m * k));
+	void *db = vt->alloc(vt->self, sizeof *b * (size_t)(n * k));
+	void *dbias = vt->alloc(vt->self, sizeof *bias * (size_t)n);
+	void *dc = vt->alloc(vt->self, sizeof(float) * (size_t)(m * n));
+	ck_assert(da && db && dbias && dc);
+	vt->copy(vt->self, da, a, sizeof *a * (size_t)(m * k));
+	vt->copy(vt->self, db, b, sizeof *b * (size_t)(n * k));
+	vt->copy(vt->self, dbias, bias, sizeof *bias * (size_t)n);
+	ej_gemm_set_a(&d, da, k, false);
+	ej_gemm_set_b(&d, db, k, true);
+	d.bias = dbias;
+	d.c = dc;
+	long long l0 = fstats().launches;
+	ck_assert_msg(ej_gemm(ctx, "cuda", &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_gt(fstats().launches, l0); /* through the driver */
+	vt->copy(vt->self, c_cuda, dc, sizeof(float) * (size_t)(m * n));
+	for (int64_t i = 0; i < m; i++)
+		for (int64_t j = 0; j < n; j++) {
+			double acc = bias[j], mag = fabs(bias[j]);
+			for (int64_t q = 0; q < k; q++) {
+				double p =
+				    (double)epj_bf16_to_f32(a[i * k + q]) *
+				    epj_bf16_to_f32(b[j * k + q]);
+				acc += p;
+				mag += fabs(p);
+			}
+			double want = acc / (1.0 + exp(-acc));
+			double got = c_cuda[i * n + j];
+			ck_assert_msg(fabs(got - want) <= 1e-3 * (mag + 1),
+				      "C[%lld,%lld] = %g, want %g",
+				      (long long)i, (long long)j, got, want);
+			/* the same kernel on the same inputs: the same bits
+			 * where cuda-sim ran both, else to rounding (tensor
+			 * cores add the products in their own order) */
+			if (exact)
+				ck_assert_msg(memcmp(&c_cuda[i * n + j],
+						     &c_sim[i * n + j],
+						     sizeof(float)) == 0,
+					      "cuda %g vs cuda-sim %g", got,
+					      c_sim[i * n + j]);
+			else
+				ck_assert_msg(fabs(got - c_sim[i * n + j]) <=
+						  1e-4 * (mag + 1),
+					      "cuda %g vs cuda-sim %g", got,
+					      c_sim[i * n + j]);
+		}
+	/* fill through the cuda device */
+	static const ej_tmpl_kernel fk[] = { { "ej_fill",
+					       "struct ej_fill_args" } };
+	ej_tmpl *fm = NULL;
+	ck_assert_msg(ej_tmpl_get(ctx, "cuda", "fill", NULL, fk, 1, &fm) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_ptr_eq(ej_tmpl_device(fm), vt);
+	struct {
+		void *out;
+		long long n;
+		unsigned long long bits;
+		int elem;
+	} fa = { dc, m * n, 0x3fa00000ull, 4 };
+	ej_launch fl = { .grid = { 2, 1, 1 },
+			 .block = { 64, 1, 1 },
+			 .args = &fa,
+			 .args_size = sizeof fa };
+	ck_assert_msg(ej_tmpl_launch(ctx, fm, "ej_fill", &fl) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	vt->copy(vt->self, c_cuda, dc, sizeof(float) * (size_t)(m * n));
+	for (int64_t i = 0; i < m * n; i++)
+		ck_assert_float_eq(c_cuda[i], 1.25f);
+	vt->free(vt->self, da);
+	vt->free(vt->self, db);
+	vt->free(vt->self, dbias);
+	vt->free(vt->self, dc);
+	free(a);
+	free(b);
+	free(bias);
+	free(c_sim);
+	free(c_cuda);
+	ej_tmpl_clear();
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_fake_templates)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	hook_on();
+	templates_on_cuda(true);
+	hook_off();
+}
+END_TEST
+
 START_TEST(test_fake_cubin_cached)
 {
 	fresh();
@@ -826,6 +986,16 @@ START_TEST(test_gpu_vs_sim)
 }
 END_TEST
 
+/* The CUDA templates on the GPU against cuda-sim and a double reference. */
+START_TEST(test_gpu_templates)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	templates_on_cuda(false);
+}
+END_TEST
+
 Suite *make_gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
@@ -834,6 +1004,7 @@ Suite *make_gpu_suite(void)
 	tcase_add_loop_test(tc, test_gpu_kernels, 0, 16);
 	tcase_add_loop_test(tc, test_gpu_parity, 0, 8);
 	tcase_add_test(tc, test_gpu_vs_sim);
+	tcase_add_test(tc, test_gpu_templates);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -852,6 +1023,7 @@ Suite *make_cuda_suite(void)
 	tcase_add_loop_test(tc, test_fake_nvrtc_region, 0, 6);
 	tcase_add_test(tc, test_fake_cuda_graphs);
 	tcase_add_test(tc, test_fake_cubin_cached);
+	tcase_add_test(tc, test_fake_templates);
 	tcase_add_test(tc, test_fake_smem_optin);
 	tcase_add_loop_test(tc, test_fake_parity, 0, 2);
 	suite_add_tcase(s, tc);
