@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cc.h"
 #include "tmpl_attention.h"
 
 #define LEN(a) (sizeof(a) / sizeof((a)[0]))
@@ -419,7 +420,9 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 	/* backward of both from the CPU forward's out and a strided lse */
 	epj_tensor *lse_nc = tu_noncontig(sim, co[1]);
 	tu_ok(sim, lse_nc);
-	epj_tensor *bin[6] = { go, q, k, v, co[0], lse_nc };
+	epj_tensor *o_nc = tu_noncontig(sim, co[0]);
+	tu_ok(sim, o_nc);
+	epj_tensor *bin[6] = { go, q, k, v, o_nc, lse_nc };
 	epj_tensor *cg[3], *sg[3];
 	const int64_t *gsh[3] = { qsh, ksh, vsh };
 	for (int i = 0; i < 3; i++) {
@@ -441,9 +444,9 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 		tu_assert_tensors_close(cpu, sg[i], cg[i], bt.rtol, bt.atol,
 					w2);
 	}
-	epj_tensor *all[] = { q,     k,	    v,	   go,	   co[0],
-			      co[1], so[0], so[1], lse_nc, cg[0],
-			      cg[1], cg[2], sg[0], sg[1],  sg[2] };
+	epj_tensor *all[] = { q,     k,	    v,	    go,	  co[0], co[1],
+			      so[0], so[1], lse_nc, o_nc, cg[0], cg[1],
+			      cg[2], sg[0], sg[1],  sg[2] };
 	for (size_t i = 0; i < LEN(all); i++)
 		epj_tensor_free(all[i]);
 }
@@ -458,15 +461,59 @@ START_TEST(test_adapters)
 		{ 1, 6, 2, 7, 37, 24, 16, true, 0.25 },
 		{ 1, 3, 3, 37, 9, 16, 16, true, 0 },
 		{ 1, 2, 1, 5, 5, 32, 24, false, 0 },
+		/* empty sizes: no key (out 0, lse -inf, dq 0), no query (dk,
+		 * dv 0) */
+		{ 1, 2, 1, 3, 0, 8, 8, false, 0 },
+		{ 2, 2, 1, 0, 4, 8, 8, true, 0 },
 	};
 	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
 					 EPJ_DTYPE_F64 };
 	for (size_t d = 0; d < LEN(dts); d++)
 		for (size_t i = 0; i < LEN(acases); i++)
-			if ((i + d) % 2 == 0 || dts[d] == EPJ_DTYPE_F32)
+			if ((i + d) % 2 == 0 || dts[d] == EPJ_DTYPE_F32 ||
+			    i >= 4)
 				check_adapters(cpu, sim, &acases[i], dts[d]);
 	epj_ctx_free(sim);
 	epj_ctx_free(cpu);
+}
+END_TEST
+
+/* ---- NVRTC ---------------------------------------------------------------
+ * Every module the host API can ask for (dtype x head-dim registers)
+ * compiles under NVRTC without a warning; the templates suite covers the
+ * defaults for every arch. */
+START_TEST(test_nvrtc_variants)
+{
+	int maj = 0, min = 0;
+	if (!ej_nvrtc_version(&maj, &min)) {
+		printf("test_nvrtc_variants: built without NVRTC, skipped\n");
+		return;
+	}
+	epj_ctx *ctx = tu_ctx();
+	for (int dt = 0; dt < 3; dt++)
+		for (int dl = 1; dl <= 4; dl++) {
+			char defs[96];
+			snprintf(defs, sizeof defs,
+				 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d",
+				 dt, dl);
+			ej_arena *A = ej_arena_new();
+			const char *src =
+			    ej_tmpl_source(ctx, A, "attention", defs);
+			ck_assert_ptr_nonnull(src);
+			const char *arch = dl % 2 ? "sm_80" : "sm_90";
+			ej_nvrtc_result r = { 0 };
+			epj_status st = ej_nvrtc_compile(ctx, src, "attention",
+							 arch, NULL, 0, &r);
+			ck_assert_msg(st == EPJ_OK, "DT %d DL %d %s: %s", dt,
+				      dl, arch, epj_ctx_error(ctx));
+			ck_assert_msg(!r.log || !*r.log,
+				      "DT %d DL %d %s: NVRTC said: %s", dt, dl,
+				      arch, r.log);
+			ck_assert_uint_gt(r.size, 0);
+			ej_nvrtc_result_free(&r);
+			ej_arena_free(A);
+		}
+	epj_ctx_free(ctx);
 }
 END_TEST
 
@@ -541,6 +588,7 @@ Suite *make_tmpl_attention_suite(void)
 	tcase_add_test(tc, test_wide_heads);
 	tcase_add_test(tc, test_adapters);
 	tcase_add_test(tc, test_errors);
+	tcase_add_test(tc, test_nvrtc_variants);
 	suite_add_tcase(s, tc);
 	return s;
 }
