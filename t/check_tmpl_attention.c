@@ -568,6 +568,16 @@ START_TEST(test_errors)
 	in[1] = in[2] = q; /* valid shapes, but a cpu context */
 	ck_assert_int_eq(ej_cuda_op_sdpa(ctx, &c), EPJ_ERR_INVALID);
 	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("cpu"));
+	/* an output that is not contiguous is refused, named */
+	epj_ctx *sim = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &sim), EPJ_OK);
+	epj_tensor *out_nc = tu_noncontig(sim, out);
+	outs[0] = out_nc;
+	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &c), EPJ_ERR_UNSUPPORTED);
+	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
+			    TU_STRS("sdpa", "output 0", "contiguous"));
+	epj_tensor_free(out_nc);
+	epj_ctx_free(sim);
 	epj_tensor_free(q);
 	epj_tensor_free(k);
 	epj_tensor_free(out);
