@@ -27,6 +27,10 @@ int main(void)
 		make_config_doc_suite,	  make_templates_suite,
 		make_tmpl_gemm_suite,
 	};
+	/* the CUDA C templates' suites, one per area */
+	Suite *(*tmpl_suites[])(void) = {
+		make_tmpl_attention_suite,
+	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
 	/* A kernel cache this run creates, empty: no test may pass on an
@@ -41,6 +45,8 @@ int main(void)
 	SRunner *sr = srunner_create(NULL);
 	for (size_t i = 0; i < sizeof suites / sizeof suites[0]; i++)
 		srunner_add_suite(sr, suites[i]());
+	for (size_t i = 0; i < sizeof tmpl_suites / sizeof tmpl_suites[0]; i++)
+		srunner_add_suite(sr, tmpl_suites[i]());
 	srunner_run_all(sr, CK_NORMAL);
 	int failed = srunner_ntests_failed(sr);
 	srunner_free(sr);

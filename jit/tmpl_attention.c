@@ -1,0 +1,389 @@
+/* tmpl_attention.c -- host side of templates/attention.cuh (see
+ * tmpl_attention.h): checks the sizes, picks the module (dtype, head-dim
+ * registers) and the tile sizes that fit the shared memory, and launches
+ *
+ *   forward:  ej_attn_fwd                  -> out, lse
+ *   backward: ej_attn_bwd_dq   -> dq, di   (di = rowsum(dO * O), scratch)
+ *             ej_attn_bwd_dkdv -> dk, dv   (reads di)
+ *
+ * The eager adapters of SDPA and SDPA_BACKWARD validate a call with the op
+ * table's own shape inference and hand the tensors' strides to the kernels.
+ */
+#include "tmpl_attention.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+
+/* Geometry of the template (attention.cuh: EJ_AT_NT, EJ_AT_BQ, EJ_AT_BKB). */
+#define AT_NT  128
+#define AT_BQ  16
+#define AT_BKB 16
+/* Shared memory the tile choice aims to stay under (the default per-block
+ * limit; the cuda device opts in to more when a launch needs it). */
+#define AT_SMEM_SOFT (48u * 1024u)
+#define AT_GRID_YZ   65535
+
+/* Mirror of struct ej_attn_args in templates/attention.cuh. */
+struct attn_args {
+	const void *q, *k, *v;
+	const void *o, *go;
+	const void *lse_in;
+	void *out, *lse;
+	void *grad_q, *grad_k, *grad_v;
+	void *di;
+	long long qs[4], ks[4], vs[4], os[4], gs[4];
+	long long ls[3];
+	int b, hq, hkv, t, s, d, dv;
+	int causal;
+	int bk;
+	int bq;
+	double scale;
+};
+
+static const ej_tmpl_kernel attn_kernels[] = {
+	{ "ej_attn_fwd", "struct ej_attn_args" },
+	{ "ej_attn_bwd_dq", "struct ej_attn_args" },
+	{ "ej_attn_bwd_dkdv", "struct ej_attn_args" },
+};
+
+static epj_dtype acc_dtype(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+}
+
+static epj_status check_shape(epj_ctx *ctx, const char *what, epj_dtype dt,
+			      const ej_attn_shape *m)
+{
+	if (dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F64)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"%s: dtype %s is not supported (f32, bf16, "
+				"f64)",
+				what, epj_dtype_name(dt));
+	if (m->b < 0 || m->hq < 0 || m->hkv < 1 || m->t < 0 || m->s < 0 ||
+	    m->d < 0 || m->dv < 0 || m->hq % m->hkv != 0)
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"%s: q [B=%lld, Hq=%lld, T=%lld, D=%lld], k/v "
+				"[Hkv=%lld, S=%lld, Dv=%lld]: sizes must be "
+				">= 0, Hkv >= 1 and Hq a multiple of Hkv",
+				what, (long long)m->b, (long long)m->hq,
+				(long long)m->t, (long long)m->d,
+				(long long)m->hkv, (long long)m->s,
+				(long long)m->dv);
+	if (m->d > EJ_ATTN_MAX_HEAD_DIM || m->dv > EJ_ATTN_MAX_HEAD_DIM)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: head dims D=%lld, Dv=%lld: the template "
+				"holds at most %d",
+				what, (long long)m->d, (long long)m->dv,
+				EJ_ATTN_MAX_HEAD_DIM);
+	if (m->t > INT_MAX - 64 || m->s > INT_MAX - 64 ||
+	    m->b * m->hq > INT_MAX || (m->t + AT_BQ - 1) / AT_BQ > AT_GRID_YZ ||
+	    (m->s + AT_BKB - 1) / AT_BKB > AT_GRID_YZ)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: B*Hq=%lld, T=%lld, S=%lld exceed the "
+				"launch grid (B*Hq < 2^31, T and S up to "
+				"%d)",
+				what, (long long)(m->b * m->hq),
+				(long long)m->t, (long long)m->s,
+				AT_GRID_YZ * AT_BQ);
+	if (!(m->scale > 0) || !isfinite(m->scale))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: scale %g must be finite and > 0", what,
+				m->scale);
+	return EPJ_OK;
+}
+
+/* The module for dtype dt with registers for head dims up to 32 * dl. */
+static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
+			     const ej_attn_shape *m, ej_tmpl **out)
+{
+	int64_t hd = m->d > m->dv ? m->d : m->dv;
+	int dl = hd <= 32 ? 1 : (int)((hd + 31) / 32);
+	int code = dt == EPJ_DTYPE_F64 ? 2 : dt == EPJ_DTYPE_BF16 ? 1 : 0;
+	char defs[96];
+	snprintf(defs, sizeof defs,
+		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
+	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels, 3,
+			   out);
+}
+
+static void args_init(struct attn_args *a, const ej_attn_shape *m)
+{
+	memset(a, 0, sizeof *a);
+	a->b = (int)m->b;
+	a->hq = (int)m->hq;
+	a->hkv = (int)m->hkv;
+	a->t = (int)m->t;
+	a->s = (int)m->s;
+	a->d = (int)m->d;
+	a->dv = (int)m->dv;
+	a->causal = m->causal;
+	a->scale = m->scale;
+}
+
+static void strides(long long *dst, const ej_attn_operand *o, int n)
+{
+	for (int i = 0; i < n; i++)
+		dst[i] = (long long)o->st[i];
+}
+
+/* Shared bytes of the forward (key tile bk), the dq kernel (bk) and the
+ * dkdv kernel (query tile bq); es: compute-type bytes. */
+static size_t smem_fwd(const ej_attn_shape *m, int bk, size_t es)
+{
+	return (size_t)(AT_BQ * m->d + bk * (m->d + 1) + bk * m->dv +
+			AT_BQ * bk) *
+	       es;
+}
+
+static size_t smem_dq(const ej_attn_shape *m, int bk, size_t es)
+{
+	return (size_t)(AT_BQ * m->d + AT_BQ * m->dv + bk * (m->d + 1) +
+			bk * (m->dv + 1) + AT_BQ * bk) *
+	       es;
+}
+
+static size_t smem_dkdv(const ej_attn_shape *m, int bq, size_t es)
+{
+	return (size_t)(AT_BKB * (m->d + 1) + AT_BKB * (m->dv + 1) + bq * m->d +
+			bq * m->dv + 2 * bq + 2 * bq * (AT_BKB + 1)) *
+	       es;
+}
+
+/* The largest tile of 32, 16, 8 whose shared memory fits the soft limit
+ * (8 otherwise). */
+static int pick_tile(size_t (*smem)(const ej_attn_shape *, int, size_t),
+		     const ej_attn_shape *m, size_t es)
+{
+	int t = 32;
+	while (t > 8 && smem(m, t, es) > AT_SMEM_SOFT)
+		t /= 2;
+	return t;
+}
+
+epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
+				 const ej_attn_shape *m,
+				 const ej_attn_operand *q,
+				 const ej_attn_operand *k,
+				 const ej_attn_operand *v, void *out, void *lse)
+{
+	epj_status st = check_shape(ctx, "attention forward", dt, m);
+	if (st != EPJ_OK)
+		return st;
+	int64_t rows = m->b * m->hq * m->t;
+	if (rows == 0)
+		return EPJ_OK;
+	ej_tmpl *mod = NULL;
+	if ((st = get_module(ctx, device, dt, m, &mod)) != EPJ_OK)
+		return st;
+	size_t es = ej_dtype_size(acc_dtype(dt)), eo = ej_dtype_size(dt);
+	struct attn_args a;
+	args_init(&a, m);
+	a.q = q->p;
+	a.k = k->p;
+	a.v = v->p;
+	strides(a.qs, q, 4);
+	strides(a.ks, k, 4);
+	strides(a.vs, v, 4);
+	a.out = out;
+	a.lse = lse;
+	a.bk = pick_tile(smem_fwd, m, es);
+	ej_launch_out lo[2] = { { out, (size_t)(rows * m->dv) * eo, eo },
+				{ lse, (size_t)rows * es, es } };
+	int n_out = 0;
+	ej_launch_out outs[2];
+	for (int i = 0; i < 2; i++)
+		if (lo[i].bytes)
+			outs[n_out++] = lo[i];
+	ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
+				  (unsigned)((m->t + AT_BQ - 1) / AT_BQ), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem_fwd(m, a.bk, es),
+			.args = &a,
+			.args_size = sizeof a,
+			.outs = outs,
+			.n_out = n_out };
+	return ej_tmpl_launch(ctx, mod, "ej_attn_fwd", &l);
+}
+
+epj_status
+ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
+		      const ej_attn_shape *m, const ej_attn_operand *go,
+		      const ej_attn_operand *q, const ej_attn_operand *k,
+		      const ej_attn_operand *v, const ej_attn_operand *o,
+		      const ej_attn_operand *lse, void *dq, void *dk, void *dv)
+{
+	epj_status st = check_shape(ctx, "attention backward", dt, m);
+	if (st != EPJ_OK)
+		return st;
+	int64_t rows = m->b * m->hq * m->t, krows = m->b * m->hkv * m->s;
+	if (krows == 0 && rows == 0)
+		return EPJ_OK;
+	ej_tmpl *mod = NULL;
+	if ((st = get_module(ctx, device, dt, m, &mod)) != EPJ_OK)
+		return st;
+	const ej_device *dev = ej_tmpl_device(mod);
+	size_t es = ej_dtype_size(acc_dtype(dt)), eo = ej_dtype_size(dt);
+	struct attn_args a;
+	args_init(&a, m);
+	a.q = q->p;
+	a.k = k->p;
+	a.v = v->p;
+	a.o = o->p;
+	a.go = go->p;
+	a.lse_in = lse->p;
+	strides(a.qs, q, 4);
+	strides(a.ks, k, 4);
+	strides(a.vs, v, 4);
+	strides(a.os, o, 4);
+	strides(a.gs, go, 4);
+	strides(a.ls, lse, 3);
+	a.grad_q = dq;
+	a.grad_k = dk;
+	a.grad_v = dv;
+	void *di = NULL;
+	if (rows > 0) {
+		di = dev->alloc(dev->self, (size_t)rows * es);
+		if (!di)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"attention backward: out of device "
+					"memory for %lld x %zu bytes of "
+					"row sums",
+					(long long)rows, es);
+		a.di = di;
+		/* dq and di: one block per 16 queries of a (b, h) */
+		a.bk = pick_tile(smem_dq, m, es);
+		ej_launch_out lo[2] = { { dq, (size_t)(rows * m->d) * eo, eo },
+					{ di, (size_t)rows * es, es } };
+		ej_launch l = {
+			.grid = { (unsigned)(m->b * m->hq),
+				  (unsigned)((m->t + AT_BQ - 1) / AT_BQ), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem_dq(m, a.bk, es),
+			.args = &a,
+			.args_size = sizeof a,
+			.outs = m->d > 0 ? lo : lo + 1,
+			.n_out = m->d > 0 ? 2 : 1
+		};
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dq", &l);
+	}
+	if (st == EPJ_OK && krows > 0) {
+		/* dk and dv: one block per 16 keys of a (b, kv head) */
+		a.bq = pick_tile(smem_dkdv, m, es);
+		ej_launch_out lo[2] = { { dk, (size_t)(krows * m->d) * eo, eo },
+					{ dv, (size_t)(krows * m->dv) * eo,
+					  eo } };
+		int n_out = 0;
+		ej_launch_out outs[2];
+		for (int i = 0; i < 2; i++)
+			if (lo[i].bytes)
+				outs[n_out++] = lo[i];
+		ej_launch l = {
+			.grid = { (unsigned)(m->b * m->hkv),
+				  (unsigned)((m->s + AT_BKB - 1) / AT_BKB), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem_dkdv(m, a.bq, es),
+			.args = &a,
+			.args_size = sizeof a,
+			.outs = outs,
+			.n_out = n_out
+		};
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv", &l);
+	}
+	if (di)
+		dev->free(dev->self, di);
+	return st;
+}
+
+/* ---- eager adapters ------------------------------------------------------
+ */
+
+/* Element 0 of t (NULL for a tensor without storage: no elements). */
+static void *data_of(const epj_tensor *t)
+{
+	return t->storage ? ej_data(t) : NULL;
+}
+
+static ej_attn_operand operand_of(const epj_tensor *t)
+{
+	ej_attn_operand o = { data_of(t), { 0, 0, 0, 0 } };
+	for (int i = 0; i < t->ndim && i < 4; i++)
+		o.st[i] = t->stride[i];
+	return o;
+}
+
+/* The call's sizes from q, k, v = in[iq..iq+2] and its attrs (the scale
+ * resolved as the op resolves it). */
+static ej_attn_shape shape_of(const ej_call *c, int iq)
+{
+	const epj_tensor *q = c->in[iq], *k = c->in[iq + 1], *v = c->in[iq + 2];
+	ej_attn_shape m = { q->shape[0], q->shape[1], k->shape[1],
+			    q->shape[2], k->shape[2], q->shape[3],
+			    v->shape[3], false,	      0 };
+	const ej_attrs *at = c->attrs;
+	m.causal = at && at->n_i > 0 && at->i[0] != 0;
+	double sc = at && at->n_f > 0 ? at->f[0] : 0.0;
+	m.scale = sc > 0 ? sc : 1.0 / sqrt((double)(m.d > 1 ? m.d : 1));
+	return m;
+}
+
+/* Validates c with the op's shape inference and requires its outputs to be
+ * contiguous and of the inferred shapes. */
+static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
+			     int n_out)
+{
+	const char *name = ej_ops[op].name;
+	if (c->n_in != n_in || c->n_out != n_out)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s (cuda template): %d inputs and %d outputs "
+				"given, %d and %d expected",
+				name, c->n_in, c->n_out, n_in, n_out);
+	ej_meta meta[3];
+	epj_status st = ej_ops[op].infer(ctx, c, meta);
+	if (st != EPJ_OK)
+		return st;
+	for (int i = 0; i < n_out; i++) {
+		const epj_tensor *t = c->out[i];
+		if (t->dtype != meta[i].dtype || t->ndim != meta[i].ndim ||
+		    memcmp(t->shape, meta[i].shape,
+			   sizeof(int64_t) * (size_t)t->ndim) != 0)
+			return ej_error(ctx, EPJ_ERR_SHAPE,
+					"%s (cuda template): output %d is %s "
+					"of %d dims, not as the op infers",
+					name, i, epj_dtype_name(t->dtype),
+					t->ndim);
+		if (!ej_is_contiguous(t))
+			return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+					"%s (cuda template): output %d is not "
+					"contiguous",
+					name, i);
+	}
+	return EPJ_OK;
+}
+
+epj_status ej_cuda_op_sdpa(epj_ctx *ctx, ej_call *c)
+{
+	epj_status st = check_call(ctx, c, EJ_OP_SDPA, 3, 2);
+	if (st != EPJ_OK)
+		return st;
+	ej_attn_shape m = shape_of(c, 0);
+	ej_attn_operand q = operand_of(c->in[0]), k = operand_of(c->in[1]),
+			v = operand_of(c->in[2]);
+	return ej_tmpl_attention_fwd(ctx, ctx->dev->name, c->in[0]->dtype, &m,
+				     &q, &k, &v, data_of(c->out[0]),
+				     data_of(c->out[1]));
+}
+
+epj_status ej_cuda_op_sdpa_backward(epj_ctx *ctx, ej_call *c)
+{
+	epj_status st = check_call(ctx, c, EJ_OP_SDPA_BACKWARD, 6, 3);
+	if (st != EPJ_OK)
+		return st;
+	ej_attn_shape m = shape_of(c, 1);
+	ej_attn_operand go = operand_of(c->in[0]), q = operand_of(c->in[1]),
+			k = operand_of(c->in[2]), v = operand_of(c->in[3]),
+			o = operand_of(c->in[4]), lse = operand_of(c->in[5]);
+	return ej_tmpl_attention_bwd(
+	    ctx, ctx->dev->name, c->in[1]->dtype, &m, &go, &q, &k, &v, &o, &lse,
+	    data_of(c->out[0]), data_of(c->out[1]), data_of(c->out[2]));
+}

@@ -1,0 +1,604 @@
+/* check_tmpl_attention.c -- the flash-style attention template
+ * (templates/attention.cuh through jit/tmpl_attention.c) executed on
+ * cuda-sim, race check and poisoned outputs on (the defaults).
+ *
+ * - forward (out, lse) and backward (dq, dk, dv, from the kernel's own out
+ *   and lse) against a double reference written here, at odd sizes: T of 1,
+ *   5, 17 and past one 32-key tile, T != S both ways (bottom-right causal
+ *   mask: rows that see one key, rows that see none), D of 8, 24, 64 and
+ *   128, Dv != D, Hq/Hkv of 1/1, 4/2, 6/2, B of 1 and 2, causal or not, an
+ *   explicit scale, f32 / bf16 / f64, contiguous and strided inputs;
+ * - the eager adapters ej_cuda_op_sdpa and ej_cuda_op_sdpa_backward on a
+ *   cuda-sim context against the op table's CPU kernels on a cpu context,
+ *   strided inputs;
+ * - the errors of the host API and the adapters.
+ *
+ * Tolerances: f32 as the op tests (forward rtol 1e-4, backward 1e-3); bf16
+ * inputs are exact in the reference and the kernels compute in f32, so the
+ * error is the final rounding (2^-8 relative) plus the bf16-rounded out in
+ * rowsum(dO * O), which the reference uses too; f64 1e-10 / 1e-9.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include "check_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cc.h"
+#include "tmpl_attention.h"
+
+#define LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+static char *cache_dir;
+
+static void cache_setup(void)
+{
+	cache_dir = tu_tmpdir_new("tmpl-attn");
+	setenv("EPJIT_CACHE_DIR", cache_dir, 1);
+	unsetenv("EPJIT_SIM_RACECHECK");
+	unsetenv("EPJIT_SIM_POISON");
+	ej_tmpl_clear();
+}
+
+static void cache_teardown(void)
+{
+	ej_tmpl_clear();
+	tu_tmpdir_free(cache_dir);
+	cache_dir = NULL;
+}
+
+typedef struct cfg {
+	int64_t b, hq, hkv, t, s, d, dv;
+	bool causal;
+	double scale; /* <= 0: 1/sqrt(D) */
+} cfg;
+
+static double cfg_scale(const cfg *c)
+{
+	return c->scale > 0 ? c->scale : 1.0 / sqrt((double)c->d);
+}
+
+/* ---- double reference ----------------------------------------------------
+ */
+
+static int64_t ref_kend(const cfg *c, int64_t i)
+{
+	int64_t e = c->causal ? i + 1 + c->s - c->t : c->s;
+	return e < 0 ? 0 : (e > c->s ? c->s : e);
+}
+
+/* p[S] of query (b, h, i); returns the lse (-inf: no key visible). */
+static double ref_row(const cfg *c, const double *q, const double *k, int64_t b,
+		      int64_t h, int64_t i, double *p)
+{
+	int64_t g = h / (c->hq / c->hkv), je = ref_kend(c, i);
+	const double *qi = q + ((b * c->hq + h) * c->t + i) * c->d;
+	double mx = -INFINITY;
+	for (int64_t j = 0; j < c->s; j++) {
+		const double *kj = k + ((b * c->hkv + g) * c->s + j) * c->d;
+		double s = 0;
+		for (int64_t e = 0; e < c->d; e++)
+			s += qi[e] * kj[e];
+		p[j] = j < je ? s * cfg_scale(c) : -INFINITY;
+		mx = p[j] > mx ? p[j] : mx;
+	}
+	if (je == 0) {
+		for (int64_t j = 0; j < c->s; j++)
+			p[j] = 0;
+		return -INFINITY;
+	}
+	double sum = 0;
+	for (int64_t j = 0; j < je; j++)
+		sum += exp(p[j] - mx);
+	for (int64_t j = 0; j < c->s; j++)
+		p[j] = j < je ? exp(p[j] - mx) / sum : 0;
+	return mx + log(sum);
+}
+
+static void ref_fwd(const cfg *c, const double *q, const double *k,
+		    const double *v, double *out, double *lse)
+{
+	double *p = malloc(sizeof *p * (size_t)(c->s + 1));
+	for (int64_t b = 0; b < c->b; b++)
+		for (int64_t h = 0; h < c->hq; h++)
+			for (int64_t i = 0; i < c->t; i++) {
+				int64_t row = (b * c->hq + h) * c->t + i;
+				int64_t g = h / (c->hq / c->hkv);
+				const double *vg =
+				    v + (b * c->hkv + g) * c->s * c->dv;
+				lse[row] = ref_row(c, q, k, b, h, i, p);
+				for (int64_t e = 0; e < c->dv; e++) {
+					double s = 0;
+					for (int64_t j = 0; j < c->s; j++)
+						s += p[j] * vg[j * c->dv + e];
+					out[row * c->dv + e] = s;
+				}
+			}
+	free(p);
+}
+
+/* Gradients of sum(out * go); Di = rowsum(go * o) over the given out o (as
+ * the op defines it: the kernels read their out). */
+static void ref_bwd(const cfg *c, const double *q, const double *k,
+		    const double *v, const double *go, const double *o,
+		    double *dq, double *dk, double *dv)
+{
+	memset(dq, 0, sizeof *dq * (size_t)(c->b * c->hq * c->t * c->d));
+	memset(dk, 0, sizeof *dk * (size_t)(c->b * c->hkv * c->s * c->d));
+	memset(dv, 0, sizeof *dv * (size_t)(c->b * c->hkv * c->s * c->dv));
+	double *p = malloc(sizeof *p * (size_t)(c->s + 1));
+	double *dp = malloc(sizeof *dp * (size_t)(c->s + 1));
+	double sc = cfg_scale(c);
+	for (int64_t b = 0; b < c->b; b++)
+		for (int64_t h = 0; h < c->hq; h++)
+			for (int64_t i = 0; i < c->t; i++) {
+				int64_t g = h / (c->hq / c->hkv);
+				int64_t row = (b * c->hq + h) * c->t + i;
+				const double *gr = go + row * c->dv;
+				ref_row(c, q, k, b, h, i, p);
+				double di = 0;
+				for (int64_t e = 0; e < c->dv; e++)
+					di += gr[e] * o[row * c->dv + e];
+				for (int64_t j = 0; j < c->s; j++) {
+					int64_t kv =
+					    (b * c->hkv + g) * c->s + j;
+					dp[j] = 0;
+					for (int64_t e = 0; e < c->dv; e++) {
+						dp[j] +=
+						    gr[e] * v[kv * c->dv + e];
+						dv[kv * c->dv + e] +=
+						    p[j] * gr[e];
+					}
+				}
+				for (int64_t j = 0; j < c->s; j++) {
+					int64_t kv =
+					    (b * c->hkv + g) * c->s + j;
+					double ds = p[j] * (dp[j] - di) * sc;
+					for (int64_t e = 0; e < c->d; e++) {
+						dq[row * c->d + e] +=
+						    ds * k[kv * c->d + e];
+						dk[kv * c->d + e] +=
+						    ds * q[row * c->d + e];
+					}
+				}
+			}
+	free(p);
+	free(dp);
+}
+
+/* ---- template against the reference ------------------------------------- */
+
+typedef struct tol {
+	double rtol, atol;
+} tol;
+
+static tol fw_tol(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64    ? (tol){ 1e-10, 1e-12 }
+	       : dt == EPJ_DTYPE_BF16 ? (tol){ 1.0 / 250, 2e-3 }
+				      : (tol){ 1e-4, 1e-5 };
+}
+
+static tol bw_tol(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64    ? (tol){ 1e-9, 1e-11 }
+	       : dt == EPJ_DTYPE_BF16 ? (tol){ 1.0 / 250, 5e-3 }
+				      : (tol){ 1e-3, 1e-4 };
+}
+
+static epj_dtype acc_dt(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+}
+
+static ej_attn_operand operand(const epj_tensor *t)
+{
+	ej_attn_operand o = { ej_data(t), { 0, 0, 0, 0 } };
+	for (int i = 0; i < t->ndim; i++)
+		o.st[i] = t->stride[i];
+	return o;
+}
+
+static ej_attn_shape shape_of(const cfg *c)
+{
+	return (ej_attn_shape){ c->b, c->hq, c->hkv,	c->t,	     c->s,
+				c->d, c->dv, c->causal, cfg_scale(c) };
+}
+
+static void describe(char *buf, size_t n, const cfg *c, epj_dtype dt,
+		     const char *what)
+{
+	snprintf(buf, n,
+		 "%s %s B=%lld Hq=%lld Hkv=%lld T=%lld S=%lld D=%lld "
+		 "Dv=%lld causal=%d",
+		 what, epj_dtype_name(dt), (long long)c->b, (long long)c->hq,
+		 (long long)c->hkv, (long long)c->t, (long long)c->s,
+		 (long long)c->d, (long long)c->dv, (int)c->causal);
+}
+
+/* Forward and backward of one configuration on cuda-sim against ref_fwd /
+ * ref_bwd; inputs strided when nc. */
+static void check_case(epj_ctx *ctx, const cfg *c, epj_dtype dt, bool nc)
+{
+	int64_t qsh[4] = { c->b, c->hq, c->t, c->d };
+	int64_t ksh[4] = { c->b, c->hkv, c->s, c->d };
+	int64_t vsh[4] = { c->b, c->hkv, c->s, c->dv };
+	int64_t osh[4] = { c->b, c->hq, c->t, c->dv };
+	epj_tensor *q = tu_randn_nc(ctx, dt, 4, qsh, nc);
+	epj_tensor *k = tu_randn_nc(ctx, dt, 4, ksh, nc);
+	epj_tensor *v = tu_randn_nc(ctx, dt, 4, vsh, nc);
+	epj_tensor *go = tu_randn_nc(ctx, dt, 4, osh, nc);
+	epj_tensor *out = ej_tensor_alloc(ctx, dt, 4, osh, false);
+	epj_tensor *lse = ej_tensor_alloc(ctx, acc_dt(dt), 3, osh, false);
+	epj_tensor *dq = ej_tensor_alloc(ctx, dt, 4, qsh, false);
+	epj_tensor *dk = ej_tensor_alloc(ctx, dt, 4, ksh, false);
+	epj_tensor *dv = ej_tensor_alloc(ctx, dt, 4, vsh, false);
+	tu_ok(ctx, q);
+	tu_ok(ctx, k);
+	tu_ok(ctx, v);
+	tu_ok(ctx, go);
+	tu_ok(ctx, out);
+	tu_ok(ctx, lse);
+	tu_ok(ctx, dq);
+	tu_ok(ctx, dk);
+	tu_ok(ctx, dv);
+	char what[256];
+	ej_attn_shape m = shape_of(c);
+	ej_attn_operand oq = operand(q), ok = operand(k), ov = operand(v),
+			ogo = operand(go);
+
+	describe(what, sizeof what, c, dt, "forward");
+	epj_status st = ej_tmpl_attention_fwd(ctx, "cuda-sim", dt, &m, &oq, &ok,
+					      &ov, ej_data(out), ej_data(lse));
+	ck_assert_msg(st == EPJ_OK, "%s: %s", what, epj_ctx_error(ctx));
+	double *qv = tu_values(ctx, q), *kv = tu_values(ctx, k),
+	       *vv = tu_values(ctx, v), *gv = tu_values(ctx, go);
+	int64_t nq = c->b * c->hq * c->t;
+	double *ro = malloc(sizeof *ro * (size_t)(nq * c->dv + 1));
+	double *rl = malloc(sizeof *rl * (size_t)(nq + 1));
+	ref_fwd(c, qv, kv, vv, ro, rl);
+	tol ft = fw_tol(dt);
+	tu_assert_close(ctx, out, ro, ft.rtol, ft.atol, what);
+	/* lse is in the compute type: f32 rounding for bf16 too */
+	tol lt = dt == EPJ_DTYPE_F64 ? ft : fw_tol(EPJ_DTYPE_F32);
+	tu_assert_close(ctx, lse, rl, lt.rtol, lt.atol, what);
+
+	/* backward from the kernel's own out and lse */
+	describe(what, sizeof what, c, dt, "backward");
+	ej_attn_operand oo = operand(out), ol = operand(lse);
+	st = ej_tmpl_attention_bwd(ctx, "cuda-sim", dt, &m, &ogo, &oq, &ok, &ov,
+				   &oo, &ol, ej_data(dq), ej_data(dk),
+				   ej_data(dv));
+	ck_assert_msg(st == EPJ_OK, "%s: %s", what, epj_ctx_error(ctx));
+	double *outv = tu_values(ctx, out);
+	double *rq = malloc(sizeof *rq * (size_t)(nq * c->d + 1));
+	double *rk =
+	    malloc(sizeof *rk * (size_t)(c->b * c->hkv * c->s * c->d + 1));
+	double *rv =
+	    malloc(sizeof *rv * (size_t)(c->b * c->hkv * c->s * c->dv + 1));
+	ref_bwd(c, qv, kv, vv, gv, outv, rq, rk, rv);
+	tol bt = bw_tol(dt);
+	char w2[300];
+	snprintf(w2, sizeof w2, "%s dq", what);
+	tu_assert_close(ctx, dq, rq, bt.rtol, bt.atol, w2);
+	snprintf(w2, sizeof w2, "%s dk", what);
+	tu_assert_close(ctx, dk, rk, bt.rtol, bt.atol, w2);
+	snprintf(w2, sizeof w2, "%s dv", what);
+	tu_assert_close(ctx, dv, rv, bt.rtol, bt.atol, w2);
+
+	free(qv);
+	free(kv);
+	free(vv);
+	free(gv);
+	free(outv);
+	free(ro);
+	free(rl);
+	free(rq);
+	free(rk);
+	free(rv);
+	epj_tensor *all[] = { q, k, v, go, out, lse, dq, dk, dv };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+/* Each dtype runs every row; head dims stay in two register classes (D <=
+ * 32 and <= 64) per dtype to bound the modules built. */
+static const cfg cases[] = {
+	/* b hq hkv  t   s   d  dv causal scale */
+	{ 1, 1, 1, 1, 1, 8, 8, true, 0 },	/* one query, one key */
+	{ 2, 4, 2, 5, 5, 24, 24, true, 0 },	/* GQA 2:1, row 0: one key */
+	{ 1, 6, 2, 17, 17, 64, 64, false, 0 },	/* GQA 3:1, one tile */
+	{ 2, 6, 2, 37, 37, 8, 8, true, 0 },	/* two key tiles + tail */
+	{ 1, 4, 2, 35, 35, 64, 64, true, 0.2 }, /* two tiles, scale */
+	{ 1, 1, 1, 5, 17, 24, 8, true, 0 },	/* T < S, Dv != D */
+	{ 1, 4, 2, 17, 5, 8, 8, true, 0 },	/* T > S: 12 rows see none */
+	{ 1, 1, 1, 37, 37, 24, 24, false, 0 },	/* not causal, 2 tiles */
+	{ 2, 6, 2, 1, 33, 64, 24, true, 0 },	/* decode: 1 query, 33 keys */
+	{ 1, 4, 2, 33, 33, 24, 24, true, 0.7 }, /* sharper softmax */
+};
+
+static void run_cases(epj_dtype dt)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(cases); i++)
+		check_case(ctx, &cases[i], dt, i % 3 == 1);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_f32)
+{
+	run_cases(EPJ_DTYPE_F32);
+}
+END_TEST
+
+START_TEST(test_bf16)
+{
+	run_cases(EPJ_DTYPE_BF16);
+}
+END_TEST
+
+START_TEST(test_f64)
+{
+	run_cases(EPJ_DTYPE_F64);
+}
+END_TEST
+
+/* Head dims past 64 (the largest the template holds: 128, and 96 for a
+ * partial register class), f32, both passes. */
+START_TEST(test_wide_heads)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const cfg wide[] = {
+		{ 1, 2, 1, 19, 19, 128, 128, true, 0 },
+		{ 1, 2, 2, 7, 9, 96, 128, false, 0 },
+	};
+	for (size_t i = 0; i < LEN(wide); i++)
+		check_case(ctx, &wide[i], EPJ_DTYPE_F32, i == 1);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- the eager adapters against the op table's CPU kernels -------------- */
+
+static ej_attrs sdpa_attrs(const cfg *c)
+{
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, c->causal);
+	ej_attrs_push_f(&at, c->scale);
+	return at;
+}
+
+static tol adapter_tol(epj_dtype dt, bool bw)
+{
+	/* two implementations that round differently: one bf16 ulp apart */
+	if (dt == EPJ_DTYPE_BF16)
+		return (tol){ 1.0 / 100, 1e-2 };
+	return bw ? bw_tol(dt) : fw_tol(dt);
+}
+
+static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
+			   epj_dtype dt)
+{
+	int64_t qsh[4] = { c->b, c->hq, c->t, c->d };
+	int64_t ksh[4] = { c->b, c->hkv, c->s, c->d };
+	int64_t vsh[4] = { c->b, c->hkv, c->s, c->dv };
+	int64_t osh[4] = { c->b, c->hq, c->t, c->dv };
+	/* strided inputs on the cuda-sim context */
+	epj_tensor *q = tu_randn_nc(sim, dt, 4, qsh, true);
+	epj_tensor *k = tu_randn_nc(sim, dt, 4, ksh, true);
+	epj_tensor *v = tu_randn_nc(sim, dt, 4, vsh, false);
+	epj_tensor *go = tu_randn_nc(sim, dt, 4, osh, true);
+	tu_ok(sim, q);
+	tu_ok(sim, k);
+	tu_ok(sim, v);
+	tu_ok(sim, go);
+	ej_attrs at = sdpa_attrs(c);
+	char what[256];
+
+	/* forward: CPU kernel on the cpu context, the adapter on cuda-sim */
+	epj_tensor *co[2] = { ej_tensor_alloc(cpu, dt, 4, osh, false),
+			      ej_tensor_alloc(cpu, acc_dt(dt), 3, osh, false) };
+	epj_tensor *so[2] = { ej_tensor_alloc(sim, dt, 4, osh, false),
+			      ej_tensor_alloc(sim, acc_dt(dt), 3, osh, false) };
+	epj_tensor *in[3] = { q, k, v };
+	ej_call call = { EJ_OP_SDPA, &at, in, 3, co, 2 };
+	ck_assert_int_eq(ej_ops[EJ_OP_SDPA].cpu_kernel(cpu, &call), EPJ_OK);
+	call.out = so;
+	describe(what, sizeof what, c, dt, "ej_cuda_op_sdpa");
+	ck_assert_msg(ej_cuda_op_sdpa(sim, &call) == EPJ_OK, "%s: %s", what,
+		      epj_ctx_error(sim));
+	tol ft = adapter_tol(dt, false);
+	tu_assert_tensors_close(cpu, so[0], co[0], ft.rtol, ft.atol, what);
+	tol lt = dt == EPJ_DTYPE_F64 ? ft : fw_tol(EPJ_DTYPE_F32);
+	tu_assert_tensors_close(cpu, so[1], co[1], lt.rtol, lt.atol, what);
+
+	/* backward of both from the CPU forward's out and a strided lse */
+	epj_tensor *lse_nc = tu_noncontig(sim, co[1]);
+	tu_ok(sim, lse_nc);
+	epj_tensor *o_nc = tu_noncontig(sim, co[0]);
+	tu_ok(sim, o_nc);
+	epj_tensor *bin[6] = { go, q, k, v, o_nc, lse_nc };
+	epj_tensor *cg[3], *sg[3];
+	const int64_t *gsh[3] = { qsh, ksh, vsh };
+	for (int i = 0; i < 3; i++) {
+		cg[i] = ej_tensor_alloc(cpu, dt, 4, gsh[i], false);
+		sg[i] = ej_tensor_alloc(sim, dt, 4, gsh[i], false);
+	}
+	ej_call bcall = { EJ_OP_SDPA_BACKWARD, &at, bin, 6, cg, 3 };
+	ck_assert_int_eq(ej_ops[EJ_OP_SDPA_BACKWARD].cpu_kernel(cpu, &bcall),
+			 EPJ_OK);
+	bcall.out = sg;
+	describe(what, sizeof what, c, dt, "ej_cuda_op_sdpa_backward");
+	ck_assert_msg(ej_cuda_op_sdpa_backward(sim, &bcall) == EPJ_OK, "%s: %s",
+		      what, epj_ctx_error(sim));
+	tol bt = adapter_tol(dt, true);
+	static const char *const gname[3] = { "dq", "dk", "dv" };
+	for (int i = 0; i < 3; i++) {
+		char w2[300];
+		snprintf(w2, sizeof w2, "%s %s", what, gname[i]);
+		tu_assert_tensors_close(cpu, sg[i], cg[i], bt.rtol, bt.atol,
+					w2);
+	}
+	epj_tensor *all[] = { q,     k,	    v,	    go,	  co[0], co[1],
+			      so[0], so[1], lse_nc, o_nc, cg[0], cg[1],
+			      cg[2], sg[0], sg[1],  sg[2] };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+START_TEST(test_adapters)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &sim), EPJ_OK);
+	epj_ctx_seed(sim, tu_seed() + 7);
+	static const cfg acases[] = {
+		{ 2, 4, 2, 17, 17, 8, 8, true, 0 },
+		{ 1, 6, 2, 7, 37, 24, 16, true, 0.25 },
+		{ 1, 3, 3, 37, 9, 16, 16, true, 0 },
+		{ 1, 2, 1, 5, 5, 32, 24, false, 0 },
+		/* empty sizes: no key (out 0, lse -inf, dq 0), no query (dk,
+		 * dv 0) */
+		{ 1, 2, 1, 3, 0, 8, 8, false, 0 },
+		{ 2, 2, 1, 0, 4, 8, 8, true, 0 },
+	};
+	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					 EPJ_DTYPE_F64 };
+	for (size_t d = 0; d < LEN(dts); d++)
+		for (size_t i = 0; i < LEN(acases); i++)
+			if ((i + d) % 2 == 0 || dts[d] == EPJ_DTYPE_F32 ||
+			    i >= 4)
+				check_adapters(cpu, sim, &acases[i], dts[d]);
+	epj_ctx_free(sim);
+	epj_ctx_free(cpu);
+}
+END_TEST
+
+/* ---- NVRTC ---------------------------------------------------------------
+ * Every module the host API can ask for (dtype x head-dim registers)
+ * compiles under NVRTC without a warning; the templates suite covers the
+ * defaults for every arch. */
+START_TEST(test_nvrtc_variants)
+{
+	int maj = 0, min = 0;
+	if (!ej_nvrtc_version(&maj, &min)) {
+		printf("test_nvrtc_variants: built without NVRTC, skipped\n");
+		return;
+	}
+	epj_ctx *ctx = tu_ctx();
+	for (int dt = 0; dt < 3; dt++)
+		for (int dl = 1; dl <= 4; dl++) {
+			char defs[96];
+			snprintf(defs, sizeof defs,
+				 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d",
+				 dt, dl);
+			ej_arena *A = ej_arena_new();
+			const char *src =
+			    ej_tmpl_source(ctx, A, "attention", defs);
+			ck_assert_ptr_nonnull(src);
+			const char *arch = dl % 2 ? "sm_80" : "sm_90";
+			ej_nvrtc_result r = { 0 };
+			epj_status st = ej_nvrtc_compile(ctx, src, "attention",
+							 arch, NULL, 0, &r);
+			ck_assert_msg(st == EPJ_OK, "DT %d DL %d %s: %s", dt,
+				      dl, arch, epj_ctx_error(ctx));
+			ck_assert_msg(!r.log || !*r.log,
+				      "DT %d DL %d %s: NVRTC said: %s", dt, dl,
+				      arch, r.log);
+			ck_assert_uint_gt(r.size, 0);
+			ej_nvrtc_result_free(&r);
+			ej_arena_free(A);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- errors ----------------------------------------------------------------
+ */
+
+START_TEST(test_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	float buf[64] = { 0 };
+	ej_attn_operand o = { buf, { 0, 0, 0, 0 } };
+	ej_attn_shape m = { 1, 2, 1, 3, 3, 8, 8, true, 0.5 };
+	epj_status st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_I32,
+					      &m, &o, &o, &o, buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_DTYPE);
+	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("i32", "f32"));
+	ej_attn_shape wide = m;
+	wide.d = 129;
+	st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &wide, &o,
+				   &o, &o, buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_UNSUPPORTED);
+	tu_assert_ctx_error(ctx, EPJ_ERR_UNSUPPORTED, TU_STRS("D=129", "128"));
+	ej_attn_shape gqa = m;
+	gqa.hq = 3;
+	gqa.hkv = 2;
+	st = ej_tmpl_attention_bwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &gqa, &o, &o,
+				   &o, &o, &o, &o, buf, buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_SHAPE);
+	tu_assert_ctx_error(ctx, EPJ_ERR_SHAPE, TU_STRS("Hq=3", "Hkv=2"));
+	ej_attn_shape noscale = m;
+	noscale.scale = 0;
+	st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &noscale, &o,
+				   &o, &o, buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_INVALID);
+	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("scale"));
+	st = ej_tmpl_attention_fwd(ctx, "cpu", EPJ_DTYPE_F32, &m, &o, &o, &o,
+				   buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_INVALID);
+	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("runs no CUDA C"));
+
+	/* adapters: the op's own shape errors, and a cpu context */
+	int64_t qsh[4] = { 1, 2, 3, 8 }, ksh[4] = { 1, 1, 4, 6 };
+	epj_tensor *q = tu_randn(ctx, EPJ_DTYPE_F32, 4, qsh);
+	epj_tensor *k = tu_randn(ctx, EPJ_DTYPE_F32, 4, ksh);
+	epj_tensor *out = ej_tensor_alloc(ctx, EPJ_DTYPE_F32, 4, qsh, false);
+	epj_tensor *lse = ej_tensor_alloc(ctx, EPJ_DTYPE_F32, 3, qsh, false);
+	epj_tensor *in[3] = { q, k, k }, *outs[2] = { out, lse };
+	ej_attrs at = ej_attrs_none();
+	ej_call c = { EJ_OP_SDPA, &at, in, 3, outs, 2 };
+	ck_assert_int_eq(ej_cuda_op_sdpa(ctx, &c), EPJ_ERR_SHAPE);
+	tu_assert_ctx_error(ctx, EPJ_ERR_SHAPE, TU_STRS("head dims"));
+	in[1] = in[2] = q; /* valid shapes, but a cpu context */
+	ck_assert_int_eq(ej_cuda_op_sdpa(ctx, &c), EPJ_ERR_INVALID);
+	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("cpu"));
+	/* an output that is not contiguous is refused, named */
+	epj_ctx *sim = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &sim), EPJ_OK);
+	epj_tensor *out_nc = tu_noncontig(sim, out);
+	outs[0] = out_nc;
+	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &c), EPJ_ERR_UNSUPPORTED);
+	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
+			    TU_STRS("sdpa", "output 0", "contiguous"));
+	epj_tensor_free(out_nc);
+	epj_ctx_free(sim);
+	epj_tensor_free(q);
+	epj_tensor_free(k);
+	epj_tensor_free(out);
+	epj_tensor_free(lse);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+Suite *make_tmpl_attention_suite(void)
+{
+	Suite *s = suite_create("tmpl_attention");
+	TCase *tc = tcase_create("sim");
+	tcase_add_checked_fixture(tc, cache_setup, cache_teardown);
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_f32);
+	tcase_add_test(tc, test_bf16);
+	tcase_add_test(tc, test_f64);
+	tcase_add_test(tc, test_wide_heads);
+	tcase_add_test(tc, test_adapters);
+	tcase_add_test(tc, test_errors);
+	tcase_add_test(tc, test_nvrtc_variants);
+	suite_add_tcase(s, tc);
+	return s;
+}

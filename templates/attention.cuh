@@ -1,0 +1,462 @@
+/* attention.cuh -- causal grouped-query attention, flash-style: the SDPA and
+ * SDPA_BACKWARD ops (lib/ops_attention.c) on the CUDA devices, with no
+ * T x S tensor in memory.
+ *
+ * Layouts (element strides in the args, so any strided input works):
+ *   q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]; query head h reads
+ *   kv head h / (Hq / Hkv).  Outputs are contiguous: out [B, Hq, T, Dv] in
+ *   the inputs' dtype, lse [B, Hq, T] in the compute type; dq, dk, dv shaped
+ *   like q, k, v.  Causal masks key j of query i when j > i + (S - T)
+ *   (bottom-right aligned); a query that sees no key gets out 0, lse -inf,
+ *   dq 0, as the CPU op gives.
+ *
+ * Types: EJ_ATTN_DT 0 = f32, 1 = bf16 (storage; math in f32), 2 = f64 (math
+ * in f64).  EJ_ATTN_DL = ceil(max(D, Dv) / 32): head dims up to 32 * DL are
+ * held in registers, DL per lane (the host picks it; at most 4, so D and Dv
+ * up to 128).  All kernels use blocks of EJ_AT_NT = 128 threads (4 warps)
+ * and the launch's dynamic shared memory (sizes below, in compute-type
+ * elements; the host computes them).  Every output element is written by
+ * exactly one thread, and every sum runs in a fixed order: no atomics, so
+ * results are bit for bit the same for any block schedule.
+ *
+ * ej_attn_fwd     grid (B * Hq, ceil(T / 16)).  A block owns 16 queries of
+ *                 one (b, h), 4 rows per warp.  Shared: qs [16][D] (q *
+ *                 scale), ks [bk][D + 1], vs [bk][Dv], ps [16][bk].  The
+ *                 block loops over key tiles of bk <= 32 keys (up to the
+ *                 last key its last row sees), staged in shared memory;
+ *                 lane j scores key j of the tile, the warp takes max and
+ *                 sum by shuffles, and the online softmax keeps per row the
+ *                 running max m and sum l (compute type) and rescales the
+ *                 accumulator out[Dv] (lane owns dims lane + 32 c) by
+ *                 exp(m_old - m_new) before adding the tile's p V.  At the
+ *                 end out = acc / l, lse = m + log l.
+ * ej_attn_bwd_dq  grid (B * Hq, ceil(T / 16)), rows as in the forward.
+ *                 Shared: qs [16][D], gos [16][Dv], ks [bk][D + 1],
+ *                 vs [bk][Dv + 1], dss [16][bk].  Per row Di =
+ *                 rowsum(dO * O), written to di [B, Hq, T] for the next
+ *                 kernel; per key tile P = exp(q k^T scale - lse), dP = dO
+ *                 V^T, dS = P (dP - Di), and dq += dS K; dq = scale dq.
+ * ej_attn_bwd_dkdv grid (B * Hkv, ceil(S / 16)).  A block owns 16 keys of
+ *                 one kv head (4 per warp, lane owns dims lane + 32 c) and
+ *                 loops over the query heads of the kv group and, for each,
+ *                 over tiles of bq queries (from the first query that sees
+ *                 the tile's first key under the causal mask).  Shared:
+ *                 ks [16][D + 1], vs [16][Dv + 1], qs [bq][D], gos [bq][Dv],
+ *                 lses [bq], dis [bq], ps [bq][17], dss [bq][17].  Each
+ *                 thread recomputes some P and dS elements of the tile;
+ *                 then dV += P^T dO and dK += dS^T (q scale) accumulate in
+ *                 registers.  Reads di of ej_attn_bwd_dq.
+ */
+
+#ifndef EJ_ATTN_DT
+#define EJ_ATTN_DT 0
+#endif
+#ifndef EJ_ATTN_DL
+#define EJ_ATTN_DL 4
+#endif
+
+#if EJ_ATTN_DT == 2
+typedef double ej_at_acc;
+typedef double ej_at_el;
+#define EJ_AT_LD(x)  (x)
+#define EJ_AT_ST(x)  (x)
+#define EJ_AT_EXP(x) exp(x)
+#define EJ_AT_LOG(x) log(x)
+#define EJ_AT_NINF   (-ej_inf_d())
+#elif EJ_ATTN_DT == 1
+typedef float ej_at_acc;
+typedef ej_bf16 ej_at_el;
+#define EJ_AT_LD(x)  ej_bf2f(x)
+#define EJ_AT_ST(x)  ej_f2bf(x)
+#define EJ_AT_EXP(x) expf(x)
+#define EJ_AT_LOG(x) logf(x)
+#define EJ_AT_NINF   (-ej_inf_f())
+#else
+typedef float ej_at_acc;
+typedef float ej_at_el;
+#define EJ_AT_LD(x)  (x)
+#define EJ_AT_ST(x)  (x)
+#define EJ_AT_EXP(x) expf(x)
+#define EJ_AT_LOG(x) logf(x)
+#define EJ_AT_NINF   (-ej_inf_f())
+#endif
+
+#define EJ_AT_NW  4			 /* warps per block */
+#define EJ_AT_NT  (32 * EJ_AT_NW)	 /* threads per block */
+#define EJ_AT_RPW 4			 /* query rows per warp (fwd, dq) */
+#define EJ_AT_BQ  (EJ_AT_NW * EJ_AT_RPW) /* queries per block (fwd, dq) */
+#define EJ_AT_KPW 4			 /* keys per warp (dkdv) */
+#define EJ_AT_BKB (EJ_AT_NW * EJ_AT_KPW) /* keys per block (dkdv) */
+
+/* One argument struct for the three kernels (jit/tmpl_attention.c mirrors
+ * it).  Strides are in elements; unused members are NULL / 0. */
+struct ej_attn_args {
+	const void *q, *k, *v;		/* inputs, dtype EJ_ATTN_DT */
+	const void *o, *go;		/* backward: out and grad_out */
+	const void *lse_in;		/* backward: lse (compute type) */
+	void *out, *lse;		/* forward outputs (contiguous) */
+	void *grad_q, *grad_k, *grad_v; /* backward outputs (contiguous) */
+	void *di; /* [B, Hq, T]: Di, written by dq, read by dkdv */
+	long long qs[4], ks[4], vs[4], os[4], gs[4];
+	long long ls[3]; /* lse_in strides */
+	int b, hq, hkv, t, s, d, dv;
+	int causal;
+	int bk; /* key tile of fwd and dq, 1..32 */
+	int bq; /* query tile of dkdv, >= 1 */
+	double scale;
+};
+
+/* Keys visible to query i: [0, ej_at_kend(i)); 0 for rows past T. */
+EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
+{
+	if (i >= a.t)
+		return 0;
+	if (!a.causal)
+		return a.s;
+	int e = i + 1 + a.s - a.t;
+	return e < 0 ? 0 : (e > a.s ? a.s : e);
+}
+
+EJ_D long long ej_at_off(const long long *st, int b, int h, int i, int c)
+{
+	return (long long)b * st[0] + (long long)h * st[1] +
+	       (long long)i * st[2] + (long long)c * st[3];
+}
+
+EJ_D ej_at_acc ej_at_ld(const void *p, long long off)
+{
+	return EJ_AT_LD(((const ej_at_el *)p)[off]);
+}
+
+EJ_D ej_at_acc ej_at_wmax(ej_at_acc v)
+{
+	for (int o = 16; o > 0; o >>= 1) {
+		ej_at_acc x = __shfl_xor_sync(0xffffffffu, v, o);
+		v = x > v ? x : v;
+	}
+	return v;
+}
+
+EJ_D ej_at_acc ej_at_wsum(ej_at_acc v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* finite (neither inf nor NaN) */
+EJ_D bool ej_at_finite(ej_at_acc x)
+{
+	return x - x == (ej_at_acc)0;
+}
+
+/* Rows [n] of a [B, H, rows, cols] operand (row r0 + r, r < n) into
+ * sh[n][ld], times mul; rows past `rows` are 0. */
+EJ_D void ej_at_stage(ej_at_acc *sh, int ld, const void *p, const long long *st,
+		      int b, int h, int r0, int n, int rows, int cols,
+		      ej_at_acc mul)
+{
+	for (int e = threadIdx.x; e < n * cols; e += EJ_AT_NT) {
+		int r = e / cols, c = e - r * cols;
+		ej_at_acc x = 0;
+		if (r0 + r < rows)
+			x = mul * ej_at_ld(p, ej_at_off(st, b, h, r0 + r, c));
+		sh[r * ld + c] = x;
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+    ej_attn_fwd(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, BK = a.bk;
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	const int i0 = blockIdx.y * EJ_AT_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_at_acc *qs = (ej_at_acc *)ej_dyn_smem();
+	ej_at_acc *ks = qs + EJ_AT_BQ * D;
+	ej_at_acc *vs = ks + BK * (D + 1);
+	ej_at_acc *ps = vs + BK * DV;
+	const ej_at_acc ninf = EJ_AT_NINF;
+
+	ej_at_stage(qs, D, a.q, a.qs, b, h, i0, EJ_AT_BQ, a.t, D,
+		    (ej_at_acc)a.scale);
+	ej_at_acc m[EJ_AT_RPW], l[EJ_AT_RPW], acc[EJ_AT_RPW][EJ_ATTN_DL];
+	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+		m[rr] = ninf;
+		l[rr] = 0;
+		for (int c = 0; c < EJ_ATTN_DL; c++)
+			acc[rr][c] = 0;
+	}
+	int ilast = i0 + EJ_AT_BQ < a.t ? i0 + EJ_AT_BQ - 1 : a.t - 1;
+	int kmax = ej_at_kend(a, ilast); /* keys any row of the block sees */
+	for (int k0 = 0; k0 < kmax; k0 += BK) {
+		__syncthreads(); /* the previous tile is consumed */
+		ej_at_stage(ks, D + 1, a.k, a.ks, b, g, k0, BK, a.s, D, 1);
+		ej_at_stage(vs, DV, a.v, a.vs, b, g, k0, BK, a.s, DV, 1);
+		__syncthreads();
+		for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+			int r = w * EJ_AT_RPW + rr;
+			int ke = ej_at_kend(a, i0 + r) - k0; /* in the tile */
+			bool vis = lane < BK && lane < ke;
+			ej_at_acc sc = ninf;
+			if (vis) {
+				const ej_at_acc *qr = qs + r * D;
+				const ej_at_acc *kr = ks + lane * (D + 1);
+				ej_at_acc dot = 0;
+				for (int c = 0; c < D; c++)
+					dot += qr[c] * kr[c];
+				sc = dot;
+			}
+			ej_at_acc mn = ej_at_wmax(sc);
+			mn = m[rr] > mn ? m[rr] : mn;
+			ej_at_acc p = 0, alpha = 1;
+			if (mn != ninf) {
+				p = vis ? EJ_AT_EXP(sc - mn) : (ej_at_acc)0;
+				alpha = EJ_AT_EXP(m[rr] - mn);
+			}
+			ej_at_acc psum = ej_at_wsum(p);
+			l[rr] = l[rr] * alpha + psum;
+			m[rr] = mn;
+			if (lane < BK)
+				ps[r * BK + lane] = p;
+			__syncwarp();
+			int nk = ke < BK ? ke : BK;
+			const ej_at_acc *pr = ps + r * BK;
+			for (int c = 0; c < EJ_ATTN_DL; c++) {
+				int d = lane + 32 * c;
+				if (d >= DV)
+					break;
+				ej_at_acc x = acc[rr][c] * alpha;
+				for (int j = 0; j < nk; j++)
+					x += pr[j] * vs[j * DV + d];
+				acc[rr][c] = x;
+			}
+		}
+	}
+	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+		int i = i0 + w * EJ_AT_RPW + rr;
+		if (i >= a.t)
+			break;
+		long long row = (long long)bh * a.t + i;
+		bool any = l[rr] > 0;
+		ej_at_acc inv = any ? (ej_at_acc)1 / l[rr] : (ej_at_acc)0;
+		for (int c = 0; c < EJ_ATTN_DL; c++) {
+			int d = lane + 32 * c;
+			if (d < DV)
+				((ej_at_el *)a.out)[row * DV + d] =
+				    EJ_AT_ST(acc[rr][c] * inv);
+		}
+		if (lane == 0)
+			((ej_at_acc *)a.lse)[row] =
+			    any ? m[rr] + EJ_AT_LOG(l[rr]) : ninf;
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+    ej_attn_bwd_dq(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, BK = a.bk;
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	const int i0 = blockIdx.y * EJ_AT_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_at_acc *qs = (ej_at_acc *)ej_dyn_smem();
+	ej_at_acc *gos = qs + EJ_AT_BQ * D;
+	ej_at_acc *ks = gos + EJ_AT_BQ * DV;
+	ej_at_acc *vs = ks + BK * (D + 1);
+	ej_at_acc *dss = vs + BK * (DV + 1);
+
+	ej_at_stage(qs, D, a.q, a.qs, b, h, i0, EJ_AT_BQ, a.t, D,
+		    (ej_at_acc)a.scale);
+	ej_at_stage(gos, DV, a.go, a.gs, b, h, i0, EJ_AT_BQ, a.t, DV, 1);
+	__syncthreads();
+	/* per row: lse, Di = rowsum(dO * O) (written for ej_attn_bwd_dkdv) */
+	ej_at_acc lse[EJ_AT_RPW], di[EJ_AT_RPW], acc[EJ_AT_RPW][EJ_ATTN_DL];
+	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+		int r = w * EJ_AT_RPW + rr, i = i0 + r;
+		ej_at_acc part = 0;
+		lse[rr] = EJ_AT_NINF;
+		if (i < a.t) {
+			for (int d = lane; d < DV; d += 32)
+				part +=
+				    gos[r * DV + d] *
+				    ej_at_ld(a.o, ej_at_off(a.os, b, h, i, d));
+			lse[rr] = ((const ej_at_acc *)
+				       a.lse_in)[(long long)b * a.ls[0] +
+						 (long long)h * a.ls[1] +
+						 (long long)i * a.ls[2]];
+		}
+		di[rr] = ej_at_wsum(part);
+		if (i < a.t && lane == 0)
+			((ej_at_acc *)a.di)[(long long)bh * a.t + i] = di[rr];
+		for (int c = 0; c < EJ_ATTN_DL; c++)
+			acc[rr][c] = 0;
+	}
+	int ilast = i0 + EJ_AT_BQ < a.t ? i0 + EJ_AT_BQ - 1 : a.t - 1;
+	int kmax = ej_at_kend(a, ilast);
+	for (int k0 = 0; k0 < kmax; k0 += BK) {
+		__syncthreads();
+		ej_at_stage(ks, D + 1, a.k, a.ks, b, g, k0, BK, a.s, D, 1);
+		ej_at_stage(vs, DV + 1, a.v, a.vs, b, g, k0, BK, a.s, DV, 1);
+		__syncthreads();
+		for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+			int r = w * EJ_AT_RPW + rr;
+			int ke = ej_at_kend(a, i0 + r) - k0;
+			ej_at_acc ds = 0;
+			if (lane < BK && lane < ke && ej_at_finite(lse[rr])) {
+				const ej_at_acc *qr = qs + r * D;
+				const ej_at_acc *kr = ks + lane * (D + 1);
+				const ej_at_acc *gr = gos + r * DV;
+				const ej_at_acc *vr = vs + lane * (DV + 1);
+				ej_at_acc s = 0, dp = 0;
+				for (int c = 0; c < D; c++)
+					s += qr[c] * kr[c];
+				for (int c = 0; c < DV; c++)
+					dp += gr[c] * vr[c];
+				ds = EJ_AT_EXP(s - lse[rr]) * (dp - di[rr]);
+			}
+			if (lane < BK)
+				dss[r * BK + lane] = ds;
+			__syncwarp();
+			int nk = ke < BK ? ke : BK;
+			const ej_at_acc *dr = dss + r * BK;
+			for (int c = 0; c < EJ_ATTN_DL; c++) {
+				int d = lane + 32 * c;
+				if (d >= D)
+					break;
+				ej_at_acc x = acc[rr][c];
+				for (int j = 0; j < nk; j++)
+					x += dr[j] * ks[j * (D + 1) + d];
+				acc[rr][c] = x;
+			}
+		}
+	}
+	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
+		int i = i0 + w * EJ_AT_RPW + rr;
+		if (i >= a.t)
+			break;
+		long long row = (long long)bh * a.t + i;
+		for (int c = 0; c < EJ_ATTN_DL; c++) {
+			int d = lane + 32 * c;
+			if (d < D)
+				((ej_at_el *)a.grad_q)[row * D + d] =
+				    EJ_AT_ST((ej_at_acc)a.scale * acc[rr][c]);
+		}
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+    ej_attn_bwd_dkdv(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, BQ = a.bq, BK = EJ_AT_BKB;
+	const int bg = blockIdx.x, b = bg / a.hkv, g = bg % a.hkv;
+	const int rep = a.hq / a.hkv;
+	const int j0 = blockIdx.y * BK;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_at_acc *ks = (ej_at_acc *)ej_dyn_smem();
+	ej_at_acc *vs = ks + BK * (D + 1);
+	ej_at_acc *qs = vs + BK * (DV + 1);
+	ej_at_acc *gos = qs + BQ * D;
+	ej_at_acc *lses = gos + BQ * DV;
+	ej_at_acc *dis = lses + BQ;
+	ej_at_acc *ps = dis + BQ;
+	ej_at_acc *dss = ps + BQ * (BK + 1);
+
+	ej_at_stage(ks, D + 1, a.k, a.ks, b, g, j0, BK, a.s, D, 1);
+	ej_at_stage(vs, DV + 1, a.v, a.vs, b, g, j0, BK, a.s, DV, 1);
+	ej_at_acc dk[EJ_AT_KPW][EJ_ATTN_DL], dv[EJ_AT_KPW][EJ_ATTN_DL];
+	for (int kk = 0; kk < EJ_AT_KPW; kk++)
+		for (int c = 0; c < EJ_ATTN_DL; c++)
+			dk[kk][c] = dv[kk][c] = 0;
+	/* the first query that sees key j0 */
+	int imin = a.causal ? j0 - (a.s - a.t) : 0;
+	if (imin < 0)
+		imin = 0;
+	for (int hh = 0; hh < rep; hh++) {
+		int h = g * rep + hh;
+		for (int q0 = imin; q0 < a.t; q0 += BQ) {
+			__syncthreads(); /* the previous tile is consumed */
+			ej_at_stage(qs, D, a.q, a.qs, b, h, q0, BQ, a.t, D,
+				    (ej_at_acc)a.scale);
+			ej_at_stage(gos, DV, a.go, a.gs, b, h, q0, BQ, a.t, DV,
+				    1);
+			for (int r = threadIdx.x; r < BQ; r += EJ_AT_NT) {
+				int i = q0 + r;
+				ej_at_acc ls = EJ_AT_NINF, d0 = 0;
+				if (i < a.t) {
+					ls = ((const ej_at_acc *)a.lse_in)
+					    [(long long)b * a.ls[0] +
+					     (long long)h * a.ls[1] +
+					     (long long)i * a.ls[2]];
+					d0 = ((const ej_at_acc *)a.di)
+					    [((long long)b * a.hq + h) * a.t +
+					     i];
+				}
+				lses[r] = ls;
+				dis[r] = d0;
+			}
+			__syncthreads();
+			for (int e = threadIdx.x; e < BQ * BK; e += EJ_AT_NT) {
+				int r = e / BK, jj = e - r * BK;
+				ej_at_acc p = 0, ds = 0;
+				if (j0 + jj < ej_at_kend(a, q0 + r) &&
+				    ej_at_finite(lses[r])) {
+					const ej_at_acc *qr = qs + r * D;
+					const ej_at_acc *kr = ks + jj * (D + 1);
+					const ej_at_acc *gr = gos + r * DV;
+					const ej_at_acc *vr =
+					    vs + jj * (DV + 1);
+					ej_at_acc s = 0, dp = 0;
+					for (int c = 0; c < D; c++)
+						s += qr[c] * kr[c];
+					for (int c = 0; c < DV; c++)
+						dp += gr[c] * vr[c];
+					p = EJ_AT_EXP(s - lses[r]);
+					ds = p * (dp - dis[r]);
+				}
+				ps[r * (BK + 1) + jj] = p;
+				dss[r * (BK + 1) + jj] = ds;
+			}
+			__syncthreads();
+			int nr = a.t - q0 < BQ ? a.t - q0 : BQ;
+			for (int kk = 0; kk < EJ_AT_KPW; kk++) {
+				int jj = w * EJ_AT_KPW + kk;
+				for (int c = 0; c < EJ_ATTN_DL; c++) {
+					int d = lane + 32 * c;
+					ej_at_acc xv = dv[kk][c],
+						  xk = dk[kk][c];
+					for (int r = 0; r < nr; r++) {
+						ej_at_acc pr =
+						    ps[r * (BK + 1) + jj];
+						ej_at_acc sr =
+						    dss[r * (BK + 1) + jj];
+						if (d < DV)
+							xv += pr *
+							      gos[r * DV + d];
+						if (d < D)
+							xk +=
+							    sr * qs[r * D + d];
+					}
+					dv[kk][c] = xv;
+					dk[kk][c] = xk;
+				}
+			}
+		}
+	}
+	for (int kk = 0; kk < EJ_AT_KPW; kk++) {
+		int j = j0 + w * EJ_AT_KPW + kk;
+		if (j >= a.s)
+			break;
+		long long row = (long long)bg * a.s + j;
+		for (int c = 0; c < EJ_ATTN_DL; c++) {
+			int d = lane + 32 * c;
+			if (d < D)
+				((ej_at_el *)a.grad_k)[row * D + d] =
+				    EJ_AT_ST(dk[kk][c]);
+			if (d < DV)
+				((ej_at_el *)a.grad_v)[row * DV + d] =
+				    EJ_AT_ST(dv[kk][c]);
+		}
+	}
+}
