@@ -8,7 +8,7 @@
 # RUNS (default 7) compiled epjit-train runs of 3 steps on it, each with
 # --metrics, and prints per run: step 1 and step 2 wall time (ms), their
 # ratio, the run's cache.misses, compile.ms and compile.cached_us, and the
-# medians.  One thread (OMP/BLAS), as in bench/RESULTS.md.
+# medians and minima.  One thread (OMP/BLAS), as in bench/RESULTS.md.
 build=${1:?usage: bench/first_step.sh BUILD [RUNS] [flags...]}
 runs=${2:-7}
 [ $# -ge 2 ] && shift 2 || shift 1
@@ -44,5 +44,10 @@ while [ "$i" -lt "$runs" ]; do
 	    "$(ctr "$c" cache.misses)" "$(ctr "$c" compile.ms)" \
 	    "$(ctr "$c" compile.cached_us)"
 done
-sort -n -k1 "$tmp/all" | awk '{ a[NR] = $1 } END { printf "median step1 %.2f ms\n", a[int((NR + 1) / 2)] }'
-sort -n -k2 "$tmp/all" | awk '{ a[NR] = $2 } END { printf "median step2 %.2f ms\n", a[int((NR + 1) / 2)] }'
+# medians and minima (the minimum is the least disturbed by other load)
+for k in 1 2; do
+	sort -n -k$k "$tmp/all" | awk -v k=$k '{ a[NR] = $k }
+	    END { printf "step%d: median %.2f ms, min %.2f ms\n", k,
+	          a[int((NR + 1) / 2)], a[1] }'
+done
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
