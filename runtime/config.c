@@ -1424,7 +1424,7 @@ static epj_status check_keys(cp *p, json_t *obj, int sec, const char *spath)
 		} else {
 			/* A key at the wrong level: suggest the one section
 			 * that has it (e.g. top-level "stage"). */
-			static char paths[MAXI][160];
+			char paths[MAXI][160];
 			int secs[MAXI], ni = 0;
 			instances(SEC_ROOT, "", paths, secs, &ni, MAXI);
 			int found = -1, count = 0;
@@ -2312,7 +2312,7 @@ char *ej_config_to_json(const ej_config *c)
 bool ej_config_key_at(int i, char *buf, size_t n)
 {
 	enum { MAXI = 32 };
-	static char paths[MAXI][160];
+	char paths[MAXI][160];
 	int secs[MAXI], ni = 0;
 	instances(SEC_ROOT, "", paths, secs, &ni, MAXI);
 	for (int s = 0; s < ni; s++) {
