@@ -439,6 +439,17 @@ epj_model *epj_engine_model(epj_engine *e);
  * every region (rollback).  Calling it again in the same mode does nothing.
  * Graphs are traced at their first call and cached by signature. */
 epj_status epj_engine_compile(epj_engine *e);
+/* After epj_engine_compile: traces and compiles every region now, at the
+ * shape the training steps will call it with (the config's micro-batch x
+ * seq_len tokens): the training forward and backward (with activation
+ * checkpointing, the no-grad forward and the replay) and the evaluation
+ * forward.  The first step then compiles nothing, and the time goes to
+ * this call; with a kernel cache filled by epjit-warmup nothing is built,
+ * only the graph passes run and the cached artifacts are loaded.
+ * *n_variants (may be NULL) is the number of variants compiled.  A later
+ * call at another shape still compiles at its first step (guards). */
+epj_status epj_engine_precompile(epj_engine *e, int64_t seq_len,
+				 int *n_variants);
 /* Compiles (as epj_engine_compile), traces every region at the shape of
  * (input_ids, labels) by one forward and backward on the CPU (gradients
  * dropped, no optimizer step), and writes the CUDA C translation unit of

@@ -38,6 +38,7 @@
 #include "runtime_impl.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,6 +273,21 @@ static void explain_miss(const region *r, const epj_ctx *ctx,
 	}
 }
 
+/* Before a region compiles a variant beyond its first: counts the
+ * recompile and logs (and dumps) why no variant accepted the call. */
+static void note_recompile(epj_ctx *ctx, const region *r, epj_tensor *const *in,
+			   int n_in)
+{
+	if (r->n_variants == 0)
+		return;
+	char why[1024];
+	explain_miss(r, ctx, in, n_in, why, sizeof why);
+	epj_log_msg(EPJ_LOG_INFO, "region \"%s\": recompiling (variant %d): %s",
+		    r->name, r->n_variants + 1, why);
+	ej_debug_dump_recompile(r->name, r->n_variants + 1, why);
+	epj_counter_add(ctx, "recompiles", 1);
+}
+
 static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 				 epj_tensor *const *in, int n_in,
 				 epj_tensor **out, int n_out)
@@ -309,17 +325,7 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 		return m->orig_forward(ctx, m, in, n_in, out, n_out);
 	}
 	if (!f) {
-		if (r->n_variants > 0) {
-			char why[1024];
-			explain_miss(r, ctx, in, n_in, why, sizeof why);
-			epj_log_msg(EPJ_LOG_INFO,
-				    "region \"%s\": recompiling (variant %d): "
-				    "%s",
-				    r->name, r->n_variants + 1, why);
-			ej_debug_dump_recompile(r->name, r->n_variants + 1,
-						why);
-			epj_counter_add(ctx, "recompiles", 1);
-		}
+		note_recompile(ctx, r, in, n_in);
 		st = compile_variant(ctx, r, in, n_in, n_out, &f);
 		if (st != EPJ_OK)
 			return st;
@@ -782,6 +788,7 @@ static epj_status warm_call(epj_ctx *ctx, region *r, const ej_region_arg *a,
 				     shown(r->name), r->owner->recompile_limit);
 		} else {
 			ej_region_fn *f = NULL;
+			note_recompile(ctx, r, in, n_in);
 			st = compile_variant(ctx, r, in, n_in, n_out, &f);
 			if (st == EPJ_OK)
 				(*n_variants)++;
@@ -831,5 +838,28 @@ epj_status ej_engine_compile_trace_all(epj_engine *e, int64_t B, int64_t T,
 			st = warm_call(ctx, r, a, n_in, n_out, false, false,
 				       n_variants);
 	}
+	return st;
+}
+
+epj_status epj_engine_precompile(epj_engine *e, int64_t seq_len,
+				 int *n_variants)
+{
+	int n = 0;
+	if (n_variants)
+		*n_variants = 0;
+	if (!e)
+		return EPJ_ERR_INVALID;
+	if (!e->compiled)
+		return ej_error(e->ctx, EPJ_ERR_STATE,
+				"precompile: the engine is not compiled (call "
+				"epj_engine_compile first)");
+	if (seq_len < 1)
+		return ej_error(
+		    e->ctx, EPJ_ERR_INVALID,
+		    "precompile: seq_len must be >= 1, got %" PRId64, seq_len);
+	epj_status st = ej_engine_compile_trace_all(
+	    e, e->cfg.micro_batch_per_gpu, seq_len, &n);
+	if (n_variants)
+		*n_variants = n;
 	return st;
 }

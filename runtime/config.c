@@ -1,12 +1,20 @@
 /* config.c -- the DeepSpeed-style training configuration (ds.json).
  *
- * A strict reader: every key of every section is looked up in the tables
- * below, so an unknown key (a typo that DeepSpeed's pydantic models would
- * also reject) is an error naming its full dotted path and, when one is
- * close, the key the user probably meant.  Values are type- and
- * range-checked where they are read; cross-field rules follow (batch
- * divisibility, parameters that the chosen optimizer or scheduler does not
- * take).  The support boundary of compile.autoep_non_moe is a separate check
+ * Everything about a key lives in one row of the key table below (`keys`):
+ * its section, name, type, range or choices, field, default, which mode
+ * refuses it and why, and one line of documentation.  One generic reader,
+ * one defaults filler, one JSON writer and the reference page generator
+ * (ej_config_reference, doc/config.md) walk that table, so a key is added
+ * in one place; hooks cover what one row cannot say (top_k's "auto", the
+ * scheduler's required total_num_steps, ...).
+ *
+ * A strict reader: every key of every section is looked up in the table,
+ * so an unknown key (a typo that DeepSpeed's pydantic models would also
+ * reject) is an error naming its full dotted path and, when one is close,
+ * the key the user probably meant.  Values are type- and range-checked
+ * where they are read; cross-field rules follow (batch divisibility,
+ * parameters that the chosen optimizer or scheduler does not take).  The
+ * support boundary of compile.autoep_non_moe is a separate check
  * (ej_config_validate_autoep_compile) because the engine applies it only
  * when that option is on, at compile time, with its own messages.
  *
@@ -25,13 +33,11 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-
-/* Upper bound of batch-like integers: keeps micro * gas * world in int64. */
-#define BATCH_MAX ((int64_t)1 << 31)
-/* Upper bound of ints stored in `int` fields. */
-#define INT_FIELD_MAX ((int64_t)1 << 30)
 
 /* ==== helpers shared with model_config.c ================================ */
 
@@ -253,9 +259,9 @@ const char *ej_json_describe(const json_t *v, char *buf, size_t n)
 	return buf;
 }
 
-/* ==== key tables ========================================================= */
+/* ==== the key table ====================================================== */
 
-/* One JSON object level of the config: its dotted path and its keys. */
+/* One JSON object level of the config. */
 enum {
 	SEC_ROOT,
 	SEC_BF16,
@@ -265,8 +271,7 @@ enum {
 	SEC_SCHED,
 	SEC_SCHED_PARAMS,
 	SEC_ZERO,
-	SEC_OFFLOAD_OPT,
-	SEC_OFFLOAD_PARAM,
+	SEC_OFFLOAD, /* offload_optimizer and offload_param */
 	SEC_ACT_CKPT,
 	SEC_EP,
 	SEC_COMPILE,
@@ -277,130 +282,931 @@ enum {
 	SEC_COUNT
 };
 
-static const char *const k_root[] = {
-	"train_batch_size",
-	"train_micro_batch_size_per_gpu",
-	"gradient_accumulation_steps",
-	"bf16",
-	"fp16",
-	"optimizer",
-	"scheduler",
-	"gradient_clipping",
-	"zero_optimization",
-	"activation_checkpointing",
-	"expert_parallel",
-	"compile",
-	"sequence_parallel_size",
-	"pipeline",
-	"tensor_parallel",
-	"steps_per_print",
-	"seed",
-	"wall_clock_breakdown",
-	"device",
-	"skip_nonfinite_steps",
-	"comm",
-	"csv_monitor",
-};
-static const char *const k_bf16[] = { "enabled" };
-static const char *const k_csv_monitor[] = { "enabled", "output_path",
-					     "job_name" };
-/* fp16 must be disabled; its loss-scaling keys are accepted (moot). */
-static const char *const k_fp16[] = {
-	"enabled",
-	"auto_cast",
-	"loss_scale",
-	"initial_scale_power",
-	"loss_scale_window",
-	"hysteresis",
-	"consecutive_hysteresis",
-	"min_loss_scale",
-};
-static const char *const k_optim[] = { "type", "params" };
-static const char *const k_optim_params[] = {
-	"lr",  "momentum",     "nesterov",    "betas",
-	"eps", "weight_decay", "adam_w_mode",
-};
-static const char *const k_sched[] = { "type", "params" };
-static const char *const k_sched_params[] = {
-	"warmup_min_lr",    "warmup_max_lr",	    "warmup_num_steps",
-	"warmup_type",	    "total_num_steps",	    "cos_min_ratio",
-	"warmup_min_ratio", "last_batch_iteration",
-};
-static const char *const k_zero[] = {
-	"stage",
-	"offload_optimizer",
-	"offload_param",
-	"reduce_bucket_size",
-	"allgather_bucket_size",
-	"overlap_comm",
-	"contiguous_gradients",
-	"allgather_partitions",
-	"reduce_scatter",
-	"round_robin_gradients",
-};
-static const char *const k_offload[] = {
-	"device",	  "pin_memory", "nvme_path", "buffer_count",
-	"buffer_size",	  "max_in_cpu", "fast_init", "pipeline_read",
-	"pipeline_write", "ratio",
-};
-static const char *const k_act_ckpt[] = {
-	"enabled",
-	"partition_activations",
-	"cpu_checkpointing",
-	"contiguous_memory_optimization",
-	"number_checkpoints",
-	"synchronize_checkpoint_boundary",
-	"profile",
-};
-static const char *const k_ep[] = {
-	"enabled",	    "autoep_size",
-	"comm_backend",	    "preset_model",
-	"async_split_plan", "top_k",
-	"route_norm",	    "route_scale",
-	"fixed_routing",    "load_balance_coeff",
-};
-static const char *const k_compile[] = {
-	"autoep_non_moe", "backend",	       "fullgraph", "dynamic",
-	"deepcompile",	  "compiled_autograd", "schedule",
-};
-static const char *const k_pipeline[] = { "stages" };
-static const char *const k_tp[] = { "autotp_size" };
-static const char *const k_comm[] = { "timeout_s" };
+/* How a key's value is read, kept and written. */
+typedef enum key_type {
+	K_SECTION,  /* an object (null = absent) of the keys of `child` */
+	K_BOOL,	    /* true / false */
+	K_INT,	    /* integer in [ilo, ihi] into int or int64_t (by size) */
+	K_NUM,	    /* number in lo .. hi (K_LO_OPEN, K_HI_OPEN) */
+	K_PAIR,	    /* array of 2 numbers in lo .. hi into double[2] */
+	K_ENUM,	    /* one of choices, kept as enum_base + its index */
+	K_NAME,	    /* one of choices, kept as the string */
+	K_STR,	    /* a string shorter than the field */
+	K_TRISTATE, /* true / false / null, kept exactly (ej_json_bool) */
+	K_NUMBOOL,  /* a number or a boolean, not kept */
+	K_SPECIAL,  /* read and written by its hooks */
+} key_type;
 
-static const struct section {
-	const char *path; /* "" for the top level */
-	const char *const *keys;
-	int n;
-} sections[SEC_COUNT] = {
-#define SEC(id, path, arr) [id] = { path, arr, (int)EJ_ARRAY_LEN(arr) }
-	SEC(SEC_ROOT, "", k_root),
-	SEC(SEC_BF16, "bf16", k_bf16),
-	SEC(SEC_FP16, "fp16", k_fp16),
-	SEC(SEC_OPTIM, "optimizer", k_optim),
-	SEC(SEC_OPTIM_PARAMS, "optimizer.params", k_optim_params),
-	SEC(SEC_SCHED, "scheduler", k_sched),
-	SEC(SEC_SCHED_PARAMS, "scheduler.params", k_sched_params),
-	SEC(SEC_ZERO, "zero_optimization", k_zero),
-	SEC(SEC_OFFLOAD_OPT, "zero_optimization.offload_optimizer", k_offload),
-	SEC(SEC_OFFLOAD_PARAM, "zero_optimization.offload_param", k_offload),
-	SEC(SEC_ACT_CKPT, "activation_checkpointing", k_act_ckpt),
-	SEC(SEC_EP, "expert_parallel", k_ep),
-	SEC(SEC_COMPILE, "compile", k_compile),
-	SEC(SEC_PIPELINE, "pipeline", k_pipeline),
-	SEC(SEC_TP, "tensor_parallel", k_tp),
-	SEC(SEC_COMM, "comm", k_comm),
-	SEC(SEC_CSV_MONITOR, "csv_monitor", k_csv_monitor),
-#undef SEC
+enum {
+	K_LO_OPEN = 1u << 0,   /* lo excluded */
+	K_HI_OPEN = 1u << 1,   /* hi excluded */
+	K_NULL_OK = 1u << 2,   /* null allowed: int 0, name "", num not given */
+	K_NOCASE = 1u << 3,    /* choices matched ignoring case */
+	K_REQUIRED = 1u << 4,  /* an error when its section has it not */
+	K_W_NONZERO = 1u << 5, /* written only when not 0 / "" */
+	K_W_NEVER = 1u << 6,   /* not written (not kept, or moot) */
+	K_BY_TYPE = 1u << 7,   /* section: keys filtered by the parent's type */
 };
+
+typedef struct cp cp;
+struct key;
+/* K_SPECIAL: reads v (present) into the field.  Other types: called after
+ * the value (or, for a section, the whole object) was read. */
+typedef epj_status (*key_hook)(cp *p, const struct key *k, json_t *obj,
+			       json_t *v, const char *path, char *base,
+			       ej_config *c);
+/* K_SPECIAL: the value to write (a new reference).  K_SECTION: NULL when
+ * the section is not written. */
+typedef json_t *(*key_writer)(const struct key *k, const char *base,
+			      const ej_config *c);
+
+/* One key.  Offsets are from the base of the key's section: the config
+ * itself, except in the offload sections (an ej_offload_config); a
+ * section's `off` is the offset of its base from its parent's. */
+typedef struct key {
+	int sec; /* the section the key is in */
+	const char *name;
+	key_type type;
+	int child;	  /* K_SECTION: the section of its value */
+	long off;	  /* field; -1: checked and not kept */
+	size_t size;	  /* bytes of the field */
+	long given_off;	  /* bool: set when present (a nullable number:
+			     when it has a value; a section: when given) */
+	int64_t ilo, ihi; /* K_INT range */
+	double lo, hi;	  /* K_NUM, K_PAIR range */
+	unsigned flags;
+	unsigned applies; /* K_BY_TYPE sections: bit per type value */
+	const char *const *choices;
+	int nchoices;
+	int enum_base;
+	double def, def2;    /* default (def2: K_PAIR's second) */
+	const char *def_str; /* default of K_NAME / K_STR */
+	key_type store;	     /* K_SPECIAL: how the default is kept */
+	key_hook hook;
+	key_writer wr;
+	/* The reference page: value and default when the generated text
+	 * does not say it well; when a mode refuses the key and why; what
+	 * it does (for a section: the paragraph under its heading). */
+	const char *doc_value, *doc_default, *refused, *doc;
+} key;
 
 static const char *const optim_names[] = { "SGD", "Adam", "AdamW" };
 static const char *const sched_names[] = { "WarmupLR", "WarmupDecayLR",
 					   "WarmupCosineLR" };
+static const char *const warmup_types[] = { "log", "linear" };
 static const char *const comm_backends[] = { "comm", "deepep" };
 static const char *const compile_backends[] = { "interpreter", "c", "nvrtc",
 						"cuda-sim" };
 static const char *const offload_devices[] = { "none", "cpu", "nvme" };
 static const char *const preset_models[] = { "qwen3_moe" };
+static const char *const devices[] = { "cpu", "cuda-sim" };
+
+#define CH(a) .choices = a, .nchoices = (int)EJ_ARRAY_LEN(a)
+#define F(m)                                                                   \
+	.off = (long)offsetof(ej_config, m), .size = sizeof(((ej_config *)0)->m)
+#define FO(m)                                                                  \
+	.off = (long)offsetof(ej_offload_config, m),                           \
+	.size = sizeof(((ej_offload_config *)0)->m)
+#define GIVEN(m) .given_off = (long)offsetof(ej_config, m)
+#define NOFIELD	 .off = -1, .given_off = -1, .flags = K_W_NEVER
+#define SECTION(parent, nm, id)                                                \
+	.sec = parent, .name = nm, .type = K_SECTION, .child = id
+#define NOGIVEN .given_off = -1
+/* Bit of a K_BY_TYPE key per optimizer / scheduler type. */
+#define O_SGD	(1u << EJ_OPTIM_SGD)
+#define O_ADAM	(1u << EJ_OPTIM_ADAM)
+#define O_ADAMW (1u << EJ_OPTIM_ADAMW)
+#define S_WLR	(1u << EJ_SCHED_WARMUP_LR)
+#define S_WDLR	(1u << EJ_SCHED_WARMUP_DECAY_LR)
+#define S_WCLR	(1u << EJ_SCHED_WARMUP_COSINE_LR)
+/* Upper bound of batch-like integers: keeps micro * gas * world in int64. */
+#define BATCH_MAX ((int64_t)1 << 31)
+/* Upper bound of ints stored in `int` fields. */
+#define INT_FIELD_MAX ((int64_t)1 << 30)
+#define ANY_INT	      (INT64_MAX / 2)
+
+static epj_status hook_optim_type(cp *, const key *, json_t *, json_t *,
+				  const char *, char *, ej_config *);
+static epj_status hook_optim_params(cp *, const key *, json_t *, json_t *,
+				    const char *, char *, ej_config *);
+static epj_status hook_sched(cp *, const key *, json_t *, json_t *,
+			     const char *, char *, ej_config *);
+static epj_status hook_fp16(cp *, const key *, json_t *, json_t *, const char *,
+			    char *, ej_config *);
+static epj_status hook_offload(cp *, const key *, json_t *, json_t *,
+			       const char *, char *, ej_config *);
+static epj_status hook_csv(cp *, const key *, json_t *, json_t *, const char *,
+			   char *, ej_config *);
+static epj_status hook_top_k(cp *, const key *, json_t *, json_t *,
+			     const char *, char *, ej_config *);
+static epj_status hook_route_norm(cp *, const key *, json_t *, json_t *,
+				  const char *, char *, ej_config *);
+static epj_status hook_schedule(cp *, const key *, json_t *, json_t *,
+				const char *, char *, ej_config *);
+static json_t *wr_top_k(const key *, const char *, const ej_config *);
+static json_t *wr_route_norm(const key *, const char *, const ej_config *);
+static json_t *wr_schedule(const key *, const char *, const ej_config *);
+static json_t *wr_if_sched(const key *, const char *, const ej_config *);
+static json_t *wr_if_given(const key *, const char *, const ej_config *);
+
+#define AUTOEP_REFUSES "with `compile.autoep_non_moe`: "
+
+/* Every key of the config, section by section, in the order the parser
+ * reads them and the JSON writer writes them.  A key is added here and
+ * nowhere else: the parser, its type and range errors, the defaults, the
+ * JSON writer and the reference page (doc/config.md) all come from it. */
+static const key keys[] = {
+	/* ---- top level */
+	{ .sec = SEC_ROOT,
+	  .name = "train_batch_size",
+	  .type = K_INT,
+	  F(train_batch_size),
+	  GIVEN(train_batch_size_given),
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .flags = K_W_NONZERO,
+	  .doc_default = "derived",
+	  .doc = "global batch; see *Batch sizes*" },
+	{ .sec = SEC_ROOT,
+	  .name = "train_micro_batch_size_per_gpu",
+	  .type = K_INT,
+	  F(micro_batch_per_gpu),
+	  GIVEN(micro_batch_given),
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .flags = K_W_NONZERO,
+	  .doc_default = "derived",
+	  .doc = "rows B of every `[B, T]` micro-batch" },
+	{ .sec = SEC_ROOT,
+	  .name = "gradient_accumulation_steps",
+	  .type = K_INT,
+	  F(gradient_accumulation_steps),
+	  GIVEN(gas_given),
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .flags = K_W_NONZERO,
+	  .doc_default = "derived",
+	  .doc = "micro-batches per optimizer step" },
+	{ SECTION(SEC_ROOT, "bf16", SEC_BF16), NOGIVEN },
+	{ SECTION(SEC_ROOT, "fp16", SEC_FP16), NOGIVEN, .flags = K_W_NEVER,
+	  .hook = hook_fp16,
+	  .doc = "fp16 training is not supported: `fp16.enabled` must be "
+		 "false; the loss-scaling keys are accepted and ignored (they "
+		 "matter only with fp16 on). Not written by the JSON dump." },
+	{ SECTION(SEC_ROOT, "optimizer", SEC_OPTIM), GIVEN(optimizer.given),
+	  .doc = "`optimizer.type` is required when the section is present, "
+		 "case-insensitive as in DeepSpeed. Without the section: "
+		 "AdamW with the defaults below. The update formulas are "
+		 "PyTorch's (`runtime/optim.c`), on FP32 master weights, with "
+		 "one global step count. A parameter the chosen type does not "
+		 "take is an error that lists what it takes." },
+	{ SECTION(SEC_ROOT, "scheduler", SEC_SCHED), NOGIVEN, .wr = wr_if_sched,
+	  .hook = hook_sched,
+	  .doc = "No section: constant `optimizer.params.lr`. With the "
+		 "section, `scheduler.type` is required and matched exactly. "
+		 "Formulas and defaults are DeepSpeed's. WarmupLR and "
+		 "WarmupDecayLR run from `warmup_min_lr` to `warmup_max_lr` "
+		 "(`optimizer.params.lr` is not used); WarmupCosineLR scales "
+		 "`optimizer.params.lr` by a ratio. Optimizer step n (1, 2, "
+		 "...) uses the schedule at iteration `last_batch_iteration + "
+		 "n - 1`, so with the default the first step runs at "
+		 "iteration -1: `warmup_min_lr`, or 0 for WarmupCosineLR "
+		 "(DeepSpeed steps the scheduler after the optimizer). "
+		 "`total_num_steps < warmup_num_steps` is logged as a "
+		 "warning." },
+	{ .sec = SEC_ROOT,
+	  .name = "gradient_clipping",
+	  .type = K_NUM,
+	  F(gradient_clipping),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .doc_default = "0 (off)",
+	  .doc = "clip by global gradient norm: scale by `clip / (norm + "
+		 "1e-6)` when below 1" },
+	{ SECTION(SEC_ROOT, "zero_optimization", SEC_ZERO), NOGIVEN },
+	{ SECTION(SEC_ROOT, "activation_checkpointing", SEC_ACT_CKPT),
+	  NOGIVEN },
+	{ SECTION(SEC_ROOT, "expert_parallel", SEC_EP), NOGIVEN },
+	{ SECTION(SEC_ROOT, "compile", SEC_COMPILE), NOGIVEN,
+	  .doc = "Without `autoep_non_moe`, `fullgraph`, `dynamic`, "
+		 "`deepcompile`, `compiled_autograd` and `schedule` are "
+		 "parsed only (full-model compile does not act on them). "
+		 "Setting `autoep_non_moe` compiles nothing by itself: "
+		 "compilation happens in `epj_engine_compile` (`epjit-train "
+		 "--compile`)." },
+	{ .sec = SEC_ROOT,
+	  .name = "sequence_parallel_size",
+	  .type = K_INT,
+	  F(sequence_parallel_size),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
+		     "sequence parallelism is not supported",
+	  .doc = "sequence-parallel group size" },
+	{ SECTION(SEC_ROOT, "pipeline", SEC_PIPELINE), NOGIVEN },
+	{ SECTION(SEC_ROOT, "tensor_parallel", SEC_TP), NOGIVEN },
+	{ .sec = SEC_ROOT,
+	  .name = "steps_per_print",
+	  .type = K_INT,
+	  F(steps_per_print),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT64_MAX,
+	  .def = 10,
+	  .doc = "stored (`epj_engine_steps_per_print`); epjit-train's "
+		 "progress interval" },
+	{ .sec = SEC_ROOT,
+	  .name = "seed",
+	  .type = K_INT,
+	  F(seed),
+	  NOGIVEN,
+	  .ilo = 0,
+	  .ihi = INT64_MAX,
+	  .def = 42,
+	  .doc = "stored (`epj_engine_seed`); epjit-train's run seed unless "
+		 "`--seed`" },
+	{ .sec = SEC_ROOT,
+	  .name = "wall_clock_breakdown",
+	  .type = K_BOOL,
+	  F(wall_clock_breakdown),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ROOT,
+	  .name = "device",
+	  .type = K_NAME,
+	  F(device),
+	  NOGIVEN,
+	  CH(devices),
+	  .flags = K_NULL_OK | K_W_NONZERO,
+	  .doc_default = "null (`$EPJIT_DEVICE`, else cpu)",
+	  .doc = "with `compile.backend` unset: `\"cuda-sim\"` runs compiled "
+		 "regions on the cuda-sim backend (doc/cuda-sim.md), "
+		 "`\"cpu\"` on the C backend" },
+	{ .sec = SEC_ROOT,
+	  .name = "skip_nonfinite_steps",
+	  .type = K_BOOL,
+	  F(skip_nonfinite_steps),
+	  NOGIVEN,
+	  .doc = "epjit extension: a step with a non-finite mean loss or "
+		 "gradient norm is skipped (no update, "
+		 "`train.skipped_steps`) instead of failing the train step; "
+		 "see doc/trainer.md" },
+	{ SECTION(SEC_ROOT, "comm", SEC_COMM), NOGIVEN },
+	{ SECTION(SEC_ROOT, "csv_monitor", SEC_CSV_MONITOR), NOGIVEN,
+	  .hook = hook_csv,
+	  .doc = "DeepSpeed's CSV monitor. `epjit-train` writes its metric "
+		 "files (`doc/trainer.md`); the library only parses and keeps "
+		 "the section (`epj_engine_csv_monitor_dir`)." },
+
+	/* ---- bf16, fp16 */
+	{ .sec = SEC_BF16,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  F(bf16_enabled),
+	  NOGIVEN,
+	  .doc = "parameters become bf16 (round-to-nearest-even of the f32 "
+		 "init) at initialize; the optimizer keeps FP32 masters; "
+		 "checkpoints hold the masters" },
+	{ .sec = SEC_FP16,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .refused = "true: by the parser (fp16 training is not supported; "
+		     "use `bf16`)",
+	  .doc = "must be false" },
+#define FP16_MOOT(nm)                                                          \
+	{                                                                      \
+		.sec = SEC_FP16, .name = nm, .type = K_NUMBOOL, NOFIELD,       \
+		.doc = "accepted and ignored"                                  \
+	}
+	FP16_MOOT("auto_cast"),
+	FP16_MOOT("loss_scale"),
+	FP16_MOOT("initial_scale_power"),
+	FP16_MOOT("loss_scale_window"),
+	FP16_MOOT("hysteresis"),
+	FP16_MOOT("consecutive_hysteresis"),
+	FP16_MOOT("min_loss_scale"),
+#undef FP16_MOOT
+
+	/* ---- optimizer */
+	{ .sec = SEC_OPTIM,
+	  .name = "type",
+	  .type = K_ENUM,
+	  F(optimizer.type),
+	  NOGIVEN,
+	  CH(optim_names),
+	  .flags = K_NOCASE | K_REQUIRED,
+	  .def = EJ_OPTIM_ADAMW,
+	  .doc_default = "**required** in the section (AdamW without it)",
+	  .hook = hook_optim_type,
+	  .doc = "the update rule" },
+	{ SECTION(SEC_OPTIM, "params", SEC_OPTIM_PARAMS), NOGIVEN,
+	  .flags = K_BY_TYPE, .hook = hook_optim_params },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "lr",
+	  .type = K_NUM,
+	  F(optimizer.lr),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .def = 1e-3,
+	  .applies = O_SGD | O_ADAM | O_ADAMW,
+	  .doc = "learning rate (peak lr of `WarmupCosineLR`)" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "momentum",
+	  .type = K_NUM,
+	  F(optimizer.momentum),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = 1,
+	  .flags = K_HI_OPEN,
+	  .applies = O_SGD,
+	  .doc = "momentum, dampening 0" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "nesterov",
+	  .type = K_BOOL,
+	  F(optimizer.nesterov),
+	  NOGIVEN,
+	  .applies = O_SGD,
+	  .doc = "needs `momentum > 0` (error otherwise)" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "betas",
+	  .type = K_PAIR,
+	  F(optimizer.betas),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = 1,
+	  .flags = K_HI_OPEN,
+	  .def = 0.9,
+	  .def2 = 0.999,
+	  .applies = O_ADAM | O_ADAMW,
+	  .doc = "Adam's moment decay rates" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "eps",
+	  .type = K_NUM,
+	  F(optimizer.eps),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .flags = K_LO_OPEN,
+	  .def = 1e-8,
+	  .applies = O_ADAM | O_ADAMW,
+	  .doc = "added to the denominator" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "weight_decay",
+	  .type = K_NUM,
+	  F(optimizer.weight_decay),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .applies = O_SGD | O_ADAM | O_ADAMW,
+	  .doc = "SGD and Adam with `adam_w_mode` false: L2 (`g += wd * p`); "
+		 "AdamW and Adam with `adam_w_mode` true: decoupled (`p *= 1 "
+		 "- lr * wd`)" },
+	{ .sec = SEC_OPTIM_PARAMS,
+	  .name = "adam_w_mode",
+	  .type = K_BOOL,
+	  F(optimizer.adam_w_mode),
+	  NOGIVEN,
+	  .def = 1,
+	  .applies = O_ADAM,
+	  .doc_default = "true (Adam, AdamW)",
+	  .doc = "decoupled weight decay, as DeepSpeed's default" },
+
+	/* ---- scheduler */
+	{ .sec = SEC_SCHED,
+	  .name = "type",
+	  .type = K_ENUM,
+	  F(scheduler.type),
+	  NOGIVEN,
+	  CH(sched_names),
+	  .enum_base = 1,
+	  .flags = K_REQUIRED,
+	  .def = EJ_SCHED_NONE,
+	  .doc_default = "none (constant lr)",
+	  .doc = "the schedule" },
+	{ SECTION(SEC_SCHED, "params", SEC_SCHED_PARAMS), NOGIVEN,
+	  .flags = K_BY_TYPE },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "warmup_min_lr",
+	  .type = K_NUM,
+	  F(scheduler.warmup_min_lr),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .applies = S_WLR | S_WDLR,
+	  .doc = "lr at the start of warm-up" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "warmup_max_lr",
+	  .type = K_NUM,
+	  F(scheduler.warmup_max_lr),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .def = 1e-3,
+	  .applies = S_WLR | S_WDLR,
+	  .doc = "lr at the end of warm-up" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "warmup_num_steps",
+	  .type = K_INT,
+	  F(scheduler.warmup_num_steps),
+	  NOGIVEN,
+	  .ilo = 0,
+	  .ihi = BATCH_MAX,
+	  .def = 1000,
+	  .applies = S_WLR | S_WDLR | S_WCLR,
+	  .doc = "warm-up length (values < 2 act as 2)" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "warmup_type",
+	  .type = K_ENUM,
+	  F(scheduler.warmup_type),
+	  NOGIVEN,
+	  CH(warmup_types),
+	  .def = EJ_WARMUP_LOG,
+	  .applies = S_WLR | S_WDLR | S_WCLR,
+	  .doc = "warm-up curve" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "total_num_steps",
+	  .type = K_INT,
+	  F(scheduler.total_num_steps),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .applies = S_WDLR | S_WCLR,
+	  .doc_default = "**required** (WarmupDecayLR, WarmupCosineLR)",
+	  .doc = "end of the decay" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "cos_min_ratio",
+	  .type = K_NUM,
+	  F(scheduler.cos_min_ratio),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = 1,
+	  .def = 1e-4,
+	  .applies = S_WCLR,
+	  .doc = "final lr / peak lr" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "warmup_min_ratio",
+	  .type = K_NUM,
+	  F(scheduler.warmup_min_ratio),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = 1,
+	  .applies = S_WCLR,
+	  .doc = "first warm-up lr / peak lr" },
+	{ .sec = SEC_SCHED_PARAMS,
+	  .name = "last_batch_iteration",
+	  .type = K_INT,
+	  F(scheduler.last_batch_iteration),
+	  NOGIVEN,
+	  .ilo = -1,
+	  .ihi = BATCH_MAX,
+	  .def = -1,
+	  .applies = S_WLR | S_WDLR | S_WCLR,
+	  .doc = "iteration before the first step" },
+
+	/* ---- zero_optimization */
+	{ .sec = SEC_ZERO,
+	  .name = "stage",
+	  .type = K_INT,
+	  F(zero.stage),
+	  NOGIVEN,
+	  .ilo = 0,
+	  .ihi = 3,
+	  .refused = "3: by initialize and " AUTOEP_REFUSES
+		     "ZeRO stage 3 is not supported",
+	  .doc = "data parallelism over the ranks (`mpirun`): 0 all-reduces "
+		 "the gradients; 1 partitions FP32 masters and optimizer "
+		 "state over each parameter's data-parallel group (each rank "
+		 "updates its shard, the parameters are all-gathered); 2 also "
+		 "reduce-scatters the gradients to their owners. On one rank "
+		 "0, 1 and 2 train identically (nothing to partition). See "
+		 "\"Several ranks\" below" },
+	{ SECTION(SEC_ZERO, "offload_optimizer", SEC_OFFLOAD),
+	  .off = (long)offsetof(ej_config, zero.offload_optimizer),
+	  .given_off = (long)offsetof(ej_offload_config, present),
+	  .wr = wr_if_given, .hook = hook_offload,
+	  .doc = "Optimizer offload. `{}`, `null` and `{\"device\": "
+		 "\"none\"}` mean no offload." },
+	{ SECTION(SEC_ZERO, "offload_param", SEC_OFFLOAD),
+	  .off = (long)offsetof(ej_config, zero.offload_param),
+	  .given_off = (long)offsetof(ej_offload_config, present),
+	  .wr = wr_if_given, .hook = hook_offload,
+	  .doc = "Parameter offload; the same keys as "
+		 "`zero_optimization.offload_optimizer`." },
+	{ .sec = SEC_ZERO,
+	  .name = "reduce_bucket_size",
+	  .type = K_INT,
+	  F(zero.reduce_bucket_size),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = ANY_INT,
+	  .def = 5e8,
+	  .doc = "elements; parsed only" },
+	{ .sec = SEC_ZERO,
+	  .name = "allgather_bucket_size",
+	  .type = K_INT,
+	  F(zero.allgather_bucket_size),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = ANY_INT,
+	  .def = 5e8,
+	  .doc = "elements; parsed only" },
+	{ .sec = SEC_ZERO,
+	  .name = "overlap_comm",
+	  .type = K_BOOL,
+	  F(zero.overlap_comm),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ZERO,
+	  .name = "contiguous_gradients",
+	  .type = K_BOOL,
+	  F(zero.contiguous_gradients),
+	  NOGIVEN,
+	  .def = 1,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ZERO,
+	  .name = "allgather_partitions",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "accepted and ignored" },
+	{ .sec = SEC_ZERO,
+	  .name = "reduce_scatter",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "accepted and ignored" },
+	{ .sec = SEC_ZERO,
+	  .name = "round_robin_gradients",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "accepted and ignored" },
+
+	/* ---- zero_optimization.offload_optimizer / offload_param */
+	{ .sec = SEC_OFFLOAD,
+	  .name = "device",
+	  .type = K_ENUM,
+	  FO(device),
+	  NOGIVEN,
+	  CH(offload_devices),
+	  .def = EJ_OFFLOAD_NONE,
+	  .refused = "`\"cpu\"`, `\"nvme\"`: by initialize and " AUTOEP_REFUSES
+		     "offload is not supported",
+	  .doc = "where the state goes" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "pin_memory",
+	  .type = K_BOOL,
+	  FO(pin_memory),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "nvme_path",
+	  .type = K_STR,
+	  FO(nvme_path),
+	  NOGIVEN,
+	  .flags = K_NULL_OK | K_W_NONZERO,
+	  .doc_default = "null",
+	  .doc = "required with `\"nvme\"`; parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "buffer_count",
+	  .type = K_INT,
+	  NOFIELD,
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "buffer_size",
+	  .type = K_INT,
+	  NOFIELD,
+	  .ilo = 1,
+	  .ihi = ANY_INT,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "max_in_cpu",
+	  .type = K_INT,
+	  NOFIELD,
+	  .ilo = 0,
+	  .ihi = ANY_INT,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "fast_init",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "pipeline_read",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "pipeline_write",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .doc = "parsed only" },
+	{ .sec = SEC_OFFLOAD,
+	  .name = "ratio",
+	  .type = K_NUM,
+	  NOFIELD,
+	  .lo = 0,
+	  .hi = 1,
+	  .doc = "parsed only" },
+
+	/* ---- activation_checkpointing */
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.enabled),
+	  NOGIVEN,
+	  .doc = "**epjit extension.** Checkpoints every decoder block "
+		 "`model.layers.N` (nested layout) or the root block (root "
+		 "layout): forward under no-grad keeping only the inputs, "
+		 "forward replayed in backward. Same as `epjit-train "
+		 "--checkpointing`" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "partition_activations",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.partition_activations),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "cpu_checkpointing",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.cpu_checkpointing),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "contiguous_memory_optimization",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.contiguous_memory_optimization),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "number_checkpoints",
+	  .type = K_INT,
+	  F(activation_checkpointing.number_checkpoints),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = BATCH_MAX,
+	  .flags = K_NULL_OK,
+	  .doc_default = "null",
+	  .doc = "parsed only" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "synchronize_checkpoint_boundary",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.synchronize_checkpoint_boundary),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+	{ .sec = SEC_ACT_CKPT,
+	  .name = "profile",
+	  .type = K_BOOL,
+	  F(activation_checkpointing.profile),
+	  NOGIVEN,
+	  .doc = "parsed only" },
+
+	/* ---- expert_parallel */
+	{ .sec = SEC_EP,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  F(expert_parallel.enabled),
+	  NOGIVEN,
+	  .doc = "parsed only: every MoE layer of the model is an AutoEP "
+		 "layer whatever it says" },
+	{ .sec = SEC_EP,
+	  .name = "autoep_size",
+	  .type = K_INT,
+	  F(expert_parallel.autoep_size),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .doc = "expert-parallel group size: the experts of every AutoEP "
+		 "layer are sharded over groups of this many consecutive "
+		 "ranks; must divide the world size, and `num_experts` must "
+		 "be divisible by it" },
+	{ .sec = SEC_EP,
+	  .name = "comm_backend",
+	  .type = K_NAME,
+	  F(expert_parallel.comm_backend),
+	  NOGIVEN,
+	  CH(comm_backends),
+	  .def_str = "comm",
+	  .refused =
+	      "`\"deepep\"`: by initialize (not available) and " AUTOEP_REFUSES
+	      "only the standard AutoEP comm backend is supported",
+	  .doc = "AutoEP's token exchange" },
+	{ .sec = SEC_EP,
+	  .name = "preset_model",
+	  .type = K_NAME,
+	  F(expert_parallel.preset_model),
+	  NOGIVEN,
+	  CH(preset_models),
+	  .flags = K_NULL_OK,
+	  .doc_default = "null",
+	  .doc = "parsed only" },
+	{ .sec = SEC_EP,
+	  .name = "async_split_plan",
+	  .type = K_BOOL,
+	  F(expert_parallel.async_split_plan),
+	  NOGIVEN,
+	  .doc = "post the count exchange (split plan) as a non-blocking "
+		 "collective before the local token permutation and wait for "
+		 "it after, instead of exchanging it before; same numbers. "
+		 "Counted: `autoep.split_plan.async` / `.sync`, "
+		 "`autoep.split_plan.overlapped_ops`" },
+	{ .sec = SEC_EP,
+	  .name = "top_k",
+	  .type = K_SPECIAL,
+	  F(expert_parallel.top_k),
+	  NOGIVEN,
+	  .store = K_INT,
+	  .hook = hook_top_k,
+	  .wr = wr_top_k,
+	  .doc_value = "a positive integer or `\"auto\"`",
+	  .doc_default = "`\"auto\"`",
+	  .refused = "by initialize when it differs from the model's "
+		     "`num_experts_per_tok`",
+	  .doc = "experts per token (`\"auto\"`: the model's "
+		 "`num_experts_per_tok`)" },
+	{ .sec = SEC_EP,
+	  .name = "route_norm",
+	  .type = K_SPECIAL,
+	  F(expert_parallel.route_norm),
+	  NOGIVEN,
+	  .store = K_INT,
+	  .def = -1,
+	  .hook = hook_route_norm,
+	  .wr = wr_route_norm,
+	  .doc_value = "a boolean or null",
+	  .doc_default = "null",
+	  .refused = "by initialize when it differs from the model's "
+		     "`norm_topk_prob`",
+	  .doc = "renormalise the top-k weights (null: the model's "
+		 "`norm_topk_prob`)" },
+	{ .sec = SEC_EP,
+	  .name = "route_scale",
+	  .type = K_NUM,
+	  F(expert_parallel.route_scale),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .flags = K_LO_OPEN,
+	  .def = 1.0,
+	  .refused = "other than 1.0: by initialize (not supported)",
+	  .doc = "scale of the routing weights" },
+	{ .sec = SEC_EP,
+	  .name = "fixed_routing",
+	  .type = K_BOOL,
+	  F(expert_parallel.fixed_routing),
+	  NOGIVEN,
+	  .doc = "**epjit extension** for benchmarks: token n's j-th expert "
+		 "is `(n * top_k + j) % num_experts`; the weights still come "
+		 "from the router, so it trains" },
+	{ .sec = SEC_EP,
+	  .name = "load_balance_coeff",
+	  .type = K_NUM,
+	  F(expert_parallel.load_balance_coeff),
+	  GIVEN(expert_parallel.has_load_balance),
+	  .lo = 0,
+	  .hi = HUGE_VAL,
+	  .flags = K_NULL_OK,
+	  .def = 1e-3,
+	  .doc = "parsed only: aux-loss-free balancing is not implemented; "
+		 "unless null, initialize logs `[info] "
+		 "expert_parallel.load_balance_coeff: aux-loss-free "
+		 "expert-bias balancing is not implemented; routing uses the "
+		 "router logits only`" },
+
+	/* ---- compile */
+	{ .sec = SEC_COMPILE,
+	  .name = "autoep_non_moe",
+	  .type = K_BOOL,
+	  F(compile.autoep_non_moe),
+	  NOGIVEN,
+	  .doc = "`epj_engine_compile` compiles the callable parent of every "
+		 "AutoEP layer (regional) instead of the whole model; turns "
+		 "on the support boundary (*The support boundary of "
+		 "`compile.autoep_non_moe`* below)" },
+	{ .sec = SEC_COMPILE,
+	  .name = "backend",
+	  .type = K_NAME,
+	  F(compile.backend),
+	  NOGIVEN,
+	  CH(compile_backends),
+	  .flags = K_NULL_OK,
+	  .doc_default = "null (`interpreter`)",
+	  .refused = "by `epj_engine_compile` when this build lacks it",
+	  .doc = "the code generator of compiled regions" },
+	{ .sec = SEC_COMPILE,
+	  .name = "fullgraph",
+	  .type = K_TRISTATE,
+	  F(compile.fullgraph),
+	  GIVEN(compile.fullgraph_given),
+	  .def = EJ_JSON_FALSE,
+	  .refused = AUTOEP_REFUSES "true or null (every AutoEP layer is a "
+				    "graph break)",
+	  .doc = "null is kept as null" },
+	{ .sec = SEC_COMPILE,
+	  .name = "dynamic",
+	  .type = K_TRISTATE,
+	  F(compile.dynamic),
+	  GIVEN(compile.dynamic_given),
+	  .def = EJ_JSON_FALSE,
+	  .refused = AUTOEP_REFUSES "true or null (regions are compiled for "
+				    "static shapes)",
+	  .doc = "null is kept as null" },
+	{ .sec = SEC_COMPILE,
+	  .name = "deepcompile",
+	  .type = K_BOOL,
+	  F(compile.deepcompile),
+	  NOGIVEN,
+	  .refused = AUTOEP_REFUSES "true (DeepCompile cannot be combined)",
+	  .doc = "DeepCompile" },
+	{ .sec = SEC_COMPILE,
+	  .name = "compiled_autograd",
+	  .type = K_BOOL,
+	  F(compile.compiled_autograd),
+	  NOGIVEN,
+	  .refused = AUTOEP_REFUSES "true (not supported)",
+	  .doc = "compiled autograd" },
+	{ .sec = SEC_COMPILE,
+	  .name = "schedule",
+	  .type = K_SPECIAL,
+	  F(compile.schedule_present),
+	  NOGIVEN,
+	  .store = K_BOOL,
+	  .hook = hook_schedule,
+	  .wr = wr_schedule,
+	  .doc_value = "an array, an object or null",
+	  .doc_default = "null",
+	  .refused = AUTOEP_REFUSES "any value but null (DeepCompile "
+				    "schedules are not supported)",
+	  .doc = "DeepCompile schedule; only its presence is kept" },
+
+	/* ---- pipeline, tensor_parallel, comm */
+	{ .sec = SEC_PIPELINE,
+	  .name = "stages",
+	  .type = K_INT,
+	  F(pipeline_stages),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
+		     "pipeline parallelism is not supported",
+	  .doc = "pipeline stages" },
+	{ .sec = SEC_TP,
+	  .name = "autotp_size",
+	  .type = K_INT,
+	  F(autotp_size),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
+		     "AutoEP+AutoTP folding is not supported",
+	  .doc = "AutoTP group size" },
+	{ .sec = SEC_COMM,
+	  .name = "timeout_s",
+	  .type = K_NUM,
+	  F(comm_timeout_s),
+	  NOGIVEN,
+	  .lo = 0,
+	  .hi = 86400.0 * 7,
+	  .flags = K_LO_OPEN,
+	  .def = 300,
+	  .doc = "**epjit extension.** Bound of every blocking collective of "
+		 "the `mpi` comm, in seconds (at most a week): a collective "
+		 "that a peer does not join in time (it stopped, died or is "
+		 "in another call) fails with a message naming the call, the "
+		 "group and the rank, and the run stops (`epjit-train` exits "
+		 "1; the launcher ends the other ranks)" },
+
+	/* ---- csv_monitor */
+	{ .sec = SEC_CSV_MONITOR,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  F(csv_monitor.enabled),
+	  NOGIVEN,
+	  .doc = "write the CSV files" },
+	{ .sec = SEC_CSV_MONITOR,
+	  .name = "output_path",
+	  .type = K_STR,
+	  F(csv_monitor.output_path),
+	  NOGIVEN,
+	  .def_str = "",
+	  .doc = "parent folder; the files go to `output_path/job_name/` "
+		 "(`job_name/` in the working directory when empty, as "
+		 "DeepSpeed does)" },
+	{ .sec = SEC_CSV_MONITOR,
+	  .name = "job_name",
+	  .type = K_STR,
+	  F(csv_monitor.job_name),
+	  NOGIVEN,
+	  .def_str = "DeepSpeedJobName",
+	  .doc = "the run's folder; must not be empty" },
+};
 
 const char *ej_optim_type_name(ej_optim_type t)
 {
@@ -416,7 +1222,7 @@ const char *ej_sched_type_name(ej_sched_type t)
 	return sched_names[t - 1];
 }
 
-/* ==== defaults =========================================================== */
+/* ==== field access ======================================================= */
 
 static void set_str(char *dst, size_t n, const char *src)
 {
@@ -425,50 +1231,132 @@ static void set_str(char *dst, size_t n, const char *src)
 	snprintf(dst, n, "%s", src);
 }
 
+static void *field(const key *k, const char *base)
+{
+	EJ_ASSERT(k->off >= 0);
+	return (void *)(base + k->off);
+}
+
+static int64_t get_int(const key *k, const char *base)
+{
+	if (k->size == sizeof(int64_t)) {
+		int64_t v;
+		memcpy(&v, field(k, base), sizeof v);
+		return v;
+	}
+	EJ_ASSERT(k->size == sizeof(int));
+	int v;
+	memcpy(&v, field(k, base), sizeof v);
+	return v;
+}
+
+static void set_int(const key *k, char *base, int64_t x)
+{
+	if (k->size == sizeof(int64_t)) {
+		memcpy(field(k, base), &x, sizeof x);
+	} else {
+		EJ_ASSERT(k->size == sizeof(int));
+		int v = (int)x;
+		memcpy(field(k, base), &v, sizeof v);
+	}
+}
+
+static double get_num(const key *k, const char *base, int i)
+{
+	double v;
+	memcpy(&v, (const char *)field(k, base) + i * sizeof v, sizeof v);
+	return v;
+}
+
+static void set_num(const key *k, char *base, int i, double x)
+{
+	memcpy((char *)field(k, base) + i * sizeof x, &x, sizeof x);
+}
+
+static bool get_bool(const key *k, const char *base)
+{
+	return *(const bool *)field(k, base);
+}
+
+static void set_given(const key *k, char *base, bool v)
+{
+	if (k->given_off >= 0)
+		*(bool *)(base + k->given_off) = v;
+}
+
+/* The base of section instance `child` of row k in its parent's base. */
+static char *child_base(const key *k, char *base)
+{
+	return base + k->off;
+}
+
+static key_type stored_type(const key *k)
+{
+	return k->type == K_SPECIAL ? k->store : k->type;
+}
+
+/* ==== defaults =========================================================== */
+
+static void defaults_of(int sec, char *base)
+{
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+		const key *k = &keys[i];
+		if (k->sec != sec)
+			continue;
+		if (k->type == K_SECTION) {
+			defaults_of(k->child, child_base(k, base));
+			continue;
+		}
+		if (k->off < 0)
+			continue;
+		/* Offset 0 of the config is its source name: a row that
+		 * names no field must say NOFIELD. */
+		EJ_ASSERT(k->off > 0 || sec == SEC_OFFLOAD);
+		switch (stored_type(k)) {
+		case K_BOOL:
+			*(bool *)field(k, base) = k->def != 0;
+			break;
+		case K_INT:
+		case K_ENUM:
+		case K_TRISTATE:
+			set_int(k, base, (int64_t)k->def);
+			break;
+		case K_NUM:
+			set_num(k, base, 0, k->def);
+			/* A nullable number with a default has a value. */
+			if (k->flags & K_NULL_OK)
+				set_given(k, base, true);
+			break;
+		case K_PAIR:
+			set_num(k, base, 0, k->def);
+			set_num(k, base, 1, k->def2);
+			break;
+		case K_NAME:
+		case K_STR:
+			set_str(field(k, base), k->size,
+				k->def_str ? k->def_str : "");
+			break;
+		case K_SECTION:
+		case K_NUMBOOL:
+		case K_SPECIAL:
+			EJ_ASSERT(!"a key without a stored type");
+		}
+	}
+}
+
 void ej_config_defaults(ej_config *c)
 {
 	memset(c, 0, sizeof *c);
 	set_str(c->source, sizeof c->source, "<defaults>");
-	c->optimizer.type = EJ_OPTIM_ADAMW;
-	c->optimizer.lr = 1e-3;
-	c->optimizer.betas[0] = 0.9;
-	c->optimizer.betas[1] = 0.999;
-	c->optimizer.eps = 1e-8;
-	c->optimizer.adam_w_mode = true;
-	c->scheduler.type = EJ_SCHED_NONE;
-	c->scheduler.warmup_max_lr = 1e-3;
-	c->scheduler.warmup_num_steps = 1000;
-	c->scheduler.warmup_type = EJ_WARMUP_LOG;
-	c->scheduler.cos_min_ratio = 1e-4;
-	c->scheduler.last_batch_iteration = -1;
-	c->zero.reduce_bucket_size = 500000000;
-	c->zero.allgather_bucket_size = 500000000;
-	c->zero.contiguous_gradients = true;
-	c->expert_parallel.autoep_size = 1;
-	set_str(c->expert_parallel.comm_backend,
-		sizeof c->expert_parallel.comm_backend, "comm");
-	set_str(c->csv_monitor.job_name, sizeof c->csv_monitor.job_name,
-		"DeepSpeedJobName");
-	c->expert_parallel.route_norm = -1;
-	c->expert_parallel.route_scale = 1.0;
-	c->expert_parallel.has_load_balance = true;
-	c->expert_parallel.load_balance_coeff = 1e-3;
-	c->compile.fullgraph = EJ_JSON_FALSE;
-	c->compile.dynamic = EJ_JSON_FALSE;
-	c->sequence_parallel_size = 1;
-	c->pipeline_stages = 1;
-	c->comm_timeout_s = 300.0;
-	c->autotp_size = 1;
-	c->steps_per_print = 10;
-	c->seed = 42;
+	defaults_of(SEC_ROOT, (char *)c);
 }
 
 /* ==== the reader ========================================================= */
 
-typedef struct cp {
+struct cp {
 	epj_ctx *ctx;
 	const char *src;
-} cp;
+};
 
 /* An EPJ_ERR_CONFIG error naming the config's source (ej_config_error). */
 #define cp_err(p, ...) ej_config_error((p)->ctx, (p)->src, __VA_ARGS__)
@@ -481,38 +1369,72 @@ static void key_path(char *buf, size_t n, const char *prefix, const char *key)
 		snprintf(buf, n, "%s", key);
 }
 
-/* Rejects any key of obj that is not in section `sec`. */
-static epj_status check_keys(cp *p, json_t *obj, int sec)
+/* The keys of section sec, in table order, into names (at most max). */
+static int section_keys(int sec, const char **names, int max)
 {
-	const struct section *S = &sections[sec];
+	int n = 0;
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++)
+		if (keys[i].sec == sec && n < max)
+			names[n++] = keys[i].name;
+	return n;
+}
+
+/* Every section instance (its dotted path and section) below sec at path,
+ * depth first, appended to paths/secs from *n (at most max). */
+static void instances(int sec, const char *path, char (*paths)[160], int *secs,
+		      int *n, int max)
+{
+	if (*n < max) {
+		snprintf(paths[*n], 160, "%s", path);
+		secs[(*n)++] = sec;
+	}
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+		const key *k = &keys[i];
+		if (k->sec != sec || k->type != K_SECTION)
+			continue;
+		char sub[160];
+		key_path(sub, sizeof sub, path, k->name);
+		instances(k->child, sub, paths, secs, n, max);
+	}
+}
+
+/* Rejects any key of obj (section sec at path) that is not in the table. */
+static epj_status check_keys(cp *p, json_t *obj, int sec, const char *spath)
+{
+	enum { MAXK = 64, MAXI = 32 };
+	const char *names[MAXK];
+	int nk = section_keys(sec, names, MAXK);
 	const char *key;
 	json_t *val;
 	json_object_foreach(obj, key, val)
 	{
 		bool known = false;
-		for (int i = 0; i < S->n && !known; i++)
-			known = strcmp(key, S->keys[i]) == 0;
+		for (int i = 0; i < nk && !known; i++)
+			known = strcmp(key, names[i]) == 0;
 		if (known)
 			continue;
 		char path[300], hint[400] = "";
-		key_path(path, sizeof path, S->path, key);
-		const char *near = ej_nearest_key(key, S->keys, S->n);
+		key_path(path, sizeof path, spath, key);
+		const char *near = ej_nearest_key(key, names, nk);
 		if (near) {
 			char np[300];
-			key_path(np, sizeof np, S->path, near);
+			key_path(np, sizeof np, spath, near);
 			snprintf(hint, sizeof hint, " (did you mean \"%s\"?)",
 				 np);
 		} else {
 			/* A key at the wrong level: suggest the one section
 			 * that has it (e.g. top-level "stage"). */
+			char paths[MAXI][160];
+			int secs[MAXI], ni = 0;
+			instances(SEC_ROOT, "", paths, secs, &ni, MAXI);
 			int found = -1, count = 0;
-			for (int s = 0; s < SEC_COUNT; s++) {
-				if (s == sec)
+			for (int s = 0; s < ni; s++) {
+				if (strcmp(paths[s], spath) == 0)
 					continue;
-				for (int i = 0; i < sections[s].n; i++) {
-					if (strcasecmp(key,
-						       sections[s].keys[i]) ==
-					    0) {
+				const char *other[MAXK];
+				int no = section_keys(secs[s], other, MAXK);
+				for (int i = 0; i < no; i++) {
+					if (strcasecmp(key, other[i]) == 0) {
 						found = s;
 						count++;
 					}
@@ -520,19 +1442,17 @@ static epj_status check_keys(cp *p, json_t *obj, int sec)
 			}
 			if (count == 1) {
 				char np[300];
-				key_path(np, sizeof np, sections[found].path,
-					 key);
+				key_path(np, sizeof np, paths[found], key);
 				snprintf(hint, sizeof hint,
 					 " (did you mean \"%s\"?)", np);
 			} else if (sec != SEC_ROOT) {
 				size_t o = (size_t)snprintf(
 				    hint, sizeof hint,
-				    " (known keys in \"%s\":", S->path);
-				for (int i = 0; i < S->n && o < sizeof hint;
-				     i++)
+				    " (known keys in \"%s\":", spath);
+				for (int i = 0; i < nk && o < sizeof hint; i++)
 					o += (size_t)snprintf(
 					    hint + o, sizeof hint - o, "%s %s",
-					    i ? "," : "", S->keys[i]);
+					    i ? "," : "", names[i]);
 				if (o < sizeof hint)
 					snprintf(hint + o, sizeof hint - o,
 						 ")");
@@ -541,25 +1461,6 @@ static epj_status check_keys(cp *p, json_t *obj, int sec)
 		return cp_err(p, "unknown key \"%s\"%s", path, hint);
 	}
 	return EPJ_OK;
-}
-
-/* The object at parent[key] as section `sec` (keys checked).  *out is NULL
- * when the key is absent or null (DeepSpeed treats both as "not set"). */
-static epj_status get_section(cp *p, json_t *parent, const char *key, int sec,
-			      json_t **out)
-{
-	*out = NULL;
-	json_t *v = json_object_get(parent, key);
-	if (!v || json_is_null(v))
-		return EPJ_OK;
-	if (!json_is_object(v)) {
-		char g[100];
-		return cp_err(p, "\"%s\" must be an object, got %s",
-			      sections[sec].path,
-			      ej_json_describe(v, g, sizeof g));
-	}
-	*out = v;
-	return check_keys(p, v, sec);
 }
 
 /* "a positive integer", "an integer in [0, 3]" ... */
@@ -576,6 +1477,20 @@ static const char *int_expect(char *buf, size_t n, int64_t lo, int64_t hi)
 	else
 		snprintf(buf, n, "an integer in [%" PRId64 ", %" PRId64 "]", lo,
 			 hi);
+	return buf;
+}
+
+/* "a number", "a number > 0", "a number in [0, 1)" ... */
+static const char *num_expect(char *buf, size_t n, double lo, bool lo_open,
+			      double hi, bool hi_open)
+{
+	if (isinf(lo) && isinf(hi))
+		snprintf(buf, n, "a number");
+	else if (isinf(hi))
+		snprintf(buf, n, "a number %s %g", lo_open ? ">" : ">=", lo);
+	else
+		snprintf(buf, n, "a number in %c%g, %g%c", lo_open ? '(' : '[',
+			 lo, hi, hi_open ? ')' : ']');
 	return buf;
 }
 
@@ -604,17 +1519,6 @@ static epj_status rd_int(cp *p, json_t *obj, const char *prefix,
 	return EPJ_OK;
 }
 
-/* Same into an int field. */
-static epj_status rd_i32(cp *p, json_t *obj, const char *prefix,
-			 const char *key, int64_t lo, int64_t hi, int *out)
-{
-	int64_t x = *out;
-	epj_status s = rd_int(p, obj, prefix, key, lo, hi, &x, NULL);
-	if (s == EPJ_OK)
-		*out = (int)x;
-	return s;
-}
-
 /* Reads obj[key] as a number with lo <= x (lo < x when lo_open) and
  * x <= hi (x < hi when hi_open).  Use -HUGE_VAL / HUGE_VAL for no bound. */
 static epj_status rd_num(cp *p, json_t *obj, const char *prefix,
@@ -626,14 +1530,7 @@ static epj_status rd_num(cp *p, json_t *obj, const char *prefix,
 		return EPJ_OK;
 	char path[300], e[120], g[100];
 	key_path(path, sizeof path, prefix, key);
-	if (isinf(lo) && isinf(hi))
-		snprintf(e, sizeof e, "a number");
-	else if (isinf(hi))
-		snprintf(e, sizeof e, "a number %s %g",
-			 lo_open ? ">" : ">=", lo);
-	else
-		snprintf(e, sizeof e, "a number in %c%g, %g%c",
-			 lo_open ? '(' : '[', lo, hi, hi_open ? ')' : ']');
+	num_expect(e, sizeof e, lo, lo_open, hi, hi_open);
 	if (!json_is_number(v))
 		return cp_err(p, "\"%s\" must be %s, got %s", path, e,
 			      ej_json_describe(v, g, sizeof g));
@@ -644,69 +1541,36 @@ static epj_status rd_num(cp *p, json_t *obj, const char *prefix,
 	return EPJ_OK;
 }
 
-static epj_status rd_bool(cp *p, json_t *obj, const char *prefix,
-			  const char *key, bool *out)
+/* The choices of k as "a", "b", "c" into list. */
+static const char *choice_list(const key *k, char *list, size_t n)
 {
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	if (!json_is_boolean(v)) {
-		char path[300], g[100];
-		key_path(path, sizeof path, prefix, key);
-		return cp_err(p, "\"%s\" must be a boolean, got %s", path,
-			      ej_json_describe(v, g, sizeof g));
-	}
-	*out = json_is_true(v);
-	return EPJ_OK;
-}
-
-/* A bool that may also be null, kept exactly (compile.fullgraph/dynamic). */
-static epj_status rd_json_bool(cp *p, json_t *obj, const char *prefix,
-			       const char *key, ej_json_bool *out, bool *given)
-{
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	if (!json_is_boolean(v) && !json_is_null(v)) {
-		char path[300], g[100];
-		key_path(path, sizeof path, prefix, key);
-		return cp_err(p, "\"%s\" must be a boolean or null, got %s",
-			      path, ej_json_describe(v, g, sizeof g));
-	}
-	*out = json_is_null(v)	 ? EJ_JSON_NULL
-	       : json_is_true(v) ? EJ_JSON_TRUE
-				 : EJ_JSON_FALSE;
-	*given = true;
-	return EPJ_OK;
-}
-
-/* Reads obj[key] as one of the strings in choices (exact match) into idx.
- * Unknown values name the choices and the nearest one. */
-static epj_status rd_choice(cp *p, json_t *obj, const char *prefix,
-			    const char *key, const char *const *choices, int n,
-			    bool nocase, int *idx)
-{
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	char path[300], g[100], list[200];
-	key_path(path, sizeof path, prefix, key);
 	size_t o = 0;
-	for (int i = 0; i < n && o < sizeof list; i++)
-		o += (size_t)snprintf(list + o, sizeof list - o, "%s\"%s\"",
-				      i ? ", " : "", choices[i]);
+	list[0] = '\0';
+	for (int i = 0; i < k->nchoices && o < n; i++)
+		o += (size_t)snprintf(list + o, n - o, "%s\"%s\"",
+				      i ? ", " : "", k->choices[i]);
+	return list;
+}
+
+/* Reads v (obj[k->name], present) as one of k's choices into *idx.
+ * Unknown values name the choices and the nearest one. */
+static epj_status rd_choice(cp *p, const key *k, json_t *v, const char *path,
+			    int *idx)
+{
+	char g[100], list[200];
+	choice_list(k, list, sizeof list);
 	if (!json_is_string(v))
 		return cp_err(p, "\"%s\" must be a string (one of %s), got %s",
 			      path, list, ej_json_describe(v, g, sizeof g));
 	const char *s = json_string_value(v);
-	for (int i = 0; i < n; i++) {
-		if (nocase ? strcasecmp(s, choices[i]) == 0
-			   : strcmp(s, choices[i]) == 0) {
+	for (int i = 0; i < k->nchoices; i++) {
+		if ((k->flags & K_NOCASE) ? strcasecmp(s, k->choices[i]) == 0
+					  : strcmp(s, k->choices[i]) == 0) {
 			*idx = i;
 			return EPJ_OK;
 		}
 	}
-	const char *near = ej_nearest_key(s, choices, n);
+	const char *near = ej_nearest_key(s, k->choices, k->nchoices);
 	char hint[120] = "";
 	if (near)
 		snprintf(hint, sizeof hint, " (did you mean \"%s\"?)", near);
@@ -716,158 +1580,248 @@ static epj_status rd_choice(cp *p, json_t *obj, const char *prefix,
 		      path, s, hint, list);
 }
 
-/* ==== sections =========================================================== */
-
-static epj_status parse_precision(cp *p, json_t *root, ej_config *c)
+/* The value of the parent section's "type" key, for K_BY_TYPE sections. */
+static const key *type_key(int sec)
 {
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "bf16", SEC_BF16, &o)))
-		return s;
-	if (o && (s = rd_bool(p, o, "bf16", "enabled", &c->bf16_enabled)))
-		return s;
-	if ((s = get_section(p, root, "fp16", SEC_FP16, &o)))
-		return s;
-	if (o) {
-		bool fp16 = false;
-		if ((s = rd_bool(p, o, "fp16", "enabled", &fp16)))
-			return s;
-		if (fp16)
-			return cp_err(p, "\"fp16.enabled\" must be false: fp16 "
-					 "training is not supported; use "
-					 "\"bf16\": {\"enabled\": true}");
-		/* The loss-scaling keys only matter with fp16 on. */
-		const char *key;
-		json_t *v;
-		json_object_foreach(o, key, v)
-		{
-			if (strcmp(key, "enabled") && !json_is_number(v) &&
-			    !json_is_boolean(v)) {
-				char g[100];
-				return cp_err(p,
-					      "\"fp16.%s\" must be a number or "
-					      "a boolean, got %s",
-					      key,
-					      ej_json_describe(v, g, sizeof g));
-			}
-		}
-	}
-	return EPJ_OK;
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++)
+		if (keys[i].sec == sec && strcmp(keys[i].name, "type") == 0)
+			return &keys[i];
+	EJ_ASSERT(!"a K_BY_TYPE section whose parent has no type");
+	return NULL;
 }
 
-/* Parameters each optimizer type takes (DeepSpeed passes "params" to the
+/* The keys of section sec that type value t takes, as "a, b, c". */
+static const char *applicable_list(int sec, int t, char *list, size_t n)
+{
+	size_t o = 0;
+	list[0] = '\0';
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys) && o < n; i++)
+		if (keys[i].sec == sec && (keys[i].applies & (1u << t)))
+			o += (size_t)snprintf(list + o, n - o, "%s%s",
+					      o ? ", " : "", keys[i].name);
+	return list;
+}
+
+/* A K_BY_TYPE section (e.g. optimizer.params): every key present must be
+ * one the parent's type takes (DeepSpeed passes the params to the
  * constructor, which rejects others). */
-static const char *const sgd_params[] = { "lr", "momentum", "nesterov",
-					  "weight_decay" };
-static const char *const adam_params[] = { "lr", "betas", "eps", "weight_decay",
-					   "adam_w_mode" };
-static const char *const adamw_params[] = { "lr", "betas", "eps",
-					    "weight_decay" };
-
-static bool in_list(const char *key, const char *const *list, int n)
+static epj_status check_applicable(cp *p, json_t *obj, const key *sk,
+				   const char *spath, const char *parent_base)
 {
-	for (int i = 0; i < n; i++)
-		if (strcmp(key, list[i]) == 0)
-			return true;
-	return false;
-}
-
-static epj_status check_applicable(cp *p, json_t *params, const char *prefix,
-				   const char *what, const char *type_name,
-				   const char *const *allowed, int n)
-{
-	const char *key;
+	const key *tk = type_key(sk->sec);
+	int t = (int)get_int(tk, parent_base);
+	const char *type_name = tk->choices[t - tk->enum_base];
+	/* the parent section's name: "optimizer", "scheduler" */
+	char parent[300];
+	snprintf(parent, sizeof parent, "%s", spath);
+	char *dot = strrchr(parent, '.');
+	if (dot)
+		*dot = '\0';
+	const char *name;
 	json_t *v;
-	json_object_foreach(params, key, v)
+	json_object_foreach(obj, name, v)
 	{
-		if (in_list(key, allowed, n))
+		const key *k = NULL;
+		for (size_t i = 0; i < EJ_ARRAY_LEN(keys) && !k; i++)
+			if (keys[i].sec == sk->child &&
+			    strcmp(keys[i].name, name) == 0)
+				k = &keys[i];
+		if (k && (k->applies & (1u << t)))
 			continue;
 		char list[200];
-		size_t o = 0;
-		for (int i = 0; i < n && o < sizeof list; i++)
-			o += (size_t)snprintf(list + o, sizeof list - o, "%s%s",
-					      i ? ", " : "", allowed[i]);
 		return cp_err(p,
 			      "\"%s.%s\" is not a parameter of %s type %s (it "
 			      "takes: %s)",
-			      prefix, key, what, type_name, list);
+			      spath, name, parent, type_name,
+			      applicable_list(sk->child, t, list, sizeof list));
 	}
 	return EPJ_OK;
 }
 
-static epj_status parse_optimizer(cp *p, json_t *root, ej_config *c)
+static epj_status read_section(cp *p, json_t *obj, int sec, const char *spath,
+			       char *base, ej_config *c);
+
+/* Reads row k of a section object obj (at spath, fields at base). */
+static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
+			   char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o, *pp;
-	if ((s = get_section(p, root, "optimizer", SEC_OPTIM, &o)))
-		return s;
-	if (!o)
+	char path[300], g[100], e[120];
+	key_path(path, sizeof path, spath, k->name);
+	json_t *v = json_object_get(obj, k->name);
+	epj_status s = EPJ_OK;
+	if (!v) {
+		if (k->flags & K_REQUIRED)
+			return cp_err(p, "\"%s\" is required (one of %s)", path,
+				      choice_list(k, e, sizeof e));
 		return EPJ_OK;
-	c->optimizer.given = true;
-	if (!json_object_get(o, "type"))
-		return cp_err(p, "\"optimizer.type\" is required (one of "
-				 "\"SGD\", \"Adam\", \"AdamW\")");
-	/* DeepSpeed matches optimizer names case-insensitively. */
-	int t = 0;
-	if ((s = rd_choice(p, o, "optimizer", "type", optim_names,
-			   (int)EJ_ARRAY_LEN(optim_names), true, &t)))
-		return s;
-	c->optimizer.type = (ej_optim_type)t;
-	c->optimizer.adam_w_mode = c->optimizer.type != EJ_OPTIM_SGD;
-	if ((s = get_section(p, o, "params", SEC_OPTIM_PARAMS, &pp)))
-		return s;
-	if (!pp)
-		return EPJ_OK;
-	const char *const *allowed =
-	    c->optimizer.type == EJ_OPTIM_SGD	 ? sgd_params
-	    : c->optimizer.type == EJ_OPTIM_ADAM ? adam_params
-						 : adamw_params;
-	int n = c->optimizer.type == EJ_OPTIM_SGD
-		    ? (int)EJ_ARRAY_LEN(sgd_params)
-		: c->optimizer.type == EJ_OPTIM_ADAM
-		    ? (int)EJ_ARRAY_LEN(adam_params)
-		    : (int)EJ_ARRAY_LEN(adamw_params);
-	if ((s = check_applicable(p, pp, "optimizer.params", "optimizer",
-				  optim_names[t], allowed, n)))
-		return s;
-	const char *P = "optimizer.params";
-	if ((s = rd_num(p, pp, P, "lr", 0, false, HUGE_VAL, false,
-			&c->optimizer.lr)) ||
-	    (s = rd_num(p, pp, P, "momentum", 0, false, 1, true,
-			&c->optimizer.momentum)) ||
-	    (s = rd_bool(p, pp, P, "nesterov", &c->optimizer.nesterov)) ||
-	    (s = rd_num(p, pp, P, "eps", 0, true, HUGE_VAL, false,
-			&c->optimizer.eps)) ||
-	    (s = rd_num(p, pp, P, "weight_decay", 0, false, HUGE_VAL, false,
-			&c->optimizer.weight_decay)) ||
-	    (s = rd_bool(p, pp, P, "adam_w_mode", &c->optimizer.adam_w_mode)))
-		return s;
-	json_t *b = json_object_get(pp, "betas");
-	if (b) {
-		char g[100];
-		if (!json_is_array(b) || json_array_size(b) != 2)
-			return cp_err(p,
-				      "\"optimizer.params.betas\" must be an "
-				      "array of 2 numbers in [0, 1), got %s%s",
-				      ej_json_describe(b, g, sizeof g),
-				      json_is_array(b) ? " of another length"
-						       : "");
-		for (int i = 0; i < 2; i++) {
-			json_t *x = json_array_get(b, (size_t)i);
-			double d =
-			    json_is_number(x) ? json_number_value(x) : -1.0;
-			if (!json_is_number(x) || d < 0 || d >= 1)
-				return cp_err(
-				    p,
-				    "\"optimizer.params.betas[%d]\" must be a "
-				    "number in [0, 1), got %s",
-				    i,
-				    json_is_number(x)
-					? (snprintf(g, sizeof g, "%g", d), g)
-					: ej_json_describe(x, g, sizeof g));
-			c->optimizer.betas[i] = d;
-		}
 	}
+	if (json_is_null(v) &&
+	    (k->type == K_SECTION || (k->flags & K_NULL_OK))) {
+		/* DeepSpeed treats null as "not set". */
+		if (k->type == K_NUM && k->off >= 0) {
+			set_num(k, base, 0, 0);
+			set_given(k, base, false);
+		}
+		return EPJ_OK;
+	}
+	int64_t x = 0;
+	double d = 0;
+	int idx = 0;
+	switch (k->type) {
+	case K_SECTION: {
+		if (!json_is_object(v))
+			return cp_err(p, "\"%s\" must be an object, got %s",
+				      path, ej_json_describe(v, g, sizeof g));
+		char *cb = child_base(k, base);
+		if ((s = check_keys(p, v, k->child, path)))
+			return s;
+		if ((k->flags & K_BY_TYPE) &&
+		    (s = check_applicable(p, v, k, path, base)))
+			return s;
+		set_given(k, cb, true);
+		if ((s = read_section(p, v, k->child, path, cb, c)))
+			return s;
+		return k->hook ? k->hook(p, k, obj, v, path, cb, c) : EPJ_OK;
+	}
+	case K_SPECIAL:
+		return k->hook(p, k, obj, v, path, base, c);
+	case K_BOOL:
+		if (!json_is_boolean(v))
+			return cp_err(p, "\"%s\" must be a boolean, got %s",
+				      path, ej_json_describe(v, g, sizeof g));
+		if (k->off >= 0)
+			*(bool *)field(k, base) = json_is_true(v);
+		break;
+	case K_INT:
+		if ((s = rd_int(p, obj, spath, k->name, k->ilo, k->ihi, &x,
+				NULL)))
+			return s;
+		if (k->off >= 0)
+			set_int(k, base, x);
+		set_given(k, base, true);
+		break;
+	case K_NUM:
+		if ((s = rd_num(p, obj, spath, k->name, k->lo,
+				k->flags & K_LO_OPEN, k->hi,
+				k->flags & K_HI_OPEN, &d)))
+			return s;
+		if (k->off >= 0)
+			set_num(k, base, 0, d);
+		set_given(k, base, true);
+		break;
+	case K_PAIR: {
+		num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN, k->hi,
+			   k->flags & K_HI_OPEN);
+		/* "a number in [0, 1)" -> "numbers in [0, 1)" */
+		const char *range = e + strlen("a number");
+		if (!json_is_array(v) || json_array_size(v) != 2)
+			return cp_err(
+			    p,
+			    "\"%s\" must be an array of 2 numbers%s, "
+			    "got %s%s",
+			    path, range, ej_json_describe(v, g, sizeof g),
+			    json_is_array(v) ? " of another length" : "");
+		for (int i = 0; i < 2; i++) {
+			json_t *xi = json_array_get(v, (size_t)i);
+			double di =
+			    json_is_number(xi) ? json_number_value(xi) : 0;
+			if (!json_is_number(xi) || di < k->lo ||
+			    ((k->flags & K_LO_OPEN) && di == k->lo) ||
+			    di > k->hi ||
+			    ((k->flags & K_HI_OPEN) && di == k->hi))
+				return cp_err(
+				    p, "\"%s[%d]\" must be %s, got %s", path, i,
+				    e,
+				    json_is_number(xi)
+					? (snprintf(g, sizeof g, "%g", di), g)
+					: ej_json_describe(xi, g, sizeof g));
+			set_num(k, base, i, di);
+		}
+		break;
+	}
+	case K_ENUM:
+		if ((s = rd_choice(p, k, v, path, &idx)))
+			return s;
+		set_int(k, base, k->enum_base + idx);
+		break;
+	case K_NAME:
+		if ((s = rd_choice(p, k, v, path, &idx)))
+			return s;
+		set_str(field(k, base), k->size, k->choices[idx]);
+		break;
+	case K_STR:
+		if (!json_is_string(v))
+			return cp_err(p, "\"%s\" must be a string, got %s",
+				      path, ej_json_describe(v, g, sizeof g));
+		if (json_string_length(v) >= k->size)
+			return cp_err(p,
+				      "\"%s\" is too long (%zu bytes, at most "
+				      "%zu)",
+				      path, json_string_length(v), k->size - 1);
+		set_str(field(k, base), k->size, json_string_value(v));
+		break;
+	case K_TRISTATE:
+		if (!json_is_boolean(v) && !json_is_null(v))
+			return cp_err(
+			    p, "\"%s\" must be a boolean or null, got %s", path,
+			    ej_json_describe(v, g, sizeof g));
+		set_int(k, base,
+			json_is_null(v)	  ? EJ_JSON_NULL
+			: json_is_true(v) ? EJ_JSON_TRUE
+					  : EJ_JSON_FALSE);
+		set_given(k, base, true);
+		break;
+	case K_NUMBOOL:
+		if (!json_is_number(v) && !json_is_boolean(v))
+			return cp_err(p,
+				      "\"%s\" must be a number or a boolean, "
+				      "got %s",
+				      path, ej_json_describe(v, g, sizeof g));
+		break;
+	}
+	return k->hook ? k->hook(p, k, obj, v, path, base, c) : EPJ_OK;
+}
+
+/* Reads every key of section sec from obj (keys already checked). */
+static epj_status read_section(cp *p, json_t *obj, int sec, const char *spath,
+			       char *base, ej_config *c)
+{
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+		if (keys[i].sec != sec)
+			continue;
+		epj_status s = read_key(p, &keys[i], obj, spath, base, c);
+		if (s)
+			return s;
+	}
+	return EPJ_OK;
+}
+
+/* ==== hooks: what one row cannot say ===================================== */
+
+static epj_status hook_fp16(cp *p, const key *k, json_t *obj, json_t *v,
+			    const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)base, (void)c, (void)path;
+	if (json_is_true(json_object_get(v, "enabled")))
+		return cp_err(p, "\"fp16.enabled\" must be false: fp16 "
+				 "training is not supported; use "
+				 "\"bf16\": {\"enabled\": true}");
+	return EPJ_OK;
+}
+
+static epj_status hook_optim_type(cp *p, const key *k, json_t *obj, json_t *v,
+				  const char *path, char *base, ej_config *c)
+{
+	/* Adam's decoupled weight decay defaults to on, SGD has none. */
+	(void)p, (void)k, (void)obj, (void)v, (void)path, (void)base;
+	c->optimizer.adam_w_mode = c->optimizer.type != EJ_OPTIM_SGD;
+	return EPJ_OK;
+}
+
+static epj_status hook_optim_params(cp *p, const key *k, json_t *obj, json_t *v,
+				    const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)v, (void)path, (void)base;
 	if (c->optimizer.nesterov && !(c->optimizer.momentum > 0))
 		return cp_err(p, "\"optimizer.params.nesterov\" is true but "
 				 "\"optimizer.params.momentum\" is 0: Nesterov "
@@ -875,72 +1829,14 @@ static epj_status parse_optimizer(cp *p, json_t *root, ej_config *c)
 	return EPJ_OK;
 }
 
-static const char *const warmuplr_params[] = {
-	"warmup_min_lr", "warmup_max_lr",	 "warmup_num_steps",
-	"warmup_type",	 "last_batch_iteration",
-};
-static const char *const decaylr_params[] = {
-	"warmup_min_lr", "warmup_max_lr",	 "warmup_num_steps",
-	"warmup_type",	 "last_batch_iteration", "total_num_steps",
-};
-static const char *const cosinelr_params[] = {
-	"total_num_steps", "warmup_min_ratio", "warmup_num_steps",
-	"cos_min_ratio",   "warmup_type",      "last_batch_iteration",
-};
-
-static epj_status parse_scheduler(cp *p, json_t *root, ej_config *c)
+static epj_status hook_sched(cp *p, const key *k, json_t *obj, json_t *v,
+			     const char *path, char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o, *pp;
-	if ((s = get_section(p, root, "scheduler", SEC_SCHED, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	if (!json_object_get(o, "type"))
-		return cp_err(p, "\"scheduler.type\" is required (one of "
-				 "\"WarmupLR\", \"WarmupDecayLR\", "
-				 "\"WarmupCosineLR\")");
-	/* DeepSpeed looks schedulers up by exact class name. */
-	int t = 0;
-	if ((s = rd_choice(p, o, "scheduler", "type", sched_names,
-			   (int)EJ_ARRAY_LEN(sched_names), false, &t)))
-		return s;
-	c->scheduler.type = (ej_sched_type)(t + 1);
-	if ((s = get_section(p, o, "params", SEC_SCHED_PARAMS, &pp)))
-		return s;
-	const char *const *allowed = t == 0   ? warmuplr_params
-				     : t == 1 ? decaylr_params
-					      : cosinelr_params;
-	int n = t == 0	 ? (int)EJ_ARRAY_LEN(warmuplr_params)
-		: t == 1 ? (int)EJ_ARRAY_LEN(decaylr_params)
-			 : (int)EJ_ARRAY_LEN(cosinelr_params);
-	const char *P = "scheduler.params";
-	bool total_given = false;
-	if (pp) {
-		if ((s = check_applicable(p, pp, P, "scheduler", sched_names[t],
-					  allowed, n)))
-			return s;
-		int wt = 0;
-		static const char *const wtypes[] = { "log", "linear" };
-		if ((s = rd_num(p, pp, P, "warmup_min_lr", 0, false, HUGE_VAL,
-				false, &c->scheduler.warmup_min_lr)) ||
-		    (s = rd_num(p, pp, P, "warmup_max_lr", 0, false, HUGE_VAL,
-				false, &c->scheduler.warmup_max_lr)) ||
-		    (s = rd_int(p, pp, P, "warmup_num_steps", 0, BATCH_MAX,
-				&c->scheduler.warmup_num_steps, NULL)) ||
-		    (s = rd_choice(p, pp, P, "warmup_type", wtypes, 2, false,
-				   &wt)) ||
-		    (s = rd_int(p, pp, P, "total_num_steps", 1, BATCH_MAX,
-				&c->scheduler.total_num_steps, &total_given)) ||
-		    (s = rd_num(p, pp, P, "cos_min_ratio", 0, false, 1, false,
-				&c->scheduler.cos_min_ratio)) ||
-		    (s = rd_num(p, pp, P, "warmup_min_ratio", 0, false, 1,
-				false, &c->scheduler.warmup_min_ratio)) ||
-		    (s = rd_int(p, pp, P, "last_batch_iteration", -1, BATCH_MAX,
-				&c->scheduler.last_batch_iteration, NULL)))
-			return s;
-		c->scheduler.warmup_type = (ej_warmup_type)wt;
-	}
+	(void)k, (void)obj, (void)path, (void)base;
+	int t = (int)c->scheduler.type - 1;
+	json_t *pp = json_object_get(v, "params");
+	bool total_given =
+	    json_is_object(pp) && json_object_get(pp, "total_num_steps");
 	if (t != 0 && !total_given)
 		return cp_err(p,
 			      "\"scheduler.params.total_num_steps\" is "
@@ -956,334 +1852,129 @@ static epj_status parse_scheduler(cp *p, json_t *root, ej_config *c)
 	return EPJ_OK;
 }
 
-static epj_status parse_offload(cp *p, json_t *zero, const char *key, int sec,
-				ej_offload_config *off)
+static epj_status hook_offload(cp *p, const key *k, json_t *obj, json_t *v,
+			       const char *path, char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, zero, key, sec, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK; /* absent or null: no offload */
-	off->present = true;
-	const char *P = sections[sec].path;
-	int dev = 0;
-	int64_t ignored = 0;
-	double ratio = 1.0;
-	bool b = false;
-	if ((s = rd_choice(p, o, P, "device", offload_devices,
-			   (int)EJ_ARRAY_LEN(offload_devices), false, &dev)) ||
-	    (s = rd_bool(p, o, P, "pin_memory", &off->pin_memory)) ||
-	    (s = rd_int(p, o, P, "buffer_count", 1, BATCH_MAX, &ignored,
-			NULL)) ||
-	    (s = rd_int(p, o, P, "buffer_size", 1, INT64_MAX / 2, &ignored,
-			NULL)) ||
-	    (s = rd_int(p, o, P, "max_in_cpu", 0, INT64_MAX / 2, &ignored,
-			NULL)) ||
-	    (s = rd_bool(p, o, P, "fast_init", &b)) ||
-	    (s = rd_bool(p, o, P, "pipeline_read", &b)) ||
-	    (s = rd_bool(p, o, P, "pipeline_write", &b)) ||
-	    (s = rd_num(p, o, P, "ratio", 0, false, 1, false, &ratio)))
-		return s;
-	json_t *np = json_object_get(o, "nvme_path");
-	if (np && !json_is_null(np)) {
-		char g[100];
-		if (!json_is_string(np))
-			return cp_err(p,
-				      "\"%s.nvme_path\" must be a string, "
-				      "got %s",
-				      P, ej_json_describe(np, g, sizeof g));
-		if (strlen(json_string_value(np)) >= sizeof off->nvme_path)
-			return cp_err(p,
-				      "\"%s.nvme_path\" is longer than %zu "
-				      "bytes",
-				      P, sizeof off->nvme_path - 1);
-		set_str(off->nvme_path, sizeof off->nvme_path,
-			json_string_value(np));
-	}
-	off->device = (ej_offload_device)dev;
+	(void)k, (void)obj, (void)v, (void)c;
+	ej_offload_config *off = (ej_offload_config *)base;
 	off->active = off->device != EJ_OFFLOAD_NONE;
 	if (off->device == EJ_OFFLOAD_NVME && !off->nvme_path[0])
 		return cp_err(p,
 			      "\"%s.device\" is \"nvme\" but \"%s.nvme_path\" "
 			      "is not set",
-			      P, P);
+			      path, path);
 	return EPJ_OK;
 }
 
-static epj_status parse_zero(cp *p, json_t *root, ej_config *c)
+static epj_status hook_csv(cp *p, const key *k, json_t *obj, json_t *v,
+			   const char *path, char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "zero_optimization", SEC_ZERO, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	const char *P = "zero_optimization";
-	bool ignored = false;
-	if ((s = rd_i32(p, o, P, "stage", 0, 3, &c->zero.stage)) ||
-	    (s = parse_offload(p, o, "offload_optimizer", SEC_OFFLOAD_OPT,
-			       &c->zero.offload_optimizer)) ||
-	    (s = parse_offload(p, o, "offload_param", SEC_OFFLOAD_PARAM,
-			       &c->zero.offload_param)) ||
-	    (s = rd_int(p, o, P, "reduce_bucket_size", 1, INT64_MAX / 2,
-			&c->zero.reduce_bucket_size, NULL)) ||
-	    (s = rd_int(p, o, P, "allgather_bucket_size", 1, INT64_MAX / 2,
-			&c->zero.allgather_bucket_size, NULL)) ||
-	    (s = rd_bool(p, o, P, "overlap_comm", &c->zero.overlap_comm)) ||
-	    (s = rd_bool(p, o, P, "contiguous_gradients",
-			 &c->zero.contiguous_gradients)) ||
-	    (s = rd_bool(p, o, P, "allgather_partitions", &ignored)) ||
-	    (s = rd_bool(p, o, P, "reduce_scatter", &ignored)) ||
-	    (s = rd_bool(p, o, P, "round_robin_gradients", &ignored)))
-		return s;
-	return EPJ_OK;
-}
-
-static epj_status parse_act_ckpt(cp *p, json_t *root, ej_config *c)
-{
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "activation_checkpointing", SEC_ACT_CKPT,
-			     &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	const char *P = "activation_checkpointing";
-	struct ej_act_ckpt_config *a = &c->activation_checkpointing;
-	if ((s = rd_bool(p, o, P, "enabled", &a->enabled)) ||
-	    (s = rd_bool(p, o, P, "partition_activations",
-			 &a->partition_activations)) ||
-	    (s = rd_bool(p, o, P, "cpu_checkpointing",
-			 &a->cpu_checkpointing)) ||
-	    (s = rd_bool(p, o, P, "contiguous_memory_optimization",
-			 &a->contiguous_memory_optimization)) ||
-	    (s = rd_bool(p, o, P, "synchronize_checkpoint_boundary",
-			 &a->synchronize_checkpoint_boundary)) ||
-	    (s = rd_bool(p, o, P, "profile", &a->profile)))
-		return s;
-	json_t *nc = json_object_get(o, "number_checkpoints");
-	if (nc && !json_is_null(nc) &&
-	    (s = rd_int(p, o, P, "number_checkpoints", 1, BATCH_MAX,
-			&a->number_checkpoints, NULL)))
-		return s;
-	return EPJ_OK;
-}
-
-/* Reads obj[key] as a string of fewer than n bytes into dst. */
-static epj_status rd_string(cp *p, json_t *obj, const char *prefix,
-			    const char *key, char *dst, size_t n)
-{
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	char path[300], g[100];
-	key_path(path, sizeof path, prefix, key);
-	if (!json_is_string(v))
-		return cp_err(p, "\"%s\" must be a string, got %s", path,
-			      ej_json_describe(v, g, sizeof g));
-	if (json_string_length(v) >= n)
-		return cp_err(p, "\"%s\" is too long (%zu bytes, at most %zu)",
-			      path, json_string_length(v), n - 1);
-	set_str(dst, n, json_string_value(v));
-	return EPJ_OK;
-}
-
-static epj_status parse_csv_monitor(cp *p, json_t *root, ej_config *c)
-{
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "csv_monitor", SEC_CSV_MONITOR, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	const char *P = "csv_monitor";
-	struct ej_csv_monitor_config *m = &c->csv_monitor;
-	if ((s = rd_bool(p, o, P, "enabled", &m->enabled)) ||
-	    (s = rd_string(p, o, P, "output_path", m->output_path,
-			   sizeof m->output_path)) ||
-	    (s = rd_string(p, o, P, "job_name", m->job_name,
-			   sizeof m->job_name)))
-		return s;
-	if (!m->job_name[0])
+	(void)k, (void)obj, (void)v, (void)path, (void)base;
+	if (!c->csv_monitor.job_name[0])
 		return cp_err(p, "\"csv_monitor.job_name\" must not be empty");
 	return EPJ_OK;
 }
 
-static epj_status parse_ep(cp *p, json_t *root, ej_config *c)
+/* top_k: an integer >= 1 or "auto" (the model's num_experts_per_tok). */
+static epj_status hook_top_k(cp *p, const key *k, json_t *obj, json_t *v,
+			     const char *path, char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "expert_parallel", SEC_EP, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	const char *P = "expert_parallel";
-	struct ej_ep_config *e = &c->expert_parallel;
-	int comm = 0;
-	if ((s = rd_bool(p, o, P, "enabled", &e->enabled)) ||
-	    (s = rd_i32(p, o, P, "autoep_size", 1, INT_FIELD_MAX,
-			&e->autoep_size)) ||
-	    (s = rd_choice(p, o, P, "comm_backend", comm_backends,
-			   (int)EJ_ARRAY_LEN(comm_backends), false, &comm)) ||
-	    (s = rd_bool(p, o, P, "async_split_plan", &e->async_split_plan)) ||
-	    (s = rd_num(p, o, P, "route_scale", 0, true, HUGE_VAL, false,
-			&e->route_scale)) ||
-	    (s = rd_bool(p, o, P, "fixed_routing", &e->fixed_routing)))
-		return s;
-	set_str(e->comm_backend, sizeof e->comm_backend, comm_backends[comm]);
-	json_t *v;
+	(void)c;
 	char g[100];
-	if ((v = json_object_get(o, "preset_model")) && !json_is_null(v)) {
-		int pm = 0;
-		if ((s = rd_choice(p, o, P, "preset_model", preset_models,
-				   (int)EJ_ARRAY_LEN(preset_models), false,
-				   &pm)))
-			return s;
-		set_str(e->preset_model, sizeof e->preset_model,
-			preset_models[pm]);
+	if (json_is_string(v) && strcmp(json_string_value(v), "auto") == 0) {
+		set_int(k, base, 0);
+		return EPJ_OK;
 	}
-	/* top_k: an integer >= 1 or "auto" (the model's num_experts_per_tok) */
-	if ((v = json_object_get(o, "top_k"))) {
-		if (json_is_string(v) &&
-		    strcmp(json_string_value(v), "auto") == 0)
-			e->top_k = 0;
-		else if (!json_is_integer(v) && !json_is_real(v))
-			return cp_err(p,
-				      "\"expert_parallel.top_k\" must be a "
-				      "positive integer or \"auto\", got %s",
-				      ej_json_describe(v, g, sizeof g));
-		else if ((s = rd_i32(p, o, P, "top_k", 1, INT_FIELD_MAX,
-				     &e->top_k)))
-			return s;
-	}
-	/* route_norm: bool, or null = the model's norm_topk_prob */
-	if ((v = json_object_get(o, "route_norm"))) {
-		if (json_is_null(v))
-			e->route_norm = -1;
-		else if (json_is_boolean(v))
-			e->route_norm = json_is_true(v);
-		else
-			return cp_err(p,
-				      "\"expert_parallel.route_norm\" must "
-				      "be a boolean or null, got %s",
-				      ej_json_describe(v, g, sizeof g));
-	}
-	/* load_balance_coeff: number >= 0, or null = balancing off */
-	if ((v = json_object_get(o, "load_balance_coeff"))) {
-		if (json_is_null(v)) {
-			e->has_load_balance = false;
-			e->load_balance_coeff = 0;
-		} else if ((s = rd_num(p, o, P, "load_balance_coeff", 0, false,
-				       HUGE_VAL, false,
-				       &e->load_balance_coeff))) {
-			return s;
-		} else {
-			e->has_load_balance = true;
-		}
-	}
+	if (!json_is_integer(v) && !json_is_real(v))
+		return cp_err(p,
+			      "\"%s\" must be a positive integer or "
+			      "\"auto\", got %s",
+			      path, ej_json_describe(v, g, sizeof g));
+	int64_t x = 0;
+	epj_status s = rd_int(p, obj, "expert_parallel", k->name, 1,
+			      INT_FIELD_MAX, &x, NULL);
+	if (s == EPJ_OK)
+		set_int(k, base, x);
+	return s;
+}
+
+/* route_norm: bool, or null = the model's norm_topk_prob (-1). */
+static epj_status hook_route_norm(cp *p, const key *k, json_t *obj, json_t *v,
+				  const char *path, char *base, ej_config *c)
+{
+	(void)obj, (void)c;
+	char g[100];
+	if (json_is_null(v))
+		set_int(k, base, -1);
+	else if (json_is_boolean(v))
+		set_int(k, base, json_is_true(v));
+	else
+		return cp_err(p, "\"%s\" must be a boolean or null, got %s",
+			      path, ej_json_describe(v, g, sizeof g));
 	return EPJ_OK;
 }
 
-static epj_status parse_compile(cp *p, json_t *root, ej_config *c)
+/* A DeepCompile schedule is a list of [step, passes] pairs (or an object);
+ * only its presence matters to us. */
+static epj_status hook_schedule(cp *p, const key *k, json_t *obj, json_t *v,
+				const char *path, char *base, ej_config *c)
 {
-	epj_status s;
-	json_t *o;
-	if ((s = get_section(p, root, "compile", SEC_COMPILE, &o)))
-		return s;
-	if (!o)
-		return EPJ_OK;
-	const char *P = "compile";
-	struct ej_compile_config *k = &c->compile;
-	if ((s = rd_bool(p, o, P, "autoep_non_moe", &k->autoep_non_moe)) ||
-	    (s = rd_json_bool(p, o, P, "fullgraph", &k->fullgraph,
-			      &k->fullgraph_given)) ||
-	    (s = rd_json_bool(p, o, P, "dynamic", &k->dynamic,
-			      &k->dynamic_given)) ||
-	    (s = rd_bool(p, o, P, "deepcompile", &k->deepcompile)) ||
-	    (s = rd_bool(p, o, P, "compiled_autograd", &k->compiled_autograd)))
-		return s;
-	json_t *v;
+	(void)obj, (void)c;
 	char g[100];
-	if ((v = json_object_get(o, "backend")) && !json_is_null(v)) {
-		int b = 0;
-		if ((s = rd_choice(p, o, P, "backend", compile_backends,
-				   (int)EJ_ARRAY_LEN(compile_backends), false,
-				   &b)))
-			return s;
-		set_str(k->backend, sizeof k->backend, compile_backends[b]);
-	}
-	/* A DeepCompile schedule is a list of [step, passes] pairs (or an
-	 * object); only its presence matters to us. */
-	if ((v = json_object_get(o, "schedule")) && !json_is_null(v)) {
-		if (!json_is_array(v) && !json_is_object(v))
-			return cp_err(p,
-				      "\"compile.schedule\" must be an "
-				      "array, an object or null, got %s",
-				      ej_json_describe(v, g, sizeof g));
-		k->schedule_present = true;
-	}
+	if (json_is_null(v))
+		return EPJ_OK;
+	if (!json_is_array(v) && !json_is_object(v))
+		return cp_err(p,
+			      "\"%s\" must be an array, an object or null, got "
+			      "%s",
+			      path, ej_json_describe(v, g, sizeof g));
+	*(bool *)field(k, base) = true;
 	return EPJ_OK;
 }
+
+static json_t *wr_top_k(const key *k, const char *base, const ej_config *c)
+{
+	(void)c;
+	int64_t t = get_int(k, base);
+	return t ? json_integer(t) : json_string("auto");
+}
+
+static json_t *wr_route_norm(const key *k, const char *base, const ej_config *c)
+{
+	(void)c;
+	int64_t r = get_int(k, base);
+	return r < 0 ? json_null() : json_boolean(r);
+}
+
+static json_t *wr_schedule(const key *k, const char *base, const ej_config *c)
+{
+	/* The schedule's content is not kept; an empty list marks it. */
+	(void)c;
+	return get_bool(k, base) ? json_array() : json_null();
+}
+
+/* Section writers: json_true() when the section is written (a borrowed
+ * singleton, never freed), NULL when it is not. */
+static json_t *wr_if_sched(const key *k, const char *base, const ej_config *c)
+{
+	(void)k, (void)base;
+	return c->scheduler.type != EJ_SCHED_NONE ? json_true() : NULL;
+}
+
+static json_t *wr_if_given(const key *k, const char *base, const ej_config *c)
+{
+	(void)c;
+	return *(const bool *)(base + k->off + k->given_off) ? json_true()
+							     : NULL;
+}
+
+/* ==== sections that cross-check ========================================== */
 
 static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 {
 	epj_status s;
-	json_t *o;
-	if ((s = check_keys(p, root, SEC_ROOT)))
-		return s;
-	if ((s = rd_int(p, root, "", "train_batch_size", 1, BATCH_MAX,
-			&c->train_batch_size, &c->train_batch_size_given)) ||
-	    (s = rd_int(p, root, "", "train_micro_batch_size_per_gpu", 1,
-			BATCH_MAX, &c->micro_batch_per_gpu,
-			&c->micro_batch_given)) ||
-	    (s = rd_int(p, root, "", "gradient_accumulation_steps", 1,
-			BATCH_MAX, &c->gradient_accumulation_steps,
-			&c->gas_given)) ||
-	    (s = parse_precision(p, root, c)) ||
-	    (s = parse_optimizer(p, root, c)) ||
-	    (s = parse_scheduler(p, root, c)) ||
-	    (s = rd_num(p, root, "", "gradient_clipping", 0, false, HUGE_VAL,
-			false, &c->gradient_clipping)) ||
-	    (s = parse_zero(p, root, c)) || (s = parse_act_ckpt(p, root, c)) ||
-	    (s = parse_ep(p, root, c)) || (s = parse_compile(p, root, c)) ||
-	    (s = rd_i32(p, root, "", "sequence_parallel_size", 1, INT_FIELD_MAX,
-			&c->sequence_parallel_size)) ||
-	    (s = rd_int(p, root, "", "steps_per_print", 1, INT64_MAX,
-			&c->steps_per_print, NULL)) ||
-	    (s = rd_int(p, root, "", "seed", 0, INT64_MAX, &c->seed, NULL)) ||
-	    (s = rd_bool(p, root, "", "wall_clock_breakdown",
-			 &c->wall_clock_breakdown)) ||
-	    (s = rd_bool(p, root, "", "skip_nonfinite_steps",
-			 &c->skip_nonfinite_steps)) ||
-	    (s = parse_csv_monitor(p, root, c)))
-		return s;
-	{
-		static const char *const devices[] = { "cpu", "cuda-sim" };
-		json_t *dv = json_object_get(root, "device");
-		int d = 0;
-		if (dv && !json_is_null(dv)) {
-			if ((s = rd_choice(p, root, "", "device", devices,
-					   (int)EJ_ARRAY_LEN(devices), false,
-					   &d)))
-				return s;
-			set_str(c->device, sizeof c->device, devices[d]);
-		}
-	}
-	if ((s = get_section(p, root, "pipeline", SEC_PIPELINE, &o)))
-		return s;
-	if (o && (s = rd_i32(p, o, "pipeline", "stages", 1, INT_FIELD_MAX,
-			     &c->pipeline_stages)))
-		return s;
-	if ((s = get_section(p, root, "tensor_parallel", SEC_TP, &o)))
-		return s;
-	if (o && (s = rd_i32(p, o, "tensor_parallel", "autotp_size", 1,
-			     INT_FIELD_MAX, &c->autotp_size)))
-		return s;
-	if ((s = get_section(p, root, "comm", SEC_COMM, &o)))
-		return s;
-	if (o && (s = rd_num(p, o, "comm", "timeout_s", 0, true, 86400.0 * 7,
-			     false, &c->comm_timeout_s)))
+	if ((s = check_keys(p, root, SEC_ROOT, "")) ||
+	    (s = read_section(p, root, SEC_ROOT, "", (char *)c, c)))
 		return s;
 
 	/* Batch rules that hold for every world size: train_batch_size is a
@@ -1518,7 +2209,7 @@ epj_status ej_config_validate_autoep_compile(epj_ctx *ctx, const ej_config *c)
 	return EPJ_OK;
 }
 
-/* ==== dump =============================================================== */
+/* ==== the JSON writer ==================================================== */
 
 static json_t *json_bool_value(ej_json_bool b)
 {
@@ -1526,167 +2217,87 @@ static json_t *json_bool_value(ej_json_bool b)
 				 : json_boolean(b == EJ_JSON_TRUE);
 }
 
-static json_t *offload_json(const ej_offload_config *o)
+/* Section sec at base as a JSON object; t >= 0 writes only the keys that
+ * type value t takes. */
+static json_t *write_section(int sec, const char *base, const ej_config *c,
+			     int t)
 {
-	json_t *j = json_object();
-	json_object_set_new(j, "device", json_string(offload_name(o->device)));
-	json_object_set_new(j, "pin_memory", json_boolean(o->pin_memory));
-	if (o->nvme_path[0])
-		json_object_set_new(j, "nvme_path", json_string(o->nvme_path));
-	return j;
+	json_t *o = json_object();
+	for (size_t i = 0; o && i < EJ_ARRAY_LEN(keys); i++) {
+		const key *k = &keys[i];
+		if (k->sec != sec || (k->flags & K_W_NEVER))
+			continue;
+		if (t >= 0 && !(k->applies & (1u << t)))
+			continue;
+		json_t *v = NULL;
+		int64_t x;
+		const char *s;
+		switch (k->type) {
+		case K_SECTION:
+			if (k->wr && !k->wr(k, base, c))
+				continue;
+			v = write_section(
+			    k->child, base + k->off, c,
+			    (k->flags & K_BY_TYPE)
+				? (int)get_int(type_key(sec), base)
+				: -1);
+			break;
+		case K_SPECIAL:
+			v = k->wr(k, base, c);
+			break;
+		case K_BOOL:
+			v = json_boolean(get_bool(k, base));
+			break;
+		case K_INT:
+			x = get_int(k, base);
+			if (x == 0 && (k->flags & K_W_NONZERO))
+				continue;
+			v = x == 0 && (k->flags & K_NULL_OK) ? json_null()
+							     : json_integer(x);
+			break;
+		case K_NUM:
+			v = (k->flags & K_NULL_OK) && k->given_off >= 0 &&
+				    !*(const bool *)(base + k->given_off)
+				? json_null()
+				: json_real(get_num(k, base, 0));
+			break;
+		case K_PAIR:
+			v = json_pack("[f,f]", get_num(k, base, 0),
+				      get_num(k, base, 1));
+			break;
+		case K_ENUM:
+			x = get_int(k, base) - k->enum_base;
+			EJ_ASSERT(x >= 0 && x < k->nchoices);
+			v = json_string(k->choices[x]);
+			break;
+		case K_NAME:
+		case K_STR:
+			s = field(k, base);
+			if (!s[0] && (k->flags & K_W_NONZERO))
+				continue;
+			v = !s[0] && (k->flags & K_NULL_OK) ? json_null()
+							    : json_string(s);
+			break;
+		case K_TRISTATE:
+			v = json_bool_value((ej_json_bool)get_int(k, base));
+			break;
+		case K_NUMBOOL:
+			continue;
+		}
+		/* jansson's setters tolerate NULL values (allocation
+		 * failures) by failing; json_dumps then still returns a
+		 * string or NULL. */
+		json_object_set_new(o, k->name, v);
+	}
+	return o;
 }
 
 char *ej_config_to_json(const ej_config *c)
 {
 	EJ_ASSERT(c);
-	json_t *r = json_object(), *o, *pp;
+	json_t *r = write_section(SEC_ROOT, (const char *)c, c, -1);
 	if (!r)
 		return NULL;
-		/* jansson's setters tolerate NULL values (allocation failures)
-		 * by failing; json_dumps then still returns a string or NULL.
-		 */
-#define SET(obj, k, v) json_object_set_new(obj, k, v)
-	if (c->train_batch_size)
-		SET(r, "train_batch_size", json_integer(c->train_batch_size));
-	if (c->micro_batch_per_gpu)
-		SET(r, "train_micro_batch_size_per_gpu",
-		    json_integer(c->micro_batch_per_gpu));
-	if (c->gradient_accumulation_steps)
-		SET(r, "gradient_accumulation_steps",
-		    json_integer(c->gradient_accumulation_steps));
-	SET(r, "bf16", json_pack("{s:b}", "enabled", c->bf16_enabled));
-
-	o = json_object();
-	SET(o, "type", json_string(optim_names[c->optimizer.type]));
-	pp = json_object();
-	SET(pp, "lr", json_real(c->optimizer.lr));
-	if (c->optimizer.type == EJ_OPTIM_SGD) {
-		SET(pp, "momentum", json_real(c->optimizer.momentum));
-		SET(pp, "nesterov", json_boolean(c->optimizer.nesterov));
-	} else {
-		SET(pp, "betas",
-		    json_pack("[f,f]", c->optimizer.betas[0],
-			      c->optimizer.betas[1]));
-		SET(pp, "eps", json_real(c->optimizer.eps));
-		if (c->optimizer.type == EJ_OPTIM_ADAM)
-			SET(pp, "adam_w_mode",
-			    json_boolean(c->optimizer.adam_w_mode));
-	}
-	SET(pp, "weight_decay", json_real(c->optimizer.weight_decay));
-	SET(o, "params", pp);
-	SET(r, "optimizer", o);
-
-	if (c->scheduler.type != EJ_SCHED_NONE) {
-		o = json_object();
-		SET(o, "type",
-		    json_string(ej_sched_type_name(c->scheduler.type)));
-		pp = json_object();
-		if (c->scheduler.type == EJ_SCHED_WARMUP_COSINE_LR) {
-			SET(pp, "warmup_min_ratio",
-			    json_real(c->scheduler.warmup_min_ratio));
-			SET(pp, "cos_min_ratio",
-			    json_real(c->scheduler.cos_min_ratio));
-		} else {
-			SET(pp, "warmup_min_lr",
-			    json_real(c->scheduler.warmup_min_lr));
-			SET(pp, "warmup_max_lr",
-			    json_real(c->scheduler.warmup_max_lr));
-		}
-		if (c->scheduler.type != EJ_SCHED_WARMUP_LR)
-			SET(pp, "total_num_steps",
-			    json_integer(c->scheduler.total_num_steps));
-		SET(pp, "warmup_num_steps",
-		    json_integer(c->scheduler.warmup_num_steps));
-		SET(pp, "warmup_type",
-		    json_string(c->scheduler.warmup_type == EJ_WARMUP_LOG
-				    ? "log"
-				    : "linear"));
-		SET(pp, "last_batch_iteration",
-		    json_integer(c->scheduler.last_batch_iteration));
-		SET(o, "params", pp);
-		SET(r, "scheduler", o);
-	}
-	SET(r, "gradient_clipping", json_real(c->gradient_clipping));
-
-	o = json_object();
-	SET(o, "stage", json_integer(c->zero.stage));
-	if (c->zero.offload_optimizer.present)
-		SET(o, "offload_optimizer",
-		    offload_json(&c->zero.offload_optimizer));
-	if (c->zero.offload_param.present)
-		SET(o, "offload_param", offload_json(&c->zero.offload_param));
-	SET(o, "reduce_bucket_size", json_integer(c->zero.reduce_bucket_size));
-	SET(o, "allgather_bucket_size",
-	    json_integer(c->zero.allgather_bucket_size));
-	SET(o, "overlap_comm", json_boolean(c->zero.overlap_comm));
-	SET(o, "contiguous_gradients",
-	    json_boolean(c->zero.contiguous_gradients));
-	SET(r, "zero_optimization", o);
-
-	const struct ej_act_ckpt_config *a = &c->activation_checkpointing;
-	o = json_object();
-	SET(o, "enabled", json_boolean(a->enabled));
-	SET(o, "partition_activations", json_boolean(a->partition_activations));
-	SET(o, "cpu_checkpointing", json_boolean(a->cpu_checkpointing));
-	SET(o, "contiguous_memory_optimization",
-	    json_boolean(a->contiguous_memory_optimization));
-	SET(o, "number_checkpoints",
-	    a->number_checkpoints ? json_integer(a->number_checkpoints)
-				  : json_null());
-	SET(o, "synchronize_checkpoint_boundary",
-	    json_boolean(a->synchronize_checkpoint_boundary));
-	SET(o, "profile", json_boolean(a->profile));
-	SET(r, "activation_checkpointing", o);
-
-	const struct ej_ep_config *e = &c->expert_parallel;
-	o = json_object();
-	SET(o, "enabled", json_boolean(e->enabled));
-	SET(o, "autoep_size", json_integer(e->autoep_size));
-	SET(o, "comm_backend", json_string(e->comm_backend));
-	SET(o, "preset_model",
-	    e->preset_model[0] ? json_string(e->preset_model) : json_null());
-	SET(o, "async_split_plan", json_boolean(e->async_split_plan));
-	SET(o, "top_k",
-	    e->top_k ? json_integer(e->top_k) : json_string("auto"));
-	SET(o, "route_norm",
-	    e->route_norm < 0 ? json_null() : json_boolean(e->route_norm));
-	SET(o, "route_scale", json_real(e->route_scale));
-	SET(o, "fixed_routing", json_boolean(e->fixed_routing));
-	SET(o, "load_balance_coeff",
-	    e->has_load_balance ? json_real(e->load_balance_coeff)
-				: json_null());
-	SET(r, "expert_parallel", o);
-
-	const struct ej_compile_config *k = &c->compile;
-	o = json_object();
-	SET(o, "autoep_non_moe", json_boolean(k->autoep_non_moe));
-	SET(o, "backend",
-	    k->backend[0] ? json_string(k->backend) : json_null());
-	SET(o, "fullgraph", json_bool_value(k->fullgraph));
-	SET(o, "dynamic", json_bool_value(k->dynamic));
-	SET(o, "deepcompile", json_boolean(k->deepcompile));
-	SET(o, "compiled_autograd", json_boolean(k->compiled_autograd));
-	/* The schedule's content is not kept; an empty list marks it. */
-	SET(o, "schedule", k->schedule_present ? json_array() : json_null());
-	SET(r, "compile", o);
-
-	SET(r, "sequence_parallel_size",
-	    json_integer(c->sequence_parallel_size));
-	SET(r, "pipeline", json_pack("{s:i}", "stages", c->pipeline_stages));
-	SET(r, "tensor_parallel",
-	    json_pack("{s:i}", "autotp_size", c->autotp_size));
-	SET(r, "steps_per_print", json_integer(c->steps_per_print));
-	SET(r, "seed", json_integer(c->seed));
-	SET(r, "wall_clock_breakdown", json_boolean(c->wall_clock_breakdown));
-	if (c->device[0])
-		SET(r, "device", json_string(c->device));
-	SET(r, "skip_nonfinite_steps", json_boolean(c->skip_nonfinite_steps));
-	SET(r, "comm", json_pack("{s:f}", "timeout_s", c->comm_timeout_s));
-	SET(r, "csv_monitor",
-	    json_pack("{s:b, s:s, s:s}", "enabled", c->csv_monitor.enabled,
-		      "output_path", c->csv_monitor.output_path, "job_name",
-		      c->csv_monitor.job_name));
-#undef SET
 	/* 15 significant digits: readable (0.9, not 0.90000000000000002)
 	 * and exact for any value that was read from decimal text of up to
 	 * 15 digits, which is where config values come from. */
@@ -1696,16 +2307,210 @@ char *ej_config_to_json(const ej_config *c)
 	return text;
 }
 
-/* ==== the keys, for the reference page's drift check ====================== */
+/* ==== the keys, for the reference page =================================== */
 
 bool ej_config_key_at(int i, char *buf, size_t n)
 {
-	for (int s = 0; s < SEC_COUNT; s++) {
-		if (i < sections[s].n) {
-			key_path(buf, n, sections[s].path, sections[s].keys[i]);
-			return true;
+	enum { MAXI = 32 };
+	char paths[MAXI][160];
+	int secs[MAXI], ni = 0;
+	instances(SEC_ROOT, "", paths, secs, &ni, MAXI);
+	for (int s = 0; s < ni; s++) {
+		for (size_t j = 0; j < EJ_ARRAY_LEN(keys); j++) {
+			if (keys[j].sec != secs[s])
+				continue;
+			if (i-- == 0) {
+				key_path(buf, n, paths[s], keys[j].name);
+				return true;
+			}
 		}
-		i -= sections[s].n;
 	}
 	return false;
+}
+
+/* The value column: the parser's own words for what it accepts. */
+static void doc_value(FILE *f, const key *k)
+{
+	char e[160], list[200];
+	if (k->doc_value) {
+		fputs(k->doc_value, f);
+		return;
+	}
+	switch (k->type) {
+	case K_BOOL:
+		fputs("a boolean", f);
+		break;
+	case K_INT:
+		fputs(int_expect(e, sizeof e, k->ilo, k->ihi), f);
+		break;
+	case K_NUM:
+		fputs(num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN,
+				 k->hi, k->flags & K_HI_OPEN),
+		      f);
+		break;
+	case K_PAIR:
+		num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN, k->hi,
+			   k->flags & K_HI_OPEN);
+		fprintf(f, "an array of 2 numbers%s", e + strlen("a number"));
+		break;
+	case K_ENUM:
+	case K_NAME:
+		fprintf(f, "one of %s%s", choice_list(k, list, sizeof list),
+			(k->flags & K_NOCASE) ? " (case ignored)" : "");
+		break;
+	case K_STR:
+		fprintf(f, "a string of at most %zu bytes", k->size - 1);
+		break;
+	case K_TRISTATE:
+		fputs("a boolean or null", f);
+		break;
+	case K_NUMBOOL:
+		fputs("a number or a boolean", f);
+		break;
+	case K_SECTION:
+	case K_SPECIAL:
+		EJ_ASSERT(!"a key without a documented value");
+	}
+	if ((k->flags & K_NULL_OK) && k->type != K_TRISTATE)
+		fputs(", or null", f);
+}
+
+static void doc_default(FILE *f, const key *k)
+{
+	if (k->doc_default) {
+		fputs(k->doc_default, f);
+		return;
+	}
+	if (k->flags & K_REQUIRED) {
+		fputs("**required**", f);
+		return;
+	}
+	if (k->off < 0)
+		return;
+	switch (stored_type(k)) {
+	case K_BOOL:
+		fputs(k->def != 0 ? "true" : "false", f);
+		break;
+	case K_INT:
+		fprintf(f, "%" PRId64, (int64_t)k->def);
+		break;
+	case K_NUM:
+		fprintf(f, "%g", k->def);
+		break;
+	case K_PAIR:
+		fprintf(f, "[%g, %g]", k->def, k->def2);
+		break;
+	case K_ENUM:
+		fprintf(f, "`\"%s\"`", k->choices[(int)k->def - k->enum_base]);
+		break;
+	case K_NAME:
+	case K_STR:
+		if (k->def_str)
+			fprintf(f, "`\"%s\"`", k->def_str);
+		else
+			fputs((k->flags & K_NULL_OK) ? "null" : "`\"\"`", f);
+		break;
+	case K_TRISTATE:
+		fputs(k->def == EJ_JSON_TRUE   ? "true"
+		      : k->def == EJ_JSON_NULL ? "null"
+					       : "false",
+		      f);
+		break;
+	case K_SECTION:
+	case K_NUMBOOL:
+	case K_SPECIAL:
+		break;
+	}
+}
+
+/* One table of the scalar keys of section sec at path; skey is the
+ * section's own row (NULL for the top level). */
+static void doc_section(FILE *f, int sec, const char *path, const key *skey,
+			int parent_sec)
+{
+	if (skey)
+		fprintf(f, "### `%s`\n\n", path);
+	else
+		fputs("### Top level\n\n", f);
+	if (skey && skey->doc)
+		fprintf(f, "%s\n\n", skey->doc);
+	const key *tk =
+	    skey && (skey->flags & K_BY_TYPE) ? type_key(parent_sec) : NULL;
+	fputs("| key | value | default | refused | effect |\n"
+	      "|---|---|---|---|---|\n",
+	      f);
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+		const key *k = &keys[i];
+		if (k->sec != sec || k->type == K_SECTION)
+			continue;
+		char kp[300];
+		key_path(kp, sizeof kp, path, k->name);
+		fprintf(f, "| `%s` | ", kp);
+		doc_value(f, k);
+		fputs(" | ", f);
+		doc_default(f, k);
+		fprintf(f, " | %s | ", k->refused ? k->refused : "");
+		if (tk) {
+			fputs("*", f);
+			int o = 0;
+			for (int t = 0; t < tk->nchoices; t++)
+				if (k->applies & (1u << (t + tk->enum_base)))
+					fprintf(f, "%s%s", o++ ? ", " : "",
+						tk->choices[t]);
+			fputs(":* ", f);
+		}
+		fprintf(f, "%s |\n", k->doc ? k->doc : "");
+	}
+	fputs("\n", f);
+}
+
+static void doc_tree(FILE *f, int sec, const char *path, const key *skey,
+		     int parent_sec)
+{
+	doc_section(f, sec, path, skey, parent_sec);
+	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+		const key *k = &keys[i];
+		if (k->sec != sec || k->type != K_SECTION)
+			continue;
+		char sub[300];
+		key_path(sub, sizeof sub, path, k->name);
+		doc_tree(f, k->child, sub, k, sec);
+	}
+}
+
+char *ej_config_reference(void)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *f = open_memstream(&buf, &len);
+	if (!f)
+		return NULL;
+	fputs(EJ_CONFIG_DOC_BEGIN "\n"
+				  "## Keys\n\n"
+				  "Every key of the training config as the "
+				  "parser reads it: the value it accepts (in "
+				  "the words of its errors), the default, "
+				  "which values are refused by whom and why, "
+				  "and what it does. \"Parsed only\" means: "
+				  "type- and range-checked, kept in the "
+				  "config, and not acted on by this build "
+				  "(kept for configs written for DeepSpeed). "
+				  "\"By initialize\" refusals are "
+				  "`epj_engine_initialize`'s (see *What "
+				  "`epj_engine_initialize` refuses*), those "
+				  "\"with `compile.autoep_non_moe`\" are the "
+				  "support boundary below. In "
+				  "`optimizer.params` and `scheduler.params` "
+				  "the effect starts with the types that take "
+				  "the key; the JSON dump of the effective "
+				  "config (`ej_config_to_json`) writes the "
+				  "keys of this table that are kept.\n\n",
+	      f);
+	doc_tree(f, SEC_ROOT, "", NULL, -1);
+	fputs(EJ_CONFIG_DOC_END "\n", f);
+	if (fclose(f) != 0) {
+		free(buf);
+		return NULL;
+	}
+	return buf;
 }

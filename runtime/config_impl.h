@@ -319,4 +319,16 @@ const char *ej_json_describe(const json_t *v, char *buf, size_t n);
  * (doc/config.md) must document every one (check_config_doc). */
 bool ej_config_key_at(int i, char *buf, size_t n);
 
+/* The generated part of the reference page doc/config.md: every key of the
+ * key table in config.c (its value type and range, default, what refuses
+ * it and its effect) as Markdown, between the lines EJ_CONFIG_DOC_BEGIN and
+ * EJ_CONFIG_DOC_END (both included, each followed by a newline).
+ * malloc'ed (free()); NULL on allocation failure.  `make config-doc`
+ * writes it into the page; check_config_doc fails when the page differs. */
+char *ej_config_reference(void);
+#define EJ_CONFIG_DOC_BEGIN                                                    \
+	"<!-- generated from the key table of runtime/config.c by "            \
+	"`make config-doc`: edit the table, not this part -->"
+#define EJ_CONFIG_DOC_END "<!-- end of the generated part -->"
+
 #endif /* EPJIT_CONFIG_IMPL_H */

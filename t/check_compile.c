@@ -1210,6 +1210,67 @@ START_TEST(test_recompile_on_shape)
 }
 END_TEST
 
+/* epj_engine_precompile compiles every variant a training step and an
+ * evaluation at the config's micro-batch x T need, so that they compile
+ * nothing and run compiled code that agrees with an eager model; another
+ * shape still compiles at its first call.  With and without activation
+ * checkpointing (its no-grad forward and replay are variants of their
+ * own). */
+START_TEST(test_precompile)
+{
+	for (int ck = 0; ck < 2; ck++) {
+		epj_ctx *ctx = tu_ctx();
+		uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+		epj_model *ma = model_new(ctx, EPJ_LAYOUT_NESTED, NULL, seed);
+		epj_model *mb = model_new(ctx, EPJ_LAYOUT_NESTED, NULL, seed);
+		char js[512];
+		engine_json(js, sizeof js, true, ck, false);
+		epj_engine *ea = engine_new(ctx, ma, js);
+		int nv = -1;
+		ck_assert_int_eq(epj_engine_precompile(ea, 4, &nv),
+				 EPJ_ERR_STATE);
+		ck_assert_int_eq(nv, 0);
+		compile_ok(ea);
+		int R = epj_engine_num_regions(ea);
+		ck_assert_int_gt(R, 0);
+		int64_t T = tu_randint(3, 9);
+		int64_t B = epj_engine_micro_batch_size(ea);
+		ck_assert_int_eq(epj_engine_precompile(ea, 0, &nv),
+				 EPJ_ERR_INVALID);
+		ck_assert_msg(epj_engine_precompile(ea, T, &nv) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		/* train (+ replay) and eval variants of every region */
+		ck_assert_int_ge(nv, 2 * R);
+		int64_t ft = ctr(ctx, "frames.total");
+		ck_assert_int_eq(ft, nv);
+		ck_assert_int_eq(ctr(ctx, "frames.ok"), nv);
+		int64_t k0 = ctr(ctx, "kernels.launched.compiled");
+		epj_tensor *ids, *labels;
+		batch(ctx, B, T, &ids, &labels);
+		double la = fwd_bwd(ctx, ma, ids, labels);
+		double lb = fwd_bwd(ctx, mb, ids, labels);
+		assert_loss_close(la, lb, "precompiled");
+		assert_grads_close(ctx, ma, mb, RTOL, ATOL, "precompiled");
+		ck_assert_int_gt(ctr(ctx, "kernels.launched.compiled"), k0);
+		ck_assert_int_eq(epj_engine_eval(ea, ids, labels, &la), EPJ_OK);
+		ck_assert_int_eq(ctr(ctx, "frames.total"), ft);
+		ck_assert_int_eq(ctr(ctx, "frames.fallback_eager"), 0);
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		/* another shape: compiled at its first call */
+		batch(ctx, B, T + 1, &ids, &labels);
+		fwd_bwd(ctx, ma, ids, labels);
+		ck_assert_int_gt(ctr(ctx, "frames.total"), ft);
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		epj_engine_free(ea);
+		epj_model_free(ma);
+		epj_model_free(mb);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
 /* EPJIT_RECOMPILE_LIMIT=2: the third shape runs eagerly (counted, still
  * right); shapes already compiled keep running compiled. */
 START_TEST(test_recompile_limit)
@@ -1319,6 +1380,7 @@ Suite *make_compile_suite(void)
 	tcase_add_test(tc, test_parity_bf16);
 	tcase_add_test(tc, test_unique_graphs_depth);
 	tcase_add_test(tc, test_recompile_on_shape);
+	tcase_add_test(tc, test_precompile);
 	tcase_add_test(tc, test_recompile_limit);
 	tcase_add_test(tc, test_debug_dump);
 	tcase_add_test(tc, test_profile_whole_step);

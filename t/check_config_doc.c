@@ -8,6 +8,11 @@
  * under a heading that names `a` (up to the next heading of the same or a
  * higher level).  The check also fails when the parser lists no keys or
  * the page cannot be read: it must not pass by checking nothing.
+ *
+ * The page's key reference is generated from the key table of
+ * runtime/config.c (ej_config_reference, `make config-doc`); the second
+ * test fails while the committed page differs from what the table makes,
+ * naming the first line that differs.
  */
 #include "check_util.h"
 #include "config_impl.h"
@@ -131,11 +136,54 @@ START_TEST(test_every_key_documented)
 }
 END_TEST
 
+START_TEST(test_reference_is_generated)
+{
+	char path[1024];
+	snprintf(path, sizeof path, "%s/doc/config.md", tu_srcdir());
+	char *doc = slurp(path);
+	char *gen = ej_config_reference();
+	ck_assert_ptr_nonnull(gen);
+	/* The generated text is the reference: it has every key's row. */
+	ck_assert_ptr_nonnull(strstr(gen, "| `zero_optimization.stage` |"));
+	ck_assert_ptr_nonnull(strstr(gen, "| `seed` | a non-negative integer "
+					  "| 42 |"));
+	const char *b = strstr(doc, EJ_CONFIG_DOC_BEGIN "\n");
+	ck_assert_msg(b != NULL, "doc/config.md has no generated part (%s)",
+		      EJ_CONFIG_DOC_BEGIN);
+	const char *e = strstr(b, EJ_CONFIG_DOC_END "\n");
+	ck_assert_msg(e != NULL, "doc/config.md: no %s", EJ_CONFIG_DOC_END);
+	size_t have = (size_t)(e - b) + strlen(EJ_CONFIG_DOC_END "\n");
+	if (have != strlen(gen) || memcmp(b, gen, have) != 0) {
+		/* the first line that differs */
+		size_t i = 0, line = 1;
+		while (i < have && gen[i] && b[i] == gen[i]) {
+			if (b[i] == '\n')
+				line++;
+			i++;
+		}
+		size_t ls = i;
+		while (ls > 0 && gen[ls - 1] != '\n')
+			ls--;
+		const char *ge = strchr(gen + ls, '\n');
+		const char *pe = strchr(b + ls, '\n');
+		ck_abort_msg("doc/config.md is not what the key table makes "
+			     "(run make config-doc): line %zu of the generated "
+			     "part is\n  %.*s\nin the table and\n  %.*s\non "
+			     "the page",
+			     line, (int)(ge ? ge - (gen + ls) : 200), gen + ls,
+			     (int)(pe ? pe - (b + ls) : 200), b + ls);
+	}
+	free(gen);
+	free(doc);
+}
+END_TEST
+
 Suite *make_config_doc_suite(void)
 {
 	Suite *s = suite_create("config_doc");
 	TCase *tc = tcase_create("core");
 	tcase_add_test(tc, test_every_key_documented);
+	tcase_add_test(tc, test_reference_is_generated);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -6,8 +6,9 @@
 #     under output_path/job_name named as DeepSpeed names them, each with
 #     the header "step,<metric>" and one row per optimizer step, x = samples
 #     (step x micro-batch x accumulation); the monitor's loss, lr and
-#     tokens/s equal the --metrics columns; the compile time of step 1 is
-#     > 0 and of the last step 0 (nothing compiles after the first step);
+#     tokens/s equal the --metrics columns; the compile time is spent
+#     before step 1 (reported by the trainer, > 0 on an empty cache) and
+#     every step's compile_ms is 0;
 #     a second run appends without a second header;
 #  2. epjit-plot draws an eager and a compiled run into one PNG (skipped
 #     without gnuplot), and refuses a file that is not a metrics CSV.
@@ -63,10 +64,15 @@ for pair in train_loss:2 lr:3 tokens_per_s:5 compile_ms:8; do
 	       s = ($1 < 0 ? -$1 : $1); if (d > 1e-3 * (s + 1e-9) + 0.06) exit 1 }' \
 	    a.txt b.txt || fail "$m differs from --metrics column $c"
 done
-first=$(sed -n 2p "$d/Train_Samples_compile_ms.csv" | cut -d, -f2)
-last=$(tail -n 1 "$d/Train_Samples_compile_ms.csv" | cut -d, -f2)
-awk -v f="$first" -v l="$last" 'BEGIN { exit !(f > 0 && l == 0) }' ||
-	fail "compile_ms: first step $first, last $last (want > 0 and 0)"
+# epjit-train compiles every region before step 1 (epj_engine_precompile),
+# on this test's empty cache with the host compiler: the time is reported
+# there, and no step carries compile time.
+pre=$(sed -n 's/.*compiled before step 1 in .* (compile.ms \([0-9]*\),.*/\1/p' train.log)
+[ -n "$pre" ] && [ "$pre" -gt 0 ] ||
+	fail "no compile time before step 1: $(grep 'compiled:' train.log)"
+nz=$(sed 1d "$d/Train_Samples_compile_ms.csv" | cut -d, -f2 |
+	awk '$1 != 0' | wc -l)
+[ "$nz" -eq 0 ] || fail "compile_ms: $nz steps compiled (want none)"
 floor=$(sed -n 2p m.csv | cut -d, -f9)
 awk -v f="$floor" 'BEGIN { exit !(f > 0.5 && f < 4.2) }' ||
 	fail "entropy floor column: $floor"

@@ -7,8 +7,10 @@
 #  2. for a matrix of runs (default; checkpointing; root layout with
 #     checkpointing; a bf16 config with gradient accumulation, an odd batch
 #     3 x 17 and checkpointing; full-model compile): warm a fresh cache, then
-#     train 2 steps with EPJIT_DEBUG_DUMP: cache.misses and compile.cc_us
-#     (host compiler time) must be 0 and cache.disk_hits > 0;
+#     train 2 steps with EPJIT_DEBUG_DUMP: cache.misses, compile.cc_us
+#     (host compiler time), compile.us and compile.ms must be 0,
+#     compile.cached_us (passes and loading, before step 1) and
+#     cache.disk_hits > 0;
 #  3. a second warm-up finds everything cached and compiles nothing;
 #     --dry-run lists the same keys and compiles nothing;
 #  4. archives: export + import into a fresh cache, after which a run has
@@ -76,6 +78,10 @@ train "$tmp/cold" cold
 	fail "a run on an empty cache did not miss"
 [ "$(ctr cold/counters.json compile.cc_us)" -gt 0 ] ||
 	fail "a run on an empty cache spent no time in the host compiler"
+[ "$(ctr cold/counters.json compile.ms)" -gt 0 ] ||
+	fail "a run on an empty cache has no compile.ms"
+[ "$(ctr cold/counters.json compile.cached_us)" -eq 0 ] ||
+	fail "a run on an empty cache counted compile.cached_us"
 
 # ---- 2. the matrix ------------------------------------------------------------
 cat >bf16.json <<'EOF'
@@ -101,6 +107,16 @@ for args in "" "--checkpointing" "--layout root --checkpointing" \
 	[ "$m" -eq 0 ] || fail "after warm-up ($args): cache.misses = $m"
 	[ "$(ctr d$i/counters.json compile.cc_us)" -eq 0 ] ||
 		fail "after warm-up ($args): the host compiler ran"
+	# compile.us/ms count compilation only; loading from the cache and
+	# the graph passes go to compile.cached_us, all before step 1
+	for c in compile.ms compile.us; do
+		[ "$(ctr d$i/counters.json $c)" -eq 0 ] ||
+			fail "after warm-up ($args): $c = $(ctr d$i/counters.json $c)"
+	done
+	[ "$(ctr d$i/counters.json compile.cached_us)" -gt 0 ] ||
+		fail "after warm-up ($args): no compile.cached_us"
+	grep -q 'compiled before step 1 in .*(compile.ms 0,' train.log ||
+		fail "after warm-up ($args): $(grep 'compiled:' train.log)"
 	[ "$h" -gt 0 ] || fail "after warm-up ($args): no disk hits"
 	[ "$(ctr d$i/counters.json kernels.launched.compiled)" -gt 0 ] ||
 		fail "after warm-up ($args): no compiled kernel ran"
