@@ -221,7 +221,9 @@ START_TEST(test_train_converges)
 		epj_tensor_free(eids[i]);
 		epj_tensor_free(elab[i]);
 	}
-	ck_assert_msg(fabs(before - log((double)E_V)) < 0.1,
+	/* an untrained model predicts about uniformly: ln V, give or take the
+	 * spread of its random logits (0.1 above it for some seeds) */
+	ck_assert_msg(fabs(before - log((double)E_V)) < 0.3,
 		      "initial loss %g, expected about ln(%d)", before, E_V);
 	ck_assert_msg(after < before - 1.0 && after < floor + 0.25 &&
 			  after > floor - 0.1,
