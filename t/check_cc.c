@@ -26,6 +26,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cc.h"
@@ -813,11 +814,16 @@ START_TEST(test_hostcc_swap_attack)
 	close(fd);
 	struct stat st0, st1;
 	ck_assert_int_eq(lstat(path, &st0), 0);
-	for (int i = 0; i < 30000; i++) { /* up to 30 s on a loaded host */
+	/* up to 120 s by the clock: on a loaded host the swapper may not be
+	 * scheduled for a long while */
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	do {
 		if (lstat(path, &st1) == 0 && st1.st_ino != st0.st_ino)
 			break;
 		usleep(1000);
-	}
+		clock_gettime(CLOCK_MONOTONIC, &t);
+	} while (t.tv_sec - t0.tv_sec < 120);
 	ck_assert_msg(st1.st_ino != st0.st_ino, "the swapper did not swap");
 	usleep(20000); /* let its rename settle */
 	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -913,7 +919,7 @@ Suite *make_cc_suite(void)
 	tcase_add_test(tc, test_cuda_archs);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("hostcc");
-	tcase_set_timeout(tc, 60);
+	tcase_set_timeout(tc, 180); /* the swap test waits up to 120 s */
 	tcase_add_test(tc, test_hostcc_compile_load);
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
