@@ -45,6 +45,7 @@
  * in f64 for f64 layers, so that the layer can be gradient-checked.
  */
 #include "runtime_impl.h"
+#include "tmpl_moe.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -448,6 +449,110 @@ static epj_status check_input(epj_ctx *ctx, const epj_module *m,
 	return EPJ_OK;
 }
 
+/* Router on the context's CUDA device (cuda-sim): softmax, top-k and the
+ * optional renormalisation in one kernel (templates/moe.cuh, the same
+ * choices as the ops below), w carrying one autograd node whose backward
+ * runs the router's backward kernel from the saved probabilities. */
+typedef struct route_node {
+	epj_tensor *probs, *idx; /* [N, E] rdt, [N, k] i64 (owned) */
+	int E, k;
+	bool norm;
+} route_node;
+
+static void route_node_free(void *p)
+{
+	route_node *r = p;
+	if (!r)
+		return;
+	epj_tensor_free(r->probs);
+	epj_tensor_free(r->idx);
+	free(r);
+}
+
+static epj_status route_backward(epj_ctx *ctx, ej_node *n,
+				 epj_tensor *const *grad_out,
+				 epj_tensor **grad_in)
+{
+	route_node *r = n->custom;
+	const epj_dtype rdt = epj_tensor_dtype(r->probs);
+	const int64_t N = epj_tensor_dim(r->probs, 0);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *g = grad_out[0]
+			    ? cast_to(ctx, grad_out[0], rdt)
+			    : epj_zeros(ctx, rdt, 2, (int64_t[]){ N, r->k });
+	epj_tensor *gc = g && !ej_is_contiguous(g) ? epj_contiguous(ctx, g)
+						   : epj_tensor_ref(g);
+	epj_tensor *dl =
+	    gc ? ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, r->E }, false)
+	       : NULL;
+	epj_no_grad_exit(ctx, prev);
+	epj_status s =
+	    dl ? ej_tmpl_moe_route_backward(
+		     ctx, ctx->dev->name, ej_data(r->probs), ej_data(r->idx),
+		     ej_data(gc), rdt, N, r->E, r->k, r->norm, ej_data(dl))
+	       : epj_ctx_status(ctx);
+	epj_tensor_free(g);
+	epj_tensor_free(gc);
+	if (s != EPJ_OK) {
+		epj_tensor_free(dl);
+		return s;
+	}
+	grad_in[0] = dl;
+	return EPJ_OK;
+}
+
+static epj_status route_device(epj_ctx *ctx, epj_tensor *logits, int E, int k,
+			       bool norm, epj_tensor **w_out,
+			       epj_tensor **idx_out)
+{
+	const epj_dtype rdt = epj_tensor_dtype(logits);
+	const int64_t N = epj_tensor_dim(logits, 0);
+	route_node *r = calloc(1, sizeof *r);
+	epj_tensor *w =
+	    ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, k }, false);
+	if (!r) {
+		epj_tensor_free(w);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "router: out of memory");
+	}
+	r->E = E;
+	r->k = k;
+	r->norm = norm;
+	r->probs = ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, E }, false);
+	r->idx =
+	    ej_tensor_alloc(ctx, EPJ_DTYPE_I64, 2, (int64_t[]){ N, k }, false);
+	epj_status s = w && r->probs && r->idx ? EPJ_OK : epj_ctx_status(ctx);
+	if (s == EPJ_OK)
+		s = ej_tmpl_moe_route(ctx, ctx->dev->name, ej_data(logits), rdt,
+				      logits->stride[0], logits->stride[1], N,
+				      E, k, norm, ej_data(r->probs), ej_data(w),
+				      ej_data(r->idx));
+	if (s != EPJ_OK) {
+		route_node_free(r);
+		epj_tensor_free(w);
+		return s;
+	}
+	epj_counter_add(ctx, "autoep.route.device", 1);
+	*idx_out = epj_tensor_ref(r->idx);
+	if (!epj_grad_enabled(ctx) || !logits->requires_grad) {
+		route_node_free(r);
+		*w_out = w;
+		return EPJ_OK;
+	}
+	ej_node *node = ej_node_custom(ctx, "autoep.route", &logits, 1, &w, 1,
+				       route_backward, r, route_node_free);
+	if (!node) {
+		route_node_free(r);
+		epj_tensor_free(w);
+		epj_tensor_free(*idx_out);
+		*idx_out = NULL;
+		return epj_ctx_status(ctx);
+	}
+	if (w->grad_fn != node)
+		ej_node_unref(node);
+	*w_out = w;
+	return EPJ_OK;
+}
+
 /* Router: probs [N, E] in rdt, then (w [N, k] in rdt, idx [N, k] i64). */
 static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 			epj_tensor *x, epj_dtype rdt, int64_t N,
@@ -458,8 +563,16 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	EJ_ASSERT(gw != NULL);
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
 	epj_tensor *logits_r = cast_to(ctx, logits, rdt);
-	epj_tensor *probs = epj_softmax(ctx, logits_r, -1);
 	epj_tensor_free(logits);
+	if (logits_r && !im->opts.fixed_routing && ctx->dev == &ej_device_sim &&
+	    k <= EJ_TMPL_MOE_MAX_K) {
+		epj_status s =
+		    route_device(ctx, logits_r, E, k, im->opts.norm_topk_prob,
+				 w_out, idx_out);
+		epj_tensor_free(logits_r);
+		return s;
+	}
+	epj_tensor *probs = epj_softmax(ctx, logits_r, -1);
 	epj_tensor_free(logits_r);
 	if (!probs)
 		return epj_ctx_status(ctx);

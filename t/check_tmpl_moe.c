@@ -876,6 +876,107 @@ START_TEST(test_optim)
 }
 END_TEST
 
+/* ---- the trainer on a cuda-sim context ------------------------------------
+ */
+
+static const char *const ENGINE_MODEL =
+    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
+    "16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
+    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
+    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
+
+/* One engine on ctx with config json over the model of `seed`: three
+ * steps on a synthetic corpus; the losses go to loss[3]. */
+static epj_model *engine_run(epj_ctx *ctx, const char *json, uint64_t seed,
+			     double *loss)
+{
+	tu_tmpfile cfg =
+	    tu_tmpfile_new("tmpl_moe", "config.json", ENGINE_MODEL);
+	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
+			      .seed = seed,
+			      .dtype = EPJ_DTYPE_F32 };
+	epj_model *m = NULL;
+	ck_assert_msg(epj_model_new(ctx, cfg.path, &mo, &m) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	tu_tmpfile_free(&cfg);
+	epj_engine *e = NULL;
+	ck_assert_msg(epj_engine_initialize_json(ctx, m, json, "ds.json", &e) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	epj_corpus *c = epj_corpus_synthetic(ctx, 16, seed + 1);
+	tu_ok(ctx, c);
+	for (int s = 0; s < 3; s++) {
+		epj_tensor *ids = NULL, *labels = NULL;
+		ck_assert_int_eq(
+		    epj_corpus_next_batch(ctx, c, 2, 7, &ids, &labels), EPJ_OK);
+		epj_step_info info;
+		ck_assert_msg(epj_engine_train_step(e, ids, labels, &info) ==
+				  EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		loss[s] = info.loss;
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+	}
+	epj_corpus_free(c);
+	epj_engine_free(e);
+	return m;
+}
+
+/* The trainer with its context on cuda-sim routes through the router
+ * template and updates through the optimizer template (both counted), and
+ * matches the CPU run: the same losses (the forward picks the same experts
+ * with the same weights) and parameters within f32 rounding (the router's
+ * backward kernel adds in another order than the CPU's autograd). */
+START_TEST(test_engine_sim)
+{
+	static const char *const cfgs[2] = {
+		"{\"train_micro_batch_size_per_gpu\": 2, \"optimizer\": "
+		"{\"type\": \"AdamW\", \"params\": {\"lr\": 0.01, "
+		"\"weight_decay\": 0.1}}}",
+		"{\"train_micro_batch_size_per_gpu\": 2, \"bf16\": "
+		"{\"enabled\": "
+		"true}, \"optimizer\": {\"type\": \"SGD\", \"params\": "
+		"{\"lr\": "
+		"0.1, \"momentum\": 0.9, \"weight_decay\": 0.01}}}",
+	};
+	const char *json = cfgs[_i];
+	const uint64_t seed = (uint64_t)tu_randint(1, 1 << 20);
+	epj_ctx *cpu = tu_ctx();
+	epj_ctx *sim = sim_ctx();
+	double lc[3], ls[3];
+	epj_model *mc = engine_run(cpu, json, seed, lc);
+	epj_model *ms = engine_run(sim, json, seed, ls);
+	ck_assert_int_eq(epj_counter_get(cpu, "optim.steps.device"), 0);
+	ck_assert_int_eq(epj_counter_get(sim, "optim.steps.device"), 3);
+	ck_assert_int_eq(epj_counter_get(cpu, "autoep.route.device"), 0);
+	ck_assert_int_ge(epj_counter_get(sim, "autoep.route.device"), 3);
+	for (int s = 0; s < 3; s++)
+		ck_assert_msg(fabs(lc[s] - ls[s]) <= 1e-6 * fabs(lc[s]),
+			      "step %d: loss %.9g on cpu, %.9g on cuda-sim", s,
+			      lc[s], ls[s]);
+	ck_assert_msg(ls[2] != ls[0], "the steps changed nothing");
+	ck_assert_int_eq(epj_model_num_params(mc), epj_model_num_params(ms));
+	for (int i = 0; i < epj_model_num_params(mc); i++) {
+		double *a = tu_values(cpu, epj_model_param(mc, i));
+		double *b = tu_values(sim, epj_model_param(ms, i));
+		int64_t n = epj_tensor_numel(epj_model_param(mc, i));
+		for (int64_t k = 0; k < n; k++)
+			if (!(fabs(a[k] - b[k]) <= 1e-7 + 1e-5 * fabs(a[k])))
+				ck_abort_msg("parameter %d element %lld: %.9g "
+					     "on cpu, %.9g on cuda-sim",
+					     i, (long long)k, a[k], b[k]);
+		free(a);
+		free(b);
+	}
+	epj_model_free(mc);
+	epj_model_free(ms);
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
 /* ---- errors ---------------------------------------------------------------
  */
 
@@ -936,6 +1037,7 @@ Suite *make_tmpl_moe_suite(void)
 	tcase_add_loop_test(tc, test_cross_entropy, 0, 9);
 	tcase_add_loop_test(tc, test_optim, 0, 6);
 	tcase_add_test(tc, test_errors);
+	tcase_add_loop_test(tc, test_engine_sim, 0, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }
