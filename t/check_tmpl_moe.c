@@ -565,7 +565,8 @@ START_TEST(test_embedding)
 					      "embedding backward", v * D + h);
 			}
 		/* the adapters against the CPU kernels: same bits (both add
-		 * in index order); i32 ids, a non-contiguous gradient */
+		 * in index order); i32 ids, a non-contiguous weight and
+		 * gradient */
 		int32_t *ids32 = xmalloc(sizeof *ids32 * (size_t)n);
 		for (int64_t q = 0; q < n; q++)
 			ids32[q] = (int32_t)ids[q];
@@ -575,10 +576,18 @@ START_TEST(test_embedding)
 		    sim_tensor(ctx, EPJ_DTYPE_I32, 1, (int64_t[]){ n }, ids32);
 		epj_tensor *tid2 =
 		    epj_reshape(ctx, tid, 2, (int64_t[]){ 1, n });
-		epj_tensor *in1[2] = { twn, tid2 };
-		vs_cpu(ctx, EJ_OP_EMBEDDING, in1, 2, NULL, dt, 3,
-		       (int64_t[]){ 1, n, D }, ej_cuda_op_embedding, 0, 0,
+		/* ids [n] stored non-contiguously, and [1, n] */
+		epj_tensor *tidn = tu_noncontig(ctx, tid);
+		tu_ok(ctx, tidn);
+		ck_assert(n == 1 || !ej_is_contiguous(tidn));
+		epj_tensor *in1[2] = { twn, tidn };
+		vs_cpu(ctx, EJ_OP_EMBEDDING, in1, 2, NULL, dt, 2,
+		       (int64_t[]){ n, D }, ej_cuda_op_embedding, 0, 0,
 		       "embedding adapter");
+		epj_tensor *in1b[2] = { tw, tid2 };
+		vs_cpu(ctx, EJ_OP_EMBEDDING, in1b, 2, NULL, dt, 3,
+		       (int64_t[]){ 1, n, D }, ej_cuda_op_embedding, 0, 0,
+		       "embedding adapter [1, n]");
 		epj_tensor *tg = tu_randn(ctx, dt, 3, (int64_t[]){ 1, n, D });
 		epj_tensor *tgn = tu_noncontig(ctx, tg);
 		ej_attrs at = ej_attrs_none();
@@ -587,6 +596,14 @@ START_TEST(test_embedding)
 		vs_cpu(ctx, EJ_OP_EMBEDDING_BACKWARD, in2, 2, &at, dt, 2,
 		       (int64_t[]){ V, D }, ej_cuda_op_embedding_backward, 0, 0,
 		       "embedding_backward adapter");
+		epj_tensor *tg2 = tu_randn(ctx, dt, 2, (int64_t[]){ n, D });
+		epj_tensor *tg2n = tu_noncontig(ctx, tg2);
+		epj_tensor *in2b[2] = { tg2n, tidn };
+		vs_cpu(ctx, EJ_OP_EMBEDDING_BACKWARD, in2b, 2, &at, dt, 2,
+		       (int64_t[]){ V, D }, ej_cuda_op_embedding_backward, 0, 0,
+		       "embedding_backward adapter, strided ids");
+		epj_tensor_free(tg2);
+		epj_tensor_free(tg2n);
 		/* an id out of range: the CPU kernel's error */
 		ids32[n - 1] = (int32_t)V;
 		epj_tensor *bad =
@@ -605,6 +622,7 @@ START_TEST(test_embedding)
 		epj_tensor_free(twn);
 		epj_tensor_free(tid);
 		epj_tensor_free(tid2);
+		epj_tensor_free(tidn);
 		epj_tensor_free(tg);
 		epj_tensor_free(tgn);
 		free(ids32);
