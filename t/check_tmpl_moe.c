@@ -942,11 +942,11 @@ static epj_model *engine_run(epj_ctx *ctx, const char *json, uint64_t seed,
 	return m;
 }
 
-/* The trainer with its context on cuda-sim routes through the router
- * template and updates through the optimizer template (both counted), and
- * matches the CPU run: the same losses (the forward picks the same experts
- * with the same weights) and parameters within f32 rounding (the router's
- * backward kernel adds in another order than the CPU's autograd). */
+/* The trainer with its context on cuda-sim runs the AutoEP layer's router,
+ * permutation and combine through the MoE template and the update through
+ * the optimizer template (all counted), and matches the CPU run: losses
+ * and parameters within f32 rounding (the kernels add some sums in another
+ * order than the CPU's ops and autograd). */
 START_TEST(test_engine_sim)
 {
 	static const char *const cfgs[2] = {
@@ -970,6 +970,9 @@ START_TEST(test_engine_sim)
 	ck_assert_int_eq(epj_counter_get(sim, "optim.steps.device"), 3);
 	ck_assert_int_eq(epj_counter_get(cpu, "autoep.route.device"), 0);
 	ck_assert_int_ge(epj_counter_get(sim, "autoep.route.device"), 3);
+	ck_assert_int_eq(epj_counter_get(cpu, "autoep.permute.device"), 0);
+	ck_assert_int_ge(epj_counter_get(sim, "autoep.permute.device"), 3);
+	ck_assert_int_ge(epj_counter_get(sim, "autoep.combine.device"), 3);
 	for (int s = 0; s < 3; s++)
 		ck_assert_msg(fabs(lc[s] - ls[s]) <= 1e-6 * fabs(lc[s]),
 			      "step %d: loss %.9g on cpu, %.9g on cuda-sim", s,
