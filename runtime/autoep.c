@@ -30,9 +30,12 @@
  * Everything that carries values is computed with public epj_* ops, so
  * autograd covers the router, the experts and the input; only the index
  * bookkeeping (counts, token of each routed row) runs on the host and needs
- * no gradient.  The layer is compiler_disabled: the region compiler makes
- * every call of it a graph break and runs it eagerly, which is why forward
- * refuses to run while a recorder traces.
+ * no gradient.  On a cuda-sim context the router (softmax + top-k +
+ * renormalisation), the permutation and the weighted combine instead run
+ * the kernels of templates/moe.cuh, each one autograd node whose backward
+ * is the template's backward kernel.  The layer is compiler_disabled: the
+ * region compiler makes every call of it a graph break and runs it eagerly,
+ * which is why forward refuses to run while a recorder traces.
  *
  * Parameters (HF names under the layer): gate.weight [E, H],
  * experts.{e}.gate_proj.weight [I, H], experts.{e}.up_proj.weight [I, H],
