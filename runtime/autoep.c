@@ -30,9 +30,12 @@
  * Everything that carries values is computed with public epj_* ops, so
  * autograd covers the router, the experts and the input; only the index
  * bookkeeping (counts, token of each routed row) runs on the host and needs
- * no gradient.  The layer is compiler_disabled: the region compiler makes
- * every call of it a graph break and runs it eagerly, which is why forward
- * refuses to run while a recorder traces.
+ * no gradient.  On a cuda-sim context the router (softmax + top-k +
+ * renormalisation), the permutation and the weighted combine instead run
+ * the kernels of templates/moe.cuh, each one autograd node whose backward
+ * is the template's backward kernel.  The layer is compiler_disabled: the
+ * region compiler makes every call of it a graph break and runs it eagerly,
+ * which is why forward refuses to run while a recorder traces.
  *
  * Parameters (HF names under the layer): gate.weight [E, H],
  * experts.{e}.gate_proj.weight [I, H], experts.{e}.up_proj.weight [I, H],
@@ -45,6 +48,7 @@
  * in f64 for f64 layers, so that the layer can be gradient-checked.
  */
 #include "runtime_impl.h"
+#include "tmpl_moe.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -448,6 +452,308 @@ static epj_status check_input(epj_ctx *ctx, const epj_module *m,
 	return EPJ_OK;
 }
 
+/* Router on the context's CUDA device (cuda-sim): softmax, top-k and the
+ * optional renormalisation in one kernel (templates/moe.cuh, the same
+ * choices as the ops below), w carrying one autograd node whose backward
+ * runs the router's backward kernel from the saved probabilities. */
+typedef struct route_node {
+	epj_tensor *probs, *idx; /* [N, E] rdt, [N, k] i64 (owned) */
+	int E, k;
+	bool norm;
+} route_node;
+
+static void route_node_free(void *p)
+{
+	route_node *r = p;
+	if (!r)
+		return;
+	epj_tensor_free(r->probs);
+	epj_tensor_free(r->idx);
+	free(r);
+}
+
+static epj_status route_backward(epj_ctx *ctx, ej_node *n,
+				 epj_tensor *const *grad_out,
+				 epj_tensor **grad_in)
+{
+	route_node *r = n->custom;
+	const epj_dtype rdt = epj_tensor_dtype(r->probs);
+	const int64_t N = epj_tensor_dim(r->probs, 0);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *g = grad_out[0]
+			    ? cast_to(ctx, grad_out[0], rdt)
+			    : epj_zeros(ctx, rdt, 2, (int64_t[]){ N, r->k });
+	epj_tensor *gc = g && !ej_is_contiguous(g) ? epj_contiguous(ctx, g)
+						   : epj_tensor_ref(g);
+	epj_tensor *dl =
+	    gc ? ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, r->E }, false)
+	       : NULL;
+	epj_no_grad_exit(ctx, prev);
+	epj_status s =
+	    dl ? ej_tmpl_moe_route_backward(
+		     ctx, ctx->dev->name, ej_data(r->probs), ej_data(r->idx),
+		     ej_data(gc), rdt, N, r->E, r->k, r->norm, ej_data(dl))
+	       : epj_ctx_status(ctx);
+	epj_tensor_free(g);
+	epj_tensor_free(gc);
+	if (s != EPJ_OK) {
+		epj_tensor_free(dl);
+		return s;
+	}
+	grad_in[0] = dl;
+	return EPJ_OK;
+}
+
+static epj_status route_device(epj_ctx *ctx, epj_tensor *logits, int E, int k,
+			       bool norm, epj_tensor **w_out,
+			       epj_tensor **idx_out)
+{
+	const epj_dtype rdt = epj_tensor_dtype(logits);
+	const int64_t N = epj_tensor_dim(logits, 0);
+	route_node *r = calloc(1, sizeof *r);
+	epj_tensor *w =
+	    ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, k }, false);
+	if (!r) {
+		epj_tensor_free(w);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "router: out of memory");
+	}
+	r->E = E;
+	r->k = k;
+	r->norm = norm;
+	r->probs = ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, E }, false);
+	r->idx =
+	    ej_tensor_alloc(ctx, EPJ_DTYPE_I64, 2, (int64_t[]){ N, k }, false);
+	epj_status s = w && r->probs && r->idx ? EPJ_OK : epj_ctx_status(ctx);
+	if (s == EPJ_OK)
+		s = ej_tmpl_moe_route(ctx, ctx->dev->name, ej_data(logits), rdt,
+				      logits->stride[0], logits->stride[1], N,
+				      E, k, norm, ej_data(r->probs), ej_data(w),
+				      ej_data(r->idx));
+	if (s != EPJ_OK) {
+		route_node_free(r);
+		epj_tensor_free(w);
+		return s;
+	}
+	epj_counter_add(ctx, "autoep.route.device", 1);
+	*idx_out = epj_tensor_ref(r->idx);
+	if (!epj_grad_enabled(ctx) || !logits->requires_grad) {
+		route_node_free(r);
+		*w_out = w;
+		return EPJ_OK;
+	}
+	ej_node *node = ej_node_custom(ctx, "autoep.route", &logits, 1, &w, 1,
+				       route_backward, r, route_node_free);
+	if (!node) {
+		route_node_free(r);
+		epj_tensor_free(w);
+		epj_tensor_free(*idx_out);
+		*idx_out = NULL;
+		return epj_ctx_status(ctx);
+	}
+	if (w->grad_fn != node)
+		ej_node_unref(node);
+	*w_out = w;
+	return EPJ_OK;
+}
+
+/* Token permutation and weighted combine on the context's CUDA device
+ * (cuda-sim), each one autograd node over the kernels of
+ * templates/moe.cuh.  order [R] is the stable expert order of the routed
+ * slots (slot = token * k + j), pos [R] its inverse; both device i64. */
+typedef struct tok_node {
+	epj_tensor *order, *pos; /* owned refs */
+	epj_tensor *y, *w;	 /* combine: detached, contiguous (owned) */
+	int64_t N, H;
+	int k;
+} tok_node;
+
+static void tok_node_free(void *p)
+{
+	tok_node *t = p;
+	if (!t)
+		return;
+	epj_tensor_free(t->order);
+	epj_tensor_free(t->pos);
+	epj_tensor_free(t->y);
+	epj_tensor_free(t->w);
+	free(t);
+}
+
+/* g as a contiguous tensor of dtype dt (a new reference); no grad */
+static epj_tensor *dense_as(epj_ctx *ctx, epj_tensor *g, epj_dtype dt)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *c = cast_to(ctx, g, dt);
+	epj_tensor *d = c && !ej_is_contiguous(c) ? epj_contiguous(ctx, c)
+						  : epj_tensor_ref(c);
+	epj_tensor_free(c);
+	epj_no_grad_exit(ctx, prev);
+	return d;
+}
+
+/* Attaches one node (backward bw, data t) from inputs in[n_in] to y, or
+ * frees t when no gradient is needed; false on failure (y freed). */
+static bool tok_attach(epj_ctx *ctx, const char *name, epj_tensor **in,
+		       int n_in, epj_tensor *y,
+		       epj_status (*bw)(epj_ctx *, ej_node *,
+					epj_tensor *const *, epj_tensor **),
+		       tok_node *t)
+{
+	if (!epj_grad_enabled(ctx) || !ej_any_requires_grad(in, n_in)) {
+		tok_node_free(t);
+		return true;
+	}
+	ej_node *node =
+	    ej_node_custom(ctx, name, in, n_in, &y, 1, bw, t, tok_node_free);
+	if (!node) {
+		tok_node_free(t);
+		return false;
+	}
+	if (y->grad_fn != node)
+		ej_node_unref(node);
+	return true;
+}
+
+static epj_status permute_backward(epj_ctx *ctx, ej_node *n,
+				   epj_tensor *const *grad_out,
+				   epj_tensor **grad_in)
+{
+	tok_node *t = n->custom;
+	const epj_dtype dt = n->in_meta[0].dtype;
+	epj_tensor *g = grad_out[0] ? dense_as(ctx, grad_out[0], dt) : NULL;
+	epj_tensor *dx =
+	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ t->N, t->H }, !g);
+	if (!dx || (grad_out[0] && !g)) {
+		epj_tensor_free(g);
+		epj_tensor_free(dx);
+		return epj_ctx_status(ctx);
+	}
+	epj_status s = EPJ_OK;
+	if (g)
+		s = ej_tmpl_moe_permute_backward(
+		    ctx, ctx->dev->name, ej_data(g), dt, ej_data(t->pos), t->N,
+		    t->k, t->H, ej_data(dx));
+	epj_tensor_free(g);
+	if (s != EPJ_OK) {
+		epj_tensor_free(dx);
+		return s;
+	}
+	grad_in[0] = dx;
+	return EPJ_OK;
+}
+
+/* x_sorted [R, H] = x[order[r] / k] */
+static epj_tensor *permute_device(epj_ctx *ctx, epj_tensor *x,
+				  epj_tensor *order, epj_tensor *pos, int k)
+{
+	const int64_t N = epj_tensor_dim(x, 0), H = epj_tensor_dim(x, 1);
+	const int64_t R = N * k;
+	tok_node *t = calloc(1, sizeof *t);
+	epj_tensor *y = ej_tensor_alloc(ctx, epj_tensor_dtype(x), 2,
+					(int64_t[]){ R, H }, false);
+	epj_status s =
+	    t && y ? EPJ_OK
+		   : ej_error(ctx, EPJ_ERR_NOMEM, "permute: out of memory");
+	if (s == EPJ_OK)
+		s = ej_tmpl_moe_permute(ctx, ctx->dev->name, ej_data(x),
+					epj_tensor_dtype(x), x->stride[0],
+					x->stride[1], ej_data(order), k, R, H,
+					ej_data(y));
+	if (s != EPJ_OK) {
+		free(t);
+		epj_tensor_free(y);
+		return NULL;
+	}
+	t->order = epj_tensor_ref(order);
+	t->pos = epj_tensor_ref(pos);
+	t->N = N;
+	t->H = H;
+	t->k = k;
+	if (!tok_attach(ctx, "autoep.permute", &x, 1, y, permute_backward, t)) {
+		epj_tensor_free(y);
+		return NULL;
+	}
+	return y;
+}
+
+static epj_status combine_backward(epj_ctx *ctx, ej_node *n,
+				   epj_tensor *const *grad_out,
+				   epj_tensor **grad_in)
+{
+	tok_node *t = n->custom;
+	const epj_dtype dt = epj_tensor_dtype(t->y),
+			wdt = epj_tensor_dtype(t->w);
+	const int64_t R = t->N * t->k;
+	epj_tensor *g = grad_out[0] ? dense_as(ctx, grad_out[0], dt) : NULL;
+	epj_tensor *dy =
+	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ R, t->H }, !g);
+	epj_tensor *dw =
+	    ej_tensor_alloc(ctx, wdt, 2, (int64_t[]){ t->N, t->k }, !g);
+	epj_status s =
+	    dy && dw && (g || !grad_out[0]) ? EPJ_OK : epj_ctx_status(ctx);
+	if (s == EPJ_OK && g)
+		s = ej_tmpl_moe_combine_backward(
+		    ctx, ctx->dev->name, ej_data(g), ej_data(t->y), dt,
+		    ej_data(t->w), wdt, ej_data(t->order), ej_data(t->pos),
+		    t->N, t->k, t->H, ej_data(dy), ej_data(dw));
+	epj_tensor_free(g);
+	if (s != EPJ_OK) {
+		epj_tensor_free(dy);
+		epj_tensor_free(dw);
+		return s;
+	}
+	grad_in[0] = dy;
+	grad_in[1] = dw;
+	return EPJ_OK;
+}
+
+/* out [N, H] (y's dtype) = sum over j of w[n, j] * y[pos[n * k + j]] in
+ * w's dtype (rdt) */
+static epj_tensor *combine_device(epj_ctx *ctx, epj_tensor *y, epj_tensor *w,
+				  epj_tensor *order, epj_tensor *pos)
+{
+	const int64_t N = epj_tensor_dim(w, 0), H = epj_tensor_dim(y, 1);
+	const int k = (int)epj_tensor_dim(w, 1);
+	const epj_dtype dt = epj_tensor_dtype(y);
+	tok_node *t = calloc(1, sizeof *t);
+	epj_tensor *out =
+	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ N, H }, false);
+	epj_tensor *yc = dense_as(ctx, y, dt);
+	epj_tensor *wc = dense_as(ctx, w, epj_tensor_dtype(w));
+	epj_status s = t && out && yc && wc ? EPJ_OK : epj_ctx_status(ctx);
+	if (s == EPJ_OK && !(t && out))
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "combine: out of memory");
+	if (s == EPJ_OK)
+		s = ej_tmpl_moe_combine(ctx, ctx->dev->name, ej_data(yc), dt,
+					ej_data(wc), epj_tensor_dtype(wc),
+					ej_data(pos), N, k, H, ej_data(out));
+	if (s == EPJ_OK) {
+		t->y = epj_detach(ctx, yc);
+		t->w = epj_detach(ctx, wc);
+		if (!t->y || !t->w)
+			s = epj_ctx_status(ctx);
+	}
+	epj_tensor_free(yc);
+	epj_tensor_free(wc);
+	if (s != EPJ_OK) {
+		tok_node_free(t);
+		epj_tensor_free(out);
+		return NULL;
+	}
+	t->order = epj_tensor_ref(order);
+	t->pos = epj_tensor_ref(pos);
+	t->N = N;
+	t->H = H;
+	t->k = k;
+	epj_tensor *in[2] = { y, w };
+	if (!tok_attach(ctx, "autoep.combine", in, 2, out, combine_backward,
+			t)) {
+		epj_tensor_free(out);
+		return NULL;
+	}
+	return out;
+}
+
 /* Router: probs [N, E] in rdt, then (w [N, k] in rdt, idx [N, k] i64). */
 static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 			epj_tensor *x, epj_dtype rdt, int64_t N,
@@ -458,8 +764,16 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	EJ_ASSERT(gw != NULL);
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
 	epj_tensor *logits_r = cast_to(ctx, logits, rdt);
-	epj_tensor *probs = epj_softmax(ctx, logits_r, -1);
 	epj_tensor_free(logits);
+	if (logits_r && !im->opts.fixed_routing && ctx->dev == &ej_device_sim &&
+	    k <= EJ_TMPL_MOE_MAX_K) {
+		epj_status s =
+		    route_device(ctx, logits_r, E, k, im->opts.norm_topk_prob,
+				 w_out, idx_out);
+		epj_tensor_free(logits_r);
+		return s;
+	}
+	epj_tensor *probs = epj_softmax(ctx, logits_r, -1);
 	epj_tensor_free(logits_r);
 	if (!probs)
 		return epj_ctx_status(ctx);
@@ -582,7 +896,8 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		   *y_recv = NULL, *y_sorted = NULL, *w_flat = NULL,
 		   *w_sorted = NULL, *w_col = NULL, *y_r = NULL, *y_w = NULL,
 		   *acc = NULL, *out_r = NULL, *out_h = NULL, *routing = NULL,
-		   *perm = NULL, *inv = NULL, *x_grp = NULL, *y_grp = NULL;
+		   *perm = NULL, *inv = NULL, *x_grp = NULL, *y_grp = NULL,
+		   *pos = NULL;
 
 	if (!idx_h || !order_h || !tok_h || !counts || !send_counts ||
 	    !recv_counts || !local_counts || !recv_plan) {
@@ -643,7 +958,25 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-	x_sorted = epj_index_select(ctx, x, 0, tok); /* [R, H] */
+	/* cuda-sim: the permutation and the combine are template kernels;
+	 * pos is the inverse of order */
+	const bool on_dev = ctx->dev == &ej_device_sim;
+	if (on_dev) {
+		for (int64_t r = 0; r < R; r++)
+			tok_h[order_h[r]] = r; /* tok_h is rebuilt below */
+		pos = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
+		for (int64_t r = 0; r < R; r++)
+			tok_h[r] = order_h[r] / k;
+		if (!pos) {
+			s = epj_ctx_status(ctx);
+			goto fail_op;
+		}
+		x_sorted = permute_device(ctx, x, order, pos, k);
+		if (x_sorted)
+			epj_counter_add(ctx, "autoep.permute.device", 1);
+	} else {
+		x_sorted = epj_index_select(ctx, x, 0, tok); /* [R, H] */
+	}
 	if (!x_sorted) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
@@ -744,14 +1077,21 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 
 	/* Unpermute + weighted combine in fp32 (f64 for f64 layers):
 	 * out[tok[r]] += w_flat[order[r]] * y_sorted[r]. */
-	w_flat = epj_reshape(ctx, w, 1, &R);
-	w_sorted = epj_index_select(ctx, w_flat, 0, order); /* [R] */
-	w_col = epj_reshape(ctx, w_sorted, 2, (int64_t[]){ R, 1 });
-	y_r = cast_to(ctx, y_sorted, rdt);
-	y_w = epj_mul(ctx, y_r, w_col); /* [R, H] */
-	acc = epj_zeros(ctx, rdt, 2, flat_shape);
-	out_r = epj_index_add(ctx, acc, 0, tok, y_w); /* [N, H] */
-	out_h = cast_to(ctx, out_r, im->dtype);
+	if (on_dev) {
+		/* the same sum, each token adding its k slots in slot order */
+		out_h = combine_device(ctx, y_sorted, w, order, pos);
+		if (out_h)
+			epj_counter_add(ctx, "autoep.combine.device", 1);
+	} else {
+		w_flat = epj_reshape(ctx, w, 1, &R);
+		w_sorted = epj_index_select(ctx, w_flat, 0, order); /* [R] */
+		w_col = epj_reshape(ctx, w_sorted, 2, (int64_t[]){ R, 1 });
+		y_r = cast_to(ctx, y_sorted, rdt);
+		y_w = epj_mul(ctx, y_r, w_col); /* [R, H] */
+		acc = epj_zeros(ctx, rdt, 2, flat_shape);
+		out_r = epj_index_add(ctx, acc, 0, tok, y_w); /* [N, H] */
+		out_h = cast_to(ctx, out_r, im->dtype);
+	}
 	out[0] = epj_reshape(ctx, out_h, epj_tensor_ndim(hidden),
 			     epj_tensor_shape(hidden));
 	if (!out[0]) {
@@ -785,6 +1125,7 @@ done:
 	plan_drain(ctx, im, &sp);
 	epj_tensor_free(perm);
 	epj_tensor_free(inv);
+	epj_tensor_free(pos);
 	epj_tensor_free(x_grp);
 	epj_tensor_free(y_grp);
 	free(perm_h);

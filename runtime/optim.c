@@ -25,6 +25,7 @@
  */
 #include "optim_impl.h"
 #include "runtime_impl.h"
+#include "tmpl_moe.h"
 
 #include "ops_impl.h" /* ej_bf16_load / ej_bf16_store */
 
@@ -669,6 +670,54 @@ static epj_status world_sum(ej_optim *o, double *x)
 	return st;
 }
 
+/* The update of every parameter that has a gradient as one multi-tensor
+ * launch of templates/optim.cuh on the context's CUDA device (the formulas
+ * and operation order of the kernels above). */
+static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
+{
+	epj_ctx *ctx = o->ctx;
+	ej_tmpl_optim_tensor *d =
+	    calloc((size_t)(o->n > 0 ? o->n : 1), sizeof *d);
+	if (!d)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"optim step: out of memory");
+	int n = 0;
+	epj_status st = EPJ_OK;
+	for (int i = 0; i < o->n && st == EPJ_OK; i++) {
+		opt_param *p = &o->p[i];
+		epj_tensor *g = acc_grad(o, p, &st);
+		if (!g)
+			continue;
+		d[n].master = ej_data(p->master);
+		d[n].grad = (const float *)ej_data(g) + p->lo;
+		d[n].s1 = p->s1 ? ej_data(p->s1) : NULL;
+		d[n].s2 = o->type == EJ_OPTIM_SGD ? NULL : ej_data(p->s2);
+		d[n].n = p->hi - p->lo;
+		n++;
+	}
+	ej_tmpl_optim hp = { .adam = o->type != EJ_OPTIM_SGD,
+			     .decoupled = o->decoupled,
+			     .nesterov = o->nesterov,
+			     .lr = lr,
+			     .grad_scale = gs,
+			     .weight_decay = o->wd,
+			     .momentum = o->momentum,
+			     .beta1 = o->beta1,
+			     .beta2 = o->beta2,
+			     .eps = o->eps,
+			     .step = t,
+			     .grad_dtype = EPJ_DTYPE_F32,
+			     .model_dtype = EPJ_DTYPE_F32 };
+	if (st == EPJ_OK)
+		st = ej_tmpl_optim_step(ctx, "cuda-sim", &hp, d, n);
+	free(d);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "optim step on %s", ctx->dev->name);
+	else
+		epj_counter_add(ctx, "optim.steps.device", 1);
+	return st;
+}
+
 epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 			 double *grad_norm_out)
 {
@@ -750,11 +799,22 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	}
 
 	const int64_t t = o->steps + 1;
+	/* On a cuda-sim context the update of every parameter with a
+	 * gradient is one launch of the optimizer template (the same bits);
+	 * the parameters are then refreshed from their masters below. */
+	const bool device = ctx->dev == &ej_device_sim;
+	if (device && (st = device_update(o, lr, gs, t)) != EPJ_OK)
+		return st;
 	for (int i = 0; i < o->n; i++) {
 		opt_param *p = &o->p[i];
 		epj_tensor *g = acc_grad(o, p, &st);
 		if (!g)
 			continue; /* no gradient: skipped, as PyTorch does */
+		if (device) {
+			if ((st = refresh_param(o, p)) != EPJ_OK)
+				return st;
+			continue;
+		}
 		float *pm = ej_data(p->master);
 		const float *gd = (const float *)ej_data(g) + p->lo;
 		int64_t len = p->hi - p->lo;

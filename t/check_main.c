@@ -30,6 +30,7 @@ int main(void)
 	/* the CUDA C templates' suites, one per area */
 	Suite *(*tmpl_suites[])(void) = {
 		make_tmpl_attention_suite,
+		make_tmpl_moe_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

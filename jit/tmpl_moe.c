@@ -1,0 +1,947 @@
+/* tmpl_moe.c -- host side of the MoE, embedding, loss and optimizer
+ * templates: argument structs that mirror the templates' (same field order
+ * and types, so the by-value argument has one layout on both sides),
+ * geometry, scratch buffers on the module's device, and the eager adapters
+ * of EMBEDDING, EMBEDDING_BACKWARD, CROSS_ENTROPY and
+ * CROSS_ENTROPY_BACKWARD.
+ *
+ * Every launch lists its outputs (ej_launch_out) so that cuda-sim poisons
+ * them, checks that each element is written and compares two block/thread
+ * orders bit for bit.  The optimizer updates in place on cuda; on cuda-sim
+ * the inputs are first copied to scratch so that the updated buffers are
+ * plain outputs the checks can cover.
+ */
+#include "tmpl_moe.h"
+
+#include "tmpl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- modules ------------------------------------------------------------ */
+
+static const ej_tmpl_kernel moe_kernels[] = {
+	{ "ej_moe_route", "struct ej_moe_route_args" },
+	{ "ej_moe_sort", "struct ej_moe_sort_args" },
+	{ "ej_moe_permute", "struct ej_moe_permute_args" },
+	{ "ej_moe_permute_bw", "struct ej_moe_permute_bw_args" },
+	{ "ej_moe_combine", "struct ej_moe_combine_args" },
+	{ "ej_moe_combine_bw_y", "struct ej_moe_combine_args" },
+	{ "ej_moe_combine_bw_w", "struct ej_moe_combine_args" },
+	{ "ej_moe_route_bw", "struct ej_moe_route_bw_args" },
+};
+static const ej_tmpl_kernel embed_kernels[] = {
+	{ "ej_embed_fwd", "struct ej_embed_args" },
+	{ "ej_embed_bwd", "struct ej_embed_args" },
+	{ "ej_ce_rows", "struct ej_ce_args" },
+	{ "ej_ce_reduce", "struct ej_ce_args" },
+	{ "ej_ce_count", "struct ej_ce_args" },
+	{ "ej_ce_bwd", "struct ej_ce_args" },
+};
+static const ej_tmpl_kernel optim_kernels[] = {
+	{ "ej_optim_step", "struct ej_optim_args" },
+};
+
+#define NK(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+static epj_status get_moe(epj_ctx *ctx, const char *dev, ej_tmpl **m)
+{
+	return ej_tmpl_get(ctx, dev, "moe", NULL, moe_kernels, NK(moe_kernels),
+			   m);
+}
+static epj_status get_embed(epj_ctx *ctx, const char *dev, ej_tmpl **m)
+{
+	return ej_tmpl_get(ctx, dev, "embedding", NULL, embed_kernels,
+			   NK(embed_kernels), m);
+}
+
+/* dtype code of the templates: 0 f32, 1 bf16, 2 f64; -1 otherwise */
+static int dcode(epj_dtype dt)
+{
+	switch (dt) {
+	case EPJ_DTYPE_F32:
+		return 0;
+	case EPJ_DTYPE_BF16:
+		return 1;
+	case EPJ_DTYPE_F64:
+		return 2;
+	default:
+		return -1;
+	}
+}
+
+static epj_status need_float(epj_ctx *ctx, const char *what, const char *arg,
+			     epj_dtype dt)
+{
+	if (dcode(dt) >= 0)
+		return EPJ_OK;
+	return ej_error(ctx, EPJ_ERR_DTYPE,
+			"%s: %s has dtype %s, expected f32, bf16 or f64", what,
+			arg, epj_dtype_name(dt));
+}
+
+static epj_status need_rdt(epj_ctx *ctx, const char *what, epj_dtype dt)
+{
+	if (dt == EPJ_DTYPE_F32 || dt == EPJ_DTYPE_F64)
+		return EPJ_OK;
+	return ej_error(ctx, EPJ_ERR_DTYPE,
+			"%s: routing dtype %s, expected f32 or f64", what,
+			epj_dtype_name(dt));
+}
+
+static unsigned clamp_grid(int64_t n)
+{
+	if (n < 1)
+		return 1;
+	return n > 65535 ? 65535u : (unsigned)n;
+}
+
+/* threads for a row of h elements: a multiple of 32 from 32 to 256 */
+static unsigned row_threads(int64_t h)
+{
+	int64_t t = (h + 31) / 32 * 32;
+	return t < 32 ? 32u : t > 256 ? 256u : (unsigned)t;
+}
+
+static ej_launch_out out_of(void *p, int64_t n, size_t elem)
+{
+	ej_launch_out o = { p, (size_t)n * elem, elem };
+	return o;
+}
+
+static epj_status launch(epj_ctx *ctx, ej_tmpl *m, const char *k, unsigned grid,
+			 unsigned block, const void *args, size_t size,
+			 const ej_launch_out *outs, int n_out)
+{
+	ej_launch l = { .grid = { grid, 1, 1 },
+			.block = { block, 1, 1 },
+			.args = args,
+			.args_size = size,
+			.outs = outs,
+			.n_out = n_out };
+	return ej_tmpl_launch(ctx, m, k, &l);
+}
+
+/* scratch on the module's device; NULL with an error */
+static void *dev_alloc(epj_ctx *ctx, ej_tmpl *m, size_t bytes, const char *w)
+{
+	const ej_device *d = ej_tmpl_device(m);
+	void *p = d->alloc(d->self, bytes ? bytes : 1);
+	if (!p)
+		ej_error(ctx, EPJ_ERR_NOMEM,
+			 "%s: out of device memory for %zu bytes of scratch", w,
+			 bytes);
+	return p;
+}
+static void dev_free(ej_tmpl *m, void *p)
+{
+	const ej_device *d = ej_tmpl_device(m);
+	if (p)
+		d->free(d->self, p);
+}
+
+/* ---- MoE ---------------------------------------------------------------- */
+
+struct moe_route_args {
+	const void *logits;
+	long long sl0, sl1;
+	int ldt, rdt;
+	long long N;
+	int E, k, norm;
+	void *probs, *w;
+	long long *idx;
+};
+
+epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
+			     const void *logits, epj_dtype ldt, int64_t sl0,
+			     int64_t sl1, int64_t N, int E, int k, bool norm,
+			     void *probs, void *w, int64_t *idx)
+{
+	const char *what = "moe route";
+	epj_status st = need_float(ctx, what, "logits", ldt);
+	if (st != EPJ_OK)
+		return st;
+	if (N < 0 || E < 1 || k < 1 || k > E || k > EJ_TMPL_MOE_MAX_K)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: N = %lld tokens, E = %d experts, k = %d: "
+				"expected N >= 0, 1 <= k <= min(E, %d)",
+				what, (long long)N, E, k, EJ_TMPL_MOE_MAX_K);
+	if (N == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	const bool f64 = ldt == EPJ_DTYPE_F64;
+	const size_t rs = f64 ? 8 : 4;
+	struct moe_route_args a = { logits,	 sl0,	sl1, dcode(ldt),
+				    f64 ? 2 : 0, N,	E,   k,
+				    norm,	 probs, w,   (long long *)idx };
+	ej_launch_out o[3] = { out_of(probs, N * E, rs), out_of(w, N * k, rs),
+			       out_of(idx, N * k, 8) };
+	return launch(ctx, m, "ej_moe_route", clamp_grid((N + 3) / 4), 128, &a,
+		      sizeof a, o, 3);
+}
+
+struct moe_sort_args {
+	const long long *key;
+	long long n;
+	int B;
+	long long *counts, *offsets, *order, *pos, *scratch;
+};
+
+epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
+			    const int64_t *key, int64_t n, int B,
+			    int64_t *counts, int64_t *offsets, int64_t *order,
+			    int64_t *pos)
+{
+	if (n < 0 || B < 1)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"moe sort: %lld keys into %d buckets: expected "
+				"n >= 0 and B >= 1",
+				(long long)n, B);
+	ej_tmpl *m;
+	epj_status st = get_moe(ctx, device, &m);
+	if (st != EPJ_OK)
+		return st;
+	/* fewer threads for few keys; each holds a row of B counts */
+	unsigned T = row_threads(n);
+	long long *scratch =
+	    dev_alloc(ctx, m, sizeof(long long) * T * (size_t)B, "moe sort");
+	if (!scratch)
+		return EPJ_ERR_NOMEM;
+	struct moe_sort_args a = { (const long long *)key,
+				   n,
+				   B,
+				   (long long *)counts,
+				   (long long *)offsets,
+				   (long long *)order,
+				   (long long *)pos,
+				   scratch };
+	ej_launch_out o[4] = { out_of(counts, B, 8), out_of(offsets, B + 1, 8),
+			       out_of(order, n, 8), out_of(pos, n, 8) };
+	st =
+	    launch(ctx, m, "ej_moe_sort", 1, T, &a, sizeof a, o, n > 0 ? 4 : 2);
+	dev_free(m, scratch);
+	return st;
+}
+
+struct moe_permute_args {
+	const void *x;
+	long long sx0, sx1;
+	const long long *order;
+	int k;
+	long long R, H;
+	int elem;
+	void *out;
+};
+
+epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
+			       epj_dtype dt, int64_t sx0, int64_t sx1,
+			       const int64_t *order, int k, int64_t R,
+			       int64_t H, void *out)
+{
+	size_t es = ej_dtype_size(dt);
+	if (es != 2 && es != 4 && es != 8)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"moe permute: dtype %s: expected elements of "
+				"2, 4 or 8 bytes",
+				epj_dtype_name(dt));
+	if (k < 1 || R < 0 || H < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"moe permute: k = %d, R = %lld, H = %lld", k,
+				(long long)R, (long long)H);
+	if (R == 0 || H == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	epj_status st = get_moe(ctx, device, &m);
+	if (st != EPJ_OK)
+		return st;
+	struct moe_permute_args a = { x,  sx0, sx1, (const long long *)order,
+				      k,  R,   H,   (int)es,
+				      out };
+	ej_launch_out o = out_of(out, R * H, es);
+	return launch(ctx, m, "ej_moe_permute", clamp_grid(R), row_threads(H),
+		      &a, sizeof a, &o, 1);
+}
+
+struct moe_permute_bw_args {
+	const void *dxs;
+	const long long *pos;
+	long long N;
+	int k;
+	long long H;
+	int dt;
+	void *dx;
+};
+
+epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
+					const void *dxs, epj_dtype dt,
+					const int64_t *pos, int64_t N, int k,
+					int64_t H, void *dx)
+{
+	epj_status st = need_float(ctx, "moe permute backward", "dxs", dt);
+	if (st != EPJ_OK)
+		return st;
+	if (k < 1 || N < 0 || H < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"moe permute backward: k = %d, N = %lld, H = "
+				"%lld",
+				k, (long long)N, (long long)H);
+	if (N == 0 || H == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	struct moe_permute_bw_args a = {
+		dxs, (const long long *)pos, N, k, H, dcode(dt), dx
+	};
+	ej_launch_out o = out_of(dx, N * H, ej_dtype_size(dt));
+	return launch(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
+		      row_threads(H), &a, sizeof a, &o, 1);
+}
+
+struct moe_combine_args {
+	const void *y, *w;
+	const long long *pos, *order;
+	const void *dout;
+	long long N;
+	int k;
+	long long H;
+	int dt, wdt;
+	void *out;
+};
+
+static epj_status combine_check(epj_ctx *ctx, const char *what, epj_dtype dt,
+				epj_dtype wdt, int64_t N, int k, int64_t H)
+{
+	epj_status st = need_float(ctx, what, "y", dt);
+	if (st == EPJ_OK)
+		st = need_rdt(ctx, what, wdt);
+	if (st == EPJ_OK && (k < 1 || N < 0 || H < 0))
+		st = ej_error(ctx, EPJ_ERR_INVALID,
+			      "%s: k = %d, N = %lld, H = %lld", what, k,
+			      (long long)N, (long long)H);
+	return st;
+}
+
+epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
+			       epj_dtype dt, const void *w, epj_dtype wdt,
+			       const int64_t *pos, int64_t N, int k, int64_t H,
+			       void *out)
+{
+	epj_status st = combine_check(ctx, "moe combine", dt, wdt, N, k, H);
+	if (st != EPJ_OK || N == 0 || H == 0)
+		return st;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	struct moe_combine_args a = { y,	  w,	(const long long *)pos,
+				      NULL,	  NULL, N,
+				      k,	  H,	dcode(dt),
+				      dcode(wdt), out };
+	ej_launch_out o = out_of(out, N * H, ej_dtype_size(dt));
+	return launch(ctx, m, "ej_moe_combine", clamp_grid(N), row_threads(H),
+		      &a, sizeof a, &o, 1);
+}
+
+epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
+					const void *dout, const void *y,
+					epj_dtype dt, const void *w,
+					epj_dtype wdt, const int64_t *order,
+					const int64_t *pos, int64_t N, int k,
+					int64_t H, void *dy, void *dw)
+{
+	epj_status st =
+	    combine_check(ctx, "moe combine backward", dt, wdt, N, k, H);
+	if (st != EPJ_OK || N == 0)
+		return st;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	const int64_t R = N * k;
+	struct moe_combine_args a = { y,
+				      w,
+				      (const long long *)pos,
+				      (const long long *)order,
+				      dout,
+				      N,
+				      k,
+				      H,
+				      dcode(dt),
+				      dcode(wdt),
+				      dy };
+	if (dy && H > 0) {
+		ej_launch_out o = out_of(dy, R * H, ej_dtype_size(dt));
+		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
+			    row_threads(H), &a, sizeof a, &o, 1);
+	}
+	if (st == EPJ_OK && dw) {
+		a.out = dw;
+		ej_launch_out o = out_of(dw, R, ej_dtype_size(wdt));
+		st = launch(ctx, m, "ej_moe_combine_bw_w",
+			    clamp_grid((R + 3) / 4), 128, &a, sizeof a, &o, 1);
+	}
+	return st;
+}
+
+struct moe_route_bw_args {
+	const void *probs;
+	const long long *idx;
+	const void *dw;
+	long long N;
+	int E, k, norm, rdt;
+	void *dlogits;
+};
+
+epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
+				      const void *probs, const int64_t *idx,
+				      const void *dw, epj_dtype rdt, int64_t N,
+				      int E, int k, bool norm, void *dlogits)
+{
+	const char *what = "moe route backward";
+	epj_status st = need_rdt(ctx, what, rdt);
+	if (st != EPJ_OK)
+		return st;
+	if (N < 0 || E < 1 || k < 1 || k > E || k > EJ_TMPL_MOE_MAX_K)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: N = %lld tokens, E = %d experts, k = %d: "
+				"expected N >= 0, 1 <= k <= min(E, %d)",
+				what, (long long)N, E, k, EJ_TMPL_MOE_MAX_K);
+	if (N == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	struct moe_route_bw_args a = {
+		probs,	(const long long *)idx, dw, N, E, k, norm, dcode(rdt),
+		dlogits
+	};
+	ej_launch_out o = out_of(dlogits, N * E, ej_dtype_size(rdt));
+	return launch(ctx, m, "ej_moe_route_bw", clamp_grid((N + 3) / 4), 128,
+		      &a, sizeof a, &o, 1);
+}
+
+/* ---- embedding and cross-entropy ----------------------------------------- */
+
+struct embed_args {
+	const void *src;
+	long long s0, s1;
+	const long long *ids;
+	long long n, V, D;
+	int elem, dt;
+	void *out;
+};
+
+epj_status ej_tmpl_embedding(epj_ctx *ctx, const char *device, const void *w,
+			     epj_dtype dt, int64_t sw0, int64_t sw1,
+			     const int64_t *ids, int64_t n, int64_t D,
+			     void *out)
+{
+	size_t es = ej_dtype_size(dt);
+	if (es != 2 && es != 4 && es != 8)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"embedding: weight dtype %s: expected elements "
+				"of 2, 4 or 8 bytes",
+				epj_dtype_name(dt));
+	if (n < 0 || D < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"embedding: %lld ids, D = %lld", (long long)n,
+				(long long)D);
+	if (n == 0 || D == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	epj_status st = get_embed(ctx, device, &m);
+	if (st != EPJ_OK)
+		return st;
+	struct embed_args a = { w,	   sw0, sw1, (const long long *)ids,
+				n,	   0,	D,   (int)es,
+				dcode(dt), out };
+	ej_launch_out o = out_of(out, n * D, es);
+	return launch(ctx, m, "ej_embed_fwd", clamp_grid(n), row_threads(D), &a,
+		      sizeof a, &o, 1);
+}
+
+epj_status ej_tmpl_embedding_backward(epj_ctx *ctx, const char *device,
+				      const void *g, epj_dtype dt, int64_t sg0,
+				      int64_t sg1, const int64_t *ids,
+				      int64_t n, int64_t V, int64_t D, void *dw)
+{
+	epj_status st = need_float(ctx, "embedding backward", "gradient", dt);
+	if (st != EPJ_OK)
+		return st;
+	if (n < 0 || V < 0 || D < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"embedding backward: %lld ids, V = %lld, D = "
+				"%lld",
+				(long long)n, (long long)V, (long long)D);
+	if (V == 0 || D == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_embed(ctx, device, &m)) != EPJ_OK)
+		return st;
+	struct embed_args a = { g,	   sg0, sg1, (const long long *)ids,
+				n,	   V,	D,   (int)0,
+				dcode(dt), dw };
+	ej_launch_out o = out_of(dw, V * D, ej_dtype_size(dt));
+	return launch(ctx, m, "ej_embed_bwd", clamp_grid(V), row_threads(D), &a,
+		      sizeof a, &o, 1);
+}
+
+struct ce_args {
+	const void *x;
+	long long s0, s1;
+	const long long *tgt;
+	long long N, V, ign;
+	int dt;
+	double *loss_row;
+	long long *cnt;
+	const void *g;
+	int gdt;
+	void *out;
+};
+
+static epj_status ce_check(epj_ctx *ctx, const char *what, epj_dtype dt,
+			   int64_t N, int64_t V)
+{
+	epj_status st = need_float(ctx, what, "logits", dt);
+	if (st == EPJ_OK && (N < 0 || V < 1))
+		st = ej_error(ctx, EPJ_ERR_INVALID,
+			      "%s: logits [%lld, %lld]: expected V >= 1", what,
+			      (long long)N, (long long)V);
+	return st;
+}
+
+epj_status ej_tmpl_cross_entropy(epj_ctx *ctx, const char *device,
+				 const void *logits, epj_dtype dt, int64_t s0,
+				 int64_t s1, const int64_t *tgt, int64_t N,
+				 int64_t V, int64_t ign, void *loss)
+{
+	epj_status st = ce_check(ctx, "cross_entropy", dt, N, V);
+	if (st != EPJ_OK)
+		return st;
+	ej_tmpl *m;
+	if ((st = get_embed(ctx, device, &m)) != EPJ_OK)
+		return st;
+	/* scratch: N row losses, then the count */
+	char *s = dev_alloc(ctx, m, sizeof(double) * (size_t)(N + 1),
+			    "cross_entropy");
+	if (!s)
+		return EPJ_ERR_NOMEM;
+	struct ce_args a = {
+		logits,	     s0,
+		s1,	     (const long long *)tgt,
+		N,	     V,
+		ign,	     dcode(dt),
+		(double *)s, (long long *)(s + sizeof(double) * (size_t)N),
+		NULL,	     0,
+		loss
+	};
+	if (N > 0) {
+		ej_launch_out o = out_of(s, N, 8);
+		st = launch(ctx, m, "ej_ce_rows", clamp_grid(N), row_threads(V),
+			    &a, sizeof a, &o, 1);
+	}
+	if (st == EPJ_OK) {
+		ej_launch_out o[2] = { out_of(loss, 1,
+					      dt == EPJ_DTYPE_F64 ? 8 : 4),
+				       out_of(a.cnt, 1, 8) };
+		st = launch(ctx, m, "ej_ce_reduce", 1, 256, &a, sizeof a, o, 2);
+	}
+	dev_free(m, s);
+	return st;
+}
+
+epj_status ej_tmpl_cross_entropy_backward(epj_ctx *ctx, const char *device,
+					  const void *g, epj_dtype gdt,
+					  const void *logits, epj_dtype dt,
+					  int64_t s0, int64_t s1,
+					  const int64_t *tgt, int64_t N,
+					  int64_t V, int64_t ign, void *dlogits)
+{
+	epj_status st = ce_check(ctx, "cross_entropy_backward", dt, N, V);
+	if (st == EPJ_OK)
+		st = need_float(ctx, "cross_entropy_backward", "grad", gdt);
+	if (st != EPJ_OK || N == 0)
+		return st;
+	ej_tmpl *m;
+	if ((st = get_embed(ctx, device, &m)) != EPJ_OK)
+		return st;
+	long long *cnt = dev_alloc(ctx, m, sizeof *cnt, "cross_entropy");
+	if (!cnt)
+		return EPJ_ERR_NOMEM;
+	struct ce_args a = { logits, s0,  s1,  (const long long *)tgt,
+			     N,	     V,	  ign, dcode(dt),
+			     NULL,   cnt, g,   dcode(gdt),
+			     dlogits };
+	ej_launch_out oc = out_of(cnt, 1, 8);
+	st = launch(ctx, m, "ej_ce_count", 1, 256, &a, sizeof a, &oc, 1);
+	if (st == EPJ_OK) {
+		ej_launch_out o = out_of(dlogits, N * V, ej_dtype_size(dt));
+		st = launch(ctx, m, "ej_ce_bwd", clamp_grid(N), row_threads(V),
+			    &a, sizeof a, &o, 1);
+	}
+	dev_free(m, cnt);
+	return st;
+}
+
+/* ---- optimizer ----------------------------------------------------------- */
+
+/* Elements per block of the multi-tensor step. */
+#define OPTIM_CHUNK 2048
+
+struct optim_tensor {
+	const float *master_in, *s1_in, *s2_in;
+	float *master;
+	const void *grad;
+	float *s1, *s2;
+	void *model;
+	long long n;
+};
+struct optim_item {
+	int tensor;
+	long long first;
+};
+struct optim_args {
+	const struct optim_tensor *t;
+	const struct optim_item *items;
+	long long chunk;
+	int adam, gdt, mdt, nesterov;
+	double lr, gs, wd, mom;
+	double b1, omb1, b2, omb2, eps, l2, decay;
+	double step_size, bc2_sqrt;
+};
+
+epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
+			      const ej_tmpl_optim *o,
+			      const ej_tmpl_optim_tensor *t, int n)
+{
+	if ((o->grad_dtype != EPJ_DTYPE_F32 &&
+	     o->grad_dtype != EPJ_DTYPE_BF16) ||
+	    (o->model_dtype != EPJ_DTYPE_F32 &&
+	     o->model_dtype != EPJ_DTYPE_BF16))
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"optimizer step: gradient %s, model copy %s: "
+				"expected f32 or bf16 each",
+				epj_dtype_name(o->grad_dtype),
+				epj_dtype_name(o->model_dtype));
+	if (n < 0 || (o->adam && o->step < 1))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"optimizer step: %d tensors, step %lld: "
+				"expected n >= 0 and step >= 1",
+				n, (long long)o->step);
+	int64_t items = 0, total = 0;
+	for (int i = 0; i < n; i++) {
+		if (t[i].n < 0 || (t[i].n > 0 && (!t[i].master || !t[i].grad)))
+			return ej_error(ctx, EPJ_ERR_INVALID,
+					"optimizer step: tensor %d: %lld "
+					"elements, master %p, grad %p",
+					i, (long long)t[i].n,
+					(void *)t[i].master, t[i].grad);
+		if (o->adam && t[i].n > 0 && (!t[i].s1 || !t[i].s2))
+			return ej_error(ctx, EPJ_ERR_INVALID,
+					"optimizer step: tensor %d: Adam "
+					"needs exp_avg and exp_avg_sq",
+					i);
+		items += (t[i].n + OPTIM_CHUNK - 1) / OPTIM_CHUNK;
+		total += t[i].n;
+	}
+	if (items == 0)
+		return EPJ_OK;
+	if (items > 0x7fffffff)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"optimizer step: %lld blocks of %d elements "
+				"exceed one launch",
+				(long long)items, OPTIM_CHUNK);
+	ej_tmpl *m;
+	epj_status st = ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
+				    NK(optim_kernels), &m);
+	if (st != EPJ_OK)
+		return st;
+	const ej_device *d = ej_tmpl_device(m);
+	const bool sim = strcmp(device, "cuda-sim") == 0;
+	struct optim_tensor *ht = calloc((size_t)n, sizeof *ht);
+	struct optim_item *hi = calloc((size_t)items, sizeof *hi);
+	ej_launch_out *outs = sim ? calloc((size_t)n * 4, sizeof *outs) : NULL;
+	/* device: descriptors, items, then (cuda-sim) the input snapshots */
+	size_t dbytes = sizeof *ht * (size_t)n + sizeof *hi * (size_t)items;
+	size_t snap = sim ? sizeof(float) * (size_t)total * 3 : 0;
+	char *dmem = NULL;
+	if (!ht || !hi || (sim && !outs)) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM,
+			      "optimizer step: out of memory");
+		goto done;
+	}
+	dmem = dev_alloc(ctx, m, dbytes + snap, "optimizer step");
+	if (!dmem) {
+		st = EPJ_ERR_NOMEM;
+		goto done;
+	}
+	float *sp = (float *)(dmem + dbytes);
+	int n_out = 0;
+	int64_t q = 0;
+	for (int i = 0; i < n; i++) {
+		const ej_tmpl_optim_tensor *s = &t[i];
+		struct optim_tensor *h = &ht[i];
+		h->master = s->master;
+		h->grad = s->grad;
+		h->s1 = s->s1;
+		h->s2 = o->adam ? s->s2 : NULL;
+		h->model = s->model;
+		h->n = s->n;
+		h->master_in = s->master;
+		h->s1_in = s->s1;
+		h->s2_in = h->s2;
+		if (sim && s->n > 0) {
+			size_t b = sizeof(float) * (size_t)s->n;
+			float *bufs[3] = { s->master, s->s1, h->s2 };
+			const float **ins[3] = { &h->master_in, &h->s1_in,
+						 &h->s2_in };
+			for (int j = 0; j < 3; j++) {
+				if (!bufs[j])
+					continue;
+				d->copy(d->self, sp, bufs[j], b);
+				*ins[j] = sp;
+				sp += s->n;
+				outs[n_out++] = out_of(bufs[j], s->n, 4);
+			}
+			if (s->model)
+				outs[n_out++] =
+				    out_of(s->model, s->n,
+					   ej_dtype_size(o->model_dtype));
+		}
+		for (int64_t f = 0; f < s->n; f += OPTIM_CHUNK) {
+			hi[q].tensor = i;
+			hi[q].first = f;
+			q++;
+		}
+	}
+	d->copy(d->self, dmem, ht, sizeof *ht * (size_t)n);
+	d->copy(d->self, dmem + sizeof *ht * (size_t)n, hi,
+		sizeof *hi * (size_t)items);
+	struct optim_args a = { 0 };
+	a.t = (const struct optim_tensor *)dmem;
+	a.items = (const struct optim_item *)(dmem + sizeof *ht * (size_t)n);
+	a.chunk = OPTIM_CHUNK;
+	a.adam = o->adam;
+	a.gdt = dcode(o->grad_dtype);
+	a.mdt = dcode(o->model_dtype);
+	a.nesterov = o->nesterov;
+	a.lr = o->lr;
+	a.gs = o->grad_scale;
+	a.wd = o->weight_decay;
+	a.mom = o->momentum;
+	if (o->adam) {
+		/* runtime/optim.c, adam_kernel */
+		a.b1 = o->beta1;
+		a.omb1 = 1.0 - o->beta1;
+		a.b2 = o->beta2;
+		a.omb2 = 1.0 - o->beta2;
+		a.eps = o->eps;
+		a.l2 = o->decoupled ? 0.0 : o->weight_decay;
+		a.decay = o->decoupled ? 1.0 - o->lr * o->weight_decay : 1.0;
+		a.step_size = o->lr / (1.0 - pow(o->beta1, (double)o->step));
+		a.bc2_sqrt = sqrt(1.0 - pow(o->beta2, (double)o->step));
+	}
+	st = launch(ctx, m, "ej_optim_step", (unsigned)items, 256, &a, sizeof a,
+		    outs, n_out);
+done:
+	dev_free(m, dmem);
+	free(ht);
+	free(hi);
+	free(outs);
+	return st;
+}
+
+/* ---- eager adapters ------------------------------------------------------ */
+
+static const char *ctx_device(const epj_ctx *ctx)
+{
+	return ctx->dev == &ej_device_sim ? "cuda-sim" : "cuda";
+}
+
+/* The values of index input `input` of c (i32/i64, any strides) read to the
+ * host row-major (*host, malloc'ed) and uploaded contiguous i64 to the
+ * ctx's device (*dev, free with dev_release).  Each value must be in [0,
+ * limit) -- or equal `ign` when ce (cross-entropy targets) -- else the CPU
+ * kernel's error.  n = 0 gives NULL pointers. */
+static epj_status index_upload(epj_ctx *ctx, const ej_call *c, int input,
+			       int64_t limit, const char *what, bool ce,
+			       int64_t ign, int64_t **dev)
+{
+	const epj_tensor *t = c->in[input];
+	const ej_device *d = ctx->dev;
+	const int64_t n = ej_numel(t->ndim, t->shape);
+	const size_t es = ej_dtype_size(t->dtype);
+	*dev = NULL;
+	if (n == 0)
+		return EPJ_OK;
+	int64_t span = 1;
+	for (int k = 0; k < t->ndim; k++)
+		span += (t->shape[k] - 1) * t->stride[k];
+	char *raw = NULL;
+	int64_t *v = malloc(sizeof *v * (size_t)n);
+	if (!v || (!d->host_visible && !(raw = malloc((size_t)span * es)))) {
+		free(v);
+		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				   "out of memory reading %lld indices",
+				   (long long)n);
+	}
+	const char *base = ej_data(t);
+	if (raw) {
+		d->copy(d->self, raw, base, (size_t)span * es);
+		base = raw;
+	}
+	int64_t idx[EPJ_MAX_DIMS] = { 0 };
+	const bool i64 = t->dtype == EPJ_DTYPE_I64;
+	epj_status st = EPJ_OK;
+	for (int64_t e = 0; e < n && st == EPJ_OK; e++) {
+		int64_t off = ej_offset_of(t->ndim, idx, t->stride);
+		int64_t x = i64 ? ((const int64_t *)base)[off]
+				: ((const int32_t *)base)[off];
+		v[e] = x;
+		const bool bad = x < 0 || x >= limit;
+		if (ce && bad && x != ign) {
+			st = ej_op_error(ctx, c, EPJ_ERR_INDEX,
+					 "target %lld at row %lld is out of "
+					 "range [0, %lld) and is not "
+					 "ignore_index %lld",
+					 (long long)x, (long long)e,
+					 (long long)limit, (long long)ign);
+		} else if (!ce && bad) {
+			char pos[160];
+			ej_shape_str(t->ndim, idx, pos, sizeof pos);
+			st = ej_op_error(ctx, c, EPJ_ERR_INDEX,
+					 "index value %lld at position %s "
+					 "(flat %lld) of input %d is out of "
+					 "range [0, %lld) for %s",
+					 (long long)x, pos, (long long)e, input,
+					 (long long)limit, what);
+		}
+		ej_index_next(t->ndim, t->shape, idx);
+	}
+	free(raw);
+	if (st == EPJ_OK) {
+		*dev = d->alloc(d->self, sizeof *v * (size_t)n);
+		if (*dev)
+			d->copy(d->self, *dev, v, sizeof *v * (size_t)n);
+		else
+			st = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					 "out of device memory for %lld "
+					 "indices",
+					 (long long)n);
+	}
+	free(v);
+	return st;
+}
+
+static void dev_release(epj_ctx *ctx, void *p)
+{
+	if (p)
+		ctx->dev->free(ctx->dev->self, p);
+}
+
+/* t [*, D] as rows of D: the row stride when the leading dims collapse into
+ * one (always for ndim <= 2), else false. */
+static bool rows_stride(const epj_tensor *t, int64_t *s0)
+{
+	int64_t s = -1, rows = 1;
+	for (int k = t->ndim - 2; k >= 0; k--) {
+		if (t->shape[k] == 1)
+			continue;
+		if (s < 0)
+			s = t->stride[k];
+		else if (t->stride[k] != s * rows)
+			return false;
+		rows *= t->shape[k];
+	}
+	*s0 = s < 0 ? 0 : s;
+	return true;
+}
+
+epj_status ej_cuda_op_embedding(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *w = c->in[0], *ids = c->in[1];
+	const int64_t V = w->shape[0], D = w->shape[1];
+	const int64_t n = ej_numel(ids->ndim, ids->shape);
+	int64_t *di;
+	epj_status st =
+	    index_upload(ctx, c, 1, V, "the weight's rows", false, 0, &di);
+	if (st != EPJ_OK)
+		return st;
+	st = ej_tmpl_embedding(ctx, ctx_device(ctx), ej_data(w), w->dtype,
+			       w->stride[0], w->stride[1], di, n, D,
+			       ej_data(c->out[0]));
+	dev_release(ctx, di);
+	return st;
+}
+
+epj_status ej_cuda_op_embedding_backward(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *g = c->in[0];
+	const epj_tensor *ids = c->in[1];
+	epj_tensor *out = c->out[0];
+	const int64_t V = out->shape[0], D = out->shape[1];
+	const int64_t n = ej_numel(ids->ndim, ids->shape);
+	int64_t *di;
+	epj_status st =
+	    index_upload(ctx, c, 1, V, "the vocabulary", false, 0, &di);
+	if (st != EPJ_OK)
+		return st;
+	int64_t s0;
+	epj_tensor *gc = NULL;
+	if (!rows_stride(g, &s0)) {
+		/* leading dims that do not collapse: one contiguous copy */
+		bool prev = epj_no_grad_enter(ctx);
+		gc = epj_contiguous(ctx, g);
+		epj_no_grad_exit(ctx, prev);
+		if (!gc) {
+			dev_release(ctx, di);
+			return epj_ctx_status(ctx);
+		}
+		g = gc;
+		rows_stride(g, &s0);
+	}
+	st = ej_tmpl_embedding_backward(ctx, ctx_device(ctx), ej_data(g),
+					g->dtype, s0, g->stride[g->ndim - 1],
+					di, n, V, D, ej_data(out));
+	epj_tensor_free(gc);
+	dev_release(ctx, di);
+	return st;
+}
+
+static int64_t ce_ignore(const ej_call *c)
+{
+	return c->attrs->n_i > 0 ? c->attrs->i[0] : -100;
+}
+
+epj_status ej_cuda_op_cross_entropy(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *lg = c->in[0];
+	const int64_t N = lg->shape[0], V = lg->shape[1], ign = ce_ignore(c);
+	int64_t *dt;
+	epj_status st = index_upload(ctx, c, 1, V, "targets", true, ign, &dt);
+	if (st != EPJ_OK)
+		return st;
+	st = ej_tmpl_cross_entropy(ctx, ctx_device(ctx), ej_data(lg), lg->dtype,
+				   lg->stride[0], lg->stride[1], dt, N, V, ign,
+				   ej_data(c->out[0]));
+	dev_release(ctx, dt);
+	return st;
+}
+
+epj_status ej_cuda_op_cross_entropy_backward(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *g = c->in[0], *lg = c->in[1];
+	const int64_t N = lg->shape[0], V = lg->shape[1], ign = ce_ignore(c);
+	int64_t *dt;
+	epj_status st = index_upload(ctx, c, 2, V, "targets", true, ign, &dt);
+	if (st != EPJ_OK)
+		return st;
+	st = ej_tmpl_cross_entropy_backward(
+	    ctx, ctx_device(ctx), ej_data(g), g->dtype, ej_data(lg), lg->dtype,
+	    lg->stride[0], lg->stride[1], dt, N, V, ign, ej_data(c->out[0]));
+	dev_release(ctx, dt);
+	return st;
+}

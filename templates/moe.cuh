@@ -1,0 +1,476 @@
+/* moe.cuh -- the eager AutoEP layer's token bookkeeping on the CUDA devices
+ * (runtime/autoep.c computes the same with ops): router softmax + top-k,
+ * a stable counting sort of the routed slots by expert, permute,
+ * unpermute + weighted combine, and the backward of each.  Deterministic:
+ * no float atomics, every sum in a fixed order, so cuda-sim's race check
+ * (two block/thread orders, outputs compared bit for bit) holds.
+ *
+ * Names: N tokens, E experts, k slots per token (slot s = n * k + j), R =
+ * N * k routed rows, H columns.  "rdt" is the routing dtype (f32 for f32
+ * and bf16 layers, f64 for f64 layers); dtype codes: 0 f32, 1 bf16, 2 f64.
+ *
+ *  ej_moe_route      one warp per token (grid-stride): probs [N, E] rdt =
+ *                    softmax(logits) as lib/ops_reduce.c computes it (max,
+ *                    e = exp(x - max), sum of e in double, e * (1 / sum));
+ *                    top-k of probs, largest first, ties to the LOWER
+ *                    expert index, NaN above everything (lib/ops_index.c);
+ *                    w [N, k] rdt = the selected probs, divided by their sum
+ *                    when `norm` (norm_topk_prob); idx [N, k] i64.
+ *                    k <= EJ_MOE_MAX_K.  Logits have any row/column strides.
+ *  ej_moe_sort       ONE block: stable counting sort of n keys in [0, B):
+ *                    counts [B], offsets [B + 1] (exclusive scan), order [n]
+ *                    (order[r] = the key position at sorted row r, positions
+ *                    of one key ascending) and pos [n] (its inverse).  Each
+ *                    thread counts a contiguous chunk into its own row of
+ *                    the scratch [blockDim.x * B], columns are scanned, and
+ *                    each thread places its chunk in order.
+ *  ej_moe_permute    xs [R, H] = x[order[r] / k] (rows of any stride;
+ *                    element size 2, 4 or 8 bytes); block per row.
+ *  ej_moe_permute_bw dx [N, H] = sum over j of dxs[pos[n * k + j]] in j
+ *                    order, f32 accumulation (f64 for f64).
+ *  ej_moe_combine    out [N, H] = sum over j of w[n, j] * y[pos[n, j]] in rdt
+ *                    (each product rounded, then added in j order, as
+ *                    autoep.c's mul + index_add), cast to the dtype of y.
+ *  ej_moe_combine_bw_y  dy [R, H] = w[order[r]] * dout[order[r] / k].
+ *  ej_moe_combine_bw_w  dw [N, k] rdt = sum over h of dout[n, h] * y[pos[s],
+ *                    h]: one warp per slot, lanes over h, a shuffle tree.
+ *  ej_moe_route_bw   dlogits [N, E] rdt from dw [N, k] through the optional
+ *                    renormalisation (dp_j = (dw_j - sum_m dw_m w~_m) / S)
+ *                    and the softmax (dl_i = p_i (dp_i - sum_j p_j dp_j),
+ *                    dp_i summed over the slots that chose i); one warp per
+ *                    token.
+ *
+ * Blocks are multiples of 32 threads (full-mask warp shuffles).  Products
+ * that the CPU rounds before adding use ej_mul_* so that NVRTC does not
+ * contract them into an FMA.
+ */
+#ifndef EJ_MOE_MAX_K
+#define EJ_MOE_MAX_K 32
+#endif
+
+#ifdef EJ_CUDA_SIM
+#define ej_mul_f(a, b) ((a) * (b))
+#define ej_mul_d(a, b) ((a) * (b))
+#else
+#define ej_mul_f(a, b) __fmul_rn((a), (b))
+#define ej_mul_d(a, b) __dmul_rn((a), (b))
+#endif
+static __device__ __forceinline__ float ej_mul(float a, float b)
+{
+	return ej_mul_f(a, b);
+}
+static __device__ __forceinline__ double ej_mul(double a, double b)
+{
+	return ej_mul_d(a, b);
+}
+
+/* element i of a buffer of dtype code dt (0 f32, 1 bf16, 2 f64) as A */
+template <class A>
+static __device__ __forceinline__ A ej_moe_ld(const void *p, long long i,
+					      int dt)
+{
+	if (dt == 2)
+		return (A)((const double *)p)[i];
+	if (dt == 1)
+		return (A)ej_bf2f(((const ej_bf16 *)p)[i]);
+	return (A)((const float *)p)[i];
+}
+template <class A>
+static __device__ __forceinline__ void ej_moe_st(void *p, long long i, int dt,
+						 A v)
+{
+	if (dt == 2)
+		((double *)p)[i] = (double)v;
+	else if (dt == 1)
+		((ej_bf16 *)p)[i] = ej_f2bf((float)v);
+	else
+		((float *)p)[i] = (float)v;
+}
+static __device__ __forceinline__ void ej_moe_copy(void *d, long long di,
+						   const void *s, long long si,
+						   int elem)
+{
+	if (elem == 8)
+		((unsigned long long *)d)[di] =
+		    ((const unsigned long long *)s)[si];
+	else if (elem == 4)
+		((unsigned *)d)[di] = ((const unsigned *)s)[si];
+	else
+		((unsigned short *)d)[di] = ((const unsigned short *)s)[si];
+}
+
+/* (a, ia) ranks before (b, ib): larger first, NaN largest, ties to the
+ * lower index (a total order, so any reduction tree agrees) */
+template <class T>
+static __device__ __forceinline__ bool ej_moe_before(T a, long long ia, T b,
+						     long long ib)
+{
+	bool na = a != a, nb = b != b;
+	if (na || nb)
+		return na && (!nb || ia < ib);
+	return a > b || (a == b && ia < ib);
+}
+
+template <class T> static __device__ __forceinline__ T ej_moe_warp_sum(T v)
+{
+	for (int o = 16; o > 0; o >>= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* ---- router -------------------------------------------------------------- */
+
+struct ej_moe_route_args {
+	const void *logits;
+	long long sl0, sl1; /* element strides of logits [N, E] */
+	int ldt;	    /* dtype code of logits */
+	int rdt;	    /* dtype code of probs and w: 0 or 2 */
+	long long N;
+	int E, k, norm;
+	void *probs;	/* [N, E] rdt */
+	void *w;	/* [N, k] rdt */
+	long long *idx; /* [N, k] */
+};
+
+template <class T>
+static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
+					long long n, int lane)
+{
+	const int E = a.E;
+	T *p = (T *)a.probs + n * E;
+	T m = -(T)ej_inf_d();
+	for (int i = lane; i < E; i += 32) {
+		T x = ej_moe_ld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
+		m = x > m ? x : m;
+	}
+	for (int o = 16; o > 0; o >>= 1) {
+		T y = __shfl_xor_sync(0xffffffffu, m, o);
+		m = y > m ? y : m;
+	}
+	double s = 0;
+	for (int i = lane; i < E; i += 32) {
+		T x = ej_moe_ld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
+		T e = sizeof(T) == 8 ? (T)exp((double)(x - m))
+				     : (T)expf((float)(x - m));
+		p[i] = e;
+		s += (double)e;
+	}
+	s = ej_moe_warp_sum(s);
+	const T inv = (T)(1.0 / s);
+	for (int i = lane; i < E; i += 32)
+		p[i] = ej_mul(p[i], inv);
+	/* top-k: k rounds of a warp arg-max over the unselected experts */
+	long long sel[EJ_MOE_MAX_K];
+	T val[EJ_MOE_MAX_K];
+	for (int j = 0; j < a.k; j++) {
+		T bv = (T)0;
+		long long bi = -1;
+		for (int i = lane; i < E; i += 32) {
+			bool taken = false;
+			for (int q = 0; q < j; q++)
+				taken |= sel[q] == i;
+			if (taken)
+				continue;
+			if (bi < 0 || ej_moe_before(p[i], (long long)i, bv, bi)) {
+				bv = p[i];
+				bi = i;
+			}
+		}
+		for (int o = 16; o > 0; o >>= 1) {
+			T ov = __shfl_xor_sync(0xffffffffu, bv, o);
+			long long oi = __shfl_xor_sync(0xffffffffu, bi, o);
+			if (oi >= 0 && (bi < 0 || ej_moe_before(ov, oi, bv, bi))) {
+				bv = ov;
+				bi = oi;
+			}
+		}
+		sel[j] = bi;
+		val[j] = bv;
+	}
+	if (lane == 0) {
+		T sum = (T)0;
+		for (int j = 0; j < a.k; j++)
+			sum += val[j];
+		for (int j = 0; j < a.k; j++) {
+			T wj = a.norm ? val[j] / sum : val[j];
+			((T *)a.w)[n * a.k + j] = wj;
+			a.idx[n * a.k + j] = sel[j];
+		}
+	}
+}
+
+extern "C" __global__ void ej_moe_route(const struct ej_moe_route_args a)
+{
+	const int lane = threadIdx.x & 31;
+	const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+	for (long long n = (long long)blockIdx.x * (blockDim.x >> 5) +
+			   (threadIdx.x >> 5);
+	     n < a.N; n += warps) {
+		if (a.rdt == 2)
+			ej_moe_route_tok<double>(a, n, lane);
+		else
+			ej_moe_route_tok<float>(a, n, lane);
+	}
+}
+
+/* ---- stable counting sort ------------------------------------------------ */
+
+struct ej_moe_sort_args {
+	const long long *key; /* [n], values in [0, B) */
+	long long n;
+	int B;
+	long long *counts;  /* [B] */
+	long long *offsets; /* [B + 1] */
+	long long *order;   /* [n] */
+	long long *pos;	    /* [n] */
+	long long *scratch; /* [blockDim.x * B] */
+};
+
+extern "C" __global__ void ej_moe_sort(const struct ej_moe_sort_args a)
+{
+	const long long T = blockDim.x, t = threadIdx.x, B = a.B;
+	const long long chunk = (a.n + T - 1) / T;
+	const long long lo = t * chunk < a.n ? t * chunk : a.n;
+	const long long hi = lo + chunk < a.n ? lo + chunk : a.n;
+	long long *mine = a.scratch + t * B;
+	for (long long e = 0; e < B; e++)
+		mine[e] = 0;
+	for (long long i = lo; i < hi; i++)
+		mine[a.key[i]]++;
+	__syncthreads();
+	/* column e: thread rows' exclusive prefix, total in counts[e] */
+	for (long long e = t; e < B; e += T) {
+		long long run = 0;
+		for (long long r = 0; r < T; r++) {
+			long long c = a.scratch[r * B + e];
+			a.scratch[r * B + e] = run;
+			run += c;
+		}
+		a.counts[e] = run;
+	}
+	__syncthreads();
+	if (t == 0) {
+		long long run = 0;
+		for (long long e = 0; e < B; e++) {
+			a.offsets[e] = run;
+			run += a.counts[e];
+		}
+		a.offsets[B] = run;
+	}
+	__syncthreads();
+	for (long long i = lo; i < hi; i++) {
+		long long e = a.key[i];
+		long long r = a.offsets[e] + mine[e]++;
+		a.order[r] = i;
+		a.pos[i] = r;
+	}
+}
+
+/* ---- permute / unpermute ------------------------------------------------- */
+
+struct ej_moe_permute_args {
+	const void *x;	    /* [N, H], element strides sx0, sx1 */
+	long long sx0, sx1;
+	const long long *order; /* [R] */
+	int k;
+	long long R, H;
+	int elem; /* bytes per element: 2, 4 or 8 */
+	void *out; /* [R, H] contiguous */
+};
+
+extern "C" __global__ void ej_moe_permute(const struct ej_moe_permute_args a)
+{
+	for (long long r = blockIdx.x; r < a.R; r += gridDim.x) {
+		const long long n = a.order[r] / a.k;
+		for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
+			ej_moe_copy(a.out, r * a.H + h, a.x,
+				    n * a.sx0 + h * a.sx1, a.elem);
+	}
+}
+
+struct ej_moe_permute_bw_args {
+	const void *dxs;      /* [R, H] contiguous, dtype dt */
+	const long long *pos; /* [N * k] */
+	long long N;
+	int k;
+	long long H;
+	int dt;
+	void *dx; /* [N, H] contiguous, dtype dt */
+};
+
+template <class A>
+static __device__ void ej_moe_permute_bw_row(
+    const struct ej_moe_permute_bw_args &a, long long n)
+{
+	for (long long h = threadIdx.x; h < a.H; h += blockDim.x) {
+		A acc = (A)0;
+		for (int j = 0; j < a.k; j++)
+			acc += ej_moe_ld<A>(a.dxs, a.pos[n * a.k + j] * a.H + h,
+					    a.dt);
+		ej_moe_st<A>(a.dx, n * a.H + h, a.dt, acc);
+	}
+}
+
+extern "C" __global__ void
+ej_moe_permute_bw(const struct ej_moe_permute_bw_args a)
+{
+	for (long long n = blockIdx.x; n < a.N; n += gridDim.x) {
+		if (a.dt == 2)
+			ej_moe_permute_bw_row<double>(a, n);
+		else
+			ej_moe_permute_bw_row<float>(a, n);
+	}
+}
+
+/* ---- weighted combine ---------------------------------------------------- */
+
+struct ej_moe_combine_args {
+	const void *y;	      /* [R, H] contiguous, dtype dt */
+	const void *w;	      /* [N, k] contiguous, dtype wdt (0 or 2) */
+	const long long *pos; /* [N * k] */
+	const long long *order; /* [R] (backward of y only) */
+	const void *dout;	/* [N, H] contiguous, dtype dt (backward) */
+	long long N;
+	int k;
+	long long H;
+	int dt, wdt;
+	void *out; /* forward: [N, H] dt; bw_y: dy [R, H] dt; bw_w: dw [N, k] */
+};
+
+template <class A>
+static __device__ void ej_moe_combine_row(const struct ej_moe_combine_args &a,
+					  long long n)
+{
+	for (long long h = threadIdx.x; h < a.H; h += blockDim.x) {
+		A acc = (A)0;
+		for (int j = 0; j < a.k; j++) {
+			const long long s = n * a.k + j;
+			A wj = ((const A *)a.w)[s];
+			acc += ej_mul(
+			    ej_moe_ld<A>(a.y, a.pos[s] * a.H + h, a.dt), wj);
+		}
+		ej_moe_st<A>(a.out, n * a.H + h, a.dt, acc);
+	}
+}
+
+extern "C" __global__ void ej_moe_combine(const struct ej_moe_combine_args a)
+{
+	for (long long n = blockIdx.x; n < a.N; n += gridDim.x) {
+		if (a.wdt == 2)
+			ej_moe_combine_row<double>(a, n);
+		else
+			ej_moe_combine_row<float>(a, n);
+	}
+}
+
+template <class A>
+static __device__ void ej_moe_combine_bw_y_row(
+    const struct ej_moe_combine_args &a, long long r)
+{
+	const long long s = a.order[r], n = s / a.k;
+	const A ws = ((const A *)a.w)[s];
+	for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
+		ej_moe_st<A>(
+		    a.out, r * a.H + h, a.dt,
+		    ej_mul(ej_moe_ld<A>(a.dout, n * a.H + h, a.dt), ws));
+}
+
+extern "C" __global__ void
+ej_moe_combine_bw_y(const struct ej_moe_combine_args a)
+{
+	const long long R = a.N * a.k;
+	for (long long r = blockIdx.x; r < R; r += gridDim.x) {
+		if (a.wdt == 2)
+			ej_moe_combine_bw_y_row<double>(a, r);
+		else
+			ej_moe_combine_bw_y_row<float>(a, r);
+	}
+}
+
+template <class A>
+static __device__ void ej_moe_combine_bw_w_slot(
+    const struct ej_moe_combine_args &a, long long s, int lane)
+{
+	const long long n = s / a.k, row = a.pos[s];
+	A acc = (A)0;
+	for (long long h = lane; h < a.H; h += 32)
+		acc += ej_mul(ej_moe_ld<A>(a.dout, n * a.H + h, a.dt),
+			      ej_moe_ld<A>(a.y, row * a.H + h, a.dt));
+	acc = ej_moe_warp_sum(acc);
+	if (lane == 0)
+		((A *)a.out)[s] = acc;
+}
+
+extern "C" __global__ void
+ej_moe_combine_bw_w(const struct ej_moe_combine_args a)
+{
+	const int lane = threadIdx.x & 31;
+	const long long S = a.N * a.k;
+	const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+	for (long long s = (long long)blockIdx.x * (blockDim.x >> 5) +
+			   (threadIdx.x >> 5);
+	     s < S; s += warps) {
+		if (a.wdt == 2)
+			ej_moe_combine_bw_w_slot<double>(a, s, lane);
+		else
+			ej_moe_combine_bw_w_slot<float>(a, s, lane);
+	}
+}
+
+/* ---- router backward ----------------------------------------------------- */
+
+struct ej_moe_route_bw_args {
+	const void *probs;    /* [N, E] rdt (ej_moe_route's) */
+	const long long *idx; /* [N, k] */
+	const void *dw;	      /* [N, k] rdt: gradient of the routing weights */
+	long long N;
+	int E, k, norm, rdt;
+	void *dlogits; /* [N, E] rdt */
+};
+
+template <class T>
+static __device__ void ej_moe_route_bw_tok(const struct ej_moe_route_bw_args &a,
+					   long long n, int lane)
+{
+	const T *p = (const T *)a.probs + n * a.E;
+	const long long *id = a.idx + n * a.k;
+	const T *dw = (const T *)a.dw + n * a.k;
+	T dp[EJ_MOE_MAX_K];
+	T S = (T)0;
+	for (int j = 0; j < a.k; j++)
+		S += p[id[j]];
+	if (a.norm) {
+		T c = (T)0;
+		for (int j = 0; j < a.k; j++)
+			c += dw[j] * (p[id[j]] / S);
+		for (int j = 0; j < a.k; j++)
+			dp[j] = (dw[j] - c) / S;
+	} else {
+		for (int j = 0; j < a.k; j++)
+			dp[j] = dw[j];
+	}
+	T inner = (T)0;
+	for (int j = 0; j < a.k; j++)
+		inner += p[id[j]] * dp[j];
+	for (int i = lane; i < a.E; i += 32) {
+		T d = (T)0;
+		for (int j = 0; j < a.k; j++)
+			if (id[j] == i)
+				d += dp[j];
+		((T *)a.dlogits)[n * a.E + i] = p[i] * (d - inner);
+	}
+}
+
+extern "C" __global__ void ej_moe_route_bw(const struct ej_moe_route_bw_args a)
+{
+	const int lane = threadIdx.x & 31;
+	const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+	for (long long n = (long long)blockIdx.x * (blockDim.x >> 5) +
+			   (threadIdx.x >> 5);
+	     n < a.N; n += warps) {
+		if (a.rdt == 2)
+			ej_moe_route_bw_tok<double>(a, n, lane);
+		else
+			ej_moe_route_bw_tok<float>(a, n, lane);
+	}
+}

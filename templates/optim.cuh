@@ -1,0 +1,107 @@
+/* optim.cuh -- SGD and AdamW/Adam steps over FP32 master weights on the CUDA
+ * devices, multi-tensor: one launch updates a whole group of parameters.
+ *
+ * The host (jit/tmpl_moe.c) passes an array of tensor descriptors and a
+ * table of work items, one per block: item b = (tensor t, first element);
+ * block b updates elements [first, first + chunk) of tensor t (clipped to
+ * its length), its threads striding over the chunk.  Every element is
+ * independent, so any block or thread order gives the same bits.
+ *
+ * The formulas are runtime/optim.c's, per element in double from f32
+ * storage, with the same operation order; the products and sums go through
+ * ej_om / ej_oa so NVRTC cannot contract them into FMAs (the CPU does not
+ * either), hence the same bits as the CPU optimizer:
+ *   SGD:   g = gs * grad + wd * p;  b = mom * b + g (b present);
+ *          g = nesterov ? g + mom * b : b;  p = p - lr * g
+ *   Adam:  g = gs * grad + l2 * p;  m = b1 * m + (1 - b1) * g;
+ *          v = b2 * v + (1 - b2) * g * g;
+ *          p = p * decay - step_size * m / (sqrt(v) / bc2_sqrt + eps)
+ *   (AdamW: l2 = 0, decay = 1 - lr * wd; Adam with L2: l2 = wd, decay = 1;
+ *   step_size = lr / (1 - b1^t), bc2_sqrt = sqrt(1 - b2^t) from the host.)
+ * The gradient is f32 or bf16 (gdt 0 / 1); after the update the model copy
+ * `model` (when not NULL) receives the new master as f32 or bf16 (mdt 0 / 1,
+ * round to nearest even).
+ */
+#ifdef EJ_CUDA_SIM
+#define ej_om(a, b) ((a) * (b))
+#define ej_oa(a, b) ((a) + (b))
+#define ej_os(a, b) ((a) - (b))
+#else
+#define ej_om(a, b) __dmul_rn((a), (b))
+#define ej_oa(a, b) __dadd_rn((a), (b))
+#define ej_os(a, b) __dsub_rn((a), (b))
+#endif
+
+/* The *_in pointers are read, the others written; they are equal for an
+ * update in place (cuda), distinct on cuda-sim, whose host API snapshots
+ * the inputs so that every written buffer is a checked output. */
+struct ej_optim_tensor {
+	const float *master_in, *s1_in, *s2_in;
+	float *master;	  /* [n] */
+	const void *grad; /* [n], dtype gdt */
+	float *s1;	  /* momentum or exp_avg [n]; SGD: NULL = no momentum */
+	float *s2;	  /* exp_avg_sq [n] (Adam) */
+	void *model;	  /* [n] model copy (dtype mdt) or NULL */
+	long long n;
+};
+
+struct ej_optim_item {
+	int tensor;
+	long long first;
+};
+
+struct ej_optim_args {
+	const struct ej_optim_tensor *t;
+	const struct ej_optim_item *items; /* [gridDim.x] */
+	long long chunk;
+	int adam; /* 0: SGD, 1: Adam/AdamW */
+	int gdt, mdt;
+	int nesterov;
+	double lr, gs, wd, mom;			     /* SGD */
+	double b1, omb1, b2, omb2, eps, l2, decay;   /* Adam */
+	double step_size, bc2_sqrt;		     /* Adam */
+};
+
+extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
+{
+	const struct ej_optim_item it = a.items[blockIdx.x];
+	const struct ej_optim_tensor T = a.t[it.tensor];
+	const long long hi =
+	    it.first + a.chunk < T.n ? it.first + a.chunk : T.n;
+	for (long long k = it.first + threadIdx.x; k < hi; k += blockDim.x) {
+		double pk = T.master_in[k];
+		double gr = a.gdt == 1
+				? (double)ej_bf2f(((const ej_bf16 *)T.grad)[k])
+				: (double)((const float *)T.grad)[k];
+		float np;
+		if (!a.adam) {
+			double gk = ej_oa(ej_om(a.gs, gr), ej_om(a.wd, pk));
+			if (T.s1) {
+				double bk = ej_oa(ej_om(a.mom, (double)T.s1_in[k]),
+						  gk);
+				T.s1[k] = (float)bk;
+				gk = a.nesterov ? ej_oa(gk, ej_om(a.mom, bk))
+						: bk;
+			}
+			np = (float)ej_os(pk, ej_om(a.lr, gk));
+		} else {
+			double gk = ej_oa(ej_om(a.gs, gr), ej_om(a.l2, pk));
+			double mk = ej_oa(ej_om(a.b1, (double)T.s1_in[k]),
+					  ej_om(a.omb1, gk));
+			double vk = ej_oa(ej_om(a.b2, (double)T.s2_in[k]),
+					  ej_om(ej_om(a.omb2, gk), gk));
+			T.s1[k] = (float)mk;
+			T.s2[k] = (float)vk;
+			double denom = ej_oa(sqrt(vk) / a.bc2_sqrt, a.eps);
+			np = (float)ej_os(ej_om(pk, a.decay),
+					  ej_om(a.step_size, mk) / denom);
+		}
+		T.master[k] = np;
+		if (T.model) {
+			if (a.mdt == 1)
+				((ej_bf16 *)T.model)[k] = ej_f2bf(np);
+			else
+				((float *)T.model)[k] = np;
+		}
+	}
+}
