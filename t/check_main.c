@@ -25,6 +25,7 @@ int main(void)
 		make_sim_suite,		  make_cuda_suite,
 		make_gpu_suite,		  make_archive_suite,
 		make_config_doc_suite,	  make_templates_suite,
+		make_eager_sim_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

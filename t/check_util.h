@@ -47,6 +47,7 @@ Suite *make_gpu_suite(void);
 Suite *make_archive_suite(void);
 Suite *make_config_doc_suite(void);
 Suite *make_templates_suite(void);
+Suite *make_eager_sim_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);

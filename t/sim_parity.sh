@@ -4,11 +4,16 @@
 # on) and must match eager execution.
 #
 # `EPJIT_DEVICE=cuda-sim epjit-train --compile --parity` for the nested and
-# root layouts x checkpointing off/on x f32/bf16; each run gets a fresh
-# kernel cache, which must then hold cuda-sim modules (proof that the
-# compiled arm ran on the simulator).  Then two training steps with
-# "device": "cuda-sim" in the config, and one with --device cuda-sim.
-# Exit 77 (SKIP) only when the trainer was not built.
+# root layouts x checkpointing off/on x f32/bf16.  Both arms' contexts are
+# on cuda-sim, so the eager ops (the eager arm, the AutoEP layer, extern
+# nodes and backward formulas) run as eager CUDA kernels too.  The f32 runs
+# share one fresh kernel cache and the bf16 runs another (an eager module
+# costs a C++ compile; the first run of each dtype builds them), which
+# must then hold cuda-sim modules (proof that the compiled arm ran on the
+# simulator).  Then two training steps with "device": "cuda-sim" in the
+# config, and one with --device cuda-sim whose counters must show eager
+# CUDA kernels and no CPU fallback but for the ops whose CUDA templates are
+# pending.  Exit 77 (SKIP) only when the trainer was not built.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
 if [ ! -x "$TRAIN" ]; then
@@ -31,7 +36,8 @@ for layout in nested root; do
 	for ckpt in "" --checkpointing; do
 		for bf16 in "" --bf16; do
 			n=$((n + 1))
-			cache="$tmp/cache-$n"
+			cache="$tmp/cache-f32"
+			[ -n "$bf16" ] && cache="$tmp/cache-bf16"
 			if ! EPJIT_DEVICE=cuda-sim EPJIT_CACHE_DIR="$cache" \
 			    "$TRAIN" --compile --parity --layout "$layout" \
 			    $ckpt $bf16 >"$tmp/log" 2>&1; then
@@ -74,4 +80,24 @@ fi
 	echo "FAIL: --device cuda-sim built no cuda-sim module"
 	exit 1
 }
+# eager ops ran as CUDA kernels; what fell back is only the pending ops
+cuda=$(awk '$1 == "kernels.eager_cuda" { print $2 }' "$tmp/log")
+if [ -z "$cuda" ] || [ "$cuda" -lt 1 ]; then
+	echo "FAIL: --device cuda-sim ran no eager CUDA kernel"
+	cat "$tmp/log"
+	exit 1
+fi
+pending="matmul linear sdpa sdpa_backward cross_entropy"
+pending="$pending cross_entropy_backward embedding embedding_backward"
+for op in $(awk '$1 ~ /^kernels\.eager_cpu_fallback\./ {
+	sub("kernels.eager_cpu_fallback.", "", $1); print $1 }' "$tmp/log"); do
+	case " $pending " in
+	*" $op "*) ;;
+	*)
+		echo "FAIL: --device cuda-sim: eager $op fell back to the CPU"
+		exit 1
+		;;
+	esac
+done
+echo "ok: --device cuda-sim: $cuda eager ops ran as CUDA kernels"
 echo "sim_parity: $n parity runs on cuda-sim passed; config and flag select it"
