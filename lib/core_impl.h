@@ -332,6 +332,30 @@ static inline ej_attrs ej_attrs_none(void)
 void ej_attrs_push_i(ej_attrs *a, int64_t v);
 void ej_attrs_push_f(ej_attrs *a, double v);
 
+/* ---- eager kernels of devices that run CUDA C ------------------------------
+ * A device whose kernels are CUDA C (cuda-sim today, the cuda device later)
+ * runs eager ops through a table indexed by op id (EJ_OP_*), installed by
+ * the layer that generates and compiles CUDA C (jit/eager_cuda.c): lib/
+ * never calls into the compiler, it only consults what was installed.
+ *
+ * An entry runs op c->op on the device: c->out[] are allocated already
+ * (contiguous, uninitialised, on the ctx's device), inputs have any
+ * strides.  A NULL entry, or an entry that cannot run a case and calls
+ * ej_eager_fallback, runs the CPU reference kernel on the same host
+ * buffers (cuda-sim memory is host memory) and is counted in
+ * kernels.eager_cpu_fallback and kernels.eager_cpu_fallback.<op>; an op
+ * that ran as CUDA kernels counts in kernels.eager_cuda.  The cpu device
+ * has no table. */
+typedef epj_status (*ej_eager_fn)(epj_ctx *ctx, ej_call *c);
+/* Installs table[EJ_OP_COUNT] (static storage; NULL uninstalls) as dev's
+ * eager kernels.  Idempotent. */
+void ej_eager_install(const ej_device *dev, const ej_eager_fn *table);
+/* The table installed for dev, or NULL. */
+const ej_eager_fn *ej_eager_table(const ej_device *dev);
+/* Runs c's CPU reference kernel and counts it as a fallback (for entries
+ * that decline a case, e.g. an integer reduction). */
+epj_status ej_eager_fallback(epj_ctx *ctx, ej_call *c);
+
 /* ---- autograd -------------------------------------------------------------
  */
 
@@ -451,6 +475,11 @@ struct epj_ctx {
 	 * kernel, copies between storage-less tensors do nothing.  Such a
 	 * model can be traced and compiled, never run. */
 	bool meta;
+	/* eager kernels on a CUDA C device (ej_eager_table): slots of
+	 * kernels.eager_cuda, kernels.eager_cpu_fallback and, created at the
+	 * first fallback of each op, kernels.eager_cpu_fallback.<op> */
+	int64_t *ctr_eager_cuda, *ctr_eager_fallback;
+	int64_t *ctr_fallback_op[EJ_OP_COUNT];
 };
 
 #endif /* EPJIT_CORE_IMPL_H */

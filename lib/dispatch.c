@@ -3,7 +3,10 @@
  *   ej_dispatch(ctx, op, inputs, attrs) =
  *       infer (validate, output meta)
  *       -> recorder installed?  hand the call to it (trace mode), done
- *       -> allocate outputs (or make views), run the CPU kernel
+ *       -> allocate outputs (or make views), run the kernel: the CPU
+ *          reference kernel, or on a device that runs CUDA C the entry of
+ *          its eager table (ej_eager_install; a missing entry falls back
+ *          to the CPU kernel and is counted)
  *       -> grad mode and an input requires grad?  record an autograd node
  *
  * Also the shared helpers of the op families declared in ops_impl.h (error
@@ -238,13 +241,15 @@ static epj_status record_node(epj_ctx *ctx, int op, epj_tensor *const *in,
 
 #define EJ_MAX_STACK_OUTS 8
 
+static epj_status run_eager(epj_ctx *ctx, const ej_op_info *info, ej_call *c);
+
 /* EPJIT_PROFILE: the kernel's wall time in microseconds, per op. */
 static epj_status profiled_kernel(epj_ctx *ctx, const ej_op_info *info,
 				  ej_call *c)
 {
 	struct timespec t0, t1;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
-	epj_status st = info->cpu_kernel(ctx, c);
+	epj_status st = run_eager(ctx, info, c);
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	if (!ctx->prof_us[c->op]) {
 		char name[96];
@@ -256,6 +261,87 @@ static epj_status profiled_kernel(epj_ctx *ctx, const ej_op_info *info,
 	*ctx->prof_us[c->op] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000 +
 				(t1.tv_nsec - t0.tv_nsec) / 1000;
 	(*ctx->prof_calls[c->op])++;
+	return st;
+}
+
+/* ---- eager kernels of CUDA C devices ----------------------------------------
+ * One installed table per device (cuda-sim, cuda): a handful of devices, a
+ * fixed array.  Installation happens at library load or engine start,
+ * before contexts run ops; the pointers are read without a lock. */
+
+#define EJ_EAGER_DEVICES 4
+
+static struct {
+	const ej_device *dev;
+	const ej_eager_fn *table;
+} eager_tables[EJ_EAGER_DEVICES];
+
+void ej_eager_install(const ej_device *dev, const ej_eager_fn *table)
+{
+	int free_slot = -1;
+	for (int i = 0; i < EJ_EAGER_DEVICES; i++) {
+		if (eager_tables[i].dev == dev) {
+			eager_tables[i].table = table;
+			return;
+		}
+		if (!eager_tables[i].dev && free_slot < 0)
+			free_slot = i;
+	}
+	EJ_ASSERT(free_slot >= 0);
+	eager_tables[free_slot].table = table;
+	eager_tables[free_slot].dev = dev;
+}
+
+const ej_eager_fn *ej_eager_table(const ej_device *dev)
+{
+	for (int i = 0; i < EJ_EAGER_DEVICES; i++)
+		if (eager_tables[i].dev == dev)
+			return eager_tables[i].table;
+	return NULL;
+}
+
+static void count_fallback(epj_ctx *ctx, int op)
+{
+	if (!ctx->ctr_eager_fallback)
+		ctx->ctr_eager_fallback =
+		    ej_counter_slot(ctx, "kernels.eager_cpu_fallback");
+	if (!ctx->ctr_fallback_op[op]) {
+		char name[96];
+		snprintf(name, sizeof name, "kernels.eager_cpu_fallback.%s",
+			 ej_ops[op].name);
+		ctx->ctr_fallback_op[op] = ej_counter_slot(ctx, name);
+	}
+	(*ctx->ctr_eager_fallback)++;
+	(*ctx->ctr_fallback_op[op])++;
+}
+
+epj_status ej_eager_fallback(epj_ctx *ctx, ej_call *c)
+{
+	count_fallback(ctx, c->op);
+	return ej_ops[c->op].cpu_kernel(ctx, c);
+}
+
+/* The op's kernel on the context's device: its eager CUDA entry where the
+ * device has a table, else the CPU reference kernel. */
+static epj_status run_eager(epj_ctx *ctx, const ej_op_info *info, ej_call *c)
+{
+	const ej_eager_fn *table = ej_eager_table(ctx->dev);
+	if (!table)
+		return info->cpu_kernel(ctx, c);
+	if (!table[c->op]) {
+		count_fallback(ctx, c->op);
+		return info->cpu_kernel(ctx, c);
+	}
+	if (!ctx->ctr_eager_cuda)
+		ctx->ctr_eager_cuda =
+		    ej_counter_slot(ctx, "kernels.eager_cuda");
+	if (!ctx->ctr_eager_fallback)
+		ctx->ctr_eager_fallback =
+		    ej_counter_slot(ctx, "kernels.eager_cpu_fallback");
+	int64_t fb = *ctx->ctr_eager_fallback;
+	epj_status st = table[c->op](ctx, c);
+	if (st == EPJ_OK && *ctx->ctr_eager_fallback == fb)
+		(*ctx->ctr_eager_cuda)++;
 	return st;
 }
 
@@ -338,7 +424,7 @@ epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 		if (ctx->profile) {
 			st = profiled_kernel(ctx, info, &c);
 		} else {
-			st = info->cpu_kernel(ctx, &c);
+			st = run_eager(ctx, info, &c);
 		}
 		if (st != EPJ_OK)
 			goto fail;

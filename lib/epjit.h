@@ -423,6 +423,9 @@ int64_t epj_engine_micro_batch_size(const epj_engine *e);
 int64_t epj_engine_grad_accum_steps(const epj_engine *e);
 int64_t epj_engine_steps_per_print(const epj_engine *e);
 int64_t epj_engine_seed(const epj_engine *e);
+/* The config's "device" ("cpu", "cuda-sim"), "" when it names none (the
+ * caller's choice, e.g. EPJIT_DEVICE, stands).  Never NULL. */
+const char *epj_engine_device(const epj_engine *e);
 int64_t epj_engine_step_count(const epj_engine *e);
 bool epj_engine_bf16(const epj_engine *e);
 /* The config's csv_monitor (DeepSpeed's monitor section): true when it is

@@ -19,6 +19,8 @@
 #include "optim_impl.h"
 #include "runtime_impl.h"
 
+#include "eager_cuda.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -218,6 +220,9 @@ static epj_status engine_setup(epj_engine *e)
 static epj_status engine_new(epj_ctx *ctx, epj_model *model,
 			     const ej_config *cfg, epj_engine **out)
 {
+	/* eager ops of a cuda-sim context run as CUDA kernels (installed at
+	 * library load too; this keeps statically linked programs honest) */
+	ej_eager_cuda_install();
 	*out = NULL;
 	if (!model)
 		return ej_error(ctx, EPJ_ERR_INVALID,
@@ -428,6 +433,11 @@ int64_t epj_engine_steps_per_print(const epj_engine *e)
 int64_t epj_engine_seed(const epj_engine *e)
 {
 	return e->cfg.seed;
+}
+
+const char *epj_engine_device(const epj_engine *e)
+{
+	return e->cfg.device;
 }
 
 int64_t epj_engine_step_count(const epj_engine *e)

@@ -120,7 +120,12 @@ static epj_tensor *copy_f32(epj_ctx *ctx, const epj_tensor *t)
 static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled,
 			  epj_tensor **ids_out, epj_tensor **labels_out)
 {
-	epj_status st = epj_ctx_new("cpu", &a->ctx);
+	/* both arms on the run's device (EPJIT_DEVICE): on cuda-sim the
+	 * eager arm, and the eager ops of the compiled one, run as CUDA
+	 * kernels */
+	const char *dev = getenv("EPJIT_DEVICE");
+	epj_status st = epj_ctx_new(
+	    dev && !strcmp(dev, "cuda-sim") ? "cuda-sim" : "cpu", &a->ctx);
 	if (st != EPJ_OK)
 		return st;
 	epj_ctx *ctx = a->ctx;

@@ -31,6 +31,7 @@ int main(void)
 	Suite *(*tmpl_suites[])(void) = {
 		make_tmpl_attention_suite,
 		make_tmpl_moe_suite,
+		make_eager_sim_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

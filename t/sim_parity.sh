@@ -4,11 +4,17 @@
 # on) and must match eager execution.
 #
 # `EPJIT_DEVICE=cuda-sim epjit-train --compile --parity` for the nested and
-# root layouts x checkpointing off/on x f32/bf16; each run gets a fresh
-# kernel cache, which must then hold cuda-sim modules (proof that the
-# compiled arm ran on the simulator).  Then two training steps with
-# "device": "cuda-sim" in the config, and one with --device cuda-sim.
-# Exit 77 (SKIP) only when the trainer was not built.
+# root layouts x checkpointing off/on x f32/bf16.  Both arms' contexts are
+# on cuda-sim, so the eager ops (the eager arm, the AutoEP layer, extern
+# nodes and backward formulas) run as eager CUDA kernels too.  The f32 runs
+# share one fresh kernel cache and the bf16 runs another (an eager module
+# costs a C++ compile; the first run of each dtype builds them), which
+# must then hold cuda-sim modules (proof that the compiled arm ran on the
+# simulator).  Then two training steps with "device": "cuda-sim" in the
+# config and one with --device cuda-sim (same shapes, same cache); the
+# counters of both must show eager CUDA kernels and no CPU fallback but for
+# the ops whose CUDA templates are pending.  Exit 77 (SKIP) only when the
+# trainer was not built.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
 if [ ! -x "$TRAIN" ]; then
@@ -31,7 +37,8 @@ for layout in nested root; do
 	for ckpt in "" --checkpointing; do
 		for bf16 in "" --bf16; do
 			n=$((n + 1))
-			cache="$tmp/cache-$n"
+			cache="$tmp/cache-f32"
+			[ -n "$bf16" ] && cache="$tmp/cache-bf16"
 			if ! EPJIT_DEVICE=cuda-sim EPJIT_CACHE_DIR="$cache" \
 			    "$TRAIN" --compile --parity --layout "$layout" \
 			    $ckpt $bf16 >"$tmp/log" 2>&1; then
@@ -49,6 +56,30 @@ for layout in nested root; do
 	done
 done
 
+# check_eager LOG WHAT: the run's counters show eager CUDA kernels, and
+# what fell back to the CPU is only the ops whose templates are pending
+check_eager() {
+	cuda=$(awk '$1 == "kernels.eager_cuda" { print $2 }' "$1")
+	if [ -z "$cuda" ] || [ "$cuda" -lt 1 ]; then
+		echo "FAIL: $2 ran no eager CUDA kernel"
+		cat "$1"
+		exit 1
+	fi
+	pending="matmul linear sdpa sdpa_backward cross_entropy"
+	pending="$pending cross_entropy_backward embedding embedding_backward"
+	for op in $(awk '$1 ~ /^kernels\.eager_cpu_fallback\./ {
+		sub("kernels.eager_cpu_fallback.", "", $1); print $1 }' "$1"); do
+		case " $pending " in
+		*" $op "*) ;;
+		*)
+			echo "FAIL: $2: eager $op fell back to the CPU"
+			exit 1
+			;;
+		esac
+	done
+	echo "ok: $2: $cuda eager ops ran as CUDA kernels"
+}
+
 cfg="$tmp/ds.json"
 cat >"$cfg" <<JSON
 {"train_micro_batch_size_per_gpu": 2, "device": "cuda-sim",
@@ -64,14 +95,16 @@ fi
 	echo "FAIL: \"device\": \"cuda-sim\" built no cuda-sim module"
 	exit 1
 }
-if ! EPJIT_CACHE_DIR="$tmp/cache-flag" "$TRAIN" --device cuda-sim --compile \
-    --steps 1 --seq 9 >"$tmp/log" 2>&1; then
+check_eager "$tmp/log" '"device": "cuda-sim"'
+# --device with the same shapes (the eager modules are in that cache now)
+cat >"$cfg" <<JSON
+{"train_micro_batch_size_per_gpu": 2, "compile": {"autoep_non_moe": true}}
+JSON
+if ! EPJIT_CACHE_DIR="$tmp/cache-cfg" "$TRAIN" --config "$cfg" \
+    --device cuda-sim --compile --steps 1 --seq 9 >"$tmp/log" 2>&1; then
 	echo "FAIL: training with --device cuda-sim"
 	cat "$tmp/log"
 	exit 1
 fi
-[ "$(modules "$tmp/cache-flag")" -ge 1 ] || {
-	echo "FAIL: --device cuda-sim built no cuda-sim module"
-	exit 1
-}
+check_eager "$tmp/log" "--device cuda-sim"
 echo "sim_parity: $n parity runs on cuda-sim passed; config and flag select it"

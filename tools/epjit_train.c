@@ -573,16 +573,44 @@ static int text_corpus(run *r, const char *path)
 	return r->corpus ? 0 : fail(r->ctx);
 }
 
+/* The device of the run's contexts: EPJIT_DEVICE (set by --device too),
+ * "cpu" when unset.  On "cuda-sim" every eager op of the run (model
+ * forward, autograd backward formulas, the AutoEP layer) runs as a CUDA
+ * kernel on the simulator, and compiled regions use the cuda-sim backend. */
+static const char *run_device(void)
+{
+	const char *d = getenv("EPJIT_DEVICE");
+	return d && !strcmp(d, "cuda-sim") ? "cuda-sim" : "cpu";
+}
+
 static int setup(run *r, const opts *o)
 {
-	if (epj_ctx_new("cpu", &r->ctx) != EPJ_OK || !r->ctx)
-		return fail_msg("cannot create a cpu context");
+	if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
+		return fail_msg("cannot create a %s context", run_device());
 	/* The run seed: --seed, else the config's.  The config is only known
 	 * after the engine has read it, so a config seed other than the
 	 * model's default means building model and engine once more. */
 	uint64_t seed = o->seed_given ? o->seed : 42;
 	if (build_model_engine(r, o, seed) != EPJ_OK)
 		return fail(r->ctx);
+	/* "device": "cuda-sim" in the config with no EPJIT_DEVICE / --device:
+	 * the run's contexts move to cuda-sim (eager ops included), so model
+	 * and engine are built once more there */
+	if (!getenv("EPJIT_DEVICE") &&
+	    !strcmp(epj_engine_device(r->engine), "cuda-sim")) {
+		setenv("EPJIT_DEVICE", "cuda-sim", 1);
+		epj_engine_free(r->engine);
+		epj_model_free(r->model);
+		epj_ctx_free(r->ctx);
+		r->engine = NULL;
+		r->model = NULL;
+		r->ctx = NULL;
+		if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
+			return fail_msg("cannot create a %s context",
+					run_device());
+		if (build_model_engine(r, o, seed) != EPJ_OK)
+			return fail(r->ctx);
+	}
 	if (!o->seed_given && (uint64_t)epj_engine_seed(r->engine) != seed) {
 		seed = (uint64_t)epj_engine_seed(r->engine);
 		epj_engine_free(r->engine);
@@ -1063,8 +1091,8 @@ static int compare_eager(run *r, const opts *o)
 	opts eo = *o;
 	eo.compile = false;
 	eo.checkpointing = o->checkpointing;
-	if (epj_ctx_new("cpu", &e.ctx) != EPJ_OK)
-		return fail_msg("cannot create a cpu context");
+	if (epj_ctx_new(run_device(), &e.ctx) != EPJ_OK)
+		return fail_msg("cannot create a %s context", run_device());
 	int rc = 0;
 	if (build_model_engine(&e, &eo, r->seed) != EPJ_OK) {
 		rc = fail(e.ctx);

@@ -1,0 +1,794 @@
+/* check_eager_sim.c -- eager ops on a cuda-sim context run as CUDA kernels
+ * (jit/eager_cuda.c through lib/dispatch.c's eager table) and match the
+ * same ops on a cpu context.
+ *
+ * Every case draws fresh random inputs on a cpu context, copies their
+ * values to a cuda-sim context (non-contiguous there where the case says
+ * so: a permuted or strided storage), runs the same function on both, and
+ * compares outputs and the gradients of sum(y * w) with the tolerances of
+ * the op tests (bit for bit where the kernels promise it).  Around the
+ * cuda-sim forward and backward it asserts that CUDA kernels ran
+ * (kernels.eager_cuda, kernels.launched.eager_cuda) and that nothing fell
+ * back to a CPU kernel (kernels.eager_cpu_fallback).  Sizes are tiny and
+ * odd (one element, one row, tails) because cuda-sim is slow; the race
+ * check and poisoned outputs are on.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include "check_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "eager_cuda.h"
+
+static const epj_dtype dtypes[3] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+				     EPJ_DTYPE_F64 };
+
+static double tol_of(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64   ? 1e-12
+	       : dt == EPJ_DTYPE_F32 ? 1e-5
+				     : 1.6e-2;
+}
+
+static epj_ctx *sim_ctx(void)
+{
+	epj_ctx *ctx = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &ctx), EPJ_OK);
+	epj_ctx_seed(ctx, tu_seed());
+	return ctx;
+}
+
+/* t's values in a new tensor of ctx (non-contiguous when nc and t has a
+ * dim), exactly. */
+static epj_tensor *copy_to(epj_ctx *ctx, const epj_tensor *t, bool nc)
+{
+	epj_tensor *r = epj_zeros(ctx, epj_tensor_dtype(t), epj_tensor_ndim(t),
+				  epj_tensor_shape(t));
+	tu_ok(ctx, r);
+	if (nc && epj_tensor_ndim(t) >= 1) {
+		epj_tensor *v = tu_noncontig(ctx, r);
+		epj_tensor_free(r);
+		r = v;
+	}
+	int64_t n = epj_tensor_numel(t);
+	for (int64_t i = 0; i < n; i++)
+		epj_tensor_set_f64(r, i, epj_tensor_get_f64(t, i));
+	return r;
+}
+
+static int64_t ctr(epj_ctx *ctx, const char *name)
+{
+	return epj_counter_get(ctx, name);
+}
+
+/* The op-by-op names of what fell back, for a failure message. */
+static void fallbacks(epj_ctx *ctx, char *buf, size_t n)
+{
+	size_t used = 0;
+	buf[0] = 0;
+	for (int op = 0; op < EJ_OP_COUNT; op++) {
+		char name[96];
+		snprintf(name, sizeof name, "kernels.eager_cpu_fallback.%s",
+			 ej_ops[op].name);
+		int64_t v = epj_counter_get(ctx, name);
+		if (v > 0 && used + 1 < n) {
+			int w = snprintf(buf + used, n - used, " %s=%lld",
+					 ej_ops[op].name, (long long)v);
+			if (w > 0)
+				used += (size_t)w;
+		}
+	}
+}
+
+typedef struct snap {
+	int64_t cuda, launches, fallback;
+} snap;
+
+static snap take(epj_ctx *ctx)
+{
+	snap s = { ctr(ctx, "kernels.eager_cuda"),
+		   ctr(ctx, "kernels.launched.eager_cuda"),
+		   ctr(ctx, "kernels.eager_cpu_fallback") };
+	return s;
+}
+
+/* Since s: CUDA kernels ran and no op fell back to the CPU. */
+static void assert_cuda_since(epj_ctx *ctx, snap s, const char *what)
+{
+	snap n = take(ctx);
+	char fb[512];
+	fallbacks(ctx, fb, sizeof fb);
+	ck_assert_msg(n.fallback == s.fallback,
+		      "%s: %lld op(s) fell back to the CPU kernels:%s", what,
+		      (long long)(n.fallback - s.fallback), fb);
+	ck_assert_msg(n.cuda > s.cuda && n.launches > s.launches,
+		      "%s: no eager CUDA kernel ran (%lld ops, %lld launches)",
+		      what, (long long)(n.cuda - s.cuda),
+		      (long long)(n.launches - s.launches));
+}
+
+typedef epj_tensor *(*efn)(epj_ctx *ctx, epj_tensor *const *in, int arg);
+
+/* fn(in) on cpu and on cuda-sim (inputs copied; input i non-contiguous on
+ * cuda-sim when bit i of nc is set), outputs compared; with grad, the
+ * gradients of sum(y * w) of the float inputs too. */
+static void check_case(epj_ctx *cpu, epj_ctx *sim, efn fn, int arg,
+		       epj_tensor *const *in, int n_in, unsigned nc, bool grad,
+		       double tol, const char *what)
+{
+	epj_tensor *si[8];
+	ck_assert(n_in <= 8);
+	for (int i = 0; i < n_in; i++) {
+		si[i] = copy_to(sim, in[i], (nc >> i) & 1u);
+		bool fl = epj_dtype_is_float(epj_tensor_dtype(in[i]));
+		epj_tensor_set_requires_grad(in[i], grad && fl);
+		epj_tensor_set_requires_grad(si[i], grad && fl);
+	}
+	epj_tensor *yc = fn(cpu, in, arg);
+	tu_ok(cpu, yc);
+	snap s0 = take(sim);
+	epj_tensor *ys = fn(sim, si, arg);
+	tu_ok(sim, ys);
+	char buf[160];
+	snprintf(buf, sizeof buf, "%s forward", what);
+	assert_cuda_since(sim, s0, buf);
+	tu_assert_tensors_close(cpu, ys, yc, tol, tol, buf);
+	if (grad && epj_dtype_is_float(epj_tensor_dtype(yc))) {
+		epj_tensor *w =
+		    tu_randn(cpu, epj_tensor_dtype(yc), epj_tensor_ndim(yc),
+			     epj_tensor_shape(yc));
+		epj_tensor *ws = copy_to(sim, w, false);
+		epj_tensor *mc = epj_mul(cpu, yc, w);
+		epj_tensor *lc = epj_sum_all(cpu, mc);
+		tu_ok(cpu, lc);
+		ck_assert_msg(epj_backward(cpu, lc, NULL) == EPJ_OK, "%s",
+			      epj_ctx_error(cpu));
+		epj_tensor *m = epj_mul(sim, ys, ws);
+		epj_tensor *ls = epj_sum_all(sim, m);
+		tu_ok(sim, ls);
+		snap s1 = take(sim);
+		ck_assert_msg(epj_backward(sim, ls, NULL) == EPJ_OK, "%s",
+			      epj_ctx_error(sim));
+		snprintf(buf, sizeof buf, "%s backward", what);
+		assert_cuda_since(sim, s1, buf);
+		for (int i = 0; i < n_in; i++) {
+			epj_tensor *gc = epj_tensor_grad(in[i]);
+			epj_tensor *gs = epj_tensor_grad(si[i]);
+			ck_assert_msg(!gc == !gs,
+				      "%s: grad of input %d on one "
+				      "side only",
+				      what, i);
+			if (!gc)
+				continue;
+			snprintf(buf, sizeof buf, "%s grad of input %d", what,
+				 i);
+			tu_assert_tensors_close(cpu, gs, gc, tol, tol, buf);
+			epj_tensor_set_grad(in[i], NULL);
+		}
+		epj_tensor_free(m);
+		epj_tensor_free(ls);
+		epj_tensor_free(w);
+		epj_tensor_free(ws);
+		epj_tensor_free(mc);
+		epj_tensor_free(lc);
+	}
+	for (int i = 0; i < n_in; i++) {
+		epj_tensor_set_requires_grad(in[i], false);
+		epj_tensor_free(si[i]);
+	}
+	epj_tensor_free(yc);
+	epj_tensor_free(ys);
+}
+
+static epj_tensor *positive(epj_ctx *ctx, epj_dtype dt, int nd,
+			    const int64_t *shape)
+{
+	epj_tensor *r = tu_randn(ctx, dt, nd, shape);
+	int64_t n = epj_tensor_numel(r);
+	for (int64_t q = 0; q < n; q++)
+		epj_tensor_set_f64(r, q, fabs(epj_tensor_get_f64(r, q)) + 0.25);
+	return r;
+}
+
+/* ---- pointwise ------------------------------------------------------------
+ * One function per op id, all taking (x, y) and using what they need. */
+
+static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in, int op)
+{
+	epj_tensor *x = in[0], *y = in[1];
+	switch (op) {
+	case EJ_OP_ADD:
+		return epj_add(ctx, x, y);
+	case EJ_OP_SUB:
+		return epj_sub(ctx, x, y);
+	case EJ_OP_MUL:
+		return epj_mul(ctx, x, y);
+	case EJ_OP_DIV:
+		return epj_div(ctx, x, y);
+	case EJ_OP_EQ:
+		return epj_eq(ctx, x, y);
+	case EJ_OP_ADD_SCALAR:
+		return epj_add_scalar(ctx, x, 0.75);
+	case EJ_OP_MUL_SCALAR:
+		return epj_mul_scalar(ctx, x, -1.25);
+	case EJ_OP_POW_SCALAR:
+		return epj_pow_scalar(ctx, x, 3.0);
+	case EJ_OP_NEG:
+		return epj_neg(ctx, x);
+	case EJ_OP_EXP:
+		return epj_exp(ctx, x);
+	case EJ_OP_LOG:
+		return epj_log(ctx, x);
+	case EJ_OP_SQRT:
+		return epj_sqrt(ctx, x);
+	case EJ_OP_RSQRT:
+		return epj_rsqrt(ctx, x);
+	case EJ_OP_SILU:
+		return epj_silu(ctx, x);
+	case EJ_OP_SIGMOID:
+		return epj_sigmoid(ctx, x);
+	case EJ_OP_TANH:
+		return epj_tanh(ctx, x);
+	case EJ_OP_GELU:
+		return epj_gelu(ctx, x);
+	default: {
+		/* cast there and back */
+		epj_dtype dt = epj_tensor_dtype(x);
+		epj_tensor *c = epj_cast(ctx, x,
+					 dt == EPJ_DTYPE_BF16 ? EPJ_DTYPE_F32
+							      : EPJ_DTYPE_BF16);
+		epj_tensor *r = epj_cast(ctx, c, dt);
+		epj_tensor_free(c);
+		return r;
+	}
+	}
+}
+
+static const int pw_ops[] = {
+	EJ_OP_ADD,   EJ_OP_SUB,	       EJ_OP_MUL,	 EJ_OP_DIV,
+	EJ_OP_EQ,    EJ_OP_ADD_SCALAR, EJ_OP_MUL_SCALAR, EJ_OP_POW_SCALAR,
+	EJ_OP_NEG,   EJ_OP_EXP,	       EJ_OP_LOG,	 EJ_OP_SQRT,
+	EJ_OP_RSQRT, EJ_OP_SILU,       EJ_OP_SIGMOID,	 EJ_OP_TANH,
+	EJ_OP_GELU,  EJ_OP_CAST,
+};
+
+/* x [R, C] (non-contiguous on cuda-sim), y broadcast [C] or [R, 1];
+ * autograd through every differentiable op (backward formulas use the
+ * backward helpers, sum_to, mul...). */
+START_TEST(test_pointwise)
+{
+	epj_dtype dt = dtypes[_i];
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	static const int64_t xs[2][2] = { { 1, 1 }, { 3, 37 } };
+	/* one element in f32 only: every module costs a C++ compile */
+	for (int s = dt == EPJ_DTYPE_F32 ? 0 : 1; s < 2; s++) {
+		const int64_t *sh = xs[s];
+		int64_t ys[2] = { sh[0], 1 };
+		for (size_t k = 0; k < EJ_ARRAY_LEN(pw_ops); k++) {
+			int op = pw_ops[k];
+			epj_tensor *x = positive(cpu, dt, 2, sh);
+			/* y: the row broadcast for binary ops at the larger
+			 * size, [R, 1] for div, same shape otherwise */
+			epj_tensor *y = s == 1 && op != EJ_OP_DIV
+					    ? positive(cpu, dt, 1, sh + 1)
+					: s == 1 ? positive(cpu, dt, 2, ys)
+						 : positive(cpu, dt, 2, sh);
+			if (op == EJ_OP_EQ) /* some equal elements */
+				epj_tensor_set_f64(y, 0,
+						   epj_tensor_get_f64(x, 0));
+			epj_tensor *in[2] = { x, y };
+			char what[96];
+			snprintf(what, sizeof what, "%s %s [%lld,%lld]",
+				 ej_ops[op].name, epj_dtype_name(dt),
+				 (long long)sh[0], (long long)sh[1]);
+			check_case(cpu, sim, f_pointwise, op, in, 2, 1u,
+				   op != EJ_OP_EQ, tol_of(dt), what);
+			epj_tensor_free(x);
+			epj_tensor_free(y);
+		}
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* Integer pointwise ops and casts involving integers (template kernels),
+ * bit for bit. */
+static epj_tensor *f_int(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	switch (which) {
+	case 0:
+		return epj_add(ctx, in[0], in[1]);
+	case 1:
+		return epj_sub(ctx, in[0], in[1]);
+	case 2:
+		return epj_mul(ctx, in[0], in[1]);
+	case 3:
+		return epj_eq(ctx, in[0], in[1]);
+	case 4:
+		return epj_neg(ctx, in[0]);
+	case 5:
+		return epj_cast(ctx, in[0], EPJ_DTYPE_F32);
+	case 6: /* to the other integer dtype (i64 -> i32 wraps) */
+		return epj_cast(ctx, in[0],
+				epj_tensor_dtype(in[0]) == EPJ_DTYPE_I32
+				    ? EPJ_DTYPE_I64
+				    : EPJ_DTYPE_I32);
+	default:
+		return epj_cast(ctx, in[2], EPJ_DTYPE_I64);
+	}
+}
+
+START_TEST(test_int_and_casts)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t sh[2] = { 4, 9 }, bsh[1] = { 9 };
+	for (int dti = 0; dti < 2; dti++) {
+		epj_dtype dt = dti ? EPJ_DTYPE_I64 : EPJ_DTYPE_I32;
+		epj_tensor *a = epj_zeros(cpu, dt, 2, sh);
+		epj_tensor *b = epj_zeros(cpu, dt, 1, bsh);
+		for (int64_t i = 0; i < 36; i++)
+			epj_tensor_set_f64(a, i, (double)tu_randint(-50, 50));
+		for (int64_t i = 0; i < 9; i++)
+			epj_tensor_set_f64(b, i, (double)tu_randint(-3, 3));
+		epj_tensor_set_f64(b, 0, epj_tensor_get_f64(a, 0));
+		/* floats to truncate toward zero, NaN -> 0 */
+		epj_tensor *f = tu_randn(cpu, EPJ_DTYPE_F32, 2, sh);
+		for (int64_t i = 0; i < 36; i++)
+			epj_tensor_set_f64(f, i, epj_tensor_get_f64(f, i) * 40);
+		epj_tensor_set_f64(f, 1, NAN);
+		epj_tensor *in[3] = { a, b, f };
+		for (int w = 0; w < 8; w++) {
+			char what[64];
+			snprintf(what, sizeof what, "int case %d (%s)", w,
+				 epj_dtype_name(dt));
+			check_case(cpu, sim, f_int, w, in, 3, 5u, false, 0.0,
+				   what);
+		}
+		epj_tensor_free(a);
+		epj_tensor_free(b);
+		epj_tensor_free(f);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* ---- reductions and softmax -------------------------------------------- */
+
+static epj_tensor *f_reduce(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	epj_tensor *x = in[0];
+	int last = epj_tensor_ndim(x) - 1;
+	switch (which) {
+	case 0:
+		return epj_sum(ctx, x, last, true);
+	case 1:
+		return epj_sum(ctx, x, 0, false);
+	case 2:
+		return epj_mean(ctx, x, last, false);
+	case 3:
+		return epj_mean(ctx, x, 1, true);
+	case 4:
+		return epj_amax(ctx, x, last, true);
+	case 5:
+		return epj_amax(ctx, x, 0, false);
+	case 6:
+		return epj_sum_all(ctx, x);
+	case 7: {
+		/* sum_to over a leading dim and a middle one */
+		int64_t t[2] = { 1, epj_tensor_dim(x, last) };
+		return epj_sum_to(ctx, x, 2, t);
+	}
+	case 8:
+		return epj_softmax(ctx, x, last);
+	case 9:
+		return epj_log_softmax(ctx, x, last);
+	case 10:
+		return epj_softmax(ctx, x, 1);
+	default: {
+		/* max with indices: values (differentiable) plus the indices
+		 * folded in as floats so both are compared */
+		epj_tensor *v = NULL, *i = NULL;
+		if (epj_max(ctx, x, 1, false, &v, &i) != EPJ_OK)
+			return NULL;
+		epj_tensor *fi = epj_cast(ctx, i, epj_tensor_dtype(x));
+		epj_tensor *r = epj_add(ctx, v, fi);
+		epj_tensor_free(v);
+		epj_tensor_free(i);
+		epj_tensor_free(fi);
+		return r;
+	}
+	}
+}
+
+START_TEST(test_reductions)
+{
+	/* tails over three dims in every dtype; one element in f32 */
+	epj_dtype dt = _i < 3 ? dtypes[_i] : EPJ_DTYPE_F32;
+	static const int64_t shs[2][3] = { { 2, 5, 37 }, { 1, 1, 1 } };
+	const int64_t *sh = shs[_i / 3];
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	for (int w = 0; w < 12; w++) {
+		epj_tensor *x = tu_randn(cpu, dt, 3, sh);
+		if (w == 11 && sh[1] > 1) /* a tie: the first index wins */
+			epj_tensor_set_f64(x, 2 * sh[2],
+					   epj_tensor_get_f64(x, 0) + 9);
+		epj_tensor *in[1] = { x };
+		char what[64];
+		snprintf(what, sizeof what, "reduction %d %s [%lld,%lld,%lld]",
+			 w, epj_dtype_name(dt), (long long)sh[0],
+			 (long long)sh[1], (long long)sh[2]);
+		/* sums reorder: bf16 gets its usual tolerance, f32 a little
+		 * more than pointwise */
+		double tol = dt == EPJ_DTYPE_F32 ? 2e-5 : tol_of(dt);
+		check_case(cpu, sim, f_reduce, w, in, 1, w % 2 ? 1u : 0u, true,
+			   tol, what);
+		epj_tensor_free(x);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* ---- shape and movement ------------------------------------------------ */
+
+static epj_tensor *f_shape(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	epj_tensor *x = in[0], *y = in[1];
+	switch (which) {
+	case 0: /* contiguous of a non-contiguous input */
+		return epj_contiguous(ctx, x);
+	case 1: { /* reshape that has to copy */
+		int64_t s[1] = { -1 };
+		return epj_reshape(ctx, x, 1, s);
+	}
+	case 2: { /* expand materialised */
+		int64_t s[3] = { 3, epj_tensor_dim(y, 0),
+				 epj_tensor_dim(y, 1) };
+		epj_tensor *e = epj_expand(ctx, y, 3, s);
+		epj_tensor *r = epj_contiguous(ctx, e);
+		epj_tensor_free(e);
+		return r;
+	}
+	case 3: { /* cat of three along the last axis (one of them sliced) */
+		epj_tensor *s =
+		    epj_slice(ctx, x, 1, 1, epj_tensor_dim(x, 1), 2);
+		epj_tensor *t[3] = { x, s, x };
+		epj_tensor *r = epj_cat(ctx, t, 3, 1);
+		epj_tensor_free(s);
+		return r;
+	}
+	case 4: { /* cat along axis 0 */
+		epj_tensor *t[2] = { x, x };
+		return epj_cat(ctx, t, 2, 0);
+	}
+	case 5: { /* slice (its backward is slice_backward) */
+		epj_tensor *s =
+		    epj_slice(ctx, x, 1, 1, epj_tensor_dim(x, 1), 3);
+		epj_tensor *r = epj_mul_scalar(ctx, s, 2.0);
+		epj_tensor_free(s);
+		return r;
+	}
+	case 6: { /* full */
+		epj_tensor *f = epj_full(ctx, epj_tensor_dtype(x), 2,
+					 epj_tensor_shape(x), -2.5);
+		epj_tensor *r = epj_mul(ctx, x, f);
+		epj_tensor_free(f);
+		return r;
+	}
+	default: { /* a strided slice, transposed, then made contiguous */
+		epj_tensor *s =
+		    epj_slice(ctx, x, 1, 0, epj_tensor_dim(x, 1), 2);
+		epj_tensor *t = epj_transpose(ctx, s, 0, 1);
+		epj_tensor_free(s);
+		epj_tensor *r = epj_contiguous(ctx, t);
+		epj_tensor_free(t);
+		return r;
+	}
+	}
+}
+
+START_TEST(test_shape)
+{
+	epj_dtype dt = dtypes[_i];
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t sh[2] = { 3, 7 }, ysh[2] = { 1, 7 };
+	for (int w = 0; w < 8; w++) {
+		epj_tensor *x = tu_randn(cpu, dt, 2, sh);
+		epj_tensor *y = tu_randn(cpu, dt, 2, ysh);
+		epj_tensor *in[2] = { x, y };
+		char what[64];
+		snprintf(what, sizeof what, "shape case %d %s", w,
+			 epj_dtype_name(dt));
+		check_case(cpu, sim, f_shape, w, in, 2, 1u, true, tol_of(dt),
+			   what);
+		epj_tensor_free(x);
+		epj_tensor_free(y);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* ---- indexing ------------------------------------------------------------
+ * in: a [R, C], idx [n] (i64, repeats, in [0, R)), src [n, C], gidx [R, C]
+ * (i32, in [0, R)) */
+
+static epj_tensor *f_index(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	epj_tensor *a = in[0], *idx = in[1], *src = in[2], *gidx = in[3];
+	switch (which) {
+	case 0:
+		return epj_index_select(ctx, a, 0, idx);
+	case 1:
+		return epj_index_add(ctx, a, 0, idx, src);
+	case 2:
+		return epj_gather(ctx, a, 0, gidx);
+	case 3: {
+		epj_tensor *z = epj_mul_scalar(ctx, a, 0.5);
+		epj_tensor *r = epj_scatter_add(ctx, z, 0, gidx, a);
+		epj_tensor_free(z);
+		return r;
+	}
+	case 4: {
+		epj_tensor *v = NULL, *i = NULL;
+		if (epj_topk(ctx, a, 3, &v, &i) != EPJ_OK)
+			return NULL;
+		epj_tensor *fi = epj_cast(ctx, i, epj_tensor_dtype(a));
+		epj_tensor *r = epj_add(ctx, v, fi);
+		epj_tensor_free(v);
+		epj_tensor_free(i);
+		epj_tensor_free(fi);
+		return r;
+	}
+	case 5: {
+		epj_tensor *s = epj_argsort(ctx, a, 1);
+		epj_tensor *r = epj_cast(ctx, s, epj_tensor_dtype(a));
+		epj_tensor_free(s);
+		return r;
+	}
+	default: {
+		epj_tensor *s = epj_argsort(ctx, a, 0);
+		epj_tensor *r = epj_cast(ctx, s, epj_tensor_dtype(a));
+		epj_tensor_free(s);
+		return r;
+	}
+	}
+}
+
+START_TEST(test_index)
+{
+	epj_dtype dt = dtypes[_i];
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	const int64_t R = 5, C = 9, n = 7;
+	int64_t ash[2] = { R, C }, ish[1] = { n }, ssh[2] = { n, C };
+	for (int w = 0; w < 7; w++) {
+		epj_tensor *a = tu_randn(cpu, dt, 2, ash);
+		/* ties for topk and argsort (stable, lower index first) */
+		for (int64_t q = 0; q < R * C; q += 4)
+			epj_tensor_set_f64(a, q + 1, epj_tensor_get_f64(a, q));
+		epj_tensor *idx = epj_zeros(cpu, EPJ_DTYPE_I64, 1, ish);
+		for (int64_t i = 0; i < n; i++)
+			epj_tensor_set_f64(idx, i,
+					   (double)tu_randint(0, R - 1));
+		epj_tensor_set_f64(idx, n - 1, epj_tensor_get_f64(idx, 0));
+		epj_tensor *src = tu_randn(cpu, dt, 2, ssh);
+		epj_tensor *gidx = epj_zeros(cpu, EPJ_DTYPE_I32, 2, ash);
+		for (int64_t i = 0; i < R * C; i++)
+			epj_tensor_set_f64(gidx, i,
+					   (double)tu_randint(0, R - 1));
+		epj_tensor *in[4] = { a, idx, src, gidx };
+		char what[64];
+		snprintf(what, sizeof what, "index case %d %s", w,
+			 epj_dtype_name(dt));
+		/* accumulation in index order: bit for bit with the CPU */
+		double tol = w == 1 || w == 3 ? 0.0 : tol_of(dt);
+		check_case(cpu, sim, f_index, w, in, 4, w % 2 ? 0xfu : 0x5u,
+			   w <= 4, tol, what);
+		epj_tensor_free(a);
+		epj_tensor_free(idx);
+		epj_tensor_free(src);
+		epj_tensor_free(gidx);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* An out-of-range index is the CPU kernel's error, not a launch. */
+START_TEST(test_index_errors)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t ash[2] = { 3, 4 }, ish[1] = { 2 };
+	epj_tensor *a = tu_randn(cpu, EPJ_DTYPE_F32, 2, ash);
+	epj_tensor *idx = epj_zeros(cpu, EPJ_DTYPE_I64, 1, ish);
+	epj_tensor_set_f64(idx, 1, 3.0);
+	epj_tensor *as = copy_to(sim, a, false), *is = copy_to(sim, idx, false);
+	epj_tensor *rc = epj_index_select(cpu, a, 0, idx);
+	ck_assert_ptr_null(rc);
+	char want[1024];
+	snprintf(want, sizeof want, "%s", epj_ctx_error(cpu));
+	int64_t l0 = ctr(sim, "kernels.launched.eager_cuda");
+	epj_tensor *rs = epj_index_select(sim, as, 0, is);
+	ck_assert_ptr_null(rs);
+	ck_assert_int_eq(epj_ctx_status(sim), EPJ_ERR_INDEX);
+	ck_assert_str_eq(epj_ctx_error(sim), want);
+	ck_assert_int_eq(ctr(sim, "kernels.launched.eager_cuda"), l0);
+	epj_tensor_free(a);
+	epj_tensor_free(idx);
+	epj_tensor_free(as);
+	epj_tensor_free(is);
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* index_add and scatter_add add in index order: with values whose sum
+ * depends on the order (1e8, 1, -1e8 in f32), the CUDA kernel matches the
+ * CPU kernel bit for bit. */
+START_TEST(test_accumulation_order)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t ash[2] = { 2, 3 }, ish[1] = { 4 }, ssh[2] = { 4, 3 };
+	epj_tensor *a = epj_zeros(cpu, EPJ_DTYPE_F32, 2, ash);
+	epj_tensor *idx = epj_zeros(cpu, EPJ_DTYPE_I64, 1, ish);
+	epj_tensor *src = epj_zeros(cpu, EPJ_DTYPE_F32, 2, ssh);
+	static const double v[4] = { 1e8, 1.0, -1e8, 1.0 };
+	for (int i = 0; i < 4; i++) {
+		epj_tensor_set_f64(idx, i, 1.0);
+		for (int j = 0; j < 3; j++)
+			epj_tensor_set_f64(src, i * 3 + j, v[i] * (j + 1));
+	}
+	epj_tensor *in[3] = { a, idx, src };
+	epj_tensor *si[3] = { copy_to(sim, a, false), copy_to(sim, idx, false),
+			      copy_to(sim, src, false) };
+	epj_tensor *rc = epj_index_add(cpu, in[0], 0, in[1], in[2]);
+	epj_tensor *rs = epj_index_add(sim, si[0], 0, si[1], si[2]);
+	tu_ok(cpu, rc);
+	tu_ok(sim, rs);
+	for (int64_t q = 0; q < 6; q++)
+		ck_assert_msg(
+		    epj_tensor_get_f64(rs, q) == epj_tensor_get_f64(rc, q),
+		    "index_add element %lld: %.9g vs %.9g", (long long)q,
+		    epj_tensor_get_f64(rs, q), epj_tensor_get_f64(rc, q));
+	/* the order-dependent value itself: 1e8 + 1 - 1e8 + 1 in f32 */
+	ck_assert_double_eq(epj_tensor_get_f64(rs, 3), 1.0);
+	epj_tensor_free(rc);
+	epj_tensor_free(rs);
+	for (int i = 0; i < 3; i++) {
+		epj_tensor_free(in[i]);
+		epj_tensor_free(si[i]);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* A repeated eager call builds nothing: the single-op module comes from
+ * the process table (fresh inputs of the same signature, other strides). */
+START_TEST(test_module_cache)
+{
+	epj_ctx *sim = sim_ctx();
+	int64_t sh[2] = { 3, 11 };
+	epj_tensor *x = tu_randn(sim, EPJ_DTYPE_F32, 2, sh);
+	epj_tensor *y = epj_tanh(sim, x);
+	tu_ok(sim, y);
+	int n0 = ej_eager_cuda_modules();
+	int64_t b0 = ctr(sim, "codegen.eager_modules");
+	ck_assert_int_ge(n0, 1);
+	epj_tensor *x2 = tu_randn_nc(sim, EPJ_DTYPE_F32, 2, sh, true);
+	snap s = take(sim);
+	epj_tensor *y2 = epj_tanh(sim, x2);
+	tu_ok(sim, y2);
+	assert_cuda_since(sim, s, "tanh again");
+	ck_assert_int_eq(ej_eager_cuda_modules(), n0);
+	ck_assert_int_eq(ctr(sim, "codegen.eager_modules"), b0);
+	for (int64_t i = 0; i < 33; i++)
+		ck_assert_double_eq_tol(epj_tensor_get_f64(y2, i),
+					tanh(epj_tensor_get_f64(x2, i)), 1e-6);
+	/* a new shape is a new module */
+	int64_t sh3[2] = { 3, 12 };
+	epj_tensor *x3 = tu_randn(sim, EPJ_DTYPE_F32, 2, sh3);
+	epj_tensor *y3 = epj_tanh(sim, x3);
+	tu_ok(sim, y3);
+	ck_assert_int_eq(ej_eager_cuda_modules(), n0 + 1);
+	epj_tensor *t[] = { x, y, x2, y2, x3, y3 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* The cpu device has no eager table and counts nothing; an op without an
+ * entry on cuda-sim falls back to the CPU kernel, counted per op. */
+START_TEST(test_fallback_counted)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	ck_assert_ptr_null(ej_eager_table(cpu->dev));
+	ck_assert_ptr_nonnull(ej_eager_table(sim->dev));
+	int64_t a[2] = { 3, 4 }, b[2] = { 4, 5 };
+	epj_tensor *x = tu_randn(cpu, EPJ_DTYPE_F32, 2, a);
+	epj_tensor *w = tu_randn(cpu, EPJ_DTYPE_F32, 2, b);
+	epj_tensor *y = epj_matmul(cpu, x, w);
+	tu_ok(cpu, y);
+	ck_assert_int_eq(ctr(cpu, "kernels.eager_cpu_fallback"), 0);
+	ck_assert_int_eq(ctr(cpu, "kernels.eager_cuda"), 0);
+	epj_tensor *xs = copy_to(sim, x, false), *ws = copy_to(sim, w, false);
+	int64_t f0 = ctr(sim, "kernels.eager_cpu_fallback");
+	epj_tensor *ys = epj_matmul(sim, xs, ws);
+	tu_ok(sim, ys);
+	tu_assert_tensors_close(cpu, ys, y, 1e-6, 1e-6, "matmul fallback");
+	ck_assert_int_eq(ctr(sim, "kernels.eager_cpu_fallback"), f0 + 1);
+	ck_assert_int_eq(ctr(sim, "kernels.eager_cpu_fallback.matmul"), 1);
+	epj_tensor *t[] = { x, w, y, xs, ws, ys };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
+/* The gap: op ids without an eager CUDA entry.  Each must be one of the
+ * ops whose templates are separate work, so the list can only shrink; it
+ * is printed so the remaining gap is visible in the test log. */
+START_TEST(test_coverage)
+{
+	static const int pending[] = {
+		EJ_OP_MATMUL,	     EJ_OP_LINEAR,
+		EJ_OP_SDPA,	     EJ_OP_SDPA_BACKWARD,
+		EJ_OP_CROSS_ENTROPY, EJ_OP_CROSS_ENTROPY_BACKWARD,
+		EJ_OP_EMBEDDING,     EJ_OP_EMBEDDING_BACKWARD,
+	};
+	char list[1024];
+	size_t used = 0;
+	int missing = 0;
+	list[0] = 0;
+	for (int op = 0; op < EJ_OP_COUNT; op++) {
+		if (ej_eager_cuda_table[op])
+			continue;
+		bool known = false;
+		for (size_t k = 0; k < EJ_ARRAY_LEN(pending); k++)
+			known |= pending[k] == op;
+		ck_assert_msg(known,
+			      "op %s has no eager CUDA entry (and is not one "
+			      "of the ops whose templates are pending)",
+			      ej_ops[op].name);
+		int w = snprintf(list + used, sizeof list - used, " %s",
+				 ej_ops[op].name);
+		if (w > 0)
+			used += (size_t)w;
+		missing++;
+	}
+	printf("eager_sim: %d of %d ops have no eager CUDA entry:%s\n", missing,
+	       EJ_OP_COUNT, missing ? list : " (none)");
+	ck_assert_int_le(missing, (int)EJ_ARRAY_LEN(pending));
+	/* the table is what cuda-sim contexts dispatch through */
+	ck_assert_ptr_eq(ej_eager_table(&ej_device_sim), ej_eager_cuda_table);
+}
+END_TEST
+
+Suite *make_eager_sim_suite(void)
+{
+	Suite *s = suite_create("eager_sim");
+	TCase *tc = tcase_create("eager_sim");
+	tcase_set_timeout(tc, 600);
+	tcase_add_test(tc, test_coverage);
+	tcase_add_test(tc, test_fallback_counted);
+	tcase_add_test(tc, test_module_cache);
+	tcase_add_test(tc, test_index_errors);
+	tcase_add_test(tc, test_accumulation_order);
+	tcase_add_loop_test(tc, test_pointwise, 0, 3);
+	tcase_add_test(tc, test_int_and_casts);
+	tcase_add_loop_test(tc, test_reductions, 0, 4);
+	tcase_add_loop_test(tc, test_shape, 0, 3);
+	tcase_add_loop_test(tc, test_index, 0, 3);
+	suite_add_tcase(s, tc);
+	return s;
+}
