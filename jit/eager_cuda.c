@@ -39,6 +39,9 @@
 
 #include "kir.h"
 #include "tmpl.h"
+#include "tmpl_attention.h"
+#include "tmpl_gemm.h"
+#include "tmpl_moe.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -1111,9 +1114,10 @@ static epj_status eg_argsort(epj_ctx *ctx, ej_call *c)
 }
 
 /* ---- the table ----------------------------------------------------------
- * NULL rows run the CPU reference kernel (counted); their CUDA templates
- * are separate work: each is wired here by one `[EJ_OP_X] = ej_cuda_op_x,`
- * line (the adapter's header included above). */
+ * Every op has an entry: the single-op lowerings and copy/index templates
+ * of this file, and the adapters of the GEMM (jit/tmpl_gemm.c), attention
+ * (jit/tmpl_attention.c) and embedding/loss (jit/tmpl_moe.c) templates.
+ * A NULL row would run the CPU reference kernel (counted). */
 
 const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_ADD] = eg_pointwise,
@@ -1144,14 +1148,14 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_SUM_TO] = eg_sum_to,
 	[EJ_OP_SOFTMAX] = eg_softmax,
 	[EJ_OP_LOG_SOFTMAX] = eg_softmax,
-	[EJ_OP_MATMUL] = NULL,		       /* ej_cuda_op_matmul */
-	[EJ_OP_LINEAR] = NULL,		       /* ej_cuda_op_linear */
-	[EJ_OP_SDPA] = NULL,		       /* ej_cuda_op_sdpa */
-	[EJ_OP_SDPA_BACKWARD] = NULL,	       /* ej_cuda_op_sdpa_backward */
-	[EJ_OP_CROSS_ENTROPY] = NULL,	       /* ej_cuda_op_cross_entropy */
-	[EJ_OP_CROSS_ENTROPY_BACKWARD] = NULL, /* ..._cross_entropy_backward */
-	[EJ_OP_EMBEDDING] = NULL,	       /* ej_cuda_op_embedding */
-	[EJ_OP_EMBEDDING_BACKWARD] = NULL, /* ej_cuda_op_embedding_backward */
+	[EJ_OP_MATMUL] = ej_cuda_op_matmul,
+	[EJ_OP_LINEAR] = ej_cuda_op_linear,
+	[EJ_OP_SDPA] = ej_cuda_op_sdpa,
+	[EJ_OP_SDPA_BACKWARD] = ej_cuda_op_sdpa_backward,
+	[EJ_OP_CROSS_ENTROPY] = ej_cuda_op_cross_entropy,
+	[EJ_OP_CROSS_ENTROPY_BACKWARD] = ej_cuda_op_cross_entropy_backward,
+	[EJ_OP_EMBEDDING] = ej_cuda_op_embedding,
+	[EJ_OP_EMBEDDING_BACKWARD] = ej_cuda_op_embedding_backward,
 	[EJ_OP_INDEX_SELECT] = eg_index_select,
 	[EJ_OP_INDEX_ADD] = eg_index_add,
 	[EJ_OP_GATHER] = eg_gather,
