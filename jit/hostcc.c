@@ -574,8 +574,7 @@ static bool isa_runs(int isa)
 		  __builtin_cpu_supports("ssse3");
 	bool v3 = v2 && __builtin_cpu_supports("avx2") &&
 		  __builtin_cpu_supports("fma") &&
-		  __builtin_cpu_supports("bmi2") &&
-		  __builtin_cpu_supports("f16c");
+		  __builtin_cpu_supports("bmi2");
 	bool v4 = v3 && __builtin_cpu_supports("avx512f") &&
 		  __builtin_cpu_supports("avx512bw") &&
 		  __builtin_cpu_supports("avx512vl") &&
