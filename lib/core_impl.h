@@ -451,6 +451,9 @@ struct epj_ctx {
 	 * kernel, copies between storage-less tensors do nothing.  Such a
 	 * model can be traced and compiled, never run. */
 	bool meta;
+	/* EPJIT_SDPA=reference: SDPA and SDPA_BACKWARD run the reference
+	 * kernels instead of the flash ones (lib/ops_attention.c) */
+	bool sdpa_reference;
 };
 
 #endif /* EPJIT_CORE_IMPL_H */
