@@ -739,6 +739,78 @@ FL_CLONES static float fl_exp_sub_sum(float *x, int64_t n, float sub)
 	return s;
 }
 
+/* Max of x[0..n), n >= 1 (a NaN may be dropped, as by the scalar loop). */
+FL_CLONES static float fl_max(const float *x, int64_t n)
+{
+	float m = x[0];
+	int64_t j = 0;
+	if (n >= 8) {
+		fl_v8f a, v;
+		memcpy(&a, x, sizeof a);
+		for (j = 8; j + 8 <= n; j += 8) {
+			memcpy(&v, x + j, sizeof v);
+			a = (fl_v8f)(((fl_v8i)a & ~(v > a)) |
+				     ((fl_v8i)v & (v > a)));
+		}
+		for (int l = 0; l < 8; l++)
+			m = a[l] > m ? a[l] : m;
+	}
+	for (; j < n; j++)
+		m = x[j] > m ? x[j] : m;
+	return m;
+}
+
+/* dp[j] = p[j] * (dp[j] - di) for j < n. */
+FL_CLONES static void fl_dsoftmax_row(const float *p, float *dp, int64_t n,
+				      float di)
+{
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		fl_v8f a, b;
+		memcpy(&a, p + j, sizeof a);
+		memcpy(&b, dp + j, sizeof b);
+		b = a * (b - di);
+		memcpy(dp + j, &b, sizeof b);
+	}
+	for (; j < n; j++)
+		dp[j] = p[j] * (dp[j] - di);
+}
+
+/* x[j] *= a for j < n. */
+FL_CLONES static void fl_scale(float *x, int64_t n, float a)
+{
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		fl_v8f v;
+		memcpy(&v, x + j, sizeof v);
+		v = v * a;
+		memcpy(x + j, &v, sizeof v);
+	}
+	for (; j < n; j++)
+		x[j] *= a;
+}
+
+static double fl_max_f64(const double *x, int64_t n)
+{
+	double m = x[0];
+	for (int64_t j = 1; j < n; j++)
+		m = x[j] > m ? x[j] : m;
+	return m;
+}
+
+static void fl_dsoftmax_row_f64(const double *p, double *dp, int64_t n,
+				double di)
+{
+	for (int64_t j = 0; j < n; j++)
+		dp[j] = p[j] * (dp[j] - di);
+}
+
+static void fl_scale_f64(double *x, int64_t n, double a)
+{
+	for (int64_t j = 0; j < n; j++)
+		x[j] *= a;
+}
+
 static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
 {
 	double s = 0;
@@ -755,7 +827,7 @@ static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
  * by which each row's output accumulator is to be rescaled.
  * fl_probs: sc -> exp(sc - lse) (0 where masked or lse = -inf).
  * fl_dsoftmax: dp <- p * (dp - di[r]) over nr x nk (ld FK). */
-#define DEFINE_FLASH_ROWS(SFX, REAL, EXPF, EXPSUM)                             \
+#define DEFINE_FLASH_ROWS(SFX, REAL, EXPF, EXPSUM, MAX, DSOFT)                 \
 	static void fl_online_##SFX(const sdpa_dims *m, REAL *sc, int64_t nr,  \
 				    int64_t nk, int64_t i0, int64_t j0,        \
 				    REAL *mx, REAL *l, REAL *alpha)            \
@@ -769,9 +841,7 @@ static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
 				alpha[r] = 1;                                  \
 				continue;                                      \
 			}                                                      \
-			REAL tm = row[0];                                      \
-			for (int64_t j = 1; j < je; j++)                       \
-				tm = row[j] > tm ? row[j] : tm;                \
+			REAL tm = MAX(row, je);                                \
 			REAL mn = tm > mx[r] ? tm : mx[r];                     \
 			alpha[r] = EXPF(mx[r] - mn);                           \
 			REAL sum = EXPSUM(row, je, mn);                        \
@@ -800,13 +870,12 @@ static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
 				      int64_t nk, const REAL *di)              \
 	{                                                                      \
 		for (int64_t r = 0; r < nr; r++)                               \
-			for (int64_t j = 0; j < nk; j++)                       \
-				dp[r * FK + j] =                               \
-				    p[r * FK + j] * (dp[r * FK + j] - di[r]);  \
+			DSOFT(p + r * FK, dp + r * FK, nk, di[r]);             \
 	}
 
-DEFINE_FLASH_ROWS(f32, float, expf, fl_exp_sub_sum)
-DEFINE_FLASH_ROWS(f64, double, exp, fl_exp_sub_sum_f64)
+DEFINE_FLASH_ROWS(f32, float, expf, fl_exp_sub_sum, fl_max, fl_dsoftmax_row)
+DEFINE_FLASH_ROWS(f64, double, exp, fl_exp_sub_sum_f64, fl_max_f64,
+		  fl_dsoftmax_row_f64)
 #undef DEFINE_FLASH_ROWS
 
 /* Per-thread scratch of the flash forward: scores [FQ, FK], the output
@@ -854,14 +923,12 @@ static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 				      (float *)mx, (float *)l, (float *)al);
 		/* O = alpha O + P V */
 		for (int64_t r = 0; r < nr; r++) {
-			for (int64_t e = 0; e < m->dv; e++) {
-				if (f64)
-					((double *)acc)[r * dv + e] *=
-					    ((double *)al)[r];
-				else
-					((float *)acc)[r * dv + e] *=
-					    ((float *)al)[r];
-			}
+			if (f64)
+				fl_scale_f64((double *)acc + r * dv, m->dv,
+					     ((double *)al)[r]);
+			else
+				fl_scale((float *)acc + r * dv, m->dv,
+					 ((float *)al)[r]);
 		}
 		ej_linalg_gemm(cdt, false, w->v.trans, nr, m->dv, nk, 1.0, sc,
 			       FK, w->v.base + operand_at(&w->v, b, g, j0) * es,
