@@ -679,7 +679,7 @@ typedef float fl_v8f __attribute__((vector_size(32)));
 typedef int32_t fl_v8i __attribute__((vector_size(32)));
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
-#define FL_CLONES __attribute__((target_clones("avx2,fma", "default")))
+#define FL_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define FL_CLONES
 #endif
