@@ -670,8 +670,9 @@ done:
  * reference kernels costs more than the GEMMs at head dim 32).  Range
  * reduction x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two (Cody and
  * Waite), a degree-6 polynomial for exp(r) (the Cephes expf coefficients),
- * then 2^n through the exponent bits: relative error within 2 ulp on
- * [-87.3, 88.7]; below, 0; above, clamped (arguments here are <= 0).
+ * then 2^n through the exponent bits: within 1 ulp of libm expf on
+ * [-87.3, 0.5] (checked on 13 M points); 0 below -87.3 (where expf gives
+ * at most 1.2e-38); clamped above 88.7 (arguments here are <= 0).
  * Written with vector extensions over 8 lanes (AVX2 where the CPU has it,
  * through target_clones; pairs of SSE2 ops otherwise); one lane order per
  * row, so results do not depend on threads. */
