@@ -263,6 +263,17 @@ static int bench(epj_ctx *ctx, const bopts *o)
 	printf("| AutoEP replay calls / step     | %12.0f |\n",
 	       (double)epj_counters_value(dc, "autoep.calls.replay") /
 		   (double)o->steps);
+	/* EPJIT_PROFILE=1: the attention kernels' share (EPJIT_SDPA picks
+	 * them) */
+	if (epj_counters_value(dc, "profile.sdpa.calls") > 0) {
+		printf("| sdpa kernel / step (ms)        | %12.1f |\n",
+		       (double)epj_counters_value(dc, "profile.sdpa.us") / 1e3 /
+			   (double)o->steps);
+		printf(
+		    "| sdpa_backward kernel / step (ms) | %10.1f |\n",
+		    (double)epj_counters_value(dc, "profile.sdpa_backward.us") /
+			1e3 / (double)o->steps);
+	}
 	rc = 0;
 	goto out;
 err:

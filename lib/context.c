@@ -57,6 +57,18 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	    ej_counter_slot(ctx, "kernels.launched.eager");
 	const char *prof = getenv("EPJIT_PROFILE");
 	ctx->profile = prof && *prof && strcmp(prof, "0") != 0;
+	const char *sdpa = getenv("EPJIT_SDPA");
+	if (sdpa && *sdpa && strcmp(sdpa, "flash") != 0) {
+		if (strcmp(sdpa, "reference") != 0) {
+			epj_log_msg(EPJ_LOG_ERROR,
+				    "EPJIT_SDPA=\"%s\": unknown attention "
+				    "kernel (known: flash, reference)",
+				    sdpa);
+			epj_ctx_free(ctx);
+			return EPJ_ERR_INVALID;
+		}
+		ctx->sdpa_reference = true;
+	}
 	*out = ctx;
 	return EPJ_OK;
 }

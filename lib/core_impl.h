@@ -480,6 +480,9 @@ struct epj_ctx {
 	 * first fallback of each op, kernels.eager_cpu_fallback.<op> */
 	int64_t *ctr_eager_cuda, *ctr_eager_fallback;
 	int64_t *ctr_fallback_op[EJ_OP_COUNT];
+	/* EPJIT_SDPA=reference: SDPA and SDPA_BACKWARD run the reference
+	 * kernels instead of the flash ones (lib/ops_attention.c) */
+	bool sdpa_reference;
 };
 
 #endif /* EPJIT_CORE_IMPL_H */

@@ -304,7 +304,7 @@ static void sdpa_fw_block(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 		       0.0, op, max1(m->dv));
 }
 
-epj_status ej_kernel_SDPA(epj_ctx *ctx, const ej_call *c)
+static epj_status sdpa_fw_reference(epj_ctx *ctx, const ej_call *c)
 {
 	sdpa_run w = { 0 };
 	epj_status s = sdpa_check(ctx, c, 0, &w.m);
@@ -531,7 +531,7 @@ static void sum_groups(epj_dtype cdt, const char *src, char *dst,
 	}
 }
 
-epj_status ej_kernel_SDPA_BACKWARD(epj_ctx *ctx, const ej_call *c)
+static epj_status sdpa_bw_reference(epj_ctx *ctx, const ej_call *c)
 {
 	sdpa_run w = { 0 };
 	epj_status s = sdpa_check(ctx, c, 1, &w.m);
@@ -636,6 +636,585 @@ done:
 	free(acc);
 	free(part);
 	return s;
+}
+
+/* ---- flash kernels ---------------------------------------------------------
+ * The default SDPA and SDPA_BACKWARD kernels: query tiles of FQ rows x key
+ * tiles of FK keys, so nothing larger than an FQ x FK tile of scores exists.
+ * Key tiles entirely above the causal diagonal are never visited; rows of a
+ * tile that straddles it are masked per element.
+ *
+ * Forward, per (b, query head h, query tile): for each key tile in order,
+ *   S = scale Q K^T (GEMM), m' = max(m, rowmax S), alpha = exp(m - m'),
+ *   P = exp(S - m'), l = alpha l + rowsum P, O = alpha O + P V (GEMM),
+ * with m, l per row in f32 (f64 for f64); at the end O /= l and
+ * lse = m + log l (-inf and O = 0 for a row that sees no key).
+ *
+ * Backward, per (b, kv head g): Di = rowsum(dO * O) for the rep = Hq / Hkv
+ * query heads of the group, then for each key tile j in order, each query
+ * head h = g * rep + r of the group in order, each query tile i that sees
+ * a key of tile j in order: P = exp(scale Q_i K_j^T - lse_i) (recomputed),
+ *   dV_j += P^T dO_i, dP = dO_i V_j^T, dS = P * (dP - Di),
+ *   dK_j += scale dS^T Q_i, dQ_i += scale dS K_j.
+ * The item owns dK, dV of kv head g and dQ of the group's query heads, so
+ * k and v are never repeated per query head, no memory is written by two
+ * items and every sum runs in a fixed order: the results are the same bit
+ * for bit whatever the number of threads.  Work items run on OpenMP threads
+ * with BLAS single-threaded meanwhile, as in the reference kernels.
+ */
+
+#define FQ 64 /* queries per tile */
+#define FK 64 /* keys per tile */
+
+/* Vectorized exp for the f32 flash rows (the scalar libm expf of the
+ * reference kernels costs more than the GEMMs at head dim 32).  Range
+ * reduction x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two (Cody and
+ * Waite), a degree-6 polynomial for exp(r) (the Cephes expf coefficients),
+ * then 2^n through the exponent bits: within 1 ulp of libm expf on
+ * [-87.3, 0.5] (checked on 13 M points); 0 below -87.3 (where expf gives
+ * at most 1.2e-38); clamped above 88.7 (arguments here are <= 0).
+ * Written with vector extensions over 8 lanes (AVX2 where the CPU has it,
+ * through target_clones; pairs of SSE2 ops otherwise); one lane order per
+ * row, so results do not depend on threads. */
+typedef float fl_v8f __attribute__((vector_size(32)));
+typedef int32_t fl_v8i __attribute__((vector_size(32)));
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define FL_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FL_CLONES
+#endif
+
+/* e = exp(v - sub) over 8 lanes (statements; v, sub, e in scope). */
+#define FL_VEXP(e, v, sub)                                                     \
+	do {                                                                   \
+		fl_v8f x_ = (v) - (sub);                                       \
+		fl_v8i dead_ = x_<-87.3f, big_ = x_> 88.7f;                    \
+		fl_v8f top_ = (fl_v8f){ 0 } + 88.7f;                           \
+		x_ = (fl_v8f)(((fl_v8i)x_ & ~(dead_ | big_)) |                 \
+			      ((fl_v8i)top_ & big_));                          \
+		/* n = round(x log2 e) through the 1.5 * 2^23 shifter */       \
+		fl_v8f t_ = x_ * 1.44269504088896341f + 12582912.0f;           \
+		fl_v8f n_ = t_ - 12582912.0f;                                  \
+		fl_v8i ni_ =                                                   \
+		    (fl_v8i)t_ - (fl_v8i)((fl_v8f){ 0 } + 12582912.0f);        \
+		fl_v8f r_ = x_ - n_ * 0.693359375f;                            \
+		r_ = r_ - n_ * -2.12194440e-4f;                                \
+		fl_v8f p_ = 1.9875691500e-4f * r_ + 1.3981999507e-3f;          \
+		p_ = p_ * r_ + 8.3334519073e-3f;                               \
+		p_ = p_ * r_ + 4.1665795894e-2f;                               \
+		p_ = p_ * r_ + 1.6666665459e-1f;                               \
+		p_ = p_ * r_ + 5.0000001201e-1f;                               \
+		p_ = p_ * r_ * r_ + r_ + 1.0f;                                 \
+		(e) = p_ * (fl_v8f)((ni_ + 127) << 23);                        \
+		(e) = (fl_v8f)((fl_v8i)(e) & ~dead_);                          \
+	} while (0)
+
+/* x[j] = exp(x[j] - sub) for j < n; returns the sum of the results, added
+ * in a fixed order (8 lane sums, then the lanes in order). */
+FL_CLONES static float fl_exp_sub_sum(float *x, int64_t n, float sub)
+{
+	fl_v8f acc = { 0 }, v, e;
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		memcpy(&v, x + j, sizeof v);
+		FL_VEXP(e, v, sub);
+		memcpy(x + j, &e, sizeof e);
+		acc += e;
+	}
+	if (j < n) { /* tail: lanes past n give 0 */
+		float buf[8] = { 0 };
+		int32_t rem = (int32_t)(n - j);
+		memcpy(buf, x + j, (size_t)rem * sizeof *buf);
+		memcpy(&v, buf, sizeof v);
+		FL_VEXP(e, v, sub);
+		fl_v8i lane = { 0, 1, 2, 3, 4, 5, 6, 7 };
+		e = (fl_v8f)((fl_v8i)e & (lane < rem));
+		memcpy(buf, &e, sizeof e);
+		memcpy(x + j, buf, (size_t)rem * sizeof *buf);
+		acc += e;
+	}
+	float s = 0;
+	for (int l = 0; l < 8; l++)
+		s += acc[l];
+	return s;
+}
+
+/* Max of x[0..n), n >= 1 (a NaN may be dropped, as by the scalar loop). */
+FL_CLONES static float fl_max(const float *x, int64_t n)
+{
+	float m = x[0];
+	int64_t j = 0;
+	if (n >= 8) {
+		fl_v8f a, v;
+		memcpy(&a, x, sizeof a);
+		for (j = 8; j + 8 <= n; j += 8) {
+			memcpy(&v, x + j, sizeof v);
+			a = (fl_v8f)(((fl_v8i)a & ~(v > a)) |
+				     ((fl_v8i)v & (v > a)));
+		}
+		for (int l = 0; l < 8; l++)
+			m = a[l] > m ? a[l] : m;
+	}
+	for (; j < n; j++)
+		m = x[j] > m ? x[j] : m;
+	return m;
+}
+
+/* dp[j] = p[j] * (dp[j] - di) for j < n. */
+FL_CLONES static void fl_dsoftmax_row(const float *p, float *dp, int64_t n,
+				      float di)
+{
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		fl_v8f a, b;
+		memcpy(&a, p + j, sizeof a);
+		memcpy(&b, dp + j, sizeof b);
+		b = a * (b - di);
+		memcpy(dp + j, &b, sizeof b);
+	}
+	for (; j < n; j++)
+		dp[j] = p[j] * (dp[j] - di);
+}
+
+/* x[j] *= a for j < n. */
+FL_CLONES static void fl_scale(float *x, int64_t n, float a)
+{
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		fl_v8f v;
+		memcpy(&v, x + j, sizeof v);
+		v = v * a;
+		memcpy(x + j, &v, sizeof v);
+	}
+	for (; j < n; j++)
+		x[j] *= a;
+}
+
+static double fl_max_f64(const double *x, int64_t n)
+{
+	double m = x[0];
+	for (int64_t j = 1; j < n; j++)
+		m = x[j] > m ? x[j] : m;
+	return m;
+}
+
+static void fl_dsoftmax_row_f64(const double *p, double *dp, int64_t n,
+				double di)
+{
+	for (int64_t j = 0; j < n; j++)
+		dp[j] = p[j] * (dp[j] - di);
+}
+
+static void fl_scale_f64(double *x, int64_t n, double a)
+{
+	for (int64_t j = 0; j < n; j++)
+		x[j] *= a;
+}
+
+static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
+{
+	double s = 0;
+	for (int64_t j = 0; j < n; j++) {
+		x[j] = exp(x[j] - sub);
+		s += x[j];
+	}
+	return s;
+}
+
+/* Online-softmax update of one tile: sc [nr, FK] scaled scores of queries
+ * i0.. against keys j0..j0+nk -> probabilities relative to the new running
+ * max (0 where masked); mx, l: running max and sum per row; alpha: factor
+ * by which each row's output accumulator is to be rescaled.
+ * fl_probs: sc -> exp(sc - lse) (0 where masked or lse = -inf).
+ * fl_dsoftmax: dp <- p * (dp - di[r]) over nr x nk (ld FK). */
+#define DEFINE_FLASH_ROWS(SFX, REAL, EXPF, EXPSUM, MAX, DSOFT)                 \
+	static void fl_online_##SFX(const sdpa_dims *m, REAL *sc, int64_t nr,  \
+				    int64_t nk, int64_t i0, int64_t j0,        \
+				    REAL *mx, REAL *l, REAL *alpha)            \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			REAL *row = sc + r * FK;                               \
+			int64_t je = key_end(m, i0 + r) - j0;                  \
+			je = je > nk ? nk : je;                                \
+			if (je <= 0) { /* no key of this tile */               \
+				memset(row, 0, (size_t)nk * sizeof *row);      \
+				alpha[r] = 1;                                  \
+				continue;                                      \
+			}                                                      \
+			REAL tm = MAX(row, je);                                \
+			REAL mn = tm > mx[r] ? tm : mx[r];                     \
+			alpha[r] = EXPF(mx[r] - mn);                           \
+			REAL sum = EXPSUM(row, je, mn);                        \
+			for (int64_t j = je; j < nk; j++)                      \
+				row[j] = 0;                                    \
+			l[r] = l[r] * alpha[r] + sum;                          \
+			mx[r] = mn;                                            \
+		}                                                              \
+	}                                                                      \
+	static void fl_probs_##SFX(const sdpa_dims *m, REAL *sc, int64_t nr,   \
+				   int64_t nk, int64_t i0, int64_t j0,         \
+				   const REAL *lse)                            \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			REAL *row = sc + r * FK;                               \
+			int64_t je = key_end(m, i0 + r) - j0;                  \
+			je = je > nk ? nk : (je < 0 ? 0 : je);                 \
+			if (!isfinite(lse[r]))                                 \
+				je = 0;                                        \
+			(void)EXPSUM(row, je, lse[r]);                         \
+			for (int64_t j = je; j < nk; j++)                      \
+				row[j] = 0;                                    \
+		}                                                              \
+	}                                                                      \
+	static void fl_dsoftmax_##SFX(const REAL *p, REAL *dp, int64_t nr,     \
+				      int64_t nk, const REAL *di)              \
+	{                                                                      \
+		for (int64_t r = 0; r < nr; r++)                               \
+			DSOFT(p + r * FK, dp + r * FK, nk, di[r]);             \
+	}
+
+DEFINE_FLASH_ROWS(f32, float, expf, fl_exp_sub_sum, fl_max, fl_dsoftmax_row)
+DEFINE_FLASH_ROWS(f64, double, exp, fl_exp_sub_sum_f64, fl_max_f64,
+		  fl_dsoftmax_row_f64)
+#undef DEFINE_FLASH_ROWS
+
+/* Per-thread scratch of the flash forward: scores [FQ, FK], the output
+ * accumulator [FQ, Dv] and per-row max, sum and rescale factor [FQ]. */
+static size_t fl_fw_scratch(const sdpa_dims *m, size_t es)
+{
+	return (size_t)(FQ * FK + FQ * max1(m->dv) + 3 * FQ) * es;
+}
+
+/* Queries i0..i0+nr of head h: out rows (dtype cdt, ld Dv) into op, lse
+ * into lse (cdt). */
+static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
+		       int64_t nr, char *scr, char *op, char *lse)
+{
+	const sdpa_dims *m = &w->m;
+	epj_dtype cdt = w->cdt;
+	size_t es = w->es;
+	bool f64 = cdt == EPJ_DTYPE_F64;
+	int64_t g = h / (m->hq / m->hkv), dv = max1(m->dv);
+	int64_t se = key_end(m, i0 + nr - 1); /* keys any row can see */
+	char *sc = scr, *acc = sc + FQ * FK * es;
+	char *mx = acc + FQ * dv * es, *l = mx + FQ * es, *al = l + FQ * es;
+	memset(acc, 0, (size_t)(nr * dv) * es);
+	for (int64_t r = 0; r < nr; r++) {
+		if (f64) {
+			((double *)mx)[r] = -INFINITY;
+			((double *)l)[r] = 0;
+		} else {
+			((float *)mx)[r] = -INFINITY;
+			((float *)l)[r] = 0;
+		}
+	}
+	const char *qp = w->q.base + operand_at(&w->q, b, h, i0) * es;
+	for (int64_t j0 = 0; j0 < se; j0 += FK) {
+		int64_t nk = se - j0 < FK ? se - j0 : FK;
+		ej_linalg_gemm(cdt, w->q.trans, !w->k.trans, nr, nk, m->d,
+			       m->scale, qp, w->q.ld,
+			       w->k.base + operand_at(&w->k, b, g, j0) * es,
+			       w->k.ld, 0.0, sc, FK);
+		if (f64)
+			fl_online_f64(m, (double *)sc, nr, nk, i0, j0,
+				      (double *)mx, (double *)l, (double *)al);
+		else
+			fl_online_f32(m, (float *)sc, nr, nk, i0, j0,
+				      (float *)mx, (float *)l, (float *)al);
+		/* O = alpha O + P V */
+		for (int64_t r = 0; r < nr; r++) {
+			if (f64)
+				fl_scale_f64((double *)acc + r * dv, m->dv,
+					     ((double *)al)[r]);
+			else
+				fl_scale((float *)acc + r * dv, m->dv,
+					 ((float *)al)[r]);
+		}
+		ej_linalg_gemm(cdt, false, w->v.trans, nr, m->dv, nk, 1.0, sc,
+			       FK, w->v.base + operand_at(&w->v, b, g, j0) * es,
+			       w->v.ld, 1.0, acc, dv);
+	}
+	for (int64_t r = 0; r < nr; r++) {
+		double lr = f64 ? ((double *)l)[r] : ((float *)l)[r];
+		double mr = f64 ? ((double *)mx)[r] : ((float *)mx)[r];
+		double inv = lr > 0 ? 1.0 / lr : 0.0;
+		for (int64_t e = 0; e < m->dv; e++) {
+			if (f64)
+				((double *)op)[r * dv + e] =
+				    ((double *)acc)[r * dv + e] * inv;
+			else
+				((float *)op)[r * dv + e] =
+				    ((float *)acc)[r * dv + e] * (float)inv;
+		}
+		if (f64)
+			((double *)lse)[r] = lr > 0 ? mr + log(lr) : -INFINITY;
+		else
+			((float *)lse)[r] =
+			    lr > 0 ? (float)mr + logf((float)lr) : -INFINITY;
+	}
+}
+
+static bool sdpa_par(const sdpa_dims *m, int nthr, int64_t items)
+{
+	return nthr > 1 && items > 1 &&
+	       (double)m->b * (double)m->hq * (double)m->t * (double)m->s *
+		       (double)max1(m->d) >=
+		   ATTN_PAR_MIN_WORK;
+}
+
+static epj_status sdpa_fw_flash(epj_ctx *ctx, const ej_call *c)
+{
+	sdpa_run w = { 0 };
+	epj_status s = sdpa_check(ctx, c, 0, &w.m);
+	if (s != EPJ_OK)
+		return s;
+	const sdpa_dims *m = &w.m;
+	epj_tensor *out = c->out[0], *lse = c->out[1];
+	w.dt = out->dtype;
+	w.cdt = compute_dtype(w.dt);
+	w.es = ej_dtype_size(w.cdt);
+	int64_t ntile = (m->t + FQ - 1) / FQ, items = m->b * m->hq * ntile;
+	char *scratch = NULL;
+	if (items == 0)
+		return EPJ_OK;
+	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.q)) ||
+	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.k)) ||
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)))
+		goto done;
+	/* per thread: the tile scratch and, for bf16, an f32 output tile */
+	int nthr = ej_linalg_max_threads();
+	size_t per = fl_fw_scratch(m, w.es) + (size_t)(FQ * max1(m->dv)) * w.es;
+	scratch = malloc(per * (size_t)nthr);
+	if (!scratch) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				"out of memory for %d x %zu bytes of scratch",
+				nthr, per);
+		goto done;
+	}
+	char *obase = ej_data(out), *lbase = ej_data(lse);
+	size_t eo = ej_dtype_size(w.dt);
+	bool par = sdpa_par(m, nthr, items);
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
+	for (int64_t it = 0; it < items; it++) {
+		char *scr = scratch + per * (size_t)thread_num();
+		char *obuf = scr + fl_fw_scratch(m, w.es);
+		int64_t bh = it / ntile, i0 = (it % ntile) * FQ;
+		int64_t nr = m->t - i0 < FQ ? m->t - i0 : FQ;
+		int64_t row = bh * m->t + i0; /* first row of out and lse */
+		char *orow = obase + (size_t)(row * m->dv) * eo;
+		fl_fw_tile(&w, bh / m->hq, bh % m->hq, i0, nr, scr,
+			   w.dt == w.cdt ? orow : obuf,
+			   lbase + (size_t)row * w.es);
+		if (w.dt != w.cdt)
+			ej_linalg_store(obuf, w.cdt, orow, w.dt, nr * m->dv);
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+done:
+	sdpa_run_free(&w);
+	free(scratch);
+	return s;
+}
+
+/* Per-thread scratch of the flash backward: P and dP [FQ, FK], lse [FQ],
+ * Di [rep * T] of the group's query heads. */
+static size_t fl_bw_scratch(const sdpa_dims *m, size_t es)
+{
+	return (size_t)(2 * FQ * FK + FQ + (m->hq / m->hkv) * max1(m->t)) * es;
+}
+
+/* First query that sees key j0 (T when none does). */
+static int64_t first_query(const sdpa_dims *m, int64_t j0)
+{
+	if (!m->causal)
+		return 0;
+	int64_t i = j0 + m->t - m->s;
+	return i < 0 ? 0 : (i > m->t ? m->t : i);
+}
+
+/* One work item: batch b, kv head g.  dq [B, Hq, T, D], dk [B, Hkv, S, D],
+ * dv [B, Hkv, S, Dv] (dtype cdt, dense) get the item's rows. */
+static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
+		       int64_t g, char *scr, char *dq, char *dk, char *dv)
+{
+	const sdpa_dims *m = &w->m;
+	const operand *q = &w->q, *k = &w->k, *v = &w->v, *go = &w->go;
+	epj_dtype cdt = w->cdt;
+	size_t es = w->es;
+	bool f64 = cdt == EPJ_DTYPE_F64;
+	int64_t rep = m->hq / m->hkv, d = m->d, ldd = max1(d);
+	int64_t ndv = m->dv, ldv = max1(ndv);
+	char *p = scr, *dp = p + FQ * FK * es, *lr = dp + FQ * FK * es;
+	char *di = lr + FQ * es; /* [rep, T] */
+	char *dkg = dk + (size_t)((b * m->hkv + g) * m->s * d) * es;
+	char *dvg = dv + (size_t)((b * m->hkv + g) * m->s * ndv) * es;
+	memset(dkg, 0, (size_t)(m->s * d) * es);
+	memset(dvg, 0, (size_t)(m->s * ndv) * es);
+	for (int64_t r = 0; r < rep; r++) {
+		int64_t h = g * rep + r;
+		memset(dq + (size_t)((b * m->hq + h) * m->t * d) * es, 0,
+		       (size_t)(m->t * d) * es);
+		const char *gp = go->base + operand_at(go, b, h, 0) * es;
+		const char *op = w->o.base + operand_at(&w->o, b, h, 0) * es;
+		char *dir = di + (size_t)(r * m->t) * es;
+		if (f64)
+			rowdot_f64((const double *)gp, go->s[2], go->s[3],
+				   (const double *)op, w->o.s[2], w->o.s[3],
+				   m->t, m->dv, (double *)dir);
+		else
+			rowdot_f32((const float *)gp, go->s[2], go->s[3],
+				   (const float *)op, w->o.s[2], w->o.s[3],
+				   m->t, m->dv, (float *)dir);
+	}
+	const char *lbase = (const char *)ej_data(lse);
+	for (int64_t j0 = 0; j0 < m->s; j0 += FK) {
+		int64_t nk = m->s - j0 < FK ? m->s - j0 : FK;
+		const char *kp = k->base + operand_at(k, b, g, j0) * es;
+		const char *vp = v->base + operand_at(v, b, g, j0) * es;
+		char *dkp = dkg + (size_t)(j0 * d) * es;
+		char *dvp = dvg + (size_t)(j0 * ndv) * es;
+		int64_t ifirst = first_query(m, j0) / FQ * FQ;
+		for (int64_t r = 0; r < rep; r++) {
+			int64_t h = g * rep + r;
+			const char *lh =
+			    lbase +
+			    (b * lse->stride[0] + h * lse->stride[1]) * es;
+			for (int64_t i0 = ifirst; i0 < m->t; i0 += FQ) {
+				int64_t nr = m->t - i0 < FQ ? m->t - i0 : FQ;
+				const char *qp =
+				    q->base + operand_at(q, b, h, i0) * es;
+				const char *gp =
+				    go->base + operand_at(go, b, h, i0) * es;
+				char *dqp =
+				    dq +
+				    (size_t)(((b * m->hq + h) * m->t + i0) *
+					     d) *
+					es;
+				char *dii = di + (size_t)(r * m->t + i0) * es;
+				for (int64_t x = 0; x < nr; x++)
+					memcpy(lr + x * es,
+					       lh + (i0 + x) * lse->stride[2] *
+							es,
+					       es);
+				/* P = exp(scale Q K^T - lse) */
+				ej_linalg_gemm(cdt, q->trans, !k->trans, nr, nk,
+					       m->d, m->scale, qp, q->ld, kp,
+					       k->ld, 0.0, p, FK);
+				if (f64)
+					fl_probs_f64(m, (double *)p, nr, nk, i0,
+						     j0, (const double *)lr);
+				else
+					fl_probs_f32(m, (float *)p, nr, nk, i0,
+						     j0, (const float *)lr);
+				/* dV += P^T dO */
+				ej_linalg_gemm(cdt, true, go->trans, nk, m->dv,
+					       nr, 1.0, p, FK, gp, go->ld, 1.0,
+					       dvp, ldv);
+				/* dP = dO V^T; dS = P (dP - Di) */
+				ej_linalg_gemm(cdt, go->trans, !v->trans, nr,
+					       nk, m->dv, 1.0, gp, go->ld, vp,
+					       v->ld, 0.0, dp, FK);
+				if (f64)
+					fl_dsoftmax_f64((const double *)p,
+							(double *)dp, nr, nk,
+							(const double *)dii);
+				else
+					fl_dsoftmax_f32((const float *)p,
+							(float *)dp, nr, nk,
+							(const float *)dii);
+				/* dK += scale dS^T Q; dQ += scale dS K */
+				ej_linalg_gemm(cdt, true, q->trans, nk, m->d,
+					       nr, m->scale, dp, FK, qp, q->ld,
+					       1.0, dkp, ldd);
+				ej_linalg_gemm(cdt, false, k->trans, nr, m->d,
+					       nk, m->scale, dp, FK, kp, k->ld,
+					       1.0, dqp, ldd);
+			}
+		}
+	}
+}
+
+static epj_status sdpa_bw_flash(epj_ctx *ctx, const ej_call *c)
+{
+	sdpa_run w = { 0 };
+	epj_status s = sdpa_check(ctx, c, 1, &w.m);
+	if (s != EPJ_OK)
+		return s;
+	const sdpa_dims *m = &w.m;
+	epj_tensor *dq_t = c->out[0], *dk_t = c->out[1], *dv_t = c->out[2];
+	w.dt = dq_t->dtype;
+	w.cdt = compute_dtype(w.dt);
+	w.es = ej_dtype_size(w.cdt);
+	size_t es = w.es;
+	int64_t nq = m->b * m->hq * m->t * m->d;
+	int64_t nk = m->b * m->hkv * m->s * m->d;
+	int64_t nv = m->b * m->hkv * m->s * m->dv;
+	int64_t items = m->b * m->hkv;
+	char *scratch = NULL, *acc = NULL;
+	if (items == 0 || nq + nk + nv == 0)
+		return EPJ_OK;
+	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.go)) ||
+	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.q)) ||
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.k)) ||
+	    (s = operand_init(ctx, c, c->in[3], w.cdt, &w.v)) ||
+	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)))
+		goto done;
+	/* results go to the outputs, or to f32 accumulators for bf16 */
+	char *dq = ej_data(dq_t), *dk = ej_data(dk_t), *dv = ej_data(dv_t);
+	if (w.dt != w.cdt) {
+		acc = malloc((size_t)(nq + nk + nv + 1) * es);
+		if (!acc) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for f32 gradients");
+			goto done;
+		}
+		dq = acc;
+		dk = dq + (size_t)nq * es;
+		dv = dk + (size_t)nk * es;
+	}
+	int nthr = ej_linalg_max_threads();
+	size_t per = fl_bw_scratch(m, es);
+	scratch = malloc(per * (size_t)nthr);
+	if (!scratch) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				"out of memory for %d x %zu bytes of scratch",
+				nthr, per);
+		goto done;
+	}
+	bool par = sdpa_par(m, nthr, items);
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if (par)
+	for (int64_t it = 0; it < items; it++)
+		fl_bw_item(&w, c->in[5], it / m->hkv, it % m->hkv,
+			   scratch + per * (size_t)thread_num(), dq, dk, dv);
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+	if (acc) {
+		ej_linalg_store(dq, w.cdt, ej_data(dq_t), w.dt, nq);
+		ej_linalg_store(dk, w.cdt, ej_data(dk_t), w.dt, nk);
+		ej_linalg_store(dv, w.cdt, ej_data(dv_t), w.dt, nv);
+	}
+done:
+	sdpa_run_free(&w);
+	free(scratch);
+	free(acc);
+	return s;
+}
+
+/* EPJIT_SDPA (read when the context is made) picks the kernels: flash
+ * (default) or reference. */
+epj_status ej_kernel_SDPA(epj_ctx *ctx, const ej_call *c)
+{
+	return ctx->sdpa_reference ? sdpa_fw_reference(ctx, c)
+				   : sdpa_fw_flash(ctx, c);
+}
+
+epj_status ej_kernel_SDPA_BACKWARD(epj_ctx *ctx, const ej_call *c)
+{
+	return ctx->sdpa_reference ? sdpa_bw_reference(ctx, c)
+				   : sdpa_bw_flash(ctx, c);
 }
 
 /* ---- CROSS_ENTROPY ---------------------------------------------------------

@@ -23,6 +23,10 @@
 #include "check_util.h"
 #include "core_impl.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #define LEN(a) (sizeof(a) / sizeof((a)[0]))
 
 typedef struct cfg {
@@ -381,6 +385,8 @@ START_TEST(test_sdpa_gradcheck)
 		{ 1, 4, 2, 3, 4, 3, 2, false, 0 },
 		{ 1, 2, 1, 4, 3, 3, 3, true, 0 },   /* T > S */
 		{ 2, 2, 2, 3, 5, 2, 2, true, 0.7 }, /* T < S */
+		/* two query tiles and two key tiles of the flash kernels */
+		{ 1, 2, 1, 66, 66, 1, 1, true, 0 },
 	};
 	for (size_t i = 0; i < LEN(cfgs); i++) {
 		epj_tensor *q, *k, *v;
@@ -460,6 +466,223 @@ START_TEST(test_sdpa_errors)
 	for (size_t i = 0; i < LEN(all); i++)
 		epj_tensor_free(all[i]);
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- flash kernels against the reference kernels ---------------------------
+ * Both kernels of one context are selected through ctx->sdpa_reference
+ * (EPJIT_SDPA in the environment sets it when a context is made). */
+
+/* Runs SDPA_BACKWARD on (dout, q, k, v, out, lse): dq, dk, dv in g. */
+static void run_sdpa_bw(epj_ctx *ctx, const cfg *c, epj_tensor *dout,
+			epj_tensor *q, epj_tensor *k, epj_tensor *v,
+			epj_tensor *out, epj_tensor *lse, epj_tensor **g)
+{
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, c->causal);
+	ej_attrs_push_f(&at, cfg_scale(c));
+	epj_tensor *in[6] = { dout, q, k, v, out, lse };
+	g[0] = g[1] = g[2] = NULL;
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, 6, &at, g, 3) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+}
+
+/* out, lse, dq, dk, dv of one kernel on given inputs. */
+typedef struct sdpa_res {
+	epj_tensor *t[5];
+} sdpa_res;
+
+static sdpa_res sdpa_run_kernel(epj_ctx *ctx, const cfg *c, bool reference,
+				epj_tensor *q, epj_tensor *k, epj_tensor *v,
+				epj_tensor *dout)
+{
+	sdpa_res r;
+	bool prev = ctx->sdpa_reference;
+	ctx->sdpa_reference = reference;
+	cfg cs = *c;
+	cs.scale = cfg_scale(c);
+	run_sdpa(ctx, &cs, q, k, v, &r.t[0], &r.t[1]);
+	run_sdpa_bw(ctx, c, dout, q, k, v, r.t[0], r.t[1], r.t + 2);
+	ctx->sdpa_reference = prev;
+	return r;
+}
+
+static void sdpa_res_free(sdpa_res *r)
+{
+	for (int i = 0; i < 5; i++)
+		epj_tensor_free(r->t[i]);
+}
+
+/* Flash and reference kernels against the double reference (forward, lse,
+ * backward) and against each other. */
+static void check_flash_case(epj_ctx *ctx, const cfg *c, epj_dtype dt,
+			     const char *what)
+{
+	epj_tensor *q, *k, *v;
+	make_qkv(ctx, c, dt, &q, &k, &v);
+	int64_t os[4] = { c->b, c->hq, c->t, c->dv };
+	epj_tensor *dout = tu_randn(ctx, dt, 4, os);
+	sdpa_res fl = sdpa_run_kernel(ctx, c, false, q, k, v, dout);
+	sdpa_res rf = sdpa_run_kernel(ctx, c, true, q, k, v, dout);
+
+	double *qv = tu_values(ctx, q), *kv = tu_values(ctx, k),
+	       *vv = tu_values(ctx, v), *gv = tu_values(ctx, dout);
+	double *ro = malloc(sizeof *ro * (size_t)epj_tensor_numel(fl.t[0]));
+	double *rl = malloc(sizeof *rl * (size_t)(epj_tensor_numel(fl.t[1])));
+	double *dq = malloc(sizeof *dq * (size_t)epj_tensor_numel(q));
+	double *dk = malloc(sizeof *dk * (size_t)epj_tensor_numel(k));
+	double *dv = malloc(sizeof *dv * (size_t)epj_tensor_numel(v));
+	ref_sdpa(c, qv, kv, vv, ro, rl);
+	tol ft = fw_tol(dt), bt = bw_tol(dt);
+	double lt = dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5;
+	sdpa_res *both[2] = { &fl, &rf };
+	for (int a = 0; a < 2; a++) {
+		char w2[96];
+		snprintf(w2, sizeof w2, "%s %s", what,
+			 a ? "reference" : "flash");
+		tu_assert_close(ctx, both[a]->t[0], ro, ft.rtol, ft.atol, w2);
+		tu_assert_close(ctx, both[a]->t[1], rl, lt, lt, w2);
+		/* bf16: Di from the bf16-rounded out of this kernel */
+		double *ov =
+		    dt == EPJ_DTYPE_BF16 ? tu_values(ctx, both[a]->t[0]) : NULL;
+		ref_sdpa_backward(c, qv, kv, vv, gv, ov, dq, dk, dv);
+		tu_assert_close(ctx, both[a]->t[2], dq, bt.rtol, bt.atol, w2);
+		tu_assert_close(ctx, both[a]->t[3], dk, bt.rtol, bt.atol, w2);
+		tu_assert_close(ctx, both[a]->t[4], dv, bt.rtol, bt.atol, w2);
+		free(ov);
+	}
+	/* the two kernels agree more closely than either with the truth
+	 * (bf16 outputs may differ by one rounding) */
+	for (int i = 0; i < 5; i++) {
+		double r = dt == EPJ_DTYPE_F64	  ? 1e-11
+			   : dt == EPJ_DTYPE_BF16 ? 1.0 / 120
+						  : 2e-4;
+		tu_assert_tensors_close(ctx, fl.t[i], rf.t[i], r, r, what);
+	}
+	free(qv);
+	free(kv);
+	free(vv);
+	free(gv);
+	free(ro);
+	free(rl);
+	free(dq);
+	free(dk);
+	free(dv);
+	sdpa_res_free(&fl);
+	sdpa_res_free(&rf);
+	epj_tensor *all[] = { q, k, v, dout };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+/* T = S in 1, 7, 33, 129 (one row; tails of the 64-row query and 64-key
+ * tiles: partial first tile, two full tiles + 1), D in 8, 24, 64, heads
+ * Hq/Hkv 4/2, 6/3, 2/2, causal and not, every float dtype; plus T != S. */
+START_TEST(test_sdpa_flash_vs_reference)
+{
+	epj_ctx *ctx = tu_ctx();
+	const int64_t ts[] = { 1, 7, 33, 129 }, ds[] = { 8, 24, 64 };
+	const int64_t hs[][2] = { { 4, 2 }, { 6, 3 }, { 2, 2 } };
+	int n = 0;
+	for (size_t it = 0; it < LEN(ts); it++)
+		for (int causal = 0; causal < 2; causal++)
+			for (size_t j = 0; j < LEN(float_dtypes); j++, n++) {
+				int64_t d = ds[n % 3];
+				const int64_t *h = hs[(n / 3) % 3];
+				cfg c = { 1 + n % 2, h[0],   h[1],
+					  ts[it],    ts[it], d,
+					  d,	     causal, 0 };
+				char what[96];
+				snprintf(what, sizeof what,
+					 "flash T %lld D %lld H %lld/%lld%s %s",
+					 (long long)c.t, (long long)d,
+					 (long long)h[0], (long long)h[1],
+					 causal ? " causal" : "",
+					 epj_dtype_name(float_dtypes[j]));
+				check_flash_case(ctx, &c, float_dtypes[j],
+						 what);
+			}
+	const cfg odd[] = {
+		{ 1, 6, 3, 129, 70, 24, 8, true, 0 }, /* T > S, Dv != D */
+		{ 2, 4, 2, 33, 129, 8, 24, true, 0 }, /* T < S */
+		{ 1, 2, 1, 65, 130, 8, 8, false, 0.5 },
+	};
+	for (size_t i = 0; i < LEN(odd); i++)
+		for (size_t j = 0; j < LEN(float_dtypes); j++) {
+			char what[64];
+			snprintf(what, sizeof what, "flash odd cfg %zu %s", i,
+				 epj_dtype_name(float_dtypes[j]));
+			check_flash_case(ctx, &odd[i], float_dtypes[j], what);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The flash kernels give the same bits on 1 and 3 threads (the shapes are
+ * above the kernels' serial threshold, so 3 threads do run). */
+START_TEST(test_sdpa_flash_threads)
+{
+#ifdef _OPENMP
+	epj_ctx *ctx = tu_ctx();
+	const cfg cs[] = {
+		{ 2, 6, 3, 129, 129, 24, 24, true, 0 },
+		{ 2, 4, 2, 100, 90, 16, 8, false, 0 },
+	};
+	const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16 };
+	int prev = omp_get_max_threads();
+	for (size_t i = 0; i < LEN(cs); i++)
+		for (size_t j = 0; j < LEN(dts); j++) {
+			epj_tensor *q, *k, *v;
+			make_qkv(ctx, &cs[i], dts[j], &q, &k, &v);
+			int64_t os[4] = { cs[i].b, cs[i].hq, cs[i].t,
+					  cs[i].dv };
+			epj_tensor *dout = tu_randn(ctx, dts[j], 4, os);
+			omp_set_num_threads(1);
+			sdpa_res r1 =
+			    sdpa_run_kernel(ctx, &cs[i], false, q, k, v, dout);
+			omp_set_num_threads(3);
+			sdpa_res r3 =
+			    sdpa_run_kernel(ctx, &cs[i], false, q, k, v, dout);
+			for (int x = 0; x < 5; x++)
+				tu_assert_tensors_close(ctx, r1.t[x], r3.t[x],
+							0, 0,
+							"flash 1 vs 3 threads");
+			sdpa_res_free(&r1);
+			sdpa_res_free(&r3);
+			epj_tensor *all[] = { q, k, v, dout };
+			for (size_t x = 0; x < LEN(all); x++)
+				epj_tensor_free(all[x]);
+		}
+	omp_set_num_threads(prev);
+	epj_ctx_free(ctx);
+#endif
+}
+END_TEST
+
+/* EPJIT_SDPA picks the kernels when a context is made; a bad value is an
+ * error of epj_ctx_new. */
+START_TEST(test_sdpa_env)
+{
+	const char *old = getenv("EPJIT_SDPA");
+	char *keep = old ? strdup(old) : NULL;
+	epj_ctx *ctx = NULL;
+	setenv("EPJIT_SDPA", "reference", 1);
+	ck_assert_int_eq(epj_ctx_new("cpu", &ctx), EPJ_OK);
+	ck_assert(ctx->sdpa_reference);
+	epj_ctx_free(ctx);
+	setenv("EPJIT_SDPA", "flash", 1);
+	ck_assert_int_eq(epj_ctx_new("cpu", &ctx), EPJ_OK);
+	ck_assert(!ctx->sdpa_reference);
+	epj_ctx_free(ctx);
+	setenv("EPJIT_SDPA", "fast", 1);
+	ck_assert_int_eq(epj_ctx_new("cpu", &ctx), EPJ_ERR_INVALID);
+	ck_assert_ptr_null(ctx);
+	if (keep)
+		setenv("EPJIT_SDPA", keep, 1);
+	else
+		unsetenv("EPJIT_SDPA");
+	free(keep);
 }
 END_TEST
 
@@ -680,6 +903,9 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_gradcheck);
 	tcase_add_test(ts, test_sdpa_lse_no_grad);
 	tcase_add_test(ts, test_sdpa_errors);
+	tcase_add_test(ts, test_sdpa_flash_vs_reference);
+	tcase_add_test(ts, test_sdpa_flash_threads);
+	tcase_add_test(ts, test_sdpa_env);
 	suite_add_tcase(s, ts);
 	TCase *tc = tcase_create("cross_entropy");
 	tcase_set_timeout(tc, 30);
