@@ -110,6 +110,7 @@ typedef struct kop {
 	ej_arena *A;
 	const ej_kernel *k;
 	void *module, *fn;
+	const char *name, *cuda; /* in A: the kernel's unit, as NVRTC gets it */
 	struct kop *next;
 } kop;
 
@@ -127,6 +128,22 @@ int ej_eager_cuda_modules(void)
 	return n;
 }
 
+int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
+					 const char *cuda),
+			      void *user)
+{
+	int n = 0;
+	pthread_mutex_lock(&kop_lock);
+	for (int b = 0; b < KOP_BUCKETS; b++)
+		for (kop *e = kop_table[b]; e; e = e->next)
+			if (e->lowered && e->cuda) {
+				fn(user, e->name, e->cuda);
+				n++;
+			}
+	pthread_mutex_unlock(&kop_lock);
+	return n;
+}
+
 static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text)
 {
 	e->A = ej_arena_new();
@@ -137,6 +154,8 @@ static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text)
 	epj_hash_hex(epj_hash(text, strlen(text)), gh);
 	snprintf(name, sizeof name, "e%.16s", gh);
 	const char *cuda = ej_print_cuda(e->A, s, name);
+	e->cuda = cuda;
+	e->name = ej_arena_strdup(e->A, name);
 	static const char *const kn[] = { "epjk_0" };
 	static const char *const ty[] = { "struct ej_kargs_0" };
 	epj_status st =

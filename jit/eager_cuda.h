@@ -20,4 +20,12 @@ void ej_eager_cuda_install(void);
  * far (tests: a repeated eager call builds nothing). */
 int ej_eager_cuda_modules(void);
 
+/* Calls fn(user, name, cuda) for every single-op kernel built so far, with
+ * its CUDA C unit (the text NVRTC compiles for the cuda device; cuda-sim
+ * compiles it with the simulator header); returns how many.  fn runs
+ * under the table's lock: it must not run eager ops. */
+int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
+					 const char *cuda),
+			      void *user);
+
 #endif

@@ -19,6 +19,8 @@
 
 #include "check_util.h"
 
+#include "cc.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -673,6 +675,79 @@ END_TEST
 
 /* A repeated eager call builds nothing: the single-op module comes from
  * the process table (fresh inputs of the same signature, other strides). */
+/* The single-op kernels compile under NVRTC for sm_80, sm_90 and sm_100
+ * with an empty log: the units the eager ops built on cuda-sim (pointwise
+ * with broadcasting, casts, a row and a column reduction, softmax and
+ * log-softmax, f32, bf16 and f64) are the text the cuda device would hand
+ * NVRTC. */
+typedef struct nv_check {
+	int units, fails;
+	char first[1024];
+} nv_check;
+
+static void nvrtc_one(void *user, const char *name, const char *cuda)
+{
+	nv_check *nc = user;
+	static const char *const archs[] = { "sm_80", "sm_90", "sm_100" };
+	epj_ctx *ctx = NULL;
+	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
+		return;
+	for (int a = 0; a < 3; a++) {
+		ej_nvrtc_result r = { 0 };
+		epj_status st =
+		    ej_nvrtc_compile(ctx, cuda, name, archs[a], NULL, 0, &r);
+		if ((st != EPJ_OK || (r.log && *r.log)) && !nc->fails++)
+			snprintf(nc->first, sizeof nc->first, "%s %s: %s%s",
+				 name, archs[a],
+				 st != EPJ_OK ? epj_ctx_error(ctx) : "",
+				 r.log ? r.log : "");
+		ej_nvrtc_result_free(&r);
+	}
+	nc->units++;
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_nvrtc_units)
+{
+	int maj = 0, min = 0;
+	if (!ej_nvrtc_version(&maj, &min)) {
+		printf("test_nvrtc_units: built without NVRTC, skipped\n");
+		return;
+	}
+	epj_ctx *sim = sim_ctx();
+	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					 EPJ_DTYPE_F64 };
+	for (int d = 0; d < 3; d++) {
+		int64_t sh[2] = { 3, 13 }, row[1] = { 13 };
+		epj_tensor *x = tu_randn(sim, dts[d], 2, sh);
+		epj_tensor *b = tu_randn(sim, dts[d], 1, row);
+		epj_tensor *y[] = {
+			epj_add(sim, x, b),
+			epj_silu(sim, x),
+			epj_sum(sim, x, 1, true),
+			epj_mean(sim, x, 0, false),
+			epj_softmax(sim, x, 1),
+			epj_log_softmax(sim, x, 1),
+			epj_cast(sim, x,
+				 d == 1 ? EPJ_DTYPE_F32 : EPJ_DTYPE_BF16),
+		};
+		for (size_t i = 0; i < EJ_ARRAY_LEN(y); i++) {
+			tu_ok(sim, y[i]);
+			epj_tensor_free(y[i]);
+		}
+		epj_tensor_free(x);
+		epj_tensor_free(b);
+	}
+	nv_check nc = { 0 };
+	int n = ej_eager_cuda_each_source(nvrtc_one, &nc);
+	ck_assert_int_ge(n, 12);
+	ck_assert_int_eq(nc.units, n);
+	ck_assert_msg(nc.fails == 0, "%d NVRTC failures, first: %s", nc.fails,
+		      nc.first);
+	epj_ctx_free(sim);
+}
+END_TEST
+
 START_TEST(test_module_cache)
 {
 	epj_ctx *sim = sim_ctx();
@@ -782,6 +857,7 @@ Suite *make_eager_sim_suite(void)
 	tcase_add_test(tc, test_coverage);
 	tcase_add_test(tc, test_fallback_counted);
 	tcase_add_test(tc, test_module_cache);
+	tcase_add_test(tc, test_nvrtc_units);
 	tcase_add_test(tc, test_index_errors);
 	tcase_add_test(tc, test_accumulation_order);
 	tcase_add_loop_test(tc, test_pointwise, 0, 3);
