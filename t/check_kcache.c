@@ -1039,7 +1039,9 @@ START_TEST(test_degrade)
 	assert_hit(ctx, c, key, blob, n); /* from memory */
 
 	/* A directory where the entry file should be made. */
-	ck_assert_int_eq(mkdir(path_of("%s/v1/%.2s", dir, key2), 0700), 0);
+	/* (its fan-out directory exists when the two keys share a prefix) */
+	ck_assert(mkdir(path_of("%s/v1/%.2s", dir, key2), 0700) == 0 ||
+		  errno == EEXIST);
 	ck_assert_int_eq(mkdir(entry_path(dir, key2), 0700), 0);
 	ck_assert_int_eq(mkdir(path_of("%s/x", entry_path(dir, key2)), 0700),
 			 0);

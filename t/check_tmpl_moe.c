@@ -984,7 +984,11 @@ START_TEST(test_engine_sim)
 		double *b = tu_values(sim, epj_model_param(ms, i));
 		int64_t n = epj_tensor_numel(epj_model_param(mc, i));
 		for (int64_t k = 0; k < n; k++)
-			if (!(fabs(a[k] - b[k]) <= 1e-7 + 1e-5 * fabs(a[k])))
+			/* the arms add in different orders (GEMM, attention
+			 * and reductions on the templates): Adam's normalised
+			 * step turns a gradient's last bits near zero into up
+			 * to ~1e-4 of its lr (0.01) over 3 steps */
+			if (!(fabs(a[k] - b[k]) <= 3e-6 + 1e-5 * fabs(a[k])))
 				ck_abort_msg("parameter %d element %lld: %.9g "
 					     "on cpu, %.9g on cuda-sim",
 					     i, (long long)k, a[k], b[k]);
