@@ -50,6 +50,7 @@ static void usage(FILE *f)
 		"directory)\n"
 		"       epjit-dump [--json] --diff A B   (counter files or "
 		"dump directories)\n"
+		"       epjit-dump --help\n"
 		"Prints counters grouped (frames, graphs, graph breaks, "
 		"recompiles, compile,\n"
 		"cache, kernels, AutoEP, memory, train, other), and for a "
