@@ -21,6 +21,15 @@
  * Usage: bench-compile [--model FILE] [--model2 FILE] [--config FILE]
  *                      [--backend NAME] [--seq T] [--warmup N] [--steps N]
  *                      [--checkpointing] [--compile-only]
+ *                      [--device DEV] [--layers N] [--no-compile-cost]
+ *                      [--json FILE]
+ *
+ * --device runs both arms on another device (cuda-sim, cuda: the engine's
+ * tensors and eager ops live there too); --layers N trains the --model
+ * config cut to its first N decoder layers (the GPU benchmark's "as many
+ * layers as fit one GPU"); --no-compile-cost skips the cold/warm compile
+ * measurements; --json writes the side-by-side figures as one object.
+ * The step rows add the p95 step and p95/median of each arm.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -33,14 +42,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
 #include "epjit.h"
 
 #define PROG "bench-compile"
 
 typedef struct bopts {
-	const char *model, *model2, *config, *backend;
-	long seq, warmup, steps;
-	bool checkpointing, compile_only;
+	const char *model, *model2, *config, *backend, *device, *json;
+	long seq, warmup, steps, layers;
+	bool checkpointing, compile_only, no_cost;
 	bool
 	    child; /* --child: only measure compile_cost of --model, print it */
 } bopts;
@@ -78,6 +89,59 @@ static double median(double *v, long n)
 	double m = n % 2 ? c[n / 2] : 0.5 * (c[n / 2 - 1] + c[n / 2]);
 	free(c);
 	return m;
+}
+
+/* The nearest-rank q-quantile of v[0..n). */
+static double quantile(const double *v, long n, double q)
+{
+	double *c = malloc(sizeof *c * (size_t)n);
+	memcpy(c, v, sizeof *c * (size_t)n);
+	qsort(c, (size_t)n, sizeof *c, cmp_double);
+	long k = (long)ceil(q * (double)n) - 1;
+	double r = c[k < 0 ? 0 : k >= n ? n - 1 : k];
+	free(c);
+	return r;
+}
+
+/* A copy of the model config at path with num_hidden_layers = layers, in a
+ * temporary file whose name is returned (NULL on error, said). */
+static char *cut_model(const char *path, long layers)
+{
+	json_error_t err;
+	json_t *m = json_load_file(path, 0, &err);
+	if (!m || !json_is_object(m) ||
+	    !json_is_integer(json_object_get(m, "num_hidden_layers"))) {
+		fprintf(stderr,
+			PROG ": %s: not a model config with "
+			     "num_hidden_layers (%s)\n",
+			path, m ? "no such key" : err.text);
+		json_decref(m);
+		return NULL;
+	}
+	long have =
+	    (long)json_integer_value(json_object_get(m, "num_hidden_layers"));
+	if (layers > have) {
+		fprintf(stderr, PROG ": --layers %ld: %s has only %ld\n",
+			layers, path, have);
+		json_decref(m);
+		return NULL;
+	}
+	json_object_set_new(m, "num_hidden_layers", json_integer(layers));
+	char *out = strdup("/tmp/bench-compile-model-XXXXXX");
+	int fd = out ? mkstemp(out) : -1;
+	if (fd < 0 || json_dumpfd(m, fd, JSON_INDENT(1)) != 0) {
+		fprintf(stderr, PROG ": cannot write a model config\n");
+		if (fd >= 0) {
+			close(fd);
+			unlink(out);
+		}
+		free(out);
+		json_decref(m);
+		return NULL;
+	}
+	close(fd);
+	json_decref(m);
+	return out;
 }
 
 static int die(epj_ctx *ctx, const char *what)
@@ -124,7 +188,7 @@ static char *config_text(const bopts *o, bool compiled)
 
 static int arm_init(arm *a, const bopts *o, const char *model, bool compiled)
 {
-	if (epj_ctx_new("cpu", &a->ctx) != EPJ_OK)
+	if (epj_ctx_new(o->device, &a->ctx) != EPJ_OK)
 		return die(NULL, "context");
 	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
 			      .seed = 1234,
@@ -250,12 +314,16 @@ static void drop_cache(char *d)
 	free(d);
 }
 
+static int run(const bopts *op);
+static int arms(const bopts *op);
+
 static int parse(int argc, char **argv, bopts *o)
 {
 	*o = (bopts){ .model = "bench/configs/bench-model.json",
 		      .model2 = "bench/configs/bench-model-2l.json",
 		      .config = "bench/configs/bench-ds.json",
 		      .backend = "interpreter",
+		      .device = "cpu",
 		      .seq = 256,
 		      .warmup = 2,
 		      .steps = 6 };
@@ -267,6 +335,14 @@ static int parse(int argc, char **argv, bopts *o)
 			o->compile_only = true;
 		else if (!strcmp(a, "--child"))
 			o->child = true;
+		else if (!strcmp(a, "--no-compile-cost"))
+			o->no_cost = true;
+		else if (v && !strcmp(a, "--device"))
+			o->device = v, i++;
+		else if (v && !strcmp(a, "--json"))
+			o->json = v, i++;
+		else if (v && !strcmp(a, "--layers"))
+			o->layers = atol(v), i++;
 		else if (v && !strcmp(a, "--model"))
 			o->model = v, i++;
 		else if (v && !strcmp(a, "--model2"))
@@ -286,13 +362,14 @@ static int parse(int argc, char **argv, bopts *o)
 				"usage: " PROG " [--model F] [--model2 F] "
 				"[--config F] [--backend NAME] [--seq T] "
 				"[--warmup N] [--steps N] [--checkpointing] "
-				"[--compile-only]\n");
+				"[--compile-only] [--device DEV] [--layers N] "
+				"[--no-compile-cost] [--json FILE]\n");
 			return 2;
 		}
 	}
-	if (o->seq < 1 || o->steps < 1 || o->warmup < 1) {
-		fprintf(stderr,
-			PROG ": --seq, --steps, --warmup must be >= 1\n");
+	if (o->seq < 1 || o->steps < 1 || o->warmup < 1 || o->layers < 0) {
+		fprintf(stderr, PROG ": --seq, --steps, --warmup must be >= 1, "
+				     "--layers >= 1\n");
 		return 2;
 	}
 	return -1;
@@ -304,10 +381,29 @@ int main(int argc, char **argv)
 	int rc = parse(argc, argv, &o);
 	if (rc >= 0)
 		return rc;
-	printf(PROG ": model %s, seq %ld, backend %s, checkpointing %s, "
-		    "warmup %ld, steps %ld per arm\n",
-	       o.model, o.seq, o.backend, o.checkpointing ? "on" : "off",
-	       o.warmup, o.steps);
+	char *cut = NULL;
+	if (o.layers > 0) {
+		if (!(cut = cut_model(o.model, o.layers)))
+			return 1;
+		printf(PROG ": %s cut to %ld layers\n", o.model, o.layers);
+		o.model = cut;
+	}
+	rc = run(&o);
+	if (cut) {
+		unlink(cut);
+		free(cut);
+	}
+	return rc;
+}
+
+static int run(const bopts *op)
+{
+	bopts o = *op;
+	int rc;
+	printf(PROG ": model %s, seq %ld, device %s, backend %s, "
+		    "checkpointing %s, warmup %ld, steps %ld per arm\n",
+	       o.model, o.seq, o.device, o.backend,
+	       o.checkpointing ? "on" : "off", o.warmup, o.steps);
 	if (o.child) {
 		ccost w = { 0 };
 		if ((rc = compile_cost(&o, o.model, &w)))
@@ -316,6 +412,8 @@ int main(int argc, char **argv)
 		       w.compile_ms, w.first_extra_ms, w.disk_hits, w.misses);
 		return 0;
 	}
+	if (o.no_cost)
+		return arms(&o);
 	ccost c2 = { 0 }, c8 = { 0 };
 	char *d2 = fresh_cache();
 	rc = compile_cost(&o, o.model2, &c2);
@@ -373,7 +471,14 @@ int main(int argc, char **argv)
 	       wc, 100.0 * wc / c8.compile_ms, wf, wh, wm);
 	if (o.compile_only)
 		return 0;
+	return arms(&o);
+}
 
+/* The two arms, side by side. */
+static int arms(const bopts *op)
+{
+	bopts o = *op;
+	int rc;
 	arm e = { .name = "eager" }, c = { .name = "compiled" };
 	if ((rc = arm_init(&e, &o, o.model, false)) ||
 	    (rc = arm_init(&c, &o, o.model, true)))
@@ -410,6 +515,12 @@ int main(int argc, char **argv)
 	       cw / ew);
 	printf("%-26s %14.1f %14.1f %8.3f\n", "median step (ms, cpu)", ec, cc,
 	       cc / ec);
+	double ep = quantile(e.wall, o.steps, 0.95),
+	       cp95 = quantile(c.wall, o.steps, 0.95);
+	printf("%-26s %14.1f %14.1f %8.3f\n", "p95 step (ms, wall)", ep, cp95,
+	       cp95 / ep);
+	printf("%-26s %14.3f %14.3f\n", "p95 / median (wall)", ep / ew,
+	       cp95 / cw);
 	printf("%-26s %14.0f %14.0f %8.3f\n", "kernel launches / step", el, cl,
 	       cl / el);
 	double cg = (double)(c.compiled1 - c.compiled0) / (double)o.steps;
@@ -424,8 +535,32 @@ int main(int argc, char **argv)
 	       (double)e.mem.peak_reserved / 1048576.0,
 	       (double)c.mem.peak_reserved / 1048576.0,
 	       (double)c.mem.peak_reserved / (double)e.mem.peak_reserved);
-	printf("frames compiled in the measured window: %" PRId64 "\n",
-	       epj_counter_get(c.ctx, "frames.total") - frames0);
+	int64_t frames = epj_counter_get(c.ctx, "frames.total") - frames0;
+	printf("frames compiled in the measured window: %" PRId64 "\n", frames);
+	if (o.json) {
+		json_t *j = json_pack(
+		    "{s:s, s:s, s:s, s:i, s:i, s:b, s:{s:f, s:f, s:f, s:f, "
+		    "s:f, "
+		    "s:I, s:I}, s:{s:f, s:f, s:f, s:f, s:f, s:I, s:I, s:f}, "
+		    "s:I}",
+		    "model", o.model, "device", o.device, "backend", o.backend,
+		    "seq", (int)o.seq, "steps", (int)o.steps, "checkpointing",
+		    o.checkpointing, "eager", "wall_ms", ew, "cpu_ms", ec,
+		    "p95_ms", ep, "launches", el, "p95_over_median", ep / ew,
+		    "peak_allocated", (json_int_t)e.mem.peak_allocated,
+		    "peak_reserved", (json_int_t)e.mem.peak_reserved,
+		    "compiled", "wall_ms", cw, "cpu_ms", cc, "p95_ms", cp95,
+		    "launches", cl, "p95_over_median", cp95 / cw,
+		    "peak_allocated", (json_int_t)c.mem.peak_allocated,
+		    "peak_reserved", (json_int_t)c.mem.peak_reserved,
+		    "launches_in_regions", cg, "frames_in_window",
+		    (json_int_t)frames);
+		if (!j || json_dump_file(j, o.json, JSON_INDENT(1)) != 0) {
+			fprintf(stderr, PROG ": cannot write %s\n", o.json);
+			rc = 1;
+		}
+		json_decref(j);
+	}
 out:
 	arm_free(&e);
 	arm_free(&c);
