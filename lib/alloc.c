@@ -431,6 +431,9 @@ ej_storage *ej_storage_new_uninit(epj_ctx *ctx, size_t bytes)
 	s->data = data;
 	s->bytes = bytes;
 	s->alloc = ctx->alloc;
+	s->param = false;
+	s->f32 = NULL;
+	s->f32_epoch = 0;
 	return s;
 }
 
@@ -457,5 +460,7 @@ void ej_storage_unref(ej_storage *s)
 		return;
 	if (s->alloc)
 		ej_dealloc(s->alloc, s->data);
+	if (s->f32)
+		ej_dealloc(s->alloc, s->f32);
 	free(s);
 }

@@ -57,6 +57,9 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	    ej_counter_slot(ctx, "kernels.launched.eager");
 	const char *prof = getenv("EPJIT_PROFILE");
 	ctx->profile = prof && *prof && strcmp(prof, "0") != 0;
+	const char *wc = getenv("EPJIT_BF16_WEIGHT_CACHE");
+	ctx->no_wcache = wc && !strcmp(wc, "0");
+	ctx->wepoch = 1;
 	const char *sdpa = getenv("EPJIT_SDPA");
 	if (sdpa && *sdpa && strcmp(sdpa, "flash") != 0) {
 		if (strcmp(sdpa, "reference") != 0) {

@@ -150,9 +150,27 @@ typedef struct ej_storage {
 	void *data;
 	size_t bytes;
 	ej_allocator *alloc; /* NULL: data is not owned (external) */
+	/* bf16 parameters (lib/wcache.c): `param` marks a module parameter's
+	 * storage; f32 holds its values widened to f32 (bytes / 2 floats,
+	 * from the same allocator), valid while f32_epoch equals the
+	 * context's wepoch. */
+	bool param;
+	float *f32;
+	uint64_t f32_epoch;
 } ej_storage;
 
 ej_storage *ej_storage_new(epj_ctx *ctx, size_t bytes); /* zero-filled */
+/* lib/wcache.c: the f32 values of a bf16 parameter tensor t (element 0 of
+ * t; t's strides and shape apply), converted at most once per write epoch,
+ * or NULL when t is not a bf16 parameter on host memory, the cache is off
+ * (EPJIT_BF16_WEIGHT_CACHE=0) or memory ran out (the caller converts). */
+const float *ej_param_f32(epj_ctx *ctx, const epj_tensor *t);
+/* Marks t's storage as a parameter's (ej_module_add_param). */
+void ej_storage_mark_param(epj_tensor *t);
+/* Something may have written a parameter: every f32 view is stale. */
+void ej_params_written(epj_ctx *ctx);
+/* t (about to be written) is a parameter's: its f32 view is stale. */
+void ej_param_write(epj_ctx *ctx, const epj_tensor *t);
 ej_storage *ej_storage_new_uninit(epj_ctx *ctx, size_t bytes);
 void ej_storage_ref(ej_storage *s);
 void ej_storage_unref(ej_storage *s);
@@ -454,6 +472,11 @@ double ej_rng_normal(ej_rng *r);  /* N(0, 1), Box-Muller */
 struct epj_ctx {
 	const ej_device *dev;
 	ej_allocator *alloc;
+	/* Write epoch of parameters (lib/wcache.c): bumped by every write
+	 * that may change a parameter; f32 views of an older epoch are
+	 * stale.  Starts at 1. */
+	uint64_t wepoch;
+	bool no_wcache; /* EPJIT_BF16_WEIGHT_CACHE=0 */
 	epj_status status;
 	char errmsg[1024];
 	bool grad_enabled;

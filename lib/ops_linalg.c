@@ -163,6 +163,18 @@ epj_status ej_linalg_operand(epj_ctx *ctx, const ej_call *c,
 		memcpy(stride, t->stride, (size_t)nd * sizeof *stride);
 		return EPJ_OK;
 	}
+	/* a bf16 parameter: its f32 view, converted once (lib/wcache.c) */
+	const float *tf =
+	    cdt == EPJ_DTYPE_F32 &&
+		    ej_linalg_layout(rows, cols, t->stride[nd - 2],
+				     t->stride[nd - 1], trans, ld)
+		? ej_param_f32(ctx, t)
+		: NULL;
+	if (tf) {
+		*base = tf;
+		memcpy(stride, t->stride, (size_t)nd * sizeof *stride);
+		return EPJ_OK;
+	}
 	int64_t n = ej_numel(nd, t->shape);
 	void *buf = malloc((size_t)max1(n) * ej_dtype_size(cdt));
 	if (!buf)
@@ -579,8 +591,14 @@ epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
 	const void *pw = ej_data(w);
 	bool tw = false;
 	int64_t ldw = 0;
-	if (!(w->dtype == cdt && ej_linalg_layout(fin, fout, w->stride[1],
-						  w->stride[0], &tw, &ldw))) {
+	/* a bf16 parameter: its f32 view, converted once (lib/wcache.c) */
+	const float *wf = cdt == EPJ_DTYPE_F32 ? ej_param_f32(ctx, w) : NULL;
+	if (wf && ej_linalg_layout(fin, fout, w->stride[1], w->stride[0], &tw,
+				   &ldw)) {
+		pw = wf;
+	} else if (!(w->dtype == cdt &&
+		     ej_linalg_layout(fin, fout, w->stride[1], w->stride[0],
+				      &tw, &ldw))) {
 		owned_w = malloc((size_t)max1(fout * fin) * es);
 		if (!owned_w) {
 			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,

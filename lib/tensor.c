@@ -265,6 +265,7 @@ void *epj_tensor_data(epj_tensor *t)
 {
 	if (!t || !t->storage || !t->ctx->dev->host_visible)
 		return NULL;
+	ej_param_write(t->ctx, t); /* the caller may write through it */
 	return ej_data(t);
 }
 
@@ -508,6 +509,7 @@ epj_status epj_tensor_from_f64(epj_ctx *ctx, epj_tensor *t, const double *in)
 	epj_status st = host_view_begin(ctx, t, "tensor_from_f64", &hv);
 	if (st != EPJ_OK)
 		return st;
+	ej_param_write(t->ctx, t);
 	int64_t cs[EPJ_MAX_DIMS];
 	ej_contiguous_strides(t->ndim, t->shape, cs);
 	copy_strided(t->ndim, t->shape, hv.p, t->dtype, t->stride,
@@ -557,6 +559,7 @@ void epj_tensor_set_f64(epj_tensor *t, int64_t flat_index, double v)
 {
 	if (!t || !flat_ok(t, flat_index, "tensor_set_f64"))
 		return;
+	ej_param_write(t->ctx, t);
 	const ej_device *dev = t->ctx->dev;
 	size_t es = ej_dtype_size(t->dtype);
 	char *p = (char *)ej_data(t) + flat_offset(t, flat_index) * (int64_t)es;
@@ -630,6 +633,7 @@ epj_status epj_tensor_copy_(epj_ctx *ctx, epj_tensor *dst,
 				    : epj_tensor_describe(dst, ds, sizeof ds));
 	if (ej_numel(dst->ndim, dst->shape) == 0)
 		return EPJ_OK;
+	ej_param_write(dst->ctx, dst);
 	const ej_device *dev = dst->ctx->dev;
 
 	/* Same dtype, both dense, disjoint (or identical): one device copy.

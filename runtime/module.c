@@ -89,6 +89,7 @@ epj_tensor *ej_module_add_param(epj_module *m, const char *local, epj_tensor *t)
 {
 	if (!t)
 		return NULL;
+	ej_storage_mark_param(t); /* its bf16 f32 view: lib/wcache.c */
 	if (m->n_params == m->cap_params) {
 		int nc = m->cap_params ? m->cap_params * 2 : 4;
 		char **nn = realloc(m->param_names, sizeof *nn * (size_t)nc);

@@ -727,6 +727,9 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 				"optim step: lr %g must be finite and >= 0, "
 				"grad_scale %g finite",
 				lr, grad_scale);
+	/* the update writes the parameters: their f32 views (lib/wcache.c)
+	 * are stale from here on */
+	ej_params_written(ctx);
 	epj_status st = ej_optim_accumulate(o);
 	if (st != EPJ_OK)
 		return st;

@@ -605,6 +605,9 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 			     epj_tensor **loss)
 {
 	epj_tensor *in[2] = { input_ids, labels }, *out[2] = { 0 };
+	/* whatever ran since the last forward may have written parameters
+	 * (an optimizer, a load): their f32 views are stale (lib/wcache.c) */
+	ej_params_written(ctx);
 	if (logits)
 		*logits = NULL;
 	if (loss)
@@ -669,6 +672,8 @@ epj_status epj_model_set_param(epj_ctx *ctx, epj_model *m, int i, epj_tensor *t)
 		if (!nt)
 			return ctx->status;
 		epj_tensor_set_requires_grad(nt, true);
+		ej_storage_mark_param(nt);
+		ej_params_written(ctx);
 		owner->params[k] = nt;
 		m->params.params[i] = nt;
 		epj_tensor_free(old);

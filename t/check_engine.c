@@ -875,6 +875,132 @@ START_TEST(test_bf16_masters)
 }
 END_TEST
 
+/* The f32 view of bf16 parameters (lib/wcache.c): an engine with the view
+ * and one without (the per-call conversion) train bit for bit alike over
+ * steps that change every weight; the cached arm really reused its views
+ * (hits) and the other never filled one.  Then writes through the public
+ * writers (copy_, epj_tensor_data, set_f64) between two direct linears on
+ * a parameter must be seen by the second. */
+static double linear_max_diff(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
+{
+	epj_tensor *y = epj_linear(ctx, x, w, NULL);
+	epj_tensor *wc = epj_cast(ctx, w, EPJ_DTYPE_F32); /* not a param */
+	epj_tensor *wb = epj_cast(ctx, wc, EPJ_DTYPE_BF16);
+	epj_tensor *r = epj_linear(ctx, x, wb, NULL);
+	tu_ok(ctx, y);
+	tu_ok(ctx, r);
+	double *a = tu_values(ctx, y), *b = tu_values(ctx, r), d = 0;
+	for (int64_t k = 0; k < epj_tensor_numel(y); k++)
+		d = fmax(d, fabs(a[k] - b[k]));
+	free(a);
+	free(b);
+	epj_tensor_free(y);
+	epj_tensor_free(r);
+	epj_tensor_free(wc);
+	epj_tensor_free(wb);
+	return d;
+}
+
+START_TEST(test_bf16_weight_cache)
+{
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	const char *cfg =
+	    "{\"train_micro_batch_size_per_gpu\": 3, \"bf16\": {\"enabled\": "
+	    "true}, \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": "
+	    "0.01}}}";
+	epj_ctx *ctx[2];
+	epj_model *m[2];
+	epj_engine *e[2];
+	batches b[2];
+	snap s0[2];
+	for (int a = 0; a < 2; a++) {
+		ctx[a] = tu_ctx();
+		ctx[a]->no_wcache = a == 1;
+		m[a] = new_model(ctx[a], seed);
+		e[a] = new_engine(ctx[a], m[a], cfg);
+		ck_assert(epj_engine_bf16(e[a]));
+		batches_make(ctx[a], &b[a], 4, 3, 11, seed ^ 0x5a5a);
+		snap_take(ctx[a], m[a], &s0[a]);
+	}
+	for (int step = 0; step < 4; step++) {
+		double loss[2];
+		for (int a = 0; a < 2; a++)
+			loss[a] = train(e[a], ctx[a], b[a].ids[step],
+					b[a].labels[step], NULL);
+		ck_assert_msg(loss[0] == loss[1],
+			      "step %d: loss %.9g (cached views) vs %.9g", step,
+			      loss[0], loss[1]);
+		snap sa, sb;
+		snap_take(ctx[0], m[0], &sa);
+		snap_take(ctx[1], m[1], &sb);
+		snap_assert_equal(m[0], &sa, &sb, "cached vs per-call");
+		snap_free(&sa);
+		snap_free(&sb);
+	}
+	/* the steps changed the weights (so a stale view would show) */
+	snap s1;
+	snap_take(ctx[0], m[0], &s1);
+	int64_t changed = 0, total = 0;
+	for (int i = 0; i < s1.n; i++)
+		for (int64_t k = 0; k < s1.numel[i]; k++, total++)
+			changed += s1.v[i][k] != s0[0].v[i][k];
+	ck_assert_msg(changed > total / 2, "only %lld of %lld weights moved",
+		      (long long)changed, (long long)total);
+	snap_free(&s1);
+	int64_t fills = epj_counter_get(ctx[0], "kernels.bf16_weight_fills"),
+		hits = epj_counter_get(ctx[0], "kernels.bf16_weight_hits");
+	ck_assert_msg(fills > 0 && hits >= fills / 2,
+		      "cached arm: %lld fills, %lld hits", (long long)fills,
+		      (long long)hits);
+	ck_assert_int_eq(epj_counter_get(ctx[1], "kernels.bf16_weight_fills"),
+			 0);
+
+	/* direct linears on a parameter around writes to it */
+	epj_ctx *c = ctx[0];
+	epj_tensor *w = NULL;
+	for (int i = 0; i < epj_model_num_params(m[0]) && !w; i++)
+		if (strstr(epj_model_param_name(m[0], i), "q_proj.weight"))
+			w = epj_model_param(m[0], i);
+	ck_assert(w && epj_tensor_dtype(w) == EPJ_DTYPE_BF16);
+	int64_t xs[2] = { 5, epj_tensor_dim(w, 1) };
+	epj_tensor *x = tu_randn(c, EPJ_DTYPE_BF16, 2, xs);
+	ck_assert(linear_max_diff(c, x, w) == 0);
+	int64_t f0 = epj_counter_get(c, "kernels.bf16_weight_fills");
+	for (int how = 0; how < 3; how++) {
+		/* fill the view, then write new values into w */
+		epj_tensor *y = epj_linear(c, x, w, NULL);
+		tu_ok(c, y);
+		epj_tensor_free(y);
+		if (how == 0) {
+			epj_tensor *n =
+			    tu_randn(c, EPJ_DTYPE_BF16, epj_tensor_ndim(w),
+				     epj_tensor_shape(w));
+			ck_assert_int_eq(epj_tensor_copy_(c, w, n), EPJ_OK);
+			epj_tensor_free(n);
+		} else if (how == 1) {
+			uint16_t *d = epj_tensor_data(w);
+			for (int64_t k = 0; k < epj_tensor_numel(w); k += 3)
+				d[k] =
+				    epj_f32_to_bf16((float)tu_uniform(-1, 1));
+		} else {
+			epj_tensor_set_f64(w, 1, 3.5);
+		}
+		ck_assert_msg(linear_max_diff(c, x, w) == 0,
+			      "write %d to the parameter not seen", how);
+	}
+	ck_assert_int_ge(epj_counter_get(c, "kernels.bf16_weight_fills"),
+			 f0 + 3);
+	epj_tensor_free(x);
+	for (int a = 0; a < 2; a++) {
+		snap_free(&s0[a]);
+		batches_free(&b[a]);
+		epj_engine_free(e[a]);
+		epj_model_free(m[a]);
+		epj_ctx_free(ctx[a]);
+	}
+}
+END_TEST
+
 /* ---- checkpoint metadata and dtypes ----------------------------------------
  */
 
@@ -1162,6 +1288,7 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tc, test_config_errors);
 	tcase_add_test(tc, test_initialize_defaults);
 	tcase_add_test(tc, test_bf16_masters);
+	tcase_add_test(tc, test_bf16_weight_cache);
 	suite_add_tcase(s, tc);
 	return s;
 }
