@@ -1132,6 +1132,71 @@ static epj_status eg_argsort(epj_ctx *ctx, ej_call *c)
 			&a, sizeof a, &o, 1);
 }
 
+/* ---- GEMM_ADD: r copied into the output, then the GEMM accumulates onto
+ * it (jit/tmpl_gemm.c) ------------------------------------------------- */
+static epj_status eg_gemm_add(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *o = c->out[0];
+	epj_status st;
+	if (o->dtype != EPJ_DTYPE_BF16) {
+		st = copy_contig(ctx, c->in[2], o);
+		if (st == EPJ_OK)
+			st = ej_cuda_gemm_acc(ctx, c, o, true);
+	} else {
+		/* bf16 rounds the product before the add, as the CPU kernel
+		 * (and eager MATMUL + ADD) do: the product into a temporary,
+		 * then one pointwise add */
+		epj_tensor *t =
+		    ej_tensor_alloc(ctx, o->dtype, o->ndim, o->shape, false);
+		if (!t)
+			return ctx->status;
+		st = ej_cuda_gemm_acc(ctx, c, t, false);
+		if (st == EPJ_OK) {
+			epj_tensor *in[2] = { c->in[2], t };
+			ej_attrs none = ej_attrs_none();
+			ej_call add = { .op = EJ_OP_ADD,
+					.attrs = &none,
+					.in = in,
+					.n_in = 2,
+					.out = c->out,
+					.n_out = 1 };
+			st = eg_pointwise(ctx, &add);
+		}
+		epj_tensor_free(t);
+	}
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "gemm_add");
+	return st;
+}
+
+/* ---- ROPE, ROPE_BACKWARD: the op chain they replace, each op an eager
+ * CUDA kernel (the compiler makes ROPE for the C backend only) ---------- */
+static epj_status eg_rope(epj_ctx *ctx, ej_call *c)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *a = c->in[0], *cs = c->in[1], *sn = c->in[2];
+	bool bw = c->op == EJ_OP_ROPE_BACKWARD;
+	int64_t d = a->shape[a->ndim - 1];
+	/* forward: a * cos + cat(-a2, a1) * sin; backward (a = grad):
+	 * a * cos + cat(u2, -u1) with u = a * sin */
+	epj_tensor *u = bw ? epj_mul(ctx, a, sn) : epj_tensor_ref(a);
+	epj_tensor *u1 = u ? epj_slice(ctx, u, -1, 0, d / 2, 1) : NULL;
+	epj_tensor *u2 = u ? epj_slice(ctx, u, -1, d / 2, d, 1) : NULL;
+	epj_tensor *nu = epj_neg(ctx, bw ? u1 : u2);
+	epj_tensor *parts[2] = { bw ? u2 : nu, bw ? nu : u1 };
+	epj_tensor *rot = nu && u1 && u2 ? epj_cat(ctx, parts, 2, -1) : NULL;
+	epj_tensor *rs =
+	    rot && !bw ? epj_mul(ctx, rot, sn) : epj_tensor_ref(rot);
+	epj_tensor *xc = epj_mul(ctx, a, cs);
+	epj_tensor *y = rs && xc ? epj_add(ctx, xc, rs) : NULL;
+	epj_no_grad_exit(ctx, prev);
+	epj_status st = y ? copy_contig(ctx, y, c->out[0]) : ctx->status;
+	epj_tensor *t[] = { u, u1, u2, nu, rot, rs, xc, y };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return st;
+}
+
 /* ---- the table ----------------------------------------------------------
  * Every op has an entry: the single-op lowerings and copy/index templates
  * of this file, and the adapters of the GEMM (jit/tmpl_gemm.c), attention
@@ -1169,6 +1234,9 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_LOG_SOFTMAX] = eg_softmax,
 	[EJ_OP_MATMUL] = ej_cuda_op_matmul,
 	[EJ_OP_LINEAR] = ej_cuda_op_linear,
+	[EJ_OP_GEMM_ADD] = eg_gemm_add,
+	[EJ_OP_ROPE] = eg_rope,
+	[EJ_OP_ROPE_BACKWARD] = eg_rope,
 	[EJ_OP_SDPA] = ej_cuda_op_sdpa,
 	[EJ_OP_SDPA_BACKWARD] = ej_cuda_op_sdpa_backward,
 	[EJ_OP_CROSS_ENTROPY] = ej_cuda_op_cross_entropy,

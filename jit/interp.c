@@ -10,6 +10,8 @@
  */
 #include "jit_impl.h"
 
+#include "ops_impl.h"
+
 int *ej_last_use(const ej_graph *g, int n_steps, ej_step_read_fn read,
 		 const void *u)
 {
@@ -57,8 +59,22 @@ epj_status ej_run_node(epj_ctx *ctx, ej_graph *g, int node, epj_tensor **env,
 		ins[k] = env[n->in[k]];
 		EJ_ASSERT(ins[k]);
 	}
-	epj_status st =
-	    ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res, n->n_out);
+	epj_status st;
+	int r = n->op == EJ_OP_GEMM_ADD ? n->in[2] : -1;
+	if (r >= 0 && ctx->dev == &ej_device_cpu && !ctx->profile &&
+	    last[r] == step && n->in[0] != r && n->in[1] != r &&
+	    ej_gemm_add_can_reuse(ins[0], ins[1], ins[2])) {
+		/* the residual dies here: accumulate into its buffer */
+		st =
+		    ej_gemm_add_inplace(ctx, &n->attrs, ins[0], ins[1], ins[2]);
+		if (st == EPJ_OK) {
+			res[0] = env[r];
+			env[r] = NULL;
+		}
+	} else {
+		st = ej_dispatch(ctx, n->op, ins, n->n_in, &n->attrs, res,
+				 n->n_out);
+	}
 	if (st != EPJ_OK) {
 		ej_error_prefix(ctx, "%s, node %d", g->name, node);
 		return st;

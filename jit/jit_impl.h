@@ -124,6 +124,13 @@ void ej_pass_dce(ej_graph *g);
 /* Merges nodes with the same op, attributes and inputs (not breaks, not
  * creation ops whose result is mutated -- no op mutates in place). */
 void ej_pass_cse(ej_graph *g);
+/* GEMM epilogue fusion (passes.c): add(r, [reshape of] matmul/linear
+ * product read only there) -> GEMM_ADD(a, b, r); returns how many adds
+ * were fused.  Leaves the dead products for DCE. */
+int ej_pass_gemm_epilogue(ej_graph *g);
+/* RoPE chains -> ROPE(x, cos, sin) (passes.c), before autodiff; returns
+ * how many were rewritten.  Leaves the dead chains for DCE. */
+int ej_pass_rope(ej_graph *g);
 /* Compacts: drops dead nodes and unused values, renumbers in order. */
 ej_graph *ej_graph_compact(ej_graph *g, const char *name);
 /* Marks requires_grad on values from the inputs' flags. */

@@ -317,6 +317,20 @@ static void dump(ej_jit *jit, ej_graph *g, const char *pass)
 		ej_debug_dump_graph(jit, g, pass);
 }
 
+/* The code-generating backends' GEMM epilogues (ej_pass_gemm_epilogue),
+ * then DCE and compaction; the interpreter runs the graph op for op. */
+static void epilogue(ej_jit *jit, ej_graph **g, const char *name,
+		     const char *pass)
+{
+	if (ej_pass_gemm_epilogue(*g) == 0)
+		return;
+	ej_pass_dce(*g);
+	ej_graph *c = ej_graph_compact(*g, name);
+	ej_graph_free(*g);
+	*g = c;
+	dump(jit, c, pass);
+}
+
 /* Compiles one segment's forward graph (takes ownership of f). */
 static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 				  bool grad_mode, int index, ej_segment **out)
@@ -356,6 +370,16 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 	ej_graph *fc = ej_graph_compact(f, s->sig_hex);
 	ej_graph_free(f);
 	dump(jit, fc, "1-dce-cse");
+	/* RoPE as one op (forward and backward): C backend only, the CUDA
+	 * devices have no fused kernel for it (their eager ROPE entry runs
+	 * the op chain, so there the fused kernels are the better form) */
+	if (jit->backend == EJ_BACKEND_C && ej_pass_rope(fc) > 0) {
+		ej_pass_dce(fc);
+		ej_graph *r = ej_graph_compact(fc, s->sig_hex);
+		ej_graph_free(fc);
+		fc = r;
+		dump(jit, fc, "1-rope");
+	}
 	bool any_rg = false;
 	for (int i = 0; i < fc->n_inputs; i++)
 		any_rg |= fc->values[fc->inputs[i].value].requires_grad;
@@ -389,6 +413,14 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->fwd = fc;
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
+	}
+	if (st == EPJ_OK && (jit->backend == EJ_BACKEND_C ||
+			     jit->backend == EJ_BACKEND_CUDA_SIM ||
+			     jit->backend == EJ_BACKEND_NVRTC)) {
+		epilogue(jit, &s->fwd, s->sig_hex, "4-forward-epilogue");
+		if (s->bwd)
+			epilogue(jit, &s->bwd, s->sig_hex,
+				 "4-backward-epilogue");
 	}
 	if (st == EPJ_OK && !jit->defer_build &&
 	    (jit->backend == EJ_BACKEND_C ||

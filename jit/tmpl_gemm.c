@@ -317,6 +317,8 @@ static void plan_merge(batch_plan *p)
 static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
 			      const batch_plan *p)
 {
+	/* an accumulating GEMM (GEMM_ADD): the residual is C itself */
+	bool acc = d->res && d->res == d->c;
 	int outer = p->nbd > 2 ? p->nbd - 2 : 0;
 	int64_t nouter = ej_numel(outer, p->shape);
 	size_t es = ej_dtype_size(d->dtype), cs = ej_dtype_size(d->out_dtype);
@@ -337,6 +339,12 @@ static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
 		d->sb1 = p->st[1][outer];
 		d->sc1 = p->st[2][outer];
 	}
+	if (acc) {
+		d->ldr = d->ldc;
+		d->sr0 = d->sc0;
+		d->sr1 = d->sc1;
+		d->res_dtype = d->out_dtype;
+	}
 	for (int64_t q = 0; q < nouter; q++) {
 		int64_t rem = q, oa = 0, ob = 0, oc = 0;
 		for (int dd = outer - 1; dd >= 0; dd--) {
@@ -349,6 +357,8 @@ static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
 		d->a = a0 ? a0 + (size_t)oa * es : NULL;
 		d->b = b0 ? b0 + (size_t)ob * es : NULL;
 		d->c = c0 + (size_t)oc * cs;
+		if (acc)
+			d->res = d->c;
 		epj_status st = ej_gemm(ctx, ctx_device(ctx), d);
 		if (st != EPJ_OK)
 			return st;
@@ -375,13 +385,11 @@ static epj_status check_dtype(epj_ctx *ctx, const ej_call *c, const char *op)
 }
 
 /* a [..., M, K] @ b [..., K, N] -> out [..., M, N], batch dims broadcast */
-epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c)
+static epj_status matmul_on(epj_ctx *ctx, const ej_call *c, epj_tensor *o,
+			    bool acc)
 {
-	epj_status st = check_dtype(ctx, c, "matmul");
-	if (st != EPJ_OK)
-		return st;
+	epj_status st;
 	const epj_tensor *a = c->in[0], *b = c->in[1];
-	epj_tensor *o = c->out[0];
 	int nd = o->ndim, nbd = nd - 2;
 	if (ej_numel(nd, o->shape) == 0)
 		return EPJ_OK;
@@ -397,6 +405,8 @@ epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c)
 	d.b_rs = b->stride[b->ndim - 2];
 	d.b_cs = b->stride[b->ndim - 1];
 	d.ldc = n;
+	if (acc)
+		d.res = d.c;
 	batch_plan p;
 	p.nbd = nbd;
 	for (int dd = 0; dd < nbd; dd++) {
@@ -414,15 +424,21 @@ epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
-/* x [..., in] @ w [out, in]^T (+ bias [out]) -> out [..., out] */
-epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c)
+epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c)
 {
-	epj_status st = check_dtype(ctx, c, "linear");
+	epj_status st = check_dtype(ctx, c, "matmul");
 	if (st != EPJ_OK)
 		return st;
+	return matmul_on(ctx, c, c->out[0], false);
+}
+
+/* x [..., in] @ w [out, in]^T (+ bias [out]) -> out [..., out] */
+static epj_status linear_on(epj_ctx *ctx, const ej_call *c, epj_tensor *o,
+			    bool acc)
+{
+	epj_status st;
 	const epj_tensor *x = c->in[0], *w = c->in[1];
-	const epj_tensor *bias = c->n_in == 3 ? c->in[2] : NULL;
-	epj_tensor *o = c->out[0];
+	const epj_tensor *bias = c->n_in == 3 && !acc ? c->in[2] : NULL;
 	int64_t fin = w->shape[1], fout = w->shape[0];
 	if (ej_numel(o->ndim, o->shape) == 0)
 		return EPJ_OK;
@@ -444,6 +460,8 @@ epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c)
 		d.bias = ej_data(bias);
 		d.bias_cs = bias->stride[0];
 	}
+	if (acc)
+		d.res = d.c;
 	batch_plan p;
 	p.nbd = lead > 0 ? lead - 1 : 0;
 	for (int dd = 0; dd < p.nbd; dd++) {
@@ -463,4 +481,47 @@ epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c)
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "linear");
 	return st;
+}
+
+epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c)
+{
+	epj_status st = check_dtype(ctx, c, "linear");
+	if (st != EPJ_OK)
+		return st;
+	return linear_on(ctx, c, c->out[0], false);
+}
+
+/* GEMM_ADD: out (r's shape, already holding r) += a @ op(b), the template
+ * reading C as its residual (res = c); acc false: out = a @ op(b).  The
+ * product's shape is a view of out's contiguous buffer. */
+epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
+			    bool acc)
+{
+	bool lin = c->attrs->i[0] != 0;
+	epj_tensor *in2[2] = { c->in[0], c->in[1] };
+	ej_attrs none = ej_attrs_none();
+	ej_call sub = { .op = lin ? EJ_OP_LINEAR : EJ_OP_MATMUL,
+			.attrs = &none,
+			.in = in2,
+			.n_in = 2,
+			.out = &out,
+			.n_out = 1 };
+	ej_meta prod;
+	epj_status st = lin ? ej_infer_LINEAR(ctx, &sub, &prod)
+			    : ej_infer_MATMUL(ctx, &sub, &prod);
+	if (st != EPJ_OK)
+		return st;
+	epj_tensor po = *out; /* same storage and offset, product shape */
+	po.ndim = prod.ndim;
+	memcpy(po.shape, prod.shape, sizeof po.shape);
+	ej_contiguous_strides(po.ndim, po.shape, po.stride);
+	epj_tensor *outs[1] = { &po };
+	sub.out = outs;
+	st = check_dtype(ctx, &sub, lin ? "linear" : "matmul");
+	if (st != EPJ_OK)
+		return st;
+	if (ej_numel(po.ndim, po.shape) == 0)
+		return EPJ_OK;
+	return lin ? linear_on(ctx, &sub, &po, acc)
+		   : matmul_on(ctx, &sub, &po, acc);
 }

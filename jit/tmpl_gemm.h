@@ -82,5 +82,10 @@ epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d);
  * and f64 and any input strides.  c->out[0] is allocated and contiguous. */
 epj_status ej_cuda_op_matmul(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c);
+/* GEMM_ADD's GEMM (c: the GEMM_ADD call): out, contiguous with r's shape
+ * and already holding r, accumulates a @ op(b) (acc: the template's
+ * residual is C itself), or receives the product alone (acc false). */
+epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
+			    bool acc);
 
 #endif

@@ -104,6 +104,15 @@ void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
 int ej_linalg_blas_serial_begin(void);
 void ej_linalg_blas_serial_end(int prev);
 int ej_linalg_max_threads(void);
+/* GEMM_ADD run in place (the compiled graphs' GEMM epilogue, jit/interp.c):
+ * r += a @ op(b) in r's own buffer (attrs as GEMM_ADD), counted as one
+ * launch.  Allowed only when ej_gemm_add_can_reuse: r is the only
+ * reference to its storage, contiguous, of its compute dtype (f32, f64),
+ * not an autograd tensor, and a and b do not read that storage. */
+bool ej_gemm_add_can_reuse(const epj_tensor *a, const epj_tensor *b,
+			   const epj_tensor *r);
+epj_status ej_gemm_add_inplace(epj_ctx *ctx, const ej_attrs *attrs,
+			       epj_tensor *a, epj_tensor *b, epj_tensor *r);
 
 /* ---- helpers shared by op families --------------------------------------
  * (ops_pointwise.c with ops_reduce.c, ops_index.c with ops_shape.c) */

@@ -377,16 +377,16 @@ static void batch_strides(const epj_tensor *t, const int64_t *tstride, int nbd,
 	}
 }
 
-epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
+/* The product a @ b into pc, a dense [nbatch, m, n] array of the compute
+ * dtype of o's dtype (o: the product's shape), C = a @ b + beta * C. */
+static epj_status matmul_run(epj_ctx *ctx, const ej_call *c,
+			     const epj_tensor *a, const epj_tensor *b,
+			     const epj_tensor *o, void *pc, double beta)
 {
-	const epj_tensor *a = c->in[0], *b = c->in[1];
-	epj_tensor *o = c->out[0];
 	int nd = o->ndim, nbd = nd - 2;
 	int64_t m = o->shape[nd - 2], n = o->shape[nd - 1];
 	int64_t k = a->shape[a->ndim - 1];
 	int64_t nbatch = ej_numel(nbd, o->shape);
-	if (ej_numel(nd, o->shape) == 0)
-		return EPJ_OK;
 	if (!fits_int(m) || !fits_int(n) || !fits_int(k))
 		return ej_op_error(
 		    ctx, c, EPJ_ERR_UNSUPPORTED,
@@ -395,7 +395,7 @@ epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
 	size_t es = ej_dtype_size(cdt);
 
 	const void *pa = NULL, *pb = NULL;
-	void *owned_a = NULL, *owned_b = NULL, *owned_c = NULL;
+	void *owned_a = NULL, *owned_b = NULL;
 	int64_t stra[EPJ_MAX_DIMS], strb[EPJ_MAX_DIMS], lda = 0, ldb = 0;
 	bool ta = false, tb = false;
 	epj_status s = EPJ_OK;
@@ -407,16 +407,6 @@ epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
 					      &ldb, &owned_b);
 		if (s != EPJ_OK)
 			goto done;
-	}
-	void *pc = ej_data(o);
-	if (o->dtype != cdt) {
-		owned_c = malloc((size_t)(nbatch * m * n) * es);
-		if (!owned_c) {
-			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-					"out of memory for the f32 result");
-			goto done;
-		}
-		pc = owned_c;
 	}
 	int64_t sa[EPJ_MAX_DIMS], sb[EPJ_MAX_DIMS];
 	if (k > 0) {
@@ -437,17 +427,35 @@ epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
 		ej_linalg_gemm(
 		    cdt, ta, tb, m, n, k, 1.0,
 		    k > 0 ? (const char *)pa + (size_t)oa * es : NULL, lda,
-		    k > 0 ? (const char *)pb + (size_t)ob * es : NULL, ldb, 0.0,
-		    (char *)pc + (size_t)(p * m * n) * es, n);
+		    k > 0 ? (const char *)pb + (size_t)ob * es : NULL, ldb,
+		    beta, (char *)pc + (size_t)(p * m * n) * es, n);
 	}
 	if (par)
 		ej_linalg_blas_serial_end(blas_prev);
-	if (owned_c)
-		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype,
-				nbatch * m * n);
 done:
 	free(owned_a);
 	free(owned_b);
+	return s;
+}
+
+epj_status ej_kernel_MATMUL(epj_ctx *ctx, const ej_call *c)
+{
+	epj_tensor *o = c->out[0];
+	int64_t numel = ej_numel(o->ndim, o->shape);
+	if (numel == 0)
+		return EPJ_OK;
+	epj_dtype cdt = compute_dtype(o->dtype);
+	void *pc = ej_data(o), *owned_c = NULL;
+	if (o->dtype != cdt) {
+		owned_c = malloc((size_t)numel * ej_dtype_size(cdt));
+		if (!owned_c)
+			return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					   "out of memory for the f32 result");
+		pc = owned_c;
+	}
+	epj_status s = matmul_run(ctx, c, c->in[0], c->in[1], o, pc, 0.0);
+	if (s == EPJ_OK && owned_c)
+		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype, numel);
 	free(owned_c);
 	return s;
 }
@@ -550,11 +558,13 @@ static bool rows_stride(const epj_tensor *x, int64_t *srow)
 	return true;
 }
 
-epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
+/* x @ w^T (+ bias) into pc, a dense [rows, out] array of the compute
+ * dtype cdt: C = x @ w^T + beta * C (a bias is added once on top). */
+static epj_status linear_run(epj_ctx *ctx, const ej_call *c,
+			     const epj_tensor *x, const epj_tensor *w,
+			     const epj_tensor *bias, epj_dtype cdt, void *pc,
+			     double beta)
 {
-	const epj_tensor *x = c->in[0], *w = c->in[1];
-	const epj_tensor *bias = c->n_in == 3 ? c->in[2] : NULL;
-	epj_tensor *o = c->out[0];
 	int64_t fin = w->shape[1], fout = w->shape[0];
 	int64_t rows = ej_numel(x->ndim - 1, x->shape);
 	if (rows == 0 || fout == 0)
@@ -563,9 +573,8 @@ epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
 		return ej_op_error(
 		    ctx, c, EPJ_ERR_UNSUPPORTED,
 		    "matrix sizes exceed the BLAS integer range");
-	epj_dtype cdt = compute_dtype(o->dtype);
 	size_t es = ej_dtype_size(cdt);
-	void *owned_x = NULL, *owned_w = NULL, *owned_c = NULL;
+	void *owned_x = NULL, *owned_w = NULL, *owned_b = NULL;
 	epj_status s = EPJ_OK;
 
 	/* x as A [rows, in]: in place when its rows merge and BLAS can read
@@ -610,34 +619,61 @@ epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
 		tw = true; /* dense w [out, in] is w^T transposed */
 		ldw = max1(fin);
 	}
-	void *pc = ej_data(o);
-	if (o->dtype != cdt) {
-		owned_c = malloc((size_t)(rows * fout) * es);
-		if (!owned_c) {
-			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-					"out of memory for the f32 result");
-			goto done;
-		}
-		pc = owned_c;
-	}
-	/* bias: fill every output row with it, then let the GEMM accumulate
-	 * onto it (beta = 1), so the bias costs no extra pass over C */
-	double beta = 0.0;
-	if (bias) {
+	/* bias: fill every output row with it (beta = 0), or add it to every
+	 * row (beta = 1), then let the GEMM accumulate onto it, so the bias
+	 * costs no extra pass over C */
+	if (bias && beta == 0.0) {
 		ej_linalg_pack(bias, cdt, pc);
 		for (int64_t r = 1; r < rows; r++)
 			memcpy((char *)pc + (size_t)(r * fout) * es, pc,
 			       (size_t)fout * es);
 		beta = 1.0;
+	} else if (bias) {
+		owned_b = malloc((size_t)fout * es);
+		if (!owned_b) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for the bias");
+			goto done;
+		}
+		ej_linalg_pack(bias, cdt, owned_b);
+		for (int64_t r = 0; r < rows; r++)
+			for (int64_t j = 0; j < fout; j++) {
+				if (cdt == EPJ_DTYPE_F64)
+					((double *)pc)[r * fout + j] +=
+					    ((double *)owned_b)[j];
+				else
+					((float *)pc)[r * fout + j] +=
+					    ((float *)owned_b)[j];
+			}
 	}
 	ej_linalg_gemm(cdt, tx, tw, rows, fout, fin, 1.0, px, ldx, pw, ldw,
 		       beta, pc, fout);
-	if (owned_c)
-		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype,
-				rows * fout);
 done:
 	free(owned_x);
 	free(owned_w);
+	free(owned_b);
+	return s;
+}
+
+epj_status ej_kernel_LINEAR(epj_ctx *ctx, const ej_call *c)
+{
+	epj_tensor *o = c->out[0];
+	int64_t numel = ej_numel(o->ndim, o->shape);
+	if (numel == 0)
+		return EPJ_OK;
+	epj_dtype cdt = compute_dtype(o->dtype);
+	void *pc = ej_data(o), *owned_c = NULL;
+	if (o->dtype != cdt) {
+		owned_c = malloc((size_t)numel * ej_dtype_size(cdt));
+		if (!owned_c)
+			return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					   "out of memory for the f32 result");
+		pc = owned_c;
+	}
+	epj_status s = linear_run(ctx, c, c->in[0], c->in[1],
+				  c->n_in == 3 ? c->in[2] : NULL, cdt, pc, 0.0);
+	if (s == EPJ_OK && owned_c)
+		ej_linalg_store(owned_c, cdt, ej_data(o), o->dtype, numel);
 	free(owned_c);
 	return s;
 }
@@ -694,4 +730,154 @@ epj_tensor *epj_linear(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
 	ej_attrs at = ej_attrs_none();
 	epj_tensor *in[3] = { x, w, bias };
 	return ej_call1(ctx, EJ_OP_LINEAR, in, bias ? 3 : 2, &at);
+}
+
+/* ---- GEMM_ADD: r + reshape(a @ op(b), shape of r) -------------------------
+ * The compiler's GEMM epilogue (jit/passes.c): the residual r is the GEMM's
+ * C operand with beta = 1, so the sum costs no pass of its own.  i[0] = 0:
+ * a @ b with MATMUL's shapes; 1: a @ b^T with LINEAR's (b = w [out, in]).
+ * r has the product's element count and dtype, any shape and strides.  The
+ * sum is rounded once (bf16: the product is not rounded before the add). */
+
+static epj_status gemm_add_product(epj_ctx *ctx, const ej_call *c,
+				   ej_meta *prod)
+{
+	epj_tensor *in2[2] = { c->in[0], c->in[1] };
+	ej_attrs none = ej_attrs_none();
+	ej_call sub = { .op = c->attrs->i[0] ? EJ_OP_LINEAR : EJ_OP_MATMUL,
+			.attrs = &none,
+			.in = in2,
+			.n_in = 2 };
+	return c->attrs->i[0] ? ej_infer_LINEAR(ctx, &sub, prod)
+			      : ej_infer_MATMUL(ctx, &sub, prod);
+}
+
+epj_status ej_infer_GEMM_ADD(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	if (c->attrs->n_i < 1 || c->attrs->i[0] < 0 || c->attrs->i[0] > 1)
+		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				   "i[0] must be 0 (matmul) or 1 (linear)");
+	ej_meta prod;
+	epj_status s = gemm_add_product(ctx, c, &prod);
+	if (s != EPJ_OK)
+		return s;
+	const epj_tensor *r = c->in[2];
+	if (r->dtype != prod.dtype)
+		return ej_op_error(ctx, c, EPJ_ERR_DTYPE,
+				   "the residual's dtype differs from the "
+				   "product's");
+	if (ej_numel(r->ndim, r->shape) != ej_numel(prod.ndim, prod.shape)) {
+		char sr[96], sp[96];
+		ej_shape_str(r->ndim, r->shape, sr, sizeof sr);
+		ej_shape_str(prod.ndim, prod.shape, sp, sizeof sp);
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "residual %s has another element count "
+				   "than the product %s",
+				   sr, sp);
+	}
+	ej_meta_set(out, r->dtype, r->ndim, r->shape);
+	return EPJ_OK;
+}
+
+/* out = r + a @ op(b); out may be r itself (the in-place form). */
+static epj_status gemm_add_into(epj_ctx *ctx, const ej_call *c, epj_tensor *o)
+{
+	const epj_tensor *a = c->in[0], *b = c->in[1], *r = c->in[2];
+	int64_t numel = ej_numel(o->ndim, o->shape);
+	if (numel == 0)
+		return EPJ_OK;
+	ej_meta prod;
+	epj_status s = gemm_add_product(ctx, c, &prod);
+	if (s != EPJ_OK)
+		return s;
+	epj_dtype cdt = compute_dtype(o->dtype);
+	void *pc = ej_data(o), *owned_c = NULL;
+	if (o->dtype != cdt) {
+		owned_c = malloc((size_t)numel * ej_dtype_size(cdt));
+		if (!owned_c)
+			return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					   "out of memory for the f32 result");
+		pc = owned_c;
+	}
+	/* f32 / f64: C = r, then C += a @ op(b).  bf16: the product alone in
+	 * f32, rounded to bf16 as the MATMUL / LINEAR kernels store it, then
+	 * added to r with one more rounding: eager's two roundings exactly */
+	double beta = owned_c ? 0.0 : 1.0;
+	if (!owned_c && ej_data(o) != ej_data(r))
+		ej_linalg_pack(r, cdt, pc);
+	if (c->attrs->i[0]) {
+		s = linear_run(ctx, c, a, b, NULL, cdt, pc, beta);
+	} else {
+		epj_tensor po = { .dtype = o->dtype, .ndim = prod.ndim };
+		memcpy(po.shape, prod.shape, sizeof po.shape);
+		s = matmul_run(ctx, c, a, b, &po, pc, beta);
+	}
+	if (s == EPJ_OK && owned_c) {
+		EJ_ASSERT(cdt == EPJ_DTYPE_F32 && o->dtype == EPJ_DTYPE_BF16);
+		float *p = owned_c;
+		uint16_t *po = ej_data(o);
+		if (ej_is_contiguous(r)) {
+			const uint16_t *pr = ej_data(r);
+			for (int64_t i = 0; i < numel; i++)
+				po[i] = ej_bf16_store(
+				    ej_bf16_load(pr[i]) +
+				    ej_bf16_load(ej_bf16_store(p[i])));
+		} else {
+			float *rf = malloc((size_t)numel * sizeof *rf);
+			if (!rf) {
+				free(owned_c);
+				return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+						   "out of memory for the "
+						   "residual");
+			}
+			ej_linalg_pack(r, cdt, rf);
+			for (int64_t i = 0; i < numel; i++)
+				p[i] =
+				    rf[i] + ej_bf16_load(ej_bf16_store(p[i]));
+			free(rf);
+			ej_linalg_store(owned_c, cdt, po, o->dtype, numel);
+		}
+	}
+	free(owned_c);
+	return s;
+}
+
+epj_status ej_kernel_GEMM_ADD(epj_ctx *ctx, const ej_call *c)
+{
+	return gemm_add_into(ctx, c, c->out[0]);
+}
+
+bool ej_gemm_add_can_reuse(const epj_tensor *a, const epj_tensor *b,
+			   const epj_tensor *r)
+{
+	if (!r->storage || r->refcount != 1 || r->storage->refcount != 1 ||
+	    r->requires_grad || r->grad_fn ||
+	    compute_dtype(r->dtype) != r->dtype || !ej_is_contiguous(r))
+		return false;
+	/* a or b reading r's storage would see partial sums */
+	return (!a->storage || a->storage != r->storage) &&
+	       (!b->storage || b->storage != r->storage);
+}
+
+epj_status ej_gemm_add_inplace(epj_ctx *ctx, const ej_attrs *attrs,
+			       epj_tensor *a, epj_tensor *b, epj_tensor *r)
+{
+	EJ_ASSERT(ej_gemm_add_can_reuse(a, b, r));
+	epj_tensor *in[3] = { a, b, r };
+	epj_tensor *out[1] = { r };
+	ej_call c = { .op = EJ_OP_GEMM_ADD,
+		      .attrs = attrs,
+		      .in = in,
+		      .n_in = 3,
+		      .out = out,
+		      .n_out = 1 };
+	ej_meta m;
+	epj_status s = ej_infer_GEMM_ADD(ctx, &c, &m);
+	if (s == EPJ_OK)
+		s = gemm_add_into(ctx, &c, r);
+	if (s == EPJ_OK) {
+		(*ctx->ctr_eager_launches)++;
+		epj_counter_add(ctx, "kernels.gemm_add.in_place", 1);
+	}
+	return s;
 }

@@ -437,6 +437,14 @@ static void nvrtc_check(epj_ctx *ctx, ej_graph *const *gs, void *const *states,
 /* ---- cases ------------------------------------------------------------------
  */
 
+static int count_op(const ej_graph *g, int op)
+{
+	int n = 0;
+	for (int i = 0; g && i < g->n_nodes; i++)
+		n += !g->nodes[i].dead && g->nodes[i].op == op;
+	return n;
+}
+
 static const epj_dtype dtypes[3] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64,
 				     EPJ_DTYPE_BF16 };
 
@@ -486,8 +494,21 @@ START_TEST(test_rope)
 	epj_tensor *in[3] = { xt, c, s };
 	case_res t = run_case(ctx, f_rope, in, 3, true, "rope");
 	ck_assert_int_lt(t.c_fwd, t.i_fwd);
-	ck_assert_int_le(t.c_fwd, 3); /* neg, cat, mul-mul-add */
+	/* the C backend runs the chain as one ROPE op, and its backward
+	 * (slices, neg, zero-filled slice_backward copies, adds) as one
+	 * ROPE_BACKWARD plus the cos / sin gradients */
+	ck_assert_int_eq(t.c_fwd, 1);
 	ck_assert_int_lt(t.c_fwd + t.c_bwd, t.i_fwd + t.i_bwd);
+	ej_jit *jc = ej_jit_new(ctx, EJ_BACKEND_C);
+	ej_region_fn *f = tu_compile_region(ctx, jc, f_rope, in, 3);
+	ej_segment *seg = f->steps[0].seg;
+	ck_assert_int_eq(count_op(seg->fwd, EJ_OP_ROPE), 1);
+	ck_assert_int_eq(count_op(seg->fwd, EJ_OP_CAT), 0);
+	ck_assert_int_eq(count_op(seg->fwd, EJ_OP_NEG), 0);
+	ck_assert_int_eq(count_op(seg->bwd, EJ_OP_ROPE_BACKWARD), 1);
+	ck_assert_int_eq(count_op(seg->bwd, EJ_OP_SLICE_BACKWARD), 0);
+	ej_region_fn_free(f);
+	ej_jit_free(jc);
 	epj_tensor_free(x);
 	epj_tensor_free(xt);
 	epj_tensor_free(c);
@@ -562,6 +583,138 @@ START_TEST(test_residual)
 	epj_tensor_free(an);
 	epj_tensor_free(in[2]);
 	epj_tensor_free(in[3]);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
+/* GEMM epilogues: y = exp(r) + linear(x, w1) + x2 @ m (through a reshape)
+ * -- the first residual is a fresh intermediate that dies at the GEMM (in
+ * place), the second a GEMM_ADD output; backward sums dx = g w1 + ...
+ * (g = g + A @ B).  f_gemm_live has residuals that must not be written:
+ * a graph input r (r + linear(x, w1)) and e = exp(r), read again after
+ * its add (y = (h1 + e + x2 @ m) * e). */
+static epj_tensor *f_gemm(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *e = epj_exp(ctx, in[0]);
+	epj_tensor *l = epj_linear(ctx, in[1], in[2], NULL);
+	epj_tensor *h = epj_add(ctx, e, l);
+	int64_t rows = epj_tensor_dim(in[1], 0) * epj_tensor_dim(in[1], 1);
+	int64_t s2[2] = { rows, epj_tensor_dim(in[1], 2) };
+	epj_tensor *x2 = epj_reshape(ctx, in[1], 2, s2);
+	epj_tensor *mm = epj_matmul(ctx, x2, in[3]);
+	epj_tensor *mr =
+	    epj_reshape(ctx, mm, epj_tensor_ndim(h), epj_tensor_shape(h));
+	epj_tensor *y = epj_add(ctx, mr, h);
+	epj_tensor *t[] = { e, l, h, x2, mm, mr };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+/* y = linear(x, w1) + b: the bias joins the linear */
+static epj_tensor *f_gemm_bias(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *l = epj_linear(ctx, in[1], in[2], NULL);
+	epj_tensor *y = epj_add(ctx, l, in[0]);
+	epj_tensor_free(l);
+	return y;
+}
+
+static epj_tensor *f_gemm_live(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *l = epj_linear(ctx, in[1], in[2], NULL);
+	epj_tensor *h1 = epj_add(ctx, in[0], l);
+	epj_tensor *e = epj_exp(ctx, in[0]);
+	int64_t rows = epj_tensor_dim(in[1], 0) * epj_tensor_dim(in[1], 1);
+	int64_t s2[2] = { rows, epj_tensor_dim(in[1], 2) };
+	epj_tensor *x2 = epj_reshape(ctx, in[1], 2, s2);
+	epj_tensor *mm = epj_matmul(ctx, x2, in[3]);
+	epj_tensor *mr =
+	    epj_reshape(ctx, mm, epj_tensor_ndim(e), epj_tensor_shape(e));
+	epj_tensor *h2 = epj_add(ctx, e, mr);
+	epj_tensor *hs = epj_add(ctx, h1, h2);
+	epj_tensor *y = epj_mul(ctx, hs, e);
+	epj_tensor *t[] = { l, h1, e, x2, mm, mr, h2, hs };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return y;
+}
+
+START_TEST(test_gemm_epilogue)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t B = tu_randint(1, 3), T = 2 * tu_randint(1, 5) + 1;
+	int64_t K = 2 * tu_randint(1, 8) + 1, N = 2 * tu_randint(1, 8) + 1;
+	int64_t sr[3] = { B, T, N }, sx[3] = { B, T, K }, sw[2] = { N, K },
+		sm[2] = { K, N };
+	for (int live = 0; live < 3; live++) {
+		bool bias = live == 2;
+		epj_tensor *in[4] = { bias ? tu_randn(ctx, dt, 1, &N)
+					   : tu_randn(ctx, dt, 3, sr),
+				      tu_randn(ctx, dt, 3, sx),
+				      tu_randn(ctx, dt, 2, sw),
+				      tu_randn(ctx, dt, 2, sm) };
+		epj_tensor *r0 = epj_detach(ctx, in[0]);
+		epj_tensor *keep = epj_mul_scalar(ctx, r0, 1.0);
+		cg_fn fn = bias ? f_gemm_bias : live ? f_gemm_live : f_gemm;
+		int n_in = bias ? 3 : 4;
+		const char *what = bias	  ? "gemm epilogue, bias"
+				   : live ? "gemm epilogue, live residual"
+					  : "gemm epilogue";
+		/* compiled (C) against the interpreter, forward and backward */
+		int64_t ip0 = epj_counter_get(ctx, "kernels.gemm_add.in_place");
+		run_case(ctx, fn, in, n_in, true, what);
+		int64_t ip =
+		    epj_counter_get(ctx, "kernels.gemm_add.in_place") - ip0;
+		/* the residual input is never written */
+		tu_assert_tensors_close(ctx, in[0], keep, 0, 0,
+					"residual input after the run");
+		/* the graphs the C backend runs hold GEMM_ADD nodes and no
+		 * add or separate product any more; the forward runs fewer
+		 * steps than op by op */
+		ej_jit *jc = ej_jit_new(ctx, EJ_BACKEND_C);
+		ej_region_fn *f = tu_compile_region(ctx, jc, fn, in, n_in);
+		epj_tensor *y = NULL;
+		int64_t fp0 = epj_counter_get(ctx, "kernels.gemm_add.in_place");
+		ck_assert(ej_region_run(ctx, f, in, n_in, NULL, 0, NULL, NULL,
+					&y, 1) == EPJ_OK);
+		int64_t ip_fwd =
+		    epj_counter_get(ctx, "kernels.gemm_add.in_place") - fp0;
+		ej_segment *seg = f->steps[0].seg;
+		ck_assert_int_eq(count_op(seg->fwd, EJ_OP_GEMM_ADD),
+				 bias ? 0 : 2);
+		ck_assert_int_eq(count_op(seg->fwd, EJ_OP_ADD), live == 1);
+		ck_assert_int_eq(count_op(seg->fwd, EJ_OP_LINEAR), bias);
+		ck_assert_int_eq(count_op(seg->fwd, EJ_OP_MATMUL), 0);
+		const ej_schedule *sc = ej_backend_c_schedule(seg->fwd_state);
+		ck_assert_int_eq(sc->n_extern, bias ? 1 : 3);
+		ck_assert_int_eq(sc->n_kernels, bias ? 0 : live ? 2 : 1);
+		if (bias)
+			ck_assert_int_eq(
+			    seg->fwd->nodes[sc->steps[0].node].n_in, 3);
+		if (!live)
+			/* dx = g w1 + reshape(g m^T): one gemm_add */
+			ck_assert_int_ge(count_op(seg->bwd, EJ_OP_GEMM_ADD), 1);
+		/* f32 / f64 accumulate in place when the residual dies there:
+		 * exp(r) in the forward, a gradient term in backward; never
+		 * with the live residual's graph input */
+		if (dt != EPJ_DTYPE_BF16 && !live)
+			ck_assert_int_eq(ip_fwd, 2);
+		if (dt != EPJ_DTYPE_BF16 && live != 2) /* and in backward */
+			ck_assert_int_ge(ip, live ? 1 : 3);
+		if (live == 1)
+			ck_assert_int_eq(ip_fwd, 0);
+		epj_tensor_free(y);
+		ej_region_fn_free(f);
+		ej_jit_free(jc);
+		for (int i = 0; i < 4; i++)
+			epj_tensor_free(in[i]);
+		epj_tensor_free(r0);
+		epj_tensor_free(keep);
+	}
 	epj_ctx_free(ctx);
 	cache_teardown();
 }
@@ -776,6 +929,7 @@ Suite *make_codegen_suite(void)
 	tcase_add_loop_test(tc, test_swiglu, 0, 3);
 	tcase_add_loop_test(tc, test_softmax, 0, 3);
 	tcase_add_loop_test(tc, test_residual, 0, 3);
+	tcase_add_loop_test(tc, test_gemm_epilogue, 0, 3);
 	tcase_add_test(tc, test_schedule_dump);
 	tcase_add_test(tc, test_cache_hit);
 	tcase_add_test(tc, test_large);
