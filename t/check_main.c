@@ -36,6 +36,7 @@ int main(void)
 	/* the GPU libraries on their stand-ins */
 	Suite *(*gpu_lib_suites[])(void) = {
 		make_cublaslt_suite,
+		make_nccl_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
