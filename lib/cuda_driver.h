@@ -215,4 +215,8 @@ epj_status ej_cuda_capture_end(epj_ctx *ctx, ej_cuda_dev *c, void **exec);
 epj_status ej_cuda_graph_launch(epj_ctx *ctx, ej_cuda_dev *c, void *exec);
 void ej_cuda_graph_free(ej_cuda_dev *c, void *exec);
 
+/* The compute stream (a CUstream, which is also the runtime's
+ * cudaStream_t), for libraries that take a stream: cuBLASLt, NCCL. */
+void *ej_cuda_compute_stream(const ej_cuda_dev *c);
+
 #endif /* EPJIT_CUDA_DRIVER_H */

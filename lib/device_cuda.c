@@ -603,3 +603,8 @@ void ej_cuda_graph_free(ej_cuda_dev *c, void *exec)
 	if (exec)
 		DEV_CALL(c, cuGraphExecDestroy((ej_CUgraphExec)exec));
 }
+
+void *ej_cuda_compute_stream(const ej_cuda_dev *c)
+{
+	return c->compute;
+}

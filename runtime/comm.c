@@ -4,10 +4,14 @@
  *
  * Backends: comm_self.c (a world of one) and comm_mpi.c (Open MPI).  The
  * world is `mpi` once epj_dist_init has started MPI (the process was
- * launched by mpirun / srun), else `self`.
+ * launched by mpirun / srun), else `self`.  comm_nccl.c makes the comm for
+ * device buffers of the cuda device over the world's ranks
+ * (ej_comm_device_select, comm.backend).
  */
 #include "jit.h"
 #include "runtime_impl.h"
+
+#include "cuda_driver.h"
 
 #include <string.h>
 #include <time.h>
@@ -308,4 +312,53 @@ epj_status ej_comm_barrier_c(epj_ctx *ctx, ej_comm *c, const char *what)
 		return comm_fail(ctx, c, "barrier", what, s);
 	account(ctx, c, what, 0, t0);
 	return EPJ_OK;
+}
+
+/* ---- the comm for device buffers ----------------------------------------
+ */
+
+epj_status ej_comm_device_select(epj_ctx *ctx, const char *choice,
+				 const char *device, ej_comm *world,
+				 ej_comm **out)
+{
+	*out = NULL;
+	const char *env = getenv("EPJIT_COMM");
+	const char *from = "comm.backend";
+	if (env && *env) {
+		choice = env;
+		from = "EPJIT_COMM";
+	}
+	if (!choice || !*choice)
+		choice = "auto";
+	bool cuda = device && !strcmp(device, "cuda");
+	if (!strcmp(choice, "host"))
+		return EPJ_OK;
+	if (!strcmp(choice, "auto")) {
+		if (!cuda || !ej_nccl_available(NULL))
+			return EPJ_OK;
+	} else if (!strcmp(choice, "nccl")) {
+		if (!cuda)
+			return ej_error(ctx, EPJ_ERR_CONFIG,
+					"%s=\"nccl\" needs the cuda device "
+					"(NCCL collectives run on device "
+					"buffers); this context is on \"%s\"",
+					from, device ? device : "");
+	} else {
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s=\"%s\" is not a comm backend (known: "
+				"auto, host, nccl)",
+				from, choice);
+	}
+	/* the library first: its absence is the likelier reason, and needs
+	 * no GPU to report */
+	ej_cuda_dev *dev = NULL;
+	epj_status st = ej_nccl_available(ctx) ? EPJ_OK : epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st = ej_cuda_open(ctx, &dev);
+	if (st == EPJ_OK)
+		st = ej_comm_nccl_new(ctx, world, dev, out);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "%s=\"%s\" (world '%s' of %d)", from,
+				choice, world->name, world->size);
+	return st;
 }

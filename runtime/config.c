@@ -360,6 +360,7 @@ static const char *const compile_backends[] = { "interpreter", "c", "nvrtc",
 static const char *const offload_devices[] = { "none", "cpu", "nvme" };
 static const char *const preset_models[] = { "qwen3_moe" };
 static const char *const devices[] = { "cpu", "cuda-sim" };
+static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
 
 #define CH(a) .choices = a, .nchoices = (int)EJ_ARRAY_LEN(a)
 #define F(m)                                                                   \
@@ -1182,6 +1183,19 @@ static const key keys[] = {
 		 "in another call) fails with a message naming the call, the "
 		 "group and the rank, and the run stops (`epjit-train` exits "
 		 "1; the launcher ends the other ranks)" },
+	{ .sec = SEC_COMM,
+	  .name = "backend",
+	  .type = K_NAME,
+	  F(comm_backend),
+	  NOGIVEN,
+	  CH(comm_device_backends),
+	  .def_str = "auto",
+	  .doc = "**epjit extension.** The comm for collectives on device "
+		 "buffers: `\"nccl\"` (NCCL on the cuda device over the "
+		 "world's ranks; refused on other devices), `\"host\"` "
+		 "(the world's host collectives only) or `\"auto\"` (NCCL "
+		 "on the cuda device when `libnccl.so.2` loads, else host). "
+		 "`EPJIT_COMM` overrides it" },
 
 	/* ---- csv_monitor */
 	{ .sec = SEC_CSV_MONITOR,

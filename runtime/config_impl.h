@@ -187,6 +187,9 @@ typedef struct ej_config {
 	char device[EJ_CONFIG_STR_MAX];
 	double comm_timeout_s; /* comm.timeout_s > 0: bound of every blocking
 				  collective (seconds), default 300 */
+	/* comm.backend: "auto" (default), "host" or "nccl": the comm for
+	 * collectives on device buffers (ej_comm_device_select) */
+	char comm_backend[EJ_CONFIG_STR_MAX];
 
 	/* csv_monitor (DeepSpeed's monitor section): one CSV file per
 	 * training metric under log dir = output_path/job_name (job_name

@@ -164,6 +164,9 @@ static epj_status engine_setup(epj_engine *e)
 		st = ej_config_resolve_batch(ctx, c, world->size);
 	if (st == EPJ_OK)
 		st = setup_parallel(ctx, c, m, world);
+	if (st == EPJ_OK)
+		st = ej_comm_device_select(ctx, c->comm_backend, ctx->dev->name,
+					   world, &e->dev_comm);
 	if (st != EPJ_OK)
 		return st;
 	if (c->expert_parallel.has_load_balance)
@@ -275,6 +278,7 @@ void epj_engine_free(epj_engine *e)
 		return;
 	ej_engine_compile_free(e);
 	ej_optim_free(e->optim);
+	ej_comm_free(e->dev_comm);
 	free(e);
 }
 

@@ -229,6 +229,32 @@ void ej_mpi_finalize(void);
  * (comm.timeout_s). */
 void ej_comm_set_timeout(ej_comm *c, double timeout_s);
 
+struct ej_cuda_dev; /* lib/cuda_driver.h */
+/* comm_nccl.c: the `nccl` comm, collectives on device buffers of the cuda
+ * device dev on its compute stream, over the ranks of boot (borrowed; it
+ * must outlive the comm): rank 0's ncclGetUniqueId is broadcast over boot
+ * (nothing is sent for a world of one, so `self` needs no MPI), then
+ * ncclCommInitRank.  The int64 split-plan exchanges (host buffers) and the
+ * barrier go to boot.  Errors: EPJ_ERR_UNSUPPORTED "no NCCL (libnccl.so.2
+ * not found: ...)" or "NCCL disabled (EPJIT_NCCL=0)"; EPJ_ERR_BACKEND for
+ * a failing NCCL call (its text, file:line, ncclGetErrorString). */
+epj_status ej_comm_nccl_new(epj_ctx *ctx, ej_comm *boot,
+			    struct ej_cuda_dev *dev, ej_comm **out);
+/* True when NCCL can be loaded ($EPJIT_NCCL, default libnccl.so.2; the
+ * first call tries, the answer is kept); ctx (may be NULL) gets why not. */
+bool ej_nccl_available(epj_ctx *ctx);
+/* comm.c: the comm for collectives on device buffers of a context on the
+ * device named `device` (ctx->dev->name), as comm.backend (`choice`; NULL
+ * or "" is "auto") or $EPJIT_COMM, which overrides it, says:
+ *   "host"  none (*out NULL): collectives stay on world, host buffers;
+ *   "nccl"  NCCL over world's ranks; EPJ_ERR_CONFIG unless device is
+ *           "cuda", the NCCL error when it cannot be loaded or started;
+ *   "auto"  "nccl" on the cuda device when NCCL loads, else "host".
+ * *out (owned by the caller, ej_comm_free) borrows world. */
+epj_status ej_comm_device_select(epj_ctx *ctx, const char *choice,
+				 const char *device, ej_comm *world,
+				 ej_comm **out);
+
 /* ---- AutoEP layer (autoep.c)
  * --------------------------------------------------- */
 
@@ -304,6 +330,8 @@ struct epj_engine {
 	int64_t accum_n;
 	/* region compiler state (compile.c), NULL until compiled */
 	struct ej_engine_compile *compiled;
+	/* collectives on device buffers (comm.backend), NULL: host only */
+	ej_comm *dev_comm;
 };
 
 /* Frees the compile state (restores every region) -- compile.c. */

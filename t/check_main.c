@@ -33,6 +33,11 @@ int main(void)
 		make_tmpl_moe_suite,
 		make_eager_sim_suite,
 	};
+	/* the GPU libraries on their stand-ins */
+	Suite *(*gpu_lib_suites[])(void) = {
+		make_cublaslt_suite,
+		make_nccl_suite,
+	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
 	/* A kernel cache this run creates, empty: no test may pass on an
@@ -49,6 +54,9 @@ int main(void)
 		srunner_add_suite(sr, suites[i]());
 	for (size_t i = 0; i < sizeof tmpl_suites / sizeof tmpl_suites[0]; i++)
 		srunner_add_suite(sr, tmpl_suites[i]());
+	for (size_t i = 0; i < sizeof gpu_lib_suites / sizeof gpu_lib_suites[0];
+	     i++)
+		srunner_add_suite(sr, gpu_lib_suites[i]());
 	srunner_run_all(sr, CK_NORMAL);
 	int failed = srunner_ntests_failed(sr);
 	srunner_free(sr);
