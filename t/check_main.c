@@ -32,6 +32,7 @@ int main(void)
 		make_tmpl_attention_suite,
 		make_tmpl_moe_suite,
 		make_eager_sim_suite,
+		make_eager_cuda_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
