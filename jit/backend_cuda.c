@@ -8,19 +8,24 @@
  *                 identity, the options, the arch); miss: NVRTC, store the
  *                 cubin (PTX for an arch newer than NVRTC knows)
  *              -> cuModuleLoadData on the device, cuModuleGetFunction
- *   run(g):    steps in schedule order.  Tensors live on the host (the
- *              eager ops have no CUDA kernels yet): a fused kernel's inputs
- *              are copied to device buffers (the byte span each view
- *              covers, so strided views keep their strides), its outputs
- *              are computed on the device and copied back into fresh host
- *              tensors; extern nodes (GEMM, attention, indexing) run on the
- *              CPU through ej_dispatch.  The launch is the host launch code
- *              cuda-sim shares (launch_cuda.c), with device pointers.
+ *   run(g):    steps in schedule order.  On a "cuda" context the tensors
+ *              are device memory: a fused kernel reads its inputs in place
+ *              and writes fresh device tensors of the context; extern
+ *              nodes (GEMM, attention, indexing) run through ej_dispatch as
+ *              the context's eager CUDA kernels.  On a cpu context tensors
+ *              live on the host: a fused kernel's inputs are copied to
+ *              device buffers (the byte span each view covers, so strided
+ *              views keep their strides), its outputs computed on the
+ *              device and copied back into fresh host tensors (counted in
+ *              nvrtc.host_roundtrips); extern nodes run on the CPU.  The
+ *              launch is the host launch code cuda-sim shares
+ *              (launch_cuda.c), with device pointers.
  *
  * CUDA graphs: a graph of fused kernels only is captured once (its
  * launches, into buffers that stay allocated with the state) and replayed
  * on every later run (cudagraph.captures, cudagraph.replays); inputs are
- * copied into the captured buffers first and outputs out of them after.
+ * copied into the captured buffers first and outputs out of them after
+ * (device to device on a cuda context, to and from the host otherwise).
  * EPJIT_CUDA_GRAPHS=0 turns this off.
  *
  * Memory: device buffers come from one caching allocator over the device
@@ -331,11 +336,38 @@ static epj_status launch_one(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
 	return cs->vt->launch(cs->vt->self, ctx, cs->fn[k->id], kname, &l);
 }
 
-/* One fused kernel on host tensors: inputs copied in, outputs copied out
- * into fresh host tensors bound in env. */
+/* One fused kernel on a cuda context: its tensors are device memory
+ * already, so the kernel reads the inputs in place (any strides) and writes
+ * fresh device tensors of the context bound in env. */
+static epj_status run_kernel_resident(epj_ctx *ctx, cstate *cs,
+				      const ej_kernel *k, epj_tensor **env)
+{
+	epj_tensor *in[cs->max_in + 1], *out[cs->max_out + 1];
+	for (int i = 0; i < k->n_in; i++)
+		in[i] = env[k->in[i].value];
+	for (int o = 0; o < k->n_out; o++) {
+		const ej_value *v = &cs->s->g->values[k->out[o].value];
+		out[o] =
+		    ej_tensor_alloc(ctx, v->dtype, v->ndim, v->shape, false);
+		if (!out[o])
+			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		env[k->out[o].value] = out[o];
+	}
+	epj_status st = launch_one(ctx, cs, k, in, out);
+	if (st == EPJ_OK && *ej_cuda_last_error(cs->dev))
+		st = ej_error(ctx, EPJ_ERR_BACKEND, "%s",
+			      ej_cuda_last_error(cs->dev));
+	return st;
+}
+
+/* One fused kernel on host tensors (a cpu context): inputs copied in,
+ * outputs copied out into fresh host tensors bound in env. */
 static epj_status run_kernel(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
 			     epj_tensor **env)
 {
+	if (ctx->dev == cs->vt)
+		return run_kernel_resident(ctx, cs, k, env);
+	epj_counter_add(ctx, "nvrtc.host_roundtrips", 1);
 	dev_view vin[cs->max_in + 1], vout[cs->max_out + 1];
 	epj_tensor *in[cs->max_in + 1], *out[cs->max_out + 1];
 	void *din[cs->max_in + 1], *dout[cs->max_out + 1];
@@ -496,6 +528,8 @@ static epj_status run_graph(epj_ctx *ctx, cstate *cs, epj_tensor *const *inputs,
 		epj_tensor *h = epj_contiguous(ctx, inputs[i]);
 		if (!h)
 			return ctx->status;
+		if (ctx->dev != cs->vt)
+			epj_counter_add(ctx, "nvrtc.host_roundtrips", 1);
 		cs->vt->copy(cs->vt->self, c->buf[v], ej_data(h), c->bytes[v]);
 		epj_tensor_free(h);
 	}

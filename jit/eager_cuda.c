@@ -59,6 +59,17 @@ static int64_t numel_of(const epj_tensor *t)
 	return ej_numel(t->ndim, t->shape);
 }
 
+/* The CUDA C device ctx runs on, as jit/tmpl.h names it. */
+static const char *dev_name(const epj_ctx *ctx)
+{
+	return ctx->dev == &ej_device_sim ? "cuda-sim" : "cuda";
+}
+
+static bool on_sim(const epj_ctx *ctx)
+{
+	return ctx->dev == &ej_device_sim;
+}
+
 static void count_launch(epj_ctx *ctx)
 {
 	epj_counter_add(ctx, "kernels.launched.eager_cuda", 1);
@@ -96,20 +107,20 @@ static epj_status nomem(epj_ctx *ctx, const ej_call *c)
 	if (ctx->status != EPJ_OK)
 		return ctx->status;
 	return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-			   "out of memory on the eager cuda-sim path");
+			   "out of memory on the eager %s path", dev_name(ctx));
 }
 
 /* ---- single-op kernels through the kernel IR ------------------------------
  */
 
 typedef struct kop {
-	char *key; /* "cuda-sim\n" + the graph's canonical text */
+	char *key; /* "cuda-sim\n" or "cuda\n" + the graph's canonical text */
 	uint64_t hash;
 	bool lowered; /* false: the scheduler made no single kernel of it */
 	ej_graph *g;
 	ej_arena *A;
 	const ej_kernel *k;
-	void *module, *fn;
+	void *module, *fn;	 /* cuda-sim (cuda: NULL, jit/tmpl.c has it) */
 	const char *name, *cuda; /* in A: the kernel's unit, as NVRTC gets it */
 	struct kop *next;
 } kop;
@@ -144,7 +155,10 @@ int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
 	return n;
 }
 
-static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text)
+static const ej_tmpl_kernel kop_kernel[] = { { "epjk_0",
+					       "struct ej_kargs_0" } };
+
+static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text, bool sim)
 {
 	e->A = ej_arena_new();
 	ej_schedule *s = ej_sched_build(e->A, e->g);
@@ -158,6 +172,20 @@ static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text)
 	e->name = ej_arena_strdup(e->A, name);
 	static const char *const kn[] = { "epjk_0" };
 	static const char *const ty[] = { "struct ej_kargs_0" };
+	if (!sim) {
+		/* NVRTC for the GPU's arch through the kernel cache, loaded
+		 * by the driver; the template table keeps the module (and is
+		 * asked again at every launch: ej_tmpl_clear may unload it) */
+		ej_tmpl *tm = NULL;
+		epj_status st = ej_tmpl_get_unit(ctx, "cuda", e->name, cuda,
+						 kop_kernel, 1, &tm);
+		if (st != EPJ_OK)
+			return st;
+		e->k = s->kernels[0];
+		e->lowered = true;
+		epj_counter_add(ctx, "codegen.eager_modules", 1);
+		return EPJ_OK;
+	}
 	epj_status st =
 	    ej_sim_build_module(ctx, cuda, kn, ty, 1, name, &e->module);
 	if (st != EPJ_OK)
@@ -209,9 +237,11 @@ static epj_status kop_get(epj_ctx *ctx, int op, const ej_attrs *attrs,
 		ej_graph_free(g);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
 	}
-	memcpy(key, "cuda-sim\n", 9);
-	memcpy(key + 9, text, len + 1);
-	epj_hash128 h = epj_hash(key, len + 9);
+	bool sim = on_sim(ctx);
+	size_t pl = sim ? 9 : 5;
+	memcpy(key, sim ? "cuda-sim\n" : "cuda\n", pl);
+	memcpy(key + pl, text, len + 1);
+	epj_hash128 h = epj_hash(key, len + pl);
 	uint64_t hv = h.lo;
 	pthread_mutex_lock(&kop_lock);
 	kop **slot = &kop_table[hv % KOP_BUCKETS];
@@ -234,10 +264,11 @@ static epj_status kop_get(epj_ctx *ctx, int op, const ej_attrs *attrs,
 	e->key = key;
 	e->hash = hv;
 	e->g = g;
-	epj_status st = kop_build(ctx, e, text);
+	epj_status st = kop_build(ctx, e, text, sim);
 	if (st != EPJ_OK) {
 		pthread_mutex_unlock(&kop_lock);
-		ej_error_prefix(ctx, "eager %s on cuda-sim", ej_ops[op].name);
+		ej_error_prefix(ctx, "eager %s on %s", ej_ops[op].name,
+				dev_name(ctx));
 		kop_free(e);
 		return st;
 	}
@@ -269,6 +300,14 @@ static epj_status kop_launch(epj_ctx *ctx, const kop *e, int op,
 	char kname[64];
 	snprintf(kname, sizeof kname, "eager_%s", ej_ops[op].name);
 	count_launch(ctx);
+	if (!e->fn) { /* cuda */
+		ej_tmpl *tm = NULL;
+		epj_status st = ej_tmpl_get_unit(ctx, "cuda", e->name, e->cuda,
+						 kop_kernel, 1, &tm);
+		if (st != EPJ_OK)
+			return st;
+		return ej_tmpl_launch(ctx, tm, "epjk_0", &l);
+	}
 	return ej_device_sim.launch(ej_device_sim.self, ctx, e->fn, kname, &l);
 }
 
@@ -441,7 +480,7 @@ static epj_status tmpl_run(epj_ctx *ctx, const char *name,
 			   const ej_launch_out *outs, int n_out)
 {
 	ej_tmpl *m = NULL;
-	epj_status st = ej_tmpl_get(ctx, "cuda-sim", name, NULL, ks, nk, &m);
+	epj_status st = ej_tmpl_get(ctx, dev_name(ctx), name, NULL, ks, nk, &m);
 	if (st != EPJ_OK)
 		return st;
 	unsigned block = 128;
@@ -917,22 +956,39 @@ static epj_status eg_full(epj_ctx *ctx, ej_call *c)
  */
 
 /* Every value of index input `input` in [0, limit), or EPJ_ERR_INDEX with
- * the CPU kernels' message (the memory is host-visible on cuda-sim). */
+ * the CPU kernels' message: read in place on cuda-sim (host memory), from
+ * a host copy of the index on cuda. */
 static epj_status check_index(epj_ctx *ctx, const ej_call *c, int input,
 			      int64_t limit, const char *what)
 {
 	const epj_tensor *t = c->in[input];
-	EJ_ASSERT(ctx->dev->host_visible);
 	int64_t n = numel_of(t), idx[EPJ_MAX_DIMS] = { 0 };
 	if (n == 0)
 		return EPJ_OK;
 	const char *base = ej_data(t);
 	bool i64 = t->dtype == EPJ_DTYPE_I64;
+	char *copy = NULL;
+	if (!ctx->dev->host_visible) {
+		/* the span the index covers, element 0 first */
+		int64_t last = 0;
+		for (int d = 0; d < t->ndim; d++)
+			last += (t->shape[d] - 1) * t->stride[d];
+		size_t bytes = (size_t)(last + 1) * ej_dtype_size(t->dtype);
+		copy = malloc(bytes);
+		if (!copy)
+			return nomem(ctx, c);
+		const ej_device *dev = ctx->dev;
+		if (dev->sync)
+			dev->sync(dev->self);
+		dev->copy(dev->self, copy, base, bytes);
+		base = copy;
+	}
 	for (int64_t e = 0; e < n; e++) {
 		int64_t off = ej_offset_of(t->ndim, idx, t->stride);
 		int64_t x = i64 ? ((const int64_t *)base)[off]
 				: ((const int32_t *)base)[off];
 		if (x < 0 || x >= limit) {
+			free(copy);
 			char pos[160];
 			ej_shape_str(t->ndim, idx, pos, sizeof pos);
 			return ej_op_error(ctx, c, EPJ_ERR_INDEX,
@@ -944,6 +1000,7 @@ static epj_status check_index(epj_ctx *ctx, const ej_call *c, int input,
 		}
 		ej_index_next(t->ndim, t->shape, idx);
 	}
+	free(copy);
 	return EPJ_OK;
 }
 
@@ -1263,6 +1320,8 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 void ej_eager_cuda_install(void)
 {
 	ej_eager_install(&ej_device_sim, ej_eager_cuda_table);
+	/* the same entries on the GPU: NVRTC cubins, device memory */
+	ej_eager_install_name("cuda", ej_eager_cuda_table);
 }
 
 /* At library load: a cuda-sim context runs its eager ops here from its

@@ -54,11 +54,14 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 		const char *dev = getenv("EPJIT_DEVICE");
 		if (dev && !strcmp(dev, "cuda-sim"))
 			*out = EJ_BACKEND_CUDA_SIM;
-		else if (dev && *dev && strcmp(dev, "cpu") != 0) {
+		else if (dev && !strcmp(dev, "cuda") && ej_nvrtc_available())
+			*out = EJ_BACKEND_NVRTC; /* EPJIT_DEVICE=cuda */
+		else if (dev && *dev && strcmp(dev, "cpu") != 0 &&
+			 strcmp(dev, "cuda") != 0) {
 			if (msg)
 				snprintf(msg, msg_len,
 					 "EPJIT_DEVICE=\"%s\" is not a device "
-					 "(known: cpu, cuda-sim)",
+					 "(known: cpu, cuda-sim, cuda)",
 					 dev);
 			return EPJ_ERR_CONFIG;
 		}

@@ -174,13 +174,17 @@ static ej_tmpl *lookup(const char *key, size_t len)
 	return NULL;
 }
 
-epj_status ej_tmpl_get(epj_ctx *ctx, const char *device, const char *name,
-		       const char *defines, const ej_tmpl_kernel *k, int n,
-		       ej_tmpl **out)
+/* The module of template `name` with `defines` (unit NULL), or of the
+ * ready CUDA C `unit` named `name` (defines then ignored). */
+static epj_status get_module(epj_ctx *ctx, const char *device, const char *name,
+			     const char *defines, const char *unit,
+			     const ej_tmpl_kernel *k, int n, ej_tmpl **out)
 {
 	*out = NULL;
 	if (!defines)
 		defines = "";
+	if (unit)
+		defines = unit;
 	bool sim = strcmp(device, "cuda-sim") == 0;
 	if (!sim && strcmp(device, "cuda") != 0)
 		return ej_error(ctx, EPJ_ERR_INVALID,
@@ -216,13 +220,13 @@ epj_status ej_tmpl_get(epj_ctx *ctx, const char *device, const char *name,
 	m->key = key;
 	m->key_len = len;
 	key = NULL;
-	const char *src = ej_tmpl_source(ctx, A, name, defines);
+	const char *src = unit ? unit : ej_tmpl_source(ctx, A, name, defines);
 	if (!src) {
 		st = epj_ctx_status(ctx);
 		goto done;
 	}
 	char mname[96];
-	snprintf(mname, sizeof mname, "tmpl_%s", name);
+	snprintf(mname, sizeof mname, "%s%s", unit ? "" : "tmpl_", name);
 	if (sim) {
 		const char **kn =
 		    ej_arena_alloc(A, sizeof(char *) * (size_t)(n + 1));
@@ -282,6 +286,20 @@ done:
 	tmpl_free(m);
 	free(key);
 	return st;
+}
+
+epj_status ej_tmpl_get(epj_ctx *ctx, const char *device, const char *name,
+		       const char *defines, const ej_tmpl_kernel *k, int n,
+		       ej_tmpl **out)
+{
+	return get_module(ctx, device, name, defines, NULL, k, n, out);
+}
+
+epj_status ej_tmpl_get_unit(epj_ctx *ctx, const char *device, const char *name,
+			    const char *unit, const ej_tmpl_kernel *k, int n,
+			    ej_tmpl **out)
+{
+	return get_module(ctx, device, name, NULL, unit, k, n, out);
 }
 
 epj_status ej_tmpl_launch(epj_ctx *ctx, ej_tmpl *m, const char *kernel,

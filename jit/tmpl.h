@@ -53,6 +53,13 @@ epj_status ej_tmpl_get(epj_ctx *ctx, const char *device, const char *name,
 		       const char *defines, const ej_tmpl_kernel *k, int n,
 		       ej_tmpl **out);
 
+/* As ej_tmpl_get for a complete CUDA C unit (prelude included) that is no
+ * template, e.g. a generated kernel: cached in the same table under
+ * (device, name, unit); the test hooks see its unit like a template's. */
+epj_status ej_tmpl_get_unit(epj_ctx *ctx, const char *device, const char *name,
+			    const char *unit, const ej_tmpl_kernel *k, int n,
+			    ej_tmpl **out);
+
 /* Launches kernel `kernel` (named at ej_tmpl_get) of m as l describes;
  * returns when it is done.  cuda-sim runs its checks (barriers, races,
  * unwritten outputs of l->outs). */

@@ -1,9 +1,9 @@
 /* context.c -- epj_ctx: backend device, allocator, error state, grad mode,
  * RNG, counters and the trace hook.
  *
- * One context is used by one thread at a time.  Backends other than "cpu"
- * are installed by upper layers later (cuda through a dlopen'ed driver); here
- * an unknown or unavailable backend is a clean error, never a crash.
+ * One context is used by one thread at a time.  "cuda" opens the process's
+ * GPU through the dlopen'ed driver (device_cuda.c); an unknown or
+ * unavailable backend is a clean error, never a crash.
  */
 #include "core_impl.h"
 #include "cuda_driver.h"
@@ -14,37 +14,35 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 {
 	*out = NULL;
 	bool sim = backend && !strcmp(backend, "cuda-sim");
-	if (backend && strcmp(backend, "cpu") != 0 && !sim) {
-		if (!strcmp(backend, "cuda")) {
-			/* the driver's own verdict first ("no CUDA driver
-			 * (libcuda.so.1 not found: ...)") */
-			epj_ctx probe = { 0 };
-			if (!ej_cuda_driver_get(&probe))
-				epj_log_msg(EPJ_LOG_ERROR,
-					    "backend \"cuda\": %s",
-					    probe.errmsg);
-			else
-				epj_log_msg(
-				    EPJ_LOG_ERROR,
-				    "backend \"cuda\": tensors cannot live on "
-				    "the GPU yet (the eager ops have no CUDA "
-				    "kernels); use \"cpu\" or \"cuda-sim\", "
-				    "and compile.backend \"nvrtc\" to run the "
-				    "compiled kernels on the GPU");
-			return EPJ_ERR_BACKEND;
-		}
+	bool cuda = backend && !strcmp(backend, "cuda");
+	const ej_device *cuda_dev = NULL;
+	if (backend && strcmp(backend, "cpu") != 0 && !sim && !cuda) {
 		epj_log_msg(
 		    EPJ_LOG_ERROR,
 		    "unknown backend \"%s\" (known: cpu, cuda, cuda-sim)",
 		    backend);
 		return EPJ_ERR_INVALID;
 	}
+	if (cuda) {
+		/* the process's GPU (driver, device, streams); without a
+		 * driver its verdict: "no CUDA driver (libcuda.so.1 not
+		 * found: ...)" */
+		epj_ctx probe = { 0 };
+		ej_cuda_dev *cd = NULL;
+		if (ej_cuda_open(&probe, &cd) != EPJ_OK) {
+			epj_log_msg(EPJ_LOG_ERROR, "backend \"cuda\": %s",
+				    probe.errmsg);
+			return EPJ_ERR_BACKEND;
+		}
+		cuda_dev = ej_cuda_device(cd);
+	}
 	epj_ctx *ctx = calloc(1, sizeof *ctx);
 	if (!ctx)
 		return EPJ_ERR_NOMEM;
 	/* cuda-sim: host memory too; compiled regions default to the
-	 * cuda-sim backend (runtime/compile.c) */
-	ctx->dev = sim ? &ej_device_sim : &ej_device_cpu;
+	 * cuda-sim backend (runtime/compile.c).  cuda: tensors live in device
+	 * memory under this context's caching allocator over cuMemAlloc */
+	ctx->dev = cuda ? cuda_dev : sim ? &ej_device_sim : &ej_device_cpu;
 	ctx->alloc = ej_allocator_new(ctx->dev);
 	ctx->counters = ej_counter_table_new();
 	if (!ctx->alloc || !ctx->counters) {
@@ -82,6 +80,8 @@ void epj_ctx_free(epj_ctx *ctx)
 		return;
 	if (ctx->alloc)
 		ej_allocator_free(ctx->alloc);
+	if (ctx->host_alloc)
+		ej_allocator_free(ctx->host_alloc);
 	if (ctx->counters)
 		ej_counter_table_free(ctx->counters);
 	free(ctx);

@@ -127,6 +127,13 @@ typedef struct ej_launch {
 } ej_launch;
 
 extern const ej_device ej_device_cpu;
+/* True for the devices whose kernels are CUDA C (cuda-sim, cuda): the
+ * template and eager-table paths of the runtime run on them. */
+static inline bool ej_dev_runs_cuda(const ej_device *d)
+{
+	return d->name[0] == 'c' && d->name[1] == 'u' && d->name[2] == 'd' &&
+	       d->name[3] == 'a';
+}
 /* Host memory, kernels are CUDA C compiled by the host C++ compiler and run
  * by the simulator (lib/device_sim.c, templates/cuda_sim.cuh). */
 extern const ej_device ej_device_sim;
@@ -368,10 +375,15 @@ typedef epj_status (*ej_eager_fn)(epj_ctx *ctx, ej_call *c);
 /* Installs table[EJ_OP_COUNT] (static storage; NULL uninstalls) as dev's
  * eager kernels.  Idempotent. */
 void ej_eager_install(const ej_device *dev, const ej_eager_fn *table);
-/* The table installed for dev, or NULL. */
+/* Installs table for every device named `name` (static string): the cuda
+ * device's vtable exists only once the process opened its GPU. */
+void ej_eager_install_name(const char *name, const ej_eager_fn *table);
+/* The table installed for dev (by pointer, else by name), or NULL. */
 const ej_eager_fn *ej_eager_table(const ej_device *dev);
 /* Runs c's CPU reference kernel and counts it as a fallback (for entries
- * that decline a case, e.g. an integer reduction). */
+ * that decline a case, e.g. an integer reduction).  On a device the host
+ * cannot address (cuda) the inputs are copied to host memory, the kernel
+ * runs there and the outputs are copied back. */
 epj_status ej_eager_fallback(epj_ctx *ctx, ej_call *c);
 
 /* ---- autograd -------------------------------------------------------------
@@ -506,6 +518,10 @@ struct epj_ctx {
 	/* EPJIT_SDPA=reference: SDPA and SDPA_BACKWARD run the reference
 	 * kernels instead of the flash ones (lib/ops_attention.c) */
 	bool sdpa_reference;
+	/* A host allocator for the CPU kernels of eager fallbacks on a device
+	 * whose memory the host cannot address (cuda); made at the first
+	 * fallback (ej_eager_fallback). */
+	ej_allocator *host_alloc;
 };
 
 #endif /* EPJIT_CORE_IMPL_H */

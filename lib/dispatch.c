@@ -292,11 +292,38 @@ void ej_eager_install(const ej_device *dev, const ej_eager_fn *table)
 	eager_tables[free_slot].dev = dev;
 }
 
+/* Tables installed by device name (the cuda device's vtable is made when
+ * the process opens its GPU, after the table is installed). */
+static struct {
+	const char *name;
+	const ej_eager_fn *table;
+} eager_named[EJ_EAGER_DEVICES];
+
+void ej_eager_install_name(const char *name, const ej_eager_fn *table)
+{
+	int free_slot = -1;
+	for (int i = 0; i < EJ_EAGER_DEVICES; i++) {
+		if (eager_named[i].name && !strcmp(eager_named[i].name, name)) {
+			eager_named[i].table = table;
+			return;
+		}
+		if (!eager_named[i].name && free_slot < 0)
+			free_slot = i;
+	}
+	EJ_ASSERT(free_slot >= 0);
+	eager_named[free_slot].table = table;
+	eager_named[free_slot].name = name;
+}
+
 const ej_eager_fn *ej_eager_table(const ej_device *dev)
 {
 	for (int i = 0; i < EJ_EAGER_DEVICES; i++)
 		if (eager_tables[i].dev == dev)
 			return eager_tables[i].table;
+	for (int i = 0; i < EJ_EAGER_DEVICES; i++)
+		if (eager_named[i].name &&
+		    !strcmp(eager_named[i].name, dev->name))
+			return eager_named[i].table;
 	return NULL;
 }
 
@@ -315,10 +342,102 @@ static void count_fallback(epj_ctx *ctx, int op)
 	(*ctx->ctr_fallback_op[op])++;
 }
 
+/* A host tensor with t's geometry over a host copy of t's storage (copy:
+ * the device bytes are copied in; else uninitialised).  Made while ctx runs
+ * on the host device. */
+static epj_tensor *host_twin(epj_ctx *ctx, const ej_device *dev,
+			     const epj_tensor *t, bool copy)
+{
+	epj_tensor *h = ej_tensor_meta(ctx, t->dtype, t->ndim, t->shape);
+	if (!h)
+		return NULL;
+	for (int d = 0; d < t->ndim; d++)
+		h->stride[d] = t->stride[d];
+	h->offset = t->offset;
+	if (!t->storage)
+		return h;
+	h->storage = ej_storage_new_uninit(ctx, t->storage->bytes);
+	if (!h->storage) {
+		epj_tensor_free(h);
+		return NULL;
+	}
+	if (copy)
+		dev->copy(dev->self, h->storage->data, t->storage->data,
+			  t->storage->bytes);
+	return h;
+}
+
+/* The CPU kernel of c on a device the host cannot address: inputs copied
+ * to host buffers, the kernel run there (the context on the host device
+ * meanwhile, so that its scratch tensors are host memory too), outputs
+ * copied back. */
+static epj_status fallback_on_host(epj_ctx *ctx, ej_call *c)
+{
+	const ej_device *dev = ctx->dev;
+	ej_allocator *dalloc = ctx->alloc;
+	if (!ctx->host_alloc &&
+	    !(ctx->host_alloc = ej_allocator_new(&ej_device_cpu)))
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"%s: out of memory (host fallback)",
+				ej_ops[c->op].name);
+	int n = c->n_in + c->n_out;
+	epj_tensor **h = calloc((size_t)n + 1, sizeof *h);
+	if (!h)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"%s: out of memory (host fallback)",
+				ej_ops[c->op].name);
+	if (dev->sync)
+		dev->sync(dev->self);
+	ctx->dev = &ej_device_cpu;
+	ctx->alloc = ctx->host_alloc;
+	epj_status st = EPJ_OK;
+	for (int i = 0; i < n && st == EPJ_OK; i++) {
+		const epj_tensor *t =
+		    i < c->n_in ? c->in[i] : c->out[i - c->n_in];
+		h[i] = host_twin(ctx, dev, t, i < c->n_in);
+		if (!h[i])
+			st =
+			    ctx->status != EPJ_OK ? ctx->status : EPJ_ERR_NOMEM;
+	}
+	if (st == EPJ_OK) {
+		ej_call hc = *c;
+		hc.in = h;
+		hc.out = h + c->n_in;
+		st = ej_ops[c->op].cpu_kernel(ctx, &hc);
+	}
+	ctx->dev = dev;
+	ctx->alloc = dalloc;
+	for (int j = 0; st == EPJ_OK && j < c->n_out; j++) {
+		const epj_tensor *o = c->out[j];
+		if (!o->storage)
+			continue;
+		size_t at = (size_t)o->offset * ej_dtype_size(o->dtype);
+		size_t bytes = (size_t)ej_numel(o->ndim, o->shape) *
+			       ej_dtype_size(o->dtype);
+		if (bytes)
+			dev->copy(dev->self, (char *)o->storage->data + at,
+				  (char *)h[c->n_in + j]->storage->data + at,
+				  bytes);
+	}
+	for (int i = 0; i < n; i++)
+		epj_tensor_free(h[i]);
+	free(h);
+	return st;
+}
+
+/* The CPU reference kernel of c on the context's device: in place where
+ * the host addresses its memory, else through host copies. */
+static epj_status cpu_kernel_on(epj_ctx *ctx, ej_call *c)
+{
+	if (ctx->dev->host_visible)
+		return ej_ops[c->op].cpu_kernel(ctx, c);
+	return fallback_on_host(ctx, c);
+}
+
 epj_status ej_eager_fallback(epj_ctx *ctx, ej_call *c)
 {
 	count_fallback(ctx, c->op);
-	return ej_ops[c->op].cpu_kernel(ctx, c);
+	return cpu_kernel_on(ctx, c);
 }
 
 /* The op's kernel on the context's device: its eager CUDA entry where the
@@ -326,11 +445,15 @@ epj_status ej_eager_fallback(epj_ctx *ctx, ej_call *c)
 static epj_status run_eager(epj_ctx *ctx, const ej_op_info *info, ej_call *c)
 {
 	const ej_eager_fn *table = ej_eager_table(ctx->dev);
-	if (!table)
+	if (!table && ctx->dev->host_visible)
 		return info->cpu_kernel(ctx, c);
+	if (!table) {
+		count_fallback(ctx, c->op);
+		return fallback_on_host(ctx, c);
+	}
 	if (!table[c->op]) {
 		count_fallback(ctx, c->op);
-		return info->cpu_kernel(ctx, c);
+		return cpu_kernel_on(ctx, c);
 	}
 	if (!ctx->ctr_eager_cuda)
 		ctx->ctr_eager_cuda =

@@ -634,7 +634,10 @@ epj_status epj_tensor_copy_(epj_ctx *ctx, epj_tensor *dst,
 	if (ej_numel(dst->ndim, dst->shape) == 0)
 		return EPJ_OK;
 	ej_param_write(dst->ctx, dst);
-	const ej_device *dev = dst->ctx->dev;
+	/* between contexts: the device whose memory the host cannot address
+	 * copies (cuMemcpy infers the direction); host memory otherwise */
+	const ej_device *dev =
+	    dst->ctx->dev->host_visible ? src->ctx->dev : dst->ctx->dev;
 
 	/* Same dtype, both dense, disjoint (or identical): one device copy.
 	 * Partly overlapping views take the general path below. */

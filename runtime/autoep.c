@@ -187,8 +187,23 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
 		return NULL;
 	}
 	size_t row = (size_t)H * epj_dtype_size(epj_tensor_dtype(x));
-	epj_status s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
-				    ej_data(y), recv_counts, row);
+	epj_status s;
+	if (!ctx->dev->host_visible && P == 1) {
+		/* one rank on the GPU: the rows stay in device memory */
+		size_t bytes = (size_t)rows_in * row;
+		if (bytes)
+			ctx->dev->copy(ctx->dev->self, ej_data(y), ej_data(xc),
+				       bytes);
+		s = EPJ_OK;
+	} else if (!ctx->dev->host_visible) {
+		s = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			     "%s: all-to-all of device memory over %d ranks "
+			     "needs a device communicator (not built)",
+			     what, P);
+	} else {
+		s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
+				 ej_data(y), recv_counts, row);
+	}
 	epj_tensor_free(xc);
 	if (s != EPJ_OK) {
 		epj_tensor_free(y);
@@ -765,7 +780,7 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
 	epj_tensor *logits_r = cast_to(ctx, logits, rdt);
 	epj_tensor_free(logits);
-	if (logits_r && !im->opts.fixed_routing && ctx->dev == &ej_device_sim &&
+	if (logits_r && !im->opts.fixed_routing && ej_dev_runs_cuda(ctx->dev) &&
 	    k <= EJ_TMPL_MOE_MAX_K) {
 		epj_status s =
 		    route_device(ctx, logits_r, E, k, im->opts.norm_topk_prob,
@@ -960,7 +975,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	}
 	/* cuda-sim: the permutation and the combine are template kernels;
 	 * pos is the inverse of order */
-	const bool on_dev = ctx->dev == &ej_device_sim;
+	const bool on_dev = ej_dev_runs_cuda(ctx->dev);
 	if (on_dev) {
 		for (int64_t r = 0; r < R; r++)
 			tok_h[order_h[r]] = r; /* tok_h is rebuilt below */

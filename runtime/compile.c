@@ -612,6 +612,10 @@ epj_status epj_engine_compile(epj_engine *e)
 	if (!bname[0] && (!strcmp(e->cfg.device, "cuda-sim") ||
 			  (!e->cfg.device[0] && ctx->dev == &ej_device_sim)))
 		bname = "cuda-sim";
+	else if (!bname[0] &&
+		 (!strcmp(e->cfg.device, "cuda") ||
+		  (!e->cfg.device[0] && !strcmp(ctx->dev->name, "cuda"))))
+		bname = "nvrtc"; /* a cuda context: the GPU's own kernels */
 	else if (!bname[0] && !strcmp(e->cfg.device, "cpu"))
 		bname = "c";
 	st = ej_backend_parse(bname, &backend, msg, sizeof msg);

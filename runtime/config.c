@@ -359,7 +359,7 @@ static const char *const compile_backends[] = { "interpreter", "c", "nvrtc",
 						"cuda-sim" };
 static const char *const offload_devices[] = { "none", "cpu", "nvme" };
 static const char *const preset_models[] = { "qwen3_moe" };
-static const char *const devices[] = { "cpu", "cuda-sim" };
+static const char *const devices[] = { "cpu", "cuda-sim", "cuda" };
 static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
 
 #define CH(a) .choices = a, .nchoices = (int)EJ_ARRAY_LEN(a)
@@ -545,6 +545,7 @@ static const key keys[] = {
 	  .doc_default = "null (`$EPJIT_DEVICE`, else cpu)",
 	  .doc = "with `compile.backend` unset: `\"cuda-sim\"` runs compiled "
 		 "regions on the cuda-sim backend (doc/cuda-sim.md), "
+		 "`\"cuda\"` on the nvrtc backend (doc/cuda.md), "
 		 "`\"cpu\"` on the C backend" },
 	{ .sec = SEC_ROOT,
 	  .name = "skip_nonfinite_steps",

@@ -163,9 +163,10 @@ static epj_status master_from_param(epj_ctx *ctx, opt_param *p)
 	epj_tensor *full =
 	    ej_tensor_alloc(ctx, EPJ_DTYPE_F32, t->ndim, t->shape, false);
 	epj_status st = full ? epj_tensor_copy_(ctx, full, t) : EPJ_ERR_NOMEM;
-	if (st == EPJ_OK)
-		memcpy(ej_data(p->master), (float *)ej_data(full) + p->lo,
-		       sizeof(float) * (size_t)(p->hi - p->lo));
+	if (st == EPJ_OK) /* device memory on cuda (a copy that says so) */
+		ctx->dev->copy(ctx->dev->self, ej_data(p->master),
+			       (float *)ej_data(full) + p->lo,
+			       sizeof(float) * (size_t)(p->hi - p->lo));
 	epj_tensor_free(full);
 	if (st != EPJ_OK) {
 		ej_error_prefix(ctx, "optim: master shard of %s", p->name);
@@ -322,6 +323,15 @@ ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
 		ej_optim_free(o);
 		return NULL;
 	}
+	if (d && d->world && d->world->size > 1 && !ctx->dev->host_visible) {
+		ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			 "optim: %d ranks on the %s device: the collectives "
+			 "work on host memory only (one rank per run on the "
+			 "GPU for now)",
+			 d->world->size, ctx->dev->name);
+		ej_optim_free(o);
+		return NULL;
+	}
 	if (d && d->world && d->world->size > 1) {
 		o->dist = true;
 		o->d = *d;
@@ -438,6 +448,25 @@ static epj_tensor *param_grad(epj_ctx *ctx, opt_param *p, epj_status *st)
 	return p->param->grad;
 }
 
+/* mgrad += f32(g) with eager ops on the context's device. */
+static epj_status accumulate_ops(epj_ctx *ctx, opt_param *p, epj_tensor *g)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *gf = epj_cast(ctx, g, EPJ_DTYPE_F32);
+	epj_tensor *gv =
+	    gf ? epj_reshape(ctx, gf, p->mgrad->ndim, p->mgrad->shape) : NULL;
+	epj_tensor *sum = gv ? epj_add(ctx, p->mgrad, gv) : NULL;
+	epj_status st =
+	    sum ? epj_tensor_copy_(ctx, p->mgrad, sum) : epj_ctx_status(ctx);
+	epj_tensor_free(gf);
+	epj_tensor_free(gv);
+	epj_tensor_free(sum);
+	epj_no_grad_exit(ctx, prev);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "optim: gradient of %s", p->name);
+	return st;
+}
+
 epj_status ej_optim_accumulate(ej_optim *o)
 {
 	for (int i = 0; i < o->n; i++) {
@@ -450,6 +479,15 @@ epj_status ej_optim_accumulate(ej_optim *o)
 			return st;
 		if (!g)
 			continue;
+		if (!o->ctx->dev->host_visible) {
+			/* device memory: mgrad += f32(g) as eager kernels
+			 * (the same f32 additions as the loop below) */
+			if ((st = accumulate_ops(o->ctx, p, g)) != EPJ_OK)
+				return st;
+			p->has_grad = true;
+			epj_tensor_zero_grad(p->param);
+			continue;
+		}
 		const uint16_t *src = ej_data(g);
 		float *acc = ej_data(p->mgrad);
 		int64_t n = p->numel;
@@ -580,9 +618,13 @@ static epj_status clear_grads(ej_optim *o)
 	for (int i = 0; i < o->n; i++) {
 		opt_param *p = &o->p[i];
 		epj_tensor_zero_grad(p->param);
-		if (p->mgrad && p->has_grad)
+		if (p->mgrad && p->has_grad && o->ctx->dev->host_visible)
 			memset(ej_data(p->mgrad), 0,
 			       sizeof(float) * (size_t)p->numel);
+		else if (p->mgrad && p->has_grad)
+			o->ctx->dev->memzero(o->ctx->dev->self,
+					     ej_data(p->mgrad),
+					     sizeof(float) * (size_t)p->numel);
 		p->has_grad = false;
 	}
 	return EPJ_OK;
@@ -709,13 +751,33 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 			     .grad_dtype = EPJ_DTYPE_F32,
 			     .model_dtype = EPJ_DTYPE_F32 };
 	if (st == EPJ_OK)
-		st = ej_tmpl_optim_step(ctx, "cuda-sim", &hp, d, n);
+		st = ej_tmpl_optim_step(ctx, ctx->dev->name, &hp, d, n);
 	free(d);
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "optim step on %s", ctx->dev->name);
 	else
 		epj_counter_add(ctx, "optim.steps.device", 1);
 	return st;
+}
+
+/* *ss += the sum of squares of g (f32, contiguous, device memory) from a
+ * host copy, in the chunk order of sum_sq. */
+static epj_status device_sum_sq(ej_optim *o, const epj_tensor *g, double *ss)
+{
+	epj_ctx *ctx = o->ctx;
+	int64_t n = ej_numel(g->ndim, g->shape);
+	float *h = malloc(sizeof *h * (size_t)(n > 0 ? n : 1));
+	if (!h)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"optim step: out of memory for the gradient "
+				"norm");
+	const ej_device *dev = ctx->dev;
+	if (dev->sync)
+		dev->sync(dev->self);
+	dev->copy(dev->self, h, ej_data(g), sizeof *h * (size_t)n);
+	*ss += sum_sq(o->partial, h, n);
+	free(h);
+	return EPJ_OK;
 }
 
 epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
@@ -758,6 +820,12 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 			return st;
 		if (!g)
 			continue;
+		if (!ctx->dev->host_visible) {
+			/* device memory: the norm from a host copy */
+			if ((st = device_sum_sq(o, g, &ss)) != EPJ_OK)
+				return st;
+			continue;
+		}
 		const float *gd = ej_data(g);
 		if (o->dist && (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
 			return st;
@@ -802,10 +870,10 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	}
 
 	const int64_t t = o->steps + 1;
-	/* On a cuda-sim context the update of every parameter with a
+	/* On a cuda-sim or cuda context the update of every parameter with a
 	 * gradient is one launch of the optimizer template (the same bits);
 	 * the parameters are then refreshed from their masters below. */
-	const bool device = ctx->dev == &ej_device_sim;
+	const bool device = ej_dev_runs_cuda(ctx->dev);
 	if (device && (st = device_update(o, lr, gs, t)) != EPJ_OK)
 		return st;
 	for (int i = 0; i < o->n; i++) {

@@ -125,7 +125,9 @@ static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled,
 	 * kernels */
 	const char *dev = getenv("EPJIT_DEVICE");
 	epj_status st = epj_ctx_new(
-	    dev && !strcmp(dev, "cuda-sim") ? "cuda-sim" : "cpu", &a->ctx);
+	    dev && (!strcmp(dev, "cuda-sim") || !strcmp(dev, "cuda")) ? dev
+								      : "cpu",
+	    &a->ctx);
 	if (st != EPJ_OK)
 		return st;
 	epj_ctx *ctx = a->ctx;

@@ -21,11 +21,14 @@
 #include "check_util.h"
 
 #include <dlfcn.h>
+#include <execinfo.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "cc.h"
 #include "cuda_driver.h"
@@ -111,7 +114,7 @@ static struct {
 	struct {
 		const void *module;
 		void *sim;
-	} m[128];
+	} m[1024];
 	int n;
 } H;
 
@@ -135,7 +138,7 @@ static void *sim_for(const void *module)
 	int tn = state ? -1 : ej_tmpl_test_module(module, &tsrc, &tk, &tt);
 	ck_assert_msg(state || tn >= 0,
 		      "the fake was asked to run an unknown module");
-	ck_assert_int_lt(H.n, 128);
+	ck_assert_int_lt(H.n, 1024);
 	if (!state) { /* a template module (jit/tmpl.c) */
 		void *sim = NULL;
 		epj_status st = ej_sim_build_module(H.ctx, tsrc, tk, tt, tn,
@@ -161,7 +164,7 @@ static void *sim_for(const void *module)
 	    ej_sim_build_module(H.ctx, ej_backend_cuda_source(state), kn, ty,
 				s->n_kernels, "fake", &sim);
 	ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(H.ctx));
-	ck_assert_int_lt(H.n, 128);
+	ck_assert_int_lt(H.n, 1024);
 	H.m[H.n].module = module;
 	H.m[H.n].sim = sim;
 	H.n++;
@@ -220,6 +223,64 @@ static void hook_off(void)
 	H.n = 0;
 	epj_ctx_free(H.ctx);
 	H.ctx = NULL;
+}
+
+/* ---- the fake for other suites (check_util.h) ---------------------------- */
+
+bool tu_fake_cuda_usable(void)
+{
+	const char *b = getenv("top_builddir");
+	char path[4096];
+	snprintf(path, sizeof path, "%s/t/.libs/libfakecuda.so", b ? b : ".");
+	struct stat st;
+	int a = 0, c = 0;
+	return stat(path, &st) == 0 && ej_nvrtc_version(&a, &c);
+}
+
+static bool guard_set, race_set;
+
+/* A fault under the guard: where the host touched device memory. */
+static void on_segv(int sig)
+{
+	static const char msg[] = "check_cuda: SIGSEGV (a host access to the "
+				  "fake's device memory?):\n";
+	if (write(2, msg, sizeof msg - 1) < 0)
+		_exit(1);
+	void *frames[64];
+	int n = backtrace(frames, 64);
+	backtrace_symbols_fd(frames, n, 2);
+	signal(sig, SIG_DFL);
+	raise(sig);
+}
+
+bool tu_fake_cuda_begin(void)
+{
+	fresh();
+	guard_set = !getenv("FAKE_CUDA_GUARD");
+	if (guard_set)
+		setenv("FAKE_CUDA_GUARD", "1", 1);
+	/* cuda-sim's race check runs a grid twice: right for the kernels it
+	 * launches itself (in-place updates get input snapshots there), wrong
+	 * for an in-place kernel the fake hands it (an optimizer update, a
+	 * GEMM accumulating into C would apply twice) */
+	race_set = !getenv("EPJIT_SIM_RACECHECK");
+	if (race_set)
+		setenv("EPJIT_SIM_RACECHECK", "0", 1);
+	if (!use_fake())
+		return false;
+	signal(SIGSEGV, on_segv);
+	hook_on();
+	return true;
+}
+
+void tu_fake_cuda_end(void)
+{
+	hook_off();
+	if (guard_set)
+		unsetenv("FAKE_CUDA_GUARD");
+	if (race_set)
+		unsetenv("EPJIT_SIM_RACECHECK");
+	guard_set = race_set = false;
 }
 
 /* ---- no driver ------------------------------------------------------------
@@ -859,6 +920,386 @@ START_TEST(test_fake_parity)
 }
 END_TEST
 
+/* ---- "cuda" contexts: tensors in device memory ---------------------------
+ * Against the fake driver with FAKE_CUDA_GUARD=1: its "device" memory is
+ * PROT_NONE outside driver calls, so any host code that dereferences a
+ * tensor's data on a cuda context dies with SIGSEGV. */
+
+static epj_ctx *cuda_ctx_on(void)
+{
+	ck_assert(tu_fake_cuda_begin());
+	epj_ctx *c = NULL;
+	ck_assert_msg(epj_ctx_new("cuda", &c) == EPJ_OK && c,
+		      "epj_ctx_new(\"cuda\") on the fake driver failed");
+	ck_assert_str_eq(c->dev->name, "cuda");
+	ck_assert(!c->dev->host_visible);
+	epj_ctx_seed(c, tu_seed());
+	return c;
+}
+
+static int64_t ctrv(epj_ctx *ctx, const char *name)
+{
+	return epj_counter_get(ctx, name);
+}
+
+/* Without a driver a cuda context is refused with the driver's message
+ * (on stderr) and the library keeps working on the CPU. */
+START_TEST(test_ctx_no_driver)
+{
+	fresh();
+	setenv("EPJIT_CUDA_DRIVER", "/nonexistent/epjit/libcuda.so.1", 1);
+	char *dir = tu_tmpdir_new("cudactx");
+	char *log = tu_path(dir, "stderr");
+	fflush(stderr);
+	int saved = dup(2);
+	FILE *f = fopen(log, "w");
+	ck_assert(saved >= 0 && f);
+	dup2(fileno(f), 2);
+	epj_ctx *c = (epj_ctx *)&c;
+	epj_status st = epj_ctx_new("cuda", &c);
+	fflush(stderr);
+	dup2(saved, 2);
+	close(saved);
+	fclose(f);
+	ck_assert_int_eq(st, EPJ_ERR_BACKEND);
+	ck_assert_ptr_null(c);
+	char *text = tu_slurp(log, NULL);
+	ck_assert_msg(strstr(text, "backend \"cuda\": no CUDA driver "
+				   "(/nonexistent/epjit/libcuda.so.1 not "
+				   "found: "),
+		      "%s", text);
+	free(text);
+	free(log);
+	tu_tmpdir_free(dir);
+	/* the CPU is unaffected */
+	epj_ctx *cpu = tu_ctx();
+	int64_t sh[2] = { 3, 7 };
+	epj_tensor *a = tu_randn(cpu, EPJ_DTYPE_F32, 2, sh);
+	epj_tensor *e = epj_exp(cpu, a);
+	tu_ok(cpu, e);
+	for (int64_t i = 0; i < 21; i++)
+		ck_assert_double_eq_tol(epj_tensor_get_f64(e, i),
+					exp(epj_tensor_get_f64(a, i)), 1e-5);
+	epj_tensor_free(a);
+	epj_tensor_free(e);
+	epj_ctx_free(cpu);
+	unsetenv("EPJIT_CUDA_DRIVER");
+}
+END_TEST
+
+/* Tensor data on a cuda context lives in device memory under the
+ * context's caching allocator: creation from host data, random fills,
+ * element access, strided copies in both directions, reading back and
+ * safetensors round trips all go through explicit copies. */
+START_TEST(test_ctx_memory)
+{
+	if (!tu_fake_cuda_usable())
+		return;
+	epj_ctx *g = cuda_ctx_on();
+	epj_ctx *cpu = tu_ctx();
+	long long live0 = fstats().live_bytes;
+	static const epj_dtype dts[3] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					  EPJ_DTYPE_I64 };
+	for (int d = 0; d < 3; d++) {
+		int64_t sh[2] = { tu_randint(1, 6), 2 * tu_randint(1, 40) + 1 };
+		epj_tensor *h = dts[d] == EPJ_DTYPE_I64
+				    ? epj_randint(cpu, dts[d], 2, sh, -99, 99)
+				    : tu_randn(cpu, dts[d], 2, sh);
+		tu_ok(cpu, h);
+		epj_tensor *t =
+		    epj_tensor_from_data(g, dts[d], 2, sh, epj_tensor_data(h));
+		tu_ok(g, t);
+		ck_assert_ptr_null(epj_tensor_data(t)); /* not host memory */
+		tu_assert_tensors_close(cpu, t, h, 0, 0, "from_data");
+		/* element access */
+		int64_t k = tu_randint(0, sh[0] * sh[1]);
+		epj_tensor_set_f64(t, k, 5.0);
+		ck_assert_double_eq(epj_tensor_get_f64(t, k), 5.0);
+		epj_tensor_set_f64(h, k, 5.0);
+		/* a strided device view from host, and back to the host */
+		epj_tensor *tt = epj_transpose(g, t, 0, 1);
+		epj_tensor *ht = epj_transpose(cpu, h, 0, 1);
+		epj_tensor *back =
+		    epj_zeros(cpu, dts[d], 2, epj_tensor_shape(ht));
+		ck_assert_int_eq(epj_tensor_copy_(cpu, back, tt), EPJ_OK);
+		tu_assert_tensors_close(cpu, back, ht, 0, 0, "device to host");
+		epj_tensor *z = epj_zeros(g, dts[d], 2, epj_tensor_shape(ht));
+		ck_assert_int_eq(epj_tensor_copy_(g, z, ht), EPJ_OK);
+		tu_assert_tensors_close(cpu, z, ht, 0, 0, "host to device");
+		epj_tensor *tt2 = epj_transpose(g, z, 0, 1);
+		ck_assert_int_eq(epj_tensor_copy_(g, t, tt2), EPJ_OK);
+		tu_assert_tensors_close(cpu, t, h, 0, 0, "device to device");
+		epj_tensor *all[] = { h, t, tt, ht, back, z, tt2 };
+		for (size_t i = 0; i < EJ_ARRAY_LEN(all); i++)
+			epj_tensor_free(all[i]);
+	}
+	/* random fills: the same stream as on the cpu */
+	uint64_t seed = tu_seed() + 3;
+	epj_ctx_seed(g, seed);
+	epj_ctx_seed(cpu, seed);
+	int64_t sh[3] = { 2, 3, tu_randint(1, 30) };
+	epj_tensor *rg = epj_randn(g, EPJ_DTYPE_F32, 3, sh, 0.5, 2.0);
+	epj_tensor *rc = epj_randn(cpu, EPJ_DTYPE_F32, 3, sh, 0.5, 2.0);
+	tu_assert_tensors_close(cpu, rg, rc, 0, 0, "randn");
+	epj_memory_stats ms;
+	epj_memory_stats_get(g, &ms);
+	ck_assert_uint_gt(ms.allocated, 0);
+	ck_assert_int_gt(fstats().live_bytes, live0); /* cuMemAlloc'ed */
+	/* safetensors: saved from device memory, read into either */
+	char *dir = tu_tmpdir_new("cudactx");
+	char *path = tu_path(dir, "t.safetensors");
+	epj_st_writer *w = NULL;
+	ck_assert_int_eq(epj_st_writer_new(g, &w), EPJ_OK);
+	ck_assert_int_eq(epj_st_writer_add(w, "r", rg), EPJ_OK);
+	ck_assert_msg(epj_st_writer_save(w, path) == EPJ_OK, "%s",
+		      epj_ctx_error(g));
+	epj_st_writer_free(w);
+	epj_ctx *both[2] = { cpu, g };
+	for (int i = 0; i < 2; i++) {
+		epj_st_file *f = NULL;
+		ck_assert_int_eq(epj_st_open(both[i], path, &f), EPJ_OK);
+		epj_tensor *x = epj_st_get(both[i], f, "r");
+		tu_ok(both[i], x);
+		tu_assert_tensors_close(cpu, x, rc, 0, 0, "safetensors");
+		epj_tensor_free(x);
+		epj_st_close(f);
+	}
+	free(path);
+	tu_tmpdir_free(dir);
+	epj_tensor_free(rg);
+	epj_tensor_free(rc);
+	epj_ctx_free(cpu);
+	epj_ctx_free(g);
+	tu_fake_cuda_end();
+}
+END_TEST
+
+/* The guard itself: host code that reads a cuda tensor's data dies. */
+START_TEST(test_ctx_guard)
+{
+	if (!tu_fake_cuda_usable()) {
+		raise(SIGSEGV); /* nothing to check: what the case expects */
+		return;
+	}
+	epj_ctx *g = cuda_ctx_on();
+	int64_t n = 17;
+	epj_tensor *t = epj_zeros(g, EPJ_DTYPE_F32, 1, &n);
+	tu_ok(g, t);
+	volatile const float *p = ej_data(t);
+	fprintf(stderr, "check_cuda: read %g\n", (double)p[3]);
+	ck_abort_msg("a host read of device memory did not fault");
+}
+END_TEST
+
+/* The tiny model config of the engine tests. */
+static const char *const CTX_MODEL_JSON =
+    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
+    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
+    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
+    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
+    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
+
+typedef struct arm {
+	epj_ctx *ctx;
+	epj_model *m;
+	epj_engine *e;
+	double loss0, losses[3];
+	int n_params;
+	double **init, **grad, **after;
+} arm;
+
+static double **values_of(epj_ctx *ctx, const epj_model *m, bool grads)
+{
+	int n = epj_model_num_params(m);
+	double **v = calloc((size_t)n, sizeof *v);
+	ck_assert_ptr_nonnull(v);
+	for (int i = 0; i < n; i++) {
+		epj_tensor *t = epj_model_param(m, i);
+		if (grads)
+			t = epj_tensor_grad(t);
+		v[i] = t ? tu_values(ctx, t) : NULL;
+	}
+	return v;
+}
+
+static void values_free(double **v, int n)
+{
+	for (int i = 0; i < n; i++)
+		free(v[i]);
+	free(v);
+}
+
+/* One arm: model + engine on ctx, a forward + backward of one batch
+ * (loss, gradients), then three training steps on fresh batches. */
+static void arm_run(arm *a, epj_ctx *ctx, const char *model_path, uint64_t seed,
+		    bool bf16)
+{
+	a->ctx = ctx;
+	epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
+			     .seed = seed,
+			     .dtype = bf16 ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32 };
+	ck_assert_msg(epj_model_new(ctx, model_path, &o, &a->m) == EPJ_OK,
+		      "model: %s", epj_ctx_error(ctx));
+	char js[512];
+	snprintf(js, sizeof js,
+		 "{\"train_micro_batch_size_per_gpu\": 2, \"optimizer\": "
+		 "{\"type\": \"AdamW\", \"params\": {\"lr\": 0.01, "
+		 "\"weight_decay\": 0.01}}, \"gradient_clipping\": 1.0%s}",
+		 bf16 ? ", \"bf16\": {\"enabled\": true}" : "");
+	ck_assert_msg(epj_engine_initialize_json(ctx, a->m, js, "ctx.json",
+						 &a->e) == EPJ_OK,
+		      "engine: %s", epj_ctx_error(ctx));
+	a->n_params = epj_model_num_params(a->m);
+	a->init = values_of(ctx, a->m, false);
+	epj_corpus *c = epj_corpus_synthetic(ctx, 16, seed + 5);
+	tu_ok(ctx, c);
+	int64_t T = 5 + (int64_t)(seed % 4);
+	epj_tensor *ids = NULL, *labels = NULL;
+	ck_assert_int_eq(epj_corpus_next_batch(ctx, c, 2, T, &ids, &labels),
+			 EPJ_OK);
+	epj_tensor *loss = NULL;
+	ck_assert_msg(epj_model_forward(ctx, a->m, ids, labels, NULL, &loss) ==
+			  EPJ_OK,
+		      "forward: %s", epj_ctx_error(ctx));
+	a->loss0 = epj_tensor_get_f64(loss, 0);
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "backward: %s",
+		      epj_ctx_error(ctx));
+	a->grad = values_of(ctx, a->m, true);
+	for (int i = 0; i < a->n_params; i++)
+		epj_tensor_zero_grad(epj_model_param(a->m, i));
+	epj_tensor_free(loss);
+	epj_tensor_free(ids);
+	epj_tensor_free(labels);
+	for (int s = 0; s < 3; s++) {
+		ck_assert_int_eq(
+		    epj_corpus_next_batch(ctx, c, 2, T, &ids, &labels), EPJ_OK);
+		epj_step_info info;
+		ck_assert_msg(epj_engine_train_step(a->e, ids, labels, &info) ==
+				  EPJ_OK,
+			      "train step %d: %s", s, epj_ctx_error(ctx));
+		ck_assert(info.stepped);
+		a->losses[s] = info.mean_loss;
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+	}
+	epj_corpus_free(c);
+	a->after = values_of(ctx, a->m, false);
+}
+
+static void arm_free(arm *a)
+{
+	values_free(a->init, a->n_params);
+	values_free(a->grad, a->n_params);
+	values_free(a->after, a->n_params);
+	epj_engine_free(a->e);
+	epj_model_free(a->m);
+	epj_ctx_free(a->ctx);
+}
+
+/* _i: f32 / bf16 parameters.  The tiny MoE model on a cuda context (every
+ * eager op an NVRTC cubin on the fake, the optimizer's update template on
+ * device memory) against the same model on a cpu context: loss and
+ * gradients of one forward + backward, then the losses of three AdamW
+ * steps and the updated parameters, which moved. */
+START_TEST(test_ctx_train)
+{
+	if (!tu_fake_cuda_usable())
+		return;
+	bool bf16 = _i == 1;
+	uint64_t seed = tu_seed() % 100000 + 1;
+	tu_tmpfile cfg =
+	    tu_tmpfile_new("cudactx", "config.json", CTX_MODEL_JSON);
+	arm c = { 0 }, g = { 0 };
+	arm_run(&c, tu_ctx(), cfg.path, seed, bf16);
+	epj_ctx *gc = cuda_ctx_on();
+	long long l0 = fstats().launches;
+	arm_run(&g, gc, cfg.path, seed, bf16);
+	tu_tmpfile_free(&cfg);
+	/* everything ran on the device */
+	ck_assert_int_eq(ctrv(gc, "kernels.eager_cpu_fallback"), 0);
+	ck_assert_int_gt(ctrv(gc, "kernels.eager_cuda"), 100);
+	ck_assert_int_gt(ctrv(gc, "optim.steps.device"), 0);
+	ck_assert_int_gt(fstats().launches - l0, 100);
+	double tol = bf16 ? 3e-2 : 2e-4;
+	ck_assert_msg(fabs(g.loss0 - c.loss0) <= tol * (1 + fabs(c.loss0)),
+		      "loss cuda %.9g vs cpu %.9g", g.loss0, c.loss0);
+	double moved = 0;
+	for (int i = 0; i < c.n_params; i++) {
+		const char *nm = epj_model_param_name(c.m, i);
+		int64_t n = epj_tensor_numel(epj_model_param(c.m, i));
+		ck_assert_msg(!c.grad[i] == !g.grad[i], "grad of %s", nm);
+		double gmax = 0;
+		for (int64_t k = 0; c.grad[i] && k < n; k++)
+			gmax = fmax(gmax, fabs(c.grad[i][k]));
+		for (int64_t k = 0; c.grad[i] && k < n; k++)
+			ck_assert_msg(fabs(g.grad[i][k] - c.grad[i][k]) <=
+					  tol * (gmax + 1e-3),
+				      "grad %s[%lld]: cuda %.9g vs cpu %.9g",
+				      nm, (long long)k, g.grad[i][k],
+				      c.grad[i][k]);
+		for (int64_t k = 0; k < n; k++) {
+			ck_assert_msg(fabs(g.after[i][k] - c.after[i][k]) <=
+					  (bf16 ? 2e-2 : 1e-4) *
+					      (1 + fabs(c.after[i][k])),
+				      "%s[%lld] after 3 steps: cuda %.9g vs "
+				      "cpu %.9g",
+				      nm, (long long)k, g.after[i][k],
+				      c.after[i][k]);
+			moved = fmax(moved, fabs(g.after[i][k] - g.init[i][k]));
+		}
+	}
+	ck_assert_msg(moved > 1e-3, "the updates moved nothing (%g)", moved);
+	for (int s = 0; s < 3; s++)
+		ck_assert_msg(fabs(g.losses[s] - c.losses[s]) <=
+				  tol * (1 + fabs(c.losses[s])),
+			      "step %d loss: cuda %.9g vs cpu %.9g", s,
+			      g.losses[s], c.losses[s]);
+	arm_free(&c);
+	arm_free(&g);
+	tu_fake_cuda_end();
+}
+END_TEST
+
+/* _i 0: f_norm forward + backward with graphs off; 1: a pointwise chain
+ * replayed as a CUDA graph.  On a cuda context the nvrtc backend reads the
+ * device tensors in place (no host round trip); a cpu context with the
+ * nvrtc backend still copies (the round trips counted). */
+START_TEST(test_ctx_region)
+{
+	if (!tu_fake_cuda_usable())
+		return;
+	bool graphs = _i == 1;
+	if (graphs)
+		unsetenv("EPJIT_CUDA_GRAPHS");
+	else
+		setenv("EPJIT_CUDA_GRAPHS", "0", 1);
+	epj_ctx *g = cuda_ctx_on();
+	int64_t sh[2] = { tu_randint(1, 6), 2 * tu_randint(3, 100) + 1 };
+	bool prev = epj_no_grad_enter(g);
+	if (!graphs)
+		epj_no_grad_exit(g, prev);
+	int64_t f0 = ctrv(g, "kernels.eager_cpu_fallback");
+	check_region(g, graphs ? f_pointwise : f_norm, EPJ_DTYPE_F32, sh,
+		     !graphs, 2);
+	ck_assert_int_eq(ctrv(g, "nvrtc.host_roundtrips"), 0);
+	ck_assert_int_eq(ctrv(g, "kernels.eager_cpu_fallback"), f0);
+	ck_assert_int_eq(ctrv(g, "cudagraph.replays"), graphs ? 2 : 0);
+	if (graphs)
+		epj_no_grad_exit(g, prev);
+	epj_ctx *cpu = tu_ctx();
+	bool p2 = epj_no_grad_enter(cpu);
+	check_region(cpu, graphs ? f_pointwise : f_norm, EPJ_DTYPE_F32, sh,
+		     false, 1);
+	epj_no_grad_exit(cpu, p2);
+	ck_assert_int_gt(ctrv(cpu, "nvrtc.host_roundtrips"), 0);
+	epj_ctx_free(cpu);
+	epj_ctx_free(g);
+	tu_fake_cuda_end();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+}
+END_TEST
+
 /* ---- the gpu suite: whatever driver this machine has -------------------
  * tools/gpu-check runs CK_RUN_SUITE=gpu on a machine with a GPU.  Where
  * EPJIT_CUDA_DRIVER names the fake, the kernels run on cuda-sim (so the
@@ -1027,5 +1468,19 @@ Suite *make_cuda_suite(void)
 	tcase_add_test(tc, test_fake_smem_optin);
 	tcase_add_loop_test(tc, test_fake_parity, 0, 2);
 	suite_add_tcase(s, tc);
+	/* "cuda" contexts (device memory, eager kernels, regions, training) */
+	TCase *tx = tcase_create("cuda_ctx");
+	tcase_set_timeout(tx, 600);
+	tcase_add_test(tx, test_ctx_no_driver);
+	tcase_add_test(tx, test_ctx_memory);
+	const char *fork = getenv("CK_FORK");
+	if (!fork || strcmp(fork, "no") != 0) /* a signal needs a fork */
+		tcase_add_test_raise_signal(tx, test_ctx_guard, SIGSEGV);
+	tcase_add_loop_test(tx, test_ctx_region, 0, 2);
+	suite_add_tcase(s, tx);
+	TCase *tt = tcase_create("cuda_train");
+	tcase_set_timeout(tt, 600);
+	tcase_add_loop_test(tt, test_ctx_train, 0, 2);
+	suite_add_tcase(s, tt);
 	return s;
 }

@@ -38,10 +38,16 @@ static double tol_of(epj_dtype dt)
 				     : 1.6e-2;
 }
 
+/* The context the cases run on besides cpu: "cuda-sim" (suite eager_sim)
+ * or "cuda" on the stand-in driver (suite eager_cuda: device memory, NVRTC
+ * cubins, kernels run by the fake through cuda-sim). */
+static const char *target = "cuda-sim";
+
 static epj_ctx *sim_ctx(void)
 {
 	epj_ctx *ctx = NULL;
-	ck_assert_int_eq(epj_ctx_new("cuda-sim", &ctx), EPJ_OK);
+	ck_assert_msg(epj_ctx_new(target, &ctx) == EPJ_OK,
+		      "epj_ctx_new(\"%s\") failed", target);
 	epj_ctx_seed(ctx, tu_seed());
 	return ctx;
 }
@@ -846,6 +852,9 @@ START_TEST(test_coverage)
 	ck_assert_msg(missing == 0, "ops without an eager CUDA entry:%s", list);
 	/* the table is what cuda-sim contexts dispatch through */
 	ck_assert_ptr_eq(ej_eager_table(&ej_device_sim), ej_eager_cuda_table);
+	/* and cuda contexts (by the device's name) */
+	ej_device named = { .name = "cuda" };
+	ck_assert_ptr_eq(ej_eager_table(&named), ej_eager_cuda_table);
 }
 END_TEST
 
@@ -865,6 +874,46 @@ Suite *make_eager_sim_suite(void)
 	tcase_add_loop_test(tc, test_reductions, 0, 4);
 	tcase_add_loop_test(tc, test_shape, 0, 3);
 	tcase_add_loop_test(tc, test_index, 0, 3);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+/* The same cases on a "cuda" context over the stand-in driver
+ * (t/fake_cuda.c; FAKE_CUDA_GUARD keeps its device memory inaccessible to
+ * the host outside driver calls, so a host read of a device pointer
+ * crashes the case): tensors in device memory, every eager op an NVRTC
+ * cubin launched through cuLaunchKernel. */
+static void cuda_setup(void)
+{
+	target = "cuda";
+	ck_assert_msg(tu_fake_cuda_begin(), "the fake driver is missing");
+}
+
+static void cuda_teardown(void)
+{
+	tu_fake_cuda_end();
+	target = "cuda-sim";
+}
+
+Suite *make_eager_cuda_suite(void)
+{
+	Suite *s = suite_create("eager_cuda");
+	TCase *tc = tcase_create("eager_cuda");
+	tcase_set_timeout(tc, 600);
+	if (!tu_fake_cuda_usable()) {
+		suite_add_tcase(s, tc);
+		return s;
+	}
+	tcase_add_checked_fixture(tc, cuda_setup, cuda_teardown);
+	tcase_add_test(tc, test_fallback_counted);
+	tcase_add_test(tc, test_index_errors);
+	tcase_add_test(tc, test_accumulation_order);
+	/* f32 and bf16 (f64 takes the same device paths as f32) */
+	tcase_add_loop_test(tc, test_pointwise, 0, 2);
+	tcase_add_test(tc, test_int_and_casts);
+	tcase_add_loop_test(tc, test_reductions, 0, 2);
+	tcase_add_loop_test(tc, test_shape, 0, 2);
+	tcase_add_loop_test(tc, test_index, 0, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

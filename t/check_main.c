@@ -32,6 +32,7 @@ int main(void)
 		make_tmpl_attention_suite,
 		make_tmpl_moe_suite,
 		make_eager_sim_suite,
+		make_eager_cuda_suite,
 	};
 	/* the GPU libraries on their stand-ins */
 	Suite *(*gpu_lib_suites[])(void) = {

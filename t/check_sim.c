@@ -954,7 +954,7 @@ START_TEST(test_device_select)
 	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg),
 			 EPJ_ERR_CONFIG);
 	ck_assert_msg(strstr(msg, "EPJIT_DEVICE=\"gpu0\"") &&
-			  strstr(msg, "cpu, cuda-sim"),
+			  strstr(msg, "cpu, cuda-sim, cuda"),
 		      "%s", msg);
 	unsetenv("EPJIT_DEVICE");
 	ck_assert_int_eq(ej_backend_parse("cuda-sim", &k, msg, sizeof msg),

@@ -53,6 +53,7 @@ Suite *make_tmpl_moe_suite(void);
 Suite *make_eager_sim_suite(void);
 Suite *make_cublaslt_suite(void);
 Suite *make_nccl_suite(void);
+Suite *make_eager_cuda_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);
@@ -203,5 +204,14 @@ typedef epj_tensor *(*tu_fn)(epj_ctx *ctx, epj_tensor *const *in, void *user);
 void tu_gradcheck(epj_ctx *ctx, tu_fn fn, epj_tensor *const *in, int n_in,
 		  void *user, double eps, double rtol, double atol,
 		  const char *what);
+
+/* The stand-in CUDA driver (t/fake_cuda.c) for a "cuda" context, defined
+ * in check_cuda.c: usable says whether it and NVRTC are there; begin
+ * points EPJIT_CUDA_DRIVER at it (the driver state reset) and makes its
+ * launches run on cuda-sim, with FAKE_CUDA_GUARD=1 unless set; end undoes
+ * the hook. */
+bool tu_fake_cuda_usable(void);
+bool tu_fake_cuda_begin(void);
+void tu_fake_cuda_end(void);
 
 #endif

@@ -8,6 +8,11 @@
  *  - "device" memory is malloc'ed; frees of unknown pointers are
  *    CUDA_ERROR_INVALID_VALUE; FAKE_CUDA_MEM_LIMIT (bytes) makes cuMemAlloc
  *    fail with CUDA_ERROR_OUT_OF_MEMORY above that many live bytes;
+ *  - FAKE_CUDA_GUARD=1 (read at the first cuMemAlloc): "device" memory
+ *    instead comes from one mmap'ed region that stays PROT_NONE except
+ *    while a copy, a memset or a kernel runs inside the driver, so host
+ *    code that dereferences a device pointer dies with SIGSEGV, as it
+ *    would (or worse, silently would not) on a GPU;
  *  - cuModuleLoadData accepts an ELF image (a cubin) or PTX text and
  *    refuses anything else (CUDA_ERROR_INVALID_IMAGE); cuModuleGetFunction
  *    finds a kernel only if its name is a NUL-terminated string of the
@@ -30,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 typedef int CUresult;
@@ -328,6 +334,73 @@ static CUresult f_cuCtxSynchronize(void)
 /* ---- memory ---------------------------------------------------------------
  */
 
+/* The guarded region (FAKE_CUDA_GUARD=1): a bump allocator over reserved
+ * address space; freed blocks give their pages back but are not reused. */
+#define GUARD_RESERVE ((size_t)64 << 30)
+static struct {
+	int on; /* -1: not decided yet */
+	char *base;
+	size_t used; /* bytes handed out (page-rounded end below) */
+	int open;    /* nesting of guard_open */
+} G = { -1, NULL, 0, 0 };
+
+static bool guard_on(void)
+{
+	if (G.on < 0) {
+		const char *v = getenv("FAKE_CUDA_GUARD");
+		G.on = v && !strcmp(v, "1");
+		if (G.on) {
+			void *p = mmap(
+			    NULL, GUARD_RESERVE, PROT_NONE,
+			    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+			if (p == MAP_FAILED)
+				G.on = 0;
+			else
+				G.base = p;
+		}
+	}
+	return G.on;
+}
+
+static size_t guard_span(void)
+{
+	return (G.used + 4095) & ~(size_t)4095;
+}
+
+/* Device memory readable and writable (inside a driver call) or not. */
+static void guard_open(void)
+{
+	if (G.on == 1 && G.open++ == 0 && G.used)
+		mprotect(G.base, guard_span(), PROT_READ | PROT_WRITE);
+}
+
+static void guard_close(void)
+{
+	if (G.on == 1 && --G.open == 0 && G.used)
+		mprotect(G.base, guard_span(), PROT_NONE);
+}
+
+static void *guard_alloc(size_t n)
+{
+	size_t at = (G.used + 255) & ~(size_t)255;
+	size_t need = (n + 255) & ~(size_t)255;
+	if (at + need > GUARD_RESERVE)
+		return NULL;
+	G.used = at + need;
+	if (G.open)
+		mprotect(G.base, guard_span(), PROT_READ | PROT_WRITE);
+	return G.base + at;
+}
+
+static void guard_release(void *p, size_t n)
+{
+	/* whole pages inside the block go back to the system */
+	uintptr_t lo = ((uintptr_t)p + 4095) & ~(uintptr_t)4095;
+	uintptr_t hi = ((uintptr_t)p + n) & ~(uintptr_t)4095;
+	if (hi > lo)
+		madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 static int find_alloc(const void *p)
 {
 	for (int i = 0; i < MAX_ALLOCS; i++)
@@ -346,7 +419,9 @@ static CUresult f_cuMemAlloc(CUdeviceptr *d, size_t n)
 	if (lim && F.st.live_bytes + (long long)n > atoll(lim))
 		return E_OOM;
 	int i = find_alloc(NULL);
-	void *p = i >= 0 ? aligned_alloc(256, (n + 255) & ~(size_t)255) : NULL;
+	void *p = i < 0	       ? NULL
+		  : guard_on() ? guard_alloc(n)
+			       : aligned_alloc(256, (n + 255) & ~(size_t)255);
 	if (!p)
 		return E_OOM;
 	F.alloc[i].p = p;
@@ -364,7 +439,10 @@ static CUresult f_cuMemFree(CUdeviceptr d)
 	int i = find_alloc((void *)(uintptr_t)d);
 	if (!d || i < 0)
 		return E_INVALID_VALUE;
-	free(F.alloc[i].p);
+	if (G.on == 1)
+		guard_release(F.alloc[i].p, F.alloc[i].n);
+	else
+		free(F.alloc[i].p);
 	F.st.live_bytes -= (long long)F.alloc[i].n;
 	F.alloc[i].p = NULL;
 	F.st.frees++;
@@ -393,7 +471,9 @@ static CUresult f_cuMemFreeHost(void *p)
 static CUresult f_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
 {
 	ENTER("cuMemcpy");
+	guard_open();
 	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	guard_close();
 	return OK;
 }
 static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
@@ -403,14 +483,18 @@ static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
 	ENTER("cuMemcpyAsync");
 	if (F.capturing)
 		return E_CAPTURE; /* not recorded by this fake */
+	guard_open();
 	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+	guard_close();
 	return OK;
 }
 static CUresult f_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n,
 				  void *s)
 {
 	(void)s;
+	guard_open();
 	memset((void *)(uintptr_t)dst, v, n);
+	guard_close();
 	return OK;
 }
 
@@ -526,8 +610,12 @@ static CUresult run(func *f, const unsigned *g, const unsigned *b,
 	memcpy(F.st.last_block, b, sizeof F.st.last_block);
 	F.st.last_smem = smem;
 	snprintf(F.st.last_kernel, sizeof F.st.last_kernel, "%s", f->name);
-	if (F.hook &&
-	    F.hook(F.hook_user, f->module, f->name, g, b, smem, args) != 0)
+	guard_open();
+	int rc = F.hook
+		     ? F.hook(F.hook_user, f->module, f->name, g, b, smem, args)
+		     : 0;
+	guard_close();
+	if (rc != 0)
 		return E_UNKNOWN; /* the kernel "faulted" */
 	return OK;
 }

@@ -14,7 +14,8 @@
 #     plain f32 HF safetensors file;
 #  4. bad inputs exit 1 with a message naming the file or key (a FIFO as any
 #     input file is refused, not waited on; sizes past their range say the
-#     range); a bad command line exits 2.
+#     range); a bad command line exits 2; --device cuda without a CUDA
+#     driver exits 1 with the driver's message.
 # Exit 77 (SKIP) when the trainer was not built.  One thread each, so the
 # timings do not depend on how loaded the machine is (about 20 s in all).
 
@@ -231,6 +232,16 @@ printf '{"train_micro_batch_size_per_gpu": 1048576}\n' >huge.json
 expect_fail 1 'at most 1099511627776' --config huge.json --seq 2147483647 \
 	--steps 1
 expect_fail 2 --bogus --bogus
+expect_fail 2 'cpu, cuda-sim or cuda' --device gpu0
+# --device cuda without a driver: the driver's verdict and a clean exit 1
+EPJIT_CUDA_DRIVER=/nonexistent/epjit/libcuda.so.1 "$TRAIN" --device cuda \
+	--steps 1 >out.txt 2>err.txt
+rc=$?
+[ "$rc" -eq 1 ] || fail "--device cuda without a driver: exit $rc"
+grep -q 'no CUDA driver (/nonexistent/epjit/libcuda.so.1 not found' \
+	err.txt || fail "--device cuda without a driver: $(cat err.txt)"
+grep -q '^epjit-train: cannot create a cuda context' err.txt ||
+	fail "--device cuda without a driver: $(cat err.txt)"
 expect_fail 2 --steps --steps many
 expect_fail 2 --layout --layout sideways
 "$TRAIN" --help >help.txt 2>&1 || fail "--help exited non-zero"

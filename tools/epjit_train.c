@@ -183,9 +183,10 @@ static void usage(FILE *fp)
 	    "                      (*.cu) with its NVRTC options (*.opts); "
 	    "--nvrtc-check\n"
 	    "                      also compiles them for EPJIT_CUDA_ARCH\n"
-	    "  --device DEV        cpu or cuda-sim: compiled regions run "
-	    "their CUDA C\n"
-	    "                      on the simulator (as EPJIT_DEVICE=DEV)\n"
+	    "  --device DEV        cpu, cuda-sim (the CUDA C on the "
+	    "simulator) or cuda\n"
+	    "                      (tensors and kernels on the GPU); as "
+	    "EPJIT_DEVICE=DEV\n"
 	    "  --parity            eager vs compiled on one batch (table; exit "
 	    "1 "
 	    "on any\n"
@@ -391,9 +392,10 @@ static int parse_args(int argc, char **argv, opts *o)
 			/* the same as EPJIT_DEVICE, for this process (the
 			 * parity harness's arms read it too) */
 			if (strcmp(val, "cpu") != 0 &&
-			    strcmp(val, "cuda-sim") != 0)
-				return bad_usage("--device wants cpu or "
-						 "cuda-sim, got '%s'%s",
+			    strcmp(val, "cuda-sim") != 0 &&
+			    strcmp(val, "cuda") != 0)
+				return bad_usage("--device wants cpu, cuda-sim "
+						 "or cuda, got '%s'%s",
 						 val, "");
 			setenv("EPJIT_DEVICE", val, 1);
 		} else if (!strcmp(name, "--layout")) {
@@ -576,10 +578,14 @@ static int text_corpus(run *r, const char *path)
 /* The device of the run's contexts: EPJIT_DEVICE (set by --device too),
  * "cpu" when unset.  On "cuda-sim" every eager op of the run (model
  * forward, autograd backward formulas, the AutoEP layer) runs as a CUDA
- * kernel on the simulator, and compiled regions use the cuda-sim backend. */
+ * kernel on the simulator, and compiled regions use the cuda-sim backend;
+ * on "cuda" the tensors live in GPU memory, the eager ops are NVRTC cubins
+ * and compiled regions use the nvrtc backend. */
 static const char *run_device(void)
 {
 	const char *d = getenv("EPJIT_DEVICE");
+	if (d && !strcmp(d, "cuda"))
+		return "cuda";
 	return d && !strcmp(d, "cuda-sim") ? "cuda-sim" : "cpu";
 }
 
@@ -593,12 +599,13 @@ static int setup(run *r, const opts *o)
 	uint64_t seed = o->seed_given ? o->seed : 42;
 	if (build_model_engine(r, o, seed) != EPJ_OK)
 		return fail(r->ctx);
-	/* "device": "cuda-sim" in the config with no EPJIT_DEVICE / --device:
-	 * the run's contexts move to cuda-sim (eager ops included), so model
-	 * and engine are built once more there */
+	/* "device": "cuda-sim" or "cuda" in the config with no EPJIT_DEVICE /
+	 * --device: the run's contexts move there (eager ops included), so
+	 * model and engine are built once more there */
 	if (!getenv("EPJIT_DEVICE") &&
-	    !strcmp(epj_engine_device(r->engine), "cuda-sim")) {
-		setenv("EPJIT_DEVICE", "cuda-sim", 1);
+	    (!strcmp(epj_engine_device(r->engine), "cuda-sim") ||
+	     !strcmp(epj_engine_device(r->engine), "cuda"))) {
+		setenv("EPJIT_DEVICE", epj_engine_device(r->engine), 1);
 		epj_engine_free(r->engine);
 		epj_model_free(r->model);
 		epj_ctx_free(r->ctx);
