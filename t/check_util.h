@@ -51,6 +51,7 @@ Suite *make_tmpl_gemm_suite(void);
 Suite *make_tmpl_attention_suite(void);
 Suite *make_tmpl_moe_suite(void);
 Suite *make_eager_sim_suite(void);
+Suite *make_ops_moe_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);
