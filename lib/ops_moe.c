@@ -29,6 +29,41 @@
 
 /* Below this much work a kernel runs on one thread. */
 #define PAR_MIN_ELEMS (1 << 15)
+/* Elements per f32 scratch chunk of the f32 / bf16 fast paths. */
+#define CHUNK 512
+
+static bool f32_or_bf16(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F32 || dt == EPJ_DTYPE_BF16;
+}
+
+/* len elements from element off of the dense f32 or bf16 array p, as f32 */
+static inline void chunk_load(const void *p, epj_dtype dt, int64_t off,
+			      int64_t len, float *dst)
+{
+	if (dt == EPJ_DTYPE_F32)
+		memcpy(dst, (const float *)p + off, sizeof *dst * (size_t)len);
+	else
+		ej_cvt_bf16_to_f32((const uint16_t *)p + off, dst, len);
+}
+
+static inline void chunk_store(const float *src, void *p, epj_dtype dt,
+			       int64_t off, int64_t len)
+{
+	if (dt == EPJ_DTYPE_F32)
+		memcpy((float *)p + off, src, sizeof *src * (size_t)len);
+	else
+		ej_cvt_f32_to_bf16(src, (uint16_t *)p + off, len);
+}
+
+/* acc[0..len) += a * x[0..len) (f32) */
+EJ_ISA_CLONES static void axpy_f32(float a, const float *restrict x,
+				   float *restrict acc, int64_t len)
+{
+#pragma omp simd
+	for (int64_t i = 0; i < len; i++)
+		acc[i] += a * x[i];
+}
 
 /* ---- helpers ------------------------------------------------------------ */
 
@@ -526,6 +561,26 @@ epj_status ej_kernel_MOE_PERMUTE_BACKWARD(epj_ctx *ctx, const ej_call *c)
 		goto done;
 	const bool f64 = gt->dtype == EPJ_DTYPE_F64;
 	const epj_dtype dt = gt->dtype;
+	if (f32_or_bf16(dt)) {
+		/* the same sums (slot order, f32) on f32 chunks */
+#pragma omp parallel for schedule(static) if (R * H >= PAR_MIN_ELEMS)
+		for (int64_t n = 0; n < N; n++) {
+			float acc[CHUNK], row[CHUNK];
+			for (int64_t h0 = 0; h0 < H; h0 += CHUNK) {
+				int64_t len = H - h0 < CHUNK ? H - h0 : CHUNK;
+				memset(acc, 0, sizeof acc);
+				for (int64_t j = 0; j < k; j++) {
+					chunk_load(g, dt,
+						   pos[n * k + j] * H + h0, len,
+						   row);
+					axpy_f32(1.0f, row, acc, len);
+				}
+				chunk_store(acc, ej_data(o), dt, n * H + h0,
+					    len);
+			}
+		}
+		goto done;
+	}
 	/* every output row is one token's: rows split over threads */
 #pragma omp parallel for schedule(static) if (R * H >= PAR_MIN_ELEMS)
 	for (int64_t n = 0; n < N; n++) {
@@ -590,6 +645,27 @@ epj_status ej_kernel_MOE_UNPERMUTE(epj_ctx *ctx, const ej_call *c)
 		goto done;
 	const bool f64 = wt->dtype == EPJ_DTYPE_F64;
 	const epj_dtype ydt = yt->dtype, wdt = wt->dtype;
+	if (f32_or_bf16(ydt) && wdt == EPJ_DTYPE_F32) {
+		/* the same sums (slot order, f32) on f32 chunks */
+		const float *wf = w;
+#pragma omp parallel for schedule(static) if (N * k * H >= PAR_MIN_ELEMS)
+		for (int64_t n = 0; n < N; n++) {
+			float acc[CHUNK], row[CHUNK];
+			for (int64_t h0 = 0; h0 < H; h0 += CHUNK) {
+				int64_t len = H - h0 < CHUNK ? H - h0 : CHUNK;
+				memset(acc, 0, sizeof acc);
+				for (int64_t j = 0; j < k; j++) {
+					chunk_load(y, ydt,
+						   pos[n * k + j] * H + h0, len,
+						   row);
+					axpy_f32(wf[n * k + j], row, acc, len);
+				}
+				chunk_store(acc, ej_data(o), o->dtype,
+					    n * H + h0, len);
+			}
+		}
+		goto done;
+	}
 	/* every output row is one token's: rows split over threads */
 #pragma omp parallel for schedule(static) if (N * k * H >= PAR_MIN_ELEMS)
 	for (int64_t n = 0; n < N; n++) {
@@ -685,8 +761,38 @@ epj_status ej_kernel_MOE_UNPERMUTE_BACKWARD(epj_ctx *ctx, const ej_call *c)
 		goto done;
 	if ((s = check_perm(ctx, c, pos, N * k)) != EPJ_OK)
 		goto done;
-		/* each token writes its own k rows of dy (pos is a permutation)
-		 */
+	if (f32_or_bf16(gt->dtype) && f32_or_bf16(yt->dtype) &&
+	    wt->dtype == EPJ_DTYPE_F32) {
+		/* the same values on f32 chunks: a product of two f32 values
+		 * is exact in double, so w g rounds once either way */
+		const float *wf = w;
+#pragma omp parallel for schedule(static) if (N * k * H >= PAR_MIN_ELEMS)
+		for (int64_t n = 0; n < N; n++) {
+			float gr[CHUNK], yr[CHUNK], dr[CHUNK];
+			for (int64_t j = 0; j < k; j++) {
+				const int64_t r = pos[n * k + j];
+				const float wj = wf[n * k + j];
+				double dot = 0;
+				for (int64_t h0 = 0; h0 < H; h0 += CHUNK) {
+					int64_t len =
+					    H - h0 < CHUNK ? H - h0 : CHUNK;
+					chunk_load(g, gt->dtype, n * H + h0,
+						   len, gr);
+					chunk_load(y, yt->dtype, r * H + h0,
+						   len, yr);
+					for (int64_t i = 0; i < len; i++) {
+						dot += (double)gr[i] * yr[i];
+						dr[i] = wj * gr[i];
+					}
+					chunk_store(dr, ej_data(dy), dy->dtype,
+						    r * H + h0, len);
+				}
+				st(ej_data(dw), dw->dtype, n * k + j, dot);
+			}
+		}
+		goto done;
+	}
+	/* each token writes its own k rows of dy (pos is a permutation) */
 #pragma omp parallel for schedule(static) if (N * k * H >= PAR_MIN_ELEMS)
 	for (int64_t n = 0; n < N; n++) {
 		for (int64_t j = 0; j < k; j++) {
@@ -993,9 +1099,27 @@ epj_status ej_infer_SWIGLU(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	return EPJ_OK;
 }
 
-static inline float silu_f(float g)
+EJ_ISA_CLONES static void swiglu_f32(const float *restrict g,
+				     const float *restrict u, float *restrict y,
+				     int64_t n)
 {
-	return g / (1.0f + expf(-g));
+#pragma omp simd
+	for (int64_t i = 0; i < n; i++)
+		y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+EJ_ISA_CLONES static void swiglu_bw_f32(const float *restrict d,
+					const float *restrict g,
+					const float *restrict u,
+					float *restrict dg, float *restrict du,
+					int64_t n)
+{
+#pragma omp simd
+	for (int64_t i = 0; i < n; i++) {
+		float sg = 1.0f / (1.0f + expf(-g[i]));
+		dg[i] = d[i] * u[i] * sg * (1.0f + g[i] * (1.0f - sg));
+		du[i] = d[i] * g[i] * sg;
+	}
 }
 
 epj_status ej_kernel_SWIGLU(epj_ctx *ctx, const ej_call *c)
@@ -1018,19 +1142,25 @@ epj_status ej_kernel_SWIGLU(epj_ctx *ctx, const ej_call *c)
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
 		for (int64_t i = 0; i < n; i++)
 			d[i] = a[i] / (1.0 + exp(-a[i])) * b[i];
-	} else if (dt == EPJ_DTYPE_F32) {
-		const float *a = g, *b = u;
-		float *d = y;
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
-		for (int64_t i = 0; i < n; i++)
-			d[i] = silu_f(a[i]) * b[i];
 	} else {
-		const uint16_t *a = g, *b = u;
-		uint16_t *d = y;
+		/* f32 chunks (bf16 converted in and rounded once out) */
+		const int64_t nc = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
-		for (int64_t i = 0; i < n; i++)
-			d[i] = ej_bf16_store(silu_f(ej_bf16_load(a[i])) *
-					     ej_bf16_load(b[i]));
+		for (int64_t q = 0; q < nc; q++) {
+			float a[CHUNK], b[CHUNK], d[CHUNK];
+			const int64_t o0 = q * CHUNK;
+			const int64_t len = n - o0 < CHUNK ? n - o0 : CHUNK;
+			if (dt == EPJ_DTYPE_F32) {
+				swiglu_f32((const float *)g + o0,
+					   (const float *)u + o0,
+					   (float *)y + o0, len);
+				continue;
+			}
+			chunk_load(g, dt, o0, len, a);
+			chunk_load(u, dt, o0, len, b);
+			swiglu_f32(a, b, d, len);
+			chunk_store(d, y, dt, o0, len);
+		}
 	}
 done:
 	free(og);
@@ -1107,14 +1237,18 @@ epj_status ej_kernel_SWIGLU_BACKWARD(epj_ctx *ctx, const ej_call *c)
 			ou[i] = d[i] * g[i] * sg;
 		}
 	} else {
+		const int64_t nc = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN_ELEMS)
-		for (int64_t i = 0; i < n; i++) {
-			float d = (float)ld(p[0], dt, i),
-			      g = (float)ld(p[1], dt, i),
-			      u = (float)ld(p[2], dt, i);
-			float sg = 1.0f / (1.0f + expf(-g));
-			st(dg, dt, i, d * u * sg * (1.0f + g * (1.0f - sg)));
-			st(du, dt, i, d * g * sg);
+		for (int64_t q = 0; q < nc; q++) {
+			float d[CHUNK], g[CHUNK], u[CHUNK], a[CHUNK], b[CHUNK];
+			const int64_t o0 = q * CHUNK;
+			const int64_t len = n - o0 < CHUNK ? n - o0 : CHUNK;
+			chunk_load(p[0], dt, o0, len, d);
+			chunk_load(p[1], dt, o0, len, g);
+			chunk_load(p[2], dt, o0, len, u);
+			swiglu_bw_f32(d, g, u, a, b, len);
+			chunk_store(a, dg, dt, o0, len);
+			chunk_store(b, du, dt, o0, len);
 		}
 	}
 done:
