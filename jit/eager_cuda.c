@@ -1254,6 +1254,15 @@ static epj_status eg_rope(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
+/* The fused MoE ops (lib/ops_moe.c) have no CUDA lowering: on cuda-sim the
+ * AutoEP layer runs the MoE templates (templates/moe.cuh) and its own op
+ * sequence instead, so a direct call of one of them runs the CPU kernel
+ * and is counted as a fallback. */
+static epj_status eg_cpu_fallback(epj_ctx *ctx, ej_call *c)
+{
+	return ej_eager_fallback(ctx, c);
+}
+
 /* ---- the table ----------------------------------------------------------
  * Every op has an entry: the single-op lowerings and copy/index templates
  * of this file, and the adapters of the GEMM (jit/tmpl_gemm.c), attention
@@ -1315,6 +1324,16 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_CONTIGUOUS] = eg_copy,
 	[EJ_OP_CAT] = eg_cat,
 	[EJ_OP_FULL] = eg_full,
+	[EJ_OP_MOE_ROUTE] = eg_cpu_fallback,
+	[EJ_OP_MOE_ROUTE_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_MOE_PERMUTE] = eg_cpu_fallback,
+	[EJ_OP_MOE_PERMUTE_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_MOE_UNPERMUTE] = eg_cpu_fallback,
+	[EJ_OP_MOE_UNPERMUTE_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_MOE_GROUPED_MM] = eg_cpu_fallback,
+	[EJ_OP_MOE_GROUPED_MM_WGRAD] = eg_cpu_fallback,
+	[EJ_OP_SWIGLU] = eg_cpu_fallback,
+	[EJ_OP_SWIGLU_BACKWARD] = eg_cpu_fallback,
 };
 
 void ej_eager_cuda_install(void)

@@ -47,6 +47,7 @@
  * Routing math runs in f32 for f32 and bf16 layers (as HF's router does) and
  * in f64 for f64 layers, so that the layer can be gradient-checked.
  */
+#include "ops_moe.h"
 #include "runtime_impl.h"
 #include "tmpl_moe.h"
 
@@ -71,6 +72,11 @@ typedef struct autoep_impl {
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
 	int64_t ops_at_post;	  /* eager launches when the plan was posted */
 	int64_t n_forward, n_replay; /* calls of this layer */
+	/* CPU contexts: the fused MoE ops (lib/ops_moe.c) instead of the
+	 * generic op sequence; EPJIT_AUTOEP_OPS at construction, default
+	 * fused.  cuda-sim and cuda contexts always run the templates + op
+	 * sequence. */
+	bool fused;
 } autoep_impl;
 
 static void autoep_impl_free(void *p)
@@ -769,6 +775,75 @@ static epj_tensor *combine_device(epj_ctx *ctx, epj_tensor *y, epj_tensor *w,
 	return out;
 }
 
+/* The fused CPU path (lib/ops_moe.c) applies: a CPU context and a layer
+ * that has not been switched to the op sequence. */
+static bool use_fused(const epj_ctx *ctx, const autoep_impl *im)
+{
+	return im->fused && !ej_dev_runs_cuda(ctx->dev);
+}
+
+/* The experts as three grouped GEMMs and one SwiGLU over the rows of
+ * x_recv [R, H] grouped by local expert (local_counts[e] rows each): the
+ * fused counterpart of run_experts, same result.  Only experts that
+ * receive rows take part, so an expert without rows gets no gradient, as
+ * in run_experts. */
+static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
+				     const autoep_impl *im, epj_tensor *x_recv,
+				     const int64_t *local_counts)
+{
+	epj_module *experts = ej_module_child(m, "experts");
+	EJ_ASSERT(experts != NULL);
+	const int L = im->n_local;
+	epj_tensor **wg = calloc((size_t)L * 3, sizeof *wg);
+	int64_t *cnt = malloc(sizeof *cnt * (size_t)L);
+	if (!wg || !cnt) {
+		free(wg);
+		free(cnt);
+		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", m->name,
+			 AUTOEP_KIND);
+		return NULL;
+	}
+	epj_tensor **wu = wg + L, **wd = wg + 2 * L;
+	int G = 0;
+	for (int e = 0; e < L; e++) {
+		if (local_counts[e] == 0)
+			continue;
+		char local[32];
+		snprintf(local, sizeof local, "%d", im->first_local + e);
+		epj_module *ex = ej_module_child(experts, local);
+		EJ_ASSERT(ex != NULL);
+		wg[G] =
+		    ej_module_param(ej_module_child(ex, "gate_proj"), "weight");
+		wu[G] =
+		    ej_module_param(ej_module_child(ex, "up_proj"), "weight");
+		wd[G] =
+		    ej_module_param(ej_module_child(ex, "down_proj"), "weight");
+		EJ_ASSERT(wg[G] && wu[G] && wd[G]);
+		cnt[G++] = local_counts[e];
+	}
+	epj_tensor *y = NULL;
+	if (G == 0) {
+		/* no rows: an empty result connected to x_recv (run_experts) */
+		EJ_ASSERT(epj_tensor_dim(x_recv, 0) == 0);
+		y = epj_mul(ctx, x_recv, x_recv);
+	} else {
+		epj_tensor *ct = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1,
+						      (int64_t[]){ G }, cnt);
+		/* [R, H] -> silu(x Wg^T) * (x Wu^T) [R, I] -> [R, H] */
+		epj_tensor *g = ej_moe_grouped_mm(ctx, x_recv, ct, wg, G, true);
+		epj_tensor *u = ej_moe_grouped_mm(ctx, x_recv, ct, wu, G, true);
+		epj_tensor *h = g && u ? ej_swiglu(ctx, g, u) : NULL;
+		y = h ? ej_moe_grouped_mm(ctx, h, ct, wd, G, true) : NULL;
+		epj_tensor_free(ct);
+		epj_tensor_free(g);
+		epj_tensor_free(u);
+		epj_tensor_free(h);
+	}
+	free(wg);
+	free(cnt);
+	return y;
+}
+
 /* Router: probs [N, E] in rdt, then (w [N, k] in rdt, idx [N, k] i64). */
 static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 			epj_tensor *x, epj_dtype rdt, int64_t N,
@@ -778,6 +853,20 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	epj_tensor *gw = ej_module_param(ej_module_child(m, "gate"), "weight");
 	EJ_ASSERT(gw != NULL);
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
+	if (use_fused(ctx, im)) {
+		/* one op: softmax, top-k (or the fixed assignment) and the
+		 * renormalisation, read from the layer's dtype and computed
+		 * in double, w in rdt */
+		epj_status s =
+		    logits
+			? ej_moe_route(ctx, logits, k, im->opts.norm_topk_prob,
+				       im->opts.fixed_routing, w_out, idx_out)
+			: epj_ctx_status(ctx);
+		epj_tensor_free(logits);
+		(void)rdt;
+		(void)N;
+		return s;
+	}
 	epj_tensor *logits_r = cast_to(ctx, logits, rdt);
 	epj_tensor_free(logits);
 	if (logits_r && !im->opts.fixed_routing && ej_dev_runs_cuda(ctx->dev) &&
@@ -955,28 +1044,44 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	 * expert keep token order); routed row r carries token order[r] / k.
 	 * The rows of rank p's experts are contiguous in x_sorted because
 	 * experts are assigned to ranks in blocks of n_local. */
-	idx_flat = epj_reshape(ctx, idx, 1, &R);
-	order = epj_argsort(ctx, idx_flat, 0);
-	if (!order) {
+	const bool fused = use_fused(ctx, im);
+	routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
+				       (int64_t[]){ N, k }, idx_h);
+	if (!routing) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
 	}
-	s = index_to_host(ctx, order, order_h);
-	if (s != EPJ_OK)
-		goto fail_op;
-	for (int64_t r = 0; r < R; r++)
-		tok_h[r] = order_h[r] / k;
-	routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
-				       (int64_t[]){ N, k }, idx_h);
-	tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
-	if (!routing || !tok) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
+	if (!fused) {
+		idx_flat = epj_reshape(ctx, idx, 1, &R);
+		order = epj_argsort(ctx, idx_flat, 0);
+		if (!order) {
+			s = epj_ctx_status(ctx);
+			goto fail_op;
+		}
+		s = index_to_host(ctx, order, order_h);
+		if (s != EPJ_OK)
+			goto fail_op;
+		for (int64_t r = 0; r < R; r++)
+			tok_h[r] = order_h[r] / k;
+		tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
+		if (!tok) {
+			s = epj_ctx_status(ctx);
+			goto fail_op;
+		}
 	}
 	/* cuda-sim: the permutation and the combine are template kernels;
 	 * pos is the inverse of order */
 	const bool on_dev = ej_dev_runs_cuda(ctx->dev);
-	if (on_dev) {
+	if (fused) {
+		/* one op: the same stable expert order; pos [N, k] is the
+		 * row of every slot, counts the rows per expert (the host
+		 * has them already, from idx_h) */
+		epj_tensor *cnt_t = NULL;
+		s = ej_moe_permute(ctx, x, idx, E, &x_sorted, &pos, &cnt_t);
+		epj_tensor_free(cnt_t);
+		if (s != EPJ_OK)
+			goto fail_op;
+	} else if (on_dev) {
 		for (int64_t r = 0; r < R; r++)
 			tok_h[order_h[r]] = r; /* tok_h is rebuilt below */
 		pos = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
@@ -1069,7 +1174,9 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		x_grp = epj_tensor_ref(x_recv);
 	}
 
-	y_grp = run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
+	y_grp =
+	    fused ? run_experts_fused(ctx, m, im, x_grp, local_counts)
+		  : run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
 	if (!y_grp) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;
@@ -1092,7 +1199,11 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 
 	/* Unpermute + weighted combine in fp32 (f64 for f64 layers):
 	 * out[tok[r]] += w_flat[order[r]] * y_sorted[r]. */
-	if (on_dev) {
+	if (fused) {
+		/* one op, summed in rdt over each token's slots in slot
+		 * order, written in the layer's dtype */
+		out_h = ej_moe_unpermute(ctx, y_sorted, w, pos);
+	} else if (on_dev) {
 		/* the same sum, each token adding its k slots in slot order */
 		out_h = combine_device(ctx, y_sorted, w, order, pos);
 		if (out_h)
@@ -1248,6 +1359,19 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			 AUTOEP_KIND);
 		return NULL;
 	}
+	const char *ops = getenv("EPJIT_AUTOEP_OPS");
+	im->fused = true;
+	if (ops && *ops && strcmp(ops, "fused") != 0) {
+		if (strcmp(ops, "sequence") != 0) {
+			free(im);
+			ej_error(ctx, EPJ_ERR_CONFIG,
+				 "%s (%s): EPJIT_AUTOEP_OPS=\"%s\": unknown "
+				 "kernel choice (known: fused, sequence)",
+				 local, AUTOEP_KIND, ops);
+			return NULL;
+		}
+		im->fused = false;
+	}
 	im->opts = *opts;
 	im->hidden = hidden;
 	im->inter = inter;
@@ -1372,6 +1496,15 @@ epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 	autoep_impl *im = m->impl;
 	im->opts.fixed_routing = fixed_routing;
 	im->opts.async_split_plan = async_split_plan;
+	return EPJ_OK;
+}
+
+epj_status ej_autoep_set_fused(epj_module *m, bool fused)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return EPJ_ERR_INVALID;
+	autoep_impl *im = m->impl;
+	im->fused = fused;
 	return EPJ_OK;
 }
 

@@ -285,6 +285,11 @@ epj_status ej_autoep_shard(epj_ctx *ctx, epj_module *m, ej_comm *ep);
 /* Changes the routing options of an AutoEP module (engine config). */
 epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 				 bool async_split_plan);
+/* Chooses the kernels of an AutoEP module on CPU contexts: the fused MoE
+ * ops (lib/ops_moe.c; the default) or the sequence of generic ops
+ * (EPJIT_AUTOEP_OPS=sequence sets this at construction).  cuda-sim
+ * contexts run the MoE templates either way. */
+epj_status ej_autoep_set_fused(epj_module *m, bool fused);
 
 /* ---- Qwen3-MoE model (qwen3.c)
  * -------------------------------------------------- */

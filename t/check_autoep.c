@@ -15,6 +15,7 @@
 #include "check_util.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1126,6 +1127,182 @@ START_TEST(test_comm_self)
 }
 END_TEST
 
+/* ---- (6) fused ops against the op sequence ---------------------------------
+ */
+
+/* The largest |a - b| over the largest |b| (0 when both are empty). */
+static double rel_diff(epj_ctx *ctx, const epj_tensor *a, const epj_tensor *b)
+{
+	ck_assert_int_eq(epj_tensor_numel(a), epj_tensor_numel(b));
+	double *av = tu_values(ctx, a), *bv = tu_values(ctx, b);
+	double d = 0, mx = 0;
+	for (int64_t i = 0; i < epj_tensor_numel(a); i++) {
+		d = fmax(d, fabs(av[i] - bv[i]));
+		mx = fmax(mx, fabs(bv[i]));
+	}
+	free(av);
+	free(bv);
+	return mx > 0 ? d / mx : d;
+}
+
+/* One forward + backward of the layer with the fused ops and one with the
+ * generic op sequence (ej_autoep_set_fused) on the same weights and input:
+ * same routing, output, input gradient and parameter gradients (an expert
+ * without rows gets none in either), and the fused arm runs fewer than half
+ * the kernels. */
+static void fused_case(epj_dtype dt, int B, int T, int H, int I, int E, int k,
+		       bool norm, bool fixed, double tol)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_module *root = ej_module_new(NULL, "", "Root", NULL);
+	ej_autoep_opts o = mk_opts(E, k, norm, fixed);
+	epj_module *m = new_layer(ctx, root, "moe", H, I, &o, dt, 0.4);
+	int64_t sh[3] = { B, T, H };
+	epj_tensor *x = tu_randn(ctx, dt, 3, sh);
+	epj_tensor *r = tu_randn(ctx, dt, 3, sh);
+	epj_tensor_set_requires_grad(x, true);
+	const int np = 1 + 3 * E;
+	epj_tensor **ps = calloc((size_t)np, sizeof *ps);
+	ps[0] = param_of(m, "gate");
+	static const char *const proj[3] = { "gate_proj", "up_proj",
+					     "down_proj" };
+	for (int e = 0; e < E; e++)
+		for (int j = 0; j < 3; j++)
+			ps[1 + 3 * e + j] = expert_param(m, e, proj[j]);
+	epj_tensor *out[2], *dx[2], *route[2];
+	epj_tensor **grads[2];
+	int64_t launches[2], fwd[2];
+	for (int arm = 0; arm < 2; arm++) { /* 0: sequence, 1: fused */
+		ck_assert_int_eq(ej_autoep_set_fused(m, arm == 1), EPJ_OK);
+		epj_tensor_zero_grad(x);
+		for (int i = 0; i < np; i++)
+			epj_tensor_zero_grad(ps[i]);
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
+		out[arm] = call_layer(ctx, m, x);
+		fwd[arm] = epj_counter_get(ctx, "kernels.launched.eager") - l0;
+		epj_tensor *prod = epj_mul(ctx, out[arm], r);
+		epj_tensor *loss = epj_sum_all(ctx, prod);
+		tu_ok(ctx, loss);
+		ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		launches[arm] =
+		    epj_counter_get(ctx, "kernels.launched.eager") - l0;
+		epj_tensor_free(prod);
+		epj_tensor_free(loss);
+		dx[arm] = epj_tensor_ref(epj_tensor_grad(x));
+		route[arm] = epj_tensor_ref(ej_autoep_last_routing(m));
+		grads[arm] = calloc((size_t)np, sizeof(epj_tensor *));
+		for (int i = 0; i < np; i++) {
+			epj_tensor *g = epj_tensor_grad(ps[i]);
+			grads[arm][i] = g ? epj_tensor_ref(g) : NULL;
+		}
+	}
+	char what[96];
+	snprintf(what, sizeof what, "%s E %d k %d%s%s", epj_dtype_name(dt), E,
+		 k, norm ? " norm" : "", fixed ? " fixed" : "");
+	ck_assert_msg(rel_diff(ctx, route[1], route[0]) == 0,
+		      "%s: routing differs", what);
+	double d = rel_diff(ctx, out[1], out[0]);
+	ck_assert_msg(d <= tol, "%s: output differs by %g", what, d);
+	ck_assert_ptr_nonnull(dx[0]);
+	ck_assert_ptr_nonnull(dx[1]);
+	d = rel_diff(ctx, dx[1], dx[0]);
+	ck_assert_msg(d <= tol, "%s: d/dx differs by %g", what, d);
+	int with_grad = 0;
+	for (int i = 0; i < np; i++) {
+		ck_assert_msg((grads[0][i] == NULL) == (grads[1][i] == NULL),
+			      "%s: parameter %d has a gradient in one arm "
+			      "only",
+			      what, i);
+		if (!grads[0][i])
+			continue;
+		with_grad++;
+		d = rel_diff(ctx, grads[1][i], grads[0][i]);
+		ck_assert_msg(d <= tol,
+			      "%s: gradient of parameter %d differs "
+			      "by %g",
+			      what, i, d);
+	}
+	ck_assert_int_ge(with_grad, 4); /* the gate and one expert at least */
+	/* the loss (mul, sum_all) and its backward are in both counts */
+	printf("autoep %s: kernels forward / backward: fused %lld / %lld, "
+	       "sequence %lld / %lld\n",
+	       what, (long long)fwd[1], (long long)(launches[1] - fwd[1]),
+	       (long long)fwd[0], (long long)(launches[0] - fwd[0]));
+	ck_assert_msg(2 * launches[1] < launches[0],
+		      "%s: fused arm ran %lld kernels, sequence %lld", what,
+		      (long long)launches[1], (long long)launches[0]);
+	for (int arm = 0; arm < 2; arm++) {
+		epj_tensor_free(out[arm]);
+		epj_tensor_free(dx[arm]);
+		epj_tensor_free(route[arm]);
+		for (int i = 0; i < np; i++)
+			epj_tensor_free(grads[arm][i]);
+		free(grads[arm]);
+	}
+	free(ps);
+	epj_tensor_free(x);
+	epj_tensor_free(r);
+	ej_module_free(root);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_fused_vs_sequence)
+{
+	/* odd token counts; with E = 7 and 5 tokens of k = 1 some experts
+	 * get no token */
+	fused_case(EPJ_DTYPE_F32, 3, 7, 12, 5, 6, 2, true, false, 2e-5);
+	fused_case(EPJ_DTYPE_F32, 1, 5, 9, 4, 7, 1, false, false, 2e-5);
+	fused_case(EPJ_DTYPE_F32, 2, 9, 8, 6, 5, 3, false, true, 2e-5);
+	fused_case(EPJ_DTYPE_F64, 1, 11, 7, 3, 4, 2, true, true, 1e-12);
+	/* bf16: the fused SwiGLU rounds once where the sequence rounds
+	 * silu(gate) and the product separately */
+	fused_case(EPJ_DTYPE_BF16, 2, 13, 16, 8, 8, 2, true, false, 3e-2);
+	fused_case(EPJ_DTYPE_BF16, 2, 8, 16, 8, 4, 2, true, true, 3e-2);
+}
+END_TEST
+
+/* EPJIT_AUTOEP_OPS picks the kernels when a layer is built: "sequence"
+ * runs the generic ops (more launches), an unknown value is an error that
+ * names the variable. */
+START_TEST(test_ops_env)
+{
+	const char *old = getenv("EPJIT_AUTOEP_OPS");
+	char *keep = old ? strdup(old) : NULL;
+	epj_ctx *ctx = tu_ctx();
+	epj_module *root = ej_module_new(NULL, "", "Root", NULL);
+	ej_autoep_opts o = mk_opts(4, 2, true, false);
+	int64_t sh[3] = { 1, 7, 6 };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
+	int64_t n[2];
+	const char *val[2] = { "sequence", "fused" };
+	for (int i = 0; i < 2; i++) {
+		setenv("EPJIT_AUTOEP_OPS", val[i], 1);
+		epj_module *m =
+		    new_layer(ctx, root, val[i], 6, 5, &o, EPJ_DTYPE_F32, 0.3);
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
+		epj_tensor *out = call_layer(ctx, m, x);
+		n[i] = epj_counter_get(ctx, "kernels.launched.eager") - l0;
+		epj_tensor_free(out);
+	}
+	ck_assert_msg(n[1] < n[0], "fused %lld launches, sequence %lld",
+		      (long long)n[1], (long long)n[0]);
+	setenv("EPJIT_AUTOEP_OPS", "fast", 1);
+	tu_assert_error(
+	    ctx,
+	    ej_autoep_new(ctx, root, "bad", 6, 5, &o, EPJ_DTYPE_F32, 0.3, NULL),
+	    EPJ_ERR_CONFIG, TU_STRS("EPJIT_AUTOEP_OPS", "fast", "sequence"));
+	if (keep)
+		setenv("EPJIT_AUTOEP_OPS", keep, 1);
+	else
+		unsetenv("EPJIT_AUTOEP_OPS");
+	free(keep);
+	epj_tensor_free(x);
+	ej_module_free(root);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_autoep_suite(void)
 {
 	Suite *s = suite_create("autoep");
@@ -1143,6 +1320,8 @@ Suite *make_autoep_suite(void)
 	tcase_add_test(tc, test_checkpoint_replay);
 	tcase_add_test(tc, test_no_grad);
 	tcase_add_test(tc, test_bf16_vs_f32);
+	tcase_add_test(tc, test_fused_vs_sequence);
+	tcase_add_test(tc, test_ops_env);
 	suite_add_tcase(s, tc);
 	TCase *tg = tcase_create("grad");
 	tcase_set_timeout(tg, 60);

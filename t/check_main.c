@@ -25,7 +25,7 @@ int main(void)
 		make_sim_suite,		  make_cuda_suite,
 		make_gpu_suite,		  make_archive_suite,
 		make_config_doc_suite,	  make_templates_suite,
-		make_tmpl_gemm_suite,
+		make_tmpl_gemm_suite,	  make_ops_moe_suite,
 	};
 	/* the CUDA C templates' suites, one per area */
 	Suite *(*tmpl_suites[])(void) = {
