@@ -334,7 +334,9 @@ epj_status ej_comm_device_select(epj_ctx *ctx, const char *choice,
 	if (!strcmp(choice, "host"))
 		return EPJ_OK;
 	if (!strcmp(choice, "auto")) {
-		if (!cuda || !ej_nccl_available(NULL))
+		/* one rank has nothing to exchange: no NCCL communicator */
+		if (!cuda || !world || world->size < 2 ||
+		    !ej_nccl_available(NULL))
 			return EPJ_OK;
 	} else if (!strcmp(choice, "nccl")) {
 		if (!cuda)

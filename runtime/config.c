@@ -1195,7 +1195,8 @@ static const key keys[] = {
 		 "buffers: `\"nccl\"` (NCCL on the cuda device over the "
 		 "world's ranks; refused on other devices), `\"host\"` "
 		 "(the world's host collectives only) or `\"auto\"` (NCCL "
-		 "on the cuda device when `libnccl.so.2` loads, else host). "
+		 "on the cuda device over two or more ranks when "
+		 "`libnccl.so.2` loads, else host). "
 		 "`EPJIT_COMM` overrides it" },
 
 	/* ---- csv_monitor */
