@@ -95,7 +95,8 @@ typedef struct cstate {
 	ej_cuda_dev *dev;
 	const ej_device *vt;
 	void *module;
-	void **fn; /* per kernel */
+	void **fn;	/* per kernel */
+	unsigned *gcap; /* per kernel: its grid cap (occupancy), 0 none */
 	int *last;
 	size_t max_args;
 	int max_in, max_out;
@@ -167,6 +168,7 @@ static void cstate_free(void *p)
 	if (cs->vt)
 		cs->vt->unload(cs->vt->self, cs->module);
 	free(cs->fn);
+	free(cs->gcap);
 	free(cs->last);
 	ej_arena_free(cs->A);
 	free(cs);
@@ -219,7 +221,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	if (st != EPJ_OK)
 		return st;
 	cs->fn = calloc((size_t)s->n_kernels + 1, sizeof *cs->fn);
-	if (!cs->fn)
+	cs->gcap = calloc((size_t)s->n_kernels + 1, sizeof *cs->gcap);
+	if (!cs->fn || !cs->gcap)
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"nvrtc backend: out of memory");
 	for (int i = 0; i < s->n_kernels; i++) {
@@ -231,6 +234,12 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 					"nvrtc backend: %s: kernel %s missing "
 					"from the module",
 					name, kn);
+		/* every generated kernel loops over its units with a grid
+		 * stride (jit/print_cuda.c): one wave of resident blocks is
+		 * enough, and more only adds block scheduling */
+		unsigned grid[3], block[3];
+		ej_cuda_launch_dims(s->kernels[i], grid, block);
+		cs->gcap[i] = ej_cuda_grid_cap(cs->dev, cs->fn[i], block[0], 0);
 	}
 	return EPJ_OK;
 }
@@ -331,6 +340,10 @@ static epj_status launch_one(epj_ctx *ctx, cstate *cs, const ej_kernel *k,
 	_Alignas(16) unsigned char args[cs->max_args + 16];
 	ej_launch l;
 	ej_cuda_launch_prepare(k, in, out, args, lo, &l);
+	if (cs->gcap[k->id] && l.grid[0] > cs->gcap[k->id]) {
+		l.grid[0] = cs->gcap[k->id];
+		epj_counter_add(ctx, "nvrtc.grid_capped", 1);
+	}
 	char kname[32];
 	snprintf(kname, sizeof kname, "epjk_%d", k->id);
 	return cs->vt->launch(cs->vt->self, ctx, cs->fn[k->id], kname, &l);

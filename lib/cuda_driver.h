@@ -182,6 +182,13 @@ typedef struct ej_cuda_dev_info {
 	int64_t launches; /* kernels launched through this device */
 } ej_cuda_dev_info;
 void ej_cuda_info(const ej_cuda_dev *c, ej_cuda_dev_info *out);
+/* The grid that fills the device once with resident blocks of `block`
+ * threads and `smem` bytes of dynamic shared memory for kernel fn:
+ * cuOccupancyMaxActiveBlocksPerMultiprocessor times the SM count (at most
+ * 65535), or 0 when the driver cannot say.  A grid-stride kernel needs no
+ * more blocks than that. */
+unsigned ej_cuda_grid_cap(ej_cuda_dev *c, void *fn, unsigned block,
+			  size_t smem);
 /* The last failure of a vtable member that has no context ("" if none). */
 const char *ej_cuda_last_error(const ej_cuda_dev *c);
 

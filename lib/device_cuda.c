@@ -481,6 +481,18 @@ void ej_cuda_info(const ej_cuda_dev *c, ej_cuda_dev_info *out)
 		 c->cc_minor);
 }
 
+unsigned ej_cuda_grid_cap(ej_cuda_dev *c, void *fn, unsigned block, size_t smem)
+{
+	int nb = 0;
+	if (!c || !fn || block == 0 || c->sm_count < 1 ||
+	    c->d->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+		&nb, (ej_CUfunction)fn, (int)block, smem) != EJ_CUDA_SUCCESS ||
+	    nb < 1)
+		return 0;
+	uint64_t cap = (uint64_t)nb * (uint64_t)c->sm_count;
+	return cap > 65535u ? 65535u : (unsigned)cap;
+}
+
 const char *ej_cuda_last_error(const ej_cuda_dev *c)
 {
 	return c->last_error;

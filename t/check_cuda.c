@@ -659,6 +659,33 @@ START_TEST(test_fake_nvrtc_region)
 }
 END_TEST
 
+/* Occupancy-based grids: on a device of 2 SMs with 1 resident block each
+ * (the stand-in's FAKE_CUDA_SMS / FAKE_CUDA_OCC), a fused kernel of more
+ * units is launched with 2 blocks, and its grid-stride loop still covers
+ * every element (the interpreter's numbers), forward and backward. */
+START_TEST(test_fake_grid_cap)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	setenv("FAKE_CUDA_SMS", "2", 1);
+	setenv("FAKE_CUDA_OCC", "1", 1);
+	setenv("EPJIT_CUDA_GRAPHS", "0", 1);
+	epj_ctx *ctx = tu_ctx();
+	hook_on();
+	int64_t sh[2] = { 5 + tu_randint(0, 3), 1031 + 2 * tu_randint(0, 5) };
+	check_region(ctx, f_pointwise, EPJ_DTYPE_F32, sh, true, 1);
+	ck_assert_int_gt(epj_counter_get(ctx, "nvrtc.grid_capped"), 0);
+	ck_assert_uint_le(fstats().last_grid[0], 2);
+	hook_off();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+	unsetenv("FAKE_CUDA_SMS");
+	unsetenv("FAKE_CUDA_OCC");
+	epj_ctx_free(ctx);
+	fresh();
+}
+END_TEST
+
 /* A graph of fused kernels only: captured once, replayed every run, with
  * fresh inputs each time; the same numbers as the interpreter. */
 START_TEST(test_fake_cuda_graphs)
@@ -1461,6 +1488,7 @@ Suite *make_cuda_suite(void)
 	tcase_add_loop_test(tc, test_fake_open, 0, 3);
 	tcase_add_test(tc, test_fake_memory);
 	tcase_add_test(tc, test_fake_errors);
+	tcase_add_test(tc, test_fake_grid_cap);
 	tcase_add_loop_test(tc, test_fake_nvrtc_region, 0, 6);
 	tcase_add_test(tc, test_fake_cuda_graphs);
 	tcase_add_test(tc, test_fake_cubin_cached);

@@ -26,7 +26,9 @@
  * the tests point it at cuda-sim running the same kernel's CUDA C, so
  * numbers computed through the cuda device's launch path are checked
  * against the CPU reference.  FAKE_CUDA_FAIL=<entry point> makes that call
- * fail with CUDA_ERROR_UNKNOWN; FAKE_CUDA_DEVICES=<n> sets the count.
+ * fail with CUDA_ERROR_UNKNOWN; FAKE_CUDA_DEVICES=<n> sets the count,
+ * FAKE_CUDA_SMS=<n> the SM count and FAKE_CUDA_OCC=<n> the resident blocks
+ * per SM that the occupancy query answers.
  *
  * Test code: built only for make check, never installed.
  */
@@ -284,9 +286,10 @@ static CUresult f_cuDeviceGetAttribute(int *v, int attr, int d)
 	case 1:
 		*v = 1024;
 		break; /* max threads per block */
-	case 16:
-		*v = 132;
-		break; /* SM count */
+	case 16:       /* SM count (FAKE_CUDA_SMS, default 132) */
+		*v = getenv("FAKE_CUDA_SMS") ? atoi(getenv("FAKE_CUDA_SMS"))
+					     : 132;
+		break;
 	case 75:
 		*v = 9;
 		break; /* cc major */
@@ -598,7 +601,10 @@ static CUresult f_cuOccupancyMaxActiveBlocksPerMultiprocessor(int *b, void *f,
 {
 	(void)f;
 	(void)sm;
-	*b = bs > 0 ? 2048 / bs : 0;
+	/* 2048 resident threads per SM, or FAKE_CUDA_OCC blocks */
+	*b = getenv("FAKE_CUDA_OCC") ? atoi(getenv("FAKE_CUDA_OCC"))
+	     : bs > 0		     ? 2048 / bs
+				     : 0;
 	return OK;
 }
 
