@@ -27,6 +27,16 @@ epj_status ej_op_error(epj_ctx *ctx, const ej_call *c, epj_status s,
 epj_status ej_check_float(epj_ctx *ctx, const ej_call *c, int input);
 epj_status ej_check_index_dtype(epj_ctx *ctx, const ej_call *c, int input);
 epj_status ej_check_same_dtype(epj_ctx *ctx, const ej_call *c, int a, int b);
+/* lib/ops_index.c: index input `input` of the call (i32/i64, any strides)
+ * read row-major into a malloc'ed int64 array (*out, caller frees), every
+ * value checked in [0, limit); `what` names the indexed axis in the error.
+ * And t's elements as a dense row-major array of dtype dt: t's own data
+ * when it already is one, else a malloc'ed copy also returned in *tmp
+ * (caller frees); NULL with an error when out of memory. */
+epj_status ej_load_index(epj_ctx *ctx, const ej_call *c, int input,
+			 int64_t limit, const char *what, int64_t **out);
+const char *ej_dense_as(epj_ctx *ctx, const ej_call *c, const epj_tensor *t,
+			epj_dtype dt, void **tmp);
 /* Normalises axis for an input of ndim dims, or sets an error. */
 epj_status ej_check_axis(epj_ctx *ctx, const ej_call *c, int64_t axis, int ndim,
 			 int *out_axis);

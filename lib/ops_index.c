@@ -54,11 +54,9 @@ static void copy_elem(char *d, const char *s, size_t es)
 	}
 }
 
-/* Reads index input `input` of the call (i32/i64, any strides) row-major
- * into a malloc'ed int64 array (*out, caller frees), checking that every
- * value is in [0, limit).  `what` names the indexed axis in the error. */
-static epj_status load_index(epj_ctx *ctx, const ej_call *c, int input,
-			     int64_t limit, const char *what, int64_t **out)
+/* Index input `input` of the call as int64, each value checked (ops_impl.h) */
+epj_status ej_load_index(epj_ctx *ctx, const ej_call *c, int input,
+			 int64_t limit, const char *what, int64_t **out)
 {
 	const epj_tensor *t = c->in[input];
 	int64_t n = ej_numel(t->ndim, t->shape);
@@ -130,11 +128,9 @@ static void fill_dense(void *dst, epj_dtype dt, const epj_tensor *t)
 	}
 }
 
-/* t's elements as a dense row-major array of dtype dt: t's own data when it
- * already is one, else a malloc'ed copy returned in *tmp too (caller frees
- * *tmp).  NULL (with an error) when out of memory. */
-static const char *dense_as(epj_ctx *ctx, const ej_call *c, const epj_tensor *t,
-			    epj_dtype dt, void **tmp)
+/* t's elements as a dense row-major array of dtype dt (ops_impl.h) */
+const char *ej_dense_as(epj_ctx *ctx, const ej_call *c, const epj_tensor *t,
+			epj_dtype dt, void **tmp)
 {
 	*tmp = NULL;
 	if (t->dtype == dt && ej_is_contiguous(t))
@@ -353,7 +349,7 @@ epj_status ej_kernel_EMBEDDING(epj_ctx *ctx, const ej_call *c)
 {
 	const epj_tensor *w = c->in[0], *ids = c->in[1];
 	int64_t *idx;
-	if (load_index(ctx, c, 1, w->shape[0], "the weight's rows", &idx) !=
+	if (ej_load_index(ctx, c, 1, w->shape[0], "the weight's rows", &idx) !=
 	    EPJ_OK)
 		return ctx->status;
 	select_rows((char *)ej_data(c->out[0]), w, 0, idx,
@@ -410,14 +406,14 @@ epj_status ej_kernel_EMBEDDING_BACKWARD(epj_ctx *ctx, const ej_call *c)
 	int64_t *idx = NULL;
 	void *tmp = NULL;
 	acc_buf b;
-	if (load_index(ctx, c, 1, V, "the vocabulary", &idx) != EPJ_OK)
+	if (ej_load_index(ctx, c, 1, V, "the vocabulary", &idx) != EPJ_OK)
 		return ctx->status;
 	if (acc_begin(ctx, c, out, &b) != EPJ_OK) {
 		free(idx);
 		return ctx->status;
 	}
 	memset(b.data, 0, (size_t)(V * D) * ej_dtype_size(b.dt));
-	const char *src = dense_as(ctx, c, g, b.dt, &tmp);
+	const char *src = ej_dense_as(ctx, c, g, b.dt, &tmp);
 	if (!src) {
 		free(idx);
 		free(b.scratch);
@@ -454,8 +450,8 @@ epj_status ej_kernel_INDEX_SELECT(epj_ctx *ctx, const ej_call *c)
 	const epj_tensor *a = c->in[0];
 	int axis = ej_axis((int)c->attrs->i[0], a->ndim);
 	int64_t *idx;
-	if (load_index(ctx, c, 1, a->shape[axis], "the selected axis", &idx) !=
-	    EPJ_OK)
+	if (ej_load_index(ctx, c, 1, a->shape[axis], "the selected axis",
+			  &idx) != EPJ_OK)
 		return ctx->status;
 	select_rows((char *)ej_data(c->out[0]), a, axis, idx,
 		    c->in[1]->shape[0]);
@@ -517,7 +513,7 @@ epj_status ej_kernel_INDEX_ADD(epj_ctx *ctx, const ej_call *c)
 	int64_t *idx = NULL;
 	void *tmp = NULL;
 	acc_buf b;
-	if (load_index(ctx, c, 1, a->shape[axis], "the target axis", &idx) !=
+	if (ej_load_index(ctx, c, 1, a->shape[axis], "the target axis", &idx) !=
 	    EPJ_OK)
 		return ctx->status;
 	if (acc_begin(ctx, c, out, &b) != EPJ_OK) {
@@ -525,7 +521,7 @@ epj_status ej_kernel_INDEX_ADD(epj_ctx *ctx, const ej_call *c)
 		return ctx->status;
 	}
 	fill_dense(b.data, b.dt, a);
-	const char *s = dense_as(ctx, c, src, b.dt, &tmp);
+	const char *s = ej_dense_as(ctx, c, src, b.dt, &tmp);
 	if (!s) {
 		free(idx);
 		free(b.scratch);
@@ -577,8 +573,8 @@ epj_status ej_kernel_GATHER(epj_ctx *ctx, const ej_call *c)
 	const epj_tensor *a = c->in[0], *index = c->in[1];
 	int axis = ej_axis((int)c->attrs->i[0], a->ndim);
 	int64_t *idx;
-	if (load_index(ctx, c, 1, a->shape[axis], "the gathered axis", &idx) !=
-	    EPJ_OK)
+	if (ej_load_index(ctx, c, 1, a->shape[axis], "the gathered axis",
+			  &idx) != EPJ_OK)
 		return ctx->status;
 	const int nd = index->ndim;
 	const int64_t n = ej_numel(nd, index->shape);
@@ -669,15 +665,15 @@ epj_status ej_kernel_SCATTER_ADD(epj_ctx *ctx, const ej_call *c)
 	int64_t *idx = NULL;
 	void *tmp = NULL;
 	acc_buf b;
-	if (load_index(ctx, c, 1, a->shape[axis], "the scattered axis", &idx) !=
-	    EPJ_OK)
+	if (ej_load_index(ctx, c, 1, a->shape[axis], "the scattered axis",
+			  &idx) != EPJ_OK)
 		return ctx->status;
 	if (acc_begin(ctx, c, out, &b) != EPJ_OK) {
 		free(idx);
 		return ctx->status;
 	}
 	fill_dense(b.data, b.dt, a);
-	const char *s = dense_as(ctx, c, src, b.dt, &tmp);
+	const char *s = ej_dense_as(ctx, c, src, b.dt, &tmp);
 	if (!s) {
 		free(idx);
 		free(b.scratch);

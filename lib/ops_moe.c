@@ -109,57 +109,8 @@ static epj_status dense(epj_ctx *ctx, const ej_call *c, const epj_tensor *t,
 		*p = ej_data(t);
 		return EPJ_OK;
 	}
-	int64_t n = ej_numel(t->ndim, t->shape);
-	size_t es = ej_dtype_size(t->dtype);
-	char *buf = malloc((size_t)(n > 0 ? n : 1) * es);
-	if (!buf)
-		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-				   "out of memory copying an input");
-	int64_t idx[EPJ_MAX_DIMS] = { 0 };
-	const char *src = ej_data(t);
-	for (int64_t e = 0; e < n; e++) {
-		int64_t off = ej_offset_of(t->ndim, idx, t->stride);
-		memcpy(buf + (size_t)e * es, src + (size_t)off * es, es);
-		ej_index_next(t->ndim, t->shape, idx);
-	}
-	*p = buf;
-	*owned = buf;
-	return EPJ_OK;
-}
-
-/* Index input `input` (i32/i64, any strides) read row-major into a malloc'ed
- * int64 array, every value checked in [0, limit). */
-static epj_status load_idx(epj_ctx *ctx, const ej_call *c, int input,
-			   int64_t limit, const char *what, int64_t **out)
-{
-	const epj_tensor *t = c->in[input];
-	int64_t n = ej_numel(t->ndim, t->shape);
-	int64_t *v = malloc(sizeof *v * (size_t)(n > 0 ? n : 1));
-	*out = NULL;
-	if (!v)
-		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-				   "out of memory reading %lld indices",
-				   (long long)n);
-	int64_t m[EPJ_MAX_DIMS] = { 0 };
-	const char *base = ej_data(t);
-	const bool i64 = t->dtype == EPJ_DTYPE_I64;
-	for (int64_t e = 0; e < n; e++) {
-		int64_t off = ej_offset_of(t->ndim, m, t->stride);
-		int64_t x = i64 ? ((const int64_t *)base)[off]
-				: ((const int32_t *)base)[off];
-		if (x < 0 || x >= limit) {
-			free(v);
-			return ej_op_error(ctx, c, EPJ_ERR_INDEX,
-					   "%s %lld at position %lld is out "
-					   "of range [0, %lld)",
-					   what, (long long)x, (long long)e,
-					   (long long)limit);
-		}
-		v[e] = x;
-		ej_index_next(t->ndim, t->shape, m);
-	}
-	*out = v;
-	return EPJ_OK;
+	*p = ej_dense_as(ctx, c, t, t->dtype, owned);
+	return *p ? EPJ_OK : EPJ_ERR_NOMEM;
 }
 
 /* pos[0..R) (each in range already) must hit every row once. */
@@ -400,7 +351,7 @@ epj_status ej_kernel_MOE_ROUTE_BACKWARD(epj_ctx *ctx, const ej_call *c)
 	if (s == EPJ_OK)
 		s = dense(ctx, c, lt, &l, &ol);
 	if (s == EPJ_OK)
-		s = load_idx(ctx, c, 2, E, "expert index", &ix);
+		s = ej_load_index(ctx, c, 2, E, "the experts", &ix);
 	if (s != EPJ_OK)
 		goto done;
 	p = malloc(sizeof *p * (size_t)E);
@@ -474,7 +425,7 @@ epj_status ej_kernel_MOE_PERMUTE(epj_ctx *ctx, const ej_call *c)
 	int64_t *ix = NULL, *off = NULL;
 	const void *x;
 	void *owned = NULL;
-	epj_status s = load_idx(ctx, c, 1, E, "expert index", &ix);
+	epj_status s = ej_load_index(ctx, c, 1, E, "the experts", &ix);
 	if (s == EPJ_OK)
 		s = dense(ctx, c, xt, &x, &owned);
 	if (s != EPJ_OK)
@@ -554,7 +505,7 @@ epj_status ej_kernel_MOE_PERMUTE_BACKWARD(epj_ctx *ctx, const ej_call *c)
 	int64_t *pos = NULL;
 	const void *g;
 	void *owned = NULL;
-	epj_status s = load_idx(ctx, c, 1, R, "row position", &pos);
+	epj_status s = ej_load_index(ctx, c, 1, R, "the rows", &pos);
 	if (s == EPJ_OK)
 		s = dense(ctx, c, gt, &g, &owned);
 	if (s != EPJ_OK)
@@ -634,7 +585,7 @@ epj_status ej_kernel_MOE_UNPERMUTE(epj_ctx *ctx, const ej_call *c)
 	int64_t *pos = NULL;
 	const void *y, *w;
 	void *oy = NULL, *ow = NULL;
-	epj_status s = load_idx(ctx, c, 2, N * k, "row position", &pos);
+	epj_status s = ej_load_index(ctx, c, 2, N * k, "the rows", &pos);
 	if (s == EPJ_OK)
 		s = check_perm(ctx, c, pos, N * k);
 	if (s == EPJ_OK)
@@ -750,7 +701,7 @@ epj_status ej_kernel_MOE_UNPERMUTE_BACKWARD(epj_ctx *ctx, const ej_call *c)
 	int64_t *pos = NULL;
 	const void *g, *y, *w;
 	void *og = NULL, *oy = NULL, *ow = NULL;
-	epj_status s = load_idx(ctx, c, 3, N * k, "row position", &pos);
+	epj_status s = ej_load_index(ctx, c, 3, N * k, "the rows", &pos);
 	if (s == EPJ_OK)
 		s = dense(ctx, c, gt, &g, &og);
 	if (s == EPJ_OK)
@@ -867,7 +818,8 @@ epj_status ej_infer_MOE_GROUPED_MM(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 static epj_status load_counts(epj_ctx *ctx, const ej_call *c, int input,
 			      int64_t rows, int64_t **out)
 {
-	epj_status s = load_idx(ctx, c, input, rows + 1, "group count", out);
+	epj_status s =
+	    ej_load_index(ctx, c, input, rows + 1, "the group sizes", out);
 	if (s != EPJ_OK)
 		return s;
 	int64_t sum = 0, G = c->in[input]->shape[0];

@@ -606,8 +606,9 @@ START_TEST(test_errors)
 	ck_assert_int_eq(ej_moe_permute(ctx, x, idx, 3, &a, &b, &c),
 			 EPJ_ERR_INDEX);
 	ck_assert_ptr_null(a);
-	tu_assert_ctx_error(ctx, EPJ_ERR_INDEX,
-			    TU_STRS("moe_permute", "expert index 3"));
+	tu_assert_ctx_error(
+	    ctx, EPJ_ERR_INDEX,
+	    TU_STRS("moe_permute", "index value 3", "for the experts"));
 	/* positions that are not a permutation */
 	int64_t ps[2] = { 5, 1 };
 	epj_tensor *wt = tu_randn(ctx, EPJ_DTYPE_F32, 2, ps);
