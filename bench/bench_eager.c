@@ -274,6 +274,21 @@ static int bench(epj_ctx *ctx, const bopts *o)
 		    (double)epj_counters_value(dc, "profile.sdpa_backward.us") /
 			1e3 / (double)o->steps);
 	}
+	/* EPJIT_PROFILE=1: the ops whose time is BLAS GEMMs (bench/blas_ab.sh
+	 * compares BLAS libraries on them) */
+	static const char *const gemm_ops[] = {
+		"profile.matmul.us",
+		"profile.linear.us",
+		"profile.gemm_add.us",
+		"profile.moe_grouped_mm.us",
+		"profile.moe_grouped_mm_wgrad.us",
+	};
+	double gemm_us = 0;
+	for (size_t i = 0; i < sizeof gemm_ops / sizeof *gemm_ops; i++)
+		gemm_us += (double)epj_counters_value(dc, gemm_ops[i]);
+	if (gemm_us > 0)
+		printf("| GEMM ops / step (ms)           | %12.1f |\n",
+		       gemm_us / 1e3 / (double)o->steps);
 	rc = 0;
 	goto out;
 err:
