@@ -30,6 +30,10 @@
  * layers as fit one GPU"); --no-compile-cost skips the cold/warm compile
  * measurements; --json writes the side-by-side figures as one object.
  * The step rows add the p95 step and p95/median of each arm.
+ * With EPJIT_PROFILE set (doc/counters.md) it also prints the profile.*
+ * rows of the measured window per step, eager and compiled side by side
+ * (graph.* and fused.* rows summed; BENCH_PROFILE_KERNELS=1 lists each
+ * fused kernel).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -66,6 +70,7 @@ typedef struct arm {
 	int64_t launches0, launches1;
 	int64_t compiled0, compiled1; /* kernels.launched.compiled */
 	epj_memory_stats mem;
+	epj_counters *prof0, *prof; /* EPJIT_PROFILE: the measured window */
 } arm;
 
 static double clock_ms(clockid_t id)
@@ -221,10 +226,98 @@ static void arm_free(arm *a)
 {
 	free(a->wall);
 	free(a->cpu);
+	epj_counters_free(a->prof0);
+	epj_counters_free(a->prof);
 	epj_corpus_free(a->corpus);
 	epj_engine_free(a->eng);
 	epj_model_free(a->model);
 	epj_ctx_free(a->ctx);
+}
+
+/* EPJIT_PROFILE (doc/counters.md): the profile.* rows of the measured
+ * window, per step, eager and compiled side by side. */
+static void profile_window(arm *a)
+{
+	epj_counters *now = epj_counters_snapshot(a->ctx);
+	a->prof = epj_counters_diff(a->prof0, now);
+	epj_counters_free(now);
+}
+
+typedef struct prow {
+	char name[256];
+	double ems, cms, ecalls, ccalls;
+} prow;
+
+static int prow_cmp(const void *x, const void *y)
+{
+	const prow *a = x, *b = y;
+	double ka = a->ems > a->cms ? a->ems : a->cms;
+	double kb = b->ems > b->cms ? b->ems : b->cms;
+	return ka < kb ? 1 : ka > kb ? -1 : strcmp(a->name, b->name);
+}
+
+/* Rows with >= 0.5 ms per step in either arm; graph.* and fused.* rows
+ * summed into "graph.*" / "fused.*" (one row per signature is too many). */
+static void print_profile(const arm *e, const arm *c, long steps)
+{
+	const char *env = getenv("EPJIT_PROFILE");
+	if (!env || !*env || !strcmp(env, "0") || !e->prof || !c->prof)
+		return;
+	int cap = epj_counters_count(e->prof) + epj_counters_count(c->prof) + 2;
+	prow *r = calloc((size_t)cap, sizeof *r);
+	if (!r)
+		return;
+	int n = 0;
+	for (int k = 0; k < 2; k++) {
+		const epj_counters *p = k ? c->prof : e->prof;
+		for (int i = 0; i < epj_counters_count(p); i++) {
+			const char *nm = epj_counters_name_at(p, i);
+			size_t len = strlen(nm);
+			if (strncmp(nm, "profile.", 8) || len < 12 ||
+			    strcmp(nm + len - 3, ".us"))
+				continue;
+			char base[256];
+			snprintf(base, sizeof base, "%.*s", (int)(len - 11),
+				 nm + 8);
+			if (!strncmp(base, "graph.", 6))
+				strcpy(base, "graph.*");
+			else if (!strncmp(base, "fused.", 6) &&
+				 !getenv("BENCH_PROFILE_KERNELS"))
+				strcpy(base, "fused.*");
+			char ckey[300];
+			snprintf(ckey, sizeof ckey, "profile.%.*s.calls",
+				 (int)(len - 11), nm + 8);
+			double us = (double)epj_counters_value_at(p, i);
+			double calls = (double)epj_counters_value(p, ckey);
+			int j = 0;
+			while (j < n && strcmp(r[j].name, base))
+				j++;
+			if (j == n) {
+				snprintf(r[n].name, sizeof r[n].name, "%s",
+					 base);
+				n++;
+			}
+			if (k) {
+				r[j].cms += us / 1e3;
+				r[j].ccalls += calls;
+			} else {
+				r[j].ems += us / 1e3;
+				r[j].ecalls += calls;
+			}
+		}
+	}
+	qsort(r, (size_t)n, sizeof *r, prow_cmp);
+	printf("profile per step (ms, wall; calls): %-9s %9s %8s %9s %8s\n", "",
+	       "eager", "calls", "compiled", "calls");
+	for (int j = 0; j < n; j++) {
+		double d = (double)steps;
+		if (r[j].ems / d < 0.5 && r[j].cms / d < 0.5)
+			continue;
+		printf("  %-44s %9.1f %8.0f %9.1f %8.0f\n", r[j].name,
+		       r[j].ems / d, r[j].ecalls / d, r[j].cms / d,
+		       r[j].ccalls / d);
+	}
+	free(r);
 }
 
 static int64_t launches(epj_ctx *ctx)
@@ -494,6 +587,8 @@ static int arms(const bopts *op)
 	c.launches0 = launches(c.ctx);
 	c.compiled0 = epj_counter_get(c.ctx, "kernels.launched.compiled");
 	int64_t frames0 = epj_counter_get(c.ctx, "frames.total");
+	e.prof0 = epj_counters_snapshot(e.ctx);
+	c.prof0 = epj_counters_snapshot(c.ctx);
 	for (long i = 0; i < o.steps; i++) {
 		/* A B B A ... */
 		arm *first = i % 2 ? &c : &e, *second = i % 2 ? &e : &c;
@@ -504,6 +599,8 @@ static int arms(const bopts *op)
 	e.launches1 = launches(e.ctx);
 	c.launches1 = launches(c.ctx);
 	c.compiled1 = epj_counter_get(c.ctx, "kernels.launched.compiled");
+	profile_window(&e);
+	profile_window(&c);
 	epj_memory_stats_get(e.ctx, &e.mem);
 	epj_memory_stats_get(c.ctx, &c.mem);
 	double ew = median(e.wall, o.steps), cw = median(c.wall, o.steps);
@@ -537,6 +634,7 @@ static int arms(const bopts *op)
 	       (double)c.mem.peak_reserved / (double)e.mem.peak_reserved);
 	int64_t frames = epj_counter_get(c.ctx, "frames.total") - frames0;
 	printf("frames compiled in the measured window: %" PRId64 "\n", frames);
+	print_profile(&e, &c, o.steps);
 	if (o.json) {
 		json_t *j = json_pack(
 		    "{s:s, s:s, s:s, s:i, s:i, s:b, s:{s:f, s:f, s:f, s:f, "

@@ -1104,7 +1104,8 @@ void ej_kpr_loop_body(ej_kpr *p, int l)
 		ej_kpr_need_elem(p, x->a);
 		const char *cast = k->v[x->a].t == x->t ? "" : "(double)";
 		if (x->op == EJ_K_RSUM)
-			ej_kpr_line(p, "acc%d += %sv%d;", v, cast, x->a);
+			ej_kpr_line(p, "acc%d%s += %sv%d;", v,
+				    p->acc_at ? p->acc_at : "", cast, x->a);
 		else if (x->op == EJ_K_RMAX)
 			ej_kpr_line(p, "acc%d = ej_maxnan%s(acc%d, v%d);", v,
 				    x->t == EJ_KT_F64 ? "_d" : "_f", v, x->a);

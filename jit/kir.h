@@ -326,6 +326,9 @@ typedef struct ej_kpr {
 	bool unit;	  /* printing the unit-stride copy of a loop (C) */
 	int lane; /* vector path: lane being printed; -1 scalar (CUDA) */
 	int ind;  /* indent (tabs) */
+	/* C: suffix of the row_sum accumulators in the body ("[l]" in the
+	 * 8-lane loop, "_t" in its tail); NULL: plain acc<v> */
+	const char *acc_at;
 } ej_kpr;
 
 /* Allocates the marks (lane -1); ej_kpr_fini frees them. */

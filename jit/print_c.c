@@ -16,9 +16,11 @@
  * vary by column, reductions, what depends only on them) in the row scope,
  * and each column loop computes the element values it needs and folds its
  * reductions (double accumulators for sums, as the reference kernels) or
- * stores its outputs.  Every column loop is printed twice: once for the
- * common case where all column-varying accesses have unit stride (plain
- * p[b + j] indexing that the compiler vectorises) and once with strides.
+ * stores its outputs (a loop with row sums runs 8 double lanes and a tail,
+ * the eager row sum's order; see column_loop).  Every column loop is
+ * printed twice: once for the common case where all column-varying
+ * accesses have unit stride (plain p[b + j] indexing that the compiler
+ * vectorises) and once with strides.
  *
  * Only the prelude (templates/prelude_c.h) is included: its text is pasted
  * at the top of the unit.
@@ -79,9 +81,61 @@ static bool any_elem_access(const ej_kernel *k)
 	return false;
 }
 
+/* Row sums fold into EJ_C_LANES double lanes, lane l taking the columns
+ * j0 + l, j0 + l + EJ_C_LANES, ..., and a tail for the last cols %
+ * EJ_C_LANES columns, combined as the eager row sum combines them
+ * (lib/ops_reduce.c, rowsum_*): the same order, so a fused sum equals the
+ * op-by-op one bit for bit, and the lane loop vectorises (a strict
+ * left-to-right double sum cannot, and it kept every other element
+ * computation of its loop scalar). */
+#define EJ_C_LANES 8
+
+static bool loop_has_sum(const ej_kernel *k, int l)
+{
+	for (int v = 0; v < k->n_v; v++)
+		if (k->v[v].op == EJ_K_RSUM && k->v[v].dep - 1 == l)
+			return true;
+	return false;
+}
+
+/* The column loop(s) of one copy: a plain loop over j0..j1, or with row
+ * sums the lane loop and its tail. */
+static void column_copy(ej_kpr *c, int l, bool lanes)
+{
+	if (!lanes) {
+		ej_kpr_line(c, "for (int64_t j = j0; j < j1; j++) {");
+		c->ind++;
+		ej_kpr_loop_body(c, l);
+		c->ind--;
+		ej_kpr_line(c, "}");
+		return;
+	}
+	ej_kpr_line(c, "int64_t jb = j0;");
+	ej_kpr_line(c, "for (; jb + %d <= j1; jb += %d) {", EJ_C_LANES,
+		    EJ_C_LANES);
+	c->ind++;
+	ej_kpr_line(c, "for (int64_t l = 0; l < %d; l++) {", EJ_C_LANES);
+	c->ind++;
+	ej_kpr_line(c, "const int64_t j = jb + l;");
+	c->acc_at = "[l]";
+	ej_kpr_loop_body(c, l);
+	c->ind--;
+	ej_kpr_line(c, "}");
+	c->ind--;
+	ej_kpr_line(c, "}");
+	ej_kpr_line(c, "for (int64_t j = jb; j < j1; j++) {");
+	c->ind++;
+	c->acc_at = "_t";
+	ej_kpr_loop_body(c, l);
+	c->acc_at = NULL;
+	c->ind--;
+	ej_kpr_line(c, "}");
+}
+
 static void column_loop(ej_kpr *c, int l)
 {
 	const ej_kernel *k = c->k;
+	bool lanes = loop_has_sum(k, l);
 	/* row values first, then the accumulators */
 	ej_kpr_pre_loop(c, l);
 	for (int v = 0; v < k->n_v; v++) {
@@ -89,7 +143,8 @@ static void column_loop(ej_kpr *c, int l)
 		if (!ej_kop_is_red(x->op) || x->dep - 1 != l)
 			continue;
 		if (x->op == EJ_K_RSUM)
-			ej_kpr_line(c, "double acc%d = 0;", v);
+			ej_kpr_line(c, "double acc%d[%d] = { 0 }, acc%d_t = 0;",
+				    v, EJ_C_LANES, v);
 		else
 			ej_kpr_line(c, "%s acc%d = -(%s)INFINITY;",
 				    ej_kt_ctype(x->t), v, ej_kt_ctype(x->t));
@@ -100,11 +155,7 @@ static void column_loop(ej_kpr *c, int l)
 		if (two)
 			ej_kpr_line(c, copy == 0 ? "if (unit) {" : "} else {");
 		c->ind += two;
-		ej_kpr_line(c, "for (int64_t j = j0; j < j1; j++) {");
-		c->ind++;
-		ej_kpr_loop_body(c, l);
-		c->ind--;
-		ej_kpr_line(c, "}");
+		column_copy(c, l, lanes);
 		c->ind -= two;
 	}
 	if (two)
@@ -113,8 +164,16 @@ static void column_loop(ej_kpr *c, int l)
 		const ej_kval *x = &k->v[v];
 		if (!ej_kop_is_red(x->op) || x->dep - 1 != l)
 			continue;
-		ej_kpr_line(c, "const %s v%d = acc%d;", ej_kt_ctype(x->t), v,
-			    v);
+		if (x->op == EJ_K_RSUM)
+			ej_kpr_line(c,
+				    "const double v%d = ((acc%d[0] + acc%d[4]) "
+				    "+ (acc%d[1] + acc%d[5])) + ((acc%d[2] + "
+				    "acc%d[6]) + (acc%d[3] + acc%d[7])) + "
+				    "acc%d_t;",
+				    v, v, v, v, v, v, v, v, v, v);
+		else
+			ej_kpr_line(c, "const %s v%d = acc%d;",
+				    ej_kt_ctype(x->t), v, v);
 		c->row_done[v] = true;
 	}
 }

@@ -779,6 +779,18 @@ epj_status ej_infer_GEMM_ADD(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	return EPJ_OK;
 }
 
+/* o = bf16(r + bf16(p)): the bf16 epilogue, eager's product store and
+ * add, vectorised (AVX2 clone; the same bits as the scalar form). */
+EJ_ISA_CLONES static void add_rounded_bf16(const uint16_t *restrict r,
+					   const float *restrict p,
+					   uint16_t *restrict o, int64_t n)
+{
+#pragma omp simd
+	for (int64_t i = 0; i < n; i++)
+		o[i] = ej_bf16_store(ej_bf16_load(r[i]) +
+				     ej_bf16_load(ej_bf16_store(p[i])));
+}
+
 /* out = r + a @ op(b); out may be r itself (the in-place form). */
 static epj_status gemm_add_into(epj_ctx *ctx, const ej_call *c, epj_tensor *o)
 {
@@ -818,10 +830,15 @@ static epj_status gemm_add_into(epj_ctx *ctx, const ej_call *c, epj_tensor *o)
 		uint16_t *po = ej_data(o);
 		if (ej_is_contiguous(r)) {
 			const uint16_t *pr = ej_data(r);
-			for (int64_t i = 0; i < numel; i++)
-				po[i] = ej_bf16_store(
-				    ej_bf16_load(pr[i]) +
-				    ej_bf16_load(ej_bf16_store(p[i])));
+			const int64_t chunk = 1 << 14;
+			int64_t chunks = (numel + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) if (numel > (1 << 18))
+			for (int64_t q = 0; q < chunks; q++) {
+				int64_t i0 = q * chunk;
+				add_rounded_bf16(pr + i0, p + i0, po + i0,
+						 q + 1 < chunks ? chunk
+								: numel - i0);
+			}
 		} else {
 			float *rf = malloc((size_t)numel * sizeof *rf);
 			if (!rf) {

@@ -518,6 +518,189 @@ START_TEST(test_rope)
 }
 END_TEST
 
+/* The ROPE / ROPE_BACKWARD ops on unit-stride rows (the model's layout:
+ * a [B,T,H,D] tensor viewed as [B,H,T,D], column stride 1: the vectorised
+ * path of lib/ops_rope.c).  Bit for bit the eager op chain (forward) and
+ * its autograd gradient (backward); the same bits as the generic strided
+ * rows on the same values; within the roundings of a double reference.
+ * Odd row counts, half widths that are no multiple of the vector width. */
+START_TEST(test_rope_unit)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t B = tu_randint(1, 3), Hh = 2 * tu_randint(1, 3) + 1,
+		T = 2 * tu_randint(1, 6) + 1,
+		D = 2 * (8 * tu_randint(0, 3) + tu_randint(1, 8));
+	int64_t sx[4] = { B, T, Hh, D }, sg[4] = { B, Hh, T, D },
+		sc[2] = { T, D };
+	epj_tensor *x0 = tu_randn(ctx, dt, 4, sx);
+	epj_tensor *x = epj_transpose(ctx, x0, 1, 2);
+	tu_ok(ctx, x);
+	ck_assert_int_eq(epj_tensor_strides(x)[3], 1);
+	ck_assert(!epj_tensor_is_contiguous(x));
+	epj_tensor *c = tu_randn(ctx, dt, 2, sc);
+	epj_tensor *s = tu_randn(ctx, dt, 2, sc);
+	epj_tensor *g = tu_randn(ctx, dt, 4, sg);
+	ej_attrs at = ej_attrs_none();
+	epj_tensor *in[3] = { x, c, s }, *gin[3] = { g, c, s };
+	epj_tensor *y = ej_call1(ctx, EJ_OP_ROPE, in, 3, &at);
+	epj_tensor *dx = ej_call1(ctx, EJ_OP_ROPE_BACKWARD, gin, 3, &at);
+	tu_ok(ctx, y);
+	tu_ok(ctx, dx);
+	/* the op chain, eager, and its gradient by autograd */
+	epj_tensor *xl = epj_contiguous(ctx, x);
+	epj_tensor_set_requires_grad(xl, true);
+	epj_tensor *cin[3] = { xl, c, s };
+	epj_tensor *yc = f_rope(ctx, cin);
+	tu_ok(ctx, yc);
+	ck_assert(epj_backward(ctx, yc, g) == EPJ_OK);
+	epj_tensor *dxc = epj_tensor_grad(xl); /* borrowed */
+	tu_ok(ctx, dxc);
+	tu_assert_tensors_close(ctx, y, yc, 0, 0, "rope unit rows vs chain");
+	tu_assert_tensors_close(ctx, dx, dxc, 0, 0,
+				"rope_backward unit rows vs chain gradient");
+	/* generic rows: the same values with a strided last dim */
+	epj_tensor *xn = tu_noncontig(ctx, x), *gn = tu_noncontig(ctx, g);
+	ck_assert_int_ne(epj_tensor_strides(xn)[3], 1);
+	epj_tensor *nin[3] = { xn, c, s }, *ngin[3] = { gn, c, s };
+	epj_tensor *yn = ej_call1(ctx, EJ_OP_ROPE, nin, 3, &at);
+	epj_tensor *dxn = ej_call1(ctx, EJ_OP_ROPE_BACKWARD, ngin, 3, &at);
+	tu_ok(ctx, yn);
+	tu_ok(ctx, dxn);
+	tu_assert_tensors_close(ctx, y, yn, 0, 0, "rope unit vs strided rows");
+	tu_assert_tensors_close(ctx, dx, dxn, 0, 0,
+				"rope_backward unit vs strided rows");
+	/* double reference: y = x c + rot(x) s, dx = g c + rot^T(g s) */
+	double *vx = tu_values(ctx, x), *vc = tu_values(ctx, c),
+	       *vs = tu_values(ctx, s), *vg = tu_values(ctx, g),
+	       *vy = tu_values(ctx, y), *vd = tu_values(ctx, dx);
+	double eps = dt == EPJ_DTYPE_BF16  ? 3.0 / 256
+		     : dt == EPJ_DTYPE_F32 ? 3e-7
+					   : 1e-15;
+	int64_t h = D / 2, rows = B * Hh * T;
+	for (int64_t r = 0; r < rows; r++)
+		for (int64_t j = 0; j < D; j++) {
+			int64_t t = r % T, i = r * D + j, cj = t * D + j;
+			int64_t k = j < h ? j + h : j - h, ik = r * D + k,
+				ck = t * D + k;
+			double sg1 = j < h ? -1 : 1;
+			double a = vx[i] * vc[cj], b = sg1 * vx[ik] * vs[cj];
+			double e = vg[i] * vc[cj], f = -sg1 * vg[ik] * vs[ck];
+			if (!(fabs(vy[i] - (a + b)) <=
+			      eps * (fabs(a) + fabs(b)) + 1e-30))
+				ck_abort_msg("rope row %lld col %lld: %g vs %g",
+					     (long long)r, (long long)j, vy[i],
+					     a + b);
+			if (!(fabs(vd[i] - (e + f)) <=
+			      eps * (fabs(e) + fabs(f)) + 1e-30))
+				ck_abort_msg(
+				    "rope_backward row %lld col %lld: %g vs %g",
+				    (long long)r, (long long)j, vd[i], e + f);
+		}
+	free(vx);
+	free(vc);
+	free(vs);
+	free(vg);
+	free(vy);
+	free(vd);
+	epj_tensor *t[] = { x0, x, c, s, g, y, dx, xl, yc, xn, gn, yn, dxn };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* GEMM_ADD in bf16 against eager's product + add, bit for bit: the
+ * epilogue (product rounded to bf16, added to r, rounded again) runs in
+ * chunks of 16384 values through an ISA-cloned loop; odd sizes over
+ * several chunks, a tail chunk, both the matmul and the linear form. */
+START_TEST(test_gemm_add_bf16)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = EPJ_DTYPE_BF16;
+	int64_t M = 2 * tu_randint(90, 110) + 1,
+		N = 2 * tu_randint(140, 160) + 1, K = 2 * tu_randint(5, 20) + 1;
+	int64_t sa[2] = { M, K }, sb[2] = { K, N }, sw[2] = { N, K },
+		sr[2] = { M, N };
+	epj_tensor *a = tu_randn(ctx, dt, 2, sa), *b = tu_randn(ctx, dt, 2, sb),
+		   *w = tu_randn(ctx, dt, 2, sw), *r = tu_randn(ctx, dt, 2, sr);
+	for (int lin = 0; lin < 2; lin++) {
+		ej_attrs at = ej_attrs_none();
+		at.i[0] = lin;
+		at.n_i = 1;
+		epj_tensor *in[3] = { a, lin ? w : b, r };
+		epj_tensor *y = ej_call1(ctx, EJ_OP_GEMM_ADD, in, 3, &at);
+		tu_ok(ctx, y);
+		epj_tensor *p =
+		    lin ? epj_linear(ctx, a, w, NULL) : epj_matmul(ctx, a, b);
+		epj_tensor *ref = epj_add(ctx, r, p);
+		tu_ok(ctx, ref);
+		tu_assert_tensors_close(
+		    ctx, y, ref, 0, 0,
+		    lin ? "gemm_add (linear) bf16 vs eager"
+			: "gemm_add (matmul) bf16 vs eager");
+		epj_tensor_free(y);
+		epj_tensor_free(p);
+		epj_tensor_free(ref);
+	}
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+	epj_tensor_free(w);
+	epj_tensor_free(r);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Fused row sums fold 8 double lanes and a tail in the eager row sum's
+ * order (jit/print_c.c, lib/ops_reduce.c): the fused RMSNorm forward (one
+ * kernel, sum of squares in its first column loop) equals the op-by-op
+ * run bit for bit, f64 included (where another summation order shows in
+ * the last bits), for row lengths below, at and above the lane count,
+ * through the unit-stride and the strided loop copies. */
+START_TEST(test_rowsum_lanes)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t lens[4] = { tu_randint(1, 8), 8 * tu_randint(1, 4),
+			    8 * tu_randint(2, 40) + tu_randint(1, 8),
+			    8 * tu_randint(2, 40) + tu_randint(1, 8) };
+	for (int k = 0; k < 4; k++) {
+		int64_t sx[2] = { 2 * tu_randint(2, 30) + 1, lens[k] };
+		epj_tensor *x = tu_randn_nc(ctx, dt, 2, sx, k == 3);
+		epj_tensor *w = tu_randn(ctx, dt, 1, &sx[1]);
+		epj_tensor *in[2] = { x, w };
+		ej_jit *jc = ej_jit_new(ctx, EJ_BACKEND_C);
+		ej_jit *ji = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
+		run_out rc, ri;
+		bool prev = epj_no_grad_enter(ctx);
+		ej_region_fn *fc =
+		    run_backend(ctx, jc, f_rmsnorm, in, 2, NULL, &rc);
+		ej_region_fn *fi =
+		    run_backend(ctx, ji, f_rmsnorm, in, 2, NULL, &ri);
+		epj_no_grad_exit(ctx, prev);
+		/* the compiled arm ran one fused kernel, op by op ran 6+ */
+		ck_assert_int_eq(rc.launches_fwd, 1);
+		ck_assert_int_gt(ri.launches_fwd, 4);
+		char what[96];
+		snprintf(what, sizeof what, "rmsnorm %s, %lld columns%s",
+			 epj_dtype_name(dt), (long long)sx[1],
+			 k == 3 ? ", strided" : "");
+		tu_assert_tensors_close(ctx, rc.y, ri.y, 0, 0, what);
+		run_out_free(&rc);
+		run_out_free(&ri);
+		ej_region_fn_free(fc);
+		ej_region_fn_free(fi);
+		ej_jit_free(jc);
+		ej_jit_free(ji);
+		epj_tensor_free(x);
+		epj_tensor_free(w);
+	}
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
 START_TEST(test_swiglu)
 {
 	cache_setup();
@@ -926,6 +1109,9 @@ Suite *make_codegen_suite(void)
 	tcase_set_timeout(tc, 120);
 	tcase_add_loop_test(tc, test_rmsnorm, 0, 3);
 	tcase_add_loop_test(tc, test_rope, 0, 3);
+	tcase_add_loop_test(tc, test_rope_unit, 0, 3);
+	tcase_add_test(tc, test_gemm_add_bf16);
+	tcase_add_loop_test(tc, test_rowsum_lanes, 0, 3);
 	tcase_add_loop_test(tc, test_swiglu, 0, 3);
 	tcase_add_loop_test(tc, test_softmax, 0, 3);
 	tcase_add_loop_test(tc, test_residual, 0, 3);
