@@ -11,8 +11,9 @@
  *           reduce-scatter and all-gather (even and uneven), broadcast on
  *           fresh device buffers, against what every rank can compute;
  *           ranks that call different counts get an error naming both
- *           calls; a rank that never joins makes the other fail within
- *           the stand-in's timeout instead of hanging.
+ *           calls, and a receive count that differs from the peer's
+ *           send is an error; a rank that never joins makes the other
+ *           fail within the stand-in's timeout instead of hanging.
  *  train    the tiny MoE model on the cuda context, EP = 2 (ZeRO 2, 1) and
  *           data parallel (autoep_size 1, ZeRO 0 and 2), f32 (and bf16
  *           with MPI_NCCL_CHECK_BF16=1),
@@ -385,6 +386,33 @@ static void check_comm(epj_ctx *ctx, ej_comm *w)
 	ej_comm_free(nc);
 	nc = NULL;
 	OK(ctx, ej_comm_barrier_c(ctx, w, "test"));
+
+	/* an all-to-all whose receive count differs from what the peer
+	 * sends: the receiving rank's error says so */
+	OK(ctx, ej_comm_nccl_new(ctx, w, dev, &nc));
+	if (!nc)
+		return;
+	int64_t sc2[8], rc2[8];
+	for (int p = 0; p < P; p++)
+		sc2[p] = rc2[p] = 2;
+	if (me == 1)
+		rc2[0] = 1; /* rank 0 sends 2 rows, 1 is expected */
+	int64_t n4 = 4 * 2 * P;
+	epj_tensor *ta = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4);
+	epj_tensor *tz = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4);
+	st = ej_comm_a2av(ctx, nc, "test.short", ej_data(ta), sc2, ej_data(tz),
+			  rc2, 4 * sizeof(float));
+	m = epj_ctx_error(ctx);
+	if (me == 1)
+		CHECK(st != EPJ_OK && strstr(m, "sizes differ") &&
+			  strstr(m, "ncclGroupEnd") && strstr(m, "test.short"),
+		      "receive count mismatch: %s", m);
+	epj_ctx_clear_error(ctx);
+	epj_tensor_free(ta);
+	epj_tensor_free(tz);
+	OK(ctx, ej_comm_barrier_c(ctx, w, "test"));
+	ej_comm_free(nc);
+	nc = NULL;
 
 	/* a rank that never joins: the other fails within the timeout */
 	OK(ctx, ej_comm_nccl_new(ctx, w, dev, &nc));
