@@ -65,8 +65,12 @@ typedef struct autoep_impl {
 	ej_autoep_opts opts;
 	int hidden, inter;
 	epj_dtype dtype;
-	ej_comm *comm;	 /* borrowed, or owned when owns_comm */
-	bool owns_comm;	 /* NULL comm given: a private world of one */
+	ej_comm *comm;	/* borrowed, or owned when owns_comm */
+	bool owns_comm; /* NULL comm given: a private world of one */
+	/* the device counterpart of comm (an `nccl` comm over the same ranks,
+	 * borrowed from the engine) for the rows of a cuda context; NULL: none
+	 * (host memory, or one rank) */
+	ej_comm *dev_comm;
 	int n_local;	 /* experts on this rank: num_experts / comm->size */
 	int first_local; /* global index of local expert 0 */
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
@@ -128,7 +132,7 @@ static epj_status index_to_host(epj_ctx *ctx, const epj_tensor *t, int64_t *out)
  * row stays here in the same order, so no data moves and no node is
  * needed: the result is x itself (a new reference). */
 typedef struct a2a_node {
-	ej_comm *comm;
+	ej_comm *comm, *dev_comm;
 	int P;
 	int64_t *send, *recv; /* of the forward exchange */
 	const char *what;     /* counter / message name of the backward */
@@ -144,8 +148,9 @@ static void a2a_node_free(void *p)
 	free(a);
 }
 
-static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
-			    epj_tensor *x, const int64_t *send_counts,
+static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
+			    const char *what, epj_tensor *x,
+			    const int64_t *send_counts,
 			    const int64_t *recv_counts);
 
 static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
@@ -164,14 +169,16 @@ static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			return epj_ctx_status(ctx);
 	}
 	bool prev = epj_no_grad_enter(ctx);
-	grad_in[0] = a2a_rows(ctx, a->comm, a->what, g, a->recv, a->send);
+	grad_in[0] =
+	    a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv, a->send);
 	epj_no_grad_exit(ctx, prev);
 	epj_tensor_free(g);
 	return grad_in[0] ? EPJ_OK : epj_ctx_status(ctx);
 }
 
-static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
-			    epj_tensor *x, const int64_t *send_counts,
+static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
+			    const char *what, epj_tensor *x,
+			    const int64_t *send_counts,
 			    const int64_t *recv_counts)
 {
 	const int P = comm->size;
@@ -201,11 +208,17 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
 			ctx->dev->copy(ctx->dev->self, ej_data(y), ej_data(xc),
 				       bytes);
 		s = EPJ_OK;
-	} else if (!ctx->dev->host_visible) {
+	} else if (!ctx->dev->host_visible && !dev_comm) {
 		s = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 			     "%s: all-to-all of device memory over %d ranks "
-			     "needs a device communicator (not built)",
+			     "needs a device communicator (comm.backend "
+			     "\"nccl\"; the engine sets it up)",
 			     what, P);
+	} else if (!ctx->dev->host_visible) {
+		/* device rows over NCCL, on the compute stream */
+		EJ_ASSERT(dev_comm->size == P && dev_comm->rank == comm->rank);
+		s = ej_comm_a2av(ctx, dev_comm, what, ej_data(xc), send_counts,
+				 ej_data(y), recv_counts, row);
 	} else {
 		s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
 				 ej_data(y), recv_counts, row);
@@ -229,6 +242,7 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
 		return NULL;
 	}
 	a->comm = comm;
+	a->dev_comm = dev_comm;
 	a->P = P;
 	memcpy(a->send, send_counts, sizeof(int64_t) * (size_t)P);
 	memcpy(a->recv, recv_counts, sizeof(int64_t) * (size_t)P);
@@ -247,7 +261,8 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, const char *what,
 }
 
 static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
-				 ej_comm *comm, const char *what, epj_tensor *x,
+				 ej_comm *comm, ej_comm *dev_comm,
+				 const char *what, epj_tensor *x,
 				 const int64_t *send_counts,
 				 const int64_t *recv_counts)
 {
@@ -258,7 +273,8 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 			  send_counts[0] == epj_tensor_dim(x, 0));
 		return epj_tensor_ref(x);
 	}
-	epj_tensor *y = a2a_rows(ctx, comm, what, x, send_counts, recv_counts);
+	epj_tensor *y =
+	    a2a_rows(ctx, comm, dev_comm, what, x, send_counts, recv_counts);
 	if (!y)
 		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 	return y;
@@ -1120,8 +1136,9 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	}
 
 	/* Dispatch of the rows [R, H] to their experts' ranks. */
-	x_recv = ep_all_to_all(ctx, m, im->comm, "autoep.dispatch", x_sorted,
-			       send_counts, recv_counts);
+	x_recv =
+	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.dispatch",
+			  x_sorted, send_counts, recv_counts);
 	if (!x_recv) {
 		s = epj_ctx_status(ctx);
 		goto done; /* the message names the layer already */
@@ -1190,8 +1207,9 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	}
 	/* Return the expert outputs to the ranks their tokens came from:
 	 * the reversed plan. */
-	y_sorted = ep_all_to_all(ctx, m, im->comm, "autoep.combine", y_recv,
-				 recv_counts, send_counts);
+	y_sorted =
+	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.combine",
+			  y_recv, recv_counts, send_counts);
 	if (!y_sorted) {
 		s = epj_ctx_status(ctx);
 		goto done;
@@ -1496,6 +1514,17 @@ epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 	autoep_impl *im = m->impl;
 	im->opts.fixed_routing = fixed_routing;
 	im->opts.async_split_plan = async_split_plan;
+	return EPJ_OK;
+}
+
+epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return EPJ_ERR_INVALID;
+	autoep_impl *im = m->impl;
+	EJ_ASSERT(!dev_comm || (dev_comm->size == im->comm->size &&
+				dev_comm->rank == im->comm->rank));
+	im->dev_comm = dev_comm;
 	return EPJ_OK;
 }
 

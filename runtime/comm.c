@@ -187,6 +187,14 @@ static void account(epj_ctx *ctx, ej_comm *c, const char *what, int64_t bytes,
 	char name[96];
 	snprintf(name, sizeof name, "comm.%s.bytes", what);
 	epj_counter_add(ctx, name, bytes);
+	/* by backend: comm.<backend>.calls / .bytes, and per purpose
+	 * comm.<backend>.<what>.bytes (which comm carried what) */
+	snprintf(name, sizeof name, "comm.%s.calls", c->name);
+	epj_counter_add(ctx, name, 1);
+	snprintf(name, sizeof name, "comm.%s.bytes", c->name);
+	epj_counter_add(ctx, name, bytes);
+	snprintf(name, sizeof name, "comm.%s.%s.bytes", c->name, what);
+	epj_counter_add(ctx, name, bytes);
 }
 
 epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,

@@ -1196,8 +1196,12 @@ static const key keys[] = {
 		 "world's ranks; refused on other devices), `\"host\"` "
 		 "(the world's host collectives only) or `\"auto\"` (NCCL "
 		 "on the cuda device over two or more ranks when "
-		 "`libnccl.so.2` loads, else host). "
-		 "`EPJIT_COMM` overrides it" },
+		 "`libnccl.so.2` loads, else host). With two or more "
+		 "ranks on the cuda device the expert rows and the "
+		 "optimizer's gradients and parameters are device memory and "
+		 "go over NCCL (comms for the DP, EP and EDP groups), so "
+		 "`\"host\"`, or `\"auto\"` without NCCL, is refused by "
+		 "initialize. `EPJIT_COMM` overrides it" },
 
 	/* ---- csv_monitor */
 	{ .sec = SEC_CSV_MONITOR,

@@ -19,6 +19,7 @@
 #include "optim_impl.h"
 #include "runtime_impl.h"
 
+#include "cuda_driver.h"
 #include "eager_cuda.h"
 
 #include <errno.h>
@@ -148,6 +149,54 @@ static epj_status setup_parallel(epj_ctx *ctx, const ej_config *c, epj_model *m,
 	return ej_module_params(ctx, m->root, &m->params);
 }
 
+/* Several ranks on a context with device memory (cuda): every collective
+ * on device buffers goes over NCCL -- e->dev_comm (world = DP group) and
+ * its counterparts of the EP and EDP groups, each an `nccl` comm
+ * bootstrapped over the host group (its own unique id; any NCCL >= 2.7,
+ * no ncclCommSplit needed).  Host scalars (the split plan's counts, the
+ * loss, the grad-norm partial sums) stay on the host comms.  Without a
+ * device comm such a run is refused here, not at its first exchange. */
+static epj_status setup_dev_groups(epj_engine *e, ej_comm *world)
+{
+	epj_ctx *ctx = e->ctx;
+	epj_model *m = e->model;
+	if (ctx->dev->host_visible || world->size == 1)
+		return EPJ_OK;
+	if (!e->dev_comm) {
+		const char *env = getenv("EPJIT_COMM");
+		const char *choice = env && *env ? env
+				     : *e->cfg.comm_backend
+					 ? e->cfg.comm_backend
+					 : "auto";
+		char why[512] = "";
+		if (strcmp(choice, "host") != 0 && !ej_nccl_available(ctx)) {
+			snprintf(why, sizeof why, ": %s", epj_ctx_error(ctx));
+			epj_ctx_clear_error(ctx);
+		}
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%d ranks on the %s device: gradients and "
+				"expert rows are device memory and need NCCL "
+				"(comm.backend \"%s\"%s%s)",
+				world->size, ctx->dev->name, choice,
+				env && *env ? ", from EPJIT_COMM" : "", why);
+	}
+	EJ_ASSERT(m->has_groups);
+	ej_cuda_dev *dev = NULL;
+	epj_status st = ej_cuda_open(ctx, &dev);
+	if (st == EPJ_OK && m->groups.ep->size > 1)
+		st = ej_comm_nccl_new(ctx, m->groups.ep, dev, &e->dev_ep);
+	if (st == EPJ_OK && m->groups.edp->size > 1)
+		st = ej_comm_nccl_new(ctx, m->groups.edp, dev, &e->dev_edp);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "the device counterparts of the %s group",
+				e->dev_ep ? "edp" : "ep");
+		return st;
+	}
+	for (int i = 0; i < m->n_moe; i++)
+		ej_autoep_set_dev_comm(m->moe[i], e->dev_ep);
+	return EPJ_OK;
+}
+
 static epj_status engine_setup(epj_engine *e)
 {
 	epj_ctx *ctx = e->ctx;
@@ -167,6 +216,8 @@ static epj_status engine_setup(epj_engine *e)
 	if (st == EPJ_OK)
 		st = ej_comm_device_select(ctx, c->comm_backend, ctx->dev->name,
 					   world, &e->dev_comm);
+	if (st == EPJ_OK)
+		st = setup_dev_groups(e, world);
 	if (st != EPJ_OK)
 		return st;
 	if (c->expert_parallel.has_load_balance)
@@ -211,7 +262,9 @@ static epj_status engine_setup(epj_engine *e)
 				     .edp = m->groups.edp,
 				     .world = world,
 				     .grad_scale = 1.0 / world->size,
-				     .expert = expert };
+				     .expert = expert,
+				     .dev_dp = e->dev_comm,
+				     .dev_edp = e->dev_edp };
 	}
 	e->optim = ej_optim_new_dist(ctx, c, m->params.params,
 				     (const char *const *)m->params.names,
@@ -278,6 +331,11 @@ void epj_engine_free(epj_engine *e)
 		return;
 	ej_engine_compile_free(e);
 	ej_optim_free(e->optim);
+	if (e->dev_ep)
+		for (int i = 0; i < e->model->n_moe; i++)
+			ej_autoep_set_dev_comm(e->model->moe[i], NULL);
+	ej_comm_free(e->dev_ep);
+	ej_comm_free(e->dev_edp);
 	ej_comm_free(e->dev_comm);
 	free(e);
 }

@@ -51,6 +51,8 @@ typedef struct opt_param {
 	 * world of one) and this rank's partition [lo, hi) of the flat
 	 * parameter; sharded: master and state hold only that partition */
 	ej_comm *group;
+	/* group's device counterpart (device memory, group of > 1 rank) */
+	ej_comm *dgroup;
 	int64_t lo, hi;
 	int64_t nlo, nhi; /* partition counted in the global norm */
 	bool sharded;
@@ -324,15 +326,7 @@ ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
 		ej_optim_free(o);
 		return NULL;
 	}
-	if (d && d->world && d->world->size > 1 && !ctx->dev->host_visible) {
-		ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-			 "optim: %d ranks on the %s device: the collectives "
-			 "work on host memory only (one rank per run on the "
-			 "GPU for now)",
-			 d->world->size, ctx->dev->name);
-		ej_optim_free(o);
-		return NULL;
-	}
+	const bool dev_mem = !ctx->dev->host_visible;
 	if (d && d->world && d->world->size > 1) {
 		o->dist = true;
 		o->d = *d;
@@ -340,7 +334,27 @@ ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
 		int gmax = d->world->size;
 		for (int i = 0; i < n; i++) {
 			opt_param *p = &o->p[i];
-			p->group = d->expert && d->expert[i] ? d->edp : d->dp;
+			bool ex = d->expert && d->expert[i];
+			p->group = ex ? d->edp : d->dp;
+			p->dgroup = !dev_mem || p->group->size == 1 ? NULL
+				    : ex			    ? d->dev_edp
+								    : d->dev_dp;
+			if (dev_mem && p->group->size > 1 && !p->dgroup) {
+				ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+					 "optim: %d ranks on the %s device: "
+					 "the gradients of %s (group %s of %d "
+					 "ranks) are device memory and need "
+					 "a device communicator (comm.backend "
+					 "\"nccl\")",
+					 d->world->size, ctx->dev->name,
+					 names[i], ex ? "edp" : "dp",
+					 p->group->size);
+				ej_optim_free(o);
+				return NULL;
+			}
+			EJ_ASSERT(!p->dgroup ||
+				  (p->dgroup->size == p->group->size &&
+				   p->dgroup->rank == p->group->rank));
 			int64_t ne =
 			    ej_numel(params[i]->ndim, params[i]->shape);
 			if (ne > o->max_numel)
@@ -727,14 +741,32 @@ static epj_status reduce_grad(ej_optim *o, opt_param *p, epj_tensor *g,
 	snprintf(what, sizeof what, "zero%d.%s", o->d.zero_stage,
 		 p->sharded && o->d.zero_stage >= 2 ? "reduce_scatter"
 						    : "all_reduce");
+	/* device memory: the same collectives over the group's device
+	 * counterpart, on the compute stream */
+	ej_comm *c = p->dgroup ? p->dgroup : p->group;
 	if (p->group->size == 1) {
 		*gd = full;
+	} else if (p->sharded && o->d.zero_stage >= 2 && p->dgroup) {
+		/* the shard lands in a device buffer, then at its offset in
+		 * the full gradient (stream-ordered copy) */
+		int64_t len = p->hi - p->lo;
+		epj_tensor *sh =
+		    ej_tensor_alloc(ctx, EPJ_DTYPE_F32, 1, &len, false);
+		st = sh ? ej_comm_reduce_scatter(ctx, c, what, full,
+						 ej_data(sh), part_counts(o, p))
+			: epj_ctx_status(ctx);
+		if (st == EPJ_OK && len)
+			ctx->dev->copy(ctx->dev->self, full + p->lo,
+				       ej_data(sh),
+				       sizeof(float) * (size_t)len);
+		epj_tensor_free(sh);
+		*gd = full + p->lo;
 	} else if (p->sharded && o->d.zero_stage >= 2) {
-		st = ej_comm_reduce_scatter(ctx, p->group, what, full,
-					    o->gshard, part_counts(o, p));
+		st = ej_comm_reduce_scatter(ctx, c, what, full, o->gshard,
+					    part_counts(o, p));
 		*gd = o->gshard;
 	} else {
-		st = ej_comm_allreduce(ctx, p->group, what, full, p->numel);
+		st = ej_comm_allreduce(ctx, c, what, full, p->numel);
 		*gd = p->sharded ? full + p->lo : full;
 	}
 	if (st != EPJ_OK)
@@ -747,7 +779,27 @@ static epj_status refresh_param(ej_optim *o, opt_param *p)
 {
 	epj_ctx *ctx = o->ctx;
 	epj_status st = EPJ_OK;
-	if (p->sharded) {
+	if (p->sharded && p->dgroup) {
+		/* device memory: the shards gathered over the device group,
+		 * into the parameter itself (f32) or a device buffer cast
+		 * into it */
+		epj_tensor *t = p->param;
+		bool direct = t->dtype == EPJ_DTYPE_F32 && ej_is_contiguous(t);
+		epj_tensor *full =
+		    direct ? NULL
+			   : ej_tensor_alloc(ctx, EPJ_DTYPE_F32, t->ndim,
+					     t->shape, false);
+		if (!direct && !full)
+			st = epj_ctx_status(ctx);
+		if (st == EPJ_OK)
+			st = ej_comm_allgather(
+			    ctx, p->dgroup, "zero.all_gather",
+			    ej_data(p->master), ej_data(direct ? t : full),
+			    part_counts(o, p), sizeof(float));
+		if (st == EPJ_OK && !direct)
+			st = epj_tensor_copy_(ctx, t, full);
+		epj_tensor_free(full);
+	} else if (p->sharded) {
 		epj_tensor *t = p->param;
 		bool direct = t->dtype == EPJ_DTYPE_F32 && ej_is_contiguous(t);
 		float *dst = direct ? ej_data(t) : o->gather;
@@ -832,11 +884,11 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 }
 
 /* *ss += the sum of squares of g (f32, contiguous, device memory) from a
- * host copy, in the chunk order of sum_sq. */
-static epj_status device_sum_sq(ej_optim *o, const epj_tensor *g, double *ss)
+ * host copy of its elements [lo, lo + n), in the chunk order of sum_sq. */
+static epj_status device_sum_sq(ej_optim *o, const epj_tensor *g, int64_t lo,
+				int64_t n, double *ss)
 {
 	epj_ctx *ctx = o->ctx;
-	int64_t n = ej_numel(g->ndim, g->shape);
 	float *h = malloc(sizeof *h * (size_t)(n > 0 ? n : 1));
 	if (!h)
 		return ej_error(ctx, EPJ_ERR_NOMEM,
@@ -845,7 +897,8 @@ static epj_status device_sum_sq(ej_optim *o, const epj_tensor *g, double *ss)
 	const ej_device *dev = ctx->dev;
 	if (dev->sync)
 		dev->sync(dev->self);
-	dev->copy(dev->self, h, ej_data(g), sizeof *h * (size_t)n);
+	dev->copy(dev->self, h, (const float *)ej_data(g) + lo,
+		  sizeof *h * (size_t)n);
 	*ss += sum_sq(o->partial, h, n);
 	free(h);
 	return EPJ_OK;
@@ -891,13 +944,20 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 			return st;
 		if (!g)
 			continue;
+		const float *gd = ej_data(g);
 		if (!ctx->dev->host_visible) {
-			/* device memory: the norm from a host copy */
-			if ((st = device_sum_sq(o, g, &ss)) != EPJ_OK)
+			/* device memory: summed over the device group, the
+			 * norm of this rank's partition from a host copy */
+			if (o->dist &&
+			    (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
+				return st;
+			st = o->dist ? device_sum_sq(o, g, p->nlo,
+						     p->nhi - p->nlo, &ss)
+				     : device_sum_sq(o, g, 0, p->numel, &ss);
+			if (st != EPJ_OK)
 				return st;
 			continue;
 		}
-		const float *gd = ej_data(g);
 		if (o->dist && (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
 			return st;
 		if (o->dist) /* gd points at the shard when sharded */
@@ -918,6 +978,14 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		if ((st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
 			return st;
 		float *full = ej_data(g);
+		if (!ctx->dev->host_visible) {
+			/* reduce_grad put the shard in place on the device */
+			EJ_ASSERT(gd == full + p->lo);
+			st = device_sum_sq(o, g, p->nlo, p->nhi - p->nlo, &ss);
+			if (st != EPJ_OK)
+				return st;
+			continue;
+		}
 		if (gd != full + p->lo)
 			memmove(full + p->lo, gd,
 				sizeof(float) * (size_t)(p->hi - p->lo));

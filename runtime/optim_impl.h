@@ -72,6 +72,13 @@ typedef struct ej_optim_dist {
 	ej_comm *dp, *edp, *world; /* borrowed; outlive the optimizer */
 	double grad_scale;	   /* 1 / world size */
 	const bool *expert;	   /* [n]: parameter i is an expert's */
+	/* A context with device memory (cuda): the device counterparts of dp
+	 * and edp (`nccl` comms over the same ranks, borrowed; NULL where the
+	 * group has one rank), which carry the gradient all-reduce /
+	 * reduce-scatter and the parameter all-gather on device buffers.
+	 * world (the grad-norm partial sums, host scalars) stays on the host
+	 * comm. */
+	ej_comm *dev_dp, *dev_edp;
 } ej_optim_dist;
 /* ej_optim_new over the groups of d (copied; NULL: a world of one). */
 ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,

@@ -290,6 +290,11 @@ epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
  * (EPJIT_AUTOEP_OPS=sequence sets this at construction).  cuda-sim
  * contexts run the MoE templates either way. */
 epj_status ej_autoep_set_fused(epj_module *m, bool fused);
+/* The device counterpart of the layer's EP group (an `nccl` comm over the
+ * same ranks in the same order, borrowed; NULL: none): the dispatch and
+ * combine all-to-all of a cuda context's rows (forward and backward) go
+ * over it, the split plan's host counts stay on the host group. */
+epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm);
 
 /* ---- Qwen3-MoE model (qwen3.c)
  * -------------------------------------------------- */
@@ -337,6 +342,9 @@ struct epj_engine {
 	struct ej_engine_compile *compiled;
 	/* collectives on device buffers (comm.backend), NULL: host only */
 	ej_comm *dev_comm;
+	/* its counterparts of the model's EP and EDP groups (owned; NULL
+	 * where the group has one rank or there is no dev_comm) */
+	ej_comm *dev_ep, *dev_edp;
 };
 
 /* Frees the compile state (restores every region) -- compile.c. */

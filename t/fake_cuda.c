@@ -383,6 +383,20 @@ static void guard_close(void)
 		mprotect(G.base, guard_span(), PROT_NONE);
 }
 
+/* For another stand-in that touches "device" memory as a driver-side
+ * library would (t/fake_nccl.c's collectives): the guard opened and
+ * closed around its access. */
+void fake_cuda_guard_open(void);
+void fake_cuda_guard_open(void)
+{
+	guard_open();
+}
+void fake_cuda_guard_close(void);
+void fake_cuda_guard_close(void)
+{
+	guard_close();
+}
+
 static void *guard_alloc(size_t n)
 {
 	size_t at = (G.used + 255) & ~(size_t)255;

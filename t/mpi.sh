@@ -8,6 +8,10 @@
 #     nothing), EP = 2 / EP = 1 with ZeRO 0/1/2 against a single-rank
 #     reference on the global batch (loss, routing, every gradient, the
 #     update), the collective timeout;
+#     t/mpi_nccl_check (2 ranks): the cuda device on the stand-in driver
+#     with NCCL on device buffers (the stand-in NCCL, t/fake_nccl.c): the
+#     nccl comm's collectives, EP = 2 and data parallel (ZeRO 0 / 2)
+#     training against a 1-rank cpu reference, which comm carried what;
 #  2. epjit-train under mpirun: one progress line per step from rank 0,
 #     --rank-log files of the other rank, one rank file per rank of a
 #     checkpoint; resuming on 2 ranks (bf16, ZeRO 2, AdamW) is identical to
@@ -20,7 +24,7 @@
 #  4. a rank that stops (SIGSTOP) or dies (SIGKILL) mid-run: the job exits
 #     non-zero well within the timeout, the surviving rank naming the call.
 # Exit 77 (SKIP) only where MPI is absent (no mpirun, or a build without
-# MPI).  One thread per rank; about 30 s in all.
+# MPI).  One thread per rank; about 80 s in all.
 
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
@@ -81,6 +85,28 @@ if ! timeout 300 "$MPIRUN" -np 4 --oversubscribe "$CHECK" >check4.log 2>&1; then
 fi
 grep -q 'mpi_check: PASS (0 failures over 4 ranks)' check4.log ||
 	fail "mpi_check on 4 ranks did not pass"
+
+# 2 ranks on the cuda device without a GPU: the stand-in driver and the
+# stand-in NCCL (built by make check), kernels on cuda-sim, device memory
+# guarded (a host access to it faults).  About 50 s.
+FAKECUDA="$builddir/t/.libs/libfakecuda.so"
+FAKENCCL="$builddir/t/.libs/libfakenccl.so"
+if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] &&
+	grep -q '^#define HAVE_NVRTC 1' "$builddir/config.h"; then
+	mkdir -p nccl.d
+	(
+		EPJIT_CUDA_DRIVER=$FAKECUDA EPJIT_NCCL=$FAKENCCL FAKE_CUDA_GUARD=1
+		EPJIT_SIM_RACECHECK=0 FAKE_NCCL_DIR=$PWD/nccl.d
+		export EPJIT_CUDA_DRIVER EPJIT_NCCL FAKE_CUDA_GUARD \
+			EPJIT_SIM_RACECHECK FAKE_NCCL_DIR
+		mpi2 nccl.log "$builddir/t/mpi_nccl_check"
+	) || exit 1
+	cat nccl.log
+	grep -q 'mpi_nccl_check: PASS' nccl.log || fail "mpi_nccl_check did not pass"
+	[ -z "$(ls nccl.d)" ] || fail "the stand-in NCCL left $(ls nccl.d)"
+else
+	echo "mpi.sh: no stand-in driver / NCCL or no NVRTC: cuda ranks skipped"
+fi
 
 # ---- 2. the trainer ------------------------------------------------------------
 cat >ep2.json <<'EOF'
