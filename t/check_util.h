@@ -54,6 +54,7 @@ Suite *make_eager_sim_suite(void);
 Suite *make_cublaslt_suite(void);
 Suite *make_nccl_suite(void);
 Suite *make_eager_cuda_suite(void);
+Suite *make_gemm_cuda_suite(void);
 Suite *make_ops_moe_suite(void);
 
 /* The run's base seed. */

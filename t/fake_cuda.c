@@ -383,6 +383,17 @@ static void guard_close(void)
 		mprotect(G.base, guard_span(), PROT_NONE);
 }
 
+/* For the stand-in libraries that compute on "device" memory
+ * (t/fake_cublaslt.c): open (1) or close (0) the guard around their work. */
+void fake_cuda_device_access(int open);
+void fake_cuda_device_access(int open)
+{
+	if (open)
+		guard_open();
+	else
+		guard_close();
+}
+
 static void *guard_alloc(size_t n)
 {
 	size_t at = (G.used + 255) & ~(size_t)255;
