@@ -323,8 +323,8 @@ static void plan_merge(batch_plan *p)
  * on cuda-sim, through the template.  The choice is made once per problem
  * class (sizes, dtypes, transposes, epilogue) and kept in the context's
  * table: a problem cuBLASLt's heuristic finds no algorithm for runs the
- * template from then on (gemm.cublaslt_refused).  EPJIT_GEMM=template
- * forces the template for contexts made after it is set. */
+ * template from then on (gemm.cublaslt_refused).  EPJIT_GEMM=template,
+ * read at a context's first GEMM, forces the template. */
 
 typedef struct gsel_key {
 	int64_t m, n, k, batches;
