@@ -1517,6 +1517,23 @@ START_TEST(test_gpu_templates)
 }
 END_TEST
 
+/* _i 0: f32, 1: bf16.  A cuda context's GEMMs through the machine's
+ * cuBLASLt against a cpu context (check_gemm_cuda.c); the stand-in driver
+ * skips it (its kernels need the test's hook). */
+START_TEST(test_gpu_gemm)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	if (fake_set_hook) {
+		fprintf(stderr, "check_cuda: the stand-in driver: gpu GEMM "
+				"case skipped\n");
+		return;
+	}
+	tu_gpu_gemm_run(_i);
+}
+END_TEST
+
 Suite *make_gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
@@ -1526,6 +1543,7 @@ Suite *make_gpu_suite(void)
 	tcase_add_loop_test(tc, test_gpu_parity, 0, 8);
 	tcase_add_test(tc, test_gpu_vs_sim);
 	tcase_add_test(tc, test_gpu_templates);
+	tcase_add_loop_test(tc, test_gpu_gemm, 0, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

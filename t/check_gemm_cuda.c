@@ -17,6 +17,7 @@
 #include "check_util.h"
 
 #include "core_impl.h"
+#include "cublaslt.h"
 #include "ops_moe.h"
 
 #include <math.h>
@@ -561,6 +562,38 @@ START_TEST(test_gemm_grouped)
 	lt_env_clear();
 }
 END_TEST
+
+/* ---- on a GPU (the gpu suite, tools/gpu-check) ----------------------------
+ * The GEMM set on a cuda context over the machine's driver and cuBLASLt,
+ * against the cpu context: every GEMM through cuBLASLt.  i 0: f32, 1:
+ * bf16.  Called by check_cuda.c's gpu suite once a real driver opened;
+ * without cuBLASLt it says so and returns. */
+void tu_gpu_gemm_run(int i)
+{
+	ej_cublaslt_test_reset();
+	if (!ej_cublaslt_available(NULL)) {
+		fprintf(stderr, "check_gemm_cuda: no cuBLASLt: gpu GEMM case "
+				"skipped\n");
+		return;
+	}
+	epj_dtype dt = i ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32;
+	double tol = i ? 2e-2 : 1e-4;
+	epj_ctx *cpu = tu_ctx();
+	gemm_set s;
+	set_new(&s, cpu, dt);
+	epj_tensor *ref[N_OUT], *got[N_OUT];
+	set_run(&s, cpu, ref, "cpu");
+	epj_ctx *g = cuda_ctx();
+	set_run(&s, g, got, "GPU");
+	outs_close(cpu, got, ref, tol, "GPU cuBLASLt vs cpu");
+	ck_assert_int_gt(ctr(g, "cublaslt.gemms"), 0);
+	ck_assert_int_eq(ctr(g, "gemm.template"), 0);
+	outs_free(got);
+	outs_free(ref);
+	set_free(&s);
+	epj_ctx_free(g);
+	epj_ctx_free(cpu);
+}
 
 Suite *make_gemm_cuda_suite(void)
 {

@@ -215,5 +215,8 @@ void tu_gradcheck(epj_ctx *ctx, tu_fn fn, epj_tensor *const *in, int n_in,
 bool tu_fake_cuda_usable(void);
 bool tu_fake_cuda_begin(void);
 void tu_fake_cuda_end(void);
+/* The cuda context's GEMM set on a real GPU through cuBLASLt (defined in
+ * check_gemm_cuda.c; i 0: f32, 1: bf16). */
+void tu_gpu_gemm_run(int i);
 
 #endif
