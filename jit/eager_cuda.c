@@ -1254,10 +1254,12 @@ static epj_status eg_rope(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
-/* The fused MoE ops (lib/ops_moe.c) have no CUDA lowering: on cuda-sim the
- * AutoEP layer runs the MoE templates (templates/moe.cuh) and its own op
- * sequence instead, so a direct call of one of them runs the CPU kernel
- * and is counted as a fallback. */
+/* The fused MoE ops (lib/ops_moe.c) other than the expert GEMMs have no
+ * CUDA lowering: on cuda-sim the AutoEP layer runs the MoE templates
+ * (templates/moe.cuh) and its own op sequence instead, so a direct call of
+ * one of them runs the CPU kernel and is counted as a fallback.  The
+ * expert GEMMs (MOE_GROUPED_MM and its weight gradient) run through
+ * jit/tmpl_gemm.c. */
 static epj_status eg_cpu_fallback(epj_ctx *ctx, ej_call *c)
 {
 	return ej_eager_fallback(ctx, c);
@@ -1330,8 +1332,8 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_MOE_PERMUTE_BACKWARD] = eg_cpu_fallback,
 	[EJ_OP_MOE_UNPERMUTE] = eg_cpu_fallback,
 	[EJ_OP_MOE_UNPERMUTE_BACKWARD] = eg_cpu_fallback,
-	[EJ_OP_MOE_GROUPED_MM] = eg_cpu_fallback,
-	[EJ_OP_MOE_GROUPED_MM_WGRAD] = eg_cpu_fallback,
+	[EJ_OP_MOE_GROUPED_MM] = ej_cuda_op_moe_grouped_mm,
+	[EJ_OP_MOE_GROUPED_MM_WGRAD] = ej_cuda_op_moe_grouped_mm_wgrad,
 	[EJ_OP_SWIGLU] = eg_cpu_fallback,
 	[EJ_OP_SWIGLU_BACKWARD] = eg_cpu_fallback,
 };

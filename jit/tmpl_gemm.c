@@ -16,9 +16,12 @@
  */
 #include "tmpl_gemm.h"
 
+#include "cublaslt.h"
 #include "tmpl.h"
 
+#include <limits.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 /* tile sizes of templates/gemm.cuh */
 #define BF_BM	    64
@@ -312,6 +315,354 @@ static void plan_merge(batch_plan *p)
 	p->nbd = n;
 }
 
+/* ---- the GEMM path: cuBLASLt or the template -----------------------------
+ * On a cuda context a GEMM runs through cuBLASLt (lib/cublaslt.c) when the
+ * library loaded and can express the problem (bf16 or f32 inputs, fp32
+ * accumulation, each operand dense along one of its dims, bias as the bias
+ * epilogue, an accumulating residual as beta = 1, no activation); else, and
+ * on cuda-sim, through the template.  The choice is made once per problem
+ * class (sizes, dtypes, transposes, epilogue) and kept in the context's
+ * table: a problem cuBLASLt's heuristic finds no algorithm for runs the
+ * template from then on (gemm.cublaslt_refused).  EPJIT_GEMM=template,
+ * read at a context's first GEMM, forces the template. */
+
+typedef struct gsel_key {
+	int64_t m, n, k, batches;
+	int dtype, out_dtype;
+	bool ta, tb, bias, beta;
+} gsel_key;
+
+typedef struct gsel_entry {
+	gsel_key key;
+	bool lt; /* cuBLASLt; false: the template */
+} gsel_entry;
+
+typedef struct gsel {
+	bool forced;	  /* EPJIT_GEMM=template */
+	bool lt_absent;	  /* cuBLASLt did not load */
+	ej_allocator *ws; /* the handle's workspace, over ctx's device */
+	ej_cublaslt *lt;
+	gsel_entry *tab;
+	int n_tab, cap_tab;
+} gsel;
+
+static void gsel_free(void *p)
+{
+	gsel *s = p;
+	if (s->lt)
+		ej_cublaslt_free(s->lt);
+	if (s->ws)
+		ej_allocator_free(s->ws);
+	free(s->tab);
+	free(s);
+}
+
+/* ctx's selector, made at its first GEMM; NULL with ctx's error set. */
+static gsel *gsel_get(epj_ctx *ctx)
+{
+	if (ctx->gemm_sel)
+		return ctx->gemm_sel;
+	const char *v = getenv("EPJIT_GEMM");
+	if (v && *v && strcmp(v, "auto") != 0 && strcmp(v, "template") != 0) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "EPJIT_GEMM=\"%s\": unknown GEMM path (known: auto, "
+			 "template)",
+			 v);
+		return NULL;
+	}
+	gsel *s = calloc(1, sizeof *s);
+	if (!s) {
+		ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+		return NULL;
+	}
+	s->forced = v && strcmp(v, "template") == 0;
+	s->lt_absent = !s->forced && !ej_cublaslt_available(NULL);
+	ctx->gemm_sel = s;
+	ctx->gemm_sel_free = gsel_free;
+	return s;
+}
+
+/* The handle, made at the first GEMM cuBLASLt takes; NULL with ctx's
+ * error set (a failing library call). */
+static ej_cublaslt *gsel_handle(epj_ctx *ctx, gsel *s)
+{
+	if (s->lt)
+		return s->lt;
+	ej_cuda_dev *dev = NULL;
+	epj_status st = ej_cuda_open(ctx, &dev);
+	if (st != EPJ_OK)
+		return NULL;
+	if (!s->ws)
+		s->ws = ej_allocator_new(ctx->dev);
+	if (!s->ws) {
+		ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+		return NULL;
+	}
+	st = ej_cublaslt_new(ctx, dev, s->ws, &s->lt);
+	return st == EPJ_OK ? s->lt : NULL;
+}
+
+/* A row-major [rows, cols] operand with element (i, p) at i * rs + p * cs
+ * as BLAS takes it: stored as is (trans false, row stride ld) or as its
+ * transpose [cols, rows] (trans true); false when neither fits. */
+static bool lt_operand(int64_t rows, int64_t cols, int64_t rs, int64_t cs,
+		       bool *trans, int64_t *ld)
+{
+	if ((cs == 1 || cols == 1) && (rows <= 1 || rs >= cols)) {
+		*trans = false;
+		*ld = rows <= 1 ? cols : rs;
+	} else if ((rs == 1 || rows == 1) && (cols <= 1 || cs >= rows)) {
+		*trans = true;
+		*ld = cols <= 1 ? rows : cs;
+	} else {
+		return false;
+	}
+	return *ld <= INT_MAX;
+}
+
+/* d (one batch: pointers as given) as a cuBLASLt GEMM; false when cuBLASLt
+ * cannot express it. */
+static bool lt_form(const ej_gemm_desc *d, ej_lt_gemm *g)
+{
+	epj_dtype dt = d->dtype, ot = d->out_dtype;
+	if (d->act != EJ_GEMM_ACT_NONE || d->group_off || d->k < 1 ||
+	    d->m > INT_MAX || d->n > INT_MAX || d->k > INT_MAX)
+		return false;
+	if ((dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F32) ||
+	    !out_dtype_ok(dt, ot))
+		return false;
+	if (d->bias && (d->bias_dtype != ot || (d->bias_cs != 1 && d->n > 1)))
+		return false;
+	if (d->res && d->res_dtype != ot)
+		return false;
+	memset(g, 0, sizeof *g);
+	g->m = d->m;
+	g->n = d->n;
+	g->k = d->k;
+	g->ab_dtype = dt;
+	g->cd_dtype = ot;
+	if (!lt_operand(d->m, d->k, d->a_rs, d->a_cs, &g->trans_a, &g->lda))
+		return false;
+	/* op(B) [k, n]: stored [k, n] (b_cs 1) or, transposed, [n, k] */
+	if (!lt_operand(d->k, d->n, d->b_rs, d->b_cs, &g->trans_b, &g->ldb))
+		return false;
+	g->ldd = d->m <= 1 ? d->n : d->ldc;
+	if (g->ldd < d->n || g->ldd > INT_MAX)
+		return false;
+	g->a = d->a;
+	g->b = d->b;
+	g->d = d->c;
+	g->bias = d->bias;
+	g->alpha = 1.0f;
+	if (d->res) {
+		g->beta = 1.0f;
+		if (d->res != d->c) {
+			g->c = d->res;
+			g->ldc = d->m <= 1 ? d->n : d->ldr;
+			if (g->ldc < d->n || g->ldc > INT_MAX)
+				return false;
+		}
+	}
+	return true;
+}
+
+/* Batch (z0, z1) of d as a GEMM of its own. */
+static void batch_of(const ej_gemm_desc *d, int64_t z0, int64_t z1,
+		     ej_gemm_desc *o)
+{
+	size_t es = ej_dtype_size(d->dtype), cs = ej_dtype_size(d->out_dtype);
+	*o = *d;
+	o->nb0 = o->nb1 = 1;
+	o->sa0 = o->sa1 = o->sb0 = o->sb1 = o->sc0 = o->sc1 = 0;
+	o->sr0 = o->sr1 = o->sbias = 0;
+	if (d->a)
+		o->a = (const char *)d->a +
+		       (size_t)(z0 * d->sa0 + z1 * d->sa1) * es;
+	if (d->b)
+		o->b = (const char *)d->b +
+		       (size_t)(z0 * d->sb0 + z1 * d->sb1) * es;
+	o->c = (char *)d->c + (size_t)(z0 * d->sc0 + z1 * d->sc1) * cs;
+	if (d->bias)
+		o->bias =
+		    (const char *)d->bias +
+		    (size_t)(z0 * d->sbias) * ej_dtype_size(d->bias_dtype);
+	if (d->res)
+		o->res = d->res == d->c
+			     ? o->c
+			     : (const char *)d->res +
+				   (size_t)(z0 * d->sr0 + z1 * d->sr1) *
+				       ej_dtype_size(d->res_dtype);
+}
+
+static gsel_entry *gsel_find(gsel *s, const gsel_key *k)
+{
+	for (int i = 0; i < s->n_tab; i++)
+		if (!memcmp(&s->tab[i].key, k, sizeof *k))
+			return &s->tab[i];
+	return NULL;
+}
+
+static gsel_entry *gsel_add(epj_ctx *ctx, gsel *s, const gsel_key *k, bool lt)
+{
+	if (s->n_tab == s->cap_tab) {
+		int cap = s->cap_tab ? 2 * s->cap_tab : 16;
+		gsel_entry *t = realloc(s->tab, sizeof *t * (size_t)cap);
+		if (!t) {
+			ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+			return NULL;
+		}
+		s->tab = t;
+		s->cap_tab = cap;
+	}
+	gsel_entry *e = &s->tab[s->n_tab++];
+	memset(e, 0, sizeof *e);
+	e->key = *k;
+	e->lt = lt;
+	return e;
+}
+
+static epj_status gemm_template(epj_ctx *ctx, const ej_gemm_desc *d)
+{
+	epj_counter_add(ctx, "gemm.template", 1);
+	return ej_gemm(ctx, ctx_device(ctx), d);
+}
+
+/* The one place a GEMM of the op adapters picks its path (see above). */
+static epj_status gemm_run(epj_ctx *ctx, const ej_gemm_desc *d)
+{
+	if (ctx->dev == &ej_device_sim || d->m == 0 || d->n == 0)
+		return gemm_template(ctx, d);
+	gsel *s = gsel_get(ctx);
+	if (!s)
+		return ctx->status;
+	ej_lt_gemm g;
+	if (s->forced || s->lt_absent || !lt_form(d, &g))
+		return gemm_template(ctx, d);
+	int64_t nb0 = d->nb0 < 1 ? 1 : d->nb0, nb1 = d->nb1 < 1 ? 1 : d->nb1;
+	gsel_key key;
+	memset(&key, 0, sizeof key);
+	key.m = d->m;
+	key.n = d->n;
+	key.k = d->k;
+	key.batches = nb0 * nb1;
+	key.dtype = (int)d->dtype;
+	key.out_dtype = (int)d->out_dtype;
+	key.ta = g.trans_a;
+	key.tb = g.trans_b;
+	key.bias = d->bias != NULL;
+	key.beta = d->res != NULL;
+	gsel_entry *e = gsel_find(s, &key);
+	if (e && !e->lt)
+		return gemm_template(ctx, d);
+	ej_cublaslt *lt = gsel_handle(ctx, s);
+	if (!lt) {
+		ej_error_prefix(ctx, "gemm m=%lld n=%lld k=%lld",
+				(long long)d->m, (long long)d->n,
+				(long long)d->k);
+		return ctx->status;
+	}
+	epj_status st = EPJ_OK;
+	for (int64_t z = 0; z < nb0 * nb1 && st == EPJ_OK; z++) {
+		ej_gemm_desc one;
+		batch_of(d, z / nb1, z % nb1, &one);
+		bool ok = lt_form(&one, &g);
+		EJ_ASSERT(ok);
+		st = ej_cublaslt_gemm(ctx, lt, &g);
+		if (st == EPJ_ERR_UNSUPPORTED) {
+			/* no algorithm for it: the template, from now on */
+			epj_ctx_clear_error(ctx);
+			epj_counter_add(ctx, "gemm.cublaslt_refused", 1);
+			if (!e && !gsel_add(ctx, s, &key, false))
+				return ctx->status;
+			e = gsel_find(s, &key);
+			e->lt = false;
+			if (z == 0)
+				return gemm_template(ctx, d);
+			st = gemm_template(ctx, &one);
+			continue;
+		}
+		if (st == EPJ_OK && !e) {
+			e = gsel_add(ctx, s, &key, true);
+			if (!e)
+				return ctx->status;
+		}
+	}
+	if (st == EPJ_OK)
+		epj_counter_add(ctx, "gemm.cublaslt", 1);
+	return st;
+}
+
+/* n GEMMs of their own shapes and pointers (expert GEMMs: no bias, no
+ * residual, so a GEMM may be run again), as one cuBLASLt grouped call
+ * (ej_cublaslt_gemm_grouped: cuBLAS's grouped batched GEMM where it is
+ * there) when cuBLASLt takes all of them; else each through gemm_run.
+ * A GEMM with k = 0 (an expert without rows, in a weight gradient) writes
+ * zeros: a device fill for a dense C, else the template. */
+static epj_status gemm_run_grouped(epj_ctx *ctx, int n, const ej_gemm_desc *d)
+{
+	bool grouped = ctx->dev != &ej_device_sim;
+	gsel *s = NULL;
+	if (grouped) {
+		s = gsel_get(ctx);
+		if (!s)
+			return ctx->status;
+		grouped = !s->forced && !s->lt_absent;
+	}
+	ej_lt_gemm *g = calloc((size_t)(n > 0 ? n : 1), sizeof *g);
+	bool *rest = calloc((size_t)(n > 0 ? n : 1), sizeof *rest);
+	epj_status st = EPJ_OK;
+	if (!g || !rest) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+		goto out;
+	}
+	int live = 0;
+	for (int i = 0; i < n && st == EPJ_OK; i++) {
+		if (d[i].m == 0 || d[i].n == 0)
+			continue;
+		if (d[i].k == 0) {
+			/* a dense C: zeros without a GEMM */
+			if ((d[i].m > 1 && d[i].ldc != d[i].n) ||
+			    !ctx->dev->memzero) {
+				st = gemm_template(ctx, &d[i]);
+				continue;
+			}
+			const ej_device *dev = ctx->dev;
+			dev->memzero(dev->self, d[i].c,
+				     (size_t)(d[i].m * d[i].n) *
+					 ej_dtype_size(d[i].out_dtype));
+			continue;
+		}
+		rest[i] = true;
+		if (grouped && !lt_form(&d[i], &g[live]))
+			grouped = false;
+		live++;
+	}
+	if (st != EPJ_OK || live == 0)
+		goto out;
+	if (grouped) {
+		ej_cublaslt *lt = gsel_handle(ctx, s);
+		st = lt ? ej_cublaslt_gemm_grouped(ctx, lt, live, g)
+			: ctx->status;
+		if (st == EPJ_OK) {
+			epj_counter_add(ctx, "gemm.cublaslt_grouped", 1);
+			goto out;
+		}
+		if (st != EPJ_ERR_UNSUPPORTED)
+			goto out;
+		/* no algorithm for one of them: each on its own path */
+		epj_ctx_clear_error(ctx);
+		epj_counter_add(ctx, "gemm.cublaslt_refused", 1);
+		st = EPJ_OK;
+	}
+	for (int i = 0; i < n && st == EPJ_OK; i++)
+		if (rest[i])
+			st = gemm_run(ctx, &d[i]);
+out:
+	free(g);
+	free(rest);
+	return st;
+}
+
 /* Runs d once per index of the batch dims beyond the last two of p; the
  * last two become the kernel's nb0 x nb1 batches. */
 static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
@@ -359,7 +710,7 @@ static epj_status run_batched(epj_ctx *ctx, ej_gemm_desc *d,
 		d->c = c0 + (size_t)oc * cs;
 		if (acc)
 			d->res = d->c;
-		epj_status st = ej_gemm(ctx, ctx_device(ctx), d);
+		epj_status st = gemm_run(ctx, d);
 		if (st != EPJ_OK)
 			return st;
 	}
@@ -524,4 +875,139 @@ epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
 		return EPJ_OK;
 	return lin ? linear_on(ctx, &sub, &po, acc)
 		   : matmul_on(ctx, &sub, &po, acc);
+}
+
+/* ---- expert GEMMs (lib/ops_moe.c's semantics) ---------------------------- */
+
+/* The group counts of input `input` (any device) on the host, each >= 0,
+ * summing to rows. */
+static epj_status read_counts(epj_ctx *ctx, const ej_call *c, int input,
+			      int64_t rows, int64_t **out)
+{
+	const epj_tensor *t = c->in[input];
+	int64_t G = t->shape[0], sum = 0;
+	double *v = malloc(sizeof *v * (size_t)(G > 0 ? G : 1));
+	int64_t *cnt = malloc(sizeof *cnt * (size_t)(G > 0 ? G : 1));
+	epj_status st = EPJ_OK;
+	if (!v || !cnt)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+	else
+		st = epj_tensor_to_f64(ctx, t, v);
+	for (int64_t g = 0; g < G && st == EPJ_OK; g++) {
+		cnt[g] = (int64_t)v[g];
+		if (cnt[g] < 0)
+			st = ej_op_error(ctx, c, EPJ_ERR_INVALID,
+					 "group count %lld of group %lld",
+					 (long long)cnt[g], (long long)g);
+		sum += cnt[g];
+	}
+	if (st == EPJ_OK && sum != rows)
+		st = ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				 "group counts sum to %lld, expected %lld "
+				 "(rows)",
+				 (long long)sum, (long long)rows);
+	free(v);
+	if (st != EPJ_OK) {
+		free(cnt);
+		cnt = NULL;
+	}
+	*out = cnt;
+	return st;
+}
+
+static epj_status check_float_dtype(epj_ctx *ctx, const epj_tensor *t,
+				    const char *op)
+{
+	epj_dtype dt = t->dtype;
+	if (dt == EPJ_DTYPE_BF16 || dt == EPJ_DTYPE_F32 || dt == EPJ_DTYPE_F64)
+		return EPJ_OK;
+	return ej_error(ctx, EPJ_ERR_DTYPE, "%s on %s: %s (f32, bf16 or f64)",
+			op, ctx_device(ctx), epj_dtype_name(dt));
+}
+
+/* MOE_GROUPED_MM: y [R, M], block g (counts[g] rows of x [R, K]) times
+ * w_g^T (w_trans, w_g [M, K]) or w_g ([K, M]). */
+epj_status ej_cuda_op_moe_grouped_mm(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *x = c->in[0];
+	epj_tensor *o = c->out[0];
+	const int G = c->n_in - 2;
+	const bool wtr = c->attrs->i[0] != 0;
+	const int64_t R = x->shape[0], K = x->shape[1], M = o->shape[1];
+	epj_status st = check_float_dtype(ctx, x, "moe_grouped_mm");
+	if (st != EPJ_OK)
+		return st;
+	int64_t *cnt = NULL;
+	st = read_counts(ctx, c, 1, R, &cnt);
+	if (st != EPJ_OK)
+		return st;
+	ej_gemm_desc *d = calloc((size_t)(G > 0 ? G : 1), sizeof *d);
+	if (!d) {
+		free(cnt);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+	}
+	size_t es = ej_dtype_size(x->dtype);
+	int64_t r0 = 0;
+	for (int g = 0; g < G; r0 += cnt[g], g++) {
+		const epj_tensor *w = c->in[2 + g];
+		ej_gemm_desc_init(&d[g], o->dtype, cnt[g], M, K);
+		d[g].a =
+		    (const char *)ej_data(x) + (size_t)(r0 * x->stride[0]) * es;
+		d[g].a_rs = x->stride[0];
+		d[g].a_cs = x->stride[1];
+		d[g].b = ej_data(w);
+		d[g].b_rs = wtr ? w->stride[1] : w->stride[0];
+		d[g].b_cs = wtr ? w->stride[0] : w->stride[1];
+		d[g].c = (char *)ej_data(o) + (size_t)(r0 * M) * es;
+		d[g].ldc = M;
+	}
+	st = R > 0 && M > 0 ? gemm_run_grouped(ctx, G, d) : EPJ_OK;
+	free(d);
+	free(cnt);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "moe_grouped_mm");
+	return st;
+}
+
+/* MOE_GROUPED_MM_WGRAD: out_g [A, B] = a_g^T b_g over the counts[g] rows
+ * of a [R, A] and b [R, B] (zeros for an empty group). */
+epj_status ej_cuda_op_moe_grouped_mm_wgrad(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *a = c->in[0], *b = c->in[1];
+	const int G = c->n_out;
+	const int64_t R = a->shape[0], A = a->shape[1], B = b->shape[1];
+	epj_status st = check_float_dtype(ctx, a, "moe_grouped_mm_wgrad");
+	if (st != EPJ_OK)
+		return st;
+	int64_t *cnt = NULL;
+	st = read_counts(ctx, c, 2, R, &cnt);
+	if (st != EPJ_OK)
+		return st;
+	ej_gemm_desc *d = calloc((size_t)(G > 0 ? G : 1), sizeof *d);
+	if (!d) {
+		free(cnt);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+	}
+	size_t es = ej_dtype_size(a->dtype);
+	int64_t r0 = 0;
+	for (int g = 0; g < G; r0 += cnt[g], g++) {
+		ej_gemm_desc_init(&d[g], c->out[g]->dtype, A, B, cnt[g]);
+		/* op(A) [A, c] = a_g^T, op(B) [c, B] = b_g */
+		d[g].a =
+		    (const char *)ej_data(a) + (size_t)(r0 * a->stride[0]) * es;
+		d[g].a_rs = a->stride[1];
+		d[g].a_cs = a->stride[0];
+		d[g].b =
+		    (const char *)ej_data(b) + (size_t)(r0 * b->stride[0]) * es;
+		d[g].b_rs = b->stride[0];
+		d[g].b_cs = b->stride[1];
+		d[g].c = ej_data(c->out[g]);
+		d[g].ldc = B;
+	}
+	st = gemm_run_grouped(ctx, G, d);
+	free(d);
+	free(cnt);
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "moe_grouped_mm_wgrad");
+	return st;
 }

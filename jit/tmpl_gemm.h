@@ -87,5 +87,11 @@ epj_status ej_cuda_op_linear(epj_ctx *ctx, ej_call *c);
  * residual is C itself), or receives the product alone (acc false). */
 epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
 			    bool acc);
+/* The expert GEMMs (MOE_GROUPED_MM, MOE_GROUPED_MM_WGRAD; lib/ops_moe.c):
+ * one GEMM per group, on a cuda context one cuBLASLt grouped call where
+ * cuBLASLt takes them all, else each GEMM on its own path.  The counts are
+ * read back to the host. */
+epj_status ej_cuda_op_moe_grouped_mm(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_grouped_mm_wgrad(epj_ctx *ctx, ej_call *c);
 
 #endif

@@ -78,6 +78,8 @@ void epj_ctx_free(epj_ctx *ctx)
 {
 	if (!ctx)
 		return;
+	if (ctx->gemm_sel && ctx->gemm_sel_free)
+		ctx->gemm_sel_free(ctx->gemm_sel);
 	if (ctx->alloc)
 		ej_allocator_free(ctx->alloc);
 	if (ctx->host_alloc)

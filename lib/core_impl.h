@@ -522,6 +522,11 @@ struct epj_ctx {
 	 * whose memory the host cannot address (cuda); made at the first
 	 * fallback (ej_eager_fallback). */
 	ej_allocator *host_alloc;
+	/* The GEMM path of a CUDA C device (jit/tmpl_gemm.c): the per-shape
+	 * choice between cuBLASLt and the NVRTC template and the cuBLASLt
+	 * handle, made at the first GEMM; freed first by epj_ctx_free. */
+	void *gemm_sel;
+	void (*gemm_sel_free)(void *);
 };
 
 #endif /* EPJIT_CORE_IMPL_H */

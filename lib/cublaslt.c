@@ -667,7 +667,7 @@ static epj_status choose(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g,
 	if (st != EPJ_OK)
 		return st;
 	if (got < 1 || h[0].state != LT_SUCCESS)
-		return ej_error(ctx, EPJ_ERR_BACKEND,
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 				"cublaslt: no algorithm for the GEMM m=%lld "
 				"n=%lld k=%lld (%s a/b, %s c/d%s) within a "
 				"%zu byte workspace",

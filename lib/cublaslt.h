@@ -74,7 +74,9 @@ void ej_cublaslt_free(ej_cublaslt *lt);
 /* d = alpha op(a) op(b) + beta c + bias on the compute stream (not waited
  * for).  Bad shapes, strides or dtypes are refused before any library call
  * (EPJ_ERR_SHAPE / EPJ_ERR_DTYPE / EPJ_ERR_INVALID, naming the field); m or
- * n of 0 does nothing. */
+ * n of 0 does nothing.  A problem the heuristic finds no algorithm for is
+ * EPJ_ERR_UNSUPPORTED (the caller may run the template instead); a failing
+ * library call is EPJ_ERR_BACKEND. */
 epj_status ej_cublaslt_gemm(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g);
 
 /* n GEMMs (one per expert; each its own shape and pointers), issued as one

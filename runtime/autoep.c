@@ -848,7 +848,15 @@ static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
 		/* [R, H] -> silu(x Wg^T) * (x Wu^T) [R, I] -> [R, H] */
 		epj_tensor *g = ej_moe_grouped_mm(ctx, x_recv, ct, wg, G, true);
 		epj_tensor *u = ej_moe_grouped_mm(ctx, x_recv, ct, wu, G, true);
-		epj_tensor *h = g && u ? ej_swiglu(ctx, g, u) : NULL;
+		epj_tensor *h = NULL;
+		if (g && u && ej_dev_runs_cuda(ctx->dev)) {
+			/* no SWIGLU kernel on the device: its two ops */
+			epj_tensor *sg = epj_silu(ctx, g);
+			h = sg ? epj_mul(ctx, sg, u) : NULL;
+			epj_tensor_free(sg);
+		} else if (g && u) {
+			h = ej_swiglu(ctx, g, u);
+		}
 		y = h ? ej_moe_grouped_mm(ctx, h, ct, wd, G, true) : NULL;
 		epj_tensor_free(ct);
 		epj_tensor_free(g);
@@ -1191,9 +1199,12 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		x_grp = epj_tensor_ref(x_recv);
 	}
 
+	/* a cuda context: the expert GEMMs grouped (jit/tmpl_gemm.c: one
+	 * cuBLASLt grouped call where it takes them) */
 	y_grp =
-	    fused ? run_experts_fused(ctx, m, im, x_grp, local_counts)
-		  : run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
+	    fused || !strcmp(ctx->dev->name, "cuda")
+		? run_experts_fused(ctx, m, im, x_grp, local_counts)
+		: run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
 	if (!y_grp) {
 		s = epj_ctx_status(ctx);
 		goto fail_op;

@@ -237,7 +237,9 @@ bool tu_fake_cuda_usable(void)
 	return stat(path, &st) == 0 && ej_nvrtc_version(&a, &c);
 }
 
-static bool guard_set, race_set;
+static bool guard_set, race_set, lt_set;
+
+extern void ej_cublaslt_test_reset(void);
 
 /* A fault under the guard: where the host touched device memory. */
 static void on_segv(int sig)
@@ -266,6 +268,20 @@ bool tu_fake_cuda_begin(void)
 	race_set = !getenv("EPJIT_SIM_RACECHECK");
 	if (race_set)
 		setenv("EPJIT_SIM_RACECHECK", "0", 1);
+	/* cuBLASLt: the stand-in (t/fake_cublaslt.c), never a real library
+	 * on the fake's pointers; EPJIT_GEMM=template runs the template */
+	lt_set = !getenv("EPJIT_CUBLASLT");
+	if (lt_set) {
+		const char *b = getenv("top_builddir");
+		char lt[4096];
+		struct stat st;
+		snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so",
+			 b ? b : ".");
+		bool have = stat(lt, &st) == 0;
+		setenv("EPJIT_CUBLASLT", have ? lt : "0", 1);
+		setenv("EPJIT_CUBLAS", have ? lt : "0", 1);
+	}
+	ej_cublaslt_test_reset();
 	if (!use_fake())
 		return false;
 	signal(SIGSEGV, on_segv);
@@ -280,7 +296,11 @@ void tu_fake_cuda_end(void)
 		unsetenv("FAKE_CUDA_GUARD");
 	if (race_set)
 		unsetenv("EPJIT_SIM_RACECHECK");
-	guard_set = race_set = false;
+	if (lt_set) {
+		unsetenv("EPJIT_CUBLASLT");
+		unsetenv("EPJIT_CUBLAS");
+	}
+	guard_set = race_set = lt_set = false;
 }
 
 /* ---- no driver ------------------------------------------------------------
@@ -1225,25 +1245,41 @@ static void arm_free(arm *a)
 	epj_ctx_free(a->ctx);
 }
 
-/* _i: f32 / bf16 parameters.  The tiny MoE model on a cuda context (every
- * eager op an NVRTC cubin on the fake, the optimizer's update template on
- * device memory) against the same model on a cpu context: loss and
- * gradients of one forward + backward, then the losses of three AdamW
- * steps and the updated parameters, which moved. */
+/* _i 0: f32 parameters, 1: bf16, both with the GEMMs through cuBLASLt (the
+ * stand-in); 2: bf16 with the NVRTC GEMM template (EPJIT_GEMM=template).  The
+ * tiny MoE model on a cuda context (every eager op an NVRTC cubin on the
+ * fake, the optimizer's update template on device memory) against the same
+ * model on a cpu context: loss and gradients of one forward + backward,
+ * then the losses of three AdamW steps and the updated parameters, which
+ * moved. */
 START_TEST(test_ctx_train)
 {
 	if (!tu_fake_cuda_usable())
 		return;
-	bool bf16 = _i == 1;
+	bool bf16 = _i >= 1, tmpl = _i == 2;
 	uint64_t seed = tu_seed() % 100000 + 1;
 	tu_tmpfile cfg =
 	    tu_tmpfile_new("cudactx", "config.json", CTX_MODEL_JSON);
 	arm c = { 0 }, g = { 0 };
 	arm_run(&c, tu_ctx(), cfg.path, seed, bf16);
+	if (tmpl)
+		setenv("EPJIT_GEMM", "template", 1);
 	epj_ctx *gc = cuda_ctx_on();
 	long long l0 = fstats().launches;
 	arm_run(&g, gc, cfg.path, seed, bf16);
 	tu_tmpfile_free(&cfg);
+	unsetenv("EPJIT_GEMM");
+	/* the GEMMs: cuBLASLt (the stand-in) or, forced, the template */
+	if (tmpl) {
+		ck_assert_int_eq(ctrv(gc, "cublaslt.gemms"), 0);
+		ck_assert_int_gt(ctrv(gc, "gemm.template"), 10);
+	} else {
+		ck_assert_int_gt(ctrv(gc, "cublaslt.gemms"), 10);
+		/* the AutoEP experts: grouped calls */
+		ck_assert_int_gt(ctrv(gc, "gemm.cublaslt_grouped"), 2);
+		ck_assert_int_gt(ctrv(gc, "cublaslt.grouped"), 2);
+		ck_assert_int_eq(ctrv(gc, "gemm.template"), 0);
+	}
 	/* everything ran on the device */
 	ck_assert_int_eq(ctrv(gc, "kernels.eager_cpu_fallback"), 0);
 	ck_assert_int_gt(ctrv(gc, "kernels.eager_cuda"), 100);
@@ -1481,6 +1517,23 @@ START_TEST(test_gpu_templates)
 }
 END_TEST
 
+/* _i 0: f32, 1: bf16.  A cuda context's GEMMs through the machine's
+ * cuBLASLt against a cpu context (check_gemm_cuda.c); the stand-in driver
+ * skips it (its kernels need the test's hook). */
+START_TEST(test_gpu_gemm)
+{
+	fresh();
+	if (!gpu_ready())
+		return;
+	if (fake_set_hook) {
+		fprintf(stderr, "check_cuda: the stand-in driver: gpu GEMM "
+				"case skipped\n");
+		return;
+	}
+	tu_gpu_gemm_run(_i);
+}
+END_TEST
+
 Suite *make_gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
@@ -1490,6 +1543,7 @@ Suite *make_gpu_suite(void)
 	tcase_add_loop_test(tc, test_gpu_parity, 0, 8);
 	tcase_add_test(tc, test_gpu_vs_sim);
 	tcase_add_test(tc, test_gpu_templates);
+	tcase_add_loop_test(tc, test_gpu_gemm, 0, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -1525,7 +1579,7 @@ Suite *make_cuda_suite(void)
 	suite_add_tcase(s, tx);
 	TCase *tt = tcase_create("cuda_train");
 	tcase_set_timeout(tt, 600);
-	tcase_add_loop_test(tt, test_ctx_train, 0, 2);
+	tcase_add_loop_test(tt, test_ctx_train, 0, 3);
 	suite_add_tcase(s, tt);
 	return s;
 }

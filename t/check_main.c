@@ -38,6 +38,7 @@ int main(void)
 	Suite *(*gpu_lib_suites[])(void) = {
 		make_cublaslt_suite,
 		make_nccl_suite,
+		make_gemm_cuda_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

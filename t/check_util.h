@@ -54,6 +54,7 @@ Suite *make_eager_sim_suite(void);
 Suite *make_cublaslt_suite(void);
 Suite *make_nccl_suite(void);
 Suite *make_eager_cuda_suite(void);
+Suite *make_gemm_cuda_suite(void);
 Suite *make_ops_moe_suite(void);
 
 /* The run's base seed. */
@@ -214,5 +215,8 @@ void tu_gradcheck(epj_ctx *ctx, tu_fn fn, epj_tensor *const *in, int n_in,
 bool tu_fake_cuda_usable(void);
 bool tu_fake_cuda_begin(void);
 void tu_fake_cuda_end(void);
+/* The cuda context's GEMM set on a real GPU through cuBLASLt (defined in
+ * check_gemm_cuda.c; i 0: f32, 1: bf16). */
+void tu_gpu_gemm_run(int i);
 
 #endif

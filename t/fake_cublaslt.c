@@ -25,10 +25,18 @@
  * allows that and k >= 16, else 0.
  *
  * FAKE_CUBLASLT_FAIL=<entry point> makes that call fail with
- * CUBLAS_STATUS_INTERNAL_ERROR.  fake_cublaslt_stats_get reports the calls.
+ * CUBLAS_STATUS_INTERNAL_ERROR; FAKE_CUBLASLT_NO_ALGO=1 makes the heuristic
+ * find no algorithm (success, zero results), as for a problem the library
+ * has no kernel for.  fake_cublaslt_stats_get reports the calls.
+ *
+ * Under t/fake_cuda.c's guard (FAKE_CUDA_GUARD=1: "device" memory is
+ * inaccessible outside driver calls) the computing entry points open the
+ * guard through the fake driver's fake_cuda_device_access, found in the
+ * library $EPJIT_CUDA_DRIVER names when that one is loaded.
  *
  * Test code: built only for make check, never installed.
  */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -114,6 +122,22 @@ static bool failing(const char *name)
 		if (failing(name))                                             \
 			return S_INTERNAL_ERROR;                               \
 	} while (0)
+
+/* The fake driver's guard (see above); a no-op without it. */
+static void device_access(int open)
+{
+	static void (*fn)(int);
+	static bool looked;
+	if (!looked) {
+		looked = true;
+		const char *drv = getenv("EPJIT_CUDA_DRIVER");
+		void *h = drv ? dlopen(drv, RTLD_NOW | RTLD_NOLOAD) : NULL;
+		void *p = h ? dlsym(h, "fake_cuda_device_access") : NULL;
+		memcpy(&fn, &p, sizeof p);
+	}
+	if (fn)
+		fn(open);
+}
 
 static int refuse(void)
 {
@@ -494,6 +518,11 @@ int cublasLtMatmulAlgoGetHeuristic(void *h, void *op, void *la, void *lb,
 	if (req <= 0 || !res || !ret || !pr || pr->magic != MAGIC_PREF ||
 	    !problem_of(h, op, la, lb, lc, ld, &p))
 		return refuse();
+	const char *na = getenv("FAKE_CUBLASLT_NO_ALGO");
+	if (na && !strcmp(na, "1")) {
+		*ret = 0;
+		return S_OK;
+	}
 	memset(&res[0], 0, sizeof res[0]);
 	res[0].algo.data[0] = MAGIC_ALGO;
 	res[0].algo.data[1] = fingerprint(&p);
@@ -556,6 +585,7 @@ int cublasLtMatmul(void *h, void *opd, const void *alpha, const void *A,
 	float al, be;
 	memcpy(&al, alpha, 4);
 	memcpy(&be, beta, 4);
+	device_access(1);
 	int ta = p.a->type, td = p.d->type;
 	int bt = p.op->bias_type < 0 ? td : p.op->bias_type;
 	/* D may alias C: each element is read before it is written */
@@ -579,6 +609,7 @@ int cublasLtMatmul(void *h, void *opd, const void *alpha, const void *A,
 				v += load(p.op->bias, bt, i);
 			store(D, td, i + j * (size_t)p.d->ld, v);
 		}
+	device_access(0);
 	return S_OK;
 }
 
@@ -680,6 +711,7 @@ int cublasGemmGroupedBatchedEx(void *h, const int *transa, const int *transb,
 	const float *al = alpha, *be = beta;
 	int t = atype;
 	int j = 0;
+	device_access(1);
 	for (int g = 0; g < groups; g++)
 		for (int s = 0; s < group_size[g]; s++, j++) {
 			S.grouped_problems++;
@@ -713,5 +745,6 @@ int cublasGemmGroupedBatchedEx(void *h, const int *transa, const int *transb,
 					store(C[j], t, ic, v);
 				}
 		}
+	device_access(0);
 	return S_OK;
 }

@@ -383,18 +383,16 @@ static void guard_close(void)
 		mprotect(G.base, guard_span(), PROT_NONE);
 }
 
-/* For another stand-in that touches "device" memory as a driver-side
- * library would (t/fake_nccl.c's collectives): the guard opened and
- * closed around its access. */
-void fake_cuda_guard_open(void);
-void fake_cuda_guard_open(void)
+/* For the stand-in libraries that touch "device" memory as a driver-side
+ * library would (t/fake_cublaslt.c's GEMMs, t/fake_nccl.c's collectives):
+ * open (1) or close (0) the guard around their work. */
+void fake_cuda_device_access(int open);
+void fake_cuda_device_access(int open)
 {
-	guard_open();
-}
-void fake_cuda_guard_close(void);
-void fake_cuda_guard_close(void)
-{
-	guard_close();
+	if (open)
+		guard_open();
+	else
+		guard_close();
 }
 
 static void *guard_alloc(size_t n)

@@ -36,7 +36,7 @@
  * ncclGroupEnd), which keeps them in the order of the stream they are
  * issued on: the stand-in driver runs its kernels and copies when issued
  * too.  With FAKE_CUDA_GUARD=1 the stand-in driver's "device" memory is
- * opened (fake_cuda_guard_open, resolved in the already loaded
+ * opened (fake_cuda_device_access, resolved in the already loaded
  * $EPJIT_CUDA_DRIVER) only while the stand-in reads or writes it.
  *
  * Test code: built only for make check, never installed.
@@ -183,7 +183,7 @@ static int fail(comm *c, int r, const char *why)
 /* ---- several ranks: the exchange through files --------------------------- */
 
 /* the stand-in driver's guard, when it is loaded and has one */
-static void (*g_open)(void), (*g_close)(void);
+static void (*g_access)(int);
 static bool g_tried;
 
 static void dev_open(void)
@@ -192,21 +192,17 @@ static void dev_open(void)
 		g_tried = true;
 		const char *d = getenv("EPJIT_CUDA_DRIVER");
 		void *h = d && *d ? dlopen(d, RTLD_NOW | RTLD_NOLOAD) : NULL;
-		void *o = h ? dlsym(h, "fake_cuda_guard_open") : NULL;
-		void *c = h ? dlsym(h, "fake_cuda_guard_close") : NULL;
-		if (o && c) {
-			memcpy(&g_open, &o, sizeof o);
-			memcpy(&g_close, &c, sizeof c);
-		}
+		void *f = h ? dlsym(h, "fake_cuda_device_access") : NULL;
+		memcpy(&g_access, &f, sizeof f);
 	}
-	if (g_open)
-		g_open();
+	if (g_access)
+		g_access(1);
 }
 
 static void dev_close(void)
 {
-	if (g_close)
-		g_close();
+	if (g_access)
+		g_access(0);
 }
 
 static double now_s(void)
