@@ -1204,8 +1204,7 @@ static void arm_run(arm *a, epj_ctx *ctx, const char *model_path, uint64_t seed,
 	tu_ok(ctx, c);
 	int64_t T = 5 + (int64_t)(seed % 4);
 	epj_tensor *ids = NULL, *labels = NULL;
-	ck_assert_int_eq(epj_corpus_next_batch(ctx, c, 2, T, &ids, &labels),
-			 EPJ_OK);
+	tu_next_batch_varied(ctx, c, 2, T, &ids, &labels);
 	epj_tensor *loss = NULL;
 	ck_assert_msg(epj_model_forward(ctx, a->m, ids, labels, NULL, &loss) ==
 			  EPJ_OK,
@@ -1220,8 +1219,7 @@ static void arm_run(arm *a, epj_ctx *ctx, const char *model_path, uint64_t seed,
 	epj_tensor_free(ids);
 	epj_tensor_free(labels);
 	for (int s = 0; s < 3; s++) {
-		ck_assert_int_eq(
-		    epj_corpus_next_batch(ctx, c, 2, T, &ids, &labels), EPJ_OK);
+		tu_next_batch_varied(ctx, c, 2, T, &ids, &labels);
 		epj_step_info info;
 		ck_assert_msg(epj_engine_train_step(a->e, ids, labels, &info) ==
 				  EPJ_OK,

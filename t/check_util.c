@@ -524,3 +524,22 @@ ej_region_fn *tu_compile_region(epj_ctx *ctx, ej_jit *jit, tu_region_fn fn,
 	ck_assert_msg(st == EPJ_OK, "compile: %s", epj_ctx_error(ctx));
 	return f;
 }
+
+void tu_next_batch_varied(epj_ctx *ctx, epj_corpus *c, int64_t B, int64_t T,
+			  epj_tensor **ids, epj_tensor **labels)
+{
+	for (int tries = 0;; tries++) {
+		ck_assert_int_eq(
+		    epj_corpus_next_batch(ctx, c, B, T, ids, labels), EPJ_OK);
+		bool varied = false;
+		for (int64_t b = 0; b < B && !varied; b++)
+			for (int64_t t = 1; t < T && !varied; t++)
+				varied = epj_tensor_get_f64(*ids, b * T + t) !=
+					 epj_tensor_get_f64(*ids, b * T);
+		if (varied)
+			return;
+		ck_assert_msg(tries < 32, "32 batches of constant rows");
+		epj_tensor_free(*ids);
+		epj_tensor_free(*labels);
+	}
+}

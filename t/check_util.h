@@ -220,3 +220,13 @@ void tu_fake_cuda_end(void);
 void tu_gpu_gemm_run(int i);
 
 #endif
+
+/* The next batch of corpus c (B x T ids and labels) whose rows are not all
+ * constant.  A batch of constant rows (a likely self-transition of the
+ * synthetic chain) makes every value of an attention row the same, so the
+ * gradients of q_proj, k_proj and the QK norms are zero up to rounding;
+ * AdamW turns that rounding into steps of up to lr either way, and two
+ * devices then diverge by whole steps.  Tests that compare training runs
+ * across devices draw their batches with this. */
+void tu_next_batch_varied(epj_ctx *ctx, epj_corpus *c, int64_t B, int64_t T,
+			  epj_tensor **ids, epj_tensor **labels);
