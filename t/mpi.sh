@@ -91,14 +91,19 @@ grep -q 'mpi_check: PASS (0 failures over 4 ranks)' check4.log ||
 # guarded (a host access to it faults).  About 50 s.
 FAKECUDA="$builddir/t/.libs/libfakecuda.so"
 FAKENCCL="$builddir/t/.libs/libfakenccl.so"
+# the GEMMs through the stand-in cuBLASLt: a real libcublasLt on this
+# machine must never see the stand-in driver's pointers
+FAKELT="$builddir/t/.libs/libfakecublaslt.so"
+[ -f "$FAKELT" ] || FAKELT=0
 if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] &&
 	grep -q '^#define HAVE_NVRTC 1' "$builddir/config.h"; then
 	mkdir -p nccl.d
 	(
 		EPJIT_CUDA_DRIVER=$FAKECUDA EPJIT_NCCL=$FAKENCCL FAKE_CUDA_GUARD=1
 		EPJIT_SIM_RACECHECK=0 FAKE_NCCL_DIR=$PWD/nccl.d
+		EPJIT_CUBLASLT=$FAKELT EPJIT_CUBLAS=$FAKELT
 		export EPJIT_CUDA_DRIVER EPJIT_NCCL FAKE_CUDA_GUARD \
-			EPJIT_SIM_RACECHECK FAKE_NCCL_DIR
+			EPJIT_SIM_RACECHECK FAKE_NCCL_DIR EPJIT_CUBLASLT EPJIT_CUBLAS
 		mpi2 nccl.log "$builddir/t/mpi_nccl_check"
 	) || exit 1
 	cat nccl.log
