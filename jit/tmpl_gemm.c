@@ -925,6 +925,26 @@ static epj_status check_float_dtype(epj_ctx *ctx, const epj_tensor *t,
 			op, ctx_device(ctx), epj_dtype_name(dt));
 }
 
+/* The start of a grouped op: x's dtype checked, the group counts (input
+ * `counts_in`, summing to R) read to the host, one descriptor per group
+ * allocated.  On success the caller frees *cnt and *d. */
+static epj_status grouped_begin(epj_ctx *ctx, ej_call *c, const epj_tensor *x,
+				int counts_in, int64_t R, int G, const char *op,
+				int64_t **cnt, ej_gemm_desc **d)
+{
+	epj_status st = check_float_dtype(ctx, x, op);
+	if (st == EPJ_OK)
+		st = read_counts(ctx, c, counts_in, R, cnt);
+	if (st != EPJ_OK)
+		return st;
+	*d = calloc((size_t)(G > 0 ? G : 1), sizeof **d);
+	if (!*d) {
+		free(*cnt);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+	}
+	return EPJ_OK;
+}
+
 /* MOE_GROUPED_MM: y [R, M], block g (counts[g] rows of x [R, K]) times
  * w_g^T (w_trans, w_g [M, K]) or w_g ([K, M]). */
 epj_status ej_cuda_op_moe_grouped_mm(epj_ctx *ctx, ej_call *c)
@@ -934,18 +954,12 @@ epj_status ej_cuda_op_moe_grouped_mm(epj_ctx *ctx, ej_call *c)
 	const int G = c->n_in - 2;
 	const bool wtr = c->attrs->i[0] != 0;
 	const int64_t R = x->shape[0], K = x->shape[1], M = o->shape[1];
-	epj_status st = check_float_dtype(ctx, x, "moe_grouped_mm");
-	if (st != EPJ_OK)
-		return st;
 	int64_t *cnt = NULL;
-	st = read_counts(ctx, c, 1, R, &cnt);
+	ej_gemm_desc *d = NULL;
+	epj_status st =
+	    grouped_begin(ctx, c, x, 1, R, G, "moe_grouped_mm", &cnt, &d);
 	if (st != EPJ_OK)
 		return st;
-	ej_gemm_desc *d = calloc((size_t)(G > 0 ? G : 1), sizeof *d);
-	if (!d) {
-		free(cnt);
-		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
-	}
 	size_t es = ej_dtype_size(x->dtype);
 	int64_t r0 = 0;
 	for (int g = 0; g < G; r0 += cnt[g], g++) {
@@ -976,18 +990,12 @@ epj_status ej_cuda_op_moe_grouped_mm_wgrad(epj_ctx *ctx, ej_call *c)
 	const epj_tensor *a = c->in[0], *b = c->in[1];
 	const int G = c->n_out;
 	const int64_t R = a->shape[0], A = a->shape[1], B = b->shape[1];
-	epj_status st = check_float_dtype(ctx, a, "moe_grouped_mm_wgrad");
-	if (st != EPJ_OK)
-		return st;
 	int64_t *cnt = NULL;
-	st = read_counts(ctx, c, 2, R, &cnt);
+	ej_gemm_desc *d = NULL;
+	epj_status st =
+	    grouped_begin(ctx, c, a, 2, R, G, "moe_grouped_mm_wgrad", &cnt, &d);
 	if (st != EPJ_OK)
 		return st;
-	ej_gemm_desc *d = calloc((size_t)(G > 0 ? G : 1), sizeof *d);
-	if (!d) {
-		free(cnt);
-		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
-	}
 	size_t es = ej_dtype_size(a->dtype);
 	int64_t r0 = 0;
 	for (int g = 0; g < G; r0 += cnt[g], g++) {
