@@ -14,14 +14,15 @@
  * input of B -- or, when it is cheap to produce again, recomputed in B.
  *
  * Recomputation (the safe core of AOTAutograd's min-cut partitioner): a
- * value produced by a pointwise or view node (never a reduction, matmul,
- * sdpa or index op) is recomputed from its node's inputs when the bytes of
- * the values that must newly be saved for it (forward inputs, values saved
- * anyway and recomputed values cost nothing) are fewer than its own bytes;
- * such inputs may themselves be recomputed, recursively.  Decisions are
- * taken in topological order, repeated to a fixed point; they never raise
- * the saved bytes.  Recomputed nodes are copied into B just before their
- * first use; F still computes the value when its own outputs need it.
+ * value produced by a pointwise, view or ROPE node (never a reduction,
+ * matmul, sdpa or index op) is recomputed from its node's inputs when the
+ * bytes of the values that must newly be saved for it (forward inputs,
+ * values saved anyway and recomputed values cost nothing) are fewer than
+ * its own bytes; such inputs may themselves be recomputed, recursively.
+ * Decisions are taken in topological order, repeated to a fixed point;
+ * they never raise the saved bytes.  Recomputed nodes are copied into B
+ * just before their first use; F still computes the value when its own
+ * outputs need it.
  */
 #include "jit_impl.h"
 
@@ -127,6 +128,10 @@ static bool rc_cheap_op(int op)
 	case EJ_OP_PERMUTE:
 	case EJ_OP_SLICE:
 	case EJ_OP_EXPAND:
+	/* elementwise but for its partner column: attention's q and k come
+	 * back from the (qk-norm) inputs saved anyway instead of being saved
+	 * a second time after the rotation */
+	case EJ_OP_ROPE:
 		return true;
 	default:
 		return (ej_ops[op].flags & EJ_OPF_POINTWISE) != 0;

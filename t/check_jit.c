@@ -509,6 +509,125 @@ START_TEST(test_partition_recompute)
 }
 END_TEST
 
+/* Recomputation through ROPE: y = rope(x * w, cos, sin) * z.  The backward
+ * of the product needs the rotated value; it comes back from the forward
+ * inputs (x, w, cos, sin: kept by reference) instead of being saved, so
+ * the forward saves no node value at all; the gradients of x, w and z, run
+ * through the interpreter, match a double-precision reference. */
+START_TEST(test_partition_recompute_rope)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t R = tu_randint(2, 5), D = 2 * tu_randint(2, 6);
+	int64_t sx[2] = { R, D }, sw[1] = { D };
+	ej_graph *g = ej_graph_new("rope");
+	int x = ej_graph_add_input(g, EJ_IN_ACT, 0, EPJ_DTYPE_F64, 2, sx);
+	int w = ej_graph_add_input(g, EJ_IN_PARAM, 0, EPJ_DTYPE_F64, 1, sw);
+	int c = ej_graph_add_input(g, EJ_IN_ACT, 1, EPJ_DTYPE_F64, 2, sx);
+	int sn = ej_graph_add_input(g, EJ_IN_ACT, 2, EPJ_DTYPE_F64, 2, sx);
+	int z = ej_graph_add_input(g, EJ_IN_ACT, 3, EPJ_DTYPE_F64, 2, sx);
+	g->values[x].requires_grad = g->values[w].requires_grad = true;
+	g->values[z].requires_grad = true;
+	int xw[2] = { x, w };
+	int a = rp_node(g, EJ_OP_MUL, xw, 2, NULL, 2, sx);
+	int acs[3] = { a, c, sn };
+	int q = rp_node(g, EJ_OP_ROPE, acs, 3, NULL, 2, sx);
+	int qz[2] = { q, z };
+	int y = rp_node(g, EJ_OP_MUL, qz, 2, NULL, 2, sx);
+	ej_graph_add_output(g, y);
+	ej_graph_propagate_grad(g);
+	ej_segment *seg = calloc(1, sizeof *seg);
+	seg->refcount = 1;
+	ck_assert_int_eq(ej_autodiff_segment(ctx, g, seg), EPJ_OK);
+	for (int k = 0; k < seg->n_saved; k++)
+		ck_assert_msg(seg->saved_src[k] < 0,
+			      "saved a node value:\n%s\n%s",
+			      ej_graph_text(seg->fwd), ej_graph_text(seg->bwd));
+	bool recomputed = false;
+	for (int i = 0; i < seg->bwd->n_nodes; i++)
+		recomputed |= seg->bwd->nodes[i].op == EJ_OP_ROPE;
+	ck_assert_msg(recomputed, "no ROPE in the backward:\n%s",
+		      ej_graph_text(seg->bwd));
+	/* inputs by slot: x, cos, sin, z (ACT 0..3), w (PARAM 0) */
+	epj_tensor *t[5];
+	for (int i = 0; i < 5; i++)
+		t[i] = tu_randn(ctx, EPJ_DTYPE_F64, i == 4 ? 1 : 2,
+				i == 4 ? sw : sx);
+	epj_tensor *tdy = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
+	epj_tensor *fin[8], *fout[8] = { 0 }, *bin[8] = { 0 }, *bout[8] = { 0 };
+	ck_assert(seg->fwd->n_inputs == 5 && seg->fwd->n_outputs <= 8);
+	ck_assert(seg->bwd->n_inputs <= 8 && seg->bwd->n_outputs <= 8);
+	for (int i = 0; i < 5; i++) {
+		const ej_graph_input *gi = &seg->fwd->inputs[i];
+		fin[i] = gi->kind == EJ_IN_PARAM ? t[4] : t[gi->slot];
+	}
+	ck_assert_int_eq(ej_interp_run(ctx, seg->fwd, fin, fout), EPJ_OK);
+	for (int i = 0; i < seg->bwd->n_inputs; i++) {
+		const ej_graph_input *gi = &seg->bwd->inputs[i];
+		int src = gi->kind == EJ_IN_GRAD ? 0 : seg->saved_src[gi->slot];
+		bin[i] = gi->kind == EJ_IN_GRAD ? tdy : fin[-(src + 1)];
+	}
+	ck_assert_int_eq(ej_interp_run(ctx, seg->bwd, bin, bout), EPJ_OK);
+	double *v[5], *vdy = tu_values(ctx, tdy);
+	for (int i = 0; i < 5; i++)
+		v[i] = tu_values(ctx, t[i]);
+	const double *vx = v[0], *vc = v[1], *vs = v[2], *vz = v[3], *vw = v[4];
+	size_t n = (size_t)(R * D);
+	double *ry = calloc(n, sizeof(double)),
+	       *rdx = calloc(n, sizeof(double));
+	double *rdz = calloc(n, sizeof(double));
+	double *rdw = calloc((size_t)D, sizeof(double));
+	int64_t h = D / 2;
+	for (int64_t i = 0; i < R; i++)
+		for (int64_t k = 0; k < D; k++) {
+			int64_t o = i * D, p = k < h ? k + h : k - h;
+			double sg = k < h ? -1 : 1;
+			/* q = a cos + rot(a) sin, rot(a)_k = sg a_p */
+			double qk = vx[o + k] * vw[k] * vc[o + k] +
+				    sg * vx[o + p] * vw[p] * vs[o + k];
+			ry[o + k] = qk * vz[o + k];
+			rdz[o + k] = vdy[o + k] * qk;
+			/* da_k = dq_k cos_k - sg dq_p sin_p (rot^T) */
+			double dqk = vdy[o + k] * vz[o + k];
+			double dqp = vdy[o + p] * vz[o + p];
+			double da = dqk * vc[o + k] - sg * dqp * vs[o + p];
+			rdx[o + k] = da * vw[k];
+			rdw[k] += da * vx[o + k];
+		}
+	tu_assert_close(ctx, fout[0], ry, 1e-12, 1e-12, "rope y");
+	for (int i = 0; i < 5; i++) {
+		const ej_graph_input *gi = &seg->fwd->inputs[i];
+		int slot = gi->kind == EJ_IN_PARAM ? 4 : gi->slot;
+		int gk = seg->grad_of_input[i];
+		if (slot == 0)
+			tu_assert_close(ctx, bout[gk], rdx, 1e-12, 1e-12,
+					"rope dx");
+		else if (slot == 3)
+			tu_assert_close(ctx, bout[gk], rdz, 1e-12, 1e-12,
+					"rope dz");
+		else if (slot == 4)
+			tu_assert_close(ctx, bout[gk], rdw, 1e-12, 1e-12,
+					"rope dw");
+	}
+	for (int i = 0; i < 8; i++) {
+		epj_tensor_free(fout[i]);
+		epj_tensor_free(bout[i]);
+	}
+	for (int i = 0; i < 5; i++) {
+		free(v[i]);
+		epj_tensor_free(t[i]);
+	}
+	free(vdy);
+	free(ry);
+	free(rdx);
+	free(rdz);
+	free(rdw);
+	epj_tensor_free(tdy);
+	ej_segment_unref(seg);
+	ej_graph_free(g);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_jit_suite(void)
 {
 	Suite *s = suite_create("jit");
@@ -522,6 +641,7 @@ Suite *make_jit_suite(void)
 	tcase_add_test(tc, test_trace_error);
 	tcase_add_test(tc, test_backend_parse);
 	tcase_add_test(tc, test_partition_recompute);
+	tcase_add_test(tc, test_partition_recompute_rope);
 	suite_add_tcase(s, tc);
 	return s;
 }
