@@ -388,11 +388,7 @@ START_TEST(test_backend_parse)
 }
 END_TEST
 
-/* Partition with recomputation: in an RMSNorm y = x * rsqrt(mean(x*x) + eps)
- * * g the normalised product x * r (full size) is recomputed in the
- * backward from x (a forward input, kept by reference) and the small r,
- * so no saved node value is as large as x; the gradients, run through
- * the interpreter, match a double-precision reference. */
+/* An f64 node of g with one output of the given shape. */
 static int rp_node(ej_graph *g, int op, const int *in, int n_in,
 		   const ej_attrs *a, int ndim, const int64_t *shape)
 {
@@ -406,6 +402,44 @@ static int rp_node(ej_graph *g, int op, const int *in, int n_in,
 	return g->nodes[k].out[0];
 }
 
+/* g's segment: gradients propagated, joint graph built and partitioned. */
+static ej_segment *rp_segment(epj_ctx *ctx, ej_graph *g)
+{
+	ej_graph_propagate_grad(g);
+	ej_segment *seg = calloc(1, sizeof *seg);
+	ck_assert_ptr_nonnull(seg);
+	seg->refcount = 1;
+	ck_assert_int_eq(ej_autodiff_segment(ctx, g, seg), EPJ_OK);
+	return seg;
+}
+
+/* Runs seg's forward on fin (one tensor per forward input) into fout, then
+ * its backward into bout with dy the gradient of the (single) output; each
+ * SAVED input is bound to the forward output or input it comes from. */
+static void rp_run(epj_ctx *ctx, const ej_segment *seg, epj_tensor **fin,
+		   epj_tensor *dy, epj_tensor **fout, epj_tensor **bout)
+{
+	epj_tensor *bin[8] = { 0 };
+	ck_assert(seg->fwd->n_outputs <= 8);
+	ck_assert(seg->bwd->n_inputs <= 8 && seg->bwd->n_outputs <= 8);
+	ck_assert_int_eq(ej_interp_run(ctx, seg->fwd, fin, fout), EPJ_OK);
+	for (int i = 0; i < seg->bwd->n_inputs; i++) {
+		const ej_graph_input *gi = &seg->bwd->inputs[i];
+		if (gi->kind == EJ_IN_GRAD) {
+			bin[i] = dy;
+			continue;
+		}
+		int src = seg->saved_src[gi->slot];
+		bin[i] = src >= 0 ? fout[src] : fin[-(src + 1)];
+	}
+	ck_assert_int_eq(ej_interp_run(ctx, seg->bwd, bin, bout), EPJ_OK);
+}
+
+/* Partition with recomputation: in an RMSNorm y = x * rsqrt(mean(x*x) + eps)
+ * * g the normalised product x * r (full size) is recomputed in the
+ * backward from x (a forward input, kept by reference) and the small r,
+ * so no saved node value is as large as x; the gradients, run through
+ * the interpreter, match a double-precision reference. */
 START_TEST(test_partition_recompute)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -428,10 +462,7 @@ START_TEST(test_partition_recompute)
 	int ag[2] = { a, w };
 	int y = rp_node(g, EJ_OP_MUL, ag, 2, NULL, 2, sx);
 	ej_graph_add_output(g, y);
-	ej_graph_propagate_grad(g);
-	ej_segment *seg = calloc(1, sizeof *seg);
-	seg->refcount = 1;
-	ck_assert_int_eq(ej_autodiff_segment(ctx, g, seg), EPJ_OK);
+	ej_segment *seg = rp_segment(ctx, g);
 	int n_node_saved = 0;
 	for (int q = 0; q < seg->n_saved; q++) {
 		if (seg->saved_src[q] < 0)
@@ -448,22 +479,11 @@ START_TEST(test_partition_recompute)
 	epj_tensor *tx = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
 	epj_tensor *tg = tu_randn(ctx, EPJ_DTYPE_F64, 1, sg);
 	epj_tensor *tdy = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
-	epj_tensor *fin[2], *fout[8] = { 0 }, *bin[8] = { 0 }, *bout[8] = { 0 };
-	ck_assert(seg->fwd->n_inputs == 2 && seg->fwd->n_outputs <= 8);
-	ck_assert(seg->bwd->n_inputs <= 8 && seg->bwd->n_outputs <= 8);
+	epj_tensor *fin[2], *fout[8] = { 0 }, *bout[8] = { 0 };
+	ck_assert(seg->fwd->n_inputs == 2);
 	for (int i = 0; i < 2; i++)
 		fin[i] = seg->fwd->inputs[i].kind == EJ_IN_ACT ? tx : tg;
-	ck_assert_int_eq(ej_interp_run(ctx, seg->fwd, fin, fout), EPJ_OK);
-	for (int i = 0; i < seg->bwd->n_inputs; i++) {
-		const ej_graph_input *gi = &seg->bwd->inputs[i];
-		if (gi->kind == EJ_IN_GRAD) {
-			bin[i] = tdy;
-			continue;
-		}
-		int src = seg->saved_src[gi->slot];
-		bin[i] = src >= 0 ? fout[src] : fin[-(src + 1)];
-	}
-	ck_assert_int_eq(ej_interp_run(ctx, seg->bwd, bin, bout), EPJ_OK);
+	rp_run(ctx, seg, fin, tdy, fout, bout);
 	double *vx = tu_values(ctx, tx), *vg = tu_values(ctx, tg),
 	       *vdy = tu_values(ctx, tdy);
 	double *rdx = calloc((size_t)(R * D), sizeof(double));
@@ -534,10 +554,7 @@ START_TEST(test_partition_recompute_rope)
 	int qz[2] = { q, z };
 	int y = rp_node(g, EJ_OP_MUL, qz, 2, NULL, 2, sx);
 	ej_graph_add_output(g, y);
-	ej_graph_propagate_grad(g);
-	ej_segment *seg = calloc(1, sizeof *seg);
-	seg->refcount = 1;
-	ck_assert_int_eq(ej_autodiff_segment(ctx, g, seg), EPJ_OK);
+	ej_segment *seg = rp_segment(ctx, g);
 	for (int k = 0; k < seg->n_saved; k++)
 		ck_assert_msg(seg->saved_src[k] < 0,
 			      "saved a node value:\n%s\n%s",
@@ -553,20 +570,13 @@ START_TEST(test_partition_recompute_rope)
 		t[i] = tu_randn(ctx, EPJ_DTYPE_F64, i == 4 ? 1 : 2,
 				i == 4 ? sw : sx);
 	epj_tensor *tdy = tu_randn(ctx, EPJ_DTYPE_F64, 2, sx);
-	epj_tensor *fin[8], *fout[8] = { 0 }, *bin[8] = { 0 }, *bout[8] = { 0 };
-	ck_assert(seg->fwd->n_inputs == 5 && seg->fwd->n_outputs <= 8);
-	ck_assert(seg->bwd->n_inputs <= 8 && seg->bwd->n_outputs <= 8);
+	epj_tensor *fin[5], *fout[8] = { 0 }, *bout[8] = { 0 };
+	ck_assert(seg->fwd->n_inputs == 5);
 	for (int i = 0; i < 5; i++) {
 		const ej_graph_input *gi = &seg->fwd->inputs[i];
 		fin[i] = gi->kind == EJ_IN_PARAM ? t[4] : t[gi->slot];
 	}
-	ck_assert_int_eq(ej_interp_run(ctx, seg->fwd, fin, fout), EPJ_OK);
-	for (int i = 0; i < seg->bwd->n_inputs; i++) {
-		const ej_graph_input *gi = &seg->bwd->inputs[i];
-		int src = gi->kind == EJ_IN_GRAD ? 0 : seg->saved_src[gi->slot];
-		bin[i] = gi->kind == EJ_IN_GRAD ? tdy : fin[-(src + 1)];
-	}
-	ck_assert_int_eq(ej_interp_run(ctx, seg->bwd, bin, bout), EPJ_OK);
+	rp_run(ctx, seg, fin, tdy, fout, bout);
 	double *v[5], *vdy = tu_values(ctx, tdy);
 	for (int i = 0; i < 5; i++)
 		v[i] = tu_values(ctx, t[i]);
