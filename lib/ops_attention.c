@@ -26,6 +26,7 @@
  * mean summed in double in row order (deterministic for any thread count).
  */
 #include "ops_impl.h"
+#include "ops_vexp.h"
 
 #include <limits.h>
 #ifdef _OPENMP
@@ -666,48 +667,18 @@ done:
 #define FQ 64 /* queries per tile */
 #define FK 64 /* keys per tile */
 
-/* Vectorized exp for the f32 flash rows (the scalar libm expf of the
- * reference kernels costs more than the GEMMs at head dim 32).  Range
- * reduction x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two (Cody and
- * Waite), a degree-6 polynomial for exp(r) (the Cephes expf coefficients),
- * then 2^n through the exponent bits: within 1 ulp of libm expf on
- * [-87.3, 0.5] (checked on 13 M points); 0 below -87.3 (where expf gives
- * at most 1.2e-38); clamped above 88.7 (arguments here are <= 0).
- * Written with vector extensions over 8 lanes (AVX2 where the CPU has it,
- * through target_clones; pairs of SSE2 ops otherwise); one lane order per
- * row, so results do not depend on threads. */
-typedef float fl_v8f __attribute__((vector_size(32)));
-typedef int32_t fl_v8i __attribute__((vector_size(32)));
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
-#define FL_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define FL_CLONES
-#endif
+/* The f32 flash rows use the vector exp of ops_vexp.h: the scalar libm
+ * expf of the reference kernels costs more than the GEMMs at head dim 32.
+ * One lane order per row, so results do not depend on threads. */
+typedef ej_v8f fl_v8f;
+typedef ej_v8i fl_v8i;
+#define FL_CLONES EJ_V8_CLONES
 
 /* e = exp(v - sub) over 8 lanes (statements; v, sub, e in scope). */
 #define FL_VEXP(e, v, sub)                                                     \
 	do {                                                                   \
-		fl_v8f x_ = (v) - (sub);                                       \
-		fl_v8i dead_ = x_<-87.3f, big_ = x_> 88.7f;                    \
-		fl_v8f top_ = (fl_v8f){ 0 } + 88.7f;                           \
-		x_ = (fl_v8f)(((fl_v8i)x_ & ~(dead_ | big_)) |                 \
-			      ((fl_v8i)top_ & big_));                          \
-		/* n = round(x log2 e) through the 1.5 * 2^23 shifter */       \
-		fl_v8f t_ = x_ * 1.44269504088896341f + 12582912.0f;           \
-		fl_v8f n_ = t_ - 12582912.0f;                                  \
-		fl_v8i ni_ =                                                   \
-		    (fl_v8i)t_ - (fl_v8i)((fl_v8f){ 0 } + 12582912.0f);        \
-		fl_v8f r_ = x_ - n_ * 0.693359375f;                            \
-		r_ = r_ - n_ * -2.12194440e-4f;                                \
-		fl_v8f p_ = 1.9875691500e-4f * r_ + 1.3981999507e-3f;          \
-		p_ = p_ * r_ + 8.3334519073e-3f;                               \
-		p_ = p_ * r_ + 4.1665795894e-2f;                               \
-		p_ = p_ * r_ + 1.6666665459e-1f;                               \
-		p_ = p_ * r_ + 5.0000001201e-1f;                               \
-		p_ = p_ * r_ * r_ + r_ + 1.0f;                                 \
-		(e) = p_ * (fl_v8f)((ni_ + 127) << 23);                        \
-		(e) = (fl_v8f)((fl_v8i)(e) & ~dead_);                          \
+		(e) = (v) - (sub);                                             \
+		ej_v8_exp(&(e));                                               \
 	} while (0)
 
 /* x[j] = exp(x[j] - sub) for j < n; returns the sum of the results, added

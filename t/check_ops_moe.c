@@ -579,6 +579,87 @@ START_TEST(test_swiglu)
 }
 END_TEST
 
+/* f32 and bf16 SwiGLU forward and backward (the vector-exp kernels of
+ * lib/ops_moe.c) against a double reference, on runs that cross the
+ * kernels' 512-element chunks and 8-lane vectors with a tail, including
+ * gates past exp's overflow and underflow and a NaN. */
+START_TEST(test_swiglu_f32_kernels)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const double special[] = { -200.0, -88.8, -88.72, -88.7,
+					  -87.4,  -50.0, -17.0,	 -1e-30,
+					  0.0,	  1e-30, 17.0,	 50.0,
+					  87.2,	  87.4,	 88.8,	 200.0 };
+	const int ns = (int)(sizeof special / sizeof special[0]);
+	for (int rep = 0; rep < 4; rep++) {
+		const epj_dtype dt = rep < 3 ? EPJ_DTYPE_F32 : EPJ_DTYPE_BF16;
+		int64_t n = rep == 0 ? tu_randint(1, 8) : tu_randint(513, 1700);
+		double *gv = malloc(sizeof *gv * (size_t)n);
+		double *uv = malloc(sizeof *uv * (size_t)n);
+		double *dv = malloc(sizeof *dv * (size_t)n);
+		for (int64_t i = 0; i < n; i++) {
+			/* most gates where silu bends, some far out */
+			gv[i] = tu_randint(0, 5) == 0 ? tu_uniform(-120, 120)
+						      : tu_uniform(-12, 12);
+			uv[i] = tu_uniform(-2, 2);
+			dv[i] = tu_uniform(-2, 2);
+		}
+		for (int j = 0; j < ns && j < n; j++)
+			gv[tu_randint(0, n)] = special[j];
+		int64_t nan_at = n > 1 ? tu_randint(0, n) : -1;
+		if (nan_at >= 0)
+			gv[nan_at] = NAN;
+		epj_tensor *in[3] = { from_vals(ctx, dt, 1, &n, dv),
+				      from_vals(ctx, dt, 1, &n, gv),
+				      from_vals(ctx, dt, 1, &n, uv) };
+		double *d = tu_values(ctx, in[0]), *g = tu_values(ctx, in[1]);
+		double *u = tu_values(ctx, in[2]);
+		double *ry = malloc(sizeof *ry * (size_t)n);
+		double *rg = malloc(sizeof *rg * (size_t)n);
+		double *ru = malloc(sizeof *ru * (size_t)n);
+		for (int64_t i = 0; i < n; i++) {
+			double sg = 1 / (1 + exp(-g[i]));
+			ry[i] = g[i] * sg * u[i];
+			rg[i] = d[i] * u[i] * sg * (1 + g[i] * (1 - sg));
+			ru[i] = d[i] * g[i] * sg;
+		}
+		/* the backward's 1 + g (1 - s) cancels near g = -1.28: an
+		 * absolute term of a few f32 (bf16) roundings of |d u| <= 4 */
+		const double tol = dt == EPJ_DTYPE_F32 ? 2e-6 : 1e-2;
+		const double batol = dt == EPJ_DTYPE_F32 ? 1e-5 : 1e-3;
+		epj_tensor *y = ej_swiglu(ctx, in[1], in[2]);
+		tu_ok(ctx, y);
+		tu_assert_close(ctx, y, ry, tol, 1e-30, "swiglu f32 kernel");
+		epj_tensor *outs[2] = { NULL, NULL };
+		ck_assert_int_eq(ej_dispatch(ctx, EJ_OP_SWIGLU_BACKWARD, in, 3,
+					     NULL, outs, 2),
+				 EPJ_OK);
+		tu_assert_close(ctx, outs[0], rg, tol, batol, "swiglu dgate");
+		tu_assert_close(ctx, outs[1], ru, tol, batol, "swiglu dup");
+		if (nan_at >= 0) {
+			double *yv = tu_values(ctx, y);
+			ck_assert(isnan(yv[nan_at]));
+			free(yv);
+		}
+		for (int i = 0; i < 3; i++)
+			epj_tensor_free(in[i]);
+		epj_tensor_free(outs[0]);
+		epj_tensor_free(outs[1]);
+		epj_tensor_free(y);
+		free(gv);
+		free(uv);
+		free(dv);
+		free(d);
+		free(g);
+		free(u);
+		free(ry);
+		free(rg);
+		free(ru);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- errors ------------------------------------------------------------ */
 
 START_TEST(test_errors)
@@ -648,6 +729,7 @@ Suite *make_ops_moe_suite(void)
 	tcase_add_test(tc, test_grouped_mm_forward);
 	tcase_add_test(tc, test_grouped_mm_grad);
 	tcase_add_test(tc, test_swiglu);
+	tcase_add_test(tc, test_swiglu_f32_kernels);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
 	return s;

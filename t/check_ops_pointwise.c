@@ -20,6 +20,7 @@
  */
 #include "check_util.h"
 #include "ops_impl.h"
+#include "ops_vexp.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -774,6 +775,114 @@ START_TEST(test_cvt_bits)
 }
 END_TEST
 
+/* ---- the 8-lane exp of ops_vexp.h ---------------------------------------
+ * Against exp in double rounded to f32 (the correctly rounded result but
+ * for double rounding, far rarer than the 1 ulp allowed): at most 1 ulp on
+ * a window of 2^20 consecutive floats at a random place in [-87.3, 88.72],
+ * 2^18 random points, both ends and the integers; then the edges: 0 below
+ * -87.3, +inf from the overflow threshold, NaN kept, every lane alike. */
+
+/* the clone the library's callers get on this CPU */
+EJ_V8_CLONES static void vexp8(float *x)
+{
+	ej_v8f v;
+	memcpy(&v, x, sizeof v);
+	ej_v8_exp(&v);
+	memcpy(x, &v, sizeof v);
+}
+
+/* ulps between two finite floats of one sign or zero */
+static int64_t ulp_dist(float a, float b)
+{
+	int32_t ia, ib;
+	memcpy(&ia, &a, sizeof ia);
+	memcpy(&ib, &b, sizeof ib);
+	return ia > ib ? (int64_t)ia - ib : (int64_t)ib - ia;
+}
+
+static int64_t vexp_worst(const float *x, int64_t n, float *at)
+{
+	int64_t worst = 0;
+	for (int64_t i = 0; i < n; i += 8) {
+		float v[8];
+		for (int l = 0; l < 8; l++)
+			v[l] = x[i + l < n ? i + l : n - 1];
+		float in[8];
+		memcpy(in, v, sizeof in);
+		vexp8(v);
+		for (int l = 0; l < 8; l++) {
+			int64_t d = ulp_dist(v[l], (float)exp((double)in[l]));
+			if (d > worst) {
+				worst = d;
+				*at = in[l];
+			}
+		}
+	}
+	return worst;
+}
+
+START_TEST(test_vexp)
+{
+	const float lo = EJ_VEXP_UNDERFLOW;
+	const float hi = nextafterf(EJ_VEXP_OVERFLOW, 0.0f);
+	const int64_t n = (int64_t)1 << 20;
+	float *x = malloc(sizeof *x * (size_t)n);
+	float at = 0;
+	/* a window of consecutive floats */
+	float f = (float)tu_uniform(lo, hi);
+	for (int64_t i = 0; i < n; i++) {
+		x[i] = f < hi ? f : hi;
+		f = nextafterf(f, INFINITY);
+	}
+	int64_t w = vexp_worst(x, n, &at);
+	ck_assert_msg(w <= 1, "vexp: %lld ulp at %.9g (window, seed %llu)",
+		      (long long)w, at, (unsigned long long)tu_seed());
+	/* random points, the ends, the integers */
+	const int64_t m = (int64_t)1 << 18;
+	for (int64_t i = 0; i < m; i++)
+		x[i] = (float)tu_uniform(lo, hi);
+	x[0] = lo;
+	x[1] = hi;
+	for (int k = -87; k <= 88; k++)
+		x[2 + k + 87] = (float)k;
+	w = vexp_worst(x, m, &at);
+	ck_assert_msg(w <= 1, "vexp: %lld ulp at %.9g (points, seed %llu)",
+		      (long long)w, at, (unsigned long long)tu_seed());
+	free(x);
+	/* the edges */
+	float e[8] = { nextafterf(lo, -INFINITY),
+		       -1000.0f,
+		       -INFINITY,
+		       EJ_VEXP_OVERFLOW,
+		       1000.0f,
+		       INFINITY,
+		       NAN,
+		       0.0f };
+	vexp8(e);
+	for (int l = 0; l < 3; l++)
+		ck_assert_msg(e[l] == 0 && !signbit(e[l]), "lane %d: %g", l,
+			      e[l]);
+	for (int l = 3; l < 6; l++)
+		ck_assert_msg(isinf(e[l]) && e[l] > 0, "lane %d: %g", l, e[l]);
+	ck_assert(isnan(e[6]));
+	ck_assert(e[7] == 1.0f);
+	float top[8] = { hi, hi, hi, hi, hi, hi, hi, hi };
+	vexp8(top);
+	ck_assert_msg(isfinite(top[0]) && top[0] > 3.4e38f, "exp(%.9g) = %g",
+		      hi, top[0]);
+	/* one value in each lane gives one result */
+	const float v = (float)tu_uniform(-20, 20);
+	float ref[8] = { v, v, v, v, v, v, v, v };
+	vexp8(ref);
+	for (int l = 0; l < 8; l++) {
+		float y[8] = { 0, -3, 7, 0.5f, -80, 80, 1, 2 };
+		y[l] = v;
+		vexp8(y);
+		ck_assert(y[l] == ref[0]);
+	}
+}
+END_TEST
+
 Suite *make_ops_pointwise_suite(void)
 {
 	Suite *s = suite_create("ops_pointwise");
@@ -789,6 +898,10 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tc, test_cvt_bits);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
+	TCase *tv = tcase_create("vexp");
+	tcase_set_timeout(tv, 60);
+	tcase_add_test(tv, test_vexp);
+	suite_add_tcase(s, tv);
 	TCase *tg = tcase_create("grad");
 	tcase_set_timeout(tg, 60);
 	tcase_add_test(tg, test_grad_binary);
