@@ -1246,36 +1246,95 @@ static const void *ce_row(const epj_tensor *lg, int64_t r, epj_dtype cdt,
 	return buf;
 }
 
-/* Row max and sum of exp(x - max) over V logits. */
-#define DEFINE_CE_ROWS(SFX, REAL, EXPF)                                        \
-	static void row_stats_##SFX(const REAL *x, int64_t nv, REAL *mx,       \
-				    double *sum)                               \
-	{                                                                      \
-		REAL m = -INFINITY;                                            \
-		for (int64_t j = 0; j < nv; j++)                               \
-			m = x[j] > m ? x[j] : m;                               \
-		double s = 0;                                                  \
-		for (int64_t j = 0; j < nv; j++)                               \
-			s += EXPF(x[j] - m);                                   \
-		*mx = m;                                                       \
-		*sum = s;                                                      \
-	}                                                                      \
-	/* d[j] = (softmax(x)[j] - [j == t]) * g, in REAL */                   \
-	static void row_grad_##SFX(const REAL *x, int64_t nv, int64_t t,       \
-				   double g, REAL *d)                          \
-	{                                                                      \
-		REAL m;                                                        \
-		double s;                                                      \
-		row_stats_##SFX(x, nv, &m, &s);                                \
-		REAL scale = (REAL)(g / s);                                    \
-		for (int64_t j = 0; j < nv; j++)                               \
-			d[j] = EXPF(x[j] - m) * scale;                         \
-		d[t] -= (REAL)g;                                               \
-	}
+/* Row max and sum of exp(x - max) over V logits: f64 rows with libm exp,
+ * summed in order; f32 rows with the vector exp of ops_vexp.h, summed in
+ * double in 8 lane sums, then the lanes in order (a fixed order, so the
+ * same bits whatever the threads). */
+static void row_stats_f64(const double *x, int64_t nv, double *mx, double *sum)
+{
+	double m = -INFINITY;
+	for (int64_t j = 0; j < nv; j++)
+		m = x[j] > m ? x[j] : m;
+	double s = 0;
+	for (int64_t j = 0; j < nv; j++)
+		s += exp(x[j] - m);
+	*mx = m;
+	*sum = s;
+}
 
-DEFINE_CE_ROWS(f32, float, expf)
-DEFINE_CE_ROWS(f64, double, exp)
-#undef DEFINE_CE_ROWS
+/* d[j] = (softmax(x)[j] - [j == t]) * g, in double */
+static void row_grad_f64(const double *x, int64_t nv, int64_t t, double g,
+			 double *d)
+{
+	double m, s;
+	row_stats_f64(x, nv, &m, &s);
+	double scale = g / s;
+	for (int64_t j = 0; j < nv; j++)
+		d[j] = exp(x[j] - m) * scale;
+	d[t] -= g;
+}
+
+typedef double ce_v8d __attribute__((vector_size(64)));
+
+/* The sum in double of exp(x[j] - m) for j < n; e[j] = exp(x[j] - m) as
+ * well when e is not NULL. */
+FL_CLONES static double ce_exp_sum(const float *x, float *e, int64_t n, float m)
+{
+	ce_v8d acc = { 0 };
+	fl_v8f v, y;
+	int64_t j = 0;
+	for (; j + 8 <= n; j += 8) {
+		memcpy(&v, x + j, sizeof v);
+		FL_VEXP(y, v, m);
+		if (e)
+			memcpy(e + j, &y, sizeof y);
+		acc += __builtin_convertvector(y, ce_v8d);
+	}
+	if (j < n) { /* tail: lanes past n give 0 */
+		float buf[8] = { 0 };
+		const int32_t rem = (int32_t)(n - j);
+		memcpy(buf, x + j, (size_t)rem * sizeof *buf);
+		memcpy(&v, buf, sizeof v);
+		FL_VEXP(y, v, m);
+		fl_v8i lane = { 0, 1, 2, 3, 4, 5, 6, 7 };
+		y = (fl_v8f)((fl_v8i)y & (lane < rem));
+		if (e) {
+			memcpy(buf, &y, sizeof y);
+			memcpy(e + j, buf, (size_t)rem * sizeof *buf);
+		}
+		acc += __builtin_convertvector(y, ce_v8d);
+	}
+	double s = 0;
+	for (int l = 0; l < 8; l++)
+		s += acc[l];
+	return s;
+}
+
+static void row_stats_f32(const float *x, int64_t nv, float *mx, double *sum)
+{
+	float m = -INFINITY;
+	if (nv > 0)
+		m = fl_max(x, nv);
+	/* fl_max gives NaN when x[0] is NaN: then the sum is NaN, as the
+	 * loss of a row with a NaN logit always is */
+	m = m > -INFINITY ? m : -INFINITY;
+	*mx = m;
+	*sum = ce_exp_sum(x, NULL, nv, m);
+}
+
+/* d[j] = (softmax(x)[j] - [j == t]) * g: exp(x[j] - max) rounded to f32,
+ * times g / sum rounded to f32 */
+static void row_grad_f32(const float *x, int64_t nv, int64_t t, double g,
+			 float *d)
+{
+	float m = -INFINITY;
+	if (nv > 0)
+		m = fl_max(x, nv);
+	m = m > -INFINITY ? m : -INFINITY;
+	double s = ce_exp_sum(x, d, nv, m);
+	fl_scale(d, nv, (float)(g / s));
+	d[t] -= (float)g;
+}
 
 epj_status ej_infer_CROSS_ENTROPY(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 {

@@ -1,6 +1,7 @@
 /* ops_vexp.h -- an 8-lane f32 exp for the CPU kernels whose scalar libm expf
- * costs more than the rest of their loop: the flash attention rows
- * (lib/ops_attention.c) and SwiGLU forward and backward (lib/ops_moe.c).
+ * costs more than the rest of their loop: the flash attention rows and the
+ * cross-entropy rows (lib/ops_attention.c), SwiGLU forward and backward
+ * (lib/ops_moe.c).
  *
  * Range reduction x = n ln2 + r, |r| <= ln2 / 2, with ln2 split in two
  * (Cody and Waite), a degree-6 polynomial for exp(r) (the Cephes expf
