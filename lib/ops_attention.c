@@ -1310,16 +1310,19 @@ FL_CLONES static double ce_exp_sum(const float *x, float *e, int64_t n, float m)
 	return s;
 }
 
+/* The max of an f32 row, -inf for an empty row.  fl_max gives NaN when
+ * x[0] is NaN; that becomes -inf here, and the row's sum of exps is NaN
+ * either way, as the loss of a row with a NaN logit always is. */
+static float ce_max_f32(const float *x, int64_t nv)
+{
+	float m = nv > 0 ? fl_max(x, nv) : -INFINITY;
+	return m > -INFINITY ? m : -INFINITY;
+}
+
 static void row_stats_f32(const float *x, int64_t nv, float *mx, double *sum)
 {
-	float m = -INFINITY;
-	if (nv > 0)
-		m = fl_max(x, nv);
-	/* fl_max gives NaN when x[0] is NaN: then the sum is NaN, as the
-	 * loss of a row with a NaN logit always is */
-	m = m > -INFINITY ? m : -INFINITY;
-	*mx = m;
-	*sum = ce_exp_sum(x, NULL, nv, m);
+	*mx = ce_max_f32(x, nv);
+	*sum = ce_exp_sum(x, NULL, nv, *mx);
 }
 
 /* d[j] = (softmax(x)[j] - [j == t]) * g: exp(x[j] - max) rounded to f32,
@@ -1327,11 +1330,7 @@ static void row_stats_f32(const float *x, int64_t nv, float *mx, double *sum)
 static void row_grad_f32(const float *x, int64_t nv, int64_t t, double g,
 			 float *d)
 {
-	float m = -INFINITY;
-	if (nv > 0)
-		m = fl_max(x, nv);
-	m = m > -INFINITY ? m : -INFINITY;
-	double s = ce_exp_sum(x, d, nv, m);
+	double s = ce_exp_sum(x, d, nv, ce_max_f32(x, nv));
 	fl_scale(d, nv, (float)(g / s));
 	d[t] -= (float)g;
 }
