@@ -26,6 +26,21 @@
  * cuBLASLt assumes for an algorithm the pointer alignment it was chosen
  * for; the table key holds each pointer's alignment (capped at 256 bytes)
  * and the preference tells the heuristic those alignments.
+ *
+ * "No algorithm" is an answer, not a failure.  cuBLASLt says it three ways,
+ * each documented (cublasLt.h, cuBLAS guide): the heuristic succeeds with
+ * no result (or a result whose state is not SUCCESS), the heuristic
+ * answers CUBLAS_STATUS_NOT_SUPPORTED ("no heuristic function available
+ * for current configuration", what a real GPU says for a layout or type
+ * it has no kernel for), or cublasLtMatmul answers NOT_SUPPORTED ("current
+ * implementation on selected device doesn't support configured
+ * operation"; checked before anything is launched).  All three make the
+ * GEMM EPJ_ERR_UNSUPPORTED, for the caller to run the template instead,
+ * counted in cublaslt.fallbacks, and the refusal is kept in the table like
+ * an algorithm, so the problem is not asked about again.  NOT_SUPPORTED
+ * from cublasGemmGroupedBatchedEx (a type combination it lacks) makes that
+ * dtype's grouped calls loop over single GEMMs from then on.  Every other
+ * status stays a hard EPJ_ERR_BACKEND naming the call.
  */
 #include "cublaslt.h"
 
@@ -53,8 +68,9 @@ typedef struct {
 
 enum {
 	LT_SUCCESS = 0,
-	LT_R_32F = 0,	/* CUDA_R_32F */
-	LT_R_16BF = 14, /* CUDA_R_16BF */
+	LT_NOT_SUPPORTED = 15, /* CUBLAS_STATUS_NOT_SUPPORTED */
+	LT_R_32F = 0,	       /* CUDA_R_32F */
+	LT_R_16BF = 14,	       /* CUDA_R_16BF */
 	LT_COMPUTE_32F = 68,
 	LT_OP_N = 0,
 	LT_OP_T = 1,
@@ -319,6 +335,20 @@ static epj_status lt_error(epj_ctx *ctx, const lt_lib *l, bool blas,
 			   : lt_error((ctx), (l), false, ej_lt_r_, #call,      \
 				      __FILE__, __LINE__);                     \
 	} while (0)
+/* The same for a call whose CUBLAS_STATUS_NOT_SUPPORTED is an answer ("no
+ * algorithm", file comment), not a failure: st is EPJ_OK for it too and r
+ * holds the library's status. */
+#define EJ_ANSWER_(st, r, ctx, l, blas, call)                                  \
+	do {                                                                   \
+		(r) = (l)->call;                                               \
+		(st) = (r) == LT_SUCCESS || (r) == LT_NOT_SUPPORTED            \
+			   ? EPJ_OK                                            \
+			   : lt_error((ctx), (l), (blas), (r), #call,          \
+				      __FILE__, __LINE__);                     \
+	} while (0)
+#define EJ_LT_ANSWER(st, r, ctx, l, call) EJ_ANSWER_(st, r, ctx, l, false, call)
+#define EJ_BLAS_ANSWER(st, r, ctx, l, call)                                    \
+	EJ_ANSWER_(st, r, ctx, l, true, call)
 #define EJ_BLAS_TRY(st, ctx, l, call)                                          \
 	do {                                                                   \
 		ej_cublas_status ej_lt_r_ = (l)->call;                         \
@@ -338,10 +368,19 @@ typedef struct lt_key {
 	int32_t align[5]; /* a, b, c, d, bias */
 } lt_key;
 
+/* Why cuBLASLt has no algorithm for a problem (file comment). */
+typedef enum lt_refusal {
+	LT_HAS_ALGO = 0,
+	LT_NO_RESULT,	     /* the heuristic succeeded with no usable result */
+	LT_HEUR_UNSUPPORTED, /* the heuristic answered NOT_SUPPORTED */
+	LT_MATMUL_UNSUPPORTED, /* cublasLtMatmul answered NOT_SUPPORTED */
+} lt_refusal;
+
 typedef struct lt_entry {
 	lt_key key;
 	ej_lt_algo algo;
 	size_t workspace;
+	lt_refusal refused; /* LT_HAS_ALGO, else why there is none */
 } lt_entry;
 
 struct ej_cublaslt {
@@ -355,6 +394,9 @@ struct ej_cublaslt {
 	pthread_mutex_t lock; /* the table and the statistics */
 	lt_entry *tab;
 	int n_tab, cap_tab;
+	/* cublasGemmGroupedBatchedEx answered NOT_SUPPORTED for bf16 (bit 0)
+	 * or f32 (bit 1): those grouped calls loop instead */
+	unsigned grouped_refused;
 	ej_cublaslt_stats st;
 };
 
@@ -657,35 +699,66 @@ static epj_status choose(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g,
 	ej_lt_heur h[1];
 	memset(h, 0, sizeof h);
 	int got = 0;
-	EJ_LT_TRY(st, ctx, l,
-		  cublasLtMatmulAlgoGetHeuristic(lt->handle, d->op, d->la,
-						 d->lb, d->lc, d->ld, d->pref,
-						 1, h, &got));
+	ej_cublas_status r;
+	EJ_LT_ANSWER(st, r, ctx, l,
+		     cublasLtMatmulAlgoGetHeuristic(lt->handle, d->op, d->la,
+						    d->lb, d->lc, d->ld,
+						    d->pref, 1, h, &got));
 	pthread_mutex_lock(&lt->lock);
 	lt->st.heuristic_calls++;
 	pthread_mutex_unlock(&lt->lock);
 	if (st != EPJ_OK)
 		return st;
-	if (got < 1 || h[0].state != LT_SUCCESS)
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"cublaslt: no algorithm for the GEMM m=%lld "
-				"n=%lld k=%lld (%s a/b, %s c/d%s) within a "
-				"%zu byte workspace",
-				(long long)g->m, (long long)g->n,
-				(long long)g->k, epj_dtype_name(g->ab_dtype),
-				epj_dtype_name(g->cd_dtype),
-				g->bias ? ", bias" : "", lt->ws_bytes);
+	memset(e, 0, sizeof *e);
 	e->key = *k;
-	e->algo = h[0].algo;
-	e->workspace = h[0].workspace_size;
+	if (r == LT_NOT_SUPPORTED)
+		e->refused = LT_HEUR_UNSUPPORTED;
+	else if (got < 1 || h[0].state != LT_SUCCESS)
+		e->refused = LT_NO_RESULT;
+	else {
+		e->algo = h[0].algo;
+		e->workspace = h[0].workspace_size;
+	}
 	return EPJ_OK;
 }
 
+/* The answer for a GEMM cuBLASLt has no algorithm for (file comment):
+ * counted, and EPJ_ERR_UNSUPPORTED saying why. */
+static epj_status no_algo(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g,
+			  lt_refusal why, bool remembered)
+{
+	pthread_mutex_lock(&lt->lock);
+	lt->st.fallbacks++;
+	pthread_mutex_unlock(&lt->lock);
+	if (ctx)
+		epj_counter_add(ctx, "cublaslt.fallbacks", 1);
+	const char *how =
+	    why == LT_HEUR_UNSUPPORTED
+		? "cublasLtMatmulAlgoGetHeuristic answered "
+		  "CUBLAS_STATUS_NOT_SUPPORTED (15)"
+	    : why == LT_MATMUL_UNSUPPORTED
+		? "cublasLtMatmul answered CUBLAS_STATUS_NOT_SUPPORTED (15)"
+		: "the heuristic returned no usable result";
+	return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			"cublaslt: no algorithm for the GEMM m=%lld n=%lld "
+			"k=%lld (%s a/b, %s c/d%s) within a %zu byte "
+			"workspace: %s%s; left to the template",
+			(long long)g->m, (long long)g->n, (long long)g->k,
+			epj_dtype_name(g->ab_dtype),
+			epj_dtype_name(g->cd_dtype), g->bias ? ", bias" : "",
+			lt->ws_bytes, how, remembered ? " (remembered)" : "");
+}
+
+/* Keeps e in the table; an entry of the same key is replaced (a refusal
+ * by cublasLtMatmul overrides the algorithm the heuristic gave). */
 static epj_status remember(epj_ctx *ctx, ej_cublaslt *lt, const lt_entry *e)
 {
 	epj_status st = EPJ_OK;
 	pthread_mutex_lock(&lt->lock);
-	if (!lookup(lt, &e->key)) {
+	lt_entry *old = (lt_entry *)lookup(lt, &e->key);
+	if (old) {
+		*old = *e;
+	} else {
 		if (lt->n_tab == lt->cap_tab) {
 			int cap = lt->cap_tab ? 2 * lt->cap_tab : 16;
 			lt_entry *t = realloc(lt->tab, sizeof *t * (size_t)cap);
@@ -715,27 +788,43 @@ static epj_status gemm_one(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g)
 	if (c) {
 		e = *c;
 		hit = true;
-		lt->st.cache_hits++;
+		if (!e.refused)
+			lt->st.cache_hits++;
 	}
 	pthread_mutex_unlock(&lt->lock);
+	epj_status st;
 	lt_descs d;
-	epj_status st = descs_make(ctx, l, g, &d);
+	if (hit && e.refused) {
+		/* refused before: not asked again */
+		st = no_algo(ctx, lt, g, e.refused, true);
+		goto out;
+	}
+	st = descs_make(ctx, l, g, &d);
 	if (st != EPJ_OK)
 		goto out;
 	if (!hit) {
 		st = choose(ctx, lt, g, &k, &d, &e);
 		if (st == EPJ_OK)
 			st = remember(ctx, lt, &e);
+		if (st == EPJ_OK && e.refused)
+			st = no_algo(ctx, lt, g, e.refused, false);
 		if (st != EPJ_OK)
 			goto done;
 	}
 	const void *cp = g->c ? g->c : g->d;
-	EJ_LT_TRY(st, ctx, l,
-		  cublasLtMatmul(lt->handle, d.op, &g->alpha, g->b, d.la, g->a,
-				 d.lb, &g->beta, cp, d.lc, g->d, d.ld, &e.algo,
-				 lt->ws, lt->ws_bytes,
-				 ej_cuda_compute_stream(lt->dev)));
-	if (st == EPJ_OK) {
+	ej_cublas_status r;
+	EJ_LT_ANSWER(st, r, ctx, l,
+		     cublasLtMatmul(lt->handle, d.op, &g->alpha, g->b, d.la,
+				    g->a, d.lb, &g->beta, cp, d.lc, g->d, d.ld,
+				    &e.algo, lt->ws, lt->ws_bytes,
+				    ej_cuda_compute_stream(lt->dev)));
+	if (st == EPJ_OK && r == LT_NOT_SUPPORTED) {
+		/* refused before launching anything: remembered */
+		e.refused = LT_MATMUL_UNSUPPORTED;
+		st = remember(ctx, lt, &e);
+		if (st == EPJ_OK)
+			st = no_algo(ctx, lt, g, e.refused, false);
+	} else if (st == EPJ_OK) {
 		pthread_mutex_lock(&lt->lock);
 		lt->st.gemms++;
 		pthread_mutex_unlock(&lt->lock);
@@ -780,13 +869,21 @@ static bool groupable(const ej_lt_gemm *g, const ej_lt_gemm *first)
 	       g->cd_dtype == first->cd_dtype;
 }
 
+/* The grouped_refused bit of a dtype. */
+static unsigned grouped_bit(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_BF16 ? 1u : 2u;
+}
+
 /* One cublasGemmGroupedBatchedEx over the n validated, non-empty GEMMs v:
  * one group per GEMM (each its own shape), group size 1.  The pointer
  * arrays live in device memory (cuBLAS reads them there): one block of
- * the caller's allocator, filled by a copy. */
+ * the caller's allocator, filled by a copy.  *refused: cuBLAS answered
+ * NOT_SUPPORTED (nothing ran; st is EPJ_OK and the caller loops). */
 static epj_status grouped_native(epj_ctx *ctx, ej_cublaslt *lt, int n,
-				 const ej_lt_gemm *v)
+				 const ej_lt_gemm *v, bool *refused)
 {
+	*refused = false;
 	const lt_lib *l = lt->l;
 	size_t ints = (size_t)n * 7, ptrs = (size_t)n * 3;
 	int *iv = malloc(sizeof(int) * ints);
@@ -830,14 +927,24 @@ static epj_status grouped_native(epj_ctx *ctx, ej_cublaslt *lt, int n,
 	const ej_device *dev = ej_cuda_device(lt->dev);
 	dev->copy(dev->self, dp, hp, sizeof(void *) * ptrs);
 	int t = lt_type(v[0].ab_dtype);
-	EJ_BLAS_TRY(st, ctx, l,
-		    cublasGemmGroupedBatchedEx(
-			lt->blas, ta, tb, m, nn, k, ab, (const void *const *)dp,
-			t, lda, (const void *const *)(dp + n), t, ldb, ab + n,
-			dp + 2 * n, t, ldc, n, gs, LT_COMPUTE_32F));
+	ej_cublas_status r;
+	EJ_BLAS_ANSWER(st, r, ctx, l,
+		       cublasGemmGroupedBatchedEx(
+			   lt->blas, ta, tb, m, nn, k, ab,
+			   (const void *const *)dp, t, lda,
+			   (const void *const *)(dp + n), t, ldb, ab + n,
+			   dp + 2 * n, t, ldc, n, gs, LT_COMPUTE_32F));
 	free(ldc);
 	free(gs);
-	if (st == EPJ_OK) {
+	if (st == EPJ_OK && r == LT_NOT_SUPPORTED) {
+		/* a type combination it lacks: this dtype loops from now on */
+		pthread_mutex_lock(&lt->lock);
+		lt->grouped_refused |= grouped_bit(v[0].ab_dtype);
+		pthread_mutex_unlock(&lt->lock);
+		if (ctx)
+			epj_counter_add(ctx, "cublaslt.grouped_refused", 1);
+		*refused = true;
+	} else if (st == EPJ_OK) {
 		pthread_mutex_lock(&lt->lock);
 		lt->st.grouped_native++;
 		pthread_mutex_unlock(&lt->lock);
@@ -870,6 +977,10 @@ epj_status ej_cublaslt_gemm_grouped(epj_ctx *ctx, ej_cublaslt *lt, int n,
 	int live = 0;
 	bool native = lt->blas != NULL;
 	epj_status st = EPJ_OK;
+	unsigned grouped_refused;
+	pthread_mutex_lock(&lt->lock);
+	grouped_refused = lt->grouped_refused;
+	pthread_mutex_unlock(&lt->lock);
 	for (int i = 0; i < n && st == EPJ_OK; i++) {
 		st = validate(ctx, &g[i], &v[live]);
 		if (st != EPJ_OK) {
@@ -879,13 +990,15 @@ epj_status ej_cublaslt_gemm_grouped(epj_ctx *ctx, ej_cublaslt *lt, int n,
 		}
 		if (v[live].m == 0 || v[live].n == 0)
 			continue; /* an expert without tokens */
-		native = native && groupable(&v[live], &v[0]);
+		native = native && groupable(&v[live], &v[0]) &&
+			 !(grouped_refused & grouped_bit(v[live].ab_dtype));
 		live++;
 	}
 	if (st == EPJ_OK && live > 0) {
-		if (native) {
-			st = grouped_native(ctx, lt, live, v);
-		} else {
+		bool refused = false;
+		if (native)
+			st = grouped_native(ctx, lt, live, v, &refused);
+		if (!native || refused) {
 			for (int i = 0; i < live && st == EPJ_OK; i++)
 				st = gemm_one(ctx, lt, &v[i]);
 			pthread_mutex_lock(&lt->lock);

@@ -27,6 +27,11 @@
  *    beta, pointer alignment) is chosen once with
  *    cublasLtMatmulAlgoGetHeuristic and kept in the handle's table; later
  *    GEMMs of that shape reuse it (counted as cache hits).
+ *  - "No algorithm" (the heuristic returns none or answers
+ *    CUBLAS_STATUS_NOT_SUPPORTED, or cublasLtMatmul answers NOT_SUPPORTED)
+ *    is never a failure: the GEMM is EPJ_ERR_UNSUPPORTED for the caller to
+ *    run the template, counted in cublaslt.fallbacks, and the refusal is
+ *    kept in the table like an algorithm (that shape is not asked again).
  *  - Work is issued on the cuda device's compute stream; the workspace is
  *    one block from the caller's allocator, held by the handle.
  */
@@ -74,15 +79,17 @@ void ej_cublaslt_free(ej_cublaslt *lt);
 /* d = alpha op(a) op(b) + beta c + bias on the compute stream (not waited
  * for).  Bad shapes, strides or dtypes are refused before any library call
  * (EPJ_ERR_SHAPE / EPJ_ERR_DTYPE / EPJ_ERR_INVALID, naming the field); m or
- * n of 0 does nothing.  A problem the heuristic finds no algorithm for is
- * EPJ_ERR_UNSUPPORTED (the caller may run the template instead); a failing
- * library call is EPJ_ERR_BACKEND. */
+ * n of 0 does nothing.  A problem cuBLASLt has no algorithm for (see above)
+ * is EPJ_ERR_UNSUPPORTED, with nothing issued (the caller runs the
+ * template instead); any other failing library call is EPJ_ERR_BACKEND. */
 epj_status ej_cublaslt_gemm(epj_ctx *ctx, ej_cublaslt *lt, const ej_lt_gemm *g);
 
 /* n GEMMs (one per expert; each its own shape and pointers), issued as one
  * cublasGemmGroupedBatchedEx when libcublas has it and the GEMMs allow it
  * (no bias, c == d, a/b/c/d of one dtype, all with the same dtypes), else
- * one ej_cublaslt_gemm each.  GEMMs with m or n of 0 are skipped. */
+ * one ej_cublaslt_gemm each.  When the grouped call answers
+ * CUBLAS_STATUS_NOT_SUPPORTED, that call and every later one of its dtype
+ * run the loop instead.  GEMMs with m or n of 0 are skipped. */
 epj_status ej_cublaslt_gemm_grouped(epj_ctx *ctx, ej_cublaslt *lt, int n,
 				    const ej_lt_gemm *g);
 
@@ -90,7 +97,8 @@ typedef struct ej_cublaslt_stats {
 	int64_t gemms;		 /* cublasLtMatmul calls */
 	int64_t heuristic_calls; /* cublasLtMatmulAlgoGetHeuristic calls */
 	int64_t cache_hits;	 /* GEMMs that reused a cached algorithm */
-	int64_t cache_entries;	 /* shapes in the table */
+	int64_t cache_entries;	 /* shapes in the table (refused ones too) */
+	int64_t fallbacks;	 /* GEMMs with no algorithm */
 	int64_t grouped_native;	 /* cublasGemmGroupedBatchedEx calls */
 	int64_t grouped_looped;	 /* grouped calls run as a loop */
 	size_t workspace_bytes;

@@ -20,7 +20,14 @@
  *  - refusals before the library (bad strides, dtypes, shapes), the check
  *    macro's message, the stand-in's own refusals of bad layouts;
  *  - grouped expert GEMMs: one cublasGemmGroupedBatchedEx, or a loop when
- *    libcublas is off or a GEMM has a bias; empty experts skipped.
+ *    libcublas is off or a GEMM has a bias; empty experts skipped;
+ *  - "no algorithm" as a real GPU says it (FAKE_CUBLASLT_NOT_SUPPORTED):
+ *    CUBLAS_STATUS_NOT_SUPPORTED from the heuristic or from
+ *    cublasLtMatmul is EPJ_ERR_UNSUPPORTED with nothing issued, counted
+ *    (cublaslt.fallbacks) and remembered per shape, from the grouped GEMM
+ *    a loop; other statuses stay hard errors; and a cuda context whose
+ *    heuristic answers NOT_SUPPORTED trains a small MLP through the
+ *    template with the cpu context's numbers.
  */
 #include "check_util.h"
 
@@ -39,6 +46,7 @@ extern void ej_cublaslt_test_reset(void);
 typedef struct fake_lt_stats {
 	long long heuristics, matmuls, grouped, grouped_problems;
 	long long refused;
+	long long not_supported;
 	void *last_stream;
 	uint64_t last_m, last_n, last_k;
 	int last_transa, last_transb, last_epilogue;
@@ -109,6 +117,7 @@ static void env_close(env *e)
 	unsetenv("EPJIT_CUDA_DRIVER");
 	unsetenv("EPJIT_CUBLASLT_WORKSPACE_MB");
 	unsetenv("FAKE_CUBLASLT_FAIL");
+	unsetenv("FAKE_CUBLASLT_NOT_SUPPORTED");
 }
 
 static fake_lt_stats lstats(void)
@@ -662,6 +671,357 @@ START_TEST(test_lt_grouped)
 }
 END_TEST
 
+/* ---- "no algorithm": CUBLAS_STATUS_NOT_SUPPORTED -------------------------
+ * What a real GPU answers for a layout or type it has no kernel for. */
+
+/* One bf16 GEMM d[m,n] = a[m,k] . b[n,k]^T on fresh device matrices. */
+typedef struct plain {
+	mat a, b, d;
+	ej_lt_gemm g;
+} plain;
+
+static void plain_new(env *e, plain *p, int64_t m, int64_t n, int64_t k)
+{
+	mat_new(e, &p->a, m, k, 0, EPJ_DTYPE_BF16);
+	mat_new(e, &p->b, n, k, 0, EPJ_DTYPE_BF16);
+	mat_new(e, &p->d, m, n, 0, EPJ_DTYPE_BF16);
+	p->g = (ej_lt_gemm){ .m = m,
+			     .n = n,
+			     .k = k,
+			     .trans_b = true,
+			     .ab_dtype = EPJ_DTYPE_BF16,
+			     .cd_dtype = EPJ_DTYPE_BF16,
+			     .a = p->a.dev,
+			     .b = p->b.dev,
+			     .d = p->d.dev,
+			     .alpha = 1 };
+}
+
+static void plain_free(env *e, plain *p)
+{
+	mat_free(e, &p->a);
+	mat_free(e, &p->b);
+	mat_free(e, &p->d);
+}
+
+/* p's d on the device still holds its initial values: nothing ran. */
+static void plain_untouched(env *e, const plain *p)
+{
+	size_t bytes = (size_t)(p->d.rows * p->d.ld) * 2;
+	void *back = malloc(bytes);
+	e->vt->copy(e->vt->self, back, p->d.dev, bytes);
+	ck_assert_msg(memcmp(back, p->d.host, bytes) == 0,
+		      "a refused GEMM wrote its output");
+	free(back);
+}
+
+/* A GEMM answered "no algorithm": EPJ_ERR_UNSUPPORTED whose message says
+ * why (needle) and names the shape. */
+static void expect_no_algo(env *e, const plain *p, const char *needle)
+{
+	epj_status st = ej_cublaslt_gemm(e->ctx, e->lt, &p->g);
+	ck_assert_msg(st == EPJ_ERR_UNSUPPORTED, "status %d: %s", (int)st,
+		      epj_ctx_error(e->ctx));
+	char shape[96];
+	snprintf(shape, sizeof shape, "m=%lld n=%lld k=%lld", (long long)p->g.m,
+		 (long long)p->g.n, (long long)p->g.k);
+	const char *msg = epj_ctx_error(e->ctx);
+	ck_assert_msg(strstr(msg, "no algorithm") && strstr(msg, needle) &&
+			  strstr(msg, shape),
+		      "%s", msg);
+	epj_ctx_clear_error(e->ctx);
+	plain_untouched(e, p);
+}
+
+/* The handle: NOT_SUPPORTED from the heuristic, then from cublasLtMatmul,
+ * is "no algorithm" -- EPJ_ERR_UNSUPPORTED, no cublasLtMatmul run,
+ * counted, and remembered for the shape (not asked again, even once the
+ * library would answer); other shapes keep cuBLASLt; another status
+ * (INTERNAL_ERROR) stays a hard EPJ_ERR_BACKEND and is not remembered. */
+START_TEST(test_lt_not_supported)
+{
+	env e;
+	if (!env_open(&e, true))
+		return;
+	int64_t m = tu_randint(2, 30) | 1, n = tu_randint(2, 30) | 1,
+		k = tu_randint(3, 40) | 1;
+	plain p, q, r, h;
+	plain_new(&e, &p, m, n, k);
+	plain_new(&e, &q, m, n, k + 2);
+	plain_new(&e, &r, m, n, k + 4);
+	plain_new(&e, &h, m, n, k + 6);
+	fake_lt_stats s0 = lstats();
+	ej_cublaslt_stats st;
+
+	/* the heuristic: asked once, remembered */
+	setenv("FAKE_CUBLASLT_NOT_SUPPORTED", "cublasLtMatmulAlgoGetHeuristic",
+	       1);
+	for (int t = 0; t < 2; t++)
+		expect_no_algo(&e, &p,
+			       "cublasLtMatmulAlgoGetHeuristic answered "
+			       "CUBLAS_STATUS_NOT_SUPPORTED (15)");
+	fake_lt_stats s1 = lstats();
+	ck_assert_int_eq(s1.heuristics, s0.heuristics + 1);
+	ck_assert_int_eq(s1.not_supported, s0.not_supported + 1);
+	ck_assert_int_eq(s1.matmuls, s0.matmuls);
+	ej_cublaslt_stats_get(e.lt, &st);
+	ck_assert_int_eq(st.fallbacks, 2);
+	ck_assert_int_eq(st.heuristic_calls, 1);
+	ck_assert_int_eq(st.cache_entries, 1);
+	ck_assert_int_eq(st.cache_hits, 0);
+	ck_assert_int_eq(epj_counter_get(e.ctx, "cublaslt.fallbacks"), 2);
+	ck_assert_int_eq(epj_counter_get(e.ctx, "cublaslt.gemms"), 0);
+	/* the refusal is the handle's answer for that shape, as an algorithm
+	 * would be; another shape runs through cuBLASLt */
+	unsetenv("FAKE_CUBLASLT_NOT_SUPPORTED");
+	expect_no_algo(&e, &p, "(remembered)");
+	ck_assert_int_eq(lstats().heuristics, s0.heuristics + 1);
+	ck_assert_msg(ej_cublaslt_gemm(e.ctx, e.lt, &q.g) == EPJ_OK, "%s",
+		      epj_ctx_error(e.ctx));
+	check_result(&e, &q.g, &q.a, &q.b, NULL, NULL, &q.d, "other shape");
+	ck_assert_int_eq(lstats().matmuls, s0.matmuls + 1);
+
+	/* cublasLtMatmul itself: the algorithm's entry becomes a refusal */
+	setenv("FAKE_CUBLASLT_NOT_SUPPORTED", "cublasLtMatmul", 1);
+	for (int t = 0; t < 2; t++)
+		expect_no_algo(&e, &r,
+			       "cublasLtMatmul answered "
+			       "CUBLAS_STATUS_NOT_SUPPORTED (15)");
+	s1 = lstats();
+	ck_assert_int_eq(s1.heuristics, s0.heuristics + 3);
+	ck_assert_int_eq(s1.not_supported, s0.not_supported + 2);
+	ck_assert_int_eq(s1.matmuls, s0.matmuls + 1);
+	unsetenv("FAKE_CUBLASLT_NOT_SUPPORTED");
+	/* q's algorithm is still there: a cache hit with fresh numbers */
+	ck_assert_msg(ej_cublaslt_gemm(e.ctx, e.lt, &q.g) == EPJ_OK, "%s",
+		      epj_ctx_error(e.ctx));
+	check_result(&e, &q.g, &q.a, &q.b, NULL, NULL, &q.d, "hit");
+	ej_cublaslt_stats_get(e.lt, &st);
+	ck_assert_int_eq(st.fallbacks, 5);
+	ck_assert_int_eq(st.cache_entries, 3);
+	ck_assert_int_eq(st.cache_hits, 1);
+	ck_assert_int_eq(epj_counter_get(e.ctx, "cublaslt.fallbacks"), 5);
+
+	/* any other status stays a hard error, and is not remembered */
+	setenv("FAKE_CUBLASLT_FAIL", "cublasLtMatmulAlgoGetHeuristic", 1);
+	expect_error(e.ctx, ej_cublaslt_gemm(e.ctx, e.lt, &h.g),
+		     EPJ_ERR_BACKEND, "CUBLAS_STATUS_INTERNAL_ERROR (14)");
+	unsetenv("FAKE_CUBLASLT_FAIL");
+	ck_assert_msg(ej_cublaslt_gemm(e.ctx, e.lt, &h.g) == EPJ_OK, "%s",
+		      epj_ctx_error(e.ctx));
+	check_result(&e, &h.g, &h.a, &h.b, NULL, NULL, &h.d, "after a failure");
+	ej_cublaslt_stats_get(e.lt, &st);
+	ck_assert_int_eq(st.fallbacks, 5);
+	plain_free(&e, &p);
+	plain_free(&e, &q);
+	plain_free(&e, &r);
+	plain_free(&e, &h);
+	env_close(&e);
+}
+END_TEST
+
+/* The grouped GEMM answering NOT_SUPPORTED (a type combination it lacks):
+ * the call loops over single GEMMs with the right numbers, and later bf16
+ * calls loop without asking; f32 calls stay grouped. */
+START_TEST(test_lt_grouped_not_supported)
+{
+	env e;
+	if (!env_open(&e, true))
+		return;
+	int64_t N = tu_randint(3, 30) | 1, K = tu_randint(3, 40) | 1;
+	fake_lt_stats s0 = lstats();
+	for (int round = 0; round < 3; round++) {
+		/* rounds 0, 1: bf16 (the first refused); 2: f32 */
+		epj_dtype dt = round == 2 ? EPJ_DTYPE_F32 : EPJ_DTYPE_BF16;
+		if (round == 0)
+			setenv("FAKE_CUBLASLT_NOT_SUPPORTED",
+			       "cublasGemmGroupedBatchedEx", 1);
+		int ne = 4, live = 0;
+		mat x[4], w[4], y[4];
+		ej_lt_gemm g[4];
+		for (int i = 0; i < ne; i++) {
+			int64_t m = i == 2 ? 0 : tu_randint(1, 20);
+			live += m > 0;
+			mat_new(&e, &x[i], m, K, 0, dt);
+			mat_new(&e, &w[i], N, K, 0, dt);
+			mat_new(&e, &y[i], m, N, 0, dt);
+			g[i] = (ej_lt_gemm){ .m = m,
+					     .n = N,
+					     .k = K,
+					     .trans_b = true,
+					     .ab_dtype = dt,
+					     .cd_dtype = dt,
+					     .a = x[i].dev,
+					     .b = w[i].dev,
+					     .d = y[i].dev,
+					     .alpha = 1 };
+		}
+		fake_lt_stats a = lstats();
+		ck_assert_msg(ej_cublaslt_gemm_grouped(e.ctx, e.lt, ne, g) ==
+				  EPJ_OK,
+			      "%s", epj_ctx_error(e.ctx));
+		fake_lt_stats b = lstats();
+		if (round < 2) {
+			ck_assert_int_eq(b.grouped, a.grouped);
+			ck_assert_int_eq(b.matmuls, a.matmuls + live);
+		} else {
+			ck_assert_int_eq(b.grouped, a.grouped + 1);
+			ck_assert_int_eq(b.matmuls, a.matmuls);
+		}
+		for (int i = 0; i < ne; i++) {
+			if (g[i].m)
+				check_result(&e, &g[i], &x[i], &w[i], NULL,
+					     NULL, &y[i], "expert");
+			mat_free(&e, &x[i]);
+			mat_free(&e, &w[i]);
+			mat_free(&e, &y[i]);
+		}
+		unsetenv("FAKE_CUBLASLT_NOT_SUPPORTED");
+	}
+	ck_assert_int_eq(lstats().not_supported, s0.not_supported + 1);
+	ej_cublaslt_stats st;
+	ej_cublaslt_stats_get(e.lt, &st);
+	ck_assert_int_eq(st.grouped_looped, 2);
+	ck_assert_int_eq(st.grouped_native, 1);
+	ck_assert_int_eq(st.fallbacks, 0);
+	ck_assert_int_eq(epj_counter_get(e.ctx, "cublaslt.grouped_refused"), 1);
+	env_close(&e);
+}
+END_TEST
+
+/* The MLP step of test_lt_ctx_not_supported on ctx, from the cpu tensors
+ * in[5] (x [T,fin], w1 [hid,fin], b1 [hid], w2 [fout,hid], target
+ * [T,fout]):
+ *
+ *   loss = sum((linear(silu(linear(x, w1, b1)), w2) - target)^2)
+ *
+ * its backward and one SGD step (lr 0.001), then the loss again.  out[8]:
+ * loss, dw1, db1, dw2, the updated w1, b1, w2, the loss after. */
+enum { MLP_OUT = 8 };
+
+static epj_tensor *mlp_loss(epj_ctx *ctx, epj_tensor *x, epj_tensor *w1,
+			    epj_tensor *b1, epj_tensor *w2, epj_tensor *tgt)
+{
+	epj_tensor *l1 = epj_linear(ctx, x, w1, b1);
+	epj_tensor *h = epj_silu(ctx, l1);
+	epj_tensor *y = epj_linear(ctx, h, w2, NULL);
+	epj_tensor *dy = epj_sub(ctx, y, tgt);
+	epj_tensor *sq = epj_mul(ctx, dy, dy);
+	epj_tensor *loss = epj_sum_all(ctx, sq);
+	tu_ok(ctx, loss);
+	epj_tensor *fr[] = { l1, h, y, dy, sq };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(fr); i++)
+		epj_tensor_free(fr[i]);
+	return loss;
+}
+
+static void mlp_step(epj_ctx *ctx, epj_tensor *const *in, epj_tensor **out)
+{
+	epj_tensor *t[5];
+	for (int i = 0; i < 5; i++) {
+		t[i] = epj_tensor_from_data(
+		    ctx, EPJ_DTYPE_F32, epj_tensor_ndim(in[i]),
+		    epj_tensor_shape(in[i]), epj_tensor_data(in[i]));
+		tu_ok(ctx, t[i]);
+	}
+	for (int i = 1; i <= 3; i++)
+		epj_tensor_set_requires_grad(t[i], true);
+	out[0] = mlp_loss(ctx, t[0], t[1], t[2], t[3], t[4]);
+	ck_assert_msg(epj_backward(ctx, out[0], NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	epj_tensor *nw[3];
+	for (int i = 0; i < 3; i++) {
+		epj_tensor *gr = epj_tensor_grad(t[i + 1]);
+		tu_ok(ctx, gr);
+		out[1 + i] = epj_tensor_ref(gr);
+		epj_tensor *wd = epj_detach(ctx, t[i + 1]);
+		epj_tensor *st = epj_mul_scalar(ctx, gr, 0.001);
+		nw[i] = epj_sub(ctx, wd, st);
+		tu_ok(ctx, nw[i]);
+		out[4 + i] = epj_tensor_ref(nw[i]);
+		epj_tensor_free(wd);
+		epj_tensor_free(st);
+	}
+	out[7] = mlp_loss(ctx, t[0], nw[0], nw[1], nw[2], t[4]);
+	for (int i = 0; i < 3; i++)
+		epj_tensor_free(nw[i]);
+	for (int i = 0; i < 5; i++)
+		epj_tensor_free(t[i]);
+}
+
+/* A cuda context (the guarded stand-in driver) whose cuBLASLt heuristic
+ * answers CUBLAS_STATUS_NOT_SUPPORTED for every GEMM, as a real GPU does
+ * for layouts it has no kernel for: the forward, backward and SGD step of
+ * a small MLP run their GEMMs on the template, never fail, and give the
+ * cpu context's numbers; the fallback is counted. */
+START_TEST(test_lt_ctx_not_supported)
+{
+	char lt[4096];
+	if (!tu_fake_cuda_usable() ||
+	    !lib_path("libfakecublaslt.so", lt, sizeof lt)) {
+		fprintf(stderr, "check_cublaslt: stand-ins or NVRTC missing: "
+				"case skipped\n");
+		return;
+	}
+	epj_ctx *cpu = tu_ctx();
+	int64_t T = tu_randint(2, 9), fin = tu_randint(2, 12) | 1,
+		hid = tu_randint(2, 12) | 1, fout = tu_randint(2, 8) | 1;
+	int64_t sh[5][2] = {
+		{ T, fin }, { hid, fin }, { hid, 0 }, { fout, hid }, { T, fout }
+	};
+	epj_tensor *in[5];
+	for (int i = 0; i < 5; i++) {
+		in[i] = tu_randn(cpu, EPJ_DTYPE_F32, i == 2 ? 1 : 2, sh[i]);
+		tu_ok(cpu, in[i]);
+	}
+	epj_tensor *ref[MLP_OUT], *got[MLP_OUT];
+	mlp_step(cpu, in, ref);
+	/* the step moved the weights (the loss may rise: random weights of
+	 * std 1 can make even a small step overshoot) */
+	ck_assert_msg(epj_tensor_get_f64(ref[7], 0) !=
+			  epj_tensor_get_f64(ref[0], 0),
+		      "the step did not change the loss");
+
+	ej_cublaslt_test_reset();
+	setenv("EPJIT_CUBLASLT", lt, 1);
+	setenv("EPJIT_CUBLAS", lt, 1);
+	setenv("FAKE_CUBLASLT_NOT_SUPPORTED", "cublasLtMatmulAlgoGetHeuristic",
+	       1);
+	ck_assert(tu_fake_cuda_begin());
+	epj_ctx *g = NULL;
+	ck_assert_msg(epj_ctx_new("cuda", &g) == EPJ_OK && g,
+		      "epj_ctx_new(\"cuda\") on the fake driver failed");
+	mlp_step(g, in, got);
+	static const char *const what[MLP_OUT] = { "loss",     "dw1",
+						   "db1",      "dw2",
+						   "w1 after", "b1 after",
+						   "w2 after", "loss after" };
+	for (int i = 0; i < MLP_OUT; i++)
+		tu_assert_tensors_close(cpu, got[i], ref[i], 1e-4, 1e-4,
+					what[i]);
+	/* every GEMM was refused by the heuristic and ran the template */
+	ck_assert_int_gt(epj_counter_get(g, "cublaslt.fallbacks"), 0);
+	ck_assert_int_gt(epj_counter_get(g, "gemm.cublaslt_refused"), 0);
+	ck_assert_int_gt(epj_counter_get(g, "gemm.template"), 0);
+	ck_assert_int_eq(epj_counter_get(g, "gemm.cublaslt"), 0);
+	ck_assert_int_eq(epj_counter_get(g, "cublaslt.gemms"), 0);
+	ck_assert_int_eq(epj_counter_get(g, "kernels.eager_cpu_fallback"), 0);
+	for (int i = 0; i < MLP_OUT; i++) {
+		epj_tensor_free(got[i]);
+		epj_tensor_free(ref[i]);
+	}
+	for (int i = 0; i < 5; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(g);
+	epj_ctx_free(cpu);
+	tu_fake_cuda_end();
+	unsetenv("FAKE_CUBLASLT_NOT_SUPPORTED");
+	unsetenv("EPJIT_CUBLASLT");
+	unsetenv("EPJIT_CUBLAS");
+	ej_cublaslt_test_reset();
+}
+END_TEST
+
 Suite *make_cublaslt_suite(void)
 {
 	Suite *s = suite_create("cublaslt");
@@ -672,6 +1032,9 @@ Suite *make_cublaslt_suite(void)
 	tcase_add_test(tc, test_lt_cache);
 	tcase_add_test(tc, test_lt_refused);
 	tcase_add_loop_test(tc, test_lt_grouped, 0, 3);
+	tcase_add_test(tc, test_lt_not_supported);
+	tcase_add_test(tc, test_lt_grouped_not_supported);
+	tcase_add_test(tc, test_lt_ctx_not_supported);
 	suite_add_tcase(s, tc);
 	return s;
 }

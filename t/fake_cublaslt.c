@@ -27,7 +27,16 @@
  * FAKE_CUBLASLT_FAIL=<entry point> makes that call fail with
  * CUBLAS_STATUS_INTERNAL_ERROR; FAKE_CUBLASLT_NO_ALGO=1 makes the heuristic
  * find no algorithm (success, zero results), as for a problem the library
- * has no kernel for.  fake_cublaslt_stats_get reports the calls.
+ * has no kernel for.  FAKE_CUBLASLT_NOT_SUPPORTED=<entry point> makes one
+ * of the calls that document CUBLAS_STATUS_NOT_SUPPORTED answer it, after
+ * the argument checks and before any work, as a real GPU does for a
+ * layout or type it has no kernel for: cublasLtMatmulAlgoGetHeuristic ("no
+ * heuristic function available for current configuration"; counted as a
+ * heuristic call), cublasLtMatmul ("current implementation on selected
+ * device doesn't support configured operation") or
+ * cublasGemmGroupedBatchedEx (a type combination it lacks); the value is
+ * ignored by the other entry points.  fake_cublaslt_stats_get reports the
+ * calls (not_supported: the NOT_SUPPORTED answers).
  *
  * Under t/fake_cuda.c's guard (FAKE_CUDA_GUARD=1: "device" memory is
  * inaccessible outside driver calls) the computing entry points open the
@@ -97,7 +106,8 @@ typedef struct {
 /* what the test reads back */
 typedef struct fake_lt_stats {
 	long long heuristics, matmuls, grouped, grouped_problems;
-	long long refused; /* calls answered INVALID_VALUE */
+	long long refused;	 /* calls answered INVALID_VALUE */
+	long long not_supported; /* calls answered NOT_SUPPORTED */
 	void *last_stream;
 	uint64_t last_m, last_n, last_k; /* of the last matmul (column-major) */
 	int last_transa, last_transb, last_epilogue;
@@ -117,6 +127,16 @@ static bool failing(const char *name)
 	const char *f = getenv("FAKE_CUBLASLT_FAIL");
 	return f && !strcmp(f, name);
 }
+/* FAKE_CUBLASLT_NOT_SUPPORTED names name (one of the entry points that
+ * document NOT_SUPPORTED; see above): true, counted. */
+static bool unsupported(const char *name)
+{
+	const char *f = getenv("FAKE_CUBLASLT_NOT_SUPPORTED");
+	if (!f || strcmp(f, name))
+		return false;
+	S.not_supported++;
+	return true;
+}
 #define ENTER(name)                                                            \
 	do {                                                                   \
 		if (failing(name))                                             \
@@ -124,6 +144,14 @@ static bool failing(const char *name)
 	} while (0)
 
 /* The fake driver's guard (see above); a no-op without it. */
+/* The stand-in driver's count-only mode (FAKE_CUDA_COUNT_ONLY=1, see
+ * t/fake_cuda.c): calls are accepted and counted, nothing is computed. */
+static bool count_only(void)
+{
+	const char *v = getenv("FAKE_CUDA_COUNT_ONLY");
+	return v && !strcmp(v, "1");
+}
+
 static void device_access(int open)
 {
 	static void (*fn)(int);
@@ -518,6 +546,10 @@ int cublasLtMatmulAlgoGetHeuristic(void *h, void *op, void *la, void *lb,
 	if (req <= 0 || !res || !ret || !pr || pr->magic != MAGIC_PREF ||
 	    !problem_of(h, op, la, lb, lc, ld, &p))
 		return refuse();
+	if (unsupported("cublasLtMatmulAlgoGetHeuristic")) {
+		*ret = 0;
+		return S_NOT_SUPPORTED;
+	}
 	const char *na = getenv("FAKE_CUBLASLT_NO_ALGO");
 	if (na && !strcmp(na, "1")) {
 		*ret = 0;
@@ -573,6 +605,8 @@ int cublasLtMatmul(void *h, void *opd, const void *alpha, const void *A,
 		if (algo->data[6] > ws_size || (algo->data[6] && !ws))
 			return refuse();
 	}
+	if (unsupported("cublasLtMatmul"))
+		return S_NOT_SUPPORTED;
 	S.matmuls++;
 	S.last_stream = stream;
 	S.last_m = p.m;
@@ -585,6 +619,8 @@ int cublasLtMatmul(void *h, void *opd, const void *alpha, const void *A,
 	float al, be;
 	memcpy(&al, alpha, 4);
 	memcpy(&be, beta, 4);
+	if (count_only())
+		return S_OK; /* the driver's memory has no backing */
 	device_access(1);
 	int ta = p.a->type, td = p.d->type;
 	int bt = p.op->bias_type < 0 ? td : p.op->bias_type;
@@ -706,11 +742,15 @@ int cublasGemmGroupedBatchedEx(void *h, const int *transa, const int *transb,
 		    ldc[g] < (m[g] > 1 ? m[g] : 1))
 			return refuse();
 	}
+	if (unsupported("cublasGemmGroupedBatchedEx"))
+		return S_NOT_SUPPORTED;
 	S.grouped++;
 	S.last_stream = x->stream;
 	const float *al = alpha, *be = beta;
 	int t = atype;
 	int j = 0;
+	if (count_only())
+		return S_OK;
 	device_access(1);
 	for (int g = 0; g < groups; g++)
 		for (int s = 0; s < group_size[g]; s++, j++) {
