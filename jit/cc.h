@@ -81,6 +81,37 @@ void ej_nvrtc_cache_key(const char *source, const char *arch,
 /* Whether an NVRTC log reports a warning ("k.cu(3): warning #177-D: ..."). */
 bool ej_nvrtc_log_has_warning(const char *log);
 
+/* ---- ptxas resource report -----------------------------------------------
+ */
+
+/* The NVRTC option (for extra_opts) that has ptxas write its resource
+ * report into the program log, per function:
+ *   ptxas info    : Compiling entry function 'k' for 'sm_90'
+ *   ptxas info    : Function properties for k
+ *   ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes
+ *                       spill loads                       (one line)
+ *   ptxas info    : Used 40 registers, used 1 barriers, ...
+ * (and "Compile time" lines).  A cubin compile only: PTX output runs no
+ * ptxas. */
+#define EJ_NVRTC_OPT_PTXAS_REPORT "--ptxas-options=-v"
+
+/* What ptxas reports for one function. */
+typedef struct ej_ptxas_usage {
+	char name[128];	  /* as ptxas prints it (mangled unless extern "C") */
+	bool entry;	  /* a kernel ("Compiling entry function") */
+	int registers;	  /* -1 when the report gives none */
+	int stack;	  /* bytes of stack frame (local memory) per thread */
+	int spill_stores; /* bytes per thread */
+	int spill_loads;  /* bytes per thread */
+} ej_ptxas_usage;
+
+/* Parses the ptxas resource report of an NVRTC log (a compile with
+ * EJ_NVRTC_OPT_PTXAS_REPORT) into u[0..max), one entry per function in the
+ * order the report first names them; numbers the report leaves out stay
+ * -1 (registers) or 0.  Returns the number of functions, 0 for a log with
+ * no report (NULL ok), or -1 when there are more than max. */
+int ej_ptxas_report_parse(const char *log, ej_ptxas_usage *u, int max);
+
 /* ---- target arch list ----------------------------------------------------
  */
 

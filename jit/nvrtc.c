@@ -14,6 +14,10 @@
  * refused before compiling: NVRTC would only say "invalid value for
  * --gpu-architecture".
  *
+ * ptxas report.  With EJ_NVRTC_OPT_PTXAS_REPORT in the options the log
+ * carries ptxas's resource report (registers, stack frame, spills per
+ * kernel); ej_ptxas_report_parse reads it (t/check_ptxas.c).
+ *
  * Errors.  Every NVRTC call goes through NVRTC_CHECK, which on failure
  * records the statement, file:line, nvrtcGetErrorString(), writes the source
  * (and the full log) to files named in the message, and appends the program
@@ -159,6 +163,74 @@ bool ej_nvrtc_log_has_warning(const char *log)
 		line = nl + 1;
 	}
 	return false;
+}
+
+/* The entry of function name[0..len) in u[0..*n), added (registers -1)
+ * when new; NULL when u is full. */
+static ej_ptxas_usage *ptxas_fn(ej_ptxas_usage *u, int *n, int max,
+				const char *name, size_t len)
+{
+	if (len >= sizeof u->name)
+		len = sizeof u->name - 1;
+	for (int i = 0; i < *n; i++)
+		if (strncmp(u[i].name, name, len) == 0 && u[i].name[len] == 0)
+			return &u[i];
+	if (*n == max)
+		return NULL;
+	ej_ptxas_usage *f = &u[(*n)++];
+	memset(f, 0, sizeof *f);
+	memcpy(f->name, name, len);
+	f->registers = -1;
+	return f;
+}
+
+int ej_ptxas_report_parse(const char *log, ej_ptxas_usage *u, int max)
+{
+	static const char entry[] = "Compiling entry function '";
+	static const char props[] = "Function properties for ";
+	int n = 0;
+	ej_ptxas_usage *cur = NULL;
+	for (const char *line = log; line && *line;) {
+		const char *nl = strchr(line, '\n');
+		size_t len = nl ? (size_t)(nl - line) : strlen(line);
+		/* one line at a time, NUL-terminated (report lines are
+		 * short); the stack line starts "ptxas         ." in NVRTC's
+		 * log and with blanks in ptxas's own output */
+		char buf[512];
+		if (len >= sizeof buf)
+			len = sizeof buf - 1;
+		memcpy(buf, line, len);
+		buf[len] = '\0';
+		line = nl ? nl + 1 : line + len;
+		const char *p;
+		int a, b, c;
+		if ((p = strstr(buf, entry)) != NULL) {
+			p += sizeof entry - 1;
+			const char *q = strchr(p, '\'');
+			cur = ptxas_fn(u, &n, max, p,
+				       q ? (size_t)(q - p) : strlen(p));
+			if (!cur)
+				return -1;
+			cur->entry = true;
+		} else if ((p = strstr(buf, props)) != NULL) {
+			p += sizeof props - 1;
+			cur = ptxas_fn(u, &n, max, p, strcspn(p, " \t\r"));
+			if (!cur)
+				return -1;
+		} else if (cur && (p = strstr(buf, "Used ")) != NULL &&
+			   sscanf(p, "Used %d registers", &a) == 1) {
+			cur->registers = a;
+		} else if (cur && (p = strpbrk(buf, "0123456789")) != NULL &&
+			   sscanf(p,
+				  "%d bytes stack frame, %d bytes spill "
+				  "stores, %d bytes spill loads",
+				  &a, &b, &c) == 3) {
+			cur->stack = a;
+			cur->spill_stores = b;
+			cur->spill_loads = c;
+		}
+	}
+	return n;
 }
 
 void ej_nvrtc_result_free(ej_nvrtc_result *r)

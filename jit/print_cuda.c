@@ -12,11 +12,14 @@
  * (pointers to element 0, strides in elements per access and iteration
  * dim, as the C backend's st[]), launched with ej_cuda_launch_dims().
  *
- * Index math is 32-bit (int) when the space and every input have fewer than
- * 2^31 elements, else 64-bit.  Contract for the launcher: in 32-bit mode
- * every access's largest element offset must fit in an int (true for any
- * input whose shape fits unless it is a view into a larger storage: such an
- * input is made contiguous first).
+ * Index math is 32-bit (int) when no index a loop computes can pass
+ * INT32_MAX, else 64-bit (idx_64bit): every input has fewer than 2^31 - 1
+ * elements, and the space's element count plus the widest grid stride
+ * (CU_MAX_STRIDE; a loop index steps past its bound by one stride before
+ * the test ends the loop) is at most 2^31.  Contract for the launcher: in
+ * 32-bit mode every access's largest element offset must fit in an int
+ * (true for any input whose shape fits unless it is a view into a larger
+ * storage: such an input is made contiguous first).
  *
  * Pointwise kernels: grid-stride over units of V consecutive columns of a
  * row (V = 16 bytes / the widest element read or written by column, so the
@@ -43,6 +46,11 @@
 
 #define CU_PW_TPB   256
 #define CU_MAX_GRID 65535u
+/* The widest step a grid-stride loop adds to its index: pointwise units
+ * step by gridDim.x * blockDim.x <= CU_MAX_GRID * CU_PW_TPB (launchers only
+ * ever lower the grid of ej_cuda_launch_dims), rows by gridDim.x and
+ * columns by blockDim.x, both smaller. */
+#define CU_MAX_STRIDE ((int64_t)CU_MAX_GRID * CU_PW_TPB)
 
 const char *ej_prelude_cuda(void)
 {
@@ -426,15 +434,25 @@ static void print_rows(cu *c)
 	ej_kpr_line(&c->p, "}");
 }
 
+/* Whether kernel k needs 64-bit index math.  Each loop index stays below
+ * its bound (units, rows or columns: at most numel) until it steps past it
+ * by one grid stride, so 32-bit math needs numel - 1 + CU_MAX_STRIDE <=
+ * INT32_MAX; offsets into an input stay below its element count. */
+static bool idx_64bit(const ej_kernel *k)
+{
+	bool big = k->numel > (int64_t)INT32_MAX + 1 - CU_MAX_STRIDE;
+	for (int i = 0; i < k->n_in; i++)
+		big |= ej_numel(k->in[i].ndim, k->in[i].shape) >= INT32_MAX;
+	return big;
+}
+
 static void print_kernel(ej_sbuf *s, const ej_kernel *k)
 {
 	cu c;
 	ej_kpr_init(&c.p, s, k);
 	c.p.literal = literal;
 	c.p.constant = constant;
-	bool big = k->numel >= INT32_MAX;
-	for (int i = 0; i < k->n_in; i++)
-		big |= ej_numel(k->in[i].ndim, k->in[i].shape) >= INT32_MAX;
+	bool big = idx_64bit(k);
 	c.idx = big ? "long long" : "int";
 	c.lanes = vec_lanes(k);
 	unsigned grid[3], block[3];

@@ -1102,6 +1102,81 @@ START_TEST(test_special)
 }
 END_TEST
 
+/* The CUDA C of a one-node graph, op applied to one f32 input of shape
+ * [rows, cols], as ej_print_cuda prints it; malloc'ed. */
+static char *one_op_cuda(int op, int64_t rows, int64_t cols)
+{
+	int64_t shape[2] = { rows, cols };
+	ej_graph *g = ej_graph_new("index width");
+	int x = ej_graph_add_input(g, EJ_IN_ACT, 0, EPJ_DTYPE_F32, 2, shape);
+	ej_meta m;
+	memset(&m, 0, sizeof m);
+	m.dtype = EPJ_DTYPE_F32;
+	m.ndim = 2;
+	memcpy(m.shape, shape, sizeof shape);
+	ej_attrs a = { 0 };
+	if (op == EJ_OP_SOFTMAX) {
+		a.i[0] = 1; /* the last dim: a row kernel */
+		a.n_i = 1;
+	}
+	int n = ej_graph_add_node(g, op, &a, &x, 1, &m, 1);
+	ej_graph_add_output(g, g->nodes[n].out[0]);
+	ej_arena *A = ej_arena_new();
+	ej_schedule *s = ej_sched_build(A, g);
+	ck_assert_int_eq(s->n_kernels, 1);
+	ck_assert_int_eq(s->kernels[0]->numel, rows * cols);
+	char *src = strdup(ej_print_cuda(A, s, "index_width"));
+	ck_assert_ptr_nonnull(src);
+	ej_arena_free(A);
+	ej_graph_free(g);
+	return src;
+}
+
+/* op over [rows, cols] prints 64-bit (wide) or 32-bit index math, in its
+ * comment and in its grid-stride loop. */
+static void assert_index_width(int op, int64_t rows, int64_t cols, bool wide)
+{
+	char *src = one_op_cuda(op, rows, cols);
+	const char *ty = wide ? "long long" : "int";
+	char want[96];
+	if (op == EJ_OP_SOFTMAX)
+		snprintf(want, sizeof want, "for (%s row = blockIdx.x;", ty);
+	else
+		snprintf(want, sizeof want, "for (%s u = (%s)blockIdx.x", ty,
+			 ty);
+	/* the kernel after the prelude, short enough for Check's message */
+	const char *kern = strstr(src, "\n/* kernel 0:");
+	ck_assert_msg(strstr(src, wide ? "64-bit indices" : "32-bit indices") &&
+			  strstr(src, want),
+		      "%s over [%lld, %lld]: expected %s index math "
+		      "(\"%s\"):%.700s",
+		      op == EJ_OP_SOFTMAX ? "softmax" : "neg", (long long)rows,
+		      (long long)cols, wide ? "64-bit" : "32-bit", want,
+		      kern ? kern : src);
+	free(src);
+}
+
+/* 32-bit index math only where no grid-stride loop index can pass
+ * INT32_MAX: a loop index reaches its bound minus one plus a whole grid
+ * stride (up to 65535 blocks of 256 threads) before the test ends the loop.
+ * So 2^31 - 2 elements need 64-bit indices: a pointwise kernel of rows of 3
+ * (scalar: one unit per element, u < 2^31 - 2) and a row kernel of
+ * 2^31 - 2 rows of 1 (row < 2^31 - 2) would step an int past INT32_MAX,
+ * wrap negative and run on out of bounds.  numel + the widest stride = 2^31
+ * is the largest 32-bit space.  Prints only: nothing is allocated. */
+START_TEST(test_index_width)
+{
+	const int64_t stride = 65535LL * 256, edge = (1LL << 31) - stride;
+	assert_index_width(EJ_OP_NEG, (INT32_MAX - 1) / 3, 3, true);
+	assert_index_width(EJ_OP_SOFTMAX, INT32_MAX - 1, 1, true);
+	assert_index_width(EJ_OP_NEG, edge + 1, 1, true);
+	assert_index_width(EJ_OP_NEG, edge, 1, false);
+	assert_index_width(EJ_OP_SOFTMAX, edge, 1, false);
+	assert_index_width(EJ_OP_NEG, 5, 7, false);
+	assert_index_width(EJ_OP_NEG, (int64_t)INT32_MAX + 5, 1, true);
+}
+END_TEST
+
 Suite *make_codegen_suite(void)
 {
 	Suite *s = suite_create("codegen");
@@ -1120,6 +1195,7 @@ Suite *make_codegen_suite(void)
 	tcase_add_test(tc, test_cache_hit);
 	tcase_add_test(tc, test_large);
 	tcase_add_test(tc, test_special);
+	tcase_add_test(tc, test_index_width);
 	suite_add_tcase(s, tc);
 	return s;
 }

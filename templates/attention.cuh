@@ -88,6 +88,26 @@ typedef float ej_at_el;
 #define EJ_AT_KPW 4			 /* keys per warp (dkdv) */
 #define EJ_AT_BKB (EJ_AT_NW * EJ_AT_KPW) /* keys per block (dkdv) */
 
+/* Registers.  The per-thread arrays (m, l, lse, di, acc, dk, dv: rows rr,
+ * keys kk, head-dim slots c) stay in registers only when every index is
+ * known at compile time: each loop over them has a constant trip count, no
+ * break (a bound that depends on the data is a predicate on the body) and
+ * EJ_AT_UNROLL.  Left to itself ptxas keeps the row and key loops, whose
+ * bodies hold loops of their own, rolled, and the arrays live in local
+ * memory (96-256 byte stack frames at head dim 128).  EJ_AT_MINB blocks per
+ * SM in the launch bounds give ptxas a budget of 65536 / (4 * 128) = 128
+ * registers a thread, at head dim 128 about what the shared memory (up to
+ * 48 KiB a block) allows anyway; without it ptxas aims lower and spills
+ * (dkdv at head dim 32: 64 registers and 32 bytes of spills).  The
+ * "ptxas" check suite (t/check_ptxas.c) fails on any stack frame or
+ * spill. */
+#define EJ_AT_MINB 4
+#ifdef EJ_CUDA_SIM
+#define EJ_AT_UNROLL
+#else
+#define EJ_AT_UNROLL _Pragma("unroll")
+#endif
+
 /* One argument struct for the three kernels (jit/tmpl_attention.c mirrors
  * it).  Strides are in elements; unused members are NULL / 0. */
 struct ej_attn_args {
@@ -165,7 +185,7 @@ EJ_D void ej_at_stage(ej_at_acc *sh, int ld, const void *p, const long long *st,
 	}
 }
 
-extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
     ej_attn_fwd(const struct ej_attn_args a)
 {
 	const int D = a.d, DV = a.dv, BK = a.bk;
@@ -182,9 +202,11 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	ej_at_stage(qs, D, a.q, a.qs, b, h, i0, EJ_AT_BQ, a.t, D,
 		    (ej_at_acc)a.scale);
 	ej_at_acc m[EJ_AT_RPW], l[EJ_AT_RPW], acc[EJ_AT_RPW][EJ_ATTN_DL];
+	EJ_AT_UNROLL
 	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 		m[rr] = ninf;
 		l[rr] = 0;
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++)
 			acc[rr][c] = 0;
 	}
@@ -195,6 +217,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 		ej_at_stage(ks, D + 1, a.k, a.ks, b, g, k0, BK, a.s, D, 1);
 		ej_at_stage(vs, DV, a.v, a.vs, b, g, k0, BK, a.s, DV, 1);
 		__syncthreads();
+		EJ_AT_UNROLL
 		for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 			int r = w * EJ_AT_RPW + rr;
 			int ke = ej_at_kend(a, i0 + r) - k0; /* in the tile */
@@ -223,24 +246,27 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 			__syncwarp();
 			int nk = ke < BK ? ke : BK;
 			const ej_at_acc *pr = ps + r * BK;
+			EJ_AT_UNROLL
 			for (int c = 0; c < EJ_ATTN_DL; c++) {
 				int d = lane + 32 * c;
-				if (d >= DV)
-					break;
-				ej_at_acc x = acc[rr][c] * alpha;
-				for (int j = 0; j < nk; j++)
-					x += pr[j] * vs[j * DV + d];
-				acc[rr][c] = x;
+				if (d < DV) {
+					ej_at_acc x = acc[rr][c] * alpha;
+					for (int j = 0; j < nk; j++)
+						x += pr[j] * vs[j * DV + d];
+					acc[rr][c] = x;
+				}
 			}
 		}
 	}
+	EJ_AT_UNROLL
 	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 		int i = i0 + w * EJ_AT_RPW + rr;
 		if (i >= a.t)
-			break;
+			continue; /* no break: see EJ_AT_UNROLL */
 		long long row = (long long)bh * a.t + i;
 		bool any = l[rr] > 0;
 		ej_at_acc inv = any ? (ej_at_acc)1 / l[rr] : (ej_at_acc)0;
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++) {
 			int d = lane + 32 * c;
 			if (d < DV)
@@ -253,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	}
 }
 
-extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
     ej_attn_bwd_dq(const struct ej_attn_args a)
 {
 	const int D = a.d, DV = a.dv, BK = a.bk;
@@ -273,6 +299,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	__syncthreads();
 	/* per row: lse, Di = rowsum(dO * O) (written for ej_attn_bwd_dkdv) */
 	ej_at_acc lse[EJ_AT_RPW], di[EJ_AT_RPW], acc[EJ_AT_RPW][EJ_ATTN_DL];
+	EJ_AT_UNROLL
 	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 		int r = w * EJ_AT_RPW + rr, i = i0 + r;
 		ej_at_acc part = 0;
@@ -290,6 +317,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 		di[rr] = ej_at_wsum(part);
 		if (i < a.t && lane == 0)
 			((ej_at_acc *)a.di)[(long long)bh * a.t + i] = di[rr];
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++)
 			acc[rr][c] = 0;
 	}
@@ -300,6 +328,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 		ej_at_stage(ks, D + 1, a.k, a.ks, b, g, k0, BK, a.s, D, 1);
 		ej_at_stage(vs, DV + 1, a.v, a.vs, b, g, k0, BK, a.s, DV, 1);
 		__syncthreads();
+		EJ_AT_UNROLL
 		for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 			int r = w * EJ_AT_RPW + rr;
 			int ke = ej_at_kend(a, i0 + r) - k0;
@@ -321,22 +350,26 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 			__syncwarp();
 			int nk = ke < BK ? ke : BK;
 			const ej_at_acc *dr = dss + r * BK;
+			EJ_AT_UNROLL
 			for (int c = 0; c < EJ_ATTN_DL; c++) {
 				int d = lane + 32 * c;
-				if (d >= D)
-					break;
-				ej_at_acc x = acc[rr][c];
-				for (int j = 0; j < nk; j++)
-					x += dr[j] * ks[j * (D + 1) + d];
-				acc[rr][c] = x;
+				if (d < D) {
+					ej_at_acc x = acc[rr][c];
+					for (int j = 0; j < nk; j++)
+						x +=
+						    dr[j] * ks[j * (D + 1) + d];
+					acc[rr][c] = x;
+				}
 			}
 		}
 	}
+	EJ_AT_UNROLL
 	for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 		int i = i0 + w * EJ_AT_RPW + rr;
 		if (i >= a.t)
-			break;
+			continue; /* no break: see EJ_AT_UNROLL */
 		long long row = (long long)bh * a.t + i;
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++) {
 			int d = lane + 32 * c;
 			if (d < D)
@@ -346,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	}
 }
 
-extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
     ej_attn_bwd_dkdv(const struct ej_attn_args a)
 {
 	const int D = a.d, DV = a.dv, BQ = a.bq, BK = EJ_AT_BKB;
@@ -366,9 +399,12 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	ej_at_stage(ks, D + 1, a.k, a.ks, b, g, j0, BK, a.s, D, 1);
 	ej_at_stage(vs, DV + 1, a.v, a.vs, b, g, j0, BK, a.s, DV, 1);
 	ej_at_acc dk[EJ_AT_KPW][EJ_ATTN_DL], dv[EJ_AT_KPW][EJ_ATTN_DL];
-	for (int kk = 0; kk < EJ_AT_KPW; kk++)
+	EJ_AT_UNROLL
+	for (int kk = 0; kk < EJ_AT_KPW; kk++) {
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++)
 			dk[kk][c] = dv[kk][c] = 0;
+	}
 	/* the first query that sees key j0 */
 	int imin = a.causal ? j0 - (a.s - a.t) : 0;
 	if (imin < 0)
@@ -420,8 +456,10 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 			}
 			__syncthreads();
 			int nr = a.t - q0 < BQ ? a.t - q0 : BQ;
+			EJ_AT_UNROLL
 			for (int kk = 0; kk < EJ_AT_KPW; kk++) {
 				int jj = w * EJ_AT_KPW + kk;
+				EJ_AT_UNROLL
 				for (int c = 0; c < EJ_ATTN_DL; c++) {
 					int d = lane + 32 * c;
 					ej_at_acc xv = dv[kk][c],
@@ -444,11 +482,13 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 			}
 		}
 	}
+	EJ_AT_UNROLL
 	for (int kk = 0; kk < EJ_AT_KPW; kk++) {
 		int j = j0 + w * EJ_AT_KPW + kk;
 		if (j >= a.s)
-			break;
+			continue; /* no break: see EJ_AT_UNROLL */
 		long long row = (long long)bg * a.s + j;
+		EJ_AT_UNROLL
 		for (int c = 0; c < EJ_ATTN_DL; c++) {
 			int d = lane + 32 * c;
 			if (d < D)

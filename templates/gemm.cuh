@@ -49,6 +49,14 @@
  * columns load zeros and skip only their stores), and every output element
  * is written by one thread in a fixed order, so results are deterministic.
  */
+
+/* Full unrolling of the loops over per-thread accumulator arrays (NVRTC;
+ * cuda-sim's host compiler needs no hint). */
+#ifdef EJ_CUDA_SIM
+#define EJ_GEMM_UNROLL
+#else
+#define EJ_GEMM_UNROLL _Pragma("unroll")
+#endif
 #ifndef EJ_GEMM_ACT_NONE
 #define EJ_GEMM_ACT_NONE 0
 #define EJ_GEMM_ACT_SILU 1
@@ -289,8 +297,13 @@ extern "C" __global__ void __launch_bounds__(EJ_GB_THREADS)
 		__syncthreads();
 	}
 
+	/* unrolled: acc indexed at compile time stays in registers (a
+	 * rolled loop puts it in a stack frame; t/check_ptxas.c) */
+	EJ_GEMM_UNROLL
 	for (int x = 0; x < 2; x++)
+		EJ_GEMM_UNROLL
 		for (int y = 0; y < 4; y++)
+			EJ_GEMM_UNROLL
 			for (int i = 0; i < 4; i++) {
 				long long row = j.m0 + wm + x * 16 + g +
 						8 * (i >> 1);
@@ -367,7 +380,9 @@ __device__ __forceinline__ void ej_gemm_simt(const struct ej_gemm_args &p,
 		}
 		__syncthreads();
 	}
+	EJ_GEMM_UNROLL
 	for (int x = 0; x < 2; x++)
+		EJ_GEMM_UNROLL
 		for (int y = 0; y < 2; y++) {
 			long long row = j.m0 + ty + 16 * x;
 			long long col = n0 + tx + 16 * y;
