@@ -60,6 +60,16 @@ typedef struct bopts {
 	    child; /* --child: only measure compile_cost of --model, print it */
 } bopts;
 
+/* The census of a device with a driver (cuda): what reached the driver
+ * per steady-state step, summed over each arm's own steps (the arms share
+ * the process's driver, so totals would mix them). */
+#define N_DRV 7
+static const char *const DRV_NAME[N_DRV] = {
+	"cuda.launches",  "cuda.graph_launches", "cuda.mem_alloc",
+	"cuda.mem_free",  "cuda.syncs",		 "cuda.bytes.h2d",
+	"cuda.bytes.d2h",
+};
+
 typedef struct arm {
 	const char *name;
 	epj_ctx *ctx;
@@ -71,6 +81,9 @@ typedef struct arm {
 	int64_t compiled0, compiled1; /* kernels.launched.compiled */
 	epj_memory_stats mem;
 	epj_counters *prof0, *prof; /* EPJIT_PROFILE: the measured window */
+	bool census;		    /* sum the driver counters (below) */
+	int64_t drv[N_DRV];	    /* their sums over the measured steps */
+	int64_t d2d;
 } arm;
 
 static double clock_ms(clockid_t id)
@@ -331,6 +344,10 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 {
 	int64_t B = epj_engine_micro_batch_size(a->eng);
 	int64_t gas = epj_engine_grad_accum_steps(a->eng);
+	int64_t d0[N_DRV + 1];
+	for (int i = 0; i < N_DRV; i++)
+		d0[i] = epj_counter_get(a->ctx, DRV_NAME[i]);
+	d0[N_DRV] = epj_counter_get(a->ctx, "cuda.bytes.d2d");
 	double w0 = clock_ms(CLOCK_MONOTONIC),
 	       c0 = clock_ms(CLOCK_PROCESS_CPUTIME_ID);
 	for (int64_t k = 0; k < gas; k++) {
@@ -348,6 +365,12 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 	}
 	*wall = clock_ms(CLOCK_MONOTONIC) - w0;
 	*cpu = clock_ms(CLOCK_PROCESS_CPUTIME_ID) - c0;
+	if (a->census) {
+		for (int i = 0; i < N_DRV; i++)
+			a->drv[i] +=
+			    epj_counter_get(a->ctx, DRV_NAME[i]) - d0[i];
+		a->d2d += epj_counter_get(a->ctx, "cuda.bytes.d2d") - d0[N_DRV];
+	}
 	return 0;
 }
 
@@ -567,6 +590,39 @@ static int run(const bopts *op)
 	return arms(&o);
 }
 
+/* The driver census (a cuda device): per steady-state step, eager and
+ * compiled side by side, as the seed's Nsight census counts a step; peak
+ * device memory is each arm's own allocator's peak reservation (its
+ * context's memory.peak_reserved), which on a cuda context is device
+ * memory.  Nothing on devices without a driver. */
+static void census(const arm *e, const arm *c, const bopts *o)
+{
+	if (!epj_counter_get(e->ctx, "cuda.launches") &&
+	    !epj_counter_get(e->ctx, "cuda.mem_alloc"))
+		return;
+	double d = (double)o->steps;
+	static const char *const label[N_DRV] = {
+		"driver launches / step", "graph launches / step",
+		"driver allocs / step",	  "driver frees / step",
+		"host syncs / step",	  "H2D bytes / step",
+		"D2H bytes / step",
+	};
+	printf("driver census, per step (%ld steps each, layers %ld):\n",
+	       o->steps, o->layers);
+	for (int i = 0; i < N_DRV; i++) {
+		double x = (double)e->drv[i] / d, y = (double)c->drv[i] / d;
+		printf("%-26s %14.0f %14.0f %8.3f\n", label[i], x, y,
+		       x > 0 ? y / x : 0.0);
+	}
+	double x = (double)e->d2d / d, y = (double)c->d2d / d;
+	printf("%-26s %14.0f %14.0f %8.3f\n", "D2D bytes / step", x, y,
+	       x > 0 ? y / x : 0.0);
+	double pe = (double)e->mem.peak_reserved / 1048576.0,
+	       pc = (double)c->mem.peak_reserved / 1048576.0;
+	printf("%-26s %14.1f %14.1f %8.3f\n", "peak device MiB", pe, pc,
+	       pe > 0 ? pc / pe : 0.0);
+}
+
 /* The two arms, side by side. */
 static int arms(const bopts *op)
 {
@@ -583,6 +639,7 @@ static int arms(const bopts *op)
 			goto out;
 	epj_memory_reset_peaks(e.ctx);
 	epj_memory_reset_peaks(c.ctx);
+	e.census = c.census = true;
 	e.launches0 = launches(e.ctx);
 	c.launches0 = launches(c.ctx);
 	c.compiled0 = epj_counter_get(c.ctx, "kernels.launched.compiled");
@@ -632,6 +689,7 @@ static int arms(const bopts *op)
 	       (double)e.mem.peak_reserved / 1048576.0,
 	       (double)c.mem.peak_reserved / 1048576.0,
 	       (double)c.mem.peak_reserved / (double)e.mem.peak_reserved);
+	census(&e, &c, &o);
 	int64_t frames = epj_counter_get(c.ctx, "frames.total") - frames0;
 	printf("frames compiled in the measured window: %" PRId64 "\n", frames);
 	print_profile(&e, &c, o.steps);

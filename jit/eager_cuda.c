@@ -957,7 +957,8 @@ static epj_status eg_full(epj_ctx *ctx, ej_call *c)
 
 /* Every value of index input `input` in [0, limit), or EPJ_ERR_INDEX with
  * the CPU kernels' message: read in place on cuda-sim (host memory), from
- * a host copy of the index on cuda. */
+ * the host copy its maker pinned (ej_index_pin: the routing the AutoEP
+ * layer built on the host), else from a host copy of the index on cuda. */
 static epj_status check_index(epj_ctx *ctx, const ej_call *c, int input,
 			      int64_t limit, const char *what)
 {
@@ -968,7 +969,12 @@ static epj_status check_index(epj_ctx *ctx, const ej_call *c, int input,
 	const char *base = ej_data(t);
 	bool i64 = t->dtype == EPJ_DTYPE_I64;
 	char *copy = NULL;
-	if (!ctx->dev->host_visible) {
+	const int64_t *pin = ej_index_pinned(ctx, t);
+	if (pin) {
+		/* i64 values of a dense t: its strides index them too */
+		base = (const char *)pin;
+		i64 = true;
+	} else if (!ctx->dev->host_visible) {
 		/* the span the index covers, element 0 first */
 		int64_t last = 0;
 		for (int d = 0; d < t->ndim; d++)

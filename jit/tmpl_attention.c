@@ -3,13 +3,15 @@
  * registers) and the tile sizes that fit the shared memory, and launches
  *
  *   forward:  ej_attn_fwd                  -> out, lse
- *   backward: ej_attn_bwd_dq   -> dq, di   (di = rowsum(dO * O), scratch)
+ *   backward: ej_attn_bwd_dq   -> dq, di   (di = rowsum(dO * O), scratch
+ *                                           from the context's allocator)
  *             ej_attn_bwd_dkdv -> dk, dv   (reads di)
  *
  * The eager adapters of SDPA and SDPA_BACKWARD validate a call with the op
  * table's own shape inference and hand the tensors' strides to the kernels.
  */
 #include "tmpl_attention.h"
+#include "tmpl_moe.h" /* ej_tmpl_scratch_alloc */
 
 #include <limits.h>
 #include <math.h>
@@ -243,13 +245,12 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 	a.grad_v = dv;
 	void *di = NULL;
 	if (rows > 0) {
-		di = dev->alloc(dev->self, (size_t)rows * es);
+		/* the context's caching allocator (no cuMemAlloc/cuMemFree
+		 * per layer and step) */
+		di = ej_tmpl_scratch_alloc(ctx, dev, (size_t)rows * es,
+					   "attention backward: row sums");
 		if (!di)
-			return ej_error(ctx, EPJ_ERR_NOMEM,
-					"attention backward: out of device "
-					"memory for %lld x %zu bytes of "
-					"row sums",
-					(long long)rows, es);
+			return EPJ_ERR_NOMEM;
 		a.di = di;
 		/* dq and di: one block per 16 queries of a (b, h) */
 		a.bk = pick_tile(smem_dq, m, es);
@@ -290,8 +291,7 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 		};
 		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv", &l);
 	}
-	if (di)
-		dev->free(dev->self, di);
+	ej_tmpl_scratch_free(ctx, dev, di);
 	return st;
 }
 

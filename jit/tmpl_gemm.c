@@ -344,11 +344,17 @@ typedef struct gsel {
 	ej_cublaslt *lt;
 	gsel_entry *tab;
 	int n_tab, cap_tab;
+	/* host copies of index tensors (ej_index_pin) */
+	struct counts_pin *pins;
+	int n_pins, cap_pins;
 } gsel;
+
+static void pins_free(gsel *s);
 
 static void gsel_free(void *p)
 {
 	gsel *s = p;
+	pins_free(s);
 	if (s->lt)
 		ej_cublaslt_free(s->lt);
 	if (s->ws)
@@ -879,8 +885,109 @@ epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
 
 /* ---- expert GEMMs (lib/ops_moe.c's semantics) ---------------------------- */
 
+/* Pinned index values.  Every grouped GEMM needs its group counts on the
+ * host; reading them from the device is a stream synchronization, and the
+ * AutoEP layer runs three grouped GEMMs forward, three dgrad and three
+ * wgrad ones backward and three more per checkpoint replay, all over one
+ * counts tensor that it built from host values.  The layer pins that
+ * tensor (ej_index_pin) with the values it was built from; a GEMM over a
+ * pinned tensor takes them from here instead of the device, and the eager
+ * index ops (jit/eager_cuda.c) validate a pinned index from here.
+ *
+ * An entry is keyed by the storage, element offset and element count of a
+ * dense tensor (autograd saves its inputs as aliases: same storage, new
+ * tensor struct; a dense view of the same elements reads the same values
+ * in the same order) and holds a reference on the storage, so a storage
+ * cannot be freed and its address reused by another tensor while pinned:
+ * a new tensor always misses.  Only a tensor nobody else can write may be
+ * pinned (the layer's own, never handed out), so the values cannot change
+ * in place either.  An entry whose storage only the table still holds can
+ * never be looked up again and is dropped at the next pin. */
+typedef struct counts_pin {
+	ej_storage *storage; /* referenced */
+	int64_t offset, n;   /* elements */
+	int64_t *v;	     /* n values */
+} counts_pin;
+
+static void pin_drop(counts_pin *p)
+{
+	ej_storage_unref(p->storage);
+	free(p->v);
+}
+
+static void pins_free(gsel *s)
+{
+	for (int i = 0; i < s->n_pins; i++)
+		pin_drop(&s->pins[i]);
+	free(s->pins);
+	s->pins = NULL;
+	s->n_pins = s->cap_pins = 0;
+}
+
+static bool pinnable(const epj_tensor *t)
+{
+	return t && t->storage &&
+	       (t->dtype == EPJ_DTYPE_I64 || t->dtype == EPJ_DTYPE_I32) &&
+	       ej_is_contiguous(t);
+}
+
+static bool pin_matches(const counts_pin *p, const epj_tensor *t)
+{
+	return pinnable(t) && t->storage == p->storage &&
+	       t->offset == p->offset && ej_numel(t->ndim, t->shape) == p->n;
+}
+
+epj_status ej_index_pin(epj_ctx *ctx, const epj_tensor *t, const int64_t *v)
+{
+	if (!ej_dev_runs_cuda(ctx->dev) || !pinnable(t))
+		return EPJ_OK; /* not pinned: readers read the device */
+	gsel *s = gsel_get(ctx);
+	if (!s)
+		return epj_ctx_status(ctx);
+	int j = 0; /* sweep: keep entries someone else still holds */
+	for (int i = 0; i < s->n_pins; i++) {
+		if (s->pins[i].storage->refcount > 1)
+			s->pins[j++] = s->pins[i];
+		else
+			pin_drop(&s->pins[i]);
+	}
+	s->n_pins = j;
+	for (int i = 0; i < s->n_pins; i++)
+		if (pin_matches(&s->pins[i], t))
+			return EPJ_OK; /* pinned already: same elements */
+	if (s->n_pins == s->cap_pins) {
+		int cap = s->cap_pins ? 2 * s->cap_pins : 16;
+		counts_pin *np = realloc(s->pins, sizeof *np * (size_t)cap);
+		if (!np)
+			return ej_error(ctx, EPJ_ERR_NOMEM,
+					"gemm: out of memory");
+		s->pins = np;
+		s->cap_pins = cap;
+	}
+	int64_t n = ej_numel(t->ndim, t->shape);
+	int64_t *c = malloc(sizeof *c * (size_t)(n > 0 ? n : 1));
+	if (!c)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
+	memcpy(c, v, sizeof *c * (size_t)n);
+	ej_storage_ref(t->storage);
+	s->pins[s->n_pins++] = (counts_pin){
+		.storage = t->storage, .offset = t->offset, .n = n, .v = c
+	};
+	return EPJ_OK;
+}
+
+const int64_t *ej_index_pinned(const epj_ctx *ctx, const epj_tensor *t)
+{
+	const gsel *s = ctx->gemm_sel;
+	for (int i = 0; s && i < s->n_pins; i++)
+		if (pin_matches(&s->pins[i], t))
+			return s->pins[i].v;
+	return NULL;
+}
+
 /* The group counts of input `input` (any device) on the host, each >= 0,
- * summing to rows. */
+ * summing to rows: pinned values (ej_index_pin), else read from the device (a
+ * stream synchronization on cuda). */
 static epj_status read_counts(epj_ctx *ctx, const ej_call *c, int input,
 			      int64_t rows, int64_t **out)
 {
@@ -889,12 +996,13 @@ static epj_status read_counts(epj_ctx *ctx, const ej_call *c, int input,
 	double *v = malloc(sizeof *v * (size_t)(G > 0 ? G : 1));
 	int64_t *cnt = malloc(sizeof *cnt * (size_t)(G > 0 ? G : 1));
 	epj_status st = EPJ_OK;
+	const int64_t *pin = ej_index_pinned(ctx, t);
 	if (!v || !cnt)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "gemm: out of memory");
-	else
+	else if (!pin)
 		st = epj_tensor_to_f64(ctx, t, v);
 	for (int64_t g = 0; g < G && st == EPJ_OK; g++) {
-		cnt[g] = (int64_t)v[g];
+		cnt[g] = pin ? pin[g] : (int64_t)v[g];
 		if (cnt[g] < 0)
 			st = ej_op_error(ctx, c, EPJ_ERR_INVALID,
 					 "group count %lld of group %lld",

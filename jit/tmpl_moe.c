@@ -42,6 +42,8 @@ static const ej_tmpl_kernel embed_kernels[] = {
 };
 static const ej_tmpl_kernel optim_kernels[] = {
 	{ "ej_optim_step", "struct ej_optim_args" },
+	{ "ej_optim_sumsq", "struct ej_optim_sumsq_args" },
+	{ "ej_optim_sumsq_total", "struct ej_optim_sumsq_args" },
 };
 
 #define NK(a) ((int)(sizeof(a) / sizeof((a)[0])))
@@ -124,22 +126,48 @@ static epj_status launch(epj_ctx *ctx, ej_tmpl *m, const char *k, unsigned grid,
 	return ej_tmpl_launch(ctx, m, k, &l);
 }
 
+/* ---- scratch (tmpl_moe.h) ------------------------------------------------ */
+
+/* ctx's allocator hands out memory that dev's kernels address. */
+static bool ctx_memory_p(const epj_ctx *ctx, const ej_device *dev)
+{
+	const ej_device *c = ctx->dev;
+	return c == dev || strcmp(c->name, dev->name) == 0 ||
+	       (c->host_visible && dev->host_visible);
+}
+
+void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
+			    const char *what)
+{
+	if (!bytes)
+		bytes = 1;
+	void *p = ctx_memory_p(ctx, dev) ? ej_alloc(ctx->alloc, bytes)
+					 : dev->alloc(dev->self, bytes);
+	if (!p)
+		ej_error(ctx, EPJ_ERR_NOMEM,
+			 "%s: out of %s memory for %zu bytes of scratch", what,
+			 dev->name, bytes);
+	return p;
+}
+
+void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p)
+{
+	if (!p)
+		return;
+	if (ctx_memory_p(ctx, dev))
+		ej_dealloc(ctx->alloc, p);
+	else
+		dev->free(dev->self, p);
+}
+
 /* scratch on the module's device; NULL with an error */
 static void *dev_alloc(epj_ctx *ctx, ej_tmpl *m, size_t bytes, const char *w)
 {
-	const ej_device *d = ej_tmpl_device(m);
-	void *p = d->alloc(d->self, bytes ? bytes : 1);
-	if (!p)
-		ej_error(ctx, EPJ_ERR_NOMEM,
-			 "%s: out of device memory for %zu bytes of scratch", w,
-			 bytes);
-	return p;
+	return ej_tmpl_scratch_alloc(ctx, ej_tmpl_device(m), bytes, w);
 }
-static void dev_free(ej_tmpl *m, void *p)
+static void dev_free(epj_ctx *ctx, ej_tmpl *m, void *p)
 {
-	const ej_device *d = ej_tmpl_device(m);
-	if (p)
-		d->free(d->self, p);
+	ej_tmpl_scratch_free(ctx, ej_tmpl_device(m), p);
 }
 
 /* ---- MoE ---------------------------------------------------------------- */
@@ -223,7 +251,7 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 			       out_of(order, n, 8), out_of(pos, n, 8) };
 	st =
 	    launch(ctx, m, "ej_moe_sort", 1, T, &a, sizeof a, o, n > 0 ? 4 : 2);
-	dev_free(m, scratch);
+	dev_free(ctx, m, scratch);
 	return st;
 }
 
@@ -549,7 +577,7 @@ epj_status ej_tmpl_cross_entropy(epj_ctx *ctx, const char *device,
 				       out_of(a.cnt, 1, 8) };
 		st = launch(ctx, m, "ej_ce_reduce", 1, 256, &a, sizeof a, o, 2);
 	}
-	dev_free(m, s);
+	dev_free(ctx, m, s);
 	return st;
 }
 
@@ -582,7 +610,7 @@ epj_status ej_tmpl_cross_entropy_backward(epj_ctx *ctx, const char *device,
 		st = launch(ctx, m, "ej_ce_bwd", clamp_grid(N), row_threads(V),
 			    &a, sizeof a, &o, 1);
 	}
-	dev_free(m, cnt);
+	dev_free(ctx, m, cnt);
 	return st;
 }
 
@@ -612,6 +640,24 @@ struct optim_args {
 	double b1, omb1, b2, omb2, eps, l2, decay;
 	double step_size, bc2_sqrt;
 };
+
+/* Bytes of n descriptors followed by `items` work items. */
+static size_t optim_table_bytes(int n, int64_t items)
+{
+	return sizeof(struct optim_tensor) * (size_t)n +
+	       sizeof(struct optim_item) * (size_t)items;
+}
+
+/* The work items of tensor i (len elements) from hi[q]; the next q. */
+static int64_t optim_items(struct optim_item *hi, int64_t q, int i, int64_t len)
+{
+	for (int64_t f = 0; f < len; f += OPTIM_CHUNK) {
+		hi[q].tensor = i;
+		hi[q].first = f;
+		q++;
+	}
+	return q;
+}
 
 epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 			      const ej_tmpl_optim *o,
@@ -661,14 +707,20 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 		return st;
 	const ej_device *d = ej_tmpl_device(m);
 	const bool sim = strcmp(device, "cuda-sim") == 0;
-	struct optim_tensor *ht = calloc((size_t)n, sizeof *ht);
-	struct optim_item *hi = calloc((size_t)items, sizeof *hi);
+	/* device: descriptors, items (staged on the host in the same layout
+	 * and sent in one copy), then (cuda-sim) the input snapshots */
+	struct optim_tensor *ht = NULL;
+	struct optim_item *hi = NULL;
+	size_t dbytes = optim_table_bytes(n, items);
+	char *hbuf = calloc(1, dbytes);
 	ej_launch_out *outs = sim ? calloc((size_t)n * 4, sizeof *outs) : NULL;
-	/* device: descriptors, items, then (cuda-sim) the input snapshots */
-	size_t dbytes = sizeof *ht * (size_t)n + sizeof *hi * (size_t)items;
 	size_t snap = sim ? sizeof(float) * (size_t)total * 3 : 0;
 	char *dmem = NULL;
-	if (!ht || !hi || (sim && !outs)) {
+	if (hbuf) {
+		ht = (struct optim_tensor *)hbuf;
+		hi = (struct optim_item *)(hbuf + sizeof *ht * (size_t)n);
+	}
+	if (!hbuf || (sim && !outs)) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM,
 			      "optimizer step: out of memory");
 		goto done;
@@ -711,15 +763,9 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 				    out_of(s->model, s->n,
 					   ej_dtype_size(o->model_dtype));
 		}
-		for (int64_t f = 0; f < s->n; f += OPTIM_CHUNK) {
-			hi[q].tensor = i;
-			hi[q].first = f;
-			q++;
-		}
+		q = optim_items(hi, q, i, s->n);
 	}
-	d->copy(d->self, dmem, ht, sizeof *ht * (size_t)n);
-	d->copy(d->self, dmem + sizeof *ht * (size_t)n, hi,
-		sizeof *hi * (size_t)items);
+	d->copy(d->self, dmem, hbuf, dbytes);
 	struct optim_args a = { 0 };
 	a.t = (const struct optim_tensor *)dmem;
 	a.items = (const struct optim_item *)(dmem + sizeof *ht * (size_t)n);
@@ -747,10 +793,106 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 	st = launch(ctx, m, "ej_optim_step", (unsigned)items, 256, &a, sizeof a,
 		    outs, n_out);
 done:
-	dev_free(m, dmem);
-	free(ht);
-	free(hi);
+	dev_free(ctx, m, dmem);
+	free(hbuf);
 	free(outs);
+	return st;
+}
+
+struct optim_sumsq_args {
+	const struct optim_tensor *t;
+	const struct optim_item *items;
+	long long chunk;
+	int gdt;
+	long long n_items;
+	double *partial;
+	double *out;
+};
+
+epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
+			       epj_dtype grad_dtype,
+			       const ej_tmpl_optim_span *s, int n, double *ss)
+{
+	*ss = 0;
+	if (grad_dtype != EPJ_DTYPE_F32 && grad_dtype != EPJ_DTYPE_BF16)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"gradient norm: gradient %s: expected f32 or "
+				"bf16",
+				epj_dtype_name(grad_dtype));
+	if (n < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gradient norm: %d tensors", n);
+	int64_t items = 0;
+	for (int i = 0; i < n; i++) {
+		if (s[i].n < 0 || (s[i].n > 0 && !s[i].grad))
+			return ej_error(ctx, EPJ_ERR_INVALID,
+					"gradient norm: tensor %d: %lld "
+					"elements, grad %p",
+					i, (long long)s[i].n, s[i].grad);
+		items += (s[i].n + OPTIM_CHUNK - 1) / OPTIM_CHUNK;
+	}
+	if (items == 0)
+		return EPJ_OK;
+	if (items > 0x7fffffff)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gradient norm: %lld blocks of %d elements "
+				"exceed one launch",
+				(long long)items, OPTIM_CHUNK);
+	ej_tmpl *m;
+	epj_status st = ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
+				    NK(optim_kernels), &m);
+	if (st != EPJ_OK)
+		return st;
+	const ej_device *d = ej_tmpl_device(m);
+	/* device: descriptors, items, partial sums [items], the sum [1] */
+	size_t tbytes = optim_table_bytes(n, items);
+	char *hbuf = calloc(1, tbytes);
+	char *dmem = NULL;
+	if (!hbuf) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM,
+			      "gradient norm: out of memory");
+		goto done;
+	}
+	dmem = dev_alloc(ctx, m, tbytes + sizeof(double) * (size_t)(items + 1),
+			 "gradient norm");
+	if (!dmem) {
+		st = EPJ_ERR_NOMEM;
+		goto done;
+	}
+	struct optim_tensor *ht = (struct optim_tensor *)hbuf;
+	struct optim_item *hi =
+	    (struct optim_item *)(hbuf + sizeof *ht * (size_t)n);
+	int64_t q = 0;
+	for (int i = 0; i < n; i++) {
+		ht[i].grad = s[i].grad;
+		ht[i].n = s[i].n;
+		q = optim_items(hi, q, i, s[i].n);
+	}
+	d->copy(d->self, dmem, hbuf, tbytes);
+	struct optim_sumsq_args a = {
+		.t = (const struct optim_tensor *)dmem,
+		.items =
+		    (const struct optim_item *)(dmem + sizeof *ht * (size_t)n),
+		.chunk = OPTIM_CHUNK,
+		.gdt = dcode(grad_dtype),
+		.n_items = items,
+		.partial = (double *)(dmem + tbytes),
+		.out = (double *)(dmem + tbytes) + items,
+	};
+	ej_launch_out op = out_of(a.partial, items, 8);
+	st = launch(ctx, m, "ej_optim_sumsq", (unsigned)items, 256, &a,
+		    sizeof a, &op, 1);
+	if (st == EPJ_OK) {
+		ej_launch_out oo = out_of(a.out, 1, 8);
+		st = launch(ctx, m, "ej_optim_sumsq_total", 1, 256, &a,
+			    sizeof a, &oo, 1);
+	}
+	if (st == EPJ_OK) /* the one value that comes back (a synchronous
+			     copy: the kernels are done) */
+		d->copy(d->self, ss, a.out, sizeof *ss);
+done:
+	dev_free(ctx, m, dmem);
+	free(hbuf);
 	return st;
 }
 
@@ -823,7 +965,8 @@ static epj_status index_upload(epj_ctx *ctx, const ej_call *c, int input,
 	}
 	free(raw);
 	if (st == EPJ_OK) {
-		*dev = d->alloc(d->self, sizeof *v * (size_t)n);
+		/* the context's caching allocator: no driver call per step */
+		*dev = ej_alloc(ctx->alloc, sizeof *v * (size_t)n);
 		if (*dev)
 			d->copy(d->self, *dev, v, sizeof *v * (size_t)n);
 		else
@@ -838,8 +981,7 @@ static epj_status index_upload(epj_ctx *ctx, const ej_call *c, int input,
 
 static void dev_release(epj_ctx *ctx, void *p)
 {
-	if (p)
-		ctx->dev->free(ctx->dev->self, p);
+	ej_dealloc(ctx->alloc, p); /* NULL ok */
 }
 
 /* t [*, D] as rows of D: the row stride when the leading dims collapse into

@@ -22,6 +22,23 @@
 /* The most slots per token the router kernel takes. */
 #define EJ_TMPL_MOE_MAX_K 32
 
+/* ---- scratch of the template host APIs ---------------------------------- */
+
+/* Scratch buffers that a template launch needs on dev, the device of its
+ * module (ej_tmpl_device): from ctx's caching allocator when ctx's memory
+ * is dev's memory (the same device name, or both host memory), so that a
+ * training step reuses cached blocks and never reaches the driver's
+ * allocation (cuMemAlloc / cuMemFree, which synchronizes the whole
+ * device); the device's own alloc otherwise (a context of another device
+ * driving templates directly: tests).  A freed block goes back to the
+ * cache at once: the next user of the block is ordered after the kernels
+ * that read it by the one compute stream.  alloc: NULL with an
+ * EPJ_ERR_NOMEM error naming `what`; free takes the same ctx and dev (NULL
+ * ok). */
+void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
+			    const char *what);
+void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p);
+
 /* ---- MoE (templates/moe.cuh) ------------------------------------------- */
 
 /* Router: logits [N, E] (f32, bf16 or f64; element strides sl0, sl1) ->
@@ -137,10 +154,27 @@ typedef struct ej_tmpl_optim {
 } ej_tmpl_optim;
 
 /* One launch updates all n tensors t[0..n): SGD or Adam/AdamW with
- * runtime/optim.c's formulas (same bits on cuda-sim). */
+ * runtime/optim.c's formulas (same bits on cuda-sim).  Its descriptors go
+ * to the device in one copy; its scratch comes from ctx's allocator. */
 epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 			      const ej_tmpl_optim *o,
 			      const ej_tmpl_optim_tensor *t, int n);
+
+/* n gradient spans on the device: n elements (f32 or bf16) from grad. */
+typedef struct ej_tmpl_optim_span {
+	const void *grad;
+	int64_t n;
+} ej_tmpl_optim_span;
+
+/* *ss = the sum of the squares of every element of s[0..n), in double:
+ * one partial sum per 2048-element chunk, then the partials in order (two
+ * launches, a fixed order: the same value for any block order).  The sum
+ * is the one value copied back to the host (8 bytes; the copy waits for
+ * the kernels).  It differs from runtime/optim.c's chunked CPU sum by
+ * rounding only.  *ss = 0 for no elements. */
+epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
+			       epj_dtype grad_dtype,
+			       const ej_tmpl_optim_span *s, int n, double *ss);
 
 /* ---- eager adapters (op table) ----------------------------------------- */
 

@@ -391,6 +391,8 @@ void epj_memory_reset_peaks(epj_ctx *ctx)
 {
 	if (ctx && ctx->alloc)
 		ej_allocator_reset_peaks(ctx->alloc);
+	if (ctx && ctx->dev && ctx->dev->reset_peaks)
+		ctx->dev->reset_peaks(ctx->dev->self);
 }
 
 void epj_memory_empty_cache(epj_ctx *ctx)

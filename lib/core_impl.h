@@ -71,6 +71,23 @@ char *ej_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);
 
 struct ej_launch;
 
+/* What reached a device's driver (the cuda device: lib/device_cuda.c),
+ * counted where every driver call goes through, so that a real GPU and the
+ * stand-in driver give the same numbers.  Cumulative for the process (one
+ * driver per process); peak_reserved since the last reset_peaks.  Reported
+ * as "<device name>.<counter>" counters (doc/counters.md). */
+typedef struct ej_dev_counters {
+	int64_t launches;	/* kernel launches (cuLaunchKernel) */
+	int64_t graph_launches; /* CUDA graph replays (cuGraphLaunch) */
+	int64_t mem_alloc;	/* device allocations (cuMemAlloc) */
+	int64_t mem_free;	/* device frees (cuMemFree) */
+	/* calls that block the host until the device catches up: stream,
+	 * event and context synchronizations, blocking copies, frees */
+	int64_t syncs;
+	int64_t bytes_h2d, bytes_d2h, bytes_d2d; /* copies issued */
+	int64_t reserved, peak_reserved; /* bytes held from cuMemAlloc */
+} ej_dev_counters;
+
 /* One backend's memory and execution primitives.  Members marked optional may
  * be NULL.  `self` is passed back to every call. */
 typedef struct ej_device {
@@ -107,6 +124,9 @@ typedef struct ej_device {
 	 * the device's report in ctx. */
 	epj_status (*launch)(void *self, epj_ctx *ctx, void *fn,
 			     const char *kernel, const struct ej_launch *l);
+	/* Optional: the driver counts (above), and their peak reset. */
+	void (*counters)(void *self, ej_dev_counters *out);
+	void (*reset_peaks)(void *self);
 } ej_device;
 
 /* One launch (the host launch code of the cuda devices, jit/launch_cuda.c,

@@ -9,7 +9,9 @@
  *
  * A snapshot (epj_counters) is an immutable copy: an array of (name, value)
  * sorted by name, owning its name strings.  Snapshots add memory.* from the
- * allocator, which wins over a live counter of the same name.
+ * allocator and, on a device with a driver (cuda), <device>.* from the
+ * driver's counts (ej_dev_counters), which win over a live counter of the
+ * same name; epj_counter_get reads those too.
  *
  * Threading: one context = one thread, like the allocator.
  */
@@ -149,9 +151,55 @@ void epj_counter_set(epj_ctx *ctx, const char *name, int64_t value)
 	*ej_counter_slot(ctx, name) = value;
 }
 
+/* The driver counters of ctx's device (ej_dev_counters) as (name, value)
+ * pairs "<device>.<counter>"; the number written (0 when the device keeps
+ * none).  names must hold EJ_DEV_COUNTERS entries of 64 bytes. */
+#define EJ_DEV_COUNTERS 10
+static int dev_counters(const epj_ctx *ctx, char names[][64], int64_t *values)
+{
+	const ej_device *d = ctx ? ctx->dev : NULL;
+	if (!d || !d->counters)
+		return 0;
+	ej_dev_counters c;
+	d->counters(d->self, &c);
+	const struct {
+		const char *name;
+		int64_t v;
+	} f[EJ_DEV_COUNTERS] = {
+		{ "launches", c.launches },
+		{ "graph_launches", c.graph_launches },
+		{ "mem_alloc", c.mem_alloc },
+		{ "mem_free", c.mem_free },
+		{ "syncs", c.syncs },
+		{ "bytes.h2d", c.bytes_h2d },
+		{ "bytes.d2h", c.bytes_d2h },
+		{ "bytes.d2d", c.bytes_d2d },
+		{ "reserved", c.reserved },
+		{ "peak_reserved", c.peak_reserved },
+	};
+	for (int i = 0; i < EJ_DEV_COUNTERS; i++) {
+		snprintf(names[i], 64, "%s.%s", d->name, f[i].name);
+		values[i] = f[i].v;
+	}
+	return EJ_DEV_COUNTERS;
+}
+
 int64_t epj_counter_get(const epj_ctx *ctx, const char *name)
 {
-	if (!ctx || !ctx->counters || !name)
+	if (!ctx || !name)
+		return 0;
+	if (ctx->dev && ctx->dev->counters) {
+		size_t n = strlen(ctx->dev->name);
+		if (!strncmp(name, ctx->dev->name, n) && name[n] == '.') {
+			char names[EJ_DEV_COUNTERS][64];
+			int64_t v[EJ_DEV_COUNTERS];
+			int k = dev_counters(ctx, names, v);
+			for (int i = 0; i < k; i++)
+				if (!strcmp(names[i], name))
+					return v[i];
+		}
+	}
+	if (!ctx->counters)
 		return 0;
 	int i = table_find(ctx->counters, name);
 	return i >= 0 ? ctx->counters->v[i]->value : 0;
@@ -273,6 +321,12 @@ epj_counters *epj_counters_snapshot(epj_ctx *ctx)
 	};
 	for (size_t i = 0; i < EJ_ARRAY_LEN(mem); i++)
 		if (!counters_push(c, mem[i].name, (int64_t)mem[i].v))
+			goto oom;
+	char dn[EJ_DEV_COUNTERS][64];
+	int64_t dv[EJ_DEV_COUNTERS];
+	int nd = dev_counters(ctx, dn, dv);
+	for (int i = 0; i < nd; i++)
+		if (!counters_push(c, dn[i], dv[i]))
 			goto oom;
 	counters_sort_unique(c);
 	return c;

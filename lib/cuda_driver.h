@@ -49,69 +49,77 @@ typedef struct ej_CUgraphExec_st *ej_CUgraphExec;
 #define EJ_CU_CAPTURE_MODE_THREAD_LOCAL	    1
 #define EJ_CU_MEMHOSTALLOC_PORTABLE	    1
 
+/* The oldest driver epjit loads: the CUDA 13 toolkit's NVRTC output,
+ * cuBLASLt and NCCL need an R580 or newer driver (API version 13000). */
+#define EJ_CUDA_MIN_DRIVER 13000
+
 /* Dynamic shared memory above this needs the opt-in function attribute. */
 #define EJ_CUDA_SMEM_DEFAULT_MAX (48 * 1024)
 
-/* The entry points, with the API version each is requested at
- * (cuGetProcAddress returns the implementation current at that version:
- * cuMemAlloc at 12000 is cuMemAlloc_v2).  X(name, version, return, args). */
+/* The entry points, each with the API version of the prototype declared
+ * here, as cudaTypedefs.h names it (PFN_<name>_v<version>), and requested
+ * at exactly that version: cuGetProcAddress returns the implementation of
+ * the newest prototype at or below the version asked for, so asking at the
+ * driver's own version would hand back another signature where one changed
+ * (cuCtxSynchronize takes a context from 13000; the 3-argument
+ * cuGraphInstantiate is cuGraphInstantiateWithFlags, 11040; cuMemAlloc at
+ * 2000 takes a 32-bit size).  X(name, version, args). */
 #define EJ_CUDA_ENTRY_POINTS(X)                                                \
-	X(cuInit, 12000, (unsigned flags))                                     \
-	X(cuDriverGetVersion, 12000, (int *version))                           \
-	X(cuDeviceGetCount, 12000, (int *count))                               \
-	X(cuDeviceGet, 12000, (ej_CUdevice * dev, int ordinal))                \
-	X(cuDeviceGetName, 12000, (char *name, int len, ej_CUdevice dev))      \
-	X(cuDeviceGetAttribute, 12000,                                         \
+	X(cuInit, 2000, (unsigned flags))                                      \
+	X(cuDriverGetVersion, 2020, (int *version))                            \
+	X(cuDeviceGetCount, 2000, (int *count))                                \
+	X(cuDeviceGet, 2000, (ej_CUdevice * dev, int ordinal))                 \
+	X(cuDeviceGetName, 2000, (char *name, int len, ej_CUdevice dev))       \
+	X(cuDeviceGetAttribute, 2000,                                          \
 	  (int *value, int attrib, ej_CUdevice dev))                           \
-	X(cuDeviceTotalMem, 12000, (size_t * bytes, ej_CUdevice dev))          \
-	X(cuDevicePrimaryCtxRetain, 12000,                                     \
+	X(cuDeviceTotalMem, 3020, (size_t * bytes, ej_CUdevice dev))           \
+	X(cuDevicePrimaryCtxRetain, 7000,                                      \
 	  (ej_CUcontext * ctx, ej_CUdevice dev))                               \
-	X(cuDevicePrimaryCtxRelease, 12000, (ej_CUdevice dev))                 \
-	X(cuCtxSetCurrent, 12000, (ej_CUcontext ctx))                          \
-	X(cuCtxSynchronize, 12000, (void))                                     \
-	X(cuMemAlloc, 12000, (ej_CUdeviceptr * dptr, size_t bytes))            \
-	X(cuMemFree, 12000, (ej_CUdeviceptr dptr))                             \
-	X(cuMemGetInfo, 12000, (size_t * free_bytes, size_t * total))          \
-	X(cuMemHostAlloc, 12000, (void **p, size_t bytes, unsigned flags))     \
-	X(cuMemFreeHost, 12000, (void *p))                                     \
-	X(cuMemcpy, 12000,                                                     \
+	X(cuDevicePrimaryCtxRelease, 11000, (ej_CUdevice dev))                 \
+	X(cuCtxSetCurrent, 4000, (ej_CUcontext ctx))                           \
+	X(cuCtxSynchronize, 2000, (void))                                      \
+	X(cuMemAlloc, 3020, (ej_CUdeviceptr * dptr, size_t bytes))             \
+	X(cuMemFree, 3020, (ej_CUdeviceptr dptr))                              \
+	X(cuMemGetInfo, 3020, (size_t * free_bytes, size_t * total))           \
+	X(cuMemHostAlloc, 2020, (void **p, size_t bytes, unsigned flags))      \
+	X(cuMemFreeHost, 2000, (void *p))                                      \
+	X(cuMemcpy, 4000,                                                      \
 	  (ej_CUdeviceptr dst, ej_CUdeviceptr src, size_t bytes))              \
-	X(cuMemcpyAsync, 12000,                                                \
+	X(cuMemcpyAsync, 4000,                                                 \
 	  (ej_CUdeviceptr dst, ej_CUdeviceptr src, size_t bytes,               \
 	   ej_CUstream stream))                                                \
-	X(cuMemsetD8Async, 12000,                                              \
+	X(cuMemsetD8Async, 3020,                                               \
 	  (ej_CUdeviceptr dst, unsigned char value, size_t n,                  \
 	   ej_CUstream stream))                                                \
-	X(cuModuleLoadData, 12000, (ej_CUmodule * mod, const void *image))     \
-	X(cuModuleUnload, 12000, (ej_CUmodule mod))                            \
-	X(cuModuleGetFunction, 12000,                                          \
+	X(cuModuleLoadData, 2000, (ej_CUmodule * mod, const void *image))      \
+	X(cuModuleUnload, 2000, (ej_CUmodule mod))                             \
+	X(cuModuleGetFunction, 2000,                                           \
 	  (ej_CUfunction * fn, ej_CUmodule mod, const char *name))             \
-	X(cuFuncSetAttribute, 12000,                                           \
-	  (ej_CUfunction fn, int attrib, int value))                           \
-	X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 12000,                  \
+	X(cuFuncSetAttribute, 9000, (ej_CUfunction fn, int attrib, int value)) \
+	X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050,                   \
 	  (int *blocks, ej_CUfunction fn, int block_size, size_t smem))        \
-	X(cuLaunchKernel, 12000,                                               \
+	X(cuLaunchKernel, 4000,                                                \
 	  (ej_CUfunction fn, unsigned gx, unsigned gy, unsigned gz,            \
 	   unsigned bx, unsigned by, unsigned bz, unsigned smem,               \
 	   ej_CUstream stream, void **params, void **extra))                   \
-	X(cuStreamCreate, 12000, (ej_CUstream * stream, unsigned flags))       \
-	X(cuStreamDestroy, 12000, (ej_CUstream stream))                        \
-	X(cuStreamSynchronize, 12000, (ej_CUstream stream))                    \
-	X(cuStreamWaitEvent, 12000,                                            \
+	X(cuStreamCreate, 2000, (ej_CUstream * stream, unsigned flags))        \
+	X(cuStreamDestroy, 4000, (ej_CUstream stream))                         \
+	X(cuStreamSynchronize, 2000, (ej_CUstream stream))                     \
+	X(cuStreamWaitEvent, 3020,                                             \
 	  (ej_CUstream stream, ej_CUevent ev, unsigned flags))                 \
-	X(cuEventCreate, 12000, (ej_CUevent * ev, unsigned flags))             \
-	X(cuEventDestroy, 12000, (ej_CUevent ev))                              \
-	X(cuEventRecord, 12000, (ej_CUevent ev, ej_CUstream stream))           \
-	X(cuEventSynchronize, 12000, (ej_CUevent ev))                          \
-	X(cuEventElapsedTime, 12000,                                           \
+	X(cuEventCreate, 2000, (ej_CUevent * ev, unsigned flags))              \
+	X(cuEventDestroy, 4000, (ej_CUevent ev))                               \
+	X(cuEventRecord, 2000, (ej_CUevent ev, ej_CUstream stream))            \
+	X(cuEventSynchronize, 2000, (ej_CUevent ev))                           \
+	X(cuEventElapsedTime, 12080,                                           \
 	  (float *ms, ej_CUevent start, ej_CUevent end))                       \
-	X(cuStreamBeginCapture, 12000, (ej_CUstream stream, int mode))         \
-	X(cuStreamEndCapture, 12000, (ej_CUstream stream, ej_CUgraph * graph)) \
-	X(cuGraphInstantiate, 12000,                                           \
+	X(cuStreamBeginCapture, 10010, (ej_CUstream stream, int mode))         \
+	X(cuStreamEndCapture, 10000, (ej_CUstream stream, ej_CUgraph * graph)) \
+	X(cuGraphInstantiateWithFlags, 11040,                                  \
 	  (ej_CUgraphExec * exec, ej_CUgraph graph, unsigned long long flags)) \
-	X(cuGraphLaunch, 12000, (ej_CUgraphExec exec, ej_CUstream stream))     \
-	X(cuGraphExecDestroy, 12000, (ej_CUgraphExec exec))                    \
-	X(cuGraphDestroy, 12000, (ej_CUgraph graph))
+	X(cuGraphLaunch, 10000, (ej_CUgraphExec exec, ej_CUstream stream))     \
+	X(cuGraphExecDestroy, 10000, (ej_CUgraphExec exec))                    \
+	X(cuGraphDestroy, 10000, (ej_CUgraph graph))
 
 typedef struct ej_cuda_driver {
 #define EJ_CUDA_FIELD(name, ver, args) ej_CUresult(*name) args;
@@ -125,11 +133,19 @@ typedef struct ej_cuda_driver {
 } ej_cuda_driver;
 
 /* The process's driver table: loads $EPJIT_CUDA_DRIVER (default
- * libcuda.so.1) at the first call, resolves every entry point and calls
- * cuInit(0).  NULL with EPJ_ERR_BACKEND in ctx when there is none: "no CUDA
- * driver (libcuda.so.1 not found: <dlerror>)", or the entry point / cuInit
- * failure.  The same answer every later call. */
+ * libcuda.so.1) at the first call, refuses a driver older than
+ * EJ_CUDA_MIN_DRIVER, resolves every entry point and calls cuInit(0).  The
+ * calls that allocate, free, copy, launch or wait go through counting
+ * wrappers (ej_cuda_counters), so every caller of the table is counted.  NULL
+ * with EPJ_ERR_BACKEND in ctx when there is none: "no CUDA driver (libcuda.so.1
+ * not found: <dlerror>)", or the entry point / cuInit failure.  The same answer
+ * every later call. */
 const ej_cuda_driver *ej_cuda_driver_get(epj_ctx *ctx);
+
+/* The counts of the calls made through the driver table so far (zeros
+ * before it is loaded), and the reset of the reserved-bytes peak. */
+void ej_cuda_counters(ej_dev_counters *out);
+void ej_cuda_counters_reset_peak(void);
 
 /* Sets ctx's error for a failed driver call (the check macro's work):
  * "<what> failed at <file>:<line>: <cuGetErrorName> (<code>): <string>". */

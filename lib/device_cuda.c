@@ -11,8 +11,11 @@
  *                        attributes; the ej_device vtable over it
  *
  * Memory is stream-ordered on the compute stream: copies and fills are
- * issued there (cuMemcpyAsync / cuMemsetD8Async) and the copy returns after
- * a stream synchronize, so host buffers may be reused at once; device
+ * issued there (cuMemcpyAsync / cuMemsetD8Async); a copy into host memory,
+ * or out of page-locked memory, returns after a stream synchronize, so the
+ * host may read or reuse its buffer at once; out of pageable memory the
+ * driver has staged the bytes on return, and device to device is stream
+ * ordered, so neither waits; device
  * pointers are unified addresses, so cuMemcpy infers the direction.  A
  * failed cuMemAlloc returns NULL and the caching allocator empties its free
  * lists and retries once (alloc.c), as framework allocators do on OOM.
@@ -62,6 +65,228 @@ epj_status ej_cuda_error(epj_ctx *ctx, const ej_cuda_driver *d, ej_CUresult r,
 			str ? str : "no description");
 }
 
+/* ---- the counting wrappers ------------------------------------------------
+ * The table handed out (drv) holds these in place of the driver's own
+ * entry points for every call that allocates, frees, copies, launches or
+ * waits; raw holds the driver's.  Counts are process-wide (one driver per
+ * process) and atomic (contexts may live on several threads).  Copy
+ * directions come from the live allocations: an address inside a block
+ * from cuMemAlloc is device memory, anything else host memory. */
+
+static ej_cuda_driver raw;
+static struct {
+	int64_t launches, graph_launches, mem_alloc, mem_free, syncs;
+	int64_t h2d, d2h, d2d, reserved, peak;
+} cnt;
+
+#define CNT_ADD(field, n) __atomic_add_fetch(&cnt.field, (n), __ATOMIC_RELAXED)
+#define CNT_GET(field)	  __atomic_load_n(&cnt.field, __ATOMIC_RELAXED)
+
+/* live device blocks, sorted by base */
+static pthread_mutex_t blk_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct blk {
+	uintptr_t base;
+	size_t n;
+	bool pinned; /* page-locked host memory (cuMemHostAlloc) */
+} * blk;
+static size_t n_blk, cap_blk;
+
+/* Index of the first block whose base is > p. */
+static size_t blk_upper(uintptr_t p)
+{
+	size_t lo = 0, hi = n_blk;
+	while (lo < hi) {
+		size_t mid = lo + (hi - lo) / 2;
+		if (blk[mid].base <= p)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo;
+}
+
+static void blk_add(uintptr_t p, size_t n, bool pinned)
+{
+	pthread_mutex_lock(&blk_lock);
+	if (n_blk == cap_blk) {
+		size_t cap = cap_blk ? 2 * cap_blk : 256;
+		struct blk *v = realloc(blk, cap * sizeof *v);
+		if (!v) { /* directions of copies into it read as host */
+			pthread_mutex_unlock(&blk_lock);
+			return;
+		}
+		blk = v;
+		cap_blk = cap;
+	}
+	size_t i = blk_upper(p);
+	memmove(blk + i + 1, blk + i, (n_blk - i) * sizeof *blk);
+	blk[i] = (struct blk){ p, n, pinned };
+	n_blk++;
+	if (!pinned) {
+		int64_t r = CNT_ADD(reserved, (int64_t)n);
+		if (r > cnt.peak)
+			cnt.peak = r;
+	}
+	pthread_mutex_unlock(&blk_lock);
+}
+
+static void blk_remove(uintptr_t p)
+{
+	pthread_mutex_lock(&blk_lock);
+	size_t i = blk_upper(p);
+	if (i > 0 && blk[i - 1].base == p) {
+		if (!blk[i - 1].pinned)
+			CNT_ADD(reserved, -(int64_t)blk[i - 1].n);
+		memmove(blk + i - 1, blk + i, (n_blk - i) * sizeof *blk);
+		n_blk--;
+	}
+	pthread_mutex_unlock(&blk_lock);
+}
+
+/* 1: inside a device block, 2: inside a pinned host block, 0: neither
+ * (pageable host memory). */
+static int where(ej_CUdeviceptr p)
+{
+	pthread_mutex_lock(&blk_lock);
+	size_t i = blk_upper((uintptr_t)p);
+	int w = i > 0 && (uintptr_t)p - blk[i - 1].base < blk[i - 1].n
+		    ? (blk[i - 1].pinned ? 2 : 1)
+		    : 0;
+	pthread_mutex_unlock(&blk_lock);
+	return w;
+}
+
+static bool on_device(ej_CUdeviceptr p)
+{
+	return where(p) == 1;
+}
+
+static void count_copy(ej_CUdeviceptr dst, ej_CUdeviceptr src, size_t bytes)
+{
+	bool d = on_device(dst), s = on_device(src);
+	if (d && s)
+		CNT_ADD(d2d, (int64_t)bytes);
+	else if (d)
+		CNT_ADD(h2d, (int64_t)bytes);
+	else if (s)
+		CNT_ADD(d2h, (int64_t)bytes);
+}
+
+static ej_CUresult w_cuMemAlloc(ej_CUdeviceptr *dptr, size_t bytes)
+{
+	ej_CUresult r = raw.cuMemAlloc(dptr, bytes);
+	if (r == EJ_CUDA_SUCCESS) {
+		CNT_ADD(mem_alloc, 1);
+		blk_add((uintptr_t)*dptr, bytes, false);
+	}
+	return r;
+}
+
+static ej_CUresult w_cuMemFree(ej_CUdeviceptr dptr)
+{
+	/* cuMemFree waits for the device: a free is a synchronization */
+	ej_CUresult r = raw.cuMemFree(dptr);
+	CNT_ADD(syncs, 1);
+	if (r == EJ_CUDA_SUCCESS) {
+		CNT_ADD(mem_free, 1);
+		blk_remove((uintptr_t)dptr);
+	}
+	return r;
+}
+
+static ej_CUresult w_cuMemHostAlloc(void **p, size_t bytes, unsigned flags)
+{
+	ej_CUresult r = raw.cuMemHostAlloc(p, bytes, flags);
+	if (r == EJ_CUDA_SUCCESS)
+		blk_add((uintptr_t)*p, bytes, true);
+	return r;
+}
+
+static ej_CUresult w_cuMemFreeHost(void *p)
+{
+	ej_CUresult r = raw.cuMemFreeHost(p);
+	if (r == EJ_CUDA_SUCCESS)
+		blk_remove((uintptr_t)p);
+	return r;
+}
+
+static ej_CUresult w_cuMemcpy(ej_CUdeviceptr dst, ej_CUdeviceptr src,
+			      size_t bytes)
+{
+	count_copy(dst, src, bytes);
+	CNT_ADD(syncs, 1); /* returns when the copy is done */
+	return raw.cuMemcpy(dst, src, bytes);
+}
+
+static ej_CUresult w_cuMemcpyAsync(ej_CUdeviceptr dst, ej_CUdeviceptr src,
+				   size_t bytes, ej_CUstream stream)
+{
+	count_copy(dst, src, bytes);
+	return raw.cuMemcpyAsync(dst, src, bytes, stream);
+}
+
+static ej_CUresult w_cuLaunchKernel(ej_CUfunction fn, unsigned gx, unsigned gy,
+				    unsigned gz, unsigned bx, unsigned by,
+				    unsigned bz, unsigned smem,
+				    ej_CUstream stream, void **params,
+				    void **extra)
+{
+	ej_CUresult r = raw.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem,
+					   stream, params, extra);
+	if (r == EJ_CUDA_SUCCESS)
+		CNT_ADD(launches, 1);
+	return r;
+}
+
+static ej_CUresult w_cuGraphLaunch(ej_CUgraphExec exec, ej_CUstream stream)
+{
+	ej_CUresult r = raw.cuGraphLaunch(exec, stream);
+	if (r == EJ_CUDA_SUCCESS)
+		CNT_ADD(graph_launches, 1);
+	return r;
+}
+
+static ej_CUresult w_cuStreamSynchronize(ej_CUstream stream)
+{
+	CNT_ADD(syncs, 1);
+	return raw.cuStreamSynchronize(stream);
+}
+
+static ej_CUresult w_cuCtxSynchronize(void)
+{
+	CNT_ADD(syncs, 1);
+	return raw.cuCtxSynchronize();
+}
+
+static ej_CUresult w_cuEventSynchronize(ej_CUevent ev)
+{
+	CNT_ADD(syncs, 1);
+	return raw.cuEventSynchronize(ev);
+}
+
+void ej_cuda_counters(ej_dev_counters *out)
+{
+	*out = (ej_dev_counters){ .launches = CNT_GET(launches),
+				  .graph_launches = CNT_GET(graph_launches),
+				  .mem_alloc = CNT_GET(mem_alloc),
+				  .mem_free = CNT_GET(mem_free),
+				  .syncs = CNT_GET(syncs),
+				  .bytes_h2d = CNT_GET(h2d),
+				  .bytes_d2h = CNT_GET(d2h),
+				  .bytes_d2d = CNT_GET(d2d),
+				  .reserved = CNT_GET(reserved) };
+	pthread_mutex_lock(&blk_lock);
+	out->peak_reserved = cnt.peak;
+	pthread_mutex_unlock(&blk_lock);
+}
+
+void ej_cuda_counters_reset_peak(void)
+{
+	pthread_mutex_lock(&blk_lock);
+	cnt.peak = CNT_GET(reserved);
+	pthread_mutex_unlock(&blk_lock);
+}
+
 /* Loads and resolves the table into drv; false with drv_err set. */
 static bool driver_load(void)
 {
@@ -102,37 +327,48 @@ static bool driver_load(void)
 		return false; /* the handle stays open: nothing to undo */
 	}
 	int v = 0;
-	if (version(&v) != EJ_CUDA_SUCCESS || v < 12000) {
-		snprintf(drv_err, sizeof drv_err,
-			 "CUDA driver %s is too old: version %d.%d, epjit "
-			 "needs 12.0 or newer",
-			 path, v / 1000, v % 1000 / 10);
+	if (version(&v) != EJ_CUDA_SUCCESS || v < EJ_CUDA_MIN_DRIVER) {
+		snprintf(
+		    drv_err, sizeof drv_err,
+		    "CUDA driver %s is too old: version %d.%d; epjit "
+		    "needs %d.%d or newer (an R580+ driver: the CUDA %d "
+		    "toolkit's NVRTC, cuBLASLt and NCCL need it)",
+		    path, v / 1000, v % 1000 / 10, EJ_CUDA_MIN_DRIVER / 1000,
+		    EJ_CUDA_MIN_DRIVER % 1000 / 10, EJ_CUDA_MIN_DRIVER / 1000);
 		return false;
 	}
 	drv.version = v;
-	/* every entry point at the driver's own API version (capped at the
-	 * newest this file knows), so each name resolves to its current
-	 * implementation (cuMemAlloc -> cuMemAlloc_v2, cuEventElapsedTime ->
-	 * _v2 on CUDA 13) */
-	int want = v < 13000 ? v : 13000;
+	/* every entry point at its prototype's version (cuda_driver.h) */
 #define EJ_CUDA_RESOLVE(name, ver, args)                                       \
 	{                                                                      \
 		void *fp = NULL;                                               \
 		int status = 0;                                                \
-		int at = want > (ver) ? want : (ver);                          \
-		ej_CUresult r = gp2 ? gp2(#name, &fp, at, 0, &status)          \
-				    : gp1(#name, &fp, at, 0);                  \
+		ej_CUresult r = gp2 ? gp2(#name, &fp, (ver), 0, &status)       \
+				    : gp1(#name, &fp, (ver), 0);               \
 		if (r != EJ_CUDA_SUCCESS || !fp) {                             \
 			snprintf(drv_err, sizeof drv_err,                      \
 				 "CUDA driver %s: cuGetProcAddress(\"%s\", "   \
 				 "%d) failed (error %d)",                      \
-				 path, #name, at, r);                          \
+				 path, #name, (ver), r);                       \
 			return false;                                          \
 		}                                                              \
 		memcpy(&drv.name, &fp, sizeof fp);                             \
 	}
 	EJ_CUDA_ENTRY_POINTS(EJ_CUDA_RESOLVE)
 #undef EJ_CUDA_RESOLVE
+	/* the counted calls go through the wrappers */
+	raw = drv;
+	drv.cuMemAlloc = w_cuMemAlloc;
+	drv.cuMemFree = w_cuMemFree;
+	drv.cuMemHostAlloc = w_cuMemHostAlloc;
+	drv.cuMemFreeHost = w_cuMemFreeHost;
+	drv.cuMemcpy = w_cuMemcpy;
+	drv.cuMemcpyAsync = w_cuMemcpyAsync;
+	drv.cuLaunchKernel = w_cuLaunchKernel;
+	drv.cuGraphLaunch = w_cuGraphLaunch;
+	drv.cuStreamSynchronize = w_cuStreamSynchronize;
+	drv.cuCtxSynchronize = w_cuCtxSynchronize;
+	drv.cuEventSynchronize = w_cuEventSynchronize;
 	ej_CUresult r = drv.cuInit(0);
 	if (r != EJ_CUDA_SUCCESS) {
 		const char *name = NULL, *str = NULL;
@@ -235,7 +471,18 @@ static void cu_copy(void *self, void *dst, const void *src, size_t bytes)
 	DEV_CALL(c, cuMemcpyAsync((ej_CUdeviceptr)(uintptr_t)dst,
 				  (ej_CUdeviceptr)(uintptr_t)src, bytes,
 				  c->compute));
-	DEV_CALL(c, cuStreamSynchronize(c->compute));
+	/* The copy returns when the host may touch its host side: a copy
+	 * into host memory after it is done (the host reads it next), and
+	 * one out of page-locked memory too (the driver reads it during the
+	 * transfer).  Out of pageable memory the driver has staged the
+	 * bytes when cuMemcpyAsync returns (the CUDA documentation's "API
+	 * synchronization behavior"), and a device-to-device copy is ordered
+	 * with the kernels on the compute stream: waiting for either would
+	 * stall the host for nothing. */
+	int wd = where((ej_CUdeviceptr)(uintptr_t)dst),
+	    ws = where((ej_CUdeviceptr)(uintptr_t)src);
+	if (wd != 1 || ws == 2)
+		DEV_CALL(c, cuStreamSynchronize(c->compute));
 }
 
 static void cu_memzero(void *self, void *ptr, size_t bytes)
@@ -328,6 +575,18 @@ static epj_status cu_launch(void *self, epj_ctx *ctx, void *fn,
 	return EPJ_OK;
 }
 
+static void cu_counters(void *self, ej_dev_counters *out)
+{
+	(void)self;
+	ej_cuda_counters(out);
+}
+
+static void cu_reset_peaks(void *self)
+{
+	(void)self;
+	ej_cuda_counters_reset_peak();
+}
+
 /* The local rank the launcher gave this process (0 when none). */
 static int local_rank(void)
 {
@@ -409,7 +668,9 @@ static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
 			     .load = cu_load,
 			     .unload = cu_unload,
 			     .function = cu_function,
-			     .launch = cu_launch };
+			     .launch = cu_launch,
+			     .counters = cu_counters,
+			     .reset_peaks = cu_reset_peaks };
 	return EPJ_OK;
 }
 
@@ -453,7 +714,12 @@ void ej_cuda_test_reset(void)
 	drv_tried = false;
 	drv_ok = NULL;
 	memset(&drv, 0, sizeof drv);
+	memset(&raw, 0, sizeof raw);
 	pthread_mutex_unlock(&drv_lock);
+	pthread_mutex_lock(&blk_lock);
+	n_blk = 0; /* the counts stay: tests take differences */
+	__atomic_store_n(&cnt.reserved, 0, __ATOMIC_RELAXED);
+	pthread_mutex_unlock(&blk_lock);
 	pthread_mutex_lock(&dev_lock);
 	dev_open = NULL;
 	pthread_mutex_unlock(&dev_lock);
@@ -596,7 +862,7 @@ epj_status ej_cuda_capture_end(epj_ctx *ctx, ej_cuda_dev *c, void **exec)
 	EJ_CU(ctx, c->d, cuStreamEndCapture(c->compute, &g));
 	ej_CUgraphExec x = NULL;
 	epj_status st;
-	EJ_CU_TRY(st, ctx, c->d, cuGraphInstantiate(&x, g, 0));
+	EJ_CU_TRY(st, ctx, c->d, cuGraphInstantiateWithFlags(&x, g, 0));
 	c->d->cuGraphDestroy(g); /* the executable graph keeps what it needs */
 	if (st != EPJ_OK)
 		return st;

@@ -49,6 +49,7 @@
  */
 #include "ops_moe.h"
 #include "runtime_impl.h"
+#include "tmpl_gemm.h"
 #include "tmpl_moe.h"
 
 #include <inttypes.h>
@@ -120,6 +121,37 @@ static epj_status index_to_host(epj_ctx *ctx, const epj_tensor *t, int64_t *out)
 		out[i] = (int64_t)tmp[i];
 	free(tmp);
 	return s;
+}
+
+/* The values of two i64 index tensors a and b on the host (ha, hb: their
+ * element counts).  On a device the host cannot address, one copy of one
+ * packed buffer (cat of both, made on the compute stream): one stream
+ * synchronization per layer call instead of a full device synchronization
+ * and a copy per tensor (epj_tensor_to_f64).  The copy is ordered after the
+ * kernels that wrote a and b, which all run on that stream. */
+static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
+				     int64_t *ha, int64_t *hb)
+{
+	const ej_device *dev = ctx->dev;
+	if (dev->host_visible || epj_tensor_dtype(a) != EPJ_DTYPE_I64 ||
+	    epj_tensor_dtype(b) != EPJ_DTYPE_I64 || epj_tensor_ndim(a) != 1 ||
+	    epj_tensor_ndim(b) != 1) {
+		epj_status s = index_to_host(ctx, a, ha);
+		return s == EPJ_OK ? index_to_host(ctx, b, hb) : s;
+	}
+	epj_tensor *ab[2] = { a, b };
+	epj_tensor *cat = epj_cat(ctx, ab, 2, 0); /* [na + nb] i64, dense */
+	if (!cat)
+		return epj_ctx_status(ctx);
+	EJ_ASSERT(ej_is_contiguous(cat) && cat->storage);
+	int64_t na = epj_tensor_numel(a), nb = epj_tensor_numel(b);
+	if (na > 0)
+		dev->copy(dev->self, ha, ej_data(cat), sizeof *ha * (size_t)na);
+	if (nb > 0)
+		dev->copy(dev->self, hb, (int64_t *)ej_data(cat) + na,
+			  sizeof *hb * (size_t)nb);
+	epj_tensor_free(cat);
+	return EPJ_OK;
 }
 
 /* Token AllToAll-v of the rows of x [R, H] with send_counts[p] rows going to
@@ -845,6 +877,13 @@ static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
 	} else {
 		epj_tensor *ct = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1,
 						      (int64_t[]){ G }, cnt);
+		/* on a device the GEMMs (forward, backward, replays) take
+		 * the counts from cnt instead of reading ct back: ct is
+		 * ours, never written nor handed out */
+		if (ct && ej_index_pin(ctx, ct, cnt) != EPJ_OK) {
+			epj_tensor_free(ct);
+			ct = NULL;
+		}
 		/* [R, H] -> silu(x Wg^T) * (x Wu^T) [R, I] -> [R, H] */
 		epj_tensor *g = ej_moe_grouped_mm(ctx, x_recv, ct, wg, G, true);
 		epj_tensor *u = ej_moe_grouped_mm(ctx, x_recv, ct, wu, G, true);
@@ -923,6 +962,12 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 				h[n * k + j] = (n * k + j) % E;
 		int64_t shape[2] = { N, k };
 		idx = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2, shape, h);
+		/* ours: the gather and its backward validate h, not a copy
+		 * read back from the device */
+		if (idx && ej_index_pin(ctx, idx, h) != EPJ_OK) {
+			epj_tensor_free(idx);
+			idx = NULL;
+		}
 		free(h);
 		w = epj_gather(ctx, probs, 1, idx);
 		if (!w)
@@ -1043,7 +1088,23 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	s = route(ctx, m, im, x, rdt, N, &w, &idx); /* [N, k] each */
 	if (s != EPJ_OK)
 		goto fail_op;
-	s = index_to_host(ctx, idx, idx_h);
+	/* Permutation: routed rows sorted by expert (stable, so rows of one
+	 * expert keep token order); routed row r carries token order[r] / k.
+	 * The rows of rank p's experts are contiguous in x_sorted because
+	 * experts are assigned to ranks in blocks of n_local.  The host needs
+	 * idx (the counts) and order (the token of each row): one read. */
+	const bool fused = use_fused(ctx, im);
+	if (!fused) {
+		idx_flat = epj_reshape(ctx, idx, 1, &R);
+		order = idx_flat ? epj_argsort(ctx, idx_flat, 0) : NULL;
+		if (!order) {
+			s = epj_ctx_status(ctx);
+			goto fail_op;
+		}
+		s = index_pair_to_host(ctx, idx_flat, order, idx_h, order_h);
+	} else {
+		s = index_to_host(ctx, idx, idx_h);
+	}
 	if (s != EPJ_OK)
 		goto fail_op;
 	for (int64_t r = 0; r < R; r++) {
@@ -1064,11 +1125,6 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	if (s != EPJ_OK)
 		goto done;
 
-	/* Permutation: routed rows sorted by expert (stable, so rows of one
-	 * expert keep token order); routed row r carries token order[r] / k.
-	 * The rows of rank p's experts are contiguous in x_sorted because
-	 * experts are assigned to ranks in blocks of n_local. */
-	const bool fused = use_fused(ctx, im);
 	routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
 				       (int64_t[]){ N, k }, idx_h);
 	if (!routing) {
@@ -1076,15 +1132,6 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		goto fail_op;
 	}
 	if (!fused) {
-		idx_flat = epj_reshape(ctx, idx, 1, &R);
-		order = epj_argsort(ctx, idx_flat, 0);
-		if (!order) {
-			s = epj_ctx_status(ctx);
-			goto fail_op;
-		}
-		s = index_to_host(ctx, order, order_h);
-		if (s != EPJ_OK)
-			goto fail_op;
 		for (int64_t r = 0; r < R; r++)
 			tok_h[r] = order_h[r] / k;
 		tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);

@@ -22,6 +22,16 @@
  * the thread count, and the global norm is summed in fixed chunks and then
  * in chunk order, so it is too.  No autograd is involved: only raw data is
  * touched.
+ *
+ * On a cuda-sim or cuda context the update is one launch of the optimizer
+ * template (templates/optim.cuh, the same formulas and bits), which also
+ * writes densely stored bf16 parameters.  On cuda (device memory) the
+ * global norm is summed on the device too (ej_tmpl_optim_sumsq: per-chunk
+ * double sums, then the chunks in order); the one double it copies back
+ * decides clipping and the non-finite skip on the host.  No gradient,
+ * master or densely stored parameter is copied to the host in a step (a
+ * strided bf16 parameter is still written through epj_tensor_copy_'s host
+ * copies).  cuda-sim sums on the host as above (its memory is host memory).
  */
 #include "optim_impl.h"
 #include "runtime_impl.h"
@@ -75,7 +85,11 @@ struct ej_optim {
 	opt_state *state;
 	int64_t steps;
 	double *partial; /* norm scratch: one slot per NORM_CHUNK */
-	bool dist;	 /* more than one rank: see ej_optim_dist */
+	/* device memory (cuda): the gradient spans whose squares one
+	 * template launch sums on the device ([n]) */
+	ej_tmpl_optim_span *spans;
+	int n_spans;
+	bool dist; /* more than one rank: see ej_optim_dist */
 	ej_optim_dist d;
 	float *gshard;	 /* stage 2 scratch: the reduced gradient shard */
 	float *gather;	 /* all-gather scratch (largest parameter) */
@@ -318,7 +332,8 @@ ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
 	/* At most 3 state tensors per parameter (master + 2 moments). */
 	o->state = calloc((size_t)(n > 0 ? 3 * n : 1), sizeof *o->state);
 	o->partial = malloc(sizeof *o->partial * (size_t)max_chunks);
-	if (!o->p || !o->state || !o->partial) {
+	o->spans = malloc(sizeof *o->spans * (size_t)(n > 0 ? n : 1));
+	if (!o->p || !o->state || !o->partial || !o->spans) {
 		ej_error(ctx, EPJ_ERR_NOMEM,
 			 "optim: out of memory for %d "
 			 "parameters",
@@ -402,6 +417,7 @@ void ej_optim_free(ej_optim *o)
 	free(o->p);
 	free(o->state);
 	free(o->partial);
+	free(o->spans);
 	free(o->gshard);
 	free(o->gather);
 	free(o->counts);
@@ -774,6 +790,33 @@ static epj_status reduce_grad(ej_optim *o, opt_param *p, epj_tensor *g,
 	return st;
 }
 
+/* dst = src cast to dst's dtype (same shape).  In device memory the cast
+ * is an eager kernel, so that the copy that follows has one dtype and
+ * stays on the device when dst is contiguous (epj_tensor_copy_ between
+ * dtypes goes through host copies of both). */
+static epj_status cast_into(epj_ctx *ctx, epj_tensor *dst,
+			    const epj_tensor *src)
+{
+	if (ctx->dev->host_visible || dst->dtype == src->dtype)
+		return epj_tensor_copy_(ctx, dst, src);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *c = epj_cast(ctx, (epj_tensor *)src, dst->dtype);
+	epj_no_grad_exit(ctx, prev);
+	epj_status st = c ? epj_tensor_copy_(ctx, dst, c) : epj_ctx_status(ctx);
+	epj_tensor_free(c);
+	return st;
+}
+
+/* The update writes p's parameter itself (the template's model copy, or
+ * the bf argument of the CPU kernels): an unsharded bf16 parameter stored
+ * densely.  Anything else is refreshed from its master after the update. */
+static bool update_writes_param(const opt_param *p)
+{
+	return !p->sharded && p->master != p->param &&
+	       p->param->dtype == EPJ_DTYPE_BF16 &&
+	       ej_is_contiguous(p->param) && p->hi - p->lo == p->numel;
+}
+
 /* After the update: the parameter from its (partitioned) master. */
 static epj_status refresh_param(ej_optim *o, opt_param *p)
 {
@@ -797,7 +840,7 @@ static epj_status refresh_param(ej_optim *o, opt_param *p)
 			    ej_data(p->master), ej_data(direct ? t : full),
 			    part_counts(o, p), sizeof(float));
 		if (st == EPJ_OK && !direct)
-			st = epj_tensor_copy_(ctx, t, full);
+			st = cast_into(ctx, t, full);
 		epj_tensor_free(full);
 	} else if (p->sharded) {
 		epj_tensor *t = p->param;
@@ -814,7 +857,7 @@ static epj_status refresh_param(ej_optim *o, opt_param *p)
 			epj_tensor_free(full);
 		}
 	} else if (p->master != p->param) {
-		st = epj_tensor_copy_(ctx, p->param, p->master);
+		st = cast_into(ctx, p->param, p->master);
 	}
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "optim step: parameter %s", p->name);
@@ -857,6 +900,9 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 		d[n].grad = (const float *)ej_data(g) + p->lo;
 		d[n].s1 = p->s1 ? ej_data(p->s1) : NULL;
 		d[n].s2 = o->type == EJ_OPTIM_SGD ? NULL : ej_data(p->s2);
+		/* the bf16 parameter written in the same pass (rounded as
+		 * the CPU kernels round), with no cast afterwards */
+		d[n].model = update_writes_param(p) ? ej_data(p->param) : NULL;
 		d[n].n = p->hi - p->lo;
 		n++;
 	}
@@ -872,7 +918,7 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 			     .eps = o->eps,
 			     .step = t,
 			     .grad_dtype = EPJ_DTYPE_F32,
-			     .model_dtype = EPJ_DTYPE_F32 };
+			     .model_dtype = EPJ_DTYPE_BF16 };
 	if (st == EPJ_OK)
 		st = ej_tmpl_optim_step(ctx, ctx->dev->name, &hp, d, n);
 	free(d);
@@ -883,24 +929,33 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 	return st;
 }
 
-/* *ss += the sum of squares of g (f32, contiguous, device memory) from a
- * host copy of its elements [lo, lo + n), in the chunk order of sum_sq. */
-static epj_status device_sum_sq(ej_optim *o, const epj_tensor *g, int64_t lo,
-				int64_t n, double *ss)
+/* Device memory: elements [lo, lo + n) of g (f32, contiguous) join the
+ * spans whose squares device_sum_sq sums. */
+static void span_add(ej_optim *o, const epj_tensor *g, int64_t lo, int64_t n)
+{
+	EJ_ASSERT(o->n_spans < o->n);
+	o->spans[o->n_spans].grad = (const float *)ej_data(g) + lo;
+	o->spans[o->n_spans].n = n;
+	o->n_spans++;
+}
+
+/* *ss += the sum of squares of the spans, summed on the device by the
+ * optimizer template (templates/optim.cuh): no gradient leaves the device,
+ * one double comes back. */
+static epj_status device_sum_sq(ej_optim *o, double *ss)
 {
 	epj_ctx *ctx = o->ctx;
-	float *h = malloc(sizeof *h * (size_t)(n > 0 ? n : 1));
-	if (!h)
-		return ej_error(ctx, EPJ_ERR_NOMEM,
-				"optim step: out of memory for the gradient "
-				"norm");
-	const ej_device *dev = ctx->dev;
-	if (dev->sync)
-		dev->sync(dev->self);
-	dev->copy(dev->self, h, (const float *)ej_data(g) + lo,
-		  sizeof *h * (size_t)n);
-	*ss += sum_sq(o->partial, h, n);
-	free(h);
+	double part = 0;
+	epj_status st = ej_tmpl_optim_sumsq(ctx, ctx->dev->name, EPJ_DTYPE_F32,
+					    o->spans, o->n_spans, &part);
+	o->n_spans = 0;
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "optim step: gradient norm on %s",
+				ctx->dev->name);
+		return st;
+	}
+	*ss += part;
+	epj_counter_add(ctx, "optim.grad_norm.device", 1);
 	return EPJ_OK;
 }
 
@@ -937,6 +992,8 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 	 * parameter below, so its norm comes from the shards. */
 	double ss = 0;
 	const bool rs = o->dist && o->d.zero_stage >= 2;
+	const bool dev_mem = !ctx->dev->host_visible;
+	o->n_spans = 0;
 	for (int i = 0; i < o->n && !rs; i++) {
 		opt_param *p = &o->p[i];
 		epj_tensor *g = acc_grad(o, p, &st);
@@ -945,17 +1002,14 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		if (!g)
 			continue;
 		const float *gd = ej_data(g);
-		if (!ctx->dev->host_visible) {
-			/* device memory: summed over the device group, the
-			 * norm of this rank's partition from a host copy */
+		if (dev_mem) {
+			/* device memory: summed over the device group; the
+			 * squares of this rank's partition (the whole
+			 * gradient on one rank) are summed on the device */
 			if (o->dist &&
 			    (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
 				return st;
-			st = o->dist ? device_sum_sq(o, g, p->nlo,
-						     p->nhi - p->nlo, &ss)
-				     : device_sum_sq(o, g, 0, p->numel, &ss);
-			if (st != EPJ_OK)
-				return st;
+			span_add(o, g, p->nlo, p->nhi - p->nlo);
 			continue;
 		}
 		if (o->dist && (st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
@@ -978,12 +1032,10 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		if ((st = reduce_grad(o, p, g, &gd)) != EPJ_OK)
 			return st;
 		float *full = ej_data(g);
-		if (!ctx->dev->host_visible) {
+		if (dev_mem) {
 			/* reduce_grad put the shard in place on the device */
 			EJ_ASSERT(gd == full + p->lo);
-			st = device_sum_sq(o, g, p->nlo, p->nhi - p->nlo, &ss);
-			if (st != EPJ_OK)
-				return st;
+			span_add(o, g, p->nlo, p->nhi - p->nlo);
 			continue;
 		}
 		if (gd != full + p->lo)
@@ -991,6 +1043,8 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 				sizeof(float) * (size_t)(p->hi - p->lo));
 		ss += sum_sq(o->partial, full + p->nlo, p->nhi - p->nlo);
 	}
+	if (dev_mem && (st = device_sum_sq(o, &ss)) != EPJ_OK)
+		return st;
 	if (o->dist && (st = world_sum(o, &ss)) != EPJ_OK)
 		return st;
 	double norm = fabs(grad_scale) * sqrt(ss);
@@ -1021,7 +1075,8 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		if (!g)
 			continue; /* no gradient: skipped, as PyTorch does */
 		if (device) {
-			if ((st = refresh_param(o, p)) != EPJ_OK)
+			if (!update_writes_param(p) &&
+			    (st = refresh_param(o, p)) != EPJ_OK)
 				return st;
 			continue;
 		}
@@ -1030,12 +1085,8 @@ epj_status ej_optim_step(ej_optim *o, double lr, double grad_scale,
 		int64_t len = p->hi - p->lo;
 		/* an unsharded bf16 parameter stored densely gets its copy in
 		 * the update pass; anything else is refreshed after it */
-		uint16_t *bf = !p->sharded && p->master != p->param &&
-				       p->param->dtype == EPJ_DTYPE_BF16 &&
-				       ej_is_contiguous(p->param) &&
-				       len == p->numel
-				   ? ej_data(p->param)
-				   : NULL;
+		uint16_t *bf =
+		    update_writes_param(p) ? ej_data(p->param) : NULL;
 		if (o->type == EJ_OPTIM_SGD)
 			sgd_kernel(o, pm, gd, p->s1 ? ej_data(p->s1) : NULL,
 				   len, lr, gs, bf);

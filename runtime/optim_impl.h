@@ -120,13 +120,19 @@ epj_tensor *ej_optim_grad(ej_optim *o, int i, bool create);
  *  3. global L2 norm of g over all parameters (double accumulation, in a
  *     fixed order: the result does not depend on the thread count) into
  *     *grad_norm_out (may be NULL): the norm BEFORE clipping, which DeepSpeed
- *     reports;
+ *     reports.  On a context with device memory (cuda) the squares are
+ *     summed on the device (another fixed order: the same norm up to double
+ *     rounding) and only that sum comes back to the host;
  *  4. with gradient_clipping c > 0: g *= c / (norm + 1e-6) when that factor
  *     is below 1 (DeepSpeed's clip_tensors_by_global_norm; a NaN norm is
  *     reported and not clipped, as there);
  *  5. the update on the masters (PyTorch formulas, see optim.c);
  *  6. masters copied into bf16 parameters (round to nearest even), all
  *     gradients cleared, step count + 1.
+ * On cuda-sim and cuda contexts steps 5 and 6 are one launch of the
+ * optimizer template, and no gradient or densely stored parameter is copied
+ * to the host (cuda: no driver allocation either once the allocator's cache
+ * is warm; a strided bf16 parameter is still written through host copies).
  * A parameter that received no gradient at all since the last step is
  * skipped entirely (no weight decay, no momentum, state unchanged), as
  * PyTorch skips parameters whose .grad is None.  The step count (Adam's bias

@@ -25,6 +25,7 @@
 #include "runtime_impl.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 /* Frees a list of temporaries (NULL ok). */
@@ -238,6 +239,35 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 	return st;
 }
 
+/* The rope tables for T positions in dtype dt: new references to the
+ * model's, built at the first forward of that (T, dt) and kept on the model
+ * (the context is the model's).  While tracing, or in shape-only mode,
+ * fresh tables every call, as before. */
+static epj_status rope_tables_cached(epj_ctx *ctx, const ej_model_config *cfg,
+				     int64_t T, epj_dtype dt, epj_tensor **cos,
+				     epj_tensor **sin)
+{
+	/* both layouts' root modules point at the model's own config */
+	epj_model *mo =
+	    (epj_model *)(void *)((char *)cfg - offsetof(epj_model, cfg));
+	if (ctx->recorder || ctx->meta)
+		return rope_tables(ctx, cfg, T, dt, cos, sin);
+	epj_tensor *c = mo->rope_cos, *s = mo->rope_sin;
+	if (!c || c->ctx != ctx || epj_tensor_dtype(c) != dt ||
+	    epj_tensor_dim(c, 0) != T) {
+		epj_status st = rope_tables(ctx, cfg, T, dt, &c, &s);
+		if (st != EPJ_OK)
+			return st;
+		epj_tensor_free(mo->rope_cos);
+		epj_tensor_free(mo->rope_sin);
+		mo->rope_cos = c;
+		mo->rope_sin = s;
+	}
+	*cos = epj_tensor_ref(c);
+	*sin = epj_tensor_ref(s);
+	return EPJ_OK;
+}
+
 /* logits (and loss) from the final hidden states */
 static epj_status head(epj_ctx *ctx, epj_module *norm, epj_module *lm_head,
 		       const ej_model_config *cfg, epj_tensor *h,
@@ -302,8 +332,8 @@ static epj_status causal_lm_forward(epj_ctx *ctx, epj_module *m,
 	if (!h)
 		return ctx->status;
 	epj_tensor *cos = NULL, *sin = NULL;
-	st = rope_tables(ctx, cfg, epj_tensor_dim(in[0], 1),
-			 epj_tensor_dtype(h), &cos, &sin);
+	st = rope_tables_cached(ctx, cfg, epj_tensor_dim(in[0], 1),
+				epj_tensor_dtype(h), &cos, &sin);
 	for (int i = 0; st == EPJ_OK && i < layers->n_children; i++) {
 		epj_tensor *args[3] = { h, cos, sin }, *nh = NULL;
 		st = ej_module_call(ctx, layers->children[i], args, 3, &nh, 1);
@@ -336,8 +366,8 @@ static epj_status root_forward(epj_ctx *ctx, epj_module *m,
 	if (!h)
 		return ctx->status;
 	epj_tensor *cos = NULL, *sin = NULL, *h2 = NULL;
-	st = rope_tables(ctx, cfg, epj_tensor_dim(in[0], 1),
-			 epj_tensor_dtype(h), &cos, &sin);
+	st = rope_tables_cached(ctx, cfg, epj_tensor_dim(in[0], 1),
+				epj_tensor_dtype(h), &cos, &sin);
 	if (st == EPJ_OK) {
 		h2 = ej_qwen3_block(ctx, m, h, cos, sin);
 		if (!h2)
@@ -592,6 +622,8 @@ void epj_model_free(epj_model *m)
 	if (m->has_groups)
 		ej_groups_free(&m->groups);
 	free(m->moe);
+	epj_tensor_free(m->rope_cos);
+	epj_tensor_free(m->rope_sin);
 	free(m);
 }
 

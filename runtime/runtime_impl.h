@@ -312,6 +312,11 @@ struct epj_model {
 	 * AutoEP layers borrow groups.ep) */
 	ej_groups groups;
 	bool has_groups;
+	/* the rope tables cos / sin [T, head_dim] of the last untraced
+	 * forward (owned, NULL before; runtime/qwen3.c): reused while T and
+	 * the dtype stay, so a forward uploads nothing (epj_tensor_from_f64
+	 * is a host synchronization on a cuda context) */
+	epj_tensor *rope_cos, *rope_sin;
 };
 
 /* Attention + norms of one decoder block, shared by both layouts.  `blk` is

@@ -63,15 +63,21 @@ typedef int (*fake_hook)(void *user, void *module, const char *kernel,
 			 const unsigned *grid, const unsigned *block,
 			 unsigned smem, void *args);
 typedef size_t (*fake_size_fn)(void *user, void *module, const char *kernel);
+/* What a test sees of the driver: the library's own driver counters
+ * (ej_cuda_counters: the same numbers on a GPU) and, where kernels run
+ * through the hook, the hook's record of them.  The stand-in exports no
+ * statistics of its own, as a real libcuda exports none. */
 typedef struct fake_stats {
-	long long launches, graph_launches, replayed, allocs, frees;
-	long long live_bytes, peak_bytes;
+	long long launches, graph_launches, allocs, frees, live_bytes;
+	long long replayed; /* kernels that ran through the hook */
 	unsigned last_grid[3], last_block[3], last_smem;
-	char last_kernel[128];
 } fake_stats;
 
 static void (*fake_set_hook)(fake_hook, fake_size_fn, void *);
-static void (*fake_stats_get)(fake_stats *);
+static struct {
+	long long ran;
+	unsigned last_grid[3], last_block[3], last_smem;
+} R;
 
 /* Points EPJIT_CUDA_DRIVER at the fake and resolves its test functions;
  * false (the test returns) when the library was not built. */
@@ -93,17 +99,23 @@ static bool use_fake(void)
 	ck_assert_msg(h, "dlopen %s: %s", path, dlerror());
 	void *p = dlsym(h, "fake_cuda_set_hook");
 	memcpy(&fake_set_hook, &p, sizeof p);
-	p = dlsym(h, "fake_cuda_stats_get");
-	memcpy(&fake_stats_get, &p, sizeof p);
-	ck_assert(fake_set_hook && fake_stats_get);
+	ck_assert(fake_set_hook);
 	return true;
 }
 
 static fake_stats fstats(void)
 {
-	fake_stats s = { 0 };
-	if (fake_stats_get)
-		fake_stats_get(&s);
+	ej_dev_counters c;
+	ej_cuda_counters(&c);
+	fake_stats s = { .launches = c.launches,
+			 .graph_launches = c.graph_launches,
+			 .allocs = c.mem_alloc,
+			 .frees = c.mem_free,
+			 .live_bytes = c.reserved,
+			 .replayed = R.ran,
+			 .last_smem = R.last_smem };
+	memcpy(s.last_grid, R.last_grid, sizeof s.last_grid);
+	memcpy(s.last_block, R.last_block, sizeof s.last_block);
 	return s;
 }
 
@@ -176,6 +188,10 @@ static int run_on_sim(void *user, void *module, const char *kernel,
 		      unsigned smem, void *args)
 {
 	(void)user;
+	R.ran++;
+	memcpy(R.last_grid, grid, sizeof R.last_grid);
+	memcpy(R.last_block, block, sizeof R.last_block);
+	R.last_smem = smem;
 	void *sim = sim_for(module);
 	void *fn = ej_device_sim.function(ej_device_sim.self, sim, kernel);
 	if (!fn)
@@ -195,6 +211,22 @@ static int run_on_sim(void *user, void *module, const char *kernel,
 		fprintf(stderr, "check_cuda: %s on cuda-sim: %s\n", kernel,
 			epj_ctx_error(H.ctx));
 	return st != EPJ_OK;
+}
+
+/* A hook that only records the launch (the kernel does not run). */
+static int record_only(void *user, void *module, const char *kernel,
+		       const unsigned *grid, const unsigned *block,
+		       unsigned smem, void *args)
+{
+	(void)user;
+	(void)module;
+	(void)kernel;
+	(void)args;
+	R.ran++;
+	memcpy(R.last_grid, grid, sizeof R.last_grid);
+	memcpy(R.last_block, block, sizeof R.last_block);
+	R.last_smem = smem;
+	return 0;
 }
 
 static size_t args_size_of(void *user, void *module, const char *kernel)
@@ -482,6 +514,149 @@ START_TEST(test_fake_memory)
 }
 END_TEST
 
+static epj_ctx *cuda_ctx_on(void);
+
+/* The library's driver counters (cuda.*), counted where every driver call
+ * goes through, against what the test did: exact bytes per direction,
+ * allocations, frees (each also a synchronization), blocking copies,
+ * launches, reserved bytes and their peak. */
+START_TEST(test_fake_counters)
+{
+	fresh();
+	if (!use_fake())
+		return;
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	ck_assert_msg(ej_cuda_open(ctx, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	const ej_device *dev = ej_cuda_device(d);
+	ck_assert_ptr_nonnull(dev->counters);
+	ej_dev_counters c0, c1;
+	dev->counters(dev->self, &c0);
+	size_t n = (size_t)tu_randint(1000, 90000);
+	size_t m = (size_t)tu_randint(1, (int)n);
+	void *p = dev->alloc(dev->self, n), *q = dev->alloc(dev->self, n);
+	ck_assert(p && q);
+	unsigned char *h = malloc(n), *back = malloc(n);
+	for (size_t i = 0; i < n; i++)
+		h[i] = (unsigned char)tu_randint(0, 255);
+	dev->counters(dev->self, &c1);
+	ck_assert_int_eq(c1.mem_alloc - c0.mem_alloc, 2);
+	ck_assert_int_eq(c1.reserved - c0.reserved, 2 * (int64_t)n);
+	ck_assert_int_ge(c1.peak_reserved, c1.reserved);
+	dev->copy(dev->self, p, h, n);			  /* H2D */
+	dev->copy(dev->self, (char *)q + 1, p, m - 1);	  /* D2D, interior */
+	dev->copy(dev->self, back, (char *)q + 1, m - 1); /* D2H */
+	ck_assert(memcmp(back, h, m - 1) == 0);
+	dev->counters(dev->self, &c1);
+	ck_assert_int_eq(c1.bytes_h2d - c0.bytes_h2d, (int64_t)n);
+	ck_assert_int_eq(c1.bytes_d2d - c0.bytes_d2d, (int64_t)m - 1);
+	ck_assert_int_eq(c1.bytes_d2h - c0.bytes_d2h, (int64_t)m - 1);
+	/* only the copy into host memory waits: out of pageable memory the
+	 * driver has staged the bytes, device to device is stream ordered */
+	ck_assert_int_eq(c1.syncs - c0.syncs, 1);
+	ck_assert_int_eq(c1.launches, c0.launches);
+	/* the same numbers through the context's counters */
+	ck_assert_int_eq(epj_counter_get(ctx, "cuda.bytes.h2d"), 0); /* cpu */
+	dev->free(dev->self, p);
+	dev->free(dev->self, q);
+	dev->counters(dev->self, &c1);
+	ck_assert_int_eq(c1.mem_free - c0.mem_free, 2);
+	ck_assert_int_eq(c1.syncs - c0.syncs, 3); /* a free waits too */
+	ck_assert_int_eq(c1.reserved, c0.reserved);
+	ck_assert_int_ge(c1.peak_reserved, c0.reserved + 2 * (int64_t)n);
+	ej_cuda_counters_reset_peak();
+	dev->counters(dev->self, &c1);
+	ck_assert_int_eq(c1.peak_reserved, c1.reserved);
+	free(h);
+	free(back);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A cuda context reports the driver counters as cuda.* counters. */
+START_TEST(test_fake_ctx_counters)
+{
+	if (!tu_fake_cuda_usable())
+		return;
+	epj_ctx *g = cuda_ctx_on();
+	int64_t sh[2] = { 3, tu_randint(5, 77) };
+	int64_t h2d = epj_counter_get(g, "cuda.bytes.h2d");
+	int64_t d2h = epj_counter_get(g, "cuda.bytes.d2h");
+	epj_tensor *x = tu_randn(g, EPJ_DTYPE_F32, 2, sh);
+	double v = epj_tensor_get_f64(x, 1);
+	ck_assert(isfinite(v));
+	ck_assert_int_ge(epj_counter_get(g, "cuda.bytes.h2d") - h2d,
+			 3 * sh[1] * 4);
+	ck_assert_int_gt(epj_counter_get(g, "cuda.bytes.d2h"), d2h);
+	epj_counters *snap = epj_counters_snapshot(g);
+	char *json = epj_counters_to_json(snap);
+	ck_assert_msg(json && strstr(json, "\"cuda.syncs\"") &&
+			  strstr(json, "\"cuda.mem_alloc\"") &&
+			  strstr(json, "\"cuda.peak_reserved\""),
+		      "%s", json ? json : "(null)");
+	free(json);
+	epj_counters_free(snap);
+	epj_tensor_free(x);
+	epj_ctx_free(g);
+	tu_fake_cuda_end();
+}
+END_TEST
+
+/* Entry points are requested at their prototype's version: the stand-in,
+ * like a real driver, answers (name, version) as cudaTypedefs.h lists them
+ * and refuses a version that selects a prototype the library does not
+ * declare; a driver older than 13.0 is refused with a clear message. */
+START_TEST(test_fake_proc_versions)
+{
+	fresh();
+	if (!use_fake())
+		return;
+	const char *path = getenv("EPJIT_CUDA_DRIVER");
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	ck_assert_ptr_nonnull(h);
+	int (*gp)(const char *, void **, int, unsigned long long, int *) = NULL;
+	void *p = dlsym(h, "cuGetProcAddress_v2");
+	memcpy(&gp, &p, sizeof p);
+	ck_assert_ptr_nonnull(gp);
+	void *fn = NULL;
+	int status = -1;
+	/* cuCtxSynchronize: (void) until 13000, (CUcontext) from there */
+	ck_assert_int_eq(gp("cuCtxSynchronize", &fn, 2000, 0, &status), 0);
+	ck_assert_ptr_nonnull(fn);
+	ck_assert_int_eq(gp("cuCtxSynchronize", &fn, 12080, 0, &status), 0);
+	ck_assert_int_ne(gp("cuCtxSynchronize", &fn, 13000, 0, &status), 0);
+	ck_assert_ptr_null(fn);
+	/* the 3-argument instantiate is cuGraphInstantiateWithFlags */
+	ck_assert_int_ne(gp("cuGraphInstantiate", &fn, 12000, 0, &status), 0);
+	ck_assert_int_eq(
+	    gp("cuGraphInstantiateWithFlags", &fn, 11040, 0, &status), 0);
+	ck_assert_int_ne(
+	    gp("cuGraphInstantiateWithFlags", &fn, 11000, 0, &status), 0);
+	/* cuMemAlloc at 2000 has a 32-bit size */
+	ck_assert_int_ne(gp("cuMemAlloc", &fn, 2000, 0, &status), 0);
+	ck_assert_int_eq(gp("cuMemAlloc", &fn, 3020, 0, &status), 0);
+	ck_assert_int_ne(gp("cuNoSuchThing", &fn, 13000, 0, &status), 0);
+	ck_assert_int_eq(status, 1);
+	/* an older driver is refused by name (before any device exists) */
+	epj_ctx *ctx = tu_ctx();
+	ej_cuda_dev *d = NULL;
+	setenv("FAKE_CUDA_DRIVER_VERSION", "12080", 1);
+	ck_assert_int_eq(ej_cuda_open(ctx, &d), EPJ_ERR_BACKEND);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "too old: version 12.8") &&
+			  strstr(epj_ctx_error(ctx), "13.0 or newer"),
+		      "%s", epj_ctx_error(ctx));
+	unsetenv("FAKE_CUDA_DRIVER_VERSION");
+	/* the library resolves every entry point and runs */
+	fresh();
+	epj_ctx_clear_error(ctx);
+	ck_assert_msg(ej_cuda_open(ctx, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(ej_cuda_sync(ctx, d), EPJ_OK);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_fake_errors)
 {
 	fresh();
@@ -601,15 +776,23 @@ static int64_t check_region(epj_ctx *ctx, cu_fn fn, epj_dtype dt,
 		}
 		epj_tensor *yn = NULL, *yi = NULL;
 		int64_t l0 = epj_counter_get(ctx, "kernels.launched.compiled");
-		long long f0 = fstats().launches;
+		/* through the driver: kernel launches or graph replays, as
+		 * the library counts them (cuda.launches, .graph_launches) */
+		fake_stats s0 = fstats();
 		ck_assert_msg(ej_region_run(ctx, fn_n, in, 3, NULL, 0, NULL,
 					    NULL, &yn, 1) == EPJ_OK,
 			      "nvrtc run: %s", epj_ctx_error(ctx));
 		launches =
 		    epj_counter_get(ctx, "kernels.launched.compiled") - l0;
 		ck_assert_int_gt(launches, 0);
-		ck_assert_int_gt(fstats().launches,
-				 f0); /* through the driver */
+		fake_stats s1 = fstats();
+		ck_assert_int_gt(s1.launches + s1.graph_launches,
+				 s0.launches + s0.graph_launches);
+		if (ctx->dev->counters) /* a cuda context: cuda.* */
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "cuda.launches") +
+				epj_counter_get(ctx, "cuda.graph_launches"),
+			    s1.launches + s1.graph_launches);
 		ck_assert_int_eq(ej_region_run(ctx, fn_i, in, 3, NULL, 0, NULL,
 					       NULL, &yi, 1),
 				 EPJ_OK);
@@ -915,6 +1098,8 @@ START_TEST(test_fake_smem_optin)
 			 EPJ_OK);
 	void *fn = dev->function(dev->self, m, "k");
 	ck_assert_ptr_nonnull(fn);
+	fake_set_hook(record_only, NULL, NULL); /* the launch as the driver
+						   saw it */
 	void *arg = NULL;
 	ej_launch l = { .grid = { 1, 1, 1 },
 			.block = { 32, 1, 1 },
@@ -924,6 +1109,7 @@ START_TEST(test_fake_smem_optin)
 	ck_assert_msg(dev->launch(dev->self, ctx, fn, "k", &l) == EPJ_OK, "%s",
 		      epj_ctx_error(ctx));
 	ck_assert_int_eq(fstats().last_smem, 96 * 1024);
+	fake_set_hook(NULL, NULL, NULL);
 	l.smem = 300 * 1024;
 	ck_assert_int_eq(dev->launch(dev->self, ctx, fn, "k", &l),
 			 EPJ_ERR_INVALID);
@@ -1386,7 +1572,6 @@ END_TEST
 static bool gpu_ready(void)
 {
 	fake_set_hook = NULL;
-	fake_stats_get = NULL;
 	const char *path = getenv("EPJIT_CUDA_DRIVER");
 	void *h = dlopen(path && *path ? path : "libcuda.so.1",
 			 RTLD_NOW | RTLD_LOCAL);
@@ -1395,10 +1580,10 @@ static bool gpu_ready(void)
 				"skipped\n");
 		return false;
 	}
+	/* the one test hook a stand-in has: how its kernels run (NULL on a
+	 * real driver, whose kernels run on the GPU) */
 	void *p = dlsym(h, "fake_cuda_set_hook");
 	memcpy(&fake_set_hook, &p, sizeof p);
-	p = dlsym(h, "fake_cuda_stats_get");
-	memcpy(&fake_stats_get, &p, sizeof p);
 	epj_ctx *ctx = tu_ctx();
 	ej_cuda_dev *d = NULL;
 	epj_status st = ej_cuda_open(ctx, &d);
@@ -1511,7 +1696,9 @@ START_TEST(test_gpu_templates)
 	fresh();
 	if (!gpu_ready())
 		return;
+	hook_on(); /* a stand-in runs the kernels on cuda-sim */
 	templates_on_cuda(false);
+	hook_off();
 }
 END_TEST
 
@@ -1556,6 +1743,9 @@ Suite *make_cuda_suite(void)
 	tcase_add_test(tc, test_pick_ordinal);
 	tcase_add_loop_test(tc, test_fake_open, 0, 3);
 	tcase_add_test(tc, test_fake_memory);
+	tcase_add_test(tc, test_fake_counters);
+	tcase_add_test(tc, test_fake_ctx_counters);
+	tcase_add_test(tc, test_fake_proc_versions);
 	tcase_add_test(tc, test_fake_errors);
 	tcase_add_test(tc, test_fake_grid_cap);
 	tcase_add_loop_test(tc, test_fake_nvrtc_region, 0, 6);

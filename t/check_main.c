@@ -6,6 +6,15 @@
 
 #include "check_util.h"
 
+/* t/check_cuda_step.c (not in check_util.h, which other suites share) */
+Suite *make_cuda_step_suite(void);
+/* t/check_cuda_syncs.c: host synchronizations of a cuda training step */
+Suite *make_cuda_syncs_suite(void);
+/* t/check_ptxas.c: ptxas's resource report of the CUDA kernels */
+Suite *make_ptxas_suite(void);
+/* t/check_kparam.c: kernel parameter sizes from images (t/fake_kparam.c) */
+Suite *make_kparam_suite(void);
+
 int main(void)
 {
 	Suite *(*suites[])(void) = {
@@ -26,6 +35,7 @@ int main(void)
 		make_gpu_suite,		  make_archive_suite,
 		make_config_doc_suite,	  make_templates_suite,
 		make_tmpl_gemm_suite,	  make_ops_moe_suite,
+		make_ptxas_suite,
 	};
 	/* the CUDA C templates' suites, one per area */
 	Suite *(*tmpl_suites[])(void) = {
@@ -36,9 +46,8 @@ int main(void)
 	};
 	/* the GPU libraries on their stand-ins */
 	Suite *(*gpu_lib_suites[])(void) = {
-		make_cublaslt_suite,
-		make_nccl_suite,
-		make_gemm_cuda_suite,
+		make_cublaslt_suite,  make_nccl_suite,	 make_gemm_cuda_suite,
+		make_cuda_step_suite, make_kparam_suite, make_cuda_syncs_suite,
 	};
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());

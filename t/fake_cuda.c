@@ -3,8 +3,10 @@
  * the Driver API entry points lib/device_cuda.c resolves, over host memory,
  * with the driver's rules where the device code relies on them:
  *
- *  - cuGetProcAddress_v2 resolves names at a requested version (cuMemAlloc
- *    at 12000 is the _v2 form); unknown names fail with CUDA_ERROR_NOT_FOUND;
+ *  - cuGetProcAddress_v2 resolves (name, version) as cudaTypedefs.h lists
+ *    the prototypes (cuMemAlloc at 3020 is the _v2 form), refuses a version
+ *    that selects a prototype epjit does not declare, and fails unknown
+ *    names with CUDA_ERROR_NOT_FOUND;
  *  - "device" memory is malloc'ed; frees of unknown pointers are
  *    CUDA_ERROR_INVALID_VALUE; FAKE_CUDA_MEM_LIMIT (bytes) makes cuMemAlloc
  *    fail with CUDA_ERROR_OUT_OF_MEMORY above that many live bytes;
@@ -28,7 +30,14 @@
  * against the CPU reference.  FAKE_CUDA_FAIL=<entry point> makes that call
  * fail with CUDA_ERROR_UNKNOWN; FAKE_CUDA_DEVICES=<n> sets the count,
  * FAKE_CUDA_SMS=<n> the SM count and FAKE_CUDA_OCC=<n> the resident blocks
- * per SM that the occupancy query answers.
+ * per SM that the occupancy query answers; FAKE_CUDA_DRIVER_VERSION=<v>
+ * the version cuDriverGetVersion reports (default 13000).
+ *
+ * From outside it looks like the real library: it exports the Driver API
+ * only (cu*), plus the test hooks fake_cuda_set_hook (how kernels run) and
+ * fake_cuda_device_access (for the stand-in cuBLASLt and NCCL), and keeps
+ * its bookkeeping to itself, so a test that passes here asserts only what a
+ * real driver would let it see (t/exports.sh checks the export list).
  *
  * Test code: built only for make check, never installed.
  */
@@ -39,6 +48,9 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+
+#include "fake_cuda_exec.h"
+#include "fake_kparam.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -53,6 +65,7 @@ enum {
 	E_INVALID_IMAGE = 200,
 	E_INVALID_HANDLE = 400,
 	E_NOT_FOUND = 500,
+	E_NOT_SUPPORTED = 801,
 	E_CAPTURE = 900, /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
 	E_UNKNOWN = 999,
 };
@@ -65,7 +78,8 @@ typedef int (*fake_hook)(void *user, void *module, const char *kernel,
 			 const unsigned *grid, const unsigned *block,
 			 unsigned smem, void *args);
 
-/* what the test reads back (fake_cuda_stats) */
+/* the stand-in's own bookkeeping (not exported: the tests read the
+ * library's driver counters, as they would on a GPU) */
 typedef struct fake_stats {
 	long long launches, graph_launches, replayed, allocs, frees;
 	long long live_bytes, peak_bytes;
@@ -133,12 +147,6 @@ void fake_cuda_set_hook(fake_hook h, fake_size_fn size, void *user)
 	F.hook_user = user;
 }
 
-void fake_cuda_stats_get(fake_stats *out);
-void fake_cuda_stats_get(fake_stats *out)
-{
-	*out = F.st;
-}
-
 /* ---- errors ---------------------------------------------------------------
  */
 
@@ -172,6 +180,9 @@ CUresult cuGetErrorName(CUresult e, const char **s)
 		break;
 	case E_NOT_FOUND:
 		*s = "CUDA_ERROR_NOT_FOUND";
+		break;
+	case E_NOT_SUPPORTED:
+		*s = "CUDA_ERROR_NOT_SUPPORTED";
 		break;
 	case E_CAPTURE:
 		*s = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
@@ -217,6 +228,9 @@ CUresult cuGetErrorString(CUresult e, const char **s)
 	case E_NOT_FOUND:
 		*s = "named symbol not found";
 		break;
+	case E_NOT_SUPPORTED:
+		*s = "operation not supported";
+		break;
 	case E_CAPTURE:
 		*s = "operation not permitted when stream is capturing";
 		break;
@@ -249,10 +263,12 @@ static CUresult f_cuInit(unsigned flags)
 	return OK;
 }
 
+/* 13000, or FAKE_CUDA_DRIVER_VERSION (an older driver's refusal) */
 CUresult cuDriverGetVersion(int *v);
 CUresult cuDriverGetVersion(int *v)
 {
-	*v = 13000;
+	const char *e = getenv("FAKE_CUDA_DRIVER_VERSION");
+	*v = e && *e ? atoi(e) : 13000;
 	return OK;
 }
 
@@ -347,11 +363,27 @@ static struct {
 	int open;    /* nesting of guard_open */
 } G = { -1, NULL, 0, 0 };
 
+/* FAKE_CUDA_COUNT_ONLY=1 (read at the first cuMemAlloc): "device" memory
+ * is address space from the guarded region that is never made accessible;
+ * copies into it and fills are dropped, copies out of it read zeros, and
+ * launched kernels are recorded (parameters copied at capture) but not run.
+ * The library runs unchanged; what it asks of the driver is counted by its
+ * own counters, at any size, in seconds. */
+static int count_only = -1;
+static bool counting_only(void)
+{
+	if (count_only < 0) {
+		const char *v = getenv("FAKE_CUDA_COUNT_ONLY");
+		count_only = v && !strcmp(v, "1");
+	}
+	return count_only == 1;
+}
+
 static bool guard_on(void)
 {
 	if (G.on < 0) {
 		const char *v = getenv("FAKE_CUDA_GUARD");
-		G.on = v && !strcmp(v, "1");
+		G.on = (v && !strcmp(v, "1")) || counting_only();
 		if (G.on) {
 			void *p = mmap(
 			    NULL, GUARD_RESERVE, PROT_NONE,
@@ -373,12 +405,16 @@ static size_t guard_span(void)
 /* Device memory readable and writable (inside a driver call) or not. */
 static void guard_open(void)
 {
+	if (count_only == 1)
+		return; /* never accessible */
 	if (G.on == 1 && G.open++ == 0 && G.used)
 		mprotect(G.base, guard_span(), PROT_READ | PROT_WRITE);
 }
 
 static void guard_close(void)
 {
+	if (count_only == 1)
+		return;
 	if (G.on == 1 && --G.open == 0 && G.used)
 		mprotect(G.base, guard_span(), PROT_NONE);
 }
@@ -402,7 +438,7 @@ static void *guard_alloc(size_t n)
 	if (at + need > GUARD_RESERVE)
 		return NULL;
 	G.used = at + need;
-	if (G.open)
+	if (G.open && count_only != 1)
 		mprotect(G.base, guard_span(), PROT_READ | PROT_WRITE);
 	return G.base + at;
 }
@@ -483,12 +519,32 @@ static CUresult f_cuMemFreeHost(void *p)
 	return OK;
 }
 
-static CUresult f_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+static bool in_region(CUdeviceptr p)
 {
-	ENTER("cuMemcpy");
+	return G.base && (uintptr_t)p >= (uintptr_t)G.base &&
+	       (uintptr_t)p - (uintptr_t)G.base < GUARD_RESERVE;
+}
+
+/* A copy as the driver does it (count-only: as described above). */
+static void copy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+	if (count_only == 1) {
+		if (!in_region(dst) && in_region(src))
+			memset((void *)(uintptr_t)dst, 0, n);
+		else if (!in_region(dst))
+			memmove((void *)(uintptr_t)dst,
+				(const void *)(uintptr_t)src, n);
+		return;
+	}
 	guard_open();
 	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
 	guard_close();
+}
+
+static CUresult f_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+	ENTER("cuMemcpy");
+	copy(dst, src, n);
 	return OK;
 }
 static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
@@ -498,15 +554,15 @@ static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
 	ENTER("cuMemcpyAsync");
 	if (F.capturing)
 		return E_CAPTURE; /* not recorded by this fake */
-	guard_open();
-	memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
-	guard_close();
+	copy(dst, src, n);
 	return OK;
 }
 static CUresult f_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n,
 				  void *s)
 {
 	(void)s;
+	if (count_only == 1 && in_region(dst))
+		return OK;
 	guard_open();
 	memset((void *)(uintptr_t)dst, v, n);
 	guard_close();
@@ -519,6 +575,9 @@ static CUresult f_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n,
 typedef struct module {
 	unsigned char *image;
 	size_t size;
+	const char *src; /* its CUDA C, where fake_nvrtc.c knows it */
+	void *sim;	 /* that source built for cuda-sim (at the first
+			    launch without a hook) */
 } module;
 
 /* Size of an ELF64 image: the end of its section header table (a cubin
@@ -561,6 +620,7 @@ static CUresult f_cuModuleLoadData(void **m, const void *image)
 	mod->image = malloc(n);
 	memcpy(mod->image, p, n);
 	mod->size = n;
+	mod->src = fake_exec_source(mod->image, n);
 	*m = mod;
 	return OK;
 }
@@ -570,6 +630,7 @@ static CUresult f_cuModuleUnload(void *m)
 	module *mod = m;
 	if (!mod)
 		return E_INVALID_HANDLE;
+	fake_exec_unload(mod->sim);
 	free(mod->image);
 	free(mod);
 	return OK;
@@ -629,9 +690,30 @@ static CUresult run(func *f, const unsigned *g, const unsigned *b,
 	F.st.last_smem = smem;
 	snprintf(F.st.last_kernel, sizeof F.st.last_kernel, "%s", f->name);
 	guard_open();
-	int rc = F.hook
-		     ? F.hook(F.hook_user, f->module, f->name, g, b, smem, args)
-		     : 0;
+	int rc = 0;
+	if (count_only == 1) {
+		/* nothing runs */
+	} else if (F.hook) {
+		rc = F.hook(F.hook_user, f->module, f->name, g, b, smem, args);
+	} else if (fake_exec_available()) {
+		/* a program that knows nothing of the stand-in: the kernel
+		 * runs on cuda-sim from the source NVRTC saw */
+		module *mod = f->module;
+		long kp = fake_kparam_size(mod->image, mod->size, f->name);
+		if (!mod->src || kp < 0) {
+			fprintf(stderr, "fake_cuda: %s: %s; cannot run it\n",
+				f->name,
+				!mod->src
+				    ? "its module's source is unknown (an "
+				      "image NVRTC did not make in this "
+				      "process)"
+				    : "unknown parameter size");
+			rc = 1;
+		} else {
+			rc = fake_exec_launch(&mod->sim, mod->src, f->name, g,
+					      b, smem, args, (size_t)kp);
+		}
+	}
 	guard_close();
 	if (rc != 0)
 		return E_UNKNOWN; /* the kernel "faulted" */
@@ -655,7 +737,22 @@ static CUresult f_cuLaunchKernel(void *fp, unsigned gx, unsigned gy,
 		return E_INVALID_VALUE;
 	unsigned g[3] = { gx, gy, gz }, b[3] = { bx, by, bz };
 	if (F.capturing) {
-		size_t n = F.size ? F.size(F.hook_user, f->module, f->name) : 0;
+		/* the parameter bytes, from the image as the driver reads
+		 * them (the test's size callback, where set, must agree) */
+		const module *mod = f->module;
+		long kp = fake_kparam_size(mod->image, mod->size, f->name);
+		size_t n = kp > 0 ? (size_t)kp : 0;
+		if (F.size && n &&
+		    F.size(F.hook_user, f->module, f->name) != n) {
+			fprintf(stderr,
+				"fake_cuda: %s: the image says %zu parameter "
+				"bytes, the test %zu\n",
+				f->name, n,
+				F.size(F.hook_user, f->module, f->name));
+			return E_INVALID_VALUE;
+		}
+		if (!n && F.size)
+			n = F.size(F.hook_user, f->module, f->name);
 		if (F.n_rec == MAX_REC || !n)
 			return E_CAPTURE;
 		rec *r = &F.rec[F.n_rec++];
@@ -752,7 +849,8 @@ typedef struct gexec {
 	int n;
 } gexec;
 
-static CUresult f_cuGraphInstantiate(void **x, void *g, unsigned long long fl)
+static CUresult f_cuGraphInstantiateWithFlags(void **x, void *g,
+					      unsigned long long fl)
 {
 	(void)fl;
 	if (g != &a_graph)
@@ -802,54 +900,81 @@ static CUresult f_cuDriverGetVersion(int *v)
 	return cuDriverGetVersion(v);
 }
 
-#define ENTRY(n)                                                               \
+/* The entry points by (name, version), as cudaTypedefs.h lists them
+ * (PFN_<name>_v<version>): a request at version v gets the newest
+ * prototype introduced at or before v, and nothing below the first.  The
+ * prototypes this stand-in implements are the ones epjit declares
+ * (lib/cuda_driver.h); a request that selects another one (fn NULL here:
+ * cuCtxSynchronize at 13000 takes a context, cuGraphInstantiate's
+ * prototypes take an error node and a log, cuMemAlloc at 2000 a 32-bit
+ * size) is refused with CUDA_ERROR_NOT_SUPPORTED and a line on stderr, where
+ * the real driver would hand back a function that a call through the
+ * declared prototype corrupts. */
+#define ENTRY(n, v)                                                            \
 	{                                                                      \
-#n, (void *)f_##n                                              \
+#n, v, (void *)f_##n                                           \
+	}
+#define OTHER(n, v)                                                            \
+	{                                                                      \
+#n, v, NULL                                                    \
 	}
 static const struct {
 	const char *name;
-	void *fn;
+	int since;
+	void *fn; /* NULL: a prototype epjit does not declare */
 } entries[] = {
-	ENTRY(cuInit),
-	ENTRY(cuDriverGetVersion),
-	ENTRY(cuDeviceGetCount),
-	ENTRY(cuDeviceGet),
-	ENTRY(cuDeviceGetName),
-	ENTRY(cuDeviceGetAttribute),
-	ENTRY(cuDeviceTotalMem),
-	ENTRY(cuDevicePrimaryCtxRetain),
-	ENTRY(cuDevicePrimaryCtxRelease),
-	ENTRY(cuCtxSetCurrent),
-	ENTRY(cuCtxSynchronize),
-	ENTRY(cuMemAlloc),
-	ENTRY(cuMemFree),
-	ENTRY(cuMemGetInfo),
-	ENTRY(cuMemHostAlloc),
-	ENTRY(cuMemFreeHost),
-	ENTRY(cuMemcpy),
-	ENTRY(cuMemcpyAsync),
-	ENTRY(cuMemsetD8Async),
-	ENTRY(cuModuleLoadData),
-	ENTRY(cuModuleUnload),
-	ENTRY(cuModuleGetFunction),
-	ENTRY(cuFuncSetAttribute),
-	ENTRY(cuOccupancyMaxActiveBlocksPerMultiprocessor),
-	ENTRY(cuLaunchKernel),
-	ENTRY(cuStreamCreate),
-	ENTRY(cuStreamDestroy),
-	ENTRY(cuStreamSynchronize),
-	ENTRY(cuStreamWaitEvent),
-	ENTRY(cuEventCreate),
-	ENTRY(cuEventDestroy),
-	ENTRY(cuEventRecord),
-	ENTRY(cuEventSynchronize),
-	ENTRY(cuEventElapsedTime),
-	ENTRY(cuStreamBeginCapture),
-	ENTRY(cuStreamEndCapture),
-	ENTRY(cuGraphInstantiate),
-	ENTRY(cuGraphLaunch),
-	ENTRY(cuGraphExecDestroy),
-	ENTRY(cuGraphDestroy),
+	ENTRY(cuInit, 2000),
+	ENTRY(cuDriverGetVersion, 2020),
+	ENTRY(cuDeviceGetCount, 2000),
+	ENTRY(cuDeviceGet, 2000),
+	ENTRY(cuDeviceGetName, 2000),
+	ENTRY(cuDeviceGetAttribute, 2000),
+	OTHER(cuDeviceTotalMem, 2000),
+	ENTRY(cuDeviceTotalMem, 3020),
+	ENTRY(cuDevicePrimaryCtxRetain, 7000),
+	OTHER(cuDevicePrimaryCtxRelease, 7000),
+	ENTRY(cuDevicePrimaryCtxRelease, 11000),
+	ENTRY(cuCtxSetCurrent, 4000),
+	ENTRY(cuCtxSynchronize, 2000),
+	OTHER(cuCtxSynchronize, 13000),
+	OTHER(cuMemAlloc, 2000),
+	ENTRY(cuMemAlloc, 3020),
+	OTHER(cuMemFree, 2000),
+	ENTRY(cuMemFree, 3020),
+	OTHER(cuMemGetInfo, 2000),
+	ENTRY(cuMemGetInfo, 3020),
+	ENTRY(cuMemHostAlloc, 2020),
+	ENTRY(cuMemFreeHost, 2000),
+	ENTRY(cuMemcpy, 4000),
+	ENTRY(cuMemcpyAsync, 4000),
+	ENTRY(cuMemsetD8Async, 3020),
+	ENTRY(cuModuleLoadData, 2000),
+	ENTRY(cuModuleUnload, 2000),
+	ENTRY(cuModuleGetFunction, 2000),
+	ENTRY(cuFuncSetAttribute, 9000),
+	ENTRY(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050),
+	ENTRY(cuLaunchKernel, 4000),
+	ENTRY(cuStreamCreate, 2000),
+	OTHER(cuStreamDestroy, 2000),
+	ENTRY(cuStreamDestroy, 4000),
+	ENTRY(cuStreamSynchronize, 2000),
+	ENTRY(cuStreamWaitEvent, 3020),
+	ENTRY(cuEventCreate, 2000),
+	OTHER(cuEventDestroy, 2000),
+	ENTRY(cuEventDestroy, 4000),
+	ENTRY(cuEventRecord, 2000),
+	ENTRY(cuEventSynchronize, 2000),
+	ENTRY(cuEventElapsedTime, 2000),
+	ENTRY(cuEventElapsedTime, 12080),
+	OTHER(cuStreamBeginCapture, 10000),
+	ENTRY(cuStreamBeginCapture, 10010),
+	ENTRY(cuStreamEndCapture, 10000),
+	OTHER(cuGraphInstantiate, 10000),
+	OTHER(cuGraphInstantiate, 11000),
+	ENTRY(cuGraphInstantiateWithFlags, 11040),
+	ENTRY(cuGraphLaunch, 10000),
+	ENTRY(cuGraphExecDestroy, 10000),
+	ENTRY(cuGraphDestroy, 10000),
 };
 
 CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version,
@@ -864,12 +989,30 @@ CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version,
 		return E_INVALID_VALUE;
 	if (version > 13000) /* newer than this "driver" */
 		return E_NOT_FOUND;
-	for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++)
-		if (!strcmp(entries[i].name, sym)) {
-			*pfn = entries[i].fn;
-			return OK;
-		}
-	if (status)
-		*status = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+	int best = -1;
+	bool known = false;
+	for (size_t i = 0; i < sizeof entries / sizeof entries[0]; i++) {
+		if (strcmp(entries[i].name, sym) != 0)
+			continue;
+		known = true;
+		if (entries[i].since <= version &&
+		    (best < 0 || entries[i].since > entries[best].since))
+			best = (int)i;
+	}
+	if (best >= 0 && entries[best].fn) {
+		*pfn = entries[best].fn;
+		return OK;
+	}
+	if (best >= 0) {
+		fprintf(stderr,
+			"fake_cuda: cuGetProcAddress(\"%s\", %d) selects the "
+			"prototype of version %d, which epjit does not "
+			"declare: refused\n",
+			sym, version, entries[best].since);
+		return E_NOT_SUPPORTED;
+	}
+	if (status) /* unknown, or not yet at that version */
+		*status =
+		    known ? 2 : 1; /* ..._VERSION_NOT_SUFFICIENT / _NOT_FOUND */
 	return E_NOT_FOUND;
 }

@@ -21,6 +21,15 @@
  * The gradient is f32 or bf16 (gdt 0 / 1); after the update the model copy
  * `model` (when not NULL) receives the new master as f32 or bf16 (mdt 0 / 1,
  * round to nearest even).
+ *
+ * The squared norm of the gradients (for the global-norm clipping) runs
+ * over the same descriptors and items, reading grad and n only:
+ *   ej_optim_sumsq        block b: partial[b] = sum of grad^2 over item b,
+ *                         in double, reduced by ej_block_sum;
+ *   ej_optim_sumsq_total  ONE block: *out = sum of partial[0 .. n_items).
+ * Every sum has a fixed order (no atomics), so the result does not depend
+ * on the block order; it differs from the CPU's chunked sum by rounding
+ * only (double sums of f32 squares).
  */
 #ifdef EJ_CUDA_SIM
 #define ej_om(a, b) ((a) * (b))
@@ -104,4 +113,47 @@ extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
 				((float *)T.model)[k] = np;
 		}
 	}
+}
+
+/* ---- squared norm of the gradients ---------------------------------------- */
+
+struct ej_optim_sumsq_args {
+	const struct ej_optim_tensor *t;   /* grad and n are read */
+	const struct ej_optim_item *items; /* [n_items] */
+	long long chunk;
+	int gdt;
+	long long n_items;
+	double *partial; /* [n_items] */
+	double *out;	 /* [1] */
+};
+
+extern "C" __global__ void ej_optim_sumsq(const struct ej_optim_sumsq_args a)
+{
+	__shared__ double sh[32];
+	const struct ej_optim_item it = a.items[blockIdx.x];
+	const struct ej_optim_tensor T = a.t[it.tensor];
+	const long long hi =
+	    it.first + a.chunk < T.n ? it.first + a.chunk : T.n;
+	double s = 0;
+	for (long long k = it.first + threadIdx.x; k < hi; k += blockDim.x) {
+		double g = a.gdt == 1
+			       ? (double)ej_bf2f(((const ej_bf16 *)T.grad)[k])
+			       : (double)((const float *)T.grad)[k];
+		s = ej_oa(s, ej_om(g, g));
+	}
+	s = ej_block_sum(s, sh);
+	if (threadIdx.x == 0)
+		a.partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void
+ej_optim_sumsq_total(const struct ej_optim_sumsq_args a)
+{
+	__shared__ double sh[32];
+	double s = 0;
+	for (long long i = threadIdx.x; i < a.n_items; i += blockDim.x)
+		s = ej_oa(s, a.partial[i]);
+	s = ej_block_sum(s, sh);
+	if (threadIdx.x == 0)
+		*a.out = s;
 }

@@ -1,0 +1,101 @@
+#!/bin/sh
+# t/gpu_check.sh -- tools/gpu-check's own behaviour, without a GPU and in
+# seconds (the whole script runs against the stand-in in CI: .ci/run):
+#  - --help prints the usage and exits 0; an unknown argument exits 1;
+#  - without a driver it says so, prints the step table and exits 2, and
+#    writes $OUT/gpu-check.log and gpu-check.json;
+#  - a TERM during a step ends that step's processes and the run, with the
+#    table (the step marked KILLED) and the JSON, exit 1;
+#  - a KILL leaves the log of everything up to it (the log streams).
+# The TERM and KILL cases start the build step in a scratch tree against
+# the stand-in driver; they wait for the log to show the step, never for a
+# fixed time.
+set -u
+top_srcdir=${top_srcdir:-.}
+top_builddir=${top_builddir:-.}
+gc="$top_srcdir/tools/gpu-check"
+fake="$top_builddir/t/.libs/libfakecuda.so"
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-gpucheck.XXXXXX") || exit 99
+trap 'rm -rf "$tmp"' EXIT
+fail() {
+	echo "FAIL: $*"
+	exit 1
+}
+# in_tree DIR: the pids of processes working in DIR (their cwd under it)
+in_tree() {
+	for d in /proc/[0-9]*; do
+		c=$(readlink "$d/cwd" 2>/dev/null) || continue
+		case "$c" in "$1" | "$1"/*) echo "${d#/proc/}" ;; esac
+	done
+}
+# wait_for FILE PATTERN: until FILE holds PATTERN (at most 120 s)
+wait_for() {
+	i=0
+	while ! grep -q -- "$2" "$1" 2>/dev/null; do
+		i=$((i + 1))
+		[ $i -gt 1200 ] && return 1
+		sleep 0.1
+	done
+	return 0
+}
+
+bash "$gc" --help >"$tmp/help" 2>&1 || fail "--help exited $?"
+grep -q 'gpu-check \[--help\]' "$tmp/help" || fail "--help printed no usage"
+bash "$gc" --bogus >/dev/null 2>&1 && fail "an unknown argument was accepted"
+
+OUT="$tmp/none" EPJIT_GPU_CHECK_BUILD="$tmp/b0" \
+	EPJIT_GPU_CHECK_DRIVER=/nonexistent/epjit/libcuda.so.1 \
+	bash "$gc" >"$tmp/none.out" 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "no driver: exit $rc, want 2"
+wait_for "$tmp/none/gpu-check.log" "total .*exit 2" || fail "no driver: no summary in the log"
+grep -q '^probe *FAIL' "$tmp/none/gpu-check.log" || fail "no driver: no probe row"
+grep -q '"exit": 2' "$tmp/none/gpu-check.json" || fail "no driver: no JSON"
+
+if [ ! -f "$fake" ]; then
+	echo "SKIP: the kill cases need the stand-in driver ($fake)"
+	exit 77
+fi
+for sig in TERM KILL; do
+	OUT="$tmp/$sig" EPJIT_GPU_CHECK_BUILD="$tmp/b$sig" \
+		EPJIT_GPU_CHECK_DRIVER="$fake" \
+		bash "$gc" >"$tmp/$sig.out" 2>&1 &
+	pid=$!
+	wait_for "$tmp/$sig/gpu-check.log" "== build\|^total " ||
+		fail "$sig: the build step never started"
+	if ! grep -q "== build" "$tmp/$sig/gpu-check.log"; then
+		# the probe is a plain program: it cannot load a stand-in
+		# built with the sanitizers (ASan must come first)
+		wait "$pid"
+		grep -q '^probe *FAIL' "$tmp/$sig/gpu-check.log" &&
+			grep -q 'driver: none' "$tmp/$sig/gpu-check.log" ||
+			fail "$sig: the run ended before its build step"
+		echo "SKIP: the probe cannot load $fake (a sanitizer build?)"
+		exit 77
+	fi
+	kill -s "$sig" "$pid"
+	wait "$pid"
+	rc=$?
+	log="$tmp/$sig/gpu-check.log"
+	grep -q '^driver: 13000' "$log" || fail "$sig: the probe's lines are not in the log"
+	grep -q '^probe *pass' "$log" 2>/dev/null && [ "$sig" = KILL ] &&
+		fail "KILL: a summary cannot have been printed"
+	if [ "$sig" = TERM ]; then
+		[ $rc -eq 1 ] || fail "TERM: exit $rc, want 1"
+		wait_for "$log" "total .*exit 1" || fail "TERM: no summary"
+		grep -q '^build *KILLED' "$log" || fail "TERM: the build step is not marked KILLED"
+		grep -q '"result": "KILLED"' "$tmp/$sig/gpu-check.json" || fail "TERM: no JSON"
+		# the step's processes are gone (configure or make in that tree)
+		i=0
+		while [ -n "$(in_tree "$tmp/bTERM")" ]; do
+			i=$((i + 1))
+			[ $i -gt 300 ] && fail "TERM: the build step's processes outlived the run"
+			sleep 0.1
+		done
+	fi
+done
+# a KILL leaves the step's processes behind (nothing can end them): end
+# them here, as the machine's owner would
+for p in $(in_tree "$tmp/bKILL"); do kill -9 "$p" 2>/dev/null; done
+echo "PASS: usage, no driver (exit 2), TERM (summary, exit 1), KILL (log kept)"
+exit 0
