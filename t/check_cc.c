@@ -714,20 +714,37 @@ END_TEST
  *
  * A world-writable directory without the sticky bit (a badly set up TMPDIR):
  * another user may rename or replace anything in it.  A swapper process
- * (uid 65534 when the test runs as root, else ourselves) replaces every
- * regular file it sees there with a module whose constructor leaves a
- * marker file, and renames every directory it sees away, putting its own
- * directory (holding its module as f.so) in its place.  Loading by path
- * from there runs its code; ej_hostcc_compile + ej_hostcc_load must not. */
+ * (uid 65534 when the test runs as root and may change user, else
+ * ourselves) replaces regular files it sees there with a module whose
+ * constructor leaves a marker file, and as another user renames every
+ * directory it sees away, putting its own directory (holding its module as
+ * f.so) in its place.  Loading by path from there runs its code;
+ * ej_hostcc_compile + ej_hostcc_load must not.
+ *
+ * The swapper never touches what it made itself: it remembers the inodes
+ * it wrote or created (its own uid cannot tell them apart when it could not
+ * become another user).  As ourselves it attacks only the old way's files
+ * (epjit-so-old-*): our own private build directories are no boundary
+ * against our own uid. */
 
-/* The swapper's loop (never returns). */
-static void swapper_run(const char *dir, const void *evil, size_t n)
+enum { SWAP_MAX_OWN = 4096 };
+
+/* The swapper's loop (never returns).  It writes one byte to report_fd
+ * before its first round: '1' if it became another user, '0' if not. */
+static void swapper_run(const char *dir, const void *evil, size_t n,
+			int report_fd)
 {
-	/* Root becomes another user; where that is not allowed (no
-	 * CAP_SETUID) it attacks as itself, which the checks below still
-	 * survive (it only touches the top level of dir). */
-	if (geteuid() == 0 && setgid(65534) == 0 && setuid(65534) != 0)
-		_exit(3);
+	static ino_t own[SWAP_MAX_OWN];
+	size_t n_own = 0;
+	bool other = false;
+	if (geteuid() == 0 && setgid(65534) == 0) {
+		if (setuid(65534) != 0)
+			_exit(3);
+		other = true;
+	}
+	if (write(report_fd, other ? "1" : "0", 1) != 1)
+		_exit(6);
+	close(report_fd);
 	for (unsigned long k = 0;; k++) {
 		DIR *d = opendir(dir);
 		if (!d)
@@ -738,10 +755,19 @@ static void swapper_run(const char *dir, const void *evil, size_t n)
 			if (nm[0] == '.' || !strncmp(nm, "swap", 4) ||
 			    !strcmp(nm, "PWNED") || !strncmp(nm, "moved", 5))
 				continue;
+			if (!other && strncmp(nm, "epjit-so-old-", 13))
+				continue;
 			char p[4096], q[4200];
 			snprintf(p, sizeof p, "%s/%s", dir, nm);
 			struct stat st;
-			if (lstat(p, &st) != 0 || st.st_uid == geteuid())
+			if (lstat(p, &st) != 0)
+				continue;
+			if (other && st.st_uid == geteuid())
+				continue;
+			bool mine = false;
+			for (size_t i = 0; i < n_own && !mine; i++)
+				mine = own[i] == st.st_ino;
+			if (mine)
 				continue;
 			if (S_ISREG(st.st_mode)) {
 				snprintf(q, sizeof q, "%s/swap.%lu", dir, k);
@@ -750,14 +776,20 @@ static void swapper_run(const char *dir, const void *evil, size_t n)
 				if (fd < 0)
 					continue;
 				ssize_t w = write(fd, evil, n);
+				struct stat sq;
+				if (fstat(fd, &sq) == 0 && n_own < SWAP_MAX_OWN)
+					own[n_own++] = sq.st_ino;
 				close(fd);
 				if (w == (ssize_t)n)
 					rename(q, p);
 				unlink(q);
-			} else if (S_ISDIR(st.st_mode)) {
+			} else if (S_ISDIR(st.st_mode) && other) {
 				snprintf(q, sizeof q, "%s/moved.%lu", dir, k);
 				if (rename(p, q) != 0 || mkdir(p, 0777) != 0)
 					continue;
+				struct stat sp;
+				if (lstat(p, &sp) == 0 && n_own < SWAP_MAX_OWN)
+					own[n_own++] = sp.st_ino;
 				chmod(p, 0777);
 				snprintf(q, sizeof q, "%s/f.so", p);
 				int fd = open(q, O_WRONLY | O_CREAT, 0755);
@@ -797,27 +829,39 @@ START_TEST(test_hostcc_swap_attack)
 	ck_assert_msg(ej_hostcc_compile(ctx, good_src, "f", &good, &good_n,
 					NULL) == EPJ_OK,
 		      "%s", epj_ctx_error(ctx));
+	int rep[2];
+	ck_assert_int_eq(pipe(rep), 0);
 	fflush(NULL);
 	pid_t pid = fork();
 	ck_assert_int_ge(pid, 0);
-	if (pid == 0)
-		swapper_run(w, evil, evil_n);
+	if (pid == 0) {
+		close(rep[0]);
+		swapper_run(w, evil, evil_n, rep[1]);
+	}
+	close(rep[1]);
+	char other = 0;
+	ck_assert_msg(read(rep[0], &other, 1) == 1,
+		      "the swapper ended before it started");
+	close(rep[0]);
 
 	/* The old way, path-based: write the module to a file in TMPDIR and
 	 * dlopen that path.  The window between the two is made wide here
-	 * (wait until the file changed) so that the swap always wins. */
+	 * (wait until the file changed) so that the swap always wins.  The
+	 * file's own inode comes from its descriptor: the swapper may already
+	 * have replaced the name by the time we could look it up. */
 	char path[4200];
 	snprintf(path, sizeof path, "%s/epjit-so-old-XXXXXX", w);
 	int fd = mkstemp(path);
 	ck_assert_int_ge(fd, 0);
+	struct stat st0, st1;
+	ck_assert_int_eq(fstat(fd, &st0), 0);
 	ck_assert_int_eq(write(fd, good, good_n), (ssize_t)good_n);
 	close(fd);
-	struct stat st0, st1;
-	ck_assert_int_eq(lstat(path, &st0), 0);
 	/* up to 120 s by the clock: on a loaded host the swapper may not be
 	 * scheduled for a long while */
 	struct timespec t0, t;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
+	st1 = st0;
 	do {
 		if (lstat(path, &st1) == 0 && st1.st_ino != st0.st_ino)
 			break;
@@ -863,9 +907,9 @@ START_TEST(test_hostcc_swap_attack)
 	ck_assert_int_eq(waitpid(pid, &ws, 0), pid);
 	ck_assert_msg(WIFSIGNALED(ws), "swapper ended early (exit %d)",
 		      WEXITSTATUS(ws));
-	/* As root the swapper was another user and attacked the private
-	 * build directories too (it renamed some away). */
-	if (geteuid() == 0 && getuid() == 0) {
+	/* As another user the swapper attacked the private build
+	 * directories too (it renamed some away). */
+	if (other == '1') {
 		int moved = 0;
 		DIR *d = opendir(w);
 		struct dirent *de;
