@@ -53,13 +53,86 @@
  * `extern __shared__` declaration does not compile here.  EJ_CUDA_SIM is
  * defined for the prelude to tell the two apart.
  */
+/* The C library's <math.h>, not libstdc++'s wrapper: that one is <cmath>,
+ * whose templates and special functions cost 0.3 s of every module's
+ * compile (half of it).  The float overloads <cmath> gives (and CUDA gives
+ * device code) follow, so that exp(float) is expf, as on the GPU; a call
+ * that mixes float and double arguments does not compile (ambiguous)
+ * instead of picking a precision silently.  abs(float) comes from
+ * <stdlib.h> (libstdc++'s std::abs overloads). */
+#define _GLIBCXX_INCLUDE_NEXT_C_HEADERS
 #include <math.h>
+#undef _GLIBCXX_INCLUDE_NEXT_C_HEADERS
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <ucontext.h>
+
+#define EJ_SIM_F1(N)                                                           \
+	static inline float N(float x)                                         \
+	{                                                                      \
+		return N##f(x);                                                \
+	}
+#define EJ_SIM_F2(N)                                                           \
+	static inline float N(float x, float y)                                \
+	{                                                                      \
+		return N##f(x, y);                                             \
+	}
+EJ_SIM_F1(acos)
+EJ_SIM_F1(asin)
+EJ_SIM_F1(atan)
+EJ_SIM_F1(cbrt)
+EJ_SIM_F1(ceil)
+EJ_SIM_F1(cos)
+EJ_SIM_F1(cosh)
+EJ_SIM_F1(erf)
+EJ_SIM_F1(erfc)
+EJ_SIM_F1(exp)
+EJ_SIM_F1(exp2)
+EJ_SIM_F1(expm1)
+EJ_SIM_F1(fabs)
+EJ_SIM_F1(floor)
+EJ_SIM_F1(lgamma)
+EJ_SIM_F1(log)
+EJ_SIM_F1(log10)
+EJ_SIM_F1(log1p)
+EJ_SIM_F1(log2)
+EJ_SIM_F1(nearbyint)
+EJ_SIM_F1(rint)
+EJ_SIM_F1(round)
+EJ_SIM_F1(sin)
+EJ_SIM_F1(sinh)
+EJ_SIM_F1(sqrt)
+EJ_SIM_F1(tan)
+EJ_SIM_F1(tanh)
+EJ_SIM_F1(tgamma)
+EJ_SIM_F1(trunc)
+EJ_SIM_F2(atan2)
+EJ_SIM_F2(copysign)
+EJ_SIM_F2(fdim)
+EJ_SIM_F2(fmax)
+EJ_SIM_F2(fmin)
+EJ_SIM_F2(fmod)
+EJ_SIM_F2(hypot)
+EJ_SIM_F2(nextafter)
+EJ_SIM_F2(pow)
+EJ_SIM_F2(remainder)
+static inline float fma(float x, float y, float z)
+{
+	return fmaf(x, y, z);
+}
+static inline float ldexp(float x, int e)
+{
+	return ldexpf(x, e);
+}
+static inline float frexp(float x, int *e)
+{
+	return frexpf(x, e);
+}
+#undef EJ_SIM_F1
+#undef EJ_SIM_F2
 
 #if defined(__SANITIZE_ADDRESS__)
 #define EJ_SIM_ASAN 1
