@@ -869,11 +869,11 @@ Suite *make_eager_sim_suite(void)
 	tcase_add_test(tc, test_nvrtc_units);
 	tcase_add_test(tc, test_index_errors);
 	tcase_add_test(tc, test_accumulation_order);
-	tcase_add_loop_test(tc, test_pointwise, 0, 3);
+	tu_add_loop_test(tc, test_pointwise, 3);
 	tcase_add_test(tc, test_int_and_casts);
-	tcase_add_loop_test(tc, test_reductions, 0, 4);
-	tcase_add_loop_test(tc, test_shape, 0, 3);
-	tcase_add_loop_test(tc, test_index, 0, 3);
+	tu_add_loop_test(tc, test_reductions, 4);
+	tu_add_loop_test(tc, test_shape, 3);
+	tu_add_loop_test(tc, test_index, 3);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -909,11 +909,11 @@ Suite *make_eager_cuda_suite(void)
 	tcase_add_test(tc, test_index_errors);
 	tcase_add_test(tc, test_accumulation_order);
 	/* f32 and bf16 (f64 takes the same device paths as f32) */
-	tcase_add_loop_test(tc, test_pointwise, 0, 2);
+	tu_add_loop_test(tc, test_pointwise, 2);
 	tcase_add_test(tc, test_int_and_casts);
-	tcase_add_loop_test(tc, test_reductions, 0, 2);
-	tcase_add_loop_test(tc, test_shape, 0, 2);
-	tcase_add_loop_test(tc, test_index, 0, 2);
+	tu_add_loop_test(tc, test_reductions, 2);
+	tu_add_loop_test(tc, test_shape, 2);
+	tu_add_loop_test(tc, test_index, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

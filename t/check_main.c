@@ -1,4 +1,12 @@
 /* check_main.c -- the one Check runner: every module's suite, one exit status.
+ *
+ * Usage: check_epjit [--list | SUITE...].  With no argument every suite
+ * runs, in the order of the table below; with names, only those (an
+ * unknown name is an error).  make check runs the suites in parts (the
+ * t/check-*.part files, through t/check_part.sh), so that make -j runs
+ * them side by side; t/check_parts.sh checks that the parts name every
+ * suite of --list exactly once.  CK_RUN_SUITE / CK_RUN_CASE narrow a run
+ * further, as Check documents.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,40 +23,88 @@ Suite *make_ptxas_suite(void);
 /* t/check_kparam.c: kernel parameter sizes from images (t/fake_kparam.c) */
 Suite *make_kparam_suite(void);
 
-int main(void)
+/* Every suite by name, in the order a full run takes. */
+static const struct {
+	const char *name;
+	Suite *(*make)(void);
+} suites[] = {
+	{ "tensor", make_tensor_suite },
+	{ "alloc", make_alloc_suite },
+	{ "autograd", make_autograd_suite },
+	{ "counters", make_counters_suite },
+	{ "ops_pointwise", make_ops_pointwise_suite },
+	{ "ops_reduce", make_ops_reduce_suite },
+	{ "ops_linalg", make_ops_linalg_suite },
+	{ "ops_attention", make_ops_attention_suite },
+	{ "ops_index", make_ops_index_suite },
+	{ "ops_shape", make_ops_shape_suite },
+	{ "config", make_config_suite },
+	{ "model_config", make_model_config_suite },
+	{ "safetensors", make_safetensors_suite },
+	{ "data", make_data_suite },
+	{ "autoep", make_autoep_suite },
+	{ "module", make_module_suite },
+	{ "optim", make_optim_suite },
+	{ "model", make_model_suite },
+	{ "engine", make_engine_suite },
+	{ "jit", make_jit_suite },
+	{ "compile", make_compile_suite },
+	{ "parity", make_parity_suite },
+	{ "kcache", make_kcache_suite },
+	{ "cc", make_cc_suite },
+	{ "codegen", make_codegen_suite },
+	{ "keys", make_keys_suite },
+	{ "sim", make_sim_suite },
+	{ "cuda", make_cuda_suite },
+	{ "gpu", make_gpu_suite },
+	{ "archive", make_archive_suite },
+	{ "config_doc", make_config_doc_suite },
+	{ "templates", make_templates_suite },
+	{ "tmpl_gemm", make_tmpl_gemm_suite },
+	{ "ops_moe", make_ops_moe_suite },
+	{ "ptxas", make_ptxas_suite },
+	{ "tmpl_attention", make_tmpl_attention_suite },
+	{ "tmpl_moe", make_tmpl_moe_suite },
+	{ "eager_sim", make_eager_sim_suite },
+	{ "eager_cuda", make_eager_cuda_suite },
+	{ "cublaslt", make_cublaslt_suite },
+	{ "nccl", make_nccl_suite },
+	{ "gemm_cuda", make_gemm_cuda_suite },
+	{ "cuda_step", make_cuda_step_suite },
+	{ "kparam", make_kparam_suite },
+	{ "cuda_syncs", make_cuda_syncs_suite },
+};
+#define N_SUITES (sizeof suites / sizeof suites[0])
+
+static int suite_index(const char *name)
 {
-	Suite *(*suites[])(void) = {
-		make_tensor_suite,	  make_alloc_suite,
-		make_autograd_suite,	  make_counters_suite,
-		make_ops_pointwise_suite, make_ops_reduce_suite,
-		make_ops_linalg_suite,	  make_ops_attention_suite,
-		make_ops_index_suite,	  make_ops_shape_suite,
-		make_config_suite,	  make_model_config_suite,
-		make_safetensors_suite,	  make_data_suite,
-		make_autoep_suite,	  make_module_suite,
-		make_optim_suite,	  make_model_suite,
-		make_engine_suite,	  make_jit_suite,
-		make_compile_suite,	  make_parity_suite,
-		make_kcache_suite,	  make_cc_suite,
-		make_codegen_suite,	  make_keys_suite,
-		make_sim_suite,		  make_cuda_suite,
-		make_gpu_suite,		  make_archive_suite,
-		make_config_doc_suite,	  make_templates_suite,
-		make_tmpl_gemm_suite,	  make_ops_moe_suite,
-		make_ptxas_suite,
-	};
-	/* the CUDA C templates' suites, one per area */
-	Suite *(*tmpl_suites[])(void) = {
-		make_tmpl_attention_suite,
-		make_tmpl_moe_suite,
-		make_eager_sim_suite,
-		make_eager_cuda_suite,
-	};
-	/* the GPU libraries on their stand-ins */
-	Suite *(*gpu_lib_suites[])(void) = {
-		make_cublaslt_suite,  make_nccl_suite,	 make_gemm_cuda_suite,
-		make_cuda_step_suite, make_kparam_suite, make_cuda_syncs_suite,
-	};
+	for (size_t i = 0; i < N_SUITES; i++)
+		if (!strcmp(suites[i].name, name))
+			return (int)i;
+	return -1;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc == 2 && !strcmp(argv[1], "--list")) {
+		for (size_t i = 0; i < N_SUITES; i++)
+			printf("%s\n", suites[i].name);
+		return EXIT_SUCCESS;
+	}
+	bool want[N_SUITES];
+	for (size_t i = 0; i < N_SUITES; i++)
+		want[i] = argc < 2;
+	for (int a = 1; a < argc; a++) {
+		int k = suite_index(argv[a]);
+		if (k < 0) {
+			fprintf(stderr,
+				"epjit check: no suite named '%s' (--list "
+				"names them)\n",
+				argv[a]);
+			return EXIT_FAILURE;
+		}
+		want[k] = true;
+	}
 	printf("epjit check: seed %llu (set EPJIT_TEST_SEED to replay)\n",
 	       (unsigned long long)tu_seed());
 	/* A kernel cache this run creates, empty: no test may pass on an
@@ -61,13 +117,9 @@ int main(void)
 	}
 	setenv("EPJIT_CACHE_DIR", cache, 1);
 	SRunner *sr = srunner_create(NULL);
-	for (size_t i = 0; i < sizeof suites / sizeof suites[0]; i++)
-		srunner_add_suite(sr, suites[i]());
-	for (size_t i = 0; i < sizeof tmpl_suites / sizeof tmpl_suites[0]; i++)
-		srunner_add_suite(sr, tmpl_suites[i]());
-	for (size_t i = 0; i < sizeof gpu_lib_suites / sizeof gpu_lib_suites[0];
-	     i++)
-		srunner_add_suite(sr, gpu_lib_suites[i]());
+	for (size_t i = 0; i < N_SUITES; i++)
+		if (want[i])
+			srunner_add_suite(sr, suites[i].make());
 	srunner_run_all(sr, CK_NORMAL);
 	int failed = srunner_ntests_failed(sr);
 	srunner_free(sr);

@@ -988,8 +988,8 @@ Suite *make_sim_suite(void)
 	tcase_add_test(tc, test_device_select);
 	tcase_add_test(tc, test_reports);
 	tcase_add_test(tc, test_prelude_bf16);
-	tcase_add_loop_test(tc, test_model_kernels, 0, 9);
-	tcase_add_loop_test(tc, test_single_ops, 0, 6);
+	tu_add_loop_test(tc, test_model_kernels, 9);
+	tu_add_loop_test(tc, test_single_ops, 6);
 	suite_add_tcase(s, tc);
 	/* its own case, so that t/sim_asan.sh can run it alone */
 	TCase *ta = tcase_create("asan");

@@ -1114,14 +1114,14 @@ Suite *make_tmpl_moe_suite(void)
 	 * first test compiles each template, the others load it */
 	tcase_add_unchecked_fixture(tc, cache_setup, cache_teardown);
 	tcase_set_timeout(tc, 300);
-	tcase_add_loop_test(tc, test_route, 0, 36);
+	tu_add_loop_test(tc, test_route, 36);
 	tcase_add_test(tc, test_sort);
-	tcase_add_loop_test(tc, test_permute_combine, 0, 36);
-	tcase_add_loop_test(tc, test_embedding, 0, 18);
-	tcase_add_loop_test(tc, test_cross_entropy, 0, 9);
-	tcase_add_loop_test(tc, test_optim, 0, 6);
+	tu_add_loop_test(tc, test_permute_combine, 36);
+	tu_add_loop_test(tc, test_embedding, 18);
+	tu_add_loop_test(tc, test_cross_entropy, 9);
+	tu_add_loop_test(tc, test_optim, 6);
 	tcase_add_test(tc, test_errors);
-	tcase_add_loop_test(tc, test_engine_sim, 0, 2);
+	tu_add_loop_test(tc, test_engine_sim, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

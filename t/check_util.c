@@ -40,6 +40,18 @@ uint64_t tu_seed(void)
 	return seed_value;
 }
 
+void tu_add_loop_test(TCase *tc, const TTest *fn, int n)
+{
+	const char *q = getenv("EPJIT_CHECK_QUICK");
+	if (!q || !*q || !strcmp(q, "0") || n <= 1) {
+		tcase_add_loop_test(tc, fn, 0, n);
+		return;
+	}
+	int k = (n + 2) / 3;
+	int lo = (int)(tu_seed() % (uint64_t)(n - k + 1));
+	tcase_add_loop_test(tc, fn, lo, lo + k);
+}
+
 static uint64_t next_u64(void)
 {
 	tu_seed();
@@ -222,6 +234,14 @@ const char *tu_srcdir(void)
 	const char *s = getenv("top_srcdir");
 	return s && *s ? s : ".";
 }
+
+const char *const TU_TINY_MOE_JSON =
+    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
+    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
+    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
+    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
+    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
+    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
 
 char *tu_tmpdir_new(const char *tag)
 {

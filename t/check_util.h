@@ -59,6 +59,11 @@ Suite *make_ops_moe_suite(void);
 
 /* The run's base seed. */
 uint64_t tu_seed(void);
+/* tcase_add_loop_test(tc, fn, 0, n), or, when EPJIT_CHECK_QUICK is set
+ * (and not "0"), a window of (n + 2) / 3 of the n variants at an offset
+ * drawn from tu_seed(): every test still runs, on fewer variants (the
+ * sanitizer phase of .ci/run; doc/testing.md). */
+void tu_add_loop_test(TCase *tc, const TTest *fn, int n);
 /* A fresh context (cpu) seeded from tu_seed() and a per-call counter. */
 epj_ctx *tu_ctx(void);
 /* Uniform integer in [lo, hi) from the test RNG (seeded from tu_seed). */
@@ -165,6 +170,11 @@ struct ej_region_fn *tu_compile_region(epj_ctx *ctx, struct ej_jit *jit,
 /* $top_srcdir (set by `make check`), else ".". */
 const char *tu_srcdir(void);
 /* A fresh private directory /tmp/epjit-<tag>-XXXXXX (malloc'ed). */
+/* The tiny MoE model of the engine and device tests, as config.json:
+ * vocab 16, hidden 16, 2 layers (2 heads / 1 KV head of dim 8), 4 experts
+ * of dim 12, top-2 renormalised. */
+extern const char *const TU_TINY_MOE_JSON;
+
 char *tu_tmpdir_new(const char *tag);
 /* Removes dir and everything under it (rm -rf, never following links;
  * fails the test when something cannot be removed), then frees dir. */
