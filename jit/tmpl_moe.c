@@ -659,6 +659,23 @@ static int64_t optim_items(struct optim_item *hi, int64_t q, int i, int64_t len)
 	return q;
 }
 
+/* The optimizer module for a launch over `items` chunks (what: the
+ * caller's name for messages); *m is NULL when there is nothing to do. */
+static epj_status optim_module(epj_ctx *ctx, const char *device,
+			       const char *what, int64_t items, ej_tmpl **m)
+{
+	*m = NULL;
+	if (items == 0)
+		return EPJ_OK;
+	if (items > 0x7fffffff)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: %lld blocks of %d elements exceed one "
+				"launch",
+				what, (long long)items, OPTIM_CHUNK);
+	return ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
+			   NK(optim_kernels), m);
+}
+
 epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 			      const ej_tmpl_optim *o,
 			      const ej_tmpl_optim_tensor *t, int n)
@@ -693,17 +710,9 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 		items += (t[i].n + OPTIM_CHUNK - 1) / OPTIM_CHUNK;
 		total += t[i].n;
 	}
-	if (items == 0)
-		return EPJ_OK;
-	if (items > 0x7fffffff)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"optimizer step: %lld blocks of %d elements "
-				"exceed one launch",
-				(long long)items, OPTIM_CHUNK);
 	ej_tmpl *m;
-	epj_status st = ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
-				    NK(optim_kernels), &m);
-	if (st != EPJ_OK)
+	epj_status st = optim_module(ctx, device, "optimizer step", items, &m);
+	if (st != EPJ_OK || !m)
 		return st;
 	const ej_device *d = ej_tmpl_device(m);
 	const bool sim = strcmp(device, "cuda-sim") == 0;
@@ -831,17 +840,9 @@ epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
 					i, (long long)s[i].n, s[i].grad);
 		items += (s[i].n + OPTIM_CHUNK - 1) / OPTIM_CHUNK;
 	}
-	if (items == 0)
-		return EPJ_OK;
-	if (items > 0x7fffffff)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gradient norm: %lld blocks of %d elements "
-				"exceed one launch",
-				(long long)items, OPTIM_CHUNK);
 	ej_tmpl *m;
-	epj_status st = ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
-				    NK(optim_kernels), &m);
-	if (st != EPJ_OK)
+	epj_status st = optim_module(ctx, device, "gradient norm", items, &m);
+	if (st != EPJ_OK || !m)
 		return st;
 	const ej_device *d = ej_tmpl_device(m);
 	/* device: descriptors, items, partial sums [items], the sum [1] */

@@ -128,7 +128,9 @@ static epj_status index_to_host(epj_ctx *ctx, const epj_tensor *t, int64_t *out)
  * packed buffer (cat of both, made on the compute stream): one stream
  * synchronization per layer call instead of a full device synchronization
  * and a copy per tensor (epj_tensor_to_f64).  The copy is ordered after the
- * kernels that wrote a and b, which all run on that stream. */
+ * kernels that wrote a and b, which all run on that stream.  It is one copy
+ * when hb follows ha in memory (hb == ha + numel(a)), as the caller lays
+ * them out; else one per tensor. */
 static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
 				     int64_t *ha, int64_t *hb)
 {
@@ -145,11 +147,18 @@ static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
 		return epj_ctx_status(ctx);
 	EJ_ASSERT(ej_is_contiguous(cat) && cat->storage);
 	int64_t na = epj_tensor_numel(a), nb = epj_tensor_numel(b);
-	if (na > 0)
-		dev->copy(dev->self, ha, ej_data(cat), sizeof *ha * (size_t)na);
-	if (nb > 0)
-		dev->copy(dev->self, hb, (int64_t *)ej_data(cat) + na,
-			  sizeof *hb * (size_t)nb);
+	if (hb == ha + na) {
+		if (na + nb > 0)
+			dev->copy(dev->self, ha, ej_data(cat),
+				  sizeof *ha * (size_t)(na + nb));
+	} else {
+		if (na > 0)
+			dev->copy(dev->self, ha, ej_data(cat),
+				  sizeof *ha * (size_t)na);
+		if (nb > 0)
+			dev->copy(dev->self, hb, (int64_t *)ej_data(cat) + na,
+				  sizeof *hb * (size_t)nb);
+	}
 	epj_tensor_free(cat);
 	return EPJ_OK;
 }
@@ -1049,8 +1058,10 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 
 	/* host bookkeeping (owned) */
 	const int L = im->n_local;
-	int64_t *idx_h = malloc(sizeof *idx_h * (size_t)R);
-	int64_t *order_h = malloc(sizeof *order_h * (size_t)R);
+	/* idx_h and order_h are one block, so that index_pair_to_host reads
+	 * both with one copy */
+	int64_t *idx_h = malloc(sizeof *idx_h * 2 * (size_t)R);
+	int64_t *order_h = idx_h ? idx_h + R : NULL;
 	int64_t *tok_h = malloc(sizeof *tok_h * (size_t)R);
 	int64_t *counts = calloc((size_t)E, sizeof *counts);
 	int64_t *send_counts = calloc((size_t)P, sizeof *send_counts);
@@ -1352,8 +1363,7 @@ done:
 	epj_tensor_free(out_r);
 	epj_tensor_free(out_h);
 	epj_tensor_free(routing);
-	free(idx_h);
-	free(order_h);
+	free(idx_h); /* order_h with it */
 	free(tok_h);
 	free(counts);
 	free(send_counts);

@@ -1325,15 +1325,6 @@ START_TEST(test_ctx_guard)
 }
 END_TEST
 
-/* The tiny model config of the engine tests. */
-static const char *const CTX_MODEL_JSON =
-    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
-    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
-    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
-    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
-    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
-
 typedef struct arm {
 	epj_ctx *ctx;
 	epj_model *m;
@@ -1443,7 +1434,7 @@ START_TEST(test_ctx_train)
 	bool bf16 = _i >= 1, tmpl = _i == 2;
 	uint64_t seed = tu_seed() % 100000 + 1;
 	tu_tmpfile cfg =
-	    tu_tmpfile_new("cudactx", "config.json", CTX_MODEL_JSON);
+	    tu_tmpfile_new("cudactx", "config.json", TU_TINY_MOE_JSON);
 	arm c = { 0 }, g = { 0 };
 	arm_run(&c, tu_ctx(), cfg.path, seed, bf16);
 	if (tmpl)
@@ -1724,11 +1715,11 @@ Suite *make_gpu_suite(void)
 	Suite *s = suite_create("gpu");
 	TCase *tc = tcase_create("gpu");
 	tcase_set_timeout(tc, 300);
-	tcase_add_loop_test(tc, test_gpu_kernels, 0, 16);
-	tcase_add_loop_test(tc, test_gpu_parity, 0, 8);
+	tu_add_loop_test(tc, test_gpu_kernels, 16);
+	tu_add_loop_test(tc, test_gpu_parity, 8);
 	tcase_add_test(tc, test_gpu_vs_sim);
 	tcase_add_test(tc, test_gpu_templates);
-	tcase_add_loop_test(tc, test_gpu_gemm, 0, 2);
+	tu_add_loop_test(tc, test_gpu_gemm, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -1741,19 +1732,19 @@ Suite *make_cuda_suite(void)
 	tcase_add_test(tc, test_no_driver);
 	tcase_add_test(tc, test_no_driver_default);
 	tcase_add_test(tc, test_pick_ordinal);
-	tcase_add_loop_test(tc, test_fake_open, 0, 3);
+	tu_add_loop_test(tc, test_fake_open, 3);
 	tcase_add_test(tc, test_fake_memory);
 	tcase_add_test(tc, test_fake_counters);
 	tcase_add_test(tc, test_fake_ctx_counters);
 	tcase_add_test(tc, test_fake_proc_versions);
 	tcase_add_test(tc, test_fake_errors);
 	tcase_add_test(tc, test_fake_grid_cap);
-	tcase_add_loop_test(tc, test_fake_nvrtc_region, 0, 6);
+	tu_add_loop_test(tc, test_fake_nvrtc_region, 6);
 	tcase_add_test(tc, test_fake_cuda_graphs);
 	tcase_add_test(tc, test_fake_cubin_cached);
 	tcase_add_test(tc, test_fake_templates);
 	tcase_add_test(tc, test_fake_smem_optin);
-	tcase_add_loop_test(tc, test_fake_parity, 0, 2);
+	tu_add_loop_test(tc, test_fake_parity, 2);
 	suite_add_tcase(s, tc);
 	/* "cuda" contexts (device memory, eager kernels, regions, training) */
 	TCase *tx = tcase_create("cuda_ctx");
@@ -1763,11 +1754,11 @@ Suite *make_cuda_suite(void)
 	const char *fork = getenv("CK_FORK");
 	if (!fork || strcmp(fork, "no") != 0) /* a signal needs a fork */
 		tcase_add_test_raise_signal(tx, test_ctx_guard, SIGSEGV);
-	tcase_add_loop_test(tx, test_ctx_region, 0, 2);
+	tu_add_loop_test(tx, test_ctx_region, 2);
 	suite_add_tcase(s, tx);
 	TCase *tt = tcase_create("cuda_train");
 	tcase_set_timeout(tt, 600);
-	tcase_add_loop_test(tt, test_ctx_train, 0, 3);
+	tu_add_loop_test(tt, test_ctx_train, 3);
 	suite_add_tcase(s, tt);
 	return s;
 }

@@ -76,15 +76,6 @@ static epj_ctx *cuda_ctx_on(void)
 
 /* ---- a steady-state step of the tiny model ------------------------------ */
 
-/* The tiny model of the engine tests. */
-static const char *const MODEL_JSON =
-    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
-    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
-    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
-    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
-    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
-
 /* The gradient norm is clipped to this (the model's is about 1 to 3). */
 #define CLIP  0.25
 #define STEPS 5
@@ -211,7 +202,8 @@ START_TEST(test_step_steady)
 		return;
 	const bool bf16 = _i == 2, sgd = _i >= 1;
 	uint64_t seed = tu_seed() % 100000 + 1;
-	tu_tmpfile cfg = tu_tmpfile_new("cudastep", "config.json", MODEL_JSON);
+	tu_tmpfile cfg =
+	    tu_tmpfile_new("cudastep", "config.json", TU_TINY_MOE_JSON);
 	run c = { 0 }, g = { 0 };
 	run_steps(&c, tu_ctx(), cfg.path, seed, bf16, sgd);
 	epj_ctx *gc = cuda_ctx_on();
@@ -511,8 +503,8 @@ Suite *make_cuda_step_suite(void)
 	TCase *tc = tcase_create("cuda_step");
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_sumsq_sim);
-	tcase_add_loop_test(tc, test_norm_random, 0, 3);
-	tcase_add_loop_test(tc, test_step_steady, 0, 3);
+	tu_add_loop_test(tc, test_norm_random, 3);
+	tu_add_loop_test(tc, test_step_steady, 3);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -20,14 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-/* The model of check_cuda.c's context tests. */
-static const char *const SYNC_MODEL_JSON =
-    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
-    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
-    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
-    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
-    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
 #define SYNC_MOE_LAYERS 2
 
 /* The bound: the routing read of each AutoEP layer call (two calls per
@@ -35,7 +27,7 @@ static const char *const SYNC_MODEL_JSON =
  * per step measured on the stand-in (the step's scalars: loss, gradient
  * norm, the optimizer's), the same for every seed. */
 #define SYNCS_PER_MOE_LAYER 2
-#define SYNCS_PER_STEP	    12
+#define SYNCS_PER_STEP	    8
 
 #define SYNC_STEPS 3
 
@@ -93,7 +85,7 @@ START_TEST(test_step_syncs)
 		return;
 	uint64_t seed = tu_seed() % 100000 + 1;
 	tu_tmpfile cfg =
-	    tu_tmpfile_new("cudasyncs", "config.json", SYNC_MODEL_JSON);
+	    tu_tmpfile_new("cudasyncs", "config.json", TU_TINY_MOE_JSON);
 	sync_arm c = { 0 }, g = { 0 };
 	epj_ctx *cc = tu_ctx();
 	sync_arm_run(&c, cc, cfg.path, seed);
