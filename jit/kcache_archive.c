@@ -179,16 +179,23 @@ static int cmp_str(const void *a, const void *b)
 
 static epj_status write_file(epj_ctx *ctx, const char *path, const buf *b)
 {
-	size_t n = strlen(path) + 32;
+	size_t n = strlen(path) + 64;
 	char *tmp = malloc(n);
 	if (!tmp)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "archive: out of memory");
-	snprintf(tmp, n, "%s.tmp.%d", path, (int)getpid());
-	FILE *f = fopen(tmp, "wb");
+	/* created exclusively under an unpredictable name: in a shared
+	 * directory no one else can own, or point elsewhere, the file that
+	 * becomes the archive */
+	int fd = ej_tmp_create(path, tmp, n);
+	FILE *f = fd >= 0 ? fdopen(fd, "wb") : NULL;
 	epj_status st = EPJ_OK;
 	if (!f) {
 		st = ej_error(ctx, EPJ_ERR_IO, "archive: cannot create %s: %s",
 			      tmp, strerror(errno));
+		if (fd >= 0) {
+			close(fd);
+			unlink(tmp);
+		}
 	} else {
 		bool ok = fwrite(b->p, 1, b->len, f) == b->len;
 		ok &= fflush(f) == 0 && fsync(fileno(f)) == 0;
@@ -461,10 +468,12 @@ static epj_status read_whole(epj_ctx *ctx, const char *path,
 {
 	*data = NULL;
 	*len = 0;
-	FILE *f = fopen(path, "rb");
+	/* a regular file only: a FIFO would block, /dev/zero never end */
+	const char *why = NULL;
+	FILE *f = ej_fopen_regular(path, &why);
 	if (!f)
 		return ej_error(ctx, EPJ_ERR_IO, "archive: cannot open %s: %s",
-				path, strerror(errno));
+				path, why);
 	buf b = { 0 };
 	unsigned char chunk[65536];
 	size_t n;

@@ -49,6 +49,15 @@ typedef epj_status (*ej_fill_fn)(epj_ctx *ctx, FILE *fp, const char *tmp,
 				 void *user);
 epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			   ej_fill_fn fill, void *user);
+/* Creates the temporary file of an atomic write of `path`, exclusively
+ * (O_CREAT | O_EXCL | O_NOFOLLOW, mode 0666 & ~umask), under a name no one
+ * can predict: "<path>.tmp.<pid>.<16 random hex digits>.<host>", written
+ * to tmp[n]; another name is drawn when one is taken.  Returns the
+ * descriptor, or -1 with errno set. */
+int ej_tmp_create(const char *path, char *tmp, size_t n);
+/* Test hook: when set, the random part of ej_tmp_create's names (so that a
+ * test can plant a file at the name it will draw). */
+extern uint64_t (*ej_tmp_nonce_hook)(void);
 /* Temporary files of interrupted writes are named "<name>.tmp.<pid>[.<n>]
  * .<host>" with <host> = ej_host_tag() (8 hex digits of a hash of the host
  * name).  ej_tmp_is_dead(s), s the part after ".tmp.", says whether the

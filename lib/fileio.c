@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -140,6 +141,47 @@ static void sweep_stale(const char *path)
 	free(dir);
 }
 
+/* 64 unpredictable bits (getrandom; else the clock, the pid and a
+ * counter: unique, if guessable). */
+uint64_t (*ej_tmp_nonce_hook)(void);
+
+static uint64_t tmp_nonce(void)
+{
+	if (ej_tmp_nonce_hook)
+		return ej_tmp_nonce_hook();
+	uint64_t r;
+	if (getrandom(&r, sizeof r, GRND_NONBLOCK) == (ssize_t)sizeof r)
+		return r;
+	static atomic_uint_fast64_t k;
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return ((uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull) ^
+	       ((uint64_t)ts.tv_sec << 20) ^ ((uint64_t)getpid() << 40) ^
+	       atomic_fetch_add(&k, 1);
+}
+
+int ej_tmp_create(const char *path, char *tmp, size_t n)
+{
+	/* A name no one else can have made: O_EXCL refuses anything already
+	 * there (a file another user planted, a symlink: O_EXCL does not
+	 * follow it), so the file we write is the one we created. */
+	for (int attempt = 0; attempt < 64; attempt++) {
+		if (snprintf(tmp, n, "%s.tmp.%ld.%016llx.%s", path,
+			     (long)getpid(), (unsigned long long)tmp_nonce(),
+			     ej_host_tag()) >= (int)n) {
+			errno = ENAMETOOLONG;
+			return -1;
+		}
+		int fd = open(
+		    tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+		    0666);
+		if (fd >= 0 || errno != EEXIST)
+			return fd;
+	}
+	errno = EEXIST;
+	return -1;
+}
+
 epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			   ej_fill_fn fill, void *user)
 {
@@ -149,12 +191,7 @@ epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 		return ej_error(ctx, EPJ_ERR_NOMEM, "%s '%s': out of memory",
 				what, path);
 	sweep_stale(path);
-	snprintf(tmp, n, "%s.tmp.%ld.%s", path, (long)getpid(), ej_host_tag());
-
-	/* O_NOFOLLOW: never write through a symlink planted at the temp
-	 * name; a directory there fails with EISDIR. */
-	int fd = open(
-	    tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0666);
+	int fd = ej_tmp_create(path, tmp, n);
 	if (fd < 0) {
 		epj_status s =
 		    ej_error(ctx, EPJ_ERR_IO, "%s '%s': cannot create '%s': %s",

@@ -18,9 +18,12 @@
 #include "kcache.h"
 #include "kcache_archive.h"
 
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* ---- helpers ---- */
 
@@ -419,6 +422,67 @@ START_TEST(test_wrong_identity)
 }
 END_TEST
 
+/* An export into a shared directory where another user planted the
+ * temporary names the old code used ("<archive>.tmp.<pid>", and
+ * "<archive>.tmp.<pid>.<host>"): a symlink to a file of ours and a file of
+ * theirs.  The archive must be a new file of ours (neither the planted
+ * file's inode nor written through the link), the planted names untouched,
+ * and no temporary file left. */
+START_TEST(test_export_planted_tmp)
+{
+	fixture f;
+	fx_open(&f);
+	char key[65];
+	put_c(f.src, key);
+	char *victim = tu_path(f.tmp, "victim");
+	tu_write_text(victim, "precious\n");
+	char link_name[4300], file_name[4300];
+	snprintf(link_name, sizeof link_name, "%s.tmp.%d", f.ar, (int)getpid());
+	snprintf(file_name, sizeof file_name, "%s.tmp.%ld.%s", f.ar,
+		 (long)getpid(), ej_host_tag());
+	ck_assert_int_eq(symlink(victim, link_name), 0);
+	tu_write_text(file_name, "planted\n");
+	struct stat planted, ar;
+	ck_assert_int_eq(lstat(file_name, &planted), 0);
+	int written = 0;
+	ck_assert_msg(ej_kcache_archive_export(f.ctx, f.src, f.ar, NULL, -1,
+					       &written) == EPJ_OK,
+		      "%s", epj_ctx_error(f.ctx));
+	ck_assert_int_eq(written, 1);
+	ck_assert_int_eq(lstat(f.ar, &ar), 0);
+	ck_assert(S_ISREG(ar.st_mode));
+	ck_assert_msg(ar.st_ino != planted.st_ino,
+		      "the archive is the file another user planted");
+	char *v = tu_slurp(victim, NULL);
+	ck_assert_str_eq(v, "precious\n");
+	free(v);
+	char *pl = tu_slurp(file_name, NULL);
+	ck_assert_str_eq(pl, "planted\n");
+	free(pl);
+	ck_assert_int_eq(lstat(link_name, &planted), 0);
+	ck_assert(S_ISLNK(planted.st_mode));
+	/* it imports: the archive is whole */
+	int added = 0, present = 0;
+	ck_assert_int_eq(
+	    ej_kcache_archive_import(f.ctx, f.dst, f.ar, &added, &present),
+	    EPJ_OK);
+	ck_assert_int_eq(added, 1);
+	/* nothing else in the directory: archive, victim, the two planted */
+	DIR *d = opendir(f.tmp);
+	ck_assert_ptr_nonnull(d);
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(d)))
+		n += de->d_name[0] != '.';
+	closedir(d);
+	ck_assert_int_eq(n, 4);
+	unlink(link_name);
+	unlink(file_name);
+	free(victim);
+	fx_close(&f);
+}
+END_TEST
+
 Suite *make_archive_suite(void)
 {
 	Suite *s = suite_create("archive");
@@ -427,6 +491,7 @@ Suite *make_archive_suite(void)
 	tcase_add_test(tc, test_corrupt_and_truncated);
 	tcase_add_test(tc, test_tampered_entry);
 	tcase_add_test(tc, test_wrong_identity);
+	tcase_add_test(tc, test_export_planted_tmp);
 	tcase_set_timeout(tc, 60);
 	suite_add_tcase(s, tc);
 	return s;

@@ -606,6 +606,62 @@ static epj_st_writer *writer_with(epj_ctx *ctx, int64_t n, epj_tensor **t)
 	return w;
 }
 
+/* ej_tmp_create: names that differ call by call (three temporary files of
+ * one path at once, each new and empty), and a name that is taken (a file
+ * planted where the next draw lands) is skipped, never opened: the planted
+ * file keeps its content and the descriptor is a new file. */
+static uint64_t nonce_seq;
+static uint64_t nonce_next(void)
+{
+	return nonce_seq++;
+}
+
+START_TEST(test_tmp_create)
+{
+	char *dir = tu_tmpdir_new("tmpc");
+	char *path = tu_path(dir, "ck.safetensors");
+	char names[3][4200];
+	int fds[3];
+	for (int i = 0; i < 3; i++) {
+		fds[i] = ej_tmp_create(path, names[i], sizeof names[i]);
+		ck_assert_msg(fds[i] >= 0, "%s: %s", names[i], strerror(errno));
+		ck_assert(!strncmp(names[i], path, strlen(path)));
+		for (int j = 0; j < i; j++)
+			ck_assert_str_ne(names[i], names[j]);
+	}
+	for (int i = 0; i < 3; i++) {
+		struct stat st;
+		ck_assert_int_eq(fstat(fds[i], &st), 0);
+		ck_assert(S_ISREG(st.st_mode) && st.st_size == 0);
+		close(fds[i]);
+		ck_assert_int_eq(unlink(names[i]), 0);
+	}
+	/* the next draw is planted: the one after it is used */
+	uint64_t k = (uint64_t)tu_randint(1, 1 << 30);
+	char planted[4200];
+	snprintf(planted, sizeof planted, "%s.tmp.%ld.%016llx.%s", path,
+		 (long)getpid(), (unsigned long long)k, ej_host_tag());
+	tu_write_text(planted, "planted\n");
+	nonce_seq = k;
+	ej_tmp_nonce_hook = nonce_next;
+	char name[4200];
+	int fd = ej_tmp_create(path, name, sizeof name);
+	ej_tmp_nonce_hook = NULL;
+	ck_assert_msg(fd >= 0, "%s", strerror(errno));
+	ck_assert_str_ne(name, planted);
+	ck_assert_int_eq(nonce_seq, k + 2);
+	ck_assert_int_eq(write(fd, "ours", 4), 4);
+	close(fd);
+	char *pl = tu_slurp(planted, NULL);
+	ck_assert_str_eq(pl, "planted\n");
+	free(pl);
+	ck_assert_int_eq(unlink(name), 0);
+	ck_assert_int_eq(unlink(planted), 0);
+	free(path);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 START_TEST(test_atomic_save)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -618,16 +674,25 @@ START_TEST(test_atomic_save)
 	unsigned char *old = tu_read_file(path, &n_old);
 	epj_st_writer *w = writer_with(ctx, 16384, &new_t); /* 64 KiB */
 
-	/* 1. The temporary name is taken by a directory: open fails. */
+	/* 1. Someone planted the temporary name the old code used (a name
+	 * anyone could compute: pid and host tag) as a file of theirs: the
+	 * save must not write into it (it would become the checkpoint, owned
+	 * by them) nor touch it; the checkpoint is a new file of ours. */
 	char tmp[4096];
 	snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%s", path, (long)getpid(),
 		 ej_host_tag());
-	ck_assert_int_eq(mkdir(tmp, 0700), 0);
-	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_ERR_IO);
-	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), path));
-	struct stat st;
-	ck_assert_int_eq(stat(tmp, &st), 0); /* not ours: left alone */
-	ck_assert_int_eq(rmdir(tmp), 0);
+	tu_write_text(tmp, "planted\n");
+	struct stat st, planted;
+	ck_assert_int_eq(lstat(tmp, &planted), 0);
+	ck_assert_msg(epj_st_writer_save(w_old, path) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert_msg(st.st_ino != planted.st_ino,
+		      "the checkpoint is the planted file");
+	char *pl = tu_slurp(tmp, NULL);
+	ck_assert_str_eq(pl, "planted\n");
+	free(pl);
+	ck_assert_int_eq(unlink(tmp), 0);
 	size_t n;
 	unsigned char *now = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, n_old);
@@ -718,6 +783,7 @@ Suite *make_safetensors_suite(void)
 	tcase_add_test(tc, test_malformed);
 	tcase_add_test(tc, test_unsupported_dtype);
 	tcase_add_test(tc, test_writer_errors);
+	tcase_add_test(tc, test_tmp_create);
 	tcase_add_test(tc, test_atomic_save);
 	tcase_add_test(tc, test_file_changed_after_open);
 	suite_add_tcase(s, tc);
