@@ -583,6 +583,49 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 	return agree(e->ctx, world, engine_save_file(e, f), "checkpoint save");
 }
 
+/* A checkpoint never holds a non-finite value: EPJ_ERR_STATE naming the
+ * entry and its first non-finite element when tensor t (entry `name`) has
+ * one.  The common case costs one sum on t's device (finite when every
+ * element is, unless a sum of finite values overflows: then the elements
+ * are read one by one to tell). */
+static epj_status check_finite(epj_ctx *ctx, const char *path, const char *name,
+			       epj_tensor *t)
+{
+	int64_t n = epj_tensor_numel(t);
+	if (!epj_dtype_is_float(epj_tensor_dtype(t)) || n == 0)
+		return EPJ_OK;
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *sum = epj_sum_all(ctx, t);
+	epj_no_grad_exit(ctx, prev);
+	double v = NAN;
+	epj_status st =
+	    sum ? epj_tensor_to_f64(ctx, sum, &v) : epj_ctx_status(ctx);
+	epj_tensor_free(sum);
+	if (st != EPJ_OK || isfinite(v))
+		return st;
+	double *h = malloc(sizeof *h * (size_t)n);
+	if (!h)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"checkpoint '%s' not saved: '%s' holds a "
+				"non-finite value (the file there is left as "
+				"it was)",
+				path, name);
+	st = epj_tensor_to_f64(ctx, t, h);
+	int64_t bad = -1;
+	for (int64_t i = 0; st == EPJ_OK && i < n && bad < 0; i++)
+		if (!isfinite(h[i]))
+			bad = i;
+	double bv = bad >= 0 ? h[bad] : 0;
+	free(h);
+	if (st != EPJ_OK || bad < 0)
+		return st;
+	return ej_error(ctx, EPJ_ERR_STATE,
+			"checkpoint '%s' not saved: '%s' element %lld is %g "
+			"(a non-finite weight or optimizer state: the last "
+			"update diverged; the file there is left as it was)",
+			path, name, (long long)bad, bv);
+}
+
 static epj_status engine_save_file(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
@@ -598,7 +641,10 @@ static epj_status engine_save_file(epj_engine *e, const char *path)
 		epj_tensor *master = ej_optim_master(e->optim, i);
 		if (ej_optim_sharded(e->optim, i, NULL, NULL))
 			continue;
-		st = epj_st_writer_add(w, pl->names[i], master ? master : p);
+		st = check_finite(ctx, path, pl->names[i], master ? master : p);
+		if (st == EPJ_OK)
+			st = epj_st_writer_add(w, pl->names[i],
+					       master ? master : p);
 	}
 	ej_comm *world = multi_world(e);
 	if (world && st == EPJ_OK)
@@ -615,8 +661,11 @@ static epj_status engine_save_file(epj_engine *e, const char *path)
 		const char *nm = ej_optim_state_name(e->optim, i);
 		if (!strncmp(nm, "optimizer.master.", 17))
 			continue; /* already saved under the HF name */
-		st = epj_st_writer_add(w, nm,
-				       ej_optim_state_tensor(e->optim, i));
+		st = check_finite(ctx, path, nm,
+				  ej_optim_state_tensor(e->optim, i));
+		if (st == EPJ_OK)
+			st = epj_st_writer_add(
+			    w, nm, ej_optim_state_tensor(e->optim, i));
 	}
 	if (st == EPJ_OK)
 		st = epj_st_writer_set_metadata(w, "format", CKPT_FORMAT);

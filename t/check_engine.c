@@ -25,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,20 +37,13 @@
 /* ---- helpers --------------------------------------------------------------
  */
 
-/* The engine test model: vocab 16, hidden 16, 2 layers (2 heads / 1 KV
- * head of dim 8), 4 experts of dim 12, top-2 renormalised. */
+/* The engine test model: TU_TINY_MOE_JSON (its vocabulary). */
 #define E_V 16
-static const char *const MODEL_JSON =
-    "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 16, \"hidden_size\": "
-    "16, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
-    "\"num_key_value_heads\": 1, \"head_dim\": 8, \"intermediate_size\": 24, "
-    "\"moe_intermediate_size\": 12, \"num_experts\": 4, "
-    "\"num_experts_per_tok\": 2, \"norm_topk_prob\": true, "
-    "\"max_position_embeddings\": 64, \"initializer_range\": 0.02}";
 
 static epj_model *new_model(epj_ctx *ctx, uint64_t seed)
 {
-	tu_tmpfile cfg = tu_tmpfile_new("engine", "config.json", MODEL_JSON);
+	tu_tmpfile cfg =
+	    tu_tmpfile_new("engine", "config.json", TU_TINY_MOE_JSON);
 	epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
 			     .seed = seed,
 			     .dtype = EPJ_DTYPE_F32 };
@@ -1224,6 +1218,56 @@ START_TEST(test_nonfinite_skipped)
 }
 END_TEST
 
+/* The update of a diverging step (SGD lr 1e308) leaves infinite weights
+ * although its loss and gradient norm were finite: a save then is refused
+ * naming the entry, and the good checkpoint saved before stays as it was,
+ * byte for byte. */
+START_TEST(test_save_refuses_nonfinite)
+{
+	epj_ctx *ctx = tu_ctx();
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	batches b;
+	batches_make(ctx, &b, 1, 2, 5, seed);
+	epj_model *m = new_model(ctx, seed);
+	epj_engine *e =
+	    new_engine(ctx, m,
+		       "{\"train_micro_batch_size_per_gpu\": 2, \"optimizer\": "
+		       "{\"type\": \"SGD\", \"params\": {\"lr\": 1e308}}}");
+	char *dir = tu_tmpdir_new("engine");
+	char *ck = tu_path(dir, "ck.safetensors");
+	ck_assert_msg(epj_engine_save(e, ck) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	size_t n0, n1;
+	unsigned char *good = tu_read_file(ck, &n0);
+	epj_step_info info;
+	ck_assert_int_eq(epj_engine_train_step(e, b.ids[0], b.labels[0], &info),
+			 EPJ_OK);
+	ck_assert(isfinite(info.loss) && isfinite(info.grad_norm));
+	ck_assert_int_eq(epj_engine_save(e, ck), EPJ_ERR_STATE);
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "not saved") && strstr(msg, "model.") &&
+			  strstr(msg, ck),
+		      "%s", msg);
+	unsigned char *now = tu_read_file(ck, &n1);
+	ck_assert(n0 == n1 && memcmp(good, now, n0) == 0);
+	DIR *d = opendir(dir); /* no temporary file left */
+	int files = 0;
+	struct dirent *de;
+	while ((de = readdir(d)))
+		files += de->d_name[0] != '.';
+	closedir(d);
+	ck_assert_int_eq(files, 1);
+	free(good);
+	free(now);
+	free(ck);
+	tu_tmpdir_free(dir);
+	epj_engine_free(e);
+	epj_model_free(m);
+	batches_free(&b);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* Temporary files of saves killed half-way (a dead process of this host)
  * are removed by the next save of the same path; a live writer's and
  * another host's are not. */
@@ -1272,6 +1316,7 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tt, test_grad_accum);
 	tcase_add_test(tt, test_nonfinite_fails);
 	tcase_add_test(tt, test_nonfinite_skipped);
+	tcase_add_test(tt, test_save_refuses_nonfinite);
 	suite_add_tcase(s, tt);
 	TCase *tr = tcase_create("checkpoint");
 	tcase_set_timeout(tr, 60);
