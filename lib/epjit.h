@@ -631,6 +631,11 @@ const double *epj_corpus_stationary(const epj_corpus *c);
 epj_status epj_corpus_next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B,
 				 int64_t T, epj_tensor **input_ids,
 				 epj_tensor **labels);
+/* Advances the stream as n calls of epj_corpus_next_batch(B, T) would,
+ * without building the batches: in constant time for a token file, one
+ * chain step per token for the synthetic corpus. */
+epj_status epj_corpus_skip(epj_ctx *ctx, epj_corpus *c, int64_t n, int64_t B,
+			   int64_t T);
 
 /* ---- distributed runs -------------------------------------------------------
  * One process per rank, started by an MPI launcher (mpirun, srun).  The

@@ -658,6 +658,36 @@ epj_status epj_corpus_next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B,
 	return st;
 }
 
+epj_status epj_corpus_skip(epj_ctx *ctx, epj_corpus *c, int64_t n, int64_t B,
+			   int64_t T)
+{
+	int64_t rows;
+	if (!c || n < 0 || B < 1 || T < 1 ||
+	    __builtin_mul_overflow(n, B, &rows))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"corpus_skip: %s (n=%lld, B=%lld, T=%lld)",
+				!c ? "corpus is NULL"
+				   : "n must be >= 0, B and T >= 1",
+				(long long)n, (long long)B, (long long)T);
+	const corpus_src *src = c->src;
+	if (src->kind == SRC_SYNTHETIC) {
+		/* a Markov chain: stepped token by token, as next_batch
+		 * would, without building the batches */
+		uint32_t x = c->cur;
+		for (int64_t r = 0; r < rows; r++)
+			for (int64_t t = 0; t < T; t++)
+				x = chain_step(src, &c->rng, x);
+		c->cur = x;
+		return EPJ_OK;
+	}
+	/* a token file: each row advances the position by T, modulo the
+	 * token count */
+	uint64_t cnt = src->tok->count;
+	unsigned __int128 adv = (unsigned __int128)(uint64_t)rows * (uint64_t)T;
+	c->pos = (uint64_t)(((unsigned __int128)c->pos + adv % cnt) % cnt);
+	return EPJ_OK;
+}
+
 static epj_status next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B, int64_t T,
 			     epj_tensor **input_ids, epj_tensor **labels)
 {

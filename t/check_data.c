@@ -657,6 +657,97 @@ START_TEST(test_file_corpus)
 }
 END_TEST
 
+/* epj_corpus_skip(n, B, T) leaves a stream exactly where n batches of
+ * [B, T] would: the next batch is the same, for the synthetic corpus and
+ * a token file (odd sizes, wrapping several times); a skip of 2^40 rows
+ * of a token file is instant (constant time); bad arguments are refused. */
+static void expect_same_next(epj_ctx *ctx, epj_corpus *a, epj_corpus *b,
+			     int64_t B, int64_t T)
+{
+	epj_tensor *ia, *la, *ib, *lb;
+	ck_assert_int_eq(epj_corpus_next_batch(ctx, a, B, T, &ia, &la), EPJ_OK);
+	ck_assert_int_eq(epj_corpus_next_batch(ctx, b, B, T, &ib, &lb), EPJ_OK);
+	int64_t *x = i64_values(ia), *y = i64_values(ib);
+	int64_t *u = i64_values(la), *v = i64_values(lb);
+	for (int64_t i = 0; i < B * T; i++) {
+		ck_assert_int_eq(x[i], y[i]);
+		ck_assert_int_eq(u[i], v[i]);
+	}
+	free(x);
+	free(y);
+	free(u);
+	free(v);
+	epj_tensor_free(ia);
+	epj_tensor_free(la);
+	epj_tensor_free(ib);
+	epj_tensor_free(lb);
+}
+
+START_TEST(test_corpus_skip)
+{
+	epj_ctx *ctx = tu_ctx();
+	tdir d;
+	tdir_new(&d, "s.tok");
+	uint64_t n = (uint64_t)tu_randint(2, 50);
+	uint32_t *tok = malloc(n * sizeof *tok);
+	ck_assert_ptr_nonnull(tok);
+	for (uint64_t i = 0; i < n; i++)
+		tok[i] = (uint32_t)tu_randint(0, 300);
+	ck_assert_int_eq(epj_tokens_write(ctx, d.path, tok, n, 0, false),
+			 EPJ_OK);
+	uint64_t seed = (uint64_t)tu_randint(1, 1 << 30);
+	for (int kind = 0; kind < 2; kind++) {
+		epj_corpus *a = kind ? epj_corpus_from_tokens(ctx, d.path)
+				     : epj_corpus_synthetic(ctx, 13, seed);
+		epj_corpus *b = kind ? epj_corpus_from_tokens(ctx, d.path)
+				     : epj_corpus_synthetic(ctx, 13, seed);
+		tu_ok(ctx, a);
+		tu_ok(ctx, b);
+		int64_t B = tu_randint(1, 4), T = tu_randint(1, 37);
+		int64_t k = tu_randint(0, 9);
+		for (int64_t i = 0; i < k; i++) {
+			epj_tensor *in, *lab;
+			ck_assert_int_eq(
+			    epj_corpus_next_batch(ctx, a, B, T, &in, &lab),
+			    EPJ_OK);
+			epj_tensor_free(in);
+			epj_tensor_free(lab);
+		}
+		ck_assert_int_eq(epj_corpus_skip(ctx, b, k, B, T), EPJ_OK);
+		expect_same_next(ctx, a, b, B, T);
+		ck_assert_int_eq(epj_corpus_skip(ctx, b, -1, B, T),
+				 EPJ_ERR_INVALID);
+		ck_assert_int_eq(epj_corpus_skip(ctx, b, 1, 0, T),
+				 EPJ_ERR_INVALID);
+		ck_assert_int_eq(epj_corpus_skip(ctx, b, INT64_MAX, 2, T),
+				 EPJ_ERR_INVALID);
+		epj_ctx_clear_error(ctx);
+		epj_corpus_free(a);
+		epj_corpus_free(b);
+	}
+	/* a token file: 2^40 rows of T tokens land at (2^40 * T) mod n */
+	epj_corpus *c = epj_corpus_from_tokens(ctx, d.path);
+	tu_ok(ctx, c);
+	int64_t T = tu_randint(1, 9);
+	ck_assert_int_eq(epj_corpus_skip(ctx, c, (int64_t)1 << 40, 1, T),
+			 EPJ_OK);
+	unsigned __int128 adv = ((unsigned __int128)1 << 40) * (uint64_t)T;
+	uint64_t pos = (uint64_t)(adv % n);
+	epj_tensor *in, *lab;
+	ck_assert_int_eq(epj_corpus_next_batch(ctx, c, 1, 1, &in, &lab),
+			 EPJ_OK);
+	int64_t *x = i64_values(in);
+	ck_assert_int_eq(x[0], tok[pos]);
+	free(x);
+	epj_tensor_free(in);
+	epj_tensor_free(lab);
+	epj_corpus_free(c);
+	free(tok);
+	tdir_free(&d, NULL, 0);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_data_suite(void)
 {
 	Suite *s = suite_create("data");
@@ -670,6 +761,7 @@ Suite *make_data_suite(void)
 	tcase_add_test(tc, test_synthetic_floor_range);
 	tcase_add_test(tc, test_batch_errors);
 	tcase_add_test(tc, test_file_corpus);
+	tcase_add_test(tc, test_corpus_skip);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -115,6 +115,15 @@ resume() {
 		fail "$tag: resumed checkpoint differs from the straight run"
 }
 resume f32 --seq 16
+# A checkpoint at or past --steps: nothing to train, said so, exit 0, and
+# the checkpoint and metrics of a --save/--metrics are not touched.
+cp f32-a1.ckpt done.ckpt
+run done.log --seq 16 --steps 7 --load done.ckpt --save done.ckpt \
+	--metrics done.csv
+grep -q 'is at step 10, --steps is 7: nothing left to train' done.log ||
+	fail "a finished run's resume did not say so: $(cat done.log)"
+cmp -s done.ckpt f32-a1.ckpt || fail "a resume with nothing to train rewrote the checkpoint"
+[ ! -e done.csv ] || fail "a resume with nothing to train wrote metrics"
 
 cat >bf16.json <<'EOF'
 {

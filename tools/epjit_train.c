@@ -668,15 +668,16 @@ static int setup(run *r, const opts *o)
  * the stream continues where it stopped (the corpus is deterministic). */
 static int skip_consumed(run *r)
 {
-	int64_t n = epj_engine_step_count(r->engine) * r->gas * epj_dist_size();
-	for (int64_t i = 0; i < n; i++) {
-		epj_tensor *ids = NULL, *lab = NULL;
-		if (epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &ids,
-					  &lab) != EPJ_OK)
-			return fail(r->ctx);
-		epj_tensor_free(ids);
-		epj_tensor_free(lab);
-	}
+	int64_t n;
+	if (__builtin_mul_overflow(epj_engine_step_count(r->engine), r->gas,
+				   &n) ||
+	    __builtin_mul_overflow(n, (int64_t)epj_dist_size(), &n))
+		return fail_msg("the checkpoint's step %" PRId64
+				" times %" PRId64 " micro-batches per step "
+				"overflows the data position",
+				epj_engine_step_count(r->engine), r->gas);
+	if (epj_corpus_skip(r->ctx, r->corpus, n, r->B, r->T) != EPJ_OK)
+		return fail(r->ctx);
 	return 0;
 }
 
@@ -1258,6 +1259,16 @@ static int run_main(run *r, const opts *o)
 	if (o->load) {
 		if (epj_engine_load(r->engine, o->load) != EPJ_OK)
 			return fail(r->ctx);
+		/* a run that is done already: nothing to skip or train */
+		if (epj_engine_step_count(r->engine) >= o->steps &&
+		    !o->dump_state && !o->emit_cuda) {
+			printf(PROG ": %s is at step %" PRId64
+				    ", --steps is %ld: nothing left to "
+				    "train\n",
+			       o->load, epj_engine_step_count(r->engine),
+			       o->steps);
+			return 0;
+		}
 		if (skip_consumed(r))
 			return 1;
 	}
