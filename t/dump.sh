@@ -127,4 +127,16 @@ done
 mkdir empty
 "$DUMP" empty >/dev/null 2>&1
 [ $? -eq 2 ] || fail "a folder without counters.json: expected exit 2"
+# a FIFO (no writer: a blocking open would hang) and a device are refused
+# by name at once; timeout only bounds a regression
+mkfifo fifo.json
+timeout 60 "$DUMP" fifo.json >fifo.txt 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "epjit-dump of a FIFO: exit $rc, expected 2"
+grep -q 'fifo.json: not a regular file' fifo.txt ||
+	fail "epjit-dump of a FIFO: $(cat fifo.txt)"
+timeout 60 "$DUMP" /dev/zero >zero.txt 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "epjit-dump /dev/zero: exit $rc, expected 2"
+grep -q 'not a regular file' zero.txt || fail "epjit-dump /dev/zero: $(cat zero.txt)"
 exit 0

@@ -170,6 +170,15 @@ for a in bad.epjka short.epjka; do
 		fail "import of $a: $(cat rej.log)"
 	[ "$(entries "$tmp/r-$a")" -eq 0 ] || fail "import of $a wrote entries"
 done
+# a FIFO and /dev/zero: refused by name at once (not a hang, not a spin)
+mkfifo fifo.epjka
+for a in fifo.epjka /dev/zero; do
+	timeout 60 env EPJIT_CACHE_DIR=$tmp/r-fifo "$WARM" --import $a \
+		>rej.log 2>&1
+	rc=$?
+	[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "import of $a: exit $rc"
+	grep -q 'not a regular file' rej.log || fail "import of $a: $(cat rej.log)"
+done
 if EPJIT_CC="cc -w" EPJIT_CACHE_DIR=$tmp/r-cc "$WARM" --import all.epjka \
     >rej.log 2>&1; then
 	fail "import with another host compiler succeeded"

@@ -27,12 +27,14 @@
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -116,11 +118,28 @@ static int group_of(const char *n)
 /* Whole file as a NUL-terminated string, NULL (quiet when `quiet`). */
 static char *read_file(const char *path, bool quiet)
 {
-	FILE *f = fopen(path, "rb");
+	/* a regular file only, opened without blocking: a FIFO or a device
+	 * named here would hang or never end */
+	int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	struct stat st;
+	const char *why = NULL;
+	if (fd < 0)
+		why = strerror(errno);
+	else if (fstat(fd, &st) != 0)
+		why = strerror(errno);
+	else if (!S_ISREG(st.st_mode))
+		why = "not a regular file";
+	else if (fcntl(fd, F_SETFL, O_RDONLY) != 0)
+		why = strerror(errno);
+	FILE *f = why ? NULL : fdopen(fd, "rb");
 	if (!f) {
+		if (!why)
+			why = strerror(errno);
+		if (fd >= 0)
+			close(fd);
 		if (!quiet)
 			fprintf(stderr, "epjit-dump: cannot open %s: %s\n",
-				path, strerror(errno));
+				path, why);
 		return NULL;
 	}
 	size_t cap = 4096, n = 0;
