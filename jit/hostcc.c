@@ -44,13 +44,17 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -233,18 +237,40 @@ static int find_program(const char *prog, char *out, size_t n)
 	return err;
 }
 
+/* The compile timeout in seconds: $EPJIT_CC_TIMEOUT (a whole number, 0 for
+ * none; default 900, generous for the largest generated module on a loaded
+ * host). */
+static int cc_timeout_s(void)
+{
+	const char *v = getenv("EPJIT_CC_TIMEOUT");
+	if (!v || !*v)
+		return 900;
+	char *end;
+	errno = 0;
+	long x = strtol(v, &end, 10);
+	if (errno || *end || x < 0 || x > 86400 * 7)
+		return 900;
+	return (int)x;
+}
+
 /* Runs argv (found by find_program, no shell), stdin from /dev/null, stdout and
  * stderr into *output (malloc'ed, NUL-terminated), in the directory of the
  * descriptor cwd_fd (-1: ours) with the environment envp (NULL: ours).
  * *wstatus is waitpid's status. Returns 0, or an errno value with err_where
- * saying which call failed. */
+ * saying which call failed (ETIMEDOUT: it ran longer than cc_timeout_s()).
+ *
+ * The compiler runs in a process group of its own.  The run ends when the
+ * compiler exits, not when its output reaches end of file: a child it left
+ * behind may hold the pipe open for good.  Its group is then killed (what
+ * it left, if anything), and the whole group is killed at the timeout. */
 static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 		       char **output, int *wstatus, char *err_where,
 		       size_t err_len)
 {
 	int pfd[2] = { -1, -1 };
 	posix_spawn_file_actions_t fa;
-	bool fa_ok = false;
+	posix_spawnattr_t sa;
+	bool fa_ok = false, sa_ok = false;
 	size_t len = 0, cap = 4096;
 	char *buf = malloc(cap);
 	pid_t pid;
@@ -270,6 +296,7 @@ static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 	}
 	RUN_CHECK(find_program(argv[0], exe, sizeof exe));
 	RUN_CHECK(pipe2(pfd, O_CLOEXEC) ? errno : 0);
+	RUN_CHECK(fcntl(pfd[0], F_SETFL, O_NONBLOCK) ? errno : 0);
 	RUN_CHECK(posix_spawn_file_actions_init(&fa));
 	fa_ok = true;
 	RUN_CHECK(
@@ -285,34 +312,94 @@ static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 		goto out;
 #endif
 	}
+	RUN_CHECK(posix_spawnattr_init(&sa));
+	sa_ok = true;
+	RUN_CHECK(posix_spawnattr_setflags(&sa, POSIX_SPAWN_SETPGROUP));
+	RUN_CHECK(posix_spawnattr_setpgroup(&sa, 0));
 	RUN_CHECK(
-	    posix_spawn(&pid, exe, &fa, NULL, argv, envp ? envp : environ));
+	    posix_spawn(&pid, exe, &fa, &sa, argv, envp ? envp : environ));
 	close(pfd[1]);
 	pfd[1] = -1;
+	const int64_t limit_ms = (int64_t)cc_timeout_s() * 1000;
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	bool eof = false, exited = false;
 	for (;;) {
-		if (len + 1 == cap && cap < OUTPUT_MAX + 1) {
-			char *nb = realloc(buf, cap * 2);
-			if (nb) {
-				buf = nb;
-				cap *= 2;
+		/* what the pipe holds now */
+		while (!eof) {
+			if (len + 1 == cap && cap < OUTPUT_MAX + 1) {
+				char *nb = realloc(buf, cap * 2);
+				if (nb) {
+					buf = nb;
+					cap *= 2;
+				}
 			}
-		}
-		char drain[4096];
-		bool full = len + 1 >= cap;
-		ssize_t r = full ? read(pfd[0], drain, sizeof drain)
+			char drain[4096];
+			bool full = len + 1 >= cap;
+			ssize_t r =
+			    full ? read(pfd[0], drain, sizeof drain)
 				 : read(pfd[0], buf + len, cap - 1 - len);
-		if (r < 0 && errno == EINTR)
-			continue;
-		if (r < 0) {
-			err = errno;
-			WHERE("read(pfd[0], ...)");
-			break; /* still reap the child below */
+			if (r < 0 && errno == EINTR)
+				continue;
+			if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+				break;
+			if (r < 0) {
+				if (!err) {
+					err = errno;
+					WHERE("read(pfd[0], ...)");
+				}
+				eof = true; /* still wait for the child */
+				break;
+			}
+			if (r == 0)
+				eof = true;
+			else if (!full)
+				len += (size_t)r;
 		}
-		if (r == 0)
+		if (exited)
 			break;
-		if (!full)
-			len += (size_t)r;
+		/* exited? (WNOWAIT: the zombie keeps its pid, so the group
+		 * id below cannot be anyone else's yet) */
+		siginfo_t si;
+		memset(&si, 0, sizeof si);
+		if (waitid(P_PID, (id_t)pid, &si, WEXITED | WNOHANG | WNOWAIT) <
+		    0) {
+			if (errno == EINTR)
+				continue;
+			if (!err) {
+				err = errno;
+				WHERE("waitid(P_PID, pid, ...)");
+			}
+			break;
+		}
+		if (si.si_pid == pid) {
+			exited = true; /* one more drain, then stop */
+			continue;
+		}
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		int64_t ms = (int64_t)(t.tv_sec - t0.tv_sec) * 1000 +
+			     (t.tv_nsec - t0.tv_nsec) / 1000000;
+		if (limit_ms > 0 && ms >= limit_ms) {
+			kill(-pid, SIGKILL);
+			if (!err) {
+				err = ETIMEDOUT;
+				snprintf(err_where, err_len,
+					 "the compiler ran longer than %d s "
+					 "(EPJIT_CC_TIMEOUT); its process "
+					 "group was killed",
+					 cc_timeout_s());
+			}
+			break;
+		}
+		struct pollfd pf = { .fd = pfd[0], .events = POLLIN };
+		if (eof)
+			nanosleep(&(struct timespec){ 0, 10000000 }, NULL);
+		else
+			poll(&pf, 1, 100);
 	}
+	/* what the compiler left behind (a child holding the pipe) goes with
+	 * its group; then the compiler is reaped */
+	kill(-pid, SIGKILL);
 	while (waitpid(pid, wstatus, 0) < 0) {
 		if (errno != EINTR) {
 			if (!err) {
@@ -327,6 +414,8 @@ out:
 #undef WHERE
 	if (fa_ok)
 		posix_spawn_file_actions_destroy(&fa);
+	if (sa_ok)
+		posix_spawnattr_destroy(&sa);
 	if (pfd[0] >= 0)
 		close(pfd[0]);
 	if (pfd[1] >= 0)
@@ -687,6 +776,14 @@ static epj_status cc_step(epj_ctx *ctx, const ej_privdir *dir, char **envp,
 	join_argv(argv, cmd, sizeof cmd);
 	int err =
 	    run_capture(argv, dir->fd, envp, &output, &ws, where, sizeof where);
+	if (err == ETIMEDOUT) {
+		st = ej_error(ctx, EPJ_ERR_COMPILE,
+			      "host cc: %s '%s' with the %s compiler '%s' "
+			      "(%s=%s): %s; command (in %s): %s",
+			      what, safe, cur_lang->what, argv[0],
+			      cur_lang->env, cc, where, dir->path, cmd);
+		goto out;
+	}
 	if (err) {
 		st = ej_error(ctx, EPJ_ERR_COMPILE,
 			      "host cc: %s '%s': cannot run the %s compiler "

@@ -710,6 +710,115 @@ START_TEST(test_hostcc_isa)
 }
 END_TEST
 
+/* ---- compiles that do not end ------------------------------------------
+ *
+ * A compiler that leaves a child holding its output pipe (a daemon, a
+ * wrapper's background job) must not hang the compile: the run ends when
+ * the compiler exits and the child, in the compiler's process group, is
+ * killed.  A compiler that never ends is killed at EPJIT_CC_TIMEOUT and the
+ * compile fails naming the timeout.  The bounds on the clock are only there
+ * to fail instead of hanging (the child sleeps 300 s). */
+
+static double now_s(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return (double)t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static bool pid_gone(pid_t pid)
+{
+	/* gone, or a zombie waiting for whoever adopted it */
+	for (int i = 0; i < 600; i++) {
+		char p[64], st[512];
+		snprintf(p, sizeof p, "/proc/%d/stat", (int)pid);
+		FILE *f = fopen(p, "r");
+		if (!f)
+			return true;
+		size_t n = fread(st, 1, sizeof st - 1, f);
+		fclose(f);
+		st[n] = '\0';
+		const char *rp = strrchr(st, ')');
+		if (rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'))
+			return true;
+		usleep(100000);
+	}
+	return false;
+}
+
+START_TEST(test_hostcc_child_and_timeout)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("ccwait");
+	char *pidfile = tu_path(dir, "child.pid");
+	char *lingers = tu_path(dir, "lingers.sh");
+	char *stalls = tu_path(dir, "stalls.sh");
+	char text[8192];
+	snprintf(text, sizeof text,
+		 "#!/bin/sh\n"
+		 "sleep 300 &\n"
+		 "echo $! > '%s'\n"
+		 "exec cc \"$@\"\n",
+		 pidfile);
+	tu_write_text(lingers, text);
+	tu_write_text(stalls,
+		      "#!/bin/sh\n"
+		      "case \"$1\" in --version) exec cc \"$@\";; esac\n"
+		      "sleep 300\n");
+	ck_assert_int_eq(chmod(lingers, 0755), 0);
+	ck_assert_int_eq(chmod(stalls, 0755), 0);
+	int k = (int)tu_randint(2, 1000);
+	char src[128];
+	snprintf(src, sizeof src, "int f(int x) { return %d * x; }\n", k);
+
+	saved_env cc = env_set("EPJIT_CC", lingers);
+	double t0 = now_s();
+	void *img = NULL;
+	size_t n = 0;
+	ck_assert_msg(ej_hostcc_compile(ctx, src, "f", &img, &n, NULL) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	double dt = now_s() - t0;
+	ck_assert_msg(dt < 120, "the compile waited %.0f s for the child", dt);
+	void *m = NULL;
+	ck_assert_int_eq(ej_hostcc_load(ctx, img, n, "f", &m), EPJ_OK);
+	int (*f)(int) = (int (*)(int))ej_hostcc_sym(m, "f");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_int_eq(f(3), 3 * k);
+	ej_hostcc_unload(m);
+	free(img);
+	char *pid_text = tu_slurp(pidfile, NULL);
+	ck_assert_ptr_nonnull(pid_text);
+	pid_t child = (pid_t)atoi(pid_text);
+	free(pid_text);
+	ck_assert_int_gt(child, 1);
+	ck_assert_msg(pid_gone(child), "the compiler's child %d lives on",
+		      (int)child);
+	env_restore(cc);
+
+	cc = env_set("EPJIT_CC", stalls);
+	saved_env to = env_set("EPJIT_CC_TIMEOUT", "2");
+	t0 = now_s();
+	img = NULL;
+	ck_assert_int_eq(ej_hostcc_compile(ctx, src, "f", &img, &n, NULL),
+			 EPJ_ERR_COMPILE);
+	dt = now_s() - t0;
+	const char *msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "EPJIT_CC_TIMEOUT") &&
+			  strstr(msg, "longer than 2 s"),
+		      "%s", msg);
+	ck_assert_msg(dt < 120, "the timeout took %.0f s", dt);
+	ck_assert_ptr_null(img);
+	env_restore(to);
+	env_restore(cc);
+	free(pidfile);
+	free(lingers);
+	free(stalls);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- another user swapping files ----------------------------------------
  *
  * A world-writable directory without the sticky bit (a badly set up TMPDIR):
@@ -963,13 +1072,14 @@ Suite *make_cc_suite(void)
 	tcase_add_test(tc, test_cuda_archs);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("hostcc");
-	tcase_set_timeout(tc, 180); /* the swap test waits up to 120 s */
+	tcase_set_timeout(tc, 400); /* the swap and wait tests allow 120 s */
 	tcase_add_test(tc, test_hostcc_compile_load);
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
 	tcase_add_test(tc, test_hostcc_identity);
 	tcase_add_test(tc, test_hostcc_isa);
 	tcase_add_test(tc, test_hostcc_swap_attack);
+	tcase_add_test(tc, test_hostcc_child_and_timeout);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("cuda_driver");
 	tcase_add_test(tc, test_cuda_driver_probe);
