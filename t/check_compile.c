@@ -25,6 +25,10 @@
  *    graph breaks of the root's graph (graph_break.checkpoint) and run
  *    eagerly with their checkpointing, so AutoEP is still replayed.
  */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
 #include "check_util.h"
 
 #include <dirent.h>
@@ -256,6 +260,8 @@ static void snap_assert_same(const snap *s, epj_module *root, const char *what)
  *   backend   optional: a compile.backend value set on the engine's config
  *             after initialize (for names the config parser itself refuses)
  *   error     line 1: the message's start; further lines: substrings
+ *   error-no-nvrtc  optional: the same, in a build without NVRTC (no CUDA
+ *             toolkit at configure time), where a case's message differs
  *   ok        line 1 "mode <m>", line 2 "regions <n>", then one region name
  *             per line ("<root>" for the root)
  * A ds.json that epj_engine_initialize already refuses (settings this build
@@ -299,6 +305,14 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 	snprintf(p_model, sizeof p_model, "%s/model", base);
 	snprintf(p_backend, sizeof p_backend, "%s/backend", base);
 	snprintf(p_err, sizeof p_err, "%s/error", base);
+#ifndef HAVE_NVRTC
+	{
+		char p_alt[2300];
+		snprintf(p_alt, sizeof p_alt, "%s/error-no-nvrtc", base);
+		if (tu_exists(p_alt))
+			snprintf(p_err, sizeof p_err, "%s", p_alt);
+	}
+#endif
 	snprintf(p_ok, sizeof p_ok, "%s/ok", base);
 	bool want_err = tu_exists(p_err), want_ok = tu_exists(p_ok);
 	if (!tu_exists(p_ds) || want_err == want_ok) {

@@ -16,7 +16,9 @@ if [ ! -f "$tree/Makefile" ]; then
 		exit 1
 	}
 fi
-make -C "$tree" -j"$(nproc 2>/dev/null || echo 2)" libepjit_core.la >"$tree/make.log" 2>&1 || {
+# the generated headers first: a target named alone does not make them
+{ make -C "$tree" built-sources &&
+	make -C "$tree" -j"$(nproc 2>/dev/null || echo 2)" libepjit_core.la; } >"$tree/make.log" 2>&1 || {
 	tail -30 "$tree/make.log" >&2
 	exit 1
 }
