@@ -717,15 +717,60 @@ epj_status ej_hostcc_isa_check(epj_ctx *ctx)
 
 /* Every combination of OpenMP and level, made once (the strings live for
  * the process). */
-static char cflags_tab[2][ISA_N][96];
+static char cflags_tab[2][ISA_N][128];
 static pthread_once_t cflags_once = PTHREAD_ONCE_INIT;
+
+/* What -march=native means on this CPU, as a hash: the first processor's
+ * vendor, model and feature lines of /proc/cpuinfo (0 when unreadable).
+ * The flags carry it (-DEJ_NATIVE_CPU=...), so that the cache key of a
+ * module built for "native" differs between CPUs that differ, and a cache
+ * shared by nodes never hands one node's AVX-512 code to another. */
+static uint64_t native_cpu_hash(void)
+{
+	FILE *f = fopen("/proc/cpuinfo", "r");
+	if (!f)
+		return 0;
+	char line[8192], *acc = NULL;
+	size_t n = 0;
+	static const char *const keys[] = { "vendor_id",       "model name",
+					    "cpu family",      "model",
+					    "flags",	       "Features",
+					    "CPU implementer", "CPU part" };
+	while (fgets(line, sizeof line, f)) {
+		if (line[0] == '\n')
+			break; /* the first processor only */
+		for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+			size_t kl = strlen(keys[k]);
+			if (strncmp(line, keys[k], kl) != 0 ||
+			    (line[kl] != ' ' && line[kl] != '\t' &&
+			     line[kl] != ':'))
+				continue;
+			size_t l = strlen(line);
+			char *a = realloc(acc, n + l + 1);
+			if (!a)
+				break;
+			acc = a;
+			memcpy(acc + n, line, l + 1);
+			n += l;
+		}
+	}
+	fclose(f);
+	uint64_t h = acc ? epj_hash(acc, n).lo : 0;
+	free(acc);
+	return h;
+}
 
 static void cflags_init(void)
 {
 	for (int omp = 0; omp < 2; omp++)
 		for (int i = 0; i < ISA_N; i++) {
-			char march[32] = "";
-			if (i != ISA_BASE)
+			char march[64] = "";
+			if (i == ISA_NATIVE)
+				snprintf(march, sizeof march,
+					 " -march=native "
+					 "-DEJ_NATIVE_CPU=0x%016llx",
+					 (unsigned long long)native_cpu_hash());
+			else if (i != ISA_BASE)
 				snprintf(march, sizeof march, " -march=%s",
 					 isa_names[i]);
 			snprintf(cflags_tab[omp][i], sizeof cflags_tab[omp][i],

@@ -683,6 +683,19 @@ START_TEST(test_hostcc_isa)
 	if (strcmp(isa, "baseline") != 0)
 		ck_assert_str_ne(key_auto, key_base);
 
+	/* native: the key says which CPU (a hash of its model and features),
+	 * not the literal -march=native that means another ISA elsewhere */
+	setenv("EPJIT_CC_ISA", "native", 1);
+	ck_assert_str_eq(ej_hostcc_isa(), "native");
+	const char *nf = strstr(ej_hostcc_cflags(), "-DEJ_NATIVE_CPU=0x");
+	ck_assert_msg(nf != NULL, "%s", ej_hostcc_cflags());
+	if (tu_exists("/proc/cpuinfo"))
+		ck_assert_msg(strncmp(nf + 18, "0000000000000000", 16) != 0,
+			      "no CPU fingerprint: %s", ej_hostcc_cflags());
+	char key_native[65];
+	ej_backend_c_key(src, key_native);
+	ck_assert_str_ne(key_native, key_base);
+
 	setenv("EPJIT_CC_ISA", "pentium9", 1);
 	ck_assert_ptr_null(ej_hostcc_isa());
 	epj_status st = ej_hostcc_compile(ctx, fsrc, "isa", &img, &size, NULL);
