@@ -18,7 +18,6 @@
 #include "kcache.h"
 #include "kcache_archive.h"
 
-#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -468,14 +467,7 @@ START_TEST(test_export_planted_tmp)
 	    EPJ_OK);
 	ck_assert_int_eq(added, 1);
 	/* nothing else in the directory: archive, victim, the two planted */
-	DIR *d = opendir(f.tmp);
-	ck_assert_ptr_nonnull(d);
-	int n = 0;
-	struct dirent *de;
-	while ((de = readdir(d)))
-		n += de->d_name[0] != '.';
-	closedir(d);
-	ck_assert_int_eq(n, 4);
+	ck_assert_int_eq(tu_dir_count(f.tmp), 4);
 	unlink(link_name);
 	unlink(file_name);
 	free(victim);

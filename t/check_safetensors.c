@@ -11,7 +11,6 @@
 
 #include "core_impl.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -23,19 +22,6 @@
 
 /* ---- helpers --------------------------------------------------------------
  */
-
-/* Number of directory entries (other than . and ..). */
-static int dir_count(const char *d)
-{
-	DIR *dir = opendir(d);
-	ck_assert_ptr_nonnull(dir);
-	int n = 0;
-	struct dirent *de;
-	while ((de = readdir(dir)))
-		n += strcmp(de->d_name, ".") && strcmp(de->d_name, "..");
-	closedir(dir);
-	return n;
-}
 
 /* A safetensors file: header length `n` (as declared), header text, then
  * `data_len` bytes of data (a counting pattern). */
@@ -143,7 +129,7 @@ START_TEST(test_roundtrip)
 			 EPJ_OK); /* replaces */
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
 	epj_st_writer_free(w);
-	ck_assert_int_eq(dir_count(dir), 1); /* no temporary file left */
+	ck_assert_int_eq(tu_dir_count(dir), 1); /* no temporary file left */
 
 	/* The data is aligned: the header length is a multiple of 8. */
 	size_t n;
@@ -714,7 +700,7 @@ START_TEST(test_atomic_save)
 		      epj_ctx_error(ctx));
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), path));
 	ck_assert_int_eq(stat(tmp, &st), -1);
-	ck_assert_int_eq(dir_count(dir), 1);
+	ck_assert_int_eq(tu_dir_count(dir), 1);
 	now = tu_read_file(path, &n);
 	ck_assert_uint_eq(n, n_old);
 	ck_assert_int_eq(memcmp(now, old, n), 0);
@@ -728,7 +714,7 @@ START_TEST(test_atomic_save)
 
 	/* 4. A successful save replaces the file; nothing else is left. */
 	ck_assert_int_eq(epj_st_writer_save(w, path), EPJ_OK);
-	ck_assert_int_eq(dir_count(dir), 1);
+	ck_assert_int_eq(tu_dir_count(dir), 1);
 	epj_st_file *f;
 	ck_assert_int_eq(epj_st_open(ctx, path, &f), EPJ_OK);
 	epj_tensor *g = epj_st_get(ctx, f, "p");

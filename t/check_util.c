@@ -252,6 +252,18 @@ char *tu_tmpdir_new(const char *tag)
 	return d;
 }
 
+int tu_dir_count(const char *d)
+{
+	DIR *dir = opendir(d);
+	ck_assert_msg(dir != NULL, "opendir %s: %s", d, strerror(errno));
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(dir)))
+		n += strcmp(de->d_name, ".") && strcmp(de->d_name, "..");
+	closedir(dir);
+	return n;
+}
+
 static int rm_one(const char *p, const struct stat *st, int flag,
 		  struct FTW *ftw)
 {

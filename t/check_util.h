@@ -176,6 +176,9 @@ const char *tu_srcdir(void);
 extern const char *const TU_TINY_MOE_JSON;
 
 char *tu_tmpdir_new(const char *tag);
+/* Number of entries of directory d other than . and .. (fails the test
+ * when d cannot be opened). */
+int tu_dir_count(const char *d);
 /* Removes dir and everything under it (rm -rf, never following links;
  * fails the test when something cannot be removed), then frees dir. */
 void tu_tmpdir_free(char *dir);
