@@ -66,6 +66,12 @@ extern uint64_t (*ej_tmp_nonce_hook)(void);
  * `path` before it writes. */
 const char *ej_host_tag(void);
 bool ej_tmp_is_dead(const char *after_tmp);
+/* Removes, in path's directory, the temporary files of interrupted writes
+ * of path and of every name that starts with path's ("<path>*.tmp.<pid>.
+ * <nonce>.<host>"), where the process is gone (ej_tmp_is_dead) and the
+ * file is ours (uid): a save or load of a checkpoint set sweeps those of
+ * all its generations and ranks. */
+void ej_sweep_tmp(const char *path);
 /* fopen(path, "rb") of a regular file only: opened with O_NONBLOCK first so
  * that a FIFO (or a device) never blocks, refused unless fstat says it is a
  * regular file.  NULL with *why set (strerror(errno), or "not a regular

@@ -5,8 +5,9 @@
  * rename over path, fsync the directory.  Any failure before the rename
  * removes the temporary file and leaves `path` exactly as it was.  A process
  * killed meanwhile leaves its temporary file: the next write of the same
- * path removes those of dead processes of this host (and those of the
- * older "<path>.tmp.<pid>" form whose process is gone, when an hour old).
+ * path, or of any name path starts (ej_sweep_tmp; a checkpoint load too),
+ * removes ours of dead processes of this host (and those of the older
+ * "<path>.tmp.<pid>" form whose process is gone, when an hour old).
  */
 #include "core_impl.h"
 
@@ -97,8 +98,7 @@ bool ej_tmp_is_dead(const char *after)
 	return pid_dead(pid);
 }
 
-/* Removes "<base>.tmp.*" files of dead processes next to path. */
-static void sweep_stale(const char *path)
+void ej_sweep_tmp(const char *path)
 {
 	char *dir = strdup(path);
 	if (!dir)
@@ -116,17 +116,24 @@ static void sweep_stale(const char *path)
 	time_t now = time(NULL);
 	while (dp && (de = readdir(dp))) {
 		const char *nm = de->d_name;
-		if (strncmp(nm, base, bl) != 0 || strncmp(nm + bl, ".tmp.", 5))
+		if (strncmp(nm, base, bl) != 0)
 			continue;
-		const char *after = nm + bl + 5, *rest;
+		/* "<base>[<suffix>].tmp.<pid>.<nonce>.<host>" */
+		const char *t = strstr(nm + bl, ".tmp."), *next;
+		while (t && (next = strstr(t + 1, ".tmp.")))
+			t = next;
+		if (!t)
+			continue;
+		const char *after = t + 5, *rest;
 		long pid = tmp_pid(after, &rest);
 		struct stat st;
 		char p[4096];
 		if (snprintf(p, sizeof p, "%s/%s", d, nm) >= (int)sizeof p ||
-		    lstat(p, &st) != 0 || !S_ISREG(st.st_mode))
+		    lstat(p, &st) != 0 || !S_ISREG(st.st_mode) ||
+		    st.st_uid != geteuid())
 			continue;
-		bool old_form = pid && *rest == '\0' && pid_dead(pid) &&
-				now - st.st_mtime > 3600;
+		bool old_form = t == nm + bl && pid && *rest == '\0' &&
+				pid_dead(pid) && now - st.st_mtime > 3600;
 		if (ej_tmp_is_dead(after) || old_form) {
 			if (unlink(p) == 0)
 				epj_log_msg(EPJ_LOG_INFO,
@@ -190,7 +197,7 @@ epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 	if (!tmp)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "%s '%s': out of memory",
 				what, path);
-	sweep_stale(path);
+	ej_sweep_tmp(path);
 	int fd = ej_tmp_create(path, tmp, n);
 	if (fd < 0) {
 		epj_status s =

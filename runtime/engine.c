@@ -26,10 +26,12 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define CKPT_FORMAT "epjit-train-checkpoint-1"
 
@@ -568,19 +570,187 @@ static epj_status agree(epj_ctx *ctx, ej_comm *world, epj_status st,
 	return EPJ_OK;
 }
 
-static epj_status engine_save_file(epj_engine *e, const char *path);
+static epj_status engine_save_file(epj_engine *e, const char *path,
+				   int64_t generation);
 
-/* With several ranks every rank writes the state it owns -- its experts,
- * its ZeRO partitions, and (replicated state) the dense parameters -- to
- * PATH.rank<R>; metadata records the world. */
+/* The commit record at path as world's rank 0 reads it, shared with every
+ * rank (a record need not be on a filesystem the other ranks see): *have
+ * false when path is no record.  Collective: every rank calls it. */
+static epj_status share_record(epj_ctx *ctx, ej_comm *world, const char *path,
+			       ej_ckpt_set *set, bool *have)
+{
+	*have = false;
+	memset(set, 0, sizeof *set);
+	char *text = NULL;
+	size_t len = 0;
+	int64_t n = -1; /* -1: no record, -2: unreadable */
+	if (world->rank == 0) {
+		int rc = ej_ckpt_set_read(path, &text, &len);
+		n = rc == 1 ? (int64_t)len : rc == 0 ? -1 : -2;
+	}
+	epj_status st =
+	    ej_comm_bcast(ctx, world, "checkpoint set", &n, sizeof n, 0);
+	if (st == EPJ_OK && n >= 0 && world->rank != 0 &&
+	    !(text = malloc((size_t)n + 1)))
+		st = ej_error(ctx, EPJ_ERR_NOMEM,
+			      "checkpoint set '%s': out "
+			      "of memory",
+			      path);
+	/* every rank joins the second broadcast once the first said so */
+	char dummy = 0;
+	if (n >= 0) {
+		epj_status bs = ej_comm_bcast(ctx, world, "checkpoint set",
+					      text ? text : &dummy,
+					      text ? (size_t)n : 0, 0);
+		if (st == EPJ_OK)
+			st = bs;
+	}
+	if (st == EPJ_OK && n == -2)
+		st = ej_error(ctx, EPJ_ERR_FORMAT,
+			      "checkpoint set '%s': starts like a commit "
+			      "record but cannot be read whole (a read error, "
+			      "or over 1 MiB)",
+			      path);
+	if (st == EPJ_OK && n >= 0) {
+		st = ej_ckpt_set_parse(ctx, path, text, (size_t)n, set);
+		*have = st == EPJ_OK;
+	}
+	free(text);
+	return st;
+}
+
+/* The file of `rank` of generation g of set PATH: PATH.g<G>.rank<R>. */
+static void gen_file(char *buf, size_t n, const char *path, int64_t g, int rank)
+{
+	snprintf(buf, n, "%s.g%" PRId64 ".rank%d", path, g, rank);
+}
+
+static const char *base_name(const char *p)
+{
+	const char *s = strrchr(p, '/');
+	return s ? s + 1 : p;
+}
+
+/* Test hook: EPJIT_TEST_SAVE_KILL_RANK=R kills rank R of a multi-rank save
+ * after it wrote its file, before the commit (a preemption mid-save). */
+static void save_fault(int rank)
+{
+	const char *v = getenv("EPJIT_TEST_SAVE_KILL_RANK");
+	if (v && *v && atoi(v) == rank)
+		raise(SIGKILL);
+}
+
+/* One row of the save's exchange: whether the rank's file is written, its
+ * size and checksum. */
+typedef struct save_row {
+	int64_t ok, bytes;
+	char hash[40];
+} save_row;
+
+/* With several ranks a save is one generation G of a checkpoint set (see
+ * ckpt_set.c): every rank writes the state it owns -- its experts, its
+ * ZeRO partitions, and (replicated state) the dense parameters -- to
+ * PATH.g<G>.rank<R>; then rank 0 commits the record PATH naming every
+ * file's checksum; then the files of older generations go. */
 epj_status epj_engine_save(epj_engine *e, const char *path)
 {
 	ej_comm *world = multi_world(e);
 	if (!world)
-		return engine_save_file(e, path);
+		return engine_save_file(e, path, 0);
+	epj_ctx *ctx = e->ctx;
+	ej_sweep_tmp(path);
+	ej_ckpt_set old;
+	bool have = false;
+	epj_status st = share_record(ctx, world, path, &old, &have);
+	int64_t gen = have ? old.generation + 1 : 1;
+	ej_ckpt_set_free(&old);
+	if (st != EPJ_OK) {
+		/* a corrupt record there is replaced by this save */
+		epj_log_msg(EPJ_LOG_WARN, "%s (replaced by this save)",
+			    epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		st = EPJ_OK;
+	}
 	char f[4096];
-	rank_file(f, sizeof f, path, world->rank);
-	return agree(e->ctx, world, engine_save_file(e, f), "checkpoint save");
+	gen_file(f, sizeof f, path, gen, world->rank);
+	save_row mine = { 0 };
+	st = engine_save_file(e, f, gen);
+	if (st == EPJ_OK)
+		st = ej_file_hash(ctx, f, &mine.bytes, mine.hash);
+	mine.ok = st == EPJ_OK;
+	save_fault(world->rank);
+	save_row *rows = calloc((size_t)world->size, sizeof *rows);
+	int64_t *counts = calloc((size_t)world->size, sizeof *counts);
+	for (int r = 0; rows && counts && r < world->size; r++)
+		counts[r] = 1;
+	epj_status gs =
+	    rows && counts ? ej_comm_allgather(ctx, world, "checkpoint save",
+					       &mine, rows, counts, sizeof mine)
+			   : ej_error(ctx, EPJ_ERR_NOMEM,
+				      "checkpoint '%s': out of memory", path);
+	if (st == EPJ_OK)
+		st = gs;
+	int bad = 0;
+	for (int r = 0; st == EPJ_OK && r < world->size; r++)
+		bad += !rows[r].ok;
+	if (st == EPJ_OK && bad)
+		st = ej_error(ctx, EPJ_ERR_IO,
+			      "checkpoint '%s' not saved: the save failed on "
+			      "%d other rank%s (see their messages); the "
+			      "previous generation stays",
+			      path, bad, bad == 1 ? "" : "s");
+	/* the commit: rank 0 writes the record, every rank learns how it
+	 * went */
+	epj_status cs = EPJ_OK;
+	if (world->rank == 0 && st == EPJ_OK) {
+		ej_ckpt_set s = {
+			.generation = gen,
+			.world = world->size,
+			.zero_stage = e->cfg.zero.stage,
+			.autoep_size = e->cfg.expert_parallel.autoep_size,
+			.step = e->step,
+			.micro_step = e->micro_step,
+			.optimizer_steps = ej_optim_step_count(e->optim),
+		};
+		s.files = calloc((size_t)world->size, sizeof *s.files);
+		cs = s.files ? EPJ_OK
+			     : ej_error(ctx, EPJ_ERR_NOMEM,
+					"checkpoint '%s': out of memory", path);
+		for (int r = 0; cs == EPJ_OK && r < world->size; r++) {
+			char g[4096];
+			gen_file(g, sizeof g, path, gen, r);
+			s.files[r].bytes = rows[r].bytes;
+			memcpy(s.files[r].hash, rows[r].hash, 33);
+			s.files[r].hash[32] = '\0';
+			size_t bl = strlen(base_name(g));
+			if (bl >= sizeof s.files[r].name)
+				cs = ej_error(ctx, EPJ_ERR_INVALID,
+					      "checkpoint '%s': file name %s "
+					      "is too long",
+					      path, base_name(g));
+			else
+				memcpy(s.files[r].name, base_name(g), bl + 1);
+		}
+		if (cs == EPJ_OK)
+			cs = ej_ckpt_set_write(ctx, path, &s);
+		ej_ckpt_set_free(&s);
+	}
+	free(rows);
+	free(counts);
+	if (st == EPJ_OK) {
+		st = agree(ctx, world, cs, "checkpoint commit");
+	} else {
+		/* keep the collective sequence of the ranks that got here */
+		epj_status ign =
+		    agree(ctx, world, EPJ_ERR_IO, "checkpoint commit");
+		(void)ign;
+	}
+	if (st != EPJ_OK) {
+		unlink(f); /* never committed */
+		return st;
+	}
+	ej_ckpt_set_prune(path, world->rank, gen);
+	return EPJ_OK;
 }
 
 /* A checkpoint never holds a non-finite value: EPJ_ERR_STATE naming the
@@ -626,7 +796,8 @@ static epj_status check_finite(epj_ctx *ctx, const char *path, const char *name,
 			path, name, (long long)bad, bv);
 }
 
-static epj_status engine_save_file(epj_engine *e, const char *path)
+static epj_status engine_save_file(epj_engine *e, const char *path,
+				   int64_t generation)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_st_writer *w = NULL;
@@ -651,6 +822,8 @@ static epj_status engine_save_file(epj_engine *e, const char *path)
 		st = add_meta_i64(w, "world_size", world->size);
 	if (world && st == EPJ_OK)
 		st = add_meta_i64(w, "rank", world->rank);
+	if (generation > 0 && st == EPJ_OK)
+		st = add_meta_i64(w, "generation", generation);
 	if (world && st == EPJ_OK)
 		st = add_meta_i64(w, "zero_stage", e->cfg.zero.stage);
 	if (world && st == EPJ_OK)
@@ -766,18 +939,91 @@ static epj_status check_entry(epj_ctx *ctx, const epj_st_file *f,
 			epj_tensor_describe(dst, b, sizeof b));
 }
 
-static epj_status engine_load_file(epj_engine *e, const char *path,
-				   bool rank_file, ej_comm *world);
+/* What a load of one rank's file is checked against: the commit record of
+ * the set (NULL for a legacy set or a plain file) and the name of each
+ * rank's file, for messages. */
+typedef struct load_plan {
+	const ej_ckpt_set *set;
+	const char *path; /* as given */
+} load_plan;
 
-/* With several ranks each rank reads its own PATH.rank<R> (saved by a
- * world of the same size and layout), or, when there is none, PATH as
- * plain weights (an HF checkpoint: every rank takes its parameters). */
+static epj_status engine_load_file(epj_engine *e, const char *file,
+				   bool rank_file, ej_comm *world,
+				   const load_plan *plan);
+
+/* Rank `rank`'s file of the set, for messages. */
+static void plan_file(const load_plan *pl, int rank, char *buf, size_t n)
+{
+	if (pl->set) {
+		const char *s = strrchr(pl->path, '/');
+		int dl = s ? (int)(s - pl->path) + 1 : 0;
+		snprintf(buf, n, "%.*s%s", dl, pl->path,
+			 pl->set->files[rank].name);
+	} else {
+		rank_file(buf, n, pl->path, rank);
+	}
+}
+
+/* This rank's file of a committed set: it exists, and its size and
+ * checksum are the record's. */
+static epj_status check_set_file(epj_ctx *ctx, const ej_ckpt_set *set,
+				 const char *path, const char *f, int rank)
+{
+	const ej_ckpt_file *rf = &set->files[rank];
+	if (!file_exists(f))
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s' (generation %" PRId64
+				") is incomplete: rank %d's file %s is "
+				"missing",
+				path, set->generation, rank, f);
+	int64_t bytes = 0;
+	char hex[33];
+	epj_status st = ej_file_hash(ctx, f, &bytes, hex);
+	if (st == EPJ_OK && (bytes != rf->bytes || strcmp(hex, rf->hash)))
+		st = ej_error(ctx, EPJ_ERR_FORMAT,
+			      "checkpoint set '%s' (generation %" PRId64
+			      "): rank %d's file %s is not the one the "
+			      "record names (%" PRId64 " bytes, checksum %s; "
+			      "the record: %" PRId64 " bytes, %s): a file "
+			      "of another save or a damaged one",
+			      path, set->generation, rank, f, bytes, hex,
+			      rf->bytes, rf->hash);
+	return st;
+}
+
+/* With several ranks: a committed set (PATH is its record) loads
+ * PATH.g<G>.rank<R> on each rank after checking it against the record;
+ * an older set without a record loads PATH.rank<R>; else PATH loads as
+ * plain weights on every rank (an HF checkpoint: every rank takes its
+ * parameters).  Either way the ranks compare their counters before
+ * anything is copied. */
 epj_status epj_engine_load(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
 	ej_comm *world = multi_world(e);
 	char f[4096];
+	ej_sweep_tmp(path);
 	if (!world) {
+		char *text = NULL;
+		size_t len = 0;
+		int rec = ej_ckpt_set_read(path, &text, &len);
+		ej_ckpt_set s;
+		bool parsed = rec == 1 && ej_ckpt_set_parse(ctx, path, text,
+							    len, &s) == EPJ_OK;
+		free(text);
+		if (rec == 1 && !parsed)
+			return ctx->status;
+		if (rec != 0) {
+			int64_t w = parsed ? s.world : 0;
+			if (parsed)
+				ej_ckpt_set_free(&s);
+			return ej_error(
+			    ctx, EPJ_ERR_UNSUPPORTED,
+			    "%s: the record of a checkpoint of %" PRId64
+			    " ranks: resume it under mpirun with the world "
+			    "size it was saved with",
+			    path, w);
+		}
 		rank_file(f, sizeof f, path, 0);
 		if (!file_exists(path) && file_exists(f))
 			return ej_error(
@@ -786,11 +1032,35 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			    "resume it under mpirun with the world size it "
 			    "was saved with",
 			    path, f);
-		return engine_load_file(e, path, false, NULL);
+		return engine_load_file(e, path, false, NULL, NULL);
+	}
+	ej_ckpt_set set;
+	bool have = false;
+	epj_status st = share_record(ctx, world, path, &set, &have);
+	if (st != EPJ_OK)
+		return st; /* the same on every rank: nothing else was sent */
+	load_plan plan = { .set = have ? &set : NULL, .path = path };
+	if (have && set.world != world->size) {
+		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			      "%s: saved by a world of %" PRId64 " ranks; "
+			      "this run has %d: resuming on another world "
+			      "size is not supported",
+			      path, set.world, world->size);
+		ej_ckpt_set_free(&set);
+		return st;
+	}
+	if (have) {
+		plan_file(&plan, world->rank, f, sizeof f);
+		st = check_set_file(ctx, &set, path, f, world->rank);
+		st = agree(ctx, world, st, "checkpoint load");
+		if (st == EPJ_OK)
+			st = engine_load_file(e, f, true, world, &plan);
+		ej_ckpt_set_free(&set);
+		return st;
 	}
 	rank_file(f, sizeof f, path, world->rank);
-	return file_exists(f) ? engine_load_file(e, f, true, world)
-			      : engine_load_file(e, path, false, world);
+	return file_exists(f) ? engine_load_file(e, f, true, world, &plan)
+			      : engine_load_file(e, path, false, world, &plan);
 }
 
 /* Metadata k as an integer, 0 when absent or malformed (check_world_meta:
@@ -959,12 +1229,104 @@ static epj_status load_copy(epj_engine *e, epj_st_file *f, bool rank_file,
 	return st;
 }
 
+/* One rank's row of the load's exchange. */
+typedef struct load_row {
+	int64_t ok, rank_file, training, step, micro, opt, gen;
+} load_row;
+
+/* The counters of every rank's file agree (and a set's with its record):
+ * EPJ_ERR_FORMAT naming the first rank whose file differs from this
+ * rank's.  rows[world->size] from the exchange; mine is this rank's. */
+static epj_status compare_rows(epj_ctx *ctx, ej_comm *world,
+			       const load_plan *plan, const load_row *rows,
+			       const load_row *mine)
+{
+	char a[4096], b[4096];
+	const ej_ckpt_set *set = plan ? plan->set : NULL;
+	const char *path = plan ? plan->path : "?";
+	if (set && mine->training &&
+	    (mine->gen != set->generation || mine->step != set->step ||
+	     mine->micro != set->micro_step ||
+	     mine->opt != set->optimizer_steps)) {
+		plan_file(plan, world->rank, a, sizeof a);
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': %s is generation %" PRId64
+				" at step %" PRId64 " (micro-step %" PRId64
+				", optimizer step %" PRId64 "); the record "
+				"names generation %" PRId64 " at step %" PRId64
+				" (%" PRId64 ", %" PRId64 ")",
+				path, a, mine->gen, mine->step, mine->micro,
+				mine->opt, set->generation, set->step,
+				set->micro_step, set->optimizer_steps);
+	}
+	for (int r = 0; r < world->size; r++) {
+		const load_row *o = &rows[r];
+		if (!o->ok)
+			continue; /* its own message; agree() reports it */
+		if (o->rank_file != mine->rank_file) {
+			int with = mine->rank_file ? world->rank : r;
+			int without = mine->rank_file ? r : world->rank;
+			plan_file(plan, with, a, sizeof a);
+			plan_file(plan, without, b, sizeof b);
+			return ej_error(ctx, EPJ_ERR_FORMAT,
+					"checkpoint '%s' is incomplete: rank "
+					"%d has its file %s, rank %d has no "
+					"%s",
+					path, with, a, without, b);
+		}
+		if (o->training == mine->training && o->step == mine->step &&
+		    o->micro == mine->micro && o->opt == mine->opt &&
+		    o->gen == mine->gen)
+			continue;
+		plan_file(plan, world->rank, a, sizeof a);
+		plan_file(plan, r, b, sizeof b);
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint '%s' mixes saves: %s (rank %d) is "
+				"at step %" PRId64 " (micro-step %" PRId64
+				", optimizer step %" PRId64
+				"), %s (rank %d) at step %" PRId64 " (%" PRId64
+				", %" PRId64 "): the rank files "
+				"come from different saves; refusing to load "
+				"them together",
+				path, a, world->rank, mine->step, mine->micro,
+				mine->opt, b, r, o->step, o->micro, o->opt);
+	}
+	return EPJ_OK;
+}
+
+/* Every rank shares its counters and compares them with every other's
+ * (collective: called whatever happened locally). */
+static epj_status exchange_counters(epj_ctx *ctx, ej_comm *world,
+				    const load_plan *plan, epj_status st,
+				    const load_row *mine)
+{
+	load_row *rows = calloc((size_t)world->size, sizeof *rows);
+	int64_t *counts = calloc((size_t)world->size, sizeof *counts);
+	for (int r = 0; rows && counts && r < world->size; r++)
+		counts[r] = 1;
+	epj_status gs =
+	    rows && counts
+		? ej_comm_allgather(ctx, world, "checkpoint counters", mine,
+				    rows, counts, sizeof *mine)
+		: ej_error(ctx, EPJ_ERR_NOMEM,
+			   "checkpoint load: out of memory");
+	if (st == EPJ_OK)
+		st = gs;
+	if (st == EPJ_OK)
+		st = compare_rows(ctx, world, plan, rows, mine);
+	free(rows);
+	free(counts);
+	return st;
+}
+
 /* With several ranks (world) every rank takes part in the same agreements
- * whatever happens locally: after the checks (nothing changed yet when a
- * rank fails them) and after the copies; then the collective refresh of
- * the parameters from their masters. */
+ * whatever happens locally: the counters' exchange and an agreement after
+ * the checks (nothing changed yet when a rank fails them), one after the
+ * copies; then the collective refresh of the parameters from their
+ * masters. */
 static epj_status engine_load_file(epj_engine *e, const char *path,
-				   bool rank_file, ej_comm *world)
+				   bool rank_file, ej_comm *world,
+				   const load_plan *plan)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_st_file *f = NULL;
@@ -973,8 +1335,22 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 	epj_status st = epj_st_open(ctx, path, &f);
 	if (st == EPJ_OK)
 		st = load_check(e, f, path, rank_file, &training, meta);
-	if (world)
+	if (world) {
+		load_row mine = {
+			.ok = st == EPJ_OK,
+			.rank_file = rank_file,
+			.training = training,
+			.step = meta[0],
+			.micro = meta[1],
+			.opt = meta[2],
+			.gen = st == EPJ_OK && f &&
+				       epj_st_metadata(f, "generation")
+				   ? meta_int(f, "generation")
+				   : 0,
+		};
+		st = exchange_counters(ctx, world, plan, st, &mine);
 		st = agree(ctx, world, st, "checkpoint load");
+	}
 	if (st == EPJ_OK)
 		st = load_copy(e, f, rank_file, training);
 	if (world)

@@ -108,6 +108,48 @@ epj_status ej_checkpoint_call(epj_ctx *ctx, epj_module *m,
 /* True while a checkpointed forward is being replayed in backward. */
 bool ej_in_replay(const epj_ctx *ctx);
 
+/* ---- the commit record of a multi-rank checkpoint (ckpt_set.c)
+ * ------------------------------------------------------------ */
+
+#define EJ_CKPT_SET_FORMAT "epjit-checkpoint-set-1"
+#define EJ_CKPT_NAME_MAX   256
+
+typedef struct ej_ckpt_file {
+	int64_t bytes;
+	char hash[33]; /* XXH3-128 of the whole file, 32 hex digits */
+	char name[EJ_CKPT_NAME_MAX]; /* plain name in the record's dir */
+} ej_ckpt_file;
+
+/* One committed generation of a checkpoint set. */
+typedef struct ej_ckpt_set {
+	int64_t generation, world, zero_stage, autoep_size;
+	int64_t step, micro_step, optimizer_steps;
+	ej_ckpt_file *files; /* [world], indexed by rank (owned) */
+} ej_ckpt_set;
+
+/* Whether the first n bytes of a file look like a commit record. */
+bool ej_ckpt_set_sniff(const char *buf, size_t n);
+/* Reads the record at path: 1 with *text (malloc'd, *len bytes) when path
+ * is a regular file that starts like a record, 0 when it is anything else
+ * (absent, a safetensors file, a FIFO: never blocks), -1 when it starts
+ * like a record but cannot be read whole (or exceeds 1 MiB). */
+int ej_ckpt_set_read(const char *path, char **text, size_t *len);
+/* Parses and validates a record (types, ranges, one file per rank, plain
+ * file names, checksums of 32 hex digits); EPJ_ERR_FORMAT naming path. */
+epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
+			     size_t len, ej_ckpt_set *s);
+/* Writes s to path atomically (the commit). */
+epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
+			     const ej_ckpt_set *s);
+void ej_ckpt_set_free(ej_ckpt_set *s);
+/* Size and XXH3-128 of a regular file's whole content. */
+epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
+			char hex[33]);
+/* Removes rank's files of path's other generations ("path.g<N>.rank<R>",
+ * N != keep) and the older unversioned "path.rank<R>": called after
+ * generation keep is committed. */
+void ej_ckpt_set_prune(const char *path, int rank, int64_t keep);
+
 /* ---- comm (comm.c, comm_self.c, comm_mpi.c)
  * ------------------------------------------------------------ */
 

@@ -22,6 +22,7 @@
  */
 #include "check_util.h"
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1293,8 +1294,179 @@ START_TEST(test_save_sweeps_stale)
 	ck_assert(tu_exists(live));
 	ck_assert(tu_exists(other));
 	ck_assert(tu_exists(ck));
+	/* the temp files of a killed save of a set's rank file (another
+	 * final name than PATH) and of the set's record go when PATH is
+	 * loaded, as do those of any name PATH starts */
+	char gen[300], rec[300], unrel[300];
+	snprintf(gen, sizeof gen, "%s.g7.rank1.tmp.%d.0123456789abcdef.%s", ck,
+		 (int)dead, hex);
+	snprintf(rec, sizeof rec, "%s.tmp.%d.fedcba9876543210.%s", ck,
+		 (int)dead, hex);
+	snprintf(unrel, sizeof unrel, "%s/other.tmp.%d.0123456789abcdef.%s",
+		 dir, (int)dead, hex);
+	tu_write_text(gen, "half a rank file");
+	tu_write_text(rec, "half a record");
+	tu_write_text(unrel, "not ours to judge");
+	ck_assert_int_eq(epj_engine_load(e, ck), EPJ_OK);
+	ck_assert(!tu_exists(gen));
+	ck_assert(!tu_exists(rec));
+	ck_assert(tu_exists(unrel));
+	ck_assert(tu_exists(live));
 	epj_engine_free(e);
 	epj_model_free(m);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A record as a save writes it, for world w (files "NAME.g<gen>.rank<r>"). */
+static char *record_text(int64_t gen, int w, int64_t step, const char *name0)
+{
+	size_t cap = 4096;
+	char *t = malloc(cap);
+	ck_assert_ptr_nonnull(t);
+	int n = snprintf(t, cap,
+			 "{\"format\": \"epjit-checkpoint-set-1\", "
+			 "\"generation\": %lld, \"world_size\": %d, "
+			 "\"zero_stage\": 1, \"autoep_size\": 2, \"step\": "
+			 "%lld, \"micro_step\": %lld, \"optimizer_steps\": "
+			 "%lld, \"files\": [",
+			 (long long)gen, w, (long long)step,
+			 (long long)step * 2, (long long)step);
+	for (int r = 0; r < w; r++)
+		n += snprintf(
+		    t + n, cap - (size_t)n,
+		    "%s{\"rank\": %d, \"name\": \"%s%s.g%lld.rank%d\", "
+		    "\"bytes\": %d, \"xxh3_128\": "
+		    "\"0123456789abcdef0123456789abcdef\"}",
+		    r ? ", " : "", r, r ? "ck" : name0, r ? "" : "",
+		    (long long)gen, r, 100 + r);
+	snprintf(t + n, cap - (size_t)n, "]}");
+	return t;
+}
+
+static void record_refused(epj_ctx *ctx, const char *text, const char *want)
+{
+	ej_ckpt_set s;
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, "R", text, strlen(text), &s),
+			 EPJ_ERR_FORMAT);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), want), "%s: got '%s'", text,
+		      epj_ctx_error(ctx));
+	ck_assert_ptr_null(s.files);
+	epj_ctx_clear_error(ctx);
+}
+
+/* The commit record of a checkpoint set: what a save writes reads back;
+ * every hostile variant is refused by name, never followed outside the
+ * record's directory; a reader never blocks on a FIFO; the checksum is the
+ * content's. */
+START_TEST(test_ckpt_set_record)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("ckset");
+	int w = tu_randint(2, 9);
+	int64_t gen = tu_randint(1, 1 << 20), step = tu_randint(0, 1 << 20);
+	/* a record round-trips through write, read, parse */
+	char *t = record_text(gen, w, step, "ck");
+	ej_ckpt_set s, u;
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, "R", t, strlen(t), &s), EPJ_OK);
+	ck_assert_int_eq(s.world, w);
+	ck_assert_int_eq(s.generation, gen);
+	ck_assert_int_eq(s.micro_step, step * 2);
+	ck_assert_int_eq(s.files[w - 1].bytes, 100 + w - 1);
+	char *rp = tu_path(dir, "ck");
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+	char *text = NULL;
+	size_t len = 0;
+	ck_assert_int_eq(ej_ckpt_set_read(rp, &text, &len), 1);
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, rp, text, len, &u), EPJ_OK);
+	ck_assert_int_eq(u.generation, gen);
+	ck_assert_int_eq(u.step, step);
+	ck_assert_str_eq(u.files[1].name, s.files[1].name);
+	ck_assert_str_eq(u.files[0].hash, "0123456789abcdef0123456789abcdef");
+	ej_ckpt_set_free(&u);
+	ej_ckpt_set_free(&s);
+	free(text);
+	free(t);
+	/* hostile records */
+	t = record_text(gen, w, step, "../ck");
+	record_refused(ctx, t, "plain file name");
+	free(t);
+	t = record_text(gen, w, step, "/etc/passwd#");
+	record_refused(ctx, t, "plain file name");
+	free(t);
+	t = record_text(0, w, step, "ck");
+	record_refused(ctx, t, "\"generation\" must be a whole number");
+	free(t);
+	t = record_text(gen, 1, step, "ck");
+	record_refused(ctx, t, "\"world_size\"");
+	free(t);
+	t = record_text(gen, w, (int64_t)INT32_MAX + 1, "ck");
+	record_refused(ctx, t, "\"step\"");
+	free(t);
+	t = record_text(gen, w, step, "ck");
+	char *p = strstr(t, "\"world_size\": ");
+	p[strlen("\"world_size\": ")] = '9'; /* more ranks than files */
+	if (w != 9 && p[strlen("\"world_size\": ") + 1] == ',')
+		record_refused(ctx, t, "one file per rank");
+	free(t);
+	t = record_text(gen, w, step, "ck");
+	p = strstr(t, "0123456789abcdef0123456789abcdef");
+	p[3] = 'X';
+	record_refused(ctx, t, "32 lowercase hex digits");
+	free(t);
+	record_refused(ctx,
+		       "{\"format\": \"epjit-checkpoint-set-1\", "
+		       "\"format\": \"x\"}",
+		       "invalid JSON");
+	record_refused(ctx, "{\"format\": \"epjit-checkpoint-set-2\"}",
+		       "\"format\"");
+	record_refused(ctx, "[1, 2]", "\"format\"");
+	/* what is no record reads as none; a FIFO never blocks */
+	char *fifo = tu_path(dir, "fifo");
+	ck_assert_int_eq(mkfifo(fifo, 0600), 0);
+	ck_assert_int_eq(ej_ckpt_set_read(fifo, &text, &len), 0);
+	char *st = tu_path(dir, "plain.safetensors");
+	tu_write_text(st, "\x7b\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}");
+	ck_assert_int_eq(ej_ckpt_set_read(st, &text, &len), 0);
+	ck_assert_int_eq(ej_ckpt_set_read(tu_path(dir, "absent"), &text, &len),
+			 0);
+	/* a file that starts like a record but exceeds 1 MiB */
+	char *big = tu_path(dir, "big");
+	FILE *fp = fopen(big, "wb");
+	ck_assert_ptr_nonnull(fp);
+	fputs("{\"format\": \"epjit-checkpoint-set-1\", \"x\": \"", fp);
+	for (int i = 0; i < (1 << 20); i++)
+		fputc('a', fp);
+	fputs("\"}", fp);
+	ck_assert_int_eq(fclose(fp), 0);
+	ck_assert_int_eq(ej_ckpt_set_read(big, &text, &len), -1);
+	ck_assert_ptr_null(text);
+	/* the checksum of a file is that of its bytes */
+	size_t n = (size_t)tu_randint(1, 3 << 20);
+	unsigned char *b = malloc(n);
+	ck_assert_ptr_nonnull(b);
+	for (size_t i = 0; i < n; i++)
+		b[i] = (unsigned char)tu_randint(0, 255);
+	char *bf = tu_path(dir, "bytes");
+	fp = fopen(bf, "wb");
+	ck_assert_ptr_nonnull(fp);
+	ck_assert_uint_eq(fwrite(b, 1, n, fp), n);
+	ck_assert_int_eq(fclose(fp), 0);
+	int64_t got = 0;
+	char hex[33], want[33];
+	ck_assert_int_eq(ej_file_hash(ctx, bf, &got, hex), EPJ_OK);
+	epj_hash_hex(epj_hash(b, n), want);
+	ck_assert_int_eq(got, (int64_t)n);
+	ck_assert_str_eq(hex, want);
+	ck_assert_int_eq(ej_file_hash(ctx, fifo, &got, hex), EPJ_ERR_IO);
+	epj_ctx_clear_error(ctx);
+	free(b);
+	free(bf);
+	free(big);
+	free(st);
+	free(fifo);
+	free(rp);
 	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
 }
@@ -1320,6 +1492,7 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tr, test_load_failures);
 	tcase_add_test(tr, test_load_metadata);
 	tcase_add_test(tr, test_save_sweeps_stale);
+	tcase_add_test(tr, test_ckpt_set_record);
 	suite_add_tcase(s, tr);
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);

@@ -14,8 +14,13 @@
 #     training against a 1-rank cpu reference, which comm carried what;
 #  2. epjit-train under mpirun: one progress line per step from rank 0,
 #     --rank-log files of the other rank, one rank file per rank of a
-#     checkpoint; resuming on 2 ranks (bf16, ZeRO 2, AdamW) is identical to
-#     the straight run; a world of 1 and another ZeRO stage are refused;
+#     checkpoint set and its commit record; resuming on 2 ranks (bf16,
+#     ZeRO 2, AdamW) is identical to the straight run; a second save is
+#     generation 2 and removes generation 1; a rank killed mid-save leaves
+#     generation 2 loadable; rank files of two saves, a file of another
+#     save under the record's name and a missing file are refused by name
+#     before any collective of training; a world of 1 and another ZeRO
+#     stage are refused;
 #     a plain HF file loads on 2 ranks; impossible EP sizes are refused; EP 2 x gradient accumulation 2 on 2
 #     ranks trains as 1 rank x 4 on the same micro-batches (loss, norm);
 #  3. the parity matrix at world 2 (EP 2, ZeRO 1, bf16, SGD lr 1.0):
@@ -137,11 +142,14 @@ n=$(grep -c '^step ' a1.log)
 grep -q '^step ' a1.rank1.log || fail "rank 1 log lacks its progress"
 [ -f a1.rank0.log ] && fail "rank 0 should print, not log"
 grep -q 'autoep.split_plan.async' a1.log || fail "async plan not counted"
-[ -s a1.ckpt.rank0 ] && [ -s a1.ckpt.rank1 ] ||
+[ -s a1.ckpt.g1.rank0 ] && [ -s a1.ckpt.g1.rank1 ] ||
 	fail "checkpoint: one file per rank expected: $(ls)"
-[ -f a1.ckpt ] && fail "a multi-rank checkpoint wrote $tmp/a1.ckpt"
-"$TRAIN" --list-safetensors a1.ckpt.rank1 >r1.txt 2>&1 || fail "list: $(cat r1.txt)"
+grep -q '"format": "epjit-checkpoint-set-1"' a1.ckpt &&
+	grep -q '"generation": 1,' a1.ckpt && grep -q '"step": 3,' a1.ckpt ||
+	fail "no commit record a1.ckpt: $(cat a1.ckpt)"
+"$TRAIN" --list-safetensors a1.ckpt.g1.rank1 >r1.txt 2>&1 || fail "list: $(cat r1.txt)"
 grep -q 'meta world_size=2' r1.txt || fail "rank file lacks world_size"
+grep -q 'meta generation=1' r1.txt || fail "rank file lacks its generation"
 grep -q '^optimizer.master_shard.lm_head.weight F32' r1.txt ||
 	fail "rank file lacks the ZeRO master shard"
 grep -q '^model.layers.0.mlp.experts.3.up_proj.weight ' r1.txt ||
@@ -156,13 +164,62 @@ mpi2 b.log "$TRAIN" --config ep2.json --steps 6 --seq 8 --save b.ckpt \
 sed 1d a2.csv | cut -d, -f1-4 >a2.txt
 tail -n 3 b.csv | cut -d, -f1-4 >b3.txt
 cmp -s a2.txt b3.txt || fail "resume on 2 ranks differs: $(cat a2.txt) vs $(cat b3.txt)"
-cmp a2.ckpt.rank0 b.ckpt.rank0 && cmp a2.ckpt.rank1 b.ckpt.rank1 ||
+cmp a2.ckpt.g1.rank0 b.ckpt.g1.rank0 && cmp a2.ckpt.g1.rank1 b.ckpt.g1.rank1 ||
 	fail "resumed rank files differ from the straight run"
+
+# ---- checkpoint sets: whole or refused ------------------------------------
+# (failN LOG WHAT CMD...: CMD on 2 ranks must fail, naming WHAT in LOG.)
+fail2() {
+	log=$1 what=$2
+	shift 2
+	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$@" >"$log" 2>&1 &&
+		fail "accepted ($what): $(cat "$log")"
+	grep -q "$what" "$log" || fail "expected '$what': $(cat "$log")"
+	grep -q 'MPI_ERR\|heap\|free()' "$log" &&
+		fail "a refused set reached the collectives: $(cat "$log")"
+	return 0
+}
+# A second save to the same path is generation 2: the record names it, the
+# files of generation 1 are gone.
+mkdir s && cp a1.ckpt a1.ckpt.g1.rank0 a1.ckpt.g1.rank1 s/
+mpi2 s2.log "$TRAIN" --config ep2.json --steps 5 --seq 8 --load s/a1.ckpt \
+	--save s/a1.ckpt
+grep -q '"generation": 2,' s/a1.ckpt && grep -q '"step": 5,' s/a1.ckpt ||
+	fail "second save: $(cat s/a1.ckpt)"
+[ -e s/a1.ckpt.g1.rank0 ] || [ -e s/a1.ckpt.g1.rank1 ] &&
+	fail "generation 1 not removed after generation 2: $(ls s)"
+# A rank killed mid-save (its file written, the record not yet): the set
+# of generation 2 stays what loads, and the next save commits over it.
+EPJIT_TEST_SAVE_KILL_RANK=1 timeout 300 "$MPIRUN" -np 2 --oversubscribe \
+	-x EPJIT_TEST_SAVE_KILL_RANK "$TRAIN" --config ep2.json --steps 7 \
+	--seq 8 --load s/a1.ckpt --save s/a1.ckpt >kill.log 2>&1 &&
+	fail "the killed save exited 0: $(cat kill.log)"
+grep -q '"generation": 2,' s/a1.ckpt || fail "a killed save committed: $(cat s/a1.ckpt)"
+mpi2 s3.log "$TRAIN" --config ep2.json --steps 6 --seq 8 --load s/a1.ckpt \
+	--metrics s3.csv
+[ "$(sed -n 2p s3.csv | cut -d, -f1)" = 6 ] ||
+	fail "after a killed save the set of step 5 should resume: $(cat s3.csv)"
+# Rank files of two saves (the legacy form, no record): refused by name,
+# before any collective of training.
+cp a1.ckpt.g1.rank0 mix.ckpt.rank0
+cp a2.ckpt.g1.rank1 mix.ckpt.rank1
+fail2 mix.log "mixes saves" "$TRAIN" --config ep2.json --steps 9 --seq 8 \
+	--load mix.ckpt
+grep -q 'mix.ckpt.rank1 (rank 1) at step 6' mix.log || fail "mixed set: $(cat mix.log)"
+# A file of another save under the record's name, and a missing file.
+mkdir t && cp s/a1.ckpt s/a1.ckpt.g2.rank0 t/ &&
+	cp b.ckpt.g1.rank1 t/a1.ckpt.g2.rank1
+fail2 tamper.log "is not the one the record names" "$TRAIN" --config ep2.json \
+	--steps 9 --seq 8 --load t/a1.ckpt
+rm t/a1.ckpt.g2.rank1
+fail2 missing.log "is incomplete: rank 1's file t/a1.ckpt.g2.rank1 is missing" \
+	"$TRAIN" --config ep2.json --steps 9 --seq 8 --load t/a1.ckpt
 
 sed 's/"autoep_size": 2/"autoep_size": 1/' ep2.json >ep1.json
 "$TRAIN" --config ep1.json --steps 4 --load a1.ckpt >w1.txt 2>&1 &&
 	fail "a world of 1 loaded a 2-rank checkpoint"
-grep -q 'several ranks' w1.txt || fail "world-of-1 refusal: $(cat w1.txt)"
+grep -q 'the record of a checkpoint of 2 ranks' w1.txt ||
+	fail "world-of-1 refusal: $(cat w1.txt)"
 timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2z1.json \
 	--steps 4 --seq 8 --load a1.ckpt >z1.txt 2>&1 &&
 	fail "ZeRO 1 loaded a ZeRO 2 checkpoint"

@@ -220,10 +220,24 @@ static double *values(epj_ctx *ctx, epj_tensor *t)
 	return d;
 }
 
+/* t, or (NULL: the call failed) the end of this rank with the context's
+ * message: nothing after it could run. */
+static epj_tensor *need_at(epj_ctx *ctx, epj_tensor *t, int line)
+{
+	if (t)
+		return t;
+	fprintf(stderr,
+		"mpi_nccl_check: rank %d: FAIL line %d: no tensor: %s\n", rank,
+		line, epj_ctx_error(ctx));
+	fflush(stderr);
+	exit(1);
+}
+#define NEED(ctx, t) need_at(ctx, t, __LINE__)
+
 /* A device tensor of n f32 (or bytes as u8) from host values. */
 static epj_tensor *dev_f32(epj_ctx *ctx, const float *v, int64_t n)
 {
-	return epj_tensor_from_data(ctx, EPJ_DTYPE_F32, 1, &n, v);
+	return NEED(ctx, epj_tensor_from_data(ctx, EPJ_DTYPE_F32, 1, &n, v));
 }
 
 static float val(int r, int64_t i, int salt)
@@ -267,7 +281,7 @@ static void check_comm(epj_ctx *ctx, ej_comm *w)
 		hs[i] = val(me, i, 1);
 	epj_tensor *ts = dev_f32(ctx, hs, ns * RW + 1);
 	int64_t nrr = nr * RW + 1;
-	epj_tensor *tr = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &nrr);
+	epj_tensor *tr = NEED(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 1, &nrr));
 	OK(ctx, ej_comm_a2av(ctx, nc, "test.a2av", ej_data(ts), sc, ej_data(tr),
 			     rc, sizeof(float) * RW));
 	double *got = values(ctx, tr);
@@ -318,7 +332,8 @@ static void check_comm(epj_ctx *ctx, ej_comm *w)
 		for (int64_t i = 0; i < tot; i++)
 			hf[i] = val(me, i, 3 + uneven);
 		epj_tensor *tf = dev_f32(ctx, hf, tot);
-		epj_tensor *to = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &counts[me]);
+		epj_tensor *to =
+		    NEED(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 1, &counts[me]));
 		OK(ctx, ej_comm_reduce_scatter(ctx, nc, "test.rs", ej_data(tf),
 					       ej_data(to), counts));
 		got = values(ctx, to);
@@ -336,7 +351,8 @@ static void check_comm(epj_ctx *ctx, ej_comm *w)
 		      uneven, (long long)bad);
 		free(got);
 		/* all-gather of the parts back */
-		epj_tensor *tg = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &tot);
+		epj_tensor *tg =
+		    NEED(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 1, &tot));
 		OK(ctx, ej_comm_allgather(ctx, nc, "test.ag", ej_data(to),
 					  ej_data(tg), counts, sizeof(float)));
 		got = values(ctx, tg);
@@ -398,8 +414,8 @@ static void check_comm(epj_ctx *ctx, ej_comm *w)
 	if (me == 1)
 		rc2[0] = 1; /* rank 0 sends 2 rows, 1 is expected */
 	int64_t n4 = 4 * 2 * P;
-	epj_tensor *ta = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4);
-	epj_tensor *tz = epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4);
+	epj_tensor *ta = NEED(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4));
+	epj_tensor *tz = NEED(ctx, epj_zeros(ctx, EPJ_DTYPE_F32, 1, &n4));
 	st = ej_comm_a2av(ctx, nc, "test.short", ej_data(ta), sc2, ej_data(tz),
 			  rc2, 4 * sizeof(float));
 	m = epj_ctx_error(ctx);

@@ -27,7 +27,7 @@ flags="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fopenmp
 	$(pkg-config --cflags jansson)"
 clang $flags -fsanitize=fuzzer-no-link,address,undefined \
 	-c "$src/t/fuzz/fuzz_util.c" -o "$out/fuzz_util.o"
-for t in safetensors checkpoint ds_config hf_config tokens kcache archive; do
+for t in safetensors checkpoint ckpt_set ds_config hf_config tokens kcache archive; do
 	clang $flags -fsanitize=fuzzer-no-link,address,undefined \
 		-c "$src/t/fuzz/fuzz_$t.c" -o "$out/fuzz_$t.o"
 	"$tree/libtool" --mode=link --tag=CC clang -fopenmp \

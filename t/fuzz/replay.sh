@@ -5,7 +5,7 @@
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 status=0
-for t in safetensors checkpoint ds_config hf_config tokens kcache archive; do
+for t in safetensors checkpoint ckpt_set ds_config hf_config tokens kcache archive; do
 	prog="$builddir/t/fuzz/replay_$t"
 	if [ ! -x "$prog" ]; then
 		echo "SKIP: $prog not built"

@@ -11,7 +11,7 @@ dir=$(cd "${1:?usage: run.sh FUZZDIR [SECONDS]}" && pwd)
 secs=${2:-60}
 src=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$dir/work"
-for t in safetensors checkpoint ds_config hf_config tokens kcache archive; do
+for t in safetensors checkpoint ckpt_set ds_config hf_config tokens kcache archive; do
 	case $t in
 	tokens | kcache | archive) dict=binary ;;
 	*) dict=json ;;

@@ -1,0 +1,376 @@
+/* ckpt_set.c -- the commit record of a multi-rank checkpoint.
+ *
+ * With several ranks a save to PATH is one generation G: every rank writes
+ * its state to "PATH.g<G>.rank<R>" (atomically, temp file + rename), then
+ * rank 0 writes PATH itself, atomically: a small JSON record naming the
+ * generation, the world, the step counters and, for every rank, its file's
+ * name, size and XXH3-128 checksum.  That rename is the commit: until it
+ * happens PATH still names the previous generation, whose files are only
+ * removed after the new record is in place.  A load verifies every rank's
+ * file against the record (size, checksum, generation and counters in its
+ * metadata) and compares the counters across ranks before anything is
+ * copied, so a mixed or incomplete set is refused by name.
+ *
+ *   {
+ *     "format": "epjit-checkpoint-set-1",
+ *     "generation": 2, "world_size": 2,
+ *     "zero_stage": 2, "autoep_size": 2,
+ *     "step": 6, "micro_step": 6, "optimizer_steps": 6,
+ *     "files": [
+ *       {"rank": 0, "name": "run.ckpt.g2.rank0", "bytes": 91234,
+ *        "xxh3_128": "<32 hex digits>"}, ...
+ *     ]
+ *   }
+ *
+ * File names are plain names in PATH's directory (no '/', never "." or
+ * ".."), so a record cannot point a load anywhere else.
+ */
+#include "runtime_impl.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+/* A record is small (about 150 bytes per rank); anything larger than this
+ * at PATH is not one. */
+#define SET_MAX_BYTES (1 << 20)
+#define SET_MAX_WORLD 65536
+
+void ej_ckpt_set_free(ej_ckpt_set *s)
+{
+	if (!s)
+		return;
+	free(s->files);
+	memset(s, 0, sizeof *s);
+}
+
+bool ej_ckpt_set_sniff(const char *buf, size_t n)
+{
+	static const char tag[] = "\"" EJ_CKPT_SET_FORMAT "\"";
+	if (n == 0 || buf[0] != '{')
+		return false;
+	size_t lim = n < 256 ? n : 256;
+	for (size_t i = 0; i + sizeof tag - 1 <= lim; i++)
+		if (!memcmp(buf + i, tag, sizeof tag - 1))
+			return true;
+	return false;
+}
+
+/* Integer member k of o in [lo, hi]; else an error naming it. */
+static epj_status get_int(epj_ctx *ctx, const char *path, json_t *o,
+			  const char *k, int64_t lo, int64_t hi, int64_t *out)
+{
+	json_t *v = json_object_get(o, k);
+	if (!json_is_integer(v) || json_integer_value(v) < lo ||
+	    json_integer_value(v) > hi)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': \"%s\" must be a whole "
+				"number in [%" PRId64 ", %" PRId64 "]",
+				path, k, lo, hi);
+	*out = json_integer_value(v);
+	return EPJ_OK;
+}
+
+static bool plain_name(const char *s)
+{
+	size_t n = strlen(s);
+	return n > 0 && n < EJ_CKPT_NAME_MAX && !strchr(s, '/') &&
+	       strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+}
+
+static bool hex32(const char *s)
+{
+	if (strlen(s) != 32)
+		return false;
+	for (int i = 0; i < 32; i++)
+		if (!((s[i] >= '0' && s[i] <= '9') ||
+		      (s[i] >= 'a' && s[i] <= 'f')))
+			return false;
+	return true;
+}
+
+static epj_status parse_files(epj_ctx *ctx, const char *path, json_t *arr,
+			      ej_ckpt_set *s)
+{
+	if (!json_is_array(arr) || (int64_t)json_array_size(arr) != s->world)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': \"files\" must list one "
+				"file per rank (%" PRId64 ")",
+				path, s->world);
+	s->files = calloc((size_t)s->world, sizeof *s->files);
+	if (!s->files)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"checkpoint set '%s': out of memory", path);
+	for (int64_t r = 0; r < s->world; r++) {
+		json_t *f = json_array_get(arr, (size_t)r);
+		int64_t rank = -1, bytes = -1;
+		epj_status st =
+		    json_is_object(f)
+			? EPJ_OK
+			: ej_error(ctx, EPJ_ERR_FORMAT,
+				   "checkpoint set '%s': files[%" PRId64
+				   "] is not an object",
+				   path, r);
+		if (st == EPJ_OK)
+			st = get_int(ctx, path, f, "rank", r, r, &rank);
+		if (st == EPJ_OK)
+			st = get_int(ctx, path, f, "bytes", 8, INT64_MAX,
+				     &bytes);
+		const char *nm = json_string_value(json_object_get(f, "name"));
+		const char *h =
+		    json_string_value(json_object_get(f, "xxh3_128"));
+		if (st == EPJ_OK && (!nm || !plain_name(nm)))
+			st = ej_error(ctx, EPJ_ERR_FORMAT,
+				      "checkpoint set '%s': the file of rank "
+				      "%" PRId64 " must be a plain file name "
+				      "in the record's directory",
+				      path, r);
+		if (st == EPJ_OK && (!h || !hex32(h)))
+			st = ej_error(ctx, EPJ_ERR_FORMAT,
+				      "checkpoint set '%s': the checksum of "
+				      "rank %" PRId64 "'s file must be 32 "
+				      "lowercase hex digits",
+				      path, r);
+		if (st != EPJ_OK)
+			return st;
+		s->files[r].bytes = bytes;
+		snprintf(s->files[r].name, sizeof s->files[r].name, "%s", nm);
+		memcpy(s->files[r].hash, h, 33);
+	}
+	return EPJ_OK;
+}
+
+epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
+			     size_t len, ej_ckpt_set *s)
+{
+	memset(s, 0, sizeof *s);
+	json_error_t jerr;
+	json_t *o = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+	if (!o)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': invalid JSON at line "
+				"%d, column %d: %s",
+				path, jerr.line, jerr.column, jerr.text);
+	epj_status st = EPJ_OK;
+	const char *fmt = json_string_value(json_object_get(o, "format"));
+	if (!json_is_object(o) || !fmt || strcmp(fmt, EJ_CKPT_SET_FORMAT))
+		st = ej_error(ctx, EPJ_ERR_FORMAT,
+			      "checkpoint set '%s': \"format\" is not \"%s\"",
+			      path, EJ_CKPT_SET_FORMAT);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "generation", 1, INT64_MAX,
+			     &s->generation);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "world_size", 2, SET_MAX_WORLD,
+			     &s->world);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "zero_stage", 0, 3, &s->zero_stage);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "autoep_size", 1, SET_MAX_WORLD,
+			     &s->autoep_size);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "step", 0, INT32_MAX, &s->step);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "micro_step", 0, INT32_MAX,
+			     &s->micro_step);
+	if (st == EPJ_OK)
+		st = get_int(ctx, path, o, "optimizer_steps", 0, s->step,
+			     &s->optimizer_steps);
+	if (st == EPJ_OK)
+		st = parse_files(ctx, path, json_object_get(o, "files"), s);
+	json_decref(o);
+	if (st != EPJ_OK)
+		ej_ckpt_set_free(s);
+	return st;
+}
+
+/* ---- writing the record ---------------------------------------------- */
+
+static epj_status put_text(epj_ctx *ctx, FILE *fp, const char *tmp, void *u)
+{
+	const char *text = u;
+	if (fputs(text, fp) == EOF)
+		return ej_error(ctx, EPJ_ERR_IO, "checkpoint set: write '%s'",
+				tmp);
+	return EPJ_OK;
+}
+
+epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
+			     const ej_ckpt_set *s)
+{
+	json_t *o = json_object(), *files = json_array();
+	bool ok = o && files;
+	ok = ok &&
+	     !json_object_set_new(o, "format", json_string(EJ_CKPT_SET_FORMAT));
+	ok = ok &&
+	     !json_object_set_new(o, "generation", json_integer(s->generation));
+	ok =
+	    ok && !json_object_set_new(o, "world_size", json_integer(s->world));
+	ok = ok &&
+	     !json_object_set_new(o, "zero_stage", json_integer(s->zero_stage));
+	ok = ok && !json_object_set_new(o, "autoep_size",
+					json_integer(s->autoep_size));
+	ok = ok && !json_object_set_new(o, "step", json_integer(s->step));
+	ok = ok &&
+	     !json_object_set_new(o, "micro_step", json_integer(s->micro_step));
+	ok = ok && !json_object_set_new(o, "optimizer_steps",
+					json_integer(s->optimizer_steps));
+	for (int64_t r = 0; ok && r < s->world; r++) {
+		json_t *f = json_pack("{sI ss sI ss}", "rank", (json_int_t)r,
+				      "name", s->files[r].name, "bytes",
+				      (json_int_t)s->files[r].bytes, "xxh3_128",
+				      s->files[r].hash);
+		ok = f && !json_array_append_new(files, f);
+	}
+	ok = ok && !json_object_set(o, "files", files);
+	char *text =
+	    ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER) : NULL;
+	json_decref(files);
+	json_decref(o);
+	if (!text)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"checkpoint set '%s': out of memory", path);
+	size_t n = strlen(text);
+	char *nl = realloc(text, n + 2);
+	if (nl) {
+		text = nl;
+		memcpy(text + n, "\n", 2);
+	}
+	epj_status st =
+	    ej_write_atomic(ctx, "checkpoint set", path, put_text, text);
+	free(text);
+	return st;
+}
+
+/* ---- files ----------------------------------------------------------- */
+
+int ej_ckpt_set_read(const char *path, char **text, size_t *len)
+{
+	*text = NULL;
+	*len = 0;
+	const char *why;
+	FILE *fp = ej_fopen_regular(path, &why);
+	if (!fp)
+		return 0;
+	char head[256];
+	size_t n = fread(head, 1, sizeof head, fp);
+	if (!ej_ckpt_set_sniff(head, n)) {
+		fclose(fp);
+		return 0;
+	}
+	char *buf = malloc(SET_MAX_BYTES + 1);
+	if (!buf) {
+		fclose(fp);
+		return -1;
+	}
+	memcpy(buf, head, n);
+	size_t m = n + fread(buf + n, 1, SET_MAX_BYTES + 1 - n, fp);
+	bool err = ferror(fp);
+	fclose(fp);
+	if (err || m > SET_MAX_BYTES) {
+		free(buf);
+		return -1;
+	}
+	*text = buf;
+	*len = m;
+	return 1;
+}
+
+epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
+			char hex[33])
+{
+	const char *why;
+	FILE *fp = ej_fopen_regular(path, &why);
+	if (!fp)
+		return ej_error(ctx, EPJ_ERR_IO, "%s: cannot read: %s", path,
+				why);
+	XXH3_state_t *h = XXH3_createState();
+	unsigned char *buf = malloc(1 << 20);
+	if (!h || !buf) {
+		XXH3_freeState(h);
+		free(buf);
+		fclose(fp);
+		return ej_error(ctx, EPJ_ERR_NOMEM, "%s: out of memory", path);
+	}
+	XXH3_128bits_reset(h);
+	int64_t total = 0;
+	size_t n;
+	while ((n = fread(buf, 1, 1 << 20, fp)) > 0) {
+		XXH3_128bits_update(h, buf, n);
+		total += (int64_t)n;
+	}
+	bool err = ferror(fp);
+	fclose(fp);
+	free(buf);
+	XXH128_hash_t d = XXH3_128bits_digest(h);
+	XXH3_freeState(h);
+	if (err)
+		return ej_error(ctx, EPJ_ERR_IO, "%s: read error", path);
+	epj_hash128 r = { .lo = d.low64, .hi = d.high64 };
+	epj_hash_hex(r, hex);
+	*bytes = total;
+	return EPJ_OK;
+}
+
+/* "<base>.g<digits>.rank<rank>" -> the generation; 0 when nm is not one of
+ * rank's generation files of base (a legacy "<base>.rank<rank>" -> -1). */
+static int64_t gen_of(const char *nm, const char *base, int rank)
+{
+	size_t bl = strlen(base);
+	if (strncmp(nm, base, bl) != 0)
+		return 0;
+	char want[32];
+	snprintf(want, sizeof want, ".rank%d", rank);
+	if (!strcmp(nm + bl, want))
+		return -1;
+	const char *p = nm + bl;
+	if (p[0] != '.' || p[1] != 'g' || p[2] < '1' || p[2] > '9')
+		return 0;
+	char *end;
+	errno = 0;
+	long long g = strtoll(p + 2, &end, 10);
+	if (errno || g <= 0 || strcmp(end, want) != 0)
+		return 0;
+	return g;
+}
+
+void ej_ckpt_set_prune(const char *path, int rank, int64_t keep)
+{
+	char *dir = strdup(path);
+	if (!dir)
+		return;
+	char *slash = strrchr(dir, '/');
+	const char *d = ".", *base = path;
+	if (slash) {
+		*slash = '\0';
+		d = slash == dir ? "/" : dir;
+		base = path + (slash - dir) + 1;
+	}
+	DIR *dp = opendir(d);
+	struct dirent *de;
+	while (dp && (de = readdir(dp))) {
+		int64_t g = gen_of(de->d_name, base, rank);
+		char p[4096];
+		struct stat sb;
+		if (g == 0 || g == keep ||
+		    snprintf(p, sizeof p, "%s/%s", d, de->d_name) >=
+			(int)sizeof p ||
+		    lstat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
+			continue;
+		if (unlink(p) == 0)
+			epj_log_msg(EPJ_LOG_INFO,
+				    "removed %s: superseded by generation "
+				    "%" PRId64 " of %s",
+				    p, keep, path);
+	}
+	if (dp)
+		closedir(dp);
+	free(dir);
+}
