@@ -651,6 +651,15 @@ epj_status epj_dist_init(char *err, size_t n);
 void epj_dist_finalize(bool ok);
 int epj_dist_rank(void); /* rank in the world (0 without MPI) */
 int epj_dist_size(void); /* ranks in the world (1 without MPI) */
+/* The ranks of e's world agree on a set of flags: *any gets the bitwise OR
+ * of every rank's `local` (bit k is set when any rank set it).  Collective:
+ * every rank calls it at the same point of its run (one all-reduce of 32
+ * floats over the world, counted in the comm.* counters, comm.timeout_s
+ * like every collective); a world of one returns local and communicates
+ * nothing.  epjit-train calls it between optimizer steps so that all ranks
+ * stop after the same step when any of them got a stop signal.  On failure
+ * the engine's context holds the message and *any is left as it was. */
+epj_status epj_dist_any(epj_engine *e, uint32_t local, uint32_t *any);
 
 #ifdef __cplusplus
 }

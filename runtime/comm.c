@@ -86,6 +86,30 @@ int epj_dist_size(void)
 	return ej_comm_world()->size;
 }
 
+epj_status epj_dist_any(epj_engine *e, uint32_t local, uint32_t *any)
+{
+	EJ_ASSERT(e != NULL && any != NULL);
+	ej_comm *w = e->model->has_groups ? e->model->groups.world : NULL;
+	if (!w || w->size == 1) {
+		*any = local;
+		return EPJ_OK;
+	}
+	/* One count per bit: how many ranks set it (at most the world size,
+	 * exact in f32), summed by the one reduction every comm has. */
+	float n[32];
+	for (int k = 0; k < 32; k++)
+		n[k] = (float)((local >> k) & 1u);
+	epj_status st = ej_comm_allreduce(e->ctx, w, "dist.any", n, 32);
+	if (st != EPJ_OK)
+		return st;
+	uint32_t v = 0;
+	for (int k = 0; k < 32; k++)
+		if (n[k] > 0.5f)
+			v |= 1u << k;
+	*any = v;
+	return EPJ_OK;
+}
+
 /* ---- groups ---------------------------------------------------------------
  */
 

@@ -15,7 +15,13 @@
 #  4. bad inputs exit 1 with a message naming the file or key (a FIFO as any
 #     input file is refused, not waited on; sizes past their range say the
 #     range); a bad command line exits 2; --device cuda without a CUDA
-#     driver exits 1 with the driver's message.
+#     driver exits 1 with the driver's message;
+#  5. stop signals, sent to a long run once its metrics file has 2 rows:
+#     SIGTERM exits 143 after a save whose checkpoint resumes at the next
+#     step, exactly as a straight run; SIGUSR1 saves, prints the resume
+#     hint and exits 0; SIGINT exits 130 and leaves --save as it was; a
+#     second signal while stopping exits at once (128 + its number),
+#     leaving --save as it was or whole; no signal leaves a cut metrics row.
 # Exit 77 (SKIP) when the trainer was not built.  One thread each, so the
 # timings do not depend on how loaded the machine is (about 20 s in all).
 
@@ -32,7 +38,11 @@ OPENBLAS_NUM_THREADS=1
 export OMP_NUM_THREADS OPENBLAS_NUM_THREADS
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-train-test.XXXXXX") || exit 1
-trap 'rm -rf "$tmp"' EXIT
+# a trainer of section 5 still running (and its ranks under mpirun):
+# killed on the way out
+bgpid=
+ranks=
+trap '[ -z "$bgpid$ranks" ] || { kill -9 $bgpid $ranks 2>/dev/null; wait; }; rm -rf "$tmp"' EXIT
 cd "$tmp" || exit 1
 
 fail() {
@@ -255,5 +265,287 @@ expect_fail 2 --steps --steps many
 expect_fail 2 --layout --layout sideways
 "$TRAIN" --help >help.txt 2>&1 || fail "--help exited non-zero"
 grep -q -- '--dump-state' help.txt || fail "--help lacks --dump-state"
+
+# ---- 5. stop signals -------------------------------------------------------
+# Each run has far more steps than it will take (about 4 ms a step) and is
+# stopped by a signal once its metrics file has 2 rows.  Every wait is
+# bounded by a deadline of 120 s, never by a guess at how long a step takes.
+
+nap() {
+	sleep 0.2 2>/dev/null || sleep 1
+}
+
+# sigdfl CMD...: execs CMD with SIGINT, SIGTERM and SIGUSR1 at their
+# default actions.  A background job of a non-interactive shell starts
+# with SIGINT ignored (so may a test harness), and the trainer leaves a
+# signal that is ignored at its start ignored.  Without env
+# --default-signal or perl, SIGINT is not tested.
+if env --default-signal=INT true 2>/dev/null; then
+	sigdfl() { exec env --default-signal=INT,TERM,USR1 "$@"; }
+elif command -v perl >/dev/null 2>&1; then
+	sigdfl() {
+		exec perl -e '$SIG{$_} = "DEFAULT" for qw(INT TERM USR1);
+			exec @ARGV or die "exec: $!\n"' "$@"
+	}
+else
+	sigdfl() { exec "$@"; }
+	no_sigdfl=1
+fi
+
+# bg_start TAG CMD...: runs CMD (through sigdfl) in the background, output
+# in TAG.log; its pid in $bgpid, and its exit status in TAG.rc once it has
+# ended (written by the subshell that waits for it, so no zombie is ever
+# polled).
+bg_start() {
+	tag=$1
+	shift
+	rm -f "$tag.pid" "$tag.rc"
+	(
+		sigdfl "$@" >"$tag.log" 2>&1 &
+		echo $! >"$tag.pid.tmp" && mv "$tag.pid.tmp" "$tag.pid"
+		wait $!
+		echo $? >"$tag.rc.tmp" && mv "$tag.rc.tmp" "$tag.rc"
+	) &
+	end=$(($(date +%s) + 120))
+	until [ -s "$tag.pid" ]; do
+		[ "$(date +%s)" -le "$end" ] || fail "$tag: no pid within 120 s"
+		nap
+	done
+	bgpid=$(cat "$tag.pid")
+}
+
+# bg_rows TAG CSV N: waits until CSV has N data rows (the run still going).
+bg_rows() {
+	end=$(($(date +%s) + 120))
+	while [ ! -f "$2" ] || [ $(($(wc -l <"$2") - 1)) -lt "$3" ]; do
+		[ ! -e "$1.rc" ] ||
+			fail "$1: ended (exit $(cat "$1.rc")) before $3 metrics rows: $(cat "$1.log")"
+		[ "$(date +%s)" -le "$end" ] ||
+			fail "$1: no $3 metrics rows within 120 s: $(cat "$1.log")"
+		nap
+	done
+}
+
+# bg_wait TAG: waits for the run to end and sets rc; a run still going
+# 120 s after its signal did not stop: killed, and the test fails.
+bg_wait() {
+	end=$(($(date +%s) + 120))
+	until [ -s "$1.rc" ]; do
+		if [ "$(date +%s)" -gt "$end" ]; then
+			kill -9 $bgpid $ranks 2>/dev/null
+			fail "$1: still running 120 s after the signal: $(tail -n 3 "$1.log")"
+		fi
+		nap
+	done
+	rc=$(cat "$1.rc")
+	bgpid=
+	ranks=
+}
+
+# whole_rows CSV: every line has the header's number of fields, and the
+# file ends with a newline (no row was cut).
+whole_rows() {
+	awk -F, 'NR == 1 { n = NF } NF != n { bad = 1 } END { exit bad }' "$1" ||
+		fail "$1: a row with another number of fields than the header: $(tail -n 2 "$1")"
+	[ "$(tail -c 1 "$1" | wc -l)" -eq 1 ] ||
+		fail "$1: the last row is cut: $(tail -n 1 "$1")"
+}
+
+# stopped_at TAG SIG: n = N of "epjit-train: SIG: stopping after step N".
+stopped_at() {
+	n=$(sed -n "s/^epjit-train: $2: stopping after step \([0-9]*\)$/\1/p" \
+		"$1.log")
+	[ -n "$n" ] || fail "$1: no '$2: stopping after step N': $(cat "$1.log")"
+}
+
+# last_step CSV: the step of the last row.
+last_step() {
+	tail -n 1 "$1" | cut -d, -f1
+}
+
+long="--steps 100000 --seq 8"
+
+# term_case TAG GAS ARGS...: SIGTERM stops after the step under way (with
+# gradient accumulation GAS, after the last micro-batch of a step), saves,
+# exits 143; the checkpoint resumes at the next step, and the rows of 2
+# resumed steps are those of a straight run.
+term_case() {
+	tag=$1
+	gas=$2
+	shift 2
+	bg_start "$tag" "$TRAIN" $long "$@" --save "$tag.ckpt" \
+		--metrics "$tag.csv"
+	bg_rows "$tag" "$tag.csv" 2
+	kill -TERM "$bgpid"
+	bg_wait "$tag"
+	[ "$rc" -eq 143 ] ||
+		fail "$tag: SIGTERM: exit $rc, expected 143: $(tail -n 3 "$tag.log")"
+	stopped_at "$tag" SIGTERM
+	whole_rows "$tag.csv"
+	[ "$(last_step "$tag.csv")" = "$n" ] ||
+		fail "$tag: stopped after step $n, last metrics row $(last_step "$tag.csv")"
+	grep -q "^epjit-train: saved step $n to $tag.ckpt$" "$tag.log" ||
+		fail "$tag: checkpoint of step $n not saved: $(tail -n 3 "$tag.log")"
+	"$TRAIN" --list-safetensors "$tag.ckpt" >"$tag.txt" 2>&1 ||
+		fail "$tag: checkpoint unreadable: $(cat "$tag.txt")"
+	grep -q -x "meta step=$n" "$tag.txt" &&
+		grep -q -x "meta micro_step=$((n * gas))" "$tag.txt" ||
+		fail "$tag: checkpoint not at step $n: $(grep meta "$tag.txt")"
+	run "$tag-r.log" "$@" --steps $((n + 2)) --seq 8 --load "$tag.ckpt" \
+		--metrics "$tag-r.csv"
+	[ "$(sed 1d "$tag-r.csv" | cut -d, -f1 | tr '\n' ' ')" = "$((n + 1)) $((n + 2)) " ] ||
+		fail "$tag: resumed steps $(sed 1d "$tag-r.csv" | cut -d, -f1 | tr '\n' ' '), expected $((n + 1)) $((n + 2))"
+	[ "$n" -le 2000 ] || return 0 # a straight run to n + 2: < 10 s
+	run "$tag-s.log" "$@" --steps $((n + 2)) --seq 8 --metrics "$tag-s.csv"
+	tail -n 2 "$tag-s.csv" | cut -d, -f1-4 >"$tag-s.txt"
+	sed 1d "$tag-r.csv" | cut -d, -f1-4 >"$tag-r.txt"
+	cmp -s "$tag-s.txt" "$tag-r.txt" ||
+		fail "$tag: the run resumed from step $n differs from a straight run: $(cat "$tag-r.txt") vs $(cat "$tag-s.txt")"
+}
+term_case term 1
+term_case termb 2 --config bf16.json
+
+# SIGUSR1: the same, exit 0, and a resume hint with the --load to give.
+bg_start usr1 "$TRAIN" $long --save usr1.ckpt --metrics usr1.csv
+bg_rows usr1 usr1.csv 2
+kill -USR1 "$bgpid"
+bg_wait usr1
+[ "$rc" -eq 0 ] || fail "SIGUSR1: exit $rc, expected 0: $(tail -n 3 usr1.log)"
+stopped_at usr1 SIGUSR1
+whole_rows usr1.csv
+[ "$(last_step usr1.csv)" = "$n" ] ||
+	fail "SIGUSR1: stopped after step $n, last metrics row $(last_step usr1.csv)"
+grep -q '^epjit-train: resume with: .* --steps 100000 --seq 8 --save usr1.ckpt --metrics usr1.csv --load usr1.ckpt$' usr1.log ||
+	fail "SIGUSR1: no resume hint: $(tail -n 3 usr1.log)"
+run usr2.log --steps $((n + 1)) --seq 8 --load usr1.ckpt --metrics usr2.csv
+[ "$(last_step usr2.csv)" = "$((n + 1))" ] && [ "$(wc -l <usr2.csv)" -eq 2 ] ||
+	fail "SIGUSR1: the resumed run did not take step $((n + 1)): $(cat usr2.csv)"
+
+# No --save: stopped all the same, and said that nothing was saved.
+bg_start nosave "$TRAIN" $long --metrics nosave.csv
+bg_rows nosave nosave.csv 2
+kill -TERM "$bgpid"
+bg_wait nosave
+[ "$rc" -eq 143 ] || fail "SIGTERM without --save: exit $rc: $(tail -n 3 nosave.log)"
+grep -q '^epjit-train: SIGTERM: no checkpoint written (no --save PATH)$' nosave.log ||
+	fail "SIGTERM without --save: $(tail -n 3 nosave.log)"
+whole_rows nosave.csv
+
+# SIGINT: stop after the step, save nothing, exit 130 (bg_start gives the
+# run SIGINT back, see sigdfl).
+if [ -z "${no_sigdfl:-}" ]; then
+	cp term.ckpt int.ckpt
+	bg_start int "$TRAIN" $long --save int.ckpt --metrics int.csv
+	bg_rows int int.csv 2
+	kill -INT "$bgpid"
+	bg_wait int
+	[ "$rc" -eq 130 ] || fail "SIGINT: exit $rc, expected 130: $(tail -n 3 int.log)"
+	stopped_at int SIGINT
+	whole_rows int.csv
+	[ "$(last_step int.csv)" = "$n" ] ||
+		fail "SIGINT: stopped after step $n, last metrics row $(last_step int.csv)"
+	grep -q '^epjit-train: SIGINT: no checkpoint written' int.log ||
+		fail "SIGINT: $(tail -n 3 int.log)"
+	cmp -s int.ckpt term.ckpt || fail "SIGINT: --save was written"
+else
+	echo "note: neither env --default-signal nor perl; skipping SIGINT"
+fi
+
+# A second signal while stopping exits at once.  The run is stopped
+# (SIGSTOP) while both signals are sent, so that on SIGCONT it meets the
+# second one before it can reach the end of its step: exit 143 (SIGTERM's)
+# straight from the handler, --save as it was, no cut row.
+cp term.ckpt twice.ckpt
+bg_start twice "$TRAIN" $long --save twice.ckpt --metrics twice.csv
+bg_rows twice twice.csv 2
+kill -STOP "$bgpid"
+if [ -r "/proc/$bgpid/stat" ]; then # Linux: wait until it is stopped
+	end=$(($(date +%s) + 120))
+	until [ "$(sed 's/.*) \(.\).*/\1/' "/proc/$bgpid/stat")" = T ]; do
+		[ "$(date +%s)" -le "$end" ] || fail "twice: SIGSTOP did not stop it"
+		nap
+	done
+fi
+kill -USR1 "$bgpid"
+kill -TERM "$bgpid"
+kill -CONT "$bgpid"
+bg_wait twice
+[ "$rc" -eq 143 ] || fail "two signals: exit $rc, expected 143: $(tail -n 3 twice.log)"
+grep -q '^epjit-train: second signal: exiting now$' twice.log ||
+	fail "two signals: $(tail -n 3 twice.log)"
+cmp -s twice.ckpt term.ckpt || fail "two signals: --save was changed"
+whole_rows twice.csv
+
+# SIGTERM twice as fast as the shell sends them, the second when the run
+# already stops or saves (or has ended): exit 143, and the file at --save
+# is absent or a whole checkpoint that resumes.
+bg_start twice2 "$TRAIN" $long --save twice2.ckpt --metrics twice2.csv
+bg_rows twice2 twice2.csv 2
+kill -TERM "$bgpid"
+end=$(($(date +%s) + 120))
+until grep -q 'stopping after step' twice2.log || [ -e twice2.rc ]; do
+	[ "$(date +%s)" -le "$end" ] || break
+	nap
+done
+[ -e twice2.rc ] || kill -TERM "$bgpid" 2>/dev/null
+bg_wait twice2
+[ "$rc" -eq 143 ] || fail "SIGTERM twice: exit $rc, expected 143: $(tail -n 3 twice2.log)"
+whole_rows twice2.csv
+if [ -e twice2.ckpt ]; then
+	"$TRAIN" --list-safetensors twice2.ckpt >twice2.txt 2>&1 ||
+		fail "SIGTERM twice: a broken checkpoint: $(cat twice2.txt)"
+	s=$(sed -n 's/^meta step=//p' twice2.txt)
+	run twice3.log --steps $((s + 1)) --seq 8 --load twice2.ckpt
+fi
+
+# Two ranks (where mpirun and a build with MPI are): SIGTERM to rank 1
+# only.  The ranks agree on stopping between steps, so both stop after the
+# same step and both write their file of the checkpoint, which resumes on
+# 2 ranks at the next step.
+MPIRUN=$(command -v mpirun || command -v mpiexec)
+if [ -n "$MPIRUN" ] &&
+	grep -q '^#define HAVE_MPI 1' "$builddir/config.h" 2>/dev/null; then
+	# CI runs as root; Open MPI refuses that without both variables.
+	OMPI_ALLOW_RUN_AS_ROOT=1
+	OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+	export OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
+	cat >ep2.json <<'EOF'
+{
+  "train_micro_batch_size_per_gpu": 2,
+  "steps_per_print": 1000,
+  "seed": 11,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.003}},
+  "zero_optimization": {"stage": 1},
+  "expert_parallel": {"enabled": true, "autoep_size": 2},
+  "comm": {"timeout_s": 60}
+}
+EOF
+	# each rank writes its pid (sh execs the trainer: the same process)
+	bg_start mp "$MPIRUN" -np 2 --oversubscribe sh -c \
+		'echo $$ >"mp.pid${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-$PMIX_RANK}}" && exec "$@"' \
+		sh "$TRAIN" $long --config ep2.json --save mp.ckpt \
+		--metrics mp.csv --rank-log mp
+	bg_rows mp mp.csv 2
+	[ -s mp.pid0 ] && [ -s mp.pid1 ] || fail "mpirun: no pid files of the ranks"
+	ranks="$(cat mp.pid0) $(cat mp.pid1)"
+	kill -TERM "$(cat mp.pid1)"
+	bg_wait mp
+	[ "$rc" -eq 143 ] || fail "2 ranks, SIGTERM to rank 1: exit $rc: $(tail -n 5 mp.log)"
+	stopped_at mp SIGTERM
+	grep -q "^epjit-train: SIGTERM: stopping after step $n$" mp.rank1.log ||
+		fail "2 ranks: rank 0 stopped after step $n, rank 1: $(grep stopping mp.rank1.log)"
+	whole_rows mp.csv
+	[ "$(last_step mp.csv)" = "$n" ] ||
+		fail "2 ranks: stopped after step $n, last metrics row $(last_step mp.csv)"
+	grep -q "^epjit-train: saved step $n to mp.ckpt" mp.log ||
+		fail "2 ranks: no checkpoint of step $n: $(tail -n 5 mp.log)"
+	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2.json \
+		--steps $((n + 1)) --seq 8 --load mp.ckpt --metrics mp2.csv \
+		>mp2.log 2>&1 || fail "2 ranks: resume failed: $(tail -n 5 mp2.log)"
+	[ "$(last_step mp2.csv)" = "$((n + 1))" ] && [ "$(wc -l <mp2.csv)" -eq 2 ] ||
+		fail "2 ranks: the resumed run did not take step $((n + 1)): $(cat mp2.csv)"
+else
+	echo "note: no mpirun or a build without MPI; skipping 2 ranks"
+fi
 echo "PASS: epjit-train"
 exit 0

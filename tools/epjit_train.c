@@ -26,6 +26,9 @@
  *  - Every failure prints "epjit-train: <message>" to stderr and exits 1;
  *    a bad command line prints the usage and exits 2.  All objects live in
  *    one `run` struct freed on every path.
+ *  - SIGTERM, SIGUSR1 and SIGINT stop the run between two optimizer steps,
+ *    the same step on every rank (see "stop signals" below); the metrics
+ *    file only ever holds whole rows.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* setenv, clock_gettime, execv */
@@ -36,6 +39,7 @@
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,6 +102,8 @@ typedef struct opts {
 	const char *fault;    /* hidden --fault kill|stop */
 	long fault_rank;
 	bool async_plan; /* --parity: expert_parallel.async_split_plan */
+	int argc;	 /* the command line, for the resume hint */
+	char **argv;
 } opts;
 
 /* Everything a run owns; run_free() releases it in reverse order. */
@@ -114,6 +120,10 @@ typedef struct run {
 	 * time (-1 when not called) */
 	int precompiled;
 	double precompile_ms;
+	/* the stop signal all ranks agreed on between two steps (0: none),
+	 * and whether its orderly end (save, exit status) went through */
+	int stop_sig;
+	bool stopped;
 } run;
 
 /* ---- messages ---- */
@@ -220,8 +230,11 @@ static void usage(FILE *fp)
 	    "prints, the\n"
 	    "                      others print only errors)\n"
 	    "  --help, --version\n"
-	    "Exit status: 0 ok, 1 error, 2 bad command line.  See "
-	    "epjit-train(1).\n",
+	    "SIGTERM / SIGUSR1 / SIGINT: stop after the current step; "
+	    "the first two save\n"
+	    "to --save.  Exit status: 0 ok (also after SIGUSR1), 1 error, 2 "
+	    "bad command\n"
+	    "line, 130 SIGINT, 143 SIGTERM.  See epjit-train(1).\n",
 	    DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_WARMUP, DEFAULT_STEPS,
 	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ, (int)COMPARE_STEPS);
 }
@@ -280,7 +293,9 @@ static int parse_args(int argc, char **argv, opts *o)
 {
 	*o = (opts){ .steps = DEFAULT_STEPS,
 		     .layout = EPJ_LAYOUT_NESTED,
-		     .seq = DEFAULT_SEQ };
+		     .seq = DEFAULT_SEQ,
+		     .argc = argc,
+		     .argv = argv };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i];
 		if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -799,6 +814,208 @@ static int dump_state(run *r, const char *path)
 	return rc;
 }
 
+/* ---- stop signals ----
+ *
+ * SIGTERM and SIGUSR1 (the preemption notices of Slurm and of spot
+ * machines): finish the optimizer step under way, save to --save through
+ * the end-of-run save, exit 143 (SIGTERM) or 0 (SIGUSR1, with a resume
+ * hint).  SIGINT: finish the step, save nothing, exit 130.  The handler
+ * only records the signal, one bit each in g_signals (a lock-free atomic:
+ * async-signal-safe); the training loop reads it between optimizer steps,
+ * where the ranks of a multi-rank run agree on it (epj_dist_any), so that
+ * all stop after the same step and all take part in the save.  A signal
+ * that arrives once the run is stopping (STOP_BIT set, or a bit already
+ * there) ends the process at once, _exit(128 + signo): the checkpoint
+ * write is atomic (temporary file + rename), so --save then holds the
+ * previous checkpoint or the new one, never a part of one, and the metrics
+ * file holds whole rows only because each row is flushed as it is
+ * written.  A signal ignored when the trainer starts (SIG_IGN, as a
+ * shell without job control leaves SIGINT for a background job) stays
+ * ignored. */
+
+enum {
+	SIG_BIT_USR1 = 1u,
+	SIG_BIT_TERM = 2u,
+	SIG_BIT_INT = 4u,
+	STOP_BIT = 8u, /* the run is stopping: the next signal exits */
+};
+
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2,
+	       "the signal flags must be lock-free to be set in a handler");
+static atomic_uint g_signals;
+
+static void on_stop_signal(int sig)
+{
+	unsigned bit = sig == SIGINT	? SIG_BIT_INT
+		       : sig == SIGTERM ? SIG_BIT_TERM
+					: SIG_BIT_USR1;
+	if (atomic_fetch_or(&g_signals, bit) == 0)
+		return;
+	static const char msg[] = PROG ": second signal: exiting now\n";
+	if (write(STDERR_FILENO, msg, sizeof msg - 1) < 0) {
+		/* nothing to do: the process ends either way */
+	}
+	_exit(128 + sig);
+}
+
+static const char *sig_name(int sig)
+{
+	return sig == SIGINT	? "SIGINT"
+	       : sig == SIGTERM ? "SIGTERM"
+				: "SIGUSR1";
+}
+
+/* Installs on_stop_signal for SIGTERM, SIGUSR1 and SIGINT (each blocked
+ * while the handler runs; SA_RESTART, so that the reads, writes and waits
+ * of a step or a save resume instead of failing with EINTR). */
+static int stop_signals_install(void)
+{
+	static const int sigs[3] = { SIGTERM, SIGUSR1, SIGINT };
+	struct sigaction sa, old;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = on_stop_signal;
+	sa.sa_flags = SA_RESTART;
+	sigemptyset(&sa.sa_mask);
+	for (int i = 0; i < 3; i++)
+		sigaddset(&sa.sa_mask, sigs[i]);
+	for (int i = 0; i < 3; i++) {
+		if (sigaction(sigs[i], NULL, &old) == 0 &&
+		    old.sa_handler == SIG_IGN)
+			continue;
+		if (sigaction(sigs[i], &sa, NULL) != 0)
+			return fail_msg("sigaction(%s): %s", sig_name(sigs[i]),
+					strerror(errno));
+	}
+	return 0;
+}
+
+/* Between two optimizer steps: the stop signal every rank acts on, 0 for
+ * none.  The ranks agree on the signals any of them got (one all-reduce;
+ * none on a world of one) and take the most urgent: SIGINT, then SIGTERM,
+ * then SIGUSR1, so that they also agree on whether to save. */
+static int stop_agree(run *r, const opts *o, int *sig)
+{
+	uint32_t any = 0;
+	if (epj_dist_any(r->engine, atomic_load(&g_signals), &any) != EPJ_OK)
+		return fail(r->ctx);
+	*sig = any & SIG_BIT_INT    ? SIGINT
+	       : any & SIG_BIT_TERM ? SIGTERM
+	       : any & SIG_BIT_USR1 ? SIGUSR1
+				    : 0;
+	if (!*sig)
+		return 0;
+	atomic_fetch_or(&g_signals, STOP_BIT);
+	if (epj_dist_rank() == 0 || o->rank_log) {
+		fprintf(stderr, PROG ": %s: stopping after step %" PRId64 "\n",
+			sig_name(*sig), epj_engine_step_count(r->engine));
+		fflush(stderr);
+	}
+	return 0;
+}
+
+/* Prints s to fp, in single quotes for a POSIX shell unless it is made of
+ * characters that need none. */
+static void put_shell_word(FILE *fp, const char *s)
+{
+	static const char plain[] = "abcdefghijklmnopqrstuvwxyz"
+				    "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+				    "0123456789_-+=/.,:@%";
+	if (*s && strspn(s, plain) == strlen(s)) {
+		fputs(s, fp);
+		return;
+	}
+	fputc('\'', fp);
+	for (const char *c = s; *c; c++)
+		if (*c == '\'')
+			fputs("'\\''", fp);
+		else
+			fputc(*c, fp);
+	fputc('\'', fp);
+}
+
+/* "resume with: <this command line without its --load> --load PATH": the
+ * same --steps goes on to the same end (--steps counts from the start).
+ * Written to stderr in one piece, so that it is not cut by the output of
+ * other ranks or streams. */
+static void print_resume_hint(const opts *o)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *fp = open_memstream(&buf, &len);
+	if (!fp)
+		fp = stderr;
+	fputs(PROG ": resume with:", fp);
+	for (int i = 0; i < o->argc; i++) {
+		const char *a = o->argv[i];
+		if (i > 0 && !strcmp(a, "--load")) {
+			i++; /* and its value */
+			continue;
+		}
+		if (i > 0 && !strncmp(a, "--load=", 7))
+			continue;
+		fputc(' ', fp);
+		put_shell_word(fp, a);
+	}
+	fputs(" --load ", fp);
+	put_shell_word(fp, o->save);
+	if (epj_dist_size() > 1)
+		fprintf(fp, "   (under mpirun, on %d ranks again)",
+			epj_dist_size());
+	fputc('\n', fp);
+	if (o->metrics)
+		fprintf(fp,
+			PROG ": (that run rewrites --metrics %s: give it "
+			     "another file to keep these rows)\n",
+			o->metrics);
+	if (fp != stderr && fclose(fp) == 0) {
+		fputs(buf, stderr);
+		fflush(stderr);
+	}
+	free(buf);
+}
+
+/* --save: the checkpoint of the end of a run, and of a run stopped by
+ * SIGTERM or SIGUSR1. */
+static int save_checkpoint(run *r, const opts *o)
+{
+	if (epj_engine_save(r->engine, o->save) != EPJ_OK)
+		return fail(r->ctx);
+	printf(PROG ": saved step %" PRId64 " to %s%s\n",
+	       epj_engine_step_count(r->engine), o->save,
+	       epj_dist_size() > 1 ? " (the commit record of a set of one "
+				     "file per rank)"
+				   : "");
+	fflush(stdout);
+	return 0;
+}
+
+/* The end of a run stopped by r->stop_sig, once the metrics file is
+ * closed: SIGTERM and SIGUSR1 save to --save and exit 143 / 0; SIGINT
+ * saves nothing and exits 130.  No evaluation and no summary: a preempted
+ * machine has seconds left. */
+static int stop_run(run *r, const opts *o)
+{
+	int sig = r->stop_sig;
+	bool say = epj_dist_rank() == 0 || o->rank_log;
+	if (sig == SIGINT || !o->save) {
+		if (say)
+			fprintf(stderr,
+				PROG ": %s: no checkpoint written (%s)\n",
+				sig_name(sig),
+				sig == SIGINT ? "SIGINT does not save; "
+						"SIGTERM and SIGUSR1 save to "
+						"--save"
+					      : "no --save PATH");
+	} else {
+		if (save_checkpoint(r, o))
+			return 1;
+		if (say)
+			print_resume_hint(o);
+	}
+	r->stopped = true;
+	return sig == SIGUSR1 ? 0 : 128 + sig;
+}
+
 /* ---- training ---- */
 
 /* The next micro-batch of this rank: with W ranks the stream's batches go
@@ -952,7 +1169,16 @@ static int train(run *r, const opts *o, train_stats *ts)
 			     .window_loss = NAN };
 	int64_t cb0 = epj_counter_get(ctx, "comm.bytes");
 	int64_t cu0 = epj_counter_get(ctx, "comm.us");
-	while (epj_engine_step_count(e) < o->steps) {
+	bool boundary = true; /* between two optimizer steps */
+	for (;;) {
+		/* a stop signal on any rank: every rank stops here, after the
+		 * same step (also after the last one: the ranks then agree on
+		 * the end of the run) */
+		if (boundary && stop_agree(r, o, &r->stop_sig))
+			return 1;
+		if (boundary &&
+		    (r->stop_sig || epj_engine_step_count(e) >= o->steps))
+			break;
 		epj_tensor *ids = NULL, *lab = NULL;
 		epj_step_info info;
 		fault_inject(o, epj_engine_step_count(e) + 1);
@@ -963,6 +1189,7 @@ static int train(run *r, const opts *o, train_stats *ts)
 		epj_tensor_free(lab);
 		if (st != EPJ_OK)
 			return fail(ctx);
+		boundary = info.stepped;
 		if (!info.stepped)
 			continue;
 		double t = now_s();
@@ -991,6 +1218,10 @@ static int train(run *r, const opts *o, train_stats *ts)
 				info.grad_norm, (double)tok_per_step / step_s,
 				ms.peak_allocated, step_s * 1e3, compile_ms,
 				floor);
+		/* one whole row per write: a stopped or killed run leaves
+		 * no cut row */
+		if (r->metrics)
+			fflush(r->metrics);
 		if (r->monitor[0]) {
 			double v[7] = {
 				info.mean_loss, info.lr,
@@ -999,9 +1230,11 @@ static int train(run *r, const opts *o, train_stats *ts)
 				compile_ms
 			};
 			int64_t samples = info.step * r->B * r->gas;
-			for (int i = 0; i < 7; i++)
+			for (int i = 0; i < 7; i++) {
 				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
 					samples, v[i]);
+				fflush(r->monitor[i]);
+			}
 		}
 		bool last = info.step >= o->steps;
 		if (info.step % print_every == 0 || last) {
@@ -1328,6 +1561,8 @@ static int run_main(run *r, const opts *o)
 	}
 	if (monitor_open(r))
 		return 1;
+	if (stop_signals_install())
+		return 1;
 	train_stats ts;
 	if (train(r, o, &ts))
 		return 1;
@@ -1339,14 +1574,10 @@ static int run_main(run *r, const opts *o)
 			return fail_msg("%s: write failed: %s", o->metrics,
 					strerror(errno));
 	}
-	if (o->save) {
-		if (epj_engine_save(r->engine, o->save) != EPJ_OK)
-			return fail(r->ctx);
-		printf(PROG ": saved step %" PRId64 " to %s%s\n",
-		       epj_engine_step_count(r->engine), o->save,
-		       epj_dist_size() > 1 ? ".rank<R> (one file per rank)"
-					   : "");
-	}
+	if (r->stop_sig)
+		return stop_run(r, o);
+	if (o->save && save_checkpoint(r, o))
+		return 1;
 
 	double eval_loss;
 	if (evaluate(r, &eval_loss))
@@ -1409,14 +1640,19 @@ int main(int argc, char **argv)
 		return fail_msg("%s", err);
 	if (rank_output(&o))
 		return 1;
+	/* ok: MPI may be finalized (every rank got here in step); so is a
+	 * run that stopped in order on a signal, with its own exit status */
+	bool ok;
 	if (o.parity) {
 		rc = run_parity(&o);
+		ok = rc == 0;
 	} else {
 		run r = { 0 };
 		rc = run_main(&r, &o);
+		ok = rc == 0 || r.stopped;
 		run_free(&r);
 	}
 	fflush(stdout);
-	epj_dist_finalize(rc == 0);
+	epj_dist_finalize(ok);
 	return rc;
 }
