@@ -220,7 +220,7 @@ done
 # ---- 7. the real 48-layer config, shapes only --------------------------------------
 big=$srcdir/t/models/qwen3-30b-a3b.json
 # AddressSanitizer reserves terabytes of shadow address space, so under it
-# (make check-sanitize sets EPJIT_SANITIZED) the 3 GB limit is left out.
+# (a sanitized build's make check sets EPJIT_SANITIZED) the 3 GB limit is left out.
 limit="ulimit -v 3000000"
 [ "${EPJIT_SANITIZED:-0}" = 1 ] && limit=true
 if ($limit && EPJIT_CACHE_DIR=$tmp/big "$WARM" -j 2 \
