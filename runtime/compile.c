@@ -4,10 +4,15 @@
  *
  *   epj_engine_compile(e)
  *     mode      = autoep_non_moe (config option) or model (full-model)
- *     validate  = config support boundary, backend of this build, regions
- *                 (nothing is changed when any of it fails)
+ *     validate  = config support boundary (option on: DeepSpeed's
+ *                 engine-level checks; off: what full-model mode cannot
+ *                 honour), backend of this build, then (option on, in
+ *                 DeepSpeed's order) an AutoEP layer exists, fullgraph and
+ *                 dynamic, each layer's region (nothing is changed when any
+ *                 of it fails)
  *     regions   = autoep_non_moe: the callable direct parent of every AutoEP
- *                 layer, deduplicated, in model order; model: the root
+ *                 layer, deduplicated, in the order of the layers in
+ *                 named_modules() (pre-order); model: the root
  *     install   = per region: orig_forward = forward, forward = wrapper;
  *                 a failure part-way restores every region already changed
  *   region_forward (first call and every guard miss)
@@ -367,80 +372,73 @@ static epj_status list_push(epj_ctx *ctx, module_list *l, epj_module *m)
 	return EPJ_OK;
 }
 
-static bool list_has(const module_list *l, const epj_module *m)
-{
-	for (int i = 0; i < l->n; i++)
-		if (l->v[i] == m)
-			return true;
-	return false;
-}
-
 static const char *shown(const char *name)
 {
 	return name[0] ? name : "<root>";
 }
 
-/* Collects every compiler_disabled module (pre-order; not below another
- * one: those run inside it eagerly) and validates its parent. */
-static epj_status find_autoep(epj_ctx *ctx, epj_module *m, module_list *parents,
-			      int *n_layers)
+/* Collects every compiler_disabled module (the AutoEP layers) in pre-order,
+ * as torch's named_modules() lists them, not below another one (those run
+ * inside it eagerly). */
+static epj_status find_autoep(epj_ctx *ctx, epj_module *m, module_list *layers)
 {
-	if (m->compiler_disabled) {
-		(*n_layers)++;
-		epj_module *p = m->parent;
-		if (!p)
-			return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-					AUTOEP_PREFIX
-					": the AutoEP layer (%s) is the model "
-					"root: it has no surrounding region to "
-					"compile; wrap it in a callable module",
-					m->kind);
-		if (!p->forward)
-			return ej_error(
-			    ctx, EPJ_ERR_UNSUPPORTED,
-			    AUTOEP_PREFIX
-			    ": the parent \"%s\" (%s) of AutoEP layer \"%s\" "
-			    "has no forward: the MoE layer must be a direct "
-			    "child of a callable module (e.g. a decoder block, "
-			    "not a layer list)",
-			    shown(p->name), p->kind, m->name);
-		return list_push(ctx, parents, p);
-	}
-	for (int i = 0; i < m->n_children; i++) {
-		epj_status st =
-		    find_autoep(ctx, m->children[i], parents, n_layers);
-		if (st != EPJ_OK)
-			return st;
-	}
-	return EPJ_OK;
-}
-
-/* The modules of `set` in pre-order of the tree. */
-static epj_status order_regions(epj_ctx *ctx, epj_module *m,
-				const module_list *set, module_list *out)
-{
-	if (list_has(set, m)) {
-		epj_status st = list_push(ctx, out, m);
-		if (st != EPJ_OK)
-			return st;
-	}
 	if (m->compiler_disabled)
-		return EPJ_OK;
+		return list_push(ctx, layers, m);
 	for (int i = 0; i < m->n_children; i++) {
-		epj_status st = order_regions(ctx, m->children[i], set, out);
+		epj_status st = find_autoep(ctx, m->children[i], layers);
 		if (st != EPJ_OK)
 			return st;
 	}
 	return EPJ_OK;
 }
 
-/* Regions of the mode, validated; *out is empty on failure. */
-static epj_status discover(epj_ctx *ctx, epj_module *root, bool autoep,
+/* The region of AutoEP layer m: its direct parent, which must exist, be
+ * callable and not be compiled yet (DeepSpeed's per-layer checks, in its
+ * order, with its wording first). */
+static epj_status autoep_region(epj_ctx *ctx, epj_module *m, epj_module **out)
+{
+	epj_module *p = m->parent;
+	*out = NULL;
+	if (!p)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				AUTOEP_PREFIX
+				" cannot compile an AutoEPMoELayer at the "
+				"model root: the AutoEP layer (%s) has no "
+				"surrounding region to compile; wrap it in a "
+				"callable module",
+				m->kind);
+	if (!p->forward)
+		return ej_error(
+		    ctx, EPJ_ERR_UNSUPPORTED,
+		    AUTOEP_PREFIX
+		    ": AutoEP compile region '%s' has no forward "
+		    "implementation. The MoE layer must be a direct child of a "
+		    "callable module (the parent (%s) of AutoEP layer \"%s\" "
+		    "is not: e.g. a layer list, not a decoder block)",
+		    shown(p->name), p->kind, m->name);
+	if (p->orig_forward)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				AUTOEP_PREFIX
+				": AutoEP compile region '%s' is already "
+				"compiled (%s; by another engine on the same "
+				"model?)",
+				shown(p->name), p->kind);
+	*out = p;
+	return EPJ_OK;
+}
+
+/* Regions of the mode, validated; *out is empty on failure.  With the
+ * option on, in DeepSpeed's order: the model has an AutoEP layer, then
+ * fullgraph and dynamic (ej_config_validate_autoep_kwargs), then each layer's
+ * region; the regions are the layers' parents, deduplicated, in the order of
+ * their first AutoEP child in named_modules() (a root whose AutoEP child
+ * comes after a block's follows that block). */
+static epj_status discover(epj_ctx *ctx, epj_module *root, const ej_config *cfg,
 			   module_list *out)
 {
 	memset(out, 0, sizeof *out);
 	epj_status st = EPJ_OK;
-	if (!autoep) {
+	if (!cfg->compile.autoep_non_moe) {
 		if (!root->forward)
 			st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 				      "compile: the model root (%s) has no "
@@ -460,30 +458,26 @@ static epj_status discover(epj_ctx *ctx, epj_module *root, bool autoep,
 		else
 			st = list_push(ctx, out, root);
 	} else {
-		module_list parents = { 0 };
-		int n_layers = 0;
-		st = find_autoep(ctx, root, &parents, &n_layers);
-		if (st == EPJ_OK && n_layers == 0)
+		module_list layers = { 0 };
+		st = find_autoep(ctx, root, &layers);
+		if (st == EPJ_OK && layers.n == 0)
 			st = ej_error(
 			    ctx, EPJ_ERR_UNSUPPORTED,
 			    AUTOEP_PREFIX
-			    " requires at least one AutoEP layer, and the "
-			    "model (%s) has none (num_experts is 0 or every "
-			    "layer is in mlp_only_layers): enable MoE layers "
-			    "or set compile.autoep_non_moe to false",
+			    " requires at least one AutoEPMoELayer, and the "
+			    "model (%s) has no AutoEP layer (num_experts is 0 "
+			    "or every layer is in mlp_only_layers): enable MoE "
+			    "layers or set compile.autoep_non_moe to false",
 			    root->kind);
-		for (int i = 0; st == EPJ_OK && i < parents.n; i++)
-			if (parents.v[i]->orig_forward)
-				st = ej_error(
-				    ctx, EPJ_ERR_STATE,
-				    AUTOEP_PREFIX
-				    ": region \"%s\" (%s) is already compiled "
-				    "(by another engine on the same model?)",
-				    shown(parents.v[i]->name),
-				    parents.v[i]->kind);
 		if (st == EPJ_OK)
-			st = order_regions(ctx, root, &parents, out);
-		free(parents.v);
+			st = ej_config_validate_autoep_kwargs(ctx, cfg);
+		for (int i = 0; st == EPJ_OK && i < layers.n; i++) {
+			epj_module *p = NULL;
+			st = autoep_region(ctx, layers.v[i], &p);
+			if (st == EPJ_OK)
+				st = list_push(ctx, out, p); /* dedupes */
+		}
+		free(layers.v);
 	}
 	if (st != EPJ_OK) {
 		free(out->v);
@@ -600,8 +594,12 @@ epj_status epj_engine_compile(epj_engine *e)
 				"compile.autoep_non_moe cannot be changed "
 				"after compilation.");
 	}
-	/* 1. the configuration's support boundary */
-	epj_status st = ej_config_validate_autoep_compile(ctx, &e->cfg);
+	/* 1. the configuration: with the option on, DeepSpeed's engine-level
+	 * boundary (fullgraph and dynamic come with the regions, in
+	 * DeepSpeed's order); full-model mode refuses what it cannot
+	 * honour */
+	epj_status st = autoep ? ej_config_validate_autoep_engine(ctx, &e->cfg)
+			       : ej_config_validate_model_compile(ctx, &e->cfg);
 	if (st != EPJ_OK)
 		return st;
 	/* 2. the backend must be in this build */
@@ -634,9 +632,9 @@ epj_status epj_engine_compile(epj_engine *e)
 			return st;
 		}
 	}
-	/* 3. regions */
+	/* 3. regions (and, option on, fullgraph and dynamic) */
 	module_list mods;
-	st = discover(ctx, e->model->root, autoep, &mods);
+	st = discover(ctx, e->model->root, &e->cfg, &mods);
 	if (st != EPJ_OK)
 		return st;
 	/* 4. install, with rollback */

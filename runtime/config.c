@@ -410,8 +410,6 @@ static json_t *wr_schedule(const key *, const char *, const ej_config *);
 static json_t *wr_if_sched(const key *, const char *, const ej_config *);
 static json_t *wr_if_given(const key *, const char *, const ej_config *);
 
-#define AUTOEP_REFUSES "with `compile.autoep_non_moe`: "
-
 /* Every key of the config, section by section, in the order the parser
  * reads them and the JSON writer writes them.  A key is added here and
  * nowhere else: the parser, its type and range errors, the defaults, the
@@ -490,12 +488,11 @@ static const key keys[] = {
 	  NOGIVEN },
 	{ SECTION(SEC_ROOT, "expert_parallel", SEC_EP), NOGIVEN },
 	{ SECTION(SEC_ROOT, "compile", SEC_COMPILE), NOGIVEN,
-	  .doc = "Without `autoep_non_moe`, `fullgraph`, `dynamic`, "
-		 "`deepcompile`, `compiled_autograd` and `schedule` are "
-		 "parsed only (full-model compile does not act on them). "
-		 "Setting `autoep_non_moe` compiles nothing by itself: "
-		 "compilation happens in `epj_engine_compile` (`epjit-train "
-		 "--compile`)." },
+	  .doc = "These keys concern compilation only: initialize accepts "
+		 "every value the parser does (the run trains eagerly) and "
+		 "`epj_engine_compile` (`epjit-train --compile`) refuses "
+		 "what the mode cannot honour (doc/compile.md). Setting "
+		 "`autoep_non_moe` compiles nothing by itself." },
 	{ .sec = SEC_ROOT,
 	  .name = "sequence_parallel_size",
 	  .type = K_INT,
@@ -504,8 +501,8 @@ static const key keys[] = {
 	  .ilo = 1,
 	  .ihi = INT_FIELD_MAX,
 	  .def = 1,
-	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
-		     "sequence parallelism is not supported",
+	  .refused = "> 1: by initialize (sequence parallelism is not "
+		     "implemented in epjit)",
 	  .doc = "sequence-parallel group size" },
 	{ SECTION(SEC_ROOT, "pipeline", SEC_PIPELINE), NOGIVEN },
 	{ SECTION(SEC_ROOT, "tensor_parallel", SEC_TP), NOGIVEN },
@@ -778,8 +775,8 @@ static const key keys[] = {
 	  NOGIVEN,
 	  .ilo = 0,
 	  .ihi = 3,
-	  .refused = "3: by initialize and " AUTOEP_REFUSES
-		     "ZeRO stage 3 is not supported",
+	  .refused = "3: by initialize (ZeRO Stage 3 is not implemented in "
+		     "epjit)",
 	  .doc = "data parallelism over the ranks (`mpirun`): 0 all-reduces "
 		 "the gradients; 1 partitions FP32 masters and optimizer "
 		 "state over each parameter's data-parallel group (each rank "
@@ -854,8 +851,8 @@ static const key keys[] = {
 	  NOGIVEN,
 	  CH(offload_devices),
 	  .def = EJ_OFFLOAD_NONE,
-	  .refused = "`\"cpu\"`, `\"nvme\"`: by initialize and " AUTOEP_REFUSES
-		     "offload is not supported",
+	  .refused = "`\"cpu\"`, `\"nvme\"`: by initialize (offload is not "
+		     "implemented in epjit)",
 	  .doc = "where the state goes" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "pin_memory",
@@ -994,9 +991,8 @@ static const key keys[] = {
 	  NOGIVEN,
 	  CH(comm_backends),
 	  .def_str = "comm",
-	  .refused =
-	      "`\"deepep\"`: by initialize (not available) and " AUTOEP_REFUSES
-	      "only the standard AutoEP comm backend is supported",
+	  .refused = "`\"deepep\"`: by initialize (DeepEP is not implemented "
+		     "in epjit)",
 	  .doc = "AutoEP's token exchange" },
 	{ .sec = SEC_EP,
 	  .name = "preset_model",
@@ -1106,8 +1102,10 @@ static const key keys[] = {
 	  F(compile.fullgraph),
 	  GIVEN(compile.fullgraph_given),
 	  .def = EJ_JSON_FALSE,
-	  .refused = AUTOEP_REFUSES "true or null (every AutoEP layer is a "
-				    "graph break)",
+	  .refused = "by `epj_engine_compile`: true or null with "
+		     "`compile.autoep_non_moe` (every AutoEP layer is a "
+		     "graph break), true in full-model mode (not "
+		     "implemented)",
 	  .doc = "null is kept as null" },
 	{ .sec = SEC_COMPILE,
 	  .name = "dynamic",
@@ -1115,22 +1113,24 @@ static const key keys[] = {
 	  F(compile.dynamic),
 	  GIVEN(compile.dynamic_given),
 	  .def = EJ_JSON_FALSE,
-	  .refused = AUTOEP_REFUSES "true or null (regions are compiled for "
-				    "static shapes)",
+	  .refused = "by `epj_engine_compile`: true or null with "
+		     "`compile.autoep_non_moe` (regions are compiled for "
+		     "static shapes)",
 	  .doc = "null is kept as null" },
 	{ .sec = SEC_COMPILE,
 	  .name = "deepcompile",
 	  .type = K_BOOL,
 	  F(compile.deepcompile),
 	  NOGIVEN,
-	  .refused = AUTOEP_REFUSES "true (DeepCompile cannot be combined)",
+	  .refused = "true: by `epj_engine_compile` (DeepCompile is not "
+		     "implemented)",
 	  .doc = "DeepCompile" },
 	{ .sec = SEC_COMPILE,
 	  .name = "compiled_autograd",
 	  .type = K_BOOL,
 	  F(compile.compiled_autograd),
 	  NOGIVEN,
-	  .refused = AUTOEP_REFUSES "true (not supported)",
+	  .refused = "true: by `epj_engine_compile` (not implemented)",
 	  .doc = "compiled autograd" },
 	{ .sec = SEC_COMPILE,
 	  .name = "schedule",
@@ -1142,8 +1142,8 @@ static const key keys[] = {
 	  .wr = wr_schedule,
 	  .doc_value = "an array, an object or null",
 	  .doc_default = "null",
-	  .refused = AUTOEP_REFUSES "any value but null (DeepCompile "
-				    "schedules are not supported)",
+	  .refused = "any value but null: by `epj_engine_compile` "
+		     "(DeepCompile schedules are not implemented)",
 	  .doc = "DeepCompile schedule; only its presence is kept" },
 
 	/* ---- pipeline, tensor_parallel, comm */
@@ -1155,8 +1155,8 @@ static const key keys[] = {
 	  .ilo = 1,
 	  .ihi = INT_FIELD_MAX,
 	  .def = 1,
-	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
-		     "pipeline parallelism is not supported",
+	  .refused = "> 1: by initialize (pipeline parallelism is not "
+		     "implemented in epjit)",
 	  .doc = "pipeline stages" },
 	{ .sec = SEC_TP,
 	  .name = "autotp_size",
@@ -1166,8 +1166,8 @@ static const key keys[] = {
 	  .ilo = 1,
 	  .ihi = INT_FIELD_MAX,
 	  .def = 1,
-	  .refused = "> 1: by initialize (one rank) and " AUTOEP_REFUSES
-		     "AutoEP+AutoTP folding is not supported",
+	  .refused = "> 1: by initialize (AutoTP is not implemented in "
+		     "epjit)",
 	  .doc = "AutoTP group size" },
 	{ .sec = SEC_COMM,
 	  .name = "timeout_s",
@@ -2151,22 +2151,27 @@ static const char *offload_name(ej_offload_device d)
 	return offload_devices[d];
 }
 
-epj_status ej_config_validate_autoep_compile(epj_ctx *ctx, const ej_config *c)
+/* DeepSpeed's engine.compile() checks, in the order of its tests
+ * (test_engine_rejects_unsupported_modes); each message holds DeepSpeed's
+ * wording first (its tests match it with a regex: "comm_backend='comm'",
+ * "ZeRO Stage 3", "optimizer or parameter offload", ...) and epjit's detail
+ * after. */
+epj_status ej_config_validate_autoep_engine(epj_ctx *ctx, const ej_config *c)
 {
 	EJ_ASSERT(c);
 	if (!c->compile.autoep_non_moe)
 		return EPJ_OK;
-	/* One check per unsupported feature, in the seed's order; the first
-	 * failure is reported.  Each message says what to change. */
 	if (c->compile.deepcompile)
 		return autoep_err(ctx, "cannot be combined with DeepCompile "
 				       "(compile.deepcompile=true): set "
 				       "compile.deepcompile to false");
 	if (strcmp(c->expert_parallel.comm_backend, "comm") != 0)
 		return autoep_err(ctx,
-				  "supports only the standard AutoEP comm "
-				  "backend, got expert_parallel.comm_backend="
-				  "\"%s\": set it to \"comm\"",
+				  "requires expert_parallel "
+				  "comm_backend='comm' (the standard AutoEP "
+				  "comm backend), got "
+				  "expert_parallel.comm_backend=\"%s\": set it "
+				  "to \"comm\"",
 				  c->expert_parallel.comm_backend);
 	if (c->autotp_size > 1)
 		return autoep_err(ctx,
@@ -2187,20 +2192,20 @@ epj_status ej_config_validate_autoep_compile(epj_ctx *ctx, const ej_config *c)
 				  "to 1",
 				  c->pipeline_stages);
 	if (c->zero.stage == 3)
-		return autoep_err(ctx, "supports ZeRO stages 0, 1 and 2 only, "
-				       "got zero_optimization.stage=3: use "
-				       "stage 2 or lower");
+		return autoep_err(ctx, "does not support ZeRO Stage 3 "
+				       "(zero_optimization.stage=3): use "
+				       "stage 0, 1 or 2");
 	if (c->zero.offload_optimizer.active)
 		return autoep_err(
 		    ctx,
-		    "does not support optimizer offload "
+		    "does not support optimizer or parameter offload "
 		    "(zero_optimization.offload_optimizer.device=\"%s\"): "
 		    "remove offload_optimizer or set its device to \"none\"",
 		    offload_name(c->zero.offload_optimizer.device));
 	if (c->zero.offload_param.active)
 		return autoep_err(
 		    ctx,
-		    "does not support parameter offload "
+		    "does not support optimizer or parameter offload "
 		    "(zero_optimization.offload_param.device=\"%s\"): remove "
 		    "offload_param or set its device to \"none\"",
 		    offload_name(c->zero.offload_param.device));
@@ -2212,20 +2217,81 @@ epj_status ej_config_validate_autoep_compile(epj_ctx *ctx, const ej_config *c)
 		return autoep_err(ctx, "does not support compiled autograd "
 				       "(compile.compiled_autograd=true): set "
 				       "compile.compiled_autograd to false");
+	return EPJ_OK;
+}
+
+/* DeepSpeed's compile_autoep_non_moe_regions checks these after it found an
+ * AutoEP layer; absent counts as false, null does not. */
+epj_status ej_config_validate_autoep_kwargs(epj_ctx *ctx, const ej_config *c)
+{
+	EJ_ASSERT(c);
+	if (!c->compile.autoep_non_moe)
+		return EPJ_OK;
 	if (c->compile.fullgraph != EJ_JSON_FALSE)
 		return autoep_err(ctx,
-				  "requires compile.fullgraph=false, got %s: "
-				  "every AutoEP layer is a graph break, so no "
-				  "region is one full graph; set "
+				  "requires fullgraph=False because AutoEP is "
+				  "an eager graph break (compile.fullgraph is "
+				  "%s): no region is one full graph; set "
 				  "compile.fullgraph to false",
 				  json_bool_name(c->compile.fullgraph));
 	if (c->compile.dynamic != EJ_JSON_FALSE)
 		return autoep_err(ctx,
-				  "requires compile.dynamic=false, got %s: "
-				  "regions are compiled for static shapes "
-				  "(null would let the compiler choose); set "
-				  "compile.dynamic to false",
+				  "currently requires dynamic=False "
+				  "(compile.dynamic is %s): regions are "
+				  "compiled for static shapes (null would let "
+				  "the compiler choose); set compile.dynamic "
+				  "to false",
 				  json_bool_name(c->compile.dynamic));
+	return EPJ_OK;
+}
+
+epj_status ej_config_validate_autoep_compile(epj_ctx *ctx, const ej_config *c)
+{
+	epj_status st = ej_config_validate_autoep_engine(ctx, c);
+	return st != EPJ_OK ? st : ej_config_validate_autoep_kwargs(ctx, c);
+}
+
+/* Full-model mode: the options its compile cannot honour, by name. */
+static epj_status model_err(epj_ctx *ctx, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static epj_status model_err(epj_ctx *ctx, const char *fmt, ...)
+{
+	char msg[896];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	return ej_error(ctx, EPJ_ERR_UNSUPPORTED, "compile: %s", msg);
+}
+
+epj_status ej_config_validate_model_compile(epj_ctx *ctx, const ej_config *c)
+{
+	EJ_ASSERT(c);
+	if (c->compile.autoep_non_moe)
+		return EPJ_OK;
+	if (c->compile.deepcompile)
+		return model_err(ctx, "compile.deepcompile=true: DeepCompile "
+				      "is not implemented in epjit; set "
+				      "compile.deepcompile to false");
+	if (c->compile.schedule_present)
+		return model_err(ctx, "compile.schedule is set: DeepCompile "
+				      "schedules are not implemented in "
+				      "epjit; remove compile.schedule or set "
+				      "it to null");
+	if (c->compile.compiled_autograd)
+		return model_err(ctx, "compile.compiled_autograd=true: "
+				      "compiled autograd is not implemented "
+				      "in epjit; set "
+				      "compile.compiled_autograd to false");
+	if (c->compile.fullgraph == EJ_JSON_TRUE)
+		return model_err(ctx, "compile.fullgraph=true is not "
+				      "implemented by epjit's full-model "
+				      "compile (compile.autoep_non_moe=false), "
+				      "which breaks the graph at every AutoEP "
+				      "layer (and, with activation "
+				      "checkpointing in the nested layout, "
+				      "at every decoder block); set "
+				      "compile.fullgraph to false");
 	return EPJ_OK;
 }
 

@@ -220,13 +220,31 @@ epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out);
 epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *cfg,
 				   int world_size);
 
-/* The support boundary of compile.autoep_non_moe (DESIGN.md section 5).
- * Returns EPJ_OK when the option is off.  Otherwise rejects each unsupported
- * setting with EPJ_ERR_CONFIG and its own message beginning
- * "compile.autoep_non_moe=true" that says what to change.  Not checked here:
- * whether this build has the backend, whether the model has AutoEP layers. */
+/* The support boundary of compile.autoep_non_moe (DESIGN.md section 5),
+ * checked by epj_engine_compile (never by initialize: these options concern
+ * compilation only).  Each returns EPJ_OK when the option is off; otherwise
+ * it rejects each unsupported setting with EPJ_ERR_CONFIG and a message
+ * beginning "compile.autoep_non_moe=true", then DeepSpeed's own wording
+ * (what its tests match), then what to change.
+ *  - _engine: what DeepSpeed's engine.compile() refuses before it looks at
+ *    the model: DeepCompile, comm_backend, AutoTP, sequence and pipeline
+ *    parallelism, ZeRO-3, offload, schedule, compiled autograd;
+ *  - _kwargs: fullgraph and dynamic other than false, which DeepSpeed
+ *    checks after "requires at least one AutoEPMoELayer";
+ *  - _compile: both, in that order.
+ * Not checked here: whether this build has the backend, whether the model
+ * has AutoEP layers. */
+epj_status ej_config_validate_autoep_engine(epj_ctx *ctx, const ej_config *cfg);
+epj_status ej_config_validate_autoep_kwargs(epj_ctx *ctx, const ej_config *cfg);
 epj_status ej_config_validate_autoep_compile(epj_ctx *ctx,
 					     const ej_config *cfg);
+
+/* Full-model mode (compile.autoep_non_moe false): refuses, by name, what
+ * that compile cannot honour -- compile.deepcompile, compile.schedule,
+ * compile.compiled_autograd and compile.fullgraph=true -- with
+ * EPJ_ERR_UNSUPPORTED and a message beginning "compile: ".  EPJ_OK when
+ * the option is on. */
+epj_status ej_config_validate_model_compile(epj_ctx *ctx, const ej_config *cfg);
 
 /* The effective config as JSON text (2-space indent) that ej_config_parse
  * accepts and that parses back to the same values (reals are printed with 15

@@ -3,7 +3,8 @@
  *
  *   epj_engine_initialize(model, ds.json)
  *       parse + validate the config (unknown keys, types, ranges: config.c),
- *       refuse what this build cannot run on one rank, resolve the batch,
+ *       refuse what epjit does not implement (compile options are
+ *       epj_engine_compile's to check, compile.c), resolve the batch,
  *       apply bf16 (bf16 parameters, FP32 masters in the optimizer), routing
  *       options, activation checkpointing, and build the optimizer.
  *   epj_engine_train_step(ids, labels)   one micro-batch: forward, backward,
@@ -35,41 +36,66 @@
 
 #define CKPT_FORMAT "epjit-train-checkpoint-1"
 
-/* Settings that need more than one rank or features this build does not
- * have are refused here, whatever compile mode is used later. */
+/* Features epjit does not implement at all are refused here, whatever
+ * compile mode is used later, each with "... is not implemented in epjit"
+ * (DeepSpeed's name of the feature first): a message distinct from the
+ * compile contract's (compile.c), which refuses what only concerns
+ * compilation and only at epj_engine_compile.  An EPJIT_DEVICE that names
+ * no device is refused too (a run would otherwise silently use the cpu). */
 static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 				  const epj_model *m)
 {
 	const char *src = c->source;
+	static const char *const known_devices[] = { "cpu", "cuda-sim",
+						     "cuda" };
+	const char *dev = getenv("EPJIT_DEVICE");
+	bool dev_ok = !dev || !dev[0];
+	for (size_t i = 0; !dev_ok && i < EJ_ARRAY_LEN(known_devices); i++)
+		dev_ok = !strcmp(dev, known_devices[i]);
+	if (!dev_ok)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"EPJIT_DEVICE=\"%s\" is not a device (known: "
+				"cpu, cuda-sim, cuda)",
+				dev);
 	if (strcmp(c->expert_parallel.comm_backend, "comm") != 0)
-		return ej_error(
-		    ctx, EPJ_ERR_UNSUPPORTED,
-		    "%s: expert_parallel.comm_backend=\"%s\" is not "
-		    "available in epjit; use \"comm\"",
-		    src, c->expert_parallel.comm_backend);
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: the DeepEP comm backend "
+				"(expert_parallel.comm_backend=\"%s\") is not "
+				"implemented in epjit; use \"comm\"",
+				src, c->expert_parallel.comm_backend);
 	if (c->zero.stage == 3)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: zero_optimization.stage=3 is not "
-				"supported; use stage 0, 1 or 2",
+				"%s: ZeRO Stage 3 (zero_optimization.stage=3) "
+				"is not implemented in epjit; use stage 0, 1 "
+				"or 2",
 				src);
 	if (c->zero.offload_optimizer.active || c->zero.offload_param.active)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: zero_optimization.%s is not supported; "
-				"remove it or set {\"device\": \"none\"}",
+				"%s: %s offload (zero_optimization.%s) is not "
+				"implemented in epjit; remove it or set "
+				"{\"device\": \"none\"}",
 				src,
+				c->zero.offload_optimizer.active ? "optimizer"
+								 : "parameter",
 				c->zero.offload_optimizer.active
 				    ? "offload_optimizer"
 				    : "offload_param");
-	if (c->sequence_parallel_size > 1 || c->pipeline_stages > 1 ||
-	    c->autotp_size > 1)
-		return ej_error(
-		    ctx, EPJ_ERR_UNSUPPORTED,
-		    "%s: %s > 1 needs more than one rank, which "
-		    "this build does not run yet",
-		    src,
-		    c->sequence_parallel_size > 1 ? "sequence_parallel_size"
-		    : c->pipeline_stages > 1	  ? "pipeline.stages"
-					     : "tensor_parallel.autotp_size");
+	if (c->sequence_parallel_size > 1)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: sequence parallelism "
+				"(sequence_parallel_size=%d) is not "
+				"implemented in epjit; set it to 1",
+				src, c->sequence_parallel_size);
+	if (c->pipeline_stages > 1)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: pipeline parallelism (pipeline.stages=%d) "
+				"is not implemented in epjit; set it to 1",
+				src, c->pipeline_stages);
+	if (c->autotp_size > 1)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: AutoTP (tensor_parallel.autotp_size=%d) "
+				"is not implemented in epjit; set it to 1",
+				src, c->autotp_size);
 	const int W = ej_comm_world()->size,
 		  ep = c->expert_parallel.autoep_size;
 	if (ep > 1 && W % ep != 0)
@@ -204,11 +230,10 @@ static epj_status engine_setup(epj_engine *e)
 	epj_ctx *ctx = e->ctx;
 	epj_model *m = e->model;
 	ej_config *c = &e->cfg;
-	/* With compile.autoep_non_moe the support boundary of the feature is
-	 * reported first, in its own words (DESIGN.md section 5). */
-	epj_status st = ej_config_validate_autoep_compile(ctx, c);
-	if (st == EPJ_OK)
-		st = check_supported(ctx, c, m);
+	/* Only what epjit cannot run at all: the compile options
+	 * (compile.autoep_non_moe's contract included) are epj_engine_compile's
+	 * to check, so a config with them trains eagerly. */
+	epj_status st = check_supported(ctx, c, m);
 	ej_comm *world = ej_comm_world();
 	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)

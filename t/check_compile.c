@@ -33,6 +33,7 @@
 
 #include <dirent.h>
 #include <math.h>
+#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -264,10 +265,17 @@ static void snap_assert_same(const snap *s, epj_module *root, const char *what)
  *             toolkit at configure time), where a case's message differs
  *   ok        line 1 "mode <m>", line 2 "regions <n>", then one region name
  *             per line ("<root>" for the root)
- * A ds.json that epj_engine_initialize already refuses (settings this build
- * cannot run on one rank, e.g. "deepep" or ZeRO-3) is applied by
- * initializing with defaults and assigning the parsed config to the engine:
- * what is tested here is the compile-time validation. */
+ *   init_error  optional: the config names a feature epjit does not
+ *             implement (e.g. "deepep", ZeRO-3): epj_engine_initialize must
+ *             refuse it with a message containing each line, containing
+ *             "is not implemented in epjit" and not beginning with the
+ *             compile contract's "compile.autoep_non_moe"; the compile-time
+ *             check is then tested by initializing with defaults and
+ *             assigning the parsed config to the engine.
+ * Without init_error, initialize must accept the config and, for an error
+ * case, the engine must train one step eagerly before compile refuses:
+ * options that only concern compilation are checked at compile, as
+ * DeepSpeed's engine.compile() does. */
 
 /* Lines of a file without their newline (NULL-terminated array). */
 static char **read_lines(const char *path, int *n)
@@ -299,7 +307,7 @@ static void free_lines(char **v, int n)
 static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 {
 	char base[2048], p_ds[2200], p_model[2200], p_backend[2200],
-	    p_err[2200], p_ok[2200];
+	    p_err[2200], p_ok[2200], p_init[2200];
 	snprintf(base, sizeof base, "%s/%s", dir, name);
 	snprintf(p_ds, sizeof p_ds, "%s/ds.json", base);
 	snprintf(p_model, sizeof p_model, "%s/model", base);
@@ -307,14 +315,16 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 	snprintf(p_err, sizeof p_err, "%s/error", base);
 #ifndef HAVE_NVRTC
 	{
-		char p_alt[2300];
+		char p_alt[sizeof p_err];
 		snprintf(p_alt, sizeof p_alt, "%s/error-no-nvrtc", base);
 		if (tu_exists(p_alt))
 			snprintf(p_err, sizeof p_err, "%s", p_alt);
 	}
 #endif
 	snprintf(p_ok, sizeof p_ok, "%s/ok", base);
+	snprintf(p_init, sizeof p_init, "%s/init_error", base);
 	bool want_err = tu_exists(p_err), want_ok = tu_exists(p_ok);
+	bool want_init_err = tu_exists(p_init);
 	if (!tu_exists(p_ds) || want_err == want_ok) {
 		tu_report(fails, nf, "%s: needs ds.json and one of error, ok\n",
 			  name);
@@ -342,17 +352,59 @@ static bool run_case(const char *dir, const char *name, char *fails, size_t nf)
 	epj_model *m = model_new(ctx, layout, cfg_path, 7);
 	epj_engine *e = NULL;
 	bool ok = true;
-	if (epj_engine_initialize(ctx, m, p_ds, &e) != EPJ_OK) {
-		/* refused at initialize: test the compile-time check */
+	epj_status ist = epj_engine_initialize(ctx, m, p_ds, &e);
+	if (want_init_err) {
+		/* a feature epjit does not implement: refused at initialize,
+		 * in words distinct from the compile contract's */
+		int n_ie = 0;
+		char **ie = read_lines(p_init, &n_ie);
+		const char *msg = epj_ctx_error(ctx);
+		bool good = ist != EPJ_OK && n_ie >= 1 &&
+			    strstr(msg, "is not implemented in epjit") &&
+			    strncmp(msg, "compile.autoep_non_moe", 22) != 0;
+		for (int i = 0; good && i < n_ie; i++)
+			good = strstr(msg, ie[i]) != NULL;
+		if (!good) {
+			tu_report(fails, nf,
+				  "%s: want initialize to refuse \"%s\" (not "
+				  "implemented in epjit), got %s \"%s\"\n",
+				  name, n_ie ? ie[0] : "?",
+				  epj_status_name(ist), msg);
+			ok = false;
+		}
+		free_lines(ie, n_ie);
+		epj_engine_free(e);
+		e = NULL;
+		/* test the compile-time check on the parsed config */
 		ej_config cfg;
-		if (ej_config_load(ctx, p_ds, &cfg) != EPJ_OK) {
+		if (ok && ej_config_load(ctx, p_ds, &cfg) != EPJ_OK) {
 			tu_report(fails, nf, "%s: ds.json: %s\n", name,
 				  epj_ctx_error(ctx));
 			ok = false;
-		} else {
+		} else if (ok) {
 			e = engine_new(ctx, m, "{}");
 			e->cfg = cfg;
 		}
+	} else if (ist != EPJ_OK) {
+		tu_report(fails, nf,
+			  "%s: initialize refused a config that only compile "
+			  "may refuse: %s\n",
+			  name, epj_ctx_error(ctx));
+		ok = false;
+	} else if (want_err) {
+		/* a compile-only option: the engine trains eagerly */
+		epj_tensor *ids, *labels;
+		batch(ctx, 2, 5, &ids, &labels);
+		epj_step_info info;
+		if (epj_engine_train_step(e, ids, labels, &info) != EPJ_OK ||
+		    strcmp(epj_engine_compile_mode(e), "none") != 0) {
+			tu_report(fails, nf,
+				  "%s: eager train step before compile: %s\n",
+				  name, epj_ctx_error(ctx));
+			ok = false;
+		}
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
 	}
 	if (ok && tu_exists(p_backend)) {
 		int nl = 0;
@@ -473,8 +525,11 @@ START_TEST(test_compile_cases)
 			nfail++;
 	}
 	tu_free_names(names, n);
-	ck_assert_msg(nfail == 0, "%d of %d compile cases failed:\n%s", nfail,
-		      n, fails);
+	/* every failure on stderr; Check's message holds about 4 KiB */
+	if (nfail)
+		fputs(fails, stderr);
+	ck_assert_msg(nfail == 0, "%d of %d compile cases failed:\n%.3000s",
+		      nfail, n, fails);
 }
 END_TEST
 
@@ -655,11 +710,18 @@ START_TEST(test_discovery_refusals)
 	toy_init(&t, ctx, root);
 	snap before;
 	snap_take(&before, root);
-	ck_assert_int_eq(epj_engine_compile(&t.e), EPJ_ERR_UNSUPPORTED);
+	/* DeepSpeed's order: fullgraph and dynamic before each layer's
+	 * region */
+	t.e.cfg.compile.fullgraph = EJ_JSON_TRUE;
+	ck_assert_int_eq(epj_engine_compile(&t.e), EPJ_ERR_CONFIG);
 	const char *msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, "the MoE layer must be a direct child of a "
-				  "callable module") &&
-			  strstr(msg, "layers") &&
+	ck_assert_msg(strstr(msg, "requires fullgraph=False"), "%s", msg);
+	t.e.cfg.compile.fullgraph = EJ_JSON_FALSE;
+	ck_assert_int_eq(epj_engine_compile(&t.e), EPJ_ERR_UNSUPPORTED);
+	msg = epj_ctx_error(ctx);
+	ck_assert_msg(strstr(msg, "AutoEP compile region 'layers' has no "
+				  "forward implementation. The MoE layer must "
+				  "be a direct child of a callable module") &&
 			  !strncmp(msg, "compile.autoep_non_moe=true", 27),
 		      "%s", msg);
 	snap_assert_same(&before, root, "ModuleList parent");
@@ -672,8 +734,9 @@ START_TEST(test_discovery_refusals)
 	toy_init(&t, ctx, root);
 	ck_assert_int_eq(epj_engine_compile(&t.e), EPJ_ERR_UNSUPPORTED);
 	msg = epj_ctx_error(ctx);
-	ck_assert_msg(strstr(msg, "is the model root: it has no surrounding "
-				  "region") &&
+	ck_assert_msg(strstr(msg, "cannot compile an AutoEPMoELayer at the "
+				  "model root") &&
+			  strstr(msg, "no surrounding region") &&
 			  !strncmp(msg, "compile.autoep_non_moe=true", 27),
 		      "%s", msg);
 	ck_assert_ptr_null(root->orig_forward);
@@ -686,9 +749,11 @@ START_TEST(test_discovery_refusals)
 }
 END_TEST
 
-/* Nested regions and two breaks in one region: root (callable) has an
- * AutoEP child and a block with two AutoEP children -> regions "", "blk"
- * (deduplicated, model order); the block is inlined into the root's trace. */
+/* Nested regions and two breaks in one region: root (callable) has a block
+ * with two AutoEP children, then an AutoEP child of its own -> regions
+ * "blk", "" (deduplicated, in the order of their first AutoEP child in
+ * named_modules(), as DeepSpeed lists them); the block is inlined into the
+ * root's trace. */
 START_TEST(test_nested_regions_parity)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -727,8 +792,8 @@ START_TEST(test_nested_regions_parity)
 	toy_init(&t, ctx, root);
 	compile_ok(&t.e);
 	ck_assert_int_eq(epj_engine_num_regions(&t.e), 2);
-	ck_assert_str_eq(epj_engine_region_name(&t.e, 0), "");
-	ck_assert_str_eq(epj_engine_region_name(&t.e, 1), "blk");
+	ck_assert_str_eq(epj_engine_region_name(&t.e, 0), "blk");
+	ck_assert_str_eq(epj_engine_region_name(&t.e, 1), "");
 	int64_t ft = ctr(ctx, "frames.total"),
 		gb = ctr(ctx, "graph_break.autoep");
 	for (int rep = 0; rep < 2; rep++) {
@@ -779,6 +844,201 @@ START_TEST(test_nested_regions_parity)
 	ej_param_list_free(&pl);
 	ej_module_free(root);
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Region order: DeepSpeed lists a region when it meets its first AutoEP
+ * child in named_modules() (pre-order), not where the region itself sits in
+ * the tree, so a root whose AutoEP child follows a block comes after the
+ * block, and before it when the AutoEP child comes first. */
+START_TEST(test_region_order)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int mlp_first = 0; mlp_first < 2; mlp_first++) {
+		epj_module *root =
+		    ej_module_new(NULL, "", "ToyLM", toy_root_forward);
+		if (mlp_first)
+			toy_autoep(ctx, root, "mlp");
+		epj_module *blk =
+		    ej_module_new(root, "blk", "ToyBlock", toy_blk_forward);
+		toy_autoep(ctx, blk, "moe_a");
+		toy_autoep(ctx, blk, "moe_b");
+		if (!mlp_first)
+			toy_autoep(ctx, root, "mlp");
+		toy t;
+		toy_init(&t, ctx, root);
+		compile_ok(&t.e);
+		ck_assert_int_eq(epj_engine_num_regions(&t.e), 2);
+		ck_assert_str_eq(epj_engine_region_name(&t.e, 0),
+				 mlp_first ? "" : "blk");
+		ck_assert_str_eq(epj_engine_region_name(&t.e, 1),
+				 mlp_first ? "blk" : "");
+		ej_engine_compile_free(&t.e);
+		ej_module_free(root);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- DeepSpeed's messages -------------------------------------------------
+ * DeepSpeed's own tests (tests/unit/moe/test_autoep_unit.py of PR #8380)
+ * match each rejection with a regex (pytest.raises(match=...), re.search).
+ * Every one of them must match epjit's message, here as a POSIX extended
+ * regex (the same patterns: none uses a Python-only construct). */
+
+/* The compile message of case `name` (t/compile_cases/<name>); a config that
+ * initialize refuses is assigned to an engine made with defaults. */
+static void case_compile_message(const char *name, char *msg, size_t n)
+{
+	char dir[2048], p_ds[2200], p_model[2200];
+	snprintf(dir, sizeof dir, "%s/t/compile_cases/%s", tu_srcdir(), name);
+	snprintf(p_ds, sizeof p_ds, "%s/ds.json", dir);
+	snprintf(p_model, sizeof p_model, "%s/model", dir);
+	ck_assert_msg(tu_exists(p_ds), "no compile case %s", name);
+	epj_ctx *ctx = tu_ctx();
+	epj_model *m = model_new(ctx, EPJ_LAYOUT_NESTED,
+				 tu_exists(p_model) ? p_model : NULL, 7);
+	epj_engine *e = NULL;
+	if (epj_engine_initialize(ctx, m, p_ds, &e) != EPJ_OK) {
+		ej_config cfg;
+		ck_assert_msg(ej_config_load(ctx, p_ds, &cfg) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		e = engine_new(ctx, m, "{}");
+		e->cfg = cfg;
+	}
+	ck_assert_msg(epj_engine_compile(e) != EPJ_OK, "case %s compiled",
+		      name);
+	snprintf(msg, n, "%s", epj_ctx_error(ctx));
+	epj_engine_free(e);
+	epj_model_free(m);
+	epj_ctx_free(ctx);
+}
+
+static bool ds_match(const char *regex, const char *msg)
+{
+	regex_t re;
+	int rc = regcomp(&re, regex, REG_EXTENDED | REG_NOSUB);
+	ck_assert_msg(rc == 0, "regex %s does not compile", regex);
+	rc = regexec(&re, msg, 0, NULL, 0);
+	regfree(&re);
+	return rc == 0;
+}
+
+/* Records a failure in fails unless DeepSpeed's regex matches msg. */
+static void ds_expect(char *fails, size_t nf, int *nfail, const char *what,
+		      const char *regex, const char *msg)
+{
+	if (ds_match(regex, msg))
+		return;
+	tu_report(fails, nf, "%s: /%s/ does not match \"%s\"\n", what, regex,
+		  msg);
+	(*nfail)++;
+}
+
+START_TEST(test_deepspeed_messages)
+{
+	/* DeepSpeed's test and parameter, its regex, the compile case that
+	 * makes the same configuration here */
+	static const struct {
+		const char *ds_test, *regex, *compile_case;
+	} rows[] = {
+		{ "engine_rejects deepcompile",
+		  "cannot be combined with DeepCompile", "reject_deepcompile" },
+		{ "engine_rejects deepep", "comm_backend='comm'",
+		  "reject_deepep" },
+		{ "engine_rejects autotp", "AutoEP\\+AutoTP folding",
+		  "reject_autotp" },
+		{ "engine_rejects sequence_parallel", "sequence parallelism",
+		  "reject_sequence_parallel" },
+		{ "engine_rejects pipeline_parallel", "pipeline parallelism",
+		  "reject_pipeline" },
+		{ "engine_rejects zero3", "ZeRO Stage 3", "reject_zero3" },
+		{ "engine_rejects optimizer_offload",
+		  "optimizer or parameter offload",
+		  "reject_offload_optimizer_cpu" },
+		{ "engine_rejects param_offload",
+		  "optimizer or parameter offload",
+		  "reject_offload_param_cpu" },
+		{ "engine_rejects param_offload (nvme)",
+		  "optimizer or parameter offload",
+		  "reject_offload_param_nvme" },
+		{ "engine_rejects schedule", "DeepCompile schedules",
+		  "reject_schedule" },
+		{ "engine_rejects compiled_autograd", "compiled autograd",
+		  "reject_compiled_autograd" },
+		{ "compile_kwargs fullgraph True", "fullgraph=False",
+		  "reject_fullgraph_true" },
+		{ "compile_kwargs fullgraph None", "fullgraph=False",
+		  "reject_fullgraph_null" },
+		{ "compile_kwargs dynamic True", "dynamic=False",
+		  "reject_dynamic_true" },
+		{ "compile_kwargs dynamic None", "dynamic=False",
+		  "reject_dynamic_null" },
+		{ "model_without_autoep_layers",
+		  "requires at least one AutoEPMoELayer", "reject_no_experts" },
+		{ "model_without_autoep_layers (mlp_only_layers)",
+		  "requires at least one AutoEPMoELayer",
+		  "reject_all_mlp_only" },
+	};
+	static char fails[8192];
+	fails[0] = 0;
+	int nfail = 0;
+	char msg[1024];
+	for (size_t i = 0; i < EJ_ARRAY_LEN(rows); i++) {
+		char what[256];
+		snprintf(what, sizeof what, "%s (%s)", rows[i].ds_test,
+			 rows[i].compile_case);
+		case_compile_message(rows[i].compile_case, msg, sizeof msg);
+		ds_expect(fails, sizeof fails, &nfail, what, rows[i].regex,
+			  msg);
+	}
+
+	/* the hand-built trees of DeepSpeed's discovery tests */
+	epj_ctx *ctx = tu_ctx();
+	epj_module *root = toy_autoep(ctx, NULL, "");
+	toy t;
+	toy_init(&t, ctx, root);
+	ck_assert_int_ne(epj_engine_compile(&t.e), EPJ_OK);
+	ds_expect(fails, sizeof fails, &nfail, "rejects_bare_autoep_model_root",
+		  "AutoEPMoELayer at the model root", epj_ctx_error(ctx));
+	ej_module_free(root);
+	root = ej_module_new(NULL, "", "ToyLM", toy_root_forward);
+	epj_module *list = ej_module_new(root, "layers", "ModuleList", NULL);
+	toy_autoep(ctx, list, "0");
+	toy_init(&t, ctx, root);
+	ck_assert_int_ne(epj_engine_compile(&t.e), EPJ_OK);
+	ds_expect(fails, sizeof fails, &nfail,
+		  "rejects_non_callable_parent_region",
+		  "has no forward implementation", epj_ctx_error(ctx));
+	ej_module_free(root);
+
+	/* the mode cannot change once compiled (RuntimeError "already
+	 * compiled"); a second engine finds the regions compiled */
+	epj_model *m = model_new(ctx, EPJ_LAYOUT_NESTED, NULL, 3);
+	char js[512];
+	engine_json(js, sizeof js, true, false, false);
+	epj_engine *e = engine_new(ctx, m, js);
+	compile_ok(e);
+	e->cfg.compile.autoep_non_moe = false;
+	ck_assert_int_ne(epj_engine_compile(e), EPJ_OK);
+	ds_expect(fails, sizeof fails, &nfail, "tracks_regional_compile_mode",
+		  "already compiled", epj_ctx_error(ctx));
+	e->cfg.compile.autoep_non_moe = true;
+	epj_engine *e2 = engine_new(ctx, m, js);
+	ck_assert_int_ne(epj_engine_compile(e2), EPJ_OK);
+	ds_expect(fails, sizeof fails, &nfail, "region already compiled",
+		  "AutoEP compile region 'model\\.layers\\.0' is already "
+		  "compiled",
+		  epj_ctx_error(ctx));
+	epj_engine_free(e2);
+	epj_engine_free(e);
+	epj_model_free(m);
+	epj_ctx_free(ctx);
+	if (nfail)
+		fputs(fails, stderr);
+	ck_assert_msg(nfail == 0,
+		      "%d of DeepSpeed's regexes do not match:\n%.3000s", nfail,
+		      fails);
 }
 END_TEST
 
@@ -1388,6 +1648,8 @@ Suite *make_compile_suite(void)
 	tcase_add_test(tc, test_discovery_layouts);
 	tcase_add_test(tc, test_discovery_refusals);
 	tcase_add_test(tc, test_nested_regions_parity);
+	tcase_add_test(tc, test_region_order);
+	tcase_add_test(tc, test_deepspeed_messages);
 	tcase_add_test(tc, test_rollback);
 	tcase_add_loop_test(tc, test_parity, 0,
 			    (int)(sizeof pcases / sizeof pcases[0]));

@@ -369,12 +369,16 @@ START_TEST(test_null_false_true)
 			    ej_config_validate_autoep_compile(ctx, &c);
 			ck_assert_int_eq(s, i == 0 ? EPJ_OK : EPJ_ERR_CONFIG);
 			if (i) {
-				char w[64];
-				snprintf(w, sizeof w,
-					 "compile.%s=false, got %s",
+				/* DeepSpeed's wording, then the value */
+				char w[64], ds[64];
+				snprintf(w, sizeof w, "(compile.%s is %s)",
 					 k ? "dynamic" : "fullgraph", vals[i]);
-				ck_assert_msg(strstr(epj_ctx_error(ctx), w),
-					      "%s", epj_ctx_error(ctx));
+				snprintf(ds, sizeof ds, "requires %s=False",
+					 k ? "dynamic" : "fullgraph");
+				ck_assert_msg(
+				    strstr(epj_ctx_error(ctx), w) &&
+					strstr(epj_ctx_error(ctx), ds),
+				    "%s", epj_ctx_error(ctx));
 			}
 		}
 	}
@@ -488,6 +492,84 @@ START_TEST(test_scheduler_values)
 }
 END_TEST
 
+/* The compile checks by mode: with compile.autoep_non_moe, DeepSpeed's
+ * engine-level boundary and its fullgraph/dynamic checks are two steps (the
+ * engine checks the second after it found an AutoEP layer); without it,
+ * full-model compile refuses by name what it cannot honour and accepts the
+ * rest.  Neither is initialize's business (check_compile's cases). */
+START_TEST(test_compile_checks_by_mode)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_config c;
+	/* option on: fullgraph/dynamic are the kwargs step only */
+	parse_ok(ctx,
+		 "{\"compile\": {\"autoep_non_moe\": true, \"fullgraph\": "
+		 "true, \"dynamic\": true}}",
+		 &c);
+	ck_assert_int_eq(ej_config_validate_autoep_engine(ctx, &c), EPJ_OK);
+	ck_assert_int_eq(ej_config_validate_autoep_kwargs(ctx, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "requires fullgraph=False"));
+	ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert_int_eq(ej_config_validate_model_compile(ctx, &c), EPJ_OK);
+	/* ... and the engine-level ones come first */
+	parse_ok(ctx,
+		 "{\"compile\": {\"autoep_non_moe\": true, \"fullgraph\": "
+		 "true, \"compiled_autograd\": true}}",
+		 &c);
+	ck_assert_int_eq(ej_config_validate_autoep_engine(ctx, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "compiled autograd"));
+	ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c),
+			 EPJ_ERR_CONFIG);
+	ck_assert(strstr(epj_ctx_error(ctx), "compiled autograd"));
+
+	/* option off: each refused by name, EPJ_ERR_UNSUPPORTED */
+	static const struct {
+		const char *compile, *want;
+	} off[] = {
+		{ "\"deepcompile\": true", "compile.deepcompile=true" },
+		{ "\"schedule\": []", "compile.schedule is set" },
+		{ "\"schedule\": {}", "compile.schedule is set" },
+		{ "\"compiled_autograd\": true",
+		  "compile.compiled_autograd=true" },
+		{ "\"fullgraph\": true", "compile.fullgraph=true" },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(off); i++) {
+		char json[200];
+		snprintf(json, sizeof json,
+			 "{\"compile\": {\"autoep_non_moe\": false, %s}}",
+			 off[i].compile);
+		parse_ok(ctx, json, &c);
+		ck_assert_int_eq(ej_config_validate_autoep_compile(ctx, &c),
+				 EPJ_OK);
+		ck_assert_int_eq(ej_config_validate_model_compile(ctx, &c),
+				 EPJ_ERR_UNSUPPORTED);
+		const char *msg = epj_ctx_error(ctx);
+		ck_assert_msg(starts_with(msg, "compile: ") &&
+				  strstr(msg, off[i].want) &&
+				  strstr(msg, "not implemented"),
+			      "%s: %s", json, msg);
+	}
+	/* accepted in full-model mode: what it honours or need not act on */
+	static const char *const ok[] = {
+		"\"fullgraph\": false", "\"fullgraph\": null",
+		"\"dynamic\": true",	"\"dynamic\": null",
+		"\"schedule\": null",	"\"deepcompile\": false",
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(ok); i++) {
+		char json[200];
+		snprintf(json, sizeof json, "{\"compile\": {%s}}", ok[i]);
+		parse_ok(ctx, json, &c);
+		ck_assert_msg(ej_config_validate_model_compile(ctx, &c) ==
+				  EPJ_OK,
+			      "%s: %s", json, epj_ctx_error(ctx));
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_offload_forms)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -525,9 +607,14 @@ START_TEST(test_offload_forms)
 			ck_assert_int_eq(s,
 					 active[i] ? EPJ_ERR_CONFIG : EPJ_OK);
 			if (active[i])
-				ck_assert(strstr(epj_ctx_error(ctx),
-						 which ? "parameter offload"
-						       : "optimizer offload"));
+				ck_assert_msg(
+				    strstr(epj_ctx_error(ctx),
+					   "optimizer or parameter offload") &&
+					strstr(epj_ctx_error(ctx),
+					       which ? "offload_param.device"
+						     : "offload_optimizer."
+						       "device"),
+				    "%s", epj_ctx_error(ctx));
 		}
 	}
 	epj_ctx_free(ctx);
@@ -881,6 +968,7 @@ Suite *make_config_suite(void)
 	tcase_add_test(tc, test_null_false_true);
 	tcase_add_test(tc, test_optimizer_names_and_params);
 	tcase_add_test(tc, test_scheduler_values);
+	tcase_add_test(tc, test_compile_checks_by_mode);
 	tcase_add_test(tc, test_offload_forms);
 	tcase_add_test(tc, test_resolve_batch);
 	tcase_add_test(tc, test_dump_round_trip);

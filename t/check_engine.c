@@ -637,6 +637,61 @@ START_TEST(test_config_errors)
 }
 END_TEST
 
+/* The run's device: an EPJIT_DEVICE that names no device, or a config
+ * "device" that does not, is refused with the known names (a run would
+ * otherwise train on the cpu without a word); unset, empty and every known
+ * name are accepted. */
+START_TEST(test_device_names)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_model *m = new_model(ctx, 5);
+	epj_engine *e = NULL;
+	static const char *const bad[] = { "no-such-device", "gpu0", "CPU",
+					   "cuda-sim " };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(bad); i++) {
+		setenv("EPJIT_DEVICE", bad[i], 1);
+		epj_status st =
+		    epj_engine_initialize_json(ctx, m, "{}", "dev.json", &e);
+		ck_assert_int_eq(st, EPJ_ERR_INVALID);
+		ck_assert_ptr_null(e);
+		char want[128];
+		snprintf(want, sizeof want,
+			 "EPJIT_DEVICE=\"%s\" is not a device (known: cpu, "
+			 "cuda-sim, cuda)",
+			 bad[i]);
+		ck_assert_str_eq(epj_ctx_error(ctx), want);
+	}
+	/* the cuda names are known even where no GPU is: choosing the device
+	 * is the program's (epj_ctx_new), not the engine's */
+	static const char *const good[] = { "", "cpu", "cuda-sim", "cuda" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(good); i++) {
+		setenv("EPJIT_DEVICE", good[i], 1);
+		ck_assert_msg(epj_engine_initialize_json(
+				  ctx, m, "{}", "dev.json", &e) == EPJ_OK,
+			      "EPJIT_DEVICE=\"%s\": %s", good[i],
+			      epj_ctx_error(ctx));
+		epj_engine_free(e);
+		e = NULL;
+	}
+	unsetenv("EPJIT_DEVICE");
+	ck_assert_int_eq(
+	    epj_engine_initialize_json(ctx, m, "{}", "dev.json", &e), EPJ_OK);
+	epj_engine_free(e);
+	e = NULL;
+	/* the config's "device": the parser's list of choices */
+	ck_assert_int_eq(epj_engine_initialize_json(
+			     ctx, m, "{\"device\": \"gpu0\"}", "dev.json", &e),
+			 EPJ_ERR_CONFIG);
+	ck_assert_msg(strstr(epj_ctx_error(ctx),
+			     "\"device\" value \"gpu0\" is not supported; "
+			     "expected one of \"cpu\", \"cuda-sim\", \"cuda\""),
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_ptr_null(e);
+	epj_model_free(m);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* Defaults (NULL path) and a config file. */
 START_TEST(test_initialize_defaults)
 {
@@ -1497,6 +1552,7 @@ Suite *make_engine_suite(void)
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_config_errors);
+	tcase_add_test(tc, test_device_names);
 	tcase_add_test(tc, test_initialize_defaults);
 	tcase_add_test(tc, test_bf16_masters);
 	tcase_add_test(tc, test_bf16_weight_cache);

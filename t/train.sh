@@ -266,6 +266,13 @@ expect_fail 2 --layout --layout sideways
 "$TRAIN" --help >help.txt 2>&1 || fail "--help exited non-zero"
 grep -q -- '--dump-state' help.txt || fail "--help lacks --dump-state"
 
+# An unknown EPJIT_DEVICE is refused with the known names, never a CPU run.
+EPJIT_DEVICE=no-such-device "$TRAIN" --steps 1 >dev.txt 2>&1 &&
+	fail "EPJIT_DEVICE=no-such-device trained: $(cat dev.txt)"
+grep -q 'EPJIT_DEVICE="no-such-device" is not a device (known: cpu, cuda-sim, cuda)' dev.txt ||
+	fail "unknown EPJIT_DEVICE: $(cat dev.txt)"
+grep -q '^step ' dev.txt && fail "unknown EPJIT_DEVICE ran a step: $(cat dev.txt)"
+
 # ---- 5. stop signals -------------------------------------------------------
 # Each run has far more steps than it will take (about 4 ms a step) and is
 # stopped by a signal once its metrics file has 2 rows.  Every wait is

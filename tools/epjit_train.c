@@ -596,16 +596,26 @@ static int text_corpus(run *r, const char *path)
  * kernel on the simulator, and compiled regions use the cuda-sim backend;
  * on "cuda" the tensors live in GPU memory, the eager ops are NVRTC cubins
  * and compiled regions use the nvrtc backend. */
+/* The run's device: EPJIT_DEVICE (--device sets it), else cpu.  An
+ * unknown name is the caller's to refuse (known_device). */
 static const char *run_device(void)
 {
 	const char *d = getenv("EPJIT_DEVICE");
-	if (d && !strcmp(d, "cuda"))
-		return "cuda";
-	return d && !strcmp(d, "cuda-sim") ? "cuda-sim" : "cpu";
+	return d && *d ? d : "cpu";
+}
+
+static bool known_device(const char *d)
+{
+	return !strcmp(d, "cpu") || !strcmp(d, "cuda-sim") ||
+	       !strcmp(d, "cuda");
 }
 
 static int setup(run *r, const opts *o)
 {
+	if (!known_device(run_device()))
+		return fail_msg("EPJIT_DEVICE=\"%s\" is not a device (known: "
+				"cpu, cuda-sim, cuda)",
+				run_device());
 	if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
 		return fail_msg("cannot create a %s context", run_device());
 	/* The run seed: --seed, else the config's.  The config is only known
