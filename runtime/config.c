@@ -1093,7 +1093,8 @@ static const key keys[] = {
 	  NOGIVEN,
 	  CH(compile_backends),
 	  .flags = K_NULL_OK,
-	  .doc_default = "null (`interpreter`)",
+	  .doc_default = "null (the device's: `c` on cpu, `cuda-sim`, "
+			 "`nvrtc` on cuda)",
 	  .refused = "by `epj_engine_compile` when this build lacks it",
 	  .doc = "the code generator of compiled regions" },
 	{ .sec = SEC_COMPILE,
