@@ -69,9 +69,16 @@ fail() {
 mpi2() {
 	log=$1
 	shift
-	if ! timeout 300 "$MPIRUN" -np 2 --oversubscribe "$@" >"$log" 2>&1; then
+	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$@" >"$log" 2>&1
+	rc=$?
+	if [ $rc -ne 0 ]; then
+		# every rank's output (rank 0's, the others' prefixed "rank R
+		# of N"), the last lines first where a short view sees them
 		cat "$log" >&2
-		fail "mpirun -np 2 $* exited non-zero"
+		echo "---- the last 20 lines of $log ----" >&2
+		tail -n 20 "$log" >&2
+		[ $rc -eq 124 ] && fail "mpirun -np 2 $* timed out after 300 s"
+		fail "mpirun -np 2 $* exited $rc"
 	fi
 }
 
