@@ -102,12 +102,50 @@ void ej_backend_c_key(const char *src, char key[EJ_KCACHE_KEY_LEN + 1])
 
 static epj_status find_kernels(epj_ctx *ctx, cstate *cs, const char *name);
 
+/* Loads the shared object so[0..so_len) and finds its kernels. */
+static epj_status load_so(epj_ctx *ctx, cstate *cs, const void *so,
+			  size_t so_len, const char *name)
+{
+	epj_status st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
+	if (st == EPJ_OK)
+		st = find_kernels(ctx, cs, name);
+	return st;
+}
+
+/* Loads the artifact *so that the cache handed out (none: nothing to do).
+ * One that does not load (dlopen fails, a kernel symbol is missing: built
+ * against another glibc, say, or imported) is dropped from the cache
+ * (ej_kcache_drop_unloadable: counted, warned once) and *so freed and set
+ * to NULL, so that the caller compiles as on a miss: a cache entry is never
+ * the run's error, and this returns EPJ_OK either way. */
+static epj_status load_cached(epj_ctx *ctx, ej_kcache *kc, const char *key,
+			      cstate *cs, void **so, size_t so_len,
+			      const char *name)
+{
+	if (!*so)
+		return EPJ_OK;
+	epj_status st = load_so(ctx, cs, *so, so_len, name);
+	if (st == EPJ_OK)
+		return EPJ_OK;
+	ej_hostcc_unload(cs->handle);
+	cs->handle = NULL;
+	free(cs->fn);
+	cs->fn = NULL;
+	ej_kcache_drop_unloadable(kc, key, *so, so_len, epj_ctx_error(ctx));
+	epj_ctx_clear_error(ctx);
+	free(*so);
+	*so = NULL;
+	return EPJ_OK;
+}
+
 /* Finds or makes the shared object of the schedule and loads it.  The key
  * is that of the artifact (ej_artifact_key): the generated source, the host
  * compiler's identity and its flags, so that any change of the generator
- * that changes the source misses.  On a miss one process per key compiles
- * (the others wait for its entry under the key's lock); what is put is only
- * what loaded and has every symbol. */
+ * that changes the source misses.  On a miss (or a cached object that does
+ * not load, dropped by load_cached) one process per key compiles (the others
+ * wait for its entry under the key's lock); what is put is only what loaded
+ * and has every symbol.  A freshly compiled object that does not load is an
+ * error, and says so. */
 static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			       cstate *cs, const char *name)
 {
@@ -126,14 +164,17 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 	void *so = NULL;
 	size_t so_len = 0;
 	st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
+	if (st == EPJ_OK)
+		st = load_cached(ctx, kc, key, cs, &so, so_len, name);
 	int lock = -1;
 	if (st == EPJ_OK && !so && kc) {
 		st = ej_kcache_lock(kc, key, &lock);
 		if (st == EPJ_OK)
 			st = ej_kcache_recheck(kc, key, &so, &so_len);
+		if (st == EPJ_OK)
+			st = load_cached(ctx, kc, key, cs, &so, so_len, name);
 	}
-	bool fresh = st == EPJ_OK && !so;
-	if (fresh) {
+	if (st == EPJ_OK && !so) {
 		char *log = NULL;
 		struct timespec t0, t1;
 		clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -148,13 +189,15 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			epj_log_msg(EPJ_LOG_INFO, "c backend: %s: cc said: %s",
 				    name, log);
 		free(log);
+		if (st == EPJ_OK) {
+			st = load_so(ctx, cs, so, so_len, name);
+			if (st != EPJ_OK)
+				ej_error_prefix(ctx, "the shared object just "
+						     "compiled does not load");
+		}
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
-	if (st == EPJ_OK)
-		st = ej_hostcc_load(ctx, so, so_len, name, &cs->handle);
-	if (st == EPJ_OK)
-		st = find_kernels(ctx, cs, name);
-	if (st == EPJ_OK && fresh && kc)
-		st = ej_kcache_put(kc, key, so, so_len, src);
 	if (kc)
 		ej_kcache_unlock(kc, lock);
 	if (own)

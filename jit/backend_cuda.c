@@ -193,7 +193,17 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	void *image = NULL;
 	size_t size = 0;
 	epj_status st = kc ? ej_kcache_get(kc, key, &image, &size) : EPJ_OK;
-	bool compiled = false;
+	if (st == EPJ_OK && image &&
+	    cs->vt->load(cs->vt->self, ctx, image, size, name, &cs->module) !=
+		EPJ_OK) {
+		/* a cached image the driver refuses: dropped and rebuilt,
+		 * never the run's error */
+		ej_kcache_drop_unloadable(kc, key, image, size,
+					  epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		free(image);
+		image = NULL;
+	}
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target, NULL,
@@ -202,19 +212,23 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 			image = r.image;
 			size = r.size;
 			r.image = NULL;
-			compiled = true;
 			if (r.log && *r.log)
 				epj_log_msg(EPJ_LOG_INFO, "nvrtc: %s: %s", name,
 					    r.log);
 		}
 		ej_nvrtc_result_free(&r);
+		if (st == EPJ_OK) {
+			st = cs->vt->load(cs->vt->self, ctx, image, size, name,
+					  &cs->module);
+			if (st != EPJ_OK)
+				ej_error_prefix(ctx, "nvrtc backend: the image "
+						     "just compiled does not "
+						     "load");
+		}
+		/* into the cache only what the device accepted */
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, image, size, cs->source);
 	}
-	if (st == EPJ_OK)
-		st = cs->vt->load(cs->vt->self, ctx, image, size, name,
-				  &cs->module);
-	/* into the cache only what the device accepted */
-	if (st == EPJ_OK && kc && compiled)
-		st = ej_kcache_put(kc, key, image, size, cs->source);
 	free(image);
 	if (own)
 		ej_kcache_close(kc);

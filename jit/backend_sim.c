@@ -93,6 +93,17 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 	void *so = NULL;
 	size_t so_len = 0;
 	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
+	if (st == EPJ_OK && so &&
+	    ej_device_sim.load(ej_device_sim.self, ctx, so, so_len, name,
+			       module) != EPJ_OK) {
+		/* a cached module that does not load: dropped and rebuilt,
+		 * never the caller's error */
+		ej_kcache_drop_unloadable(kc, key, so, so_len,
+					  epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		free(so);
+		so = NULL;
+	}
 	if (st == EPJ_OK && !so) {
 		char *log = NULL;
 		st = ej_hostcxx_compile(ctx, src, name, flags, &so, &so_len,
@@ -101,14 +112,20 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 			epj_log_msg(EPJ_LOG_INFO, "cuda-sim: %s: c++ said: %s",
 				    name, log);
 		free(log);
+		if (st == EPJ_OK) {
+			st = ej_device_sim.load(ej_device_sim.self, ctx, so,
+						so_len, name, module);
+			if (st != EPJ_OK)
+				ej_error_prefix(ctx, "cuda-sim: the module "
+						     "just compiled does not "
+						     "load");
+		}
+		/* into the cache only what loaded */
 		if (st == EPJ_OK && kc)
 			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
 	ej_kcache_close(kc);
 	ej_arena_free(A);
-	if (st == EPJ_OK)
-		st = ej_device_sim.load(ej_device_sim.self, ctx, so, so_len,
-					name, module);
 	free(so);
 	return st;
 }

@@ -4,14 +4,17 @@
  * A compiled module is code that runs with our rights, so nothing on the way
  * from source to dlopen may be reachable by another user:
  *
- * Compile: a private directory is made with mkdtemp under $TMPDIR and opened
+ * Compile: a private directory, <TMPDIR>/epjit-cc-<pid>.<host>-XXXXXX, is
+ * made with mkdtemp and opened
  * (O_DIRECTORY | O_NOFOLLOW); through that descriptor it must be a directory
  * owned by geteuid() with no group or other permission bits, and the path
  * must still name it.  The source is written into it through the descriptor
  * as <name>.c; `$EPJIT_CC <ej_hostcc_cflags()> -c -o <name>.o <name>.c`
  * then `$EPJIT_CC -shared -o <name>.so <name>.o <the library's OpenMP
- * runtime> EJ_HOSTCC_LIBS` run through posix_spawn (no shell; a spawn
- * rather than fork, so a large multithreaded process is not copied) with
+ * runtime> EJ_HOSTCC_LIBS` run through spawn_compiler (no shell; on Linux
+ * a clone sharing our memory until exec, like posix_spawn's, so a large
+ * multithreaded process is not copied, that sets PR_SET_PDEATHSIG: the
+ * compiler dies with us, even by SIGKILL) with
  * their working directory set to the descriptor (fchdir, so renaming the
  * directory under it changes nothing), relative paths and TMPDIR="." (the
  * compiler's own temporaries stay in the private directory), stdout and
@@ -20,8 +23,10 @@
  * a regular file owned by us, not writable by group or others, with one link;
  * the bytes are read from that descriptor.  The directory is removed through
  * the descriptor (rmdir of the path only while it still names the same inode).
- * A failed compile keeps the directory with the source only, and the message
- * names it.
+ * A failed compile keeps the directory with the source only, renamed to
+ * <prefix>-kept-..., and the message names it.  The directories that
+ * processes killed during a compile left behind (their pid dead, a minute
+ * old) are removed before each new one is made (sweep_stale_dirs).
  *
  * Load: the bytes go to an anonymous memory file (memfd_create, sealed
  * against writes; where memfd_create is missing, an unlinked file of a
@@ -41,6 +46,7 @@
 #include "cc.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -56,6 +62,10 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sched.h>
+#include <sys/prctl.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -253,13 +263,178 @@ static int cc_timeout_s(void)
 	return (int)x;
 }
 
+#ifdef __linux__
+/* What the compiler's child reads between clone and exec.  It shares our
+ * memory (CLONE_VM) while the calling thread waits (CLONE_VFORK), so it
+ * only makes system calls, and it reports a failed step in err / step. */
+typedef struct spawn_args {
+	const char *exe;
+	char *const *argv, *const *envp;
+	int out_fd, cwd_fd;
+	pid_t parent;	  /* our pid before the clone */
+	sigset_t mask;	  /* the caller's signal mask, restored for exec */
+	int err;	  /* errno of the failed step, 0 when exec ran */
+	const char *step; /* which step failed */
+} spawn_args;
+
+/* The child of spawn_compiler: its own process group, killed with SIGKILL
+ * when the thread that started it dies (PR_SET_PDEATHSIG; if we died
+ * before that took effect, getppid() is no longer us and it stops), stdin
+ * /dev/null, stdout and stderr the pipe, working directory cwd_fd, then
+ * exec.  All signals are blocked on entry; our handlers are reset to the
+ * default first, so that none runs here once the mask is restored. */
+__attribute__((no_sanitize_address)) static int spawn_child(void *p)
+{
+	spawn_args *a = p;
+	for (int sig = 1; sig < NSIG; sig++) {
+		struct sigaction sa;
+		if (sigaction(sig, NULL, &sa) != 0 ||
+		    sa.sa_handler == SIG_IGN || sa.sa_handler == SIG_DFL)
+			continue;
+		sa.sa_handler = SIG_DFL;
+		sa.sa_flags = 0;
+		sigemptyset(&sa.sa_mask);
+		sigaction(sig, &sa, NULL);
+	}
+#define CHILD_CHECK(stmt)                                                      \
+	do {                                                                   \
+		if ((stmt) < 0) {                                              \
+			a->err = errno;                                        \
+			a->step = #stmt;                                       \
+			_exit(127);                                            \
+		}                                                              \
+	} while (0)
+	CHILD_CHECK(setpgid(0, 0));
+	CHILD_CHECK(prctl(PR_SET_PDEATHSIG, SIGKILL));
+	if (getppid() != a->parent) /* we are gone already */
+		_exit(127);
+	for (int fd = 1; fd <= 2; fd++) {
+		if (a->out_fd == fd) /* keep it open across exec */
+			CHILD_CHECK(fcntl(fd, F_SETFD, 0));
+		else
+			CHILD_CHECK(dup2(a->out_fd, fd));
+	}
+	int in; /* after the pipe's copies: it may have been descriptor 0 */
+	CHILD_CHECK(in = open("/dev/null", O_RDONLY));
+	if (in != 0) {
+		CHILD_CHECK(dup2(in, 0));
+		close(in);
+	}
+	if (a->cwd_fd >= 0)
+		CHILD_CHECK(fchdir(a->cwd_fd));
+	CHILD_CHECK(sigprocmask(SIG_SETMASK, &a->mask, NULL));
+	execve(a->exe, a->argv, a->envp);
+	a->err = errno;
+	a->step = "execve(exe, argv, envp)";
+	_exit(127);
+#undef CHILD_CHECK
+}
+#endif
+
+/* Starts the compiler exe with argv and envp in a process group of its own,
+ * stdin from /dev/null, stdout and stderr to out_fd, in the directory of the
+ * descriptor cwd_fd (-1: ours); *pid its pid.  On Linux the compiler is
+ * killed with SIGKILL when we die (PR_SET_PDEATHSIG, also for a kill -9):
+ * only the process we start is covered, not what it starts in turn (cc1,
+ * as, ld finish their step and exit).  It is a clone sharing our memory,
+ * like posix_spawn's, so a large multithreaded process is not copied.
+ * Returns 0 or an errno value with err_where saying which call failed. */
+static int spawn_compiler(const char *exe, char *const *argv, char *const *envp,
+			  int out_fd, int cwd_fd, pid_t *pid, char *err_where,
+			  size_t err_len)
+{
+#ifdef __linux__
+	enum { STACK = 256 << 10 };
+	spawn_args a = { .exe = exe,
+			 .argv = argv,
+			 .envp = envp,
+			 .out_fd = out_fd,
+			 .cwd_fd = cwd_fd,
+			 .parent = getpid() };
+	char *stack = mmap(NULL, STACK, PROT_READ | PROT_WRITE,
+			   MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+	if (stack == MAP_FAILED) {
+		int err = errno;
+		snprintf(err_where, err_len, "mmap(stack) at %s:%d",
+			 ej_src_file(__FILE__), __LINE__);
+		return err;
+	}
+	sigset_t all;
+	sigfillset(&all);
+	pthread_sigmask(SIG_BLOCK, &all, &a.mask);
+	int err = 0;
+	*pid = clone(spawn_child, stack + STACK,
+		     CLONE_VM | CLONE_VFORK | SIGCHLD, &a);
+	if (*pid < 0) {
+		err = errno;
+		snprintf(err_where, err_len,
+			 "clone(CLONE_VM | CLONE_VFORK) at %s:%d",
+			 ej_src_file(__FILE__), __LINE__);
+	} else if (a.err) {
+		/* it exited without running the compiler: reap it */
+		err = a.err;
+		snprintf(err_where, err_len, "%s in the child at %s:%d", a.step,
+			 ej_src_file(__FILE__), __LINE__);
+		while (waitpid(*pid, NULL, 0) < 0 && errno == EINTR)
+			;
+	}
+	pthread_sigmask(SIG_SETMASK, &a.mask, NULL);
+	munmap(stack, STACK);
+	return err;
+#else
+	posix_spawn_file_actions_t fa;
+	posix_spawnattr_t sa;
+	bool fa_ok = false, sa_ok = false;
+	int err = 0;
+#define WHERE(text)                                                            \
+	snprintf(err_where, err_len, "%s at %s:%d", text,                      \
+		 ej_src_file(__FILE__), __LINE__)
+#define RUN_CHECK(stmt)                                                        \
+	do {                                                                   \
+		if ((err = (stmt)) != 0) {                                     \
+			WHERE(#stmt);                                          \
+			goto out;                                              \
+		}                                                              \
+	} while (0)
+	RUN_CHECK(posix_spawn_file_actions_init(&fa));
+	fa_ok = true;
+	RUN_CHECK(
+	    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0));
+	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, out_fd, 1));
+	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, out_fd, 2));
+	if (cwd_fd >= 0) {
+#ifdef HAVE_POSIX_SPAWN_FILE_ACTIONS_ADDFCHDIR_NP
+		RUN_CHECK(posix_spawn_file_actions_addfchdir_np(&fa, cwd_fd));
+#else
+		err = ENOSYS;
+		WHERE("posix_spawn_file_actions_addfchdir_np (missing)");
+		goto out;
+#endif
+	}
+	RUN_CHECK(posix_spawnattr_init(&sa));
+	sa_ok = true;
+	RUN_CHECK(posix_spawnattr_setflags(&sa, POSIX_SPAWN_SETPGROUP));
+	RUN_CHECK(posix_spawnattr_setpgroup(&sa, 0));
+	RUN_CHECK(posix_spawn(pid, exe, &fa, &sa, argv, envp));
+out:
+#undef RUN_CHECK
+#undef WHERE
+	if (fa_ok)
+		posix_spawn_file_actions_destroy(&fa);
+	if (sa_ok)
+		posix_spawnattr_destroy(&sa);
+	return err;
+#endif
+}
+
 /* Runs argv (found by find_program, no shell), stdin from /dev/null, stdout and
  * stderr into *output (malloc'ed, NUL-terminated), in the directory of the
  * descriptor cwd_fd (-1: ours) with the environment envp (NULL: ours).
  * *wstatus is waitpid's status. Returns 0, or an errno value with err_where
  * saying which call failed (ETIMEDOUT: it ran longer than cc_timeout_s()).
  *
- * The compiler runs in a process group of its own.  The run ends when the
+ * The compiler runs in a process group of its own (spawn_compiler; it dies
+ * with us).  The run ends when the
  * compiler exits, not when its output reaches end of file: a child it left
  * behind may hold the pipe open for good.  Its group is then killed (what
  * it left, if anything), and the whole group is killed at the timeout. */
@@ -268,12 +443,9 @@ static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 		       size_t err_len)
 {
 	int pfd[2] = { -1, -1 };
-	posix_spawn_file_actions_t fa;
-	posix_spawnattr_t sa;
-	bool fa_ok = false, sa_ok = false;
 	size_t len = 0, cap = 4096;
 	char *buf = malloc(cap);
-	pid_t pid;
+	pid_t pid = -1;
 	int err = 0;
 	char exe[PATH_MAX];
 	*output = NULL;
@@ -297,27 +469,10 @@ static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 	RUN_CHECK(find_program(argv[0], exe, sizeof exe));
 	RUN_CHECK(pipe2(pfd, O_CLOEXEC) ? errno : 0);
 	RUN_CHECK(fcntl(pfd[0], F_SETFL, O_NONBLOCK) ? errno : 0);
-	RUN_CHECK(posix_spawn_file_actions_init(&fa));
-	fa_ok = true;
-	RUN_CHECK(
-	    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0));
-	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 1));
-	RUN_CHECK(posix_spawn_file_actions_adddup2(&fa, pfd[1], 2));
-	if (cwd_fd >= 0) {
-#ifdef HAVE_POSIX_SPAWN_FILE_ACTIONS_ADDFCHDIR_NP
-		RUN_CHECK(posix_spawn_file_actions_addfchdir_np(&fa, cwd_fd));
-#else
-		err = ENOSYS;
-		WHERE("posix_spawn_file_actions_addfchdir_np (missing)");
+	err = spawn_compiler(exe, argv, envp ? envp : environ, pfd[1], cwd_fd,
+			     &pid, err_where, err_len);
+	if (err)
 		goto out;
-#endif
-	}
-	RUN_CHECK(posix_spawnattr_init(&sa));
-	sa_ok = true;
-	RUN_CHECK(posix_spawnattr_setflags(&sa, POSIX_SPAWN_SETPGROUP));
-	RUN_CHECK(posix_spawnattr_setpgroup(&sa, 0));
-	RUN_CHECK(
-	    posix_spawn(&pid, exe, &fa, &sa, argv, envp ? envp : environ));
 	close(pfd[1]);
 	pfd[1] = -1;
 	const int64_t limit_ms = (int64_t)cc_timeout_s() * 1000;
@@ -412,10 +567,6 @@ static int run_capture(char *const *argv, int cwd_fd, char *const *envp,
 out:
 #undef RUN_CHECK
 #undef WHERE
-	if (fa_ok)
-		posix_spawn_file_actions_destroy(&fa);
-	if (sa_ok)
-		posix_spawnattr_destroy(&sa);
 	if (pfd[0] >= 0)
 		close(pfd[0]);
 	if (pfd[1] >= 0)
@@ -451,7 +602,108 @@ static void describe_wait(int ws, char *buf, size_t n)
 typedef struct ej_privdir {
 	char path[PATH_MAX];
 	int fd;
+	size_t stem; /* length of "<TMPDIR>/<prefix>-" in path */
 } ej_privdir;
+
+/* Seconds a build directory of a dead process must have been left alone
+ * (its mtime) before sweep_stale_dirs removes it. */
+#define STALE_DIR_SECONDS 60
+/* Depth of directories below a stale one that are emptied (the compiler
+ * makes none; anything deeper stays, and so does the directory). */
+#define STALE_DIR_DEPTH 16
+
+/* Empties the directory of the descriptor dfd (closed here) without ever
+ * following a symbolic link: every entry is unlinked through dfd (a link
+ * itself, not what it names), a subdirectory opened through dfd with
+ * O_DIRECTORY | O_NOFOLLOW, emptied first and removed.  True when all went. */
+static bool empty_dir_fd(int dfd, int depth)
+{
+	DIR *d = fdopendir(dfd);
+	if (!d) {
+		close(dfd);
+		return false;
+	}
+	bool ok = true;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		const char *nm = de->d_name;
+		if (!strcmp(nm, ".") || !strcmp(nm, ".."))
+			continue;
+		struct stat st;
+		if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+			ok = false;
+			continue;
+		}
+		if (!S_ISDIR(st.st_mode)) {
+			ok &= unlinkat(dirfd(d), nm, 0) == 0;
+			continue;
+		}
+		int sub = depth > 0 ? openat(dirfd(d), nm,
+					     O_RDONLY | O_DIRECTORY |
+						 O_NOFOLLOW | O_CLOEXEC)
+				    : -1;
+		ok &= sub >= 0 && empty_dir_fd(sub, depth - 1) &&
+		      unlinkat(dirfd(d), nm, AT_REMOVEDIR) == 0;
+	}
+	closedir(d);
+	return ok;
+}
+
+/* Removes the build directories <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX that
+ * a process of this host left when it died during a compile (kill -9): a
+ * real directory (lstat, then opened with O_NOFOLLOW and checked to be the
+ * same inode) owned by us, untouched for STALE_DIR_SECONDS (a margin
+ * against a pid that is reused), whose pid is no longer alive
+ * (ej_tmp_is_dead: kill(pid, 0) fails with ESRCH; another host's pid is
+ * never judged).  Kept directories of failed compiles are named
+ * <prefix>-kept-... and stay.  Best effort: what cannot be removed stays;
+ * one info line per directory removed. */
+static void sweep_stale_dirs(const char *prefix)
+{
+	DIR *d = opendir(ej_tmpdir());
+	if (!d)
+		return;
+	size_t pl = strlen(prefix);
+	time_t now = time(NULL);
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		const char *nm = de->d_name;
+		if (strncmp(nm, prefix, pl) != 0 || nm[pl] != '-')
+			continue;
+		/* "<pid>.<host>" between the prefix and "-XXXXXX" */
+		const char *owner = nm + pl + 1, *dash = strrchr(owner, '-');
+		char who[64];
+		if (!dash || strlen(dash) != 7 ||
+		    (size_t)(dash - owner) >= sizeof who)
+			continue;
+		memcpy(who, owner, (size_t)(dash - owner));
+		who[dash - owner] = '\0';
+		struct stat st, by_fd;
+		if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+		    !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+		    now - st.st_mtime < STALE_DIR_SECONDS ||
+		    !ej_tmp_is_dead(who))
+			continue;
+		int fd =
+		    openat(dirfd(d), nm,
+			   O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		if (fstat(fd, &by_fd) != 0 || by_fd.st_dev != st.st_dev ||
+		    by_fd.st_ino != st.st_ino || by_fd.st_uid != geteuid()) {
+			close(fd);
+			continue;
+		}
+		if (empty_dir_fd(fd, STALE_DIR_DEPTH) &&
+		    unlinkat(dirfd(d), nm, AT_REMOVEDIR) == 0)
+			epj_log_msg(EPJ_LOG_INFO,
+				    "host cc: removed %s/%s, the build "
+				    "directory of process %.*s that is gone",
+				    ej_tmpdir(), nm, (int)strcspn(who, "."),
+				    who);
+	}
+	closedir(d);
+}
 
 /* The mode a module file may have: no write permission for group or others
  * (the bits of a compiler's output under any sane umask). */
@@ -469,7 +721,12 @@ static epj_status privdir_make_once(epj_ctx *ctx, const char *prefix,
 	epj_status st = EPJ_OK;
 	struct stat by_fd, by_path;
 	d->fd = -1;
-	snprintf(d->path, sizeof d->path, "%s/%s-XXXXXX", ej_tmpdir(), prefix);
+	/* the pid and host name who made it, for sweep_stale_dirs */
+	int stem =
+	    snprintf(d->path, sizeof d->path, "%s/%s-", ej_tmpdir(), prefix);
+	snprintf(d->path + stem, sizeof d->path - (size_t)stem, "%ld.%s-XXXXXX",
+		 (long)getpid(), ej_host_tag());
+	d->stem = (size_t)stem;
 	SYS_CHECK(ctx, mkdtemp(d->path), == NULL, "making a private directory");
 	*made = true;
 	d->fd = open(d->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -514,6 +771,7 @@ out:
 static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
 {
 	epj_status st = EPJ_OK;
+	sweep_stale_dirs(prefix);
 	for (int i = 0; i < 8; i++) {
 		bool made = false;
 		st = privdir_make_once(ctx, prefix, d, &made);
@@ -523,6 +781,28 @@ static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
 			    epj_ctx_error(ctx));
 	}
 	return st;
+}
+
+/* Renames d, kept for the user (the source of a failed compile), to
+ * <prefix>-kept-<pid>.<host>-XXXXXX, a name sweep_stale_dirs leaves alone
+ * (RENAME_NOREPLACE: when that name is taken, or the path no longer names
+ * the directory of the descriptor, it keeps its name). */
+static void privdir_keep(ej_privdir *d)
+{
+#ifdef RENAME_NOREPLACE
+	char kept[sizeof d->path];
+	struct stat a, b;
+	if (d->fd < 0 || d->stem == 0 ||
+	    snprintf(kept, sizeof kept, "%.*skept-%s", (int)d->stem, d->path,
+		     d->path + d->stem) >= (int)sizeof kept ||
+	    fstat(d->fd, &a) != 0 || lstat(d->path, &b) != 0 ||
+	    a.st_dev != b.st_dev || a.st_ino != b.st_ino ||
+	    renameat2(AT_FDCWD, d->path, AT_FDCWD, kept, RENAME_NOREPLACE) != 0)
+		return;
+	memcpy(d->path, kept, sizeof kept);
+#else
+	(void)d;
+#endif
 }
 
 /* Removes name (may be NULL) from d, then d itself while its path still
@@ -798,7 +1078,7 @@ const char *ej_hostcc_cflags(void)
  * are left out) and appends its output to *log.  EPJ_ERR_COMPILE when the
  * compiler cannot be run; EJ_STEP_FAILED (message set: what, exit status,
  * command, output) when it ran and failed. */
-static epj_status cc_step(epj_ctx *ctx, const ej_privdir *dir, char **envp,
+static epj_status cc_step(epj_ctx *ctx, ej_privdir *dir, char **envp,
 			  const char *safe, const char *what, const char *flags,
 			  const char *const *args, int n_args, char **log)
 {
@@ -839,6 +1119,7 @@ static epj_status cc_step(epj_ctx *ctx, const ej_privdir *dir, char **envp,
 	}
 	if (!WIFEXITED(ws) || WEXITSTATUS(ws) != 0) {
 		describe_wait(ws, how, sizeof how);
+		privdir_keep(dir); /* the source stays there */
 		ej_error(ctx, EPJ_ERR_COMPILE,
 			 "host cc: %s '%s' failed (%s; %s=%s); source "
 			 "kept at %s/%s.%s; command (in %s): %s; output:\n%s",

@@ -17,7 +17,10 @@
  *
  * and its size is exactly 104 + A + S.  Anything else is corrupt: counted,
  * removed (only if the path still names the inode that was read, so a fresh
- * entry renamed in meanwhile survives) and reported as a miss.
+ * entry renamed in meanwhile survives) and reported as a miss.  An entry
+ * that verifies but that its caller cannot load is removed the same way by
+ * ej_kcache_drop_unloadable (only while the file still holds the artifact
+ * that failed), and the caller rebuilds it.
  *
  * Version 1 entries (checksum over key + artifact + source only, which let
  * the split between artifact and source move unnoticed) read as corrupt.
@@ -111,6 +114,8 @@ struct ej_kcache {
 
 /* Degradation is warned about once per process. */
 static atomic_flag warned_write = ATOMIC_FLAG_INIT;
+/* So is the first entry that does not load (ej_kcache_drop_unloadable). */
+static atomic_flag warned_unloadable = ATOMIC_FLAG_INIT;
 
 /* Per-process counter for temporary file names (several caches or threads of
  * one process may write the same key at once). */
@@ -1182,6 +1187,73 @@ epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 		s = EPJ_OK;
 	}
 	return s;
+}
+
+/* ---- entries that do not load --------------------------------------------
+ */
+
+/* Unlinks the entry file at path if it still holds the artifact
+ * data[0..len) (read through one O_NOFOLLOW descriptor, and the path still
+ * names that inode): an entry another process rebuilt meanwhile stays.
+ * True when the file was removed. */
+static bool disk_drop_if_same(const char *path, const void *data, size_t len)
+{
+	int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	struct stat st, now;
+	unsigned char hdr[HDR_SIZE];
+	bool same = false;
+	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+	    (uint64_t)st.st_size >= HDR_SIZE + (uint64_t)len &&
+	    read_all(fd, hdr, HDR_SIZE) == EPJ_OK &&
+	    get_u64(hdr + 72) == (uint64_t)len) {
+		unsigned char *buf = malloc(len);
+		same = buf && read_all(fd, buf, len) == EPJ_OK &&
+		       memcmp(buf, data, len) == 0;
+		free(buf);
+	}
+	close(fd);
+	return same && lstat(path, &now) == 0 && now.st_dev == st.st_dev &&
+	       now.st_ino == st.st_ino && unlink(path) == 0;
+}
+
+void ej_kcache_drop_unloadable(ej_kcache *c, const char *key, const void *data,
+			       size_t len, const char *why)
+{
+	EJ_ASSERT(c && data && len > 0);
+	/* why may be the message of c->ctx, which the calls below reuse */
+	char reason[1024];
+	snprintf(reason, sizeof reason, "%s", why && *why ? why : "no reason");
+	if (!key_valid(key))
+		return;
+	mem_entry *m = mem_find(c, key);
+	if (m && m->len == len && memcmp(m->data, data, len) == 0) {
+		c->mem_bytes -= mem_size(m);
+		mem_entry_clear(m);
+		*m = c->mem[--c->n_mem];
+	}
+	char *shard = NULL, *path = NULL;
+	bool removed = false;
+	if (!c->no_disk) {
+		if (entry_paths(c, key, &shard, &path) == EPJ_OK)
+			removed = disk_drop_if_same(path, data, len);
+		else /* out of memory: the file stays, a later run retries */
+			epj_ctx_clear_error(c->ctx);
+	}
+	/* the compile that follows is a miss's (compile.us, not cached_us) */
+	epj_counter_add(c->ctx, "cache.unloadable", 1);
+	epj_counter_add(c->ctx, "cache.misses", 1);
+	bool first = !atomic_flag_test_and_set(&warned_unloadable);
+	epj_log_msg(first ? EPJ_LOG_WARN : EPJ_LOG_INFO,
+		    "kernel cache %s: entry %s passed its checks but does not "
+		    "load (%s); %s, compiling it afresh (%scounted in "
+		    "cache.unloadable)",
+		    c->dir, path ? path : key, reason,
+		    removed ? "removed it" : "dropped it",
+		    first ? "warned once per process; " : "");
+	free(shard);
+	free(path);
 }
 
 /* ---- per-key lock ---------------------------------------------------------

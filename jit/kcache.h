@@ -20,7 +20,9 @@
  *    entry that cannot be written (read-only, full, something in the way)
  *    leaves a cache that works in memory (warned once per process, counted
  *    in cache.write_errors).  Only an insecure directory is an error.
- *  - Callers insert only artifacts that loaded and passed their checks.
+ *  - Callers insert only artifacts that loaded and passed their checks.  A
+ *    cached artifact that does not load is dropped by the caller
+ *    (ej_kcache_drop_unloadable) and rebuilt: never an error for the run.
  *  - Entries appear on disk atomically (temporary file, fsync, rename), so any
  *    number of processes may put the same key into one directory at once.
  *  - One ej_kcache is used by one thread at a time (like its context); the
@@ -139,6 +141,20 @@ epj_status ej_kcache_recheck(ej_kcache *c, const char *key, void **data,
 			     size_t *len);
 /* Releases a lock of ej_kcache_lock (-1 is fine). */
 void ej_kcache_unlock(ej_kcache *c, int lock);
+/* An artifact that ej_kcache_get handed out (data[0..len)) and that the
+ * caller could not load (dlopen, cuModuleLoadData, a cuda-sim module: it
+ * passed every check of the cache but is no code for this process, e.g.
+ * built against another glibc, or imported with epjit-warmup --import):
+ * removes it from the memory table and from disk (the file only while it
+ * still holds these bytes, so an entry another process rebuilt meanwhile
+ * stays), counts cache.unloadable and cache.misses (the compile that follows
+ * is a miss's) and warns about the first of the process
+ * (later ones at info level), naming the cache directory, the entry file and
+ * `why` (the loader's message; may be the message of the cache's context).
+ * The caller then compiles as on a miss and puts the new artifact; an
+ * artifact it compiled itself that does not load stays its error. */
+void ej_kcache_drop_unloadable(ej_kcache *c, const char *key, const void *data,
+			       size_t len, const char *why);
 /* Calls fn(user, key, file_bytes) for every entry file on disk (any
  * order; the entries are not read or verified: ej_kcache_get does that).
  * Returns the number of entries (0 when the directory cannot be listed). */

@@ -140,8 +140,17 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 	}
 	void *image = NULL;
 	size_t size = 0;
-	bool compiled = false;
 	st = kc ? ej_kcache_get(kc, key, &image, &size) : EPJ_OK;
+	if (st == EPJ_OK && image &&
+	    vt->load(vt->self, ctx, image, size, name, module) != EPJ_OK) {
+		/* a cached image the driver refuses: dropped and rebuilt,
+		 * never the caller's error */
+		ej_kcache_drop_unloadable(kc, key, image, size,
+					  epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		free(image);
+		image = NULL;
+	}
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, src, name, info.arch, NULL, 0, &r);
@@ -149,17 +158,23 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 			image = r.image;
 			size = r.size;
 			r.image = NULL;
-			compiled = true;
 			if (r.log && *r.log)
 				epj_log_msg(EPJ_LOG_INFO, "nvrtc: %s: %s", name,
 					    r.log);
 		}
 		ej_nvrtc_result_free(&r);
+		if (st == EPJ_OK) {
+			st = vt->load(vt->self, ctx, image, size, name, module);
+			if (st != EPJ_OK)
+				ej_error_prefix(ctx,
+						"template %s: the image "
+						"just compiled does not "
+						"load",
+						name);
+		}
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, image, size, src);
 	}
-	if (st == EPJ_OK)
-		st = vt->load(vt->self, ctx, image, size, name, module);
-	if (st == EPJ_OK && kc && compiled)
-		st = ej_kcache_put(kc, key, image, size, src);
 	free(image);
 	ej_kcache_close(kc);
 	*dev_out = vt;

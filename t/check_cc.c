@@ -562,6 +562,10 @@ START_TEST(test_hostcc_compile_error)
 	ck_assert_ptr_nonnull(strstr(log, "undeclared_thing_"));
 	char path[4096];
 	ck_assert_msg(kept_path(msg, path, sizeof path), "no path in: %s", msg);
+	/* named so that the sweep of dead processes' directories keeps it */
+	char want[64];
+	snprintf(want, sizeof want, "/epjit-cc-kept-%d.", (int)getpid());
+	ck_assert_msg(strstr(path, want) != NULL, "%s lacks %s", path, want);
 	char *kept = tu_slurp(path, NULL);
 	ck_assert_ptr_nonnull(kept);
 	ck_assert_str_eq(kept, src);
@@ -832,6 +836,210 @@ START_TEST(test_hostcc_child_and_timeout)
 }
 END_TEST
 
+/* ---- what a killed process leaves -----------------------------------------
+ *
+ * A process killed with SIGKILL while it compiles takes its compiler with it
+ * (PR_SET_PDEATHSIG on the process the compile starts), and its build
+ * directory, $TMPDIR/epjit-cc-<pid>.<host>-XXXXXX, is removed by a later
+ * compile once the pid is dead and the directory a minute old, without
+ * following any symbolic link in it. */
+
+/* The host tag of build directory names (ej_host_tag). */
+static const char *host_tag(void)
+{
+	return ej_host_tag();
+}
+
+/* A pid that is certainly dead: a child that has exited and was reaped. */
+static pid_t dead_pid(void)
+{
+	fflush(NULL);
+	pid_t p = fork();
+	ck_assert_int_ge(p, 0);
+	if (p == 0)
+		_exit(0);
+	ck_assert_int_eq(waitpid(p, NULL, 0), p);
+	return p;
+}
+
+/* mkdir dir/name (0700); its path, malloc'ed. */
+static char *mkdir_in(const char *dir, const char *name)
+{
+	char *p = tu_path(dir, name);
+	ck_assert_msg(mkdir(p, 0700) == 0, "mkdir %s: %s", p, strerror(errno));
+	return p;
+}
+
+/* Sets the mtime (and atime) of path, not following a link, to `age`
+ * seconds ago. */
+static void age_path(const char *path, int age)
+{
+	struct timespec ts[2];
+	clock_gettime(CLOCK_REALTIME, &ts[0]);
+	ts[0].tv_sec -= age;
+	ts[1] = ts[0];
+	ck_assert_int_eq(utimensat(AT_FDCWD, path, ts, AT_SYMLINK_NOFOLLOW), 0);
+}
+
+START_TEST(test_hostcc_stale_dirs)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *t = tu_tmpdir_new("ccstale");
+	char *out = tu_tmpdir_new("ccout");
+	char *target = tu_path(out, "precious");
+	tu_write_text(target, "keep me\n");
+	char *keep_dir = mkdir_in(out, "dir");
+	char *keep_file = tu_path(keep_dir, "inside");
+	tu_write_text(keep_file, "keep me too\n");
+	pid_t dead = dead_pid();
+	char name[256];
+
+	/* the build directory of a dead process: files, a subdirectory and
+	 * symbolic links to what lies outside */
+	snprintf(name, sizeof name, "epjit-cc-%d.%s-Ab1Cd2", (int)dead,
+		 host_tag());
+	char *stale = mkdir_in(t, name);
+	char *p = tu_path(stale, "g.c");
+	tu_write_text(p, "int x;\n");
+	free(p);
+	p = tu_path(stale, "g.o");
+	tu_write_text(p, "obj");
+	free(p);
+	char *sub = mkdir_in(stale, "ccAbCdEf");
+	p = tu_path(sub, "cc1.s");
+	tu_write_text(p, "asm");
+	free(p);
+	p = tu_path(stale, "link");
+	ck_assert_int_eq(symlink(target, p), 0);
+	free(p);
+	p = tu_path(stale, "dirlink");
+	ck_assert_int_eq(symlink(keep_dir, p), 0);
+	free(p);
+	age_path(sub, 3600);
+	age_path(stale, 3600);
+
+	/* what stays: a live pid, another host, a young directory, a kept
+	 * one, another name, and a symbolic link in the pattern */
+	const char *stay_fmt[] = { "epjit-cc-%d.%s-Li1ve2",
+				   "epjit-cc-%d.0badc0de-Ot1her",
+				   "epjit-cc-%d.%s-Yo1ung",
+				   "epjit-cc-kept-%d.%s-Ke1pt2",
+				   "epjit-other-%d.%s-Na1me2" };
+	const int stay_pid[] = { (int)getpid(), (int)dead, (int)dead, (int)dead,
+				 (int)dead };
+	char *stay[6];
+	for (int i = 0; i < 5; i++) {
+		if (i == 1)
+			snprintf(name, sizeof name, stay_fmt[i], stay_pid[i]);
+		else
+			snprintf(name, sizeof name, stay_fmt[i], stay_pid[i],
+				 host_tag());
+		stay[i] = mkdir_in(t, name);
+		p = tu_path(stay[i], "g.c");
+		tu_write_text(p, "int x;\n");
+		free(p);
+		if (i != 2)
+			age_path(stay[i], 3600);
+	}
+	snprintf(name, sizeof name, "epjit-cc-%d.%s-Sy1mln", (int)dead,
+		 host_tag());
+	stay[5] = tu_path(t, name);
+	ck_assert_int_eq(symlink(keep_dir, stay[5]), 0);
+	age_path(stay[5], 3600);
+
+	saved_env env = env_set("TMPDIR", t);
+	void *img = NULL;
+	size_t n = 0;
+	ck_assert_msg(ej_hostcc_compile(ctx, "int f(int x) { return x + 1; }\n",
+					"f", &img, &n, NULL) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	free(img);
+	env_restore(env);
+
+	ck_assert_msg(!tu_exists(stale), "%s was not removed", stale);
+	for (int i = 0; i < 6; i++) {
+		struct stat st;
+		ck_assert_msg(lstat(stay[i], &st) == 0, "%s was removed",
+			      stay[i]);
+	}
+	ck_assert_int_eq(tu_dir_count(t), 6); /* the compile's own went too */
+	char *text = tu_slurp(target, NULL);
+	ck_assert_ptr_nonnull(text);
+	ck_assert_str_eq(text, "keep me\n");
+	free(text);
+	text = tu_slurp(keep_file, NULL);
+	ck_assert_ptr_nonnull(text);
+	ck_assert_str_eq(text, "keep me too\n");
+	free(text);
+
+	for (int i = 0; i < 6; i++)
+		free(stay[i]);
+	free(sub);
+	free(stale);
+	free(keep_file);
+	free(keep_dir);
+	free(target);
+	tu_tmpdir_free(out);
+	tu_tmpdir_free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_hostcc_killed_compiler)
+{
+	char *t = tu_tmpdir_new("cckill");
+	char *pidfile = tu_path(t, "cc.pid");
+	char *slow = tu_path(t, "slowcc.sh");
+	char text[8192];
+	/* the compiler (this very process: exec) writes its pid and sleeps */
+	snprintf(text, sizeof text,
+		 "#!/bin/sh\n"
+		 "case \"$1\" in --version) exec cc \"$@\";; esac\n"
+		 "echo $$ > '%s.tmp' && mv '%s.tmp' '%s'\n"
+		 "exec sleep 300\n",
+		 pidfile, pidfile, pidfile);
+	tu_write_text(slow, text);
+	ck_assert_int_eq(chmod(slow, 0755), 0);
+	fflush(NULL);
+	pid_t child = fork();
+	ck_assert_int_ge(child, 0);
+	if (child == 0) {
+		setenv("EPJIT_CC", slow, 1);
+		setenv("TMPDIR", t, 1);
+		epj_ctx *cx = NULL;
+		if (epj_ctx_new("cpu", &cx) != EPJ_OK)
+			_exit(2);
+		void *img = NULL;
+		size_t n = 0;
+		ej_hostcc_compile(cx, "int x;\n", "x", &img, &n, NULL);
+		_exit(3); /* not reached: killed first */
+	}
+	/* wait (up to 60 s) for the compiler to start */
+	char *pid_text = NULL;
+	for (int i = 0; i < 600 && !pid_text; i++) {
+		pid_text = tu_slurp(pidfile, NULL);
+		if (!pid_text)
+			usleep(100000);
+	}
+	ck_assert_msg(pid_text != NULL, "the compiler never started");
+	pid_t cc = (pid_t)atoi(pid_text);
+	free(pid_text);
+	ck_assert_int_gt(cc, 1);
+	ck_assert_int_eq(kill(child, SIGKILL), 0);
+	int ws;
+	ck_assert_int_eq(waitpid(child, &ws, 0), child);
+	ck_assert(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL);
+	bool gone = pid_gone(cc); /* polls up to 60 s */
+	if (!gone)
+		kill(cc, SIGKILL); /* do not leave it behind */
+	ck_assert_msg(gone, "the compiler %d outlived the killed process %d",
+		      (int)cc, (int)child);
+	free(pidfile);
+	free(slow);
+	tu_tmpdir_free(t);
+}
+END_TEST
+
 /* ---- another user swapping files ----------------------------------------
  *
  * A world-writable directory without the sticky bit (a badly set up TMPDIR):
@@ -926,6 +1134,19 @@ static void swapper_run(const char *dir, const void *evil, size_t n,
 	}
 }
 
+/* Entries of dir named "moved*": build directories the swapper renamed. */
+static int count_moved(const char *dir)
+{
+	int moved = 0;
+	DIR *d = opendir(dir);
+	struct dirent *de;
+	while (d && (de = readdir(d)))
+		moved += !strncmp(de->d_name, "moved", 5);
+	if (d)
+		closedir(d);
+	return moved;
+}
+
 START_TEST(test_hostcc_swap_attack)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1002,9 +1223,16 @@ START_TEST(test_hostcc_swap_attack)
 	unlink(path);
 	ck_assert_int_eq(unlink(marker), 0);
 
-	/* The library's way: build and load through descriptors. */
+	/* The library's way: build and load through descriptors.  Twelve
+	 * rounds at least; as another user, on until the swapper has
+	 * attacked a build directory (it renames it to "moved..."), however
+	 * long the scheduler keeps it away, up to 120 s by the clock. */
 	saved_env env = env_set("TMPDIR", w);
-	for (int i = 0; i < 12; i++) {
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int i = 0; i < 12 || (other == '1' && count_moved(w) == 0 &&
+				   (clock_gettime(CLOCK_MONOTONIC, &t),
+				    t.tv_sec - t0.tv_sec < 120));
+	     i++) {
 		void *img = NULL;
 		size_t n = 0;
 		ck_assert_msg(ej_hostcc_compile(ctx, good_src, "f", &img, &n,
@@ -1032,13 +1260,8 @@ START_TEST(test_hostcc_swap_attack)
 	/* As another user the swapper attacked the private build
 	 * directories too (it renamed some away). */
 	if (other == '1') {
-		int moved = 0;
-		DIR *d = opendir(w);
-		struct dirent *de;
-		while ((de = readdir(d)))
-			moved += !strncmp(de->d_name, "moved", 5);
-		closedir(d);
-		ck_assert_msg(moved > 0, "no build directory was attacked");
+		ck_assert_msg(count_moved(w) > 0,
+			      "no build directory was attacked in 120 s");
 	}
 	free(evil);
 	free(good);
@@ -1093,6 +1316,8 @@ Suite *make_cc_suite(void)
 	tcase_add_test(tc, test_hostcc_isa);
 	tcase_add_test(tc, test_hostcc_swap_attack);
 	tcase_add_test(tc, test_hostcc_child_and_timeout);
+	tcase_add_test(tc, test_hostcc_stale_dirs);
+	tcase_add_test(tc, test_hostcc_killed_compiler);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("cuda_driver");
 	tcase_add_test(tc, test_cuda_driver_probe);

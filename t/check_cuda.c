@@ -34,6 +34,7 @@
 #include "cuda_driver.h"
 #include "jit.h"
 #include "jit_impl.h"
+#include "kcache.h"
 #include "kir.h"
 #include "tmpl.h"
 #include "tmpl_gemm.h"
@@ -1074,6 +1075,133 @@ START_TEST(test_fake_cubin_cached)
 }
 END_TEST
 
+/* A cached image (a region's cubin, a template's) that passes the cache's
+ * checks but that the driver refuses (built for another arch or driver, or
+ * imported) is dropped and rebuilt: the run succeeds, cache.unloadable
+ * counts each such entry, and the next run loads the rebuilt entries
+ * without a miss. */
+typedef struct key_list {
+	int n;
+	char key[16][65];
+} key_list;
+
+static void key_add(void *user, const char *key, int64_t bytes)
+{
+	(void)bytes;
+	key_list *l = user;
+	if (l->n < 16)
+		memcpy(l->key[l->n++], key, 65);
+}
+
+/* Replaces every entry of the cache directory dir, through the cache's own
+ * put (so with valid checksums), by bytes the driver refuses; their number. */
+static int plant_unloadable(const char *dir)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_kcache *c = ej_kcache_open(ctx, dir);
+	ck_assert_msg(c != NULL, "%s", epj_ctx_error(ctx));
+	key_list l = { 0 };
+	ck_assert_int_le(ej_kcache_list(c, key_add, &l), 16);
+	for (int i = 0; i < l.n; i++) {
+		void *d = NULL;
+		size_t n = 0;
+		char *src = NULL;
+		ck_assert_int_eq(
+		    ej_kcache_get_with_source(c, l.key[i], &d, &n, &src),
+		    EPJ_OK);
+		ck_assert_ptr_nonnull(d);
+		char bad[256] = "no cubin, no PTX";
+		for (size_t k = 32; k < sizeof bad; k++)
+			bad[k] = (char)tu_randint(1, 256);
+		bad[sizeof bad - 1] = '\0';
+		ck_assert_int_eq(
+		    ej_kcache_put(c, l.key[i], bad, sizeof bad, src), EPJ_OK);
+		free(d);
+		free(src);
+	}
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+	return l.n;
+}
+
+START_TEST(test_fake_cubin_unloadable)
+{
+	fresh();
+	if (!use_fake() || !have_nvrtc())
+		return;
+	char *dir = tu_tmpdir_new("cuunl");
+	char *old = getenv("EPJIT_CACHE_DIR")
+			? strdup(getenv("EPJIT_CACHE_DIR"))
+			: NULL;
+	setenv("EPJIT_CACHE_DIR", dir, 1);
+	static const ej_tmpl_kernel fk[] = { { "ej_fill",
+					       "struct ej_fill_args" } };
+	int64_t sh[2] = { 2, 9 };
+	int planted = 0;
+	for (int round = 0; round < 3; round++) {
+		/* the hook builds (and caches) the cuda-sim modules the
+		 * kernels run on, counting in H.ctx: those entries are planted
+		 * and rebuilt too */
+		hook_on();
+		ej_tmpl_clear();
+		epj_ctx *ctx = tu_ctx();
+		bool prev = epj_no_grad_enter(ctx);
+		check_region(ctx, f_norm, EPJ_DTYPE_F32, sh, false, 1);
+		epj_no_grad_exit(ctx, prev);
+		/* a template through the cuda device */
+		ej_tmpl *fm = NULL;
+		ck_assert_msg(ej_tmpl_get(ctx, "cuda", "fill", NULL, fk, 1,
+					  &fm) == EPJ_OK,
+			      "round %d: %s", round, epj_ctx_error(ctx));
+		const ej_device *vt = ej_tmpl_device(fm);
+		float got[37];
+		void *dc = vt->alloc(vt->self, sizeof got);
+		ck_assert_ptr_nonnull(dc);
+		struct {
+			void *out;
+			long long n;
+			unsigned long long bits;
+			int elem;
+		} fa = { dc, 37, 0x3fa00000ull, 4 };
+		ej_launch fl = { .grid = { 1, 1, 1 },
+				 .block = { 64, 1, 1 },
+				 .args = &fa,
+				 .args_size = sizeof fa };
+		ck_assert_msg(ej_tmpl_launch(ctx, fm, "ej_fill", &fl) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		vt->copy(vt->self, got, dc, sizeof got);
+		for (int i = 0; i < 37; i++)
+			ck_assert_float_eq(got[i], 1.25f);
+		vt->free(vt->self, dc);
+		int64_t unl = epj_counter_get(ctx, "cache.unloadable") +
+			      epj_counter_get(H.ctx, "cache.unloadable");
+		if (round == 0) {
+			ck_assert_int_eq(unl, 0);
+			planted = plant_unloadable(dir);
+			/* region, template, their cuda-sim modules */
+			ck_assert_int_ge(planted, 4);
+		} else if (round == 1) {
+			ck_assert_int_eq(unl, planted);
+		} else {
+			ck_assert_int_eq(unl, 0);
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "cache.misses") +
+				epj_counter_get(H.ctx, "cache.misses"),
+			    0);
+		}
+		epj_ctx_free(ctx);
+		hook_off();
+	}
+	ej_tmpl_clear();
+	if (old)
+		setenv("EPJIT_CACHE_DIR", old, 1);
+	else
+		unsetenv("EPJIT_CACHE_DIR");
+	free(old);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 /* Above 48 KiB of dynamic shared memory a kernel must opt in (the fake
  * refuses the launch otherwise); beyond the device's limit, a clear
  * error before any driver call. */
@@ -1742,6 +1870,7 @@ Suite *make_cuda_suite(void)
 	tu_add_loop_test(tc, test_fake_nvrtc_region, 6);
 	tcase_add_test(tc, test_fake_cuda_graphs);
 	tcase_add_test(tc, test_fake_cubin_cached);
+	tcase_add_test(tc, test_fake_cubin_unloadable);
 	tcase_add_test(tc, test_fake_templates);
 	tcase_add_test(tc, test_fake_smem_optin);
 	tu_add_loop_test(tc, test_fake_parity, 2);

@@ -1611,6 +1611,162 @@ START_TEST(test_junk_not_cached)
 }
 END_TEST
 
+/* ---- an entry that does not load -----------------------------------------
+ *
+ * An entry that passes every check of the cache (key, lengths, checksum) but
+ * is no code this process can load (imported with epjit-warmup --import, or
+ * built against another glibc) must not fail the compiled run: it is dropped
+ * (cache.unloadable, a warning naming the cache directory and the entry),
+ * compiled afresh and replaced on disk by a loadable entry, which the next
+ * run loads without dropping or compiling anything. */
+
+/* Compiles graph g with a fresh C-backend jit on ctx, runs it and compares
+ * with eager; fails the test on any error. */
+static void cg_run_ok(epj_ctx *ctx, int g, uint64_t seed)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	epj_tensor *in[2];
+	cg_inputs(ctx, g, seed, in);
+	cg_graph u = { g };
+	ej_trace *tr = NULL;
+	ej_region_fn *f = NULL;
+	epj_tensor *y = NULL, *ref = cg_eval(ctx, g, in);
+	ck_assert_int_eq(
+	    ej_trace_region(ctx, jit, cg_traced, &u, in, 2, 1, NULL, NULL, &tr),
+	    EPJ_OK);
+	ck_assert_msg(ej_jit_compile(ctx, jit, tr, &f) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_msg(
+	    ej_region_run(ctx, f, in, 2, NULL, 0, NULL, NULL, &y, 1) == EPJ_OK,
+	    "%s", epj_ctx_error(ctx));
+	tu_assert_tensors_close(ctx, y, ref, 1e-5, 1e-5, "compiled vs eager");
+	epj_tensor_free(y);
+	epj_tensor_free(ref);
+	ej_region_fn_free(f);
+	epj_tensor_free(in[0]);
+	epj_tensor_free(in[1]);
+	ej_jit_free(jit);
+	epj_no_grad_exit(ctx, prev);
+}
+
+static void key_collect(void *user, const char *key, int64_t bytes)
+{
+	(void)bytes;
+	char *out = user; /* the first key only */
+	if (!out[0])
+		memcpy(out, key, 65);
+}
+
+START_TEST(test_unloadable_entry)
+{
+	char *dir = tu_tmpdir_new("kcu");
+	char *cache = tu_path(dir, "cache");
+	char *log = tu_path(dir, "stderr");
+	char *old_dir = getenv("EPJIT_CACHE_DIR")
+			    ? strdup(getenv("EPJIT_CACHE_DIR"))
+			    : NULL;
+	setenv("EPJIT_CACHE_DIR", cache, 1);
+	uint64_t seed = tu_seed();
+	int g = (int)tu_randint(0, G_GRAPHS);
+
+	/* a warm cache of one loadable entry */
+	epj_ctx *ctx = tu_ctx();
+	cg_run_ok(ctx, g, seed);
+	ck_assert_int_eq(ctr(ctx, "codegen.cc_compiles"), 1);
+	ej_kcache *c = open_ok(ctx, cache);
+	char key[65] = "";
+	ck_assert_int_eq(ej_kcache_list(c, key_collect, key), 1);
+	void *good = NULL;
+	size_t good_n = 0;
+	char *src = NULL;
+	ck_assert_int_eq(
+	    ej_kcache_get_with_source(c, key, &good, &good_n, &src), EPJ_OK);
+	ck_assert_ptr_nonnull(good);
+	/* Planted through the cache's own put, so it has a valid checksum:
+	 * an ELF magic, then bytes dlopen refuses. */
+	size_t bad_n = 4096 + (size_t)tu_randint(0, 4096);
+	unsigned char *bad = random_bytes(bad_n);
+	memcpy(bad, "\177ELF", 4);
+	ck_assert_int_eq(ej_kcache_put(c, key, bad, bad_n, src), EPJ_OK);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+	ctx = tu_ctx();
+	c = open_ok(ctx, cache);
+	assert_hit(ctx, c, key, bad, bad_n); /* it verifies */
+	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+
+	/* The compiled run succeeds; the entry was dropped, counted, warned
+	 * about and rebuilt. */
+	ctx = tu_ctx();
+	fflush(stderr);
+	int saved = dup(2);
+	FILE *f = fopen(log, "w");
+	ck_assert(saved >= 0 && f);
+	dup2(fileno(f), 2);
+	epj_log_level lvl = epj_log_level_get();
+	epj_log_level_set(EPJ_LOG_INFO); /* the warning is once per process */
+	cg_run_ok(ctx, g, seed);
+	epj_log_level_set(lvl);
+	fflush(stderr);
+	dup2(saved, 2);
+	close(saved);
+	fclose(f);
+	ck_assert_int_eq(ctr(ctx, "cache.unloadable"), 1);
+	ck_assert_int_eq(ctr(ctx, "codegen.cc_compiles"), 1);
+	ck_assert_int_eq(ctr(ctx, "cache.corrupt"), 0);
+	char *text = tu_slurp(log, NULL);
+	ck_assert_ptr_nonnull(text);
+	char *real = realpath(cache, NULL);
+	ck_assert_ptr_nonnull(real);
+	char file[80];
+	snprintf(file, sizeof file, "%s.bin", key);
+	ck_assert_msg(strstr(text, real) && strstr(text, file) &&
+			  strstr(text, "does not load") &&
+			  strstr(text, "cache.unloadable"),
+		      "warning lacks the cache, the entry or the counter: %s",
+		      text);
+	free(text);
+	free(real);
+	epj_ctx_free(ctx);
+	ctx = tu_ctx();
+	c = open_ok(ctx, cache);
+	void *now = NULL;
+	size_t now_n = 0;
+	ck_assert_int_eq(ej_kcache_get(c, key, &now, &now_n), EPJ_OK);
+	ck_assert_msg(now != NULL, "the entry was not rebuilt");
+	ck_assert(now_n > 4 && !memcmp(now, "\177ELF", 4));
+	ck_assert(now_n != bad_n || memcmp(now, bad, bad_n) != 0);
+	free(now);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+
+	/* A second run hits the rebuilt entry: nothing dropped, nothing
+	 * compiled. */
+	ctx = tu_ctx();
+	cg_run_ok(ctx, g, seed);
+	ck_assert_int_eq(ctr(ctx, "cache.unloadable"), 0);
+	ck_assert_int_eq(ctr(ctx, "codegen.cc_compiles"), 0);
+	ck_assert_int_eq(ctr(ctx, "cache.misses"), 0);
+	ck_assert_int_eq(ctr(ctx, "cache.disk_hits"), 1);
+	epj_ctx_free(ctx);
+
+	if (old_dir)
+		setenv("EPJIT_CACHE_DIR", old_dir, 1);
+	else
+		unsetenv("EPJIT_CACHE_DIR");
+	free(old_dir);
+	free(good);
+	free(src);
+	free(bad);
+	free(cache);
+	free(log);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 Suite *make_kcache_suite(void)
 {
 	Suite *s = suite_create("kcache");
@@ -1632,6 +1788,7 @@ Suite *make_kcache_suite(void)
 	tcase_add_test(tp, test_many_compilers);
 	tcase_add_test(tp, test_compilers_killed);
 	tcase_add_test(tp, test_junk_not_cached);
+	tcase_add_test(tp, test_unloadable_entry);
 	tcase_set_timeout(tp, 180);
 	suite_add_tcase(s, tp);
 	return s;

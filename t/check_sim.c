@@ -22,6 +22,7 @@
 
 #include "cc.h"
 #include "jit_impl.h"
+#include "kcache.h"
 #include "kir.h"
 
 static char *cache_dir;
@@ -147,6 +148,70 @@ static const char sem_src[] =
     "\tatomicAdd(&o[2], (int)threadIdx.x);\n"
     "\tatomicCAS(&o[3], 0, 7);\n"
     "}\n";
+
+/* A cached module that passes the cache's checks but does not load (built
+ * against another glibc, say, or imported) is dropped and rebuilt: the
+ * build succeeds, cache.unloadable counts it, and the next build loads the
+ * rebuilt entry. */
+static void first_key(void *user, const char *key, int64_t bytes)
+{
+	(void)bytes;
+	memcpy(user, key, 65);
+}
+
+START_TEST(test_unloadable_module)
+{
+	static const char src[] =
+	    "extern \"C\" __global__ void k_set(const struct bufs a)\n"
+	    "{ ((int *)a.p[0])[threadIdx.x] = (int)threadIdx.x * 7 + 3; }\n";
+	const char *k[] = { "k_set" };
+	for (int round = 0; round < 3; round++) {
+		epj_ctx *ctx = tu_ctx();
+		void *m = module_of(ctx, src, k, 1);
+		int o[32];
+		bufs b = { { o } };
+		size_t bytes = sizeof o;
+		ck_assert_int_eq(
+		    launch(ctx, m, "k_set", 1, 32, 1, 0, &b, &bytes, 1),
+		    EPJ_OK);
+		for (int i = 0; i < 32; i++)
+			ck_assert_int_eq(o[i], i * 7 + 3);
+		ej_device_sim.unload(NULL, m);
+		int64_t unl = epj_counter_get(ctx, "cache.unloadable");
+		if (round == 0) {
+			ck_assert_int_eq(unl, 0);
+			/* plant bytes dlopen refuses through the cache's own
+			 * put: a valid checksum */
+			ej_kcache *c = ej_kcache_open(ctx, cache_dir);
+			ck_assert_ptr_nonnull(c);
+			char key[65] = "";
+			ck_assert_int_eq(ej_kcache_list(c, first_key, key), 1);
+			void *d = NULL;
+			size_t n = 0;
+			char *s = NULL;
+			ck_assert_int_eq(
+			    ej_kcache_get_with_source(c, key, &d, &n, &s),
+			    EPJ_OK);
+			unsigned char bad[4096];
+			for (size_t i = 0; i < sizeof bad; i++)
+				bad[i] = (unsigned char)tu_randint(0, 256);
+			memcpy(bad, "\177ELF", 4);
+			ck_assert_int_eq(
+			    ej_kcache_put(c, key, bad, sizeof bad, s), EPJ_OK);
+			free(d);
+			free(s);
+			ej_kcache_close(c);
+		} else if (round == 1) {
+			ck_assert_int_eq(unl, 1);
+		} else {
+			ck_assert_int_eq(unl, 0);
+			ck_assert_int_eq(epj_counter_get(ctx, "cache.misses"),
+					 0);
+		}
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
 
 START_TEST(test_warp_semantics)
 {
@@ -985,6 +1050,7 @@ Suite *make_sim_suite(void)
 	tcase_add_checked_fixture(tc, cache_setup, cache_teardown);
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_warp_semantics);
+	tcase_add_test(tc, test_unloadable_module);
 	tcase_add_test(tc, test_device_select);
 	tcase_add_test(tc, test_reports);
 	tcase_add_test(tc, test_prelude_bf16);
