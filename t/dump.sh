@@ -78,6 +78,11 @@ for c in compile.ms frames.total stats.unique_graphs recompiles \
 	grep -q "$c.*compile counter changed" diff.txt ||
 		fail "--diff did not mark $c"
 done
+# the time of cache hits moves on every warm run: never a compile change
+printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1, "compile.cached_us": 4711}\n' >cu.json
+"$DUMP" --diff a.json cu.json >diff.txt
+[ $? -eq 0 ] || fail "--diff flagged compile.cached_us: $(cat diff.txt)"
+grep -q '^t compile.cached_us' diff.txt || fail "--diff did not mark compile.cached_us t: $(cat diff.txt)"
 "$DUMP" --diff d1 d1 >/dev/null || fail "--diff of a dump with itself"
 train d2
 "$DUMP" --diff d1 d2 >diff.txt
