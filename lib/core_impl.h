@@ -72,6 +72,15 @@ bool ej_tmp_is_dead(const char *after_tmp);
  * file is ours (uid): a save or load of a checkpoint set sweeps those of
  * all its generations and ranks. */
 void ej_sweep_tmp(const char *path);
+/* path's directory ("." when it has none, "/" at the root) and last
+ * component, for readdir and directory fsyncs next to a file: dir points
+ * into buf (malloc'd, the caller frees it), base into path.  False when
+ * out of memory. */
+typedef struct ej_path_parts {
+	char *buf;
+	const char *dir, *base;
+} ej_path_parts;
+bool ej_path_split(const char *path, ej_path_parts *out);
 /* fopen(path, "rb") of a regular file only: opened with O_NONBLOCK first so
  * that a FIFO (or a device) never blocks, refused unless fstat says it is a
  * regular file.  NULL with *why set (strerror(errno), or "not a regular

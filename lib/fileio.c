@@ -98,18 +98,28 @@ bool ej_tmp_is_dead(const char *after)
 	return pid_dead(pid);
 }
 
-void ej_sweep_tmp(const char *path)
+bool ej_path_split(const char *path, ej_path_parts *out)
 {
-	char *dir = strdup(path);
-	if (!dir)
-		return;
-	char *slash = strrchr(dir, '/');
-	const char *d = ".", *base = path;
+	out->buf = strdup(path);
+	if (!out->buf)
+		return false;
+	char *slash = strrchr(out->buf, '/');
+	out->dir = ".";
+	out->base = path;
 	if (slash) {
 		*slash = '\0';
-		d = slash == dir ? "/" : dir;
-		base = path + (slash - dir) + 1;
+		out->dir = slash == out->buf ? "/" : out->buf;
+		out->base = path + (slash - out->buf) + 1;
 	}
+	return true;
+}
+
+void ej_sweep_tmp(const char *path)
+{
+	ej_path_parts pp;
+	if (!ej_path_split(path, &pp))
+		return;
+	const char *d = pp.dir, *base = pp.base;
 	size_t bl = strlen(base);
 	DIR *dp = opendir(d);
 	struct dirent *de;
@@ -145,7 +155,7 @@ void ej_sweep_tmp(const char *path)
 	}
 	if (dp)
 		closedir(dp);
-	free(dir);
+	free(pp.buf);
 }
 
 /* 64 unpredictable bits (getrandom; else the clock, the pid and a
@@ -238,17 +248,10 @@ epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 	/* Make the rename itself durable.  The new file is in place already,
 	 * so a failure here (some filesystems refuse fsync on directories) is
 	 * only worth a warning. */
-	char *dir = strdup(path);
-	if (!dir)
+	ej_path_parts pp;
+	if (!ej_path_split(path, &pp))
 		return EPJ_OK;
-	char *slash = strrchr(dir, '/');
-	const char *d = ".";
-	if (slash == dir)
-		d = "/";
-	else if (slash) {
-		*slash = '\0';
-		d = dir;
-	}
+	const char *d = pp.dir;
 	int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (dfd < 0 || fsync(dfd) != 0)
 		epj_log_msg(EPJ_LOG_WARN,
@@ -256,6 +259,6 @@ epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			    d, strerror(errno));
 	if (dfd >= 0)
 		close(dfd);
-	free(dir);
+	free(pp.buf);
 	return EPJ_OK;
 }

@@ -343,16 +343,10 @@ static int64_t gen_of(const char *nm, const char *base, int rank)
 
 void ej_ckpt_set_prune(const char *path, int rank, int64_t keep)
 {
-	char *dir = strdup(path);
-	if (!dir)
+	ej_path_parts pp;
+	if (!ej_path_split(path, &pp))
 		return;
-	char *slash = strrchr(dir, '/');
-	const char *d = ".", *base = path;
-	if (slash) {
-		*slash = '\0';
-		d = slash == dir ? "/" : dir;
-		base = path + (slash - dir) + 1;
-	}
+	const char *d = pp.dir, *base = pp.base;
 	DIR *dp = opendir(d);
 	struct dirent *de;
 	while (dp && (de = readdir(dp))) {
@@ -372,5 +366,5 @@ void ej_ckpt_set_prune(const char *path, int rank, int64_t keep)
 	}
 	if (dp)
 		closedir(dp);
-	free(dir);
+	free(pp.buf);
 }
