@@ -199,9 +199,17 @@ void ej_hostcc_unload(void *handle);
 /* C++ mode, for the cuda-sim device: $EPJIT_CXX (default "c++"), source
  * <name>.cc, these fixed flags, then `extra_flags` (blank-separated words,
  * e.g. "-fsanitize=address"; NULL for none; callers put them in their
- * cache key), otherwise exactly ej_hostcc_compile. */
+ * cache key), otherwise exactly ej_hostcc_compile.
+ *
+ * -O0: a cuda-sim module is a test device's, built for a few launches on
+ * small shapes, so its compile costs more than its run.  At -O2, 70% of a
+ * typical module's 0.5 s compile went to optimising the simulator's own
+ * code; at -O0 the eager_sim, tmpl_moe and cuda suites spent 45%, 39% and
+ * about half less CPU in all, running included (doc/cuda-sim.md).  Results
+ * are the same bits: no -march, no fast-math, so no contraction into FMA
+ * at either level. */
 #define EJ_HOSTCXX_FLAGS                                                       \
-	"-std=c++17 -O2 -fPIC -fno-strict-aliasing -fno-exceptions "           \
+	"-std=c++17 -O0 -fPIC -fno-strict-aliasing -fno-exceptions "           \
 	"-fno-rtti"
 #define EJ_HOSTCXX_LIBS "-lm"
 epj_status ej_hostcxx_compile(epj_ctx *ctx, const char *source,
