@@ -18,6 +18,10 @@
  * a state drawn from pi, so every position of every batch is stationary and
  * the floor holds per position, not only asymptotically.
  *
+ * Token datasets (Megatron .bin/.idx, .npy, blends) are read, split,
+ * shuffled and packed by runtime/dataset.c; a corpus over one holds an
+ * ej_dstream, its split's position.
+ *
  * Invariants: the static part of a corpus (chain or token array) lives in a
  * refcounted `corpus_src` shared by forks; a corpus itself only holds its
  * stream position (RNG + current state, or file offset).  Everything is
@@ -25,6 +29,7 @@
  * safe (the source refcount is plain).
  */
 #include "core_impl.h"
+#include "dataset_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -346,7 +351,7 @@ epj_status epj_tokens_from_text(epj_ctx *ctx, const char *text_path,
 
 /* ---- corpora ------------------------------------------------------------- */
 
-typedef enum { SRC_SYNTHETIC, SRC_TOKENS } src_kind;
+typedef enum { SRC_SYNTHETIC, SRC_TOKENS, SRC_DATASET } src_kind;
 
 typedef struct corpus_src {
 	int refcount;
@@ -361,13 +366,16 @@ typedef struct corpus_src {
 	double entropy;
 	/* token file */
 	epj_tokens *tok;
+	/* token dataset (runtime/dataset.c) */
+	ej_dsrc *ds;
 } corpus_src;
 
 struct epj_corpus {
 	corpus_src *src;
-	ej_rng rng;   /* synthetic: the sample path */
-	uint32_t cur; /* synthetic: current state */
-	uint64_t pos; /* token file: index of the next row's first token */
+	ej_rng rng;	 /* synthetic: the sample path */
+	uint32_t cur;	 /* synthetic: current state */
+	uint64_t pos;	 /* token file: index of the next row's first token */
+	ej_dstream *dst; /* token dataset: the split's reader */
 };
 
 static void src_unref(corpus_src *s)
@@ -378,6 +386,7 @@ static void src_unref(corpus_src *s)
 	free(s->cdf);
 	free(s->pi);
 	epj_tokens_free(s->tok);
+	ej_dsrc_free(s->ds);
 	free(s);
 }
 
@@ -497,6 +506,22 @@ static epj_corpus *corpus_new(epj_ctx *ctx, corpus_src *src, uint64_t stream)
 		ej_error(ctx, EPJ_ERR_NOMEM, "corpus: out of memory");
 		return NULL;
 	}
+	if (src->kind == SRC_DATASET) {
+		/* stream 0 reads the train split, 1 validation, 2 test */
+		if (stream > 2) {
+			ej_error(ctx, EPJ_ERR_INVALID,
+				 "dataset corpus: stream %llu is not a split "
+				 "(0 train, 1 validation, 2 test)",
+				 (unsigned long long)stream);
+			free(c);
+			return NULL;
+		}
+		c->dst = ej_dstream_new(ctx, src->ds, (int)stream);
+		if (!c->dst) {
+			free(c);
+			return NULL;
+		}
+	}
 	src->refcount++;
 	c->src = src;
 	if (src->kind == SRC_SYNTHETIC) {
@@ -611,6 +636,54 @@ epj_corpus *epj_corpus_from_tokens(epj_ctx *ctx, const char *path)
 	return out;
 }
 
+epj_corpus *epj_corpus_dataset(epj_ctx *ctx, const char *spec,
+			       const epj_data_opts *o)
+{
+	ej_dsrc *ds = ej_dsrc_open(ctx, spec, o);
+	if (!ds)
+		return NULL;
+	corpus_src *c = calloc(1, sizeof *c);
+	if (!c) {
+		ej_error(ctx, EPJ_ERR_NOMEM, "dataset '%s': out of memory",
+			 spec);
+		ej_dsrc_free(ds);
+		return NULL;
+	}
+	c->refcount = 1;
+	c->kind = SRC_DATASET;
+	c->ds = ds;
+	c->vocab = ej_dsrc_vocab(ds);
+	c->entropy = NAN;
+	epj_corpus *out = corpus_new(ctx, c, 0);
+	src_unref(c);
+	return out;
+}
+
+uint64_t epj_corpus_split_tokens(const epj_corpus *c, int split)
+{
+	if (!c || c->src->kind != SRC_DATASET)
+		return UINT64_MAX;
+	return ej_dsrc_split_tokens(c->src->ds, split);
+}
+
+bool epj_data_spec_p(const char *spec)
+{
+	if (!spec || !*spec)
+		return false;
+	if (strpbrk(spec, " \t\n"))
+		return true;
+	size_t n = strlen(spec);
+	if (n >= 4 && !strcmp(spec + n - 4, ".npy"))
+		return true;
+	char *idx = malloc(n + 5);
+	if (!idx)
+		return false;
+	snprintf(idx, n + 5, "%s.idx", spec);
+	bool ok = access(idx, F_OK) == 0;
+	free(idx);
+	return ok;
+}
+
 epj_corpus *epj_corpus_fork(epj_ctx *ctx, const epj_corpus *c, uint64_t stream)
 {
 	if (!c) {
@@ -624,6 +697,7 @@ void epj_corpus_free(epj_corpus *c)
 {
 	if (!c)
 		return;
+	ej_dstream_free(c->dst);
 	src_unref(c->src);
 	free(c);
 }
@@ -670,6 +744,8 @@ epj_status epj_corpus_skip(epj_ctx *ctx, epj_corpus *c, int64_t n, int64_t B,
 				   : "n must be >= 0, B and T >= 1",
 				(long long)n, (long long)B, (long long)T);
 	const corpus_src *src = c->src;
+	if (src->kind == SRC_DATASET)
+		return ej_dstream_skip(ctx, c->dst, (uint64_t)rows);
 	if (src->kind == SRC_SYNTHETIC) {
 		/* a Markov chain: stepped token by token, as next_batch
 		 * would, without building the batches */
@@ -719,7 +795,15 @@ static epj_status next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B, int64_t T,
 	const corpus_src *src = c->src;
 	for (int64_t b = 0; b < B; b++) {
 		int64_t *row_in = in + b * T, *row_lab = lab + b * T;
-		if (src->kind == SRC_SYNTHETIC) {
+		if (src->kind == SRC_DATASET) {
+			epj_status st =
+			    ej_dstream_row(ctx, c->dst, T, row_in, row_lab);
+			if (st != EPJ_OK) {
+				free(in);
+				free(lab);
+				return st;
+			}
+		} else if (src->kind == SRC_SYNTHETIC) {
 			uint32_t x = c->cur;
 			for (int64_t t = 0; t < T; t++) {
 				row_in[t] = x;

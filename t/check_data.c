@@ -6,6 +6,15 @@
  * its own claims: its stationary distribution against empirical unigram
  * frequencies, its entropy rate against the empirical conditional entropy
  * (plug-in estimate from transition counts) of a long sample.
+ *
+ * Token datasets (the "dataset" case) are checked against fixtures that
+ * tools/epjit-tokenize and numpy wrote (t/data/dataset, with the ids the
+ * tokenizer itself produced), against files built here byte by byte from
+ * the Megatron and .npy layouts (every dtype code; hostile headers), and
+ * their samples against the documents: every sample a window of the packed
+ * documents, one epoch of a single document exactly the windows j*T in a
+ * seeded order, blend shares within one sample of their weights, skip then
+ * read equal to reading straight on.
  */
 #include "check_util.h"
 
@@ -748,6 +757,899 @@ START_TEST(test_corpus_skip)
 }
 END_TEST
 
+/* ---- token datasets (runtime/dataset.c) ----------------------------------
+ */
+
+/* Fails unless got is the status want and ctx's error holds the needles. */
+static void expect_status(epj_ctx *ctx, epj_status got, epj_status want,
+			  const char *const *needles, int n)
+{
+	ck_assert_msg(got == want, "status %s, want %s: %s",
+		      epj_status_name(got), epj_status_name(want),
+		      epj_ctx_error(ctx));
+	tu_assert_ctx_error(ctx, want, needles, n);
+}
+
+/* The rows of a fixture's NAME.expected: lines of ids (malloc'ed, flat;
+ * rowoff[r] .. rowoff[r + 1] is row r). */
+typedef struct rows {
+	int64_t *v;
+	int64_t rowoff[64];
+	int n;
+} rows;
+
+static rows read_rows(const char *name)
+{
+	char p[512];
+	snprintf(p, sizeof p, "%s/t/data/dataset/%s", tu_srcdir(), name);
+	size_t sz;
+	char *txt = (char *)tu_read_file(p, &sz);
+	rows r = { malloc((sz + 1) * sizeof(int64_t)), { 0 }, 0 };
+	ck_assert_ptr_nonnull(r.v);
+	int64_t k = 0;
+	char *save = NULL;
+	char *buf = malloc(sz + 1);
+	memcpy(buf, txt, sz);
+	buf[sz] = '\0';
+	for (char *line = strtok_r(buf, "\n", &save); line;
+	     line = strtok_r(NULL, "\n", &save)) {
+		ck_assert_int_lt(r.n, 63);
+		char *e;
+		for (char *q = line;; q = e) {
+			long long v = strtoll(q, &e, 10);
+			if (e == q)
+				break;
+			r.v[k++] = v;
+		}
+		r.rowoff[++r.n] = k;
+	}
+	free(buf);
+	free(txt);
+	return r;
+}
+
+static void fixture_path(char *p, size_t n, const char *name)
+{
+	snprintf(p, n, "%s/t/data/dataset/%s", tu_srcdir(), name);
+}
+
+/* docs, opened, hold exactly the rows of the .expected file */
+static void check_docs_equal(const char *file, const char *expected)
+{
+	char p[512];
+	fixture_path(p, sizeof p, file);
+	epj_ctx *ctx = tu_ctx();
+	epj_docs *d;
+	ck_assert_msg(epj_docs_open(ctx, p, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	rows r = read_rows(expected);
+	ck_assert_uint_eq(epj_docs_count(d), (uint64_t)r.n);
+	ck_assert_uint_eq(epj_docs_tokens(d), (uint64_t)r.rowoff[r.n]);
+	for (int i = 0; i < r.n; i++) {
+		uint64_t len = (uint64_t)(r.rowoff[i + 1] - r.rowoff[i]);
+		ck_assert_uint_eq(epj_docs_len(d, (uint64_t)i), len);
+		int64_t *x = malloc((len + 1) * sizeof *x);
+		ck_assert_int_eq(epj_docs_read(ctx, d, (uint64_t)i, 0, len, x),
+				 EPJ_OK);
+		for (uint64_t j = 0; j < len; j++)
+			ck_assert_msg(x[j] == r.v[r.rowoff[i] + (int64_t)j],
+				      "%s doc %d token %llu: %lld, expected "
+				      "%lld",
+				      file, i, (unsigned long long)j,
+				      (long long)x[j],
+				      (long long)r.v[r.rowoff[i] + (int64_t)j]);
+		free(x);
+	}
+	/* past the end of a document: refused */
+	int64_t x[2];
+	uint64_t len0 = epj_docs_len(d, 0);
+	expect_status(ctx, epj_docs_read(ctx, d, 0, len0, 1, x), EPJ_ERR_INDEX,
+		      TU_STRS("out of range"));
+	expect_status(ctx, epj_docs_read(ctx, d, (uint64_t)r.n, 0, 1, x),
+		      EPJ_ERR_INDEX, TU_STRS("out of range"));
+	free(r.v);
+	epj_docs_free(d);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_dataset_fixtures)
+{
+	/* written by tools/epjit-tokenize; ids recorded from the tokenizer */
+	check_docs_equal("docs", "docs.expected");
+	/* written by numpy: 1-D (one document) and 2-D, versions 1, 2, 3 */
+	check_docs_equal("stream_u2.npy", "stream_u2.expected");
+	check_docs_equal("rows_i8.npy", "rows_i8.expected");
+	check_docs_equal("rows_u4.npy", "rows_u4.expected");
+	check_docs_equal("stream_i4.npy", "stream_i4.expected");
+}
+END_TEST
+
+/* Writes dir/name.bin and dir/name.idx: n sequences of lens[i] tokens
+ * vals (flat) in Megatron dtype `code`, one document per sequence. */
+static void write_mm(const char *dir, const char *name, int code,
+		     const int32_t *lens, int n, const int64_t *vals)
+{
+	static const int esz[9] = { 0, 1, 1, 2, 4, 8, 8, 4, 2 };
+	int s = esz[code];
+	size_t total = 0;
+	for (int i = 0; i < n; i++)
+		total += (size_t)lens[i];
+	unsigned char *bin = calloc(total * (size_t)s + 1, 1);
+	ck_assert_ptr_nonnull(bin);
+	for (size_t i = 0; i < total; i++) {
+		if (code == 6) {
+			double v = (double)vals[i];
+			memcpy(bin + 8 * i, &v, 8);
+		} else if (code == 7) {
+			float v = (float)vals[i];
+			memcpy(bin + 4 * i, &v, 4);
+		} else {
+			for (int b = 0; b < s; b++)
+				bin[i * (size_t)s + (size_t)b] =
+				    (unsigned char)((uint64_t)vals[i] >>
+						    (8 * b));
+		}
+	}
+	size_t isz = 34 + 12 * (size_t)n + 8 * ((size_t)n + 1);
+	unsigned char *idx = calloc(isz, 1);
+	memcpy(idx, "MMIDIDX\0\0", 9);
+	le64(idx + 9, 1);
+	idx[17] = (unsigned char)code;
+	le64(idx + 18, (uint64_t)n);
+	le64(idx + 26, (uint64_t)n + 1);
+	uint64_t ptr = 0;
+	for (int i = 0; i < n; i++) {
+		le32(idx + 34 + 4 * i, (uint32_t)lens[i]);
+		le64(idx + 34 + 4 * n + 8 * i, ptr);
+		ptr += (uint64_t)lens[i] * (uint64_t)s;
+	}
+	for (int i = 0; i <= n; i++)
+		le64(idx + 34 + 12 * n + 8 * i, (uint64_t)i);
+	char p[512];
+	snprintf(p, sizeof p, "%s/%s.bin", dir, name);
+	tu_write_file(p, bin, total * (size_t)s);
+	snprintf(p, sizeof p, "%s/%s.idx", dir, name);
+	tu_write_file(p, idx, isz);
+	free(bin);
+	free(idx);
+}
+
+START_TEST(test_dataset_dtypes)
+{
+	char *dir = tu_tmpdir_new("dtypes");
+	char prefix[512];
+	snprintf(prefix, sizeof prefix, "%s/d", dir);
+	/* the extremes of each dtype, and random values in its range */
+	static const int64_t lo[9] = { 0,	  0, -128, -32768, INT32_MIN,
+				       INT64_MIN, 0, 0,	   0 };
+	static const int64_t hi[9] = { 0,	  255, 127, 32767, INT32_MAX,
+				       INT64_MAX, 0,   0,   65535 };
+	for (int code = 1; code <= 8; code++) {
+		int32_t lens[3] = { 3, 0, (int32_t)tu_randint(1, 40) };
+		int64_t v[64];
+		int n = lens[0] + lens[2];
+		uint64_t range = (uint64_t)hi[code] - (uint64_t)lo[code] + 1;
+		for (int i = 0; i < n; i++) {
+			uint64_t u = (uint64_t)tu_randint(0, INT64_MAX) << 1 ^
+				     (uint64_t)tu_randint(0, 2);
+			v[i] = code == 6 || code == 7 ? tu_randint(0, 1000)
+			       : range == 0
+				   ? (int64_t)u
+				   : (int64_t)((uint64_t)lo[code] + u % range);
+		}
+		if (code != 6 && code != 7) {
+			v[0] = lo[code];
+			v[1] = hi[code];
+		}
+		write_mm(dir, "d", code, lens, 3, v);
+		epj_ctx *ctx = tu_ctx();
+		epj_docs *d = NULL;
+		epj_status st = epj_docs_open(ctx, prefix, &d);
+		if (code == 6 || code == 7) {
+			expect_status(
+			    ctx, st, EPJ_ERR_FORMAT,
+			    TU_STRS("d.idx", "floating-point",
+				    code == 6 ? "float64" : "float32"));
+			epj_ctx_free(ctx);
+			continue;
+		}
+		ck_assert_msg(st == EPJ_OK, "code %d: %s", code,
+			      epj_ctx_error(ctx));
+		ck_assert_uint_eq(epj_docs_count(d), 3);
+		ck_assert_uint_eq(epj_docs_len(d, 1), 0);
+		int64_t x[64];
+		ck_assert_int_eq(epj_docs_read(ctx, d, 0, 0, 3, x), EPJ_OK);
+		ck_assert_int_eq(
+		    epj_docs_read(ctx, d, 2, 0, (uint64_t)lens[2], x + 3),
+		    EPJ_OK);
+		for (int i = 0; i < n; i++)
+			ck_assert_msg(
+			    x[i] == v[i], "code %d token %d: %lld, wrote %lld",
+			    code, i, (long long)x[i], (long long)v[i]);
+		epj_docs_free(d);
+		epj_ctx_free(ctx);
+	}
+	/* codes outside 1..8 */
+	for (int code = 0; code <= 9; code += 9) {
+		int32_t lens[1] = { 2 };
+		int64_t v[2] = { 1, 2 };
+		write_mm(dir, "d", 1, lens, 1, v);
+		char p[600];
+		snprintf(p, sizeof p, "%s.idx", prefix);
+		size_t n;
+		unsigned char *b = tu_read_file(p, &n);
+		b[17] = (unsigned char)code;
+		tu_write_file(p, b, n);
+		free(b);
+		epj_ctx *ctx = tu_ctx();
+		epj_docs *d = NULL;
+		expect_status(ctx, epj_docs_open(ctx, prefix, &d),
+			      EPJ_ERR_FORMAT,
+			      TU_STRS("d.idx", "unknown dtype code"));
+		epj_ctx_free(ctx);
+	}
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* Opens prefix, expecting EPJ_ERR_FORMAT (or IO) with both needles. */
+static void expect_docs_error(const char *path, epj_status st, const char *a,
+			      const char *b, const char *what)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_docs *d = NULL;
+	epj_status got = epj_docs_open(ctx, path, &d);
+	ck_assert_msg(got == st && !d, "%s: status %d, want %d (%s)", what,
+		      (int)got, (int)st, epj_ctx_error(ctx));
+	ck_assert_msg(strstr(epj_ctx_error(ctx), a) &&
+			  strstr(epj_ctx_error(ctx), b),
+		      "%s: message '%s' lacks '%s' / '%s'", what,
+		      epj_ctx_error(ctx), a, b);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_dataset_megatron_hostile)
+{
+	char *dir = tu_tmpdir_new("mmhostile");
+	char prefix[512], ip[600], bp[600];
+	snprintf(prefix, sizeof prefix, "%s/h", dir);
+	snprintf(ip, sizeof ip, "%s.idx", prefix);
+	snprintf(bp, sizeof bp, "%s.bin", prefix);
+	int32_t lens[3] = { 4, 2, 5 };
+	int64_t v[11];
+	for (int i = 0; i < 11; i++)
+		v[i] = tu_randint(0, 50);
+	write_mm(dir, "h", 8, lens, 3, v);
+	size_t n;
+	unsigned char *good = tu_read_file(ip, &n);
+	unsigned char *b = malloc(n + 16);
+	const size_t P = 34 + 12, D = 34 + 36; /* pointers, doc indices */
+
+	/* every truncation of the index is refused, none crashes */
+	for (size_t k = 0; k < n; k++) {
+		tu_write_file(ip, good, k);
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, "h.idx",
+				  k < 34 ? "truncated" : "", "truncated idx");
+	}
+#define MUTATE(stmt, a, bb, what)                                              \
+	do {                                                                   \
+		memcpy(b, good, n);                                            \
+		stmt;                                                          \
+		tu_write_file(ip, b, n);                                       \
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, a, bb, what);        \
+	} while (0)
+	MUTATE(b[2] = 'X', "h.idx", "bad magic", "magic");
+	MUTATE(le64(b + 9, 2), "h.idx", "unsupported version 2", "version");
+	MUTATE(le64(b + 18, 1000), "h.idx", "truncated", "sequence count");
+	MUTATE(le64(b + 18, UINT64_MAX / 4), "h.idx", "truncated",
+	       "huge sequence count");
+	MUTATE(le64(b + 26, 99), "h.idx", "truncated", "document count");
+	MUTATE(le64(b + 26, 1), "h.idx", "", "too few doc indices");
+	MUTATE(le32(b + 34 + 4, (uint32_t)-3), "h.idx", "negative length",
+	       "negative length");
+	MUTATE(le64(b + P + 8, (uint64_t)-8), "h.idx", "negative pointer",
+	       "negative pointer");
+	MUTATE(le64(b + P + 16, 9), "h.idx", "not a multiple", "odd pointer");
+	/* sequence 2 pointing past the .bin, or ending past it */
+	MUTATE(le64(b + P + 16, 1 << 20), "h.bin", "outside", "pointer > bin");
+	MUTATE(le32(b + 34 + 8, 6), "h.bin", "outside", "length past bin");
+	/* unsorted: sequence 1 before sequence 0's end */
+	MUTATE(le64(b + P + 8, 2), "h.idx", "sorted", "unsorted pointers");
+	MUTATE(le64(b + D, 1), "h.idx", "from 0", "doc index start");
+	MUTATE(le64(b + D + 24, 2), "h.idx", "from 0", "doc index end");
+	MUTATE(le64(b + D + 8, 3), "h.idx", "below", "doc index order");
+#undef MUTATE
+	/* trailing bytes: n mode bytes are Megatron's; anything else is not */
+	memcpy(b, good, n);
+	memset(b + n, 0, 16);
+	tu_write_file(ip, b, n + 3);
+	{
+		epj_ctx *ctx = tu_ctx();
+		epj_docs *d = NULL;
+		ck_assert_msg(epj_docs_open(ctx, prefix, &d) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		epj_docs_free(d);
+		epj_ctx_free(ctx);
+	}
+	tu_write_file(ip, b, n + 5);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "h.idx", "after the document",
+			  "trailing");
+	/* a truncated .bin */
+	tu_write_file(ip, good, n);
+	size_t bn;
+	unsigned char *bin = tu_read_file(bp, &bn);
+	tu_write_file(bp, bin, bn - 1);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "h.bin", "outside",
+			  "short bin");
+	unlink(bp);
+	expect_docs_error(prefix, EPJ_ERR_IO, "h.bin", "cannot open",
+			  "missing bin");
+	tu_write_file(bp, bin, bn);
+	unlink(ip);
+	expect_docs_error(prefix, EPJ_ERR_IO, "h.idx", "cannot open",
+			  "missing idx");
+	/* a FIFO is refused, not waited on */
+	ck_assert_int_eq(mkfifo(ip, 0600), 0);
+	alarm(10);
+	expect_docs_error(prefix, EPJ_ERR_IO, "h.idx", "not a regular file",
+			  "FIFO");
+	alarm(0);
+	free(bin);
+	free(b);
+	free(good);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* A .npy file: header dict text (padded as numpy does) and data bytes. */
+static void write_npy(const char *path, int major, const char *dict,
+		      const void *data, size_t n)
+{
+	size_t hs = major == 1 ? 10 : 12, dl = strlen(dict);
+	size_t tot = hs + dl + 1;
+	size_t pad = (64 - tot % 64) % 64;
+	size_t hl = dl + pad + 1;
+	unsigned char *b = malloc(hs + hl + n + 1);
+	memcpy(b, "\x93NUMPY", 6);
+	b[6] = (unsigned char)major;
+	b[7] = 0;
+	if (major == 1) {
+		b[8] = (unsigned char)hl;
+		b[9] = (unsigned char)(hl >> 8);
+	} else {
+		le32(b + 8, (uint32_t)hl);
+	}
+	memcpy(b + hs, dict, dl);
+	memset(b + hs + dl, ' ', pad);
+	b[hs + hl - 1] = '\n';
+	if (n)
+		memcpy(b + hs + hl, data, n);
+	tu_write_file(path, b, hs + hl + n);
+	free(b);
+}
+
+START_TEST(test_dataset_npy_hostile)
+{
+	char *dir = tu_tmpdir_new("npyhostile");
+	char p[512];
+	snprintf(p, sizeof p, "%s/a.npy", dir);
+	uint16_t u[12];
+	for (int i = 0; i < 12; i++)
+		u[i] = (uint16_t)tu_randint(0, 64);
+	/* the base case reads back */
+	write_npy(p, 1,
+		  "{'descr': '<u2', 'fortran_order': False, 'shape': (3, 4), }",
+		  u, sizeof u);
+	epj_ctx *ctx = tu_ctx();
+	epj_docs *d;
+	ck_assert_msg(epj_docs_open(ctx, p, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_uint_eq(epj_docs_count(d), 3);
+	int64_t x[4];
+	ck_assert_int_eq(epj_docs_read(ctx, d, 2, 0, 4, x), EPJ_OK);
+	for (int i = 0; i < 4; i++)
+		ck_assert_int_eq(x[i], u[8 + i]);
+	epj_docs_free(d);
+	epj_ctx_free(ctx);
+	static const struct {
+		const char *dict;
+		size_t bytes;
+		const char *needle, *what;
+	} bad[] = {
+		{ "{'descr': '>u2', 'fortran_order': False, 'shape': (12,), }",
+		  24, "big-endian", "big-endian" },
+		{ "{'descr': '<f4', 'fortran_order': False, 'shape': (6,), }",
+		  24, "'<f4' is not a token type", "float" },
+		{ "{'descr': '|u1', 'fortran_order': False, 'shape': (24,), }",
+		  24, "not a token type", "uint8" },
+		{ "{'descr': '<u2', 'fortran_order': True, 'shape': (3, 4), }",
+		  24, "fortran_order", "fortran" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': (2, 3, "
+		  "2), "
+		  "}",
+		  24, "3-D", "3-D" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': (), }", 24,
+		  "0-D", "0-D" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': (13,), }",
+		  24, "does not match", "shape > data" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': (11,), }",
+		  24, "does not match", "shape < data" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': "
+		  "(4294967296, 4294967296), }",
+		  24, "does not match", "overflowing shape" },
+		{ "{'descr': '<u2', 'fortran_order': False, 'shape': (0,), }",
+		  0, "no tokens", "empty" },
+		{ "{'descr': '<u2', 'fortran_order': False}", 24, "malformed",
+		  "no shape" },
+		{ "{'descr': '<u2', 'fortran_order': Maybe, 'shape': (12,), }",
+		  24, "malformed", "bad bool" },
+		{ "{'descr': '<u2', 'shape': (12,), 'extra': 1, }", 24,
+		  "malformed", "unknown key" },
+		{ "['descr', '<u2']", 24, "malformed", "not a dict" },
+	};
+	for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+		write_npy(p, 1, bad[i].dict, u, bad[i].bytes);
+		expect_docs_error(p, EPJ_ERR_FORMAT, "a.npy", bad[i].needle,
+				  bad[i].what);
+	}
+	/* versions: 2.0 and 3.0 read, 4.0 refused */
+	const char *ok =
+	    "{'descr': '<u2', 'fortran_order': False, 'shape': (12,), }";
+	for (int major = 2; major <= 4; major++) {
+		write_npy(p, major, ok, u, 24);
+		epj_ctx *c = tu_ctx();
+		epj_status st = epj_docs_open(c, p, &d);
+		if (major < 4) {
+			ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(c));
+			epj_docs_free(d);
+		} else {
+			expect_status(c, st, EPJ_ERR_FORMAT,
+				      TU_STRS("a.npy", "version 4.0"));
+		}
+		epj_ctx_free(c);
+	}
+	/* header length past the file; every truncation */
+	write_npy(p, 1, ok, u, 24);
+	size_t n;
+	unsigned char *good = tu_read_file(p, &n);
+	for (size_t k = 0; k < n; k++) {
+		tu_write_file(p, good, k);
+		expect_docs_error(p, EPJ_ERR_FORMAT, "a.npy", "", "truncated");
+	}
+	good[8] = 0xff;
+	good[9] = 0x7f;
+	tu_write_file(p, good, n);
+	expect_docs_error(p, EPJ_ERR_FORMAT, "a.npy", "runs past", "hlen");
+	memcpy(good, "\x93NUMPX", 6);
+	tu_write_file(p, good, n);
+	expect_docs_error(p, EPJ_ERR_FORMAT, "a.npy", "bad magic", "magic");
+	free(good);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* A corpus over spec; the test fails when it cannot be opened. */
+static epj_corpus *open_ds(epj_ctx *ctx, const char *spec, const char *split,
+			   uint64_t seed, uint32_t vocab)
+{
+	epj_data_opts o = { .split = split, .seed = seed, .vocab = vocab };
+	epj_corpus *c = epj_corpus_dataset(ctx, spec, &o);
+	ck_assert_msg(c != NULL, "%s: %s", spec, epj_ctx_error(ctx));
+	return c;
+}
+
+/* n rows of T + 1 tokens (B = 1 batches) into x[n][T + 1]. */
+static void take_rows(epj_ctx *ctx, epj_corpus *c, int n, int64_t T, int64_t *x)
+{
+	for (int r = 0; r < n; r++) {
+		epj_tensor *in, *lab;
+		ck_assert_msg(epj_corpus_next_batch(ctx, c, 1, T, &in, &lab) ==
+				  EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		const int64_t *a = epj_tensor_data(in),
+			      *b = epj_tensor_data(lab);
+		int64_t *row = x + (int64_t)r * (T + 1);
+		memcpy(row, a, (size_t)T * sizeof *row);
+		row[T] = b[T - 1];
+		for (int64_t t = 0; t + 1 < T; t++)
+			ck_assert_int_eq(b[t], a[t + 1]);
+		epj_tensor_free(in);
+		epj_tensor_free(lab);
+	}
+}
+
+START_TEST(test_dataset_packing_shuffle)
+{
+	/* one document (a 1-D array) of fresh random tokens: epoch e's
+	 * samples must be exactly the windows [j T, j T + T] for a
+	 * permutation of j = 0 .. S - 1 */
+	char *dir = tu_tmpdir_new("pack");
+	char p[512];
+	snprintf(p, sizeof p, "%s/s.npy", dir);
+	int L = (int)tu_randint(60, 400);
+	int64_t T = tu_randint(2, 12);
+	int32_t *tok = malloc((size_t)L * sizeof *tok);
+	for (int i = 0; i < L; i++)
+		tok[i] = (int32_t)tu_randint(0, 1000);
+	char dict[128];
+	snprintf(dict, sizeof dict,
+		 "{'descr': '<i4', 'fortran_order': False, 'shape': (%d,), }",
+		 L);
+	write_npy(p, 1, dict, tok, (size_t)L * 4);
+	int S = (L - 1) / (int)T;
+	epj_ctx *ctx = tu_ctx();
+	uint64_t seed = (uint64_t)tu_randint(0, INT64_MAX);
+	int64_t *x = malloc((size_t)(3 * S) * (size_t)(T + 1) * sizeof *x);
+	int64_t *y = malloc((size_t)(3 * S) * (size_t)(T + 1) * sizeof *y);
+	epj_corpus *c = open_ds(ctx, p, "1", seed, 1000);
+	ck_assert_uint_eq(epj_corpus_split_tokens(c, 0), (uint64_t)L);
+	ck_assert_uint_eq(epj_corpus_split_tokens(c, 1), 0);
+	take_rows(ctx, c, 3 * S, T, x);
+	int *seen = calloc((size_t)S, sizeof *seen);
+	int moved = 0;
+	for (int e = 0; e < 3; e++) {
+		memset(seen, 0, (size_t)S * sizeof *seen);
+		for (int k = 0; k < S; k++) {
+			const int64_t *row = x + (int64_t)(e * S + k) * (T + 1);
+			int j = -1;
+			for (int q = 0; q < S && j < 0; q++) {
+				bool eq = true;
+				for (int64_t t = 0; t <= T && eq; t++)
+					eq = row[t] == tok[q * T + t];
+				if (eq && !seen[q])
+					j = q;
+			}
+			ck_assert_msg(j >= 0,
+				      "epoch %d sample %d is not an unused "
+				      "window j*T (L %d, T %lld)",
+				      e, k, L, (long long)T);
+			seen[j] = 1;
+			moved += j != k;
+		}
+	}
+	/* shuffled (S >= 4: the identity 3 times has chance < 1/24^3) */
+	ck_assert_int_gt(moved, 0);
+	/* the same seed: the same samples; another seed: others */
+	epj_corpus *c2 = open_ds(ctx, p, "1", seed, 1000);
+	take_rows(ctx, c2, 3 * S, T, y);
+	ck_assert(memcmp(x, y, (size_t)(3 * S) * (size_t)(T + 1) * 8) == 0);
+	epj_corpus_free(c2);
+	c2 = open_ds(ctx, p, "1", seed ^ 0x5a5a5a5aULL, 1000);
+	take_rows(ctx, c2, 3 * S, T, y);
+	ck_assert_msg(memcmp(x, y, (size_t)(3 * S) * (size_t)(T + 1) * 8) != 0,
+		      "seeds %llu and %llu give the same samples",
+		      (unsigned long long)seed,
+		      (unsigned long long)(seed ^ 0x5a5a5a5aULL));
+	epj_corpus_free(c2);
+	/* tokens >= vocab are refused when read, naming the file */
+	c2 = open_ds(ctx, p, "1", seed, 2);
+	epj_tensor *in = NULL, *lab = NULL;
+	expect_status(ctx, epj_corpus_next_batch(ctx, c2, 1, T, &in, &lab),
+		      EPJ_ERR_FORMAT, TU_STRS("s.npy", "not below the vocab"));
+	ck_assert_ptr_null(in);
+	epj_corpus_free(c2);
+	/* negative tokens too */
+	for (int i = 0; i < L; i += (int)T)
+		tok[i] = -7; /* one in every sample */
+	write_npy(p, 1, dict, tok, (size_t)L * 4);
+	c2 = open_ds(ctx, p, "1", seed, 1000);
+	expect_status(ctx, epj_corpus_next_batch(ctx, c2, 1, T, &in, &lab),
+		      EPJ_ERR_FORMAT, TU_STRS("s.npy", "-7", "negative"));
+	epj_corpus_free(c2);
+	epj_corpus_free(c);
+	free(seen);
+	free(x);
+	free(y);
+	free(tok);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* Whether x[0..n) is a window of some concatenation of distinct documents
+ * from doc[lo..hi) (dl[i] tokens each): a suffix of one document, whole
+ * others, a prefix of the last. */
+static bool win_from(const int64_t *const *doc, const int64_t *dl, int lo,
+		     int hi, uint64_t used, const int64_t *x, int64_t n)
+{
+	if (n == 0)
+		return true;
+	for (int i = lo; i < hi; i++) {
+		if (used >> i & 1 || dl[i] == 0)
+			continue;
+		int64_t m = dl[i] < n ? dl[i] : n;
+		if (!memcmp(doc[i], x, (size_t)m * 8) &&
+		    win_from(doc, dl, lo, hi, used | 1ull << i, x + m, n - m))
+			return true;
+	}
+	return false;
+}
+
+static bool is_window(const int64_t *const *doc, const int64_t *dl, int lo,
+		      int hi, const int64_t *x, int64_t n)
+{
+	for (int i = lo; i < hi; i++)
+		for (int64_t o = 0; o < dl[i]; o++) {
+			int64_t m = dl[i] - o < n ? dl[i] - o : n;
+			if (!memcmp(doc[i] + o, x, (size_t)m * 8) &&
+			    win_from(doc, dl, lo, hi, 1ull << i, x + m, n - m))
+				return true;
+		}
+	return false;
+}
+
+START_TEST(test_dataset_split_windows)
+{
+	/* the tokenizer's fixture: 16 documents; "8,2,0" puts documents
+	 * 0..12 in train (round(0.8 * 16) = 13) and 13..15 in validation */
+	rows r = read_rows("docs.expected");
+	const int64_t *doc[64];
+	int64_t dl[64];
+	for (int i = 0; i < r.n; i++) {
+		doc[i] = r.v + r.rowoff[i];
+		dl[i] = r.rowoff[i + 1] - r.rowoff[i];
+	}
+	ck_assert_int_eq(r.n, 16);
+	uint64_t train = 0, valid = 0;
+	for (int i = 0; i < 16; i++)
+		*(i < 13 ? &train : &valid) += (uint64_t)dl[i];
+	char p[512];
+	fixture_path(p, sizeof p, "docs");
+	epj_ctx *ctx = tu_ctx();
+	epj_corpus *c = open_ds(ctx, p, "8,2,0", 7, 64);
+	ck_assert_uint_eq(epj_corpus_split_tokens(c, 0), train);
+	ck_assert_uint_eq(epj_corpus_split_tokens(c, 1), valid);
+	ck_assert_uint_eq(epj_corpus_split_tokens(c, 2), 0);
+	int64_t T = tu_randint(3, 9);
+	int n = 3 * (int)(train / (uint64_t)T);
+	int64_t *x = malloc((size_t)n * (size_t)(T + 1) * sizeof *x);
+	take_rows(ctx, c, n, T, x);
+	for (int k = 0; k < n; k++)
+		ck_assert_msg(is_window(doc, dl, 0, 13, x + k * (T + 1), T + 1),
+			      "train sample %d is no window of documents "
+			      "0..12",
+			      k);
+	epj_corpus *v = epj_corpus_fork(ctx, c, 1);
+	tu_ok(ctx, v);
+	int nv = (int)((valid - 1) / (uint64_t)T);
+	take_rows(ctx, v, nv, T, x);
+	for (int k = 0; k < nv; k++)
+		ck_assert_msg(
+		    is_window(doc, dl, 13, 16, x + k * (T + 1), T + 1),
+		    "validation sample %d is no window of documents 13..15", k);
+	epj_corpus_free(v);
+	/* the test split is empty: a clear error, naming split and file */
+	v = epj_corpus_fork(ctx, c, 2);
+	tu_ok(ctx, v);
+	epj_tensor *in = NULL, *lab = NULL;
+	expect_status(ctx, epj_corpus_next_batch(ctx, v, 1, T, &in, &lab),
+		      EPJ_ERR_INVALID,
+		      TU_STRS("docs.bin", "test split holds 0 tokens"));
+	epj_corpus_free(v);
+	tu_assert_error(ctx, epj_corpus_fork(ctx, c, 3), EPJ_ERR_INVALID,
+			TU_STRS("not a split"));
+	epj_corpus_free(c);
+	/* bad split strings */
+	epj_data_opts o = { .split = "1,x", .seed = 1, .vocab = 64 };
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
+			TU_STRS("data split '1,x'"));
+	o.split = "0,0,0";
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
+			TU_STRS("positive sum"));
+	o.split = "1,1,1,1";
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
+			TU_STRS("up to three"));
+	free(x);
+	free(r.v);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_dataset_blend_resume)
+{
+	/* source A's tokens are < 32, B's >= 32: each sample names its
+	 * source.  Weights wa : wb; after every prefix of n samples the
+	 * count of A must be within 1 of n * wa / (wa + wb). */
+	char *dir = tu_tmpdir_new("blend");
+	char pa[512], pb[512], spec[1200];
+	snprintf(pa, sizeof pa, "%s/a.npy", dir);
+	snprintf(pb, sizeof pb, "%s/b", dir);
+	int na = (int)tu_randint(50, 200);
+	uint16_t *ta = malloc((size_t)na * 2);
+	for (int i = 0; i < na; i++)
+		ta[i] = (uint16_t)tu_randint(0, 32);
+	char dict[128];
+	snprintf(dict, sizeof dict,
+		 "{'descr': '<u2', 'fortran_order': False, 'shape': (%d,), }",
+		 na);
+	write_npy(pa, 1, dict, ta, (size_t)na * 2);
+	int32_t lens[20];
+	int64_t vb[20 * 30];
+	int nb = 0;
+	for (int i = 0; i < 20; i++) {
+		lens[i] = (int32_t)tu_randint(1, 30);
+		for (int j = 0; j < lens[i]; j++)
+			vb[nb++] = tu_randint(32, 64);
+	}
+	write_mm(dir, "b", 4, lens, 20, vb);
+	int wa = (int)tu_randint(1, 10), wb = (int)tu_randint(1, 10);
+	snprintf(spec, sizeof spec, "%d %s %d.0 %s", wa, pa, wb, pb);
+	epj_ctx *ctx = tu_ctx();
+	ck_assert(epj_data_spec_p(spec));
+	ck_assert(epj_data_spec_p(pa));
+	ck_assert(epj_data_spec_p(pb));
+	ck_assert(!epj_data_spec_p(dir));
+	uint64_t seed = (uint64_t)tu_randint(0, INT64_MAX);
+	int64_t T = tu_randint(2, 6);
+	int N = 1000;
+	int64_t *x = malloc((size_t)N * (size_t)(T + 1) * sizeof *x);
+	epj_corpus *c = open_ds(ctx, spec, "1", seed, 64);
+	take_rows(ctx, c, N, T, x);
+	double share = (double)wa / (wa + wb);
+	int a = 0;
+	for (int k = 0; k < N; k++) {
+		const int64_t *row = x + k * (T + 1);
+		bool is_a = row[0] < 32;
+		for (int64_t t = 0; t <= T; t++)
+			ck_assert_msg((row[t] < 32) == is_a,
+				      "sample %d mixes sources", k);
+		a += is_a;
+		ck_assert_msg(fabs(a - share * (k + 1)) <= 1.0,
+			      "after %d samples %d from A, expected %.2f +- 1 "
+			      "(weights %d:%d)",
+			      k + 1, a, share * (k + 1), wa, wb);
+	}
+	/* resume: skip k rows, then read, equals reading straight on (also
+	 * across epoch boundaries: N samples are several epochs here) */
+	for (int rep = 0; rep < 4; rep++) {
+		int k = (int)tu_randint(0, N - 50);
+		int64_t *y = malloc((size_t)50 * (size_t)(T + 1) * sizeof *y);
+		epj_corpus *c2 = open_ds(ctx, spec, "1", seed, 64);
+		ck_assert_int_eq(epj_corpus_skip(ctx, c2, k, 1, T), EPJ_OK);
+		take_rows(ctx, c2, 50, T, y);
+		ck_assert_msg(!memcmp(y, x + (int64_t)k * (T + 1),
+				      (size_t)50 * (size_t)(T + 1) * 8),
+			      "skip %d then 50 rows differs from the straight "
+			      "read",
+			      k);
+		epj_corpus_free(c2);
+		free(y);
+	}
+	/* a skip in batches of B rows is B times as far */
+	int64_t B = tu_randint(2, 5), k = tu_randint(1, 50);
+	epj_corpus *c3 = open_ds(ctx, spec, "1", seed, 64);
+	ck_assert_int_eq(epj_corpus_skip(ctx, c3, k, B, T), EPJ_OK);
+	int64_t *y = malloc((size_t)(T + 1) * sizeof *y);
+	take_rows(ctx, c3, 1, T, y);
+	ck_assert(!memcmp(y, x + k * B * (T + 1), (size_t)(T + 1) * 8));
+	free(y);
+	epj_corpus_free(c3);
+	/* blend syntax errors */
+	epj_data_opts o = { .split = "1", .seed = 1, .vocab = 64 };
+	snprintf(spec, sizeof spec, "1 %s 2", pa);
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
+			TU_STRS("WEIGHT PATH"));
+	snprintf(spec, sizeof spec, "-1 %s 2 %s", pa, pb);
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
+			TU_STRS("weight '-1'", "a.npy"));
+	snprintf(spec, sizeof spec, "1 %s 2 %s/nothing", pa, dir);
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_IO,
+			TU_STRS("nothing.idx", "cannot open"));
+	epj_corpus_free(c);
+	free(x);
+	free(ta);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* Runs cmd (sh -c) and fails the test, showing log, when it fails. */
+static void run_ok(const char *cmd, const char *log)
+{
+	int rc = system(cmd);
+	if (rc != 0) {
+		size_t n = 0;
+		char *t = (char *)tu_read_file(log, &n);
+		ck_abort_msg("'%s' exited %d:\n%.*s", cmd, rc, (int)n, t);
+	}
+}
+
+START_TEST(test_dataset_trainer_dump)
+{
+	/* epjit-train on a Megatron dataset and on a .npy: 3 steps and a
+	 * checkpoint, then --load and --dump-state: every row of the dumped
+	 * batch is T + 1 consecutive tokens of the packed documents
+	 * (input_ids and labels shifted by one) */
+	const char *bd = getenv("top_builddir");
+	char train[1024];
+	snprintf(train, sizeof train, "%s/tools/epjit-train", bd ? bd : ".");
+	char *abs = realpath(train, NULL);
+	if (!abs || access(abs, X_OK) != 0) {
+		fprintf(stderr,
+			"test_dataset_trainer_dump: %s not built, "
+			"not run\n",
+			train);
+		free(abs);
+		return;
+	}
+	static const char *const data[2] = { "docs", "rows_i8.npy" };
+	static const char *const exp[2] = { "docs.expected",
+					    "rows_i8.expected" };
+	for (int k = 0; k < 2; k++) {
+		char *dir = tu_tmpdir_new("dsdump");
+		char src[512], cmd[4096], log[600], st[600];
+		char rel[512];
+		fixture_path(rel, sizeof rel, data[k]);
+		/* the trainer runs in dir: an absolute path (a Megatron
+		 * prefix is not a file, so its .idx is resolved) */
+		char idx[600];
+		snprintf(idx, sizeof idx, "%s%s", rel,
+			 strstr(rel, ".npy") ? "" : ".idx");
+		char *ai = realpath(idx, NULL);
+		ck_assert_ptr_nonnull(ai);
+		snprintf(src, sizeof src, "%.*s",
+			 (int)(strlen(ai) - (strstr(rel, ".npy") ? 0 : 4)), ai);
+		free(ai);
+		snprintf(log, sizeof log, "%s/log", dir);
+		snprintf(st, sizeof st, "%s/d.st", dir);
+		const char *env = "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1";
+		snprintf(cmd, sizeof cmd,
+			 "cd %s && %s EPJIT_CACHE_DIR=%s/cache %s --data '%s' "
+			 "--split 1,0,0 --seq 8 --steps 3 --save ck >log 2>&1",
+			 dir, env, dir, abs, src);
+		run_ok(cmd, log);
+		snprintf(cmd, sizeof cmd,
+			 "cd %s && %s EPJIT_CACHE_DIR=%s/cache %s --data '%s' "
+			 "--split 1,0,0 --seq 8 --load ck --dump-state d.st "
+			 ">log 2>&1",
+			 dir, env, dir, abs, src);
+		run_ok(cmd, log);
+		epj_ctx *ctx = tu_ctx();
+		epj_st_file *f;
+		ck_assert_msg(epj_st_open(ctx, st, &f) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		epj_tensor *in = epj_st_get(ctx, f, "input_ids");
+		epj_tensor *lab = epj_st_get(ctx, f, "labels");
+		tu_ok(ctx, in);
+		tu_ok(ctx, lab);
+		ck_assert_int_eq(epj_tensor_ndim(in), 2);
+		int64_t B = epj_tensor_shape(in)[0],
+			T = epj_tensor_shape(in)[1];
+		ck_assert_int_eq(T, 8);
+		double *a = tu_values(ctx, in), *b = tu_values(ctx, lab);
+		rows r = read_rows(exp[k]);
+		const int64_t *doc[64];
+		int64_t dl[64];
+		for (int i = 0; i < r.n; i++) {
+			doc[i] = r.v + r.rowoff[i];
+			dl[i] = r.rowoff[i + 1] - r.rowoff[i];
+		}
+		int64_t x[9];
+		for (int64_t row = 0; row < B; row++) {
+			for (int64_t t = 0; t < T; t++)
+				x[t] = (int64_t)a[row * T + t];
+			x[T] = (int64_t)b[row * T + T - 1];
+			for (int64_t t = 0; t + 1 < T; t++)
+				ck_assert_int_eq((int64_t)b[row * T + t],
+						 x[t + 1]);
+			ck_assert_msg(is_window(doc, dl, 0, r.n, x, T + 1),
+				      "%s: dumped row %lld is no window of "
+				      "the documents",
+				      data[k], (long long)row);
+		}
+		free(a);
+		free(b);
+		free(r.v);
+		epj_tensor_free(in);
+		epj_tensor_free(lab);
+		epj_st_close(f);
+		epj_ctx_free(ctx);
+		tu_tmpdir_free(dir);
+	}
+	free(abs);
+}
+END_TEST
+
 Suite *make_data_suite(void)
 {
 	Suite *s = suite_create("data");
@@ -763,5 +1665,17 @@ Suite *make_data_suite(void)
 	tcase_add_test(tc, test_file_corpus);
 	tcase_add_test(tc, test_corpus_skip);
 	suite_add_tcase(s, tc);
+	/* token datasets: Megatron, .npy, blends (runtime/dataset.c) */
+	TCase *ds = tcase_create("dataset");
+	tcase_set_timeout(ds, 300);
+	tcase_add_test(ds, test_dataset_fixtures);
+	tcase_add_test(ds, test_dataset_dtypes);
+	tcase_add_test(ds, test_dataset_megatron_hostile);
+	tcase_add_test(ds, test_dataset_npy_hostile);
+	tcase_add_test(ds, test_dataset_packing_shuffle);
+	tcase_add_test(ds, test_dataset_split_windows);
+	tcase_add_test(ds, test_dataset_blend_resume);
+	tcase_add_test(ds, test_dataset_trainer_dump);
+	suite_add_tcase(s, ds);
 	return s;
 }

@@ -1,0 +1,163 @@
+#!/bin/sh
+# t/dataset.sh -- epjit-train on token datasets (make check sets top_builddir
+# and top_srcdir; by hand: top_builddir=BUILD top_srcdir=SRC sh t/dataset.sh).
+#
+#  1. a Megatron prefix, a .npy file and a blend of both train, and a run
+#     with a validation split evaluates on it;
+#  2. resume mid-epoch: 3 steps + save, load + 3 more == 6 steps straight
+#     (metrics fields step, loss, lr, grad_norm identical), on a prefix and
+#     on a blend, whose 6 steps span more than two epochs of the data;
+#  3. the data seed follows --seed: other seeds give other batches;
+#     the config's "data" section stands for --data, --split and the data
+#     seed, and --data overrides it;
+#  4. bad data exits 1 naming the file: a hostile .idx, a float .npy, a
+#     token >= the model's vocabulary, a bad blend or split.
+# The fixtures are t/data/dataset (tools/epjit-tokenize and numpy wrote
+# them; t/data/dataset/make-fixtures.py).  Exit 77 (SKIP) when the trainer
+# was not built.
+
+builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
+srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
+TRAIN="$builddir/tools/epjit-train"
+if [ ! -x "$TRAIN" ]; then
+	echo "SKIP: $TRAIN not built"
+	exit 77
+fi
+OMP_NUM_THREADS=1
+OPENBLAS_NUM_THREADS=1
+export OMP_NUM_THREADS OPENBLAS_NUM_THREADS
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-dataset-test.XXXXXX") || exit 1
+trap 'rm -rf "$tmp"' EXIT
+cd "$tmp" || exit 1
+EPJIT_CACHE_DIR="$tmp/cache"
+export EPJIT_CACHE_DIR
+D="$srcdir/t/data/dataset"
+
+fail() {
+	echo "FAIL: $*" >&2
+	exit 1
+}
+
+run() {
+	log=$1
+	shift
+	if ! "$TRAIN" "$@" >"$log" 2>&1; then
+		cat "$log" >&2
+		fail "epjit-train $* exited non-zero"
+	fi
+}
+
+# ids DUMP: the bytes of a --dump-state file's input_ids, in hex (the
+# safetensors header: u64 length, JSON with the tensor's data_offsets)
+ids() {
+	n=$(od -A n -t u8 -N 8 "$1" | tr -d ' ')
+	o=$(dd if="$1" bs=1 skip=8 count="$n" 2>/dev/null |
+		grep -o '"input_ids":{[^}]*}' |
+		sed 's/.*"data_offsets":\[\([0-9]*\),\([0-9]*\)\].*/\1 \2/')
+	set -- "$1" $o
+	[ -n "$3" ] || fail "no input_ids in $1"
+	od -A n -t x1 -j $((8 + n + $2)) -N $(($3 - $2)) "$1"
+}
+
+# refuse NEEDLE ARGS...: the trainer must exit 1 with NEEDLE on stderr.
+refuse() {
+	needle=$1
+	shift
+	"$TRAIN" "$@" >refuse.out 2>refuse.err
+	rc=$?
+	[ "$rc" -eq 1 ] || fail "epjit-train $*: exit $rc, want 1"
+	grep -q -F -- "$needle" refuse.err ||
+		fail "epjit-train $*: stderr lacks '$needle': $(cat refuse.err)"
+}
+
+# ---- 1. the forms of --data ----
+run m.log --data "$D/docs" --seq 8 --steps 2
+run n.log --data "$D/rows_i8.npy" --seq 8 --steps 2
+run b.log --data "1 $D/docs 3 $D/stream_u2.npy" --seq 8 --steps 2
+grep -q "evaluating on the train split" m.log ||
+	fail "no note that the 16-document fixture has no validation split"
+run v.log --data "$D/docs" --split 6,4 --seq 8 --steps 2
+grep -q "from the start of the validation split of $D/docs" v.log ||
+	fail "--split 6,4: eval not on the validation split: $(grep eval v.log)"
+
+# ---- 2. resume mid-epoch equals the straight run ----
+resume() {
+	tag=$1
+	shift
+	run "$tag-a.log" "$@" --seq 8 --steps 3 --save "$tag.ckpt"
+	run "$tag-b.log" "$@" --seq 8 --steps 6 --load "$tag.ckpt" \
+		--metrics "$tag-b.csv"
+	run "$tag-s.log" "$@" --seq 8 --steps 6 --metrics "$tag-s.csv"
+	sed 1d "$tag-b.csv" | cut -d, -f1-4 >"$tag-b.txt"
+	tail -n 3 "$tag-s.csv" | cut -d, -f1-4 >"$tag-s.txt"
+	[ "$(wc -l <"$tag-b.txt")" -eq 3 ] || fail "$tag: resumed run: no 3 rows"
+	cmp -s "$tag-b.txt" "$tag-s.txt" ||
+		fail "$tag: resumed steps differ from the straight run:
+$(cat "$tag-b.txt")
+vs
+$(cat "$tag-s.txt")"
+}
+# 172 tokens, 21 samples of 9 an epoch; a step is 8 samples
+resume mm --data "$D/docs" --split 1
+resume bl --data "2 $D/docs 1 $D/rows_u4.npy" --split 1
+
+# ---- 3. the seed shuffles ----
+run s1.log --data "$D/docs" --split 1 --seq 8 --steps 1 --dump-state s1.st
+run s2.log --data "$D/docs" --split 1 --seq 8 --steps 1 --dump-state s2.st \
+	--seed 43
+cmp -s s1.st s2.st && fail "--seed 42 and 43 dumped the same state"
+run s3.log --data "$D/docs" --split 1 --seq 8 --steps 1 --dump-state s3.st
+cmp -s s1.st s3.st || fail "the same seed dumped different states"
+
+# ---- the config's "data" section stands for --data, --split, the seed ----
+cfg() {
+	printf '{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "data": {"path": "%s", "split": "6,4"%s}}\n' \
+		"$D/docs" "$1" >"$2"
+}
+cfg '' c0.json
+cfg ', "seed": 7' c7.json
+cfg ', "seed": 8' c8.json
+run c0.log --config c0.json --seq 8 --steps 1
+grep -q "data $D/docs\$" c0.log || fail "config data.path not used: $(head -3 c0.log)"
+grep -q "from the start of the validation split of $D/docs" c0.log ||
+	fail "config data.split not used: $(grep eval c0.log)"
+run c7.log --config c7.json --seq 8 --steps 1 --dump-state c7.st
+run c8.log --config c8.json --seq 8 --steps 1 --dump-state c8.st
+cmp -s c7.st c8.st && fail "data.seed 7 and 8 dumped the same batch"
+# with data.seed, another run seed changes the weights, not the batch
+run c7b.log --config c7.json --seq 8 --steps 1 --dump-state c7b.st --seed 5
+cmp -s c7.st c7b.st && fail "--seed 5 did not change the dumped weights"
+[ "$(ids c7.st)" = "$(ids c7b.st)" ] ||
+	fail "data.seed 7: --seed 5 changed the batch"
+run c9.log --config c7.json --data "$D/rows_i8.npy" --split 1 --seq 8 \
+	--steps 1
+grep -q "data $D/rows_i8.npy\$" c9.log || fail "--data does not override data.path"
+
+# ---- 4. bad data ----
+cp "$D/docs.bin" h.bin
+cp "$D/docs.idx" h.idx
+printf 'XX' | dd of=h.idx bs=1 seek=0 conv=notrunc 2>/dev/null
+refuse "h.idx': bad magic" --data "$tmp/h" --steps 1
+cp "$D/docs.idx" h.idx
+# sequence 15's pointer (offset 34 + 16 * 4 + 15 * 8) 2^24 bytes further,
+# past the .bin
+printf '\001' | dd of=h.idx bs=1 seek=$((34 + 64 + 120 + 3)) \
+	conv=notrunc 2>/dev/null
+refuse "h.bin': sequence 15" --data "$tmp/h" --steps 1
+printf '\223NUMPY\001\000\106\000{'"'"'descr'"'"': '"'"'<f4'"'"', '"'"'fortran_order'"'"': False, '"'"'shape'"'"': (2,), }' >f.npy
+printf '%*s\n' 13 '' >>f.npy
+printf '\0\0\0\0\0\0\0\0' >>f.npy
+refuse "f.npy': dtype '<f4' is not a token type" --data "$tmp/f.npy" \
+	--steps 1
+# the fixture's ids reach 59: a model of vocabulary 32 refuses them
+sed 's/"vocab_size": *256/"vocab_size": 32/' "$srcdir/t/models/byte.json" \
+	>v32.json
+grep -q '"vocab_size": 32' v32.json || fail "no vocab 32 model"
+refuse "docs.bin': token" --data "$D/docs" --model v32.json --steps 1 \
+	--seq 8
+refuse "data blend" --data "1 $D/docs 2" --steps 1
+refuse "data split '1,x'" --data "$D/docs" --split 1,x --steps 1
+refuse "--split (or data.split) applies to token datasets" --split 1 \
+	--steps 1
+echo "dataset.sh: ok"
