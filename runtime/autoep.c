@@ -1,4 +1,4 @@
-/* autoep.c -- the AutoEP MoE layer (DESIGN.md section 4), eager on every
+/* autoep.c -- the AutoEP MoE layer (doc/design.md section 4), eager on every
  * backend.
  *
  *   hidden [B, T, H] -> x [N, H]                        (N = B*T)
@@ -77,6 +77,12 @@ typedef struct autoep_impl {
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
 	int64_t ops_at_post;	  /* eager launches when the plan was posted */
 	int64_t n_forward, n_replay; /* calls of this layer */
+	/* the routing of every call since ej_autoep_routing_log_start, in
+	 * call order (the parity harness); owned; log_on: recording */
+	bool log_on;
+	int n_log, cap_log;
+	epj_tensor **log;
+	bool *log_replay;
 	/* CPU contexts: the fused MoE ops (lib/ops_moe.c) instead of the
 	 * generic op sequence; EPJIT_AUTOEP_OPS at construction, default
 	 * fused.  cuda-sim and cuda contexts always run the templates + op
@@ -90,6 +96,10 @@ static void autoep_impl_free(void *p)
 	if (!im)
 		return;
 	epj_tensor_free(im->last_routing);
+	for (int i = 0; i < im->n_log; i++)
+		epj_tensor_free(im->log[i]);
+	free(im->log);
+	free(im->log_replay);
 	if (im->owns_comm)
 		ej_comm_free(im->comm);
 	free(im);
@@ -1316,6 +1326,32 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	epj_tensor_free(im->last_routing);
 	im->last_routing = routing;
 	routing = NULL;
+	if (im->log_on) {
+		if (im->n_log == im->cap_log) {
+			int nc = im->cap_log ? 2 * im->cap_log : 4;
+			epj_tensor **nl =
+			    realloc(im->log, sizeof *nl * (size_t)nc);
+			if (nl)
+				im->log = nl;
+			bool *nr = nl ? realloc(im->log_replay,
+						sizeof *nr * (size_t)nc)
+				      : NULL;
+			if (nr)
+				im->log_replay = nr;
+			if (!nl || !nr) {
+				s = ej_error(ctx, EPJ_ERR_NOMEM,
+					     "%s: out of memory logging the "
+					     "routing of call %d",
+					     m->name, im->n_log + 1);
+				epj_tensor_free(out[0]);
+				out[0] = NULL;
+				goto fail_op;
+			}
+			im->cap_log = nc;
+		}
+		im->log[im->n_log] = epj_tensor_ref(im->last_routing);
+		im->log_replay[im->n_log++] = ctx->rt_replay_depth > 0;
+	}
 	/* Count completed calls by kind: a checkpoint replay in backward
 	 * (ej_in_replay; read directly here) recomputes a forward that was
 	 * counted already. */
@@ -1572,6 +1608,28 @@ epj_tensor *ej_autoep_last_routing(const epj_module *m)
 		return NULL;
 	const autoep_impl *im = m->impl;
 	return im->last_routing;
+}
+
+void ej_autoep_routing_log_start(epj_module *m)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return;
+	autoep_impl *im = m->impl;
+	for (int i = 0; i < im->n_log; i++)
+		epj_tensor_free(im->log[i]);
+	im->n_log = 0;
+	im->log_on = true;
+}
+
+int ej_autoep_routing_log(const epj_module *m, epj_tensor *const **calls,
+			  const bool **replay)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return 0;
+	const autoep_impl *im = m->impl;
+	*calls = im->log;
+	*replay = im->log_replay;
+	return im->n_log;
 }
 
 epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,

@@ -25,7 +25,11 @@
 #     ranks trains as 1 rank x 4 on the same micro-batches (loss, norm);
 #  3. the parity matrix at world 2 (EP 2, ZeRO 1, bf16, SGD lr 1.0):
 #     nested / root x checkpointing off / on x async split plan off / on,
-#     compiled against eager: 8/8 must pass on every rank;
+#     compiled against eager: 8/8 must pass on every rank, each table
+#     naming its device, backend, dtype, world and layout, and with
+#     checkpointing the routing row compares twice the calls (replays);
+#     with MPI_CUDA_PARITY=1 the same 8 on the cuda device (the stand-in
+#     driver and NCCL, about 5 min a case);
 #  4. a rank that stops (SIGSTOP) or dies (SIGKILL) mid-run: the job exits
 #     non-zero well within the timeout, the surviving rank naming the call.
 # Exit 77 (SKIP) only where MPI is absent (no mpirun, or a build without
@@ -65,11 +69,13 @@ fail() {
 	exit 1
 }
 
-# mpi2 LOG CMD...: CMD on 2 ranks, output in LOG; fails unless exit 0.
+# mpi2 LOG CMD...: CMD on 2 ranks, output in LOG; fails unless exit 0
+# within $mpi2_timeout seconds (default 300).
 mpi2() {
 	log=$1
 	shift
-	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$@" >"$log" 2>&1
+	timeout "${mpi2_timeout:-300}" "$MPIRUN" -np 2 --oversubscribe "$@" \
+		>"$log" 2>&1
 	rc=$?
 	if [ $rc -ne 0 ]; then
 		# every rank's output (rank 0's, the others' prefixed "rank R
@@ -77,7 +83,8 @@ mpi2() {
 		cat "$log" >&2
 		echo "---- the last 20 lines of $log ----" >&2
 		tail -n 20 "$log" >&2
-		[ $rc -eq 124 ] && fail "mpirun -np 2 $* timed out after 300 s"
+		[ $rc -eq 124 ] &&
+			fail "mpirun -np 2 $* timed out after ${mpi2_timeout:-300} s"
 		fail "mpirun -np 2 $* exited $rc"
 	fi
 }
@@ -322,12 +329,75 @@ for layout in nested root; do
 			grep -q 'every rank passed' "$log" &&
 				grep -q '^parity: PASS' "$log" ||
 				fail "parity $layout $ck $as: $(cat "$log")"
+			grep -q "^parity: device cpu, backend c, dtype bf16, world size 2 (EP 2, ZeRO 1), layout $layout\$" "$log" ||
+				fail "parity $layout $ck $as: no header: $(cat "$log")"
+			# the routing row's calls: with checkpointing the
+			# replays too, twice the calls of the run without
+			calls=$(awk '$1 == "routing" && $2 == "mismatches" {
+				print $4; exit }' "$log")
+			key=$(printf '%s' "$layout$as" | tr -c 'a-z0-9' '_')
+			if [ -z "$ck" ]; then
+				eval "calls_$key=\$calls"
+			else
+				eval "want=\$((2 * calls_$key))"
+				[ -n "$calls" ] && [ "$calls" -gt 0 ] &&
+					[ "$calls" -eq "$want" ] ||
+					fail "parity $layout $ck $as: routing of $calls calls, expected $want (the replays counted)"
+			fi
 			pass=$((pass + 1))
 		done
 	done
 done
 [ "$pass" -eq 8 ] || fail "parity: $pass/8"
 echo "parity at world 2: $pass/8"
+
+# The same matrix as the seed ran it, 2 ranks each on a cuda context: the
+# stand-in driver and NCCL, every kernel run on cuda-sim from the CUDA C the
+# NVRTC pass-through (preloaded) saw compiled.  The stand-in runs only
+# kernels that NVRTC compiled in the same process, so every rank of every
+# run needs its own empty kernel cache and compiles everything again:
+# about 5 min a run on 2 busy cores.  Hence opt-in: MPI_CUDA_PARITY=1.
+FAKENVRTC="$builddir/t/.libs/libfakenvrtc.so"
+if [ "${MPI_CUDA_PARITY:-0}" = 1 ] && [ -f "$FAKECUDA" ] &&
+	[ -f "$FAKENCCL" ] && [ -f "$FAKENVRTC" ] &&
+	grep -q '^#define HAVE_NVRTC 1' "$builddir/config.h"; then
+	mkdir -p pnccl.d
+	cpass=0
+	for layout in nested root; do
+		for ck in "" --checkpointing; do
+			for as in "" --async-split-plan; do
+				log="cuda-parity-$layout$ck$as.log"
+				kc="$PWD/kc-$layout$ck$as"
+				mkdir -m 700 "$kc.r0" "$kc.r1" || fail "mkdir $kc"
+				(
+					EPJIT_CUDA_DRIVER=$FAKECUDA EPJIT_NCCL=$FAKENCCL
+					FAKE_CUDA_GUARD=1 EPJIT_SIM_RACECHECK=0
+					FAKE_NCCL_DIR=$PWD/pnccl.d EPJIT_DEVICE=cuda
+					EPJIT_CUBLASLT=$FAKELT EPJIT_CUBLAS=$FAKELT
+					LD_PRELOAD=$FAKENVRTC mpi2_timeout=1200
+					export EPJIT_CUDA_DRIVER EPJIT_NCCL \
+						FAKE_CUDA_GUARD EPJIT_SIM_RACECHECK \
+						FAKE_NCCL_DIR EPJIT_DEVICE EPJIT_CUBLASLT \
+						EPJIT_CUBLAS LD_PRELOAD
+					mpi2 "$log" sh -c \
+						'EPJIT_CACHE_DIR="$0.r$OMPI_COMM_WORLD_RANK" exec "$@"' \
+						"$kc" "$TRAIN" --parity --bf16 \
+						--layout "$layout" $ck $as
+				) || exit 1
+				grep -q 'every rank passed' "$log" &&
+					grep -q '^parity: PASS' "$log" &&
+					grep -q "^parity: device cuda, backend nvrtc, dtype bf16, world size 2 (EP 2, ZeRO 1), layout $layout\$" "$log" ||
+					fail "cuda parity $layout $ck $as: $(cat "$log")"
+				rm -rf "$kc.r0" "$kc.r1"
+				cpass=$((cpass + 1))
+			done
+		done
+	done
+	[ "$cpass" -eq 8 ] || fail "cuda parity: $cpass/8"
+	echo "parity at world 2 on the cuda device (stand-ins): $cpass/8"
+else
+	echo "mpi.sh: parity on the cuda device at world 2 not run (MPI_CUDA_PARITY=1 runs it)"
+fi
 
 # ---- 4. a rank that vanishes -----------------------------------------------------
 sed 's/"timeout_s": 60/"timeout_s": 3/' ep2.json >short.json
