@@ -1,6 +1,7 @@
 /* eager_cuda.c -- eager ops as CUDA kernels on the devices that run CUDA C
- * (cuda-sim today): the table lib/dispatch.c consults for every eager op
- * on such a device (ej_eager_install), indexed by op id.
+ * (cuda-sim, and the cuda device by name): the table lib/dispatch.c
+ * consults for every eager op on such a device (ej_eager_install,
+ * ej_eager_install_name), indexed by op id.
  *
  * Two kinds of entries:
  *  - single-op lowerings (pointwise ops incl. broadcasting, float casts,
@@ -9,7 +10,8 @@
  *    have the call's dtypes and shapes, scheduled (sched.c), lowered to
  *    kernel IR (kir.c) and printed (print_cuda.c) exactly as a compiled
  *    graph's fused kernels are, built by the host C++ compiler for cuda-sim
- *    (ej_sim_build_module, through the kernel cache), and launched with the
+ *    (ej_sim_build_module, through the kernel cache) or by NVRTC for the
+ *    cuda device (ej_tmpl_get_unit), and launched with the
  *    shared host launch code (launch_cuda.c: strides per access, so views
  *    are read in place).  A reduction over another axis than the last reads
  *    its input through a permuted view (the axis last); one over several
@@ -24,14 +26,22 @@
  *    integers), cat, slice_backward, full, integer pointwise ops,
  *    index_select, index_add, gather, scatter_add, max with indices, topk,
  *    argsort.  Index ranges are checked on the host before the launch with
- *    the CPU kernels' message (cuda-sim memory is host memory).
+ *    the CPU kernels' message (in place on cuda-sim, whose memory is host
+ *    memory; from a host copy on cuda).
+ *  - adapters of the GEMM (jit/tmpl_gemm.c: matmul, linear, the expert
+ *    GEMMs moe_grouped_mm and its weight gradient), attention
+ *    (jit/tmpl_attention.c: sdpa and its backward) and embedding / loss
+ *    (jit/tmpl_moe.c: embedding, cross_entropy and their backwards)
+ *    templates.
  *
  * Every launch counts in kernels.launched.eager_cuda.  An entry that meets
  * a case it has no kernel for (integer reductions, empty inputs of a
- * reduction) calls ej_eager_fallback (CPU kernel, counted).  Ops without an
- * entry (matmul, linear, attention, embedding, cross-entropy: their
- * templates are separate work) are NULL rows of the table: adding one is
- * the one line `[EJ_OP_X] = ej_cuda_op_x,`.
+ * reduction) calls ej_eager_fallback (CPU kernel, counted).  Every op has
+ * an entry; the fused MoE ops other than the expert GEMMs (moe_route,
+ * moe_permute, moe_unpermute, swiglu and their backwards) have no CUDA
+ * lowering, and their entry, eg_cpu_fallback, always runs the CPU kernel
+ * (counted).  A NULL row would do the same; an op's entry is the one line
+ * `[EJ_OP_X] = ej_cuda_op_x,`.
  */
 #include "eager_cuda.h"
 

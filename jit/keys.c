@@ -1,6 +1,6 @@
 /* keys.c -- what a kernel cache key is made of.
  *
- * Two rules (DESIGN.md section 7) keep a key honest:
+ * Two rules (doc/design.md section 7) keep a key honest:
  *  - an artifact (a shared object, a cubin) is keyed by everything that
  *    decides its bytes: the generated source itself, the compiler's identity
  *    and version, the flags and the target (arch or ISA).  Because the

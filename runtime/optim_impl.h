@@ -46,7 +46,8 @@ ej_optim *ej_optim_new(epj_ctx *ctx, const ej_config *cfg,
 		       int n);
 void ej_optim_free(ej_optim *o); /* NULL ok; releases the references */
 
-/* Data parallelism and ZeRO (DESIGN.md section 4; DeepSpeed's semantics).
+/* Data parallelism and ZeRO (doc/design.md section 4; DeepSpeed's
+ * semantics).
  * Every rank holds the same dense parameters and its EP group's experts;
  * each step the accumulated gradient of a dense parameter is summed over
  * `dp`, that of an expert parameter over `edp`, and both are multiplied by
