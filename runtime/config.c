@@ -279,6 +279,14 @@ enum {
 	SEC_TP,
 	SEC_COMM,
 	SEC_CSV_MONITOR,
+	SEC_TENSORBOARD,
+	SEC_DATA,
+	SEC_WANDB,
+	SEC_COMET,
+	SEC_FLOPS_PROFILER,
+	SEC_COMMS_LOGGER,
+	SEC_AIO,
+	SEC_CHECKPOINT,
 	SEC_COUNT
 };
 
@@ -295,7 +303,29 @@ typedef enum key_type {
 	K_TRISTATE, /* true / false / null, kept exactly (ej_json_bool) */
 	K_NUMBOOL,  /* a number or a boolean, not kept */
 	K_SPECIAL,  /* read and written by its hooks */
+	K_TEXT,	    /* a string or null, not kept */
+	K_ANY,	    /* any JSON value, not kept (a DeepSpeed feature that
+		       epjit refuses when it is on; see KIND_NOT_IMPL) */
 } key_type;
+
+/* What epjit does with a key (the reference page's "class" column).  A
+ * key is one of DeepSpeed's (or an epjit extension) in every class: a
+ * typo is a key in no row.
+ *  - KIND_IMPL: acted on (or checked and refused by value, see .refused);
+ *  - KIND_OBSERVE: only observes or tunes the run in DeepSpeed (monitors,
+ *    profilers, buckets, overlap, ...): type-checked, no effect here; the
+ *    parse names every such key present in one warning
+ *    (ej_config.no_effect);
+ *  - KIND_NOT_IMPL: would change the computation and is not implemented:
+ *    refused by the parser when on (a boolean true, an integer other than
+ *    its default, a choice other than the first, any K_ANY value but null,
+ *    false, {} or an object whose "enabled" is false); off, it is
+ *    accepted and named with the no-effect keys. */
+typedef enum key_kind {
+	KIND_IMPL = 0,
+	KIND_OBSERVE,
+	KIND_NOT_IMPL,
+} key_kind;
 
 enum {
 	K_LO_OPEN = 1u << 0,   /* lo excluded */
@@ -344,6 +374,15 @@ typedef struct key {
 	key_type store;	     /* K_SPECIAL: how the default is kept */
 	key_hook hook;
 	key_writer wr;
+	key_kind kind;
+	/* "auto" (DeepSpeed's and Hugging Face's placeholder): NULL when the
+	 * key refuses it, else the rule that gives its value, for the
+	 * reference page.  The value comes from the caller's auto source at
+	 * the same path (epjit-train's own values) when it has one, else from
+	 * auto_lib (a hook, e.g. warmup_max_lr = the optimizer's lr), else the
+	 * key is read as absent (its default, or derived). */
+	const char *auto_doc;
+	key_hook auto_lib;
 	/* The reference page: value and default when the generated text
 	 * does not say it well; when a mode refuses the key and why; what
 	 * it does (for a section: the paragraph under its heading). */
@@ -361,6 +400,7 @@ static const char *const offload_devices[] = { "none", "cpu", "nvme" };
 static const char *const preset_models[] = { "qwen3_moe" };
 static const char *const devices[] = { "cpu", "cuda-sim", "cuda" };
 static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
+static const char *const comm_dtypes[] = { "fp32", "fp16", "bf16" };
 
 #define CH(a) .choices = a, .nchoices = (int)EJ_ARRAY_LEN(a)
 #define F(m)                                                                   \
@@ -385,6 +425,26 @@ static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
 /* Upper bound of ints stored in `int` fields. */
 #define INT_FIELD_MAX ((int64_t)1 << 30)
 #define ANY_INT	      (INT64_MAX / 2)
+/* Rows of keys that are checked and not kept, by class. */
+#define OBS_ROW(s, nm, t, d)                                                   \
+	{                                                                      \
+		.sec = s, .name = nm, .type = t, NOFIELD,                      \
+		.kind = KIND_OBSERVE, .ilo = 0, .ihi = ANY_INT, .lo = 0,       \
+		.hi = HUGE_VAL, .doc = d                                       \
+	}
+#define NOTIMPL_ROW(s, nm, t, d)                                               \
+	{                                                                      \
+		.sec = s, .name = nm, .type = t, NOFIELD,                      \
+		.kind = KIND_NOT_IMPL, .doc = d                                \
+	}
+/* An observe-only section: the section's row. */
+#define OBS_SECTION(nm, id, d)                                                 \
+	{                                                                      \
+		SECTION(SEC_ROOT, nm, id), NOGIVEN,                            \
+		    .flags = K_W_NEVER, .kind = KIND_OBSERVE, .doc = d         \
+	}
+/* "auto" from the library: the key as if absent. */
+#define AUTO_ABSENT "as absent"
 
 static epj_status hook_optim_type(cp *, const key *, json_t *, json_t *,
 				  const char *, char *, ej_config *);
@@ -398,12 +458,18 @@ static epj_status hook_offload(cp *, const key *, json_t *, json_t *,
 			       const char *, char *, ej_config *);
 static epj_status hook_csv(cp *, const key *, json_t *, json_t *, const char *,
 			   char *, ej_config *);
+static epj_status hook_tb(cp *, const key *, json_t *, json_t *, const char *,
+			  char *, ej_config *);
 static epj_status hook_top_k(cp *, const key *, json_t *, json_t *,
 			     const char *, char *, ej_config *);
 static epj_status hook_route_norm(cp *, const key *, json_t *, json_t *,
 				  const char *, char *, ej_config *);
 static epj_status hook_schedule(cp *, const key *, json_t *, json_t *,
 				const char *, char *, ej_config *);
+static epj_status auto_max_lr(cp *, const key *, json_t *, json_t *,
+			      const char *, char *, ej_config *);
+static epj_status auto_total_steps(cp *, const key *, json_t *, json_t *,
+				   const char *, char *, ej_config *);
 static json_t *wr_top_k(const key *, const char *, const ej_config *);
 static json_t *wr_route_norm(const key *, const char *, const ej_config *);
 static json_t *wr_schedule(const key *, const char *, const ej_config *);
@@ -425,6 +491,8 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .flags = K_W_NONZERO,
 	  .doc_default = "derived",
+	  .auto_doc = "micro-batch × accumulation × data-parallel world "
+		      "(derived, as when absent)",
 	  .doc = "global batch; see *Batch sizes*" },
 	{ .sec = SEC_ROOT,
 	  .name = "train_micro_batch_size_per_gpu",
@@ -435,6 +503,8 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .flags = K_W_NONZERO,
 	  .doc_default = "derived",
+	  .auto_doc = "epjit-train: its micro-batch (8); library: " AUTO_ABSENT
+		      " (derived)",
 	  .doc = "rows B of every `[B, T]` micro-batch" },
 	{ .sec = SEC_ROOT,
 	  .name = "gradient_accumulation_steps",
@@ -445,6 +515,7 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .flags = K_W_NONZERO,
 	  .doc_default = "derived",
+	  .auto_doc = "epjit-train: 1; library: " AUTO_ABSENT " (derived)",
 	  .doc = "micro-batches per optimizer step" },
 	{ SECTION(SEC_ROOT, "bf16", SEC_BF16), NOGIVEN },
 	{ SECTION(SEC_ROOT, "fp16", SEC_FP16), NOGIVEN, .flags = K_W_NEVER,
@@ -481,6 +552,7 @@ static const key keys[] = {
 	  .lo = 0,
 	  .hi = HUGE_VAL,
 	  .doc_default = "0 (off)",
+	  .auto_doc = "epjit-train: 1.0; library: 0 (off)",
 	  .doc = "clip by global gradient norm: scale by `clip / (norm + "
 		 "1e-6)` when below 1" },
 	{ SECTION(SEC_ROOT, "zero_optimization", SEC_ZERO), NOGIVEN },
@@ -531,7 +603,8 @@ static const key keys[] = {
 	  .type = K_BOOL,
 	  F(wall_clock_breakdown),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's step timers" },
 	{ .sec = SEC_ROOT,
 	  .name = "device",
 	  .type = K_NAME,
@@ -559,6 +632,91 @@ static const key keys[] = {
 	  .doc = "DeepSpeed's CSV monitor. `epjit-train` writes its metric "
 		 "files (`doc/trainer.md`); the library only parses and keeps "
 		 "the section (`epj_engine_csv_monitor_dir`)." },
+	{ SECTION(SEC_ROOT, "tensorboard", SEC_TENSORBOARD), NOGIVEN,
+	  .hook = hook_tb,
+	  .doc = "DeepSpeed's TensorBoard monitor. `epjit-train` (rank 0) "
+		 "writes the training scalars to a TensorBoard event file "
+		 "(`doc/trainer.md`); the library only parses and keeps the "
+		 "section (`epj_engine_tensorboard_dir`)." },
+	{ SECTION(SEC_ROOT, "data", SEC_DATA),
+	  .off = (long)offsetof(ej_config, data),
+	  .given_off = (long)offsetof(struct ej_data_config, given),
+	  .wr = wr_if_given,
+	  .doc = "epjit extension: the training data of `epjit-train` "
+		 "(doc/trainer.md), for the keys its command line does not "
+		 "give; the library only parses and keeps the section "
+		 "(`epj_engine_data_path`, `_split`, `_seed`)." },
+
+	/* DeepSpeed's keys that only observe or tune a run, and its
+	 * features that epjit does not implement */
+	OBS_ROW(SEC_ROOT, "memory_breakdown", K_BOOL,
+		"DeepSpeed: memory use in its step timers"),
+	OBS_ROW(SEC_ROOT, "dump_state", K_BOOL,
+		"DeepSpeed: prints its engine state at initialize"),
+	OBS_ROW(SEC_ROOT, "zero_allow_untested_optimizer", K_BOOL,
+		"DeepSpeed: lets ZeRO run a client optimizer; epjit's "
+		"optimizers are its own"),
+	OBS_ROW(SEC_ROOT, "zero_force_ds_cpu_optimizer", K_BOOL,
+		"DeepSpeed: the CPU optimizer of offload (not implemented, "
+		"see `zero_optimization.offload_optimizer`)"),
+	{ .sec = SEC_ROOT,
+	  .name = "communication_data_type",
+	  .type = K_NAME,
+	  .off = -1,
+	  .given_off = -1,
+	  .flags = K_W_NEVER | K_NOCASE | K_NULL_OK,
+	  CH(comm_dtypes),
+	  .kind = KIND_NOT_IMPL,
+	  .doc_default = "null",
+	  .doc = "dtype of the gradient collectives: epjit reduces gradients "
+		 "in fp32 (the FP32 gradient buffers), which `\"fp32\"` and "
+		 "null accept; `\"fp16\"` and `\"bf16\"` would change the "
+		 "sums and are refused" },
+	NOTIMPL_ROW(SEC_ROOT, "prescale_gradients", K_BOOL,
+		    "divide gradients by the world before the all-reduce "
+		    "(epjit scales after it)"),
+	NOTIMPL_ROW(SEC_ROOT, "sparse_gradients", K_BOOL,
+		    "sparse embedding gradients"),
+	NOTIMPL_ROW(SEC_ROOT, "amp", K_ANY, "NVIDIA Apex AMP"),
+	NOTIMPL_ROW(SEC_ROOT, "torch_autocast", K_ANY, "torch autocast"),
+	NOTIMPL_ROW(SEC_ROOT, "sparse_attention", K_ANY, "sparse attention"),
+	NOTIMPL_ROW(SEC_ROOT, "progressive_layer_drop", K_ANY,
+		    "progressive layer drop"),
+	NOTIMPL_ROW(SEC_ROOT, "curriculum_learning", K_ANY,
+		    "curriculum learning"),
+	NOTIMPL_ROW(SEC_ROOT, "data_efficiency", K_ANY,
+		    "data efficiency (sampling, routing)"),
+	NOTIMPL_ROW(SEC_ROOT, "eigenvalue", K_ANY, "eigenvalue computation"),
+	NOTIMPL_ROW(SEC_ROOT, "quantize_training", K_ANY,
+		    "quantization-aware training"),
+	NOTIMPL_ROW(SEC_ROOT, "compression_training", K_ANY,
+		    "compression training"),
+	NOTIMPL_ROW(SEC_ROOT, "elasticity", K_ANY,
+		    "elastic training (it picks the batch size)"),
+	NOTIMPL_ROW(SEC_ROOT, "hybrid_engine", K_ANY, "RLHF hybrid engine"),
+	NOTIMPL_ROW(SEC_ROOT, "data_types", K_ANY,
+		    "gradient accumulation dtype (epjit accumulates in fp32)"),
+	OBS_ROW(SEC_ROOT, "autotuning", K_ANY,
+		"DeepSpeed's autotuner (its own launcher)"),
+	OBS_SECTION("wandb", SEC_WANDB,
+		    "DeepSpeed's Weights & Biases "
+		    "monitor: checked, no effect in epjit."),
+	OBS_SECTION("comet", SEC_COMET,
+		    "DeepSpeed's Comet monitor: checked, "
+		    "no effect in epjit."),
+	OBS_SECTION("flops_profiler", SEC_FLOPS_PROFILER,
+		    "DeepSpeed's FLOPs profiler: checked, no effect in epjit "
+		    "(epjit's counters: doc/counters.md)."),
+	OBS_SECTION("comms_logger", SEC_COMMS_LOGGER,
+		    "DeepSpeed's communication logger: checked, no effect in "
+		    "epjit (epjit counts its collectives: doc/counters.md)."),
+	OBS_SECTION("aio", SEC_AIO,
+		    "DeepSpeed's async I/O for NVMe offload "
+		    "(offload is not implemented): checked, no effect."),
+	OBS_SECTION("checkpoint", SEC_CHECKPOINT,
+		    "DeepSpeed's checkpoint options: checked; none changes "
+		    "epjit's checkpoints, and `load_universal` true is "
+		    "refused."),
 
 	/* ---- bf16, fp16 */
 	{ .sec = SEC_BF16,
@@ -566,6 +724,8 @@ static const key keys[] = {
 	  .type = K_BOOL,
 	  F(bf16_enabled),
 	  NOGIVEN,
+	  .auto_doc = "epjit-train: true with `--bf16`, else false; library: "
+		      "false",
 	  .doc = "parameters become bf16 (round-to-nearest-even of the f32 "
 		 "init) at initialize; the optimizer keeps FP32 masters; "
 		 "checkpoints hold the masters" },
@@ -575,11 +735,13 @@ static const key keys[] = {
 	  NOFIELD,
 	  .refused = "true: by the parser (fp16 training is not supported; "
 		     "use `bf16`)",
+	  .auto_doc = "false (fp16 is not supported)",
 	  .doc = "must be false" },
 #define FP16_MOOT(nm)                                                          \
 	{                                                                      \
 		.sec = SEC_FP16, .name = nm, .type = K_NUMBOOL, NOFIELD,       \
-		.doc = "accepted and ignored"                                  \
+		.kind = KIND_OBSERVE,                                          \
+		.doc = "loss scaling of fp16 training (off)"                   \
 	}
 	FP16_MOOT("auto_cast"),
 	FP16_MOOT("loss_scale"),
@@ -613,6 +775,7 @@ static const key keys[] = {
 	  .hi = HUGE_VAL,
 	  .def = 1e-3,
 	  .applies = O_SGD | O_ADAM | O_ADAMW,
+	  .auto_doc = "epjit-train: 3e-3 (its built-in run's); library: 1e-3",
 	  .doc = "learning rate (peak lr of `WarmupCosineLR`)" },
 	{ .sec = SEC_OPTIM_PARAMS,
 	  .name = "momentum",
@@ -642,6 +805,7 @@ static const key keys[] = {
 	  .def = 0.9,
 	  .def2 = 0.999,
 	  .applies = O_ADAM | O_ADAMW,
+	  .auto_doc = "epjit-train: [0.9, 0.95]; library: [0.9, 0.999]",
 	  .doc = "Adam's moment decay rates" },
 	{ .sec = SEC_OPTIM_PARAMS,
 	  .name = "eps",
@@ -653,6 +817,7 @@ static const key keys[] = {
 	  .flags = K_LO_OPEN,
 	  .def = 1e-8,
 	  .applies = O_ADAM | O_ADAMW,
+	  .auto_doc = "1e-8",
 	  .doc = "added to the denominator" },
 	{ .sec = SEC_OPTIM_PARAMS,
 	  .name = "weight_decay",
@@ -662,6 +827,7 @@ static const key keys[] = {
 	  .lo = 0,
 	  .hi = HUGE_VAL,
 	  .applies = O_SGD | O_ADAM | O_ADAMW,
+	  .auto_doc = "epjit-train: 0.01; library: 0",
 	  .doc = "SGD and Adam with `adam_w_mode` false: L2 (`g += wd * p`); "
 		 "AdamW and Adam with `adam_w_mode` true: decoupled (`p *= 1 "
 		 "- lr * wd`)" },
@@ -697,6 +863,7 @@ static const key keys[] = {
 	  .lo = 0,
 	  .hi = HUGE_VAL,
 	  .applies = S_WLR | S_WDLR,
+	  .auto_doc = "0",
 	  .doc = "lr at the start of warm-up" },
 	{ .sec = SEC_SCHED_PARAMS,
 	  .name = "warmup_max_lr",
@@ -707,6 +874,9 @@ static const key keys[] = {
 	  .hi = HUGE_VAL,
 	  .def = 1e-3,
 	  .applies = S_WLR | S_WDLR,
+	  .auto_doc = "epjit-train: its lr (3e-3); library: "
+		      "`optimizer.params.lr` as resolved",
+	  .auto_lib = auto_max_lr,
 	  .doc = "lr at the end of warm-up" },
 	{ .sec = SEC_SCHED_PARAMS,
 	  .name = "warmup_num_steps",
@@ -717,6 +887,7 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .def = 1000,
 	  .applies = S_WLR | S_WDLR | S_WCLR,
+	  .auto_doc = "epjit-train: 20; library: 1000",
 	  .doc = "warm-up length (values < 2 act as 2)" },
 	{ .sec = SEC_SCHED_PARAMS,
 	  .name = "warmup_type",
@@ -736,6 +907,8 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .applies = S_WDLR | S_WCLR,
 	  .doc_default = "**required** (WarmupDecayLR, WarmupCosineLR)",
+	  .auto_doc = "epjit-train: `--steps`; library: none (an error)",
+	  .auto_lib = auto_total_steps,
 	  .doc = "end of the decay" },
 	{ .sec = SEC_SCHED_PARAMS,
 	  .name = "cos_min_ratio",
@@ -804,7 +977,10 @@ static const key keys[] = {
 	  .ilo = 1,
 	  .ihi = ANY_INT,
 	  .def = 5e8,
-	  .doc = "elements; parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .auto_doc = "5e8",
+	  .doc = "elements per gradient reduction bucket (epjit reduces "
+		 "each parameter's gradient whole)" },
 	{ .sec = SEC_ZERO,
 	  .name = "allgather_bucket_size",
 	  .type = K_INT,
@@ -813,35 +989,95 @@ static const key keys[] = {
 	  .ilo = 1,
 	  .ihi = ANY_INT,
 	  .def = 5e8,
-	  .doc = "elements; parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .auto_doc = "5e8",
+	  .doc = "elements per parameter all-gather bucket" },
 	{ .sec = SEC_ZERO,
 	  .name = "overlap_comm",
 	  .type = K_BOOL,
 	  F(zero.overlap_comm),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "overlap of reductions with backward" },
 	{ .sec = SEC_ZERO,
 	  .name = "contiguous_gradients",
 	  .type = K_BOOL,
 	  F(zero.contiguous_gradients),
 	  NOGIVEN,
 	  .def = 1,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "gradient copies into one buffer" },
+	OBS_ROW(SEC_ZERO, "allgather_partitions", K_BOOL,
+		"all-gather instead of broadcasts (the same values)"),
+	OBS_ROW(SEC_ZERO, "reduce_scatter", K_BOOL,
+		"reduce-scatter instead of all-reduce (the same sums)"),
+	OBS_ROW(SEC_ZERO, "round_robin_gradients", K_BOOL,
+		"gradient partition order for offload"),
+	OBS_ROW(SEC_ZERO, "use_multi_rank_bucket_allreduce", K_BOOL,
+		"bucketing of all-reduces"),
+	OBS_ROW(SEC_ZERO, "load_from_fp32_weights", K_BOOL,
+		"epjit's checkpoints always hold the FP32 masters"),
+	OBS_ROW(SEC_ZERO, "elastic_checkpoint", K_BOOL,
+		"checkpoint layout across world sizes"),
+	OBS_ROW(SEC_ZERO, "ignore_unused_parameters", K_BOOL,
+		"stage 2 check for parameters without gradients"),
+	OBS_ROW(SEC_ZERO, "memory_efficient_linear", K_BOOL,
+		"memory of ZeRO's linear layers"),
+	OBS_ROW(SEC_ZERO, "log_trace_cache_warnings", K_BOOL,
+		"stage 3 logging"),
+	OBS_ROW(SEC_ZERO, "sub_group_size", K_INT, "stage 3 tuning"),
+#define ZERO3_INT(nm)                                                          \
+	{                                                                      \
+		.sec = SEC_ZERO, .name = nm, .type = K_INT, NOFIELD,           \
+		.kind = KIND_OBSERVE, .ilo = 0, .ihi = ANY_INT,                \
+		.auto_doc = AUTO_ABSENT,                                       \
+		.doc = "stage 3 tuning (stage 3 is "                           \
+		       "refused)"                                              \
+	}
+	ZERO3_INT("stage3_prefetch_bucket_size"),
+	ZERO3_INT("prefetch_bucket_size"),
+	ZERO3_INT("stage3_param_persistence_threshold"),
+	ZERO3_INT("param_persistence_threshold"),
+	ZERO3_INT("model_persistence_threshold"),
+	ZERO3_INT("stage3_max_live_parameters"),
+	ZERO3_INT("max_live_parameters"),
+	ZERO3_INT("stage3_max_reuse_distance"),
+	ZERO3_INT("max_reuse_distance"),
+#undef ZERO3_INT
+	OBS_ROW(SEC_ZERO, "stage3_gather_16bit_weights_on_model_save", K_BOOL,
+		"stage 3 saving"),
+	OBS_ROW(SEC_ZERO, "gather_16bit_weights_on_model_save", K_BOOL,
+		"stage 3 saving"),
+	OBS_ROW(SEC_ZERO, "stage3_gather_fp16_weights_on_model_save", K_BOOL,
+		"stage 3 saving"),
+	NOTIMPL_ROW(SEC_ZERO, "cpu_offload", K_BOOL,
+		    "the old spelling of optimizer offload to the CPU"),
+	NOTIMPL_ROW(SEC_ZERO, "zero_quantized_weights", K_BOOL,
+		    "ZeRO++ quantized weight communication"),
+	NOTIMPL_ROW(SEC_ZERO, "zero_quantized_nontrainable_weights", K_BOOL,
+		    "ZeRO++ quantized frozen weights"),
+	NOTIMPL_ROW(SEC_ZERO, "zero_quantized_gradients", K_BOOL,
+		    "ZeRO++ quantized gradient communication"),
 	{ .sec = SEC_ZERO,
-	  .name = "allgather_partitions",
-	  .type = K_BOOL,
+	  .name = "zero_hpz_partition_size",
+	  .type = K_INT,
 	  NOFIELD,
-	  .doc = "accepted and ignored" },
+	  .ilo = 0,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .kind = KIND_NOT_IMPL,
+	  .doc_default = "1",
+	  .doc = "ZeRO++ hierarchical partitioning: 1 (off) only" },
 	{ .sec = SEC_ZERO,
-	  .name = "reduce_scatter",
-	  .type = K_BOOL,
+	  .name = "mics_shard_size",
+	  .type = K_INT,
 	  NOFIELD,
-	  .doc = "accepted and ignored" },
-	{ .sec = SEC_ZERO,
-	  .name = "round_robin_gradients",
-	  .type = K_BOOL,
-	  NOFIELD,
-	  .doc = "accepted and ignored" },
+	  .ilo = -1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = -1,
+	  .kind = KIND_NOT_IMPL,
+	  .doc_default = "-1",
+	  .doc = "MiCS sharding: -1 (off) only" },
 
 	/* ---- zero_optimization.offload_optimizer / offload_param */
 	{ .sec = SEC_OFFLOAD,
@@ -859,7 +1095,8 @@ static const key keys[] = {
 	  .type = K_BOOL,
 	  FO(pin_memory),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "nvme_path",
 	  .type = K_STR,
@@ -867,50 +1104,58 @@ static const key keys[] = {
 	  NOGIVEN,
 	  .flags = K_NULL_OK | K_W_NONZERO,
 	  .doc_default = "null",
-	  .doc = "required with `\"nvme\"`; parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "required with `\"nvme\"`" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "buffer_count",
 	  .type = K_INT,
 	  NOFIELD,
 	  .ilo = 1,
 	  .ihi = BATCH_MAX,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "buffer_size",
 	  .type = K_INT,
 	  NOFIELD,
 	  .ilo = 1,
 	  .ihi = ANY_INT,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "max_in_cpu",
 	  .type = K_INT,
 	  NOFIELD,
 	  .ilo = 0,
 	  .ihi = ANY_INT,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "fast_init",
 	  .type = K_BOOL,
 	  NOFIELD,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "pipeline_read",
 	  .type = K_BOOL,
 	  NOFIELD,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "pipeline_write",
 	  .type = K_BOOL,
 	  NOFIELD,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 	{ .sec = SEC_OFFLOAD,
 	  .name = "ratio",
 	  .type = K_NUM,
 	  NOFIELD,
 	  .lo = 0,
 	  .hi = 1,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "offload tuning" },
 
 	/* ---- activation_checkpointing */
 	{ .sec = SEC_ACT_CKPT,
@@ -928,19 +1173,22 @@ static const key keys[] = {
 	  .type = K_BOOL,
 	  F(activation_checkpointing.partition_activations),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 	{ .sec = SEC_ACT_CKPT,
 	  .name = "cpu_checkpointing",
 	  .type = K_BOOL,
 	  F(activation_checkpointing.cpu_checkpointing),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 	{ .sec = SEC_ACT_CKPT,
 	  .name = "contiguous_memory_optimization",
 	  .type = K_BOOL,
 	  F(activation_checkpointing.contiguous_memory_optimization),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 	{ .sec = SEC_ACT_CKPT,
 	  .name = "number_checkpoints",
 	  .type = K_INT,
@@ -950,19 +1198,22 @@ static const key keys[] = {
 	  .ihi = BATCH_MAX,
 	  .flags = K_NULL_OK,
 	  .doc_default = "null",
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 	{ .sec = SEC_ACT_CKPT,
 	  .name = "synchronize_checkpoint_boundary",
 	  .type = K_BOOL,
 	  F(activation_checkpointing.synchronize_checkpoint_boundary),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 	{ .sec = SEC_ACT_CKPT,
 	  .name = "profile",
 	  .type = K_BOOL,
 	  F(activation_checkpointing.profile),
 	  NOGIVEN,
-	  .doc = "parsed only" },
+	  .kind = KIND_OBSERVE,
+	  .doc = "DeepSpeed's checkpointing tuning (memory only)" },
 
 	/* ---- expert_parallel */
 	{ .sec = SEC_EP,
@@ -1023,6 +1274,7 @@ static const key keys[] = {
 	  .wr = wr_top_k,
 	  .doc_value = "a positive integer or `\"auto\"`",
 	  .doc_default = "`\"auto\"`",
+	  .auto_doc = "the model's `num_experts_per_tok`",
 	  .refused = "by initialize when it differs from the model's "
 		     "`num_experts_per_tok`",
 	  .doc = "experts per token (`\"auto\"`: the model's "
@@ -1147,6 +1399,79 @@ static const key keys[] = {
 		     "(DeepCompile schedules are not implemented)",
 	  .doc = "DeepCompile schedule; only its presence is kept" },
 
+/* ---- compile: DeepCompile's tuning (DeepCompile is refused) */
+#define DC_BOOL(nm) OBS_ROW(SEC_COMPILE, nm, K_BOOL, "DeepCompile tuning")
+	DC_BOOL("free_activation"),
+	OBS_ROW(SEC_COMPILE, "free_activation_threshold", K_INT,
+		"DeepCompile tuning"),
+	DC_BOOL("offload_activation"),
+	DC_BOOL("offload_activation_pin_memory"),
+	DC_BOOL("offload_opt_states"),
+	DC_BOOL("offload_parameters"),
+	DC_BOOL("double_buffer"),
+	DC_BOOL("symmetric_memory"),
+	DC_BOOL("debug_log"),
+	DC_BOOL("sync_before_reduce"),
+	DC_BOOL("sync_after_reduce"),
+	DC_BOOL("sync_before_allgather"),
+	DC_BOOL("sync_after_allgather"),
+	DC_BOOL("keep_int_input_tensors"),
+	DC_BOOL("keep_all_input_tensors"),
+#undef DC_BOOL
+	OBS_ROW(SEC_COMPILE, "passes", K_ANY, "DeepCompile's pass list"),
+
+	/* ---- wandb, comet, flops_profiler, comms_logger, aio, checkpoint */
+	OBS_ROW(SEC_WANDB, "enabled", K_BOOL, "log to W&B"),
+	OBS_ROW(SEC_WANDB, "group", K_TEXT, "W&B group"),
+	OBS_ROW(SEC_WANDB, "team", K_TEXT, "W&B team"),
+	OBS_ROW(SEC_WANDB, "project", K_TEXT, "W&B project"),
+	OBS_ROW(SEC_COMET, "enabled", K_BOOL, "log to Comet"),
+	OBS_ROW(SEC_COMET, "samples_log_interval", K_INT, "samples per log"),
+	OBS_ROW(SEC_COMET, "project", K_TEXT, "Comet project"),
+	OBS_ROW(SEC_COMET, "workspace", K_TEXT, "Comet workspace"),
+	OBS_ROW(SEC_COMET, "api_key", K_TEXT, "Comet key"),
+	OBS_ROW(SEC_COMET, "experiment_name", K_TEXT, "Comet experiment"),
+	OBS_ROW(SEC_COMET, "experiment_key", K_TEXT, "Comet experiment key"),
+	OBS_ROW(SEC_COMET, "online", K_ANY, "Comet online mode"),
+	OBS_ROW(SEC_COMET, "mode", K_TEXT, "Comet mode"),
+	OBS_ROW(SEC_FLOPS_PROFILER, "enabled", K_BOOL, "profile one step"),
+	OBS_ROW(SEC_FLOPS_PROFILER, "recompute_fwd_factor", K_NUM,
+		"forward recomputation factor"),
+	OBS_ROW(SEC_FLOPS_PROFILER, "profile_step", K_INT, "the step"),
+	{ .sec = SEC_FLOPS_PROFILER,
+	  .name = "module_depth",
+	  .type = K_INT,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .ilo = -1,
+	  .ihi = ANY_INT,
+	  .doc = "depth of the report" },
+	OBS_ROW(SEC_FLOPS_PROFILER, "top_modules", K_INT, "modules listed"),
+	OBS_ROW(SEC_FLOPS_PROFILER, "detailed", K_BOOL, "per-module report"),
+	OBS_ROW(SEC_FLOPS_PROFILER, "output_file", K_TEXT, "report file"),
+	OBS_ROW(SEC_COMMS_LOGGER, "enabled", K_BOOL, "log collectives"),
+	OBS_ROW(SEC_COMMS_LOGGER, "verbose", K_BOOL, "every call"),
+	OBS_ROW(SEC_COMMS_LOGGER, "prof_all", K_BOOL, "all operations"),
+	OBS_ROW(SEC_COMMS_LOGGER, "debug", K_BOOL, "caller names"),
+	OBS_ROW(SEC_COMMS_LOGGER, "prof_ops", K_ANY, "operations to log"),
+	OBS_ROW(SEC_AIO, "block_size", K_INT, "I/O block bytes"),
+	OBS_ROW(SEC_AIO, "queue_depth", K_INT, "I/O queue depth"),
+	OBS_ROW(SEC_AIO, "intra_op_parallelism", K_INT, "I/O threads"),
+	OBS_ROW(SEC_AIO, "thread_count", K_INT, "I/O threads (old name)"),
+	OBS_ROW(SEC_AIO, "single_submit", K_BOOL, "submission mode"),
+	OBS_ROW(SEC_AIO, "overlap_events", K_BOOL, "event overlap"),
+	OBS_ROW(SEC_AIO, "use_gds", K_BOOL, "GPUDirect Storage"),
+	OBS_ROW(SEC_CHECKPOINT, "tag_validation", K_TEXT,
+		"DeepSpeed's tag check across ranks (`\"Ignore\"`, "
+		"`\"Warn\"`, `\"Fail\"`); epjit's multi-rank saves commit one "
+		"record (doc/formats.md)"),
+	NOTIMPL_ROW(SEC_CHECKPOINT, "load_universal", K_BOOL,
+		    "load a universal checkpoint"),
+	OBS_ROW(SEC_CHECKPOINT, "use_node_local_storage", K_BOOL,
+		"per-node checkpoint storage"),
+	OBS_ROW(SEC_CHECKPOINT, "parallel_write", K_ANY,
+		"pipeline-stage parallel writes"),
+
 	/* ---- pipeline, tensor_parallel, comm */
 	{ .sec = SEC_PIPELINE,
 	  .name = "stages",
@@ -1227,6 +1552,66 @@ static const key keys[] = {
 	  NOGIVEN,
 	  .def_str = "DeepSpeedJobName",
 	  .doc = "the run's folder; must not be empty" },
+
+	/* ---- tensorboard */
+	{ .sec = SEC_TENSORBOARD,
+	  .name = "enabled",
+	  .type = K_BOOL,
+	  F(tensorboard.enabled),
+	  NOGIVEN,
+	  .doc = "write the event file" },
+	{ .sec = SEC_TENSORBOARD,
+	  .name = "output_path",
+	  .type = K_STR,
+	  F(tensorboard.output_path),
+	  NOGIVEN,
+	  .def_str = "",
+	  .doc = "parent folder; the event files go to "
+		 "`output_path/job_name/` (`job_name/` in the working "
+		 "directory when empty, as DeepSpeed does)" },
+	{ .sec = SEC_TENSORBOARD,
+	  .name = "job_name",
+	  .type = K_STR,
+	  F(tensorboard.job_name),
+	  NOGIVEN,
+	  .def_str = "DeepSpeedJobName",
+	  .doc = "the run's folder (TensorBoard's run name); must not be "
+		 "empty" },
+
+	/* ---- data (offsets from ej_config.data) */
+	{ .sec = SEC_DATA,
+	  .name = "path",
+	  .type = K_STR,
+	  .off = (long)offsetof(struct ej_data_config, path),
+	  .size = sizeof(((struct ej_data_config *)0)->path),
+	  NOGIVEN,
+	  .def_str = "",
+	  .flags = K_W_NONZERO,
+	  .doc = "`--data`: a Megatron prefix, a `.npy` file, a blend "
+		 "`\"W1 P1 W2 P2\"`, a token file, a `.txt` file or "
+		 "`synthetic`" },
+	{ .sec = SEC_DATA,
+	  .name = "split",
+	  .type = K_STR,
+	  .off = (long)offsetof(struct ej_data_config, split),
+	  .size = sizeof(((struct ej_data_config *)0)->split),
+	  NOGIVEN,
+	  .def_str = "",
+	  .flags = K_W_NONZERO,
+	  .doc_default = "\"\" (969,30,1)",
+	  .doc = "`--split`: a token dataset's train,validation,test "
+		 "document weights" },
+	{ .sec = SEC_DATA,
+	  .name = "seed",
+	  .type = K_INT,
+	  .off = (long)offsetof(struct ej_data_config, seed),
+	  .size = sizeof(((struct ej_data_config *)0)->seed),
+	  .given_off = (long)offsetof(struct ej_data_config, seed_given),
+	  .ilo = 0,
+	  .ihi = INT64_MAX,
+	  .flags = K_W_NONZERO,
+	  .doc_default = "derived from the run seed",
+	  .doc = "seed of a token dataset's document and sample shuffles" },
 };
 
 const char *ej_optim_type_name(ej_optim_type t)
@@ -1360,6 +1745,8 @@ static void defaults_of(int sec, char *base)
 		case K_SECTION:
 		case K_NUMBOOL:
 		case K_SPECIAL:
+		case K_TEXT:
+		case K_ANY:
 			EJ_ASSERT(!"a key without a stored type");
 		}
 	}
@@ -1377,10 +1764,41 @@ void ej_config_defaults(ej_config *c)
 struct cp {
 	epj_ctx *ctx;
 	const char *src;
+	/* ej_config_parse gathers every error of the file (errs, nerr) and
+	 * reports them together; elsewhere (batch resolution) an error is
+	 * the context's at once. */
+	bool collect;
+	int nerr;
+	size_t len;
+	char *errs;
+	size_t cap;
+	json_t *auto_src; /* the caller's values of "auto", or NULL */
+	int quiet;	  /* > 0 inside a section named as a whole */
 };
 
-/* An EPJ_ERR_CONFIG error naming the config's source (ej_config_error). */
-#define cp_err(p, ...) ej_config_error((p)->ctx, (p)->src, __VA_ARGS__)
+/* An EPJ_ERR_CONFIG error naming the config's source (ej_config_error),
+ * or, while collecting, one more line of the file's report. */
+static epj_status cp_err(cp *p, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static epj_status cp_err(cp *p, const char *fmt, ...)
+{
+	char msg[896];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	if (!p->collect)
+		return ej_config_error(p->ctx, p->src, "%s", msg);
+	p->nerr++;
+	/* one line per error (messages hold no newline) */
+	if (p->len < p->cap) {
+		p->len += (size_t)snprintf(p->errs + p->len, p->cap - p->len,
+					   "%s\n", msg);
+		if (p->len > p->cap - 1)
+			p->len = p->cap - 1;
+	}
+	return EPJ_ERR_CONFIG;
+}
 
 static void key_path(char *buf, size_t n, const char *prefix, const char *key)
 {
@@ -1422,7 +1840,8 @@ static void instances(int sec, const char *path, char (*paths)[160], int *secs,
 /* Rejects any key of obj (section sec at path) that is not in the table. */
 static epj_status check_keys(cp *p, json_t *obj, int sec, const char *spath)
 {
-	enum { MAXK = 64, MAXI = 32 };
+	enum { MAXK = 96, MAXI = 48 };
+	epj_status st = EPJ_OK;
 	const char *names[MAXK];
 	int nk = section_keys(sec, names, MAXK);
 	const char *key;
@@ -1470,18 +1889,26 @@ static epj_status check_keys(cp *p, json_t *obj, int sec, const char *spath)
 				size_t o = (size_t)snprintf(
 				    hint, sizeof hint,
 				    " (known keys in \"%s\":", spath);
-				for (int i = 0; i < nk && o < sizeof hint; i++)
+				/* the first ten (the ones configs use);
+				 * doc/config.md has them all */
+				enum { SHOWN = 10 };
+				for (int i = 0;
+				     i < nk && i < SHOWN && o < sizeof hint;
+				     i++)
 					o += (size_t)snprintf(
 					    hint + o, sizeof hint - o, "%s %s",
 					    i ? "," : "", names[i]);
 				if (o < sizeof hint)
 					snprintf(hint + o, sizeof hint - o,
-						 ")");
+						 "%s)",
+						 nk > SHOWN ? ", ...; all in "
+							      "doc/config.md"
+							    : "");
 			}
 		}
-		return cp_err(p, "unknown key \"%s\"%s", path, hint);
+		st = cp_err(p, "unknown key \"%s\"%s", path, hint);
 	}
-	return EPJ_OK;
+	return st;
 }
 
 /* "a positive integer", "an integer in [0, 3]" ... */
@@ -1515,17 +1942,11 @@ static const char *num_expect(char *buf, size_t n, double lo, bool lo_open,
 	return buf;
 }
 
-/* Reads obj[key] as an integer in [lo, hi].  Absent: OK, *out untouched.
- * *given (optional) is set when present. */
-static epj_status rd_int(cp *p, json_t *obj, const char *prefix,
-			 const char *key, int64_t lo, int64_t hi, int64_t *out,
-			 bool *given)
+/* Reads v (at path) as an integer in [lo, hi] into *out. */
+static epj_status rd_int(cp *p, json_t *v, const char *path, int64_t lo,
+			 int64_t hi, int64_t *out)
 {
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	char path[300], e[80], g[100];
-	key_path(path, sizeof path, prefix, key);
+	char e[80], g[100];
 	int64_t x;
 	if (!ej_json_as_int(v, &x))
 		return cp_err(p, "\"%s\" must be %s, got %s", path,
@@ -1535,22 +1956,15 @@ static epj_status rd_int(cp *p, json_t *obj, const char *prefix,
 		return cp_err(p, "\"%s\" must be %s, got %" PRId64, path,
 			      int_expect(e, sizeof e, lo, hi), x);
 	*out = x;
-	if (given)
-		*given = true;
 	return EPJ_OK;
 }
 
-/* Reads obj[key] as a number with lo <= x (lo < x when lo_open) and
+/* Reads v (at path) as a number with lo <= x (lo < x when lo_open) and
  * x <= hi (x < hi when hi_open).  Use -HUGE_VAL / HUGE_VAL for no bound. */
-static epj_status rd_num(cp *p, json_t *obj, const char *prefix,
-			 const char *key, double lo, bool lo_open, double hi,
-			 bool hi_open, double *out)
+static epj_status rd_num(cp *p, json_t *v, const char *path, double lo,
+			 bool lo_open, double hi, bool hi_open, double *out)
 {
-	json_t *v = json_object_get(obj, key);
-	if (!v)
-		return EPJ_OK;
-	char path[300], e[120], g[100];
-	key_path(path, sizeof path, prefix, key);
+	char e[120], g[100];
 	num_expect(e, sizeof e, lo, lo_open, hi, hi_open);
 	if (!json_is_number(v))
 		return cp_err(p, "\"%s\" must be %s, got %s", path, e,
@@ -1662,9 +2076,65 @@ static epj_status check_applicable(cp *p, json_t *obj, const key *sk,
 static epj_status read_section(cp *p, json_t *obj, int sec, const char *spath,
 			       char *base, ej_config *c);
 
-/* Reads row k of a section object obj (at spath, fields at base). */
+static bool is_auto(const json_t *v)
+{
+	return json_is_string(v) && strcmp(json_string_value(v), "auto") == 0;
+}
+
+/* "auto" is one of k's own values (comm.backend), not the placeholder. */
+static bool auto_is_choice(const key *k)
+{
+	for (int i = 0; i < k->nchoices; i++)
+		if (strcmp(k->choices[i], "auto") == 0)
+			return true;
+	return false;
+}
+
+static void doc_value(FILE *f, const key *k);
+
+/* The caller's value of "auto" at the dotted path (borrowed); NULL when
+ * it gives none (absent, null or "auto" itself). */
+static json_t *auto_value(cp *p, const char *path)
+{
+	json_t *o = p->auto_src;
+	char buf[300];
+	snprintf(buf, sizeof buf, "%s", path);
+	char *save = NULL;
+	for (char *t = strtok_r(buf, ".", &save); t && o;
+	     t = strtok_r(NULL, ".", &save))
+		o = json_is_object(o) ? json_object_get(o, t) : NULL;
+	return o && !json_is_null(o) && !is_auto(o) ? o : NULL;
+}
+
+/* Names path in the parse's one no-effect warning (ej_config.no_effect),
+ * unless a section around it is named as a whole. */
+static void note_no_effect(cp *p, ej_config *c, const char *path)
+{
+	if (p->quiet)
+		return;
+	size_t o = strlen(c->no_effect);
+	if (o + 1 < sizeof c->no_effect)
+		snprintf(c->no_effect + o, sizeof c->no_effect - o, "%s%s",
+			 o ? ", " : "", path);
+}
+
+/* A K_ANY value that turns its feature on: anything but null, false, {}
+ * or an object whose "enabled" is false. */
+static bool any_on(const json_t *v)
+{
+	if (json_is_null(v) || json_is_false(v))
+		return false;
+	if (json_is_object(v))
+		return json_object_size(v) != 0 &&
+		       !json_is_false(json_object_get(v, "enabled"));
+	return true;
+}
+
+/* Reads row k of a section object obj (at spath, fields at base).
+ * type_failed: the section's "type" key was in error (its params are then
+ * not checked against it). */
 static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
-			   char *base, ej_config *c)
+			   char *base, ej_config *c, bool type_failed)
 {
 	char path[300], g[100], e[120];
 	key_path(path, sizeof path, spath, k->name);
@@ -1676,8 +2146,33 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      choice_list(k, e, sizeof e));
 		return EPJ_OK;
 	}
-	if (json_is_null(v) &&
-	    (k->type == K_SECTION || (k->flags & K_NULL_OK))) {
+	if (is_auto(v) && k->type != K_SPECIAL && !auto_is_choice(k)) {
+		if (!k->auto_doc) {
+			/* the value column of the reference, as the hint */
+			char want[300] = "an object";
+			FILE *mf = k->type == K_SECTION
+				       ? NULL
+				       : fmemopen(want, sizeof want, "w");
+			if (mf) {
+				doc_value(mf, k);
+				fclose(mf);
+			}
+			return cp_err(
+			    p,
+			    "\"%s\" does not accept \"auto\": it "
+			    "must be %s (doc/config.md lists the keys "
+			    "that take \"auto\")",
+			    path, want);
+		}
+		json_t *a = auto_value(p, path);
+		if (!a)
+			return k->auto_lib
+				   ? k->auto_lib(p, k, obj, v, path, base, c)
+				   : EPJ_OK;
+		v = a; /* the caller's value, read as if written here */
+	}
+	if (json_is_null(v) && (k->type == K_SECTION || k->type == K_TEXT ||
+				k->type == K_ANY || (k->flags & K_NULL_OK))) {
 		/* DeepSpeed treats null as "not set". */
 		if (k->type == K_NUM && k->off >= 0) {
 			set_num(k, base, 0, 0);
@@ -1688,20 +2183,27 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 	int64_t x = 0;
 	double d = 0;
 	int idx = 0;
+	bool on = false; /* a KIND_NOT_IMPL value that asks for its feature */
 	switch (k->type) {
 	case K_SECTION: {
 		if (!json_is_object(v))
 			return cp_err(p, "\"%s\" must be an object, got %s",
 				      path, ej_json_describe(v, g, sizeof g));
 		char *cb = child_base(k, base);
-		if ((s = check_keys(p, v, k->child, path)))
-			return s;
-		if ((k->flags & K_BY_TYPE) &&
-		    (s = check_applicable(p, v, k, path, base)))
-			return s;
+		epj_status s1 = check_keys(p, v, k->child, path);
+		epj_status s2 = EPJ_OK;
+		if ((k->flags & K_BY_TYPE) && !type_failed)
+			s2 = check_applicable(p, v, k, path, base);
 		set_given(k, cb, true);
-		if ((s = read_section(p, v, k->child, path, cb, c)))
-			return s;
+		if (k->kind != KIND_IMPL) {
+			note_no_effect(p, c, path);
+			p->quiet++;
+		}
+		s = read_section(p, v, k->child, path, cb, c);
+		if (k->kind != KIND_IMPL)
+			p->quiet--;
+		if (s1 || s2 || s)
+			return s1 ? s1 : s2 ? s2 : s;
 		return k->hook ? k->hook(p, k, obj, v, path, cb, c) : EPJ_OK;
 	}
 	case K_SPECIAL:
@@ -1712,23 +2214,24 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      path, ej_json_describe(v, g, sizeof g));
 		if (k->off >= 0)
 			*(bool *)field(k, base) = json_is_true(v);
+		on = json_is_true(v);
 		break;
 	case K_INT:
-		if ((s = rd_int(p, obj, spath, k->name, k->ilo, k->ihi, &x,
-				NULL)))
+		if ((s = rd_int(p, v, path, k->ilo, k->ihi, &x)))
 			return s;
 		if (k->off >= 0)
 			set_int(k, base, x);
 		set_given(k, base, true);
+		on = x != (int64_t)k->def;
 		break;
 	case K_NUM:
-		if ((s = rd_num(p, obj, spath, k->name, k->lo,
-				k->flags & K_LO_OPEN, k->hi,
+		if ((s = rd_num(p, v, path, k->lo, k->flags & K_LO_OPEN, k->hi,
 				k->flags & K_HI_OPEN, &d)))
 			return s;
 		if (k->off >= 0)
 			set_num(k, base, 0, d);
 		set_given(k, base, true);
+		on = d != k->def;
 		break;
 	case K_PAIR: {
 		num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN, k->hi,
@@ -1763,12 +2266,16 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 	case K_ENUM:
 		if ((s = rd_choice(p, k, v, path, &idx)))
 			return s;
-		set_int(k, base, k->enum_base + idx);
+		if (k->off >= 0)
+			set_int(k, base, k->enum_base + idx);
+		on = idx != 0;
 		break;
 	case K_NAME:
 		if ((s = rd_choice(p, k, v, path, &idx)))
 			return s;
-		set_str(field(k, base), k->size, k->choices[idx]);
+		if (k->off >= 0)
+			set_str(field(k, base), k->size, k->choices[idx]);
+		on = idx != 0;
 		break;
 	case K_STR:
 		if (!json_is_string(v))
@@ -1780,6 +2287,15 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      "%zu)",
 				      path, json_string_length(v), k->size - 1);
 		set_str(field(k, base), k->size, json_string_value(v));
+		break;
+	case K_TEXT:
+		if (!json_is_string(v))
+			return cp_err(p,
+				      "\"%s\" must be a string or null, got %s",
+				      path, ej_json_describe(v, g, sizeof g));
+		break;
+	case K_ANY:
+		on = any_on(v);
 		break;
 	case K_TRISTATE:
 		if (!json_is_boolean(v) && !json_is_null(v))
@@ -1800,21 +2316,39 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      path, ej_json_describe(v, g, sizeof g));
 		break;
 	}
+	if (k->kind == KIND_NOT_IMPL && on)
+		return cp_err(p,
+			      "\"%s\" is %s: not implemented in epjit (it "
+			      "would change the computation); remove it or "
+			      "turn it off",
+			      path,
+			      json_is_object(v) ? "an enabled section"
+			      : json_is_array(v)
+				  ? "a list"
+				  : ej_json_describe(v, g, sizeof g));
+	if (k->kind != KIND_IMPL)
+		note_no_effect(p, c, path);
 	return k->hook ? k->hook(p, k, obj, v, path, base, c) : EPJ_OK;
 }
 
-/* Reads every key of section sec from obj (keys already checked). */
+/* Reads every key of section sec from obj (keys already checked); an
+ * error does not stop it: the file's report names every one. */
 static epj_status read_section(cp *p, json_t *obj, int sec, const char *spath,
 			       char *base, ej_config *c)
 {
+	epj_status first = EPJ_OK;
+	bool type_failed = false;
 	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
 		if (keys[i].sec != sec)
 			continue;
-		epj_status s = read_key(p, &keys[i], obj, spath, base, c);
-		if (s)
-			return s;
+		epj_status s =
+		    read_key(p, &keys[i], obj, spath, base, c, type_failed);
+		if (s && strcmp(keys[i].name, "type") == 0)
+			type_failed = true;
+		if (s && !first)
+			first = s;
 	}
-	return EPJ_OK;
+	return first;
 }
 
 /* ==== hooks: what one row cannot say ===================================== */
@@ -1896,13 +2430,45 @@ static epj_status hook_csv(cp *p, const key *k, json_t *obj, json_t *v,
 	return EPJ_OK;
 }
 
+static epj_status hook_tb(cp *p, const key *k, json_t *obj, json_t *v,
+			  const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)v, (void)path, (void)base;
+	if (!c->tensorboard.job_name[0])
+		return cp_err(p, "\"tensorboard.job_name\" must not be empty");
+	return EPJ_OK;
+}
+
+/* scheduler.params.warmup_max_lr "auto" without the caller's value: the
+ * optimizer's lr (read before the scheduler: the table's order). */
+static epj_status auto_max_lr(cp *p, const key *k, json_t *obj, json_t *v,
+			      const char *path, char *base, ej_config *c)
+{
+	(void)p, (void)k, (void)obj, (void)v, (void)path, (void)base;
+	c->scheduler.warmup_max_lr = c->optimizer.lr;
+	return EPJ_OK;
+}
+
+/* scheduler.params.total_num_steps "auto" without the caller's value: the
+ * library knows no run length. */
+static epj_status auto_total_steps(cp *p, const key *k, json_t *obj, json_t *v,
+				   const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)v, (void)base, (void)c;
+	return cp_err(p,
+		      "\"%s\" is \"auto\" and nothing gives it a value: the "
+		      "library has no default run length (epjit-train gives "
+		      "its --steps); write the number of steps",
+		      path);
+}
+
 /* top_k: an integer >= 1 or "auto" (the model's num_experts_per_tok). */
 static epj_status hook_top_k(cp *p, const key *k, json_t *obj, json_t *v,
 			     const char *path, char *base, ej_config *c)
 {
-	(void)c;
+	(void)c, (void)obj;
 	char g[100];
-	if (json_is_string(v) && strcmp(json_string_value(v), "auto") == 0) {
+	if (is_auto(v)) {
 		set_int(k, base, 0);
 		return EPJ_OK;
 	}
@@ -1912,8 +2478,7 @@ static epj_status hook_top_k(cp *p, const key *k, json_t *obj, json_t *v,
 			      "\"auto\", got %s",
 			      path, ej_json_describe(v, g, sizeof g));
 	int64_t x = 0;
-	epj_status s = rd_int(p, obj, "expert_parallel", k->name, 1,
-			      INT_FIELD_MAX, &x, NULL);
+	epj_status s = rd_int(p, v, path, 1, INT_FIELD_MAX, &x);
 	if (s == EPJ_OK)
 		set_int(k, base, x);
 	return s;
@@ -1993,10 +2558,10 @@ static json_t *wr_if_given(const key *k, const char *base, const ej_config *c)
 
 static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 {
-	epj_status s;
-	if ((s = check_keys(p, root, SEC_ROOT, "")) ||
-	    (s = read_section(p, root, SEC_ROOT, "", (char *)c, c)))
-		return s;
+	epj_status s1 = check_keys(p, root, SEC_ROOT, "");
+	epj_status s = read_section(p, root, SEC_ROOT, "", (char *)c, c);
+	if (s1 || s)
+		return s1 ? s1 : s;
 
 	/* Batch rules that hold for every world size: train_batch_size is a
 	 * multiple of micro * gas (the quotient being the world size). */
@@ -2024,26 +2589,110 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
 	return EPJ_OK;
 }
 
-epj_status ej_config_parse(epj_ctx *ctx, const char *json_text,
-			   const char *source_name, ej_config *out)
+/* Sets the context's error from the parse's collected errors: one error
+ * as before ("config error in SRC: MSG"), several as "N errors:" and one
+ * indented line each.  What does not fit the context's message is logged
+ * (every error, then) and counted in its last line. */
+static epj_status report_errors(cp *p)
+{
+	EJ_ASSERT(p->nerr > 0);
+	if (p->nerr == 1) {
+		char *nl = strchr(p->errs, '\n');
+		if (nl)
+			*nl = '\0';
+		return ej_config_error(p->ctx, p->src, "%s", p->errs);
+	}
+	/* ej_config_error keeps 895 bytes of message: whole lines up to
+	 * that, less room for the count line */
+	char msg[896];
+	size_t room = sizeof msg - 64;
+	size_t o = (size_t)snprintf(msg, sizeof msg, "%d errors:", p->nerr);
+	int shown = 0;
+	for (char *line = p->errs; *line;) {
+		char *nl = strchr(line, '\n');
+		size_t n = nl ? (size_t)(nl - line) : strlen(line);
+		if (o + n + 3 > room)
+			break;
+		o += (size_t)snprintf(msg + o, sizeof msg - o, "\n  %.*s",
+				      (int)n, line);
+		shown++;
+		line += n + (nl ? 1 : 0);
+	}
+	if (shown < p->nerr) {
+		for (char *line = p->errs; *line;) {
+			char *nl = strchr(line, '\n');
+			size_t n = nl ? (size_t)(nl - line) : strlen(line);
+			epj_log_msg(EPJ_LOG_ERROR, "config error in %s: %.*s",
+				    p->src, (int)n, line);
+			line += n + (nl ? 1 : 0);
+		}
+		snprintf(msg + o, sizeof msg - o,
+			 "\n  ... and %d more (each logged above)",
+			 p->nerr - shown);
+	}
+	return ej_config_error(p->ctx, p->src, "%s", msg);
+}
+
+epj_status ej_config_parse_auto(epj_ctx *ctx, const char *json_text,
+				const char *source_name, const char *auto_json,
+				ej_config *out)
 {
 	EJ_ASSERT(out);
-	cp p = { ctx, source_name ? source_name : "<string>" };
+	cp p = { .ctx = ctx,
+		 .src = source_name ? source_name : "<string>",
+		 .collect = true };
 	ej_config_defaults(out);
 	set_str(out->source, sizeof out->source, p.src);
+	json_t *auto_root = NULL;
+	if (auto_json) {
+		epj_status s = ej_config_json_object(
+		    ctx, auto_json, "<the caller's values of \"auto\">",
+		    &auto_root);
+		if (s != EPJ_OK)
+			return s;
+	}
 	json_t *root;
 	epj_status s = ej_config_json_object(ctx, json_text, p.src, &root);
-	if (s != EPJ_OK)
+	if (s != EPJ_OK) {
+		json_decref(auto_root);
 		return s;
-	ej_config tmp = *out;
-	s = parse_root(&p, root, &tmp);
-	if (s == EPJ_OK)
-		*out = tmp;
+	}
+	p.auto_src = auto_root;
+	p.cap = 16384;
+	p.errs = calloc(1, p.cap);
+	ej_config *tmp = malloc(sizeof *tmp);
+	if (!p.errs || !tmp) {
+		s = ej_error(ctx, EPJ_ERR_NOMEM,
+			     "config error in %s: out of memory", p.src);
+	} else {
+		*tmp = *out;
+		s = parse_root(&p, root, tmp);
+		if (p.nerr > 0) {
+			s = report_errors(&p);
+		} else if (s == EPJ_OK) {
+			*out = *tmp;
+			if (out->no_effect[0])
+				epj_log_msg(EPJ_LOG_WARN,
+					    "%s: accepted, no effect in epjit: "
+					    "%s",
+					    p.src, out->no_effect);
+		}
+	}
+	free(tmp);
+	free(p.errs);
 	json_decref(root);
+	json_decref(auto_root);
 	return s;
 }
 
-epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out)
+epj_status ej_config_parse(epj_ctx *ctx, const char *json_text,
+			   const char *source_name, ej_config *out)
+{
+	return ej_config_parse_auto(ctx, json_text, source_name, NULL, out);
+}
+
+epj_status ej_config_load_auto(epj_ctx *ctx, const char *path,
+			       const char *auto_json, ej_config *out)
 {
 	EJ_ASSERT(out && path);
 	ej_config_defaults(out);
@@ -2051,9 +2700,14 @@ epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out)
 	char *text = ej_config_read_file(ctx, path);
 	if (!text)
 		return epj_ctx_status(ctx);
-	epj_status s = ej_config_parse(ctx, text, path, out);
+	epj_status s = ej_config_parse_auto(ctx, text, path, auto_json, out);
 	free(text);
 	return s;
+}
+
+epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out)
+{
+	return ej_config_load_auto(ctx, path, NULL, out);
 }
 
 /* ==== batch resolution =================================================== */
@@ -2061,7 +2715,7 @@ epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out)
 epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *c, int world_size)
 {
 	EJ_ASSERT(c);
-	cp p = { ctx, c->source };
+	cp p = { .ctx = ctx, .src = c->source };
 	if (world_size < 1)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"config error in %s: world size must be >= 1, "
@@ -2369,6 +3023,8 @@ static json_t *write_section(int sec, const char *base, const ej_config *c,
 			v = json_bool_value((ej_json_bool)get_int(k, base));
 			break;
 		case K_NUMBOOL:
+		case K_TEXT:
+		case K_ANY:
 			continue;
 		}
 		/* jansson's setters tolerate NULL values (allocation
@@ -2398,7 +3054,7 @@ char *ej_config_to_json(const ej_config *c)
 
 bool ej_config_key_at(int i, char *buf, size_t n)
 {
-	enum { MAXI = 32 };
+	enum { MAXI = 48 };
 	char paths[MAXI][160];
 	int secs[MAXI], ni = 0;
 	instances(SEC_ROOT, "", paths, secs, &ni, MAXI);
@@ -2454,6 +3110,16 @@ static void doc_value(FILE *f, const key *k)
 	case K_NUMBOOL:
 		fputs("a number or a boolean", f);
 		break;
+	case K_TEXT:
+		fputs("a string or null", f);
+		break;
+	case K_ANY:
+		fputs(k->kind == KIND_NOT_IMPL
+			  ? "any value; off: null, false, `{}` or "
+			    "`{\"enabled\": false}`"
+			  : "any value",
+		      f);
+		break;
 	case K_SECTION:
 	case K_SPECIAL:
 		EJ_ASSERT(!"a key without a documented value");
@@ -2506,6 +3172,8 @@ static void doc_default(FILE *f, const key *k)
 	case K_SECTION:
 	case K_NUMBOOL:
 	case K_SPECIAL:
+	case K_TEXT:
+	case K_ANY:
 		break;
 	}
 }
@@ -2523,8 +3191,9 @@ static void doc_section(FILE *f, int sec, const char *path, const key *skey,
 		fprintf(f, "%s\n\n", skey->doc);
 	const key *tk =
 	    skey && (skey->flags & K_BY_TYPE) ? type_key(parent_sec) : NULL;
-	fputs("| key | value | default | refused | effect |\n"
-	      "|---|---|---|---|---|\n",
+	fputs("| key | value | default | class | `\"auto\"` | refused | effect "
+	      "|\n"
+	      "|---|---|---|---|---|---|---|\n",
 	      f);
 	for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
 		const key *k = &keys[i];
@@ -2536,7 +3205,13 @@ static void doc_section(FILE *f, int sec, const char *path, const key *skey,
 		doc_value(f, k);
 		fputs(" | ", f);
 		doc_default(f, k);
-		fprintf(f, " | %s | ", k->refused ? k->refused : "");
+		static const char *const kinds[] = { "acted on", "no effect",
+						     "not implemented" };
+		fprintf(f, " | %s | %s | %s | ", kinds[k->kind],
+			k->auto_doc ? k->auto_doc : "refused",
+			k->refused		   ? k->refused
+			: k->kind == KIND_NOT_IMPL ? "on: by the parser"
+						   : "");
 		if (tk) {
 			fputs("*", f);
 			int o = 0;
@@ -2586,7 +3261,19 @@ char *ej_config_reference(void)
 				  "`epj_engine_initialize`'s (see *What "
 				  "`epj_engine_initialize` refuses*), those "
 				  "\"with `compile.autoep_non_moe`\" are the "
-				  "support boundary below. In "
+				  "support boundary below. The class says "
+				  "what epjit does with the key: *acted on*; "
+				  "*no effect* (DeepSpeed's keys that only "
+				  "observe or tune a run: checked, then named "
+				  "in one warning, `accepted, no effect in "
+				  "epjit: a.b, c`); *not implemented* (a "
+				  "feature that would change the computation: "
+				  "refused by the parser when on, named with "
+				  "the no-effect keys when off). The "
+				  "`\"auto\"` column is the value a key "
+				  "written `\"auto\"` takes (see *\"auto\"* "
+				  "above); \"refused\" means the key does not "
+				  "accept it. In "
 				  "`optimizer.params` and `scheduler.params` "
 				  "the effect starts with the types that take "
 				  "the key; the JSON dump of the effective "

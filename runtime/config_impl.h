@@ -199,6 +199,24 @@ typedef struct ej_config {
 		char output_path[1024]; /* default "" */
 		char job_name[256];	/* default "DeepSpeedJobName" */
 	} csv_monitor;
+	/* tensorboard (DeepSpeed's monitor section): event files under
+	 * output_path/job_name, the same folder rule as csv_monitor. */
+	struct ej_csv_monitor_config tensorboard;
+	/* data (epjit extension): epjit-train's --data and --split when its
+	 * command line has none, and the data seed (doc/trainer.md). */
+	struct ej_data_config {
+		bool given;	 /* the section is in the file */
+		char path[4096]; /* "" = not given */
+		char split[64];	 /* "" = not given */
+		int64_t seed;
+		bool seed_given;
+	} data;
+
+	/* The keys of the file that epjit accepts and does not act on
+	 * (DeepSpeed's observe-only keys, and not-implemented features left
+	 * off), as "a.b, c" in the key table's order; "" when none.  The parse
+	 * logs them in one warning. */
+	char no_effect[1024];
 } ej_config;
 
 /* Fills every field with its documented default. */
@@ -212,6 +230,19 @@ epj_status ej_config_parse(epj_ctx *ctx, const char *json_text,
 			   const char *source_name, ej_config *out);
 /* Reads and parses a file; an unreadable file is EPJ_ERR_IO naming path. */
 epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out);
+/* As ej_config_parse / _load, where a value "auto" takes the value at the
+ * same dotted path of auto_json, a JSON object of the caller's own values
+ * (epjit-train passes its built-in run's); NULL, or a path it does not
+ * have, leaves the library's rule (doc/config.md, the "auto" column).  A
+ * key without an "auto" rule refuses "auto" by name.
+ * Every error of the file is reported: one as "config error in SRC: MSG",
+ * several as "config error in SRC: N errors:" and one indented line each
+ * (what does not fit the context's message is logged). */
+epj_status ej_config_parse_auto(epj_ctx *ctx, const char *json_text,
+				const char *source_name, const char *auto_json,
+				ej_config *out);
+epj_status ej_config_load_auto(epj_ctx *ctx, const char *path,
+			       const char *auto_json, ej_config *out);
 
 /* Resolves train_batch_size / micro / gas for world_size ranks (any two
  * determine the third; only train_batch_size or only micro: gas 1; only gas:
@@ -220,7 +251,7 @@ epj_status ej_config_load(epj_ctx *ctx, const char *path, ej_config *out);
 epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *cfg,
 				   int world_size);
 
-/* The support boundary of compile.autoep_non_moe (DESIGN.md section 5),
+/* The support boundary of compile.autoep_non_moe (doc/design.md section 5),
  * checked by epj_engine_compile (never by initialize: these options concern
  * compilation only).  Each returns EPJ_OK when the option is off; otherwise
  * it rejects each unsupported setting with EPJ_ERR_CONFIG and a message
@@ -292,12 +323,24 @@ epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
 				 const char *source_name, ej_model_config *out);
 epj_status ej_model_config_load(epj_ctx *ctx, const char *path,
 				ej_model_config *out);
+/* ej_model_config_load after n "KEY=VALUE" edits of the file's top-level
+ * object (epj_model_opts.config_overrides: VALUE a JSON scalar, else a
+ * string; KEY one of the file's keys or of the keys the model reads, else
+ * an error naming it and the nearest such key).  n 0: the file as is. */
+epj_status ej_model_config_load_overrides(epj_ctx *ctx, const char *path,
+					  const char *const *overrides, int n,
+					  ej_model_config *out);
 
 /* The built-in tiny model of `epjit-train` with no arguments: vocab 64,
  * hidden 32, 2 layers, 4 heads (2 KV) of dim 8, intermediate 64, 4 experts
  * of dim 32, top-2 with renormalisation, rope 1e4, eps 1e-6, 256 positions,
  * untied embeddings. */
 void ej_model_config_tiny(ej_model_config *out);
+/* The config as HF config.json text (Qwen3MoeForCausalLM, the keys
+ * ej_model_config_parse reads back to the same struct), torch_dtype the
+ * given one (NULL: the config's, else "float32").  malloc'ed; NULL when
+ * out of memory. */
+char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype);
 
 /* HF rule: layer is MoE iff it is not in mlp_only_layers, num_experts > 0
  * and (layer + 1) % decoder_sparse_step == 0.  layer must be in

@@ -3,8 +3,10 @@
  * Two halves.  The data-driven half walks t/configs/<case>/ (under
  * $top_srcdir, which `make check` exports): each case holds ds.json and
  * exactly one expectation file, `error` (the parse must fail with
- * EPJ_ERR_CONFIG and a message containing that line), `ok` (the parse must
- * succeed), `compile_error` (the parse succeeds and
+ * EPJ_ERR_CONFIG and a message containing each of its lines: a file's
+ * errors are reported together), `ok` (the parse must succeed; a first
+ * line, when there is one, is the list of keys the parse names as having
+ * no effect, ej_config.no_effect), `compile_error` (the parse succeeds and
  * ej_config_validate_autoep_compile fails with a message beginning
  * "compile.autoep_non_moe=true" and containing that line) or `compile_ok`.
  * A missing or empty folder, or a case without exactly one expectation, is a
@@ -15,6 +17,8 @@
  */
 #include "check_util.h"
 #include "config_impl.h"
+/* epjit-train's values of "auto" (auto_config) */
+#include "../tools/train_defaults.h"
 
 #include <inttypes.h>
 #include <math.h>
@@ -33,6 +37,27 @@ static bool starts_with(const char *s, const char *prefix)
 
 /* ---- data-driven cases ----------------------------------------------------
  */
+
+/* Whether msg contains every non-empty line of the file at path; when not,
+ * *missing (freed and replaced) is the first line it lacks. */
+static bool contains_every_line(const char *msg, const char *path,
+				char **missing)
+{
+	FILE *f = fopen(path, "r");
+	ck_assert_msg(f != NULL, "cannot read %s", path);
+	char line[1024];
+	bool ok = true;
+	while (ok && fgets(line, sizeof line, f)) {
+		line[strcspn(line, "\n")] = '\0';
+		if (line[0] && !strstr(msg, line)) {
+			ok = false;
+			free(*missing);
+			*missing = strdup(line);
+		}
+	}
+	fclose(f);
+	return ok;
+}
 
 START_TEST(test_config_cases)
 {
@@ -73,6 +98,11 @@ START_TEST(test_config_cases)
 		}
 		kinds[kind]++;
 		char *want = NULL;
+		if (kind == 1) {
+			char ep[2200];
+			snprintf(ep, sizeof ep, "%s/ok", base);
+			want = tu_first_line(ep);
+		}
 		if (kind == 0 || kind == 2) {
 			char ep[2200];
 			snprintf(ep, sizeof ep, "%s/%s", base, expect[kind]);
@@ -93,8 +123,10 @@ START_TEST(test_config_cases)
 		char prefix[2400];
 		snprintf(prefix, sizeof prefix, "config error in %s: ", path);
 		if (kind == 0) {
+			char ep[2200];
+			snprintf(ep, sizeof ep, "%s/error", base);
 			if (s != EPJ_ERR_CONFIG || !starts_with(msg, prefix) ||
-			    !strstr(msg, want)) {
+			    !contains_every_line(msg, ep, &want)) {
 				tu_report(
 				    fails, sizeof fails,
 				    "%s: want EPJ_ERR_CONFIG \"%s\", got %s "
@@ -105,6 +137,13 @@ START_TEST(test_config_cases)
 		} else if (s != EPJ_OK) {
 			tu_report(fails, sizeof fails, "%s: parse failed: %s\n",
 				  names[i], msg);
+			nfail++;
+		} else if (kind == 1 && want && want[0] &&
+			   strcmp(cfg.no_effect, want) != 0) {
+			tu_report(
+			    fails, sizeof fails,
+			    "%s: want no-effect keys \"%s\", got \"%s\"\n",
+			    names[i], want, cfg.no_effect);
 			nfail++;
 		} else if (kind >= 2) {
 			s = ej_config_validate_autoep_compile(ctx, &cfg);
@@ -735,6 +774,7 @@ static void expect_same(const ej_config *a, const ej_config *b)
 	y.gas_given = x.gas_given;
 	y.batch_world_size = x.batch_world_size;
 	memcpy(y.source, x.source, sizeof x.source);
+	memcpy(y.no_effect, x.no_effect, sizeof x.no_effect);
 	ck_assert_int_eq(x.train_batch_size, y.train_batch_size);
 	ck_assert(x.optimizer.lr == y.optimizer.lr);
 	ck_assert(x.scheduler.cos_min_ratio == y.scheduler.cos_min_ratio);
@@ -846,6 +886,251 @@ START_TEST(test_dump_round_trip)
 		expect_same(&c, &back);
 		free(text);
 	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- "auto" ----------------------------------------------------------------
+ */
+
+/* Every key that takes "auto", written "auto" (test_auto_every_key checks
+ * the list against the reference's "auto" column). */
+static const char every_auto[] =
+    "{\"train_batch_size\": \"auto\", "
+    "\"train_micro_batch_size_per_gpu\": \"auto\", "
+    "\"gradient_accumulation_steps\": \"auto\", "
+    "\"gradient_clipping\": \"auto\", "
+    "\"bf16\": {\"enabled\": \"auto\"}, "
+    "\"fp16\": {\"enabled\": \"auto\"}, "
+    "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", "
+    "\"betas\": \"auto\", \"eps\": \"auto\", \"weight_decay\": \"auto\"}}, "
+    "\"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": {"
+    "\"warmup_min_lr\": \"auto\", \"warmup_max_lr\": \"auto\", "
+    "\"warmup_num_steps\": \"auto\", \"total_num_steps\": \"auto\"}}, "
+    "\"zero_optimization\": {\"stage\": 2, \"reduce_bucket_size\": \"auto\", "
+    "\"allgather_bucket_size\": \"auto\", "
+    "\"stage3_prefetch_bucket_size\": \"auto\", "
+    "\"prefetch_bucket_size\": \"auto\", "
+    "\"stage3_param_persistence_threshold\": \"auto\", "
+    "\"param_persistence_threshold\": \"auto\", "
+    "\"model_persistence_threshold\": \"auto\", "
+    "\"stage3_max_live_parameters\": \"auto\", "
+    "\"max_live_parameters\": \"auto\", "
+    "\"stage3_max_reuse_distance\": \"auto\", "
+    "\"max_reuse_distance\": \"auto\"}, "
+    "\"expert_parallel\": {\"top_k\": \"auto\"}}";
+
+/* Every row of the generated reference whose "auto" column is not
+ * "refused" names a key of every_auto, and the count matches. */
+START_TEST(test_auto_every_key)
+{
+	char *ref = ej_config_reference();
+	ck_assert_ptr_nonnull(ref);
+	int n_auto = 0, n_rows = 0;
+	for (char *line = strtok(ref, "\n"); line; line = strtok(NULL, "\n")) {
+		if (strncmp(line, "| `", 3) != 0)
+			continue;
+		n_rows++;
+		char key[400], col[8][400];
+		int nc = 0;
+		char *cell = line + 2;
+		while (nc < 8 && cell) {
+			char *end = strstr(cell, " | ");
+			size_t len = end ? (size_t)(end - cell) : strlen(cell);
+			snprintf(col[nc++], sizeof col[0], "%.*s", (int)len,
+				 cell);
+			cell = end ? end + 3 : NULL;
+		}
+		ck_assert_msg(nc >= 6, "short reference row: %s", line);
+		if (strcmp(col[4], "refused") == 0)
+			continue;
+		n_auto++;
+		/* `a.b.c` -> "c": "auto" */
+		snprintf(key, sizeof key, "%.398s", col[0] + 1);
+		key[strcspn(key, "`")] = '\0';
+		const char *last = strrchr(key, '.');
+		char want[440];
+		snprintf(want, sizeof want, "\"%s\": \"auto\"",
+			 last ? last + 1 : key);
+		ck_assert_msg(strstr(every_auto, want),
+			      "%s takes \"auto\" (%s) but the test does not "
+			      "write it",
+			      key, col[4]);
+	}
+	ck_assert_int_gt(n_rows, 150);
+	int in_test = 0;
+	for (const char *q = every_auto; (q = strstr(q, "\"auto\"")); q++)
+		in_test++;
+	ck_assert_int_eq(n_auto, in_test);
+	free(ref);
+}
+END_TEST
+
+/* Under epjit-train (its auto_config), "auto" is the trainer's value:
+ * the same config as one that writes those values out. */
+START_TEST(test_auto_trainer_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	char autos[1024];
+	auto_config(autos, sizeof autos, 123);
+	ej_config c, want;
+	ck_assert_msg(ej_config_parse_auto(ctx, every_auto, "auto.json", autos,
+					   &c) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert(c.micro_batch_given && c.micro_batch_per_gpu == 8);
+	ck_assert(c.gas_given && c.gradient_accumulation_steps == 1);
+	ck_assert(!c.train_batch_size_given);
+	ck_assert(!c.bf16_enabled);
+	ck_assert(c.optimizer.lr == 3e-3);
+	ck_assert(c.optimizer.betas[0] == 0.9 && c.optimizer.betas[1] == 0.95);
+	ck_assert(c.optimizer.eps == 1e-8);
+	ck_assert(c.optimizer.weight_decay == 0.01);
+	ck_assert(c.scheduler.warmup_min_lr == 0);
+	ck_assert(c.scheduler.warmup_max_lr == 3e-3);
+	ck_assert_int_eq(c.scheduler.warmup_num_steps, 20);
+	ck_assert_int_eq(c.scheduler.total_num_steps, 123);
+	ck_assert(c.gradient_clipping == 1.0);
+	ck_assert_int_eq(c.zero.reduce_bucket_size, 500000000);
+	ck_assert_int_eq(c.zero.allgather_bucket_size, 500000000);
+	ck_assert_int_eq(c.expert_parallel.top_k, 0);
+	/* train_batch_size: micro x accumulation x world */
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, 3), EPJ_OK);
+	ck_assert_int_eq(c.train_batch_size, 24);
+	/* the same config with the values written out */
+	parse_ok(
+	    ctx,
+	    "{\"train_micro_batch_size_per_gpu\": 8, "
+	    "\"gradient_accumulation_steps\": 1, "
+	    "\"gradient_clipping\": 1.0, "
+	    "\"bf16\": {\"enabled\": false}, "
+	    "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-3, "
+	    "\"betas\": [0.9, 0.95], \"eps\": 1e-8, "
+	    "\"weight_decay\": 0.01}}, "
+	    "\"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": {"
+	    "\"warmup_min_lr\": 0, \"warmup_max_lr\": 3e-3, "
+	    "\"warmup_num_steps\": 20, \"total_num_steps\": 123}}, "
+	    "\"zero_optimization\": {\"stage\": 2}}",
+	    &want);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &want, 3), EPJ_OK);
+	expect_same(&want, &c);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Without the caller's values, "auto" is the key as if absent, except
+ * warmup_max_lr (the optimizer's lr) and total_num_steps (an error). */
+START_TEST(test_auto_library_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* every_auto with WarmupLR (no total_num_steps) and lr 2.5e-4 */
+	char text[sizeof every_auto + 64];
+	snprintf(text, sizeof text, "%s", every_auto);
+	char *t = strstr(text, "WarmupDecayLR");
+	ck_assert_ptr_nonnull(t);
+	memmove(t + strlen("WarmupLR"), t + strlen("WarmupDecayLR"),
+		strlen(t + strlen("WarmupDecayLR")) + 1);
+	memcpy(t, "WarmupLR", strlen("WarmupLR"));
+	t = strstr(text, ", \"total_num_steps\": \"auto\"");
+	ck_assert_ptr_nonnull(t);
+	memmove(t, t + strlen(", \"total_num_steps\": \"auto\""),
+		strlen(t + strlen(", \"total_num_steps\": \"auto\"")) + 1);
+	t = strstr(text, "\"lr\": \"auto\"");
+	ck_assert_ptr_nonnull(t);
+	memmove(t + strlen("\"lr\": 2.5e-4"), t + strlen("\"lr\": \"auto\""),
+		strlen(t + strlen("\"lr\": \"auto\"")) + 1);
+	memcpy(t, "\"lr\": 2.5e-4", strlen("\"lr\": 2.5e-4"));
+	ej_config c, want;
+	parse_ok(ctx, text, &c);
+	ck_assert(!c.micro_batch_given && !c.gas_given &&
+		  !c.train_batch_size_given);
+	ck_assert(c.optimizer.lr == 2.5e-4);
+	ck_assert(c.optimizer.betas[0] == 0.9 && c.optimizer.betas[1] == 0.999);
+	ck_assert(c.optimizer.eps == 1e-8 && c.optimizer.weight_decay == 0);
+	ck_assert(c.scheduler.warmup_min_lr == 0);
+	ck_assert(c.scheduler.warmup_max_lr == 2.5e-4);
+	ck_assert_int_eq(c.scheduler.warmup_num_steps, 1000);
+	ck_assert(c.gradient_clipping == 0 && !c.bf16_enabled);
+	ck_assert_int_eq(c.zero.reduce_bucket_size, 500000000);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &c, 2), EPJ_OK);
+	ck_assert_int_eq(c.micro_batch_per_gpu, 1);
+	ck_assert_int_eq(c.gradient_accumulation_steps, 1);
+	ck_assert_int_eq(c.train_batch_size, 2);
+	parse_ok(ctx,
+		 "{\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+		 "{\"lr\": 2.5e-4}}, \"scheduler\": {\"type\": \"WarmupLR\", "
+		 "\"params\": {\"warmup_max_lr\": 2.5e-4}}, "
+		 "\"zero_optimization\": {\"stage\": 2}}",
+		 &want);
+	ck_assert_int_eq(ej_config_resolve_batch(ctx, &want, 2), EPJ_OK);
+	expect_same(&want, &c);
+	/* the library has no run length */
+	parse_err(ctx, every_auto,
+		  "\"scheduler.params.total_num_steps\" is \"auto\" and "
+		  "nothing gives it a value");
+	/* a key without a rule refuses "auto" by name */
+	parse_err(ctx,
+		  "{\"optimizer\": {\"type\": \"SGD\", \"params\": "
+		  "{\"momentum\": \"auto\"}}}",
+		  "\"optimizer.params.momentum\" does not accept \"auto\"");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- every error of a file in one report ----------------------------------
+ */
+
+START_TEST(test_all_errors_reported)
+{
+	epj_ctx *ctx = tu_ctx();
+	/* three errors in three sections, and one inside a section that
+	 * also has an unknown key */
+	const char *json =
+	    "{\"gradient_clippin\": 1, \"zero_optimization\": {\"stage\": 9, "
+	    "\"overlap_comm\": 3}, \"optimizer\": {\"type\": \"AdamW\", "
+	    "\"params\": {\"lr\": -1}}, \"seed\": \"auto\"}";
+	ej_config c;
+	ck_assert_int_eq(ej_config_parse(ctx, json, "t.json", &c),
+			 EPJ_ERR_CONFIG);
+	const char *msg = epj_ctx_error(ctx);
+	static const char *const want[] = {
+		"config error in t.json: 5 errors:\n  ",
+		"\n  unknown key \"gradient_clippin\"",
+		"\n  \"zero_optimization.stage\" must be an integer in [0, 3], "
+		"got 9",
+		"\n  \"zero_optimization.overlap_comm\" must be a boolean",
+		"\n  \"optimizer.params.lr\" must be a number >= 0, got -1",
+		"\n  \"seed\" does not accept \"auto\"",
+	};
+	for (size_t i = 0; i < sizeof want / sizeof *want; i++)
+		ck_assert_msg(strstr(msg, want[i]), "want \"%s\" in:\n%s",
+			      want[i], msg);
+	/* a failed parse leaves the defaults */
+	ck_assert_int_eq(c.zero.stage, 0);
+	ck_assert(c.gradient_clipping == 0);
+
+	/* more errors than the message holds: whole lines, then a count */
+	char big[8192];
+	size_t o = (size_t)snprintf(big, sizeof big, "{");
+	for (int i = 0; i < 60; i++)
+		o += (size_t)snprintf(big + o, sizeof big - o,
+				      "%s\"no_such_key_%02d\": 1",
+				      i ? ", " : "", i);
+	snprintf(big + o, sizeof big - o, "}");
+	/* (each error is logged too, since not all fit) */
+	ck_assert_int_eq(ej_config_parse(ctx, big, "t.json", &c),
+			 EPJ_ERR_CONFIG);
+	msg = epj_ctx_error(ctx);
+	ck_assert_msg(
+	    strstr(msg, "60 errors:\n  unknown key \"no_such_key_00\""), "%s",
+	    msg);
+	const char *more = strstr(msg, "\n  ... and ");
+	ck_assert_msg(more != NULL, "%s", msg);
+	int shown = 0;
+	for (const char *q = msg; (q = strstr(q, "\n  unknown key")); q++)
+		shown++;
+	int rest = atoi(more + strlen("\n  ... and "));
+	ck_assert_int_eq(shown + rest, 60);
+	ck_assert_int_gt(shown, 5);
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -975,6 +1260,10 @@ Suite *make_config_suite(void)
 	tcase_add_test(tc, test_comm_timeout);
 	tcase_add_test(tc, test_messages);
 	tcase_add_test(tc, test_load_errors);
+	tcase_add_test(tc, test_auto_every_key);
+	tcase_add_test(tc, test_auto_trainer_values);
+	tcase_add_test(tc, test_auto_library_values);
+	tcase_add_test(tc, test_all_errors_reported);
 	suite_add_tcase(s, tc);
 	return s;
 }

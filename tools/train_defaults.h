@@ -42,4 +42,31 @@ static inline void default_config(char *buf, size_t n)
 		 DEFAULT_STEPS);
 }
 
+/* The values a ds.json's "auto" takes under epjit-train and epjit-warmup
+ * (epj_engine_initialize_auto): the built-in run's micro-batch,
+ * accumulation, optimizer, warm-up and clipping, warmup_max_lr = the lr,
+ * and total_num_steps = the run's --steps (steps; epjit-warmup, which
+ * trains nothing, passes DEFAULT_STEPS).  Precision is false: neither tool
+ * has a precision flag for training, a config asks for bf16 by writing
+ * true.  train_batch_size is left to the library (derived). */
+static inline void auto_config(char *buf, size_t n, long steps)
+{
+	snprintf(buf, n,
+		 "{\n"
+		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
+		 "  \"gradient_accumulation_steps\": 1,\n"
+		 "  \"bf16\": {\"enabled\": false},\n"
+		 "  \"fp16\": {\"enabled\": false},\n"
+		 "  \"optimizer\": {\"params\": {\n"
+		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
+		 "    \"weight_decay\": 0.01}},\n"
+		 "  \"scheduler\": {\"params\": {\n"
+		 "    \"warmup_min_lr\": 0, \"warmup_max_lr\": %g,\n"
+		 "    \"warmup_num_steps\": %d, \"total_num_steps\": %ld}},\n"
+		 "  \"gradient_clipping\": 1.0\n"
+		 "}\n",
+		 DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_LR, DEFAULT_WARMUP,
+		 steps);
+}
+
 #endif /* EPJIT_TRAIN_DEFAULTS_H */
