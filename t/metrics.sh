@@ -11,7 +11,9 @@
 #     every step's compile_ms is 0;
 #     a second run appends without a second header;
 #  2. epjit-plot draws an eager and a compiled run into one PNG (skipped
-#     without gnuplot), and refuses a file that is not a metrics CSV.
+#     without gnuplot), and refuses a file that is not a metrics CSV; its
+#     --help; titles, labels and file names with quotes and blanks; a
+#     csv_monitor folder as a run, and a folder that is not one refused.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
@@ -101,4 +103,20 @@ if sh "$PLOT" -o bad.png mon.json >plot.log 2>&1; then
 	fail "epjit-plot accepted a file that is not a metrics CSV"
 fi
 grep -q 'not an epjit-train --metrics file' plot.log || fail "$(cat plot.log)"
+# --help: the usage on stdout, exit 0
+sh "$PLOT" --help >help.txt 2>&1 || fail "epjit-plot --help exited $?"
+grep -q '^usage: epjit-plot' help.txt || fail "epjit-plot --help: $(cat help.txt)"
+# quotes and blanks in a title, a label, a file name and the output name;
+# and the csv_monitor folder of section 1 as a run, next to a --metrics file
+cp eager.csv "it's a run.csv"
+sh "$PLOT" -o "chart 'q'.png" -t "it's \"quoted\"; system('false')" \
+    "it's a run.csv=eager 'e'" "$d=csv_monitor" >plot.log 2>&1 ||
+	fail "epjit-plot with quotes and a csv_monitor folder: $(cat plot.log)"
+[ "$(head -c 4 "chart 'q'.png" | od -An -c | tr -d ' ')" = "211PNG" ] ||
+	fail "chart 'q'.png is not a PNG"
+mkdir notmon
+if sh "$PLOT" -o bad.png notmon >plot.log 2>&1; then
+	fail "epjit-plot accepted a folder that is not a csv_monitor's"
+fi
+grep -q 'not a csv_monitor folder' plot.log || fail "$(cat plot.log)"
 exit 0
