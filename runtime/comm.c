@@ -13,6 +13,7 @@
 
 #include "cuda_driver.h"
 
+#include <ctype.h>
 #include <string.h>
 #include <time.h>
 
@@ -196,6 +197,30 @@ static epj_status missing(epj_ctx *ctx, ej_comm *c, const char *call,
 			c->name, group_of(c), call, what);
 }
 
+/* The counter-name part of a purpose: words joined by dots, parentheses
+ * dropped ("checkpoint save" -> checkpoint.save, "autoep.split_plan
+ * (drain)" -> autoep.split_plan.drain), so that no counter name holds a
+ * blank; the purpose itself stays as it is in messages. */
+void ej_comm_purpose_part(const char *what, char *out, size_t n)
+{
+	size_t k = 0;
+	bool dot = false;
+	for (const char *p = what ? what : "unnamed"; *p && k + 2 < n; p++) {
+		unsigned char ch = (unsigned char)*p;
+		if (ch == '(' || ch == ')')
+			continue;
+		if (isspace(ch)) {
+			dot = k > 0;
+			continue;
+		}
+		if (dot && out[k - 1] != '.')
+			out[k++] = '.';
+		dot = false;
+		out[k++] = isgraph(ch) ? (char)ch : '_';
+	}
+	out[k] = 0;
+}
+
 static void account(epj_ctx *ctx, ej_comm *c, const char *what, int64_t bytes,
 		    double t0)
 {
@@ -208,8 +233,9 @@ static void account(epj_ctx *ctx, ej_comm *c, const char *what, int64_t bytes,
 	epj_counter_add(ctx, "comm.calls", 1);
 	epj_counter_add(ctx, "comm.bytes", bytes);
 	epj_counter_add(ctx, "comm.us", (int64_t)(dt * 1e6));
-	char name[96];
-	snprintf(name, sizeof name, "comm.%s.bytes", what);
+	char name[160], part[96];
+	ej_comm_purpose_part(what, part, sizeof part);
+	snprintf(name, sizeof name, "comm.%s.bytes", part);
 	epj_counter_add(ctx, name, bytes);
 	/* by backend: comm.<backend>.calls / .bytes, and per purpose
 	 * comm.<backend>.<what>.bytes (which comm carried what) */
@@ -217,7 +243,7 @@ static void account(epj_ctx *ctx, ej_comm *c, const char *what, int64_t bytes,
 	epj_counter_add(ctx, name, 1);
 	snprintf(name, sizeof name, "comm.%s.bytes", c->name);
 	epj_counter_add(ctx, name, bytes);
-	snprintf(name, sizeof name, "comm.%s.%s.bytes", c->name, what);
+	snprintf(name, sizeof name, "comm.%s.%s.bytes", c->name, part);
 	epj_counter_add(ctx, name, bytes);
 }
 

@@ -1122,6 +1122,23 @@ START_TEST(test_comm_self)
 	ck_assert_int_eq(c->all_reduce_f32(c->self, send, 15), EPJ_OK);
 	ck_assert(memcmp(before, send, sizeof send) == 0);
 	ck_assert_int_eq(c->barrier(c->self), EPJ_OK);
+	/* per-purpose counter names: no blank, whatever the purpose's
+	 * wording */
+	static const char *const purpose[][2] = {
+		{ "checkpoint save", "checkpoint.save" },
+		{ "autoep.split_plan (drain)", "autoep.split_plan.drain" },
+		{ "zero1.all_reduce", "zero1.all_reduce" },
+		{ "  a \t b  ", "a.b" },
+		{ "", "" },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(purpose); i++) {
+		char part[64];
+		ej_comm_purpose_part(purpose[i][0], part, sizeof part);
+		ck_assert_str_eq(part, purpose[i][1]);
+	}
+	char tiny[4];
+	ej_comm_purpose_part("checkpoint save", tiny, sizeof tiny);
+	ck_assert_uint_lt(strlen(tiny), sizeof tiny);
 	ej_comm_free(c);
 	ej_comm_free(NULL);
 }
