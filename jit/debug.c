@@ -1,8 +1,12 @@
 /* debug.c -- EPJIT_DEBUG_DUMP=dir: the IR of every compiled graph after each
  * pass (dir/graphs/<seq>-<sig>-<pass>.txt), an index of the compiled
  * segments (dir/graphs.jsonl, one JSON object a line), the recompiles with
- * their guard failures (dir/recompiles.txt) and the counters
- * (dir/counters.json).  epjit-dump reads them.
+ * their guard failures (dir/recompiles.txt), the provenance of every
+ * compiled region variant (dir/provenance.jsonl: its module, the parameter
+ * name behind each "param i" of its graphs, its steps in order with each
+ * segment's signature or each break's module, and where each step's
+ * activation inputs come from) and the counters (dir/counters.json).
+ * epjit-dump reads them.
  *
  * Dumping is best effort: a failure to write is logged, never an error of
  * the compile.
@@ -214,4 +218,93 @@ void ej_debug_dump_recompile(const char *region, int variant,
 		fputc(*c == '\t' || *c == '\n' ? ' ' : *c, f);
 	fputc('\n', f);
 	fclose(f);
+}
+
+/* A JSON string of s (quotes, backslashes and control bytes escaped). */
+static void sb_json_str(ej_sbuf *sb, const char *s)
+{
+	ej_sb_puts(sb, "\"");
+	for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+		if (*c == '"' || *c == '\\')
+			ej_sb_printf(sb, "\\%c", *c);
+		else if (*c < 0x20)
+			ej_sb_printf(sb, "\\u%04x", *c);
+		else
+			ej_sb_printf(sb, "%c", *c);
+	}
+	ej_sb_puts(sb, "\"");
+}
+
+/* What trace value v of f is, for a reader of the IR: a region input, or an
+ * output of an earlier step. */
+static void sb_value_origin(ej_sbuf *sb, const ej_region_fn *f, int v)
+{
+	if (v < f->trace->n_in) {
+		ej_sb_printf(sb, "\"region input %d\"", v);
+		return;
+	}
+	for (int k = 0; k < f->n_steps; k++)
+		for (int o = 0; o < f->steps[k].n_out; o++)
+			if (f->steps[k].out[o] == v) {
+				ej_sb_printf(sb, "\"output %d of step %d\"", o,
+					     k);
+				return;
+			}
+	ej_sb_printf(sb, "\"value %d\"", v);
+}
+
+void ej_debug_dump_provenance(const ej_region_fn *f, const char *region,
+			      const char *kind, int variant,
+			      const char *const *params, int n_params,
+			      const char *(*callee_name)(const void *callee))
+{
+	const char *dir = ej_debug_dump_dir();
+	if (!dir || !f)
+		return;
+	ej_sbuf sb = { 0 };
+	ej_sb_puts(&sb, "{\"region\": ");
+	sb_json_str(&sb, region[0] ? region : "<root>");
+	ej_sb_puts(&sb, ", \"kind\": ");
+	sb_json_str(&sb, kind ? kind : "");
+	ej_sb_printf(&sb, ", \"variant\": %d, \"mode\": \"%s\", \"params\": [",
+		     variant, f->trace->grad_mode ? "train" : "eval");
+	for (int i = 0; i < n_params; i++) {
+		if (i)
+			ej_sb_puts(&sb, ", ");
+		sb_json_str(&sb, params[i] ? params[i] : "");
+	}
+	ej_sb_puts(&sb, "], \"steps\": [");
+	for (int k = 0; k < f->n_steps; k++) {
+		const ej_region_step *st = &f->steps[k];
+		if (k)
+			ej_sb_puts(&sb, ", ");
+		if (st->is_break) {
+			ej_sb_puts(&sb, "{\"break\": ");
+			sb_json_str(&sb,
+				    callee_name ? callee_name(st->callee) : "");
+		} else {
+			ej_sb_printf(&sb, "{\"segment\": \"%s\"",
+				     st->seg->sig_hex);
+		}
+		ej_sb_puts(&sb, ", \"inputs\": [");
+		for (int j = 0; j < st->n_in; j++) {
+			if (j)
+				ej_sb_puts(&sb, ", ");
+			sb_value_origin(&sb, f, st->in[j]);
+		}
+		ej_sb_puts(&sb, "]}");
+	}
+	ej_sb_puts(&sb, "]}\n");
+	char path[4200];
+	mkdir_p(dir);
+	snprintf(path, sizeof path, "%s/provenance.jsonl", dir);
+	FILE *fp = fopen(path, "a");
+	if (!fp) {
+		epj_log_msg(EPJ_LOG_WARN, "debug dump: cannot write %s: %s",
+			    path, strerror(errno));
+	} else {
+		fputs(sb.p ? sb.p : "", fp);
+		fclose(fp);
+	}
+	free(sb.p);
 }

@@ -27,14 +27,15 @@ typedef struct ej_region_fn ej_region_fn; /* one compiled region variant */
 /* Backends that run compiled graphs. */
 typedef enum ej_backend_kind {
 	EJ_BACKEND_INTERPRETER = 0, /* each IR node by the op table kernels */
-	EJ_BACKEND_C,		    /* generated C (Codegen issue) */
-	EJ_BACKEND_NVRTC,	    /* generated CUDA C (Codegen issue) */
-	EJ_BACKEND_CUDA_SIM,	    /* CUDA C on CPU (later issue) */
+	EJ_BACKEND_C,		    /* generated C, host cc (backend_c.c) */
+	EJ_BACKEND_NVRTC,	    /* CUDA C by NVRTC (backend_cuda.c) */
+	EJ_BACKEND_CUDA_SIM,	    /* that CUDA C on CPU (backend_sim.c) */
 } ej_backend_kind;
 
 /* Parses a backend name ("" = the device's default: cuda-sim when
- * EPJIT_DEVICE=cuda-sim, else c; an EPJIT_DEVICE other than cpu or
- * cuda-sim is EPJ_ERR_CONFIG).  Returns
+ * EPJIT_DEVICE=cuda-sim, nvrtc when EPJIT_DEVICE=cuda and NVRTC loads,
+ * else c; an EPJIT_DEVICE other than cpu, cuda-sim or cuda is
+ * EPJ_ERR_CONFIG).  Returns
  * EPJ_ERR_UNSUPPORTED for a known backend this build does not have and
  * EPJ_ERR_CONFIG for an unknown name; msg describes which. */
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
@@ -144,5 +145,16 @@ epj_status ej_debug_dump_counters(epj_ctx *ctx, const char *dir);
  * reason: each variant's first failing guard).  Best effort. */
 void ej_debug_dump_recompile(const char *region, int variant,
 			     const char *reason);
+/* Appends one JSON line to dir/provenance.jsonl for a compiled variant of
+ * a region: the region's module path and kind, the variant number and
+ * mode, params[i] = the name of the parameter every graph of f calls
+ * "param i", and f's steps in order (a segment's signature, as in
+ * graphs.jsonl, or a break's module through callee_name) with the origin
+ * of each step's activation inputs ("act j" of a segment's graph is its
+ * j-th input: "region input k" or "output m of step s").  Best effort. */
+void ej_debug_dump_provenance(const ej_region_fn *f, const char *region,
+			      const char *kind, int variant,
+			      const char *const *params, int n_params,
+			      const char *(*callee_name)(const void *callee));
 
 #endif /* EPJIT_JIT_H */

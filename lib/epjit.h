@@ -72,9 +72,12 @@ typedef struct epj_module epj_module;
 
 /* ---- context --------------------------------------------------------- */
 
-/* Creates a context on a backend ("cpu"; NULL means "cpu"; "cuda-sim": host
- * memory, eager ops on the CPU kernels, compiled regions on the cuda-sim
- * backend by default).  *out owns it. */
+/* Creates a context on a backend: "cpu" (NULL means "cpu"); "cuda-sim" (host
+ * memory, eager ops as CUDA kernels run on the CPU, compiled regions on the
+ * cuda-sim backend by default); "cuda" (the GPU through the dlopen'ed
+ * driver: tensors in device memory, eager ops as NVRTC kernels; without a
+ * driver or GPU, EPJ_ERR_BACKEND).  Any other name is EPJ_ERR_INVALID.
+ * *out owns it. */
 epj_status epj_ctx_new(const char *backend, epj_ctx **out);
 void epj_ctx_free(epj_ctx *ctx);
 
@@ -342,6 +345,14 @@ typedef struct epj_model_opts {
 	uint64_t seed; /* parameter init (HF: normal(0, initializer_range)) */
 	bool fixed_routing; /* deterministic balanced expert assignment */
 	epj_dtype dtype;    /* parameter dtype at creation (f32 default) */
+	/* "KEY=VALUE" edits of the config.json, applied in order before it
+	 * is checked (HF's config kwargs): VALUE is read as a JSON scalar
+	 * (integer, real, true/false, null, "string"), else as a plain
+	 * string; KEY must be one of the file's keys or one the model reads
+	 * (an error names it and the nearest such key).  Needs a config
+	 * path. */
+	const char *const *config_overrides;
+	int n_config_overrides;
 } epj_model_opts;
 
 /* Builds from config.json at path (NULL: the built-in tiny model). */
@@ -408,6 +419,14 @@ epj_status epj_engine_initialize(epj_ctx *ctx, epj_model *model,
 epj_status epj_engine_initialize_json(epj_ctx *ctx, epj_model *model,
 				      const char *json, const char *source,
 				      epj_engine **out);
+/* As epj_engine_initialize, where a value "auto" in the config takes the
+ * value at the same key path of auto_json, a JSON object of the caller's
+ * own settings (a trainer's flags and defaults: epjit-train passes its
+ * built-in run's); auto_json NULL, or a path it lacks: the library's rule
+ * (doc/config.md, the "auto" column).  ds_config_path NULL: all defaults. */
+epj_status epj_engine_initialize_auto(epj_ctx *ctx, epj_model *model,
+				      const char *ds_config_path,
+				      const char *auto_json, epj_engine **out);
 void epj_engine_free(epj_engine *e);
 /* One micro-batch (ids, labels [B, T]); an optimizer step every
  * gradient_accumulation_steps micro-batches. */
@@ -423,15 +442,31 @@ int64_t epj_engine_micro_batch_size(const epj_engine *e);
 int64_t epj_engine_grad_accum_steps(const epj_engine *e);
 int64_t epj_engine_steps_per_print(const epj_engine *e);
 int64_t epj_engine_seed(const epj_engine *e);
-/* The config's "device" ("cpu", "cuda-sim"), "" when it names none (the
+/* The config's "device" ("cpu", "cuda-sim", "cuda"), "" when it names none (the
  * caller's choice, e.g. EPJIT_DEVICE, stands).  Never NULL. */
 const char *epj_engine_device(const epj_engine *e);
 int64_t epj_engine_step_count(const epj_engine *e);
+/* Micro-batches this rank has trained since the start (a checkpoint's
+ * "micro_step"; restored by epj_engine_load). */
+int64_t epj_engine_micro_step_count(const epj_engine *e);
 bool epj_engine_bf16(const epj_engine *e);
+/* The config's ZeRO stage (zero_optimization.stage) and expert-parallel
+ * size (expert_parallel.autoep_size; 1 without expert parallelism). */
+int epj_engine_zero_stage(const epj_engine *e);
+int epj_engine_ep_size(const epj_engine *e);
 /* The config's csv_monitor (DeepSpeed's monitor section): true when it is
  * enabled, with dir (capacity n) the folder of its CSV files,
  * output_path/job_name, or job_name alone when output_path is empty. */
 bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n);
+/* The config's tensorboard section, the same way: true when it is enabled,
+ * with dir (capacity n) the folder of its event files. */
+bool epj_engine_tensorboard_dir(const epj_engine *e, char *dir, size_t n);
+/* The config's "data" section (an epjit extension, read by epjit-train):
+ * "path" and "split", NULL when absent or empty; true with *seed when
+ * "seed" is given. */
+const char *epj_engine_data_path(const epj_engine *e);
+const char *epj_engine_data_split(const epj_engine *e);
+bool epj_engine_data_seed(const epj_engine *e, uint64_t *seed);
 epj_model *epj_engine_model(epj_engine *e);
 
 /* The user's engine.compile().  With "compile": {"autoep_non_moe": true}:
@@ -484,10 +519,12 @@ epj_status epj_engine_region_stats(const epj_engine *e, int i,
 
 /* ---- parity harness
  * ----------------------------------------------------------- Eager vs compiled
- * on the same weights and batch for one step: outputs, loss, input (embedding)
- * gradients, router / expert / dense gradients, the FP32 master update of one
- * SGD step with lr 1.0, exact routing, eager AutoEP call counts and zero
- * compile-counter change after a warm-up step. */
+ * on the same weights for one epj_engine_train_step on a batch other than the
+ * warm-up's: outputs, loss, input (embedding) gradients, router / expert /
+ * dense gradients and the FP32 master update of one SGD step with lr 1.0,
+ * per quantity and per parameter (doc/testing.md has the tolerances), the
+ * exact routing of every AutoEP call (replays included), eager AutoEP call
+ * counts of both arms and zero compile-counter change after the warm-up. */
 
 typedef struct epj_parity_opts {
 	const char *model_config; /* NULL: the built-in tiny model */
@@ -611,7 +648,9 @@ epj_corpus *epj_corpus_from_tokens(epj_ctx *ctx, const char *path);
 /* Same source, a separate stream (for evaluation): a synthetic corpus draws
  * an independent sample path selected by `stream` (equal streams give equal
  * paths; the original corpus is stream 0); a file corpus restarts at token
- * 0.  Independent of how far c has been read. */
+ * 0; a token dataset's streams 0, 1 and 2 read its train, validation and
+ * test splits from their start (other streams are refused).  Independent of
+ * how far c has been read. */
 epj_corpus *epj_corpus_fork(epj_ctx *ctx, const epj_corpus *c, uint64_t stream);
 void epj_corpus_free(epj_corpus *c); /* NULL ok */
 
@@ -636,6 +675,56 @@ epj_status epj_corpus_next_batch(epj_ctx *ctx, epj_corpus *c, int64_t B,
  * chain step per token for the synthetic corpus. */
 epj_status epj_corpus_skip(epj_ctx *ctx, epj_corpus *c, int64_t n, int64_t B,
 			   int64_t T);
+
+/* ---- token datasets ---------------------------------------------------------
+ * (block owned by runtime/dataset.c; doc/formats.md)
+ *
+ * Token data as pipelines write it, memory-mapped read-only and validated
+ * against the file sizes before any token is read: a Megatron-LM indexed
+ * dataset (PREFIX.bin + PREFIX.idx, MMIDIDX version 1, integer dtype codes
+ * 1-5 and 8) or a numpy .npy file (1-D: one document; 2-D C-order [N, L]:
+ * N documents; dtypes <u2 <u4 <i4 <i8). */
+
+typedef struct epj_docs epj_docs;
+
+/* Opens `path`: a .npy file, else the Megatron prefix of path.bin and
+ * path.idx.  EPJ_ERR_FORMAT naming the file for anything malformed. */
+epj_status epj_docs_open(epj_ctx *ctx, const char *path, epj_docs **out);
+void epj_docs_free(epj_docs *d);			/* NULL ok */
+uint64_t epj_docs_count(const epj_docs *d);		/* documents */
+uint64_t epj_docs_tokens(const epj_docs *d);		/* all tokens */
+uint64_t epj_docs_len(const epj_docs *d, uint64_t doc); /* 0 if out of range */
+/* Tokens [off, off + n) of document doc as int64 values (as stored, signed
+ * dtypes sign-extended); EPJ_ERR_INDEX past the document's end. */
+epj_status epj_docs_read(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
+			 uint64_t off, uint64_t n, int64_t *out);
+
+typedef struct epj_data_opts {
+	const char *split; /* document split weights "train,valid,test"
+			      (Megatron's --split); NULL: "969,30,1" */
+	uint64_t seed;	   /* document and sample shuffle */
+	uint32_t vocab;	   /* every token must be in [0, vocab); >= 2 */
+} epj_data_opts;
+
+/* True when spec names a token dataset: a blend (whitespace in spec), a
+ * .npy file, or a prefix whose PREFIX.idx exists. */
+bool epj_data_spec_p(const char *spec);
+/* Corpus over a token dataset: spec is a Megatron prefix, a .npy file or
+ * a blend "W1 P1 W2 P2 ..." of them (Megatron's --data-path form).  Each
+ * source's documents are split into contiguous train / validation / test
+ * ranges by the weights; every epoch of a split shuffles its document
+ * order, packs the documents into one stream (no token inserted between
+ * them), cuts it into samples of T + 1 tokens (consecutive samples share
+ * one token) and shuffles the samples, all from the seed.  A blend picks
+ * the source of each sample by Megatron's greedy rule (the source furthest
+ * below its weight's share).  The corpus reads the train split;
+ * epj_corpus_fork streams 1 and 2 read validation and test from their
+ * start. */
+epj_corpus *epj_corpus_dataset(epj_ctx *ctx, const char *spec,
+			       const epj_data_opts *o);
+/* Tokens of split (0 train, 1 validation, 2 test) of a dataset corpus: the
+ * least over the blend's sources; UINT64_MAX for other corpora. */
+uint64_t epj_corpus_split_tokens(const epj_corpus *c, int split);
 
 /* ---- distributed runs -------------------------------------------------------
  * One process per rank, started by an MPI launcher (mpirun, srun).  The

@@ -34,7 +34,9 @@
  *    time).  A guard miss at the limit runs the original forward eagerly.
  *
  * Counters kept here: frames.total (traces started), frames.ok (variants
- * compiled), recompiles (variants beyond a region's first), and
+ * compiled), recompiles (variants beyond a region's first compiled because
+ * a call's guards failed, as Dynamo counts them), frames.precompiled
+ * (variants compiled ahead of their first call by a warm-up) and
  * frames.fallback_eager (calls run eagerly because of the limit).  The jit
  * keeps the others (stats.*, graph_break.*, cache.*, compile.*).
  */
@@ -98,6 +100,32 @@ void ej_compile_inject_failure(epj_engine *e, int region_index)
 	inject_index = region_index;
 }
 
+/* A wrong compiled kernel on purpose, for the parity harness's own tests
+ * (t/check_parity.c): while rel is not 0, every call of a compiled variant
+ * returns its floating outputs scaled by (1 + rel).  A global for the same
+ * reason as the failure injection above. */
+static double perturb_rel;
+
+void ej_compile_test_perturb(double rel);
+void ej_compile_test_perturb(double rel)
+{
+	perturb_rel = rel;
+}
+
+static epj_status perturb_outputs(epj_ctx *ctx, epj_tensor **out, int n_out)
+{
+	for (int j = 0; j < n_out; j++) {
+		if (!out[j] || !epj_dtype_is_float(epj_tensor_dtype(out[j])))
+			continue;
+		epj_tensor *t = epj_mul_scalar(ctx, out[j], 1.0 + perturb_rel);
+		if (!t)
+			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		epj_tensor_free(out[j]);
+		out[j] = t;
+	}
+	return EPJ_OK;
+}
+
 /* ---- parameter table ----------------------------------------------------- */
 
 static epj_status params_push(epj_ctx *ctx, region *r, epj_tensor *t)
@@ -141,6 +169,56 @@ static epj_status params_refresh(epj_ctx *ctx, region *r)
 {
 	r->n_params = 0;
 	return params_walk(ctx, r, r->m);
+}
+
+/* Fills names[n..cap) with the full names of the parameters of m's
+ * subtree in params_walk's order (slot i of the region's table is
+ * names[i]); returns n plus the parameters walked.  A name that cannot be
+ * allocated stays NULL (dumped as ""). */
+static int names_walk(const region *r, const epj_module *m, char **names,
+		      int cap, int n)
+{
+	if (m != r->m && m->compiler_disabled)
+		return n;
+	for (int i = 0; i < m->n_params; i++) {
+		if (n < cap) {
+			size_t len =
+			    strlen(m->name) + strlen(m->param_names[i]) + 2;
+			names[n] = malloc(len);
+			if (names[n])
+				snprintf(names[n], len, "%s%s%s", m->name,
+					 m->name[0] ? "." : "",
+					 m->param_names[i]);
+		}
+		n++;
+	}
+	for (int i = 0; i < m->n_children; i++)
+		n = names_walk(r, m->children[i], names, cap, n);
+	return n;
+}
+
+static const char *module_path(const void *callee)
+{
+	const epj_module *m = callee;
+	return m ? (m->name[0] ? m->name : "<root>") : "";
+}
+
+/* EPJIT_DEBUG_DUMP: the provenance line of r's newest variant f. */
+static void dump_provenance(const region *r, const ej_region_fn *f)
+{
+	if (!ej_debug_dump_dir())
+		return;
+	char **names = calloc((size_t)r->n_params + 1, sizeof *names);
+	if (!names)
+		return;
+	int n = names_walk(r, r->m, names, r->n_params, 0);
+	if (n > r->n_params)
+		n = r->n_params;
+	ej_debug_dump_provenance(f, r->name, r->m->kind, r->n_variants,
+				 (const char *const *)names, n, module_path);
+	for (int i = 0; i < n; i++)
+		free(names[i]);
+	free(names);
 }
 
 /* ej_param_slot_fn: pointer identity against the table. */
@@ -254,6 +332,7 @@ static epj_status compile_variant(epj_ctx *ctx, region *r,
 	}
 	r->variants[r->n_variants++] = f;
 	epj_counter_add(ctx, "frames.ok", 1);
+	dump_provenance(r, f);
 	*out = f;
 	return EPJ_OK;
 }
@@ -278,15 +357,27 @@ static void explain_miss(const region *r, const epj_ctx *ctx,
 	}
 }
 
-/* Before a region compiles a variant beyond its first: counts the
- * recompile and logs (and dumps) why no variant accepted the call. */
+/* Before a region compiles a variant beyond its first.  For a call that
+ * no variant's guards accept (warm == false), counts it in `recompiles`, as
+ * Dynamo counts a recompile, and logs (and dumps) why.  A variant compiled
+ * ahead of its first call (epj_engine_precompile, epjit-warmup: warm ==
+ * true) is no guard failure: it counts in frames.precompiled instead and
+ * is logged as such. */
 static void note_recompile(epj_ctx *ctx, const region *r, epj_tensor *const *in,
-			   int n_in)
+			   int n_in, bool warm)
 {
+	if (warm)
+		epj_counter_add(ctx, "frames.precompiled", 1);
 	if (r->n_variants == 0)
 		return;
 	char why[1024];
 	explain_miss(r, ctx, in, n_in, why, sizeof why);
+	if (warm) {
+		epj_log_msg(EPJ_LOG_INFO,
+			    "region \"%s\": precompiling variant %d: %s",
+			    r->name, r->n_variants + 1, why);
+		return;
+	}
 	epj_log_msg(EPJ_LOG_INFO, "region \"%s\": recompiling (variant %d): %s",
 		    r->name, r->n_variants + 1, why);
 	ej_debug_dump_recompile(r->name, r->n_variants + 1, why);
@@ -330,7 +421,7 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 		return m->orig_forward(ctx, m, in, n_in, out, n_out);
 	}
 	if (!f) {
-		note_recompile(ctx, r, in, n_in);
+		note_recompile(ctx, r, in, n_in, false);
 		st = compile_variant(ctx, r, in, n_in, n_out, &f);
 		if (st != EPJ_OK)
 			return st;
@@ -344,6 +435,8 @@ static epj_status region_forward(epj_ctx *ctx, epj_module *m,
 	r->compiled_calls++;
 	r->compiled_launches +=
 	    epj_counter_get(ctx, "kernels.launched.compiled") - k0;
+	if (st == EPJ_OK && perturb_rel != 0)
+		st = perturb_outputs(ctx, out, n_out);
 	return st;
 }
 
@@ -665,6 +758,11 @@ epj_status epj_engine_compile(epj_engine *e)
 	return EPJ_OK;
 }
 
+const char *ej_engine_backend_name(const epj_engine *e)
+{
+	return e->compiled ? ej_backend_name(e->compiled->backend) : "none";
+}
+
 const char *epj_engine_compile_mode(const epj_engine *e)
 {
 	if (!e->compiled)
@@ -790,7 +888,7 @@ static epj_status warm_call(epj_ctx *ctx, region *r, const ej_region_arg *a,
 				     shown(r->name), r->owner->recompile_limit);
 		} else {
 			ej_region_fn *f = NULL;
-			note_recompile(ctx, r, in, n_in);
+			note_recompile(ctx, r, in, n_in, true);
 			st = compile_variant(ctx, r, in, n_in, n_out, &f);
 			if (st == EPJ_OK)
 				(*n_variants)++;

@@ -340,6 +340,22 @@ epj_status epj_engine_initialize(epj_ctx *ctx, epj_model *model,
 	return engine_new(ctx, model, &cfg, out);
 }
 
+epj_status epj_engine_initialize_auto(epj_ctx *ctx, epj_model *model,
+				      const char *ds_config_path,
+				      const char *auto_json, epj_engine **out)
+{
+	ej_config cfg;
+	epj_status st;
+	*out = NULL;
+	if (ds_config_path)
+		st = ej_config_load_auto(ctx, ds_config_path, auto_json, &cfg);
+	else
+		st = ej_config_parse(ctx, "{}", "<defaults>", &cfg);
+	if (st != EPJ_OK)
+		return st;
+	return engine_new(ctx, model, &cfg, out);
+}
+
 epj_status epj_engine_initialize_json(epj_ctx *ctx, epj_model *model,
 				      const char *json, const char *source,
 				      epj_engine **out)
@@ -378,17 +394,23 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	if (!labels)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"train_step: labels are required");
+	epj_tensor *logits = NULL;
 	ej_prof_begin(ctx, &pf);
-	epj_status st =
-	    epj_model_forward(ctx, e->model, input_ids, labels, NULL, &loss);
+	epj_status st = epj_model_forward(ctx, e->model, input_ids, labels,
+					  e->probe ? &logits : NULL, &loss);
 	ej_prof_end(ctx, &pf, "forward");
-	if (st != EPJ_OK)
+	if (st != EPJ_OK) {
+		epj_tensor_free(logits);
 		return st;
+	}
 	double lv = epj_tensor_get_f64(loss, 0);
 	ej_prof_begin(ctx, &pf);
 	st = epj_backward(ctx, loss, NULL);
 	ej_prof_end(ctx, &pf, "backward");
 	epj_tensor_free(loss);
+	if (st == EPJ_OK && e->probe)
+		st = e->probe->on_backward(e->probe->self, e, logits, lv);
+	epj_tensor_free(logits);
 	ej_prof_begin(ctx, &pf);
 	if (st == EPJ_OK)
 		st = ej_optim_accumulate(e->optim);
@@ -534,9 +556,26 @@ int64_t epj_engine_step_count(const epj_engine *e)
 	return e->step;
 }
 
+int64_t epj_engine_micro_step_count(const epj_engine *e)
+{
+	return e->micro_step;
+}
+
 bool epj_engine_bf16(const epj_engine *e)
 {
 	return e->cfg.bf16_enabled;
+}
+
+int epj_engine_zero_stage(const epj_engine *e)
+{
+	return e->cfg.zero.stage;
+}
+
+int epj_engine_ep_size(const epj_engine *e)
+{
+	return e->cfg.expert_parallel.enabled
+		   ? e->cfg.expert_parallel.autoep_size
+		   : 1;
 }
 
 epj_model *epj_engine_model(epj_engine *e)
@@ -874,6 +913,15 @@ static epj_status engine_save_file(epj_engine *e, const char *path,
 	if (st == EPJ_OK)
 		st = add_meta_i64(w, "optimizer_steps",
 				  ej_optim_step_count(e->optim));
+	/* the model's config.json, so that epjit-ckpt can rebuild the
+	 * parameter shapes of the ZeRO partitions without being told */
+	char *mc =
+	    st == EPJ_OK ? ej_model_config_json(&e->model->cfg, NULL) : NULL;
+	if (st == EPJ_OK)
+		st = mc ? epj_st_writer_set_metadata(w, "model_config", mc)
+			: ej_error(ctx, EPJ_ERR_NOMEM,
+				   "checkpoint '%s': out of memory", path);
+	free(mc);
 	if (st == EPJ_OK)
 		st = epj_st_writer_save(w, path);
 	epj_st_writer_free(w);
@@ -1022,11 +1070,37 @@ static epj_status check_set_file(epj_ctx *ctx, const ej_ckpt_set *set,
  * plain weights on every rank (an HF checkpoint: every rank takes its
  * parameters).  Either way the ranks compare their counters before
  * anything is copied. */
+/* A Hugging Face folder (epjit-ckpt to-hf, save_pretrained) loads as its
+ * model.safetensors into hf[n]; a folder of shards is refused by name. */
+static epj_status hf_folder(epj_ctx *ctx, const char *path, char *hf, size_t n)
+{
+	snprintf(hf, n, "%s/model.safetensors.index.json", path);
+	if (file_exists(hf))
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: a folder of safetensors shards (%s): load "
+				"takes one file; export it as one with "
+				"'epjit-ckpt to-hf CKPT DIR --max-shard-size "
+				"BYTES' above its size",
+				path, hf);
+	snprintf(hf, n, "%s/model.safetensors", path);
+	if (!file_exists(hf))
+		return ej_error(ctx, EPJ_ERR_IO,
+				"%s: a folder without model.safetensors", path);
+	return EPJ_OK;
+}
+
 epj_status epj_engine_load(epj_engine *e, const char *path)
 {
 	epj_ctx *ctx = e->ctx;
 	ej_comm *world = multi_world(e);
-	char f[4096];
+	char f[4096], hf[3968];
+	struct stat sb;
+	if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+		epj_status hs = hf_folder(ctx, path, hf, sizeof hf);
+		if (hs != EPJ_OK)
+			return hs;
+		path = hf;
+	}
 	ej_sweep_tmp(path);
 	if (!world) {
 		char *text = NULL;
@@ -1046,8 +1120,10 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			    ctx, EPJ_ERR_UNSUPPORTED,
 			    "%s: the record of a checkpoint of %" PRId64
 			    " ranks: resume it under mpirun with the world "
-			    "size it was saved with",
-			    path, w);
+			    "size it was saved with, or rewrite it for this "
+			    "world with 'epjit-ckpt reshard %s --world 1 OUT' "
+			    "(see 'epjit-ckpt info %s')",
+			    path, w, path, path);
 		}
 		rank_file(f, sizeof f, path, 0);
 		if (!file_exists(path) && file_exists(f))
@@ -1055,8 +1131,10 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 			    ctx, EPJ_ERR_UNSUPPORTED,
 			    "%s: a checkpoint of several ranks (%s, ...): "
 			    "resume it under mpirun with the world size it "
-			    "was saved with",
-			    path, f);
+			    "was saved with, or rewrite it for this world "
+			    "with 'epjit-ckpt reshard %s --world 1 OUT' (see "
+			    "'epjit-ckpt info %s')",
+			    path, f, path, path);
 		return engine_load_file(e, path, false, NULL, NULL);
 	}
 	ej_ckpt_set set;
@@ -1068,9 +1146,11 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 	if (have && set.world != world->size) {
 		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 			      "%s: saved by a world of %" PRId64 " ranks; "
-			      "this run has %d: resuming on another world "
-			      "size is not supported",
-			      path, set.world, world->size);
+			      "this run has %d: rewrite it for this world "
+			      "with 'epjit-ckpt reshard %s --world %d OUT' "
+			      "(see 'epjit-ckpt info %s')",
+			      path, set.world, world->size, path, world->size,
+			      path);
 		ej_ckpt_set_free(&set);
 		return st;
 	}
@@ -1108,17 +1188,21 @@ static epj_status check_world_meta(epj_engine *e, const epj_st_file *f,
 		return ej_error(
 		    e->ctx, EPJ_ERR_UNSUPPORTED,
 		    "%s: saved by rank %lld of a world of %s ranks; "
-		    "this is rank %d of %d: resuming on another "
-		    "world size is not supported",
+		    "this is rank %d of %d: rewrite the checkpoint for "
+		    "this world with 'epjit-ckpt reshard CKPT --world %d "
+		    "OUT' (see 'epjit-ckpt info CKPT')",
 		    path, (long long)meta_int(f, "rank"), ws ? ws : "1",
-		    world->rank, world->size);
+		    world->rank, world->size, world->size);
 	if (zs != e->cfg.zero.stage || es != e->cfg.expert_parallel.autoep_size)
 		return ej_error(e->ctx, EPJ_ERR_UNSUPPORTED,
 				"%s: saved with zero_optimization.stage=%lld "
 				"and expert_parallel.autoep_size=%lld; this "
-				"run has %d and %d: the partitions differ",
+				"run has %d and %d: the partitions differ "
+				"(an EP size: 'epjit-ckpt reshard CKPT "
+				"--world %d --ep %d OUT')",
 				path, (long long)zs, (long long)es,
 				e->cfg.zero.stage,
+				e->cfg.expert_parallel.autoep_size, world->size,
 				e->cfg.expert_parallel.autoep_size);
 	return EPJ_OK;
 }
@@ -1135,18 +1219,30 @@ static epj_status load_check(epj_engine *e, epj_st_file *f, const char *path,
 	    e->model->has_groups && e->model->groups.ep->size > 1;
 	if (rank_file)
 		st = check_world_meta(e, f, path);
+	else if (epj_st_metadata(f, "world_size") && epj_st_metadata(f, "rank"))
+		st = ej_error(
+		    ctx, EPJ_ERR_UNSUPPORTED,
+		    "%s: one rank's file (rank %s) of a checkpoint of %s "
+		    "ranks, not a checkpoint: load the set through its "
+		    "record (the path without \".g<G>.rank<R>\"), or merge "
+		    "it with 'epjit-ckpt reshard CKPT --world %d OUT' (see "
+		    "'epjit-ckpt info CKPT')",
+		    path, epj_st_metadata(f, "rank"),
+		    epj_st_metadata(f, "world_size"),
+		    multi_world(e) ? multi_world(e)->size : 1);
 	else if (multi_world(e) && epj_st_metadata(f, "format") &&
 		 !strcmp(epj_st_metadata(f, "format"), CKPT_FORMAT))
 		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 			      "%s: a training checkpoint of a world of %s "
-			      "rank(s); this run has %d ranks: resuming on "
-			      "another world size is not supported (its "
-			      "weights alone load from an HF checkpoint)",
+			      "rank(s); this run has %d ranks: rewrite it "
+			      "for this world with 'epjit-ckpt reshard %s "
+			      "--world %d OUT' (its weights alone load from "
+			      "an HF checkpoint: 'epjit-ckpt to-hf')",
 			      path,
 			      epj_st_metadata(f, "world_size")
 				  ? epj_st_metadata(f, "world_size")
 				  : "1",
-			      multi_world(e)->size);
+			      multi_world(e)->size, path, multi_world(e)->size);
 	/* Every name in the file must be known: a parameter or optimizer
 	 * state (or, with sharded experts, another rank's expert).  Every
 	 * parameter must be present. */
@@ -1399,14 +1495,51 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 	return st;
 }
 
-bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n)
+/* A monitor's folder: output_path/job_name, or job_name alone when
+ * output_path is "" (DeepSpeed's os.path.join: trailing slashes of
+ * output_path are not doubled, "logs/" gives logs/job). */
+static bool monitor_dir(const struct ej_csv_monitor_config *m, char *dir,
+			size_t n)
 {
-	const struct ej_csv_monitor_config *m = &e->cfg.csv_monitor;
 	if (!m->enabled)
 		return false;
-	if (m->output_path[0])
-		snprintf(dir, n, "%s/%s", m->output_path, m->job_name);
+	int len = (int)strlen(m->output_path);
+	while (len > 1 && m->output_path[len - 1] == '/')
+		len--;
+	if (len == 1 && m->output_path[0] == '/')
+		snprintf(dir, n, "/%s", m->job_name);
+	else if (len > 0)
+		snprintf(dir, n, "%.*s/%s", len, m->output_path, m->job_name);
 	else
 		snprintf(dir, n, "%s", m->job_name);
+	return true;
+}
+
+bool epj_engine_csv_monitor_dir(const epj_engine *e, char *dir, size_t n)
+{
+	return monitor_dir(&e->cfg.csv_monitor, dir, n);
+}
+
+bool epj_engine_tensorboard_dir(const epj_engine *e, char *dir, size_t n)
+{
+	return monitor_dir(&e->cfg.tensorboard, dir, n);
+}
+
+const char *epj_engine_data_path(const epj_engine *e)
+{
+	return e && e->cfg.data.path[0] ? e->cfg.data.path : NULL;
+}
+
+const char *epj_engine_data_split(const epj_engine *e)
+{
+	return e && e->cfg.data.split[0] ? e->cfg.data.split : NULL;
+}
+
+bool epj_engine_data_seed(const epj_engine *e, uint64_t *seed)
+{
+	if (!e || !e->cfg.data.seed_given)
+		return false;
+	if (seed)
+		*seed = (uint64_t)e->cfg.data.seed;
 	return true;
 }

@@ -26,33 +26,20 @@
 
 /* Keys the model builder reads or checks; all others are "unused". */
 static const char *const used_keys[] = {
-	"vocab_size",
-	"hidden_size",
-	"num_hidden_layers",
-	"num_attention_heads",
-	"num_key_value_heads",
-	"head_dim",
-	"intermediate_size",
-	"moe_intermediate_size",
-	"num_experts",
-	"num_experts_per_tok",
-	"norm_topk_prob",
-	"decoder_sparse_step",
-	"mlp_only_layers",
-	"rms_norm_eps",
-	"rope_theta",
-	"rope_parameters",
-	"max_position_embeddings",
-	"tie_word_embeddings",
-	"initializer_range",
-	"torch_dtype",
-	"use_sliding_window",
-	"attention_bias",
-	"rope_scaling",
-	"hidden_act",
-	"model_type",
-	"attention_dropout",
-	"output_router_logits",
+	"vocab_size",	       "hidden_size",
+	"num_hidden_layers",   "num_attention_heads",
+	"num_key_value_heads", "head_dim",
+	"intermediate_size",   "moe_intermediate_size",
+	"num_experts",	       "num_local_experts",
+	"num_experts_per_tok", "norm_topk_prob",
+	"decoder_sparse_step", "mlp_only_layers",
+	"rms_norm_eps",	       "rope_theta",
+	"rope_parameters",     "max_position_embeddings",
+	"tie_word_embeddings", "initializer_range",
+	"torch_dtype",	       "use_sliding_window",
+	"attention_bias",      "rope_scaling",
+	"hidden_act",	       "model_type",
+	"attention_dropout",   "output_router_logits",
 };
 
 typedef struct mp {
@@ -358,10 +345,50 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			      "embeddings rotate pairs of dimensions",
 			      m->head_dim);
 
-	/* Experts. */
+	/* Experts: "num_experts" (transformers 4's Qwen3-MoE spelling) or
+	 * "num_local_experts" (the spelling transformers 5 writes); both given
+	 * must agree.  Neither given in a config that has MoE keys
+	 * (num_experts_per_tok, moe_intermediate_size) or says qwen3_moe is an
+	 * error, never a dense model: transformers itself would build 128
+	 * experts there (its default), so a dense model would silently train
+	 * something else. */
 	x = 0;
+	int64_t xl = 0;
+	bool given_l = false;
 	if ((s = rd_int(p, "num_experts", 0, &x, &given)))
 		return s;
+	if ((s = rd_int(p, "num_local_experts", 0, &xl, &given_l)))
+		return s;
+	if (given && given_l && x != xl)
+		return mp_err(p,
+			      "\"num_experts\" (%" PRId64
+			      ") and \"num_local_experts\" (%" PRId64
+			      ") disagree: they name the same expert count",
+			      x, xl);
+	if (!given && given_l) {
+		x = xl;
+		given = true;
+	}
+	if (!given) {
+		json_t *mt = json_object_get(p->root, "model_type");
+		const char *moe_key =
+		    json_object_get(p->root, "num_experts_per_tok")
+			? "num_experts_per_tok"
+		    : json_object_get(p->root, "moe_intermediate_size")
+			? "moe_intermediate_size"
+		    : json_is_string(mt) &&
+			    !strcmp(json_string_value(mt), "qwen3_moe")
+			? "model_type \"qwen3_moe\""
+			: NULL;
+		if (moe_key)
+			return mp_err(
+			    p,
+			    "no expert count: looked for "
+			    "\"num_experts\" and \"num_local_experts\" "
+			    "and found neither, but the config has "
+			    "%s; set one (0 for a dense model)",
+			    moe_key);
+	}
 	if (x > (1 << 16)) /* the AutoEP layer's limit */
 		return mp_err(p,
 			      "\"num_experts\" (%" PRId64 ") is out of range "
@@ -497,6 +524,105 @@ epj_status ej_model_config_load(epj_ctx *ctx, const char *path,
 	return s;
 }
 
+/* One "KEY=VALUE" edit of root (the config of src). */
+static epj_status apply_override(epj_ctx *ctx, const char *src, json_t *root,
+				 const char *ov)
+{
+	const char *eq = strchr(ov, '=');
+	if (!eq || eq == ov)
+		return ej_config_error(
+		    ctx, src, "override \"%.200s\" must be KEY=VALUE", ov);
+	char key[128];
+	if ((size_t)(eq - ov) >= sizeof key)
+		return ej_config_error(ctx, src,
+				       "override \"%.200s\": the key is too "
+				       "long",
+				       ov);
+	memcpy(key, ov, (size_t)(eq - ov));
+	key[eq - ov] = '\0';
+	/* The file's own keys, then those the model reads. */
+	const char *cands[256 + EJ_ARRAY_LEN(used_keys)];
+	int n = 0;
+	bool known = false;
+	const char *k;
+	json_t *v;
+	json_object_foreach(root, k, v)
+	{
+		if (n < 256)
+			cands[n++] = k;
+		known |= strcmp(k, key) == 0;
+	}
+	for (size_t i = 0; i < EJ_ARRAY_LEN(used_keys); i++) {
+		cands[n++] = used_keys[i];
+		known |= strcmp(used_keys[i], key) == 0;
+	}
+	if (!known) {
+		const char *near = ej_nearest_key(key, cands, n);
+		char hint[200] = "";
+		if (near)
+			snprintf(hint, sizeof hint, " (did you mean \"%s\"?)",
+				 near);
+		return ej_config_error(ctx, src,
+				       "override \"%.200s\": unknown key "
+				       "\"%s\"%s: it is neither in the file "
+				       "nor a key the model reads",
+				       ov, key, hint);
+	}
+	const char *text = eq + 1;
+	json_t *val = json_loads(text, JSON_DECODE_ANY, NULL);
+	if (!val)
+		val = json_string(text); /* a bare word: silu, bfloat16 */
+	if (!val)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"config error in %s: out of memory", src);
+	if (json_is_object(val) || json_is_array(val)) {
+		json_decref(val);
+		return ej_config_error(ctx, src,
+				       "override \"%.200s\": the value must be "
+				       "a JSON scalar (integer, real, true, "
+				       "false, null or a string)",
+				       ov);
+	}
+	if (json_object_set_new(root, key, val) != 0)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"config error in %s: out of memory", src);
+	epj_log_msg(EPJ_LOG_INFO, "%s: override %s", src, ov);
+	return EPJ_OK;
+}
+
+epj_status ej_model_config_load_overrides(epj_ctx *ctx, const char *path,
+					  const char *const *overrides, int n,
+					  ej_model_config *out)
+{
+	EJ_ASSERT(out && path && n >= 0 && (n == 0 || overrides));
+	if (n == 0)
+		return ej_model_config_load(ctx, path, out);
+	memset(out, 0, sizeof *out);
+	char *text = ej_config_read_file(ctx, path);
+	if (!text)
+		return epj_ctx_status(ctx);
+	json_t *root;
+	epj_status s = ej_config_json_object(ctx, text, path, &root);
+	free(text);
+	if (s != EPJ_OK)
+		return s;
+	for (int i = 0; i < n && s == EPJ_OK; i++)
+		s = apply_override(ctx, path, root, overrides[i]);
+	if (s == EPJ_OK) {
+		/* the edited file, as text for the one parser (17 digits:
+		 * every double reads back exactly) */
+		char *edited = json_dumps(root, JSON_PRESERVE_ORDER |
+						    JSON_REAL_PRECISION(17));
+		s = edited
+			? ej_model_config_parse(ctx, edited, path, out)
+			: ej_error(ctx, EPJ_ERR_NOMEM,
+				   "config error in %s: out of memory", path);
+		free(edited);
+	}
+	json_decref(root);
+	return s;
+}
+
 void ej_model_config_tiny(ej_model_config *m)
 {
 	model_defaults(m);
@@ -524,4 +650,66 @@ bool ej_model_layer_is_moe(const ej_model_config *m, int layer)
 		if (m->mlp_only_layers[i] == layer)
 			return false;
 	return m->num_experts > 0 && (layer + 1) % m->decoder_sparse_step == 0;
+}
+
+char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
+{
+	json_t *o = json_object(), *only = json_array();
+	bool ok = o && only;
+	for (int i = 0; ok && i < m->n_mlp_only_layers; i++)
+		ok = !json_array_append_new(
+		    only, json_integer(m->mlp_only_layers[i]));
+	const char *dt = torch_dtype	     ? torch_dtype
+			 : m->torch_dtype[0] ? m->torch_dtype
+					     : "float32";
+	json_t *arch = json_pack("[s]", "Qwen3MoeForCausalLM");
+	ok = ok && arch && !json_object_set_new(o, "architectures", arch);
+	if (!ok)
+		json_decref(arch);
+	/* HF's key order of Qwen3MoeConfig.to_dict is not needed by any
+	 * reader; this is the order of t/models/byte.json */
+	struct {
+		const char *k;
+		json_t *v;
+	} kv[] = {
+		{ "model_type", json_string("qwen3_moe") },
+		{ "vocab_size", json_integer(m->vocab_size) },
+		{ "hidden_size", json_integer(m->hidden_size) },
+		{ "num_hidden_layers", json_integer(m->num_hidden_layers) },
+		{ "num_attention_heads", json_integer(m->num_attention_heads) },
+		{ "num_key_value_heads", json_integer(m->num_key_value_heads) },
+		{ "head_dim", json_integer(m->head_dim) },
+		{ "intermediate_size", json_integer(m->intermediate_size) },
+		{ "moe_intermediate_size",
+		  json_integer(m->moe_intermediate_size) },
+		{ "num_experts", json_integer(m->num_experts) },
+		{ "num_experts_per_tok", json_integer(m->num_experts_per_tok) },
+		{ "norm_topk_prob", json_boolean(m->norm_topk_prob) },
+		{ "decoder_sparse_step", json_integer(m->decoder_sparse_step) },
+		{ "mlp_only_layers", json_incref(only) },
+		{ "hidden_act", json_string("silu") },
+		{ "rms_norm_eps", json_real(m->rms_norm_eps) },
+		{ "rope_theta", json_real(m->rope_theta) },
+		{ "max_position_embeddings",
+		  json_integer(m->max_position_embeddings) },
+		{ "initializer_range", json_real(m->initializer_range) },
+		{ "tie_word_embeddings", json_boolean(m->tie_word_embeddings) },
+		{ "attention_bias", json_false() },
+		{ "attention_dropout", json_real(0.0) },
+		{ "use_sliding_window", json_false() },
+		{ "output_router_logits", json_false() },
+		{ "torch_dtype", json_string(dt) },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(kv); i++) {
+		if (ok && kv[i].v)
+			ok = !json_object_set_new(o, kv[i].k, kv[i].v);
+		else
+			ok = false, json_decref(kv[i].v);
+	}
+	char *text = ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER |
+					    JSON_REAL_PRECISION(17))
+			: NULL;
+	json_decref(only);
+	json_decref(o);
+	return text;
 }

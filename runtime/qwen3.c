@@ -561,7 +561,14 @@ epj_status epj_model_new(epj_ctx *ctx, const char *config_path,
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	epj_status st = EPJ_OK;
 	if (config_path)
-		st = ej_model_config_load(ctx, config_path, &m->cfg);
+		st = ej_model_config_load_overrides(
+		    ctx, config_path, opts->config_overrides,
+		    opts->n_config_overrides, &m->cfg);
+	else if (opts->n_config_overrides > 0)
+		st = ej_error(ctx, EPJ_ERR_INVALID,
+			      "model config overrides (\"%s\" ...) need a "
+			      "config.json: the built-in tiny model has none",
+			      opts->config_overrides[0]);
 	else
 		ej_model_config_tiny(&m->cfg);
 	if (st != EPJ_OK) {

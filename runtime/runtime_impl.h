@@ -150,15 +150,17 @@ epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
  * generation keep is committed. */
 void ej_ckpt_set_prune(const char *path, int rank, int64_t keep);
 
-/* ---- comm (comm.c, comm_self.c, comm_mpi.c)
+/* ---- comm (comm.c, comm_self.c, comm_mpi.c, comm_nccl.c)
  * ------------------------------------------------------------ */
 
 /* Collective backends (vtable), one file per backend: `self` (a world of
- * one, comm_self.c) and `mpi` (Open MPI, comm_mpi.c; built with HAVE_MPI).
- * Counts and offsets are in rows of `row` bytes; displacements are the
- * prefix sums of the counts (rows to / from rank p are contiguous, in rank
- * order).  Buffers are host memory.  Members after `destroy` are optional
- * in hand-made test comms (NULL: the wrappers below report "not
+ * one, comm_self.c), `mpi` (Open MPI, comm_mpi.c; built with HAVE_MPI) and
+ * `nccl` (NCCL loaded with dlopen, comm_nccl.c, below).  Counts and offsets
+ * are in rows of `row` bytes; displacements are the prefix sums of the
+ * counts (rows to / from rank p are contiguous, in rank order).  Buffers
+ * are host memory, except those of the data members of an `nccl` comm,
+ * which are device memory (see ej_comm_nccl_new).  Members after `destroy` are
+ * optional in hand-made test comms (NULL: the wrappers below report "not
  * provided").  A failure returns a status; `error` (when set) gives its
  * text: the call, the file:line, the backend's message, group and rank.
  * Blocking members wait at most `timeout_s` seconds (a vanished peer never
@@ -166,7 +168,7 @@ void ej_ckpt_set_prune(const char *path, int rank, int64_t keep);
  * call fails at once. */
 typedef struct ej_comm_req ej_comm_req; /* a posted non-blocking call */
 typedef struct ej_comm {
-	const char *name; /* backend: "self", "mpi" */
+	const char *name; /* backend: "self", "mpi", "nccl" */
 	int rank, size;
 	void *self;
 	/* send[i] rows to rank i, receive recv[i] rows from rank i. */
@@ -209,6 +211,9 @@ typedef struct ej_comm {
 } ej_comm;
 ej_comm *ej_comm_self_new(void);
 void ej_comm_free(ej_comm *c);
+/* The counter-name part of a collective's purpose (comm.<part>.bytes):
+ * words joined by dots, parentheses dropped, never a blank; n >= 1. */
+void ej_comm_purpose_part(const char *what, char *out, size_t n);
 
 /* The process's world (borrowed, never NULL after ej_comm_world_init or
  * on first use): `mpi` when epj_dist_init started MPI, else `self`. */
@@ -319,6 +324,15 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 /* The last forward's expert assignment: [N, top_k] i64 (borrowed; NULL
  * before the first call). */
 epj_tensor *ej_autoep_last_routing(const epj_module *m);
+/* From now on, m records the routing of every call (forward and
+ * checkpoint replay) in call order; a second start clears the record.  A
+ * no-op for other modules.  ej_autoep_routing_log: the number of calls
+ * recorded, *calls their [N, top_k] i64 assignments and *replay whether
+ * each was a replay (both borrowed, valid until the next call of m); 0 for
+ * other modules. */
+void ej_autoep_routing_log_start(epj_module *m);
+int ej_autoep_routing_log(const epj_module *m, epj_tensor *const **calls,
+			  const bool **replay);
 /* Shards an AutoEP layer built over a world of one over the expert-parallel
  * group ep (borrowed; must outlive the layer): the layer keeps experts
  * [ep->rank * E / P, (ep->rank + 1) * E / P) (named by their global index)
@@ -392,7 +406,90 @@ struct epj_engine {
 	/* its counterparts of the model's EP and EDP groups (owned; NULL
 	 * where the group has one rank or there is no dev_comm) */
 	ej_comm *dev_ep, *dev_edp;
+	/* an observer of epj_engine_train_step (the parity harness), NULL:
+	 * none */
+	const struct ej_step_probe *probe;
 };
+
+/* With e->probe set, train_step asks the forward for the logits too and,
+ * after the backward and before the gradients reach the optimizer, calls
+ * on_backward with the logits ([B, T, V], borrowed for the call) and the
+ * loss; an error from it ends the step there. */
+typedef struct ej_step_probe {
+	void *self;
+	epj_status (*on_backward)(void *self, epj_engine *e, epj_tensor *logits,
+				  double loss);
+} ej_step_probe;
+
+/* The name of the backend the compiled regions run on ("c", "cuda-sim",
+ * "nvrtc", ...), "none" before compile -- compile.c. */
+const char *ej_engine_backend_name(const epj_engine *e);
+
+/* ---- parity harness internals (parity.c) ---------------------------------
+ * The comparisons epj_parity_run makes, callable on their own so that the
+ * tests can feed them known-bad signals. */
+
+typedef enum ej_parity_qty {
+	EJ_PARITY_OUTPUT, /* logits */
+	EJ_PARITY_LOSS,
+	EJ_PARITY_GRAD,	  /* gradients, per parameter */
+	EJ_PARITY_UPDATE, /* FP32 master updates, per parameter */
+} ej_parity_qty;
+
+/* A tensor passes when |got - ref| <= atol + rtol * |ref| for every
+ * element and ||got - ref|| / ||ref|| <= rel_l2. */
+typedef struct ej_parity_tol {
+	double atol, rtol, rel_l2;
+} ej_parity_tol;
+
+/* The harness's tolerance of quantity q (the table in parity.c). */
+ej_parity_tol ej_parity_tolerance(ej_parity_qty q, bool bf16);
+
+/* The comparison of a list of tensors, one by one; zero-initialise. */
+typedef struct ej_parity_diff {
+	double max_abs;	  /* largest |got - ref| */
+	double worst_rel; /* largest relative L2 distance of one tensor */
+	int64_t n;	  /* elements compared */
+	int n_tensors;	  /* tensors compared (present on either side) */
+	int n_bad;	  /* of them out of tolerance, missing on one side,
+			     of another size or non-finite where ref is not */
+	int first_bad;	  /* index + 1 of the first bad one, 0: none */
+} ej_parity_diff;
+
+/* Adds tensor `index`: got against ref under tol.  Both NULL: absent,
+ * not counted; one NULL: bad. */
+void ej_parity_diff_add(epj_ctx *ctx, ej_parity_diff *d, int index,
+			const epj_tensor *got, const epj_tensor *ref,
+			const ej_parity_tol *tol);
+/* No bad tensor and something compared (an empty list fails). */
+bool ej_parity_diff_ok(const ej_parity_diff *d);
+
+/* One call of an AutoEP layer in the measured step. */
+typedef struct ej_parity_route {
+	const char *layer;	  /* the layer's module name */
+	int call;		  /* its index among the layer's calls */
+	bool replay;		  /* a checkpoint replay */
+	const epj_tensor *assign; /* [N, top_k] i64 expert assignment */
+} ej_parity_route;
+
+/* Matches every call of ref with the call of got of the same layer and
+ * index: the kinds must agree and the assignments be equal.  *total: the
+ * assignments of ref; *mismatch: those that differ, plus all assignments
+ * (at least 1) of a call only one side made or of another kind. */
+void ej_parity_routes_compare(const ej_parity_route *got, int n_got,
+			      const ej_parity_route *ref, int n_ref,
+			      int64_t *mismatch, int64_t *total);
+
+/* One SGD step with lr 1.0 moves every parameter with a gradient by
+ * -grad: true when the updates are non-zero and within 5% relative L2 of
+ * -grad (world > 1, where the update follows the rank-averaged gradient:
+ * non-zero and within 4x of the gradient's RMS; shards skipped).  *rms:
+ * RMS of the updates, *rel: the distance (the RMS ratio at world > 1), *n:
+ * elements.  grad[i] NULL: parameter i has none; update[i] NULL where
+ * grad[i] is not: fails. */
+bool ej_parity_update_follows(epj_tensor *const *grad,
+			      epj_tensor *const *update, int n_params,
+			      int world, double *rms, double *rel, int64_t *n);
 
 /* Frees the compile state (restores every region) -- compile.c. */
 void ej_engine_compile_free(epj_engine *e);

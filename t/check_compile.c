@@ -1518,6 +1518,10 @@ START_TEST(test_precompile)
 		int64_t ft = ctr(ctx, "frames.total");
 		ck_assert_int_eq(ft, nv);
 		ck_assert_int_eq(ctr(ctx, "frames.ok"), nv);
+		/* variants compiled ahead are no guard failures (Dynamo's
+		 * recompiles): frames.precompiled, not recompiles */
+		ck_assert_int_eq(ctr(ctx, "frames.precompiled"), nv);
+		ck_assert_int_eq(ctr(ctx, "recompiles"), 0);
 		int64_t k0 = ctr(ctx, "kernels.launched.compiled");
 		epj_tensor *ids, *labels;
 		batch(ctx, B, T, &ids, &labels);
@@ -1529,12 +1533,16 @@ START_TEST(test_precompile)
 		ck_assert_int_eq(epj_engine_eval(ea, ids, labels, &la), EPJ_OK);
 		ck_assert_int_eq(ctr(ctx, "frames.total"), ft);
 		ck_assert_int_eq(ctr(ctx, "frames.fallback_eager"), 0);
+		ck_assert_int_eq(ctr(ctx, "recompiles"), 0);
 		epj_tensor_free(ids);
 		epj_tensor_free(labels);
-		/* another shape: compiled at its first call */
+		/* another shape: compiled at its first call, a guard failure
+		 * (input shape) counted as a recompile */
 		batch(ctx, B, T + 1, &ids, &labels);
 		fwd_bwd(ctx, ma, ids, labels);
 		ck_assert_int_gt(ctr(ctx, "frames.total"), ft);
+		ck_assert_int_gt(ctr(ctx, "recompiles"), 0);
+		ck_assert_int_eq(ctr(ctx, "frames.precompiled"), nv);
 		epj_tensor_free(ids);
 		epj_tensor_free(labels);
 		epj_engine_free(ea);

@@ -22,6 +22,8 @@ Suite *make_cuda_syncs_suite(void);
 Suite *make_ptxas_suite(void);
 /* t/check_kparam.c: kernel parameter sizes from images (t/fake_kparam.c) */
 Suite *make_kparam_suite(void);
+/* t/check_tensorboard.c: the trainer's TensorBoard event writer */
+Suite *make_tensorboard_suite(void);
 
 /* Every suite by name, in the order a full run takes. */
 static const struct {
@@ -73,6 +75,7 @@ static const struct {
 	{ "cuda_step", make_cuda_step_suite },
 	{ "kparam", make_kparam_suite },
 	{ "cuda_syncs", make_cuda_syncs_suite },
+	{ "tensorboard", make_tensorboard_suite },
 };
 #define N_SUITES (sizeof suites / sizeof suites[0])
 

@@ -219,6 +219,25 @@ START_TEST(test_defaults_and_tiny)
 	for (int l = 0; l < 3; l++)
 		ck_assert(!ej_model_layer_is_moe(&m, l));
 
+	/* transformers 5 spells the expert count num_local_experts: the same
+	 * MoE model, never a dense one */
+	int ne = (int)tu_randint(2, 9);
+	char js[512];
+	snprintf(js, sizeof js,
+		 "{\"vocab_size\": 100, \"hidden_size\": 64, "
+		 "\"num_hidden_layers\": 3, \"num_attention_heads\": 8, "
+		 "\"intermediate_size\": 96, \"model_type\": \"qwen3_moe\", "
+		 "\"num_local_experts\": %d, \"num_experts_per_tok\": 2, "
+		 "\"moe_intermediate_size\": 24, \"rope_parameters\": "
+		 "{\"rope_type\": \"default\", \"rope_theta\": 5e5}}",
+		 ne);
+	ck_assert_msg(ej_model_config_parse(ctx, js, "t5.json", &m) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_int_eq(m.num_experts, ne);
+	ck_assert(m.rope_theta == 5e5);
+	for (int l = 0; l < 3; l++)
+		ck_assert(ej_model_layer_is_moe(&m, l));
+
 	ej_model_config_tiny(&m);
 	ck_assert_int_eq(m.vocab_size, 64);
 	ck_assert_int_eq(m.hidden_size, 32);
@@ -252,6 +271,90 @@ START_TEST(test_defaults_and_tiny)
 }
 END_TEST
 
+/* Every field of a and b (ej_model_config_json's round trip). */
+static void same_config(const ej_model_config *a, const ej_model_config *b,
+			const char *what)
+{
+	ck_assert_msg(
+	    a->vocab_size == b->vocab_size &&
+		a->hidden_size == b->hidden_size &&
+		a->num_hidden_layers == b->num_hidden_layers &&
+		a->num_attention_heads == b->num_attention_heads &&
+		a->num_key_value_heads == b->num_key_value_heads &&
+		a->head_dim == b->head_dim &&
+		a->intermediate_size == b->intermediate_size &&
+		a->moe_intermediate_size == b->moe_intermediate_size &&
+		a->num_experts == b->num_experts &&
+		a->num_experts_per_tok == b->num_experts_per_tok &&
+		a->norm_topk_prob == b->norm_topk_prob &&
+		a->decoder_sparse_step == b->decoder_sparse_step &&
+		a->n_mlp_only_layers == b->n_mlp_only_layers &&
+		a->rms_norm_eps == b->rms_norm_eps &&
+		a->rope_theta == b->rope_theta &&
+		a->max_position_embeddings == b->max_position_embeddings &&
+		a->tie_word_embeddings == b->tie_word_embeddings &&
+		a->initializer_range == b->initializer_range,
+	    "%s: a field changed in the round trip", what);
+	for (int i = 0; i < a->n_mlp_only_layers; i++)
+		ck_assert_int_eq(a->mlp_only_layers[i], b->mlp_only_layers[i]);
+}
+
+/* ej_model_config_json writes what ej_model_config_parse reads back to the
+ * same config (the config.json of epjit-ckpt to-hf and of a checkpoint's
+ * metadata), with the torch_dtype asked for, as an HF Qwen3-MoE config. */
+START_TEST(test_config_json_roundtrip)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config a, b;
+	ej_model_config_tiny(&a);
+	char *t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "tiny", &b), EPJ_OK);
+	same_config(&a, &b, "tiny");
+	ck_assert_str_eq(b.torch_dtype, "float32");
+	json_t *o = json_loads(t, 0, NULL);
+	ck_assert_ptr_nonnull(o);
+	ck_assert_str_eq(json_string_value(json_array_get(
+			     json_object_get(o, "architectures"), 0)),
+			 "Qwen3MoeForCausalLM");
+	ck_assert_str_eq(json_string_value(json_object_get(o, "model_type")),
+			 "qwen3_moe");
+	json_decref(o);
+	free(t);
+	/* odd values: mlp-only layers, a sparse step, eps and theta that are
+	 * not short decimals, a torch_dtype of its own */
+	ck_assert_int_eq(
+	    ej_model_config_parse(
+		ctx,
+		"{\"vocab_size\": 1001, \"hidden_size\": 24, "
+		"\"num_hidden_layers\": 5, \"num_attention_heads\": 3, "
+		"\"num_key_value_heads\": 1, \"head_dim\": 6, "
+		"\"intermediate_size\": 40, \"moe_intermediate_size\": 12, "
+		"\"num_experts\": 6, \"num_experts_per_tok\": 3, "
+		"\"decoder_sparse_step\": 2, \"mlp_only_layers\": [3, 0], "
+		"\"rms_norm_eps\": 3.3e-7, \"rope_theta\": 123456.789, "
+		"\"max_position_embeddings\": 77, "
+		"\"initializer_range\": 0.0123, \"torch_dtype\": "
+		"\"bfloat16\"}",
+		"odd.json", &a),
+	    EPJ_OK);
+	t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "odd", &b), EPJ_OK);
+	same_config(&a, &b, "odd");
+	ck_assert_str_eq(b.torch_dtype, "bfloat16");
+	for (int l = 0; l < a.num_hidden_layers; l++)
+		ck_assert(ej_model_layer_is_moe(&a, l) ==
+			  ej_model_layer_is_moe(&b, l));
+	free(t);
+	t = ej_model_config_json(&a, "float32");
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "odd32", &b), EPJ_OK);
+	ck_assert_str_eq(b.torch_dtype, "float32");
+	free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_model_io_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -270,6 +373,92 @@ START_TEST(test_model_io_errors)
 }
 END_TEST
 
+/* --model-override: KEY=VALUE edits of t/models/qwen3-30b-a3b.json before
+ * it is checked, each value read as a JSON scalar; every other key as in
+ * the file. */
+START_TEST(test_overrides)
+{
+	char path[4096];
+	snprintf(path, sizeof path, "%s/t/models/qwen3-30b-a3b.json",
+		 tu_srcdir());
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config base, m;
+	ck_assert_msg(ej_model_config_load(ctx, path, &base) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(base.num_hidden_layers, 48);
+	/* random small sizes, so no fixed value can pass by chance */
+	int layers = (int)tu_randint(1, 5), experts = 2 * (int)tu_randint(1, 9);
+	double eps = 1e-5 * (double)tu_randint(1, 9);
+	char o1[64], o2[64], o3[64];
+	snprintf(o1, sizeof o1, "num_hidden_layers=%d", layers);
+	snprintf(o2, sizeof o2, "num_experts=%d", experts);
+	snprintf(o3, sizeof o3, "rms_norm_eps=%.17g", eps);
+	const char *ov[] = { o1,
+			     o2,
+			     "num_experts_per_tok=2",
+			     o3,
+			     "norm_topk_prob=false",
+			     "torch_dtype=float32",
+			     "hidden_act=\"silu\"" };
+	ck_assert_msg(ej_model_config_load_overrides(
+			  ctx, path, ov, (int)(sizeof ov / sizeof *ov), &m) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_int_eq(m.num_hidden_layers, layers);
+	ck_assert_int_eq(m.num_experts, experts);
+	ck_assert_int_eq(m.num_experts_per_tok, 2);
+	ck_assert(m.rms_norm_eps == eps);
+	ck_assert(!m.norm_topk_prob);
+	ck_assert_str_eq(m.torch_dtype, "float32"); /* a bare word */
+	/* the rest is the file's */
+	ej_model_config want = base;
+	want.num_hidden_layers = layers;
+	want.num_experts = experts;
+	want.num_experts_per_tok = 2;
+	want.rms_norm_eps = eps;
+	want.norm_topk_prob = false;
+	snprintf(want.torch_dtype, sizeof want.torch_dtype, "float32");
+	ck_assert(memcmp(&want, &m, sizeof m) == 0);
+	/* a later edit of the same key wins; a key the file lacks but the
+	 * model reads (head_dim is in the file; decoder_sparse_step too) */
+	const char *twice[] = { "num_hidden_layers=3", "num_hidden_layers=2" };
+	ck_assert(ej_model_config_load_overrides(ctx, path, twice, 2, &m) ==
+		  EPJ_OK);
+	ck_assert_int_eq(m.num_hidden_layers, 2);
+	/* the result is checked as a file would be */
+	const char *bad[] = { "num_experts_per_tok=200" };
+	ck_assert(ej_model_config_load_overrides(ctx, path, bad, 1, &m) ==
+		  EPJ_ERR_CONFIG);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "must not exceed"), "%s",
+		      epj_ctx_error(ctx));
+	/* errors name the override and the key */
+	static const struct {
+		const char *ov, *want;
+	} errs[] = {
+		{ "num_hiden_layers=1",
+		  "unknown key \"num_hiden_layers\" (did you mean "
+		  "\"num_hidden_layers\"?)" },
+		{ "max_window_layer=4",
+		  "(did you mean \"max_window_layers\"?)" }, /* file's own */
+		{ "num_experts=[4]", "must be a JSON scalar" },
+		{ "=4", "must be KEY=VALUE" },
+		{ "num_experts", "must be KEY=VALUE" },
+		{ "num_hidden_layers=1.5", "\"num_hidden_layers\" must be" },
+	};
+	for (size_t i = 0; i < sizeof errs / sizeof *errs; i++) {
+		const char *one[] = { errs[i].ov };
+		ck_assert_int_eq(
+		    ej_model_config_load_overrides(ctx, path, one, 1, &m),
+		    EPJ_ERR_CONFIG);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), errs[i].want),
+			      "%s: want \"%s\" in \"%s\"", errs[i].ov,
+			      errs[i].want, epj_ctx_error(ctx));
+		ck_assert_int_eq(m.num_hidden_layers, 0); /* zeros on error */
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_model_config_suite(void)
 {
 	Suite *s = suite_create("model_config");
@@ -279,6 +468,8 @@ Suite *make_model_config_suite(void)
 	tcase_add_test(tc, test_moe_layer_rule);
 	tcase_add_test(tc, test_defaults_and_tiny);
 	tcase_add_test(tc, test_model_io_errors);
+	tcase_add_test(tc, test_config_json_roundtrip);
+	tcase_add_test(tc, test_overrides);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -33,8 +33,11 @@ fail() {
 
 train() {
 	rm -rf "$1"
-	EPJIT_CACHE_DIR=$tmp/kc EPJIT_DEBUG_DUMP=$tmp/$1 "$TRAIN" --compile \
-	    --steps 2 --checkpointing >train.log 2>&1 ||
+	d=$1
+	# --no-precompile: each variant after a region's first comes from a
+	# guard failure, a recompile (the checkpointed replay, the evaluation)
+	EPJIT_CACHE_DIR=$tmp/kc EPJIT_DEBUG_DUMP=$tmp/$d "$TRAIN" --compile \
+	    --no-precompile --steps 2 --checkpointing >train.log 2>&1 ||
 		{ cat train.log >&2; fail "epjit-train failed"; }
 }
 
@@ -63,13 +66,82 @@ done
 echo "$paths" | grep -q '3-backward-final' || fail "no backward IR path"
 echo "$paths" | tr ' ' '\n' | grep -q '\.c$' || fail "no generated C source path"
 
+# provenance: every compiled region variant, the parameter behind each
+# "param i" of its graphs (checked against the shapes the built-in tiny
+# model gives those parameters: hidden 32, 4 heads and 2 KV heads of 8),
+# its steps, and where each step's activations come from
+grep -q '^== provenance: [1-9][0-9]* compiled region variants' out.txt ||
+	fail "no provenance section: $(cat out.txt)"
+grep -q '^    step 1: break model.layers.1.mlp; act 0 = output 1 of step 0$' out.txt ||
+	fail "provenance: no AutoEP break of layer 1: $(sed -n '/== provenance/,/== compiled/p' out.txt)"
+if command -v python3 >/dev/null 2>&1; then
+	python3 - d1 <<'EOF' || fail "provenance does not match the graphs"
+import glob, json, re, sys
+d = sys.argv[1]
+shape = {"input_layernorm.weight": [32], "self_attn.q_proj.weight": [32, 32],
+         "self_attn.k_proj.weight": [16, 32], "self_attn.v_proj.weight": [16, 32],
+         "self_attn.o_proj.weight": [32, 32], "self_attn.q_norm.weight": [8],
+         "self_attn.k_norm.weight": [8], "post_attention_layernorm.weight": [32]}
+lines = [json.loads(l) for l in open(d + "/provenance.jsonl") if l.strip()]
+assert {l["region"] for l in lines} == {"model.layers.0", "model.layers.1"}, lines
+checked = 0
+for l in lines:
+    ps = l["params"]
+    assert sorted(p[len(l["region"]) + 1:] for p in ps) == sorted(shape), ps
+    for st in l["steps"]:
+        if "break" in st:
+            assert st["break"] == l["region"] + ".mlp", st
+            continue
+        ir = glob.glob(d + "/graphs/*-" + st["segment"][:12] + "-0-traced.txt")
+        assert ir, st["segment"]
+        for m in re.finditer(r"^in %\d+ param (\d+) \w+\[([\d,]*)\]", open(ir[0]).read(), re.M):
+            name = ps[int(m.group(1))]
+            want = shape[name[len(l["region"]) + 1:]]
+            got = [int(x) for x in m.group(2).split(",") if x]
+            assert got == want, (l["region"], m.group(0), name, want)
+            checked += 1
+assert checked >= 8, checked
+EOF
+fi
+
+# a run killed by a signal writes no counters.json (the engine writes it
+# when freed): its graphs and recompiles are still shown, with a note
+rm -rf dk
+EPJIT_CACHE_DIR=$tmp/kc EPJIT_DEBUG_DUMP=$tmp/dk "$TRAIN" --compile \
+    --no-precompile --steps 4 --checkpointing --fault kill --fault-step 3 \
+    >killed.log 2>&1
+[ -f dk/counters.json ] && fail "the killed run wrote counters.json"
+"$DUMP" dk >outk.txt 2>errk.txt || fail "epjit-dump of a killed run: $(cat errk.txt)"
+grep -q 'no counters.json' errk.txt || fail "no note on the missing counters: $(cat errk.txt)"
+grep -q '^== recompiles: [1-9][0-9]* (guard failures, from recompiles.txt)' outk.txt ||
+	fail "killed run: recompiles not shown: $(cat outk.txt)"
+nk=$(grep -c '^  [0-9][0-9][0-9] [0-9a-f]\{32\} ' outk.txt)
+[ "$nk" -eq "$nseg" ] || fail "killed run: $nk compiled segments, the whole run had $nseg"
+"$DUMP" --json dk >dk.json 2>/dev/null || fail "epjit-dump --json of a killed run"
+grep -q '"counters_missing": true' dk.json || fail "--json: no counters_missing"
+
+# a default run compiles every variant before step 1: each is counted in
+# frames.precompiled (2 regions x checkpointed forward, replay and
+# evaluation), and no call's guards fail, so there is no recompile
+rm -rf d0
+EPJIT_CACHE_DIR=$tmp/kc EPJIT_DEBUG_DUMP=$tmp/d0 "$TRAIN" --compile \
+    --steps 2 --checkpointing >train0.log 2>&1 ||
+	{ cat train0.log >&2; fail "epjit-train (precompiled) failed"; }
+"$DUMP" d0 >out0.txt 2>err.txt || fail "epjit-dump d0: $(cat err.txt)"
+grep -q '^== recompiles: 0 ' out0.txt ||
+	fail "a precompiled run recompiled: $(grep recompiles out0.txt)"
+grep -q '^  frames.precompiled  *6$' out0.txt ||
+	fail "frames.precompiled: $(grep precompiled out0.txt)"
+grep -q '^== recompiles: [1-9]' out.txt ||
+	fail "the --no-precompile run has no recompiles"
+
 # ---- 2. --diff ---------------------------------------------------------------------
 printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1}\n' >a.json
 printf '{"kernels.launched.eager": 9, "cache.disk_hits": 8, "train.steps": 2}\n' >b.json
 "$DUMP" --diff a.json b.json >diff.txt
 [ $? -eq 0 ] || fail "--diff with only non-compile changes exited non-zero"
 grep -q 'compile counters: unchanged' diff.txt || fail "diff summary"
-for c in compile.ms frames.total stats.unique_graphs recompiles \
+for c in frames.total frames.precompiled stats.unique_graphs recompiles \
     graph_break.autoep cache.misses; do
 	printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1, "%s": 7}\n' \
 	    "$c" >c.json
@@ -78,16 +150,28 @@ for c in compile.ms frames.total stats.unique_graphs recompiles \
 	grep -q "$c.*compile counter changed" diff.txt ||
 		fail "--diff did not mark $c"
 done
-# the time of cache hits moves on every warm run: never a compile change
-printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1, "compile.cached_us": 4711}\n' >cu.json
-"$DUMP" --diff a.json cu.json >diff.txt
-[ $? -eq 0 ] || fail "--diff flagged compile.cached_us: $(cat diff.txt)"
-grep -q '^t compile.cached_us' diff.txt || fail "--diff did not mark compile.cached_us t: $(cat diff.txt)"
+# wall times move on every run, warm ones included: reported (t), never a
+# compile change
+for c in compile.cached_us compile.ms compile.us compile.cc_us comm.us \
+    profile.step.us; do
+	printf '{"kernels.launched.eager": 5, "cache.disk_hits": 3, "train.steps": 1, "%s": 4711}\n' \
+	    "$c" >cu.json
+	"$DUMP" --diff a.json cu.json >diff.txt
+	[ $? -eq 0 ] || fail "--diff flagged the wall time $c: $(cat diff.txt)"
+	grep -q "^t $c " diff.txt ||
+		fail "--diff did not mark $c t: $(cat diff.txt)"
+done
 "$DUMP" --diff d1 d1 >/dev/null || fail "--diff of a dump with itself"
 train d2
 "$DUMP" --diff d1 d2 >diff.txt
 [ $? -eq 1 ] || fail "--diff cold vs warm run did not flag cache.misses"
 grep -q 'cache.misses' diff.txt || fail "cold vs warm: no cache.misses line"
+# two warm runs did the same compile work: the verdict is unchanged, whatever
+# their wall times
+train d3
+"$DUMP" --diff d2 d3 >diff.txt ||
+	fail "--diff of two warm runs flagged a change: $(grep 'compile counter changed' diff.txt)"
+grep -q 'compile counters: unchanged' diff.txt || fail "warm vs warm: $(tail -n 1 diff.txt)"
 
 # ---- 3. --json ----------------------------------------------------------------------
 "$DUMP" --json d1 >d1.json || fail "--json d1"

@@ -15,7 +15,7 @@ man_opts() {
 	     /^\.TP/ { tp = 1 }' "$1" | sed 's/\\-/-/g' |
 		grep -o -- '--[a-z][a-z0-9-]*' | sort -u
 }
-for t in train warmup dump; do
+for t in train warmup dump ckpt; do
 	page=$srcdir/doc/epjit-$t.1
 	exe=$bindir/epjit-$t
 	[ -f "$page" ] || { echo "FAIL: no $page"; fail=1; continue; }

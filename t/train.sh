@@ -98,6 +98,8 @@ awk -v f="$first" -v l="$last" 'BEGIN { exit !(l < f - 1.0) }' ||
 	fail "loss did not fall clearly in 60 steps: $first -> $last"
 grep -q 'entropy floor' default.log || fail "no entropy floor in the summary"
 grep -q 'autoep.calls.forward' default.log || fail "no counters in the summary"
+grep -q '^epjit-train: world 1 rank, expert parallel 1, ZeRO stage 0, device cpu$' \
+	default.log || fail "no world line: $(head -n 4 default.log)"
 
 run root.log --steps 3 --seq 16 --layout root --checkpointing --threads 1
 grep -q 'root layout' root.log || fail "root layout not reported"
@@ -251,6 +253,13 @@ printf '{"train_micro_batch_size_per_gpu": 1048576}\n' >huge.json
 expect_fail 1 'at most 1099511627776' --config huge.json --seq 2147483647 \
 	--steps 1
 expect_fail 2 --bogus --bogus
+grep -q 'did you mean' err.txt 2>/dev/null &&
+	fail "--bogus got a suggestion: $(cat err.txt)"
+# a near miss of a real option names it (flags and options with a value)
+expect_fail 2 "unknown option '--chekpointing' (did you mean --checkpointing?)" \
+	--chekpointing
+expect_fail 2 "unknown option '--metrcs=m.csv' (did you mean --metrics?)" \
+	--metrcs=m.csv
 expect_fail 2 'cpu, cuda-sim or cuda' --device gpu0
 # --device cuda without a driver: the driver's verdict and a clean exit 1
 EPJIT_CUDA_DRIVER=/nonexistent/epjit/libcuda.so.1 "$TRAIN" --device cuda \

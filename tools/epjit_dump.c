@@ -63,8 +63,10 @@ static void usage(FILE *f)
 		"--diff exits 1\n"
 		"when a compile counter (frames.*, stats.*, recompiles, "
 		"graph_break.*,\n"
-		"compile.*, cache.misses) changed between A and B.  --json: "
-		"one JSON object.\n");
+		"compile.*, cache.misses) changed between A and B; wall "
+		"times (*.ms, *.us,\n"
+		"*_ms, *_us) are marked t and never count.  --json: one JSON "
+		"object.\n");
 }
 
 static bool has_prefix(const char *s, const char *p)
@@ -72,12 +74,22 @@ static bool has_prefix(const char *s, const char *p)
 	return !strncmp(s, p, strlen(p));
 }
 
-/* The time spent taking compiled artifacts from the cache
- * (compile.cached_us): it moves on every warm run although nothing was
- * compiled, so it never makes a diff's compile verdict. */
-static bool is_cached_time(const char *n)
+static bool has_suffix(const char *s, const char *x)
 {
-	return !strcmp(n, "compile.cached_us");
+	size_t ls = strlen(s), lx = strlen(x);
+	return ls >= lx && !strcmp(s + ls - lx, x);
+}
+
+/* A wall-time counter (compile.ms, compile.us, compile.cc_us,
+ * compile.cached_us, comm.us, profile.*.us: a name ending in .ms, .us,
+ * _ms or _us): it moves between any two runs, warm ones included, although
+ * the work is the same, so it is reported but never makes a diff's compile
+ * verdict.  The compile work itself is counted by frames.*, stats.*,
+ * recompiles, graph_break.* and cache.misses. */
+static bool is_wall_time(const char *n)
+{
+	return has_suffix(n, ".ms") || has_suffix(n, ".us") ||
+	       has_suffix(n, "_ms") || has_suffix(n, "_us");
 }
 
 static bool is_compile_counter(const char *n)
@@ -215,6 +227,36 @@ static epj_counters *load(const char *path)
 	return c;
 }
 
+/* The counters of a dump folder.  A folder without counters.json (the
+ * engine writes it when freed, so a run killed by a signal leaves none)
+ * that holds a dump's other files (graphs.jsonl, recompiles.txt, graphs/)
+ * is still read: no counters, *partial set, and the rest shown. */
+static epj_counters *load_dump(const char *dir, bool *partial)
+{
+	*partial = false;
+	char p[4200];
+	struct stat sb;
+	snprintf(p, sizeof p, "%s/counters.json", dir);
+	if (stat(p, &sb) == 0)
+		return load(dir);
+	static const char *const parts[] = { "graphs.jsonl", "recompiles.txt",
+					     "graphs" };
+	for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+		snprintf(p, sizeof p, "%s/%s", dir, parts[i]);
+		if (stat(p, &sb) == 0) {
+			*partial = true;
+			fprintf(stderr,
+				"epjit-dump: note: %s has no counters.json "
+				"(written when the engine is freed: the run "
+				"was killed or has not ended); its graphs and "
+				"recompiles follow without counters\n",
+				dir);
+			return epj_counters_from_json("{}");
+		}
+	}
+	return load(dir); /* says what is missing */
+}
+
 /* Indices of c's counters sorted by (group, name) (malloc'ed). */
 static int *sorted(const epj_counters *c, int *n)
 {
@@ -338,7 +380,7 @@ static int diff(const char *pa, const char *pb)
 		int64_t dv = epj_counters_value_at(d, ix[i]);
 		int64_t va = epj_counters_value(a, nm);
 		int64_t vb = epj_counters_value(b, nm);
-		bool cc = is_compile_counter(nm) && !is_cached_time(nm);
+		bool cc = is_compile_counter(nm) && !is_wall_time(nm);
 		changed += dv != 0;
 		compile_changed += cc && dv != 0;
 		if (json_out) {
@@ -351,9 +393,9 @@ static int diff(const char *pa, const char *pb)
 			continue;
 		}
 		printf("%c %-*s %16" PRId64 " %16" PRId64 " %+16" PRId64 "%s\n",
-		       cc		    ? 'C'
-		       : is_cached_time(nm) ? 't'
-					    : ' ',
+		       cc		  ? 'C'
+		       : is_wall_time(nm) ? 't'
+					  : ' ',
 		       w, nm, va, vb, dv,
 		       cc && dv ? "  <- compile counter changed" : "");
 	}
@@ -385,10 +427,22 @@ static int diff(const char *pa, const char *pb)
 
 /* graphs.jsonl as an array (empty when absent; malformed lines are
  * reported and skipped). */
-static json_t *load_graphs(const char *dir)
+static int64_t jint(const json_t *o, const char *k)
+{
+	return (int64_t)json_integer_value(json_object_get(o, k));
+}
+
+static const char *jstr(const json_t *o, const char *k)
+{
+	const char *s = json_string_value(json_object_get(o, k));
+	return s ? s : "?";
+}
+
+/* DIR/NAME, one JSON object a line, as an array (empty when absent). */
+static json_t *load_jsonl(const char *dir, const char *name)
 {
 	char path[4200];
-	snprintf(path, sizeof path, "%s/graphs.jsonl", dir);
+	snprintf(path, sizeof path, "%s/%s", dir, name);
 	json_t *arr = json_array();
 	char *text = read_file(path, true);
 	if (!text)
@@ -418,6 +472,57 @@ static json_t *load_graphs(const char *dir)
 	}
 	free(text);
 	return arr;
+}
+
+static json_t *load_graphs(const char *dir)
+{
+	return load_jsonl(dir, "graphs.jsonl");
+}
+
+/* provenance.jsonl: per compiled region variant, its module, the name of
+ * each "param i" and its steps (jit/debug.c). */
+static json_t *load_provenance(const char *dir)
+{
+	return load_jsonl(dir, "provenance.jsonl");
+}
+
+static void print_provenance(const json_t *prov)
+{
+	printf("== provenance: %zu compiled region variant%s\n",
+	       json_array_size(prov), json_array_size(prov) == 1 ? "" : "s");
+	if (json_array_size(prov) == 0) {
+		printf("  (none: no provenance.jsonl)\n");
+		return;
+	}
+	for (size_t i = 0; i < json_array_size(prov); i++) {
+		const json_t *v = json_array_get(prov, i);
+		printf("  %s variant %" PRId64 " %s (%s)\n", jstr(v, "region"),
+		       jint(v, "variant"), jstr(v, "mode"), jstr(v, "kind"));
+		const json_t *ps = json_object_get(v, "params");
+		for (size_t k = 0; k < json_array_size(ps); k++)
+			printf("    param %zu = %s\n", k,
+			       json_string_value(json_array_get(ps, k))
+				   ? json_string_value(json_array_get(ps, k))
+				   : "?");
+		const json_t *st = json_object_get(v, "steps");
+		for (size_t k = 0; k < json_array_size(st); k++) {
+			const json_t *o = json_array_get(st, k);
+			if (json_object_get(o, "break"))
+				printf("    step %zu: break %s", k,
+				       jstr(o, "break"));
+			else
+				printf("    step %zu: segment %s", k,
+				       jstr(o, "segment"));
+			const json_t *in = json_object_get(o, "inputs");
+			for (size_t j = 0; j < json_array_size(in); j++)
+				printf("%s act %zu = %s", j ? "," : ";", j,
+				       json_string_value(json_array_get(in, j))
+					   ? json_string_value(
+						 json_array_get(in, j))
+					   : "?");
+			putchar('\n');
+		}
+	}
 }
 
 /* recompiles.txt as an array of {region, variant, reason}. */
@@ -450,17 +555,6 @@ static json_t *load_recompiles(const char *dir)
 	return arr;
 }
 
-static int64_t jint(const json_t *o, const char *k)
-{
-	return (int64_t)json_integer_value(json_object_get(o, k));
-}
-
-static const char *jstr(const json_t *o, const char *k)
-{
-	const char *s = json_string_value(json_object_get(o, k));
-	return s ? s : "?";
-}
-
 static void print_paths(const char *what, const json_t *arr)
 {
 	size_t n = json_array_size(arr);
@@ -473,10 +567,13 @@ static void print_paths(const char *what, const json_t *arr)
 }
 
 static void print_dump(const char *dir, const epj_counters *c,
-		       const json_t *graphs, const json_t *rec)
+		       const json_t *graphs, const json_t *rec,
+		       const json_t *prov, bool partial)
 {
-	printf("# debug dump %s: %d counters, %zu compiled segment%s\n", dir,
-	       epj_counters_count(c), json_array_size(graphs),
+	printf("# debug dump %s: %d counters%s, %zu compiled segment%s\n", dir,
+	       epj_counters_count(c),
+	       partial ? " (no counters.json: the run did not end)" : "",
+	       json_array_size(graphs),
 	       json_array_size(graphs) == 1 ? "" : "s");
 	print_grouped(c);
 	printf("== graph breaks by reason\n");
@@ -491,13 +588,19 @@ static void print_dump(const char *dir, const epj_counters *c,
 	}
 	if (!nb)
 		printf("  (none)\n");
-	printf("== recompiles: %" PRId64 " (guard failures)\n",
-	       epj_counters_value(c, "recompiles"));
+	if (partial)
+		printf("== recompiles: %zu (guard failures, from "
+		       "recompiles.txt)\n",
+		       json_array_size(rec));
+	else
+		printf("== recompiles: %" PRId64 " (guard failures)\n",
+		       epj_counters_value(c, "recompiles"));
 	for (size_t i = 0; i < json_array_size(rec); i++) {
 		const json_t *r = json_array_get(rec, i);
 		printf("  %s variant %" PRId64 ": %s\n", jstr(r, "region"),
 		       jint(r, "variant"), jstr(r, "reason"));
 	}
+	print_provenance(prov);
 	printf("== compiled segments\n");
 	if (json_array_size(graphs) == 0) {
 		printf("  (none: no graphs.jsonl)\n");
@@ -521,8 +624,9 @@ static void print_dump(const char *dir, const epj_counters *c,
 }
 
 static json_t *dump_json(const char *dir, const epj_counters *c, json_t *graphs,
-			 json_t *rec)
+			 json_t *rec, bool partial)
 {
+	json_t *prov = load_provenance(dir);
 	json_t *br = json_object();
 	for (int i = 0; i < epj_counters_count(c); i++) {
 		const char *nm = epj_counters_name_at(c, i);
@@ -531,9 +635,10 @@ static json_t *dump_json(const char *dir, const epj_counters *c, json_t *graphs,
 			    br, nm + 12,
 			    json_integer(epj_counters_value_at(c, i)));
 	}
-	return json_pack("{s:s, s:o, s:o, s:o, s:o}", "dir", dir, "counters",
-			 counters_json(c), "graph_breaks", br, "recompiles",
-			 rec, "graphs", graphs);
+	return json_pack("{s:s, s:o, s:o, s:o, s:o, s:o, s:b}", "dir", dir,
+			 "counters", counters_json(c), "graph_breaks", br,
+			 "recompiles", rec, "graphs", graphs, "provenance",
+			 prov, "counters_missing", partial);
 }
 
 /* rank<N>/ subfolders of dir, sorted by N; returns their count. */
@@ -571,11 +676,12 @@ static int print_ranks(const char *dir, const int *ranks, int n)
 {
 	epj_counters *c[MAX_RANKS] = { 0 };
 	json_t *graphs[MAX_RANKS] = { 0 };
+	bool partial[MAX_RANKS] = { 0 };
 	int rc = 0;
 	for (int i = 0; i < n && !rc; i++) {
 		char sub[4200];
 		snprintf(sub, sizeof sub, "%s/rank%d", dir, ranks[i]);
-		c[i] = load(sub);
+		c[i] = load_dump(sub, &partial[i]);
 		graphs[i] = load_graphs(sub);
 		if (!c[i])
 			rc = EXIT_USAGE;
@@ -601,7 +707,8 @@ static int print_ranks(const char *dir, const int *ranks, int n)
 				json_object_set_new(
 				    o, k,
 				    dump_json(sub, c[i], json_incref(graphs[i]),
-					      load_recompiles(sub)));
+					      load_recompiles(sub),
+					      partial[i]));
 			}
 			json_t *top =
 			    json_pack("{s:s, s:o}", "dir", dir, "ranks", o);
@@ -665,19 +772,22 @@ static int show_dir(const char *dir)
 	int n = find_ranks(dir, ranks);
 	if (n > 0)
 		return print_ranks(dir, ranks, n);
-	epj_counters *c = load(dir);
+	bool partial;
+	epj_counters *c = load_dump(dir, &partial);
 	if (!c)
 		return EXIT_USAGE;
 	json_t *graphs = load_graphs(dir), *rec = load_recompiles(dir);
 	if (json_out) {
-		json_t *o = dump_json(dir, c, graphs, rec);
+		json_t *o = dump_json(dir, c, graphs, rec, partial);
 		json_dumpf(o, stdout, JSON_INDENT(2));
 		putchar('\n');
 		json_decref(o);
 	} else {
-		print_dump(dir, c, graphs, rec);
+		json_t *prov = load_provenance(dir);
+		print_dump(dir, c, graphs, rec, prov, partial);
 		json_decref(graphs);
 		json_decref(rec);
+		json_decref(prov);
 	}
 	epj_counters_free(c);
 	return 0;

@@ -54,6 +54,8 @@
 #include "config.h"
 #endif
 #include "epjit.h"
+#include "flag_hint.h"
+#include "tb_events.h"
 #include "train_defaults.h"
 
 #ifndef PACKAGE_VERSION
@@ -73,20 +75,29 @@ enum {
 #define SEQ_MAX	   2147483647L
 #define TOKENS_MAX ((int64_t)1 << 40)
 
+/* --model-override: at most this many edits of the model config. */
+#define MAX_OVERRIDES 64
+
 /* Environment variable that marks a process re-executed by --threads. */
 #define THREADS_ENV "EPJIT_TRAIN_THREADS_SET"
 
 typedef struct opts {
-	const char *model_path;	 /* NULL: built-in tiny model */
+	const char *model_path; /* NULL: built-in tiny model */
+	/* --model-override KEY=VALUE, in order (epj_model_opts) */
+	const char *model_overrides[MAX_OVERRIDES];
+	int n_model_overrides;
 	const char *config_path; /* NULL: built-in ds config */
-	const char *data; /* NULL or "synthetic", *.txt, else a token file */
+	const char *data;  /* NULL or "synthetic", *.txt, a token dataset (see
+			      epj_data_spec_p), else a token file */
+	const char *split; /* --split: a token dataset's document split */
 	long steps;
 	epj_layout layout;
 	long seq;
 	bool checkpointing;
 	bool compile; /* call epj_engine_compile (the config picks the mode) */
-	bool parity;  /* --parity: eager vs compiled check, no training */
-	bool bf16;    /* --parity: bf16 arms */
+	bool no_precompile; /* regions compile at their first call */
+	bool parity;	    /* --parity: eager vs compiled check, no training */
+	bool bf16;	    /* --parity: bf16 arms */
 	bool full_model; /* --parity: full-model compile instead of regional */
 	const char *load, *save, *metrics, *dump_state;
 	const char *emit_cuda; /* --emit-cuda DIR */
@@ -114,8 +125,11 @@ typedef struct run {
 	epj_corpus *corpus;
 	FILE *metrics;
 	FILE *monitor[7]; /* csv_monitor: one file per event (mon_events) */
+	tb_writer *tb;	  /* tensorboard: rank 0's event file, or NULL */
 	uint64_t seed;	  /* the run seed */
 	int64_t B, T, gas;
+	int eval_stream;  /* epj_corpus_fork stream of the evaluation */
+	const char *data; /* --data or the config's data.path, "synthetic" */
 	/* epj_engine_precompile: variants compiled before step 1, its wall
 	 * time (-1 when not called) */
 	int precompiled;
@@ -161,15 +175,27 @@ static void usage(FILE *fp)
 	    "\n"
 	    "  --model FILE        HF config.json (default: built-in tiny "
 	    "model)\n"
+	    "  --model-override KEY=VALUE\n"
+	    "                      edit the model config before it is "
+	    "checked (repeatable;\n"
+	    "                      VALUE a JSON scalar, e.g. "
+	    "num_hidden_layers=1)\n"
 	    "  --config FILE       DeepSpeed-style ds.json (default: "
 	    "built-in:\n"
 	    "                      micro-batch %d, AdamW lr %g, warmup %d, "
 	    "cosine\n"
 	    "                      to step %d, clipping 1.0, print every "
 	    "%d)\n"
-	    "  --data SRC          synthetic (default), a token file, or "
+	    "  --data SRC          synthetic (default), a token file, "
 	    "a .txt file\n"
-	    "                      (byte tokens, vocab 256)\n"
+	    "                      (byte tokens, vocab 256), a Megatron "
+	    "prefix\n"
+	    "                      (PREFIX.bin + PREFIX.idx), a .npy file or "
+	    "a blend\n"
+	    "                      \"W1 PATH1 W2 PATH2 ...\"\n"
+	    "  --split W           a dataset's train,validation,test "
+	    "document split\n"
+	    "                      (default 969,30,1)\n"
 	    "  --steps N           train until optimizer step N (default "
 	    "%d)\n"
 	    "  --layout L          nested (default) or root\n"
@@ -182,6 +208,10 @@ static void usage(FILE *fp)
 	    "                      sets compile.autoep_non_moe (the built-in "
 	    "one does),\n"
 	    "                      else full-model compilation\n"
+	    "  --no-precompile     with --compile: compile each region at its "
+	    "first call,\n"
+	    "                      not before step 1 (later variants count as "
+	    "recompiles)\n"
 	    "  --compare-eager     with --compile: after the run, time %d more "
 	    "steps of the\n"
 	    "                      compiled engine against a fresh eager one, "
@@ -314,6 +344,10 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->compile = true;
 			continue;
 		}
+		if (!strcmp(a, "--no-precompile")) {
+			o->no_precompile = true;
+			continue;
+		}
 		if (!strcmp(a, "--parity")) {
 			o->parity = true;
 			continue;
@@ -344,6 +378,7 @@ static int parse_args(int argc, char **argv, opts *o)
 		char name[64];
 		const char *val = NULL, *eq = strchr(a, '=');
 		size_t n = eq ? (size_t)(eq - a) : strlen(a);
+		char hint[96];
 		if (n >= sizeof name)
 			return bad_usage("unknown option '%s'%s", a, "");
 		memcpy(name, a, n);
@@ -358,14 +393,17 @@ static int parse_args(int argc, char **argv, opts *o)
 			"--threads",	"--list-safetensors",
 			"--emit-cuda",	"--device",
 			"--rank-log",	"--fault",
-			"--fault-step", "--fault-rank",
+			"--split",	"--fault-step",
+			"--fault-rank", "--model-override",
 		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
 		     k++)
 			known |= !strcmp(name, with_value[k]);
-		if (!known)
-			return bad_usage("unknown option '%s'%s", a, "");
+		if (!known) {
+			flag_hint(usage, a, hint, sizeof hint);
+			return bad_usage("unknown option '%s'%s", a, hint);
+		}
 		if (eq)
 			val = eq + 1;
 		else if (i + 1 < argc)
@@ -379,10 +417,17 @@ static int parse_args(int argc, char **argv, opts *o)
 		long v;
 		if (!strcmp(name, "--model")) {
 			o->model_path = val;
+		} else if (!strcmp(name, "--model-override")) {
+			if (o->n_model_overrides >= MAX_OVERRIDES)
+				return bad_usage("more than %s %s options",
+						 "64", name);
+			o->model_overrides[o->n_model_overrides++] = val;
 		} else if (!strcmp(name, "--config")) {
 			o->config_path = val;
 		} else if (!strcmp(name, "--data")) {
 			o->data = val;
+		} else if (!strcmp(name, "--split")) {
+			o->split = val;
 		} else if (!strcmp(name, "--load")) {
 			o->load = val;
 		} else if (!strcmp(name, "--save")) {
@@ -459,6 +504,10 @@ static int parse_args(int argc, char **argv, opts *o)
 				o->threads = v;
 		}
 	}
+	if (o->n_model_overrides > 0 && o->parity)
+		return bad_usage("%s does not apply to %s (its arms read the "
+				 "config.json as is)",
+				 "--model-override", "--parity");
 	return -1;
 }
 
@@ -526,15 +575,20 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 	epj_model_opts mo = { .layout = o->layout,
 			      .seed = seed,
 			      .fixed_routing = false,
-			      .dtype = EPJ_DTYPE_F32 };
+			      .dtype = EPJ_DTYPE_F32,
+			      .config_overrides = o->model_overrides,
+			      .n_config_overrides = o->n_model_overrides };
 	epj_status st = epj_model_new(r->ctx, o->model_path, &mo, &r->model);
 	if (st != EPJ_OK)
 		return st;
 	if (o->checkpointing)
 		epj_model_set_checkpointing(r->model, true);
 	if (o->config_path) {
-		st = epj_engine_initialize(r->ctx, r->model, o->config_path,
-					   &r->engine);
+		/* the config's "auto" values take this run's own */
+		char autos[1024];
+		auto_config(autos, sizeof autos, o->steps);
+		st = epj_engine_initialize_auto(
+		    r->ctx, r->model, o->config_path, autos, &r->engine);
 	} else {
 		char json[1024];
 		default_config(json, sizeof json);
@@ -547,8 +601,8 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 	/* Compile every region now, at the run's shape, so that the first
 	 * step runs compiled code only (with a warm cache: loads only). */
 	r->precompile_ms = -1;
-	if (st == EPJ_OK && o->compile && !o->parity && !o->emit_cuda &&
-	    !o->dump_state) {
+	if (st == EPJ_OK && o->compile && !o->no_precompile && !o->parity &&
+	    !o->emit_cuda && !o->dump_state) {
 		double t0 = now_s();
 		st = epj_engine_precompile(r->engine, o->seq, &r->precompiled);
 		r->precompile_ms = (now_s() - t0) * 1e3;
@@ -668,39 +722,76 @@ static int setup(run *r, const opts *o)
 				r->B, r->T, r->gas, TOKENS_MAX);
 
 	int vocab = epj_model_vocab_size(r->model);
-	if (!o->data || !strcmp(o->data, "synthetic")) {
+	/* --data and --split, else the config's "data" section */
+	const char *data = o->data ? o->data : epj_engine_data_path(r->engine);
+	const char *split =
+	    o->split ? o->split : epj_engine_data_split(r->engine);
+	uint64_t dseed = mix64(seed);
+	epj_engine_data_seed(r->engine, &dseed); /* when the config has one */
+	r->data = data ? data : "synthetic";
+	if (!data || !strcmp(data, "synthetic")) {
 		r->corpus =
 		    epj_corpus_synthetic(r->ctx, (uint32_t)vocab, mix64(seed));
 		if (!r->corpus)
 			return fail(r->ctx);
-	} else if (has_suffix(o->data, ".txt")) {
-		if (text_corpus(r, o->data))
+	} else if (has_suffix(data, ".txt")) {
+		if (text_corpus(r, data))
 			return 1;
-	} else {
-		r->corpus = epj_corpus_from_tokens(r->ctx, o->data);
+	} else if (epj_data_spec_p(data)) {
+		/* Megatron prefix, .npy or blend: tokens are checked against
+		 * the model's vocabulary as they are read */
+		epj_data_opts dopt = { .split = split,
+				       .seed = dseed,
+				       .vocab = (uint32_t)vocab };
+		r->corpus = epj_corpus_dataset(r->ctx, data, &dopt);
 		if (!r->corpus)
 			return fail(r->ctx);
+	} else {
+		r->corpus = epj_corpus_from_tokens(r->ctx, data);
+		if (!r->corpus)
+			return fail(r->ctx);
+	}
+	if (split && epj_corpus_split_tokens(r->corpus, 0) == UINT64_MAX)
+		return fail_msg("--split (or data.split) applies to token "
+				"datasets, not to --data %s",
+				data ? data : "synthetic");
+	/* The held-out evaluation reads a dataset's validation split; one
+	 * too short for a sample falls back to the train split from its
+	 * start (as other corpora restart their stream). */
+	r->eval_stream = EVAL_STREAM;
+	uint64_t vt = epj_corpus_split_tokens(r->corpus, 1);
+	if (vt <= (uint64_t)r->T) {
+		r->eval_stream = 0;
+		if (epj_dist_rank() == 0)
+			fprintf(stderr,
+				PROG ": note: the validation split of %s holds "
+				     "%" PRIu64 " tokens, fewer than seq + 1; "
+				     "evaluating on the train split\n",
+				data, vt);
 	}
 	/* A token id >= vocab would fail in the embedding: say why now. */
 	if (epj_corpus_vocab(r->corpus) > (uint32_t)vocab)
 		return fail_msg("%s: token vocabulary %u exceeds the model's "
 				"vocab_size %d",
-				o->data, epj_corpus_vocab(r->corpus), vocab);
+				data, epj_corpus_vocab(r->corpus), vocab);
 	return 0;
 }
 
 /* After --load: drops the micro-batches the saved run consumed, so that
- * the stream continues where it stopped (the corpus is deterministic). */
+ * the stream continues where it stopped (the corpus is deterministic).
+ * The position is the checkpoint's micro-step (micro-batches per rank)
+ * times this run's world: the same stream position as the saved run's
+ * when the world is the one it was saved with, and when epjit-ckpt
+ * reshard rewrote the micro-step for this world. */
 static int skip_consumed(run *r)
 {
 	int64_t n;
-	if (__builtin_mul_overflow(epj_engine_step_count(r->engine), r->gas,
-				   &n) ||
-	    __builtin_mul_overflow(n, (int64_t)epj_dist_size(), &n))
-		return fail_msg("the checkpoint's step %" PRId64
-				" times %" PRId64 " micro-batches per step "
-				"overflows the data position",
-				epj_engine_step_count(r->engine), r->gas);
+	if (__builtin_mul_overflow(epj_engine_micro_step_count(r->engine),
+				   (int64_t)epj_dist_size(), &n))
+		return fail_msg("the checkpoint's micro-step %" PRId64
+				" times %d ranks overflows the data position",
+				epj_engine_micro_step_count(r->engine),
+				epj_dist_size());
 	if (epj_corpus_skip(r->ctx, r->corpus, n, r->B, r->T) != EPJ_OK)
 		return fail(r->ctx);
 	return 0;
@@ -1070,7 +1161,7 @@ static void fault_inject(const opts *o, int64_t step)
  * (always the same batches, so successive evaluations compare). */
 static int evaluate(run *r, double *out)
 {
-	epj_corpus *ev = epj_corpus_fork(r->ctx, r->corpus, EVAL_STREAM);
+	epj_corpus *ev = epj_corpus_fork(r->ctx, r->corpus, r->eval_stream);
 	if (!ev)
 		return fail(r->ctx);
 	double sum = 0;
@@ -1108,9 +1199,9 @@ typedef struct train_stats {
 	int64_t comm_bytes, comm_us; /* comm.* counters over the training */
 } train_stats;
 
-/* csv_monitor events, as DeepSpeed names them ("Train/Samples/<metric>",
- * x = samples seen); the file of "A/B/c" is A_B_c.csv with the header
- * "step,c". */
+/* The monitors' events, as DeepSpeed names them ("Train/Samples/<metric>",
+ * x = samples seen): csv_monitor's file of "A/B/c" is A_B_c.csv with the
+ * header "step,c"; tensorboard's scalars carry them as tags. */
 static const char *const mon_events[7] = {
 	"Train/Samples/train_loss",   "Train/Samples/lr",
 	"Train/Samples/grad_norm",    "Train/Samples/tokens_per_s",
@@ -1135,11 +1226,13 @@ static int make_dirs(const char *dir)
 }
 
 /* Opens the csv_monitor files when the config enables it (appending, as
- * DeepSpeed does; a header when a file is new). */
+ * DeepSpeed does; a header when a file is new); rank 0 only, as
+ * DeepSpeed's monitors, so that ranks do not append the same rows. */
 static int monitor_open(run *r)
 {
 	char dir[4096];
-	if (!epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir))
+	if (!epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir) ||
+	    epj_dist_rank() != 0)
 		return 0;
 	if (make_dirs(dir) != 0)
 		return fail_msg("csv_monitor: cannot create %s: %s", dir,
@@ -1161,6 +1254,45 @@ static int monitor_open(run *r)
 	}
 	printf(PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n", dir);
 	return 0;
+}
+
+/* Seconds since the epoch: an event's wall_time. */
+static double wall_s(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Opens the tensorboard event file when the config enables it; rank 0
+ * only, as DeepSpeed's TensorBoardMonitor.  Like the csv_monitor files, a
+ * folder or file that cannot be created fails the run before step 1. */
+static int tb_open(run *r)
+{
+	char dir[4096], err[4600];
+	if (!epj_engine_tensorboard_dir(r->engine, dir, sizeof dir) ||
+	    epj_dist_rank() != 0)
+		return 0;
+	if (make_dirs(dir) != 0)
+		return fail_msg("tensorboard: cannot create %s: %s", dir,
+				strerror(errno));
+	r->tb = tb_writer_open(dir, wall_s(), err, sizeof err);
+	if (!r->tb)
+		return fail_msg("tensorboard: %s", err);
+	printf(PROG ": tensorboard: writing %s\n", tb_writer_path(r->tb));
+	return 0;
+}
+
+/* A failed write of the event file (disk full, ...) costs the TensorBoard
+ * curves, not the run: one warning, then no more events. */
+static void tb_drop(run *r, int err)
+{
+	fprintf(stderr,
+		PROG ": warning: tensorboard: %s: write failed: %s; no more "
+		     "events are written, training goes on\n",
+		tb_writer_path(r->tb), strerror(err));
+	tb_writer_close(r->tb);
+	r->tb = NULL;
 }
 
 static int train(run *r, const opts *o, train_stats *ts)
@@ -1232,19 +1364,30 @@ static int train(run *r, const opts *o, train_stats *ts)
 		 * no cut row */
 		if (r->metrics)
 			fflush(r->metrics);
-		if (r->monitor[0]) {
-			double v[7] = {
-				info.mean_loss, info.lr,
+		/* the monitors' events (mon_events), x = samples seen */
+		double v[7] = { info.mean_loss, info.lr,
 				info.grad_norm, (double)tok_per_step / step_s,
 				step_s * 1e3,	(double)ms.peak_allocated,
-				compile_ms
-			};
-			int64_t samples = info.step * r->B * r->gas;
+				compile_ms };
+		int64_t samples = info.step * r->B * r->gas;
+		if (r->monitor[0]) {
 			for (int i = 0; i < 7; i++) {
 				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
 					samples, v[i]);
 				fflush(r->monitor[i]);
 			}
+		}
+		/* the step's events as whole records, flushed (a stopped
+		 * or killed run leaves every finished step readable) */
+		if (r->tb) {
+			double wt = wall_s();
+			int bad = 0;
+			for (int i = 0; i < 7 && !bad; i++)
+				bad = tb_writer_scalar(r->tb, wt, samples,
+						       mon_events[i],
+						       (float)v[i]);
+			if (tb_writer_flush(r->tb) != 0 || bad)
+				tb_drop(r, errno);
 		}
 		bool last = info.step >= o->steps;
 		if (info.step % print_every == 0 || last) {
@@ -1489,6 +1632,11 @@ static void run_free(run *r)
 	for (int i = 0; i < 7; i++)
 		if (r->monitor[i])
 			fclose(r->monitor[i]);
+	if (r->tb && tb_writer_close(r->tb) != 0)
+		fprintf(stderr,
+			PROG ": warning: tensorboard: closing the event file "
+			     "failed: %s\n",
+			strerror(errno));
 	epj_corpus_free(r->corpus);
 	epj_engine_free(r->engine);
 	epj_model_free(r->model);
@@ -1527,7 +1675,7 @@ static int run_main(run *r, const opts *o)
 	if (o->emit_cuda)
 		return emit_cuda(r, o);
 
-	const char *data = o->data ? o->data : "synthetic";
+	const char *data = r->data ? r->data : "synthetic";
 	printf(PROG ": model %s (%s layout, %d params, %" PRId64
 		    " elements, vocab %d), data %s\n",
 	       o->model_path ? o->model_path : "<built-in tiny>",
@@ -1541,6 +1689,11 @@ static int run_main(run *r, const opts *o)
 	       r->gas, epj_engine_bf16(r->engine) ? "bf16" : "f32", r->seed,
 	       epj_engine_step_count(r->engine), o->steps,
 	       o->checkpointing ? ", checkpointing" : "");
+	printf(PROG ": world %d rank%s, expert parallel %d, ZeRO stage %d, "
+		    "device %s\n",
+	       epj_dist_size(), epj_dist_size() == 1 ? "" : "s",
+	       epj_engine_ep_size(r->engine), epj_engine_zero_stage(r->engine),
+	       run_device());
 	if (o->compile) {
 		printf(PROG ": compiled: mode %s, %d region%s",
 		       epj_engine_compile_mode(r->engine),
@@ -1569,7 +1722,7 @@ static int run_main(run *r, const opts *o)
 				    "peak_alloc_bytes,step_ms,compile_ms,"
 				    "entropy_floor\n");
 	}
-	if (monitor_open(r))
+	if (monitor_open(r) || tb_open(r))
 		return 1;
 	if (stop_signals_install())
 		return 1;
@@ -1608,8 +1761,13 @@ static int run_main(run *r, const opts *o)
 		       ts.first_loss, ts.window_loss);
 	if (isnan(floor))
 		printf("summary: eval loss %.4f (%d x [%" PRId64 ", %" PRId64
-		       "] from the start of %s; entropy floor unknown)\n",
-		       eval_loss, EVAL_BATCHES, r->B, r->T, data);
+		       "] from the start of %s%s; entropy floor unknown)\n",
+		       eval_loss, EVAL_BATCHES, r->B, r->T,
+		       r->eval_stream && epj_corpus_split_tokens(
+					     r->corpus, 1) != UINT64_MAX
+			   ? "the validation split of "
+			   : "",
+		       data);
 	else
 		printf(
 		    "summary: eval loss %.4f (held-out stream, %d x [%" PRId64

@@ -33,6 +33,7 @@
 #include "config.h"
 #endif
 #include "cc.h"
+#include "flag_hint.h"
 #include "jit_impl.h"
 #include "kcache.h"
 #include "kcache_archive.h"
@@ -46,8 +47,14 @@
 
 #define PROG "epjit-warmup"
 
+/* --model-override: at most this many edits of the model config. */
+#define MAX_OVERRIDES 64
+
 typedef struct opts {
 	const char *model_path, *config_path;
+	/* --model-override KEY=VALUE, in order (epj_model_opts) */
+	const char *model_overrides[MAX_OVERRIDES];
+	int n_model_overrides;
 	long seq;
 	epj_layout layout;
 	bool checkpointing;
@@ -72,6 +79,9 @@ static void usage(FILE *fp)
 	    "\n"
 	    "  --model FILE        HF config.json (default: built-in tiny "
 	    "model)\n"
+	    "  --model-override KEY=VALUE\n"
+	    "                      edit the model config as epjit-train "
+	    "does (repeatable)\n"
 	    "  --config FILE       DeepSpeed-style ds.json (default: "
 	    "epjit-train's built-in\n"
 	    "                      config); the micro-batch comes from it\n"
@@ -168,7 +178,7 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 			continue;
 		}
 		const char *val = NULL, *eq = strchr(a, '=');
-		char name[32];
+		char name[40];
 		size_t n = eq ? (size_t)(eq - a) : strlen(a);
 		if (!strncmp(a, "-j", 2) && a[2]) { /* -j4 */
 			snprintf(name, sizeof name, "-j");
@@ -179,15 +189,23 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 			memcpy(name, a, n);
 			name[n] = '\0';
 			static const char *const known[] = {
-				"--model",   "--config", "--seq", "--layout",
-				"--backend", "--arch",	 "-j",	  "--jobs",
-				"--export",  "--import",
+				"--model",  "--config",		"--seq",
+				"--layout", "--backend",	"--arch",
+				"-j",	    "--jobs",		"--export",
+				"--import", "--model-override",
 			};
 			bool ok = false;
 			for (size_t k = 0; k < EJ_ARRAY_LEN(known); k++)
 				ok |= !strcmp(name, known[k]);
-			if (!ok)
-				return bad_usage("unknown option '%s'", a);
+			if (!ok) {
+				char msg[160];
+				flag_hint(usage, a, msg, sizeof msg);
+				fprintf(stderr,
+					PROG ": unknown option '%s'%s\n", a,
+					msg);
+				usage(stderr);
+				return 2;
+			}
 			if (eq)
 				val = eq + 1;
 			else if (i + 1 < argc)
@@ -201,6 +219,12 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 					 name);
 		if (!strcmp(name, "--model")) {
 			o->model_path = val;
+			*model_given = true;
+		} else if (!strcmp(name, "--model-override")) {
+			if (o->n_model_overrides >= MAX_OVERRIDES)
+				return bad_usage("more than 64 %s options",
+						 name);
+			o->model_overrides[o->n_model_overrides++] = val;
 			*model_given = true;
 		} else if (!strcmp(name, "--config")) {
 			o->config_path = val;
@@ -313,14 +337,20 @@ static epj_status make_plan(warm *w, const opts *o)
 	double t0 = now_s();
 	epj_model_opts mo = { .layout = o->layout,
 			      .seed = 42,
-			      .dtype = EPJ_DTYPE_F32 };
+			      .dtype = EPJ_DTYPE_F32,
+			      .config_overrides = o->model_overrides,
+			      .n_config_overrides = o->n_model_overrides };
 	ctx->meta = true; /* no storage for parameters or optimizer state */
 	epj_status st = epj_model_new(ctx, o->model_path, &mo, &w->model);
 	if (st == EPJ_OK && o->checkpointing)
 		epj_model_set_checkpointing(w->model, true);
 	if (st == EPJ_OK && o->config_path) {
-		st = epj_engine_initialize(ctx, w->model, o->config_path,
-					   &w->engine);
+		/* "auto" as epjit-train resolves it (the schedule's length
+		 * changes no kernel) */
+		char autos[1024];
+		auto_config(autos, sizeof autos, DEFAULT_STEPS);
+		st = epj_engine_initialize_auto(ctx, w->model, o->config_path,
+						autos, &w->engine);
 	} else if (st == EPJ_OK) {
 		char json[1024];
 		default_config(json, sizeof json);
