@@ -9,10 +9,11 @@
  * compiles; gradients dropped), and a different measured batch, run
  * through epj_engine_train_step -- the call users make: forward, backward,
  * accumulate, one SGD step with lr 1.0 (so FP32 master updates stay above
- * rounding near unit-valued norm weights, as the seed explains).  An
- * engine probe (ej_step_probe) copies the logits, loss and gradients
- * between the backward and the optimizer; the masters are copied around
- * the step.  "No new graphs" is thus shown on tokens the compile never saw.
+ * rounding near unit-valued norm weights, as DeepSpeed's AutoEP validation
+ * explains).  An engine probe (ej_step_probe) copies the logits, loss and
+ * gradients between the backward and the optimizer; the masters are copied
+ * around the step.  "No new graphs" is thus shown on tokens the compile never
+ * saw.
  *
  * Compared, with the tolerances of parity_tol below (per quantity; for
  * gradients and master updates per parameter, so one wrong parameter
@@ -51,7 +52,7 @@
 
 /* ---- tolerances ------------------------------------------------------------
  *
- * Per quantity, as the seed's GPU suite for bf16: a value passes when
+ * Per quantity, as DeepSpeed's AutoEP GPU suite for bf16: a value passes when
  * |got - ref| <= atol + rtol * |ref| element by element AND the relative L2
  * distance ||got - ref|| / ||ref|| of the tensor is <= rel_l2; for
  * gradients and master updates each parameter on its own.

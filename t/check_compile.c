@@ -10,7 +10,7 @@
  * compiled model makes compiled launches in every region
  * (epj_engine_region_stats: a compiled call, compiled launches, no eager
  * fallback) and the eager one makes none.  Tolerances are tight f32 ones
- * (rtol 1e-5, atol 1e-6), far below the seed's bf16 GPU gates.
+ * (rtol 1e-5, atol 1e-6), far below DeepSpeed's AutoEP bf16 GPU gates.
  *
  * Observed counters (tiny model, 2 MoE layers, nested layout):
  *  - autoep_non_moe, no checkpointing: step 1 frames.total = frames.ok = 2

@@ -270,7 +270,8 @@ START_TEST(test_compare_rejects)
 }
 END_TEST
 
-/* The bf16 tolerances are the seed's GPU suite's, quantity by quantity. */
+/* The bf16 tolerances are DeepSpeed's AutoEP GPU suite's, quantity by quantity.
+ */
 START_TEST(test_tolerances)
 {
 	const double want[4][3] = { { 2e-2, 5e-3, 5e-2 },
