@@ -2593,6 +2593,26 @@ static epj_status parse_root(cp *p, json_t *root, ej_config *c)
  * as before ("config error in SRC: MSG"), several as "N errors:" and one
  * indented line each.  What does not fit the context's message is logged
  * (every error, then) and counted in its last line. */
+/* Whether the "no effect" warning for this source and key list is the
+ * first of the process: a program that parses the same file twice (the
+ * trainer does when the config moves its seed or device) warns once.  A
+ * 64-bit FNV-1a of both strings; one parse at a time, as everywhere in
+ * config parsing. */
+static bool first_warning(const char *src, const char *list)
+{
+	static uint64_t last;
+	uint64_t h = 0xcbf29ce484222325ull;
+	for (const char *c = src; *c; c++)
+		h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+	h = (h ^ 0xffu) * 0x100000001b3ull;
+	for (const char *c = list; *c; c++)
+		h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+	if (h == last)
+		return false;
+	last = h;
+	return true;
+}
+
 static epj_status report_errors(cp *p)
 {
 	EJ_ASSERT(p->nerr > 0);
@@ -2671,7 +2691,8 @@ epj_status ej_config_parse_auto(epj_ctx *ctx, const char *json_text,
 			s = report_errors(&p);
 		} else if (s == EPJ_OK) {
 			*out = *tmp;
-			if (out->no_effect[0])
+			if (out->no_effect[0] &&
+			    first_warning(p.src, out->no_effect))
 				epj_log_msg(EPJ_LOG_WARN,
 					    "%s: accepted, no effect in epjit: "
 					    "%s",

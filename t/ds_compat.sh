@@ -83,6 +83,13 @@ for k in fp16.loss_scale zero_optimization.offload_optimizer.pin_memory \
 	grep "accepted, no effect in epjit" err1 | grep -q "$k" ||
 		{ cat err1 >&2; fail "the no-effect warning does not name $k"; }
 done
+# a config that moves the seed is parsed twice by the trainer: still one
+# warning
+printf '{"seed": 7, "wall_clock_breakdown": true, "train_micro_batch_size_per_gpu": 2}\n' >seed7.json
+"$TRAIN" --config seed7.json --steps 1 --seq 8 >out7 2>err7 ||
+	{ cat out7 err7 >&2; fail "seed 7 config did not train"; }
+n=$(grep -c "accepted, no effect in epjit: wall_clock_breakdown" err7)
+[ "$n" = 1 ] || { cat err7 >&2; fail "seed 7: want one no-effect warning, got $n"; }
 # steps_per_print is acted on (the progress interval): not in the warning
 grep "accepted, no effect" err1 | grep -q steps_per_print &&
 	fail "steps_per_print is acted on, yet named as without effect"
