@@ -466,12 +466,12 @@ static epj_tensor *run_experts(epj_ctx *ctx, epj_module *m,
 		snprintf(local, sizeof local, "%d", im->first_local + e);
 		epj_module *ex = ej_module_child(experts, local);
 		EJ_ASSERT(ex != NULL);
-		epj_tensor *wg =
-		    ej_module_param(ej_module_child(ex, "gate_proj"), "weight");
-		epj_tensor *wu =
-		    ej_module_param(ej_module_child(ex, "up_proj"), "weight");
-		epj_tensor *wd =
-		    ej_module_param(ej_module_child(ex, "down_proj"), "weight");
+		epj_tensor *wg = ej_module_param(
+		    ej_module_child(ex, im->opts.proj[0]), "weight");
+		epj_tensor *wu = ej_module_param(
+		    ej_module_child(ex, im->opts.proj[1]), "weight");
+		epj_tensor *wd = ej_module_param(
+		    ej_module_child(ex, im->opts.proj[2]), "weight");
 		EJ_ASSERT(wg && wu && wd);
 		/* rows [c, H] -> silu(rows Wg^T) * (rows Wu^T) [c, I] -> [c, H]
 		 */
@@ -879,12 +879,12 @@ static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
 		snprintf(local, sizeof local, "%d", im->first_local + e);
 		epj_module *ex = ej_module_child(experts, local);
 		EJ_ASSERT(ex != NULL);
-		wg[G] =
-		    ej_module_param(ej_module_child(ex, "gate_proj"), "weight");
-		wu[G] =
-		    ej_module_param(ej_module_child(ex, "up_proj"), "weight");
-		wd[G] =
-		    ej_module_param(ej_module_child(ex, "down_proj"), "weight");
+		wg[G] = ej_module_param(ej_module_child(ex, im->opts.proj[0]),
+					"weight");
+		wu[G] = ej_module_param(ej_module_child(ex, im->opts.proj[1]),
+					"weight");
+		wd[G] = ej_module_param(ej_module_child(ex, im->opts.proj[2]),
+					"weight");
 		EJ_ASSERT(wg[G] && wu[G] && wd[G]);
 		cnt[G++] = local_counts[e];
 	}
@@ -1468,6 +1468,10 @@ static epj_status check_opts(epj_ctx *ctx, const char *local, int hidden,
 	return EPJ_OK;
 }
 
+/* The expert projection names of a layer whose options name none. */
+static const char *const qwen3_proj[3] = { "gate_proj", "up_proj",
+					   "down_proj" };
+
 epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			  int hidden, int inter, const ej_autoep_opts *opts,
 			  epj_dtype dt, double init_std, ej_comm *comm)
@@ -1495,6 +1499,12 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		im->fused = false;
 	}
 	im->opts = *opts;
+	for (int j = 0; j < 3; j++)
+		if (!im->opts.proj[j])
+			im->opts.proj[j] = qwen3_proj[j];
+	if (!im->opts.expert_kind)
+		im->opts.expert_kind = "Qwen3MoeMLP";
+	const ej_autoep_opts im_opts = im->opts; /* im moves into the tree */
 	im->hidden = hidden;
 	im->inter = inter;
 	im->dtype = dt;
@@ -1565,13 +1575,12 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 	epj_module *experts =
 	    ok ? ej_module_new(m, "experts", "ModuleList", NULL) : NULL;
 	ok = ok && experts;
-	static const char *const proj[3] = { "gate_proj", "up_proj",
-					     "down_proj" };
+	const char *proj[3], *ekind = im_opts.expert_kind;
+	memcpy(proj, im_opts.proj, sizeof proj);
 	for (int e = 0; e < L && ok; e++) {
 		char name[32];
 		snprintf(name, sizeof name, "%d", first_local + e);
-		epj_module *ex =
-		    ej_module_new(experts, name, "Qwen3MoeMLP", NULL);
+		epj_module *ex = ej_module_new(experts, name, ekind, NULL);
 		ok = ex != NULL;
 		for (int j = 0; j < 3 && ok; j++) {
 			epj_module *lin =

@@ -26,8 +26,10 @@
  *    compiled_free only detaches it (the model may be freed first), the
  *    engine frees it and restores the module in ej_engine_compile_free.
  *  - A region's parameter table is its subtree's parameters without the
- *    subtrees of compiler_disabled modules (those run eagerly in the break),
- *    in model order; slots are indices into it.  It holds borrowed pointers
+ *    subtrees of compiler_disabled modules (those run eagerly in the break)
+ *    except their region_owned children's (dense work the region does
+ *    under the MoE block's name), in model order; slots are indices into
+ *    it.  It holds borrowed pointers
  *    refreshed at every call (epj_model_set_param replaces tensors).
  *  - Variants of a region are bounded by the recompile limit (8, as torch's
  *    cache_size_limit; EPJIT_RECOMPILE_LIMIT overrides, read at compile
@@ -145,13 +147,29 @@ static epj_status params_push(epj_ctx *ctx, region *r, epj_tensor *t)
 	return EPJ_OK;
 }
 
+/* A compiler_disabled module below the region: only its region_owned
+ * children's parameters are the region's. */
+static bool in_break(const region *r, const epj_module *m)
+{
+	return m != r->m && m->compiler_disabled;
+}
+
 /* Parameters of m's subtree, model order (pre-order, a module's own
  * parameters before its children's), skipping compiler_disabled subtrees
- * below the region. */
+ * below the region but for their region_owned children. */
 static epj_status params_walk(epj_ctx *ctx, region *r, epj_module *m)
 {
-	if (m != r->m && m->compiler_disabled)
+	if (in_break(r, m)) {
+		for (int i = 0; i < m->n_children; i++) {
+			epj_status st =
+			    m->children[i]->region_owned
+				? params_walk(ctx, r, m->children[i])
+				: EPJ_OK;
+			if (st != EPJ_OK)
+				return st;
+		}
 		return EPJ_OK;
+	}
 	for (int i = 0; i < m->n_params; i++) {
 		epj_status st = params_push(ctx, r, m->params[i]);
 		if (st != EPJ_OK)
@@ -178,8 +196,13 @@ static epj_status params_refresh(epj_ctx *ctx, region *r)
 static int names_walk(const region *r, const epj_module *m, char **names,
 		      int cap, int n)
 {
-	if (m != r->m && m->compiler_disabled)
+	if (in_break(r, m)) {
+		for (int i = 0; i < m->n_children; i++)
+			if (m->children[i]->region_owned)
+				n = names_walk(r, m->children[i], names, cap,
+					       n);
 		return n;
+	}
 	for (int i = 0; i < m->n_params; i++) {
 		if (n < cap) {
 			size_t len =

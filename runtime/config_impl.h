@@ -291,7 +291,20 @@ const char *ej_sched_type_name(ej_sched_type t);
 
 #define EJ_MODEL_MAX_LAYERS 1024
 
+/* The model families the builder knows (model_type). */
+typedef enum ej_model_family {
+	EJ_FAMILY_QWEN3_MOE = 0, /* "qwen3_moe" (also when absent) */
+	EJ_FAMILY_MIXTRAL,	 /* "mixtral" */
+	EJ_FAMILY_QWEN2_MOE,	 /* "qwen2_moe" */
+} ej_model_family;
+
 typedef struct ej_model_config {
+	ej_model_family family; /* from model_type */
+	bool qk_norm;		/* per-head RMSNorm of q, k (Qwen3) */
+	int64_t sliding_window; /* Mixtral; 0: none */
+	bool qkv_bias;		/* q/k/v projections with bias (Qwen2) */
+	/* Qwen2-MoE: the shared expert's width in every MoE layer (0: none) */
+	int64_t shared_expert_intermediate_size;
 	int64_t vocab_size;	       /* required */
 	int64_t hidden_size;	       /* required */
 	int num_hidden_layers;	       /* required, <= EJ_MODEL_MAX_LAYERS */
@@ -314,11 +327,12 @@ typedef struct ej_model_config {
 	char torch_dtype[16]; /* informational; "" if absent */
 } ej_model_config;
 
-/* Parses an HF config.json (Qwen3-MoE).  Unused keys are listed once at
- * debug level; used keys with values this library does not implement
- * (sliding window, attention bias, rope scaling, activation other than silu,
- * model_type other than qwen3_moe, dropout, router logits output) are
- * errors naming the key.  *out is always written (zeros on failure). */
+/* Parses an HF config.json (Qwen3-MoE, Mixtral or Qwen2-MoE).  Unused keys are
+ * listed once at debug level; used keys with values this library does not
+ * implement (sliding window, attention bias, rope scaling, activation other
+ * than silu, another model_type, dropout, router logits output, router
+ * jitter) are errors naming the key.  *out is always written (zeros on
+ * failure). */
 epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
 				 const char *source_name, ej_model_config *out);
 epj_status ej_model_config_load(epj_ctx *ctx, const char *path,

@@ -1,4 +1,6 @@
-/* model_config.c -- the Hugging Face config.json of a Qwen3-MoE model.
+/* model_config.c -- the Hugging Face config.json of a Qwen3-MoE, Mixtral or
+ * Qwen2-MoE model (model_type "qwen3_moe", the default when absent,
+ * "mixtral" or "qwen2_moe").
  *
  * The reader accepts a published config as is: HF files carry many keys the
  * trainer has no use for (token ids, architectures, use_cache ...), so keys
@@ -26,20 +28,39 @@
 
 /* Keys the model builder reads or checks; all others are "unused". */
 static const char *const used_keys[] = {
-	"vocab_size",	       "hidden_size",
-	"num_hidden_layers",   "num_attention_heads",
-	"num_key_value_heads", "head_dim",
-	"intermediate_size",   "moe_intermediate_size",
-	"num_experts",	       "num_local_experts",
-	"num_experts_per_tok", "norm_topk_prob",
-	"decoder_sparse_step", "mlp_only_layers",
-	"rms_norm_eps",	       "rope_theta",
-	"rope_parameters",     "max_position_embeddings",
-	"tie_word_embeddings", "initializer_range",
-	"torch_dtype",	       "use_sliding_window",
-	"attention_bias",      "rope_scaling",
-	"hidden_act",	       "model_type",
-	"attention_dropout",   "output_router_logits",
+	"vocab_size",
+	"hidden_size",
+	"num_hidden_layers",
+	"num_attention_heads",
+	"num_key_value_heads",
+	"head_dim",
+	"intermediate_size",
+	"moe_intermediate_size",
+	"num_experts",
+	"num_local_experts",
+	"num_experts_per_tok",
+	"norm_topk_prob",
+	"decoder_sparse_step",
+	"mlp_only_layers",
+	"rms_norm_eps",
+	"rope_theta",
+	"rope_parameters",
+	"max_position_embeddings",
+	"tie_word_embeddings",
+	"initializer_range",
+	"torch_dtype",
+	"use_sliding_window",
+	"attention_bias",
+	"rope_scaling",
+	"hidden_act",
+	"model_type",
+	"attention_dropout",
+	"output_router_logits",
+	"sliding_window",
+	"router_jitter_noise",
+	"qkv_bias",
+	"shared_expert_intermediate_size",
+	"layer_types",
 };
 
 typedef struct mp {
@@ -134,8 +155,9 @@ static epj_status rd_bool(mp *p, const char *key, bool *out)
 	return EPJ_OK;
 }
 
-/* Keys whose values select features this library does not implement. */
-static epj_status check_unsupported(mp *p)
+/* Keys whose values select features this library does not implement;
+ * m->family from model_type. */
+static epj_status check_unsupported(mp *p, ej_model_config *m)
 {
 	epj_status s;
 	bool b = false;
@@ -195,12 +217,59 @@ static epj_status check_unsupported(mp *p)
 			return mp_err(p,
 				      "\"model_type\" must be a string, got %s",
 				      ej_json_describe(v, g, sizeof g));
-		if (strcmp(json_string_value(v), "qwen3_moe") != 0)
+		if (!strcmp(json_string_value(v), "mixtral"))
+			m->family = EJ_FAMILY_MIXTRAL;
+		else if (!strcmp(json_string_value(v), "qwen2_moe"))
+			m->family = EJ_FAMILY_QWEN2_MOE;
+		else if (strcmp(json_string_value(v), "qwen3_moe") != 0)
 			return mp_err(p,
-				      "\"model_type\" is \"%.60s\": only "
-				      "\"qwen3_moe\" (Qwen3-MoE) models are "
-				      "supported",
+				      "\"model_type\" is \"%.60s\": the "
+				      "model families implemented are "
+				      "\"qwen3_moe\" (Qwen3-MoE), "
+				      "\"mixtral\" (Mixtral) and "
+				      "\"qwen2_moe\" (Qwen2-MoE)",
 				      json_string_value(v));
+	}
+	/* transformers 5's per-layer attention kinds: full attention only */
+	if ((v = json_object_get(p->root, "layer_types")) && !json_is_null(v)) {
+		if (!json_is_array(v))
+			return mp_err(p,
+				      "\"layer_types\" must be an array of "
+				      "strings, got %s",
+				      ej_json_describe(v, g, sizeof g));
+		size_t i;
+		json_t *x;
+		json_array_foreach(v, i, x)
+		{
+			if (json_is_string(x) &&
+			    !strcmp(json_string_value(x), "full_attention"))
+				continue;
+			char q[80];
+			if (json_is_string(x))
+				snprintf(q, sizeof q, "\"%.60s\"",
+					 json_string_value(x));
+			return mp_err(p,
+				      "\"layer_types[%zu]\" is %s: only "
+				      "\"full_attention\" is implemented "
+				      "(sliding-window and linear attention "
+				      "are not)",
+				      i,
+				      json_is_string(x)
+					  ? q
+					  : ej_json_describe(x, g, sizeof g));
+		}
+	}
+	if (m->family == EJ_FAMILY_MIXTRAL) {
+		double jitter = 0;
+		if ((s = rd_num(p, p->root, "router_jitter_noise", true,
+				&jitter)))
+			return s;
+		if (jitter != 0)
+			return mp_err(p,
+				      "\"router_jitter_noise\" is %g: router "
+				      "jitter is not implemented (set it to "
+				      "0)",
+				      jitter);
 	}
 	double dropout = 0;
 	if ((s = rd_num(p, p->root, "attention_dropout", true, &dropout)))
@@ -287,6 +356,44 @@ static epj_status parse_mlp_only(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
+/* Mixtral's MoE: every layer a sparse block of num_local_experts experts
+ * of intermediate_size, top num_experts_per_tok renormalised (Mixtral has
+ * no norm_topk_prob: it always renormalises); sliding_window null or a
+ * length (the model refuses a longer sequence).  Qwen3-MoE's MoE keys are
+ * not Mixtral's and are ignored, as MixtralConfig ignores them. */
+static epj_status parse_mixtral_moe(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x = 0;
+	bool given;
+	const char *why = " (Mixtral's expert count; every layer is sparse)";
+	if ((s = rd_int(p, "num_local_experts", 1, &x, &given)))
+		return s;
+	if (!given)
+		return missing(p, "num_local_experts", why);
+	if (x > (1 << 16)) /* the AutoEP layer's limit */
+		return mp_err(p,
+			      "\"num_local_experts\" (%" PRId64
+			      ") is out of range [1, %d]",
+			      x, 1 << 16);
+	m->num_experts = (int)x;
+	if ((s = rd_int(p, "num_experts_per_tok", 1, &x, &given)))
+		return s;
+	if (!given)
+		return missing(p, "num_experts_per_tok", why);
+	if (x > m->num_experts)
+		return mp_err(p,
+			      "\"num_experts_per_tok\" (%" PRId64
+			      ") must not exceed \"num_local_experts\" (%d)",
+			      x, m->num_experts);
+	m->num_experts_per_tok = (int)x;
+	m->moe_intermediate_size = m->intermediate_size;
+	m->norm_topk_prob = true;
+	m->decoder_sparse_step = 1;
+	m->n_mlp_only_layers = 0;
+	return rd_int(p, "sliding_window", 1, &m->sliding_window, &given);
+}
+
 static epj_status parse_model(mp *p, ej_model_config *m)
 {
 	epj_status s;
@@ -294,8 +401,20 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 	bool given;
 	char g[100];
 
-	if ((s = check_unsupported(p)))
+	if ((s = check_unsupported(p, m)))
 		return s;
+	m->qk_norm = m->family == EJ_FAMILY_QWEN3_MOE;
+	if (m->family == EJ_FAMILY_QWEN2_MOE) {
+		m->qkv_bias = true; /* Qwen2MoeConfig's default */
+		if ((s = rd_bool(p, "qkv_bias", &m->qkv_bias)))
+			return s;
+	}
+	if (m->family == EJ_FAMILY_MIXTRAL) {
+		/* MixtralConfig's defaults */
+		m->rms_norm_eps = 1e-5;
+		m->rope_theta = 1e6;
+		m->max_position_embeddings = 4096 * 32;
+	}
 	/* Required sizes. */
 	if ((s = rd_req(p, "vocab_size", &m->vocab_size)) ||
 	    (s = rd_req(p, "hidden_size", &m->hidden_size)))
@@ -345,6 +464,12 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			      "embeddings rotate pairs of dimensions",
 			      m->head_dim);
 
+	if (m->family == EJ_FAMILY_MIXTRAL) {
+		if ((s = parse_mixtral_moe(p, m)))
+			return s;
+		goto rest;
+	}
+
 	/* Experts: "num_experts" (transformers 4's Qwen3-MoE spelling) or
 	 * "num_local_experts" (the spelling transformers 5 writes); both given
 	 * must agree.  Neither given in a config that has MoE keys
@@ -379,6 +504,9 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 		    : json_is_string(mt) &&
 			    !strcmp(json_string_value(mt), "qwen3_moe")
 			? "model_type \"qwen3_moe\""
+		    : json_is_string(mt) &&
+			    !strcmp(json_string_value(mt), "qwen2_moe")
+			? "model_type \"qwen2_moe\""
 			: NULL;
 		if (moe_key)
 			return mp_err(
@@ -412,6 +540,18 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			return s;
 		if (!given)
 			return missing(p, "moe_intermediate_size", why);
+		if (m->family == EJ_FAMILY_QWEN2_MOE) {
+			/* the shared expert of every MoE layer */
+			if ((s = rd_int(p, "shared_expert_intermediate_size", 1,
+					&m->shared_expert_intermediate_size,
+					&given)))
+				return s;
+			if (!given)
+				return missing(
+				    p, "shared_expert_intermediate_size",
+				    " (Qwen2-MoE with num_experts > "
+				    "0)");
+		}
 	} else {
 		/* Still type-check them: a typo'd value should not pass. */
 		int64_t unused;
@@ -430,6 +570,7 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 		return s;
 
 	/* The rest. */
+rest:
 	if ((s = rd_num(p, p->root, "rms_norm_eps", false, &m->rms_norm_eps)) ||
 	    (s = parse_rope(p, m)) ||
 	    (s = rd_int(p, "max_position_embeddings", 1,
@@ -454,6 +595,8 @@ static void model_defaults(ej_model_config *m)
 {
 	/* HF Qwen3MoeConfig's defaults for the optional keys. */
 	memset(m, 0, sizeof *m);
+	m->family = EJ_FAMILY_QWEN3_MOE;
+	m->qk_norm = true;
 	m->decoder_sparse_step = 1;
 	m->rms_norm_eps = 1e-6;
 	m->rope_theta = 10000.0;
@@ -662,7 +805,11 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 	const char *dt = torch_dtype	     ? torch_dtype
 			 : m->torch_dtype[0] ? m->torch_dtype
 					     : "float32";
-	json_t *arch = json_pack("[s]", "Qwen3MoeForCausalLM");
+	const bool mx = m->family == EJ_FAMILY_MIXTRAL;
+	const bool q2 = m->family == EJ_FAMILY_QWEN2_MOE;
+	json_t *arch = json_pack("[s]", mx   ? "MixtralForCausalLM"
+					: q2 ? "Qwen2MoeForCausalLM"
+					     : "Qwen3MoeForCausalLM");
 	ok = ok && arch && !json_object_set_new(o, "architectures", arch);
 	if (!ok)
 		json_decref(arch);
@@ -705,6 +852,44 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 			ok = !json_object_set_new(o, kv[i].k, kv[i].v);
 		else
 			ok = false, json_decref(kv[i].v);
+	}
+	if (ok && mx) {
+		/* MixtralConfig's spelling: num_local_experts, its experts
+		 * of intermediate_size, always renormalised, every layer
+		 * sparse, no attention bias key */
+		static const char *const qwen_only[] = {
+			"moe_intermediate_size", "num_experts",
+			"norm_topk_prob",	 "decoder_sparse_step",
+			"mlp_only_layers",	 "attention_bias",
+			"use_sliding_window",
+		};
+		for (size_t i = 0; i < EJ_ARRAY_LEN(qwen_only); i++)
+			json_object_del(o, qwen_only[i]);
+		ok = !json_object_set_new(o, "model_type",
+					  json_string("mixtral")) &&
+		     !json_object_set_new(o, "num_local_experts",
+					  json_integer(m->num_experts)) &&
+		     !json_object_set_new(
+			 o, "intermediate_size",
+			 json_integer(m->moe_intermediate_size)) &&
+		     !json_object_set_new(o, "sliding_window",
+					  m->sliding_window
+					      ? json_integer(m->sliding_window)
+					      : json_null()) &&
+		     !json_object_set_new(o, "router_jitter_noise",
+					  json_real(0.0));
+	}
+	if (ok && q2) {
+		/* Qwen2MoeConfig: qkv_bias instead of attention_bias, and the
+		 * shared expert */
+		json_object_del(o, "attention_bias");
+		ok = !json_object_set_new(o, "model_type",
+					  json_string("qwen2_moe")) &&
+		     !json_object_set_new(o, "qkv_bias",
+					  json_boolean(m->qkv_bias)) &&
+		     !json_object_set_new(
+			 o, "shared_expert_intermediate_size",
+			 json_integer(m->shared_expert_intermediate_size));
 	}
 	char *text = ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER |
 					    JSON_REAL_PRECISION(17))

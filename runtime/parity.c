@@ -611,13 +611,28 @@ static int regions_compiled(const arm *a)
 
 typedef enum { CAT_INPUT, CAT_ROUTER, CAT_EXPERT, CAT_DENSE } category;
 
+/* nm is, or ends in, "<block>.<what>" with block one of the MoE block
+ * names of the families (Qwen3-MoE's mlp, Mixtral's block_sparse_moe). */
+static bool moe_part(const char *nm, const char *what)
+{
+	static const char *const blocks[] = { "mlp.", "block_sparse_moe." };
+	for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) {
+		char key[64];
+		snprintf(key, sizeof key, "%s%s", blocks[i], what);
+		const char *s = strstr(nm, key);
+		if (s && (s == nm || s[-1] == '.'))
+			return true;
+	}
+	return false;
+}
+
 static category param_category(const char *nm)
 {
 	if (strstr(nm, "embed_tokens"))
 		return CAT_INPUT;
-	if (strstr(nm, ".mlp.gate.") || !strncmp(nm, "mlp.gate.", 9))
+	if (moe_part(nm, "gate."))
 		return CAT_ROUTER;
-	if (strstr(nm, "mlp.experts."))
+	if (moe_part(nm, "experts."))
 		return CAT_EXPERT;
 	return CAT_DENSE;
 }

@@ -1,5 +1,9 @@
-/* qwen3.c -- the Qwen3-MoE causal LM, written with epj_* ops so that eager
- * execution mirrors the Hugging Face reference code op for op:
+/* qwen3.c -- the Qwen3-MoE and Mixtral causal LMs, written with epj_* ops
+ * so that eager execution mirrors the Hugging Face reference code op for op.
+ * The two families share the block; Mixtral has no q/k norm, names its MoE
+ * block block_sparse_moe with experts w1 (gate), w3 (up), w2 (down), always
+ * renormalises the top-k weights and refuses a sequence longer than its
+ * sliding_window:
  *
  *   input_ids [B,T] -> embed_tokens -> N x decoder block -> norm -> lm_head
  *   -> logits [B,T,V] -> cross-entropy(labels) -> loss []
@@ -27,6 +31,44 @@
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
+
+/* The module kinds and checkpoint names of a family. */
+typedef struct family_names {
+	const char *lm, *model, *layer, *attn, *norm, *root_lm, *dense_kind;
+	const char *mlp;	 /* the block's MLP / MoE child */
+	const char *expert_kind; /* an expert of the AutoEP layer */
+	const char *proj[3];	 /* an expert's gate, up, down */
+} family_names;
+
+static const family_names qwen3_names = {
+	"Qwen3MoeForCausalLM",	"Qwen3MoeModel",
+	"Qwen3MoeDecoderLayer", "Qwen3MoeAttention",
+	"Qwen3MoeRMSNorm",	"Qwen3MoeRootBlockLM",
+	"Qwen3MoeMLP",		"mlp",
+	"Qwen3MoeMLP",		{ "gate_proj", "up_proj", "down_proj" },
+};
+
+static const family_names mixtral_names = {
+	"MixtralForCausalLM", "MixtralModel",	  "MixtralDecoderLayer",
+	"MixtralAttention",   "MixtralRMSNorm",	  "MixtralRootBlockLM",
+	"MixtralMLP",	      "block_sparse_moe", "MixtralBlockSparseTop2MLP",
+	{ "w1", "w3", "w2" },
+};
+
+static const family_names qwen2_names = {
+	"Qwen2MoeForCausalLM",	"Qwen2MoeModel",
+	"Qwen2MoeDecoderLayer", "Qwen2MoeAttention",
+	"Qwen2MoeRMSNorm",	"Qwen2MoeRootBlockLM",
+	"Qwen2MoeMLP",		"mlp",
+	"Qwen2MoeMLP",		{ "gate_proj", "up_proj", "down_proj" },
+};
+
+static const family_names *names_of(const ej_model_config *c)
+{
+	return c->family == EJ_FAMILY_MIXTRAL	  ? &mixtral_names
+	       : c->family == EJ_FAMILY_QWEN2_MOE ? &qwen2_names
+						  : &qwen3_names;
+}
 
 /* Frees a list of temporaries (NULL ok). */
 static void drop(epj_tensor **ts, int n)
@@ -75,10 +117,14 @@ static epj_tensor *rope(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
 	return y;
 }
 
+/* x W^T (+ b when the Linear has a bias) */
 static epj_tensor *linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x)
 {
-	return epj_linear(ctx, x, ej_module_param(lin, "weight"), NULL);
+	return epj_linear(ctx, x, ej_module_param(lin, "weight"),
+			  ej_module_param(lin, "bias"));
 }
+
+static epj_tensor *swiglu(epj_ctx *ctx, epj_module *m, epj_tensor *x);
 
 /* [B,T,H*D] -> per-head norm (optional) -> [B,H,T,D] */
 static epj_tensor *heads(epj_ctx *ctx, epj_tensor *p, int64_t nh, int64_t d,
@@ -153,9 +199,27 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 			    "weight"),
 	    eps);
 	epj_tensor *y = NULL;
-	if (t[X2] && ej_module_call(ctx, ej_module_child(blk, "mlp"), &t[X2], 1,
-				    &t[M], 1) == EPJ_OK)
-		y = epj_add(ctx, t[H1], t[M]);
+	epj_module *mlp = ej_module_child(blk, names_of(cfg)->mlp);
+	if (t[X2] && ej_module_call(ctx, mlp, &t[X2], 1, &t[M], 1) == EPJ_OK) {
+		/* Qwen2-MoE's shared expert, gated by sigmoid(x Wg^T): dense
+		 * work, in the block (the compiled region), not in the MoE
+		 * layer's graph break */
+		epj_module *se = ej_module_child(mlp, "shared_expert");
+		if (se) {
+			epj_tensor *u[4] = { 0 };
+			u[0] = swiglu(ctx, se, t[X2]);
+			u[1] = linear_of(
+			    ctx, ej_module_child(mlp, "shared_expert_gate"),
+			    t[X2]);
+			u[2] = epj_sigmoid(ctx, u[1]);
+			u[3] = epj_mul(ctx, u[2], u[0]);
+			epj_tensor *sum = epj_add(ctx, t[M], u[3]);
+			drop(u, 4);
+			epj_tensor_free(t[M]);
+			t[M] = sum;
+		}
+		y = t[M] ? epj_add(ctx, t[H1], t[M]) : NULL;
+	}
 	drop(t, N_T);
 	return y;
 }
@@ -176,18 +240,27 @@ static epj_status block_forward(epj_ctx *ctx, epj_module *m,
 	return out[0] ? EPJ_OK : ctx->status;
 }
 
+/* down(silu(gate(x)) * up(x)) of a SwiGLU MLP module m */
+static epj_tensor *swiglu(epj_ctx *ctx, epj_module *m, epj_tensor *x)
+{
+	epj_tensor *t[4] = { 0 };
+	t[0] = linear_of(ctx, ej_module_child(m, "gate_proj"), x);
+	t[1] = epj_silu(ctx, t[0]);
+	t[2] = linear_of(ctx, ej_module_child(m, "up_proj"), x);
+	t[3] = epj_mul(ctx, t[1], t[2]);
+	epj_tensor *y = linear_of(ctx, ej_module_child(m, "down_proj"), t[3]);
+	drop(t, 4);
+	return y;
+}
+
 /* dense SwiGLU MLP: in = (x) -> down(silu(gate(x)) * up(x)) */
 static epj_status mlp_forward(epj_ctx *ctx, epj_module *m,
 			      epj_tensor *const *in, int n_in, epj_tensor **out,
 			      int n_out)
 {
-	epj_tensor *t[4] = { 0 };
-	t[0] = linear_of(ctx, ej_module_child(m, "gate_proj"), in[0]);
-	t[1] = epj_silu(ctx, t[0]);
-	t[2] = linear_of(ctx, ej_module_child(m, "up_proj"), in[0]);
-	t[3] = epj_mul(ctx, t[1], t[2]);
-	out[0] = linear_of(ctx, ej_module_child(m, "down_proj"), t[3]);
-	drop(t, 4);
+	(void)n_in;
+	(void)n_out;
+	out[0] = swiglu(ctx, m, in[0]);
 	return out[0] ? EPJ_OK : ctx->status;
 }
 
@@ -304,6 +377,17 @@ static epj_status check_ids(epj_ctx *ctx, const epj_module *m, epj_tensor *ids,
 				"max_position_embeddings %lld",
 				m->kind, (long long)epj_tensor_dim(ids, 1),
 				(long long)cfg->max_position_embeddings);
+	if (cfg->sliding_window > 0 &&
+	    epj_tensor_dim(ids, 1) > cfg->sliding_window)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s: sequence length %lld exceeds "
+				"sliding_window %lld: sliding-window "
+				"attention is not implemented (use a "
+				"sequence of at most sliding_window tokens, "
+				"or --model-override sliding_window=null "
+				"for full causal attention)",
+				m->kind, (long long)epj_tensor_dim(ids, 1),
+				(long long)cfg->sliding_window);
 	if (labels && (epj_tensor_ndim(labels) != 2 ||
 		       epj_tensor_dim(labels, 0) != epj_tensor_dim(ids, 0) ||
 		       epj_tensor_dim(labels, 1) != epj_tensor_dim(ids, 1)))
@@ -401,10 +485,26 @@ static epj_status add_linear(epj_ctx *ctx, epj_module *parent,
 	return EPJ_OK;
 }
 
-static epj_status add_norm(epj_ctx *ctx, epj_module *parent, const char *local,
-			   int64_t n)
+/* A Linear with a bias [out_f], initialised to zeros as HF's
+ * _init_weights does. */
+static epj_status add_linear_bias(epj_ctx *ctx, epj_module *parent,
+				  const char *local, int64_t out_f,
+				  int64_t in_f, double std)
 {
-	epj_module *l = ej_module_new(parent, local, "Qwen3MoeRMSNorm", NULL);
+	epj_status st = add_linear(ctx, parent, local, out_f, in_f, std);
+	if (st != EPJ_OK)
+		return st;
+	epj_module *l = ej_module_child(parent, local);
+	if (!ej_module_add_param(l, "bias",
+				 epj_zeros(ctx, EPJ_DTYPE_F32, 1, &out_f)))
+		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+	return EPJ_OK;
+}
+
+static epj_status add_norm(epj_ctx *ctx, const ej_model_config *c,
+			   epj_module *parent, const char *local, int64_t n)
+{
+	epj_module *l = ej_module_new(parent, local, names_of(c)->norm, NULL);
 	if (!l)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	if (!ej_module_add_param(l, "weight",
@@ -420,42 +520,74 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 	const ej_model_config *c = &model->cfg;
 	double std = c->initializer_range;
 	int64_t H = c->hidden_size, D = c->head_dim;
-	epj_status st = add_norm(ctx, blk, "input_layernorm", H);
+	const family_names *fn = names_of(c);
+	epj_status (*qkv)(epj_ctx *, epj_module *, const char *, int64_t,
+			  int64_t, double) =
+	    c->qkv_bias ? add_linear_bias : add_linear;
+	epj_status st = add_norm(ctx, c, blk, "input_layernorm", H);
 	epj_module *attn =
-	    st ? NULL
-	       : ej_module_new(blk, "self_attn", "Qwen3MoeAttention", NULL);
+	    st ? NULL : ej_module_new(blk, "self_attn", fn->attn, NULL);
 	if (st == EPJ_OK && !attn)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "q_proj", c->num_attention_heads * D,
-				H, std);
+		st = qkv(ctx, attn, "q_proj", c->num_attention_heads * D, H,
+			 std);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "k_proj", c->num_key_value_heads * D,
-				H, std);
+		st = qkv(ctx, attn, "k_proj", c->num_key_value_heads * D, H,
+			 std);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "v_proj", c->num_key_value_heads * D,
-				H, std);
+		st = qkv(ctx, attn, "v_proj", c->num_key_value_heads * D, H,
+			 std);
 	if (st == EPJ_OK)
 		st = add_linear(ctx, attn, "o_proj", H,
 				c->num_attention_heads * D, std);
+	if (st == EPJ_OK && c->qk_norm)
+		st = add_norm(ctx, c, attn, "q_norm", D);
+	if (st == EPJ_OK && c->qk_norm)
+		st = add_norm(ctx, c, attn, "k_norm", D);
 	if (st == EPJ_OK)
-		st = add_norm(ctx, attn, "q_norm", D);
-	if (st == EPJ_OK)
-		st = add_norm(ctx, attn, "k_norm", D);
-	if (st == EPJ_OK)
-		st = add_norm(ctx, blk, "post_attention_layernorm", H);
+		st = add_norm(ctx, c, blk, "post_attention_layernorm", H);
 	if (st != EPJ_OK)
 		return st;
 	if (ej_model_layer_is_moe(c, layer)) {
 		ej_autoep_opts eo = { .num_experts = c->num_experts,
 				      .top_k = c->num_experts_per_tok,
 				      .norm_topk_prob = c->norm_topk_prob,
-				      .fixed_routing = opts->fixed_routing };
+				      .fixed_routing = opts->fixed_routing,
+				      .expert_kind = fn->expert_kind,
+				      .proj = { fn->proj[0], fn->proj[1],
+						fn->proj[2] } };
 		epj_module *moe = ej_autoep_new(
-		    ctx, blk, "mlp", (int)H, (int)c->moe_intermediate_size, &eo,
-		    EPJ_DTYPE_F32, std, model->comm);
+		    ctx, blk, fn->mlp, (int)H, (int)c->moe_intermediate_size,
+		    &eo, EPJ_DTYPE_F32, std, model->comm);
 		if (!moe)
 			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
+		if (c->shared_expert_intermediate_size > 0) {
+			/* Qwen2-MoE: mlp.shared_expert (a SwiGLU MLP) and
+			 * mlp.shared_expert_gate [1, H], after the gate and
+			 * the experts as in HF's module order */
+			int64_t S = c->shared_expert_intermediate_size;
+			epj_module *se = ej_module_new(
+			    moe, "shared_expert", fn->dense_kind, mlp_forward);
+			if (!se)
+				return ej_error(ctx, EPJ_ERR_NOMEM,
+						"out of memory");
+			st = add_linear(ctx, se, "gate_proj", S, H, std);
+			if (st == EPJ_OK)
+				st = add_linear(ctx, se, "up_proj", S, H, std);
+			if (st == EPJ_OK)
+				st =
+				    add_linear(ctx, se, "down_proj", H, S, std);
+			if (st == EPJ_OK)
+				st = add_linear(ctx, moe, "shared_expert_gate",
+						1, H, std);
+			if (st != EPJ_OK)
+				return st;
+			/* the decoder block computes them (its region) */
+			se->region_owned = true;
+			ej_module_child(moe, "shared_expert_gate")
+			    ->region_owned = true;
+		}
 		epj_module **nm = realloc(
 		    model->moe, sizeof *nm * (size_t)(model->n_moe + 1));
 		if (!nm)
@@ -464,7 +596,8 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 		model->moe[model->n_moe++] = moe;
 		return EPJ_OK;
 	}
-	epj_module *mlp = ej_module_new(blk, "mlp", "Qwen3MoeMLP", mlp_forward);
+	epj_module *mlp =
+	    ej_module_new(blk, fn->mlp, fn->dense_kind, mlp_forward);
 	if (!mlp)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	int64_t I = c->intermediate_size;
@@ -485,11 +618,12 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 			const epj_model_opts *opts)
 {
 	const ej_model_config *c = &model->cfg;
+	const family_names *fn = names_of(c);
 	double std = c->initializer_range;
 	epj_status st;
 	if (model->layout == EPJ_LAYOUT_ROOT) {
-		epj_module *r = ej_module_new(NULL, "", "Qwen3MoeRootBlockLM",
-					      root_forward);
+		epj_module *r =
+		    ej_module_new(NULL, "", fn->root_lm, root_forward);
 		if (!r)
 			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 		model->root = r;
@@ -504,20 +638,19 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 			return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
 		st = build_block(ctx, model, r, 0, opts);
 		if (st == EPJ_OK)
-			st = add_norm(ctx, r, "norm", c->hidden_size);
+			st = add_norm(ctx, c, r, "norm", c->hidden_size);
 		if (st == EPJ_OK)
 			st = add_linear(ctx, r, "lm_head", c->vocab_size,
 					c->hidden_size, std);
 		return st;
 	}
-	epj_module *r =
-	    ej_module_new(NULL, "", "Qwen3MoeForCausalLM", causal_lm_forward);
+	epj_module *r = ej_module_new(NULL, "", fn->lm, causal_lm_forward);
 	if (!r)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	model->root = r;
 	r->impl = &model->cfg;
 	r->impl_free = noop_free;
-	epj_module *mm = ej_module_new(r, "model", "Qwen3MoeModel", NULL);
+	epj_module *mm = ej_module_new(r, "model", fn->model, NULL);
 	if (!mm)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	int64_t es[2] = { c->vocab_size, c->hidden_size };
@@ -532,15 +665,15 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 	for (int i = 0; i < c->num_hidden_layers; i++) {
 		char nm[16];
 		snprintf(nm, sizeof nm, "%d", i);
-		epj_module *blk = ej_module_new(
-		    layers, nm, "Qwen3MoeDecoderLayer", block_forward);
+		epj_module *blk =
+		    ej_module_new(layers, nm, fn->layer, block_forward);
 		if (!blk)
 			return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 		st = build_block(ctx, model, blk, i, opts);
 		if (st != EPJ_OK)
 			return st;
 	}
-	st = add_norm(ctx, mm, "norm", c->hidden_size);
+	st = add_norm(ctx, c, mm, "norm", c->hidden_size);
 	if (st == EPJ_OK)
 		st = add_linear(ctx, r, "lm_head", c->vocab_size,
 				c->hidden_size, std);
@@ -838,7 +971,7 @@ epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
 		*n_out = 2;
 		return EPJ_OK;
 	}
-	if (!strcmp(m->kind, "Qwen3MoeDecoderLayer")) {
+	if (!strcmp(m->kind, names_of(c)->layer)) {
 		/* causal_lm_forward: (h, cos, sin) -> h'; h is the embedding's
 		 * output (the parameters' dtype), the tables follow it */
 		epj_module *root = model->root;

@@ -33,6 +33,11 @@ struct epj_module {
 
 	ej_forward_fn forward; /* NULL for pure containers */
 	bool compiler_disabled;
+	/* A child of a compiler_disabled module whose parameters the
+	 * enclosing region uses (Qwen2-MoE's mlp.shared_expert: named under
+	 * the MoE block, computed in the decoder block): the region's
+	 * parameter table includes its subtree. */
+	bool region_owned;
 	bool checkpoint; /* activation checkpointing around every call */
 
 	void *impl; /* kind-specific state (owned) */
@@ -311,12 +316,19 @@ typedef struct ej_autoep_opts {
 	bool norm_topk_prob;
 	bool fixed_routing; /* deterministic balanced assignment */
 	bool async_split_plan;
+	/* The checkpoint names of an expert's projections, gate, up, down
+	 * (NULL: Qwen3-MoE's gate_proj, up_proj, down_proj; Mixtral: w1, w3,
+	 * w2), and an expert's module kind (NULL: "Qwen3MoeMLP").  Static
+	 * strings: the layer keeps the pointers. */
+	const char *proj[3];
+	const char *expert_kind;
 } ej_autoep_opts;
 
 /* Builds an AutoEP MoE layer module named parent.local with parameters
  * gate.weight [E, H] and experts.{e}.{gate,up}_proj.weight [I, H],
- * experts.{e}.down_proj.weight [H, I], initialised normal(0, init_std) from
- * ctx's RNG in that order, dtype dt.  compiler_disabled is set.
+ * experts.{e}.down_proj.weight [H, I] (opts->proj names them), initialised
+ * normal(0, init_std) from ctx's RNG in that order, dtype dt.
+ * compiler_disabled is set.
  * forward: in[0] = hidden [B, T, H] -> out[0] = [B, T, H]. */
 epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			  int hidden, int inter, const ej_autoep_opts *opts,

@@ -355,6 +355,134 @@ START_TEST(test_config_json_roundtrip)
 }
 END_TEST
 
+/* Mixtral as transformers 5 writes it (t/model_configs/mixtral_8x7b is the
+ * published 8x7B): every layer sparse, num_local_experts experts of
+ * intermediate_size, top-k always renormalised, no q/k norm, MixtralConfig's
+ * defaults; a sliding_window is kept; the JSON writer gives a Mixtral
+ * config back with the same fields and no Qwen3-MoE keys. */
+START_TEST(test_mixtral)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config a, b;
+	char path[1024];
+	snprintf(path, sizeof path,
+		 "%s/t/model_configs/mixtral_8x7b/config.json", tu_srcdir());
+	ck_assert_int_eq(ej_model_config_load(ctx, path, &a), EPJ_OK);
+	ck_assert_int_eq(a.family, EJ_FAMILY_MIXTRAL);
+	ck_assert(!a.qk_norm);
+	ck_assert_int_eq(a.num_experts, 8);
+	ck_assert_int_eq(a.num_experts_per_tok, 2);
+	ck_assert_int_eq(a.moe_intermediate_size, 14336);
+	ck_assert(a.norm_topk_prob);
+	ck_assert_int_eq(a.head_dim, 128);
+	ck_assert_int_eq(a.num_key_value_heads, 8);
+	ck_assert(a.rope_theta == 1e6 && a.rms_norm_eps == 1e-5);
+	ck_assert_int_eq(a.sliding_window, 0);
+	for (int l = 0; l < a.num_hidden_layers; l++)
+		ck_assert(ej_model_layer_is_moe(&a, l));
+	/* MixtralConfig's defaults, a window, Qwen3-MoE's keys ignored */
+	ck_assert_int_eq(
+	    ej_model_config_parse(
+		ctx,
+		"{\"model_type\": \"mixtral\", \"vocab_size\": 33, "
+		"\"hidden_size\": 12, \"num_hidden_layers\": 3, "
+		"\"num_attention_heads\": 2, \"intermediate_size\": 10, "
+		"\"num_local_experts\": 6, \"num_experts_per_tok\": 3, "
+		"\"sliding_window\": 17, \"norm_topk_prob\": false, "
+		"\"moe_intermediate_size\": 999, \"decoder_sparse_step\": 2}",
+		"mx.json", &a),
+	    EPJ_OK);
+	ck_assert(a.rope_theta == 1e6 && a.rms_norm_eps == 1e-5);
+	ck_assert_int_eq(a.max_position_embeddings, 131072);
+	ck_assert_int_eq(a.sliding_window, 17);
+	ck_assert_int_eq(a.moe_intermediate_size, 10);
+	ck_assert(a.norm_topk_prob);
+	ck_assert_int_eq(a.decoder_sparse_step, 1);
+	char *t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "mx-rt", &b), EPJ_OK);
+	same_config(&a, &b, "mixtral");
+	ck_assert_int_eq(b.family, EJ_FAMILY_MIXTRAL);
+	ck_assert_int_eq(b.sliding_window, 17);
+	json_t *o = json_loads(t, 0, NULL);
+	ck_assert_ptr_nonnull(o);
+	ck_assert_str_eq(json_string_value(json_array_get(
+			     json_object_get(o, "architectures"), 0)),
+			 "MixtralForCausalLM");
+	ck_assert_str_eq(json_string_value(json_object_get(o, "model_type")),
+			 "mixtral");
+	ck_assert_int_eq(
+	    json_integer_value(json_object_get(o, "num_local_experts")), 6);
+	ck_assert_ptr_null(json_object_get(o, "moe_intermediate_size"));
+	ck_assert_ptr_null(json_object_get(o, "num_experts"));
+	ck_assert_ptr_null(json_object_get(o, "norm_topk_prob"));
+	json_decref(o);
+	free(t);
+	/* a Qwen3-MoE config keeps its q/k norm */
+	ej_model_config_tiny(&a);
+	ck_assert_int_eq(a.family, EJ_FAMILY_QWEN3_MOE);
+	t = ej_model_config_json(&a, NULL);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "tiny", &b), EPJ_OK);
+	ck_assert(b.qk_norm);
+	ck_assert_int_eq(b.family, EJ_FAMILY_QWEN3_MOE);
+	free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Qwen2-MoE as transformers 5 writes it (t/model_configs/qwen2_moe_small,
+ * saved by transformers): q/k/v bias, a shared expert, no q/k norm; the
+ * JSON writer gives a Qwen2-MoE config back (qkv_bias, the shared expert's
+ * width, no attention_bias). */
+START_TEST(test_qwen2_moe)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config a, b;
+	char path[1024];
+	snprintf(path, sizeof path,
+		 "%s/t/model_configs/qwen2_moe_small/config.json", tu_srcdir());
+	ck_assert_int_eq(ej_model_config_load(ctx, path, &a), EPJ_OK);
+	ck_assert_int_eq(a.family, EJ_FAMILY_QWEN2_MOE);
+	ck_assert(!a.qk_norm && a.qkv_bias);
+	ck_assert_int_eq(a.shared_expert_intermediate_size, 16);
+	ck_assert_int_eq(a.moe_intermediate_size, 12);
+	ck_assert_int_eq(a.num_experts, 6);
+	ck_assert(!a.norm_topk_prob);
+	ck_assert(ej_model_layer_is_moe(&a, 0) &&
+		  !ej_model_layer_is_moe(&a, 1));
+	a.qkv_bias = false; /* a value other than the default survives */
+	char *t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "q2-rt", &b), EPJ_OK);
+	same_config(&a, &b, "qwen2_moe");
+	ck_assert_int_eq(b.family, EJ_FAMILY_QWEN2_MOE);
+	ck_assert(!b.qkv_bias);
+	ck_assert_int_eq(b.shared_expert_intermediate_size, 16);
+	json_t *o = json_loads(t, 0, NULL);
+	ck_assert_ptr_nonnull(o);
+	ck_assert_str_eq(json_string_value(json_array_get(
+			     json_object_get(o, "architectures"), 0)),
+			 "Qwen2MoeForCausalLM");
+	ck_assert_ptr_null(json_object_get(o, "attention_bias"));
+	json_decref(o);
+	free(t);
+	/* qkv_bias defaults to true, as in Qwen2MoeConfig */
+	ck_assert_int_eq(
+	    ej_model_config_parse(
+		ctx,
+		"{\"model_type\": \"qwen2_moe\", \"vocab_size\": 33, "
+		"\"hidden_size\": 12, \"num_hidden_layers\": 1, "
+		"\"num_attention_heads\": 2, \"intermediate_size\": 10, "
+		"\"num_experts\": 4, \"num_experts_per_tok\": 2, "
+		"\"moe_intermediate_size\": 6, "
+		"\"shared_expert_intermediate_size\": 8}",
+		"q2.json", &a),
+	    EPJ_OK);
+	ck_assert(a.qkv_bias);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_model_io_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -469,6 +597,8 @@ Suite *make_model_config_suite(void)
 	tcase_add_test(tc, test_defaults_and_tiny);
 	tcase_add_test(tc, test_model_io_errors);
 	tcase_add_test(tc, test_config_json_roundtrip);
+	tcase_add_test(tc, test_mixtral);
+	tcase_add_test(tc, test_qwen2_moe);
 	tcase_add_test(tc, test_overrides);
 	suite_add_tcase(s, tc);
 	return s;

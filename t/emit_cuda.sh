@@ -9,11 +9,17 @@
 # EPJIT_CUDA_ARCH and any error or warning fails.  Matrix: nested and root
 # layouts x f32 and bf16 x checkpointing off/on (checkpointing adds the
 # no-grad variants), plus full-model mode.  The runs execute with the
-# interpreter backend: emission needs only the graphs.  Exit 77 (SKIP) only when the
-# trainer was not built or the build has no NVRTC.
+# interpreter backend: emission needs only the graphs.  The first
+# configuration runs with --nvrtc-check; the units of all twelve are then
+# gathered by name (a unit is named by its graph signature, so a name is
+# one unit: the files of one name must be identical) and t/nvrtc_units
+# compiles each distinct unit once, as --nvrtc-check would: 30 distinct of
+# 56 emitted.  Exit 77 (SKIP) only when the trainer was not built or the
+# build has no NVRTC.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
-if [ ! -x "$TRAIN" ]; then
+UNITS="$builddir/t/nvrtc_units"
+if [ ! -x "$TRAIN" ] || [ ! -x "$UNITS" ]; then
 	echo "SKIP: $TRAIN not built"
 	exit 77
 fi
@@ -23,7 +29,8 @@ export OMP_NUM_THREADS EPJIT_CUDA_ARCH
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-emit-test.XXXXXX") || exit 1
 trap 'rm -rf "$tmp"' EXIT
 
-units=0
+units=0 check=--nvrtc-check
+mkdir "$tmp/all" || exit 1
 for mode in true false; do
 	for bf16 in false true; do
 		cfg="$tmp/ds-$mode-$bf16.json"
@@ -37,7 +44,7 @@ JSON
 				out="$tmp/out-$mode-$bf16-$layout$ckpt"
 				if ! "$TRAIN" --config "$cfg" --layout "$layout" \
 				    $ckpt --seq 13 --emit-cuda "$out" \
-				    --nvrtc-check >"$tmp/log" 2>&1; then
+				    $check >"$tmp/log" 2>&1; then
 					if grep -q "has no NVRTC" "$tmp/log"; then
 						echo "SKIP: built without NVRTC"
 						exit 77
@@ -57,11 +64,34 @@ JSON
 					echo "FAIL: $out: no kernel in the units"
 					exit 1
 				fi
+				if [ -n "$check" ] &&
+					! grep -q "each compiles under NVRTC without warnings" "$tmp/log"; then
+					echo "FAIL: --nvrtc-check did not report: $(cat "$tmp/log")"
+					exit 1
+				fi
+				for f in "$out"/*.cu; do
+					g="$tmp/all/$(basename "$f")"
+					if [ -f "$g" ] && ! cmp -s "$f" "$g"; then
+						echo "FAIL: two units named $(basename "$f") differ"
+						exit 1
+					fi
+					cp "$f" "$g" || exit 1
+				done
 				units=$((units + n))
 				echo "ok: autoep_non_moe=$mode bf16=$bf16" \
-				    "$layout $ckpt: $n units"
+				    "$layout $ckpt: $n units${check:+ (checked)}"
+				check=
 			done
 		done
 	done
 done
-echo "emit_cuda: $units units compiled for $EPJIT_CUDA_ARCH without warnings"
+distinct=$(ls "$tmp/all"/*.cu | wc -l)
+"$UNITS" "$tmp/all"/*.cu >"$tmp/units.log" 2>&1
+rc=$?
+[ $rc -eq 77 ] && { echo "SKIP: built without NVRTC"; exit 77; }
+[ $rc -eq 0 ] || { echo "FAIL: $(cat "$tmp/units.log")"; exit 1; }
+grep -q "^nvrtc_units: $distinct units for 3 archs, 0 failed" "$tmp/units.log" || {
+	echo "FAIL: $(cat "$tmp/units.log")"
+	exit 1
+}
+echo "emit_cuda: $units units ($distinct distinct) compiled for $EPJIT_CUDA_ARCH without warnings"

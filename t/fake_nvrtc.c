@@ -14,13 +14,22 @@
  * exactly those bytes (NULL when none: an image from the kernel cache,
  * compiled by another process).  The library sees the real NVRTC.
  *
+ * With FAKE_NVRTC_SOURCES=DIR the table also lives on disk: each image's
+ * source is written to DIR/<size>-<hash>.cu (a temporary file renamed into
+ * place, so concurrent writers never show a torn one), and a miss in the
+ * table looks there.  Processes that share DIR and a kernel cache then run
+ * each other's cached cubins: the ranks of one run, and the runs of a
+ * test matrix, compile each kernel once instead of once per process.
+ *
  * Test code: built only for make check, never installed.
  */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int nvrtcResult;
 typedef struct _nvrtcProgram *nvrtcProgram;
@@ -84,6 +93,61 @@ nvrtcResult nvrtcCreateProgram(nvrtcProgram *prog, const char *src,
 	return r;
 }
 
+/* DIR/<size>-<hash>.cu for FAKE_NVRTC_SOURCES=DIR, or 0 when unset. */
+static int disk_path(char *buf, size_t n, uint64_t hash, size_t size)
+{
+	const char *dir = getenv("FAKE_NVRTC_SOURCES");
+	if (!dir || !*dir)
+		return 0;
+	int k = snprintf(buf, n, "%s/%zu-%016llx.cu", dir, size,
+			 (unsigned long long)hash);
+	return k > 0 && (size_t)k < n;
+}
+
+/* Write src as the source of (hash, size) unless it is there already. */
+static void disk_put(uint64_t hash, size_t size, const char *src)
+{
+	char path[4096], tmp[4200];
+	if (!disk_path(path, sizeof path, hash, size) ||
+	    access(path, F_OK) == 0)
+		return;
+	snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+	FILE *f = fopen(tmp, "wb");
+	if (!f)
+		return;
+	size_t len = strlen(src);
+	int ok = fwrite(src, 1, len, f) == len;
+	ok = (fclose(f) == 0) && ok;
+	if (!ok || rename(tmp, path) != 0)
+		remove(tmp);
+}
+
+/* The source of (hash, size) from disk, or NULL. */
+static char *disk_get(uint64_t hash, size_t size)
+{
+	char path[4096];
+	if (!disk_path(path, sizeof path, hash, size))
+		return NULL;
+	FILE *f = fopen(path, "rb");
+	if (!f)
+		return NULL;
+	char *buf = NULL;
+	if (fseek(f, 0, SEEK_END) == 0) {
+		long len = ftell(f);
+		if (len >= 0 && fseek(f, 0, SEEK_SET) == 0 &&
+		    (buf = malloc((size_t)len + 1))) {
+			if (fread(buf, 1, (size_t)len, f) != (size_t)len) {
+				free(buf);
+				buf = NULL;
+			} else {
+				buf[len] = 0;
+			}
+		}
+	}
+	fclose(f);
+	return buf;
+}
+
 /* After the image of prog was written to out (size bytes). */
 static void remember(nvrtcProgram prog, const void *out, size_t size)
 {
@@ -97,6 +161,7 @@ static void remember(nvrtcProgram prog, const void *out, size_t size)
 			m->size = size;
 			m->next = imgs;
 			imgs = m;
+			disk_put(m->hash, size, m->src);
 		} else {
 			free(m);
 		}
@@ -168,6 +233,19 @@ const char *fake_nvrtc_source_of(const void *image, size_t size)
 	for (struct img *m = imgs; m && !src; m = m->next)
 		if (m->size == size && m->hash == h)
 			src = m->src;
+	if (!src) {
+		/* another process's image, if it shared its sources */
+		struct img *m = calloc(1, sizeof *m);
+		if (m && (m->src = disk_get(h, size))) {
+			m->hash = h;
+			m->size = size;
+			m->next = imgs;
+			imgs = m;
+			src = m->src;
+		} else {
+			free(m);
+		}
+	}
 	pthread_mutex_unlock(&lock);
 	return src;
 }

@@ -99,7 +99,7 @@ typedef struct opts {
 	bool parity;	    /* --parity: eager vs compiled check, no training */
 	bool bf16;	    /* --parity: bf16 arms */
 	bool full_model; /* --parity: full-model compile instead of regional */
-	const char *load, *save, *metrics, *dump_state;
+	const char *load, *save, *metrics, *dump_state, *dump_batch;
 	const char *emit_cuda; /* --emit-cuda DIR */
 	bool nvrtc_check;      /* --nvrtc-check: compile the units too */
 	bool compare_eager;    /* --compare-eager: eager vs compiled steps */
@@ -249,6 +249,10 @@ static void usage(FILE *fp)
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
 	    "grads; no training\n"
+	    "  --dump-batch FILE   --dump-state's batch from FILE's input_ids "
+	    "and labels\n"
+	    "                      (I64 [B, T] safetensors) instead of the "
+	    "data\n"
 	    "  --eval-every N      held-out eval every N steps (default 0: "
 	    "at the end)\n"
 	    "  --seed S            run seed (default: the config's seed, "
@@ -384,17 +388,29 @@ static int parse_args(int argc, char **argv, opts *o)
 		memcpy(name, a, n);
 		name[n] = '\0';
 		static const char *const with_value[] = {
-			"--model",	"--config",
-			"--data",	"--steps",
-			"--layout",	"--seq",
-			"--load",	"--save",
-			"--metrics",	"--dump-state",
-			"--eval-every", "--seed",
-			"--threads",	"--list-safetensors",
-			"--emit-cuda",	"--device",
-			"--rank-log",	"--fault",
-			"--split",	"--fault-step",
-			"--fault-rank", "--model-override",
+			"--model",
+			"--config",
+			"--data",
+			"--steps",
+			"--layout",
+			"--seq",
+			"--load",
+			"--save",
+			"--metrics",
+			"--dump-state",
+			"--dump-batch",
+			"--eval-every",
+			"--seed",
+			"--threads",
+			"--list-safetensors",
+			"--emit-cuda",
+			"--device",
+			"--rank-log",
+			"--fault",
+			"--split",
+			"--fault-step",
+			"--fault-rank",
+			"--model-override",
 		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
@@ -436,6 +452,8 @@ static int parse_args(int argc, char **argv, opts *o)
 			o->metrics = val;
 		} else if (!strcmp(name, "--dump-state")) {
 			o->dump_state = val;
+		} else if (!strcmp(name, "--dump-batch")) {
+			o->dump_batch = val;
 		} else if (!strcmp(name, "--emit-cuda")) {
 			o->emit_cuda = val;
 		} else if (!strcmp(name, "--rank-log")) {
@@ -508,6 +526,9 @@ static int parse_args(int argc, char **argv, opts *o)
 		return bad_usage("%s does not apply to %s (its arms read the "
 				 "config.json as is)",
 				 "--model-override", "--parity");
+	if (o->dump_batch && !o->dump_state)
+		return bad_usage("%s FILE gives %s its batch: give it too",
+				 "--dump-batch", "--dump-state");
 	return -1;
 }
 
@@ -846,7 +867,56 @@ static int emit_cuda(run *r, const opts *o)
 	return 0;
 }
 
-static int dump_state(run *r, const char *path)
+/* --dump-batch: input_ids and labels, I64 [B, T] of one shape, ids in
+ * [0, vocab), labels in [0, vocab) or -100, from a safetensors file.
+ * 0, or 1 with the error printed. */
+static int read_batch(run *r, const char *path, epj_tensor **ids,
+		      epj_tensor **lab)
+{
+	epj_ctx *ctx = r->ctx;
+	epj_st_file *f = NULL;
+	*ids = *lab = NULL;
+	if (epj_st_open(ctx, path, &f) != EPJ_OK)
+		return fail(ctx);
+	const char *nm[2] = { "input_ids", "labels" };
+	epj_tensor **t[2] = { ids, lab };
+	int rc = 0;
+	for (int k = 0; k < 2 && rc == 0; k++) {
+		*t[k] = epj_st_get(ctx, f, nm[k]);
+		if (!*t[k])
+			rc = fail(ctx);
+		else if (epj_tensor_dtype(*t[k]) != EPJ_DTYPE_I64 ||
+			 epj_tensor_ndim(*t[k]) != 2 ||
+			 epj_tensor_numel(*t[k]) == 0)
+			rc = fail_msg("--dump-batch %s: \"%s\" must be a "
+				      "non-empty I64 [B, T] tensor",
+				      path, nm[k]);
+	}
+	epj_st_close(f);
+	if (rc == 0 && (epj_tensor_dim(*ids, 0) != epj_tensor_dim(*lab, 0) ||
+			epj_tensor_dim(*ids, 1) != epj_tensor_dim(*lab, 1)))
+		rc = fail_msg("--dump-batch %s: labels must have the shape of "
+			      "input_ids",
+			      path);
+	const double V = epj_model_vocab_size(r->model);
+	for (int64_t i = 0; rc == 0 && i < epj_tensor_numel(*ids); i++) {
+		double a = epj_tensor_get_f64(*ids, i);
+		double b = epj_tensor_get_f64(*lab, i);
+		if (a < 0 || a >= V || ((b < 0 || b >= V) && b != -100))
+			rc = fail_msg("--dump-batch %s: element %" PRId64
+				      ": token %.0f or label %.0f is outside "
+				      "the vocabulary [0, %.0f)",
+				      path, i, a, b, V);
+	}
+	if (rc != 0) {
+		epj_tensor_free(*ids);
+		epj_tensor_free(*lab);
+		*ids = *lab = NULL;
+	}
+	return rc;
+}
+
+static int dump_state(run *r, const char *path, const char *batch)
 {
 	epj_ctx *ctx = r->ctx;
 	epj_model *m = r->model;
@@ -854,8 +924,11 @@ static int dump_state(run *r, const char *path)
 	epj_st_writer *w = NULL;
 	for (int i = 0; i < epj_model_num_params(m); i++)
 		epj_tensor_set_grad(epj_model_param(m, i), NULL);
-	epj_status st =
-	    epj_corpus_next_batch(ctx, r->corpus, r->B, r->T, &ids, &lab);
+	if (batch && read_batch(r, batch, &ids, &lab))
+		return 1;
+	epj_status st = batch ? EPJ_OK
+			      : epj_corpus_next_batch(ctx, r->corpus, r->B,
+						      r->T, &ids, &lab);
 	if (st == EPJ_OK)
 		st = epj_model_forward(ctx, m, ids, lab, &logits, &loss);
 	if (st == EPJ_OK)
@@ -904,9 +977,11 @@ static int dump_state(run *r, const char *path)
 	int rc = st == EPJ_OK ? 0 : fail(ctx);
 	if (rc == 0)
 		printf("dump-state: loss %.6f on input_ids [%" PRId64
-		       ", %" PRId64 "], %d parameters -> %s\n",
-		       epj_tensor_get_f64(loss, 0), r->B, r->T,
-		       epj_model_num_params(m), path);
+		       ", %" PRId64 "], %d parameters, %" PRId64
+		       " compiled kernel launches -> %s\n",
+		       epj_tensor_get_f64(loss, 0), epj_tensor_dim(ids, 0),
+		       epj_tensor_dim(ids, 1), epj_model_num_params(m),
+		       epj_counter_get(ctx, "kernels.launched.compiled"), path);
 	epj_st_writer_free(w);
 	epj_tensor_free(loss);
 	epj_tensor_free(logits);
@@ -1670,7 +1745,7 @@ static int run_main(run *r, const opts *o)
 		if (epj_dist_size() > 1)
 			snprintf(path, sizeof path, "%s.rank%d", o->dump_state,
 				 epj_dist_rank());
-		return dump_state(r, path);
+		return dump_state(r, path, o->dump_batch);
 	}
 	if (o->emit_cuda)
 		return emit_cuda(r, o);

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""hf_make.py -- golden files of Hugging Face transformers for the model
+families epjit builds.  Run by hand (it needs torch and transformers from
+PyPI); make check reads only the files it writes (t/hf_golden.sh).
+
+    python3 t/golden/hf_make.py [OUTDIR]      (default: t/golden/hf)
+
+Per family, OUTDIR/<family>/ holds:
+  config.json, model.safetensors   a tiny random model made by transformers
+                                   and written by its save_pretrained (the
+                                   Hub's checkpoint names, f32)
+  batch.safetensors                input_ids, labels (I64 [B, T]; labels
+                                   already shifted: labels[b, t] is the
+                                   target of logits[b, t])
+  golden.safetensors               logits (F64 [B, T, V]), loss (F64 []),
+                                   and NAME.grad (F64) for every
+                                   checkpoint tensor NAME: the gradient of
+                                   the loss
+  versions.txt                     torch and transformers versions
+
+The checkpoint is f32; the golden values are transformers' forward and
+backward of that same model in float64 (model.double(): every f32 weight
+exactly), so they are the exact values epjit's f32 approximates, not a
+second f32 rounding of them.  The script asserts that the f64 run routes
+every token to the experts the f32 run chose (no near-tie flips) and that
+its loss is within 1e-5 of the f32 run's.  Train mode (no dropout in these
+configs), eager attention; the loss is F.cross_entropy of the logits
+against the labels (not transformers' labels= path, which shifts them
+itself).
+transformers 5 keeps experts fused in memory (gate_up_proj [E, 2I, H],
+down_proj [E, H, I]); their gradients are split here into the per-expert
+checkpoint names, and every parameter so mapped is checked to equal the
+tensor save_pretrained wrote under that name, so the mapping cannot drift.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "hf")
+
+# Odd sizes where the architecture allows: vocab 97, sequence 7, head_dim
+# 10, intermediate 20 / 12.
+COMMON = dict(vocab_size=97, hidden_size=40, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, attention_dropout=0.0,
+              initializer_range=0.2)
+B, T = 2, 7
+
+
+def families():
+    from transformers import (MixtralConfig, MixtralForCausalLM,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    yield ("qwen3_moe", Qwen3MoeConfig(
+        **COMMON, head_dim=10, intermediate_size=28,
+        moe_intermediate_size=12, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        Qwen3MoeForCausalLM, "mlp",
+        ("gate_proj", "up_proj", "down_proj"))
+    yield ("mixtral", MixtralConfig(
+        **COMMON, intermediate_size=20, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        MixtralForCausalLM, "block_sparse_moe", ("w1", "w3", "w2"))
+    # q/k/v bias, a shared expert with its sigmoid gate, layer 1 dense
+    yield ("qwen2_moe", Qwen2MoeConfig(
+        **COMMON, intermediate_size=28, moe_intermediate_size=12,
+        shared_expert_intermediate_size=16, num_experts=6,
+        num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[1], qkv_bias=True, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        Qwen2MoeForCausalLM, "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def ckpt_names(name, p, moe, proj):
+    """(checkpoint name, tensor view) pairs of an in-memory parameter (or
+    of its gradient, p)."""
+    if ".mlp.experts.gate_up_proj" in name:
+        pre = name.split(".mlp.experts.")[0] + "." + moe + ".experts."
+        inter = p.shape[1] // 2
+        for e in range(p.shape[0]):
+            yield f"{pre}{e}.{proj[0]}.weight", p[e, :inter]
+            yield f"{pre}{e}.{proj[1]}.weight", p[e, inter:]
+        return
+    if ".mlp.experts.down_proj" in name:
+        pre = name.split(".mlp.experts.")[0] + "." + moe + ".experts."
+        for e in range(p.shape[0]):
+            yield f"{pre}{e}.{proj[2]}.weight", p[e]
+        return
+    if ".mlp.gate." in name:
+        yield name.replace(".mlp.gate.", "." + moe + ".gate."), p
+        return
+    yield name, p
+
+
+def make(fam, cfg, cls, moe, proj):
+    d = os.path.join(OUT, fam)
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(1234)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    model = cls(cfg).float()
+    # the router far from uniform (distinct top-k choices); biases, which
+    # transformers initialises to zero, random so that they count
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".gate." in n:
+                p.mul_(4.0)
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.train()
+    model.save_pretrained(d, safe_serialization=True)
+    g = torch.Generator().manual_seed(99)
+    seq = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
+    ids, labels = seq[:, :T].contiguous(), seq[:, 1:].contiguous()
+
+    routes = []
+
+    def hook(mod, inp, out):
+        routes.append(out[2].detach().clone())  # the top-k expert indices
+
+    for n, mod in model.named_modules():
+        if n.endswith(".mlp.gate"):
+            mod.register_forward_hook(hook)
+
+    def run():
+        routes.clear()
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return logits, loss, [r.sort(-1).values for r in routes]
+
+    with torch.no_grad():
+        _, loss32, routes32 = run()
+    model.double()
+    logits, loss, routes64 = run()
+    assert len(routes64) > 0
+    for a, b in zip(routes32, routes64):
+        assert torch.equal(a, b), f"{fam}: f64 routes differently from f32"
+    assert abs(loss.item() - loss32.item()) < 1e-5 * abs(loss.item())
+    loss.backward()
+    out = {"logits": logits.detach().contiguous(),
+           "loss": loss.detach().reshape(())}
+    saved = safe_open(os.path.join(d, "model.safetensors"), "pt")
+    names = set(saved.keys())
+    seen = set()
+    for n, p in model.named_parameters():
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        for (cn, pv), (_, gv) in zip(ckpt_names(n, p.detach(), moe, proj),
+                                     ckpt_names(n, grad, moe, proj)):
+            assert cn in names, f"{fam}: {cn} (from {n}) not in the file"
+            assert torch.equal(saved.get_tensor(cn).double(), pv), \
+                f"{fam}: {cn} differs from the file"
+            out[cn + ".grad"] = gv.contiguous()
+            seen.add(cn)
+    assert seen == names, f"{fam}: unmapped {sorted(names - seen)[:4]}"
+    save_file(out, os.path.join(d, "golden.safetensors"))
+    save_file({"input_ids": ids, "labels": labels},
+              os.path.join(d, "batch.safetensors"))
+    with open(os.path.join(d, "versions.txt"), "w") as f:
+        f.write(f"torch {torch.__version__}\n"
+                f"transformers {transformers.__version__}\n")
+    print(f"{fam}: loss {loss.item():.6f}, {len(names)} tensors -> {d}")
+
+
+def main():
+    for fam, cfg, cls, moe, proj in families():
+        make(fam, cfg, cls, moe, proj)
+
+
+if __name__ == "__main__":
+    main()
