@@ -204,6 +204,23 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 		free(image);
 		image = NULL;
 	}
+	/* a miss: of the processes that miss this key at once (the ranks of
+	 * a node), one compiles and the others wait for its entry */
+	int lock = -1;
+	if (st == EPJ_OK && !image && kc) {
+		st = ej_kcache_lock(kc, key, &lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_recheck(kc, key, &image, &size);
+		if (st == EPJ_OK && image &&
+		    cs->vt->load(cs->vt->self, ctx, image, size, name,
+				 &cs->module) != EPJ_OK) {
+			ej_kcache_drop_unloadable(kc, key, image, size,
+						  epj_ctx_error(ctx));
+			epj_ctx_clear_error(ctx);
+			free(image);
+			image = NULL;
+		}
+	}
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target, NULL,
@@ -229,6 +246,8 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 		if (st == EPJ_OK && kc)
 			st = ej_kcache_put(kc, key, image, size, cs->source);
 	}
+	if (kc)
+		ej_kcache_unlock(kc, lock);
 	free(image);
 	if (own)
 		ej_kcache_close(kc);

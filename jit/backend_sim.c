@@ -104,6 +104,22 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 		free(so);
 		so = NULL;
 	}
+	/* a miss: one of the processes that miss it at once compiles */
+	int lock = -1;
+	if (st == EPJ_OK && !so && kc) {
+		st = ej_kcache_lock(kc, key, &lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_recheck(kc, key, &so, &so_len);
+		if (st == EPJ_OK && so &&
+		    ej_device_sim.load(ej_device_sim.self, ctx, so, so_len,
+				       name, module) != EPJ_OK) {
+			ej_kcache_drop_unloadable(kc, key, so, so_len,
+						  epj_ctx_error(ctx));
+			epj_ctx_clear_error(ctx);
+			free(so);
+			so = NULL;
+		}
+	}
 	if (st == EPJ_OK && !so) {
 		char *log = NULL;
 		st = ej_hostcxx_compile(ctx, src, name, flags, &so, &so_len,
@@ -124,6 +140,8 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 		if (st == EPJ_OK && kc)
 			st = ej_kcache_put(kc, key, so, so_len, src);
 	}
+	if (kc)
+		ej_kcache_unlock(kc, lock);
 	ej_kcache_close(kc);
 	ej_arena_free(A);
 	free(so);

@@ -151,6 +151,22 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 		free(image);
 		image = NULL;
 	}
+	/* a miss: one of the processes that miss it at once compiles */
+	int lock = -1;
+	if (st == EPJ_OK && !image && kc) {
+		st = ej_kcache_lock(kc, key, &lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_recheck(kc, key, &image, &size);
+		if (st == EPJ_OK && image &&
+		    vt->load(vt->self, ctx, image, size, name, module) !=
+			EPJ_OK) {
+			ej_kcache_drop_unloadable(kc, key, image, size,
+						  epj_ctx_error(ctx));
+			epj_ctx_clear_error(ctx);
+			free(image);
+			image = NULL;
+		}
+	}
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, src, name, info.arch, NULL, 0, &r);
@@ -175,6 +191,8 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 		if (st == EPJ_OK && kc)
 			st = ej_kcache_put(kc, key, image, size, src);
 	}
+	if (kc)
+		ej_kcache_unlock(kc, lock);
 	free(image);
 	ej_kcache_close(kc);
 	*dev_out = vt;

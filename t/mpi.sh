@@ -29,11 +29,12 @@
 #     naming its device, backend, dtype, world and layout, and with
 #     checkpointing the routing row compares twice the calls (replays);
 #     the same 8 on the cuda device (the stand-in driver and NCCL, one
-#     kernel cache shared by the ranks and the cases; about 2.5 min);
+#     kernel cache shared by the ranks and the cases, one NVRTC compile
+#     per kernel source; about 1.5 min);
 #  4. a rank that stops (SIGSTOP) or dies (SIGKILL) mid-run: the job exits
 #     non-zero well within the timeout, the surviving rank naming the call.
 # Exit 77 (SKIP) only where MPI is absent (no mpirun, or a build without
-# MPI).  One thread per rank; about 4 min in all.
+# MPI).  One thread per rank; about 3 min in all.
 
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
@@ -358,7 +359,8 @@ echo "parity at world 2: $pass/8"
 # runs share one kernel cache this script made, as the ranks of one node
 # would: a cubin that one rank (or an earlier case) compiled and cached is
 # run by the other from the source recorded for it.  The first case
-# compiles (about 1.5 min on 2 idle cores), the others mostly hit.
+# compiles (about 1 min on 2 idle cores; the ranks wait on the cache's
+# per-key lock instead of compiling a kernel twice), the others mostly hit.
 FAKENVRTC="$builddir/t/.libs/libfakenvrtc.so"
 if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] && [ -f "$FAKENVRTC" ] &&
 	grep -q '^#define HAVE_NVRTC 1' "$builddir/config.h"; then
@@ -377,11 +379,12 @@ if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] && [ -f "$FAKENVRTC" ] &&
 					LD_PRELOAD=$FAKENVRTC mpi2_timeout=900
 					EPJIT_CACHE_DIR=$PWD/cuda-kc
 					FAKE_NVRTC_SOURCES=$PWD/cuda-src
+					FAKE_NVRTC_LOG=$PWD/cuda-nvrtc.log
 					export EPJIT_CUDA_DRIVER EPJIT_NCCL \
 						FAKE_CUDA_GUARD EPJIT_SIM_RACECHECK \
 						FAKE_NCCL_DIR EPJIT_DEVICE EPJIT_CUBLASLT \
 						EPJIT_CUBLAS LD_PRELOAD EPJIT_CACHE_DIR \
-						FAKE_NVRTC_SOURCES
+						FAKE_NVRTC_SOURCES FAKE_NVRTC_LOG
 					mpi2 "$log" "$TRAIN" --parity --bf16 \
 						--layout "$layout" $ck $as
 				) || exit 1
@@ -395,6 +398,15 @@ if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] && [ -f "$FAKENVRTC" ] &&
 					fail "cuda parity $layout $ck $as: no compiled launches: $(cat "$log")"
 				! grep -q 'cannot run it' "$log" ||
 					fail "cuda parity $layout $ck $as: a kernel did not run: $(cat "$log")"
+				# routing compared call by call, replays included:
+				# as many calls as the cpu matrix's same case
+				calls=$(awk '$1 == "routing" && $2 == "mismatches" {
+					print $4; exit }' "$log")
+				want=$(awk '$1 == "routing" && $2 == "mismatches" {
+					print $4; exit }' "parity-$layout$ck$as.log")
+				[ -n "$calls" ] && [ "$calls" -gt 0 ] &&
+					[ "$calls" = "$want" ] ||
+					fail "cuda parity $layout $ck $as: routing of $calls calls, the cpu's $want"
 				cpass=$((cpass + 1))
 			done
 		done
@@ -404,7 +416,13 @@ if [ -f "$FAKECUDA" ] && [ -f "$FAKENCCL" ] && [ -f "$FAKENVRTC" ] &&
 	# hit the cache ran its cubins from there, or failed above)
 	nsrc=$(ls cuda-src | wc -l)
 	[ "$nsrc" -gt 20 ] || fail "cuda parity: $nsrc sources recorded"
-	echo "parity at world 2 on the cuda device (stand-ins): $cpass/8, $nsrc kernel sources"
+	# one NVRTC compile per source over 2 ranks x 8 cases: the ranks
+	# that miss a key at once wait on its lock and load the entry
+	ncomp=$(wc -l <cuda-nvrtc.log)
+	nuniq=$(sort -u cuda-nvrtc.log | wc -l)
+	[ "$ncomp" -eq "$nuniq" ] && [ "$ncomp" -gt 20 ] ||
+		fail "cuda parity: $ncomp NVRTC compiles of $nuniq sources (one each expected)"
+	echo "parity at world 2 on the cuda device (stand-ins): $cpass/8, $nsrc kernel sources, $ncomp NVRTC compiles"
 else
 	echo "mpi.sh: parity on the cuda device at world 2 not run (no NVRTC or no stand-ins)"
 fi

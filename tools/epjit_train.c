@@ -1,8 +1,9 @@
 /* tools/epjit_train.c -- epjit-train, the host trainer.
  *
- * Trains a Qwen3-MoE causal LM (a config.json, or the built-in tiny model)
- * with the DeepSpeed-style engine on a corpus (the synthetic Markov source,
- * a token file, or a text file read as bytes), using only the public API in
+ * Trains an MoE causal LM (Qwen3-MoE, Mixtral or Qwen2-MoE, from a
+ * config.json, or the built-in tiny model) with the DeepSpeed-style engine
+ * on a corpus (the synthetic Markov source, a token file, or a text file
+ * read as bytes), using only the public API in
  * epjit.h; doc/trainer.md and doc/epjit-train.1 describe it for users.  The run
  * is one straight line:
  *
@@ -171,7 +172,8 @@ static void usage(FILE *fp)
 	fprintf(
 	    fp,
 	    "usage: " PROG " [options]\n"
-	    "Trains a Qwen3-MoE model with the epjit engine (eager, cpu).\n"
+	    "Trains a Qwen3-MoE, Mixtral or Qwen2-MoE model with the epjit "
+	    "engine (eager, cpu).\n"
 	    "\n"
 	    "  --model FILE        HF config.json (default: built-in tiny "
 	    "model)\n"
