@@ -1416,6 +1416,19 @@ void ej_hostcc_unload(void *handle)
 	free(m);
 }
 
+/* The cuda-sim device (lib/device_sim.c) loads its modules with these:
+ * registered at library load, as eager_cuda.c installs its table. */
+static const ej_so_loader sim_loader = {
+	.load = ej_hostcc_load,
+	.sym = ej_hostcc_sym,
+	.unload = ej_hostcc_unload,
+};
+
+__attribute__((constructor)) static void sim_loader_register(void)
+{
+	ej_device_sim_set_loader(&sim_loader);
+}
+
 /* ---- identity ------------------------------------------------------------
  */
 

@@ -181,6 +181,17 @@ static inline bool ej_dev_runs_cuda(const ej_device *d)
 /* Host memory, kernels are CUDA C compiled by the host C++ compiler and run
  * by the simulator (lib/device_sim.c, templates/cuda_sim.cuh). */
 extern const ej_device ej_device_sim;
+/* How the cuda-sim device loads its modules, shared objects given as bytes:
+ * the jit, which builds them, registers its loader (jit/hostcc.c, at
+ * library load), so that lib names no function of the layer above it.
+ * Until one is registered a load fails with EPJ_ERR_STATE. */
+typedef struct ej_so_loader {
+	epj_status (*load)(epj_ctx *ctx, const void *image, size_t size,
+			   const char *name, void **handle);
+	void *(*sym)(void *handle, const char *sym);
+	void (*unload)(void *handle);
+} ej_so_loader;
+void ej_device_sim_set_loader(const ej_so_loader *l);
 
 /* Caching allocator over a device: freed blocks go to size-class free lists
  * and are reused; statistics as in epj_memory_stats.  Sizes are rounded up to

@@ -11,10 +11,20 @@
  * A report from the simulator (kernel, block, thread, what) becomes
  * EPJ_ERR_BACKEND with the report as the message.
  */
-#include "cc.h"
+#include "core_impl.h"
 
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The jit's loader of host shared objects (ej_device_sim_set_loader). */
+static _Atomic(const ej_so_loader *) loader;
+
+void ej_device_sim_set_loader(const ej_so_loader *l)
+{
+	atomic_store(&loader, l);
+}
 
 /* Mirror of struct ej_sim_launch / ej_sim_out in templates/cuda_sim.cuh;
  * the abi field catches a mismatch. */
@@ -66,7 +76,14 @@ static epj_status sim_load(void *self, epj_ctx *ctx, const void *image,
 			   size_t size, const char *name, void **module)
 {
 	(void)self;
-	epj_status st = ej_hostcc_load(ctx, image, size, name, module);
+	const ej_so_loader *l = atomic_load(&loader);
+	*module = NULL;
+	if (!l)
+		return ej_error(ctx, EPJ_ERR_STATE,
+				"cuda-sim: loading module %s: no module "
+				"loader (the jit registers it)",
+				name);
+	epj_status st = l->load(ctx, image, size, name, module);
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "cuda-sim: loading module %s", name);
 	return st;
@@ -75,7 +92,9 @@ static epj_status sim_load(void *self, epj_ctx *ctx, const void *image,
 static void sim_unload(void *self, void *module)
 {
 	(void)self;
-	ej_hostcc_unload(module);
+	const ej_so_loader *l = atomic_load(&loader);
+	if (l && module)
+		l->unload(module);
 }
 
 static void *sim_function(void *self, void *module, const char *kernel)
@@ -83,7 +102,8 @@ static void *sim_function(void *self, void *module, const char *kernel)
 	(void)self;
 	char sym[128];
 	snprintf(sym, sizeof sym, "ej_sim_%s", kernel);
-	return ej_hostcc_sym(module, sym);
+	const ej_so_loader *l = atomic_load(&loader);
+	return l ? l->sym(module, sym) : NULL;
 }
 
 /* An EPJIT_SIM_* switch: on unless set to 0/off/no/false. */

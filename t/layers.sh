@@ -1,0 +1,53 @@
+#!/bin/sh
+# t/layers.sh -- the layers hold: no file includes a header of a layer above
+# its own (doc/architecture.md).  lib/ (the eager core) includes only lib/
+# headers; jit/ includes lib/ and jit/ (and the templates/ text); runtime/
+# includes lib/, jit/ and runtime/.  Every file gets -Ilib -Ijit -Iruntime,
+# so the compiler cannot tell; this does, from each quoted #include: a
+# header found in a folder above the including file's fails, naming both.
+# Generated and configure headers (config.h, jit/build_id.h,
+# templates/*_text.h) belong to no layer.  tools/, t/ and bench/ sit on top
+# and may include anything.
+srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
+cd "$srcdir" || exit 1
+
+rank() {
+	case $1 in
+	lib) echo 1 ;;
+	jit | templates) echo 2 ;;
+	runtime) echo 3 ;;
+	*) echo 9 ;;
+	esac
+}
+
+bad=0 n=0
+for layer in lib jit runtime; do
+	mine=$(rank "$layer")
+	for f in "$layer"/*.c "$layer"/*.h; do
+		[ -f "$f" ] || continue
+		for inc in $(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$f"); do
+			n=$((n + 1))
+			case $inc in
+			../*) dir=${inc#../}; dir=${dir%%/*} ;;
+			*/*) dir=${inc%%/*} ;;
+			*)
+				dir=
+				for d in lib jit runtime; do
+					[ -f "$d/$inc" ] && dir=$d && break
+				done
+				;;
+			esac
+			[ -n "$dir" ] || continue # config.h: no layer
+			case $inc in
+			jit/build_id.h | templates/*_text.h) continue ;;
+			esac
+			if [ "$(rank "$dir")" -gt "$mine" ]; then
+				echo "FAIL: $f includes \"$inc\" of $dir/, a layer above $layer/"
+				bad=$((bad + 1))
+			fi
+		done
+	done
+done
+[ "$n" -gt 100 ] || { echo "FAIL: only $n includes read"; exit 1; }
+[ "$bad" -eq 0 ] || exit 1
+echo "layers: $n includes of lib/, jit/, runtime/, none upward"
