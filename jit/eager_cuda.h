@@ -5,7 +5,8 @@
 #ifndef EPJIT_EAGER_CUDA_H
 #define EPJIT_EAGER_CUDA_H
 
-#include "jit_impl.h"
+#include "core_impl.h"
+#include "ops_impl.h"
 
 /* Entry per op id (EJ_OP_*); NULL where the op still runs its CPU reference
  * kernel (counted as a fallback by the dispatcher). */

@@ -10,7 +10,7 @@
 #ifndef EPJIT_TMPL_GEMM_H
 #define EPJIT_TMPL_GEMM_H
 
-#include "jit_impl.h"
+#include "core_impl.h"
 
 #include "ops_impl.h"
 

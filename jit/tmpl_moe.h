@@ -16,7 +16,7 @@
 #ifndef EPJIT_TMPL_MOE_H
 #define EPJIT_TMPL_MOE_H
 
-#include "jit_impl.h"
+#include "core_impl.h"
 #include "ops_impl.h"
 
 /* The most slots per token the router kernel takes. */

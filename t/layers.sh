@@ -7,7 +7,9 @@
 # header found in a folder above the including file's fails, naming both.
 # Generated and configure headers (config.h, jit/build_id.h,
 # templates/*_text.h) belong to no layer.  tools/, t/ and bench/ sit on top
-# and may include anything.
+# and may include anything.  The runtime uses the jit through its interface
+# headers, never jit_impl.h (the jit's private structures): not directly,
+# and not through a jit header it includes.
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 cd "$srcdir" || exit 1
 
@@ -48,6 +50,22 @@ for layer in lib jit runtime; do
 		done
 	done
 done
+# the jit's private structures stay the jit's
+incs() {
+	sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$1"
+}
+for f in runtime/*.c runtime/*.h; do
+	for inc in $(incs "$f"); do
+		[ -f "jit/$inc" ] || continue
+		if [ "$inc" = jit_impl.h ]; then
+			echo "FAIL: $f includes jit/jit_impl.h, the jit's private header"
+			bad=$((bad + 1))
+		elif incs "jit/$inc" | grep -qx 'jit_impl.h'; then
+			echo "FAIL: $f includes jit/$inc, which includes jit/jit_impl.h"
+			bad=$((bad + 1))
+		fi
+	done
+done
 [ "$n" -gt 100 ] || { echo "FAIL: only $n includes read"; exit 1; }
 [ "$bad" -eq 0 ] || exit 1
-echo "layers: $n includes of lib/, jit/, runtime/, none upward"
+echo "layers: $n includes of lib/, jit/, runtime/, none upward, no jit_impl.h in runtime/"
