@@ -88,6 +88,7 @@ typedef struct st_entry {
 	int ndim;
 	int64_t *shape; /* ndim dims (malloc'ed; NULL when ndim == 0) */
 	uint64_t begin, end;
+	int part; /* the shard holding it (a set of shards), else 0 */
 } st_entry;
 
 struct epj_st_file {
@@ -99,6 +100,10 @@ struct epj_st_file {
 	int n_meta;
 	char **meta_key; /* sorted */
 	char **meta_val;
+	/* A set of shards (epj_st_open of a *.index.json): the shard files,
+	 * each entry naming its own (st_entry.part); fp is NULL. */
+	int n_parts;
+	epj_st_file **parts;
 };
 
 #define ST_FMT(ctx, path, ...) st_error(ctx, EPJ_ERR_FORMAT, path, __VA_ARGS__)
@@ -379,6 +384,14 @@ out:
 	return s;
 }
 
+static epj_status open_index(epj_ctx *ctx, const char *path, epj_st_file **out);
+
+static bool ends_with(const char *s, const char *suffix)
+{
+	size_t a = strlen(s), b = strlen(suffix);
+	return a >= b && !strcmp(s + a - b, suffix);
+}
+
 epj_status epj_st_open(epj_ctx *ctx, const char *path, epj_st_file **out)
 {
 	if (!out)
@@ -388,6 +401,8 @@ epj_status epj_st_open(epj_ctx *ctx, const char *path, epj_st_file **out)
 	if (!path)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"epj_st_open: path is NULL");
+	if (ends_with(path, ".index.json"))
+		return open_index(ctx, path, out);
 	epj_st_file *f = calloc(1, sizeof *f);
 	if (!f || !(f->path = strdup(path))) {
 		free(f);
@@ -474,6 +489,9 @@ void epj_st_close(epj_st_file *f)
 		return;
 	if (f->fp)
 		fclose(f->fp);
+	for (int i = 0; i < f->n_parts; i++)
+		epj_st_close(f->parts[i]);
+	free(f->parts);
 	for (int i = 0; i < f->n; i++) {
 		free(f->e[i].name);
 		free(f->e[i].shape);
@@ -487,6 +505,155 @@ void epj_st_close(epj_st_file *f)
 	free(f->meta_val);
 	free(f->path);
 	free(f);
+}
+
+/* ---- a set of shards ---------------------------------------------------
+ *
+ * Hugging Face writes a large checkpoint as shards plus
+ * model.safetensors.index.json: {"metadata": {...}, "weight_map": {tensor:
+ * shard file}}.  Opened as one epj_st_file: every shard is opened and
+ * validated as a file of its own, and the set holds the union of their
+ * entries, each read from its shard.  A shard is a plain file name next to
+ * the index (no '/', not starting with '.': an index cannot point outside
+ * its folder); every tensor the index names must be in its shard, and every
+ * tensor of a shard must be named by the index for that shard. */
+
+#define ST_MAX_SHARDS 65536
+
+static epj_status open_index(epj_ctx *ctx, const char *path, epj_st_file **out)
+{
+	const char *why = NULL;
+	FILE *fp = ej_fopen_regular(path, &why);
+	if (!fp)
+		return st_error(ctx, EPJ_ERR_IO, path, "cannot open: %s", why);
+	json_error_t jerr;
+	json_t *root = json_loadf(fp, 0, &jerr);
+	fclose(fp);
+	if (!root)
+		return ST_FMT(ctx, path, "invalid JSON at line %d: %s",
+			      jerr.line, jerr.text);
+	epj_status s = EPJ_OK;
+	epj_st_file *f = calloc(1, sizeof *f);
+	const char **shard = NULL; /* distinct shard names, in index order */
+	json_t *wm = json_object_get(root, "weight_map");
+	size_t n_names = json_is_object(wm) ? json_object_size(wm) : 0;
+	if (!f || !(f->path = strdup(path))) {
+		s = st_error(ctx, EPJ_ERR_NOMEM, path, "out of memory");
+		goto out;
+	}
+	if (!json_is_object(wm) || n_names == 0) {
+		s = ST_FMT(ctx, path,
+			   "no \"weight_map\" object of tensor "
+			   "names and shard files");
+		goto out;
+	}
+	shard = calloc(n_names, sizeof *shard);
+	f->parts = calloc(n_names, sizeof *f->parts);
+	if (!shard || !f->parts) {
+		s = st_error(ctx, EPJ_ERR_NOMEM, path, "out of memory");
+		goto out;
+	}
+	const char *key;
+	json_t *v;
+	json_object_foreach(wm, key, v)
+	{
+		const char *sh = json_is_string(v) ? json_string_value(v) : "";
+		if (!*sh || strchr(sh, '/') || sh[0] == '.' ||
+		    strlen(sh) > 255) {
+			s = ST_FMT(ctx, path,
+				   "tensor '%s': shard '%.80s' is not a file "
+				   "name next to the index",
+				   key, sh);
+			goto out;
+		}
+		int k = 0;
+		while (k < f->n_parts && strcmp(shard[k], sh) != 0)
+			k++;
+		if (k == f->n_parts) {
+			if (f->n_parts == ST_MAX_SHARDS) {
+				s = ST_FMT(ctx, path, "more than %d shards",
+					   ST_MAX_SHARDS);
+				goto out;
+			}
+			shard[f->n_parts++] = sh;
+		}
+	}
+	/* open every shard, next to the index */
+	size_t dirlen =
+	    strrchr(path, '/') ? (size_t)(strrchr(path, '/') - path + 1) : 0;
+	size_t total = 0;
+	for (int k = 0; k < f->n_parts; k++) {
+		char *sp = malloc(dirlen + strlen(shard[k]) + 1);
+		if (!sp) {
+			s = st_error(ctx, EPJ_ERR_NOMEM, path, "out of memory");
+			goto out;
+		}
+		memcpy(sp, path, dirlen);
+		strcpy(sp + dirlen, shard[k]);
+		s = epj_st_open(ctx, sp, &f->parts[k]);
+		free(sp);
+		if (s != EPJ_OK) {
+			ej_error_prefix(ctx, "safetensors index '%s'", path);
+			f->n_parts = k; /* the ones opened */
+			goto out;
+		}
+		total += (size_t)f->parts[k]->n;
+	}
+	/* the union: each shard's tensors as the index lists them */
+	if (total != n_names) {
+		s = ST_FMT(ctx, path,
+			   "the index names %zu tensors, its %d shards hold "
+			   "%zu",
+			   n_names, f->n_parts, total);
+		goto out;
+	}
+	f->e = calloc(total, sizeof *f->e);
+	if (!f->e) {
+		s = st_error(ctx, EPJ_ERR_NOMEM, path, "out of memory");
+		goto out;
+	}
+	for (int k = 0; k < f->n_parts; k++) {
+		const epj_st_file *p = f->parts[k];
+		for (int i = 0; i < p->n; i++) {
+			json_t *w = json_object_get(wm, p->e[i].name);
+			if (!json_is_string(w) ||
+			    strcmp(json_string_value(w), shard[k]) != 0) {
+				s = ST_FMT(ctx, path,
+					   "tensor '%s' of shard '%s' is not "
+					   "in the index under that shard",
+					   p->e[i].name, shard[k]);
+				goto out;
+			}
+			st_entry *e = &f->e[f->n];
+			*e = p->e[i];
+			e->part = k;
+			e->name = strdup(p->e[i].name);
+			e->shape = NULL;
+			if (p->e[i].ndim > 0) {
+				size_t sb =
+				    sizeof *e->shape * (size_t)p->e[i].ndim;
+				e->shape = malloc(sb);
+				if (e->shape)
+					memcpy(e->shape, p->e[i].shape, sb);
+			}
+			f->n++;
+			if (!e->name || (p->e[i].ndim > 0 && !e->shape)) {
+				s = st_error(ctx, EPJ_ERR_NOMEM, path,
+					     "out of memory");
+				goto out;
+			}
+		}
+	}
+	qsort(f->e, (size_t)f->n, sizeof *f->e, entry_cmp_name);
+out:
+	free(shard);
+	json_decref(root);
+	if (s != EPJ_OK) {
+		epj_st_close(f);
+		return s;
+	}
+	*out = f;
+	return EPJ_OK;
 }
 
 int epj_st_count(const epj_st_file *f)
@@ -564,6 +731,8 @@ epj_tensor *epj_st_get(epj_ctx *ctx, epj_st_file *f, const char *name)
 		return NULL;
 	}
 	const st_entry *e = &f->e[i];
+	/* a set of shards reads from the shard that holds the entry */
+	epj_st_file *src = f->parts ? f->parts[e->part] : f;
 	epj_dtype dt = st_dtypes[e->dtype].dt;
 	if (dt == EPJ_DTYPE_COUNT) {
 		st_error(ctx, EPJ_ERR_UNSUPPORTED, f->path,
@@ -594,15 +763,16 @@ epj_tensor *epj_st_get(epj_ctx *ctx, epj_st_file *f, const char *name)
 			 "out of memory reading '%s'", name);
 		return NULL;
 	}
-	if (fseeko(f->fp, (off_t)(f->data_start + e->begin), SEEK_SET) != 0 ||
-	    fread(dst, 1, bytes, f->fp) != bytes) {
+	if (fseeko(src->fp, (off_t)(src->data_start + e->begin), SEEK_SET) !=
+		0 ||
+	    fread(dst, 1, bytes, src->fp) != bytes) {
 		st_error(
-		    ctx, EPJ_ERR_IO, f->path,
+		    ctx, EPJ_ERR_IO, src->path,
 		    "reading tensor '%s' (%zu bytes at offset %llu): %s", name,
-		    bytes, (unsigned long long)(f->data_start + e->begin),
-		    ferror(f->fp) ? strerror(errno)
-				  : "short read (file changed since open?)");
-		clearerr(f->fp);
+		    bytes, (unsigned long long)(src->data_start + e->begin),
+		    ferror(src->fp) ? strerror(errno)
+				    : "short read (file changed since open?)");
+		clearerr(src->fp);
 		if (!host)
 			free(dst);
 		epj_tensor_free(t);

@@ -1071,21 +1071,19 @@ static epj_status check_set_file(epj_ctx *ctx, const ej_ckpt_set *set,
  * parameters).  Either way the ranks compare their counters before
  * anything is copied. */
 /* A Hugging Face folder (epjit-ckpt to-hf, save_pretrained) loads as its
- * model.safetensors into hf[n]; a folder of shards is refused by name. */
+ * model.safetensors.index.json (a set of shards, opened as one file by
+ * epj_st_open) or its model.safetensors, into hf[n]. */
 static epj_status hf_folder(epj_ctx *ctx, const char *path, char *hf, size_t n)
 {
 	snprintf(hf, n, "%s/model.safetensors.index.json", path);
 	if (file_exists(hf))
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: a folder of safetensors shards (%s): load "
-				"takes one file; export it as one with "
-				"'epjit-ckpt to-hf CKPT DIR --max-shard-size "
-				"BYTES' above its size",
-				path, hf);
+		return EPJ_OK;
 	snprintf(hf, n, "%s/model.safetensors", path);
 	if (!file_exists(hf))
 		return ej_error(ctx, EPJ_ERR_IO,
-				"%s: a folder without model.safetensors", path);
+				"%s: a folder without model.safetensors or "
+				"model.safetensors.index.json",
+				path);
 	return EPJ_OK;
 }
 

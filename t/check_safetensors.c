@@ -648,6 +648,125 @@ START_TEST(test_tmp_create)
 }
 END_TEST
 
+/* A set of shards with model.safetensors.index.json opens as one file: the
+ * union of the shards' tensors, each read from its shard with its values;
+ * an index that points outside its folder, names a tensor its shard lacks,
+ * misses a shard's tensor or a shard file is refused naming what. */
+START_TEST(test_shards)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("shards");
+	const int n_t = 5; /* tensors t0..t4: t0, t2, t4 in a, t1, t3 in b */
+	epj_tensor *t[5];
+	epj_st_writer *wa = NULL, *wb = NULL;
+	ck_assert_int_eq(epj_st_writer_new(ctx, &wa), EPJ_OK);
+	ck_assert_int_eq(epj_st_writer_new(ctx, &wb), EPJ_OK);
+	for (int i = 0; i < n_t; i++) {
+		int64_t shp[2] = { 2 + i, 3 };
+		t[i] = epj_randn(ctx, i % 2 ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32, 2,
+				 shp, 0.0, 1.0);
+		char nm[8];
+		snprintf(nm, sizeof nm, "t%d", i);
+		ck_assert_int_eq(epj_st_writer_add(i % 2 ? wb : wa, nm, t[i]),
+				 EPJ_OK);
+	}
+	char *pa = tu_path(dir, "model-00001-of-00002.safetensors");
+	char *pb = tu_path(dir, "model-00002-of-00002.safetensors");
+	ck_assert_int_eq(epj_st_writer_save(wa, pa), EPJ_OK);
+	ck_assert_int_eq(epj_st_writer_save(wb, pb), EPJ_OK);
+	char *idx = tu_path(dir, "model.safetensors.index.json");
+	const char *good =
+	    "{\"metadata\": {\"total_size\": 1}, \"weight_map\": {"
+	    "\"t0\": \"model-00001-of-00002.safetensors\", "
+	    "\"t1\": \"model-00002-of-00002.safetensors\", "
+	    "\"t2\": \"model-00001-of-00002.safetensors\", "
+	    "\"t3\": \"model-00002-of-00002.safetensors\", "
+	    "\"t4\": \"model-00001-of-00002.safetensors\"}}";
+	tu_write_text(idx, good);
+	epj_st_file *f = NULL;
+	ck_assert_msg(epj_st_open(ctx, idx, &f) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_st_count(f), n_t);
+	for (int i = 0; i < n_t; i++) {
+		char nm[8];
+		snprintf(nm, sizeof nm, "t%d", i);
+		ck_assert_str_eq(epj_st_name_at(f, i), nm); /* sorted */
+		epj_tensor *g = epj_st_get(ctx, f, nm);
+		ck_assert_ptr_nonnull(g);
+		ck_assert_int_eq(epj_tensor_dtype(g), epj_tensor_dtype(t[i]));
+		ck_assert_int_eq(epj_tensor_dim(g, 0), 2 + i);
+		double *a = tu_values(ctx, t[i]), *b = tu_values(ctx, g);
+		for (int64_t k = 0; k < epj_tensor_numel(g); k++)
+			ck_assert(a[k] == b[k]);
+		free(a);
+		free(b);
+		epj_tensor_free(g);
+	}
+	epj_st_close(f);
+	/* refusals, each naming what is wrong */
+	static const struct {
+		const char *index, *want;
+	} bad[] = {
+		{ "{\"weight_map\": {\"t0\": \"../x.safetensors\"}}",
+		  "shard '../x.safetensors' is not a file name next to the "
+		  "index" },
+		{ "{\"weight_map\": {\"t0\": \"/etc/passwd\"}}",
+		  "is not a file name next to the index" },
+		{ "{\"weight_map\": {}}", "no \"weight_map\"" },
+		{ "{\"weight_map\": {\"t0\": "
+		  "\"model-00001-of-00002.safetensors\", \"t1\": "
+		  "\"nope.safetensors\"}}",
+		  "nope.safetensors" },
+		/* t4 unlisted: the shards hold more than the index names */
+		{ "{\"weight_map\": {"
+		  "\"t0\": \"model-00001-of-00002.safetensors\", "
+		  "\"t1\": \"model-00002-of-00002.safetensors\", "
+		  "\"t2\": \"model-00001-of-00002.safetensors\", "
+		  "\"t3\": \"model-00002-of-00002.safetensors\", "
+		  "\"t5\": \"model-00001-of-00002.safetensors\"}}",
+		  "is not in the index under that shard" },
+		/* t1 said to be in the first shard, where it is not */
+		{ "{\"weight_map\": {"
+		  "\"t0\": \"model-00001-of-00002.safetensors\", "
+		  "\"t1\": \"model-00001-of-00002.safetensors\", "
+		  "\"t2\": \"model-00001-of-00002.safetensors\", "
+		  "\"t3\": \"model-00002-of-00002.safetensors\", "
+		  "\"t4\": \"model-00001-of-00002.safetensors\"}}",
+		  "tensor 't1' of shard 'model-00002-of-00002.safetensors' is "
+		  "not in the index under that shard" },
+		/* t9 in no shard */
+		{ "{\"weight_map\": {"
+		  "\"t0\": \"model-00001-of-00002.safetensors\", "
+		  "\"t1\": \"model-00002-of-00002.safetensors\", "
+		  "\"t2\": \"model-00001-of-00002.safetensors\", "
+		  "\"t3\": \"model-00002-of-00002.safetensors\", "
+		  "\"t4\": \"model-00001-of-00002.safetensors\", "
+		  "\"t9\": \"model-00002-of-00002.safetensors\"}}",
+		  "the index names 6 tensors, its 2 shards hold 5" },
+		{ "[1, 2", "invalid JSON" },
+	};
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		tu_write_text(idx, bad[i].index);
+		f = NULL;
+		epj_status st = epj_st_open(ctx, idx, &f);
+		ck_assert_msg(st != EPJ_OK && !f, "case %zu accepted", i);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), bad[i].want),
+			      "case %zu: want \"%s\", got \"%s\"", i,
+			      bad[i].want, epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+	}
+	for (int i = 0; i < n_t; i++)
+		epj_tensor_free(t[i]);
+	epj_st_writer_free(wa);
+	epj_st_writer_free(wb);
+	free(pa);
+	free(pb);
+	free(idx);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_atomic_save)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -771,6 +890,7 @@ Suite *make_safetensors_suite(void)
 	tcase_add_test(tc, test_writer_errors);
 	tcase_add_test(tc, test_tmp_create);
 	tcase_add_test(tc, test_atomic_save);
+	tcase_add_test(tc, test_shards);
 	tcase_add_test(tc, test_file_changed_after_open);
 	suite_add_tcase(s, tc);
 	return s;

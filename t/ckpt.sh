@@ -9,8 +9,9 @@
 #     (the data is a text of exactly one micro-batch, B x T = 2 x 8 bytes,
 #     so every batch is that one whatever the data position);
 #  3. a small --max-shard-size splits the folder into shards with an index
-#     that names every parameter once, and the shards hold what the single
-#     file holds;
+#     that names every parameter once, the folder of shards loads into
+#     epjit-train to the single file's state, and the shards hold what the
+#     single file holds;
 #  4. reshard to 1 rank (EP 1, gradient accumulation 4 for the same global
 #     batch) resumes with the losses and gradient norms of steps 4 and 5
 #     of the run continued on 2 ranks; reshard to 2 ranks with EP 1 too.
@@ -250,6 +251,11 @@ b = tensors(glob.glob(os.path.join(sys.argv[2], "model-*.safetensors")))
 assert a == b, sorted(set(a) ^ set(b))
 EOF
 fi
+# the folder of shards loads (through its index) to the single file's state
+run hfsd.log "$TRAIN" --model hf/config.json --config w1.json --seq 8 \
+	--data one.txt --load hfs --dump-state hfs.st
+"$builddir/t/golden_cmp" hf.st hfs.st 0 >hfs.cmp 2>&1 ||
+	fail "the shards load to another state than the single file: $(cat hfs.cmp)"
 
 # ---- 4. reshard ----------------------------------------------------------------
 mpi2 b.log "$TRAIN" --model "$MODEL" --config ep2.json --steps 5 --seq 8 \

@@ -54,8 +54,9 @@ int main(int argc, char **argv)
 		fprintf(stderr, "golden_cmp: %s\n", epj_ctx_error(ctx));
 		return 2;
 	}
-	int bad = 0, n_grad = 0;
-	double worst[3] = { 0, 0, 0 }; /* logits, loss, gradients */
+	int bad = 0, n_grad = 0, n_other = 0;
+	/* logits, loss, gradients, other tensors (a dump as the reference) */
+	double worst[4] = { 0, 0, 0, 0 };
 	char worst_name[256] = "";
 	double worst_all = -1;
 	for (int i = 0; i < epj_st_count(g); i++) {
@@ -88,10 +89,12 @@ int main(int argc, char **argv)
 			double rel = den > 0	? sqrt(num / den)
 				     : num == 0 ? 0
 						: INFINITY;
-			int kind = !strcmp(nm, "logits") ? 0
-				   : !strcmp(nm, "loss") ? 1
-							 : 2;
+			int kind = !strcmp(nm, "logits")    ? 0
+				   : !strcmp(nm, "loss")    ? 1
+				   : ends_with(nm, ".grad") ? 2
+							    : 3;
 			n_grad += kind == 2;
+			n_other += kind == 3;
 			if (rel > worst[kind])
 				worst[kind] = rel;
 			if (rel > worst_all) {
@@ -123,10 +126,11 @@ int main(int argc, char **argv)
 		}
 	}
 	bad += extra;
-	printf("golden_cmp: logits %.3e, loss %.3e, %d gradients worst %.3e "
-	       "(worst tensor %s); tolerance %.1e: %s\n",
-	       worst[0], worst[1], n_grad, worst[2], worst_name, tol,
-	       bad ? "FAIL" : "ok");
+	printf("golden_cmp: logits %.3e, loss %.3e, %d gradients worst %.3e, "
+	       "%d other tensors worst %.3e (worst tensor %s); tolerance "
+	       "%.1e: %s\n",
+	       worst[0], worst[1], n_grad, worst[2], n_other, worst[3],
+	       worst_name, tol, bad ? "FAIL" : "ok");
 	epj_st_close(g);
 	epj_st_close(d);
 	epj_ctx_free(ctx);

@@ -11,6 +11,9 @@
 #     (t/golden_cmp; a gradient epjit has and transformers has not fails as
 #     much as a missing one), on the cpu backend eager and compiled and on
 #     cuda-sim eager and compiled; the compiled arms ran compiled kernels;
+#     a family with sharded/ (the same model saved by transformers in
+#     shards with model.safetensors.index.json) loads from that folder to
+#     the very same state (every tensor of the dump equal);
 #  2. it trains: 24 AdamW steps from the checkpoint on the synthetic
 #     stream, the mean loss of the last 4 steps at least 0.5 under that of
 #     the first 4 (measured: 5.51 -> 4.13 and 5.10 -> 3.93);
@@ -93,6 +96,16 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 			echo "$fam $dev $mode: $(tail -n 1 "$out.cmp")"
 		done
 	done
+	# the same weights from transformers' shards: the same dump, exactly
+	if [ -d "$dir/sharded" ]; then
+		"$TRAIN" --model "$cfg" --load "$dir/sharded" \
+			--dump-batch "$dir/batch.safetensors" \
+			--dump-state "$fam-sharded.st" >"$fam-sharded.log" 2>&1 ||
+			fail "$fam sharded: $(cat "$fam-sharded.log")"
+		"$CMP" "$fam-cpu-eager.st" "$fam-sharded.st" 0 >"$fam-sharded.cmp" 2>&1 ||
+			fail "$fam from shards against one file: $(cat "$fam-sharded.cmp")"
+		echo "$fam from $(ls "$dir/sharded" | grep -c '^model-.*safetensors$') shards: the dump of one file, exactly"
+	fi
 	# 2. it trains from the checkpoint: the loss falls
 	"$TRAIN" --model "$cfg" --load "$dir/model.safetensors" \
 		--config adam.json --steps 24 --seq 7 --metrics "$fam.csv" \

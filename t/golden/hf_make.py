@@ -17,6 +17,9 @@ Per family, OUTDIR/<family>/ holds:
                                    checkpoint tensor NAME: the gradient of
                                    the loss
   versions.txt                     torch and transformers versions
+  sharded/ (mixtral only)          the same model saved in shards of at
+                                   most 60 KB with model.safetensors.
+                                   index.json, as the Hub holds big models
 
 The checkpoint is f32; the golden values are transformers' forward and
 backward of that same model in float64 (model.double(): every f32 weight
@@ -119,6 +122,11 @@ def make(fam, cfg, cls, moe, proj):
                 p.normal_(0.0, 0.2)
     model.train()
     model.save_pretrained(d, safe_serialization=True)
+    if fam == "mixtral":
+        model.save_pretrained(os.path.join(d, "sharded"),
+                              safe_serialization=True, max_shard_size="60KB")
+        assert os.path.exists(os.path.join(d, "sharded",
+                                           "model.safetensors.index.json"))
     g = torch.Generator().manual_seed(99)
     seq = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)
     ids, labels = seq[:, :T].contiguous(), seq[:, 1:].contiguous()
