@@ -1,9 +1,13 @@
-/* qwen3.c -- the Qwen3-MoE and Mixtral causal LMs, written with epj_* ops
- * so that eager execution mirrors the Hugging Face reference code op for op.
- * The two families share the block; Mixtral has no q/k norm, names its MoE
- * block block_sparse_moe with experts w1 (gate), w3 (up), w2 (down), always
- * renormalises the top-k weights and refuses a sequence longer than its
- * sliding_window:
+/* qwen3.c -- the Qwen3-MoE, Mixtral and Qwen2-MoE causal LMs, written with
+ * epj_* ops so that eager execution mirrors the Hugging Face reference code
+ * op for op.  The families share the block.  Mixtral has no q/k norm, names
+ * its MoE block block_sparse_moe with experts w1 (gate), w3 (up), w2
+ * (down), always renormalises the top-k weights and refuses a sequence
+ * longer than its sliding_window.  Qwen2-MoE has no q/k norm, q/k/v
+ * projections with bias, and in every MoE layer a shared expert
+ * (mlp.shared_expert, gated by sigmoid(x mlp.shared_expert_gate^T)) that
+ * the block adds to the routed experts' output (region_owned: dense work of
+ * the compiled region, under the MoE block's name):
  *
  *   input_ids [B,T] -> embed_tokens -> N x decoder block -> norm -> lm_head
  *   -> logits [B,T,V] -> cross-entropy(labels) -> loss []
