@@ -192,35 +192,13 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 		return st0;
 	void *image = NULL;
 	size_t size = 0;
-	epj_status st = kc ? ej_kcache_get(kc, key, &image, &size) : EPJ_OK;
-	if (st == EPJ_OK && image &&
-	    cs->vt->load(cs->vt->self, ctx, image, size, name, &cs->module) !=
-		EPJ_OK) {
-		/* a cached image the driver refuses: dropped and rebuilt,
-		 * never the run's error */
-		ej_kcache_drop_unloadable(kc, key, image, size,
-					  epj_ctx_error(ctx));
-		epj_ctx_clear_error(ctx);
-		free(image);
-		image = NULL;
-	}
-	/* a miss: of the processes that miss this key at once (the ranks of
-	 * a node), one compiles and the others wait for its entry */
 	int lock = -1;
-	if (st == EPJ_OK && !image && kc) {
-		st = ej_kcache_lock(kc, key, &lock);
-		if (st == EPJ_OK)
-			st = ej_kcache_recheck(kc, key, &image, &size);
-		if (st == EPJ_OK && image &&
-		    cs->vt->load(cs->vt->self, ctx, image, size, name,
-				 &cs->module) != EPJ_OK) {
-			ej_kcache_drop_unloadable(kc, key, image, size,
-						  epj_ctx_error(ctx));
-			epj_ctx_clear_error(ctx);
-			free(image);
-			image = NULL;
-		}
-	}
+	/* a cached image the driver refuses is dropped and rebuilt; of the
+	 * ranks that miss a key at once, one compiles */
+	epj_status st =
+	    kc ? ej_kcache_get_module(kc, ctx, key, cs->vt, name, &cs->module,
+				      &image, &size, &lock)
+	       : EPJ_OK;
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target, NULL,

@@ -92,34 +92,11 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 	}
 	void *so = NULL;
 	size_t so_len = 0;
-	epj_status st = kc ? ej_kcache_get(kc, key, &so, &so_len) : EPJ_OK;
-	if (st == EPJ_OK && so &&
-	    ej_device_sim.load(ej_device_sim.self, ctx, so, so_len, name,
-			       module) != EPJ_OK) {
-		/* a cached module that does not load: dropped and rebuilt,
-		 * never the caller's error */
-		ej_kcache_drop_unloadable(kc, key, so, so_len,
-					  epj_ctx_error(ctx));
-		epj_ctx_clear_error(ctx);
-		free(so);
-		so = NULL;
-	}
-	/* a miss: one of the processes that miss it at once compiles */
 	int lock = -1;
-	if (st == EPJ_OK && !so && kc) {
-		st = ej_kcache_lock(kc, key, &lock);
-		if (st == EPJ_OK)
-			st = ej_kcache_recheck(kc, key, &so, &so_len);
-		if (st == EPJ_OK && so &&
-		    ej_device_sim.load(ej_device_sim.self, ctx, so, so_len,
-				       name, module) != EPJ_OK) {
-			ej_kcache_drop_unloadable(kc, key, so, so_len,
-						  epj_ctx_error(ctx));
-			epj_ctx_clear_error(ctx);
-			free(so);
-			so = NULL;
-		}
-	}
+	epj_status st =
+	    kc ? ej_kcache_get_module(kc, ctx, key, &ej_device_sim, name,
+				      module, &so, &so_len, &lock)
+	       : EPJ_OK;
 	if (st == EPJ_OK && !so) {
 		char *log = NULL;
 		st = ej_hostcxx_compile(ctx, src, name, flags, &so, &so_len,

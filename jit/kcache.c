@@ -1145,6 +1145,46 @@ epj_status ej_kcache_recheck(ej_kcache *c, const char *key, void **data,
 	return lookup(c, key, data, len, NULL, false);
 }
 
+/* *data loaded into *module, or it is dropped and NULL. */
+static void load_or_drop(ej_kcache *c, epj_ctx *ctx, const char *key,
+			 const ej_device *dev, const char *name, void **module,
+			 void **data, size_t len)
+{
+	if (!*data ||
+	    dev->load(dev->self, ctx, *data, len, name, module) == EPJ_OK)
+		return;
+	/* a cached artifact the device refuses: dropped and rebuilt, never
+	 * the caller's error */
+	ej_kcache_drop_unloadable(c, key, *data, len, epj_ctx_error(ctx));
+	epj_ctx_clear_error(ctx);
+	free(*data);
+	*data = NULL;
+}
+
+epj_status ej_kcache_get_module(ej_kcache *c, epj_ctx *ctx, const char *key,
+				const ej_device *dev, const char *name,
+				void **module, void **data, size_t *len,
+				int *lock)
+{
+	*data = NULL;
+	*len = 0;
+	*lock = -1;
+	epj_status st = ej_kcache_get(c, key, data, len);
+	if (st == EPJ_OK)
+		load_or_drop(c, ctx, key, dev, name, module, data, *len);
+	/* a miss: of the processes that miss this key at once (the ranks of
+	 * a node), one compiles and the others wait for its entry */
+	if (st == EPJ_OK && !*data) {
+		st = ej_kcache_lock(c, key, lock);
+		if (st == EPJ_OK)
+			st = ej_kcache_recheck(c, key, data, len);
+		if (st == EPJ_OK)
+			load_or_drop(c, ctx, key, dev, name, module, data,
+				     *len);
+	}
+	return st;
+}
+
 epj_status ej_kcache_put(ej_kcache *c, const char *key, const void *data,
 			 size_t len, const char *source)
 {

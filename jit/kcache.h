@@ -155,6 +155,18 @@ void ej_kcache_unlock(ej_kcache *c, int lock);
  * artifact it compiled itself that does not load stays its error. */
 void ej_kcache_drop_unloadable(ej_kcache *c, const char *key, const void *data,
 			       size_t len, const char *why);
+/* The first half of that protocol for an artifact a device loads as a
+ * module (dev->load): get; an entry that does not load is dropped
+ * (ej_kcache_drop_unloadable, ctx's error cleared); on a miss take the
+ * key's lock and look again, loading likewise.  On EPJ_OK *data is the
+ * entry that loaded into *module (the caller frees it), or NULL: then *lock
+ * is held (-1 when none could be taken) and the caller compiles, loads,
+ * puts and releases it with ej_kcache_unlock in any case.  Errors are
+ * ej_kcache_get's and ej_kcache_lock's. */
+epj_status ej_kcache_get_module(ej_kcache *c, epj_ctx *ctx, const char *key,
+				const ej_device *dev, const char *name,
+				void **module, void **data, size_t *len,
+				int *lock);
 /* Calls fn(user, key, file_bytes) for every entry file on disk (any
  * order; the entries are not read or verified: ej_kcache_get does that).
  * Returns the number of entries (0 when the directory cannot be listed). */

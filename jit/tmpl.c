@@ -140,33 +140,10 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 	}
 	void *image = NULL;
 	size_t size = 0;
-	st = kc ? ej_kcache_get(kc, key, &image, &size) : EPJ_OK;
-	if (st == EPJ_OK && image &&
-	    vt->load(vt->self, ctx, image, size, name, module) != EPJ_OK) {
-		/* a cached image the driver refuses: dropped and rebuilt,
-		 * never the caller's error */
-		ej_kcache_drop_unloadable(kc, key, image, size,
-					  epj_ctx_error(ctx));
-		epj_ctx_clear_error(ctx);
-		free(image);
-		image = NULL;
-	}
-	/* a miss: one of the processes that miss it at once compiles */
 	int lock = -1;
-	if (st == EPJ_OK && !image && kc) {
-		st = ej_kcache_lock(kc, key, &lock);
-		if (st == EPJ_OK)
-			st = ej_kcache_recheck(kc, key, &image, &size);
-		if (st == EPJ_OK && image &&
-		    vt->load(vt->self, ctx, image, size, name, module) !=
-			EPJ_OK) {
-			ej_kcache_drop_unloadable(kc, key, image, size,
-						  epj_ctx_error(ctx));
-			epj_ctx_clear_error(ctx);
-			free(image);
-			image = NULL;
-		}
-	}
+	st = kc ? ej_kcache_get_module(kc, ctx, key, vt, name, module, &image,
+				       &size, &lock)
+		: EPJ_OK;
 	if (st == EPJ_OK && !image) {
 		ej_nvrtc_result r = { 0 };
 		st = ej_nvrtc_compile(ctx, src, name, info.arch, NULL, 0, &r);
