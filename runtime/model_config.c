@@ -356,6 +356,27 @@ static epj_status parse_mlp_only(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
+/* num_experts_per_tok: required (`why` says when), at most the expert
+ * count m->num_experts, which the config gave as count_key. */
+static epj_status rd_top_k(mp *p, ej_model_config *m, const char *count_key,
+			   const char *why)
+{
+	int64_t x = 0;
+	bool given;
+	epj_status s = rd_int(p, "num_experts_per_tok", 1, &x, &given);
+	if (s)
+		return s;
+	if (!given)
+		return missing(p, "num_experts_per_tok", why);
+	if (x > m->num_experts)
+		return mp_err(p,
+			      "\"num_experts_per_tok\" (%" PRId64
+			      ") must not exceed \"%s\" (%d)",
+			      x, count_key, m->num_experts);
+	m->num_experts_per_tok = (int)x;
+	return EPJ_OK;
+}
+
 /* Mixtral's MoE: every layer a sparse block of num_local_experts experts
  * of intermediate_size, top num_experts_per_tok renormalised (Mixtral has
  * no norm_topk_prob: it always renormalises); sliding_window null or a
@@ -377,16 +398,8 @@ static epj_status parse_mixtral_moe(mp *p, ej_model_config *m)
 			      ") is out of range [1, %d]",
 			      x, 1 << 16);
 	m->num_experts = (int)x;
-	if ((s = rd_int(p, "num_experts_per_tok", 1, &x, &given)))
+	if ((s = rd_top_k(p, m, "num_local_experts", why)))
 		return s;
-	if (!given)
-		return missing(p, "num_experts_per_tok", why);
-	if (x > m->num_experts)
-		return mp_err(p,
-			      "\"num_experts_per_tok\" (%" PRId64
-			      ") must not exceed \"num_local_experts\" (%d)",
-			      x, m->num_experts);
-	m->num_experts_per_tok = (int)x;
 	m->moe_intermediate_size = m->intermediate_size;
 	m->norm_topk_prob = true;
 	m->decoder_sparse_step = 1;
@@ -525,16 +538,8 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 	m->num_experts = (int)x;
 	if (m->num_experts > 0) {
 		const char *why = " (num_experts > 0)";
-		if ((s = rd_int(p, "num_experts_per_tok", 1, &x, &given)))
+		if ((s = rd_top_k(p, m, "num_experts", why)))
 			return s;
-		if (!given)
-			return missing(p, "num_experts_per_tok", why);
-		if (x > m->num_experts)
-			return mp_err(p,
-				      "\"num_experts_per_tok\" (%" PRId64
-				      ") must not exceed \"num_experts\" (%d)",
-				      x, m->num_experts);
-		m->num_experts_per_tok = (int)x;
 		if ((s = rd_int(p, "moe_intermediate_size", 1,
 				&m->moe_intermediate_size, &given)))
 			return s;
