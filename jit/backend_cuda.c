@@ -182,51 +182,14 @@ static epj_status load_kernels(epj_ctx *ctx, ej_jit *jit, cstate *cs,
 	ej_cuda_dev_info info;
 	ej_cuda_info(cs->dev, &info);
 	snprintf(cs->target, sizeof cs->target, "%s", info.arch);
-	char key[EJ_KCACHE_KEY_LEN + 1];
-	/* the key warm-up computes too: no options besides -arch */
-	ej_nvrtc_cache_key(cs->source, cs->target, NULL, 0, key);
 	ej_kcache *kc = NULL;
 	bool own = false;
 	epj_status st0 = ej_jit_kcache(ctx, jit, "nvrtc backend", &kc, &own);
 	if (st0 != EPJ_OK)
 		return st0;
-	void *image = NULL;
-	size_t size = 0;
-	int lock = -1;
-	/* a cached image the driver refuses is dropped and rebuilt; of the
-	 * ranks that miss a key at once, one compiles */
 	epj_status st =
-	    kc ? ej_kcache_get_module(kc, ctx, key, cs->vt, name, &cs->module,
-				      &image, &size, &lock)
-	       : EPJ_OK;
-	if (st == EPJ_OK && !image) {
-		ej_nvrtc_result r = { 0 };
-		st = ej_nvrtc_compile(ctx, cs->source, name, cs->target, NULL,
-				      0, &r);
-		if (st == EPJ_OK) {
-			image = r.image;
-			size = r.size;
-			r.image = NULL;
-			if (r.log && *r.log)
-				epj_log_msg(EPJ_LOG_INFO, "nvrtc: %s: %s", name,
-					    r.log);
-		}
-		ej_nvrtc_result_free(&r);
-		if (st == EPJ_OK) {
-			st = cs->vt->load(cs->vt->self, ctx, image, size, name,
-					  &cs->module);
-			if (st != EPJ_OK)
-				ej_error_prefix(ctx, "nvrtc backend: the image "
-						     "just compiled does not "
-						     "load");
-		}
-		/* into the cache only what the device accepted */
-		if (st == EPJ_OK && kc)
-			st = ej_kcache_put(kc, key, image, size, cs->source);
-	}
-	if (kc)
-		ej_kcache_unlock(kc, lock);
-	free(image);
+	    ej_nvrtc_build_module(ctx, kc, cs->source, name, cs->target, cs->vt,
+				  "nvrtc backend", &cs->module);
 	if (own)
 		ej_kcache_close(kc);
 	if (st != EPJ_OK)

@@ -78,6 +78,19 @@ const char *ej_nvrtc_identity(void);
  * an NVRTC artifact uses this function (64 hex digits + NUL into key). */
 void ej_nvrtc_cache_key(const char *source, const char *arch,
 			const char *const *opts, int n_opts, char key[65]);
+/* The one NVRTC build of a module: the module of CUDA C `source` (named
+ * `name`) for `arch` on the device vt, from the kernel cache kc (NULL: none)
+ * when it holds an image the device loads (one it refuses is dropped),
+ * else compiled with NVRTC (no options besides -arch, the key warm-up
+ * computes too), loaded, and only then put into kc; of the processes that
+ * miss a key at once, one compiles (the cache's per-key lock).  A failed
+ * load of a fresh image is prefixed "<what>: the image just compiled does
+ * not load".  Used by the nvrtc backend and the CUDA templates. */
+struct ej_kcache;
+epj_status ej_nvrtc_build_module(epj_ctx *ctx, struct ej_kcache *kc,
+				 const char *source, const char *name,
+				 const char *arch, const ej_device *vt,
+				 const char *what, void **module);
 /* Whether an NVRTC log reports a warning ("k.cu(3): warning #177-D: ..."). */
 bool ej_nvrtc_log_has_warning(const char *log);
 

@@ -72,12 +72,14 @@ static int64_t numel_of(const epj_tensor *t)
 /* The CUDA C device ctx runs on, as jit/tmpl.h names it. */
 static const char *dev_name(const epj_ctx *ctx)
 {
-	return ctx->dev == &ej_device_sim ? "cuda-sim" : "cuda";
+	return ctx->dev->name;
 }
 
+/* Whether ctx's device takes host shared objects (cuda-sim) rather than
+ * cubins through the template table (cuda). */
 static bool on_sim(const epj_ctx *ctx)
 {
-	return ctx->dev == &ej_device_sim;
+	return ctx->dev->desc->modules == EJ_MODULES_HOST_SO;
 }
 
 static void count_launch(epj_ctx *ctx)
@@ -187,8 +189,8 @@ static epj_status kop_build(epj_ctx *ctx, kop *e, const char *text, bool sim)
 		 * by the driver; the template table keeps the module (and is
 		 * asked again at every launch: ej_tmpl_clear may unload it) */
 		ej_tmpl *tm = NULL;
-		epj_status st = ej_tmpl_get_unit(ctx, "cuda", e->name, cuda,
-						 kop_kernel, 1, &tm);
+		epj_status st = ej_tmpl_get_unit(ctx, dev_name(ctx), e->name,
+						 cuda, kop_kernel, 1, &tm);
 		if (st != EPJ_OK)
 			return st;
 		e->k = s->kernels[0];
@@ -242,14 +244,16 @@ static epj_status kop_get(epj_ctx *ctx, int op, const ej_attrs *attrs,
 	ej_graph_add_output(g, g->nodes[nn].out[0]);
 	const char *text = ej_graph_text(g);
 	size_t len = strlen(text);
-	char *key = malloc(len + 10);
+	/* keyed by the device's name and the graph's text */
+	size_t pl = strlen(dev_name(ctx)) + 1;
+	char *key = malloc(pl + len + 1);
 	if (!key) {
 		ej_graph_free(g);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
 	}
 	bool sim = on_sim(ctx);
-	size_t pl = sim ? 9 : 5;
-	memcpy(key, sim ? "cuda-sim\n" : "cuda\n", pl);
+	memcpy(key, dev_name(ctx), pl - 1);
+	key[pl - 1] = '\n';
 	memcpy(key + pl, text, len + 1);
 	epj_hash128 h = epj_hash(key, len + pl);
 	uint64_t hv = h.lo;
@@ -312,8 +316,8 @@ static epj_status kop_launch(epj_ctx *ctx, const kop *e, int op,
 	count_launch(ctx);
 	if (!e->fn) { /* cuda */
 		ej_tmpl *tm = NULL;
-		epj_status st = ej_tmpl_get_unit(ctx, "cuda", e->name, e->cuda,
-						 kop_kernel, 1, &tm);
+		epj_status st = ej_tmpl_get_unit(ctx, dev_name(ctx), e->name,
+						 e->cuda, kop_kernel, 1, &tm);
 		if (st != EPJ_OK)
 			return st;
 		return ej_tmpl_launch(ctx, tm, "epjk_0", &l);

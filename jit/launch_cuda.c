@@ -1,5 +1,5 @@
 /* launch_cuda.c -- host launch code of the devices that run the CUDA C of
- * jit/print_cuda.c (cuda-sim today; the cuda device shares it): grid and
+ * jit/print_cuda.c (cuda-sim and cuda): grid and
  * block sizing (ej_cuda_launch_dims), the per-access strides and the
  * packing of a kernel's argument struct.
  *

@@ -140,6 +140,49 @@ int ej_cuda_archs(epj_ctx *ctx, char archs[][EJ_CUDA_ARCH_MAX], int max)
 				   max);
 }
 
+epj_status ej_nvrtc_build_module(epj_ctx *ctx, ej_kcache *kc,
+				 const char *source, const char *name,
+				 const char *arch, const ej_device *vt,
+				 const char *what, void **module)
+{
+	char key[EJ_KCACHE_KEY_LEN + 1];
+	ej_nvrtc_cache_key(source, arch, NULL, 0, key);
+	void *image = NULL;
+	size_t size = 0;
+	int lock = -1;
+	epj_status st = kc ? ej_kcache_get_module(kc, ctx, key, vt, name,
+						  module, &image, &size, &lock)
+			   : EPJ_OK;
+	if (st == EPJ_OK && !image) {
+		ej_nvrtc_result r = { 0 };
+		st = ej_nvrtc_compile(ctx, source, name, arch, NULL, 0, &r);
+		if (st == EPJ_OK) {
+			image = r.image;
+			size = r.size;
+			r.image = NULL;
+			if (r.log && *r.log)
+				epj_log_msg(EPJ_LOG_INFO, "nvrtc: %s: %s", name,
+					    r.log);
+		}
+		ej_nvrtc_result_free(&r);
+		if (st == EPJ_OK) {
+			st = vt->load(vt->self, ctx, image, size, name, module);
+			if (st != EPJ_OK)
+				ej_error_prefix(ctx,
+						"%s: the image just compiled "
+						"does not load",
+						what);
+		}
+		/* into the cache only what the device accepted */
+		if (st == EPJ_OK && kc)
+			st = ej_kcache_put(kc, key, image, size, source);
+	}
+	if (kc)
+		ej_kcache_unlock(kc, lock);
+	free(image);
+	return st;
+}
+
 bool ej_nvrtc_log_has_warning(const char *log)
 {
 	/* NVRTC writes "<name>.cu(<line>): warning #<n>-D: <text>"; a warning

@@ -46,25 +46,25 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 	if (msg && msg_len)
 		msg[0] = 0;
 	if (!name || !name[0]) {
-		/* the cpu device's own code generator: generated C, when this
-		 * build has it (it always does once codegen is compiled in) */
-		*out =
-		    ej_backend_c.build ? EJ_BACKEND_C : EJ_BACKEND_INTERPRETER;
-		/* EPJIT_DEVICE=cuda-sim: the simulated cuda device's */
+		/* the run's device's (EPJIT_DEVICE, else cpu) own code
+		 * generator (its descriptor's backend) when this build has
+		 * it; else generated C, else the interpreter */
 		const char *dev = getenv("EPJIT_DEVICE");
-		if (dev && !strcmp(dev, "cuda-sim"))
-			*out = EJ_BACKEND_CUDA_SIM;
-		else if (dev && !strcmp(dev, "cuda") && ej_nvrtc_available())
-			*out = EJ_BACKEND_NVRTC; /* EPJIT_DEVICE=cuda */
-		else if (dev && *dev && strcmp(dev, "cpu") != 0 &&
-			 strcmp(dev, "cuda") != 0) {
+		const ej_device_desc *d =
+		    ej_device_find(dev && *dev ? dev : "cpu");
+		if (!d) {
 			if (msg)
 				snprintf(msg, msg_len,
 					 "EPJIT_DEVICE=\"%s\" is not a device "
-					 "(known: cpu, cuda-sim, cuda)",
-					 dev);
+					 "(known: %s)",
+					 dev, epj_device_names());
 			return EPJ_ERR_CONFIG;
 		}
+		*out =
+		    ej_backend_c.build ? EJ_BACKEND_C : EJ_BACKEND_INTERPRETER;
+		ej_backend_kind k;
+		if (ej_backend_parse(d->backend, &k, NULL, 0) == EPJ_OK)
+			*out = k;
 		return EPJ_OK;
 	}
 	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {

@@ -125,8 +125,6 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 	const ej_device *vt = ej_cuda_device(dev);
 	ej_cuda_dev_info info;
 	ej_cuda_info(dev, &info);
-	char key[EJ_KCACHE_KEY_LEN + 1];
-	ej_nvrtc_cache_key(src, info.arch, NULL, 0, key);
 	ej_kcache *kc = ej_kcache_open(ctx, NULL);
 	if (!kc) {
 		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
@@ -138,39 +136,10 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 			    name, epj_ctx_error(ctx));
 		epj_ctx_clear_error(ctx);
 	}
-	void *image = NULL;
-	size_t size = 0;
-	int lock = -1;
-	st = kc ? ej_kcache_get_module(kc, ctx, key, vt, name, module, &image,
-				       &size, &lock)
-		: EPJ_OK;
-	if (st == EPJ_OK && !image) {
-		ej_nvrtc_result r = { 0 };
-		st = ej_nvrtc_compile(ctx, src, name, info.arch, NULL, 0, &r);
-		if (st == EPJ_OK) {
-			image = r.image;
-			size = r.size;
-			r.image = NULL;
-			if (r.log && *r.log)
-				epj_log_msg(EPJ_LOG_INFO, "nvrtc: %s: %s", name,
-					    r.log);
-		}
-		ej_nvrtc_result_free(&r);
-		if (st == EPJ_OK) {
-			st = vt->load(vt->self, ctx, image, size, name, module);
-			if (st != EPJ_OK)
-				ej_error_prefix(ctx,
-						"template %s: the image "
-						"just compiled does not "
-						"load",
-						name);
-		}
-		if (st == EPJ_OK && kc)
-			st = ej_kcache_put(kc, key, image, size, src);
-	}
-	if (kc)
-		ej_kcache_unlock(kc, lock);
-	free(image);
+	char what[128];
+	snprintf(what, sizeof what, "template %s", name);
+	st = ej_nvrtc_build_module(ctx, kc, src, name, info.arch, vt, what,
+				   module);
 	ej_kcache_close(kc);
 	*dev_out = vt;
 	return st;
@@ -195,12 +164,14 @@ static epj_status get_module(epj_ctx *ctx, const char *device, const char *name,
 		defines = "";
 	if (unit)
 		defines = unit;
-	bool sim = strcmp(device, "cuda-sim") == 0;
-	if (!sim && strcmp(device, "cuda") != 0)
+	/* how the device takes modules: shared objects from the host C++
+	 * compiler (cuda-sim) or cubins from NVRTC (cuda) */
+	const ej_device_desc *dd = ej_device_find(device);
+	if (!dd || !dd->runs_cuda)
 		return ej_error(ctx, EPJ_ERR_INVALID,
-				"template %s: device \"%s\" runs no CUDA C "
-				"(cuda, cuda-sim)",
+				"template %s: device \"%s\" runs no CUDA C",
 				name, device);
+	bool sim = dd->modules == EJ_MODULES_HOST_SO;
 	size_t dl = strlen(device), nl = strlen(name), fl = strlen(defines);
 	size_t len = dl + 1 + nl + 1 + fl;
 	char *key = malloc(len + 1);

@@ -715,7 +715,8 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 	if (st != EPJ_OK || !m)
 		return st;
 	const ej_device *d = ej_tmpl_device(m);
-	const bool sim = strcmp(device, "cuda-sim") == 0;
+	const ej_device_desc *dd = ej_device_find(device);
+	const bool sim = dd && dd->reruns_grids;
 	/* device: descriptors, items (staged on the host in the same layout
 	 * and sent in one copy), then (cuda-sim) the input snapshots */
 	struct optim_tensor *ht = NULL;
@@ -901,7 +902,7 @@ done:
 
 static const char *ctx_device(const epj_ctx *ctx)
 {
-	return ctx->dev == &ej_device_sim ? "cuda-sim" : "cuda";
+	return ctx->dev->name;
 }
 
 /* The values of index input `input` of c (i32/i64, any strides) read to the

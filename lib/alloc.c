@@ -71,8 +71,28 @@ static void cpu_sync(void *self)
 	(void)self;
 }
 
+static epj_status cpu_desc_open(epj_ctx *probe, const ej_device **out)
+{
+	(void)probe;
+	*out = &ej_device_cpu;
+	return EPJ_OK;
+}
+
+/* The host: lib's kernels, compiled regions as generated C. */
+const ej_device_desc ej_desc_cpu = {
+	.name = "cpu",
+	.backend = "c",
+	.comm = NULL,
+	.runs_cuda = false,
+	.modules = EJ_MODULES_NONE,
+	.reruns_grids = false,
+	.gemm_library = false,
+	.open = cpu_desc_open,
+};
+
 const ej_device ej_device_cpu = {
 	.name = "cpu",
+	.desc = &ej_desc_cpu,
 	.self = NULL,
 	.alloc = cpu_alloc,
 	.free = cpu_free,

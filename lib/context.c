@@ -6,35 +6,27 @@
  * unavailable backend is a clean error, never a crash.
  */
 #include "core_impl.h"
-#include "cuda_driver.h"
 
 #include <string.h>
 
 epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 {
 	*out = NULL;
-	bool sim = backend && !strcmp(backend, "cuda-sim");
-	bool cuda = backend && !strcmp(backend, "cuda");
-	const ej_device *cuda_dev = NULL;
-	if (backend && strcmp(backend, "cpu") != 0 && !sim && !cuda) {
-		epj_log_msg(
-		    EPJ_LOG_ERROR,
-		    "unknown backend \"%s\" (known: cpu, cuda, cuda-sim)",
-		    backend);
+	const ej_device_desc *desc = ej_device_find(backend ? backend : "cpu");
+	if (!desc) {
+		epj_log_msg(EPJ_LOG_ERROR, "unknown backend \"%s\" (known: %s)",
+			    backend, epj_device_names());
 		return EPJ_ERR_INVALID;
 	}
-	if (cuda) {
-		/* the process's GPU (driver, device, streams); without a
-		 * driver its verdict: "no CUDA driver (libcuda.so.1 not
-		 * found: ...)" */
-		epj_ctx probe = { 0 };
-		ej_cuda_dev *cd = NULL;
-		if (ej_cuda_open(&probe, &cd) != EPJ_OK) {
-			epj_log_msg(EPJ_LOG_ERROR, "backend \"cuda\": %s",
-				    probe.errmsg);
-			return EPJ_ERR_BACKEND;
-		}
-		cuda_dev = ej_cuda_device(cd);
+	/* the device (cuda: the process's GPU, its driver, device and
+	 * streams; without a driver its verdict: "no CUDA driver
+	 * (libcuda.so.1 not found: ...)") */
+	epj_ctx probe = { 0 };
+	const ej_device *dev = NULL;
+	if (desc->open(&probe, &dev) != EPJ_OK || !dev) {
+		epj_log_msg(EPJ_LOG_ERROR, "backend \"%s\": %s", desc->name,
+			    probe.errmsg);
+		return EPJ_ERR_BACKEND;
 	}
 	epj_ctx *ctx = calloc(1, sizeof *ctx);
 	if (!ctx)
@@ -42,7 +34,7 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	/* cuda-sim: host memory too; compiled regions default to the
 	 * cuda-sim backend (runtime/compile.c).  cuda: tensors live in device
 	 * memory under this context's caching allocator over cuMemAlloc */
-	ctx->dev = cuda ? cuda_dev : sim ? &ej_device_sim : &ej_device_cpu;
+	ctx->dev = dev;
 	ctx->alloc = ej_allocator_new(ctx->dev);
 	ctx->counters = ej_counter_table_new();
 	if (!ctx->alloc || !ctx->counters) {

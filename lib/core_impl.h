@@ -112,10 +112,53 @@ typedef struct ej_dev_counters {
 	int64_t reserved, peak_reserved; /* bytes held from cuMemAlloc */
 } ej_dev_counters;
 
+/* How a device's generated code reaches it (ej_device.load). */
+typedef enum ej_module_form {
+	EJ_MODULES_NONE,    /* runs no generated code of its own (cpu) */
+	EJ_MODULES_HOST_SO, /* shared objects from the host C++ compiler */
+	EJ_MODULES_CUBIN,   /* cubins from NVRTC, loaded by the driver */
+} ej_module_form;
+
+struct ej_device;
+
+/* What a device is, known before it is opened: everything the layers
+ * above ask about a device goes here, never to its name.  One descriptor
+ * per device, defined in the device's own file and listed once in the
+ * registry (lib/devices.c); adding a device is its file and a row there. */
+typedef struct ej_device_desc {
+	const char *name;
+	/* the codegen backend compiled regions default to on it
+	 * (jit/pipeline.c's names: "c", "cuda-sim", "nvrtc") */
+	const char *backend;
+	/* the collective backend comm.backend "auto" picks for it when the
+	 * world has more than one rank and that library loads; NULL: the
+	 * host's (MPI) */
+	const char *comm;
+	/* its kernels are CUDA C: the templates and the eager CUDA table
+	 * serve it (jit/tmpl*.c, jit/eager_cuda.c) */
+	bool runs_cuda;
+	ej_module_form modules;
+	/* it runs each grid twice and compares the outputs a launch names
+	 * (ej_launch.outs): launches must name them, and an output that is
+	 * also read must be read from a copy (cuda-sim's race check) */
+	bool reruns_grids;
+	/* its GEMMs may go to cuBLASLt, the expert GEMMs of an AutoEP layer
+	 * grouped into one call (lib/cublaslt.c, jit/tmpl_gemm.c) */
+	bool gemm_library;
+	/* Opens the device for a new context: *out is the device (a static
+	 * one, or the process's GPU); errors go to probe. */
+	epj_status (*open)(epj_ctx *probe, const struct ej_device **out);
+} ej_device_desc;
+
+/* The registry: the descriptor named `name`, or NULL (lib/devices.c). */
+const ej_device_desc *ej_device_find(const char *name);
+extern const ej_device_desc ej_desc_cpu, ej_desc_sim, ej_desc_cuda;
+
 /* One backend's memory and execution primitives.  Members marked optional may
  * be NULL.  `self` is passed back to every call. */
 typedef struct ej_device {
-	const char *name; /* "cpu", "cuda", "cuda-sim" */
+	const char *name; /* its descriptor's name */
+	const ej_device_desc *desc;
 	void *self;
 	/* Raw allocation of `bytes` (>0), aligned to 64 bytes; NULL on failure.
 	 */
@@ -175,8 +218,12 @@ extern const ej_device ej_device_cpu;
  * template and eager-table paths of the runtime run on them. */
 static inline bool ej_dev_runs_cuda(const ej_device *d)
 {
-	return d->name[0] == 'c' && d->name[1] == 'u' && d->name[2] == 'd' &&
-	       d->name[3] == 'a';
+	return d->desc && d->desc->runs_cuda;
+}
+/* True for a device that reruns grids to check them (ej_device_desc). */
+static inline bool ej_dev_reruns_grids(const ej_device *d)
+{
+	return d->desc && d->desc->reruns_grids;
 }
 /* Host memory, kernels are CUDA C compiled by the host C++ compiler and run
  * by the simulator (lib/device_sim.c, templates/cuda_sim.cuh). */
@@ -413,7 +460,7 @@ void ej_attrs_push_i(ej_attrs *a, int64_t v);
 void ej_attrs_push_f(ej_attrs *a, double v);
 
 /* ---- eager kernels of devices that run CUDA C ------------------------------
- * A device whose kernels are CUDA C (cuda-sim today, the cuda device later)
+ * A device whose kernels are CUDA C (cuda-sim, cuda: ej_dev_runs_cuda)
  * runs eager ops through a table indexed by op id (EJ_OP_*), installed by
  * the layer that generates and compiles CUDA C (jit/eager_cuda.c): lib/
  * never calls into the compiler, it only consults what was installed.
@@ -422,7 +469,8 @@ void ej_attrs_push_f(ej_attrs *a, double v);
  * (contiguous, uninitialised, on the ctx's device), inputs have any
  * strides.  A NULL entry, or an entry that cannot run a case and calls
  * ej_eager_fallback, runs the CPU reference kernel on the same host
- * buffers (cuda-sim memory is host memory) and is counted in
+ * buffers (cuda-sim memory is host memory; on cuda, through host copies
+ * of the inputs and outputs) and is counted in
  * kernels.eager_cpu_fallback and kernels.eager_cpu_fallback.<op>; an op
  * that ran as CUDA kernels counts in kernels.eager_cuda.  The cpu device
  * has no table. */

@@ -43,6 +43,7 @@
  * status stays a hard EPJ_ERR_BACKEND naming the call.
  */
 #include "cublaslt.h"
+#include "dynlib.h"
 
 #include <dlfcn.h>
 #include <limits.h>
@@ -135,12 +136,9 @@ typedef struct lt_lib {
 	char path[256], blas_path[256];
 } lt_lib;
 
-static pthread_mutex_t lib_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool lib_tried;
 static lt_lib lib;
-static lt_lib *lib_ok;
-static epj_status lib_status;
-static char lib_err[640];
+static bool lib_load(char *err, size_t n, epj_status *status);
+static ej_dynlib lt_dl = EJ_DYNLIB_INIT(lib_load, EPJ_ERR_UNSUPPORTED);
 
 static const char *src_file(const char *p)
 {
@@ -156,27 +154,17 @@ static void *open_lib(const char *env, const char *const *names, int n,
 	const char *ov = getenv(env);
 	if (ov && *ov) {
 		snprintf(path, path_n, "%s", ov);
-		dlerror();
-		void *h = dlopen(ov, RTLD_NOW | RTLD_LOCAL);
-		if (!h) {
-			const char *e = dlerror();
-			snprintf(why, why_n, "%s not found: %s", ov,
-				 e ? e : "dlopen failed");
-		}
-		return h;
+		return ej_dynlib_open(ov, why, why_n);
 	}
 	for (int i = 0; i < n; i++) {
-		dlerror();
-		void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+		char w[320];
+		void *h = ej_dynlib_open(names[i], w, sizeof w);
 		if (h) {
 			snprintf(path, path_n, "%s", names[i]);
 			return h;
 		}
-		if (i == 0) {
-			const char *e = dlerror();
-			snprintf(why, why_n, "%s not found: %s", names[0],
-				 e ? e : "dlopen failed");
-		}
+		if (i == 0)
+			snprintf(why, why_n, "%s", w);
 	}
 	snprintf(path, path_n, "%s", names[0]);
 	return NULL;
@@ -227,16 +215,16 @@ static void blas_load(void)
 			    lib.blas_path);
 }
 
-/* Loads lib; false with lib_err / lib_status set. */
-static bool lib_load(void)
+/* Loads lib; false with err (and *status) set. */
+static bool lib_load(char *err, size_t n, epj_status *status)
 {
 	static const char *const names[] = { "libcublasLt.so.13",
 					     "libcublasLt.so.12",
 					     "libcublasLt.so" };
-	lib_status = EPJ_ERR_UNSUPPORTED;
+	*status = EPJ_ERR_UNSUPPORTED;
 	const char *ov = getenv("EPJIT_CUBLASLT");
 	if (ov && !strcmp(ov, "0")) {
-		snprintf(lib_err, sizeof lib_err,
+		snprintf(err, n,
 			 "cuBLASLt disabled (EPJIT_CUBLASLT=0): GEMMs use "
 			 "the NVRTC template");
 		return false;
@@ -245,7 +233,7 @@ static bool lib_load(void)
 	void *h = open_lib("EPJIT_CUBLASLT", names, 3, lib.path,
 			   sizeof lib.path, why, sizeof why);
 	if (!h) {
-		snprintf(lib_err, sizeof lib_err,
+		snprintf(err, n,
 			 "no cuBLASLt (%s): GEMMs use the NVRTC template", why);
 		return false;
 	}
@@ -253,9 +241,8 @@ static bool lib_load(void)
 #define LT_RESOLVE(name, args)                                                 \
 	p = sym(h, #name);                                                     \
 	if (!p) {                                                              \
-		snprintf(lib_err, sizeof lib_err,                              \
-			 "cuBLASLt %s is unusable: it lacks %s", lib.path,     \
-			 #name);                                               \
+		snprintf(err, n, "cuBLASLt %s is unusable: it lacks %s",       \
+			 lib.path, #name);                                     \
 		return false;                                                  \
 	}                                                                      \
 	memcpy(&lib.name, &p, sizeof p);
@@ -266,7 +253,7 @@ static bool lib_load(void)
 	p = sym(h, "cublasLtGetStatusString");
 	memcpy(&lib.status_string, &p, sizeof p);
 	if (!lib.status_name || !lib.status_string) {
-		snprintf(lib_err, sizeof lib_err,
+		snprintf(err, n,
 			 "cuBLASLt %s is unusable: it lacks "
 			 "cublasLtGetStatusName or cublasLtGetStatusString",
 			 lib.path);
@@ -279,15 +266,7 @@ static bool lib_load(void)
 /* The table, loaded at the first call; NULL with the reason in ctx. */
 static const lt_lib *lib_get(epj_ctx *ctx)
 {
-	pthread_mutex_lock(&lib_lock);
-	if (!lib_tried) {
-		lib_tried = true;
-		lib_ok = lib_load() ? &lib : NULL;
-	}
-	pthread_mutex_unlock(&lib_lock);
-	if (!lib_ok && ctx)
-		ej_error(ctx, lib_status, "%s", lib_err);
-	return lib_ok;
+	return ej_dynlib_get(&lt_dl, ctx) ? &lib : NULL;
 }
 
 bool ej_cublaslt_available(epj_ctx *ctx)
@@ -300,11 +279,8 @@ bool ej_cublaslt_available(epj_ctx *ctx)
 void ej_cublaslt_test_reset(void);
 void ej_cublaslt_test_reset(void)
 {
-	pthread_mutex_lock(&lib_lock);
-	lib_tried = false;
-	lib_ok = NULL;
+	ej_dynlib_reset(&lt_dl);
 	memset(&lib, 0, sizeof lib);
-	pthread_mutex_unlock(&lib_lock);
 }
 
 static epj_status lt_error(epj_ctx *ctx, const lt_lib *l, bool blas,

@@ -25,6 +25,7 @@
  * context (load, launch) report there.
  */
 #include "cuda_driver.h"
+#include "dynlib.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -39,11 +40,9 @@ typedef ej_CUresult (*getproc_v2_fn)(const char *, void **, int,
 typedef ej_CUresult (*getproc_v1_fn)(const char *, void **, int,
 				     unsigned long long);
 
-static pthread_mutex_t drv_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool drv_tried;
 static ej_cuda_driver drv;
-static ej_cuda_driver *drv_ok;
-static char drv_err[512];
+static bool driver_load(char *err, size_t n, epj_status *st_out);
+static ej_dynlib drv_dl = EJ_DYNLIB_INIT(driver_load, EPJ_ERR_BACKEND);
 
 static const char *src_file(const char *p)
 {
@@ -287,20 +286,18 @@ void ej_cuda_counters_reset_peak(void)
 	pthread_mutex_unlock(&blk_lock);
 }
 
-/* Loads and resolves the table into drv; false with drv_err set. */
-static bool driver_load(void)
+/* Loads and resolves the table into drv; false with err set. */
+static bool driver_load(char *err, size_t n, epj_status *st_out)
 {
+	(void)st_out; /* EPJ_ERR_BACKEND, the default */
 	const char *path = getenv("EPJIT_CUDA_DRIVER");
 	if (!path || !*path)
 		path = "libcuda.so.1";
 	snprintf(drv.path, sizeof drv.path, "%s", path);
-	dlerror();
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	char why[400];
+	void *h = ej_dynlib_open(path, why, sizeof why);
 	if (!h) {
-		const char *e = dlerror();
-		snprintf(drv_err, sizeof drv_err,
-			 "no CUDA driver (%s not found: %s)", path,
-			 e ? e : "dlopen failed");
+		snprintf(err, n, "no CUDA driver (%s)", why);
 		return false;
 	}
 	/* POSIX: dlsym's data pointer converts to a function pointer */
@@ -320,7 +317,7 @@ static bool driver_load(void)
 	memcpy(&gp1, &p, sizeof p);
 	if (!version || (!gp2 && !gp1) || !drv.cuGetErrorName ||
 	    !drv.cuGetErrorString) {
-		snprintf(drv_err, sizeof drv_err,
+		snprintf(err, n,
 			 "CUDA driver unusable: %s lacks cuGetProcAddress, "
 			 "cuDriverGetVersion or cuGetErrorName",
 			 path);
@@ -329,7 +326,7 @@ static bool driver_load(void)
 	int v = 0;
 	if (version(&v) != EJ_CUDA_SUCCESS || v < EJ_CUDA_MIN_DRIVER) {
 		snprintf(
-		    drv_err, sizeof drv_err,
+		    err, n,
 		    "CUDA driver %s is too old: version %d.%d; epjit "
 		    "needs %d.%d or newer (an R580+ driver: the CUDA %d "
 		    "toolkit's NVRTC, cuBLASLt and NCCL need it)",
@@ -346,7 +343,7 @@ static bool driver_load(void)
 		ej_CUresult r = gp2 ? gp2(#name, &fp, (ver), 0, &status)       \
 				    : gp1(#name, &fp, (ver), 0);               \
 		if (r != EJ_CUDA_SUCCESS || !fp) {                             \
-			snprintf(drv_err, sizeof drv_err,                      \
+			snprintf(err, n,                                       \
 				 "CUDA driver %s: cuGetProcAddress(\"%s\", "   \
 				 "%d) failed (error %d)",                      \
 				 path, #name, (ver), r);                       \
@@ -374,7 +371,7 @@ static bool driver_load(void)
 		const char *name = NULL, *str = NULL;
 		drv.cuGetErrorName(r, &name);
 		drv.cuGetErrorString(r, &str);
-		snprintf(drv_err, sizeof drv_err,
+		snprintf(err, n,
 			 "CUDA driver %s: cuInit(0) failed: %s (%d): %s", path,
 			 name ? name : "?", r, str ? str : "");
 		return false;
@@ -384,15 +381,7 @@ static bool driver_load(void)
 
 const ej_cuda_driver *ej_cuda_driver_get(epj_ctx *ctx)
 {
-	pthread_mutex_lock(&drv_lock);
-	if (!drv_tried) {
-		drv_tried = true;
-		drv_ok = driver_load() ? &drv : NULL;
-	}
-	pthread_mutex_unlock(&drv_lock);
-	if (!drv_ok && ctx)
-		ej_error(ctx, EPJ_ERR_BACKEND, "%s", drv_err);
-	return drv_ok;
+	return ej_dynlib_get(&drv_dl, ctx) ? &drv : NULL;
 }
 
 /* ---- the device ---------------------------------------------------------- */
@@ -657,7 +646,8 @@ static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
 	EJ_CU(ctx, d, cuCtxSetCurrent(c->cu));
 	EJ_CU(ctx, d, cuStreamCreate(&c->compute, EJ_CU_STREAM_NON_BLOCKING));
 	EJ_CU(ctx, d, cuStreamCreate(&c->side, EJ_CU_STREAM_NON_BLOCKING));
-	c->vt = (ej_device){ .name = "cuda",
+	c->vt = (ej_device){ .name = ej_desc_cuda.name,
+			     .desc = &ej_desc_cuda,
 			     .self = c,
 			     .alloc = cu_alloc,
 			     .free = cu_free,
@@ -710,12 +700,9 @@ epj_status ej_cuda_open(epj_ctx *ctx, ej_cuda_dev **out)
 void ej_cuda_test_reset(void);
 void ej_cuda_test_reset(void)
 {
-	pthread_mutex_lock(&drv_lock);
-	drv_tried = false;
-	drv_ok = NULL;
+	ej_dynlib_reset(&drv_dl);
 	memset(&drv, 0, sizeof drv);
 	memset(&raw, 0, sizeof raw);
-	pthread_mutex_unlock(&drv_lock);
 	pthread_mutex_lock(&blk_lock);
 	n_blk = 0; /* the counts stay: tests take differences */
 	__atomic_store_n(&cnt.reserved, 0, __ATOMIC_RELAXED);
@@ -729,6 +716,28 @@ const ej_device *ej_cuda_device(ej_cuda_dev *c)
 {
 	return &c->vt;
 }
+
+/* The registry's opener: the process's GPU; without a driver its
+ * verdict: "no CUDA driver (libcuda.so.1 not found: ...)". */
+static epj_status cuda_desc_open(epj_ctx *probe, const ej_device **out)
+{
+	ej_cuda_dev *cd = NULL;
+	epj_status st = ej_cuda_open(probe, &cd);
+	*out = st == EPJ_OK ? ej_cuda_device(cd) : NULL;
+	return st;
+}
+
+/* The GPU: cubins from NVRTC, NCCL between ranks, cuBLASLt GEMMs. */
+const ej_device_desc ej_desc_cuda = {
+	.name = "cuda",
+	.backend = "nvrtc",
+	.comm = "nccl",
+	.runs_cuda = true,
+	.modules = EJ_MODULES_CUBIN,
+	.reruns_grids = false,
+	.gemm_library = true,
+	.open = cuda_desc_open,
+};
 
 void ej_cuda_info(const ej_cuda_dev *c, ej_cuda_dev_info *out)
 {

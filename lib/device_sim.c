@@ -150,8 +150,29 @@ static epj_status sim_launch_fn(void *self, epj_ctx *ctx, void *fn,
 	return EPJ_OK;
 }
 
+static epj_status sim_desc_open(epj_ctx *probe, const ej_device **out)
+{
+	(void)probe;
+	*out = &ej_device_sim;
+	return EPJ_OK;
+}
+
+/* The simulated CUDA device: host memory, CUDA C built by the host C++
+ * compiler, every grid run twice to find races. */
+const ej_device_desc ej_desc_sim = {
+	.name = "cuda-sim",
+	.backend = "cuda-sim",
+	.comm = NULL,
+	.runs_cuda = true,
+	.modules = EJ_MODULES_HOST_SO,
+	.reruns_grids = true,
+	.gemm_library = false,
+	.open = sim_desc_open,
+};
+
 const ej_device ej_device_sim = {
 	.name = "cuda-sim",
+	.desc = &ej_desc_sim,
 	.self = NULL,
 	.alloc = sim_alloc,
 	.free = sim_free,

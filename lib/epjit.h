@@ -80,6 +80,11 @@ typedef struct epj_module epj_module;
  * *out owns it. */
 epj_status epj_ctx_new(const char *backend, epj_ctx **out);
 void epj_ctx_free(epj_ctx *ctx);
+/* Whether `name` is a device of this build (what epj_ctx_new takes; the
+ * cuda device is known even where no GPU is there to open). */
+bool epj_device_known(const char *name);
+/* The known devices, for messages: "cpu, cuda-sim, cuda".  Static. */
+const char *epj_device_names(void);
 
 epj_status epj_ctx_status(const epj_ctx *ctx);
 /* Message of the last error ("" when none). Valid until the next error. */

@@ -1270,7 +1270,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	/* a cuda context: the expert GEMMs grouped (jit/tmpl_gemm.c: one
 	 * cuBLASLt grouped call where it takes them) */
 	y_grp =
-	    fused || !strcmp(ctx->dev->name, "cuda")
+	    fused || ctx->dev->desc->gemm_library
 		? run_experts_fused(ctx, m, im, x_grp, local_counts)
 		: run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
 	if (!y_grp) {

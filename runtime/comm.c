@@ -388,7 +388,9 @@ epj_status ej_comm_device_select(epj_ctx *ctx, const char *choice,
 	}
 	if (!choice || !*choice)
 		choice = "auto";
-	bool cuda = device && !strcmp(device, "cuda");
+	/* a device whose collectives are NCCL's (its descriptor's comm) */
+	const ej_device_desc *dd = ej_device_find(device);
+	bool cuda = dd && dd->comm && !strcmp(dd->comm, "nccl");
 	if (!strcmp(choice, "host"))
 		return EPJ_OK;
 	if (!strcmp(choice, "auto")) {

@@ -27,6 +27,7 @@
  * it, ncclGetLastError; the checked wrappers of comm.c add the group and
  * the rank.
  */
+#include "dynlib.h"
 #include "runtime_impl.h"
 
 #include "cuda_driver.h"
@@ -90,17 +91,15 @@ typedef struct nc_lib {
 	char path[256];
 } nc_lib;
 
-static pthread_mutex_t lib_lock = PTHREAD_MUTEX_INITIALIZER;
-static bool lib_tried;
 static nc_lib lib;
-static nc_lib *lib_ok;
-static char lib_err[512];
 
-static bool lib_load(void)
+/* Loads lib; false with err set. */
+static bool lib_load(char *err, size_t n, epj_status *status)
 {
+	(void)status; /* EPJ_ERR_UNSUPPORTED, the default */
 	const char *path = getenv("EPJIT_NCCL");
 	if (path && !strcmp(path, "0")) {
-		snprintf(lib_err, sizeof lib_err,
+		snprintf(err, n,
 			 "NCCL disabled (EPJIT_NCCL=0): collectives stay on "
 			 "the host comm");
 		return false;
@@ -108,20 +107,18 @@ static bool lib_load(void)
 	if (!path || !*path)
 		path = "libnccl.so.2";
 	snprintf(lib.path, sizeof lib.path, "%s", path);
-	dlerror();
-	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	char why[400];
+	void *h = ej_dynlib_open(path, why, sizeof why);
 	if (!h) {
-		const char *e = dlerror();
-		snprintf(lib_err, sizeof lib_err, "no NCCL (%s not found: %s)",
-			 path, e ? e : "dlopen failed");
+		snprintf(err, n, "no NCCL (%s)", why);
 		return false;
 	}
 	void *p;
 #define NC_RESOLVE(name, args)                                                 \
 	p = dlsym(h, #name);                                                   \
 	if (!p) {                                                              \
-		snprintf(lib_err, sizeof lib_err,                              \
-			 "NCCL %s is unusable: it lacks %s", path, #name);     \
+		snprintf(err, n, "NCCL %s is unusable: it lacks %s", path,     \
+			 #name);                                               \
 		return false;                                                  \
 	}                                                                      \
 	memcpy(&lib.name, &p, sizeof p);
@@ -135,7 +132,7 @@ static bool lib_load(void)
 	int v = 0;
 	if (lib.ncclGetVersion(&v) != NC_SUCCESS || v < 2700) {
 		/* versions below 2.9 are major*1000 + minor*100 + patch */
-		snprintf(lib_err, sizeof lib_err,
+		snprintf(err, n,
 			 "NCCL %s is too old (version code %d): epjit needs "
 			 "2.7 or newer (ncclSend / ncclRecv)",
 			 path, v);
@@ -145,17 +142,11 @@ static bool lib_load(void)
 	return true;
 }
 
+static ej_dynlib nc_dl = EJ_DYNLIB_INIT(lib_load, EPJ_ERR_UNSUPPORTED);
+
 static const nc_lib *lib_get(epj_ctx *ctx)
 {
-	pthread_mutex_lock(&lib_lock);
-	if (!lib_tried) {
-		lib_tried = true;
-		lib_ok = lib_load() ? &lib : NULL;
-	}
-	pthread_mutex_unlock(&lib_lock);
-	if (!lib_ok && ctx)
-		ej_error(ctx, EPJ_ERR_UNSUPPORTED, "%s", lib_err);
-	return lib_ok;
+	return ej_dynlib_get(&nc_dl, ctx) ? &lib : NULL;
 }
 
 bool ej_nccl_available(epj_ctx *ctx)
@@ -167,11 +158,8 @@ bool ej_nccl_available(epj_ctx *ctx)
 void ej_nccl_test_reset(void);
 void ej_nccl_test_reset(void)
 {
-	pthread_mutex_lock(&lib_lock);
-	lib_tried = false;
-	lib_ok = NULL;
+	ej_dynlib_reset(&nc_dl);
 	memset(&lib, 0, sizeof lib);
-	pthread_mutex_unlock(&lib_lock);
 }
 
 /* ---- the comm ------------------------------------------------------------ */

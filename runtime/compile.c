@@ -721,17 +721,14 @@ epj_status epj_engine_compile(epj_engine *e)
 	/* 2. the backend must be in this build */
 	ej_backend_kind backend;
 	char msg[256];
-	/* "device": "cuda-sim" with no compile.backend: the cuda-sim one */
+	/* no compile.backend: the config's "device"'s own (cuda-sim: the
+	 * cuda-sim one, cuda: nvrtc, cpu: c), else that of the context's
+	 * device when it runs CUDA C, else the default (jit/pipeline.c) */
 	const char *bname = e->cfg.compile.backend;
-	if (!bname[0] && (!strcmp(e->cfg.device, "cuda-sim") ||
-			  (!e->cfg.device[0] && ctx->dev == &ej_device_sim)))
-		bname = "cuda-sim";
-	else if (!bname[0] &&
-		 (!strcmp(e->cfg.device, "cuda") ||
-		  (!e->cfg.device[0] && !strcmp(ctx->dev->name, "cuda"))))
-		bname = "nvrtc"; /* a cuda context: the GPU's own kernels */
-	else if (!bname[0] && !strcmp(e->cfg.device, "cpu"))
-		bname = "c";
+	const ej_device_desc *dd =
+	    e->cfg.device[0] ? ej_device_find(e->cfg.device) : ctx->dev->desc;
+	if (!bname[0] && dd && (e->cfg.device[0] || dd->runs_cuda))
+		bname = dd->backend;
 	st = ej_backend_parse(bname, &backend, msg, sizeof msg);
 	if (st != EPJ_OK) {
 		if (autoep)

@@ -46,17 +46,12 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 				  const epj_model *m)
 {
 	const char *src = c->source;
-	static const char *const known_devices[] = { "cpu", "cuda-sim",
-						     "cuda" };
 	const char *dev = getenv("EPJIT_DEVICE");
-	bool dev_ok = !dev || !dev[0];
-	for (size_t i = 0; !dev_ok && i < EJ_ARRAY_LEN(known_devices); i++)
-		dev_ok = !strcmp(dev, known_devices[i]);
-	if (!dev_ok)
+	if (dev && dev[0] && !epj_device_known(dev))
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"EPJIT_DEVICE=\"%s\" is not a device (known: "
-				"cpu, cuda-sim, cuda)",
-				dev);
+				"%s)",
+				dev, epj_device_names());
 	if (strcmp(c->expert_parallel.comm_backend, "comm") != 0)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 				"%s: the DeepEP comm backend "

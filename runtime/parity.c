@@ -422,10 +422,8 @@ static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled)
 	 * eager arm, and the eager ops of the compiled one, run as CUDA
 	 * kernels */
 	const char *dev = getenv("EPJIT_DEVICE");
-	epj_status st = epj_ctx_new(
-	    dev && (!strcmp(dev, "cuda-sim") || !strcmp(dev, "cuda")) ? dev
-								      : "cpu",
-	    &a->ctx);
+	epj_status st =
+	    epj_ctx_new(dev && epj_device_known(dev) ? dev : "cpu", &a->ctx);
 	if (st != EPJ_OK)
 		return st;
 	epj_ctx *ctx = a->ctx;

@@ -692,6 +692,78 @@ START_TEST(test_device_names)
 }
 END_TEST
 
+/* The device registry (lib/devices.c): every device the config's "device"
+ * accepts is in it and the other way round; each descriptor answers for its
+ * device what the layers above ask (the default codegen backend, CUDA C,
+ * the collective library, grid reruns, cuBLASLt GEMMs); a context's device
+ * carries its descriptor; epj_ctx_new refuses an unknown name with the
+ * list.  Each answer is checked where it is used, too: the default
+ * backends in test_compile's, the rest in the cuda-sim and cuda suites. */
+START_TEST(test_device_registry)
+{
+	ck_assert_str_eq(epj_device_names(), "cpu, cuda-sim, cuda");
+	static const struct {
+		const char *name, *backend, *comm;
+		bool cuda, rerun, lt;
+		ej_module_form modules;
+	} want[] = {
+		{ "cpu", "c", NULL, false, false, false, EJ_MODULES_NONE },
+		{ "cuda-sim", "cuda-sim", NULL, true, true, false,
+		  EJ_MODULES_HOST_SO },
+		{ "cuda", "nvrtc", "nccl", true, false, true,
+		  EJ_MODULES_CUBIN },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(want); i++) {
+		const ej_device_desc *d = ej_device_find(want[i].name);
+		ck_assert_ptr_nonnull(d);
+		ck_assert(epj_device_known(want[i].name));
+		ck_assert_str_eq(d->name, want[i].name);
+		ck_assert_str_eq(d->backend, want[i].backend);
+		if (want[i].comm)
+			ck_assert_str_eq(d->comm, want[i].comm);
+		else
+			ck_assert_ptr_null(d->comm);
+		ck_assert_int_eq(d->runs_cuda, want[i].cuda);
+		ck_assert_int_eq(d->reruns_grids, want[i].rerun);
+		ck_assert_int_eq(d->gemm_library, want[i].lt);
+		ck_assert_int_eq(d->modules, want[i].modules);
+		ck_assert_ptr_nonnull(d->open);
+		/* the config's "device" takes it */
+		char json[96];
+		snprintf(json, sizeof json, "{\"device\": \"%s\"}",
+			 want[i].name);
+		ej_config c;
+		epj_ctx *ctx = tu_ctx();
+		ck_assert_msg(ej_config_parse(ctx, json, "dev.json", &c) ==
+				  EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		ck_assert_str_eq(c.device, want[i].name);
+		epj_ctx_free(ctx);
+	}
+	static const char *const bad[] = { "", "CPU", "cuda ", "gpu", "cud" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(bad); i++) {
+		ck_assert_ptr_null(ej_device_find(bad[i]));
+		ck_assert(!epj_device_known(bad[i]));
+		epj_ctx *ctx = NULL;
+		ck_assert_int_eq(epj_ctx_new(bad[i], &ctx), EPJ_ERR_INVALID);
+		ck_assert_ptr_null(ctx);
+	}
+	ck_assert_ptr_null(ej_device_find(NULL));
+	ck_assert(!epj_device_known(NULL));
+	/* the static devices carry their descriptors */
+	static const char *const stat[] = { "cpu", "cuda-sim" };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(stat); i++) {
+		epj_ctx *ctx = NULL;
+		ck_assert_int_eq(epj_ctx_new(stat[i], &ctx), EPJ_OK);
+		ck_assert_ptr_eq(ctx->dev->desc, ej_device_find(stat[i]));
+		ck_assert_str_eq(ctx->dev->name, stat[i]);
+		ck_assert_int_eq(ej_dev_runs_cuda(ctx->dev), i == 1);
+		ck_assert_int_eq(ej_dev_reruns_grids(ctx->dev), i == 1);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
 /* Defaults (NULL path) and a config file. */
 START_TEST(test_initialize_defaults)
 {
@@ -1554,6 +1626,7 @@ Suite *make_engine_suite(void)
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_config_errors);
 	tcase_add_test(tc, test_device_names);
+	tcase_add_test(tc, test_device_registry);
 	tcase_add_test(tc, test_initialize_defaults);
 	tcase_add_test(tc, test_bf16_masters);
 	tcase_add_test(tc, test_bf16_weight_cache);

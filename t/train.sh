@@ -260,7 +260,7 @@ expect_fail 2 "unknown option '--chekpointing' (did you mean --checkpointing?)" 
 	--chekpointing
 expect_fail 2 "unknown option '--metrcs=m.csv' (did you mean --metrics?)" \
 	--metrcs=m.csv
-expect_fail 2 'cpu, cuda-sim or cuda' --device gpu0
+expect_fail 2 'one of cpu, cuda-sim, cuda' --device gpu0
 # --device cuda without a driver: the driver's verdict and a clean exit 1
 EPJIT_CUDA_DRIVER=/nonexistent/epjit/libcuda.so.1 "$TRAIN" --device cuda \
 	--steps 1 >out.txt 2>err.txt

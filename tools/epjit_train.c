@@ -471,12 +471,10 @@ static int parse_args(int argc, char **argv, opts *o)
 		} else if (!strcmp(name, "--device")) {
 			/* the same as EPJIT_DEVICE, for this process (the
 			 * parity harness's arms read it too) */
-			if (strcmp(val, "cpu") != 0 &&
-			    strcmp(val, "cuda-sim") != 0 &&
-			    strcmp(val, "cuda") != 0)
-				return bad_usage("--device wants cpu, cuda-sim "
-						 "or cuda, got '%s'%s",
-						 val, "");
+			if (!epj_device_known(val))
+				return bad_usage("--device wants one of %s, "
+						 "got '%s'",
+						 epj_device_names(), val);
 			setenv("EPJIT_DEVICE", val, 1);
 		} else if (!strcmp(name, "--layout")) {
 			if (!strcmp(val, "nested"))
@@ -674,25 +672,19 @@ static int text_corpus(run *r, const char *path)
  * on "cuda" the tensors live in GPU memory, the eager ops are NVRTC cubins
  * and compiled regions use the nvrtc backend. */
 /* The run's device: EPJIT_DEVICE (--device sets it), else cpu.  An
- * unknown name is the caller's to refuse (known_device). */
+ * unknown name is the caller's to refuse (epj_device_known). */
 static const char *run_device(void)
 {
 	const char *d = getenv("EPJIT_DEVICE");
 	return d && *d ? d : "cpu";
 }
 
-static bool known_device(const char *d)
-{
-	return !strcmp(d, "cpu") || !strcmp(d, "cuda-sim") ||
-	       !strcmp(d, "cuda");
-}
-
 static int setup(run *r, const opts *o)
 {
-	if (!known_device(run_device()))
+	if (!epj_device_known(run_device()))
 		return fail_msg("EPJIT_DEVICE=\"%s\" is not a device (known: "
-				"cpu, cuda-sim, cuda)",
-				run_device());
+				"%s)",
+				run_device(), epj_device_names());
 	if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
 		return fail_msg("cannot create a %s context", run_device());
 	/* The run seed: --seed, else the config's.  The config is only known
@@ -704,9 +696,8 @@ static int setup(run *r, const opts *o)
 	/* "device": "cuda-sim" or "cuda" in the config with no EPJIT_DEVICE /
 	 * --device: the run's contexts move there (eager ops included), so
 	 * model and engine are built once more there */
-	if (!getenv("EPJIT_DEVICE") &&
-	    (!strcmp(epj_engine_device(r->engine), "cuda-sim") ||
-	     !strcmp(epj_engine_device(r->engine), "cuda"))) {
+	if (!getenv("EPJIT_DEVICE") && epj_engine_device(r->engine)[0] &&
+	    strcmp(epj_engine_device(r->engine), run_device()) != 0) {
 		setenv("EPJIT_DEVICE", epj_engine_device(r->engine), 1);
 		epj_engine_free(r->engine);
 		epj_model_free(r->model);
