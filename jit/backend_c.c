@@ -378,4 +378,45 @@ epj_status ej_backend_c_run_kernel(epj_ctx *ctx, void *state, int kernel,
 	return st;
 }
 
-const ej_codegen_backend ej_backend_c = { "c", build, run, cstate_free };
+static int kernels(const void *state)
+{
+	return ej_backend_c_schedule(state)->n_kernels;
+}
+
+static bool available(void)
+{
+	return true; /* the host compiler is checked where it runs */
+}
+
+/* exactly what build prints and looks up */
+static const char *artifact(ej_arena *A, const struct ej_schedule *s,
+			    const char *name, const char *arch, char key[65])
+{
+	(void)arch;
+	const char *src = ej_print_c(A, s, name);
+	ej_backend_c_key(src, key);
+	return src;
+}
+
+static epj_status compile(epj_ctx *ctx, const char *src, const char *name,
+			  const char *arch, void **art, size_t *len)
+{
+	(void)arch;
+	char *log = NULL;
+	epj_status st = ej_hostcc_compile(ctx, src, name, art, len, &log);
+	free(log);
+	return st;
+}
+
+const ej_codegen_backend ej_backend_c = {
+	.name = "c",
+	.kind = EJ_BACKEND_C,
+	.available = available,
+	.rope_fusion = true,
+	.build = build,
+	.run = run,
+	.free_state = cstate_free,
+	.kernels = kernels,
+	.artifact = artifact,
+	.compile = compile,
+};

@@ -228,10 +228,8 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	cs->A = ej_arena_new();
 	cs->s = ej_sched_build(cs->A, g);
 	ej_schedule *s = cs->s;
-	char gh[33], name[48];
-	const char *text = ej_graph_text(g);
-	epj_hash_hex(epj_hash(text, strlen(text)), gh);
-	snprintf(name, sizeof name, "g%.16s", gh);
+	char name[48];
+	ej_codegen_graph_name(g, name);
 	cs->last = ej_last_use(g, s->n_steps, ej_sched_step_read, s);
 	epj_status st = cs->last ? EPJ_OK
 				 : ej_error(ctx, EPJ_ERR_NOMEM,
@@ -239,13 +237,7 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	cs->fused_only = s->n_kernels > 0;
 	for (int i = 0; i < s->n_steps; i++)
 		cs->fused_only &= s->steps[i].k != NULL;
-	for (int i = 0; i < s->n_kernels; i++) {
-		const ej_kernel *k = s->kernels[i];
-		size_t a = ej_cuda_args_size(k);
-		cs->max_args = a > cs->max_args ? a : cs->max_args;
-		cs->max_in = k->n_in > cs->max_in ? k->n_in : cs->max_in;
-		cs->max_out = k->n_out > cs->max_out ? k->n_out : cs->max_out;
-	}
+	ej_cuda_sched_maxima(s, &cs->max_args, &cs->max_in, &cs->max_out);
 	if (st == EPJ_OK && s->n_kernels > 0) {
 		st = device_get(ctx, &cs->dev);
 		if (st == EPJ_OK) {
@@ -587,7 +579,53 @@ epj_status ej_backend_cuda_run_kernel(epj_ctx *ctx, void *state, int kernel,
 				   cs);
 }
 
-const ej_codegen_backend ej_backend_cuda = { "nvrtc", build, run, cstate_free };
+static int kernels(const void *state)
+{
+	return ((const cstate *)state)->s->n_kernels;
+}
+
+static bool available(void)
+{
+	int major = 0, minor = 0;
+	return ej_nvrtc_version(&major, &minor);
+}
+
+/* exactly what load_kernels prints and looks up */
+static const char *artifact(ej_arena *A, const struct ej_schedule *s,
+			    const char *name, const char *arch, char key[65])
+{
+	const char *src = ej_print_cuda(A, s, name);
+	ej_nvrtc_cache_key(src, arch, NULL, 0, key);
+	return src;
+}
+
+static epj_status compile(epj_ctx *ctx, const char *src, const char *name,
+			  const char *arch, void **art, size_t *len)
+{
+	ej_nvrtc_result r = { 0 };
+	epj_status st = ej_nvrtc_compile(ctx, src, name, arch, NULL, 0, &r);
+	if (st == EPJ_OK) {
+		*art = r.image;
+		*len = r.size;
+		r.image = NULL;
+	}
+	ej_nvrtc_result_free(&r);
+	return st;
+}
+
+const ej_codegen_backend ej_backend_cuda = {
+	.name = "nvrtc",
+	.kind = EJ_BACKEND_NVRTC,
+	.available = available,
+	.build = build,
+	.run = run,
+	.free_state = cstate_free,
+	.kernels = kernels,
+	.artifact = artifact,
+	.compile = compile,
+	.per_arch = true,
+	.device = "cuda",
+};
 
 /* ---- timing (bench/bench_gpu.c) ------------------------------------------ */
 

@@ -188,22 +188,14 @@ static epj_status build(epj_ctx *ctx, ej_jit *jit, ej_graph *g, void **state)
 	ss->A = ej_arena_new();
 	ss->s = ej_sched_build(ss->A, g);
 	ej_schedule *s = ss->s;
-	char gh[33], name[48];
-	const char *text = ej_graph_text(g);
-	epj_hash_hex(epj_hash(text, strlen(text)), gh);
-	snprintf(name, sizeof name, "g%.16s", gh);
+	char name[48];
+	ej_codegen_graph_name(g, name);
 	ss->last = ej_last_use(g, s->n_steps, ej_sched_step_read, s);
 	if (!ss->last) {
 		sstate_free(ss);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "cuda-sim: out of memory");
 	}
-	for (int i = 0; i < s->n_kernels; i++) {
-		const ej_kernel *k = s->kernels[i];
-		size_t a = ej_cuda_args_size(k);
-		ss->max_args = a > ss->max_args ? a : ss->max_args;
-		ss->max_in = k->n_in > ss->max_in ? k->n_in : ss->max_in;
-		ss->max_out = k->n_out > ss->max_out ? k->n_out : ss->max_out;
-	}
+	ej_cuda_sched_maxima(s, &ss->max_args, &ss->max_in, &ss->max_out);
 	epj_status st = EPJ_OK;
 	if (s->n_kernels > 0)
 		st = load_kernels(ctx, ss, name);
@@ -272,5 +264,22 @@ epj_status ej_backend_sim_run_kernel(epj_ctx *ctx, void *state, int kernel,
 	return ej_sched_run_kernel(ctx, ss->s, kernel, in, out, sim_kernel, ss);
 }
 
-const ej_codegen_backend ej_backend_sim = { "cuda-sim", build, run,
-					    sstate_free };
+static int kernels(const void *state)
+{
+	return ej_backend_sim_schedule(state)->n_kernels;
+}
+
+static bool available(void)
+{
+	return true; /* the host C++ compiler is checked where it runs */
+}
+
+const ej_codegen_backend ej_backend_sim = {
+	.name = "cuda-sim",
+	.kind = EJ_BACKEND_CUDA_SIM,
+	.available = available,
+	.build = build,
+	.run = run,
+	.free_state = sstate_free,
+	.kernels = kernels,
+};

@@ -132,9 +132,9 @@ static void add_path(ej_sbuf *sb, const char *dir, const char *rel, int *n)
 
 static int kernels_of(const ej_segment *s, void *state)
 {
-	if (!state || s->backend != &ej_backend_c)
+	if (!state || !s->backend->kernels)
 		return 0;
-	return ej_backend_c_schedule(state)->n_kernels;
+	return s->backend->kernels(state);
 }
 
 void ej_debug_dump_segment(ej_jit *jit, const ej_segment *s, bool train,

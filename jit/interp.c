@@ -93,6 +93,25 @@ static int node_read(const void *u, int step, int j)
 	return !n->dead && j < n->n_in ? n->in[j] : -1;
 }
 
+static epj_status interp_run(epj_ctx *ctx, void *state, ej_graph *g,
+			     epj_tensor *const *inputs, epj_tensor **outs)
+{
+	(void)state;
+	return ej_interp_run(ctx, g, inputs, outs);
+}
+
+static bool interp_available(void)
+{
+	return true;
+}
+
+const ej_codegen_backend ej_backend_interp = {
+	.name = "interpreter",
+	.kind = EJ_BACKEND_INTERPRETER,
+	.available = interp_available,
+	.run = interp_run,
+};
+
 epj_status ej_interp_run(epj_ctx *ctx, ej_graph *g, epj_tensor *const *inputs,
 			 epj_tensor **outs)
 {

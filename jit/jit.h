@@ -41,6 +41,9 @@ typedef enum ej_backend_kind {
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 			    size_t msg_len);
 const char *ej_backend_name(ej_backend_kind k);
+/* The device backend k's artifacts run on ("cuda" for nvrtc), which a
+ * compile opens first; NULL: any context's. */
+const char *ej_backend_device(ej_backend_kind k);
 
 ej_jit *ej_jit_new(epj_ctx *ctx, ej_backend_kind backend);
 void ej_jit_free(ej_jit *jit);

@@ -154,19 +154,56 @@ struct ej_trace {
 
 /* ---- code generating backends ------------------------------------------ */
 
-/* A code-generating backend (jit/backend_c.c; later nvrtc/cuda-sim): builds
- * an artifact for one graph (forward or backward of a segment) and runs it
- * with the interpreter's calling convention.  `state` is owned by the
- * segment and freed with free_state. */
+/* A backend of compiled segments: everything the pipeline, the warm-up and
+ * the debug dump ask of one, so that none of them names a backend.  One
+ * entry per ej_backend_kind (ej_backend_get); the interpreter is one too,
+ * with no build: it runs each IR node with the op table's kernels.  A
+ * code-generating backend builds an artifact for one graph (forward or
+ * backward of a segment) and runs it with the interpreter's calling
+ * convention; `state` is owned by the segment and freed with free_state. */
+struct ej_schedule;
 typedef struct ej_codegen_backend {
-	const char *name;
+	const char *name; /* compile.backend's name */
+	ej_backend_kind kind;
+	/* whether this build has it (NVRTC for nvrtc) */
+	bool (*available)(void);
+	/* RoPE chains become one op before autodiff (ej_pass_rope): the
+	 * backends with a fused RoPE kernel (C; the CUDA devices' eager ROPE
+	 * runs the op chain, so there the fused kernels are the better
+	 * form) */
+	bool rope_fusion;
+	/* NULL: builds nothing (the interpreter).  A backend that builds gets
+	 * the GEMM epilogue pass on its graphs too. */
 	epj_status (*build)(epj_ctx *ctx, ej_jit *jit, ej_graph *g,
 			    void **state);
+	/* runs graph g (state from build; NULL for the interpreter) */
 	epj_status (*run)(epj_ctx *ctx, void *state, ej_graph *g,
 			  epj_tensor *const *inputs, epj_tensor **outs);
 	void (*free_state)(void *state);
+	/* the fused kernels a built state launches per run (debug dump) */
+	int (*kernels)(const void *state);
+	/* The warm-up (NULL: the backend has none): the source that build
+	 * compiles for schedule s of the graph named `name`, for target
+	 * `arch` (NULL where artifacts are not per arch), into arena A, and
+	 * its kernel-cache key, computed by the function build uses ... */
+	const char *(*artifact)(ej_arena *A, const struct ej_schedule *s,
+				const char *name, const char *arch,
+				char key[65]);
+	/* ... and the compile of such a source (*art malloc'ed) */
+	epj_status (*compile)(epj_ctx *ctx, const char *src, const char *name,
+			      const char *arch, void **art, size_t *len);
+	bool per_arch; /* artifacts per target arch (--arch) */
+	/* the device its artifacts run on, opened before a compile so that
+	 * its absence fails there, not at the first call (nvrtc: cuda);
+	 * NULL: any context's */
+	const char *device;
 } ej_codegen_backend;
 
+/* The entry of backend kind k (any valid ej_backend_kind). */
+const ej_codegen_backend *ej_backend_get(ej_backend_kind k);
+
+/* The interpreter (jit/interp.c). */
+extern const ej_codegen_backend ej_backend_interp;
 /* The C backend (generated C, host cc, dlopen). */
 extern const ej_codegen_backend ej_backend_c;
 /* The cuda-sim backend (generated CUDA C, host C++ compiler, simulator). */
@@ -207,7 +244,9 @@ typedef struct ej_segment {
 	int n_saved;
 	void *fwd_state, *bwd_state; /* backend artifacts (codegen), or NULL
 					for the interpreter */
-	const ej_codegen_backend *backend; /* NULL: interpreter */
+	/* the backend that runs it: its jit's, or the interpreter when its
+	 * build was deferred (the warm-up plans only) */
+	const ej_codegen_backend *backend;
 	double compile_ms;
 } ej_segment;
 

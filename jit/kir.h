@@ -252,6 +252,11 @@ epj_status ej_sched_run_kernel(epj_ctx *ctx, const ej_schedule *s, int kernel,
 
 /* Bytes of kernel k's argument struct (struct ej_kargs_<id>). */
 size_t ej_cuda_args_size(const ej_kernel *k);
+/* What a CUDA backend sizes its launch buffers by, over the kernels of s:
+ * the largest argument struct, the most inputs and the most outputs of one
+ * kernel (0 when s has none). */
+void ej_cuda_sched_maxima(const struct ej_schedule *s, size_t *args, int *n_in,
+			  int *n_out);
 /* Prepares a launch of kernel k: in[i] binds input i (any strides), out[o]
  * is output o (contiguous, allocated); packs the argument struct into buf
  * (ej_cuda_args_size bytes), fills outs[0..n_out) and l (geometry from

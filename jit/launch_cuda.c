@@ -11,6 +11,20 @@
  */
 #include "kir.h"
 
+void ej_cuda_sched_maxima(const ej_schedule *s, size_t *args, int *n_in,
+			  int *n_out)
+{
+	*args = 0;
+	*n_in = *n_out = 0;
+	for (int i = 0; i < s->n_kernels; i++) {
+		const ej_kernel *k = s->kernels[i];
+		size_t a = ej_cuda_args_size(k);
+		*args = a > *args ? a : *args;
+		*n_in = k->n_in > *n_in ? k->n_in : *n_in;
+		*n_out = k->n_out > *n_out ? k->n_out : *n_out;
+	}
+}
+
 size_t ej_cuda_args_size(const ej_kernel *k)
 {
 	size_t ns = (size_t)k->n_acc * (size_t)k->rank;

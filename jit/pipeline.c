@@ -24,20 +24,40 @@
 
 /* ---- backends ------------------------------------------------------------ */
 
-static const char *const backend_names[] = { "interpreter", "c", "nvrtc",
-					     "cuda-sim" };
+/* Indexed by ej_backend_kind. */
+static const ej_codegen_backend *const backends[] = {
+	[EJ_BACKEND_INTERPRETER] = &ej_backend_interp,
+	[EJ_BACKEND_C] = &ej_backend_c,
+	[EJ_BACKEND_NVRTC] = &ej_backend_cuda,
+	[EJ_BACKEND_CUDA_SIM] = &ej_backend_sim,
+};
+
+const ej_codegen_backend *ej_backend_get(ej_backend_kind k)
+{
+	EJ_ASSERT((unsigned)k < EJ_ARRAY_LEN(backends) && backends[k]);
+	return backends[k];
+}
+
+const char *ej_backend_device(ej_backend_kind k)
+{
+	return ej_backend_get(k)->device;
+}
 
 const char *ej_backend_name(ej_backend_kind k)
 {
-	return (unsigned)k < EJ_ARRAY_LEN(backend_names) ? backend_names[k]
-							 : "?";
+	return (unsigned)k < EJ_ARRAY_LEN(backends) ? backends[k]->name : "?";
 }
 
-/* Whether this build compiles CUDA C with NVRTC. */
-static bool ej_nvrtc_available(void)
+/* The names of the backends, all or the available ones: "a, b, c". */
+static void backend_list(char *buf, size_t n, bool only_available)
 {
-	int major = 0, minor = 0;
-	return ej_nvrtc_version(&major, &minor);
+	size_t off = 0;
+	buf[0] = 0;
+	for (unsigned i = 0; i < EJ_ARRAY_LEN(backends) && off < n; i++)
+		if (!only_available || backends[i]->available())
+			off += (size_t)snprintf(buf + off, n - off, "%s%s",
+						off ? ", " : "",
+						backends[i]->name);
 }
 
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
@@ -48,7 +68,7 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 	if (!name || !name[0]) {
 		/* the run's device's (EPJIT_DEVICE, else cpu) own code
 		 * generator (its descriptor's backend) when this build has
-		 * it; else generated C, else the interpreter */
+		 * it; else generated C */
 		const char *dev = getenv("EPJIT_DEVICE");
 		const ej_device_desc *d =
 		    ej_device_find(dev && *dev ? dev : "cpu");
@@ -60,36 +80,35 @@ epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 					 dev, epj_device_names());
 			return EPJ_ERR_CONFIG;
 		}
-		*out =
-		    ej_backend_c.build ? EJ_BACKEND_C : EJ_BACKEND_INTERPRETER;
+		*out = EJ_BACKEND_C;
 		ej_backend_kind k;
 		if (ej_backend_parse(d->backend, &k, NULL, 0) == EPJ_OK)
 			*out = k;
 		return EPJ_OK;
 	}
-	for (unsigned i = 0; i < EJ_ARRAY_LEN(backend_names); i++) {
-		if (strcmp(name, backend_names[i]) != 0)
+	char list[128];
+	for (unsigned i = 0; i < EJ_ARRAY_LEN(backends); i++) {
+		if (strcmp(name, backends[i]->name) != 0)
 			continue;
-		if (i == EJ_BACKEND_INTERPRETER || i == EJ_BACKEND_CUDA_SIM ||
-		    (i == EJ_BACKEND_C && ej_backend_c.build) ||
-		    (i == EJ_BACKEND_NVRTC && ej_nvrtc_available())) {
+		if (backends[i]->available()) {
 			*out = (ej_backend_kind)i;
 			return EPJ_OK;
 		}
-		if (msg)
+		if (msg) {
+			backend_list(list, sizeof list, true);
 			snprintf(msg, msg_len,
 				 "compile.backend \"%s\" is not available in "
-				 "this build (available: interpreter%s%s, "
-				 "cuda-sim)",
-				 name, ej_backend_c.build ? ", c" : "",
-				 ej_nvrtc_available() ? ", nvrtc" : "");
+				 "this build (available: %s)",
+				 name, list);
+		}
 		return EPJ_ERR_UNSUPPORTED;
 	}
-	if (msg)
+	if (msg) {
+		backend_list(list, sizeof list, false);
 		snprintf(msg, msg_len,
-			 "unknown compile.backend \"%s\" (known: interpreter, "
-			 "c, nvrtc, cuda-sim)",
-			 name);
+			 "unknown compile.backend \"%s\" (known: %s)", name,
+			 list);
+	}
 	return EPJ_ERR_CONFIG;
 }
 
@@ -110,7 +129,7 @@ void ej_segment_unref(ej_segment *s)
 {
 	if (!s || --s->refcount > 0)
 		return;
-	if (s->backend) {
+	if (s->backend && s->backend->free_state) {
 		s->backend->free_state(s->fwd_state);
 		s->backend->free_state(s->bwd_state);
 	}
@@ -373,10 +392,10 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 	ej_graph *fc = ej_graph_compact(f, s->sig_hex);
 	ej_graph_free(f);
 	dump(jit, fc, "1-dce-cse");
-	/* RoPE as one op (forward and backward): C backend only, the CUDA
-	 * devices have no fused kernel for it (their eager ROPE entry runs
-	 * the op chain, so there the fused kernels are the better form) */
-	if (jit->backend == EJ_BACKEND_C && ej_pass_rope(fc) > 0) {
+	const ej_codegen_backend *be = ej_backend_get(jit->backend);
+	/* RoPE as one op (forward and backward), where the backend has a
+	 * fused kernel for it */
+	if (be->rope_fusion && ej_pass_rope(fc) > 0) {
 		ej_pass_dce(fc);
 		ej_graph *r = ej_graph_compact(fc, s->sig_hex);
 		ej_graph_free(fc);
@@ -417,22 +436,15 @@ static epj_status compile_segment(epj_ctx *ctx, ej_jit *jit, ej_graph *f,
 		s->n_seg_out = fc->n_outputs;
 		dump(jit, s->fwd, "3-forward-final");
 	}
-	if (st == EPJ_OK && (jit->backend == EJ_BACKEND_C ||
-			     jit->backend == EJ_BACKEND_CUDA_SIM ||
-			     jit->backend == EJ_BACKEND_NVRTC)) {
+	if (st == EPJ_OK && be->build) {
 		epilogue(jit, &s->fwd, s->sig_hex, "4-forward-epilogue");
 		if (s->bwd)
 			epilogue(jit, &s->bwd, s->sig_hex,
 				 "4-backward-epilogue");
 	}
-	if (st == EPJ_OK && !jit->defer_build &&
-	    (jit->backend == EJ_BACKEND_C ||
-	     jit->backend == EJ_BACKEND_CUDA_SIM ||
-	     jit->backend == EJ_BACKEND_NVRTC)) {
-		s->backend = jit->backend == EJ_BACKEND_C ? &ej_backend_c
-			     : jit->backend == EJ_BACKEND_NVRTC
-				 ? &ej_backend_cuda
-				 : &ej_backend_sim;
+	s->backend = &ej_backend_interp;
+	if (st == EPJ_OK && !jit->defer_build && be->build) {
+		s->backend = be;
 		built = true;
 		st = s->backend->build(ctx, jit, s->fwd, &s->fwd_state);
 		if (st == EPJ_OK && s->bwd)
@@ -610,9 +622,7 @@ static epj_status seg_backward(epj_ctx *ctx, ej_node *n,
 		}
 	}
 	if (st == EPJ_OK)
-		st = s->seg->backend ? s->seg->backend->run(
-					   ctx, s->seg->bwd_state, b, bin, bout)
-				     : ej_interp_run(ctx, b, bin, bout);
+		st = s->seg->backend->run(ctx, s->seg->bwd_state, b, bin, bout);
 	if (st == EPJ_OK) {
 		for (int i = 0; i < n->n_in; i++) {
 			int k = s->node_in_to_fwd_in[i];
@@ -670,8 +680,7 @@ static epj_status run_segment(epj_ctx *ctx, const ej_region_step *step,
 		}
 		EJ_ASSERT(fin[i]);
 	}
-	st = seg->backend ? seg->backend->run(ctx, seg->fwd_state, f, fin, fout)
-			  : ej_interp_run(ctx, f, fin, fout);
+	st = seg->backend->run(ctx, seg->fwd_state, f, fin, fout);
 	if (st != EPJ_OK)
 		goto out;
 	for (int j = 0; j < seg->n_seg_out; j++) {

@@ -4,14 +4,14 @@
  *
  *   plan:     every unique segment of the jit (its segment cache holds each
  *             graph once, whatever the depth of the model) -> forward and
- *             backward graph -> schedule -> generated source (C, or CUDA C
- *             once per target arch) -> key, computed by the same function
- *             the loading backend uses (ej_backend_c_key,
- *             ej_nvrtc_cache_key); duplicate keys are dropped.
+ *             backward graph -> schedule -> the backend's artifact (its
+ *             vtable: the source its build prints and the key it looks
+ *             up, once or once per target arch); duplicate keys are
+ *             dropped.
  *   compile:  keys already in the cache are skipped; the others are split
  *             round-robin over N forked workers, each with its own context
  *             and cache handle (the disk cache is safe across processes),
- *             compiling and putting its share.  The parent then counts
+ *             compiling (the backend's compile) and putting its share.  The parent then counts
  *             what is in the cache.
  */
 #include "warmup.h"
@@ -64,9 +64,10 @@ static epj_status plan_push(epj_ctx *ctx, ej_warm_plan *p, const char *key,
 	return EPJ_OK;
 }
 
-static epj_status plan_graph(epj_ctx *ctx, ej_warm_plan *p, ej_graph *g,
-			     bool cuda, char archs[][EJ_CUDA_ARCH_MAX],
-			     int n_archs, const char *what)
+static epj_status plan_graph(epj_ctx *ctx, ej_warm_plan *p,
+			     const ej_codegen_backend *b, ej_graph *g,
+			     char archs[][EJ_CUDA_ARCH_MAX], int n_archs,
+			     const char *what)
 {
 	char name[48];
 	ej_codegen_graph_name(g, name);
@@ -78,31 +79,34 @@ static epj_status plan_graph(epj_ctx *ctx, ej_warm_plan *p, ej_graph *g,
 		ej_arena_free(A);
 		return EPJ_OK; /* every node is an extern op: no artifact */
 	}
-	if (!cuda) {
-		/* exactly what backend_c.c's build prints */
-		const char *src = ej_print_c(A, s, name);
+	/* exactly what the backend's build prints and looks up: once, or
+	 * once per target arch */
+	for (int a = 0; st == EPJ_OK && a < (b->per_arch ? n_archs : 1); a++) {
+		const char *arch = b->per_arch ? archs[a] : NULL;
 		char key[EJ_KCACHE_KEY_LEN + 1];
-		ej_backend_c_key(src, key);
-		st = plan_push(ctx, p, key, src, name, NULL, what);
-	} else {
-		const char *src = ej_print_cuda(A, s, name);
-		for (int a = 0; st == EPJ_OK && a < n_archs; a++) {
-			char key[EJ_KCACHE_KEY_LEN + 1];
-			ej_nvrtc_cache_key(src, archs[a], NULL, 0, key);
-			st = plan_push(ctx, p, key, src, name, archs[a], what);
-		}
+		const char *src = b->artifact(A, s, name, arch, key);
+		st = src ? plan_push(ctx, p, key, src, name, arch, what)
+			 : ej_error(ctx, EPJ_ERR_NOMEM,
+				    "warm-up: out of memory");
 	}
 	ej_arena_free(A);
 	return st;
 }
 
-epj_status ej_warm_plan_build(epj_ctx *ctx, ej_jit *jit, bool cuda,
+epj_status ej_warm_plan_build(epj_ctx *ctx, ej_jit *jit, ej_backend_kind kind,
 			      const char *arch_list, ej_warm_plan *out)
 {
 	memset(out, 0, sizeof *out);
+	const ej_codegen_backend *b = ej_backend_get(kind);
+	if (!b->artifact)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"warm-up: the %s backend builds no cached "
+				"artifacts",
+				b->name);
+	out->backend = kind;
 	char archs[8][EJ_CUDA_ARCH_MAX];
 	int n_archs = 0;
-	if (cuda) {
+	if (b->per_arch) {
 		n_archs = ej_cuda_archs_parse(
 		    ctx, "--arch", arch_list ? arch_list : EJ_CUDA_ARCH_DEFAULT,
 		    archs, 8);
@@ -115,10 +119,9 @@ epj_status ej_warm_plan_build(epj_ctx *ctx, ej_jit *jit, bool cuda,
 		if (!s)
 			continue;
 		out->n_segments++;
-		st = plan_graph(ctx, out, s->fwd, cuda, archs, n_archs,
-				"forward");
+		st = plan_graph(ctx, out, b, s->fwd, archs, n_archs, "forward");
 		if (st == EPJ_OK && s->bwd)
-			st = plan_graph(ctx, out, s->bwd, cuda, archs, n_archs,
+			st = plan_graph(ctx, out, b, s->bwd, archs, n_archs,
 					"backward");
 	}
 	if (st != EPJ_OK)
@@ -136,28 +139,15 @@ static bool cached(ej_kcache *kc, const char *key)
 	return st == EPJ_OK && d != NULL;
 }
 
-/* Compiles one job and stores it. */
-static epj_status compile_job(epj_ctx *ctx, ej_kcache *kc, const ej_warm_job *j)
+/* Compiles one job of plan p and stores it. */
+static epj_status compile_job(epj_ctx *ctx, ej_kcache *kc,
+			      const ej_warm_plan *p, const ej_warm_job *j)
 {
 	void *art = NULL;
 	size_t len = 0;
-	epj_status st;
-	if (!j->arch[0]) {
-		char *log = NULL;
-		st = ej_hostcc_compile(ctx, j->source, j->name, &art, &len,
-				       &log);
-		free(log);
-	} else {
-		ej_nvrtc_result r = { 0 };
-		st = ej_nvrtc_compile(ctx, j->source, j->name, j->arch, NULL, 0,
-				      &r);
-		if (st == EPJ_OK) {
-			art = r.image;
-			len = r.size;
-			r.image = NULL;
-		}
-		ej_nvrtc_result_free(&r);
-	}
+	epj_status st = ej_backend_get(p->backend)
+			    ->compile(ctx, j->source, j->name,
+				      j->arch[0] ? j->arch : NULL, &art, &len);
 	if (st == EPJ_OK)
 		st = ej_kcache_put(kc, j->key, art, len, j->source);
 	free(art);
@@ -178,7 +168,7 @@ static int worker(const char *dir, const ej_warm_plan *p, const int *todo,
 		fprintf(stderr, "epjit-warmup: %s\n", epj_ctx_error(ctx));
 	for (int i = w; kc && i < n_todo; i += n) {
 		const ej_warm_job *j = &p->jobs[todo[i]];
-		if (compile_job(ctx, kc, j) != EPJ_OK) {
+		if (compile_job(ctx, kc, p, j) != EPJ_OK) {
 			fprintf(stderr, "epjit-warmup: %s %s%s%s: %s\n",
 				j->name, j->what, j->arch[0] ? " " : "",
 				j->arch, epj_ctx_error(ctx));

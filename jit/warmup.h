@@ -18,16 +18,19 @@ typedef struct ej_warm_job {
 } ej_warm_job;
 
 typedef struct ej_warm_plan {
+	ej_backend_kind backend; /* whose artifacts */
 	ej_warm_job *jobs;
 	int n, cap;
 	int n_segments, n_graphs; /* unique segments and their graphs */
 	int n_cached, n_compiled, n_failed; /* after ej_warm_plan_compile */
 } ej_warm_plan;
 
-/* The artifacts of every unique graph in jit's segment cache: C shared
- * objects (cuda false) or NVRTC cubins for each arch of arch_list (comma
- * separated; NULL: EJ_CUDA_ARCH_DEFAULT).  Keys are unique in the plan. */
-epj_status ej_warm_plan_build(epj_ctx *ctx, ej_jit *jit, bool cuda,
+/* The artifacts of every unique graph in jit's segment cache as backend
+ * `kind` builds them (its vtable's artifact): C shared objects, or NVRTC
+ * cubins for each arch of arch_list (comma separated; NULL:
+ * EJ_CUDA_ARCH_DEFAULT).  Keys are unique in the plan.  A backend without
+ * cached artifacts (interpreter, cuda-sim) is EPJ_ERR_UNSUPPORTED. */
+epj_status ej_warm_plan_build(epj_ctx *ctx, ej_jit *jit, ej_backend_kind kind,
 			      const char *arch_list, ej_warm_plan *out);
 /* Compiles the artifacts missing from the kernel cache at dir (NULL: the
  * default) with n_workers forked processes and stores them; fills the

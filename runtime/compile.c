@@ -735,13 +735,17 @@ epj_status epj_engine_compile(epj_engine *e)
 			return ej_error(ctx, st, AUTOEP_PREFIX ": %s", msg);
 		return ej_error(ctx, st, "compile: %s", msg);
 	}
-	/* the nvrtc backend needs a GPU: fail here, not at the first call */
-	if (backend == EJ_BACKEND_NVRTC) {
-		ej_cuda_dev *dev = NULL;
-		st = ej_cuda_open(ctx, &dev);
+	/* a backend whose artifacts need a device (nvrtc: the GPU) fails
+	 * here without it, not at the first call */
+	const char *need = ej_backend_device(backend);
+	if (need) {
+		const ej_device_desc *nd = ej_device_find(need);
+		const ej_device *dev = NULL;
+		st = nd ? nd->open(ctx, &dev) : EPJ_ERR_STATE;
 		if (st != EPJ_OK) {
-			ej_error_prefix(ctx, "%s: compile.backend \"nvrtc\"",
-					autoep ? AUTOEP_PREFIX : "compile");
+			ej_error_prefix(ctx, "%s: compile.backend \"%s\"",
+					autoep ? AUTOEP_PREFIX : "compile",
+					ej_backend_name(backend));
 			return st;
 		}
 	}

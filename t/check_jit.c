@@ -388,6 +388,88 @@ START_TEST(test_backend_parse)
 }
 END_TEST
 
+/* The backend table: one entry per kind, found by its name; what each
+ * entry says it does (the interpreter builds nothing; every backend that
+ * builds runs, frees and counts kernels; the C and nvrtc backends have
+ * warm-up artifacts, nvrtc per arch and on the cuda device; only C fuses
+ * RoPE); the messages list the table's names; the default follows the
+ * device's descriptor. */
+START_TEST(test_backend_table)
+{
+	static const struct {
+		ej_backend_kind k;
+		const char *name;
+		bool builds, warm, per_arch, rope;
+		const char *device;
+	} want[] = {
+		{ EJ_BACKEND_INTERPRETER, "interpreter", false, false, false,
+		  false, NULL },
+		{ EJ_BACKEND_C, "c", true, true, false, true, NULL },
+		{ EJ_BACKEND_NVRTC, "nvrtc", true, true, true, false, "cuda" },
+		{ EJ_BACKEND_CUDA_SIM, "cuda-sim", true, false, false, false,
+		  NULL },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(want); i++) {
+		const ej_codegen_backend *b = ej_backend_get(want[i].k);
+		ck_assert_int_eq(b->kind, want[i].k);
+		ck_assert_str_eq(b->name, want[i].name);
+		ck_assert_str_eq(ej_backend_name(want[i].k), want[i].name);
+		ck_assert_ptr_nonnull(b->run);
+		ck_assert_ptr_nonnull(b->available);
+		ck_assert_int_eq(b->build != NULL, want[i].builds);
+		ck_assert_int_eq(b->free_state != NULL, want[i].builds);
+		ck_assert_int_eq(b->kernels != NULL, want[i].builds);
+		ck_assert_int_eq(b->artifact != NULL, want[i].warm);
+		ck_assert_int_eq(b->compile != NULL, want[i].warm);
+		ck_assert_int_eq(b->per_arch, want[i].per_arch);
+		ck_assert_int_eq(b->rope_fusion, want[i].rope);
+		if (want[i].device)
+			ck_assert_str_eq(ej_backend_device(want[i].k),
+					 want[i].device);
+		else
+			ck_assert_ptr_null(ej_backend_device(want[i].k));
+		ej_backend_kind k = EJ_BACKEND_INTERPRETER;
+		char msg[256];
+		if (b->available()) {
+			ck_assert_int_eq(
+			    ej_backend_parse(want[i].name, &k, msg, sizeof msg),
+			    EPJ_OK);
+			ck_assert_int_eq(k, want[i].k);
+		}
+	}
+	ej_backend_kind k;
+	char msg[256];
+	ck_assert_int_eq(ej_backend_parse("nope", &k, msg, sizeof msg),
+			 EPJ_ERR_CONFIG);
+	ck_assert_str_eq(msg, "unknown compile.backend \"nope\" (known: "
+			      "interpreter, c, nvrtc, cuda-sim)");
+	/* the default follows EPJIT_DEVICE's descriptor */
+	const char *old = getenv("EPJIT_DEVICE");
+	char *saved = old ? strdup(old) : NULL;
+	setenv("EPJIT_DEVICE", "cuda-sim", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_CUDA_SIM);
+	setenv("EPJIT_DEVICE", "cpu", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, EJ_BACKEND_C);
+	setenv("EPJIT_DEVICE", "cuda", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg), EPJ_OK);
+	ck_assert_int_eq(k, ej_backend_get(EJ_BACKEND_NVRTC)->available()
+				? EJ_BACKEND_NVRTC
+				: EJ_BACKEND_C);
+	setenv("EPJIT_DEVICE", "tpu", 1);
+	ck_assert_int_eq(ej_backend_parse("", &k, msg, sizeof msg),
+			 EPJ_ERR_CONFIG);
+	ck_assert_str_eq(msg, "EPJIT_DEVICE=\"tpu\" is not a device (known: "
+			      "cpu, cuda-sim, cuda)");
+	if (saved)
+		setenv("EPJIT_DEVICE", saved, 1);
+	else
+		unsetenv("EPJIT_DEVICE");
+	free(saved);
+}
+END_TEST
+
 /* An f64 node of g with one output of the given shape. */
 static int rp_node(ej_graph *g, int op, const int *in, int n_in,
 		   const ej_attrs *a, int ndim, const int64_t *shape)
@@ -650,6 +732,7 @@ Suite *make_jit_suite(void)
 	tcase_add_test(tc, test_passes);
 	tcase_add_test(tc, test_trace_error);
 	tcase_add_test(tc, test_backend_parse);
+	tcase_add_test(tc, test_backend_table);
 	tcase_add_test(tc, test_partition_recompute);
 	tcase_add_test(tc, test_partition_recompute_rope);
 	suite_add_tcase(s, tc);

@@ -375,7 +375,9 @@ static epj_status make_plan(warm *w, const opts *o)
 	w->T = o->seq;
 	st = ej_engine_compile_trace_all(w->engine, w->B, w->T, &w->n_variants);
 	if (st == EPJ_OK)
-		st = ej_warm_plan_build(ctx, jit, o->cuda, o->archs, &w->plan);
+		st = ej_warm_plan_build(
+		    ctx, jit, o->cuda ? EJ_BACKEND_NVRTC : EJ_BACKEND_C,
+		    o->archs, &w->plan);
 	w->trace_s = now_s() - t0;
 	return st;
 }
