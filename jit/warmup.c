@@ -11,8 +11,8 @@
  *   compile:  keys already in the cache are skipped; the others are split
  *             round-robin over N forked workers, each with its own context
  *             and cache handle (the disk cache is safe across processes),
- *             compiling (the backend's compile) and putting its share.  The parent then counts
- *             what is in the cache.
+ *             compiling (the backend's compile) and putting its share.
+ *             The parent then counts what is in the cache.
  */
 #include "warmup.h"
 #include "cc.h"

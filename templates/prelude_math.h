@@ -1,0 +1,76 @@
+/* prelude_math.h -- the scalar math of the pointwise ops, written once for
+ * both preludes (templates/prelude_c.h, templates/prelude_cuda.h) exactly
+ * as lib/ops_pointwise.c writes it (same expressions, same float/double
+ * functions), so generated kernels round like the op table's kernels.
+ *
+ * EJ_PRELUDE_MATH is a string literal the preludes paste where they want
+ * it; each prelude defines EJ_SF, the qualifiers of a scalar function in
+ * its language, before it (C: static inline; CUDA: __device__
+ * __forceinline__).  Only what both languages compile goes here.
+ */
+#ifndef EPJIT_PRELUDE_MATH_H
+#define EPJIT_PRELUDE_MATH_H
+
+#define EJ_PRELUDE_MATH                                                        \
+	"EJ_SF float ej_silu_f(float x)\n"                                     \
+	"{\n"                                                                  \
+	"\treturn x / (1.0f + expf(-x));\n"                                    \
+	"}\n"                                                                  \
+	"EJ_SF double ej_silu_d(double x)\n"                                   \
+	"{\n"                                                                  \
+	"\treturn x / (1.0 + exp(-x));\n"                                      \
+	"}\n"                                                                  \
+	"EJ_SF float ej_sigmoid_f(float x)\n"                                  \
+	"{\n"                                                                  \
+	"\treturn 1.0f / (1.0f + expf(-x));\n"                                 \
+	"}\n"                                                                  \
+	"EJ_SF double ej_sigmoid_d(double x)\n"                                \
+	"{\n"                                                                  \
+	"\treturn 1.0 / (1.0 + exp(-x));\n"                                    \
+	"}\n"                                                                  \
+	"/* 0.5 x (1 + erf(x / sqrt 2)) */\n"                                  \
+	"EJ_SF float ej_gelu_f(float x)\n"                                     \
+	"{\n"                                                                  \
+	"\treturn 0.5f * x * (1.0f + erff(x * "                                \
+	"(float)0.70710678118654752440));\n"                                   \
+	"}\n"                                                                  \
+	"EJ_SF double ej_gelu_d(double x)\n"                                   \
+	"{\n"                                                                  \
+	"\treturn 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));\n"        \
+	"}\n"                                                                  \
+	"/* g s (1 + x (1 - s)), s = sigmoid(x) */\n"                          \
+	"EJ_SF float ej_silu_bw_f(float g, float x)\n"                         \
+	"{\n"                                                                  \
+	"\tfloat sg = 1.0f / (1.0f + expf(-x));\n"                             \
+	"\treturn g * sg * (1.0f + x * (1.0f - sg));\n"                        \
+	"}\n"                                                                  \
+	"EJ_SF double ej_silu_bw_d(double g, double x)\n"                      \
+	"{\n"                                                                  \
+	"\tdouble sg = 1.0 / (1.0 + exp(-x));\n"                               \
+	"\treturn g * sg * (1.0 + x * (1.0 - sg));\n"                          \
+	"}\n"                                                                  \
+	"/* g (Phi(x) + x phi(x)) */\n"                                        \
+	"EJ_SF float ej_gelu_bw_f(float g, float x)\n"                         \
+	"{\n"                                                                  \
+	"\tfloat cdf = 0.5f * (1.0f + erff(x * "                               \
+	"(float)0.70710678118654752440));\n"                                   \
+	"\tfloat pdf = expf(-0.5f * x * x) * (float)0.39894228040143267794;\n" \
+	"\treturn g * (cdf + x * pdf);\n"                                      \
+	"}\n"                                                                  \
+	"EJ_SF double ej_gelu_bw_d(double g, double x)\n"                      \
+	"{\n"                                                                  \
+	"\tdouble cdf = 0.5 * (1.0 + erf(x * 0.70710678118654752440));\n"      \
+	"\tdouble pdf = exp(-0.5 * x * x) * 0.39894228040143267794;\n"         \
+	"\treturn g * (cdf + x * pdf);\n"                                      \
+	"}\n"                                                                  \
+	"/* amax: the first NaN wins */\n"                                     \
+	"EJ_SF float ej_maxnan_f(float m, float x)\n"                          \
+	"{\n"                                                                  \
+	"\treturn (x > m || x != x) && m == m ? x : m;\n"                      \
+	"}\n"                                                                  \
+	"EJ_SF double ej_maxnan_d(double m, double x)\n"                       \
+	"{\n"                                                                  \
+	"\treturn (x > m || x != x) && m == m ? x : m;\n"                      \
+	"}\n"
+
+#endif /* EPJIT_PRELUDE_MATH_H */
