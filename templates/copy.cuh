@@ -105,24 +105,6 @@ EJ_D void ej_st_f(void *p, long long i, int dt, double v)
 	}
 }
 
-/* Bit copy of one element of `size` bytes. */
-EJ_D void ej_copy_bits(void *d, long long di, const void *s, long long si,
-		       int size)
-{
-	switch (size) {
-	case 2:
-		((unsigned short *)d)[di] = ((const unsigned short *)s)[si];
-		break;
-	case 4:
-		((unsigned *)d)[di] = ((const unsigned *)s)[si];
-		break;
-	default:
-		((unsigned long long *)d)[di] =
-		    ((const unsigned long long *)s)[si];
-		break;
-	}
-}
-
 /* d[di] (dtype ddt) = s[si] (dtype sdt), converted as cast does. */
 EJ_D void ej_convert(void *d, long long di, int ddt, const void *s,
 		     long long si, int sdt)

@@ -29,28 +29,6 @@
  *                 others; g = the upstream scalar (dtype gdt).
  */
 
-template <class A>
-static __device__ __forceinline__ A ej_em_ld(const void *p, long long i,
-					     int dt)
-{
-	if (dt == 2)
-		return (A)((const double *)p)[i];
-	if (dt == 1)
-		return (A)ej_bf2f(((const ej_bf16 *)p)[i]);
-	return (A)((const float *)p)[i];
-}
-template <class A>
-static __device__ __forceinline__ void ej_em_st(void *p, long long i, int dt,
-						A v)
-{
-	if (dt == 2)
-		((double *)p)[i] = (double)v;
-	else if (dt == 1)
-		((ej_bf16 *)p)[i] = ej_f2bf((float)v);
-	else
-		((float *)p)[i] = (float)v;
-}
-
 /* ---- embedding ----------------------------------------------------------- */
 
 struct ej_embed_args {
@@ -90,9 +68,9 @@ static __device__ void ej_embed_bwd_row(const struct ej_embed_args &a,
 		A acc = (A)0;
 		for (long long i = 0; i < a.n; i++)
 			if (a.ids[i] == v)
-				acc += ej_em_ld<A>(a.src, i * a.s0 + d * a.s1,
+				acc += ej_fld<A>(a.src, i * a.s0 + d * a.s1,
 						   a.dt);
-		ej_em_st<A>(a.out, v * a.D + d, a.dt, acc);
+		ej_fst<A>(a.out, v * a.D + d, a.dt, acc);
 	}
 }
 
@@ -128,13 +106,13 @@ static __device__ void ej_ce_stats(const struct ej_ce_args &a, long long r,
 {
 	T m = -(T)ej_inf_d();
 	for (long long j = threadIdx.x; j < a.V; j += blockDim.x) {
-		T x = ej_em_ld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
+		T x = ej_fld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
 		m = x > m ? x : m;
 	}
 	m = (T)ej_block_smax_d((double)m, sh, -ej_inf_d());
 	double s = 0;
 	for (long long j = threadIdx.x; j < a.V; j += blockDim.x) {
-		T x = ej_em_ld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
+		T x = ej_fld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
 		s += sizeof(T) == 8 ? exp((double)(x - m))
 				    : (double)expf((float)(x - m));
 	}
@@ -160,13 +138,13 @@ extern "C" __global__ void ej_ce_rows(const struct ej_ce_args a)
 			double m, s;
 			ej_ce_stats<double>(a, r, &m, &s, sh);
 			loss = m + log(s) -
-			       ej_em_ld<double>(a.x, r * a.s0 + t * a.s1, a.dt);
+			       ej_fld<double>(a.x, r * a.s0 + t * a.s1, a.dt);
 		} else {
 			float m;
 			double s;
 			ej_ce_stats<float>(a, r, &m, &s, sh);
 			loss = (double)(m + logf((float)s) -
-					ej_em_ld<float>(a.x, r * a.s0 + t * a.s1,
+					ej_fld<float>(a.x, r * a.s0 + t * a.s1,
 							a.dt));
 		}
 		if (threadIdx.x == 0)
@@ -216,13 +194,13 @@ static __device__ void ej_ce_bwd_row(const struct ej_ce_args &a, long long r,
 	ej_ce_stats<T>(a, r, &m, &s, sh);
 	const T scale = (T)(g / s);
 	for (long long j = threadIdx.x; j < a.V; j += blockDim.x) {
-		T x = ej_em_ld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
+		T x = ej_fld<T>(a.x, r * a.s0 + j * a.s1, a.dt);
 		T e = sizeof(T) == 8 ? (T)exp((double)(x - m))
 				     : (T)expf((float)(x - m));
 		T d = e * scale;
 		if (j == t)
 			d -= (T)g;
-		ej_em_st<T>(a.out, r * a.V + j, a.dt, d);
+		ej_fst<T>(a.out, r * a.V + j, a.dt, d);
 	}
 }
 
@@ -230,13 +208,13 @@ extern "C" __global__ void ej_ce_bwd(const struct ej_ce_args a)
 {
 	__shared__ double sh[32];
 	const long long cnt = *a.cnt;
-	double g = ej_em_ld<double>(a.g, 0, a.gdt);
+	double g = ej_fld<double>(a.g, 0, a.gdt);
 	g = cnt > 0 ? g / (double)cnt : 0.0;
 	for (long long r = blockIdx.x; r < a.N; r += gridDim.x) {
 		if (a.tgt[r] == a.ign) {
 			for (long long j = threadIdx.x; j < a.V;
 			     j += blockDim.x)
-				ej_em_st<float>(a.out, r * a.V + j, a.dt, 0.0f);
+				ej_fst<float>(a.out, r * a.V + j, a.dt, 0.0f);
 			continue;
 		}
 		if (a.dt == 2)

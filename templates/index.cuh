@@ -44,23 +44,6 @@ EJ_D long long ej_ix_index(const void *p, long long i, int idx64)
 		     : (long long)((const int *)p)[i];
 }
 
-EJ_D void ej_ix_bits(void *d, long long di, const void *s, long long si,
-		     int size)
-{
-	switch (size) {
-	case 2:
-		((unsigned short *)d)[di] = ((const unsigned short *)s)[si];
-		break;
-	case 4:
-		((unsigned *)d)[di] = ((const unsigned *)s)[si];
-		break;
-	default:
-		((unsigned long long *)d)[di] =
-		    ((const unsigned long long *)s)[si];
-		break;
-	}
-}
-
 /* An accumulator in the CPU kernels' arithmetic type. */
 struct ej_ix_acc {
 	float f;
@@ -165,7 +148,7 @@ ej_index_select(const struct ej_index_select_args a)
 			}
 			so += m * a.a_st[d];
 		}
-		ej_ix_bits(a.dst, e, a.a, so, a.es);
+		ej_copy_bits(a.dst, e, a.a, so, a.es);
 	}
 }
 
@@ -199,7 +182,7 @@ extern "C" __global__ void ej_gather(const struct ej_gather_args a)
 		long long j = ej_ix_index(a.idx, io, a.idx64);
 		if (j < 0 || j >= a.limit)
 			j = 0;
-		ej_ix_bits(a.dst, e, a.a, so + j * a.a_st[a.axis], a.es);
+		ej_copy_bits(a.dst, e, a.a, so + j * a.a_st[a.axis], a.es);
 	}
 }
 
@@ -393,7 +376,7 @@ extern "C" __global__ void ej_max_index(const struct ej_max_args a)
 			((float *)a.vals)[e] =
 			    (float)(double)((const float *)a.x)[src];
 		} else {
-			ej_ix_bits(a.vals, e, a.x, src, ej_ix_size(a.dt));
+			ej_copy_bits(a.vals, e, a.x, src, ej_ix_size(a.dt));
 		}
 		a.inds[e] = bi;
 	}
@@ -449,7 +432,7 @@ extern "C" __global__ void ej_topk(const struct ej_topk_args a)
 			}
 			if (best < 0)
 				best = 0; /* k <= len: unreachable */
-			ej_ix_bits(a.vals, r * a.k + q, a.x,
+			ej_copy_bits(a.vals, r * a.k + q, a.x,
 				   off + best * a.ax_st, es);
 			a.inds[r * a.k + q] = best;
 			prev = best;

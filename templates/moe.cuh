@@ -64,41 +64,6 @@ static __device__ __forceinline__ double ej_mul(double a, double b)
 	return ej_mul_d(a, b);
 }
 
-/* element i of a buffer of dtype code dt (0 f32, 1 bf16, 2 f64) as A */
-template <class A>
-static __device__ __forceinline__ A ej_moe_ld(const void *p, long long i,
-					      int dt)
-{
-	if (dt == 2)
-		return (A)((const double *)p)[i];
-	if (dt == 1)
-		return (A)ej_bf2f(((const ej_bf16 *)p)[i]);
-	return (A)((const float *)p)[i];
-}
-template <class A>
-static __device__ __forceinline__ void ej_moe_st(void *p, long long i, int dt,
-						 A v)
-{
-	if (dt == 2)
-		((double *)p)[i] = (double)v;
-	else if (dt == 1)
-		((ej_bf16 *)p)[i] = ej_f2bf((float)v);
-	else
-		((float *)p)[i] = (float)v;
-}
-static __device__ __forceinline__ void ej_moe_copy(void *d, long long di,
-						   const void *s, long long si,
-						   int elem)
-{
-	if (elem == 8)
-		((unsigned long long *)d)[di] =
-		    ((const unsigned long long *)s)[si];
-	else if (elem == 4)
-		((unsigned *)d)[di] = ((const unsigned *)s)[si];
-	else
-		((unsigned short *)d)[di] = ((const unsigned short *)s)[si];
-}
-
 /* (a, ia) ranks before (b, ib): larger first, NaN largest, ties to the
  * lower index (a total order, so any reduction tree agrees) */
 template <class T>
@@ -140,7 +105,7 @@ static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
 	T *p = (T *)a.probs + n * E;
 	T m = -(T)ej_inf_d();
 	for (int i = lane; i < E; i += 32) {
-		T x = ej_moe_ld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
+		T x = ej_fld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
 		m = x > m ? x : m;
 	}
 	for (int o = 16; o > 0; o >>= 1) {
@@ -149,7 +114,7 @@ static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
 	}
 	double s = 0;
 	for (int i = lane; i < E; i += 32) {
-		T x = ej_moe_ld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
+		T x = ej_fld<T>(a.logits, n * a.sl0 + i * a.sl1, a.ldt);
 		T e = sizeof(T) == 8 ? (T)exp((double)(x - m))
 				     : (T)expf((float)(x - m));
 		p[i] = e;
@@ -283,7 +248,7 @@ extern "C" __global__ void ej_moe_permute(const struct ej_moe_permute_args a)
 	for (long long r = blockIdx.x; r < a.R; r += gridDim.x) {
 		const long long n = a.order[r] / a.k;
 		for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
-			ej_moe_copy(a.out, r * a.H + h, a.x,
+			ej_copy_bits(a.out, r * a.H + h, a.x,
 				    n * a.sx0 + h * a.sx1, a.elem);
 	}
 }
@@ -305,9 +270,9 @@ static __device__ void ej_moe_permute_bw_row(
 	for (long long h = threadIdx.x; h < a.H; h += blockDim.x) {
 		A acc = (A)0;
 		for (int j = 0; j < a.k; j++)
-			acc += ej_moe_ld<A>(a.dxs, a.pos[n * a.k + j] * a.H + h,
+			acc += ej_fld<A>(a.dxs, a.pos[n * a.k + j] * a.H + h,
 					    a.dt);
-		ej_moe_st<A>(a.dx, n * a.H + h, a.dt, acc);
+		ej_fst<A>(a.dx, n * a.H + h, a.dt, acc);
 	}
 }
 
@@ -347,9 +312,9 @@ static __device__ void ej_moe_combine_row(const struct ej_moe_combine_args &a,
 			const long long s = n * a.k + j;
 			A wj = ((const A *)a.w)[s];
 			acc += ej_mul(
-			    ej_moe_ld<A>(a.y, a.pos[s] * a.H + h, a.dt), wj);
+			    ej_fld<A>(a.y, a.pos[s] * a.H + h, a.dt), wj);
 		}
-		ej_moe_st<A>(a.out, n * a.H + h, a.dt, acc);
+		ej_fst<A>(a.out, n * a.H + h, a.dt, acc);
 	}
 }
 
@@ -370,9 +335,9 @@ static __device__ void ej_moe_combine_bw_y_row(
 	const long long s = a.order[r], n = s / a.k;
 	const A ws = ((const A *)a.w)[s];
 	for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
-		ej_moe_st<A>(
+		ej_fst<A>(
 		    a.out, r * a.H + h, a.dt,
-		    ej_mul(ej_moe_ld<A>(a.dout, n * a.H + h, a.dt), ws));
+		    ej_mul(ej_fld<A>(a.dout, n * a.H + h, a.dt), ws));
 }
 
 extern "C" __global__ void
@@ -394,8 +359,8 @@ static __device__ void ej_moe_combine_bw_w_slot(
 	const long long n = s / a.k, row = a.pos[s];
 	A acc = (A)0;
 	for (long long h = lane; h < a.H; h += 32)
-		acc += ej_mul(ej_moe_ld<A>(a.dout, n * a.H + h, a.dt),
-			      ej_moe_ld<A>(a.y, row * a.H + h, a.dt));
+		acc += ej_mul(ej_fld<A>(a.dout, n * a.H + h, a.dt),
+			      ej_fld<A>(a.y, row * a.H + h, a.dt));
 	acc = ej_moe_warp_sum(acc);
 	if (lane == 0)
 		((A *)a.out)[s] = acc;
