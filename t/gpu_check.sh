@@ -57,8 +57,10 @@ if [ ! -f "$fake" ]; then
 	exit 77
 fi
 for sig in TERM KILL; do
+	# TMPDIR: the run's scratch folder, which a KILL leaves behind,
+	# goes under ours
 	OUT="$tmp/$sig" EPJIT_GPU_CHECK_BUILD="$tmp/b$sig" \
-		EPJIT_GPU_CHECK_DRIVER="$fake" \
+		EPJIT_GPU_CHECK_DRIVER="$fake" TMPDIR="$tmp" \
 		bash "$gc" >"$tmp/$sig.out" 2>&1 &
 	pid=$!
 	wait_for "$tmp/$sig/gpu-check.log" "== build\|^total " ||
