@@ -715,8 +715,7 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 	if (st != EPJ_OK || !m)
 		return st;
 	const ej_device *d = ej_tmpl_device(m);
-	const ej_device_desc *dd = ej_device_find(device);
-	const bool sim = dd && dd->reruns_grids;
+	const bool sim = ej_dev_reruns_grids(d);
 	/* device: descriptors, items (staged on the host in the same layout
 	 * and sent in one copy), then (cuda-sim) the input snapshots */
 	struct optim_tensor *ht = NULL;
