@@ -88,6 +88,10 @@ typedef struct autoep_impl {
 	 * fused.  cuda-sim and cuda contexts always run the templates + op
 	 * sequence. */
 	bool fused;
+	/* score bias layers (DeepSeek-V3): tokens routed to each expert by
+	 * the training forwards since the last ej_autoep_balance ([E],
+	 * owned; NULL without a score bias) */
+	int64_t *load;
 } autoep_impl;
 
 static void autoep_impl_free(void *p)
@@ -100,6 +104,7 @@ static void autoep_impl_free(void *p)
 		epj_tensor_free(im->log[i]);
 	free(im->log);
 	free(im->log_replay);
+	free(im->load);
 	if (im->owns_comm)
 		ej_comm_free(im->comm);
 	free(im);
@@ -926,12 +931,164 @@ static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
 	return y;
 }
 
+/* The best `k` of v[0..n) among the allowed (ok NULL: all), best first,
+ * ties to the lower index, into out. */
+static void top_of(const double *v, const bool *ok, int n, int k, int64_t *out)
+{
+	for (int j = 0; j < k; j++) {
+		int best = -1;
+		for (int e = 0; e < n; e++) {
+			if (ok && !ok[e])
+				continue;
+			bool taken = false;
+			for (int i = 0; i < j && !taken; i++)
+				taken = out[i] == e;
+			if (!taken && (best < 0 || v[e] > v[best]))
+				best = e;
+		}
+		out[j] = best;
+	}
+}
+
+void ej_autoep_select(const double *scores, const double *bias, int64_t n,
+		      int E, int k, ej_route_groups groups, int n_group,
+		      int topk_group, int64_t *idx)
+{
+	double *c = malloc(sizeof *c * (size_t)(2 * E));
+	bool *ok = malloc(sizeof *ok * (size_t)E);
+	int64_t *g_top = malloc(sizeof *g_top * (size_t)(E + 2));
+	EJ_ASSERT(c && ok && g_top); /* E <= AUTOEP_MAX_EXPERTS */
+	double *gs = c + E;
+	const int per = groups != EJ_GROUPS_NONE ? E / n_group : E;
+	for (int64_t t = 0; t < n; t++) {
+		for (int e = 0; e < E; e++)
+			c[e] = scores[t * E + e] + (bias ? bias[e] : 0.0);
+		if (groups == EJ_GROUPS_NONE) {
+			top_of(c, NULL, E, k, idx + t * k);
+			continue;
+		}
+		for (int g = 0; g < n_group; g++) {
+			int64_t two[2];
+			int m = groups == EJ_GROUPS_TOP2 ? 2 : 1;
+			top_of(c + g * per, NULL, per, m, two);
+			gs[g] = c[g * per + two[0]];
+			if (m == 2)
+				gs[g] += c[g * per + two[1]];
+		}
+		top_of(gs, NULL, n_group, topk_group, g_top);
+		for (int e = 0; e < E; e++)
+			ok[e] = false;
+		for (int j = 0; j < topk_group; j++)
+			for (int e = 0; e < per; e++)
+				ok[g_top[j] * per + e] = true;
+		top_of(c, ok, E, k, idx + t * k);
+	}
+	free(c);
+	free(ok);
+	free(g_top);
+}
+
+/* DeepSeek's routers (ej_autoep_opts.scoring ...): logits in rdt from x
+ * and the gate cast to rdt (transformers computes them in f32), scores by
+ * softmax or sigmoid, the experts chosen on the host from the scores (and
+ * the score bias) by ej_autoep_select (or the fixed assignment), the
+ * weights gathered from the scores (so the router trains), renormalised
+ * and scaled.  The host reads the scores: one synchronization on a
+ * device, as the idx read of the other path. */
+static epj_status route_scored(epj_ctx *ctx, epj_module *m,
+			       const autoep_impl *im, epj_tensor *x,
+			       epj_dtype rdt, int64_t N, epj_tensor **w_out,
+			       epj_tensor **idx_out)
+{
+	const int E = im->opts.num_experts, k = im->opts.top_k;
+	epj_module *gate = ej_module_child(m, "gate");
+	epj_tensor *gw = ej_module_param(gate, "weight");
+	epj_tensor *gb = im->opts.score_bias
+			     ? ej_module_param(gate, "e_score_correction_bias")
+			     : NULL;
+	EJ_ASSERT(gw && (gb || !im->opts.score_bias));
+	enum { XR, GR, LG, SC, W, SUM, SUME, WN, WS, N_T };
+	epj_tensor *t[N_T] = { 0 }, *idx = NULL;
+	double *sc = malloc(sizeof *sc * (size_t)(N * E + E));
+	int64_t *h = malloc(sizeof *h * (size_t)(N * k + 1));
+	epj_status s = EPJ_OK;
+	if (!sc || !h) {
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
+			     m->name, AUTOEP_KIND);
+		goto out;
+	}
+	t[XR] = cast_to(ctx, x, rdt);
+	t[GR] = cast_to(ctx, gw, rdt);
+	t[LG] = t[XR] && t[GR] ? epj_linear(ctx, t[XR], t[GR], NULL) : NULL;
+	t[SC] = im->opts.scoring == EJ_SCORE_SIGMOID
+		    ? epj_sigmoid(ctx, t[LG])
+		    : epj_softmax(ctx, t[LG], -1);
+	if (!t[SC]) {
+		s = epj_ctx_status(ctx);
+		goto out;
+	}
+	if (im->opts.fixed_routing) {
+		for (int64_t n = 0; n < N; n++)
+			for (int j = 0; j < k; j++)
+				h[n * k + j] = (n * k + j) % E;
+	} else {
+		double *bias = gb ? sc + N * E : NULL;
+		if ((s = epj_tensor_to_f64(ctx, t[SC], sc)) != EPJ_OK ||
+		    (bias && (s = epj_tensor_to_f64(ctx, gb, bias)) != EPJ_OK))
+			goto out;
+		ej_autoep_select(sc, bias, N, E, k, im->opts.groups,
+				 im->opts.n_group, im->opts.topk_group, h);
+	}
+	idx =
+	    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2, (int64_t[]){ N, k }, h);
+	if (idx && ej_index_pin(ctx, idx, h) != EPJ_OK) {
+		epj_tensor_free(idx);
+		idx = NULL;
+	}
+	t[W] = idx ? epj_gather(ctx, t[SC], 1, idx) : NULL;
+	if (t[W] && im->opts.norm_topk_prob) {
+		t[SUM] = epj_sum(ctx, t[W], -1, true);
+		t[SUME] = epj_add_scalar(ctx, t[SUM], 1e-20);
+		t[WN] = epj_div(ctx, t[W], t[SUME]);
+	} else {
+		t[WN] = epj_tensor_ref(t[W]);
+	}
+	double rsf = im->opts.routed_scaling_factor;
+	t[WS] = rsf != 0 && rsf != 1 ? epj_mul_scalar(ctx, t[WN], rsf)
+				     : epj_tensor_ref(t[WN]);
+	if (!t[WS] || !idx)
+		s = epj_ctx_status(ctx);
+out:
+	if (s == EPJ_OK) {
+		*w_out = epj_tensor_ref(t[WS]);
+		*idx_out = idx;
+	} else {
+		epj_tensor_free(idx);
+	}
+	for (int i = 0; i < N_T; i++)
+		epj_tensor_free(t[i]);
+	free(sc);
+	free(h);
+	return s;
+}
+
+/* Whether the layer routes as DeepSeek's routers do (route_scored). */
+static bool scored_routing(const autoep_impl *im)
+{
+	const ej_autoep_opts *o = &im->opts;
+	return o->scoring != EJ_SCORE_SOFTMAX || o->groups != EJ_GROUPS_NONE ||
+	       o->score_bias ||
+	       (o->routed_scaling_factor != 0 && o->routed_scaling_factor != 1);
+}
+
 /* Router: probs [N, E] in rdt, then (w [N, k] in rdt, idx [N, k] i64). */
 static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 			epj_tensor *x, epj_dtype rdt, int64_t N,
 			epj_tensor **w_out, epj_tensor **idx_out)
 {
 	const int E = im->opts.num_experts, k = im->opts.top_k;
+	if (scored_routing(im))
+		return route_scored(ctx, m, im, x, rdt, N, w_out, idx_out);
 	epj_tensor *gw = ej_module_param(ej_module_child(m, "gate"), "weight");
 	EJ_ASSERT(gw != NULL);
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
@@ -1132,6 +1289,11 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		EJ_ASSERT(idx_h[r] >= 0 && idx_h[r] < E);
 		counts[idx_h[r]]++;
 	}
+	/* the loads of aux-loss-free balancing: training forwards only (a
+	 * checkpoint replay routes the same tokens again) */
+	if (im->load && epj_grad_enabled(ctx) && ctx->rt_replay_depth == 0)
+		for (int e = 0; e < E; e++)
+			im->load[e] += counts[e];
 
 	/* Split plan: with async_split_plan posted now and completed after
 	 * the local permutation below; else exchanged now. */
@@ -1449,6 +1611,25 @@ static epj_status check_opts(epj_ctx *ctx, const char *local, int hidden,
 				"%s (%s): top_k %d must be in [1, "
 				"num_experts %d]",
 				who, AUTOEP_KIND, o->top_k, o->num_experts);
+	if (o->groups != EJ_GROUPS_NONE &&
+	    (o->n_group < 1 || o->num_experts % o->n_group != 0 ||
+	     o->topk_group < 1 || o->topk_group > o->n_group ||
+	     o->top_k > o->topk_group * (o->num_experts / o->n_group) ||
+	     (o->groups == EJ_GROUPS_TOP2 && o->num_experts / o->n_group < 2)))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s (%s): group-limited routing of %d experts "
+				"in %d groups, %d kept, top %d: the groups "
+				"must divide the experts (at least 2 each when "
+				"a group scores its best two), 1 <= kept <= "
+				"groups, and top_k at most the kept groups' "
+				"experts",
+				who, AUTOEP_KIND, o->num_experts, o->n_group,
+				o->topk_group, o->top_k);
+	if (!(o->routed_scaling_factor >= 0) || isinf(o->routed_scaling_factor))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s (%s): routed_scaling_factor %g must be "
+				"finite and >= 0 (0: 1)",
+				who, AUTOEP_KIND, o->routed_scaling_factor);
 	if (dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F64)
 		return ej_error(ctx, EPJ_ERR_DTYPE,
 				"%s (%s): dtype %s, expected f32, bf16 or f64",
@@ -1571,6 +1752,19 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		epj_module *gate = ej_module_new(m, "gate", "Linear", NULL);
 		ok = gate && ej_module_add_param(gate, "weight", p[0]);
 		p[0] = NULL;
+		if (ok && im_opts.score_bias) {
+			/* a buffer: f32 zeros as transformers initialises
+			 * it, no gradient, moved by ej_autoep_balance */
+			int64_t ne = im_opts.num_experts;
+			autoep_impl *mi = m->impl;
+			epj_tensor *b = ej_module_add_param(
+			    gate, "e_score_correction_bias",
+			    epj_zeros(ctx, EPJ_DTYPE_F32, 1, &ne));
+			mi->load = calloc((size_t)ne, sizeof *mi->load);
+			ok = b && mi->load;
+			if (b)
+				epj_tensor_set_requires_grad(b, false);
+		}
 	}
 	epj_module *experts =
 	    ok ? ej_module_new(m, "experts", "ModuleList", NULL) : NULL;
@@ -1609,6 +1803,52 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		return NULL;
 	}
 	return m;
+}
+
+epj_status ej_autoep_balance(epj_ctx *ctx, epj_module *m, ej_comm *comm,
+			     double rate)
+{
+	autoep_impl *im = m->impl;
+	EJ_ASSERT(im != NULL);
+	if (!im->load)
+		return EPJ_OK;
+	const int E = im->opts.num_experts;
+	epj_tensor *b = ej_module_param(ej_module_child(m, "gate"),
+					"e_score_correction_bias");
+	double *bias = malloc(sizeof *bias * (size_t)E);
+	float *load = malloc(sizeof *load * (size_t)E);
+	epj_status s = EPJ_OK;
+	if (!bias || !load || !b) {
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
+			     m->name, AUTOEP_KIND);
+		goto out;
+	}
+	/* loads are token counts, exact in f32 up to 2^24 per expert and
+	 * step */
+	for (int e = 0; e < E; e++)
+		load[e] = (float)im->load[e];
+	if (comm && comm->size > 1 &&
+	    (s = ej_comm_allreduce(ctx, comm, "expert loads", load, E)) !=
+		EPJ_OK)
+		goto out;
+	double total = 0;
+	for (int e = 0; e < E; e++)
+		total += load[e];
+	if (total > 0) {
+		double mean = total / E;
+		if ((s = epj_tensor_to_f64(ctx, b, bias)) != EPJ_OK)
+			goto out;
+		for (int e = 0; e < E; e++)
+			bias[e] += rate * (double)((load[e] < mean) -
+						   (load[e] > mean));
+		s = epj_tensor_from_f64(ctx, b, bias);
+		ej_params_written(ctx);
+	}
+	memset(im->load, 0, sizeof *im->load * (size_t)E);
+out:
+	free(bias);
+	free(load);
+	return s;
 }
 
 epj_tensor *ej_autoep_last_routing(const epj_module *m)

@@ -1321,12 +1321,18 @@ static const key keys[] = {
 	  .lo = 0,
 	  .hi = HUGE_VAL,
 	  .flags = K_NULL_OK,
-	  .def = 1e-3,
-	  .doc = "parsed only: aux-loss-free balancing is not implemented; "
-		 "unless null, initialize logs `[info] "
-		 "expert_parallel.load_balance_coeff: aux-loss-free "
-		 "expert-bias balancing is not implemented; routing uses the "
-		 "router logits only`" },
+	  .def = 0,
+	  .doc = "aux-loss-free balancing (DeepSeek-V3's rule): after every "
+		 "optimizer step each expert score bias "
+		 "(`e_score_correction_bias`, DeepSeek-V3) moves by this "
+		 "rate towards balance, `b += rate * sign(mean load - "
+		 "load)` over the step's tokens on all ranks; 0 or null: "
+		 "off (DeepSpeed's default is 1e-3 for its own expert bias; "
+		 "epjit's is off, so a checkpoint's bias stays as loaded "
+		 "unless asked). A model without a score bias logs `[info] "
+		 "expert_parallel.load_balance_coeff: this model has no "
+		 "expert score bias (DeepSeek-V3's e_score_correction_bias); "
+		 "routing uses the router logits only` when it is > 0" },
 
 	/* ---- compile */
 	{ .sec = SEC_COMPILE,

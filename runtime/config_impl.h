@@ -154,8 +154,8 @@ typedef struct ej_config {
 		int route_norm; /* -1 = auto (model's norm_topk_prob), 0, 1 */
 		double route_scale; /* default 1.0 */
 		bool fixed_routing; /* epjit extension for benchmarks */
-		/* Aux-loss-free expert-bias balancing (DeepSpeed AutoEP):
-		 * default 1e-3; null disables (has_load_balance false). */
+		/* Aux-loss-free balancing of DeepSeek-V3's score bias:
+		 * the rate, default 0 (off); null: has_load_balance false */
 		bool has_load_balance;
 		double load_balance_coeff;
 	} expert_parallel;
@@ -296,7 +296,29 @@ typedef enum ej_model_family {
 	EJ_FAMILY_QWEN3_MOE = 0, /* "qwen3_moe" (also when absent) */
 	EJ_FAMILY_MIXTRAL,	 /* "mixtral" */
 	EJ_FAMILY_QWEN2_MOE,	 /* "qwen2_moe" */
+	EJ_FAMILY_DEEPSEEK_V2,	 /* "deepseek_v2" */
+	EJ_FAMILY_DEEPSEEK_V3,	 /* "deepseek_v3" */
 } ej_model_family;
+
+/* rope_parameters.rope_type (or the older rope_scaling.type). */
+typedef enum ej_rope_type {
+	EJ_ROPE_DEFAULT = 0,
+	EJ_ROPE_LINEAR, /* positions divided by factor */
+	EJ_ROPE_YARN,	/* NTK-by-parts interpolation, attention factor */
+} ej_rope_type;
+
+/* How a router turns logits into scores and picks experts. */
+typedef enum ej_route_scoring {
+	EJ_SCORE_SOFTMAX = 0,
+	EJ_SCORE_SIGMOID, /* DeepSeek-V3 */
+} ej_route_scoring;
+typedef enum ej_route_groups {
+	EJ_GROUPS_NONE = 0, /* plain top-k ("greedy") */
+	EJ_GROUPS_MAX,	    /* V2 group_limited_greedy: a group's score is
+			     * its best expert's */
+	EJ_GROUPS_TOP2,	    /* V3 noaux_tc: the sum of its best two, bias
+			     * included */
+} ej_route_groups;
 
 typedef struct ej_model_config {
 	ej_model_family family; /* from model_type */
@@ -325,6 +347,28 @@ typedef struct ej_model_config {
 	bool tie_word_embeddings;		  /* default false */
 	double initializer_range;		  /* default 0.02 */
 	char torch_dtype[16]; /* informational; "" if absent */
+	/* RoPE scaling (rope_parameters), every family. */
+	ej_rope_type rope_type;
+	double rope_factor;	   /* linear, yarn */
+	int64_t rope_original_max; /* yarn; 0: max_position_embeddings */
+	double rope_beta_fast, rope_beta_slow;	 /* yarn; 32, 1 */
+	double rope_mscale, rope_mscale_all_dim; /* yarn; 0: absent */
+	double rope_attention_factor;		 /* yarn; 0: derived */
+	bool rope_truncate;			 /* yarn; default true */
+	/* DeepSeek-V2/V3: multi-head latent attention (mla) */
+	bool mla;
+	int64_t q_lora_rank; /* 0: a plain q_proj */
+	int64_t kv_lora_rank;
+	int qk_nope_head_dim, qk_rope_head_dim, v_head_dim; /* head_dim is
+							     * the rope part */
+	bool rope_interleave;	   /* rope over interleaved pairs (V2 always) */
+	int first_k_dense_replace; /* layers below it are dense MLPs */
+	int n_shared_experts;	   /* shared_experts of n x moe width */
+	double routed_scaling_factor; /* routing weights times this (1) */
+	ej_route_scoring scoring;
+	ej_route_groups groups;
+	int n_group, topk_group; /* groups; 0 with EJ_GROUPS_NONE */
+	bool score_bias;	 /* gate.e_score_correction_bias (V3) */
 } ej_model_config;
 
 /* Parses an HF config.json (Qwen3-MoE, Mixtral or Qwen2-MoE).  Unused keys are

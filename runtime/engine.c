@@ -242,11 +242,13 @@ static epj_status engine_setup(epj_engine *e)
 		st = setup_dev_groups(e, world);
 	if (st != EPJ_OK)
 		return st;
-	if (c->expert_parallel.has_load_balance)
+	if (c->expert_parallel.has_load_balance &&
+	    c->expert_parallel.load_balance_coeff > 0 && !m->cfg.score_bias)
 		epj_log_msg(EPJ_LOG_INFO,
-			    "expert_parallel.load_balance_coeff: aux-loss-free "
-			    "expert-bias balancing is not implemented; "
-			    "routing uses the router logits only");
+			    "expert_parallel.load_balance_coeff: this model "
+			    "has no expert score bias (DeepSeek-V3's "
+			    "e_score_correction_bias); routing uses the "
+			    "router logits only");
 	for (int i = 0; i < m->n_moe; i++)
 		ej_autoep_set_routing(m->moe[i],
 				      c->expert_parallel.fixed_routing,
@@ -258,8 +260,12 @@ static epj_status engine_setup(epj_engine *e)
 	if (c->bf16_enabled) {
 		bool prev = epj_no_grad_enter(ctx);
 		for (int i = 0; st == EPJ_OK && i < m->params.n; i++) {
+			/* buffers (untrained state, such as DeepSeek-V3's
+			 * e_score_correction_bias) stay f32, as transformers
+			 * keeps them */
 			if (epj_tensor_dtype(m->params.params[i]) ==
-			    EPJ_DTYPE_BF16)
+				EPJ_DTYPE_BF16 ||
+			    !epj_tensor_requires_grad(m->params.params[i]))
 				continue;
 			epj_tensor *b =
 			    epj_cast(ctx, m->params.params[i], EPJ_DTYPE_BF16);
@@ -378,6 +384,28 @@ void epj_engine_free(epj_engine *e)
 	free(e);
 }
 
+/* Aux-loss-free balancing after an optimizer step (DeepSeek-V3's rule,
+ * expert_parallel.load_balance_coeff when given): every layer with a score
+ * bias moves it by the coefficient against its experts' loads over the
+ * step, summed over the world; a skipped step only restarts the loads. */
+static epj_status balance_experts(epj_engine *e, bool skipped)
+{
+	const ej_config *c = &e->cfg;
+	epj_model *m = e->model;
+	if (!c->expert_parallel.has_load_balance ||
+	    !(c->expert_parallel.load_balance_coeff > 0))
+		return EPJ_OK;
+	ej_comm *world = m->has_groups ? m->groups.world : NULL;
+	double rate = skipped ? 0 : c->expert_parallel.load_balance_coeff;
+	for (int i = 0; i < m->n_moe; i++) {
+		epj_status st =
+		    ej_autoep_balance(e->ctx, m->moe[i], world, rate);
+		if (st != EPJ_OK)
+			return st;
+	}
+	return EPJ_OK;
+}
+
 static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 			     epj_tensor *labels, epj_step_info *info)
 {
@@ -465,6 +493,8 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		e->last_lr = lr;
 		e->last_grad_norm = norm;
 		epj_counter_add(ctx, "train.steps", 1);
+		if ((st = balance_experts(e, skipped)) != EPJ_OK)
+			return st;
 	}
 	double mean = e->accum_loss / (double)e->accum_n;
 	ej_comm *world = e->model->has_groups ? e->model->groups.world : NULL;

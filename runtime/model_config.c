@@ -61,6 +61,22 @@ static const char *const used_keys[] = {
 	"qkv_bias",
 	"shared_expert_intermediate_size",
 	"layer_types",
+	/* DeepSeek-V2/V3 */
+	"n_routed_experts",
+	"n_shared_experts",
+	"routed_scaling_factor",
+	"n_group",
+	"topk_group",
+	"topk_method",
+	"scoring_func",
+	"first_k_dense_replace",
+	"q_lora_rank",
+	"kv_lora_rank",
+	"qk_nope_head_dim",
+	"qk_rope_head_dim",
+	"qk_head_dim",
+	"v_head_dim",
+	"rope_interleave",
 };
 
 typedef struct mp {
@@ -175,7 +191,7 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 	if (b)
 		return mp_err(p, "\"attention_bias\" is true: attention "
 				 "projections with bias are not implemented "
-				 "(Qwen3 uses none)");
+				 "(set it to false)");
 	b = false;
 	if ((s = rd_bool(p, "output_router_logits", &b)))
 		return s;
@@ -184,23 +200,6 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 				 "auxiliary loss is not implemented (set it to "
 				 "false; expert_parallel.load_balance_coeff "
 				 "balances experts without it)");
-	if ((v = json_object_get(p->root, "rope_scaling")) &&
-	    !json_is_null(v)) {
-		const char *kind = "";
-		if (json_is_object(v)) {
-			json_t *t = json_object_get(v, "rope_type");
-			if (!t)
-				t = json_object_get(v, "type");
-			if (json_is_string(t))
-				kind = json_string_value(t);
-		}
-		return mp_err(
-		    p,
-		    "\"rope_scaling\" must be null: RoPE scaling%s%s%s "
-		    "is not implemented (only plain RoPE with "
-		    "rope_theta)",
-		    kind[0] ? " (\"" : "", kind, kind[0] ? "\")" : "");
-	}
 	if ((v = json_object_get(p->root, "hidden_act")) && !json_is_null(v)) {
 		if (!json_is_string(v))
 			return mp_err(p,
@@ -221,13 +220,19 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 			m->family = EJ_FAMILY_MIXTRAL;
 		else if (!strcmp(json_string_value(v), "qwen2_moe"))
 			m->family = EJ_FAMILY_QWEN2_MOE;
+		else if (!strcmp(json_string_value(v), "deepseek_v2"))
+			m->family = EJ_FAMILY_DEEPSEEK_V2;
+		else if (!strcmp(json_string_value(v), "deepseek_v3"))
+			m->family = EJ_FAMILY_DEEPSEEK_V3;
 		else if (strcmp(json_string_value(v), "qwen3_moe") != 0)
 			return mp_err(p,
 				      "\"model_type\" is \"%.60s\": the "
 				      "model families implemented are "
 				      "\"qwen3_moe\" (Qwen3-MoE), "
-				      "\"mixtral\" (Mixtral) and "
-				      "\"qwen2_moe\" (Qwen2-MoE)",
+				      "\"mixtral\" (Mixtral), "
+				      "\"qwen2_moe\" (Qwen2-MoE), "
+				      "\"deepseek_v2\" and \"deepseek_v3\" "
+				      "(DeepSeek-V2/V3)",
 				      json_string_value(v));
 	}
 	/* transformers 5's per-layer attention kinds: full attention only */
@@ -282,8 +287,30 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
-/* rope_theta, or (transformers >= 5) rope_parameters.{rope_type,
- * rope_theta}. */
+/* A number of the rope object `o` (named `on`) into *out when present:
+ * > 0, or >= 0 with allow_zero. */
+static epj_status rope_num(mp *p, json_t *o, const char *on, const char *key,
+			   bool allow_zero, double *out)
+{
+	json_t *v = json_object_get(o, key);
+	char g[100];
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	if (!json_is_number(v) || !(allow_zero ? json_number_value(v) >= 0
+					       : json_number_value(v) > 0))
+		return mp_err(p, "\"%s.%s\" must be a number %s, got %s", on,
+			      key, allow_zero ? ">= 0" : "> 0",
+			      ej_json_describe(v, g, sizeof g));
+	*out = json_number_value(v);
+	return EPJ_OK;
+}
+
+/* rope_theta, and the RoPE scaling of rope_parameters (transformers >= 5:
+ * rope_type, rope_theta, factor, ...) or of the older rope_scaling (type or
+ * rope_type, factor, ...): "default", "linear" (factor) or "yarn" (factor,
+ * original_max_position_embeddings, beta_fast, beta_slow, mscale,
+ * mscale_all_dim, attention_factor, truncate), as transformers'
+ * modeling_rope_utils reads them; any other type is refused by name. */
 static epj_status parse_rope(mp *p, ej_model_config *m)
 {
 	epj_status s;
@@ -291,29 +318,74 @@ static epj_status parse_rope(mp *p, ej_model_config *m)
 	if ((s = rd_num(p, p->root, "rope_theta", false, &m->rope_theta)))
 		return s;
 	json_t *rp = json_object_get(p->root, "rope_parameters");
+	json_t *rs = json_object_get(p->root, "rope_scaling");
+	const char *on = "rope_parameters";
+	if (rp && !json_is_null(rp) && rs && !json_is_null(rs))
+		return mp_err(p, "both \"rope_parameters\" and "
+				 "\"rope_scaling\" are given: give one "
+				 "(transformers 5 writes rope_parameters)");
+	if (!rp || json_is_null(rp)) {
+		rp = rs;
+		on = "rope_scaling";
+	}
 	if (!rp || json_is_null(rp))
 		return EPJ_OK;
 	if (!json_is_object(rp))
-		return mp_err(p,
-			      "\"rope_parameters\" must be an object, got %s",
+		return mp_err(p, "\"%s\" must be an object, got %s", on,
 			      ej_json_describe(rp, g, sizeof g));
 	json_t *t = json_object_get(rp, "rope_type");
-	if (t && !json_is_null(t) &&
-	    (!json_is_string(t) ||
-	     strcmp(json_string_value(t), "default") != 0))
+	if (!t || json_is_null(t))
+		t = json_object_get(rp, "type");
+	const char *ty = json_is_string(t) ? json_string_value(t) : "default";
+	if (t && !json_is_null(t) && !json_is_string(t))
+		return mp_err(p, "\"%s.rope_type\" must be a string, got %s",
+			      on, ej_json_describe(t, g, sizeof g));
+	if (!strcmp(ty, "default"))
+		m->rope_type = EJ_ROPE_DEFAULT;
+	else if (!strcmp(ty, "linear"))
+		m->rope_type = EJ_ROPE_LINEAR;
+	else if (!strcmp(ty, "yarn"))
+		m->rope_type = EJ_ROPE_YARN;
+	else
 		return mp_err(p,
-			      "\"rope_parameters.rope_type\" must be "
-			      "\"default\", got %s: RoPE scaling is not "
-			      "implemented",
-			      ej_json_describe(t, g, sizeof g));
-	json_t *th = json_object_get(rp, "rope_theta");
-	if (th) {
-		if (!json_is_number(th) || !(json_number_value(th) > 0))
+			      "\"%s.rope_type\" is \"%.40s\": the RoPE "
+			      "types implemented are \"default\", "
+			      "\"linear\" and \"yarn\"",
+			      on, ty);
+	if ((s = rope_num(p, rp, on, "rope_theta", false, &m->rope_theta)))
+		return s;
+	if (m->rope_type == EJ_ROPE_DEFAULT)
+		return EPJ_OK;
+	m->rope_factor = 0;
+	if ((s = rope_num(p, rp, on, "factor", false, &m->rope_factor)))
+		return s;
+	if (m->rope_factor == 0)
+		return mp_err(p,
+			      "\"%s.factor\" is required by rope type "
+			      "\"%s\"",
+			      on, ty);
+	if (m->rope_type == EJ_ROPE_LINEAR)
+		return EPJ_OK;
+	double om = 0;
+	if ((s = rope_num(p, rp, on, "original_max_position_embeddings", false,
+			  &om)) ||
+	    (s = rope_num(p, rp, on, "beta_fast", false, &m->rope_beta_fast)) ||
+	    (s = rope_num(p, rp, on, "beta_slow", false, &m->rope_beta_slow)) ||
+	    (s = rope_num(p, rp, on, "mscale", true, &m->rope_mscale)) ||
+	    (s = rope_num(p, rp, on, "mscale_all_dim", true,
+			  &m->rope_mscale_all_dim)) ||
+	    (s = rope_num(p, rp, on, "attention_factor", false,
+			  &m->rope_attention_factor)))
+		return s;
+	m->rope_original_max = (int64_t)om;
+	json_t *tr = json_object_get(rp, "truncate");
+	if (tr && !json_is_null(tr)) {
+		if (!json_is_boolean(tr))
 			return mp_err(p,
-				      "\"rope_parameters.rope_theta\" must be "
-				      "a number > 0, got %s",
-				      ej_json_describe(th, g, sizeof g));
-		m->rope_theta = json_number_value(th);
+				      "\"%s.truncate\" must be a boolean, "
+				      "got %s",
+				      on, ej_json_describe(tr, g, sizeof g));
+		m->rope_truncate = json_is_true(tr);
 	}
 	return EPJ_OK;
 }
@@ -407,6 +479,213 @@ static epj_status parse_mixtral_moe(mp *p, ej_model_config *m)
 	return rd_int(p, "sliding_window", 1, &m->sliding_window, &given);
 }
 
+/* A string key of the root that must be one of `ok` (n of them) when given;
+ * *out the index found, untouched when absent. */
+static epj_status rd_choice(mp *p, const char *key, const char *const *ok,
+			    int n, const char *known, int *out)
+{
+	json_t *v = json_object_get(p->root, key);
+	char g[100];
+	if (!v || json_is_null(v))
+		return EPJ_OK;
+	for (int i = 0; json_is_string(v) && i < n; i++)
+		if (!strcmp(json_string_value(v), ok[i])) {
+			*out = i;
+			return EPJ_OK;
+		}
+	return mp_err(p, "\"%s\" is %s: %s", key,
+		      ej_json_describe(v, g, sizeof g), known);
+}
+
+/* DeepSeek-V2 / V3 (transformers' DeepseekV2Config / DeepseekV3Config):
+ * multi-head latent attention, first_k_dense_replace dense layers, every
+ * other layer a MoE of n_routed_experts with n_shared_experts shared ones.
+ * V2 routes by softmax, greedy or group-limited (topk_method), times
+ * routed_scaling_factor, never renormalised (transformers' V2 router has
+ * no renormalisation); V3 by sigmoid plus the e_score_correction_bias,
+ * always group-limited (n_group, topk_group; the sum of a group's two
+ * best), renormalised when norm_topk_prob, times routed_scaling_factor. */
+static epj_status parse_deepseek(mp *p, ej_model_config *m)
+{
+	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
+	const char *fam = v3 ? "DeepSeek-V3" : "DeepSeek-V2";
+	epj_status s;
+	int64_t x;
+	bool given;
+	m->mla = true;
+	m->qk_norm = false;
+	if (m->num_key_value_heads != m->num_attention_heads)
+		return mp_err(p,
+			      "\"num_key_value_heads\" (%d) must equal "
+			      "\"num_attention_heads\" (%d): %s's latent "
+			      "attention expands keys and values to every "
+			      "head",
+			      m->num_key_value_heads, m->num_attention_heads,
+			      fam);
+	/* transformers' defaults */
+	m->q_lora_rank = 1536;
+	m->kv_lora_rank = 512;
+	m->qk_nope_head_dim = 128;
+	m->qk_rope_head_dim = 64;
+	m->v_head_dim = 128;
+	m->rope_interleave = true; /* V2's complex rope is interleaved */
+	m->first_k_dense_replace = v3 ? 3 : 0;
+	m->n_shared_experts = v3 ? 1 : 2;
+	m->routed_scaling_factor = v3 ? 2.5 : 1.0;
+	m->norm_topk_prob = v3;
+	m->max_position_embeddings = v3 ? 4096 : 2048;
+	json_t *ql = json_object_get(p->root, "q_lora_rank");
+	if (ql && json_is_null(ql))
+		m->q_lora_rank = 0; /* q_proj */
+	else if ((s = rd_int(p, "q_lora_rank", 1, &m->q_lora_rank, &given)))
+		return s;
+	if ((s = rd_int(p, "kv_lora_rank", 1, &m->kv_lora_rank, &given)))
+		return s;
+	x = m->qk_nope_head_dim;
+	if ((s = rd_int(p, "qk_nope_head_dim", 1, &x, &given)))
+		return s;
+	m->qk_nope_head_dim = (int)x;
+	x = m->qk_rope_head_dim;
+	if ((s = rd_int(p, "qk_rope_head_dim", 1, &x, &given)))
+		return s;
+	m->qk_rope_head_dim = (int)x;
+	x = m->v_head_dim;
+	if ((s = rd_int(p, "v_head_dim", 1, &x, &given)))
+		return s;
+	m->v_head_dim = (int)x;
+	if (m->qk_rope_head_dim % 2 != 0)
+		return mp_err(p,
+			      "\"qk_rope_head_dim\" (%d) must be even: rotary "
+			      "embeddings rotate pairs of dimensions",
+			      m->qk_rope_head_dim);
+	x = 0;
+	if ((s = rd_int(p, "qk_head_dim", 1, &x, &given)))
+		return s;
+	if (given && x != m->qk_nope_head_dim + m->qk_rope_head_dim)
+		return mp_err(p,
+			      "\"qk_head_dim\" (%" PRId64 ") must be "
+			      "qk_nope_head_dim + qk_rope_head_dim (%d)",
+			      x, m->qk_nope_head_dim + m->qk_rope_head_dim);
+	/* transformers sets head_dim to the rope part (the rope tables') */
+	m->head_dim = m->qk_rope_head_dim;
+	if (v3 && (s = rd_bool(p, "rope_interleave", &m->rope_interleave)))
+		return s;
+
+	/* experts: n_routed_experts, or the name transformers maps to it */
+	const char *alias = v3 ? "num_local_experts" : "num_experts";
+	int64_t xa = 0;
+	bool given_a;
+	x = 0;
+	if ((s = rd_int(p, "n_routed_experts", 1, &x, &given)) ||
+	    (s = rd_int(p, alias, 1, &xa, &given_a)))
+		return s;
+	if (given && given_a && x != xa)
+		return mp_err(p,
+			      "\"n_routed_experts\" (%" PRId64 ") and \"%s\" "
+			      "(%" PRId64 ") disagree: they name the same "
+			      "expert count",
+			      x, alias, xa);
+	if (!given && !given_a)
+		return missing(p, "n_routed_experts",
+			       " (the routed expert count; also read as "
+			       "num_local_experts / num_experts)");
+	if (!given)
+		x = xa;
+	if (x > (1 << 16))
+		return mp_err(p,
+			      "\"n_routed_experts\" (%" PRId64 ") is out of "
+			      "range [1, %d]",
+			      x, 1 << 16);
+	m->num_experts = (int)x;
+	if ((s = rd_top_k(p, m, "n_routed_experts", "")))
+		return s;
+	if ((s = rd_int(p, "moe_intermediate_size", 1,
+			&m->moe_intermediate_size, &given)))
+		return s;
+	if (!given)
+		return missing(p, "moe_intermediate_size", "");
+	x = m->n_shared_experts;
+	if ((s = rd_int(p, "n_shared_experts", 1, &x, &given)))
+		return s;
+	m->n_shared_experts = (int)x;
+	x = m->first_k_dense_replace;
+	if ((s = rd_int(p, "first_k_dense_replace", 0, &x, &given)))
+		return s;
+	if (x > m->num_hidden_layers)
+		return mp_err(p,
+			      "\"first_k_dense_replace\" (%" PRId64 ") must "
+			      "not exceed \"num_hidden_layers\" (%d)",
+			      x, m->num_hidden_layers);
+	m->first_k_dense_replace = (int)x;
+	if ((s = rd_num(p, p->root, "routed_scaling_factor", false,
+			&m->routed_scaling_factor)))
+		return s;
+	if (v3 && (s = rd_bool(p, "norm_topk_prob", &m->norm_topk_prob)))
+		return s;
+
+	/* scoring and the top-k method */
+	static const char *const v2_methods[] = { "greedy",
+						  "group_limited_greedy" };
+	static const char *const v3_methods[] = { "noaux_tc" };
+	static const char *const v2_score[] = { "softmax" };
+	static const char *const v3_score[] = { "sigmoid" };
+	int method = 0, score = 0;
+	if ((s = rd_choice(p, "topk_method", v3 ? v3_methods : v2_methods,
+			   v3 ? 1 : 2,
+			   v3 ? "DeepSeek-V3 routes by \"noaux_tc\" only"
+			      : "the methods implemented are \"greedy\" and "
+				"\"group_limited_greedy\"",
+			   &method)) ||
+	    (s = rd_choice(p, "scoring_func", v3 ? v3_score : v2_score, 1,
+			   v3 ? "DeepSeek-V3 scores by \"sigmoid\" only"
+			      : "DeepSeek-V2 scores by \"softmax\" only",
+			   &score)))
+		return s;
+	m->scoring = v3 ? EJ_SCORE_SIGMOID : EJ_SCORE_SOFTMAX;
+	m->score_bias = v3;
+	m->groups = v3		  ? EJ_GROUPS_TOP2
+		    : method == 1 ? EJ_GROUPS_MAX
+				  : EJ_GROUPS_NONE;
+	m->n_group = m->topk_group = 0;
+	if (m->groups != EJ_GROUPS_NONE) {
+		int64_t ng = v3 ? 8 : 0, tg = v3 ? 4 : 0;
+		if ((s = rd_int(p, "n_group", 1, &ng, &given)) ||
+		    (s = rd_int(p, "topk_group", 1, &tg, &given)))
+			return s;
+		if (ng == 0 || tg == 0)
+			return missing(p, ng == 0 ? "n_group" : "topk_group",
+				       " (group-limited routing)");
+		if (m->num_experts % ng != 0)
+			return mp_err(p,
+				      "\"n_routed_experts\" (%d) must be a "
+				      "multiple of \"n_group\" (%" PRId64 ")",
+				      m->num_experts, ng);
+		if (tg > ng)
+			return mp_err(p,
+				      "\"topk_group\" (%" PRId64 ") must not "
+				      "exceed \"n_group\" (%" PRId64 ")",
+				      tg, ng);
+		if (v3 && m->num_experts / ng < 2)
+			return mp_err(p,
+				      "\"n_group\" (%" PRId64 ") leaves fewer "
+				      "than 2 experts a group: DeepSeek-V3 "
+				      "scores a group by its best two",
+				      ng);
+		if (m->num_experts_per_tok > tg * (m->num_experts / ng))
+			return mp_err(p,
+				      "\"num_experts_per_tok\" (%d) exceeds "
+				      "the %" PRId64 " experts of the "
+				      "\"topk_group\" groups kept",
+				      m->num_experts_per_tok,
+				      tg * (m->num_experts / ng));
+		m->n_group = (int)ng;
+		m->topk_group = (int)tg;
+	}
+	m->decoder_sparse_step = 1;
+	m->n_mlp_only_layers = 0;
+	return EPJ_OK;
+}
+
 static epj_status parse_model(mp *p, ej_model_config *m)
 {
 	epj_status s;
@@ -456,6 +735,12 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			      "\"num_attention_heads\" (%d) must be a multiple "
 			      "of \"num_key_value_heads\" (%d)",
 			      m->num_attention_heads, m->num_key_value_heads);
+	if (m->family == EJ_FAMILY_DEEPSEEK_V2 ||
+	    m->family == EJ_FAMILY_DEEPSEEK_V3) {
+		if ((s = parse_deepseek(p, m)))
+			return s;
+		goto rest;
+	}
 	if ((s = rd_int(p, "head_dim", 1, &x, &given)))
 		return s;
 	if (given) {
@@ -607,6 +892,10 @@ static void model_defaults(ej_model_config *m)
 	m->rope_theta = 10000.0;
 	m->max_position_embeddings = 32768;
 	m->initializer_range = 0.02;
+	m->rope_beta_fast = 32;
+	m->rope_beta_slow = 1;
+	m->rope_truncate = true;
+	m->routed_scaling_factor = 1.0;
 }
 
 epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
@@ -797,7 +1086,103 @@ bool ej_model_layer_is_moe(const ej_model_config *m, int layer)
 	for (int i = 0; i < m->n_mlp_only_layers; i++)
 		if (m->mlp_only_layers[i] == layer)
 			return false;
-	return m->num_experts > 0 && (layer + 1) % m->decoder_sparse_step == 0;
+	return m->num_experts > 0 && layer >= m->first_k_dense_replace &&
+	       (layer + 1) % m->decoder_sparse_step == 0;
+}
+
+/* DeepseekV2Config / DeepseekV3Config's keys in place of Qwen3-MoE's. */
+static bool deepseek_json(const ej_model_config *m, json_t *o)
+{
+	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
+	static const char *const qwen_only[] = {
+		"num_experts",	   "decoder_sparse_step",
+		"mlp_only_layers", "use_sliding_window",
+		"head_dim",
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(qwen_only); i++)
+		json_object_del(o, qwen_only[i]);
+	if (!v3)
+		json_object_del(o, "norm_topk_prob");
+	bool ok =
+	    !json_object_set_new(
+		o, "model_type",
+		json_string(v3 ? "deepseek_v3" : "deepseek_v2")) &&
+	    !json_object_set_new(o, "n_routed_experts",
+				 json_integer(m->num_experts)) &&
+	    !json_object_set_new(o, "n_shared_experts",
+				 json_integer(m->n_shared_experts)) &&
+	    !json_object_set_new(o, "routed_scaling_factor",
+				 json_real(m->routed_scaling_factor)) &&
+	    !json_object_set_new(o, "first_k_dense_replace",
+				 json_integer(m->first_k_dense_replace)) &&
+	    !json_object_set_new(o, "q_lora_rank",
+				 m->q_lora_rank ? json_integer(m->q_lora_rank)
+						: json_null()) &&
+	    !json_object_set_new(o, "kv_lora_rank",
+				 json_integer(m->kv_lora_rank)) &&
+	    !json_object_set_new(o, "qk_nope_head_dim",
+				 json_integer(m->qk_nope_head_dim)) &&
+	    !json_object_set_new(o, "qk_rope_head_dim",
+				 json_integer(m->qk_rope_head_dim)) &&
+	    !json_object_set_new(o, "v_head_dim",
+				 json_integer(m->v_head_dim)) &&
+	    !json_object_set_new(o, "topk_method",
+				 json_string(v3 ? "noaux_tc"
+					     : m->groups == EJ_GROUPS_MAX
+						 ? "group_limited_greedy"
+						 : "greedy")) &&
+	    !json_object_set_new(o, "n_group",
+				 m->n_group ? json_integer(m->n_group)
+					    : json_null()) &&
+	    !json_object_set_new(o, "topk_group",
+				 m->topk_group ? json_integer(m->topk_group)
+					       : json_null());
+	if (ok && v3)
+		ok = !json_object_set_new(o, "rope_interleave",
+					  json_boolean(m->rope_interleave));
+	return ok;
+}
+
+/* rope_parameters (transformers 5's spelling) of a scaled RoPE. */
+static bool rope_json(const ej_model_config *m, json_t *o)
+{
+	json_t *r = json_object();
+	bool ok = r != NULL;
+	const bool yarn = m->rope_type == EJ_ROPE_YARN;
+	ok = ok &&
+	     !json_object_set_new(r, "rope_type",
+				  json_string(yarn ? "yarn" : "linear")) &&
+	     !json_object_set_new(r, "rope_theta", json_real(m->rope_theta)) &&
+	     !json_object_set_new(r, "factor", json_real(m->rope_factor));
+	if (ok && yarn) {
+		ok = !json_object_set_new(r, "beta_fast",
+					  json_real(m->rope_beta_fast)) &&
+		     !json_object_set_new(r, "beta_slow",
+					  json_real(m->rope_beta_slow)) &&
+		     !json_object_set_new(r, "truncate",
+					  json_boolean(m->rope_truncate));
+		if (ok && m->rope_original_max)
+			ok = !json_object_set_new(
+			    r, "original_max_position_embeddings",
+			    json_integer(m->rope_original_max));
+		if (ok && m->rope_mscale)
+			ok = !json_object_set_new(r, "mscale",
+						  json_real(m->rope_mscale));
+		if (ok && m->rope_mscale_all_dim)
+			ok = !json_object_set_new(
+			    r, "mscale_all_dim",
+			    json_real(m->rope_mscale_all_dim));
+		if (ok && m->rope_attention_factor)
+			ok = !json_object_set_new(
+			    r, "attention_factor",
+			    json_real(m->rope_attention_factor));
+	}
+	if (!ok) {
+		json_decref(r);
+		return false;
+	}
+	json_object_del(o, "rope_theta");
+	return !json_object_set_new(o, "rope_parameters", r);
 }
 
 char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
@@ -812,8 +1197,12 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 					     : "float32";
 	const bool mx = m->family == EJ_FAMILY_MIXTRAL;
 	const bool q2 = m->family == EJ_FAMILY_QWEN2_MOE;
+	const bool v2 = m->family == EJ_FAMILY_DEEPSEEK_V2;
+	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
 	json_t *arch = json_pack("[s]", mx   ? "MixtralForCausalLM"
 					: q2 ? "Qwen2MoeForCausalLM"
+					: v2 ? "DeepseekV2ForCausalLM"
+					: v3 ? "DeepseekV3ForCausalLM"
 					     : "Qwen3MoeForCausalLM");
 	ok = ok && arch && !json_object_set_new(o, "architectures", arch);
 	if (!ok)
@@ -896,6 +1285,10 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 			 o, "shared_expert_intermediate_size",
 			 json_integer(m->shared_expert_intermediate_size));
 	}
+	if (ok && (v2 || v3))
+		ok = deepseek_json(m, o);
+	if (ok && m->rope_type != EJ_ROPE_DEFAULT)
+		ok = rope_json(m, o);
 	char *text = ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER |
 					    JSON_REAL_PRECISION(17))
 			: NULL;

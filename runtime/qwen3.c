@@ -67,11 +67,37 @@ static const family_names qwen2_names = {
 	"Qwen2MoeMLP",		{ "gate_proj", "up_proj", "down_proj" },
 };
 
+static const family_names deepseek_v2_names = {
+	"DeepseekV2ForCausalLM",  "DeepseekV2Model",
+	"DeepseekV2DecoderLayer", "DeepseekV2Attention",
+	"DeepseekV2RMSNorm",	  "DeepseekV2RootBlockLM",
+	"DeepseekV2MLP",	  "mlp",
+	"DeepseekV2MLP",	  { "gate_proj", "up_proj", "down_proj" },
+};
+
+static const family_names deepseek_v3_names = {
+	"DeepseekV3ForCausalLM",  "DeepseekV3Model",
+	"DeepseekV3DecoderLayer", "DeepseekV3Attention",
+	"DeepseekV3RMSNorm",	  "DeepseekV3RootBlockLM",
+	"DeepseekV3MLP",	  "mlp",
+	"DeepseekV3MLP",	  { "gate_proj", "up_proj", "down_proj" },
+};
+
 static const family_names *names_of(const ej_model_config *c)
 {
-	return c->family == EJ_FAMILY_MIXTRAL	  ? &mixtral_names
-	       : c->family == EJ_FAMILY_QWEN2_MOE ? &qwen2_names
-						  : &qwen3_names;
+	switch (c->family) {
+	case EJ_FAMILY_MIXTRAL:
+		return &mixtral_names;
+	case EJ_FAMILY_QWEN2_MOE:
+		return &qwen2_names;
+	case EJ_FAMILY_DEEPSEEK_V2:
+		return &deepseek_v2_names;
+	case EJ_FAMILY_DEEPSEEK_V3:
+		return &deepseek_v3_names;
+	case EJ_FAMILY_QWEN3_MOE:
+		break;
+	}
+	return &qwen3_names;
 }
 
 /* Frees a list of temporaries (NULL ok). */
@@ -117,6 +143,34 @@ static epj_tensor *rope(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
 	t[XC] = epj_mul(ctx, x, cos);
 	t[RS] = epj_mul(ctx, t[ROT], sin);
 	epj_tensor *y = epj_add(ctx, t[XC], t[RS]);
+	drop(t, N_T);
+	return y;
+}
+
+/* DeepSeek's rope over interleaved pairs (x0, x1), (x2, x3) ..., as
+ * transformers' apply_rotary_pos_emb_interleave writes it: with c, s the
+ * first half of cos, sin (one angle per pair) and x1 = x[..., 0::2],
+ * x2 = x[..., 1::2]: cat(x1 c - x2 s, x2 c + x1 s).  (DeepSeek-V2's
+ * complex rotation gives the same pairs interleaved; q and k permuted
+ * alike leave every attention score, so every value, unchanged.) */
+static epj_tensor *rope_interleaved(epj_ctx *ctx, epj_tensor *x,
+				    epj_tensor *cos, epj_tensor *sin)
+{
+	enum { C, S, X1, X2, A, B, LO, D, E, HI, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	int64_t d = x ? epj_tensor_dim(x, -1) : 0;
+	t[C] = epj_slice(ctx, cos, -1, 0, d / 2, 1);
+	t[S] = epj_slice(ctx, sin, -1, 0, d / 2, 1);
+	t[X1] = epj_slice(ctx, x, -1, 0, d, 2);
+	t[X2] = epj_slice(ctx, x, -1, 1, d, 2);
+	t[A] = epj_mul(ctx, t[X1], t[C]);
+	t[B] = epj_mul(ctx, t[X2], t[S]);
+	t[LO] = epj_sub(ctx, t[A], t[B]);
+	t[D] = epj_mul(ctx, t[X2], t[C]);
+	t[E] = epj_mul(ctx, t[X1], t[S]);
+	t[HI] = epj_add(ctx, t[D], t[E]);
+	epj_tensor *parts[2] = { t[LO], t[HI] };
+	epj_tensor *y = (t[LO] && t[HI]) ? epj_cat(ctx, parts, 2, -1) : NULL;
 	drop(t, N_T);
 	return y;
 }
@@ -183,6 +237,122 @@ static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 	return y;
 }
 
+/* The softmax scale of DeepSeek's attention: qk_head_dim^-1/2, times
+ * YaRN's mscale(factor, mscale_all_dim)^2 under a scaled rope with
+ * mscale_all_dim (transformers' yarn_apply_mscale). */
+static double mla_scale(const ej_model_config *c)
+{
+	double sc =
+	    1.0 / sqrt((double)(c->qk_nope_head_dim + c->qk_rope_head_dim));
+	if (c->rope_type != EJ_ROPE_DEFAULT && c->rope_mscale_all_dim != 0 &&
+	    c->rope_factor > 1) {
+		double ms =
+		    0.1 * c->rope_mscale_all_dim * log(c->rope_factor) + 1.0;
+		sc *= ms * ms;
+	}
+	return sc;
+}
+
+/* DeepSeek's multi-head latent attention, x [B,T,H] -> o_proj output:
+ *   q = q_b_proj(q_a_layernorm(q_a_proj(x)))  (or q_proj(x))  [B,Hn,T,dn+dr]
+ *   ckv = kv_a_proj_with_mqa(x) = [kv (kv_lora_rank) | k_rot (dr)]
+ *   kv = kv_b_proj(kv_a_layernorm(kv)) [B,Hn,T,dn+dv] = [k_nope | v]
+ *   q = [q_nope | rope(q_rot)], k = [k_nope | rope(k_rot) on every head]
+ *   o_proj(sdpa(q, k, v, causal, mla_scale))
+ * Rope touches the dr rope dimensions only; cos/sin are [T, dr]. */
+static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
+				 const ej_model_config *c, epj_tensor *x,
+				 epj_tensor *cos, epj_tensor *sin)
+{
+	enum {
+		QA,
+		QN,
+		QP,
+		Q4,
+		QT,
+		QPASS,
+		QROT,
+		QROTR,
+		QC,
+		CKV,
+		KVN,
+		KROT,
+		KVNN,
+		KR4,
+		KRR,
+		KRE,
+		KVB,
+		KV4,
+		KVT,
+		KNOPE,
+		V,
+		KC,
+		O,
+		OT,
+		OR,
+		N_T
+	};
+	epj_tensor *t[N_T] = { 0 };
+	const int64_t B = x ? epj_tensor_dim(x, 0) : 0;
+	const int64_t T = x ? epj_tensor_dim(x, 1) : 0;
+	const int64_t Hn = c->num_attention_heads, dn = c->qk_nope_head_dim;
+	const int64_t dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+	const int64_t dq = dn + dr, kvr = c->kv_lora_rank;
+	const double eps = c->rms_norm_eps;
+	epj_tensor *(*rot)(epj_ctx *, epj_tensor *, epj_tensor *,
+			   epj_tensor *) =
+	    c->rope_interleave ? rope_interleaved : rope;
+	if (c->q_lora_rank) {
+		t[QA] = linear_of(ctx, ej_module_child(attn, "q_a_proj"), x);
+		t[QN] = ej_rmsnorm(
+		    ctx, t[QA],
+		    ej_module_param(ej_module_child(attn, "q_a_layernorm"),
+				    "weight"),
+		    eps);
+		t[QP] =
+		    linear_of(ctx, ej_module_child(attn, "q_b_proj"), t[QN]);
+	} else {
+		t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+	}
+	int64_t qs[4] = { B, T, Hn, dq };
+	t[Q4] = epj_reshape(ctx, t[QP], 4, qs);
+	t[QT] = t[Q4] ? epj_transpose(ctx, t[Q4], 1, 2) : NULL;
+	t[QPASS] = epj_slice(ctx, t[QT], -1, 0, dn, 1);
+	t[QROT] = epj_slice(ctx, t[QT], -1, dn, dq, 1);
+	t[QROTR] = rot(ctx, t[QROT], cos, sin);
+	epj_tensor *qparts[2] = { t[QPASS], t[QROTR] };
+	t[QC] = (t[QPASS] && t[QROTR]) ? epj_cat(ctx, qparts, 2, -1) : NULL;
+
+	t[CKV] = linear_of(ctx, ej_module_child(attn, "kv_a_proj_with_mqa"), x);
+	t[KVN] = epj_slice(ctx, t[CKV], -1, 0, kvr, 1);
+	t[KROT] = epj_slice(ctx, t[CKV], -1, kvr, kvr + dr, 1);
+	t[KVNN] = ej_rmsnorm(
+	    ctx, t[KVN],
+	    ej_module_param(ej_module_child(attn, "kv_a_layernorm"), "weight"),
+	    eps);
+	int64_t ks[4] = { B, 1, T, dr };
+	t[KR4] = epj_reshape(ctx, t[KROT], 4, ks);
+	t[KRR] = rot(ctx, t[KR4], cos, sin);
+	int64_t ke[4] = { B, Hn, T, dr };
+	t[KRE] = epj_expand(ctx, t[KRR], 4, ke);
+	t[KVB] = linear_of(ctx, ej_module_child(attn, "kv_b_proj"), t[KVNN]);
+	int64_t kvs[4] = { B, T, Hn, dn + dv };
+	t[KV4] = epj_reshape(ctx, t[KVB], 4, kvs);
+	t[KVT] = t[KV4] ? epj_transpose(ctx, t[KV4], 1, 2) : NULL;
+	t[KNOPE] = epj_slice(ctx, t[KVT], -1, 0, dn, 1);
+	t[V] = epj_slice(ctx, t[KVT], -1, dn, dn + dv, 1);
+	epj_tensor *kparts[2] = { t[KNOPE], t[KRE] };
+	t[KC] = (t[KNOPE] && t[KRE]) ? epj_cat(ctx, kparts, 2, -1) : NULL;
+
+	t[O] = epj_sdpa(ctx, t[QC], t[KC], t[V], true, mla_scale(c));
+	t[OT] = epj_transpose(ctx, t[O], 1, 2);
+	int64_t os[3] = { B, T, Hn * dv };
+	t[OR] = epj_reshape(ctx, t[OT], 3, os);
+	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OR]);
+	drop(t, N_T);
+	return y;
+}
+
 epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 			   epj_tensor *cos, epj_tensor *sin)
 {
@@ -194,8 +364,8 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 	    ctx, h,
 	    ej_module_param(ej_module_child(blk, "input_layernorm"), "weight"),
 	    eps);
-	t[A] = attention(ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos,
-			 sin);
+	t[A] = (cfg->mla ? mla_attention : attention)(
+	    ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos, sin);
 	t[H1] = epj_add(ctx, h, t[A]);
 	t[X2] = ej_rmsnorm(
 	    ctx, t[H1],
@@ -209,7 +379,16 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 		 * work, in the block (the compiled region), not in the MoE
 		 * layer's graph break */
 		epj_module *se = ej_module_child(mlp, "shared_expert");
-		if (se) {
+		epj_module *ses = ej_module_child(mlp, "shared_experts");
+		if (ses) {
+			/* DeepSeek's shared experts: one SwiGLU MLP,
+			 * ungated */
+			epj_tensor *u = swiglu(ctx, ses, t[X2]);
+			epj_tensor *sum = u ? epj_add(ctx, t[M], u) : NULL;
+			epj_tensor_free(u);
+			epj_tensor_free(t[M]);
+			t[M] = sum;
+		} else if (se) {
 			epj_tensor *u[4] = { 0 };
 			u[0] = swiglu(ctx, se, t[X2]);
 			u[1] = linear_of(
@@ -268,6 +447,70 @@ static epj_status mlp_forward(epj_ctx *ctx, epj_module *m,
 	return out[0] ? EPJ_OK : ctx->status;
 }
 
+/* YaRN's get_mscale. */
+static double yarn_mscale(double scale, double mscale)
+{
+	return scale <= 1 ? 1.0 : 0.1 * mscale * log(scale) + 1.0;
+}
+
+/* The factor on cos and sin (transformers' attention_scaling): 1, or
+ * YaRN's attention_factor (given, else mscale(factor, mscale) /
+ * mscale(factor, mscale_all_dim) when both are given and non-zero, else
+ * mscale(factor)). */
+static float rope_attention_factor(const ej_model_config *c)
+{
+	if (c->rope_type != EJ_ROPE_YARN)
+		return 1.0f;
+	if (c->rope_attention_factor > 0)
+		return (float)c->rope_attention_factor;
+	if (c->rope_mscale != 0 && c->rope_mscale_all_dim != 0)
+		return (
+		    float)(yarn_mscale(c->rope_factor, c->rope_mscale) /
+			   yarn_mscale(c->rope_factor, c->rope_mscale_all_dim));
+	return (float)yarn_mscale(c->rope_factor, 1.0);
+}
+
+/* YaRN's correction dimension of num_rot rotations. */
+static double yarn_dim(double num_rot, int64_t d, double base, double omax)
+{
+	return ((double)d *
+		log(omax / (num_rot * 2 * 3.14159265358979323846))) /
+	       (2 * log(base));
+}
+
+/* inv_freq[i] of the pair i of d rope dimensions, in f32 as transformers'
+ * rope init functions compute it: base^-(2i/d); linear: divided by factor;
+ * yarn: the interpolated 1/(factor base^(2i/d)) and the extrapolated
+ * base^-(2i/d) blended by a ramp over the correction range of beta_fast,
+ * beta_slow rotations at original_max_position_embeddings. */
+static float rope_inv_freq(const ej_model_config *c, int64_t i, int64_t d)
+{
+	double e = (double)(2 * i) / (double)d;
+	float inv = (float)(1.0 / pow(c->rope_theta, e));
+	if (c->rope_type == EJ_ROPE_LINEAR)
+		return inv / (float)c->rope_factor;
+	if (c->rope_type != EJ_ROPE_YARN)
+		return inv;
+	double omax = c->rope_original_max ? (double)c->rope_original_max
+					   : (double)c->max_position_embeddings;
+	double lo = yarn_dim(c->rope_beta_fast, d, c->rope_theta, omax);
+	double hi = yarn_dim(c->rope_beta_slow, d, c->rope_theta, omax);
+	if (c->rope_truncate) {
+		lo = floor(lo);
+		hi = ceil(hi);
+	}
+	lo = lo > 0 ? lo : 0;
+	hi = hi < (double)(d - 1) ? hi : (double)(d - 1);
+	if (lo == hi)
+		hi += 0.001; /* as transformers: no singularity */
+	float ramp = ((float)i - (float)lo) / (float)(hi - lo);
+	ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+	float extra = 1.0f - ramp;
+	float interp =
+	    1.0f / ((float)c->rope_factor * (float)pow(c->rope_theta, e));
+	return interp * (1.0f - extra) + inv * extra;
+}
+
 /* cos/sin [T, D] for positions 0..T-1 in dtype dt (HF: f32, cast to x). */
 static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 			      int64_t T, epj_dtype dt, epj_tensor **cos,
@@ -282,15 +525,14 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 		free(s);
 		return ej_error(ctx, EPJ_ERR_NOMEM, "rope: out of memory");
 	}
+	const float af = rope_attention_factor(cfg);
 	for (int64_t p = 0; p < T; p++) {
 		for (int64_t i = 0; i < d / 2; i++) {
-			/* HF computes inv_freq and the angle in f32 */
-			float inv =
-			    (float)(1.0 / pow(cfg->rope_theta,
-					      (double)(2 * i) / (double)d));
-			float ang = (float)p * inv;
-			c[p * d + i] = c[p * d + i + d / 2] = cosf(ang);
-			s[p * d + i] = s[p * d + i + d / 2] = sinf(ang);
+			/* HF computes inv_freq and the angle in f32, and
+			 * scales cos and sin by the attention factor */
+			float ang = (float)p * rope_inv_freq(cfg, i, d);
+			c[p * d + i] = c[p * d + i + d / 2] = cosf(ang) * af;
+			s[p * d + i] = s[p * d + i + d / 2] = sinf(ang) * af;
 		}
 	}
 	/* Real tables even while the forward is traced (full-model compile,
@@ -517,6 +759,57 @@ static epj_status add_norm(epj_ctx *ctx, const ej_model_config *c,
 	return EPJ_OK;
 }
 
+/* A SwiGLU MLP parent.local (gate_proj, up_proj [I, H], down_proj [H, I]). */
+static epj_status add_swiglu(epj_ctx *ctx, epj_module *parent,
+			     const char *local, const family_names *fn,
+			     int64_t I, int64_t H, double std)
+{
+	epj_module *mlp =
+	    ej_module_new(parent, local, fn->dense_kind, mlp_forward);
+	if (!mlp)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	epj_status st = add_linear(ctx, mlp, "gate_proj", I, H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, mlp, "up_proj", I, H, std);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, mlp, "down_proj", H, I, std);
+	return st;
+}
+
+/* DeepSeek's latent attention under attn, in transformers' order. */
+static epj_status build_mla(epj_ctx *ctx, const ej_model_config *c,
+			    epj_module *attn)
+{
+	const double std = c->initializer_range;
+	const int64_t H = c->hidden_size, Hn = c->num_attention_heads;
+	const int64_t dq = c->qk_nope_head_dim + c->qk_rope_head_dim;
+	epj_status st;
+	if (c->q_lora_rank) {
+		st = add_linear(ctx, attn, "q_a_proj", c->q_lora_rank, H, std);
+		if (st == EPJ_OK)
+			st = add_norm(ctx, c, attn, "q_a_layernorm",
+				      c->q_lora_rank);
+		if (st == EPJ_OK)
+			st = add_linear(ctx, attn, "q_b_proj", Hn * dq,
+					c->q_lora_rank, std);
+	} else {
+		st = add_linear(ctx, attn, "q_proj", Hn * dq, H, std);
+	}
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "kv_a_proj_with_mqa",
+				c->kv_lora_rank + c->qk_rope_head_dim, H, std);
+	if (st == EPJ_OK)
+		st = add_norm(ctx, c, attn, "kv_a_layernorm", c->kv_lora_rank);
+	if (st == EPJ_OK)
+		st = add_linear(ctx, attn, "kv_b_proj",
+				Hn * (c->qk_nope_head_dim + c->v_head_dim),
+				c->kv_lora_rank, std);
+	if (st == EPJ_OK)
+		st =
+		    add_linear(ctx, attn, "o_proj", H, Hn * c->v_head_dim, std);
+	return st;
+}
+
 /* Block contents (attention, norms, mlp) under `blk`. */
 static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 			      int layer, const epj_model_opts *opts)
@@ -533,6 +826,10 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 	    st ? NULL : ej_module_new(blk, "self_attn", fn->attn, NULL);
 	if (st == EPJ_OK && !attn)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	if (st == EPJ_OK && c->mla) {
+		st = build_mla(ctx, c, attn);
+		goto norms;
+	}
 	if (st == EPJ_OK)
 		st = qkv(ctx, attn, "q_proj", c->num_attention_heads * D, H,
 			 std);
@@ -549,18 +846,26 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 		st = add_norm(ctx, c, attn, "q_norm", D);
 	if (st == EPJ_OK && c->qk_norm)
 		st = add_norm(ctx, c, attn, "k_norm", D);
+norms:
 	if (st == EPJ_OK)
 		st = add_norm(ctx, c, blk, "post_attention_layernorm", H);
 	if (st != EPJ_OK)
 		return st;
 	if (ej_model_layer_is_moe(c, layer)) {
-		ej_autoep_opts eo = { .num_experts = c->num_experts,
-				      .top_k = c->num_experts_per_tok,
-				      .norm_topk_prob = c->norm_topk_prob,
-				      .fixed_routing = opts->fixed_routing,
-				      .expert_kind = fn->expert_kind,
-				      .proj = { fn->proj[0], fn->proj[1],
-						fn->proj[2] } };
+		ej_autoep_opts eo = {
+			.num_experts = c->num_experts,
+			.top_k = c->num_experts_per_tok,
+			.norm_topk_prob = c->norm_topk_prob,
+			.fixed_routing = opts->fixed_routing,
+			.scoring = c->scoring,
+			.groups = c->groups,
+			.n_group = c->n_group,
+			.topk_group = c->topk_group,
+			.routed_scaling_factor = c->routed_scaling_factor,
+			.score_bias = c->score_bias,
+			.expert_kind = fn->expert_kind,
+			.proj = { fn->proj[0], fn->proj[1], fn->proj[2] }
+		};
 		epj_module *moe = ej_autoep_new(
 		    ctx, blk, fn->mlp, (int)H, (int)c->moe_intermediate_size,
 		    &eo, EPJ_DTYPE_F32, std, model->comm);
@@ -592,6 +897,19 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 			ej_module_child(moe, "shared_expert_gate")
 			    ->region_owned = true;
 		}
+		if (c->n_shared_experts > 0) {
+			/* DeepSeek: mlp.shared_experts, a SwiGLU MLP of
+			 * n_shared_experts x moe_intermediate_size, dense
+			 * work of the block's region */
+			st = add_swiglu(ctx, moe, "shared_experts", fn,
+					c->moe_intermediate_size *
+					    c->n_shared_experts,
+					H, std);
+			if (st != EPJ_OK)
+				return st;
+			ej_module_child(moe, "shared_experts")->region_owned =
+			    true;
+		}
 		epj_module **nm = realloc(
 		    model->moe, sizeof *nm * (size_t)(model->n_moe + 1));
 		if (!nm)
@@ -600,17 +918,7 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 		model->moe[model->n_moe++] = moe;
 		return EPJ_OK;
 	}
-	epj_module *mlp =
-	    ej_module_new(blk, fn->mlp, fn->dense_kind, mlp_forward);
-	if (!mlp)
-		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	int64_t I = c->intermediate_size;
-	st = add_linear(ctx, mlp, "gate_proj", I, H, std);
-	if (st == EPJ_OK)
-		st = add_linear(ctx, mlp, "up_proj", I, H, std);
-	if (st == EPJ_OK)
-		st = add_linear(ctx, mlp, "down_proj", H, I, std);
-	return st;
+	return add_swiglu(ctx, blk, fn->mlp, fn, c->intermediate_size, H, std);
 }
 
 static void noop_free(void *p)
@@ -847,7 +1155,9 @@ epj_status epj_model_set_param(epj_ctx *ctx, epj_model *m, int i, epj_tensor *t)
 		epj_tensor *nt = epj_detach(ctx, t);
 		if (!nt)
 			return ctx->status;
-		epj_tensor_set_requires_grad(nt, true);
+		/* a buffer (DeepSeek-V3's e_score_correction_bias) stays
+		 * one: state that no gradient reaches */
+		epj_tensor_set_requires_grad(nt, epj_tensor_requires_grad(old));
 		ej_storage_mark_param(nt);
 		ej_params_written(ctx);
 		owner->params[k] = nt;

@@ -316,6 +316,18 @@ typedef struct ej_autoep_opts {
 	bool norm_topk_prob;
 	bool fixed_routing; /* deterministic balanced assignment */
 	bool async_split_plan;
+	/* DeepSeek's routers (all zero: softmax, plain top-k, as Qwen3):
+	 * scores by softmax or sigmoid; experts chosen among the topk_group
+	 * best of n_group groups (groups); with score_bias, by score +
+	 * gate.e_score_correction_bias (a buffer [E] of the gate, f32, no
+	 * gradient), the weights still the scores; weights renormalised
+	 * (norm_topk_prob, + 1e-20 then) and times routed_scaling_factor
+	 * (0 means 1). */
+	ej_route_scoring scoring;
+	ej_route_groups groups;
+	int n_group, topk_group;
+	double routed_scaling_factor;
+	bool score_bias;
 	/* The checkpoint names of an expert's projections, gate, up, down
 	 * (NULL: Qwen3-MoE's gate_proj, up_proj, down_proj; Mixtral: w1, w3,
 	 * w2), and an expert's module kind (NULL: "Qwen3MoeMLP").  Static
@@ -333,6 +345,22 @@ typedef struct ej_autoep_opts {
 epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			  int hidden, int inter, const ej_autoep_opts *opts,
 			  epj_dtype dt, double init_std, ej_comm *comm);
+/* The experts of n tokens chosen from their scores [n, E] (row-major; the
+ * router's softmax or sigmoid) as DeepSeek's routers choose them: by
+ * score + bias[e] (bias NULL: 0); with groups, only among the experts of
+ * the topk_group best of n_group equal groups (a group scores its best
+ * expert, EJ_GROUPS_MAX, or the sum of its best two, EJ_GROUPS_TOP2); the
+ * top k, best first, ties to the lower index.  idx [n, k]. */
+void ej_autoep_select(const double *scores, const double *bias, int64_t n,
+		      int E, int k, ej_route_groups groups, int n_group,
+		      int topk_group, int64_t *idx);
+/* Aux-loss-free balancing (DeepSeek-V3) of a layer with a score bias:
+ * bias[e] += rate * sign(mean load - load[e]), the loads the tokens
+ * routed to each expert by the training forwards since the last call,
+ * summed over `comm` (NULL: this rank); then the loads restart.  A layer
+ * without a score bias, or without forwards, is left as is. */
+epj_status ej_autoep_balance(epj_ctx *ctx, epj_module *m, ej_comm *comm,
+			     double rate);
 /* The last forward's expert assignment: [N, top_k] i64 (borrowed; NULL
  * before the first call). */
 epj_tensor *ej_autoep_last_routing(const epj_module *m);

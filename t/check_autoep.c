@@ -621,6 +621,241 @@ START_TEST(test_routing_deterministic)
 }
 END_TEST
 
+/* ---- DeepSeek routing ----------------------------------------------------
+ */
+
+/* qsort of expert indices by value descending, index ascending */
+static const double *g_cmp_vals;
+static int cmp_desc(const void *a, const void *b)
+{
+	int i = *(const int *)a, j = *(const int *)b;
+	double u = g_cmp_vals[i], v = g_cmp_vals[j];
+	return u > v ? -1 : u < v ? 1 : i - j;
+}
+
+/* The reference of ej_autoep_select, by sorting: group scores from each
+ * group sorted, the groups sorted, the allowed experts sorted. */
+static void ref_select(const double *sc, const double *bias, int E, int k,
+		       ej_route_groups g, int ng, int tg, int *out)
+{
+	double c[64], gs[64], allowed[64];
+	int ord[64];
+	for (int e = 0; e < E; e++)
+		c[e] = sc[e] + (bias ? bias[e] : 0);
+	for (int e = 0; e < E; e++)
+		allowed[e] = c[e];
+	if (g != EJ_GROUPS_NONE) {
+		int per = E / ng;
+		for (int q = 0; q < ng; q++) {
+			for (int i = 0; i < per; i++)
+				ord[i] = q * per + i;
+			g_cmp_vals = c;
+			qsort(ord, (size_t)per, sizeof *ord, cmp_desc);
+			gs[q] =
+			    c[ord[0]] + (g == EJ_GROUPS_TOP2 ? c[ord[1]] : 0);
+		}
+		for (int q = 0; q < ng; q++)
+			ord[q] = q;
+		g_cmp_vals = gs;
+		qsort(ord, (size_t)ng, sizeof *ord, cmp_desc);
+		for (int q = tg; q < ng; q++)
+			for (int i = 0; i < per; i++)
+				allowed[ord[q] * per + i] = -INFINITY;
+	}
+	for (int e = 0; e < E; e++)
+		ord[e] = e;
+	g_cmp_vals = allowed;
+	qsort(ord, (size_t)E, sizeof *ord, cmp_desc);
+	for (int j = 0; j < k; j++)
+		out[j] = ord[j];
+}
+
+/* ej_autoep_select against ref_select on random scores, biases, group
+ * layouts and k (ties included: scores drawn from a few values). */
+START_TEST(test_select_reference)
+{
+	for (int trial = 0; trial < 200; trial++) {
+		int ng = (int)tu_randint(1, 7), per = (int)tu_randint(1, 6);
+		int E = ng * per;
+		ej_route_groups g = (ej_route_groups)tu_randint(0, 3);
+		if (g == EJ_GROUPS_TOP2 && per < 2)
+			g = EJ_GROUPS_MAX;
+		int tg = (int)tu_randint(1, ng + 1);
+		int cap = g == EJ_GROUPS_NONE ? E : tg * per;
+		int k = (int)tu_randint(1, cap + 1);
+		bool ties = tu_randint(0, 4) == 0, has_b = tu_randint(0, 2);
+		const int n = 5;
+		double sc[5 * 36], bias[36];
+		for (int i = 0; i < n * E; i++)
+			sc[i] = ties ? (double)tu_randint(0, 3) / 4
+				     : tu_uniform(0, 1);
+		for (int e = 0; e < E; e++)
+			bias[e] = ties ? 0 : tu_uniform(-0.3, 0.3);
+		int64_t got[5 * 36];
+		ej_autoep_select(sc, has_b ? bias : NULL, n, E, k, g, ng, tg,
+				 got);
+		for (int t = 0; t < n; t++) {
+			int want[36];
+			ref_select(sc + t * E, has_b ? bias : NULL, E, k, g, ng,
+				   tg, want);
+			for (int j = 0; j < k; j++)
+				ck_assert_msg(got[t * k + j] == want[j],
+					      "trial %d token %d slot %d: E %d "
+					      "groups %d/%d mode %d k %d: got "
+					      "%lld, want %d",
+					      trial, t, j, E, tg, ng, (int)g, k,
+					      (long long)got[t * k + j],
+					      want[j]);
+		}
+	}
+}
+END_TEST
+
+/* DeepSeek-V3's router in a layer: sigmoid scores, experts chosen by score
+ * + e_score_correction_bias within the 2 best of 3 groups (a group's best
+ * two), the weights the scores alone, renormalised, times 2.5; against
+ * the double reference.  The bias is a buffer (no gradient, not trained)
+ * and changes only the choice: the output with the bias zeroed routes
+ * differently. */
+START_TEST(test_scored_routing_v3)
+{
+	const int H = 7, I = 5, E = 6, k = 3;
+	epj_ctx *ctx = tu_ctx();
+	epj_module *root = ej_module_new(NULL, "", "Root", NULL);
+	ej_autoep_opts o = mk_opts(E, k, true, false);
+	o.scoring = EJ_SCORE_SIGMOID;
+	o.groups = EJ_GROUPS_TOP2;
+	o.n_group = 3;
+	o.topk_group = 2;
+	o.routed_scaling_factor = 2.5;
+	o.score_bias = true;
+	epj_module *m =
+	    new_layer(ctx, root, "mlp", H, I, &o, EPJ_DTYPE_F32, 0.5);
+	epj_tensor *b = ej_module_param(ej_module_child(m, "gate"),
+					"e_score_correction_bias");
+	ck_assert_ptr_nonnull(b);
+	ck_assert(!epj_tensor_requires_grad(b));
+	double bias[6];
+	for (int e = 0; e < E; e++)
+		bias[e] = tu_uniform(-0.4, 0.4);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, b, bias), EPJ_OK);
+	ref_layer r;
+	ref_load(ctx, m, &r, H, I, &o);
+	r.norm = false; /* the weights below are final */
+	int64_t sh[3] = { 3, 5, H }, N = 15;
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
+	epj_tensor *out = call_layer(ctx, m, x);
+	double *xv = tu_values(ctx, x), *ov = tu_values(ctx, out);
+	double *wt = calloc((size_t)(N * E), sizeof *wt), sc[6];
+	double *want = malloc(sizeof *want * (size_t)(N * H));
+	int64_t route[15 * 3];
+	double *routed = tu_values(ctx, ej_autoep_last_routing(m));
+	for (int64_t n = 0; n < N; n++) {
+		for (int e = 0; e < E; e++) {
+			double l = 0;
+			for (int h = 0; h < H; h++)
+				l += xv[n * H + h] * r.gate[e * H + h];
+			sc[e] = 1 / (1 + exp(-l));
+		}
+		int pick[3];
+		ref_select(sc, bias, E, k, EJ_GROUPS_TOP2, 3, 2, pick);
+		double sum = 0;
+		for (int j = 0; j < k; j++)
+			sum += sc[pick[j]];
+		for (int j = 0; j < k; j++) {
+			route[n * k + j] = pick[j];
+			wt[n * E + pick[j]] = sc[pick[j]] / sum * 2.5;
+			ck_assert_int_eq((int64_t)routed[n * k + j], pick[j]);
+		}
+	}
+	ref_output(&r, xv, N, wt, route, want);
+	for (int64_t i = 0; i < N * H; i++)
+		ck_assert_msg(
+		    fabs(ov[i] - want[i]) <= 1e-5 * (1 + fabs(want[i])),
+		    "out[%lld] %g, want %g", (long long)i, ov[i], want[i]);
+	/* backward: the gate trains, the bias gets no gradient */
+	epj_tensor *loss = epj_sum(ctx, out, -1, false);
+	epj_tensor *l2 = epj_sum(ctx, loss, -1, false);
+	epj_tensor *l3 = epj_sum(ctx, l2, -1, false);
+	ck_assert_int_eq(epj_backward(ctx, l3, NULL), EPJ_OK);
+	ck_assert_ptr_nonnull(epj_tensor_grad(param_of(m, "gate")));
+	ck_assert_ptr_null(epj_tensor_grad(b));
+	free(xv);
+	free(ov);
+	free(wt);
+	free(want);
+	free(routed);
+	ref_free(&r);
+	epj_tensor_free(loss);
+	epj_tensor_free(l2);
+	epj_tensor_free(l3);
+	epj_tensor_free(out);
+	epj_tensor_free(x);
+	ej_module_free(root);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Aux-loss-free balancing: after training forwards (a no-grad forward does
+ * not count) the bias moves by rate * sign(mean load - load) per expert,
+ * the loads taken from the routings; the loads then restart (a second
+ * call changes nothing). */
+START_TEST(test_balance_rule)
+{
+	const int H = 6, I = 3, E = 8, k = 2;
+	epj_ctx *ctx = tu_ctx();
+	epj_module *root = ej_module_new(NULL, "", "Root", NULL);
+	ej_autoep_opts o = mk_opts(E, k, true, false);
+	o.scoring = EJ_SCORE_SIGMOID;
+	o.groups = EJ_GROUPS_TOP2;
+	o.n_group = 4;
+	o.topk_group = 2;
+	o.score_bias = true;
+	epj_module *m =
+	    new_layer(ctx, root, "mlp", H, I, &o, EPJ_DTYPE_F32, 0.8);
+	epj_tensor *b = ej_module_param(ej_module_child(m, "gate"),
+					"e_score_correction_bias");
+	double b0[8], b1[8], b2[8], load[8] = { 0 };
+	for (int e = 0; e < E; e++)
+		b0[e] = tu_uniform(-0.1, 0.1);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, b, b0), EPJ_OK);
+	for (int call = 0; call < 3; call++) {
+		int64_t sh[3] = { 2, 3 + call, H };
+		epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
+		bool prev = call == 2 ? epj_no_grad_enter(ctx) : false;
+		epj_tensor *out = call_layer(ctx, m, x);
+		if (call == 2)
+			epj_no_grad_exit(ctx, prev);
+		double *rt = tu_values(ctx, ej_autoep_last_routing(m));
+		for (int64_t i = 0; call < 2 && i < sh[0] * sh[1] * k; i++)
+			load[(int)rt[i]] += 1;
+		free(rt);
+		epj_tensor_free(out);
+		epj_tensor_free(x);
+	}
+	ck_assert_int_eq(ej_autoep_balance(ctx, m, NULL, 0.01), EPJ_OK);
+	ck_assert_int_eq(epj_tensor_to_f64(ctx, b, b1), EPJ_OK);
+	double mean = 0;
+	for (int e = 0; e < E; e++)
+		mean += load[e] / E;
+	int moved = 0;
+	for (int e = 0; e < E; e++) {
+		double want =
+		    b0[e] + 0.01 * ((load[e] < mean) - (load[e] > mean));
+		ck_assert_msg(fabs(b1[e] - want) < 1e-7,
+			      "expert %d (load %g, mean %g): bias %g, want %g",
+			      e, load[e], mean, b1[e], want);
+		moved += b1[e] != b0[e];
+	}
+	ck_assert_int_gt(moved, 0);
+	ck_assert_int_eq(ej_autoep_balance(ctx, m, NULL, 0.01), EPJ_OK);
+	ck_assert_int_eq(epj_tensor_to_f64(ctx, b, b2), EPJ_OK);
+	ck_assert(memcmp(b1, b2, sizeof b1) == 0);
+	ej_module_free(root);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- (4) counters ---------------------------------------------------------
  */
 
@@ -911,6 +1146,20 @@ START_TEST(test_bad_options)
 	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 8, 4, &o,
 					 EPJ_DTYPE_F32, 0.02, NULL));
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "num_experts"));
+	/* group-limited routing: groups that do not divide the experts,
+	 * and a top_k past the kept groups' experts */
+	o = mk_opts(6, 2, true, false);
+	o.groups = EJ_GROUPS_MAX;
+	o.n_group = 4;
+	o.topk_group = 1;
+	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 8, 4, &o,
+					 EPJ_DTYPE_F32, 0.02, NULL));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "group-limited"));
+	o.n_group = 3;
+	o.top_k = 3;
+	ck_assert_ptr_null(ej_autoep_new(ctx, root, "mlp", 8, 4, &o,
+					 EPJ_DTYPE_F32, 0.02, NULL));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "top 3"));
 	/* 2^30 experts: refused with the allowed range before any count
 	 * (1 + 3 x experts parameters) can overflow. */
 	o = mk_opts(1 << 30, 2, true, false);
@@ -1339,6 +1588,9 @@ Suite *make_autoep_suite(void)
 	tcase_add_test(tc, test_bf16_vs_f32);
 	tcase_add_test(tc, test_fused_vs_sequence);
 	tcase_add_test(tc, test_ops_env);
+	tcase_add_test(tc, test_select_reference);
+	tcase_add_test(tc, test_scored_routing_v3);
+	tcase_add_test(tc, test_balance_rule);
 	suite_add_tcase(s, tc);
 	TCase *tg = tcase_create("grad");
 	tcase_set_timeout(tg, 60);

@@ -238,7 +238,7 @@ START_TEST(test_defaults)
 	ck_assert_int_eq(c.expert_parallel.top_k, 0);
 	ck_assert_int_eq(c.expert_parallel.route_norm, -1);
 	ck_assert(c.expert_parallel.has_load_balance &&
-		  c.expert_parallel.load_balance_coeff == 1e-3);
+		  c.expert_parallel.load_balance_coeff == 0);
 	ck_assert(!c.compile.autoep_non_moe);
 	ck_assert_str_eq(c.compile.backend, "");
 	ck_assert_int_eq(c.compile.fullgraph, EJ_JSON_FALSE);

@@ -293,7 +293,28 @@ static void same_config(const ej_model_config *a, const ej_model_config *b,
 		a->rope_theta == b->rope_theta &&
 		a->max_position_embeddings == b->max_position_embeddings &&
 		a->tie_word_embeddings == b->tie_word_embeddings &&
-		a->initializer_range == b->initializer_range,
+		a->initializer_range == b->initializer_range &&
+		a->family == b->family && a->rope_type == b->rope_type &&
+		a->rope_factor == b->rope_factor &&
+		a->rope_original_max == b->rope_original_max &&
+		a->rope_beta_fast == b->rope_beta_fast &&
+		a->rope_beta_slow == b->rope_beta_slow &&
+		a->rope_mscale == b->rope_mscale &&
+		a->rope_mscale_all_dim == b->rope_mscale_all_dim &&
+		a->rope_attention_factor == b->rope_attention_factor &&
+		a->rope_truncate == b->rope_truncate && a->mla == b->mla &&
+		a->q_lora_rank == b->q_lora_rank &&
+		a->kv_lora_rank == b->kv_lora_rank &&
+		a->qk_nope_head_dim == b->qk_nope_head_dim &&
+		a->qk_rope_head_dim == b->qk_rope_head_dim &&
+		a->v_head_dim == b->v_head_dim &&
+		a->rope_interleave == b->rope_interleave &&
+		a->first_k_dense_replace == b->first_k_dense_replace &&
+		a->n_shared_experts == b->n_shared_experts &&
+		a->routed_scaling_factor == b->routed_scaling_factor &&
+		a->scoring == b->scoring && a->groups == b->groups &&
+		a->n_group == b->n_group && a->topk_group == b->topk_group &&
+		a->score_bias == b->score_bias,
 	    "%s: a field changed in the round trip", what);
 	for (int i = 0; i < a->n_mlp_only_layers; i++)
 		ck_assert_int_eq(a->mlp_only_layers[i], b->mlp_only_layers[i]);
@@ -425,6 +446,64 @@ START_TEST(test_mixtral)
 	ck_assert_int_eq(ej_model_config_parse(ctx, t, "tiny", &b), EPJ_OK);
 	ck_assert(b.qk_norm);
 	ck_assert_int_eq(b.family, EJ_FAMILY_QWEN3_MOE);
+	free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* DeepSeek-V3 as published and as transformers 5 writes it
+ * (t/model_configs/deepseek_v3), and the tiny DeepSeek-V2 transformers
+ * made for the golden files: every DeepSeek field, the dense first
+ * layers, and the JSON writer's round trip (rope_parameters included). */
+START_TEST(test_deepseek)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config a, b;
+	char path[1024];
+	snprintf(path, sizeof path,
+		 "%s/t/model_configs/deepseek_v3/config.json", tu_srcdir());
+	ck_assert_int_eq(ej_model_config_load(ctx, path, &a), EPJ_OK);
+	ck_assert_int_eq(a.family, EJ_FAMILY_DEEPSEEK_V3);
+	ck_assert(a.mla && !a.qk_norm && a.rope_interleave && a.score_bias);
+	ck_assert_int_eq(a.q_lora_rank, 1536);
+	ck_assert_int_eq(a.kv_lora_rank, 512);
+	ck_assert(a.qk_nope_head_dim == 128 && a.qk_rope_head_dim == 64 &&
+		  a.v_head_dim == 128 && a.head_dim == 64);
+	ck_assert(a.num_experts == 256 && a.num_experts_per_tok == 8 &&
+		  a.n_shared_experts == 1 && a.moe_intermediate_size == 2048);
+	ck_assert(a.scoring == EJ_SCORE_SIGMOID && a.groups == EJ_GROUPS_TOP2 &&
+		  a.n_group == 8 && a.topk_group == 4);
+	ck_assert(a.norm_topk_prob && a.routed_scaling_factor == 2.5);
+	ck_assert(a.rope_type == EJ_ROPE_YARN && a.rope_factor == 40 &&
+		  a.rope_original_max == 4096 && a.rope_mscale == 1 &&
+		  a.rope_mscale_all_dim == 1 && a.rope_beta_fast == 32 &&
+		  a.rope_beta_slow == 1 && a.rope_truncate);
+	ck_assert_int_eq(a.first_k_dense_replace, 3);
+	ck_assert(!ej_model_layer_is_moe(&a, 2) &&
+		  ej_model_layer_is_moe(&a, 3) &&
+		  ej_model_layer_is_moe(&a, 60));
+	char *t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "v3-rt", &b), EPJ_OK);
+	same_config(&a, &b, "deepseek_v3");
+	free(t);
+
+	snprintf(path, sizeof path, "%s/t/golden/hf/deepseek_v2/config.json",
+		 tu_srcdir());
+	ck_assert_int_eq(ej_model_config_load(ctx, path, &a), EPJ_OK);
+	ck_assert_int_eq(a.family, EJ_FAMILY_DEEPSEEK_V2);
+	ck_assert(a.mla && a.q_lora_rank == 0 && a.rope_interleave &&
+		  !a.score_bias && !a.norm_topk_prob);
+	ck_assert(a.scoring == EJ_SCORE_SOFTMAX && a.groups == EJ_GROUPS_MAX &&
+		  a.n_group == 4 && a.topk_group == 2);
+	ck_assert(a.rope_type == EJ_ROPE_LINEAR && a.rope_factor == 2 &&
+		  a.routed_scaling_factor == 1.5 && a.n_shared_experts == 2);
+	ck_assert(!ej_model_layer_is_moe(&a, 0) &&
+		  ej_model_layer_is_moe(&a, 1));
+	t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "v2-rt", &b), EPJ_OK);
+	same_config(&a, &b, "deepseek_v2");
 	free(t);
 	epj_ctx_free(ctx);
 }
@@ -599,6 +678,7 @@ Suite *make_model_config_suite(void)
 	tcase_add_test(tc, test_config_json_roundtrip);
 	tcase_add_test(tc, test_mixtral);
 	tcase_add_test(tc, test_qwen2_moe);
+	tcase_add_test(tc, test_deepseek);
 	tcase_add_test(tc, test_overrides);
 	suite_add_tcase(s, tc);
 	return s;

@@ -141,9 +141,13 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 	done
 	# 4. 2 ranks, EP 2, against 1 rank x 2 micro-batches
 	if [ -n "$MPIRUN" ]; then
-		sed 's/"gradient_accumulation_steps": 1/"gradient_accumulation_steps": 2/' \
+		# lr 1e-3: at 1e-2 the last bits in which 2 ranks sum a
+		# gradient differently from 1 rank flip a near-tied expert
+		# choice of DeepSeek's group-limited routers by step 3
+		# (measured: losses equal to 2e-7 for 5 steps at 1e-3)
+		sed 's/"gradient_accumulation_steps": 1/"gradient_accumulation_steps": 2/; s/"lr": 0.01/"lr": 0.001/' \
 			adam.json >g1.json
-		sed 's/"seed": 3,/"seed": 3, "zero_optimization": {"stage": 1}, "expert_parallel": {"autoep_size": 2},/' \
+		sed 's/"seed": 3,/"seed": 3, "zero_optimization": {"stage": 1}, "expert_parallel": {"autoep_size": 2},/; s/"lr": 0.01/"lr": 0.001/' \
 			adam.json >g2.json
 		"$TRAIN" --model "$cfg" --load "$dir/model.safetensors" \
 			--config g1.json --steps 3 --seq 7 --metrics "$fam-g1.csv" \
@@ -165,7 +169,8 @@ done
 [ "$nfam" -ge 3 ] || fail "only $nfam golden families found under $srcdir/t/golden/hf"
 # 5. full-size configs
 for big in "$srcdir/t/models/qwen3-30b-a3b.json" \
-	"$srcdir/t/model_configs/mixtral_8x7b/config.json"; do
+	"$srcdir/t/model_configs/mixtral_8x7b/config.json" \
+	"$srcdir/t/model_configs/deepseek_v3/config.json"; do
 	"$WARMUP" --dry-run --model "$big" --seq 16 >big.log 2>&1 ||
 		fail "epjit-warmup --dry-run --model $big: $(cat big.log)"
 	grep -q 'artifacts (dry run: nothing compiled)' big.log ||

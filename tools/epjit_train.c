@@ -832,7 +832,7 @@ static epj_status add_f32(epj_ctx *ctx, epj_st_writer *w, const char *name,
 /* One forward and backward of the model (grads on, no optimizer step) on
  * the next batch; writes input_ids, labels (i64 [B,T]), logits (f32
  * [B,T,V]), loss (f32 []), every parameter (f32, HF name) and its gradient
- * (f32, HF name + ".grad"; zeros when it got none). */
+ * (f32, HF name + ".grad"; zeros when it got none; none for a buffer). */
 /* --emit-cuda DIR: trace every region at the run's batch shape (one CPU
  * forward and backward, no optimizer step) and write each graph's CUDA C
  * with its NVRTC options; --nvrtc-check compiles them too. */
@@ -943,6 +943,10 @@ static int dump_state(run *r, const char *path, const char *batch)
 		char gname[512];
 		snprintf(gname, sizeof gname, "%s.grad", nm);
 		st = add_f32(ctx, w, nm, p);
+		/* a buffer (untrained state: DeepSeek-V3's score bias) has
+		 * no gradient to write */
+		if (!epj_tensor_requires_grad(p))
+			continue;
 		/* A parameter that got no gradient (an expert no token was
 		 * routed to) has a zero gradient. */
 		epj_tensor *g = epj_tensor_grad(p), *z = NULL;

@@ -59,7 +59,9 @@ B, T = 2, 7
 
 
 def families():
-    from transformers import (MixtralConfig, MixtralForCausalLM,
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM,
+                              DeepseekV3Config, DeepseekV3ForCausalLM,
+                              MixtralConfig, MixtralForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
     yield ("qwen3_moe", Qwen3MoeConfig(
@@ -82,6 +84,33 @@ def families():
         mlp_only_layers=[1], qkv_bias=True, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         Qwen2MoeForCausalLM, "mlp", ("gate_proj", "up_proj", "down_proj"))
+    # Multi-head latent attention with a q LoRA, v_head_dim 8 != the q/k
+    # head 6 + 4, interleaved rope with YaRN (both mscales); layer 0 dense;
+    # sigmoid routing with the correction bias (random: a trained
+    # checkpoint's), 8 experts in 4 groups, 2 groups kept, top 3,
+    # renormalised, times 2.5; one shared expert
+    mla = dict(COMMON, num_hidden_layers=3, num_key_value_heads=4,
+               kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+               v_head_dim=8, intermediate_size=28, moe_intermediate_size=12,
+               n_routed_experts=8, num_experts_per_tok=3,
+               first_k_dense_replace=1, n_group=4, topk_group=2)
+    yield ("deepseek_v3", DeepseekV3Config(
+        **mla, q_lora_rank=12, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                         "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.8}),
+        DeepseekV3ForCausalLM, "mlp", ("gate_proj", "up_proj", "down_proj"))
+    # DeepSeek-V2-Lite's shape: no q LoRA (q_proj), softmax routing with
+    # group-limited greedy top-k, times 1.5, not renormalised; two shared
+    # experts; linear rope scaling
+    yield ("deepseek_v2", DeepseekV2Config(
+        **mla, q_lora_rank=None, n_shared_experts=2,
+        routed_scaling_factor=1.5, topk_method="group_limited_greedy",
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                         "factor": 2.0}),
+        DeepseekV2ForCausalLM, "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 def ckpt_names(name, p, moe, proj):
@@ -120,6 +149,9 @@ def make(fam, cfg, cls, moe, proj):
                 p.mul_(4.0)
             if n.endswith(".bias"):
                 p.normal_(0.0, 0.2)
+        for n, b in model.named_buffers():
+            if n.endswith(".e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.train()
     model.save_pretrained(d, safe_serialization=True)
     if fam == "mixtral":
@@ -169,6 +201,13 @@ def make(fam, cfg, cls, moe, proj):
                 f"{fam}: {cn} differs from the file"
             out[cn + ".grad"] = gv.contiguous()
             seen.add(cn)
+    # buffers in the file (DeepSeek-V3's e_score_correction_bias): state
+    # that is not trained, so it has no gradient
+    for n, b in model.named_buffers():
+        if n in names:
+            assert torch.equal(saved.get_tensor(n).double(), b.double()), \
+                f"{fam}: buffer {n} differs from the file"
+            seen.add(n)
     assert seen == names, f"{fam}: unmapped {sorted(names - seen)[:4]}"
     save_file(out, os.path.join(d, "golden.safetensors"))
     save_file({"input_ids": ids, "labels": labels},
