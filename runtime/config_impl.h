@@ -371,9 +371,10 @@ typedef struct ej_model_config {
 	bool score_bias;	 /* gate.e_score_correction_bias (V3) */
 } ej_model_config;
 
-/* Parses an HF config.json (Qwen3-MoE, Mixtral or Qwen2-MoE).  Unused keys are
- * listed once at debug level; used keys with values this library does not
- * implement (sliding window, attention bias, rope scaling, activation other
+/* Parses an HF config.json (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3).
+ * Unused keys are listed once at debug level; used keys with values this
+ * library does not implement (sliding window, attention bias, rope types
+ * other than default, linear and yarn, activation other
  * than silu, another model_type, dropout, router logits output, router
  * jitter) are errors naming the key.  *out is always written (zeros on
  * failure). */

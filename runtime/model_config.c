@@ -1,14 +1,15 @@
-/* model_config.c -- the Hugging Face config.json of a Qwen3-MoE, Mixtral or
- * Qwen2-MoE model (model_type "qwen3_moe", the default when absent,
- * "mixtral" or "qwen2_moe").
+/* model_config.c -- the Hugging Face config.json of a Qwen3-MoE, Mixtral,
+ * Qwen2-MoE or DeepSeek-V2/V3 model (model_type "qwen3_moe", the default
+ * when absent, "mixtral", "qwen2_moe", "deepseek_v2" or "deepseek_v3").
  *
  * The reader accepts a published config as is: HF files carry many keys the
  * trainer has no use for (token ids, architectures, use_cache ...), so keys
  * outside the table below are listed once at debug level and otherwise
  * ignored.  Keys the model builder reads are type- and range-checked, and
  * keys whose values would change the model in ways this library does not
- * implement (sliding windows, attention bias, RoPE scaling, another
- * activation or model family, dropout, router-logit losses) are errors that
+ * implement (sliding windows, attention bias, RoPE scaling other than
+ * linear and YaRN, another activation or model family, dropout,
+ * router-logit losses) are errors that
  * name the key, so a model is never silently built differently from the
  * checkpoint's definition.  A missing required key names any unused key that
  * looks like a typo of it.

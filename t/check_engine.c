@@ -155,6 +155,101 @@ static double train(epj_engine *e, epj_ctx *ctx, epj_tensor *ids,
  * source (0.9 .. 1.3 nats depending on the chain), a drop of about 1.6.
  * Required: a drop > 1.0 and a final loss in [floor - 0.1, floor + 0.25]
  * (the lower bound is 5 standard errors of the held-out mean). */
+/* DeepSeek-V3's score bias through the engine (the tiny model of the
+ * golden files, loaded from transformers' checkpoint): a buffer the
+ * optimizer leaves alone (f32, no gradient) under the default
+ * load_balance_coeff (0); with a coefficient c, every step moves each
+ * bias by -c, 0 or +c, so after 3 steps each moved by a multiple of c of
+ * at most 3c, and some moved. */
+START_TEST(test_score_bias_balance)
+{
+	const double c = 0.05;
+	char cfg[1024], st[1024];
+	snprintf(cfg, sizeof cfg, "%s/t/golden/hf/deepseek_v3/config.json",
+		 tu_srcdir());
+	snprintf(st, sizeof st, "%s/t/golden/hf/deepseek_v3/model.safetensors",
+		 tu_srcdir());
+	for (int arm = 0; arm < 2; arm++) {
+		epj_ctx *ctx = tu_ctx();
+		epj_model *m = NULL;
+		epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
+				     .seed = 5,
+				     .dtype = EPJ_DTYPE_F32 };
+		ck_assert_int_eq(epj_model_new(ctx, cfg, &o, &m), EPJ_OK);
+		epj_engine *e = new_engine(
+		    ctx, m,
+		    arm ? "{\"train_micro_batch_size_per_gpu\": 2, "
+			  "\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+			  "{\"lr\": 0.01, \"weight_decay\": 0.1}}, "
+			  "\"expert_parallel\": {\"load_balance_coeff\": "
+			  "0.05}}"
+			: "{\"train_micro_batch_size_per_gpu\": 2, "
+			  "\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+			  "{\"lr\": 0.01, \"weight_decay\": 0.1}}}");
+		ck_assert_msg(epj_engine_load(e, st) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		double before[2][8], after[2][8];
+		int nb = 0, idx[2];
+		for (int i = 0; i < epj_model_num_params(m); i++) {
+			const char *nm = epj_model_param_name(m, i);
+			if (!strstr(nm, "e_score_correction_bias"))
+				continue;
+			ck_assert_int_lt(nb, 2);
+			epj_tensor *b = epj_model_param(m, i);
+			ck_assert(!epj_tensor_requires_grad(b));
+			ck_assert_int_eq(epj_tensor_numel(b), 8);
+			ck_assert_int_eq(epj_tensor_to_f64(ctx, b, before[nb]),
+					 EPJ_OK);
+			idx[nb++] = i;
+		}
+		ck_assert_int_eq(nb, 2); /* layers 1 and 2 (layer 0 dense) */
+		epj_corpus *corp = epj_corpus_synthetic(ctx, 97, 11);
+		tu_ok(ctx, corp);
+		for (int s = 0; s < 3; s++) {
+			epj_tensor *ids = NULL, *lab = NULL;
+			ck_assert_int_eq(
+			    epj_corpus_next_batch(ctx, corp, 2, 7, &ids, &lab),
+			    EPJ_OK);
+			train(e, ctx, ids, lab, NULL);
+			epj_tensor_free(ids);
+			epj_tensor_free(lab);
+		}
+		int moved = 0;
+		for (int j = 0; j < nb; j++) {
+			epj_tensor *b = epj_model_param(m, idx[j]);
+			ck_assert_int_eq(epj_tensor_dtype(b), EPJ_DTYPE_F32);
+			ck_assert_ptr_null(epj_tensor_grad(b));
+			ck_assert_int_eq(epj_tensor_to_f64(ctx, b, after[j]),
+					 EPJ_OK);
+			for (int x = 0; x < 8; x++) {
+				double d = after[j][x] - before[j][x];
+				if (!arm) {
+					ck_assert_msg(d == 0,
+						      "bias moved by %g "
+						      "without a "
+						      "coefficient",
+						      d);
+					continue;
+				}
+				double q = d / c;
+				ck_assert_msg(fabs(q - round(q)) < 1e-4 &&
+						  fabs(q) <= 3 + 1e-4,
+					      "bias moved by %g: not a "
+					      "multiple of %g up to 3",
+					      d, c);
+				moved += d != 0;
+			}
+		}
+		if (arm)
+			ck_assert_int_gt(moved, 0);
+		epj_corpus_free(corp);
+		epj_engine_free(e);
+		epj_model_free(m);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
 START_TEST(test_train_converges)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1606,6 +1701,7 @@ Suite *make_engine_suite(void)
 	TCase *tt = tcase_create("train");
 	tcase_set_timeout(tt, 60);
 	tcase_add_test(tt, test_train_converges);
+	tcase_add_test(tt, test_score_bias_balance);
 	tcase_add_test(tt, test_grad_accum);
 	tcase_add_test(tt, test_nonfinite_fails);
 	tcase_add_test(tt, test_nonfinite_skipped);
