@@ -293,6 +293,12 @@ epj_tensor *epj_contiguous(epj_ctx *ctx, epj_tensor *a);
  * T > S the first T - S queries see no key and their output is 0. */
 epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 		     bool causal, double scale);
+/* The gated delta rule of Gated DeltaNet: q, k [B, T, H, Dk], v [B, T, H,
+ * Dv], g (log decay), beta [B, T, H] -> o [B, T, H, Dv], per (b, h) a state
+ * S [Dk, Dv] from zero: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T;
+ * o_t = S^T q_t (lib/ops_delta.c).  Differentiable in every input. */
+epj_tensor *epj_gated_delta(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
+			    epj_tensor *v, epj_tensor *g, epj_tensor *beta);
 /* Mean cross-entropy of logits [N, V] against targets [N] (i32/i64),
  * skipping targets equal to ignore_index.  Result shape [] in f32 (f64 for
  * f64 logits).  All ignored -> NaN, as in PyTorch. */

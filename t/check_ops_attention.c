@@ -892,6 +892,200 @@ START_TEST(test_ce_errors)
 }
 END_TEST
 
+/* ---- the gated delta rule ------------------------------------------------
+ */
+
+/* The reference, written as the recurrence over explicit per-step states
+ * S_0 .. S_T (all kept), in double: o [B, T, H, Dv]. */
+static void ref_delta(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
+		      const double *q, const double *k, const double *v,
+		      const double *g, const double *be, double *o)
+{
+	double *S = calloc((size_t)((T + 1) * Dk * Dv), sizeof *S);
+	ck_assert_ptr_nonnull(S);
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t h = 0; h < H; h++) {
+			memset(S, 0, sizeof *S * (size_t)(Dk * Dv));
+			for (int64_t t = 0; t < T; t++) {
+				int64_t r = (b * T + t) * H + h;
+				double *P = S + t * Dk * Dv, *N = P + Dk * Dv;
+				double a = exp(g[r]);
+				for (int64_t j = 0; j < Dv; j++) {
+					double mk = 0;
+					for (int64_t i = 0; i < Dk; i++)
+						mk += a * P[i * Dv + j] *
+						      k[r * Dk + i];
+					double d = be[r] * (v[r * Dv + j] - mk);
+					for (int64_t i = 0; i < Dk; i++)
+						N[i * Dv + j] =
+						    a * P[i * Dv + j] +
+						    k[r * Dk + i] * d;
+					double y = 0;
+					for (int64_t i = 0; i < Dk; i++)
+						y += N[i * Dv + j] *
+						     q[r * Dk + i];
+					o[r * Dv + j] = y;
+				}
+			}
+		}
+	free(S);
+}
+
+/* Random inputs of the rule: q, k l2-normalised rows (as Gated DeltaNet
+ * feeds them), v normal, g = log decay in [-2, -0.01], beta in (0, 1). */
+static void make_delta(epj_ctx *ctx, epj_dtype dt, const int64_t *d,
+		       epj_tensor **in)
+{
+	int64_t sk[4] = { d[0], d[1], d[2], d[3] },
+		sv[4] = { d[0], d[1], d[2], d[4] };
+	int64_t n = d[0] * d[1] * d[2];
+	in[0] = tu_randn(ctx, dt, 4, sk);
+	in[1] = tu_randn(ctx, dt, 4, sk);
+	in[2] = tu_randn(ctx, dt, 4, sv);
+	double *x = malloc(sizeof *x * (size_t)(n * d[3]));
+	for (int w = 0; w < 2; w++) {
+		ck_assert_int_eq(epj_tensor_to_f64(ctx, in[w], x), EPJ_OK);
+		for (int64_t r = 0; r < n; r++) {
+			double ss = 0;
+			for (int64_t i = 0; i < d[3]; i++)
+				ss += x[r * d[3] + i] * x[r * d[3] + i];
+			for (int64_t i = 0; i < d[3]; i++)
+				x[r * d[3] + i] /= sqrt(ss + 1e-6);
+		}
+		ck_assert_int_eq(epj_tensor_from_f64(ctx, in[w], x), EPJ_OK);
+	}
+	free(x);
+	int64_t s3[3] = { d[0], d[1], d[2] };
+	double *gv = malloc(sizeof *gv * (size_t)n);
+	double *bv = malloc(sizeof *bv * (size_t)n);
+	for (int64_t i = 0; i < n; i++) {
+		gv[i] = tu_uniform(-2, -0.01);
+		bv[i] = tu_uniform(0.05, 0.95);
+	}
+	in[3] = epj_zeros(ctx, dt, 3, s3);
+	in[4] = epj_zeros(ctx, dt, 3, s3);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, in[3], gv), EPJ_OK);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, in[4], bv), EPJ_OK);
+	free(gv);
+	free(bv);
+}
+
+/* The op against the reference on odd sizes, f64 and f32, on the cpu and
+ * on cuda-sim (whose row runs the CPU kernel on the host: counted as a
+ * fallback). */
+START_TEST(test_gated_delta_forward)
+{
+	const int64_t dims[][5] = { { 2, 9, 3, 5, 4 },
+				    { 1, 1, 1, 1, 1 },
+				    { 1, 70, 2, 3, 6 } };
+	for (int dev = 0; dev < 2; dev++) {
+		epj_ctx *ctx = NULL;
+		ck_assert_int_eq(epj_ctx_new(dev ? "cuda-sim" : "cpu", &ctx),
+				 EPJ_OK);
+		epj_ctx_seed(ctx, tu_seed() + (uint64_t)dev);
+		for (size_t c = 0; c < LEN(dims); c++)
+			for (int f = 0; f < 2; f++) {
+				epj_dtype dt =
+				    f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
+				const int64_t *d = dims[c];
+				epj_tensor *in[5];
+				make_delta(ctx, dt, d, in);
+				epj_tensor *o = epj_gated_delta(
+				    ctx, in[0], in[1], in[2], in[3], in[4]);
+				ck_assert_msg(o != NULL, "%s",
+					      epj_ctx_error(ctx));
+				ck_assert_int_eq(epj_tensor_dtype(o), dt);
+				double *x[5];
+				for (int i = 0; i < 5; i++)
+					x[i] = tu_values(ctx, in[i]);
+				int64_t no = d[0] * d[1] * d[2] * d[4];
+				double *want =
+				    malloc(sizeof *want * (size_t)no);
+				ref_delta(d[0], d[1], d[2], d[3], d[4], x[0],
+					  x[1], x[2], x[3], x[4], want);
+				double *got = tu_values(ctx, o), nz = 0;
+				for (int64_t i = 0; i < no; i++) {
+					double tl = f ? 2e-5 : 1e-12;
+					ck_assert_msg(
+					    fabs(got[i] - want[i]) <=
+						tl * (1 + fabs(want[i])),
+					    "case %zu %s o[%lld] %g, "
+					    "want %g",
+					    c, epj_dtype_name(dt), (long long)i,
+					    got[i], want[i]);
+					nz += fabs(want[i]);
+				}
+				ck_assert(nz > 0);
+				free(got);
+				free(want);
+				for (int i = 0; i < 5; i++) {
+					free(x[i]);
+					epj_tensor_free(in[i]);
+				}
+				epj_tensor_free(o);
+			}
+		if (dev)
+			ck_assert_int_gt(
+			    epj_counter_get(ctx, "kernels.eager_cpu_fallback"),
+			    0);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
+static epj_tensor *fn_delta(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	(void)user;
+	return epj_gated_delta(ctx, in[0], in[1], in[2], in[3], in[4]);
+}
+
+/* Every input's gradient against central differences (f64), one case with
+ * T > 64 so that the backward's kept states and recomputed chunks (every
+ * 64 steps) are crossed. */
+START_TEST(test_gated_delta_gradcheck)
+{
+	epj_ctx *ctx = tu_ctx();
+	const int64_t dims[][5] = { { 2, 6, 2, 3, 4 }, { 1, 67, 1, 2, 2 } };
+	for (size_t c = 0; c < LEN(dims); c++) {
+		epj_tensor *in[5];
+		make_delta(ctx, EPJ_DTYPE_F64, dims[c], in);
+		for (int i = 0; i < 5; i++)
+			epj_tensor_set_requires_grad(in[i], true);
+		char what[48];
+		snprintf(what, sizeof what, "gated_delta gradcheck %zu", c);
+		tu_gradcheck(ctx, fn_delta, in, 5, NULL, 1e-6, 1e-5, 1e-7,
+			     what);
+		for (int i = 0; i < 5; i++)
+			epj_tensor_free(in[i]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_gated_delta_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_tensor *in[5];
+	const int64_t d[5] = { 1, 3, 2, 4, 5 };
+	make_delta(ctx, EPJ_DTYPE_F32, d, in);
+	/* k of another shape */
+	int64_t bad[4] = { 1, 3, 2, 3 };
+	epj_tensor *k2 = tu_randn(ctx, EPJ_DTYPE_F32, 4, bad);
+	ck_assert_ptr_null(
+	    epj_gated_delta(ctx, in[0], k2, in[2], in[3], in[4]));
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "gated_delta"));
+	/* g of another dtype */
+	epj_tensor *g64 = epj_cast(ctx, in[3], EPJ_DTYPE_F64);
+	ck_assert_ptr_null(
+	    epj_gated_delta(ctx, in[0], in[1], in[2], g64, in[4]));
+	epj_tensor_free(k2);
+	epj_tensor_free(g64);
+	for (int i = 0; i < 5; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_ops_attention_suite(void)
 {
 	Suite *s = suite_create("ops_attention");
@@ -907,6 +1101,12 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_flash_threads);
 	tcase_add_test(ts, test_sdpa_env);
 	suite_add_tcase(s, ts);
+	TCase *td = tcase_create("gated_delta");
+	tcase_set_timeout(td, 60);
+	tcase_add_test(td, test_gated_delta_forward);
+	tcase_add_test(td, test_gated_delta_gradcheck);
+	tcase_add_test(td, test_gated_delta_errors);
+	suite_add_tcase(s, td);
 	TCase *tc = tcase_create("cross_entropy");
 	tcase_set_timeout(tc, 30);
 	tcase_add_test(tc, test_ce_forward_backward);
