@@ -298,6 +298,7 @@ typedef enum ej_model_family {
 	EJ_FAMILY_QWEN2_MOE,	 /* "qwen2_moe" */
 	EJ_FAMILY_DEEPSEEK_V2,	 /* "deepseek_v2" */
 	EJ_FAMILY_DEEPSEEK_V3,	 /* "deepseek_v3" */
+	EJ_FAMILY_QWEN3_5_MOE,	 /* "qwen3_5_moe_text" */
 } ej_model_family;
 
 /* rope_parameters.rope_type (or the older rope_scaling.type). */
@@ -369,6 +370,17 @@ typedef struct ej_model_config {
 	ej_route_groups groups;
 	int n_group, topk_group; /* groups; 0 with EJ_GROUPS_NONE */
 	bool score_bias;	 /* gate.e_score_correction_bias (V3) */
+	/* Qwen3.5-MoE: zero-centred norms (weight w: x^ (1 + w), in f32),
+	 * gated attention output, rope on the first rotary_dim dimensions of
+	 * a head (0: all), Gated DeltaNet in the layers marked linear */
+	bool norm_offset;
+	bool attn_output_gate;
+	double partial_rotary_factor; /* default 1 (Qwen3.5: 0.25) */
+	int rotary_dim;
+	int linear_conv_kernel_dim;
+	int linear_key_head_dim, linear_value_head_dim;
+	int linear_num_key_heads, linear_num_value_heads;
+	bool linear_layer[EJ_MODEL_MAX_LAYERS];
 } ej_model_config;
 
 /* Parses an HF config.json (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3).

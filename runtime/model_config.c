@@ -78,6 +78,13 @@ static const char *const used_keys[] = {
 	"qk_head_dim",
 	"v_head_dim",
 	"rope_interleave",
+	/* Qwen3.5-MoE */
+	"linear_conv_kernel_dim",
+	"linear_key_head_dim",
+	"linear_value_head_dim",
+	"linear_num_key_heads",
+	"linear_num_value_heads",
+	"partial_rotary_factor",
 };
 
 typedef struct mp {
@@ -225,6 +232,14 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 			m->family = EJ_FAMILY_DEEPSEEK_V2;
 		else if (!strcmp(json_string_value(v), "deepseek_v3"))
 			m->family = EJ_FAMILY_DEEPSEEK_V3;
+		else if (!strcmp(json_string_value(v), "qwen3_5_moe_text"))
+			m->family = EJ_FAMILY_QWEN3_5_MOE;
+		else if (!strcmp(json_string_value(v), "qwen3_5_moe"))
+			return mp_err(p, "\"model_type\" is \"qwen3_5_moe\": "
+					 "the multimodal Qwen3.5-MoE config; "
+					 "give its \"text_config\" (model_type "
+					 "\"qwen3_5_moe_text\"): epjit builds "
+					 "the text model");
 		else if (strcmp(json_string_value(v), "qwen3_moe") != 0)
 			return mp_err(p,
 				      "\"model_type\" is \"%.60s\": the "
@@ -232,12 +247,15 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 				      "\"qwen3_moe\" (Qwen3-MoE), "
 				      "\"mixtral\" (Mixtral), "
 				      "\"qwen2_moe\" (Qwen2-MoE), "
-				      "\"deepseek_v2\" and \"deepseek_v3\" "
-				      "(DeepSeek-V2/V3)",
+				      "\"deepseek_v2\", \"deepseek_v3\" "
+				      "(DeepSeek-V2/V3) and "
+				      "\"qwen3_5_moe_text\" (Qwen3.5-MoE)",
 				      json_string_value(v));
 	}
-	/* transformers 5's per-layer attention kinds: full attention only */
-	if ((v = json_object_get(p->root, "layer_types")) && !json_is_null(v)) {
+	/* transformers 5's per-layer attention kinds: full attention only
+	 * (Qwen3.5-MoE's linear attention: parse_qwen35) */
+	if (m->family != EJ_FAMILY_QWEN3_5_MOE &&
+	    (v = json_object_get(p->root, "layer_types")) && !json_is_null(v)) {
 		if (!json_is_array(v))
 			return mp_err(p,
 				      "\"layer_types\" must be an array of "
@@ -316,7 +334,9 @@ static epj_status parse_rope(mp *p, ej_model_config *m)
 {
 	epj_status s;
 	char g[100];
-	if ((s = rd_num(p, p->root, "rope_theta", false, &m->rope_theta)))
+	if ((s = rd_num(p, p->root, "rope_theta", false, &m->rope_theta)) ||
+	    (s = rd_num(p, p->root, "partial_rotary_factor", false,
+			&m->partial_rotary_factor)))
 		return s;
 	json_t *rp = json_object_get(p->root, "rope_parameters");
 	json_t *rs = json_object_get(p->root, "rope_scaling");
@@ -353,7 +373,9 @@ static epj_status parse_rope(mp *p, ej_model_config *m)
 			      "types implemented are \"default\", "
 			      "\"linear\" and \"yarn\"",
 			      on, ty);
-	if ((s = rope_num(p, rp, on, "rope_theta", false, &m->rope_theta)))
+	if ((s = rope_num(p, rp, on, "rope_theta", false, &m->rope_theta)) ||
+	    (s = rope_num(p, rp, on, "partial_rotary_factor", false,
+			  &m->partial_rotary_factor)))
 		return s;
 	if (m->rope_type == EJ_ROPE_DEFAULT)
 		return EPJ_OK;
@@ -687,6 +709,102 @@ static epj_status parse_deepseek(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
+/* Qwen3.5-MoE (transformers' Qwen3_5MoeTextConfig): Qwen3-MoE's keys (every
+ * layer a MoE, always renormalised, with Qwen2's gated shared expert), the
+ * Gated DeltaNet sizes, layer_types (default: full attention every 4th
+ * layer) and the partial rope; after the rest (parse_rope). */
+static epj_status parse_qwen35(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x;
+	bool given;
+	char g[100];
+	struct {
+		const char *key;
+		int *f;
+	} lin[] = {
+		{ "linear_conv_kernel_dim", &m->linear_conv_kernel_dim },
+		{ "linear_key_head_dim", &m->linear_key_head_dim },
+		{ "linear_value_head_dim", &m->linear_value_head_dim },
+		{ "linear_num_key_heads", &m->linear_num_key_heads },
+		{ "linear_num_value_heads", &m->linear_num_value_heads },
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(lin); i++) {
+		x = *lin[i].f;
+		if ((s = rd_int(p, lin[i].key, 1, &x, &given)))
+			return s;
+		*lin[i].f = (int)x;
+	}
+	if (m->linear_num_value_heads % m->linear_num_key_heads != 0)
+		return mp_err(p,
+			      "\"linear_num_value_heads\" (%d) must be a "
+			      "multiple of \"linear_num_key_heads\" (%d)",
+			      m->linear_num_value_heads,
+			      m->linear_num_key_heads);
+	json_t *v = json_object_get(p->root, "layer_types");
+	if (!v || json_is_null(v)) {
+		for (int i = 0; i < m->num_hidden_layers; i++)
+			m->linear_layer[i] = (i + 1) % 4 != 0;
+	} else {
+		if (!json_is_array(v) ||
+		    json_array_size(v) != (size_t)m->num_hidden_layers)
+			return mp_err(p,
+				      "\"layer_types\" must be an array of "
+				      "num_hidden_layers (%d) strings, got %s",
+				      m->num_hidden_layers,
+				      ej_json_describe(v, g, sizeof g));
+		size_t i;
+		json_t *e;
+		json_array_foreach(v, i, e)
+		{
+			const char *t =
+			    json_is_string(e) ? json_string_value(e) : "";
+			if (strcmp(t, "linear_attention") &&
+			    strcmp(t, "full_attention"))
+				return mp_err(p,
+					      "\"layer_types[%zu]\" is %s: "
+					      "Qwen3.5-MoE's kinds are "
+					      "\"linear_attention\" and "
+					      "\"full_attention\"",
+					      i,
+					      ej_json_describe(e, g, sizeof g));
+			m->linear_layer[i] = t[0] == 'l';
+		}
+	}
+	m->norm_offset = true;
+	m->attn_output_gate = true;
+	m->norm_topk_prob = true; /* its router always renormalises */
+	m->decoder_sparse_step = 1;
+	m->n_mlp_only_layers = 0;
+	return EPJ_OK;
+}
+
+/* The rope's dimensions: head_dim times partial_rotary_factor (Qwen3.5),
+ * even; any other family rotates whole heads. */
+static epj_status parse_rotary(mp *p, ej_model_config *m)
+{
+	if (m->family != EJ_FAMILY_QWEN3_5_MOE) {
+		if (m->partial_rotary_factor != 1)
+			return mp_err(p,
+				      "\"partial_rotary_factor\" is %g: a "
+				      "partial rope is implemented for "
+				      "Qwen3.5-MoE only",
+				      m->partial_rotary_factor);
+		return EPJ_OK;
+	}
+	if (m->partial_rotary_factor > 1)
+		return mp_err(p, "\"partial_rotary_factor\" is %g: at most 1",
+			      m->partial_rotary_factor);
+	m->rotary_dim = (int)(m->head_dim * m->partial_rotary_factor);
+	if (m->rotary_dim < 2 || m->rotary_dim % 2 != 0)
+		return mp_err(p,
+			      "head_dim (%d) x partial_rotary_factor (%g) = %d "
+			      "rope dimensions: must be even and at least 2",
+			      m->head_dim, m->partial_rotary_factor,
+			      m->rotary_dim);
+	return EPJ_OK;
+}
+
 static epj_status parse_model(mp *p, ej_model_config *m)
 {
 	epj_status s;
@@ -696,7 +814,10 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 
 	if ((s = check_unsupported(p, m)))
 		return s;
-	m->qk_norm = m->family == EJ_FAMILY_QWEN3_MOE;
+	m->qk_norm = m->family == EJ_FAMILY_QWEN3_MOE ||
+		     m->family == EJ_FAMILY_QWEN3_5_MOE;
+	if (m->family == EJ_FAMILY_QWEN3_5_MOE)
+		m->partial_rotary_factor = 0.25; /* transformers' default */
 	if (m->family == EJ_FAMILY_QWEN2_MOE) {
 		m->qkv_bias = true; /* Qwen2MoeConfig's default */
 		if ((s = rd_bool(p, "qkv_bias", &m->qkv_bias)))
@@ -723,7 +844,11 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 	if ((s = rd_req(p, "num_attention_heads", &x)))
 		return s;
 	m->num_attention_heads = (int)x;
-	if ((s = rd_req(p, "intermediate_size", &m->intermediate_size)))
+	/* Qwen3.5-MoE has no dense MLP, so no intermediate_size */
+	if (m->family == EJ_FAMILY_QWEN3_5_MOE
+		? (s = rd_int(p, "intermediate_size", 1, &m->intermediate_size,
+			      &given))
+		: (s = rd_req(p, "intermediate_size", &m->intermediate_size)))
 		return s;
 
 	/* Attention geometry. */
@@ -746,6 +871,8 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 		return s;
 	if (given) {
 		m->head_dim = (int)x;
+	} else if (m->family == EJ_FAMILY_QWEN3_5_MOE) {
+		m->head_dim = 256; /* Qwen3_5MoeTextConfig's default */
 	} else {
 		if (m->hidden_size % m->num_attention_heads != 0)
 			return mp_err(p,
@@ -831,7 +958,8 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			return s;
 		if (!given)
 			return missing(p, "moe_intermediate_size", why);
-		if (m->family == EJ_FAMILY_QWEN2_MOE) {
+		if (m->family == EJ_FAMILY_QWEN2_MOE ||
+		    m->family == EJ_FAMILY_QWEN3_5_MOE) {
 			/* the shared expert of every MoE layer */
 			if ((s = rd_int(p, "shared_expert_intermediate_size", 1,
 					&m->shared_expert_intermediate_size,
@@ -840,8 +968,8 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			if (!given)
 				return missing(
 				    p, "shared_expert_intermediate_size",
-				    " (Qwen2-MoE with num_experts > "
-				    "0)");
+				    " (Qwen2-MoE or Qwen3.5-MoE with "
+				    "num_experts > 0)");
 		}
 	} else {
 		/* Still type-check them: a typo'd value should not pass. */
@@ -870,6 +998,10 @@ rest:
 	    (s = rd_num(p, p->root, "initializer_range", true,
 			&m->initializer_range)))
 		return s;
+	if (m->family == EJ_FAMILY_QWEN3_5_MOE && (s = parse_qwen35(p, m)))
+		return s;
+	if ((s = parse_rotary(p, m)))
+		return s;
 	json_t *v = json_object_get(p->root, "torch_dtype");
 	if (v && !json_is_null(v)) {
 		if (!json_is_string(v))
@@ -897,6 +1029,13 @@ static void model_defaults(ej_model_config *m)
 	m->rope_beta_slow = 1;
 	m->rope_truncate = true;
 	m->routed_scaling_factor = 1.0;
+	m->partial_rotary_factor = 1.0;
+	/* Qwen3_5MoeTextConfig's defaults (read for that family only) */
+	m->linear_conv_kernel_dim = 4;
+	m->linear_key_head_dim = 128;
+	m->linear_value_head_dim = 128;
+	m->linear_num_key_heads = 16;
+	m->linear_num_value_heads = 32;
 }
 
 epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
@@ -1144,17 +1283,61 @@ static bool deepseek_json(const ej_model_config *m, json_t *o)
 	return ok;
 }
 
-/* rope_parameters (transformers 5's spelling) of a scaled RoPE. */
+/* Qwen3_5MoeTextConfig's keys in place of Qwen3-MoE's. */
+static bool qwen35_json(const ej_model_config *m, json_t *o)
+{
+	static const char *const qwen3_only[] = {
+		"decoder_sparse_step", "mlp_only_layers",   "norm_topk_prob",
+		"use_sliding_window",  "intermediate_size",
+	};
+	for (size_t i = 0; i < EJ_ARRAY_LEN(qwen3_only); i++)
+		json_object_del(o, qwen3_only[i]);
+	json_t *lt = json_array();
+	bool ok = lt != NULL;
+	for (int i = 0; ok && i < m->num_hidden_layers; i++)
+		ok = !json_array_append_new(
+		    lt, json_string(m->linear_layer[i] ? "linear_attention"
+						       : "full_attention"));
+	if (!ok) {
+		json_decref(lt);
+		return false;
+	}
+	return !json_object_set_new(o, "model_type",
+				    json_string("qwen3_5_moe_text")) &&
+	       !json_object_set_new(o, "layer_types", lt) &&
+	       !json_object_set_new(
+		   o, "shared_expert_intermediate_size",
+		   json_integer(m->shared_expert_intermediate_size)) &&
+	       !json_object_set_new(o, "linear_conv_kernel_dim",
+				    json_integer(m->linear_conv_kernel_dim)) &&
+	       !json_object_set_new(o, "linear_key_head_dim",
+				    json_integer(m->linear_key_head_dim)) &&
+	       !json_object_set_new(o, "linear_value_head_dim",
+				    json_integer(m->linear_value_head_dim)) &&
+	       !json_object_set_new(o, "linear_num_key_heads",
+				    json_integer(m->linear_num_key_heads)) &&
+	       !json_object_set_new(o, "linear_num_value_heads",
+				    json_integer(m->linear_num_value_heads));
+}
+
+/* rope_parameters (transformers 5's spelling) of a scaled or partial
+ * RoPE. */
 static bool rope_json(const ej_model_config *m, json_t *o)
 {
 	json_t *r = json_object();
 	bool ok = r != NULL;
 	const bool yarn = m->rope_type == EJ_ROPE_YARN;
-	ok = ok &&
-	     !json_object_set_new(r, "rope_type",
-				  json_string(yarn ? "yarn" : "linear")) &&
-	     !json_object_set_new(r, "rope_theta", json_real(m->rope_theta)) &&
-	     !json_object_set_new(r, "factor", json_real(m->rope_factor));
+	const char *ty = yarn				  ? "yarn"
+			 : m->rope_type == EJ_ROPE_LINEAR ? "linear"
+							  : "default";
+	ok = ok && !json_object_set_new(r, "rope_type", json_string(ty)) &&
+	     !json_object_set_new(r, "rope_theta", json_real(m->rope_theta));
+	if (ok && m->rope_type != EJ_ROPE_DEFAULT)
+		ok = !json_object_set_new(r, "factor",
+					  json_real(m->rope_factor));
+	if (ok && m->partial_rotary_factor != 1)
+		ok = !json_object_set_new(r, "partial_rotary_factor",
+					  json_real(m->partial_rotary_factor));
 	if (ok && yarn) {
 		ok = !json_object_set_new(r, "beta_fast",
 					  json_real(m->rope_beta_fast)) &&
@@ -1200,11 +1383,13 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 	const bool q2 = m->family == EJ_FAMILY_QWEN2_MOE;
 	const bool v2 = m->family == EJ_FAMILY_DEEPSEEK_V2;
 	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
-	json_t *arch = json_pack("[s]", mx   ? "MixtralForCausalLM"
-					: q2 ? "Qwen2MoeForCausalLM"
-					: v2 ? "DeepseekV2ForCausalLM"
-					: v3 ? "DeepseekV3ForCausalLM"
-					     : "Qwen3MoeForCausalLM");
+	const bool q35 = m->family == EJ_FAMILY_QWEN3_5_MOE;
+	json_t *arch = json_pack("[s]", mx    ? "MixtralForCausalLM"
+					: q2  ? "Qwen2MoeForCausalLM"
+					: v2  ? "DeepseekV2ForCausalLM"
+					: v3  ? "DeepseekV3ForCausalLM"
+					: q35 ? "Qwen3_5MoeForCausalLM"
+					      : "Qwen3MoeForCausalLM");
 	ok = ok && arch && !json_object_set_new(o, "architectures", arch);
 	if (!ok)
 		json_decref(arch);
@@ -1288,7 +1473,9 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 	}
 	if (ok && (v2 || v3))
 		ok = deepseek_json(m, o);
-	if (ok && m->rope_type != EJ_ROPE_DEFAULT)
+	if (ok && q35)
+		ok = qwen35_json(m, o);
+	if (ok && (m->rope_type != EJ_ROPE_DEFAULT || q35))
 		ok = rope_json(m, o);
 	char *text = ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER |
 					    JSON_REAL_PRECISION(17))

@@ -88,9 +88,19 @@ static const family_names deepseek_v3_names = {
 	"DeepseekV3MLP",	  { "gate_proj", "up_proj", "down_proj" },
 };
 
+static const family_names qwen3_5_names = {
+	"Qwen3_5MoeForCausalLM",  "Qwen3_5MoeTextModel",
+	"Qwen3_5MoeDecoderLayer", "Qwen3_5MoeAttention",
+	"Qwen3_5MoeRMSNorm",	  "Qwen3_5MoeRootBlockLM",
+	"Qwen3_5MoeMLP",	  "mlp",
+	"Qwen3_5MoeMLP",	  { "gate_proj", "up_proj", "down_proj" },
+};
+
 static const family_names *names_of(const ej_model_config *c)
 {
 	switch (c->family) {
+	case EJ_FAMILY_QWEN3_5_MOE:
+		return &qwen3_5_names;
 	case EJ_FAMILY_MIXTRAL:
 		return &mixtral_names;
 	case EJ_FAMILY_QWEN2_MOE:
@@ -131,6 +141,24 @@ epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps)
 	epj_tensor *y = epj_mul(ctx, w, t[NC]);
 	drop(t, N_T);
 	return y;
+}
+
+/* The family's RMSNorm of x with the weight of module norm: Qwen3.5's is
+ * zero-centred (1 + w). */
+static epj_tensor *norm_of(epj_ctx *ctx, const ej_model_config *c,
+			   epj_tensor *x, epj_module *norm)
+{
+	epj_tensor *w = ej_module_param(norm, "weight");
+	return c->norm_offset ? ej_rmsnorm_offset(ctx, x, w, c->rms_norm_eps)
+			      : ej_rmsnorm(ctx, x, w, c->rms_norm_eps);
+}
+
+/* The dimensions the rope rotates: the first rotary_dim of a head
+ * (Qwen3.5's partial rope), else all of head_dim (DeepSeek: the rope
+ * part, its head_dim). */
+static int64_t rope_dim(const ej_model_config *c)
+{
+	return c->rotary_dim ? c->rotary_dim : c->head_dim;
 }
 
 /* rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]) */
@@ -180,6 +208,24 @@ static epj_tensor *rope_interleaved(epj_ctx *ctx, epj_tensor *x,
 	return y;
 }
 
+/* rope on the first rd dimensions of x (all of them when rd is x's last
+ * dimension), the rest passed through: Qwen3.5's partial rope */
+static epj_tensor *rope_part(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
+			     epj_tensor *sin, int64_t rd)
+{
+	int64_t d = x ? epj_tensor_dim(x, -1) : 0;
+	if (!x || rd >= d)
+		return rope(ctx, x, cos, sin);
+	epj_tensor *t[3] = { 0 };
+	t[0] = epj_slice(ctx, x, -1, 0, rd, 1);
+	t[1] = epj_slice(ctx, x, -1, rd, d, 1);
+	t[2] = rope(ctx, t[0], cos, sin);
+	epj_tensor *parts[2] = { t[2], t[1] };
+	epj_tensor *y = t[2] && t[1] ? epj_cat(ctx, parts, 2, -1) : NULL;
+	drop(t, 3);
+	return y;
+}
+
 /* x W^T (+ b when the Linear has a bias) */
 static epj_tensor *linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x)
 {
@@ -191,15 +237,13 @@ static epj_tensor *swiglu(epj_ctx *ctx, epj_module *m, epj_tensor *x);
 
 /* [B,T,H*D] -> per-head norm (optional) -> [B,H,T,D] */
 static epj_tensor *heads(epj_ctx *ctx, epj_tensor *p, int64_t nh, int64_t d,
-			 epj_module *norm, double eps)
+			 epj_module *norm, const ej_model_config *c)
 {
 	epj_tensor *t[3] = { 0 };
 	int64_t shp[4] = { p ? epj_tensor_dim(p, 0) : 0,
 			   p ? epj_tensor_dim(p, 1) : 0, nh, d };
 	t[0] = epj_reshape(ctx, p, 4, shp);
-	t[1] = norm
-		   ? ej_rmsnorm(ctx, t[0], ej_module_param(norm, "weight"), eps)
-		   : epj_tensor_ref(t[0]);
+	t[1] = norm ? norm_of(ctx, c, t[0], norm) : epj_tensor_ref(t[0]);
 	epj_tensor *y = t[1] ? epj_transpose(ctx, t[1], 1, 2) : NULL;
 	drop(t, 3);
 	return y;
@@ -219,25 +263,63 @@ static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 			     const ej_model_config *cfg, epj_tensor *x,
 			     epj_tensor *cos, epj_tensor *sin)
 {
-	enum { QP, KP, VP, Q, K, V, QR, KR, O, OT, OR, N_T };
+	enum {
+		QG,
+		QG4,
+		QH,
+		GH,
+		QP,
+		KP,
+		VP,
+		Q,
+		K,
+		V,
+		QR,
+		KR,
+		O,
+		OT,
+		OR,
+		GR,
+		GS,
+		OG,
+		N_T
+	};
 	epj_tensor *t[N_T] = { 0 };
 	int64_t hq = cfg->num_attention_heads, hkv = cfg->num_key_value_heads;
 	int64_t d = cfg->head_dim;
-	double eps = cfg->rms_norm_eps;
-	t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+	int64_t B = x ? epj_tensor_dim(x, 0) : 0,
+		T = x ? epj_tensor_dim(x, 1) : 0;
+	int64_t shp[3] = { B, T, hq * d };
+	if (cfg->attn_output_gate) {
+		/* Qwen3.5: q_proj gives each head's query and its output
+		 * gate, [B, T, Hq, 2D] */
+		int64_t s4[4] = { B, T, hq, 2 * d };
+		t[QG] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+		t[QG4] = epj_reshape(ctx, t[QG], 4, s4);
+		t[QH] = epj_slice(ctx, t[QG4], -1, 0, d, 1);
+		t[GH] = epj_slice(ctx, t[QG4], -1, d, 2 * d, 1);
+		t[QP] = epj_reshape(ctx, t[QH], 3, shp);
+		t[GR] = epj_reshape(ctx, t[GH], 3, shp);
+	} else {
+		t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+	}
 	t[KP] = linear_of(ctx, ej_module_child(attn, "k_proj"), x);
 	t[VP] = linear_of(ctx, ej_module_child(attn, "v_proj"), x);
-	t[Q] = heads(ctx, t[QP], hq, d, ej_module_child(attn, "q_norm"), eps);
-	t[K] = heads(ctx, t[KP], hkv, d, ej_module_child(attn, "k_norm"), eps);
-	t[V] = heads(ctx, t[VP], hkv, d, NULL, eps);
-	t[QR] = rope(ctx, t[Q], cos, sin);
-	t[KR] = rope(ctx, t[K], cos, sin);
+	t[Q] = heads(ctx, t[QP], hq, d, ej_module_child(attn, "q_norm"), cfg);
+	t[K] = heads(ctx, t[KP], hkv, d, ej_module_child(attn, "k_norm"), cfg);
+	t[V] = heads(ctx, t[VP], hkv, d, NULL, cfg);
+	t[QR] = rope_part(ctx, t[Q], cos, sin, rope_dim(cfg));
+	t[KR] = rope_part(ctx, t[K], cos, sin, rope_dim(cfg));
 	t[O] = epj_sdpa(ctx, t[QR], t[KR], t[V], true, 0.0);
 	t[OT] = epj_transpose(ctx, t[O], 1, 2);
-	int64_t shp[3] = { x ? epj_tensor_dim(x, 0) : 0,
-			   x ? epj_tensor_dim(x, 1) : 0, hq * d };
 	t[OR] = epj_reshape(ctx, t[OT], 3, shp);
-	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OR]);
+	if (cfg->attn_output_gate) {
+		t[GS] = epj_sigmoid(ctx, t[GR]);
+		t[OG] = epj_mul(ctx, t[OR], t[GS]);
+	} else {
+		t[OG] = epj_tensor_ref(t[OR]);
+	}
+	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OG]);
 	drop(t, N_T);
 	return y;
 }
@@ -364,19 +446,15 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 	enum { X, A, H1, X2, M, N_T };
 	epj_tensor *t[N_T] = { 0 };
 	const ej_model_config *cfg = cfg_of(blk);
-	double eps = cfg->rms_norm_eps;
-	t[X] = ej_rmsnorm(
-	    ctx, h,
-	    ej_module_param(ej_module_child(blk, "input_layernorm"), "weight"),
-	    eps);
-	t[A] = (cfg->mla ? mla_attention : attention)(
-	    ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos, sin);
+	t[X] = norm_of(ctx, cfg, h, ej_module_child(blk, "input_layernorm"));
+	epj_module *la = ej_module_child(blk, "linear_attn");
+	t[A] = la ? ej_deltanet_forward(ctx, la, cfg, t[X])
+		  : (cfg->mla ? mla_attention : attention)(
+			ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos,
+			sin);
 	t[H1] = epj_add(ctx, h, t[A]);
-	t[X2] = ej_rmsnorm(
-	    ctx, t[H1],
-	    ej_module_param(ej_module_child(blk, "post_attention_layernorm"),
-			    "weight"),
-	    eps);
+	t[X2] = norm_of(ctx, cfg, t[H1],
+			ej_module_child(blk, "post_attention_layernorm"));
 	epj_tensor *y = NULL;
 	epj_module *mlp = ej_module_child(blk, names_of(cfg)->mlp);
 	if (t[X2] && ej_module_call(ctx, mlp, &t[X2], 1, &t[M], 1) == EPJ_OK) {
@@ -521,7 +599,7 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 			      int64_t T, epj_dtype dt, epj_tensor **cos,
 			      epj_tensor **sin)
 {
-	int64_t d = cfg->head_dim, shp[2] = { T, d };
+	int64_t d = rope_dim(cfg), shp[2] = { T, d };
 	double *c = malloc(sizeof *c * (size_t)(T * d));
 	double *s = malloc(sizeof *s * (size_t)(T * d));
 	*cos = *sin = NULL;
@@ -598,8 +676,7 @@ static epj_status head(epj_ctx *ctx, epj_module *norm, epj_module *lm_head,
 		       epj_tensor *labels, epj_tensor **out, int n_out)
 {
 	epj_tensor *t[3] = { 0 };
-	t[0] = ej_rmsnorm(ctx, h, ej_module_param(norm, "weight"),
-			  cfg->rms_norm_eps);
+	t[0] = norm_of(ctx, cfg, h, norm);
 	out[0] = linear_of(ctx, lm_head, t[0]);
 	if (n_out > 1 && labels && out[0]) {
 		int64_t n =
@@ -758,8 +835,10 @@ static epj_status add_norm(epj_ctx *ctx, const ej_model_config *c,
 	epj_module *l = ej_module_new(parent, local, names_of(c)->norm, NULL);
 	if (!l)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	/* ones; a zero-centred norm's zeros (its scale is 1 + w) */
 	if (!ej_module_add_param(l, "weight",
-				 epj_full(ctx, EPJ_DTYPE_F32, 1, &n, 1.0)))
+				 epj_full(ctx, EPJ_DTYPE_F32, 1, &n,
+					  c->norm_offset ? 0.0 : 1.0)))
 		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
 	return EPJ_OK;
 }
@@ -827,17 +906,29 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 			  int64_t, double) =
 	    c->qkv_bias ? add_linear_bias : add_linear;
 	epj_status st = add_norm(ctx, c, blk, "input_layernorm", H);
+	/* Qwen3.5's linear-attention layers: Gated DeltaNet instead */
+	bool lin = c->linear_layer[layer];
+	if (st == EPJ_OK && lin)
+		st = ej_deltanet_build(ctx, c, blk, "Qwen3_5MoeRMSNormGated");
 	epj_module *attn =
-	    st ? NULL : ej_module_new(blk, "self_attn", fn->attn, NULL);
+	    st || lin ? NULL : ej_module_new(blk, "self_attn", fn->attn, NULL);
+	if (lin)
+		goto norms;
 	if (st == EPJ_OK && !attn)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
 	if (st == EPJ_OK && c->mla) {
 		st = build_mla(ctx, c, attn);
 		goto norms;
 	}
+	if (st == EPJ_OK && c->attn_output_gate) /* query and gate */
+		st = qkv(ctx, attn, "q_proj", 2 * c->num_attention_heads * D, H,
+			 std);
+	if (st == EPJ_OK && c->attn_output_gate)
+		goto kv;
 	if (st == EPJ_OK)
 		st = qkv(ctx, attn, "q_proj", c->num_attention_heads * D, H,
 			 std);
+kv:
 	if (st == EPJ_OK)
 		st = qkv(ctx, attn, "k_proj", c->num_key_value_heads * D, H,
 			 std);
@@ -1305,7 +1396,7 @@ epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
 			args[i] =
 			    (ej_region_arg){ .dtype = dt,
 					     .ndim = 2,
-					     .shape = { T, c->head_dim } };
+					     .shape = { T, rope_dim(c) } };
 		*n_in = 3;
 		*n_out = 1;
 		return EPJ_OK;

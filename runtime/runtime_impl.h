@@ -423,6 +423,17 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 /* RMSNorm as HF computes it: x.f32 * rsqrt(mean(x.f32^2, -1) + eps), cast
  * back to x's dtype, times weight. */
 epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps);
+/* Qwen3.5's zero-centred RMSNorm: (x.f32 * rsqrt(mean(x.f32^2) + eps)) *
+ * (1 + w.f32), cast back to x's dtype (runtime/deltanet.c). */
+epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+			      double eps);
+/* Qwen3.5-MoE's Gated DeltaNet (runtime/deltanet.c): blk.linear_attn with
+ * transformers' parameter names (its gated norm of kind norm_kind), and its
+ * forward x [B, T, H] -> out_proj output [B, T, H]. */
+epj_status ej_deltanet_build(epj_ctx *ctx, const ej_model_config *c,
+			     epj_module *blk, const char *norm_kind);
+epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
+				const ej_model_config *c, epj_tensor *x);
 
 /* ---- engine (engine.c, compile.c)
  * ----------------------------------------------- */

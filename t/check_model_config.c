@@ -314,7 +314,16 @@ static void same_config(const ej_model_config *a, const ej_model_config *b,
 		a->routed_scaling_factor == b->routed_scaling_factor &&
 		a->scoring == b->scoring && a->groups == b->groups &&
 		a->n_group == b->n_group && a->topk_group == b->topk_group &&
-		a->score_bias == b->score_bias,
+		a->score_bias == b->score_bias &&
+		a->norm_offset == b->norm_offset &&
+		a->attn_output_gate == b->attn_output_gate &&
+		a->partial_rotary_factor == b->partial_rotary_factor &&
+		a->rotary_dim == b->rotary_dim &&
+		a->linear_conv_kernel_dim == b->linear_conv_kernel_dim &&
+		a->linear_key_head_dim == b->linear_key_head_dim &&
+		a->linear_value_head_dim == b->linear_value_head_dim &&
+		a->linear_num_key_heads == b->linear_num_key_heads &&
+		a->linear_num_value_heads == b->linear_num_value_heads,
 	    "%s: a field changed in the round trip", what);
 	for (int i = 0; i < a->n_mlp_only_layers; i++)
 		ck_assert_int_eq(a->mlp_only_layers[i], b->mlp_only_layers[i]);
@@ -509,6 +518,46 @@ START_TEST(test_deepseek)
 }
 END_TEST
 
+/* Qwen3.5-MoE's text model as transformers 5 writes it
+ * (t/model_configs/qwen3_5_moe_text, the published sizes): its Gated
+ * DeltaNet sizes and layer kinds, the partial rope, the shared expert,
+ * zero-centred norms, and the JSON writer's round trip. */
+START_TEST(test_qwen35)
+{
+	epj_ctx *ctx = tu_ctx();
+	ej_model_config a, b;
+	char path[1024];
+	snprintf(path, sizeof path,
+		 "%s/t/model_configs/qwen3_5_moe_text/config.json",
+		 tu_srcdir());
+	ck_assert_int_eq(ej_model_config_load(ctx, path, &a), EPJ_OK);
+	ck_assert_int_eq(a.family, EJ_FAMILY_QWEN3_5_MOE);
+	ck_assert(a.qk_norm && a.norm_offset && a.attn_output_gate &&
+		  a.norm_topk_prob);
+	ck_assert(a.head_dim == 256 && a.rotary_dim == 64 &&
+		  a.partial_rotary_factor == 0.25);
+	ck_assert(
+	    a.linear_conv_kernel_dim == 4 && a.linear_key_head_dim == 128 &&
+	    a.linear_value_head_dim == 128 && a.linear_num_key_heads == 16 &&
+	    a.linear_num_value_heads == 32);
+	ck_assert(a.num_experts == 256 && a.num_experts_per_tok == 8 &&
+		  a.shared_expert_intermediate_size == 512);
+	for (int i = 0; i < 40; i++) {
+		ck_assert_int_eq(a.linear_layer[i], (i + 1) % 4 != 0);
+		ck_assert(ej_model_layer_is_moe(&a, i));
+	}
+	char *t = ej_model_config_json(&a, NULL);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_int_eq(ej_model_config_parse(ctx, t, "q35-rt", &b), EPJ_OK);
+	same_config(&a, &b, "qwen3_5_moe");
+	ck_assert(b.rotary_dim == 64 && b.attn_output_gate);
+	for (int i = 0; i < 40; i++)
+		ck_assert_int_eq(a.linear_layer[i], b.linear_layer[i]);
+	free(t);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* Qwen2-MoE as transformers 5 writes it (t/model_configs/qwen2_moe_small,
  * saved by transformers): q/k/v bias, a shared expert, no q/k norm; the
  * JSON writer gives a Qwen2-MoE config back (qkv_bias, the shared expert's
@@ -679,6 +728,7 @@ Suite *make_model_config_suite(void)
 	tcase_add_test(tc, test_mixtral);
 	tcase_add_test(tc, test_qwen2_moe);
 	tcase_add_test(tc, test_deepseek);
+	tcase_add_test(tc, test_qwen35);
 	tcase_add_test(tc, test_overrides);
 	suite_add_tcase(s, tc);
 	return s;

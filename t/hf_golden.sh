@@ -80,6 +80,11 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 	cfg="$dir/config.json"
 	[ -f "$cfg" ] && [ -f "$dir/golden.safetensors" ] || continue
 	nfam=$((nfam + 1))
+	# 1e-5, or the family's own (t/golden/hf_make.py writes it where
+	# transformers' own f32 gradients are farther than 1e-5 from the
+	# golden values: Qwen3.5-MoE, 8e-5)
+	tol=1e-5
+	[ -f "$dir/tolerance" ] && tol=$(cat "$dir/tolerance")
 	full=1
 	[ $quick = 1 ] && [ $(((nfam - 1) % 3)) -ne $pick ] && full=0
 	# 1. the golden comparisons
@@ -106,7 +111,7 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 				[ "$launches" -eq 0 ] ||
 					fail "$out: the eager arm ran $launches compiled kernels"
 			fi
-			"$CMP" "$dir/golden.safetensors" "$out.st" 1e-5 >"$out.cmp" 2>&1 ||
+			"$CMP" "$dir/golden.safetensors" "$out.st" "$tol" >"$out.cmp" 2>&1 ||
 				fail "$out against transformers: $(cat "$out.cmp")"
 			echo "$fam $dev $mode: $(tail -n 1 "$out.cmp")"
 		done
@@ -170,7 +175,8 @@ done
 # 5. full-size configs
 for big in "$srcdir/t/models/qwen3-30b-a3b.json" \
 	"$srcdir/t/model_configs/mixtral_8x7b/config.json" \
-	"$srcdir/t/model_configs/deepseek_v3/config.json"; do
+	"$srcdir/t/model_configs/deepseek_v3/config.json" \
+	"$srcdir/t/model_configs/qwen3_5_moe_text/config.json"; do
 	"$WARMUP" --dry-run --model "$big" --seq 16 >big.log 2>&1 ||
 		fail "epjit-warmup --dry-run --model $big: $(cat big.log)"
 	grep -q 'artifacts (dry run: nothing compiled)' big.log ||
