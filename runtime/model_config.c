@@ -1,6 +1,7 @@
 /* model_config.c -- the Hugging Face config.json of a Qwen3-MoE, Mixtral,
- * Qwen2-MoE or DeepSeek-V2/V3 model (model_type "qwen3_moe", the default
- * when absent, "mixtral", "qwen2_moe", "deepseek_v2" or "deepseek_v3").
+ * Qwen2-MoE, DeepSeek-V2/V3 or Qwen3.5-MoE model (model_type "qwen3_moe",
+ * the default when absent, "mixtral", "qwen2_moe", "deepseek_v2",
+ * "deepseek_v3" or "qwen3_5_moe_text").
  *
  * The reader accepts a published config as is: HF files carry many keys the
  * trainer has no use for (token ids, architectures, use_cache ...), so keys

@@ -1,11 +1,14 @@
-/* qwen3.c -- the Qwen3-MoE, Mixtral, Qwen2-MoE and DeepSeek-V2/V3 causal
- * LMs, written with epj_* ops so that eager execution mirrors the Hugging
+/* qwen3.c -- the Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3 and
+ * Qwen3.5-MoE causal LMs, written with epj_* ops so that eager execution mirrors the Hugging
  * Face reference code op for op.  The families share the block.  DeepSeek
  * replaces the attention by multi-head latent attention (mla_attention),
  * makes its first first_k_dense_replace layers dense, adds ungated
  * mlp.shared_experts (region_owned, as Qwen2's shared expert) and routes
  * as its own routers do (runtime/autoep.c, route_scored); the rope tables
- * of every family honour linear and YaRN scaling.  Mixtral has no q/k norm,
+ * of every family honour linear and YaRN scaling.  Qwen3.5-MoE's
+ * linear-attention layers are Gated DeltaNet (runtime/deltanet.c), its
+ * full attention gates its output and ropes part of each head, and its
+ * norms are zero-centred (norm_of).  Mixtral has no q/k norm,
  * names its MoE block block_sparse_moe with experts w1 (gate), w3 (up), w2
  * (down), always renormalises the top-k weights and refuses a sequence
  * longer than its sliding_window.  Qwen2-MoE has no q/k norm, q/k/v
