@@ -38,9 +38,10 @@
  * a case it has no kernel for (integer reductions, empty inputs of a
  * reduction) calls ej_eager_fallback (CPU kernel, counted).  Every op has
  * an entry; the fused MoE ops other than the expert GEMMs (moe_route,
- * moe_permute, moe_unpermute, swiglu and their backwards) and the gated
- * delta rule (gated_delta and its backward) have no CUDA lowering, and
- * their entry, eg_cpu_fallback, always runs the CPU kernel (counted).  A NULL
+ * moe_permute, moe_unpermute, swiglu and their backwards) have no CUDA
+ * lowering, and their entry, eg_cpu_fallback, always runs the CPU kernel
+ * (counted).  The gated delta rule and its backward run
+ * templates/delta.cuh (jit/tmpl_delta.c).  A NULL
  * row would do the same; an op's entry is the one line
  * `[EJ_OP_X] = ej_cuda_op_x,`.
  */
@@ -1347,8 +1348,8 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_CONTIGUOUS] = eg_copy,
 	[EJ_OP_CAT] = eg_cat,
 	[EJ_OP_FULL] = eg_full,
-	[EJ_OP_GATED_DELTA] = eg_cpu_fallback,
-	[EJ_OP_GATED_DELTA_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_GATED_DELTA] = ej_cuda_op_gated_delta,
+	[EJ_OP_GATED_DELTA_BACKWARD] = ej_cuda_op_gated_delta_backward,
 	[EJ_OP_MOE_ROUTE] = eg_cpu_fallback,
 	[EJ_OP_MOE_ROUTE_BACKWARD] = eg_cpu_fallback,
 	[EJ_OP_MOE_PERMUTE] = eg_cpu_fallback,

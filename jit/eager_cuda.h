@@ -29,4 +29,9 @@ int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
 					 const char *cuda),
 			      void *user);
 
+/* jit/tmpl_delta.c: the gated delta rule and its backward on the CUDA
+ * template templates/delta.cuh. */
+epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c);
+
 #endif

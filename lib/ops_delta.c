@@ -31,9 +31,8 @@
  * Both CPU reference kernels read any strides and compute in double (the
  * reference the CUDA side and the compiled regions are held to); outputs
  * are written in the inputs' dtype.  The op is an extern node in compiled
- * regions (an op-table call); the CUDA devices run this kernel on the
- * host (jit/eager_cuda.c: its row is the CPU fallback, counted in
- * kernels.eager_cpu_fallback).
+ * regions (an op-table call); the CUDA devices run templates/delta.cuh
+ * (jit/tmpl_delta.c), held to these kernels by the tests.
  */
 #include "ops_impl.h"
 

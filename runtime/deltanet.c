@@ -9,7 +9,8 @@
  *          dt_bias)                           [B, T, Hv]
  *   q, k = l2norm(q), l2norm(k) (eps 1e-6); q /= sqrt(dk); q, k repeated
  *          to the Hv value heads (each key head serves Hv / Hk in a row)
- *   o = gated_delta(q, k, v, g, beta)         [B, T, Hv, dv] (lib/ops_delta.c)
+ *   o = gated_delta(q, k, v, g, beta)         [B, T, Hv, dv] (lib/ops_delta.c,
+ *                                             templates/delta.cuh)
  *   o = norm(o) * silu(in_proj_z(x))          gated RMSNorm over dv
  *   out_proj(o)                               [B, T, H]
  *
