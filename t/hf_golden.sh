@@ -27,15 +27,17 @@
 #
 # EPJIT_CHECK_QUICK (doc/testing.md): every family is still compared with
 # transformers on the cpu backend, eagerly; the rest (cuda-sim, compiled,
-# training, parity, 2 ranks) runs for one family of the three, drawn from
+# training, parity, 2 ranks) runs for a third of the families, drawn from
 # EPJIT_TEST_SEED (else the clock).
 #
 # The tolerance: the golden values are transformers' float64 forward and
 # backward of the f32 checkpoint, so what is measured is epjit's own f32
 # rounding: worst 1.8e-6 on the cpu backend and 6.2e-6 on cuda-sim (an
-# expert's gradient from one or two tokens); 1e-5 leaves room for that and
-# for nothing else (a missing renormalisation or norm is off by 1e-2 or
-# more).
+# expert's gradient from one or two tokens) for the first three families,
+# up to 8.7e-6 for Qwen3.5-MoE (whose f32 gradients are sensitive:
+# transformers' own are 9.5e-6 off on this model); 1e-5 leaves room for
+# that and for nothing else (a missing renormalisation or norm is off by
+# 1e-2 or more).
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
@@ -80,11 +82,6 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 	cfg="$dir/config.json"
 	[ -f "$cfg" ] && [ -f "$dir/golden.safetensors" ] || continue
 	nfam=$((nfam + 1))
-	# 1e-5, or the family's own (t/golden/hf_make.py writes it where
-	# transformers' own f32 gradients are farther than 1e-5 from the
-	# golden values: Qwen3.5-MoE, 8e-5)
-	tol=1e-5
-	[ -f "$dir/tolerance" ] && tol=$(cat "$dir/tolerance")
 	full=1
 	[ $quick = 1 ] && [ $(((nfam - 1) % 3)) -ne $pick ] && full=0
 	# 1. the golden comparisons
@@ -111,7 +108,7 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 				[ "$launches" -eq 0 ] ||
 					fail "$out: the eager arm ran $launches compiled kernels"
 			fi
-			"$CMP" "$dir/golden.safetensors" "$out.st" "$tol" >"$out.cmp" 2>&1 ||
+			"$CMP" "$dir/golden.safetensors" "$out.st" 1e-5 >"$out.cmp" 2>&1 ||
 				fail "$out against transformers: $(cat "$out.cmp")"
 			echo "$fam $dev $mode: $(tail -n 1 "$out.cmp")"
 		done
