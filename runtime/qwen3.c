@@ -1,11 +1,11 @@
 /* qwen3.c -- the Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3 and
- * Qwen3.5-MoE causal LMs, written with epj_* ops so that eager execution mirrors the Hugging
- * Face reference code op for op.  The families share the block.  DeepSeek
- * replaces the attention by multi-head latent attention (mla_attention),
- * makes its first first_k_dense_replace layers dense, adds ungated
- * mlp.shared_experts (region_owned, as Qwen2's shared expert) and routes
- * as its own routers do (runtime/autoep.c, route_scored); the rope tables
- * of every family honour linear and YaRN scaling.  Qwen3.5-MoE's
+ * Qwen3.5-MoE causal LMs, written with epj_* ops so that eager execution
+ * mirrors the Hugging Face reference code op for op.  The families share the
+ * block.  DeepSeek replaces the attention by multi-head latent attention
+ * (mla_attention), makes its first first_k_dense_replace layers dense, adds
+ * ungated mlp.shared_experts (region_owned, as Qwen2's shared expert) and
+ * routes as its own routers do (runtime/autoep.c, route_scored); the rope
+ * tables of every family honour linear and YaRN scaling.  Qwen3.5-MoE's
  * linear-attention layers are Gated DeltaNet (runtime/deltanet.c), its
  * full attention gates its output and ropes part of each head, and its
  * norms are zero-centred (norm_of).  Mixtral has no q/k norm,
