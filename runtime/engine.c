@@ -403,6 +403,15 @@ static epj_status balance_experts(epj_engine *e, bool skipped)
 		if (st != EPJ_OK)
 			return st;
 	}
+	/* the biases are buffers (no gradient): their masters (ZeRO shards)
+	 * follow them, so the next all-gather and a save keep the move */
+	for (int i = 0; rate > 0 && i < m->params.n; i++) {
+		if (epj_tensor_requires_grad(m->params.params[i]))
+			continue;
+		epj_status st = ej_optim_master_from_param(e->optim, i);
+		if (st != EPJ_OK)
+			return st;
+	}
 	return EPJ_OK;
 }
 

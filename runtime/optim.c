@@ -1163,6 +1163,20 @@ bool ej_optim_sharded(const ej_optim *o, int i, int64_t *lo, int64_t *hi)
 	return o->p[i].sharded;
 }
 
+epj_status ej_optim_master_from_param(ej_optim *o, int i)
+{
+	EJ_ASSERT(i >= 0 && i < o->n);
+	opt_param *p = &o->p[i];
+	if (p->sharded)
+		return master_from_param(o->ctx, p);
+	if (p->master == p->param)
+		return EPJ_OK;
+	epj_status st = epj_tensor_copy_(o->ctx, p->master, p->param);
+	if (st != EPJ_OK)
+		ej_error_prefix(o->ctx, "optim: master of %s", p->name);
+	return st;
+}
+
 epj_status ej_optim_masters_from_params(ej_optim *o)
 {
 	for (int i = 0; i < o->n; i++) {

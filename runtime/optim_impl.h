@@ -92,6 +92,12 @@ bool ej_optim_sharded(const ej_optim *o, int i, int64_t *lo, int64_t *hi);
  * loading plain weights into the parameters; other masters were loaded
  * directly). */
 epj_status ej_optim_masters_from_params(ej_optim *o);
+/* Sets parameter i's master (its shard, or its f32 copy) from the
+ * parameter's current values: after a write to the parameter outside the
+ * optimizer (DeepSeek-V3's score bias, ej_autoep_balance), so that the
+ * next all-gather and a save carry it.  No-op when the master is the
+ * parameter. */
+epj_status ej_optim_master_from_param(ej_optim *o, int i);
 
 int ej_optim_num_params(const ej_optim *o);
 /* Parameter i (borrowed) and its FP32 master (borrowed: the parameter
