@@ -1,6 +1,7 @@
-/* deltanet.c -- Qwen3.5-MoE's Gated DeltaNet layer (linear_attn) and its
- * zero-centred RMSNorm, written with epj_* ops as transformers'
- * Qwen3_5MoeGatedDeltaNet computes them (no cache: training):
+/* deltanet.c -- Qwen3.5-MoE's Gated DeltaNet layer (linear_attn), written
+ * with epj_* ops as transformers' Qwen3_5MoeGatedDeltaNet computes it (no
+ * cache: training; the family's zero-centred RMSNorm is ej_rmsnorm_offset,
+ * runtime/qwen3.c):
  *
  *   qkv = in_proj_qkv(x)                      [B, T, 2 Kd + Vd]
  *   qkv = silu(causal depthwise conv1d(qkv))  K taps, no bias
@@ -41,29 +42,6 @@ static epj_tensor *lin(epj_ctx *ctx, epj_module *m, const char *local,
 	epj_module *l = ej_module_child(m, local);
 	return epj_linear(ctx, x, ej_module_param(l, "weight"),
 			  ej_module_param(l, "bias"));
-}
-
-epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
-			      double eps)
-{
-	enum { XF, SQ, VAR, VE, RS, NX, WF, W1, Y, N_T };
-	epj_tensor *t[N_T] = { 0 };
-	epj_dtype dt = x ? epj_tensor_dtype(x) : EPJ_DTYPE_F32;
-	bool up = dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_F64;
-	epj_dtype cd = up ? EPJ_DTYPE_F32 : dt;
-	t[XF] = up ? epj_cast(ctx, x, cd) : epj_tensor_ref(x);
-	t[SQ] = epj_pow_scalar(ctx, t[XF], 2.0);
-	t[VAR] = epj_mean(ctx, t[SQ], -1, true);
-	t[VE] = epj_add_scalar(ctx, t[VAR], eps);
-	t[RS] = epj_rsqrt(ctx, t[VE]);
-	t[NX] = epj_mul(ctx, t[XF], t[RS]);
-	t[WF] = w && epj_tensor_dtype(w) != cd ? epj_cast(ctx, w, cd)
-					       : epj_tensor_ref(w);
-	t[W1] = epj_add_scalar(ctx, t[WF], 1.0);
-	t[Y] = epj_mul(ctx, t[NX], t[W1]);
-	epj_tensor *y = up ? epj_cast(ctx, t[Y], dt) : epj_tensor_ref(t[Y]);
-	drop(t, N_T);
-	return y;
 }
 
 /* x * rsqrt(sum(x^2, -1) + 1e-6) */

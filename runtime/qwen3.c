@@ -127,21 +127,50 @@ static void drop(epj_tensor **ts, int n)
 	}
 }
 
-epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps)
+/* x.c * rsqrt(mean(x.c^2, -1) + eps) in the compute dtype c (f32 for
+ * 16-bit x, else x's own): the normalised x of both RMSNorms below. */
+static epj_tensor *rms_hat(epj_ctx *ctx, epj_tensor *x, double eps, bool *up)
 {
-	enum { XF, SQ, VAR, VE, RS, NX, NC, N_T };
+	enum { XF, SQ, VAR, VE, RS, N_T };
 	epj_tensor *t[N_T] = { 0 };
-	bool up = epj_tensor_dtype(x) != EPJ_DTYPE_F32 &&
-		  epj_tensor_dtype(x) != EPJ_DTYPE_F64;
-	t[XF] = up ? epj_cast(ctx, x, EPJ_DTYPE_F32) : epj_tensor_ref(x);
+	epj_dtype dt = x ? epj_tensor_dtype(x) : EPJ_DTYPE_F32;
+	*up = dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_F64;
+	t[XF] = *up ? epj_cast(ctx, x, EPJ_DTYPE_F32) : epj_tensor_ref(x);
 	t[SQ] = epj_pow_scalar(ctx, t[XF], 2.0);
 	t[VAR] = epj_mean(ctx, t[SQ], -1, true);
 	t[VE] = epj_add_scalar(ctx, t[VAR], eps);
 	t[RS] = epj_rsqrt(ctx, t[VE]);
-	t[NX] = epj_mul(ctx, t[XF], t[RS]);
-	t[NC] = up ? epj_cast(ctx, t[NX], epj_tensor_dtype(x))
-		   : epj_tensor_ref(t[NX]);
-	epj_tensor *y = epj_mul(ctx, w, t[NC]);
+	epj_tensor *y = epj_mul(ctx, t[XF], t[RS]);
+	drop(t, N_T);
+	return y;
+}
+
+epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps)
+{
+	bool up;
+	epj_tensor *nx = rms_hat(ctx, x, eps, &up);
+	epj_tensor *nc =
+	    up ? epj_cast(ctx, nx, epj_tensor_dtype(x)) : epj_tensor_ref(nx);
+	epj_tensor *y = epj_mul(ctx, w, nc);
+	epj_tensor_free(nx);
+	epj_tensor_free(nc);
+	return y;
+}
+
+epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+			      double eps)
+{
+	enum { NX, WF, W1, Y, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	bool up;
+	t[NX] = rms_hat(ctx, x, eps, &up);
+	epj_dtype cd = t[NX] ? epj_tensor_dtype(t[NX]) : EPJ_DTYPE_F32;
+	t[WF] = w && epj_tensor_dtype(w) != cd ? epj_cast(ctx, w, cd)
+					       : epj_tensor_ref(w);
+	t[W1] = epj_add_scalar(ctx, t[WF], 1.0);
+	t[Y] = epj_mul(ctx, t[NX], t[W1]);
+	epj_tensor *y = up && t[Y] ? epj_cast(ctx, t[Y], epj_tensor_dtype(x))
+				   : epj_tensor_ref(t[Y]);
 	drop(t, N_T);
 	return y;
 }

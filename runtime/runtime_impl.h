@@ -424,7 +424,7 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
  * back to x's dtype, times weight. */
 epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps);
 /* Qwen3.5's zero-centred RMSNorm: (x.f32 * rsqrt(mean(x.f32^2) + eps)) *
- * (1 + w.f32), cast back to x's dtype (runtime/deltanet.c). */
+ * (1 + w.f32), cast back to x's dtype (runtime/qwen3.c). */
 epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
 			      double eps);
 /* Qwen3.5-MoE's Gated DeltaNet (runtime/deltanet.c): blk.linear_attn with
