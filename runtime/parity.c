@@ -6,7 +6,8 @@
  * engine built from the same seed; the compiled arm calls
  * epj_engine_compile().  Both arms draw two batches from the same synthetic
  * stream: a warm-up batch, run forward + backward (which traces and
- * compiles; gradients dropped), and a different measured batch, run
+ * compiles; gradients dropped), and a different measured batch (the
+ * stream's next batch unlike the warm-up's), run
  * through epj_engine_train_step -- the call users make: forward, backward,
  * accumulate, one SGD step with lr 1.0 (so FP32 master updates stay above
  * rounding near unit-valued norm weights, as DeepSpeed's AutoEP validation
@@ -453,15 +454,27 @@ static epj_status run_arm(arm *a, const epj_parity_opts *o, bool compiled)
 	epj_tensor *ids_w = NULL, *labels_w = NULL, *ids = NULL, *labels = NULL,
 		   *loss = NULL, **before = NULL;
 	st = epj_corpus_next_batch(ctx, c, o->batch, o->seq, &ids_w, &labels_w);
-	if (st == EPJ_OK)
+	/* The chain can sit in a state whose likeliest successor is itself,
+	 * so a short batch may repeat the warm-up's token for token: draw
+	 * on (the same draws in both arms) until one differs. */
+	for (int draw = 0; st == EPJ_OK && draw < 64; draw++) {
+		epj_tensor_free(ids);
+		epj_tensor_free(labels);
+		ids = labels = NULL;
 		st = epj_corpus_next_batch(ctx, c, o->batch, o->seq, &ids,
 					   &labels);
+		if (st != EPJ_OK)
+			break;
+		a->warm_tokens_differ = 0;
+		for (int64_t k = 0; k < epj_tensor_numel(ids); k++)
+			a->warm_tokens_differ += epj_tensor_get_f64(ids, k) !=
+						 epj_tensor_get_f64(ids_w, k);
+		if (a->warm_tokens_differ > 0)
+			break;
+	}
 	epj_corpus_free(c);
 	if (st != EPJ_OK)
 		goto out;
-	for (int64_t k = 0; k < epj_tensor_numel(ids); k++)
-		a->warm_tokens_differ +=
-		    epj_tensor_get_f64(ids, k) != epj_tensor_get_f64(ids_w, k);
 	/* warm-up: forward + backward (traces, compiles), grads dropped */
 	st = epj_model_forward(ctx, m, ids_w, labels_w, NULL, &loss);
 	if (st == EPJ_OK)
