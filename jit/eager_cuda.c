@@ -30,19 +30,18 @@
  *    memory; from a host copy on cuda).
  *  - adapters of the GEMM (jit/tmpl_gemm.c: matmul, linear, the expert
  *    GEMMs moe_grouped_mm and its weight gradient), attention
- *    (jit/tmpl_attention.c: sdpa and its backward) and embedding / loss
- *    (jit/tmpl_moe.c: embedding, cross_entropy and their backwards)
- *    templates.
+ *    (jit/tmpl_attention.c: sdpa and its backward), embedding / loss and
+ *    the fused MoE ops (jit/tmpl_moe.c: embedding, cross_entropy,
+ *    moe_route, moe_permute, moe_unpermute, swiglu and their backwards)
+ *    and the gated delta rule (jit/tmpl_delta.c) templates.
  *
- * Every launch counts in kernels.launched.eager_cuda.  An entry that meets
+ * Every launch of this file's kernels counts in
+ * kernels.launched.eager_cuda, every template launch in
+ * kernels.launched.template (jit/tmpl.c).  An entry that meets
  * a case it has no kernel for (integer reductions, empty inputs of a
- * reduction) calls ej_eager_fallback (CPU kernel, counted).  Every op has
- * an entry; the fused MoE ops other than the expert GEMMs (moe_route,
- * moe_permute, moe_unpermute, swiglu and their backwards) have no CUDA
- * lowering, and their entry, eg_cpu_fallback, always runs the CPU kernel
- * (counted).  The gated delta rule and its backward run
- * templates/delta.cuh (jit/tmpl_delta.c).  A NULL
- * row would do the same; an op's entry is the one line
+ * reduction, k above 32 in moe_route) calls ej_eager_fallback (CPU
+ * kernel, counted).  Every op has an entry; a NULL row would run the CPU
+ * kernel the same way.  An op's entry is the one line
  * `[EJ_OP_X] = ej_cuda_op_x,`.
  */
 #include "eager_cuda.h"
@@ -1276,17 +1275,6 @@ static epj_status eg_rope(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
-/* The fused MoE ops (lib/ops_moe.c) other than the expert GEMMs have no
- * CUDA lowering: on cuda-sim the AutoEP layer runs the MoE templates
- * (templates/moe.cuh) and its own op sequence instead, so a direct call of
- * one of them runs the CPU kernel and is counted as a fallback.  The
- * expert GEMMs (MOE_GROUPED_MM and its weight gradient) run through
- * jit/tmpl_gemm.c. */
-static epj_status eg_cpu_fallback(epj_ctx *ctx, ej_call *c)
-{
-	return ej_eager_fallback(ctx, c);
-}
-
 /* ---- the table ----------------------------------------------------------
  * Every op has an entry: the single-op lowerings and copy/index templates
  * of this file, and the adapters of the GEMM (jit/tmpl_gemm.c), attention
@@ -1350,16 +1338,16 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_FULL] = eg_full,
 	[EJ_OP_GATED_DELTA] = ej_cuda_op_gated_delta,
 	[EJ_OP_GATED_DELTA_BACKWARD] = ej_cuda_op_gated_delta_backward,
-	[EJ_OP_MOE_ROUTE] = eg_cpu_fallback,
-	[EJ_OP_MOE_ROUTE_BACKWARD] = eg_cpu_fallback,
-	[EJ_OP_MOE_PERMUTE] = eg_cpu_fallback,
-	[EJ_OP_MOE_PERMUTE_BACKWARD] = eg_cpu_fallback,
-	[EJ_OP_MOE_UNPERMUTE] = eg_cpu_fallback,
-	[EJ_OP_MOE_UNPERMUTE_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_MOE_ROUTE] = ej_cuda_op_moe_route,
+	[EJ_OP_MOE_ROUTE_BACKWARD] = ej_cuda_op_moe_route_backward,
+	[EJ_OP_MOE_PERMUTE] = ej_cuda_op_moe_permute,
+	[EJ_OP_MOE_PERMUTE_BACKWARD] = ej_cuda_op_moe_permute_backward,
+	[EJ_OP_MOE_UNPERMUTE] = ej_cuda_op_moe_unpermute,
+	[EJ_OP_MOE_UNPERMUTE_BACKWARD] = ej_cuda_op_moe_unpermute_backward,
 	[EJ_OP_MOE_GROUPED_MM] = ej_cuda_op_moe_grouped_mm,
 	[EJ_OP_MOE_GROUPED_MM_WGRAD] = ej_cuda_op_moe_grouped_mm_wgrad,
-	[EJ_OP_SWIGLU] = eg_cpu_fallback,
-	[EJ_OP_SWIGLU_BACKWARD] = eg_cpu_fallback,
+	[EJ_OP_SWIGLU] = ej_cuda_op_swiglu,
+	[EJ_OP_SWIGLU_BACKWARD] = ej_cuda_op_swiglu_backward,
 };
 
 void ej_eager_cuda_install(void)

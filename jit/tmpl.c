@@ -289,6 +289,7 @@ epj_status ej_tmpl_launch(epj_ctx *ctx, ej_tmpl *m, const char *kernel,
 	for (int i = 0; i < m->n; i++)
 		if (strcmp(m->kname[i], kernel) == 0) {
 			m->args_size[i] = l ? l->args_size : 0;
+			epj_counter_add(ctx, "kernels.launched.template", 1);
 			return m->dev->launch(m->dev->self, ctx, m->fn[i],
 					      kernel, l);
 		}

@@ -14,6 +14,7 @@
 #include "tmpl_moe.h"
 
 #include "tmpl.h"
+#include "tmpl_gemm.h" /* ej_index_pinned */
 
 #include <math.h>
 #include <stdio.h>
@@ -177,7 +178,7 @@ struct moe_route_args {
 	long long sl0, sl1;
 	int ldt, rdt;
 	long long N;
-	int E, k, norm;
+	int E, k, norm, fixed;
 	void *probs, *w;
 	long long *idx;
 };
@@ -185,7 +186,7 @@ struct moe_route_args {
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 			     const void *logits, epj_dtype ldt, int64_t sl0,
 			     int64_t sl1, int64_t N, int E, int k, bool norm,
-			     void *probs, void *w, int64_t *idx)
+			     bool fixed, void *probs, void *w, int64_t *idx)
 {
 	const char *what = "moe route";
 	epj_status st = need_float(ctx, what, "logits", ldt);
@@ -203,9 +204,19 @@ epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 		return st;
 	const bool f64 = ldt == EPJ_DTYPE_F64;
 	const size_t rs = f64 ? 8 : 4;
-	struct moe_route_args a = { logits,	 sl0,	sl1, dcode(ldt),
-				    f64 ? 2 : 0, N,	E,   k,
-				    norm,	 probs, w,   (long long *)idx };
+	struct moe_route_args a = { .logits = logits,
+				    .sl0 = sl0,
+				    .sl1 = sl1,
+				    .ldt = dcode(ldt),
+				    .rdt = f64 ? 2 : 0,
+				    .N = N,
+				    .E = E,
+				    .k = k,
+				    .norm = norm,
+				    .fixed = fixed,
+				    .probs = probs,
+				    .w = w,
+				    .idx = (long long *)idx };
 	ej_launch_out o[3] = { out_of(probs, N * E, rs), out_of(w, N * k, rs),
 			       out_of(idx, N * k, 8) };
 	return launch(ctx, m, "ej_moe_route", clamp_grid((N + 3) / 4), 128, &a,
@@ -332,7 +343,7 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 
 struct moe_combine_args {
 	const void *y, *w;
-	const long long *pos, *order;
+	const long long *pos;
 	const void *dout;
 	long long N;
 	int k;
@@ -365,10 +376,10 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct moe_combine_args a = { y,	  w,	(const long long *)pos,
-				      NULL,	  NULL, N,
-				      k,	  H,	dcode(dt),
-				      dcode(wdt), out };
+	struct moe_combine_args a = { y,    w,	       (const long long *)pos,
+				      NULL, N,	       k,
+				      H,    dcode(dt), dcode(wdt),
+				      out };
 	ej_launch_out o = out_of(out, N * H, ej_dtype_size(dt));
 	return launch(ctx, m, "ej_moe_combine", clamp_grid(N), row_threads(H),
 		      &a, sizeof a, &o, 1);
@@ -377,9 +388,9 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 					const void *dout, const void *y,
 					epj_dtype dt, const void *w,
-					epj_dtype wdt, const int64_t *order,
-					const int64_t *pos, int64_t N, int k,
-					int64_t H, void *dy, void *dw)
+					epj_dtype wdt, const int64_t *pos,
+					int64_t N, int k, int64_t H, void *dy,
+					void *dw)
 {
 	epj_status st =
 	    combine_check(ctx, "moe combine backward", dt, wdt, N, k, H);
@@ -389,16 +400,9 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
 	const int64_t R = N * k;
-	struct moe_combine_args a = { y,
-				      w,
-				      (const long long *)pos,
-				      (const long long *)order,
-				      dout,
-				      N,
-				      k,
-				      H,
-				      dcode(dt),
-				      dcode(wdt),
+	struct moe_combine_args a = { y,    w,	       (const long long *)pos,
+				      dout, N,	       k,
+				      H,    dcode(dt), dcode(wdt),
 				      dy };
 	if (dy && H > 0) {
 		ej_launch_out o = out_of(dy, R * H, ej_dtype_size(dt));
@@ -905,14 +909,16 @@ static const char *ctx_device(const epj_ctx *ctx)
 }
 
 /* The values of index input `input` of c (i32/i64, any strides) read to the
- * host row-major (*host, malloc'ed) and uploaded contiguous i64 to the
- * ctx's device (*dev, free with dev_release).  Each value must be in [0,
- * limit) -- or equal `ign` when ce (cross-entropy targets) -- else the CPU
- * kernel's error.  n = 0 gives NULL pointers. */
+ * host row-major (*host when host is not NULL, malloc'ed) and uploaded
+ * contiguous i64 to the ctx's device (*dev, free with dev_release).  Each
+ * value must be in [0, limit) -- or equal `ign` when ce (cross-entropy
+ * targets) -- else the CPU kernel's error.  n = 0 gives NULL pointers. */
 static epj_status index_upload(epj_ctx *ctx, const ej_call *c, int input,
 			       int64_t limit, const char *what, bool ce,
-			       int64_t ign, int64_t **dev)
+			       int64_t ign, int64_t **dev, int64_t **host)
 {
+	if (host)
+		*host = NULL;
 	const epj_tensor *t = c->in[input];
 	const ej_device *d = ctx->dev;
 	const int64_t n = ej_numel(t->ndim, t->shape);
@@ -976,7 +982,10 @@ static epj_status index_upload(epj_ctx *ctx, const ej_call *c, int input,
 					 "indices",
 					 (long long)n);
 	}
-	free(v);
+	if (st == EPJ_OK && host)
+		*host = v;
+	else
+		free(v);
 	return st;
 }
 
@@ -1009,8 +1018,8 @@ epj_status ej_cuda_op_embedding(epj_ctx *ctx, ej_call *c)
 	const int64_t V = w->shape[0], D = w->shape[1];
 	const int64_t n = ej_numel(ids->ndim, ids->shape);
 	int64_t *di;
-	epj_status st =
-	    index_upload(ctx, c, 1, V, "the weight's rows", false, 0, &di);
+	epj_status st = index_upload(ctx, c, 1, V, "the weight's rows", false,
+				     0, &di, NULL);
 	if (st != EPJ_OK)
 		return st;
 	st = ej_tmpl_embedding(ctx, ctx_device(ctx), ej_data(w), w->dtype,
@@ -1029,7 +1038,7 @@ epj_status ej_cuda_op_embedding_backward(epj_ctx *ctx, ej_call *c)
 	const int64_t n = ej_numel(ids->ndim, ids->shape);
 	int64_t *di;
 	epj_status st =
-	    index_upload(ctx, c, 1, V, "the vocabulary", false, 0, &di);
+	    index_upload(ctx, c, 1, V, "the vocabulary", false, 0, &di, NULL);
 	if (st != EPJ_OK)
 		return st;
 	int64_t s0;
@@ -1064,7 +1073,8 @@ epj_status ej_cuda_op_cross_entropy(epj_ctx *ctx, ej_call *c)
 	const epj_tensor *lg = c->in[0];
 	const int64_t N = lg->shape[0], V = lg->shape[1], ign = ce_ignore(c);
 	int64_t *dt;
-	epj_status st = index_upload(ctx, c, 1, V, "targets", true, ign, &dt);
+	epj_status st =
+	    index_upload(ctx, c, 1, V, "targets", true, ign, &dt, NULL);
 	if (st != EPJ_OK)
 		return st;
 	st = ej_tmpl_cross_entropy(ctx, ctx_device(ctx), ej_data(lg), lg->dtype,
@@ -1079,12 +1089,365 @@ epj_status ej_cuda_op_cross_entropy_backward(epj_ctx *ctx, ej_call *c)
 	const epj_tensor *g = c->in[0], *lg = c->in[1];
 	const int64_t N = lg->shape[0], V = lg->shape[1], ign = ce_ignore(c);
 	int64_t *dt;
-	epj_status st = index_upload(ctx, c, 2, V, "targets", true, ign, &dt);
+	epj_status st =
+	    index_upload(ctx, c, 2, V, "targets", true, ign, &dt, NULL);
 	if (st != EPJ_OK)
 		return st;
 	st = ej_tmpl_cross_entropy_backward(
 	    ctx, ctx_device(ctx), ej_data(g), g->dtype, ej_data(lg), lg->dtype,
 	    lg->stride[0], lg->stride[1], dt, N, V, ign, ej_data(c->out[0]));
 	dev_release(ctx, dt);
+	return st;
+}
+
+/* ---- the fused MoE ops (lib/ops_moe.c) as rows of the eager table --------
+ * Each runs the kernels of templates/moe.cuh (or, for SwiGLU, the
+ * pointwise kernels it is made of) with the CPU kernel's semantics, so the
+ * AutoEP layer takes one data path on every device.  Index inputs are
+ * checked as the CPU kernels check them: from the host copy the AutoEP
+ * layer pinned (ej_index_pin: its experts and positions, which it has on
+ * the host anyway), the device's copy then read in place with no transfer;
+ * else read to the host and uploaded (one round trip).  Results are
+ * written into the op's outputs by the device's own kernels, never by a
+ * blocking copy. */
+
+/* t in dtype dt: a new reference to t itself when it already is */
+static epj_tensor *cast_or_ref(epj_ctx *ctx, epj_tensor *t, epj_dtype dt)
+{
+	return t->dtype == dt ? epj_tensor_ref(t) : epj_cast(ctx, t, dt);
+}
+
+/* t as a contiguous tensor of dtype dt (a new reference, no grad) */
+static epj_tensor *dense_as(epj_ctx *ctx, epj_tensor *t, epj_dtype dt)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *c = cast_or_ref(ctx, t, dt);
+	epj_tensor *d = c && !ej_is_contiguous(c) ? epj_contiguous(ctx, c)
+						  : epj_tensor_ref(c);
+	epj_tensor_free(c);
+	epj_no_grad_exit(ctx, prev);
+	return d;
+}
+
+/* Writes t (dst's shape, any dtype and strides) into the op's output dst:
+ * the device's cast kernel (a copy for equal dtypes). */
+static epj_status put_out(epj_ctx *ctx, epj_tensor *t, epj_tensor *dst)
+{
+	if (!t)
+		return epj_ctx_status(ctx);
+	const ej_eager_fn *tab = ej_eager_table(ctx->dev);
+	EJ_ASSERT(tab && tab[EJ_OP_CAST]);
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, dst->dtype);
+	epj_tensor *in[1] = { t };
+	epj_tensor *out[1] = { dst };
+	ej_call cast = { .op = EJ_OP_CAST,
+			 .attrs = &at,
+			 .in = in,
+			 .n_in = 1,
+			 .out = out,
+			 .n_out = 1 };
+	return tab[EJ_OP_CAST](ctx, &cast);
+}
+
+/* scratch of n elements of es bytes on ctx's device (NULL for n = 0) */
+static void *scratch(epj_ctx *ctx, const ej_call *c, int64_t n, size_t es,
+		     epj_status *st)
+{
+	if (*st != EPJ_OK || n == 0)
+		return NULL;
+	void *p = ej_alloc(ctx->alloc, (size_t)n * es);
+	if (!p)
+		*st = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				  "out of device memory (%lld elements)",
+				  (long long)n);
+	return p;
+}
+
+/* An index input on the device as contiguous i64. */
+typedef struct dev_index {
+	const int64_t *p; /* NULL for no elements */
+	void *owned;	  /* an upload to release, or NULL (in place) */
+} dev_index;
+
+/* Index input `input` of c: every value in [0, limit) and, when perm, each
+ * once (positions, a permutation as moe_permute makes them), else the CPU
+ * kernels' errors.  From its pinned host copy when it has one (then in
+ * place when dense i64), else read to the host and uploaded. */
+static epj_status index_in(epj_ctx *ctx, const ej_call *c, int input,
+			   int64_t limit, const char *what, bool perm,
+			   dev_index *out)
+{
+	const epj_tensor *t = c->in[input];
+	const int64_t n = ej_numel(t->ndim, t->shape);
+	out->p = NULL;
+	out->owned = NULL;
+	const int64_t *pin = ej_index_pinned(ctx, t);
+	int64_t *host = NULL;
+	epj_status st = EPJ_OK;
+	if (pin && t->dtype == EPJ_DTYPE_I64 && ej_is_contiguous(t)) {
+		for (int64_t e = 0; e < n && st == EPJ_OK; e++)
+			if (pin[e] < 0 || pin[e] >= limit)
+				st = ej_op_error(
+				    ctx, c, EPJ_ERR_INDEX,
+				    "index value %lld at flat position %lld "
+				    "of input %d is out of range [0, %lld) "
+				    "for %s",
+				    (long long)pin[e], (long long)e, input,
+				    (long long)limit, what);
+		out->p = n ? ej_data(t) : NULL;
+	} else {
+		int64_t *d = NULL;
+		st = index_upload(ctx, c, input, limit, what, false, 0, &d,
+				  perm ? &host : NULL);
+		out->p = out->owned = d;
+		pin = host;
+	}
+	unsigned char *seen =
+	    st == EPJ_OK && perm ? calloc((size_t)limit + 1, 1) : NULL;
+	if (st == EPJ_OK && perm && !seen)
+		st = ej_op_error(ctx, c, EPJ_ERR_NOMEM, "out of memory");
+	for (int64_t e = 0; st == EPJ_OK && perm && e < n; e++) {
+		if (seen[pin[e]])
+			st = ej_op_error(ctx, c, EPJ_ERR_INDEX,
+					 "row position %lld appears twice "
+					 "(positions must be a permutation "
+					 "of [0, %lld), as moe_permute makes "
+					 "them)",
+					 (long long)pin[e], (long long)limit);
+		else
+			seen[pin[e]] = 1;
+	}
+	free(seen);
+	free(host);
+	if (st != EPJ_OK) {
+		dev_release(ctx, out->owned);
+		out->p = out->owned = NULL;
+	}
+	return st;
+}
+
+static epj_dtype route_rdt(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+}
+
+/* MOE_ROUTE: softmax, top-k (or the fixed assignment) and renormalisation
+ * in one kernel; k beyond the kernel's limit runs the CPU kernel
+ * (counted). */
+epj_status ej_cuda_op_moe_route(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *l = c->in[0];
+	const int64_t N = l->shape[0], E = l->shape[1], k = c->attrs->i[0];
+	if (k > EJ_TMPL_MOE_MAX_K)
+		return ej_eager_fallback(ctx, c);
+	epj_status st = EPJ_OK;
+	const epj_dtype rdt = c->out[0]->dtype;
+	void *probs = scratch(ctx, c, N * E, ej_dtype_size(rdt), &st);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_route(ctx, ctx_device(ctx), ej_data(l),
+				       l->dtype, l->stride[0], l->stride[1], N,
+				       (int)E, (int)k, c->attrs->i[1] != 0,
+				       c->attrs->i[2] != 0, probs,
+				       ej_data(c->out[0]), ej_data(c->out[1]));
+	dev_release(ctx, probs);
+	return st;
+}
+
+/* MOE_ROUTE_BACKWARD: the probabilities recomputed by the router kernel,
+ * then its backward kernel in the routing dtype. */
+epj_status ej_cuda_op_moe_route_backward(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *l = c->in[1];
+	const int64_t N = l->shape[0], E = l->shape[1], k = c->attrs->i[0];
+	if (k > EJ_TMPL_MOE_MAX_K)
+		return ej_eager_fallback(ctx, c);
+	const epj_dtype rdt = route_rdt(l->dtype);
+	const size_t rs = ej_dtype_size(rdt);
+	dev_index ix;
+	epj_status st = index_in(ctx, c, 2, E, "the experts", false, &ix);
+	void *probs = scratch(ctx, c, N * E, rs, &st);
+	void *w = scratch(ctx, c, N * k, rs, &st);
+	void *sel = scratch(ctx, c, N * k, 8, &st);
+	epj_tensor *g = st == EPJ_OK ? dense_as(ctx, c->in[0], rdt) : NULL;
+	epj_tensor *o = c->out[0]->dtype == rdt
+			    ? epj_tensor_ref(c->out[0])
+			    : ej_tensor_alloc(ctx, rdt, 2, l->shape, false);
+	if (st == EPJ_OK && (!g || !o))
+		st = epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_route(ctx, ctx_device(ctx), ej_data(l),
+				       l->dtype, l->stride[0], l->stride[1], N,
+				       (int)E, (int)k, false, false, probs, w,
+				       sel);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_route_backward(
+		    ctx, ctx_device(ctx), probs, ix.p, ej_data(g), rdt, N,
+		    (int)E, (int)k, c->attrs->i[1] != 0, ej_data(o));
+	if (st == EPJ_OK && o != c->out[0])
+		st = put_out(ctx, o, c->out[0]);
+	epj_tensor_free(g);
+	epj_tensor_free(o);
+	dev_release(ctx, probs);
+	dev_release(ctx, w);
+	dev_release(ctx, sel);
+	dev_release(ctx, ix.owned);
+	return st;
+}
+
+/* MOE_PERMUTE: the stable counting sort of the slots by expert (counts and
+ * positions straight into the outputs), then the row gather. */
+epj_status ej_cuda_op_moe_permute(epj_ctx *ctx, ej_call *c)
+{
+	const epj_tensor *x = c->in[0];
+	const int64_t N = x->shape[0], H = x->shape[1], k = c->in[1]->shape[1];
+	const int64_t R = N * k, E = c->attrs->i[0];
+	if (E > INT32_MAX)
+		return ej_eager_fallback(ctx, c);
+	dev_index ix;
+	epj_status st = index_in(ctx, c, 1, E, "the experts", false, &ix);
+	int64_t *off = scratch(ctx, c, E + 1, 8, &st);
+	int64_t *order = scratch(ctx, c, R, 8, &st);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_sort(ctx, ctx_device(ctx), ix.p, R, (int)E,
+				      ej_data(c->out[2]), off, order,
+				      ej_data(c->out[1]));
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_permute(
+		    ctx, ctx_device(ctx), ej_data(x), x->dtype, x->stride[0],
+		    x->stride[1], order, (int)k, R, H, ej_data(c->out[0]));
+	dev_release(ctx, ix.owned);
+	dev_release(ctx, off);
+	dev_release(ctx, order);
+	return st;
+}
+
+/* MOE_PERMUTE_BACKWARD: dx[n] = sum_j grad[pos[n, j]], one kernel. */
+epj_status ej_cuda_op_moe_permute_backward(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *o = c->out[0];
+	const int64_t N = c->in[1]->shape[0], k = c->in[1]->shape[1];
+	const int64_t H = o->shape[1];
+	dev_index ps;
+	epj_status st = index_in(ctx, c, 1, N * k, "the rows", false, &ps);
+	epj_tensor *g = st == EPJ_OK ? dense_as(ctx, c->in[0], o->dtype) : NULL;
+	if (st == EPJ_OK && !g)
+		st = epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_permute_backward(ctx, ctx_device(ctx),
+						  ej_data(g), o->dtype, ps.p, N,
+						  (int)k, H, ej_data(o));
+	epj_tensor_free(g);
+	dev_release(ctx, ps.owned);
+	return st;
+}
+
+/* The combine kernels take f32 or f64 weights: other weights (bf16), and
+ * a gradient of another dtype than the expert outputs, run the CPU
+ * kernel (counted). */
+static bool combine_dtypes(const ej_call *c, int yi, int wi)
+{
+	const epj_dtype w = c->in[wi]->dtype;
+	return (w == EPJ_DTYPE_F32 || w == EPJ_DTYPE_F64) &&
+	       c->in[0]->dtype == c->in[yi]->dtype;
+}
+
+/* MOE_UNPERMUTE: out[n] = sum_j w[n, j] y[pos[n, j]] in the weights'
+ * dtype, slot order, one kernel. */
+epj_status ej_cuda_op_moe_unpermute(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *y = c->in[0], *w = c->in[1];
+	const int64_t N = w->shape[0], k = w->shape[1], H = y->shape[1];
+	if (!combine_dtypes(c, 0, 1))
+		return ej_eager_fallback(ctx, c);
+	dev_index ps;
+	epj_status st = index_in(ctx, c, 2, N * k, "the rows", true, &ps);
+	epj_tensor *yc = st == EPJ_OK ? dense_as(ctx, y, y->dtype) : NULL;
+	epj_tensor *wc = yc ? dense_as(ctx, w, w->dtype) : NULL;
+	if (st == EPJ_OK && !wc)
+		st = epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_combine(ctx, ctx_device(ctx), ej_data(yc),
+					 y->dtype, ej_data(wc), w->dtype, ps.p,
+					 N, (int)k, H, ej_data(c->out[0]));
+	epj_tensor_free(yc);
+	epj_tensor_free(wc);
+	dev_release(ctx, ps.owned);
+	return st;
+}
+
+/* MOE_UNPERMUTE_BACKWARD: dy[pos[s]] = w[s] grad[s / k] and dw[s] =
+ * grad[s / k] . y[pos[s]], the combine's backward kernels. */
+epj_status ej_cuda_op_moe_unpermute_backward(epj_ctx *ctx, ej_call *c)
+{
+	epj_tensor *y = c->in[1], *w = c->in[2];
+	const int64_t N = w->shape[0], k = w->shape[1], H = y->shape[1];
+	if (!combine_dtypes(c, 1, 2))
+		return ej_eager_fallback(ctx, c);
+	dev_index ps;
+	epj_status st = index_in(ctx, c, 3, N * k, "the rows", true, &ps);
+	epj_tensor *g = st == EPJ_OK ? dense_as(ctx, c->in[0], y->dtype) : NULL;
+	epj_tensor *yc = g ? dense_as(ctx, y, y->dtype) : NULL;
+	epj_tensor *wc = yc ? dense_as(ctx, w, w->dtype) : NULL;
+	if (st == EPJ_OK && !wc)
+		st = epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st = ej_tmpl_moe_combine_backward(
+		    ctx, ctx_device(ctx), ej_data(g), ej_data(yc), y->dtype,
+		    ej_data(wc), w->dtype, ps.p, N, (int)k, H,
+		    ej_data(c->out[0]), ej_data(c->out[1]));
+	epj_tensor_free(g);
+	epj_tensor_free(yc);
+	epj_tensor_free(wc);
+	dev_release(ctx, ps.owned);
+	return st;
+}
+
+/* SWIGLU and its backward as the pointwise kernels they are made of, in
+ * f32 for bf16 (the CPU kernel's precision, rounded once at the end):
+ *   out = silu(gate) * up;
+ *   dgate = silu_backward(grad * up, gate), dup = grad * silu(gate). */
+static epj_dtype swiglu_dt(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_BF16 ? EPJ_DTYPE_F32 : dt;
+}
+
+epj_status ej_cuda_op_swiglu(epj_ctx *ctx, ej_call *c)
+{
+	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *g = cast_or_ref(ctx, c->in[0], cdt);
+	epj_tensor *u = cast_or_ref(ctx, c->in[1], cdt);
+	epj_tensor *sg = g && u ? epj_silu(ctx, g) : NULL;
+	epj_tensor *h = sg ? epj_mul(ctx, sg, u) : NULL;
+	epj_no_grad_exit(ctx, prev);
+	epj_status st = put_out(ctx, h, c->out[0]);
+	epj_tensor *t[] = { g, u, sg, h };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return st;
+}
+
+epj_status ej_cuda_op_swiglu_backward(epj_ctx *ctx, ej_call *c)
+{
+	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *gr = cast_or_ref(ctx, c->in[0], cdt);
+	epj_tensor *g = cast_or_ref(ctx, c->in[1], cdt);
+	epj_tensor *u = cast_or_ref(ctx, c->in[2], cdt);
+	epj_tensor *gu = gr && g && u ? epj_mul(ctx, gr, u) : NULL;
+	epj_tensor *in[2] = { gu, g };
+	ej_attrs at = ej_attrs_none();
+	epj_tensor *dg =
+	    gu ? ej_call1(ctx, EJ_OP_SILU_BACKWARD, in, 2, &at) : NULL;
+	epj_tensor *sg = dg ? epj_silu(ctx, g) : NULL;
+	epj_tensor *du = sg ? epj_mul(ctx, gr, sg) : NULL;
+	epj_no_grad_exit(ctx, prev);
+	epj_status st = put_out(ctx, dg, c->out[0]);
+	if (st == EPJ_OK)
+		st = put_out(ctx, du, c->out[1]);
+	epj_tensor *t[] = { gr, g, u, gu, dg, sg, du };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
 	return st;
 }

@@ -44,11 +44,12 @@ void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p);
 /* Router: logits [N, E] (f32, bf16 or f64; element strides sl0, sl1) ->
  * probs [N, E] rdt = softmax, w [N, k] rdt = the top-k probs (largest
  * first, ties to the lower expert, NaN largest), renormalised to sum 1 when
- * norm, idx [N, k] i64 the experts.  1 <= k <= min(E, EJ_TMPL_MOE_MAX_K). */
+ * norm, idx [N, k] i64 the experts; with fixed, the experts (n k + j) % E
+ * instead (weighted the same).  1 <= k <= min(E, EJ_TMPL_MOE_MAX_K). */
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 			     const void *logits, epj_dtype ldt, int64_t sl0,
 			     int64_t sl1, int64_t N, int E, int k, bool norm,
-			     void *probs, void *w, int64_t *idx);
+			     bool fixed, void *probs, void *w, int64_t *idx);
 
 /* Stable counting sort of n keys in [0, B): counts [B], offsets [B + 1],
  * order [n] (order[r] = position of the r-th key in sorted order; equal
@@ -80,15 +81,16 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 			       epj_dtype dt, const void *w, epj_dtype wdt,
 			       const int64_t *pos, int64_t N, int k, int64_t H,
 			       void *out);
-/* Its backward from dout [N, H] (dtype dt): dy [R, H] (dt) = w[order[r]] *
- * dout[order[r] / k], and dw [N, k] (wdt) = sum over h of dout[n, h] *
- * y[pos[n, j], h].  Either output may be NULL (not computed). */
+/* Its backward from dout [N, H] (dtype dt): dy [R, H] (dt) with dy[pos[s]]
+ * = w[s] * dout[s / k] for every slot s (pos a permutation of [0, R)), and
+ * dw [N, k] (wdt) = sum over h of dout[n, h] * y[pos[n, j], h].  Either
+ * output may be NULL (not computed). */
 epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 					const void *dout, const void *y,
 					epj_dtype dt, const void *w,
-					epj_dtype wdt, const int64_t *order,
-					const int64_t *pos, int64_t N, int k,
-					int64_t H, void *dy, void *dw);
+					epj_dtype wdt, const int64_t *pos,
+					int64_t N, int k, int64_t H, void *dy,
+					void *dw);
 
 /* Router backward: dlogits [N, E] rdt from dw [N, k] rdt (the gradient of
  * ej_tmpl_moe_route's w), through the renormalisation when norm and the
@@ -186,5 +188,18 @@ epj_status ej_cuda_op_embedding(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_embedding_backward(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_cross_entropy(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_cross_entropy_backward(epj_ctx *ctx, ej_call *c);
+/* The fused MoE ops of lib/ops_moe.c (moe_route, moe_permute,
+ * moe_unpermute, swiglu and their backwards): the AutoEP layer's one data
+ * path on the devices that run CUDA C.  k above EJ_TMPL_MOE_MAX_K, bf16
+ * combine weights and a combine gradient of
+ * another dtype than the expert outputs run the CPU kernel (counted). */
+epj_status ej_cuda_op_moe_route(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_route_backward(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_permute(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_permute_backward(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_unpermute(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_moe_unpermute_backward(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_swiglu(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_swiglu_backward(epj_ctx *ctx, ej_call *c);
 
 #endif

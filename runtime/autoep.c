@@ -27,13 +27,17 @@
  * reverse exchange of the gradient over the same group; the graph is the
  * same on every rank, so the backward exchanges match too.
  *
- * Everything that carries values is computed with public epj_* ops, so
- * autograd covers the router, the experts and the input; only the index
- * bookkeeping (counts, token of each routed row) runs on the host and needs
- * no gradient.  On a cuda-sim context the router (softmax + top-k +
- * renormalisation), the permutation and the weighted combine instead run
- * the kernels of templates/moe.cuh, each one autograd node whose backward
- * is the template's backward kernel.  The layer is compiler_disabled: the
+ * Everything that carries values is computed with ops, so autograd covers
+ * the router, the experts and the input; only the index bookkeeping
+ * (counts, the split plan, the local-expert regrouping) runs on the host
+ * and needs no gradient.  By default the router, the permutation, the
+ * expert GEMMs with their SwiGLU and the combine are the fused MoE ops of
+ * lib/ops_moe.c: one dispatch each, rows of every device's eager table
+ * (the CPU kernels; the templates of templates/moe.cuh and
+ * templates/gemm.cuh on the devices that run CUDA C), so the layer has
+ * one data path on every device.  EPJIT_AUTOEP_OPS=sequence runs the
+ * generic op sequence described above instead, the reference the tests
+ * compare the fused ops with.  The layer is compiler_disabled: the
  * region compiler makes every call of it a graph break and runs it eagerly,
  * which is why forward refuses to run while a recorder traces.
  *
@@ -49,8 +53,7 @@
  */
 #include "ops_moe.h"
 #include "runtime_impl.h"
-#include "tmpl_gemm.h"
-#include "tmpl_moe.h"
+#include "tmpl_gemm.h" /* ej_index_pin */
 
 #include <inttypes.h>
 #include <math.h>
@@ -83,10 +86,9 @@ typedef struct autoep_impl {
 	int n_log, cap_log;
 	epj_tensor **log;
 	bool *log_replay;
-	/* CPU contexts: the fused MoE ops (lib/ops_moe.c) instead of the
-	 * generic op sequence; EPJIT_AUTOEP_OPS at construction, default
-	 * fused.  cuda-sim and cuda contexts always run the templates + op
-	 * sequence. */
+	/* the fused MoE ops (lib/ops_moe.c; rows of every device's eager
+	 * table) instead of the generic op sequence; EPJIT_AUTOEP_OPS at
+	 * construction, default fused */
 	bool fused;
 	/* score bias layers (DeepSeek-V3): tokens routed to each expert by
 	 * the training forwards since the last ej_autoep_balance ([E],
@@ -136,6 +138,23 @@ static epj_status index_to_host(epj_ctx *ctx, const epj_tensor *t, int64_t *out)
 		out[i] = (int64_t)tmp[i];
 	free(tmp);
 	return s;
+}
+
+/* The values of an index tensor on the host: on a device the host cannot
+ * address, a dense i64 tensor in one copy ordered after the kernels of the
+ * compute stream that wrote it (one stream synchronization per layer
+ * call); else index_to_host. */
+static epj_status index_dense_to_host(epj_ctx *ctx, const epj_tensor *t,
+				      int64_t *out)
+{
+	const ej_device *dev = ctx->dev;
+	if (dev->host_visible || t->dtype != EPJ_DTYPE_I64 ||
+	    !ej_is_contiguous(t) || !t->storage)
+		return index_to_host(ctx, t, out);
+	const int64_t n = epj_tensor_numel(t);
+	if (n > 0)
+		dev->copy(dev->self, out, ej_data(t), sizeof *out * (size_t)n);
+	return EPJ_OK;
 }
 
 /* The values of two i64 index tensors a and b on the host (ha, hb: their
@@ -545,315 +564,6 @@ static epj_status check_input(epj_ctx *ctx, const epj_module *m,
 	return EPJ_OK;
 }
 
-/* Router on the context's CUDA device (cuda-sim): softmax, top-k and the
- * optional renormalisation in one kernel (templates/moe.cuh, the same
- * choices as the ops below), w carrying one autograd node whose backward
- * runs the router's backward kernel from the saved probabilities. */
-typedef struct route_node {
-	epj_tensor *probs, *idx; /* [N, E] rdt, [N, k] i64 (owned) */
-	int E, k;
-	bool norm;
-} route_node;
-
-static void route_node_free(void *p)
-{
-	route_node *r = p;
-	if (!r)
-		return;
-	epj_tensor_free(r->probs);
-	epj_tensor_free(r->idx);
-	free(r);
-}
-
-static epj_status route_backward(epj_ctx *ctx, ej_node *n,
-				 epj_tensor *const *grad_out,
-				 epj_tensor **grad_in)
-{
-	route_node *r = n->custom;
-	const epj_dtype rdt = epj_tensor_dtype(r->probs);
-	const int64_t N = epj_tensor_dim(r->probs, 0);
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *g = grad_out[0]
-			    ? cast_to(ctx, grad_out[0], rdt)
-			    : epj_zeros(ctx, rdt, 2, (int64_t[]){ N, r->k });
-	epj_tensor *gc = g && !ej_is_contiguous(g) ? epj_contiguous(ctx, g)
-						   : epj_tensor_ref(g);
-	epj_tensor *dl =
-	    gc ? ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, r->E }, false)
-	       : NULL;
-	epj_no_grad_exit(ctx, prev);
-	epj_status s =
-	    dl ? ej_tmpl_moe_route_backward(
-		     ctx, ctx->dev->name, ej_data(r->probs), ej_data(r->idx),
-		     ej_data(gc), rdt, N, r->E, r->k, r->norm, ej_data(dl))
-	       : epj_ctx_status(ctx);
-	epj_tensor_free(g);
-	epj_tensor_free(gc);
-	if (s != EPJ_OK) {
-		epj_tensor_free(dl);
-		return s;
-	}
-	grad_in[0] = dl;
-	return EPJ_OK;
-}
-
-static epj_status route_device(epj_ctx *ctx, epj_tensor *logits, int E, int k,
-			       bool norm, epj_tensor **w_out,
-			       epj_tensor **idx_out)
-{
-	const epj_dtype rdt = epj_tensor_dtype(logits);
-	const int64_t N = epj_tensor_dim(logits, 0);
-	route_node *r = calloc(1, sizeof *r);
-	epj_tensor *w =
-	    ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, k }, false);
-	if (!r) {
-		epj_tensor_free(w);
-		return ej_error(ctx, EPJ_ERR_NOMEM, "router: out of memory");
-	}
-	r->E = E;
-	r->k = k;
-	r->norm = norm;
-	r->probs = ej_tensor_alloc(ctx, rdt, 2, (int64_t[]){ N, E }, false);
-	r->idx =
-	    ej_tensor_alloc(ctx, EPJ_DTYPE_I64, 2, (int64_t[]){ N, k }, false);
-	epj_status s = w && r->probs && r->idx ? EPJ_OK : epj_ctx_status(ctx);
-	if (s == EPJ_OK)
-		s = ej_tmpl_moe_route(ctx, ctx->dev->name, ej_data(logits), rdt,
-				      logits->stride[0], logits->stride[1], N,
-				      E, k, norm, ej_data(r->probs), ej_data(w),
-				      ej_data(r->idx));
-	if (s != EPJ_OK) {
-		route_node_free(r);
-		epj_tensor_free(w);
-		return s;
-	}
-	epj_counter_add(ctx, "autoep.route.device", 1);
-	*idx_out = epj_tensor_ref(r->idx);
-	if (!epj_grad_enabled(ctx) || !logits->requires_grad) {
-		route_node_free(r);
-		*w_out = w;
-		return EPJ_OK;
-	}
-	ej_node *node = ej_node_custom(ctx, "autoep.route", &logits, 1, &w, 1,
-				       route_backward, r, route_node_free);
-	if (!node) {
-		route_node_free(r);
-		epj_tensor_free(w);
-		epj_tensor_free(*idx_out);
-		*idx_out = NULL;
-		return epj_ctx_status(ctx);
-	}
-	if (w->grad_fn != node)
-		ej_node_unref(node);
-	*w_out = w;
-	return EPJ_OK;
-}
-
-/* Token permutation and weighted combine on the context's CUDA device
- * (cuda-sim), each one autograd node over the kernels of
- * templates/moe.cuh.  order [R] is the stable expert order of the routed
- * slots (slot = token * k + j), pos [R] its inverse; both device i64. */
-typedef struct tok_node {
-	epj_tensor *order, *pos; /* owned refs */
-	epj_tensor *y, *w;	 /* combine: detached, contiguous (owned) */
-	int64_t N, H;
-	int k;
-} tok_node;
-
-static void tok_node_free(void *p)
-{
-	tok_node *t = p;
-	if (!t)
-		return;
-	epj_tensor_free(t->order);
-	epj_tensor_free(t->pos);
-	epj_tensor_free(t->y);
-	epj_tensor_free(t->w);
-	free(t);
-}
-
-/* g as a contiguous tensor of dtype dt (a new reference); no grad */
-static epj_tensor *dense_as(epj_ctx *ctx, epj_tensor *g, epj_dtype dt)
-{
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *c = cast_to(ctx, g, dt);
-	epj_tensor *d = c && !ej_is_contiguous(c) ? epj_contiguous(ctx, c)
-						  : epj_tensor_ref(c);
-	epj_tensor_free(c);
-	epj_no_grad_exit(ctx, prev);
-	return d;
-}
-
-/* Attaches one node (backward bw, data t) from inputs in[n_in] to y, or
- * frees t when no gradient is needed; false on failure (y freed). */
-static bool tok_attach(epj_ctx *ctx, const char *name, epj_tensor **in,
-		       int n_in, epj_tensor *y,
-		       epj_status (*bw)(epj_ctx *, ej_node *,
-					epj_tensor *const *, epj_tensor **),
-		       tok_node *t)
-{
-	if (!epj_grad_enabled(ctx) || !ej_any_requires_grad(in, n_in)) {
-		tok_node_free(t);
-		return true;
-	}
-	ej_node *node =
-	    ej_node_custom(ctx, name, in, n_in, &y, 1, bw, t, tok_node_free);
-	if (!node) {
-		tok_node_free(t);
-		return false;
-	}
-	if (y->grad_fn != node)
-		ej_node_unref(node);
-	return true;
-}
-
-static epj_status permute_backward(epj_ctx *ctx, ej_node *n,
-				   epj_tensor *const *grad_out,
-				   epj_tensor **grad_in)
-{
-	tok_node *t = n->custom;
-	const epj_dtype dt = n->in_meta[0].dtype;
-	epj_tensor *g = grad_out[0] ? dense_as(ctx, grad_out[0], dt) : NULL;
-	epj_tensor *dx =
-	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ t->N, t->H }, !g);
-	if (!dx || (grad_out[0] && !g)) {
-		epj_tensor_free(g);
-		epj_tensor_free(dx);
-		return epj_ctx_status(ctx);
-	}
-	epj_status s = EPJ_OK;
-	if (g)
-		s = ej_tmpl_moe_permute_backward(
-		    ctx, ctx->dev->name, ej_data(g), dt, ej_data(t->pos), t->N,
-		    t->k, t->H, ej_data(dx));
-	epj_tensor_free(g);
-	if (s != EPJ_OK) {
-		epj_tensor_free(dx);
-		return s;
-	}
-	grad_in[0] = dx;
-	return EPJ_OK;
-}
-
-/* x_sorted [R, H] = x[order[r] / k] */
-static epj_tensor *permute_device(epj_ctx *ctx, epj_tensor *x,
-				  epj_tensor *order, epj_tensor *pos, int k)
-{
-	const int64_t N = epj_tensor_dim(x, 0), H = epj_tensor_dim(x, 1);
-	const int64_t R = N * k;
-	tok_node *t = calloc(1, sizeof *t);
-	epj_tensor *y = ej_tensor_alloc(ctx, epj_tensor_dtype(x), 2,
-					(int64_t[]){ R, H }, false);
-	epj_status s =
-	    t && y ? EPJ_OK
-		   : ej_error(ctx, EPJ_ERR_NOMEM, "permute: out of memory");
-	if (s == EPJ_OK)
-		s = ej_tmpl_moe_permute(ctx, ctx->dev->name, ej_data(x),
-					epj_tensor_dtype(x), x->stride[0],
-					x->stride[1], ej_data(order), k, R, H,
-					ej_data(y));
-	if (s != EPJ_OK) {
-		free(t);
-		epj_tensor_free(y);
-		return NULL;
-	}
-	t->order = epj_tensor_ref(order);
-	t->pos = epj_tensor_ref(pos);
-	t->N = N;
-	t->H = H;
-	t->k = k;
-	if (!tok_attach(ctx, "autoep.permute", &x, 1, y, permute_backward, t)) {
-		epj_tensor_free(y);
-		return NULL;
-	}
-	return y;
-}
-
-static epj_status combine_backward(epj_ctx *ctx, ej_node *n,
-				   epj_tensor *const *grad_out,
-				   epj_tensor **grad_in)
-{
-	tok_node *t = n->custom;
-	const epj_dtype dt = epj_tensor_dtype(t->y),
-			wdt = epj_tensor_dtype(t->w);
-	const int64_t R = t->N * t->k;
-	epj_tensor *g = grad_out[0] ? dense_as(ctx, grad_out[0], dt) : NULL;
-	epj_tensor *dy =
-	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ R, t->H }, !g);
-	epj_tensor *dw =
-	    ej_tensor_alloc(ctx, wdt, 2, (int64_t[]){ t->N, t->k }, !g);
-	epj_status s =
-	    dy && dw && (g || !grad_out[0]) ? EPJ_OK : epj_ctx_status(ctx);
-	if (s == EPJ_OK && g)
-		s = ej_tmpl_moe_combine_backward(
-		    ctx, ctx->dev->name, ej_data(g), ej_data(t->y), dt,
-		    ej_data(t->w), wdt, ej_data(t->order), ej_data(t->pos),
-		    t->N, t->k, t->H, ej_data(dy), ej_data(dw));
-	epj_tensor_free(g);
-	if (s != EPJ_OK) {
-		epj_tensor_free(dy);
-		epj_tensor_free(dw);
-		return s;
-	}
-	grad_in[0] = dy;
-	grad_in[1] = dw;
-	return EPJ_OK;
-}
-
-/* out [N, H] (y's dtype) = sum over j of w[n, j] * y[pos[n * k + j]] in
- * w's dtype (rdt) */
-static epj_tensor *combine_device(epj_ctx *ctx, epj_tensor *y, epj_tensor *w,
-				  epj_tensor *order, epj_tensor *pos)
-{
-	const int64_t N = epj_tensor_dim(w, 0), H = epj_tensor_dim(y, 1);
-	const int k = (int)epj_tensor_dim(w, 1);
-	const epj_dtype dt = epj_tensor_dtype(y);
-	tok_node *t = calloc(1, sizeof *t);
-	epj_tensor *out =
-	    ej_tensor_alloc(ctx, dt, 2, (int64_t[]){ N, H }, false);
-	epj_tensor *yc = dense_as(ctx, y, dt);
-	epj_tensor *wc = dense_as(ctx, w, epj_tensor_dtype(w));
-	epj_status s = t && out && yc && wc ? EPJ_OK : epj_ctx_status(ctx);
-	if (s == EPJ_OK && !(t && out))
-		s = ej_error(ctx, EPJ_ERR_NOMEM, "combine: out of memory");
-	if (s == EPJ_OK)
-		s = ej_tmpl_moe_combine(ctx, ctx->dev->name, ej_data(yc), dt,
-					ej_data(wc), epj_tensor_dtype(wc),
-					ej_data(pos), N, k, H, ej_data(out));
-	if (s == EPJ_OK) {
-		t->y = epj_detach(ctx, yc);
-		t->w = epj_detach(ctx, wc);
-		if (!t->y || !t->w)
-			s = epj_ctx_status(ctx);
-	}
-	epj_tensor_free(yc);
-	epj_tensor_free(wc);
-	if (s != EPJ_OK) {
-		tok_node_free(t);
-		epj_tensor_free(out);
-		return NULL;
-	}
-	t->order = epj_tensor_ref(order);
-	t->pos = epj_tensor_ref(pos);
-	t->N = N;
-	t->H = H;
-	t->k = k;
-	epj_tensor *in[2] = { y, w };
-	if (!tok_attach(ctx, "autoep.combine", in, 2, out, combine_backward,
-			t)) {
-		epj_tensor_free(out);
-		return NULL;
-	}
-	return out;
-}
-
-/* The fused CPU path (lib/ops_moe.c) applies: a CPU context and a layer
- * that has not been switched to the op sequence. */
-static bool use_fused(const epj_ctx *ctx, const autoep_impl *im)
-{
-	return im->fused && !ej_dev_runs_cuda(ctx->dev);
-}
-
 /* The experts as three grouped GEMMs and one SwiGLU over the rows of
  * x_recv [R, H] grouped by local expert (local_counts[e] rows each): the
  * fused counterpart of run_experts, same result.  Only experts that
@@ -911,15 +621,7 @@ static epj_tensor *run_experts_fused(epj_ctx *ctx, epj_module *m,
 		/* [R, H] -> silu(x Wg^T) * (x Wu^T) [R, I] -> [R, H] */
 		epj_tensor *g = ej_moe_grouped_mm(ctx, x_recv, ct, wg, G, true);
 		epj_tensor *u = ej_moe_grouped_mm(ctx, x_recv, ct, wu, G, true);
-		epj_tensor *h = NULL;
-		if (g && u && ej_dev_runs_cuda(ctx->dev)) {
-			/* no SWIGLU kernel on the device: its two ops */
-			epj_tensor *sg = epj_silu(ctx, g);
-			h = sg ? epj_mul(ctx, sg, u) : NULL;
-			epj_tensor_free(sg);
-		} else if (g && u) {
-			h = ej_swiglu(ctx, g, u);
-		}
+		epj_tensor *h = g && u ? ej_swiglu(ctx, g, u) : NULL;
 		y = h ? ej_moe_grouped_mm(ctx, h, ct, wd, G, true) : NULL;
 		epj_tensor_free(ct);
 		epj_tensor_free(g);
@@ -1092,7 +794,7 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	epj_tensor *gw = ej_module_param(ej_module_child(m, "gate"), "weight");
 	EJ_ASSERT(gw != NULL);
 	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
-	if (use_fused(ctx, im)) {
+	if (im->fused) {
 		/* one op: softmax, top-k (or the fixed assignment) and the
 		 * renormalisation, read from the layer's dtype and computed
 		 * in double, w in rdt */
@@ -1108,14 +810,6 @@ static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
 	}
 	epj_tensor *logits_r = cast_to(ctx, logits, rdt);
 	epj_tensor_free(logits);
-	if (logits_r && !im->opts.fixed_routing && ej_dev_runs_cuda(ctx->dev) &&
-	    k <= EJ_TMPL_MOE_MAX_K) {
-		epj_status s =
-		    route_device(ctx, logits_r, E, k, im->opts.norm_topk_prob,
-				 w_out, idx_out);
-		epj_tensor_free(logits_r);
-		return s;
-	}
 	epj_tensor *probs = epj_softmax(ctx, logits_r, -1);
 	epj_tensor_free(logits_r);
 	if (!probs)
@@ -1188,6 +882,358 @@ static epj_status autoep_forward(epj_ctx *ctx, epj_module *m,
 	return st;
 }
 
+/* One forward's state, all of it owned: the host bookkeeping of the
+ * routing and the exchanges, and the tensors that live across the steps
+ * below.  named: the error's message names the layer already. */
+typedef struct fwd {
+	int64_t N, H, R;
+	int k, E, P, L;
+	epj_dtype rdt;
+	bool async; /* the split plan is posted, then waited for */
+	/* idx_h and order_h are one block, so that index_pair_to_host reads
+	 * both with one copy */
+	int64_t *idx_h, *order_h, *counts, *local_counts;
+	split_plan sp;
+	epj_tensor *x, *w, *idx, *order, *tok, *pos, *routing, *x_sorted,
+	    *y_sorted, *out;
+	bool named;
+} fwd;
+
+static void fwd_free(fwd *f)
+{
+	free(f->idx_h); /* order_h with it */
+	free(f->counts);
+	free(f->local_counts);
+	free(f->sp.send_counts);
+	free(f->sp.recv_counts);
+	free(f->sp.recv_plan);
+	epj_tensor *t[] = { f->x,	 f->w,	 f->idx,     f->order,
+			    f->tok,	 f->pos, f->routing, f->x_sorted,
+			    f->y_sorted, f->out };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+}
+
+/* The status of an op that returned NULL (never EPJ_OK). */
+static epj_status op_failed(epj_ctx *ctx)
+{
+	epj_status s = epj_ctx_status(ctx);
+	return s != EPJ_OK ? s : EPJ_ERR_INVALID;
+}
+
+static epj_status fwd_init(epj_ctx *ctx, const epj_module *m,
+			   const autoep_impl *im, const epj_tensor *hidden,
+			   fwd *f)
+{
+	f->k = im->opts.top_k;
+	f->E = im->opts.num_experts;
+	f->P = im->comm->size;
+	f->L = im->n_local;
+	f->H = im->hidden;
+	f->N = epj_tensor_numel(hidden) / f->H;
+	f->R = f->N * f->k;
+	f->rdt = im->dtype == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+	f->async = im->opts.async_split_plan;
+	const size_t P = (size_t)f->P, L = (size_t)f->L;
+	f->idx_h = malloc(sizeof *f->idx_h * 2 * (size_t)f->R);
+	f->order_h = f->idx_h ? f->idx_h + f->R : NULL;
+	f->counts = calloc((size_t)f->E, sizeof *f->counts);
+	f->local_counts = calloc(L, sizeof *f->local_counts);
+	f->sp = (split_plan){ .P = f->P,
+			      .L = f->L,
+			      .send_counts = calloc(P, sizeof(int64_t)),
+			      .recv_counts = calloc(P, sizeof(int64_t)),
+			      .recv_plan = calloc(P * L, sizeof(int64_t)) };
+	if (f->idx_h && f->counts && f->local_counts && f->sp.send_counts &&
+	    f->sp.recv_counts && f->sp.recv_plan)
+		return EPJ_OK;
+	f->named = true;
+	return ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", m->name,
+			AUTOEP_KIND);
+}
+
+/* The op-sequence reference of the permutation (EPJIT_AUTOEP_OPS=sequence;
+ * the tests compare the fused ops with it): order = the stable argsort of
+ * the experts, both read to the host in one copy. */
+static epj_status sequence_order(epj_ctx *ctx, fwd *f)
+{
+	epj_tensor *flat = epj_reshape(ctx, f->idx, 1, &f->R);
+	f->order = flat ? epj_argsort(ctx, flat, 0) : NULL;
+	epj_status s = f->order ? index_pair_to_host(ctx, flat, f->order,
+						     f->idx_h, f->order_h)
+				: op_failed(ctx);
+	epj_tensor_free(flat);
+	return s;
+}
+
+/* ... and the routed rows in that order: row r carries token order[r] / k. */
+static epj_status sequence_permute(epj_ctx *ctx, fwd *f)
+{
+	int64_t *tok_h = malloc(sizeof *tok_h * (size_t)(f->R + 1));
+	if (!tok_h)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int64_t r = 0; r < f->R; r++)
+		tok_h[r] = f->order_h[r] / f->k;
+	f->tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &f->R, tok_h);
+	free(tok_h);
+	f->x_sorted = f->tok ? epj_index_select(ctx, f->x, 0, f->tok) : NULL;
+	return f->x_sorted ? EPJ_OK : op_failed(ctx);
+}
+
+/* ... and the combine in rdt: out[tok[r]] += w_flat[order[r]] y[r]. */
+static epj_tensor *sequence_combine(epj_ctx *ctx, const autoep_impl *im, fwd *f)
+{
+	int64_t flat_shape[2] = { f->N, f->H };
+	epj_tensor *w_flat = epj_reshape(ctx, f->w, 1, &f->R);
+	epj_tensor *w_sorted = epj_index_select(ctx, w_flat, 0, f->order);
+	epj_tensor *w_col =
+	    epj_reshape(ctx, w_sorted, 2, (int64_t[]){ f->R, 1 });
+	epj_tensor *y_r = cast_to(ctx, f->y_sorted, f->rdt);
+	epj_tensor *y_w = epj_mul(ctx, y_r, w_col); /* [R, H] */
+	epj_tensor *acc = epj_zeros(ctx, f->rdt, 2, flat_shape);
+	epj_tensor *out_r = epj_index_add(ctx, acc, 0, f->tok, y_w);
+	epj_tensor *out = cast_to(ctx, out_r, im->dtype);
+	epj_tensor *t[] = { w_flat, w_sorted, w_col, y_r, y_w, acc, out_r };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return out;
+}
+
+/* Routing: the weights and experts [N, k], the experts read to the host,
+ * the rows per expert, the balancing loads and the split plan (posted with
+ * async_split_plan, else exchanged now). */
+static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
+			    epj_tensor *hidden, fwd *f)
+{
+	int64_t flat_shape[2] = { f->N, f->H };
+	f->x = epj_reshape(ctx, hidden, 2, flat_shape); /* [N, H] */
+	if (!f->x)
+		return op_failed(ctx);
+	epj_status s = route(ctx, m, im, f->x, f->rdt, f->N, &f->w, &f->idx);
+	if (s == EPJ_OK)
+		s = im->fused ? index_dense_to_host(ctx, f->idx, f->idx_h)
+			      : sequence_order(ctx, f);
+	/* on a device, the fused ops (and their backwards) check the experts
+	 * against this host copy and read the device's in place */
+	if (s == EPJ_OK && im->fused)
+		s = ej_index_pin(ctx, f->idx, f->idx_h);
+	if (s != EPJ_OK)
+		return s;
+	for (int64_t r = 0; r < f->R; r++) {
+		EJ_ASSERT(f->idx_h[r] >= 0 && f->idx_h[r] < f->E);
+		f->counts[f->idx_h[r]]++;
+	}
+	/* the loads of aux-loss-free balancing: training forwards only (a
+	 * checkpoint replay routes the same tokens again) */
+	if (im->load && epj_grad_enabled(ctx) && ctx->rt_replay_depth == 0)
+		for (int e = 0; e < f->E; e++)
+			im->load[e] += f->counts[e];
+	if (f->async) {
+		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
+		s = plan_post(ctx, m, im, &f->sp, f->counts);
+		im->ops_at_post = l0;
+	} else {
+		s = plan_sync(ctx, m, im, &f->sp, f->counts);
+	}
+	if (s != EPJ_OK) {
+		f->named = true;
+		return s;
+	}
+	f->routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
+					  (int64_t[]){ f->N, f->k }, f->idx_h);
+	return f->routing ? EPJ_OK : op_failed(ctx);
+}
+
+/* The routed rows sorted by expert, stable (rows of one expert keep token
+ * order): the rows of rank p's experts are contiguous because experts are
+ * assigned to ranks in blocks of n_local.  Fused: one op, which also gives
+ * pos [N, k], the row of every slot; on a device its host copy (the same
+ * counting sort, from the experts the host has) is pinned for the
+ * combine and the backwards to check. */
+static epj_status fwd_permute(epj_ctx *ctx, const autoep_impl *im, fwd *f)
+{
+	if (!im->fused)
+		return sequence_permute(ctx, f);
+	epj_tensor *cnt = NULL; /* the host has the counts already */
+	epj_status s = ej_moe_permute(ctx, f->x, f->idx, f->E, &f->x_sorted,
+				      &f->pos, &cnt);
+	epj_tensor_free(cnt);
+	if (s != EPJ_OK || !ej_dev_runs_cuda(ctx->dev))
+		return s;
+	int64_t *off = malloc(sizeof *off * (size_t)f->E);
+	if (!off)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int64_t e = 0, o = 0; e < f->E; e++) {
+		off[e] = o;
+		o += f->counts[e];
+	}
+	for (int64_t r = 0; r < f->R; r++) /* order_h is free here */
+		f->order_h[r] = off[f->idx_h[r]]++;
+	free(off);
+	return ej_index_pin(ctx, f->pos, f->order_h);
+}
+
+/* The received rows x_recv [R_recv, H], grouped by source rank and within
+ * one by local expert, regrouped by local expert (source rank order kept
+ * within one) as the experts want them: *x_grp, and *inv, the permutation
+ * back.  One source rank: the identity, *inv NULL. */
+static epj_status group_by_expert(epj_ctx *ctx, const epj_module *m, fwd *f,
+				  epj_tensor *x_recv, epj_tensor **x_grp,
+				  epj_tensor **inv)
+{
+	*inv = NULL;
+	if (f->P == 1) {
+		*x_grp = epj_tensor_ref(x_recv);
+		return EPJ_OK;
+	}
+	const int P = f->P, L = f->L;
+	const int64_t *plan = f->sp.recv_plan;
+	const int64_t R_recv = epj_tensor_dim(x_recv, 0);
+	int64_t *perm_h = malloc(sizeof *perm_h * (size_t)(R_recv + 1));
+	int64_t *inv_h = malloc(sizeof *inv_h * (size_t)(R_recv + 1));
+	int64_t *src_off = calloc((size_t)P * (size_t)L + 1, sizeof *src_off);
+	epj_status s = EPJ_OK;
+	if (!perm_h || !inv_h || !src_off) {
+		f->named = true;
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
+			     m->name, AUTOEP_KIND);
+		goto done;
+	}
+	int64_t off = 0, j = 0;
+	for (int p = 0; p < P; p++)
+		for (int e = 0; e < L; e++) {
+			src_off[p * L + e] = off;
+			off += plan[(int64_t)p * L + e];
+		}
+	for (int e = 0; e < L; e++)
+		for (int p = 0; p < P; p++)
+			for (int64_t q = 0; q < plan[(int64_t)p * L + e]; q++) {
+				perm_h[j] = src_off[p * L + e] + q;
+				inv_h[perm_h[j]] = j;
+				j++;
+			}
+	EJ_ASSERT(j == R_recv);
+	epj_tensor *perm =
+	    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, perm_h);
+	*inv = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, inv_h);
+	*x_grp = perm && *inv ? epj_index_select(ctx, x_recv, 0, perm) : NULL;
+	epj_tensor_free(perm);
+	if (!*x_grp)
+		s = op_failed(ctx);
+done:
+	free(perm_h);
+	free(inv_h);
+	free(src_off);
+	return s;
+}
+
+/* Dispatch of the sorted rows to their experts' ranks, the experts, and
+ * the outputs back to the ranks their tokens came from (the reversed
+ * plan): f->y_sorted [R, H], in x_sorted's order. */
+static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
+			      fwd *f)
+{
+	split_plan *sp = &f->sp;
+	epj_status s = EPJ_OK;
+	if (f->async) {
+		/* the eager ops that ran while the plan was in flight */
+		epj_counter_add(ctx, "autoep.split_plan.overlapped_ops",
+				epj_counter_get(ctx, "kernels.launched.eager") -
+				    im->ops_at_post);
+		if ((s = plan_wait(ctx, m, im, sp)) != EPJ_OK) {
+			f->named = true;
+			return s;
+		}
+	}
+	for (int e = 0; e < f->L; e++) {
+		f->local_counts[e] = 0;
+		for (int p = 0; p < f->P; p++)
+			f->local_counts[e] +=
+			    sp->recv_plan[(int64_t)p * f->L + e];
+	}
+	epj_tensor *x_recv =
+	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.dispatch",
+			  f->x_sorted, sp->send_counts, sp->recv_counts);
+	if (!x_recv) {
+		f->named = true; /* the message names the layer already */
+		return op_failed(ctx);
+	}
+	epj_tensor *x_grp = NULL, *inv = NULL, *y_grp = NULL, *y_recv = NULL;
+	s = group_by_expert(ctx, m, f, x_recv, &x_grp, &inv);
+	/* the fused ops or a device with a GEMM library: the expert GEMMs
+	 * grouped (on a cuda context, one cuBLASLt grouped call where it
+	 * takes them) */
+	if (s == EPJ_OK)
+		y_grp =
+		    im->fused || ctx->dev->desc->gemm_library
+			? run_experts_fused(ctx, m, im, x_grp, f->local_counts)
+			: run_experts(ctx, m, im, x_grp, f->local_counts);
+	if (s == EPJ_OK && y_grp)
+		y_recv = inv ? epj_index_select(ctx, y_grp, 0, inv)
+			     : epj_tensor_ref(y_grp);
+	if (s == EPJ_OK && !y_recv)
+		s = op_failed(ctx);
+	if (s == EPJ_OK) {
+		f->y_sorted = ep_all_to_all(ctx, m, im->comm, im->dev_comm,
+					    "autoep.combine", y_recv,
+					    sp->recv_counts, sp->send_counts);
+		if (!f->y_sorted) {
+			f->named = true;
+			s = op_failed(ctx);
+		}
+	}
+	epj_tensor *t[] = { x_recv, x_grp, inv, y_grp, y_recv };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return s;
+}
+
+/* The routing of this call (no grad: built from host values) kept for
+ * ej_autoep_last_routing and the parity log, and the call counted by kind:
+ * a checkpoint replay in backward recomputes a forward counted already. */
+static epj_status fwd_record(epj_ctx *ctx, const epj_module *m, autoep_impl *im,
+			     fwd *f)
+{
+	epj_tensor_free(im->last_routing);
+	im->last_routing = f->routing;
+	f->routing = NULL;
+	if (im->log_on) {
+		if (im->n_log == im->cap_log) {
+			int nc = im->cap_log ? 2 * im->cap_log : 4;
+			epj_tensor **nl =
+			    realloc(im->log, sizeof *nl * (size_t)nc);
+			if (nl)
+				im->log = nl;
+			bool *nr = nl ? realloc(im->log_replay,
+						sizeof *nr * (size_t)nc)
+				      : NULL;
+			if (nr)
+				im->log_replay = nr;
+			if (!nl || !nr)
+				return ej_error(ctx, EPJ_ERR_NOMEM,
+						"%s: out of memory logging the "
+						"routing of call %d",
+						m->name, im->n_log + 1);
+			im->cap_log = nc;
+		}
+		im->log[im->n_log] = epj_tensor_ref(im->last_routing);
+		im->log_replay[im->n_log++] = ctx->rt_replay_depth > 0;
+	}
+	if (ctx->rt_replay_depth > 0) {
+		epj_counter_add(ctx, "autoep.calls.replay", 1);
+		im->n_replay++;
+	} else {
+		epj_counter_add(ctx, "autoep.calls.forward", 1);
+		im->n_forward++;
+	}
+	return EPJ_OK;
+}
+
+/* The layer: route, permute, exchange and run the experts, combine in fp32
+ * (f64 for f64 layers), record.  The fused ops are rows of every device's
+ * eager table (the CPU kernels of lib/ops_moe.c; the MoE templates on the
+ * devices that run CUDA C), so this is the one data path; the op sequence
+ * is its reference. */
 static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 				      epj_tensor *const *in, int n_in,
 				      epj_tensor **out, int n_out)
@@ -1215,358 +1261,36 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	epj_status s = check_input(ctx, m, im, hidden);
 	if (s != EPJ_OK)
 		return s;
-
-	const int k = im->opts.top_k, E = im->opts.num_experts;
-	const int P = im->comm->size;
-	const int64_t H = im->hidden;
-	const int64_t N = epj_tensor_numel(hidden) / H, R = N * k;
-	const epj_dtype rdt =
-	    im->dtype == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
-
-	/* host bookkeeping (owned) */
-	const int L = im->n_local;
-	/* idx_h and order_h are one block, so that index_pair_to_host reads
-	 * both with one copy */
-	int64_t *idx_h = malloc(sizeof *idx_h * 2 * (size_t)R);
-	int64_t *order_h = idx_h ? idx_h + R : NULL;
-	int64_t *tok_h = malloc(sizeof *tok_h * (size_t)R);
-	int64_t *counts = calloc((size_t)E, sizeof *counts);
-	int64_t *send_counts = calloc((size_t)P, sizeof *send_counts);
-	int64_t *recv_counts = calloc((size_t)P, sizeof *recv_counts);
-	int64_t *local_counts = calloc((size_t)L, sizeof(int64_t));
-	int64_t *recv_plan = calloc((size_t)P * (size_t)L, sizeof(int64_t));
-	int64_t *perm_h = NULL, *inv_h = NULL;
-	split_plan sp = { .P = P,
-			  .L = L,
-			  .send_counts = send_counts,
-			  .recv_counts = recv_counts,
-			  .recv_plan = recv_plan };
-	/* tensors (owned) */
-	epj_tensor *x = NULL, *w = NULL, *idx = NULL, *idx_flat = NULL,
-		   *order = NULL, *tok = NULL, *x_sorted = NULL, *x_recv = NULL,
-		   *y_recv = NULL, *y_sorted = NULL, *w_flat = NULL,
-		   *w_sorted = NULL, *w_col = NULL, *y_r = NULL, *y_w = NULL,
-		   *acc = NULL, *out_r = NULL, *out_h = NULL, *routing = NULL,
-		   *perm = NULL, *inv = NULL, *x_grp = NULL, *y_grp = NULL,
-		   *pos = NULL;
-
-	if (!idx_h || !order_h || !tok_h || !counts || !send_counts ||
-	    !recv_counts || !local_counts || !recv_plan) {
-		s = ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
-			     m->name, AUTOEP_KIND);
-		goto done;
-	}
-
-	int64_t flat_shape[2] = { N, H };
-	x = epj_reshape(ctx, hidden, 2, flat_shape); /* [N, H] */
-	if (!x) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-	s = route(ctx, m, im, x, rdt, N, &w, &idx); /* [N, k] each */
-	if (s != EPJ_OK)
-		goto fail_op;
-	/* Permutation: routed rows sorted by expert (stable, so rows of one
-	 * expert keep token order); routed row r carries token order[r] / k.
-	 * The rows of rank p's experts are contiguous in x_sorted because
-	 * experts are assigned to ranks in blocks of n_local.  The host needs
-	 * idx (the counts) and order (the token of each row): one read. */
-	const bool fused = use_fused(ctx, im);
-	if (!fused) {
-		idx_flat = epj_reshape(ctx, idx, 1, &R);
-		order = idx_flat ? epj_argsort(ctx, idx_flat, 0) : NULL;
-		if (!order) {
-			s = epj_ctx_status(ctx);
-			goto fail_op;
-		}
-		s = index_pair_to_host(ctx, idx_flat, order, idx_h, order_h);
-	} else {
-		s = index_to_host(ctx, idx, idx_h);
-	}
-	if (s != EPJ_OK)
-		goto fail_op;
-	for (int64_t r = 0; r < R; r++) {
-		EJ_ASSERT(idx_h[r] >= 0 && idx_h[r] < E);
-		counts[idx_h[r]]++;
-	}
-	/* the loads of aux-loss-free balancing: training forwards only (a
-	 * checkpoint replay routes the same tokens again) */
-	if (im->load && epj_grad_enabled(ctx) && ctx->rt_replay_depth == 0)
-		for (int e = 0; e < E; e++)
-			im->load[e] += counts[e];
-
-	/* Split plan: with async_split_plan posted now and completed after
-	 * the local permutation below; else exchanged now. */
-	const bool async = im->opts.async_split_plan;
-	if (async) {
-		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
-		s = plan_post(ctx, m, im, &sp, counts);
-		im->ops_at_post = l0;
-	} else {
-		s = plan_sync(ctx, m, im, &sp, counts);
-	}
-	if (s != EPJ_OK)
-		goto done;
-
-	routing = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 2,
-				       (int64_t[]){ N, k }, idx_h);
-	if (!routing) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-	if (!fused) {
-		for (int64_t r = 0; r < R; r++)
-			tok_h[r] = order_h[r] / k;
-		tok = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
-		if (!tok) {
-			s = epj_ctx_status(ctx);
-			goto fail_op;
-		}
-	}
-	/* cuda-sim: the permutation and the combine are template kernels;
-	 * pos is the inverse of order */
-	const bool on_dev = ej_dev_runs_cuda(ctx->dev);
-	if (fused) {
-		/* one op: the same stable expert order; pos [N, k] is the
-		 * row of every slot, counts the rows per expert (the host
-		 * has them already, from idx_h) */
-		epj_tensor *cnt_t = NULL;
-		s = ej_moe_permute(ctx, x, idx, E, &x_sorted, &pos, &cnt_t);
-		epj_tensor_free(cnt_t);
-		if (s != EPJ_OK)
-			goto fail_op;
-	} else if (on_dev) {
-		for (int64_t r = 0; r < R; r++)
-			tok_h[order_h[r]] = r; /* tok_h is rebuilt below */
-		pos = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R, tok_h);
-		for (int64_t r = 0; r < R; r++)
-			tok_h[r] = order_h[r] / k;
-		if (!pos) {
-			s = epj_ctx_status(ctx);
-			goto fail_op;
-		}
-		x_sorted = permute_device(ctx, x, order, pos, k);
-		if (x_sorted)
-			epj_counter_add(ctx, "autoep.permute.device", 1);
-	} else {
-		x_sorted = epj_index_select(ctx, x, 0, tok); /* [R, H] */
-	}
-	if (!x_sorted) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-	if (async) {
-		/* the eager ops that ran while the plan was in flight */
-		epj_counter_add(ctx, "autoep.split_plan.overlapped_ops",
-				epj_counter_get(ctx, "kernels.launched.eager") -
-				    im->ops_at_post);
-		s = plan_wait(ctx, m, im, &sp);
-		if (s != EPJ_OK)
-			goto done;
-	}
-	int64_t R_recv = 0;
-	for (int p = 0; p < P; p++)
-		R_recv += recv_counts[p];
-	for (int e = 0; e < L; e++) {
-		local_counts[e] = 0;
-		for (int p = 0; p < P; p++)
-			local_counts[e] += recv_plan[(int64_t)p * L + e];
-	}
-
-	/* Dispatch of the rows [R, H] to their experts' ranks. */
-	x_recv =
-	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.dispatch",
-			  x_sorted, send_counts, recv_counts);
-	if (!x_recv) {
-		s = epj_ctx_status(ctx);
-		goto done; /* the message names the layer already */
-	}
-	/* Local-expert permutation: received rows are grouped by source rank
-	 * and, within one, by local expert; the experts want them grouped by
-	 * local expert (source rank order kept within one).  perm[j] = the
-	 * received row at grouped position j, inv its inverse.  For a single
-	 * source rank it is the identity and is skipped. */
-	if (P > 1) {
-		perm_h = malloc(sizeof *perm_h * (size_t)(R_recv + 1));
-		inv_h = malloc(sizeof *inv_h * (size_t)(R_recv + 1));
-		int64_t *src_off =
-		    calloc((size_t)P * (size_t)L + 1, sizeof *src_off);
-		if (!perm_h || !inv_h || !src_off) {
-			free(src_off);
-			s = ej_error(ctx, EPJ_ERR_NOMEM,
-				     "%s (%s): out of memory", m->name,
-				     AUTOEP_KIND);
-			goto done;
-		}
-		int64_t off = 0;
-		for (int p = 0; p < P; p++)
-			for (int e = 0; e < L; e++) {
-				src_off[p * L + e] = off;
-				off += recv_plan[(int64_t)p * L + e];
-			}
-		int64_t j = 0;
-		for (int e = 0; e < L; e++)
-			for (int p = 0; p < P; p++)
-				for (int64_t q = 0;
-				     q < recv_plan[(int64_t)p * L + e]; q++) {
-					perm_h[j] = src_off[p * L + e] + q;
-					inv_h[perm_h[j]] = j;
-					j++;
-				}
-		free(src_off);
-		EJ_ASSERT(j == R_recv);
-		perm = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv,
-					    perm_h);
-		inv =
-		    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, inv_h);
-		x_grp =
-		    perm && inv ? epj_index_select(ctx, x_recv, 0, perm) : NULL;
-		if (!x_grp) {
-			s = epj_ctx_status(ctx);
-			goto fail_op;
-		}
-	} else {
-		x_grp = epj_tensor_ref(x_recv);
-	}
-
-	/* a cuda context: the expert GEMMs grouped (jit/tmpl_gemm.c: one
-	 * cuBLASLt grouped call where it takes them) */
-	y_grp =
-	    fused || ctx->dev->desc->gemm_library
-		? run_experts_fused(ctx, m, im, x_grp, local_counts)
-		: run_experts(ctx, m, im, x_grp, local_counts); /* [Rr, H] */
-	if (!y_grp) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-	/* Unpermute back to (source rank, local expert) order. */
-	y_recv = P > 1 ? epj_index_select(ctx, y_grp, 0, inv)
-		       : epj_tensor_ref(y_grp);
-	if (!y_recv) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-	/* Return the expert outputs to the ranks their tokens came from:
-	 * the reversed plan. */
-	y_sorted =
-	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.combine",
-			  y_recv, recv_counts, send_counts);
-	if (!y_sorted) {
-		s = epj_ctx_status(ctx);
-		goto done;
-	}
-
-	/* Unpermute + weighted combine in fp32 (f64 for f64 layers):
-	 * out[tok[r]] += w_flat[order[r]] * y_sorted[r]. */
-	if (fused) {
-		/* one op, summed in rdt over each token's slots in slot
-		 * order, written in the layer's dtype */
-		out_h = ej_moe_unpermute(ctx, y_sorted, w, pos);
-	} else if (on_dev) {
-		/* the same sum, each token adding its k slots in slot order */
-		out_h = combine_device(ctx, y_sorted, w, order, pos);
-		if (out_h)
-			epj_counter_add(ctx, "autoep.combine.device", 1);
-	} else {
-		w_flat = epj_reshape(ctx, w, 1, &R);
-		w_sorted = epj_index_select(ctx, w_flat, 0, order); /* [R] */
-		w_col = epj_reshape(ctx, w_sorted, 2, (int64_t[]){ R, 1 });
-		y_r = cast_to(ctx, y_sorted, rdt);
-		y_w = epj_mul(ctx, y_r, w_col); /* [R, H] */
-		acc = epj_zeros(ctx, rdt, 2, flat_shape);
-		out_r = epj_index_add(ctx, acc, 0, tok, y_w); /* [N, H] */
-		out_h = cast_to(ctx, out_r, im->dtype);
-	}
-	out[0] = epj_reshape(ctx, out_h, epj_tensor_ndim(hidden),
-			     epj_tensor_shape(hidden));
-	if (!out[0]) {
-		s = epj_ctx_status(ctx);
-		goto fail_op;
-	}
-
-	/* Routing record of this call (no grad: built from host values). */
-	epj_tensor_free(im->last_routing);
-	im->last_routing = routing;
-	routing = NULL;
-	if (im->log_on) {
-		if (im->n_log == im->cap_log) {
-			int nc = im->cap_log ? 2 * im->cap_log : 4;
-			epj_tensor **nl =
-			    realloc(im->log, sizeof *nl * (size_t)nc);
-			if (nl)
-				im->log = nl;
-			bool *nr = nl ? realloc(im->log_replay,
-						sizeof *nr * (size_t)nc)
-				      : NULL;
-			if (nr)
-				im->log_replay = nr;
-			if (!nl || !nr) {
-				s = ej_error(ctx, EPJ_ERR_NOMEM,
-					     "%s: out of memory logging the "
-					     "routing of call %d",
-					     m->name, im->n_log + 1);
-				epj_tensor_free(out[0]);
-				out[0] = NULL;
-				goto fail_op;
-			}
-			im->cap_log = nc;
-		}
-		im->log[im->n_log] = epj_tensor_ref(im->last_routing);
-		im->log_replay[im->n_log++] = ctx->rt_replay_depth > 0;
-	}
-	/* Count completed calls by kind: a checkpoint replay in backward
-	 * (ej_in_replay; read directly here) recomputes a forward that was
-	 * counted already. */
-	if (ctx->rt_replay_depth > 0) {
-		epj_counter_add(ctx, "autoep.calls.replay", 1);
-		im->n_replay++;
-	} else {
-		epj_counter_add(ctx, "autoep.calls.forward", 1);
-		im->n_forward++;
-	}
-	s = EPJ_OK;
-	goto done;
-
-fail_op:
-	/* An op failed: its message names the op and shapes; add the layer. */
+	fwd f = { 0 };
+	s = fwd_init(ctx, m, im, hidden, &f);
 	if (s == EPJ_OK)
-		s = EPJ_ERR_INVALID;
-	ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
-done:
-	plan_drain(ctx, im, &sp);
-	epj_tensor_free(perm);
-	epj_tensor_free(inv);
-	epj_tensor_free(pos);
-	epj_tensor_free(x_grp);
-	epj_tensor_free(y_grp);
-	free(perm_h);
-	free(inv_h);
-	free(recv_plan);
-	epj_tensor_free(x);
-	epj_tensor_free(w);
-	epj_tensor_free(idx);
-	epj_tensor_free(idx_flat);
-	epj_tensor_free(order);
-	epj_tensor_free(tok);
-	epj_tensor_free(x_sorted);
-	epj_tensor_free(x_recv);
-	epj_tensor_free(y_recv);
-	epj_tensor_free(y_sorted);
-	epj_tensor_free(w_flat);
-	epj_tensor_free(w_sorted);
-	epj_tensor_free(w_col);
-	epj_tensor_free(y_r);
-	epj_tensor_free(y_w);
-	epj_tensor_free(acc);
-	epj_tensor_free(out_r);
-	epj_tensor_free(out_h);
-	epj_tensor_free(routing);
-	free(idx_h); /* order_h with it */
-	free(tok_h);
-	free(counts);
-	free(send_counts);
-	free(recv_counts);
-	free(local_counts);
+		s = fwd_route(ctx, m, im, hidden, &f);
+	if (s == EPJ_OK)
+		s = fwd_permute(ctx, im, &f);
+	if (s == EPJ_OK)
+		s = fwd_experts(ctx, m, im, &f);
+	if (s == EPJ_OK) {
+		/* one op summed in rdt over each token's slots in slot order,
+		 * written in the layer's dtype; or the sequence's same sum */
+		f.out = im->fused
+			    ? ej_moe_unpermute(ctx, f.y_sorted, f.w, f.pos)
+			    : sequence_combine(ctx, im, &f);
+		out[0] = f.out
+			     ? epj_reshape(ctx, f.out, epj_tensor_ndim(hidden),
+					   epj_tensor_shape(hidden))
+			     : NULL;
+		if (!out[0])
+			s = op_failed(ctx);
+	}
+	if (s == EPJ_OK && (s = fwd_record(ctx, m, im, &f)) != EPJ_OK) {
+		epj_tensor_free(out[0]);
+		out[0] = NULL;
+	}
+	/* an op failed: its message names the op and shapes; add the layer */
+	if (s != EPJ_OK && !f.named)
+		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
+	plan_drain(ctx, im, &f.sp);
+	fwd_free(&f);
 	return s;
 }
 

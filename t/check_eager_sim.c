@@ -8,7 +8,8 @@
  * compares outputs and the gradients of sum(y * w) with the tolerances of
  * the op tests (bit for bit where the kernels promise it).  Around the
  * cuda-sim forward and backward it asserts that CUDA kernels ran
- * (kernels.eager_cuda, kernels.launched.eager_cuda) and that nothing fell
+ * (kernels.eager_cuda; kernels.launched.eager_cuda or, for the template
+ * adapters, kernels.launched.template) and that nothing fell
  * back to a CPU kernel (kernels.eager_cpu_fallback).  Sizes are tiny and
  * odd (one element, one row, tails) because cuda-sim is slow; the race
  * check and poisoned outputs are on.
@@ -27,6 +28,7 @@
 #include <string.h>
 
 #include "eager_cuda.h"
+#include "ops_moe.h"
 
 static const epj_dtype dtypes[3] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
 				     EPJ_DTYPE_F64 };
@@ -101,7 +103,8 @@ typedef struct snap {
 static snap take(epj_ctx *ctx)
 {
 	snap s = { ctr(ctx, "kernels.eager_cuda"),
-		   ctr(ctx, "kernels.launched.eager_cuda"),
+		   ctr(ctx, "kernels.launched.eager_cuda") +
+		       ctr(ctx, "kernels.launched.template"),
 		   ctr(ctx, "kernels.eager_cpu_fallback") };
 	return s;
 }
@@ -610,6 +613,124 @@ START_TEST(test_index)
 }
 END_TEST
 
+/* ---- the fused MoE ops (the AutoEP layer's data path) --------------------
+ * in: logits [N, E], idx [N, k] i64, x [N, H], y [N k, H], w [N, k] (f32,
+ * f64 for f64), pos [N, k] (a permutation of [0, N k)), gate and up [N k,
+ * H].  Index outputs come back cast to the float dtype (exact). */
+enum { MOE_E = 5, MOE_K = 2 };
+
+static epj_tensor *f_moe(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	epj_tensor *w = NULL, *ix = NULL, *xs = NULL, *pos = NULL, *cnt = NULL;
+	epj_tensor *r = NULL;
+	const epj_dtype dt = epj_tensor_dtype(in[2]);
+	switch (which) {
+	case 0: /* weights, renormalised */
+	case 1: /* weights, not renormalised */
+		if (ej_moe_route(ctx, in[0], MOE_K, which == 0, false, &w,
+				 &ix) == EPJ_OK)
+			r = epj_tensor_ref(w);
+		break;
+	case 2: /* the experts chosen */
+		if (ej_moe_route(ctx, in[0], MOE_K, true, false, &w, &ix) ==
+		    EPJ_OK)
+			r = epj_cast(ctx, ix, EPJ_DTYPE_F64);
+		break;
+	case 3: /* the routed rows in expert order */
+		if (ej_moe_permute(ctx, in[2], in[1], MOE_E, &xs, &pos, &cnt) ==
+		    EPJ_OK)
+			r = epj_tensor_ref(xs);
+		break;
+	case 4: { /* positions and counts */
+		if (ej_moe_permute(ctx, in[2], in[1], MOE_E, &xs, &pos, &cnt) !=
+		    EPJ_OK)
+			break;
+		int64_t R = epj_tensor_numel(pos);
+		epj_tensor *pf = epj_reshape(ctx, pos, 1, &R);
+		epj_tensor *parts[2] = { pf, cnt };
+		epj_tensor *c = pf ? epj_cat(ctx, parts, 2, 0) : NULL;
+		r = c ? epj_cast(ctx, c, dt) : NULL;
+		epj_tensor_free(pf);
+		epj_tensor_free(c);
+		break;
+	}
+	case 5: /* the weighted combine */
+		r = ej_moe_unpermute(ctx, in[3], in[4], in[5]);
+		break;
+	case 6:
+		r = ej_swiglu(ctx, in[6], in[7]);
+		break;
+	default: /* the fixed assignment's weights and experts */
+		if (ej_moe_route(ctx, in[0], MOE_K, true, true, &w, &ix) ==
+		    EPJ_OK) {
+			epj_tensor *fi = epj_cast(ctx, ix, epj_tensor_dtype(w));
+			r = fi ? epj_add(ctx, w, fi) : NULL;
+			epj_tensor_free(fi);
+		}
+		break;
+	}
+	epj_tensor *t[] = { w, ix, xs, pos, cnt };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	return r;
+}
+
+/* Every fused MoE op and its backward runs as CUDA kernels (nothing falls
+ * back) and gives the CPU kernel's values: each dtype, odd sizes, the
+ * float inputs non-contiguous on the device in half the cases. */
+START_TEST(test_moe)
+{
+	const epj_dtype dt = dtypes[_i];
+	const epj_dtype rdt =
+	    dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	const int64_t N = tu_randint(1, 8), H = tu_randint(1, 12);
+	const int64_t R = N * MOE_K;
+	int64_t lsh[2] = { N, MOE_E }, ksh[2] = { N, MOE_K }, xsh[2] = { N, H },
+		ysh[2] = { R, H };
+	epj_tensor *in[8];
+	in[0] = tu_randn(cpu, dt, 2, lsh);
+	in[1] = epj_zeros(cpu, EPJ_DTYPE_I64, 2, ksh);
+	for (int64_t q = 0; q < R; q++) /* repeats: the sort is stable */
+		epj_tensor_set_f64(in[1], q, (double)tu_randint(0, MOE_E));
+	in[2] = tu_randn(cpu, dt, 2, xsh);
+	in[3] = tu_randn(cpu, dt, 2, ysh);
+	in[4] = tu_randn(cpu, rdt, 2, ksh);
+	in[5] = epj_zeros(cpu, EPJ_DTYPE_I64, 2, ksh);
+	int64_t *perm = malloc(sizeof *perm * (size_t)R);
+	ck_assert_ptr_nonnull(perm);
+	for (int64_t q = 0; q < R; q++)
+		perm[q] = q;
+	for (int64_t q = R - 1; q > 0; q--) {
+		int64_t j = tu_randint(0, q + 1), t = perm[q];
+		perm[q] = perm[j];
+		perm[j] = t;
+	}
+	for (int64_t q = 0; q < R; q++)
+		epj_tensor_set_f64(in[5], q, (double)perm[q]);
+	free(perm);
+	in[6] = tu_randn(cpu, dt, 2, ysh);
+	in[7] = tu_randn(cpu, dt, 2, ysh);
+	for (int which = 0; which < 8; which++) {
+		char what[64];
+		snprintf(what, sizeof what, "moe case %d %s N=%lld H=%lld",
+			 which, epj_dtype_name(dt), (long long)N, (long long)H);
+		/* routing weights are f32 whatever the logits: f32 rounding */
+		double tol = which <= 1 || which == 7
+				 ? (dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5)
+			     : which == 2 || which == 4 ? 0.0
+							: tol_of(dt);
+		unsigned nc = which % 2 ? 0xdcu : 0u;
+		check_case(cpu, sim, f_moe, which, in, 8, nc,
+			   which != 2 && which != 4, tol, what);
+	}
+	for (int i = 0; i < 8; i++)
+		epj_tensor_free(in[i]);
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
+}
+END_TEST
+
 /* An out-of-range index is the CPU kernel's error, not a launch. */
 START_TEST(test_index_errors)
 {
@@ -874,6 +995,7 @@ Suite *make_eager_sim_suite(void)
 	tu_add_loop_test(tc, test_reductions, 4);
 	tu_add_loop_test(tc, test_shape, 3);
 	tu_add_loop_test(tc, test_index, 3);
+	tu_add_loop_test(tc, test_moe, 3);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -914,6 +1036,7 @@ Suite *make_eager_cuda_suite(void)
 	tu_add_loop_test(tc, test_reductions, 2);
 	tu_add_loop_test(tc, test_shape, 2);
 	tu_add_loop_test(tc, test_index, 2);
+	tu_add_loop_test(tc, test_moe, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

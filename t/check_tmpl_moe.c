@@ -194,8 +194,33 @@ START_TEST(test_route)
 		void *probs = xmalloc((size_t)(N * E) * rs);
 		void *w = xmalloc((size_t)(N * k) * rs);
 		int64_t *idx = xmalloc(sizeof *idx * (size_t)(N * k));
+		/* the fixed assignment first: experts (n k + j) % E, the
+		 * weights their probabilities (renormalised when norm) */
 		ck_assert_msg(ej_tmpl_moe_route(ctx, DEV, lg, ldt, sl0, 1, N, E,
-						k, norm, probs, w,
+						k, norm, true, probs, w,
+						idx) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		for (int64_t n = 0; n < N; n++) {
+			double x[8], p[8], rw[2], sum = 0;
+			int64_t ri[2];
+			for (int e = 0; e < E; e++)
+				x[e] = ld(lg, n * sl0 + e, ldt);
+			ref_route(x, E, k, norm, p, rw, ri);
+			for (int j = 0; j < k; j++)
+				sum += p[(n * k + j) % E];
+			for (int j = 0; j < k; j++) {
+				const int64_t e = (n * k + j) % E;
+				ck_assert_int_eq(idx[n * k + j], e);
+				close_or_fail(
+				    ld(w, n * k + j, rdt),
+				    norm ? p[e] / sum : p[e],
+				    rdt == EPJ_DTYPE_F64 ? 1e-12 : 2e-6,
+				    rdt == EPJ_DTYPE_F64 ? 1e-12 : 2e-6,
+				    "fixed w", n * k + j);
+			}
+		}
+		ck_assert_msg(ej_tmpl_moe_route(ctx, DEV, lg, ldt, sl0, 1, N, E,
+						k, norm, false, probs, w,
 						idx) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
 		/* backward from a random dw */
@@ -423,8 +448,8 @@ START_TEST(test_permute_combine)
 		void *dy = xmalloc((size_t)(R * H) * es);
 		void *dw = xmalloc((size_t)R * ws);
 		ck_assert_msg(ej_tmpl_moe_combine_backward(
-				  ctx, DEV, dout, y, dt, w, wdt, ord, pos, N, k,
-				  H, dy, dw) == EPJ_OK,
+				  ctx, DEV, dout, y, dt, w, wdt, pos, N, k, H,
+				  dy, dw) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
 		const double t = tol_of(dt) * 4;
 		for (int64_t n = 0; n < N; n++) {
@@ -941,9 +966,10 @@ static epj_model *engine_run(epj_ctx *ctx, const char *json, uint64_t seed,
 	return m;
 }
 
-/* The trainer with its context on cuda-sim runs the AutoEP layer's router,
- * permutation and combine through the MoE template and the update through
- * the optimizer template (all counted), and matches the CPU run: losses
+/* The trainer with its context on cuda-sim runs the AutoEP layer's fused
+ * ops (router, permutation, SwiGLU, combine) as the device's rows of the
+ * eager table, none on the CPU, and the update through the optimizer
+ * template (all counted), and matches the CPU run: losses
  * and parameters within f32 rounding (the kernels add some sums in another
  * order than the CPU's ops and autograd). */
 START_TEST(test_engine_sim)
@@ -963,23 +989,31 @@ START_TEST(test_engine_sim)
 	epj_ctx *cpu = tu_ctx();
 	epj_ctx *sim = sim_ctx();
 	double lc[3], ls[3];
-	/* In bf16 the CPU arm runs the AutoEP op sequence, the same roundings
-	 * as cuda-sim's (templates + per-expert ops); the fused CPU ops round
-	 * the SwiGLU once and differ from it by more than 1e-6 (checked
-	 * against the sequence in the autoep suite).  f32 runs them fused. */
-	if (_i == 1)
-		setenv("EPJIT_AUTOEP_OPS", "sequence", 1);
+	/* both arms run the fused AutoEP ops: the CPU kernels and the
+	 * device's rows (templates), the SwiGLU rounded once in bf16 */
 	epj_model *mc = engine_run(cpu, json, seed, lc);
-	if (_i == 1)
-		unsetenv("EPJIT_AUTOEP_OPS");
 	epj_model *ms = engine_run(sim, json, seed, ls);
 	ck_assert_int_eq(epj_counter_get(cpu, "optim.steps.device"), 0);
 	ck_assert_int_eq(epj_counter_get(sim, "optim.steps.device"), 3);
-	ck_assert_int_eq(epj_counter_get(cpu, "autoep.route.device"), 0);
-	ck_assert_int_ge(epj_counter_get(sim, "autoep.route.device"), 3);
-	ck_assert_int_eq(epj_counter_get(cpu, "autoep.permute.device"), 0);
-	ck_assert_int_ge(epj_counter_get(sim, "autoep.permute.device"), 3);
-	ck_assert_int_ge(epj_counter_get(sim, "autoep.combine.device"), 3);
+	/* the layer's fused ops ran as the device's rows, none on the CPU */
+	static const char *const moe_ops[] = {
+		"moe_route",	 "moe_route_backward",
+		"moe_permute",	 "moe_permute_backward",
+		"moe_unpermute", "moe_unpermute_backward",
+		"swiglu",	 "swiglu_backward"
+	};
+	for (size_t i = 0; i < sizeof moe_ops / sizeof moe_ops[0]; i++) {
+		char name[96];
+		snprintf(name, sizeof name, "kernels.eager_cpu_fallback.%s",
+			 moe_ops[i]);
+		ck_assert_msg(epj_counter_get(sim, name) == 0, "%s: %lld", name,
+			      (long long)epj_counter_get(sim, name));
+	}
+	ck_assert_int_eq(epj_counter_get(sim, "kernels.eager_cpu_fallback"), 0);
+	ck_assert_int_eq(epj_counter_get(cpu, "kernels.launched.template"), 0);
+	ck_assert_int_ge(epj_counter_get(sim, "kernels.launched.template"),
+			 3 * 8);
+	ck_assert_int_ge(epj_counter_get(sim, "autoep.calls.forward"), 3);
 	/* f32: the arms' sums in other orders move the loss by f32 rounding.
 	 * bf16: those last bits of a master can flip the RNE rounding of
 	 * its bf16 copy, a step of 2^-8 of that weight, which moves the loss
@@ -1073,11 +1107,11 @@ START_TEST(test_errors)
 	int64_t idx[2];
 	float p[6], w[2];
 	ck_assert_int_eq(ej_tmpl_moe_route(ctx, DEV, lg, EPJ_DTYPE_F32, 3, 1, 2,
-					   3, 4, false, p, w, idx),
+					   3, 4, false, false, p, w, idx),
 			 EPJ_ERR_INVALID);
 	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("k = 4", "E = 3"));
 	ck_assert_int_eq(ej_tmpl_moe_route(ctx, DEV, lg, EPJ_DTYPE_I32, 3, 1, 2,
-					   3, 1, false, p, w, idx),
+					   3, 1, false, false, p, w, idx),
 			 EPJ_ERR_DTYPE);
 	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("logits", "i32"));
 	ck_assert_int_eq(ej_tmpl_moe_combine(ctx, DEV, lg, EPJ_DTYPE_F32, w,
@@ -1085,7 +1119,7 @@ START_TEST(test_errors)
 			 EPJ_ERR_DTYPE);
 	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("routing dtype bf16"));
 	ck_assert_int_eq(ej_tmpl_moe_route(ctx, "cpu", lg, EPJ_DTYPE_F32, 3, 1,
-					   2, 3, 1, false, p, w, idx),
+					   2, 3, 1, false, false, p, w, idx),
 			 EPJ_ERR_INVALID);
 	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("runs no CUDA C"));
 	ej_tmpl_optim hp = { .adam = true,

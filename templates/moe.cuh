@@ -15,7 +15,9 @@
  *                    top-k of probs, largest first, ties to the LOWER
  *                    expert index, NaN above everything (lib/ops_index.c);
  *                    w [N, k] rdt = the selected probs, divided by their sum
- *                    when `norm` (norm_topk_prob); idx [N, k] i64.
+ *                    when `norm` (norm_topk_prob); idx [N, k] i64.  With
+ *                    `fixed`, the experts are (n k + j) % E instead
+ *                    (expert_parallel.fixed_routing), weighted the same.
  *                    k <= EJ_MOE_MAX_K.  Logits have any row/column strides.
  *  ej_moe_sort       ONE block: stable counting sort of n keys in [0, B):
  *                    counts [B], offsets [B + 1] (exclusive scan), order [n]
@@ -31,7 +33,8 @@
  *  ej_moe_combine    out [N, H] = sum over j of w[n, j] * y[pos[n, j]] in rdt
  *                    (each product rounded, then added in j order, as
  *                    autoep.c's mul + index_add), cast to the dtype of y.
- *  ej_moe_combine_bw_y  dy [R, H] = w[order[r]] * dout[order[r] / k].
+ *  ej_moe_combine_bw_y  dy[pos[s]] = w[s] * dout[s / k] for every slot s
+ *                    (pos is a permutation: each row written once).
  *  ej_moe_combine_bw_w  dw [N, k] rdt = sum over h of dout[n, h] * y[pos[s],
  *                    h]: one warp per slot, lanes over h, a shuffle tree.
  *  ej_moe_route_bw   dlogits [N, E] rdt from dw [N, k] through the optional
@@ -92,6 +95,7 @@ struct ej_moe_route_args {
 	int rdt;	    /* dtype code of probs and w: 0 or 2 */
 	long long N;
 	int E, k, norm;
+	int fixed;	/* 1: experts (n k + j) % E instead of the top k */
 	void *probs;	/* [N, E] rdt */
 	void *w;	/* [N, k] rdt */
 	long long *idx; /* [N, k] */
@@ -124,10 +128,17 @@ static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
 	const T inv = (T)(1.0 / s);
 	for (int i = lane; i < E; i += 32)
 		p[i] = ej_mul(p[i], inv);
-	/* top-k: k rounds of a warp arg-max over the unselected experts */
+	/* top-k: k rounds of a warp arg-max over the unselected experts; or
+	 * the fixed assignment, each probability from the lane that wrote it */
 	long long sel[EJ_MOE_MAX_K];
 	T val[EJ_MOE_MAX_K];
-	for (int j = 0; j < a.k; j++) {
+	for (int j = 0; a.fixed && j < a.k; j++) {
+		sel[j] = (n * a.k + j) % E;
+		const int owner = (int)(sel[j] & 31);
+		val[j] = __shfl_sync(0xffffffffu,
+				     lane == owner ? p[sel[j]] : (T)0, owner);
+	}
+	for (int j = 0; !a.fixed && j < a.k; j++) {
 		T bv = (T)0;
 		long long bi = -1;
 		for (int i = lane; i < E; i += 32) {
@@ -293,8 +304,7 @@ struct ej_moe_combine_args {
 	const void *y;	      /* [R, H] contiguous, dtype dt */
 	const void *w;	      /* [N, k] contiguous, dtype wdt (0 or 2) */
 	const long long *pos; /* [N * k] */
-	const long long *order; /* [R] (backward of y only) */
-	const void *dout;	/* [N, H] contiguous, dtype dt (backward) */
+	const void *dout;     /* [N, H] contiguous, dtype dt (backward) */
 	long long N;
 	int k;
 	long long H;
@@ -329,10 +339,10 @@ extern "C" __global__ void ej_moe_combine(const struct ej_moe_combine_args a)
 }
 
 template <class A>
-static __device__ void ej_moe_combine_bw_y_row(
-    const struct ej_moe_combine_args &a, long long r)
+static __device__ void ej_moe_combine_bw_y_slot(
+    const struct ej_moe_combine_args &a, long long s)
 {
-	const long long s = a.order[r], n = s / a.k;
+	const long long r = a.pos[s], n = s / a.k;
 	const A ws = ((const A *)a.w)[s];
 	for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
 		ej_fst<A>(
@@ -343,12 +353,12 @@ static __device__ void ej_moe_combine_bw_y_row(
 extern "C" __global__ void
 ej_moe_combine_bw_y(const struct ej_moe_combine_args a)
 {
-	const long long R = a.N * a.k;
-	for (long long r = blockIdx.x; r < R; r += gridDim.x) {
+	const long long S = a.N * a.k;
+	for (long long s = blockIdx.x; s < S; s += gridDim.x) {
 		if (a.wdt == 2)
-			ej_moe_combine_bw_y_row<double>(a, r);
+			ej_moe_combine_bw_y_slot<double>(a, s);
 		else
-			ej_moe_combine_bw_y_row<float>(a, r);
+			ej_moe_combine_bw_y_slot<float>(a, s);
 	}
 }
 
