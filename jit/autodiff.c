@@ -308,102 +308,66 @@ static void bw_emit(bw_state *b, int u)
 	b->map[u] = b->bwd->nodes[nn].out[0];
 }
 
-epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *f, ej_segment *seg)
+/* The backward formula of forward node n, traced into the joint graph;
+ * its input gradients added to s->grad. */
+static epj_status ad_node(ad_state *s, const ej_graph *f, const ej_ir_node *n)
 {
-	ej_graph *j = clone(f, "joint");
-	int nF = f->n_nodes, nV = f->n_values;
-	ad_state s = { .ctx = ctx, .j = j, .n_fvalues = nV };
+	epj_ctx *ctx = s->ctx;
 	epj_status st = EPJ_OK;
-	int n_cap = nV * 4 + 64;
-	s.sym = calloc((size_t)n_cap, sizeof *s.sym);
-	s.grad = calloc((size_t)nV + 1, sizeof *s.grad);
-	int *grad_in_ids = NULL;
-	ej_graph *fwd = NULL, *bwd = NULL;
-	if (!s.sym || !s.grad) {
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
-		goto out;
+	if (n->dead)
+		return EPJ_OK;
+	EJ_ASSERT(n->op != EJ_IR_BREAK);
+	bool any_g = false, any_need = false;
+	for (int k = 0; k < n->n_out; k++)
+		any_g |= s->grad[n->out[k]] != NULL;
+	bool needs[64] = { 0 };
+	EJ_ASSERT(n->n_in <= 64);
+	for (int k = 0; k < n->n_in; k++) {
+		needs[k] = f->values[n->in[k]].requires_grad;
+		any_need |= needs[k];
 	}
-	bool prev = epj_no_grad_enter(ctx);
-	s.tr = ej_tracer_begin(ctx, j);
-	if (!s.tr) {
-		epj_no_grad_exit(ctx, prev);
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
-		goto out;
+	if (!any_g || !any_need)
+		return EPJ_OK;
+	const ej_op_info *info = &ej_ops[n->op];
+	if (!info->backward || (info->flags & EJ_OPF_NO_GRAD))
+		return EPJ_OK;
+	epj_tensor *ins[64], *outs[16], *gout[16], *gin[64] = { 0 };
+	EJ_ASSERT(n->n_out <= 16);
+	for (int k = 0; k < n->n_in; k++)
+		ins[k] = sym_of(s, n->in[k]);
+	for (int k = 0; k < n->n_out; k++) {
+		outs[k] = sym_of(s, n->out[k]);
+		gout[k] = s->grad[n->out[k]];
 	}
-	/* gradients of the forward outputs enter as GRAD inputs */
-	for (int o = 0; o < f->n_outputs && st == EPJ_OK; o++) {
-		int v = f->outputs[o];
-		const ej_value *x = &f->values[v];
-		if (!x->requires_grad)
-			continue;
-		int gv = ej_graph_add_input(j, EJ_IN_GRAD, o, x->dtype, x->ndim,
-					    x->shape);
-		if (gv >= n_cap) {
-			st = ej_error(ctx, EPJ_ERR_COMPILE,
-				      "autodiff: value table overflow");
-			break;
-		}
-		st = add_grad(&s, v, sym_of(&s, gv));
+	ej_call c = { .op = n->op,
+		      .attrs = &n->attrs,
+		      .in = ins,
+		      .n_in = n->n_in,
+		      .out = outs,
+		      .n_out = n->n_out };
+	st = info->backward(ctx, &c, gout, needs, gin);
+	if (st != EPJ_OK) {
+		ej_error_prefix(ctx, "autodiff of %s", info->name);
+		return st;
 	}
-	/* reverse over the forward nodes */
-	for (int i = nF - 1; i >= 0 && st == EPJ_OK; i--) {
-		const ej_ir_node *n = &f->nodes[i];
-		if (n->dead)
-			continue;
-		EJ_ASSERT(n->op != EJ_IR_BREAK);
-		bool any_g = false, any_need = false;
-		for (int k = 0; k < n->n_out; k++)
-			any_g |= s.grad[n->out[k]] != NULL;
-		bool needs[64] = { 0 };
-		EJ_ASSERT(n->n_in <= 64);
-		for (int k = 0; k < n->n_in; k++) {
-			needs[k] = f->values[n->in[k]].requires_grad;
-			any_need |= needs[k];
-		}
-		if (!any_g || !any_need)
-			continue;
-		const ej_op_info *info = &ej_ops[n->op];
-		if (!info->backward || (info->flags & EJ_OPF_NO_GRAD))
-			continue;
-		epj_tensor *ins[64], *outs[16], *gout[16], *gin[64] = { 0 };
-		EJ_ASSERT(n->n_out <= 16);
-		for (int k = 0; k < n->n_in; k++)
-			ins[k] = sym_of(&s, n->in[k]);
-		for (int k = 0; k < n->n_out; k++) {
-			outs[k] = sym_of(&s, n->out[k]);
-			gout[k] = s.grad[n->out[k]];
-		}
-		ej_call c = { .op = n->op,
-			      .attrs = &n->attrs,
-			      .in = ins,
-			      .n_in = n->n_in,
-			      .out = outs,
-			      .n_out = n->n_out };
-		st = info->backward(ctx, &c, gout, needs, gin);
-		if (st != EPJ_OK) {
-			ej_error_prefix(ctx, "autodiff of %s", info->name);
-			break;
-		}
-		for (int k = 0; k < n->n_in; k++) {
-			if (gin[k] && needs[k] && st == EPJ_OK)
-				st = add_grad(&s, n->in[k], gin[k]);
-			epj_tensor_free(gin[k]);
-		}
+	for (int k = 0; k < n->n_in; k++) {
+		if (gin[k] && needs[k] && st == EPJ_OK)
+			st = add_grad(s, n->in[k], gin[k]);
+		epj_tensor_free(gin[k]);
 	}
-	/* backward outputs: gradients of the forward inputs */
-	grad_in_ids = malloc(sizeof *grad_in_ids * (size_t)(f->n_inputs + 1));
-	if (!grad_in_ids && st == EPJ_OK)
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
-	for (int k = 0; st == EPJ_OK && k < f->n_inputs; k++) {
-		int v = f->inputs[k].value;
-		grad_in_ids[k] = s.grad[v] ? s.grad[v]->value_id : -1;
-	}
-	ej_tracer_end(ctx, s.tr);
-	epj_no_grad_exit(ctx, prev);
-	if (st != EPJ_OK)
-		goto out;
+	return st;
+}
 
-	/* ---- partition ---- */
+/* The joint graph j of f partitioned into seg's forward graph (f plus the
+ * saved values as outputs) and backward graph, the forward values the
+ * backward reads either saved or recomputed in it (rc_choose);
+ * grad_in_ids[k]: the joint value of f's input k's gradient, -1 if none. */
+static epj_status ad_partition(epj_ctx *ctx, ej_graph *f, ej_graph *j,
+			       const int *grad_in_ids, ej_segment *seg)
+{
+	const int nF = f->n_nodes, nV = f->n_values;
+	ej_graph *fwd = NULL, *bwd = NULL;
+	epj_status st = EPJ_OK;
 	int *map = malloc(sizeof *map * (size_t)(j->n_values + 1));
 	int *saved = malloc(sizeof *saved * (size_t)(nV + 1));
 	char *rst = calloc((size_t)nV + 1, 1);
@@ -529,6 +493,65 @@ epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *f, ej_segment *seg)
 	seg->bwd = bwd;
 	fwd = bwd = NULL;
 out:
+	ej_graph_free(fwd);
+	ej_graph_free(bwd);
+	return st;
+}
+
+epj_status ej_autodiff_segment(epj_ctx *ctx, ej_graph *f, ej_segment *seg)
+{
+	ej_graph *j = clone(f, "joint");
+	int nF = f->n_nodes, nV = f->n_values;
+	ad_state s = { .ctx = ctx, .j = j, .n_fvalues = nV };
+	epj_status st = EPJ_OK;
+	int n_cap = nV * 4 + 64;
+	s.sym = calloc((size_t)n_cap, sizeof *s.sym);
+	s.grad = calloc((size_t)nV + 1, sizeof *s.grad);
+	int *grad_in_ids = NULL;
+	if (!s.sym || !s.grad) {
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
+		goto out;
+	}
+	bool prev = epj_no_grad_enter(ctx);
+	s.tr = ej_tracer_begin(ctx, j);
+	if (!s.tr) {
+		epj_no_grad_exit(ctx, prev);
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
+		goto out;
+	}
+	/* gradients of the forward outputs enter as GRAD inputs */
+	for (int o = 0; o < f->n_outputs && st == EPJ_OK; o++) {
+		int v = f->outputs[o];
+		const ej_value *x = &f->values[v];
+		if (!x->requires_grad)
+			continue;
+		int gv = ej_graph_add_input(j, EJ_IN_GRAD, o, x->dtype, x->ndim,
+					    x->shape);
+		if (gv >= n_cap) {
+			st = ej_error(ctx, EPJ_ERR_COMPILE,
+				      "autodiff: value table overflow");
+			break;
+		}
+		st = add_grad(&s, v, sym_of(&s, gv));
+	}
+	/* reverse over the forward nodes */
+	for (int i = nF - 1; i >= 0 && st == EPJ_OK; i--)
+		st = ad_node(&s, f, &f->nodes[i]);
+	/* backward outputs: gradients of the forward inputs */
+	grad_in_ids = malloc(sizeof *grad_in_ids * (size_t)(f->n_inputs + 1));
+	if (!grad_in_ids && st == EPJ_OK)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "autodiff: out of memory");
+	for (int k = 0; st == EPJ_OK && k < f->n_inputs; k++) {
+		int v = f->inputs[k].value;
+		grad_in_ids[k] = s.grad[v] ? s.grad[v]->value_id : -1;
+	}
+	ej_tracer_end(ctx, s.tr);
+	epj_no_grad_exit(ctx, prev);
+	if (st != EPJ_OK)
+		goto out;
+
+	st = ad_partition(ctx, f, j, grad_in_ids, seg);
+out:
 	if (s.sym)
 		for (int v = 0; v < n_cap; v++)
 			epj_tensor_free(s.sym[v]);
@@ -538,8 +561,6 @@ out:
 	free(s.sym);
 	free(s.grad);
 	free(grad_in_ids);
-	ej_graph_free(fwd);
-	ej_graph_free(bwd);
 	ej_graph_free(j);
 	return st;
 }

@@ -112,67 +112,13 @@ static bool out_dtype_ok(epj_dtype in, epj_dtype x)
 		   : x == in;
 }
 
-epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
+/* The kernels' arguments for descriptor d (checked) with nb0 x nb1
+ * batches. */
+static void gemm_fill_args(const ej_gemm_desc *d, int64_t nb0, int64_t nb1,
+			   struct gemm_args *ap)
 {
-	epj_dtype dt = d->dtype;
-	if (dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_F64)
-		return ej_error(ctx, EPJ_ERR_DTYPE,
-				"gemm: inputs are %s (the kernels take bf16, "
-				"f32 or f64)",
-				epj_dtype_name(dt));
-	if (!out_dtype_ok(dt, d->out_dtype) ||
-	    (d->bias && !out_dtype_ok(dt, d->bias_dtype)) ||
-	    (d->res && !out_dtype_ok(dt, d->res_dtype)))
-		return ej_error(
-		    ctx, EPJ_ERR_DTYPE,
-		    "gemm: %s inputs with output %s, bias %s, residual %s "
-		    "(bf16 inputs take f32 or bf16 for these, f32 and f64 "
-		    "inputs their own dtype)",
-		    epj_dtype_name(dt), epj_dtype_name(d->out_dtype),
-		    d->bias ? epj_dtype_name(d->bias_dtype) : "none",
-		    d->res ? epj_dtype_name(d->res_dtype) : "none");
-	bool grouped = d->group_off != NULL;
-	int64_t nb0 = d->nb0 < 1 ? 1 : d->nb0, nb1 = d->nb1 < 1 ? 1 : d->nb1;
-	if (d->m < 0 || d->n < 0 || d->k < 0)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gemm: negative size m=%lld n=%lld k=%lld",
-				(long long)d->m, (long long)d->n,
-				(long long)d->k);
-	if ((unsigned)d->act > EJ_GEMM_ACT_GELU)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gemm: activation %d (none, silu, gelu)",
-				(int)d->act);
-	if (grouped && (d->groups < 1 || nb0 * nb1 != 1))
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gemm: grouped GEMM with %d groups and %lld "
-				"batches (at least one group, no batches)",
-				d->groups, (long long)(nb0 * nb1));
-	if (d->m == 0 || d->n == 0)
-		return EPJ_OK;
-	if (d->m > 1 && d->ldc < d->n)
-		return ej_error(ctx, EPJ_ERR_INVALID, "gemm: ldc %lld < n %lld",
-				(long long)d->ldc, (long long)d->n);
-	if (!d->c || (d->k > 0 && (!d->a || !d->b)))
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gemm: missing A, B or C pointer (m=%lld "
-				"n=%lld k=%lld)",
-				(long long)d->m, (long long)d->n,
-				(long long)d->k);
-	bool bf = dt == EPJ_DTYPE_BF16;
-	int64_t bm = bf ? BF_BM : SIMT_BM, bn = bf ? BF_BN : SIMT_BN;
-	int64_t gx = (d->n + bn - 1) / bn;
-	int64_t gy =
-	    grouped ? (d->m + bm - 1) / bm + d->groups : (d->m + bm - 1) / bm;
-	if (gx > INT32_MAX || gy > MAX_GRID_YZ || nb0 * nb1 > MAX_GRID_YZ)
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"gemm: m=%lld n=%lld with %lld batches (or "
-				"%d groups) needs a grid of (%lld, %lld, %lld) "
-				"blocks, beyond (2^31-1, 65535, 65535)",
-				(long long)d->m, (long long)d->n,
-				(long long)(nb0 * nb1), d->groups,
-				(long long)gx, (long long)gy,
-				(long long)(nb0 * nb1));
-
+	const bool grouped = d->group_off != NULL;
+	const bool bf = d->dtype == EPJ_DTYPE_BF16;
 	struct gemm_args a;
 	memset(&a, 0, sizeof a);
 	a.a = d->a;
@@ -212,6 +158,88 @@ epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
 	a.bias_bf16 = d->bias && d->bias_dtype == EPJ_DTYPE_BF16;
 	a.res_bf16 = d->res && d->res_dtype == EPJ_DTYPE_BF16;
 	a.act = (int)d->act;
+	*ap = a;
+}
+
+/* The descriptor's dtypes, sizes and pointers are ones the kernels take;
+ * *nb0, *nb1: its batch counts (at least 1). */
+static epj_status gemm_check(epj_ctx *ctx, const ej_gemm_desc *d, int64_t *nb0_,
+			     int64_t *nb1_)
+{
+	epj_dtype dt = d->dtype;
+	if (dt != EPJ_DTYPE_BF16 && dt != EPJ_DTYPE_F32 && dt != EPJ_DTYPE_F64)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"gemm: inputs are %s (the kernels take bf16, "
+				"f32 or f64)",
+				epj_dtype_name(dt));
+	if (!out_dtype_ok(dt, d->out_dtype) ||
+	    (d->bias && !out_dtype_ok(dt, d->bias_dtype)) ||
+	    (d->res && !out_dtype_ok(dt, d->res_dtype)))
+		return ej_error(
+		    ctx, EPJ_ERR_DTYPE,
+		    "gemm: %s inputs with output %s, bias %s, residual %s "
+		    "(bf16 inputs take f32 or bf16 for these, f32 and f64 "
+		    "inputs their own dtype)",
+		    epj_dtype_name(dt), epj_dtype_name(d->out_dtype),
+		    d->bias ? epj_dtype_name(d->bias_dtype) : "none",
+		    d->res ? epj_dtype_name(d->res_dtype) : "none");
+	bool grouped = d->group_off != NULL;
+	int64_t nb0 = d->nb0 < 1 ? 1 : d->nb0, nb1 = d->nb1 < 1 ? 1 : d->nb1;
+	*nb0_ = nb0;
+	*nb1_ = nb1;
+	if (d->m < 0 || d->n < 0 || d->k < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: negative size m=%lld n=%lld k=%lld",
+				(long long)d->m, (long long)d->n,
+				(long long)d->k);
+	if ((unsigned)d->act > EJ_GEMM_ACT_GELU)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: activation %d (none, silu, gelu)",
+				(int)d->act);
+	if (grouped && (d->groups < 1 || nb0 * nb1 != 1))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: grouped GEMM with %d groups and %lld "
+				"batches (at least one group, no batches)",
+				d->groups, (long long)(nb0 * nb1));
+	if (d->m == 0 || d->n == 0)
+		return EPJ_OK; /* nothing to check: nothing runs */
+	if (d->m > 1 && d->ldc < d->n)
+		return ej_error(ctx, EPJ_ERR_INVALID, "gemm: ldc %lld < n %lld",
+				(long long)d->ldc, (long long)d->n);
+	if (!d->c || (d->k > 0 && (!d->a || !d->b)))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"gemm: missing A, B or C pointer (m=%lld "
+				"n=%lld k=%lld)",
+				(long long)d->m, (long long)d->n,
+				(long long)d->k);
+	return EPJ_OK;
+}
+
+epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
+{
+	const epj_dtype dt = d->dtype;
+	const bool grouped = d->group_off != NULL;
+	int64_t nb0 = 1, nb1 = 1;
+	epj_status st0 = gemm_check(ctx, d, &nb0, &nb1);
+	if (st0 != EPJ_OK || d->m == 0 || d->n == 0)
+		return st0;
+	bool bf = dt == EPJ_DTYPE_BF16;
+	int64_t bm = bf ? BF_BM : SIMT_BM, bn = bf ? BF_BN : SIMT_BN;
+	int64_t gx = (d->n + bn - 1) / bn;
+	int64_t gy =
+	    grouped ? (d->m + bm - 1) / bm + d->groups : (d->m + bm - 1) / bm;
+	if (gx > INT32_MAX || gy > MAX_GRID_YZ || nb0 * nb1 > MAX_GRID_YZ)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"gemm: m=%lld n=%lld with %lld batches (or "
+				"%d groups) needs a grid of (%lld, %lld, %lld) "
+				"blocks, beyond (2^31-1, 65535, 65535)",
+				(long long)d->m, (long long)d->n,
+				(long long)(nb0 * nb1), d->groups,
+				(long long)gx, (long long)gy,
+				(long long)(nb0 * nb1));
+
+	struct gemm_args a;
+	gemm_fill_args(d, nb0, nb1, &a);
 
 	/* C as one dense block: poisoned and race-checked on cuda-sim */
 	size_t csz = ej_dtype_size(d->out_dtype);

@@ -2139,88 +2139,119 @@ static bool any_on(const json_t *v)
 /* Reads row k of a section object obj (at spath, fields at base).
  * type_failed: the section's "type" key was in error (its params are then
  * not checked against it). */
-static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
-			   char *base, ej_config *c, bool type_failed)
+/* "auto" as the value of key k, which takes it: the caller's value in
+ * *v, read as if written here; or, when the caller gave none, the key's own
+ * "auto" rule applied (*done, its status returned). */
+static epj_status read_auto(cp *p, const key *k, json_t *obj, json_t **v,
+			    const char *path, char *base, ej_config *c,
+			    bool *done)
 {
-	char path[300], g[100], e[120];
-	key_path(path, sizeof path, spath, k->name);
-	json_t *v = json_object_get(obj, k->name);
-	epj_status s = EPJ_OK;
-	if (!v) {
-		if (k->flags & K_REQUIRED)
-			return cp_err(p, "\"%s\" is required (one of %s)", path,
-				      choice_list(k, e, sizeof e));
-		return EPJ_OK;
-	}
-	if (is_auto(v) && k->type != K_SPECIAL && !auto_is_choice(k)) {
-		if (!k->auto_doc) {
-			/* the value column of the reference, as the hint */
-			char want[300] = "an object";
-			FILE *mf = k->type == K_SECTION
-				       ? NULL
-				       : fmemopen(want, sizeof want, "w");
-			if (mf) {
-				doc_value(mf, k);
-				fclose(mf);
-			}
-			return cp_err(
-			    p,
-			    "\"%s\" does not accept \"auto\": it "
-			    "must be %s (doc/config.md lists the keys "
-			    "that take \"auto\")",
-			    path, want);
+	*done = false;
+	if (!k->auto_doc) {
+		/* the value column of the reference, as the hint */
+		char want[300] = "an object";
+		FILE *mf = k->type == K_SECTION
+			       ? NULL
+			       : fmemopen(want, sizeof want, "w");
+		if (mf) {
+			doc_value(mf, k);
+			fclose(mf);
 		}
-		json_t *a = auto_value(p, path);
-		if (!a)
-			return k->auto_lib
-				   ? k->auto_lib(p, k, obj, v, path, base, c)
+		return cp_err(p,
+			      "\"%s\" does not accept \"auto\": it "
+			      "must be %s (doc/config.md lists the keys "
+			      "that take \"auto\")",
+			      path, want);
+	}
+	json_t *a = auto_value(p, path);
+	if (!a) {
+		*done = true;
+		return k->auto_lib ? k->auto_lib(p, k, obj, *v, path, base, c)
 				   : EPJ_OK;
-		v = a; /* the caller's value, read as if written here */
 	}
-	if (json_is_null(v) && (k->type == K_SECTION || k->type == K_TEXT ||
-				k->type == K_ANY || (k->flags & K_NULL_OK))) {
-		/* DeepSpeed treats null as "not set". */
-		if (k->type == K_NUM && k->off >= 0) {
-			set_num(k, base, 0, 0);
-			set_given(k, base, false);
-		}
-		return EPJ_OK;
+	*v = a;
+	return EPJ_OK;
+}
+
+/* Section key k with value v: its keys checked and read. */
+static epj_status read_section_key(cp *p, const key *k, json_t *obj, json_t *v,
+				   const char *path, char *base, ej_config *c,
+				   bool type_failed)
+{
+	char g[100];
+	epj_status s;
+	if (!json_is_object(v))
+		return cp_err(p, "\"%s\" must be an object, got %s", path,
+			      ej_json_describe(v, g, sizeof g));
+	char *cb = child_base(k, base);
+	epj_status s1 = check_keys(p, v, k->child, path);
+	epj_status s2 = EPJ_OK;
+	if ((k->flags & K_BY_TYPE) && !type_failed)
+		s2 = check_applicable(p, v, k, path, base);
+	set_given(k, cb, true);
+	if (k->kind != KIND_IMPL) {
+		note_no_effect(p, c, path);
+		p->quiet++;
 	}
+	s = read_section(p, v, k->child, path, cb, c);
+	if (k->kind != KIND_IMPL)
+		p->quiet--;
+	if (s1 || s2 || s)
+		return s1 ? s1 : s2 ? s2 : s;
+	return k->hook ? k->hook(p, k, obj, v, path, cb, c) : EPJ_OK;
+}
+
+/* Pair key k: an array of two numbers in the key's range. */
+static epj_status read_pair(cp *p, const key *k, json_t *v, const char *path,
+			    char *base)
+{
+	char g[100], e[120];
+	num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN, k->hi,
+		   k->flags & K_HI_OPEN);
+	/* "a number in [0, 1)" -> "numbers in [0, 1)" */
+	const char *range = e + strlen("a number");
+	if (!json_is_array(v) || json_array_size(v) != 2)
+		return cp_err(p,
+			      "\"%s\" must be an array of 2 numbers%s, "
+			      "got %s%s",
+			      path, range, ej_json_describe(v, g, sizeof g),
+			      json_is_array(v) ? " of another length" : "");
+	for (int i = 0; i < 2; i++) {
+		json_t *xi = json_array_get(v, (size_t)i);
+		double di = json_is_number(xi) ? json_number_value(xi) : 0;
+		if (!json_is_number(xi) || di < k->lo ||
+		    ((k->flags & K_LO_OPEN) && di == k->lo) || di > k->hi ||
+		    ((k->flags & K_HI_OPEN) && di == k->hi))
+			return cp_err(p, "\"%s[%d]\" must be %s, got %s", path,
+				      i, e,
+				      json_is_number(xi)
+					  ? (snprintf(g, sizeof g, "%g", di), g)
+					  : ej_json_describe(xi, g, sizeof g));
+		set_num(k, base, i, di);
+	}
+	return EPJ_OK;
+}
+
+/* The value v of key k (not a section, not special) stored at base; *on:
+ * the value asks for the key's feature (what a KIND_NOT_IMPL key
+ * refuses). */
+static epj_status read_value(cp *p, const key *k, json_t *v, const char *path,
+			     char *base, bool *on)
+{
+	char g[100];
+	epj_status s;
 	int64_t x = 0;
 	double d = 0;
 	int idx = 0;
-	bool on = false; /* a KIND_NOT_IMPL value that asks for its feature */
+	*on = false;
 	switch (k->type) {
-	case K_SECTION: {
-		if (!json_is_object(v))
-			return cp_err(p, "\"%s\" must be an object, got %s",
-				      path, ej_json_describe(v, g, sizeof g));
-		char *cb = child_base(k, base);
-		epj_status s1 = check_keys(p, v, k->child, path);
-		epj_status s2 = EPJ_OK;
-		if ((k->flags & K_BY_TYPE) && !type_failed)
-			s2 = check_applicable(p, v, k, path, base);
-		set_given(k, cb, true);
-		if (k->kind != KIND_IMPL) {
-			note_no_effect(p, c, path);
-			p->quiet++;
-		}
-		s = read_section(p, v, k->child, path, cb, c);
-		if (k->kind != KIND_IMPL)
-			p->quiet--;
-		if (s1 || s2 || s)
-			return s1 ? s1 : s2 ? s2 : s;
-		return k->hook ? k->hook(p, k, obj, v, path, cb, c) : EPJ_OK;
-	}
-	case K_SPECIAL:
-		return k->hook(p, k, obj, v, path, base, c);
 	case K_BOOL:
 		if (!json_is_boolean(v))
 			return cp_err(p, "\"%s\" must be a boolean, got %s",
 				      path, ej_json_describe(v, g, sizeof g));
 		if (k->off >= 0)
 			*(bool *)field(k, base) = json_is_true(v);
-		on = json_is_true(v);
+		*on = json_is_true(v);
 		break;
 	case K_INT:
 		if ((s = rd_int(p, v, path, k->ilo, k->ihi, &x)))
@@ -2228,7 +2259,7 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 		if (k->off >= 0)
 			set_int(k, base, x);
 		set_given(k, base, true);
-		on = x != (int64_t)k->def;
+		*on = x != (int64_t)k->def;
 		break;
 	case K_NUM:
 		if ((s = rd_num(p, v, path, k->lo, k->flags & K_LO_OPEN, k->hi,
@@ -2237,51 +2268,23 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 		if (k->off >= 0)
 			set_num(k, base, 0, d);
 		set_given(k, base, true);
-		on = d != k->def;
+		*on = d != k->def;
 		break;
-	case K_PAIR: {
-		num_expect(e, sizeof e, k->lo, k->flags & K_LO_OPEN, k->hi,
-			   k->flags & K_HI_OPEN);
-		/* "a number in [0, 1)" -> "numbers in [0, 1)" */
-		const char *range = e + strlen("a number");
-		if (!json_is_array(v) || json_array_size(v) != 2)
-			return cp_err(
-			    p,
-			    "\"%s\" must be an array of 2 numbers%s, "
-			    "got %s%s",
-			    path, range, ej_json_describe(v, g, sizeof g),
-			    json_is_array(v) ? " of another length" : "");
-		for (int i = 0; i < 2; i++) {
-			json_t *xi = json_array_get(v, (size_t)i);
-			double di =
-			    json_is_number(xi) ? json_number_value(xi) : 0;
-			if (!json_is_number(xi) || di < k->lo ||
-			    ((k->flags & K_LO_OPEN) && di == k->lo) ||
-			    di > k->hi ||
-			    ((k->flags & K_HI_OPEN) && di == k->hi))
-				return cp_err(
-				    p, "\"%s[%d]\" must be %s, got %s", path, i,
-				    e,
-				    json_is_number(xi)
-					? (snprintf(g, sizeof g, "%g", di), g)
-					: ej_json_describe(xi, g, sizeof g));
-			set_num(k, base, i, di);
-		}
-		break;
-	}
+	case K_PAIR:
+		return read_pair(p, k, v, path, base);
 	case K_ENUM:
 		if ((s = rd_choice(p, k, v, path, &idx)))
 			return s;
 		if (k->off >= 0)
 			set_int(k, base, k->enum_base + idx);
-		on = idx != 0;
+		*on = idx != 0;
 		break;
 	case K_NAME:
 		if ((s = rd_choice(p, k, v, path, &idx)))
 			return s;
 		if (k->off >= 0)
 			set_str(field(k, base), k->size, k->choices[idx]);
-		on = idx != 0;
+		*on = idx != 0;
 		break;
 	case K_STR:
 		if (!json_is_string(v))
@@ -2301,7 +2304,7 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      path, ej_json_describe(v, g, sizeof g));
 		break;
 	case K_ANY:
-		on = any_on(v);
+		*on = any_on(v);
 		break;
 	case K_TRISTATE:
 		if (!json_is_boolean(v) && !json_is_null(v))
@@ -2321,7 +2324,50 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 				      "got %s",
 				      path, ej_json_describe(v, g, sizeof g));
 		break;
+	case K_SECTION:
+	case K_SPECIAL:
+		EJ_ASSERT(!"read_value: a section or special key");
+		break;
 	}
+	return EPJ_OK;
+}
+
+static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
+			   char *base, ej_config *c, bool type_failed)
+{
+	char path[300], g[100], e[120];
+	key_path(path, sizeof path, spath, k->name);
+	json_t *v = json_object_get(obj, k->name);
+	epj_status s = EPJ_OK;
+	if (!v) {
+		if (k->flags & K_REQUIRED)
+			return cp_err(p, "\"%s\" is required (one of %s)", path,
+				      choice_list(k, e, sizeof e));
+		return EPJ_OK;
+	}
+	if (is_auto(v) && k->type != K_SPECIAL && !auto_is_choice(k)) {
+		bool done;
+		s = read_auto(p, k, obj, &v, path, base, c, &done);
+		if (s != EPJ_OK || done)
+			return s;
+	}
+	if (json_is_null(v) && (k->type == K_SECTION || k->type == K_TEXT ||
+				k->type == K_ANY || (k->flags & K_NULL_OK))) {
+		/* DeepSpeed treats null as "not set". */
+		if (k->type == K_NUM && k->off >= 0) {
+			set_num(k, base, 0, 0);
+			set_given(k, base, false);
+		}
+		return EPJ_OK;
+	}
+	if (k->type == K_SECTION)
+		return read_section_key(p, k, obj, v, path, base, c,
+					type_failed);
+	if (k->type == K_SPECIAL)
+		return k->hook(p, k, obj, v, path, base, c);
+	bool on = false; /* a KIND_NOT_IMPL value that asks for its feature */
+	if ((s = read_value(p, k, v, path, base, &on)))
+		return s;
 	if (k->kind == KIND_NOT_IMPL && on)
 		return cp_err(p,
 			      "\"%s\" is %s: not implemented in epjit (it "

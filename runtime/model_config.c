@@ -521,15 +521,9 @@ static epj_status rd_choice(mp *p, const char *key, const char *const *ok,
 		      ej_json_describe(v, g, sizeof g), known);
 }
 
-/* DeepSeek-V2 / V3 (transformers' DeepseekV2Config / DeepseekV3Config):
- * multi-head latent attention, first_k_dense_replace dense layers, every
- * other layer a MoE of n_routed_experts with n_shared_experts shared ones.
- * V2 routes by softmax, greedy or group-limited (topk_method), times
- * routed_scaling_factor, never renormalised (transformers' V2 router has
- * no renormalisation); V3 by sigmoid plus the e_score_correction_bias,
- * always group-limited (n_group, topk_group; the sum of a group's two
- * best), renormalised when norm_topk_prob, times routed_scaling_factor. */
-static epj_status parse_deepseek(mp *p, ej_model_config *m)
+/* DeepSeek: transformers' defaults, and the latent attention's head sizes
+ * and LoRA ranks. */
+static epj_status deepseek_mla(mp *p, ej_model_config *m)
 {
 	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
 	const char *fam = v3 ? "DeepSeek-V3" : "DeepSeek-V2";
@@ -595,6 +589,16 @@ static epj_status parse_deepseek(mp *p, ej_model_config *m)
 	if (v3 && (s = rd_bool(p, "rope_interleave", &m->rope_interleave)))
 		return s;
 
+	return EPJ_OK;
+}
+
+/* DeepSeek's routed and shared experts and dense first layers. */
+static epj_status deepseek_experts(mp *p, ej_model_config *m)
+{
+	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
+	epj_status s;
+	int64_t x;
+	bool given;
 	/* experts: n_routed_experts, or the name transformers maps to it */
 	const char *alias = v3 ? "num_local_experts" : "num_experts";
 	int64_t xa = 0;
@@ -646,6 +650,16 @@ static epj_status parse_deepseek(mp *p, ej_model_config *m)
 		return s;
 	if (v3 && (s = rd_bool(p, "norm_topk_prob", &m->norm_topk_prob)))
 		return s;
+
+	return EPJ_OK;
+}
+
+/* DeepSeek's scoring, top-k method and expert groups. */
+static epj_status deepseek_routing(mp *p, ej_model_config *m)
+{
+	const bool v3 = m->family == EJ_FAMILY_DEEPSEEK_V3;
+	epj_status s;
+	bool given;
 
 	/* scoring and the top-k method */
 	static const char *const v2_methods[] = { "greedy",
@@ -705,6 +719,23 @@ static epj_status parse_deepseek(mp *p, ej_model_config *m)
 		m->n_group = (int)ng;
 		m->topk_group = (int)tg;
 	}
+	return EPJ_OK;
+}
+
+/* DeepSeek-V2 / V3 (transformers' DeepseekV2Config / DeepseekV3Config):
+ * multi-head latent attention, first_k_dense_replace dense layers, every
+ * other layer a MoE of n_routed_experts with n_shared_experts shared ones.
+ * V2 routes by softmax, greedy or group-limited (topk_method), times
+ * routed_scaling_factor, never renormalised (transformers' V2 router has
+ * no renormalisation); V3 by sigmoid plus the e_score_correction_bias,
+ * always group-limited (n_group, topk_group; the sum of a group's two
+ * best), renormalised when norm_topk_prob, times routed_scaling_factor. */
+static epj_status parse_deepseek(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	if ((s = deepseek_mla(p, m)) || (s = deepseek_experts(p, m)) ||
+	    (s = deepseek_routing(p, m)))
+		return s;
 	m->decoder_sparse_step = 1;
 	m->n_mlp_only_layers = 0;
 	return EPJ_OK;
@@ -806,15 +837,11 @@ static epj_status parse_rotary(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
-static epj_status parse_model(mp *p, ej_model_config *m)
+/* The family's defaults that differ from Qwen3-MoE's (before the keys are
+ * read, so that given keys win). */
+static epj_status family_defaults(mp *p, ej_model_config *m)
 {
 	epj_status s;
-	int64_t x;
-	bool given;
-	char g[100];
-
-	if ((s = check_unsupported(p, m)))
-		return s;
 	m->qk_norm = m->family == EJ_FAMILY_QWEN3_MOE ||
 		     m->family == EJ_FAMILY_QWEN3_5_MOE;
 	if (m->family == EJ_FAMILY_QWEN3_5_MOE)
@@ -830,6 +857,15 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 		m->rope_theta = 1e6;
 		m->max_position_embeddings = 4096 * 32;
 	}
+	return EPJ_OK;
+}
+
+/* The required sizes and the attention heads. */
+static epj_status parse_sizes(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x;
+	bool given;
 	/* Required sizes. */
 	if ((s = rd_req(p, "vocab_size", &m->vocab_size)) ||
 	    (s = rd_req(p, "hidden_size", &m->hidden_size)))
@@ -862,12 +898,15 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			      "\"num_attention_heads\" (%d) must be a multiple "
 			      "of \"num_key_value_heads\" (%d)",
 			      m->num_attention_heads, m->num_key_value_heads);
-	if (m->family == EJ_FAMILY_DEEPSEEK_V2 ||
-	    m->family == EJ_FAMILY_DEEPSEEK_V3) {
-		if ((s = parse_deepseek(p, m)))
-			return s;
-		goto rest;
-	}
+	return EPJ_OK;
+}
+
+/* head_dim: given, the family's default, or hidden / heads; even. */
+static epj_status parse_head_dim(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x;
+	bool given;
 	if ((s = rd_int(p, "head_dim", 1, &x, &given)))
 		return s;
 	if (given) {
@@ -891,11 +930,16 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 			      "embeddings rotate pairs of dimensions",
 			      m->head_dim);
 
-	if (m->family == EJ_FAMILY_MIXTRAL) {
-		if ((s = parse_mixtral_moe(p, m)))
-			return s;
-		goto rest;
-	}
+	return EPJ_OK;
+}
+
+/* The experts of Qwen3-MoE, Qwen2-MoE and Qwen3.5-MoE, and which layers
+ * are MoE layers. */
+static epj_status parse_qwen_experts(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	int64_t x;
+	bool given;
 
 	/* Experts: "num_experts" (transformers 4's Qwen3-MoE spelling) or
 	 * "num_local_experts" (the spelling transformers 5 writes); both given
@@ -988,9 +1032,16 @@ static epj_status parse_model(mp *p, ej_model_config *m)
 	if ((s = rd_bool(p, "norm_topk_prob", &m->norm_topk_prob)) ||
 	    (s = parse_mlp_only(p, m)))
 		return s;
+	return EPJ_OK;
+}
 
-	/* The rest. */
-rest:
+/* What every family reads alike: norms, rope, positions, ties, init,
+ * dtype. */
+static epj_status parse_common(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	bool given;
+	char g[100];
 	if ((s = rd_num(p, p->root, "rms_norm_eps", false, &m->rms_norm_eps)) ||
 	    (s = parse_rope(p, m)) ||
 	    (s = rd_int(p, "max_position_embeddings", 1,
@@ -1013,6 +1064,21 @@ rest:
 			 json_string_value(v));
 	}
 	return EPJ_OK;
+}
+
+static epj_status parse_model(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	if ((s = check_unsupported(p, m)) || (s = family_defaults(p, m)) ||
+	    (s = parse_sizes(p, m)))
+		return s;
+	if (m->family == EJ_FAMILY_DEEPSEEK_V2 ||
+	    m->family == EJ_FAMILY_DEEPSEEK_V3)
+		s = parse_deepseek(p, m);
+	else if ((s = parse_head_dim(p, m)) == EPJ_OK)
+		s = m->family == EJ_FAMILY_MIXTRAL ? parse_mixtral_moe(p, m)
+						   : parse_qwen_experts(p, m);
+	return s ? s : parse_common(p, m);
 }
 
 static void model_defaults(ej_model_config *m)

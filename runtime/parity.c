@@ -648,6 +648,195 @@ static category param_category(const char *nm)
 	return CAT_DENSE;
 }
 
+/* The table's header: where and how the arms ran, the tolerances. */
+static void print_header(FILE *out, const epj_parity_opts *opts, const arm *c,
+			 int regions, const ej_comm *world)
+{
+	const epj_parity_opts o = *opts;
+	if (!out)
+		return;
+	fprintf(out,
+		"parity: device %s, backend %s, dtype %s, world size "
+		"%d (EP %d, ZeRO 1), layout %s\n",
+		c->ctx->dev->name, ej_engine_backend_name(c->eng),
+		o.bf16 ? "bf16" : "f32", world->size, world->size,
+		o.layout == EPJ_LAYOUT_ROOT ? "root" : "nested");
+	fprintf(
+	    out,
+	    "parity: checkpointing %s, async split plan %s, %s "
+	    "compile (%d region%s), batch %lldx%lld, a warm-up "
+	    "batch then another measured one\n",
+	    o.checkpointing ? "on" : "off", o.async_split_plan ? "on" : "off",
+	    o.regional ? "regional (autoep_non_moe)" : "full-model", regions,
+	    regions == 1 ? "" : "s", (long long)o.batch, (long long)o.seq);
+	fprintf(out, "parity: tolerances (atol, rtol, rel L2; gradients and "
+		     "updates per parameter):");
+	for (int q = 0; q <= EJ_PARITY_UPDATE; q++) {
+		ej_parity_tol t = ej_parity_tolerance(q, o.bf16);
+		fprintf(out, " %s %g %g %g%s", qty_name[q], t.atol, t.rtol,
+			t.rel_l2, q < EJ_PARITY_UPDATE ? ";" : "\n");
+	}
+	fprintf(out, "  %-22s %10s %10s %8s\n", "quantity", "max|diff|",
+		"rel L2", "n");
+}
+
+/* The values of the measured step compared, row by row, and each arm's
+ * update checked against its gradient: all within tolerance. */
+static bool compare_values(FILE *out, const epj_parity_opts *opts, const arm *e,
+			   const arm *c, const ej_comm *world)
+{
+	const epj_parity_opts o = *opts;
+	epj_model *m = e->model;
+	bool moe = m->n_moe > 0;
+	bool ok = true;
+	ej_parity_tol t_out = ej_parity_tolerance(EJ_PARITY_OUTPUT, o.bf16),
+		      t_loss = ej_parity_tolerance(EJ_PARITY_LOSS, o.bf16),
+		      t_grad = ej_parity_tolerance(EJ_PARITY_GRAD, o.bf16),
+		      t_upd = ej_parity_tolerance(EJ_PARITY_UPDATE, o.bf16);
+	ej_parity_diff d_logits = { 0 }, d_loss = { 0 }, d_cat[4] = { 0 },
+		       d_upd = { 0 };
+	ej_parity_diff_add(e->ctx, &d_logits, 0, c->logits, e->logits, &t_out);
+	{
+		int64_t one = 1;
+		epj_tensor *lc =
+		    epj_full(e->ctx, EPJ_DTYPE_F64, 1, &one, c->loss);
+		epj_tensor *le =
+		    epj_full(e->ctx, EPJ_DTYPE_F64, 1, &one, e->loss);
+		ej_parity_diff_add(e->ctx, &d_loss, 0, lc, le, &t_loss);
+		epj_tensor_free(lc);
+		epj_tensor_free(le);
+	}
+	for (int i = 0; i < m->params.n; i++) {
+		category k = param_category(m->params.names[i]);
+		ej_parity_diff_add(e->ctx, &d_cat[k], i, c->grad[i], e->grad[i],
+				   &t_grad);
+		ej_parity_diff_add(e->ctx, &d_upd, i, c->update[i],
+				   e->update[i], &t_upd);
+	}
+	const char *const *pn = (const char *const *)m->params.names;
+	ok &= report(out, "logits", &d_logits, true, NULL);
+	ok &= report(out, "loss", &d_loss, true, NULL);
+	ok &= report(out, "input grad (embed)", &d_cat[CAT_INPUT], true, pn);
+	ok &= report(out, "router grads", &d_cat[CAT_ROUTER], moe, pn);
+	ok &= report(out, "expert grads", &d_cat[CAT_EXPERT], moe, pn);
+	ok &= report(out, "dense grads", &d_cat[CAT_DENSE], true, pn);
+	ok &= report(out, "fp32 master update", &d_upd, true, pn);
+	/* both arms really updated (rms of the update, distance from -grad) */
+	const arm *arms[2] = { e, c };
+	for (int k = 0; k < 2; k++) {
+		double rms = 0, rel = 0;
+		int64_t n = 0;
+		bool u = ej_parity_update_follows(arms[k]->grad,
+						  arms[k]->update, m->params.n,
+						  world->size, &rms, &rel, &n);
+		if (out)
+			fprintf(out, "  %-22s %10.3e %10.3e %8lld  %s\n",
+				k ? "update=-grad compiled"
+				  : "update=-grad eager",
+				rms, rel, (long long)n, u ? "ok" : "FAIL");
+		ok &= u;
+	}
+	return ok;
+}
+
+/* The routing of every AutoEP call compared exactly, and the counts that
+ * show each arm ran what it claims. */
+static bool check_calls(FILE *out, const epj_parity_opts *opts, arm *e, arm *c,
+			int regions)
+{
+	const epj_parity_opts o = *opts;
+	epj_model *m = e->model;
+	bool moe = m->n_moe > 0, ok = true;
+	const arm *arms[2] = { e, c };
+	/* routing: every call of every AutoEP layer, replays included,
+	 * exactly */
+	int64_t mism = 0, total = 0;
+	ej_parity_routes_compare(c->routes, c->n_routes, e->routes, e->n_routes,
+				 &mism, &total);
+	int64_t want_calls = (int64_t)m->n_moe * (o.checkpointing ? 2 : 1);
+	if (!moe) {
+		if (out)
+			fprintf(out, "  %-22s %10s %10s %8s  n/a\n",
+				"routing mismatches", "-", "-", "0");
+	} else {
+		/* every call was logged on both sides, and compared */
+		bool r_ok = mism == 0 && total > 0 &&
+			    e->n_routes == want_calls &&
+			    c->n_routes == want_calls;
+		if (out)
+			fprintf(out, "  %-22s %10lld %10d %8lld  %s\n",
+				"routing mismatches", (long long)mism,
+				c->n_routes, (long long)total,
+				r_ok ? "ok" : "FAIL");
+		ok &= r_ok;
+	}
+	/* the eager AutoEP boundary, in each arm */
+	for (int k = 0; k < 2; k++)
+		ok &= check_count(
+		    out, k ? "AutoEP calls compiled" : "AutoEP calls eager",
+		    delta(arms[k], "autoep.calls.forward") +
+			delta(arms[k], "autoep.calls.replay"),
+		    want_calls);
+	ok &= check_count(
+	    out, "measured batch differs",
+	    e->warm_tokens_differ > 0 && c->warm_tokens_differ > 0, 1);
+	ok &= check_count(out, "d stats.unique_graphs",
+			  delta(c, "stats.unique_graphs"), 0);
+	ok &= check_count(out, "d stats.calls_captured",
+			  delta(c, "stats.calls_captured"), 0);
+	ok &= check_count(out, "d recompiles", delta(c, "recompiles"), 0);
+	/* each arm ran what it claims: every region of the compiled arm ran
+	 * compiled kernels, the eager arm never did */
+	ok &= check_count(out, "compiled launches > 0",
+			  delta(c, "kernels.launched.compiled") > 0, 1);
+	ok &= check_count(out, "regions ran compiled", regions_compiled(c),
+			  regions > 0 ? regions : -1);
+	ok &= check_count(
+	    out, "regions with frames",
+	    (int64_t)epj_counter_get(c->ctx, "frames.ok") >= regions, 1);
+	ok &= check_count(out, "eager arm compiled",
+			  epj_counter_get(e->ctx, "kernels.launched.compiled"),
+			  0);
+	return ok;
+}
+
+/* What a world of one cannot tell apart, said; on several ranks, every
+ * rank's verdict combined. */
+static bool world_verdict(FILE *out, const epj_parity_opts *o, arm *e,
+			  ej_comm *world, bool ok)
+{
+	/* what a world of one can and cannot tell apart */
+	if (out && world->size == 1) {
+		fprintf(out, "  world size 1: ZeRO stage 1 runs the same "
+			     "computation as stage 0 (one shard)\n");
+		if (o->async_split_plan)
+			fprintf(out, "  world size 1: async split planning "
+				     "runs the same computation as the "
+				     "synchronous plan (no count exchange); "
+				     "not a distinct code path\n");
+	}
+	if (world->size > 1) {
+		/* every rank compares its own batch and experts: all must pass
+		 */
+		float f = ok ? 1.0f : 0.0f;
+		if (ej_comm_allreduce(e->ctx, world, "parity.result", &f, 1) !=
+		    EPJ_OK) {
+			if (out)
+				fprintf(out, "parity: %s\n",
+					epj_ctx_error(e->ctx));
+			f = 0;
+		}
+		ok = f == (float)world->size;
+		if (out)
+			fprintf(out,
+				"parity: world of %d ranks (EP %d, each "
+				"rank its own batch and experts): %s\n",
+				world->size, world->size,
+				ok ? "every rank passed" : "a rank FAILED");
+	}
+	return ok;
+}
+
 epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed)
 {
 	epj_parity_opts o = *opts;
@@ -674,164 +863,12 @@ epj_status epj_parity_run(const epj_parity_opts *opts, FILE *out, bool *passed)
 		arm_free(&c);
 		return st;
 	}
-	epj_model *m = e.model;
 	int regions = epj_engine_num_regions(c.eng);
 	ej_comm *world = ej_comm_world();
-	bool moe = m->n_moe > 0;
-	if (out) {
-		fprintf(out,
-			"parity: device %s, backend %s, dtype %s, world size "
-			"%d (EP %d, ZeRO 1), layout %s\n",
-			c.ctx->dev->name, ej_engine_backend_name(c.eng),
-			o.bf16 ? "bf16" : "f32", world->size, world->size,
-			o.layout == EPJ_LAYOUT_ROOT ? "root" : "nested");
-		fprintf(out,
-			"parity: checkpointing %s, async split plan %s, %s "
-			"compile (%d region%s), batch %lldx%lld, a warm-up "
-			"batch then another measured one\n",
-			o.checkpointing ? "on" : "off",
-			o.async_split_plan ? "on" : "off",
-			o.regional ? "regional (autoep_non_moe)" : "full-model",
-			regions, regions == 1 ? "" : "s", (long long)o.batch,
-			(long long)o.seq);
-		fprintf(out,
-			"parity: tolerances (atol, rtol, rel L2; gradients and "
-			"updates per parameter):");
-		for (int q = 0; q <= EJ_PARITY_UPDATE; q++) {
-			ej_parity_tol t = ej_parity_tolerance(q, o.bf16);
-			fprintf(out, " %s %g %g %g%s", qty_name[q], t.atol,
-				t.rtol, t.rel_l2,
-				q < EJ_PARITY_UPDATE ? ";" : "\n");
-		}
-		fprintf(out, "  %-22s %10s %10s %8s\n", "quantity", "max|diff|",
-			"rel L2", "n");
-	}
-	bool ok = true;
-	ej_parity_tol t_out = ej_parity_tolerance(EJ_PARITY_OUTPUT, o.bf16),
-		      t_loss = ej_parity_tolerance(EJ_PARITY_LOSS, o.bf16),
-		      t_grad = ej_parity_tolerance(EJ_PARITY_GRAD, o.bf16),
-		      t_upd = ej_parity_tolerance(EJ_PARITY_UPDATE, o.bf16);
-	ej_parity_diff d_logits = { 0 }, d_loss = { 0 }, d_cat[4] = { 0 },
-		       d_upd = { 0 };
-	ej_parity_diff_add(e.ctx, &d_logits, 0, c.logits, e.logits, &t_out);
-	{
-		int64_t one = 1;
-		epj_tensor *lc =
-		    epj_full(e.ctx, EPJ_DTYPE_F64, 1, &one, c.loss);
-		epj_tensor *le =
-		    epj_full(e.ctx, EPJ_DTYPE_F64, 1, &one, e.loss);
-		ej_parity_diff_add(e.ctx, &d_loss, 0, lc, le, &t_loss);
-		epj_tensor_free(lc);
-		epj_tensor_free(le);
-	}
-	for (int i = 0; i < m->params.n; i++) {
-		category k = param_category(m->params.names[i]);
-		ej_parity_diff_add(e.ctx, &d_cat[k], i, c.grad[i], e.grad[i],
-				   &t_grad);
-		ej_parity_diff_add(e.ctx, &d_upd, i, c.update[i], e.update[i],
-				   &t_upd);
-	}
-	const char *const *pn = (const char *const *)m->params.names;
-	ok &= report(out, "logits", &d_logits, true, NULL);
-	ok &= report(out, "loss", &d_loss, true, NULL);
-	ok &= report(out, "input grad (embed)", &d_cat[CAT_INPUT], true, pn);
-	ok &= report(out, "router grads", &d_cat[CAT_ROUTER], moe, pn);
-	ok &= report(out, "expert grads", &d_cat[CAT_EXPERT], moe, pn);
-	ok &= report(out, "dense grads", &d_cat[CAT_DENSE], true, pn);
-	ok &= report(out, "fp32 master update", &d_upd, true, pn);
-	/* both arms really updated (rms of the update, distance from -grad) */
-	const arm *arms[2] = { &e, &c };
-	for (int k = 0; k < 2; k++) {
-		double rms = 0, rel = 0;
-		int64_t n = 0;
-		bool u = ej_parity_update_follows(arms[k]->grad,
-						  arms[k]->update, m->params.n,
-						  world->size, &rms, &rel, &n);
-		if (out)
-			fprintf(out, "  %-22s %10.3e %10.3e %8lld  %s\n",
-				k ? "update=-grad compiled"
-				  : "update=-grad eager",
-				rms, rel, (long long)n, u ? "ok" : "FAIL");
-		ok &= u;
-	}
-	/* routing: every call of every AutoEP layer, replays included,
-	 * exactly */
-	int64_t mism = 0, total = 0;
-	ej_parity_routes_compare(c.routes, c.n_routes, e.routes, e.n_routes,
-				 &mism, &total);
-	int64_t want_calls = (int64_t)m->n_moe * (o.checkpointing ? 2 : 1);
-	if (!moe) {
-		if (out)
-			fprintf(out, "  %-22s %10s %10s %8s  n/a\n",
-				"routing mismatches", "-", "-", "0");
-	} else {
-		/* every call was logged on both sides, and compared */
-		bool r_ok = mism == 0 && total > 0 &&
-			    e.n_routes == want_calls &&
-			    c.n_routes == want_calls;
-		if (out)
-			fprintf(out, "  %-22s %10lld %10d %8lld  %s\n",
-				"routing mismatches", (long long)mism,
-				c.n_routes, (long long)total,
-				r_ok ? "ok" : "FAIL");
-		ok &= r_ok;
-	}
-	/* the eager AutoEP boundary, in each arm */
-	for (int k = 0; k < 2; k++)
-		ok &= check_count(
-		    out, k ? "AutoEP calls compiled" : "AutoEP calls eager",
-		    delta(arms[k], "autoep.calls.forward") +
-			delta(arms[k], "autoep.calls.replay"),
-		    want_calls);
-	ok &= check_count(out, "measured batch differs",
-			  e.warm_tokens_differ > 0 && c.warm_tokens_differ > 0,
-			  1);
-	ok &= check_count(out, "d stats.unique_graphs",
-			  delta(&c, "stats.unique_graphs"), 0);
-	ok &= check_count(out, "d stats.calls_captured",
-			  delta(&c, "stats.calls_captured"), 0);
-	ok &= check_count(out, "d recompiles", delta(&c, "recompiles"), 0);
-	/* each arm ran what it claims: every region of the compiled arm ran
-	 * compiled kernels, the eager arm never did */
-	ok &= check_count(out, "compiled launches > 0",
-			  delta(&c, "kernels.launched.compiled") > 0, 1);
-	ok &= check_count(out, "regions ran compiled", regions_compiled(&c),
-			  regions > 0 ? regions : -1);
-	ok &= check_count(
-	    out, "regions with frames",
-	    (int64_t)epj_counter_get(c.ctx, "frames.ok") >= regions, 1);
-	ok &=
-	    check_count(out, "eager arm compiled",
-			epj_counter_get(e.ctx, "kernels.launched.compiled"), 0);
-	/* what a world of one can and cannot tell apart */
-	if (out && world->size == 1) {
-		fprintf(out, "  world size 1: ZeRO stage 1 runs the same "
-			     "computation as stage 0 (one shard)\n");
-		if (o.async_split_plan)
-			fprintf(out, "  world size 1: async split planning "
-				     "runs the same computation as the "
-				     "synchronous plan (no count exchange); "
-				     "not a distinct code path\n");
-	}
-	if (world->size > 1) {
-		/* every rank compares its own batch and experts: all must pass
-		 */
-		float f = ok ? 1.0f : 0.0f;
-		if (ej_comm_allreduce(e.ctx, world, "parity.result", &f, 1) !=
-		    EPJ_OK) {
-			if (out)
-				fprintf(out, "parity: %s\n",
-					epj_ctx_error(e.ctx));
-			f = 0;
-		}
-		ok = f == (float)world->size;
-		if (out)
-			fprintf(out,
-				"parity: world of %d ranks (EP %d, each "
-				"rank its own batch and experts): %s\n",
-				world->size, world->size,
-				ok ? "every rank passed" : "a rank FAILED");
-	}
+	print_header(out, &o, &c, regions, world);
+	bool ok = compare_values(out, &o, &e, &c, world);
+	ok &= check_calls(out, &o, &e, &c, regions);
+	ok = world_verdict(out, &o, &e, world, ok);
 	if (out)
 		fprintf(out, "parity: %s\n", ok ? "PASS" : "FAIL");
 	*passed = ok;

@@ -1041,6 +1041,133 @@ static epj_status add_part(epj_ctx *ctx, epj_st_writer *w, const char *name,
 	return st;
 }
 
+/* The N writers' metadata: the progress, the layout (several ranks), the
+ * model config. */
+static epj_status reshard_meta(epj_ctx *ctx, const ckpt *c,
+			       const model_info *mi, int N, int M,
+			       int64_t micro, int64_t gen, epj_st_writer **w)
+{
+	epj_status st = EPJ_OK;
+	for (int r = 0; st == EPJ_OK && r < N; r++) {
+		st = epj_st_writer_new(ctx, &w[r]);
+		if (st == EPJ_OK)
+			st = epj_st_writer_set_metadata(w[r], "format",
+							TRAIN_FORMAT);
+		if (st == EPJ_OK)
+			st = add_meta(w[r], "step", c->step);
+		if (st == EPJ_OK)
+			st = add_meta(w[r], "micro_step", micro);
+		if (st == EPJ_OK)
+			st = add_meta(w[r], "optimizer_steps", c->opt);
+		if (st == EPJ_OK && N > 1) {
+			st = add_meta(w[r], "world_size", N);
+			if (st == EPJ_OK)
+				st = add_meta(w[r], "rank", r);
+			if (st == EPJ_OK)
+				st = add_meta(w[r], "generation", gen);
+			if (st == EPJ_OK)
+				st = add_meta(w[r], "zero_stage", c->zero);
+			if (st == EPJ_OK)
+				st = add_meta(w[r], "autoep_size", M);
+		}
+		char *mc = st == EPJ_OK
+			       ? ej_model_config_json(&mi->m->cfg, NULL)
+			       : NULL;
+		if (st == EPJ_OK)
+			st = mc ? epj_st_writer_set_metadata(w[r],
+							     "model_config", mc)
+				: ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+		free(mc);
+	}
+	return st;
+}
+
+/* Every parameter (and its optimizer state) gathered once from the saved
+ * shards and cut for every rank of the new layout that holds it. */
+static epj_status reshard_params(epj_ctx *ctx, ckpt *c, model_info *mi, int N,
+				 int M, epj_st_writer **w)
+{
+	epj_status st = EPJ_OK;
+	layout nl = { N, M, c->zero, mi->experts };
+	int *h = malloc(sizeof *h * (size_t)N);
+	float *buf = NULL;
+	if (!h)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int i = 0; st == EPJ_OK && i < mi->n; i++) {
+		const param *p = &mi->p[i];
+		bool sh;
+		int G = holders(&nl, p, h, &sh);
+		char nm[1024];
+		for (int k = -1; st == EPJ_OK && k < c->n_kinds; k++) {
+			const char *kind = k < 0 ? NULL : c->kinds[k];
+			free(buf);
+			buf = malloc(sizeof(float) * (size_t)(p->numel + 1));
+			st =
+			    buf ? gather(ctx, c, mi, p, kind, buf)
+				: ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+			if (kind)
+				snprintf(nm, sizeof nm, "optimizer.%s.%s", kind,
+					 p->name);
+			else if (sh)
+				snprintf(nm, sizeof nm,
+					 "optimizer.master_shard.%s", p->name);
+			else
+				snprintf(nm, sizeof nm, "%s", p->name);
+			for (int g = 0; st == EPJ_OK && g < G; g++)
+				st = add_part(ctx, w[h[g]], nm, p, buf, sh, G,
+					      g);
+		}
+	}
+	free(buf);
+	free(h);
+	return st;
+}
+
+/* The N files of a multi-rank set, then the record that commits them
+ * (generation s->generation); a set that is never committed leaves no
+ * file, and a replaced set's old generations are pruned. */
+static epj_status reshard_save_set(epj_ctx *ctx, const char *out,
+				   epj_st_writer **w, int N, ej_ckpt_set *s,
+				   bool record, int old_world)
+{
+	const int64_t gen = s->generation;
+	epj_status st = EPJ_OK;
+	s->files = calloc((size_t)N, sizeof *s->files);
+	if (!s->files)
+		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	const char *base = strrchr(out, '/');
+	base = base ? base + 1 : out;
+	int r = 0;
+	for (; st == EPJ_OK && r < N; r++) {
+		char f[PATH_MAX_];
+		snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d", out, gen, r);
+		int nl2 = snprintf(s->files[r].name, sizeof s->files[r].name,
+				   "%s.g%" PRId64 ".rank%d", base, gen, r);
+		if (nl2 >= (int)sizeof s->files[r].name)
+			st = ej_error(ctx, EPJ_ERR_INVALID,
+				      "%s: file name too long", f);
+		if (st == EPJ_OK)
+			st = epj_st_writer_save(w[r], f);
+		if (st == EPJ_OK)
+			st = ej_file_hash(ctx, f, &s->files[r].bytes,
+					  s->files[r].hash);
+	}
+	if (st == EPJ_OK)
+		st = ej_ckpt_set_write(ctx, out, s);
+	if (st != EPJ_OK) /* never committed: no file stays */
+		for (int k = 0; k < r && k < N; k++) {
+			char f[PATH_MAX_];
+			snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d", out,
+				 gen, k);
+			unlink(f);
+		}
+	/* the files of the replaced set's generations */
+	int nk = old_world > N ? old_world : N;
+	for (int k = 0; st == EPJ_OK && record && k < nk; k++)
+		ej_ckpt_set_prune(out, k, gen);
+	return st;
+}
+
 static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 		       const char *mpath, reshard_opts *o)
 {
@@ -1101,69 +1228,11 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 	if (rc == 0 && !w)
 		rc = fail_msg("out of memory");
 	epj_status st = EPJ_OK;
-	for (int r = 0; rc == 0 && st == EPJ_OK && r < N; r++) {
-		st = epj_st_writer_new(ctx, &w[r]);
-		if (st == EPJ_OK)
-			st = epj_st_writer_set_metadata(w[r], "format",
-							TRAIN_FORMAT);
-		if (st == EPJ_OK)
-			st = add_meta(w[r], "step", c.step);
-		if (st == EPJ_OK)
-			st = add_meta(w[r], "micro_step", micro);
-		if (st == EPJ_OK)
-			st = add_meta(w[r], "optimizer_steps", c.opt);
-		if (st == EPJ_OK && N > 1) {
-			st = add_meta(w[r], "world_size", N);
-			if (st == EPJ_OK)
-				st = add_meta(w[r], "rank", r);
-			if (st == EPJ_OK)
-				st = add_meta(w[r], "generation", gen);
-			if (st == EPJ_OK)
-				st = add_meta(w[r], "zero_stage", c.zero);
-			if (st == EPJ_OK)
-				st = add_meta(w[r], "autoep_size", M);
-		}
-		char *mc = st == EPJ_OK ? ej_model_config_json(&mi.m->cfg, NULL)
-					: NULL;
-		if (st == EPJ_OK)
-			st = mc ? epj_st_writer_set_metadata(w[r],
-							     "model_config", mc)
-				: ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-		free(mc);
-	}
+	if (rc == 0)
+		st = reshard_meta(ctx, &c, &mi, N, M, micro, gen, w);
 	/* every parameter gathered once, cut for every rank that holds it */
-	layout nl = { N, M, c.zero, mi.experts };
-	int *h = rc == 0 ? malloc(sizeof *h * (size_t)N) : NULL;
-	float *buf = NULL;
-	if (rc == 0 && !h)
-		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	for (int i = 0; rc == 0 && st == EPJ_OK && i < mi.n; i++) {
-		const param *p = &mi.p[i];
-		bool sh;
-		int G = holders(&nl, p, h, &sh);
-		char nm[1024];
-		for (int k = -1; st == EPJ_OK && k < c.n_kinds; k++) {
-			const char *kind = k < 0 ? NULL : c.kinds[k];
-			free(buf);
-			buf = malloc(sizeof(float) * (size_t)(p->numel + 1));
-			st =
-			    buf ? gather(ctx, &c, &mi, p, kind, buf)
-				: ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-			if (kind)
-				snprintf(nm, sizeof nm, "optimizer.%s.%s", kind,
-					 p->name);
-			else if (sh)
-				snprintf(nm, sizeof nm,
-					 "optimizer.master_shard.%s", p->name);
-			else
-				snprintf(nm, sizeof nm, "%s", p->name);
-			for (int g = 0; st == EPJ_OK && g < G; g++)
-				st = add_part(ctx, w[h[g]], nm, p, buf, sh, G,
-					      g);
-		}
-	}
-	free(buf);
-	free(h);
+	if (rc == 0 && st == EPJ_OK)
+		st = reshard_params(ctx, &c, &mi, N, M, w);
 	/* the files, then (several ranks) the record that commits them */
 	ej_ckpt_set s = { .generation = gen,
 			  .world = N,
@@ -1174,43 +1243,8 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 			  .optimizer_steps = c.opt };
 	if (rc == 0 && st == EPJ_OK && N == 1)
 		st = epj_st_writer_save(w[0], out);
-	if (rc == 0 && st == EPJ_OK && N > 1) {
-		s.files = calloc((size_t)N, sizeof *s.files);
-		if (!s.files)
-			st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-		const char *base = strrchr(out, '/');
-		base = base ? base + 1 : out;
-		int r = 0;
-		for (; st == EPJ_OK && r < N; r++) {
-			char f[PATH_MAX_];
-			snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d", out,
-				 gen, r);
-			int nl2 =
-			    snprintf(s.files[r].name, sizeof s.files[r].name,
-				     "%s.g%" PRId64 ".rank%d", base, gen, r);
-			if (nl2 >= (int)sizeof s.files[r].name)
-				st = ej_error(ctx, EPJ_ERR_INVALID,
-					      "%s: file name too long", f);
-			if (st == EPJ_OK)
-				st = epj_st_writer_save(w[r], f);
-			if (st == EPJ_OK)
-				st = ej_file_hash(ctx, f, &s.files[r].bytes,
-						  s.files[r].hash);
-		}
-		if (st == EPJ_OK)
-			st = ej_ckpt_set_write(ctx, out, &s);
-		if (st != EPJ_OK) /* never committed: no file stays */
-			for (int k = 0; k < r && k < N; k++) {
-				char f[PATH_MAX_];
-				snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d",
-					 out, gen, k);
-				unlink(f);
-			}
-		/* the files of the replaced set's generations */
-		int nk = old_world > N ? old_world : N;
-		for (int k = 0; st == EPJ_OK && record && k < nk; k++)
-			ej_ckpt_set_prune(out, k, gen);
-	}
+	if (rc == 0 && st == EPJ_OK && N > 1)
+		st = reshard_save_set(ctx, out, w, N, &s, record, old_world);
 	ej_ckpt_set_free(&s);
 	if (rc == 0 && st != EPJ_OK)
 		rc = fail(ctx);

@@ -41,6 +41,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -323,6 +324,129 @@ static int bad_usage(const char *fmt, const char *a, const char *b)
 	return 2;
 }
 
+/* The options without a value: each sets its bool. */
+static const struct {
+	const char *name;
+	size_t off;
+} flag_opts[] = {
+	{ "--checkpointing", offsetof(opts, checkpointing) },
+	{ "--compile", offsetof(opts, compile) },
+	{ "--no-precompile", offsetof(opts, no_precompile) },
+	{ "--parity", offsetof(opts, parity) },
+	{ "--bf16", offsetof(opts, bf16) },
+	{ "--full-model", offsetof(opts, full_model) },
+	{ "--nvrtc-check", offsetof(opts, nvrtc_check) },
+	{ "--compare-eager", offsetof(opts, compare_eager) },
+	{ "--async-split-plan", offsetof(opts, async_plan) },
+};
+
+/* The options with a value: "--opt VALUE" or "--opt=VALUE". */
+static const char *const with_value[] = {
+	"--model",	"--config",	    "--data",
+	"--steps",	"--layout",	    "--seq",
+	"--load",	"--save",	    "--metrics",
+	"--dump-state", "--dump-batch",	    "--eval-every",
+	"--seed",	"--threads",	    "--list-safetensors",
+	"--emit-cuda",	"--device",	    "--rank-log",
+	"--fault",	"--split",	    "--fault-step",
+	"--fault-rank", "--model-override",
+};
+
+/* Option `name` (one of with_value) given value val; -1, or the exit
+ * status of a usage error. */
+static int set_value(opts *o, const char *name, const char *val)
+{
+	long v;
+	if (!strcmp(name, "--model")) {
+		o->model_path = val;
+	} else if (!strcmp(name, "--model-override")) {
+		if (o->n_model_overrides >= MAX_OVERRIDES)
+			return bad_usage("more than %s %s options", "64", name);
+		o->model_overrides[o->n_model_overrides++] = val;
+	} else if (!strcmp(name, "--config")) {
+		o->config_path = val;
+	} else if (!strcmp(name, "--data")) {
+		o->data = val;
+	} else if (!strcmp(name, "--split")) {
+		o->split = val;
+	} else if (!strcmp(name, "--load")) {
+		o->load = val;
+	} else if (!strcmp(name, "--save")) {
+		o->save = val;
+	} else if (!strcmp(name, "--metrics")) {
+		o->metrics = val;
+	} else if (!strcmp(name, "--dump-state")) {
+		o->dump_state = val;
+	} else if (!strcmp(name, "--dump-batch")) {
+		o->dump_batch = val;
+	} else if (!strcmp(name, "--emit-cuda")) {
+		o->emit_cuda = val;
+	} else if (!strcmp(name, "--rank-log")) {
+		o->rank_log = val;
+	} else if (!strcmp(name, "--fault")) {
+		if (strcmp(val, "kill") && strcmp(val, "stop"))
+			return bad_usage("--fault wants kill or "
+					 "stop, got '%s'%s",
+					 val, "");
+		o->fault = val;
+	} else if (!strcmp(name, "--list-safetensors")) {
+		o->list_st = val;
+	} else if (!strcmp(name, "--device")) {
+		/* the same as EPJIT_DEVICE, for this process (the
+		 * parity harness's arms read it too) */
+		if (!epj_device_known(val))
+			return bad_usage("--device wants one of %s, "
+					 "got '%s'",
+					 epj_device_names(), val);
+		setenv("EPJIT_DEVICE", val, 1);
+	} else if (!strcmp(name, "--layout")) {
+		if (!strcmp(val, "nested"))
+			o->layout = EPJ_LAYOUT_NESTED;
+		else if (!strcmp(val, "root"))
+			o->layout = EPJ_LAYOUT_ROOT;
+		else
+			return bad_usage("--layout wants nested or "
+					 "root, got '%s'%s",
+					 val, "");
+	} else if (!strcmp(name, "--seed")) {
+		if (!parse_u64(val, &o->seed))
+			return bad_usage("%s wants an unsigned "
+					 "integer, got '%s'",
+					 name, val);
+		o->seed_given = true;
+	} else {
+		long lo = !strcmp(name, "--steps") ||
+				  !strcmp(name, "--eval-every") ||
+				  !strcmp(name, "--fault-rank")
+			      ? 0
+			      : 1;
+		long hi = !strcmp(name, "--threads") ? 1024
+			  : !strcmp(name, "--seq")   ? SEQ_MAX
+						     : LONG_MAX;
+		if (!parse_long(val, lo, hi, &v)) {
+			char what[96];
+			snprintf(what, sizeof what,
+				 "%%s wants an integer in [%ld, %ld], "
+				 "got '%%s'",
+				 lo, hi);
+			return bad_usage(what, name, val);
+		}
+		if (!strcmp(name, "--steps"))
+			o->steps = v;
+		else if (!strcmp(name, "--seq"))
+			o->seq = v;
+		else if (!strcmp(name, "--eval-every"))
+			o->eval_every = v;
+		else if (!strcmp(name, "--fault-step"))
+			o->fault_step = v;
+		else if (!strcmp(name, "--fault-rank"))
+			o->fault_rank = v;
+		else
+			o->threads = v;
+	}
+	return -1;
+}
+
 /* Fills o from argv.  Returns -1 to go on, else the exit status (0 for
  * --help/--version, 2 for a bad command line). */
 static int parse_args(int argc, char **argv, opts *o)
@@ -342,42 +466,15 @@ static int parse_args(int argc, char **argv, opts *o)
 			printf(PROG " (epjit) %s\n", PACKAGE_VERSION);
 			return 0;
 		}
-		if (!strcmp(a, "--checkpointing")) {
-			o->checkpointing = true;
+		bool flag = false;
+		for (size_t k = 0; k < sizeof flag_opts / sizeof *flag_opts;
+		     k++)
+			if (!strcmp(a, flag_opts[k].name)) {
+				*(bool *)((char *)o + flag_opts[k].off) = true;
+				flag = true;
+			}
+		if (flag)
 			continue;
-		}
-		if (!strcmp(a, "--compile")) {
-			o->compile = true;
-			continue;
-		}
-		if (!strcmp(a, "--no-precompile")) {
-			o->no_precompile = true;
-			continue;
-		}
-		if (!strcmp(a, "--parity")) {
-			o->parity = true;
-			continue;
-		}
-		if (!strcmp(a, "--bf16")) {
-			o->bf16 = true;
-			continue;
-		}
-		if (!strcmp(a, "--full-model")) {
-			o->full_model = true;
-			continue;
-		}
-		if (!strcmp(a, "--nvrtc-check")) {
-			o->nvrtc_check = true;
-			continue;
-		}
-		if (!strcmp(a, "--compare-eager")) {
-			o->compare_eager = true;
-			continue;
-		}
-		if (!strcmp(a, "--async-split-plan")) {
-			o->async_plan = true;
-			continue;
-		}
 		if (strncmp(a, "--", 2) != 0)
 			return bad_usage("unexpected argument '%s'%s", a, "");
 		/* Options with a value: "--opt VALUE" or "--opt=VALUE". */
@@ -389,31 +486,6 @@ static int parse_args(int argc, char **argv, opts *o)
 			return bad_usage("unknown option '%s'%s", a, "");
 		memcpy(name, a, n);
 		name[n] = '\0';
-		static const char *const with_value[] = {
-			"--model",
-			"--config",
-			"--data",
-			"--steps",
-			"--layout",
-			"--seq",
-			"--load",
-			"--save",
-			"--metrics",
-			"--dump-state",
-			"--dump-batch",
-			"--eval-every",
-			"--seed",
-			"--threads",
-			"--list-safetensors",
-			"--emit-cuda",
-			"--device",
-			"--rank-log",
-			"--fault",
-			"--split",
-			"--fault-step",
-			"--fault-rank",
-			"--model-override",
-		};
 		bool known = false;
 		for (size_t k = 0; k < sizeof with_value / sizeof *with_value;
 		     k++)
@@ -432,95 +504,9 @@ static int parse_args(int argc, char **argv, opts *o)
 		if (!*val)
 			return bad_usage("option '%s' has an empty value%s",
 					 name, "");
-		long v;
-		if (!strcmp(name, "--model")) {
-			o->model_path = val;
-		} else if (!strcmp(name, "--model-override")) {
-			if (o->n_model_overrides >= MAX_OVERRIDES)
-				return bad_usage("more than %s %s options",
-						 "64", name);
-			o->model_overrides[o->n_model_overrides++] = val;
-		} else if (!strcmp(name, "--config")) {
-			o->config_path = val;
-		} else if (!strcmp(name, "--data")) {
-			o->data = val;
-		} else if (!strcmp(name, "--split")) {
-			o->split = val;
-		} else if (!strcmp(name, "--load")) {
-			o->load = val;
-		} else if (!strcmp(name, "--save")) {
-			o->save = val;
-		} else if (!strcmp(name, "--metrics")) {
-			o->metrics = val;
-		} else if (!strcmp(name, "--dump-state")) {
-			o->dump_state = val;
-		} else if (!strcmp(name, "--dump-batch")) {
-			o->dump_batch = val;
-		} else if (!strcmp(name, "--emit-cuda")) {
-			o->emit_cuda = val;
-		} else if (!strcmp(name, "--rank-log")) {
-			o->rank_log = val;
-		} else if (!strcmp(name, "--fault")) {
-			if (strcmp(val, "kill") && strcmp(val, "stop"))
-				return bad_usage("--fault wants kill or "
-						 "stop, got '%s'%s",
-						 val, "");
-			o->fault = val;
-		} else if (!strcmp(name, "--list-safetensors")) {
-			o->list_st = val;
-		} else if (!strcmp(name, "--device")) {
-			/* the same as EPJIT_DEVICE, for this process (the
-			 * parity harness's arms read it too) */
-			if (!epj_device_known(val))
-				return bad_usage("--device wants one of %s, "
-						 "got '%s'",
-						 epj_device_names(), val);
-			setenv("EPJIT_DEVICE", val, 1);
-		} else if (!strcmp(name, "--layout")) {
-			if (!strcmp(val, "nested"))
-				o->layout = EPJ_LAYOUT_NESTED;
-			else if (!strcmp(val, "root"))
-				o->layout = EPJ_LAYOUT_ROOT;
-			else
-				return bad_usage("--layout wants nested or "
-						 "root, got '%s'%s",
-						 val, "");
-		} else if (!strcmp(name, "--seed")) {
-			if (!parse_u64(val, &o->seed))
-				return bad_usage("%s wants an unsigned "
-						 "integer, got '%s'",
-						 name, val);
-			o->seed_given = true;
-		} else {
-			long lo = !strcmp(name, "--steps") ||
-					  !strcmp(name, "--eval-every") ||
-					  !strcmp(name, "--fault-rank")
-				      ? 0
-				      : 1;
-			long hi = !strcmp(name, "--threads") ? 1024
-				  : !strcmp(name, "--seq")   ? SEQ_MAX
-							     : LONG_MAX;
-			if (!parse_long(val, lo, hi, &v)) {
-				char what[96];
-				snprintf(what, sizeof what,
-					 "%%s wants an integer in [%ld, %ld], "
-					 "got '%%s'",
-					 lo, hi);
-				return bad_usage(what, name, val);
-			}
-			if (!strcmp(name, "--steps"))
-				o->steps = v;
-			else if (!strcmp(name, "--seq"))
-				o->seq = v;
-			else if (!strcmp(name, "--eval-every"))
-				o->eval_every = v;
-			else if (!strcmp(name, "--fault-step"))
-				o->fault_step = v;
-			else if (!strcmp(name, "--fault-rank"))
-				o->fault_rank = v;
-			else
-				o->threads = v;
-		}
+		int r = set_value(o, name, val);
+		if (r >= 0)
+			return r;
 	}
 	if (o->n_model_overrides > 0 && o->parity)
 		return bad_usage("%s does not apply to %s (its arms read the "
