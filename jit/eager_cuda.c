@@ -49,6 +49,7 @@
 #include "ops_impl.h"
 
 #include "kir.h"
+#include "templates/args.h"
 #include "tmpl.h"
 #include "tmpl_attention.h"
 #include "tmpl_gemm.h"
@@ -365,107 +366,10 @@ static epj_status kir_run(epj_ctx *ctx, int op, const ej_attrs *attrs,
 }
 
 /* ---- template kernels ---------------------------------------------------
- * Host mirrors of the argument structs of templates/copy.cuh and
- * templates/index.cuh (field for field: 8-byte members first, ints last). */
+ * The copy, index and fill templates, with their argument structs from
+ * templates/args.h (the one declaration both sides compile). */
 
-#define TD	8 /* EJ_COPY_DIMS / EJ_INDEX_DIMS */
-#define CAT_MAX 16
-_Static_assert(TD == EPJ_MAX_DIMS, "template dims");
-
-struct copy_args {
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[TD], src_st[TD], dst_st[TD];
-	int ndim, sdt, ddt, pad;
-};
-struct cat_args {
-	void *dst;
-	long long n;
-	long long shape[TD];
-	const void *src[CAT_MAX];
-	long long start[CAT_MAX + 1];
-	long long src_st[CAT_MAX][TD];
-	int ndim, axis, n_in, dt;
-};
-struct slice_bw_args {
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[TD], src_st[TD];
-	long long start, end, step, glen;
-	int ndim, axis, dt, pad;
-};
-struct ipw_args {
-	const void *a, *b;
-	void *dst;
-	long long n;
-	long long shape[TD], a_st[TD], b_st[TD];
-	int ndim, op, dt, pad;
-};
-struct fill_args {
-	void *out;
-	long long n;
-	unsigned long long bits;
-	int elem;
-};
-struct index_select_args {
-	const void *a, *idx;
-	void *dst;
-	long long n;
-	long long shape[TD], a_st[TD];
-	long long idx_st, limit;
-	int ndim, axis, es, idx64;
-};
-struct gather_args {
-	const void *a, *idx;
-	void *dst;
-	long long n;
-	long long shape[TD], a_st[TD], idx_st[TD];
-	long long limit;
-	int ndim, axis, es, idx64;
-};
-struct index_add_args {
-	const void *a, *idx, *src;
-	void *dst;
-	long long n;
-	long long shape[TD], a_st[TD], src_st[TD];
-	long long idx_st, nidx;
-	int ndim, axis, dt, idx64;
-};
-struct scatter_add_args {
-	const void *a, *idx, *src;
-	void *dst;
-	long long n;
-	long long shape[TD], ishape[TD], a_st[TD], idx_st[TD], src_st[TD];
-	int ndim, axis, dt, idx64;
-};
-struct max_args {
-	const void *x;
-	void *vals;
-	int64_t *inds;
-	long long n;
-	long long shape[TD], x_st[TD];
-	long long len, ax_st;
-	int ndim, dt;
-};
-struct topk_args {
-	const void *x;
-	void *vals;
-	int64_t *inds;
-	long long rows;
-	long long shape[TD], x_st[TD];
-	long long len, ax_st, k;
-	int ndim, dt;
-};
-struct argsort_args {
-	const void *x;
-	int64_t *out;
-	long long rows;
-	long long shape[TD], x_st[TD], out_st[TD];
-	long long len, ax_st, out_ax;
-	int ndim, dt;
-};
+_Static_assert(EJ_COPY_DIMS == EPJ_MAX_DIMS, "template dims");
 
 static const ej_tmpl_kernel copy_kernels[] = {
 	{ "ej_copy", "struct ej_copy_args" },
@@ -535,7 +439,7 @@ static epj_status copy_into(epj_ctx *ctx, const epj_tensor *src,
 	int64_t n = numel_of(src);
 	if (n == 0)
 		return EPJ_OK;
-	struct copy_args a;
+	struct ej_copy_args a;
 	memset(&a, 0, sizeof a);
 	a.src = ej_data(src);
 	a.dst = ej_data(dst);
@@ -602,7 +506,7 @@ static epj_status int_pointwise(epj_ctx *ctx, ej_call *c)
 		return ej_eager_fallback(ctx, c);
 	}
 	epj_tensor *out = c->out[0];
-	struct ipw_args a;
+	struct ej_ipw_args a;
 	memset(&a, 0, sizeof a);
 	a.a = ej_data(c->in[0]);
 	a.b = c->n_in > 1 ? ej_data(c->in[1]) : a.a;
@@ -796,7 +700,7 @@ static epj_status eg_max(epj_ctx *ctx, ej_call *c)
 	int64_t n = numel_of(vals);
 	if (n == 0)
 		return EPJ_OK;
-	struct max_args a;
+	struct ej_max_args a;
 	memset(&a, 0, sizeof a);
 	a.x = ej_data(x);
 	a.vals = ej_data(vals);
@@ -851,7 +755,7 @@ static epj_status eg_cat(epj_ctx *ctx, ej_call *c)
 	int nd = out->ndim, axis = ej_axis((int)c->attrs->i[0], nd);
 	if (numel_of(out) == 0)
 		return EPJ_OK;
-	if (c->n_in > CAT_MAX) {
+	if (c->n_in > EJ_CAT_MAX) {
 		/* one strided copy per input into its part of out */
 		int64_t at = 0;
 		for (int k = 0; k < c->n_in; k++) {
@@ -870,7 +774,7 @@ static epj_status eg_cat(epj_ctx *ctx, ej_call *c)
 		}
 		return EPJ_OK;
 	}
-	struct cat_args *a = calloc(1, sizeof *a);
+	struct ej_cat_args *a = calloc(1, sizeof *a);
 	if (!a)
 		return nomem(ctx, c);
 	a->dst = ej_data(out);
@@ -907,7 +811,7 @@ static epj_status eg_slice_backward(epj_ctx *ctx, ej_call *c)
 	int nd = out->ndim;
 	if (numel_of(out) == 0)
 		return EPJ_OK;
-	struct slice_bw_args a;
+	struct ej_slice_bw_args a;
 	memset(&a, 0, sizeof a);
 	a.axis = ej_axis((int)c->attrs->i[0], nd);
 	a.src = numel_of(g) > 0 ? ej_data(g) : ej_data(out);
@@ -960,8 +864,8 @@ static epj_status eg_full(epj_ctx *ctx, ej_call *c)
 	}
 	if (v == 0.0 && !signbit(v))
 		bits = 0;
-	struct fill_args a = { ej_data(out), n, bits,
-			       (int)ej_dtype_size(out->dtype) };
+	struct ej_fill_args a = { ej_data(out), n, bits,
+				  (int)ej_dtype_size(out->dtype) };
 	ej_launch_out o = out_of(out);
 	return tmpl_run(ctx, "fill", fill_kernels, 1, "ej_fill", n, &a,
 			sizeof a, &o, 1);
@@ -1034,7 +938,7 @@ static epj_status eg_index_select(epj_ctx *ctx, ej_call *c)
 				    "axis");
 	if (st != EPJ_OK || numel_of(out) == 0)
 		return st;
-	struct index_select_args a;
+	struct ej_index_select_args a;
 	memset(&a, 0, sizeof a);
 	a.a = ej_data(x);
 	a.idx = ej_data(index);
@@ -1063,7 +967,7 @@ static epj_status eg_gather(epj_ctx *ctx, ej_call *c)
 	    check_index(ctx, c, 1, x->shape[axis], "the gathered axis");
 	if (st != EPJ_OK || numel_of(out) == 0)
 		return st;
-	struct gather_args a;
+	struct ej_gather_args a;
 	memset(&a, 0, sizeof a);
 	a.a = ej_data(x);
 	a.idx = ej_data(index);
@@ -1093,7 +997,7 @@ static epj_status eg_index_add(epj_ctx *ctx, ej_call *c)
 	    check_index(ctx, c, 1, x->shape[axis], "the target axis");
 	if (st != EPJ_OK || numel_of(out) == 0)
 		return st;
-	struct index_add_args a;
+	struct ej_index_add_args a;
 	memset(&a, 0, sizeof a);
 	a.a = ej_data(x);
 	a.idx = numel_of(index) > 0 ? ej_data(index) : ej_data(x);
@@ -1125,7 +1029,7 @@ static epj_status eg_scatter_add(epj_ctx *ctx, ej_call *c)
 	    check_index(ctx, c, 1, x->shape[axis], "the scattered axis");
 	if (st != EPJ_OK || numel_of(out) == 0)
 		return st;
-	struct scatter_add_args a;
+	struct ej_scatter_add_args a;
 	memset(&a, 0, sizeof a);
 	a.a = ej_data(x);
 	a.idx = numel_of(index) > 0 ? ej_data(index) : ej_data(x);
@@ -1156,7 +1060,7 @@ static epj_status eg_topk(epj_ctx *ctx, ej_call *c)
 	int64_t len = x->shape[nd - 1];
 	if (numel_of(vals) == 0)
 		return EPJ_OK;
-	struct topk_args a;
+	struct ej_topk_args a;
 	memset(&a, 0, sizeof a);
 	a.x = ej_data(x);
 	a.vals = ej_data(vals);
@@ -1183,7 +1087,7 @@ static epj_status eg_argsort(epj_ctx *ctx, ej_call *c)
 	int nd = x->ndim;
 	if (numel_of(out) == 0)
 		return EPJ_OK;
-	struct argsort_args a;
+	struct ej_argsort_args a;
 	memset(&a, 0, sizeof a);
 	a.x = ej_data(x);
 	a.out = ej_data(out);

@@ -48,6 +48,7 @@ const char *ej_tmpl_source(epj_ctx *ctx, ej_arena *A, const char *name,
 	}
 	ej_sbuf b = { 0 };
 	ej_sb_puts(&b, ej_prelude_cuda_text);
+	ej_sb_puts(&b, ej_tmpl_args_text); /* the host's own declarations */
 	ej_sb_printf(&b, "/* ---- template %s ---- */\n", name);
 	if (defines && *defines) {
 		ej_sb_puts(&b, defines);

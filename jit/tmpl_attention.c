@@ -11,6 +11,7 @@
  * table's own shape inference and hand the tensors' strides to the kernels.
  */
 #include "tmpl_attention.h"
+#include "templates/args.h"
 #include "tmpl_moe.h" /* ej_tmpl_scratch_alloc */
 
 #include <limits.h>
@@ -25,23 +26,6 @@
  * limit; the cuda device opts in to more when a launch needs it). */
 #define AT_SMEM_SOFT (48u * 1024u)
 #define AT_GRID_YZ   65535
-
-/* Mirror of struct ej_attn_args in templates/attention.cuh. */
-struct attn_args {
-	const void *q, *k, *v;
-	const void *o, *go;
-	const void *lse_in;
-	void *out, *lse;
-	void *grad_q, *grad_k, *grad_v;
-	void *di;
-	long long qs[4], ks[4], vs[4], os[4], gs[4];
-	long long ls[3];
-	int b, hq, hkv, t, s, d, dv;
-	int causal;
-	int bk;
-	int bq;
-	double scale;
-};
 
 static const ej_tmpl_kernel attn_kernels[] = {
 	{ "ej_attn_fwd", "struct ej_attn_args" },
@@ -109,7 +93,7 @@ static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 			   out);
 }
 
-static void args_init(struct attn_args *a, const ej_attn_shape *m)
+static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
 {
 	memset(a, 0, sizeof *a);
 	a->b = (int)m->b;
@@ -179,7 +163,7 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 	if ((st = get_module(ctx, device, dt, m, &mod)) != EPJ_OK)
 		return st;
 	size_t es = ej_dtype_size(acc_dtype(dt)), eo = ej_dtype_size(dt);
-	struct attn_args a;
+	struct ej_attn_args a;
 	args_init(&a, m);
 	a.q = q->p;
 	a.k = k->p;
@@ -226,7 +210,7 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 		return st;
 	const ej_device *dev = ej_tmpl_device(mod);
 	size_t es = ej_dtype_size(acc_dtype(dt)), eo = ej_dtype_size(dt);
-	struct attn_args a;
+	struct ej_attn_args a;
 	args_init(&a, m);
 	a.q = q->p;
 	a.k = k->p;

@@ -11,22 +11,13 @@
  * template scratch cache.
  */
 #include "eager_cuda.h"
+#include "templates/args.h"
 #include "tmpl.h"
 #include "tmpl_moe.h"
 
 #include "ops_impl.h"
 
 enum { MAXK = 256, CK = 64 }; /* EJ_DELTA_MAXK, EJ_DELTA_CK */
-
-/* as templates/delta.cuh's struct ej_delta_args */
-struct delta_args {
-	const void *q, *k, *v, *g, *beta, *go;
-	long long B, T, H, Dk, Dv;
-	int dt;
-	void *o;
-	void *dk, *dv, *dg, *dbeta;
-	void *ws;
-};
 
 static const ej_tmpl_kernel delta_kernels[] = {
 	{ "ej_delta_fwd", "struct ej_delta_args" },
@@ -64,7 +55,7 @@ static void drop(epj_tensor **t, int n)
 }
 
 static epj_status launch1(epj_ctx *ctx, const char *kernel, unsigned grid,
-			  unsigned block, const struct delta_args *a,
+			  unsigned block, const struct ej_delta_args *a,
 			  const ej_launch_out *outs, int n_out)
 {
 	ej_tmpl *m;
@@ -86,6 +77,26 @@ static unsigned grid_of(int64_t n)
 	return n < 1 ? 1u : n > 65535 ? 65535u : (unsigned)n;
 }
 
+/* The arguments of both kernels for inputs q, k, v, g, beta (dense) of
+ * [B, T, H, Dk or Dv]; the outputs are the caller's. */
+static struct ej_delta_args delta_args(epj_tensor *const *in, int64_t B,
+				       int64_t T, int64_t H, int64_t Dk,
+				       int64_t Dv, int dt)
+{
+	struct ej_delta_args a = { .q = ej_data(in[0]),
+				   .k = ej_data(in[1]),
+				   .v = ej_data(in[2]),
+				   .g = ej_data(in[3]),
+				   .beta = ej_data(in[4]),
+				   .B = B,
+				   .T = T,
+				   .H = H,
+				   .Dk = Dk,
+				   .Dv = Dv,
+				   .dt = dt };
+	return a;
+}
+
 epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c)
 {
 	const epj_tensor *q = c->in[0], *v = c->in[2];
@@ -96,18 +107,9 @@ epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c)
 	epj_tensor *in[5] = { 0 };
 	epj_status st = dense_inputs(ctx, c, 0, 5, in);
 	if (st == EPJ_OK && B * T * H * Dv > 0) {
-		struct delta_args a = { .q = ej_data(in[0]),
-					.k = ej_data(in[1]),
-					.v = ej_data(in[2]),
-					.g = ej_data(in[3]),
-					.beta = ej_data(in[4]),
-					.B = B,
-					.T = T,
-					.H = H,
-					.Dk = Dk,
-					.Dv = Dv,
-					.dt = dcode(q->dtype),
-					.o = ej_data(c->out[0]) };
+		struct ej_delta_args a =
+		    delta_args(in, B, T, H, Dk, Dv, dcode(q->dtype));
+		a.o = ej_data(c->out[0]);
 		size_t es = ej_dtype_size(q->dtype);
 		ej_launch_out o = { a.o, (size_t)(B * T * H * Dv) * es, es };
 		unsigned th =
@@ -139,24 +141,15 @@ epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c)
 			st = epj_ctx_status(ctx);
 	}
 	if (st == EPJ_OK && B * T * H > 0) {
-		struct delta_args a = { .q = ej_data(in[1]),
-					.k = ej_data(in[2]),
-					.v = ej_data(in[3]),
-					.g = ej_data(in[4]),
-					.beta = ej_data(in[5]),
-					.go = ej_data(in[0]),
-					.B = B,
-					.T = T,
-					.H = H,
-					.Dk = Dk,
-					.Dv = Dv,
-					.dt = dcode(q->dtype),
-					.o = ej_data(c->out[0]),
-					.dk = ej_data(c->out[1]),
-					.dv = ej_data(c->out[2]),
-					.dg = ej_data(c->out[3]),
-					.dbeta = ej_data(c->out[4]),
-					.ws = ws };
+		struct ej_delta_args a =
+		    delta_args(in + 1, B, T, H, Dk, Dv, dcode(q->dtype));
+		a.go = ej_data(in[0]);
+		a.o = ej_data(c->out[0]);
+		a.dk = ej_data(c->out[1]);
+		a.dv = ej_data(c->out[2]);
+		a.dg = ej_data(c->out[3]);
+		a.dbeta = ej_data(c->out[4]);
+		a.ws = ws;
 		size_t es = ej_dtype_size(q->dtype);
 		int64_t nk = B * T * H * Dk, nv = B * T * H * Dv,
 			ns = B * T * H;

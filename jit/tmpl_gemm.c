@@ -17,6 +17,7 @@
 #include "tmpl_gemm.h"
 
 #include "cublaslt.h"
+#include "templates/args.h"
 #include "tmpl.h"
 
 #include <limits.h>
@@ -34,22 +35,6 @@ static const ej_tmpl_kernel gemm_kernels[] = {
 	{ "ej_gemm_bf16", "struct ej_gemm_args" },
 	{ "ej_gemm_simt_f32", "struct ej_gemm_args" },
 	{ "ej_gemm_simt_f64", "struct ej_gemm_args" },
-};
-
-/* Mirrors struct ej_gemm_args of templates/gemm.cuh field by field. */
-struct gemm_args {
-	const void *a, *b;
-	void *c;
-	const void *bias, *res;
-	const int64_t *goff;
-	long long m, n, k;
-	long long a_rs, a_cs, b_rs, b_cs, ldc, ldr, bias_cs;
-	long long sa0, sa1, sb0, sb1, sc0, sc1, sr0, sr1, sbias;
-	int nb1;
-	int groups;
-	int a_vec, b_vec;
-	int c_bf16, bias_bf16, res_bf16;
-	int act;
 };
 
 void ej_gemm_desc_init(ej_gemm_desc *d, epj_dtype dt, int64_t m, int64_t n,
@@ -115,18 +100,18 @@ static bool out_dtype_ok(epj_dtype in, epj_dtype x)
 /* The kernels' arguments for descriptor d (checked) with nb0 x nb1
  * batches. */
 static void gemm_fill_args(const ej_gemm_desc *d, int64_t nb0, int64_t nb1,
-			   struct gemm_args *ap)
+			   struct ej_gemm_args *ap)
 {
 	const bool grouped = d->group_off != NULL;
 	const bool bf = d->dtype == EPJ_DTYPE_BF16;
-	struct gemm_args a;
+	struct ej_gemm_args a;
 	memset(&a, 0, sizeof a);
 	a.a = d->a;
 	a.b = d->b;
 	a.c = d->c;
 	a.bias = d->bias;
 	a.res = d->res;
-	a.goff = d->group_off;
+	a.goff = (const long long *)d->group_off;
 	a.m = d->m;
 	a.n = d->n;
 	a.k = d->k;
@@ -238,7 +223,7 @@ epj_status ej_gemm(epj_ctx *ctx, const char *device, const ej_gemm_desc *d)
 				(long long)gx, (long long)gy,
 				(long long)(nb0 * nb1));
 
-	struct gemm_args a;
+	struct ej_gemm_args a;
 	gemm_fill_args(d, nb0, nb1, &a);
 
 	/* C as one dense block: poisoned and race-checked on cuda-sim */

@@ -1,9 +1,9 @@
 /* tmpl_moe.c -- host side of the MoE, embedding, loss and optimizer
- * templates: argument structs that mirror the templates' (same field order
- * and types, so the by-value argument has one layout on both sides),
- * geometry, scratch buffers on the module's device, and the eager adapters
- * of EMBEDDING, EMBEDDING_BACKWARD, CROSS_ENTROPY and
- * CROSS_ENTROPY_BACKWARD.
+ * templates: their arguments (the structs of templates/args.h, which the
+ * templates are compiled with too), geometry, scratch buffers on the
+ * module's device, and the eager adapters of EMBEDDING,
+ * EMBEDDING_BACKWARD, CROSS_ENTROPY, CROSS_ENTROPY_BACKWARD and the fused
+ * MoE ops.
  *
  * Every launch lists its outputs (ej_launch_out) so that cuda-sim poisons
  * them, checks that each element is written and compares two block/thread
@@ -13,6 +13,7 @@
  */
 #include "tmpl_moe.h"
 
+#include "templates/args.h"
 #include "tmpl.h"
 #include "tmpl_gemm.h" /* ej_index_pinned */
 
@@ -173,16 +174,6 @@ static void dev_free(epj_ctx *ctx, ej_tmpl *m, void *p)
 
 /* ---- MoE ---------------------------------------------------------------- */
 
-struct moe_route_args {
-	const void *logits;
-	long long sl0, sl1;
-	int ldt, rdt;
-	long long N;
-	int E, k, norm, fixed;
-	void *probs, *w;
-	long long *idx;
-};
-
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 			     const void *logits, epj_dtype ldt, int64_t sl0,
 			     int64_t sl1, int64_t N, int E, int k, bool norm,
@@ -204,31 +195,24 @@ epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 		return st;
 	const bool f64 = ldt == EPJ_DTYPE_F64;
 	const size_t rs = f64 ? 8 : 4;
-	struct moe_route_args a = { .logits = logits,
-				    .sl0 = sl0,
-				    .sl1 = sl1,
-				    .ldt = dcode(ldt),
-				    .rdt = f64 ? 2 : 0,
-				    .N = N,
-				    .E = E,
-				    .k = k,
-				    .norm = norm,
-				    .fixed = fixed,
-				    .probs = probs,
-				    .w = w,
-				    .idx = (long long *)idx };
+	struct ej_moe_route_args a = { .logits = logits,
+				       .sl0 = sl0,
+				       .sl1 = sl1,
+				       .ldt = dcode(ldt),
+				       .rdt = f64 ? 2 : 0,
+				       .N = N,
+				       .E = E,
+				       .k = k,
+				       .norm = norm,
+				       .fixed = fixed,
+				       .probs = probs,
+				       .w = w,
+				       .idx = (long long *)idx };
 	ej_launch_out o[3] = { out_of(probs, N * E, rs), out_of(w, N * k, rs),
 			       out_of(idx, N * k, 8) };
 	return launch(ctx, m, "ej_moe_route", clamp_grid((N + 3) / 4), 128, &a,
 		      sizeof a, o, 3);
 }
-
-struct moe_sort_args {
-	const long long *key;
-	long long n;
-	int B;
-	long long *counts, *offsets, *order, *pos, *scratch;
-};
 
 epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 			    const int64_t *key, int64_t n, int B,
@@ -250,14 +234,14 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 	    dev_alloc(ctx, m, sizeof(long long) * T * (size_t)B, "moe sort");
 	if (!scratch)
 		return EPJ_ERR_NOMEM;
-	struct moe_sort_args a = { (const long long *)key,
-				   n,
-				   B,
-				   (long long *)counts,
-				   (long long *)offsets,
-				   (long long *)order,
-				   (long long *)pos,
-				   scratch };
+	struct ej_moe_sort_args a = { (const long long *)key,
+				      n,
+				      B,
+				      (long long *)counts,
+				      (long long *)offsets,
+				      (long long *)order,
+				      (long long *)pos,
+				      scratch };
 	ej_launch_out o[4] = { out_of(counts, B, 8), out_of(offsets, B + 1, 8),
 			       out_of(order, n, 8), out_of(pos, n, 8) };
 	st =
@@ -265,16 +249,6 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 	dev_free(ctx, m, scratch);
 	return st;
 }
-
-struct moe_permute_args {
-	const void *x;
-	long long sx0, sx1;
-	const long long *order;
-	int k;
-	long long R, H;
-	int elem;
-	void *out;
-};
 
 epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 			       epj_dtype dt, int64_t sx0, int64_t sx1,
@@ -297,23 +271,13 @@ epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 	epj_status st = get_moe(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	struct moe_permute_args a = { x,  sx0, sx1, (const long long *)order,
-				      k,  R,   H,   (int)es,
-				      out };
+	struct ej_moe_permute_args a = { x,  sx0, sx1, (const long long *)order,
+					 k,  R,	  H,   (int)es,
+					 out };
 	ej_launch_out o = out_of(out, R * H, es);
 	return launch(ctx, m, "ej_moe_permute", clamp_grid(R), row_threads(H),
 		      &a, sizeof a, &o, 1);
 }
-
-struct moe_permute_bw_args {
-	const void *dxs;
-	const long long *pos;
-	long long N;
-	int k;
-	long long H;
-	int dt;
-	void *dx;
-};
 
 epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 					const void *dxs, epj_dtype dt,
@@ -333,24 +297,13 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct moe_permute_bw_args a = {
+	struct ej_moe_permute_bw_args a = {
 		dxs, (const long long *)pos, N, k, H, dcode(dt), dx
 	};
 	ej_launch_out o = out_of(dx, N * H, ej_dtype_size(dt));
 	return launch(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
 		      row_threads(H), &a, sizeof a, &o, 1);
 }
-
-struct moe_combine_args {
-	const void *y, *w;
-	const long long *pos;
-	const void *dout;
-	long long N;
-	int k;
-	long long H;
-	int dt, wdt;
-	void *out;
-};
 
 static epj_status combine_check(epj_ctx *ctx, const char *what, epj_dtype dt,
 				epj_dtype wdt, int64_t N, int k, int64_t H)
@@ -376,10 +329,12 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct moe_combine_args a = { y,    w,	       (const long long *)pos,
-				      NULL, N,	       k,
-				      H,    dcode(dt), dcode(wdt),
-				      out };
+	struct ej_moe_combine_args a = {
+		y,    w,	 (const long long *)pos,
+		NULL, N,	 k,
+		H,    dcode(dt), dcode(wdt),
+		out
+	};
 	ej_launch_out o = out_of(out, N * H, ej_dtype_size(dt));
 	return launch(ctx, m, "ej_moe_combine", clamp_grid(N), row_threads(H),
 		      &a, sizeof a, &o, 1);
@@ -400,10 +355,10 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
 	const int64_t R = N * k;
-	struct moe_combine_args a = { y,    w,	       (const long long *)pos,
-				      dout, N,	       k,
-				      H,    dcode(dt), dcode(wdt),
-				      dy };
+	struct ej_moe_combine_args a = {
+		y,	    w, (const long long *)pos, dout, N, k, H, dcode(dt),
+		dcode(wdt), dy
+	};
 	if (dy && H > 0) {
 		ej_launch_out o = out_of(dy, R * H, ej_dtype_size(dt));
 		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
@@ -417,15 +372,6 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 	}
 	return st;
 }
-
-struct moe_route_bw_args {
-	const void *probs;
-	const long long *idx;
-	const void *dw;
-	long long N;
-	int E, k, norm, rdt;
-	void *dlogits;
-};
 
 epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 				      const void *probs, const int64_t *idx,
@@ -446,7 +392,7 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct moe_route_bw_args a = {
+	struct ej_moe_route_bw_args a = {
 		probs,	(const long long *)idx, dw, N, E, k, norm, dcode(rdt),
 		dlogits
 	};
@@ -456,15 +402,6 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 }
 
 /* ---- embedding and cross-entropy ----------------------------------------- */
-
-struct embed_args {
-	const void *src;
-	long long s0, s1;
-	const long long *ids;
-	long long n, V, D;
-	int elem, dt;
-	void *out;
-};
 
 epj_status ej_tmpl_embedding(epj_ctx *ctx, const char *device, const void *w,
 			     epj_dtype dt, int64_t sw0, int64_t sw1,
@@ -487,9 +424,9 @@ epj_status ej_tmpl_embedding(epj_ctx *ctx, const char *device, const void *w,
 	epj_status st = get_embed(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	struct embed_args a = { w,	   sw0, sw1, (const long long *)ids,
-				n,	   0,	D,   (int)es,
-				dcode(dt), out };
+	struct ej_embed_args a = { w,	      sw0, sw1, (const long long *)ids,
+				   n,	      0,   D,	(int)es,
+				   dcode(dt), out };
 	ej_launch_out o = out_of(out, n * D, es);
 	return launch(ctx, m, "ej_embed_fwd", clamp_grid(n), row_threads(D), &a,
 		      sizeof a, &o, 1);
@@ -513,26 +450,13 @@ epj_status ej_tmpl_embedding_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_embed(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct embed_args a = { g,	   sg0, sg1, (const long long *)ids,
-				n,	   V,	D,   (int)0,
-				dcode(dt), dw };
+	struct ej_embed_args a = { g,	      sg0, sg1, (const long long *)ids,
+				   n,	      V,   D,	(int)0,
+				   dcode(dt), dw };
 	ej_launch_out o = out_of(dw, V * D, ej_dtype_size(dt));
 	return launch(ctx, m, "ej_embed_bwd", clamp_grid(V), row_threads(D), &a,
 		      sizeof a, &o, 1);
 }
-
-struct ce_args {
-	const void *x;
-	long long s0, s1;
-	const long long *tgt;
-	long long N, V, ign;
-	int dt;
-	double *loss_row;
-	long long *cnt;
-	const void *g;
-	int gdt;
-	void *out;
-};
 
 static epj_status ce_check(epj_ctx *ctx, const char *what, epj_dtype dt,
 			   int64_t N, int64_t V)
@@ -561,7 +485,7 @@ epj_status ej_tmpl_cross_entropy(epj_ctx *ctx, const char *device,
 			    "cross_entropy");
 	if (!s)
 		return EPJ_ERR_NOMEM;
-	struct ce_args a = {
+	struct ej_ce_args a = {
 		logits,	     s0,
 		s1,	     (const long long *)tgt,
 		N,	     V,
@@ -603,10 +527,10 @@ epj_status ej_tmpl_cross_entropy_backward(epj_ctx *ctx, const char *device,
 	long long *cnt = dev_alloc(ctx, m, sizeof *cnt, "cross_entropy");
 	if (!cnt)
 		return EPJ_ERR_NOMEM;
-	struct ce_args a = { logits, s0,  s1,  (const long long *)tgt,
-			     N,	     V,	  ign, dcode(dt),
-			     NULL,   cnt, g,   dcode(gdt),
-			     dlogits };
+	struct ej_ce_args a = { logits, s0,  s1,  (const long long *)tgt,
+				N,	V,   ign, dcode(dt),
+				NULL,	cnt, g,	  dcode(gdt),
+				dlogits };
 	ej_launch_out oc = out_of(cnt, 1, 8);
 	st = launch(ctx, m, "ej_ce_count", 1, 256, &a, sizeof a, &oc, 1);
 	if (st == EPJ_OK) {
@@ -623,37 +547,16 @@ epj_status ej_tmpl_cross_entropy_backward(epj_ctx *ctx, const char *device,
 /* Elements per block of the multi-tensor step. */
 #define OPTIM_CHUNK 2048
 
-struct optim_tensor {
-	const float *master_in, *s1_in, *s2_in;
-	float *master;
-	const void *grad;
-	float *s1, *s2;
-	void *model;
-	long long n;
-};
-struct optim_item {
-	int tensor;
-	long long first;
-};
-struct optim_args {
-	const struct optim_tensor *t;
-	const struct optim_item *items;
-	long long chunk;
-	int adam, gdt, mdt, nesterov;
-	double lr, gs, wd, mom;
-	double b1, omb1, b2, omb2, eps, l2, decay;
-	double step_size, bc2_sqrt;
-};
-
 /* Bytes of n descriptors followed by `items` work items. */
 static size_t optim_table_bytes(int n, int64_t items)
 {
-	return sizeof(struct optim_tensor) * (size_t)n +
-	       sizeof(struct optim_item) * (size_t)items;
+	return sizeof(struct ej_optim_tensor) * (size_t)n +
+	       sizeof(struct ej_optim_item) * (size_t)items;
 }
 
 /* The work items of tensor i (len elements) from hi[q]; the next q. */
-static int64_t optim_items(struct optim_item *hi, int64_t q, int i, int64_t len)
+static int64_t optim_items(struct ej_optim_item *hi, int64_t q, int i,
+			   int64_t len)
 {
 	for (int64_t f = 0; f < len; f += OPTIM_CHUNK) {
 		hi[q].tensor = i;
@@ -722,16 +625,16 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 	const bool sim = ej_dev_reruns_grids(d);
 	/* device: descriptors, items (staged on the host in the same layout
 	 * and sent in one copy), then (cuda-sim) the input snapshots */
-	struct optim_tensor *ht = NULL;
-	struct optim_item *hi = NULL;
+	struct ej_optim_tensor *ht = NULL;
+	struct ej_optim_item *hi = NULL;
 	size_t dbytes = optim_table_bytes(n, items);
 	char *hbuf = calloc(1, dbytes);
 	ej_launch_out *outs = sim ? calloc((size_t)n * 4, sizeof *outs) : NULL;
 	size_t snap = sim ? sizeof(float) * (size_t)total * 3 : 0;
 	char *dmem = NULL;
 	if (hbuf) {
-		ht = (struct optim_tensor *)hbuf;
-		hi = (struct optim_item *)(hbuf + sizeof *ht * (size_t)n);
+		ht = (struct ej_optim_tensor *)hbuf;
+		hi = (struct ej_optim_item *)(hbuf + sizeof *ht * (size_t)n);
 	}
 	if (!hbuf || (sim && !outs)) {
 		st = ej_error(ctx, EPJ_ERR_NOMEM,
@@ -748,7 +651,7 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 	int64_t q = 0;
 	for (int i = 0; i < n; i++) {
 		const ej_tmpl_optim_tensor *s = &t[i];
-		struct optim_tensor *h = &ht[i];
+		struct ej_optim_tensor *h = &ht[i];
 		h->master = s->master;
 		h->grad = s->grad;
 		h->s1 = s->s1;
@@ -779,9 +682,9 @@ epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 		q = optim_items(hi, q, i, s->n);
 	}
 	d->copy(d->self, dmem, hbuf, dbytes);
-	struct optim_args a = { 0 };
-	a.t = (const struct optim_tensor *)dmem;
-	a.items = (const struct optim_item *)(dmem + sizeof *ht * (size_t)n);
+	struct ej_optim_args a = { 0 };
+	a.t = (const struct ej_optim_tensor *)dmem;
+	a.items = (const struct ej_optim_item *)(dmem + sizeof *ht * (size_t)n);
 	a.chunk = OPTIM_CHUNK;
 	a.adam = o->adam;
 	a.gdt = dcode(o->grad_dtype);
@@ -811,16 +714,6 @@ done:
 	free(outs);
 	return st;
 }
-
-struct optim_sumsq_args {
-	const struct optim_tensor *t;
-	const struct optim_item *items;
-	long long chunk;
-	int gdt;
-	long long n_items;
-	double *partial;
-	double *out;
-};
 
 epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
 			       epj_dtype grad_dtype,
@@ -864,9 +757,9 @@ epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
 		st = EPJ_ERR_NOMEM;
 		goto done;
 	}
-	struct optim_tensor *ht = (struct optim_tensor *)hbuf;
-	struct optim_item *hi =
-	    (struct optim_item *)(hbuf + sizeof *ht * (size_t)n);
+	struct ej_optim_tensor *ht = (struct ej_optim_tensor *)hbuf;
+	struct ej_optim_item *hi =
+	    (struct ej_optim_item *)(hbuf + sizeof *ht * (size_t)n);
 	int64_t q = 0;
 	for (int i = 0; i < n; i++) {
 		ht[i].grad = s[i].grad;
@@ -874,10 +767,10 @@ epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
 		q = optim_items(hi, q, i, s[i].n);
 	}
 	d->copy(d->self, dmem, hbuf, tbytes);
-	struct optim_sumsq_args a = {
-		.t = (const struct optim_tensor *)dmem,
-		.items =
-		    (const struct optim_item *)(dmem + sizeof *ht * (size_t)n),
+	struct ej_optim_sumsq_args a = {
+		.t = (const struct ej_optim_tensor *)dmem,
+		.items = (const struct ej_optim_item *)(dmem +
+							sizeof *ht * (size_t)n),
 		.chunk = OPTIM_CHUNK,
 		.gdt = dcode(grad_dtype),
 		.n_items = items,

@@ -108,24 +108,6 @@ typedef float ej_at_el;
 #define EJ_AT_UNROLL _Pragma("unroll")
 #endif
 
-/* One argument struct for the three kernels (jit/tmpl_attention.c mirrors
- * it).  Strides are in elements; unused members are NULL / 0. */
-struct ej_attn_args {
-	const void *q, *k, *v;		/* inputs, dtype EJ_ATTN_DT */
-	const void *o, *go;		/* backward: out and grad_out */
-	const void *lse_in;		/* backward: lse (compute type) */
-	void *out, *lse;		/* forward outputs (contiguous) */
-	void *grad_q, *grad_k, *grad_v; /* backward outputs (contiguous) */
-	void *di; /* [B, Hq, T]: Di, written by dq, read by dkdv */
-	long long qs[4], ks[4], vs[4], os[4], gs[4];
-	long long ls[3]; /* lse_in strides */
-	int b, hq, hkv, t, s, d, dv;
-	int causal;
-	int bk; /* key tile of fwd and dq, 1..32 */
-	int bq; /* query tile of dkdv, >= 1 */
-	double scale;
-};
-
 /* Keys visible to query i: [0, ej_at_kend(i)); 0 for rows past T. */
 EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
 {

@@ -19,12 +19,6 @@
  * unsigned 64-bit words, stored in the input dtype).  Every output element
  * is written exactly once, so outputs may be poisoned before a launch.
  */
-#ifndef EJ_COPY_DIMS
-#define EJ_COPY_DIMS 8
-#endif
-#ifndef EJ_CAT_MAX
-#define EJ_CAT_MAX 16
-#endif
 
 #define EJ_DT_F32  0
 #define EJ_DT_BF16 1
@@ -120,17 +114,6 @@ EJ_D void ej_convert(void *d, long long di, int ddt, const void *s,
 /* ---- strided copy ----------------------------------------------------------
  * dst[i . dst_st] = convert(src[i . src_st]) for every multi-index i of
  * shape (n = its element count). */
-struct ej_copy_args {
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[EJ_COPY_DIMS];
-	long long src_st[EJ_COPY_DIMS];
-	long long dst_st[EJ_COPY_DIMS];
-	int ndim;
-	int sdt, ddt;
-	int pad;
-};
 
 extern "C" __global__ void ej_copy(const struct ej_copy_args a)
 {
@@ -152,15 +135,6 @@ extern "C" __global__ void ej_copy(const struct ej_copy_args a)
  * dst (contiguous, shape) = inputs 0..n_in-1 side by side along axis; input
  * j covers positions [start[j], start[j + 1]) of that axis and is read
  * through its strides src_st[j].  One dtype for all. */
-struct ej_cat_args {
-	void *dst;
-	long long n;
-	long long shape[EJ_COPY_DIMS];
-	const void *src[EJ_CAT_MAX];
-	long long start[EJ_CAT_MAX + 1];
-	long long src_st[EJ_CAT_MAX][EJ_COPY_DIMS];
-	int ndim, axis, n_in, dt;
-};
 
 extern "C" __global__ void ej_cat(const struct ej_cat_args a)
 {
@@ -188,15 +162,6 @@ extern "C" __global__ void ej_cat(const struct ej_cat_args a)
  * dst (contiguous, shape) = zeros with the gradient of a slice placed at
  * positions start, start + step, ... (< end) of axis; src (the gradient,
  * glen positions along axis) is read through src_st. */
-struct ej_slice_bw_args {
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[EJ_COPY_DIMS];
-	long long src_st[EJ_COPY_DIMS];
-	long long start, end, step, glen;
-	int ndim, axis, dt, pad;
-};
 
 extern "C" __global__ void ej_slice_bw(const struct ej_slice_bw_args a)
 {
@@ -238,15 +203,6 @@ extern "C" __global__ void ej_slice_bw(const struct ej_slice_bw_args a)
 /* ---- integer pointwise -----------------------------------------------------
  * dst (contiguous, shape) = a op b with a, b read through broadcast strides
  * (b unused for neg).  op: 0 add, 1 sub, 2 mul, 3 eq (1 / 0), 4 neg. */
-struct ej_ipw_args {
-	const void *a, *b;
-	void *dst;
-	long long n;
-	long long shape[EJ_COPY_DIMS];
-	long long a_st[EJ_COPY_DIMS];
-	long long b_st[EJ_COPY_DIMS];
-	int ndim, op, dt, pad;
-};
 
 extern "C" __global__ void ej_ipw(const struct ej_ipw_args a)
 {

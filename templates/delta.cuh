@@ -24,15 +24,6 @@
 #define EJ_DELTA_MAXK 256
 #define EJ_DELTA_CK 64
 
-struct ej_delta_args {
-	const void *q, *k, *v, *g, *beta, *go; /* go: bwd only */
-	long long B, T, H, Dk, Dv;
-	int dt;
-	void *o;		     /* fwd: o; bwd: dq */
-	void *dk, *dv, *dg, *dbeta; /* bwd */
-	void *ws;		     /* bwd scratch */
-};
-
 static __device__ float ej_delta_exp(float x)
 {
 	return expf(x);

@@ -31,16 +31,6 @@
 
 /* ---- embedding ----------------------------------------------------------- */
 
-struct ej_embed_args {
-	const void *src;      /* fwd: weight [V, D]; bwd: grad [n, D] */
-	long long s0, s1;     /* element strides of src */
-	const long long *ids; /* [n] */
-	long long n, V, D;
-	int elem; /* fwd: bytes per element (2, 4, 8) */
-	int dt;	  /* bwd: dtype code of src and out */
-	void *out; /* fwd: [n, D]; bwd: [V, D] contiguous */
-};
-
 extern "C" __global__ void ej_embed_fwd(const struct ej_embed_args a)
 {
 	for (long long i = blockIdx.x; i < a.n; i += gridDim.x) {
@@ -85,19 +75,6 @@ extern "C" __global__ void ej_embed_bwd(const struct ej_embed_args a)
 }
 
 /* ---- cross-entropy ------------------------------------------------------- */
-
-struct ej_ce_args {
-	const void *x; /* logits [N, V], element strides s0, s1 */
-	long long s0, s1;
-	const long long *tgt; /* [N] */
-	long long N, V, ign;
-	int dt;		  /* logits' dtype code */
-	double *loss_row; /* [N] scratch */
-	long long *cnt;	  /* [1] non-ignored rows */
-	const void *g;	  /* bwd: upstream scalar, dtype gdt */
-	int gdt;
-	void *out; /* reduce: loss []; bwd: dlogits [N, V] */
-};
 
 /* max and sum of exp(x - max) of row r (every thread gets both) */
 template <class T>

@@ -2,12 +2,6 @@
  * the CUDA devices.  `bits` holds the value's bit pattern in the low `elem`
  * bytes (1, 2, 4 or 8), so one kernel serves every dtype.
  */
-struct ej_fill_args {
-	void *out;
-	long long n; /* elements */
-	unsigned long long bits;
-	int elem; /* bytes per element */
-};
 
 extern "C" __global__ void ej_fill(const struct ej_fill_args a)
 {

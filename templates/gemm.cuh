@@ -63,21 +63,6 @@
 #define EJ_GEMM_ACT_GELU 2
 #endif
 
-struct ej_gemm_args {
-	const void *a, *b;
-	void *c;
-	const void *bias, *res;
-	const long long *goff; /* grouped: groups + 1 row offsets, or NULL */
-	long long m, n, k;     /* m: rows of a batch (grouped: unused) */
-	long long a_rs, a_cs, b_rs, b_cs, ldc, ldr, bias_cs;
-	long long sa0, sa1, sb0, sb1, sc0, sc1, sr0, sr1, sbias;
-	int nb1;    /* inner batch count (gridDim.z = nb0 * nb1) */
-	int groups; /* grouped: number of groups */
-	int a_vec, b_vec;
-	int c_bf16, bias_bf16, res_bf16; /* bf16 kernel: else f32 */
-	int act;
-};
-
 #define EJ_GB_M	      64
 #define EJ_GB_N	      64
 #define EJ_GB_K	      32

@@ -23,9 +23,6 @@
  *
  * Geometry: grid-stride loops over output elements (or rows), any block.
  */
-#ifndef EJ_INDEX_DIMS
-#define EJ_INDEX_DIMS 8
-#endif
 
 #define EJ_IX_F32  0
 #define EJ_IX_BF16 1
@@ -120,16 +117,6 @@ EJ_D void ej_ix_acc_store(const struct ej_ix_acc *a, void *p, long long i,
 /* ---- index_select -----------------------------------------------------------
  * dst (contiguous, shape = a's with dim axis = the index length) =
  * a[.., idx[m], ..]. */
-struct ej_index_select_args {
-	const void *a;
-	const void *idx;
-	void *dst;
-	long long n;
-	long long shape[EJ_INDEX_DIMS];
-	long long a_st[EJ_INDEX_DIMS];
-	long long idx_st, limit;
-	int ndim, axis, es, idx64;
-};
 
 extern "C" __global__ void
 ej_index_select(const struct ej_index_select_args a)
@@ -154,17 +141,6 @@ ej_index_select(const struct ej_index_select_args a)
 
 /* ---- gather -------------------------------------------------------------
  * dst (contiguous, the index's shape) = a[m with m[axis] = idx[m]]. */
-struct ej_gather_args {
-	const void *a;
-	const void *idx;
-	void *dst;
-	long long n;
-	long long shape[EJ_INDEX_DIMS];
-	long long a_st[EJ_INDEX_DIMS];
-	long long idx_st[EJ_INDEX_DIMS];
-	long long limit;
-	int ndim, axis, es, idx64;
-};
 
 extern "C" __global__ void ej_gather(const struct ej_gather_args a)
 {
@@ -189,18 +165,6 @@ extern "C" __global__ void ej_gather(const struct ej_gather_args a)
 /* ---- index_add ----------------------------------------------------------
  * dst (contiguous, a's shape) = a with src[.., i, ..] added at
  * [.., idx[i], ..] for i = 0 .. nidx-1 in order. */
-struct ej_index_add_args {
-	const void *a;
-	const void *idx;
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[EJ_INDEX_DIMS];
-	long long a_st[EJ_INDEX_DIMS];
-	long long src_st[EJ_INDEX_DIMS];
-	long long idx_st, nidx;
-	int ndim, axis, dt, idx64;
-};
 
 extern "C" __global__ void ej_index_add(const struct ej_index_add_args a)
 {
@@ -232,19 +196,6 @@ extern "C" __global__ void ej_index_add(const struct ej_index_add_args a)
  * idx[p], for every position p of the index (ishape) in row-major order.
  * An output element o receives the positions p that agree with o off the
  * axis, in increasing p[axis]: the CPU kernel's order. */
-struct ej_scatter_add_args {
-	const void *a;
-	const void *idx;
-	const void *src;
-	void *dst;
-	long long n;
-	long long shape[EJ_INDEX_DIMS];
-	long long ishape[EJ_INDEX_DIMS];
-	long long a_st[EJ_INDEX_DIMS];
-	long long idx_st[EJ_INDEX_DIMS];
-	long long src_st[EJ_INDEX_DIMS];
-	int ndim, axis, dt, idx64;
-};
 
 extern "C" __global__ void ej_scatter_add(const struct ej_scatter_add_args a)
 {
@@ -318,16 +269,6 @@ EJ_D int ej_ix_cmp(const void *p, long long i, long long j, int dt)
  * For each of the n output positions (the input with the axis removed,
  * oshape / x_st over ndim dims): the first maximum along the axis (len
  * elements, stride ax_st); the first NaN wins outright (floats). */
-struct ej_max_args {
-	const void *x;
-	void *vals;
-	long long *inds;
-	long long n;
-	long long shape[EJ_INDEX_DIMS];
-	long long x_st[EJ_INDEX_DIMS];
-	long long len, ax_st;
-	int ndim, dt;
-};
 
 extern "C" __global__ void ej_max_index(const struct ej_max_args a)
 {
@@ -387,16 +328,6 @@ extern "C" __global__ void ej_max_index(const struct ej_max_args a)
  * ax_st): the k largest, largest first, ties to the lower index; vals and
  * inds (i64) are contiguous [rows, k].  The q-th pick is the first element
  * in (key descending, position ascending) order after the (q-1)-th. */
-struct ej_topk_args {
-	const void *x;
-	void *vals;
-	long long *inds;
-	long long rows;
-	long long shape[EJ_INDEX_DIMS];
-	long long x_st[EJ_INDEX_DIMS];
-	long long len, ax_st, k;
-	int ndim, dt;
-};
 
 /* Does (i) come before (j) in the topk order? */
 EJ_D bool ej_topk_before(const void *x, long long off, long long st,
@@ -444,16 +375,6 @@ extern "C" __global__ void ej_topk(const struct ej_topk_args a)
  * Row r: the other dims (shape / x_st / out_st over ndim dims), len
  * elements along the axis (ax_st in x, out_ax in out, i64).  Stable
  * ascending, NaN last. */
-struct ej_argsort_args {
-	const void *x;
-	long long *out;
-	long long rows;
-	long long shape[EJ_INDEX_DIMS];
-	long long x_st[EJ_INDEX_DIMS];
-	long long out_st[EJ_INDEX_DIMS];
-	long long len, ax_st, out_ax;
-	int ndim, dt;
-};
 
 EJ_D bool ej_asc_before(const void *x, long long off, long long st,
 			long long i, long long j, int dt)

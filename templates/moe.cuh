@@ -88,19 +88,6 @@ template <class T> static __device__ __forceinline__ T ej_moe_warp_sum(T v)
 
 /* ---- router -------------------------------------------------------------- */
 
-struct ej_moe_route_args {
-	const void *logits;
-	long long sl0, sl1; /* element strides of logits [N, E] */
-	int ldt;	    /* dtype code of logits */
-	int rdt;	    /* dtype code of probs and w: 0 or 2 */
-	long long N;
-	int E, k, norm;
-	int fixed;	/* 1: experts (n k + j) % E instead of the top k */
-	void *probs;	/* [N, E] rdt */
-	void *w;	/* [N, k] rdt */
-	long long *idx; /* [N, k] */
-};
-
 template <class T>
 static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
 					long long n, int lane)
@@ -191,17 +178,6 @@ extern "C" __global__ void ej_moe_route(const struct ej_moe_route_args a)
 
 /* ---- stable counting sort ------------------------------------------------ */
 
-struct ej_moe_sort_args {
-	const long long *key; /* [n], values in [0, B) */
-	long long n;
-	int B;
-	long long *counts;  /* [B] */
-	long long *offsets; /* [B + 1] */
-	long long *order;   /* [n] */
-	long long *pos;	    /* [n] */
-	long long *scratch; /* [blockDim.x * B] */
-};
-
 extern "C" __global__ void ej_moe_sort(const struct ej_moe_sort_args a)
 {
 	const long long T = blockDim.x, t = threadIdx.x, B = a.B;
@@ -244,16 +220,6 @@ extern "C" __global__ void ej_moe_sort(const struct ej_moe_sort_args a)
 
 /* ---- permute / unpermute ------------------------------------------------- */
 
-struct ej_moe_permute_args {
-	const void *x;	    /* [N, H], element strides sx0, sx1 */
-	long long sx0, sx1;
-	const long long *order; /* [R] */
-	int k;
-	long long R, H;
-	int elem; /* bytes per element: 2, 4 or 8 */
-	void *out; /* [R, H] contiguous */
-};
-
 extern "C" __global__ void ej_moe_permute(const struct ej_moe_permute_args a)
 {
 	for (long long r = blockIdx.x; r < a.R; r += gridDim.x) {
@@ -263,16 +229,6 @@ extern "C" __global__ void ej_moe_permute(const struct ej_moe_permute_args a)
 				    n * a.sx0 + h * a.sx1, a.elem);
 	}
 }
-
-struct ej_moe_permute_bw_args {
-	const void *dxs;      /* [R, H] contiguous, dtype dt */
-	const long long *pos; /* [N * k] */
-	long long N;
-	int k;
-	long long H;
-	int dt;
-	void *dx; /* [N, H] contiguous, dtype dt */
-};
 
 template <class A>
 static __device__ void ej_moe_permute_bw_row(
@@ -299,18 +255,6 @@ ej_moe_permute_bw(const struct ej_moe_permute_bw_args a)
 }
 
 /* ---- weighted combine ---------------------------------------------------- */
-
-struct ej_moe_combine_args {
-	const void *y;	      /* [R, H] contiguous, dtype dt */
-	const void *w;	      /* [N, k] contiguous, dtype wdt (0 or 2) */
-	const long long *pos; /* [N * k] */
-	const void *dout;     /* [N, H] contiguous, dtype dt (backward) */
-	long long N;
-	int k;
-	long long H;
-	int dt, wdt;
-	void *out; /* forward: [N, H] dt; bw_y: dy [R, H] dt; bw_w: dw [N, k] */
-};
 
 template <class A>
 static __device__ void ej_moe_combine_row(const struct ej_moe_combine_args &a,
@@ -393,15 +337,6 @@ ej_moe_combine_bw_w(const struct ej_moe_combine_args a)
 }
 
 /* ---- router backward ----------------------------------------------------- */
-
-struct ej_moe_route_bw_args {
-	const void *probs;    /* [N, E] rdt (ej_moe_route's) */
-	const long long *idx; /* [N, k] */
-	const void *dw;	      /* [N, k] rdt: gradient of the routing weights */
-	long long N;
-	int E, k, norm, rdt;
-	void *dlogits; /* [N, E] rdt */
-};
 
 template <class T>
 static __device__ void ej_moe_route_bw_tok(const struct ej_moe_route_bw_args &a,

@@ -41,36 +41,6 @@
 #define ej_os(a, b) __dsub_rn((a), (b))
 #endif
 
-/* The *_in pointers are read, the others written; they are equal for an
- * update in place (cuda), distinct on cuda-sim, whose host API snapshots
- * the inputs so that every written buffer is a checked output. */
-struct ej_optim_tensor {
-	const float *master_in, *s1_in, *s2_in;
-	float *master;	  /* [n] */
-	const void *grad; /* [n], dtype gdt */
-	float *s1;	  /* momentum or exp_avg [n]; SGD: NULL = no momentum */
-	float *s2;	  /* exp_avg_sq [n] (Adam) */
-	void *model;	  /* [n] model copy (dtype mdt) or NULL */
-	long long n;
-};
-
-struct ej_optim_item {
-	int tensor;
-	long long first;
-};
-
-struct ej_optim_args {
-	const struct ej_optim_tensor *t;
-	const struct ej_optim_item *items; /* [gridDim.x] */
-	long long chunk;
-	int adam; /* 0: SGD, 1: Adam/AdamW */
-	int gdt, mdt;
-	int nesterov;
-	double lr, gs, wd, mom;			     /* SGD */
-	double b1, omb1, b2, omb2, eps, l2, decay;   /* Adam */
-	double step_size, bc2_sqrt;		     /* Adam */
-};
-
 extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
 {
 	const struct ej_optim_item it = a.items[blockIdx.x];
@@ -116,16 +86,6 @@ extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
 }
 
 /* ---- squared norm of the gradients ---------------------------------------- */
-
-struct ej_optim_sumsq_args {
-	const struct ej_optim_tensor *t;   /* grad and n are read */
-	const struct ej_optim_item *items; /* [n_items] */
-	long long chunk;
-	int gdt;
-	long long n_items;
-	double *partial; /* [n_items] */
-	double *out;	 /* [1] */
-};
 
 extern "C" __global__ void ej_optim_sumsq(const struct ej_optim_sumsq_args a)
 {
