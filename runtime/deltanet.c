@@ -28,20 +28,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void drop(epj_tensor **ts, int n)
-{
-	for (int i = 0; i < n; i++) {
-		epj_tensor_free(ts[i]);
-		ts[i] = NULL;
-	}
-}
-
+/* x W^T (+ b) of the Linear m.local */
 static epj_tensor *lin(epj_ctx *ctx, epj_module *m, const char *local,
 		       epj_tensor *x)
 {
-	epj_module *l = ej_module_child(m, local);
-	return epj_linear(ctx, x, ej_module_param(l, "weight"),
-			  ej_module_param(l, "bias"));
+	return ej_linear_of(ctx, ej_module_child(m, local), x);
 }
 
 /* x * rsqrt(sum(x^2, -1) + 1e-6) */
@@ -53,7 +44,7 @@ static epj_tensor *l2norm(epj_ctx *ctx, epj_tensor *x)
 	t[2] = epj_add_scalar(ctx, t[1], 1e-6);
 	t[3] = epj_rsqrt(ctx, t[2]);
 	epj_tensor *y = epj_mul(ctx, x, t[3]);
-	drop(t, 4);
+	ej_drop(t, 4);
 	return y;
 }
 
@@ -203,7 +194,7 @@ epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
 	int64_t so[3] = { B, T, Vd };
 	t[OR] = epj_reshape(ctx, t[OG], 3, so);
 	epj_tensor *y = lin(ctx, la, "out_proj", t[OR]);
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -223,16 +214,6 @@ static epj_status add_param(epj_ctx *ctx, epj_module *m, const char *local,
 	if (!ej_module_add_param(m, local, p))
 		return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
 	return EPJ_OK;
-}
-
-static epj_status add_lin(epj_ctx *ctx, epj_module *parent, const char *local,
-			  int64_t out_f, int64_t in_f, double std)
-{
-	epj_module *l = ej_module_new(parent, local, "Linear", NULL);
-	int64_t s[2] = { out_f, in_f };
-	if (!l)
-		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	return add_param(ctx, l, "weight", 2, s, NULL, std);
 }
 
 epj_status ej_deltanet_build(epj_ctx *ctx, const ej_model_config *c,
@@ -277,14 +258,14 @@ epj_status ej_deltanet_build(epj_ctx *ctx, const ej_model_config *c,
 			st = ctx->status ? ctx->status : EPJ_ERR_NOMEM;
 	}
 	if (st == EPJ_OK)
-		st = add_lin(ctx, la, "out_proj", H, Vd, std);
+		st = ej_add_linear(ctx, la, "out_proj", H, Vd, std);
 	if (st == EPJ_OK)
-		st = add_lin(ctx, la, "in_proj_qkv", C, H, std);
+		st = ej_add_linear(ctx, la, "in_proj_qkv", C, H, std);
 	if (st == EPJ_OK)
-		st = add_lin(ctx, la, "in_proj_z", Vd, H, std);
+		st = ej_add_linear(ctx, la, "in_proj_z", Vd, H, std);
 	if (st == EPJ_OK)
-		st = add_lin(ctx, la, "in_proj_b", Hv, H, std);
+		st = ej_add_linear(ctx, la, "in_proj_b", Hv, H, std);
 	if (st == EPJ_OK)
-		st = add_lin(ctx, la, "in_proj_a", Hv, H, std);
+		st = ej_add_linear(ctx, la, "in_proj_a", Hv, H, std);
 	return st;
 }

@@ -119,7 +119,7 @@ static const family_names *names_of(const ej_model_config *c)
 }
 
 /* Frees a list of temporaries (NULL ok). */
-static void drop(epj_tensor **ts, int n)
+void ej_drop(epj_tensor **ts, int n)
 {
 	for (int i = 0; i < n; i++) {
 		epj_tensor_free(ts[i]);
@@ -141,7 +141,7 @@ static epj_tensor *rms_hat(epj_ctx *ctx, epj_tensor *x, double eps, bool *up)
 	t[VE] = epj_add_scalar(ctx, t[VAR], eps);
 	t[RS] = epj_rsqrt(ctx, t[VE]);
 	epj_tensor *y = epj_mul(ctx, t[XF], t[RS]);
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -171,7 +171,7 @@ epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
 	t[Y] = epj_mul(ctx, t[NX], t[W1]);
 	epj_tensor *y = up && t[Y] ? epj_cast(ctx, t[Y], epj_tensor_dtype(x))
 				   : epj_tensor_ref(t[Y]);
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -208,7 +208,7 @@ static epj_tensor *rope(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
 	t[XC] = epj_mul(ctx, x, cos);
 	t[RS] = epj_mul(ctx, t[ROT], sin);
 	epj_tensor *y = epj_add(ctx, t[XC], t[RS]);
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -236,7 +236,7 @@ static epj_tensor *rope_interleaved(epj_ctx *ctx, epj_tensor *x,
 	t[HI] = epj_add(ctx, t[D], t[E]);
 	epj_tensor *parts[2] = { t[LO], t[HI] };
 	epj_tensor *y = (t[LO] && t[HI]) ? epj_cat(ctx, parts, 2, -1) : NULL;
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -254,12 +254,11 @@ static epj_tensor *rope_part(epj_ctx *ctx, epj_tensor *x, epj_tensor *cos,
 	t[2] = rope(ctx, t[0], cos, sin);
 	epj_tensor *parts[2] = { t[2], t[1] };
 	epj_tensor *y = t[2] && t[1] ? epj_cat(ctx, parts, 2, -1) : NULL;
-	drop(t, 3);
+	ej_drop(t, 3);
 	return y;
 }
 
-/* x W^T (+ b when the Linear has a bias) */
-static epj_tensor *linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x)
+epj_tensor *ej_linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x)
 {
 	return epj_linear(ctx, x, ej_module_param(lin, "weight"),
 			  ej_module_param(lin, "bias"));
@@ -277,7 +276,7 @@ static epj_tensor *heads(epj_ctx *ctx, epj_tensor *p, int64_t nh, int64_t d,
 	t[0] = epj_reshape(ctx, p, 4, shp);
 	t[1] = norm ? norm_of(ctx, c, t[0], norm) : epj_tensor_ref(t[0]);
 	epj_tensor *y = t[1] ? epj_transpose(ctx, t[1], 1, 2) : NULL;
-	drop(t, 3);
+	ej_drop(t, 3);
 	return y;
 }
 
@@ -326,17 +325,17 @@ static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 		/* Qwen3.5: q_proj gives each head's query and its output
 		 * gate, [B, T, Hq, 2D] */
 		int64_t s4[4] = { B, T, hq, 2 * d };
-		t[QG] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+		t[QG] = ej_linear_of(ctx, ej_module_child(attn, "q_proj"), x);
 		t[QG4] = epj_reshape(ctx, t[QG], 4, s4);
 		t[QH] = epj_slice(ctx, t[QG4], -1, 0, d, 1);
 		t[GH] = epj_slice(ctx, t[QG4], -1, d, 2 * d, 1);
 		t[QP] = epj_reshape(ctx, t[QH], 3, shp);
 		t[GR] = epj_reshape(ctx, t[GH], 3, shp);
 	} else {
-		t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+		t[QP] = ej_linear_of(ctx, ej_module_child(attn, "q_proj"), x);
 	}
-	t[KP] = linear_of(ctx, ej_module_child(attn, "k_proj"), x);
-	t[VP] = linear_of(ctx, ej_module_child(attn, "v_proj"), x);
+	t[KP] = ej_linear_of(ctx, ej_module_child(attn, "k_proj"), x);
+	t[VP] = ej_linear_of(ctx, ej_module_child(attn, "v_proj"), x);
 	t[Q] = heads(ctx, t[QP], hq, d, ej_module_child(attn, "q_norm"), cfg);
 	t[K] = heads(ctx, t[KP], hkv, d, ej_module_child(attn, "k_norm"), cfg);
 	t[V] = heads(ctx, t[VP], hkv, d, NULL, cfg);
@@ -351,8 +350,9 @@ static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 	} else {
 		t[OG] = epj_tensor_ref(t[OR]);
 	}
-	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OG]);
-	drop(t, N_T);
+	epj_tensor *y =
+	    ej_linear_of(ctx, ej_module_child(attn, "o_proj"), t[OG]);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -422,16 +422,16 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 			   epj_tensor *) =
 	    c->rope_interleave ? rope_interleaved : rope;
 	if (c->q_lora_rank) {
-		t[QA] = linear_of(ctx, ej_module_child(attn, "q_a_proj"), x);
+		t[QA] = ej_linear_of(ctx, ej_module_child(attn, "q_a_proj"), x);
 		t[QN] = ej_rmsnorm(
 		    ctx, t[QA],
 		    ej_module_param(ej_module_child(attn, "q_a_layernorm"),
 				    "weight"),
 		    eps);
 		t[QP] =
-		    linear_of(ctx, ej_module_child(attn, "q_b_proj"), t[QN]);
+		    ej_linear_of(ctx, ej_module_child(attn, "q_b_proj"), t[QN]);
 	} else {
-		t[QP] = linear_of(ctx, ej_module_child(attn, "q_proj"), x);
+		t[QP] = ej_linear_of(ctx, ej_module_child(attn, "q_proj"), x);
 	}
 	int64_t qs[4] = { B, T, Hn, dq };
 	t[Q4] = epj_reshape(ctx, t[QP], 4, qs);
@@ -442,7 +442,8 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 	epj_tensor *qparts[2] = { t[QPASS], t[QROTR] };
 	t[QC] = (t[QPASS] && t[QROTR]) ? epj_cat(ctx, qparts, 2, -1) : NULL;
 
-	t[CKV] = linear_of(ctx, ej_module_child(attn, "kv_a_proj_with_mqa"), x);
+	t[CKV] =
+	    ej_linear_of(ctx, ej_module_child(attn, "kv_a_proj_with_mqa"), x);
 	t[KVN] = epj_slice(ctx, t[CKV], -1, 0, kvr, 1);
 	t[KROT] = epj_slice(ctx, t[CKV], -1, kvr, kvr + dr, 1);
 	t[KVNN] = ej_rmsnorm(
@@ -454,7 +455,7 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 	t[KRR] = rot(ctx, t[KR4], cos, sin);
 	int64_t ke[4] = { B, Hn, T, dr };
 	t[KRE] = epj_expand(ctx, t[KRR], 4, ke);
-	t[KVB] = linear_of(ctx, ej_module_child(attn, "kv_b_proj"), t[KVNN]);
+	t[KVB] = ej_linear_of(ctx, ej_module_child(attn, "kv_b_proj"), t[KVNN]);
 	int64_t kvs[4] = { B, T, Hn, dn + dv };
 	t[KV4] = epj_reshape(ctx, t[KVB], 4, kvs);
 	t[KVT] = t[KV4] ? epj_transpose(ctx, t[KV4], 1, 2) : NULL;
@@ -467,8 +468,9 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 	t[OT] = epj_transpose(ctx, t[O], 1, 2);
 	int64_t os[3] = { B, T, Hn * dv };
 	t[OR] = epj_reshape(ctx, t[OT], 3, os);
-	epj_tensor *y = linear_of(ctx, ej_module_child(attn, "o_proj"), t[OR]);
-	drop(t, N_T);
+	epj_tensor *y =
+	    ej_linear_of(ctx, ej_module_child(attn, "o_proj"), t[OR]);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -506,19 +508,19 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 		} else if (se) {
 			epj_tensor *u[4] = { 0 };
 			u[0] = swiglu(ctx, se, t[X2]);
-			u[1] = linear_of(
+			u[1] = ej_linear_of(
 			    ctx, ej_module_child(mlp, "shared_expert_gate"),
 			    t[X2]);
 			u[2] = epj_sigmoid(ctx, u[1]);
 			u[3] = epj_mul(ctx, u[2], u[0]);
 			epj_tensor *sum = epj_add(ctx, t[M], u[3]);
-			drop(u, 4);
+			ej_drop(u, 4);
 			epj_tensor_free(t[M]);
 			t[M] = sum;
 		}
 		y = t[M] ? epj_add(ctx, t[H1], t[M]) : NULL;
 	}
-	drop(t, N_T);
+	ej_drop(t, N_T);
 	return y;
 }
 
@@ -542,12 +544,13 @@ static epj_status block_forward(epj_ctx *ctx, epj_module *m,
 static epj_tensor *swiglu(epj_ctx *ctx, epj_module *m, epj_tensor *x)
 {
 	epj_tensor *t[4] = { 0 };
-	t[0] = linear_of(ctx, ej_module_child(m, "gate_proj"), x);
+	t[0] = ej_linear_of(ctx, ej_module_child(m, "gate_proj"), x);
 	t[1] = epj_silu(ctx, t[0]);
-	t[2] = linear_of(ctx, ej_module_child(m, "up_proj"), x);
+	t[2] = ej_linear_of(ctx, ej_module_child(m, "up_proj"), x);
 	t[3] = epj_mul(ctx, t[1], t[2]);
-	epj_tensor *y = linear_of(ctx, ej_module_child(m, "down_proj"), t[3]);
-	drop(t, 4);
+	epj_tensor *y =
+	    ej_linear_of(ctx, ej_module_child(m, "down_proj"), t[3]);
+	ej_drop(t, 4);
 	return y;
 }
 
@@ -709,7 +712,7 @@ static epj_status head(epj_ctx *ctx, epj_module *norm, epj_module *lm_head,
 {
 	epj_tensor *t[3] = { 0 };
 	t[0] = norm_of(ctx, cfg, h, norm);
-	out[0] = linear_of(ctx, lm_head, t[0]);
+	out[0] = ej_linear_of(ctx, lm_head, t[0]);
 	if (n_out > 1 && labels && out[0]) {
 		int64_t n =
 		    epj_tensor_dim(out[0], 0) * epj_tensor_dim(out[0], 1);
@@ -718,7 +721,7 @@ static epj_status head(epj_ctx *ctx, epj_module *norm, epj_module *lm_head,
 		t[2] = epj_reshape(ctx, labels, 1, &n);
 		out[1] = epj_cross_entropy(ctx, t[1], t[2], -100);
 	}
-	drop(t, 3);
+	ej_drop(t, 3);
 	if (!out[0] || (n_out > 1 && labels && !out[1]))
 		return ctx->status;
 	return EPJ_OK;
@@ -831,9 +834,8 @@ static epj_status root_forward(epj_ctx *ctx, epj_module *m,
 /* ---- construction
  * -------------------------------------------------------------- */
 
-static epj_status add_linear(epj_ctx *ctx, epj_module *parent,
-			     const char *local, int64_t out_f, int64_t in_f,
-			     double std)
+epj_status ej_add_linear(epj_ctx *ctx, epj_module *parent, const char *local,
+			 int64_t out_f, int64_t in_f, double std)
 {
 	epj_module *l = ej_module_new(parent, local, "Linear", NULL);
 	int64_t shp[2] = { out_f, in_f };
@@ -851,7 +853,7 @@ static epj_status add_linear_bias(epj_ctx *ctx, epj_module *parent,
 				  const char *local, int64_t out_f,
 				  int64_t in_f, double std)
 {
-	epj_status st = add_linear(ctx, parent, local, out_f, in_f, std);
+	epj_status st = ej_add_linear(ctx, parent, local, out_f, in_f, std);
 	if (st != EPJ_OK)
 		return st;
 	epj_module *l = ej_module_child(parent, local);
@@ -884,11 +886,11 @@ static epj_status add_swiglu(epj_ctx *ctx, epj_module *parent,
 	    ej_module_new(parent, local, fn->dense_kind, mlp_forward);
 	if (!mlp)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	epj_status st = add_linear(ctx, mlp, "gate_proj", I, H, std);
+	epj_status st = ej_add_linear(ctx, mlp, "gate_proj", I, H, std);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, mlp, "up_proj", I, H, std);
+		st = ej_add_linear(ctx, mlp, "up_proj", I, H, std);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, mlp, "down_proj", H, I, std);
+		st = ej_add_linear(ctx, mlp, "down_proj", H, I, std);
 	return st;
 }
 
@@ -901,28 +903,30 @@ static epj_status build_mla(epj_ctx *ctx, const ej_model_config *c,
 	const int64_t dq = c->qk_nope_head_dim + c->qk_rope_head_dim;
 	epj_status st;
 	if (c->q_lora_rank) {
-		st = add_linear(ctx, attn, "q_a_proj", c->q_lora_rank, H, std);
+		st = ej_add_linear(ctx, attn, "q_a_proj", c->q_lora_rank, H,
+				   std);
 		if (st == EPJ_OK)
 			st = add_norm(ctx, c, attn, "q_a_layernorm",
 				      c->q_lora_rank);
 		if (st == EPJ_OK)
-			st = add_linear(ctx, attn, "q_b_proj", Hn * dq,
-					c->q_lora_rank, std);
+			st = ej_add_linear(ctx, attn, "q_b_proj", Hn * dq,
+					   c->q_lora_rank, std);
 	} else {
-		st = add_linear(ctx, attn, "q_proj", Hn * dq, H, std);
+		st = ej_add_linear(ctx, attn, "q_proj", Hn * dq, H, std);
 	}
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "kv_a_proj_with_mqa",
-				c->kv_lora_rank + c->qk_rope_head_dim, H, std);
+		st = ej_add_linear(ctx, attn, "kv_a_proj_with_mqa",
+				   c->kv_lora_rank + c->qk_rope_head_dim, H,
+				   std);
 	if (st == EPJ_OK)
 		st = add_norm(ctx, c, attn, "kv_a_layernorm", c->kv_lora_rank);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "kv_b_proj",
-				Hn * (c->qk_nope_head_dim + c->v_head_dim),
-				c->kv_lora_rank, std);
+		st = ej_add_linear(ctx, attn, "kv_b_proj",
+				   Hn * (c->qk_nope_head_dim + c->v_head_dim),
+				   c->kv_lora_rank, std);
 	if (st == EPJ_OK)
-		st =
-		    add_linear(ctx, attn, "o_proj", H, Hn * c->v_head_dim, std);
+		st = ej_add_linear(ctx, attn, "o_proj", H, Hn * c->v_head_dim,
+				   std);
 	return st;
 }
 
@@ -936,7 +940,7 @@ static epj_status build_block(epj_ctx *ctx, epj_model *model, epj_module *blk,
 	const family_names *fn = names_of(c);
 	epj_status (*qkv)(epj_ctx *, epj_module *, const char *, int64_t,
 			  int64_t, double) =
-	    c->qkv_bias ? add_linear_bias : add_linear;
+	    c->qkv_bias ? add_linear_bias : ej_add_linear;
 	epj_status st = add_norm(ctx, c, blk, "input_layernorm", H);
 	/* Qwen3.5's linear-attention layers: Gated DeltaNet instead */
 	bool lin = c->linear_layer[layer];
@@ -968,8 +972,8 @@ kv:
 		st = qkv(ctx, attn, "v_proj", c->num_key_value_heads * D, H,
 			 std);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, attn, "o_proj", H,
-				c->num_attention_heads * D, std);
+		st = ej_add_linear(ctx, attn, "o_proj", H,
+				   c->num_attention_heads * D, std);
 	if (st == EPJ_OK && c->qk_norm)
 		st = add_norm(ctx, c, attn, "q_norm", D);
 	if (st == EPJ_OK && c->qk_norm)
@@ -1009,15 +1013,16 @@ norms:
 			if (!se)
 				return ej_error(ctx, EPJ_ERR_NOMEM,
 						"out of memory");
-			st = add_linear(ctx, se, "gate_proj", S, H, std);
+			st = ej_add_linear(ctx, se, "gate_proj", S, H, std);
 			if (st == EPJ_OK)
-				st = add_linear(ctx, se, "up_proj", S, H, std);
+				st = ej_add_linear(ctx, se, "up_proj", S, H,
+						   std);
 			if (st == EPJ_OK)
-				st =
-				    add_linear(ctx, se, "down_proj", H, S, std);
+				st = ej_add_linear(ctx, se, "down_proj", H, S,
+						   std);
 			if (st == EPJ_OK)
-				st = add_linear(ctx, moe, "shared_expert_gate",
-						1, H, std);
+				st = ej_add_linear(
+				    ctx, moe, "shared_expert_gate", 1, H, std);
 			if (st != EPJ_OK)
 				return st;
 			/* the decoder block computes them (its region) */
@@ -1080,8 +1085,8 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 		if (st == EPJ_OK)
 			st = add_norm(ctx, c, r, "norm", c->hidden_size);
 		if (st == EPJ_OK)
-			st = add_linear(ctx, r, "lm_head", c->vocab_size,
-					c->hidden_size, std);
+			st = ej_add_linear(ctx, r, "lm_head", c->vocab_size,
+					   c->hidden_size, std);
 		return st;
 	}
 	epj_module *r = ej_module_new(NULL, "", fn->lm, causal_lm_forward);
@@ -1115,8 +1120,8 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 	}
 	st = add_norm(ctx, c, mm, "norm", c->hidden_size);
 	if (st == EPJ_OK)
-		st = add_linear(ctx, r, "lm_head", c->vocab_size,
-				c->hidden_size, std);
+		st = ej_add_linear(ctx, r, "lm_head", c->vocab_size,
+				   c->hidden_size, std);
 	return st;
 }
 

@@ -427,6 +427,15 @@ epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps);
  * (1 + w.f32), cast back to x's dtype (runtime/qwen3.c). */
 epj_tensor *ej_rmsnorm_offset(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
 			      double eps);
+/* Model builder helpers (runtime/qwen3.c), shared by the families' files:
+ * frees ts[0..n) and sets them to NULL; x W^T (+ b when the Linear `lin`
+ * has a bias); a Linear parent.local with weight [out_f, in_f] drawn from
+ * N(0, std). */
+void ej_drop(epj_tensor **ts, int n);
+epj_tensor *ej_linear_of(epj_ctx *ctx, epj_module *lin, epj_tensor *x);
+epj_status ej_add_linear(epj_ctx *ctx, epj_module *parent, const char *local,
+			 int64_t out_f, int64_t in_f, double std);
+
 /* Qwen3.5-MoE's Gated DeltaNet (runtime/deltanet.c): blk.linear_attn with
  * transformers' parameter names (its gated norm of kind norm_kind), and its
  * forward x [B, T, H] -> out_proj output [B, T, H]. */
