@@ -121,11 +121,16 @@ static fake_stats fstats(void)
 }
 
 /* The hook: a launch on the fake runs the same kernel's CUDA C on
- * cuda-sim.  Modules are built once per driver module. */
+ * cuda-sim.  Modules are built once per driver module and source: a
+ * driver module freed by cuModuleUnload may give its address to the next
+ * one loaded, so an entry matches only when its CUDA C does too (keyed
+ * by the address alone, a reused address ran the previous module's
+ * kernels on the new arguments). */
 static struct {
 	epj_ctx *ctx;
 	struct {
 		const void *module;
+		char *src; /* the CUDA C the sim module was built from */
 		void *sim;
 	} m[1024];
 	int n;
@@ -140,27 +145,45 @@ static const ej_kernel *kernel_of(const void *state, const char *name)
 	return s->kernels[i];
 }
 
+/* Records sim as the cuda-sim module of driver module `module` with
+ * CUDA C src (replacing a stale entry of a reused address). */
+static void *sim_keep(const void *module, const char *src, void *sim)
+{
+	int i = 0;
+	while (i < H.n && H.m[i].module != module)
+		i++;
+	if (i == H.n) {
+		ck_assert_int_lt(H.n, 1024);
+		H.n++;
+	} else {
+		ej_device_sim.unload(ej_device_sim.self, H.m[i].sim);
+		free(H.m[i].src);
+	}
+	H.m[i].module = module;
+	H.m[i].src = strdup(src);
+	ck_assert_ptr_nonnull(H.m[i].src);
+	H.m[i].sim = sim;
+	return sim;
+}
+
 static void *sim_for(const void *module)
 {
-	for (int i = 0; i < H.n; i++)
-		if (H.m[i].module == module)
-			return H.m[i].sim;
 	const void *state = ej_backend_cuda_test_state(module);
 	const char *tsrc = NULL;
 	const char *const *tk = NULL, *const *tt = NULL;
 	int tn = state ? -1 : ej_tmpl_test_module(module, &tsrc, &tk, &tt);
 	ck_assert_msg(state || tn >= 0,
 		      "the fake was asked to run an unknown module");
-	ck_assert_int_lt(H.n, 1024);
+	const char *src = state ? ej_backend_cuda_source(state) : tsrc;
+	for (int i = 0; i < H.n; i++)
+		if (H.m[i].module == module && !strcmp(H.m[i].src, src))
+			return H.m[i].sim;
 	if (!state) { /* a template module (jit/tmpl.c) */
 		void *sim = NULL;
 		epj_status st = ej_sim_build_module(H.ctx, tsrc, tk, tt, tn,
 						    "fake_tmpl", &sim);
 		ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(H.ctx));
-		H.m[H.n].module = module;
-		H.m[H.n].sim = sim;
-		H.n++;
-		return sim;
+		return sim_keep(module, src, sim);
 	}
 	const ej_schedule *s = ej_backend_cuda_schedule(state);
 	const char *kn[64], *ty[64];
@@ -177,11 +200,7 @@ static void *sim_for(const void *module)
 	    ej_sim_build_module(H.ctx, ej_backend_cuda_source(state), kn, ty,
 				s->n_kernels, "fake", &sim);
 	ck_assert_msg(st == EPJ_OK, "%s", epj_ctx_error(H.ctx));
-	ck_assert_int_lt(H.n, 1024);
-	H.m[H.n].module = module;
-	H.m[H.n].sim = sim;
-	H.n++;
-	return sim;
+	return sim_keep(module, src, sim);
 }
 
 static int run_on_sim(void *user, void *module, const char *kernel,
@@ -251,8 +270,10 @@ static void hook_off(void)
 {
 	if (fake_set_hook)
 		fake_set_hook(NULL, NULL, NULL);
-	for (int i = 0; i < H.n; i++)
+	for (int i = 0; i < H.n; i++) {
 		ej_device_sim.unload(ej_device_sim.self, H.m[i].sim);
+		free(H.m[i].src);
+	}
 	H.n = 0;
 	epj_ctx_free(H.ctx);
 	H.ctx = NULL;
@@ -274,13 +295,29 @@ static bool guard_set, race_set, lt_set;
 
 extern void ej_cublaslt_test_reset(void);
 
-/* A fault under the guard: where the host touched device memory. */
-static void on_segv(int sig)
+/* A fault under the guard: where the host touched device memory, the
+ * faulting address, and the stack. */
+static void on_segv(int sig, siginfo_t *si, void *uc)
 {
-	static const char msg[] = "check_cuda: SIGSEGV (a host access to the "
-				  "fake's device memory?):\n";
-	if (write(2, msg, sizeof msg - 1) < 0)
+	(void)uc;
+	char msg[160];
+	int len = snprintf(msg, sizeof msg,
+			   "check_cuda: SIGSEGV at %p (a host access to the "
+			   "fake's device memory?):\n",
+			   si ? si->si_addr : NULL);
+	if (len < 0 || write(2, msg, (size_t)len) < 0)
 		_exit(1);
+	/* the mapping the address falls in, if any (diagnostics only) */
+	FILE *maps = si ? fopen("/proc/self/maps", "r") : NULL;
+	char line[512];
+	while (maps && fgets(line, sizeof line, maps)) {
+		unsigned long lo, hi;
+		if (sscanf(line, "%lx-%lx", &lo, &hi) == 2 &&
+		    (uintptr_t)si->si_addr >= lo && (uintptr_t)si->si_addr < hi)
+			fprintf(stderr, "check_cuda: in mapping %s", line);
+	}
+	if (maps)
+		fclose(maps);
 	void *frames[64];
 	int n = backtrace(frames, 64);
 	backtrace_symbols_fd(frames, n, 2);
@@ -317,7 +354,12 @@ bool tu_fake_cuda_begin(void)
 	ej_cublaslt_test_reset();
 	if (!use_fake())
 		return false;
-	signal(SIGSEGV, on_segv);
+	struct sigaction sa;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_sigaction = on_segv;
+	sa.sa_flags = SA_SIGINFO;
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGSEGV, &sa, NULL);
 	hook_on();
 	return true;
 }

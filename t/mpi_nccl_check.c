@@ -94,6 +94,8 @@ static struct {
 	epj_ctx *ctx;
 	struct {
 		const void *module;
+		char *src; /* the CUDA C of the sim module (a freed driver
+			      module's address is reused: match both) */
 		void *sim;
 	} m[1024];
 	int n;
@@ -110,15 +112,16 @@ static const ej_kernel *kernel_of(const void *state, const char *name)
 
 static void *sim_for(const void *module)
 {
-	for (int i = 0; i < H.n; i++)
-		if (H.m[i].module == module)
-			return H.m[i].sim;
-	if (H.n >= 1024)
-		return NULL;
 	const void *state = ej_backend_cuda_test_state(module);
 	const char *tsrc = NULL;
 	const char *const *tk = NULL, *const *tt = NULL;
 	int tn = state ? -1 : ej_tmpl_test_module(module, &tsrc, &tk, &tt);
+	const char *src = state ? ej_backend_cuda_source(state) : tsrc;
+	for (int i = 0; src && i < H.n; i++)
+		if (H.m[i].module == module && !strcmp(H.m[i].src, src))
+			return H.m[i].sim;
+	if (H.n >= 1024)
+		return NULL;
 	void *sim = NULL;
 	epj_status st;
 	if (!state && tn < 0) {
@@ -148,9 +151,10 @@ static void *sim_for(const void *module)
 		return NULL;
 	}
 	H.m[H.n].module = module;
+	H.m[H.n].src = strdup(src);
 	H.m[H.n].sim = sim;
 	H.n++;
-	return sim;
+	return H.m[H.n - 1].src ? sim : NULL;
 }
 
 static int run_on_sim(void *user, void *module, const char *kernel,
