@@ -417,6 +417,22 @@ epj_status ej_infer_MOE_PERMUTE(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	return EPJ_OK;
 }
 
+void ej_moe_positions(const int64_t *idx, int64_t R, int64_t E, int64_t *counts,
+		      int64_t *off, int64_t *pos)
+{
+	/* counting sort of the slots by expert: stable */
+	for (int64_t e = 0; e < E; e++)
+		counts[e] = 0;
+	for (int64_t r = 0; r < R; r++)
+		counts[idx[r]]++;
+	for (int64_t e = 0, o = 0; e < E; e++) {
+		off[e] = o;
+		o += counts[e];
+	}
+	for (int64_t r = 0; r < R; r++)
+		pos[r] = off[idx[r]]++;
+}
+
 epj_status ej_kernel_MOE_PERMUTE(epj_ctx *ctx, const ej_call *c)
 {
 	const epj_tensor *xt = c->in[0];
@@ -436,17 +452,7 @@ epj_status ej_kernel_MOE_PERMUTE(epj_ctx *ctx, const ej_call *c)
 		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM, "out of memory");
 		goto done;
 	}
-	/* counting sort of the slots by expert: stable */
-	for (int64_t e = 0; e < E; e++)
-		counts[e] = 0;
-	for (int64_t r = 0; r < R; r++)
-		counts[ix[r]]++;
-	for (int64_t e = 0, o = 0; e < E; e++) {
-		off[e] = o;
-		o += counts[e];
-	}
-	for (int64_t r = 0; r < R; r++)
-		pos[r] = off[ix[r]]++;
+	ej_moe_positions(ix, R, E, counts, off, pos);
 	const size_t row = (size_t)H * ej_dtype_size(xt->dtype);
 	char *y = ej_data(c->out[0]);
 #pragma omp parallel for schedule(static) if (R * H >= PAR_MIN_ELEMS)

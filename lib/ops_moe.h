@@ -38,5 +38,11 @@ epj_tensor *ej_moe_unpermute(epj_ctx *ctx, epj_tensor *y, epj_tensor *w,
 epj_tensor *ej_moe_grouped_mm(epj_ctx *ctx, epj_tensor *x, epj_tensor *counts,
 			      epj_tensor *const *w, int G, bool w_trans);
 epj_tensor *ej_swiglu(epj_ctx *ctx, epj_tensor *gate, epj_tensor *up);
+/* moe_permute's stable counting sort on the host: counts[E] the slots per
+ * expert of idx[R] (values in [0, E)), pos[R] the row of every slot in
+ * expert order.  off: scratch of E elements.  The CPU kernel runs it, and
+ * the AutoEP layer for the host copy of the positions it pins. */
+void ej_moe_positions(const int64_t *idx, int64_t R, int64_t E, int64_t *counts,
+		      int64_t *off, int64_t *pos);
 
 #endif /* EPJIT_OPS_MOE_H */

@@ -1060,15 +1060,12 @@ static epj_status fwd_permute(epj_ctx *ctx, const autoep_impl *im, fwd *f)
 	epj_tensor_free(cnt);
 	if (s != EPJ_OK || !ej_dev_runs_cuda(ctx->dev))
 		return s;
-	int64_t *off = malloc(sizeof *off * (size_t)f->E);
+	/* scratch counts: f->counts may be in flight (async split plan);
+	 * order_h is free here */
+	int64_t *off = malloc(sizeof *off * 2 * (size_t)f->E);
 	if (!off)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	for (int64_t e = 0, o = 0; e < f->E; e++) {
-		off[e] = o;
-		o += f->counts[e];
-	}
-	for (int64_t r = 0; r < f->R; r++) /* order_h is free here */
-		f->order_h[r] = off[f->idx_h[r]]++;
+	ej_moe_positions(f->idx_h, f->R, f->E, off + f->E, off, f->order_h);
 	free(off);
 	return ej_index_pin(ctx, f->pos, f->order_h);
 }

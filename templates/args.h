@@ -11,8 +11,8 @@
 #define EJ_TEMPLATE_ARGS_H
 
 /* the most dims of the copy and index templates, the most inputs of cat */
-#define EJ_COPY_DIMS 8
-#define EJ_CAT_MAX 16
+#define EJ_COPY_DIMS  8
+#define EJ_CAT_MAX    16
 #define EJ_INDEX_DIMS 8
 
 /* ---- templates/fill.cuh ---- */
@@ -84,12 +84,12 @@ struct ej_moe_sort_args {
 };
 
 struct ej_moe_permute_args {
-	const void *x;	    /* [N, H], element strides sx0, sx1 */
+	const void *x; /* [N, H], element strides sx0, sx1 */
 	long long sx0, sx1;
 	const long long *order; /* [R] */
 	int k;
 	long long R, H;
-	int elem; /* bytes per element: 2, 4 or 8 */
+	int elem;  /* bytes per element: 2, 4 or 8 */
 	void *out; /* [R, H] contiguous */
 };
 
@@ -130,8 +130,8 @@ struct ej_embed_args {
 	long long s0, s1;     /* element strides of src */
 	const long long *ids; /* [n] */
 	long long n, V, D;
-	int elem; /* fwd: bytes per element (2, 4, 8) */
-	int dt;	  /* bwd: dtype code of src and out */
+	int elem;  /* fwd: bytes per element (2, 4, 8) */
+	int dt;	   /* bwd: dtype code of src and out */
 	void *out; /* fwd: [n, D]; bwd: [V, D] contiguous */
 };
 
@@ -174,9 +174,9 @@ struct ej_optim_args {
 	int adam; /* 0: SGD, 1: Adam/AdamW */
 	int gdt, mdt;
 	int nesterov;
-	double lr, gs, wd, mom;			     /* SGD */
-	double b1, omb1, b2, omb2, eps, l2, decay;   /* Adam */
-	double step_size, bc2_sqrt;		     /* Adam */
+	double lr, gs, wd, mom;			   /* SGD */
+	double b1, omb1, b2, omb2, eps, l2, decay; /* Adam */
+	double step_size, bc2_sqrt;		   /* Adam */
 };
 
 struct ej_optim_sumsq_args {
@@ -321,9 +321,9 @@ struct ej_delta_args {
 	const void *q, *k, *v, *g, *beta, *go; /* go: bwd only */
 	long long B, T, H, Dk, Dv;
 	int dt;
-	void *o;		     /* fwd: o; bwd: dq */
+	void *o;		    /* fwd: o; bwd: dq */
 	void *dk, *dv, *dg, *dbeta; /* bwd */
-	void *ws;		     /* bwd scratch */
+	void *ws;		    /* bwd scratch */
 };
 
 #endif
