@@ -24,12 +24,13 @@ typedef struct ej_jit ej_jit;		  /* per-engine compiler state */
 typedef struct ej_trace ej_trace;	  /* one traced region call */
 typedef struct ej_region_fn ej_region_fn; /* one compiled region variant */
 
-/* Backends that run compiled graphs. */
+/* Backends that run compiled graphs: EJ_BACKEND_<KIND> per row of
+ * jit/backends.def (the interpreter is 0). */
 typedef enum ej_backend_kind {
-	EJ_BACKEND_INTERPRETER = 0, /* each IR node by the op table kernels */
-	EJ_BACKEND_C,		    /* generated C, host cc (backend_c.c) */
-	EJ_BACKEND_NVRTC,	    /* CUDA C by NVRTC (backend_cuda.c) */
-	EJ_BACKEND_CUDA_SIM,	    /* that CUDA C on CPU (backend_sim.c) */
+#define EJ_BACKEND(KIND, sym) EJ_BACKEND_##KIND,
+#include "backends.def"
+#undef EJ_BACKEND
+	EJ_BACKEND_COUNT
 } ej_backend_kind;
 
 /* Parses a backend name ("" = the device's default: cuda-sim when
@@ -41,6 +42,9 @@ typedef enum ej_backend_kind {
 epj_status ej_backend_parse(const char *name, ej_backend_kind *out, char *msg,
 			    size_t msg_len);
 const char *ej_backend_name(ej_backend_kind k);
+/* The names of all backends, indexed by kind (*n of them): the choices of
+ * the config's compile.backend. */
+const char *const *ej_backend_names(int *n);
 /* The device backend k's artifacts run on ("cuda" for nvrtc), which a
  * compile opens first; NULL: any context's. */
 const char *ej_backend_device(ej_backend_kind k);

@@ -156,8 +156,8 @@ struct ej_trace {
 
 /* A backend of compiled segments: everything the pipeline, the warm-up and
  * the debug dump ask of one, so that none of them names a backend.  One
- * entry per ej_backend_kind (ej_backend_get); the interpreter is one too,
- * with no build: it runs each IR node with the op table's kernels.  A
+ * entry per row of jit/backends.def (ej_backend_get); the interpreter is one
+ * too, with no build: it runs each IR node with the op table's kernels.  A
  * code-generating backend builds an artifact for one graph (forward or
  * backward of a segment) and runs it with the interpreter's calling
  * convention; `state` is owned by the segment and freed with free_state. */
@@ -202,14 +202,10 @@ typedef struct ej_codegen_backend {
 /* The entry of backend kind k (any valid ej_backend_kind). */
 const ej_codegen_backend *ej_backend_get(ej_backend_kind k);
 
-/* The interpreter (jit/interp.c). */
-extern const ej_codegen_backend ej_backend_interp;
-/* The C backend (generated C, host cc, dlopen). */
-extern const ej_codegen_backend ej_backend_c;
-/* The cuda-sim backend (generated CUDA C, host C++ compiler, simulator). */
-extern const ej_codegen_backend ej_backend_sim;
-/* The nvrtc backend (generated CUDA C, NVRTC, the cuda device). */
-extern const ej_codegen_backend ej_backend_cuda;
+/* Each backend's entry, in its own file (jit/backends.def lists them). */
+#define EJ_BACKEND(KIND, sym) extern const ej_codegen_backend sym;
+#include "backends.def"
+#undef EJ_BACKEND
 
 /* Name of graph g's generated translation units: "g" + 16 hex digits of the
  * hash of its canonical text (it appears in the sources, so loaders and the

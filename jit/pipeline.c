@@ -19,17 +19,17 @@
 #include "jit_impl.h"
 #include "kcache.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <time.h>
 
 /* ---- backends ------------------------------------------------------------ */
 
-/* Indexed by ej_backend_kind. */
-static const ej_codegen_backend *const backends[] = {
-	[EJ_BACKEND_INTERPRETER] = &ej_backend_interp,
-	[EJ_BACKEND_C] = &ej_backend_c,
-	[EJ_BACKEND_NVRTC] = &ej_backend_cuda,
-	[EJ_BACKEND_CUDA_SIM] = &ej_backend_sim,
+/* Indexed by ej_backend_kind: the rows of jit/backends.def. */
+static const ej_codegen_backend *const backends[EJ_BACKEND_COUNT] = {
+#define EJ_BACKEND(KIND, sym) [EJ_BACKEND_##KIND] = &sym,
+#include "backends.def"
+#undef EJ_BACKEND
 };
 
 const ej_codegen_backend *ej_backend_get(ej_backend_kind k)
@@ -46,6 +46,22 @@ const char *ej_backend_device(ej_backend_kind k)
 const char *ej_backend_name(ej_backend_kind k)
 {
 	return (unsigned)k < EJ_ARRAY_LEN(backends) ? backends[k]->name : "?";
+}
+
+static const char *backend_names[EJ_BACKEND_COUNT];
+static pthread_once_t backend_names_once = PTHREAD_ONCE_INIT;
+
+static void backend_names_fill(void)
+{
+	for (int i = 0; i < EJ_BACKEND_COUNT; i++)
+		backend_names[i] = backends[i]->name;
+}
+
+const char *const *ej_backend_names(int *n)
+{
+	pthread_once(&backend_names_once, backend_names_fill);
+	*n = EJ_BACKEND_COUNT;
+	return backend_names;
 }
 
 /* The names of the backends, all or the available ones: "a, b, c". */

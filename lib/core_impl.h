@@ -152,7 +152,9 @@ typedef struct ej_device_desc {
 
 /* The registry: the descriptor named `name`, or NULL (lib/devices.c). */
 const ej_device_desc *ej_device_find(const char *name);
-extern const ej_device_desc ej_desc_cpu, ej_desc_sim, ej_desc_cuda;
+/* The registry's device names in its order (*n of them): the choices of
+ * the config's "device". */
+const char *const *ej_device_list(int *n);
 
 /* One backend's memory and execution primitives.  Members marked optional may
  * be NULL.  `self` is passed back to every call. */

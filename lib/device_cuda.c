@@ -605,6 +605,9 @@ int ej_cuda_pick_ordinal(int device_count, const char *override, int local)
 	return device_count > 0 ? local % device_count : -1;
 }
 
+/* This device's descriptor (below; lib/devices.c lists it). */
+extern const ej_device_desc ej_desc_cuda;
+
 static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
 			   ej_cuda_dev *c)
 {

@@ -13,6 +13,9 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Each descriptor, in its device's file. */
+extern const ej_device_desc ej_desc_cpu, ej_desc_sim, ej_desc_cuda;
+
 static const ej_device_desc *const registry[] = {
 	&ej_desc_cpu,
 	&ej_desc_sim,
@@ -35,14 +38,24 @@ bool epj_device_known(const char *name)
 }
 
 static char names[128];
+static const char *name_list[EJ_ARRAY_LEN(registry)];
 static pthread_once_t names_once = PTHREAD_ONCE_INIT;
 
 static void names_build(void)
 {
 	size_t off = 0;
-	for (size_t i = 0; i < EJ_ARRAY_LEN(registry); i++)
+	for (size_t i = 0; i < EJ_ARRAY_LEN(registry); i++) {
+		name_list[i] = registry[i]->name;
 		off += (size_t)snprintf(names + off, sizeof names - off, "%s%s",
 					i ? ", " : "", registry[i]->name);
+	}
+}
+
+const char *const *ej_device_list(int *n)
+{
+	pthread_once(&names_once, names_build);
+	*n = (int)EJ_ARRAY_LEN(registry);
+	return name_list;
 }
 
 const char *epj_device_names(void)

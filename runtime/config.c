@@ -27,6 +27,7 @@
  *    often do; the value must still be exactly integral.
  */
 #include "config_impl.h"
+#include "jit.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -368,6 +369,8 @@ typedef struct key {
 	unsigned applies; /* K_BY_TYPE sections: bit per type value */
 	const char *const *choices;
 	int nchoices;
+	/* K_NAME: the choices come from a registry (devices, backends) */
+	const char *const *(*registry)(int *n);
 	int enum_base;
 	double def, def2;    /* default (def2: K_PAIR's second) */
 	const char *def_str; /* default of K_NAME / K_STR */
@@ -394,11 +397,8 @@ static const char *const sched_names[] = { "WarmupLR", "WarmupDecayLR",
 					   "WarmupCosineLR" };
 static const char *const warmup_types[] = { "log", "linear" };
 static const char *const comm_backends[] = { "comm", "deepep" };
-static const char *const compile_backends[] = { "interpreter", "c", "nvrtc",
-						"cuda-sim" };
 static const char *const offload_devices[] = { "none", "cpu", "nvme" };
 static const char *const preset_models[] = { "qwen3_moe" };
-static const char *const devices[] = { "cpu", "cuda-sim", "cuda" };
 static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
 static const char *const comm_dtypes[] = { "fp32", "fp16", "bf16" };
 
@@ -610,7 +610,7 @@ static const key keys[] = {
 	  .type = K_NAME,
 	  F(device),
 	  NOGIVEN,
-	  CH(devices),
+	  .registry = ej_device_list,
 	  .flags = K_NULL_OK | K_W_NONZERO,
 	  .doc_default = "null (`$EPJIT_DEVICE`, else cpu)",
 	  .doc = "with `compile.backend` unset: `\"cuda-sim\"` runs compiled "
@@ -1349,7 +1349,7 @@ static const key keys[] = {
 	  .type = K_NAME,
 	  F(compile.backend),
 	  NOGIVEN,
-	  CH(compile_backends),
+	  .registry = ej_backend_names,
 	  .flags = K_NULL_OK,
 	  .doc_default = "null (the device's: `c` on cpu, `cuda-sim`, "
 			 "`nvrtc` on cuda)",
@@ -1982,14 +1982,25 @@ static epj_status rd_num(cp *p, json_t *v, const char *path, double lo,
 	return EPJ_OK;
 }
 
+/* k's choices (*n of them): its own list, or its registry's names. */
+static const char *const *choices_of(const key *k, int *n)
+{
+	if (k->registry)
+		return k->registry(n);
+	*n = k->nchoices;
+	return k->choices;
+}
+
 /* The choices of k as "a", "b", "c" into list. */
 static const char *choice_list(const key *k, char *list, size_t n)
 {
 	size_t o = 0;
+	int nc;
+	const char *const *ch = choices_of(k, &nc);
 	list[0] = '\0';
-	for (int i = 0; i < k->nchoices && o < n; i++)
+	for (int i = 0; i < nc && o < n; i++)
 		o += (size_t)snprintf(list + o, n - o, "%s\"%s\"",
-				      i ? ", " : "", k->choices[i]);
+				      i ? ", " : "", ch[i]);
 	return list;
 }
 
@@ -2004,14 +2015,16 @@ static epj_status rd_choice(cp *p, const key *k, json_t *v, const char *path,
 		return cp_err(p, "\"%s\" must be a string (one of %s), got %s",
 			      path, list, ej_json_describe(v, g, sizeof g));
 	const char *s = json_string_value(v);
-	for (int i = 0; i < k->nchoices; i++) {
-		if ((k->flags & K_NOCASE) ? strcasecmp(s, k->choices[i]) == 0
-					  : strcmp(s, k->choices[i]) == 0) {
+	int nc;
+	const char *const *ch = choices_of(k, &nc);
+	for (int i = 0; i < nc; i++) {
+		if ((k->flags & K_NOCASE) ? strcasecmp(s, ch[i]) == 0
+					  : strcmp(s, ch[i]) == 0) {
 			*idx = i;
 			return EPJ_OK;
 		}
 	}
-	const char *near = ej_nearest_key(s, k->choices, k->nchoices);
+	const char *near = ej_nearest_key(s, ch, nc);
 	char hint[120] = "";
 	if (near)
 		snprintf(hint, sizeof hint, " (did you mean \"%s\"?)", near);
@@ -2090,8 +2103,10 @@ static bool is_auto(const json_t *v)
 /* "auto" is one of k's own values (comm.backend), not the placeholder. */
 static bool auto_is_choice(const key *k)
 {
-	for (int i = 0; i < k->nchoices; i++)
-		if (strcmp(k->choices[i], "auto") == 0)
+	int nc;
+	const char *const *ch = choices_of(k, &nc);
+	for (int i = 0; i < nc; i++)
+		if (strcmp(ch[i], "auto") == 0)
 			return true;
 	return false;
 }
@@ -2283,7 +2298,8 @@ static epj_status read_value(cp *p, const key *k, json_t *v, const char *path,
 		if ((s = rd_choice(p, k, v, path, &idx)))
 			return s;
 		if (k->off >= 0)
-			set_str(field(k, base), k->size, k->choices[idx]);
+			set_str(field(k, base), k->size,
+				choices_of(k, &(int){ 0 })[idx]);
 		*on = idx != 0;
 		break;
 	case K_STR:
