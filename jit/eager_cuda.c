@@ -1194,18 +1194,13 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_ADD_SCALAR] = eg_pointwise,
 	[EJ_OP_MUL_SCALAR] = eg_pointwise,
 	[EJ_OP_POW_SCALAR] = eg_pointwise,
-	[EJ_OP_NEG] = eg_pointwise,
-	[EJ_OP_EXP] = eg_pointwise,
-	[EJ_OP_LOG] = eg_pointwise,
-	[EJ_OP_SQRT] = eg_pointwise,
-	[EJ_OP_RSQRT] = eg_pointwise,
-	[EJ_OP_SILU] = eg_pointwise,
-	[EJ_OP_SIGMOID] = eg_pointwise,
-	[EJ_OP_TANH] = eg_pointwise,
-	[EJ_OP_GELU] = eg_pointwise,
 	[EJ_OP_CAST] = eg_pointwise,
-	[EJ_OP_SILU_BACKWARD] = eg_pointwise,
-	[EJ_OP_GELU_BACKWARD] = eg_pointwise,
+/* the EJ_OP_FN rows of ops.def: one generated kernel each (kir_run) */
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags) [EJ_OP_##ID] = eg_pointwise,
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
 	[EJ_OP_SUM] = eg_reduce_axis,
 	[EJ_OP_MEAN] = eg_reduce_axis,
 	[EJ_OP_AMAX] = eg_reduce_axis,

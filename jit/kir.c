@@ -115,28 +115,9 @@ ej_kclass ej_kir_node_class(const ej_graph *g, int node)
 			return EJ_KC_EXTERN;
 	}
 	const ej_value *x = n->n_in > 0 ? &g->values[n->in[0]] : NULL;
-	switch (n->op) {
-	case EJ_OP_ADD:
-	case EJ_OP_SUB:
-	case EJ_OP_MUL:
-	case EJ_OP_DIV:
-	case EJ_OP_EQ:
-	case EJ_OP_ADD_SCALAR:
-	case EJ_OP_MUL_SCALAR:
-	case EJ_OP_POW_SCALAR:
-	case EJ_OP_NEG:
-	case EJ_OP_EXP:
-	case EJ_OP_LOG:
-	case EJ_OP_SQRT:
-	case EJ_OP_RSQRT:
-	case EJ_OP_SILU:
-	case EJ_OP_SIGMOID:
-	case EJ_OP_TANH:
-	case EJ_OP_GELU:
-	case EJ_OP_CAST:
-	case EJ_OP_SILU_BACKWARD:
-	case EJ_OP_GELU_BACKWARD:
+	if (ej_ops[n->op].flags & EJ_OPF_POINTWISE)
 		return EJ_KC_POINTWISE;
+	switch (n->op) {
 	case EJ_OP_SUM:
 	case EJ_OP_MEAN:
 	case EJ_OP_AMAX:
@@ -463,39 +444,14 @@ static int lower_pointwise(kb *b, const ej_ir_node *n, const int *omap)
 			r = emit(b, EJ_K_POWC, t, a, -1, e);
 		break;
 	}
-	case EJ_OP_NEG:
-		r = emit(b, EJ_K_NEG, t, a, -1, 0);
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags)                                        \
+	case EJ_OP_##ID:                                                       \
+		r = emit(b, EJ_K_##ID, t, a, n_in > 1 ? c : -1, 0);            \
 		break;
-	case EJ_OP_EXP:
-		r = emit(b, EJ_K_EXP, t, a, -1, 0);
-		break;
-	case EJ_OP_LOG:
-		r = emit(b, EJ_K_LOG, t, a, -1, 0);
-		break;
-	case EJ_OP_SQRT:
-		r = emit(b, EJ_K_SQRT, t, a, -1, 0);
-		break;
-	case EJ_OP_RSQRT:
-		r = emit(b, EJ_K_RSQRT, t, a, -1, 0);
-		break;
-	case EJ_OP_SILU:
-		r = emit(b, EJ_K_SILU, t, a, -1, 0);
-		break;
-	case EJ_OP_SIGMOID:
-		r = emit(b, EJ_K_SIGMOID, t, a, -1, 0);
-		break;
-	case EJ_OP_TANH:
-		r = emit(b, EJ_K_TANH, t, a, -1, 0);
-		break;
-	case EJ_OP_GELU:
-		r = emit(b, EJ_K_GELU, t, a, -1, 0);
-		break;
-	case EJ_OP_SILU_BACKWARD:
-		r = emit(b, EJ_K_SILU_BW, t, a, c, 0);
-		break;
-	case EJ_OP_GELU_BACKWARD:
-		r = emit(b, EJ_K_GELU_BW, t, a, c, 0);
-		break;
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
 	case EJ_OP_CAST:
 		return lower_cast(b, a, b->g->values[n->in[0]].dtype, o->dtype);
 	default:
@@ -727,17 +683,11 @@ static const char *const kop_names[EJ_K_COUNT] = {
 	[EJ_K_MUL] = "mul",
 	[EJ_K_DIV] = "div",
 	[EJ_K_EQ] = "eq",
-	[EJ_K_NEG] = "neg",
-	[EJ_K_EXP] = "exp",
-	[EJ_K_LOG] = "log",
-	[EJ_K_SQRT] = "sqrt",
-	[EJ_K_RSQRT] = "rsqrt",
-	[EJ_K_SILU] = "silu",
-	[EJ_K_SIGMOID] = "sigmoid",
-	[EJ_K_TANH] = "tanh",
-	[EJ_K_GELU] = "gelu",
-	[EJ_K_SILU_BW] = "silu_bw",
-	[EJ_K_GELU_BW] = "gelu_bw",
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags) [EJ_K_##ID] = name,
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
 	[EJ_K_POWC] = "powc",
 	[EJ_K_RECIP] = "recip",
 	[EJ_K_CVT] = "cvt",
@@ -958,39 +908,17 @@ static void kpr_rhs(const ej_kpr *p, int v, char *buf, size_t n)
 		snprintf(buf, n, "%s == %s ? %s : %s", a, b, one,
 			 d ? "0.0" : "0.0f");
 		return;
-	case EJ_K_NEG:
-		snprintf(buf, n, "-%s", a);
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags)                                        \
+	case EJ_K_##ID:                                                        \
+		if (n_in > 1)                                                  \
+			snprintf(buf, n, "ej_" name "%s(%s, %s)", h, a, b);    \
+		else                                                           \
+			snprintf(buf, n, "ej_" name "%s(%s)", h, a);           \
 		return;
-	case EJ_K_EXP:
-		snprintf(buf, n, "exp%s(%s)", f, a);
-		return;
-	case EJ_K_LOG:
-		snprintf(buf, n, "log%s(%s)", f, a);
-		return;
-	case EJ_K_SQRT:
-		snprintf(buf, n, "sqrt%s(%s)", f, a);
-		return;
-	case EJ_K_RSQRT:
-		snprintf(buf, n, "%s / sqrt%s(%s)", one, f, a);
-		return;
-	case EJ_K_SILU:
-		snprintf(buf, n, "ej_silu%s(%s)", h, a);
-		return;
-	case EJ_K_SIGMOID:
-		snprintf(buf, n, "ej_sigmoid%s(%s)", h, a);
-		return;
-	case EJ_K_TANH:
-		snprintf(buf, n, "tanh%s(%s)", f, a);
-		return;
-	case EJ_K_GELU:
-		snprintf(buf, n, "ej_gelu%s(%s)", h, a);
-		return;
-	case EJ_K_SILU_BW:
-		snprintf(buf, n, "ej_silu_bw%s(%s, %s)", h, a, b);
-		return;
-	case EJ_K_GELU_BW:
-		snprintf(buf, n, "ej_gelu_bw%s(%s, %s)", h, a, b);
-		return;
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
 	case EJ_K_POWC:
 		p->literal(lit, sizeof lit, x->t, x->c);
 		snprintf(buf, n, "pow%s(%s, %s)", f, a, lit);

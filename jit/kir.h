@@ -56,17 +56,13 @@ typedef enum ej_kop {
 	EJ_K_MUL,
 	EJ_K_DIV,
 	EJ_K_EQ, /* 1 or 0 */
-	EJ_K_NEG,
-	EJ_K_EXP,
-	EJ_K_LOG,
-	EJ_K_SQRT,
-	EJ_K_RSQRT, /* 1 / sqrt(a) */
-	EJ_K_SILU,
-	EJ_K_SIGMOID,
-	EJ_K_TANH,
-	EJ_K_GELU,
-	EJ_K_SILU_BW, /* (grad a, x b) */
-	EJ_K_GELU_BW,
+/* the ops of lib/ops.def's EJ_OP_FN rows: ej_<name>_f/_d(a[, b]) of the
+ * prelude (EJ_K_EXP, EJ_K_LOG, EJ_K_RSQRT, EJ_K_SILU_BACKWARD, ...) */
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags) EJ_K_##ID,
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
 	EJ_K_POWC,  /* pow(a, c) (c not 1 or 2: those are a and a*a) */
 	EJ_K_RECIP, /* 1 / a */
 	EJ_K_CVT,   /* a converted to this value's type */

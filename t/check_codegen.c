@@ -1102,6 +1102,122 @@ START_TEST(test_special)
 }
 END_TEST
 
+/* The EJ_OP_FN rows of lib/ops.def: the compiler takes each from its row
+ * alone (opcode, lowering, name and printing in jit/kir.c; the scalar
+ * functions of the prelude).  For every row: its kernel-IR opcode carries
+ * the op's name; a one-node graph of it is one generated kernel that calls
+ * ej_<name>_f (f32) or ej_<name>_d (f64); and through run_case it matches
+ * the interpreter (the op table's kernels), forward and, where the op is
+ * differentiable, backward, with every kernel run alone and built by NVRTC
+ * where this build has it.  Inputs are positive (log, sqrt, rsqrt) and
+ * odd-sized. */
+static const struct {
+	int op, n_in;
+	const char *name;
+	bool grad;
+} fn_rows[] = {
+#define EJ_OP(ID, name, n_in, n_out, flags)
+#define EJ_OP_FN(ID, name, n_in, flags)                                        \
+	{ EJ_OP_##ID, n_in, name, !((flags)&EJ_OPF_NO_GRAD) },
+#include "ops.def"
+#undef EJ_OP_FN
+#undef EJ_OP
+};
+static int fn_op;
+
+static epj_tensor *f_fn_row(epj_ctx *ctx, epj_tensor *const *in)
+{
+	ej_attrs at = ej_attrs_none();
+	return ej_call1(ctx, fn_op, in, ej_ops[fn_op].n_in, &at);
+}
+
+/* The C and CUDA C of the one-node graph of row r in dt: one kernel that
+ * calls the row's scalar function. */
+static void assert_fn_row_printed(int r, epj_dtype dt)
+{
+	int64_t shape[2] = { 3, 5 };
+	ej_graph *g = ej_graph_new("fn row");
+	int x[2];
+	for (int i = 0; i < fn_rows[r].n_in; i++)
+		x[i] = ej_graph_add_input(g, EJ_IN_ACT, i, dt, 2, shape);
+	ej_meta m;
+	memset(&m, 0, sizeof m);
+	m.dtype = dt;
+	m.ndim = 2;
+	memcpy(m.shape, shape, sizeof shape);
+	ej_attrs a = ej_attrs_none();
+	int n =
+	    ej_graph_add_node(g, fn_rows[r].op, &a, x, fn_rows[r].n_in, &m, 1);
+	ej_graph_add_output(g, g->nodes[n].out[0]);
+	ck_assert_int_eq(ej_kir_node_class(g, n), EJ_KC_POINTWISE);
+	ej_arena *A = ej_arena_new();
+	ej_schedule *s = ej_sched_build(A, g);
+	ck_assert_int_eq(s->n_kernels, 1);
+	ck_assert_int_eq(s->n_extern, 0);
+	char call[64];
+	snprintf(call, sizeof call, "ej_%s_%c(", fn_rows[r].name,
+		 dt == EPJ_DTYPE_F64 ? 'd' : 'f');
+	const char *srcs[2] = { ej_print_c(A, s, "fn_row"),
+				ej_print_cuda(A, s, "fn_row") };
+	for (int k = 0; k < 2; k++) {
+		ck_assert_ptr_nonnull(srcs[k]);
+		const char *kern = strstr(srcs[k], "kernel 0");
+		ck_assert_msg(kern && strstr(kern, call),
+			      "%s %s: the %s kernel does not call %s", "fn row",
+			      fn_rows[r].name, k ? "CUDA C" : "C", call);
+	}
+	ej_arena_free(A);
+	ej_graph_free(g);
+}
+
+START_TEST(test_fn_rows)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	ck_assert_int_ge((int)EJ_ARRAY_LEN(fn_rows), 11);
+	for (size_t r = 0; r < EJ_ARRAY_LEN(fn_rows); r++) {
+		fn_op = fn_rows[r].op;
+		ck_assert_int_eq(ej_ops[fn_op].n_in, fn_rows[r].n_in);
+		ck_assert(ej_ops[fn_op].flags & EJ_OPF_POINTWISE);
+		ck_assert_str_eq(ej_ops[fn_op].name, fn_rows[r].name);
+		epj_dtype dts[2] = { EPJ_DTYPE_F32, EPJ_DTYPE_F64 };
+		for (int d = 0; d < 2; d++) {
+			assert_fn_row_printed((int)r, dts[d]);
+			int64_t sh[2] = { 7, 11 };
+			epj_tensor *in[2] = { NULL, NULL };
+			for (int i = 0; i < fn_rows[r].n_in; i++) {
+				in[i] = tu_randn(ctx, dts[d], 2, sh);
+				for (int64_t e = 0; e < 77; e++)
+					epj_tensor_set_f64(
+					    in[i], e,
+					    fabs(epj_tensor_get_f64(in[i], e)) +
+						0.05);
+			}
+			case_res cr =
+			    run_case(ctx, f_fn_row, in, fn_rows[r].n_in,
+				     fn_rows[r].grad, fn_rows[r].name);
+			/* the compiled arm ran generated code: one kernel */
+			ck_assert_int_eq(cr.fwd_kernels, 1);
+			ck_assert_int_eq(cr.fwd_extern, 0);
+			ck_assert_int_ge(cr.c_fwd, 1);
+			for (int i = 0; i < fn_rows[r].n_in; i++)
+				epj_tensor_free(in[i]);
+		}
+	}
+	/* the kernel IR names the opcodes of these rows after their ops */
+	static const struct {
+		ej_kop k;
+		const char *name;
+	} names[] = { { EJ_K_EXP, "exp" },
+		      { EJ_K_RSQRT, "rsqrt" },
+		      { EJ_K_SILU_BACKWARD, "silu_backward" } };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(names); i++)
+		ck_assert_str_eq(ej_kop_name(names[i].k), names[i].name);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
 /* The CUDA C of a one-node graph, op applied to one f32 input of shape
  * [rows, cols], as ej_print_cuda prints it; malloc'ed. */
 static char *one_op_cuda(int op, int64_t rows, int64_t cols)
@@ -1195,6 +1311,7 @@ Suite *make_codegen_suite(void)
 	tcase_add_test(tc, test_cache_hit);
 	tcase_add_test(tc, test_large);
 	tcase_add_test(tc, test_special);
+	tcase_add_test(tc, test_fn_rows);
 	tcase_add_test(tc, test_index_width);
 	suite_add_tcase(s, tc);
 	return s;

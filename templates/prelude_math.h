@@ -3,6 +3,10 @@
  * as lib/ops_pointwise.c writes it (same expressions, same float/double
  * functions), so generated kernels round like the op table's kernels.
  *
+ * Each EJ_OP_FN row of lib/ops.def (ops named "name") has its scalar
+ * functions here, ej_<name>_f and ej_<name>_d, which generated kernels
+ * call (jit/kir.c).
+ *
  * EJ_PRELUDE_MATH is a string literal the preludes paste where they want
  * it; each prelude defines EJ_SF, the qualifiers of a scalar function in
  * its language, before it (C: static inline; CUDA: __device__
@@ -12,6 +16,54 @@
 #define EPJIT_PRELUDE_MATH_H
 
 #define EJ_PRELUDE_MATH                                                        \
+	"EJ_SF float ej_neg_f(float x)\n"                                      \
+	"{\n"                                                                  \
+	"\treturn -x;\n"                                                       \
+	"}\n"                                                                  \
+	"EJ_SF double ej_neg_d(double x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn -x;\n"                                                       \
+	"}\n"                                                                  \
+	"EJ_SF float ej_exp_f(float x)\n"                                      \
+	"{\n"                                                                  \
+	"\treturn expf(x);\n"                                                  \
+	"}\n"                                                                  \
+	"EJ_SF double ej_exp_d(double x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn exp(x);\n"                                                   \
+	"}\n"                                                                  \
+	"EJ_SF float ej_log_f(float x)\n"                                      \
+	"{\n"                                                                  \
+	"\treturn logf(x);\n"                                                  \
+	"}\n"                                                                  \
+	"EJ_SF double ej_log_d(double x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn log(x);\n"                                                   \
+	"}\n"                                                                  \
+	"EJ_SF float ej_sqrt_f(float x)\n"                                     \
+	"{\n"                                                                  \
+	"\treturn sqrtf(x);\n"                                                 \
+	"}\n"                                                                  \
+	"EJ_SF double ej_sqrt_d(double x)\n"                                   \
+	"{\n"                                                                  \
+	"\treturn sqrt(x);\n"                                                  \
+	"}\n"                                                                  \
+	"EJ_SF float ej_rsqrt_f(float x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn 1.0f / sqrtf(x);\n"                                          \
+	"}\n"                                                                  \
+	"EJ_SF double ej_rsqrt_d(double x)\n"                                  \
+	"{\n"                                                                  \
+	"\treturn 1.0 / sqrt(x);\n"                                            \
+	"}\n"                                                                  \
+	"EJ_SF float ej_tanh_f(float x)\n"                                     \
+	"{\n"                                                                  \
+	"\treturn tanhf(x);\n"                                                 \
+	"}\n"                                                                  \
+	"EJ_SF double ej_tanh_d(double x)\n"                                   \
+	"{\n"                                                                  \
+	"\treturn tanh(x);\n"                                                  \
+	"}\n"                                                                  \
 	"EJ_SF float ej_silu_f(float x)\n"                                     \
 	"{\n"                                                                  \
 	"\treturn x / (1.0f + expf(-x));\n"                                    \
@@ -39,25 +91,25 @@
 	"\treturn 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));\n"        \
 	"}\n"                                                                  \
 	"/* g s (1 + x (1 - s)), s = sigmoid(x) */\n"                          \
-	"EJ_SF float ej_silu_bw_f(float g, float x)\n"                         \
+	"EJ_SF float ej_silu_backward_f(float g, float x)\n"                   \
 	"{\n"                                                                  \
 	"\tfloat sg = 1.0f / (1.0f + expf(-x));\n"                             \
 	"\treturn g * sg * (1.0f + x * (1.0f - sg));\n"                        \
 	"}\n"                                                                  \
-	"EJ_SF double ej_silu_bw_d(double g, double x)\n"                      \
+	"EJ_SF double ej_silu_backward_d(double g, double x)\n"                \
 	"{\n"                                                                  \
 	"\tdouble sg = 1.0 / (1.0 + exp(-x));\n"                               \
 	"\treturn g * sg * (1.0 + x * (1.0 - sg));\n"                          \
 	"}\n"                                                                  \
 	"/* g (Phi(x) + x phi(x)) */\n"                                        \
-	"EJ_SF float ej_gelu_bw_f(float g, float x)\n"                         \
+	"EJ_SF float ej_gelu_backward_f(float g, float x)\n"                   \
 	"{\n"                                                                  \
 	"\tfloat cdf = 0.5f * (1.0f + erff(x * "                               \
 	"(float)0.70710678118654752440));\n"                                   \
 	"\tfloat pdf = expf(-0.5f * x * x) * (float)0.39894228040143267794;\n" \
 	"\treturn g * (cdf + x * pdf);\n"                                      \
 	"}\n"                                                                  \
-	"EJ_SF double ej_gelu_bw_d(double g, double x)\n"                      \
+	"EJ_SF double ej_gelu_backward_d(double g, double x)\n"                \
 	"{\n"                                                                  \
 	"\tdouble cdf = 0.5 * (1.0 + erf(x * 0.70710678118654752440));\n"      \
 	"\tdouble pdf = exp(-0.5 * x * x) * 0.39894228040143267794;\n"         \
