@@ -78,12 +78,12 @@ char *ej_arena_printf(ej_arena *a, const char *fmt, ...)
 
 /* ---- string buffer ------------------------------------------------------- */
 
-void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
+void ej_sb_vprintf(ej_sbuf *s, const char *fmt, va_list ap)
 {
-	va_list ap;
-	va_start(ap, fmt);
-	int n = vsnprintf(NULL, 0, fmt, ap);
-	va_end(ap);
+	va_list aq;
+	va_copy(aq, ap);
+	int n = vsnprintf(NULL, 0, fmt, aq);
+	va_end(aq);
 	EJ_ASSERT(n >= 0);
 	if (s->len + (size_t)n + 1 > s->cap) {
 		size_t nc = s->cap ? s->cap * 2 : 4096;
@@ -94,10 +94,16 @@ void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
 		s->p = p;
 		s->cap = nc;
 	}
-	va_start(ap, fmt);
 	vsnprintf(s->p + s->len, (size_t)n + 1, fmt, ap);
-	va_end(ap);
 	s->len += (size_t)n;
+}
+
+void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	ej_sb_vprintf(s, fmt, ap);
+	va_end(ap);
 }
 
 void ej_sb_puts(ej_sbuf *s, const char *str)

@@ -17,6 +17,7 @@
 
 #include "jit.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 /* ---- arena ------------------------------------------------------------- */
@@ -39,6 +40,7 @@ typedef struct ej_sbuf {
 
 void ej_sb_printf(ej_sbuf *s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+void ej_sb_vprintf(ej_sbuf *s, const char *fmt, va_list ap);
 void ej_sb_puts(ej_sbuf *s, const char *str);
 /* Moves the text into the arena and frees the buffer. */
 const char *ej_sb_finish(ej_sbuf *s, ej_arena *A);

@@ -818,14 +818,14 @@ void ej_kpr_fini(ej_kpr *p)
 
 void ej_kpr_line(ej_kpr *p, const char *fmt, ...)
 {
-	char buf[1024];
+	/* no length limit: a cut line would be code that means something
+	 * else, or does not compile */
 	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(buf, sizeof buf, fmt, ap);
-	va_end(ap);
 	for (int i = 0; i < p->ind; i++)
 		ej_sb_puts(p->s, "\t");
-	ej_sb_puts(p->s, buf);
+	va_start(ap, fmt);
+	ej_sb_vprintf(p->s, fmt, ap);
+	va_end(ap);
 	ej_sb_puts(p->s, "\n");
 }
 

@@ -43,6 +43,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #define CU_PW_TPB   256
 #define CU_MAX_GRID 65535u
@@ -317,27 +318,27 @@ static void print_pointwise(cu *c)
 		ej_kpr_line(&c->p, "const %s j1 = j0 + 1;", c->idx);
 		pw_scalar_lanes(c, "j0", "j1");
 	} else {
-		/* vector path: full vector, unit column strides, aligned */
-		char cond[2048];
-		size_t used =
-		    (size_t)snprintf(cond, sizeof cond, "j0 + %d <= %lld", V,
-				     (long long)k->cols);
+		/* vector path: full vector, unit column strides, aligned;
+		 * one test per elementwise input and per output, however
+		 * many (the condition has no length limit: a missing test
+		 * would let a misaligned view take the vector loads) */
+		ej_sbuf cond = { 0 };
+		ej_sb_printf(&cond, "j0 + %d <= %lld", V, (long long)k->cols);
 		for (int x = 0; x < k->n_acc; x++)
-			if (k->acc[x].elem && used + 96 < sizeof cond)
-				used += (size_t)snprintf(
-				    cond + used, sizeof cond - used,
+			if (k->acc[x].elem)
+				ej_sb_printf(
+				    &cond,
 				    " && s%d_%d == 1 && ej_aligned(in%d + b%d "
-				    "+ "
-				    "j0, %zu)",
+				    "+ j0, %zu)",
 				    x, k->rank - 1, k->acc[x].input, x,
 				    (size_t)V *
 					dt_size(k->in[k->acc[x].input].dtype));
-		for (int o = 0; o < k->n_out && used + 64 < sizeof cond; o++)
-			used += (size_t)snprintf(
-			    cond + used, sizeof cond - used,
-			    " && ej_aligned(out%d + ob + j0, %zu)", k->n_in + o,
-			    (size_t)V * dt_size(k->out[o].dtype));
-		ej_kpr_line(&c->p, "if (%s) {", cond);
+		for (int o = 0; o < k->n_out; o++)
+			ej_sb_printf(
+			    &cond, " && ej_aligned(out%d + ob + j0, %zu)",
+			    k->n_in + o, (size_t)V * dt_size(k->out[o].dtype));
+		ej_kpr_line(&c->p, "if (%s) {", cond.p);
+		free(cond.p);
 		c->p.ind++;
 		pw_vector(c);
 		c->p.ind--;

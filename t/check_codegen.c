@@ -1293,11 +1293,65 @@ START_TEST(test_index_width)
 }
 END_TEST
 
+/* The vector path of a pointwise kernel tests every elementwise input and
+ * every output for alignment, however many there are: a sum of 48 inputs
+ * (each test is about 70 characters: over 3 KiB of condition, more than a
+ * fixed buffer held before) prints one ej_aligned test per input and one
+ * for the output, on one line. */
+START_TEST(test_align_guard_every_input)
+{
+	enum { NIN = 48 };
+	int64_t shape[2] = { 3, 64 };
+	ej_graph *g = ej_graph_new("align guard");
+	ej_meta m;
+	memset(&m, 0, sizeof m);
+	m.dtype = EPJ_DTYPE_F32;
+	m.ndim = 2;
+	memcpy(m.shape, shape, sizeof shape);
+	int acc = ej_graph_add_input(g, EJ_IN_ACT, 0, EPJ_DTYPE_F32, 2, shape);
+	for (int i = 1; i < NIN; i++) {
+		int x = ej_graph_add_input(g, EJ_IN_ACT, i, EPJ_DTYPE_F32, 2,
+					   shape);
+		int ab[2] = { acc, x };
+		ej_attrs a = { 0 };
+		int n = ej_graph_add_node(g, EJ_OP_ADD, &a, ab, 2, &m, 1);
+		acc = g->nodes[n].out[0];
+	}
+	ej_graph_add_output(g, acc);
+	ej_arena *A = ej_arena_new();
+	ej_schedule *s = ej_sched_build(A, g);
+	ck_assert_int_eq(s->n_kernels, 1);
+	ck_assert_int_eq(s->kernels[0]->n_in, NIN);
+	const char *src = ej_print_cuda(A, s, "align_guard");
+	const char *line = strstr(src, "if (j0 + ");
+	ck_assert_msg(line, "no vector path in:%.600s", src);
+	const char *eol = strchr(line, '\n');
+	ck_assert_ptr_nonnull(eol);
+	char want[96];
+	for (int i = 0; i < NIN; i++) {
+		snprintf(want, sizeof want, "ej_aligned(in%d + b", i);
+		const char *at = strstr(line, want);
+		ck_assert_msg(at && at < eol,
+			      "input %d has no alignment test on the vector "
+			      "path's line (%zu characters)",
+			      i, (size_t)(eol - line));
+	}
+	snprintf(want, sizeof want, "ej_aligned(out%d + ob + j0", NIN);
+	const char *at = strstr(line, want);
+	ck_assert_msg(at && at < eol, "the output has no alignment test");
+	ck_assert_msg(eol[-1] == '{', "the condition line is cut: ...%.40s",
+		      eol - 40);
+	ej_arena_free(A);
+	ej_graph_free(g);
+}
+END_TEST
+
 Suite *make_codegen_suite(void)
 {
 	Suite *s = suite_create("codegen");
 	TCase *tc = tcase_create("codegen");
 	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_align_guard_every_input);
 	tcase_add_loop_test(tc, test_rmsnorm, 0, 3);
 	tcase_add_loop_test(tc, test_rope, 0, 3);
 	tcase_add_loop_test(tc, test_rope_unit, 0, 3);
