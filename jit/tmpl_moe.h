@@ -155,12 +155,27 @@ typedef struct ej_tmpl_optim {
 	epj_dtype grad_dtype, model_dtype; /* f32 or bf16 each */
 } ej_tmpl_optim;
 
+/* A device copy of the descriptors of a multi-tensor launch, kept by the
+ * caller from step to step: one per launch site (the step, the norm).
+ * The descriptors are copied to the device only when they differ from the
+ * last call's (the parameters moved, or were added), so a steady-state
+ * step copies none (counters optim.table_uploads, optim.table_reused).
+ * _free releases the device block through ctx's allocator (NULL ok). */
+typedef struct ej_tmpl_optim_table ej_tmpl_optim_table;
+/* Room for n descriptors on ctx's device is taken now (grown later when a
+ * call needs more, or moved when its module is on another device); NULL
+ * with the error in ctx. */
+ej_tmpl_optim_table *ej_tmpl_optim_table_new(epj_ctx *ctx, int n);
+void ej_tmpl_optim_table_free(epj_ctx *ctx, ej_tmpl_optim_table *tab);
+
 /* One launch updates all n tensors t[0..n): SGD or Adam/AdamW with
- * runtime/optim.c's formulas (same bits on cuda-sim).  Its descriptors go
- * to the device in one copy; its scratch comes from ctx's allocator. */
+ * runtime/optim.c's formulas (same bits on cuda-sim).  Its descriptors
+ * (n of them, whatever the number of blocks) live in tab (NULL: copied
+ * for this call only); its scratch comes from ctx's allocator. */
 epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
 			      const ej_tmpl_optim *o,
-			      const ej_tmpl_optim_tensor *t, int n);
+			      const ej_tmpl_optim_tensor *t, int n,
+			      ej_tmpl_optim_table *tab);
 
 /* n gradient spans on the device: n elements (f32 or bf16) from grad. */
 typedef struct ej_tmpl_optim_span {
@@ -172,11 +187,13 @@ typedef struct ej_tmpl_optim_span {
  * one partial sum per 2048-element chunk, then the partials in order (two
  * launches, a fixed order: the same value for any block order).  The sum
  * is the one value copied back to the host (8 bytes; the copy waits for
- * the kernels).  It differs from runtime/optim.c's chunked CPU sum by
+ * the kernels; its descriptors live in tab as for the step).  It differs
+ * from runtime/optim.c's chunked CPU sum by
  * rounding only.  *ss = 0 for no elements. */
 epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
 			       epj_dtype grad_dtype,
-			       const ej_tmpl_optim_span *s, int n, double *ss);
+			       const ej_tmpl_optim_span *s, int n,
+			       ej_tmpl_optim_table *tab, double *ss);
 
 /* ---- eager adapters (op table) ----------------------------------------- */
 

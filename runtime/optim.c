@@ -89,6 +89,9 @@ struct ej_optim {
 	 * template launch sums on the device ([n]) */
 	ej_tmpl_optim_span *spans;
 	int n_spans;
+	/* the device copies of the step's and the norm's descriptors, kept
+	 * from step to step (cuda) */
+	ej_tmpl_optim_table *step_tab, *norm_tab;
 	bool dist; /* more than one rank: see ej_optim_dist */
 	ej_optim_dist d;
 	float *gshard;	 /* stage 2 scratch: the reduced gradient shard */
@@ -333,6 +336,14 @@ ej_optim *ej_optim_new_dist(epj_ctx *ctx, const ej_config *cfg,
 	o->state = calloc((size_t)(n > 0 ? 3 * n : 1), sizeof *o->state);
 	o->partial = malloc(sizeof *o->partial * (size_t)max_chunks);
 	o->spans = malloc(sizeof *o->spans * (size_t)(n > 0 ? n : 1));
+	if (!ctx->dev->host_visible) {
+		o->step_tab = ej_tmpl_optim_table_new(ctx, n);
+		o->norm_tab = ej_tmpl_optim_table_new(ctx, n);
+		if (!o->step_tab || !o->norm_tab) {
+			ej_optim_free(o);
+			return NULL;
+		}
+	}
 	if (!o->p || !o->state || !o->partial || !o->spans) {
 		ej_error(ctx, EPJ_ERR_NOMEM,
 			 "optim: out of memory for %d "
@@ -418,6 +429,8 @@ void ej_optim_free(ej_optim *o)
 	free(o->state);
 	free(o->partial);
 	free(o->spans);
+	ej_tmpl_optim_table_free(o->ctx, o->step_tab);
+	ej_tmpl_optim_table_free(o->ctx, o->norm_tab);
 	free(o->gshard);
 	free(o->gather);
 	free(o->counts);
@@ -920,7 +933,8 @@ static epj_status device_update(ej_optim *o, double lr, double gs, int64_t t)
 			     .grad_dtype = EPJ_DTYPE_F32,
 			     .model_dtype = EPJ_DTYPE_BF16 };
 	if (st == EPJ_OK)
-		st = ej_tmpl_optim_step(ctx, ctx->dev->name, &hp, d, n);
+		st = ej_tmpl_optim_step(ctx, ctx->dev->name, &hp, d, n,
+					o->step_tab);
 	free(d);
 	if (st != EPJ_OK)
 		ej_error_prefix(ctx, "optim step on %s", ctx->dev->name);
@@ -946,8 +960,9 @@ static epj_status device_sum_sq(ej_optim *o, double *ss)
 {
 	epj_ctx *ctx = o->ctx;
 	double part = 0;
-	epj_status st = ej_tmpl_optim_sumsq(ctx, ctx->dev->name, EPJ_DTYPE_F32,
-					    o->spans, o->n_spans, &part);
+	epj_status st =
+	    ej_tmpl_optim_sumsq(ctx, ctx->dev->name, EPJ_DTYPE_F32, o->spans,
+				o->n_spans, o->norm_tab, &part);
 	o->n_spans = 0;
 	if (st != EPJ_OK) {
 		ej_error_prefix(ctx, "optim step: gradient norm on %s",

@@ -39,6 +39,8 @@
 #include "optim_impl.h"
 #include "tmpl_moe.h"
 
+#include "templates/args.h"
+
 /* ---- the driver's counts ---------------------------------------------- */
 
 typedef struct drv {
@@ -232,7 +234,22 @@ START_TEST(test_step_steady)
 			      "beyond a forward + backward (%lld): the "
 			      "optimizer copies the norm only",
 			      s, (long long)opt, (long long)g.fb.d2h);
+		/* and sends at most its descriptors, one per parameter for
+		 * the norm and one for the update, whatever the sizes
+		 * (before, 16 bytes per 2048 elements more) */
+		int64_t oh = d->h2d - g.fb.h2d;
+		int64_t oh_max = 2 * (int64_t)g.n_params *
+				 (int64_t)sizeof(struct ej_optim_tensor);
+		ck_assert_msg(
+		    oh <= oh_max,
+		    "steady step %d: %lld bytes copied to the device "
+		    "beyond a forward + backward (%lld), at most %lld",
+		    s, (long long)oh, (long long)g.fb.h2d, (long long)oh_max);
 	}
+	/* bf16: the gradients accumulate in kept f32 buffers, so the
+	 * descriptors do not change after the first step: copied once */
+	if (bf16)
+		ck_assert_int_eq(epj_counter_get(gc, "optim.table_uploads"), 2);
 	ck_assert_int_eq(epj_counter_get(gc, "kernels.eager_cpu_fallback"), 0);
 	ck_assert_int_eq(epj_counter_get(gc, "optim.steps.device"), STEPS);
 	ck_assert_int_eq(epj_counter_get(gc, "optim.grad_norm.device"), STEPS);
@@ -384,6 +401,13 @@ START_TEST(test_norm_random)
 		ck_assert_msg(d.d2h <= 64,
 			      "step %d: %lld bytes copied to the host", s,
 			      (long long)d.d2h);
+		/* the descriptors go to the device (new gradients: new
+		 * pointers), one per parameter for the norm and one for
+		 * the update, however many 2048-element blocks each has */
+		ck_assert_msg(
+		    d.h2d <= 2 * NP * (int64_t)sizeof(struct ej_optim_tensor),
+		    "step %d: %lld bytes copied to the device", s,
+		    (long long)d.h2d);
 		if (s > 0)
 			ck_assert_msg(d.alloc == 0 && d.free == 0,
 				      "step %d: %lld cuMemAlloc, %lld "
@@ -449,7 +473,11 @@ START_TEST(test_sumsq_sim)
 		void *buf[6];
 		double want = 0;
 		for (int i = 0; i < n; i++) {
-			int64_t len = i == 0 ? 0 : tu_randint(1, 5000);
+			/* empty spans anywhere: a block's search for its
+			 * tensor passes over them */
+			int64_t len = i == 0 || tu_randint(0, 3) == 0
+					  ? 0
+					  : tu_randint(1, 5000);
 			size_t es = dt ? 2 : 4;
 			buf[i] = malloc(es * (size_t)(len ? len : 1));
 			ck_assert_ptr_nonnull(buf[i]);
@@ -469,27 +497,46 @@ START_TEST(test_sumsq_sim)
 			sp[i].grad = buf[i];
 			sp[i].n = len;
 		}
-		double ss = -1;
-		ck_assert_msg(ej_tmpl_optim_sumsq(ctx, "cuda-sim", gdt, sp, n,
-						  &ss) == EPJ_OK,
-			      "%s", epj_ctx_error(ctx));
-		ck_assert_msg(fabs(ss - want) <= 1e-12 * want,
-			      "%s: sum of squares %.17g, reference %.17g",
-			      epj_dtype_name(gdt), ss, want);
+		/* the same spans twice through one kept table (the second
+		 * call copies nothing), then through none */
+		ej_tmpl_optim_table *tab = ej_tmpl_optim_table_new(ctx, 0);
+		ck_assert_ptr_nonnull(tab);
+		for (int rep = 0; rep < 3; rep++) {
+			int64_t up =
+			    epj_counter_get(ctx, "optim.table_uploads");
+			int64_t re = epj_counter_get(ctx, "optim.table_reused");
+			double ss = -1;
+			ck_assert_msg(ej_tmpl_optim_sumsq(
+					  ctx, "cuda-sim", gdt, sp, n,
+					  rep < 2 ? tab : NULL, &ss) == EPJ_OK,
+				      "%s", epj_ctx_error(ctx));
+			ck_assert_msg(fabs(ss - want) <= 1e-12 * want,
+				      "%s: sum of squares %.17g, reference "
+				      "%.17g (call %d)",
+				      epj_dtype_name(gdt), ss, want, rep);
+			bool any = want > 0;
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "optim.table_uploads") - up,
+			    any && rep == 0);
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "optim.table_reused") - re,
+			    any && rep == 1);
+		}
 		double z = -1;
 		ck_assert_int_eq(
-		    ej_tmpl_optim_sumsq(ctx, "cuda-sim", gdt, sp, 1, &z),
+		    ej_tmpl_optim_sumsq(ctx, "cuda-sim", gdt, sp, 1, tab, &z),
 		    EPJ_OK);
 		ck_assert(z == 0); /* only the empty span */
+		ej_tmpl_optim_table_free(ctx, tab);
 		for (int i = 0; i < n; i++)
 			free(buf[i]);
 	}
 	/* refused: another dtype */
 	double ss;
 	ej_tmpl_optim_span one = { "", 0 };
-	ck_assert_int_eq(
-	    ej_tmpl_optim_sumsq(ctx, "cuda-sim", EPJ_DTYPE_F64, &one, 1, &ss),
-	    EPJ_ERR_DTYPE);
+	ck_assert_int_eq(ej_tmpl_optim_sumsq(ctx, "cuda-sim", EPJ_DTYPE_F64,
+					     &one, 1, NULL, &ss),
+			 EPJ_ERR_DTYPE);
 	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE,
 			    TU_STRS("gradient norm", "f64"));
 	epj_ctx_free(ctx);

@@ -822,6 +822,9 @@ START_TEST(test_optim)
 		params[p] = tu_randn(ctx, cases[c].pdt, 1, &sizes[p]);
 	ej_optim *o = ej_optim_new(ctx, &cfg, params, names, OPT_P);
 	tu_ok(ctx, o);
+	/* odd cases keep the descriptors in one table over the steps */
+	ej_tmpl_optim_table *tab = ej_tmpl_optim_table_new(ctx, 0);
+	ck_assert_ptr_nonnull(tab);
 	/* the template's own copies: master, state, model, gradient */
 	float *master[OPT_P], *s1[OPT_P], *s2[OPT_P], *gf[OPT_P];
 	uint16_t *model[OPT_P], *gb[OPT_P];
@@ -879,8 +882,8 @@ START_TEST(test_optim)
 				     .step = s,
 				     .grad_dtype = cases[c].pdt,
 				     .model_dtype = EPJ_DTYPE_BF16 };
-		ck_assert_msg(ej_tmpl_optim_step(ctx, DEV, &hp, t, OPT_P) ==
-				  EPJ_OK,
+		ck_assert_msg(ej_tmpl_optim_step(ctx, DEV, &hp, t, OPT_P,
+						 c % 2 ? tab : NULL) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
 		for (int p = 0; p < OPT_P; p++) {
 			const float *cm = ej_data(ej_optim_master(o, p));
@@ -904,6 +907,7 @@ START_TEST(test_optim)
 	/* (a state that differed would show in the masters of the steps
 	 * after the first) */
 	ck_assert_msg(moved, "case %d: the first step changed nothing", c);
+	ej_tmpl_optim_table_free(ctx, tab);
 	ej_optim_free(o);
 	for (int p = 0; p < OPT_P; p++) {
 		epj_tensor_free(params[p]);
@@ -1127,15 +1131,15 @@ START_TEST(test_errors)
 			     .grad_dtype = EPJ_DTYPE_F32,
 			     .model_dtype = EPJ_DTYPE_F32 };
 	ej_tmpl_optim_tensor t = { p, w, NULL, NULL, NULL, 2 };
-	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1),
+	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1, NULL),
 			 EPJ_ERR_INVALID);
 	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("step 0"));
 	hp.step = 1;
-	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1),
+	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1, NULL),
 			 EPJ_ERR_INVALID);
 	tu_assert_ctx_error(ctx, EPJ_ERR_INVALID, TU_STRS("exp_avg"));
 	hp.grad_dtype = EPJ_DTYPE_F64;
-	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1),
+	ck_assert_int_eq(ej_tmpl_optim_step(ctx, DEV, &hp, &t, 1, NULL),
 			 EPJ_ERR_DTYPE);
 	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("gradient f64"));
 	epj_ctx_free(ctx);

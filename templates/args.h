@@ -151,7 +151,12 @@ struct ej_ce_args {
 /* ---- templates/optim.cuh ---- */
 /* The *_in pointers are read, the others written; they are equal for an
  * update in place (cuda), distinct on cuda-sim, whose host API snapshots
- * the inputs so that every written buffer is a checked output. */
+ * the inputs so that every written buffer is a checked output.  `first`
+ * is the tensor's first block: tensor i owns blocks [first_i, first_{i+1})
+ * (ceil(n / chunk) of them; the last tensor up to gridDim.x), and a block
+ * finds its tensor by a binary search over the descriptors, so the table
+ * is n descriptors whatever the number of blocks, and stays the same from
+ * step to step (the host keeps it on the device). */
 struct ej_optim_tensor {
 	const float *master_in, *s1_in, *s2_in;
 	float *master;	  /* [n] */
@@ -160,16 +165,12 @@ struct ej_optim_tensor {
 	float *s2;	  /* exp_avg_sq [n] (Adam) */
 	void *model;	  /* [n] model copy (dtype mdt) or NULL */
 	long long n;
-};
-
-struct ej_optim_item {
-	int tensor;
-	long long first;
+	long long first; /* the tensor's first block */
 };
 
 struct ej_optim_args {
-	const struct ej_optim_tensor *t;
-	const struct ej_optim_item *items; /* [gridDim.x] */
+	const struct ej_optim_tensor *t; /* [n_t] */
+	int n_t;
 	long long chunk;
 	int adam; /* 0: SGD, 1: Adam/AdamW */
 	int gdt, mdt;
@@ -180,13 +181,13 @@ struct ej_optim_args {
 };
 
 struct ej_optim_sumsq_args {
-	const struct ej_optim_tensor *t;   /* grad and n are read */
-	const struct ej_optim_item *items; /* [n_items] */
+	const struct ej_optim_tensor *t; /* [n_t]; grad, n, first are read */
+	int n_t;
 	long long chunk;
 	int gdt;
-	long long n_items;
-	double *partial; /* [n_items] */
-	double *out;	 /* [1] */
+	long long n_items; /* blocks of ej_optim_sumsq */
+	double *partial;   /* [n_items] */
+	double *out;	   /* [1] */
 };
 
 /* ---- templates/copy.cuh ---- */

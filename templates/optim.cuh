@@ -1,11 +1,13 @@
 /* optim.cuh -- SGD and AdamW/Adam steps over FP32 master weights on the CUDA
  * devices, multi-tensor: one launch updates a whole group of parameters.
  *
- * The host (jit/tmpl_moe.c) passes an array of tensor descriptors and a
- * table of work items, one per block: item b = (tensor t, first element);
- * block b updates elements [first, first + chunk) of tensor t (clipped to
- * its length), its threads striding over the chunk.  Every element is
- * independent, so any block or thread order gives the same bits.
+ * The host (jit/tmpl_moe.c) passes an array of tensor descriptors, each
+ * with its first block: block b belongs to the last tensor t whose first
+ * block is <= b (a binary search, ej_optim_find) and updates elements
+ * [(b - first_t) chunk, + chunk) of it (clipped to its length), its threads
+ * striding over the chunk.  Every element is independent, so any block or
+ * thread order gives the same bits.  The descriptors do not change from
+ * step to step, so the host uploads them once and keeps them.
  *
  * The formulas are runtime/optim.c's, per element in double from f32
  * storage, with the same operation order; the products and sums go through
@@ -23,7 +25,7 @@
  * round to nearest even).
  *
  * The squared norm of the gradients (for the global-norm clipping) runs
- * over the same descriptors and items, reading grad and n only:
+ * over descriptors of the same layout, reading grad, n and first only:
  *   ej_optim_sumsq        block b: partial[b] = sum of grad^2 over item b,
  *                         in double, reduced by ej_block_sum;
  *   ej_optim_sumsq_total  ONE block: *out = sum of partial[0 .. n_items).
@@ -41,13 +43,29 @@
 #define ej_os(a, b) __dsub_rn((a), (b))
 #endif
 
+/* The descriptor of the tensor that owns block b: the last of t[0..n)
+ * whose first block is <= b (t[0].first is 0). */
+static __device__ int ej_optim_find(const struct ej_optim_tensor *t, int n,
+				    long long b)
+{
+	int lo = 0, hi = n - 1;
+	while (lo < hi) {
+		int mid = (lo + hi + 1) / 2;
+		if (t[mid].first <= b)
+			lo = mid;
+		else
+			hi = mid - 1;
+	}
+	return lo;
+}
+
 extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
 {
-	const struct ej_optim_item it = a.items[blockIdx.x];
-	const struct ej_optim_tensor T = a.t[it.tensor];
-	const long long hi =
-	    it.first + a.chunk < T.n ? it.first + a.chunk : T.n;
-	for (long long k = it.first + threadIdx.x; k < hi; k += blockDim.x) {
+	const struct ej_optim_tensor T =
+	    a.t[ej_optim_find(a.t, a.n_t, blockIdx.x)];
+	const long long first = (blockIdx.x - T.first) * a.chunk;
+	const long long hi = first + a.chunk < T.n ? first + a.chunk : T.n;
+	for (long long k = first + threadIdx.x; k < hi; k += blockDim.x) {
 		double pk = T.master_in[k];
 		double gr = a.gdt == 1
 				? (double)ej_bf2f(((const ej_bf16 *)T.grad)[k])
@@ -90,12 +108,12 @@ extern "C" __global__ void ej_optim_step(const struct ej_optim_args a)
 extern "C" __global__ void ej_optim_sumsq(const struct ej_optim_sumsq_args a)
 {
 	__shared__ double sh[32];
-	const struct ej_optim_item it = a.items[blockIdx.x];
-	const struct ej_optim_tensor T = a.t[it.tensor];
-	const long long hi =
-	    it.first + a.chunk < T.n ? it.first + a.chunk : T.n;
+	const struct ej_optim_tensor T =
+	    a.t[ej_optim_find(a.t, a.n_t, blockIdx.x)];
+	const long long first = (blockIdx.x - T.first) * a.chunk;
+	const long long hi = first + a.chunk < T.n ? first + a.chunk : T.n;
 	double s = 0;
-	for (long long k = it.first + threadIdx.x; k < hi; k += blockDim.x) {
+	for (long long k = first + threadIdx.x; k < hi; k += blockDim.x) {
 		double g = a.gdt == 1
 			       ? (double)ej_bf2f(((const ej_bf16 *)T.grad)[k])
 			       : (double)((const float *)T.grad)[k];
