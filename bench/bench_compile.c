@@ -16,13 +16,18 @@
  *     the first step), their ratio,
  *   - with --cache-dir, the compile time of a second process on a warm disk
  *     cache relative to the cold one.
- * Checks nothing but that the run works; timed claims live here only.
+ * It also checks what the times are times of: every step's mean loss is
+ * recorded per arm (the arms start from the same weights and read the same
+ * batches), printed, and must be finite and agree between the arms to
+ * --loss-tol relative (default 0.02: bf16 rounding over a few steps; a
+ * wrong kernel is off by far more); otherwise it says LOSS MISMATCH and
+ * exits 1.  Timed claims live here only.
  *
  * Usage: bench-compile [--model FILE] [--model2 FILE] [--config FILE]
  *                      [--backend NAME] [--seq T] [--warmup N] [--steps N]
  *                      [--checkpointing] [--compile-only]
  *                      [--device DEV] [--layers N] [--no-compile-cost]
- *                      [--json FILE]
+ *                      [--json FILE] [--loss-tol X]
  *
  * --device runs both arms on another device (cuda-sim, cuda: the engine's
  * tensors and eager ops live there too); --layers N trains the --model
@@ -55,6 +60,7 @@
 typedef struct bopts {
 	const char *model, *model2, *config, *backend, *device, *json;
 	long seq, warmup, steps, layers;
+	double loss_tol;
 	bool checkpointing, compile_only, no_cost;
 	bool
 	    child; /* --child: only measure compile_cost of --model, print it */
@@ -84,6 +90,10 @@ typedef struct arm {
 	bool census;		    /* sum the driver counters (below) */
 	int64_t drv[N_DRV];	    /* their sums over the measured steps */
 	int64_t d2d;
+	int64_t d2d_graph, d2d_grad; /* of which: graph replay I/O, grads */
+	int64_t lib_calls;	     /* cuBLASLt GEMMs, NCCL calls */
+	double *loss;		     /* every step's mean loss, warm-up first */
+	long n_loss;
 } arm;
 
 static double clock_ms(clockid_t id)
@@ -232,6 +242,11 @@ static int arm_init(arm *a, const bopts *o, const char *model, bool compiled)
 		return die(a->ctx, "corpus");
 	a->wall = calloc((size_t)o->steps + 1, sizeof(double));
 	a->cpu = calloc((size_t)o->steps + 1, sizeof(double));
+	a->loss = calloc((size_t)(o->warmup + o->steps) + 2, sizeof(double));
+	if (!a->wall || !a->cpu || !a->loss) {
+		fprintf(stderr, PROG ": out of memory\n");
+		return 1;
+	}
 	return 0;
 }
 
@@ -239,6 +254,7 @@ static void arm_free(arm *a)
 {
 	free(a->wall);
 	free(a->cpu);
+	free(a->loss);
 	epj_counters_free(a->prof0);
 	epj_counters_free(a->prof);
 	epj_corpus_free(a->corpus);
@@ -339,6 +355,16 @@ static int64_t launches(epj_ctx *ctx)
 	       epj_counter_get(ctx, "kernels.launched.compiled");
 }
 
+/* Calls into the CUDA libraries whose kernels the driver counters do not
+ * see (they launch through their own runtime): cuBLASLt GEMMs, grouped
+ * GEMMs and NCCL collectives. */
+static int64_t lib_calls(epj_ctx *ctx)
+{
+	return epj_counter_get(ctx, "cublaslt.gemms") +
+	       epj_counter_get(ctx, "gemm.cublaslt_grouped") +
+	       epj_counter_get(ctx, "comm.nccl.calls");
+}
+
 /* One optimizer step (gas micro-batches); wall and cpu ms out. */
 static int step(arm *a, const bopts *o, double *wall, double *cpu)
 {
@@ -348,6 +374,10 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 	for (int i = 0; i < N_DRV; i++)
 		d0[i] = epj_counter_get(a->ctx, DRV_NAME[i]);
 	d0[N_DRV] = epj_counter_get(a->ctx, "cuda.bytes.d2d");
+	int64_t g0 = epj_counter_get(a->ctx, "cudagraph.copy_bytes"),
+		a0 = epj_counter_get(a->ctx, "autograd.grad_copy_bytes"),
+		l0 = lib_calls(a->ctx);
+	double loss = 0;
 	double w0 = clock_ms(CLOCK_MONOTONIC),
 	       c0 = clock_ms(CLOCK_PROCESS_CPUTIME_ID);
 	for (int64_t k = 0; k < gas; k++) {
@@ -362,7 +392,10 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 		epj_tensor_free(labels);
 		if (st != EPJ_OK)
 			return die(a->ctx, a->name);
+		loss += info.mean_loss / (double)gas;
 	}
+	if (a->loss)
+		a->loss[a->n_loss++] = loss;
 	*wall = clock_ms(CLOCK_MONOTONIC) - w0;
 	*cpu = clock_ms(CLOCK_PROCESS_CPUTIME_ID) - c0;
 	if (a->census) {
@@ -370,6 +403,11 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 			a->drv[i] +=
 			    epj_counter_get(a->ctx, DRV_NAME[i]) - d0[i];
 		a->d2d += epj_counter_get(a->ctx, "cuda.bytes.d2d") - d0[N_DRV];
+		a->d2d_graph +=
+		    epj_counter_get(a->ctx, "cudagraph.copy_bytes") - g0;
+		a->d2d_grad +=
+		    epj_counter_get(a->ctx, "autograd.grad_copy_bytes") - a0;
+		a->lib_calls += lib_calls(a->ctx) - l0;
 	}
 	return 0;
 }
@@ -442,7 +480,8 @@ static int parse(int argc, char **argv, bopts *o)
 		      .device = "cpu",
 		      .seq = 256,
 		      .warmup = 2,
-		      .steps = 6 };
+		      .steps = 6,
+		      .loss_tol = 0.02 };
 	for (int i = 1; i < argc; i++) {
 		const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(a, "--checkpointing"))
@@ -473,15 +512,22 @@ static int parse(int argc, char **argv, bopts *o)
 			o->warmup = atol(v), i++;
 		else if (v && !strcmp(a, "--steps"))
 			o->steps = atol(v), i++;
+		else if (v && !strcmp(a, "--loss-tol"))
+			o->loss_tol = atof(v), i++;
 		else {
 			fprintf(stderr,
 				"usage: " PROG " [--model F] [--model2 F] "
 				"[--config F] [--backend NAME] [--seq T] "
 				"[--warmup N] [--steps N] [--checkpointing] "
 				"[--compile-only] [--device DEV] [--layers N] "
-				"[--no-compile-cost] [--json FILE]\n");
+				"[--no-compile-cost] [--json FILE] "
+				"[--loss-tol X]\n");
 			return 2;
 		}
+	}
+	if (!(o->loss_tol >= 0) || !isfinite(o->loss_tol)) {
+		fprintf(stderr, PROG ": --loss-tol must be a number >= 0\n");
+		return 2;
 	}
 	if (o->seq < 1 || o->steps < 1 || o->warmup < 1 || o->layers < 0) {
 		fprintf(stderr, PROG ": --seq, --steps, --warmup must be >= 1, "
@@ -617,10 +663,51 @@ static void census(const arm *e, const arm *c, const bopts *o)
 	double x = (double)e->d2d / d, y = (double)c->d2d / d;
 	printf("%-26s %14.0f %14.0f %8.3f\n", "D2D bytes / step", x, y,
 	       x > 0 ? y / x : 0.0);
+	/* where the device copies come from */
+	printf("%-26s %14.0f %14.0f\n", "  of which CUDA-graph I/O",
+	       (double)e->d2d_graph / d, (double)c->d2d_graph / d);
+	printf("%-26s %14.0f %14.0f\n", "  of which gradient copies",
+	       (double)e->d2d_grad / d, (double)c->d2d_grad / d);
+	printf("%-26s %14.0f %14.0f\n", "library calls / step",
+	       (double)e->lib_calls / d, (double)c->lib_calls / d);
+	printf("  (cuBLASLt, cuBLAS and NCCL launch their kernels through "
+	       "their own runtime: the driver\n   counters above do not see "
+	       "them; each library call is one or more kernels more)\n");
 	double pe = (double)e->mem.peak_reserved / 1048576.0,
 	       pc = (double)c->mem.peak_reserved / 1048576.0;
 	printf("%-26s %14.1f %14.1f %8.3f\n", "peak device MiB", pe, pc,
 	       pe > 0 ? pc / pe : 0.0);
+}
+
+/* Every step's loss of both arms: printed, finite, equal to --loss-tol.
+ * Returns 0, or 1 with LOSS MISMATCH said. */
+static int check_losses(const arm *e, const arm *c, const bopts *o)
+{
+	int bad = 0;
+	printf("loss per step (warm-up first):\n");
+	printf("%-26s %14s %14s %8s\n", "", "eager", "compiled", "rel diff");
+	long n = e->n_loss < c->n_loss ? e->n_loss : c->n_loss;
+	for (long i = 0; i < n; i++) {
+		double le = e->loss[i], lc = c->loss[i];
+		double rel = fabs(le - lc) / (1.0 + fabs(le));
+		bool ok = isfinite(le) && isfinite(lc) && rel <= o->loss_tol;
+		char what[48];
+		snprintf(what, sizeof what, "step %ld%s", i + 1,
+			 i < o->warmup ? " (warm-up)" : "");
+		printf("  %-24s %14.6f %14.6f %8.1e%s\n", what, le, lc, rel,
+		       ok ? "" : "  <-");
+		bad += !ok;
+	}
+	if (bad || e->n_loss != c->n_loss || n == 0) {
+		printf("LOSS MISMATCH: %d of %ld steps non-finite or apart by "
+		       "more than %g relative (the timings above are of "
+		       "wrong results)\n",
+		       bad, n, o->loss_tol);
+		return 1;
+	}
+	printf("losses: finite, eager and compiled within %g relative\n",
+	       o->loss_tol);
+	return 0;
 }
 
 /* The two arms, side by side. */
@@ -690,6 +777,7 @@ static int arms(const bopts *op)
 	       (double)c.mem.peak_reserved / 1048576.0,
 	       (double)c.mem.peak_reserved / (double)e.mem.peak_reserved);
 	census(&e, &c, &o);
+	int loss_rc = check_losses(&e, &c, &o);
 	int64_t frames = epj_counter_get(c.ctx, "frames.total") - frames0;
 	printf("frames compiled in the measured window: %" PRId64 "\n", frames);
 	print_profile(&e, &c, o.steps);
@@ -711,12 +799,30 @@ static int arms(const bopts *op)
 		    "peak_reserved", (json_int_t)c.mem.peak_reserved,
 		    "launches_in_regions", cg, "frames_in_window",
 		    (json_int_t)frames);
+		json_t *le = json_array(), *lc = json_array();
+		for (long i = 0; i < e.n_loss; i++)
+			json_array_append_new(le, json_real(e.loss[i]));
+		for (long i = 0; i < c.n_loss; i++)
+			json_array_append_new(lc, json_real(c.loss[i]));
+		if (j) {
+			json_object_set_new(json_object_get(j, "eager"), "loss",
+					    le);
+			json_object_set_new(json_object_get(j, "compiled"),
+					    "loss", lc);
+			json_object_set_new(j, "losses_agree",
+					    json_boolean(!loss_rc));
+		} else {
+			json_decref(le);
+			json_decref(lc);
+		}
 		if (!j || json_dump_file(j, o.json, JSON_INDENT(1)) != 0) {
 			fprintf(stderr, PROG ": cannot write %s\n", o.json);
 			rc = 1;
 		}
 		json_decref(j);
 	}
+	if (!rc)
+		rc = loss_rc;
 out:
 	arm_free(&e);
 	arm_free(&c);

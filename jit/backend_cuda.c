@@ -510,6 +510,8 @@ static epj_status run_graph(epj_ctx *ctx, cstate *cs, epj_tensor *const *inputs,
 		if (ctx->dev != cs->vt)
 			epj_counter_add(ctx, "nvrtc.host_roundtrips", 1);
 		cs->vt->copy(cs->vt->self, c->buf[v], ej_data(h), c->bytes[v]);
+		epj_counter_add(ctx, "cudagraph.copy_bytes",
+				(int64_t)c->bytes[v]);
 		epj_tensor_free(h);
 	}
 	st = ej_cuda_graph_launch(ctx, cs->dev, c->exec);
@@ -533,6 +535,8 @@ static epj_status run_graph(epj_ctx *ctx, cstate *cs, epj_tensor *const *inputs,
 		}
 		cs->vt->copy(cs->vt->self, ej_data(outs[i]), c->buf[v],
 			     c->bytes[v]);
+		epj_counter_add(ctx, "cudagraph.copy_bytes",
+				(int64_t)c->bytes[v]);
 	}
 	if (st == EPJ_OK && *ej_cuda_last_error(cs->dev))
 		st = ej_error(ctx, EPJ_ERR_BACKEND, "%s",

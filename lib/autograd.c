@@ -226,8 +226,33 @@ static bool same_shape(const ej_meta *m, const epj_tensor *t)
 	return true;
 }
 
-static epj_status accumulate_leaf(epj_ctx *ctx, epj_tensor *leaf, epj_tensor *g)
+/* True when g can become a leaf's .grad as it is: the one reference to it
+ * is the caller's (a backward formula's fresh result, which nothing else
+ * holds), it is dense from element 0 of a storage nobody else shares, and
+ * it has the leaf's dtype. */
+static bool adoptable(const epj_tensor *g, const epj_tensor *leaf)
 {
+	return g->refcount == 1 && g->dtype == leaf->dtype && g->storage &&
+	       g->storage->refcount == 1 && !g->storage->param &&
+	       g->offset == 0 && !g->requires_grad && !g->grad_fn &&
+	       ej_is_contiguous(g) &&
+	       g->storage->bytes == (size_t)ej_numel(g->ndim, g->shape) *
+					ej_dtype_size(g->dtype);
+}
+
+/* leaf.grad += g.  The first gradient becomes leaf.grad without a copy
+ * when `own` says the caller's reference is the only one and adoptable()
+ * holds (a backward formula's output); else it is copied into a buffer of
+ * the leaf's own (g may be a view of a saved tensor, a stride-0 expand,
+ * the user's tensor, or handed to several inputs). */
+static epj_status accumulate_leaf(epj_ctx *ctx, epj_tensor *leaf, epj_tensor *g,
+				  bool own)
+{
+	if (!leaf->grad && own && adoptable(g, leaf)) {
+		leaf->grad = epj_tensor_ref(g);
+		epj_counter_add(ctx, "autograd.grads_adopted", 1);
+		return EPJ_OK;
+	}
 	epj_tensor *gc = g;
 	if (g->dtype != leaf->dtype) {
 		gc = epj_cast(ctx, g, leaf->dtype);
@@ -244,9 +269,13 @@ static epj_status accumulate_leaf(epj_ctx *ctx, epj_tensor *leaf, epj_tensor *g)
 		    ej_tensor_alloc(ctx, gc->dtype, gc->ndim, gc->shape, false);
 		if (!own)
 			st = ctx->status;
-		else if ((st = epj_tensor_copy_(ctx, own, gc)) == EPJ_OK)
+		else if ((st = epj_tensor_copy_(ctx, own, gc)) == EPJ_OK) {
 			leaf->grad = own;
-		else
+			epj_counter_add(
+			    ctx, "autograd.grad_copy_bytes",
+			    (int64_t)(ej_numel(own->ndim, own->shape) *
+				      ej_dtype_size(own->dtype)));
+		} else
 			epj_tensor_free(own);
 	} else {
 		epj_tensor *sum = epj_add(ctx, leaf->grad, gc);
@@ -400,7 +429,12 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 			goto out;
 		}
 		if (n->leaf[i]) {
-			st = accumulate_leaf(ctx, n->leaf[i], g);
+			/* grad_in[i] is the formula's reference; the same
+			 * tensor may be another input's gradient too */
+			bool own = true;
+			for (int j = 0; j < n->n_in; j++)
+				own &= j == i || grad_in[j] != g;
+			st = accumulate_leaf(ctx, n->leaf[i], g, own);
 		} else if (n->next[i]) {
 			ej_node *y = n->next[i];
 			st = accumulate(
@@ -475,7 +509,7 @@ epj_status epj_backward(epj_ctx *ctx, epj_tensor *root, epj_tensor *grad)
 	bool prev = epj_no_grad_enter(ctx);
 	epj_status st = EPJ_OK;
 	if (!root->grad_fn) {
-		st = accumulate_leaf(ctx, root, g0);
+		st = accumulate_leaf(ctx, root, g0, false);
 		goto done;
 	}
 	bw_run r = { 0 };

@@ -447,6 +447,13 @@ extern const ej_op_info ej_ops[EJ_OP_COUNT];
  * (and the op is differentiable).  Counts kernels.launched.eager. */
 epj_status ej_dispatch(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 		       const ej_attrs *attrs, epj_tensor **outs, int n_out);
+/* Runs single-output op `op` on in[] into out, a dense tensor with the
+ * dtype and shape the op infers (EPJ_ERR_SHAPE otherwise), overwriting
+ * it: the op's kernel on the context's device, no autograd node, never
+ * while tracing or in shape-only mode.  For updates of buffers that stay
+ * put (a gradient accumulator). */
+epj_status ej_dispatch_into(epj_ctx *ctx, int op, epj_tensor *const *in,
+			    int n_in, const ej_attrs *attrs, epj_tensor *out);
 /* Convenience for single-output ops: returns the output or NULL.  A NULL
  * input returns NULL without changing the error. */
 epj_tensor *ej_call1(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,

@@ -571,6 +571,43 @@ done:
 	return st;
 }
 
+epj_status ej_dispatch_into(epj_ctx *ctx, int op, epj_tensor *const *in,
+			    int n_in, const ej_attrs *attrs, epj_tensor *out)
+{
+	EJ_ASSERT(op >= 0 && op < EJ_OP_COUNT);
+	const ej_op_info *info = &ej_ops[op];
+	EJ_ASSERT(!ctx->recorder && !ctx->meta && info->n_out == 1 &&
+		  !(info->flags & EJ_OPF_VARIADIC_OUT));
+	ej_attrs none = ej_attrs_none();
+	ej_call c = { .op = op,
+		      .attrs = attrs ? attrs : &none,
+		      .in = in,
+		      .n_in = n_in,
+		      .out = &out,
+		      .n_out = 1 };
+	ej_meta m;
+	memset(&m, 0, sizeof m);
+	epj_status st = info->infer(ctx, &c, &m);
+	if (st != EPJ_OK)
+		return st;
+	char want[96], have[96];
+	if (m.is_view || m.dtype != out->dtype || m.ndim != out->ndim ||
+	    memcmp(m.shape, out->shape, sizeof(int64_t) * (size_t)m.ndim) ||
+	    !out->storage || !ej_is_contiguous(out))
+		return ej_error(
+		    ctx, EPJ_ERR_SHAPE,
+		    "%s into a tensor: the result is %s %s, the "
+		    "tensor %s (dense, with storage)",
+		    info->name, epj_dtype_name(m.dtype),
+		    ej_shape_str(m.ndim, m.shape, want, sizeof want),
+		    epj_tensor_describe(out, have, sizeof have));
+	ej_param_write(out->ctx, out);
+	st = run_eager(ctx, info, &c);
+	if (st == EPJ_OK)
+		(*ctx->ctr_eager_launches)++;
+	return st;
+}
+
 epj_tensor *ej_call1(epj_ctx *ctx, int op, epj_tensor *const *in, int n_in,
 		     const ej_attrs *attrs)
 {

@@ -492,9 +492,24 @@ static epj_tensor *param_grad(epj_ctx *ctx, opt_param *p, epj_status *st)
 	return p->param->grad;
 }
 
-/* mgrad += f32(g) with eager ops on the context's device. */
+/* mgrad += f32(g) with eager ops on the context's device.  The first
+ * gradient since the last step (mgrad is zero then) is converted into
+ * mgrad by one cast kernel instead of a cast, an add and a copy. */
 static epj_status accumulate_ops(epj_ctx *ctx, opt_param *p, epj_tensor *g)
 {
+	if (!p->has_grad) {
+		epj_tensor *gv =
+		    epj_reshape(ctx, g, p->mgrad->ndim, p->mgrad->shape);
+		ej_attrs at = ej_attrs_none();
+		ej_attrs_push_i(&at, (int64_t)EPJ_DTYPE_F32);
+		epj_status st = gv ? ej_dispatch_into(ctx, EJ_OP_CAST, &gv, 1,
+						      &at, p->mgrad)
+				   : epj_ctx_status(ctx);
+		epj_tensor_free(gv);
+		if (st != EPJ_OK)
+			ej_error_prefix(ctx, "optim: gradient of %s", p->name);
+		return st;
+	}
 	bool prev = epj_no_grad_enter(ctx);
 	epj_tensor *gf = epj_cast(ctx, g, EPJ_DTYPE_F32);
 	epj_tensor *gv =

@@ -281,6 +281,106 @@ START_TEST(test_leaf_root_and_broadcast)
 }
 END_TEST
 
+/* A leaf's first gradient is adopted, not copied, when a backward formula
+ * made it fresh and nobody else holds it (w in y = w * c: mul's backward
+ * makes g * c); it is copied when the same tensor is the gradient of two
+ * inputs (a + b: both get the upstream gradient), when it is the caller's
+ * (a leaf root), or a broadcast.  Copied or adopted, no two .grads share
+ * memory, and writing one changes nothing else. */
+START_TEST(test_grad_adopted_or_copied)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t n = tu_randint(3, 50);
+	epj_tensor *w = leaf(ctx, n), *a = leaf(ctx, n), *b = leaf(ctx, n);
+	epj_tensor *c = tu_randn(ctx, EPJ_DTYPE_F64, 1, &n);
+	epj_tensor *wc = epj_mul(ctx, w, c);
+	epj_tensor *ab = epj_add(ctx, a, b);
+	epj_tensor *y = epj_add(ctx, wc, ab);
+	epj_tensor *l = epj_sum_all(ctx, y);
+	tu_ok(ctx, l);
+	int64_t ad0 = epj_counter_get(ctx, "autograd.grads_adopted");
+	int64_t cp0 = epj_counter_get(ctx, "autograd.grad_copy_bytes");
+	ck_assert_int_eq(epj_backward(ctx, l, NULL), EPJ_OK);
+	/* w's gradient adopted; a's and b's (one tensor) copied */
+	ck_assert_int_eq(epj_counter_get(ctx, "autograd.grads_adopted") - ad0,
+			 1);
+	ck_assert_int_eq(epj_counter_get(ctx, "autograd.grad_copy_bytes") - cp0,
+			 2 * n * (int64_t)sizeof(double));
+	double *cv = tu_values(ctx, c);
+	double *ones = malloc(sizeof *ones * (size_t)n);
+	ck_assert_ptr_nonnull(ones);
+	for (int64_t i = 0; i < n; i++)
+		ones[i] = 1;
+	epj_tensor *gw = epj_tensor_grad(w), *ga = epj_tensor_grad(a),
+		   *gb = epj_tensor_grad(b);
+	tu_assert_close(ctx, gw, cv, 0, 0, "adopted grad of w");
+	tu_assert_close(ctx, ga, ones, 0, 0, "grad of a");
+	tu_assert_close(ctx, gb, ones, 0, 0, "grad of b");
+	ck_assert(epj_tensor_data(ga) != epj_tensor_data(gb));
+	ck_assert(epj_tensor_data(gw) != epj_tensor_data(ga) &&
+		  epj_tensor_data(gw) != epj_tensor_data(gb));
+	epj_tensor_set_f64(ga, 0, 42.0);
+	ck_assert(epj_tensor_get_f64(gb, 0) == 1.0);
+	/* a second backward accumulates into the adopted buffer's value */
+	epj_tensor *wc2 = epj_mul(ctx, w, c);
+	epj_tensor *l2 = epj_sum_all(ctx, wc2);
+	ck_assert_int_eq(epj_backward(ctx, l2, NULL), EPJ_OK);
+	for (int64_t i = 0; i < n; i++)
+		cv[i] *= 2;
+	tu_assert_close(ctx, epj_tensor_grad(w), cv, 0, 0,
+			"adopted grad accumulated");
+	/* a leaf root keeps a copy of the caller's gradient */
+	epj_tensor_zero_grad(a);
+	epj_tensor *g = tu_randn(ctx, EPJ_DTYPE_F64, 1, &n);
+	ck_assert_int_eq(epj_backward(ctx, a, g), EPJ_OK);
+	ck_assert(epj_tensor_data(epj_tensor_grad(a)) != epj_tensor_data(g));
+	double g0 = epj_tensor_get_f64(g, 0);
+	epj_tensor_set_f64(g, 0, g0 + 1.0);
+	ck_assert(epj_tensor_get_f64(epj_tensor_grad(a), 0) == g0);
+	free(cv);
+	free(ones);
+	epj_tensor *t[] = { w, a, b, c, wc, ab, y, l, wc2, l2, g };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ej_dispatch_into writes an op's result into a tensor that stays put
+ * (no autograd node, the tensor's own storage), and refuses a tensor of
+ * another shape or dtype. */
+START_TEST(test_dispatch_into)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t s[2] = { tu_randint(1, 9), tu_randint(1, 17) };
+	epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_BF16, 2, s);
+	epj_tensor_set_requires_grad(x, true);
+	epj_tensor *acc = epj_zeros(ctx, EPJ_DTYPE_F32, 2, s);
+	const void *data = epj_tensor_data(acc);
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, (int64_t)EPJ_DTYPE_F32);
+	ck_assert_int_eq(ej_dispatch_into(ctx, EJ_OP_CAST, &x, 1, &at, acc),
+			 EPJ_OK);
+	ck_assert(epj_tensor_data(acc) == data);
+	ck_assert_ptr_null(acc->grad_fn);
+	double *want = tu_values(ctx, x);
+	tu_assert_close(ctx, acc, want, 0, 0, "cast into");
+	free(want);
+	int64_t s2[2] = { s[0], s[1] + 1 };
+	epj_tensor *wrong = epj_zeros(ctx, EPJ_DTYPE_F32, 2, s2);
+	epj_tensor *wdt = epj_zeros(ctx, EPJ_DTYPE_F64, 2, s);
+	ck_assert_int_eq(ej_dispatch_into(ctx, EJ_OP_CAST, &x, 1, &at, wrong),
+			 EPJ_ERR_SHAPE);
+	tu_assert_ctx_error(ctx, EPJ_ERR_SHAPE, TU_STRS("cast into"));
+	ck_assert_int_eq(ej_dispatch_into(ctx, EJ_OP_CAST, &x, 1, &at, wdt),
+			 EPJ_ERR_SHAPE);
+	epj_tensor *t[] = { x, acc, wrong, wdt };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
+		epj_tensor_free(t[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* Every eager op call counts one kernel launch; views count none. */
 START_TEST(test_launch_counter)
 {
@@ -315,6 +415,8 @@ Suite *make_autograd_suite(void)
 	tcase_add_test(tc, test_unused_output);
 	tcase_add_test(tc, test_leaf_root_and_broadcast);
 	tcase_add_test(tc, test_launch_counter);
+	tcase_add_test(tc, test_grad_adopted_or_copied);
+	tcase_add_test(tc, test_dispatch_into);
 	suite_add_tcase(s, tc);
 	return s;
 }

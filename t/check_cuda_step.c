@@ -16,8 +16,9 @@
  * clipped gradient).  After warm-up a step makes no cuMemAlloc and no cuMemFree
  * (every scratch buffer comes from the context's caching allocator) and copies
  * back only scalars and index data (D2H_MAX below): a few KB, where the
- *    gradients alone are about 28 KB.  Losses, gradient norms and updates
- *    match the same run on a cpu context.
+ *    gradients alone are about 28 KB; nothing is copied device to device
+ *    (the gradients become .grad or the accumulator as they are made).  Losses,
+ * gradient norms and updates match the same run on a cpu context.
  *  - test_norm_random: ej_optim on fresh random gradients of odd sizes
  *    (several chunks of the norm kernel, f32 and bf16 parameters, SGD and
  *    AdamW): the norm computed on the device equals the cpu context's to
@@ -44,7 +45,7 @@
 /* ---- the driver's counts ---------------------------------------------- */
 
 typedef struct drv {
-	int64_t alloc, free, d2h, h2d;
+	int64_t alloc, free, d2h, h2d, d2d;
 } drv;
 
 static drv drv_now(epj_ctx *g)
@@ -52,7 +53,8 @@ static drv drv_now(epj_ctx *g)
 	drv d = { epj_counter_get(g, "cuda.mem_alloc"),
 		  epj_counter_get(g, "cuda.mem_free"),
 		  epj_counter_get(g, "cuda.bytes.d2h"),
-		  epj_counter_get(g, "cuda.bytes.h2d") };
+		  epj_counter_get(g, "cuda.bytes.h2d"),
+		  epj_counter_get(g, "cuda.bytes.d2d") };
 	return d;
 }
 
@@ -60,7 +62,7 @@ static drv drv_since(epj_ctx *g, drv a)
 {
 	drv b = drv_now(g);
 	drv d = { b.alloc - a.alloc, b.free - a.free, b.d2h - a.d2h,
-		  b.h2d - a.h2d };
+		  b.h2d - a.h2d, b.d2d - a.d2d };
 	return d;
 }
 
@@ -237,6 +239,14 @@ START_TEST(test_step_steady)
 		/* and sends at most its descriptors, one per parameter for
 		 * the norm and one for the update, whatever the sizes
 		 * (before, 16 bytes per 2048 elements more) */
+		/* no gradient is copied on the device: each parameter's
+		 * first gradient becomes its .grad, or (bf16) is cast into
+		 * the f32 accumulator in one kernel (before, about 28 KB a
+		 * step: every gradient copied once more) */
+		ck_assert_msg(d->d2d == 0,
+			      "steady step %d: %lld bytes copied device to "
+			      "device",
+			      s, (long long)d->d2d);
 		int64_t oh = d->h2d - g.fb.h2d;
 		int64_t oh_max = 2 * (int64_t)g.n_params *
 				 (int64_t)sizeof(struct ej_optim_tensor);
