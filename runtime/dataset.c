@@ -44,6 +44,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <math.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -868,6 +869,12 @@ static epj_status parse_split(epj_ctx *ctx, const char *spec, double w[3])
 	}
 	if (k == 0 || w[0] + w[1] + w[2] <= 0)
 		goto bad;
+	if (!isfinite(w[0] + w[1] + w[2]))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"data split '%s': the weights add up to more "
+				"than the largest double (%g); use smaller "
+				"weights (e.g. \"969,30,1\")",
+				spec, DBL_MAX);
 	return EPJ_OK;
 bad:
 	return ej_error(ctx, EPJ_ERR_INVALID,
@@ -983,6 +990,13 @@ ej_dsrc *ej_dsrc_open(epj_ctx *ctx, const char *spec, const epj_data_opts *o)
 			goto fail;
 		d->n = i + 1;
 		split_docs(s, w);
+	}
+	if (!isfinite(wsum)) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "data blend '%s': the weights add up to more than "
+			 "the largest double (%g); use smaller weights",
+			 spec, DBL_MAX);
+		goto fail;
 	}
 	for (int i = 0; i < d->n; i++)
 		d->src[i].weight /= wsum;

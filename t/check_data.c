@@ -1572,6 +1572,10 @@ START_TEST(test_dataset_split_windows)
 	o.split = "1,1,1,1";
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
 			TU_STRS("up to three"));
+	/* weights that add up to infinity: refused, not all-train */
+	o.split = "1e308,1e308,1e308";
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
+			TU_STRS("1e308,1e308,1e308", "largest double"));
 	free(x);
 	free(r.v);
 	epj_ctx_free(ctx);
@@ -1665,6 +1669,9 @@ START_TEST(test_dataset_blend_resume)
 	snprintf(spec, sizeof spec, "-1 %s 2 %s", pa, pb);
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
 			TU_STRS("weight '-1'", "a.npy"));
+	snprintf(spec, sizeof spec, "1e308 %s 1e308 %s", pa, pb);
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
+			TU_STRS("data blend", "largest double"));
 	snprintf(spec, sizeof spec, "1 %s 2 %s/nothing", pa, dir);
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_IO,
 			TU_STRS("nothing.idx", "cannot open"));

@@ -158,6 +158,10 @@ refuse "docs.bin': token" --data "$D/docs" --model v32.json --steps 1 \
 	--seq 8
 refuse "data blend" --data "1 $D/docs 2" --steps 1
 refuse "data split '1,x'" --data "$D/docs" --split 1,x --steps 1
+refuse "add up to more than the largest double" --data "$D/docs" \
+	--split 1e308,1e308,1e308 --steps 1
+refuse "add up to more than the largest double" \
+	--data "1e308 $D/docs 1e308 $D/rows_i8.npy" --steps 1
 refuse "--split (or data.split) applies to token datasets" --split 1 \
 	--steps 1
 echo "dataset.sh: ok"
