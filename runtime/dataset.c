@@ -406,11 +406,12 @@ static epj_status bin_fingerprint(epj_ctx *ctx, const epj_docs *d, uint64_t *fp)
 	return EPJ_OK;
 }
 
-/* The .bin against the pairing record of its .idx, when it has one. */
+/* The .bin against the pairing record of its .idx, when it has one: its
+ * size, and with `content` its fingerprint too. */
 static epj_status bin_paired(epj_ctx *ctx, const char *idx_path,
-			     const idx_info *x, const epj_docs *d)
+			     const idx_info *x, const epj_docs *d, bool content)
 {
-	if (!x->paired)
+	if (!x->paired || (x->pair_bytes == d->size && !content))
 		return EPJ_OK;
 	uint64_t fp = 0;
 	if (x->pair_bytes == d->size) {
@@ -463,10 +464,12 @@ static epj_status megatron_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
 	    (s = idx_arrays(ctx, idx_path, &x, d)) != EPJ_OK)
 		goto out;
 	d->ndocs = x.nseq;
+	/* the pairing record's size first: it names the likelier cause */
 	if ((s = open_file(ctx, "dataset", bin_path, &d->fd, &d->size)) !=
 		EPJ_OK ||
+	    (s = bin_paired(ctx, idx_path, &x, d, false)) != EPJ_OK ||
 	    (s = bin_layout(ctx, idx_path, bin_path, d)) != EPJ_OK ||
-	    (s = bin_paired(ctx, idx_path, &x, d)) != EPJ_OK)
+	    (s = bin_paired(ctx, idx_path, &x, d, true)) != EPJ_OK)
 		goto out;
 out:
 	if (x.fd >= 0)

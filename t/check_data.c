@@ -1230,6 +1230,25 @@ START_TEST(test_dataset_pairing)
 		free(idx);
 		free(v);
 	}
+	/* the fixture's record, written by epjit-tokenize, agrees with this
+	 * reader; one token of its .bin changed is refused */
+	char fp[512];
+	size_t in, bn;
+	fixture_path(fp, sizeof fp, "docs.idx");
+	unsigned char *idx = tu_read_file(fp, &in);
+	fixture_path(fp, sizeof fp, "docs.bin");
+	unsigned char *bin = tu_read_file(fp, &bn);
+	ck_assert(in > 32 && !memcmp(idx + in - 32, "EPJPAIR1", 8));
+	tu_write_file(ip, idx, in);
+	tu_write_file(bp, bin, bn);
+	int64_t want[1] = { bin[0] | bin[1] << 8 }; /* uint16 */
+	expect_docs_ok(prefix, want, 1, "fixture");
+	bin[bn / 2] ^= 1;
+	tu_write_file(bp, bin, bn);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.bin': fingerprint",
+			  "p.idx' was written with", "fixture changed");
+	free(bin);
+	free(idx);
 	tu_tmpdir_free(dir);
 }
 END_TEST
