@@ -14,7 +14,9 @@
  * their samples against the documents: every sample a window of the packed
  * documents, one epoch of a single document exactly the windows j*T in a
  * seeded order, blend shares within one sample of their weights, skip then
- * read equal to reading straight on.
+ * read equal to reading straight on.  A .idx's pairing record is built here
+ * from its spec, and files are rewritten and truncated between the batches
+ * of an open dataset (an error status, never a signal).
  */
 #include "check_util.h"
 
