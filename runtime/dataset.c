@@ -1,17 +1,22 @@
 /* dataset.c -- token datasets as data pipelines write them: Megatron-LM
- * indexed datasets and numpy .npy arrays, memory-mapped, split, shuffled,
- * packed into samples and blended (doc/formats.md).
+ * indexed datasets and numpy .npy arrays, read with pread(), split,
+ * shuffled, packed into samples and blended (doc/formats.md).
  *
  * Readers (epj_docs).  Every header field and size is checked against the
  * file sizes before a token is touched: a Megatron .idx must hold exactly
  * its header, lengths, pointers and document indices (plus, optionally, one
- * mode byte per sequence), every sequence must lie inside the .bin, in
- * order and without overlap, and the document indices must run from 0 to
- * the sequence count without decreasing.  A .npy header must be a
+ * mode byte per sequence and epjit-tokenize's pairing record), the
+ * sequences must lie end to end from byte 0 and fill the .bin exactly, the
+ * .bin must match the pairing record when there is one, and the document
+ * indices must run from 0 to the sequence count without decreasing.  The
+ * index's lengths and pointers are copied at open; tokens are read with
+ * pread() at each batch, so a file changed under a running reader is an
+ * error status, never a crash.  A .npy header must be a
  * little-endian integer dtype, C order, 1-D or 2-D, and the data exactly
  * the shape's size.  Token values are checked as they are read (negative
  * or >= vocab is an error naming the file and document), so opening a
- * large dataset costs one pass over the index, none over the tokens.
+ * large dataset costs one pass over the index and, for a paired .bin, at
+ * most 256 KiB of it (the fingerprint), none over the other tokens.
  *
  * Streams.  A Megatron sequence, a .npy row (or the whole 1-D array) is one
  * document.  Documents [0, n) of a source are split into contiguous
@@ -39,9 +44,9 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <math.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -55,62 +60,49 @@
 static const char *const split_names[SPLITS] = { "train", "validation",
 						 "test" };
 
-/* ---- mapped files -------------------------------------------------------- */
+/* ---- files ------------------------------------------------------------- */
 
-typedef struct mapped {
-	const unsigned char *p;
-	uint64_t size;
-} mapped;
-
-/* Maps path read-only (a regular file; an empty one maps to NULL, 0). */
-static epj_status map_file(epj_ctx *ctx, const char *what, const char *path,
-			   mapped *m)
+/* Opens path read-only, a regular file (a FIFO is refused, not waited on),
+ * and gives its size. */
+static epj_status open_file(epj_ctx *ctx, const char *what, const char *path,
+			    int *fd, uint64_t *size)
 {
-	m->p = NULL;
-	m->size = 0;
-	/* O_NONBLOCK: a FIFO is refused below, not waited on */
-	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-	if (fd < 0)
+	*fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+	if (*fd < 0)
 		return ej_error(ctx, EPJ_ERR_IO, "%s '%s': cannot open: %s",
 				what, path, strerror(errno));
 	struct stat st;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+	if (fstat(*fd, &st) != 0 || !S_ISREG(st.st_mode)) {
 		int e = errno;
 		bool reg = S_ISREG(st.st_mode);
-		close(fd);
+		close(*fd);
+		*fd = -1;
 		return ej_error(ctx, EPJ_ERR_IO, "%s '%s': %s", what, path,
 				reg ? strerror(e) : "not a regular file");
 	}
-	m->size = (uint64_t)st.st_size;
-	if (m->size > SIZE_MAX) {
-		close(fd);
-		return ej_error(ctx, EPJ_ERR_NOMEM,
-				"%s '%s': %llu bytes do not fit the address "
-				"space",
-				what, path, (unsigned long long)m->size);
-	}
-	if (m->size) {
-		void *p =
-		    mmap(NULL, (size_t)m->size, PROT_READ, MAP_PRIVATE, fd, 0);
-		if (p == MAP_FAILED) {
-			int e = errno;
-			close(fd);
-			m->size = 0;
-			return ej_error(ctx, EPJ_ERR_IO, "%s '%s': mmap: %s",
-					what, path, strerror(e));
-		}
-		m->p = p;
-	}
-	close(fd);
+	*size = (uint64_t)st.st_size;
 	return EPJ_OK;
 }
 
-static void unmap_file(mapped *m)
+/* Reads n bytes at byte off of fd into buf: the count read, short only at
+ * the end of the file, or -1 with errno set. */
+static int64_t read_at(int fd, void *buf, size_t n, uint64_t off)
 {
-	if (m->p)
-		munmap((void *)m->p, (size_t)m->size);
-	m->p = NULL;
-	m->size = 0;
+	size_t got = 0;
+	while (got < n) {
+		if (off + got > (uint64_t)INT64_MAX)
+			return (int64_t)got; /* past any file: its end */
+		ssize_t r =
+		    pread(fd, (char *)buf + got, n - got, (off_t)(off + got));
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return -1;
+		if (r == 0)
+			break;
+		got += (size_t)r;
+	}
+	return (int64_t)got;
 }
 
 static uint64_t le64(const unsigned char *p)
@@ -129,16 +121,23 @@ static uint32_t le32(const unsigned char *p)
 
 /* ---- epj_docs ------------------------------------------------------------ */
 
+/* Nothing is read from a live mapping: what was validated at open is what
+ * is used (a Megatron index is copied: lengths and pointers, 12 bytes a
+ * sequence), and tokens are read with pread() from the file opened then, so
+ * a file rewritten, truncated or replaced while a run reads it gives an
+ * error status (or, rewritten in place, other token values, still checked
+ * against the vocabulary), never a read outside the data or a SIGBUS. */
 struct epj_docs {
 	char *name;	/* the data file, for messages */
-	mapped data;	/* .bin or .npy */
-	mapped idx;	/* .idx (Megatron only) */
+	int fd;		/* the .bin or .npy, read with pread(); -1: none */
+	uint64_t size;	/* its size when opened */
 	int esz;	/* bytes per token */
 	bool is_signed; /* int8/16/32/64 */
 	uint64_t ndocs, ntokens;
-	/* Megatron: int32 lengths and int64 byte pointers in idx */
-	const unsigned char *lens, *ptrs;
-	/* npy: documents of rowlen tokens from data.p + off */
+	/* Megatron: the index's validated lengths and byte pointers */
+	uint32_t *lens;
+	uint64_t *ptrs;
+	/* npy: documents of rowlen tokens from byte off */
 	uint64_t off, rowlen;
 };
 
@@ -177,10 +176,274 @@ static epj_status idx_dtype(epj_ctx *ctx, const char *path, unsigned code,
 	return EPJ_OK;
 }
 
+/* The pairing record epjit-tokenize appends to a .idx (after the document
+ * indices and any mode bytes; Megatron's readers ignore it): the size and
+ * the fingerprint of the .bin written with it (doc/formats.md). */
+#define PAIR_MAGIC "EPJPAIR1"
+#define PAIR_LEN   32 /* magic, u64 .bin bytes, u64 fingerprint, u64 0 */
+#define FP_BLOCK   4096
+#define FP_BLOCKS  64
+#define FNV_OFFSET 0xcbf29ce484222325ull
+#define FNV_PRIME  0x100000001b3ull
+
+/* What the header of a Megatron index says, read and checked. */
+typedef struct idx_info {
+	int fd;
+	uint64_t size, nseq, ndoc;
+	bool paired; /* a pairing record ends the file */
+	uint64_t pair_bytes, pair_fp;
+} idx_info;
+
+/* The header, the counts against the file size, and what follows the
+ * document indices: nothing, n mode bytes, a pairing record, or both. */
+static epj_status idx_header(epj_ctx *ctx, const char *path, idx_info *x,
+			     epj_docs *d)
+{
+	unsigned char p[IDX_HEADER];
+	uint64_t isz = x->size;
+	if (isz < IDX_HEADER || read_at(x->fd, p, IDX_HEADER, 0) != IDX_HEADER)
+		return docs_err(
+		    ctx, path,
+		    "truncated: %llu bytes, shorter than the %d-byte "
+		    "header",
+		    (unsigned long long)isz, IDX_HEADER);
+	if (memcmp(p, IDX_MAGIC, IDX_MAGIC_LEN) != 0)
+		return docs_err(ctx, path,
+				"bad magic (not a Megatron index; expected "
+				"\"MMIDIDX\\0\\0\")");
+	uint64_t version = le64(p + 9);
+	if (version != 1)
+		return docs_err(ctx, path,
+				"unsupported version %llu (this build reads "
+				"version 1)",
+				(unsigned long long)version);
+	epj_status s = idx_dtype(ctx, path, p[17], d);
+	if (s != EPJ_OK)
+		return s;
+	uint64_t nseq = le64(p + 18), ndoc = le64(p + 26);
+	/* header + 4 n + 8 n + 8 d bytes, plus n mode bytes (multimodal) */
+	uint64_t need, a, b;
+	if (__builtin_mul_overflow(nseq, (uint64_t)12, &a) ||
+	    __builtin_mul_overflow(ndoc, (uint64_t)8, &b) ||
+	    __builtin_add_overflow(a, b, &need) ||
+	    __builtin_add_overflow(need, (uint64_t)IDX_HEADER, &need) ||
+	    need > isz)
+		return docs_err(ctx, path,
+				"truncated: %llu sequences and %llu document "
+				"indices need more than the file's %llu bytes",
+				(unsigned long long)nseq,
+				(unsigned long long)ndoc,
+				(unsigned long long)isz);
+	uint64_t extra = isz - need;
+	x->paired = false;
+	if (extra >= PAIR_LEN &&
+	    (extra == PAIR_LEN || extra - PAIR_LEN == nseq)) {
+		unsigned char t[PAIR_LEN];
+		if (read_at(x->fd, t, PAIR_LEN, isz - PAIR_LEN) != PAIR_LEN)
+			return docs_err(ctx, path, "truncated while read");
+		x->paired = !memcmp(t, PAIR_MAGIC, 8) && le64(t + 24) == 0;
+		x->pair_bytes = le64(t + 8);
+		x->pair_fp = le64(t + 16);
+	}
+	if (extra != 0 && extra != nseq && !x->paired)
+		return docs_err(ctx, path,
+				"%llu bytes after the document indices "
+				"(expected 0, %llu sequence modes, and/or a "
+				"%d-byte \"" PAIR_MAGIC "\" pairing record)",
+				(unsigned long long)extra,
+				(unsigned long long)nseq, PAIR_LEN);
+	if (nseq == 0)
+		return docs_err(ctx, path, "no sequences");
+	x->nseq = nseq;
+	x->ndoc = ndoc;
+	return EPJ_OK;
+}
+
+/* Copies the lengths and pointers into d, and checks that the document
+ * indices run from 0 to n without decreasing (read in chunks, not kept). */
+static epj_status idx_arrays(epj_ctx *ctx, const char *path, idx_info *x,
+			     epj_docs *d)
+{
+	uint64_t n = x->nseq;
+	d->lens = malloc((size_t)n * sizeof *d->lens);
+	d->ptrs = malloc((size_t)n * sizeof *d->ptrs);
+	if (!d->lens || !d->ptrs)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"dataset index '%s': out of memory for %llu "
+				"sequences",
+				path, (unsigned long long)n);
+	if (read_at(x->fd, d->lens, (size_t)n * 4, IDX_HEADER) !=
+		(int64_t)(n * 4) ||
+	    read_at(x->fd, d->ptrs, (size_t)n * 8, IDX_HEADER + 4 * n) !=
+		(int64_t)(n * 8))
+		return docs_err(ctx, path, "truncated while read");
+	if (x->ndoc < 2)
+		goto bad_range;
+	uint64_t prev = 0, buf[1024];
+	for (uint64_t i = 0; i < x->ndoc; i += 1024) {
+		uint64_t k = x->ndoc - i < 1024 ? x->ndoc - i : 1024;
+		if (read_at(x->fd, buf, (size_t)k * 8,
+			    IDX_HEADER + 12 * n + 8 * i) != (int64_t)(k * 8))
+			return docs_err(ctx, path, "truncated while read");
+		for (uint64_t j = 0; j < k; j++) {
+			if (i + j == 0 && buf[0] != 0)
+				goto bad_range;
+			if (buf[j] < prev)
+				return docs_err(
+				    ctx, path,
+				    "document index %llu (%lld) is below "
+				    "the one before it",
+				    (unsigned long long)(i + j),
+				    (long long)buf[j]);
+			prev = buf[j];
+		}
+	}
+	if (prev != n)
+		goto bad_range;
+	return EPJ_OK;
+bad_range:
+	return docs_err(ctx, path,
+			"document indices must run from 0 to the sequence "
+			"count %llu (%llu of them)",
+			(unsigned long long)n, (unsigned long long)x->ndoc);
+}
+
+/* Megatron's writer lays the sequences end to end from byte 0 (pointer
+ * i = the bytes of sequences 0..i-1) and the .bin holds nothing else: so
+ * the index accounts for every byte of its .bin, and a .bin of another
+ * size is not this index's. */
+static epj_status bin_layout(epj_ctx *ctx, const char *idx_path,
+			     const char *bin_path, epj_docs *d)
+{
+	uint64_t bsz = d->size, end = 0, total = 0;
+	for (uint64_t i = 0; i < d->ndocs; i++) {
+		int32_t len = (int32_t)d->lens[i];
+		int64_t ptr = (int64_t)d->ptrs[i];
+		uint64_t bytes =
+		    (uint64_t)(len < 0 ? 0 : len) * (uint64_t)d->esz;
+		if (len < 0 || ptr < 0)
+			return docs_err(
+			    ctx, idx_path, "sequence %llu: negative %s %lld",
+			    (unsigned long long)i,
+			    len < 0 ? "length" : "pointer",
+			    len < 0 ? (long long)len : (long long)ptr);
+		if ((uint64_t)ptr % (uint64_t)d->esz != 0)
+			return docs_err(ctx, idx_path,
+					"sequence %llu: pointer %lld is not a "
+					"multiple of the %d-byte token size",
+					(unsigned long long)i, (long long)ptr,
+					d->esz);
+		if ((uint64_t)ptr < end)
+			return docs_err(
+			    ctx, idx_path,
+			    "sequence %llu: pointer %lld is before the "
+			    "end %llu of sequence %llu (pointers must "
+			    "be sorted, sequences disjoint)",
+			    (unsigned long long)i, (long long)ptr,
+			    (unsigned long long)end,
+			    (unsigned long long)(i - 1));
+		if ((uint64_t)ptr > bsz || bytes > bsz - (uint64_t)ptr)
+			return docs_err(
+			    ctx, bin_path,
+			    "sequence %llu: bytes [%lld, %llu) are "
+			    "outside the %llu-byte file",
+			    (unsigned long long)i, (long long)ptr,
+			    (unsigned long long)((uint64_t)ptr + bytes),
+			    (unsigned long long)bsz);
+		if ((uint64_t)ptr > end)
+			return docs_err(
+			    ctx, idx_path,
+			    "sequence %llu: pointer %lld leaves a gap of %llu "
+			    "bytes after %s (Megatron's sequences are "
+			    "contiguous from byte 0)",
+			    (unsigned long long)i, (long long)ptr,
+			    (unsigned long long)((uint64_t)ptr - end),
+			    i ? "the sequence before it" : "byte 0");
+		end = (uint64_t)ptr + bytes;
+		total += (uint64_t)len;
+	}
+	if (end != bsz)
+		return docs_err(ctx, bin_path,
+				"%llu bytes, but its index '%s' accounts for "
+				"%llu (%llu trailing bytes: a .bin and .idx "
+				"from different runs?)",
+				(unsigned long long)bsz, idx_path,
+				(unsigned long long)end,
+				(unsigned long long)(bsz - end));
+	d->ntokens = total;
+	return EPJ_OK;
+}
+
+/* FNV-1a (64 bits) of the sampled bytes of d's file: all of it up to
+ * FP_BLOCKS blocks of FP_BLOCK bytes, else FP_BLOCKS blocks of FP_BLOCK bytes
+ * at k (size - FP_BLOCK) / (FP_BLOCKS - 1), k = 0 .. FP_BLOCKS - 1 (the
+ * first and the last block included). */
+static epj_status bin_fingerprint(epj_ctx *ctx, const epj_docs *d, uint64_t *fp)
+{
+	unsigned char buf[FP_BLOCK];
+	uint64_t h = FNV_OFFSET, S = d->size;
+	bool whole = S <= (uint64_t)FP_BLOCKS * FP_BLOCK;
+	uint64_t nblk = whole ? (S + FP_BLOCK - 1) / FP_BLOCK : FP_BLOCKS;
+	for (uint64_t k = 0; k < nblk; k++) {
+		uint64_t off =
+		    whole ? k * FP_BLOCK
+			  : (uint64_t)((unsigned __int128)k * (S - FP_BLOCK) /
+				       (FP_BLOCKS - 1));
+		size_t n =
+		    whole && S - off < FP_BLOCK ? (size_t)(S - off) : FP_BLOCK;
+		if (read_at(d->fd, buf, n, off) != (int64_t)n)
+			return ej_error(ctx, EPJ_ERR_IO,
+					"dataset '%s': cannot read bytes "
+					"[%llu, %llu): %s",
+					d->name, (unsigned long long)off,
+					(unsigned long long)(off + n),
+					errno ? strerror(errno)
+					      : "the file shrank");
+		for (size_t i = 0; i < n; i++)
+			h = (h ^ buf[i]) * FNV_PRIME;
+	}
+	*fp = h;
+	return EPJ_OK;
+}
+
+/* The .bin against the pairing record of its .idx, when it has one: its
+ * size, and with `content` its fingerprint too. */
+static epj_status bin_paired(epj_ctx *ctx, const char *idx_path,
+			     const idx_info *x, const epj_docs *d, bool content)
+{
+	if (!x->paired || (x->pair_bytes == d->size && !content))
+		return EPJ_OK;
+	uint64_t fp = 0;
+	if (x->pair_bytes == d->size) {
+		errno = 0;
+		epj_status s = bin_fingerprint(ctx, d, &fp);
+		if (s != EPJ_OK)
+			return s;
+		if (fp == x->pair_fp)
+			return EPJ_OK;
+	}
+	if (x->pair_bytes != d->size)
+		return docs_err(ctx, d->name,
+				"%llu bytes, but its index '%s' was written "
+				"with a .bin of %llu bytes (its pairing "
+				"record): an interrupted epjit-tokenize, or "
+				"files of two runs; write both again",
+				(unsigned long long)d->size, idx_path,
+				(unsigned long long)x->pair_bytes);
+	return docs_err(ctx, d->name,
+			"fingerprint %016llx, but its index '%s' was written "
+			"with a .bin of fingerprint %016llx (its pairing "
+			"record): an interrupted epjit-tokenize, or files of "
+			"two runs; write both again",
+			(unsigned long long)fp, idx_path,
+			(unsigned long long)x->pair_fp);
+}
+
 static epj_status megatron_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
 {
 	size_t n = strlen(prefix);
 	char *idx_path = malloc(n + 5), *bin_path = malloc(n + 5);
+	idx_info x = { .fd = -1 };
 	epj_status s = EPJ_OK;
 	if (!idx_path || !bin_path) {
 		s = ej_error(ctx, EPJ_ERR_NOMEM, "dataset '%s': out of memory",
@@ -195,132 +458,22 @@ static epj_status megatron_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
 			     prefix);
 		goto out;
 	}
-	if ((s = map_file(ctx, "dataset index", idx_path, &d->idx)) != EPJ_OK)
+	if ((s = open_file(ctx, "dataset index", idx_path, &x.fd, &x.size)) !=
+		EPJ_OK ||
+	    (s = idx_header(ctx, idx_path, &x, d)) != EPJ_OK ||
+	    (s = idx_arrays(ctx, idx_path, &x, d)) != EPJ_OK)
 		goto out;
-	const unsigned char *p = d->idx.p;
-	uint64_t isz = d->idx.size;
-	if (isz < IDX_HEADER) {
-		s = docs_err(ctx, idx_path,
-			     "truncated: %llu bytes, shorter than the %d-byte "
-			     "header",
-			     (unsigned long long)isz, IDX_HEADER);
+	d->ndocs = x.nseq;
+	/* the pairing record's size first: it names the likelier cause */
+	if ((s = open_file(ctx, "dataset", bin_path, &d->fd, &d->size)) !=
+		EPJ_OK ||
+	    (s = bin_paired(ctx, idx_path, &x, d, false)) != EPJ_OK ||
+	    (s = bin_layout(ctx, idx_path, bin_path, d)) != EPJ_OK ||
+	    (s = bin_paired(ctx, idx_path, &x, d, true)) != EPJ_OK)
 		goto out;
-	}
-	if (memcmp(p, IDX_MAGIC, IDX_MAGIC_LEN) != 0) {
-		s = docs_err(ctx, idx_path,
-			     "bad magic (not a Megatron index; expected "
-			     "\"MMIDIDX\\0\\0\")");
-		goto out;
-	}
-	uint64_t version = le64(p + 9);
-	if (version != 1) {
-		s = docs_err(ctx, idx_path,
-			     "unsupported version %llu (this build reads "
-			     "version 1)",
-			     (unsigned long long)version);
-		goto out;
-	}
-	if ((s = idx_dtype(ctx, idx_path, p[17], d)) != EPJ_OK)
-		goto out;
-	uint64_t nseq = le64(p + 18), ndoc = le64(p + 26);
-	/* header + 4 n + 8 n + 8 d bytes, plus n mode bytes (multimodal) */
-	uint64_t need, a, b;
-	if (__builtin_mul_overflow(nseq, (uint64_t)12, &a) ||
-	    __builtin_mul_overflow(ndoc, (uint64_t)8, &b) ||
-	    __builtin_add_overflow(a, b, &need) ||
-	    __builtin_add_overflow(need, (uint64_t)IDX_HEADER, &need) ||
-	    need > isz) {
-		s = docs_err(ctx, idx_path,
-			     "truncated: %llu sequences and %llu document "
-			     "indices need more than the file's %llu bytes",
-			     (unsigned long long)nseq, (unsigned long long)ndoc,
-			     (unsigned long long)isz);
-		goto out;
-	}
-	if (isz != need && isz - need != nseq) {
-		s = docs_err(ctx, idx_path,
-			     "%llu bytes after the document indices (expected "
-			     "0, or %llu sequence modes)",
-			     (unsigned long long)(isz - need),
-			     (unsigned long long)nseq);
-		goto out;
-	}
-	d->lens = p + IDX_HEADER;
-	d->ptrs = d->lens + 4 * nseq;
-	const unsigned char *didx = d->ptrs + 8 * nseq;
-	if (nseq == 0) {
-		s = docs_err(ctx, idx_path, "no sequences");
-		goto out;
-	}
-	if (ndoc < 2 || le64(didx) != 0 ||
-	    le64(didx + 8 * (ndoc - 1)) != nseq) {
-		s = docs_err(ctx, idx_path,
-			     "document indices must run from 0 to the "
-			     "sequence count %llu (%llu of them)",
-			     (unsigned long long)nseq,
-			     (unsigned long long)ndoc);
-		goto out;
-	}
-	for (uint64_t i = 1; i < ndoc; i++)
-		if (le64(didx + 8 * i) < le64(didx + 8 * (i - 1))) {
-			s = docs_err(ctx, idx_path,
-				     "document index %llu (%lld) is below "
-				     "the one before it",
-				     (unsigned long long)i,
-				     (long long)le64(didx + 8 * i));
-			goto out;
-		}
-	if ((s = map_file(ctx, "dataset", bin_path, &d->data)) != EPJ_OK)
-		goto out;
-	uint64_t bsz = d->data.size, end = 0, total = 0;
-	for (uint64_t i = 0; i < nseq; i++) {
-		int32_t len = (int32_t)le32(d->lens + 4 * i);
-		int64_t ptr = (int64_t)le64(d->ptrs + 8 * i);
-		uint64_t bytes =
-		    (uint64_t)(len < 0 ? 0 : len) * (uint64_t)d->esz;
-		if (len < 0 || ptr < 0) {
-			s = docs_err(ctx, idx_path,
-				     "sequence %llu: negative %s %lld",
-				     (unsigned long long)i,
-				     len < 0 ? "length" : "pointer",
-				     len < 0 ? (long long)len : (long long)ptr);
-			goto out;
-		}
-		if ((uint64_t)ptr % (uint64_t)d->esz != 0) {
-			s = docs_err(ctx, idx_path,
-				     "sequence %llu: pointer %lld is not a "
-				     "multiple of the %d-byte token size",
-				     (unsigned long long)i, (long long)ptr,
-				     d->esz);
-			goto out;
-		}
-		if ((uint64_t)ptr < end) {
-			s = docs_err(
-			    ctx, idx_path,
-			    "sequence %llu: pointer %lld is before the "
-			    "end %llu of sequence %llu (pointers must "
-			    "be sorted, sequences disjoint)",
-			    (unsigned long long)i, (long long)ptr,
-			    (unsigned long long)end,
-			    (unsigned long long)(i - 1));
-			goto out;
-		}
-		if ((uint64_t)ptr > bsz || bytes > bsz - (uint64_t)ptr) {
-			s = docs_err(
-			    ctx, bin_path,
-			    "sequence %llu: bytes [%lld, %llu) are "
-			    "outside the %llu-byte file",
-			    (unsigned long long)i, (long long)ptr,
-			    (unsigned long long)((uint64_t)ptr + bytes),
-			    (unsigned long long)bsz);
-			goto out;
-		}
-		end = (uint64_t)ptr + bytes;
-		total += (uint64_t)len;
-	}
-	d->ndocs = nseq;
-	d->ntokens = total;
 out:
+	if (x.fd >= 0)
+		close(x.fd);
 	free(idx_path);
 	free(bin_path);
 	return s;
@@ -433,18 +586,22 @@ static bool npy_parse(const char *p, const char *e, npy_hdr *h)
 	return p == e && h->descr[0] && h->fortran >= 0 && h->ndim >= 0;
 }
 
+#define NPY_MAX_HEADER (1u << 20)
+
 static epj_status npy_open(epj_ctx *ctx, const char *path, epj_docs *d)
 {
 	d->name = strdup(path);
 	if (!d->name)
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"dataset '%s': out of memory", path);
-	epj_status s = map_file(ctx, "dataset", path, &d->data);
+	uint64_t size;
+	epj_status s = open_file(ctx, "dataset", path, &d->fd, &size);
 	if (s != EPJ_OK)
 		return s;
-	const unsigned char *p = d->data.p;
-	uint64_t size = d->data.size;
-	if (size < 10 || memcmp(p, NPY_MAGIC, 6) != 0)
+	d->size = size;
+	unsigned char p[12];
+	if (size < 10 || read_at(d->fd, p, 10, 0) != 10 ||
+	    memcmp(p, NPY_MAGIC, 6) != 0)
 		return docs_err(ctx, path,
 				"bad magic (not a numpy .npy file; expected "
 				"\"\\x93NUMPY\")");
@@ -455,7 +612,7 @@ static epj_status npy_open(epj_ctx *ctx, const char *path, epj_docs *d)
 				"build reads 1.0, 2.0 and 3.0)",
 				major, minor);
 	uint64_t hstart = major == 1 ? 10 : 12, hlen;
-	if (size < hstart)
+	if (size < hstart || read_at(d->fd, p, hstart, 0) != (int64_t)hstart)
 		return docs_err(ctx, path, "truncated header");
 	hlen = major == 1 ? (uint64_t)(p[8] | p[9] << 8) : le32(p + 8);
 	if (hlen > size - hstart)
@@ -464,9 +621,23 @@ static epj_status npy_open(epj_ctx *ctx, const char *path, epj_docs *d)
 				"file",
 				(unsigned long long)hlen,
 				(unsigned long long)size);
+	if (hlen > NPY_MAX_HEADER)
+		return docs_err(ctx, path,
+				"header of %llu bytes (this build reads "
+				"headers of up to %u bytes)",
+				(unsigned long long)hlen, NPY_MAX_HEADER);
+	char *text = malloc(hlen ? (size_t)hlen : 1);
+	if (!text)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"dataset '%s': out of memory", path);
+	if (read_at(d->fd, text, (size_t)hlen, hstart) != (int64_t)hlen) {
+		free(text);
+		return docs_err(ctx, path, "truncated header");
+	}
 	npy_hdr h;
-	if (!npy_parse((const char *)p + hstart,
-		       (const char *)p + hstart + hlen, &h))
+	bool parsed = npy_parse(text, text + hlen, &h);
+	free(text);
+	if (!parsed)
 		return docs_err(ctx, path,
 				"malformed header (expected {'descr': ..., "
 				"'fortran_order': ..., 'shape': (...)})");
@@ -536,6 +707,7 @@ epj_status epj_docs_open(epj_ctx *ctx, const char *path, epj_docs **out)
 	if (!d)
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"dataset '%s': out of memory", path);
+	d->fd = -1;
 	epj_status s = has_suffix(path, ".npy") ? npy_open(ctx, path, d)
 						: megatron_open(ctx, path, d);
 	if (s != EPJ_OK) {
@@ -550,8 +722,10 @@ void epj_docs_free(epj_docs *d)
 {
 	if (!d)
 		return;
-	unmap_file(&d->data);
-	unmap_file(&d->idx);
+	if (d->fd >= 0)
+		close(d->fd);
+	free(d->lens);
+	free(d->ptrs);
 	free(d->name);
 	free(d);
 }
@@ -570,15 +744,15 @@ uint64_t epj_docs_len(const epj_docs *d, uint64_t doc)
 {
 	if (!d || doc >= d->ndocs)
 		return 0;
-	return d->lens ? le32(d->lens + 4 * doc) : d->rowlen;
+	return d->lens ? d->lens[doc] : d->rowlen;
 }
 
-/* First byte of document doc (validated at open). */
-static const unsigned char *doc_base(const epj_docs *d, uint64_t doc)
+/* Byte offset of document doc in the data file (validated at open). */
+static uint64_t doc_pos(const epj_docs *d, uint64_t doc)
 {
 	if (d->lens)
-		return d->data.p + le64(d->ptrs + 8 * doc);
-	return d->data.p + d->off + doc * d->rowlen * (uint64_t)d->esz;
+		return d->ptrs[doc];
+	return d->off + doc * d->rowlen * (uint64_t)d->esz;
 }
 
 static int64_t tok_at(const epj_docs *d, const unsigned char *p)
@@ -621,9 +795,40 @@ epj_status epj_docs_read(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
 		    d->name, (unsigned long long)off,
 		    (unsigned long long)(off + n), (unsigned long long)doc,
 		    (unsigned long long)d->ndocs, (unsigned long long)len);
-	const unsigned char *p = doc_base(d, doc) + off * (uint64_t)d->esz;
+	if (n == 0)
+		return EPJ_OK;
+	/* The raw tokens go to the tail of out and are widened front to
+	 * back: token i (at byte (8 - esz) n + i esz) is read before out[i]
+	 * is written, and out[i] ends where token i + 1 begins, or before. */
+	size_t esz = (size_t)d->esz, bytes = (size_t)n * esz;
+	unsigned char *raw = (unsigned char *)out + (8 - esz) * (size_t)n;
+	uint64_t pos = doc_pos(d, doc) + off * esz;
+	errno = 0;
+	int64_t got = read_at(d->fd, raw, bytes, pos);
+	if (got != (int64_t)bytes) {
+		int e = errno;
+		struct stat st;
+		long long now =
+		    fstat(d->fd, &st) == 0 ? (long long)st.st_size : -1;
+		char why[160];
+		if (got < 0)
+			snprintf(why, sizeof why, "%s", strerror(e));
+		else
+			snprintf(why, sizeof why,
+				 "the file ends at byte %lld; it had %llu "
+				 "bytes when opened: it shrank while in use",
+				 now, (unsigned long long)d->size);
+		return ej_error(
+		    ctx, EPJ_ERR_IO,
+		    "dataset '%s': cannot read tokens [%llu, %llu) of "
+		    "document %llu (bytes [%llu, %llu)): %s",
+		    d->name, (unsigned long long)off,
+		    (unsigned long long)(off + n), (unsigned long long)doc,
+		    (unsigned long long)pos, (unsigned long long)(pos + bytes),
+		    why);
+	}
 	for (uint64_t i = 0; i < n; i++)
-		out[i] = tok_at(d, p + i * (uint64_t)d->esz);
+		out[i] = tok_at(d, raw + i * esz);
 	return EPJ_OK;
 }
 
@@ -667,6 +872,12 @@ static epj_status parse_split(epj_ctx *ctx, const char *spec, double w[3])
 	}
 	if (k == 0 || w[0] + w[1] + w[2] <= 0)
 		goto bad;
+	if (!isfinite(w[0] + w[1] + w[2]))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"data split '%s': the weights add up to more "
+				"than the largest double (%g); use smaller "
+				"weights (e.g. \"969,30,1\")",
+				spec, DBL_MAX);
 	return EPJ_OK;
 bad:
 	return ej_error(ctx, EPJ_ERR_INVALID,
@@ -782,6 +993,13 @@ ej_dsrc *ej_dsrc_open(epj_ctx *ctx, const char *spec, const epj_data_opts *o)
 			goto fail;
 		d->n = i + 1;
 		split_docs(s, w);
+	}
+	if (!isfinite(wsum)) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "data blend '%s': the weights add up to more than "
+			 "the largest double (%g); use smaller weights",
+			 spec, DBL_MAX);
+		goto fail;
 	}
 	for (int i = 0; i < d->n; i++)
 		d->src[i].weight /= wsum;

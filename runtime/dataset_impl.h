@@ -1,7 +1,7 @@
 /* dataset_impl.h -- the token datasets of runtime/dataset.c as data.c's
  * corpora see them.
  *
- * An ej_dsrc is the static part (memory-mapped sources, blend weights, the
+ * An ej_dsrc is the static part (the opened sources, blend weights, the
  * document split); an ej_dstream is one reader of one split (train 0,
  * validation 1, test 2) holding only its position and the cached order of
  * its current epoch. */

@@ -14,10 +14,14 @@
  * their samples against the documents: every sample a window of the packed
  * documents, one epoch of a single document exactly the windows j*T in a
  * seeded order, blend shares within one sample of their weights, skip then
- * read equal to reading straight on.
+ * read equal to reading straight on.  A .idx's pairing record is built here
+ * from its spec, and files are rewritten and truncated between the batches
+ * of an open dataset (an error status, never a signal).
  */
 #include "check_util.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1053,6 +1057,11 @@ START_TEST(test_dataset_megatron_hostile)
 	/* sequence 2 pointing past the .bin, or ending past it */
 	MUTATE(le64(b + P + 16, 1 << 20), "h.bin", "outside", "pointer > bin");
 	MUTATE(le32(b + 34 + 8, 6), "h.bin", "outside", "length past bin");
+	/* sequences must lie end to end and fill the .bin (Megatron's
+	 * layout): sequence 1 one token shorter leaves a gap before 2,
+	 * sequence 2 one token shorter leaves the .bin's last token over */
+	MUTATE(le32(b + 34 + 4, 1), "h.idx", "gap of 2 bytes", "gap");
+	MUTATE(le32(b + 34 + 8, 4), "h.bin", "2 trailing bytes", "short");
 	/* unsorted: sequence 1 before sequence 0's end */
 	MUTATE(le64(b + P + 8, 2), "h.idx", "sorted", "unsorted pointers");
 	MUTATE(le64(b + D, 1), "h.idx", "from 0", "doc index start");
@@ -1077,10 +1086,17 @@ START_TEST(test_dataset_megatron_hostile)
 	/* a truncated .bin */
 	tu_write_file(ip, good, n);
 	size_t bn;
-	unsigned char *bin = tu_read_file(bp, &bn);
+	unsigned char *bin0 = tu_read_file(bp, &bn);
+	unsigned char *bin = malloc(bn + 1);
+	memcpy(bin, bin0, bn);
+	free(bin0);
 	tu_write_file(bp, bin, bn - 1);
 	expect_docs_error(prefix, EPJ_ERR_FORMAT, "h.bin", "outside",
 			  "short bin");
+	bin[bn] = 0;
+	tu_write_file(bp, bin, bn + 1);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "h.bin", "1 trailing byte",
+			  "long bin");
 	unlink(bp);
 	expect_docs_error(prefix, EPJ_ERR_IO, "h.bin", "cannot open",
 			  "missing bin");
@@ -1097,6 +1113,144 @@ START_TEST(test_dataset_megatron_hostile)
 	free(bin);
 	free(b);
 	free(good);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* The pairing record of doc/formats.md for a .bin of n bytes: "EPJPAIR1",
+ * n, FNV-1a 64 of the whole .bin up to 64 blocks of 4096 bytes, else of the
+ * 64 blocks at k (n - 4096) / 63, and 8 zero bytes. */
+static void pair_record(unsigned char r[32], const unsigned char *bin,
+			uint64_t n)
+{
+	uint64_t h = 0xcbf29ce484222325ull;
+	for (uint64_t k = 0; k < (n <= 64 * 4096 ? 1 : 64); k++) {
+		uint64_t off = n <= 64 * 4096 ? 0 : k * (n - 4096) / 63;
+		uint64_t len = n <= 64 * 4096 ? n : 4096;
+		for (uint64_t i = 0; i < len; i++)
+			h = (h ^ bin[off + i]) * 0x100000001b3ull;
+	}
+	memcpy(r, "EPJPAIR1", 8);
+	le64(r + 8, n);
+	le64(r + 16, h);
+	le64(r + 24, 0);
+}
+
+/* Opens prefix, expecting success, and reads its document 0 back. */
+static void expect_docs_ok(const char *prefix, const int64_t *v, int32_t len0,
+			   const char *what)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_docs *d = NULL;
+	ck_assert_msg(epj_docs_open(ctx, prefix, &d) == EPJ_OK, "%s: %s", what,
+		      epj_ctx_error(ctx));
+	int64_t *x = malloc((size_t)len0 * sizeof *x);
+	ck_assert_int_eq(epj_docs_read(ctx, d, 0, 0, (uint64_t)len0, x),
+			 EPJ_OK);
+	ck_assert_msg(!memcmp(x, v, (size_t)len0 * sizeof *x), "%s", what);
+	free(x);
+	epj_docs_free(d);
+	epj_ctx_free(ctx);
+}
+
+START_TEST(test_dataset_pairing)
+{
+	/* A .idx ending with a pairing record accepts only the .bin it
+	 * describes: another size or another fingerprint is refused, naming
+	 * both files; the record may follow Megatron's mode bytes. */
+	char *dir = tu_tmpdir_new("pair");
+	char prefix[512], ip[600], bp[600];
+	snprintf(prefix, sizeof prefix, "%s/p", dir);
+	snprintf(ip, sizeof ip, "%s.idx", prefix);
+	snprintf(bp, sizeof bp, "%s.bin", prefix);
+	for (int big = 0; big < 2; big++) {
+		/* small: hashed whole; big: 150,000 uint16 tokens, sampled */
+		int32_t lens[3] = { big ? 50000 : 7, big ? 60000 : 3,
+				    big ? 40000 : 9 };
+		int nv = lens[0] + lens[1] + lens[2];
+		int64_t *v = malloc((size_t)nv * sizeof *v);
+		for (int i = 0; i < nv; i++)
+			v[i] = tu_randint(0, 60000);
+		write_mm(dir, "p", 8, lens, 3, v);
+		size_t in, bn;
+		unsigned char *idx = tu_read_file(ip, &in);
+		unsigned char *bin = tu_read_file(bp, &bn);
+		unsigned char *pi = malloc(in + 3 + 32);
+		memcpy(pi, idx, in);
+		pair_record(pi + in, bin, bn);
+		tu_write_file(ip, pi, in + 32);
+		expect_docs_ok(prefix, v, lens[0], "paired");
+		/* after 3 mode bytes */
+		memset(pi + in, 0, 3);
+		pair_record(pi + in + 3, bin, bn);
+		tu_write_file(ip, pi, in + 3 + 32);
+		expect_docs_ok(prefix, v, lens[0], "modes + pairing");
+		/* one byte of the .bin changed, in a hashed block */
+		uint64_t at =
+		    big ? 10 * ((uint64_t)bn - 4096) / 63 + 7 : bn - 1;
+		bin[at] ^= 1;
+		tu_write_file(bp, bin, bn);
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.bin': fingerprint",
+				  "p.idx' was written with", "changed byte");
+		bin[at] ^= 1;
+		tu_write_file(bp, bin, bn);
+		expect_docs_ok(prefix, v, lens[0], "restored");
+		if (big) {
+			/* a byte outside every sampled block is not seen
+			 * (the documented limit of the check) */
+			bin[4096 + 1] ^= 1;
+			tu_write_file(bp, bin, bn);
+			epj_ctx *ctx = tu_ctx();
+			epj_docs *d = NULL;
+			ck_assert_msg(epj_docs_open(ctx, prefix, &d) == EPJ_OK,
+				      "%s", epj_ctx_error(ctx));
+			epj_docs_free(d);
+			epj_ctx_free(ctx);
+			bin[4096 + 1] ^= 1;
+			tu_write_file(bp, bin, bn);
+		}
+		/* the record's size field says another size */
+		le64(pi + in + 3 + 8, (uint64_t)bn + 2);
+		tu_write_file(ip, pi, in + 3 + 32);
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.bin'",
+				  "written with a .bin of", "record size");
+		/* a 32-byte tail that is no record; a non-zero reserved word */
+		pair_record(pi + in, bin, bn);
+		pi[in] = 'X';
+		tu_write_file(ip, pi, in + 32);
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.idx",
+				  "32 bytes after the document indices",
+				  "bad record magic");
+		pair_record(pi + in, bin, bn);
+		pi[in + 31] = 1;
+		tu_write_file(ip, pi, in + 32);
+		expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.idx",
+				  "32 bytes after the document indices",
+				  "reserved word");
+		free(pi);
+		free(bin);
+		free(idx);
+		free(v);
+	}
+	/* the fixture's record, written by epjit-tokenize, agrees with this
+	 * reader; one token of its .bin changed is refused */
+	char fp[512];
+	size_t in, bn;
+	fixture_path(fp, sizeof fp, "docs.idx");
+	unsigned char *idx = tu_read_file(fp, &in);
+	fixture_path(fp, sizeof fp, "docs.bin");
+	unsigned char *bin = tu_read_file(fp, &bn);
+	ck_assert(in > 32 && !memcmp(idx + in - 32, "EPJPAIR1", 8));
+	tu_write_file(ip, idx, in);
+	tu_write_file(bp, bin, bn);
+	int64_t want[1] = { bin[0] | bin[1] << 8 }; /* uint16 */
+	expect_docs_ok(prefix, want, 1, "fixture");
+	bin[bn / 2] ^= 1;
+	tu_write_file(bp, bin, bn);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.bin': fingerprint",
+			  "p.idx' was written with", "fixture changed");
+	free(bin);
+	free(idx);
 	tu_tmpdir_free(dir);
 }
 END_TEST
@@ -1439,6 +1593,10 @@ START_TEST(test_dataset_split_windows)
 	o.split = "1,1,1,1";
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
 			TU_STRS("up to three"));
+	/* weights that add up to infinity: refused, not all-train */
+	o.split = "1e308,1e308,1e308";
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, p, &o), EPJ_ERR_INVALID,
+			TU_STRS("1e308,1e308,1e308", "largest double"));
 	free(x);
 	free(r.v);
 	epj_ctx_free(ctx);
@@ -1532,12 +1690,121 @@ START_TEST(test_dataset_blend_resume)
 	snprintf(spec, sizeof spec, "-1 %s 2 %s", pa, pb);
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
 			TU_STRS("weight '-1'", "a.npy"));
+	snprintf(spec, sizeof spec, "1e308 %s 1e308 %s", pa, pb);
+	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_INVALID,
+			TU_STRS("data blend", "largest double"));
 	snprintf(spec, sizeof spec, "1 %s 2 %s/nothing", pa, dir);
 	tu_assert_error(ctx, epj_corpus_dataset(ctx, spec, &o), EPJ_ERR_IO,
 			TU_STRS("nothing.idx", "cannot open"));
 	epj_corpus_free(c);
 	free(x);
 	free(ta);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
+/* Writes n bytes at byte off of path in place (the same inode, as a
+ * rewrite by another process would). */
+static void patch_file(const char *path, uint64_t off, const void *p, size_t n)
+{
+	int fd = open(path, O_WRONLY);
+	ck_assert_msg(fd >= 0, "%s: %s", path, strerror(errno));
+	ck_assert_int_eq(pwrite(fd, p, n, (off_t)off), (ssize_t)n);
+	ck_assert_int_eq(close(fd), 0);
+}
+
+/* The next batch fails with EPJ_ERR_IO naming file and "shrank". */
+static void expect_shrank(epj_ctx *ctx, epj_corpus *c, int64_t T,
+			  const char *file)
+{
+	epj_tensor *in = NULL, *lab = NULL;
+	epj_status st = epj_corpus_next_batch(ctx, c, 2, T, &in, &lab);
+	expect_status(ctx, st, EPJ_ERR_IO, TU_STRS(file, "shrank"));
+	ck_assert(!in && !lab);
+}
+
+START_TEST(test_dataset_live_files)
+{
+	/* Files changed between two batches of a run that has them open:
+	 * an index rewritten in place changes nothing (what was validated at
+	 * open is what is used: never a read outside the .bin), and a data
+	 * file that shrank fails the batch with EPJ_ERR_IO naming it, never a
+	 * SIGSEGV or SIGBUS (which Check's fork mode reports as failures). */
+	char *dir = tu_tmpdir_new("live");
+	char prefix[512], ip[600], bp[600], np[600];
+	snprintf(prefix, sizeof prefix, "%s/m", dir);
+	snprintf(ip, sizeof ip, "%s.idx", prefix);
+	snprintf(bp, sizeof bp, "%s.bin", prefix);
+	snprintf(np, sizeof np, "%s/a.npy", dir);
+	enum { NDOC = 6, NROW = 8 };
+	int32_t lens[NDOC];
+	int64_t v[NDOC * 700];
+	int nv = 0;
+	for (int i = 0; i < NDOC; i++) {
+		/* over a page of tokens: a truncated file's pages unmapped */
+		lens[i] = (int32_t)tu_randint(600, 700);
+		for (int j = 0; j < lens[i]; j++)
+			v[nv++] = tu_randint(0, 64);
+	}
+	write_mm(dir, "m", 8, lens, NDOC, v);
+	uint64_t seed = (uint64_t)tu_randint(0, INT64_MAX);
+	int64_t T = tu_randint(4, 64);
+	epj_ctx *ctx = tu_ctx();
+	int64_t *want = malloc((size_t)NROW * (size_t)(T + 1) * sizeof *want);
+	int64_t *got = malloc((size_t)NROW * (size_t)(T + 1) * sizeof *got);
+	epj_corpus *ref = open_ds(ctx, prefix, "1", seed, 64);
+	take_rows(ctx, ref, NROW, T, want);
+	epj_corpus_free(ref);
+	epj_corpus *c = open_ds(ctx, prefix, "1", seed, 64);
+	epj_docs *d = NULL;
+	ck_assert_int_eq(epj_docs_open(ctx, prefix, &d), EPJ_OK);
+	take_rows(ctx, c, 2, T, got);
+	/* every length INT32_MAX, every pointer 2^40, in place */
+	for (int i = 0; i < NDOC; i++) {
+		unsigned char w[8];
+		le32(w, INT32_MAX);
+		patch_file(ip, 34 + 4 * (uint64_t)i, w, 4);
+		le64(w, (uint64_t)1 << 40);
+		patch_file(ip, 34 + 4 * NDOC + 8 * (uint64_t)i, w, 8);
+	}
+	take_rows(ctx, c, NROW - 2, T, got + 2 * (T + 1));
+	ck_assert_msg(
+	    !memcmp(got, want, (size_t)NROW * (size_t)(T + 1) * sizeof *got),
+	    "the rows after the index was rewritten differ from "
+	    "the rows of the index as opened");
+	ck_assert_uint_eq(epj_docs_len(d, 0), (uint64_t)lens[0]);
+	int64_t x[700];
+	ck_assert_int_eq(epj_docs_read(ctx, d, 0, 0, (uint64_t)lens[0], x),
+			 EPJ_OK);
+	ck_assert(!memcmp(x, v, (size_t)lens[0] * sizeof *x));
+	/* the .bin cut after document 0: the last document is gone */
+	ck_assert_int_eq(truncate(bp, (off_t)lens[0] * 2), 0);
+	ck_assert_int_eq(epj_docs_read(ctx, d, 0, 0, (uint64_t)lens[0], x),
+			 EPJ_OK);
+	expect_status(
+	    ctx,
+	    epj_docs_read(ctx, d, NDOC - 1, 0, (uint64_t)lens[NDOC - 1], x),
+	    EPJ_ERR_IO, TU_STRS("m.bin", "shrank", "document 5"));
+	ck_assert_int_eq(truncate(bp, 0), 0);
+	expect_shrank(ctx, c, T, "m.bin");
+	epj_docs_free(d);
+	epj_corpus_free(c);
+	/* a .npy of 4 rows of 1024 tokens, emptied */
+	uint16_t u[4 * 1024];
+	for (int i = 0; i < 4 * 1024; i++)
+		u[i] = (uint16_t)tu_randint(0, 64);
+	write_npy(np, 1,
+		  "{'descr': '<u2', 'fortran_order': False, 'shape': (4, "
+		  "1024), }",
+		  u, sizeof u);
+	c = open_ds(ctx, np, "1", seed, 64);
+	take_rows(ctx, c, 2, T, got);
+	ck_assert_int_eq(truncate(np, 0), 0);
+	expect_shrank(ctx, c, T, "a.npy");
+	epj_corpus_free(c);
+	free(want);
+	free(got);
 	epj_ctx_free(ctx);
 	tu_tmpdir_free(dir);
 }
@@ -1672,9 +1939,11 @@ Suite *make_data_suite(void)
 	tcase_add_test(ds, test_dataset_dtypes);
 	tcase_add_test(ds, test_dataset_megatron_hostile);
 	tcase_add_test(ds, test_dataset_npy_hostile);
+	tcase_add_test(ds, test_dataset_pairing);
 	tcase_add_test(ds, test_dataset_packing_shuffle);
 	tcase_add_test(ds, test_dataset_split_windows);
 	tcase_add_test(ds, test_dataset_blend_resume);
+	tcase_add_test(ds, test_dataset_live_files);
 	tcase_add_test(ds, test_dataset_trainer_dump);
 	suite_add_tcase(s, ds);
 	return s;

@@ -11,10 +11,18 @@
 #     the config's "data" section stands for --data, --split and the data
 #     seed, and --data overrides it;
 #  4. bad data exits 1 naming the file: a hostile .idx, a float .npy, a
-#     token >= the model's vocabulary, a bad blend or split.
+#     token >= the model's vocabulary, a bad blend or split;
+#  5. epjit-tokenize: it reproduces the fixture; it never writes through a
+#     planted link; a run killed between its renames leaves a pair the
+#     trainer refuses (a larger .bin, and one of the same size); a failed
+#     rename names what was replaced; bad input (invalid UTF-8, a lone
+#     surrogate, a non-ASCII-digit --eod-token) is FILE:LINE: reason, exit
+#     1, no traceback, nothing written.  It uses the Python tokenizers
+#     package when installed, else a stand-in for the fixture's word-level
+#     tokenizer (the tool's own logic is what is checked).
 # The fixtures are t/data/dataset (tools/epjit-tokenize and numpy wrote
 # them; t/data/dataset/make-fixtures.py).  Exit 77 (SKIP) when the trainer
-# was not built.
+# was not built, or, after parts 1-4 passed, when python3 is missing.
 
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
@@ -158,6 +166,145 @@ refuse "docs.bin': token" --data "$D/docs" --model v32.json --steps 1 \
 	--seq 8
 refuse "data blend" --data "1 $D/docs 2" --steps 1
 refuse "data split '1,x'" --data "$D/docs" --split 1,x --steps 1
+refuse "add up to more than the largest double" --data "$D/docs" \
+	--split 1e308,1e308,1e308 --steps 1
+refuse "add up to more than the largest double" \
+	--data "1e308 $D/docs 1e308 $D/rows_i8.npy" --steps 1
 refuse "--split (or data.split) applies to token datasets" --split 1 \
 	--steps 1
+
+# ---- 5. epjit-tokenize ----
+if ! command -v python3 >/dev/null 2>&1; then
+	echo "SKIP: parts 1-4 passed; no python3 to run epjit-tokenize"
+	exit 77
+fi
+if ! python3 -c 'import tokenizers' 2>/dev/null; then
+	echo "note: no Python tokenizers package: epjit-tokenize runs with a stand-in"
+	mkdir stub
+	cat >stub/tokenizers.py <<'EOF'
+"""A stand-in for the tokenizers package: WordLevel + WhitespaceSplit."""
+import json
+
+
+class _Encoding:
+    def __init__(self, ids):
+        self.ids = ids
+
+
+class Tokenizer:
+    @staticmethod
+    def from_file(path):
+        t = Tokenizer()
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)["model"]
+        t.vocab, t.unk = m["vocab"], m["vocab"][m["unk_token"]]
+        return t
+
+    def get_vocab_size(self, with_added_tokens=True):
+        return len(self.vocab)
+
+    def token_to_id(self, s):
+        return self.vocab.get(s)
+
+    def encode(self, text, add_special_tokens=True):
+        text.encode("utf-8")  # the package refuses lone surrogates too
+        return _Encoding([self.vocab.get(w, self.unk) for w in text.split()])
+EOF
+	PYTHONPATH="$tmp/stub${PYTHONPATH:+:$PYTHONPATH}"
+	export PYTHONPATH
+fi
+TOKENIZE="$srcdir/tools/epjit-tokenize"
+# the tool run as a script whose os.replace exits 137 at its 2nd call: a
+# run killed between its renames, deterministically
+cat >killed.py <<'EOF'
+import os, runpy, sys
+real, calls = os.replace, [0]
+def replace(a, b):
+    calls[0] += 1
+    if calls[0] == 2:
+        os._exit(137)
+    real(a, b)
+os.replace = replace
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+EOF
+tokenize() {
+	python3 "$TOKENIZE" --tokenizer "$D/tokenizer.json" --append-eod "$@"
+}
+# tok_refuse NEEDLE ARGS...: exit 1, NEEDLE on stderr, no traceback
+tok_refuse() {
+	needle=$1
+	shift
+	tokenize "$@" >tr.out 2>tr.err
+	rc=$?
+	[ "$rc" -eq 1 ] || fail "epjit-tokenize $*: exit $rc, want 1: $(cat tr.err)"
+	grep -q -F -- "$needle" tr.err ||
+		fail "epjit-tokenize $*: stderr lacks '$needle': $(cat tr.err)"
+	grep -q Traceback tr.err && fail "epjit-tokenize $*: a traceback: $(cat tr.err)"
+	return 0
+}
+mkdir tk
+tokenize --input "$D/docs.jsonl" --output-prefix tk/docs >tk.log 2>&1 ||
+	fail "epjit-tokenize: $(cat tk.log)"
+cmp -s tk/docs.bin "$D/docs.bin" && cmp -s tk/docs.idx "$D/docs.idx" ||
+	fail "epjit-tokenize does not reproduce t/data/dataset/docs.{bin,idx}"
+# links planted at the old fixed temporary names, and an output that is a
+# link: no link's target is written
+echo precious >victim
+ln -s "$tmp/victim" tk/docs.bin.tmp
+ln -s "$tmp/victim" tk/docs.idx.tmp
+ln -s "$tmp/victim" tk/link.bin
+tokenize --input "$D/docs.jsonl" --output-prefix tk/docs >tk.log 2>&1 ||
+	fail "epjit-tokenize with planted links: $(cat tk.log)"
+tokenize --input "$D/docs.jsonl" --output-prefix tk/link >tk.log 2>&1 ||
+	fail "epjit-tokenize over a link: $(cat tk.log)"
+[ "$(cat victim)" = precious ] || fail "a planted link's target was overwritten"
+[ -L tk/link.bin ] && fail "tk/link.bin is still a link"
+cmp -s tk/link.bin "$D/docs.bin" || fail "tk/link.bin is not the new .bin"
+rm -f tk/*
+# killed between the renames, over the fixture's pair: a .bin of other
+# documents (larger), one of the same size (the documents reversed), and
+# the same over a pair without a pairing record (as Megatron writes it)
+cat "$D/docs.jsonl" "$D/docs.jsonl" >twice.jsonl
+awk '{ l[NR] = $0 } END { for (i = NR; i > 0; i--) print l[i] }' \
+	"$D/docs.jsonl" >rev.jsonl
+cp rev.jsonl revm.jsonl
+for k in twice rev revm; do
+	cp "$D/docs.bin" "tk/$k.bin"
+	cp "$D/docs.idx" "tk/$k.idx"
+	[ $k = revm ] && head -c $(($(wc -c <"$D/docs.idx") - 32)) \
+		"$D/docs.idx" >"tk/$k.idx"
+	python3 killed.py "$TOKENIZE" --tokenizer "$D/tokenizer.json" \
+		--append-eod --input $k.jsonl --output-prefix tk/$k >k.log 2>&1
+	rc=$?
+	[ "$rc" -eq 137 ] || fail "$k: the killed run exited $rc: $(cat k.log)"
+	refuse "an interrupted epjit-tokenize" --data "$tmp/tk/$k" --steps 1
+	grep -q 'fingerprint' refuse.err || [ $k = twice ] ||
+		fail "$k: no fingerprint: $(cat refuse.err)"
+	rm -f tk/$k.*
+done
+# a rename that fails: over a directory, first (nothing written) or second
+mkdir tk/d1.idx tk/d2.bin
+tok_refuse "nothing was written" --input "$D/docs.jsonl" --output-prefix tk/d1
+[ -e tk/d1.bin ] && fail "tk/d1.bin written after the .idx's rename failed"
+tok_refuse "replaced: $tmp/tk/d2.idx; NOT replaced: $tmp/tk/d2.bin" \
+	--input "$D/docs.jsonl" --output-prefix "$tmp/tk/d2"
+ls tk/*.tmp >/dev/null 2>&1 && fail "temporary files left: $(ls tk/*.tmp)"
+rm -r tk/d1.idx tk/d2.bin tk/d2.idx
+tok_refuse "nothing was written" --input "$D/docs.jsonl" \
+	--output-prefix tk/none/x
+# bad input: FILE:LINE: reason, nothing written
+printf '{"text": "the"}\n{"text": "a \377 b"}\n' >u.jsonl
+tok_refuse "u.jsonl:2: not UTF-8" --input u.jsonl --output-prefix tk/u
+printf '{"text": "the"}\n\n{"text": "a \\ud800 b"}\n' >s.jsonl
+tok_refuse "s.jsonl:3: 'text' holds a lone surrogate" --input s.jsonl \
+	--output-prefix tk/s
+for e in "١٢" "²"; do
+	tok_refuse "no token '$e'" --input "$D/docs.jsonl" --output-prefix tk/e \
+		--eod-token "$e"
+done
+[ -z "$(ls tk)" ] || fail "files written by failed runs: $(ls tk)"
+tokenize --input "$D/docs.jsonl" --output-prefix tk/e --eod-token 1 \
+	>tk.log 2>&1 || fail "--eod-token 1: $(cat tk.log)"
+cmp -s tk/e.bin "$D/docs.bin" || fail "--eod-token 1 is not <|endoftext|>"
 echo "dataset.sh: ok"
