@@ -681,10 +681,12 @@ static epj_status share_record(epj_ctx *ctx, ej_comm *world, const char *path,
 	memset(set, 0, sizeof *set);
 	char *text = NULL;
 	size_t len = 0;
-	int64_t n = -1; /* -1: no record, -2: unreadable */
+	/* n: the record's length, or -1: no record, -2: a read error, -3:
+	 * over EJ_CKPT_SET_MAX_BYTES */
+	int64_t n = -1;
 	if (world->rank == 0) {
 		int rc = ej_ckpt_set_read(path, &text, &len);
-		n = rc == 1 ? (int64_t)len : rc == 0 ? -1 : -2;
+		n = rc == 1 ? (int64_t)len : rc == 0 ? -1 : rc - 1;
 	}
 	epj_status st =
 	    ej_comm_bcast(ctx, world, "checkpoint set", &n, sizeof n, 0);
@@ -703,12 +705,8 @@ static epj_status share_record(epj_ctx *ctx, ej_comm *world, const char *path,
 		if (st == EPJ_OK)
 			st = bs;
 	}
-	if (st == EPJ_OK && n == -2)
-		st = ej_error(ctx, EPJ_ERR_FORMAT,
-			      "checkpoint set '%s': starts like a commit "
-			      "record but cannot be read whole (a read error, "
-			      "or over 1 MiB)",
-			      path);
+	if (st == EPJ_OK && n < -1)
+		st = ej_ckpt_set_read_error(ctx, path, (int)n + 1);
 	if (st == EPJ_OK && n >= 0) {
 		st = ej_ckpt_set_parse(ctx, path, text, (size_t)n, set);
 		*have = st == EPJ_OK;
@@ -1142,6 +1140,8 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		bool parsed = rec == 1 && ej_ckpt_set_parse(ctx, path, text,
 							    len, &s) == EPJ_OK;
 		free(text);
+		if (rec < 0)
+			return ej_ckpt_set_read_error(ctx, path, rec);
 		if (rec == 1 && !parsed)
 			return ctx->status;
 		if (rec != 0) {

@@ -116,8 +116,24 @@ bool ej_in_replay(const epj_ctx *ctx);
 /* ---- the commit record of a multi-rank checkpoint (ckpt_set.c)
  * ------------------------------------------------------------ */
 
-#define EJ_CKPT_SET_FORMAT "epjit-checkpoint-set-1"
-#define EJ_CKPT_NAME_MAX   256
+#define EJ_CKPT_SET_FORMAT_PREFIX "epjit-checkpoint-set-"
+#define EJ_CKPT_SET_VERSION	  1
+#define EJ_CKPT_SET_FORMAT	  "epjit-checkpoint-set-1"
+#define EJ_CKPT_NAME_MAX	  256
+/* The most ranks a record may name. */
+#define EJ_CKPT_SET_MAX_WORLD 65536
+/* The largest record (bytes of the file) that a reader takes and a writer
+ * commits: the same constant at both ends, so that no committed record is
+ * refused.  It scales with the world limit: 512 bytes per rank hold a file
+ * entry whose name is as long as a file name can be (255 bytes) when the
+ * name needs no JSON escapes (at most 396 bytes), plus 64 KiB for the rest.
+ * A record over it (names full of control characters) is refused by the
+ * writer before the commit. */
+#define EJ_CKPT_SET_MAX_BYTES                                                  \
+	(((size_t)64 << 10) + (size_t)EJ_CKPT_SET_MAX_WORLD * 512)
+/* The last generation a record may hold ([1, INT64_MAX]): a save over a
+ * record of this generation is refused (there is no next one). */
+#define EJ_CKPT_GEN_MAX INT64_MAX
 
 typedef struct ej_ckpt_file {
 	int64_t bytes;
@@ -132,18 +148,27 @@ typedef struct ej_ckpt_set {
 	ej_ckpt_file *files; /* [world], indexed by rank (owned) */
 } ej_ckpt_set;
 
-/* Whether the first n bytes of a file look like a commit record. */
+/* Whether the first n bytes of a file look like a commit record (of any
+ * format version: the parser names a version this build does not read). */
 bool ej_ckpt_set_sniff(const char *buf, size_t n);
 /* Reads the record at path: 1 with *text (malloc'd, *len bytes) when path
  * is a regular file that starts like a record, 0 when it is anything else
  * (absent, a safetensors file, a FIFO: never blocks), -1 when it starts
- * like a record but cannot be read whole (or exceeds 1 MiB). */
+ * like a record but cannot be read (a read error), -2 when it starts like
+ * one but is larger than EJ_CKPT_SET_MAX_BYTES. */
 int ej_ckpt_set_read(const char *path, char **text, size_t *len);
+/* The error (EPJ_ERR_FORMAT naming path) for ej_ckpt_set_read's rc < 0. */
+epj_status ej_ckpt_set_read_error(epj_ctx *ctx, const char *path, int rc);
 /* Parses and validates a record (types, ranges, one file per rank, plain
- * file names, checksums of 32 hex digits); EPJ_ERR_FORMAT naming path. */
+ * file names, checksums of 32 hex digits); EPJ_ERR_FORMAT naming path (a
+ * record of another format version: "commit record format version N,
+ * this build reads 1"). */
 epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
 			     size_t len, ej_ckpt_set *s);
-/* Writes s to path atomically (the commit). */
+/* Writes s to path atomically (the commit).  The text is checked first as
+ * a reader checks it (at most EJ_CKPT_SET_MAX_BYTES, then ej_ckpt_set_parse):
+ * what a reader would refuse is never committed.  An error (naming path)
+ * always means that path was not replaced. */
 epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
 			     const ej_ckpt_set *s);
 void ej_ckpt_set_free(ej_ckpt_set *s);

@@ -125,9 +125,9 @@ static void ckpt_free(ckpt *c)
 	memset(c, 0, sizeof *c);
 }
 
-/* Metadata k of f as a whole decimal number in [0, INT32_MAX]; -1 when
- * absent or malformed. */
-static int64_t meta_num(const epj_st_file *f, const char *k)
+/* Metadata k of f as a whole decimal number in [0, max]; -1 when absent
+ * or malformed. */
+static int64_t meta_num_max(const epj_st_file *f, const char *k, int64_t max)
 {
 	const char *v = epj_st_metadata(f, k);
 	if (!v || *v < '0' || *v > '9')
@@ -135,7 +135,13 @@ static int64_t meta_num(const epj_st_file *f, const char *k)
 	char *end;
 	errno = 0;
 	long long x = strtoll(v, &end, 10);
-	return errno || *end || x > INT32_MAX ? -1 : x;
+	return errno || *end || x > max ? -1 : x;
+}
+
+/* The same in [0, INT32_MAX] (the step counters, the layout). */
+static int64_t meta_num(const epj_st_file *f, const char *k)
+{
+	return meta_num_max(f, k, INT32_MAX);
 }
 
 static bool exists(const char *p)
@@ -178,7 +184,7 @@ static epj_status check_meta(epj_ctx *ctx, const ckpt *c, int i)
 				epj_st_metadata(f, "world_size")
 				    ? epj_st_metadata(f, "world_size")
 				    : "?");
-	int64_t g = meta_num(f, "generation");
+	int64_t g = meta_num_max(f, "generation", EJ_CKPT_GEN_MAX);
 	if (c->gen > 0 && g != c->gen)
 		return ej_error(ctx, EPJ_ERR_FORMAT,
 				"checkpoint '%s' mixes saves: %s is generation "
@@ -313,12 +319,8 @@ static epj_status ckpt_open(epj_ctx *ctx, const char *path, ckpt *c)
 	char *text = NULL;
 	size_t len = 0;
 	int rc = ej_ckpt_set_read(path, &text, &len);
-	if (rc == -1)
-		return ej_error(ctx, EPJ_ERR_FORMAT,
-				"checkpoint set '%s': starts like a commit "
-				"record but cannot be read whole (a read "
-				"error, or over 1 MiB)",
-				path);
+	if (rc < 0)
+		return ej_ckpt_set_read_error(ctx, path, rc);
 	if (rc == 1) {
 		epj_status st = open_set(ctx, c, text, len);
 		free(text);
