@@ -27,12 +27,11 @@
  *
  * A writer never commits what a reader refuses: ej_ckpt_set_write parses
  * its own text, with the reader's size limit (EJ_CKPT_SET_MAX_BYTES), before
- * the rename.
+ * the rename.  After a commit only the files the previous record names are
+ * removed (ej_ckpt_set_prune), never files found by their names' pattern.
  */
 #include "runtime_impl.h"
 
-#include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -414,52 +413,39 @@ epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
 	return EPJ_OK;
 }
 
-/* "<base>.g<digits>.rank<rank>" -> the generation; 0 when nm is not one of
- * rank's generation files of base (a legacy "<base>.rank<rank>" -> -1). */
-static int64_t gen_of(const char *nm, const char *base, int rank)
+bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
+			   size_t n)
 {
-	size_t bl = strlen(base);
-	if (strncmp(nm, base, bl) != 0)
-		return 0;
-	char want[32];
-	snprintf(want, sizeof want, ".rank%d", rank);
-	if (!strcmp(nm + bl, want))
-		return -1;
-	const char *p = nm + bl;
-	if (p[0] != '.' || p[1] != 'g' || p[2] < '1' || p[2] > '9')
-		return 0;
-	char *end;
-	errno = 0;
-	long long g = strtoll(p + 2, &end, 10);
-	if (errno || g <= 0 || strcmp(end, want) != 0)
-		return 0;
-	return g;
+	const char *sl = strrchr(path, '/');
+	int k = snprintf(name, n, "%s.g%" PRId64 ".rank%d", sl ? sl + 1 : path,
+			 gen, rank);
+	return k > 0 && (size_t)k < n;
 }
 
-void ej_ckpt_set_prune(const char *path, int rank, int64_t keep)
+void ej_ckpt_set_prune(const char *path, const ej_ckpt_set *prev, int part,
+		       int nparts)
 {
 	ej_path_parts pp;
-	if (!ej_path_split(path, &pp))
+	if (!prev || !prev->files || nparts < 1 || !ej_path_split(path, &pp))
 		return;
-	const char *d = pp.dir, *base = pp.base;
-	DIR *dp = opendir(d);
-	struct dirent *de;
-	while (dp && (de = readdir(dp))) {
-		int64_t g = gen_of(de->d_name, base, rank);
-		char p[4096];
+	for (int64_t k = part; k < prev->world; k += nparts) {
+		/* only a file that prev names under the name a save of this
+		 * set gives it: a record cannot make us remove anything else */
+		char want[EJ_CKPT_NAME_MAX], p[4096];
 		struct stat sb;
-		if (g == 0 || g == keep ||
-		    snprintf(p, sizeof p, "%s/%s", d, de->d_name) >=
+		const char *nm = prev->files[k].name;
+		if (!ej_ckpt_set_file_name(path, prev->generation, (int)k, want,
+					   sizeof want) ||
+		    strcmp(nm, want) != 0 ||
+		    snprintf(p, sizeof p, "%s/%s", pp.dir, nm) >=
 			(int)sizeof p ||
 		    lstat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
 			continue;
 		if (unlink(p) == 0)
 			epj_log_msg(EPJ_LOG_INFO,
-				    "removed %s: superseded by generation "
-				    "%" PRId64 " of %s",
-				    p, keep, path);
+				    "removed %s: superseded by the newer "
+				    "generation of %s",
+				    p, path);
 	}
-	if (dp)
-		closedir(dp);
 	free(pp.buf);
 }

@@ -175,10 +175,20 @@ void ej_ckpt_set_free(ej_ckpt_set *s);
 /* Size and XXH3-128 of a regular file's whole content. */
 epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
 			char hex[33]);
-/* Removes rank's files of path's other generations ("path.g<N>.rank<R>",
- * N != keep) and the older unversioned "path.rank<R>": called after
- * generation keep is committed. */
-void ej_ckpt_set_prune(const char *path, int rank, int64_t keep);
+/* The name a save of set path gives rank's file of generation gen:
+ * "<base>.g<gen>.rank<rank>", base path's last component; false when it
+ * does not fit name[n]. */
+bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
+			   size_t n);
+/* Called once a newer record of set path is committed: removes the files
+ * of prev, the record path held before, that rank `part` of `nparts` is
+ * to remove (prev's ranks k with k % nparts == part).  Only a file that
+ * prev names and that has the name a save of this set gives it
+ * (ej_ckpt_set_file_name of prev's generation and k), and only when it is
+ * a regular file: never a file of another set, never what a link points
+ * to, never a file the new record names. */
+void ej_ckpt_set_prune(const char *path, const ej_ckpt_set *prev, int part,
+		       int nparts);
 
 /* ---- comm (comm.c, comm_self.c, comm_mpi.c, comm_nccl.c)
  * ------------------------------------------------------------ */

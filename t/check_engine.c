@@ -1880,6 +1880,59 @@ START_TEST(test_ckpt_set_generation_version)
 }
 END_TEST
 
+/* After a commit only the files of the previous record go, each only
+ * under the name a save of this set gives it: saving set "run.g1" never
+ * removes "run.g1.rank0" (set "run"'s file of generation 1), a hostile
+ * record's other names stay, a link is never followed, and each rank
+ * removes its share. */
+START_TEST(test_ckpt_set_prune_own)
+{
+	char *dir = tu_tmpdir_new("ckprune");
+	const char *names[] = { "run.g1.rank0",	   "run.g1.rank1",
+				"run.g1.g1.rank0", "run.g1.g1.rank1",
+				"run.g1.g1.rank2", "keep.txt" };
+	char *p[6];
+	for (int i = 0; i < 6; i++) {
+		p[i] = tu_path(dir, names[i]);
+		tu_write_text(p[i], "x");
+	}
+	char *set = tu_path(dir, "run.g1");
+	ej_ckpt_set prev = { .generation = 1, .world = 3 };
+	prev.files = calloc(3, sizeof *prev.files);
+	ck_assert_ptr_nonnull(prev.files);
+	for (int k = 0; k < 3; k++)
+		snprintf(prev.files[k].name, sizeof prev.files[k].name,
+			 "run.g1.g1.rank%d", k);
+	/* rank 1 of 2 removes its share: prev's rank 1 */
+	ej_ckpt_set_prune(set, &prev, 1, 2);
+	ck_assert_int_eq(access(p[3], F_OK), -1);
+	ck_assert_int_eq(access(p[2], F_OK), 0);
+	ck_assert_int_eq(access(p[4], F_OK), 0);
+	/* rank 0 of 2: ranks 0 and 2 */
+	ej_ckpt_set_prune(set, &prev, 0, 2);
+	ck_assert_int_eq(access(p[2], F_OK), -1);
+	ck_assert_int_eq(access(p[4], F_OK), -1);
+	/* set "run"'s files stay */
+	ck_assert_int_eq(access(p[0], F_OK), 0);
+	ck_assert_int_eq(access(p[1], F_OK), 0);
+	/* a record naming other files, or a link, removes nothing */
+	snprintf(prev.files[0].name, sizeof prev.files[0].name, "keep.txt");
+	snprintf(prev.files[1].name, sizeof prev.files[1].name, "run.g1.rank1");
+	ck_assert_int_eq(symlink("keep.txt", p[4]), 0);
+	ej_ckpt_set_prune(set, &prev, 0, 1);
+	ck_assert_int_eq(access(p[5], F_OK), 0);
+	ck_assert_int_eq(access(p[1], F_OK), 0);
+	struct stat sb;
+	ck_assert_int_eq(lstat(p[4], &sb), 0);
+	ck_assert(S_ISLNK(sb.st_mode));
+	ej_ckpt_set_free(&prev);
+	for (int i = 0; i < 6; i++)
+		free(p[i]);
+	free(set);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 Suite *make_engine_suite(void)
 {
 	Suite *s = suite_create("engine");
@@ -1904,6 +1957,7 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tr, test_ckpt_set_record);
 	tcase_add_test(tr, test_ckpt_set_size_limit);
 	tcase_add_test(tr, test_ckpt_set_generation_version);
+	tcase_add_test(tr, test_ckpt_set_prune_own);
 	suite_add_tcase(s, tr);
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);

@@ -19,7 +19,11 @@
 #     the data position;
 #  5. a missing rank file, a rank file of another save and a rank file
 #     given as a checkpoint are refused by name; the trainer's refusals of
-#     a checkpoint of another world name epjit-ckpt reshard.
+#     a checkpoint of another world name epjit-ckpt reshard;
+#  7. saves: a record at the last generation is refused before anything is
+#     written; a save of set run.g1 keeps set run's files; when the commit's
+#     agreement fails on one rank (EPJIT_TEST_SAVE_COMMIT_FAULT) after rank
+#     0 committed, the committed set stays whole and loads.
 #
 # Tolerance: steps 4 and 5 on 1 rank against 2 ranks agree to a relative
 # 1e-5 (loss and gradient norm).  The masters are the same bits; what
@@ -322,5 +326,38 @@ grep -q 'another optimizer' t2.log && fail "rank file: $(cat t2.log)"
 refused t3.log "epjit-ckpt reshard r1.ckpt --world 2" \
 	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model "$MODEL" \
 	--config ep2.json --steps 5 --seq 8 --load r1.ckpt
+# ---- 7. saves: the generation, what is pruned, the commit -------------------
+# Generation 2^63 - 1 has no next: the save is refused before anything is
+# written or removed.
+mkdir g && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 g/ &&
+	sed -i 's/"generation": 1,/"generation": 9223372036854775807,/' g/a.ckpt
+cp g/a.ckpt gmax.rec
+refused gs.log 'the last one a record can hold' \
+	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model "$MODEL" \
+	--config ep2.json --steps 1 --seq 8 --save g/a.ckpt
+[ "$(ls g | tr '\n' ' ')" = "a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 " ] &&
+	cmp g/a.ckpt gmax.rec || fail "a refused save changed g: $(ls g)"
+# A save of set run.g1 removes only what its own record named: never
+# run.g1.rank<R>, the files of set "run".
+mkdir p && mpi2 p1.log "$TRAIN" --model "$MODEL" --config ep2.json --steps 1 \
+	--seq 8 --save p/run
+mpi2 p2.log "$TRAIN" --model "$MODEL" --config ep2.json --steps 1 --seq 8 \
+	--save p/run.g1
+run p3.log "$CKPT" info p/run
+run p4.log "$CKPT" info p/run.g1
+# The commit's agreement fails on one rank after rank 0 committed: no rank
+# removes a file that the committed record names; the set loads.
+mkdir c && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 c/
+for r in 1 0; do
+	EPJIT_TEST_SAVE_COMMIT_FAULT=$r timeout 300 "$MPIRUN" -np 2 \
+		--oversubscribe -x EPJIT_TEST_SAVE_COMMIT_FAULT "$TRAIN" \
+		--model "$MODEL" --config ep2.json --steps $((5 - r)) --seq 8 \
+		--load c/a.ckpt --save c/a.ckpt >cf$r.log 2>&1 &&
+		fail "a save whose commit no rank $r confirmed exited 0"
+	grep -q 'EPJIT_TEST_SAVE_COMMIT_FAULT' cf$r.log || fail "commit fault: $(cat cf$r.log)"
+	run cfi$r.log "$CKPT" info c/a.ckpt
+done
+grep -q 'generation 3' cfi0.log && grep -q 'step: 5' cfi0.log ||
+	fail "after the commit faults: $(cat cfi0.log)"
 echo "PASS: ckpt"
 exit 0

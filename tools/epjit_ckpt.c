@@ -1127,25 +1127,23 @@ static epj_status reshard_params(epj_ctx *ctx, ckpt *c, model_info *mi, int N,
 
 /* The N files of a multi-rank set, then the record that commits them
  * (generation s->generation); a set that is never committed leaves no
- * file, and a replaced set's old generations are pruned. */
+ * file, and once it is, the files of prev (the record OUT held, or NULL)
+ * are removed. */
 static epj_status reshard_save_set(epj_ctx *ctx, const char *out,
 				   epj_st_writer **w, int N, ej_ckpt_set *s,
-				   bool record, int old_world)
+				   const ej_ckpt_set *prev)
 {
 	const int64_t gen = s->generation;
 	epj_status st = EPJ_OK;
 	s->files = calloc((size_t)N, sizeof *s->files);
 	if (!s->files)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	const char *base = strrchr(out, '/');
-	base = base ? base + 1 : out;
 	int r = 0;
 	for (; st == EPJ_OK && r < N; r++) {
 		char f[PATH_MAX_];
 		snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d", out, gen, r);
-		int nl2 = snprintf(s->files[r].name, sizeof s->files[r].name,
-				   "%s.g%" PRId64 ".rank%d", base, gen, r);
-		if (nl2 >= (int)sizeof s->files[r].name)
+		if (!ej_ckpt_set_file_name(out, gen, r, s->files[r].name,
+					   sizeof s->files[r].name))
 			st = ej_error(ctx, EPJ_ERR_INVALID,
 				      "%s: file name too long", f);
 		if (st == EPJ_OK)
@@ -1163,10 +1161,8 @@ static epj_status reshard_save_set(epj_ctx *ctx, const char *out,
 				 gen, k);
 			unlink(f);
 		}
-	/* the files of the replaced set's generations */
-	int nk = old_world > N ? old_world : N;
-	for (int k = 0; st == EPJ_OK && record && k < nk; k++)
-		ej_ckpt_set_prune(out, k, gen);
+	if (st == EPJ_OK)
+		ej_ckpt_set_prune(out, prev, 0, 1);
 	return st;
 }
 
@@ -1202,20 +1198,14 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 			      "of %d",
 			      path, consumed, c.micro, c.world, N);
 	int ps = path_state(out);
-	bool record = false;
 	int64_t gen = 1;
-	int old_world = 0;
+	ej_ckpt_set prev = { 0 }; /* OUT's record, when it is one */
 	if (rc == 0 && ps != 0) {
 		char *text = NULL;
 		size_t len = 0;
-		record = ej_ckpt_set_read(out, &text, &len) == 1;
-		ej_ckpt_set os;
-		if (record &&
-		    ej_ckpt_set_parse(ctx, out, text, len, &os) == EPJ_OK) {
-			gen = os.generation + 1;
-			old_world = (int)os.world;
-			ej_ckpt_set_free(&os);
-		}
+		if (ej_ckpt_set_read(out, &text, &len) == 1 &&
+		    ej_ckpt_set_parse(ctx, out, text, len, &prev) == EPJ_OK)
+			gen = prev.generation + 1;
 		epj_ctx_clear_error(ctx);
 		free(text);
 		if (!o->force)
@@ -1246,8 +1236,10 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 	if (rc == 0 && st == EPJ_OK && N == 1)
 		st = epj_st_writer_save(w[0], out);
 	if (rc == 0 && st == EPJ_OK && N > 1)
-		st = reshard_save_set(ctx, out, w, N, &s, record, old_world);
+		st = reshard_save_set(ctx, out, w, N, &s,
+				      prev.files ? &prev : NULL);
 	ej_ckpt_set_free(&s);
+	ej_ckpt_set_free(&prev);
 	if (rc == 0 && st != EPJ_OK)
 		rc = fail(ctx);
 	if (rc == 0)
