@@ -334,20 +334,20 @@ refused t3.log "epjit-ckpt reshard r1.ckpt --world 2" \
 # ---- 6. outputs never destroy what the tool did not create ----------------
 mkdir keep && echo data >keep/f
 same_keep() { [ "$(cat keep/f 2>/dev/null)" = data ] || fail "$1: keep/f is gone: $(ls -la keep)"; }
-# DIR a symbolic link: refused, even with --force; the folder it points to
-# and the link stay
-ln -s keep lnk
+# DIR a symbolic link (absolute, as a link moved elsewhere still resolves):
+# refused, even with --force; the folder it points to and the link stay
+ln -s "$PWD/keep" lnk
 refused lnk.log 'is a symbolic link' "$CKPT" to-hf a.ckpt lnk --force
 same_keep "to-hf --force over a link"
 [ -L lnk ] || fail "to-hf removed the link lnk"
 ls -d lnk.old.* lnk.tmp.* 2>/dev/null && fail "to-hf left lnk.old / lnk.tmp"
 # a DIR.tmp.<pid> planted before the run (a link to keep) is not the
 # tool's: neither a failed load nor an export removes or follows it
-sh -c 'ln -s keep pl.tmp.$$ && exec "$0" to-hf missing.ckpt pl' "$CKPT" \
+sh -c 'ln -s "$PWD/keep" pl.tmp.$$ && exec "$0" to-hf missing.ckpt pl' "$CKPT" \
 	>pl.log 2>&1 && fail "to-hf of a missing checkpoint exited 0"
 grep -q 'no such checkpoint' pl.log || fail "to-hf missing: $(cat pl.log)"
 same_keep "a failed to-hf with a planted pl.tmp.<pid>"
-sh -c 'ln -s keep pl.tmp.$$ && exec "$0" to-hf a.ckpt pl' "$CKPT" \
+sh -c 'ln -s "$PWD/keep" pl.tmp.$$ && exec "$0" to-hf a.ckpt pl' "$CKPT" \
 	>pl2.log 2>&1 || fail "to-hf beside a planted pl.tmp.<pid>: $(cat pl2.log)"
 same_keep "to-hf with a planted pl.tmp.<pid>"
 [ -s pl/model.safetensors ] && [ ! -L pl ] || fail "to-hf pl: $(ls -la pl)"
