@@ -24,11 +24,14 @@
  *
  * File names are plain names in PATH's directory (no '/', never "." or
  * ".."), so a record cannot point a load anywhere else.
+ *
+ * A writer never commits what a reader refuses: ej_ckpt_set_write parses
+ * its own text, with the reader's size limit (EJ_CKPT_SET_MAX_BYTES), before
+ * the rename.  After a commit only the files the previous record names are
+ * removed (ej_ckpt_set_prune), never files found by their names' pattern.
  */
 #include "runtime_impl.h"
 
-#include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -37,11 +40,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
-
-/* A record is small (about 150 bytes per rank); anything larger than this
- * at PATH is not one. */
-#define SET_MAX_BYTES (1 << 20)
-#define SET_MAX_WORLD 65536
 
 void ej_ckpt_set_free(ej_ckpt_set *s)
 {
@@ -53,7 +51,7 @@ void ej_ckpt_set_free(ej_ckpt_set *s)
 
 bool ej_ckpt_set_sniff(const char *buf, size_t n)
 {
-	static const char tag[] = "\"" EJ_CKPT_SET_FORMAT "\"";
+	static const char tag[] = "\"" EJ_CKPT_SET_FORMAT_PREFIX;
 	if (n == 0 || buf[0] != '{')
 		return false;
 	size_t lim = n < 256 ? n : 256;
@@ -147,6 +145,26 @@ static epj_status parse_files(epj_ctx *ctx, const char *path, json_t *arr,
 	return EPJ_OK;
 }
 
+/* "format" is EJ_CKPT_SET_FORMAT; a record of another version says so. */
+static epj_status check_format(epj_ctx *ctx, const char *path, json_t *o)
+{
+	const char *fmt = json_string_value(json_object_get(o, "format"));
+	if (json_is_object(o) && fmt && !strcmp(fmt, EJ_CKPT_SET_FORMAT))
+		return EPJ_OK;
+	size_t pl = strlen(EJ_CKPT_SET_FORMAT_PREFIX);
+	const char *v = fmt && !strncmp(fmt, EJ_CKPT_SET_FORMAT_PREFIX, pl)
+			    ? fmt + pl
+			    : NULL;
+	if (v && *v && strspn(v, "0123456789") == strlen(v) && strlen(v) < 20)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': commit record format "
+				"version %s, this build reads %d",
+				path, v, EJ_CKPT_SET_VERSION);
+	return ej_error(ctx, EPJ_ERR_FORMAT,
+			"checkpoint set '%s': \"format\" is not \"%s\"", path,
+			EJ_CKPT_SET_FORMAT);
+}
+
 epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
 			     size_t len, ej_ckpt_set *s)
 {
@@ -158,23 +176,18 @@ epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
 				"checkpoint set '%s': invalid JSON at line "
 				"%d, column %d: %s",
 				path, jerr.line, jerr.column, jerr.text);
-	epj_status st = EPJ_OK;
-	const char *fmt = json_string_value(json_object_get(o, "format"));
-	if (!json_is_object(o) || !fmt || strcmp(fmt, EJ_CKPT_SET_FORMAT))
-		st = ej_error(ctx, EPJ_ERR_FORMAT,
-			      "checkpoint set '%s': \"format\" is not \"%s\"",
-			      path, EJ_CKPT_SET_FORMAT);
+	epj_status st = check_format(ctx, path, o);
 	if (st == EPJ_OK)
-		st = get_int(ctx, path, o, "generation", 1, INT64_MAX,
+		st = get_int(ctx, path, o, "generation", 1, EJ_CKPT_GEN_MAX,
 			     &s->generation);
 	if (st == EPJ_OK)
-		st = get_int(ctx, path, o, "world_size", 2, SET_MAX_WORLD,
-			     &s->world);
+		st = get_int(ctx, path, o, "world_size", 2,
+			     EJ_CKPT_SET_MAX_WORLD, &s->world);
 	if (st == EPJ_OK)
 		st = get_int(ctx, path, o, "zero_stage", 0, 3, &s->zero_stage);
 	if (st == EPJ_OK)
-		st = get_int(ctx, path, o, "autoep_size", 1, SET_MAX_WORLD,
-			     &s->autoep_size);
+		st = get_int(ctx, path, o, "autoep_size", 1,
+			     EJ_CKPT_SET_MAX_WORLD, &s->autoep_size);
 	if (st == EPJ_OK)
 		st = get_int(ctx, path, o, "step", 0, INT32_MAX, &s->step);
 	if (st == EPJ_OK)
@@ -202,8 +215,9 @@ static epj_status put_text(epj_ctx *ctx, FILE *fp, const char *tmp, void *u)
 	return EPJ_OK;
 }
 
-epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
-			     const ej_ckpt_set *s)
+/* The record's text (JSON, a final newline; malloc'd), or NULL with the
+ * error set. */
+static char *record_text(epj_ctx *ctx, const char *path, const ej_ckpt_set *s)
 {
 	json_t *o = json_object(), *files = json_array();
 	bool ok = o && files;
@@ -222,29 +236,67 @@ epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
 	     !json_object_set_new(o, "micro_step", json_integer(s->micro_step));
 	ok = ok && !json_object_set_new(o, "optimizer_steps",
 					json_integer(s->optimizer_steps));
+	int64_t bad = -1; /* a rank whose file name jansson refused */
 	for (int64_t r = 0; ok && r < s->world; r++) {
 		json_t *f = json_pack("{sI ss sI ss}", "rank", (json_int_t)r,
 				      "name", s->files[r].name, "bytes",
 				      (json_int_t)s->files[r].bytes, "xxh3_128",
 				      s->files[r].hash);
 		ok = f && !json_array_append_new(files, f);
+		if (!f)
+			bad = r;
 	}
 	ok = ok && !json_object_set(o, "files", files);
 	char *text =
 	    ok ? json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER) : NULL;
 	json_decref(files);
 	json_decref(o);
-	if (!text)
-		return ej_error(ctx, EPJ_ERR_NOMEM,
-				"checkpoint set '%s': out of memory", path);
-	size_t n = strlen(text);
-	char *nl = realloc(text, n + 2);
-	if (nl) {
-		text = nl;
-		memcpy(text + n, "\n", 2);
+	size_t n = text ? strlen(text) : 0;
+	char *nl = text ? realloc(text, n + 2) : NULL;
+	if (!nl) {
+		free(text);
+		if (bad >= 0)
+			ej_error(ctx, EPJ_ERR_INVALID,
+				 "checkpoint set '%s': rank %" PRId64 "'s file "
+				 "name is not valid UTF-8; nothing committed",
+				 path, bad);
+		else
+			ej_error(ctx, EPJ_ERR_NOMEM,
+				 "checkpoint set '%s': out of memory", path);
+		return NULL;
 	}
-	epj_status st =
-	    ej_write_atomic(ctx, "checkpoint set", path, put_text, text);
+	memcpy(nl + n, "\n", 2);
+	return nl;
+}
+
+epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
+			     const ej_ckpt_set *s)
+{
+	char *text = record_text(ctx, path, s);
+	if (!text)
+		return ctx->status;
+	/* what a reader would refuse is never committed */
+	size_t n = strlen(text);
+	epj_status st = EPJ_OK;
+	if (n > EJ_CKPT_SET_MAX_BYTES)
+		st = ej_error(ctx, EPJ_ERR_INVALID,
+			      "checkpoint set '%s': the record of %" PRId64
+			      " ranks takes %zu bytes, over the %zu a reader "
+			      "accepts (their file names are too long); "
+			      "nothing committed",
+			      path, s->world, n, (size_t)EJ_CKPT_SET_MAX_BYTES);
+	ej_ckpt_set back;
+	if (st == EPJ_OK) {
+		st = ej_ckpt_set_parse(ctx, path, text, n, &back);
+		if (st != EPJ_OK)
+			ej_error_prefix(ctx, "not committed, a reader would "
+					     "refuse the record");
+		else
+			ej_ckpt_set_free(&back);
+	}
+	if (st == EPJ_OK)
+		st = ej_write_atomic(ctx, "checkpoint set", path, put_text,
+				     text);
 	free(text);
 	return st;
 }
@@ -265,22 +317,64 @@ int ej_ckpt_set_read(const char *path, char **text, size_t *len)
 		fclose(fp);
 		return 0;
 	}
-	char *buf = malloc(SET_MAX_BYTES + 1);
+	/* the size the file has now; a file that grows meanwhile is read up
+	 * to the limit and refused past it */
+	struct stat sb;
+	bool sized = fstat(fileno(fp), &sb) == 0 && sb.st_size > 0;
+	if (sized && (uint64_t)sb.st_size > EJ_CKPT_SET_MAX_BYTES) {
+		fclose(fp);
+		return -2;
+	}
+	size_t cap = sized ? (size_t)sb.st_size : EJ_CKPT_SET_MAX_BYTES;
+	if (cap < n)
+		cap = n;
+	char *buf = malloc(cap + 1);
 	if (!buf) {
 		fclose(fp);
 		return -1;
 	}
 	memcpy(buf, head, n);
-	size_t m = n + fread(buf + n, 1, SET_MAX_BYTES + 1 - n, fp);
+	size_t m = n;
+	for (;;) {
+		m += fread(buf + m, 1, cap + 1 - m, fp);
+		if (m <= cap || cap == EJ_CKPT_SET_MAX_BYTES || ferror(fp))
+			break;
+		/* longer than fstat said: read on, up to the limit + 1 */
+		size_t nc = cap * 2 < EJ_CKPT_SET_MAX_BYTES
+				? cap * 2
+				: EJ_CKPT_SET_MAX_BYTES;
+		char *nb = realloc(buf, nc + 1);
+		if (!nb) {
+			free(buf);
+			fclose(fp);
+			return -1;
+		}
+		buf = nb;
+		cap = nc;
+	}
 	bool err = ferror(fp);
 	fclose(fp);
-	if (err || m > SET_MAX_BYTES) {
+	if (err || m > EJ_CKPT_SET_MAX_BYTES) {
 		free(buf);
-		return -1;
+		return err ? -1 : -2;
 	}
 	*text = buf;
 	*len = m;
 	return 1;
+}
+
+epj_status ej_ckpt_set_read_error(epj_ctx *ctx, const char *path, int rc)
+{
+	if (rc == -2)
+		return ej_error(ctx, EPJ_ERR_FORMAT,
+				"checkpoint set '%s': starts like a commit "
+				"record but is over the %zu bytes a record "
+				"may take",
+				path, (size_t)EJ_CKPT_SET_MAX_BYTES);
+	return ej_error(ctx, EPJ_ERR_FORMAT,
+			"checkpoint set '%s': starts like a commit record but "
+			"cannot be read whole (a read error)",
+			path);
 }
 
 epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
@@ -319,52 +413,39 @@ epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
 	return EPJ_OK;
 }
 
-/* "<base>.g<digits>.rank<rank>" -> the generation; 0 when nm is not one of
- * rank's generation files of base (a legacy "<base>.rank<rank>" -> -1). */
-static int64_t gen_of(const char *nm, const char *base, int rank)
+bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
+			   size_t n)
 {
-	size_t bl = strlen(base);
-	if (strncmp(nm, base, bl) != 0)
-		return 0;
-	char want[32];
-	snprintf(want, sizeof want, ".rank%d", rank);
-	if (!strcmp(nm + bl, want))
-		return -1;
-	const char *p = nm + bl;
-	if (p[0] != '.' || p[1] != 'g' || p[2] < '1' || p[2] > '9')
-		return 0;
-	char *end;
-	errno = 0;
-	long long g = strtoll(p + 2, &end, 10);
-	if (errno || g <= 0 || strcmp(end, want) != 0)
-		return 0;
-	return g;
+	const char *sl = strrchr(path, '/');
+	int k = snprintf(name, n, "%s.g%" PRId64 ".rank%d", sl ? sl + 1 : path,
+			 gen, rank);
+	return k > 0 && (size_t)k < n;
 }
 
-void ej_ckpt_set_prune(const char *path, int rank, int64_t keep)
+void ej_ckpt_set_prune(const char *path, const ej_ckpt_set *prev, int part,
+		       int nparts)
 {
 	ej_path_parts pp;
-	if (!ej_path_split(path, &pp))
+	if (!prev || !prev->files || nparts < 1 || !ej_path_split(path, &pp))
 		return;
-	const char *d = pp.dir, *base = pp.base;
-	DIR *dp = opendir(d);
-	struct dirent *de;
-	while (dp && (de = readdir(dp))) {
-		int64_t g = gen_of(de->d_name, base, rank);
-		char p[4096];
+	for (int64_t k = part; k < prev->world; k += nparts) {
+		/* only a file that prev names under the name a save of this
+		 * set gives it: a record cannot make us remove anything else */
+		char want[EJ_CKPT_NAME_MAX], p[4096];
 		struct stat sb;
-		if (g == 0 || g == keep ||
-		    snprintf(p, sizeof p, "%s/%s", d, de->d_name) >=
+		const char *nm = prev->files[k].name;
+		if (!ej_ckpt_set_file_name(path, prev->generation, (int)k, want,
+					   sizeof want) ||
+		    strcmp(nm, want) != 0 ||
+		    snprintf(p, sizeof p, "%s/%s", pp.dir, nm) >=
 			(int)sizeof p ||
 		    lstat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
 			continue;
 		if (unlink(p) == 0)
 			epj_log_msg(EPJ_LOG_INFO,
-				    "removed %s: superseded by generation "
-				    "%" PRId64 " of %s",
-				    p, keep, path);
+				    "removed %s: superseded by the newer "
+				    "generation of %s",
+				    p, path);
 	}
-	if (dp)
-		closedir(dp);
 	free(pp.buf);
 }

@@ -681,10 +681,12 @@ static epj_status share_record(epj_ctx *ctx, ej_comm *world, const char *path,
 	memset(set, 0, sizeof *set);
 	char *text = NULL;
 	size_t len = 0;
-	int64_t n = -1; /* -1: no record, -2: unreadable */
+	/* n: the record's length, or -1: no record, -2: a read error, -3:
+	 * over EJ_CKPT_SET_MAX_BYTES */
+	int64_t n = -1;
 	if (world->rank == 0) {
 		int rc = ej_ckpt_set_read(path, &text, &len);
-		n = rc == 1 ? (int64_t)len : rc == 0 ? -1 : -2;
+		n = rc == 1 ? (int64_t)len : rc == 0 ? -1 : rc - 1;
 	}
 	epj_status st =
 	    ej_comm_bcast(ctx, world, "checkpoint set", &n, sizeof n, 0);
@@ -703,12 +705,8 @@ static epj_status share_record(epj_ctx *ctx, ej_comm *world, const char *path,
 		if (st == EPJ_OK)
 			st = bs;
 	}
-	if (st == EPJ_OK && n == -2)
-		st = ej_error(ctx, EPJ_ERR_FORMAT,
-			      "checkpoint set '%s': starts like a commit "
-			      "record but cannot be read whole (a read error, "
-			      "or over 1 MiB)",
-			      path);
+	if (st == EPJ_OK && n < -1)
+		st = ej_ckpt_set_read_error(ctx, path, (int)n + 1);
 	if (st == EPJ_OK && n >= 0) {
 		st = ej_ckpt_set_parse(ctx, path, text, (size_t)n, set);
 		*have = st == EPJ_OK;
@@ -723,12 +721,6 @@ static void gen_file(char *buf, size_t n, const char *path, int64_t g, int rank)
 	snprintf(buf, n, "%s.g%" PRId64 ".rank%d", path, g, rank);
 }
 
-static const char *base_name(const char *p)
-{
-	const char *s = strrchr(p, '/');
-	return s ? s + 1 : p;
-}
-
 /* Test hook: EPJIT_TEST_SAVE_KILL_RANK=R kills rank R of a multi-rank save
  * after it wrote its file, before the commit (a preemption mid-save). */
 static void save_fault(int rank)
@@ -738,6 +730,16 @@ static void save_fault(int rank)
 		raise(SIGKILL);
 }
 
+/* Test hook: EPJIT_TEST_SAVE_COMMIT_FAULT=R makes rank R of a multi-rank
+ * save take the commit's agreement as failed after joining it (a link that
+ * breaks just then): the rank cannot tell whether the record was
+ * committed. */
+static bool commit_fault(int rank)
+{
+	const char *v = getenv("EPJIT_TEST_SAVE_COMMIT_FAULT");
+	return v && *v && atoi(v) == rank;
+}
+
 /* One row of the save's exchange: whether the rank's file is written, its
  * size and checksum. */
 typedef struct save_row {
@@ -745,11 +747,119 @@ typedef struct save_row {
 	char hash[40];
 } save_row;
 
+/* Rank 0's part of the commit: the record of generation gen naming every
+ * rank's file (rows[world]: sizes and checksums), written atomically.  An
+ * error means path was not replaced. */
+static epj_status save_record(epj_engine *e, const char *path, int64_t gen,
+			      const save_row *rows, int world)
+{
+	epj_ctx *ctx = e->ctx;
+	ej_ckpt_set s = {
+		.generation = gen,
+		.world = world,
+		.zero_stage = e->cfg.zero.stage,
+		.autoep_size = e->cfg.expert_parallel.autoep_size,
+		.step = e->step,
+		.micro_step = e->micro_step,
+		.optimizer_steps = ej_optim_step_count(e->optim),
+	};
+	s.files = calloc((size_t)world, sizeof *s.files);
+	epj_status cs = s.files
+			    ? EPJ_OK
+			    : ej_error(ctx, EPJ_ERR_NOMEM,
+				       "checkpoint '%s': out of memory", path);
+	for (int r = 0; cs == EPJ_OK && r < world; r++) {
+		s.files[r].bytes = rows[r].bytes;
+		memcpy(s.files[r].hash, rows[r].hash, 33);
+		s.files[r].hash[32] = '\0';
+		if (!ej_ckpt_set_file_name(path, gen, r, s.files[r].name,
+					   sizeof s.files[r].name))
+			cs = ej_error(ctx, EPJ_ERR_INVALID,
+				      "checkpoint '%s': the file name of rank "
+				      "%d is too long",
+				      path, r);
+	}
+	if (cs == EPJ_OK)
+		cs = ej_ckpt_set_write(ctx, path, &s);
+	ej_ckpt_set_free(&s);
+	return cs;
+}
+
+/* The end of a save, on every rank: rank 0 commits the record when every
+ * rank wrote its file (st, this rank's status so far, is the same on all
+ * of them unless a collective failed), then every rank learns the outcome.
+ * A rank removes its new file f only when it knows the record was not
+ * committed, and the files of prev (the previous record) only when the
+ * ranks agreed that it was: no rank ever removes a file that the newest
+ * committed record names, whatever happens to the agreement.  Collective. */
+static epj_status save_commit(epj_engine *e, const char *path, int64_t gen,
+			      const save_row *rows, bool mine_ok, epj_status st,
+			      const char *f, const ej_ckpt_set *prev)
+{
+	epj_ctx *ctx = e->ctx;
+	ej_comm *world = multi_world(e);
+	epj_status cs = EPJ_OK;
+	if (world->rank == 0 && st == EPJ_OK)
+		cs = save_record(e, path, gen, rows, world->size);
+	bool i_committed = world->rank == 0 && st == EPJ_OK && cs == EPJ_OK;
+	/* the agreement, summed over the ranks: [failures, committed] */
+	float v[2] = { st == EPJ_OK && cs == EPJ_OK ? 0.0f : 1.0f,
+		       i_committed ? 1.0f : 0.0f };
+	char first[512] = "", why[512] = "";
+	epj_status fs = st != EPJ_OK ? st : cs;
+	if (fs != EPJ_OK)
+		snprintf(first, sizeof first, "%s", epj_ctx_error(ctx));
+	epj_status as =
+	    ej_comm_allreduce(ctx, world, "checkpoint commit", v, 2);
+	if (as == EPJ_OK && commit_fault(world->rank))
+		as = ej_error(ctx, EPJ_ERR_IO,
+			      "checkpoint commit: failed "
+			      "(EPJIT_TEST_SAVE_COMMIT_FAULT)");
+	if (as != EPJ_OK)
+		snprintf(why, sizeof why, "%s", epj_ctx_error(ctx));
+	/* 1: committed, 0: not, -1: this rank cannot tell.  Rank 0 knows;
+	 * it commits only when every rank's file was written, so a rank whose
+	 * own file failed knows too. */
+	int committed = world->rank == 0 ? i_committed
+			: !mine_ok	 ? 0
+			: as == EPJ_OK	 ? v[1] > 0
+					 : -1;
+	if (committed == 0) {
+		unlink(f); /* never committed */
+		if (fs != EPJ_OK)
+			return ej_error(ctx, fs, "%s", first);
+		if (as != EPJ_OK)
+			return as;
+		return ej_error(ctx, EPJ_ERR_IO,
+				"checkpoint '%s' not saved: the commit failed "
+				"on %g other rank%s (see their messages); the "
+				"previous generation stays",
+				path, (double)v[0], v[0] == 1 ? "" : "s");
+	}
+	if (committed < 0)
+		return ej_error(ctx, EPJ_ERR_IO,
+				"checkpoint '%s': rank %d cannot tell whether "
+				"generation %" PRId64 " was committed (%s): "
+				"its file %s stays, and %s names either this "
+				"generation or the previous one, complete",
+				path, world->rank, gen, why, f, path);
+	if (as != EPJ_OK || v[0] > 0)
+		return ej_error(ctx, EPJ_ERR_IO,
+				"checkpoint '%s': generation %" PRId64 " is "
+				"committed, but not every rank confirmed it "
+				"(%s): the previous generation's files stay",
+				path, gen,
+				as != EPJ_OK ? why
+					     : "a failure on another rank");
+	ej_ckpt_set_prune(path, prev, world->rank, world->size);
+	return EPJ_OK;
+}
+
 /* With several ranks a save is one generation G of a checkpoint set (see
  * ckpt_set.c): every rank writes the state it owns -- its experts, its
  * ZeRO partitions, and (replicated state) the dense parameters -- to
  * PATH.g<G>.rank<R>; then rank 0 commits the record PATH naming every
- * file's checksum; then the files of older generations go. */
+ * file's checksum; then the files that the previous record names go. */
 epj_status epj_engine_save(epj_engine *e, const char *path)
 {
 	ej_comm *world = multi_world(e);
@@ -760,15 +870,25 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 	ej_ckpt_set old;
 	bool have = false;
 	epj_status st = share_record(ctx, world, path, &old, &have);
-	int64_t gen = have ? old.generation + 1 : 1;
-	ej_ckpt_set_free(&old);
 	if (st != EPJ_OK) {
-		/* a corrupt record there is replaced by this save */
+		/* a corrupt record there is replaced by this save (the files
+		 * it names are left alone) */
 		epj_log_msg(EPJ_LOG_WARN, "%s (replaced by this save)",
 			    epj_ctx_error(ctx));
 		epj_ctx_clear_error(ctx);
 		st = EPJ_OK;
 	}
+	/* the same record on every rank: all return here, or none */
+	if (have && old.generation >= EJ_CKPT_GEN_MAX) {
+		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			      "checkpoint set '%s': its record is at "
+			      "generation %" PRId64 ", the last one a record "
+			      "can hold: nothing saved (save to another path)",
+			      path, old.generation);
+		ej_ckpt_set_free(&old);
+		return st;
+	}
+	int64_t gen = have ? old.generation + 1 : 1;
 	char f[4096];
 	gen_file(f, sizeof f, path, gen, world->rank);
 	save_row mine = { 0 };
@@ -797,58 +917,12 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 			      "%d other rank%s (see their messages); the "
 			      "previous generation stays",
 			      path, bad, bad == 1 ? "" : "s");
-	/* the commit: rank 0 writes the record, every rank learns how it
-	 * went */
-	epj_status cs = EPJ_OK;
-	if (world->rank == 0 && st == EPJ_OK) {
-		ej_ckpt_set s = {
-			.generation = gen,
-			.world = world->size,
-			.zero_stage = e->cfg.zero.stage,
-			.autoep_size = e->cfg.expert_parallel.autoep_size,
-			.step = e->step,
-			.micro_step = e->micro_step,
-			.optimizer_steps = ej_optim_step_count(e->optim),
-		};
-		s.files = calloc((size_t)world->size, sizeof *s.files);
-		cs = s.files ? EPJ_OK
-			     : ej_error(ctx, EPJ_ERR_NOMEM,
-					"checkpoint '%s': out of memory", path);
-		for (int r = 0; cs == EPJ_OK && r < world->size; r++) {
-			char g[4096];
-			gen_file(g, sizeof g, path, gen, r);
-			s.files[r].bytes = rows[r].bytes;
-			memcpy(s.files[r].hash, rows[r].hash, 33);
-			s.files[r].hash[32] = '\0';
-			size_t bl = strlen(base_name(g));
-			if (bl >= sizeof s.files[r].name)
-				cs = ej_error(ctx, EPJ_ERR_INVALID,
-					      "checkpoint '%s': file name %s "
-					      "is too long",
-					      path, base_name(g));
-			else
-				memcpy(s.files[r].name, base_name(g), bl + 1);
-		}
-		if (cs == EPJ_OK)
-			cs = ej_ckpt_set_write(ctx, path, &s);
-		ej_ckpt_set_free(&s);
-	}
+	st =
+	    save_commit(e, path, gen, rows, mine.ok, st, f, have ? &old : NULL);
 	free(rows);
 	free(counts);
-	if (st == EPJ_OK) {
-		st = agree(ctx, world, cs, "checkpoint commit");
-	} else {
-		/* keep the collective sequence of the ranks that got here */
-		epj_status ign =
-		    agree(ctx, world, EPJ_ERR_IO, "checkpoint commit");
-		(void)ign;
-	}
-	if (st != EPJ_OK) {
-		unlink(f); /* never committed */
-		return st;
-	}
-	ej_ckpt_set_prune(path, world->rank, gen);
-	return EPJ_OK;
+	ej_ckpt_set_free(&old);
+	return st;
 }
 
 /* A checkpoint never holds a non-finite value: EPJ_ERR_STATE naming the
@@ -1142,6 +1216,8 @@ epj_status epj_engine_load(epj_engine *e, const char *path)
 		bool parsed = rec == 1 && ej_ckpt_set_parse(ctx, path, text,
 							    len, &s) == EPJ_OK;
 		free(text);
+		if (rec < 0)
+			return ej_ckpt_set_read_error(ctx, path, rec);
 		if (rec == 1 && !parsed)
 			return ctx->status;
 		if (rec != 0) {

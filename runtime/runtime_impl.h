@@ -116,8 +116,24 @@ bool ej_in_replay(const epj_ctx *ctx);
 /* ---- the commit record of a multi-rank checkpoint (ckpt_set.c)
  * ------------------------------------------------------------ */
 
-#define EJ_CKPT_SET_FORMAT "epjit-checkpoint-set-1"
-#define EJ_CKPT_NAME_MAX   256
+#define EJ_CKPT_SET_FORMAT_PREFIX "epjit-checkpoint-set-"
+#define EJ_CKPT_SET_VERSION	  1
+#define EJ_CKPT_SET_FORMAT	  "epjit-checkpoint-set-1"
+#define EJ_CKPT_NAME_MAX	  256
+/* The most ranks a record may name. */
+#define EJ_CKPT_SET_MAX_WORLD 65536
+/* The largest record (bytes of the file) that a reader takes and a writer
+ * commits: the same constant at both ends, so that no committed record is
+ * refused.  It scales with the world limit: 512 bytes per rank hold a file
+ * entry whose name is as long as a file name can be (255 bytes) when the
+ * name needs no JSON escapes (at most 396 bytes), plus 64 KiB for the rest.
+ * A record over it (names full of control characters) is refused by the
+ * writer before the commit. */
+#define EJ_CKPT_SET_MAX_BYTES                                                  \
+	(((size_t)64 << 10) + (size_t)EJ_CKPT_SET_MAX_WORLD * 512)
+/* The last generation a record may hold ([1, INT64_MAX]): a save over a
+ * record of this generation is refused (there is no next one). */
+#define EJ_CKPT_GEN_MAX INT64_MAX
 
 typedef struct ej_ckpt_file {
 	int64_t bytes;
@@ -132,28 +148,47 @@ typedef struct ej_ckpt_set {
 	ej_ckpt_file *files; /* [world], indexed by rank (owned) */
 } ej_ckpt_set;
 
-/* Whether the first n bytes of a file look like a commit record. */
+/* Whether the first n bytes of a file look like a commit record (of any
+ * format version: the parser names a version this build does not read). */
 bool ej_ckpt_set_sniff(const char *buf, size_t n);
 /* Reads the record at path: 1 with *text (malloc'd, *len bytes) when path
  * is a regular file that starts like a record, 0 when it is anything else
  * (absent, a safetensors file, a FIFO: never blocks), -1 when it starts
- * like a record but cannot be read whole (or exceeds 1 MiB). */
+ * like a record but cannot be read (a read error), -2 when it starts like
+ * one but is larger than EJ_CKPT_SET_MAX_BYTES. */
 int ej_ckpt_set_read(const char *path, char **text, size_t *len);
+/* The error (EPJ_ERR_FORMAT naming path) for ej_ckpt_set_read's rc < 0. */
+epj_status ej_ckpt_set_read_error(epj_ctx *ctx, const char *path, int rc);
 /* Parses and validates a record (types, ranges, one file per rank, plain
- * file names, checksums of 32 hex digits); EPJ_ERR_FORMAT naming path. */
+ * file names, checksums of 32 hex digits); EPJ_ERR_FORMAT naming path (a
+ * record of another format version: "commit record format version N,
+ * this build reads 1"). */
 epj_status ej_ckpt_set_parse(epj_ctx *ctx, const char *path, const char *text,
 			     size_t len, ej_ckpt_set *s);
-/* Writes s to path atomically (the commit). */
+/* Writes s to path atomically (the commit).  The text is checked first as
+ * a reader checks it (at most EJ_CKPT_SET_MAX_BYTES, then ej_ckpt_set_parse):
+ * what a reader would refuse is never committed.  An error (naming path)
+ * always means that path was not replaced. */
 epj_status ej_ckpt_set_write(epj_ctx *ctx, const char *path,
 			     const ej_ckpt_set *s);
 void ej_ckpt_set_free(ej_ckpt_set *s);
 /* Size and XXH3-128 of a regular file's whole content. */
 epj_status ej_file_hash(epj_ctx *ctx, const char *path, int64_t *bytes,
 			char hex[33]);
-/* Removes rank's files of path's other generations ("path.g<N>.rank<R>",
- * N != keep) and the older unversioned "path.rank<R>": called after
- * generation keep is committed. */
-void ej_ckpt_set_prune(const char *path, int rank, int64_t keep);
+/* The name a save of set path gives rank's file of generation gen:
+ * "<base>.g<gen>.rank<rank>", base path's last component; false when it
+ * does not fit name[n]. */
+bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
+			   size_t n);
+/* Called once a newer record of set path is committed: removes the files
+ * of prev, the record path held before, that rank `part` of `nparts` is
+ * to remove (prev's ranks k with k % nparts == part).  Only a file that
+ * prev names and that has the name a save of this set gives it
+ * (ej_ckpt_set_file_name of prev's generation and k), and only when it is
+ * a regular file: never a file of another set, never what a link points
+ * to, never a file the new record names. */
+void ej_ckpt_set_prune(const char *path, const ej_ckpt_set *prev, int part,
+		       int nparts);
 
 /* ---- comm (comm.c, comm_self.c, comm_mpi.c, comm_nccl.c)
  * ------------------------------------------------------------ */

@@ -1642,7 +1642,9 @@ START_TEST(test_ckpt_set_record)
 		       "\"format\": \"x\"}",
 		       "invalid JSON");
 	record_refused(ctx, "{\"format\": \"epjit-checkpoint-set-2\"}",
-		       "\"format\"");
+		       "format version 2, this build reads 1");
+	record_refused(ctx, "{\"format\": \"epjit-checkpoint-set-x\"}",
+		       "\"format\" is not");
 	record_refused(ctx, "[1, 2]", "\"format\"");
 	/* what is no record reads as none; a FIFO never blocks */
 	char *fifo = tu_path(dir, "fifo");
@@ -1654,17 +1656,6 @@ START_TEST(test_ckpt_set_record)
 	char *absent = tu_path(dir, "absent");
 	ck_assert_int_eq(ej_ckpt_set_read(absent, &text, &len), 0);
 	free(absent);
-	/* a file that starts like a record but exceeds 1 MiB */
-	char *big = tu_path(dir, "big");
-	FILE *fp = fopen(big, "wb");
-	ck_assert_ptr_nonnull(fp);
-	fputs("{\"format\": \"epjit-checkpoint-set-1\", \"x\": \"", fp);
-	for (int i = 0; i < (1 << 20); i++)
-		fputc('a', fp);
-	fputs("\"}", fp);
-	ck_assert_int_eq(fclose(fp), 0);
-	ck_assert_int_eq(ej_ckpt_set_read(big, &text, &len), -1);
-	ck_assert_ptr_null(text);
 	/* the checksum of a file is that of its bytes */
 	size_t n = (size_t)tu_randint(1, 3 << 20);
 	unsigned char *b = malloc(n);
@@ -1672,7 +1663,7 @@ START_TEST(test_ckpt_set_record)
 	for (size_t i = 0; i < n; i++)
 		b[i] = (unsigned char)tu_randint(0, 255);
 	char *bf = tu_path(dir, "bytes");
-	fp = fopen(bf, "wb");
+	FILE *fp = fopen(bf, "wb");
 	ck_assert_ptr_nonnull(fp);
 	ck_assert_uint_eq(fwrite(b, 1, n, fp), n);
 	ck_assert_int_eq(fclose(fp), 0);
@@ -1686,12 +1677,259 @@ START_TEST(test_ckpt_set_record)
 	epj_ctx_clear_error(ctx);
 	free(b);
 	free(bf);
-	free(big);
 	free(st);
 	free(fifo);
 	free(rp);
 	tu_tmpdir_free(dir);
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A set of w ranks whose file names are all `len` bytes long, the first
+ * `esc` of them (over all names, in rank order) control characters that
+ * JSON escapes as 6 bytes ("\u0001"): the record's size is then exact to
+ * the byte (5 more per escaped character). */
+static void set_of_names(ej_ckpt_set *s, int64_t w, int len, int64_t esc)
+{
+	memset(s, 0, sizeof *s);
+	s->generation = 3;
+	s->world = w;
+	s->zero_stage = 1;
+	s->autoep_size = 1;
+	s->step = s->micro_step = s->optimizer_steps = 5;
+	s->files = calloc((size_t)w, sizeof *s->files);
+	ck_assert_ptr_nonnull(s->files);
+	for (int64_t r = 0; r < w; r++) {
+		ej_ckpt_file *f = &s->files[r];
+		f->bytes = 1000 + r;
+		memcpy(f->hash, "0123456789abcdef0123456789abcdef", 33);
+		memset(f->name, 'n', (size_t)len);
+		f->name[len] = '\0';
+		for (int i = 0; i < len && esc > 0; i++, esc--)
+			f->name[i] = '\x01';
+	}
+}
+
+static int64_t file_size(const char *p)
+{
+	struct stat sb;
+	ck_assert_int_eq(stat(p, &sb), 0);
+	return (int64_t)sb.st_size;
+}
+
+/* A record written reads back whole. */
+static void record_reads_back(epj_ctx *ctx, const char *rp, int64_t w)
+{
+	char *text = NULL;
+	size_t len = 0;
+	ej_ckpt_set u;
+	ck_assert_int_eq(ej_ckpt_set_read(rp, &text, &len), 1);
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, rp, text, len, &u), EPJ_OK);
+	ck_assert_int_eq(u.world, w);
+	ck_assert_int_eq(u.files[w - 1].bytes, 1000 + w - 1);
+	ej_ckpt_set_free(&u);
+	free(text);
+}
+
+/* The writer never commits a record that the reader refuses: one size
+ * limit at both ends, which every set of plain file names fits (the
+ * largest world with names as long as a file system allows); a record
+ * one escape over the limit is refused before the commit and the path
+ * keeps the previous record, one at the limit is written and read back.
+ * The reader takes a file of exactly the limit and refuses one byte
+ * more. */
+START_TEST(test_ckpt_set_size_limit)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("cklim");
+	char *rp = tu_path(dir, "run.ckpt");
+	const int64_t max = (int64_t)EJ_CKPT_SET_MAX_BYTES;
+	ej_ckpt_set s;
+	/* 7400 ranks of the usual names: about 1 MiB */
+	set_of_names(&s, 7400, 20, 0);
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+	ck_assert_int_gt(file_size(rp), 1 << 20);
+	record_reads_back(ctx, rp, 7400);
+	ej_ckpt_set_free(&s);
+	/* the largest world, the longest plain names */
+	set_of_names(&s, EJ_CKPT_SET_MAX_WORLD, EJ_CKPT_NAME_MAX - 1, 0);
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+	record_reads_back(ctx, rp, EJ_CKPT_SET_MAX_WORLD);
+	ej_ckpt_set_free(&s);
+	/* escaped names up to the limit, exactly */
+	const int64_t w = 24000;
+	const int len = EJ_CKPT_NAME_MAX - 1;
+	set_of_names(&s, w, len, 0);
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+	int64_t plain = file_size(rp), esc = (max - plain) / 5;
+	ck_assert_int_le(esc, w * len);
+	ej_ckpt_set_free(&s);
+	set_of_names(&s, w, len, esc);
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+	int64_t at = file_size(rp);
+	ck_assert_int_le(at, max);
+	ck_assert_int_gt(at, max - 5);
+	record_reads_back(ctx, rp, w);
+	ej_ckpt_set_free(&s);
+	/* one escape more: over the limit, refused, the old record stays */
+	set_of_names(&s, w, len, esc + 1);
+	ck_assert_int_eq(ej_ckpt_set_write(ctx, rp, &s), EPJ_ERR_INVALID);
+	ck_assert_msg(strstr(epj_ctx_error(ctx), "over the") &&
+			  strstr(epj_ctx_error(ctx), "nothing committed"),
+		      "%s", epj_ctx_error(ctx));
+	epj_ctx_clear_error(ctx);
+	ck_assert_int_eq(file_size(rp), at);
+	record_reads_back(ctx, rp, w);
+	ej_ckpt_set_free(&s);
+	/* the reader: a file of exactly the limit, and one byte more */
+	char *big = tu_path(dir, "big");
+	for (int extra = 0; extra < 2; extra++) {
+		FILE *fp = fopen(big, "wb");
+		ck_assert_ptr_nonnull(fp);
+		static const char head[] =
+		    "{\"format\": \"epjit-checkpoint-set-1\", \"x\": \"";
+		fputs(head, fp);
+		for (int64_t i = (int64_t)strlen(head) + 3; i < max + extra;
+		     i++)
+			fputc('a', fp);
+		fputs("\"}\n", fp);
+		ck_assert_int_eq(fclose(fp), 0);
+		ck_assert_int_eq(file_size(big), max + extra);
+		char *text = NULL;
+		size_t len2 = 0;
+		int rc = ej_ckpt_set_read(big, &text, &len2);
+		ck_assert_int_eq(rc, extra ? -2 : 1);
+		ck_assert_int_eq((int64_t)len2, extra ? 0 : max);
+		free(text);
+		if (extra) {
+			ej_ckpt_set_read_error(ctx, big, rc);
+			char want[64];
+			snprintf(want, sizeof want, "over the %lld bytes",
+				 (long long)max);
+			ck_assert_msg(strstr(epj_ctx_error(ctx), want), "%s",
+				      epj_ctx_error(ctx));
+			epj_ctx_clear_error(ctx);
+		}
+	}
+	free(big);
+	free(rp);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The generation: the reader takes [1, 2^63 - 1] and refuses the rest by
+ * name; the writer refuses to commit one the reader would refuse; a record
+ * of another format version says which. */
+START_TEST(test_ckpt_set_generation_version)
+{
+	epj_ctx *ctx = tu_ctx();
+	char *dir = tu_tmpdir_new("ckgen");
+	char *t = record_text(INT64_MAX, 2, 4, "ck");
+	ej_ckpt_set s;
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, "R", t, strlen(t), &s), EPJ_OK);
+	ck_assert_int_eq(s.generation, INT64_MAX);
+	ej_ckpt_set_free(&s);
+	free(t);
+	t = record_text(-1, 2, 4, "ck");
+	record_refused(ctx, t, "\"generation\" must be a whole number");
+	free(t);
+	t = record_text(INT64_MIN, 2, 4, "ck");
+	record_refused(ctx, t, "\"generation\" must be a whole number");
+	free(t);
+	t = record_text(7, 2, 4, "ck");
+	char *g = strstr(t, "7,");
+	ck_assert_ptr_nonnull(g);
+	char *t2 = malloc(strlen(t) + 32);
+	ck_assert_ptr_nonnull(t2);
+	snprintf(t2, strlen(t) + 32, "%.*s9223372036854775808%s", (int)(g - t),
+		 t, g + 1);
+	record_refused(ctx, t2, "invalid JSON");
+	free(t2);
+	/* the writer: a generation past the reader's range is not written */
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, "R", t, strlen(t), &s), EPJ_OK);
+	free(t);
+	char *rp = tu_path(dir, "run");
+	int64_t bad[] = { 0, -1, INT64_MIN };
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		s.generation = bad[i];
+		ck_assert_int_ne(ej_ckpt_set_write(ctx, rp, &s), EPJ_OK);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), "\"generation\""),
+			      "%s", epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		ck_assert_int_ne(access(rp, F_OK), 0);
+	}
+	ej_ckpt_set_free(&s);
+	/* another format version: read as a record, refused by version */
+	tu_write_text(rp, "{\n  \"format\": \"epjit-checkpoint-set-2\",\n"
+			  "  \"generation\": 1\n}\n");
+	char *text = NULL;
+	size_t len = 0;
+	ck_assert_int_eq(ej_ckpt_set_read(rp, &text, &len), 1);
+	ck_assert_int_eq(ej_ckpt_set_parse(ctx, rp, text, len, &s),
+			 EPJ_ERR_FORMAT);
+	ck_assert_msg(strstr(epj_ctx_error(ctx),
+			     "commit record format version 2, this build "
+			     "reads 1"),
+		      "%s", epj_ctx_error(ctx));
+	epj_ctx_clear_error(ctx);
+	free(text);
+	free(rp);
+	tu_tmpdir_free(dir);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* After a commit only the files of the previous record go, each only
+ * under the name a save of this set gives it: saving set "run.g1" never
+ * removes "run.g1.rank0" (set "run"'s file of generation 1), a hostile
+ * record's other names stay, a link is never followed, and each rank
+ * removes its share. */
+START_TEST(test_ckpt_set_prune_own)
+{
+	char *dir = tu_tmpdir_new("ckprune");
+	const char *names[] = { "run.g1.rank0",	   "run.g1.rank1",
+				"run.g1.g1.rank0", "run.g1.g1.rank1",
+				"run.g1.g1.rank2", "keep.txt" };
+	char *p[6];
+	for (int i = 0; i < 6; i++) {
+		p[i] = tu_path(dir, names[i]);
+		tu_write_text(p[i], "x");
+	}
+	char *set = tu_path(dir, "run.g1");
+	ej_ckpt_set prev = { .generation = 1, .world = 3 };
+	prev.files = calloc(3, sizeof *prev.files);
+	ck_assert_ptr_nonnull(prev.files);
+	for (int k = 0; k < 3; k++)
+		snprintf(prev.files[k].name, sizeof prev.files[k].name,
+			 "run.g1.g1.rank%d", k);
+	/* rank 1 of 2 removes its share: prev's rank 1 */
+	ej_ckpt_set_prune(set, &prev, 1, 2);
+	ck_assert_int_eq(access(p[3], F_OK), -1);
+	ck_assert_int_eq(access(p[2], F_OK), 0);
+	ck_assert_int_eq(access(p[4], F_OK), 0);
+	/* rank 0 of 2: ranks 0 and 2 */
+	ej_ckpt_set_prune(set, &prev, 0, 2);
+	ck_assert_int_eq(access(p[2], F_OK), -1);
+	ck_assert_int_eq(access(p[4], F_OK), -1);
+	/* set "run"'s files stay */
+	ck_assert_int_eq(access(p[0], F_OK), 0);
+	ck_assert_int_eq(access(p[1], F_OK), 0);
+	/* a record naming other files, or a link, removes nothing */
+	snprintf(prev.files[0].name, sizeof prev.files[0].name, "keep.txt");
+	snprintf(prev.files[1].name, sizeof prev.files[1].name, "run.g1.rank1");
+	ck_assert_int_eq(symlink("keep.txt", p[4]), 0);
+	ej_ckpt_set_prune(set, &prev, 0, 1);
+	ck_assert_int_eq(access(p[5], F_OK), 0);
+	ck_assert_int_eq(access(p[1], F_OK), 0);
+	struct stat sb;
+	ck_assert_int_eq(lstat(p[4], &sb), 0);
+	ck_assert(S_ISLNK(sb.st_mode));
+	ej_ckpt_set_free(&prev);
+	for (int i = 0; i < 6; i++)
+		free(p[i]);
+	free(set);
+	tu_tmpdir_free(dir);
 }
 END_TEST
 
@@ -1717,6 +1955,9 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tr, test_load_metadata);
 	tcase_add_test(tr, test_save_sweeps_stale);
 	tcase_add_test(tr, test_ckpt_set_record);
+	tcase_add_test(tr, test_ckpt_set_size_limit);
+	tcase_add_test(tr, test_ckpt_set_generation_version);
+	tcase_add_test(tr, test_ckpt_set_prune_own);
 	suite_add_tcase(s, tr);
 	TCase *tc = tcase_create("config");
 	tcase_set_timeout(tc, 30);

@@ -19,7 +19,16 @@
 #     the data position;
 #  5. a missing rank file, a rank file of another save and a rank file
 #     given as a checkpoint are refused by name; the trainer's refusals of
-#     a checkpoint of another world name epjit-ckpt reshard.
+#     a checkpoint of another world name epjit-ckpt reshard;
+#  6. to-hf and reshard destroy nothing they did not create: a DIR that is
+#     a symbolic link, a DIR.tmp.<pid> planted beforehand, a DIR holding
+#     (or being) an input, an OUT that is the input by another name
+#     (./, hard link, symbolic link) are refused or left alone, and
+#     --force over a file leaves nothing aside;
+#  7. saves: a record at the last generation is refused before anything is
+#     written; a save of set run.g1 keeps set run's files; when the commit's
+#     agreement fails on one rank (EPJIT_TEST_SAVE_COMMIT_FAULT) after rank
+#     0 committed, the committed set stays whole and loads.
 #
 # Tolerance: steps 4 and 5 on 1 rank against 2 ranks agree to a relative
 # 1e-5 (loss and gradient norm).  The masters are the same bits; what
@@ -322,5 +331,97 @@ grep -q 'another optimizer' t2.log && fail "rank file: $(cat t2.log)"
 refused t3.log "epjit-ckpt reshard r1.ckpt --world 2" \
 	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model "$MODEL" \
 	--config ep2.json --steps 5 --seq 8 --load r1.ckpt
+# ---- 6. outputs never destroy what the tool did not create ----------------
+mkdir keep && echo data >keep/f
+same_keep() { [ "$(cat keep/f 2>/dev/null)" = data ] || fail "$1: keep/f is gone: $(ls -la keep)"; }
+# DIR a symbolic link (absolute, as a link moved elsewhere still resolves):
+# refused, even with --force; the folder it points to and the link stay
+ln -s "$PWD/keep" lnk
+refused lnk.log 'is a symbolic link' "$CKPT" to-hf a.ckpt lnk --force
+same_keep "to-hf --force over a link"
+[ -L lnk ] || fail "to-hf removed the link lnk"
+ls -d lnk.old.* lnk.tmp.* 2>/dev/null && fail "to-hf left lnk.old / lnk.tmp"
+# a DIR.tmp.<pid> planted before the run (a link to keep) is not the
+# tool's: neither a failed load nor an export removes or follows it
+sh -c 'ln -s "$PWD/keep" pl.tmp.$$ && exec "$0" to-hf missing.ckpt pl' "$CKPT" \
+	>pl.log 2>&1 && fail "to-hf of a missing checkpoint exited 0"
+grep -q 'no such checkpoint' pl.log || fail "to-hf missing: $(cat pl.log)"
+same_keep "a failed to-hf with a planted pl.tmp.<pid>"
+sh -c 'ln -s "$PWD/keep" pl.tmp.$$ && exec "$0" to-hf a.ckpt pl' "$CKPT" \
+	>pl2.log 2>&1 || fail "to-hf beside a planted pl.tmp.<pid>: $(cat pl2.log)"
+same_keep "to-hf with a planted pl.tmp.<pid>"
+[ -s pl/model.safetensors ] && [ ! -L pl ] || fail "to-hf pl: $(ls -la pl)"
+[ "$(ls -d pl.tmp.* | wc -l)" -eq 2 ] && [ -z "$(find . -maxdepth 1 -name 'pl.tmp.*' ! -type l)" ] ||
+	fail "the planted links should stay, nothing else: $(ls -la)"
+# the training checkpoint being exported is never replaced: DIR holding
+# an input (also as a hard link), or DIR the input itself
+mkdir run6 && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 run6/
+refused in1.log 'an input of this export' "$CKPT" to-hf run6/a.ckpt run6 --force
+cmp run6/a.ckpt a.ckpt && cmp run6/a.ckpt.g1.rank1 a.ckpt.g1.rank1 ||
+	fail "to-hf replaced the folder of its input"
+mkdir h6 && ln run6/a.ckpt.g1.rank1 h6/x
+refused in2.log 'an input of this export' "$CKPT" to-hf run6/a.ckpt h6 --force
+[ -f h6/x ] || fail "to-hf removed a hard link of its input"
+refused in3.log 'an input of this export' "$CKPT" to-hf run6/a.ckpt run6/a.ckpt --force
+cmp run6/a.ckpt a.ckpt || fail "to-hf replaced its input"
+# --force over a regular file leaves nothing aside
+echo x >plainf
+run pf.log "$CKPT" to-hf a.ckpt plainf --force
+[ -s plainf/model.safetensors ] || fail "to-hf over a file: $(ls -la plainf)"
+ls -d plainf.* 2>/dev/null && fail "to-hf --force left $(ls -d plainf.*)"
+# reshard: an OUT that is the input by another name is refused, nothing
+# written or removed (./, a hard link, a symbolic link)
+mkdir r8 && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 r8/
+ln r8/a.ckpt r8/h.ckpt && ln -s a.ckpt r8/s.ckpt
+for o in ./r8/a.ckpt r8/h.ckpt r8/s.ckpt; do
+	refused r8.log 'cannot replace the input' \
+		"$CKPT" reshard r8/a.ckpt --world 2 --ep 1 "$o" --force
+done
+[ "$(ls r8 | tr '\n' ' ')" = "a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 h.ckpt s.ckpt " ] ||
+	fail "a refused reshard changed r8: $(ls r8)"
+cmp r8/a.ckpt a.ckpt && cmp r8/a.ckpt.g1.rank0 a.ckpt.g1.rank0 ||
+	fail "a refused reshard changed its input"
+refused r8b.log 'cannot replace the input' \
+	"$CKPT" reshard r1.ckpt --world 1 ./r1.ckpt --force
+# a set at the last generation a record can hold: no next one
+mkdir gx && cp r2.ckpt gx/o.ckpt &&
+	sed -i 's/"generation": 1,/"generation": 9223372036854775807,/' gx/o.ckpt
+refused gx.log 'the last one a record can hold' \
+	"$CKPT" reshard a.ckpt --world 2 gx/o.ckpt --force
+[ "$(ls gx)" = o.ckpt ] || fail "reshard over the last generation wrote: $(ls gx)"
+
+# ---- 7. saves: the generation, what is pruned, the commit -------------------
+# Generation 2^63 - 1 has no next: the save is refused before anything is
+# written or removed.
+mkdir g && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 g/ &&
+	sed -i 's/"generation": 1,/"generation": 9223372036854775807,/' g/a.ckpt
+cp g/a.ckpt gmax.rec
+refused gs.log 'the last one a record can hold' \
+	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --model "$MODEL" \
+	--config ep2.json --steps 1 --seq 8 --save g/a.ckpt
+[ "$(ls g | tr '\n' ' ')" = "a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 " ] &&
+	cmp g/a.ckpt gmax.rec || fail "a refused save changed g: $(ls g)"
+# A save of set run.g1 removes only what its own record named: never
+# run.g1.rank<R>, the files of set "run".
+mkdir p && mpi2 p1.log "$TRAIN" --model "$MODEL" --config ep2.json --steps 1 \
+	--seq 8 --save p/run
+mpi2 p2.log "$TRAIN" --model "$MODEL" --config ep2.json --steps 1 --seq 8 \
+	--save p/run.g1
+run p3.log "$CKPT" info p/run
+run p4.log "$CKPT" info p/run.g1
+# The commit's agreement fails on one rank after rank 0 committed: no rank
+# removes a file that the committed record names; the set loads.
+mkdir c && cp a.ckpt a.ckpt.g1.rank0 a.ckpt.g1.rank1 c/
+for r in 1 0; do
+	EPJIT_TEST_SAVE_COMMIT_FAULT=$r timeout 300 "$MPIRUN" -np 2 \
+		--oversubscribe -x EPJIT_TEST_SAVE_COMMIT_FAULT "$TRAIN" \
+		--model "$MODEL" --config ep2.json --steps $((5 - r)) --seq 8 \
+		--load c/a.ckpt --save c/a.ckpt >cf$r.log 2>&1 &&
+		fail "a save whose commit no rank $r confirmed exited 0"
+	grep -q 'EPJIT_TEST_SAVE_COMMIT_FAULT' cf$r.log || fail "commit fault: $(cat cf$r.log)"
+	run cfi$r.log "$CKPT" info c/a.ckpt
+done
+grep -q 'generation 3' cfi0.log && grep -q 'step: 5' cfi0.log ||
+	fail "after the commit faults: $(cat cfi0.log)"
 echo "PASS: ckpt"
 exit 0

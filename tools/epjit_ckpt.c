@@ -29,6 +29,7 @@
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -125,9 +126,9 @@ static void ckpt_free(ckpt *c)
 	memset(c, 0, sizeof *c);
 }
 
-/* Metadata k of f as a whole decimal number in [0, INT32_MAX]; -1 when
- * absent or malformed. */
-static int64_t meta_num(const epj_st_file *f, const char *k)
+/* Metadata k of f as a whole decimal number in [0, max]; -1 when absent
+ * or malformed. */
+static int64_t meta_num_max(const epj_st_file *f, const char *k, int64_t max)
 {
 	const char *v = epj_st_metadata(f, k);
 	if (!v || *v < '0' || *v > '9')
@@ -135,7 +136,13 @@ static int64_t meta_num(const epj_st_file *f, const char *k)
 	char *end;
 	errno = 0;
 	long long x = strtoll(v, &end, 10);
-	return errno || *end || x > INT32_MAX ? -1 : x;
+	return errno || *end || x > max ? -1 : x;
+}
+
+/* The same in [0, INT32_MAX] (the step counters, the layout). */
+static int64_t meta_num(const epj_st_file *f, const char *k)
+{
+	return meta_num_max(f, k, INT32_MAX);
 }
 
 static bool exists(const char *p)
@@ -178,7 +185,7 @@ static epj_status check_meta(epj_ctx *ctx, const ckpt *c, int i)
 				epj_st_metadata(f, "world_size")
 				    ? epj_st_metadata(f, "world_size")
 				    : "?");
-	int64_t g = meta_num(f, "generation");
+	int64_t g = meta_num_max(f, "generation", EJ_CKPT_GEN_MAX);
 	if (c->gen > 0 && g != c->gen)
 		return ej_error(ctx, EPJ_ERR_FORMAT,
 				"checkpoint '%s' mixes saves: %s is generation "
@@ -313,12 +320,8 @@ static epj_status ckpt_open(epj_ctx *ctx, const char *path, ckpt *c)
 	char *text = NULL;
 	size_t len = 0;
 	int rc = ej_ckpt_set_read(path, &text, &len);
-	if (rc == -1)
-		return ej_error(ctx, EPJ_ERR_FORMAT,
-				"checkpoint set '%s': starts like a commit "
-				"record but cannot be read whole (a read "
-				"error, or over 1 MiB)",
-				path);
+	if (rc < 0)
+		return ej_ckpt_set_read_error(ctx, path, rc);
 	if (rc == 1) {
 		epj_status st = open_set(ctx, c, text, len);
 		free(text);
@@ -768,40 +771,183 @@ static epj_status put_text(epj_ctx *ctx, FILE *fp, const char *tmp, void *u)
 	return EPJ_OK;
 }
 
-/* Removes the regular files of dir and dir itself (the folders this tool
- * makes hold nothing else). */
-static void remove_dir(const char *dir)
+/* ---- what a command must never replace or remove ---------------------
+ *
+ * An output never is, and never holds, a file the command reads: files are
+ * compared by device and inode (so "./a.ckpt", a hard link and a symbolic
+ * link to an input are the input), never by name. */
+
+typedef struct file_id {
+	dev_t dev;
+	ino_t ino;
+	const char *path; /* borrowed */
+} file_id;
+
+typedef struct inputs {
+	file_id *id;
+	int n;
+} inputs;
+
+static void inputs_add(inputs *in, const char *p)
 {
-	DIR *dp = opendir(dir);
+	struct stat sb;
+	if (p && stat(p, &sb) == 0)
+		in->id[in->n++] = (file_id){ sb.st_dev, sb.st_ino, p };
+}
+
+/* The files a command reads: the checkpoint (its record or file), every
+ * rank file, the --model file. */
+static epj_status inputs_of(epj_ctx *ctx, const ckpt *c, const char *mpath,
+			    inputs *in)
+{
+	in->n = 0;
+	in->id = calloc((size_t)c->world + 2, sizeof *in->id);
+	if (!in->id)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	inputs_add(in, c->path);
+	for (int i = 0; i < c->world; i++)
+		inputs_add(in, c->r[i].path);
+	inputs_add(in, mpath);
+	return EPJ_OK;
+}
+
+/* The input that sb is, or NULL. */
+static const char *input_is(const inputs *in, const struct stat *sb)
+{
+	for (int i = 0; in && i < in->n; i++)
+		if (in->id[i].dev == sb->st_dev && in->id[i].ino == sb->st_ino)
+			return in->id[i].path;
+	return NULL;
+}
+
+/* The input that path p names (itself, or what it links to), or NULL. */
+static const char *input_at(const inputs *in, const char *p)
+{
+	struct stat sb;
+	const char *r = NULL;
+	if (lstat(p, &sb) == 0)
+		r = input_is(in, &sb);
+	if (!r && stat(p, &sb) == 0)
+		r = input_is(in, &sb);
+	return r;
+}
+
+/* A new folder "<base><tag>XXXXXX" of this process (mkdtemp: a name no one
+ * else can have made, mode 0700), into buf[PATH_MAX_]. */
+static int private_dir(const char *base, const char *tag, char *buf)
+{
+	if (snprintf(buf, PATH_MAX_, "%s%sXXXXXX", base, tag) >= PATH_MAX_)
+		return fail_msg("%s: path too long", base);
+	if (!mkdtemp(buf))
+		return fail_msg("%s: cannot create: %s", buf, strerror(errno));
+	return 0;
+}
+
+/* Removes dir, a folder this process made or moved into one it made, and
+ * what it holds: entries are unlinked through the folder's descriptor (a
+ * symbolic link is removed, never followed), subfolders down to `depth`
+ * levels.  What cannot be removed stays, named in a warning. */
+static void remove_tree(const char *dir, int depth)
+{
+	int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	DIR *dp = dfd >= 0 ? fdopendir(dfd) : NULL;
 	struct dirent *de;
 	while (dp && (de = readdir(dp))) {
+		const char *nm = de->d_name;
+		struct stat sb;
 		char p[PATH_MAX_];
-		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
+		if (!strcmp(nm, ".") || !strcmp(nm, "..") ||
+		    fstatat(dfd, nm, &sb, AT_SYMLINK_NOFOLLOW) != 0)
 			continue;
-		snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
-		unlink(p);
+		if (!S_ISDIR(sb.st_mode))
+			unlinkat(dfd, nm, 0);
+		else if (depth > 0 && snprintf(p, sizeof p, "%s/%s", dir, nm) <
+					  (int)sizeof p)
+			remove_tree(p, depth - 1);
 	}
 	if (dp)
 		closedir(dp);
-	rmdir(dir);
+	else if (dfd >= 0)
+		close(dfd);
+	if (rmdir(dir) != 0 && errno != ENOENT)
+		fprintf(stderr, PROG ": warning: %s left in place: %s\n", dir,
+			strerror(errno));
 }
 
-/* 0: no such path, 1: an empty folder, 2: anything else. */
-static int path_state(const char *p)
+/* What an output path is now. */
+enum { OUT_NONE, OUT_EMPTY_DIR, OUT_DIR, OUT_FILE };
+
+/* The entries of folder dir: *n of them; 1 (a message printed) when one
+ * is a folder (with force: to-hf replaces a folder of files only) or an
+ * input. */
+static int out_entries(const char *dir, bool force, const inputs *in, int *n)
+{
+	int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	DIR *dp = dfd >= 0 ? fdopendir(dfd) : NULL;
+	if (!dp) {
+		int e = errno;
+		if (dfd >= 0)
+			close(dfd);
+		return fail_msg("%s: cannot read: %s", dir, strerror(e));
+	}
+	int rc = 0;
+	struct dirent *de;
+	*n = 0;
+	while (rc == 0 && (de = readdir(dp))) {
+		const char *nm = de->d_name, *is;
+		struct stat sb;
+		if (!strcmp(nm, ".") || !strcmp(nm, ".."))
+			continue;
+		++*n;
+		if (fstatat(dfd, nm, &sb, AT_SYMLINK_NOFOLLOW) != 0)
+			continue;
+		if (S_ISDIR(sb.st_mode) && force)
+			rc = fail_msg("%s holds the folder %s/%s: --force "
+				      "replaces a folder of files only (remove "
+				      "it yourself, or give another DIR)",
+				      dir, dir, nm);
+		else if ((is = input_is(in, &sb)))
+			rc = fail_msg("%s holds %s/%s, an input of this "
+				      "export (%s): give another DIR",
+				      dir, dir, nm, is);
+	}
+	closedir(dp);
+	return rc;
+}
+
+/* Whether to-hf may write DIR (replace it, with force): never a symbolic
+ * link (what it points to is not the tool's to replace), never an input
+ * or a folder holding one; *kind says what DIR is.  0, else 1 with a
+ * message. */
+static int out_check(const char *dir, bool force, const inputs *in, int *kind)
 {
 	struct stat sb;
-	if (lstat(p, &sb) != 0)
-		return 0;
-	if (!S_ISDIR(sb.st_mode))
-		return 2;
-	DIR *dp = opendir(p);
-	struct dirent *de;
-	int n = 0;
-	while (dp && (de = readdir(dp)))
-		n += strcmp(de->d_name, ".") && strcmp(de->d_name, "..");
-	if (dp)
-		closedir(dp);
-	return n ? 2 : 1;
+	if (lstat(dir, &sb) != 0) {
+		*kind = OUT_NONE;
+		return errno == ENOENT
+			   ? 0
+			   : fail_msg("%s: %s", dir, strerror(errno));
+	}
+	if (S_ISLNK(sb.st_mode))
+		return fail_msg(
+		    "%s is a symbolic link: give the folder itself, "
+		    "or remove the link (to-hf never writes into "
+		    "or replaces what a link points to)",
+		    dir);
+	const char *is = input_is(in, &sb);
+	if (is)
+		return fail_msg("%s is an input of this export (%s): give "
+				"another DIR",
+				dir, is);
+	int n = 1, rc = 0;
+	if (S_ISDIR(sb.st_mode))
+		rc = out_entries(dir, force, in, &n);
+	*kind = !S_ISDIR(sb.st_mode) ? OUT_FILE : n ? OUT_DIR : OUT_EMPTY_DIR;
+	if (rc == 0 && n && !force)
+		rc = fail_msg("%s exists and is not an empty folder: give "
+			      "another DIR, or --force to replace it",
+			      dir);
+	return rc;
 }
 
 /* "5GB" (10^9), "2GiB" (2^30), "500MB", "4096" -> bytes; -1 when bad. */
@@ -966,41 +1112,84 @@ static epj_status write_hf(epj_ctx *ctx, const ckpt *c, const model_info *mi,
 	return st;
 }
 
-static int cmd_to_hf(epj_ctx *ctx, const char *path, const char *dir,
+/* The commit of a written folder work: it becomes dir, and what dir was
+ * (kind; a file or a folder of files, checked) is moved into a private
+ * folder, then removed.  0, else 1 with dir as it was. */
+static int to_hf_commit(const char *work, const char *dir, int kind)
+{
+	char aside[PATH_MAX_] = "", old[PATH_MAX_];
+	int rc = 0;
+	bool moved = false;
+	if (kind == OUT_DIR || kind == OUT_FILE) {
+		rc = private_dir(dir, ".old.", aside);
+		if (rc == 0 &&
+		    snprintf(old, sizeof old, "%s/old", aside) >= PATH_MAX_)
+			rc = fail_msg("%s: path too long", aside);
+		if (rc == 0 && rename(dir, old) != 0)
+			rc = fail_msg("%s: cannot move aside: %s", dir,
+				      strerror(errno));
+		moved = rc == 0;
+	}
+	if (rc == 0 && rename(work, dir) != 0) {
+		rc = fail_msg("%s: cannot rename %s to it: %s", dir, work,
+			      strerror(errno));
+		if (moved && rename(old, dir) != 0) {
+			fail_msg("%s: could not be put back: it is %s", dir,
+				 old);
+			return rc; /* aside stays: it holds the old DIR */
+		}
+	}
+	if (*aside)
+		remove_tree(aside, 1);
+	return rc;
+}
+
+static int cmd_to_hf(epj_ctx *ctx, const char *path, const char *dir_arg,
 		     const char *mpath, const hf_opts *o)
 {
-	int ps = path_state(dir);
-	if (ps == 2 && !o->force)
-		return fail_msg("%s exists and is not an empty folder: give "
-				"another DIR, or --force to replace it",
-				dir);
+	/* "DIR/" names what DIR points to: the folder is DIR itself */
+	char dir[PATH_MAX_];
+	size_t dl = strlen(dir_arg);
+	while (dl > 1 && dir_arg[dl - 1] == '/')
+		dl--;
+	if (dl >= sizeof dir)
+		return fail_msg("%s: path too long", dir_arg);
+	memcpy(dir, dir_arg, dl);
+	dir[dl] = '\0';
+	int kind;
+	if (out_check(dir, o->force, NULL, &kind) != 0)
+		return 1;
 	ckpt c;
 	model_info mi = { 0 };
+	inputs in = { 0 };
 	int n_sh = 0;
 	int rc = load_all(ctx, path, mpath, &c, &mi, &n_sh);
-	char tmp[PATH_MAX_], old[PATH_MAX_];
-	snprintf(tmp, sizeof tmp, "%s.tmp.%ld", dir, (long)getpid());
-	snprintf(old, sizeof old, "%s.old.%ld", dir, (long)getpid());
-	if (rc == 0 && mkdir(tmp, 0777) != 0)
-		rc = fail_msg("%s: cannot create: %s", tmp, strerror(errno));
-	else if (rc == 0 && write_hf(ctx, &c, &mi, o, tmp) != EPJ_OK)
+	if (rc == 0 && inputs_of(ctx, &c, mpath, &in) != EPJ_OK)
 		rc = fail(ctx);
-	/* the commit: the whole folder appears at once */
-	if (rc == 0 && ps == 2 && rename(dir, old) != 0)
-		rc =
-		    fail_msg("%s: cannot move aside: %s", dir, strerror(errno));
-	if (rc == 0 && rename(tmp, dir) != 0) {
-		rc = fail_msg("%s: cannot rename %s to it: %s", dir, tmp,
-			      strerror(errno));
-		if (ps == 2)
-			rename(old, dir);
-	}
-	if (rc != 0)
-		remove_dir(tmp);
-	else if (ps == 2)
-		remove_dir(old);
+	if (rc == 0)
+		rc = out_check(dir, o->force, &in, &kind);
+	/* written in a folder of this process, then renamed into place */
+	char work[PATH_MAX_];
+	bool made = false;
+	if (rc == 0)
+		made = (rc = private_dir(dir, ".tmp.", work)) == 0;
+	if (rc == 0 && write_hf(ctx, &c, &mi, o, work) != EPJ_OK)
+		rc = fail(ctx);
+	mode_t um = umask(0);
+	umask(um);
+	if (rc == 0 && chmod(work, 0777 & ~um) != 0)
+		rc = fail_msg("%s: chmod: %s", work, strerror(errno));
+	/* DIR again, just before the commit: the whole folder appears at once
+	 */
+	if (rc == 0)
+		rc = out_check(dir, o->force, &in, &kind);
+	if (rc == 0)
+		rc = to_hf_commit(work, dir, kind);
+	if (made && rc != 0)
+		remove_tree(work, 0);
 	if (rc == 0)
 		printf(PROG ": wrote %s\n", dir);
+	free(in.id);
 	model_free(&mi);
 	ckpt_free(&c);
 	return rc;
@@ -1125,25 +1314,23 @@ static epj_status reshard_params(epj_ctx *ctx, ckpt *c, model_info *mi, int N,
 
 /* The N files of a multi-rank set, then the record that commits them
  * (generation s->generation); a set that is never committed leaves no
- * file, and a replaced set's old generations are pruned. */
+ * file, and once it is, the files of prev (the record OUT held, or NULL)
+ * are removed. */
 static epj_status reshard_save_set(epj_ctx *ctx, const char *out,
 				   epj_st_writer **w, int N, ej_ckpt_set *s,
-				   bool record, int old_world)
+				   const ej_ckpt_set *prev)
 {
 	const int64_t gen = s->generation;
 	epj_status st = EPJ_OK;
 	s->files = calloc((size_t)N, sizeof *s->files);
 	if (!s->files)
 		st = ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
-	const char *base = strrchr(out, '/');
-	base = base ? base + 1 : out;
 	int r = 0;
 	for (; st == EPJ_OK && r < N; r++) {
 		char f[PATH_MAX_];
 		snprintf(f, sizeof f, "%s.g%" PRId64 ".rank%d", out, gen, r);
-		int nl2 = snprintf(s->files[r].name, sizeof s->files[r].name,
-				   "%s.g%" PRId64 ".rank%d", base, gen, r);
-		if (nl2 >= (int)sizeof s->files[r].name)
+		if (!ej_ckpt_set_file_name(out, gen, r, s->files[r].name,
+					   sizeof s->files[r].name))
 			st = ej_error(ctx, EPJ_ERR_INVALID,
 				      "%s: file name too long", f);
 		if (st == EPJ_OK)
@@ -1161,11 +1348,70 @@ static epj_status reshard_save_set(epj_ctx *ctx, const char *out,
 				 gen, k);
 			unlink(f);
 		}
-	/* the files of the replaced set's generations */
-	int nk = old_world > N ? old_world : N;
-	for (int k = 0; st == EPJ_OK && record && k < nk; k++)
-		ej_ckpt_set_prune(out, k, gen);
+	if (st == EPJ_OK)
+		ej_ckpt_set_prune(out, prev, 0, 1);
 	return st;
+}
+
+/* Whether OUT may be written (replaced, with force) by a reshard to N
+ * ranks: OUT is no folder; neither OUT, nor a file the new set writes,
+ * nor one that OUT's record names (removed after the commit) is an input;
+ * *prev is OUT's record (when it is one: prev->files set) and *gen the
+ * generation to write.  0, else 1 with a message. */
+static int reshard_out_check(epj_ctx *ctx, const char *out, bool force, int N,
+			     const inputs *in, ej_ckpt_set *prev, int64_t *gen)
+{
+	memset(prev, 0, sizeof *prev);
+	*gen = 1;
+	struct stat sb;
+	const char *is = input_at(in, out);
+	if (is)
+		return fail_msg("%s: cannot replace the input (it is %s)", out,
+				is);
+	if (lstat(out, &sb) == 0) {
+		if (!force)
+			return fail_msg("%s exists: give another OUT, or "
+					"--force to replace it",
+					out);
+		if (S_ISDIR(sb.st_mode))
+			return fail_msg("%s: cannot replace a folder", out);
+		char *text = NULL;
+		size_t len = 0;
+		if (ej_ckpt_set_read(out, &text, &len) != 1 ||
+		    ej_ckpt_set_parse(ctx, out, text, len, prev) != EPJ_OK)
+			memset(prev, 0, sizeof *prev); /* no record: gen 1 */
+		epj_ctx_clear_error(ctx);
+		free(text);
+		if (prev->files && prev->generation < EJ_CKPT_GEN_MAX)
+			*gen = prev->generation + 1;
+		else if (prev->files)
+			return fail_msg("%s: its record is at generation "
+					"%" PRId64 ", the last one a record "
+					"can hold: give another OUT",
+					out, prev->generation);
+	}
+	char p[PATH_MAX_], nm[EJ_CKPT_NAME_MAX];
+	const char *sl = strrchr(out, '/');
+	int dl = sl ? (int)(sl - out) + 1 : 0;
+	for (int r = 0; N > 1 && r < N; r++) {
+		snprintf(p, sizeof p, "%s.g%" PRId64 ".rank%d", out, *gen, r);
+		if ((is = input_at(in, p)))
+			return fail_msg("%s: cannot replace the input (it is "
+					"%s)",
+					p, is);
+	}
+	for (int64_t k = 0; N > 1 && prev->files && k < prev->world; k++) {
+		if (!ej_ckpt_set_file_name(out, prev->generation, (int)k, nm,
+					   sizeof nm) ||
+		    strcmp(nm, prev->files[k].name) != 0)
+			continue;
+		snprintf(p, sizeof p, "%.*s%s", dl, out, nm);
+		if ((is = input_at(in, p)))
+			return fail_msg("%s: would be removed with the set it "
+					"replaces, but it is the input %s",
+					p, is);
+	}
+	return 0;
 }
 
 static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
@@ -1199,31 +1445,13 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 			      "ranks), not a whole number per rank of a world "
 			      "of %d",
 			      path, consumed, c.micro, c.world, N);
-	int ps = path_state(out);
-	bool record = false;
+	inputs in = { 0 };
+	ej_ckpt_set prev = { 0 };
 	int64_t gen = 1;
-	int old_world = 0;
-	if (rc == 0 && ps != 0) {
-		char *text = NULL;
-		size_t len = 0;
-		record = ej_ckpt_set_read(out, &text, &len) == 1;
-		ej_ckpt_set os;
-		if (record &&
-		    ej_ckpt_set_parse(ctx, out, text, len, &os) == EPJ_OK) {
-			gen = os.generation + 1;
-			old_world = (int)os.world;
-			ej_ckpt_set_free(&os);
-		}
-		epj_ctx_clear_error(ctx);
-		free(text);
-		if (!o->force)
-			rc = fail_msg("%s exists: give another OUT, or "
-				      "--force to replace it",
-				      out);
-		else if (ps == 1 || !strcmp(out, path))
-			rc = fail_msg("%s: cannot replace %s", out,
-				      ps == 1 ? "a folder" : "the input");
-	}
+	if (rc == 0 && inputs_of(ctx, &c, mpath, &in) != EPJ_OK)
+		rc = fail(ctx);
+	if (rc == 0)
+		rc = reshard_out_check(ctx, out, o->force, N, &in, &prev, &gen);
 	epj_st_writer **w = rc == 0 ? calloc((size_t)N, sizeof *w) : NULL;
 	if (rc == 0 && !w)
 		rc = fail_msg("out of memory");
@@ -1244,8 +1472,11 @@ static int cmd_reshard(epj_ctx *ctx, const char *path, const char *out,
 	if (rc == 0 && st == EPJ_OK && N == 1)
 		st = epj_st_writer_save(w[0], out);
 	if (rc == 0 && st == EPJ_OK && N > 1)
-		st = reshard_save_set(ctx, out, w, N, &s, record, old_world);
+		st = reshard_save_set(ctx, out, w, N, &s,
+				      prev.files ? &prev : NULL);
 	ej_ckpt_set_free(&s);
+	ej_ckpt_set_free(&prev);
+	free(in.id);
 	if (rc == 0 && st != EPJ_OK)
 		rc = fail(ctx);
 	if (rc == 0)
