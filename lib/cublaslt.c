@@ -43,6 +43,7 @@
  * status stays a hard EPJ_ERR_BACKEND naming the call.
  */
 #include "cublaslt.h"
+#include "cuda_libs.h"
 #include "dynlib.h"
 
 #include <dlfcn.h>
@@ -133,7 +134,7 @@ typedef struct lt_lib {
 	const char *(*blas_status_name)(ej_cublas_status);
 	const char *(*blas_status_string)(ej_cublas_status);
 	bool grouped; /* libcublas and its grouped GEMM were found */
-	char path[256], blas_path[256];
+	char path[1024], blas_path[1024]; /* the files loaded */
 } lt_lib;
 
 static lt_lib lib;
@@ -146,28 +147,21 @@ static const char *src_file(const char *p)
 	return s ? s + 1 : p;
 }
 
-/* dlopen of the override, else of the first of the default names found;
- * NULL with why filled. */
+/* dlopen of the override, else of the first of the default names found
+ * where CUDA libraries are looked for (lib/cuda_libs.h: the loader's
+ * path, $CUDA_HOME, the Python environments' nvidia/ * /lib); *path gets
+ * the file loaded; NULL with why filled. */
 static void *open_lib(const char *env, const char *const *names, int n,
 		      char *path, size_t path_n, char *why, size_t why_n)
 {
 	const char *ov = getenv(env);
 	if (ov && *ov) {
 		snprintf(path, path_n, "%s", ov);
-		return ej_dynlib_open(ov, why, why_n);
+		void *h = ej_dynlib_open(ov, why, why_n);
+		ej_cuda_lib_where(h, path, path_n);
+		return h;
 	}
-	for (int i = 0; i < n; i++) {
-		char w[320];
-		void *h = ej_dynlib_open(names[i], w, sizeof w);
-		if (h) {
-			snprintf(path, path_n, "%s", names[i]);
-			return h;
-		}
-		if (i == 0)
-			snprintf(why, why_n, "%s", w);
-	}
-	snprintf(path, path_n, "%s", names[0]);
-	return NULL;
+	return ej_cuda_lib_open(names, n, path, path_n, why, why_n);
 }
 
 static void *sym(void *h, const char *name)
@@ -184,7 +178,7 @@ static void blas_load(void)
 	const char *ov = getenv("EPJIT_CUBLAS");
 	if (ov && !strcmp(ov, "0"))
 		return;
-	char why[320];
+	char why[1600];
 	void *h = open_lib("EPJIT_CUBLAS", names, 3, lib.blas_path,
 			   sizeof lib.blas_path, why, sizeof why);
 	if (!h) {
@@ -229,7 +223,7 @@ static bool lib_load(char *err, size_t n, epj_status *status)
 			 "the NVRTC template");
 		return false;
 	}
-	char why[320];
+	char why[1600];
 	void *h = open_lib("EPJIT_CUBLASLT", names, 3, lib.path,
 			   sizeof lib.path, why, sizeof why);
 	if (!h) {
@@ -272,6 +266,16 @@ static const lt_lib *lib_get(epj_ctx *ctx)
 bool ej_cublaslt_available(epj_ctx *ctx)
 {
 	return lib_get(ctx) != NULL;
+}
+
+const char *ej_cublaslt_path(void)
+{
+	return lib_get(NULL) ? lib.path : "";
+}
+
+const char *ej_cublas_path(void)
+{
+	return lib_get(NULL) && lib.grouped ? lib.blas_path : "";
 }
 
 /* Test hook, deliberately in no header: forget the libraries (the handles

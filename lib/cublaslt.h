@@ -66,6 +66,12 @@ typedef struct ej_cublaslt ej_cublaslt;
 /* True when cuBLASLt can be loaded (the first call tries); false means
  * GEMMs go to the NVRTC template.  ctx (may be NULL) gets the reason. */
 bool ej_cublaslt_available(epj_ctx *ctx);
+/* The files loaded (lib/cuda_libs.h: the loader's path, $CUDA_HOME, the
+ * Python environments' nvidia/ * /lib): cuBLASLt, and cuBLAS for the grouped
+ * GEMM ("" when none was loaded).  Valid once ej_cublaslt_available said
+ * true. */
+const char *ej_cublaslt_path(void);
+const char *ej_cublas_path(void);
 
 /* A handle on the process's cuda device c, with a workspace of
  * $EPJIT_CUBLASLT_WORKSPACE_MB MiB (default 32) taken from ws (borrowed;

@@ -23,7 +23,7 @@ typedef struct ej_dynlib {
 	epj_status status0; /* the status of a failed load by default */
 	bool tried, ok;
 	epj_status status;
-	char err[640];
+	char err[2048];
 } ej_dynlib;
 
 #define EJ_DYNLIB_INIT(load_fn, st)                                            \

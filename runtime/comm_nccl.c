@@ -27,6 +27,7 @@
  * it, ncclGetLastError; the checked wrappers of comm.c add the group and
  * the rank.
  */
+#include "cuda_libs.h"
 #include "dynlib.h"
 #include "runtime_impl.h"
 
@@ -87,8 +88,8 @@ typedef struct nc_lib {
 	const char *(*ncclGetLastError)(nc_comm comm);
 	nc_result (*ncclCommSplit)(nc_comm comm, int color, int key,
 				   nc_comm *out, void *config);
-	int version; /* ncclGetVersion: 22803 is 2.28.3 */
-	char path[256];
+	int version;	 /* ncclGetVersion: 22803 is 2.28.3 */
+	char path[1024]; /* the file loaded */
 } nc_lib;
 
 static nc_lib lib;
@@ -104,11 +105,18 @@ static bool lib_load(char *err, size_t n, epj_status *status)
 			 "the host comm");
 		return false;
 	}
-	if (!path || !*path)
-		path = "libnccl.so.2";
-	snprintf(lib.path, sizeof lib.path, "%s", path);
-	char why[400];
-	void *h = ej_dynlib_open(path, why, sizeof why);
+	char why[1600];
+	void *h;
+	if (path && *path) {
+		snprintf(lib.path, sizeof lib.path, "%s", path);
+		h = ej_dynlib_open(path, why, sizeof why);
+		ej_cuda_lib_where(h, lib.path, sizeof lib.path);
+	} else { /* where CUDA libraries are looked for (cuda_libs.h) */
+		static const char *const names[] = { "libnccl.so.2" };
+		h = ej_cuda_lib_open(names, 1, lib.path, sizeof lib.path, why,
+				     sizeof why);
+	}
+	path = lib.path;
 	if (!h) {
 		snprintf(err, n, "no NCCL (%s)", why);
 		return false;
@@ -455,8 +463,8 @@ static ej_comm *nccl_split(void *self, int color, int key, const char *group)
 	nccl_comm *n = self;
 	if (!n->l->ncclCommSplit) {
 		snprintf(n->err, sizeof n->err,
-			 "nccl: split: %s has no ncclCommSplit (NCCL 2.18 or "
-			 "newer)",
+			 "nccl: split: %.400s has no ncclCommSplit (NCCL 2.18 "
+			 "or newer)",
 			 n->l->path);
 		return NULL;
 	}

@@ -39,6 +39,7 @@
 #include <sys/stat.h>
 
 #include "cublaslt.h"
+#include "cuda_libs.h"
 
 extern void ej_cuda_test_reset(void);
 extern void ej_cublaslt_test_reset(void);
@@ -295,6 +296,114 @@ START_TEST(test_lt_absent)
 	unsetenv("EPJIT_CUBLASLT");
 	unsetenv("EPJIT_CUDA_DRIVER");
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- where the CUDA libraries are looked for (lib/cuda_libs.h) ----------
+ * A library only in a Python environment's nvidia/<pkg>/lib (pip wheels)
+ * or only in $CUDA_HOME/lib64 is found, the file loaded is the one
+ * reported, $CUDA_HOME comes before the environments, and a library found
+ * nowhere names every place it was looked for.  (A name of its own: the
+ * real cuBLASLt may be on the loader's path here.) */
+static void copy_file(const char *from, const char *to)
+{
+	FILE *in = fopen(from, "rb"), *out = fopen(to, "wb");
+	ck_assert_msg(in && out, "copy %s -> %s", from, to);
+	char buf[65536];
+	size_t n;
+	while ((n = fread(buf, 1, sizeof buf, in)) > 0)
+		ck_assert(fwrite(buf, 1, n, out) == n);
+	fclose(in);
+	ck_assert_int_eq(fclose(out), 0);
+}
+
+START_TEST(test_cuda_lib_search)
+{
+	char lt[4096];
+	if (!lib_path("libfakecublaslt.so", lt, sizeof lt))
+		return;
+	char *env = tu_tmpdir_new("pyenv"), *home = tu_tmpdir_new("cudahome");
+	char d[4096], in_env[4200], in_home[4200];
+	snprintf(d, sizeof d, "%s/lib", env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(d, sizeof d, "%s/lib/python3.11", env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(d, sizeof d, "%s/lib/python3.11/site-packages", env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(d, sizeof d, "%s/lib/python3.11/site-packages/nvidia", env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(d, sizeof d, "%s/lib/python3.11/site-packages/nvidia/cu13",
+		 env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(d, sizeof d, "%s/lib/python3.11/site-packages/nvidia/cu13/lib",
+		 env);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(in_env, sizeof in_env, "%s/libepjsearch.so.3", d);
+	copy_file(lt, in_env);
+	static const char *const names[] = { "libepjsearch.so.4",
+					     "libepjsearch.so.3" };
+	char path[1024], why[1600];
+	/* only in the environment (named among others) */
+	setenv("CUDA_HOME", home, 1);
+	unsetenv("VIRTUAL_ENV");
+	unsetenv("CONDA_PREFIX");
+	char envs[8300];
+	snprintf(envs, sizeof envs, "/nonexistent/epjit-env:%s", env);
+	setenv("EPJIT_PYTHON_ENVS", envs, 1);
+	void *h =
+	    ej_cuda_lib_open(names, 2, path, sizeof path, why, sizeof why);
+	ck_assert_msg(h, "%s", why);
+	ck_assert_str_eq(path, in_env);
+	ck_assert_ptr_nonnull(dlsym(h, "cublasLtMatmul"));
+	dlclose(h);
+	/* VIRTUAL_ENV alone finds it too */
+	unsetenv("EPJIT_PYTHON_ENVS");
+	setenv("VIRTUAL_ENV", env, 1);
+	h = ej_cuda_lib_open(names, 2, path, sizeof path, why, sizeof why);
+	ck_assert_msg(h, "%s", why);
+	ck_assert_str_eq(path, in_env);
+	dlclose(h);
+	/* $CUDA_HOME/lib64 before the environments */
+	snprintf(d, sizeof d, "%s/lib64", home);
+	ck_assert_int_eq(mkdir(d, 0700), 0);
+	snprintf(in_home, sizeof in_home, "%s/libepjsearch.so.3", d);
+	copy_file(lt, in_home);
+	h = ej_cuda_lib_open(names, 2, path, sizeof path, why, sizeof why);
+	ck_assert_msg(h, "%s", why);
+	ck_assert_str_eq(path, in_home);
+	dlclose(h);
+	/* nowhere: every place is named */
+	static const char *const none[] = { "libepjsearch-none.so.1" };
+	h = ej_cuda_lib_open(none, 1, path, sizeof path, why, sizeof why);
+	ck_assert_ptr_null(h);
+	ck_assert_msg(strstr(why, "libepjsearch-none.so.1 not found") == why &&
+			  strstr(why, home) && strstr(why, env) &&
+			  strstr(why, "EPJIT_PYTHON_ENVS"),
+		      "%s", why);
+	unsetenv("VIRTUAL_ENV");
+	unsetenv("CUDA_HOME");
+	tu_tmpdir_free(env);
+	tu_tmpdir_free(home);
+}
+END_TEST
+
+/* The loaders report the file they loaded: cuBLASLt from an override
+ * names the file, not only the name asked for. */
+START_TEST(test_lt_loaded_path)
+{
+	char lt[4096];
+	if (!lib_path("libfakecublaslt.so", lt, sizeof lt))
+		return;
+	ej_cublaslt_test_reset();
+	setenv("EPJIT_CUBLASLT", lt, 1);
+	ck_assert(ej_cublaslt_available(NULL));
+	char want[4096];
+	ck_assert_ptr_nonnull(realpath(lt, want));
+	char got[4096];
+	ck_assert_ptr_nonnull(realpath(ej_cublaslt_path(), got));
+	ck_assert_str_eq(got, want);
+	unsetenv("EPJIT_CUBLASLT");
+	ej_cublaslt_test_reset();
 }
 END_TEST
 
@@ -1028,6 +1137,8 @@ Suite *make_cublaslt_suite(void)
 	TCase *tc = tcase_create("cublaslt");
 	tcase_set_timeout(tc, 120);
 	tcase_add_loop_test(tc, test_lt_absent, 0, 2);
+	tcase_add_test(tc, test_cuda_lib_search);
+	tcase_add_test(tc, test_lt_loaded_path);
 	tcase_add_loop_test(tc, test_lt_gemm, 0, 64);
 	tcase_add_test(tc, test_lt_cache);
 	tcase_add_test(tc, test_lt_refused);
