@@ -67,6 +67,8 @@
  */
 #include "kcache.h"
 
+#include "cc.h"
+
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
@@ -567,6 +569,7 @@ ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir)
 	c->dir = real;
 	c->vdir = v;
 	sweep_dead_tmps(c);
+	ej_privdir_sweep();
 	return c;
 fail:
 	free(c);
