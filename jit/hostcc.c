@@ -282,8 +282,8 @@ typedef struct spawn_args {
 /* The child of spawn_compiler: its own process group, killed with SIGKILL
  * when the thread that started it dies (PR_SET_PDEATHSIG; if we died
  * before that took effect, getppid() is no longer us and it stops), stdin
- * /dev/null, stdout and stderr the pipe, working directory cwd_fd, then
- * exec.  All signals are blocked on entry; our handlers are reset to
+ * /dev/null, stdout and stderr the pipe, working directory cwd_fd, umask
+ * 077, then exec.  All signals are blocked on entry; our handlers are reset to
  * the default first, so that none runs here once the mask is restored. */
 __attribute__((no_sanitize_address)) static int spawn_child(void *p)
 {
@@ -324,6 +324,10 @@ __attribute__((no_sanitize_address)) static int spawn_child(void *p)
 	}
 	if (a->cwd_fd >= 0)
 		CHILD_CHECK(fchdir(a->cwd_fd));
+	/* what it writes is ours alone, whatever the caller's umask (002
+	 * would make the module group-writable, and refused); the umask is
+	 * the child's own (no CLONE_FS) */
+	umask(077);
 	CHILD_CHECK(sigprocmask(SIG_SETMASK, &a->mask, NULL));
 	execve(a->exe, a->argv, a->envp);
 	a->err = errno;

@@ -538,6 +538,37 @@ START_TEST(test_hostcc_compile_load)
 }
 END_TEST
 
+/* A group-writable umask (002: a shared-group setup, or a tree unpacked
+ * that way) or none at all (000) changes nothing: what the compiler writes
+ * in the private directory is ours alone, so the module passes its checks
+ * and loads. */
+START_TEST(test_hostcc_umask)
+{
+	epj_ctx *ctx = tu_ctx();
+	const mode_t masks[] = { 002, 000 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(masks); i++) {
+		mode_t old = umask(masks[i]);
+		void *img = NULL, *h = NULL;
+		size_t n = 0;
+		epj_status st = ej_hostcc_compile(
+		    ctx, "int f(int x) { return 3 * x + 1; }\n", "f", &img, &n,
+		    NULL);
+		umask(old);
+		ck_assert_msg(st == EPJ_OK, "umask %03o: %s",
+			      (unsigned)masks[i], epj_ctx_error(ctx));
+		ck_assert_msg(ej_hostcc_load(ctx, img, n, "f", &h) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		int (*f)(int) = NULL;
+		*(void **)&f = ej_hostcc_sym(h, "f");
+		ck_assert_ptr_nonnull(f);
+		ck_assert_int_eq(f(4), 13);
+		ej_hostcc_unload(h);
+		free(img);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_hostcc_compile_error)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1366,6 +1397,7 @@ Suite *make_cc_suite(void)
 	tc = tcase_create("hostcc");
 	tcase_set_timeout(tc, 400); /* the swap and wait tests allow 120 s */
 	tcase_add_test(tc, test_hostcc_compile_load);
+	tcase_add_test(tc, test_hostcc_umask);
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
 	tcase_add_test(tc, test_hostcc_identity);
