@@ -113,8 +113,7 @@ struct ej_kcache {
 	int64_t mem_bytes; /* sum of len + strlen(source) over mem */
 	uint64_t tick;
 	bool no_disk;  /* degraded: memory table only */
-	char *refused; /* why the directory asked for was refused (open_for_run)
-			*/
+	char *refused; /* why the directory asked for was refused */
 };
 
 /* Degradation is warned about once per process. */
