@@ -78,7 +78,7 @@ epj_status ej_sim_build_module(epj_ctx *ctx, const char *cuda_src,
 	char key[EJ_KCACHE_KEY_LEN + 1];
 	ej_artifact_key(key, "cuda-sim", ej_hostcxx_identity(), flags, "", src);
 
-	ej_kcache *kc = ej_kcache_open(ctx, NULL);
+	ej_kcache *kc = ej_kcache_open_for_run(ctx, NULL);
 	if (!kc) {
 		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
 			ej_error_prefix(ctx, "cuda-sim: kernel cache");

@@ -27,6 +27,7 @@
 #include "core_impl.h"
 
 #include <dlfcn.h>
+#include <limits.h>
 #include <string.h>
 
 /* ---- NVRTC ---------------------------------------------------------------
@@ -265,6 +266,42 @@ static inline const char *ej_src_file(const char *path)
 /* The directory for temporary files: $TMPDIR when set and non-empty, else
  * "/tmp". */
 const char *ej_tmpdir(void);
+
+/* ---- private directories --------------------------------------------------
+ */
+
+/* A private directory of this process: <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX
+ * (host: ej_host_tag()), its path (for messages) and a descriptor of it
+ * (for everything else) that holds an exclusive flock on it: the sign that
+ * its owner lives. */
+typedef struct ej_privdir {
+	char path[PATH_MAX];
+	int fd;
+	size_t stem; /* length of "<TMPDIR>/<prefix>-" in path */
+} ej_privdir;
+
+/* The prefix of the kernel cache's private directory (kcache.c). */
+#define EJ_KCACHE_PRIVATE_PREFIX "epjit-kcache"
+
+/* Removes the private directories of every kind (epjit-cc, epjit-so,
+ * EJ_KCACHE_PRIVATE_PREFIX) that dead processes of this host left in
+ * $TMPDIR: a real directory of ours (never through a symbolic link), its
+ * pid gone, its lock free; emptied without following symbolic links.  Best
+ * effort (what cannot be removed stays); each removal is logged at info
+ * level.  ej_privdir_make and ej_kcache_open call it. */
+void ej_privdir_sweep(void);
+/* ej_privdir_sweep, then makes <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX
+ * with mkdtemp (mode 0700), opens it (O_DIRECTORY | O_NOFOLLOW), locks it
+ * and checks it through the descriptor (a directory owned by geteuid(),
+ * no group or other bits, the path still naming it), trying another name
+ * when that fails.  On success d->fd >= 0; on failure d->fd is -1 and ctx
+ * has the reason (EPJ_ERR_IO, EPJ_ERR_STATE). */
+epj_status ej_privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d);
+/* Removes everything in d (without following symbolic links) and d itself
+ * while its path still names the descriptor's directory, then closes the
+ * descriptor (releasing the lock).  True when all of it went.  d->fd -1 is
+ * fine. */
+bool ej_privdir_remove_all(ej_privdir *d);
 /* Copies name into buf (capacity n >= 2) keeping [A-Za-z0-9_.-] and mapping
  * anything else to '_', truncated; "" becomes "unnamed".  Returns buf. */
 char *ej_safe_name(const char *name, char *buf, size_t n);

@@ -24,9 +24,10 @@
  * the bytes are read from that descriptor.  The directory is removed through
  * the descriptor (rmdir of the path only while it still names the same inode).
  * A failed compile keeps the directory with the source only, renamed to
- * <prefix>-kept-..., and the message names it.  The directories that
- * processes killed during a compile left behind (their pid dead, a minute
- * old) are removed before each new one is made (sweep_stale_dirs).
+ * <prefix>-kept-..., and the message names it.  The directory is locked
+ * (flock) while its process works in it; those that processes killed
+ * during a compile left behind (their pid dead, their lock free) are
+ * removed before each new one is made (ej_privdir_sweep).
  *
  * Load: the bytes go to an anonymous memory file (memfd_create, sealed
  * against writes; where memfd_create is missing, an unlinked file of a
@@ -57,6 +58,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -280,9 +282,9 @@ typedef struct spawn_args {
 /* The child of spawn_compiler: its own process group, killed with SIGKILL
  * when the thread that started it dies (PR_SET_PDEATHSIG; if we died
  * before that took effect, getppid() is no longer us and it stops), stdin
- * /dev/null, stdout and stderr the pipe, working directory cwd_fd, then
- * exec.  All signals are blocked on entry; our handlers are reset to the
- * default first, so that none runs here once the mask is restored. */
+ * /dev/null, stdout and stderr the pipe, working directory cwd_fd, umask
+ * 077, then exec.  All signals are blocked on entry; our handlers are reset to
+ * the default first, so that none runs here once the mask is restored. */
 __attribute__((no_sanitize_address)) static int spawn_child(void *p)
 {
 	spawn_args *a = p;
@@ -322,6 +324,10 @@ __attribute__((no_sanitize_address)) static int spawn_child(void *p)
 	}
 	if (a->cwd_fd >= 0)
 		CHILD_CHECK(fchdir(a->cwd_fd));
+	/* what it writes is ours alone, whatever the caller's umask (002
+	 * would make the module group-writable, and refused); the umask is
+	 * the child's own (no CLONE_FS) */
+	umask(077);
 	CHILD_CHECK(sigprocmask(SIG_SETMASK, &a->mask, NULL));
 	execve(a->exe, a->argv, a->envp);
 	a->err = errno;
@@ -597,20 +603,16 @@ static void describe_wait(int ws, char *buf, size_t n)
 /* ---- private directories --------------------------------------------------
  */
 
-/* A private directory: its path (for messages) and a descriptor of it
- * (for everything else). */
-typedef struct ej_privdir {
-	char path[PATH_MAX];
-	int fd;
-	size_t stem; /* length of "<TMPDIR>/<prefix>-" in path */
-} ej_privdir;
-
-/* Seconds a build directory of a dead process must have been left alone
- * (its mtime) before sweep_stale_dirs removes it. */
-#define STALE_DIR_SECONDS 60
 /* Depth of directories below a stale one that are emptied (the compiler
  * makes none; anything deeper stays, and so does the directory). */
 #define STALE_DIR_DEPTH 16
+
+/* The private directories that a process of this host removes for a dead
+ * one (ej_privdir_sweep): the build directories of the host compilers, the
+ * load directories where memfd_create is missing, and the kernel cache's
+ * own directory of a process whose cache was refused (kcache.c). */
+static const char *const swept_prefixes[] = { "epjit-cc", "epjit-so",
+					      EJ_KCACHE_PRIVATE_PREFIX };
 
 /* Empties the directory of the descriptor dfd (closed here) without ever
  * following a symbolic link: every entry is unlinked through dfd (a link
@@ -649,58 +651,90 @@ static bool empty_dir_fd(int dfd, int depth)
 	return ok;
 }
 
-/* Removes the build directories <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX that
- * a process of this host left when it died during a compile (kill -9): a
- * real directory (lstat, then opened with O_NOFOLLOW and checked to be the
- * same inode) owned by us, untouched for STALE_DIR_SECONDS (a margin
- * against a pid that is reused), whose pid is no longer alive
+/* The prefix of swept_prefixes that nm starts with, followed by '-' (NULL
+ * for none); *owner is set to what follows the '-'. */
+static const char *swept_prefix(const char *nm, const char **owner)
+{
+	for (size_t i = 0; i < sizeof swept_prefixes / sizeof swept_prefixes[0];
+	     i++) {
+		size_t pl = strlen(swept_prefixes[i]);
+		if (!strncmp(nm, swept_prefixes[i], pl) && nm[pl] == '-') {
+			*owner = nm + pl + 1;
+			return swept_prefixes[i];
+		}
+	}
+	return NULL;
+}
+
+/* Opens dir/nm, a stale-directory candidate: a real directory (lstat, then
+ * opened with O_NOFOLLOW and checked to be the same inode) owned by us,
+ * whose lock nobody holds (flock LOCK_EX | LOCK_NB: the process that made
+ * it holds the lock as long as it lives, in any pid namespace).  The
+ * descriptor, holding the lock, or -1. */
+static int open_unlocked_dir(int dir, const char *nm)
+{
+	struct stat st, by_fd;
+	if (fstatat(dir, nm, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	    !S_ISDIR(st.st_mode) || st.st_uid != geteuid())
+		return -1;
+	int fd =
+	    openat(dir, nm, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (fstat(fd, &by_fd) != 0 || by_fd.st_dev != st.st_dev ||
+	    by_fd.st_ino != st.st_ino || by_fd.st_uid != geteuid() ||
+	    flock(fd, LOCK_EX | LOCK_NB) != 0) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* Removes the private directories <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX
+ * (every prefix of swept_prefixes) that a process of this host left when it
+ * died (kill -9): a real directory owned by us whose pid is no longer alive
  * (ej_tmp_is_dead: kill(pid, 0) fails with ESRCH; another host's pid is
- * never judged).  Kept directories of failed compiles are named
- * <prefix>-kept-... and stay.  Best effort: what cannot be removed stays;
- * one info line per directory removed. */
-static void sweep_stale_dirs(const char *prefix)
+ * never judged) and whose lock is free (open_unlocked_dir: a live owner,
+ * even one in another pid namespace, holds it; a directory made this
+ * instant and not locked yet is removed, and its maker, which checks the
+ * path after taking the lock, tries another name).  Kept directories of
+ * failed compiles are named <prefix>-kept-... and stay.  Best effort: what
+ * cannot be removed stays; one info line per directory removed. */
+void ej_privdir_sweep(void)
 {
 	DIR *d = opendir(ej_tmpdir());
 	if (!d)
 		return;
-	size_t pl = strlen(prefix);
-	time_t now = time(NULL);
 	struct dirent *de;
 	while ((de = readdir(d))) {
-		const char *nm = de->d_name;
-		if (strncmp(nm, prefix, pl) != 0 || nm[pl] != '-')
+		const char *nm = de->d_name, *owner = NULL;
+		const char *prefix = swept_prefix(nm, &owner);
+		if (!prefix)
 			continue;
 		/* "<pid>.<host>" between the prefix and "-XXXXXX" */
-		const char *owner = nm + pl + 1, *dash = strrchr(owner, '-');
+		const char *dash = strrchr(owner, '-');
 		char who[64];
 		if (!dash || strlen(dash) != 7 ||
 		    (size_t)(dash - owner) >= sizeof who)
 			continue;
 		memcpy(who, owner, (size_t)(dash - owner));
 		who[dash - owner] = '\0';
-		struct stat st, by_fd;
-		if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-		    !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
-		    now - st.st_mtime < STALE_DIR_SECONDS ||
-		    !ej_tmp_is_dead(who))
+		if (!ej_tmp_is_dead(who))
 			continue;
-		int fd =
-		    openat(dirfd(d), nm,
-			   O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+		int fd = open_unlocked_dir(dirfd(d), nm);
 		if (fd < 0)
 			continue;
-		if (fstat(fd, &by_fd) != 0 || by_fd.st_dev != st.st_dev ||
-		    by_fd.st_ino != st.st_ino || by_fd.st_uid != geteuid()) {
-			close(fd);
-			continue;
-		}
-		if (empty_dir_fd(fd, STALE_DIR_DEPTH) &&
+		/* the lock goes with the last descriptor: empty_dir_fd
+		 * closes a duplicate */
+		int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+		if (dup_fd >= 0 && empty_dir_fd(dup_fd, STALE_DIR_DEPTH) &&
 		    unlinkat(dirfd(d), nm, AT_REMOVEDIR) == 0)
 			epj_log_msg(EPJ_LOG_INFO,
-				    "host cc: removed %s/%s, the build "
-				    "directory of process %.*s that is gone",
+				    "removed %s/%s, the private directory of "
+				    "process %.*s that is gone",
 				    ej_tmpdir(), nm, (int)strcspn(who, "."),
 				    who);
+		close(fd);
 	}
 	closedir(d);
 }
@@ -709,19 +743,21 @@ static void sweep_stale_dirs(const char *prefix)
  * (the bits of a compiler's output under any sane umask). */
 #define FOREIGN_WRITE (S_IWGRP | S_IWOTH)
 
-/* Makes <TMPDIR>/<prefix>-XXXXXX with mkdtemp and opens it; through the
- * descriptor it must be a directory owned by geteuid() with no permission
- * bits for group or others, and the path must name that same inode (nobody
- * swapped it between mkdtemp and open).  On success d->fd >= 0 and d->path
- * is set; on failure d->fd is -1, nothing is left behind and ctx has the
- * reason. */
+/* Makes <TMPDIR>/<prefix>-<pid>.<host>-XXXXXX with mkdtemp, opens it and
+ * locks it (flock LOCK_EX, held while the descriptor is open: the sign
+ * that its owner lives, for ej_privdir_sweep); through the descriptor it
+ * must be a directory owned by geteuid() with no permission bits for group
+ * or others, and the path must name that same inode (nobody swapped it, or
+ * swept it before it was locked, between mkdtemp and the lock).  On
+ * success d->fd >= 0 and d->path is set; on failure d->fd is -1, nothing is
+ * left behind and ctx has the reason. */
 static epj_status privdir_make_once(epj_ctx *ctx, const char *prefix,
 				    ej_privdir *d, bool *made)
 {
 	epj_status st = EPJ_OK;
 	struct stat by_fd, by_path;
 	d->fd = -1;
-	/* the pid and host name who made it, for sweep_stale_dirs */
+	/* the pid and host name who made it, for ej_privdir_sweep */
 	int stem =
 	    snprintf(d->path, sizeof d->path, "%s/%s-", ej_tmpdir(), prefix);
 	snprintf(d->path + stem, sizeof d->path - (size_t)stem, "%ld.%s-XXXXXX",
@@ -734,6 +770,11 @@ static epj_status privdir_make_once(epj_ctx *ctx, const char *prefix,
 		st = sys_fail(ctx, d->path, "open(dir, O_DIRECTORY|O_NOFOLLOW)",
 			      __FILE__, __LINE__, errno);
 		rmdir(d->path);
+		goto out;
+	}
+	if (flock(d->fd, LOCK_EX | LOCK_NB) != 0) {
+		st = sys_fail(ctx, d->path, "flock(dir, LOCK_EX|LOCK_NB)",
+			      __FILE__, __LINE__, errno);
 		goto out;
 	}
 	SYS_CHECK(ctx, fstat(d->fd, &by_fd), != 0, d->path);
@@ -768,10 +809,10 @@ out:
  * made but did not check out (another user renamed or swapped it between
  * mkdtemp and open: that attempt is refused, the next one usually wins the
  * race); the last error after 8 attempts. */
-static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
+epj_status ej_privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
 {
 	epj_status st = EPJ_OK;
-	sweep_stale_dirs(prefix);
+	ej_privdir_sweep();
 	for (int i = 0; i < 8; i++) {
 		bool made = false;
 		st = privdir_make_once(ctx, prefix, d, &made);
@@ -784,7 +825,7 @@ static epj_status privdir_make(epj_ctx *ctx, const char *prefix, ej_privdir *d)
 }
 
 /* Renames d, kept for the user (the source of a failed compile), to
- * <prefix>-kept-<pid>.<host>-XXXXXX, a name sweep_stale_dirs leaves alone
+ * <prefix>-kept-<pid>.<host>-XXXXXX, a name ej_privdir_sweep leaves alone
  * (RENAME_NOREPLACE: when that name is taken, or the path no longer names
  * the directory of the descriptor, it keeps its name). */
 static void privdir_keep(ej_privdir *d)
@@ -823,6 +864,21 @@ static void privdir_remove(ej_privdir *d, const char *const *names, int n,
 		    ej_src_file(__FILE__), __LINE__, d->path, strerror(errno));
 	close(d->fd);
 	d->fd = -1;
+}
+
+bool ej_privdir_remove_all(ej_privdir *d)
+{
+	if (d->fd < 0)
+		return true;
+	struct stat a, b;
+	int dup_fd = fcntl(d->fd, F_DUPFD_CLOEXEC, 0);
+	bool ok = dup_fd >= 0 && empty_dir_fd(dup_fd, STALE_DIR_DEPTH) &&
+		  fstat(d->fd, &a) == 0 && lstat(d->path, &b) == 0 &&
+		  a.st_dev == b.st_dev && a.st_ino == b.st_ino &&
+		  rmdir(d->path) == 0;
+	close(d->fd);
+	d->fd = -1;
+	return ok;
 }
 
 /* Checks an open module file: a regular file, owned by us, not writable by
@@ -1207,7 +1263,7 @@ static epj_status compile_lang(epj_ctx *ctx, const char *source,
 	snprintf(obj, sizeof obj, "%s.o", safe);
 	snprintf(so, sizeof so, "%s.so", safe);
 
-	st = privdir_make(ctx, "epjit-cc", &dir);
+	st = ej_privdir_make(ctx, "epjit-cc", &dir);
 	if (st != EPJ_OK)
 		goto out;
 	snprintf(so_path, sizeof so_path, "%s/%s", dir.path, so);
@@ -1329,7 +1385,7 @@ static epj_status image_fd(epj_ctx *ctx, const void *so_image, size_t size,
 #endif
 	ej_privdir dir = { .fd = -1 };
 	char path[PATH_MAX + 80];
-	st = privdir_make(ctx, "epjit-so", &dir);
+	st = ej_privdir_make(ctx, "epjit-so", &dir);
 	if (st != EPJ_OK)
 		return st;
 	snprintf(path, sizeof path, "%s/m.so", dir.path);

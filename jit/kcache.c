@@ -67,11 +67,14 @@
  */
 #include "kcache.h"
 
+#include "cc.h"
+
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -109,13 +112,16 @@ struct ej_kcache {
 	int n_mem, cap_mem;
 	int64_t mem_bytes; /* sum of len + strlen(source) over mem */
 	uint64_t tick;
-	bool no_disk; /* degraded: memory table only */
+	bool no_disk;  /* degraded: memory table only */
+	char *refused; /* why the directory asked for was refused */
 };
 
 /* Degradation is warned about once per process. */
 static atomic_flag warned_write = ATOMIC_FLAG_INIT;
 /* So is the first entry that does not load (ej_kcache_drop_unloadable). */
 static atomic_flag warned_unloadable = ATOMIC_FLAG_INIT;
+/* And the first refused directory (ej_kcache_open_for_run). */
+static atomic_flag warned_refused = ATOMIC_FLAG_INIT;
 
 /* Per-process counter for temporary file names (several caches or threads of
  * one process may write the same key at once). */
@@ -501,6 +507,22 @@ static void write_failed(ej_kcache *c)
 /* ---- open / close ---------------------------------------------------------
  */
 
+/* c, made memory-only with d (taken) as its directory; NULL (c and d
+ * freed) when out of memory. */
+static ej_kcache *memory_only(ej_kcache *c, char *d)
+{
+	c->no_disk = true;
+	c->dir = d;
+	c->vdir = str_printf("%s/v1", d);
+	if (!c->vdir) {
+		ej_error(c->ctx, EPJ_ERR_NOMEM, "kernel cache: out of memory");
+		free(d);
+		free(c);
+		return NULL;
+	}
+	return c;
+}
+
 ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir)
 {
 	EJ_ASSERT(ctx);
@@ -549,17 +571,9 @@ ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir)
 		/* Not there and not creatable, or not a directory: an
 		 * optimization lost, not a reason to stop. */
 		write_failed(c);
-		c->no_disk = true;
 		free(real);
 		free(v);
-		c->dir = d;
-		c->vdir = str_printf("%s/v1", d);
-		if (!c->vdir) {
-			ej_error(ctx, EPJ_ERR_NOMEM,
-				 "kernel cache: out of memory");
-			goto fail;
-		}
-		return c;
+		return memory_only(c, d);
 	}
 	if (s != EPJ_OK)
 		goto fail;
@@ -567,6 +581,7 @@ ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir)
 	c->dir = real;
 	c->vdir = v;
 	sweep_dead_tmps(c);
+	ej_privdir_sweep();
 	return c;
 fail:
 	free(c);
@@ -574,6 +589,112 @@ fail:
 	free(v);
 	free(d);
 	return NULL;
+}
+
+/* ---- a refused directory: the private directory of the process ----------
+ *
+ * A run whose cache directory is refused compiles into a directory of its
+ * own instead: <TMPDIR>/epjit-kcache-<pid>.<host>-XXXXXX (ej_privdir_make:
+ * mkdtemp, mode 0700, checked and locked through its descriptor), made at
+ * the first refusal, shared by every cache the process opens afterwards
+ * and removed at exit by the process that made it (a forked child leaves
+ * its parent's alone).  A process killed before it exits leaves it locked
+ * by nobody: a later cache open or compile removes it (ej_privdir_sweep).
+ * Nothing from the refused directory is ever read. */
+
+static pthread_mutex_t private_mu = PTHREAD_MUTEX_INITIALIZER;
+static ej_privdir private_dir = { .fd = -1 };
+static pid_t private_owner;
+
+static void private_dir_remove(void)
+{
+	pthread_mutex_lock(&private_mu);
+	if (private_dir.fd >= 0 && private_owner == getpid())
+		ej_privdir_remove_all(&private_dir);
+	pthread_mutex_unlock(&private_mu);
+}
+
+/* The path of the process's private cache directory (malloc'ed; made at
+ * the first call), or NULL with ctx's error. */
+static char *private_dir_path(epj_ctx *ctx)
+{
+	static bool at_exit;
+	char *path = NULL;
+	pthread_mutex_lock(&private_mu);
+	epj_status st = EPJ_OK;
+	if (private_dir.fd < 0) {
+		st = ej_privdir_make(ctx, EJ_KCACHE_PRIVATE_PREFIX,
+				     &private_dir);
+		if (st == EPJ_OK)
+			private_owner = getpid();
+		if (st == EPJ_OK && !at_exit)
+			at_exit = atexit(private_dir_remove) == 0;
+	}
+	if (st == EPJ_OK) {
+		path = strdup(private_dir.path);
+		if (!path)
+			ej_error(ctx, EPJ_ERR_NOMEM,
+				 "kernel cache: out of memory");
+	}
+	pthread_mutex_unlock(&private_mu);
+	return path;
+}
+
+ej_kcache *ej_kcache_open_for_run(epj_ctx *ctx, const char *dir)
+{
+	ej_kcache *c = ej_kcache_open(ctx, dir);
+	if (c || epj_ctx_status(ctx) != EPJ_ERR_STATE)
+		return c;
+	char *why = strdup(epj_ctx_error(ctx));
+	epj_ctx_clear_error(ctx);
+	epj_counter_add(ctx, "cache.refused", 1);
+	char *priv = why ? private_dir_path(ctx) : NULL;
+	if (priv)
+		c = ej_kcache_open(ctx, priv);
+	char *instead = NULL;
+	if (c) {
+		instead = str_printf("compiling into %s instead, a private "
+				     "directory removed at exit",
+				     ej_kcache_dir(c));
+	} else if (why && epj_ctx_status(ctx) != EPJ_ERR_NOMEM) {
+		/* not even that: the memory table alone */
+		instead = str_printf("no private directory either (%s): "
+				     "kernels are kept in memory only",
+				     epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+		ej_kcache *m = calloc(1, sizeof *m);
+		char *d = strdup(priv ? priv : ej_tmpdir());
+		if (m && d) {
+			m->ctx = ctx;
+			m->cap = cap_from_env(ctx);
+			c = memory_only(m, d);
+		} else {
+			free(m);
+			free(d);
+		}
+	}
+	free(priv);
+	if (!c || !instead) {
+		ej_kcache_close(c);
+		free(why);
+		free(instead);
+		if (!epj_ctx_status(ctx))
+			ej_error(ctx, EPJ_ERR_NOMEM,
+				 "kernel cache: out of memory");
+		return NULL;
+	}
+	if (!atomic_flag_test_and_set(&warned_refused))
+		epj_log_msg(EPJ_LOG_WARN,
+			    "%s; %s (warned once; counted in cache.refused)",
+			    why, instead);
+	free(instead);
+	c->refused = why;
+	return c;
+}
+
+const char *ej_kcache_refused(const ej_kcache *c)
+{
+	return c->refused;
 }
 
 static void mem_entry_clear(mem_entry *m)
@@ -591,6 +712,7 @@ void ej_kcache_close(ej_kcache *c)
 	free(c->mem);
 	free(c->dir);
 	free(c->vdir);
+	free(c->refused);
 	free(c);
 }
 

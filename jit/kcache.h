@@ -10,8 +10,9 @@
  *  - Nothing is read from a directory that is not owned by the effective user
  *    or is group- or world-writable, or that is a symbolic link (also given
  *    as "link/."), or below a directory that another user could rename
- *    (see kcache.c): open fails instead (a cached module is code that will
- *    be executed).
+ *    (see kcache.c): ej_kcache_open fails instead (a cached module is code
+ *    that will be executed); ej_kcache_open_for_run, what a run's builders
+ *    call, then caches in a private directory of the process instead.
  *  - An entry on disk is either complete and verified (magic, key, lengths,
  *    XXH3-128 checksum over header, artifact and source; a regular file of
  *    the user that group and others cannot write) or treated as a miss: it
@@ -56,6 +57,19 @@ typedef struct ej_kcache ej_kcache;
  * removed (cache.stale_tmp_removed).  ctx is borrowed and receives the
  * cache.* counters; it must outlive the cache. */
 ej_kcache *ej_kcache_open(epj_ctx *ctx, const char *dir);
+/* As ej_kcache_open, for the builders of a run: a directory that
+ * ej_kcache_open refuses (EPJ_ERR_STATE) does not stop the run.  Nothing is
+ * read from it; the cache opens instead in the private directory of the
+ * process, <TMPDIR>/epjit-kcache-<pid>.<host>-XXXXXX (made 0700 with
+ * mkdtemp at the first refusal, shared by the later ones, removed at exit
+ * by the process that made it; memory only if even that fails).  Each
+ * refusal counts in cache.refused; the first of the process is warned
+ * about in one line naming the reason and the directory used instead.
+ * ej_kcache_refused tells the reason.  Other errors are ej_kcache_open's. */
+ej_kcache *ej_kcache_open_for_run(epj_ctx *ctx, const char *dir);
+/* Why the directory asked for was refused (ej_kcache_open_for_run), or NULL
+ * when the cache is in that directory (or memory only for want of it). */
+const char *ej_kcache_refused(const ej_kcache *c);
 void ej_kcache_close(ej_kcache *c); /* NULL is fine */
 
 /* The cache directory in use (resolved with realpath; as given for a

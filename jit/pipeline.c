@@ -161,8 +161,8 @@ void ej_segment_unref(ej_segment *s)
  * when there is none to use: no jit (a lone build, e.g. in tests) opens a
  * cache of its own that the caller closes (*own = true); a directory that
  * cannot be created or read costs only the caching (warned once per jit);
- * an unsafe one is an error (cached modules are code).  who names the
- * backend in messages. */
+ * an unsafe one is never read: the process caches in a private directory
+ * instead (ej_kcache_open_for_run).  who names the backend in messages. */
 epj_status ej_jit_kcache(epj_ctx *ctx, ej_jit *jit, const char *who,
 			 ej_kcache **kc, bool *own)
 {
@@ -171,7 +171,7 @@ epj_status ej_jit_kcache(epj_ctx *ctx, ej_jit *jit, const char *who,
 		*kc = jit->kc;
 		return EPJ_OK;
 	}
-	*kc = ej_kcache_open(ctx, NULL);
+	*kc = ej_kcache_open_for_run(ctx, NULL);
 	if (!*kc) {
 		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
 			ej_error_prefix(ctx, "%s: kernel cache", who);

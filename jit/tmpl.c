@@ -126,7 +126,7 @@ static epj_status build_cuda(epj_ctx *ctx, const char *src, const char *name,
 	const ej_device *vt = ej_cuda_device(dev);
 	ej_cuda_dev_info info;
 	ej_cuda_info(dev, &info);
-	ej_kcache *kc = ej_kcache_open(ctx, NULL);
+	ej_kcache *kc = ej_kcache_open_for_run(ctx, NULL);
 	if (!kc) {
 		if (epj_ctx_status(ctx) != EPJ_ERR_IO) {
 			ej_error_prefix(ctx, "template %s: kernel cache", name);

@@ -622,6 +622,10 @@ struct epj_ctx {
 	 * kernel, copies between storage-less tensors do nothing.  Such a
 	 * model can be traced and compiled, never run. */
 	bool meta;
+	/* The world an engine initialized in shape-only mode stands for, one
+	 * rank of it (there are no ranks: the warm-up compiles what a rank
+	 * would); 0: the config's (runtime/engine.c, meta_world_size). */
+	int meta_world;
 	/* eager kernels on a CUDA C device (ej_eager_table): slots of
 	 * kernels.eager_cuda, kernels.eager_cpu_fallback and, created at the
 	 * first fallback of each op, kernels.eager_cpu_fallback.<op> */

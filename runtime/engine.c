@@ -43,7 +43,7 @@
  * compilation and only at epj_engine_compile.  An EPJIT_DEVICE that names
  * no device is refused too (a run would otherwise silently use the cpu). */
 static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
-				  const epj_model *m)
+				  const epj_model *m, int W)
 {
 	const char *src = c->source;
 	const char *dev = getenv("EPJIT_DEVICE");
@@ -91,8 +91,7 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 				"%s: AutoTP (tensor_parallel.autotp_size=%d) "
 				"is not implemented in epjit; set it to 1",
 				src, c->autotp_size);
-	const int W = ej_comm_world()->size,
-		  ep = c->expert_parallel.autoep_size;
+	const int ep = c->expert_parallel.autoep_size;
 	if (ep > 1 && W % ep != 0)
 		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
 				"%s: expert_parallel.autoep_size=%d needs a "
@@ -135,6 +134,31 @@ static bool is_expert_param(const epj_model *m, int i)
 	       o->parent->parent->parent &&
 	       !strcmp(o->parent->parent->local, "experts") &&
 	       !strcmp(o->parent->parent->parent->kind, "AutoEPMoELayer");
+}
+
+/* The world a shape-only engine (epjit-warmup) stands for: it has no
+ * ranks and no comm, and compiles what one rank of that world would.
+ * ctx->meta_world when set; else the config's: train_batch_size /
+ * (micro-batch x accumulation) when all three are given (DeepSpeed's
+ * rule), else expert_parallel.autoep_size, the smallest world an
+ * expert-parallel config allows.  The world changes only the derived
+ * batch sizes: an AutoEP layer is a graph break whose experts are no
+ * region's parameters, so a rank's share of the experts changes no
+ * compiled shape.  The model is not sharded (setup_parallel: a world of
+ * one). */
+static int meta_world_size(const epj_ctx *ctx, const ej_config *c)
+{
+	if (ctx->meta_world > 0)
+		return ctx->meta_world;
+	int64_t per_rank =
+	    c->micro_batch_per_gpu * c->gradient_accumulation_steps;
+	if (c->train_batch_size_given && c->micro_batch_given && c->gas_given &&
+	    per_rank > 0 && c->train_batch_size % per_rank == 0 &&
+	    c->train_batch_size / per_rank <= INT32_MAX)
+		return (int)(c->train_batch_size / per_rank);
+	return c->expert_parallel.autoep_size > 1
+		   ? c->expert_parallel.autoep_size
+		   : 1;
 }
 
 /* More than one rank: the parallel groups (kept by the model, whose AutoEP
@@ -228,11 +252,12 @@ static epj_status engine_setup(epj_engine *e)
 	/* Only what epjit cannot run at all: the compile options
 	 * (compile.autoep_non_moe's contract included) are epj_engine_compile's
 	 * to check, so a config with them trains eagerly. */
-	epj_status st = check_supported(ctx, c, m);
 	ej_comm *world = ej_comm_world();
+	const int W = ctx->meta ? meta_world_size(ctx, c) : world->size;
+	epj_status st = check_supported(ctx, c, m, W);
 	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)
-		st = ej_config_resolve_batch(ctx, c, world->size);
+		st = ej_config_resolve_batch(ctx, c, W);
 	if (st == EPJ_OK)
 		st = setup_parallel(ctx, c, m, world);
 	if (st == EPJ_OK)

@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -537,6 +538,37 @@ START_TEST(test_hostcc_compile_load)
 }
 END_TEST
 
+/* A group-writable umask (002: a shared-group setup, or a tree unpacked
+ * that way) or none at all (000) changes nothing: what the compiler writes
+ * in the private directory is ours alone, so the module passes its checks
+ * and loads. */
+START_TEST(test_hostcc_umask)
+{
+	epj_ctx *ctx = tu_ctx();
+	const mode_t masks[] = { 002, 000 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(masks); i++) {
+		mode_t old = umask(masks[i]);
+		void *img = NULL, *h = NULL;
+		size_t n = 0;
+		epj_status st = ej_hostcc_compile(
+		    ctx, "int f(int x) { return 3 * x + 1; }\n", "f", &img, &n,
+		    NULL);
+		umask(old);
+		ck_assert_msg(st == EPJ_OK, "umask %03o: %s",
+			      (unsigned)masks[i], epj_ctx_error(ctx));
+		ck_assert_msg(ej_hostcc_load(ctx, img, n, "f", &h) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		int (*f)(int) = NULL;
+		*(void **)&f = ej_hostcc_sym(h, "f");
+		ck_assert_ptr_nonnull(f);
+		ck_assert_int_eq(f(4), 13);
+		ej_hostcc_unload(h);
+		free(img);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_hostcc_compile_error)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -840,9 +872,10 @@ END_TEST
  *
  * A process killed with SIGKILL while it compiles takes its compiler with it
  * (PR_SET_PDEATHSIG on the process the compile starts), and its build
- * directory, $TMPDIR/epjit-cc-<pid>.<host>-XXXXXX, is removed by a later
- * compile once the pid is dead and the directory a minute old, without
- * following any symbolic link in it. */
+ * directory, $TMPDIR/epjit-cc-<pid>.<host>-XXXXXX, is removed by the next
+ * compile or kernel-cache open once the pid is dead and nobody holds the
+ * directory's lock (its maker holds it while it lives), without following
+ * any symbolic link in it. */
 
 /* The host tag of build directory names (ej_host_tag). */
 static const char *host_tag(void)
@@ -918,11 +951,27 @@ START_TEST(test_hostcc_stale_dirs)
 	age_path(sub, 3600);
 	age_path(stale, 3600);
 
-	/* what stays: a live pid, another host, a young directory, a kept
-	 * one, another name, and a symbolic link in the pattern */
+	/* a young one (made a moment ago) of a dead process and nobody's
+	 * lock: gone too, as are the other kinds of private directory */
+	const char *young_fmt[] = { "epjit-cc-%d.%s-Yo1ung",
+				    "epjit-so-%d.%s-Yo2ung",
+				    "epjit-kcache-%d.%s-Yo3ung" };
+	char *young[3];
+	for (int i = 0; i < 3; i++) {
+		snprintf(name, sizeof name, young_fmt[i], (int)dead,
+			 host_tag());
+		young[i] = mkdir_in(t, name);
+		p = tu_path(young[i], "g.c");
+		tu_write_text(p, "int x;\n");
+		free(p);
+	}
+
+	/* what stays: a live pid, another host, a directory whose lock a
+	 * live process holds (its maker, seen from another pid namespace),
+	 * a kept one, another name, and a symbolic link in the pattern */
 	const char *stay_fmt[] = { "epjit-cc-%d.%s-Li1ve2",
 				   "epjit-cc-%d.0badc0de-Ot1her",
-				   "epjit-cc-%d.%s-Yo1ung",
+				   "epjit-cc-%d.%s-Lo1ckd",
 				   "epjit-cc-kept-%d.%s-Ke1pt2",
 				   "epjit-other-%d.%s-Na1me2" };
 	const int stay_pid[] = { (int)getpid(), (int)dead, (int)dead, (int)dead,
@@ -938,9 +987,11 @@ START_TEST(test_hostcc_stale_dirs)
 		p = tu_path(stay[i], "g.c");
 		tu_write_text(p, "int x;\n");
 		free(p);
-		if (i != 2)
-			age_path(stay[i], 3600);
+		age_path(stay[i], 3600);
 	}
+	int held = open(stay[2], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	ck_assert_int_ge(held, 0);
+	ck_assert_int_eq(flock(held, LOCK_EX | LOCK_NB), 0);
 	snprintf(name, sizeof name, "epjit-cc-%d.%s-Sy1mln", (int)dead,
 		 host_tag());
 	stay[5] = tu_path(t, name);
@@ -957,6 +1008,12 @@ START_TEST(test_hostcc_stale_dirs)
 	env_restore(env);
 
 	ck_assert_msg(!tu_exists(stale), "%s was not removed", stale);
+	for (int i = 0; i < 3; i++) {
+		ck_assert_msg(!tu_exists(young[i]), "%s was not removed",
+			      young[i]);
+		free(young[i]);
+	}
+	close(held);
 	for (int i = 0; i < 6; i++) {
 		struct stat st;
 		ck_assert_msg(lstat(stay[i], &st) == 0, "%s was removed",
@@ -984,6 +1041,19 @@ START_TEST(test_hostcc_stale_dirs)
 	epj_ctx_free(ctx);
 }
 END_TEST
+
+/* Entries of dir whose name starts with prefix. */
+static int count_prefixed(const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	ck_assert_ptr_nonnull(d);
+	int n = 0;
+	struct dirent *de;
+	while ((de = readdir(d)))
+		n += !strncmp(de->d_name, prefix, strlen(prefix));
+	closedir(d);
+	return n;
+}
 
 START_TEST(test_hostcc_killed_compiler)
 {
@@ -1034,6 +1104,23 @@ START_TEST(test_hostcc_killed_compiler)
 		kill(cc, SIGKILL); /* do not leave it behind */
 	ck_assert_msg(gone, "the compiler %d outlived the killed process %d",
 		      (int)cc, (int)child);
+
+	/* its build directory is there, and the next compile, right away,
+	 * removes it: the pid is dead and nobody holds its lock */
+	char prefix[64];
+	snprintf(prefix, sizeof prefix, "epjit-cc-%d.", (int)child);
+	ck_assert_int_eq(count_prefixed(t, prefix), 1);
+	saved_env env = env_set("TMPDIR", t);
+	epj_ctx *ctx = tu_ctx();
+	void *img = NULL;
+	size_t n = 0;
+	ck_assert_msg(ej_hostcc_compile(ctx, "int f(int x) { return x + 1; }\n",
+					"f", &img, &n, NULL) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	free(img);
+	env_restore(env);
+	ck_assert_int_eq(count_prefixed(t, "epjit-cc-"), 0);
+	epj_ctx_free(ctx);
 	free(pidfile);
 	free(slow);
 	tu_tmpdir_free(t);
@@ -1310,6 +1397,7 @@ Suite *make_cc_suite(void)
 	tc = tcase_create("hostcc");
 	tcase_set_timeout(tc, 400); /* the swap and wait tests allow 120 s */
 	tcase_add_test(tc, test_hostcc_compile_load);
+	tcase_add_test(tc, test_hostcc_umask);
 	tcase_add_test(tc, test_hostcc_compile_error);
 	tcase_add_test(tc, test_hostcc_missing_compiler);
 	tcase_add_test(tc, test_hostcc_identity);

@@ -1767,6 +1767,208 @@ START_TEST(test_unloadable_entry)
 }
 END_TEST
 
+/* ---- a refused directory does not stop a run ------------------------------
+ *
+ * A cache directory below a group-writable one (what `git archive | tar -x`
+ * as root, or umask 002, gives) is refused: ej_kcache_open fails.  What a
+ * run's builders call, ej_kcache_open_for_run, opens a cache in a private
+ * directory of the process instead ($TMPDIR/epjit-kcache-<pid>.<host>-
+ * XXXXXX, mode 0700), counts cache.refused and warns once, in one line
+ * that says why and where; a C-backend compile with the refused directory
+ * as EPJIT_CACHE_DIR works and writes nothing there.  The directory goes
+ * at exit; one left by a process killed with SIGKILL goes at the next
+ * open.  The work runs in a child (fresh process state: the warning is once
+ * per process, the directory is the process's) with stderr in a file. */
+
+#define CHILD_CHECK(cond)                                                      \
+	do {                                                                   \
+		if (!(cond)) {                                                 \
+			fprintf(stderr, "child check failed, line %d: %s\n",   \
+				__LINE__, #cond);                              \
+			_exit(10);                                             \
+		}                                                              \
+	} while (0)
+
+/* Graph 0 compiled by a C-backend jit of ctx, run and compared with eager;
+ * false (message on stderr) when any of it fails. */
+static bool refused_compile_ok(epj_ctx *ctx)
+{
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_C);
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *in[2];
+	cg_inputs(ctx, 0, 7, in);
+	cg_graph u = { 0 };
+	ej_trace *tr = NULL;
+	ej_region_fn *f = NULL;
+	epj_tensor *y = NULL, *ref = cg_eval(ctx, 0, in);
+	bool ok =
+	    ej_trace_region(ctx, jit, cg_traced, &u, in, 2, 1, NULL, NULL,
+			    &tr) == EPJ_OK &&
+	    ej_jit_compile(ctx, jit, tr, &f) == EPJ_OK &&
+	    ej_region_run(ctx, f, in, 2, NULL, 0, NULL, NULL, &y, 1) == EPJ_OK;
+	if (!ok)
+		fprintf(stderr, "compile: %s\n", epj_ctx_error(ctx));
+	for (int64_t i = 0; ok && i < epj_tensor_numel(y); i++) {
+		double a = epj_tensor_get_f64(y, i);
+		double b = epj_tensor_get_f64(ref, i);
+		ok = fabs(a - b) <= 1e-5 * (1 + fabs(b));
+	}
+	ok = ok && epj_counter_get(ctx, "codegen.cc_compiles") == 1;
+	epj_tensor_free(y);
+	epj_tensor_free(ref);
+	ej_region_fn_free(f);
+	epj_tensor_free(in[0]);
+	epj_tensor_free(in[1]);
+	epj_no_grad_exit(ctx, prev);
+	ej_jit_free(jit);
+	return ok;
+}
+
+/* The child: refused is the cache directory (below a group-writable
+ * one), tmp its TMPDIR; ends with exit(0), or SIGKILL when die. */
+static void refused_child(const char *refused, const char *tmp,
+			  const char *errf, bool die)
+{
+	int fd = open(errf, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+	if (fd < 0 || dup2(fd, 2) < 0)
+		_exit(2);
+	close(fd);
+	setenv("TMPDIR", tmp, 1);
+	setenv("EPJIT_CACHE_DIR", refused, 1);
+	epj_ctx *ctx = NULL;
+	CHILD_CHECK(epj_ctx_new("cpu", &ctx) == EPJ_OK);
+	/* the strict open refuses it, as before */
+	CHILD_CHECK(ej_kcache_open(ctx, NULL) == NULL);
+	CHILD_CHECK(epj_ctx_status(ctx) == EPJ_ERR_STATE);
+	epj_ctx_clear_error(ctx);
+
+	ej_kcache *c = ej_kcache_open_for_run(ctx, NULL);
+	CHILD_CHECK(c != NULL && ej_kcache_on_disk(c));
+	CHILD_CHECK(ej_kcache_refused(c) &&
+		    strstr(ej_kcache_refused(c), "group- or world-writable"));
+	char want[4200];
+	snprintf(want, sizeof want, "%s/epjit-kcache-%d.", tmp, (int)getpid());
+	char priv[4200];
+	snprintf(priv, sizeof priv, "%s", ej_kcache_dir(c));
+	CHILD_CHECK(!strncmp(priv, want, strlen(want)));
+	struct stat st;
+	CHILD_CHECK(lstat(priv, &st) == 0 && S_ISDIR(st.st_mode) &&
+		    (st.st_mode & 07777) == 0700 && st.st_uid == geteuid());
+	CHILD_CHECK(epj_counter_get(ctx, "cache.refused") == 1);
+	char key[65];
+	make_key(key, "refused", 0);
+	unsigned char b[3] = { 4, 5, 6 };
+	CHILD_CHECK(ej_kcache_put(c, key, b, 3, "s") == EPJ_OK);
+	CHILD_CHECK(exists(entry_path(priv, key)));
+	/* a second open: the same private directory, counted again */
+	ej_kcache *c2 = ej_kcache_open_for_run(ctx, refused);
+	CHILD_CHECK(c2 && !strcmp(ej_kcache_dir(c2), priv));
+	CHILD_CHECK(epj_counter_get(ctx, "cache.refused") == 2);
+	ej_kcache_close(c2);
+	ej_kcache_close(c);
+
+	/* a compiled region with the refused directory as EPJIT_CACHE_DIR */
+	CHILD_CHECK(refused_compile_ok(ctx));
+	CHILD_CHECK(epj_counter_get(ctx, "cache.refused") == 3);
+	CHILD_CHECK(count_names(priv, ".bin") >= 2);
+	/* nothing went into the refused directory */
+	CHILD_CHECK(!exists(path_of("%s/v1", refused)));
+	epj_ctx_free(ctx);
+	fflush(NULL);
+	if (die)
+		raise(SIGKILL);
+	exit(0); /* atexit removes the private directory */
+}
+
+/* Lines of text that contain part. */
+static int count_lines_with(const char *text, const char *part)
+{
+	int n = 0;
+	for (const char *l = text; l && *l;) {
+		const char *e = strchr(l, '\n');
+		size_t len = e ? (size_t)(e - l) : strlen(l);
+		const char *hit = strstr(l, part);
+		n += hit && (size_t)(hit - l) < len;
+		l = e ? e + 1 : NULL;
+	}
+	return n;
+}
+
+/* Runs refused_child; its wait status. */
+static int refused_run(const char *refused, const char *tmp, const char *errf,
+		       bool die)
+{
+	fflush(NULL);
+	pid_t p = fork();
+	ck_assert_int_ge(p, 0);
+	if (p == 0)
+		refused_child(refused, tmp, errf, die);
+	int ws;
+	ck_assert_int_eq(waitpid(p, &ws, 0), p);
+	return ws;
+}
+
+START_TEST(test_refused_private_dir)
+{
+	char *top = tu_tmpdir_new("kcref");
+	char *open_dir = strdup(path_of("%s/shared", top));
+	ck_assert_int_eq(mkdir(open_dir, 0700), 0);
+	ck_assert_int_eq(chmod(open_dir, 0775), 0); /* umask 002 */
+	char *refused = strdup(path_of("%s/kc", open_dir));
+	char *tmp = strdup(path_of("%s/tmp", top));
+	ck_assert_int_eq(mkdir(tmp, 0700), 0);
+	char *errf = strdup(path_of("%s/stderr.txt", top));
+
+	int ws = refused_run(refused, tmp, errf, false);
+	char *err = tu_slurp(errf, NULL);
+	ck_assert_ptr_nonnull(err);
+	ck_assert_msg(WIFEXITED(ws) && WEXITSTATUS(ws) == 0,
+		      "child: status %#x: %s", ws, err);
+	/* one warning line: the reason and where compiles go instead */
+	ck_assert_int_eq(count_lines_with(err, "refusing"), 1);
+	char *line = strstr(err, "refusing");
+	ck_assert_ptr_nonnull(line);
+	char *eol = strchr(line, '\n');
+	ck_assert_ptr_nonnull(eol);
+	*eol = '\0';
+	ck_assert_msg(strstr(line, "group- or world-writable") &&
+			  strstr(line, "compiling into ") &&
+			  strstr(line, "/epjit-kcache-") &&
+			  strstr(line, "cache.refused"),
+		      "warning: %s", line);
+	free(err);
+	/* the private directory went at exit */
+	ck_assert_int_eq(tu_dir_count(tmp), 0);
+
+	/* killed: the directory stays until the next open removes it */
+	ws = refused_run(refused, tmp, errf, true);
+	err = tu_slurp(errf, NULL);
+	ck_assert_msg(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGKILL,
+		      "child: status %#x: %s", ws, err ? err : "");
+	free(err);
+	ck_assert_int_eq(tu_dir_count(tmp), 1);
+	char *good = tu_tmpdir_new("kcgood");
+	epj_ctx *ctx = tu_ctx();
+	char *saved = getenv("TMPDIR") ? strdup(getenv("TMPDIR")) : NULL;
+	setenv("TMPDIR", tmp, 1);
+	ej_kcache *c = open_ok(ctx, good);
+	if (saved)
+		setenv("TMPDIR", saved, 1);
+	else
+		unsetenv("TMPDIR");
+	free(saved);
+	ck_assert_int_eq(tu_dir_count(tmp), 0);
+	ej_kcache_close(c);
+	epj_ctx_free(ctx);
+	tu_tmpdir_free(good);
+	free(errf);
+	free(tmp);
+	free(refused);
+	free(open_dir);
+	tu_tmpdir_free(top);
+}
+END_TEST
+
 Suite *make_kcache_suite(void)
 {
 	Suite *s = suite_create("kcache");
@@ -1789,6 +1991,7 @@ Suite *make_kcache_suite(void)
 	tcase_add_test(tp, test_compilers_killed);
 	tcase_add_test(tp, test_junk_not_cached);
 	tcase_add_test(tp, test_unloadable_entry);
+	tcase_add_test(tp, test_refused_private_dir);
 	tcase_set_timeout(tp, 180);
 	suite_add_tcase(s, tp);
 	return s;

@@ -11,6 +11,9 @@
 #     cache.misses;
 #  3. --json output parses (when python3 is there) and says the same;
 #  4. rank<N>/ folders are shown side by side, differing counters marked;
+#     --diff of two multi-rank dumps goes rank by rank (the verdict names
+#     the ranks whose compile counters changed); different ranks, or a
+#     multi-rank dump against a single one, exit 2;
 #  5. bad input exits 2.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 DUMP="$builddir/tools/epjit-dump"
@@ -205,6 +208,62 @@ grep -q '^\* cache.misses ' r.txt || fail "differing cache.misses not marked"
 grep -q '^  train.steps  *2  *2$' r.txt || fail "equal train.steps row"
 "$DUMP" --json ranks >rj.json || fail "--json ranks"
 grep -q '"rank1"' rj.json || fail "--json ranks lacks rank1"
+# --diff rank by rank: rank 0 goes cold -> warm (cache.misses), rank 1
+# warm -> warm
+mkdir ranks2
+cp -r d2 ranks2/rank0
+cp -r d3 ranks2/rank1
+"$DUMP" --diff ranks ranks2 >rd.txt 2>&1
+rc=$?
+[ $rc -eq 1 ] || fail "--diff of rank folders: exit $rc: $(cat rd.txt)"
+grep -q '^## rank0$' rd.txt && grep -q '^## rank1$' rd.txt ||
+	fail "--diff of rank folders: no rank sections: $(cat rd.txt)"
+grep -q '^# ranks/rank1 -> ranks2/rank1 ' rd.txt ||
+	fail "--diff of rank folders: rank 1 not diffed with rank 1: $(cat rd.txt)"
+grep -q '^C cache.misses .*compile counter changed' rd.txt ||
+	fail "--diff of rank folders: rank 0's cache.misses not flagged"
+grep -q '^# rank0: .*compile counters: CHANGED$' rd.txt &&
+	grep -q '^# rank1: .*compile counters: unchanged$' rd.txt ||
+	fail "--diff of rank folders: per-rank verdicts: $(grep '^# rank' rd.txt)"
+grep -q '^# 2 ranks, rank by rank: .*compile counters: CHANGED on rank0$' rd.txt ||
+	fail "--diff of rank folders: verdict: $(tail -n 1 rd.txt)"
+# a change on rank 1 alone is a change
+mkdir ranks3
+cp -r d2 ranks3/rank0
+cp -r d1 ranks3/rank1
+"$DUMP" --diff ranks3 ranks2 >rd1.txt 2>&1
+rc=$?
+[ $rc -eq 1 ] && grep -q 'compile counters: CHANGED on rank1$' rd1.txt ||
+	fail "--diff of rank folders, rank 1 changed: exit $rc: $(tail -n 1 rd1.txt)"
+"$DUMP" --diff ranks2 ranks2 >rd2.txt 2>&1 ||
+	fail "--diff of rank folders with themselves: $(tail -n 1 rd2.txt)"
+grep -q 'compile counters: unchanged$' rd2.txt || fail "ranks2 vs ranks2: $(tail -n 1 rd2.txt)"
+"$DUMP" --json --diff ranks ranks2 >rdj.json
+[ $? -eq 1 ] || fail "--json --diff of rank folders: exit status"
+if command -v python3 >/dev/null 2>&1; then
+	python3 - rdj.json <<'EOF' || fail "--json --diff of rank folders: $(cat rdj.json)"
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["compile_changed"] is True
+assert sorted(j["ranks"]) == ["rank0", "rank1"], j["ranks"].keys()
+assert j["ranks"]["rank0"]["compile_changed"] is True
+assert j["ranks"]["rank1"]["compile_changed"] is False
+m = [c for c in j["ranks"]["rank0"]["counters"] if c["name"] == "cache.misses"][0]
+assert m["compile"] and m["delta"] < 0, m
+EOF
+fi
+# other ranks, or one side not a multi-rank dump: refused by name
+cp -r d3 ranks2/rank2
+"$DUMP" --diff ranks ranks2 >rd3.txt 2>&1
+rc=$?
+[ $rc -eq 2 ] && grep -q 'ranks 0,1, .* has ranks 0,1,2' rd3.txt ||
+	fail "--diff of rank folders of other ranks: exit $rc: $(cat rd3.txt)"
+"$DUMP" --diff ranks d1 >rd4.txt 2>&1
+rc=$?
+[ $rc -eq 2 ] && grep -q 'ranks is a multi-rank dump' rd4.txt ||
+	fail "--diff of a multi-rank dump with a single one: exit $rc: $(cat rd4.txt)"
+"$DUMP" --diff ranks/rank0 d2 >/dev/null 2>&1
+[ $? -eq 1 ] || fail "--diff of one rank's folder with a single dump"
 
 # ---- 5. bad input ------------------------------------------------------------------------
 printf 'not json' >bad.json

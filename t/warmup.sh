@@ -20,7 +20,12 @@
 #  6. bad command lines exit 2;
 #  7. the 48-layer qwen3-30b-a3b config (t/models/qwen3-30b-a3b.json, 30B
 #     parameters, 120 GB in f32) warms up under a 3 GB address-space limit:
-#     shapes only, each unique graph once.
+#     shapes only, each unique graph once;
+#  8. expert parallelism (autoep_size 2): one process warms the cache for
+#     the ranks (the world from the config's batch sizes, or --world),
+#     after which an EP-2 run under mpirun -np 2 has, on each rank,
+#     cache.misses 0 and no compile (codegen.cc_compiles, compile.us,
+#     compile.cc_us 0); epjit-warmup itself runs under mpirun as well.
 # Exit 77 when the tools were not built.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
@@ -209,7 +214,7 @@ fi
 
 # ---- 6. command line ------------------------------------------------------------
 for bad in "--backend rocm" "--arch sm_90" "-j 0" "--seq x" "--frobnicate" \
-    "--import a --model b"; do
+    "--import a --model b" "--world 0"; do
 	# shellcheck disable=SC2086
 	"$WARM" $bad >/dev/null 2>&1
 	rc=$?
@@ -234,4 +239,69 @@ else
 	cat big.log >&2
 	fail "warm-up of the 48-layer config failed under a 3 GB limit"
 fi
+
+# ---- 8. expert parallelism: warm for the ranks, no ranks needed ------------------
+# train_batch_size 8 = micro-batch 2 x accumulation 2 x 2 ranks: the
+# warm-up stands for one rank of 2 (at world 1 these batch sizes would not
+# even agree)
+cat >ep2.json <<'EOF'
+{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+ "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+ "expert_parallel": {"enabled": true, "autoep_size": 2}}
+EOF
+warm "$tmp/ep" --config ep2.json --seq 8
+grep -q 'batch 2 x 8 (a rank of 2, expert parallel 2)' warm.log ||
+	fail "EP-2 warm-up: $(head -n 1 warm.log)"
+grep -q ' 0 failed' warm.log || fail "EP-2 warm-up: $(tail -n 2 warm.log)"
+# --world: another world, the same per-rank batch; one that EP 2 cannot
+# have is refused
+sed 's/"train_batch_size": 8, //' ep2.json >ep2w.json
+EPJIT_CACHE_DIR=$tmp/ep "$WARM" --config ep2w.json --seq 8 --world 4 \
+    --dry-run >w4.log 2>&1 || fail "--world 4: $(cat w4.log)"
+grep -q 'a rank of 4, expert parallel 2' w4.log || fail "--world 4: $(head -n 1 w4.log)"
+! grep -q '^missing ' w4.log || fail "--world 4 needs other kernels: $(cat w4.log)"
+if EPJIT_CACHE_DIR=$tmp/ep "$WARM" --config ep2w.json --world 3 --dry-run \
+    >w3.log 2>&1; then
+	fail "--world 3 with autoep_size 2 was accepted"
+fi
+grep -q 'autoep_size=2 needs a world of a multiple of 2' w3.log ||
+	fail "--world 3: $(cat w3.log)"
+MPIRUN=$(command -v mpirun || command -v mpiexec)
+if [ -z "$MPIRUN" ] || ! grep -q '^#define HAVE_MPI 1' "$builddir/config.h" 2>/dev/null; then
+	echo "note: no MPI; the EP-2 run on the warmed cache not tried"
+	exit 0
+fi
+OMPI_ALLOW_RUN_AS_ROOT=1
+OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
+# a sanitized build: Open MPI's own allocations are reported as leaks at
+# exit, so the processes under mpirun leave out leak detection
+if [ "${EPJIT_SANITIZED:-0}" = 1 ]; then
+	ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0
+	export ASAN_OPTIONS
+fi
+rm -rf dep
+EPJIT_CACHE_DIR=$tmp/ep EPJIT_DEBUG_DUMP=$tmp/dep timeout 300 "$MPIRUN" \
+    -np 2 --oversubscribe "$TRAIN" --compile --config ep2.json --steps 2 \
+    --seq 8 >ep.log 2>&1 || { cat ep.log >&2; fail "EP-2 run under mpirun"; }
+grep -q 'world 2 ranks, expert parallel 2' ep.log ||
+	fail "EP-2 run: $(grep '^epjit-train: world' ep.log)"
+for r in 0 1; do
+	c=dep/rank$r/counters.json
+	[ -f "$c" ] || fail "EP-2 run: no $c"
+	for k in cache.misses codegen.cc_compiles compile.us compile.cc_us; do
+		[ "$(ctr "$c" $k)" -eq 0 ] ||
+			fail "EP-2 run after warm-up, rank $r: $k = $(ctr "$c" $k)"
+	done
+	[ "$(ctr "$c" cache.disk_hits)" -gt 0 ] &&
+		[ "$(ctr "$c" kernels.launched.compiled)" -gt 0 ] ||
+		fail "EP-2 run, rank $r: no kernel from the cache ran"
+done
+# under mpirun too: each process warms for the ranks (nothing left here)
+timeout 300 env EPJIT_CACHE_DIR="$tmp/ep" "$MPIRUN" -np 2 --oversubscribe \
+    "$WARM" --config ep2.json --seq 8 --dry-run >epm.log 2>&1 ||
+	{ cat epm.log >&2; fail "epjit-warmup under mpirun -np 2"; }
+[ "$(grep -c 'a rank of 2, expert parallel 2' epm.log)" -eq 2 ] ||
+	fail "epjit-warmup under mpirun: $(cat epm.log)"
+! grep -q '^missing ' epm.log || fail "under mpirun: missing keys: $(cat epm.log)"
 exit 0

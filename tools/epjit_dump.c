@@ -18,7 +18,11 @@
  *                                 counter files or dump folders); compile
  *                                 counters are marked, and the exit status
  *                                 is 1 when any of them changed (the
- *                                 measured window of a run must show none)
+ *                                 measured window of a run must show none).
+ *                                 Two dumps with rank<N>/ folders are
+ *                                 diffed rank by rank (the same ranks on
+ *                                 both sides), 1 when any rank's compile
+ *                                 counters changed.
  *
  * Compile counters: frames.*, stats.*, recompiles, graph_break.*,
  * compile.*, cache.misses.  Exit status: 0 ok (no compile-counter change),
@@ -65,7 +69,10 @@ static void usage(FILE *f)
 		"graph_break.*,\n"
 		"compile.*, cache.misses) changed between A and B; wall "
 		"times (*.ms, *.us,\n"
-		"*_ms, *_us) are marked t and never count.  --json: one JSON "
+		"*_ms, *_us) are marked t and never count.  Two dumps with "
+		"rank<N>/ folders\n"
+		"are diffed rank by rank (the same ranks on both sides).  "
+		"--json: one JSON\n"
 		"object.\n");
 }
 
@@ -345,32 +352,39 @@ static int print_counters(const char *path)
 
 /* ---- diff ---- */
 
-static int diff(const char *pa, const char *pb)
+/* What one diff of two counter sets found. */
+typedef struct diff_out {
+	int changed;	     /* counters that changed */
+	int compile_changed; /* compile counters among them */
+	json_t *counters;    /* --json: the rows */
+} diff_out;
+
+/* Diffs the counters of pa and pb (files or dump folders): with --json the
+ * rows go to out->counters, else a header and the table are printed.
+ * Returns 0, or EXIT_USAGE (message printed) when either cannot be read. */
+static int diff_pair(const char *pa, const char *pb, diff_out *out)
 {
+	out->changed = out->compile_changed = 0;
+	out->counters = json_array();
 	epj_counters *a = load(pa);
 	epj_counters *b = a ? load(pb) : NULL;
 	epj_counters *d = b ? epj_counters_diff(a, b) : NULL;
-	if (!d) {
+	int n = 0;
+	int *ix = d ? sorted(d, &n) : NULL;
+	if (!ix) {
 		if (b)
 			fprintf(stderr, "epjit-dump: out of memory\n");
 		epj_counters_free(a);
 		epj_counters_free(b);
+		epj_counters_free(d);
 		return EXIT_USAGE;
-	}
-	int n = 0;
-	int *ix = sorted(d, &n);
-	if (!ix) {
-		fprintf(stderr, "epjit-dump: out of memory\n");
-		n = -1;
 	}
 	int w = 7;
 	for (int i = 0; i < n; i++) {
 		int l = (int)strlen(epj_counters_name_at(d, i));
 		w = l > w ? l : w;
 	}
-	int changed = 0, compile_changed = 0;
-	json_t *arr = json_array();
-	if (n >= 0 && !json_out)
+	if (!json_out)
 		printf("# %s -> %s (C = compile counter, t = time of cache "
 		       "hits: not a compile)\n%-*s %16s %16s "
 		       "%16s\n",
@@ -381,11 +395,11 @@ static int diff(const char *pa, const char *pb)
 		int64_t va = epj_counters_value(a, nm);
 		int64_t vb = epj_counters_value(b, nm);
 		bool cc = is_compile_counter(nm) && !is_wall_time(nm);
-		changed += dv != 0;
-		compile_changed += cc && dv != 0;
+		out->changed += dv != 0;
+		out->compile_changed += cc && dv != 0;
 		if (json_out) {
 			json_array_append_new(
-			    arr,
+			    out->counters,
 			    json_pack("{s:s, s:s, s:I, s:I, s:I, s:b}", "name",
 				      nm, "group", group_names[group_of(nm)],
 				      "a", (json_int_t)va, "b", (json_int_t)vb,
@@ -399,28 +413,135 @@ static int diff(const char *pa, const char *pb)
 		       w, nm, va, vb, dv,
 		       cc && dv ? "  <- compile counter changed" : "");
 	}
-	if (n >= 0 && json_out) {
+	free(ix);
+	epj_counters_free(a);
+	epj_counters_free(b);
+	epj_counters_free(d);
+	return 0;
+}
+
+static int find_ranks(const char *dir, int ranks[MAX_RANKS]);
+
+/* "0,1,3" from n ranks. */
+static void rank_list(char *buf, size_t cap, const int *ranks, int n)
+{
+	size_t k = 0;
+	buf[0] = '\0';
+	for (int i = 0; i < n && k < cap; i++)
+		k += (size_t)snprintf(buf + k, cap - k, "%s%d", i ? "," : "",
+				      ranks[i]);
+}
+
+/* Two multi-rank dumps (rank<N>/ folders), rank by rank: the same ranks
+ * on both sides, each rank's counters diffed as two single dumps; the
+ * verdict is CHANGED when any rank's compile counters changed. */
+static int diff_ranks(const char *pa, const char *pb, const int *ra, int na,
+		      const int *rb, int nb)
+{
+	bool same = na == nb;
+	for (int i = 0; same && i < na; i++)
+		same = ra[i] == rb[i];
+	if (!same) {
+		char la[512], lb[512];
+		rank_list(la, sizeof la, ra, na);
+		rank_list(lb, sizeof lb, rb, nb);
+		fprintf(stderr,
+			"epjit-dump: --diff: %s has ranks %s, %s has ranks "
+			"%s; multi-rank dumps are diffed rank by rank and "
+			"need the same ranks\n",
+			pa, la, pb, lb);
+		return EXIT_USAGE;
+	}
+	json_t *ranks = json_object();
+	int changed = 0, compile_changed = 0, rc = 0;
+	char changed_on[512] = "";
+	for (int i = 0; i < na && !rc; i++) {
+		char sa[4200], sb[4200], k[32];
+		snprintf(sa, sizeof sa, "%s/rank%d", pa, ra[i]);
+		snprintf(sb, sizeof sb, "%s/rank%d", pb, ra[i]);
+		snprintf(k, sizeof k, "rank%d", ra[i]);
+		if (!json_out)
+			printf("%s## %s\n", i ? "\n" : "", k);
+		diff_out o;
+		rc = diff_pair(sa, sb, &o);
+		changed += o.changed;
+		compile_changed += o.compile_changed;
+		if (o.compile_changed) {
+			size_t l = strlen(changed_on);
+			snprintf(changed_on + l, sizeof changed_on - l, " %s",
+				 k);
+		}
+		if (!rc && json_out)
+			json_object_set_new(
+			    ranks, k,
+			    json_pack("{s:o, s:i, s:b}", "counters", o.counters,
+				      "changed", o.changed, "compile_changed",
+				      o.compile_changed > 0));
+		else
+			json_decref(o.counters);
+		if (!rc && !json_out)
+			printf("# %s: %d counter(s) changed; compile "
+			       "counters: %s\n",
+			       k, o.changed,
+			       o.compile_changed ? "CHANGED" : "unchanged");
+	}
+	if (!rc && json_out) {
 		json_t *o = json_pack("{s:s, s:s, s:o, s:i, s:b}", "a", pa, "b",
-				      pb, "counters", arr, "changed", changed,
+				      pb, "ranks", ranks, "changed", changed,
 				      "compile_changed", compile_changed > 0);
 		json_dumpf(o, stdout, JSON_INDENT(2));
 		putchar('\n');
 		json_decref(o);
 	} else {
-		json_decref(arr);
-		if (n >= 0)
-			printf("# %d counter(s) changed; compile counters: "
-			       "%s\n",
-			       changed,
-			       compile_changed ? "CHANGED" : "unchanged");
+		json_decref(ranks);
 	}
-	free(ix);
-	epj_counters_free(a);
-	epj_counters_free(b);
-	epj_counters_free(d);
-	if (n < 0)
-		return EXIT_USAGE;
+	if (!rc && !json_out)
+		printf("\n# %d ranks, rank by rank: %d counter(s) changed; "
+		       "compile counters: %s%s\n",
+		       na, changed,
+		       compile_changed ? "CHANGED on" : "unchanged",
+		       changed_on);
+	if (rc)
+		return rc;
 	return compile_changed ? EXIT_CHANGED : 0;
+}
+
+static int diff(const char *pa, const char *pb)
+{
+	int ra[MAX_RANKS], rb[MAX_RANKS];
+	int na = is_dir(pa) ? find_ranks(pa, ra) : 0;
+	int nb = is_dir(pb) ? find_ranks(pb, rb) : 0;
+	if (na > 0 && nb > 0)
+		return diff_ranks(pa, pb, ra, na, rb, nb);
+	if (na > 0 || nb > 0) {
+		fprintf(stderr,
+			"epjit-dump: --diff: %s is a multi-rank dump (rank<N>/ "
+			"folders) and %s is not; diff two multi-rank dumps, "
+			"or one rank's folder (%s/rank<N>) with a single "
+			"dump\n",
+			na > 0 ? pa : pb, na > 0 ? pb : pa, na > 0 ? pa : pb);
+		return EXIT_USAGE;
+	}
+	diff_out o;
+	int rc = diff_pair(pa, pb, &o);
+	if (rc) {
+		json_decref(o.counters);
+		return rc;
+	}
+	if (json_out) {
+		json_t *j =
+		    json_pack("{s:s, s:s, s:o, s:i, s:b}", "a", pa, "b", pb,
+			      "counters", o.counters, "changed", o.changed,
+			      "compile_changed", o.compile_changed > 0);
+		json_dumpf(j, stdout, JSON_INDENT(2));
+		putchar('\n');
+		json_decref(j);
+	} else {
+		json_decref(o.counters);
+		printf("# %d counter(s) changed; compile counters: %s\n",
+		       o.changed, o.compile_changed ? "CHANGED" : "unchanged");
+	}
+	return o.compile_changed ? EXIT_CHANGED : 0;
 }
 
 /* ---- a dump directory ---- */

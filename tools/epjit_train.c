@@ -1422,12 +1422,16 @@ static int train(run *r, const opts *o, train_stats *ts)
 		 * no cut row */
 		if (r->metrics)
 			fflush(r->metrics);
-		/* the monitors' events (mon_events), x = samples seen */
+		/* the monitors' events (mon_events), x = samples seen by
+		 * the whole job, as DeepSpeed's global_samples: step x
+		 * train_batch_size (micro-batch x accumulation x the
+		 * data-parallel world, every rank here) */
 		double v[7] = { info.mean_loss, info.lr,
 				info.grad_norm, (double)tok_per_step / step_s,
 				step_s * 1e3,	(double)ms.peak_allocated,
 				compile_ms };
-		int64_t samples = info.step * r->B * r->gas;
+		int64_t samples =
+		    info.step * r->B * r->gas * (int64_t)epj_dist_size();
 		if (r->monitor[0]) {
 			for (int i = 0; i < 7; i++) {
 				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",

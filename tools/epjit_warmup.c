@@ -56,6 +56,7 @@ typedef struct opts {
 	const char *model_overrides[MAX_OVERRIDES];
 	int n_model_overrides;
 	long seq;
+	long world; /* --world, 0: the config's (runtime/engine.c) */
 	epj_layout layout;
 	bool checkpointing;
 	bool cuda;
@@ -86,6 +87,12 @@ static void usage(FILE *fp)
 	    "epjit-train's built-in\n"
 	    "                      config); the micro-batch comes from it\n"
 	    "  --seq T             tokens per sequence (default %d)\n"
+	    "  --world N           ranks of the run (default: the config's "
+	    "train_batch_size /\n"
+	    "                      (micro-batch x accumulation), else its "
+	    "autoep_size, else 1);\n"
+	    "                      no ranks are started: it compiles what "
+	    "one rank would\n"
 	    "  --layout L          nested (default) or root\n"
 	    "  --checkpointing     activation checkpointing of every block\n"
 	    "  --backend B         c (default: shared objects for the host "
@@ -192,7 +199,7 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 				"--model",  "--config",		"--seq",
 				"--layout", "--backend",	"--arch",
 				"-j",	    "--jobs",		"--export",
-				"--import", "--model-override",
+				"--import", "--model-override", "--world",
 			};
 			bool ok = false;
 			for (size_t k = 0; k < EJ_ARRAY_LEN(known); k++)
@@ -253,6 +260,12 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 			else
 				return bad_usage("--layout wants nested or "
 						 "root, got '%s'",
+						 val);
+		} else if (!strcmp(name, "--world")) {
+			*model_given = true;
+			if (!parse_long(val, 1, 1 << 20, &o->world))
+				return bad_usage("--world wants an integer >= "
+						 "1, got '%s'",
 						 val);
 		} else if (!strcmp(name, "--seq")) {
 			*model_given = true;
@@ -319,6 +332,7 @@ typedef struct warm {
 	epj_engine *engine;
 	ej_warm_plan plan;
 	int64_t B, T;
+	int world; /* the run's ranks this warm-up stands for */
 	int n_variants;
 	double trace_s;
 } warm;
@@ -341,6 +355,7 @@ static epj_status make_plan(warm *w, const opts *o)
 			      .config_overrides = o->model_overrides,
 			      .n_config_overrides = o->n_model_overrides };
 	ctx->meta = true; /* no storage for parameters or optimizer state */
+	ctx->meta_world = (int)o->world; /* one rank of it, none started */
 	epj_status st = epj_model_new(ctx, o->model_path, &mo, &w->model);
 	if (st == EPJ_OK && o->checkpointing)
 		epj_model_set_checkpointing(w->model, true);
@@ -372,6 +387,9 @@ static epj_status make_plan(warm *w, const opts *o)
 			     "anyway)\n",
 			ej_backend_name(jit->backend));
 	w->B = epj_engine_micro_batch_size(w->engine);
+	/* the world the batch sizes were resolved for */
+	w->world = (int)(w->engine->cfg.train_batch_size /
+			 (w->B * epj_engine_grad_accum_steps(w->engine)));
 	w->T = o->seq;
 	st = ej_engine_compile_trace_all(w->engine, w->B, w->T, &w->n_variants);
 	if (st == EPJ_OK)
@@ -386,11 +404,13 @@ static void print_header(const warm *w, const opts *o)
 {
 	printf(
 	    PROG ": %s, %d layer%s, batch %" PRId64 " x %" PRId64
-		 ", mode %s, %d region%s, %d variant%s, %d unique "
+		 " (a rank of %d, expert parallel %d), mode %s, %d region%s, "
+		 "%d variant%s, %d unique "
 		 "segment%s, %d graph%s, backend %s%s%s (traced in %.2f s)\n",
 	    o->model_path ? o->model_path : "built-in tiny model",
 	    w->model->cfg.num_hidden_layers,
 	    w->model->cfg.num_hidden_layers == 1 ? "" : "s", w->B, w->T,
+	    w->world, epj_engine_ep_size(w->engine),
 	    epj_engine_compile_mode(w->engine),
 	    epj_engine_num_regions(w->engine),
 	    epj_engine_num_regions(w->engine) == 1 ? "" : "s", w->n_variants,
