@@ -279,10 +279,66 @@ static void hook_off(void)
 	H.ctx = NULL;
 }
 
+/* ---- the gpu suite's mode (check_util.h) -------------------------------- */
+
+/* machine: a gpu-suite case runs (tu_gpu_setup .. tu_gpu_teardown);
+ * machine_ready: the machine's driver opened with NVRTC */
+static bool machine, machine_ready;
+static bool gpu_ready(void);
+
+bool tu_gpu_strict(void)
+{
+	const char *v = getenv("EPJIT_GPU_STRICT");
+	return v && *v && strcmp(v, "0") != 0;
+}
+
+bool tu_gpu_wanted(void)
+{
+	if (tu_gpu_strict())
+		return true;
+	const char *path = getenv("EPJIT_CUDA_DRIVER");
+	void *h = dlopen(path && *path ? path : "libcuda.so.1",
+			 RTLD_NOW | RTLD_LOCAL);
+	if (h)
+		dlclose(h);
+	return h != NULL;
+}
+
+bool tu_gpu_skip(const char *why)
+{
+	if (tu_gpu_strict())
+		ck_abort_msg("%s: the gpu case cannot run, and under "
+			     "EPJIT_GPU_STRICT a skip is a failure",
+			     why);
+	fprintf(stderr, "check_cuda: %s: gpu case skipped\n", why);
+	return false;
+}
+
+void tu_gpu_setup(void)
+{
+	machine = true;
+	machine_ready = gpu_ready();
+	if (!machine_ready)
+		tu_gpu_skip("no usable CUDA driver or NVRTC");
+}
+
+void tu_gpu_teardown(void)
+{
+	machine = machine_ready = false;
+	fake_set_hook = NULL;
+}
+
+bool tu_gpu_on_machine(void)
+{
+	return machine && machine_ready && !fake_set_hook;
+}
+
 /* ---- the fake for other suites (check_util.h) ---------------------------- */
 
 bool tu_fake_cuda_usable(void)
 {
+	if (machine)
+		return machine_ready;
 	const char *b = getenv("top_builddir");
 	char path[4096];
 	snprintf(path, sizeof path, "%s/t/.libs/libfakecuda.so", b ? b : ".");
@@ -325,8 +381,36 @@ static void on_segv(int sig, siginfo_t *si, void *uc)
 	raise(sig);
 }
 
+/* tu_fake_cuda_begin in a gpu-suite case: the machine's driver as it is
+ * (fresh state, the stand-in's hook when it is the stand-in), and the
+ * machine's cuBLASLt, except that the stand-in driver's pointers only ever
+ * meet the stand-in cuBLASLt. */
+static bool machine_begin(void)
+{
+	if (!machine_ready)
+		return false;
+	fresh();
+	race_set = !getenv("EPJIT_SIM_RACECHECK");
+	if (race_set)
+		setenv("EPJIT_SIM_RACECHECK", "0", 1);
+	lt_set = fake_set_hook && !getenv("EPJIT_CUBLASLT");
+	if (lt_set) {
+		const char *b = getenv("top_builddir");
+		char lt[4096];
+		snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so",
+			 b ? b : ".");
+		setenv("EPJIT_CUBLASLT", lt, 1);
+		setenv("EPJIT_CUBLAS", lt, 1);
+	}
+	ej_cublaslt_test_reset();
+	hook_on();
+	return true;
+}
+
 bool tu_fake_cuda_begin(void)
 {
+	if (machine)
+		return machine_begin();
 	fresh();
 	guard_set = !getenv("FAKE_CUDA_GUARD");
 	if (guard_set)
@@ -1610,8 +1694,7 @@ static bool gpu_ready(void)
 	void *h = dlopen(path && *path ? path : "libcuda.so.1",
 			 RTLD_NOW | RTLD_LOCAL);
 	if (!h) {
-		fprintf(stderr, "check_cuda: no CUDA driver: gpu case "
-				"skipped\n");
+		fprintf(stderr, "check_cuda: no CUDA driver (%s)\n", dlerror());
 		return false;
 	}
 	/* the one test hook a stand-in has: how its kernels run (NULL on a
@@ -1622,10 +1705,15 @@ static bool gpu_ready(void)
 	ej_cuda_dev *d = NULL;
 	epj_status st = ej_cuda_open(ctx, &d);
 	if (st != EPJ_OK)
-		fprintf(stderr, "check_cuda: %s: gpu case skipped\n",
-			epj_ctx_error(ctx));
+		fprintf(stderr, "check_cuda: %s\n", epj_ctx_error(ctx));
 	epj_ctx_free(ctx);
 	return st == EPJ_OK && have_nvrtc();
+}
+
+/* gpu_ready, or a skip (a failure under EPJIT_GPU_STRICT). */
+static bool gpu_case_ready(void)
+{
+	return gpu_ready() || tu_gpu_skip("no usable CUDA driver or NVRTC");
 }
 
 /* Every fused kernel of the model's block shapes on the GPU against the
@@ -1633,7 +1721,7 @@ static bool gpu_ready(void)
 START_TEST(test_gpu_kernels)
 {
 	fresh();
-	if (!gpu_ready())
+	if (!gpu_case_ready())
 		return;
 	setenv("EPJIT_CUDA_GRAPHS", _i & 8 ? "1" : "0", 1);
 	epj_ctx *ctx = tu_ctx();
@@ -1655,7 +1743,7 @@ END_TEST
 START_TEST(test_gpu_parity)
 {
 	fresh();
-	if (!gpu_ready())
+	if (!gpu_case_ready())
 		return;
 	hook_on();
 	epj_parity_opts o = { .backend = "nvrtc",
@@ -1686,7 +1774,7 @@ END_TEST
 START_TEST(test_gpu_vs_sim)
 {
 	fresh();
-	if (!gpu_ready())
+	if (!gpu_case_ready())
 		return;
 	setenv("EPJIT_CUDA_GRAPHS", "0", 1);
 	epj_ctx *ctx = tu_ctx();
@@ -1728,7 +1816,7 @@ END_TEST
 START_TEST(test_gpu_templates)
 {
 	fresh();
-	if (!gpu_ready())
+	if (!gpu_case_ready())
 		return;
 	hook_on(); /* a stand-in runs the kernels on cuda-sim */
 	templates_on_cuda(false);
@@ -1742,20 +1830,53 @@ END_TEST
 START_TEST(test_gpu_gemm)
 {
 	fresh();
-	if (!gpu_ready())
+	if (!gpu_case_ready())
 		return;
-	if (fake_set_hook) {
-		fprintf(stderr, "check_cuda: the stand-in driver: gpu GEMM "
-				"case skipped\n");
-		return;
+	/* on the stand-in, its cuBLASLt and the hook (cuda-sim) */
+	bool set = fake_set_hook && !getenv("EPJIT_CUBLASLT");
+	if (set) {
+		const char *b = getenv("top_builddir");
+		char lt[4096];
+		snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so",
+			 b ? b : ".");
+		setenv("EPJIT_CUBLASLT", lt, 1);
 	}
+	hook_on();
 	tu_gpu_gemm_run(_i);
+	hook_off();
+	if (set)
+		unsetenv("EPJIT_CUBLASLT");
 }
 END_TEST
 
+/* The gpu suite, in the order tools/gpu-check wants answers:
+ *   gpu_smoke  the tiny MoE model on a cuda context against a cpu
+ *              context: loss and gradients of a forward + backward, then
+ *              three AdamW steps (f32; test_ctx_train's first variant);
+ *   gpu        fused kernels of compiled regions, the parity matrix with
+ *              the compiled arm on the GPU, the GPU against cuda-sim, the
+ *              templates, the cuda context's GEMM set through cuBLASLt;
+ *   gpu_eager  the eager table of a cuda context against the CPU (the
+ *              eager_cuda cases: pointwise, reductions, shapes, indexing,
+ *              the MoE rows and SwiGLU, attention, cross-entropy,
+ *              embedding; check_eager_sim.c);
+ *   gpu_ctx    device memory round trips, compiled regions reading device
+ *              tensors in place and replayed as CUDA graphs, training in
+ *              bf16 and through the GEMM template;
+ *   gpu_step   a steady training step's driver counts and the optimizer
+ *              on device memory against the CPU (check_cuda_step.c);
+ *   gpu_gemm   grouped expert GEMMs, native and looped
+ *              (check_gemm_cuda.c).
+ * Each runs on the machine's driver (tu_gpu_setup). */
 Suite *make_gpu_suite(void)
 {
 	Suite *s = suite_create("gpu");
+	TCase *sm = tcase_create("gpu_smoke");
+	tcase_set_timeout(sm, 300);
+	tcase_add_checked_fixture(sm, tu_gpu_setup, tu_gpu_teardown);
+	if (tu_gpu_wanted())
+		tcase_add_loop_test(sm, test_ctx_train, 0, 1);
+	suite_add_tcase(s, sm);
 	TCase *tc = tcase_create("gpu");
 	tcase_set_timeout(tc, 300);
 	tu_add_loop_test(tc, test_gpu_kernels, 16);
@@ -1764,6 +1885,18 @@ Suite *make_gpu_suite(void)
 	tcase_add_test(tc, test_gpu_templates);
 	tu_add_loop_test(tc, test_gpu_gemm, 2);
 	suite_add_tcase(s, tc);
+	tu_add_gpu_eager_cases(s);
+	TCase *tx = tcase_create("gpu_ctx");
+	tcase_set_timeout(tx, 600);
+	tcase_add_checked_fixture(tx, tu_gpu_setup, tu_gpu_teardown);
+	if (tu_gpu_wanted()) {
+		tcase_add_test(tx, test_ctx_memory);
+		tu_add_loop_test(tx, test_ctx_region, 2);
+		tcase_add_loop_test(tx, test_ctx_train, 1, 3);
+	}
+	suite_add_tcase(s, tx);
+	tu_add_gpu_step_cases(s);
+	tu_add_gpu_gemm_cases(s);
 	return s;
 }
 

@@ -553,6 +553,19 @@ START_TEST(test_sumsq_sim)
 }
 END_TEST
 
+/* In the gpu suite: the same cases on the machine's driver. */
+void tu_add_gpu_step_cases(Suite *s)
+{
+	TCase *tc = tcase_create("gpu_step");
+	tcase_set_timeout(tc, 600);
+	tcase_add_checked_fixture(tc, tu_gpu_setup, tu_gpu_teardown);
+	if (tu_gpu_wanted()) {
+		tu_add_loop_test(tc, test_norm_random, 3);
+		tu_add_loop_test(tc, test_step_steady, 3);
+	}
+	suite_add_tcase(s, tc);
+}
+
 Suite *make_cuda_step_suite(void);
 Suite *make_cuda_step_suite(void)
 {

@@ -1017,6 +1017,42 @@ static void cuda_teardown(void)
 	target = "cuda-sim";
 }
 
+/* The same cases in the gpu suite, on the machine's driver. */
+static void gpu_setup(void)
+{
+	target = "cuda";
+	tu_gpu_setup();
+	ck_assert_msg(!tu_fake_cuda_usable() || tu_fake_cuda_begin(),
+		      "the machine's driver did not open again");
+}
+
+static void gpu_teardown(void)
+{
+	if (tu_fake_cuda_usable())
+		tu_fake_cuda_end();
+	tu_gpu_teardown();
+	target = "cuda-sim";
+}
+
+void tu_add_gpu_eager_cases(Suite *s)
+{
+	TCase *tc = tcase_create("gpu_eager");
+	tcase_set_timeout(tc, 600);
+	suite_add_tcase(s, tc);
+	if (!tu_gpu_wanted())
+		return;
+	tcase_add_checked_fixture(tc, gpu_setup, gpu_teardown);
+	tcase_add_test(tc, test_fallback_counted);
+	tcase_add_test(tc, test_index_errors);
+	tcase_add_test(tc, test_accumulation_order);
+	tu_add_loop_test(tc, test_pointwise, 2);
+	tcase_add_test(tc, test_int_and_casts);
+	tu_add_loop_test(tc, test_reductions, 2);
+	tu_add_loop_test(tc, test_shape, 2);
+	tu_add_loop_test(tc, test_index, 2);
+	tu_add_loop_test(tc, test_moe, 2);
+}
+
 Suite *make_eager_cuda_suite(void)
 {
 	Suite *s = suite_create("eager_cuda");

@@ -42,7 +42,11 @@ static void lt_use(bool on)
 {
 	char p[4096];
 	ej_cublaslt_test_reset();
-	if (on) {
+	if (on && tu_gpu_on_machine()) {
+		/* a real GPU: the machine's cuBLASLt and cuBLAS */
+		unsetenv("EPJIT_CUBLASLT");
+		unsetenv("EPJIT_CUBLAS");
+	} else if (on) {
 		ck_assert(fake_lt_path(p, sizeof p));
 		setenv("EPJIT_CUBLASLT", p, 1);
 		setenv("EPJIT_CUBLAS", p, 1);
@@ -66,7 +70,8 @@ static void lt_env_clear(void)
 static bool usable(void)
 {
 	char p[4096];
-	if (!tu_fake_cuda_usable() || !fake_lt_path(p, sizeof p)) {
+	if (!tu_fake_cuda_usable() ||
+	    (!tu_gpu_on_machine() && !fake_lt_path(p, sizeof p))) {
 		fprintf(stderr, "check_gemm_cuda: stand-ins or NVRTC missing: "
 				"case skipped\n");
 		return false;
@@ -573,8 +578,7 @@ void tu_gpu_gemm_run(int i)
 {
 	ej_cublaslt_test_reset();
 	if (!ej_cublaslt_available(NULL)) {
-		fprintf(stderr, "check_gemm_cuda: no cuBLASLt: gpu GEMM case "
-				"skipped\n");
+		tu_gpu_skip("no cuBLASLt");
 		return;
 	}
 	epj_dtype dt = i ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32;
@@ -596,6 +600,18 @@ void tu_gpu_gemm_run(int i)
 	set_free(&s);
 	epj_ctx_free(g);
 	epj_ctx_free(cpu);
+}
+
+/* In the gpu suite: the grouped expert GEMMs on the machine's driver
+ * (native grouped calls through its cuBLAS, and the template). */
+void tu_add_gpu_gemm_cases(Suite *s)
+{
+	TCase *tc = tcase_create("gpu_gemm");
+	tcase_set_timeout(tc, 300);
+	tcase_add_checked_fixture(tc, tu_gpu_setup, tu_gpu_teardown);
+	if (tu_gpu_wanted())
+		tcase_add_loop_test(tc, test_gemm_grouped, 0, 4);
+	suite_add_tcase(s, tc);
 }
 
 Suite *make_gemm_cuda_suite(void)

@@ -232,6 +232,38 @@ void tu_fake_cuda_end(void);
  * check_gemm_cuda.c; i 0: f32, 1: bf16). */
 void tu_gpu_gemm_run(int i);
 
+/* The gpu suite (CK_RUN_SUITE=gpu, run by tools/gpu-check) runs the bodies
+ * of the stand-in cases (eager ops, MoE rows, attention, the optimizer,
+ * grouped GEMMs, CUDA-graph replay, training) on whatever driver the
+ * machine has: tu_gpu_setup, the checked fixture of its TCases, opens
+ * $EPJIT_CUDA_DRIVER (default libcuda.so.1) and NVRTC, and from then on
+ * tu_fake_cuda_usable says whether that worked and tu_fake_cuda_begin
+ * uses that driver as it is (a real GPU runs the kernels; the stand-in,
+ * when the variable names it, runs them on cuda-sim through the hook) and
+ * the machine's cuBLASLt; tu_gpu_teardown ends it.  Without a usable
+ * driver each case says so and passes, unless EPJIT_GPU_STRICT=1 (what
+ * tools/gpu-check sets), which makes every such skip a failure. */
+void tu_gpu_setup(void);
+void tu_gpu_teardown(void);
+/* Whether the gpu suite's cases are worth registering: a driver library
+ * loads ($EPJIT_CUDA_DRIVER or libcuda.so.1; dlopen only: the parent of
+ * forked cases must never initialise CUDA), or EPJIT_GPU_STRICT is set
+ * (then they run and fail).  Without it make check on a machine without
+ * a GPU registers none of them. */
+bool tu_gpu_wanted(void);
+/* EPJIT_GPU_STRICT is set (and not "0"). */
+bool tu_gpu_strict(void);
+/* In a gpu-suite case on a real driver (not the stand-in). */
+bool tu_gpu_on_machine(void);
+/* Says why a gpu case cannot run: under EPJIT_GPU_STRICT a failure, else
+ * a skip (false returned). */
+bool tu_gpu_skip(const char *why);
+/* The gpu suite's TCases of other files: gpu_eager (check_eager_sim.c),
+ * gpu_step (check_cuda_step.c), gpu_gemm (check_gemm_cuda.c). */
+void tu_add_gpu_eager_cases(Suite *s);
+void tu_add_gpu_step_cases(Suite *s);
+void tu_add_gpu_gemm_cases(Suite *s);
+
 #endif
 
 /* The next batch of corpus c (B x T ids and labels) whose rows are not all
