@@ -127,6 +127,10 @@ typedef struct epj_memory_stats {
 	uint64_t num_allocs; /* storage allocations served */
 	uint64_t num_frees;
 	uint64_t cache_hits; /* allocations served from the cache */
+	/* segments obtained from the device and returned to it: calls of
+	 * the device's allocation and free (cuMemAlloc / cuMemFree) */
+	uint64_t num_device_allocs;
+	uint64_t num_device_frees;
 } epj_memory_stats;
 
 void epj_memory_stats_get(const epj_ctx *ctx, epj_memory_stats *out);
