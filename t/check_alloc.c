@@ -776,6 +776,40 @@ START_TEST(test_free_with_live_blocks)
 }
 END_TEST
 
+/* Under AddressSanitizer the free bytes of host segments are poisoned: a
+ * block handed out is addressable up to its rounded size, the rest of its
+ * segment is not, nor is a block once freed (the cache keeps it). */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TEST_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(TEST_ASAN)
+#define TEST_ASAN 1
+#endif
+#ifdef TEST_ASAN
+#include <sanitizer/asan_interface.h>
+START_TEST(test_asan_poison)
+{
+	if (env_cache_off())
+		return;
+	ej_allocator *a = new_alloc(true);
+	char *p = ej_alloc(a, 1000), *q = ej_alloc(a, 3000);
+	ck_assert_ptr_eq(q, p + 1024);
+	ck_assert(!__asan_address_is_poisoned(p));
+	ck_assert(!__asan_address_is_poisoned(p + 1023));
+	ck_assert(!__asan_address_is_poisoned(q + 3071));
+	ck_assert(
+	    __asan_address_is_poisoned(q + 3072)); /* the segment's rest */
+	ej_dealloc(a, p);
+	ck_assert(__asan_address_is_poisoned(p));
+	ck_assert(!__asan_address_is_poisoned(q));
+	ej_dealloc(a, q);
+	ej_allocator_free(a);
+}
+END_TEST
+#endif
+
 Suite *make_alloc_suite(void)
 {
 	Suite *s = suite_create("alloc");
@@ -788,6 +822,9 @@ Suite *make_alloc_suite(void)
 	tcase_add_loop_test(tc, test_ep_workload, 0, 2);
 	tcase_add_test(tc, test_fail_after);
 	tcase_add_test(tc, test_free_with_live_blocks);
+#ifdef TEST_ASAN
+	tcase_add_test(tc, test_asan_poison);
+#endif
 	suite_add_tcase(s, tc);
 	tc = tcase_create("storage");
 	tcase_add_test(tc, test_storage_nomem);
