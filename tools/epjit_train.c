@@ -1451,16 +1451,15 @@ static int train(run *r, const opts *o, train_stats *ts)
 		if (r->metrics)
 			fflush(r->metrics);
 		/* the monitors' events (mon_events), x = samples seen */
-		double v[N_MON] = { info.mean_loss,
-				    info.lr,
-				    info.grad_norm,
-				    (double)tok_per_step / step_s,
-				    step_s * 1e3,
-				    (double)ms.peak_allocated,
-				    compile_ms,
-				    ms.peak_allocated_rank,
-				    (double)ms.peak_reserved,
-				    ms.peak_reserved_rank };
+		double v[N_MON] = {
+			info.mean_loss, info.lr,
+			info.grad_norm, (double)tok_per_step / step_s,
+			step_s * 1e3,	(double)ms.peak_allocated,
+			compile_ms
+		};
+		v[7] = ms.peak_allocated_rank; /* the memory of every rank */
+		v[8] = (double)ms.peak_reserved;
+		v[9] = ms.peak_reserved_rank;
 		int64_t samples = info.step * r->B * r->gas;
 		if (r->monitor[0]) {
 			for (int i = 0; i < N_MON; i++) {
