@@ -28,12 +28,16 @@
  *                      [--checkpointing] [--compile-only]
  *                      [--device DEV] [--layers N] [--no-compile-cost]
  *                      [--json FILE] [--loss-tol X]
+ *                      [--routing fixed|learned]
  *
  * --device runs both arms on another device (cuda-sim, cuda: the engine's
  * tensors and eager ops live there too); --layers N trains the --model
  * config cut to its first N decoder layers (the GPU benchmark's "as many
  * layers as fit one GPU"); --no-compile-cost skips the cold/warm compile
  * measurements; --json writes the side-by-side figures as one object.
+ * --routing learned routes tokens by the router (the configs fix the
+ * routing, so that every step has the same shapes): the experts' row
+ * counts, and so the sizes the allocator is asked for, change every step.
  * The step rows add the p95 step and p95/median of each arm.
  * With EPJIT_PROFILE set (doc/counters.md) it also prints the profile.*
  * rows of the measured window per step, eager and compiled side by side
@@ -62,6 +66,7 @@ typedef struct bopts {
 	long seq, warmup, steps, layers;
 	double loss_tol;
 	bool checkpointing, compile_only, no_cost;
+	bool learned; /* --routing learned */
 	bool
 	    child; /* --child: only measure compile_cost of --model, print it */
 } bopts;
@@ -94,6 +99,8 @@ typedef struct arm {
 	int64_t lib_calls;	     /* cuBLASLt GEMMs, NCCL calls */
 	double *loss;		     /* every step's mean loss, warm-up first */
 	long n_loss;
+	int64_t *step_allocs, *step_frees; /* driver, per step() call */
+	long n_step;
 } arm;
 
 static double clock_ms(clockid_t id)
@@ -214,19 +221,42 @@ static char *config_text(const bopts *o, bool compiled)
 	return s;
 }
 
+/* --routing learned: the config text cfg (taken) with
+ * expert_parallel.fixed_routing false; NULL when it has no such section. */
+static char *learned_routing(char *cfg)
+{
+	json_error_t err;
+	json_t *j = json_loads(cfg, 0, &err);
+	free(cfg);
+	json_t *ep = json_object_get(j, "expert_parallel");
+	char *s = json_is_object(ep) && !json_object_set_new(
+					    ep, "fixed_routing", json_false())
+		      ? json_dumps(j, 0)
+		      : NULL;
+	json_decref(j);
+	return s;
+}
+
 static int arm_init(arm *a, const bopts *o, const char *model, bool compiled)
 {
 	if (epj_ctx_new(o->device, &a->ctx) != EPJ_OK)
 		return die(NULL, "context");
 	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
 			      .seed = 1234,
-			      .fixed_routing = true,
+			      .fixed_routing = !o->learned,
 			      .dtype = EPJ_DTYPE_F32 };
 	if (epj_model_new(a->ctx, model, &mo, &a->model) != EPJ_OK)
 		return die(a->ctx, "model");
 	char *cfg = config_text(o, compiled);
 	if (!cfg) {
 		fprintf(stderr, PROG ": cannot read %s\n", o->config);
+		return 1;
+	}
+	if (o->learned && !(cfg = learned_routing(cfg))) {
+		fprintf(stderr,
+			PROG ": --routing learned: %s has no "
+			     "expert_parallel section\n",
+			o->config);
 		return 1;
 	}
 	epj_status st = epj_engine_initialize_json(a->ctx, a->model, cfg,
@@ -242,8 +272,12 @@ static int arm_init(arm *a, const bopts *o, const char *model, bool compiled)
 		return die(a->ctx, "corpus");
 	a->wall = calloc((size_t)o->steps + 1, sizeof(double));
 	a->cpu = calloc((size_t)o->steps + 1, sizeof(double));
-	a->loss = calloc((size_t)(o->warmup + o->steps) + 2, sizeof(double));
-	if (!a->wall || !a->cpu || !a->loss) {
+	size_t ns = (size_t)(o->warmup + o->steps) + 2;
+	a->loss = calloc(ns, sizeof(double));
+	a->step_allocs = calloc(ns, sizeof(int64_t));
+	a->step_frees = calloc(ns, sizeof(int64_t));
+	if (!a->wall || !a->cpu || !a->loss || !a->step_allocs ||
+	    !a->step_frees) {
 		fprintf(stderr, PROG ": out of memory\n");
 		return 1;
 	}
@@ -255,6 +289,8 @@ static void arm_free(arm *a)
 	free(a->wall);
 	free(a->cpu);
 	free(a->loss);
+	free(a->step_allocs);
+	free(a->step_frees);
 	epj_counters_free(a->prof0);
 	epj_counters_free(a->prof);
 	epj_corpus_free(a->corpus);
@@ -398,6 +434,11 @@ static int step(arm *a, const bopts *o, double *wall, double *cpu)
 		a->loss[a->n_loss++] = loss;
 	*wall = clock_ms(CLOCK_MONOTONIC) - w0;
 	*cpu = clock_ms(CLOCK_PROCESS_CPUTIME_ID) - c0;
+	/* every step's driver allocations and frees, warmup included */
+	a->step_allocs[a->n_step] =
+	    epj_counter_get(a->ctx, "cuda.mem_alloc") - d0[2];
+	a->step_frees[a->n_step++] =
+	    epj_counter_get(a->ctx, "cuda.mem_free") - d0[3];
 	if (a->census) {
 		for (int i = 0; i < N_DRV; i++)
 			a->drv[i] +=
@@ -514,6 +555,9 @@ static int parse(int argc, char **argv, bopts *o)
 			o->steps = atol(v), i++;
 		else if (v && !strcmp(a, "--loss-tol"))
 			o->loss_tol = atof(v), i++;
+		else if (v && !strcmp(a, "--routing") &&
+			 (!strcmp(v, "fixed") || !strcmp(v, "learned")))
+			o->learned = !strcmp(v, "learned"), i++;
 		else {
 			fprintf(stderr,
 				"usage: " PROG " [--model F] [--model2 F] "
@@ -521,7 +565,7 @@ static int parse(int argc, char **argv, bopts *o)
 				"[--warmup N] [--steps N] [--checkpointing] "
 				"[--compile-only] [--device DEV] [--layers N] "
 				"[--no-compile-cost] [--json FILE] "
-				"[--loss-tol X]\n");
+				"[--loss-tol X] [--routing fixed|learned]\n");
 			return 2;
 		}
 	}
@@ -563,9 +607,11 @@ static int run(const bopts *op)
 	bopts o = *op;
 	int rc;
 	printf(PROG ": model %s, seq %ld, device %s, backend %s, "
-		    "checkpointing %s, warmup %ld, steps %ld per arm\n",
+		    "checkpointing %s, routing %s, warmup %ld, steps %ld per "
+		    "arm\n",
 	       o.model, o.seq, o.device, o.backend,
-	       o.checkpointing ? "on" : "off", o.warmup, o.steps);
+	       o.checkpointing ? "on" : "off", o.learned ? "learned" : "fixed",
+	       o.warmup, o.steps);
 	if (o.child) {
 		ccost w = { 0 };
 		if ((rc = compile_cost(&o, o.model, &w)))
@@ -677,6 +723,16 @@ static void census(const arm *e, const arm *c, const bopts *o)
 	       pc = (double)c->mem.peak_reserved / 1048576.0;
 	printf("%-26s %14.1f %14.1f %8.3f\n", "peak device MiB", pe, pc,
 	       pe > 0 ? pc / pe : 0.0);
+	/* the allocator's driver calls step by step: none once warm */
+	for (int k = 0; k < 2; k++) {
+		const arm *a = k ? c : e;
+		printf("driver allocs/frees by step, %s (%ld warmup first):",
+		       a->name, o->warmup);
+		for (long i = 0; i < a->n_step; i++)
+			printf(" %" PRId64 "/%" PRId64, a->step_allocs[i],
+			       a->step_frees[i]);
+		printf("\n");
+	}
 }
 
 /* Every step's loss of both arms: printed, finite, equal to --loss-tol.

@@ -1,33 +1,59 @@
 /* alloc.c -- the cpu device and the caching allocator; storages.
  *
- * The allocator sits between storages and a device (ej_device).  Freed blocks
- * are kept in per-size free lists ("bins") and handed out again to requests of
- * the same rounded size, so a training loop that allocates the same shapes
- * every step stops calling the device after the first step.
+ * The allocator sits between storages and a device (ej_device).  It takes
+ * memory from the device in segments and hands out blocks carved from
+ * them; a freed block is merged with its free neighbours and kept, so a
+ * training loop stops calling the device once the cache holds enough,
+ * also when the sizes it asks for change from step to step (the routed
+ * rows of an MoE layer), as PyTorch's CUDA caching allocator does.
  *
- * Rounding (what the stats count):
+ * Rounding (what the stats count as a block's size):
  *  - requests up to 1 MiB round up to a multiple of 512 bytes (0 -> 512);
- *  - larger requests round up to a multiple of 64 KiB.  (PyTorch's 2 MiB
- *    large-block granularity wastes too much on cpu for 1-2 MiB tensors.)
- * Reuse is by exact rounded size: simple, O(1), and exactly what repeated
- * shapes need.  A request that misses the cache and fails on the device
- * empties the cache and retries once, as PyTorch's allocator does.
+ *  - larger requests round up to a multiple of 64 KiB.
+ * Pools and segments: blocks up to 1 MiB come from the small pool, whose
+ * segments are 2 MiB; larger blocks from the large pool, whose segments
+ * are 20 MiB for blocks under 10 MiB and the block rounded up to a
+ * multiple of 2 MiB above.  A pool never serves the other's requests, so
+ * small blocks do not cut up the large pool's space.
+ * Reuse: a request takes the best fit among its pool's free blocks (the
+ * smallest of at least its size, the lowest address among equals; a treap
+ * ordered by (size, address)), split when larger: the rest stays free.
+ * A freed block merges with the free blocks beside it in its segment.
+ * Release: a request that misses the cache and fails on the device returns
+ * every whole free segment to the device and retries, then asks for a
+ * segment of the block's own size (a 20 MiB one may no longer fit).
+ * ej_allocator_empty_cache returns the whole free segments; a segment with
+ * a live block stays.
+ *
+ * Blocks are device addresses: nothing here reads or writes through them
+ * (on the cuda device they are not host memory).  Their records (address,
+ * size, neighbours) live in host memory.  Under AddressSanitizer, on host
+ * memory, free bytes are poisoned, so a run past a block or a read after a
+ * free is reported as with separate mallocs.
  *
  * Statistics (bytes are rounded sizes):
- *  - allocated: live blocks; reserved: blocks obtained from the device and
- *    not returned (live + cached); peaks since creation or the last reset;
+ *  - allocated: live blocks; reserved: segments obtained from the device
+ *    and not returned (live blocks + free blocks); peaks since creation or
+ *    the last reset;
  *  - num_allocs / num_frees: ej_alloc calls served / ej_dealloc calls;
- *  - cache_hits: allocations served from a free list.
+ *  - cache_hits: allocations served from a free block;
+ *  - num_device_allocs / num_device_frees: segments obtained / returned.
  *
  * Invariants
- *  - Every block is in exactly one place: the live table (keyed by pointer)
- *    or one bin's free stack.  allocated == sum(live), reserved ==
- *    allocated + sum(cached).
+ *  - Every segment is a list of blocks that tile it in address order
+ *    (prev/next); no two free blocks are neighbours.  A block is live (in
+ *    the live table, keyed by address) or free (in its pool's tree).
+ *    allocated == sum(live), reserved == sum(segments).
+ *  - Stream order (the cuda device): all work runs on one compute stream,
+ *    and a freed block (or a piece of it) is handed out only to work
+ *    queued after the free on that stream.  A segment goes back only
+ *    through the device's free, which waits for the device.
  *  - Threading: one context = one thread.  The allocator has no locks;
  *    callers must not allocate or free from inside parallel regions.
  *
- * EPJIT_ALLOC_CACHE=0 disables caching (every free goes to the device), which
- * lets ASan/valgrind see use-after-free of storage data.
+ * EPJIT_ALLOC_CACHE=0 disables caching: every block is a segment of its
+ * own, returned to the device when freed, which lets ASan/valgrind see
+ * use-after-free of storage data.
  */
 #include "core_impl.h"
 
@@ -106,21 +132,30 @@ const ej_device ej_device_cpu = {
  * -------------------------------------------------------
  */
 
-#define SMALL_LIMIT ((size_t)1 << 20) /* 1 MiB */
-#define SMALL_ROUND ((size_t)512)
-#define LARGE_ROUND ((size_t)64 << 10) /* 64 KiB */
+#define SMALL_LIMIT	   ((size_t)1 << 20) /* 1 MiB: the small pool's largest */
+#define SMALL_ROUND	   ((size_t)512)
+#define LARGE_ROUND	   ((size_t)64 << 10) /* 64 KiB */
+#define SMALL_SEGMENT	   ((size_t)2 << 20)  /* 2 MiB */
+#define LARGE_SEGMENT	   ((size_t)20 << 20) /* 20 MiB */
+#define LARGE_SHARED_LIMIT ((size_t)10 << 20) /* below: LARGE_SEGMENT */
+#define SEGMENT_ROUND	   ((size_t)2 << 20)  /* above: multiples of 2 MiB */
 
+enum { POOL_SMALL, POOL_LARGE, N_POOLS };
+
+/* A block: a piece of a segment, live or free.  ptr is an address on the
+ * device, never dereferenced here (device memory is not host memory). */
 typedef struct block {
-	void *ptr;
-	size_t size;	    /* rounded */
-	struct block *next; /* live-table chain or bin free stack */
+	char *ptr;
+	size_t size; /* rounded */
+	/* the neighbours in its segment, by address; NULL at the ends, so a
+	 * block with neither is a whole segment */
+	struct block *prev, *next;
+	struct block *chain;	    /* live-table chain; release lists */
+	struct block *left, *right; /* free tree of its pool */
+	uint32_t prio;		    /* free tree: treap priority */
+	uint8_t pool;
+	bool free;
 } block;
-
-typedef struct bin {
-	size_t size;
-	block *free; /* stack of cached blocks of this size */
-	struct bin *next;
-} bin;
 
 struct ej_allocator {
 	const ej_device *dev;
@@ -128,12 +163,40 @@ struct ej_allocator {
 	/* live blocks: chained hash table keyed by pointer */
 	block **live;
 	size_t n_live_buckets, n_live;
-	/* bins: chained hash table keyed by size (bins are never removed) */
-	bin **bins;
-	size_t n_bin_buckets, n_bins;
+	/* free blocks of each pool: a treap ordered by (size, ptr) */
+	block *free_tree[N_POOLS];
 	int64_t fail_countdown; /* > 0: the countdown-th allocation fails */
 	epj_memory_stats st;
 };
+
+/* Host-memory devices under AddressSanitizer: free bytes of a segment are
+ * poisoned, so that a kernel running past its block, or reading a block
+ * after its storage was freed, is reported as with separate mallocs. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EJ_ALLOC_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(EJ_ALLOC_ASAN)
+#define EJ_ALLOC_ASAN 1
+#endif
+#ifdef EJ_ALLOC_ASAN
+#include <sanitizer/asan_interface.h>
+static void poison(const ej_allocator *a, const void *p, size_t n, bool on)
+{
+	if (!a->dev->host_visible)
+		return;
+	if (on)
+		ASAN_POISON_MEMORY_REGION(p, n);
+	else
+		ASAN_UNPOISON_MEMORY_REGION(p, n);
+}
+#else
+static void poison(const ej_allocator *a, const void *p, size_t n, bool on)
+{
+	(void)a, (void)p, (void)n, (void)on;
+}
+#endif
 
 static size_t hash_ptr(const void *p, size_t nb)
 {
@@ -142,11 +205,6 @@ static size_t hash_ptr(const void *p, size_t nb)
 	x *= 0xff51afd7ed558ccdull;
 	x ^= x >> 33;
 	return (size_t)(x & (nb - 1));
-}
-
-static size_t hash_size(size_t s, size_t nb)
-{
-	return hash_ptr((const void *)(uintptr_t)s, nb);
 }
 
 /* Rounds a request as described in the file comment; 0 on overflow. */
@@ -160,75 +218,109 @@ static size_t round_size(size_t bytes)
 	return (bytes + g - 1) / g * g;
 }
 
-ej_allocator *ej_allocator_new(const ej_device *dev)
+/* The device allocation a cache miss of rounded size `size` asks for. */
+static size_t segment_size(const ej_allocator *a, size_t size)
 {
-	ej_allocator *a = calloc(1, sizeof *a);
-	if (!a)
-		return NULL;
-	a->dev = dev;
-	const char *env = getenv("EPJIT_ALLOC_CACHE");
-	a->caching = !(env && strcmp(env, "0") == 0);
-	a->n_live_buckets = 64;
-	a->n_bin_buckets = 64;
-	a->live = calloc(a->n_live_buckets, sizeof *a->live);
-	a->bins = calloc(a->n_bin_buckets, sizeof *a->bins);
-	if (!a->live || !a->bins) {
-		free(a->live);
-		free(a->bins);
-		free(a);
-		return NULL;
+	if (!a->caching)
+		return size;
+	if (size <= SMALL_LIMIT)
+		return SMALL_SEGMENT;
+	if (size < LARGE_SHARED_LIMIT)
+		return LARGE_SEGMENT;
+	if (size > SIZE_MAX - SEGMENT_ROUND)
+		return size;
+	return (size + SEGMENT_ROUND - 1) / SEGMENT_ROUND * SEGMENT_ROUND;
+}
+
+/* ---- the free trees: treaps keyed by (size, ptr) ---- */
+
+static bool key_less(const block *x, const block *y)
+{
+	return x->size < y->size || (x->size == y->size && x->ptr < y->ptr);
+}
+
+/* Joins two treaps whose keys are all less in l than in r. */
+static block *tree_join(block *l, block *r)
+{
+	if (!l)
+		return r;
+	if (!r)
+		return l;
+	if (l->prio > r->prio) {
+		l->right = tree_join(l->right, r);
+		return l;
 	}
-	return a;
+	r->left = tree_join(l, r->left);
+	return r;
 }
 
-static void release_block(ej_allocator *a, block *b)
+/* Splits t into the keys less than k's (*l) and the others (*r). */
+static void tree_split(block *t, const block *k, block **l, block **r)
 {
-	a->dev->free(a->dev->self, b->ptr);
-	a->st.reserved -= b->size;
-	free(b);
+	if (!t) {
+		*l = *r = NULL;
+	} else if (key_less(t, k)) {
+		tree_split(t->right, k, &t->right, r);
+		*l = t;
+	} else {
+		tree_split(t->left, k, l, &t->left);
+		*r = t;
+	}
 }
 
-void ej_allocator_empty_cache(ej_allocator *a)
+static void tree_insert(block **root, block *b)
 {
-	for (size_t i = 0; i < a->n_bin_buckets; i++)
-		for (bin *bn = a->bins[i]; bn; bn = bn->next)
-			while (bn->free) {
-				block *b = bn->free;
-				bn->free = b->next;
-				release_block(a, b);
-			}
+	b->left = b->right = NULL;
+	b->prio = (uint32_t)hash_ptr(b->ptr, (size_t)1 << 31) ^
+		  (uint32_t)(b->size >> 9);
+	block *l, *r;
+	tree_split(*root, b, &l, &r);
+	*root = tree_join(tree_join(l, b), r);
 }
 
-void ej_allocator_free(ej_allocator *a)
+static void tree_remove(block **root, block *b)
 {
-	if (!a)
-		return;
-	ej_allocator_empty_cache(a);
-	if (a->n_live)
-		epj_log_msg(
-		    EPJ_LOG_WARN,
-		    "allocator freed with %zu live blocks (%llu bytes): "
-		    "tensors outlive their context",
-		    a->n_live, (unsigned long long)a->st.allocated);
-	for (size_t i = 0; i < a->n_live_buckets; i++)
-		while (a->live[i]) {
-			block *b = a->live[i];
-			a->live[i] = b->next;
-			release_block(a, b);
+	block **p = root;
+	while (*p != b) {
+		EJ_ASSERT(*p != NULL && "a free block missing from its tree");
+		p = key_less(b, *p) ? &(*p)->left : &(*p)->right;
+	}
+	*p = tree_join(b->left, b->right);
+	b->left = b->right = NULL;
+}
+
+/* Best fit: the smallest block of at least `size` bytes (the lowest address
+ * among equals), or NULL. */
+static block *tree_best_fit(block *t, size_t size)
+{
+	block *best = NULL;
+	while (t) {
+		if (t->size >= size) {
+			best = t;
+			t = t->left;
+		} else {
+			t = t->right;
 		}
-	for (size_t i = 0; i < a->n_bin_buckets; i++)
-		while (a->bins[i]) {
-			bin *bn = a->bins[i];
-			a->bins[i] = bn->next;
-			free(bn);
-		}
-	free(a->live);
-	free(a->bins);
-	free(a);
+	}
+	return best;
 }
 
-/* Doubles a chained table when it gets loaded; on malloc failure keeps the
- * old one (chains only get longer). */
+/* Pushes the whole free segments of tree t onto *out (through chain). */
+static void tree_whole_segments(block *t, block **out)
+{
+	for (; t; t = t->right) {
+		tree_whole_segments(t->left, out);
+		if (!t->prev && !t->next) {
+			t->chain = *out;
+			*out = t;
+		}
+	}
+}
+
+/* ---- live blocks: a chained hash table keyed by pointer ---- */
+
+/* Doubles the table when it gets loaded; on malloc failure keeps the old
+ * one (chains only get longer). */
 static void live_grow(ej_allocator *a)
 {
 	size_t nb = a->n_live_buckets * 2;
@@ -238,9 +330,9 @@ static void live_grow(ej_allocator *a)
 	for (size_t i = 0; i < a->n_live_buckets; i++)
 		while (a->live[i]) {
 			block *b = a->live[i];
-			a->live[i] = b->next;
+			a->live[i] = b->chain;
 			size_t h = hash_ptr(b->ptr, nb);
-			b->next = t[h];
+			b->chain = t[h];
 			t[h] = b;
 		}
 	free(a->live);
@@ -248,52 +340,12 @@ static void live_grow(ej_allocator *a)
 	a->n_live_buckets = nb;
 }
 
-static void bins_grow(ej_allocator *a)
-{
-	size_t nb = a->n_bin_buckets * 2;
-	bin **t = calloc(nb, sizeof *t);
-	if (!t)
-		return;
-	for (size_t i = 0; i < a->n_bin_buckets; i++)
-		while (a->bins[i]) {
-			bin *bn = a->bins[i];
-			a->bins[i] = bn->next;
-			size_t h = hash_size(bn->size, nb);
-			bn->next = t[h];
-			t[h] = bn;
-		}
-	free(a->bins);
-	a->bins = t;
-	a->n_bin_buckets = nb;
-}
-
-static bin *bin_find(ej_allocator *a, size_t size, bool create)
-{
-	for (bin *bn = a->bins[hash_size(size, a->n_bin_buckets)]; bn;
-	     bn = bn->next)
-		if (bn->size == size)
-			return bn;
-	if (!create)
-		return NULL;
-	bin *bn = calloc(1, sizeof *bn);
-	if (!bn)
-		return NULL;
-	bn->size = size;
-	if (a->n_bins + 1 > 2 * a->n_bin_buckets)
-		bins_grow(a);
-	size_t h = hash_size(size, a->n_bin_buckets);
-	bn->next = a->bins[h];
-	a->bins[h] = bn;
-	a->n_bins++;
-	return bn;
-}
-
 static void live_insert(ej_allocator *a, block *b)
 {
 	if (a->n_live + 1 > 2 * a->n_live_buckets)
 		live_grow(a);
 	size_t h = hash_ptr(b->ptr, a->n_live_buckets);
-	b->next = a->live[h];
+	b->chain = a->live[h];
 	a->live[h] = b;
 	a->n_live++;
 }
@@ -301,15 +353,186 @@ static void live_insert(ej_allocator *a, block *b)
 static block *live_remove(ej_allocator *a, void *ptr)
 {
 	block **pp = &a->live[hash_ptr(ptr, a->n_live_buckets)];
-	for (; *pp; pp = &(*pp)->next)
+	for (; *pp; pp = &(*pp)->chain)
 		if ((*pp)->ptr == ptr) {
 			block *b = *pp;
-			*pp = b->next;
-			b->next = NULL;
+			*pp = b->chain;
+			b->chain = NULL;
 			a->n_live--;
 			return b;
 		}
 	return NULL;
+}
+
+/* ---- segments and blocks ---- */
+
+ej_allocator *ej_allocator_new(const ej_device *dev)
+{
+	ej_allocator *a = calloc(1, sizeof *a);
+	if (!a)
+		return NULL;
+	a->dev = dev;
+	const char *env = getenv("EPJIT_ALLOC_CACHE");
+	a->caching = !(env && strcmp(env, "0") == 0);
+	a->n_live_buckets = 64;
+	a->live = calloc(a->n_live_buckets, sizeof *a->live);
+	if (!a->live) {
+		free(a);
+		return NULL;
+	}
+	return a;
+}
+
+/* Returns a whole segment (a free block with no neighbours, in no tree) to
+ * the device. */
+static void release_segment(ej_allocator *a, block *b)
+{
+	EJ_ASSERT(b->free && !b->prev && !b->next);
+	poison(a, b->ptr, b->size, false);
+	a->dev->free(a->dev->self, b->ptr);
+	a->st.reserved -= b->size;
+	a->st.num_device_frees++;
+	free(b);
+}
+
+/* Returns every whole free segment to the device (the others hold a live
+ * block). */
+static void release_free_segments(ej_allocator *a)
+{
+	for (int p = 0; p < N_POOLS; p++) {
+		block *list = NULL;
+		tree_whole_segments(a->free_tree[p], &list);
+		while (list) {
+			block *b = list;
+			list = b->chain;
+			tree_remove(&a->free_tree[p], b);
+			release_segment(a, b);
+		}
+	}
+}
+
+void ej_allocator_empty_cache(ej_allocator *a)
+{
+	release_free_segments(a);
+}
+
+/* A new segment for a block of `size` bytes of pool `pool`, in the pool's
+ * free tree; NULL when the device has no memory for it.  Out of memory,
+ * the cache's whole free segments go back to the device and the request is
+ * tried again, then once more for `size` bytes alone. */
+static block *segment_new(ej_allocator *a, int pool, size_t size)
+{
+	block *b = calloc(1, sizeof *b);
+	if (!b)
+		return NULL;
+	size_t seg = segment_size(a, size);
+	void *p = a->dev->alloc(a->dev->self, seg);
+	if (!p && a->st.reserved > a->st.allocated) {
+		release_free_segments(a);
+		p = a->dev->alloc(a->dev->self, seg);
+	}
+	if (!p && seg > size) {
+		seg = size;
+		p = a->dev->alloc(a->dev->self, seg);
+	}
+	if (!p) {
+		free(b);
+		return NULL;
+	}
+	b->ptr = p;
+	b->size = seg;
+	b->pool = (uint8_t)pool;
+	b->free = true;
+	a->st.reserved += seg;
+	a->st.num_device_allocs++;
+	poison(a, p, seg, true);
+	tree_insert(&a->free_tree[pool], b);
+	return b;
+}
+
+/* Takes `size` bytes from the start of free block b (in its tree): the
+ * rest, if any, stays free as a block of its own.  False when there is no
+ * memory for that block's record (b stays free). */
+static bool block_take(ej_allocator *a, block *b, size_t size)
+{
+	EJ_ASSERT(b->free && b->size >= size);
+	block *rest = NULL;
+	if (b->size > size && !(rest = calloc(1, sizeof *rest)))
+		return false;
+	tree_remove(&a->free_tree[b->pool], b);
+	b->free = false;
+	if (rest) {
+		rest->ptr = b->ptr + size;
+		rest->size = b->size - size;
+		rest->pool = b->pool;
+		rest->free = true;
+		rest->prev = b;
+		rest->next = b->next;
+		if (b->next)
+			b->next->prev = rest;
+		b->next = rest;
+		b->size = size;
+		tree_insert(&a->free_tree[rest->pool], rest);
+	}
+	poison(a, b->ptr, b->size, false);
+	return true;
+}
+
+/* Absorbs block hi into its neighbour lo (just below it in the same
+ * segment); returns lo. */
+static block *block_merge(block *lo, block *hi)
+{
+	EJ_ASSERT(lo->next == hi && hi->prev == lo);
+	lo->size += hi->size;
+	lo->next = hi->next;
+	if (hi->next)
+		hi->next->prev = lo;
+	free(hi);
+	return lo;
+}
+
+/* Makes live block b free: merged with its free neighbours and cached, or,
+ * with caching off, returned to the device. */
+static void block_put(ej_allocator *a, block *b)
+{
+	poison(a, b->ptr, b->size, true);
+	b->free = true;
+	if (b->prev && b->prev->free) {
+		tree_remove(&a->free_tree[b->pool], b->prev);
+		b = block_merge(b->prev, b);
+	}
+	if (b->next && b->next->free) {
+		tree_remove(&a->free_tree[b->pool], b->next);
+		b = block_merge(b, b->next);
+	}
+	if (a->caching)
+		tree_insert(&a->free_tree[b->pool], b);
+	else
+		release_segment(a, b);
+}
+
+void ej_allocator_free(ej_allocator *a)
+{
+	if (!a)
+		return;
+	if (a->n_live)
+		epj_log_msg(
+		    EPJ_LOG_WARN,
+		    "allocator freed with %zu live blocks (%llu bytes): "
+		    "tensors outlive their context",
+		    a->n_live, (unsigned long long)a->st.allocated);
+	/* live blocks go back as if freed, so that every segment is whole */
+	for (size_t i = 0; i < a->n_live_buckets; i++)
+		while (a->live[i]) {
+			block *b = a->live[i];
+			a->live[i] = b->chain;
+			b->chain = NULL;
+			block_put(a, b);
+		}
+	release_free_segments(a);
+	EJ_ASSERT(a->st.reserved == 0);
+	free(a->live);
+	free(a);
 }
 
 static void update_peaks(ej_allocator *a)
@@ -327,34 +550,18 @@ void *ej_alloc(ej_allocator *a, size_t bytes)
 	size_t size = round_size(bytes);
 	if (size == 0)
 		return NULL;
-
-	block *b = NULL;
-	bin *bn = a->caching ? bin_find(a, size, false) : NULL;
-	if (bn && bn->free) {
-		b = bn->free;
-		bn->free = b->next;
-		b->next = NULL;
-		a->st.cache_hits++;
-	} else {
-		b = malloc(sizeof *b);
-		if (!b)
-			return NULL;
-		b->size = size;
-		b->next = NULL;
-		b->ptr = a->dev->alloc(a->dev->self, size);
-		if (!b->ptr && a->st.reserved > a->st.allocated) {
-			ej_allocator_empty_cache(a);
-			b->ptr = a->dev->alloc(a->dev->self, size);
-		}
-		if (!b->ptr) {
-			free(b);
-			return NULL;
-		}
-		a->st.reserved += size;
-	}
+	int pool = size <= SMALL_LIMIT ? POOL_SMALL : POOL_LARGE;
+	block *b = tree_best_fit(a->free_tree[pool], size);
+	bool hit = b != NULL;
+	if (!b)
+		b = segment_new(a, pool, size);
+	update_peaks(a); /* a new segment stays, also if the take fails */
+	if (!b || !block_take(a, b, size))
+		return NULL;
 	live_insert(a, b);
 	a->st.allocated += size;
 	a->st.num_allocs++;
+	a->st.cache_hits += hit;
 	update_peaks(a);
 	return b->ptr;
 }
@@ -368,13 +575,7 @@ void ej_dealloc(ej_allocator *a, void *ptr)
 			       "not own");
 	a->st.allocated -= b->size;
 	a->st.num_frees++;
-	bin *bn = a->caching ? bin_find(a, b->size, true) : NULL;
-	if (bn) {
-		b->next = bn->free;
-		bn->free = b;
-	} else {
-		release_block(a, b); /* caching off, or no memory for a bin */
-	}
+	block_put(a, b);
 }
 
 void ej_allocator_stats(const ej_allocator *a, epj_memory_stats *out)

@@ -242,9 +242,11 @@ typedef struct ej_so_loader {
 } ej_so_loader;
 void ej_device_sim_set_loader(const ej_so_loader *l);
 
-/* Caching allocator over a device: freed blocks go to size-class free lists
- * and are reused; statistics as in epj_memory_stats.  Sizes are rounded up to
- * 512-byte multiples up to 1 MiB and to 64 KiB multiples above (alloc.c). */
+/* Caching allocator over a device: blocks are cut from segments taken from
+ * the device, and a freed block is merged with its free neighbours and
+ * reused, best fit, by requests of its size or smaller; statistics as in
+ * epj_memory_stats.  Sizes are rounded up to 512-byte multiples up to 1 MiB
+ * and to 64 KiB multiples above (alloc.c). */
 typedef struct ej_allocator ej_allocator;
 ej_allocator *ej_allocator_new(const ej_device *dev);
 void ej_allocator_free(ej_allocator *a);

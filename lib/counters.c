@@ -301,7 +301,7 @@ epj_counters *epj_counters_snapshot(epj_ctx *ctx)
 		return NULL;
 	const ej_counter_table *t = ctx->counters;
 	int n = t ? t->n : 0;
-	epj_counters *c = counters_new(n + 5);
+	epj_counters *c = counters_new(n + 7);
 	if (!c)
 		goto oom;
 	for (int i = 0; i < n; i++)
@@ -318,6 +318,8 @@ epj_counters *epj_counters_snapshot(epj_ctx *ctx)
 		{ "memory.peak_allocated", ms.peak_allocated },
 		{ "memory.peak_reserved", ms.peak_reserved },
 		{ "memory.num_allocs", ms.num_allocs },
+		{ "memory.device_allocs", ms.num_device_allocs },
+		{ "memory.device_frees", ms.num_device_frees },
 	};
 	for (size_t i = 0; i < EJ_ARRAY_LEN(mem); i++)
 		if (!counters_push(c, mem[i].name, (int64_t)mem[i].v))

@@ -127,6 +127,10 @@ typedef struct epj_memory_stats {
 	uint64_t num_allocs; /* storage allocations served */
 	uint64_t num_frees;
 	uint64_t cache_hits; /* allocations served from the cache */
+	/* segments obtained from the device and returned to it: calls of
+	 * the device's allocation and free (cuMemAlloc / cuMemFree) */
+	uint64_t num_device_allocs;
+	uint64_t num_device_frees;
 } epj_memory_stats;
 
 void epj_memory_stats_get(const epj_ctx *ctx, epj_memory_stats *out);
@@ -760,6 +764,20 @@ int epj_dist_size(void); /* ranks in the world (1 without MPI) */
  * stop after the same step when any of them got a stop signal.  On failure
  * the engine's context holds the message and *any is left as it was. */
 epj_status epj_dist_any(epj_engine *e, uint32_t local, uint32_t *any);
+/* The memory of every rank of e's world (epj_memory_stats of each rank's
+ * context): for peak allocated, peak reserved and reserved bytes, the
+ * largest over the ranks and the lowest rank that holds it.  Collective
+ * like epj_dist_any (one all-gather of 3 int64 per rank over the world,
+ * counted as comm.*.dist.memory.bytes); a world of one reports its own
+ * statistics, rank 0, and communicates nothing.  epjit-train calls it after
+ * every optimizer step: its summary and monitors report these maxima.  On
+ * failure the engine's context holds the message and *out is left as it
+ * was. */
+typedef struct epj_dist_memory {
+	uint64_t peak_allocated, peak_reserved, reserved;
+	int peak_allocated_rank, peak_reserved_rank, reserved_rank;
+} epj_dist_memory;
+epj_status epj_dist_memory_max(epj_engine *e, epj_dist_memory *out);
 
 #ifdef __cplusplus
 }

@@ -111,6 +111,59 @@ epj_status epj_dist_any(epj_engine *e, uint32_t local, uint32_t *any)
 	return EPJ_OK;
 }
 
+epj_status epj_dist_memory_max(epj_engine *e, epj_dist_memory *out)
+{
+	EJ_ASSERT(e != NULL && out != NULL);
+	epj_memory_stats ms;
+	epj_memory_stats_get(e->ctx, &ms);
+	enum { N = 3 };
+	int64_t mine[N] = { (int64_t)ms.peak_allocated,
+			    (int64_t)ms.peak_reserved, (int64_t)ms.reserved };
+	ej_comm *w = e->model->has_groups ? e->model->groups.world : NULL;
+	int size = w ? w->size : 1;
+	int64_t *all = mine, *counts = NULL;
+	if (size > 1) {
+		all = malloc(sizeof *all * N * (size_t)size);
+		counts = malloc(sizeof *counts * (size_t)size);
+		if (!all || !counts) {
+			free(all);
+			free(counts);
+			return ej_error(e->ctx, EPJ_ERR_NOMEM,
+					"dist.memory: out of memory");
+		}
+		for (int r = 0; r < size; r++)
+			counts[r] = 1;
+		epj_status st = ej_comm_allgather(
+		    e->ctx, w, "dist.memory", mine, all, counts, sizeof mine);
+		free(counts);
+		if (st != EPJ_OK) {
+			free(all);
+			return st;
+		}
+	}
+	/* the largest of each, the lowest rank on ties */
+	int64_t best[N];
+	int rank[N];
+	for (int k = 0; k < N; k++) {
+		best[k] = all[k];
+		rank[k] = 0;
+		for (int r = 1; r < size; r++)
+			if (all[N * r + k] > best[k]) {
+				best[k] = all[N * r + k];
+				rank[k] = r;
+			}
+	}
+	if (all != mine)
+		free(all);
+	*out = (epj_dist_memory){ .peak_allocated = (uint64_t)best[0],
+				  .peak_reserved = (uint64_t)best[1],
+				  .reserved = (uint64_t)best[2],
+				  .peak_allocated_rank = rank[0],
+				  .peak_reserved_rank = rank[1],
+				  .reserved_rank = rank[2] };
+	return EPJ_OK;
+}
+
 /* ---- groups ---------------------------------------------------------------
  */
 

@@ -99,9 +99,14 @@ START_TEST(test_snapshot_diff)
 			 (int64_t)ms.peak_reserved);
 	ck_assert_int_eq(epj_counters_value(a, "memory.num_allocs"),
 			 (int64_t)ms.num_allocs);
-	/* the model counters, 5 memory.*, and whatever the context keeps
+	ck_assert_int_eq(epj_counters_value(a, "memory.device_allocs"),
+			 (int64_t)ms.num_device_allocs);
+	ck_assert_int_gt(epj_counters_value(a, "memory.device_allocs"), 0);
+	ck_assert_int_eq(epj_counters_value(a, "memory.device_frees"),
+			 (int64_t)ms.num_device_frees);
+	/* the model counters, 7 memory.*, and whatever the context keeps
 	 * (kernels.launched.eager ...), each with its live value */
-	ck_assert_int_ge(epj_counters_count(a), n + 5);
+	ck_assert_int_ge(epj_counters_count(a), n + 7);
 	int n_alloc_names = 0;
 	for (int i = 0; i < epj_counters_count(a); i++)
 		n_alloc_names +=

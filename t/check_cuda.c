@@ -621,17 +621,20 @@ START_TEST(test_fake_memory)
 	ck_assert_int_ge(ms.reserved, ms.allocated);
 	ck_assert_int_ge(ms.peak_allocated, ms.allocated);
 	ej_dealloc(a, q);
-	/* out of memory: the cached free blocks are released and the request
-	 * retried, so it succeeds where only the cache held the memory */
+	/* out of memory: the cached free segments are released and the
+	 * request retried, so it succeeds where only the cache held the
+	 * memory (3 MiB takes a 20 MiB segment, cached when freed; 24 MiB
+	 * fits no cached block and needs a segment of its own) */
+	ej_dealloc(a, ej_alloc(a, (size_t)3 << 20));
 	fake_stats s0 = fstats();
 	char lim[32];
-	snprintf(lim, sizeof lim, "%lld", s0.live_bytes + 600000);
+	snprintf(lim, sizeof lim, "%lld", s0.live_bytes + (15ll << 20));
 	setenv("FAKE_CUDA_MEM_LIMIT", lim, 1);
-	void *big = ej_alloc(a, 700000);
+	void *big = ej_alloc(a, (size_t)24 << 20);
 	ck_assert_ptr_nonnull(big);
 	ck_assert_int_gt(fstats().frees, s0.frees);
 	/* and beyond what the device has, a clean NULL with the reason */
-	ck_assert_ptr_null(ej_alloc(a, 5000000));
+	ck_assert_ptr_null(ej_alloc(a, (size_t)50 << 20));
 	ck_assert_msg(strstr(ej_cuda_last_error(d), "out of memory"), "%s",
 		      ej_cuda_last_error(d));
 	unsetenv("FAKE_CUDA_MEM_LIMIT");

@@ -46,7 +46,7 @@ steps=6
     --metrics m.csv >train.log 2>&1 || { cat train.log >&2; fail "train"; }
 d=logs/out/job1
 for m in train_loss lr grad_norm tokens_per_s step_time_ms peak_alloc_bytes \
-    compile_ms; do
+    compile_ms peak_alloc_rank peak_reserved_bytes peak_reserved_rank; do
 	f=$d/Train_Samples_$m.csv
 	[ -f "$f" ] || fail "no $f"
 	[ "$(head -n 1 "$f")" = "step,$m" ] || fail "$f header: $(head -n 1 "$f")"
@@ -55,8 +55,10 @@ for m in train_loss lr grad_norm tokens_per_s step_time_ms peak_alloc_bytes \
 	[ "$(cut -d, -f1 "$f" | sed 1d | tr '\n' ' ')" = "6 12 18 24 30 36 " ] ||
 		fail "$f: steps are not samples: $(cut -d, -f1 "$f" | tr '\n' ' ')"
 done
-# the same values as the --metrics columns (loss 2, lr 3, tokens/s 5)
-for pair in train_loss:2 lr:3 tokens_per_s:5 compile_ms:8; do
+# the same values as the --metrics columns (loss 2, lr 3, tokens/s 5, compile
+# 8, the memory ones 6 and 10 to 12)
+for pair in train_loss:2 lr:3 tokens_per_s:5 compile_ms:8 peak_alloc_bytes:6 \
+    peak_alloc_rank:10 peak_reserved_bytes:11 peak_reserved_rank:12; do
 	m=${pair%:*}
 	c=${pair#*:}
 	sed 1d "$d/Train_Samples_$m.csv" | cut -d, -f2 >a.txt

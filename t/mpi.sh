@@ -13,7 +13,9 @@
 #     nccl comm's collectives, EP = 2 and data parallel (ZeRO 0 / 2)
 #     training against a 1-rank cpu reference, which comm carried what;
 #  2. epjit-train under mpirun: one progress line per step from rank 0,
-#     --rank-log files of the other rank, one rank file per rank of a
+#     --rank-log files of the other rank, the memory of every rank in the
+#     summary and the metrics (the largest and its rank), one rank file per
+#     rank of a
 #     checkpoint set and its commit record; resuming on 2 ranks (bf16,
 #     ZeRO 2, AdamW) is identical to the straight run; a second save is
 #     generation 2 and removes generation 1; a rank killed mid-save leaves
@@ -171,6 +173,32 @@ grep -q '^model.layers.0.mlp.experts.3.up_proj.weight ' r1.txt ||
 	fail "rank 1 does not hold expert 3"
 grep -q '^model.layers.0.mlp.experts.0.up_proj.weight ' r1.txt &&
 	fail "rank 1 holds expert 0"
+
+# Memory of every rank: the summary and the metrics report the largest over
+# the ranks and the (lowest) rank that holds it, checked against the memory.*
+# counters each rank prints of its own at the end (rank 0 in a1.log, rank 1
+# in its --rank-log).  With this config rank 1 holds the peak allocated.
+mem() { # LOG COUNTER: the counter's value in LOG
+	awk -v c="memory.$2" '$1 == c { print $2 }' "$1"
+}
+for k in peak_allocated peak_reserved reserved; do
+	v0=$(mem a1.log $k)
+	v1=$(mem a1.rank1.log $k)
+	[ -n "$v0" ] && [ -n "$v1" ] || fail "no memory.$k counters: $(cat a1.log)"
+	want=$(awk -v a="$v0" -v b="$v1" 'BEGIN {
+		printf "%.1f MiB (rank %d)", (b > a ? b : a) / 1048576, (b > a) }')
+	what=$(echo $k | tr _ ' ')
+	grep -q "^summary: memory, the largest of 2 ranks: .*$what $want" a1.log ||
+		fail "summary: $what should be $want: $(grep 'summary: memory' a1.log)"
+	[ $k = peak_allocated ] && pa0=$v0 pa1=$v1
+done
+# the metrics' last row: the evaluation after it (forward only, the
+# training shape) does not raise the peak allocated
+row=$(tail -n 1 a1.csv)
+want=$(awk -v a="$pa0" -v b="$pa1" 'BEGIN { print (b > a ? b : a) "," (b > a) }')
+[ "$(echo "$row" | cut -d, -f6,10)" = "$want" ] ||
+	fail "metrics: peak_alloc_bytes,peak_alloc_rank should be $want: $row"
+[ "$(echo "$row" | cut -d, -f12)" -le 1 ] || fail "metrics: peak_reserved_rank: $row"
 
 mpi2 a2.log "$TRAIN" --config ep2.json --steps 6 --seq 8 --load a1.ckpt \
 	--save a2.ckpt --metrics a2.csv

@@ -641,6 +641,76 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 	epj_ctx_free(cr);
 }
 
+/* ---- memory of every rank -------------------------------------------------
+ */
+
+/* epj_dist_memory_max: the last rank holds 8 MiB more than any other, so
+ * every rank must report its figures and its rank; a world of one reports
+ * its own, rank 0. */
+static void check_dist_memory(ej_comm *w, ej_comm *self, const char *optim)
+{
+	const int P = w->size, last = P - 1;
+	epj_ctx *ctx = NULL;
+	epj_ctx_new("cpu", &ctx);
+	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
+			      .seed = seed,
+			      .dtype = EPJ_DTYPE_F32 };
+	epj_model *m = NULL, *m1 = NULL;
+	epj_engine *e = NULL, *e1 = NULL;
+	OK(ctx, epj_model_new(ctx, NULL, &mo, &m));
+	OK(ctx, epj_model_new(ctx, NULL, &mo, &m1));
+	char *j = ds_json(P, 0, 2, optim, false);
+	char *j1 = ds_json(1, 0, 2, optim, false);
+	OK(ctx, epj_engine_initialize_json(ctx, m, j, "memory", &e));
+	ej_comm *prev = ej_comm_world_set(self);
+	OK(ctx, epj_engine_initialize_json(ctx, m1, j1, "memory1", &e1));
+	ej_comm_world_set(prev);
+	free(j);
+	free(j1);
+	if (!e || !e1)
+		return;
+	const int64_t sh[] = { 2, (int64_t)1 << 20 }; /* 8 MiB of f32 */
+	epj_tensor *big =
+	    w->rank == last ? epj_zeros(ctx, EPJ_DTYPE_F32, 2, sh) : NULL;
+	epj_memory_stats ms;
+	epj_memory_stats_get(ctx, &ms);
+	epj_dist_memory d = { 0 };
+	OK(ctx, epj_dist_memory_max(e, &d));
+	bool mine = w->rank == last;
+	CHECK(d.peak_allocated_rank == last && d.peak_reserved_rank == last &&
+		  d.reserved_rank == last,
+	      "dist memory ranks %d %d %d, want %d", d.peak_allocated_rank,
+	      d.peak_reserved_rank, d.reserved_rank, last);
+	CHECK(mine ? d.peak_allocated == ms.peak_allocated &&
+			 d.peak_reserved == ms.peak_reserved &&
+			 d.reserved == ms.reserved
+		   : d.peak_allocated >= ms.peak_allocated + (8u << 20) / 2 &&
+			 d.reserved > ms.reserved,
+	      "dist memory on rank %d: %llu / %llu / %llu, own %llu / %llu / "
+	      "%llu",
+	      w->rank, (unsigned long long)d.peak_allocated,
+	      (unsigned long long)d.peak_reserved,
+	      (unsigned long long)d.reserved,
+	      (unsigned long long)ms.peak_allocated,
+	      (unsigned long long)ms.peak_reserved,
+	      (unsigned long long)ms.reserved);
+	CHECK(epj_counter_get(ctx, "comm.dist.memory.bytes") > 0,
+	      "comm.dist.memory.bytes not counted");
+	/* a world of one: its own figures */
+	epj_dist_memory d1 = { 0 };
+	OK(ctx, epj_dist_memory_max(e1, &d1));
+	CHECK(d1.peak_allocated == ms.peak_allocated &&
+		  d1.reserved == ms.reserved && d1.peak_allocated_rank == 0 &&
+		  d1.reserved_rank == 0,
+	      "dist memory of a world of one");
+	epj_tensor_free(big);
+	epj_engine_free(e);
+	epj_engine_free(e1);
+	epj_model_free(m);
+	epj_model_free(m1);
+	epj_ctx_free(ctx);
+}
+
 /* ---- timeout --------------------------------------------------------------
  */
 
@@ -753,6 +823,7 @@ int main(void)
 	check_model(w, self, 1, 2, adamw, true);
 	if (world_size > 2 && world_size % 2 == 0) /* EP 2 x EDP W/2 */
 		check_model(w, self, 2, 2, sgd, true);
+	check_dist_memory(w, self, sgd);
 	check_mpi_error(ctx, w);
 	check_timeout(ctx, w);
 

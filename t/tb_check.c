@@ -25,10 +25,13 @@
 #include "tb_reader.h"
 
 /* Written out here, not taken from the trainer. */
-static const char *const metrics[] = { "train_loss",   "lr",
-				       "grad_norm",    "tokens_per_s",
-				       "step_time_ms", "peak_alloc_bytes",
-				       "compile_ms" };
+static const char *const metrics[] = {
+	"train_loss",	       "lr",
+	"grad_norm",	       "tokens_per_s",
+	"step_time_ms",	       "peak_alloc_bytes",
+	"compile_ms",	       "peak_alloc_rank",
+	"peak_reserved_bytes", "peak_reserved_rank"
+};
 #define N_METRICS (int)(sizeof metrics / sizeof metrics[0])
 
 static int bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -5,7 +5,7 @@
 #     named events.out.tfevents.<time>.<host>.<pid>.0 and announced by the
 #     trainer; t/tb_check reads it with its own reader (framing, both CRCs,
 #     the Event fields) and finds the file_version event, then for each of
-#     the seven Train/Samples/ tags exactly the csv_monitor rows: the same
+#     the ten Train/Samples/ tags exactly the csv_monitor rows: the same
 #     steps (samples) and values (float rounding aside);
 #  2. output_path "" puts the files under job_name/ in the working
 #     directory, as DeepSpeed does; a second run adds a second file;
@@ -66,11 +66,11 @@ case "$f" in
 *) fail "event file name $f: not host $host" ;;
 esac
 "$TBCHECK" "$f" logs/job1 || fail "$f differs from logs/job1/*.csv"
-# 5 steps x 7 tags, x = samples (micro-batch 3 x accumulation 2)
+# 5 steps x 10 tags, x = samples (micro-batch 3 x accumulation 2)
 [ "$("$TBCHECK" --dump "$f" | awk '$2 == "Train/Samples/lr" { printf "%s ", $1 }')" = \
 	"6 12 18 24 30 " ] || fail "lr steps: $("$TBCHECK" --dump "$f")"
-[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 36 ] ||
-	fail "expected 36 events: $("$TBCHECK" --dump "$f")"
+[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 51 ] ||
+	fail "expected 51 events: $("$TBCHECK" --dump "$f")"
 
 # ---- 2. output_path "": job_name/ in the working directory ---------------------
 mkdir cwd && cd cwd || exit 1
@@ -144,12 +144,12 @@ timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config mpi.json \
 f=$(one_file tb/mpi) || exit 1
 grep -q '^epjit-train: world 2 ranks, expert parallel 1, ZeRO stage 0, device cpu$' \
 	mpi.log || fail "no world line: $(grep '^epjit-train: ' mpi.log)"
-# 2 steps x 7 tags, x = step x micro-batch 2 x accumulation 2 x 2 ranks
+# 2 steps x 10 tags, x = step x micro-batch 2 x accumulation 2 x 2 ranks
 # (as csv_monitor)
 [ "$("$TBCHECK" --dump "$f" | awk '$2 == "Train/Samples/train_loss" { printf "%s ", $1 }')" = \
 	"8 16 " ] || fail "two ranks: x is not the job's samples: $("$TBCHECK" --dump "$f")"
-[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 15 ] ||
-	fail "two ranks: expected 15 events: $("$TBCHECK" --dump "$f")"
+[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 21 ] ||
+	fail "two ranks: expected 21 events: $("$TBCHECK" --dump "$f")"
 # csv_monitor, rank 0 only as well: one header and one row per step, in
 # csv/mpi (output_path's trailing slash not doubled)
 grep -q 'csv_monitor: writing csv/mpi/Train_Samples' mpi.log ||

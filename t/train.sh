@@ -87,7 +87,7 @@ last_fields() {
 # ---- 1. the default run ------------------------------------------------------
 run default.log --steps 60 --metrics default.csv
 head -n 1 default.csv |
-	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes,step_ms,compile_ms,entropy_floor$' ||
+	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes,step_ms,compile_ms,entropy_floor,peak_alloc_rank,peak_reserved_bytes,peak_reserved_rank$' ||
 	fail "metrics header: $(head -n 1 default.csv)"
 [ "$(wc -l <default.csv)" -eq 61 ] ||
 	fail "metrics: expected 60 rows, got $(($(wc -l <default.csv) - 1))"

@@ -119,6 +119,8 @@ typedef struct opts {
 	char **argv;
 } opts;
 
+#define N_MON 10 /* the monitors' events (mon_events) */
+
 /* Everything a run owns; run_free() releases it in reverse order. */
 typedef struct run {
 	epj_ctx *ctx;
@@ -126,9 +128,9 @@ typedef struct run {
 	epj_engine *engine;
 	epj_corpus *corpus;
 	FILE *metrics;
-	FILE *monitor[7]; /* csv_monitor: one file per event (mon_events) */
-	tb_writer *tb;	  /* tensorboard: rank 0's event file, or NULL */
-	uint64_t seed;	  /* the run seed */
+	FILE *monitor[N_MON]; /* csv_monitor: a file per event (mon_events) */
+	tb_writer *tb;	      /* tensorboard: rank 0's event file, or NULL */
+	uint64_t seed;	      /* the run seed */
 	int64_t B, T, gas;
 	int eval_stream;  /* epj_corpus_fork stream of the evaluation */
 	const char *data; /* --data or the config's data.path, "synthetic" */
@@ -244,10 +246,13 @@ static void usage(FILE *fp)
 	    "  --save CKPT         write a checkpoint at the end\n"
 	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
 	    "peak_alloc_bytes,\n"
-	    "                      step_ms,compile_ms,entropy_floor (the "
-	    "config's\n"
-	    "                      csv_monitor writes DeepSpeed's per-metric "
-	    "files)\n"
+	    "                      step_ms,compile_ms,entropy_floor,"
+	    "peak_alloc_rank,\n"
+	    "                      peak_reserved_bytes,peak_reserved_rank "
+	    "(memory: the\n"
+	    "                      largest over the ranks; the config's "
+	    "csv_monitor\n"
+	    "                      writes DeepSpeed's per-metric files)\n"
 	    "  --dump-state FILE   one forward+backward on the next batch, "
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
@@ -286,6 +291,18 @@ static double now_s(void)
 static double mib(uint64_t bytes)
 {
 	return (double)bytes / (1024.0 * 1024.0);
+}
+
+/* Under mpirun: which ranks hold the memory maxima, as " (max over ranks:
+ * peak rank R, reserved rank R of N)" in buf; "" for one rank. */
+static const char *mem_ranks(const epj_dist_memory *m, char *buf, size_t n)
+{
+	if (epj_dist_size() < 2)
+		return "";
+	snprintf(buf, n,
+		 " (max over ranks: peak rank %d, reserved rank %d of %d)",
+		 m->peak_allocated_rank, m->reserved_rank, epj_dist_size());
+	return buf;
 }
 
 /* ---- command line ---- */
@@ -1260,11 +1277,19 @@ typedef struct train_stats {
 /* The monitors' events, as DeepSpeed names them ("Train/Samples/<metric>",
  * x = samples seen): csv_monitor's file of "A/B/c" is A_B_c.csv with the
  * header "step,c"; tensorboard's scalars carry them as tags. */
-static const char *const mon_events[7] = {
-	"Train/Samples/train_loss",   "Train/Samples/lr",
-	"Train/Samples/grad_norm",    "Train/Samples/tokens_per_s",
-	"Train/Samples/step_time_ms", "Train/Samples/peak_alloc_bytes",
+static const char *const mon_events[N_MON] = {
+	"Train/Samples/train_loss",
+	"Train/Samples/lr",
+	"Train/Samples/grad_norm",
+	"Train/Samples/tokens_per_s",
+	"Train/Samples/step_time_ms",
+	"Train/Samples/peak_alloc_bytes",
 	"Train/Samples/compile_ms",
+	/* memory: the largest over the ranks, and the rank (lowest on ties)
+	 * that holds it (epj_dist_memory_max) */
+	"Train/Samples/peak_alloc_rank",
+	"Train/Samples/peak_reserved_bytes",
+	"Train/Samples/peak_reserved_rank",
 };
 
 /* mkdir -p */
@@ -1295,7 +1320,7 @@ static int monitor_open(run *r)
 	if (make_dirs(dir) != 0)
 		return fail_msg("csv_monitor: cannot create %s: %s", dir,
 				strerror(errno));
-	for (int i = 0; i < 7; i++) {
+	for (int i = 0; i < N_MON; i++) {
 		char name[128], path[4400];
 		snprintf(name, sizeof name, "%s", mon_events[i]);
 		for (char *c = name; *c; c++)
@@ -1393,8 +1418,10 @@ static int train(run *r, const opts *o, train_stats *ts)
 		if (!info.stepped)
 			continue;
 		double t = now_s();
-		epj_memory_stats ms;
-		epj_memory_stats_get(ctx, &ms);
+		/* every rank's memory, before any rank may skip ahead */
+		epj_dist_memory ms;
+		if (epj_dist_memory_max(e, &ms) != EPJ_OK)
+			return fail(ctx);
 		if (info.skipped)
 			continue; /* warned and counted by the engine */
 		if (!isfinite(info.mean_loss))
@@ -1413,11 +1440,12 @@ static int train(run *r, const opts *o, train_stats *ts)
 		if (r->metrics)
 			fprintf(r->metrics,
 				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
-				",%.3f,%.3f,%.6g\n",
+				",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d\n",
 				info.step, info.mean_loss, info.lr,
 				info.grad_norm, (double)tok_per_step / step_s,
 				ms.peak_allocated, step_s * 1e3, compile_ms,
-				floor);
+				floor, ms.peak_allocated_rank, ms.peak_reserved,
+				ms.peak_reserved_rank);
 		/* one whole row per write: a stopped or killed run leaves
 		 * no cut row */
 		if (r->metrics)
@@ -1426,14 +1454,19 @@ static int train(run *r, const opts *o, train_stats *ts)
 		 * the whole job, as DeepSpeed's global_samples: step x
 		 * train_batch_size (micro-batch x accumulation x the
 		 * data-parallel world, every rank here) */
-		double v[7] = { info.mean_loss, info.lr,
-				info.grad_norm, (double)tok_per_step / step_s,
-				step_s * 1e3,	(double)ms.peak_allocated,
-				compile_ms };
+		double v[N_MON] = {
+			info.mean_loss, info.lr,
+			info.grad_norm, (double)tok_per_step / step_s,
+			step_s * 1e3,	(double)ms.peak_allocated,
+			compile_ms
+		};
+		v[7] = ms.peak_allocated_rank; /* the memory of every rank */
+		v[8] = (double)ms.peak_reserved;
+		v[9] = ms.peak_reserved_rank;
 		int64_t samples =
 		    info.step * r->B * r->gas * (int64_t)epj_dist_size();
 		if (r->monitor[0]) {
-			for (int i = 0; i < 7; i++) {
+			for (int i = 0; i < N_MON; i++) {
 				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
 					samples, v[i]);
 				fflush(r->monitor[i]);
@@ -1444,7 +1477,7 @@ static int train(run *r, const opts *o, train_stats *ts)
 		if (r->tb) {
 			double wt = wall_s();
 			int bad = 0;
-			for (int i = 0; i < 7 && !bad; i++)
+			for (int i = 0; i < N_MON && !bad; i++)
 				bad = tb_writer_scalar(r->tb, wt, samples,
 						       mon_events[i],
 						       (float)v[i]);
@@ -1453,13 +1486,16 @@ static int train(run *r, const opts *o, train_stats *ts)
 		}
 		bool last = info.step >= o->steps;
 		if (info.step % print_every == 0 || last) {
+			char buf[96];
 			ts->window_loss = win_sum / (double)win_n;
 			printf("step %6" PRId64 "/%ld  loss %.4f  lr %.3e  "
-			       "grad_norm %.3f  tok/s %.0f  peak %.1f MiB\n",
+			       "grad_norm %.3f  tok/s %.0f  peak %.1f MiB  "
+			       "reserved %.1f MiB%s\n",
 			       info.step, o->steps, ts->window_loss, info.lr,
 			       info.grad_norm,
 			       (double)(tok_per_step * win_n) / (t - t_win),
-			       mib(ms.peak_allocated));
+			       mib(ms.peak_allocated), mib(ms.reserved),
+			       mem_ranks(&ms, buf, sizeof buf));
 			fflush(stdout);
 			win_sum = 0;
 			win_n = 0;
@@ -1691,7 +1727,7 @@ static void run_free(run *r)
 {
 	if (r->metrics)
 		fclose(r->metrics);
-	for (int i = 0; i < 7; i++)
+	for (int i = 0; i < N_MON; i++)
 		if (r->monitor[i])
 			fclose(r->monitor[i]);
 	if (r->tb && tb_writer_close(r->tb) != 0)
@@ -1782,7 +1818,8 @@ static int run_main(run *r, const opts *o)
 					o->metrics, strerror(errno));
 		fprintf(r->metrics, "step,loss,lr,grad_norm,tokens_per_s,"
 				    "peak_alloc_bytes,step_ms,compile_ms,"
-				    "entropy_floor\n");
+				    "entropy_floor,peak_alloc_rank,"
+				    "peak_reserved_bytes,peak_reserved_rank\n");
 	}
 	if (monitor_open(r) || tb_open(r))
 		return 1;
@@ -1808,8 +1845,9 @@ static int run_main(run *r, const opts *o)
 	if (evaluate(r, &eval_loss))
 		return 1;
 	double floor = epj_corpus_entropy_rate(r->corpus);
-	epj_memory_stats ms;
-	epj_memory_stats_get(r->ctx, &ms);
+	epj_dist_memory ms; /* every rank's: collective */
+	if (epj_dist_memory_max(r->engine, &ms) != EPJ_OK)
+		return fail(r->ctx);
 	printf("summary: %" PRId64 " steps in %.2f s (%.1f ms/step), "
 	       "%.0f tokens/s\n",
 	       ts.steps_done, ts.seconds,
@@ -1837,9 +1875,19 @@ static int run_main(run *r, const opts *o)
 		    "gap %.4f\n",
 		    eval_loss, EVAL_BATCHES, r->B, r->T, floor,
 		    eval_loss - floor);
-	printf("summary: memory peak allocated %.1f MiB, peak reserved %.1f "
-	       "MiB\n",
-	       mib(ms.peak_allocated), mib(ms.peak_reserved));
+	if (epj_dist_size() > 1)
+		printf("summary: memory, the largest of %d ranks: peak "
+		       "allocated %.1f MiB (rank %d), peak reserved %.1f MiB "
+		       "(rank %d), reserved %.1f MiB (rank %d)\n",
+		       epj_dist_size(), mib(ms.peak_allocated),
+		       ms.peak_allocated_rank, mib(ms.peak_reserved),
+		       ms.peak_reserved_rank, mib(ms.reserved),
+		       ms.reserved_rank);
+	else
+		printf("summary: memory peak allocated %.1f MiB, peak "
+		       "reserved %.1f MiB, reserved %.1f MiB\n",
+		       mib(ms.peak_allocated), mib(ms.peak_reserved),
+		       mib(ms.reserved));
 	if (epj_dist_size() > 1 && ts.steps_done)
 		printf(
 		    "summary: comm (rank 0 of %d): %.3f MiB sent and %.1f ms "
