@@ -2048,6 +2048,8 @@ typedef struct cmp_arm {
 	epj_memory_stats ms;
 } cmp_arm;
 
+_Static_assert(COMPARE_ROUND_STEPS <= 16, "compare_rounds' buffer");
+
 /* The rounds: in round k arm (k even ? eager : compiled) takes
  * COMPARE_ROUND_STEPS steps, then the other arm the same steps on the same
  * batches (A B, B A, A B, ...); ratio[k] = compiled median / eager median
