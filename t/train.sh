@@ -677,10 +677,12 @@ rescued() {
 # 300 bytes and goes away: EPIPE), without --save: the checkpoint goes to
 # epjit-train-rescue.step<N>.ckpt, and a run resumed from it goes on.
 if mkfifo mfifo 2>/dev/null; then
-	(head -c 300 mfifo >/dev/null) &
+	# (the reader gives up after 120 s should the trainer never open it)
+	timeout 120 head -c 300 mfifo >/dev/null &
+	reader=$!
 	timeout 120 "$TRAIN" $long --metrics mfifo >mf.log 2>&1
 	rc=$?
-	wait
+	wait $reader
 	rescued mf 'epjit-train-rescue.step<n>.ckpt' \
 		'mfifo: write failed: Broken pipe'
 	run mf2.log --steps $((n + 1)) --seq 8 --load "epjit-train-rescue.step$n.ckpt" \
@@ -793,12 +795,13 @@ EOF
 	# rank 0's --metrics fails after some steps: the ranks agree on the
 	# error, both take part in the save of a committed set, both exit 1
 	if mkfifo mpfifo 2>/dev/null; then
-		(head -c 300 mpfifo >/dev/null) &
+		timeout 300 head -c 300 mpfifo >/dev/null &
+		reader=$!
 		timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" $long \
 			--config ep2.json --save mpe.ckpt --metrics mpfifo \
-			--rank-log mpe >mpe.log 2>&1
+			--rank-log mpe >mpe.out 2>mpe.log
 		rc=$?
-		wait
+		wait $reader
 		rescued mpe mpe.ckpt 'mpfifo: write failed: Broken pipe'
 		[ -s mpe.ckpt.g1.rank0 ] && [ -s mpe.ckpt.g1.rank1 ] ||
 			fail "2 ranks, error: not a set of 2 files: $(ls mpe.ckpt*)"

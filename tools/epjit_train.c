@@ -1400,18 +1400,19 @@ static void print_resume_hint(const opts *o, const char *path)
 }
 
 /* The checkpoint of the end of a run (--save), of a run stopped by a
- * signal, and of one that failed (rescue). */
-static int save_checkpoint(run *r, const char *path)
+ * signal, and of one that failed (rescue); its message goes to out (a
+ * failed run says everything on stderr, in order). */
+static int save_checkpoint(run *r, const char *path, FILE *out)
 {
 	if (epj_engine_save(r->engine, path) != EPJ_OK)
 		return fail(r->ctx);
 	r->saved_step = epj_engine_step_count(r->engine);
-	fprintf(where_to(), PROG ": saved step %" PRId64 " to %s%s\n",
-		r->saved_step, path,
+	fprintf(out, PROG ": saved step %" PRId64 " to %s%s\n", r->saved_step,
+		path,
 		epj_dist_size() > 1 ? " (the commit record of a set of one "
 				      "file per rank)"
 				    : "");
-	fflush(where_to());
+	fflush(out);
 	return 0;
 }
 
@@ -1435,7 +1436,7 @@ static int stop_run(run *r, const opts *o)
 				: none ? "no step taken: --save stays as it was"
 				       : "no --save PATH");
 	} else {
-		if (save_checkpoint(r, o->save))
+		if (save_checkpoint(r, o->save, where_to()))
 			return 1;
 		if (say)
 			print_resume_hint(o, o->save);
@@ -1478,7 +1479,7 @@ static int rescue(run *r, const opts *o)
 			step, path, o->save ? "" : " (no --save PATH)");
 		fflush(stderr);
 	}
-	if (save_checkpoint(r, path) == 0) {
+	if (save_checkpoint(r, path, stderr) == 0) {
 		if (say)
 			print_resume_hint(o, path);
 	} else if (say) {
@@ -2486,7 +2487,7 @@ static int run_main(run *r, const opts *o)
 		return rescue(r, o);
 	if (r->stop_sig)
 		return stop_run(r, o);
-	if (o->save && save_checkpoint(r, o->save))
+	if (o->save && save_checkpoint(r, o->save, where_to()))
 		return 1;
 	double eval_loss;
 	if (evaluate(r, &eval_loss))
