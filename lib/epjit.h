@@ -469,6 +469,13 @@ bool epj_engine_bf16(const epj_engine *e);
  * size (expert_parallel.autoep_size; 1 without expert parallelism). */
 int epj_engine_zero_stage(const epj_engine *e);
 int epj_engine_ep_size(const epj_engine *e);
+/* The i-th key (from 0) whose value was "auto" in the config, as a dotted
+ * path in key (capacity kn), and the value it resolved to as JSON text in
+ * val (capacity vn; e.g. "8", "0.003", "[0.9,0.95]", "false"; "?" when it
+ * cannot be written).  False when the config has fewer than i + 1 "auto"
+ * values. */
+bool epj_engine_auto_value(const epj_engine *e, int i, char *key, size_t kn,
+			   char *val, size_t vn);
 /* The config's csv_monitor (DeepSpeed's monitor section): true when it is
  * enabled, with dir (capacity n) the folder of its CSV files,
  * output_path/job_name, or job_name alone when output_path is empty. */

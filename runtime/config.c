@@ -2139,6 +2139,16 @@ static void note_no_effect(cp *p, ej_config *c, const char *path)
 			 o ? ", " : "", path);
 }
 
+/* Remembers that path was "auto" in the file (ej_config.auto_keys); a
+ * path that does not fit is left out. */
+static void note_auto(ej_config *c, const char *path)
+{
+	size_t o = strlen(c->auto_keys), n = strlen(path);
+	if (o + n + 2 <= sizeof c->auto_keys)
+		snprintf(c->auto_keys + o, sizeof c->auto_keys - o, "%s\n",
+			 path);
+}
+
 /* A K_ANY value that turns its feature on: anything but null, false, {}
  * or an object whose "enabled" is false. */
 static bool any_on(const json_t *v)
@@ -2363,6 +2373,8 @@ static epj_status read_key(cp *p, const key *k, json_t *obj, const char *spath,
 	}
 	if (is_auto(v) && k->type != K_SPECIAL && !auto_is_choice(k)) {
 		bool done;
+		if (k->auto_doc)
+			note_auto(c, path);
 		s = read_auto(p, k, obj, &v, path, base, c, &done);
 		if (s != EPJ_OK || done)
 			return s;
@@ -2534,9 +2546,10 @@ static epj_status auto_total_steps(cp *p, const key *k, json_t *obj, json_t *v,
 static epj_status hook_top_k(cp *p, const key *k, json_t *obj, json_t *v,
 			     const char *path, char *base, ej_config *c)
 {
-	(void)c, (void)obj;
+	(void)obj;
 	char g[100];
 	if (is_auto(v)) {
+		note_auto(c, path);
 		set_int(k, base, 0);
 		return EPJ_OK;
 	}

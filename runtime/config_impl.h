@@ -217,6 +217,11 @@ typedef struct ej_config {
 	 * off), as "a.b, c" in the key table's order; "" when none.  The parse
 	 * logs them in one warning. */
 	char no_effect[1024];
+	/* The keys of the file whose value was "auto" (the placeholder, not
+	 * comm.backend's own "auto"), as dotted paths in the order read, each
+	 * ended by '\n'; "" when none.  The values they took are the fields'
+	 * (epj_engine_auto_value prints them). */
+	char auto_keys[1024];
 } ej_config;
 
 /* Fills every field with its documented default. */

@@ -630,11 +630,54 @@ int epj_engine_zero_stage(const epj_engine *e)
 	return e->cfg.zero.stage;
 }
 
+/* autoep_size whatever expert_parallel.enabled says: "enabled" is parsed
+ * only (every MoE layer is an AutoEP layer), and setup_parallel shards the
+ * experts by autoep_size alone. */
 int epj_engine_ep_size(const epj_engine *e)
 {
-	return e->cfg.expert_parallel.enabled
-		   ? e->cfg.expert_parallel.autoep_size
-		   : 1;
+	return e->cfg.expert_parallel.autoep_size;
+}
+
+/* Value of dotted key path in the JSON object o, NULL when absent. */
+static json_t *json_at(json_t *o, const char *path)
+{
+	char buf[300];
+	snprintf(buf, sizeof buf, "%s", path);
+	char *save = NULL;
+	for (char *t = strtok_r(buf, ".", &save); t && o;
+	     t = strtok_r(NULL, ".", &save))
+		o = json_is_object(o) ? json_object_get(o, t) : NULL;
+	return o;
+}
+
+bool epj_engine_auto_value(const epj_engine *e, int i, char *key, size_t kn,
+			   char *val, size_t vn)
+{
+	const char *p = e->cfg.auto_keys;
+	for (; i > 0 && *p; i--)
+		p = strchr(p, '\n') + 1;
+	if (i < 0 || !*p)
+		return false;
+	int len = (int)(strchr(p, '\n') - p);
+	snprintf(key, kn, "%.*s", len, p);
+	snprintf(val, vn, "?");
+	if (!strcmp(key, "expert_parallel.top_k") &&
+	    e->cfg.expert_parallel.top_k == 0) {
+		snprintf(val, vn, "%d", e->model->cfg.num_experts_per_tok);
+		return true;
+	}
+	char *text = ej_config_to_json(&e->cfg);
+	json_t *root = text ? json_loads(text, 0, NULL) : NULL;
+	json_t *v = root ? json_at(root, key) : NULL;
+	char *dump = v ? json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT |
+					   JSON_REAL_PRECISION(15))
+		       : NULL;
+	if (dump)
+		snprintf(val, vn, "%s", dump);
+	free(dump);
+	json_decref(root);
+	free(text);
+	return true;
 }
 
 epj_model *epj_engine_model(epj_engine *e)

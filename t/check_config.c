@@ -775,6 +775,7 @@ static void expect_same(const ej_config *a, const ej_config *b)
 	y.batch_world_size = x.batch_world_size;
 	memcpy(y.source, x.source, sizeof x.source);
 	memcpy(y.no_effect, x.no_effect, sizeof x.no_effect);
+	memcpy(y.auto_keys, x.auto_keys, sizeof x.auto_keys);
 	ck_assert_int_eq(x.train_batch_size, y.train_batch_size);
 	ck_assert(x.optimizer.lr == y.optimizer.lr);
 	ck_assert(x.scheduler.cos_min_ratio == y.scheduler.cos_min_ratio);

@@ -10,6 +10,8 @@
 #     before step 1 (reported by the trainer, > 0 on an empty cache) and
 #     every step's compile_ms is 0;
 #     a second run appends without a second header;
+#     a full disk (/dev/full under the monitor's and --metrics' names) fails
+#     the run before step 1 with exit 1, naming the file and the error;
 #  2. epjit-plot draws an eager and a compiled run into one PNG (skipped
 #     without gnuplot), and refuses a file that is not a metrics CSV; its
 #     --help; titles, labels and file names with quotes and blanks; a
@@ -87,6 +89,31 @@ awk -v f="$floor" 'BEGIN { exit !(f > 0.5 && f < 4.2) }' ||
 	fail "second run wrote a second header"
 [ "$(wc -l <"$d/Train_Samples_train_loss.csv")" -eq $((steps + 3)) ] ||
 	fail "second run did not append"
+
+# a full disk: the header of the first file cannot be written.  The run
+# fails before training (nothing to save yet) naming the file and errno.
+if [ -w /dev/full ]; then
+	mkdir -p full/j
+	for m in train_loss lr grad_norm tokens_per_s step_time_ms \
+	    peak_alloc_bytes compile_ms; do
+		ln -s /dev/full "full/j/Train_Samples_$m.csv"
+	done
+	cat >full.json <<'EOF'
+{"csv_monitor": {"enabled": true, "output_path": "full", "job_name": "j"}}
+EOF
+	"$TRAIN" --config full.json --steps 3 --seq 8 >full.log 2>&1
+	rc=$?
+	[ "$rc" -eq 1 ] ||
+		fail "csv_monitor on a full disk: exit $rc: $(tail -n 3 full.log)"
+	grep -q '^epjit-train: csv_monitor: full/j/Train_Samples_train_loss.csv: write failed: No space left on device$' full.log ||
+		fail "csv_monitor on a full disk: $(tail -n 3 full.log)"
+	grep -q '^step ' full.log && fail "csv_monitor on a full disk trained: $(cat full.log)"
+	"$TRAIN" --steps 3 --seq 8 --metrics /dev/full >full.log 2>&1
+	rc=$?
+	[ "$rc" -eq 1 ] &&
+		grep -q '^epjit-train: /dev/full: write failed: No space left on device$' full.log ||
+		fail "--metrics /dev/full: exit $rc: $(tail -n 3 full.log)"
+fi
 
 # ---- plot -------------------------------------------------------------------------
 if ! command -v gnuplot >/dev/null 2>&1; then

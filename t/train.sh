@@ -21,7 +21,23 @@
 #     step, exactly as a straight run; SIGUSR1 saves, prints the resume
 #     hint and exits 0; SIGINT exits 130 and leaves --save as it was; a
 #     second signal while stopping exits at once (128 + its number),
-#     leaving --save as it was or whole; no signal leaves a cut metrics row.
+#     leaving --save as it was or whole; no signal leaves a cut metrics row;
+#     SIGHUP saves and exits 129; a stdout whose reader goes away (| sed q)
+#     stops the run after the step with a save and exit 141, never a death
+#     by SIGPIPE; the resume hint names the program the user ran (the
+#     libtool wrapper in a build tree, not tools/.libs/epjit-train);
+#  6. errors after step 1 (a --metrics write that fails, a bad token in a
+#     later batch or in an --eval-every evaluation) save a checkpoint
+#     (to --save, else epjit-train-rescue.step<N>.ckpt), print the resume
+#     command and exit 1 with the error as the last line; a state that is
+#     not finite is not saved and the first error still ends the output;
+#     under mpirun both ranks save when rank 0's --metrics fails;
+#  7. the banner says where the weights came from and what each "auto"
+#     value became; --model takes a Hugging Face folder (its weights, one
+#     file or shards); --bf16 trains in bf16 (and is refused with a config
+#     that disables bf16); --steps 0 --load evaluates; a checkpoint whose
+#     micro_step disagrees with its step is refused; --compare-eager runs
+#     both arms from the same weights and prints the ratio's spread.
 # Exit 77 (SKIP) when the trainer was not built.  One thread each, so the
 # timings do not depend on how loaded the machine is (about 20 s in all).
 
@@ -100,6 +116,8 @@ grep -q 'entropy floor' default.log || fail "no entropy floor in the summary"
 grep -q 'autoep.calls.forward' default.log || fail "no counters in the summary"
 grep -q '^epjit-train: world 1 rank, expert parallel 1, ZeRO stage 0, device cpu$' \
 	default.log || fail "no world line: $(head -n 4 default.log)"
+grep -q '^epjit-train: weights: random (seed 42)$' default.log ||
+	fail "no weights line: $(head -n 4 default.log)"
 
 run root.log --steps 3 --seq 16 --layout root --checkpointing --threads 1
 grep -q 'root layout' root.log || fail "root layout not reported"
@@ -134,6 +152,12 @@ run done.log --seq 16 --steps 7 --load done.ckpt --save done.ckpt \
 	--metrics done.csv
 grep -q 'is at step 10, --steps is 7: nothing left to train' done.log ||
 	fail "a finished run's resume did not say so: $(cat done.log)"
+# --steps 0 --load: the documented evaluation of a checkpoint
+run ev0.log --seq 16 --steps 0 --load f32-a1.ckpt
+grep -q '^epjit-train: weights: f32-a1.ckpt (--load, step 10)$' ev0.log &&
+	grep -q '^summary: eval loss [0-9.]* (held-out stream' ev0.log ||
+	fail "--steps 0 --load did not evaluate: $(cat ev0.log)"
+ev0=$(sed -n 's/^summary: eval loss \([0-9.]*\) .*/\1/p' ev0.log)
 cmp -s done.ckpt f32-a1.ckpt || fail "a resume with nothing to train rewrote the checkpoint"
 [ ! -e done.csv ] || fail "a resume with nothing to train wrote metrics"
 
@@ -153,6 +177,25 @@ cat >bf16.json <<'EOF'
 EOF
 resume bf16 --seq 16 --config bf16.json
 grep -q 'bf16, seed 7' bf16-b.log || fail "bf16 run: config seed or bf16 not used"
+
+# A micro_step out of line with step x gradient_accumulation_steps is
+# refused at once (a huge one would skip batches for hours); one stop
+# between the micro-batches of a step is allowed.  skew CKPT FROM TO OUT:
+# the metadata edited in place (same length).
+skew() {
+	LC_ALL=C sed "s/\"micro_step\":\"$2\"/\"micro_step\":\"$3\"/" "$1" >"$4"
+	[ "$(wc -c <"$4")" -eq "$(wc -c <"$1")" ] && ! cmp -s "$1" "$4" ||
+		fail "could not edit the micro_step of $1"
+}
+skew f32-a1.ckpt 10 99 skew1.ckpt
+expect_fail 1 'inconsistent counters: micro_step 99 with step 10' \
+	--seq 16 --steps 20 --load skew1.ckpt
+grep -q 'expected micro_step 10 ' err.txt || fail "micro_step: $(cat err.txt)"
+skew bf16-a1.ckpt 20 23 skew2.ckpt
+expect_fail 1 'expected micro_step 20 to 21' --seq 16 --config bf16.json \
+	--steps 20 --load skew2.ckpt
+skew bf16-a1.ckpt 20 21 skew3.ckpt
+run skew3.log --seq 16 --config bf16.json --steps 11 --load skew3.ckpt
 
 # ---- 3. --dump-state ---------------------------------------------------------------
 run d1.log --dump-state d1.st --seq 8
@@ -220,6 +263,33 @@ else
 	echo "note: python3 not found; skipping --load of a plain HF file"
 fi
 
+# A Hugging Face model folder (epjit-ckpt to-hf: config.json and
+# model.safetensors, or shards with their index) as --model: the model
+# starts from its weights, and says so; so does its config.json.  The
+# evaluation of step 10's weights is then that of the checkpoint.
+CKPT="$builddir/tools/epjit-ckpt"
+if [ -x "$CKPT" ]; then
+	"$CKPT" to-hf f32-a1.ckpt hfdir >to-hf.log 2>&1 &&
+		"$CKPT" to-hf f32-a1.ckpt hfsh --max-shard-size 40000 \
+			>>to-hf.log 2>&1 || fail "epjit-ckpt to-hf: $(cat to-hf.log)"
+	[ -f hfsh/model.safetensors.index.json ] || fail "to-hf wrote no shards"
+	for m in hfdir hfdir/config.json hfsh/; do
+		run md.log --model "$m" --seq 16 --steps 0
+		w=hfdir/model.safetensors
+		[ "$m" = hfsh/ ] && w=hfsh/model.safetensors.index.json
+		grep -q "^epjit-train: weights: $w\$" md.log ||
+			fail "--model $m: $(grep weights md.log)"
+		[ "$(sed -n 's/^summary: eval loss \([0-9.]*\) .*/\1/p' md.log)" = "$ev0" ] ||
+			fail "--model $m: not the weights of the folder: $(grep 'eval loss' md.log) vs $ev0"
+	done
+	# --load wins over the folder's weights, and says so
+	run md2.log --model hfdir --seq 16 --steps 0 --load f32-a1.ckpt
+	grep -q '^epjit-train: weights: f32-a1.ckpt (--load, step 10)$' md2.log ||
+		fail "--model DIR --load: $(grep weights md2.log)"
+else
+	echo "note: epjit-ckpt not built; skipping --model DIR"
+fi
+
 # ---- 4. bad inputs ---------------------------------------------------------------
 expect_fail 1 missing.json --config missing.json --steps 1
 printf '{"train_micro_batch_size_per_gpu": 2, "optimiser": {}}\n' >typo.json
@@ -270,6 +340,33 @@ grep -q 'no CUDA driver (/nonexistent/epjit/libcuda.so.1 not found' \
 	err.txt || fail "--device cuda without a driver: $(cat err.txt)"
 grep -q '^epjit-train: cannot create a cuda context' err.txt ||
 	fail "--device cuda without a driver: $(cat err.txt)"
+# --bf16: the built-in config and "auto" take it; a config that says
+# false refuses it rather than training in f32 without a word
+run b16.log --bf16 --steps 2 --seq 8
+grep -q '^epjit-train: config <built-in>, .*, bf16, seed 42,' b16.log ||
+	fail "--bf16 did not train in bf16: $(grep config b16.log)"
+printf '{"bf16": {"enabled": false}}\n' >nobf16.json
+expect_fail 1 'nobf16.json does not enable bf16' --config nobf16.json --bf16 \
+	--steps 1
+# every "auto" value is printed with what it became
+cat >auto.json <<'EOF2'
+{"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+ "bf16": {"enabled": "auto"},
+ "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},
+ "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto",
+   "total_num_steps": "auto"}}}
+EOF2
+run auto.log --config auto.json --bf16 --steps 30 --seq 8
+for want in 'train_micro_batch_size_per_gpu = 8' 'train_batch_size = 8' \
+	'bf16.enabled = true' 'optimizer.params.lr = 0.003' \
+	'optimizer.params.betas = [0.9,0.95]' \
+	'scheduler.params.warmup_num_steps = 20' \
+	'scheduler.params.total_num_steps = 30'; do
+	grep -q -x -F "epjit-train: config \"auto\": $want" auto.log ||
+		fail "\"auto\" not printed as '$want': $(grep auto auto.log)"
+done
+[ "$(grep -c 'config "auto": ' auto.log)" -eq 7 ] ||
+	fail "\"auto\" lines: $(grep auto auto.log)"
 expect_fail 2 --steps --steps many
 expect_fail 2 --layout --layout sideways
 "$TRAIN" --help >help.txt 2>&1 || fail "--help exited non-zero"
@@ -297,10 +394,10 @@ nap() {
 # signal that is ignored at its start ignored.  Without env
 # --default-signal or perl, SIGINT is not tested.
 if env --default-signal=INT true 2>/dev/null; then
-	sigdfl() { exec env --default-signal=INT,TERM,USR1 "$@"; }
+	sigdfl() { exec env --default-signal=INT,TERM,USR1,HUP "$@"; }
 elif command -v perl >/dev/null 2>&1; then
 	sigdfl() {
-		exec perl -e '$SIG{$_} = "DEFAULT" for qw(INT TERM USR1);
+		exec perl -e '$SIG{$_} = "DEFAULT" for qw(INT TERM USR1 HUP);
 			exec @ARGV or die "exec: $!\n"' "$@"
 	}
 else
@@ -436,6 +533,42 @@ grep -q '^epjit-train: resume with: .* --steps 100000 --seq 8 --save usr1.ckpt -
 run usr2.log --steps $((n + 1)) --seq 8 --load usr1.ckpt --metrics usr2.csv
 [ "$(last_step usr2.csv)" = "$((n + 1))" ] && [ "$(wc -l <usr2.csv)" -eq 2 ] ||
 	fail "SIGUSR1: the resumed run did not take step $((n + 1)): $(cat usr2.csv)"
+# the hint names the program as run: in the build tree the libtool
+# wrapper, which finds the uninstalled library, not tools/.libs/...
+prog=$(sed -n 's/^epjit-train: resume with: \([^ ]*\) .*/\1/p' usr1.log)
+[ "$prog" = "$TRAIN" ] ||
+	fail "the resume hint runs '$prog', not the program run ($TRAIN)"
+"$prog" --version >ver.txt 2>&1 || fail "$prog --version: $(cat ver.txt)"
+
+# SIGHUP (a closed terminal, a batch system): as SIGTERM, exit 129
+bg_start hup "$TRAIN" $long --save hup.ckpt --metrics hup.csv
+bg_rows hup hup.csv 2
+kill -HUP "$bgpid"
+bg_wait hup
+[ "$rc" -eq 129 ] || fail "SIGHUP: exit $rc, expected 129: $(tail -n 3 hup.log)"
+stopped_at hup SIGHUP
+whole_rows hup.csv
+grep -q "^epjit-train: saved step $n to hup.ckpt$" hup.log ||
+	fail "SIGHUP: checkpoint of step $n not saved: $(tail -n 3 hup.log)"
+run hup2.log --steps $((n + 1)) --seq 8 --load hup.ckpt
+
+# stdout's reader goes away (sed quits at the first progress line, of step
+# 20): the next progress line (step 40) meets EPIPE, which stops the run
+# after that step with a save and exit 141 (SIGPIPE's), never a death by
+# SIGPIPE; the rest of the output goes to stderr.
+(
+	timeout 120 "$TRAIN" $long --save pipe.ckpt 2>pipe.log
+	echo $? >pipe.rc
+) | sed -n '/^step /q'
+rc=$(cat pipe.rc)
+[ "$rc" -eq 141 ] || fail "stdout closed: exit $rc, expected 141: $(tail -n 3 pipe.log)"
+n=$(sed -n 's/^epjit-train: SIGPIPE: stopping after step \([0-9]*\) .*/\1/p' pipe.log)
+[ -n "$n" ] && [ "$n" -ge 20 ] || fail "stdout closed: $(cat pipe.log)"
+grep -q "^epjit-train: saved step $n to pipe.ckpt$" pipe.log ||
+	fail "stdout closed: no checkpoint of step $n: $(cat pipe.log)"
+"$TRAIN" --list-safetensors pipe.ckpt >pipe.txt 2>&1 &&
+	grep -q -x "meta step=$n" pipe.txt ||
+	fail "stdout closed: checkpoint not at step $n: $(grep meta pipe.txt)"
 
 # No --save: stopped all the same, and said that nothing was saved.
 bg_start nosave "$TRAIN" $long --metrics nosave.csv
@@ -514,6 +647,102 @@ if [ -e twice2.ckpt ]; then
 	run twice3.log --steps $((s + 1)) --seq 8 --load twice2.ckpt
 fi
 
+# ---- 6. errors after step 1 -------------------------------------------------
+# rescued TAG PATH ERR: the run of TAG.log exited 1 after saving a
+# checkpoint to PATH (n = its step, >= 1), printed the resume command and
+# ended with the error ERR.
+rescued() {
+	[ "$rc" -eq 1 ] || fail "$1: exit $rc, expected 1: $(tail -n 3 "$1.log")"
+	n=$(sed -n 's/^epjit-train: the run failed after step \([0-9]*\); saving its state to .*/\1/p' "$1.log")
+	[ -n "$n" ] && [ "$n" -ge 1 ] || fail "$1: no rescue save: $(cat "$1.log")"
+	p=$(echo "$2" | sed "s/<n>/$n/")
+	grep -q "^epjit-train: the run failed after step $n; saving its state to $p" "$1.log" &&
+		grep -q "^epjit-train: saved step $n to $p\($\| (the commit record\)" "$1.log" &&
+		grep -q "^epjit-train: resume with: $TRAIN .* --load $p\($\|   (under mpirun, on 2 ranks again)$\)" "$1.log" ||
+		fail "$1: no save or resume hint: $(cat "$1.log")"
+	# the last line of the trainer (mpirun may add its own after it)
+	[ "$(grep '^epjit-train: ' "$1.log" | tail -n 1)" = "epjit-train: exiting with status 1 after step $n: $3" ] ||
+		fail "$1: the last line is not the error: $(tail -n 3 "$1.log")"
+	if [ -e "$p.g1.rank0" ]; then # the commit record of a set
+		grep -q "\"step\": $n," "$p" ||
+			fail "$1: $p is not the record of step $n: $(cat "$p")"
+	else
+		"$TRAIN" --list-safetensors "$p" >"$1.txt" 2>&1 &&
+			grep -q -x "meta step=$n" "$1.txt" ||
+			fail "$1: $p is not a checkpoint of step $n: $(cat "$1.txt")"
+	fi
+}
+
+# A --metrics write that fails after some steps (a FIFO whose reader reads
+# 300 bytes and goes away: EPIPE), without --save: the checkpoint goes to
+# epjit-train-rescue.step<N>.ckpt, and a run resumed from it goes on.
+if mkfifo mfifo 2>/dev/null; then
+	# (the reader gives up after 120 s should the trainer never open it)
+	timeout 120 head -c 300 mfifo >/dev/null &
+	reader=$!
+	timeout 120 "$TRAIN" $long --metrics mfifo >mf.log 2>&1
+	rc=$?
+	wait $reader
+	rescued mf 'epjit-train-rescue.step<n>.ckpt' \
+		'mfifo: write failed: Broken pipe'
+	run mf2.log --steps $((n + 1)) --seq 8 --load "epjit-train-rescue.step$n.ckpt" \
+		--metrics mf2.csv
+	[ "$(last_step mf2.csv)" = "$((n + 1))" ] ||
+		fail "the rescued run did not resume: $(cat mf2.csv)"
+fi
+
+# A token outside the vocabulary met in a later batch (document 49 of a
+# .npy, sampled in some step > 1) and in an --eval-every evaluation (the
+# same document in the validation split).  npy_u2 FILE: 50 documents of 40
+# tokens below 64 ("<u2"), token 100 at document 49, index 20.
+npy_u2() {
+	hdr="{'descr': '<u2', 'fortran_order': False, 'shape': (50, 40), }"
+	len=$((${#hdr} + 1))
+	pad=$(((64 - (10 + len) % 64) % 64))
+	len=$((len + pad))
+	{
+		printf '\223NUMPY\001\000'
+		printf "\\$(printf %03o $((len % 256)))\\$(printf %03o $((len / 256)))"
+		printf '%s%*s\n' "$hdr" "$pad" ''
+		printf "$(awk 'BEGIN { for (d = 0; d < 50; d++) for (i = 0; i < 40; i++) {
+			v = (d * 7 + i * 3) % 64; if (d == 49 && i == 20) v = 100;
+			printf "\\%03o\\000", v } }')"
+	} >"$1"
+	[ "$(wc -c <"$1")" -eq $((10 + len + 4000)) ] || fail "npy_u2: $(wc -c <"$1") bytes"
+}
+npy_u2 bad.npy
+tokerr="dataset 'bad.npy': token 100 at index 20 of document 49 is not below the vocab size"
+"$TRAIN" --data bad.npy --split 100,0,0 --steps 100 --seq 8 --save bt.ckpt \
+	>bt.log 2>&1
+rc=$?
+rescued bt bt.ckpt "$tokerr"
+"$TRAIN" --data bad.npy --split 90,10,0 --steps 100 --seq 8 --eval-every 2 \
+	>be.log 2>&1
+rc=$?
+rescued be 'epjit-train-rescue.step<n>.ckpt' "$tokerr"
+[ "$n" -eq 2 ] || fail "--eval-every 2: the run failed after step $n"
+
+# A state that is no longer finite (lr 1e308) is not saved, and the first
+# error is still the last line.
+printf '{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 1e308}}}\n' >hugelr.json
+"$TRAIN" --config hugelr.json --steps 5 --seq 8 --save nf.ckpt >nf.log 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && [ ! -e nf.ckpt ] &&
+	grep -q "^epjit-train: checkpoint 'nf.ckpt' not saved: .* is inf" nf.log &&
+	tail -n 1 nf.log | grep -q '^epjit-train: exiting with status 1 after step 1: train step 2: the mean loss is ' ||
+	fail "a non-finite state: exit $rc: $(cat nf.log)"
+
+# ---- 7. --compare-eager: the same weights, rounds and their spread --------
+run ce.log --steps 5 --seq 8 --compile --compare-eager
+l=$(sed -n 's/^compare: .* same weights (eval loss \([0-9.]*\) eager, \([0-9.]*\) compiled).*/\1 \2/p' ce.log)
+[ -n "$l" ] && echo "$l" | awk '{ d = $1 - $2; exit !(d < 1e-4 && -d < 1e-4) }' ||
+	fail "--compare-eager: not the same weights: $(grep '^compare:' ce.log)"
+v=$(sed -n 's/^compare: compiled\/eager step time \([0-9.]*\) (median of 8 rounds; spread \([0-9.]*\)\.\.\([0-9.]*\)): \(.*\)$/\1 \2 \3 \4/p' ce.log)
+echo "$v" | awk '{ m = $1; lo = $2; hi = $3; $1 = $2 = $3 = ""; s = $0
+	want = lo <= 1 && hi >= 1 ? "the spread crosses 1.0" : hi < 1 ? "compiled is faster" : "compiled is slower"
+	exit !(lo <= m && m <= hi && index(s, want) > 0) }' ||
+	fail "--compare-eager: ratio and spread: $(grep '^compare:' ce.log)"
+
 # Two ranks (where mpirun and a build with MPI are): SIGTERM to rank 1
 # only.  The ranks agree on stopping between steps, so both stop after the
 # same step and both write their file of the checkpoint, which resumes on
@@ -532,7 +761,7 @@ if [ -n "$MPIRUN" ] &&
   "seed": 11,
   "optimizer": {"type": "AdamW", "params": {"lr": 0.003}},
   "zero_optimization": {"stage": 1},
-  "expert_parallel": {"enabled": true, "autoep_size": 2},
+  "expert_parallel": {"autoep_size": 2},
   "comm": {"timeout_s": 60}
 }
 EOF
@@ -555,11 +784,33 @@ EOF
 		fail "2 ranks: stopped after step $n, last metrics row $(last_step mp.csv)"
 	grep -q "^epjit-train: saved step $n to mp.ckpt" mp.log ||
 		fail "2 ranks: no checkpoint of step $n: $(tail -n 5 mp.log)"
+	# autoep_size 2 without "enabled" (parsed only) is EP 2, and says so
+	grep -q '^epjit-train: world 2 ranks, expert parallel 2, ZeRO stage 1, device cpu$' mp.log ||
+		fail "2 ranks: banner: $(grep world mp.log)"
 	timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2.json \
 		--steps $((n + 1)) --seq 8 --load mp.ckpt --metrics mp2.csv \
 		>mp2.log 2>&1 || fail "2 ranks: resume failed: $(tail -n 5 mp2.log)"
 	[ "$(last_step mp2.csv)" = "$((n + 1))" ] && [ "$(wc -l <mp2.csv)" -eq 2 ] ||
 		fail "2 ranks: the resumed run did not take step $((n + 1)): $(cat mp2.csv)"
+	# rank 0's --metrics fails after some steps: the ranks agree on the
+	# error, both take part in the save of a committed set, both exit 1
+	if mkfifo mpfifo 2>/dev/null; then
+		timeout 300 head -c 300 mpfifo >/dev/null &
+		reader=$!
+		timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" $long \
+			--config ep2.json --save mpe.ckpt --metrics mpfifo \
+			--rank-log mpe >mpe.out 2>mpe.log
+		rc=$?
+		wait $reader
+		rescued mpe mpe.ckpt 'mpfifo: write failed: Broken pipe'
+		[ -s mpe.ckpt.g1.rank0 ] && [ -s mpe.ckpt.g1.rank1 ] ||
+			fail "2 ranks, error: not a set of 2 files: $(ls mpe.ckpt*)"
+		tail -n 1 mpe.rank1.log | grep -q "^epjit-train: exiting with status 1 after step $n: stopping: another rank failed" ||
+			fail "2 ranks, error: rank 1: $(tail -n 3 mpe.rank1.log)"
+		timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config ep2.json \
+			--steps $((n + 1)) --seq 8 --load mpe.ckpt >mpe2.log 2>&1 ||
+			fail "2 ranks: the rescued set does not resume: $(tail -n 5 mpe2.log)"
+	fi
 else
 	echo "note: no mpirun or a build without MPI; skipping 2 ranks"
 fi

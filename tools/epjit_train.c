@@ -34,7 +34,9 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* setenv, clock_gettime, execv */
 #endif
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
@@ -43,6 +45,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdio_ext.h> /* __fpurge */
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -68,10 +71,16 @@
 
 /* Defaults of the built-in run (see usage() and train_defaults.h). */
 enum {
-	EVAL_BATCHES = 4,   /* micro-batches of the held-out evaluation */
-	EVAL_STREAM = 1,    /* epj_corpus_fork stream of the evaluation */
-	COMPARE_STEPS = 20, /* --compare-eager: measured steps per arm */
+	EVAL_BATCHES = 4, /* micro-batches of the held-out evaluation */
+	EVAL_STREAM = 1,  /* epj_corpus_fork stream of the evaluation */
+	/* --compare-eager: rounds (alternating which arm goes first) of
+	 * steps per arm each */
+	COMPARE_ROUNDS = 8,
+	COMPARE_ROUND_STEPS = 4,
 };
+/* An error after step 1 without --save saves to RESCUE_NAME<step>.ckpt in
+ * the working directory. */
+#define RESCUE_NAME "epjit-train-rescue.step"
 /* --seq at most 2^31 - 1 tokens; tokens per optimizer step (micro-batch x
  * seq x gradient accumulation) at most 2^40. */
 #define SEQ_MAX	   2147483647L
@@ -117,6 +126,12 @@ typedef struct opts {
 	bool async_plan; /* --parity: expert_parallel.async_split_plan */
 	int argc;	 /* the command line, for the resume hint */
 	char **argv;
+	/* --model resolved: the config.json to build from, and the Hugging
+	 * Face folder whose weights the model starts from ("" for none: a
+	 * --model DIR, or a config.json with model.safetensors or
+	 * model.safetensors.index.json beside it) */
+	char model_cfg[4096];
+	char weights_dir[4096];
 } opts;
 
 #define N_MON 10 /* the monitors' events (mon_events) */
@@ -128,7 +143,8 @@ typedef struct run {
 	epj_engine *engine;
 	epj_corpus *corpus;
 	FILE *metrics;
-	FILE *monitor[N_MON]; /* csv_monitor: a file per event (mon_events) */
+	FILE *monitor[N_MON]; /* csv_monitor: one file per event (mon_events) */
+	char mon_dir[4096];   /* their folder */
 	tb_writer *tb;	      /* tensorboard: rank 0's event file, or NULL */
 	uint64_t seed;	      /* the run seed */
 	int64_t B, T, gas;
@@ -142,24 +158,45 @@ typedef struct run {
 	 * and whether its orderly end (save, exit status) went through */
 	int stop_sig;
 	bool stopped;
+	/* errors after the first step (see "errors in a run"): the step the
+	 * training started from, the step of the last checkpoint this run
+	 * wrote (-1: none), whether an error ends the run (on any rank), and
+	 * whether it may have left a peer inside a collective (then no rank
+	 * can take part in a save) */
+	int64_t step0;
+	int64_t saved_step;
+	bool failed;
+	bool no_rescue;
+	char weights[4400]; /* where the starting weights came from */
 } run;
 
 /* ---- messages ---- */
+
+/* The first error message of the process, repeated as the last line of a
+ * run that saved its state after it (see "errors in a run"). */
+static char g_first_err[1024];
 
 static int fail_msg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Prints "epjit-train: <message>" and returns 1 (the exit status). */
 static int fail_msg(const char *fmt, ...)
 {
+	char *msg = NULL;
 	va_list ap;
 	va_start(ap, fmt);
+	if (vasprintf(&msg, fmt, ap) < 0)
+		msg = NULL;
+	va_end(ap);
+	if (!g_first_err[0])
+		snprintf(g_first_err, sizeof g_first_err, "%s",
+			 msg ? msg : "out of memory");
 	fputs(PROG ": ", stderr);
 	if (epj_dist_size() > 1)
 		fprintf(stderr, "rank %d of %d: ", epj_dist_rank(),
 			epj_dist_size());
-	vfprintf(stderr, fmt, ap);
-	fputc('\n', stderr);
-	va_end(ap);
+	fprintf(stderr, "%s\n", msg ? msg : "out of memory");
+	fflush(stderr);
+	free(msg);
 	return 1;
 }
 
@@ -178,8 +215,12 @@ static void usage(FILE *fp)
 	    "Trains a Qwen3-MoE, Mixtral or Qwen2-MoE model with the epjit "
 	    "engine (eager, cpu).\n"
 	    "\n"
-	    "  --model FILE        HF config.json (default: built-in tiny "
-	    "model)\n"
+	    "  --model PATH        HF config.json, or a model folder (its "
+	    "config.json and\n"
+	    "                      the weights of model.safetensors[.index."
+	    "json] there or\n"
+	    "                      beside the config.json; default: "
+	    "built-in tiny model)\n"
 	    "  --model-override KEY=VALUE\n"
 	    "                      edit the model config before it is "
 	    "checked (repeatable;\n"
@@ -217,10 +258,16 @@ static void usage(FILE *fp)
 	    "first call,\n"
 	    "                      not before step 1 (later variants count as "
 	    "recompiles)\n"
-	    "  --compare-eager     with --compile: after the run, time %d more "
-	    "steps of the\n"
-	    "                      compiled engine against a fresh eager one, "
-	    "side by side\n"
+	    "  --compare-eager     with --compile: after the run, time the "
+	    "compiled engine\n"
+	    "                      against a fresh eager one on its weights "
+	    "and batches,\n"
+	    "                      %d alternating rounds of %d steps; median "
+	    "ratio and spread\n"
+	    "  --bf16              bf16 parameters, FP32 masters (the config's "
+	    "bf16.enabled:\n"
+	    "                      built-in or \"auto\"); with --parity: "
+	    "bf16 arms\n"
 	    "  --emit-cuda DIR     trace every region at the batch shape (one "
 	    "CPU step,\n"
 	    "                      no update) and write each compiled graph's "
@@ -243,7 +290,9 @@ static void usage(FILE *fp)
 	    "rank must pass\n"
 	    "  --load CKPT         resume from a checkpoint (or HF f32 "
 	    "safetensors)\n"
-	    "  --save CKPT         write a checkpoint at the end\n"
+	    "  --save CKPT         write a checkpoint at the end, when a "
+	    "signal stops the run\n"
+	    "                      and after an error\n"
 	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
 	    "peak_alloc_bytes,\n"
 	    "                      step_ms,compile_ms,entropy_floor,"
@@ -272,13 +321,18 @@ static void usage(FILE *fp)
 	    "prints, the\n"
 	    "                      others print only errors)\n"
 	    "  --help, --version\n"
-	    "SIGTERM / SIGUSR1 / SIGINT: stop after the current step; "
-	    "the first two save\n"
-	    "to --save.  Exit status: 0 ok (also after SIGUSR1), 1 error, 2 "
-	    "bad command\n"
-	    "line, 130 SIGINT, 143 SIGTERM.  See epjit-train(1).\n",
+	    "SIGTERM / SIGHUP / SIGPIPE (or stdout closed) / SIGUSR1 / SIGINT: "
+	    "stop after the\n"
+	    "current step; all but SIGINT save to --save.  An error after "
+	    "step 1 saves to\n"
+	    "--save (default " RESCUE_NAME "<N>.ckpt) before exiting 1.\n"
+	    "Exit status: 0 ok (also after SIGUSR1), 1 error, 2 bad command "
+	    "line,\n"
+	    "129 SIGHUP, 130 SIGINT, 141 SIGPIPE, 143 SIGTERM.  See "
+	    "epjit-train(1).\n",
 	    DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_WARMUP, DEFAULT_STEPS,
-	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ, (int)COMPARE_STEPS);
+	    DEFAULT_PRINT, DEFAULT_STEPS, DEFAULT_SEQ, (int)COMPARE_ROUNDS,
+	    (int)COMPARE_ROUND_STEPS);
 }
 
 static double now_s(void)
@@ -464,6 +518,60 @@ static int set_value(opts *o, const char *name, const char *val)
 	return -1;
 }
 
+static bool is_file(const char *path)
+{
+	struct stat sb;
+	return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* --model PATH: a Hugging Face model folder (PATH/config.json) or a
+ * config.json; either way the folder's weights, model.safetensors.index.json
+ * (shards) or model.safetensors, when there, are the model's starting
+ * weights (o->weights_dir; epj_engine_load reads the folder). */
+static void resolve_model(opts *o)
+{
+	o->model_cfg[0] = o->weights_dir[0] = '\0';
+	if (!o->model_path)
+		return;
+	struct stat sb;
+	char dir[4096], f[4200];
+	if (stat(o->model_path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+		snprintf(dir, sizeof dir, "%s", o->model_path);
+		size_t n = strlen(dir);
+		while (n > 1 && dir[n - 1] == '/')
+			dir[--n] = '\0';
+		snprintf(o->model_cfg, sizeof o->model_cfg, "%s/config.json",
+			 dir);
+	} else {
+		snprintf(o->model_cfg, sizeof o->model_cfg, "%s",
+			 o->model_path);
+		const char *sl = strrchr(o->model_path, '/');
+		if (sl)
+			snprintf(dir, sizeof dir, "%.*s",
+				 (int)(sl - o->model_path), o->model_path);
+		else
+			snprintf(dir, sizeof dir, ".");
+		if (!dir[0])
+			snprintf(dir, sizeof dir, "/");
+	}
+	static const char *const wf[2] = { "model.safetensors.index.json",
+					   "model.safetensors" };
+	for (int i = 0; i < 2 && !o->weights_dir[0]; i++) {
+		snprintf(f, sizeof f, "%s/%s", dir, wf[i]);
+		if (is_file(f))
+			snprintf(o->weights_dir, sizeof o->weights_dir, "%s",
+				 dir);
+	}
+}
+
+/* The weights file of the folder (as epj_engine_load picks it). */
+static void weights_file(const opts *o, char *buf, size_t n)
+{
+	snprintf(buf, n, "%s/model.safetensors.index.json", o->weights_dir);
+	if (!is_file(buf))
+		snprintf(buf, n, "%s/model.safetensors", o->weights_dir);
+}
+
 /* Fills o from argv.  Returns -1 to go on, else the exit status (0 for
  * --help/--version, 2 for a bad command line). */
 static int parse_args(int argc, char **argv, opts *o)
@@ -532,6 +640,7 @@ static int parse_args(int argc, char **argv, opts *o)
 	if (o->dump_batch && !o->dump_state)
 		return bad_usage("%s FILE gives %s its batch: give it too",
 				 "--dump-batch", "--dump-state");
+	resolve_model(o);
 	return -1;
 }
 
@@ -602,7 +711,8 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 			      .dtype = EPJ_DTYPE_F32,
 			      .config_overrides = o->model_overrides,
 			      .n_config_overrides = o->n_model_overrides };
-	epj_status st = epj_model_new(r->ctx, o->model_path, &mo, &r->model);
+	epj_status st = epj_model_new(
+	    r->ctx, o->model_path ? o->model_cfg : NULL, &mo, &r->model);
 	if (st != EPJ_OK)
 		return st;
 	if (o->checkpointing)
@@ -610,15 +720,16 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 	if (o->config_path) {
 		/* the config's "auto" values take this run's own */
 		char autos[1024];
-		auto_config(autos, sizeof autos, o->steps);
+		auto_config_prec(autos, sizeof autos, o->steps, o->bf16);
 		st = epj_engine_initialize_auto(
 		    r->ctx, r->model, o->config_path, autos, &r->engine);
 	} else {
 		char json[1024];
-		default_config(json, sizeof json);
+		default_config_prec(json, sizeof json, o->bf16);
 		st = epj_engine_initialize_json(
 		    r->ctx, r->model, json, "<built-in ds config>", &r->engine);
 	}
+
 	/* --compile stands for the user's engine.compile() call */
 	if (st == EPJ_OK && o->compile)
 		st = epj_engine_compile(r->engine);
@@ -723,6 +834,14 @@ static int setup(run *r, const opts *o)
 		if (build_model_engine(r, o, seed) != EPJ_OK)
 			return fail(r->ctx);
 	}
+	/* --bf16 is the config's bf16.enabled ("auto" takes it): a config
+	 * that says false is refused, not overruled */
+	if (o->bf16 && !epj_engine_bf16(r->engine))
+		return fail_msg("--bf16: %s does not enable bf16 (bf16.enabled "
+				"is false or absent); write \"bf16\": "
+				"{\"enabled\": true} or \"auto\", or leave "
+				"--bf16 off",
+				o->config_path);
 	r->seed = seed;
 	epj_ctx_seed(r->ctx, seed);
 	r->B = epj_engine_micro_batch_size(r->engine);
@@ -800,8 +919,33 @@ static int setup(run *r, const opts *o)
  * times this run's world: the same stream position as the saved run's
  * when the world is the one it was saved with, and when epjit-ckpt
  * reshard rewrote the micro-step for this world. */
-static int skip_consumed(run *r)
+static int skip_consumed(run *r, const char *path)
 {
+	/* a micro-step out of line with the step (a damaged or edited file)
+	 * would skip that many batches, for hours: refuse it.  A run stops
+	 * between optimizer steps, or (an error, a library user's save)
+	 * between the micro-batches of one: step x gas + [0, gas). */
+	int64_t step = epj_engine_step_count(r->engine),
+		micro = epj_engine_micro_step_count(r->engine), lo;
+	if (__builtin_mul_overflow(step, r->gas, &lo) || micro < lo ||
+	    micro - lo >= r->gas) {
+		char want[64];
+		if (r->gas > 1)
+			snprintf(want, sizeof want, "%" PRId64 " to %" PRId64,
+				 lo, lo + r->gas - 1);
+		else
+			snprintf(want, sizeof want, "%" PRId64, lo);
+		return fail_msg(
+		    "%s: inconsistent counters: micro_step %" PRId64
+		    " with step %" PRId64 " and this run's "
+		    "gradient_accumulation_steps %" PRId64 "; expected "
+		    "micro_step %s (step x gradient_accumulation_steps, up "
+		    "to a stop between the micro-batches of a step): a "
+		    "damaged checkpoint, or one saved with another gradient "
+		    "accumulation or world size (epjit-ckpt reshard rewrites "
+		    "it for a new world)",
+		    path, micro, step, r->gas, want);
+	}
 	int64_t n;
 	if (__builtin_mul_overflow(epj_engine_micro_step_count(r->engine),
 				   (int64_t)epj_dist_size(), &n))
@@ -992,28 +1136,37 @@ static int dump_state(run *r, const char *path, const char *batch)
 
 /* ---- stop signals ----
  *
- * SIGTERM and SIGUSR1 (the preemption notices of Slurm and of spot
- * machines): finish the optimizer step under way, save to --save through
- * the end-of-run save, exit 143 (SIGTERM) or 0 (SIGUSR1, with a resume
- * hint).  SIGINT: finish the step, save nothing, exit 130.  The handler
- * only records the signal, one bit each in g_signals (a lock-free atomic:
- * async-signal-safe); the training loop reads it between optimizer steps,
- * where the ranks of a multi-rank run agree on it (epj_dist_any), so that
- * all stop after the same step and all take part in the save.  A signal
- * that arrives once the run is stopping (STOP_BIT set, or a bit already
- * there) ends the process at once, _exit(128 + signo): the checkpoint
- * write is atomic (temporary file + rename), so --save then holds the
- * previous checkpoint or the new one, never a part of one, and the metrics
- * file holds whole rows only because each row is flushed as it is
- * written.  A signal ignored when the trainer starts (SIG_IGN, as a
- * shell without job control leaves SIGINT for a background job) stays
- * ignored. */
+ * SIGTERM, SIGHUP and SIGUSR1 (the preemption notices of Slurm and of spot
+ * machines, a closed terminal): finish the optimizer step under way, save
+ * to --save through the end-of-run save, exit 143 (SIGTERM), 129 (SIGHUP)
+ * or 0 (SIGUSR1, with a resume hint).  SIGPIPE, and EPIPE on stdout (its
+ * reader went away: `| head`, a dead `tee`), is the same stop request,
+ * exit 141: SIGPIPE never kills the process (its handler only records it,
+ * from the start of main), and stdout goes to /dev/null after the first
+ * failed write.  SIGINT: finish the step, save nothing, exit 130.  The
+ * handler only records the signal, one bit each in g_signals (a lock-free
+ * atomic: async-signal-safe); the training loop reads it between
+ * micro-batches, where the ranks of a multi-rank run agree on it
+ * (epj_dist_any), and acts on it between optimizer steps, so that all
+ * stop after the same step and all take part in the save.  A signal other
+ * than SIGPIPE that arrives once the run is stopping (STOP_BIT set, or
+ * another such bit already there) ends the process at once, _exit(128 +
+ * signo): the checkpoint write is atomic (temporary file + rename), so
+ * --save then holds the previous checkpoint or the new one, never a part
+ * of one, and the metrics file holds whole rows only because each row is
+ * flushed as it is written.  A signal ignored when the trainer starts
+ * (SIG_IGN, as a shell without job control leaves SIGINT for a background
+ * job, or nohup SIGHUP) stays ignored. */
 
 enum {
 	SIG_BIT_USR1 = 1u,
 	SIG_BIT_TERM = 2u,
 	SIG_BIT_INT = 4u,
 	STOP_BIT = 8u, /* the run is stopping: the next signal exits */
+	SIG_BIT_HUP = 16u,
+	SIG_BIT_PIPE = 32u, /* SIGPIPE, or EPIPE on stdout */
+	/* in the agreement only: an error on the rank ends the run */
+	ERR_BIT = 64u,
 };
 
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2,
@@ -1024,8 +1177,11 @@ static void on_stop_signal(int sig)
 {
 	unsigned bit = sig == SIGINT	? SIG_BIT_INT
 		       : sig == SIGTERM ? SIG_BIT_TERM
+		       : sig == SIGHUP	? SIG_BIT_HUP
 					: SIG_BIT_USR1;
-	if (atomic_fetch_or(&g_signals, bit) == 0)
+	/* a SIGPIPE before (one per write to a closed pipe) is no reason to
+	 * exit on the first real signal */
+	if ((atomic_fetch_or(&g_signals, bit) & ~SIG_BIT_PIPE) == 0)
 		return;
 	static const char msg[] = PROG ": second signal: exiting now\n";
 	if (write(STDERR_FILENO, msg, sizeof msg - 1) < 0) {
@@ -1034,27 +1190,53 @@ static void on_stop_signal(int sig)
 	_exit(128 + sig);
 }
 
+/* SIGPIPE: a stop request, never a second signal (every later write to
+ * the pipe raises another). */
+static void on_sigpipe(int sig)
+{
+	(void)sig;
+	atomic_fetch_or(&g_signals, SIG_BIT_PIPE);
+}
+
+/* From the start of main: no write to a closed pipe kills the process.  A
+ * handler rather than SIG_IGN, so that programs the library starts (host
+ * compilers) get the default action back at exec.  A SIGPIPE ignored by
+ * the caller stays ignored. */
+static void sigpipe_install(void)
+{
+	struct sigaction sa, old;
+	if (sigaction(SIGPIPE, NULL, &old) == 0 && old.sa_handler == SIG_IGN)
+		return;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = on_sigpipe;
+	sa.sa_flags = SA_RESTART;
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGPIPE, &sa, NULL);
+}
+
 static const char *sig_name(int sig)
 {
 	return sig == SIGINT	? "SIGINT"
 	       : sig == SIGTERM ? "SIGTERM"
+	       : sig == SIGHUP	? "SIGHUP"
+	       : sig == SIGPIPE ? "SIGPIPE"
 				: "SIGUSR1";
 }
 
-/* Installs on_stop_signal for SIGTERM, SIGUSR1 and SIGINT (each blocked
- * while the handler runs; SA_RESTART, so that the reads, writes and waits
- * of a step or a save resume instead of failing with EINTR). */
+/* Installs on_stop_signal for SIGTERM, SIGHUP, SIGUSR1 and SIGINT (each
+ * blocked while the handler runs; SA_RESTART, so that the reads, writes
+ * and waits of a step or a save resume instead of failing with EINTR). */
 static int stop_signals_install(void)
 {
-	static const int sigs[3] = { SIGTERM, SIGUSR1, SIGINT };
+	static const int sigs[4] = { SIGTERM, SIGHUP, SIGUSR1, SIGINT };
 	struct sigaction sa, old;
 	memset(&sa, 0, sizeof sa);
 	sa.sa_handler = on_stop_signal;
 	sa.sa_flags = SA_RESTART;
 	sigemptyset(&sa.sa_mask);
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 4; i++)
 		sigaddset(&sa.sa_mask, sigs[i]);
-	for (int i = 0; i < 3; i++) {
+	for (int i = 0; i < 4; i++) {
 		if (sigaction(sigs[i], NULL, &old) == 0 &&
 		    old.sa_handler == SIG_IGN)
 			continue;
@@ -1065,28 +1247,88 @@ static int stop_signals_install(void)
 	return 0;
 }
 
-/* Between two optimizer steps: the stop signal every rank acts on, 0 for
- * none.  The ranks agree on the signals any of them got (one all-reduce;
- * none on a world of one) and take the most urgent: SIGINT, then SIGTERM,
- * then SIGUSR1, so that they also agree on whether to save. */
-static int stop_agree(run *r, const opts *o, int *sig)
+/* Set once stdout failed: it then writes to /dev/null, and what the run
+ * still has to say goes to stderr (where_to). */
+static bool g_stdout_dead;
+
+/* After a write to stdout: a failed one (EPIPE: the reader went away;
+ * anything else, e.g. a full disk: one warning) sends stdout to /dev/null
+ * from then on, so that no later write fails; EPIPE also asks the run to
+ * stop as SIGPIPE does. */
+static void stdout_check(void)
 {
-	uint32_t any = 0;
-	if (epj_dist_any(r->engine, atomic_load(&g_signals), &any) != EPJ_OK)
+	if (g_stdout_dead)
+		return;
+	errno = 0;
+	if (fflush(stdout) == 0 && !ferror(stdout))
+		return;
+	int err = errno;
+	g_stdout_dead = true;
+	__fpurge(stdout);
+	clearerr(stdout);
+	int fd = open("/dev/null", O_WRONLY);
+	if (fd >= 0) {
+		dup2(fd, STDOUT_FILENO);
+		close(fd);
+	}
+	if (err == EPIPE) {
+		atomic_fetch_or(&g_signals, SIG_BIT_PIPE);
+		return;
+	}
+	fprintf(stderr,
+		PROG ": warning: stdout: write failed: %s; no more output "
+		     "there, training goes on\n",
+		err ? strerror(err) : "unknown error");
+	fflush(stderr);
+}
+
+/* stdout, or stderr once stdout failed. */
+static FILE *where_to(void)
+{
+	return g_stdout_dead ? stderr : stdout;
+}
+
+/* Between two micro-batches (every rank at the same point): the ranks
+ * agree on the signals and the errors any of them got (one all-reduce;
+ * none on a world of one).  *sig is the most urgent signal, 0 for none:
+ * SIGINT, then SIGTERM, SIGHUP, SIGPIPE and SIGUSR1, so that they also
+ * agree on whether to save; the run acts on it between optimizer steps.
+ * An error on any rank sets r->failed on every rank.  A failed agreement
+ * (a peer gone: the comm is broken) fails the run with no save. */
+static int agree(run *r, int *sig)
+{
+	uint32_t any = 0, mine = atomic_load(&g_signals) & ~STOP_BIT;
+	if (r->failed)
+		mine |= ERR_BIT;
+	if (epj_dist_any(r->engine, mine, &any) != EPJ_OK) {
+		r->failed = r->no_rescue = true;
 		return fail(r->ctx);
+	}
+	if ((any & ERR_BIT) && !r->failed) {
+		r->failed = true;
+		fail_msg("stopping: another rank failed (its message is "
+			 "above, or in its --rank-log file)");
+	}
 	*sig = any & SIG_BIT_INT    ? SIGINT
 	       : any & SIG_BIT_TERM ? SIGTERM
+	       : any & SIG_BIT_HUP  ? SIGHUP
+	       : any & SIG_BIT_PIPE ? SIGPIPE
 	       : any & SIG_BIT_USR1 ? SIGUSR1
 				    : 0;
-	if (!*sig)
-		return 0;
+	return r->failed;
+}
+
+/* At the end of a step where the ranks agreed on *sig: the run stops. */
+static void stop_say(run *r, const opts *o, int sig)
+{
 	atomic_fetch_or(&g_signals, STOP_BIT);
 	if (epj_dist_rank() == 0 || o->rank_log) {
-		fprintf(stderr, PROG ": %s: stopping after step %" PRId64 "\n",
-			sig_name(*sig), epj_engine_step_count(r->engine));
+		fprintf(stderr,
+			PROG ": %s: stopping after step %" PRId64 "%s\n",
+			sig_name(sig), epj_engine_step_count(r->engine),
+			sig == SIGPIPE ? " (stdout or a pipe was closed)" : "");
 		fflush(stderr);
 	}
-	return 0;
 }
 
 /* Prints s to fp, in single quotes for a POSIX shell unless it is made of
@@ -1109,31 +1351,55 @@ static void put_shell_word(FILE *fp, const char *s)
 	fputc('\'', fp);
 }
 
+/* The program as the user ran it.  In a build tree libtool's wrapper
+ * script (tools/epjit-train) runs the real binary as
+ * /abs/tools/.libs/epjit-train (or .../.libs/lt-epjit-train), which cannot
+ * find the uninstalled libepjit on its own: name the wrapper beside that
+ * .libs folder instead, when it is there. */
+static void put_program(FILE *fp, const char *argv0)
+{
+	const char *dot = strstr(argv0, "/.libs/");
+	if (dot && !strchr(dot + 7, '/')) {
+		const char *base = dot + 7;
+		if (!strncmp(base, "lt-", 3))
+			base += 3;
+		char w[4096];
+		snprintf(w, sizeof w, "%.*s/%s", (int)(dot - argv0), argv0,
+			 base);
+		if (is_file(w) && access(w, X_OK) == 0) {
+			put_shell_word(fp, w);
+			return;
+		}
+	}
+	put_shell_word(fp, argv0);
+}
+
 /* "resume with: <this command line without its --load> --load PATH": the
  * same --steps goes on to the same end (--steps counts from the start).
  * Written to stderr in one piece, so that it is not cut by the output of
  * other ranks or streams. */
-static void print_resume_hint(const opts *o)
+static void print_resume_hint(const opts *o, const char *path)
 {
 	char *buf = NULL;
 	size_t len = 0;
 	FILE *fp = open_memstream(&buf, &len);
 	if (!fp)
 		fp = stderr;
-	fputs(PROG ": resume with:", fp);
-	for (int i = 0; i < o->argc; i++) {
+	fputs(PROG ": resume with: ", fp);
+	put_program(fp, o->argv[0]);
+	for (int i = 1; i < o->argc; i++) {
 		const char *a = o->argv[i];
-		if (i > 0 && !strcmp(a, "--load")) {
+		if (!strcmp(a, "--load")) {
 			i++; /* and its value */
 			continue;
 		}
-		if (i > 0 && !strncmp(a, "--load=", 7))
+		if (!strncmp(a, "--load=", 7))
 			continue;
 		fputc(' ', fp);
 		put_shell_word(fp, a);
 	}
 	fputs(" --load ", fp);
-	put_shell_word(fp, o->save);
+	put_shell_word(fp, path);
 	if (epj_dist_size() > 1)
 		fprintf(fp, "   (under mpirun, on %d ranks again)",
 			epj_dist_size());
@@ -1150,62 +1416,120 @@ static void print_resume_hint(const opts *o)
 	free(buf);
 }
 
-/* --save: the checkpoint of the end of a run, and of a run stopped by
- * SIGTERM or SIGUSR1. */
-static int save_checkpoint(run *r, const opts *o)
+/* The checkpoint of the end of a run (--save), of a run stopped by a
+ * signal, and of one that failed (rescue); its message goes to out (a
+ * failed run says everything on stderr, in order). */
+static int save_checkpoint(run *r, const char *path, FILE *out)
 {
-	if (epj_engine_save(r->engine, o->save) != EPJ_OK)
+	if (epj_engine_save(r->engine, path) != EPJ_OK)
 		return fail(r->ctx);
-	printf(PROG ": saved step %" PRId64 " to %s%s\n",
-	       epj_engine_step_count(r->engine), o->save,
-	       epj_dist_size() > 1 ? " (the commit record of a set of one "
-				     "file per rank)"
-				   : "");
-	fflush(stdout);
+	r->saved_step = epj_engine_step_count(r->engine);
+	fprintf(out, PROG ": saved step %" PRId64 " to %s%s\n", r->saved_step,
+		path,
+		epj_dist_size() > 1 ? " (the commit record of a set of one "
+				      "file per rank)"
+				    : "");
+	fflush(out);
 	return 0;
 }
 
 /* The end of a run stopped by r->stop_sig, once the metrics file is
- * closed: SIGTERM and SIGUSR1 save to --save and exit 143 / 0; SIGINT
- * saves nothing and exits 130.  No evaluation and no summary: a preempted
- * machine has seconds left. */
+ * closed: SIGTERM, SIGHUP, SIGPIPE and SIGUSR1 save to --save and exit
+ * 143, 129, 141 / 0; SIGINT saves nothing and exits 130.  No evaluation
+ * and no summary: a preempted machine has seconds left. */
 static int stop_run(run *r, const opts *o)
 {
 	int sig = r->stop_sig;
 	bool say = epj_dist_rank() == 0 || o->rank_log;
-	if (sig == SIGINT || !o->save) {
+	bool none = epj_engine_step_count(r->engine) == r->step0;
+	if (sig == SIGINT || !o->save || none) {
 		if (say)
 			fprintf(stderr,
 				PROG ": %s: no checkpoint written (%s)\n",
 				sig_name(sig),
 				sig == SIGINT ? "SIGINT does not save; "
-						"SIGTERM and SIGUSR1 save to "
-						"--save"
-					      : "no --save PATH");
+						"SIGTERM, SIGHUP, SIGPIPE and "
+						"SIGUSR1 save to --save"
+				: none ? "no step taken: --save stays as it was"
+				       : "no --save PATH");
 	} else {
-		if (save_checkpoint(r, o))
+		if (save_checkpoint(r, o->save, where_to()))
 			return 1;
 		if (say)
-			print_resume_hint(o);
+			print_resume_hint(o, o->save);
 	}
 	r->stopped = true;
 	return sig == SIGUSR1 ? 0 : 128 + sig;
 }
 
+/* ---- errors in a run ----
+ *
+ * An error once this process has taken an optimizer step (a --metrics or
+ * csv_monitor write that failed, a bad token in a later batch or in an
+ * --eval-every evaluation, a step that failed) would lose what the run
+ * trained.  The ranks agree on it as on a stop signal (agree(): an error
+ * on any rank sets r->failed on every rank at the same point), then every
+ * rank takes part in saving a committed checkpoint of the last whole step
+ * to --save, or without --save to RESCUE_NAME<step>.ckpt in the working
+ * directory, and the run exits 1 naming the error and the resume command.
+ * A state that is not finite is never saved (epj_engine_save refuses it,
+ * naming the entry).  The save's own failure is printed, and the first
+ * error stays the last line.  An error that may have left a peer inside a
+ * collective (a failed step or evaluation with several ranks, a failed
+ * agreement) saves nothing: the peers fail within comm.timeout_s. */
+
+/* After r->failed (on every rank, agreed): saves when there is something
+ * new to save; returns 1, the exit status. */
+static int rescue(run *r, const opts *o)
+{
+	int64_t step = epj_engine_step_count(r->engine);
+	bool say = epj_dist_rank() == 0 || o->rank_log;
+	if (r->no_rescue || step <= r->step0 || step == r->saved_step)
+		return 1;
+	char def[128];
+	snprintf(def, sizeof def, RESCUE_NAME "%" PRId64 ".ckpt", step);
+	const char *path = o->save ? o->save : def;
+	if (say) {
+		fprintf(stderr,
+			PROG ": the run failed after step %" PRId64
+			     "; saving its state to %s%s\n",
+			step, path, o->save ? "" : " (no --save PATH)");
+		fflush(stderr);
+	}
+	if (save_checkpoint(r, path, stderr) == 0) {
+		if (say)
+			print_resume_hint(o, path);
+	} else if (say) {
+		fprintf(stderr,
+			PROG ": the state after step %" PRId64
+			     " was not saved\n",
+			step);
+	}
+	if (say) {
+		fprintf(stderr,
+			PROG ": exiting with status 1 after step %" PRId64
+			     ": %s\n",
+			step, g_first_err[0] ? g_first_err : "an error");
+		fflush(stderr);
+	}
+	return 1;
+}
+
 /* ---- training ---- */
 
-/* The next micro-batch of this rank: with W ranks the stream's batches go
- * round-robin, rank r taking batches r, r + W, r + 2W, ... (one global
- * batch = W consecutive micro-batches of the single-rank stream). */
-static epj_status rank_batch(run *r, epj_tensor **ids, epj_tensor **lab)
+/* The next micro-batch of this rank from corpus c (in ctx): with W ranks
+ * the stream's batches go round-robin, rank r taking batches r, r + W,
+ * r + 2W, ... (one global batch = W consecutive micro-batches of the
+ * single-rank stream). */
+static epj_status rank_batch(run *r, epj_ctx *ctx, epj_corpus *c,
+			     epj_tensor **ids, epj_tensor **lab)
 {
 	int W = epj_dist_size(), me = epj_dist_rank();
 	epj_status st = EPJ_OK;
 	*ids = *lab = NULL;
 	for (int k = 0; st == EPJ_OK && k < W; k++) {
 		epj_tensor *a = NULL, *b = NULL;
-		st = epj_corpus_next_batch(r->ctx, r->corpus, r->B, r->T, &a,
-					   &b);
+		st = epj_corpus_next_batch(ctx, c, r->B, r->T, &a, &b);
 		if (k == me) {
 			*ids = a;
 			*lab = b;
@@ -1233,7 +1557,10 @@ static void fault_inject(const opts *o, int64_t step)
 }
 
 /* Mean loss of EVAL_BATCHES micro-batches of a fresh fork of the corpus
- * (always the same batches, so successive evaluations compare). */
+ * (always the same batches, so successive evaluations compare).  A failed
+ * forward with several ranks may leave a peer inside its collectives
+ * (r->no_rescue); a bad batch or a loss that is not finite is the same on
+ * every rank. */
 static int evaluate(run *r, double *out)
 {
 	epj_corpus *ev = epj_corpus_fork(r->ctx, r->corpus, r->eval_stream);
@@ -1245,8 +1572,11 @@ static int evaluate(run *r, double *out)
 		double l = 0;
 		epj_status st =
 		    epj_corpus_next_batch(r->ctx, ev, r->B, r->T, &ids, &lab);
-		if (st == EPJ_OK)
+		if (st == EPJ_OK) {
 			st = epj_engine_eval(r->engine, ids, lab, &l);
+			if (st != EPJ_OK && epj_dist_size() > 1)
+				r->no_rescue = true;
+		}
 		epj_tensor_free(ids);
 		epj_tensor_free(lab);
 		if (st != EPJ_OK) {
@@ -1308,34 +1638,81 @@ static int make_dirs(const char *dir)
 	return mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
+static int put_row(FILE **fpp, const char *what, const char *path,
+		   const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+/* Appends one whole row to *fpp and flushes it.  When that fails (a full
+ * disk): the file is cut back to its last whole row (best effort), closed
+ * (*fpp NULL: nothing more is written there), and the error printed with
+ * what, the file's path and errno; returns 1. */
+static int put_row(FILE **fpp, const char *what, const char *path,
+		   const char *fmt, ...)
+{
+	FILE *fp = *fpp;
+	off_t at = ftello(fp);
+	va_list ap;
+	va_start(ap, fmt);
+	errno = 0;
+	int n = vfprintf(fp, fmt, ap);
+	va_end(ap);
+	int err = errno;
+	if (n >= 0) {
+		errno = 0;
+		if (fflush(fp) == 0 && !ferror(fp))
+			return 0;
+		err = errno;
+	}
+	__fpurge(fp); /* what stdio holds of the row is not written later */
+	if (at >= 0 && ftruncate(fileno(fp), at) != 0) {
+		/* a device (/dev/full) or a file system that cannot: the
+		 * row stays cut, and the error says so below */
+	}
+	fclose(fp);
+	*fpp = NULL;
+	return fail_msg("%s%s: write failed: %s", what, path,
+			strerror(err ? err : EIO));
+}
+
+/* csv_monitor's file of event i under r->mon_dir. */
+static void monitor_path(const run *r, int i, char *path, size_t n)
+{
+	char name[128];
+	snprintf(name, sizeof name, "%s", mon_events[i]);
+	for (char *c = name; *c; c++)
+		if (*c == '/' || *c == ' ')
+			*c = '_';
+	snprintf(path, n, "%s/%s.csv", r->mon_dir, name);
+}
+
 /* Opens the csv_monitor files when the config enables it (appending, as
- * DeepSpeed does; a header when a file is new); rank 0 only, as
- * DeepSpeed's monitors, so that ranks do not append the same rows. */
+ * DeepSpeed does; a header, written through, when a file is new); rank 0
+ * only, as DeepSpeed's monitors, so that ranks do not append the same
+ * rows.  Any failure fails the run before step 1. */
 static int monitor_open(run *r)
 {
-	char dir[4096];
-	if (!epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir) ||
+	if (!epj_engine_csv_monitor_dir(r->engine, r->mon_dir,
+					sizeof r->mon_dir) ||
 	    epj_dist_rank() != 0)
 		return 0;
-	if (make_dirs(dir) != 0)
-		return fail_msg("csv_monitor: cannot create %s: %s", dir,
+	if (make_dirs(r->mon_dir) != 0)
+		return fail_msg("csv_monitor: cannot create %s: %s", r->mon_dir,
 				strerror(errno));
 	for (int i = 0; i < N_MON; i++) {
-		char name[128], path[4400];
-		snprintf(name, sizeof name, "%s", mon_events[i]);
-		for (char *c = name; *c; c++)
-			if (*c == '/' || *c == ' ')
-				*c = '_';
-		snprintf(path, sizeof path, "%s/%s.csv", dir, name);
+		char path[4400];
+		monitor_path(r, i, path, sizeof path);
 		r->monitor[i] = fopen(path, "a");
 		if (!r->monitor[i])
 			return fail_msg("csv_monitor: cannot open %s: %s", path,
 					strerror(errno));
-		if (ftell(r->monitor[i]) == 0)
-			fprintf(r->monitor[i], "step,%s\n",
-				strrchr(mon_events[i], '/') + 1);
+		if (ftello(r->monitor[i]) == 0 &&
+		    put_row(&r->monitor[i], "csv_monitor: ", path, "step,%s\n",
+			    strrchr(mon_events[i], '/') + 1))
+			return 1;
 	}
-	printf(PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n", dir);
+	fprintf(where_to(),
+		PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n",
+		r->mon_dir);
+	stdout_check();
 	return 0;
 }
 
@@ -1362,7 +1739,9 @@ static int tb_open(run *r)
 	r->tb = tb_writer_open(dir, wall_s(), err, sizeof err);
 	if (!r->tb)
 		return fail_msg("tensorboard: %s", err);
-	printf(PROG ": tensorboard: writing %s\n", tb_writer_path(r->tb));
+	fprintf(where_to(), PROG ": tensorboard: writing %s\n",
+		tb_writer_path(r->tb));
+	stdout_check();
 	return 0;
 }
 
@@ -1378,150 +1757,198 @@ static void tb_drop(run *r, int err)
 	r->tb = NULL;
 }
 
+/* The training loop's clocks and windows. */
+typedef struct loop_state {
+	int64_t print_every, tok_per_step, compile_us;
+	double t_start, t_win, t_step, win_sum, floor;
+	int64_t win_n;
+} loop_state;
+
+/* The records of one optimizer step (info; t its end, ms the allocator
+ * then): the --metrics row, the csv_monitor rows, the tensorboard events;
+ * 1 when a --metrics or csv_monitor write failed. */
+static int record_step(run *r, const opts *o, loop_state *ls,
+		       const epj_step_info *info, double t,
+		       const epj_dist_memory *ms)
+{
+	double step_s = t - ls->t_step;
+	int64_t cus = epj_counter_get(r->ctx, "compile.us");
+	double compile_ms = (double)(cus - ls->compile_us) / 1e3;
+	ls->compile_us = cus;
+	/* one whole row per write: a stopped or killed run leaves no cut
+	 * row */
+	if (r->metrics &&
+	    put_row(&r->metrics, "", o->metrics,
+		    "%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
+		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d\n",
+		    info->step, info->mean_loss, info->lr, info->grad_norm,
+		    (double)ls->tok_per_step / step_s, ms->peak_allocated,
+		    step_s * 1e3, compile_ms, ls->floor,
+		    ms->peak_allocated_rank, ms->peak_reserved,
+		    ms->peak_reserved_rank))
+		return 1;
+	/* the monitors' events (mon_events), x = samples seen by the whole
+	 * job, as DeepSpeed's global_samples: step x train_batch_size
+	 * (micro-batch x accumulation x the data-parallel world, every rank
+	 * here) */
+	double v[N_MON] = { info->mean_loss, info->lr, info->grad_norm,
+			    (double)ls->tok_per_step / step_s, step_s * 1e3,
+			    (double)ms->peak_allocated, compile_ms,
+			    /* the memory of every rank */
+			    ms->peak_allocated_rank, (double)ms->peak_reserved,
+			    ms->peak_reserved_rank };
+	int64_t samples = info->step * r->B * r->gas * (int64_t)epj_dist_size();
+	for (int i = 0; i < N_MON && r->monitor[i]; i++) {
+		char path[4400];
+		monitor_path(r, i, path, sizeof path);
+		if (put_row(&r->monitor[i], "csv_monitor: ", path,
+			    "%" PRId64 ",%.9g\n", samples, v[i]))
+			return 1;
+	}
+	/* the step's events as whole records, flushed (a stopped or killed
+	 * run leaves every finished step readable) */
+	if (r->tb) {
+		double wt = wall_s();
+		int bad = 0;
+		for (int i = 0; i < N_MON && !bad; i++)
+			bad = tb_writer_scalar(r->tb, wt, samples,
+					       mon_events[i], (float)v[i]);
+		if (tb_writer_flush(r->tb) != 0 || bad)
+			tb_drop(r, errno);
+	}
+	return 0;
+}
+
+/* After optimizer step info (not skipped): statistics, records, progress
+ * line and --eval-every; 1 on an error (r->failed is then set). */
+static int after_step(run *r, const opts *o, loop_state *ls, train_stats *ts,
+		      const epj_step_info *info, double t,
+		      const epj_dist_memory *ms)
+{
+	if (!isfinite(info->mean_loss))
+		return fail_msg("step %" PRId64 ": loss is %g; "
+				"lower the learning rate",
+				info->step, info->mean_loss);
+	if (ts->steps_done++ == 0)
+		ts->first_loss = info->mean_loss;
+	ts->last_loss = info->mean_loss;
+	ls->win_sum += info->mean_loss;
+	ls->win_n++;
+	if (record_step(r, o, ls, info, t, ms))
+		return 1;
+	bool last = info->step >= o->steps;
+	if (info->step % ls->print_every == 0 || last) {
+		char buf[96];
+		ts->window_loss = ls->win_sum / (double)ls->win_n;
+		printf("step %6" PRId64 "/%ld  loss %.4f  lr %.3e  "
+		       "grad_norm %.3f  tok/s %.0f  peak %.1f MiB  "
+		       "reserved %.1f MiB%s\n",
+		       info->step, o->steps, ts->window_loss, info->lr,
+		       info->grad_norm,
+		       (double)(ls->tok_per_step * ls->win_n) / (t - ls->t_win),
+		       mib(ms->peak_allocated), mib(ms->reserved),
+		       mem_ranks(ms, buf, sizeof buf));
+		stdout_check();
+		ls->win_sum = 0;
+		ls->win_n = 0;
+		ls->t_win = now_s();
+	}
+	if (o->eval_every > 0 && info->step % o->eval_every == 0 && !last) {
+		double el, t0 = now_s();
+		if (evaluate(r, &el))
+			return 1;
+		printf("step %6" PRId64 "  eval loss %.4f\n", info->step, el);
+		stdout_check();
+		/* The evaluation is not training time. */
+		double dt = now_s() - t0;
+		ls->t_start += dt;
+		ls->t_win += dt;
+	}
+	return 0;
+}
+
+/* Trains to --steps, or until a stop signal (r->stop_sig) or an error (on
+ * any rank: r->failed, return 1) ends the run after the same micro-batch
+ * on every rank. */
 static int train(run *r, const opts *o, train_stats *ts)
 {
 	epj_ctx *ctx = r->ctx;
 	epj_engine *e = r->engine;
-	int64_t print_every = epj_engine_steps_per_print(e);
-	int64_t tok_per_step = r->B * r->T * r->gas;
-	double t_start = now_s(), t_win = t_start, t_step = t_start;
-	double win_sum = 0;
-	int64_t win_n = 0;
-	double floor = epj_corpus_entropy_rate(r->corpus);
-	int64_t compile_us = epj_counter_get(ctx, "compile.us");
+	loop_state ls = {
+		.print_every = epj_engine_steps_per_print(e),
+		.tok_per_step = r->B * r->T * r->gas,
+		.compile_us = epj_counter_get(ctx, "compile.us"),
+		.t_start = now_s(),
+		.floor = epj_corpus_entropy_rate(r->corpus),
+	};
+	ls.t_win = ls.t_step = ls.t_start;
 	*ts = (train_stats){ .first_loss = NAN,
 			     .last_loss = NAN,
 			     .window_loss = NAN };
 	int64_t cb0 = epj_counter_get(ctx, "comm.bytes");
 	int64_t cu0 = epj_counter_get(ctx, "comm.us");
+	r->step0 = epj_engine_step_count(e);
 	bool boundary = true; /* between two optimizer steps */
 	for (;;) {
-		/* a stop signal on any rank: every rank stops here, after the
-		 * same step (also after the last one: the ranks then agree on
-		 * the end of the run) */
-		if (boundary && stop_agree(r, o, &r->stop_sig))
-			return 1;
-		if (boundary &&
-		    (r->stop_sig || epj_engine_step_count(e) >= o->steps))
-			break;
+		bool done = boundary && epj_engine_step_count(e) >= o->steps;
 		epj_tensor *ids = NULL, *lab = NULL;
+		/* the micro-batch before the agreement: a bad one on any
+		 * rank stops every rank before the step's collectives */
+		if (!done && !r->failed &&
+		    rank_batch(r, ctx, r->corpus, &ids, &lab) != EPJ_OK) {
+			fail(ctx);
+			r->failed = true;
+		}
+		/* a stop signal or an error on any rank: every rank stops
+		 * here, after the same micro-batch; a signal after the same
+		 * step (also after the last one: the ranks then agree on the
+		 * end of the run) */
+		int sig = 0;
+		if (agree(r, &sig) || (boundary && (sig || done))) {
+			epj_tensor_free(ids);
+			epj_tensor_free(lab);
+			if (!r->failed && sig) {
+				r->stop_sig = sig;
+				stop_say(r, o, sig);
+			}
+			break;
+		}
 		epj_step_info info;
 		fault_inject(o, epj_engine_step_count(e) + 1);
-		epj_status st = rank_batch(r, &ids, &lab);
-		if (st == EPJ_OK)
-			st = epj_engine_train_step(e, ids, lab, &info);
+		epj_status st = epj_engine_train_step(e, ids, lab, &info);
 		epj_tensor_free(ids);
 		epj_tensor_free(lab);
-		if (st != EPJ_OK)
-			return fail(ctx);
+		if (st != EPJ_OK) {
+			/* with several ranks a peer may be inside the step's
+			 * collectives: no agreement, no save */
+			fail(ctx);
+			r->failed = true;
+			r->no_rescue = epj_dist_size() > 1;
+			break;
+		}
 		boundary = info.stepped;
 		if (!info.stepped)
 			continue;
 		double t = now_s();
-		/* every rank's memory, before any rank may skip ahead */
+		/* every rank's memory, before any rank may skip ahead (a
+		 * collective: a failure leaves no agreement, no save) */
 		epj_dist_memory ms;
-		if (epj_dist_memory_max(e, &ms) != EPJ_OK)
-			return fail(ctx);
+		if (epj_dist_memory_max(e, &ms) != EPJ_OK) {
+			fail(ctx);
+			r->failed = true;
+			r->no_rescue = epj_dist_size() > 1;
+			break;
+		}
 		if (info.skipped)
 			continue; /* warned and counted by the engine */
-		if (!isfinite(info.mean_loss))
-			return fail_msg("step %" PRId64 ": loss is %g; "
-					"lower the learning rate",
-					info.step, info.mean_loss);
-		if (ts->steps_done++ == 0)
-			ts->first_loss = info.mean_loss;
-		ts->last_loss = info.mean_loss;
-		win_sum += info.mean_loss;
-		win_n++;
-		double step_s = t - t_step;
-		int64_t cus = epj_counter_get(ctx, "compile.us");
-		double compile_ms = (double)(cus - compile_us) / 1e3;
-		compile_us = cus;
-		if (r->metrics)
-			fprintf(r->metrics,
-				"%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
-				",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d\n",
-				info.step, info.mean_loss, info.lr,
-				info.grad_norm, (double)tok_per_step / step_s,
-				ms.peak_allocated, step_s * 1e3, compile_ms,
-				floor, ms.peak_allocated_rank, ms.peak_reserved,
-				ms.peak_reserved_rank);
-		/* one whole row per write: a stopped or killed run leaves
-		 * no cut row */
-		if (r->metrics)
-			fflush(r->metrics);
-		/* the monitors' events (mon_events), x = samples seen by
-		 * the whole job, as DeepSpeed's global_samples: step x
-		 * train_batch_size (micro-batch x accumulation x the
-		 * data-parallel world, every rank here) */
-		double v[N_MON] = {
-			info.mean_loss, info.lr,
-			info.grad_norm, (double)tok_per_step / step_s,
-			step_s * 1e3,	(double)ms.peak_allocated,
-			compile_ms
-		};
-		v[7] = ms.peak_allocated_rank; /* the memory of every rank */
-		v[8] = (double)ms.peak_reserved;
-		v[9] = ms.peak_reserved_rank;
-		int64_t samples =
-		    info.step * r->B * r->gas * (int64_t)epj_dist_size();
-		if (r->monitor[0]) {
-			for (int i = 0; i < N_MON; i++) {
-				fprintf(r->monitor[i], "%" PRId64 ",%.9g\n",
-					samples, v[i]);
-				fflush(r->monitor[i]);
-			}
-		}
-		/* the step's events as whole records, flushed (a stopped
-		 * or killed run leaves every finished step readable) */
-		if (r->tb) {
-			double wt = wall_s();
-			int bad = 0;
-			for (int i = 0; i < N_MON && !bad; i++)
-				bad = tb_writer_scalar(r->tb, wt, samples,
-						       mon_events[i],
-						       (float)v[i]);
-			if (tb_writer_flush(r->tb) != 0 || bad)
-				tb_drop(r, errno);
-		}
-		bool last = info.step >= o->steps;
-		if (info.step % print_every == 0 || last) {
-			char buf[96];
-			ts->window_loss = win_sum / (double)win_n;
-			printf("step %6" PRId64 "/%ld  loss %.4f  lr %.3e  "
-			       "grad_norm %.3f  tok/s %.0f  peak %.1f MiB  "
-			       "reserved %.1f MiB%s\n",
-			       info.step, o->steps, ts->window_loss, info.lr,
-			       info.grad_norm,
-			       (double)(tok_per_step * win_n) / (t - t_win),
-			       mib(ms.peak_allocated), mib(ms.reserved),
-			       mem_ranks(&ms, buf, sizeof buf));
-			fflush(stdout);
-			win_sum = 0;
-			win_n = 0;
-			t_win = now_s();
-		}
-		if (o->eval_every > 0 && info.step % o->eval_every == 0 &&
-		    !last) {
-			double el, t0 = now_s();
-			if (evaluate(r, &el))
-				return 1;
-			printf("step %6" PRId64 "  eval loss %.4f\n", info.step,
-			       el);
-			/* The evaluation is not training time. */
-			double dt = now_s() - t0;
-			t_start += dt;
-			t_win += dt;
-		}
-		t_step = now_s();
-		if (r->metrics && ferror(r->metrics))
-			return fail_msg("%s: write failed: %s", o->metrics,
-					strerror(errno));
+		if (after_step(r, o, &ls, ts, &info, t, &ms))
+			r->failed = true; /* agreed at the top */
+		ls.t_step = now_s();
 	}
-	ts->seconds = now_s() - t_start;
+	ts->seconds = now_s() - ls.t_start;
 	ts->comm_bytes = epj_counter_get(ctx, "comm.bytes") - cb0;
 	ts->comm_us = epj_counter_get(ctx, "comm.us") - cu0;
-	return 0;
+	return r->failed;
 }
 
 /* The counters of the run as a compact two-column table. */
@@ -1540,15 +1967,15 @@ static int print_counters(run *r)
 
 static void run_free(run *r);
 
-/* One optimizer step of engine e on the next batch of c; wall ms. */
+/* One optimizer step of engine e on the next batches of c (this rank's
+ * share, as in training); wall ms. */
 static epj_status timed_step(run *r, epj_engine *e, epj_ctx *ctx, epj_corpus *c,
 			     double *ms)
 {
 	double t0 = now_s();
 	for (int64_t k = 0; k < r->gas; k++) {
 		epj_tensor *ids = NULL, *lab = NULL;
-		epj_status st =
-		    epj_corpus_next_batch(ctx, c, r->B, r->T, &ids, &lab);
+		epj_status st = rank_batch(r, ctx, c, &ids, &lab);
 		epj_step_info info;
 		if (st == EPJ_OK)
 			st = epj_engine_train_step(e, ids, lab, &info);
@@ -1567,112 +1994,244 @@ static int cmp_dbl(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
+/* Median of v[n] (sorts v). */
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof *v, cmp_dbl);
+	return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 static int64_t launches(epj_ctx *ctx)
 {
 	return epj_counter_get(ctx, "kernels.launched.eager") +
 	       epj_counter_get(ctx, "kernels.launched.compiled");
 }
 
-/* --compare-eager: the trained, compiled engine against a fresh eager
- * engine of the same model and config, COMPARE_STEPS steps each, A B B A
- * interleaved, on their own synthetic streams.  Prints the figures the run
- * observed: median step time, kernel launches per step, peak memory. */
-static int compare_eager(run *r, const opts *o)
+/* Removes dir and the files in it (a flat folder of our own). */
+static void remove_dir(const char *dir)
 {
-	run e = { 0 };
-	opts eo = *o;
-	eo.compile = false;
-	eo.checkpointing = o->checkpointing;
-	if (epj_ctx_new(run_device(), &e.ctx) != EPJ_OK)
-		return fail_msg("cannot create a %s context", run_device());
-	int rc = 0;
-	if (build_model_engine(&e, &eo, r->seed) != EPJ_OK) {
-		rc = fail(e.ctx);
-		goto out;
-	}
-	epj_corpus *ce = epj_corpus_synthetic(
-	    e.ctx, (uint32_t)epj_model_vocab_size(e.model), mix64(r->seed) + 7);
-	epj_corpus *cc = epj_corpus_synthetic(
-	    r->ctx, (uint32_t)epj_model_vocab_size(r->model),
-	    mix64(r->seed) + 7);
-	double te[COMPARE_STEPS], tc[COMPARE_STEPS], ms;
-	/* one warm-up step each (the eager arm's allocator cache) */
-	if (!ce || !cc || timed_step(r, e.engine, e.ctx, ce, &ms) != EPJ_OK ||
-	    timed_step(r, r->engine, r->ctx, cc, &ms) != EPJ_OK) {
-		rc = fail(ce && cc ? e.ctx : r->ctx);
-		goto done;
-	}
-	epj_memory_reset_peaks(e.ctx);
-	epj_memory_reset_peaks(r->ctx);
-	int64_t le0 = launches(e.ctx), lc0 = launches(r->ctx);
-	int64_t be0 = epj_counter_get(e.ctx, "comm.bytes"),
-		bc0 = epj_counter_get(r->ctx, "comm.bytes"),
-		ue0 = epj_counter_get(e.ctx, "comm.us"),
-		uc0 = epj_counter_get(r->ctx, "comm.us");
-	int64_t f0 = epj_counter_get(r->ctx, "frames.total");
-	for (int i = 0; i < COMPARE_STEPS; i++) {
-		bool eager_first = i % 4 == 0 || i % 4 == 3;
-		for (int k = 0; k < 2; k++) {
-			bool eager = (k == 0) == eager_first;
-			epj_status st =
-			    eager
-				? timed_step(r, e.engine, e.ctx, ce, &te[i])
-				: timed_step(r, r->engine, r->ctx, cc, &tc[i]);
-			if (st != EPJ_OK) {
-				rc = fail(eager ? e.ctx : r->ctx);
-				goto done;
+	DIR *d = opendir(dir);
+	if (d) {
+		struct dirent *de;
+		char p[4400];
+		while ((de = readdir(d)))
+			if (strcmp(de->d_name, ".") &&
+			    strcmp(de->d_name, "..")) {
+				snprintf(p, sizeof p, "%s/%s", dir, de->d_name);
+				unlink(p);
 			}
-		}
+		closedir(d);
 	}
-	double le = (double)(launches(e.ctx) - le0) / COMPARE_STEPS;
-	double lc = (double)(launches(r->ctx) - lc0) / COMPARE_STEPS;
-	qsort(te, COMPARE_STEPS, sizeof *te, cmp_dbl);
-	qsort(tc, COMPARE_STEPS, sizeof *tc, cmp_dbl);
-	double me = te[COMPARE_STEPS / 2], mc = tc[COMPARE_STEPS / 2];
-	epj_memory_stats se, sc;
-	epj_memory_stats_get(e.ctx, &se);
-	epj_memory_stats_get(r->ctx, &sc);
-	printf("compare: %d steps each, eager vs compiled (%s), side by "
-	       "side:\n",
-	       COMPARE_STEPS, epj_engine_compile_mode(r->engine));
+	rmdir(dir);
+}
+
+/* The compiled engine's state (weights, FP32 masters, optimizer state,
+ * step) into the fresh eager engine e, through a checkpoint in a private
+ * folder $TMPDIR/epjit-compare.<pid of rank 0> (the same path on every
+ * rank: a save of several ranks is a set), removed afterwards. */
+static int copy_state(run *r, run *e)
+{
+	const char *tmp = getenv("TMPDIR");
+	char dir[4096], path[4200];
+	uint32_t any = 0;
+	if (epj_dist_any(r->engine,
+			 epj_dist_rank() == 0 ? (uint32_t)getpid() : 0u,
+			 &any) != EPJ_OK)
+		return fail(r->ctx);
+	snprintf(dir, sizeof dir, "%s/epjit-compare.%u",
+		 tmp && *tmp ? tmp : "/tmp", any);
+	snprintf(path, sizeof path, "%s/state.ckpt", dir);
+	struct stat sb;
+	if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+		return fail_msg("--compare-eager: cannot create %s: %s", dir,
+				strerror(errno));
+	/* not a planted link or somebody else's folder (ranks on one
+	 * machine share it) */
+	if (lstat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode) ||
+	    sb.st_uid != getuid() || (sb.st_mode & 077))
+		return fail_msg("--compare-eager: %s is not a private folder "
+				"of this user",
+				dir);
+	epj_status st = epj_engine_save(r->engine, path);
+	int rc = st == EPJ_OK ? 0 : fail(r->ctx);
+	if (rc == 0 && epj_engine_load(e->engine, path) != EPJ_OK)
+		rc = fail(e->ctx);
+	/* every rank is past its load before any removes a file */
+	uint32_t unused;
+	if (rc == 0 && epj_dist_any(r->engine, 0, &unused) != EPJ_OK)
+		rc = fail(r->ctx);
+	remove_dir(dir);
+	return rc;
+}
+
+/* Loss of engine en on the first evaluation batch of c's fork: the proof
+ * that both arms start from the same weights. */
+static int same_weights_loss(run *r, epj_engine *en, epj_ctx *ctx, double *loss)
+{
+	epj_corpus *ev = epj_corpus_fork(ctx, r->corpus, r->eval_stream);
+	epj_tensor *ids = NULL, *lab = NULL;
+	epj_status st =
+	    ev ? epj_corpus_next_batch(ctx, ev, r->B, r->T, &ids, &lab)
+	       : EPJ_ERR_INVALID;
+	if (st == EPJ_OK)
+		st = epj_engine_eval(en, ids, lab, loss);
+	epj_tensor_free(ids);
+	epj_tensor_free(lab);
+	epj_corpus_free(ev);
+	return st == EPJ_OK ? 0 : fail(ctx);
+}
+
+/* The arms' figures of --compare-eager. */
+typedef struct cmp_arm {
+	run *a;	       /* engine and context */
+	epj_corpus *c; /* its stream of the run's batches */
+	double t[COMPARE_ROUNDS * COMPARE_ROUND_STEPS]; /* step ms */
+	int64_t l0, b0, u0; /* launches, comm bytes, comm us at the start */
+	double med, mean, launches, comm_mib, comm_ms; /* per step */
+	epj_memory_stats ms;
+} cmp_arm;
+
+_Static_assert(COMPARE_ROUND_STEPS <= 16, "compare_rounds' buffer");
+
+/* The rounds: in round k arm (k even ? eager : compiled) takes
+ * COMPARE_ROUND_STEPS steps, then the other arm the same steps on the same
+ * batches (A B, B A, A B, ...); ratio[k] = compiled median / eager median
+ * of round k. */
+static int compare_rounds(run *r, cmp_arm arm[2], double *ratio)
+{
+	for (int k = 0; k < COMPARE_ROUNDS; k++) {
+		double m[2];
+		for (int j = 0; j < 2; j++) {
+			cmp_arm *x = &arm[(j + k) % 2];
+			double *t = x->t + k * COMPARE_ROUND_STEPS, w[16];
+			for (int i = 0; i < COMPARE_ROUND_STEPS; i++)
+				if (timed_step(r, x->a->engine, x->a->ctx, x->c,
+					       &t[i]) != EPJ_OK)
+					return fail(x->a->ctx);
+			memcpy(w, t, COMPARE_ROUND_STEPS * sizeof *w);
+			m[(j + k) % 2] = median(w, COMPARE_ROUND_STEPS);
+		}
+		ratio[k] = m[1] / m[0];
+	}
+	return 0;
+}
+
+static void compare_print(run *r, int64_t step, cmp_arm arm[2], double *ratio,
+			  double le, double lc, int64_t frames)
+{
+	cmp_arm *E = &arm[0], *C = &arm[1];
+	double lo = ratio[0], hi = ratio[0];
+	for (int k = 1; k < COMPARE_ROUNDS; k++) {
+		lo = fmin(lo, ratio[k]);
+		hi = fmax(hi, ratio[k]);
+	}
+	double rm = median(ratio, COMPARE_ROUNDS);
+	printf("compare: eager vs compiled (%s) from step %" PRId64
+	       ", same weights (eval loss %.6f eager, %.6f compiled), same "
+	       "batches (%s); %d rounds of %d steps per arm, alternating "
+	       "which goes first:\n",
+	       epj_engine_compile_mode(r->engine), step, le, lc, r->data,
+	       COMPARE_ROUNDS, COMPARE_ROUND_STEPS);
 	printf("compare:   %-24s %10s %10s %7s\n", "", "eager", "compiled",
 	       "ratio");
-	printf("compare:   %-24s %10.2f %10.2f %7.3f\n", "median step (ms)", me,
-	       mc, mc / me);
+	printf("compare:   %-24s %10.2f %10.2f %7.3f  (rounds %.3f..%.3f)\n",
+	       "median step (ms)", E->med, C->med, rm, lo, hi);
 	printf("compare:   %-24s %10.0f %10.0f %7.3f\n", "kernel launches/step",
-	       le, lc, lc / le);
+	       E->launches, C->launches, C->launches / E->launches);
 	printf("compare:   %-24s %10.2f %10.2f %7.3f\n", "peak allocated (MiB)",
-	       mib(se.peak_allocated), mib(sc.peak_allocated),
-	       (double)sc.peak_allocated / (double)se.peak_allocated);
-	printf("compare:   frames compiled while measuring: %" PRId64 "\n",
-	       epj_counter_get(r->ctx, "frames.total") - f0);
+	       mib(E->ms.peak_allocated), mib(C->ms.peak_allocated),
+	       (double)C->ms.peak_allocated / (double)E->ms.peak_allocated);
 	if (epj_dist_size() > 1) {
 		/* this rank's collectives (bytes sent, wall time inside the
 		 * calls, which includes waiting for the peers) */
-		double be = (double)(epj_counter_get(e.ctx, "comm.bytes") -
-				     be0) /
-			    COMPARE_STEPS,
-		       bc = (double)(epj_counter_get(r->ctx, "comm.bytes") -
-				     bc0) /
-			    COMPARE_STEPS;
-		double ue = 1e-3 *
-			    (double)(epj_counter_get(e.ctx, "comm.us") - ue0) /
-			    COMPARE_STEPS,
-		       uc = 1e-3 *
-			    (double)(epj_counter_get(r->ctx, "comm.us") - uc0) /
-			    COMPARE_STEPS;
 		printf("compare:   %-24s %10.3f %10.3f\n", "comm MiB sent/step",
-		       be / (1024.0 * 1024.0), bc / (1024.0 * 1024.0));
-		printf("compare:   %-24s %10.2f %10.2f\n", "comm ms/step", ue,
-		       uc);
+		       E->comm_mib, C->comm_mib);
+		printf("compare:   %-24s %10.2f %10.2f\n", "comm ms/step",
+		       E->comm_ms, C->comm_ms);
 		printf("compare:   %-24s %10.1f %10.1f\n",
-		       "comm share of step (%)", 100.0 * ue / me,
-		       100.0 * uc / mc);
+		       "comm share of step (%)", 100.0 * E->comm_ms / E->mean,
+		       100.0 * C->comm_ms / C->mean);
 	}
-done:
-	epj_corpus_free(ce);
-	epj_corpus_free(cc);
-out:
+	printf("compare:   frames compiled while measuring: %" PRId64 "\n",
+	       frames);
+	printf("compare: compiled/eager step time %.3f (median of %d "
+	       "rounds; spread %.3f..%.3f): %s\n",
+	       rm, COMPARE_ROUNDS, lo, hi,
+	       lo <= 1.0 && hi >= 1.0 ? "the spread crosses 1.0, no difference "
+					"measurable"
+	       : hi < 1.0	      ? "compiled is faster"
+				      : "compiled is slower");
+	stdout_check();
+}
+
+/* --compare-eager: the trained, compiled engine against a fresh eager
+ * engine of the same model and config given the compiled engine's state
+ * (the same weights, masters, optimizer state and step), on the same
+ * batches (each arm reads the run's own data source from its start, this
+ * rank's share), COMPARE_ROUNDS rounds of COMPARE_ROUND_STEPS steps per
+ * arm alternating which arm goes first.  Prints the figures the run
+ * observed: median step time and the median and spread of the rounds'
+ * ratios, kernel launches per step, peak memory. */
+static int compare_eager(run *r, const opts *o)
+{
+	run e = { .saved_step = -1 };
+	static opts eo;
+	eo = *o;
+	eo.compile = false;
+	if (epj_ctx_new(run_device(), &e.ctx) != EPJ_OK)
+		return fail_msg("cannot create a %s context", run_device());
+	cmp_arm arm[2] = { { .a = &e }, { .a = r } };
+	double le = 0, lc = 0, ratio[COMPARE_ROUNDS], ms;
+	int64_t step = epj_engine_step_count(r->engine);
+	int rc =
+	    build_model_engine(&e, &eo, r->seed) != EPJ_OK ? fail(e.ctx) : 0;
+	if (rc == 0)
+		rc = copy_state(r, &e);
+	if (rc == 0)
+		rc = same_weights_loss(r, e.engine, e.ctx, &le) ||
+		     same_weights_loss(r, r->engine, r->ctx, &lc);
+	for (int j = 0; rc == 0 && j < 2; j++) {
+		arm[j].c = epj_corpus_fork(arm[j].a->ctx, r->corpus, 0);
+		if (!arm[j].c)
+			rc = fail(arm[j].a->ctx);
+	}
+	/* one warm-up step each (the eager arm's allocator cache) */
+	for (int j = 0; rc == 0 && j < 2; j++)
+		if (timed_step(r, arm[j].a->engine, arm[j].a->ctx, arm[j].c,
+			       &ms) != EPJ_OK)
+			rc = fail(arm[j].a->ctx);
+	for (int j = 0; rc == 0 && j < 2; j++) {
+		epj_memory_reset_peaks(arm[j].a->ctx);
+		arm[j].l0 = launches(arm[j].a->ctx);
+		arm[j].b0 = epj_counter_get(arm[j].a->ctx, "comm.bytes");
+		arm[j].u0 = epj_counter_get(arm[j].a->ctx, "comm.us");
+	}
+	int64_t f0 = epj_counter_get(r->ctx, "frames.total");
+	if (rc == 0)
+		rc = compare_rounds(r, arm, ratio);
+	const double n = COMPARE_ROUNDS * COMPARE_ROUND_STEPS;
+	for (int j = 0; rc == 0 && j < 2; j++) {
+		epj_ctx *c = arm[j].a->ctx;
+		arm[j].launches = (double)(launches(c) - arm[j].l0) / n;
+		arm[j].comm_mib =
+		    mib((uint64_t)(epj_counter_get(c, "comm.bytes") -
+				   arm[j].b0)) /
+		    n;
+		arm[j].comm_ms =
+		    1e-3 * (double)(epj_counter_get(c, "comm.us") - arm[j].u0) /
+		    n;
+		arm[j].mean = 0;
+		for (int i = 0; i < (int)n; i++)
+			arm[j].mean += arm[j].t[i] / n;
+		arm[j].med = median(arm[j].t, (int)n);
+		epj_memory_stats_get(c, &arm[j].ms);
+	}
+	if (rc == 0) {
+		compare_print(r, step, arm, ratio, le, lc,
+			      epj_counter_get(r->ctx, "frames.total") - f0);
+	}
+	epj_corpus_free(arm[0].c);
+	epj_corpus_free(arm[1].c);
 	run_free(&e);
 	return rc;
 }
@@ -1680,17 +2239,17 @@ out:
 /* --parity: the library's harness; prints its table, exits 1 on failure. */
 static int run_parity(const opts *o)
 {
-	epj_parity_opts po = { .model_config = o->model_path,
-			       .layout = o->layout,
-			       .checkpointing = o->checkpointing,
-			       .bf16 = o->bf16,
-			       .regional = !o->full_model,
-			       .async_split_plan = o->async_plan,
-			       .batch = 2,
-			       .seq = o->seq > 0 && o->seq != DEFAULT_SEQ
-					  ? o->seq
-					  : 16,
-			       .seed = o->seed_given ? o->seed : 42 };
+	epj_parity_opts po = {
+		.model_config = o->model_path ? o->model_cfg : NULL,
+		.layout = o->layout,
+		.checkpointing = o->checkpointing,
+		.bf16 = o->bf16,
+		.regional = !o->full_model,
+		.async_split_plan = o->async_plan,
+		.batch = 2,
+		.seq = o->seq > 0 && o->seq != DEFAULT_SEQ ? o->seq : 16,
+		.seed = o->seed_given ? o->seed : 42
+	};
 	bool passed = false;
 	if (epj_parity_run(&po, stdout, &passed) != EPJ_OK)
 		return fail_msg("parity: could not run (see above)");
@@ -1741,45 +2300,41 @@ static void run_free(run *r)
 	epj_ctx_free(r->ctx);
 }
 
-static int run_main(run *r, const opts *o)
+/* The starting weights, once the engine is built: --load CKPT, else the
+ * --model folder's (model.safetensors[.index.json]), else the random
+ * initialisation from the run seed; what it was goes to r->weights. */
+static int load_weights(run *r, const opts *o)
 {
-	if (setup(r, o))
-		return 1;
 	if (o->load) {
 		if (epj_engine_load(r->engine, o->load) != EPJ_OK)
 			return fail(r->ctx);
-		/* a run that is done already: nothing to skip or train */
-		if (epj_engine_step_count(r->engine) >= o->steps &&
-		    !o->dump_state && !o->emit_cuda) {
-			printf(PROG ": %s is at step %" PRId64
-				    ", --steps is %ld: nothing left to "
-				    "train\n",
-			       o->load, epj_engine_step_count(r->engine),
-			       o->steps);
-			return 0;
-		}
-		if (skip_consumed(r))
-			return 1;
+		snprintf(r->weights, sizeof r->weights,
+			 "%s (--load, step %" PRId64 ")", o->load,
+			 epj_engine_step_count(r->engine));
+	} else if (o->weights_dir[0]) {
+		char f[4200];
+		weights_file(o, f, sizeof f);
+		if (epj_engine_load(r->engine, o->weights_dir) != EPJ_OK)
+			return fail(r->ctx);
+		snprintf(r->weights, sizeof r->weights, "%s", f);
+	} else {
+		snprintf(r->weights, sizeof r->weights,
+			 "random (seed %" PRIu64 ")", r->seed);
 	}
-	if (o->dump_state) {
-		/* several ranks: one file per rank (its batch, its experts) */
-		char path[4096];
-		snprintf(path, sizeof path, "%s", o->dump_state);
-		if (epj_dist_size() > 1)
-			snprintf(path, sizeof path, "%s.rank%d", o->dump_state,
-				 epj_dist_rank());
-		return dump_state(r, path, o->dump_batch);
-	}
-	if (o->emit_cuda)
-		return emit_cuda(r, o);
+	return 0;
+}
 
-	const char *data = r->data ? r->data : "synthetic";
+/* The banner: model, weights, config (and what each "auto" value
+ * resolved to), world, compile. */
+static void banner(run *r, const opts *o)
+{
 	printf(PROG ": model %s (%s layout, %d params, %" PRId64
 		    " elements, vocab %d), data %s\n",
-	       o->model_path ? o->model_path : "<built-in tiny>",
+	       o->model_path ? o->model_cfg : "<built-in tiny>",
 	       o->layout == EPJ_LAYOUT_ROOT ? "root" : "nested",
 	       epj_model_num_params(r->model), epj_model_num_elements(r->model),
-	       epj_model_vocab_size(r->model), data);
+	       epj_model_vocab_size(r->model), r->data);
+	printf(PROG ": weights: %s\n", r->weights);
 	printf(PROG ": config %s, micro-batch %" PRId64 " x seq %" PRId64
 		    ", grad accum %" PRId64 ", %s, seed %" PRIu64
 		    ", steps %" PRId64 " -> %ld%s\n",
@@ -1787,6 +2342,11 @@ static int run_main(run *r, const opts *o)
 	       r->gas, epj_engine_bf16(r->engine) ? "bf16" : "f32", r->seed,
 	       epj_engine_step_count(r->engine), o->steps,
 	       o->checkpointing ? ", checkpointing" : "");
+	char key[300], val[300];
+	for (int i = 0; epj_engine_auto_value(r->engine, i, key, sizeof key,
+					      val, sizeof val);
+	     i++)
+		printf(PROG ": config \"auto\": %s = %s\n", key, val);
 	printf(PROG ": world %d rank%s, expert parallel %d, ZeRO stage %d, "
 		    "device %s\n",
 	       epj_dist_size(), epj_dist_size() == 1 ? "" : "s",
@@ -1807,58 +2367,13 @@ static int run_main(run *r, const opts *o)
 			       epj_counter_get(r->ctx, "compile.cached_us"));
 		printf("\n");
 	}
-	fflush(stdout);
+	stdout_check();
+}
 
-	/* one metrics file per run: rank 0 writes it (the loss is the
-	 * global batch's on every rank) */
-	if (o->metrics && epj_dist_rank() == 0) {
-		r->metrics = fopen(o->metrics, "w");
-		if (!r->metrics)
-			return fail_msg("%s: cannot open for writing: %s",
-					o->metrics, strerror(errno));
-		fprintf(r->metrics, "step,loss,lr,grad_norm,tokens_per_s,"
-				    "peak_alloc_bytes,step_ms,compile_ms,"
-				    "entropy_floor,peak_alloc_rank,"
-				    "peak_reserved_bytes,peak_reserved_rank\n");
-	}
-	if (monitor_open(r) || tb_open(r))
-		return 1;
-	if (stop_signals_install())
-		return 1;
-	train_stats ts;
-	if (train(r, o, &ts))
-		return 1;
-	if (r->metrics) {
-		int bad = ferror(r->metrics);
-		bad |= fclose(r->metrics) != 0;
-		r->metrics = NULL;
-		if (bad)
-			return fail_msg("%s: write failed: %s", o->metrics,
-					strerror(errno));
-	}
-	if (r->stop_sig)
-		return stop_run(r, o);
-	if (o->save && save_checkpoint(r, o))
-		return 1;
-
-	double eval_loss;
-	if (evaluate(r, &eval_loss))
-		return 1;
+/* The summary's evaluation line. */
+static void print_eval(run *r, double eval_loss)
+{
 	double floor = epj_corpus_entropy_rate(r->corpus);
-	epj_dist_memory ms; /* every rank's: collective */
-	if (epj_dist_memory_max(r->engine, &ms) != EPJ_OK)
-		return fail(r->ctx);
-	printf("summary: %" PRId64 " steps in %.2f s (%.1f ms/step), "
-	       "%.0f tokens/s\n",
-	       ts.steps_done, ts.seconds,
-	       ts.steps_done ? 1e3 * ts.seconds / (double)ts.steps_done : 0.0,
-	       ts.seconds > 0
-		   ? (double)(ts.steps_done * r->B * r->T * r->gas) / ts.seconds
-		   : 0.0);
-	if (ts.steps_done)
-		printf("summary: train loss %.4f (first step) -> %.4f (last "
-		       "window)\n",
-		       ts.first_loss, ts.window_loss);
 	if (isnan(floor))
 		printf("summary: eval loss %.4f (%d x [%" PRId64 ", %" PRId64
 		       "] from the start of %s%s; entropy floor unknown)\n",
@@ -1867,7 +2382,7 @@ static int run_main(run *r, const opts *o)
 					     r->corpus, 1) != UINT64_MAX
 			   ? "the validation split of "
 			   : "",
-		       data);
+		       r->data);
 	else
 		printf(
 		    "summary: eval loss %.4f (held-out stream, %d x [%" PRId64
@@ -1875,6 +2390,28 @@ static int run_main(run *r, const opts *o)
 		    "gap %.4f\n",
 		    eval_loss, EVAL_BATCHES, r->B, r->T, floor,
 		    eval_loss - floor);
+	stdout_check();
+}
+
+/* ms: every rank's memory (epj_dist_memory_max, a collective the caller
+ * made on every rank). */
+static void print_summary(run *r, const train_stats *ts, double eval_loss,
+			  const epj_dist_memory *m)
+{
+	const epj_dist_memory ms = *m;
+	printf(
+	    "summary: %" PRId64 " steps in %.2f s (%.1f ms/step), "
+	    "%.0f tokens/s\n",
+	    ts->steps_done, ts->seconds,
+	    ts->steps_done ? 1e3 * ts->seconds / (double)ts->steps_done : 0.0,
+	    ts->seconds > 0
+		? (double)(ts->steps_done * r->B * r->T * r->gas) / ts->seconds
+		: 0.0);
+	if (ts->steps_done)
+		printf("summary: train loss %.4f (first step) -> %.4f (last "
+		       "window)\n",
+		       ts->first_loss, ts->window_loss);
+	print_eval(r, eval_loss);
 	if (epj_dist_size() > 1)
 		printf("summary: memory, the largest of %d ranks: peak "
 		       "allocated %.1f MiB (rank %d), peak reserved %.1f MiB "
@@ -1888,16 +2425,136 @@ static int run_main(run *r, const opts *o)
 		       "reserved %.1f MiB, reserved %.1f MiB\n",
 		       mib(ms.peak_allocated), mib(ms.peak_reserved),
 		       mib(ms.reserved));
-	if (epj_dist_size() > 1 && ts.steps_done)
+	if (epj_dist_size() > 1 && ts->steps_done)
 		printf(
 		    "summary: comm (rank 0 of %d): %.3f MiB sent and %.1f ms "
 		    "in collectives per step, %.1f%% of the step time\n",
 		    epj_dist_size(),
-		    mib((uint64_t)(ts.comm_bytes / ts.steps_done)),
-		    1e-3 * (double)ts.comm_us / (double)ts.steps_done,
-		    ts.seconds > 0
-			? 100.0 * 1e-6 * (double)ts.comm_us / ts.seconds
+		    mib((uint64_t)(ts->comm_bytes / ts->steps_done)),
+		    1e-3 * (double)ts->comm_us / (double)ts->steps_done,
+		    ts->seconds > 0
+			? 100.0 * 1e-6 * (double)ts->comm_us / ts->seconds
 			: 0.0);
+	stdout_check();
+}
+
+/* Closes --metrics and the csv_monitor files (rank 0); 1 when a close
+ * failed (the rows were flushed, so only a late error of the file system
+ * can show here). */
+static int close_outputs(run *r, const opts *o)
+{
+	int rc = 0;
+	if (r->metrics) {
+		errno = 0;
+		int bad = fclose(r->metrics) != 0;
+		r->metrics = NULL;
+		if (bad)
+			rc = fail_msg("%s: write failed: %s", o->metrics,
+				      strerror(errno));
+	}
+	for (int i = 0; i < N_MON; i++) {
+		if (!r->monitor[i])
+			continue;
+		errno = 0;
+		int bad = fclose(r->monitor[i]) != 0;
+		r->monitor[i] = NULL;
+		char path[4400];
+		monitor_path(r, i, path, sizeof path);
+		if (bad && !rc)
+			rc = fail_msg("csv_monitor: %s: write failed: %s", path,
+				      strerror(errno));
+	}
+	return rc;
+}
+
+/* --load of a run that is done already (--steps at or below its step;
+ * --steps 0 is the documented evaluation): nothing to skip or train, no
+ * --metrics or --save written; the evaluation of the checkpoint. */
+static int evaluate_only(run *r, const opts *o)
+{
+	printf(PROG ": weights: %s\n", r->weights);
+	printf(PROG ": %s is at step %" PRId64 ", --steps is %ld: nothing "
+		    "left to train; evaluating it\n",
+	       o->load, epj_engine_step_count(r->engine), o->steps);
+	stdout_check();
+	double eval_loss;
+	if (evaluate(r, &eval_loss))
+		return 1;
+	print_eval(r, eval_loss);
+	return 0;
+}
+
+/* Opens --metrics (rank 0: the loss is the global batch's on every rank),
+ * the csv_monitor files and the tensorboard event file. */
+static int open_outputs(run *r, const opts *o)
+{
+	if (o->metrics && epj_dist_rank() == 0) {
+		r->metrics = fopen(o->metrics, "w");
+		if (!r->metrics)
+			return fail_msg("%s: cannot open for writing: %s",
+					o->metrics, strerror(errno));
+		if (put_row(&r->metrics, "", o->metrics,
+			    "step,loss,lr,grad_norm,tokens_per_s,"
+			    "peak_alloc_bytes,step_ms,compile_ms,"
+			    "entropy_floor,peak_alloc_rank,"
+			    "peak_reserved_bytes,peak_reserved_rank\n"))
+			return 1;
+	}
+	return monitor_open(r) || tb_open(r);
+}
+
+static int run_main(run *r, const opts *o)
+{
+	if (setup(r, o) || load_weights(r, o))
+		return 1;
+	if (o->load && epj_engine_step_count(r->engine) >= o->steps &&
+	    !o->dump_state && !o->emit_cuda)
+		return evaluate_only(r, o);
+	if (o->load && skip_consumed(r, o->load))
+		return 1;
+	if (o->dump_state || o->emit_cuda) {
+		printf(PROG ": weights: %s\n", r->weights);
+		stdout_check();
+	}
+	if (o->dump_state) {
+		/* several ranks: one file per rank (its batch, its experts) */
+		char path[4096];
+		snprintf(path, sizeof path, "%s", o->dump_state);
+		if (epj_dist_size() > 1)
+			snprintf(path, sizeof path, "%s.rank%d", o->dump_state,
+				 epj_dist_rank());
+		return dump_state(r, path, o->dump_batch);
+	}
+	if (o->emit_cuda)
+		return emit_cuda(r, o);
+	banner(r, o);
+	if (open_outputs(r, o) || stop_signals_install())
+		return 1;
+	train_stats ts;
+	train(r, o, &ts);
+	if (r->no_rescue)
+		return 1; /* a peer may be inside a collective */
+	/* a failed close (rank 0) ends the run on every rank */
+	int sig;
+	if (close_outputs(r, o))
+		r->failed = true;
+	if (agree(r, &sig) || r->failed)
+		return rescue(r, o);
+	if (r->stop_sig)
+		return stop_run(r, o);
+	if (o->save && save_checkpoint(r, o->save, where_to()))
+		return 1;
+	double eval_loss;
+	if (evaluate(r, &eval_loss))
+		r->failed = true;
+	if (r->no_rescue)
+		return 1;
+	if (agree(r, &sig) || r->failed)
+		return rescue(r, o);
+	epj_dist_memory ms; /* every rank's: collective */
+	if (epj_dist_memory_max(r->engine, &ms) != EPJ_OK)
+		return fail(r->ctx);
+	print_summary(r, &ts, eval_loss, &ms);
 	int rc = print_counters(r);
 	if (!rc && o->compare_eager && o->compile)
 		rc = compare_eager(r, o);
@@ -1906,7 +2563,8 @@ static int run_main(run *r, const opts *o)
 
 int main(int argc, char **argv)
 {
-	opts o;
+	sigpipe_install(); /* a closed pipe never kills the process */
+	static opts o;
 	int rc = parse_args(argc, argv, &o);
 	if (rc >= 0)
 		return rc;
@@ -1919,15 +2577,16 @@ int main(int argc, char **argv)
 	if (rank_output(&o))
 		return 1;
 	/* ok: MPI may be finalized (every rank got here in step); so is a
-	 * run that stopped in order on a signal, with its own exit status */
+	 * run that stopped in order on a signal, with its own exit status,
+	 * and one whose ranks agreed on an error */
 	bool ok;
 	if (o.parity) {
 		rc = run_parity(&o);
 		ok = rc == 0;
 	} else {
-		run r = { 0 };
+		static run r = { .saved_step = -1 };
 		rc = run_main(&r, &o);
-		ok = rc == 0 || r.stopped;
+		ok = rc == 0 || r.stopped || (r.failed && !r.no_rescue);
 		run_free(&r);
 	}
 	fflush(stdout);

@@ -20,13 +20,14 @@ enum {
 /* The built-in DeepSpeed config: micro-batch 8, AdamW (betas 0.9/0.95, wd
  * 0.01), linear warmup over 20 steps to 3e-3, cosine decay to 10% at step
  * 200, gradient clipping 1.0, a line every 20 steps, regional compilation
- * around the AutoEP layers. */
-static inline void default_config(char *buf, size_t n)
+ * around the AutoEP layers; bf16 (epjit-train --bf16): bf16.enabled. */
+static inline void default_config_prec(char *buf, size_t n, int bf16)
 {
 	snprintf(buf, n,
 		 "{\n"
 		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
 		 "  \"gradient_accumulation_steps\": 1,\n"
+		 "  \"bf16\": {\"enabled\": %s},\n"
 		 "  \"steps_per_print\": %d,\n"
 		 "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\n"
 		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
@@ -38,24 +39,29 @@ static inline void default_config(char *buf, size_t n)
 		 "  \"gradient_clipping\": 1.0,\n"
 		 "  \"compile\": {\"autoep_non_moe\": true}\n"
 		 "}\n",
-		 DEFAULT_MICRO_BATCH, DEFAULT_PRINT, DEFAULT_LR, DEFAULT_WARMUP,
-		 DEFAULT_STEPS);
+		 DEFAULT_MICRO_BATCH, bf16 ? "true" : "false", DEFAULT_PRINT,
+		 DEFAULT_LR, DEFAULT_WARMUP, DEFAULT_STEPS);
+}
+
+static inline void default_config(char *buf, size_t n)
+{
+	default_config_prec(buf, n, 0);
 }
 
 /* The values a ds.json's "auto" takes under epjit-train and epjit-warmup
  * (epj_engine_initialize_auto): the built-in run's micro-batch,
  * accumulation, optimizer, warm-up and clipping, warmup_max_lr = the lr,
  * and total_num_steps = the run's --steps (steps; epjit-warmup, which
- * trains nothing, passes DEFAULT_STEPS).  Precision is false: neither tool
- * has a precision flag for training, a config asks for bf16 by writing
- * true.  train_batch_size is left to the library (derived). */
-static inline void auto_config(char *buf, size_t n, long steps)
+ * trains nothing, passes DEFAULT_STEPS).  bf16.enabled is bf16 (epjit-train
+ * --bf16; auto_config: false); fp16 is false.  train_batch_size is left to
+ * the library (derived). */
+static inline void auto_config_prec(char *buf, size_t n, long steps, int bf16)
 {
 	snprintf(buf, n,
 		 "{\n"
 		 "  \"train_micro_batch_size_per_gpu\": %d,\n"
 		 "  \"gradient_accumulation_steps\": 1,\n"
-		 "  \"bf16\": {\"enabled\": false},\n"
+		 "  \"bf16\": {\"enabled\": %s},\n"
 		 "  \"fp16\": {\"enabled\": false},\n"
 		 "  \"optimizer\": {\"params\": {\n"
 		 "    \"lr\": %g, \"betas\": [0.9, 0.95], \"eps\": 1e-8,\n"
@@ -65,8 +71,13 @@ static inline void auto_config(char *buf, size_t n, long steps)
 		 "    \"warmup_num_steps\": %d, \"total_num_steps\": %ld}},\n"
 		 "  \"gradient_clipping\": 1.0\n"
 		 "}\n",
-		 DEFAULT_MICRO_BATCH, DEFAULT_LR, DEFAULT_LR, DEFAULT_WARMUP,
-		 steps);
+		 DEFAULT_MICRO_BATCH, bf16 ? "true" : "false", DEFAULT_LR,
+		 DEFAULT_LR, DEFAULT_WARMUP, steps);
+}
+
+static inline void auto_config(char *buf, size_t n, long steps)
+{
+	auto_config_prec(buf, n, steps, 0);
 }
 
 #endif /* EPJIT_TRAIN_DEFAULTS_H */
