@@ -215,6 +215,15 @@ epj_status ej_kcache_archive_export(epj_ctx *ctx, ej_kcache *c,
 				    const char *path, const char *const *keys,
 				    int n_keys, int *n_written)
 {
+	return ej_kcache_archive_export_kind(ctx, c, path, keys, n_keys, NULL,
+					     n_written);
+}
+
+epj_status ej_kcache_archive_export_kind(epj_ctx *ctx, ej_kcache *c,
+					 const char *path,
+					 const char *const *keys, int n_keys,
+					 const char *only_kind, int *n_written)
+{
 	*n_written = 0;
 	keylist all = { 0 };
 	if (n_keys < 0) {
@@ -257,6 +266,9 @@ epj_status ej_kcache_archive_export(epj_ctx *ctx, ej_kcache *c,
 			skipped++;
 			kind = NULL;
 		}
+		if (st == EPJ_OK && kind && only_kind &&
+		    strcmp(kind, only_kind) != 0)
+			kind = NULL; /* another kind: not asked for */
 		if (st == EPJ_OK && kind) {
 			const char *ident = !strcmp(kind, "c")
 						? ej_hostcc_identity()

@@ -30,6 +30,13 @@ const char *ej_kcache_generator_id(void);
 epj_status ej_kcache_archive_export(epj_ctx *ctx, ej_kcache *c,
 				    const char *path, const char *const *keys,
 				    int n_keys, int *n_written);
+/* The same, writing only the entries of one kind (only_kind "c" or
+ * "nvrtc"; NULL: every kind): an archive of cubins alone imports on a
+ * machine whose host compiler differs (a GPU machine). */
+epj_status ej_kcache_archive_export_kind(epj_ctx *ctx, ej_kcache *c,
+					 const char *path,
+					 const char *const *keys, int n_keys,
+					 const char *only_kind, int *n_written);
 
 /* Reads path, verifies the file checksum and, for every entry, its
  * checksum, that it was built with this host compiler / this NVRTC / this

@@ -421,6 +421,61 @@ START_TEST(test_wrong_identity)
 }
 END_TEST
 
+/* An export of one kind holds only those entries: an archive of cubins
+ * imports where the host compiler is another (what the GPU bundle relies
+ * on), while the whole cache's archive is refused there. */
+START_TEST(test_export_one_kind)
+{
+	fixture f;
+	fx_open(&f);
+	setenv("EPJIT_CUDA_ARCH", "sm_80,sm_90", 1);
+	int nc = (int)tu_randint(1, 4), nn = (int)tu_randint(1, 4);
+	char keys[8][65];
+	for (int i = 0; i < nc; i++)
+		put_c(f.src, keys[i]);
+	for (int i = 0; i < nn; i++)
+		put_nvrtc(f.src, i % 2 ? "sm_80" : "sm_90", keys[nc + i]);
+	int written = 0;
+	ck_assert_int_eq(ej_kcache_archive_export_kind(f.ctx, f.src, f.ar, NULL,
+						       -1, "nvrtc", &written),
+			 EPJ_OK);
+	ck_assert_int_eq(written, nn);
+	ck_assert_int_eq(
+	    ej_kcache_archive_export(f.ctx, f.src, f.bad, NULL, -1, &written),
+	    EPJ_OK);
+	ck_assert_int_eq(written, nc + nn);
+	/* another host compiler: the whole cache is refused, the cubins
+	 * import */
+	setenv("EPJIT_CC", "cc -w", 1);
+	expect_refused(&f, EPJ_ERR_UNSUPPORTED, "host compiler");
+	int added = 0, present = 0;
+	ck_assert_msg(ej_kcache_archive_import(f.ctx, f.dst, f.ar, &added,
+					       &present) == EPJ_OK,
+		      "%s", epj_ctx_error(f.ctx));
+	unsetenv("EPJIT_CC");
+	ck_assert_int_eq(added, nn);
+	ck_assert_int_eq(count_entries(f.dst), nn);
+	for (int i = 0; i < nn; i++) {
+		void *a = NULL;
+		size_t la = 0;
+		char *sa = NULL;
+		ck_assert_int_eq(ej_kcache_get_with_source(f.dst, keys[nc + i],
+							   &a, &la, &sa),
+				 EPJ_OK);
+		ck_assert_ptr_nonnull(a);
+		free(a);
+		free(sa);
+	}
+	/* and the shared objects of the C kind alone */
+	ck_assert_int_eq(ej_kcache_archive_export_kind(f.ctx, f.src, f.bad,
+						       NULL, -1, "c", &written),
+			 EPJ_OK);
+	ck_assert_int_eq(written, nc);
+	unsetenv("EPJIT_CUDA_ARCH");
+	fx_close(&f);
+}
+END_TEST
+
 /* An export into a shared directory where another user planted the
  * temporary names the old code used ("<archive>.tmp.<pid>", and
  * "<archive>.tmp.<pid>.<host>"): a symlink to a file of ours and a file of
@@ -483,6 +538,7 @@ Suite *make_archive_suite(void)
 	tcase_add_test(tc, test_corrupt_and_truncated);
 	tcase_add_test(tc, test_tampered_entry);
 	tcase_add_test(tc, test_wrong_identity);
+	tcase_add_test(tc, test_export_one_kind);
 	tcase_add_test(tc, test_export_planted_tmp);
 	tcase_set_timeout(tc, 60);
 	suite_add_tcase(s, tc);

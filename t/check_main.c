@@ -6,7 +6,10 @@
  * t/check-*.part files, through t/check_part.sh), so that make -j runs
  * them side by side; t/check_parts.sh checks that the parts name every
  * suite of --list exactly once.  CK_RUN_SUITE / CK_RUN_CASE narrow a run
- * further, as Check documents.
+ * further, as Check documents.  Every run gets an empty kernel cache of
+ * its own, removed at the end, unless EPJIT_CHECK_KCACHE names one to use
+ * (tools/gpu-check: the run's private cache with the GPU bundle's
+ * pre-warmed cubins).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,11 +117,19 @@ int main(int argc, char **argv)
 	 * artifact an earlier build made (forked tests inherit it; tests
 	 * about the cache make their own). */
 	char cache[] = "/tmp/epjit-check-kcache-XXXXXX";
-	if (!mkdtemp(cache)) {
-		perror("epjit check: mkdtemp for the kernel cache");
-		return EXIT_FAILURE;
+	/* EPJIT_CHECK_KCACHE=DIR: that cache instead (tools/gpu-check: the
+	 * GPU bundle's pre-warmed cubins), kept */
+	const char *given = getenv("EPJIT_CHECK_KCACHE");
+	if (given && *given) {
+		setenv("EPJIT_CACHE_DIR", given, 1);
+	} else {
+		if (!mkdtemp(cache)) {
+			perror("epjit check: mkdtemp for the kernel cache");
+			return EXIT_FAILURE;
+		}
+		setenv("EPJIT_CACHE_DIR", cache, 1);
+		given = NULL;
 	}
-	setenv("EPJIT_CACHE_DIR", cache, 1);
 	SRunner *sr = srunner_create(NULL);
 	for (size_t i = 0; i < N_SUITES; i++)
 		if (want[i])
@@ -129,7 +140,7 @@ int main(int argc, char **argv)
 	/* the tree the tests left: entry files in shard directories */
 	char cmd[sizeof cache + 16];
 	snprintf(cmd, sizeof cmd, "rm -rf '%s'", cache);
-	if (system(cmd) != 0)
+	if (!given && system(cmd) != 0)
 		fprintf(stderr, "epjit check: could not remove %s\n", cache);
 	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 }

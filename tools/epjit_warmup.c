@@ -64,6 +64,7 @@ typedef struct opts {
 	long jobs;
 	bool dry_run;
 	const char *export_path, *import_path;
+	const char *kind; /* --kind: export entries of one kind only */
 } opts;
 
 static void usage(FILE *fp)
@@ -110,6 +111,11 @@ static void usage(FILE *fp)
 	    "                      --model/--config, the entries this "
 	    "warm-up needs\n"
 	    "                      (compiled first when missing)\n"
+	    "  --kind K            with --export: only the entries of kind "
+	    "K, c (shared\n"
+	    "                      objects) or nvrtc (cubins: an archive "
+	    "another host\n"
+	    "                      compiler can import)\n"
 	    "  --import FILE       verify every entry of an archive, then "
 	    "add them all to\n"
 	    "                      the cache (nothing is added when any "
@@ -200,6 +206,7 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 				"--layout", "--backend",	"--arch",
 				"-j",	    "--jobs",		"--export",
 				"--import", "--model-override", "--world",
+				"--kind",
 			};
 			bool ok = false;
 			for (size_t k = 0; k < EJ_ARRAY_LEN(known); k++)
@@ -240,6 +247,11 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 			o->export_path = val;
 		} else if (!strcmp(name, "--import")) {
 			o->import_path = val;
+		} else if (!strcmp(name, "--kind")) {
+			if (strcmp(val, "c") && strcmp(val, "nvrtc"))
+				return bad_usage("--kind '%s': c or nvrtc",
+						 val);
+			o->kind = val;
 		} else if (!strcmp(name, "--arch")) {
 			o->archs = val;
 		} else if (!strcmp(name, "--backend")) {
@@ -282,9 +294,12 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 	}
 	if (o->archs && !o->cuda)
 		return bad_usage("--arch '%s' needs --backend cuda", o->archs);
-	if (o->import_path && (o->export_path || *model_given || o->dry_run))
+	if (o->import_path &&
+	    (o->export_path || *model_given || o->dry_run || o->kind))
 		return bad_usage("--import '%s' takes no other option",
 				 o->import_path);
+	if (o->kind && !o->export_path)
+		return bad_usage("--kind '%s' goes with --export", o->kind);
 	return -1;
 }
 
@@ -497,9 +512,10 @@ static int do_export(warm *w, const opts *o, bool with_model)
 	}
 	ej_kcache *kc = ej_kcache_open(ctx, NULL);
 	int n = 0;
-	epj_status st = kc ? ej_kcache_archive_export(ctx, kc, o->export_path,
-						      keys, n_keys, &n)
-			   : ctx->status;
+	epj_status st =
+	    kc ? ej_kcache_archive_export_kind(ctx, kc, o->export_path, keys,
+					       n_keys, o->kind, &n)
+	       : ctx->status;
 	ej_kcache_close(kc);
 	free(keys);
 	if (st != EPJ_OK)
