@@ -10,9 +10,10 @@
  * the embedding and head are outside the regions: neither changes the
  * compiled kernels; both would only make setup slow), random weights, bf16 with
  * FP32 masters, activation checkpointing, sequence --seq (1024), micro-batch
- * --batch (1).  One training step with compile.backend "nvrtc" traces and
- * compiles every region variant; then every fused kernel of every compiled
- * graph runs
+ * --batch (1).  One training step on a cuda context (everything on the
+ * GPU: the CPU's GEMMs at these shapes would take minutes) with
+ * compile.backend "nvrtc" traces and compiles every region variant; then
+ * every fused kernel of every compiled graph runs
  * --iters times on fresh random inputs between two events.  Reported per
  * kernel: bytes moved (inputs read + outputs written), time, GB/s and the
  * ratio to the copy bandwidth; then the median and the worst ratio over
@@ -137,13 +138,17 @@ int main(int argc, char **argv)
 		fprintf(stderr, PROG ": sizes and counts must be >= 1\n");
 		return 1;
 	}
-	epj_ctx *ctx = NULL;
+	/* ctx: the timing (host inputs copied into the kernel's device
+	 * buffers); g: the model and its training step, on the GPU */
+	epj_ctx *ctx = NULL, *g = NULL;
 	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
 		return 1;
 	ej_cuda_dev *dev = NULL;
-	if (ej_cuda_open(ctx, &dev) != EPJ_OK) {
+	if (ej_cuda_open(ctx, &dev) != EPJ_OK ||
+	    epj_ctx_new("cuda", &g) != EPJ_OK) {
 		fprintf(stderr, PROG ": no GPU: %s\n", epj_ctx_error(ctx));
 		epj_ctx_free(ctx);
+		epj_ctx_free(g);
 		return 2;
 	}
 	ej_cuda_dev_info info;
@@ -155,10 +160,10 @@ int main(int argc, char **argv)
 			      .seed = 7,
 			      .dtype = EPJ_DTYPE_F32 };
 	epj_model *m = NULL;
-	epj_status st = epj_model_new(ctx, mpath, &mo, &m);
+	epj_status st = epj_model_new(g, mpath, &mo, &m);
 	unlink(mpath);
 	if (st != EPJ_OK)
-		return fail(ctx, "model");
+		return fail(g, "model");
 	char cfg[512];
 	snprintf(cfg, sizeof cfg,
 		 "{\"train_micro_batch_size_per_gpu\": %ld,"
@@ -170,20 +175,20 @@ int main(int argc, char **argv)
 		 "\"nvrtc\"}}",
 		 batch);
 	epj_engine *e = NULL;
-	if (epj_engine_initialize_json(ctx, m, cfg, "<bench-gpu>", &e) !=
+	if (epj_engine_initialize_json(g, m, cfg, "<bench-gpu>", &e) !=
 		EPJ_OK ||
 	    epj_engine_compile(e) != EPJ_OK)
-		return fail(ctx, "engine");
+		return fail(g, "engine");
 	epj_corpus *c =
-	    epj_corpus_synthetic(ctx, (uint32_t)epj_model_vocab_size(m), 11);
+	    epj_corpus_synthetic(g, (uint32_t)epj_model_vocab_size(m), 11);
 	epj_tensor *ids = NULL, *labels = NULL;
 	if (!c ||
-	    epj_corpus_next_batch(ctx, c, batch, seq, &ids, &labels) != EPJ_OK)
-		return fail(ctx, "batch");
+	    epj_corpus_next_batch(g, c, batch, seq, &ids, &labels) != EPJ_OK)
+		return fail(g, "batch");
 	/* one step: traces and compiles every variant (checkpointing: the
 	 * no-grad forward and the replay) */
 	if (epj_engine_train_step(e, ids, labels, NULL) != EPJ_OK)
-		return fail(ctx, "training step");
+		return fail(g, "training step");
 	double copy_gbps = 0;
 	if (ej_backend_cuda_copy_bandwidth(ctx, (size_t)256 << 20, 20,
 					   &copy_gbps) != EPJ_OK)
@@ -288,6 +293,7 @@ int main(int argc, char **argv)
 	epj_corpus_free(c);
 	epj_engine_free(e);
 	epj_model_free(m);
+	epj_ctx_free(g);
 	epj_ctx_free(ctx);
 	return 0;
 }
