@@ -13,7 +13,8 @@
 #     transformers has not fails as much as a missing one), on the cpu
 #     backend eager and compiled and on cuda-sim eager and compiled; the
 #     compiled arms ran compiled kernels; transformers' own f32 results
-#     (f32.safetensors) pass the same tolerances;
+#     (f32.safetensors) pass the same tolerances, and a model whose norms'
+#     eps is 2e-6 instead of 1e-6 fails them;
 #     a family with sharded/ (the same model saved by transformers in
 #     shards with model.safetensors.index.json) loads from that folder to
 #     the very same state (every tensor of the dump equal);
@@ -128,6 +129,23 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 		>"$fam-hf32.cmp" 2>&1 ||
 		fail "$fam: transformers' own f32 results against its float64 ones: $(cat "$fam-hf32.cmp")"
 	echo "$fam transformers f32: $(tail -n 1 "$fam-hf32.cmp")"
+	# nor so loose that a small error passes: the norms' eps 2e-6 instead
+	# of 1e-6, a term a millionth of the variance, fails (measured: 2.0
+	# to 10.6 times the tolerance off, Qwen3.5-MoE 1.9e5 times)
+	grep -q '"rms_norm_eps": 1e-06,' "$cfg" ||
+		fail "$fam: $cfg: rms_norm_eps is not 1e-06"
+	EPJIT_DEVICE=cpu "$TRAIN" --model "$cfg" \
+		--model-override rms_norm_eps=2e-6 \
+		--load "$dir/model.safetensors" \
+		--dump-batch "$dir/batch.safetensors" \
+		--dump-state "$fam-eps.st" >"$fam-eps.log" 2>&1 ||
+		fail "$fam eps 2e-6: $(cat "$fam-eps.log")"
+	st=0
+	"$CMP" "$dir/golden.safetensors" "$fam-eps.st" >"$fam-eps.cmp" 2>&1 ||
+		st=$?
+	[ $st = 1 ] ||
+		fail "$fam: the norms' eps 2e-6 instead of 1e-6 is not caught: $(cat "$fam-eps.cmp")"
+	echo "$fam with eps 2e-6, caught: $(tail -n 1 "$fam-eps.cmp")"
 	# the same weights from transformers' shards: the same dump, exactly
 	if [ -d "$dir/sharded" ]; then
 		"$TRAIN" --model "$cfg" --load "$dir/sharded" \
