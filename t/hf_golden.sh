@@ -6,18 +6,21 @@
 #
 #  1. config.json and model.safetensors as save_pretrained wrote them load
 #     into epjit-train; one forward and backward on the golden batch
-#     (--dump-state --dump-batch) matches transformers' logits, loss and
-#     every gradient under checkpoint names, each to the relative L2
-#     tolerance t/golden_cmp derives for it from f32's unit roundoff and
-#     the length of the reductions behind it (a gradient epjit has and
-#     transformers has not fails as much as a missing one), on the cpu
+#     (--dump-state --dump-batch) matches transformers' float64 logits,
+#     loss and every gradient under checkpoint names, each to the relative
+#     L2 tolerance t/golden_cmp derives for it from f32's unit roundoff and
+#     the length of the reductions behind it (below; a gradient epjit has
+#     and transformers has not fails as much as a missing one), on the cpu
 #     backend eager and compiled and on cuda-sim eager and compiled; the
-#     compiled arms ran compiled kernels; transformers' own f32 results
-#     (f32.safetensors) pass the same tolerances, and a model whose norms'
-#     eps is 2e-6 instead of 1e-6 fails them;
-#     a family with sharded/ (the same model saved by transformers in
-#     shards with model.safetensors.index.json) loads from that folder to
-#     the very same state (every tensor of the dump equal);
+#     compiled arms ran compiled kernels; the cpu eager arm also on every
+#     OpenBLAS kernel set this CPU runs (OPENBLAS_CORETYPE: Prescott,
+#     Core2, Nehalem, Sandybridge, Haswell, SkylakeX as /proc/cpuinfo
+#     allows and OpenBLAS confirms, each about 0.05 s); transformers' own
+#     f32 results (f32.safetensors) pass the same tolerances, and a model
+#     whose norms' eps is 2e-6 instead of 1e-6 fails them; a family with
+#     sharded/ (the same model saved by transformers in shards with
+#     model.safetensors.index.json) loads from that folder to the very same
+#     state (every tensor of the dump equal);
 #  2. it trains: 24 AdamW steps from the checkpoint on the synthetic
 #     stream, the mean loss of the last 4 steps at least 0.5 under that of
 #     the first 4 (measured: 5.51 -> 4.13 and 5.10 -> 3.93);
@@ -30,20 +33,20 @@
 #     which lists the artifacts of their regions without allocating them.
 #
 # EPJIT_CHECK_QUICK (doc/testing.md): every family is still compared with
-# transformers on the cpu backend, eagerly; the rest (cuda-sim, compiled,
-# training, parity, 2 ranks) runs for one family, drawn from
-# EPJIT_TEST_SEED (else the clock).
+# transformers on the cpu backend, eagerly, on every kernel set; the rest
+# (cuda-sim, compiled, training, parity, 2 ranks) runs for one family,
+# drawn from EPJIT_TEST_SEED (else the clock).
 #
 # The tolerance (t/golden_cmp.c, doc/testing.md): the golden values are
 # transformers' forward and backward of the f32 checkpoint computed wholly
 # in float64 (hf_make.py), so what is measured is epjit's own f32
 # rounding, about u sqrt(K) for unit roundoff u = 2^-24 and K the total
 # length of the reductions a tensor comes from; the tolerance is 10 times
-# that (1.9e-5 to 3.4e-5 here).  Measured: at most 0.34 of it on cuda-sim
-# and 0.30 for transformers' own f32 (1.1e-5 on Qwen3.5-MoE, whose
-# gradients are the most sensitive); the bf16 rounding of any one weight
-# tensor that the batch uses is off by 11 to several thousand times it,
-# the sign of the norms' eps turned by 3.9 to 21 times.
+# that (1.9e-5 to 3.4e-5 here).  Measured: at most 0.34 of it over the 6
+# kernel sets, cuda-sim and transformers' own f32 (1.1e-5 on Qwen3.5-MoE,
+# whose gradients are the most sensitive); the bf16 rounding of any one
+# weight tensor that the batch uses is off by 11 to several thousand
+# times it, the sign of the norms' eps turned by 3.9 to 21 times.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
@@ -80,6 +83,31 @@ JSON
 
 quick=0
 case ${EPJIT_CHECK_QUICK:-0} in 0 | "") ;; *) quick=1 ;; esac
+
+# The OpenBLAS kernel sets this CPU runs, by the /proc/cpuinfo flags each
+# needs; kept when OpenBLAS takes the name (OPENBLAS_CORETYPE is honoured
+# by a build with DYNAMIC_ARCH, as Debian's; OPENBLAS_VERBOSE=2 prints the
+# core it runs).  Another BLAS, or none of them: the default kernels only.
+blas_sets=
+flags=" $(sed -n 's/^flags[^:]*://p' /proc/cpuinfo 2>/dev/null | head -n 1) "
+for want in Prescott:pni Core2:ssse3 Nehalem:sse4_2 Sandybridge:avx \
+	Haswell:avx2,fma SkylakeX:avx512f,avx512bw,avx512vl,avx512dq,avx512cd; do
+	ks=${want%%:*}
+	runs=1
+	for f in $(echo "${want#*:}" | tr , ' '); do
+		case $flags in *" $f "*) ;; *) runs=0 ;; esac
+	done
+	[ $runs = 1 ] || continue
+	if OPENBLAS_VERBOSE=2 OPENBLAS_CORETYPE=$ks "$TRAIN" --help 2>&1 |
+		grep -qx "Core: $ks"; then
+		blas_sets="$blas_sets $ks"
+	fi
+done
+if [ -n "$blas_sets" ]; then
+	echo "OpenBLAS kernel sets:$blas_sets"
+else
+	echo "skip: no OpenBLAS kernel set can be chosen here (not OpenBLAS with DYNAMIC_ARCH, or no /proc/cpuinfo): the default kernels only"
+fi
 # the family that runs in full under EPJIT_CHECK_QUICK
 nall=$(ls -d "$srcdir"/t/golden/hf/*/ | wc -l)
 [ "$nall" -ge 1 ] || nall=1
@@ -122,6 +150,20 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 				fail "$out against transformers: $(cat "$out.cmp")"
 			echo "$fam $dev $mode: $(tail -n 1 "$out.cmp")"
 		done
+	done
+	# the cpu arm on every kernel set of OpenBLAS: the same tolerances
+	for ks in $blas_sets; do
+		out="$fam-cpu-eager-$ks"
+		OPENBLAS_VERBOSE=2 OPENBLAS_CORETYPE=$ks EPJIT_DEVICE=cpu \
+			"$TRAIN" --model "$cfg" --load "$dir/model.safetensors" \
+			--dump-batch "$dir/batch.safetensors" \
+			--dump-state "$out.st" >"$out.log" 2>&1 ||
+			fail "$out: $(cat "$out.log")"
+		grep -qx "Core: $ks" "$out.log" ||
+			fail "$out: OpenBLAS did not run $ks: $(cat "$out.log")"
+		"$CMP" "$dir/golden.safetensors" "$out.st" >"$out.cmp" 2>&1 ||
+			fail "$out against transformers: $(cat "$out.cmp")"
+		echo "$fam cpu eager, OpenBLAS $ks: $(tail -n 1 "$out.cmp")"
 	done
 	# transformers' own f32 results pass: the tolerances are not tighter
 	# than an f32 computation of this model can be
