@@ -27,7 +27,9 @@
 #  3. --parity (compiled against eager, nested layout) passes with
 #     checkpointing off and on;
 #  4. with mpirun: 2 ranks with autoep_size 2 train with the losses and
-#     gradient norms of 1 rank on the same micro-batches (relative 1e-5);
+#     gradient norms of 1 rank on the same micro-batches (relative: twice
+#     the family's largest tolerance of stage 1, two f32 runs each within
+#     it of the exact values);
 #  5. the published full-size configs (Qwen3-30B-A3B, Mixtral-8x7B as
 #     transformers 5 writes it) are accepted by epjit-warmup --dry-run,
 #     which lists the artifacts of their regions without allocating them.
@@ -221,7 +223,19 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 		# lr 1e-3: at 1e-2 the last bits in which 2 ranks sum a
 		# gradient differently from 1 rank flip a near-tied expert
 		# choice of DeepSeek's group-limited routers by step 3
-		# (measured: losses equal to 2e-7 for 5 steps at 1e-3)
+		# (measured: losses equal to 2e-7 for 5 steps at 1e-3).
+		# Both runs are f32 computations of the same values, each
+		# within the tolerance of stage 1 of them: the loss and the
+		# gradient norm (off by at most the gradient's relative L2) of
+		# the one within twice the largest of the other's, 2T.  AdamW
+		# carries the first step's rounding into steps 2 and 3 (a
+		# gradient element near zero moves by a whole lr whatever its
+		# size): measured, the gradient norms of Qwen3.5-MoE up to
+		# 2.1e-5 apart on OpenBLAS's Prescott kernels (0.31 of 2T),
+		# the other families 4e-7
+		tol2=$(sed -n 's/.*tolerances [^ ]* to \([^ ]*\) .*/\1/p' \
+			"$fam-cpu-eager.cmp" | awk '{ print 2 * $1 }')
+		[ -n "$tol2" ] || fail "$fam: no tolerance in $fam-cpu-eager.cmp"
 		sed 's/"gradient_accumulation_steps": 1/"gradient_accumulation_steps": 2/; s/"lr": 0.01/"lr": 0.001/' \
 			adam.json >g1.json
 		sed 's/"seed": 3,/"seed": 3, "zero_optimization": {"stage": 1}, "expert_parallel": {"autoep_size": 2},/; s/"lr": 0.01/"lr": 0.001/' \
@@ -233,17 +247,19 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 			--model "$cfg" --load "$dir/model.safetensors" \
 			--config g2.json --steps 3 --seq 7 --metrics "$fam-g2.csv" \
 			>"$fam-g2.log" 2>&1 || fail "$fam 2 ranks: $(cat "$fam-g2.log")"
-		paste -d, "$fam-g1.csv" "$fam-g2.csv" | sed 1d | awk -F, '
+		paste -d, "$fam-g1.csv" "$fam-g2.csv" | sed 1d | awk -F, -v t="$tol2" '
 			function rel(a, b) { d = a - b; if (d < 0) d = -d; return d / (b < 0 ? -b : b) }
 			{ h = NF / 2
-			  if (rel($(h + 2), $2) > 1e-5 || rel($(h + 4), $4) > 1e-5) bad = 1; n++ }
+			  if (!(rel($(h + 2), $2) <= t && rel($(h + 4), $4) <= t)) bad = 1; n++ }
 			END { exit bad || n != 3 }' ||
-			fail "$fam: EP 2 on 2 ranks differs from 1 rank: $(cat "$fam-g1.csv" "$fam-g2.csv")"
-		echo "$fam: 2 ranks (EP 2) train with the losses of 1 rank"
+			fail "$fam: EP 2 on 2 ranks differs from 1 rank by more than $tol2: $(cat "$fam-g1.csv" "$fam-g2.csv")"
+		echo "$fam: 2 ranks (EP 2) train with the losses of 1 rank (within $tol2)"
 		# DeepSeek-V3's score bias balanced (load_balance_coeff) on 2
 		# ranks with ZeRO 1: the loads are summed over the world and
 		# the move reaches the masters, so the saved checkpoint
-		# (resharded to 1 rank) is 1 rank's, bias and optimizer state
+		# (resharded to 1 rank) is 1 rank's, bias and optimizer state,
+		# within 2T (measured: 2.6e-6 at most over the kernel sets; a
+		# bias that misses its master, 0.97)
 		if grep -aq e_score_correction_bias "$dir/model.safetensors"; then
 			cat >g1-lb.json <<'JSON'
 {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -267,7 +283,7 @@ JSON
 				>"$fam-lb2.log" 2>&1 || fail "$fam balanced, 2 ranks: $(cat "$fam-lb2.log")"
 			"$builddir/tools/epjit-ckpt" reshard "$fam-lb2.st" --world 1 "$fam-lb2w.st" \
 				>"$fam-lbr.log" 2>&1 || fail "$fam reshard: $(cat "$fam-lbr.log")"
-			"$CMP" "$fam-lb1.st" "$fam-lb2w.st" 1e-5 >"$fam-lb.cmp" 2>&1 ||
+			"$CMP" "$fam-lb1.st" "$fam-lb2w.st" "$tol2" >"$fam-lb.cmp" 2>&1 ||
 				fail "$fam: the balanced 2-rank checkpoint is not 1 rank's: $(cat "$fam-lb.cmp")"
 			echo "$fam: score bias balanced on 2 ranks (ZeRO 1, EP 2) as on 1"
 		fi
