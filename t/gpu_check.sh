@@ -6,10 +6,18 @@
 #    writes $OUT/gpu-check.log and gpu-check.json;
 #  - a TERM during a step ends that step's processes and the run, with the
 #    table (the step marked KILLED) and the JSON, exit 1;
-#  - a KILL leaves the log of everything up to it (the log streams).
+#  - a KILL leaves the log of everything up to it (the log streams);
+#  - --bundle: a folder that is not a bundle is refused; with the build
+#    tree standing in for a bundle and the stand-in driver, a missing
+#    cuBLASLt or NVRTC fails the run at the probe (exit 1), never passes;
+#  - the gpu suite passes with no driver (each case says it skips), and
+#    fails under EPJIT_GPU_STRICT=1, which gpu-check sets: there a skip is
+#    a failure.
 # The TERM and KILL cases start the build step in a scratch tree against
 # the stand-in driver; they wait for the log to show the step, never for a
-# fixed time.
+# fixed time.  Built without NVRTC, the stand-in's probe stops the run
+# before any build step: those two cases are skipped then (exit 77), after
+# everything else has passed.
 set -u
 top_srcdir=${top_srcdir:-.}
 top_builddir=${top_builddir:-.}
@@ -40,7 +48,7 @@ wait_for() {
 }
 
 bash "$gc" --help >"$tmp/help" 2>&1 || fail "--help exited $?"
-grep -q 'gpu-check \[--help\]' "$tmp/help" || fail "--help printed no usage"
+grep -q 'tools/gpu-check --bundle DIR' "$tmp/help" || fail "--help printed no usage"
 bash "$gc" --bogus >/dev/null 2>&1 && fail "an unknown argument was accepted"
 
 OUT="$tmp/none" EPJIT_GPU_CHECK_BUILD="$tmp/b0" \
@@ -52,9 +60,49 @@ wait_for "$tmp/none/gpu-check.log" "total .*exit 2" || fail "no driver: no summa
 grep -q '^probe *FAIL' "$tmp/none/gpu-check.log" || fail "no driver: no probe row"
 grep -q '"exit": 2' "$tmp/none/gpu-check.json" || fail "no driver: no JSON"
 
+# --bundle: not a bundle
+bash "$gc" --bundle /nonexistent/epjit-bundle >"$tmp/nb.out" 2>&1 && fail "--bundle of a missing folder passed"
+grep -q 'is not a GPU bundle' "$tmp/nb.out" || fail "--bundle /nonexistent: $(cat "$tmp/nb.out")"
+
+# the gpu suite: skips without a driver, fails under EPJIT_GPU_STRICT
+check="$top_builddir/t/check_epjit"
+if [ -x "$check" ]; then
+	CK_RUN_SUITE=gpu EPJIT_CUDA_DRIVER=/nonexistent/epjit/libcuda.so.1 \
+		"$check" >"$tmp/gpu-lax.out" 2>&1 ||
+		fail "the gpu suite without a driver failed: $(tail -n 5 "$tmp/gpu-lax.out")"
+	CK_RUN_SUITE=gpu EPJIT_GPU_STRICT=1 EPJIT_CUDA_DRIVER=/nonexistent/epjit/libcuda.so.1 \
+		"$check" >"$tmp/gpu-strict.out" 2>&1 &&
+		fail "the gpu suite without a driver passed under EPJIT_GPU_STRICT"
+	grep -q 'under EPJIT_GPU_STRICT a skip is a failure' "$tmp/gpu-strict.out" ||
+		fail "strict gpu suite: no failure says why: $(tail -n 5 "$tmp/gpu-strict.out")"
+	# every case of the suite fails, none passes quietly
+	grep -q '^0%: Checks: ' "$tmp/gpu-strict.out" ||
+		fail "strict gpu suite: a case passed without a driver: $(grep -E '^[0-9]+%' "$tmp/gpu-strict.out")"
+fi
+
 if [ ! -f "$fake" ]; then
-	echo "SKIP: the kill cases need the stand-in driver ($fake)"
+	echo "SKIP: the kill and bundle cases need the stand-in driver ($fake)"
 	exit 77
+fi
+
+# --bundle with the build tree standing in for a bundle: a missing cuBLASLt
+# or NVRTC stops the run at the probe, exit 1
+if [ -x "$top_builddir/tools/gpu-probe" ] && [ -x "$check" ]; then
+	for lib in CUBLASLT NVRTC; do
+		OUT="$tmp/no$lib" EPJIT_GPU_CHECK_DRIVER="$fake" \
+			env "EPJIT_$lib=/nonexistent/epjit/lib$lib.so" \
+			bash "$gc" --bundle "$top_builddir" >"$tmp/no$lib.out" 2>&1
+		rc=$?
+		log="$tmp/no$lib/gpu-check.log"
+		[ $rc -eq 1 ] || fail "no $lib: exit $rc, want 1: $(tail -n 5 "$log")"
+		grep -q '^probe *FAIL' "$log" || fail "no $lib: the probe did not fail"
+		case $lib in
+		CUBLASLT) want='no cuBLASLt found' ;;
+		NVRTC) want='no NVRTC found' ;;
+		esac
+		grep -q "$want" "$log" || fail "no $lib: the log does not say '$want'"
+		grep -qE '^(smoke|tests) ' "$log" && fail "no $lib: steps ran after the probe"
+	done
 fi
 for sig in TERM KILL; do
 	# TMPDIR: the run's scratch folder, which a KILL leaves behind,
@@ -67,11 +115,16 @@ for sig in TERM KILL; do
 		fail "$sig: the build step never started"
 	if ! grep -q "== build" "$tmp/$sig/gpu-check.log"; then
 		# the probe is a plain program: it cannot load a stand-in
-		# built with the sanitizers (ASan must come first)
+		# built with the sanitizers (ASan must come first); and built
+		# without NVRTC it stops at the probe
 		wait "$pid"
+		if grep -q '^nvrtc: none' "$tmp/$sig/gpu-check.log"; then
+			echo "SKIP: no NVRTC here: gpu-check stops at its probe (the kill cases need its build step)"
+			exit 77
+		fi
 		grep -q '^probe *FAIL' "$tmp/$sig/gpu-check.log" &&
 			grep -q 'driver: none' "$tmp/$sig/gpu-check.log" ||
-			fail "$sig: the run ended before its build step"
+			fail "$sig: the run ended before its build step: $(tail -n 8 "$tmp/$sig/gpu-check.log")"
 		echo "SKIP: the probe cannot load $fake (a sanitizer build?)"
 		exit 77
 	fi
@@ -99,5 +152,5 @@ done
 # a KILL leaves the step's processes behind (nothing can end them): end
 # them here, as the machine's owner would
 for p in $(in_tree "$tmp/bKILL"); do kill -9 "$p" 2>/dev/null; done
-echo "PASS: usage, no driver (exit 2), TERM (summary, exit 1), KILL (log kept)"
+echo "PASS: usage, no driver (exit 2), not a bundle, the gpu suite lax and strict, no cuBLASLt / no NVRTC (exit 1), TERM (summary, exit 1), KILL (log kept)"
 exit 0
