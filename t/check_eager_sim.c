@@ -9,10 +9,16 @@
  * the op tests (bit for bit where the kernels promise it).  Around the
  * cuda-sim forward and backward it asserts that CUDA kernels ran
  * (kernels.eager_cuda; kernels.launched.eager_cuda or, for the template
- * adapters, kernels.launched.template) and that nothing fell
- * back to a CPU kernel (kernels.eager_cpu_fallback).  Sizes are tiny and
- * odd (one element, one row, tails) because cuda-sim is slow; the race
- * check and poisoned outputs are on.
+ * adapters, kernels.launched.template, or on a cuda context cuBLASLt's
+ * GEMMs) and that nothing fell back to a CPU kernel
+ * (kernels.eager_cpu_fallback).  Sizes are tiny and odd (one element, one
+ * row, tails) because cuda-sim is slow; the race check and poisoned
+ * outputs are on.  The cases cover pointwise ops, casts, reductions,
+ * shapes, indexing, the fused MoE rows and SwiGLU, and the template rows
+ * of a decoder block: attention (causal and not, GQA, Dv != D),
+ * cross-entropy, embedding, linear and the gated delta rule.  The same
+ * cases run on a cuda context over the stand-in (suite eager_cuda) and on
+ * the machine's GPU (the gpu suite's gpu_eager, tools/gpu-check).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -102,9 +108,12 @@ typedef struct snap {
 
 static snap take(epj_ctx *ctx)
 {
+	/* launches: generated kernels, templates, and cuBLASLt GEMMs (a
+	 * cuda context's GEMMs, which launch through the library) */
 	snap s = { ctr(ctx, "kernels.eager_cuda"),
 		   ctr(ctx, "kernels.launched.eager_cuda") +
-		       ctr(ctx, "kernels.launched.template"),
+		       ctr(ctx, "kernels.launched.template") +
+		       ctr(ctx, "cublaslt.gemms"),
 		   ctr(ctx, "kernels.eager_cpu_fallback") };
 	return s;
 }
@@ -731,6 +740,133 @@ START_TEST(test_moe)
 }
 END_TEST
 
+/* ---- attention, cross-entropy, embedding, GEMM, the gated delta rule ----
+ * The rows of a decoder block that are templates on a CUDA device (the
+ * attention, loss, embedding, GEMM and delta-rule templates of
+ * templates/), each against the CPU kernel, forward and backward, at odd
+ * sizes: GQA heads, causal and not, T != S and Dv != D (latent attention's
+ * shape class), ignored targets, repeated ids, m = 1 rows. */
+static epj_tensor *f_nn(epj_ctx *ctx, epj_tensor *const *in, int which)
+{
+	switch (which) {
+	case 0:
+		return epj_sdpa(ctx, in[0], in[1], in[2], true, 0.0);
+	case 1:
+		return epj_sdpa(ctx, in[0], in[1], in[2], false, 0.3);
+	case 2:
+		return epj_cross_entropy(ctx, in[0], in[1], -100);
+	case 3:
+		return epj_embedding(ctx, in[0], in[1]);
+	case 4:
+		return epj_linear(ctx, in[0], in[1], in[2]);
+	default:
+		return epj_gated_delta(ctx, in[0], in[1], in[2], in[3], in[4]);
+	}
+}
+
+static void nn_case(epj_ctx *cpu, epj_ctx *dev, int which, epj_tensor **in,
+		    int n, double tol, const char *what)
+{
+	check_case(cpu, dev, f_nn, which, in, n, 0u, true, tol, what);
+	for (int i = 0; i < n; i++)
+		epj_tensor_free(in[i]);
+}
+
+START_TEST(test_nn)
+{
+	const epj_dtype dt = dtypes[_i];
+	const double tol = dt == EPJ_DTYPE_F32 ? 3e-5 : tol_of(dt);
+	epj_ctx *cpu = tu_ctx(), *dev = sim_ctx();
+	char what[96];
+	for (int causal = 1; causal >= 0; causal--) {
+		/* q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] */
+		int64_t B = tu_randint(1, 3), Hkv = tu_randint(1, 3),
+			Hq = Hkv * tu_randint(1, 4), T = tu_randint(1, 20),
+			S = causal ? T : tu_randint(1, 20),
+			D = 2 * tu_randint(2, 12) + 1,
+			Dv = causal ? D : 2 * tu_randint(1, 8);
+		int64_t qs[4] = { B, Hq, T, D }, ks[4] = { B, Hkv, S, D },
+			vs[4] = { B, Hkv, S, Dv };
+		epj_tensor *in[3] = { tu_randn(cpu, dt, 4, qs),
+				      tu_randn(cpu, dt, 4, ks),
+				      tu_randn(cpu, dt, 4, vs) };
+		snprintf(what, sizeof what,
+			 "sdpa %s %s B=%lld Hq=%lld Hkv=%lld T=%lld S=%lld "
+			 "D=%lld Dv=%lld",
+			 causal ? "causal" : "full", epj_dtype_name(dt),
+			 (long long)B, (long long)Hq, (long long)Hkv,
+			 (long long)T, (long long)S, (long long)D,
+			 (long long)Dv);
+		nn_case(cpu, dev, causal ? 0 : 1, in, 3, tol, what);
+	}
+	{ /* cross-entropy with ignored rows */
+		int64_t N = tu_randint(2, 30), V = tu_randint(2, 70);
+		int64_t ls[2] = { N, V }, ts[1] = { N };
+		epj_tensor *in[2] = { tu_randn(cpu, dt, 2, ls),
+				      epj_zeros(cpu, EPJ_DTYPE_I64, 1, ts) };
+		for (int64_t q = 0; q < N; q++)
+			epj_tensor_set_f64(in[1], q,
+					   q == 0 || tu_randint(0, 4)
+					       ? (double)tu_randint(0, V)
+					       : -100.0);
+		snprintf(what, sizeof what, "cross_entropy %s N=%lld V=%lld",
+			 epj_dtype_name(dt), (long long)N, (long long)V);
+		nn_case(cpu, dev, 2, in, 2, tol, what);
+	}
+	{ /* embedding with repeated ids */
+		int64_t V = tu_randint(1, 20), H = tu_randint(1, 40),
+			N = tu_randint(1, 30);
+		int64_t ws[2] = { V, H }, is[1] = { N };
+		epj_tensor *in[2] = { tu_randn(cpu, dt, 2, ws),
+				      epj_zeros(cpu, EPJ_DTYPE_I64, 1, is) };
+		for (int64_t q = 0; q < N; q++)
+			epj_tensor_set_f64(in[1], q, (double)tu_randint(0, V));
+		snprintf(what, sizeof what, "embedding %s V=%lld H=%lld N=%lld",
+			 epj_dtype_name(dt), (long long)V, (long long)H,
+			 (long long)N);
+		nn_case(cpu, dev, 3, in, 2, tol, what);
+	}
+	{ /* linear with bias, one row sometimes */
+		int64_t N = tu_randint(0, 2) ? 1 : tu_randint(2, 40),
+			K = tu_randint(1, 50), M = tu_randint(1, 50);
+		int64_t xs[2] = { N, K }, ws[2] = { M, K }, bs[1] = { M };
+		epj_tensor *in[3] = { tu_randn(cpu, dt, 2, xs),
+				      tu_randn(cpu, dt, 2, ws),
+				      tu_randn(cpu, dt, 1, bs) };
+		snprintf(what, sizeof what, "linear %s N=%lld K=%lld M=%lld",
+			 epj_dtype_name(dt), (long long)N, (long long)K,
+			 (long long)M);
+		nn_case(cpu, dev, 4, in, 3, dt == EPJ_DTYPE_F32 ? 1e-4 : tol,
+			what);
+	}
+	{ /* the gated delta rule: q, k [B, T, H, Dk], v [B, T, H, Dv], g <=
+	     0, beta in (0, 1) [B, T, H] */
+		int64_t B = tu_randint(1, 3), T = tu_randint(1, 12),
+			H = tu_randint(1, 3), Dk = tu_randint(1, 9),
+			Dv = tu_randint(1, 9);
+		int64_t ks[4] = { B, T, H, Dk }, vs[4] = { B, T, H, Dv },
+			gs[3] = { B, T, H };
+		epj_tensor *in[5] = { tu_randn(cpu, dt, 4, ks),
+				      tu_randn(cpu, dt, 4, ks),
+				      tu_randn(cpu, dt, 4, vs),
+				      epj_zeros(cpu, dt, 3, gs),
+				      epj_zeros(cpu, dt, 3, gs) };
+		for (int64_t q = 0; q < B * T * H; q++) {
+			epj_tensor_set_f64(in[3], q, -tu_uniform(0.01, 1.0));
+			epj_tensor_set_f64(in[4], q, tu_uniform(0.05, 0.95));
+		}
+		snprintf(what, sizeof what,
+			 "gated_delta %s B=%lld T=%lld H=%lld Dk=%lld Dv=%lld",
+			 epj_dtype_name(dt), (long long)B, (long long)T,
+			 (long long)H, (long long)Dk, (long long)Dv);
+		nn_case(cpu, dev, 5, in, 5, dt == EPJ_DTYPE_F32 ? 1e-4 : tol,
+			what);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(dev);
+}
+END_TEST
+
 /* An out-of-range index is the CPU kernel's error, not a launch. */
 START_TEST(test_index_errors)
 {
@@ -996,6 +1132,7 @@ Suite *make_eager_sim_suite(void)
 	tu_add_loop_test(tc, test_shape, 3);
 	tu_add_loop_test(tc, test_index, 3);
 	tu_add_loop_test(tc, test_moe, 3);
+	tu_add_loop_test(tc, test_nn, 3);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -1051,6 +1188,7 @@ void tu_add_gpu_eager_cases(Suite *s)
 	tu_add_loop_test(tc, test_shape, 2);
 	tu_add_loop_test(tc, test_index, 2);
 	tu_add_loop_test(tc, test_moe, 2);
+	tu_add_loop_test(tc, test_nn, 2);
 }
 
 Suite *make_eager_cuda_suite(void)
@@ -1073,6 +1211,7 @@ Suite *make_eager_cuda_suite(void)
 	tu_add_loop_test(tc, test_shape, 2);
 	tu_add_loop_test(tc, test_index, 2);
 	tu_add_loop_test(tc, test_moe, 2);
+	tu_add_loop_test(tc, test_nn, 2);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -100,6 +100,9 @@ if [ -x "$top_builddir/tools/gpu-probe" ] && [ -x "$check" ]; then
 		CUBLASLT) want='no cuBLASLt found' ;;
 		NVRTC) want='no NVRTC found' ;;
 		esac
+		# built without the CUDA toolkit there is no NVRTC either,
+		# and the probe says that first
+		grep -q '^nvrtc: none' "$log" && want='no NVRTC found'
 		grep -q "$want" "$log" || fail "no $lib: the log does not say '$want'"
 		grep -qE '^(smoke|tests) ' "$log" && fail "no $lib: steps ran after the probe"
 	done
