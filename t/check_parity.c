@@ -270,6 +270,50 @@ START_TEST(test_compare_rejects)
 }
 END_TEST
 
+/* An element's tolerance counts the tensor's scale: in a tensor of RMS
+ * about 1, a small element (0.05) off by 1.5e-6 passes in f32 (two
+ * summation orders of an embedding gradient do that; it failed against an
+ * absolute 1e-6 before), while the same element off by 5 rtol x RMS fails
+ * even though the tensor's relative L2 distance stays tiny. */
+START_TEST(test_compare_scale)
+{
+	epj_ctx *ctx = tu_ctx();
+	bool bf16 = _i;
+	ej_parity_tol tol = ej_parity_tolerance(EJ_PARITY_GRAD, bf16);
+	int64_t n = 2 * tu_randint(200, 400) + 1;
+	double *v = malloc(sizeof *v * (size_t)n);
+	ck_assert_ptr_nonnull(v);
+	for (int64_t i = 0; i < n; i++)
+		v[i] = (i % 2 ? 1.0 : -1.0) * tu_uniform(0.8, 1.2);
+	int64_t k = tu_randint(0, n);
+	v[k] = 0.05;
+	epj_tensor *ref = epj_zeros(ctx, EPJ_DTYPE_F64, 1, &n);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, ref, v), EPJ_OK);
+	double rms = 0;
+	for (int64_t i = 0; i < n; i++)
+		rms += v[i] * v[i];
+	rms = sqrt(rms / (double)n);
+	const double offs[2] = { bf16 ? 1.5e-3 : 1.5e-6, 5 * tol.rtol * rms };
+	for (int w = 0; w < 2; w++) {
+		v[k] = 0.05 + offs[w];
+		epj_tensor *got = epj_zeros(ctx, EPJ_DTYPE_F64, 1, &n);
+		ck_assert_int_eq(epj_tensor_from_f64(ctx, got, v), EPJ_OK);
+		ej_parity_diff d = { 0 };
+		ej_parity_diff_add(ctx, &d, 0, got, ref, &tol);
+		ck_assert_msg(ej_parity_diff_ok(&d) == (w == 0),
+			      "element 0.05 off by %g in a tensor of RMS %g: "
+			      "%s (rel L2 %g)",
+			      offs[w], rms, w ? "passed" : "failed",
+			      d.worst_rel);
+		ck_assert(d.worst_rel <= tol.rel_l2);
+		epj_tensor_free(got);
+	}
+	free(v);
+	epj_tensor_free(ref);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* The bf16 tolerances are DeepSpeed's AutoEP GPU suite's, quantity by quantity.
  */
 START_TEST(test_tolerances)
@@ -632,6 +676,7 @@ Suite *make_parity_suite(void)
 	tcase_set_timeout(self, 120);
 	tcase_add_loop_test(self, test_compare_rejects, 0, 8);
 	tcase_add_test(self, test_tolerances);
+	tcase_add_loop_test(self, test_compare_scale, 0, 2);
 	tcase_add_test(self, test_routes_rejects);
 	tcase_add_test(self, test_update_rejects);
 	tcase_add_loop_test(self, test_perturbed_kernel, 0, 4);
