@@ -103,26 +103,7 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 				"%s: the model's num_experts=%d is not "
 				"divisible by expert_parallel.autoep_size=%d",
 				src, m->cfg.num_experts, ep);
-	if (c->expert_parallel.top_k &&
-	    c->expert_parallel.top_k != m->cfg.num_experts_per_tok)
-		return ej_error(ctx, EPJ_ERR_CONFIG,
-				"%s: expert_parallel.top_k=%d differs from the "
-				"model's num_experts_per_tok=%d",
-				src, c->expert_parallel.top_k,
-				m->cfg.num_experts_per_tok);
-	if (c->expert_parallel.route_norm >= 0 &&
-	    (c->expert_parallel.route_norm != 0) != m->cfg.norm_topk_prob)
-		return ej_error(ctx, EPJ_ERR_CONFIG,
-				"%s: expert_parallel.route_norm differs from "
-				"the model's norm_topk_prob",
-				src);
-	if (c->expert_parallel.route_scale != 1.0)
-		return ej_error(
-		    ctx, EPJ_ERR_UNSUPPORTED,
-		    "%s: expert_parallel.route_scale other than 1.0 "
-		    "is not supported",
-		    src);
-	return EPJ_OK;
+	return ej_config_check_model(ctx, c, &m->cfg);
 }
 
 /* Parameter i belongs to an expert of an AutoEP layer (owner: the
