@@ -713,6 +713,9 @@ static const key keys[] = {
 		"DeepSpeed: memory use in its step timers"),
 	OBS_ROW(SEC_ROOT, "dump_state", K_BOOL,
 		"DeepSpeed: prints its engine state at initialize"),
+	OBS_ROW(SEC_ROOT, "disable_python_gc", K_BOOL,
+		"DeepSpeed (its AutoEP docs): Python's cyclic garbage "
+		"collector off during training; epjit runs no Python"),
 	OBS_ROW(SEC_ROOT, "zero_allow_untested_optimizer", K_BOOL,
 		"DeepSpeed: lets ZeRO run a client optimizer; epjit's "
 		"optimizers are its own"),
