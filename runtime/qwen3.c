@@ -1138,7 +1138,7 @@ static epj_status router_losses(epj_ctx *ctx, epj_model *m)
 	bool ds = c->family == EJ_FAMILY_DEEPSEEK_V2 ||
 		  c->family == EJ_FAMILY_DEEPSEEK_V3;
 	if (ds && c->output_router_logits)
-		epj_log_msg(EPJ_LOG_INFO,
+		epj_log_msg(EPJ_LOG_WARN,
 			    "config: output_router_logits is true: "
 			    "transformers' DeepSeek-V2/V3 add no auxiliary "
 			    "loss for it, and neither does epjit (the moe "

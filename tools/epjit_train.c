@@ -135,6 +135,7 @@ typedef struct opts {
 } opts;
 
 #define N_MON 10 /* the monitors' events (mon_events) */
+#define N_RL  5	 /* router losses at most (epj_engine_router_loss) */
 
 /* Everything a run owns; run_free() releases it in reverse order. */
 typedef struct run {
@@ -146,7 +147,8 @@ typedef struct run {
 	FILE *monitor[N_MON]; /* csv_monitor: one file per event (mon_events) */
 	char mon_dir[4096];   /* their folder */
 	tb_writer *tb;	      /* tensorboard: rank 0's event file, or NULL */
-	uint64_t seed;	      /* the run seed */
+	FILE *rl_monitor[N_RL]; /* csv_monitor: the router losses' files */
+	uint64_t seed;		/* the run seed */
 	int64_t B, T, gas;
 	int eval_stream;  /* epj_corpus_fork stream of the evaluation */
 	const char *data; /* --data or the config's data.path, "synthetic" */
@@ -1684,6 +1686,75 @@ static void monitor_path(const run *r, int i, char *path, size_t n)
 	snprintf(path, n, "%s/%s.csv", r->mon_dir, name);
 }
 
+static void tb_drop(run *r, int err);
+
+/* The router losses that are on (epj_engine_router_loss: the model's
+ * config.json and the config's moe section): their number, names and
+ * values at the last step; their monitor event "Train/Samples/<name>" and
+ * csv_monitor file. */
+static int rl_count(const run *r, const char **names, double *values)
+{
+	int n = 0;
+	while (n < N_RL &&
+	       epj_engine_router_loss(r->engine, n, &names[n], &values[n]))
+		n++;
+	return n;
+}
+
+static void rl_monitor_path(const run *r, const char *name, char *path,
+			    size_t n)
+{
+	snprintf(path, n, "%s/Train_Samples_%s.csv", r->mon_dir, name);
+}
+
+/* ", name" for each router loss (the --metrics header), or its values. */
+static void rl_columns(const run *r, bool header, char *buf, size_t n)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	buf[0] = '\0';
+	for (int i = 0; i < k; i++) {
+		size_t l = strlen(buf);
+		if (header)
+			snprintf(buf + l, n - l, ",%s", nm[i]);
+		else
+			snprintf(buf + l, n - l, ",%.9g", v[i]);
+	}
+}
+
+/* The router losses' csv_monitor files (monitor_open) or, with `row`, a
+ * row of each at x = samples, and their tensorboard events. */
+static int rl_monitor(run *r, bool row, int64_t samples, double wt)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	for (int i = 0; i < k; i++) {
+		char path[4400], ev[64];
+		rl_monitor_path(r, nm[i], path, sizeof path);
+		snprintf(ev, sizeof ev, "Train/Samples/%s", nm[i]);
+		if (row && r->tb &&
+		    tb_writer_scalar(r->tb, wt, samples, ev, (float)v[i]) != 0)
+			tb_drop(r, errno);
+		if (row && r->rl_monitor[i] &&
+		    put_row(&r->rl_monitor[i], "csv_monitor: ", path,
+			    "%" PRId64 ",%.9g\n", samples, v[i]))
+			return 1;
+		if (row || !r->mon_dir[0] || epj_dist_rank() != 0)
+			continue;
+		r->rl_monitor[i] = fopen(path, "a");
+		if (!r->rl_monitor[i])
+			return fail_msg("csv_monitor: cannot open %s: %s", path,
+					strerror(errno));
+		if (ftello(r->rl_monitor[i]) == 0 &&
+		    put_row(&r->rl_monitor[i], "csv_monitor: ", path,
+			    "step,%s\n", nm[i]))
+			return 1;
+	}
+	return 0;
+}
+
 /* Opens the csv_monitor files when the config enables it (appending, as
  * DeepSpeed does; a header, written through, when a file is new); rank 0
  * only, as DeepSpeed's monitors, so that ranks do not append the same
@@ -1709,6 +1780,8 @@ static int monitor_open(run *r)
 			    strrchr(mon_events[i], '/') + 1))
 			return 1;
 	}
+	if (rl_monitor(r, false, 0, 0))
+		return 1;
 	fprintf(where_to(),
 		PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n",
 		r->mon_dir);
@@ -1775,17 +1848,19 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	int64_t cus = epj_counter_get(r->ctx, "compile.us");
 	double compile_ms = (double)(cus - ls->compile_us) / 1e3;
 	ls->compile_us = cus;
+	char rl[N_RL * 24];
+	rl_columns(r, false, rl, sizeof rl);
 	/* one whole row per write: a stopped or killed run leaves no cut
 	 * row */
 	if (r->metrics &&
 	    put_row(&r->metrics, "", o->metrics,
 		    "%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
-		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d\n",
+		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d%s\n",
 		    info->step, info->mean_loss, info->lr, info->grad_norm,
 		    (double)ls->tok_per_step / step_s, ms->peak_allocated,
 		    step_s * 1e3, compile_ms, ls->floor,
 		    ms->peak_allocated_rank, ms->peak_reserved,
-		    ms->peak_reserved_rank))
+		    ms->peak_reserved_rank, rl))
 		return 1;
 	/* the monitors' events (mon_events), x = samples seen by the whole
 	 * job, as DeepSpeed's global_samples: step x train_batch_size
@@ -1807,8 +1882,10 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	}
 	/* the step's events as whole records, flushed (a stopped or killed
 	 * run leaves every finished step readable) */
+	double wt = wall_s();
+	if (rl_monitor(r, true, samples, wt))
+		return 1;
 	if (r->tb) {
-		double wt = wall_s();
 		int bad = 0;
 		for (int i = 0; i < N_MON && !bad; i++)
 			bad = tb_writer_scalar(r->tb, wt, samples,
@@ -2289,6 +2366,9 @@ static void run_free(run *r)
 	for (int i = 0; i < N_MON; i++)
 		if (r->monitor[i])
 			fclose(r->monitor[i]);
+	for (int i = 0; i < N_RL; i++)
+		if (r->rl_monitor[i])
+			fclose(r->rl_monitor[i]);
 	if (r->tb && tb_writer_close(r->tb) != 0)
 		fprintf(stderr,
 			PROG ": warning: tensorboard: closing the event file "
@@ -2464,6 +2544,14 @@ static int close_outputs(run *r, const opts *o)
 			rc = fail_msg("csv_monitor: %s: write failed: %s", path,
 				      strerror(errno));
 	}
+	for (int i = 0; i < N_RL; i++) {
+		errno = 0;
+		if (r->rl_monitor[i] && fclose(r->rl_monitor[i]) != 0 && !rc)
+			rc = fail_msg("csv_monitor: a router loss's file: "
+				      "write failed: %s",
+				      strerror(errno));
+		r->rl_monitor[i] = NULL;
+	}
 	return rc;
 }
 
@@ -2493,11 +2581,14 @@ static int open_outputs(run *r, const opts *o)
 		if (!r->metrics)
 			return fail_msg("%s: cannot open for writing: %s",
 					o->metrics, strerror(errno));
+		char rl[N_RL * 40];
+		rl_columns(r, true, rl, sizeof rl);
 		if (put_row(&r->metrics, "", o->metrics,
 			    "step,loss,lr,grad_norm,tokens_per_s,"
 			    "peak_alloc_bytes,step_ms,compile_ms,"
 			    "entropy_floor,peak_alloc_rank,"
-			    "peak_reserved_bytes,peak_reserved_rank\n"))
+			    "peak_reserved_bytes,peak_reserved_rank%s\n",
+			    rl))
 			return 1;
 	}
 	return monitor_open(r) || tb_open(r);
