@@ -1078,8 +1078,10 @@ static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 		f->counts[f->idx_h[r]]++;
 	}
 	/* the loads of aux-loss-free balancing: training forwards only (a
-	 * checkpoint replay routes the same tokens again) */
-	if (im->load && epj_grad_enabled(ctx) && ctx->rt_replay_depth == 0)
+	 * checkpoint replay routes the same tokens again), the calls of a
+	 * checkpointed layer too, which run without grad */
+	if (im->load && ctx->rt_replay_depth == 0 &&
+	    (epj_grad_enabled(ctx) || ej_rloss_training(ctx, im->rloss)))
 		for (int e = 0; e < f->E; e++)
 			im->load[e] += f->counts[e];
 	if (f->async) {

@@ -177,13 +177,21 @@ static bool balancing(const ej_rloss *rl)
 
 void ej_rloss_begin(ej_rloss *rl, bool training)
 {
+	if (!rl)
+		return;
+	rl->in_forward = true; /* also without a loss: ej_rloss_training */
+	rl->training = training;
 	if (!ej_rloss_on(rl))
 		return;
 	rl->serial++;
-	rl->in_forward = true;
-	rl->training = training;
 	rl->N = rl->B = rl->T = 0;
 	memset(rl->value, 0, sizeof rl->value);
+}
+
+bool ej_rloss_training(const epj_ctx *ctx, const ej_rloss *rl)
+{
+	return rl && rl->in_forward && rl->training &&
+	       ctx->rt_replay_depth == 0;
 }
 
 /* A call of the forward (not a checkpoint replay). */
@@ -601,9 +609,11 @@ static epj_status hf_end(epj_ctx *ctx, ej_rloss *rl, int Lc, double *hf_c,
 epj_status ej_rloss_end(epj_ctx *ctx, ej_rloss *rl, double *add)
 {
 	*add = 0;
-	if (!ej_rloss_on(rl) || !rl->in_forward)
+	bool was = rl && rl->in_forward;
+	if (rl)
+		rl->in_forward = false;
+	if (!ej_rloss_on(rl) || !was)
 		return EPJ_OK;
-	rl->in_forward = false;
 	int Lc = 0;
 	for (int l = 0; l < rl->L; l++)
 		Lc += rl->lay[l].serial == rl->serial && rl->lay[l].counted;

@@ -50,6 +50,10 @@ bool ej_rloss_on(const ej_rloss *rl);
 /* A model forward begins: training (grad enabled at the model's call)
  * counts Megatron's losses too, evaluation transformers' alone. */
 void ej_rloss_begin(ej_rloss *rl, bool training);
+/* Whether a layer's call is one of a training forward's, not a replay:
+ * true also without grad, which the calls of checkpointed layers run
+ * without (whatever losses are on; false outside a model forward). */
+bool ej_rloss_training(const epj_ctx *ctx, const ej_rloss *rl);
 /* ... and ends: the values of the forward, *add the sum of the counted
  * losses times their coefficients (to add to the training loss), and
  * the gradient coefficients of every counted layer. */
