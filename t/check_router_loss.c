@@ -13,8 +13,9 @@
  *  - gradients: the gradient the losses' node adds to the logits against
  *    central differences of the losses' value (f64, step 1e-5), on logits
  *    drawn with every top-k clear of ties;
- *  - the model: an f64 tiny model whose router losses are on gives the
- *    same loss and gradients with activation checkpointing as without
+ *  - the model: an f64 tiny model whose router losses are on (nested and
+ *    root layouts) gives the same loss and gradients with activation
+ *    checkpointing as without, on two micro-batches of a step
  *    (the loss counted once, the gradient added once, by the replay), its
  *    loss exceeds the plain one by the losses' coefficients times their
  *    values, and its gate gradient matches central differences of the
@@ -22,7 +23,7 @@
  *  - the engine refuses transformers' loss with a balancing loss of moe.*,
  *    and reports each loss as a metric of the step;
  *  - parity: eager against compiled with Megatron's losses on,
- *    checkpointing off and on.
+ *    checkpointing off and on, nested and root layouts.
  */
 #include "check_util.h"
 #include "router_loss_impl.h"
@@ -432,10 +433,12 @@ static tu_tmpfile tiny_config(void)
 
 /* The tiny model from cfg with overrides, seed 7: in f64 with its
  * Megatron losses set from moe, in f32 without them (moe NULL). */
+static epj_layout tiny_layout = EPJ_LAYOUT_NESTED;
+
 static epj_model *tiny_model(epj_ctx *ctx, const char *cfg, const char **ov,
 			     int n_ov, const struct ej_moe_config *moe)
 {
-	epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
+	epj_model_opts o = { .layout = tiny_layout,
 			     .seed = 7,
 			     .dtype = moe ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32,
 			     .config_overrides = ov,
@@ -547,12 +550,14 @@ static void same_grads(epj_ctx *ctx, epj_model *a, epj_model *b,
 }
 
 /* _i 0: Megatron's four losses; 1: transformers' (config.json) with the
- * z-loss. */
+ * z-loss; 2: Megatron's in the root layout (with checkpointing the root
+ * module, loss and all, is replayed). */
 START_TEST(test_model)
 {
 	epj_ctx *ctx = tu_ctx();
 	tu_tmpfile cf = tiny_config();
 	const bool hf = _i == 1;
+	tiny_layout = _i == 2 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED;
 	struct ej_moe_config moe = { hf ? 0 : tu_uniform(0.1, 1),
 				     hf ? 0 : tu_uniform(0.1, 1),
 				     hf ? 0 : tu_uniform(0.1, 1),
@@ -744,12 +749,13 @@ START_TEST(test_engine_metrics)
 END_TEST
 
 /* Eager against compiled with Megatron's four losses on (regional), with
- * checkpointing off (_i 0) and on (1). */
+ * checkpointing off (_i 0, 2) and on (1, 3), nested layout (0, 1) and root
+ * (2, 3: the checkpointed root holds the loss). */
 START_TEST(test_parity)
 {
 	epj_parity_opts o = {
-		.layout = EPJ_LAYOUT_NESTED,
-		.checkpointing = _i == 1,
+		.layout = _i & 2 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED,
+		.checkpointing = _i & 1,
 		.regional = true,
 		.batch = 2,
 		.seq = tu_randint(3, 9),
@@ -766,9 +772,9 @@ START_TEST(test_parity)
 	epj_status st = epj_parity_run(&o, out, &passed);
 	fclose(out);
 	ck_assert_msg(st == EPJ_OK && passed,
-		      "parity with router losses, %s: "
-		      "%s\n%s",
-		      _i ? "checkpointing" : "no checkpointing",
+		      "parity with router losses, %s, %s: %s\n%s",
+		      _i & 2 ? "root" : "nested",
+		      _i & 1 ? "checkpointing" : "no checkpointing",
 		      epj_status_name(st), buf ? buf : "");
 	free(buf);
 }
@@ -781,10 +787,10 @@ Suite *make_router_loss_suite(void)
 	tcase_set_timeout(tc, 300);
 	tcase_add_loop_test(tc, test_values, 0, 2 * (EJ_RLOSS_N + 2));
 	tcase_add_loop_test(tc, test_grad, 0, 2 * (EJ_RLOSS_N + 2));
-	tcase_add_loop_test(tc, test_model, 0, 2);
+	tcase_add_loop_test(tc, test_model, 0, 3);
 	tcase_add_test(tc, test_engine_refuses_two_balancing_losses);
 	tcase_add_test(tc, test_engine_metrics);
-	tcase_add_loop_test(tc, test_parity, 0, 2);
+	tcase_add_loop_test(tc, test_parity, 0, 4);
 	suite_add_tcase(s, tc);
 	return s;
 }
