@@ -10,6 +10,8 @@
  *    and z_loss_func), the global one over two micro-batches (the running
  *    average of the counts) and after the step's reset; the step's metrics
  *    (the mean over the micro-batches);
+ *  - Megatron's own values: the losses of t/golden/megatron/ (Megatron
+ *    Core's functions run by t/golden/megatron_make.py) on its logits;
  *  - gradients: the gradient the losses' node adds to the logits against
  *    central differences of the losses' value (f64, step 1e-5), on logits
  *    drawn with every top-k clear of ties;
@@ -333,6 +335,93 @@ START_TEST(test_values)
 	ej_route_scoring sc =
 	    _i / (EJ_RLOSS_N + 2) ? EJ_SCORE_SIGMOID : EJ_SCORE_SOFTMAX;
 	values_case(which, sc);
+}
+END_TEST
+
+/* ---- Megatron's own values -------------------------------------------------
+ */
+
+/* t/golden/megatron/router_losses.safetensors (t/golden/megatron_make.py:
+ * Megatron Core's switch_load_balancing_loss_func, z_loss_func and
+ * compute_routing_scores_for_aux_loss run on its logits, router.py's
+ * callers followed): each loss alone, coefficient 1, over the file's two
+ * micro-batches, for softmax and sigmoid routers: the objective (the sum
+ * over the layers) and the value (their mean) within 1e-6 of Megatron's,
+ * which computes the scores in f32. */
+START_TEST(test_megatron_golden)
+{
+	epj_ctx *ctx = tu_ctx();
+	char path[2048];
+	snprintf(path, sizeof path,
+		 "%s/t/golden/megatron/router_losses.safetensors", tu_srcdir());
+	epj_st_file *f = NULL;
+	ck_assert_msg(epj_st_open(ctx, path, &f) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	const char *about = epj_st_metadata(f, "about");
+	ck_assert_msg(about && strstr(about, "k="), "%s: no k", path);
+	const char *kinds[4] = { "aux_loss", "seq_aux_loss", "global_aux_loss",
+				 "z_loss" };
+	const char *sfs[2] = { "softmax", "sigmoid" };
+	int checked = 0;
+	for (int si = 0; si < 2; si++) {
+		char nm[64];
+		snprintf(nm, sizeof nm, "%s.logits", sfs[si]);
+		epj_tensor *lg = epj_st_get(ctx, f, nm);
+		ck_assert_msg(lg && epj_tensor_ndim(lg) == 5, "%s: %s", nm,
+			      epj_ctx_error(ctx));
+		const int64_t M = epj_tensor_dim(lg, 0);
+		rcase c = { .L = (int)epj_tensor_dim(lg, 1),
+			    .B = epj_tensor_dim(lg, 2),
+			    .T = epj_tensor_dim(lg, 3),
+			    .E = (int)epj_tensor_dim(lg, 4),
+			    .k = atoi(strstr(about, "k=") + 2),
+			    .sc = si ? EJ_SCORE_SIGMOID : EJ_SCORE_SOFTMAX };
+		double *lv = tu_values(ctx, lg);
+		const int64_t per = c.B * c.T * c.E;
+		for (int kd = 0; kd < 4; kd++) {
+			snprintf(nm, sizeof nm, "%s.%s", sfs[si], kinds[kd]);
+			epj_tensor *gt = epj_st_get(ctx, f, nm);
+			ck_assert_msg(gt && epj_tensor_numel(gt) == M * c.L,
+				      "%s", nm);
+			double *want = tu_values(ctx, gt);
+			const int kind = EJ_RLOSS_AUX + kd;
+			rcase ck = c;
+			ck.coef[kind] = 1;
+			ej_rloss *rl = new_rloss(ctx, &ck);
+			for (int64_t m = 0; m < M; m++) {
+				epj_tensor *z[8] = { 0 };
+				double sum = 0, v[EJ_RLOSS_N];
+				for (int l = 0; l < c.L; l++) {
+					const int64_t sh[2] = { c.B * c.T,
+								c.E };
+					z[l] = epj_tensor_from_data(
+					    ctx, EPJ_DTYPE_F64, 2, sh,
+					    lv + (m * c.L + l) * per);
+					sum += want[m * c.L + l];
+				}
+				double add = lib_forward(ctx, rl, &ck, z, NULL);
+				ej_rloss_values(rl, v);
+				ck_assert_msg(
+				    fabs(add - sum) <= 1e-6 * fabs(sum) &&
+					fabs(v[kind] - sum / c.L) <=
+					    1e-6 * fabs(sum / c.L),
+				    "%s micro-batch %lld: %.12g (value %.12g), "
+				    "Megatron's %.12g",
+				    nm, (long long)m, add, v[kind], sum);
+				for (int l = 0; l < c.L; l++)
+					epj_tensor_free(z[l]);
+				checked++;
+			}
+			ej_rloss_free(rl);
+			free(want);
+			epj_tensor_free(gt);
+		}
+		free(lv);
+		epj_tensor_free(lg);
+	}
+	ck_assert_int_eq(checked, 16);
+	epj_st_close(f);
+	epj_ctx_free(ctx);
 }
 END_TEST
 
@@ -787,6 +876,7 @@ Suite *make_router_loss_suite(void)
 	tcase_set_timeout(tc, 300);
 	tcase_add_loop_test(tc, test_values, 0, 2 * (EJ_RLOSS_N + 2));
 	tcase_add_loop_test(tc, test_grad, 0, 2 * (EJ_RLOSS_N + 2));
+	tcase_add_test(tc, test_megatron_golden);
 	tcase_add_loop_test(tc, test_model, 0, 3);
 	tcase_add_test(tc, test_engine_refuses_two_balancing_losses);
 	tcase_add_test(tc, test_engine_metrics);
