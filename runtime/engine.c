@@ -257,8 +257,9 @@ static epj_status engine_setup(epj_engine *e)
 	const int W = ctx->meta ? meta_world_size(ctx, c) : world->size;
 	epj_status st = check_supported(ctx, c, m, W);
 	/* Megatron's router losses (moe.*), refused with transformers' */
-	if (st == EPJ_OK)
-		st = ej_rloss_configure(ctx, m->rloss, &c->moe, world);
+	if (st == EPJ_OK &&
+	    (st = ej_rloss_configure(ctx, m->rloss, &c->moe, world)) != EPJ_OK)
+		ej_error_prefix(ctx, "%s", c->source);
 	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)
 		st = ej_config_resolve_batch(ctx, c, W);
