@@ -25,7 +25,7 @@
  *  - the engine refuses transformers' loss with a balancing loss of moe.*,
  *    and reports each loss as a metric of the step;
  *  - parity: eager against compiled with Megatron's losses on,
- *    checkpointing off and on, nested and root layouts.
+ *    checkpointing off and on, nested and root layouts, f32 and bf16.
  */
 #include "check_util.h"
 #include "router_loss_impl.h"
@@ -840,13 +840,14 @@ START_TEST(test_engine_metrics)
 END_TEST
 
 /* Eager against compiled with Megatron's four losses on (regional), with
- * checkpointing off (_i 0, 2) and on (1, 3), nested layout (0, 1) and root
- * (2, 3: the checkpointed root holds the loss). */
+ * checkpointing off (_i & 1 0) and on, nested layout and root (_i & 2: the
+ * checkpointed root holds the loss), f32 and bf16 (_i & 4: bf16 logits). */
 START_TEST(test_parity)
 {
 	epj_parity_opts o = {
 		.layout = _i & 2 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED,
 		.checkpointing = _i & 1,
+		.bf16 = _i & 4,
 		.regional = true,
 		.batch = 2,
 		.seq = tu_randint(3, 9),
@@ -863,8 +864,8 @@ START_TEST(test_parity)
 	epj_status st = epj_parity_run(&o, out, &passed);
 	fclose(out);
 	ck_assert_msg(st == EPJ_OK && passed,
-		      "parity with router losses, %s, %s: %s\n%s",
-		      _i & 2 ? "root" : "nested",
+		      "parity with router losses, %s, %s, %s: %s\n%s",
+		      _i & 4 ? "bf16" : "f32", _i & 2 ? "root" : "nested",
 		      _i & 1 ? "checkpointing" : "no checkpointing",
 		      epj_status_name(st), buf ? buf : "");
 	free(buf);
@@ -882,7 +883,7 @@ Suite *make_router_loss_suite(void)
 	tcase_add_loop_test(tc, test_model, 0, 3);
 	tcase_add_test(tc, test_engine_refuses_two_balancing_losses);
 	tcase_add_test(tc, test_engine_metrics);
-	tcase_add_loop_test(tc, test_parity, 0, 4);
+	tcase_add_loop_test(tc, test_parity, 0, 8);
 	suite_add_tcase(s, tc);
 	return s;
 }
