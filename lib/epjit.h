@@ -501,6 +501,30 @@ const char *epj_engine_data_split(const epj_engine *e);
 bool epj_engine_data_seed(const epj_engine *e, uint64_t *seed);
 epj_model *epj_engine_model(epj_engine *e);
 
+/* Expert load of one MoE layer over an optimizer step (doc/trainer.md,
+ * "Expert load"): load_e is the number of (token, expert) assignments to
+ * expert e by the step's training forwards on every rank -- every
+ * micro-batch, padding included, checkpoint replays excluded -- so a token
+ * routed to k experts counts k times and the loads sum to tokens x k. */
+typedef struct epj_expert_load {
+	int layer;	      /* the decoder layer (model.layers.N); the root
+				 layout's: its index among the MoE layers */
+	int num_experts;      /* E */
+	int64_t total;	      /* sum of the loads */
+	double max_over_mean; /* max_e load_e / (total / E); 1: balanced */
+	double cv;	      /* population std of the loads / their mean */
+	int dead;	      /* experts with load 0 */
+} epj_expert_load;
+/* Turns the expert-load metrics on or off (off by default).  On, every
+ * optimizer step ends with one all-reduce of every layer's loads over the
+ * ranks, so every rank must turn them on or off between the same steps. */
+void epj_engine_track_expert_load(epj_engine *e, bool on);
+int epj_engine_num_moe_layers(const epj_engine *e);
+/* MoE layer i's loads over the last optimizer step taken while on; false
+ * before such a step (then only layer and num_experts are filled, the
+ * ratios NaN) or for i out of range (nothing filled). */
+bool epj_engine_expert_load(const epj_engine *e, int i, epj_expert_load *out);
+
 /* The user's engine.compile().  With "compile": {"autoep_non_moe": true}:
  * regional compilation of every callable direct parent of an AutoEP layer
  * (each AutoEP call stays an eager graph break); otherwise full-model

@@ -99,6 +99,10 @@ typedef struct autoep_impl {
 	 * index among the model's MoE layers */
 	ej_rloss *rloss;
 	int rloss_layer;
+	/* the expert-load metrics: (token, expert) assignments to each of the
+	 * E experts by this rank's calls (not replays) since the last
+	 * ej_autoep_step_load_reset ([E], owned) */
+	int64_t *step_load;
 } autoep_impl;
 
 static void autoep_impl_free(void *p)
@@ -112,6 +116,7 @@ static void autoep_impl_free(void *p)
 	free(im->log);
 	free(im->log_replay);
 	free(im->load);
+	free(im->step_load);
 	if (im->owns_comm)
 		ej_comm_free(im->comm);
 	free(im);
@@ -1084,6 +1089,12 @@ static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 	    (epj_grad_enabled(ctx) || ej_rloss_training(ctx, im->rloss)))
 		for (int e = 0; e < f->E; e++)
 			im->load[e] += f->counts[e];
+	/* the expert-load metrics, every layer: every call but a replay (a
+	 * checkpointed forward runs without grad; the engine takes the
+	 * counts of its training forwards) */
+	if (ctx->rt_replay_depth == 0)
+		for (int e = 0; e < f->E; e++)
+			im->step_load[e] += f->counts[e];
 	if (f->async) {
 		int64_t l0 = epj_counter_get(ctx, "kernels.launched.eager");
 		s = plan_post(ctx, m, im, &f->sp, f->counts);
@@ -1443,11 +1454,19 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			 AUTOEP_KIND);
 		return NULL;
 	}
+	im->step_load =
+	    calloc((size_t)opts->num_experts, sizeof *im->step_load);
+	if (!im->step_load) {
+		free(im);
+		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", local,
+			 AUTOEP_KIND);
+		return NULL;
+	}
 	const char *ops = getenv("EPJIT_AUTOEP_OPS");
 	im->fused = true;
 	if (ops && *ops && strcmp(ops, "fused") != 0) {
 		if (strcmp(ops, "sequence") != 0) {
-			free(im);
+			autoep_impl_free(im);
 			ej_error(ctx, EPJ_ERR_CONFIG,
 				 "%s (%s): EPJIT_AUTOEP_OPS=\"%s\": unknown "
 				 "kernel choice (known: fused, sequence)",
@@ -1626,6 +1645,81 @@ out:
 	free(bias);
 	free(load);
 	return s;
+}
+
+int ej_autoep_step_load_add(const epj_module *m, int64_t *acc)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return 0;
+	const autoep_impl *im = m->impl;
+	const int E = im->opts.num_experts;
+	for (int e = 0; acc && e < E; e++)
+		acc[e] += im->step_load[e];
+	return E;
+}
+
+void ej_autoep_step_load_reset(epj_module *m)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return;
+	autoep_impl *im = m->impl;
+	memset(im->step_load, 0,
+	       sizeof *im->step_load * (size_t)im->opts.num_experts);
+}
+
+/* One all-reduce for all the loads, exact: a load x travels as two floats,
+ * x / 2^12 and x mod 2^12 (whole numbers).  Every partial sum of the low
+ * parts is below ranks x 2^12 and of the high parts below total / 2^12, so
+ * both stay whole numbers below 2^24, which f32 holds exactly, up to 4096
+ * ranks and 2^36 assignments of one expert in one step. */
+epj_status ej_expert_load_reduce(epj_ctx *ctx, ej_comm *comm, int64_t *load,
+				 int64_t n)
+{
+	if (!comm || comm->size == 1 || n == 0)
+		return EPJ_OK;
+	float *buf = malloc(sizeof *buf * (size_t)(2 * n));
+	if (!buf)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"expert loads: out of host memory");
+	for (int64_t i = 0; i < n; i++) {
+		EJ_ASSERT(load[i] >= 0);
+		buf[2 * i] = (float)(load[i] >> 12);
+		buf[2 * i + 1] = (float)(load[i] & 4095);
+	}
+	epj_status s =
+	    ej_comm_allreduce(ctx, comm, "expert load metrics", buf, 2 * n);
+	for (int64_t i = 0; s == EPJ_OK && i < n; i++)
+		load[i] = ((int64_t)buf[2 * i] << 12) + (int64_t)buf[2 * i + 1];
+	free(buf);
+	return s;
+}
+
+void ej_expert_load_summary(const int64_t *load, int E, epj_expert_load *out)
+{
+	int64_t total = 0, max = 0;
+	int dead = 0;
+	for (int e = 0; e < E; e++) {
+		total += load[e];
+		max = load[e] > max ? load[e] : max;
+		dead += load[e] == 0;
+	}
+	out->num_experts = E;
+	out->total = total;
+	out->dead = dead;
+	if (total == 0) {
+		out->max_over_mean = out->cv = NAN;
+		return;
+	}
+	/* in whole numbers as far as they go: max / mean = E max / total,
+	 * and the variance's sum of squares of (E load - total), so that a
+	 * balanced layer gives exactly 1 and 0 */
+	double ss = 0;
+	for (int e = 0; e < E; e++) {
+		double d = (double)E * (double)load[e] - (double)total;
+		ss += d * d;
+	}
+	out->max_over_mean = (double)E * (double)max / (double)total;
+	out->cv = sqrt(ss / E) / (double)total;
 }
 
 epj_tensor *ej_autoep_last_routing(const epj_module *m)

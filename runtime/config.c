@@ -338,6 +338,7 @@ enum {
 	K_W_NONZERO = 1u << 5, /* written only when not 0 / "" */
 	K_W_NEVER = 1u << 6,   /* not written (not kept, or moot) */
 	K_BY_TYPE = 1u << 7,   /* section: keys filtered by the parent's type */
+	K_ON_SET = 1u << 8,    /* KIND_NOT_IMPL: any value but null is on */
 };
 
 typedef struct cp cp;
@@ -399,7 +400,26 @@ static const char *const sched_names[] = { "WarmupLR", "WarmupDecayLR",
 static const char *const warmup_types[] = { "log", "linear" };
 static const char *const comm_backends[] = { "comm", "deepep" };
 static const char *const offload_devices[] = { "none", "cpu", "nvme" };
-static const char *const preset_models[] = { "qwen3_moe" };
+/* DeepSpeed 0.19.8's AutoEP presets (and Llama-4, an earlier one) by name:
+ * the first five are the families epjit builds (ej_config_check_model),
+ * the rest are refused by the parser (hook_preset_model). */
+static const char *const preset_models[] = { "mixtral",	    "qwen3_moe",
+					     "qwen3_5_moe", "deepseek_v2",
+					     "deepseek_v3", "minimax_m3",
+					     "llama4" };
+enum { N_PRESETS_BUILT = 5 };
+static const char *const score_funcs[] = { "auto", "softmax", "sigmoid" };
+static const char *const score_applies[] = { "auto", "pre", "post" };
+static const char *const combine_impls[] = { "auto", "weighted_sum",
+					     "fused_weighted_sum",
+					     "legacy_bmm" };
+static const char *const row_weighting_impls[] = { "auto", "eager", "fused" };
+static const char *const gate_up_impls[] = { "separate", "fused" };
+/* DeepSpeed's expert activations; epjit's experts are SwiGLU (silu gate) in
+ * every family, the first. */
+static const char *const expert_activations[] = { "swiglu", "geglu_tanh",
+						  "swiglu_clamped",
+						  "swiglu_oai" };
 static const char *const comm_device_backends[] = { "auto", "host", "nccl" };
 static const char *const comm_dtypes[] = { "fp32", "fp16", "bf16" };
 
@@ -465,6 +485,12 @@ static epj_status hook_top_k(cp *, const key *, json_t *, json_t *,
 			     const char *, char *, ej_config *);
 static epj_status hook_route_norm(cp *, const key *, json_t *, json_t *,
 				  const char *, char *, ej_config *);
+static epj_status hook_rsf(cp *, const key *, json_t *, json_t *, const char *,
+			   char *, ej_config *);
+static epj_status hook_preset_model(cp *, const key *, json_t *, json_t *,
+				    const char *, char *, ej_config *);
+static epj_status hook_ep(cp *, const key *, json_t *, json_t *, const char *,
+			  char *, ej_config *);
 static epj_status hook_schedule(cp *, const key *, json_t *, json_t *,
 				const char *, char *, ej_config *);
 static epj_status auto_max_lr(cp *, const key *, json_t *, json_t *,
@@ -473,6 +499,7 @@ static epj_status auto_total_steps(cp *, const key *, json_t *, json_t *,
 				   const char *, char *, ej_config *);
 static json_t *wr_top_k(const key *, const char *, const ej_config *);
 static json_t *wr_route_norm(const key *, const char *, const ej_config *);
+static json_t *wr_rsf(const key *, const char *, const ej_config *);
 static json_t *wr_schedule(const key *, const char *, const ej_config *);
 static json_t *wr_if_sched(const key *, const char *, const ej_config *);
 static json_t *wr_if_given(const key *, const char *, const ej_config *);
@@ -560,7 +587,40 @@ static const key keys[] = {
 	{ SECTION(SEC_ROOT, "zero_optimization", SEC_ZERO), NOGIVEN },
 	{ SECTION(SEC_ROOT, "activation_checkpointing", SEC_ACT_CKPT),
 	  NOGIVEN },
-	{ SECTION(SEC_ROOT, "expert_parallel", SEC_EP), NOGIVEN },
+	{ SECTION(SEC_ROOT, "expert_parallel", SEC_EP), NOGIVEN,
+	  .hook = hook_ep,
+	  .doc = "Every key DeepSpeed 0.19.8's `parse_autoep_config` reads. "
+		 "*Acted on*: the group size, the token exchange, the split "
+		 "plan, the balancing rate (an epjit extension, see "
+		 "`load_balance_coeff`). *Checked against the model* by "
+		 "initialize (`ej_config_check_model`): `preset_model` "
+		 "against the model's `model_type`, and `top_k`, "
+		 "`route_norm`, `route_scale`, `routed_scaling_factor`, "
+		 "`score_func`, `score_apply`, `num_expert_groups` and "
+		 "`num_limited_groups` against what its config.json says "
+		 "and epjit implements for the family. epjit routes as the "
+		 "model does: a value that would route otherwise is "
+		 "`EPJ_ERR_CONFIG` naming the key, its value and the "
+		 "model's (another routing is not implemented), and every "
+		 "value that DeepSpeed resolves to the model's own routing "
+		 "is accepted (its presets, `fill_autoep_config_from_hf` and "
+		 "`_resolve_route_scale`; *AutoEP routing keys* below). *No "
+		 "effect*: DeepSpeed's kernel choices and "
+		 "DeepEP tuning (epjit runs its own kernels; DeepEP is not "
+		 "implemented), named in the no-effect warning. *Not "
+		 "implemented*: expert tensor parallelism and the fields "
+		 "that describe a custom model's layout to DeepSpeed's "
+		 "module detection (epjit builds its families from "
+		 "config.json; for them null is the only value). DeepSpeed "
+		 "validates the section only when `enabled` is true; epjit "
+		 "checks it whatever `enabled` says. DeepSpeed's pair rules "
+		 "are kept: `gate_up_impl` `\"fused\"` with "
+		 "`use_grouped_mm` false, `row_weighting_impl` "
+		 "`\"fused\"` without `comm_backend` `\"deepep\"` and "
+		 "`autoep_size` > 1, `combine_impl` "
+		 "`\"fused_weighted_sum\"` with DeepEP and `autoep_size` > "
+		 "1, and `num_limited_groups` above `num_expert_groups` are "
+		 "errors." },
 	{ SECTION(SEC_ROOT, "compile", SEC_COMPILE), NOGIVEN,
 	  .doc = "These keys concern compilation only: initialize accepts "
 		 "every value the parser does (the run trains eagerly) and "
@@ -666,6 +726,9 @@ static const key keys[] = {
 		"DeepSpeed: memory use in its step timers"),
 	OBS_ROW(SEC_ROOT, "dump_state", K_BOOL,
 		"DeepSpeed: prints its engine state at initialize"),
+	OBS_ROW(SEC_ROOT, "disable_python_gc", K_BOOL,
+		"DeepSpeed (its AutoEP docs): Python's cyclic garbage "
+		"collector off during training; epjit runs no Python"),
 	OBS_ROW(SEC_ROOT, "zero_allow_untested_optimizer", K_BOOL,
 		"DeepSpeed: lets ZeRO run a client optimizer; epjit's "
 		"optimizers are its own"),
@@ -1266,7 +1329,15 @@ static const key keys[] = {
 	  CH(preset_models),
 	  .flags = K_NULL_OK,
 	  .doc_default = "null",
-	  .doc = "parsed only" },
+	  .hook = hook_preset_model,
+	  .refused = "`\"minimax_m3\"`, `\"llama4\"`: by the parser "
+		     "(not implemented in epjit); another family than the "
+		     "model's: by initialize",
+	  .doc = "DeepSpeed's preset of the model family: checked against "
+		 "the model's `model_type` (`mixtral`; `qwen3_moe` for "
+		 "`qwen3_moe` and `qwen2_moe`; `qwen3_5_moe` for "
+		 "`qwen3_5_moe_text`; `deepseek_v2`; `deepseek_v3`); null: "
+		 "the model's" },
 	{ .sec = SEC_EP,
 	  .name = "async_split_plan",
 	  .type = K_BOOL,
@@ -1304,7 +1375,8 @@ static const key keys[] = {
 	  .doc_value = "a boolean or null",
 	  .doc_default = "null",
 	  .refused = "by initialize when it differs from the model's "
-		     "`norm_topk_prob`",
+		     "`norm_topk_prob` (Mixtral and Qwen3.5-MoE always "
+		     "renormalise, DeepSeek-V2 never)",
 	  .doc = "renormalise the top-k weights (null: the model's "
 		 "`norm_topk_prob`)" },
 	{ .sec = SEC_EP,
@@ -1312,12 +1384,84 @@ static const key keys[] = {
 	  .type = K_NUM,
 	  F(expert_parallel.route_scale),
 	  NOGIVEN,
-	  .lo = 0,
+	  .lo = -HUGE_VAL,
 	  .hi = HUGE_VAL,
-	  .flags = K_LO_OPEN,
 	  .def = 1.0,
-	  .refused = "other than 1.0: by initialize (not supported)",
-	  .doc = "scale of the routing weights" },
+	  .refused = "by initialize when it is the scale (no "
+		     "`routed_scaling_factor` in the config or the model) "
+		     "and differs from the model's: 1 for Mixtral and the "
+		     "Qwen families",
+	  .doc = "the routing weights times this, unless "
+		 "`routed_scaling_factor` or the model's own (DeepSeek's "
+		 "config.json) is given: then that one, as DeepSpeed's "
+		 "`_resolve_route_scale` (a warning names the one "
+		 "overridden)" },
+	{ .sec = SEC_EP,
+	  .name = "routed_scaling_factor",
+	  .type = K_SPECIAL,
+	  F(expert_parallel.routed_scaling_factor),
+	  NOGIVEN,
+	  .store = K_NUM,
+	  .hook = hook_rsf,
+	  .wr = wr_rsf,
+	  .doc_value = "a number or `\"auto\"`",
+	  .doc_default = "`\"auto\"`",
+	  .refused = "by initialize when it differs from the model's "
+		     "`routed_scaling_factor` (DeepSeek) or from 1 (the "
+		     "other families)",
+	  .doc = "the scale of the routing weights, over `route_scale` "
+		 "(`\"auto\"`: the model's `routed_scaling_factor` when "
+		 "its config has one, else `route_scale`)" },
+	{ .sec = SEC_EP,
+	  .name = "score_func",
+	  .type = K_NAME,
+	  F(expert_parallel.score_func),
+	  NOGIVEN,
+	  CH(score_funcs),
+	  .def_str = "auto",
+	  .refused = "by initialize when it differs from the family's "
+		     "(sigmoid for DeepSeek-V3, softmax for the others)",
+	  .doc = "the router's scores (`\"auto\"`: the model's)" },
+	{ .sec = SEC_EP,
+	  .name = "score_apply",
+	  .type = K_NAME,
+	  F(expert_parallel.score_apply),
+	  NOGIVEN,
+	  CH(score_applies),
+	  .def_str = "auto",
+	  .refused = "`\"pre\"`: by initialize (every family weights the "
+		     "experts' outputs, `\"post\"`; weighting their inputs "
+		     "is not implemented)",
+	  .doc = "where the routing weights apply (`\"auto\"`: the "
+		 "model's, `\"post\"`)" },
+	{ .sec = SEC_EP,
+	  .name = "num_expert_groups",
+	  .type = K_INT,
+	  F(expert_parallel.num_expert_groups),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .flags = K_NULL_OK,
+	  .doc_default = "null",
+	  .refused = "by initialize when it differs from the model's "
+		     "`n_group` (group-limited DeepSeek routing), or, for a "
+		     "model without groups, unless `num_limited_groups` "
+		     "equals it (every group kept)",
+	  .doc = "expert groups of group-limited routing (null: the "
+		 "model's `n_group`)" },
+	{ .sec = SEC_EP,
+	  .name = "num_limited_groups",
+	  .type = K_INT,
+	  F(expert_parallel.num_limited_groups),
+	  NOGIVEN,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .flags = K_NULL_OK,
+	  .doc_default = "null",
+	  .refused = "above `num_expert_groups`: by the parser; by "
+		     "initialize when it differs from the model's "
+		     "`topk_group`, or without groups (as DeepSpeed)",
+	  .doc = "groups kept per token (null: the model's `topk_group`)" },
 	{ .sec = SEC_EP,
 	  .name = "fixed_routing",
 	  .type = K_BOOL,
@@ -1340,12 +1484,144 @@ static const key keys[] = {
 		 "(`e_score_correction_bias`, DeepSeek-V3) moves by this "
 		 "rate towards balance, `b += rate * sign(mean load - "
 		 "load)` over the step's tokens on all ranks; 0 or null: "
-		 "off (DeepSpeed's default is 1e-3 for its own expert bias; "
-		 "epjit's is off, so a checkpoint's bias stays as loaded "
-		 "unless asked). A model without a score bias logs `[info] "
+		 "off, the default, so a checkpoint's bias stays as loaded "
+		 "unless asked. An **epjit extension** where it is > 0: "
+		 "DeepSpeed 0.19.8 has no aux-loss-free balancing, and its "
+		 "`parse_autoep_config` raises a ValueError (`load_balance_"
+		 "coeff=... is not supported in this AutoEP build`) for any "
+		 "value but null, 0 included, whatever `enabled` says; its "
+		 "DeepSeek presets default it to null. A model without a score "
+		 "bias logs `[info] "
 		 "expert_parallel.load_balance_coeff: this model has no "
 		 "expert score bias (DeepSeek-V3's e_score_correction_bias); "
 		 "routing uses the router logits only` when it is > 0" },
+	{ .sec = SEC_EP,
+	  .name = "expert_tensor_parallel_size",
+	  .type = K_INT,
+	  NOFIELD,
+	  .kind = KIND_NOT_IMPL,
+	  .ilo = 1,
+	  .ihi = INT_FIELD_MAX,
+	  .def = 1,
+	  .refused = "> 1: by the parser (expert tensor parallelism is not "
+		     "implemented in epjit; DeepSpeed 0.19.8 refuses it "
+		     "too)",
+	  .doc_default = "1",
+	  .doc = "expert tensor parallelism" },
+	{ .sec = SEC_EP,
+	  .name = "validate_folding_routing",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .doc_default = "false",
+	  .doc = "DeepSpeed's debugging check of AutoEP+AutoTP folding; "
+		 "epjit has no folding (AutoTP is not implemented)" },
+	{ .sec = SEC_EP,
+	  .name = "use_grouped_mm",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .doc_default = "true",
+	  .doc = "kernel choice (torch's grouped GEMM or a loop): epjit's "
+		 "expert GEMMs are its own, the numbers the same" },
+	{ .sec = SEC_EP,
+	  .name = "disable_triton_grouped_mm",
+	  .type = K_BOOL,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .doc_default = "false",
+	  .doc = "kernel choice (Triton's grouped GEMM), as "
+		 "`use_grouped_mm`" },
+	{ .sec = SEC_EP,
+	  .name = "combine_impl",
+	  .type = K_NAME,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  CH(combine_impls),
+	  .doc_default = "`\"auto\"`",
+	  .doc = "kernel choice of the weighted combine: epjit's combine "
+		 "accumulates in fp32 (doc/design.md)" },
+	{ .sec = SEC_EP,
+	  .name = "row_weighting_impl",
+	  .type = K_NAME,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  CH(row_weighting_impls),
+	  .doc_default = "`\"auto\"`",
+	  .doc = "kernel choice inside DeepEP's route (not implemented in "
+		 "epjit)" },
+	{ .sec = SEC_EP,
+	  .name = "gate_up_impl",
+	  .type = K_NAME,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  CH(gate_up_impls),
+	  .doc_default = "`\"separate\"`",
+	  .doc = "kernel choice: the gate and up projections as one GEMM or "
+		 "two; the same products" },
+	{ .sec = SEC_EP,
+	  .name = "comm_num_sm",
+	  .type = K_INT,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .ilo = 1,
+	  .ihi = ANY_INT,
+	  .doc_default = "12",
+	  .doc = "DeepEP tuning (SMs of its kernels); DeepEP is not "
+		 "implemented in epjit" },
+	{ .sec = SEC_EP,
+	  .name = "comm_qp_margin",
+	  .type = K_INT,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .ilo = 0,
+	  .ihi = ANY_INT,
+	  .doc_default = "4",
+	  .doc = "DeepEP tuning (RDMA queue pairs), as `comm_num_sm`" },
+	{ .sec = SEC_EP,
+	  .name = "comm_max_tokens_per_rank",
+	  .type = K_INT,
+	  NOFIELD,
+	  .kind = KIND_OBSERVE,
+	  .ilo = 0,
+	  .ihi = ANY_INT,
+	  .doc_default = "0",
+	  .doc = "DeepEP's buffer size, as `comm_num_sm`" },
+	{ .sec = SEC_EP,
+	  .name = "expert_activation",
+	  .type = K_NAME,
+	  .off = -1,
+	  .given_off = -1,
+	  .kind = KIND_NOT_IMPL,
+	  CH(expert_activations),
+	  .flags = K_W_NEVER | K_NULL_OK,
+	  .refused = "other than `\"swiglu\"`: by the parser",
+	  .doc_default = "null",
+	  .doc = "the experts' activation: epjit's are SwiGLU in every "
+		 "family (`\"swiglu\"`, the same as null)" },
+#define CUSTOM_ROW(nm, t, fl)                                                  \
+	{                                                                      \
+		.sec = SEC_EP, .name = nm, .type = t, .off = -1,               \
+		.given_off = -1, .flags = K_W_NEVER | K_ON_SET | (fl),         \
+		.kind = KIND_NOT_IMPL,                                         \
+		.refused = "any value but null: by the parser",                \
+		.doc_default = "null",                                         \
+		.doc = "a custom model's layout for DeepSpeed's module "       \
+		       "detection; epjit builds its families from "            \
+		       "config.json"                                           \
+	}
+	CUSTOM_ROW("moe_layer_pattern", K_TEXT, 0),
+	CUSTOM_ROW("expert_pattern", K_TEXT, 0),
+	CUSTOM_ROW("router_pattern", K_TEXT, 0),
+	CUSTOM_ROW("expert_w1", K_TEXT, 0),
+	CUSTOM_ROW("expert_w2", K_TEXT, 0),
+	CUSTOM_ROW("expert_w3", K_TEXT, 0),
+	CUSTOM_ROW("num_experts_attr", K_TEXT, 0),
+	CUSTOM_ROW("top_k_attr", K_TEXT, 0),
+	CUSTOM_ROW("has_shared_experts", K_BOOL, K_NULL_OK),
+	CUSTOM_ROW("shared_experts_pattern", K_TEXT, 0),
+	CUSTOM_ROW("shared_experts_gate_pattern", K_TEXT, 0),
+#undef CUSTOM_ROW
 
 	/* ---- compile */
 	{ .sec = SEC_COMPILE,
@@ -2395,6 +2671,8 @@ static epj_status read_value(cp *p, const key *k, json_t *v, const char *path,
 		EJ_ASSERT(!"read_value: a section or special key");
 		break;
 	}
+	if (k->flags & K_ON_SET)
+		*on = true;
 	return EPJ_OK;
 }
 
@@ -2621,6 +2899,98 @@ static epj_status hook_route_norm(cp *p, const key *k, json_t *obj, json_t *v,
 	return EPJ_OK;
 }
 
+/* routed_scaling_factor: a number, or "auto" (DeepSpeed's own value: the
+ * model's, else route_scale). */
+static epj_status hook_rsf(cp *p, const key *k, json_t *obj, json_t *v,
+			   const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)base;
+	char g[100];
+	struct ej_ep_config *ep = &c->expert_parallel;
+	if (is_auto(v)) {
+		ep->has_routed_scaling_factor = false;
+		ep->routed_scaling_factor = 0;
+		return EPJ_OK;
+	}
+	if (!json_is_number(v))
+		return cp_err(p, "\"%s\" must be a number or \"auto\", got %s",
+			      path, ej_json_describe(v, g, sizeof g));
+	ep->has_routed_scaling_factor = true;
+	ep->routed_scaling_factor = json_number_value(v);
+	return EPJ_OK;
+}
+
+/* preset_model: DeepSpeed's presets of families epjit does not build are
+ * refused by name. */
+static epj_status hook_preset_model(cp *p, const key *k, json_t *obj, json_t *v,
+				    const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)v, (void)base;
+	const char *name = c->expert_parallel.preset_model;
+	for (size_t i = N_PRESETS_BUILT; i < EJ_ARRAY_LEN(preset_models); i++)
+		if (!strcmp(name, preset_models[i]))
+			return cp_err(
+			    p,
+			    "\"%s\" is \"%s\": that model family is not "
+			    "implemented in epjit; it builds \"mixtral\", "
+			    "\"qwen3_moe\" (also Qwen2-MoE), \"qwen3_5_moe\", "
+			    "\"deepseek_v2\" and \"deepseek_v3\" (null: the "
+			    "model's)",
+			    path, name);
+	return EPJ_OK;
+}
+
+static const char *str_key(json_t *obj, const char *key)
+{
+	json_t *x = json_object_get(obj, key);
+	return json_is_string(x) ? json_string_value(x) : "";
+}
+
+/* The expert_parallel section: DeepSpeed's rules on pairs of its keys
+ * (validate_autoep_config), those that do not need the model. */
+static epj_status hook_ep(cp *p, const key *k, json_t *obj, json_t *v,
+			  const char *path, char *base, ej_config *c)
+{
+	(void)k, (void)obj, (void)base;
+	const struct ej_ep_config *ep = &c->expert_parallel;
+	const bool deepep = !strcmp(ep->comm_backend, "deepep");
+	epj_status s = EPJ_OK;
+	if (!strcmp(str_key(v, "gate_up_impl"), "fused") &&
+	    json_is_false(json_object_get(v, "use_grouped_mm")))
+		s = cp_err(p,
+			   "\"%s.gate_up_impl\" is \"fused\" but "
+			   "\"%s.use_grouped_mm\" is false: DeepSpeed refuses "
+			   "the pair (the fused projections are one grouped "
+			   "GEMM); set use_grouped_mm to true or leave "
+			   "gate_up_impl unset",
+			   path, path);
+	if (!strcmp(str_key(v, "row_weighting_impl"), "fused") &&
+	    (!deepep || ep->autoep_size == 1))
+		s = cp_err(p,
+			   "\"%s.row_weighting_impl\" is \"fused\", which "
+			   "runs only inside DeepEP's route: DeepSpeed refuses "
+			   "it without comm_backend \"deepep\" and autoep_size "
+			   "> 1 (DeepEP is not implemented in epjit); leave it "
+			   "unset",
+			   path);
+	if (!strcmp(str_key(v, "combine_impl"), "fused_weighted_sum") &&
+	    deepep && ep->autoep_size > 1)
+		s = cp_err(p,
+			   "\"%s.combine_impl\" is \"fused_weighted_sum\" "
+			   "with comm_backend \"deepep\": DeepSpeed refuses "
+			   "the pair (DeepEP reduces the rows itself); leave "
+			   "combine_impl unset",
+			   path);
+	if (ep->num_expert_groups &&
+	    ep->num_limited_groups > ep->num_expert_groups)
+		s = cp_err(p,
+			   "\"%s.num_limited_groups\" (%d) must not exceed "
+			   "\"%s.num_expert_groups\" (%d)",
+			   path, ep->num_limited_groups, path,
+			   ep->num_expert_groups);
+	return s;
+}
+
 /* A DeepCompile schedule is a list of [step, passes] pairs (or an object);
  * only its presence matters to us. */
 static epj_status hook_schedule(cp *p, const key *k, json_t *obj, json_t *v,
@@ -2651,6 +3021,15 @@ static json_t *wr_route_norm(const key *k, const char *base, const ej_config *c)
 	(void)c;
 	int64_t r = get_int(k, base);
 	return r < 0 ? json_null() : json_boolean(r);
+}
+
+static json_t *wr_rsf(const key *k, const char *base, const ej_config *c)
+{
+	(void)k, (void)base;
+	const struct ej_ep_config *ep = &c->expert_parallel;
+	return ep->has_routed_scaling_factor
+		   ? json_real(ep->routed_scaling_factor)
+		   : json_string("auto");
 }
 
 static json_t *wr_schedule(const key *k, const char *base, const ej_config *c)
@@ -2930,6 +3309,183 @@ epj_status ej_config_resolve_batch(epj_ctx *ctx, ej_config *c, int world_size)
 	c->gradient_accumulation_steps = ga;
 	c->batch_world_size = world_size;
 	return EPJ_OK;
+}
+
+/* ==== the AutoEP routing keys against the model ========================== */
+
+/* A family's model_type (config.json) and DeepSpeed's preset of it. */
+static const struct {
+	const char *model_type, *preset;
+} family_names[] = {
+	[EJ_FAMILY_QWEN3_MOE] = { "qwen3_moe", "qwen3_moe" },
+	[EJ_FAMILY_MIXTRAL] = { "mixtral", "mixtral" },
+	[EJ_FAMILY_QWEN2_MOE] = { "qwen2_moe", "qwen3_moe" },
+	[EJ_FAMILY_DEEPSEEK_V2] = { "deepseek_v2", "deepseek_v2" },
+	[EJ_FAMILY_DEEPSEEK_V3] = { "deepseek_v3", "deepseek_v3" },
+	[EJ_FAMILY_QWEN3_5_MOE] = { "qwen3_5_moe_text", "qwen3_5_moe" },
+};
+
+/* x as the shortest of %.15g / %.17g that reads back exactly. */
+static const char *num_text(double x, char *buf, size_t n)
+{
+	snprintf(buf, n, "%.15g", x);
+	if (strtod(buf, NULL) != x)
+		snprintf(buf, n, "%.17g", x);
+	return buf;
+}
+
+/* The scale of the routing weights, as DeepSpeed's _resolve_route_scale
+ * finds it (routed_scaling_factor, else the model's own, which the
+ * DeepSeek configs have, else route_scale), against the model's. */
+static epj_status check_scale(epj_ctx *ctx, const ej_config *c,
+			      const ej_model_config *m, const char *mt)
+{
+	const struct ej_ep_config *ep = &c->expert_parallel;
+	const bool own = m->family == EJ_FAMILY_DEEPSEEK_V2 ||
+			 m->family == EJ_FAMILY_DEEPSEEK_V3;
+	const double want = own ? m->routed_scaling_factor : 1.0;
+	char a[40], b[40];
+	const char *over = NULL; /* what overrides a route_scale given */
+	if (ep->has_routed_scaling_factor) {
+		if (ep->routed_scaling_factor != want)
+			return ej_error(
+			    ctx, EPJ_ERR_CONFIG,
+			    "%s: expert_parallel.routed_scaling_factor=%s "
+			    "differs from the model's %s (%s, model_type "
+			    "\"%s\"): another scale is not implemented in "
+			    "epjit",
+			    c->source,
+			    num_text(ep->routed_scaling_factor, a, sizeof a),
+			    own ? "routed_scaling_factor"
+				: "routing scale, which has none",
+			    num_text(want, b, sizeof b), mt);
+		over = "expert_parallel.routed_scaling_factor";
+	} else if (own) {
+		over = "the model's routed_scaling_factor";
+	} else if (ep->route_scale != 1.0) {
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.route_scale=%s differs "
+				"from the model's routing scale (1: model_type "
+				"\"%s\" has no routed_scaling_factor): another "
+				"scale is not implemented in epjit",
+				c->source,
+				num_text(ep->route_scale, a, sizeof a), mt);
+	}
+	if (over && ep->route_scale != 1.0)
+		epj_log_msg(EPJ_LOG_WARN,
+			    "%s: expert_parallel.route_scale=%s is overridden "
+			    "by %s (%s), as in DeepSpeed",
+			    c->source, num_text(ep->route_scale, a, sizeof a),
+			    over, num_text(want, b, sizeof b));
+	return EPJ_OK;
+}
+
+/* Group-limited routing: num_expert_groups / num_limited_groups against
+ * the model's n_group / topk_group (DeepSeek's group-limited methods); a
+ * model without groups routes over all experts, which groups all kept
+ * (limited = groups) also do. */
+static epj_status check_groups(epj_ctx *ctx, const ej_config *c,
+			       const ej_model_config *m, const char *mt)
+{
+	const struct ej_ep_config *ep = &c->expert_parallel;
+	const char *src = c->source;
+	const int G = ep->num_expert_groups, L = ep->num_limited_groups;
+	if (m->groups != EJ_GROUPS_NONE) {
+		if (G && G != m->n_group)
+			return ej_error(
+			    ctx, EPJ_ERR_CONFIG,
+			    "%s: expert_parallel.num_expert_groups="
+			    "%d differs from the model's n_group=%d "
+			    "(model_type \"%s\")",
+			    src, G, m->n_group, mt);
+		if (L && L != m->topk_group)
+			return ej_error(ctx, EPJ_ERR_CONFIG,
+					"%s: expert_parallel.num_limited_groups"
+					"=%d differs from the model's "
+					"topk_group=%d (model_type \"%s\")",
+					src, L, m->topk_group, mt);
+		return EPJ_OK;
+	}
+	if (L && !G)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.num_limited_groups=%d "
+				"needs num_expert_groups, and the model has no "
+				"expert groups (model_type \"%s\"), as "
+				"DeepSpeed requires",
+				src, L, mt);
+	if (!G)
+		return EPJ_OK;
+	if (!L)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.num_expert_groups=%d "
+				"needs num_limited_groups, as DeepSpeed "
+				"requires",
+				src, G);
+	if (m->num_experts % G != 0)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.num_expert_groups=%d must "
+				"divide the model's num_experts=%d",
+				src, G, m->num_experts);
+	if (L != G)
+		return ej_error(
+		    ctx, EPJ_ERR_CONFIG,
+		    "%s: expert_parallel.num_expert_groups=%d with "
+		    "num_limited_groups=%d limits the routing to %d "
+		    "of %d groups; the model routes over all its "
+		    "experts (model_type \"%s\" has no expert "
+		    "groups): group-limited routing is not "
+		    "implemented for it in epjit",
+		    src, G, L, L, G, mt);
+	return EPJ_OK;
+}
+
+epj_status ej_config_check_model(epj_ctx *ctx, const ej_config *c,
+				 const ej_model_config *m)
+{
+	const struct ej_ep_config *ep = &c->expert_parallel;
+	const char *src = c->source;
+	EJ_ASSERT((size_t)m->family < EJ_ARRAY_LEN(family_names));
+	const char *mt = family_names[m->family].model_type;
+	const char *preset = family_names[m->family].preset;
+	if (ep->preset_model[0] && strcmp(ep->preset_model, preset) != 0)
+		return ej_error(
+		    ctx, EPJ_ERR_CONFIG,
+		    "%s: expert_parallel.preset_model=\"%s\" does "
+		    "not match the model: its model_type is \"%s\", "
+		    "whose preset is \"%s\"",
+		    src, ep->preset_model, mt, preset);
+	if (ep->top_k && ep->top_k != m->num_experts_per_tok)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.top_k=%d differs from the "
+				"model's num_experts_per_tok=%d",
+				src, ep->top_k, m->num_experts_per_tok);
+	if (ep->route_norm >= 0 && (ep->route_norm != 0) != m->norm_topk_prob)
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.route_norm=%s differs "
+				"from the model's norm_topk_prob (%s for "
+				"model_type \"%s\")",
+				src, ep->route_norm ? "true" : "false",
+				m->norm_topk_prob ? "true" : "false", mt);
+	const char *fs = m->scoring == EJ_SCORE_SIGMOID ? "sigmoid" : "softmax";
+	if (strcmp(ep->score_func, "auto") != 0 &&
+	    strcmp(ep->score_func, fs) != 0)
+		return ej_error(
+		    ctx, EPJ_ERR_CONFIG,
+		    "%s: expert_parallel.score_func=\"%s\" differs "
+		    "from the model's scores (\"%s\" for model_type "
+		    "\"%s\"): another score function is not "
+		    "implemented in epjit",
+		    src, ep->score_func, fs, mt);
+	if (!strcmp(ep->score_apply, "pre"))
+		return ej_error(ctx, EPJ_ERR_CONFIG,
+				"%s: expert_parallel.score_apply=\"pre\" "
+				"differs from the model, which weights the "
+				"experts' outputs (\"post\", model_type "
+				"\"%s\"): weighting their inputs is not "
+				"implemented in epjit",
+				src, mt);
+	epj_status st = check_scale(ctx, c, m, mt);
+	return st != EPJ_OK ? st : check_groups(ctx, c, m, mt);
 }
 
 /* ==== the compile.autoep_non_moe support boundary ======================== */

@@ -153,6 +153,14 @@ typedef struct ej_config {
 				 */
 		int route_norm; /* -1 = auto (model's norm_topk_prob), 0, 1 */
 		double route_scale; /* default 1.0 */
+		/* DeepSpeed's routing overrides, checked against the model by
+		 * ej_config_check_model: "auto" (default) or a value */
+		char score_func[EJ_CONFIG_STR_MAX];  /* auto softmax sigmoid */
+		char score_apply[EJ_CONFIG_STR_MAX]; /* auto pre post */
+		int num_expert_groups;		     /* 0 = null (default) */
+		int num_limited_groups;		     /* 0 = null (default) */
+		bool has_routed_scaling_factor;	     /* false: "auto" */
+		double routed_scaling_factor;
 		bool fixed_routing; /* epjit extension for benchmarks */
 		/* Aux-loss-free balancing of DeepSeek-V3's score bias:
 		 * the rate, default 0 (off); null: has_load_balance false */
@@ -402,6 +410,16 @@ typedef struct ej_model_config {
 	bool output_router_logits;
 	double router_aux_loss_coef;
 } ej_model_config;
+
+/* The AutoEP routing keys of cfg (expert_parallel: preset_model, top_k,
+ * route_norm, score_func, score_apply, route_scale, routed_scaling_factor,
+ * num_expert_groups, num_limited_groups) against what model m says and
+ * epjit implements for its family: the first that would route otherwise is
+ * EPJ_ERR_CONFIG naming the key, its value and the model's (model_type);
+ * a route_scale that DeepSpeed overrides is a warning.  Called by
+ * epj_engine_initialize. */
+epj_status ej_config_check_model(epj_ctx *ctx, const ej_config *cfg,
+				 const ej_model_config *m);
 
 /* Parses an HF config.json (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V2/V3).
  * Unused keys are listed once at debug level; used keys with values this

@@ -104,26 +104,7 @@ static epj_status check_supported(epj_ctx *ctx, const ej_config *c,
 				"%s: the model's num_experts=%d is not "
 				"divisible by expert_parallel.autoep_size=%d",
 				src, m->cfg.num_experts, ep);
-	if (c->expert_parallel.top_k &&
-	    c->expert_parallel.top_k != m->cfg.num_experts_per_tok)
-		return ej_error(ctx, EPJ_ERR_CONFIG,
-				"%s: expert_parallel.top_k=%d differs from the "
-				"model's num_experts_per_tok=%d",
-				src, c->expert_parallel.top_k,
-				m->cfg.num_experts_per_tok);
-	if (c->expert_parallel.route_norm >= 0 &&
-	    (c->expert_parallel.route_norm != 0) != m->cfg.norm_topk_prob)
-		return ej_error(ctx, EPJ_ERR_CONFIG,
-				"%s: expert_parallel.route_norm differs from "
-				"the model's norm_topk_prob",
-				src);
-	if (c->expert_parallel.route_scale != 1.0)
-		return ej_error(
-		    ctx, EPJ_ERR_UNSUPPORTED,
-		    "%s: expert_parallel.route_scale other than 1.0 "
-		    "is not supported",
-		    src);
-	return EPJ_OK;
+	return ej_config_check_model(ctx, c, &m->cfg);
 }
 
 /* Parameter i belongs to an expert of an AutoEP layer (owner: the
@@ -405,6 +386,8 @@ void epj_engine_free(epj_engine *e)
 		return;
 	ej_engine_compile_free(e);
 	ej_optim_free(e->optim);
+	free(e->loads);
+	free(e->step_loads);
 	if (e->dev_ep)
 		for (int i = 0; i < e->model->n_moe; i++)
 			ej_autoep_set_dev_comm(e->model->moe[i], NULL);
@@ -445,6 +428,75 @@ static epj_status balance_experts(epj_engine *e, bool skipped)
 	return EPJ_OK;
 }
 
+static int moe_layer_index(const epj_model *m, int i);
+
+/* The expert-load metrics, while on.  Around the forward of every
+ * micro-batch: the layers' counts restart before it and are added to the
+ * step's (e->step_loads) after it, so that only training forwards count
+ * (a checkpointed one runs without grad; an evaluation between
+ * micro-batches does not count).  first: the step's first micro-batch. */
+static epj_status expert_load_forward(epj_engine *e, bool before, bool first)
+{
+	epj_model *m = e->model;
+	if (!e->track_load)
+		return EPJ_OK;
+	if (!e->step_loads) {
+		int64_t n = 0;
+		for (int i = 0; i < m->n_moe; i++)
+			n += ej_autoep_step_load_add(m->moe[i], NULL);
+		e->step_loads =
+		    calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
+		e->loads = calloc((size_t)(m->n_moe > 0 ? m->n_moe : 1),
+				  sizeof *e->loads);
+		if (!e->step_loads || !e->loads) {
+			free(e->step_loads);
+			free(e->loads);
+			e->step_loads = NULL;
+			e->loads = NULL;
+			return ej_error(e->ctx, EPJ_ERR_NOMEM,
+					"expert load metrics: out of host "
+					"memory");
+		}
+	}
+	int64_t at = 0;
+	for (int i = 0; i < m->n_moe; i++) {
+		const int E = ej_autoep_step_load_add(m->moe[i], NULL);
+		if (!before)
+			ej_autoep_step_load_add(m->moe[i], e->step_loads + at);
+		else if (first)
+			memset(e->step_loads + at, 0,
+			       sizeof *e->step_loads * (size_t)E);
+		if (before)
+			ej_autoep_step_load_reset(m->moe[i]);
+		at += E;
+	}
+	return EPJ_OK;
+}
+
+/* The figures of the step just taken: the step's loads summed over the
+ * world in one all-reduce, then each layer's (e->loads). */
+static epj_status expert_load_step(epj_engine *e)
+{
+	epj_model *m = e->model;
+	if (!e->track_load || !e->step_loads)
+		return EPJ_OK;
+	ej_comm *world = m->has_groups ? m->groups.world : NULL;
+	int64_t n = 0;
+	for (int i = 0; i < m->n_moe; i++)
+		n += ej_autoep_step_load_add(m->moe[i], NULL);
+	epj_status st = ej_expert_load_reduce(e->ctx, world, e->step_loads, n);
+	int64_t at = 0;
+	for (int i = 0; st == EPJ_OK && i < m->n_moe; i++) {
+		const int E = ej_autoep_step_load_add(m->moe[i], NULL);
+		epj_expert_load *x = &e->loads[i];
+		ej_expert_load_summary(e->step_loads + at, E, x);
+		x->layer = moe_layer_index(m, i);
+		at += E;
+	}
+	e->loads_valid = st == EPJ_OK;
+	return st;
+}
+
 static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 			     epj_tensor *labels, epj_step_info *info)
 {
@@ -457,10 +509,15 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"train_step: labels are required");
 	epj_tensor *logits = NULL;
+	epj_status st = expert_load_forward(e, true, e->accum_n == 0);
+	if (st != EPJ_OK)
+		return st;
 	ej_prof_begin(ctx, &pf);
-	epj_status st = epj_model_forward(ctx, e->model, input_ids, labels,
-					  e->probe ? &logits : NULL, &loss);
+	st = epj_model_forward(ctx, e->model, input_ids, labels,
+			       e->probe ? &logits : NULL, &loss);
 	ej_prof_end(ctx, &pf, "forward");
+	if (st == EPJ_OK)
+		st = expert_load_forward(e, false, false);
 	if (st != EPJ_OK) {
 		epj_tensor_free(logits);
 		return st;
@@ -534,6 +591,8 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		e->last_grad_norm = norm;
 		epj_counter_add(ctx, "train.steps", 1);
 		if ((st = balance_experts(e, skipped)) != EPJ_OK)
+			return st;
+		if ((st = expert_load_step(e)) != EPJ_OK)
 			return st;
 	}
 	double mean = e->accum_loss / (double)e->accum_n;
@@ -698,6 +757,40 @@ bool epj_engine_auto_value(const epj_engine *e, int i, char *key, size_t kn,
 epj_model *epj_engine_model(epj_engine *e)
 {
 	return e->model;
+}
+
+void epj_engine_track_expert_load(epj_engine *e, bool on)
+{
+	e->track_load = on;
+}
+
+int epj_engine_num_moe_layers(const epj_engine *e)
+{
+	return e->model->n_moe;
+}
+
+/* MoE layer i's decoder layer: N of "model.layers.N.mlp", or i (the root
+ * layout). */
+static int moe_layer_index(const epj_model *m, int i)
+{
+	const char *l = strstr(m->moe[i]->name, "layers.");
+	return l ? atoi(l + strlen("layers.")) : i;
+}
+
+bool epj_engine_expert_load(const epj_engine *e, int i, epj_expert_load *out)
+{
+	const epj_model *m = e->model;
+	if (i < 0 || i >= m->n_moe)
+		return false;
+	if (e->loads_valid) {
+		*out = e->loads[i];
+		return true;
+	}
+	memset(out, 0, sizeof *out);
+	out->layer = moe_layer_index(m, i);
+	out->num_experts = ej_autoep_step_load_add(m->moe[i], NULL);
+	out->max_over_mean = out->cv = NAN;
+	return false;
 }
 
 /* ---- checkpoints

@@ -399,6 +399,22 @@ epj_status ej_autoep_balance(epj_ctx *ctx, epj_module *m, ej_comm *comm,
 /* The last forward's expert assignment: [N, top_k] i64 (borrowed; NULL
  * before the first call). */
 epj_tensor *ej_autoep_last_routing(const epj_module *m);
+/* The expert-load metrics (doc/trainer.md): the (token, expert)
+ * assignments of this rank's calls (checkpoint replays excluded) to each
+ * expert since the last reset, a token routed to k experts counting once
+ * for each.  ej_autoep_step_load_add adds them to acc[E] (NULL: nothing)
+ * and returns E, 0 for other modules. */
+int ej_autoep_step_load_add(const epj_module *m, int64_t *acc);
+void ej_autoep_step_load_reset(epj_module *m);
+/* Sums load[n] (non-negative) over the ranks of comm (NULL or one rank:
+ * unchanged) in one all-reduce ("expert load metrics"), exactly up to 4096
+ * ranks and 2^36 per element. */
+epj_status ej_expert_load_reduce(epj_ctx *ctx, ej_comm *comm, int64_t *load,
+				 int64_t n);
+/* The statistics of one layer's loads load[E] (total, max / mean, the
+ * population coefficient of variation, dead experts; NaN ratios when the
+ * total is 0); out->layer is left as is. */
+void ej_expert_load_summary(const int64_t *load, int E, epj_expert_load *out);
 /* From now on, m records the routing of every call (forward and
  * checkpoint replay) in call order; a second start clears the record.  A
  * no-op for other modules.  ej_autoep_routing_log: the number of calls
@@ -511,6 +527,15 @@ struct epj_engine {
 	/* an observer of epj_engine_train_step (the parity harness), NULL:
 	 * none */
 	const struct ej_step_probe *probe;
+	/* the expert-load metrics (epj_engine_track_expert_load): on, and
+	 * each MoE layer's figures of the last step taken while on ([n_moe],
+	 * owned; NULL before) */
+	bool track_load;
+	epj_expert_load *loads;
+	/* while on: every layer's loads of the current step's training
+	 * forwards, layer after layer ([sum of the layers' E], owned) */
+	int64_t *step_loads;
+	bool loads_valid; /* loads hold a step's figures */
 };
 
 /* With e->probe set, train_step asks the forward for the logits too and,

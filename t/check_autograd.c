@@ -282,20 +282,22 @@ START_TEST(test_leaf_root_and_broadcast)
 END_TEST
 
 /* A leaf's first gradient is adopted, not copied, when a backward formula
- * made it fresh and nobody else holds it (w in y = w * c: mul's backward
- * makes g * c); it is copied when the same tensor is the gradient of two
- * inputs (a + b: both get the upstream gradient), when it is the caller's
- * (a leaf root), or a broadcast.  Copied or adopted, no two .grads share
- * memory, and writing one changes nothing else. */
+ * made it fresh and nobody else holds it (w in w * c: mul's backward makes
+ * g * c); it is copied when the same tensor is the gradient of two inputs
+ * (a + b: add's backward hands both the fresh g * c2 of (a + b) * c2), when
+ * it is the caller's (a leaf root), or a broadcast.  Copied or adopted, no
+ * two .grads share memory, and writing one changes nothing else. */
 START_TEST(test_grad_adopted_or_copied)
 {
 	epj_ctx *ctx = tu_ctx();
 	int64_t n = tu_randint(3, 50);
 	epj_tensor *w = leaf(ctx, n), *a = leaf(ctx, n), *b = leaf(ctx, n);
 	epj_tensor *c = tu_randn(ctx, EPJ_DTYPE_F64, 1, &n);
+	epj_tensor *c2 = tu_randn(ctx, EPJ_DTYPE_F64, 1, &n);
 	epj_tensor *wc = epj_mul(ctx, w, c);
 	epj_tensor *ab = epj_add(ctx, a, b);
-	epj_tensor *y = epj_add(ctx, wc, ab);
+	epj_tensor *abc = epj_mul(ctx, ab, c2);
+	epj_tensor *y = epj_add(ctx, wc, abc);
 	epj_tensor *l = epj_sum_all(ctx, y);
 	tu_ok(ctx, l);
 	int64_t ad0 = epj_counter_get(ctx, "autograd.grads_adopted");
@@ -307,20 +309,17 @@ START_TEST(test_grad_adopted_or_copied)
 	ck_assert_int_eq(epj_counter_get(ctx, "autograd.grad_copy_bytes") - cp0,
 			 2 * n * (int64_t)sizeof(double));
 	double *cv = tu_values(ctx, c);
-	double *ones = malloc(sizeof *ones * (size_t)n);
-	ck_assert_ptr_nonnull(ones);
-	for (int64_t i = 0; i < n; i++)
-		ones[i] = 1;
+	double *c2v = tu_values(ctx, c2);
 	epj_tensor *gw = epj_tensor_grad(w), *ga = epj_tensor_grad(a),
 		   *gb = epj_tensor_grad(b);
 	tu_assert_close(ctx, gw, cv, 0, 0, "adopted grad of w");
-	tu_assert_close(ctx, ga, ones, 0, 0, "grad of a");
-	tu_assert_close(ctx, gb, ones, 0, 0, "grad of b");
+	tu_assert_close(ctx, ga, c2v, 0, 0, "grad of a");
+	tu_assert_close(ctx, gb, c2v, 0, 0, "grad of b");
 	ck_assert(epj_tensor_data(ga) != epj_tensor_data(gb));
 	ck_assert(epj_tensor_data(gw) != epj_tensor_data(ga) &&
 		  epj_tensor_data(gw) != epj_tensor_data(gb));
 	epj_tensor_set_f64(ga, 0, 42.0);
-	ck_assert(epj_tensor_get_f64(gb, 0) == 1.0);
+	ck_assert(epj_tensor_get_f64(gb, 0) == c2v[0]);
 	/* a second backward accumulates into the adopted buffer's value */
 	epj_tensor *wc2 = epj_mul(ctx, w, c);
 	epj_tensor *l2 = epj_sum_all(ctx, wc2);
@@ -338,8 +337,8 @@ START_TEST(test_grad_adopted_or_copied)
 	epj_tensor_set_f64(g, 0, g0 + 1.0);
 	ck_assert(epj_tensor_get_f64(epj_tensor_grad(a), 0) == g0);
 	free(cv);
-	free(ones);
-	epj_tensor *t[] = { w, a, b, c, wc, ab, y, l, wc2, l2, g };
+	free(c2v);
+	epj_tensor *t[] = { w, a, b, c, c2, wc, ab, abc, y, l, wc2, l2, g };
 	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
 		epj_tensor_free(t[i]);
 	epj_ctx_free(ctx);

@@ -8,7 +8,11 @@
  * line, when there is one, is the list of keys the parse names as having
  * no effect, ej_config.no_effect), `compile_error` (the parse succeeds and
  * ej_config_validate_autoep_compile fails with a message beginning
- * "compile.autoep_non_moe=true" and containing that line) or `compile_ok`.
+ * "compile.autoep_non_moe=true" and containing that line), `compile_ok`,
+ * or, with a `model` file naming a family of t/golden/hf, `init_error`
+ * (epj_engine_initialize on that model fails with a message beginning with
+ * the path and containing each line: the AutoEP keys checked against the
+ * model) or `init_ok`.
  * A missing or empty folder, or a case without exactly one expectation, is a
  * failure: the suite must not pass by checking nothing.  The unit half checks
  * defaults, every parsed field, batch resolution against a reference written
@@ -59,6 +63,64 @@ static bool contains_every_line(const char *msg, const char *path,
 	return ok;
 }
 
+/* An init_error / init_ok case (kind 4 / 5): epj_engine_initialize of
+ * config path on the model its `model` file names (a family of
+ * t/golden/hf); init_error: EPJ_ERR_CONFIG or EPJ_ERR_UNSUPPORTED, the
+ * message starting with the path and holding each line of the file.  A
+ * failure is reported into fails; returns whether the case passed. */
+static bool init_case(const char *base, const char *path, int kind,
+		      const char *name, char *fails, size_t n)
+{
+	char mp[2200], cfgp[2400], ep[2200];
+	snprintf(mp, sizeof mp, "%s/model", base);
+	char *fam = tu_first_line(mp);
+	if (!fam || !fam[0]) {
+		tu_report(fails, n, "%s: no family in %s\n", name, mp);
+		free(fam);
+		return false;
+	}
+	snprintf(cfgp, sizeof cfgp, "%s/t/golden/hf/%s/config.json",
+		 tu_srcdir(), fam);
+	free(fam);
+	epj_ctx *ctx = tu_ctx();
+	epj_model *m = NULL;
+	epj_engine *e = NULL;
+	bool ok = true;
+	if (epj_model_new(ctx, cfgp, NULL, &m) != EPJ_OK) {
+		tu_report(fails, n, "%s: model %s: %s\n", name, cfgp,
+			  epj_ctx_error(ctx));
+		ok = false;
+		goto out;
+	}
+	epj_status s = epj_engine_initialize(ctx, m, path, &e);
+	const char *msg = epj_ctx_error(ctx);
+	char *want = NULL;
+	if (kind == 5 && s != EPJ_OK) {
+		tu_report(fails, n, "%s: initialize failed: %s\n", name, msg);
+		ok = false;
+	} else if (kind == 4) {
+		snprintf(ep, sizeof ep, "%s/init_error", base);
+		if ((s != EPJ_ERR_CONFIG && s != EPJ_ERR_UNSUPPORTED) ||
+		    !starts_with(msg, path) ||
+		    !contains_every_line(msg, ep, &want)) {
+			tu_report(fails, n,
+				  "%s: want initialize to fail with \"%s\", "
+				  "got %s \"%s\"\n",
+				  name, want ? want : "(each line)",
+				  epj_status_name(s), msg);
+			ok = false;
+		}
+		if (e)
+			ok = false;
+	}
+	free(want);
+out:
+	epj_engine_free(e);
+	epj_model_free(m);
+	epj_ctx_free(ctx);
+	return ok;
+}
+
 START_TEST(test_config_cases)
 {
 	char dir[1024];
@@ -71,15 +133,16 @@ START_TEST(test_config_cases)
 	static char fails[16384];
 	fails[0] = '\0';
 	int nfail = 0;
-	int kinds[4] = { 0 };
+	int kinds[6] = { 0 };
 	for (int i = 0; i < n; i++) {
 		char base[2048], path[2200];
 		snprintf(base, sizeof base, "%s/%s", dir, names[i]);
-		static const char *const expect[] = { "error", "ok",
-						      "compile_error",
-						      "compile_ok" };
+		static const char *const expect[] = {
+			"error",      "ok",	    "compile_error",
+			"compile_ok", "init_error", "init_ok"
+		};
 		int kind = -1, nexp = 0;
-		for (int k = 0; k < 4; k++) {
+		for (int k = 0; k < 6; k++) {
 			snprintf(path, sizeof path, "%s/%s", base, expect[k]);
 			if (tu_exists(path)) {
 				kind = k;
@@ -91,12 +154,19 @@ START_TEST(test_config_cases)
 			tu_report(
 			    fails, sizeof fails,
 			    "%s: needs ds.json and exactly one of error, ok, "
-			    "compile_error, compile_ok (has %d)\n",
+			    "compile_error, compile_ok, init_error, init_ok "
+			    "(has %d)\n",
 			    names[i], nexp);
 			nfail++;
 			continue;
 		}
 		kinds[kind]++;
+		if (kind >= 4) {
+			if (!init_case(base, path, kind, names[i], fails,
+				       sizeof fails))
+				nfail++;
+			continue;
+		}
 		char *want = NULL;
 		if (kind == 1) {
 			char ep[2200];
@@ -172,7 +242,7 @@ START_TEST(test_config_cases)
 	ck_assert_msg(nfail == 0, "%d of %d config cases failed:\n%s", nfail, n,
 		      fails);
 	/* Every kind of expectation must be exercised. */
-	for (int k = 0; k < 4; k++)
+	for (int k = 0; k < 6; k++)
 		ck_assert_msg(kinds[k] > 0, "no config case of kind %d", k);
 }
 END_TEST
@@ -308,7 +378,10 @@ START_TEST(test_full_config_values)
 	    "\"comm_backend\": \"deepep\", \"async_split_plan\": true, "
 	    "\"top_k\": %d, \"fixed_routing\": true, "
 	    "\"load_balance_coeff\": null, \"route_norm\": false, "
-	    "\"route_scale\": 2.5, \"preset_model\": \"qwen3_moe\"},\n"
+	    "\"route_scale\": 2.5, \"preset_model\": \"qwen3_moe\", "
+	    "\"routed_scaling_factor\": 1.75, \"score_func\": \"sigmoid\", "
+	    "\"score_apply\": \"post\", \"num_expert_groups\": 8, "
+	    "\"num_limited_groups\": 3},\n"
 	    " \"compile\": {\"autoep_non_moe\": true, \"backend\": "
 	    "\"cuda-sim\", \"fullgraph\": true, \"dynamic\": null, "
 	    "\"deepcompile\": true, \"compiled_autograd\": true, "
@@ -364,6 +437,12 @@ START_TEST(test_full_config_values)
 	ck_assert(!c.expert_parallel.has_load_balance);
 	ck_assert_int_eq(c.expert_parallel.route_norm, 0);
 	ck_assert(c.expert_parallel.route_scale == 2.5);
+	ck_assert(c.expert_parallel.has_routed_scaling_factor &&
+		  c.expert_parallel.routed_scaling_factor == 1.75);
+	ck_assert_str_eq(c.expert_parallel.score_func, "sigmoid");
+	ck_assert_str_eq(c.expert_parallel.score_apply, "post");
+	ck_assert_int_eq(c.expert_parallel.num_expert_groups, 8);
+	ck_assert_int_eq(c.expert_parallel.num_limited_groups, 3);
 	ck_assert(c.compile.autoep_non_moe && c.compile.deepcompile &&
 		  c.compile.compiled_autograd && c.compile.schedule_present);
 	ck_assert_str_eq(c.compile.backend, "cuda-sim");
@@ -859,7 +938,25 @@ START_TEST(test_dump_round_trip)
 		c.expert_parallel.autoep_size = (int)tu_randint(1, 64);
 		c.expert_parallel.top_k = (int)tu_randint(0, 9);
 		c.expert_parallel.route_norm = (int)tu_randint(-1, 2);
-		c.expert_parallel.route_scale = qu(0.5, 2);
+		c.expert_parallel.route_scale = qu(-2, 2);
+		c.expert_parallel.has_routed_scaling_factor = tu_randint(0, 2);
+		c.expert_parallel.routed_scaling_factor =
+		    c.expert_parallel.has_routed_scaling_factor ? qu(-1, 3) : 0;
+		static const char *const sf[] = { "auto", "softmax",
+						  "sigmoid" };
+		static const char *const sa[] = { "auto", "pre", "post" };
+		snprintf(c.expert_parallel.score_func,
+			 sizeof c.expert_parallel.score_func, "%s",
+			 sf[tu_randint(0, 3)]);
+		snprintf(c.expert_parallel.score_apply,
+			 sizeof c.expert_parallel.score_apply, "%s",
+			 sa[tu_randint(0, 3)]);
+		c.expert_parallel.num_expert_groups = (int)tu_randint(0, 9);
+		c.expert_parallel.num_limited_groups =
+		    c.expert_parallel.num_expert_groups
+			? (int)tu_randint(
+			      0, c.expert_parallel.num_expert_groups + 1)
+			: (int)tu_randint(0, 4);
 		c.expert_parallel.has_load_balance = tu_randint(0, 2);
 		c.expert_parallel.load_balance_coeff =
 		    c.expert_parallel.has_load_balance ? qu(0, 1) : 0;

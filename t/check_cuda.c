@@ -381,6 +381,21 @@ static void on_segv(int sig, siginfo_t *si, void *uc)
 	raise(sig);
 }
 
+/* On the stand-in driver with no cuBLASLt named: the stand-in cuBLASLt
+ * and cuBLAS (a real library must never see the stand-in's pointers);
+ * true when it set them. */
+static bool standin_lt(void)
+{
+	if (!fake_set_hook || getenv("EPJIT_CUBLASLT"))
+		return false;
+	const char *b = getenv("top_builddir");
+	char lt[4096];
+	snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so", b ? b : ".");
+	setenv("EPJIT_CUBLASLT", lt, 1);
+	setenv("EPJIT_CUBLAS", lt, 1);
+	return true;
+}
+
 /* tu_fake_cuda_begin in a gpu-suite case: the machine's driver as it is
  * (fresh state, the stand-in's hook when it is the stand-in), and the
  * machine's cuBLASLt, except that the stand-in driver's pointers only ever
@@ -393,15 +408,7 @@ static bool machine_begin(void)
 	race_set = !getenv("EPJIT_SIM_RACECHECK");
 	if (race_set)
 		setenv("EPJIT_SIM_RACECHECK", "0", 1);
-	lt_set = fake_set_hook && !getenv("EPJIT_CUBLASLT");
-	if (lt_set) {
-		const char *b = getenv("top_builddir");
-		char lt[4096];
-		snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so",
-			 b ? b : ".");
-		setenv("EPJIT_CUBLASLT", lt, 1);
-		setenv("EPJIT_CUBLAS", lt, 1);
-	}
+	lt_set = standin_lt();
 	ej_cublaslt_test_reset();
 	hook_on();
 	return true;
@@ -1836,19 +1843,14 @@ START_TEST(test_gpu_gemm)
 	if (!gpu_case_ready())
 		return;
 	/* on the stand-in, its cuBLASLt and the hook (cuda-sim) */
-	bool set = fake_set_hook && !getenv("EPJIT_CUBLASLT");
-	if (set) {
-		const char *b = getenv("top_builddir");
-		char lt[4096];
-		snprintf(lt, sizeof lt, "%s/t/.libs/libfakecublaslt.so",
-			 b ? b : ".");
-		setenv("EPJIT_CUBLASLT", lt, 1);
-	}
+	bool set = standin_lt();
 	hook_on();
 	tu_gpu_gemm_run(_i);
 	hook_off();
-	if (set)
+	if (set) {
 		unsetenv("EPJIT_CUBLASLT");
+		unsetenv("EPJIT_CUBLAS");
+	}
 }
 END_TEST
 

@@ -1154,6 +1154,23 @@ static void cuda_teardown(void)
 	target = "cuda-sim";
 }
 
+/* The cases of a cuda context (the stand-in's suite eager_cuda, the gpu
+ * suite's gpu_eager): f32 and bf16 (f64 takes the same device paths as
+ * f32). */
+static void add_cuda_cases(TCase *tc)
+{
+	tcase_add_test(tc, test_fallback_counted);
+	tcase_add_test(tc, test_index_errors);
+	tcase_add_test(tc, test_accumulation_order);
+	tu_add_loop_test(tc, test_pointwise, 2);
+	tcase_add_test(tc, test_int_and_casts);
+	tu_add_loop_test(tc, test_reductions, 2);
+	tu_add_loop_test(tc, test_shape, 2);
+	tu_add_loop_test(tc, test_index, 2);
+	tu_add_loop_test(tc, test_moe, 2);
+	tu_add_loop_test(tc, test_nn, 2);
+}
+
 /* The same cases in the gpu suite, on the machine's driver. */
 static void gpu_setup(void)
 {
@@ -1179,16 +1196,7 @@ void tu_add_gpu_eager_cases(Suite *s)
 	if (!tu_gpu_wanted())
 		return;
 	tcase_add_checked_fixture(tc, gpu_setup, gpu_teardown);
-	tcase_add_test(tc, test_fallback_counted);
-	tcase_add_test(tc, test_index_errors);
-	tcase_add_test(tc, test_accumulation_order);
-	tu_add_loop_test(tc, test_pointwise, 2);
-	tcase_add_test(tc, test_int_and_casts);
-	tu_add_loop_test(tc, test_reductions, 2);
-	tu_add_loop_test(tc, test_shape, 2);
-	tu_add_loop_test(tc, test_index, 2);
-	tu_add_loop_test(tc, test_moe, 2);
-	tu_add_loop_test(tc, test_nn, 2);
+	add_cuda_cases(tc);
 }
 
 Suite *make_eager_cuda_suite(void)
@@ -1201,17 +1209,7 @@ Suite *make_eager_cuda_suite(void)
 		return s;
 	}
 	tcase_add_checked_fixture(tc, cuda_setup, cuda_teardown);
-	tcase_add_test(tc, test_fallback_counted);
-	tcase_add_test(tc, test_index_errors);
-	tcase_add_test(tc, test_accumulation_order);
-	/* f32 and bf16 (f64 takes the same device paths as f32) */
-	tu_add_loop_test(tc, test_pointwise, 2);
-	tcase_add_test(tc, test_int_and_casts);
-	tu_add_loop_test(tc, test_reductions, 2);
-	tu_add_loop_test(tc, test_shape, 2);
-	tu_add_loop_test(tc, test_index, 2);
-	tu_add_loop_test(tc, test_moe, 2);
-	tu_add_loop_test(tc, test_nn, 2);
+	add_cuda_cases(tc);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -643,6 +643,117 @@ START_TEST(test_load_failures)
 }
 END_TEST
 
+/* ---- expert-load metrics ---------------------------------------------------
+ */
+
+/* The figures of hand-made loads: known max/mean, CV and dead experts;
+ * a balanced layer exactly 1, 0, 0; no token: NaN ratios. */
+START_TEST(test_expert_load_summary)
+{
+	epj_expert_load x;
+	/* mean 4: max 9 / 4; deviations 1, -4, -2, 5: CV sqrt(46 / 4) / 4 */
+	ej_expert_load_summary((const int64_t[]){ 5, 0, 2, 9 }, 4, &x);
+	ck_assert_int_eq(x.num_experts, 4);
+	ck_assert_int_eq(x.total, 16);
+	ck_assert_int_eq(x.dead, 1);
+	ck_assert(fabs(x.max_over_mean - 2.25) <= 1e-15);
+	ck_assert(fabs(x.cv - sqrt(11.5) / 4) <= 1e-15);
+	ej_expert_load_summary((const int64_t[]){ 7, 7, 7 }, 3, &x);
+	ck_assert(x.max_over_mean == 1.0 && x.cv == 0.0 && x.dead == 0);
+	ej_expert_load_summary((const int64_t[]){ 0, 0 }, 2, &x);
+	ck_assert(isnan(x.max_over_mean) && isnan(x.cv) && x.dead == 2);
+	/* a world of one: unchanged */
+	int64_t v[2] = { (int64_t)1 << 40, 3 };
+	epj_ctx *ctx = tu_ctx();
+	ck_assert_int_eq(ej_expert_load_reduce(ctx, NULL, v, 2), EPJ_OK);
+	ck_assert(v[0] == (int64_t)1 << 40 && v[1] == 3);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The engine's figures: with fixed routing every layer is balanced, exactly
+ * (max/mean 1, CV 0, no dead expert), and each step counts its B x T x k x
+ * gas assignments once (checkpoint replays and evaluation not counted);
+ * with a zero router every token's scores tie and it goes to experts 0 and
+ * 1: loads (N, N, 0, 0), max/mean 2, CV 1, 2 dead.  Off (the default), no
+ * figures. */
+START_TEST(test_expert_load_engine)
+{
+	enum { B = 2, T = 5, K = 2, GAS = 2 };
+	epj_ctx *ctx = tu_ctx();
+	batches b;
+	batches_make(ctx, &b, 4, B, T, 11);
+	epj_model *m = new_model(ctx, 3);
+	epj_engine *e =
+	    new_engine(ctx, m,
+		       "{\"train_micro_batch_size_per_gpu\": 2, "
+		       "\"gradient_accumulation_steps\": 2, "
+		       "\"activation_checkpointing\": {\"enabled\": true}, "
+		       "\"expert_parallel\": {\"fixed_routing\": true}}");
+	ck_assert_int_eq(epj_engine_num_moe_layers(e), 2);
+	epj_expert_load x;
+	train(e, ctx, b.ids[0], b.labels[0], NULL);
+	train(e, ctx, b.ids[1], b.labels[1], NULL);
+	ck_assert(!epj_engine_expert_load(e, 0, &x)); /* off */
+	epj_engine_track_expert_load(e, true);
+	for (int s = 0; s < 2; s++) {
+		double l;
+		train(e, ctx, b.ids[2 * s], b.labels[2 * s], NULL);
+		ck_assert_int_eq(epj_engine_eval(e, b.ids[3], b.labels[3], &l),
+				 EPJ_OK);
+		train(e, ctx, b.ids[2 * s + 1], b.labels[2 * s + 1], NULL);
+		for (int i = 0; i < 2; i++) {
+			ck_assert(epj_engine_expert_load(e, i, &x));
+			ck_assert_int_eq(x.layer, i);
+			ck_assert_int_eq(x.num_experts, 4);
+			ck_assert_int_eq(x.total, B * T * K * GAS);
+			ck_assert_msg(
+			    x.max_over_mean == 1.0 && x.cv == 0.0 &&
+				x.dead == 0,
+			    "fixed routing, layer %d: max/mean %.17g, "
+			    "CV %.17g, dead %d",
+			    i, x.max_over_mean, x.cv, x.dead);
+		}
+	}
+	ck_assert(!epj_engine_expert_load(e, 2, &x));
+	epj_engine_free(e);
+
+	/* a zero router, SGD with lr 0 so that it stays zero */
+	for (int i = 0; i < epj_model_num_params(m); i++) {
+		const char *n = epj_model_param_name(m, i);
+		if (!strstr(n, "mlp.gate.weight"))
+			continue;
+		epj_tensor *p = epj_model_param(m, i);
+		epj_tensor *z = epj_zeros(
+		    ctx, EPJ_DTYPE_F32, 2,
+		    (int64_t[]){ epj_tensor_dim(p, 0), epj_tensor_dim(p, 1) });
+		ck_assert_int_eq(epj_model_set_param(ctx, m, i, z), EPJ_OK);
+		epj_tensor_free(z);
+	}
+	e = new_engine(ctx, m,
+		       "{\"train_micro_batch_size_per_gpu\": 2, "
+		       "\"gradient_accumulation_steps\": 2, "
+		       "\"optimizer\": {\"type\": \"SGD\", \"params\": "
+		       "{\"lr\": 0}}}");
+	epj_engine_track_expert_load(e, true);
+	train(e, ctx, b.ids[0], b.labels[0], NULL);
+	train(e, ctx, b.ids[1], b.labels[1], NULL);
+	for (int i = 0; i < 2; i++) {
+		ck_assert(epj_engine_expert_load(e, i, &x));
+		ck_assert_int_eq(x.total, B * T * K * GAS);
+		ck_assert_msg(x.max_over_mean == 2.0 && x.cv == 1.0 &&
+				  x.dead == 2,
+			      "a zero router, layer %d: max/mean %.17g, CV "
+			      "%.17g, dead %d",
+			      i, x.max_over_mean, x.cv, x.dead);
+	}
+	epj_engine_free(e);
+	epj_model_free(m);
+	batches_free(&b);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- configuration errors --------------------------------------------------
  */
 
@@ -1958,6 +2069,11 @@ Suite *make_engine_suite(void)
 	tcase_add_test(tt, test_nonfinite_skipped);
 	tcase_add_test(tt, test_save_refuses_nonfinite);
 	suite_add_tcase(s, tt);
+	TCase *tl = tcase_create("expert_load");
+	tcase_set_timeout(tl, 60);
+	tcase_add_test(tl, test_expert_load_summary);
+	tcase_add_test(tl, test_expert_load_engine);
+	suite_add_tcase(s, tl);
 	TCase *tr = tcase_create("checkpoint");
 	tcase_set_timeout(tr, 60);
 	tcase_add_test(tr, test_resume_sgd_f32);

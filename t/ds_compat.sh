@@ -15,7 +15,13 @@
 #  4. --model-override shrinks the 48-layer Qwen3-30B-A3B config.json to one
 #     small layer, which trains (eager) and warms (epjit-warmup --dry-run);
 #     an unknown key is an error naming it and the nearest key; a value
-#     that is no scalar is an error.
+#     that is no scalar is an error;
+#  5. DeepSpeed's AutoEP example ("preset_model": "mixtral") with its kernel
+#     and DeepEP tuning keys trains the Mixtral model, naming those keys in
+#     the one no-effect warning; the Qwen3-MoE preset on it exits 1 naming
+#     both families; on DeepSeek-V3 a route_scale that DeepSpeed overrides
+#     by the model's routed_scaling_factor is a warning, and training goes
+#     on (t/configs/autoep_* hold every key's case).
 # Exit 77 (SKIP) when the trainer was not built.
 
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
@@ -170,4 +176,29 @@ if "$TRAIN" --model-override num_hidden_layers=1 --steps 1 >out8 2>err8; then
 	fail "an override without --model was accepted"
 fi
 grep -q "need a config.json" err8 || { cat err8 >&2; fail "no --model"; }
+# ---- 5. DeepSpeed's AutoEP keys on the families' models
+hf=$srcdir/t/golden/hf
+cat >ep.json <<'EOF'
+{"train_micro_batch_size_per_gpu": 2,
+ "expert_parallel": {"enabled": true, "autoep_size": 1,
+   "preset_model": "mixtral", "use_grouped_mm": true,
+   "gate_up_impl": "fused", "combine_impl": "weighted_sum",
+   "comm_num_sm": 12, "comm_qp_margin": 4, "load_balance_coeff": null}}
+EOF
+"$TRAIN" --model "$hf/mixtral/config.json" --config ep.json --steps 2 \
+	--seq 8 >out9 2>err9 || { cat out9 err9 >&2; fail "preset mixtral on Mixtral"; }
+grep -q "accepted, no effect in epjit: expert_parallel.use_grouped_mm, expert_parallel.combine_impl, expert_parallel.gate_up_impl, expert_parallel.comm_num_sm, expert_parallel.comm_qp_margin$" err9 ||
+	{ cat err9 >&2; fail "the AutoEP kernel keys are not named as without effect"; }
+sed 's/"mixtral"/"qwen3_moe"/' ep.json >ep2.json
+if "$TRAIN" --model "$hf/mixtral/config.json" --config ep2.json --steps 1 \
+	--seq 8 >out10 2>err10; then
+	fail "preset qwen3_moe on a Mixtral model was accepted"
+fi
+grep -qF 'ep2.json: expert_parallel.preset_model="qwen3_moe" does not match the model: its model_type is "mixtral", whose preset is "mixtral"' err10 ||
+	{ cat err10 >&2; fail "preset qwen3_moe on Mixtral: not the mismatch error"; }
+printf '{"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"preset_model": "deepseek_v3", "route_scale": 3.0}}\n' >ep3.json
+"$TRAIN" --model "$hf/deepseek_v3/config.json" --config ep3.json --steps 1 \
+	--seq 8 >out11 2>err11 || { cat out11 err11 >&2; fail "route_scale on DeepSeek-V3"; }
+grep -qF "ep3.json: expert_parallel.route_scale=3 is overridden by the model's routed_scaling_factor (2.5), as in DeepSpeed" err11 ||
+	{ cat err11 >&2; fail "route_scale on DeepSeek-V3: no override warning"; }
 echo "ok: ds_compat"

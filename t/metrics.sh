@@ -15,7 +15,12 @@
 #  2. epjit-plot draws an eager and a compiled run into one PNG (skipped
 #     without gnuplot), and refuses a file that is not a metrics CSV; its
 #     --help; titles, labels and file names with quotes and blanks; a
-#     csv_monitor folder as a run, and a folder that is not one refused.
+#     csv_monitor folder as a run, and a folder that is not one refused;
+#  3. the expert-load metrics: with fixed routing every step's columns of
+#     both MoE layers are max/mean 1, CV 0, 0 dead, in --metrics and in the
+#     csv_monitor's per-layer files alike; epjit-plot --experts draws a
+#     --metrics file and a csv_monitor folder, and refuses a run without
+#     them.
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 TRAIN="$builddir/tools/epjit-train"
@@ -41,6 +46,7 @@ fail() {
 cat >mon.json <<'EOF'
 {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
  "compile": {"autoep_non_moe": true},
+ "expert_parallel": {"fixed_routing": true},
  "csv_monitor": {"enabled": true, "output_path": "logs/out", "job_name": "job1"}}
 EOF
 steps=6
@@ -79,6 +85,27 @@ pre=$(sed -n 's/.*compiled before step 1 in .* (compile.ms \([0-9]*\),.*/\1/p' t
 nz=$(sed 1d "$d/Train_Samples_compile_ms.csv" | cut -d, -f2 |
 	awk '$1 != 0' | wc -l)
 [ "$nz" -eq 0 ] || fail "compile_ms: $nz steps compiled (want none)"
+# the expert-load metrics of the two MoE layers: with fixed routing
+# (3 x 16 tokens x top-2 a micro-batch, a multiple of the 4 experts) every
+# step balanced, exactly: max/mean 1, CV 0, no dead expert; the same in the
+# csv_monitor's files
+[ "$(head -n 1 m.csv | cut -d, -f13-)" = \
+    "moe_load_max_mean_layer_0,moe_load_cv_layer_0,moe_dead_experts_layer_0,moe_load_max_mean_layer_1,moe_load_cv_layer_1,moe_dead_experts_layer_1" ] ||
+	fail "--metrics expert-load header: $(head -n 1 m.csv)"
+[ "$(sed 1d m.csv | cut -d, -f13- | sort -u)" = "1,0,0,1,0,0" ] ||
+	fail "fixed routing is not balanced: $(cut -d, -f13- m.csv)"
+c=13
+for l in 0 1; do
+	for m in moe_load_max_mean moe_load_cv moe_dead_experts; do
+		f=$d/Train_Samples_${m}_layer_$l.csv
+		[ "$(head -n 1 "$f")" = "step,${m}_layer_$l" ] || fail "$f header"
+		[ "$(sed 1d "$f" | cut -d, -f2 | tr '\n' ' ')" = \
+		    "$(sed 1d m.csv | cut -d, -f$c | tr '\n' ' ')" ] &&
+			[ "$(wc -l <"$f")" -eq $((steps + 1)) ] ||
+			fail "$f differs from --metrics column $c"
+		c=$((c + 1))
+	done
+done
 floor=$(sed -n 2p m.csv | cut -d, -f9)
 awk -v f="$floor" 'BEGIN { exit !(f > 0.5 && f < 4.2) }' ||
 	fail "entropy floor column: $floor"
@@ -148,4 +175,15 @@ if sh "$PLOT" -o bad.png notmon >plot.log 2>&1; then
 	fail "epjit-plot accepted a folder that is not a csv_monitor's"
 fi
 grep -q 'not a csv_monitor folder' plot.log || fail "$(cat plot.log)"
+# the expert-load view: a --metrics file and a csv_monitor folder; a file
+# without the expert-load columns is refused
+sh "$PLOT" --experts -o experts.png eager.csv=learned "$d=fixed" \
+    >plot.log 2>&1 || fail "epjit-plot --experts: $(cat plot.log)"
+[ "$(head -c 4 experts.png | od -An -c | tr -d ' ')" = "211PNG" ] ||
+	fail "experts.png is not a PNG"
+cut -d, -f1-12 eager.csv >noload.csv
+if sh "$PLOT" --experts -o bad.png noload.csv >plot.log 2>&1; then
+	fail "epjit-plot --experts drew a run without expert-load columns"
+fi
+grep -q 'no moe_load_max_mean_layer_\* column' plot.log || fail "$(cat plot.log)"
 exit 0

@@ -21,6 +21,9 @@
  *             loss sums the counts over the ranks (a rank's is 1/W of the
  *             batch's aux loss), its metric is the sum over the ranks, the
  *             others' the mean; loss and routers after the step.
+ *  load       the expert-load metrics: the loads' exact sum over the ranks,
+ *             an EP engine with fixed routing balanced over every rank's
+ *             tokens, one all-reduce a step for them.
  *  errors     an MPI error inside a collective (truncation) comes back
  *             with the statement, file:line and MPI_Error_string.
  *  timeout    a collective that the peer never joins fails within
@@ -816,6 +819,103 @@ static void check_dist_memory(ej_comm *w, ej_comm *self, const char *optim)
 	epj_ctx_free(ctx);
 }
 
+/* ---- expert-load metrics ---------------------------------------------------
+ */
+
+/* The reduction of the expert loads: each rank's own loads (zeros, one
+ * above 2^24, low parts near 2^12 on every rank) sum exactly; an engine on
+ * the world with fixed routing reports every layer balanced (1, 0, 0) over
+ * the assignments of every rank, and the metrics cost one all-reduce of
+ * 2 floats per expert per optimizer step, no more. */
+static void check_expert_load(epj_ctx *ctx, ej_comm *w)
+{
+	const int P = w->size;
+	enum { N = 6 };
+	int64_t v[N], want[N] = { 0 };
+	for (int r = 0; r < P; r++)
+		for (int i = 0; i < N; i++) {
+			int64_t x =
+			    i == 0   ? 0
+			    : i == 1 ? ((int64_t)1 << 30) + r
+			    : i == 2 ? 4095 - r
+			    : i == 3
+				? ((int64_t)1 << 24) * (r + 1) + 1
+				: (int64_t)(mix(seed ^ (uint64_t)(r * 17 + i)) %
+					    100000);
+			if (r == w->rank)
+				v[i] = x;
+			want[i] += x;
+		}
+	OK(ctx, ej_expert_load_reduce(ctx, w, v, N));
+	for (int i = 0; i < N; i++)
+		CHECK(v[i] == want[i], "expert load %d: sum %lld, want %lld", i,
+		      (long long)v[i], (long long)want[i]);
+
+	const int64_t B = 2, T = 5;
+	epj_ctx *c = NULL;
+	epj_ctx_new("cpu", &c);
+	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
+			      .seed = seed,
+			      .dtype = EPJ_DTYPE_F32 };
+	epj_model *m = NULL;
+	epj_engine *e = NULL;
+	char json[512];
+	snprintf(json, sizeof json,
+		 "{\"train_micro_batch_size_per_gpu\": %lld,"
+		 " \"gradient_accumulation_steps\": 2,"
+		 " \"expert_parallel\": {\"autoep_size\": %d,"
+		 " \"fixed_routing\": true}, \"comm\": {\"timeout_s\": 60}}",
+		 (long long)B, P);
+	OK(c, epj_model_new(c, NULL, &mo, &m));
+	OK(c, epj_engine_initialize_json(c, m, json, "expert load", &e));
+	if (!e) {
+		epj_model_free(m);
+		epj_ctx_free(c);
+		return;
+	}
+	epj_corpus *corpus = epj_corpus_synthetic(c, 64, seed + 100u * rank);
+	const int k = m->cfg.num_experts_per_tok, L = m->n_moe;
+	/* steps 1 and 2 off, 3 and 4 on; at[s]: comm.calls before step s */
+	int64_t at[5];
+	for (int s = 0; s < 4; s++) {
+		epj_engine_track_expert_load(e, s >= 2);
+		at[s] = epj_counter_get(c, "comm.calls");
+		for (int mb = 0; mb < 2; mb++) {
+			epj_tensor *ids = NULL, *labels = NULL;
+			epj_step_info info;
+			OK(c, epj_corpus_next_batch(c, corpus, B, T, &ids,
+						    &labels));
+			OK(c, epj_engine_train_step(e, ids, labels, &info));
+			epj_tensor_free(ids);
+			epj_tensor_free(labels);
+		}
+	}
+	at[4] = epj_counter_get(c, "comm.calls");
+	/* on: one collective more a step than off */
+	CHECK(at[4] - at[2] == 2 * (at[2] - at[1] + 1),
+	      "expert load metrics: %lld collectives in 2 steps on, %lld a "
+	      "step off (want one more a step)",
+	      (long long)(at[4] - at[2]), (long long)(at[2] - at[1]));
+	CHECK(epj_counter_get(c, "comm.expert.load.metrics.bytes") ==
+		  2 * 2 * 4 * (int64_t)L * m->cfg.num_experts,
+	      "comm.expert.load.metrics.bytes %lld",
+	      (long long)epj_counter_get(c, "comm.expert.load.metrics.bytes"));
+	for (int i = 0; i < L; i++) {
+		epj_expert_load x = { 0 };
+		CHECK(epj_engine_expert_load(e, i, &x), "no expert load %d", i);
+		CHECK(x.total == P * 2 * B * T * k && x.max_over_mean == 1.0 &&
+			  x.cv == 0.0 && x.dead == 0,
+		      "expert load of layer %d over %d ranks: total %lld (want "
+		      "%lld), max/mean %.17g, CV %.17g, dead %d",
+		      i, P, (long long)x.total, (long long)(P * 2 * B * T * k),
+		      x.max_over_mean, x.cv, x.dead);
+	}
+	epj_corpus_free(corpus);
+	epj_engine_free(e);
+	epj_model_free(m);
+	epj_ctx_free(c);
+}
+
 /* ---- timeout --------------------------------------------------------------
  */
 
@@ -930,6 +1030,7 @@ int main(void)
 		check_model(w, self, 2, 2, sgd, true);
 	check_dist_memory(w, self, sgd);
 	check_router_losses(w, self);
+	check_expert_load(ctx, w);
 	check_mpi_error(ctx, w);
 	check_timeout(ctx, w);
 

@@ -4,8 +4,8 @@
 # t/hf_golden.sh and t/mpi_check).
 #
 #  1. Megatron's losses of the config's moe section (the seq aux loss and
-#     the z-loss): --metrics has one column per loss after the fixed ones,
-#     named after it, positive; csv_monitor writes
+#     the z-loss): --metrics has one column per loss after the fixed ones
+#     and the expert-load ones, named after it, positive; csv_monitor writes
 #     Train_Samples_<name>.csv (header "step,<name>", x = samples) and
 #     tensorboard the events Train/Samples/<name> (read back by t/tb_check
 #     --dump) with the values of the --metrics column; the loss column
@@ -43,6 +43,16 @@ fail() {
 	exit 1
 }
 
+# column (1-based) of the --metrics file $1 named $2, or nothing
+column_of() {
+	head -n 1 "$1" | tr , '\n' | grep -nx "$2" | cut -d: -f1
+}
+# a --metrics header: the fixed columns, the expert-load ones (per MoE
+# layer), then the router losses' ($1: ",name,name" or "")
+header_re() {
+	echo ",peak_reserved_rank\(,moe_load_max_mean_layer_[0-9]*,moe_load_cv_layer_[0-9]*,moe_dead_experts_layer_[0-9]*\)\{1,\}$1\$"
+}
+
 # ---- 1. Megatron's losses in the metrics -------------------------------------
 cat >moe.json <<'EOF'
 {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
@@ -57,21 +67,25 @@ sed 's/"seq_aux_loss_coeff": 0.05, "z_loss_coeff": 0.01/"z_loss_coeff": null/' \
 	fail "training with moe.*: $(cat moe.log)"
 "$TRAIN" --config plain.json --steps 1 --seq 8 --metrics p.csv \
 	>plain.log 2>&1 || fail "training without: $(cat plain.log)"
-head -n 1 m.csv | grep -q ',peak_reserved_rank,seq_load_balancing_loss,z_loss$' ||
+head -n 1 m.csv | grep -q "$(header_re ,seq_load_balancing_loss,z_loss)" ||
 	fail "--metrics header: $(head -n 1 m.csv)"
-head -n 1 p.csv | grep -q ',peak_reserved_rank$' ||
+head -n 1 p.csv | grep -q "$(header_re '')" ||
 	fail "--metrics header without router losses: $(head -n 1 p.csv)"
 [ "$(sed 1d m.csv | wc -l)" -eq 3 ] || fail "--metrics rows: $(cat m.csv)"
-awk -F, 'NR > 1 && !($13 > 0.5 && $14 > 0.1) { exit 1 }' m.csv ||
+seq_col=$(column_of m.csv seq_load_balancing_loss)
+z_col=$(column_of m.csv z_loss)
+awk -F, -v s="$seq_col" -v z="$z_col" \
+	'NR > 1 && !($s > 0.5 && $z > 0.1) { exit 1 }' m.csv ||
 	fail "router loss columns: $(cat m.csv)"
 # the router losses add to the loss of the same first step
-paste -d, m.csv p.csv | awk -F, 'NR == 2 { exit !($2 > $16) }' ||
+m_nf=$(head -n 1 m.csv | awk -F, '{ print NF }')
+paste -d, m.csv p.csv | awk -F, -v n="$m_nf" 'NR == 2 { exit !($2 > $(n + 2)) }' ||
 	fail "the loss with the router losses is not above the plain one: $(cat m.csv p.csv)"
 ev=$(ls tb/j/events.out.tfevents.* 2>/dev/null | head -n 1)
 [ -n "$ev" ] || fail "no tensorboard event file: $(ls -R tb)"
 "$TBCHECK" --dump "$ev" >events.txt || fail "tb_check --dump $ev"
-col=13
 for name in seq_load_balancing_loss z_loss; do
+	col=$(column_of m.csv $name)
 	f=logs/j/Train_Samples_$name.csv
 	[ "$(head -n 1 "$f")" = "step,$name" ] || fail "$f: $(cat "$f" 2>&1)"
 	# the monitor's rows: x = step x 2 x 2, the --metrics values
@@ -85,7 +99,6 @@ for name in seq_load_balancing_loss z_loss; do
 		{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-6 * $4) bad = 1; n++ }
 		END { exit bad || n != 3 }' ||
 		fail "tensorboard $name: $(cat got.txt want.txt)"
-	col=$((col + 1))
 done
 echo "Megatron's losses: --metrics, csv_monitor and tensorboard agree"
 
@@ -101,7 +114,7 @@ st=0
 	--metrics ds.csv >ds.log 2>&1 || fail "DeepSeek-V3: $(cat ds.log)"
 grep -q "output_router_logits is true: transformers' DeepSeek-V2/V3 add no auxiliary loss" ds.log ||
 	fail "DeepSeek-V3 does not say why it adds no loss: $(cat ds.log)"
-head -n 1 ds.csv | grep -q ',peak_reserved_rank$' ||
+head -n 1 ds.csv | grep -q "$(header_re '')" ||
 	fail "DeepSeek-V3 has a router-loss column: $(head -n 1 ds.csv)"
 echo "refused together; DeepSeek-V3 adds none"
 
@@ -127,7 +140,7 @@ timeout 600 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" \
 	--model "$q3/aux/config.json" --load "$q3/model.safetensors" \
 	--config g2.json --steps 3 --seq 7 --metrics g2.csv >g2.log 2>&1 ||
 	fail "2 ranks: $(cat g2.log)"
-head -n 1 g2.csv | grep -q ',peak_reserved_rank,aux_loss$' ||
+head -n 1 g2.csv | grep -q "$(header_re ,aux_loss)" ||
 	fail "2 ranks: --metrics header: $(head -n 1 g2.csv)"
 paste -d, g1.csv g2.csv | sed 1d | awk -F, '
 	function rel(a, b) { d = a - b; if (d < 0) d = -d; return d / (b < 0 ? -b : b) }

@@ -8,7 +8,8 @@
  * EVENTS is read with t/tb_reader.c (framing, both CRCs, the Event
  * fields).  The first event must be the file_version "brain.Event:2" one,
  * every other one a scalar of a tag of DeepSpeed's Train/Samples/ list
- * below.  For each tag, its events must be the rows of CSV_DIR's
+ * below or of an expert-load tag, Train/Samples/<load name>_layer_<N>.
+ * For each tag, its events must be the rows of CSV_DIR's
  * Train_Samples_<metric>.csv in order: the same steps, and values equal
  * after rounding the CSV's (9 significant digits) to float, within one
  * float ulp (the two roundings may differ by one).  The events of one step
@@ -32,7 +33,28 @@ static const char *const metrics[] = {
 	"compile_ms",	       "peak_alloc_rank",
 	"peak_reserved_bytes", "peak_reserved_rank"
 };
-#define N_METRICS (int)(sizeof metrics / sizeof metrics[0])
+#define N_FIXED (int)(sizeof metrics / sizeof metrics[0])
+/* The expert-load metrics, per MoE layer (<name>_layer_<N>). */
+static const char *const load_names[] = { "moe_load_max_mean", "moe_load_cv",
+					  "moe_dead_experts" };
+/* The metrics checked: the fixed ones, then the load tags the file has. */
+enum { MAX_METRICS = 4096 };
+static char names[MAX_METRICS][96];
+static int n_names;
+
+/* Whether m ("moe_load_cv_layer_12") is an expert-load metric. */
+static bool load_metric_p(const char *m)
+{
+	for (size_t i = 0; i < sizeof load_names / sizeof load_names[0]; i++) {
+		size_t n = strlen(load_names[i]);
+		const char *d = m + n + strlen("_layer_");
+		if (!strncmp(m, load_names[i], n) &&
+		    !strncmp(m + n, "_layer_", strlen("_layer_")) && *d &&
+		    strspn(d, "0123456789") == strlen(d))
+			return true;
+	}
+	return false;
+}
 
 static int bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -53,22 +75,42 @@ static int metric_of(const char *tag)
 	static const char prefix[] = "Train/Samples/";
 	if (strncmp(tag, prefix, sizeof prefix - 1))
 		return -1;
-	for (int i = 0; i < N_METRICS; i++)
-		if (!strcmp(tag + sizeof prefix - 1, metrics[i]))
+	for (int i = 0; i < n_names; i++)
+		if (!strcmp(tag + sizeof prefix - 1, names[i]))
 			return i;
 	return -1;
+}
+
+/* names: the fixed metrics, then every expert-load tag of the events. */
+static void collect_names(const tbr_event *ev, int n)
+{
+	static const char prefix[] = "Train/Samples/";
+	for (n_names = 0; n_names < N_FIXED; n_names++)
+		snprintf(names[n_names], sizeof names[0], "%s",
+			 metrics[n_names]);
+	for (int i = 0; i < n; i++) {
+		const char *t = ev[i].has_value ? ev[i].tag : "";
+		if (strncmp(t, prefix, sizeof prefix - 1) ||
+		    !load_metric_p(t + sizeof prefix - 1) ||
+		    metric_of(t) >= 0 || n_names == MAX_METRICS ||
+		    strlen(t) >= sizeof names[0] + sizeof prefix - 1)
+			continue;
+		snprintf(names[n_names++], sizeof names[0], "%s",
+			 t + sizeof prefix - 1);
+	}
 }
 
 /* The events of metric m against its CSV file. */
 static int check_metric(const tbr_event *ev, int n, int m, const char *dir,
 			const char *events)
 {
-	char path[4096], line[256], header[64];
-	snprintf(path, sizeof path, "%s/Train_Samples_%s.csv", dir, metrics[m]);
+	char path[4096], line[256], header[sizeof names[0] + 8];
+	snprintf(path, sizeof path, "%s/Train_Samples_%.95s.csv", dir,
+		 names[m]);
 	FILE *f = fopen(path, "r");
 	if (!f)
 		return bad("%s: cannot open", path);
-	snprintf(header, sizeof header, "step,%s\n", metrics[m]);
+	snprintf(header, sizeof header, "step,%.95s\n", names[m]);
 	if (!fgets(line, sizeof line, f) || strcmp(line, header)) {
 		fclose(f);
 		return bad("%s: bad header", path);
@@ -109,7 +151,7 @@ static int check_metric(const tbr_event *ev, int n, int m, const char *dir,
 		k++;
 	if (k < n)
 		return bad("%s: more %s events than the %d rows of %s", events,
-			   metrics[m], rows, path);
+			   names[m], rows, path);
 	if (rows == 0)
 		return bad("%s: no rows", path);
 	return 0;
@@ -145,6 +187,7 @@ int main(int argc, char **argv)
 	}
 	int rc = 0;
 	double now = (double)time(NULL);
+	collect_names(ev, n);
 	if (n < 1 || !ev[0].has_version || ev[0].has_value ||
 	    strcmp(ev[0].version, "brain.Event:2") || ev[0].step != 0)
 		rc = bad("%s: the first event is not file_version "
@@ -169,11 +212,11 @@ int main(int argc, char **argv)
 		else if (i > 1 && ev[i].step < ev[i - 1].step)
 			rc = bad("%s: steps go back (event %d)", events, i);
 	}
-	for (int m = 0; m < N_METRICS && !rc; m++)
+	for (int m = 0; m < n_names && !rc; m++)
 		rc = check_metric(ev, n, m, argv[2], events);
 	if (!rc)
 		printf("tb_check: %s: %d scalars of %d metrics agree with %s\n",
-		       events, n - 1, N_METRICS, argv[2]);
+		       events, n - 1, n_names, argv[2]);
 	free(ev);
 	return rc;
 }

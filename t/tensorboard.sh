@@ -5,8 +5,9 @@
 #     named events.out.tfevents.<time>.<host>.<pid>.0 and announced by the
 #     trainer; t/tb_check reads it with its own reader (framing, both CRCs,
 #     the Event fields) and finds the file_version event, then for each of
-#     the ten Train/Samples/ tags exactly the csv_monitor rows: the same
-#     steps (samples) and values (float rounding aside);
+#     the ten Train/Samples/ tags and the six expert-load ones (two MoE
+#     layers) exactly the csv_monitor rows: the same steps (samples) and
+#     values (float rounding aside);
 #  2. output_path "" puts the files under job_name/ in the working
 #     directory, as DeepSpeed does; a second run adds a second file;
 #  3. per-step flushing: a run killed (SIGKILL, no exit path) before step
@@ -65,12 +66,22 @@ case "$f" in
 *".$host."[0-9]*.0) ;;
 *) fail "event file name $f: not host $host" ;;
 esac
-"$TBCHECK" "$f" logs/job1 || fail "$f differs from logs/job1/*.csv"
-# 5 steps x 10 tags, x = samples (micro-batch 3 x accumulation 2)
+"$TBCHECK" "$f" logs/job1 >check.log ||
+	fail "$f differs from logs/job1/*.csv"
+# 16 tags: the ten, and the expert-load ones of the two MoE layers
+grep -q ": 80 scalars of 16 metrics agree" check.log ||
+	fail "tags: $(cat check.log)"
+for t in moe_load_max_mean moe_load_cv moe_dead_experts; do
+	for l in 0 1; do
+		"$TBCHECK" --dump "$f" | grep -q " Train/Samples/${t}_layer_$l " ||
+			fail "no Train/Samples/${t}_layer_$l events"
+	done
+done
+# 5 steps x 16 tags, x = samples (micro-batch 3 x accumulation 2)
 [ "$("$TBCHECK" --dump "$f" | awk '$2 == "Train/Samples/lr" { printf "%s ", $1 }')" = \
 	"6 12 18 24 30 " ] || fail "lr steps: $("$TBCHECK" --dump "$f")"
-[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 51 ] ||
-	fail "expected 51 events: $("$TBCHECK" --dump "$f")"
+[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 81 ] ||
+	fail "expected 81 events: $("$TBCHECK" --dump "$f")"
 
 # ---- 2. output_path "": job_name/ in the working directory ---------------------
 mkdir cwd && cd cwd || exit 1
@@ -144,12 +155,13 @@ timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" --config mpi.json \
 f=$(one_file tb/mpi) || exit 1
 grep -q '^epjit-train: world 2 ranks, expert parallel 1, ZeRO stage 0, device cpu$' \
 	mpi.log || fail "no world line: $(grep '^epjit-train: ' mpi.log)"
-# 2 steps x 10 tags, x = step x micro-batch 2 x accumulation 2 x 2 ranks
-# (as csv_monitor)
+# 2 steps x 16 tags (the ten and six of expert load), x = step x
+# micro-batch 2 x accumulation 2 x 2 ranks (as csv_monitor)
 [ "$("$TBCHECK" --dump "$f" | awk '$2 == "Train/Samples/train_loss" { printf "%s ", $1 }')" = \
 	"8 16 " ] || fail "two ranks: x is not the job's samples: $("$TBCHECK" --dump "$f")"
-[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 21 ] ||
-	fail "two ranks: expected 21 events: $("$TBCHECK" --dump "$f")"
+[ "$("$TBCHECK" --dump "$f" | wc -l)" -eq 33 ] ||
+	fail "two ranks: expected 33 events: $("$TBCHECK" --dump "$f")"
+"$TBCHECK" "$f" csv/mpi || fail "two ranks: $f differs from csv/mpi/*.csv"
 # csv_monitor, rank 0 only as well: one header and one row per step, in
 # csv/mpi (output_path's trailing slash not doubled)
 grep -q 'csv_monitor: writing csv/mpi/Train_Samples' mpi.log ||

@@ -146,8 +146,13 @@ typedef struct run {
 	FILE *metrics;
 	FILE *monitor[N_MON]; /* csv_monitor: one file per event (mon_events) */
 	char mon_dir[4096];   /* their folder */
-	tb_writer *tb;	      /* tensorboard: rank 0's event file, or NULL */
+	/* the expert-load metrics (load_names), on with any of the records:
+	 * n_moe layers; csv_monitor's files, N_LOAD per layer, or NULL */
+	bool loads_on;
+	int n_moe;
+	FILE **load_mon;
 	FILE *rl_monitor[N_RL]; /* csv_monitor: the router losses' files */
+	tb_writer *tb;		/* tensorboard: rank 0's event file, or NULL */
 	uint64_t seed;		/* the run seed */
 	int64_t B, T, gas;
 	int eval_stream;  /* epj_corpus_fork stream of the evaluation */
@@ -301,11 +306,15 @@ static void usage(FILE *fp)
 	    "peak_alloc_rank,\n"
 	    "                      peak_reserved_bytes,peak_reserved_rank "
 	    "(memory: the\n"
-	    "                      largest over the ranks), then one column "
+	    "                      largest over the ranks), then per MoE "
+	    "layer L\n"
+	    "                      moe_load_max_mean_layer_L,"
+	    "moe_load_cv_layer_L,\n"
+	    "                      moe_dead_experts_layer_L, then one column "
 	    "per router\n"
-	    "                      loss; the config's csv_monitor writes "
+	    "                      loss (the config's csv_monitor writes "
 	    "DeepSpeed's\n"
-	    "                      per-metric files\n"
+	    "                      per-metric files)\n"
 	    "  --dump-state FILE   one forward+backward on the next batch, "
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
@@ -1688,8 +1697,6 @@ static void monitor_path(const run *r, int i, char *path, size_t n)
 	snprintf(path, n, "%s/%s.csv", r->mon_dir, name);
 }
 
-static void tb_drop(run *r, int err);
-
 /* The router losses that are on (epj_engine_router_loss: the model's
  * config.json and the config's moe section): their number, names and
  * values at the last step; their monitor event "Train/Samples/<name>" and
@@ -1725,26 +1732,16 @@ static void rl_columns(const run *r, bool header, char *buf, size_t n)
 	}
 }
 
-/* The router losses' csv_monitor files (monitor_open) or, with `row`, a
- * row of each at x = samples, and their tensorboard events. */
-static int rl_monitor(run *r, bool row, int64_t samples, double wt)
+/* The router losses' csv_monitor files, opened as monitor_open opens the
+ * others. */
+static int rl_monitor_open(run *r)
 {
 	const char *nm[N_RL];
 	double v[N_RL];
 	int k = rl_count(r, nm, v);
-	for (int i = 0; i < k; i++) {
-		char path[4400], ev[64];
+	for (int i = 0; r->monitor[0] && i < k; i++) {
+		char path[4400];
 		rl_monitor_path(r, nm[i], path, sizeof path);
-		snprintf(ev, sizeof ev, "Train/Samples/%s", nm[i]);
-		if (row && r->tb &&
-		    tb_writer_scalar(r->tb, wt, samples, ev, (float)v[i]) != 0)
-			tb_drop(r, errno);
-		if (row && r->rl_monitor[i] &&
-		    put_row(&r->rl_monitor[i], "csv_monitor: ", path,
-			    "%" PRId64 ",%.9g\n", samples, v[i]))
-			return 1;
-		if (row || !r->mon_dir[0] || epj_dist_rank() != 0)
-			continue;
 		r->rl_monitor[i] = fopen(path, "a");
 		if (!r->rl_monitor[i])
 			return fail_msg("csv_monitor: cannot open %s: %s", path,
@@ -1752,6 +1749,158 @@ static int rl_monitor(run *r, bool row, int64_t samples, double wt)
 		if (ftello(r->rl_monitor[i]) == 0 &&
 		    put_row(&r->rl_monitor[i], "csv_monitor: ", path,
 			    "step,%s\n", nm[i]))
+			return 1;
+	}
+	return 0;
+}
+
+/* The expert-load metrics, per MoE layer (doc/trainer.md, "Expert load"):
+ * max / mean load, coefficient of variation, dead experts, as the events
+ * Train/Samples/<name>_layer_<L> (L the decoder layer) and the --metrics
+ * columns <name>_layer_<L>. */
+#define N_LOAD 3
+static const char *const load_names[N_LOAD] = { "moe_load_max_mean",
+						"moe_load_cv",
+						"moe_dead_experts" };
+
+/* Event j of MoE layer i: "Train/Samples/moe_load_cv_layer_3". */
+static void load_event(const run *r, int i, int j, char *buf, size_t n)
+{
+	epj_expert_load x;
+	epj_engine_expert_load(r->engine, i, &x); /* x.layer: always */
+	snprintf(buf, n, "Train/Samples/%s_layer_%d", load_names[j], x.layer);
+}
+
+/* csv_monitor's file of load event (i, j): Train_Samples_<...>.csv. */
+static void load_path(const run *r, int i, int j, char *path, size_t n)
+{
+	char ev[128];
+	load_event(r, i, j, ev, sizeof ev);
+	for (char *c = ev; *c; c++)
+		if (*c == '/')
+			*c = '_';
+	snprintf(path, n, "%s/%s.csv", r->mon_dir, ev);
+}
+
+/* The --metrics header's load columns (",moe_load_max_mean_layer_1,...")
+ * or one row's values, malloc'ed ("" when the metrics are off); NULL when
+ * out of memory. */
+static char *load_columns(const run *r, bool header)
+{
+	char *buf = NULL;
+	size_t len = 0;
+	FILE *fp = open_memstream(&buf, &len);
+	if (!fp)
+		return NULL;
+	for (int i = 0; r->loads_on && i < r->n_moe; i++) {
+		epj_expert_load x;
+		bool valid = epj_engine_expert_load(r->engine, i, &x);
+		for (int j = 0; j < N_LOAD; j++) {
+			char ev[128];
+			load_event(r, i, j, ev, sizeof ev);
+			double v = !valid   ? NAN
+				   : j == 0 ? x.max_over_mean
+				   : j == 1 ? x.cv
+					    : x.dead;
+			if (header)
+				fprintf(fp, ",%s", strrchr(ev, '/') + 1);
+			else
+				fprintf(fp, ",%.9g", v);
+		}
+	}
+	if (fclose(fp) != 0) {
+		free(buf);
+		return NULL;
+	}
+	return buf;
+}
+
+/* Turns the expert-load metrics on when the run writes any record (on every
+ * rank alike: the engine then reduces the loads every step). */
+static void load_setup(run *r, const opts *o)
+{
+	char dir[4096];
+	r->n_moe = epj_engine_num_moe_layers(r->engine);
+	r->loads_on = r->n_moe > 0 &&
+		      (o->metrics ||
+		       epj_engine_csv_monitor_dir(r->engine, dir, sizeof dir) ||
+		       epj_engine_tensorboard_dir(r->engine, dir, sizeof dir));
+	epj_engine_track_expert_load(r->engine, r->loads_on);
+}
+
+/* Their csv_monitor files, opened as monitor_open opens the others. */
+static int load_monitor_open(run *r)
+{
+	if (!r->loads_on || !r->monitor[0])
+		return 0;
+	r->load_mon = calloc((size_t)r->n_moe * N_LOAD, sizeof *r->load_mon);
+	if (!r->load_mon)
+		return fail_msg("csv_monitor: out of memory");
+	for (int k = 0; k < r->n_moe * N_LOAD; k++) {
+		char path[4400], ev[128];
+		load_path(r, k / N_LOAD, k % N_LOAD, path, sizeof path);
+		load_event(r, k / N_LOAD, k % N_LOAD, ev, sizeof ev);
+		r->load_mon[k] = fopen(path, "a");
+		if (!r->load_mon[k])
+			return fail_msg("csv_monitor: cannot open %s: %s", path,
+					strerror(errno));
+		if (ftello(r->load_mon[k]) == 0 &&
+		    put_row(&r->load_mon[k], "csv_monitor: ", path, "step,%s\n",
+			    strrchr(ev, '/') + 1))
+			return 1;
+	}
+	return 0;
+}
+
+/* One step's load events: the csv_monitor rows and the tensorboard
+ * scalars (wt: the events' wall time, tb_bad: a tensorboard write
+ * failed); 1 when a csv_monitor write failed. */
+static int load_record(run *r, int64_t samples, double wt, int *tb_bad)
+{
+	for (int i = 0; r->loads_on && i < r->n_moe; i++) {
+		epj_expert_load x;
+		if (!epj_engine_expert_load(r->engine, i, &x))
+			continue;
+		const double v[N_LOAD] = { x.max_over_mean, x.cv, x.dead };
+		for (int j = 0; j < N_LOAD; j++) {
+			char ev[128], path[4400];
+			load_event(r, i, j, ev, sizeof ev);
+			FILE **f =
+			    r->load_mon ? &r->load_mon[i * N_LOAD + j] : NULL;
+			if (f && *f) {
+				load_path(r, i, j, path, sizeof path);
+				if (put_row(f, "csv_monitor: ", path,
+					    "%" PRId64 ",%.9g\n", samples,
+					    v[j]))
+					return 1;
+			}
+			if (r->tb && !*tb_bad)
+				*tb_bad = tb_writer_scalar(r->tb, wt, samples,
+							   ev, (float)v[j]);
+		}
+	}
+	return 0;
+}
+
+/* One step's router-loss events, as load_record's: a csv_monitor row of
+ * each at x = samples and their tensorboard scalars; 1 when a csv_monitor
+ * write failed. */
+static int rl_record(run *r, int64_t samples, double wt, int *tb_bad)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	for (int i = 0; i < k; i++) {
+		char path[4400], ev[64];
+		snprintf(ev, sizeof ev, "Train/Samples/%s", nm[i]);
+		if (r->tb && !*tb_bad)
+			*tb_bad = tb_writer_scalar(r->tb, wt, samples, ev,
+						   (float)v[i]);
+		if (!r->rl_monitor[i])
+			continue;
+		rl_monitor_path(r, nm[i], path, sizeof path);
+		if (put_row(&r->rl_monitor[i], "csv_monitor: ", path,
+			    "%" PRId64 ",%.9g\n", samples, v[i]))
 			return 1;
 	}
 	return 0;
@@ -1782,7 +1931,7 @@ static int monitor_open(run *r)
 			    strrchr(mon_events[i], '/') + 1))
 			return 1;
 	}
-	if (rl_monitor(r, false, 0, 0))
+	if (rl_monitor_open(r))
 		return 1;
 	fprintf(where_to(),
 		PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n",
@@ -1854,15 +2003,21 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	rl_columns(r, false, rl, sizeof rl);
 	/* one whole row per write: a stopped or killed run leaves no cut
 	 * row */
-	if (r->metrics &&
+	char *lc = r->metrics ? load_columns(r, false) : NULL;
+	if (r->metrics && !lc)
+		return fail_msg("%s: out of memory", o->metrics);
+	int bad_row =
+	    r->metrics &&
 	    put_row(&r->metrics, "", o->metrics,
 		    "%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
-		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d%s\n",
+		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d%s%s\n",
 		    info->step, info->mean_loss, info->lr, info->grad_norm,
 		    (double)ls->tok_per_step / step_s, ms->peak_allocated,
 		    step_s * 1e3, compile_ms, ls->floor,
 		    ms->peak_allocated_rank, ms->peak_reserved,
-		    ms->peak_reserved_rank, rl))
+		    ms->peak_reserved_rank, lc, rl);
+	free(lc);
+	if (bad_row)
 		return 1;
 	/* the monitors' events (mon_events), x = samples seen by the whole
 	 * job, as DeepSpeed's global_samples: step x train_batch_size
@@ -1885,16 +2040,15 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	/* the step's events as whole records, flushed (a stopped or killed
 	 * run leaves every finished step readable) */
 	double wt = wall_s();
-	if (rl_monitor(r, true, samples, wt))
+	int bad = 0;
+	for (int i = 0; r->tb && i < N_MON && !bad; i++)
+		bad = tb_writer_scalar(r->tb, wt, samples, mon_events[i],
+				       (float)v[i]);
+	if (load_record(r, samples, wt, &bad) ||
+	    rl_record(r, samples, wt, &bad))
 		return 1;
-	if (r->tb) {
-		int bad = 0;
-		for (int i = 0; i < N_MON && !bad; i++)
-			bad = tb_writer_scalar(r->tb, wt, samples,
-					       mon_events[i], (float)v[i]);
-		if (tb_writer_flush(r->tb) != 0 || bad)
-			tb_drop(r, errno);
-	}
+	if (r->tb && (tb_writer_flush(r->tb) != 0 || bad))
+		tb_drop(r, errno);
 	return 0;
 }
 
@@ -2368,6 +2522,10 @@ static void run_free(run *r)
 	for (int i = 0; i < N_MON; i++)
 		if (r->monitor[i])
 			fclose(r->monitor[i]);
+	for (int k = 0; r->load_mon && k < r->n_moe * N_LOAD; k++)
+		if (r->load_mon[k])
+			fclose(r->load_mon[k]);
+	free(r->load_mon);
 	for (int i = 0; i < N_RL; i++)
 		if (r->rl_monitor[i])
 			fclose(r->rl_monitor[i]);
@@ -2546,6 +2704,18 @@ static int close_outputs(run *r, const opts *o)
 			rc = fail_msg("csv_monitor: %s: write failed: %s", path,
 				      strerror(errno));
 	}
+	for (int k = 0; r->load_mon && k < r->n_moe * N_LOAD; k++) {
+		if (!r->load_mon[k])
+			continue;
+		errno = 0;
+		int bad = fclose(r->load_mon[k]) != 0;
+		r->load_mon[k] = NULL;
+		char path[4400];
+		load_path(r, k / N_LOAD, k % N_LOAD, path, sizeof path);
+		if (bad && !rc)
+			rc = fail_msg("csv_monitor: %s: write failed: %s", path,
+				      strerror(errno));
+	}
 	for (int i = 0; i < N_RL; i++) {
 		errno = 0;
 		if (r->rl_monitor[i] && fclose(r->rl_monitor[i]) != 0 && !rc)
@@ -2578,22 +2748,29 @@ static int evaluate_only(run *r, const opts *o)
  * the csv_monitor files and the tensorboard event file. */
 static int open_outputs(run *r, const opts *o)
 {
+	load_setup(r, o);
 	if (o->metrics && epj_dist_rank() == 0) {
 		r->metrics = fopen(o->metrics, "w");
 		if (!r->metrics)
 			return fail_msg("%s: cannot open for writing: %s",
 					o->metrics, strerror(errno));
+		char *lc = load_columns(r, true);
+		if (!lc)
+			return fail_msg("%s: out of memory", o->metrics);
 		char rl[N_RL * 40];
 		rl_columns(r, true, rl, sizeof rl);
-		if (put_row(&r->metrics, "", o->metrics,
+		int bad =
+		    put_row(&r->metrics, "", o->metrics,
 			    "step,loss,lr,grad_norm,tokens_per_s,"
 			    "peak_alloc_bytes,step_ms,compile_ms,"
 			    "entropy_floor,peak_alloc_rank,"
-			    "peak_reserved_bytes,peak_reserved_rank%s\n",
-			    rl))
+			    "peak_reserved_bytes,peak_reserved_rank%s%s\n",
+			    lc, rl);
+		free(lc);
+		if (bad)
 			return 1;
 	}
-	return monitor_open(r) || tb_open(r);
+	return monitor_open(r) || load_monitor_open(r) || tb_open(r);
 }
 
 static int run_main(run *r, const opts *o)
