@@ -103,7 +103,7 @@ last_fields() {
 # ---- 1. the default run ------------------------------------------------------
 run default.log --steps 60 --metrics default.csv
 head -n 1 default.csv |
-	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes,step_ms,compile_ms,entropy_floor,peak_alloc_rank,peak_reserved_bytes,peak_reserved_rank$' ||
+	grep -q '^step,loss,lr,grad_norm,tokens_per_s,peak_alloc_bytes,step_ms,compile_ms,entropy_floor,peak_alloc_rank,peak_reserved_bytes,peak_reserved_rank,moe_load_max_mean_layer_0,moe_load_cv_layer_0,moe_dead_experts_layer_0,moe_load_max_mean_layer_1,moe_load_cv_layer_1,moe_dead_experts_layer_1$' ||
 	fail "metrics header: $(head -n 1 default.csv)"
 [ "$(wc -l <default.csv)" -eq 61 ] ||
 	fail "metrics: expected 60 rows, got $(($(wc -l <default.csv) - 1))"
