@@ -1441,22 +1441,17 @@ static epj_status check_opts(epj_ctx *ctx, const char *local, int hidden,
 static const char *const qwen3_proj[3] = { "gate_proj", "up_proj",
 					   "down_proj" };
 
-epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
-			  int hidden, int inter, const ej_autoep_opts *opts,
-			  epj_dtype dt, double init_std, ej_comm *comm)
+/* The layer's state for ej_autoep_new (opts checked): its kernel choice
+ * (EPJIT_AUTOEP_OPS), options with their defaults, its comm (a
+ * single-rank one when comm is NULL) and share of the experts; NULL with
+ * the error set. */
+static autoep_impl *autoep_impl_new(epj_ctx *ctx, const char *local, int hidden,
+				    int inter, const ej_autoep_opts *opts,
+				    epj_dtype dt, ej_comm *comm)
 {
-	if (check_opts(ctx, local, hidden, inter, opts, dt, init_std, comm) !=
-	    EPJ_OK)
-		return NULL;
 	autoep_impl *im = calloc(1, sizeof *im);
-	if (!im) {
-		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", local,
-			 AUTOEP_KIND);
-		return NULL;
-	}
-	im->step_load =
-	    calloc((size_t)opts->num_experts, sizeof *im->step_load);
-	if (!im->step_load) {
+	if (!im || !(im->step_load = calloc((size_t)opts->num_experts,
+					    sizeof *im->step_load))) {
 		free(im);
 		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", local,
 			 AUTOEP_KIND);
@@ -1481,7 +1476,6 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			im->opts.proj[j] = qwen3_proj[j];
 	if (!im->opts.expert_kind)
 		im->opts.expert_kind = "Qwen3MoeMLP";
-	const ej_autoep_opts im_opts = im->opts; /* im moves into the tree */
 	im->hidden = hidden;
 	im->inter = inter;
 	im->dtype = dt;
@@ -1490,7 +1484,7 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		im->comm = ej_comm_self_new();
 		im->owns_comm = true;
 		if (!im->comm) {
-			free(im);
+			autoep_impl_free(im);
 			ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
 				 local, AUTOEP_KIND);
 			return NULL;
@@ -1498,6 +1492,21 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 	}
 	im->n_local = opts->num_experts / im->comm->size;
 	im->first_local = im->comm->rank * im->n_local;
+	return im;
+}
+
+epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
+			  int hidden, int inter, const ej_autoep_opts *opts,
+			  epj_dtype dt, double init_std, ej_comm *comm)
+{
+	if (check_opts(ctx, local, hidden, inter, opts, dt, init_std, comm) !=
+	    EPJ_OK)
+		return NULL;
+	autoep_impl *im =
+	    autoep_impl_new(ctx, local, hidden, inter, opts, dt, comm);
+	if (!im)
+		return NULL;
+	const ej_autoep_opts im_opts = im->opts; /* im moves into the tree */
 	const int first_local = im->first_local;
 
 	/* Draw every parameter first, in the documented order (gate, then
