@@ -453,6 +453,16 @@ epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
  * state + progress.  load also accepts a plain HF safetensors file. */
 epj_status epj_engine_save(epj_engine *e, const char *path);
 epj_status epj_engine_load(epj_engine *e, const char *path);
+/* The router losses that are on (transformers' auxiliary loss of the
+ * model's config.json, Megatron's of the config's moe section; doc/
+ * trainer.md, "Router losses"): the i-th one's metric name ("aux_loss",
+ * "load_balancing_loss", "seq_load_balancing_loss",
+ * "global_load_balancing_loss", "z_loss") and its value at the last
+ * optimizer step (without its coefficient; the mean over the step's
+ * micro-batches, and over the ranks except the global aux loss, summed as
+ * Megatron logs it); false past the last (and without MoE layers). */
+bool epj_engine_router_loss(const epj_engine *e, int i, const char **name,
+			    double *value);
 int64_t epj_engine_micro_batch_size(const epj_engine *e);
 int64_t epj_engine_grad_accum_steps(const epj_engine *e);
 int64_t epj_engine_steps_per_print(const epj_engine *e);
@@ -582,6 +592,9 @@ typedef struct epj_parity_opts {
 	const char *backend; /* compile.backend, NULL = default */
 	int64_t batch, seq;  /* <= 0: 2 x 16 */
 	uint64_t seed;
+	/* the config's "moe" section (Megatron's router losses) as a JSON
+	 * object, e.g. "{\"z_loss_coeff\": 0.01}"; NULL: none */
+	const char *moe_json;
 } epj_parity_opts;
 
 /* Prints a table to out (may be NULL); *passed tells the verdict.  Returns

@@ -52,6 +52,7 @@
  * in f64 for f64 layers, so that the layer can be gradient-checked.
  */
 #include "ops_moe.h"
+#include "router_loss_impl.h"
 #include "runtime_impl.h"
 #include "tmpl_gemm.h" /* ej_index_pin */
 
@@ -94,6 +95,10 @@ typedef struct autoep_impl {
 	 * the training forwards since the last ej_autoep_balance ([E],
 	 * owned; NULL without a score bias) */
 	int64_t *load;
+	/* the model's router losses (borrowed; NULL: none) and this layer's
+	 * index among the model's MoE layers */
+	ej_rloss *rloss;
+	int rloss_layer;
 	/* the expert-load metrics: (token, expert) assignments to each of the
 	 * E experts by this rank's calls (not replays) since the last
 	 * ej_autoep_step_load_reset ([E], owned) */
@@ -695,26 +700,24 @@ void ej_autoep_select(const double *scores, const double *bias, int64_t n,
 	free(g_top);
 }
 
-/* DeepSeek's routers (ej_autoep_opts.scoring ...): logits in rdt from x
- * and the gate cast to rdt (transformers computes them in f32), scores by
- * softmax or sigmoid, the experts chosen on the host from the scores (and
- * the score bias) by ej_autoep_select (or the fixed assignment), the
- * weights gathered from the scores (so the router trains), renormalised
- * and scaled.  The host reads the scores: one synchronization on a
+/* DeepSeek's routers (ej_autoep_opts.scoring ...): from the logits in rdt
+ * (router_logits), scores by softmax or sigmoid, the experts chosen on the host
+ * from the scores (and the score bias) by ej_autoep_select (or the fixed
+ * assignment), the weights gathered from the scores (so the router trains),
+ * renormalised and scaled.  The host reads the scores: one synchronization on a
  * device, as the idx read of the other path. */
 static epj_status route_scored(epj_ctx *ctx, epj_module *m,
-			       const autoep_impl *im, epj_tensor *x,
-			       epj_dtype rdt, int64_t N, epj_tensor **w_out,
+			       const autoep_impl *im, epj_tensor *logits,
+			       int64_t N, epj_tensor **w_out,
 			       epj_tensor **idx_out)
 {
 	const int E = im->opts.num_experts, k = im->opts.top_k;
 	epj_module *gate = ej_module_child(m, "gate");
-	epj_tensor *gw = ej_module_param(gate, "weight");
 	epj_tensor *gb = im->opts.score_bias
 			     ? ej_module_param(gate, "e_score_correction_bias")
 			     : NULL;
-	EJ_ASSERT(gw && (gb || !im->opts.score_bias));
-	enum { XR, GR, LG, SC, W, SUM, SUME, WN, WS, N_T };
+	EJ_ASSERT(gb || !im->opts.score_bias);
+	enum { LG, SC, W, SUM, SUME, WN, WS, N_T };
 	epj_tensor *t[N_T] = { 0 }, *idx = NULL;
 	double *sc = malloc(sizeof *sc * (size_t)(N * E + E));
 	int64_t *h = malloc(sizeof *h * (size_t)(N * k + 1));
@@ -724,9 +727,7 @@ static epj_status route_scored(epj_ctx *ctx, epj_module *m,
 			     m->name, AUTOEP_KIND);
 		goto out;
 	}
-	t[XR] = cast_to(ctx, x, rdt);
-	t[GR] = cast_to(ctx, gw, rdt);
-	t[LG] = t[XR] && t[GR] ? epj_linear(ctx, t[XR], t[GR], NULL) : NULL;
+	t[LG] = epj_tensor_ref(logits);
 	t[SC] = im->opts.scoring == EJ_SCORE_SIGMOID
 		    ? epj_sigmoid(ctx, t[LG])
 		    : epj_softmax(ctx, t[LG], -1);
@@ -788,17 +789,34 @@ static bool scored_routing(const autoep_impl *im)
 	       (o->routed_scaling_factor != 0 && o->routed_scaling_factor != 1);
 }
 
-/* Router: probs [N, E] in rdt, then (w [N, k] in rdt, idx [N, k] i64). */
+/* The router's logits [N, E] of x [N, H]: x gate.weight^T in the layer's
+ * dtype, or, for DeepSeek's routers, in rdt from x and the gate cast to
+ * rdt (transformers computes them in f32). */
+static epj_tensor *router_logits(epj_ctx *ctx, epj_module *m,
+				 const autoep_impl *im, epj_tensor *x,
+				 epj_dtype rdt)
+{
+	epj_tensor *gw = ej_module_param(ej_module_child(m, "gate"), "weight");
+	EJ_ASSERT(gw != NULL);
+	if (!scored_routing(im))
+		return epj_linear(ctx, x, gw, NULL);
+	epj_tensor *xr = cast_to(ctx, x, rdt), *gr = cast_to(ctx, gw, rdt);
+	epj_tensor *lg = xr && gr ? epj_linear(ctx, xr, gr, NULL) : NULL;
+	epj_tensor_free(xr);
+	epj_tensor_free(gr);
+	return lg;
+}
+
+/* Router: from the logits [N, E], probs [N, E] in rdt, then (w [N, k] in
+ * rdt, idx [N, k] i64). */
 static epj_status route(epj_ctx *ctx, epj_module *m, const autoep_impl *im,
-			epj_tensor *x, epj_dtype rdt, int64_t N,
+			epj_tensor *logits_in, epj_dtype rdt, int64_t N,
 			epj_tensor **w_out, epj_tensor **idx_out)
 {
 	const int E = im->opts.num_experts, k = im->opts.top_k;
 	if (scored_routing(im))
-		return route_scored(ctx, m, im, x, rdt, N, w_out, idx_out);
-	epj_tensor *gw = ej_module_param(ej_module_child(m, "gate"), "weight");
-	EJ_ASSERT(gw != NULL);
-	epj_tensor *logits = epj_linear(ctx, x, gw, NULL); /* [N, E] */
+		return route_scored(ctx, m, im, logits_in, N, w_out, idx_out);
+	epj_tensor *logits = epj_tensor_ref(logits_in); /* [N, E] */
 	if (im->fused) {
 		/* one op: softmax, top-k (or the fixed assignment) and the
 		 * renormalisation, read from the layer's dtype and computed
@@ -891,7 +909,7 @@ static epj_status autoep_forward(epj_ctx *ctx, epj_module *m,
  * routing and the exchanges, and the tensors that live across the steps
  * below.  named: the error's message names the layer already. */
 typedef struct fwd {
-	int64_t N, H, R;
+	int64_t N, H, R, T; /* T: tokens per sequence */
 	int k, E, P, L;
 	epj_dtype rdt;
 	bool async; /* the split plan is posted, then waited for */
@@ -936,6 +954,7 @@ static epj_status fwd_init(epj_ctx *ctx, const epj_module *m,
 	f->L = im->n_local;
 	f->H = im->hidden;
 	f->N = epj_tensor_numel(hidden) / f->H;
+	f->T = epj_tensor_dim(hidden, -2);
 	f->R = f->N * f->k;
 	f->rdt = im->dtype == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
 	f->async = im->opts.async_split_plan;
@@ -1004,17 +1023,49 @@ static epj_tensor *sequence_combine(epj_ctx *ctx, const autoep_impl *im, fwd *f)
 	return out;
 }
 
-/* Routing: the weights and experts [N, k], the experts read to the host,
- * the rows per expert, the balancing loads and the split plan (posted with
- * async_split_plan, else exchanged now). */
+/* The router losses' count of this call (runtime/router_loss.c): the
+ * top-k of the router's probabilities, which is the routing the host has
+ * unless the layer routes otherwise (fixed routing, DeepSeek's groups and
+ * score bias); then the top-k of the logits (the same order). */
+static epj_status rloss_count(epj_ctx *ctx, const autoep_impl *im, const fwd *f,
+			      epj_tensor *logits)
+{
+	if (!ej_rloss_wants_choice(ctx, im->rloss))
+		return EPJ_OK;
+	if (!scored_routing(im) && !im->opts.fixed_routing)
+		return ej_rloss_count(ctx, im->rloss, im->rloss_layer, f->idx_h,
+				      f->N);
+	epj_tensor *v = NULL, *idx = NULL;
+	int64_t *sel = malloc(sizeof *sel * (size_t)(f->R + 1));
+	epj_status s = sel ? epj_topk(ctx, logits, f->k, &v, &idx)
+			   : ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	if (s == EPJ_OK)
+		s = index_to_host(ctx, idx, sel);
+	if (s == EPJ_OK)
+		s = ej_rloss_count(ctx, im->rloss, im->rloss_layer, sel, f->N);
+	epj_tensor_free(v);
+	epj_tensor_free(idx);
+	free(sel);
+	return s;
+}
+
+/* Routing: the router's logits (with the router losses' node), the
+ * weights and experts [N, k], the experts read to the host, the rows per
+ * expert, the router losses' and balancing loads and the split plan
+ * (posted with async_split_plan, else exchanged now). */
 static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 			    epj_tensor *hidden, fwd *f)
 {
 	int64_t flat_shape[2] = { f->N, f->H };
 	f->x = epj_reshape(ctx, hidden, 2, flat_shape); /* [N, H] */
-	if (!f->x)
-		return op_failed(ctx);
-	epj_status s = route(ctx, m, im, f->x, f->rdt, f->N, &f->w, &f->idx);
+	epj_tensor *z = f->x ? router_logits(ctx, m, im, f->x, f->rdt) : NULL;
+	epj_tensor *za = NULL;
+	epj_status s =
+	    z ? ej_rloss_attach(ctx, im->rloss, im->rloss_layer, z, f->T, &za)
+	      : op_failed(ctx);
+	if (s == EPJ_OK)
+		s = route(ctx, m, im, za, f->rdt, f->N, &f->w, &f->idx);
+	epj_tensor_free(za);
 	if (s == EPJ_OK)
 		s = im->fused ? index_dense_to_host(ctx, f->idx, f->idx_h)
 			      : sequence_order(ctx, f);
@@ -1022,6 +1073,9 @@ static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 	 * against this host copy and read the device's in place */
 	if (s == EPJ_OK && im->fused)
 		s = ej_index_pin(ctx, f->idx, f->idx_h);
+	if (s == EPJ_OK)
+		s = rloss_count(ctx, im, f, z);
+	epj_tensor_free(z);
 	if (s != EPJ_OK)
 		return s;
 	for (int64_t r = 0; r < f->R; r++) {
@@ -1029,8 +1083,10 @@ static epj_status fwd_route(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 		f->counts[f->idx_h[r]]++;
 	}
 	/* the loads of aux-loss-free balancing: training forwards only (a
-	 * checkpoint replay routes the same tokens again) */
-	if (im->load && epj_grad_enabled(ctx) && ctx->rt_replay_depth == 0)
+	 * checkpoint replay routes the same tokens again), the calls of a
+	 * checkpointed layer too, which run without grad */
+	if (im->load && ctx->rt_replay_depth == 0 &&
+	    (epj_grad_enabled(ctx) || ej_rloss_training(ctx, im->rloss)))
 		for (int e = 0; e < f->E; e++)
 			im->load[e] += f->counts[e];
 	/* the expert-load metrics, every layer: every call but a replay (a
@@ -1385,22 +1441,17 @@ static epj_status check_opts(epj_ctx *ctx, const char *local, int hidden,
 static const char *const qwen3_proj[3] = { "gate_proj", "up_proj",
 					   "down_proj" };
 
-epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
-			  int hidden, int inter, const ej_autoep_opts *opts,
-			  epj_dtype dt, double init_std, ej_comm *comm)
+/* The layer's state for ej_autoep_new (opts checked): its kernel choice
+ * (EPJIT_AUTOEP_OPS), options with their defaults, its comm (a
+ * single-rank one when comm is NULL) and share of the experts; NULL with
+ * the error set. */
+static autoep_impl *autoep_impl_new(epj_ctx *ctx, const char *local, int hidden,
+				    int inter, const ej_autoep_opts *opts,
+				    epj_dtype dt, ej_comm *comm)
 {
-	if (check_opts(ctx, local, hidden, inter, opts, dt, init_std, comm) !=
-	    EPJ_OK)
-		return NULL;
 	autoep_impl *im = calloc(1, sizeof *im);
-	if (!im) {
-		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", local,
-			 AUTOEP_KIND);
-		return NULL;
-	}
-	im->step_load =
-	    calloc((size_t)opts->num_experts, sizeof *im->step_load);
-	if (!im->step_load) {
+	if (!im || !(im->step_load = calloc((size_t)opts->num_experts,
+					    sizeof *im->step_load))) {
 		free(im);
 		ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory", local,
 			 AUTOEP_KIND);
@@ -1425,7 +1476,6 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 			im->opts.proj[j] = qwen3_proj[j];
 	if (!im->opts.expert_kind)
 		im->opts.expert_kind = "Qwen3MoeMLP";
-	const ej_autoep_opts im_opts = im->opts; /* im moves into the tree */
 	im->hidden = hidden;
 	im->inter = inter;
 	im->dtype = dt;
@@ -1434,7 +1484,7 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 		im->comm = ej_comm_self_new();
 		im->owns_comm = true;
 		if (!im->comm) {
-			free(im);
+			autoep_impl_free(im);
 			ej_error(ctx, EPJ_ERR_NOMEM, "%s (%s): out of memory",
 				 local, AUTOEP_KIND);
 			return NULL;
@@ -1442,6 +1492,21 @@ epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
 	}
 	im->n_local = opts->num_experts / im->comm->size;
 	im->first_local = im->comm->rank * im->n_local;
+	return im;
+}
+
+epj_module *ej_autoep_new(epj_ctx *ctx, epj_module *parent, const char *local,
+			  int hidden, int inter, const ej_autoep_opts *opts,
+			  epj_dtype dt, double init_std, ej_comm *comm)
+{
+	if (check_opts(ctx, local, hidden, inter, opts, dt, init_std, comm) !=
+	    EPJ_OK)
+		return NULL;
+	autoep_impl *im =
+	    autoep_impl_new(ctx, local, hidden, inter, opts, dt, comm);
+	if (!im)
+		return NULL;
+	const ej_autoep_opts im_opts = im->opts; /* im moves into the tree */
 	const int first_local = im->first_local;
 
 	/* Draw every parameter first, in the documented order (gate, then
@@ -1704,6 +1769,16 @@ epj_status ej_autoep_set_routing(epj_module *m, bool fixed_routing,
 	autoep_impl *im = m->impl;
 	im->opts.fixed_routing = fixed_routing;
 	im->opts.async_split_plan = async_split_plan;
+	return EPJ_OK;
+}
+
+epj_status ej_autoep_set_rloss(epj_module *m, ej_rloss *rl, int layer)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return EPJ_ERR_INVALID;
+	autoep_impl *im = m->impl;
+	im->rloss = rl;
+	im->rloss_layer = layer;
 	return EPJ_OK;
 }
 

@@ -278,6 +278,7 @@ enum {
 	SEC_COMPILE,
 	SEC_PIPELINE,
 	SEC_TP,
+	SEC_MOE,
 	SEC_COMM,
 	SEC_CSV_MONITOR,
 	SEC_TENSORBOARD,
@@ -502,6 +503,7 @@ static json_t *wr_rsf(const key *, const char *, const ej_config *);
 static json_t *wr_schedule(const key *, const char *, const ej_config *);
 static json_t *wr_if_sched(const key *, const char *, const ej_config *);
 static json_t *wr_if_given(const key *, const char *, const ej_config *);
+static json_t *wr_if_moe(const key *, const char *, const ej_config *);
 
 /* Every key of the config, section by section, in the order the parser
  * reads them and the JSON writer writes them.  A key is added here and
@@ -638,6 +640,17 @@ static const key keys[] = {
 	  .doc = "sequence-parallel group size" },
 	{ SECTION(SEC_ROOT, "pipeline", SEC_PIPELINE), NOGIVEN },
 	{ SECTION(SEC_ROOT, "tensor_parallel", SEC_TP), NOGIVEN },
+	{ SECTION(SEC_ROOT, "moe", SEC_MOE), NOGIVEN, .wr = wr_if_moe,
+	  .doc = "**epjit extension.** Megatron Core's router losses "
+		 "(`--moe-router-load-balancing-type` with "
+		 "`--moe-aux-loss-coeff`, `--moe-z-loss-coeff`), one "
+		 "coefficient per loss, 0 or null: off; they add to the "
+		 "training loss of every MoE layer as Megatron defines them "
+		 "and are logged as their own metrics (doc/trainer.md, "
+		 "*Router losses*). transformers' auxiliary loss comes from "
+		 "the model's config.json instead (`output_router_logits`, "
+		 "`router_aux_loss_coef`); initialize refuses it together "
+		 "with a balancing loss of this section." },
 	{ .sec = SEC_ROOT,
 	  .name = "steps_per_print",
 	  .type = K_INT,
@@ -1777,6 +1790,33 @@ static const key keys[] = {
 	  .refused = "> 1: by initialize (AutoTP is not implemented in "
 		     "epjit)",
 	  .doc = "AutoTP group size" },
+/* ---- moe: Megatron Core's router losses (runtime/router_loss.c) */
+#define MOE_REFUSED                                                            \
+	"> 0 with the model's `output_router_logits` true: by initialize "     \
+	"(one load-balancing loss)"
+#define MOE_COEFF(nm, fld, r, d)                                               \
+	{                                                                      \
+		.sec = SEC_MOE, .name = nm, .type = K_NUM, F(moe.fld),         \
+		NOGIVEN, .lo = 0, .hi = HUGE_VAL, .flags = K_NULL_OK,          \
+		.def = 0, .refused = r, .doc = d                               \
+	}
+	MOE_COEFF("aux_loss_coeff", aux_loss_coeff, MOE_REFUSED,
+		  "Megatron's `aux_loss`: per MoE layer `E / (k T^2) sum_e "
+		  "P_e c_e` over the micro-batch's T tokens (P_e: the sum of "
+		  "the router's probabilities of expert e, c_e: the tokens "
+		  "whose top-k takes e)"),
+	MOE_COEFF("seq_aux_loss_coeff", seq_aux_loss_coeff, MOE_REFUSED,
+		  "Megatron's `seq_aux_loss`: the same per sequence, averaged "
+		  "over the micro-batch's sequences"),
+	MOE_COEFF("global_aux_loss_coeff", global_aux_loss_coeff, MOE_REFUSED,
+		  "Megatron's `global_aux_loss`: c_e summed over the ranks "
+		  "and averaged over the micro-batches of the step so far, T "
+		  "the tokens of all ranks"),
+	MOE_COEFF("z_loss_coeff", z_loss_coeff, NULL,
+		  "Megatron's router z-loss: per MoE layer the mean over the "
+		  "tokens of `logsumexp(logits)^2`"),
+#undef MOE_COEFF
+#undef MOE_REFUSED
 	{ .sec = SEC_COMM,
 	  .name = "timeout_s",
 	  .type = K_NUM,
@@ -3005,6 +3045,17 @@ static json_t *wr_if_sched(const key *k, const char *base, const ej_config *c)
 {
 	(void)k, (void)base;
 	return c->scheduler.type != EJ_SCHED_NONE ? json_true() : NULL;
+}
+
+/* The moe section is written when one of its losses is on. */
+static json_t *wr_if_moe(const key *k, const char *base, const ej_config *c)
+{
+	(void)k, (void)base;
+	return c->moe.aux_loss_coeff > 0 || c->moe.seq_aux_loss_coeff > 0 ||
+		       c->moe.global_aux_loss_coeff > 0 ||
+		       c->moe.z_loss_coeff > 0
+		   ? json_true()
+		   : NULL;
 }
 
 static json_t *wr_if_given(const key *k, const char *base, const ej_config *c)

@@ -183,6 +183,15 @@ typedef struct ej_config {
 		bool schedule_present;	/* compile.schedule given, non-null */
 	} compile;
 
+	/* moe (epjit extension): Megatron Core's router losses, each a
+	 * coefficient >= 0, 0 (or null): off (runtime/router_loss.c) */
+	struct ej_moe_config {
+		double aux_loss_coeff;	      /* aux_loss */
+		double seq_aux_loss_coeff;    /* seq_aux_loss */
+		double global_aux_loss_coeff; /* global_aux_loss */
+		double z_loss_coeff;	      /* router z-loss */
+	} moe;
+
 	int sequence_parallel_size; /* >= 1, default 1 */
 	int pipeline_stages;	    /* pipeline.stages >= 1, default 1 */
 	int autotp_size;	    /* tensor_parallel.autotp_size >= 1 */
@@ -394,6 +403,12 @@ typedef struct ej_model_config {
 	int linear_key_head_dim, linear_value_head_dim;
 	int linear_num_key_heads, linear_num_value_heads;
 	bool linear_layer[EJ_MODEL_MAX_LAYERS];
+	/* transformers' auxiliary load-balancing loss: on when
+	 * output_router_logits, times router_aux_loss_coef (default 0.001;
+	 * any finite number, as transformers takes it); DeepSeek-V2/V3 have
+	 * none (runtime/router_loss.c) */
+	bool output_router_logits;
+	double router_aux_loss_coef;
 } ej_model_config;
 
 /* The AutoEP routing keys of cfg (expert_parallel: preset_model, top_k,
@@ -410,8 +425,8 @@ epj_status ej_config_check_model(epj_ctx *ctx, const ej_config *cfg,
  * Unused keys are listed once at debug level; used keys with values this
  * library does not implement (sliding window, attention bias, rope types
  * other than default, linear and yarn, activation other
- * than silu, another model_type, dropout, router logits output, router
- * jitter) are errors naming the key.  *out is always written (zeros on
+ * than silu, another model_type, dropout, router jitter) are errors
+ * naming the key.  *out is always written (zeros on
  * failure). */
 epj_status ej_model_config_parse(epj_ctx *ctx, const char *json_text,
 				 const char *source_name, ej_model_config *out);

@@ -18,6 +18,7 @@
  * optimizer.  Writes are atomic (safetensors.c).
  */
 #include "optim_impl.h"
+#include "router_loss_impl.h"
 #include "runtime_impl.h"
 
 #include "cuda_driver.h"
@@ -236,6 +237,10 @@ static epj_status engine_setup(epj_engine *e)
 	ej_comm *world = ej_comm_world();
 	const int W = ctx->meta ? meta_world_size(ctx, c) : world->size;
 	epj_status st = check_supported(ctx, c, m, W);
+	/* Megatron's router losses (moe.*), refused with transformers' */
+	if (st == EPJ_OK &&
+	    (st = ej_rloss_configure(ctx, m->rloss, &c->moe, world)) != EPJ_OK)
+		ej_error_prefix(ctx, "%s", c->source);
 	ej_comm_set_timeout(world, c->comm_timeout_s);
 	if (st == EPJ_OK)
 		st = ej_config_resolve_batch(ctx, c, W);
@@ -531,6 +536,7 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	ej_prof_end(ctx, &pf, "optimizer.accumulate");
 	if (st != EPJ_OK)
 		return st;
+	ej_rloss_accumulate(e->model->rloss);
 	e->micro_step++;
 	e->accum_loss += lv;
 	e->accum_n++;
@@ -600,6 +606,9 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 			return st;
 		mean = ((double)hl[0] + (double)hl[1]) / world->size;
 	}
+	if (boundary &&
+	    (st = ej_rloss_step_end(ctx, e->model->rloss, world)) != EPJ_OK)
+		return st;
 	if (info) {
 		info->loss = lv;
 		info->mean_loss = mean;
@@ -642,6 +651,12 @@ epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
 		*loss_out = loss ? epj_tensor_get_f64(loss, 0) : NAN;
 	epj_tensor_free(loss);
 	return EPJ_OK;
+}
+
+bool epj_engine_router_loss(const epj_engine *e, int i, const char **name,
+			    double *value)
+{
+	return e && ej_rloss_metric(e->model->rloss, i, name, value);
 }
 
 int64_t epj_engine_micro_batch_size(const epj_engine *e)

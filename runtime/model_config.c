@@ -9,8 +9,8 @@
  * ignored.  Keys the model builder reads are type- and range-checked, and
  * keys whose values would change the model in ways this library does not
  * implement (sliding windows, attention bias, RoPE scaling other than
- * linear and YaRN, another activation or model family, dropout,
- * router-logit losses) are errors that
+ * linear and YaRN, another activation or model family, dropout) are
+ * errors that
  * name the key, so a model is never silently built differently from the
  * checkpoint's definition.  A missing required key names any unused key that
  * looks like a typo of it.
@@ -24,6 +24,7 @@
 #include "config_impl.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <string.h>
 
 #define SIZE_MAX_ ((int64_t)1 << 30) /* bound of every size and count */
@@ -58,6 +59,7 @@ static const char *const used_keys[] = {
 	"model_type",
 	"attention_dropout",
 	"output_router_logits",
+	"router_aux_loss_coef",
 	"sliding_window",
 	"router_jitter_noise",
 	"qkv_bias",
@@ -201,14 +203,6 @@ static epj_status check_unsupported(mp *p, ej_model_config *m)
 		return mp_err(p, "\"attention_bias\" is true: attention "
 				 "projections with bias are not implemented "
 				 "(set it to false)");
-	b = false;
-	if ((s = rd_bool(p, "output_router_logits", &b)))
-		return s;
-	if (b)
-		return mp_err(p, "\"output_router_logits\" is true: the router "
-				 "auxiliary loss is not implemented (set it to "
-				 "false; expert_parallel.load_balance_coeff "
-				 "balances experts without it)");
 	if ((v = json_object_get(p->root, "hidden_act")) && !json_is_null(v)) {
 		if (!json_is_string(v))
 			return mp_err(p,
@@ -1035,8 +1029,32 @@ static epj_status parse_qwen_experts(mp *p, ej_model_config *m)
 	return EPJ_OK;
 }
 
+/* transformers' auxiliary load-balancing loss: output_router_logits (false)
+ * and router_aux_loss_coef (0.001, the default of Qwen3MoeConfig,
+ * MixtralConfig, Qwen2MoeConfig and Qwen3_5MoeTextConfig).  DeepSeek-V2/V3
+ * read both as their configs do; their modeling code in transformers adds
+ * no auxiliary loss, so neither does epjit (runtime/router_loss.c). */
+static epj_status parse_router_loss(mp *p, ej_model_config *m)
+{
+	epj_status s;
+	if ((s = rd_bool(p, "output_router_logits", &m->output_router_logits)))
+		return s;
+	json_t *v = json_object_get(p->root, "router_aux_loss_coef");
+	if (v && !json_is_null(v) &&
+	    (!json_is_number(v) || !isfinite(json_number_value(v)))) {
+		char g[100];
+		return mp_err(p,
+			      "\"router_aux_loss_coef\" must be a finite "
+			      "number, got %s",
+			      ej_json_describe(v, g, sizeof g));
+	}
+	if (v && !json_is_null(v))
+		m->router_aux_loss_coef = json_number_value(v);
+	return EPJ_OK;
+}
+
 /* What every family reads alike: norms, rope, positions, ties, init,
- * dtype. */
+ * dtype, the router loss. */
 static epj_status parse_common(mp *p, ej_model_config *m)
 {
 	epj_status s;
@@ -1052,7 +1070,7 @@ static epj_status parse_common(mp *p, ej_model_config *m)
 		return s;
 	if (m->family == EJ_FAMILY_QWEN3_5_MOE && (s = parse_qwen35(p, m)))
 		return s;
-	if ((s = parse_rotary(p, m)))
+	if ((s = parse_rotary(p, m)) || (s = parse_router_loss(p, m)))
 		return s;
 	json_t *v = json_object_get(p->root, "torch_dtype");
 	if (v && !json_is_null(v)) {
@@ -1097,6 +1115,7 @@ static void model_defaults(ej_model_config *m)
 	m->rope_truncate = true;
 	m->routed_scaling_factor = 1.0;
 	m->partial_rotary_factor = 1.0;
+	m->router_aux_loss_coef = 0.001;
 	/* Qwen3_5MoeTextConfig's defaults (read for that family only) */
 	m->linear_conv_kernel_dim = 4;
 	m->linear_key_head_dim = 128;
@@ -1304,7 +1323,7 @@ static bool deepseek_json(const ej_model_config *m, json_t *o)
 	static const char *const qwen_only[] = {
 		"num_experts",	   "decoder_sparse_step",
 		"mlp_only_layers", "use_sliding_window",
-		"head_dim",
+		"head_dim",	   "router_aux_loss_coef",
 	};
 	for (size_t i = 0; i < EJ_ARRAY_LEN(qwen_only); i++)
 		json_object_del(o, qwen_only[i]);
@@ -1491,7 +1510,9 @@ char *ej_model_config_json(const ej_model_config *m, const char *torch_dtype)
 		{ "attention_bias", json_false() },
 		{ "attention_dropout", json_real(0.0) },
 		{ "use_sliding_window", json_false() },
-		{ "output_router_logits", json_false() },
+		{ "output_router_logits",
+		  json_boolean(m->output_router_logits) },
+		{ "router_aux_loss_coef", json_real(m->router_aux_loss_coef) },
 		{ "torch_dtype", json_string(dt) },
 	};
 	for (size_t i = 0; i < EJ_ARRAY_LEN(kv); i++) {

@@ -312,11 +312,12 @@ static void arm_free(arm *a)
 
 static char *config_json(const epj_parity_opts *o)
 {
-	char *s = malloc(1024);
+	size_t n = 1024 + (o->moe_json ? strlen(o->moe_json) : 0);
+	char *s = malloc(n);
 	if (!s)
 		return NULL;
 	snprintf(
-	    s, 1024,
+	    s, n,
 	    "{\"train_micro_batch_size_per_gpu\": %lld,"
 	    " \"gradient_accumulation_steps\": 1,"
 	    " \"bf16\": {\"enabled\": %s},"
@@ -326,13 +327,14 @@ static char *config_json(const epj_parity_opts *o)
 	    " \"expert_parallel\": {\"enabled\": true, \"autoep_size\": %d,"
 	    " \"async_split_plan\": %s},"
 	    " \"compile\": {\"autoep_non_moe\": %s%s%s%s},"
-	    " \"seed\": %llu}",
+	    " \"moe\": %s, \"seed\": %llu}",
 	    (long long)o->batch, o->bf16 ? "true" : "false",
 	    o->checkpointing ? "true" : "false", ej_comm_world()->size,
 	    o->async_split_plan ? "true" : "false",
 	    o->regional ? "true" : "false",
 	    o->backend ? ", \"backend\": \"" : "", o->backend ? o->backend : "",
-	    o->backend ? "\"" : "", (unsigned long long)o->seed);
+	    o->backend ? "\"" : "", o->moe_json ? o->moe_json : "null",
+	    (unsigned long long)o->seed);
 	return s;
 }
 

@@ -38,6 +38,7 @@
  * norms, mlp (AutoEP) and lm_head and does everything in its own forward.
  */
 #include "jit.h"
+#include "router_loss_impl.h"
 #include "runtime_impl.h"
 
 #include <math.h>
@@ -1125,6 +1126,35 @@ static epj_status build(epj_ctx *ctx, epj_model *model,
 	return st;
 }
 
+/* The router losses of the MoE layers (runtime/router_loss.c), with
+ * transformers' auxiliary loss when config.json asks for it: for the
+ * families whose modeling code in transformers adds one (not
+ * DeepSeek-V2/V3, where output_router_logits only returns the logits). */
+static epj_status router_losses(epj_ctx *ctx, epj_model *m)
+{
+	const ej_model_config *c = &m->cfg;
+	if (m->n_moe == 0)
+		return EPJ_OK;
+	bool ds = c->family == EJ_FAMILY_DEEPSEEK_V2 ||
+		  c->family == EJ_FAMILY_DEEPSEEK_V3;
+	if (ds && c->output_router_logits)
+		epj_log_msg(EPJ_LOG_WARN,
+			    "config: output_router_logits is true: "
+			    "transformers' DeepSeek-V2/V3 add no auxiliary "
+			    "loss for it, and neither does epjit (the moe "
+			    "section of the training config has Megatron's "
+			    "router losses)");
+	m->rloss = ej_rloss_new(
+	    m->n_moe, c->num_experts, c->num_experts_per_tok, c->scoring,
+	    c->output_router_logits && !ds, c->router_aux_loss_coef);
+	if (!m->rloss)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	for (int i = 0; i < m->n_moe; i++)
+		EJ_ASSERT(ej_autoep_set_rloss(m->moe[i], m->rloss, i) ==
+			  EPJ_OK);
+	return EPJ_OK;
+}
+
 epj_status epj_model_new(epj_ctx *ctx, const char *config_path,
 			 const epj_model_opts *opts, epj_model **out)
 {
@@ -1180,6 +1210,8 @@ epj_status epj_model_new(epj_ctx *ctx, const char *config_path,
 	ctx->rng = saved;
 	if (st == EPJ_OK)
 		st = ej_module_params(ctx, m->root, &m->params);
+	if (st == EPJ_OK)
+		st = router_losses(ctx, m);
 	bool prev = epj_no_grad_enter(ctx);
 	for (int i = 0;
 	     st == EPJ_OK && opts->dtype != EPJ_DTYPE_F32 && i < m->params.n;
@@ -1207,6 +1239,7 @@ void epj_model_free(epj_model *m)
 	if (m->has_groups)
 		ej_groups_free(&m->groups);
 	free(m->moe);
+	ej_rloss_free(m->rloss);
 	epj_tensor_free(m->rope_cos);
 	epj_tensor_free(m->rope_sin);
 	free(m);
@@ -1235,9 +1268,26 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 					      "model forward: input_ids is "
 					      "NULL");
 	int n = labels ? 2 : 1;
+	/* the router losses of this forward (runtime/router_loss.c): counted
+	 * by the MoE layers, added to the loss, as transformers adds its
+	 * auxiliary loss when labels are given */
+	ej_rloss_begin(m->rloss, epj_grad_enabled(ctx));
+	double add = 0;
 	epj_status st = ej_module_call(ctx, m->root, in, n, out, n);
-	if (st != EPJ_OK)
+	if (st == EPJ_OK)
+		st = ej_rloss_end(ctx, m->rloss, &add);
+	if (st == EPJ_OK && add != 0 && out[1]) {
+		epj_tensor *l2 = epj_add_scalar(ctx, out[1], add);
+		epj_tensor_free(out[1]);
+		out[1] = l2;
+		if (!l2)
+			st = ctx->status;
+	}
+	if (st != EPJ_OK) {
+		epj_tensor_free(out[0]);
+		epj_tensor_free(out[1]);
 		return st;
+	}
 	if (logits)
 		*logits = out[0];
 	else

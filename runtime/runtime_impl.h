@@ -442,6 +442,10 @@ epj_status ej_autoep_set_fused(epj_module *m, bool fused);
  * combine all-to-all of a cuda context's rows (forward and backward) go
  * over it, the split plan's host counts stay on the host group. */
 epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm);
+/* The router losses the layer feeds (runtime/router_loss.c; borrowed, it
+ * must outlive the layer; NULL: none) as the model's MoE layer `layer`. */
+struct ej_rloss;
+epj_status ej_autoep_set_rloss(epj_module *m, struct ej_rloss *rl, int layer);
 
 /* ---- Qwen3-MoE model (qwen3.c)
  * -------------------------------------------------- */
@@ -464,6 +468,9 @@ struct epj_model {
 	 * the dtype stay, so a forward uploads nothing (epj_tensor_from_f64
 	 * is a host synchronization on a cuda context) */
 	epj_tensor *rope_cos, *rope_sin;
+	/* the router losses of the MoE layers (owned; runtime/router_loss.c;
+	 * NULL: the model has none) */
+	struct ej_rloss *rloss;
 };
 
 /* Attention + norms of one decoder block, shared by both layouts.  `blk` is

@@ -988,6 +988,59 @@ START_TEST(test_dump_round_trip)
 }
 END_TEST
 
+/* The moe section (Megatron's router losses): random coefficients read
+ * into their fields; null is 0 (off); a negative number or a string is an
+ * error naming the key; the writer gives the values back, and writes no
+ * moe section when every loss is off. */
+START_TEST(test_moe_losses)
+{
+	epj_ctx *ctx = tu_ctx();
+	const char *key[4] = { "aux_loss_coeff", "seq_aux_loss_coeff",
+			       "global_aux_loss_coeff", "z_loss_coeff" };
+	for (int iter = 0; iter < 8; iter++) {
+		double v[4];
+		char json[512];
+		for (int i = 0; i < 4; i++)
+			v[i] = tu_randint(0, 3) ? qu(1e-4, 2.0) : 0;
+		snprintf(json, sizeof json,
+			 "{\"moe\": {\"%s\": %.17g, \"%s\": %.17g, "
+			 "\"%s\": %.17g, \"%s\": %.17g}}",
+			 key[0], v[0], key[1], v[1], key[2], v[2], key[3],
+			 v[3]);
+		ej_config c, back;
+		parse_ok(ctx, json, &c);
+		const double got[4] = { c.moe.aux_loss_coeff,
+					c.moe.seq_aux_loss_coeff,
+					c.moe.global_aux_loss_coeff,
+					c.moe.z_loss_coeff };
+		for (int i = 0; i < 4; i++)
+			ck_assert_msg(got[i] == v[i], "%s: %.17g, want %.17g",
+				      key[i], got[i], v[i]);
+		char *text = ej_config_to_json(&c);
+		ck_assert_ptr_nonnull(text);
+		parse_ok(ctx, text, &back);
+		expect_same(&c, &back);
+		bool on = v[0] > 0 || v[1] > 0 || v[2] > 0 || v[3] > 0;
+		ck_assert_msg(on == (strstr(text, "\"moe\"") != NULL), "%s",
+			      text);
+		free(text);
+	}
+	ej_config c;
+	parse_ok(ctx,
+		 "{\"moe\": {\"aux_loss_coeff\": null, \"z_loss_coeff\": "
+		 "null}}",
+		 &c);
+	ck_assert(c.moe.aux_loss_coeff == 0 && c.moe.z_loss_coeff == 0);
+	parse_err(ctx, "{\"moe\": {\"seq_aux_loss_coeff\": -0.1}}",
+		  "\"moe.seq_aux_loss_coeff\" must be");
+	parse_err(ctx, "{\"moe\": {\"z_loss_coeff\": \"1e-3\"}}",
+		  "\"moe.z_loss_coeff\"");
+	parse_err(ctx, "{\"moe\": {\"aux_loss_coef\": 0.01}}",
+		  "\"moe.aux_loss_coeff\"");
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- "auto" ----------------------------------------------------------------
  */
 
@@ -1362,6 +1415,7 @@ Suite *make_config_suite(void)
 	tcase_add_test(tc, test_auto_trainer_values);
 	tcase_add_test(tc, test_auto_library_values);
 	tcase_add_test(tc, test_all_errors_reported);
+	tcase_add_test(tc, test_moe_losses);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -160,7 +160,9 @@ static double train(epj_engine *e, epj_ctx *ctx, epj_tensor *ids,
  * optimizer leaves alone (f32, no gradient) under the default
  * load_balance_coeff (0); with a coefficient c, every step moves each
  * bias by -c, 0 or +c, so after 3 steps each moved by a multiple of c of
- * at most 3c, and some moved. */
+ * at most 3c, and some moved; with activation checkpointing (the layers'
+ * forwards run without grad, their replays count nothing) it moves as
+ * without. */
 START_TEST(test_score_bias_balance)
 {
 	const double c = 0.05;
@@ -169,23 +171,26 @@ START_TEST(test_score_bias_balance)
 		 tu_srcdir());
 	snprintf(st, sizeof st, "%s/t/golden/hf/deepseek_v3/model.safetensors",
 		 tu_srcdir());
-	for (int arm = 0; arm < 2; arm++) {
+	double moved_by[2][8] = { { 0 } };
+	for (int arm = 0; arm < 3; arm++) {
 		epj_ctx *ctx = tu_ctx();
 		epj_model *m = NULL;
 		epj_model_opts o = { .layout = EPJ_LAYOUT_NESTED,
 				     .seed = 5,
 				     .dtype = EPJ_DTYPE_F32 };
 		ck_assert_int_eq(epj_model_new(ctx, cfg, &o, &m), EPJ_OK);
-		epj_engine *e = new_engine(
-		    ctx, m,
-		    arm ? "{\"train_micro_batch_size_per_gpu\": 2, "
-			  "\"optimizer\": {\"type\": \"AdamW\", \"params\": "
-			  "{\"lr\": 0.01, \"weight_decay\": 0.1}}, "
-			  "\"expert_parallel\": {\"load_balance_coeff\": "
-			  "0.05}}"
-			: "{\"train_micro_batch_size_per_gpu\": 2, "
-			  "\"optimizer\": {\"type\": \"AdamW\", \"params\": "
-			  "{\"lr\": 0.01, \"weight_decay\": 0.1}}}");
+		char js[512];
+		snprintf(js, sizeof js,
+			 "{\"train_micro_batch_size_per_gpu\": 2, "
+			 "\"optimizer\": {\"type\": \"AdamW\", \"params\": "
+			 "{\"lr\": 0.01, \"weight_decay\": 0.1}}%s%s}",
+			 arm ? ", \"expert_parallel\": "
+			       "{\"load_balance_coeff\": 0.05}"
+			     : "",
+			 arm == 2 ? ", \"activation_checkpointing\": "
+				    "{\"enabled\": true}"
+				  : "");
+		epj_engine *e = new_engine(ctx, m, js);
 		ck_assert_msg(epj_engine_load(e, st) == EPJ_OK, "%s",
 			      epj_ctx_error(ctx));
 		double before[2][8], after[2][8];
@@ -238,6 +243,14 @@ START_TEST(test_score_bias_balance)
 					      "multiple of %g up to 3",
 					      d, c);
 				moved += d != 0;
+				if (arm == 1)
+					moved_by[j][x] = d;
+				else
+					ck_assert_msg(
+					    d == moved_by[j][x],
+					    "with checkpointing a bias moved "
+					    "by %g, without by %g",
+					    d, moved_by[j][x]);
 			}
 		}
 		if (arm)

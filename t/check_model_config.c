@@ -131,6 +131,9 @@ START_TEST(test_qwen3_30b_a3b)
 	ck_assert(!m.tie_word_embeddings);
 	ck_assert(m.initializer_range == 0.02);
 	ck_assert_str_eq(m.torch_dtype, "bfloat16");
+	/* transformers' auxiliary loss: off, its coefficient kept */
+	ck_assert(!m.output_router_logits);
+	ck_assert(m.router_aux_loss_coef == 0.001);
 	for (int l = 0; l < m.num_hidden_layers; l++)
 		ck_assert(ej_model_layer_is_moe(&m, l));
 	epj_ctx_free(ctx);
@@ -294,6 +297,8 @@ static void same_config(const ej_model_config *a, const ej_model_config *b,
 		a->max_position_embeddings == b->max_position_embeddings &&
 		a->tie_word_embeddings == b->tie_word_embeddings &&
 		a->initializer_range == b->initializer_range &&
+		a->output_router_logits == b->output_router_logits &&
+		a->router_aux_loss_coef == b->router_aux_loss_coef &&
 		a->family == b->family && a->rope_type == b->rope_type &&
 		a->rope_factor == b->rope_factor &&
 		a->rope_original_max == b->rope_original_max &&
@@ -365,9 +370,11 @@ START_TEST(test_config_json_roundtrip)
 		"\"rms_norm_eps\": 3.3e-7, \"rope_theta\": 123456.789, "
 		"\"max_position_embeddings\": 77, "
 		"\"initializer_range\": 0.0123, \"torch_dtype\": "
-		"\"bfloat16\"}",
+		"\"bfloat16\", \"output_router_logits\": true, "
+		"\"router_aux_loss_coef\": 0.037}",
 		"odd.json", &a),
 	    EPJ_OK);
+	ck_assert(a.output_router_logits && a.router_aux_loss_coef == 0.037);
 	t = ej_model_config_json(&a, NULL);
 	ck_assert_ptr_nonnull(t);
 	ck_assert_int_eq(ej_model_config_parse(ctx, t, "odd", &b), EPJ_OK);

@@ -24,8 +24,13 @@
 #  2. it trains: 24 AdamW steps from the checkpoint on the synthetic
 #     stream, the mean loss of the last 4 steps at least 0.5 under that of
 #     the first 4 (measured: 5.51 -> 4.13 and 5.10 -> 3.93);
+#     the families with transformers' auxiliary loss (aux/, made by
+#     hf_make.py: output_router_logits true, router_aux_loss_coef 0.1)
+#     match their aux golden the same way, on the cpu eagerly and compiled
+#     with checkpointing, transformers' own f32 results pass it, and the
+#     dump without the loss fails it;
 #  3. --parity (compiled against eager, nested layout) passes with
-#     checkpointing off and on;
+#     checkpointing off and on, and with the auxiliary loss on;
 #  4. with mpirun: 2 ranks with autoep_size 2 train with the losses and
 #     gradient norms of 1 rank on the same micro-batches (relative: twice
 #     the family's largest tolerance of stage 1, two f32 runs each within
@@ -200,6 +205,38 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 			fail "$fam from shards against one file: $(cat "$fam-sharded.cmp")"
 		echo "$fam from $(ls "$dir/sharded" | grep -c '^model-.*safetensors$') shards: the dump of one file, exactly"
 	fi
+	# transformers' auxiliary loss (aux/: output_router_logits true,
+	# router_aux_loss_coef 0.1): the loss CE + 0.1 aux_loss and every
+	# gradient, eagerly, and compiled with checkpointing (the gradient
+	# added once, by the replay); transformers' own f32 results pass;
+	# the dump without the loss fails (the loss moves the routers'
+	# gradients by 5 to 13%)
+	if [ -f "$dir/aux/golden.safetensors" ]; then
+		for mode in eager compiled; do
+			if [ $full = 0 ] && [ $mode = compiled ]; then
+				continue
+			fi
+			c=
+			[ $mode = compiled ] && c="--compile --checkpointing"
+			out="$fam-aux-$mode"
+			EPJIT_DEVICE=cpu "$TRAIN" --model "$dir/aux/config.json" \
+				--load "$dir/model.safetensors" \
+				--dump-batch "$dir/batch.safetensors" \
+				--dump-state "$out.st" $c >"$out.log" 2>&1 ||
+				fail "$out: $(cat "$out.log")"
+			"$CMP" "$dir/aux/golden.safetensors" "$out.st" >"$out.cmp" 2>&1 ||
+				fail "$out against transformers' auxiliary loss: $(cat "$out.cmp")"
+			echo "$fam auxiliary loss, cpu $mode${c:+ (checkpointing)}: $(tail -n 1 "$out.cmp")"
+		done
+		"$CMP" "$dir/aux/golden.safetensors" "$dir/aux/f32.safetensors" \
+			>"$fam-aux-hf32.cmp" 2>&1 ||
+			fail "$fam: transformers' own f32 auxiliary-loss results: $(cat "$fam-aux-hf32.cmp")"
+		st=0
+		"$CMP" "$dir/aux/golden.safetensors" "$fam-cpu-eager.st" \
+			>"$fam-noaux.cmp" 2>&1 || st=$?
+		[ $st = 1 ] ||
+			fail "$fam: a dump without the auxiliary loss passes its golden: $(cat "$fam-noaux.cmp")"
+	fi
 	if [ $full = 0 ]; then
 		echo "$fam: matches transformers on the cpu (the rest skipped: EPJIT_CHECK_QUICK)"
 		continue
@@ -211,13 +248,19 @@ for dir in "$srcdir"/t/golden/hf/*/; do
 	awk -F, 'NR > 1 && NR <= 5 { a += $2 } NR > 21 { b += $2; n++ }
 		END { if (!(n == 4 && b / 4 < a / 4 - 0.5)) exit 1 }' \
 		"$fam.csv" || fail "$fam: the loss did not fall: $(cat "$fam.csv")"
-	# 3. parity, checkpointing off and on
+	# 3. parity, checkpointing off and on; with the auxiliary loss, on
 	for ck in "" --checkpointing; do
 		"$TRAIN" --model "$cfg" --parity --layout nested $ck \
 			>"$fam-parity$ck.log" 2>&1 &&
 			grep -q '^parity: PASS' "$fam-parity$ck.log" ||
 			fail "$fam parity $ck: $(cat "$fam-parity$ck.log")"
 	done
+	if [ -f "$dir/aux/config.json" ]; then
+		"$TRAIN" --model "$dir/aux/config.json" --parity --layout nested \
+			--checkpointing >"$fam-parity-aux.log" 2>&1 &&
+			grep -q '^parity: PASS' "$fam-parity-aux.log" ||
+			fail "$fam parity with the auxiliary loss: $(cat "$fam-parity-aux.log")"
+	fi
 	# 4. 2 ranks, EP 2, against 1 rank x 2 micro-batches
 	if [ -n "$MPIRUN" ]; then
 		# lr 1e-3: at 1e-2 the last bits in which 2 ranks sum a

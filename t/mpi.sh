@@ -7,9 +7,10 @@
 #     2 ranks against the unsharded layer (also with a rank that receives
 #     nothing), EP = 2 / EP = 1 with ZeRO 0/1/2 against a single-rank
 #     reference on the global batch (loss, routing, every gradient, the
-#     update), the expert-load metrics (exact sums of each rank's loads,
-#     fixed routing balanced over both ranks, one all-reduce a step), the
-#     collective timeout;
+#     update), Megatron's router losses over the ranks (the global aux
+#     loss's counts summed), the expert-load metrics (exact sums of each
+#     rank's loads, fixed routing balanced over both ranks, one all-reduce
+#     a step), the collective timeout;
 #     t/mpi_nccl_check (2 ranks): the cuda device on the stand-in driver
 #     with NCCL on device buffers (the stand-in NCCL, t/fake_nccl.c): the
 #     nccl comm's collectives, EP = 2 and data parallel (ZeRO 0 / 2)

@@ -16,6 +16,11 @@
  *             gradient (reduced over its group and scaled as the engine
  *             does), the grad norm and the parameters after 2 optimizer
  *             steps (non-zero updates), f32 within 1e-5 relative.
+ *  router     Megatron's router losses on every rank's copy of one batch
+ *             (EP over the ranks) against a single rank: the global aux
+ *             loss sums the counts over the ranks (a rank's is 1/W of the
+ *             batch's aux loss), its metric is the sum over the ranks, the
+ *             others' the mean; loss and routers after the step.
  *  load       the expert-load metrics: the loads' exact sum over the ranks,
  *             an EP engine with fixed routing balanced over every rank's
  *             tokens, one all-reduce a step for them.
@@ -644,6 +649,106 @@ static void check_model(ej_comm *w, ej_comm *self, int ep, int zero,
 	epj_ctx_free(cr);
 }
 
+/* ---- router losses --------------------------------------------------------
+ */
+
+/* Megatron's router losses over the ranks (runtime/router_loss.c): every
+ * rank (EP over all of them) trains on the same batch with the global aux
+ * loss (coefficient c), the aux loss and the z-loss on.  The global loss
+ * sums its counts over the ranks and divides by the tokens of all ranks,
+ * so a rank's is 1/W of the aux loss of its batch, and the step averages
+ * the ranks' gradients: the step is a single rank's with the aux loss's
+ * coefficient raised by c/W.  Its metric is the sum over the ranks (the
+ * aux loss of the batch), the others the mean. */
+static void check_router_losses(ej_comm *w, ej_comm *self)
+{
+	const int P = w->size;
+	const int64_t B = 2, T = 5;
+	const double a = 0.02, c = 0.3, zc = 0.01;
+	epj_ctx *ca = NULL, *cr = NULL;
+	epj_ctx_new("cpu", &ca);
+	epj_ctx_new("cpu", &cr);
+	epj_model_opts mo = { .layout = EPJ_LAYOUT_NESTED,
+			      .seed = seed + 11,
+			      .dtype = EPJ_DTYPE_F32 };
+	epj_model *ma = NULL, *mr = NULL;
+	epj_engine *ea = NULL, *er = NULL;
+	OK(ca, epj_model_new(ca, NULL, &mo, &ma));
+	OK(cr, epj_model_new(cr, NULL, &mo, &mr));
+	const char *fmt =
+	    "{\"train_micro_batch_size_per_gpu\": %lld,"
+	    " \"gradient_accumulation_steps\": 1,"
+	    " \"optimizer\": {\"type\": \"SGD\", \"params\": {\"lr\": 0.5}},"
+	    " \"expert_parallel\": {\"enabled\": true, \"autoep_size\": %d},"
+	    " \"moe\": {\"aux_loss_coeff\": %.17g, \"global_aux_loss_coeff\":"
+	    " %.17g, \"z_loss_coeff\": %.17g}, \"comm\": {\"timeout_s\": 60}}";
+	char ja[512], jr[512];
+	snprintf(ja, sizeof ja, fmt, (long long)B, P, a, c, zc);
+	snprintf(jr, sizeof jr, fmt, (long long)B, 1, a + c / P, 0.0, zc);
+	OK(ca, epj_engine_initialize_json(ca, ma, ja, "router losses", &ea));
+	ej_comm *prev = ej_comm_world_set(self);
+	OK(cr, epj_engine_initialize_json(cr, mr, jr, "<reference>", &er));
+	ej_comm_world_set(prev);
+	if (!ea || !er)
+		return;
+	epj_corpus *corp = epj_corpus_synthetic(
+	    cr, (uint32_t)epj_model_vocab_size(mr), seed + 5);
+	epj_tensor *ids = NULL, *lab = NULL;
+	OK(cr, epj_corpus_next_batch(cr, corp, B, T, &ids, &lab));
+	epj_step_info ia, ir;
+	OK(ca, epj_engine_train_step(ea, ids, lab, &ia));
+	OK(cr, epj_engine_train_step(er, ids, lab, &ir));
+	CHECK(fabs(ia.loss - ir.loss) <= 1e-6 * fabs(ir.loss),
+	      "router losses: loss %.9g, single rank %.9g", ia.loss, ir.loss);
+	/* metrics: (name on the ranks, name in the reference) */
+	const char *pairs[3][2] = {
+		{ "load_balancing_loss", "load_balancing_loss" },
+		{ "global_load_balancing_loss", "load_balancing_loss" },
+		{ "z_loss", "z_loss" }
+	};
+	for (int i = 0; i < 3; i++) {
+		double va = NAN, vr = NAN;
+		const char *na = NULL, *nr = NULL;
+		for (int j = 0; epj_engine_router_loss(ea, j, &na, &va); j++)
+			if (!strcmp(na, pairs[i][0]))
+				break;
+		for (int j = 0; epj_engine_router_loss(er, j, &nr, &vr); j++)
+			if (!strcmp(nr, pairs[i][1]))
+				break;
+		CHECK(na && nr && !strcmp(na, pairs[i][0]) &&
+			  !strcmp(nr, pairs[i][1]) && vr > 0 &&
+			  fabs(va - vr) <= 1e-5 * vr,
+		      "router losses: %s %.9g, single rank's %s %.9g",
+		      pairs[i][0], va, pairs[i][1], vr);
+	}
+	/* the routers after the step */
+	for (int l = 0; l < ma->n_moe; l++) {
+		char nm[128];
+		snprintf(nm, sizeof nm, "%s.gate.weight", ma->moe[l]->name);
+		int i = param_index(ma, nm), j = param_index(mr, nm);
+		CHECK(i >= 0 && j >= 0, "router losses: no %s", nm);
+		if (i < 0 || j < 0)
+			continue;
+		int64_t n = epj_tensor_numel(ma->params.params[i]);
+		float *f1 = host_f32(ca, ma->params.params[i]);
+		float *f2 = host_f32(cr, mr->params.params[j]);
+		double d = rel_diff(f1, f2, n);
+		CHECK(d <= 1e-5 * tscale,
+		      "router losses: %s after the step differs: %g", nm, d);
+		free(f1);
+		free(f2);
+	}
+	epj_tensor_free(ids);
+	epj_tensor_free(lab);
+	epj_corpus_free(corp);
+	epj_engine_free(ea);
+	epj_engine_free(er);
+	epj_model_free(ma);
+	epj_model_free(mr);
+	epj_ctx_free(ca);
+	epj_ctx_free(cr);
+}
+
 /* ---- memory of every rank -------------------------------------------------
  */
 
@@ -924,6 +1029,7 @@ int main(void)
 	if (world_size > 2 && world_size % 2 == 0) /* EP 2 x EDP W/2 */
 		check_model(w, self, 2, 2, sgd, true);
 	check_dist_memory(w, self, sgd);
+	check_router_losses(w, self);
 	check_expert_load(ctx, w);
 	check_mpi_error(ctx, w);
 	check_timeout(ctx, w);

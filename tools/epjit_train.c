@@ -135,6 +135,7 @@ typedef struct opts {
 } opts;
 
 #define N_MON 10 /* the monitors' events (mon_events) */
+#define N_RL  5	 /* router losses at most (epj_engine_router_loss) */
 
 /* Everything a run owns; run_free() releases it in reverse order. */
 typedef struct run {
@@ -150,8 +151,9 @@ typedef struct run {
 	bool loads_on;
 	int n_moe;
 	FILE **load_mon;
-	tb_writer *tb; /* tensorboard: rank 0's event file, or NULL */
-	uint64_t seed; /* the run seed */
+	FILE *rl_monitor[N_RL]; /* csv_monitor: the router losses' files */
+	tb_writer *tb;		/* tensorboard: rank 0's event file, or NULL */
+	uint64_t seed;		/* the run seed */
 	int64_t B, T, gas;
 	int eval_stream;  /* epj_corpus_fork stream of the evaluation */
 	const char *data; /* --data or the config's data.path, "synthetic" */
@@ -308,9 +310,11 @@ static void usage(FILE *fp)
 	    "layer L\n"
 	    "                      moe_load_max_mean_layer_L,"
 	    "moe_load_cv_layer_L,\n"
-	    "                      moe_dead_experts_layer_L (the config's "
-	    "csv_monitor\n"
-	    "                      writes DeepSpeed's per-metric files)\n"
+	    "                      moe_dead_experts_layer_L, then one column "
+	    "per router\n"
+	    "                      loss (the config's csv_monitor writes "
+	    "DeepSpeed's\n"
+	    "                      per-metric files)\n"
 	    "  --dump-state FILE   one forward+backward on the next batch, "
 	    "write\n"
 	    "                      ids, labels, logits, loss, weights and "
@@ -1693,6 +1697,63 @@ static void monitor_path(const run *r, int i, char *path, size_t n)
 	snprintf(path, n, "%s/%s.csv", r->mon_dir, name);
 }
 
+/* The router losses that are on (epj_engine_router_loss: the model's
+ * config.json and the config's moe section): their number, names and
+ * values at the last step; their monitor event "Train/Samples/<name>" and
+ * csv_monitor file. */
+static int rl_count(const run *r, const char **names, double *values)
+{
+	int n = 0;
+	while (n < N_RL &&
+	       epj_engine_router_loss(r->engine, n, &names[n], &values[n]))
+		n++;
+	return n;
+}
+
+static void rl_monitor_path(const run *r, const char *name, char *path,
+			    size_t n)
+{
+	snprintf(path, n, "%s/Train_Samples_%s.csv", r->mon_dir, name);
+}
+
+/* ", name" for each router loss (the --metrics header), or its values. */
+static void rl_columns(const run *r, bool header, char *buf, size_t n)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	buf[0] = '\0';
+	for (int i = 0; i < k; i++) {
+		size_t l = strlen(buf);
+		if (header)
+			snprintf(buf + l, n - l, ",%s", nm[i]);
+		else
+			snprintf(buf + l, n - l, ",%.9g", v[i]);
+	}
+}
+
+/* The router losses' csv_monitor files, opened as monitor_open opens the
+ * others. */
+static int rl_monitor_open(run *r)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	for (int i = 0; r->monitor[0] && i < k; i++) {
+		char path[4400];
+		rl_monitor_path(r, nm[i], path, sizeof path);
+		r->rl_monitor[i] = fopen(path, "a");
+		if (!r->rl_monitor[i])
+			return fail_msg("csv_monitor: cannot open %s: %s", path,
+					strerror(errno));
+		if (ftello(r->rl_monitor[i]) == 0 &&
+		    put_row(&r->rl_monitor[i], "csv_monitor: ", path,
+			    "step,%s\n", nm[i]))
+			return 1;
+	}
+	return 0;
+}
+
 /* The expert-load metrics, per MoE layer (doc/trainer.md, "Expert load"):
  * max / mean load, coefficient of variation, dead experts, as the events
  * Train/Samples/<name>_layer_<L> (L the decoder layer) and the --metrics
@@ -1821,6 +1882,30 @@ static int load_record(run *r, int64_t samples, double wt, int *tb_bad)
 	return 0;
 }
 
+/* One step's router-loss events, as load_record's: a csv_monitor row of
+ * each at x = samples and their tensorboard scalars; 1 when a csv_monitor
+ * write failed. */
+static int rl_record(run *r, int64_t samples, double wt, int *tb_bad)
+{
+	const char *nm[N_RL];
+	double v[N_RL];
+	int k = rl_count(r, nm, v);
+	for (int i = 0; i < k; i++) {
+		char path[4400], ev[64];
+		snprintf(ev, sizeof ev, "Train/Samples/%s", nm[i]);
+		if (r->tb && !*tb_bad)
+			*tb_bad = tb_writer_scalar(r->tb, wt, samples, ev,
+						   (float)v[i]);
+		if (!r->rl_monitor[i])
+			continue;
+		rl_monitor_path(r, nm[i], path, sizeof path);
+		if (put_row(&r->rl_monitor[i], "csv_monitor: ", path,
+			    "%" PRId64 ",%.9g\n", samples, v[i]))
+			return 1;
+	}
+	return 0;
+}
+
 /* Opens the csv_monitor files when the config enables it (appending, as
  * DeepSpeed does; a header, written through, when a file is new); rank 0
  * only, as DeepSpeed's monitors, so that ranks do not append the same
@@ -1846,6 +1931,8 @@ static int monitor_open(run *r)
 			    strrchr(mon_events[i], '/') + 1))
 			return 1;
 	}
+	if (rl_monitor_open(r))
+		return 1;
 	fprintf(where_to(),
 		PROG ": csv_monitor: writing %s/Train_Samples_*.csv\n",
 		r->mon_dir);
@@ -1912,6 +1999,8 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	int64_t cus = epj_counter_get(r->ctx, "compile.us");
 	double compile_ms = (double)(cus - ls->compile_us) / 1e3;
 	ls->compile_us = cus;
+	char rl[N_RL * 24];
+	rl_columns(r, false, rl, sizeof rl);
 	/* one whole row per write: a stopped or killed run leaves no cut
 	 * row */
 	char *lc = r->metrics ? load_columns(r, false) : NULL;
@@ -1921,12 +2010,12 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	    r->metrics &&
 	    put_row(&r->metrics, "", o->metrics,
 		    "%" PRId64 ",%.9g,%.9g,%.9g,%.1f,%" PRIu64
-		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d%s\n",
+		    ",%.3f,%.3f,%.6g,%d,%" PRIu64 ",%d%s%s\n",
 		    info->step, info->mean_loss, info->lr, info->grad_norm,
 		    (double)ls->tok_per_step / step_s, ms->peak_allocated,
 		    step_s * 1e3, compile_ms, ls->floor,
 		    ms->peak_allocated_rank, ms->peak_reserved,
-		    ms->peak_reserved_rank, lc);
+		    ms->peak_reserved_rank, lc, rl);
 	free(lc);
 	if (bad_row)
 		return 1;
@@ -1955,7 +2044,8 @@ static int record_step(run *r, const opts *o, loop_state *ls,
 	for (int i = 0; r->tb && i < N_MON && !bad; i++)
 		bad = tb_writer_scalar(r->tb, wt, samples, mon_events[i],
 				       (float)v[i]);
-	if (load_record(r, samples, wt, &bad))
+	if (load_record(r, samples, wt, &bad) ||
+	    rl_record(r, samples, wt, &bad))
 		return 1;
 	if (r->tb && (tb_writer_flush(r->tb) != 0 || bad))
 		tb_drop(r, errno);
@@ -2436,6 +2526,9 @@ static void run_free(run *r)
 		if (r->load_mon[k])
 			fclose(r->load_mon[k]);
 	free(r->load_mon);
+	for (int i = 0; i < N_RL; i++)
+		if (r->rl_monitor[i])
+			fclose(r->rl_monitor[i]);
 	if (r->tb && tb_writer_close(r->tb) != 0)
 		fprintf(stderr,
 			PROG ": warning: tensorboard: closing the event file "
@@ -2623,6 +2716,14 @@ static int close_outputs(run *r, const opts *o)
 			rc = fail_msg("csv_monitor: %s: write failed: %s", path,
 				      strerror(errno));
 	}
+	for (int i = 0; i < N_RL; i++) {
+		errno = 0;
+		if (r->rl_monitor[i] && fclose(r->rl_monitor[i]) != 0 && !rc)
+			rc = fail_msg("csv_monitor: a router loss's file: "
+				      "write failed: %s",
+				      strerror(errno));
+		r->rl_monitor[i] = NULL;
+	}
 	return rc;
 }
 
@@ -2656,12 +2757,15 @@ static int open_outputs(run *r, const opts *o)
 		char *lc = load_columns(r, true);
 		if (!lc)
 			return fail_msg("%s: out of memory", o->metrics);
-		int bad = put_row(&r->metrics, "", o->metrics,
-				  "step,loss,lr,grad_norm,tokens_per_s,"
-				  "peak_alloc_bytes,step_ms,compile_ms,"
-				  "entropy_floor,peak_alloc_rank,"
-				  "peak_reserved_bytes,peak_reserved_rank%s\n",
-				  lc);
+		char rl[N_RL * 40];
+		rl_columns(r, true, rl, sizeof rl);
+		int bad =
+		    put_row(&r->metrics, "", o->metrics,
+			    "step,loss,lr,grad_norm,tokens_per_s,"
+			    "peak_alloc_bytes,step_ms,compile_ms,"
+			    "entropy_floor,peak_alloc_rank,"
+			    "peak_reserved_bytes,peak_reserved_rank%s%s\n",
+			    lc, rl);
 		free(lc);
 		if (bad)
 			return 1;

@@ -393,6 +393,7 @@ def make(fam, cfg, cls, moe, proj):
     if fam == "qwen3_5_moe":
         import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as q35
         check_delta_rule(q35.torch_chunk_gated_delta_rule)
+        q35._hf_make_chunk = q35.torch_chunk_gated_delta_rule
         q35.torch_chunk_gated_delta_rule = delta_rule_f64
     model.double()
     with Float64(model) as f64:
@@ -445,9 +446,135 @@ def make(fam, cfg, cls, moe, proj):
     print(f"{fam}: loss {loss.item():.6f}, {len(names)} tensors -> {d}")
 
 
+# transformers' auxiliary loss in the aux/ goldens: a coefficient large
+# enough that the loss moves every router gradient by 5 to 13% (0.001,
+# the configs' default, moves them by 0.05%)
+AUX_COEF = 0.1
+# the families whose modeling code adds an auxiliary loss (DeepSeek-V2/V3
+# in transformers have none: output_router_logits only returns the logits)
+AUX_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3_5_moe")
+
+
+def load_balancing_f64(gate_logits, num_experts=None, top_k=2,
+                       attention_mask=None):
+    """transformers' load_balancing_loss_func with float64 accumulators:
+    transformers sums the counts and divides them in f32 even for a
+    float64 model (6e-8 off the exact value; a golden must not carry it);
+    check_load_balancing holds it to transformers' own function."""
+    dev = gate_logits[0].device
+    tok = torch.zeros(num_experts, dtype=torch.float64, device=dev)
+    prob = torch.zeros(num_experts, dtype=torch.float64, device=dev)
+    rows = 0.0
+    if attention_mask is not None:
+        mask = attention_mask.reshape(-1).to(dev, torch.float64)
+    for g in gate_logits:
+        w = F.softmax(g.double(), dim=-1)
+        _, sel = torch.topk(w, top_k, dim=-1)
+        m = mask if attention_mask is not None else \
+            torch.ones(w.shape[0], dtype=torch.float64, device=dev)
+        tok = tok + torch.zeros(num_experts, dtype=torch.float64,
+                                device=dev).scatter_add_(
+            0, sel.reshape(-1), m.repeat_interleave(top_k))
+        prob = prob + (w * m.unsqueeze(-1)).sum(dim=0)
+        rows = rows + m.sum()
+    return torch.sum((tok / rows) * (prob / rows).unsqueeze(0)) * \
+        num_experts
+
+
+def check_load_balancing(lb):
+    """load_balancing_f64 against transformers' own function on random
+    router logits (3 layers of 2 x 7 tokens, 6 experts, top 2), with and
+    without an attention mask (f32 agreement)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = tuple(torch.randn(14, 6, generator=gen, dtype=torch.float64)
+                   * 3 for _ in range(3))
+    mask = torch.ones(2, 7)
+    mask[1, 5:] = 0
+    for am in (None, mask):
+        a = lb(logits, 6, 2, am).double()
+        r = load_balancing_f64(logits, 6, 2, am)
+        assert abs((a - r).item()) < 1e-6 * abs(r.item()), \
+            f"load_balancing_f64: {r.item()} against {a.item()}"
+
+
+def make_aux(fam, cls, moe, proj):
+    """OUTDIR/<fam>/aux/: the same model and batch with transformers'
+    auxiliary loss on (config.json: output_router_logits true,
+    router_aux_loss_coef AUX_COEF); golden.safetensors and f32.safetensors
+    hold the logits, the loss F.cross_entropy + AUX_COEF * aux_loss (the
+    sum transformers' labels= path returns: checked here) and every
+    gradient of it, as make() writes them."""
+    import importlib
+    d = os.path.join(OUT, fam)
+    da = os.path.join(d, "aux")
+    os.makedirs(da, exist_ok=True)
+    cfg = cls.config_class.from_pretrained(d)
+    cfg.output_router_logits = True
+    cfg.router_aux_loss_coef = AUX_COEF
+    cfg.save_pretrained(da)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    mod = importlib.import_module(cls.__module__)
+    delta = getattr(mod, "torch_chunk_gated_delta_rule", None)
+    if delta is delta_rule_f64:  # make() left it patched: f32 first
+        mod.torch_chunk_gated_delta_rule = mod.__dict__["_hf_make_chunk"]
+    model = cls.from_pretrained(d, config=cfg).float()
+    model.train()
+    batch = safe_open(os.path.join(d, "batch.safetensors"), "pt")
+    ids, labels = batch.get_tensor("input_ids"), batch.get_tensor("labels")
+
+    def run():
+        out = model(input_ids=ids)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+        return out.logits, ce + AUX_COEF * out.aux_loss
+
+    with torch.no_grad():
+        o = model(input_ids=ids, labels=ids)
+        ce = F.cross_entropy(o.logits[:, :-1].flatten(0, 1),
+                             ids[:, 1:].flatten())
+        assert abs(o.loss - ce - AUX_COEF * o.aux_loss).item() < 1e-6, \
+            f"{fam}: transformers' loss is not CE + coef * aux_loss"
+    files = {}
+    for compute in ("F32", "F64"):
+        lb = mod.load_balancing_loss_func
+        if compute == "F64":
+            check_load_balancing(lb)
+            mod.load_balancing_loss_func = load_balancing_f64
+            if delta is not None:
+                mod.torch_chunk_gated_delta_rule = delta_rule_f64
+            model.double()
+            with Float64(model) as f64:
+                logits, loss = run()
+                loss.backward()
+            assert not f64.low, f"{fam} aux: f32 ops in the f64 run: " \
+                f"{f64.low}"
+            mod.load_balancing_loss_func = lb
+        else:
+            logits, loss = run()
+            loss.backward()
+        out = {"logits": logits.detach().contiguous(),
+               "loss": loss.detach().reshape(())}
+        for n, p in model.named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            for cn, gv in ckpt_names(n, grad.detach(), moe, proj):
+                out[cn + ".grad"] = gv.contiguous().clone()
+        model.zero_grad(set_to_none=True)
+        files[compute] = out
+    a, b = files["F64"]["loss"].item(), files["F32"]["loss"].item()
+    assert abs(a - b) < 1e-5 * abs(a), f"{fam} aux: f32 loss {b} vs {a}"
+    save_file(files["F64"], os.path.join(da, "golden.safetensors"),
+              metadata={"compute": "F64"})
+    save_file(files["F32"], os.path.join(da, "f32.safetensors"),
+              metadata={"compute": "F32"})
+    print(f"{fam} aux: loss {a:.6f} (router_aux_loss_coef {AUX_COEF}) "
+          f"-> {da}")
+
+
 def main():
     for fam, cfg, cls, moe, proj in families():
         make(fam, cfg, cls, moe, proj)
+        if fam in AUX_FAMILIES:
+            make_aux(fam, cls, moe, proj)
 
 
 if __name__ == "__main__":
