@@ -36,9 +36,7 @@
  * (renamed) after every rank's file of G is in place.
  *
  * The writer thread starts with every signal blocked: a stop signal goes
- * to the training thread, whose handler the application installed.  It
- * runs at nice 10, so that where it competes with training for a core
- * (a CPU run on few cores) the steps keep most of it.
+ * to the training thread, whose handler the application installed.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* fopencookie */
@@ -55,9 +53,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -185,16 +180,8 @@ static epj_status bg_host(struct ej_save_bg *b, size_t bytes)
 			epj_ctx_clear_error(ctx);
 		}
 	}
-	if (!b->host) {
-		/* 2 MiB aligned, transparent huge pages asked for: fewer pages
-		 * to fault in at the first copy, fewer TLB misses at each */
-		size_t huge = (size_t)2 << 20;
-		size_t an = (n + huge - 1) / huge * huge;
-		if (posix_memalign((void **)&b->host, huge, an) != 0)
-			b->host = NULL;
-		else
-			madvise(b->host, an, MADV_HUGEPAGE);
-	}
+	if (!b->host && posix_memalign((void **)&b->host, 4096, n) != 0)
+		b->host = NULL;
 	if (!b->host)
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"checkpoint '%s': cannot allocate %zu bytes of "
@@ -377,6 +364,16 @@ static epj_status bg_finite(struct ej_save_bg *b)
 		const char *p = epj_tensor_data(t);
 		int64_t bad = -1;
 		double bv = 0;
+		if (dt == EPJ_DTYPE_F32) {
+			/* an exponent of all ones: Inf or NaN (a loop the
+			 * compiler vectorises; the state is mostly f32) */
+			const uint32_t *w = (const void *)p;
+			uint32_t any = 0;
+			for (int64_t k = 0; k < n; k++)
+				any |= (uint32_t)((w[k] & 0x7f800000u) ==
+						  0x7f800000u);
+			n = any ? n : 0; /* else find the element below */
+		}
 		for (int64_t k = 0; k < n && bad < 0; k++) {
 			double v = 0;
 			if (dt == EPJ_DTYPE_F32)
@@ -423,9 +420,6 @@ static void *bg_main(void *arg)
 {
 	struct ej_save_bg *b = arg;
 	ej_save_row row = { 0 };
-	/* nice 10: where the writer and the training thread compete for a
-	 * core, the training thread gets most of it (Linux: per thread) */
-	setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
 	ej_save_hold("start", b->plan.rank, b->plan.counts.step);
 	epj_status st = bg_finite(b);
 	if (st == EPJ_OK)
