@@ -1549,7 +1549,8 @@ static int stop_run(run *r, const opts *o)
 	bool say = epj_dist_rank() == 0 || o->rank_log;
 	int64_t step = epj_engine_step_count(r->engine);
 	bool none = step == r->step0;
-	if (sig != SIGINT && o->save && step == r->saved_step) {
+	if (o->save && step == r->saved_step) {
+		/* the periodic save of this step is committed already */
 		if (say)
 			print_resume_hint(o, o->save);
 	} else if (sig == SIGINT || !o->save || none) {
