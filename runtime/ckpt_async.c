@@ -619,6 +619,7 @@ void ej_save_bg_free(struct ej_save_bg *b)
 		return;
 	bg_join(b);
 	bg_reset(b);
+	free(b->ent);
 	if (b->pinned)
 		ej_cuda_host_free(b->cuda, b->host);
 	else

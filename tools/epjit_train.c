@@ -113,8 +113,8 @@ typedef struct opts {
 	const char *load, *save, *metrics, *dump_state, *dump_batch;
 	long save_every; /* --save-every N: 0 none */
 	long keep;	 /* --keep K: 0 not given (1) */
-	bool
-	    save_async; /* --save-async: the periodic saves in the background */
+	/* --save-async: the periodic saves in the background */
+	bool save_async;
 	const char *emit_cuda; /* --emit-cuda DIR */
 	bool nvrtc_check;      /* --nvrtc-check: compile the units too */
 	bool compare_eager;    /* --compare-eager: eager vs compiled steps */
