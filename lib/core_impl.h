@@ -49,6 +49,12 @@ typedef epj_status (*ej_fill_fn)(epj_ctx *ctx, FILE *fp, const char *tmp,
 				 void *user);
 epj_status ej_write_atomic(epj_ctx *ctx, const char *what, const char *path,
 			   ej_fill_fn fill, void *user);
+/* Writes the bytes epj_st_writer_save puts in its file (header and
+ * tensors) to fp, for a caller that writes the file itself (a fill of
+ * ej_write_atomic that also hashes them: runtime/ckpt_async.c).  path
+ * and tmp name the file in messages; errors go to w's context. */
+epj_status ej_st_writer_write(epj_st_writer *w, FILE *fp, const char *path,
+			      const char *tmp);
 /* Creates the temporary file of an atomic write of `path`, exclusively
  * (O_CREAT | O_EXCL | O_NOFOLLOW, mode 0666 & ~umask), under a name no one
  * can predict: "<path>.tmp.<pid>.<16 random hex digits>.<host>", written

@@ -450,7 +450,10 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
 			   epj_tensor *labels, double *loss);
 /* Training checkpoint (atomic): FP32 masters under HF names + optimizer
- * state + progress.  load also accepts a plain HF safetensors file. */
+ * state + progress.  load also accepts a plain HF safetensors file.  With
+ * several ranks save is collective and writes one generation of a
+ * checkpoint set (doc/ckpt.md); a background save in flight is committed
+ * first (epj_engine_save_finish). */
 epj_status epj_engine_save(epj_engine *e, const char *path);
 epj_status epj_engine_load(epj_engine *e, const char *path);
 /* The router losses that are on (transformers' auxiliary loss of the
@@ -463,6 +466,41 @@ epj_status epj_engine_load(epj_engine *e, const char *path);
  * Megatron logs it); false past the last (and without MoE layers). */
 bool epj_engine_router_loss(const epj_engine *e, int i, const char **name,
 			    double *value);
+/* The committed generations of a checkpoint set that a save keeps (>= 1,
+ * default 1: the newest only); each kept generation's record is also
+ * written as PATH.g<G>.record, which loads like PATH.  A world of one
+ * saves one file: keep > 1 is EPJ_ERR_UNSUPPORTED there. */
+epj_status epj_engine_set_save_keep(epj_engine *e, int keep);
+/* A background save of e's state to path (collective, between optimizer
+ * steps): a save in flight is finished first (at most one in flight);
+ * then every tensor of the checkpoint is copied to host memory (pinned on
+ * the cuda device), the ranks agree the copies succeeded, and a writer
+ * thread writes this rank's file (fsynced, renamed, checksummed) while
+ * training goes on.  The writer never communicates: the commit is
+ * epj_engine_save_finish's. */
+epj_status epj_engine_save_async(epj_engine *e, const char *path);
+/* This rank's background save (no communication): EPJ_SAVE_NONE, or
+ * EPJ_SAVE_WRITING while its writer works, EPJ_SAVE_WRITTEN once the
+ * writer is done (its file written, or its error kept) and the save
+ * waits for epj_engine_save_finish. */
+typedef enum epj_save_state {
+	EPJ_SAVE_NONE = 0,
+	EPJ_SAVE_WRITING,
+	EPJ_SAVE_WRITTEN
+} epj_save_state;
+epj_save_state epj_engine_save_pending(const epj_engine *e);
+/* Ends the background save (collective; EPJ_OK at once when there is
+ * none): waits for this rank's writer, then -- several ranks -- rank 0
+ * commits the record when every rank's file is written, the ranks agree
+ * on the outcome, and the oldest generation no longer kept is removed.
+ * Calling it once no rank's save is EPJ_SAVE_WRITING costs no wait.  The
+ * save's error (a writer's, on any rank) is returned on every rank;
+ * *step is the step saved (-1 when there was no save or it failed). */
+epj_status epj_engine_save_finish(epj_engine *e, int64_t *step);
+/* The config's checkpoint.writer.decoupled (DeepSpeed's decoupled
+ * checkpoint engine): epjit-train's periodic saves run in the background
+ * when it is true. */
+bool epj_engine_save_decoupled(const epj_engine *e);
 int64_t epj_engine_micro_batch_size(const epj_engine *e);
 int64_t epj_engine_grad_accum_steps(const epj_engine *e);
 int64_t epj_engine_steps_per_print(const epj_engine *e);

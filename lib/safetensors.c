@@ -1132,33 +1132,31 @@ static int meta_cmp(const void *a, const void *b)
 		      **(const char *const *const *)b);
 }
 
-epj_status epj_st_writer_save(epj_st_writer *w, const char *path)
+/* Sorts w's items into the file's order and builds its padded header
+ * (sv->order, sv->hdr); an error (out of memory, a header past the limit)
+ * is set in w's context.  st_save_done releases them. */
+static epj_status st_save_prepare(epj_st_writer *w, const char *path,
+				  st_save *sv)
 {
-	if (!w)
-		return EPJ_ERR_INVALID;
 	epj_ctx *ctx = w->ctx;
-	if (!path)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"safetensors writer: path is NULL");
-	st_save sv = { .w = w, .path = path };
-	sv.order = malloc(((size_t)w->n + 1) * sizeof *sv.order);
+	*sv = (st_save){ .w = w, .path = path };
+	sv->order = malloc(((size_t)w->n + 1) * sizeof *sv->order);
 	/* mk[i] points at a key slot; its value is at the same index. */
 	char ***mk = malloc(((size_t)w->n_meta + 1) * sizeof *mk);
-	if (!sv.order || !mk) {
-		free(sv.order);
+	if (!sv->order || !mk) {
 		free(mk);
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"safetensors '%s': out of memory", path);
 	}
 	for (int i = 0; i < w->n; i++)
-		sv.order[i] = &w->items[i];
-	qsort(sv.order, (size_t)w->n, sizeof *sv.order, item_cmp);
+		sv->order[i] = &w->items[i];
+	qsort(sv->order, (size_t)w->n, sizeof *sv->order, item_cmp);
 	for (int i = 0; i < w->n_meta; i++)
 		mk[i] = &w->meta_key[i];
 	qsort(mk, (size_t)w->n_meta, sizeof *mk, meta_cmp);
 
 	/* The header, exactly as serde_json writes HF's Metadata. */
-	st_buf *b = &sv.hdr;
+	st_buf *b = &sv->hdr;
 	char num[64];
 	buf_puts(b, "{");
 	if (w->n_meta > 0) {
@@ -1174,7 +1172,7 @@ epj_status epj_st_writer_save(epj_st_writer *w, const char *path)
 	}
 	uint64_t offset = 0;
 	for (int i = 0; i < w->n; i++) {
-		const st_item *it = sv.order[i];
+		const st_item *it = sv->order[i];
 		const epj_tensor *t = it->t;
 		if (i || w->n_meta > 0)
 			buf_puts(b, ",");
@@ -1198,21 +1196,49 @@ epj_status epj_st_writer_save(epj_st_writer *w, const char *path)
 	buf_puts(b, "}");
 	while (b->len % 8)
 		buf_puts(b, " ");
-	epj_status s;
-	if (b->oom)
-		s = ej_error(ctx, EPJ_ERR_NOMEM,
-			     "safetensors '%s': out of memory building the "
-			     "header",
-			     path);
-	else if (b->len > ST_MAX_HEADER)
-		s = ej_error(ctx, EPJ_ERR_INVALID,
-			     "safetensors '%s': header of %zu bytes exceeds "
-			     "the 100 MB limit",
-			     path, b->len);
-	else
-		s = ej_write_atomic(ctx, "safetensors", path, save_fill, &sv);
-	free(b->p);
-	free(sv.order);
 	free(mk);
+	if (b->oom)
+		return ej_error(ctx, EPJ_ERR_NOMEM,
+				"safetensors '%s': out of memory building the "
+				"header",
+				path);
+	if (b->len > ST_MAX_HEADER)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"safetensors '%s': header of %zu bytes exceeds "
+				"the 100 MB limit",
+				path, b->len);
+	return EPJ_OK;
+}
+
+static void st_save_done(st_save *sv)
+{
+	free(sv->hdr.p);
+	free(sv->order);
+}
+
+epj_status epj_st_writer_save(epj_st_writer *w, const char *path)
+{
+	if (!w)
+		return EPJ_ERR_INVALID;
+	epj_ctx *ctx = w->ctx;
+	if (!path)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"safetensors writer: path is NULL");
+	st_save sv;
+	epj_status s = st_save_prepare(w, path, &sv);
+	if (s == EPJ_OK)
+		s = ej_write_atomic(ctx, "safetensors", path, save_fill, &sv);
+	st_save_done(&sv);
+	return s;
+}
+
+epj_status ej_st_writer_write(epj_st_writer *w, FILE *fp, const char *path,
+			      const char *tmp)
+{
+	st_save sv;
+	epj_status s = st_save_prepare(w, path, &sv);
+	if (s == EPJ_OK)
+		s = save_fill(w->ctx, fp, tmp, &sv);
+	st_save_done(&sv);
 	return s;
 }

@@ -29,6 +29,11 @@
  * its own text, with the reader's size limit (EJ_CKPT_SET_MAX_BYTES), before
  * the rename.  After a commit only the files the previous record names are
  * removed (ej_ckpt_set_prune), never files found by their names' pattern.
+ *
+ * A save that keeps K > 1 generations (epj_engine_set_save_keep) also
+ * writes each generation's record as "PATH.g<G>.record"
+ * (ej_ckpt_set_copy_path), which loads like PATH; the commit of G then
+ * drops generation G - K: the files that record names, and the record.
  */
 #include "runtime_impl.h"
 
@@ -419,6 +424,12 @@ bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
 	const char *sl = strrchr(path, '/');
 	int k = snprintf(name, n, "%s.g%" PRId64 ".rank%d", sl ? sl + 1 : path,
 			 gen, rank);
+	return k > 0 && (size_t)k < n;
+}
+
+bool ej_ckpt_set_copy_path(const char *path, int64_t gen, char *buf, size_t n)
+{
+	int k = snprintf(buf, n, "%s.g%" PRId64 ".record", path, gen);
 	return k > 0 && (size_t)k < n;
 }
 

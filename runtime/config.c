@@ -289,6 +289,7 @@ enum {
 	SEC_COMMS_LOGGER,
 	SEC_AIO,
 	SEC_CHECKPOINT,
+	SEC_CKPT_WRITER,
 	SEC_COUNT
 };
 
@@ -504,6 +505,7 @@ static json_t *wr_schedule(const key *, const char *, const ej_config *);
 static json_t *wr_if_sched(const key *, const char *, const ej_config *);
 static json_t *wr_if_given(const key *, const char *, const ej_config *);
 static json_t *wr_if_moe(const key *, const char *, const ej_config *);
+static json_t *wr_if_decoupled(const key *, const char *, const ej_config *);
 
 /* Every key of the config, section by section, in the order the parser
  * reads them and the JSON writer writes them.  A key is added here and
@@ -789,10 +791,13 @@ static const key keys[] = {
 	OBS_SECTION("aio", SEC_AIO,
 		    "DeepSpeed's async I/O for NVMe offload "
 		    "(offload is not implemented): checked, no effect."),
-	OBS_SECTION("checkpoint", SEC_CHECKPOINT,
-		    "DeepSpeed's checkpoint options: checked; none changes "
-		    "epjit's checkpoints, and `load_universal` true is "
-		    "refused."),
+	{ SECTION(SEC_ROOT, "checkpoint", SEC_CHECKPOINT), NOGIVEN,
+	  .wr = wr_if_decoupled,
+	  .doc = "DeepSpeed's checkpoint options: `writer.decoupled` true "
+		 "makes `epjit-train`'s periodic saves (`--save-every`) "
+		 "background saves, as DeepSpeed's decoupled checkpoint "
+		 "engine does (doc/ckpt.md); the other keys are checked and "
+		 "change nothing, and `load_universal` true is refused." },
 
 	/* ---- bf16, fp16 */
 	{ .sec = SEC_BF16,
@@ -1766,6 +1771,36 @@ static const key keys[] = {
 		"per-node checkpoint storage"),
 	OBS_ROW(SEC_CHECKPOINT, "parallel_write", K_ANY,
 		"pipeline-stage parallel writes"),
+	OBS_ROW(SEC_CHECKPOINT, "checkpoint_serialization", K_BOOL,
+		"DeepSpeed's torch.save serialization"),
+	{ SECTION(SEC_CHECKPOINT, "writer", SEC_CKPT_WRITER), NOGIVEN,
+	  .wr = wr_if_decoupled,
+	  .doc = "DeepSpeed's checkpoint writer (its fast and decoupled "
+		 "checkpoint engines)" },
+	{ .sec = SEC_CKPT_WRITER,
+	  .name = "decoupled",
+	  .type = K_BOOL,
+	  F(checkpoint_decoupled),
+	  NOGIVEN,
+	  .doc = "true: `epjit-train`'s periodic saves (`--save-every`) are "
+		 "background saves (as with `--save-async`): the state is "
+		 "copied to host memory between two optimizer steps and a "
+		 "writer thread writes it while training goes on "
+		 "(doc/ckpt.md, `epj_engine_save_async`)" },
+	OBS_ROW(SEC_CKPT_WRITER, "type", K_TEXT,
+		"DeepSpeed's writer (`\"mock\"`, `\"python\"`, `\"fast\"`)"),
+	OBS_ROW(SEC_CKPT_WRITER, "io_buffer_size", K_INT,
+		"the fast writer's buffer bytes"),
+	OBS_ROW(SEC_CKPT_WRITER, "io_buffer_double", K_BOOL,
+		"the fast writer's double buffering"),
+	OBS_ROW(SEC_CKPT_WRITER, "show_statistics", K_BOOL,
+		"the fast writer's statistics"),
+	OBS_ROW(SEC_CKPT_WRITER, "data_parallel", K_TEXT,
+		"which data-parallel ranks write (`\"replica\"`, "
+		"`\"socket\"`, `\"machine\"`); every epjit rank writes its "
+		"own file"),
+	OBS_ROW(SEC_CKPT_WRITER, "io_multiplier", K_INT,
+		"the fast writer's I/O multiplier"),
 
 	/* ---- pipeline, tensor_parallel, comm */
 	{ .sec = SEC_PIPELINE,
@@ -3063,6 +3098,15 @@ static json_t *wr_if_given(const key *k, const char *base, const ej_config *c)
 	(void)c;
 	return *(const bool *)(base + k->off + k->given_off) ? json_true()
 							     : NULL;
+}
+
+/* checkpoint and checkpoint.writer: written when writer.decoupled is
+ * true (the only key of them that acts). */
+static json_t *wr_if_decoupled(const key *k, const char *base,
+			       const ej_config *c)
+{
+	(void)k, (void)base;
+	return c->checkpoint_decoupled ? json_true() : NULL;
 }
 
 /* ==== sections that cross-check ========================================== */

@@ -219,6 +219,9 @@ typedef struct ej_config {
 	/* tensorboard (DeepSpeed's monitor section): event files under
 	 * output_path/job_name, the same folder rule as csv_monitor. */
 	struct ej_csv_monitor_config tensorboard;
+	/* checkpoint.writer.decoupled (DeepSpeed's decoupled checkpoint
+	 * engine): epjit-train's periodic saves run in the background */
+	bool checkpoint_decoupled;
 	/* data (epjit extension): epjit-train's --data and --split when its
 	 * command line has none, and the data seed (doc/trainer.md). */
 	struct ej_data_config {

@@ -384,6 +384,7 @@ void epj_engine_free(epj_engine *e)
 {
 	if (!e)
 		return;
+	ej_save_bg_free(e->bg); /* waits for its writer */
 	ej_engine_compile_free(e);
 	ej_optim_free(e->optim);
 	free(e->loads);
@@ -796,19 +797,17 @@ bool epj_engine_expert_load(const epj_engine *e, int i, epj_expert_load *out)
 /* ---- checkpoints
  * ---------------------------------------------------------------- */
 
-static epj_status add_meta_i64(epj_st_writer *w, const char *k, int64_t v)
+ej_comm *ej_engine_world(const epj_engine *e)
 {
-	char buf[32];
-	snprintf(buf, sizeof buf, "%lld", (long long)v);
-	return epj_st_writer_set_metadata(w, k, buf);
+	return e->model->has_groups && e->model->groups.world->size > 1
+		   ? e->model->groups.world
+		   : NULL;
 }
 
 /* The world of a multi-rank engine, NULL for a world of one. */
 static ej_comm *multi_world(const epj_engine *e)
 {
-	return e->model->has_groups && e->model->groups.world->size > 1
-		   ? e->model->groups.world
-		   : NULL;
+	return ej_engine_world(e);
 }
 
 /* The file of `rank` of a multi-rank checkpoint PATH: PATH.rank<R>. */
@@ -916,28 +915,147 @@ static bool commit_fault(int rank)
 	return v && *v && atoi(v) == rank;
 }
 
-/* One row of the save's exchange: whether the rank's file is written, its
- * size and checksum. */
-typedef struct save_row {
-	int64_t ok, bytes;
-	char hash[40];
-} save_row;
+void (*ej_save_phase_hook)(const char *phase, int rank, int64_t step);
 
-/* Rank 0's part of the commit: the record of generation gen naming every
- * rank's file (rows[world]: sizes and checksums), written atomically.  An
- * error means path was not replaced. */
-static epj_status save_record(epj_engine *e, const char *path, int64_t gen,
-			      const save_row *rows, int world)
+void ej_save_hold(const char *phase, int rank, int64_t step)
+{
+	if (ej_save_phase_hook)
+		ej_save_phase_hook(phase, rank, step);
+	const char *v = getenv("EPJIT_TEST_SAVE_HOLD");
+	if (!v || !*v)
+		return;
+	size_t n = strcspn(v, ":");
+	long long r = -1, s = -1;
+	if (v[n] == ':') {
+		char *end;
+		if (v[n + 1] != ':' && v[n + 1])
+			r = strtoll(v + n + 1, &end, 10);
+		const char *c = strchr(v + n + 1, ':');
+		if (c && c[1])
+			s = strtoll(c + 1, &end, 10);
+	}
+	if (n != strlen(phase) || strncmp(v, phase, n) != 0 ||
+	    (r >= 0 && r != rank) || (s >= 0 && s != step))
+		return;
+	fprintf(stderr,
+		"epjit: EPJIT_TEST_SAVE_HOLD: rank %d holds the save of step "
+		"%" PRId64 " at '%s' (pid %ld) until it is killed\n",
+		rank, step, phase, (long)getpid());
+	fflush(stderr);
+	for (;;)
+		pause();
+}
+
+void ej_save_plan_free(ej_save_plan *pl)
+{
+	ej_ckpt_set_free(&pl->prev);
+	ej_ckpt_set_free(&pl->drop);
+	pl->have_prev = pl->have_drop = false;
+}
+
+/* The record of generation d that its copy holds (path's copy name),
+ * shared from rank 0 when it is one of this set's: generation d, the
+ * world's size.  Anything else there is not this set's to remove. */
+static void share_drop(epj_ctx *ctx, ej_comm *world, ej_save_plan *pl,
+		       int64_t d)
+{
+	char cp[4300];
+	if (!ej_ckpt_set_copy_path(pl->path, d, cp, sizeof cp))
+		return;
+	epj_status st = share_record(ctx, world, cp, &pl->drop, &pl->have_drop);
+	if (st != EPJ_OK)
+		epj_ctx_clear_error(ctx); /* not a record: not ours */
+	if (pl->have_drop &&
+	    (pl->drop.generation != d || pl->drop.world != world->size)) {
+		ej_ckpt_set_free(&pl->drop);
+		pl->have_drop = false;
+	}
+}
+
+epj_status ej_save_prepare(epj_engine *e, const char *path, ej_save_plan *pl)
 {
 	epj_ctx *ctx = e->ctx;
+	ej_comm *world = multi_world(e);
+	memset(pl, 0, sizeof *pl);
+	pl->keep = e->save_keep > 1 ? e->save_keep : 1;
+	pl->counts = (ej_save_counts){ e->step, e->micro_step,
+				       ej_optim_step_count(e->optim) };
+	if (snprintf(pl->path, sizeof pl->path, "%s", path) >=
+	    (int)sizeof pl->path)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"checkpoint '%.64s...': the path is too long",
+				path);
+	ej_sweep_tmp(path);
+	if (!world) {
+		pl->world = 1;
+		snprintf(pl->file, sizeof pl->file, "%s", path);
+		return EPJ_OK;
+	}
+	pl->rank = world->rank;
+	pl->world = world->size;
+	epj_status st =
+	    share_record(ctx, world, path, &pl->prev, &pl->have_prev);
+	if (st != EPJ_OK) {
+		/* a corrupt record there is replaced by this save (the files
+		 * it names are left alone) */
+		epj_log_msg(EPJ_LOG_WARN, "%s (replaced by this save)",
+			    epj_ctx_error(ctx));
+		epj_ctx_clear_error(ctx);
+	}
+	/* the same record on every rank: all return here, or none */
+	if (pl->have_prev && pl->prev.generation >= EJ_CKPT_GEN_MAX) {
+		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+			      "checkpoint set '%s': its record is at "
+			      "generation %" PRId64 ", the last one a record "
+			      "can hold: nothing saved (save to another path)",
+			      path, pl->prev.generation);
+		ej_save_plan_free(pl);
+		return st;
+	}
+	pl->gen = pl->have_prev ? pl->prev.generation + 1 : 1;
+	gen_file(pl->file, sizeof pl->file, path, pl->gen, world->rank);
+	/* the generation the commit drops, when its record is not prev */
+	int64_t d = pl->gen - pl->keep;
+	if (pl->keep > 1 && d >= 1)
+		share_drop(ctx, world, pl, d);
+	return EPJ_OK;
+}
+
+/* Rank 0: writes the record of generation g as its copy beside path when
+ * there is none of that generation (a set saved with --keep 1 before). */
+static epj_status write_copy(epj_ctx *ctx, const char *path,
+			     const ej_ckpt_set *s, bool only_if_absent)
+{
+	char cp[4300];
+	if (!ej_ckpt_set_copy_path(path, s->generation, cp, sizeof cp))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"checkpoint '%s': the name of the record of "
+				"generation %" PRId64 " is too long",
+				path, s->generation);
+	if (only_if_absent && file_exists(cp))
+		return EPJ_OK;
+	return ej_ckpt_set_write(ctx, cp, s);
+}
+
+/* Rank 0's part of the commit: the record of generation pl->gen naming
+ * every rank's file (rows: sizes and checksums), written atomically; with
+ * several generations kept, first as its copy beside path (and the
+ * previous generation's copy when it has none).  An error means path was
+ * not replaced. */
+static epj_status save_record(epj_engine *e, const ej_save_plan *pl,
+			      const ej_save_row *rows)
+{
+	epj_ctx *ctx = e->ctx;
+	const char *path = pl->path;
+	int world = pl->world;
 	ej_ckpt_set s = {
-		.generation = gen,
+		.generation = pl->gen,
 		.world = world,
 		.zero_stage = e->cfg.zero.stage,
 		.autoep_size = e->cfg.expert_parallel.autoep_size,
-		.step = e->step,
-		.micro_step = e->micro_step,
-		.optimizer_steps = ej_optim_step_count(e->optim),
+		.step = pl->counts.step,
+		.micro_step = pl->counts.micro_step,
+		.optimizer_steps = pl->counts.optimizer_steps,
 	};
 	s.files = calloc((size_t)world, sizeof *s.files);
 	epj_status cs = s.files
@@ -948,36 +1066,78 @@ static epj_status save_record(epj_engine *e, const char *path, int64_t gen,
 		s.files[r].bytes = rows[r].bytes;
 		memcpy(s.files[r].hash, rows[r].hash, 33);
 		s.files[r].hash[32] = '\0';
-		if (!ej_ckpt_set_file_name(path, gen, r, s.files[r].name,
+		if (!ej_ckpt_set_file_name(path, pl->gen, r, s.files[r].name,
 					   sizeof s.files[r].name))
 			cs = ej_error(ctx, EPJ_ERR_INVALID,
 				      "checkpoint '%s': the file name of rank "
 				      "%d is too long",
 				      path, r);
 	}
+	if (cs == EPJ_OK && pl->keep > 1 && pl->have_prev)
+		cs = write_copy(ctx, path, &pl->prev, true);
+	if (cs == EPJ_OK && pl->keep > 1)
+		cs = write_copy(ctx, path, &s, false);
 	if (cs == EPJ_OK)
 		cs = ej_ckpt_set_write(ctx, path, &s);
 	ej_ckpt_set_free(&s);
 	return cs;
 }
 
+/* Once every rank knows generation pl->gen is committed: the generation
+ * d = gen - keep goes -- the files its record names (prev when d is the
+ * previous generation, else the copy ej_save_prepare shared), each rank
+ * its own, and rank 0 removes the copy of d's record.  Never a file of
+ * generation gen or of the keep - 1 before it. */
+static void save_drop(const ej_save_plan *pl)
+{
+	int64_t d = pl->gen - pl->keep;
+	if (d < 1)
+		return;
+	const ej_ckpt_set *rec = pl->have_prev && pl->prev.generation == d
+				     ? &pl->prev
+				 : pl->have_drop ? &pl->drop
+						 : NULL;
+	if (rec)
+		ej_ckpt_set_prune(pl->path, rec, pl->rank, pl->world);
+	char cp[4300], *text = NULL;
+	size_t len = 0;
+	ej_ckpt_set c;
+	if (pl->rank != 0 || !ej_ckpt_set_copy_path(pl->path, d, cp, sizeof cp))
+		return;
+	/* the copy is removed when it is a record of generation d (a
+	 * parse error has no context to go to: the copy then stays) */
+	if (ej_ckpt_set_read(cp, &text, &len) == 1 &&
+	    ej_ckpt_set_parse(NULL, cp, text, len, &c) == EPJ_OK) {
+		if (c.generation == d && unlink(cp) == 0)
+			epj_log_msg(EPJ_LOG_INFO,
+				    "removed %s: generation %" PRId64
+				    " is no longer kept",
+				    cp, d);
+		ej_ckpt_set_free(&c);
+	}
+	free(text);
+}
+
 /* The end of a save, on every rank: rank 0 commits the record when every
  * rank wrote its file (st, this rank's status so far, is the same on all
  * of them unless a collective failed), then every rank learns the outcome.
- * A rank removes its new file f only when it knows the record was not
- * committed, and the files of prev (the previous record) only when the
- * ranks agreed that it was: no rank ever removes a file that the newest
+ * A rank removes its new file only when it knows the record was not
+ * committed, and the files of an older generation only when the ranks
+ * agreed that it was: no rank ever removes a file that the newest
  * committed record names, whatever happens to the agreement.  Collective. */
-static epj_status save_commit(epj_engine *e, const char *path, int64_t gen,
-			      const save_row *rows, bool mine_ok, epj_status st,
-			      const char *f, const ej_ckpt_set *prev)
+static epj_status save_commit(epj_engine *e, const ej_save_plan *pl,
+			      const ej_save_row *rows, bool mine_ok,
+			      epj_status st)
 {
 	epj_ctx *ctx = e->ctx;
 	ej_comm *world = multi_world(e);
+	const char *path = pl->path, *f = pl->file;
 	epj_status cs = EPJ_OK;
 	if (world->rank == 0 && st == EPJ_OK)
-		cs = save_record(e, path, gen, rows, world->size);
+		cs = save_record(e, pl, rows);
 	bool i_committed = world->rank == 0 && st == EPJ_OK && cs == EPJ_OK;
+	if (i_committed)
+		ej_save_hold("committed", 0, pl->counts.step);
 	/* the agreement, summed over the ranks: [failures, committed] */
 	float v[2] = { st == EPJ_OK && cs == EPJ_OK ? 0.0f : 1.0f,
 		       i_committed ? 1.0f : 0.0f };
@@ -1002,6 +1162,10 @@ static epj_status save_commit(epj_engine *e, const char *path, int64_t gen,
 					 : -1;
 	if (committed == 0) {
 		unlink(f); /* never committed */
+		char cp[4300];
+		if (world->rank == 0 && pl->keep > 1 &&
+		    ej_ckpt_set_copy_path(path, pl->gen, cp, sizeof cp))
+			unlink(cp); /* nor is its copy */
 		if (fs != EPJ_OK)
 			return ej_error(ctx, fs, "%s", first);
 		if (as != EPJ_OK)
@@ -1018,70 +1182,34 @@ static epj_status save_commit(epj_engine *e, const char *path, int64_t gen,
 				"generation %" PRId64 " was committed (%s): "
 				"its file %s stays, and %s names either this "
 				"generation or the previous one, complete",
-				path, world->rank, gen, why, f, path);
+				path, world->rank, pl->gen, why, f, path);
 	if (as != EPJ_OK || v[0] > 0)
 		return ej_error(ctx, EPJ_ERR_IO,
 				"checkpoint '%s': generation %" PRId64 " is "
 				"committed, but not every rank confirmed it "
-				"(%s): the previous generation's files stay",
-				path, gen,
+				"(%s): the older generations' files stay",
+				path, pl->gen,
 				as != EPJ_OK ? why
 					     : "a failure on another rank");
-	ej_ckpt_set_prune(path, prev, world->rank, world->size);
+	save_drop(pl);
 	return EPJ_OK;
 }
 
-/* With several ranks a save is one generation G of a checkpoint set (see
- * ckpt_set.c): every rank writes the state it owns -- its experts, its
- * ZeRO partitions, and (replicated state) the dense parameters -- to
- * PATH.g<G>.rank<R>; then rank 0 commits the record PATH naming every
- * file's checksum; then the files that the previous record names go. */
-epj_status epj_engine_save(epj_engine *e, const char *path)
+epj_status ej_save_commit(epj_engine *e, const ej_save_plan *pl,
+			  const ej_save_row *mine, epj_status st)
 {
-	ej_comm *world = multi_world(e);
-	if (!world)
-		return engine_save_file(e, path, 0);
 	epj_ctx *ctx = e->ctx;
-	ej_sweep_tmp(path);
-	ej_ckpt_set old;
-	bool have = false;
-	epj_status st = share_record(ctx, world, path, &old, &have);
-	if (st != EPJ_OK) {
-		/* a corrupt record there is replaced by this save (the files
-		 * it names are left alone) */
-		epj_log_msg(EPJ_LOG_WARN, "%s (replaced by this save)",
-			    epj_ctx_error(ctx));
-		epj_ctx_clear_error(ctx);
-		st = EPJ_OK;
-	}
-	/* the same record on every rank: all return here, or none */
-	if (have && old.generation >= EJ_CKPT_GEN_MAX) {
-		st = ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-			      "checkpoint set '%s': its record is at "
-			      "generation %" PRId64 ", the last one a record "
-			      "can hold: nothing saved (save to another path)",
-			      path, old.generation);
-		ej_ckpt_set_free(&old);
-		return st;
-	}
-	int64_t gen = have ? old.generation + 1 : 1;
-	char f[4096];
-	gen_file(f, sizeof f, path, gen, world->rank);
-	save_row mine = { 0 };
-	st = engine_save_file(e, f, gen);
-	if (st == EPJ_OK)
-		st = ej_file_hash(ctx, f, &mine.bytes, mine.hash);
-	mine.ok = st == EPJ_OK;
-	save_fault(world->rank);
-	save_row *rows = calloc((size_t)world->size, sizeof *rows);
+	ej_comm *world = multi_world(e);
+	ej_save_row *rows = calloc((size_t)world->size, sizeof *rows);
 	int64_t *counts = calloc((size_t)world->size, sizeof *counts);
 	for (int r = 0; rows && counts && r < world->size; r++)
 		counts[r] = 1;
 	epj_status gs =
-	    rows && counts ? ej_comm_allgather(ctx, world, "checkpoint save",
-					       &mine, rows, counts, sizeof mine)
-			   : ej_error(ctx, EPJ_ERR_NOMEM,
-				      "checkpoint '%s': out of memory", path);
+	    rows && counts
+		? ej_comm_allgather(ctx, world, "checkpoint save", mine, rows,
+				    counts, sizeof *mine)
+		: ej_error(ctx, EPJ_ERR_NOMEM, "checkpoint '%s': out of memory",
+			   pl->path);
 	if (st == EPJ_OK)
 		st = gs;
 	int bad = 0;
@@ -1092,13 +1220,59 @@ epj_status epj_engine_save(epj_engine *e, const char *path)
 			      "checkpoint '%s' not saved: the save failed on "
 			      "%d other rank%s (see their messages); the "
 			      "previous generation stays",
-			      path, bad, bad == 1 ? "" : "s");
-	st =
-	    save_commit(e, path, gen, rows, mine.ok, st, f, have ? &old : NULL);
+			      pl->path, bad, bad == 1 ? "" : "s");
+	st = save_commit(e, pl, rows, mine->ok, st);
 	free(rows);
 	free(counts);
-	ej_ckpt_set_free(&old);
 	return st;
+}
+
+/* With several ranks a save is one generation G of a checkpoint set (see
+ * ckpt_set.c): every rank writes the state it owns -- its experts, its
+ * ZeRO partitions, and (replicated state) the dense parameters -- to
+ * PATH.g<G>.rank<R>; then rank 0 commits the record PATH naming every
+ * file's checksum; then the files of generation G - keep go
+ * (epj_engine_set_save_keep).  A background save in flight is committed
+ * first (ckpt_async.c). */
+epj_status epj_engine_save(epj_engine *e, const char *path)
+{
+	int64_t unused;
+	epj_status st = epj_engine_save_finish(e, &unused);
+	if (st != EPJ_OK)
+		return st;
+	ej_comm *world = multi_world(e);
+	if (!world)
+		return engine_save_file(e, path, 0);
+	epj_ctx *ctx = e->ctx;
+	ej_save_plan pl;
+	st = ej_save_prepare(e, path, &pl);
+	if (st != EPJ_OK)
+		return st;
+	ej_save_row mine = { 0 };
+	st = engine_save_file(e, pl.file, pl.gen);
+	if (st == EPJ_OK)
+		st = ej_file_hash(ctx, pl.file, &mine.bytes, mine.hash);
+	mine.ok = st == EPJ_OK;
+	save_fault(world->rank);
+	st = ej_save_commit(e, &pl, &mine, st);
+	ej_save_plan_free(&pl);
+	return st;
+}
+
+epj_status epj_engine_set_save_keep(epj_engine *e, int keep)
+{
+	if (keep < 1)
+		return ej_error(e->ctx, EPJ_ERR_INVALID,
+				"checkpoints kept: %d, expected 1 or more",
+				keep);
+	if (keep > 1 && !multi_world(e))
+		return ej_error(e->ctx, EPJ_ERR_UNSUPPORTED,
+				"keeping %d checkpoints needs a checkpoint set "
+				"(several ranks): a world of one saves one "
+				"file, replaced at each save",
+				keep);
+	e->save_keep = keep;
+	return EPJ_OK;
 }
 
 /* A checkpoint never holds a non-finite value: EPJ_ERR_STATE naming the
@@ -1144,14 +1318,18 @@ static epj_status check_finite(epj_ctx *ctx, const char *path, const char *name,
 			path, name, (long long)bad, bv);
 }
 
-static epj_status engine_save_file(epj_engine *e, const char *path,
-				   int64_t generation)
+static epj_status sink_i64(const ej_save_sink *s, const char *k, int64_t v)
+{
+	char buf[32];
+	snprintf(buf, sizeof buf, "%lld", (long long)v);
+	return s->meta(s->self, k, buf);
+}
+
+epj_status ej_engine_save_entries(epj_engine *e, const char *path,
+				  int64_t generation, const ej_save_sink *s)
 {
 	epj_ctx *ctx = e->ctx;
-	epj_st_writer *w = NULL;
-	epj_status st = epj_st_writer_new(ctx, &w);
-	if (st != EPJ_OK)
-		return st;
+	epj_status st = EPJ_OK;
 	ej_param_list *pl = &e->model->params;
 	/* FP32 master values under the HF names (partitioned masters are
 	 * optimizer state: "optimizer.master_shard.<name>"). */
@@ -1160,55 +1338,80 @@ static epj_status engine_save_file(epj_engine *e, const char *path,
 		epj_tensor *master = ej_optim_master(e->optim, i);
 		if (ej_optim_sharded(e->optim, i, NULL, NULL))
 			continue;
-		st = check_finite(ctx, path, pl->names[i], master ? master : p);
-		if (st == EPJ_OK)
-			st = epj_st_writer_add(w, pl->names[i],
-					       master ? master : p);
+		st = s->tensor(s->self, pl->names[i], master ? master : p);
 	}
 	ej_comm *world = multi_world(e);
 	if (world && st == EPJ_OK)
-		st = add_meta_i64(w, "world_size", world->size);
+		st = sink_i64(s, "world_size", world->size);
 	if (world && st == EPJ_OK)
-		st = add_meta_i64(w, "rank", world->rank);
+		st = sink_i64(s, "rank", world->rank);
 	if (generation > 0 && st == EPJ_OK)
-		st = add_meta_i64(w, "generation", generation);
+		st = sink_i64(s, "generation", generation);
 	if (world && st == EPJ_OK)
-		st = add_meta_i64(w, "zero_stage", e->cfg.zero.stage);
+		st = sink_i64(s, "zero_stage", e->cfg.zero.stage);
 	if (world && st == EPJ_OK)
-		st = add_meta_i64(w, "autoep_size",
-				  e->cfg.expert_parallel.autoep_size);
+		st = sink_i64(s, "autoep_size",
+			      e->cfg.expert_parallel.autoep_size);
 	for (int i = 0; st == EPJ_OK && i < ej_optim_state_count(e->optim);
 	     i++) {
 		const char *nm = ej_optim_state_name(e->optim, i);
 		if (!strncmp(nm, "optimizer.master.", 17))
 			continue; /* already saved under the HF name */
-		st = check_finite(ctx, path, nm,
-				  ej_optim_state_tensor(e->optim, i));
-		if (st == EPJ_OK)
-			st = epj_st_writer_add(
-			    w, nm, ej_optim_state_tensor(e->optim, i));
+		st = s->tensor(s->self, nm, ej_optim_state_tensor(e->optim, i));
 	}
 	if (st == EPJ_OK)
-		st = epj_st_writer_set_metadata(w, "format", CKPT_FORMAT);
+		st = s->meta(s->self, "format", CKPT_FORMAT);
 	if (st == EPJ_OK)
-		st = add_meta_i64(w, "step", e->step);
+		st = sink_i64(s, "step", e->step);
 	if (st == EPJ_OK)
-		st = add_meta_i64(w, "micro_step", e->micro_step);
+		st = sink_i64(s, "micro_step", e->micro_step);
 	if (st == EPJ_OK)
-		st = add_meta_i64(w, "optimizer_steps",
-				  ej_optim_step_count(e->optim));
+		st = sink_i64(s, "optimizer_steps",
+			      ej_optim_step_count(e->optim));
 	/* the model's config.json, so that epjit-ckpt can rebuild the
 	 * parameter shapes of the ZeRO partitions without being told */
 	char *mc =
 	    st == EPJ_OK ? ej_model_config_json(&e->model->cfg, NULL) : NULL;
 	if (st == EPJ_OK)
-		st = mc ? epj_st_writer_set_metadata(w, "model_config", mc)
+		st = mc ? s->meta(s->self, "model_config", mc)
 			: ej_error(ctx, EPJ_ERR_NOMEM,
 				   "checkpoint '%s': out of memory", path);
 	free(mc);
+	return st;
+}
+
+/* engine_save_file's sink: every tensor checked finite, into the writer. */
+typedef struct file_sink {
+	epj_ctx *ctx;
+	const char *path;
+	epj_st_writer *w;
+} file_sink;
+
+static epj_status file_tensor(void *self, const char *name, epj_tensor *t)
+{
+	file_sink *fs = self;
+	epj_status st = check_finite(fs->ctx, fs->path, name, t);
+	return st == EPJ_OK ? epj_st_writer_add(fs->w, name, t) : st;
+}
+
+static epj_status file_meta(void *self, const char *key, const char *value)
+{
+	file_sink *fs = self;
+	return epj_st_writer_set_metadata(fs->w, key, value);
+}
+
+static epj_status engine_save_file(epj_engine *e, const char *path,
+				   int64_t generation)
+{
+	file_sink fs = { .ctx = e->ctx, .path = path };
+	epj_status st = epj_st_writer_new(e->ctx, &fs.w);
+	if (st != EPJ_OK)
+		return st;
+	ej_save_sink s = { &fs, file_tensor, file_meta };
+	st = ej_engine_save_entries(e, path, generation, &s);
 	if (st == EPJ_OK)
-		st = epj_st_writer_save(w, path);
-	epj_st_writer_free(w);
+		st = epj_st_writer_save(fs.w, path);
+	epj_st_writer_free(fs.w);
 	return st;
 }
 

@@ -189,6 +189,84 @@ bool ej_ckpt_set_file_name(const char *path, int64_t gen, int rank, char *name,
  * to, never a file the new record names. */
 void ej_ckpt_set_prune(const char *path, const ej_ckpt_set *prev, int part,
 		       int nparts);
+/* The record of generation gen that a save keeping several generations
+ * writes beside set path: "<path>.g<gen>.record"; false when it does not
+ * fit buf[n]. */
+bool ej_ckpt_set_copy_path(const char *path, int64_t gen, char *buf, size_t n);
+
+/* ---- saves of the engine's state (engine.c, ckpt_async.c)
+ * ------------------------------------------------------------ */
+
+/* The counters a save records. */
+typedef struct ej_save_counts {
+	int64_t step, micro_step, optimizer_steps;
+} ej_save_counts;
+
+/* One rank's row of a save's exchange: whether its file is written, its
+ * size and XXH3-128 checksum. */
+typedef struct ej_save_row {
+	int64_t ok, bytes;
+	char hash[40];
+} ej_save_row;
+
+/* A save to path as every rank of the world plans it (ej_save_prepare):
+ * the same generation and records on every rank. */
+typedef struct ej_save_plan {
+	char path[4096];
+	char file[4200]; /* this rank's file: PATH.g<G>.rank<R>; one rank: PATH
+			  */
+	int64_t gen;	 /* the generation written (0: a world of one) */
+	int rank, world;
+	int keep; /* committed generations kept after the commit (>= 1) */
+	ej_ckpt_set prev; /* the committed record (have_prev) */
+	bool have_prev;
+	/* the record of generation gen - keep when it is not prev: the copy
+	 * ej_ckpt_set_copy_path names (rank 0 read it, every rank has it) */
+	ej_ckpt_set drop;
+	bool have_drop;
+	ej_save_counts counts;
+} ej_save_plan;
+
+/* The world of a multi-rank engine, NULL for a world of one. */
+struct ej_comm *ej_engine_world(const epj_engine *e);
+/* Plans a save of e's state to path: with several ranks the generation
+ * after the committed record's and the record of the generation its commit
+ * drops, shared from rank 0 (collective); the counters as they are now.
+ * On failure (a record at the last generation) nothing was written. */
+epj_status ej_save_prepare(epj_engine *e, const char *path, ej_save_plan *pl);
+void ej_save_plan_free(ej_save_plan *pl);
+/* The end of a save of several ranks, on every rank (collective): the
+ * rows are exchanged; rank 0 commits the record when every rank's file is
+ * written (mine->ok on all of them and st EPJ_OK: this rank's status so
+ * far); the ranks agree on the outcome; the generation pl->gen - pl->keep
+ * is pruned only when every rank knows the commit happened. */
+epj_status ej_save_commit(epj_engine *e, const ej_save_plan *pl,
+			  const ej_save_row *mine, epj_status st);
+
+/* What a checkpoint holds, entry by entry (engine.c's order): tensor() for
+ * every tensor (borrowed, the engine's own: masters, optimizer state),
+ * meta() for every metadata pair.  An error from either ends the walk. */
+typedef struct ej_save_sink {
+	void *self;
+	epj_status (*tensor)(void *self, const char *name, epj_tensor *t);
+	epj_status (*meta)(void *self, const char *key, const char *value);
+} ej_save_sink;
+epj_status ej_engine_save_entries(epj_engine *e, const char *path,
+				  int64_t generation, const ej_save_sink *s);
+
+/* Test hook: EPJIT_TEST_SAVE_HOLD=PHASE[:RANK[:STEP]] blocks the thread
+ * that reaches PHASE of the save of step STEP on rank RANK (either left
+ * out: any) until the process is killed, after saying so on stderr
+ * ("... holds the save of step S at 'PHASE' (pid P) ..."). */
+void ej_save_hold(const char *phase, int rank, int64_t step);
+/* Test hook (the Check suite "save"): when set, called first by every
+ * ej_save_hold, on the thread at that phase. */
+extern void (*ej_save_phase_hook)(const char *phase, int rank, int64_t step);
+
+/* The background save of an engine (ckpt_async.c): released by
+ * epj_engine_free, which waits for its writer. */
+struct ej_save_bg;
+void ej_save_bg_free(struct ej_save_bg *b);
 
 /* ---- comm (comm.c, comm_self.c, comm_mpi.c, comm_nccl.c)
  * ------------------------------------------------------------ */
@@ -536,6 +614,10 @@ struct epj_engine {
 	 * forwards, layer after layer ([sum of the layers' E], owned) */
 	int64_t *step_loads;
 	bool loads_valid; /* loads hold a step's figures */
+	/* saves: the generations a commit keeps (epj_engine_set_save_keep),
+	 * and the background save (ckpt_async.c), NULL until the first */
+	int save_keep;
+	struct ej_save_bg *bg;
 };
 
 /* With e->probe set, train_step asks the forward for the logits too and,

@@ -54,6 +54,7 @@ static const struct {
 	{ "optim", make_optim_suite },
 	{ "model", make_model_suite },
 	{ "engine", make_engine_suite },
+	{ "save", make_save_suite },
 	{ "jit", make_jit_suite },
 	{ "compile", make_compile_suite },
 	{ "parity", make_parity_suite },

@@ -34,6 +34,7 @@ Suite *make_module_suite(void);
 Suite *make_optim_suite(void);
 Suite *make_model_suite(void);
 Suite *make_engine_suite(void);
+Suite *make_save_suite(void);
 Suite *make_jit_suite(void);
 Suite *make_compile_suite(void);
 Suite *make_parity_suite(void);

@@ -111,6 +111,10 @@ typedef struct opts {
 	bool bf16;	    /* --parity: bf16 arms */
 	bool full_model; /* --parity: full-model compile instead of regional */
 	const char *load, *save, *metrics, *dump_state, *dump_batch;
+	long save_every; /* --save-every N: 0 none */
+	long keep;	 /* --keep K: 0 not given (1) */
+	/* --save-async: the periodic saves in the background */
+	bool save_async;
 	const char *emit_cuda; /* --emit-cuda DIR */
 	bool nvrtc_check;      /* --nvrtc-check: compile the units too */
 	bool compare_eager;    /* --compare-eager: eager vs compiled steps */
@@ -174,6 +178,10 @@ typedef struct run {
 	int64_t saved_step;
 	bool failed;
 	bool no_rescue;
+	/* the last agreement: some rank's background save is still writing;
+	 * the step of the background save in flight */
+	bool save_busy;
+	int64_t bg_step;
 	char weights[4400]; /* where the starting weights came from */
 } run;
 
@@ -300,6 +308,17 @@ static void usage(FILE *fp)
 	    "  --save CKPT         write a checkpoint at the end, when a "
 	    "signal stops the run\n"
 	    "                      and after an error\n"
+	    "  --save-every N      also save to --save after every N-th "
+	    "optimizer step\n"
+	    "  --save-async        the periodic saves in the background: the "
+	    "state is copied\n"
+	    "                      between two steps, a thread writes it "
+	    "while training goes\n"
+	    "                      on (also the config's "
+	    "checkpoint.writer.decoupled)\n"
+	    "  --keep K            committed generations of --save kept "
+	    "(default 1; a\n"
+	    "                      checkpoint set: several ranks)\n"
 	    "  --metrics FILE      CSV: step,loss,lr,grad_norm,tokens_per_s,"
 	    "peak_alloc_bytes,\n"
 	    "                      step_ms,compile_ms,entropy_floor,"
@@ -422,6 +441,7 @@ static const struct {
 	{ "--nvrtc-check", offsetof(opts, nvrtc_check) },
 	{ "--compare-eager", offsetof(opts, compare_eager) },
 	{ "--async-split-plan", offsetof(opts, async_plan) },
+	{ "--save-async", offsetof(opts, save_async) },
 };
 
 /* The options with a value: "--opt VALUE" or "--opt=VALUE". */
@@ -433,7 +453,8 @@ static const char *const with_value[] = {
 	"--seed",	"--threads",	    "--list-safetensors",
 	"--emit-cuda",	"--device",	    "--rank-log",
 	"--fault",	"--split",	    "--fault-step",
-	"--fault-rank", "--model-override",
+	"--fault-rank", "--model-override", "--save-every",
+	"--keep",
 };
 
 /* Option `name` (one of with_value) given value val; -1, or the exit
@@ -506,6 +527,7 @@ static int set_value(opts *o, const char *name, const char *val)
 			      : 1;
 		long hi = !strcmp(name, "--threads") ? 1024
 			  : !strcmp(name, "--seq")   ? SEQ_MAX
+			  : !strcmp(name, "--keep")  ? 65536
 						     : LONG_MAX;
 		if (!parse_long(val, lo, hi, &v)) {
 			char what[96];
@@ -525,6 +547,10 @@ static int set_value(opts *o, const char *name, const char *val)
 			o->fault_step = v;
 		else if (!strcmp(name, "--fault-rank"))
 			o->fault_rank = v;
+		else if (!strcmp(name, "--save-every"))
+			o->save_every = v;
+		else if (!strcmp(name, "--keep"))
+			o->keep = v;
 		else
 			o->threads = v;
 	}
@@ -653,6 +679,13 @@ static int parse_args(int argc, char **argv, opts *o)
 	if (o->dump_batch && !o->dump_state)
 		return bad_usage("%s FILE gives %s its batch: give it too",
 				 "--dump-batch", "--dump-state");
+	if ((o->save_every || o->keep) && !o->save)
+		return bad_usage("%s saves to --save CKPT: give it too%s",
+				 o->save_every ? "--save-every" : "--keep", "");
+	if (o->save_async && !o->save_every)
+		return bad_usage("%s runs the periodic saves of %s in the "
+				 "background: give it too",
+				 "--save-async", "--save-every N");
 	resolve_model(o);
 	return -1;
 }
@@ -1180,6 +1213,8 @@ enum {
 	SIG_BIT_PIPE = 32u, /* SIGPIPE, or EPIPE on stdout */
 	/* in the agreement only: an error on the rank ends the run */
 	ERR_BIT = 64u,
+	/* in the agreement only: the rank's background save is writing */
+	SAVE_BUSY_BIT = 128u,
 };
 
 _Static_assert(ATOMIC_INT_LOCK_FREE == 2,
@@ -1307,12 +1342,16 @@ static FILE *where_to(void)
  * SIGINT, then SIGTERM, SIGHUP, SIGPIPE and SIGUSR1, so that they also
  * agree on whether to save; the run acts on it between optimizer steps.
  * An error on any rank sets r->failed on every rank.  A failed agreement
- * (a peer gone: the comm is broken) fails the run with no save. */
+ * (a peer gone: the comm is broken) fails the run with no save.  It also
+ * tells whether some rank's background save is still writing
+ * (r->save_busy): until none is, no rank commits it. */
 static int agree(run *r, int *sig)
 {
 	uint32_t any = 0, mine = atomic_load(&g_signals) & ~STOP_BIT;
 	if (r->failed)
 		mine |= ERR_BIT;
+	if (epj_engine_save_pending(r->engine) == EPJ_SAVE_WRITING)
+		mine |= SAVE_BUSY_BIT;
 	if (epj_dist_any(r->engine, mine, &any) != EPJ_OK) {
 		r->failed = r->no_rescue = true;
 		return fail(r->ctx);
@@ -1322,6 +1361,7 @@ static int agree(run *r, int *sig)
 		fail_msg("stopping: another rank failed (its message is "
 			 "above, or in its --rank-log file)");
 	}
+	r->save_busy = any & SAVE_BUSY_BIT;
 	*sig = any & SIG_BIT_INT    ? SIGINT
 	       : any & SIG_BIT_TERM ? SIGTERM
 	       : any & SIG_BIT_HUP  ? SIGHUP
@@ -1446,6 +1486,72 @@ static int save_checkpoint(run *r, const char *path, FILE *out)
 	return 0;
 }
 
+/* ---- periodic and background saves ----
+ *
+ * --save-every N saves to --save after every N-th optimizer step (not the
+ * last one: the end of the run saves that).  A foreground save is
+ * epj_engine_save, collective, the step waits for it.  A background save
+ * (--save-async, or the config's checkpoint.writer.decoupled) copies the
+ * state between the two steps and a writer thread of each rank writes its
+ * file while the run goes on; the writer never communicates.  Each
+ * agreement of the training loop carries a bit "my writer is still
+ * writing"; at the first step boundary where no rank's is, every rank
+ * calls epj_engine_save_finish: the ranks exchange their files' checksums,
+ * rank 0 commits the record, they agree on it and prune.  A new save, the
+ * end of the run, a stop signal and an error all finish the save in flight
+ * first (waiting for the writers).  A failed save is an error of the run,
+ * agreed like any other (the run saves what it can and exits 1). */
+
+/* Whether the periodic save is due after the step just taken. */
+static bool save_due(const run *r, const opts *o)
+{
+	int64_t step = epj_engine_step_count(r->engine);
+	return o->save_every > 0 && step < o->steps &&
+	       step % o->save_every == 0;
+}
+
+/* Finishes the background save in flight, if any (collective: every rank
+ * calls it at the same point); says so.  0, or 1 with the error printed. */
+static int finish_save(run *r, const opts *o)
+{
+	epj_engine *e = r->engine;
+	bool say = epj_dist_rank() == 0 || o->rank_log;
+	epj_save_state s = epj_engine_save_pending(e);
+	if (s == EPJ_SAVE_NONE)
+		return 0;
+	/* this rank's writer, or another's at the last agreement */
+	if ((s == EPJ_SAVE_WRITING || r->save_busy) && say) {
+		fprintf(stderr,
+			PROG ": waiting for the background save of step "
+			     "%" PRId64 " to %s\n",
+			r->bg_step, o->save);
+		fflush(stderr);
+	}
+	int64_t step;
+	if (epj_engine_save_finish(e, &step) != EPJ_OK)
+		return fail(r->ctx);
+	r->saved_step = step;
+	FILE *out = where_to();
+	fprintf(out, PROG ": saved step %" PRId64 " to %s (background save)\n",
+		step, o->save);
+	fflush(out);
+	return 0;
+}
+
+/* The periodic save after the step just taken; 0, or 1 with the error
+ * printed (an error of the run: agreed at the next boundary). */
+static int periodic_save(run *r, const opts *o)
+{
+	if (!o->save_async && !epj_engine_save_decoupled(r->engine))
+		return save_checkpoint(r, o->save, where_to());
+	if (finish_save(r, o)) /* at most one in flight */
+		return 1;
+	if (epj_engine_save_async(r->engine, o->save) != EPJ_OK)
+		return fail(r->ctx);
+	r->bg_step = epj_engine_step_count(r->engine);
+	return 0;
+}
+
 /* The end of a run stopped by r->stop_sig, once the metrics file is
  * closed: SIGTERM, SIGHUP, SIGPIPE and SIGUSR1 save to --save and exit
  * 143, 129, 141 / 0; SIGINT saves nothing and exits 130.  No evaluation
@@ -1454,8 +1560,13 @@ static int stop_run(run *r, const opts *o)
 {
 	int sig = r->stop_sig;
 	bool say = epj_dist_rank() == 0 || o->rank_log;
-	bool none = epj_engine_step_count(r->engine) == r->step0;
-	if (sig == SIGINT || !o->save || none) {
+	int64_t step = epj_engine_step_count(r->engine);
+	bool none = step == r->step0;
+	if (o->save && step == r->saved_step) {
+		/* the periodic save of this step is committed already */
+		if (say)
+			print_resume_hint(o, o->save);
+	} else if (sig == SIGINT || !o->save || none) {
 		if (say)
 			fprintf(stderr,
 				PROG ": %s: no checkpoint written (%s)\n",
@@ -2146,6 +2257,16 @@ static int train(run *r, const opts *o, train_stats *ts)
 			}
 			break;
 		}
+		/* no rank's background writer is at work: every rank commits
+		 * the save here (a failure is agreed at the next agreement) */
+		if (boundary && !r->save_busy &&
+		    epj_engine_save_pending(e) != EPJ_SAVE_NONE &&
+		    finish_save(r, o)) {
+			epj_tensor_free(ids);
+			epj_tensor_free(lab);
+			r->failed = true;
+			continue;
+		}
 		epj_step_info info;
 		fault_inject(o, epj_engine_step_count(e) + 1);
 		epj_status st = epj_engine_train_step(e, ids, lab, &info);
@@ -2177,6 +2298,9 @@ static int train(run *r, const opts *o, train_stats *ts)
 		if (after_step(r, o, &ls, ts, &info, t, &ms))
 			r->failed = true; /* agreed at the top */
 		ls.t_step = now_s();
+		/* the save's time counts in the next step's (step_ms) */
+		if (!r->failed && save_due(r, o) && periodic_save(r, o))
+			r->failed = true; /* agreed at the top */
 	}
 	ts->seconds = now_s() - ls.t_start;
 	ts->comm_bytes = epj_counter_get(ctx, "comm.bytes") - cb0;
@@ -2777,6 +2901,10 @@ static int run_main(run *r, const opts *o)
 {
 	if (setup(r, o) || load_weights(r, o))
 		return 1;
+	if (o->keep > 1 &&
+	    epj_engine_set_save_keep(r->engine, (int)o->keep) != EPJ_OK)
+		return fail_msg("--keep %ld: %s", o->keep,
+				epj_ctx_error(r->ctx));
 	if (o->load && epj_engine_step_count(r->engine) >= o->steps &&
 	    !o->dump_state && !o->emit_cuda)
 		return evaluate_only(r, o);
@@ -2804,15 +2932,19 @@ static int run_main(run *r, const opts *o)
 	train(r, o, &ts);
 	if (r->no_rescue)
 		return 1; /* a peer may be inside a collective */
-	/* a failed close (rank 0) ends the run on every rank */
+	/* a failed close (rank 0) ends the run on every rank; so does a
+	 * background save in flight that fails (its writers waited for) */
 	int sig;
 	if (close_outputs(r, o))
+		r->failed = true;
+	if (finish_save(r, o))
 		r->failed = true;
 	if (agree(r, &sig) || r->failed)
 		return rescue(r, o);
 	if (r->stop_sig)
 		return stop_run(r, o);
-	if (o->save && save_checkpoint(r, o->save, where_to()))
+	if (o->save && r->saved_step != epj_engine_step_count(r->engine) &&
+	    save_checkpoint(r, o->save, where_to()))
 		return 1;
 	double eval_loss;
 	if (evaluate(r, &eval_loss))
