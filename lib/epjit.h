@@ -297,6 +297,14 @@ epj_tensor *epj_contiguous(epj_ctx *ctx, epj_tensor *a);
  * T > S the first T - S queries see no key and their output is 0. */
 epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 		     bool causal, double scale);
+/* epj_sdpa over documents packed in a row: doc_ids [B, S] (i32 or i64,
+ * T == S) gives each position's document; key j is also hidden from query
+ * i when doc_ids[b, j] != doc_ids[b, i] (Megatron's reset_attention_mask).
+ * The ids are an input (data), not an attribute: a compiled graph serves
+ * any boundaries.  doc_ids NULL: epj_sdpa. */
+epj_tensor *epj_sdpa_docs(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
+			  epj_tensor *v, epj_tensor *doc_ids, bool causal,
+			  double scale);
 /* The gated delta rule of Gated DeltaNet: q, k [B, T, H, Dk], v [B, T, H,
  * Dv], g (log decay), beta [B, T, H] -> o [B, T, H, Dv], per (b, h) a state
  * S [Dk, Dv] from zero: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T;
