@@ -390,6 +390,18 @@ epj_module *epj_model_root(epj_model *m);
 epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 			     epj_tensor *labels, epj_tensor **logits,
 			     epj_tensor **loss);
+/* Forward over documents packed in each row (Megatron's
+ * reset_position_ids and reset_attention_mask; epj_batch_documents makes
+ * both from the end-of-document tokens): position_ids [B, T] (i64, each in
+ * [0, T)) pick the rows of the rope tables instead of 0..T-1, and doc_ids
+ * [B, T] (i32/i64) hide every other document from a token's attention.
+ * Either may be NULL; with either, labels are required.  Both are inputs
+ * (data) of the forward: a compiled region serves any boundaries.  doc_ids
+ * with a linear-attention (Gated DeltaNet) layer: EPJ_ERR_UNSUPPORTED. */
+epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
+				  epj_tensor *input_ids, epj_tensor *labels,
+				  epj_tensor *position_ids, epj_tensor *doc_ids,
+				  epj_tensor **logits, epj_tensor **loss);
 /* Parameters in model order with HF names (borrowed; valid while m lives). */
 int epj_model_num_params(const epj_model *m);
 const char *epj_model_param_name(const epj_model *m, int i);
@@ -426,7 +438,8 @@ typedef struct epj_engine epj_engine;
 
 typedef struct epj_step_info {
 	double loss;	  /* this micro-batch's loss */
-	double mean_loss; /* mean over the micro-batches of the current step */
+	double mean_loss; /* mean over the micro-batches of the current step
+			     (per-token: over their counted tokens) */
 	bool stepped;	  /* an optimizer step ended this micro-batch */
 	int64_t step;	  /* optimizer steps taken */
 	int64_t micro_step;
@@ -457,6 +470,56 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 				 epj_tensor *labels, epj_step_info *info);
 epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
 			   epj_tensor *labels, double *loss);
+/* epj_engine_eval, and with per_token_loss the labels that count (else 0):
+ * an evaluation over several batches is sum(loss * tokens) / sum(tokens). */
+epj_status epj_engine_eval_tokens(epj_engine *e, epj_tensor *input_ids,
+				  epj_tensor *labels, double *loss,
+				  int64_t *tokens);
+
+/* What a batch becomes before the model sees it (runtime/batch.c; the
+ * config's data section, doc/trainer.md): documents packed in a row, each
+ * ended by the end-of-document token, as Megatron's
+ * get_ltor_masks_and_position_ids reads them, and the loss normalisation. */
+typedef struct epj_batch_opts {
+	/* documents do not see each other (document ids to attention) */
+	bool reset_attention_mask;
+	/* positions restart at 0 after every end-of-document token */
+	bool reset_position_ids;
+	/* the loss where the input token is the end of a document (the
+	 * first token of the next one as target) is not counted */
+	bool eod_mask_loss;
+	int64_t eod_token; /* the end-of-document id; -1: none */
+	/* a step's loss is the sum of its counted token losses over every
+	 * micro-batch and rank divided by their number (Megatron's
+	 * calculate_per_token_loss), not the mean of micro-batch means; on
+	 * whenever eod_mask_loss is */
+	bool per_token_loss;
+} epj_batch_opts;
+
+/* Megatron's get_ltor_masks_and_position_ids on input_ids [B, T]: with
+ * o->reset_position_ids, *position_ids [B, T] i64 (t minus the start of
+ * t's document), else NULL; with o->reset_attention_mask, *doc_ids [B, T]
+ * i64 (the end-of-document tokens before t in its row), else NULL;
+ * *labels_out: labels with -100 where input_ids is the end-of-document
+ * token when o->eod_mask_loss, else a new reference to labels (NULL
+ * without labels).  New references on input_ids' context. */
+epj_status epj_batch_documents(epj_ctx *ctx, epj_tensor *input_ids,
+			       epj_tensor *labels, const epj_batch_opts *o,
+			       epj_tensor **position_ids, epj_tensor **doc_ids,
+			       epj_tensor **labels_out);
+/* The engine's batch options (from its config's data section, or as set). */
+void epj_engine_batch_opts(const epj_engine *e, epj_batch_opts *o);
+/* Sets them (per_token_loss forced on by eod_mask_loss), checked against
+ * the model (an eod_token in its vocabulary; reset_attention_mask refused
+ * for linear attention); before the first train step and before
+ * epj_engine_compile, else EPJ_ERR_STATE. */
+epj_status epj_engine_set_batch_opts(epj_engine *e, const epj_batch_opts *o);
+/* One forward as a train step makes it (the batch options applied), with
+ * the mean loss over the labels that count; logits and loss as
+ * epj_model_forward.  Gradients are on when the context's are. */
+epj_status epj_engine_forward(epj_engine *e, epj_tensor *input_ids,
+			      epj_tensor *labels, epj_tensor **logits,
+			      epj_tensor **loss);
 /* Training checkpoint (atomic): FP32 masters under HF names + optimizer
  * state + progress.  load also accepts a plain HF safetensors file. */
 epj_status epj_engine_save(epj_engine *e, const char *path);

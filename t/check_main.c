@@ -27,6 +27,8 @@ Suite *make_ptxas_suite(void);
 Suite *make_kparam_suite(void);
 /* t/check_tensorboard.c: the trainer's TensorBoard event writer */
 Suite *make_tensorboard_suite(void);
+/* t/check_docs.c: packed documents and the per-token loss */
+Suite *make_docs_suite(void);
 
 /* Every suite by name, in the order a full run takes. */
 static const struct {
@@ -79,6 +81,7 @@ static const struct {
 	{ "kparam", make_kparam_suite },
 	{ "cuda_syncs", make_cuda_syncs_suite },
 	{ "tensorboard", make_tensorboard_suite },
+	{ "docs", make_docs_suite },
 };
 #define N_SUITES (sizeof suites / sizeof suites[0])
 
