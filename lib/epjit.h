@@ -791,6 +791,14 @@ uint64_t epj_docs_len(const epj_docs *d, uint64_t doc); /* 0 if out of range */
  * dtypes sign-extended); EPJ_ERR_INDEX past the document's end. */
 epj_status epj_docs_read(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
 			 uint64_t off, uint64_t n, int64_t *out);
+/* The loss mask of a Megatron prefix P: the uint8 Megatron dataset
+ * P.lossmask (.bin + .idx) when P.lossmask.idx exists, opened with d and
+ * checked against it (doc/formats.md).  has: is there one?  read: the
+ * values of tokens [off, off + n) of document doc, each 0 or 1 (else
+ * EPJ_ERR_FORMAT naming the file); all 1 without a mask. */
+bool epj_docs_has_loss_mask(const epj_docs *d);
+epj_status epj_docs_read_mask(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
+			      uint64_t off, uint64_t n, int64_t *out);
 
 typedef struct epj_data_opts {
 	const char *split; /* document split weights "train,valid,test"
@@ -818,6 +826,10 @@ epj_corpus *epj_corpus_dataset(epj_ctx *ctx, const char *spec,
 /* Tokens of split (0 train, 1 validation, 2 test) of a dataset corpus: the
  * least over the blend's sources; UINT64_MAX for other corpora. */
 uint64_t epj_corpus_split_tokens(const epj_corpus *c, int split);
+/* Does a source of a dataset corpus have a loss mask (PREFIX.lossmask,
+ * doc/formats.md)?  Its batches then label -100 every target whose mask
+ * value is 0 (a prompt token of supervised fine-tuning). */
+bool epj_corpus_has_loss_mask(const epj_corpus *c);
 
 /* ---- distributed runs -------------------------------------------------------
  * One process per rank, started by an MPI launcher (mpirun, srun).  The

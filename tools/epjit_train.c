@@ -958,7 +958,7 @@ static int batch_banner(run *r)
 {
 	epj_batch_opts b;
 	epj_engine_batch_opts(r->engine, &b);
-	bool mask = false;
+	bool mask = epj_corpus_has_loss_mask(r->corpus);
 	if (mask && !b.per_token_loss) {
 		b.per_token_loss = true;
 		if (epj_engine_set_batch_opts(r->engine, &b) != EPJ_OK)
