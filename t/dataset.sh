@@ -28,8 +28,11 @@
 #     per-token loss; a conversation without a template, a template that
 #     rewrites earlier turns and --format epjtok are refused; a run killed
 #     after each of its first three renames leaves files the trainer
-#     refuses; a text-only run over an SFT prefix removes its stale mask
-#     (needs jinja2 for the template, as the tool does).
+#     refuses; a text-only run over an SFT prefix removes its stale mask;
+#     2 accumulated micro-batches (and, where MPI is built, 2 ranks) of
+#     other token counts take the steps of one micro-batch of their rows
+#     (the per-token loss) (needs jinja2 for the template, as the tool
+#     does).
 # The fixtures are t/data/dataset (tools/epjit-tokenize and numpy wrote
 # them; t/data/dataset/make-fixtures.py).  Exit 77 (SKIP) when the trainer
 # was not built, or, after parts 1-4 passed, when python3 is missing.
@@ -375,6 +378,38 @@ esac
 run sft.log --data "$tmp/tk/sft" --seq 6 --steps 2 --split 1,0,0
 grep -q "batches: the data's loss mask, loss per token over the global batch" \
 	sft.log || fail "the SFT run's banner: $(cat sft.log)"
+# the per-token loss over micro-batches and ranks: 1 rank accumulating 2
+# micro-batches of 2 rows, and 2 ranks of 1 micro-batch of 2 rows, take
+# the steps of 1 rank with one micro-batch of the same 4 rows, although
+# the micro-batches count other numbers of tokens (losses and gradient
+# norms equal to f32 rounding; a mean of micro-batch means differs)
+MPIRUN=$(command -v mpirun || command -v mpiexec)
+grep -q '^#define HAVE_MPI 1' "$builddir/config.h" 2>/dev/null || MPIRUN=
+for k in 41 22 21; do
+	printf '{"train_micro_batch_size_per_gpu": %s, "gradient_accumulation_steps": %s, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}\n' \
+		"${k%?}" "${k#?}" >g$k.json
+done
+same_steps() {
+	paste -d, "$1" "$2" | sed 1d | awk -F, '
+		function rel(a, b) { d = a - b; if (d < 0) d = -d; return d / (b < 0 ? -b : b) }
+		{ h = NF / 2
+		  if (!(rel($(h + 2), $2) <= 1e-6 && rel($(h + 4), $4) <= 1e-5)) bad = 1; n++ }
+		END { exit bad || n != 3 }' ||
+		fail "$3: $(cat "$1" "$2")"
+}
+for k in 41 22; do
+	run g$k.log --data "$tmp/tk/sft" --seq 6 --steps 3 --split 1,0,0 \
+		--config g$k.json --metrics g$k.csv
+done
+same_steps g41.csv g22.csv "2 accumulated micro-batches differ from 1 of both"
+if [ -n "$MPIRUN" ]; then
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+		timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" \
+		--data "$tmp/tk/sft" --seq 6 --steps 3 --split 1,0,0 \
+		--config g21.json --metrics g21.csv >g21.log 2>&1 ||
+		fail "2 ranks on the SFT data: $(cat g21.log)"
+	same_steps g41.csv g21.csv "2 ranks differ from 1 rank"
+fi
 # refused: a conversation without a template, a template that rewrites
 # earlier turns, the epjtok format (no mask there)
 tok_refuse "sft.jsonl:2: a conversation needs a chat template" \
