@@ -511,8 +511,9 @@ epj_status epj_batch_documents(epj_ctx *ctx, epj_tensor *input_ids,
 void epj_engine_batch_opts(const epj_engine *e, epj_batch_opts *o);
 /* Sets them (per_token_loss forced on by eod_mask_loss), checked against
  * the model (an eod_token in its vocabulary; reset_attention_mask refused
- * for linear attention); before the first train step and before
- * epj_engine_compile, else EPJ_ERR_STATE. */
+ * for linear attention); a change after the first train step, or of
+ * reset_attention_mask or reset_position_ids after epj_engine_compile, is
+ * EPJ_ERR_STATE. */
 epj_status epj_engine_set_batch_opts(epj_engine *e, const epj_batch_opts *o);
 /* One forward as a train step makes it (the batch options applied), with
  * the mean loss over the labels that count; logits and loss as

@@ -186,13 +186,21 @@ epj_status epj_engine_set_batch_opts(epj_engine *e, const epj_batch_opts *o)
 	if (!o)
 		return ej_error(e->ctx, EPJ_ERR_INVALID,
 				"set_batch_opts: opts is NULL");
-	if (e->micro_step > 0 || e->compiled)
-		return ej_error(e->ctx, EPJ_ERR_STATE,
-				"set_batch_opts: the batch options are set "
-				"before the first step and before "
-				"epj_engine_compile");
 	epj_batch_opts c = *o;
 	c.per_token_loss = o->per_token_loss || o->eod_mask_loss;
+	/* the ids change what a compiled region's forward takes */
+	bool graph = c.reset_attention_mask != e->batch.reset_attention_mask ||
+		     c.reset_position_ids != e->batch.reset_position_ids;
+	const epj_batch_opts *p = &e->batch;
+	bool same = !graph && c.eod_mask_loss == p->eod_mask_loss &&
+		    c.eod_token == p->eod_token &&
+		    c.per_token_loss == p->per_token_loss;
+	if (!same && (e->micro_step > 0 || (graph && e->compiled)))
+		return ej_error(e->ctx, EPJ_ERR_STATE,
+				"set_batch_opts: the batch options are set "
+				"before the first step (reset_attention_mask "
+				"and reset_position_ids before "
+				"epj_engine_compile)");
 	epj_status st = batch_check(e->ctx, e->model, &c, "batch options");
 	if (st != EPJ_OK)
 		return st;

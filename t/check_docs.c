@@ -472,6 +472,17 @@ START_TEST(test_errors)
 	epj_tensor *tb = i64(ctx, (int64_t[8 * 6]){ 0 }, 8, 6);
 	ck_assert_msg(epj_engine_train_step(e, tb, tb, &info) == EPJ_OK, "%s",
 		      epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_engine_set_batch_opts(e, &docs_opts), EPJ_OK);
+	o = docs_opts;
+	o.eod_token = 2;
+	ck_assert_int_eq(epj_engine_set_batch_opts(e, &o), EPJ_ERR_STATE);
+	epj_engine_free(e);
+	/* after compile: the loss options may change (a dataset's mask
+	 * turns the per-token loss on), the ids the graphs take may not */
+	ck_assert(epj_engine_initialize_json(ctx, m, "{}", "t", &e) == EPJ_OK);
+	ck_assert(epj_engine_compile(e) == EPJ_OK);
+	o = (epj_batch_opts){ .eod_token = -1, .per_token_loss = true };
+	ck_assert_int_eq(epj_engine_set_batch_opts(e, &o), EPJ_OK);
 	ck_assert_int_eq(epj_engine_set_batch_opts(e, &docs_opts),
 			 EPJ_ERR_STATE);
 	epj_engine_free(e);

@@ -375,7 +375,7 @@ want="0:0 0:0 7:0 19:0 0:0 0:0 0:0 26:1 17:1 10:1 0:1 1:1"
 case "$(line 4)" in
 *:0\ * | *:0) fail "a text line has untrained tokens: $(line 4)" ;;
 esac
-run sft.log --data "$tmp/tk/sft" --seq 6 --steps 2 --split 1,0,0
+run sft.log --data "$tmp/tk/sft" --seq 6 --steps 2 --split 1,0,0 --compile
 grep -q "batches: the data's loss mask, loss per token over the global batch" \
 	sft.log || fail "the SFT run's banner: $(cat sft.log)"
 # the per-token loss over micro-batches and ranks: 1 rank accumulating 2
