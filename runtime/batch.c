@@ -65,6 +65,10 @@ epj_status epj_batch_documents(epj_ctx *ctx, epj_tensor *input_ids,
 		return ej_error(ctx, EPJ_ERR_SHAPE,
 				"batch_documents: input_ids must be [B, T] "
 				"and labels of its shape");
+	if (!docs) { /* nothing to make: no host copy of the batch */
+		*labels_out = labels ? epj_tensor_ref(labels) : NULL;
+		return EPJ_OK;
+	}
 	const int64_t B = epj_tensor_dim(input_ids, 0);
 	const int64_t T = epj_tensor_dim(input_ids, 1), n = B * T;
 	double *ids = malloc(sizeof *ids * (size_t)(n + 1));
