@@ -76,6 +76,11 @@ static epj_status check_shape(epj_ctx *ctx, const char *what, epj_dtype dt,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s: scale %g must be finite and > 0", what,
 				m->scale);
+	if (m->seg && m->t != m->s)
+		return ej_error(ctx, EPJ_ERR_SHAPE,
+				"%s: document ids need T == S (T=%lld, "
+				"S=%lld)",
+				what, (long long)m->t, (long long)m->s);
 	return EPJ_OK;
 }
 
@@ -105,6 +110,10 @@ static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
 	a->dv = (int)m->dv;
 	a->causal = m->causal;
 	a->scale = m->scale;
+	a->seg = m->seg;
+	a->sgs[0] = (long long)m->seg_st[0];
+	a->sgs[1] = (long long)m->seg_st[1];
+	a->seg8 = m->seg_i64;
 }
 
 static void strides(long long *dst, const ej_attn_operand *o, int n)
@@ -301,13 +310,26 @@ static ej_attn_operand operand_of(const epj_tensor *t)
 static ej_attn_shape shape_of(const ej_call *c, int iq)
 {
 	const epj_tensor *q = c->in[iq], *k = c->in[iq + 1], *v = c->in[iq + 2];
-	ej_attn_shape m = { q->shape[0], q->shape[1], k->shape[1],
-			    q->shape[2], k->shape[2], q->shape[3],
-			    v->shape[3], false,	      0 };
+	ej_attn_shape m = { .b = q->shape[0],
+			    .hq = q->shape[1],
+			    .hkv = k->shape[1],
+			    .t = q->shape[2],
+			    .s = k->shape[2],
+			    .d = q->shape[3],
+			    .dv = v->shape[3] };
 	const ej_attrs *at = c->attrs;
 	m.causal = at && at->n_i > 0 && at->i[0] != 0;
 	double sc = at && at->n_f > 0 ? at->f[0] : 0.0;
 	m.scale = sc > 0 ? sc : 1.0 / sqrt((double)(m.d > 1 ? m.d : 1));
+	/* the document ids follow the op's other inputs */
+	int is = iq == 0 ? 3 : 6;
+	if (c->n_in > is) {
+		const epj_tensor *g = c->in[is];
+		m.seg = data_of(g);
+		m.seg_st[0] = g->stride[0];
+		m.seg_st[1] = g->stride[1];
+		m.seg_i64 = g->dtype == EPJ_DTYPE_I64;
+	}
 	return m;
 }
 
@@ -317,11 +339,12 @@ static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
 			     int n_out)
 {
 	const char *name = ej_ops[op].name;
-	if (c->n_in != n_in || c->n_out != n_out)
+	/* n_in, or one more: the document ids */
+	if ((c->n_in != n_in && c->n_in != n_in + 1) || c->n_out != n_out)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s (cuda template): %d inputs and %d outputs "
-				"given, %d and %d expected",
-				name, c->n_in, c->n_out, n_in, n_out);
+				"given, %d (or %d) and %d expected",
+				name, c->n_in, c->n_out, n_in, n_in + 1, n_out);
 	ej_meta meta[3];
 	epj_status st = ej_ops[op].infer(ctx, c, meta);
 	if (st != EPJ_OK)

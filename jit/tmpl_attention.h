@@ -28,6 +28,12 @@ typedef struct ej_attn_shape {
 	int64_t b, hq, hkv, t, s, d, dv;
 	bool causal;  /* mask key j of query i when j > i + (S - T) */
 	double scale; /* multiplies q k^T; > 0 */
+	/* document ids [B, S] (T == S; NULL: none), a device pointer with
+	 * element strides seg_st, i64 (seg_i64) or i32: key j is hidden
+	 * from query i when seg[b, j] != seg[b, i] */
+	const void *seg;
+	int64_t seg_st[2];
+	bool seg_i64;
 } ej_attn_shape;
 
 /* out [B, Hq, T, Dv] (dtype dt) and lse [B, Hq, T] (f32; f64 for f64) of
@@ -56,9 +62,10 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 		      const ej_attn_operand *lse, void *dq, void *dk, void *dv);
 
 /* Eager adapters (the op table's calls, c->out allocated contiguous on the
- * ctx's device, inputs of any strides): SDPA (q, k, v) -> (out, lse) and
- * SDPA_BACKWARD (grad_out, q, k, v, out, lse) -> (dq, dk, dv), attrs i[0]
- * causal, f[0] scale (<= 0: 1 / sqrt(D)), run on the ctx's device. */
+ * ctx's device, inputs of any strides): SDPA (q, k, v[, seg]) -> (out, lse)
+ * and SDPA_BACKWARD (grad_out, q, k, v, out, lse[, seg]) -> (dq, dk, dv),
+ * attrs i[0] causal, f[0] scale (<= 0: 1 / sqrt(D)), run on the ctx's
+ * device; seg, the document ids, is read in place. */
 epj_status ej_cuda_op_sdpa(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_sdpa_backward(epj_ctx *ctx, ej_call *c);
 

@@ -297,6 +297,14 @@ epj_tensor *epj_contiguous(epj_ctx *ctx, epj_tensor *a);
  * T > S the first T - S queries see no key and their output is 0. */
 epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 		     bool causal, double scale);
+/* epj_sdpa over documents packed in a row: doc_ids [B, S] (i32 or i64,
+ * T == S) gives each position's document; key j is also hidden from query
+ * i when doc_ids[b, j] != doc_ids[b, i] (Megatron's reset_attention_mask).
+ * The ids are an input (data), not an attribute: a compiled graph serves
+ * any boundaries.  doc_ids NULL: epj_sdpa. */
+epj_tensor *epj_sdpa_docs(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
+			  epj_tensor *v, epj_tensor *doc_ids, bool causal,
+			  double scale);
 /* The gated delta rule of Gated DeltaNet: q, k [B, T, H, Dk], v [B, T, H,
  * Dv], g (log decay), beta [B, T, H] -> o [B, T, H, Dv], per (b, h) a state
  * S [Dk, Dv] from zero: S = exp(g_t) S; S += k_t (beta_t (v_t - S^T k_t))^T;
@@ -382,6 +390,18 @@ epj_module *epj_model_root(epj_model *m);
 epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 			     epj_tensor *labels, epj_tensor **logits,
 			     epj_tensor **loss);
+/* Forward over documents packed in each row (Megatron's
+ * reset_position_ids and reset_attention_mask; epj_batch_documents makes
+ * both from the end-of-document tokens): position_ids [B, T] (i64, each in
+ * [0, T)) pick the rows of the rope tables instead of 0..T-1, and doc_ids
+ * [B, T] (i32/i64) hide every other document from a token's attention.
+ * Either may be NULL; with either, labels are required.  Both are inputs
+ * (data) of the forward: a compiled region serves any boundaries.  doc_ids
+ * with a linear-attention (Gated DeltaNet) layer: EPJ_ERR_UNSUPPORTED. */
+epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
+				  epj_tensor *input_ids, epj_tensor *labels,
+				  epj_tensor *position_ids, epj_tensor *doc_ids,
+				  epj_tensor **logits, epj_tensor **loss);
 /* Parameters in model order with HF names (borrowed; valid while m lives). */
 int epj_model_num_params(const epj_model *m);
 const char *epj_model_param_name(const epj_model *m, int i);
@@ -418,7 +438,8 @@ typedef struct epj_engine epj_engine;
 
 typedef struct epj_step_info {
 	double loss;	  /* this micro-batch's loss */
-	double mean_loss; /* mean over the micro-batches of the current step */
+	double mean_loss; /* mean over the micro-batches of the current step
+			     (per-token: over their counted tokens) */
 	bool stepped;	  /* an optimizer step ended this micro-batch */
 	int64_t step;	  /* optimizer steps taken */
 	int64_t micro_step;
@@ -449,6 +470,57 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 				 epj_tensor *labels, epj_step_info *info);
 epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
 			   epj_tensor *labels, double *loss);
+/* epj_engine_eval, and with per_token_loss the labels that count (else 0):
+ * an evaluation over several batches is sum(loss * tokens) / sum(tokens). */
+epj_status epj_engine_eval_tokens(epj_engine *e, epj_tensor *input_ids,
+				  epj_tensor *labels, double *loss,
+				  int64_t *tokens);
+
+/* What a batch becomes before the model sees it (runtime/batch.c; the
+ * config's data section, doc/trainer.md): documents packed in a row, each
+ * ended by the end-of-document token, as Megatron's
+ * get_ltor_masks_and_position_ids reads them, and the loss normalisation. */
+typedef struct epj_batch_opts {
+	/* documents do not see each other (document ids to attention) */
+	bool reset_attention_mask;
+	/* positions restart at 0 after every end-of-document token */
+	bool reset_position_ids;
+	/* the loss where the input token is the end of a document (the
+	 * first token of the next one as target) is not counted */
+	bool eod_mask_loss;
+	int64_t eod_token; /* the end-of-document id; -1: none */
+	/* a step's loss is the sum of its counted token losses over every
+	 * micro-batch and rank divided by their number (Megatron's
+	 * calculate_per_token_loss), not the mean of micro-batch means; on
+	 * whenever eod_mask_loss is */
+	bool per_token_loss;
+} epj_batch_opts;
+
+/* Megatron's get_ltor_masks_and_position_ids on input_ids [B, T]: with
+ * o->reset_position_ids, *position_ids [B, T] i64 (t minus the start of
+ * t's document), else NULL; with o->reset_attention_mask, *doc_ids [B, T]
+ * i64 (the end-of-document tokens before t in its row), else NULL;
+ * *labels_out: labels with -100 where input_ids is the end-of-document
+ * token when o->eod_mask_loss, else a new reference to labels (NULL
+ * without labels).  New references on input_ids' context. */
+epj_status epj_batch_documents(epj_ctx *ctx, epj_tensor *input_ids,
+			       epj_tensor *labels, const epj_batch_opts *o,
+			       epj_tensor **position_ids, epj_tensor **doc_ids,
+			       epj_tensor **labels_out);
+/* The engine's batch options (from its config's data section, or as set). */
+void epj_engine_batch_opts(const epj_engine *e, epj_batch_opts *o);
+/* Sets them (per_token_loss forced on by eod_mask_loss), checked against
+ * the model (an eod_token in its vocabulary; reset_attention_mask refused
+ * for linear attention); a change after the first train step, or of
+ * reset_attention_mask or reset_position_ids after epj_engine_compile, is
+ * EPJ_ERR_STATE. */
+epj_status epj_engine_set_batch_opts(epj_engine *e, const epj_batch_opts *o);
+/* One forward as a train step makes it (the batch options applied), with
+ * the mean loss over the labels that count; logits and loss as
+ * epj_model_forward.  Gradients are on when the context's are. */
+epj_status epj_engine_forward(epj_engine *e, epj_tensor *input_ids,
+			      epj_tensor *labels, epj_tensor **logits,
+			      epj_tensor **loss);
 /* Training checkpoint (atomic): FP32 masters under HF names + optimizer
  * state + progress.  load also accepts a plain HF safetensors file.  With
  * several ranks save is collective and writes one generation of a
@@ -795,6 +867,14 @@ uint64_t epj_docs_len(const epj_docs *d, uint64_t doc); /* 0 if out of range */
  * dtypes sign-extended); EPJ_ERR_INDEX past the document's end. */
 epj_status epj_docs_read(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
 			 uint64_t off, uint64_t n, int64_t *out);
+/* The loss mask of a Megatron prefix P: the uint8 Megatron dataset
+ * P.lossmask (.bin + .idx) when P.lossmask.idx exists, opened with d and
+ * checked against it (doc/formats.md).  has: is there one?  read: the
+ * values of tokens [off, off + n) of document doc, each 0 or 1 (else
+ * EPJ_ERR_FORMAT naming the file); all 1 without a mask. */
+bool epj_docs_has_loss_mask(const epj_docs *d);
+epj_status epj_docs_read_mask(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
+			      uint64_t off, uint64_t n, int64_t *out);
 
 typedef struct epj_data_opts {
 	const char *split; /* document split weights "train,valid,test"
@@ -822,6 +902,10 @@ epj_corpus *epj_corpus_dataset(epj_ctx *ctx, const char *spec,
 /* Tokens of split (0 train, 1 validation, 2 test) of a dataset corpus: the
  * least over the blend's sources; UINT64_MAX for other corpora. */
 uint64_t epj_corpus_split_tokens(const epj_corpus *c, int split);
+/* Does a source of a dataset corpus have a loss mask (PREFIX.lossmask,
+ * doc/formats.md)?  Its batches then label -100 every target whose mask
+ * value is 0 (a prompt token of supervised fine-tuning). */
+bool epj_corpus_has_loss_mask(const epj_corpus *c);
 
 /* ---- distributed runs -------------------------------------------------------
  * One process per rank, started by an MPI launcher (mpirun, srun).  The

@@ -12,6 +12,15 @@
  * exists for the backward op and is NOT differentiable: a gradient flowing
  * into it is ignored.
  *
+ * Documents: an optional fourth input seg [B, S] (i32 or i64; T == S) gives
+ * each position the id of the document it belongs to; key j is then also
+ * hidden from query i when seg[b, j] != seg[b, i], so the documents packed
+ * in a row do not see each other (Megatron's reset_attention_mask).  The
+ * ids are data, so one traced graph serves every set of boundaries.  Masked
+ * scores are -inf before the softmax; a flash tile pair whose query and
+ * key id ranges do not overlap is skipped.  SDPA_BACKWARD takes the same
+ * ids as its seventh input.
+ *
  * Kernels work per (b, head, block of QB queries) with two small GEMMs
  * (scores = scale q k^T, then P v) and an exact row softmax in between, in
  * f32 (f64 for f64; bf16 inputs are converted to f32 once).  Causal blocks
@@ -78,6 +87,8 @@ typedef struct sdpa_dims {
 	int64_t b, hq, t, d, hkv, s, dv;
 	bool causal;
 	double scale;
+	int seg_in;	    /* the input holding document ids; -1: none */
+	const int64_t *seg; /* [B, S] document ids (kernels only) */
 } sdpa_dims;
 
 /* Keys visible to query i: [0, key_end(i)). */
@@ -94,7 +105,40 @@ static double sdpa_scale(double scale, int64_t d)
 	return scale > 0 ? scale : 1.0 / sqrt((double)max1(d));
 }
 
-/* Validates q, k, v = inputs iq, iq+1, iq+2 of the call and fills *m. */
+/* The optional document ids seg (input m->seg_in): an index tensor
+ * [B, S], and T == S (one id per query and key position). */
+static epj_status seg_check(epj_ctx *ctx, const ej_call *c, sdpa_dims *m,
+			    int max_in)
+{
+	m->seg_in = -1;
+	m->seg = NULL;
+	if (c->n_in > max_in)
+		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				   "takes at most %d inputs (the last one the "
+				   "document ids), got %d",
+				   max_in, c->n_in);
+	if (c->n_in < max_in)
+		return EPJ_OK;
+	m->seg_in = max_in - 1;
+	epj_status s = ej_check_index_dtype(ctx, c, m->seg_in);
+	if (s != EPJ_OK)
+		return s;
+	const epj_tensor *g = c->in[m->seg_in];
+	if (g->ndim != 2 || g->shape[0] != m->b || g->shape[1] != m->s)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "document ids must be [B, S] = [%lld, "
+				   "%lld]",
+				   (long long)m->b, (long long)m->s);
+	if (m->t != m->s)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "document ids need as many queries as keys "
+				   "(T=%lld, S=%lld)",
+				   (long long)m->t, (long long)m->s);
+	return EPJ_OK;
+}
+
+/* Validates q, k, v = inputs iq, iq+1, iq+2 of the call (and the document
+ * ids after the op's other inputs) and fills *m. */
 static epj_status sdpa_check(epj_ctx *ctx, const ej_call *c, int iq,
 			     sdpa_dims *m)
 {
@@ -139,7 +183,74 @@ static epj_status sdpa_check(epj_ctx *ctx, const ej_call *c, int iq,
 	const ej_attrs *a = c->attrs;
 	m->causal = a && a->n_i > 0 && a->i[0] != 0;
 	m->scale = sdpa_scale(a && a->n_f > 0 ? a->f[0] : 0.0, m->d);
+	/* forward (q, k, v[, seg]); backward (go, q, k, v, o, lse[, seg]) */
+	return seg_check(ctx, c, m, iq == 0 ? 4 : 7);
+}
+
+/* The document ids of the call as a dense host array [B, S] (NULL, and OK,
+ * when the call has none); the caller frees it. */
+static epj_status seg_load(epj_ctx *ctx, const ej_call *c, const sdpa_dims *m,
+			   int64_t **out)
+{
+	*out = NULL;
+	if (m->seg_in < 0)
+		return EPJ_OK;
+	const epj_tensor *g = c->in[m->seg_in];
+	int64_t *v = malloc((size_t)max1(m->b * m->s) * sizeof *v);
+	if (!v)
+		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				   "out of memory for the document ids");
+	const char *p = ej_data(g);
+	for (int64_t b = 0; b < m->b; b++)
+		for (int64_t j = 0; j < m->s; j++) {
+			int64_t o = b * g->stride[0] + j * g->stride[1];
+			v[b * m->s + j] =
+			    g->dtype == EPJ_DTYPE_I64
+				? ((const int64_t *)(const void *)p)[o]
+				: ((const int32_t *)(const void *)p)[o];
+		}
+	*out = v;
 	return EPJ_OK;
+}
+
+/* Scores sc [nr, ld] of queries i0.. against keys j0..j0+nk of batch b:
+ * -inf where the key is in another document than the query. */
+#define DEFINE_SEG_MASK(SFX, REAL)                                             \
+	static void seg_mask_##SFX(const sdpa_dims *m, int64_t b, REAL *sc,    \
+				   int64_t nr, int64_t nk, int64_t ld,         \
+				   int64_t i0, int64_t j0)                     \
+	{                                                                      \
+		if (!m->seg)                                                   \
+			return;                                                \
+		const int64_t *g = m->seg + b * m->s;                          \
+		for (int64_t r = 0; r < nr; r++)                               \
+			for (int64_t j = 0; j < nk; j++)                       \
+				if (g[j0 + j] != g[i0 + r])                    \
+					sc[r * ld + j] = -INFINITY;            \
+	}
+DEFINE_SEG_MASK(f32, float)
+DEFINE_SEG_MASK(f64, double)
+#undef DEFINE_SEG_MASK
+
+/* True when no query of [i0, i0 + nr) shares a document with a key of
+ * [j0, j0 + nk) in batch b: their id ranges do not overlap (any ids; for
+ * packed documents, whose ids grow along the row, the usual case). */
+static bool seg_disjoint(const sdpa_dims *m, int64_t b, int64_t i0, int64_t nr,
+			 int64_t j0, int64_t nk)
+{
+	if (!m->seg || nr <= 0 || nk <= 0)
+		return false;
+	const int64_t *g = m->seg + b * m->s;
+	int64_t qlo = g[i0], qhi = g[i0], klo = g[j0], khi = g[j0];
+	for (int64_t r = 1; r < nr; r++) {
+		qlo = g[i0 + r] < qlo ? g[i0 + r] : qlo;
+		qhi = g[i0 + r] > qhi ? g[i0 + r] : qhi;
+	}
+	for (int64_t j = 1; j < nk; j++) {
+		klo = g[j0 + j] < klo ? g[j0 + j] : klo;
+		khi = g[j0 + j] > khi ? g[j0 + j] : khi;
+	}
+	return qhi < klo || khi < qlo;
 }
 
 /* One BLAS-ready 4-D operand [B, H, R, C] (see ej_linalg_operand). */
@@ -192,6 +303,11 @@ static int64_t operand_at(const operand *op, int64_t b, int64_t h, int64_t r)
 			REAL mx = row[0];                                      \
 			for (int64_t j = 1; j < je; j++)                       \
 				mx = row[j] > mx ? row[j] : mx;                \
+			if (mx == -INFINITY) { /* every key masked */          \
+				memset(row, 0, (size_t)ncol * sizeof *row);    \
+				lse[r] = -INFINITY;                            \
+				continue;                                      \
+			}                                                      \
 			double sum = 0;                                        \
 			for (int64_t j = 0; j < je; j++) {                     \
 				row[j] = EXPF(row[j] - mx);                    \
@@ -269,10 +385,20 @@ typedef struct sdpa_run {
 	epj_dtype dt, cdt;	/* tensors' dtype, compute dtype */
 	size_t es;		/* bytes per cdt element */
 	operand q, k, v, o, go; /* o, go: out and grad_out (backward only) */
+	int64_t *seg;		/* m.seg, owned */
 } sdpa_run;
+
+/* Loads the call's document ids (if any) into w->seg and w->m.seg. */
+static epj_status sdpa_run_seg(epj_ctx *ctx, const ej_call *c, sdpa_run *w)
+{
+	epj_status s = seg_load(ctx, c, &w->m, &w->seg);
+	w->m.seg = w->seg;
+	return s;
+}
 
 static void sdpa_run_free(sdpa_run *w)
 {
+	free(w->seg);
 	free(w->q.owned);
 	free(w->k.owned);
 	free(w->v.owned);
@@ -295,10 +421,13 @@ static void sdpa_fw_block(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 		       w->q.base + operand_at(&w->q, b, h, i0) * es, w->q.ld,
 		       w->k.base + operand_at(&w->k, b, g, 0) * es, w->k.ld,
 		       0.0, sc, ldp);
-	if (w->cdt == EPJ_DTYPE_F64)
+	if (w->cdt == EPJ_DTYPE_F64) {
+		seg_mask_f64(m, b, (double *)sc, nr, se, ldp, i0, 0);
 		softmax_rows_f64(m, (double *)sc, nr, se, i0, lse);
-	else
+	} else {
+		seg_mask_f32(m, b, (float *)sc, nr, se, ldp, i0, 0);
 		softmax_rows_f32(m, (float *)sc, nr, se, i0, lse);
+	}
 	/* out = P v */
 	ej_linalg_gemm(w->cdt, false, w->v.trans, nr, m->dv, se, 1.0, sc, ldp,
 		       w->v.base + operand_at(&w->v, b, g, 0) * es, w->v.ld,
@@ -322,7 +451,8 @@ static epj_status sdpa_fw_reference(epj_ctx *ctx, const ej_call *c)
 		return EPJ_OK;
 	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.q)) ||
 	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.k)) ||
-	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)))
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)) ||
+	    (s = sdpa_run_seg(ctx, c, &w)))
 		goto done;
 	/* per thread: scores [QB, S] and, for bf16, an f32 output block */
 	int nthr = ej_linalg_max_threads();
@@ -378,11 +508,17 @@ epj_status ej_backward_SDPA(epj_ctx *ctx, const ej_call *c,
 				return bw_status(ctx, "sdpa");
 		return EPJ_OK;
 	}
-	epj_tensor *in[6] = { grad_out[0], c->in[0],  c->in[1],
-			      c->in[2],	   c->out[0], c->out[1] };
+	/* the document ids, when given, follow the backward's own inputs */
+	epj_tensor *in[7] = { grad_out[0],
+			      c->in[0],
+			      c->in[1],
+			      c->in[2],
+			      c->out[0],
+			      c->out[1],
+			      c->n_in > 3 ? c->in[3] : NULL };
 	epj_tensor *outs[3] = { NULL, NULL, NULL };
-	epj_status s =
-	    ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, 6, c->attrs, outs, 3);
+	epj_status s = ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in,
+				   c->n_in > 3 ? 7 : 6, c->attrs, outs, 3);
 	if (s != EPJ_OK)
 		return s;
 	for (int i = 0; i < 3; i++) {
@@ -394,8 +530,9 @@ epj_status ej_backward_SDPA(epj_ctx *ctx, const ej_call *c,
 	return EPJ_OK;
 }
 
-epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
-		     bool causal, double scale)
+epj_tensor *epj_sdpa_docs(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
+			  epj_tensor *v, epj_tensor *doc_ids, bool causal,
+			  double scale)
 {
 	if (!q || !k || !v)
 		return NULL;
@@ -404,11 +541,18 @@ epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
 	ej_attrs_push_i(&at, causal ? 1 : 0);
 	ej_attrs_push_f(
 	    &at, sdpa_scale(scale, q->ndim > 0 ? q->shape[q->ndim - 1] : 1));
-	epj_tensor *in[3] = { q, k, v }, *outs[2] = { NULL, NULL };
-	if (ej_dispatch(ctx, EJ_OP_SDPA, in, 3, &at, outs, 2) != EPJ_OK)
+	epj_tensor *in[4] = { q, k, v, doc_ids }, *outs[2] = { NULL, NULL };
+	if (ej_dispatch(ctx, EJ_OP_SDPA, in, doc_ids ? 4 : 3, &at, outs, 2) !=
+	    EPJ_OK)
 		return NULL;
 	epj_tensor_free(outs[1]);
 	return outs[0];
+}
+
+epj_tensor *epj_sdpa(epj_ctx *ctx, epj_tensor *q, epj_tensor *k, epj_tensor *v,
+		     bool causal, double scale)
+{
+	return epj_sdpa_docs(ctx, q, k, v, NULL, causal, scale);
 }
 
 /* ---- SDPA backward: (grad_out, q, k, v, out, lse) -> (dq, dk, dv) -------- */
@@ -478,6 +622,10 @@ static void sdpa_bw_block(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 	/* P = exp(scale q k^T - lse); Di = rowsum(dO * O) */
 	ej_linalg_gemm(cdt, q->trans, !k->trans, nr, se, m->d, m->scale, qp,
 		       q->ld, kp, k->ld, 0.0, t->p, ldp);
+	if (cdt == EPJ_DTYPE_F64)
+		seg_mask_f64(m, b, (double *)t->p, nr, se, ldp, i0, 0);
+	else
+		seg_mask_f32(m, b, (float *)t->p, nr, se, ldp, i0, 0);
 	if (cdt == EPJ_DTYPE_F64) {
 		probs_rows_f64(m, (double *)t->p, nr, se, i0,
 			       (const double *)t->lse);
@@ -555,7 +703,8 @@ static epj_status sdpa_bw_reference(epj_ctx *ctx, const ej_call *c)
 	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.q)) ||
 	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.k)) ||
 	    (s = operand_init(ctx, c, c->in[3], w.cdt, &w.v)) ||
-	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)))
+	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)) ||
+	    (s = sdpa_run_seg(ctx, c, &w)))
 		goto done;
 	/* results go to the outputs, or to f32 accumulators for bf16 */
 	char *dq = ej_data(dq_t), *dk = ej_data(dk_t), *dv = ej_data(dv_t);
@@ -815,6 +964,11 @@ static double fl_exp_sub_sum_f64(double *x, int64_t n, double sub)
 			}                                                      \
 			REAL tm = MAX(row, je);                                \
 			REAL mn = tm > mx[r] ? tm : mx[r];                     \
+			if (mn == -INFINITY) { /* every key masked so far */   \
+				memset(row, 0, (size_t)nk * sizeof *row);      \
+				alpha[r] = 1;                                  \
+				continue;                                      \
+			}                                                      \
 			alpha[r] = EXPF(mx[r] - mn);                           \
 			REAL sum = EXPSUM(row, je, mn);                        \
 			for (int64_t j = je; j < nk; j++)                      \
@@ -883,10 +1037,16 @@ static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 	const char *qp = w->q.base + operand_at(&w->q, b, h, i0) * es;
 	for (int64_t j0 = 0; j0 < se; j0 += FK) {
 		int64_t nk = se - j0 < FK ? se - j0 : FK;
+		if (seg_disjoint(m, b, i0, nr, j0, nk))
+			continue; /* adds nothing: other documents */
 		ej_linalg_gemm(cdt, w->q.trans, !w->k.trans, nr, nk, m->d,
 			       m->scale, qp, w->q.ld,
 			       w->k.base + operand_at(&w->k, b, g, j0) * es,
 			       w->k.ld, 0.0, sc, FK);
+		if (f64)
+			seg_mask_f64(m, b, (double *)sc, nr, nk, FK, i0, j0);
+		else
+			seg_mask_f32(m, b, (float *)sc, nr, nk, FK, i0, j0);
 		if (f64)
 			fl_online_f64(m, (double *)sc, nr, nk, i0, j0,
 				      (double *)mx, (double *)l, (double *)al);
@@ -951,7 +1111,8 @@ static epj_status sdpa_fw_flash(epj_ctx *ctx, const ej_call *c)
 		return EPJ_OK;
 	if ((s = operand_init(ctx, c, c->in[0], w.cdt, &w.q)) ||
 	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.k)) ||
-	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)))
+	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.v)) ||
+	    (s = sdpa_run_seg(ctx, c, &w)))
 		goto done;
 	/* per thread: the tile scratch and, for bf16, an f32 output tile */
 	int nthr = ej_linalg_max_threads();
@@ -1054,6 +1215,8 @@ static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 			    (b * lse->stride[0] + h * lse->stride[1]) * es;
 			for (int64_t i0 = ifirst; i0 < m->t; i0 += FQ) {
 				int64_t nr = m->t - i0 < FQ ? m->t - i0 : FQ;
+				if (seg_disjoint(m, b, i0, nr, j0, nk))
+					continue; /* other documents */
 				const char *qp =
 				    q->base + operand_at(q, b, h, i0) * es;
 				const char *gp =
@@ -1073,6 +1236,12 @@ static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 				ej_linalg_gemm(cdt, q->trans, !k->trans, nr, nk,
 					       m->d, m->scale, qp, q->ld, kp,
 					       k->ld, 0.0, p, FK);
+				if (f64)
+					seg_mask_f64(m, b, (double *)p, nr, nk,
+						     FK, i0, j0);
+				else
+					seg_mask_f32(m, b, (float *)p, nr, nk,
+						     FK, i0, j0);
 				if (f64)
 					fl_probs_f64(m, (double *)p, nr, nk, i0,
 						     j0, (const double *)lr);
@@ -1130,7 +1299,8 @@ static epj_status sdpa_bw_flash(epj_ctx *ctx, const ej_call *c)
 	    (s = operand_init(ctx, c, c->in[1], w.cdt, &w.q)) ||
 	    (s = operand_init(ctx, c, c->in[2], w.cdt, &w.k)) ||
 	    (s = operand_init(ctx, c, c->in[3], w.cdt, &w.v)) ||
-	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)))
+	    (s = operand_init(ctx, c, c->in[4], w.cdt, &w.o)) ||
+	    (s = sdpa_run_seg(ctx, c, &w)))
 		goto done;
 	/* results go to the outputs, or to f32 accumulators for bf16 */
 	char *dq = ej_data(dq_t), *dk = ej_data(dk_t), *dv = ej_data(dv_t);

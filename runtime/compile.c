@@ -886,7 +886,7 @@ static epj_status warm_call(epj_ctx *ctx, region *r, const ej_region_arg *a,
 			    int n_in, int n_out, bool grad, bool rg,
 			    int *n_variants)
 {
-	epj_tensor *in[3] = { 0 };
+	epj_tensor *in[EJ_REGION_MAX_ARGS] = { 0 };
 	epj_status st = EPJ_OK;
 	for (int i = 0; i < n_in && st == EPJ_OK; i++) {
 		in[i] = ej_tensor_meta(ctx, a[i].dtype, a[i].ndim, a[i].shape);
@@ -935,7 +935,7 @@ epj_status ej_engine_compile_trace_all(epj_engine *e, int64_t B, int64_t T,
 	epj_status st = EPJ_OK;
 	for (int i = 0; st == EPJ_OK && i < e->compiled->n_regions; i++) {
 		region *r = e->compiled->regions[i];
-		ej_region_arg a[3];
+		ej_region_arg a[EJ_REGION_MAX_ARGS];
 		int n_in = 0, n_out = 0;
 		st = ej_model_region_args(ctx, e->model, r->m, B, T, a, &n_in,
 					  &n_out);

@@ -719,8 +719,11 @@ static const key keys[] = {
 	  .wr = wr_if_given,
 	  .doc = "epjit extension: the training data of `epjit-train` "
 		 "(doc/trainer.md), for the keys its command line does not "
-		 "give; the library only parses and keeps the section "
-		 "(`epj_engine_data_path`, `_split`, `_seed`)." },
+		 "give.  The library keeps `path`, `split` and `seed` "
+		 "(`epj_engine_data_path`, `_split`, `_seed`) and acts on "
+		 "the packed-document and loss keys itself "
+		 "(`epj_engine_batch_opts`; the trainer's flags add to "
+		 "them)." },
 
 	/* DeepSpeed's keys that only observe or tune a run, and its
 	 * features that epjit does not implement */
@@ -1969,6 +1972,44 @@ static const key keys[] = {
 	  .flags = K_W_NONZERO,
 	  .doc_default = "derived from the run seed",
 	  .doc = "seed of a token dataset's document and sample shuffles" },
+#define DATA_BOOL(nm, fld, text)                                               \
+	{                                                                      \
+		.sec = SEC_DATA, .name = nm, .type = K_BOOL,                   \
+		.off = (long)offsetof(struct ej_data_config, fld),             \
+		.size = sizeof(((struct ej_data_config *)0)->fld), NOGIVEN,    \
+		.flags = K_W_NONZERO, .doc = text                              \
+	}
+	DATA_BOOL("reset_attention_mask", reset_attention_mask,
+		  "`--reset-attention-mask`: the documents packed in a row "
+		  "(ended by `eod_token`) do not see each other (Megatron's "
+		  "option; document ids are an input of attention, see "
+		  "doc/trainer.md)"),
+	DATA_BOOL("reset_position_ids", reset_position_ids,
+		  "`--reset-position-ids`: positions restart at 0 after every "
+		  "`eod_token` (Megatron's option)"),
+	DATA_BOOL("eod_mask_loss", eod_mask_loss,
+		  "`--eod-mask-loss`: the loss where the input token is "
+		  "`eod_token` is not counted (Megatron's option)"),
+	{ .sec = SEC_DATA,
+	  .name = "eod_token",
+	  .type = K_INT,
+	  .off = (long)offsetof(struct ej_data_config, eod_token),
+	  .size = sizeof(((struct ej_data_config *)0)->eod_token),
+	  NOGIVEN,
+	  .ilo = -1,
+	  .ihi = INT32_MAX,
+	  .def = -1,
+	  .flags = K_W_NONZERO,
+	  .doc_default = "-1 (none)",
+	  .doc = "`--eod-token`: the end-of-document token id that "
+		 "`reset_attention_mask`, `reset_position_ids` and "
+		 "`eod_mask_loss` need" },
+	DATA_BOOL("calculate_per_token_loss", per_token_loss,
+		  "`--calculate-per-token-loss`: the loss of a step is the "
+		  "sum of its counted token losses over every micro-batch and "
+		  "rank divided by their number (Megatron's option); on by "
+		  "itself with `eod_mask_loss` or a dataset with a loss mask"),
+#undef DATA_BOOL
 };
 
 const char *ej_optim_type_name(ej_optim_type t)

@@ -230,6 +230,13 @@ typedef struct ej_config {
 		char split[64];	 /* "" = not given */
 		int64_t seed;
 		bool seed_given;
+		/* packed documents and the loss (runtime/batch.c): Megatron's
+		 * reset_attention_mask, reset_position_ids, eod_mask_loss at
+		 * the end-of-document token eod_token (-1: none), and
+		 * calculate_per_token_loss */
+		bool reset_attention_mask, reset_position_ids, eod_mask_loss;
+		int64_t eod_token;
+		bool per_token_loss;
 	} data;
 
 	/* The keys of the file that epjit accepts and does not act on

@@ -659,6 +659,12 @@ epj_corpus *epj_corpus_dataset(epj_ctx *ctx, const char *spec,
 	return out;
 }
 
+bool epj_corpus_has_loss_mask(const epj_corpus *c)
+{
+	return c && c->src->kind == SRC_DATASET &&
+	       ej_dsrc_has_loss_mask(c->src->ds);
+}
+
 uint64_t epj_corpus_split_tokens(const epj_corpus *c, int split)
 {
 	if (!c || c->src->kind != SRC_DATASET)

@@ -5,7 +5,8 @@
  * Readers (epj_docs).  Every header field and size is checked against the
  * file sizes before a token is touched: a Megatron .idx must hold exactly
  * its header, lengths, pointers and document indices (plus, optionally, one
- * mode byte per sequence and epjit-tokenize's pairing record), the
+ * mode byte per sequence, a loss mask's tie record and epjit-tokenize's
+ * pairing record), the
  * sequences must lie end to end from byte 0 and fill the .bin exactly, the
  * .bin must match the pairing record when there is one, and the document
  * indices must run from 0 to the sequence count without decreasing.  The
@@ -17,6 +18,15 @@
  * or >= vocab is an error naming the file and document), so opening a
  * large dataset costs one pass over the index and, for a paired .bin, at
  * most 256 KiB of it (the fingerprint), none over the other tokens.
+ *
+ * Loss masks (supervised fine-tuning; doc/formats.md).  Beside a Megatron
+ * prefix P, the Megatron indexed dataset P.lossmask (P.lossmask.bin +
+ * .idx, uint8) holds one byte per token: 1 where the token, as a target,
+ * counts in the loss (a completion), 0 where it does not (a prompt).  It
+ * is opened with every check of a token index, and must have the token
+ * index's sequence lengths and a tie record naming the size and
+ * fingerprint of P.bin; its values are checked (0 or 1) as they are read.
+ * A target whose mask byte is 0 becomes the label -100 (ignored).
  *
  * Streams.  A Megatron sequence, a .npy row (or the whole 1-D array) is one
  * document.  Documents [0, n) of a source are split into contiguous
@@ -139,6 +149,8 @@ struct epj_docs {
 	uint64_t *ptrs;
 	/* npy: documents of rowlen tokens from byte off */
 	uint64_t off, rowlen;
+	/* the loss mask (PREFIX.lossmask), NULL: none */
+	struct epj_docs *mask;
 };
 
 static epj_status docs_err(epj_ctx *ctx, const char *path, const char *fmt, ...)
@@ -186,13 +198,35 @@ static epj_status idx_dtype(epj_ctx *ctx, const char *path, unsigned code,
 #define FNV_OFFSET 0xcbf29ce484222325ull
 #define FNV_PRIME  0x100000001b3ull
 
+/* The tie record of a loss mask's .idx (before its pairing record): the
+ * size and fingerprint of the token .bin it was written with. */
+#define MASK_MAGIC "EPJMASK1"
+
 /* What the header of a Megatron index says, read and checked. */
 typedef struct idx_info {
 	int fd;
 	uint64_t size, nseq, ndoc;
 	bool paired; /* a pairing record ends the file */
 	uint64_t pair_bytes, pair_fp;
+	bool tied; /* a loss mask's tie record precedes it */
+	uint64_t tie_bytes, tie_fp;
 } idx_info;
+
+/* Reads the 32-byte record that ends at byte end of the index: true (with
+ * its two values) when it has magic and a zero reserved field. */
+static bool idx_record(const idx_info *x, uint64_t end, const char *magic,
+		       uint64_t *bytes, uint64_t *fp)
+{
+	unsigned char t[PAIR_LEN];
+	if (end < PAIR_LEN ||
+	    read_at(x->fd, t, PAIR_LEN, end - PAIR_LEN) != PAIR_LEN)
+		return false;
+	if (memcmp(t, magic, 8) != 0 || le64(t + 24) != 0)
+		return false;
+	*bytes = le64(t + 8);
+	*fp = le64(t + 16);
+	return true;
+}
 
 /* The header, the counts against the file size, and what follows the
  * document indices: nothing, n mode bytes, a pairing record, or both. */
@@ -234,22 +268,26 @@ static epj_status idx_header(epj_ctx *ctx, const char *path, idx_info *x,
 				(unsigned long long)nseq,
 				(unsigned long long)ndoc,
 				(unsigned long long)isz);
-	uint64_t extra = isz - need;
-	x->paired = false;
+	/* after the arrays: [modes (nseq)] [tie record] [pairing record] */
+	uint64_t extra = isz - need, end = isz;
+	x->paired = x->tied = false;
 	if (extra >= PAIR_LEN &&
-	    (extra == PAIR_LEN || extra - PAIR_LEN == nseq)) {
-		unsigned char t[PAIR_LEN];
-		if (read_at(x->fd, t, PAIR_LEN, isz - PAIR_LEN) != PAIR_LEN)
-			return docs_err(ctx, path, "truncated while read");
-		x->paired = !memcmp(t, PAIR_MAGIC, 8) && le64(t + 24) == 0;
-		x->pair_bytes = le64(t + 8);
-		x->pair_fp = le64(t + 16);
+	    idx_record(x, end, PAIR_MAGIC, &x->pair_bytes, &x->pair_fp)) {
+		x->paired = true;
+		extra -= PAIR_LEN;
+		end -= PAIR_LEN;
 	}
-	if (extra != 0 && extra != nseq && !x->paired)
+	if (extra >= PAIR_LEN &&
+	    idx_record(x, end, MASK_MAGIC, &x->tie_bytes, &x->tie_fp)) {
+		x->tied = true;
+		extra -= PAIR_LEN;
+	}
+	if (extra != 0 && extra != nseq)
 		return docs_err(ctx, path,
 				"%llu bytes after the document indices "
 				"(expected 0, %llu sequence modes, and/or a "
-				"%d-byte \"" PAIR_MAGIC "\" pairing record)",
+				"%d-byte \"" MASK_MAGIC "\" tie record and a "
+				"\"" PAIR_MAGIC "\" pairing record)",
 				(unsigned long long)extra,
 				(unsigned long long)nseq, PAIR_LEN);
 	if (nseq == 0)
@@ -439,11 +477,91 @@ static epj_status bin_paired(epj_ctx *ctx, const char *idx_path,
 			(unsigned long long)x->pair_fp);
 }
 
+static epj_status megatron_files(epj_ctx *ctx, const char *prefix, epj_docs *d,
+				 idx_info *x);
+static void docs_close(epj_docs *d);
+
+/* The loss mask of the token docs d (prefix), when PREFIX.lossmask.idx
+ * exists: every check of a token index, dtype uint8, the tokens' sequence
+ * lengths, and a tie record naming the size and fingerprint of d's .bin. */
+static epj_status mask_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
+{
+	size_t n = strlen(prefix) + sizeof ".lossmask.idx";
+	char *mp = malloc(n), *ip = malloc(n);
+	epj_docs *m = calloc(1, sizeof *m);
+	idx_info x = { .fd = -1 };
+	epj_status s = EPJ_OK;
+	if (!mp || !ip || !m) {
+		s = ej_error(ctx, EPJ_ERR_NOMEM, "dataset '%s': out of memory",
+			     prefix);
+		goto out;
+	}
+	snprintf(mp, n, "%s.lossmask", prefix);
+	snprintf(ip, n, "%s.lossmask.idx", prefix);
+	m->fd = -1;
+	if (access(ip, F_OK) != 0)
+		goto out; /* no mask */
+	if ((s = megatron_files(ctx, mp, m, &x)) != EPJ_OK)
+		goto out;
+	/* the tie first: it names the likelier cause (files of two runs) */
+	uint64_t fp = 0;
+	if (!x.tied)
+		s = docs_err(ctx, ip,
+			     "no \"" MASK_MAGIC "\" tie record naming its "
+			     "token file (epjit-tokenize writes one)");
+	if (s == EPJ_OK && x.tie_bytes == d->size) {
+		errno = 0;
+		s = bin_fingerprint(ctx, d, &fp);
+	}
+	if (s == EPJ_OK && (x.tie_bytes != d->size || fp != x.tie_fp))
+		s = docs_err(ctx, ip,
+			     "written for a token file of %llu bytes and "
+			     "fingerprint %016llx, not '%s' (%llu bytes, "
+			     "fingerprint %016llx): a mask of other data, or "
+			     "an interrupted epjit-tokenize; write both again",
+			     (unsigned long long)x.tie_bytes,
+			     (unsigned long long)x.tie_fp, d->name,
+			     (unsigned long long)d->size,
+			     (unsigned long long)fp);
+	if (s == EPJ_OK && (m->esz != 1 || m->is_signed))
+		s = docs_err(ctx, ip,
+			     "a loss mask holds uint8 values (dtype code 1)");
+	else if (s == EPJ_OK && m->ndocs != d->ndocs)
+		s = docs_err(
+		    ctx, ip, "%llu sequences, but the token index has %llu",
+		    (unsigned long long)m->ndocs, (unsigned long long)d->ndocs);
+	for (uint64_t i = 0; s == EPJ_OK && i < m->ndocs; i++)
+		if (m->lens[i] != d->lens[i])
+			s = docs_err(ctx, ip,
+				     "sequence %llu has %u mask values for "
+				     "%u tokens",
+				     (unsigned long long)i, m->lens[i],
+				     d->lens[i]);
+	if (s == EPJ_OK) {
+		d->mask = m;
+		m = NULL;
+	}
+out:
+	if (m)
+		docs_close(m);
+	free(mp);
+	free(ip);
+	return s;
+}
+
 static epj_status megatron_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
+{
+	idx_info x = { .fd = -1 };
+	epj_status s = megatron_files(ctx, prefix, d, &x);
+	return s == EPJ_OK ? mask_open(ctx, prefix, d) : s;
+}
+
+/* The index and data files of prefix into d; x: what the index says. */
+static epj_status megatron_files(epj_ctx *ctx, const char *prefix, epj_docs *d,
+				 idx_info *x)
 {
 	size_t n = strlen(prefix);
 	char *idx_path = malloc(n + 5), *bin_path = malloc(n + 5);
-	idx_info x = { .fd = -1 };
 	epj_status s = EPJ_OK;
 	if (!idx_path || !bin_path) {
 		s = ej_error(ctx, EPJ_ERR_NOMEM, "dataset '%s': out of memory",
@@ -458,22 +576,23 @@ static epj_status megatron_open(epj_ctx *ctx, const char *prefix, epj_docs *d)
 			     prefix);
 		goto out;
 	}
-	if ((s = open_file(ctx, "dataset index", idx_path, &x.fd, &x.size)) !=
+	if ((s = open_file(ctx, "dataset index", idx_path, &x->fd, &x->size)) !=
 		EPJ_OK ||
-	    (s = idx_header(ctx, idx_path, &x, d)) != EPJ_OK ||
-	    (s = idx_arrays(ctx, idx_path, &x, d)) != EPJ_OK)
+	    (s = idx_header(ctx, idx_path, x, d)) != EPJ_OK ||
+	    (s = idx_arrays(ctx, idx_path, x, d)) != EPJ_OK)
 		goto out;
-	d->ndocs = x.nseq;
+	d->ndocs = x->nseq;
 	/* the pairing record's size first: it names the likelier cause */
 	if ((s = open_file(ctx, "dataset", bin_path, &d->fd, &d->size)) !=
 		EPJ_OK ||
-	    (s = bin_paired(ctx, idx_path, &x, d, false)) != EPJ_OK ||
+	    (s = bin_paired(ctx, idx_path, x, d, false)) != EPJ_OK ||
 	    (s = bin_layout(ctx, idx_path, bin_path, d)) != EPJ_OK ||
-	    (s = bin_paired(ctx, idx_path, &x, d, true)) != EPJ_OK)
+	    (s = bin_paired(ctx, idx_path, x, d, true)) != EPJ_OK)
 		goto out;
 out:
-	if (x.fd >= 0)
-		close(x.fd);
+	if (x->fd >= 0)
+		close(x->fd);
+	x->fd = -1;
 	free(idx_path);
 	free(bin_path);
 	return s;
@@ -718,16 +837,47 @@ epj_status epj_docs_open(epj_ctx *ctx, const char *path, epj_docs **out)
 	return EPJ_OK;
 }
 
-void epj_docs_free(epj_docs *d)
+static void docs_close(epj_docs *d)
 {
 	if (!d)
 		return;
+	docs_close(d->mask);
 	if (d->fd >= 0)
 		close(d->fd);
 	free(d->lens);
 	free(d->ptrs);
 	free(d->name);
 	free(d);
+}
+
+void epj_docs_free(epj_docs *d)
+{
+	docs_close(d);
+}
+
+bool epj_docs_has_loss_mask(const epj_docs *d)
+{
+	return d && d->mask;
+}
+
+epj_status epj_docs_read_mask(epj_ctx *ctx, const epj_docs *d, uint64_t doc,
+			      uint64_t off, uint64_t n, int64_t *out)
+{
+	if (!d || !d->mask) {
+		for (uint64_t i = 0; out && i < n; i++)
+			out[i] = 1;
+		return EPJ_OK;
+	}
+	epj_status s = epj_docs_read(ctx, d->mask, doc, off, n, out);
+	for (uint64_t i = 0; s == EPJ_OK && i < n; i++)
+		if (out[i] != 0 && out[i] != 1)
+			s = ej_error(ctx, EPJ_ERR_FORMAT,
+				     "loss mask '%s': value %lld at index %llu "
+				     "of sequence %llu is not 0 or 1",
+				     d->mask->name, (long long)out[i],
+				     (unsigned long long)(off + i),
+				     (unsigned long long)doc);
+	return s;
 }
 
 uint64_t epj_docs_count(const epj_docs *d)
@@ -1016,6 +1166,14 @@ uint32_t ej_dsrc_vocab(const ej_dsrc *d)
 	return d->vocab;
 }
 
+bool ej_dsrc_has_loss_mask(const ej_dsrc *d)
+{
+	for (int i = 0; i < d->n; i++)
+		if (epj_docs_has_loss_mask(d->src[i].docs))
+			return true;
+	return false;
+}
+
 uint64_t ej_dsrc_split_tokens(const ej_dsrc *d, int split)
 {
 	if (split < 0 || split >= SPLITS)
@@ -1161,9 +1319,11 @@ static epj_status build_epoch(epj_ctx *ctx, ej_dstream *s, int i, uint64_t e,
 	return EPJ_OK;
 }
 
-/* Tokens [o, o + n) of the cached epoch of source i into out, checked. */
+/* Tokens [o, o + n) of the cached epoch of source i into out, checked,
+ * and (mask not NULL) their loss-mask values (1 without a mask). */
 static epj_status epoch_tokens(epj_ctx *ctx, const ej_dstream *s, int i,
-			       uint64_t o, uint64_t n, int64_t *out)
+			       uint64_t o, uint64_t n, int64_t *out,
+			       int64_t *mask)
 {
 	const sstate *t = &s->st[i];
 	const source *src = &s->d->src[i];
@@ -1188,6 +1348,9 @@ static epj_status epoch_tokens(epj_ctx *ctx, const ej_dstream *s, int i,
 			m = n - got;
 		epj_status st =
 		    epj_docs_read(ctx, src->docs, doc, off, m, out + got);
+		if (st == EPJ_OK && mask)
+			st = epj_docs_read_mask(ctx, src->docs, doc, off, m,
+						mask + got);
 		if (st != EPJ_OK)
 			return st;
 		for (uint64_t j = 0; j < m; j++)
@@ -1248,19 +1411,29 @@ epj_status ej_dstream_row(epj_ctx *ctx, ej_dstream *s, int64_t T, int64_t *in,
 		if (st != EPJ_OK)
 			return st;
 	}
+	/* the tokens x, and the loss mask mk of a blend with one */
+	bool masked = ej_dsrc_has_loss_mask(s->d);
 	int64_t *x = malloc(((size_t)T + 1) * sizeof *x);
-	if (!x)
+	int64_t *mk = masked ? malloc(((size_t)T + 1) * sizeof *mk) : NULL;
+	if (!x || (masked && !mk)) {
+		free(x);
 		return ej_error(ctx, EPJ_ERR_NOMEM,
 				"dataset corpus: out of memory");
+	}
 	epj_status st = epoch_tokens(ctx, s, i, t->samp[j] * (uint64_t)T,
-				     (uint64_t)T + 1, x);
+				     (uint64_t)T + 1, x, mk);
 	if (st == EPJ_OK) {
 		memcpy(in, x, (size_t)T * sizeof *x);
 		memcpy(lab, x + 1, (size_t)T * sizeof *x);
+		/* a target the mask leaves out is ignored */
+		for (int64_t q = 0; mk && q < T; q++)
+			if (!mk[q + 1])
+				lab[q] = -100;
 		t->next++;
 		s->taken++;
 	}
 	free(x);
+	free(mk);
 	return st;
 }
 

@@ -16,11 +16,14 @@ typedef struct ej_dstream ej_dstream;
 ej_dsrc *ej_dsrc_open(epj_ctx *ctx, const char *spec, const epj_data_opts *o);
 void ej_dsrc_free(ej_dsrc *d); /* NULL ok */
 uint32_t ej_dsrc_vocab(const ej_dsrc *d);
+/* Does a source of d have a loss mask (PREFIX.lossmask)? */
+bool ej_dsrc_has_loss_mask(const ej_dsrc *d);
 uint64_t ej_dsrc_split_tokens(const ej_dsrc *d, int split);
 
 ej_dstream *ej_dstream_new(epj_ctx *ctx, const ej_dsrc *d, int split);
 void ej_dstream_free(ej_dstream *s); /* NULL ok */
-/* One sample of T + 1 tokens x: in[t] = x[t], lab[t] = x[t + 1]. */
+/* One sample of T + 1 tokens x: in[t] = x[t], lab[t] = x[t + 1], or -100
+ * where the source's loss mask of x[t + 1] is 0. */
 epj_status ej_dstream_row(epj_ctx *ctx, ej_dstream *s, int64_t T, int64_t *in,
 			  int64_t *lab);
 /* Advances as `rows` calls of ej_dstream_row would, reading no tokens. */

@@ -266,6 +266,8 @@ static epj_status engine_setup(epj_engine *e)
 				      c->expert_parallel.async_split_plan);
 	if (c->activation_checkpointing.enabled)
 		epj_model_set_checkpointing(m, true);
+	if ((st = ej_engine_batch_init(e)) != EPJ_OK)
+		return st;
 	/* bf16: parameters become bf16 (RNE of the f32 init); FP32 masters
 	 * live in the optimizer, created from the bf16 values. */
 	if (c->bf16_enabled) {
@@ -513,20 +515,37 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	epj_status st = expert_load_forward(e, true, e->accum_n == 0);
 	if (st != EPJ_OK)
 		return st;
+	int64_t ntok = 0;
 	ej_prof_begin(ctx, &pf);
-	st = epj_model_forward(ctx, e->model, input_ids, labels,
-			       e->probe ? &logits : NULL, &loss);
-	ej_prof_end(ctx, &pf, "forward");
+	st = ej_engine_forward(e, input_ids, labels, e->probe ? &logits : NULL,
+			       &loss, &ntok);
 	if (st == EPJ_OK)
 		st = expert_load_forward(e, false, false);
+	/* per-token: the backward of the micro-batch's sum of token losses
+	 * (runtime/batch.c); none counted, no gradient.  The router losses'
+	 * gradient is that of the loss logged: weighted by the micro-batch's
+	 * counted tokens too (doc/trainer.md, "Router losses") */
+	epj_tensor *bl = NULL;
+	if (st == EPJ_OK) {
+		bl = e->batch.per_token_loss
+			 ? epj_mul_scalar(ctx, loss, (double)ntok)
+			 : epj_tensor_ref(loss);
+		if (!bl)
+			st = ctx->status;
+	}
+	ej_rloss_set_grad_scale(e->model->rloss,
+				e->batch.per_token_loss ? (double)ntok : 1.0);
+	ej_prof_end(ctx, &pf, "forward");
 	if (st != EPJ_OK) {
 		epj_tensor_free(logits);
+		epj_tensor_free(loss);
 		return st;
 	}
 	double lv = epj_tensor_get_f64(loss, 0);
 	ej_prof_begin(ctx, &pf);
-	st = epj_backward(ctx, loss, NULL);
+	st = epj_backward(ctx, bl, NULL);
 	ej_prof_end(ctx, &pf, "backward");
+	epj_tensor_free(bl);
 	epj_tensor_free(loss);
 	if (st == EPJ_OK && e->probe)
 		st = e->probe->on_backward(e->probe->self, e, logits, lv);
@@ -539,15 +558,21 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		return st;
 	ej_rloss_accumulate(e->model->rloss);
 	e->micro_step++;
-	e->accum_loss += lv;
+	e->accum_loss += e->batch.per_token_loss ? (ntok ? lv * ntok : 0) : lv;
 	e->accum_n++;
+	e->accum_tokens += ntok;
 	epj_counter_add(ctx, "train.micro_steps", 1);
 	int64_t gas = e->cfg.gradient_accumulation_steps;
 	bool boundary = e->micro_step % gas == 0;
 	bool skipped = false;
+	double mean = e->accum_loss / (double)e->accum_n;
 	if (boundary) {
 		double lr = ej_sched_lr(&e->cfg, e->step);
-		double norm = 0, mean = e->accum_loss / (double)e->accum_n;
+		double norm = 0, gscale = 1.0 / (double)gas;
+		/* per-token: the global batch's sum over its tokens */
+		if (e->batch.per_token_loss &&
+		    (st = ej_engine_token_mean(e, &mean, &gscale)) != EPJ_OK)
+			return st;
 		/* A non-finite loss or gradient norm never reaches the
 		 * weights: the step fails, or is skipped when asked for. */
 		ej_prof_begin(ctx, &pf);
@@ -555,8 +580,7 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 			st = ej_optim_drop_grads(e->optim);
 			norm = NAN;
 		} else {
-			st = ej_optim_step(e->optim, lr, 1.0 / (double)gas,
-					   &norm);
+			st = ej_optim_step(e->optim, lr, gscale, &norm);
 		}
 		if (st != EPJ_OK)
 			return st;
@@ -565,6 +589,7 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 			if (!e->cfg.skip_nonfinite_steps) {
 				e->accum_loss = 0;
 				e->accum_n = 0;
+				e->accum_tokens = 0;
 				return ej_error(
 				    ctx, EPJ_ERR_STATE,
 				    "train step %" PRId64 ": %s is %g (lr %g); "
@@ -596,9 +621,11 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		if ((st = expert_load_step(e)) != EPJ_OK)
 			return st;
 	}
-	double mean = e->accum_loss / (double)e->accum_n;
+	if (e->batch.per_token_loss && !boundary)
+		mean = e->accum_tokens ? e->accum_loss / (double)e->accum_tokens
+				       : NAN;
 	ej_comm *world = e->model->has_groups ? e->model->groups.world : NULL;
-	if (boundary && world && world->size > 1) {
+	if (boundary && world && world->size > 1 && !e->batch.per_token_loss) {
 		/* the mean over the global batch (equal micro-batches) */
 		float hl[2] = { (float)mean, 0 };
 		hl[1] = (float)(mean - (double)hl[0]);
@@ -611,7 +638,7 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	    (st = ej_rloss_step_end(ctx, e->model->rloss, world)) != EPJ_OK)
 		return st;
 	if (info) {
-		info->loss = lv;
+		info->loss = lv; /* the micro-batch's mean */
 		info->mean_loss = mean;
 		info->stepped = boundary;
 		info->step = e->step;
@@ -623,6 +650,7 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	if (boundary) {
 		e->accum_loss = 0;
 		e->accum_n = 0;
+		e->accum_tokens = 0;
 	}
 	return EPJ_OK;
 }
@@ -637,15 +665,19 @@ epj_status epj_engine_train_step(epj_engine *e, epj_tensor *input_ids,
 	return st;
 }
 
-epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
-			   epj_tensor *labels, double *loss_out)
+epj_status epj_engine_eval_tokens(epj_engine *e, epj_tensor *input_ids,
+				  epj_tensor *labels, double *loss_out,
+				  int64_t *tokens)
 {
 	epj_ctx *ctx = e->ctx;
 	epj_tensor *loss = NULL;
+	int64_t n = 0;
 	bool prev = epj_no_grad_enter(ctx);
 	epj_status st =
-	    epj_model_forward(ctx, e->model, input_ids, labels, NULL, &loss);
+	    ej_engine_forward(e, input_ids, labels, NULL, &loss, &n);
 	epj_no_grad_exit(ctx, prev);
+	if (tokens)
+		*tokens = n;
 	if (st != EPJ_OK)
 		return st;
 	if (loss_out)
@@ -658,6 +690,12 @@ bool epj_engine_router_loss(const epj_engine *e, int i, const char **name,
 			    double *value)
 {
 	return e && ej_rloss_metric(e->model->rloss, i, name, value);
+}
+
+epj_status epj_engine_eval(epj_engine *e, epj_tensor *input_ids,
+			   epj_tensor *labels, double *loss_out)
+{
+	return epj_engine_eval_tokens(e, input_ids, labels, loss_out, NULL);
 }
 
 int64_t epj_engine_micro_batch_size(const epj_engine *e)
@@ -1976,6 +2014,7 @@ static epj_status engine_load_file(epj_engine *e, const char *path,
 		}
 		e->accum_loss = 0;
 		e->accum_n = 0;
+		e->accum_tokens = 0;
 	}
 	if (f)
 		epj_st_close(f);

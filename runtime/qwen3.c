@@ -20,6 +20,11 @@
  *   input_ids [B,T] -> embed_tokens -> N x decoder block -> norm -> lm_head
  *   -> logits [B,T,V] -> cross-entropy(labels) -> loss []
  *
+ * Packed documents (ej_model_forward_docs): position ids [B,T] pick the
+ * rows of the rope tables (cos/sin [B,1,T,D] instead of [T,D]) and
+ * document ids [B,T] reach every attention (epj_sdpa_docs); both are
+ * inputs of the forward, so a compiled region serves any boundaries.
+ *
  *   decoder block (h [B,T,H]):
  *     x = input_layernorm(h)                          RMSNorm (f32 inside)
  *     q = q_norm(q_proj(x).view(B,T,Hq,D)).transpose(1,2)   [B,Hq,T,D]
@@ -33,7 +38,9 @@
  * Layouts.  nested: HF names; the root (Qwen3MoeForCausalLM) owns "model"
  * (container: embed_tokens, layers, norm) and "lm_head"; model.layers is a
  * ModuleList (no forward); model.layers.N is the decoder block whose forward
- * takes (h, cos, sin); model.layers.N.mlp is the AutoEP layer.  root: a
+ * takes (h, cos, sin[, doc_ids]); model.layers.N.mlp is the AutoEP layer.
+ * The root takes (input_ids[, labels[, position_ids][, doc_ids]]), the
+ * last two as the model's docs_pos and docs_attn say.  root: a
  * single block; the root module itself owns embed_tokens, self_attn, the
  * norms, mlp (AutoEP) and lm_head and does everything in its own forward.
  */
@@ -293,7 +300,7 @@ static const ej_model_config *cfg_of(epj_module *m)
 /* Attention sub-block: x normalised [B,T,H] -> o_proj output [B,T,H]. */
 static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 			     const ej_model_config *cfg, epj_tensor *x,
-			     epj_tensor *cos, epj_tensor *sin)
+			     epj_tensor *cos, epj_tensor *sin, epj_tensor *docs)
 {
 	enum {
 		QG,
@@ -342,7 +349,7 @@ static epj_tensor *attention(epj_ctx *ctx, epj_module *attn,
 	t[V] = heads(ctx, t[VP], hkv, d, NULL, cfg);
 	t[QR] = rope_part(ctx, t[Q], cos, sin, rope_dim(cfg));
 	t[KR] = rope_part(ctx, t[K], cos, sin, rope_dim(cfg));
-	t[O] = epj_sdpa(ctx, t[QR], t[KR], t[V], true, 0.0);
+	t[O] = epj_sdpa_docs(ctx, t[QR], t[KR], t[V], docs, true, 0.0);
 	t[OT] = epj_transpose(ctx, t[O], 1, 2);
 	t[OR] = epj_reshape(ctx, t[OT], 3, shp);
 	if (cfg->attn_output_gate) {
@@ -373,7 +380,8 @@ static double mla_scale(const ej_model_config *c)
 	return sc;
 }
 
-/* DeepSeek's multi-head latent attention, x [B,T,H] -> o_proj output:
+/* DeepSeek's multi-head latent attention, x [B,T,H] -> o_proj output
+ * (docs: the document ids, or NULL):
  *   q = q_b_proj(q_a_layernorm(q_a_proj(x)))  (or q_proj(x))  [B,Hn,T,dn+dr]
  *   ckv = kv_a_proj_with_mqa(x) = [kv (kv_lora_rank) | k_rot (dr)]
  *   kv = kv_b_proj(kv_a_layernorm(kv)) [B,Hn,T,dn+dv] = [k_nope | v]
@@ -382,7 +390,8 @@ static double mla_scale(const ej_model_config *c)
  * Rope touches the dr rope dimensions only; cos/sin are [T, dr]. */
 static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 				 const ej_model_config *c, epj_tensor *x,
-				 epj_tensor *cos, epj_tensor *sin)
+				 epj_tensor *cos, epj_tensor *sin,
+				 epj_tensor *docs)
 {
 	enum {
 		QA,
@@ -465,7 +474,7 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 	epj_tensor *kparts[2] = { t[KNOPE], t[KRE] };
 	t[KC] = (t[KNOPE] && t[KRE]) ? epj_cat(ctx, kparts, 2, -1) : NULL;
 
-	t[O] = epj_sdpa(ctx, t[QC], t[KC], t[V], true, mla_scale(c));
+	t[O] = epj_sdpa_docs(ctx, t[QC], t[KC], t[V], docs, true, mla_scale(c));
 	t[OT] = epj_transpose(ctx, t[O], 1, 2);
 	int64_t os[3] = { B, T, Hn * dv };
 	t[OR] = epj_reshape(ctx, t[OT], 3, os);
@@ -476,7 +485,7 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 }
 
 epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
-			   epj_tensor *cos, epj_tensor *sin)
+			   epj_tensor *cos, epj_tensor *sin, epj_tensor *docs)
 {
 	enum { X, A, H1, X2, M, N_T };
 	epj_tensor *t[N_T] = { 0 };
@@ -486,7 +495,7 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 	t[A] = la ? ej_deltanet_forward(ctx, la, cfg, t[X])
 		  : (cfg->mla ? mla_attention : attention)(
 			ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos,
-			sin);
+			sin, docs);
 	t[H1] = epj_add(ctx, h, t[A]);
 	t[X2] = norm_of(ctx, cfg, t[H1],
 			ej_module_child(blk, "post_attention_layernorm"));
@@ -528,16 +537,18 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 /* ---- module forwards
  * --------------------------------------------------------- */
 
-/* decoder block: in = (h, cos, sin) -> (h) */
+/* decoder block: in = (h, cos, sin[, doc_ids]) -> (h) */
 static epj_status block_forward(epj_ctx *ctx, epj_module *m,
 				epj_tensor *const *in, int n_in,
 				epj_tensor **out, int n_out)
 {
-	if (n_in != 3 || n_out != 1)
+	if ((n_in != 3 && n_in != 4) || n_out != 1)
 		return ej_error(ctx, EPJ_ERR_INVALID,
-				"%s: decoder block takes (h, cos, sin)",
+				"%s: decoder block takes (h, cos, sin[, "
+				"doc_ids])",
 				m->name);
-	out[0] = ej_qwen3_block(ctx, m, in[0], in[1], in[2]);
+	out[0] = ej_qwen3_block(ctx, m, in[0], in[1], in[2],
+				n_in > 3 ? in[3] : NULL);
 	return out[0] ? EPJ_OK : ctx->status;
 }
 
@@ -677,6 +688,13 @@ static epj_status rope_tables(epj_ctx *ctx, const ej_model_config *cfg,
 	return st;
 }
 
+/* The model whose config is cfg (both layouts' root modules point at the
+ * model's own config). */
+static epj_model *model_of(const ej_model_config *cfg)
+{
+	return (epj_model *)(void *)((char *)cfg - offsetof(epj_model, cfg));
+}
+
 /* The rope tables for T positions in dtype dt: new references to the
  * model's, built at the first forward of that (T, dt) and kept on the model
  * (the context is the model's).  While tracing, or in shape-only mode,
@@ -685,9 +703,7 @@ static epj_status rope_tables_cached(epj_ctx *ctx, const ej_model_config *cfg,
 				     int64_t T, epj_dtype dt, epj_tensor **cos,
 				     epj_tensor **sin)
 {
-	/* both layouts' root modules point at the model's own config */
-	epj_model *mo =
-	    (epj_model *)(void *)((char *)cfg - offsetof(epj_model, cfg));
+	epj_model *mo = model_of(cfg);
 	if (ctx->recorder || ctx->meta)
 		return rope_tables(ctx, cfg, T, dt, cos, sin);
 	epj_tensor *c = mo->rope_cos, *s = mo->rope_sin;
@@ -704,6 +720,37 @@ static epj_status rope_tables_cached(epj_ctx *ctx, const ej_model_config *cfg,
 	*cos = epj_tensor_ref(c);
 	*sin = epj_tensor_ref(s);
 	return EPJ_OK;
+}
+
+/* The rope tables of a forward over T positions: the cached [T, D] ones,
+ * or with position ids pos [B, T] (each in [0, T)) their rows, [B, 1, T,
+ * D]: an embedding lookup, so the positions are data of a compiled graph
+ * and the tables stay its constants. */
+static epj_status rope_for(epj_ctx *ctx, const ej_model_config *cfg, int64_t T,
+			   epj_tensor *pos, epj_dtype dt, epj_tensor **cos,
+			   epj_tensor **sin)
+{
+	epj_tensor *c = NULL, *s = NULL;
+	epj_status st = rope_tables_cached(ctx, cfg, T, dt, &c, &s);
+	if (st != EPJ_OK || !pos) {
+		*cos = c;
+		*sin = s;
+		return st;
+	}
+	int64_t shp[4] = { epj_tensor_dim(pos, 0), 1, T, rope_dim(cfg) };
+	epj_tensor *t[2] = { epj_embedding(ctx, c, pos),
+			     epj_embedding(ctx, s, pos) };
+	*cos = t[0] ? epj_reshape(ctx, t[0], 4, shp) : NULL;
+	*sin = t[1] ? epj_reshape(ctx, t[1], 4, shp) : NULL;
+	ej_drop(t, 2);
+	epj_tensor_free(c);
+	epj_tensor_free(s);
+	if (*cos && *sin)
+		return EPJ_OK;
+	epj_tensor_free(*cos);
+	epj_tensor_free(*sin);
+	*cos = *sin = NULL;
+	return ctx->status ? ctx->status : EPJ_ERR_NOMEM;
 }
 
 /* logits (and loss) from the final hidden states */
@@ -761,16 +808,57 @@ static epj_status check_ids(epj_ctx *ctx, const epj_module *m, epj_tensor *ids,
 	return EPJ_OK;
 }
 
-/* nested root: in = (input_ids[, labels]) -> (logits[, loss]) */
+/* The root's inputs (input_ids[, labels[, position_ids][, doc_ids]]): the
+ * optional ones as the model's docs_pos and docs_attn say, each [B, T]. */
+typedef struct root_in {
+	epj_tensor *ids, *labels, *pos, *docs;
+} root_in;
+
+static epj_status root_inputs(epj_ctx *ctx, const epj_module *m,
+			      epj_tensor *const *in, int n_in, root_in *r)
+{
+	const ej_model_config *cfg = m->impl;
+	const epj_model *mo = model_of(cfg);
+	memset(r, 0, sizeof *r);
+	r->ids = in[0];
+	r->labels = n_in > 1 ? in[1] : NULL;
+	int k = 2;
+	if (n_in > 1 && mo->docs_pos)
+		r->pos = k < n_in ? in[k++] : NULL;
+	if (n_in > 1 && mo->docs_attn)
+		r->docs = k < n_in ? in[k++] : NULL;
+	if (n_in > 1 && (n_in != k || (mo->docs_pos && !r->pos) ||
+			 (mo->docs_attn && !r->docs)))
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"%s: forward takes (input_ids, labels%s%s), "
+				"got %d inputs",
+				m->kind, mo->docs_pos ? ", position_ids" : "",
+				mo->docs_attn ? ", doc_ids" : "", n_in);
+	epj_status st = check_ids(ctx, m, r->ids, r->labels, cfg);
+	epj_tensor *extra[2] = { r->pos, r->docs };
+	for (int i = 0; st == EPJ_OK && i < 2; i++)
+		if (extra[i] &&
+		    (epj_tensor_ndim(extra[i]) != 2 ||
+		     epj_tensor_dim(extra[i], 0) != epj_tensor_dim(r->ids, 0) ||
+		     epj_tensor_dim(extra[i], 1) != epj_tensor_dim(r->ids, 1)))
+			st = ej_error(ctx, EPJ_ERR_SHAPE,
+				      "%s: %s must have the shape of input_ids",
+				      m->kind, i ? "doc_ids" : "position_ids");
+	return st;
+}
+
+/* nested root: in = (input_ids[, labels[, position_ids][, doc_ids]]) ->
+ * (logits[, loss]) */
 static epj_status causal_lm_forward(epj_ctx *ctx, epj_module *m,
 				    epj_tensor *const *in, int n_in,
 				    epj_tensor **out, int n_out)
 {
 	const ej_model_config *cfg = m->impl;
-	epj_tensor *labels = n_in > 1 ? in[1] : NULL;
-	epj_status st = check_ids(ctx, m, in[0], labels, cfg);
+	root_in r;
+	epj_status st = root_inputs(ctx, m, in, n_in, &r);
 	if (st != EPJ_OK)
 		return st;
+	epj_tensor *labels = r.labels;
 	epj_module *model = ej_module_child(m, "model");
 	epj_module *layers = ej_module_child(model, "layers");
 	epj_tensor *h = epj_embedding(
@@ -780,11 +868,12 @@ static epj_status causal_lm_forward(epj_ctx *ctx, epj_module *m,
 	if (!h)
 		return ctx->status;
 	epj_tensor *cos = NULL, *sin = NULL;
-	st = rope_tables_cached(ctx, cfg, epj_tensor_dim(in[0], 1),
-				epj_tensor_dtype(h), &cos, &sin);
+	st = rope_for(ctx, cfg, epj_tensor_dim(in[0], 1), r.pos,
+		      epj_tensor_dtype(h), &cos, &sin);
 	for (int i = 0; st == EPJ_OK && i < layers->n_children; i++) {
-		epj_tensor *args[3] = { h, cos, sin }, *nh = NULL;
-		st = ej_module_call(ctx, layers->children[i], args, 3, &nh, 1);
+		epj_tensor *args[4] = { h, cos, sin, r.docs }, *nh = NULL;
+		st = ej_module_call(ctx, layers->children[i], args,
+				    r.docs ? 4 : 3, &nh, 1);
 		epj_tensor_free(h);
 		h = nh;
 	}
@@ -804,20 +893,21 @@ static epj_status root_forward(epj_ctx *ctx, epj_module *m,
 			       epj_tensor **out, int n_out)
 {
 	const ej_model_config *cfg = m->impl;
-	epj_tensor *labels = n_in > 1 ? in[1] : NULL;
-	epj_status st = check_ids(ctx, m, in[0], labels, cfg);
+	root_in r;
+	epj_status st = root_inputs(ctx, m, in, n_in, &r);
 	if (st != EPJ_OK)
 		return st;
+	epj_tensor *labels = r.labels;
 	epj_tensor *h = epj_embedding(
 	    ctx, ej_module_param(ej_module_child(m, "embed_tokens"), "weight"),
 	    in[0]);
 	if (!h)
 		return ctx->status;
 	epj_tensor *cos = NULL, *sin = NULL, *h2 = NULL;
-	st = rope_tables_cached(ctx, cfg, epj_tensor_dim(in[0], 1),
-				epj_tensor_dtype(h), &cos, &sin);
+	st = rope_for(ctx, cfg, epj_tensor_dim(in[0], 1), r.pos,
+		      epj_tensor_dtype(h), &cos, &sin);
 	if (st == EPJ_OK) {
-		h2 = ej_qwen3_block(ctx, m, h, cos, sin);
+		h2 = ej_qwen3_block(ctx, m, h, cos, sin, r.docs);
 		if (!h2)
 			st = ctx->status;
 	}
@@ -1254,7 +1344,16 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 			     epj_tensor *labels, epj_tensor **logits,
 			     epj_tensor **loss)
 {
-	epj_tensor *in[2] = { input_ids, labels }, *out[2] = { 0 };
+	return epj_model_forward_docs(ctx, m, input_ids, labels, NULL, NULL,
+				      logits, loss);
+}
+
+epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
+				  epj_tensor *input_ids, epj_tensor *labels,
+				  epj_tensor *position_ids, epj_tensor *doc_ids,
+				  epj_tensor **logits, epj_tensor **loss)
+{
+	epj_tensor *in[4] = { input_ids, labels }, *out[2] = { 0 };
 	/* whatever ran since the last forward may have written parameters
 	 * (an optimizer, a load): their f32 views are stale (lib/wcache.c) */
 	ej_params_written(ctx);
@@ -1267,16 +1366,37 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 				   : ej_error(ctx, EPJ_ERR_INVALID,
 					      "model forward: input_ids is "
 					      "NULL");
+	if ((position_ids || doc_ids) && !labels)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"model forward: position_ids and doc_ids need "
+				"labels");
+	if (doc_ids && ej_model_has_linear_attention(m))
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"model forward: doc_ids: the linear-attention "
+				"(Gated DeltaNet) layers of %s carry their "
+				"state across documents; packed documents "
+				"that do not see each other are implemented "
+				"for full attention only",
+				names_of(&m->cfg)->lm);
+	/* the root's inputs follow what is given (a compiled region's
+	 * guards see the count) */
+	m->docs_pos = position_ids != NULL;
+	m->docs_attn = doc_ids != NULL;
 	int n = labels ? 2 : 1;
+	if (position_ids)
+		in[n++] = position_ids;
+	if (doc_ids)
+		in[n++] = doc_ids;
+	int nout = labels ? 2 : 1;
 	/* the router losses of this forward (runtime/router_loss.c): counted
 	 * by the MoE layers, added to the loss, as transformers adds its
 	 * auxiliary loss when labels are given */
 	ej_rloss_begin(m->rloss, epj_grad_enabled(ctx));
 	double add = 0;
-	epj_status st = ej_module_call(ctx, m->root, in, n, out, n);
+	epj_status st = ej_module_call(ctx, m->root, in, n, out, nout);
 	if (st == EPJ_OK)
 		st = ej_rloss_end(ctx, m->rloss, &add);
-	if (st == EPJ_OK && add != 0 && out[1]) {
+	if (st == EPJ_OK && add != 0 && nout == 2 && out[1]) {
 		epj_tensor *l2 = epj_add_scalar(ctx, out[1], add);
 		epj_tensor_free(out[1]);
 		out[1] = l2;
@@ -1285,7 +1405,8 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 	}
 	if (st != EPJ_OK) {
 		epj_tensor_free(out[0]);
-		epj_tensor_free(out[1]);
+		if (nout == 2)
+			epj_tensor_free(out[1]);
 		return st;
 	}
 	if (logits)
@@ -1297,6 +1418,15 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
 	else
 		epj_tensor_free(out[1]);
 	return EPJ_OK;
+}
+
+bool ej_model_has_linear_attention(const epj_model *m)
+{
+	for (int64_t i = 0;
+	     i < m->cfg.num_hidden_layers && i < EJ_MODEL_MAX_LAYERS; i++)
+		if (m->cfg.linear_layer[i])
+			return true;
+	return false;
 }
 
 int epj_model_num_params(const epj_model *m)
@@ -1455,22 +1585,29 @@ epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
 				ej_region_arg *args, int *n_in, int *n_out)
 {
 	const ej_model_config *c = &model->cfg;
-	memset(args, 0, sizeof *args * 3);
+	memset(args, 0, sizeof *args * EJ_REGION_MAX_ARGS);
+	/* position and document ids: i64 [B, T] */
+	const ej_region_arg ids = { .dtype = EPJ_DTYPE_I64,
+				    .ndim = 2,
+				    .shape = { B, T } };
 	if (m == model->root) {
-		/* epj_model_forward: (input_ids, labels) -> (logits, loss) */
-		for (int i = 0; i < 2; i++) {
-			args[i].dtype = EPJ_DTYPE_I64;
-			args[i].ndim = 2;
-			args[i].shape[0] = B;
-			args[i].shape[1] = T;
-		}
-		*n_in = 2;
+		/* epj_model_forward_docs: (input_ids, labels[, position_ids]
+		 * [, doc_ids]) -> (logits, loss) */
+		int n = 0;
+		args[n++] = ids;
+		args[n++] = ids;
+		if (model->docs_pos)
+			args[n++] = ids;
+		if (model->docs_attn)
+			args[n++] = ids;
+		*n_in = n;
 		*n_out = 2;
 		return EPJ_OK;
 	}
 	if (!strcmp(m->kind, names_of(c)->layer)) {
-		/* causal_lm_forward: (h, cos, sin) -> h'; h is the embedding's
-		 * output (the parameters' dtype), the tables follow it */
+		/* causal_lm_forward: (h, cos, sin[, doc_ids]) -> h'; h is the
+		 * embedding's output (the parameters' dtype), the tables
+		 * follow it ([B, 1, T, D] rows of them with position ids) */
 		epj_module *root = model->root;
 		epj_module *emb = ej_module_child(
 		    ej_module_child(root, "model"), "embed_tokens");
@@ -1481,10 +1618,18 @@ epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
 					   .activation = true };
 		for (int i = 1; i < 3; i++)
 			args[i] =
-			    (ej_region_arg){ .dtype = dt,
-					     .ndim = 2,
-					     .shape = { T, rope_dim(c) } };
+			    model->docs_pos
+				? (ej_region_arg){ .dtype = dt,
+						   .ndim = 4,
+						   .shape = { B, 1, T,
+							      rope_dim(c) } }
+				: (ej_region_arg){ .dtype = dt,
+						   .ndim = 2,
+						   .shape = { T,
+							      rope_dim(c) } };
 		*n_in = 3;
+		if (model->docs_attn)
+			args[(*n_in)++] = ids;
 		*n_out = 1;
 		return EPJ_OK;
 	}

@@ -77,6 +77,7 @@ struct ej_rloss {
 	double step_sum[EJ_RLOSS_N];
 	int64_t step_n;
 	double metric[EJ_RLOSS_N];
+	double gscale; /* ej_rloss_set_grad_scale */
 };
 
 ej_rloss *ej_rloss_new(int n_layers, int E, int k, ej_route_scoring scoring,
@@ -87,6 +88,7 @@ ej_rloss *ej_rloss_new(int n_layers, int E, int k, ej_route_scoring scoring,
 	if (!rl)
 		return NULL;
 	rl->L = n_layers;
+	rl->gscale = 1;
 	rl->E = E;
 	rl->k = k;
 	rl->scoring = scoring;
@@ -184,8 +186,15 @@ void ej_rloss_begin(ej_rloss *rl, bool training)
 	if (!ej_rloss_on(rl))
 		return;
 	rl->serial++;
+	rl->gscale = 1;
 	rl->N = rl->B = rl->T = 0;
 	memset(rl->value, 0, sizeof rl->value);
+}
+
+void ej_rloss_set_grad_scale(ej_rloss *rl, double scale)
+{
+	if (rl)
+		rl->gscale = scale;
 }
 
 bool ej_rloss_training(const epj_ctx *ctx, const ej_rloss *rl)
@@ -328,6 +337,11 @@ static epj_status rl_backward(epj_ctx *ctx, ej_node *n,
 	const epj_dtype rdt = wide_of(d->z);
 	epj_tensor *zr = epj_cast(ctx, d->z, rdt);
 	epj_tensor *dz = zr ? loss_grad(ctx, rl, ly, zr, d->B, d->T) : NULL;
+	if (dz && rl->gscale != 1) {
+		epj_tensor *sc = epj_mul_scalar(ctx, dz, rl->gscale);
+		epj_tensor_free(dz);
+		dz = sc;
+	}
 	epj_tensor *go = dz ? epj_cast(ctx, grad_out[0], rdt) : NULL;
 	epj_tensor *sum = go ? epj_add(ctx, go, dz) : NULL;
 	grad_in[0] = sum ? epj_cast(ctx, sum, epj_tensor_dtype(d->z)) : NULL;

@@ -549,13 +549,22 @@ struct epj_model {
 	/* the router losses of the MoE layers (owned; runtime/router_loss.c;
 	 * NULL: the model has none) */
 	struct ej_rloss *rloss;
+	/* what the root's forward takes after (input_ids, labels): position
+	 * ids [B, T] (docs_pos) and document ids [B, T] (docs_attn), as the
+	 * last ej_model_forward_docs was given them (a region's warm-up
+	 * reads them: ej_model_region_args) */
+	bool docs_pos, docs_attn;
 };
+
+/* Does the model have a linear-attention (Gated DeltaNet) layer? */
+bool ej_model_has_linear_attention(const epj_model *m);
 
 /* Attention + norms of one decoder block, shared by both layouts.  `blk` is
  * the module owning self_attn / input_layernorm / post_attention_layernorm
- * / mlp; h [B, T, H], cos/sin [T, D]; returns the block output. */
+ * / mlp; h [B, T, H], cos/sin [T, D] (or [B, 1, T, D] for position ids),
+ * docs the document ids [B, T] or NULL; returns the block output. */
 epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
-			   epj_tensor *cos, epj_tensor *sin);
+			   epj_tensor *cos, epj_tensor *sin, epj_tensor *docs);
 /* RMSNorm as HF computes it: x.f32 * rsqrt(mean(x.f32^2, -1) + eps), cast
  * back to x's dtype, times weight. */
 epj_tensor *ej_rmsnorm(epj_ctx *ctx, epj_tensor *x, epj_tensor *w, double eps);
@@ -595,6 +604,9 @@ struct epj_engine {
 	double last_lr, last_grad_norm;
 	double accum_loss; /* sum of micro losses of the current step */
 	int64_t accum_n;
+	/* packed documents and the per-token loss (runtime/batch.c) */
+	epj_batch_opts batch;
+	int64_t accum_tokens; /* counted tokens of the step (per-token) */
 	/* region compiler state (compile.c), NULL until compiled */
 	struct ej_engine_compile *compiled;
 	/* collectives on device buffers (comm.backend), NULL: host only */
@@ -629,6 +641,22 @@ typedef struct ej_step_probe {
 	epj_status (*on_backward)(void *self, epj_engine *e, epj_tensor *logits,
 				  double loss);
 } ej_step_probe;
+
+/* ---- batches (batch.c) ---- */
+/* The engine's batch options from its config's data section, checked
+ * against the model. */
+epj_status ej_engine_batch_init(epj_engine *e);
+/* The forward of a training micro-batch: the documents of the engine's
+ * batch options applied (epj_batch_documents), the model's mean loss;
+ * *tokens: the labels that count, with per_token_loss (else 0). */
+epj_status ej_engine_forward(epj_engine *e, epj_tensor *input_ids,
+			     epj_tensor *labels, epj_tensor **logits,
+			     epj_tensor **loss, int64_t *tokens);
+/* At a step of a per-token engine: the step's loss, the sum over every
+ * micro-batch of every rank divided by their counted tokens (NaN when
+ * none), and the scale that makes the optimizer's gradients that sum's
+ * (1 / the tokens, times the world size the optimizer divides by). */
+epj_status ej_engine_token_mean(epj_engine *e, double *mean, double *scale);
 
 /* The name of the backend the compiled regions run on ("c", "cuda-sim",
  * "nvrtc", ...), "none" before compile -- compile.c. */
@@ -718,9 +746,11 @@ typedef struct ej_region_arg {
 	bool activation;
 } ej_region_arg;
 
-/* The arguments (at most 3) and output count with which the model calls
- * region module m at micro-batch B x T.  EPJ_ERR_UNSUPPORTED for a module
- * the model does not call as a region. */
+/* The arguments (at most EJ_REGION_MAX_ARGS) and output count with which
+ * the model calls region module m at micro-batch B x T (with the position
+ * and document ids of its docs_pos and docs_attn).  EPJ_ERR_UNSUPPORTED for
+ * a module the model does not call as a region. */
+#define EJ_REGION_MAX_ARGS 4
 epj_status ej_model_region_args(epj_ctx *ctx, const epj_model *model,
 				const epj_module *m, int64_t B, int64_t T,
 				ej_region_arg *args, int *n_in, int *n_out);

@@ -1382,6 +1382,179 @@ START_TEST(test_dataset_npy_hostile)
 }
 END_TEST
 
+/* The loss mask beside a prefix p: p.lossmask (.bin + .idx, uint8) with
+ * the token index's lengths, its tie record to p.bin (EPJMASK1: size,
+ * fingerprint) and its own pairing record.  Mask value = token is even,
+ * so that a batch says what the mask was. */
+static void write_mask(const char *dir, const int32_t *lens, int n,
+		       const int64_t *tok, int code, bool tie)
+{
+	int64_t total = 0;
+	for (int i = 0; i < n; i++)
+		total += lens[i];
+	int64_t *m = malloc(sizeof *m * (size_t)(total + 1));
+	for (int64_t i = 0; i < total; i++)
+		m[i] = tok[i] % 2 == 0;
+	write_mm(dir, "p.lossmask", code, lens, n, m);
+	free(m);
+	char ip[600], bp[600], tb[600];
+	snprintf(ip, sizeof ip, "%s/p.lossmask.idx", dir);
+	snprintf(bp, sizeof bp, "%s/p.lossmask.bin", dir);
+	snprintf(tb, sizeof tb, "%s/p.bin", dir);
+	size_t in, bn, tn;
+	unsigned char *idx = tu_read_file(ip, &in);
+	unsigned char *bin = tu_read_file(bp, &bn);
+	unsigned char *tbin = tu_read_file(tb, &tn);
+	unsigned char *out = malloc(in + 64);
+	memcpy(out, idx, in);
+	size_t k = in;
+	if (tie) {
+		pair_record(out + k, tbin, tn);
+		memcpy(out + k, "EPJMASK1", 8);
+		k += 32;
+	}
+	pair_record(out + k, bin, bn);
+	tu_write_file(ip, out, k + 32);
+	free(out);
+	free(idx);
+	free(bin);
+	free(tbin);
+}
+
+START_TEST(test_dataset_loss_mask)
+{
+	char *dir = tu_tmpdir_new("lossmask");
+	char prefix[512], mb[600], mi[600];
+	snprintf(prefix, sizeof prefix, "%s/p", dir);
+	snprintf(mb, sizeof mb, "%s.lossmask.bin", prefix);
+	snprintf(mi, sizeof mi, "%s.lossmask.idx", prefix);
+	int32_t lens[3] = { 17, 5, 23 };
+	int64_t tok[45];
+	for (int i = 0; i < 45; i++)
+		tok[i] = tu_randint(0, 60);
+	write_mm(dir, "p", 8, lens, 3, tok);
+	write_mask(dir, lens, 3, tok, 1, true);
+	epj_ctx *ctx = tu_ctx();
+	epj_docs *d = NULL;
+	ck_assert_msg(epj_docs_open(ctx, prefix, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	ck_assert(epj_docs_has_loss_mask(d));
+	int64_t m[23];
+	ck_assert_int_eq(epj_docs_read_mask(ctx, d, 2, 3, 20, m), EPJ_OK);
+	for (int j = 0; j < 20; j++)
+		ck_assert_int_eq(m[j], tok[22 + 3 + j] % 2 == 0);
+	epj_docs_free(d);
+	/* batches: a target whose mask value is 0 (an odd token) is -100 */
+	epj_data_opts o = { .split = "1,0,0", .seed = 5, .vocab = 64 };
+	epj_corpus *c = epj_corpus_dataset(ctx, prefix, &o);
+	tu_ok(ctx, c);
+	ck_assert(epj_corpus_has_loss_mask(c));
+	int hidden = 0, shown = 0;
+	for (int k = 0; k < 6; k++) {
+		epj_tensor *in, *lab;
+		ck_assert_int_eq(epj_corpus_next_batch(ctx, c, 2, 6, &in, &lab),
+				 EPJ_OK);
+		int64_t *x = i64_values(in), *y = i64_values(lab);
+		for (int r = 0; r < 2; r++)
+			for (int t = 0; t < 5; t++) {
+				int64_t nx = x[r * 6 + t + 1], l = y[r * 6 + t];
+				ck_assert_int_eq(l, nx % 2 ? -100 : nx);
+				hidden += l == -100;
+				shown += l != -100;
+			}
+		free(x);
+		free(y);
+		epj_tensor_free(in);
+		epj_tensor_free(lab);
+	}
+	ck_assert(hidden > 0 && shown > 0);
+	epj_corpus_free(c);
+	/* a blend with an unmasked source: its targets all count */
+	char blend[1300], np[600];
+	snprintf(np, sizeof np, "%s/u.npy", dir);
+	uint16_t u[40];
+	for (int i = 0; i < 40; i++)
+		u[i] = 61; /* odd: hidden were a mask applied; never in p */
+	write_npy(np, 1,
+		  "{'descr': '<u2', 'fortran_order': False, 'shape': "
+		  "(40,), }",
+		  u, sizeof u);
+	snprintf(blend, sizeof blend, "1 %s 1 %s", prefix, np);
+	c = epj_corpus_dataset(ctx, blend, &o);
+	tu_ok(ctx, c);
+	for (int k = 0; k < 4; k++) {
+		epj_tensor *in, *lab;
+		ck_assert_int_eq(epj_corpus_next_batch(ctx, c, 1, 6, &in, &lab),
+				 EPJ_OK);
+		int64_t *x = i64_values(in), *y = i64_values(lab);
+		for (int t = 0; t < 5; t++)
+			ck_assert_int_eq(y[t], x[t + 1] == 61 ? 61
+					       : x[t + 1] % 2 ? -100
+							      : x[t + 1]);
+		free(x);
+		free(y);
+		epj_tensor_free(in);
+		epj_tensor_free(lab);
+	}
+	epj_corpus_free(c);
+	epj_ctx_free(ctx);
+	/* hostile masks, each refused at open naming the mask's index */
+	write_mask(dir, lens, 3, tok, 1, false);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.idx",
+			  "tie record", "no tie record");
+	write_mask(dir, lens, 3, tok, 8, true);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.idx", "uint8",
+			  "uint16 mask");
+	int32_t other[3] = { 17, 6, 22 };
+	write_mask(dir, other, 3, tok, 1, true);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.idx",
+			  "sequence 1 has 6 mask values for 5 tokens",
+			  "other lengths");
+	int32_t two[2] = { 17, 28 };
+	write_mask(dir, two, 2, tok, 1, true);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.idx",
+			  "2 sequences, but the token index has 3",
+			  "other count");
+	/* a mask of other tokens (the tie record names another .bin) */
+	write_mask(dir, lens, 3, tok, 1, true);
+	tok[0] ^= 2; /* p.bin rewritten: same size, other bytes */
+	write_mm(dir, "p", 8, lens, 3, tok);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.idx",
+			  "written for a token file", "other tokens");
+	tok[0] ^= 2;
+	write_mm(dir, "p", 8, lens, 3, tok);
+	/* the mask's own pairing: a changed .bin; a missing .bin */
+	write_mask(dir, lens, 3, tok, 1, true);
+	size_t bn;
+	unsigned char *bin = tu_read_file(mb, &bn);
+	bin[3] ^= 1;
+	tu_write_file(mb, bin, bn);
+	expect_docs_error(prefix, EPJ_ERR_FORMAT, "p.lossmask.bin",
+			  "fingerprint", "changed mask");
+	/* a value 2 with the pairing record made for it: read, refused */
+	bin[3] = 2;
+	tu_write_file(mb, bin, bn);
+	size_t in;
+	unsigned char *idx = tu_read_file(mi, &in);
+	pair_record(idx + in - 32, bin, bn);
+	tu_write_file(mi, idx, in);
+	ctx = tu_ctx();
+	ck_assert_msg(epj_docs_open(ctx, prefix, &d) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	expect_status(
+	    ctx, epj_docs_read_mask(ctx, d, 0, 0, 5, m), EPJ_ERR_FORMAT,
+	    TU_STRS("p.lossmask.bin", "value 2 at index 3", "not 0 or 1"));
+	epj_docs_free(d);
+	epj_ctx_free(ctx);
+	unlink(mb);
+	expect_docs_error(prefix, EPJ_ERR_IO, "p.lossmask.bin", "cannot open",
+			  "missing mask .bin");
+	free(bin);
+	free(idx);
+	tu_tmpdir_free(dir);
+}
+END_TEST
+
 /* A corpus over spec; the test fails when it cannot be opened. */
 static epj_corpus *open_ds(epj_ctx *ctx, const char *spec, const char *split,
 			   uint64_t seed, uint32_t vocab)
@@ -1945,6 +2118,7 @@ Suite *make_data_suite(void)
 	tcase_add_test(ds, test_dataset_blend_resume);
 	tcase_add_test(ds, test_dataset_live_files);
 	tcase_add_test(ds, test_dataset_trainer_dump);
+	tcase_add_test(ds, test_dataset_loss_mask);
 	suite_add_tcase(s, ds);
 	return s;
 }

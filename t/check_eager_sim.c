@@ -15,8 +15,10 @@
  * row, tails) because cuda-sim is slow; the race check and poisoned
  * outputs are on.  The cases cover pointwise ops, casts, reductions,
  * shapes, indexing, the fused MoE rows and SwiGLU, and the template rows
- * of a decoder block: attention (causal and not, GQA, Dv != D),
- * cross-entropy, embedding, linear and the gated delta rule.  The same
+ * of a decoder block: attention (causal and not, GQA, Dv != D, with
+ * document ids), cross-entropy, embedding, linear and the
+ * gated delta rule; and a row of packed documents against each document
+ * alone, on the device itself (test_docs_alone).  The same
  * cases run on a cuda context over the stand-in (suite eager_cuda) and on
  * the machine's GPU (the gpu suite's gpu_eager, tools/gpu-check).
  */
@@ -759,6 +761,12 @@ static epj_tensor *f_nn(epj_ctx *ctx, epj_tensor *const *in, int which)
 		return epj_embedding(ctx, in[0], in[1]);
 	case 4:
 		return epj_linear(ctx, in[0], in[1], in[2]);
+	case 6: /* packed documents (in[3] the ids) */
+		return epj_sdpa_docs(ctx, in[0], in[1], in[2], in[3], true,
+				     0.0);
+	case 7:
+		return epj_sdpa_docs(ctx, in[0], in[1], in[2], in[3], false,
+				     0.4);
 	default:
 		return epj_gated_delta(ctx, in[0], in[1], in[2], in[3], in[4]);
 	}
@@ -798,6 +806,40 @@ START_TEST(test_nn)
 			 (long long)T, (long long)S, (long long)D,
 			 (long long)Dv);
 		nn_case(cpu, dev, causal ? 0 : 1, in, 3, tol, what);
+	}
+	for (int causal = 1; causal >= 0; causal--) {
+		/* document ids [B, T]: runs (packed documents) when causal,
+		 * ids in any order when not; i32 or i64 */
+		int64_t B = tu_randint(1, 3), Hkv = tu_randint(1, 3),
+			Hq = Hkv * tu_randint(1, 3), T = tu_randint(1, 40),
+			D = 2 * tu_randint(2, 12) + 1;
+		int64_t qs[4] = { B, Hq, T, D }, ks[4] = { B, Hkv, T, D },
+			is[2] = { B, T };
+		epj_dtype idt =
+		    tu_randint(0, 2) ? EPJ_DTYPE_I64 : EPJ_DTYPE_I32;
+		epj_tensor *in[4] = { tu_randn(cpu, dt, 4, qs),
+				      tu_randn(cpu, dt, 4, ks),
+				      tu_randn(cpu, dt, 4, ks),
+				      epj_zeros(cpu, idt, 2, is) };
+		for (int64_t b = 0, doc = 0; b < B; b++)
+			for (int64_t j = 0; j < T; j++) {
+				if (!causal)
+					doc = tu_randint(0, 3);
+				else if (j > 0 && tu_randint(0, 6) == 0)
+					doc++;
+				epj_tensor_set_f64(in[3], b * T + j,
+						   (double)doc);
+			}
+		snprintf(what, sizeof what,
+			 "sdpa documents %s %s B=%lld Hq=%lld Hkv=%lld T=%lld "
+			 "D=%lld ids %s",
+			 causal ? "causal" : "full", epj_dtype_name(dt),
+			 (long long)B, (long long)Hq, (long long)Hkv,
+			 (long long)T, (long long)D, epj_dtype_name(idt));
+		check_case(cpu, dev, f_nn, causal ? 6 : 7, in, 4,
+			   tu_randint(0, 2) ? 8u : 0u, true, tol, what);
+		for (int i = 0; i < 4; i++)
+			epj_tensor_free(in[i]);
 	}
 	{ /* cross-entropy with ignored rows */
 		int64_t N = tu_randint(2, 30), V = tu_randint(2, 70);
@@ -863,6 +905,108 @@ START_TEST(test_nn)
 			what);
 	}
 	epj_ctx_free(cpu);
+	epj_ctx_free(dev);
+}
+END_TEST
+
+/* Rows [lo, hi) of the time axis (dim 2) of batch b of x [B, H, T, D], as
+ * a new contiguous leaf [1, H, hi - lo, D] (requires_grad when rg). */
+static epj_tensor *doc_rows(epj_ctx *ctx, epj_tensor *x, int64_t b, int64_t lo,
+			    int64_t hi, bool rg)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *xb = epj_slice(ctx, x, 0, b, b + 1, 1);
+	epj_tensor *r = epj_slice(ctx, xb, 2, lo, hi, 1);
+	epj_tensor *c = epj_contiguous(ctx, r);
+	epj_tensor *d = c ? epj_detach(ctx, c) : NULL;
+	epj_no_grad_exit(ctx, prev);
+	tu_ok(ctx, d);
+	epj_tensor_set_requires_grad(d, rg);
+	epj_tensor_free(xb);
+	epj_tensor_free(r);
+	epj_tensor_free(c);
+	return d;
+}
+
+/* A row of packed documents on the device gives, for each document, what
+ * the device gives on that document alone: attention's output and the
+ * gradients of q, k and v (of sum(out * w)), causal, with document ids;
+ * no CPU kernel on the way. */
+START_TEST(test_docs_alone)
+{
+	const epj_dtype dt = dtypes[_i];
+	const double tol = dt == EPJ_DTYPE_F64	 ? 1e-12
+			   : dt == EPJ_DTYPE_F32 ? 2e-5
+						 : 1.0 / 60;
+	epj_ctx *dev = sim_ctx();
+	const int64_t B = 2, Hq = 4, Hkv = 2, T = 29, D = 12;
+	int64_t qs[4] = { B, Hq, T, D }, ks[4] = { B, Hkv, T, D },
+		is[2] = { B, T };
+	epj_tensor *q = tu_randn(dev, dt, 4, qs), *k = tu_randn(dev, dt, 4, ks),
+		   *v = tu_randn(dev, dt, 4, ks), *w = tu_randn(dev, dt, 4, qs);
+	epj_tensor *ids = epj_zeros(dev, EPJ_DTYPE_I64, 2, is);
+	tu_ok(dev, ids);
+	int64_t doc[2 * 29];
+	for (int64_t b = 0, d = 0; b < B; b++)
+		for (int64_t j = 0; j < T; j++) {
+			if (j > 0 && tu_randint(0, 5) == 0)
+				d++;
+			doc[b * T + j] = d;
+			epj_tensor_set_f64(ids, b * T + j, (double)d);
+		}
+	epj_tensor *x[3] = { q, k, v };
+	for (int i = 0; i < 3; i++)
+		epj_tensor_set_requires_grad(x[i], true);
+	snap s0 = take(dev);
+	epj_tensor *o = epj_sdpa_docs(dev, q, k, v, ids, true, 0.0);
+	epj_tensor *ow = epj_mul(dev, o, w);
+	epj_tensor *l = epj_sum_all(dev, ow);
+	tu_ok(dev, l);
+	ck_assert_msg(epj_backward(dev, l, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(dev));
+	assert_cuda_since(dev, s0, "packed documents");
+	int docs = 0;
+	for (int64_t b = 0; b < B; b++)
+		for (int64_t lo = 0; lo < T; docs++) {
+			int64_t hi = lo + 1;
+			while (hi < T && doc[b * T + hi] == doc[b * T + lo])
+				hi++;
+			epj_tensor *a[4], *ga[3];
+			for (int i = 0; i < 3; i++) {
+				a[i] = doc_rows(dev, x[i], b, lo, hi, true);
+				ga[i] = doc_rows(dev, epj_tensor_grad(x[i]), b,
+						 lo, hi, false);
+			}
+			a[3] = doc_rows(dev, w, b, lo, hi, false);
+			epj_tensor *po = doc_rows(dev, o, b, lo, hi, false);
+			epj_tensor *ao =
+			    epj_sdpa(dev, a[0], a[1], a[2], true, 0.0);
+			epj_tensor *aw = epj_mul(dev, ao, a[3]);
+			epj_tensor *al = epj_sum_all(dev, aw);
+			tu_ok(dev, al);
+			ck_assert_msg(epj_backward(dev, al, NULL) == EPJ_OK,
+				      "%s", epj_ctx_error(dev));
+			char what[128];
+			snprintf(what, sizeof what,
+				 "%s row %lld, document [%lld, %lld) alone",
+				 epj_dtype_name(dt), (long long)b,
+				 (long long)lo, (long long)hi);
+			tu_assert_tensors_close(dev, po, ao, tol, tol, what);
+			for (int i = 0; i < 3; i++)
+				tu_assert_tensors_close(dev, ga[i],
+							epj_tensor_grad(a[i]),
+							tol, tol, what);
+			epj_tensor *all[] = { a[0],  a[1],  a[2],  a[3],
+					      ga[0], ga[1], ga[2], po,
+					      ao,    aw,    al };
+			for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+				epj_tensor_free(all[i]);
+			lo = hi;
+		}
+	ck_assert_int_ge(docs, 3);
+	epj_tensor *all[] = { q, k, v, w, ids, o, ow, l };
+	for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+		epj_tensor_free(all[i]);
 	epj_ctx_free(dev);
 }
 END_TEST
@@ -1133,6 +1277,7 @@ Suite *make_eager_sim_suite(void)
 	tu_add_loop_test(tc, test_index, 3);
 	tu_add_loop_test(tc, test_moe, 3);
 	tu_add_loop_test(tc, test_nn, 3);
+	tu_add_loop_test(tc, test_docs_alone, 3);
 	suite_add_tcase(s, tc);
 	return s;
 }
@@ -1169,6 +1314,7 @@ static void add_cuda_cases(TCase *tc)
 	tu_add_loop_test(tc, test_index, 2);
 	tu_add_loop_test(tc, test_moe, 2);
 	tu_add_loop_test(tc, test_nn, 2);
+	tu_add_loop_test(tc, test_docs_alone, 2);
 }
 
 /* The same cases in the gpu suite, on the machine's driver. */

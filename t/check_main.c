@@ -29,6 +29,8 @@ Suite *make_kparam_suite(void);
 Suite *make_tensorboard_suite(void);
 /* t/check_router_loss.c: the router losses of the AutoEP layers */
 Suite *make_router_loss_suite(void);
+/* t/check_docs.c: packed documents and the per-token loss */
+Suite *make_docs_suite(void);
 
 /* Every suite by name, in the order a full run takes. */
 static const struct {
@@ -83,6 +85,7 @@ static const struct {
 	{ "cuda_syncs", make_cuda_syncs_suite },
 	{ "tensorboard", make_tensorboard_suite },
 	{ "router_loss", make_router_loss_suite },
+	{ "docs", make_docs_suite },
 };
 #define N_SUITES (sizeof suites / sizeof suites[0])
 

@@ -6,7 +6,10 @@
  * T > S the first queries see nothing and give 0 and lse -inf), odd head dims,
  * Dv != D, more than one 64-query block, transposed / packed input views;
  * out and lse (read through the internal dispatch), gradients against a
- * double reference (f32, bf16) and by finite differences (f64).
+ * double reference (f32, bf16) and by finite differences (f64).  Document
+ * ids (packed documents): both kernels against the reference with the ids'
+ * mask, for contiguous documents and for ids in any order; a packed row
+ * against each of its documents run alone (out, lse, dq, dk, dv).
  *
  * Tolerances: f32 compares with rtol 1e-4 (forward) / 1e-3 (backward).  bf16
  * inputs are exact in the references and the kernels compute in f32, so the
@@ -35,6 +38,12 @@ typedef struct cfg {
 	double scale; /* <= 0: 1/sqrt(D) */
 } cfg;
 
+/* The document ids of the case that runs (the tests of documents set them
+ * and clear them): [B, S] (T == S) values for the references, and the same
+ * as the ops' input (i32 or i64); NULL: none. */
+static const int64_t *docs_ids;
+static epj_tensor *docs_t;
+
 static double cfg_scale(const cfg *c)
 {
 	return c->scale > 0 ? c->scale : 1.0 / sqrt((double)c->d);
@@ -59,10 +68,12 @@ static double ref_probs(const cfg *c, const double *q, const double *k,
 		double s = 0;
 		for (int64_t e = 0; e < c->d; e++)
 			s += qi[e] * kj[e];
-		p[j] = j < je ? s * cfg_scale(c) : -INFINITY;
+		bool vis = j < je && (!docs_ids || docs_ids[b * c->s + j] ==
+						       docs_ids[b * c->s + i]);
+		p[j] = vis ? s * cfg_scale(c) : -INFINITY;
 		mx = p[j] > mx ? p[j] : mx;
 	}
-	if (je == 0) {
+	if (mx == -INFINITY) { /* no visible key */
 		for (int64_t j = 0; j < c->s; j++)
 			p[j] = 0;
 		return -INFINITY;
@@ -196,9 +207,9 @@ static void run_sdpa(epj_ctx *ctx, const cfg *c, epj_tensor *q, epj_tensor *k,
 	ej_attrs at = ej_attrs_none();
 	ej_attrs_push_i(&at, c->causal);
 	ej_attrs_push_f(&at, c->scale);
-	epj_tensor *in[3] = { q, k, v }, *outs[2] = { NULL, NULL };
-	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA, in, 3, &at, outs, 2) ==
-			  EPJ_OK,
+	epj_tensor *in[4] = { q, k, v, docs_t }, *outs[2] = { NULL, NULL };
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA, in, docs_t ? 4 : 3, &at,
+				  outs, 2) == EPJ_OK,
 		      "%s", epj_ctx_error(ctx));
 	*out = outs[0];
 	*lse = outs[1];
@@ -481,10 +492,10 @@ static void run_sdpa_bw(epj_ctx *ctx, const cfg *c, epj_tensor *dout,
 	ej_attrs at = ej_attrs_none();
 	ej_attrs_push_i(&at, c->causal);
 	ej_attrs_push_f(&at, cfg_scale(c));
-	epj_tensor *in[6] = { dout, q, k, v, out, lse };
+	epj_tensor *in[7] = { dout, q, k, v, out, lse, docs_t };
 	g[0] = g[1] = g[2] = NULL;
-	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, 6, &at, g, 3) ==
-			  EPJ_OK,
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, docs_t ? 7 : 6,
+				  &at, g, 3) == EPJ_OK,
 		      "%s", epj_ctx_error(ctx));
 }
 
@@ -683,6 +694,227 @@ START_TEST(test_sdpa_env)
 	else
 		unsetenv("EPJIT_SDPA");
 	free(keep);
+}
+END_TEST
+
+/* ---- documents --------------------------------------------------------------
+ * Document ids [B, S]: contiguous documents of random lengths per row (the
+ * packed rows of a dataset), or ids drawn at random from a few values (any
+ * order: the kernels compare ids, they do not assume runs). */
+
+/* Fills ids [B, S]: runs of 1..maxlen positions (contiguous) or random
+ * values in [0, 3). */
+static void make_doc_ids(int64_t *ids, int64_t B, int64_t S, bool runs,
+			 int64_t maxlen)
+{
+	for (int64_t b = 0; b < B; b++) {
+		int64_t doc = 10 * b, left = tu_randint(1, maxlen + 1);
+		for (int64_t j = 0; j < S; j++) {
+			if (!runs) {
+				ids[b * S + j] = tu_randint(0, 3);
+				continue;
+			}
+			if (left == 0) {
+				doc++;
+				left = tu_randint(1, maxlen + 1);
+			}
+			ids[b * S + j] = doc;
+			left--;
+		}
+	}
+}
+
+static epj_tensor *ids_tensor(epj_ctx *ctx, const int64_t *ids, int64_t B,
+			      int64_t S, epj_dtype dt)
+{
+	int64_t shp[2] = { B, S };
+	epj_tensor *t = epj_zeros(ctx, dt, 2, shp);
+	tu_ok(ctx, t);
+	for (int64_t i = 0; i < B * S; i++)
+		epj_tensor_set_f64(t, i, (double)ids[i]);
+	return t;
+}
+
+/* Both kernels with document ids against the double reference with the
+ * ids' mask (check_flash_case), contiguous documents and ids in any order,
+ * i64 and i32 ids, every dtype; lengths across the 64-row and 64-key
+ * tiles, so that tile pairs of other documents are skipped and mixed tiles
+ * are masked per element. */
+START_TEST(test_sdpa_docs)
+{
+	epj_ctx *ctx = tu_ctx();
+	const int64_t ts[] = { 7, 70, 129 };
+	int n = 0;
+	for (size_t it = 0; it < LEN(ts); it++)
+		for (int runs = 1; runs >= 0; runs--)
+			for (int causal = 1; causal >= 0; causal--, n++) {
+				int64_t T = ts[it], B = 2;
+				int64_t *ids = malloc(sizeof *ids * B * T);
+				make_doc_ids(ids, B, T, runs, T < 20 ? 3 : 40);
+				epj_dtype idt =
+				    n % 2 ? EPJ_DTYPE_I32 : EPJ_DTYPE_I64;
+				cfg c = { B, 4,	     2, T, T, 8 + 16 * (n % 2),
+					  8, causal, 0 };
+				docs_ids = ids;
+				docs_t = ids_tensor(ctx, ids, B, T, idt);
+				epj_dtype dt = float_dtypes[n % 3];
+				char what[96];
+				snprintf(
+				    what, sizeof what,
+				    "docs T %lld %s%s %s ids %s", (long long)T,
+				    runs ? "contiguous" : "any order",
+				    causal ? " causal" : "", epj_dtype_name(dt),
+				    epj_dtype_name(idt));
+				check_flash_case(ctx, &c, dt, what);
+				epj_tensor_free(docs_t);
+				docs_t = NULL;
+				docs_ids = NULL;
+				free(ids);
+			}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Rows [lo, hi) of the time axis (dim 2) of batch b of x [B, H, T, D]:
+ * [1, H, hi - lo, D]. */
+static epj_tensor *doc_rows(epj_ctx *ctx, epj_tensor *x, int64_t b, int64_t lo,
+			    int64_t hi)
+{
+	epj_tensor *xb = epj_slice(ctx, x, 0, b, b + 1, 1);
+	epj_tensor *r = epj_slice(ctx, xb, 2, lo, hi, 1);
+	epj_tensor *c = epj_contiguous(ctx, r);
+	tu_ok(ctx, c);
+	epj_tensor_free(xb);
+	epj_tensor_free(r);
+	return c;
+}
+
+/* A packed row of contiguous documents gives, for every document, what the
+ * same kernel gives on that document alone: out, lse, dq, dk, dv (flash
+ * and reference kernels, causal, every dtype). */
+START_TEST(test_sdpa_docs_alone)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int n = 0; n < 6; n++) {
+		bool reference = n >= 3;
+		epj_dtype dt = float_dtypes[n % 3];
+		int64_t B = 2, T = 97;
+		int64_t *ids = malloc(sizeof *ids * B * T);
+		make_doc_ids(ids, B, T, true, 60);
+		cfg c = { B, 4, 2, T, T, 16, 12, true, 0 };
+		docs_ids = ids;
+		docs_t = ids_tensor(ctx, ids, B, T, EPJ_DTYPE_I64);
+		epj_tensor *q, *k, *v;
+		make_qkv(ctx, &c, dt, &q, &k, &v);
+		int64_t os[4] = { B, c.hq, T, c.dv };
+		epj_tensor *dout = tu_randn(ctx, dt, 4, os);
+		sdpa_res pk =
+		    sdpa_run_kernel(ctx, &c, reference, q, k, v, dout);
+		epj_tensor *ids_t = docs_t;
+		docs_ids = NULL; /* each document alone: no ids */
+		docs_t = NULL;
+		/* f32 and bf16: the tiles of a document alone start at
+		 * other rows than in the packed row (other summation) */
+		double r = dt == EPJ_DTYPE_F64	  ? 1e-12
+			   : dt == EPJ_DTYPE_BF16 ? 1.0 / 120
+						  : 2e-5;
+		int docs = 0;
+		for (int64_t b = 0; b < B; b++)
+			for (int64_t lo = 0; lo < T;) {
+				int64_t hi = lo + 1;
+				while (hi < T &&
+				       ids[b * T + hi] == ids[b * T + lo])
+					hi++;
+				cfg a = { 1,   c.hq, c.hkv, hi - lo, hi - lo,
+					  c.d, c.dv, true,  0 };
+				epj_tensor *in[4] = {
+					doc_rows(ctx, q, b, lo, hi),
+					doc_rows(ctx, k, b, lo, hi),
+					doc_rows(ctx, v, b, lo, hi),
+					doc_rows(ctx, dout, b, lo, hi)
+				};
+				sdpa_res al =
+				    sdpa_run_kernel(ctx, &a, reference, in[0],
+						    in[1], in[2], in[3]);
+				char what[96];
+				snprintf(what, sizeof what,
+					 "%s %s row %lld document [%lld, %lld)",
+					 reference ? "reference" : "flash",
+					 epj_dtype_name(dt), (long long)b,
+					 (long long)lo, (long long)hi);
+				for (int x = 0; x < 5; x++) {
+					epj_tensor *part;
+					if (x == 1) { /* lse [B, H, T] */
+						epj_tensor *l3 = epj_reshape(
+						    ctx, pk.t[1], 4,
+						    (int64_t[]){ B, c.hq, T,
+								 1 });
+						epj_tensor *l4 = doc_rows(
+						    ctx, l3, b, lo, hi);
+						part = epj_reshape(
+						    ctx, l4, 3,
+						    (int64_t[]){ 1, c.hq,
+								 hi - lo });
+						epj_tensor_free(l3);
+						epj_tensor_free(l4);
+					} else {
+						part = doc_rows(ctx, pk.t[x], b,
+								lo, hi);
+					}
+					tu_ok(ctx, part);
+					tu_assert_tensors_close(
+					    ctx, part, al.t[x], r, r, what);
+					epj_tensor_free(part);
+				}
+				sdpa_res_free(&al);
+				for (int x = 0; x < 4; x++)
+					epj_tensor_free(in[x]);
+				docs++;
+				lo = hi;
+			}
+		ck_assert_int_ge(docs, 3);
+		sdpa_res_free(&pk);
+		epj_tensor *all[] = { q, k, v, dout, ids_t };
+		for (size_t x = 0; x < LEN(all); x++)
+			epj_tensor_free(all[x]);
+		free(ids);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Document ids: [B, S] integers, T == S, at most one more input. */
+START_TEST(test_sdpa_docs_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t qs[4] = { 2, 2, 5, 4 }, k3[4] = { 2, 2, 3, 4 };
+	int64_t s5[2] = { 2, 5 }, s4[2] = { 2, 4 }, s3[2] = { 2, 3 };
+	epj_tensor *q = tu_randn(ctx, EPJ_DTYPE_F32, 4, qs);
+	epj_tensor *k3t = tu_randn(ctx, EPJ_DTYPE_F32, 4, k3);
+	epj_tensor *ids = epj_zeros(ctx, EPJ_DTYPE_I64, 2, s5);
+	epj_tensor *ids4 = epj_zeros(ctx, EPJ_DTYPE_I64, 2, s4);
+	epj_tensor *ids3 = epj_zeros(ctx, EPJ_DTYPE_I64, 2, s3);
+	epj_tensor *fids = epj_zeros(ctx, EPJ_DTYPE_F32, 2, s5);
+	const char *sh[] = { "sdpa", "document ids", "[2, 5]" };
+	tu_assert_error(ctx, epj_sdpa_docs(ctx, q, q, q, ids4, true, 0),
+			EPJ_ERR_SHAPE, sh, 3);
+	const char *ts[] = { "sdpa", "T=5", "S=3" };
+	tu_assert_error(ctx, epj_sdpa_docs(ctx, q, k3t, k3t, ids3, false, 0),
+			EPJ_ERR_SHAPE, ts, 3);
+	const char *dt[] = { "sdpa", "i32 or i64" };
+	tu_assert_error(ctx, epj_sdpa_docs(ctx, q, q, q, fids, true, 0),
+			EPJ_ERR_DTYPE, dt, 2);
+	epj_tensor *five[5] = { q, q, q, ids, ids }, *outs[2] = { 0 };
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, 1);
+	ej_attrs_push_f(&at, 0.5);
+	ck_assert_int_eq(ej_dispatch(ctx, EJ_OP_SDPA, five, 5, &at, outs, 2),
+			 EPJ_ERR_INVALID);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "at most 4 inputs"));
+	epj_tensor *all[] = { q, k3t, ids, ids4, ids3, fids };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_ctx_free(ctx);
 }
 END_TEST
 
@@ -1190,6 +1422,9 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_flash_vs_reference);
 	tcase_add_test(ts, test_sdpa_flash_threads);
 	tcase_add_test(ts, test_sdpa_env);
+	tcase_add_test(ts, test_sdpa_docs);
+	tcase_add_test(ts, test_sdpa_docs_alone);
+	tcase_add_test(ts, test_sdpa_docs_errors);
 	suite_add_tcase(s, ts);
 	TCase *td = tcase_create("gated_delta");
 	tcase_set_timeout(td, 60);

@@ -8,6 +8,8 @@
  *   mask: rows that see one key, rows that see none), D of 8, 24, 64 and
  *   128, Dv != D, Hq/Hkv of 1/1, 4/2, 6/2, B of 1 and 2, causal or not, an
  *   explicit scale, f32 / bf16 / f64, contiguous and strided inputs;
+ * - document ids (packed documents that do not see each other): runs of
+ *   random lengths and ids in any order, i64 and i32, causal and not;
  * - the eager adapters ej_cuda_op_sdpa and ej_cuda_op_sdpa_backward on a
  *   cuda-sim context against the op table's CPU kernels on a cpu context,
  *   strided inputs;
@@ -58,6 +60,11 @@ typedef struct cfg {
 	double scale; /* <= 0: 1/sqrt(D) */
 } cfg;
 
+/* The document ids of the case that runs (test_docs sets them): [B, S]
+ * values for the reference and their tensor for the kernels; NULL: none. */
+static const int64_t *docs_ids;
+static epj_tensor *docs_t;
+
 static double cfg_scale(const cfg *c)
 {
 	return c->scale > 0 ? c->scale : 1.0 / sqrt((double)c->d);
@@ -84,10 +91,12 @@ static double ref_row(const cfg *c, const double *q, const double *k, int64_t b,
 		double s = 0;
 		for (int64_t e = 0; e < c->d; e++)
 			s += qi[e] * kj[e];
-		p[j] = j < je ? s * cfg_scale(c) : -INFINITY;
+		bool vis = j < je && (!docs_ids || docs_ids[b * c->s + j] ==
+						       docs_ids[b * c->s + i]);
+		p[j] = vis ? s * cfg_scale(c) : -INFINITY;
 		mx = p[j] > mx ? p[j] : mx;
 	}
-	if (je == 0) {
+	if (mx == -INFINITY) { /* no key visible */
 		for (int64_t j = 0; j < c->s; j++)
 			p[j] = 0;
 		return -INFINITY;
@@ -206,8 +215,22 @@ static ej_attn_operand operand(const epj_tensor *t)
 
 static ej_attn_shape shape_of(const cfg *c)
 {
-	return (ej_attn_shape){ c->b, c->hq, c->hkv,	c->t,	     c->s,
-				c->d, c->dv, c->causal, cfg_scale(c) };
+	ej_attn_shape m = { .b = c->b,
+			    .hq = c->hq,
+			    .hkv = c->hkv,
+			    .t = c->t,
+			    .s = c->s,
+			    .d = c->d,
+			    .dv = c->dv,
+			    .causal = c->causal,
+			    .scale = cfg_scale(c) };
+	if (docs_t) {
+		m.seg = ej_data(docs_t);
+		m.seg_st[0] = docs_t->stride[0];
+		m.seg_st[1] = docs_t->stride[1];
+		m.seg_i64 = docs_t->dtype == EPJ_DTYPE_I64;
+	}
+	return m;
 }
 
 static void describe(char *buf, size_t n, const cfg *c, epj_dtype dt,
@@ -359,6 +382,52 @@ START_TEST(test_wide_heads)
 	};
 	for (size_t i = 0; i < LEN(wide); i++)
 		check_case(ctx, &wide[i], EPJ_DTYPE_F32, i == 1);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Document ids: key j hidden from query i when their ids differ.  Runs of
+ * 1..12 positions (packed documents, across the 32-key tiles) and ids in
+ * any order, i64 and i32 ids, causal and not; f32 and bf16. */
+START_TEST(test_docs)
+{
+	epj_ctx *ctx = tu_ctx();
+	static const cfg dc[] = {
+		{ 2, 4, 2, 37, 37, 24, 24, true, 0 },
+		{ 1, 2, 1, 20, 20, 8, 8, false, 0 },
+	};
+	/* f32 and bf16: f64 takes the f32 paths (two modules built) */
+	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16 };
+	int n = 0;
+	for (size_t i = 0; i < LEN(dc); i++)
+		for (int runs = 1; runs >= 0; runs--, n++) {
+			const cfg *c = &dc[i];
+			int64_t *ids =
+			    malloc(sizeof *ids * (size_t)(c->b * c->s));
+			for (int64_t b = 0; b < c->b; b++) {
+				int64_t doc = b, left = tu_randint(1, 13);
+				for (int64_t j = 0; j < c->s; j++) {
+					if (runs && left-- == 0) {
+						doc++;
+						left = tu_randint(0, 12);
+					}
+					ids[b * c->s + j] =
+					    runs ? doc : tu_randint(0, 3);
+				}
+			}
+			int64_t shp[2] = { c->b, c->s };
+			docs_t = epj_zeros(
+			    ctx, n % 2 ? EPJ_DTYPE_I32 : EPJ_DTYPE_I64, 2, shp);
+			tu_ok(ctx, docs_t);
+			for (int64_t j = 0; j < c->b * c->s; j++)
+				epj_tensor_set_f64(docs_t, j, (double)ids[j]);
+			docs_ids = ids;
+			check_case(ctx, c, dts[n % 2], n == 1);
+			epj_tensor_free(docs_t);
+			docs_t = NULL;
+			docs_ids = NULL;
+			free(ids);
+		}
 	epj_ctx_free(ctx);
 }
 END_TEST
@@ -525,7 +594,15 @@ START_TEST(test_errors)
 	epj_ctx *ctx = tu_ctx();
 	float buf[64] = { 0 };
 	ej_attn_operand o = { buf, { 0, 0, 0, 0 } };
-	ej_attn_shape m = { 1, 2, 1, 3, 3, 8, 8, true, 0.5 };
+	ej_attn_shape m = { .b = 1,
+			    .hq = 2,
+			    .hkv = 1,
+			    .t = 3,
+			    .s = 3,
+			    .d = 8,
+			    .dv = 8,
+			    .causal = true,
+			    .scale = 0.5 };
 	epj_status st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_I32,
 					      &m, &o, &o, &o, buf, buf);
 	ck_assert_int_eq(st, EPJ_ERR_DTYPE);
@@ -596,6 +673,7 @@ Suite *make_tmpl_attention_suite(void)
 	tcase_add_test(tc, test_bf16);
 	tcase_add_test(tc, test_f64);
 	tcase_add_test(tc, test_wide_heads);
+	tcase_add_test(tc, test_docs);
 	tcase_add_test(tc, test_adapters);
 	tcase_add_test(tc, test_errors);
 	tcase_add_test(tc, test_nvrtc_variants);

@@ -19,7 +19,20 @@
 #     surrogate, a non-ASCII-digit --eod-token) is FILE:LINE: reason, exit
 #     1, no traceback, nothing written.  It uses the Python tokenizers
 #     package when installed, else a stand-in for the fixture's word-level
-#     tokenizer (the tool's own logic is what is checked).
+#     tokenizer (the tool's own logic is what is checked);
+#  6. supervised fine-tuning: prompt-completion pairs (strings, and
+#     messages through a chat template), conversations and plain text in
+#     one file give the tokens and a loss mask (0 on prompts, system and
+#     user turns and assistant headers, 1 on completions, assistant turns
+#     and the EOD) in Megatron's layout; the trainer trains on it with the
+#     per-token loss; a conversation without a template, a template that
+#     rewrites earlier turns and --format epjtok are refused; a run killed
+#     after each of its first three renames leaves files the trainer
+#     refuses; a text-only run over an SFT prefix removes its stale mask;
+#     2 accumulated micro-batches (and, where MPI is built, 2 ranks) of
+#     other token counts take the steps of one micro-batch of their rows
+#     (the per-token loss) (needs jinja2 for the template, as the tool
+#     does).
 # The fixtures are t/data/dataset (tools/epjit-tokenize and numpy wrote
 # them; t/data/dataset/make-fixtures.py).  Exit 77 (SKIP) when the trainer
 # was not built, or, after parts 1-4 passed, when python3 is missing.
@@ -307,4 +320,127 @@ done
 tokenize --input "$D/docs.jsonl" --output-prefix tk/e --eod-token 1 \
 	>tk.log 2>&1 || fail "--eod-token 1: $(cat tk.log)"
 cmp -s tk/e.bin "$D/docs.bin" || fail "--eod-token 1 is not <|endoftext|>"
+# ---- 6. supervised fine-tuning: prompts, completions, conversations ----
+if ! python3 -c 'import jinja2' 2>/dev/null; then
+	echo "note: no Python jinja2 package (chat templates): part 6 skipped"
+	echo "dataset.sh: ok"
+	exit 0
+fi
+cat >chat.jinja <<'EOF'
+{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}
+EOF
+cat >sft.jsonl <<'EOF'
+{"prompt": "the cat sat on", "completion": "the mat"}
+{"messages": [{"role": "system", "content": "one small model"}, {"role": "user", "content": "the dog"}, {"role": "assistant", "content": "sat on the log"}, {"role": "user", "content": "and the cat"}, {"role": "assistant", "content": "sat on the mat"}]}
+{"prompt": [{"role": "user", "content": "four experts"}], "completion": [{"role": "assistant", "content": "reads each token"}]}
+{"text": "a small model reads the tokens"}
+EOF
+tokenize --input sft.jsonl --output-prefix tk/sft --chat-template chat.jinja \
+	>tk.log 2>&1 || fail "epjit-tokenize SFT: $(cat tk.log)"
+grep -q "trained (loss mask)" tk.log || fail "no mask summary: $(cat tk.log)"
+# the mask read as Megatron lays it out: a uint8 sequence per document, of
+# the token sequence's length; "id:mask" per token
+cat >readmask.py <<'EOF'
+import struct, sys
+def seqs(prefix):
+    idx = open(prefix + ".idx", "rb").read()
+    code, n = idx[17], struct.unpack_from("<Q", idx, 18)[0]
+    lens = struct.unpack_from("<%di" % n, idx, 34)
+    size, fmt = {1: (1, "B"), 8: (2, "H"), 4: (4, "i")}[code]
+    b = open(prefix + ".bin", "rb").read()
+    out, o = [], 0
+    for l in lens:
+        out.append(struct.unpack_from("<%d%s" % (l, fmt), b, o * size))
+        o += l
+    return code, out
+tc, toks = seqs(sys.argv[1])
+mc, masks = seqs(sys.argv[1] + ".lossmask")
+assert mc == 1, mc
+assert [len(t) for t in toks] == [len(m) for m in masks]
+for t, m in zip(toks, masks):
+    print(" ".join("%d:%d" % (a, b) for a, b in zip(t, m)))
+EOF
+python3 readmask.py tk/sft >mask.txt || fail "reading the mask: $(cat mask.txt)"
+# the fixture's ids: the 2, cat 11, sat 28, on 25, mat 14, dog 6, log 13,
+# and 3, one 9, small 15, model 55, four 7, experts 19, reads 26, each 17,
+# token 10, EOD 1; the template's words are not in the vocabulary: 0
+line() { sed -n "${1}p" mask.txt; }
+[ "$(line 1)" = "2:0 11:0 28:0 25:0 2:1 14:1 1:1" ] ||
+	fail "prompt-completion mask: $(line 1)"
+want="0:0 0:0 9:0 15:0 55:0 0:0 0:0 0:0 2:0 6:0 0:0 0:0 0:0 28:1 25:1 2:1 13:1 0:1 0:0 0:0 3:0 2:0 11:0 0:0 0:0 0:0 28:1 25:1 2:1 14:1 0:1 1:1"
+[ "$(line 2)" = "$want" ] || fail "conversation mask: $(line 2)"
+want="0:0 0:0 7:0 19:0 0:0 0:0 0:0 26:1 17:1 10:1 0:1 1:1"
+[ "$(line 3)" = "$want" ] ||
+	fail "conversational prompt-completion mask: $(line 3)"
+case "$(line 4)" in
+*:0\ * | *:0) fail "a text line has untrained tokens: $(line 4)" ;;
+esac
+run sft.log --data "$tmp/tk/sft" --seq 6 --steps 2 --split 1,0,0 --compile
+grep -q "batches: the data's loss mask, loss per token over the global batch" \
+	sft.log || fail "the SFT run's banner: $(cat sft.log)"
+# the per-token loss over micro-batches and ranks: 1 rank accumulating 2
+# micro-batches of 2 rows, and 2 ranks of 1 micro-batch of 2 rows, take
+# the steps of 1 rank with one micro-batch of the same 4 rows, although
+# the micro-batches count other numbers of tokens (losses and gradient
+# norms equal to f32 rounding; a mean of micro-batch means differs)
+MPIRUN=$(command -v mpirun || command -v mpiexec)
+grep -q '^#define HAVE_MPI 1' "$builddir/config.h" 2>/dev/null || MPIRUN=
+for k in 41 22 21; do
+	printf '{"train_micro_batch_size_per_gpu": %s, "gradient_accumulation_steps": %s, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}\n' \
+		"${k%?}" "${k#?}" >g$k.json
+done
+same_steps() {
+	paste -d, "$1" "$2" | sed 1d | awk -F, '
+		function rel(a, b) { d = a - b; if (d < 0) d = -d; return d / (b < 0 ? -b : b) }
+		{ h = NF / 2
+		  if (!(rel($(h + 2), $2) <= 1e-6 && rel($(h + 4), $4) <= 1e-5)) bad = 1; n++ }
+		END { exit bad || n != 3 }' ||
+		fail "$3: $(cat "$1" "$2")"
+}
+for k in 41 22; do
+	run g$k.log --data "$tmp/tk/sft" --seq 6 --steps 3 --split 1,0,0 \
+		--config g$k.json --metrics g$k.csv
+done
+same_steps g41.csv g22.csv "2 accumulated micro-batches differ from 1 of both"
+if [ -n "$MPIRUN" ]; then
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+		timeout 300 "$MPIRUN" -np 2 --oversubscribe "$TRAIN" \
+		--data "$tmp/tk/sft" --seq 6 --steps 3 --split 1,0,0 \
+		--config g21.json --metrics g21.csv >g21.log 2>&1 ||
+		fail "2 ranks on the SFT data: $(cat g21.log)"
+	same_steps g41.csv g21.csv "2 ranks differ from 1 rank"
+fi
+# refused: a conversation without a template, a template that rewrites
+# earlier turns, the epjtok format (no mask there)
+tok_refuse "sft.jsonl:2: a conversation needs a chat template" \
+	--input sft.jsonl --output-prefix tk/x
+printf '%s\n' "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if messages|length > 2 %}x{% endif %}" >bad.jinja
+tok_refuse "does not render message" --input sft.jsonl \
+	--output-prefix tk/x --chat-template bad.jinja
+tok_refuse "needs --format megatron" --input sft.jsonl --output-prefix tk/x \
+	--chat-template chat.jinja --format epjtok
+[ -e tk/x.idx ] && fail "files written by refused SFT runs: $(ls tk)"
+# killed after its 1st, 2nd and 3rd rename (mask .idx, mask .bin, token
+# .idx) over the SFT prefix: the trainer refuses what is left
+head -n 2 sft.jsonl >sft2.jsonl
+for k in 1 2 3; do
+	mkdir kk
+	cp tk/sft.idx tk/sft.bin tk/sft.lossmask.idx tk/sft.lossmask.bin kk/
+	sed "s/calls\[0\] == 2/calls[0] == $((k + 1))/" killed.py >killed$k.py
+	python3 killed$k.py "$TOKENIZE" --tokenizer "$D/tokenizer.json" \
+		--append-eod --input sft2.jsonl --output-prefix kk/sft \
+		--chat-template chat.jinja >k.log 2>&1
+	rc=$?
+	[ "$rc" -eq 137 ] ||
+		fail "SFT killed after rename $k: exit $rc: $(cat k.log)"
+	refuse "epjit-tokenize" --data "$tmp/kk/sft" --seq 6 --steps 1 \
+		--split 1,0,0
+	rm -r kk
+done
+# a text-only run over the prefix removes the stale mask
+tokenize --input "$D/docs.jsonl" --output-prefix tk/sft >tk.log 2>&1 ||
+	fail "text over an SFT prefix: $(cat tk.log)"
+grep -q "removed the stale" tk.log || fail "stale mask kept: $(cat tk.log)"
+[ -e tk/sft.lossmask.idx ] && fail "tk/sft.lossmask.idx still there"
+run sft3.log --data "$tmp/tk/sft" --seq 6 --steps 1 --split 1,0,0
 echo "dataset.sh: ok"

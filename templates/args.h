@@ -51,6 +51,9 @@ struct ej_attn_args {
 	void *di; /* [B, Hq, T]: Di, written by dq, read by dkdv */
 	long long qs[4], ks[4], vs[4], os[4], gs[4];
 	long long ls[3]; /* lse_in strides */
+	const void *seg; /* [B, S] document ids (NULL: none), strides sgs */
+	long long sgs[2];
+	int seg8; /* seg is i64 (1) or i32 (0) */
 	int b, hq, hkv, t, s, d, dv;
 	int causal;
 	int bk; /* key tile of fwd and dq, 1..32 */

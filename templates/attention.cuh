@@ -8,7 +8,9 @@
  *   the inputs' dtype, lse [B, Hq, T] in the compute type; dq, dk, dv shaped
  *   like q, k, v.  Causal masks key j of query i when j > i + (S - T)
  *   (bottom-right aligned); a query that sees no key gets out 0, lse -inf,
- *   dq 0, as the CPU op gives.
+ *   dq 0, as the CPU op gives.  With document ids seg [B, S] (T == S; i64
+ *   or i32, any strides) key j is also hidden from query i when
+ *   seg[b, j] != seg[b, i]: packed documents do not see each other.
  *
  * Types: EJ_ATTN_DT 0 = f32, 1 = bf16 (storage; math in f32), 2 = f64 (math
  * in f64).  EJ_ATTN_DL = ceil(max(D, Dv) / 32): head dims up to 32 * DL are
@@ -119,6 +121,20 @@ EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
 	return e < 0 ? 0 : (e > a.s ? a.s : e);
 }
 
+/* Does query i see key j by the documents (always without seg)?  j and i
+ * must be positions of the row (< S = T). */
+EJ_D bool ej_at_same_doc(const struct ej_attn_args &a, int b, int i, int j)
+{
+	if (!a.seg)
+		return true;
+	long long oi = (long long)b * a.sgs[0] + (long long)i * a.sgs[1];
+	long long oj = (long long)b * a.sgs[0] + (long long)j * a.sgs[1];
+	if (a.seg8)
+		return ((const long long *)a.seg)[oi] ==
+		       ((const long long *)a.seg)[oj];
+	return ((const int *)a.seg)[oi] == ((const int *)a.seg)[oj];
+}
+
 EJ_D long long ej_at_off(const long long *st, int b, int h, int i, int c)
 {
 	return (long long)b * st[0] + (long long)h * st[1] +
@@ -203,7 +219,8 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 		for (int rr = 0; rr < EJ_AT_RPW; rr++) {
 			int r = w * EJ_AT_RPW + rr;
 			int ke = ej_at_kend(a, i0 + r) - k0; /* in the tile */
-			bool vis = lane < BK && lane < ke;
+			bool vis = lane < BK && lane < ke &&
+				   ej_at_same_doc(a, b, i0 + r, k0 + lane);
 			ej_at_acc sc = ninf;
 			if (vis) {
 				const ej_at_acc *qr = qs + r * D;
@@ -315,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 			int r = w * EJ_AT_RPW + rr;
 			int ke = ej_at_kend(a, i0 + r) - k0;
 			ej_at_acc ds = 0;
-			if (lane < BK && lane < ke && ej_at_finite(lse[rr])) {
+			if (lane < BK && lane < ke && ej_at_finite(lse[rr]) &&
+			    ej_at_same_doc(a, b, i0 + r, k0 + lane)) {
 				const ej_at_acc *qr = qs + r * D;
 				const ej_at_acc *kr = ks + lane * (D + 1);
 				const ej_at_acc *gr = gos + r * DV;
@@ -419,7 +437,8 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 				int r = e / BK, jj = e - r * BK;
 				ej_at_acc p = 0, ds = 0;
 				if (j0 + jj < ej_at_kend(a, q0 + r) &&
-				    ej_at_finite(lses[r])) {
+				    ej_at_finite(lses[r]) &&
+				    ej_at_same_doc(a, b, q0 + r, j0 + jj)) {
 					const ej_at_acc *qr = qs + r * D;
 					const ej_at_acc *kr = ks + jj * (D + 1);
 					const ej_at_acc *gr = gos + r * DV;

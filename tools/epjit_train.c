@@ -128,7 +128,11 @@ typedef struct opts {
 	const char *fault;    /* hidden --fault kill|stop */
 	long fault_rank;
 	bool async_plan; /* --parity: expert_parallel.async_split_plan */
-	int argc;	 /* the command line, for the resume hint */
+	/* packed documents and the loss: Megatron's options, each or-ed with
+	 * the config's data section; --eod-token (-1: the config's) */
+	bool reset_attn, reset_pos, eod_mask, per_token;
+	long eod_token;
+	int argc; /* the command line, for the resume hint */
 	char **argv;
 	/* --model resolved: the config.json to build from, and the Hugging
 	 * Face folder whose weights the model starts from ("" for none: a
@@ -257,6 +261,18 @@ static void usage(FILE *fp)
 	    "  --split W           a dataset's train,validation,test "
 	    "document split\n"
 	    "                      (default 969,30,1)\n"
+	    "  --reset-attention-mask  the documents packed in a row do not "
+	    "see each other\n"
+	    "  --reset-position-ids    positions restart at every document\n"
+	    "  --eod-mask-loss     no loss where the input is the "
+	    "end-of-document token\n"
+	    "  --eod-token ID      that token (the three options above need "
+	    "it)\n"
+	    "  --calculate-per-token-loss  a step's loss: the sum over its "
+	    "counted tokens\n"
+	    "                      divided by their number (on with "
+	    "--eod-mask-loss and\n"
+	    "                      a dataset's loss mask)\n"
 	    "  --steps N           train until optimizer step N (default "
 	    "%d)\n"
 	    "  --layout L          nested (default) or root\n"
@@ -442,6 +458,10 @@ static const struct {
 	{ "--compare-eager", offsetof(opts, compare_eager) },
 	{ "--async-split-plan", offsetof(opts, async_plan) },
 	{ "--save-async", offsetof(opts, save_async) },
+	{ "--reset-attention-mask", offsetof(opts, reset_attn) },
+	{ "--reset-position-ids", offsetof(opts, reset_pos) },
+	{ "--eod-mask-loss", offsetof(opts, eod_mask) },
+	{ "--calculate-per-token-loss", offsetof(opts, per_token) },
 };
 
 /* The options with a value: "--opt VALUE" or "--opt=VALUE". */
@@ -454,7 +474,7 @@ static const char *const with_value[] = {
 	"--emit-cuda",	"--device",	    "--rank-log",
 	"--fault",	"--split",	    "--fault-step",
 	"--fault-rank", "--model-override", "--save-every",
-	"--keep",
+	"--keep",	"--eod-token",
 };
 
 /* Option `name` (one of with_value) given value val; -1, or the exit
@@ -522,13 +542,15 @@ static int set_value(opts *o, const char *name, const char *val)
 	} else {
 		long lo = !strcmp(name, "--steps") ||
 				  !strcmp(name, "--eval-every") ||
-				  !strcmp(name, "--fault-rank")
+				  !strcmp(name, "--fault-rank") ||
+				  !strcmp(name, "--eod-token")
 			      ? 0
 			      : 1;
-		long hi = !strcmp(name, "--threads") ? 1024
-			  : !strcmp(name, "--seq")   ? SEQ_MAX
-			  : !strcmp(name, "--keep")  ? 65536
-						     : LONG_MAX;
+		long hi = !strcmp(name, "--threads")	 ? 1024
+			  : !strcmp(name, "--seq")	 ? SEQ_MAX
+			  : !strcmp(name, "--keep")	 ? 65536
+			  : !strcmp(name, "--eod-token") ? INT32_MAX
+							 : LONG_MAX;
 		if (!parse_long(val, lo, hi, &v)) {
 			char what[96];
 			snprintf(what, sizeof what,
@@ -551,6 +573,8 @@ static int set_value(opts *o, const char *name, const char *val)
 			o->save_every = v;
 		else if (!strcmp(name, "--keep"))
 			o->keep = v;
+		else if (!strcmp(name, "--eod-token"))
+			o->eod_token = v;
 		else
 			o->threads = v;
 	}
@@ -618,6 +642,7 @@ static int parse_args(int argc, char **argv, opts *o)
 	*o = (opts){ .steps = DEFAULT_STEPS,
 		     .layout = EPJ_LAYOUT_NESTED,
 		     .seq = DEFAULT_SEQ,
+		     .eod_token = -1,
 		     .argc = argc,
 		     .argv = argv };
 	for (int i = 1; i < argc; i++) {
@@ -776,6 +801,18 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 		    r->ctx, r->model, json, "<built-in ds config>", &r->engine);
 	}
 
+	/* packed documents: the flags add to the config's data section */
+	if (st == EPJ_OK) {
+		epj_batch_opts b;
+		epj_engine_batch_opts(r->engine, &b);
+		b.reset_attention_mask |= o->reset_attn;
+		b.reset_position_ids |= o->reset_pos;
+		b.eod_mask_loss |= o->eod_mask;
+		b.per_token_loss |= o->per_token;
+		if (o->eod_token >= 0)
+			b.eod_token = o->eod_token;
+		st = epj_engine_set_batch_opts(r->engine, &b);
+	}
 	/* --compile stands for the user's engine.compile() call */
 	if (st == EPJ_OK && o->compile)
 		st = epj_engine_compile(r->engine);
@@ -838,6 +875,8 @@ static const char *run_device(void)
 	const char *d = getenv("EPJIT_DEVICE");
 	return d && *d ? d : "cpu";
 }
+
+static int batch_banner(run *r);
 
 static int setup(run *r, const opts *o)
 {
@@ -956,6 +995,36 @@ static int setup(run *r, const opts *o)
 		return fail_msg("%s: token vocabulary %u exceeds the model's "
 				"vocab_size %d",
 				data, epj_corpus_vocab(r->corpus), vocab);
+	return batch_banner(r);
+}
+
+/* A dataset with a loss mask (SFT) trains on its counted tokens with the
+ * per-token loss; the banner says what the batches become.  0 or 1. */
+static int batch_banner(run *r)
+{
+	epj_batch_opts b;
+	epj_engine_batch_opts(r->engine, &b);
+	bool mask = epj_corpus_has_loss_mask(r->corpus);
+	if (mask && !b.per_token_loss) {
+		b.per_token_loss = true;
+		if (epj_engine_set_batch_opts(r->engine, &b) != EPJ_OK)
+			return fail(r->ctx);
+	}
+	if (epj_dist_rank() != 0 ||
+	    !(mask || b.per_token_loss || b.reset_attention_mask ||
+	      b.reset_position_ids))
+		return 0;
+	printf(PROG ": batches: %s%s%s%sloss %s\n",
+	       mask ? "the data's loss mask, " : "",
+	       b.reset_attention_mask ? "documents do not see each other, "
+				      : "",
+	       b.reset_position_ids ? "positions restart per document, " : "",
+	       b.eod_mask_loss ? "no loss at end-of-document inputs, " : "",
+	       b.per_token_loss ? "per token over the global batch"
+				: "mean of micro-batch means");
+	if (b.reset_attention_mask || b.reset_position_ids || b.eod_mask_loss)
+		printf(PROG ": batches: end-of-document token %" PRId64 "\n",
+		       b.eod_token);
 	return 0;
 }
 
@@ -1116,7 +1185,7 @@ static int dump_state(run *r, const char *path, const char *batch)
 			      : epj_corpus_next_batch(ctx, r->corpus, r->B,
 						      r->T, &ids, &lab);
 	if (st == EPJ_OK)
-		st = epj_model_forward(ctx, m, ids, lab, &logits, &loss);
+		st = epj_engine_forward(r->engine, ids, lab, &logits, &loss);
 	if (st == EPJ_OK)
 		st = epj_backward(ctx, loss, NULL);
 	if (st == EPJ_OK)
@@ -1691,13 +1760,18 @@ static int evaluate(run *r, double *out)
 	if (!ev)
 		return fail(r->ctx);
 	double sum = 0;
+	int64_t tokens = 0; /* per-token: the counted labels */
+	epj_batch_opts b;
+	epj_engine_batch_opts(r->engine, &b);
 	for (int i = 0; i < EVAL_BATCHES; i++) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		double l = 0;
+		int64_t n = 0;
 		epj_status st =
 		    epj_corpus_next_batch(r->ctx, ev, r->B, r->T, &ids, &lab);
 		if (st == EPJ_OK) {
-			st = epj_engine_eval(r->engine, ids, lab, &l);
+			st =
+			    epj_engine_eval_tokens(r->engine, ids, lab, &l, &n);
 			if (st != EPJ_OK && epj_dist_size() > 1)
 				r->no_rescue = true;
 		}
@@ -1707,10 +1781,13 @@ static int evaluate(run *r, double *out)
 			epj_corpus_free(ev);
 			return fail(r->ctx);
 		}
-		sum += l;
+		/* per token: a batch's mean times its counted labels */
+		sum += !b.per_token_loss ? l : n > 0 ? l * (double)n : 0;
+		tokens += n;
 	}
 	epj_corpus_free(ev);
-	*out = sum / EVAL_BATCHES;
+	/* per token: over the batches' counted labels (NaN when none) */
+	*out = b.per_token_loss ? sum / (double)tokens : sum / EVAL_BATCHES;
 	if (!isfinite(*out))
 		return fail_msg("evaluation after step %" PRId64
 				": the mean loss is %g (the weights are no "
