@@ -396,8 +396,10 @@ epj_status epj_model_forward(epj_ctx *ctx, epj_model *m, epj_tensor *input_ids,
  * [0, T)) pick the rows of the rope tables instead of 0..T-1, and doc_ids
  * [B, T] (i32/i64) hide every other document from a token's attention.
  * Either may be NULL; with either, labels are required.  Both are inputs
- * (data) of the forward: a compiled region serves any boundaries.  doc_ids
- * with a linear-attention (Gated DeltaNet) layer: EPJ_ERR_UNSUPPORTED. */
+ * (data) of the forward: a compiled region serves any boundaries.  In a
+ * linear-attention (Gated DeltaNet) layer a document is a run of equal
+ * doc_ids: its recurrent state and conv window start from zero where the
+ * id changes. */
 epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
 				  epj_tensor *input_ids, epj_tensor *labels,
 				  epj_tensor *position_ids, epj_tensor *doc_ids,
@@ -510,10 +512,9 @@ epj_status epj_batch_documents(epj_ctx *ctx, epj_tensor *input_ids,
 /* The engine's batch options (from its config's data section, or as set). */
 void epj_engine_batch_opts(const epj_engine *e, epj_batch_opts *o);
 /* Sets them (per_token_loss forced on by eod_mask_loss), checked against
- * the model (an eod_token in its vocabulary; reset_attention_mask refused
- * for linear attention); a change after the first train step, or of
- * reset_attention_mask or reset_position_ids after epj_engine_compile, is
- * EPJ_ERR_STATE. */
+ * the model (an eod_token in its vocabulary); a change after the first train
+ * step, or of reset_attention_mask or reset_position_ids after
+ * epj_engine_compile, is EPJ_ERR_STATE. */
 epj_status epj_engine_set_batch_opts(epj_engine *e, const epj_batch_opts *o);
 /* One forward as a train step makes it (the batch options applied), with
  * the mean loss over the labels that count; logits and loss as

@@ -139,7 +139,7 @@ void epj_engine_batch_opts(const epj_engine *e, epj_batch_opts *o)
 }
 
 /* o against the model: the EOD token in the vocabulary when a document
- * option needs it, no document ids for linear attention. */
+ * option needs it. */
 static epj_status batch_check(epj_ctx *ctx, const epj_model *m,
 			      const epj_batch_opts *o, const char *what)
 {
@@ -157,13 +157,6 @@ static epj_status batch_check(epj_ctx *ctx, const epj_model *m,
 				"vocab_size %lld",
 				what, (long long)o->eod_token,
 				(long long)m->cfg.vocab_size);
-	if (o->reset_attention_mask && ej_model_has_linear_attention(m))
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s: reset_attention_mask is not implemented "
-				"for a model with linear-attention (Gated "
-				"DeltaNet) layers: their recurrent state "
-				"crosses the documents of a row",
-				what);
 	return EPJ_OK;
 }
 

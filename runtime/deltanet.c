@@ -17,7 +17,16 @@
  *
  * The conv is the sum over its K taps of the input shifted by K-1-j
  * positions (zeros before the first token) times the tap's weight, so it
- * is pointwise work the region compiler fuses.  softplus(u) is computed
+ * is pointwise work the region compiler fuses.
+ *
+ * Packed documents (docs [B, T], each token's document, as data): a
+ * document starts from nothing, as it would alone.  A conv tap reads a
+ * token of the same document or zero (the shifted input times the mask
+ * docs[t] == docs[t - s]), and the first token of a document decays the
+ * state to zero: its g gets -1e30 added, exp(g) = 0, so S~ = 0, and the
+ * backward's dS = exp(g) dS~ and dg = exp(g) <dS~, S> are 0 there too.
+ * The masks are computed from the ids in the graph, so a compiled region
+ * keeps one graph whatever the boundaries.  softplus(u) is computed
  * as -log(sigmoid(-u)), exact where transformers' softplus is (|u| < 80
  * or so; transformers switches to u itself above 20, the same value in
  * f32).
@@ -66,8 +75,34 @@ static epj_tensor *repeat_heads(epj_ctx *ctx, epj_tensor *x, int64_t r)
 	return y;
 }
 
-/* silu of the causal depthwise conv of x [B, T, C] with w [C, 1, K]. */
-static epj_tensor *causal_conv(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
+/* [B, T, 1] in dt: 1 where the token s >= 1 positions back is of the same
+ * document as token t (docs [B, T]), else 0 (for t < s: whatever). */
+static epj_tensor *same_doc(epj_ctx *ctx, epj_tensor *docs, int64_t s,
+			    epj_dtype dt)
+{
+	enum { PAD, CAT, SH, EQ, F, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	const int64_t B = epj_tensor_dim(docs, 0), T = epj_tensor_dim(docs, 1);
+	const int64_t ps[2] = { B, s }, ms[3] = { B, T, 1 };
+	bool prev = epj_no_grad_enter(ctx);
+	/* where t < s the mask's value does not matter: the conv reads the
+	 * zeros before the first token, and the state is zero at t = 0 */
+	t[PAD] = epj_full(ctx, epj_tensor_dtype(docs), 2, ps, -1);
+	epj_tensor *parts[2] = { t[PAD], docs };
+	t[CAT] = t[PAD] ? epj_cat(ctx, parts, 2, 1) : NULL;
+	t[SH] = epj_slice(ctx, t[CAT], 1, 0, T, 1);
+	t[EQ] = epj_eq(ctx, docs, t[SH]);
+	t[F] = epj_cast(ctx, t[EQ], dt);
+	epj_tensor *m = epj_reshape(ctx, t[F], 3, ms);
+	ej_drop(t, N_T);
+	epj_no_grad_exit(ctx, prev);
+	return m;
+}
+
+/* silu of the causal depthwise conv of x [B, T, C] with w [C, 1, K]; with
+ * docs, each tap reads only its own document's tokens. */
+static epj_tensor *causal_conv(epj_ctx *ctx, epj_tensor *x, epj_tensor *w,
+			       epj_tensor *docs)
 {
 	if (!x || !w)
 		return NULL;
@@ -88,6 +123,14 @@ static epj_tensor *causal_conv(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
 	w2 = epj_reshape(ctx, w, 2, w2s);
 	for (int64_t j = 0; xp && w2 && j < K; j++) {
 		epj_tensor *xs = epj_slice(ctx, xp, 1, j, j + T, 1);
+		if (xs && docs && j < K - 1) {
+			epj_tensor *mk =
+			    same_doc(ctx, docs, K - 1 - j, epj_tensor_dtype(x));
+			epj_tensor *xm = mk ? epj_mul(ctx, xs, mk) : NULL;
+			epj_tensor_free(mk);
+			epj_tensor_free(xs);
+			xs = xm;
+		}
 		epj_tensor *wc = epj_slice(ctx, w2, 1, j, j + 1, 1);
 		epj_tensor *wv = wc ? epj_reshape(ctx, wc, 1, &C) : NULL;
 		epj_tensor *p = xs && wv ? epj_mul(ctx, xs, wv) : NULL;
@@ -111,8 +154,30 @@ static epj_tensor *causal_conv(epj_ctx *ctx, epj_tensor *x, epj_tensor *w)
 	return y;
 }
 
+/* g [B, T, H] with -1e30 added at the first token of every document but
+ * a row's first (docs [B, T]; NULL: g itself): exp(g) = 0 there, the
+ * state starts from zero. */
+static epj_tensor *reset_gate(epj_ctx *ctx, epj_tensor *g, epj_tensor *docs)
+{
+	if (!g || !docs)
+		return epj_tensor_ref(g);
+	enum { SAME, NEG, NEW, SC, N_T };
+	epj_tensor *t[N_T] = { 0 };
+	t[SAME] = same_doc(ctx, docs, 1, epj_tensor_dtype(g));
+	/* 1 - same: 1 at a document's first token (and a row's) */
+	bool prev = epj_no_grad_enter(ctx);
+	t[NEG] = epj_neg(ctx, t[SAME]);
+	t[NEW] = epj_add_scalar(ctx, t[NEG], 1);
+	t[SC] = epj_mul_scalar(ctx, t[NEW], -1e30);
+	epj_no_grad_exit(ctx, prev);
+	epj_tensor *y = t[SC] ? epj_add(ctx, g, t[SC]) : NULL;
+	ej_drop(t, N_T);
+	return y;
+}
+
 epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
-				const ej_model_config *c, epj_tensor *x)
+				const ej_model_config *c, epj_tensor *x,
+				epj_tensor *docs)
 {
 	enum {
 		QKV,
@@ -139,6 +204,7 @@ epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
 		SP,
 		AE,
 		G,
+		GD,
 		O,
 		ON,
 		SZ,
@@ -158,7 +224,7 @@ epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
 	t[QKV] = lin(ctx, la, "in_proj_qkv", x);
 	t[CV] = causal_conv(
 	    ctx, t[QKV],
-	    ej_module_param(ej_module_child(la, "conv1d"), "weight"));
+	    ej_module_param(ej_module_child(la, "conv1d"), "weight"), docs);
 	t[Q0] = epj_slice(ctx, t[CV], -1, 0, Kd, 1);
 	t[K0] = epj_slice(ctx, t[CV], -1, Kd, 2 * Kd, 1);
 	t[V0] = epj_slice(ctx, t[CV], -1, 2 * Kd, 2 * Kd + Vd, 1);
@@ -181,7 +247,8 @@ epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
 	t[SP] = epj_log(ctx, t[SG]); /* -softplus */
 	t[AE] = epj_exp(ctx, ej_module_param(la, "A_log"));
 	t[G] = epj_mul(ctx, t[SP], t[AE]); /* -exp(A_log) softplus */
-	t[O] = epj_gated_delta(ctx, t[QR], t[KR], t[V4], t[G], t[BE]);
+	t[GD] = reset_gate(ctx, t[G], docs);
+	t[O] = epj_gated_delta(ctx, t[QR], t[KR], t[V4], t[GD], t[BE]);
 	/* gated RMSNorm over dv (weight times the normalised value, then
 	 * times silu(z)) */
 	t[Z] = lin(ctx, la, "in_proj_z", x);

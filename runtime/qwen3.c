@@ -492,7 +492,7 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 	const ej_model_config *cfg = cfg_of(blk);
 	t[X] = norm_of(ctx, cfg, h, ej_module_child(blk, "input_layernorm"));
 	epj_module *la = ej_module_child(blk, "linear_attn");
-	t[A] = la ? ej_deltanet_forward(ctx, la, cfg, t[X])
+	t[A] = la ? ej_deltanet_forward(ctx, la, cfg, t[X], docs)
 		  : (cfg->mla ? mla_attention : attention)(
 			ctx, ej_module_child(blk, "self_attn"), cfg, t[X], cos,
 			sin, docs);
@@ -1370,14 +1370,6 @@ epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"model forward: position_ids and doc_ids need "
 				"labels");
-	if (doc_ids && ej_model_has_linear_attention(m))
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"model forward: doc_ids: the linear-attention "
-				"(Gated DeltaNet) layers of %s carry their "
-				"state across documents; packed documents "
-				"that do not see each other are implemented "
-				"for full attention only",
-				names_of(&m->cfg)->lm);
 	/* the root's inputs follow what is given (a compiled region's
 	 * guards see the count) */
 	m->docs_pos = position_ids != NULL;
@@ -1418,15 +1410,6 @@ epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
 	else
 		epj_tensor_free(out[1]);
 	return EPJ_OK;
-}
-
-bool ej_model_has_linear_attention(const epj_model *m)
-{
-	for (int64_t i = 0;
-	     i < m->cfg.num_hidden_layers && i < EJ_MODEL_MAX_LAYERS; i++)
-		if (m->cfg.linear_layer[i])
-			return true;
-	return false;
 }
 
 int epj_model_num_params(const epj_model *m)

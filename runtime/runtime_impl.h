@@ -556,9 +556,6 @@ struct epj_model {
 	bool docs_pos, docs_attn;
 };
 
-/* Does the model have a linear-attention (Gated DeltaNet) layer? */
-bool ej_model_has_linear_attention(const epj_model *m);
-
 /* Attention + norms of one decoder block, shared by both layouts.  `blk` is
  * the module owning self_attn / input_layernorm / post_attention_layernorm
  * / mlp; h [B, T, H], cos/sin [T, D] (or [B, 1, T, D] for position ids),
@@ -583,11 +580,14 @@ epj_status ej_add_linear(epj_ctx *ctx, epj_module *parent, const char *local,
 
 /* Qwen3.5-MoE's Gated DeltaNet (runtime/deltanet.c): blk.linear_attn with
  * transformers' parameter names (its gated norm of kind norm_kind), and its
- * forward x [B, T, H] -> out_proj output [B, T, H]. */
+ * forward x [B, T, H] -> out_proj output [B, T, H], with docs [B, T] the
+ * document ids of packed documents (NULL: none), each starting from a zero
+ * state and conv window. */
 epj_status ej_deltanet_build(epj_ctx *ctx, const ej_model_config *c,
 			     epj_module *blk, const char *norm_kind);
 epj_tensor *ej_deltanet_forward(epj_ctx *ctx, epj_module *la,
-				const ej_model_config *c, epj_tensor *x);
+				const ej_model_config *c, epj_tensor *x,
+				epj_tensor *docs);
 
 /* ---- engine (engine.c, compile.c)
  * ----------------------------------------------- */

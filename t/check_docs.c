@@ -10,12 +10,16 @@
  *    root layouts) and DeepSeek-V3's latent attention with interleaved
  *    YaRN rope (t/golden/hf/deepseek_v3) on the cpu in f64, where a
  *    document at other positions than 0.. is 1e-7 off (rope is shift
- *    invariant but for the rounding of its f32 tables); the tiny model in
- *    f32 on cuda-sim and on a cuda context over the stand-in driver.
+ *    invariant but for the rounding of its f32 tables), and Qwen3.5-MoE
+ *    (t/golden/hf/qwen3_5_moe), whose Gated DeltaNet layers start each
+ *    document from a zero state and conv window; the tiny model in f32 on
+ *    cuda-sim and on a cuda context over the stand-in driver, Qwen3.5-MoE
+ *    on cuda-sim.
  *  - test_batch_documents: epj_batch_documents against Megatron's
  *    get_ltor_masks_and_position_ids written out by hand (a row that starts
  *    with the EOD, two EODs in a row, a row without one).
- *  - test_compiled: regional and full-model compilation run the documents
+ *  - test_compiled: regional and full-model compilation (and regional on
+ *    Qwen3.5-MoE) run the documents
  *    with the ids and positions as inputs: batches of other boundaries
  *    reuse the compiled graphs (recompiles 0, no new frame) and give the
  *    eager engine's logits and loss.
@@ -28,8 +32,8 @@
  *    micro-batch's step per token updates the weights as the same step
  *    with the micro-batch's mean loss (the router losses' gradient weighted
  *    by the counted tokens, as their value is).
- *  - test_errors: doc_ids without labels, a linear-attention model, an
- *    options set after a step, an eod token outside the vocabulary.
+ *  - test_errors: doc_ids without labels, options set after a step, an
+ *    eod token outside the vocabulary.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -236,39 +240,56 @@ static void check_alone(epj_ctx *ctx, epj_model *m, int64_t B, int64_t T,
 	free(lab);
 }
 
-/* _i: 0 cpu nested, 1 cpu root, 2 cpu DeepSeek-V3, 3 cuda-sim, 4 cuda on
- * the stand-in driver. */
+/* The cases of test_alone: the device, the family of t/golden/hf (NULL:
+ * the tiny model), the layout, and whether it runs in f64. */
+static const struct {
+	const char *dev, *family;
+	epj_layout layout;
+	bool f64;
+} alone_case[] = {
+	{ "cpu", NULL, EPJ_LAYOUT_NESTED, true },
+	{ "cpu", NULL, EPJ_LAYOUT_ROOT, true },
+	{ "cpu", "deepseek_v3", EPJ_LAYOUT_NESTED, true },
+	{ "cuda-sim", NULL, EPJ_LAYOUT_NESTED, false },
+	{ "cuda", NULL, EPJ_LAYOUT_NESTED, false },
+	/* Gated DeltaNet layers: state and conv window per document */
+	{ "cpu", "qwen3_5_moe", EPJ_LAYOUT_NESTED, true },
+	{ "cuda-sim", "qwen3_5_moe", EPJ_LAYOUT_NESTED, false },
+};
+#define N_ALONE (int)(sizeof alone_case / sizeof alone_case[0])
+
 START_TEST(test_alone)
 {
-	static const char *const dev[] = { "cpu", "cpu", "cpu", "cuda-sim",
-					   "cuda" };
-	if (_i == 4 && !tu_fake_cuda_usable())
+	const bool stand_in = !strcmp(alone_case[_i].dev, "cuda");
+	if (stand_in && !tu_fake_cuda_usable())
 		return; /* no NVRTC: the stand-in cannot build kernels */
-	if (_i == 4)
+	if (stand_in)
 		ck_assert(tu_fake_cuda_begin());
 	epj_ctx *ctx = NULL;
-	ck_assert_msg(epj_ctx_new(dev[_i], &ctx) == EPJ_OK, "ctx %s", dev[_i]);
+	ck_assert_msg(epj_ctx_new(alone_case[_i].dev, &ctx) == EPJ_OK, "ctx %s",
+		      alone_case[_i].dev);
 	epj_ctx_seed(ctx, tu_seed());
 	char cfg[4096];
-	snprintf(cfg, sizeof cfg, "%s/t/golden/hf/deepseek_v3/config.json",
-		 tu_srcdir());
+	if (alone_case[_i].family)
+		snprintf(cfg, sizeof cfg, "%s/t/golden/hf/%s/config.json",
+			 tu_srcdir(), alone_case[_i].family);
 	/* f64 on the cpu: rope is shift invariant, so only there (the tables
 	 * are f32 values, as transformers makes them) does a document at
 	 * the wrong positions show, 1e-7 off; at its own, 1e-15 */
-	epj_model *m = tiny_dt(ctx, _i == 2 ? cfg : NULL,
-			       _i == 1 ? EPJ_LAYOUT_ROOT : EPJ_LAYOUT_NESTED,
-			       _i < 3 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32);
-	char what[64];
-	snprintf(what, sizeof what, "%s%s", dev[_i],
-		 _i == 1   ? " root"
-		 : _i == 2 ? " deepseek_v3"
-			   : "");
+	const bool f64 = alone_case[_i].f64;
+	epj_model *m =
+	    tiny_dt(ctx, alone_case[_i].family ? cfg : NULL,
+		    alone_case[_i].layout, f64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32);
+	char what[96];
+	snprintf(what, sizeof what, "%s %s%s", alone_case[_i].dev,
+		 alone_case[_i].family ? alone_case[_i].family : "tiny",
+		 alone_case[_i].layout == EPJ_LAYOUT_ROOT ? " root" : "");
 	/* cuda-sim and the stand-in are slow: fewer, shorter rows */
-	check_alone(ctx, m, _i >= 3 ? 1 : 3, _i >= 3 ? 12 : 29,
-		    _i < 3 ? 1e-11 : 2e-5, what);
+	check_alone(ctx, m, f64 ? 3 : 1, f64 ? 29 : 12, f64 ? 1e-11 : 2e-5,
+		    what);
 	epj_model_free(m);
 	epj_ctx_free(ctx);
-	if (_i == 4)
+	if (stand_in)
 		tu_fake_cuda_end();
 }
 END_TEST
@@ -333,13 +354,17 @@ static epj_engine *engine(epj_ctx *ctx, epj_model *m, const char *json)
 	return e;
 }
 
-/* _i: 0 regional (autoep_non_moe), 1 full-model. */
+/* _i: 0 regional (autoep_non_moe), 1 full-model, 2 regional on
+ * Qwen3.5-MoE (Gated DeltaNet layers). */
 START_TEST(test_compiled)
 {
-	const bool regional = _i == 0;
+	const bool regional = _i != 1;
 	epj_ctx *ctx = tu_ctx();
-	epj_model *mc = tiny(ctx, NULL, EPJ_LAYOUT_NESTED);
-	epj_model *me = tiny(ctx, NULL, EPJ_LAYOUT_NESTED);
+	char cfg[4096];
+	snprintf(cfg, sizeof cfg, "%s/t/golden/hf/qwen3_5_moe/config.json",
+		 tu_srcdir());
+	epj_model *mc = tiny(ctx, _i == 2 ? cfg : NULL, EPJ_LAYOUT_NESTED);
+	epj_model *me = tiny(ctx, _i == 2 ? cfg : NULL, EPJ_LAYOUT_NESTED);
 	char json[256];
 	snprintf(json, sizeof json,
 		 "{\"train_micro_batch_size_per_gpu\": 2, "
@@ -547,20 +572,6 @@ START_TEST(test_errors)
 			 EPJ_ERR_STATE);
 	epj_engine_free(e);
 	epj_model_free(m);
-	/* Qwen3.5-MoE's Gated DeltaNet layers carry state across documents */
-	char cfg[4096];
-	snprintf(cfg, sizeof cfg, "%s/t/golden/hf/qwen3_5_moe/config.json",
-		 tu_srcdir());
-	m = tiny(ctx, cfg, EPJ_LAYOUT_NESTED);
-	ck_assert(epj_engine_initialize_json(ctx, m, "{}", "t", &e) == EPJ_OK);
-	ck_assert_int_eq(epj_engine_set_batch_opts(e, &docs_opts),
-			 EPJ_ERR_UNSUPPORTED);
-	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "linear-attention"));
-	ck_assert_int_eq(
-	    epj_model_forward_docs(ctx, m, ti, ti, NULL, ti, &lo, &ls),
-	    EPJ_ERR_UNSUPPORTED);
-	epj_engine_free(e);
-	epj_model_free(m);
 	epj_tensor_free(ti);
 	epj_tensor_free(tb);
 	epj_ctx_free(ctx);
@@ -573,9 +584,9 @@ Suite *make_docs_suite(void)
 	Suite *s = suite_create("docs");
 	TCase *tc = tcase_create("docs");
 	tcase_set_timeout(tc, 600);
-	tcase_add_loop_test(tc, test_alone, 0, 5);
+	tcase_add_loop_test(tc, test_alone, 0, N_ALONE);
 	tcase_add_test(tc, test_batch_documents);
-	tcase_add_loop_test(tc, test_compiled, 0, 2);
+	tcase_add_loop_test(tc, test_compiled, 0, 3);
 	tcase_add_test(tc, test_per_token);
 	tcase_add_test(tc, test_per_token_router_loss);
 	tcase_add_test(tc, test_errors);

@@ -2,7 +2,8 @@
 # t/hf_docs.sh -- packed documents against Hugging Face transformers' own
 # golden files (t/golden/docs/<family>/, made by t/golden/hf_docs.py; no
 # Python here).  Per family (Qwen3-MoE; DeepSeek-V3's latent attention with
-# interleaved YaRN rope):
+# interleaved YaRN rope; Qwen3.5-MoE's Gated DeltaNet layers, whose state
+# and conv window start anew at each document):
 #
 #  1. one forward and backward of a batch of rows of packed documents
 #     (--dump-batch) with --reset-attention-mask --reset-position-ids
@@ -45,7 +46,7 @@ fail() {
 
 DOCS="--reset-attention-mask --reset-position-ids --eod-mask-loss --eod-token 1"
 nfam=0
-for fam in qwen3_moe deepseek_v3; do
+for fam in qwen3_moe deepseek_v3 qwen3_5_moe; do
 	dir="$srcdir/t/golden/docs/$fam"
 	[ -f "$dir/golden.safetensors" ] || fail "$dir: no golden.safetensors"
 	nfam=$((nfam + 1))
@@ -90,7 +91,7 @@ for fam in qwen3_moe deepseek_v3; do
 		echo "$fam without $drop, caught: $(tail -n 1 "$out.cmp")"
 	done
 done
-[ "$nfam" = 2 ] || fail "$nfam golden families"
+[ "$nfam" = 3 ] || fail "$nfam golden families"
 # 3. other boundaries every batch, one compile
 "$TRAIN" --steps 4 --seq 24 --compile $DOCS >train.log 2>&1 ||
 	fail "training with the flags: $(cat train.log)"

@@ -7,7 +7,8 @@ t/golden/hf/*/versions.txt); make check reads only the files it writes
 
     python3 t/golden/hf_docs.py [OUTDIR]        (default: t/golden/docs)
 
-For qwen3_moe and deepseek_v3 (latent attention, interleaved YaRN rope), the
+For qwen3_moe, deepseek_v3 (latent attention, interleaved YaRN rope) and
+qwen3_5_moe (Gated DeltaNet layers beside gated full attention), the
 tiny models of t/golden/hf/<family>/ (made by hf_make.py) are copied to
 OUTDIR/<family>/ with:
   batch.safetensors   input_ids, labels (I64 [2, 16]): each row documents
@@ -161,7 +162,7 @@ def make(fam, cls, moe, proj):
 
 
 def main():
-    want = {"qwen3_moe", "deepseek_v3"}
+    want = {"qwen3_moe", "deepseek_v3", "qwen3_5_moe"}
     for fam, _cfg, cls, moe, proj in hf_make.families():
         if fam in want:
             make(fam, cls, moe, proj)
