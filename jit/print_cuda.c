@@ -136,14 +136,14 @@ static void literal(char *buf, size_t n, ej_ktype t, double c)
 		float f = (float)c;
 		uint32_t u;
 		memcpy(&u, &f, sizeof u);
-		if (f == (float)(int)f && fabsf(f) < 1e6f)
+		if (fabsf(f) < 1e6f && f == (float)(int)f)
 			snprintf(buf, n, "%d.0f", (int)f);
 		else
 			snprintf(buf, n, "__int_as_float(0x%08x)", u);
 	} else {
 		uint64_t u;
 		memcpy(&u, &c, sizeof u);
-		if (c == (double)(int)c && fabs(c) < 1e6)
+		if (fabs(c) < 1e6 && c == (double)(int)c)
 			snprintf(buf, n, "%d.0", (int)c);
 		else
 			snprintf(buf, n, "__longlong_as_double(0x%016llxLL)",
