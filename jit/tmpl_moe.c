@@ -33,6 +33,8 @@ static const ej_tmpl_kernel moe_kernels[] = {
 	{ "ej_moe_combine_bw_y", "struct ej_moe_combine_args" },
 	{ "ej_moe_combine_bw_w", "struct ej_moe_combine_args" },
 	{ "ej_moe_route_bw", "struct ej_moe_route_bw_args" },
+	{ "ej_swiglu_fwd", "struct ej_swiglu_args" },
+	{ "ej_swiglu_bwd", "struct ej_swiglu_args" },
 };
 static const ej_tmpl_kernel embed_kernels[] = {
 	{ "ej_embed_fwd", "struct ej_embed_args" },
@@ -399,6 +401,75 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 	ej_launch_out o = out_of(dlogits, N * E, ej_dtype_size(rdt));
 	return launch(ctx, m, "ej_moe_route_bw", clamp_grid((N + 3) / 4), 128,
 		      &a, sizeof a, &o, 1);
+}
+
+/* 16-byte accesses need every buffer on a 16-byte boundary */
+static bool aligned16(const void *const *p, int n)
+{
+	for (int i = 0; i < n; i++)
+		if ((uintptr_t)p[i] % 16)
+			return false;
+	return true;
+}
+
+/* 32-bit index math: n and every thread's last index + the grid's threads
+ * stay below 2^31 (grids have at most 65535 blocks of 1024 threads) */
+static bool fits_i32(int64_t n)
+{
+	return n >= 0 && n < ((int64_t)1 << 30);
+}
+
+/* One pass over n elements: SwiGLU forward (d NULL: y = silu(g) u) or
+ * backward (y = dg, du), 256 threads a block, 16-byte vectors when every
+ * buffer is aligned (counted: moe.swiglu.vec16 or moe.swiglu.scalar). */
+static epj_status swiglu_launch(epj_ctx *ctx, const char *device, const void *d,
+				const void *g, const void *u, epj_dtype dt,
+				int64_t n, void *y, void *du)
+{
+	const char *what = d ? "swiglu backward" : "swiglu";
+	epj_status st = need_float(ctx, what, "gate", dt);
+	if (st != EPJ_OK)
+		return st;
+	if (n < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID, "%s: %lld elements", what,
+				(long long)n);
+	if (n == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	const void *ptrs[5] = { g, u, y, d ? d : g, du ? du : y };
+	const size_t es = ej_dtype_size(dt);
+	struct ej_swiglu_args a = { .g = g,
+				    .u = u,
+				    .d = d,
+				    .y = y,
+				    .du = du,
+				    .n = n,
+				    .dt = dcode(dt),
+				    .vec = aligned16(ptrs, 5),
+				    .i32 = fits_i32(n) };
+	epj_counter_add(ctx, a.vec ? "moe.swiglu.vec16" : "moe.swiglu.scalar",
+			1);
+	const int64_t lanes = 16 / (int64_t)es;
+	const int64_t items = a.vec ? n / lanes + lanes : n;
+	ej_launch_out o[2] = { out_of(y, n, es), out_of(du, n, es) };
+	return launch(ctx, m, d ? "ej_swiglu_bwd" : "ej_swiglu_fwd",
+		      clamp_grid((items + 255) / 256), 256, &a, sizeof a, o,
+		      d ? 2 : 1);
+}
+
+epj_status ej_tmpl_swiglu(epj_ctx *ctx, const char *device, const void *g,
+			  const void *u, epj_dtype dt, int64_t n, void *y)
+{
+	return swiglu_launch(ctx, device, NULL, g, u, dt, n, y, NULL);
+}
+
+epj_status ej_tmpl_swiglu_backward(epj_ctx *ctx, const char *device,
+				   const void *d, const void *g, const void *u,
+				   epj_dtype dt, int64_t n, void *dg, void *du)
+{
+	return swiglu_launch(ctx, device, d, g, u, dt, n, dg, du);
 }
 
 /* ---- embedding and cross-entropy ----------------------------------------- */
@@ -1097,8 +1168,8 @@ epj_status ej_cuda_op_cross_entropy_backward(epj_ctx *ctx, ej_call *c)
 }
 
 /* ---- the fused MoE ops (lib/ops_moe.c) as rows of the eager table --------
- * Each runs the kernels of templates/moe.cuh (or, for SwiGLU, the
- * pointwise kernels it is made of) with the CPU kernel's semantics, so the
+ * Each runs the kernels of templates/moe.cuh with the CPU kernel's
+ * semantics, so the
  * AutoEP layer takes one data path on every device.  Index inputs are
  * checked as the CPU kernels check them: from the host copy the AutoEP
  * layer pinned (ej_index_pin: its experts and positions, which it has on
@@ -1399,51 +1470,37 @@ epj_status ej_cuda_op_moe_unpermute_backward(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
-/* SWIGLU and its backward as the pointwise kernels they are made of, in
- * f32 for bf16 (the CPU kernel's precision, rounded once at the end):
- *   out = silu(gate) * up;
- *   dgate = silu_backward(grad * up, gate), dup = grad * silu(gate). */
-static epj_dtype swiglu_dt(epj_dtype dt)
-{
-	return dt == EPJ_DTYPE_BF16 ? EPJ_DTYPE_F32 : dt;
-}
-
+/* SWIGLU and its backward: one kernel each over the contiguous inputs (the
+ * CPU kernel's formulas, f32 for bf16, rounded once). */
 epj_status ej_cuda_op_swiglu(epj_ctx *ctx, ej_call *c)
 {
-	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *g = cast_or_ref(ctx, c->in[0], cdt);
-	epj_tensor *u = cast_or_ref(ctx, c->in[1], cdt);
-	epj_tensor *sg = g && u ? epj_silu(ctx, g) : NULL;
-	epj_tensor *h = sg ? epj_mul(ctx, sg, u) : NULL;
-	epj_no_grad_exit(ctx, prev);
-	epj_status st = put_out(ctx, h, c->out[0]);
-	epj_tensor *t[] = { g, u, sg, h };
-	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
-		epj_tensor_free(t[i]);
+	const epj_dtype dt = c->in[0]->dtype;
+	epj_tensor *g = dense_as(ctx, c->in[0], dt);
+	epj_tensor *u = g ? dense_as(ctx, c->in[1], dt) : NULL;
+	epj_status st = u ? EPJ_OK : epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st =
+		    ej_tmpl_swiglu(ctx, ctx_device(ctx), ej_data(g), ej_data(u),
+				   dt, epj_tensor_numel(g), ej_data(c->out[0]));
+	epj_tensor_free(g);
+	epj_tensor_free(u);
 	return st;
 }
 
 epj_status ej_cuda_op_swiglu_backward(epj_ctx *ctx, ej_call *c)
 {
-	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *gr = cast_or_ref(ctx, c->in[0], cdt);
-	epj_tensor *g = cast_or_ref(ctx, c->in[1], cdt);
-	epj_tensor *u = cast_or_ref(ctx, c->in[2], cdt);
-	epj_tensor *gu = gr && g && u ? epj_mul(ctx, gr, u) : NULL;
-	epj_tensor *in[2] = { gu, g };
-	ej_attrs at = ej_attrs_none();
-	epj_tensor *dg =
-	    gu ? ej_call1(ctx, EJ_OP_SILU_BACKWARD, in, 2, &at) : NULL;
-	epj_tensor *sg = dg ? epj_silu(ctx, g) : NULL;
-	epj_tensor *du = sg ? epj_mul(ctx, gr, sg) : NULL;
-	epj_no_grad_exit(ctx, prev);
-	epj_status st = put_out(ctx, dg, c->out[0]);
+	const epj_dtype dt = c->in[0]->dtype;
+	epj_tensor *d = dense_as(ctx, c->in[0], dt);
+	epj_tensor *g = d ? dense_as(ctx, c->in[1], dt) : NULL;
+	epj_tensor *u = g ? dense_as(ctx, c->in[2], dt) : NULL;
+	epj_status st = u ? EPJ_OK : epj_ctx_status(ctx);
 	if (st == EPJ_OK)
-		st = put_out(ctx, du, c->out[1]);
-	epj_tensor *t[] = { gr, g, u, gu, dg, sg, du };
-	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
-		epj_tensor_free(t[i]);
+		st = ej_tmpl_swiglu_backward(
+		    ctx, ctx_device(ctx), ej_data(d), ej_data(g), ej_data(u),
+		    dt, epj_tensor_numel(d), ej_data(c->out[0]),
+		    ej_data(c->out[1]));
+	epj_tensor_free(d);
+	epj_tensor_free(g);
+	epj_tensor_free(u);
 	return st;
 }

@@ -16,6 +16,7 @@
 #include "check_util.h"
 
 #include "config_impl.h"
+#include "ops_moe.h"
 #include "optim_impl.h"
 #include "tmpl.h"
 #include "tmpl_moe.h"
@@ -498,6 +499,127 @@ START_TEST(test_permute_combine)
 		free(dw);
 	}
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- SwiGLU ---------------------------------------------------------------
+ * One kernel each way against the formulas in double: sizes that leave a
+ * tail after the 16-byte vectors, and buffers one element off a 16-byte
+ * boundary so that the scalar path runs (the counters say which ran). */
+static const int64_t sw_n[4] = { 1, 13, 1000, 1003 };
+
+START_TEST(test_swiglu)
+{
+	const epj_dtype dt = fdt[_i / 8];
+	const int64_t n = sw_n[(_i / 2) % 4];
+	const int off = _i % 2; /* elements off the 16-byte boundary */
+	const size_t es = epj_dtype_size(dt);
+	epj_ctx *ctx = tu_ctx();
+	/* d, g, u, then the outputs y, dg, du */
+	char *b[6];
+	void *p[6];
+	for (int i = 0; i < 6; i++) {
+		b[i] =
+		    i < 3 ? rand_buf(dt, n + 1) : xmalloc((size_t)(n + 1) * es);
+		p[i] = b[i] + (size_t)off * es;
+	}
+	const char *ran = off ? "moe.swiglu.scalar" : "moe.swiglu.vec16";
+	const int64_t c0 = epj_counter_get(ctx, ran);
+	ck_assert_msg(ej_tmpl_swiglu(ctx, DEV, p[1], p[2], dt, n, p[3]) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_msg(ej_tmpl_swiglu_backward(ctx, DEV, p[0], p[1], p[2], dt, n,
+					      p[4], p[5]) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_counter_get(ctx, ran) - c0, 2);
+	const double t = dt == EPJ_DTYPE_BF16  ? 1e-2
+			 : dt == EPJ_DTYPE_F32 ? 1e-5
+					       : 1e-12;
+	for (int64_t i = 0; i < n; i++) {
+		const double d = ld(p[0], i, dt), g = ld(p[1], i, dt),
+			     u = ld(p[2], i, dt);
+		const double s = 1 / (1 + exp(-g));
+		close_or_fail(ld(p[3], i, dt), g * s * u, t, t, "swiglu", i);
+		close_or_fail(ld(p[4], i, dt), d * u * s * (1 + g * (1 - s)), t,
+			      t, "swiglu dgate", i);
+		close_or_fail(ld(p[5], i, dt), d * g * s, t, t, "swiglu dup",
+			      i);
+	}
+	epj_ctx_free(ctx);
+	for (int i = 0; i < 6; i++)
+		free(b[i]);
+}
+END_TEST
+
+/* The SwiGLU rows of a cuda context: one template launch each way and
+ * nothing else, against the op table's CPU kernels (contiguous and not). */
+START_TEST(test_swiglu_op)
+{
+	const epj_dtype dt = fdt[_i % 3];
+	const bool nc = _i >= 3;
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t sh[2] = { tu_randint(1, 9), 8 * tu_randint(1, 20) + nc };
+	epj_tensor *hc[3], *hs[3];
+	for (int i = 0; i < 3; i++) {
+		hc[i] = tu_randn(cpu, dt, 2, sh);
+		double *v = tu_values(cpu, hc[i]);
+		/* non-contiguous: the transpose of a [sh1, sh0] tensor */
+		double *vt = xmalloc(sizeof *vt * (size_t)(sh[0] * sh[1]));
+		for (int64_t r = 0; r < sh[0]; r++)
+			for (int64_t c = 0; c < sh[1]; c++)
+				vt[c * sh[0] + r] = v[r * sh[1] + c];
+		int64_t tsh[2] = { sh[1], sh[0] };
+		epj_tensor *t = epj_tensor_from_data(
+		    sim, EPJ_DTYPE_F64, 2, nc ? tsh : sh, nc ? vt : v);
+		tu_ok(sim, t);
+		epj_tensor *d = epj_cast(sim, t, dt);
+		tu_ok(sim, d);
+		hs[i] = nc ? epj_transpose(sim, d, 0, 1) : epj_tensor_ref(d);
+		tu_ok(sim, hs[i]);
+		free(v);
+		free(vt);
+		epj_tensor_free(t);
+		epj_tensor_free(d);
+	}
+	const char *const ctr[2] = { "kernels.launched.template",
+				     "kernels.launched.eager_cuda" };
+	int64_t l0[2];
+	for (int i = 0; i < 2; i++)
+		l0[i] = epj_counter_get(sim, ctr[i]);
+	epj_tensor *yc = ej_swiglu(cpu, hc[1], hc[2]);
+	epj_tensor *ys = ej_swiglu(sim, hs[1], hs[2]);
+	tu_ok(cpu, yc);
+	tu_ok(sim, ys);
+	epj_tensor *oc[2], *os[2];
+	ck_assert_int_eq(
+	    ej_dispatch(cpu, EJ_OP_SWIGLU_BACKWARD, hc, 3, NULL, oc, 2),
+	    EPJ_OK);
+	ck_assert_msg(ej_dispatch(sim, EJ_OP_SWIGLU_BACKWARD, hs, 3, NULL, os,
+				  2) == EPJ_OK,
+		      "%s", epj_ctx_error(sim));
+	if (!nc) { /* one kernel each way: no casts, no copies */
+		ck_assert_int_eq(epj_counter_get(sim, ctr[0]) - l0[0], 2);
+		ck_assert_int_eq(epj_counter_get(sim, ctr[1]) - l0[1], 0);
+	}
+	const double t = dt == EPJ_DTYPE_BF16  ? 1e-2
+			 : dt == EPJ_DTYPE_F32 ? 1e-5
+					       : 1e-12;
+	epj_tensor *pc[3] = { yc, oc[0], oc[1] }, *ps[3] = { ys, os[0], os[1] };
+	for (int q = 0; q < 3; q++) {
+		double *a = tu_values(cpu, pc[q]), *b = tu_values(sim, ps[q]);
+		for (int64_t i = 0; i < sh[0] * sh[1]; i++)
+			close_or_fail(b[i], a[i], t, t, "swiglu op", i);
+		free(a);
+		free(b);
+		epj_tensor_free(pc[q]);
+		epj_tensor_free(ps[q]);
+	}
+	for (int i = 0; i < 3; i++) {
+		epj_tensor_free(hc[i]);
+		epj_tensor_free(hs[i]);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
 }
 END_TEST
 
@@ -1156,6 +1278,8 @@ Suite *make_tmpl_moe_suite(void)
 	tcase_set_timeout(tc, 300);
 	tu_add_loop_test(tc, test_route, 36);
 	tcase_add_test(tc, test_sort);
+	tu_add_loop_test(tc, test_swiglu, 24);
+	tu_add_loop_test(tc, test_swiglu_op, 6);
 	tu_add_loop_test(tc, test_permute_combine, 36);
 	tu_add_loop_test(tc, test_embedding, 18);
 	tu_add_loop_test(tc, test_cross_entropy, 9);

@@ -118,6 +118,19 @@ struct ej_moe_combine_args {
 	void *out; /* forward: [N, H] dt; bw_y: dy [R, H] dt; bw_w: dw [N, k] */
 };
 
+/* SwiGLU forward (y = silu(g) u) and backward (dg, du from d, g, u): n
+ * elements of each contiguous buffer, dtype code dt */
+struct ej_swiglu_args {
+	const void *g, *u;
+	const void *d; /* backward: the gradient of y */
+	void *y;       /* forward: y; backward: dg */
+	void *du;      /* backward: du */
+	long long n;
+	int dt;
+	int vec; /* every buffer 16-byte aligned: 16-byte accesses */
+	int i32; /* n and the grid fit 32-bit index math */
+};
+
 struct ej_moe_route_bw_args {
 	const void *probs;    /* [N, E] rdt (ej_moe_route's) */
 	const long long *idx; /* [N, k] */

@@ -37,6 +37,13 @@
  *                    (pos is a permutation: each row written once).
  *  ej_moe_combine_bw_w  dw [N, k] rdt = sum over h of dout[n, h] * y[pos[s],
  *                    h]: one warp per slot, lanes over h, a shuffle tree.
+ *  ej_swiglu_fwd     y = silu(g) * u over n contiguous elements, one pass
+ *                    (lib/ops_moe.c's formula, f32 for bf16, rounded once).
+ *  ej_swiglu_bwd     dg = d u s (1 + g (1 - s)), du = d g s, s = sigmoid(g)
+ *                    recomputed, one pass.  Both: 16-byte vectors (8 bf16,
+ *                    4 f32, 2 f64) grid-stride when every buffer is 16-byte
+ *                    aligned (`vec`), then the tail one element a thread;
+ *                    32-bit index math when `i32`.
  *  ej_moe_route_bw   dlogits [N, E] rdt from dw [N, k] through the optional
  *                    renormalisation (dp_j = (dw_j - sum_m dw_m w~_m) / S)
  *                    and the softmax (dl_i = p_i (dp_i - sum_j p_j dp_j),
@@ -383,4 +390,148 @@ extern "C" __global__ void ej_moe_route_bw(const struct ej_moe_route_bw_args a)
 		else
 			ej_moe_route_bw_tok<float>(a, n, lane);
 	}
+}
+
+/* ---- 16-byte vectors of any float dtype ---------------------------------- */
+
+/* lanes of a 16-byte vector of dtype code DT */
+#define EJ_MOE_LANES(DT) ((DT) == 1 ? 8 : (DT) == 0 ? 4 : 2)
+
+/* the EJ_MOE_LANES(DT) elements of p from element i (16-byte aligned) as A */
+template <int DT, class A>
+static __device__ __forceinline__ void ej_moe_vld(const void *p, long long i,
+						  A *o)
+{
+	if (DT == 1) {
+		float f[8];
+		ej_vld_bf16x8((const ej_bf16 *)p + i, f);
+		for (int q = 0; q < 8; q++)
+			o[q] = (A)f[q];
+	} else if (DT == 0) {
+		float f[4];
+		ej_vld_f32x4((const float *)p + i, f);
+		for (int q = 0; q < 4; q++)
+			o[q] = (A)f[q];
+	} else {
+		double f[2];
+		ej_vld_f64x2((const double *)p + i, f);
+		for (int q = 0; q < 2; q++)
+			o[q] = (A)f[q];
+	}
+}
+
+template <int DT, class A>
+static __device__ __forceinline__ void ej_moe_vst(void *p, long long i,
+						  const A *v)
+{
+	if (DT == 1) {
+		float f[8];
+		for (int q = 0; q < 8; q++)
+			f[q] = (float)v[q];
+		ej_vst_bf16x8((ej_bf16 *)p + i, f);
+	} else if (DT == 0) {
+		float f[4];
+		for (int q = 0; q < 4; q++)
+			f[q] = (float)v[q];
+		ej_vst_f32x4((float *)p + i, f);
+	} else {
+		double f[2];
+		for (int q = 0; q < 2; q++)
+			f[q] = (double)v[q];
+		ej_vst_f64x2((double *)p + i, f);
+	}
+}
+
+/* ---- SwiGLU -------------------------------------------------------------- */
+
+/* y = g / (1 + exp(-g)) * u and its backward, as lib/ops_moe.c writes them
+ * (f32 for f32 and bf16, rounded once to the dtype; f64 for f64) */
+static __device__ __forceinline__ float ej_swiglu_e(float g)
+{
+	return expf(-g);
+}
+static __device__ __forceinline__ double ej_swiglu_e(double g)
+{
+	return exp(-g);
+}
+template <class A> static __device__ __forceinline__ A ej_swiglu_y(A g, A u)
+{
+	return g / ((A)1 + ej_swiglu_e(g)) * u;
+}
+template <class A>
+static __device__ __forceinline__ void ej_swiglu_d(A d, A g, A u, A *dg, A *du)
+{
+	const A s = (A)1 / ((A)1 + ej_swiglu_e(g));
+	*dg = d * u * s * ((A)1 + g * ((A)1 - s));
+	*du = d * g * s;
+}
+
+/* Grid-stride over 16-byte vectors (when a.vec), then the tail (and every
+ * element when not a.vec) one element per thread. */
+template <int DT, class A, class I>
+static __device__ void ej_swiglu_fwd_run(const struct ej_swiglu_args &a)
+{
+	const I V = EJ_MOE_LANES(DT), n = (I)a.n, nv = a.vec ? n / V : 0;
+	const I t0 = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x;
+	const I T = (I)gridDim.x * (I)blockDim.x;
+	for (I v = t0; v < nv; v += T) {
+		A g[8], u[8], y[8];
+		ej_moe_vld<DT>(a.g, v * V, g);
+		ej_moe_vld<DT>(a.u, v * V, u);
+		for (int q = 0; q < V; q++)
+			y[q] = ej_swiglu_y(g[q], u[q]);
+		ej_moe_vst<DT>(a.y, v * V, y);
+	}
+	for (I i = nv * V + t0; i < n; i += T)
+		ej_fst<A>(a.y, i, DT,
+			  ej_swiglu_y(ej_fld<A>(a.g, i, DT),
+				      ej_fld<A>(a.u, i, DT)));
+}
+
+template <int DT, class A, class I>
+static __device__ void ej_swiglu_bwd_run(const struct ej_swiglu_args &a)
+{
+	const I V = EJ_MOE_LANES(DT), n = (I)a.n, nv = a.vec ? n / V : 0;
+	const I t0 = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x;
+	const I T = (I)gridDim.x * (I)blockDim.x;
+	for (I v = t0; v < nv; v += T) {
+		A d[8], g[8], u[8], dg[8], du[8];
+		ej_moe_vld<DT>(a.d, v * V, d);
+		ej_moe_vld<DT>(a.g, v * V, g);
+		ej_moe_vld<DT>(a.u, v * V, u);
+		for (int q = 0; q < V; q++)
+			ej_swiglu_d(d[q], g[q], u[q], &dg[q], &du[q]);
+		ej_moe_vst<DT>(a.y, v * V, dg);
+		ej_moe_vst<DT>(a.du, v * V, du);
+	}
+	for (I i = nv * V + t0; i < n; i += T) {
+		A dg, du;
+		ej_swiglu_d(ej_fld<A>(a.d, i, DT), ej_fld<A>(a.g, i, DT),
+			    ej_fld<A>(a.u, i, DT), &dg, &du);
+		ej_fst<A>(a.y, i, DT, dg);
+		ej_fst<A>(a.du, i, DT, du);
+	}
+}
+
+#define EJ_MOE_BY_DT(a, RUN)                                                   \
+	do {                                                                   \
+		if ((a).dt == 1)                                               \
+			(a).i32 ? RUN<1, float, int>(a)                        \
+				: RUN<1, float, long long>(a);                 \
+		else if ((a).dt == 0)                                          \
+			(a).i32 ? RUN<0, float, int>(a)                        \
+				: RUN<0, float, long long>(a);                 \
+		else                                                           \
+			(a).i32 ? RUN<2, double, int>(a)                       \
+				: RUN<2, double, long long>(a);                \
+	} while (0)
+
+extern "C" __global__ void ej_swiglu_fwd(const struct ej_swiglu_args a)
+{
+	EJ_MOE_BY_DT(a, ej_swiglu_fwd_run);
+}
+
+extern "C" __global__ void ej_swiglu_bwd(const struct ej_swiglu_args a)
+{
+	EJ_MOE_BY_DT(a, ej_swiglu_bwd_run);
 }
