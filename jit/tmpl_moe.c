@@ -174,6 +174,34 @@ static void dev_free(epj_ctx *ctx, ej_tmpl *m, void *p)
 	ej_tmpl_scratch_free(ctx, ej_tmpl_device(m), p);
 }
 
+/* 16-byte accesses need every buffer on a 16-byte boundary */
+static bool aligned16(const void *const *p, int n)
+{
+	for (int i = 0; i < n; i++)
+		if ((uintptr_t)p[i] % 16)
+			return false;
+	return true;
+}
+
+/* 32-bit index math: n and every thread's last index + the grid's threads
+ * stay below 2^31 (grids have at most 65535 blocks of 1024 threads) */
+static bool fits_i32(int64_t n)
+{
+	return n >= 0 && n < ((int64_t)1 << 30);
+}
+
+/* Row kernels (permute, combine and their backward) over rows of h
+ * elements of es bytes: 16-byte vectors when a row is a whole number of
+ * them and every buffer of p[0..n) is aligned (counted: moe.rows.vec16 or
+ * moe.rows.scalar). */
+static bool rows_vec16(epj_ctx *ctx, int64_t h, size_t es, const void *const *p,
+		       int n)
+{
+	bool v = ((uint64_t)h * es) % 16 == 0 && aligned16(p, n);
+	epj_counter_add(ctx, v ? "moe.rows.vec16" : "moe.rows.scalar", 1);
+	return v;
+}
+
 /* ---- MoE ---------------------------------------------------------------- */
 
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
@@ -273,12 +301,29 @@ epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 	epj_status st = get_moe(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	struct ej_moe_permute_args a = { x,  sx0, sx1, (const long long *)order,
-					 k,  R,	  H,   (int)es,
-					 out };
+	const void *vp[2] = { x, out };
+	const int64_t ax0 = sx0 < 0 ? -sx0 : sx0, ax1 = sx1 < 0 ? -sx1 : sx1;
+	struct ej_moe_permute_args a = {
+		.x = x,
+		.sx0 = sx0,
+		.sx1 = sx1,
+		.order = (const long long *)order,
+		.k = k,
+		.R = R,
+		.H = H,
+		.elem = (int)es,
+		.out = out,
+		.vec = sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0 &&
+		       rows_vec16(ctx, H, es, vp, 2),
+		.i32 = fits_i32(R * H) &&
+		       fits_i32((R - 1) / k * ax0 + (H - 1) * ax1 + 1)
+	};
+	if (!(sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0))
+		epj_counter_add(ctx, "moe.rows.scalar", 1);
 	ej_launch_out o = out_of(out, R * H, es);
-	return launch(ctx, m, "ej_moe_permute", clamp_grid(R), row_threads(H),
-		      &a, sizeof a, &o, 1);
+	return launch(ctx, m, "ej_moe_permute", clamp_grid(R),
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
@@ -299,12 +344,23 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
+	const size_t es = ej_dtype_size(dt);
+	const void *vp[2] = { dxs, dx };
 	struct ej_moe_permute_bw_args a = {
-		dxs, (const long long *)pos, N, k, H, dcode(dt), dx
+		.dxs = dxs,
+		.pos = (const long long *)pos,
+		.N = N,
+		.k = k,
+		.H = H,
+		.dt = dcode(dt),
+		.dx = dx,
+		.vec = rows_vec16(ctx, H, es, vp, 2),
+		.i32 = fits_i32(N * k * H),
 	};
-	ej_launch_out o = out_of(dx, N * H, ej_dtype_size(dt));
+	ej_launch_out o = out_of(dx, N * H, es);
 	return launch(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
-		      row_threads(H), &a, sizeof a, &o, 1);
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 static epj_status combine_check(epj_ctx *ctx, const char *what, epj_dtype dt,
@@ -331,15 +387,23 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct ej_moe_combine_args a = {
-		y,    w,	 (const long long *)pos,
-		NULL, N,	 k,
-		H,    dcode(dt), dcode(wdt),
-		out
-	};
-	ej_launch_out o = out_of(out, N * H, ej_dtype_size(dt));
-	return launch(ctx, m, "ej_moe_combine", clamp_grid(N), row_threads(H),
-		      &a, sizeof a, &o, 1);
+	const size_t es = ej_dtype_size(dt);
+	const void *vp[2] = { y, out };
+	struct ej_moe_combine_args a = { .y = y,
+					 .w = w,
+					 .pos = (const long long *)pos,
+					 .N = N,
+					 .k = k,
+					 .H = H,
+					 .dt = dcode(dt),
+					 .wdt = dcode(wdt),
+					 .out = out,
+					 .vec = rows_vec16(ctx, H, es, vp, 2),
+					 .i32 = fits_i32(N * k * H) };
+	ej_launch_out o = out_of(out, N * H, es);
+	return launch(ctx, m, "ej_moe_combine", clamp_grid(N),
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
@@ -357,16 +421,28 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
 	const int64_t R = N * k;
-	struct ej_moe_combine_args a = {
-		y,	    w, (const long long *)pos, dout, N, k, H, dcode(dt),
-		dcode(wdt), dy
-	};
+	const size_t es = ej_dtype_size(dt);
+	struct ej_moe_combine_args a = { .y = y,
+					 .w = w,
+					 .pos = (const long long *)pos,
+					 .dout = dout,
+					 .N = N,
+					 .k = k,
+					 .H = H,
+					 .dt = dcode(dt),
+					 .wdt = dcode(wdt),
+					 .out = dy,
+					 .i32 = fits_i32(R * H) };
 	if (dy && H > 0) {
-		ej_launch_out o = out_of(dy, R * H, ej_dtype_size(dt));
+		const void *vp[2] = { dout, dy };
+		a.vec = rows_vec16(ctx, H, es, vp, 2);
+		ej_launch_out o = out_of(dy, R * H, es);
 		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
-			    row_threads(H), &a, sizeof a, &o, 1);
+			    row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+			    sizeof a, &o, 1);
 	}
 	if (st == EPJ_OK && dw) {
+		a.vec = 0;
 		a.out = dw;
 		ej_launch_out o = out_of(dw, R, ej_dtype_size(wdt));
 		st = launch(ctx, m, "ej_moe_combine_bw_w",
@@ -401,22 +477,6 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 	ej_launch_out o = out_of(dlogits, N * E, ej_dtype_size(rdt));
 	return launch(ctx, m, "ej_moe_route_bw", clamp_grid((N + 3) / 4), 128,
 		      &a, sizeof a, &o, 1);
-}
-
-/* 16-byte accesses need every buffer on a 16-byte boundary */
-static bool aligned16(const void *const *p, int n)
-{
-	for (int i = 0; i < n; i++)
-		if ((uintptr_t)p[i] % 16)
-			return false;
-	return true;
-}
-
-/* 32-bit index math: n and every thread's last index + the grid's threads
- * stay below 2^31 (grids have at most 65535 blocks of 1024 threads) */
-static bool fits_i32(int64_t n)
-{
-	return n >= 0 && n < ((int64_t)1 << 30);
 }
 
 /* One pass over n elements: SwiGLU forward (d NULL: y = silu(g) u) or

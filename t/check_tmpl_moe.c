@@ -382,21 +382,29 @@ static void rand_routing(int64_t N, int E, int k, int64_t *idx)
 		}
 }
 
-static const int64_t pc_H[2] = { 7, 24 };
+/* H 7: rows of 14, 28 or 56 bytes (one element a thread); H 24: whole
+ * 16-byte vectors (the vector kernels), then the same one element off the
+ * 16-byte boundary (one element a thread again); N 150 with k 3: 450 rows,
+ * a sort over several blocks. */
+static const int64_t pc_H[3] = { 7, 24, 24 };
+static const int64_t pc_N[4] = { 1, 7, 33, 150 };
 
 START_TEST(test_permute_combine)
 {
 	int i = _i;
-	const int64_t N = route_N[i % 3];
-	const int E = route_E[(i / 3) % 2];
-	const int64_t H = pc_H[(i / 6) % 2];
-	const epj_dtype dt = fdt[i / 12];
+	const int64_t N = pc_N[i % 4];
+	const int E = route_E[(i / 4) % 2];
+	const int64_t H = pc_H[(i / 8) % 3];
+	const size_t sh = (i / 8) % 3 == 2 ? epj_dtype_size(fdt[i / 24]) : 0;
+	const epj_dtype dt = fdt[i / 24];
 	const epj_dtype wdt =
 	    dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
 	const size_t es = epj_dtype_size(dt), ws = epj_dtype_size(wdt);
 	epj_ctx *ctx = tu_ctx();
-	for (int k = 1; k <= 2; k++) {
-		const int64_t R = N * k, sx0 = H + 3;
+	for (int k = 1; k <= 3; k++) {
+		/* rows of x padded: 16-byte aligned rows when H is 24 */
+		const int64_t R = N * k, sx0 = H % 8 ? H + 3 : H + 8;
+		const int64_t v0 = epj_counter_get(ctx, "moe.rows.vec16");
 		int64_t *idx = xmalloc(sizeof *idx * (size_t)R);
 		rand_routing(N, E, k, idx);
 		int64_t *cnt = xmalloc(sizeof *cnt * (size_t)E);
@@ -407,8 +415,9 @@ START_TEST(test_permute_combine)
 		    ej_tmpl_moe_sort(ctx, DEV, idx, R, E, cnt, off, ord, pos),
 		    EPJ_OK);
 		/* permute from a padded x [N, H] (row stride H + 3) */
-		void *x = rand_buf(dt, N * sx0);
-		void *xs = xmalloc((size_t)(R * H) * es);
+		void *xb = rand_buf(dt, N * sx0 + 1), *x = (char *)xb + sh;
+		void *xsb = xmalloc((size_t)(R * H + 1) * es),
+		     *xs = (char *)xsb + sh;
 		ck_assert_msg(ej_tmpl_moe_permute(ctx, DEV, x, dt, sx0, 1, ord,
 						  k, R, H, xs) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
@@ -422,8 +431,9 @@ START_TEST(test_permute_combine)
 					  ld(x, ord[r] / k * sx0 + h, dt));
 		}
 		/* permute backward */
-		void *dxs = rand_buf(dt, R * H);
-		void *dx = xmalloc((size_t)(N * H) * es);
+		void *dxsb = rand_buf(dt, R * H + 1), *dxs = (char *)dxsb + sh;
+		void *dxb = xmalloc((size_t)(N * H + 1) * es),
+		     *dx = (char *)dxb + sh;
 		ck_assert_msg(ej_tmpl_moe_permute_backward(ctx, DEV, dxs, dt,
 							   pos, N, k, H,
 							   dx) == EPJ_OK,
@@ -439,14 +449,17 @@ START_TEST(test_permute_combine)
 					      "permute backward", n * H + h);
 			}
 		/* combine and its backward */
-		void *y = rand_buf(dt, R * H);
+		void *yb = rand_buf(dt, R * H + 1), *y = (char *)yb + sh;
 		void *w = rand_buf(wdt, R);
-		void *out = xmalloc((size_t)(N * H) * es);
+		void *outb = xmalloc((size_t)(N * H + 1) * es),
+		     *out = (char *)outb + sh;
 		ck_assert_msg(ej_tmpl_moe_combine(ctx, DEV, y, dt, w, wdt, pos,
 						  N, k, H, out) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
-		void *dout = rand_buf(dt, N * H);
-		void *dy = xmalloc((size_t)(R * H) * es);
+		void *doutb = rand_buf(dt, N * H + 1),
+		     *dout = (char *)doutb + sh;
+		void *dyb = xmalloc((size_t)(R * H + 1) * es),
+		     *dy = (char *)dyb + sh;
 		void *dw = xmalloc((size_t)R * ws);
 		ck_assert_msg(ej_tmpl_moe_combine_backward(
 				  ctx, DEV, dout, y, dt, w, wdt, pos, N, k, H,
@@ -482,20 +495,24 @@ START_TEST(test_permute_combine)
 					      1e-5, "combine backward dw", s);
 			}
 		}
+		/* the four row kernels took 16-byte vectors exactly when the
+		 * rows and buffers allow */
+		ck_assert_int_eq(epj_counter_get(ctx, "moe.rows.vec16") - v0,
+				 H % 8 || sh ? 0 : 4);
 		free(idx);
 		free(cnt);
 		free(off);
 		free(ord);
 		free(pos);
-		free(x);
-		free(xs);
-		free(dxs);
-		free(dx);
-		free(y);
+		free(xb);
+		free(xsb);
+		free(dxsb);
+		free(dxb);
+		free(yb);
 		free(w);
-		free(out);
-		free(dout);
-		free(dy);
+		free(outb);
+		free(doutb);
+		free(dyb);
 		free(dw);
 	}
 	epj_ctx_free(ctx);
@@ -1280,7 +1297,7 @@ Suite *make_tmpl_moe_suite(void)
 	tcase_add_test(tc, test_sort);
 	tu_add_loop_test(tc, test_swiglu, 24);
 	tu_add_loop_test(tc, test_swiglu_op, 6);
-	tu_add_loop_test(tc, test_permute_combine, 36);
+	tu_add_loop_test(tc, test_permute_combine, 72);
 	tu_add_loop_test(tc, test_embedding, 18);
 	tu_add_loop_test(tc, test_cross_entropy, 9);
 	tu_add_loop_test(tc, test_optim, 6);

@@ -94,6 +94,8 @@ struct ej_moe_permute_args {
 	long long R, H;
 	int elem;  /* bytes per element: 2, 4 or 8 */
 	void *out; /* [R, H] contiguous */
+	int vec;   /* rows of 16-byte vectors: x, out, rows 16-byte aligned */
+	int i32;   /* every index fits 32-bit math */
 };
 
 struct ej_moe_permute_bw_args {
@@ -104,6 +106,8 @@ struct ej_moe_permute_bw_args {
 	long long H;
 	int dt;
 	void *dx; /* [N, H] contiguous, dtype dt */
+	int vec;  /* H a multiple of the 16-byte lanes, dxs and dx aligned */
+	int i32;  /* every index fits 32-bit math */
 };
 
 struct ej_moe_combine_args {
@@ -116,6 +120,8 @@ struct ej_moe_combine_args {
 	long long H;
 	int dt, wdt;
 	void *out; /* forward: [N, H] dt; bw_y: dy [R, H] dt; bw_w: dw [N, k] */
+	int vec;   /* H a multiple of the 16-byte lanes, rows aligned */
+	int i32;   /* every index fits 32-bit math */
 };
 
 /* SwiGLU forward (y = silu(g) u) and backward (dg, du from d, g, u): n

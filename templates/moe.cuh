@@ -28,6 +28,10 @@
  *                    each thread places its chunk in order.
  *  ej_moe_permute    xs [R, H] = x[order[r] / k] (rows of any stride;
  *                    element size 2, 4 or 8 bytes); block per row.
+ *                    permute, permute_bw, combine and combine_bw_y take
+ *                    16-byte vectors of a row a thread when `vec` (rows of
+ *                    whole vectors, buffers aligned; the lanes sum in the
+ *                    scalar order) and 32-bit index math when `i32`.
  *  ej_moe_permute_bw dx [N, H] = sum over j of dxs[pos[n * k + j]] in j
  *                    order, f32 accumulation (f64 for f64).
  *  ej_moe_combine    out [N, H] = sum over j of w[n, j] * y[pos[n, j]] in rdt
@@ -92,6 +96,70 @@ template <class T> static __device__ __forceinline__ T ej_moe_warp_sum(T v)
 		v += __shfl_xor_sync(0xffffffffu, v, o);
 	return v;
 }
+
+/* ---- 16-byte vectors of any float dtype ---------------------------------- */
+
+/* lanes of a 16-byte vector of dtype code DT */
+#define EJ_MOE_LANES(DT) ((DT) == 1 ? 8 : (DT) == 0 ? 4 : 2)
+
+/* the EJ_MOE_LANES(DT) elements of p from element i (16-byte aligned) as A */
+template <int DT, class A>
+static __device__ __forceinline__ void ej_moe_vld(const void *p, long long i,
+						  A *o)
+{
+	if (DT == 1) {
+		float f[8];
+		ej_vld_bf16x8((const ej_bf16 *)p + i, f);
+		for (int q = 0; q < 8; q++)
+			o[q] = (A)f[q];
+	} else if (DT == 0) {
+		float f[4];
+		ej_vld_f32x4((const float *)p + i, f);
+		for (int q = 0; q < 4; q++)
+			o[q] = (A)f[q];
+	} else {
+		double f[2];
+		ej_vld_f64x2((const double *)p + i, f);
+		for (int q = 0; q < 2; q++)
+			o[q] = (A)f[q];
+	}
+}
+
+template <int DT, class A>
+static __device__ __forceinline__ void ej_moe_vst(void *p, long long i,
+						  const A *v)
+{
+	if (DT == 1) {
+		float f[8];
+		for (int q = 0; q < 8; q++)
+			f[q] = (float)v[q];
+		ej_vst_bf16x8((ej_bf16 *)p + i, f);
+	} else if (DT == 0) {
+		float f[4];
+		for (int q = 0; q < 4; q++)
+			f[q] = (float)v[q];
+		ej_vst_f32x4((float *)p + i, f);
+	} else {
+		double f[2];
+		for (int q = 0; q < 2; q++)
+			f[q] = (double)v[q];
+		ej_vst_f64x2((double *)p + i, f);
+	}
+}
+
+/* the kernel RUN<DT, A, I> for a.dt, with 32-bit indices when a.i32 */
+#define EJ_MOE_BY_DT(a, RUN)                                                   \
+	do {                                                                   \
+		if ((a).dt == 1)                                               \
+			(a).i32 ? RUN<1, float, int>(a)                        \
+				: RUN<1, float, long long>(a);                 \
+		else if ((a).dt == 0)                                          \
+			(a).i32 ? RUN<0, float, int>(a)                        \
+				: RUN<0, float, long long>(a);                 \
+		else                                                           \
+			(a).i32 ? RUN<2, double, int>(a)                       \
+				: RUN<2, double, long long>(a);                \
+	} while (0)
 
 /* ---- router -------------------------------------------------------------- */
 
@@ -227,14 +295,42 @@ extern "C" __global__ void ej_moe_sort(const struct ej_moe_sort_args a)
 
 /* ---- permute / unpermute ------------------------------------------------- */
 
+/* rows as 16-byte vectors, whatever the dtype: hv vectors a row */
+template <class I>
+static __device__ void ej_moe_permute_v16(const struct ej_moe_permute_args &a)
+{
+	const I hv = (I)(a.H * a.elem / 16), sv = (I)(a.sx0 * a.elem / 16);
+	const I R = (I)a.R, k = (I)a.k;
+	const uint4 *x = (const uint4 *)a.x;
+	uint4 *o = (uint4 *)a.out;
+	for (I r = (I)blockIdx.x; r < R; r += (I)gridDim.x) {
+		const I n = (I)a.order[r] / k;
+		for (I h = (I)threadIdx.x; h < hv; h += (I)blockDim.x)
+			o[r * hv + h] = x[n * sv + h];
+	}
+}
+
+template <class I>
+static __device__ void ej_moe_permute_el(const struct ej_moe_permute_args &a)
+{
+	const I H = (I)a.H, R = (I)a.R, k = (I)a.k;
+	const I sx0 = (I)a.sx0, sx1 = (I)a.sx1;
+	for (I r = (I)blockIdx.x; r < R; r += (I)gridDim.x) {
+		const I n = (I)a.order[r] / k;
+		for (I h = (I)threadIdx.x; h < H; h += (I)blockDim.x)
+			ej_copy_bits(a.out, r * H + h, a.x, n * sx0 + h * sx1,
+				     a.elem);
+	}
+}
+
 extern "C" __global__ void ej_moe_permute(const struct ej_moe_permute_args a)
 {
-	for (long long r = blockIdx.x; r < a.R; r += gridDim.x) {
-		const long long n = a.order[r] / a.k;
-		for (long long h = threadIdx.x; h < a.H; h += blockDim.x)
-			ej_copy_bits(a.out, r * a.H + h, a.x,
-				    n * a.sx0 + h * a.sx1, a.elem);
-	}
+	if (a.vec)
+		a.i32 ? ej_moe_permute_v16<int>(a)
+		      : ej_moe_permute_v16<long long>(a);
+	else
+		a.i32 ? ej_moe_permute_el<int>(a)
+		      : ej_moe_permute_el<long long>(a);
 }
 
 template <class A>
@@ -250,9 +346,35 @@ static __device__ void ej_moe_permute_bw_row(
 	}
 }
 
+/* 16-byte vectors of the row: V lanes a thread */
+template <int DT, class A, class I>
+static __device__ void ej_moe_permute_bw_v16(
+    const struct ej_moe_permute_bw_args &a)
+{
+	const I V = EJ_MOE_LANES(DT), H = (I)a.H, hv = H / V, k = (I)a.k;
+	for (I n = (I)blockIdx.x; n < (I)a.N; n += (I)gridDim.x)
+		for (I h = (I)threadIdx.x; h < hv; h += (I)blockDim.x) {
+			A acc[8], v[8];
+			for (int q = 0; q < V; q++)
+				acc[q] = (A)0;
+			for (I j = 0; j < k; j++) {
+				ej_moe_vld<DT>(a.dxs,
+					       (I)a.pos[n * k + j] * H + h * V,
+					       v);
+				for (int q = 0; q < V; q++)
+					acc[q] += v[q];
+			}
+			ej_moe_vst<DT>(a.dx, n * H + h * V, acc);
+		}
+}
+
 extern "C" __global__ void
 ej_moe_permute_bw(const struct ej_moe_permute_bw_args a)
 {
+	if (a.vec) {
+		EJ_MOE_BY_DT(a, ej_moe_permute_bw_v16);
+		return;
+	}
 	for (long long n = blockIdx.x; n < a.N; n += gridDim.x) {
 		if (a.dt == 2)
 			ej_moe_permute_bw_row<double>(a, n);
@@ -279,8 +401,81 @@ static __device__ void ej_moe_combine_row(const struct ej_moe_combine_args &a,
 	}
 }
 
+/* 16-byte vectors of the row: V lanes a thread, each lane's sum as the
+ * scalar kernel adds it (same order, same rounding) */
+template <int DT, class A, class I>
+static __device__ void ej_moe_combine_v16(const struct ej_moe_combine_args &a)
+{
+	const I V = EJ_MOE_LANES(DT), H = (I)a.H, hv = H / V, k = (I)a.k;
+	for (I n = (I)blockIdx.x; n < (I)a.N; n += (I)gridDim.x)
+		for (I h = (I)threadIdx.x; h < hv; h += (I)blockDim.x) {
+			A acc[8], v[8];
+			for (int q = 0; q < V; q++)
+				acc[q] = (A)0;
+			for (I j = 0; j < k; j++) {
+				const I s = n * k + j;
+				const A wj = ((const A *)a.w)[s];
+				ej_moe_vld<DT>(a.y, (I)a.pos[s] * H + h * V,
+					       v);
+				for (int q = 0; q < V; q++)
+					acc[q] += ej_mul(v[q], wj);
+			}
+			ej_moe_vst<DT>(a.out, n * H + h * V, acc);
+		}
+}
+
+/* slot s's row: dy[pos[s]] = w[s] * dout[s / k], 16-byte vectors */
+template <int DT, class A, class I>
+static __device__ void ej_moe_combine_bw_y_v16(
+    const struct ej_moe_combine_args &a)
+{
+	const I V = EJ_MOE_LANES(DT), H = (I)a.H, hv = H / V, k = (I)a.k;
+	const I S = (I)a.N * k;
+	for (I s = (I)blockIdx.x; s < S; s += (I)gridDim.x) {
+		const I r = (I)a.pos[s], n = s / k;
+		const A ws = ((const A *)a.w)[s];
+		for (I h = (I)threadIdx.x; h < hv; h += (I)blockDim.x) {
+			A v[8];
+			ej_moe_vld<DT>(a.dout, n * H + h * V, v);
+			for (int q = 0; q < V; q++)
+				v[q] = ej_mul(v[q], ws);
+			ej_moe_vst<DT>(a.out, r * H + h * V, v);
+		}
+	}
+}
+
+/* the vector kernel RUN for the layer dtype a.dt and the weights' a.wdt */
+#define EJ_MOE_BY_DT_W(a, RUN)                                                 \
+	do {                                                                   \
+		if ((a).wdt == 2) {                                            \
+			if ((a).dt == 1)                                       \
+				(a).i32 ? RUN<1, double, int>(a)               \
+					: RUN<1, double, long long>(a);        \
+			else if ((a).dt == 0)                                  \
+				(a).i32 ? RUN<0, double, int>(a)               \
+					: RUN<0, double, long long>(a);        \
+			else                                                   \
+				(a).i32 ? RUN<2, double, int>(a)               \
+					: RUN<2, double, long long>(a);        \
+		} else {                                                       \
+			if ((a).dt == 1)                                       \
+				(a).i32 ? RUN<1, float, int>(a)                \
+					: RUN<1, float, long long>(a);         \
+			else if ((a).dt == 0)                                  \
+				(a).i32 ? RUN<0, float, int>(a)                \
+					: RUN<0, float, long long>(a);         \
+			else                                                   \
+				(a).i32 ? RUN<2, float, int>(a)                \
+					: RUN<2, float, long long>(a);         \
+		}                                                              \
+	} while (0)
+
 extern "C" __global__ void ej_moe_combine(const struct ej_moe_combine_args a)
 {
+	if (a.vec) {
+		EJ_MOE_BY_DT_W(a, ej_moe_combine_v16);
+		return;
+	}
 	for (long long n = blockIdx.x; n < a.N; n += gridDim.x) {
 		if (a.wdt == 2)
 			ej_moe_combine_row<double>(a, n);
@@ -304,6 +499,10 @@ static __device__ void ej_moe_combine_bw_y_slot(
 extern "C" __global__ void
 ej_moe_combine_bw_y(const struct ej_moe_combine_args a)
 {
+	if (a.vec) {
+		EJ_MOE_BY_DT_W(a, ej_moe_combine_bw_y_v16);
+		return;
+	}
 	const long long S = a.N * a.k;
 	for (long long s = blockIdx.x; s < S; s += gridDim.x) {
 		if (a.wdt == 2)
@@ -392,56 +591,6 @@ extern "C" __global__ void ej_moe_route_bw(const struct ej_moe_route_bw_args a)
 	}
 }
 
-/* ---- 16-byte vectors of any float dtype ---------------------------------- */
-
-/* lanes of a 16-byte vector of dtype code DT */
-#define EJ_MOE_LANES(DT) ((DT) == 1 ? 8 : (DT) == 0 ? 4 : 2)
-
-/* the EJ_MOE_LANES(DT) elements of p from element i (16-byte aligned) as A */
-template <int DT, class A>
-static __device__ __forceinline__ void ej_moe_vld(const void *p, long long i,
-						  A *o)
-{
-	if (DT == 1) {
-		float f[8];
-		ej_vld_bf16x8((const ej_bf16 *)p + i, f);
-		for (int q = 0; q < 8; q++)
-			o[q] = (A)f[q];
-	} else if (DT == 0) {
-		float f[4];
-		ej_vld_f32x4((const float *)p + i, f);
-		for (int q = 0; q < 4; q++)
-			o[q] = (A)f[q];
-	} else {
-		double f[2];
-		ej_vld_f64x2((const double *)p + i, f);
-		for (int q = 0; q < 2; q++)
-			o[q] = (A)f[q];
-	}
-}
-
-template <int DT, class A>
-static __device__ __forceinline__ void ej_moe_vst(void *p, long long i,
-						  const A *v)
-{
-	if (DT == 1) {
-		float f[8];
-		for (int q = 0; q < 8; q++)
-			f[q] = (float)v[q];
-		ej_vst_bf16x8((ej_bf16 *)p + i, f);
-	} else if (DT == 0) {
-		float f[4];
-		for (int q = 0; q < 4; q++)
-			f[q] = (float)v[q];
-		ej_vst_f32x4((float *)p + i, f);
-	} else {
-		double f[2];
-		for (int q = 0; q < 2; q++)
-			f[q] = (double)v[q];
-		ej_vst_f64x2((double *)p + i, f);
-	}
-}
-
 /* ---- SwiGLU -------------------------------------------------------------- */
 
 /* y = g / (1 + exp(-g)) * u and its backward, as lib/ops_moe.c writes them
@@ -513,18 +662,6 @@ static __device__ void ej_swiglu_bwd_run(const struct ej_swiglu_args &a)
 	}
 }
 
-#define EJ_MOE_BY_DT(a, RUN)                                                   \
-	do {                                                                   \
-		if ((a).dt == 1)                                               \
-			(a).i32 ? RUN<1, float, int>(a)                        \
-				: RUN<1, float, long long>(a);                 \
-		else if ((a).dt == 0)                                          \
-			(a).i32 ? RUN<0, float, int>(a)                        \
-				: RUN<0, float, long long>(a);                 \
-		else                                                           \
-			(a).i32 ? RUN<2, double, int>(a)                       \
-				: RUN<2, double, long long>(a);                \
-	} while (0)
 
 extern "C" __global__ void ej_swiglu_fwd(const struct ej_swiglu_args a)
 {
