@@ -26,7 +26,9 @@
 
 static const ej_tmpl_kernel moe_kernels[] = {
 	{ "ej_moe_route", "struct ej_moe_route_args" },
-	{ "ej_moe_sort", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_count", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_scan", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_scatter", "struct ej_moe_sort_args" },
 	{ "ej_moe_permute", "struct ej_moe_permute_args" },
 	{ "ej_moe_permute_bw", "struct ej_moe_permute_bw_args" },
 	{ "ej_moe_combine", "struct ej_moe_combine_args" },
@@ -204,6 +206,9 @@ static bool rows_vec16(epj_ctx *ctx, int64_t h, size_t es, const void *const *p,
 
 /* ---- MoE ---------------------------------------------------------------- */
 
+/* keys per block of the sort (EJ_MOE_SORT_T of templates/moe.cuh) */
+#define MOE_SORT_T 256
+
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 			     const void *logits, epj_dtype ldt, int64_t sl0,
 			     int64_t sl1, int64_t N, int E, int k, bool norm,
@@ -258,24 +263,40 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 	epj_status st = get_moe(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	/* fewer threads for few keys; each holds a row of B counts */
-	unsigned T = row_threads(n);
+	/* blocks of MOE_SORT_T keys; per block and key a count and a base */
+	const int64_t G = (n + MOE_SORT_T - 1) / MOE_SORT_T, GB = G * B;
 	long long *scratch =
-	    dev_alloc(ctx, m, sizeof(long long) * T * (size_t)B, "moe sort");
+	    dev_alloc(ctx, m, sizeof(long long) * 2 * (size_t)GB, "moe sort");
 	if (!scratch)
 		return EPJ_ERR_NOMEM;
-	struct ej_moe_sort_args a = { (const long long *)key,
-				      n,
-				      B,
-				      (long long *)counts,
-				      (long long *)offsets,
-				      (long long *)order,
-				      (long long *)pos,
-				      scratch };
-	ej_launch_out o[4] = { out_of(counts, B, 8), out_of(offsets, B + 1, 8),
-			       out_of(order, n, 8), out_of(pos, n, 8) };
-	st =
-	    launch(ctx, m, "ej_moe_sort", 1, T, &a, sizeof a, o, n > 0 ? 4 : 2);
+	struct ej_moe_sort_args a = { .key = (const long long *)key,
+				      .n = n,
+				      .B = B,
+				      .counts = (long long *)counts,
+				      .offsets = (long long *)offsets,
+				      .order = (long long *)order,
+				      .pos = (long long *)pos,
+				      .scratch = scratch,
+				      .base = scratch + GB,
+				      .G = G };
+	epj_counter_add(ctx, "moe.sort.blocks", G);
+	if (G > 0) {
+		ej_launch_out o = out_of(a.scratch, GB, 8);
+		st = launch(ctx, m, "ej_moe_sort_count", clamp_grid(G),
+			    MOE_SORT_T, &a, sizeof a, &o, 1);
+	}
+	if (st == EPJ_OK) {
+		ej_launch_out o[3] = { out_of(counts, B, 8),
+				       out_of(offsets, B + 1, 8),
+				       out_of(a.base, GB, 8) };
+		st = launch(ctx, m, "ej_moe_sort_scan", 1, row_threads(B), &a,
+			    sizeof a, o, G > 0 ? 3 : 2);
+	}
+	if (st == EPJ_OK && G > 0) {
+		ej_launch_out o[2] = { out_of(order, n, 8), out_of(pos, n, 8) };
+		st = launch(ctx, m, "ej_moe_sort_scatter", clamp_grid(G),
+			    MOE_SORT_T, &a, sizeof a, o, 2);
+	}
 	dev_free(ctx, m, scratch);
 	return st;
 }

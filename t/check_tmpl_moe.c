@@ -322,9 +322,11 @@ END_TEST
 START_TEST(test_sort)
 {
 	epj_ctx *ctx = tu_ctx();
-	static const int64_t ns[] = { 1, 14, 66, 777 };
+	/* 0 keys; one block of 256; several blocks (4, 20), the last
+	 * partial */
+	static const int64_t ns[] = { 0, 1, 14, 66, 777, 5000 };
 	static const int Bs[] = { 1, 3, 8, 37 };
-	for (int a = 0; a < 4; a++)
+	for (int a = 0; a < 6; a++)
 		for (int b = 0; b < 4; b++) {
 			const int64_t n = ns[a];
 			const int B = Bs[b];
@@ -337,9 +339,15 @@ START_TEST(test_sort)
 			int64_t *off = xmalloc(sizeof *off * (size_t)(B + 1));
 			int64_t *ord = xmalloc(sizeof *ord * (size_t)n);
 			int64_t *pos = xmalloc(sizeof *pos * (size_t)n);
+			const int64_t b0 =
+			    epj_counter_get(ctx, "moe.sort.blocks");
 			ck_assert_msg(ej_tmpl_moe_sort(ctx, DEV, key, n, B, cnt,
 						       off, ord, pos) == EPJ_OK,
 				      "%s", epj_ctx_error(ctx));
+			/* one block per 256 keys ran */
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "moe.sort.blocks") - b0,
+			    (n + 255) / 256);
 			int64_t r = 0;
 			for (int e = 0; e < B; e++) {
 				int64_t c = 0;

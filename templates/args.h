@@ -83,7 +83,9 @@ struct ej_moe_sort_args {
 	long long *offsets; /* [B + 1] */
 	long long *order;   /* [n] */
 	long long *pos;	    /* [n] */
-	long long *scratch; /* [blockDim.x * B] */
+	long long *scratch; /* [G * B]: each block's count of each key */
+	long long *base;    /* [G * B]: the counts of the blocks before it */
+	long long G;	    /* blocks of EJ_MOE_SORT_T keys each */
 };
 
 struct ej_moe_permute_args {

@@ -19,13 +19,17 @@
  *                    `fixed`, the experts are (n k + j) % E instead
  *                    (expert_parallel.fixed_routing), weighted the same.
  *                    k <= EJ_MOE_MAX_K.  Logits have any row/column strides.
- *  ej_moe_sort       ONE block: stable counting sort of n keys in [0, B):
- *                    counts [B], offsets [B + 1] (exclusive scan), order [n]
- *                    (order[r] = the key position at sorted row r, positions
- *                    of one key ascending) and pos [n] (its inverse).  Each
- *                    thread counts a contiguous chunk into its own row of
- *                    the scratch [blockDim.x * B], columns are scanned, and
- *                    each thread places its chunk in order.
+ *  ej_moe_sort_*     stable counting sort of n keys in [0, B) over blocks of
+ *                    EJ_MOE_SORT_T keys, one a thread: _count writes each
+ *                    block's count of each key (a thread's rank among the
+ *                    equal keys before it in the block, from shared
+ *                    memory; the key's last writes the count), _scan (one
+ *                    block) the counts of the blocks before each block per
+ *                    key, counts [B] and offsets [B + 1] (exclusive scan),
+ *                    _scatter puts each key at offsets + the blocks before
+ *                    + its rank: order [n] (order[r] = the key position at
+ *                    sorted row r, positions of one key ascending) and pos
+ *                    [n] (its inverse).
  *  ej_moe_permute    xs [R, H] = x[order[r] / k] (rows of any stride;
  *                    element size 2, 4 or 8 bytes); block per row.
  *                    permute, permute_bw, combine and combine_bw_y take
@@ -253,43 +257,86 @@ extern "C" __global__ void ej_moe_route(const struct ej_moe_route_args a)
 
 /* ---- stable counting sort ------------------------------------------------ */
 
-extern "C" __global__ void ej_moe_sort(const struct ej_moe_sort_args a)
+/* keys a block of the sort takes: one a thread */
+#define EJ_MOE_SORT_T 256
+
+/* Block b's keys into k[] (key -1 past n); each thread's key, its rank
+ * among the equal keys before it in the block and how many the block has. */
+static __device__ __forceinline__ long long
+ej_moe_sort_rank(const struct ej_moe_sort_args &a, long long b, long long *k,
+		 int *rank, int *tot)
 {
-	const long long T = blockDim.x, t = threadIdx.x, B = a.B;
-	const long long chunk = (a.n + T - 1) / T;
-	const long long lo = t * chunk < a.n ? t * chunk : a.n;
-	const long long hi = lo + chunk < a.n ? lo + chunk : a.n;
-	long long *mine = a.scratch + t * B;
-	for (long long e = 0; e < B; e++)
-		mine[e] = 0;
-	for (long long i = lo; i < hi; i++)
-		mine[a.key[i]]++;
+	const int t = threadIdx.x;
+	const long long i = b * EJ_MOE_SORT_T + t;
+	const long long key = i < a.n ? a.key[i] : -1;
+	k[t] = key;
 	__syncthreads();
-	/* column e: thread rows' exclusive prefix, total in counts[e] */
-	for (long long e = t; e < B; e += T) {
+	int r = 0, c = 0;
+	for (int j = 0; j < EJ_MOE_SORT_T; j++)
+		if (k[j] == key) {
+			c++;
+			r += j < t;
+		}
+	*rank = r;
+	*tot = c;
+	return key;
+}
+
+/* scratch[b, e] = how many of block b's keys are e */
+extern "C" __global__ void ej_moe_sort_count(const struct ej_moe_sort_args a)
+{
+	__shared__ long long k[EJ_MOE_SORT_T];
+	for (long long b = blockIdx.x; b < a.G; b += gridDim.x) {
+		for (long long e = threadIdx.x; e < a.B; e += blockDim.x)
+			a.scratch[b * a.B + e] = 0;
+		int rank, tot;
+		const long long key = ej_moe_sort_rank(a, b, k, &rank, &tot);
+		if (key >= 0 && rank == tot - 1) /* the key's last in b */
+			a.scratch[b * a.B + key] = tot;
+		__syncthreads();
+	}
+}
+
+/* One block: base[b, e] = the keys e of blocks before b, counts[e] their
+ * total, offsets the exclusive scan of the counts. */
+extern "C" __global__ void ej_moe_sort_scan(const struct ej_moe_sort_args a)
+{
+	for (long long e = threadIdx.x; e < a.B; e += blockDim.x) {
 		long long run = 0;
-		for (long long r = 0; r < T; r++) {
-			long long c = a.scratch[r * B + e];
-			a.scratch[r * B + e] = run;
-			run += c;
+		for (long long b = 0; b < a.G; b++) {
+			a.base[b * a.B + e] = run;
+			run += a.scratch[b * a.B + e];
 		}
 		a.counts[e] = run;
 	}
 	__syncthreads();
-	if (t == 0) {
+	if (threadIdx.x == 0) {
 		long long run = 0;
-		for (long long e = 0; e < B; e++) {
+		for (long long e = 0; e < a.B; e++) {
 			a.offsets[e] = run;
 			run += a.counts[e];
 		}
-		a.offsets[B] = run;
+		a.offsets[a.B] = run;
 	}
-	__syncthreads();
-	for (long long i = lo; i < hi; i++) {
-		long long e = a.key[i];
-		long long r = a.offsets[e] + mine[e]++;
-		a.order[r] = i;
-		a.pos[i] = r;
+}
+
+/* key i of block b goes to row offsets[e] + base[b, e] + its rank in b:
+ * equal keys in position order (stable) */
+extern "C" __global__ void
+ej_moe_sort_scatter(const struct ej_moe_sort_args a)
+{
+	__shared__ long long k[EJ_MOE_SORT_T];
+	for (long long b = blockIdx.x; b < a.G; b += gridDim.x) {
+		int rank, tot;
+		const long long key = ej_moe_sort_rank(a, b, k, &rank, &tot);
+		if (key >= 0) {
+			const long long i = b * EJ_MOE_SORT_T + threadIdx.x;
+			const long long r =
+			    a.offsets[key] + a.base[b * a.B + key] + rank;
+			a.order[r] = i;
+			a.pos[i] = r;
+		}
+		__syncthreads();
 	}
 }
 
