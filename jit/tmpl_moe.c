@@ -193,13 +193,13 @@ static bool fits_i32(int64_t n)
 }
 
 /* Row kernels (permute, combine and their backward) over rows of h
- * elements of es bytes: 16-byte vectors when a row is a whole number of
- * them and every buffer of p[0..n) is aligned (counted: moe.rows.vec16 or
- * moe.rows.scalar). */
-static bool rows_vec16(epj_ctx *ctx, int64_t h, size_t es, const void *const *p,
-		       int n)
+ * elements of es bytes: 16-byte vectors when `ok` (what else the kernel
+ * needs), a row is a whole number of them and every buffer of p[0..n) is
+ * aligned (counted: moe.rows.vec16 or moe.rows.scalar). */
+static bool rows_vec16(epj_ctx *ctx, bool ok, int64_t h, size_t es,
+		       const void *const *p, int n)
 {
-	bool v = ((uint64_t)h * es) % 16 == 0 && aligned16(p, n);
+	bool v = ok && ((uint64_t)h * es) % 16 == 0 && aligned16(p, n);
 	epj_counter_add(ctx, v ? "moe.rows.vec16" : "moe.rows.scalar", 1);
 	return v;
 }
@@ -334,13 +334,13 @@ epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 		.H = H,
 		.elem = (int)es,
 		.out = out,
-		.vec = sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0 &&
-		       rows_vec16(ctx, H, es, vp, 2),
+		/* source rows on 16-byte boundaries too */
+		.vec =
+		    rows_vec16(ctx, sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0,
+			       H, es, vp, 2),
 		.i32 = fits_i32(R * H) &&
 		       fits_i32((R - 1) / k * ax0 + (H - 1) * ax1 + 1)
 	};
-	if (!(sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0))
-		epj_counter_add(ctx, "moe.rows.scalar", 1);
 	ej_launch_out o = out_of(out, R * H, es);
 	return launch(ctx, m, "ej_moe_permute", clamp_grid(R),
 		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
@@ -375,7 +375,7 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 		.H = H,
 		.dt = dcode(dt),
 		.dx = dx,
-		.vec = rows_vec16(ctx, H, es, vp, 2),
+		.vec = rows_vec16(ctx, true, H, es, vp, 2),
 		.i32 = fits_i32(N * k * H),
 	};
 	ej_launch_out o = out_of(dx, N * H, es);
@@ -419,7 +419,8 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 					 .dt = dcode(dt),
 					 .wdt = dcode(wdt),
 					 .out = out,
-					 .vec = rows_vec16(ctx, H, es, vp, 2),
+					 .vec = rows_vec16(ctx, true, H, es, vp,
+							   2),
 					 .i32 = fits_i32(N * k * H) };
 	ej_launch_out o = out_of(out, N * H, es);
 	return launch(ctx, m, "ej_moe_combine", clamp_grid(N),
@@ -456,7 +457,7 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 					 .i32 = fits_i32(R * H) };
 	if (dy && H > 0) {
 		const void *vp[2] = { dout, dy };
-		a.vec = rows_vec16(ctx, H, es, vp, 2);
+		a.vec = rows_vec16(ctx, true, H, es, vp, 2);
 		ej_launch_out o = out_of(dy, R * H, es);
 		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
 			    row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
