@@ -26,13 +26,17 @@
 
 static const ej_tmpl_kernel moe_kernels[] = {
 	{ "ej_moe_route", "struct ej_moe_route_args" },
-	{ "ej_moe_sort", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_count", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_scan", "struct ej_moe_sort_args" },
+	{ "ej_moe_sort_scatter", "struct ej_moe_sort_args" },
 	{ "ej_moe_permute", "struct ej_moe_permute_args" },
 	{ "ej_moe_permute_bw", "struct ej_moe_permute_bw_args" },
 	{ "ej_moe_combine", "struct ej_moe_combine_args" },
 	{ "ej_moe_combine_bw_y", "struct ej_moe_combine_args" },
 	{ "ej_moe_combine_bw_w", "struct ej_moe_combine_args" },
 	{ "ej_moe_route_bw", "struct ej_moe_route_bw_args" },
+	{ "ej_swiglu_fwd", "struct ej_swiglu_args" },
+	{ "ej_swiglu_bwd", "struct ej_swiglu_args" },
 };
 static const ej_tmpl_kernel embed_kernels[] = {
 	{ "ej_embed_fwd", "struct ej_embed_args" },
@@ -172,7 +176,38 @@ static void dev_free(epj_ctx *ctx, ej_tmpl *m, void *p)
 	ej_tmpl_scratch_free(ctx, ej_tmpl_device(m), p);
 }
 
+/* 16-byte accesses need every buffer on a 16-byte boundary */
+static bool aligned16(const void *const *p, int n)
+{
+	for (int i = 0; i < n; i++)
+		if ((uintptr_t)p[i] % 16)
+			return false;
+	return true;
+}
+
+/* 32-bit index math: n and every thread's last index + the grid's threads
+ * stay below 2^31 (grids have at most 65535 blocks of 1024 threads) */
+static bool fits_i32(int64_t n)
+{
+	return n >= 0 && n < ((int64_t)1 << 30);
+}
+
+/* Row kernels (permute, combine and their backward) over rows of h
+ * elements of es bytes: 16-byte vectors when `ok` (what else the kernel
+ * needs), a row is a whole number of them and every buffer of p[0..n) is
+ * aligned (counted: moe.rows.vec16 or moe.rows.scalar). */
+static bool rows_vec16(epj_ctx *ctx, bool ok, int64_t h, size_t es,
+		       const void *const *p, int n)
+{
+	bool v = ok && ((uint64_t)h * es) % 16 == 0 && aligned16(p, n);
+	epj_counter_add(ctx, v ? "moe.rows.vec16" : "moe.rows.scalar", 1);
+	return v;
+}
+
 /* ---- MoE ---------------------------------------------------------------- */
+
+/* keys per block of the sort (EJ_MOE_SORT_T of templates/moe.cuh) */
+#define MOE_SORT_T 256
 
 epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 			     const void *logits, epj_dtype ldt, int64_t sl0,
@@ -228,24 +263,40 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 	epj_status st = get_moe(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	/* fewer threads for few keys; each holds a row of B counts */
-	unsigned T = row_threads(n);
+	/* blocks of MOE_SORT_T keys; per block and key a count and a base */
+	const int64_t G = (n + MOE_SORT_T - 1) / MOE_SORT_T, GB = G * B;
 	long long *scratch =
-	    dev_alloc(ctx, m, sizeof(long long) * T * (size_t)B, "moe sort");
+	    dev_alloc(ctx, m, sizeof(long long) * 2 * (size_t)GB, "moe sort");
 	if (!scratch)
 		return EPJ_ERR_NOMEM;
-	struct ej_moe_sort_args a = { (const long long *)key,
-				      n,
-				      B,
-				      (long long *)counts,
-				      (long long *)offsets,
-				      (long long *)order,
-				      (long long *)pos,
-				      scratch };
-	ej_launch_out o[4] = { out_of(counts, B, 8), out_of(offsets, B + 1, 8),
-			       out_of(order, n, 8), out_of(pos, n, 8) };
-	st =
-	    launch(ctx, m, "ej_moe_sort", 1, T, &a, sizeof a, o, n > 0 ? 4 : 2);
+	struct ej_moe_sort_args a = { .key = (const long long *)key,
+				      .n = n,
+				      .B = B,
+				      .counts = (long long *)counts,
+				      .offsets = (long long *)offsets,
+				      .order = (long long *)order,
+				      .pos = (long long *)pos,
+				      .scratch = scratch,
+				      .base = scratch + GB,
+				      .G = G };
+	epj_counter_add(ctx, "moe.sort.blocks", G);
+	if (G > 0) {
+		ej_launch_out o = out_of(a.scratch, GB, 8);
+		st = launch(ctx, m, "ej_moe_sort_count", clamp_grid(G),
+			    MOE_SORT_T, &a, sizeof a, &o, 1);
+	}
+	if (st == EPJ_OK) {
+		ej_launch_out o[3] = { out_of(counts, B, 8),
+				       out_of(offsets, B + 1, 8),
+				       out_of(a.base, GB, 8) };
+		st = launch(ctx, m, "ej_moe_sort_scan", 1, row_threads(B), &a,
+			    sizeof a, o, G > 0 ? 3 : 2);
+	}
+	if (st == EPJ_OK && G > 0) {
+		ej_launch_out o[2] = { out_of(order, n, 8), out_of(pos, n, 8) };
+		st = launch(ctx, m, "ej_moe_sort_scatter", clamp_grid(G),
+			    MOE_SORT_T, &a, sizeof a, o, 2);
+	}
 	dev_free(ctx, m, scratch);
 	return st;
 }
@@ -271,12 +322,29 @@ epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 	epj_status st = get_moe(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	struct ej_moe_permute_args a = { x,  sx0, sx1, (const long long *)order,
-					 k,  R,	  H,   (int)es,
-					 out };
+	const void *vp[2] = { x, out };
+	const int64_t ax0 = sx0 < 0 ? -sx0 : sx0, ax1 = sx1 < 0 ? -sx1 : sx1;
+	struct ej_moe_permute_args a = {
+		.x = x,
+		.sx0 = sx0,
+		.sx1 = sx1,
+		.order = (const long long *)order,
+		.k = k,
+		.R = R,
+		.H = H,
+		.elem = (int)es,
+		.out = out,
+		/* source rows on 16-byte boundaries too */
+		.vec =
+		    rows_vec16(ctx, sx1 == 1 && (sx0 * (int64_t)es) % 16 == 0,
+			       H, es, vp, 2),
+		.i32 = fits_i32(R * H) &&
+		       fits_i32((R - 1) / k * ax0 + (H - 1) * ax1 + 1)
+	};
 	ej_launch_out o = out_of(out, R * H, es);
-	return launch(ctx, m, "ej_moe_permute", clamp_grid(R), row_threads(H),
-		      &a, sizeof a, &o, 1);
+	return launch(ctx, m, "ej_moe_permute", clamp_grid(R),
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
@@ -297,12 +365,23 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
+	const size_t es = ej_dtype_size(dt);
+	const void *vp[2] = { dxs, dx };
 	struct ej_moe_permute_bw_args a = {
-		dxs, (const long long *)pos, N, k, H, dcode(dt), dx
+		.dxs = dxs,
+		.pos = (const long long *)pos,
+		.N = N,
+		.k = k,
+		.H = H,
+		.dt = dcode(dt),
+		.dx = dx,
+		.vec = rows_vec16(ctx, true, H, es, vp, 2),
+		.i32 = fits_i32(N * k * H),
 	};
-	ej_launch_out o = out_of(dx, N * H, ej_dtype_size(dt));
+	ej_launch_out o = out_of(dx, N * H, es);
 	return launch(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
-		      row_threads(H), &a, sizeof a, &o, 1);
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 static epj_status combine_check(epj_ctx *ctx, const char *what, epj_dtype dt,
@@ -329,15 +408,24 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 	ej_tmpl *m;
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct ej_moe_combine_args a = {
-		y,    w,	 (const long long *)pos,
-		NULL, N,	 k,
-		H,    dcode(dt), dcode(wdt),
-		out
-	};
-	ej_launch_out o = out_of(out, N * H, ej_dtype_size(dt));
-	return launch(ctx, m, "ej_moe_combine", clamp_grid(N), row_threads(H),
-		      &a, sizeof a, &o, 1);
+	const size_t es = ej_dtype_size(dt);
+	const void *vp[2] = { y, out };
+	struct ej_moe_combine_args a = { .y = y,
+					 .w = w,
+					 .pos = (const long long *)pos,
+					 .N = N,
+					 .k = k,
+					 .H = H,
+					 .dt = dcode(dt),
+					 .wdt = dcode(wdt),
+					 .out = out,
+					 .vec = rows_vec16(ctx, true, H, es, vp,
+							   2),
+					 .i32 = fits_i32(N * k * H) };
+	ej_launch_out o = out_of(out, N * H, es);
+	return launch(ctx, m, "ej_moe_combine", clamp_grid(N),
+		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+		      sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
@@ -355,16 +443,28 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
 	const int64_t R = N * k;
-	struct ej_moe_combine_args a = {
-		y,	    w, (const long long *)pos, dout, N, k, H, dcode(dt),
-		dcode(wdt), dy
-	};
+	const size_t es = ej_dtype_size(dt);
+	struct ej_moe_combine_args a = { .y = y,
+					 .w = w,
+					 .pos = (const long long *)pos,
+					 .dout = dout,
+					 .N = N,
+					 .k = k,
+					 .H = H,
+					 .dt = dcode(dt),
+					 .wdt = dcode(wdt),
+					 .out = dy,
+					 .i32 = fits_i32(R * H) };
 	if (dy && H > 0) {
-		ej_launch_out o = out_of(dy, R * H, ej_dtype_size(dt));
+		const void *vp[2] = { dout, dy };
+		a.vec = rows_vec16(ctx, true, H, es, vp, 2);
+		ej_launch_out o = out_of(dy, R * H, es);
 		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
-			    row_threads(H), &a, sizeof a, &o, 1);
+			    row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
+			    sizeof a, &o, 1);
 	}
 	if (st == EPJ_OK && dw) {
+		a.vec = 0;
 		a.out = dw;
 		ej_launch_out o = out_of(dw, R, ej_dtype_size(wdt));
 		st = launch(ctx, m, "ej_moe_combine_bw_w",
@@ -399,6 +499,59 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 	ej_launch_out o = out_of(dlogits, N * E, ej_dtype_size(rdt));
 	return launch(ctx, m, "ej_moe_route_bw", clamp_grid((N + 3) / 4), 128,
 		      &a, sizeof a, &o, 1);
+}
+
+/* One pass over n elements: SwiGLU forward (d NULL: y = silu(g) u) or
+ * backward (y = dg, du), 256 threads a block, 16-byte vectors when every
+ * buffer is aligned (counted: moe.swiglu.vec16 or moe.swiglu.scalar). */
+static epj_status swiglu_launch(epj_ctx *ctx, const char *device, const void *d,
+				const void *g, const void *u, epj_dtype dt,
+				int64_t n, void *y, void *du)
+{
+	const char *what = d ? "swiglu backward" : "swiglu";
+	epj_status st = need_float(ctx, what, "gate", dt);
+	if (st != EPJ_OK)
+		return st;
+	if (n < 0)
+		return ej_error(ctx, EPJ_ERR_INVALID, "%s: %lld elements", what,
+				(long long)n);
+	if (n == 0)
+		return EPJ_OK;
+	ej_tmpl *m;
+	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
+		return st;
+	const void *ptrs[5] = { g, u, y, d ? d : g, du ? du : y };
+	const size_t es = ej_dtype_size(dt);
+	struct ej_swiglu_args a = { .g = g,
+				    .u = u,
+				    .d = d,
+				    .y = y,
+				    .du = du,
+				    .n = n,
+				    .dt = dcode(dt),
+				    .vec = aligned16(ptrs, 5),
+				    .i32 = fits_i32(n) };
+	epj_counter_add(ctx, a.vec ? "moe.swiglu.vec16" : "moe.swiglu.scalar",
+			1);
+	const int64_t lanes = 16 / (int64_t)es;
+	const int64_t items = a.vec ? n / lanes + lanes : n;
+	ej_launch_out o[2] = { out_of(y, n, es), out_of(du, n, es) };
+	return launch(ctx, m, d ? "ej_swiglu_bwd" : "ej_swiglu_fwd",
+		      clamp_grid((items + 255) / 256), 256, &a, sizeof a, o,
+		      d ? 2 : 1);
+}
+
+epj_status ej_tmpl_swiglu(epj_ctx *ctx, const char *device, const void *g,
+			  const void *u, epj_dtype dt, int64_t n, void *y)
+{
+	return swiglu_launch(ctx, device, NULL, g, u, dt, n, y, NULL);
+}
+
+epj_status ej_tmpl_swiglu_backward(epj_ctx *ctx, const char *device,
+				   const void *d, const void *g, const void *u,
+				   epj_dtype dt, int64_t n, void *dg, void *du)
+{
+	return swiglu_launch(ctx, device, d, g, u, dt, n, dg, du);
 }
 
 /* ---- embedding and cross-entropy ----------------------------------------- */
@@ -1097,8 +1250,8 @@ epj_status ej_cuda_op_cross_entropy_backward(epj_ctx *ctx, ej_call *c)
 }
 
 /* ---- the fused MoE ops (lib/ops_moe.c) as rows of the eager table --------
- * Each runs the kernels of templates/moe.cuh (or, for SwiGLU, the
- * pointwise kernels it is made of) with the CPU kernel's semantics, so the
+ * Each runs the kernels of templates/moe.cuh with the CPU kernel's
+ * semantics, so the
  * AutoEP layer takes one data path on every device.  Index inputs are
  * checked as the CPU kernels check them: from the host copy the AutoEP
  * layer pinned (ej_index_pin: its experts and positions, which it has on
@@ -1399,51 +1552,37 @@ epj_status ej_cuda_op_moe_unpermute_backward(epj_ctx *ctx, ej_call *c)
 	return st;
 }
 
-/* SWIGLU and its backward as the pointwise kernels they are made of, in
- * f32 for bf16 (the CPU kernel's precision, rounded once at the end):
- *   out = silu(gate) * up;
- *   dgate = silu_backward(grad * up, gate), dup = grad * silu(gate). */
-static epj_dtype swiglu_dt(epj_dtype dt)
-{
-	return dt == EPJ_DTYPE_BF16 ? EPJ_DTYPE_F32 : dt;
-}
-
+/* SWIGLU and its backward: one kernel each over the contiguous inputs (the
+ * CPU kernel's formulas, f32 for bf16, rounded once). */
 epj_status ej_cuda_op_swiglu(epj_ctx *ctx, ej_call *c)
 {
-	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *g = cast_or_ref(ctx, c->in[0], cdt);
-	epj_tensor *u = cast_or_ref(ctx, c->in[1], cdt);
-	epj_tensor *sg = g && u ? epj_silu(ctx, g) : NULL;
-	epj_tensor *h = sg ? epj_mul(ctx, sg, u) : NULL;
-	epj_no_grad_exit(ctx, prev);
-	epj_status st = put_out(ctx, h, c->out[0]);
-	epj_tensor *t[] = { g, u, sg, h };
-	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
-		epj_tensor_free(t[i]);
+	const epj_dtype dt = c->in[0]->dtype;
+	epj_tensor *g = dense_as(ctx, c->in[0], dt);
+	epj_tensor *u = g ? dense_as(ctx, c->in[1], dt) : NULL;
+	epj_status st = u ? EPJ_OK : epj_ctx_status(ctx);
+	if (st == EPJ_OK)
+		st =
+		    ej_tmpl_swiglu(ctx, ctx_device(ctx), ej_data(g), ej_data(u),
+				   dt, epj_tensor_numel(g), ej_data(c->out[0]));
+	epj_tensor_free(g);
+	epj_tensor_free(u);
 	return st;
 }
 
 epj_status ej_cuda_op_swiglu_backward(epj_ctx *ctx, ej_call *c)
 {
-	const epj_dtype cdt = swiglu_dt(c->in[0]->dtype);
-	bool prev = epj_no_grad_enter(ctx);
-	epj_tensor *gr = cast_or_ref(ctx, c->in[0], cdt);
-	epj_tensor *g = cast_or_ref(ctx, c->in[1], cdt);
-	epj_tensor *u = cast_or_ref(ctx, c->in[2], cdt);
-	epj_tensor *gu = gr && g && u ? epj_mul(ctx, gr, u) : NULL;
-	epj_tensor *in[2] = { gu, g };
-	ej_attrs at = ej_attrs_none();
-	epj_tensor *dg =
-	    gu ? ej_call1(ctx, EJ_OP_SILU_BACKWARD, in, 2, &at) : NULL;
-	epj_tensor *sg = dg ? epj_silu(ctx, g) : NULL;
-	epj_tensor *du = sg ? epj_mul(ctx, gr, sg) : NULL;
-	epj_no_grad_exit(ctx, prev);
-	epj_status st = put_out(ctx, dg, c->out[0]);
+	const epj_dtype dt = c->in[0]->dtype;
+	epj_tensor *d = dense_as(ctx, c->in[0], dt);
+	epj_tensor *g = d ? dense_as(ctx, c->in[1], dt) : NULL;
+	epj_tensor *u = g ? dense_as(ctx, c->in[2], dt) : NULL;
+	epj_status st = u ? EPJ_OK : epj_ctx_status(ctx);
 	if (st == EPJ_OK)
-		st = put_out(ctx, du, c->out[1]);
-	epj_tensor *t[] = { gr, g, u, gu, dg, sg, du };
-	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
-		epj_tensor_free(t[i]);
+		st = ej_tmpl_swiglu_backward(
+		    ctx, ctx_device(ctx), ej_data(d), ej_data(g), ej_data(u),
+		    dt, epj_tensor_numel(d), ej_data(c->out[0]),
+		    ej_data(c->out[1]));
+	epj_tensor_free(d);
+	epj_tensor_free(g);
+	epj_tensor_free(u);
 	return st;
 }

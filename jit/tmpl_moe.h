@@ -100,6 +100,17 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 				      const void *dw, epj_dtype rdt, int64_t N,
 				      int E, int k, bool norm, void *dlogits);
 
+/* SwiGLU over n contiguous elements of dtype dt (f32, bf16, f64), one
+ * kernel: y = silu(g) * u; its backward from d (the gradient of y): dg =
+ * d u s (1 + g (1 - s)), du = d g s, s = sigmoid(g).  f32 arithmetic for
+ * bf16, rounded once; 16-byte accesses when every buffer is 16-byte
+ * aligned (counters moe.swiglu.vec16 / moe.swiglu.scalar). */
+epj_status ej_tmpl_swiglu(epj_ctx *ctx, const char *device, const void *g,
+			  const void *u, epj_dtype dt, int64_t n, void *y);
+epj_status ej_tmpl_swiglu_backward(epj_ctx *ctx, const char *device,
+				   const void *d, const void *g, const void *u,
+				   epj_dtype dt, int64_t n, void *dg, void *du);
+
 /* ---- embedding and cross-entropy (templates/embedding.cuh) ------------- */
 
 /* out [n, D] = w[ids[i]] (w [V, D] of dtype dt, element strides sw0, sw1);

@@ -16,6 +16,7 @@
 #include "check_util.h"
 
 #include "config_impl.h"
+#include "ops_moe.h"
 #include "optim_impl.h"
 #include "tmpl.h"
 #include "tmpl_moe.h"
@@ -321,9 +322,11 @@ END_TEST
 START_TEST(test_sort)
 {
 	epj_ctx *ctx = tu_ctx();
-	static const int64_t ns[] = { 1, 14, 66, 777 };
+	/* 0 keys; one block of 256; several blocks (4, 20), the last
+	 * partial */
+	static const int64_t ns[] = { 0, 1, 14, 66, 777, 5000 };
 	static const int Bs[] = { 1, 3, 8, 37 };
-	for (int a = 0; a < 4; a++)
+	for (int a = 0; a < 6; a++)
 		for (int b = 0; b < 4; b++) {
 			const int64_t n = ns[a];
 			const int B = Bs[b];
@@ -336,9 +339,15 @@ START_TEST(test_sort)
 			int64_t *off = xmalloc(sizeof *off * (size_t)(B + 1));
 			int64_t *ord = xmalloc(sizeof *ord * (size_t)n);
 			int64_t *pos = xmalloc(sizeof *pos * (size_t)n);
+			const int64_t b0 =
+			    epj_counter_get(ctx, "moe.sort.blocks");
 			ck_assert_msg(ej_tmpl_moe_sort(ctx, DEV, key, n, B, cnt,
 						       off, ord, pos) == EPJ_OK,
 				      "%s", epj_ctx_error(ctx));
+			/* one block per 256 keys ran */
+			ck_assert_int_eq(
+			    epj_counter_get(ctx, "moe.sort.blocks") - b0,
+			    (n + 255) / 256);
 			int64_t r = 0;
 			for (int e = 0; e < B; e++) {
 				int64_t c = 0;
@@ -381,21 +390,29 @@ static void rand_routing(int64_t N, int E, int k, int64_t *idx)
 		}
 }
 
-static const int64_t pc_H[2] = { 7, 24 };
+/* H 7: rows of 14, 28 or 56 bytes (one element a thread); H 24: whole
+ * 16-byte vectors (the vector kernels), then the same one element off the
+ * 16-byte boundary (one element a thread again); N 150 with k 3: 450 rows,
+ * a sort over several blocks. */
+static const int64_t pc_H[3] = { 7, 24, 24 };
+static const int64_t pc_N[4] = { 1, 7, 33, 150 };
 
 START_TEST(test_permute_combine)
 {
 	int i = _i;
-	const int64_t N = route_N[i % 3];
-	const int E = route_E[(i / 3) % 2];
-	const int64_t H = pc_H[(i / 6) % 2];
-	const epj_dtype dt = fdt[i / 12];
+	const int64_t N = pc_N[i % 4];
+	const int E = route_E[(i / 4) % 2];
+	const int64_t H = pc_H[(i / 8) % 3];
+	const size_t sh = (i / 8) % 3 == 2 ? epj_dtype_size(fdt[i / 24]) : 0;
+	const epj_dtype dt = fdt[i / 24];
 	const epj_dtype wdt =
 	    dt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
 	const size_t es = epj_dtype_size(dt), ws = epj_dtype_size(wdt);
 	epj_ctx *ctx = tu_ctx();
-	for (int k = 1; k <= 2; k++) {
-		const int64_t R = N * k, sx0 = H + 3;
+	for (int k = 1; k <= 3; k++) {
+		/* rows of x padded: 16-byte aligned rows when H is 24 */
+		const int64_t R = N * k, sx0 = H % 8 ? H + 3 : H + 8;
+		const int64_t v0 = epj_counter_get(ctx, "moe.rows.vec16");
 		int64_t *idx = xmalloc(sizeof *idx * (size_t)R);
 		rand_routing(N, E, k, idx);
 		int64_t *cnt = xmalloc(sizeof *cnt * (size_t)E);
@@ -406,8 +423,9 @@ START_TEST(test_permute_combine)
 		    ej_tmpl_moe_sort(ctx, DEV, idx, R, E, cnt, off, ord, pos),
 		    EPJ_OK);
 		/* permute from a padded x [N, H] (row stride H + 3) */
-		void *x = rand_buf(dt, N * sx0);
-		void *xs = xmalloc((size_t)(R * H) * es);
+		void *xb = rand_buf(dt, N * sx0 + 1), *x = (char *)xb + sh;
+		void *xsb = xmalloc((size_t)(R * H + 1) * es),
+		     *xs = (char *)xsb + sh;
 		ck_assert_msg(ej_tmpl_moe_permute(ctx, DEV, x, dt, sx0, 1, ord,
 						  k, R, H, xs) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
@@ -421,8 +439,9 @@ START_TEST(test_permute_combine)
 					  ld(x, ord[r] / k * sx0 + h, dt));
 		}
 		/* permute backward */
-		void *dxs = rand_buf(dt, R * H);
-		void *dx = xmalloc((size_t)(N * H) * es);
+		void *dxsb = rand_buf(dt, R * H + 1), *dxs = (char *)dxsb + sh;
+		void *dxb = xmalloc((size_t)(N * H + 1) * es),
+		     *dx = (char *)dxb + sh;
 		ck_assert_msg(ej_tmpl_moe_permute_backward(ctx, DEV, dxs, dt,
 							   pos, N, k, H,
 							   dx) == EPJ_OK,
@@ -438,14 +457,17 @@ START_TEST(test_permute_combine)
 					      "permute backward", n * H + h);
 			}
 		/* combine and its backward */
-		void *y = rand_buf(dt, R * H);
+		void *yb = rand_buf(dt, R * H + 1), *y = (char *)yb + sh;
 		void *w = rand_buf(wdt, R);
-		void *out = xmalloc((size_t)(N * H) * es);
+		void *outb = xmalloc((size_t)(N * H + 1) * es),
+		     *out = (char *)outb + sh;
 		ck_assert_msg(ej_tmpl_moe_combine(ctx, DEV, y, dt, w, wdt, pos,
 						  N, k, H, out) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
-		void *dout = rand_buf(dt, N * H);
-		void *dy = xmalloc((size_t)(R * H) * es);
+		void *doutb = rand_buf(dt, N * H + 1),
+		     *dout = (char *)doutb + sh;
+		void *dyb = xmalloc((size_t)(R * H + 1) * es),
+		     *dy = (char *)dyb + sh;
 		void *dw = xmalloc((size_t)R * ws);
 		ck_assert_msg(ej_tmpl_moe_combine_backward(
 				  ctx, DEV, dout, y, dt, w, wdt, pos, N, k, H,
@@ -481,23 +503,148 @@ START_TEST(test_permute_combine)
 					      1e-5, "combine backward dw", s);
 			}
 		}
+		/* the four row kernels took 16-byte vectors exactly when the
+		 * rows and buffers allow */
+		ck_assert_int_eq(epj_counter_get(ctx, "moe.rows.vec16") - v0,
+				 H % 8 || sh ? 0 : 4);
 		free(idx);
 		free(cnt);
 		free(off);
 		free(ord);
 		free(pos);
-		free(x);
-		free(xs);
-		free(dxs);
-		free(dx);
-		free(y);
+		free(xb);
+		free(xsb);
+		free(dxsb);
+		free(dxb);
+		free(yb);
 		free(w);
-		free(out);
-		free(dout);
-		free(dy);
+		free(outb);
+		free(doutb);
+		free(dyb);
 		free(dw);
 	}
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- SwiGLU ---------------------------------------------------------------
+ * One kernel each way against the formulas in double: sizes that leave a
+ * tail after the 16-byte vectors, and buffers one element off a 16-byte
+ * boundary so that the scalar path runs (the counters say which ran). */
+static const int64_t sw_n[4] = { 1, 13, 1000, 1003 };
+
+START_TEST(test_swiglu)
+{
+	const epj_dtype dt = fdt[_i / 8];
+	const int64_t n = sw_n[(_i / 2) % 4];
+	const int off = _i % 2; /* elements off the 16-byte boundary */
+	const size_t es = epj_dtype_size(dt);
+	epj_ctx *ctx = tu_ctx();
+	/* d, g, u, then the outputs y, dg, du */
+	char *b[6];
+	void *p[6];
+	for (int i = 0; i < 6; i++) {
+		b[i] =
+		    i < 3 ? rand_buf(dt, n + 1) : xmalloc((size_t)(n + 1) * es);
+		p[i] = b[i] + (size_t)off * es;
+	}
+	const char *ran = off ? "moe.swiglu.scalar" : "moe.swiglu.vec16";
+	const int64_t c0 = epj_counter_get(ctx, ran);
+	ck_assert_msg(ej_tmpl_swiglu(ctx, DEV, p[1], p[2], dt, n, p[3]) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_msg(ej_tmpl_swiglu_backward(ctx, DEV, p[0], p[1], p[2], dt, n,
+					      p[4], p[5]) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ck_assert_int_eq(epj_counter_get(ctx, ran) - c0, 2);
+	const double t = dt == EPJ_DTYPE_BF16  ? 1e-2
+			 : dt == EPJ_DTYPE_F32 ? 1e-5
+					       : 1e-12;
+	for (int64_t i = 0; i < n; i++) {
+		const double d = ld(p[0], i, dt), g = ld(p[1], i, dt),
+			     u = ld(p[2], i, dt);
+		const double s = 1 / (1 + exp(-g));
+		close_or_fail(ld(p[3], i, dt), g * s * u, t, t, "swiglu", i);
+		close_or_fail(ld(p[4], i, dt), d * u * s * (1 + g * (1 - s)), t,
+			      t, "swiglu dgate", i);
+		close_or_fail(ld(p[5], i, dt), d * g * s, t, t, "swiglu dup",
+			      i);
+	}
+	epj_ctx_free(ctx);
+	for (int i = 0; i < 6; i++)
+		free(b[i]);
+}
+END_TEST
+
+/* The SwiGLU rows of a cuda context: one template launch each way and
+ * nothing else, against the op table's CPU kernels (contiguous and not). */
+START_TEST(test_swiglu_op)
+{
+	const epj_dtype dt = fdt[_i % 3];
+	const bool nc = _i >= 3;
+	epj_ctx *cpu = tu_ctx(), *sim = sim_ctx();
+	int64_t sh[2] = { tu_randint(1, 9), 8 * tu_randint(1, 20) + nc };
+	epj_tensor *hc[3], *hs[3];
+	for (int i = 0; i < 3; i++) {
+		hc[i] = tu_randn(cpu, dt, 2, sh);
+		double *v = tu_values(cpu, hc[i]);
+		/* non-contiguous: the transpose of a [sh1, sh0] tensor */
+		double *vt = xmalloc(sizeof *vt * (size_t)(sh[0] * sh[1]));
+		for (int64_t r = 0; r < sh[0]; r++)
+			for (int64_t c = 0; c < sh[1]; c++)
+				vt[c * sh[0] + r] = v[r * sh[1] + c];
+		int64_t tsh[2] = { sh[1], sh[0] };
+		epj_tensor *t = epj_tensor_from_data(
+		    sim, EPJ_DTYPE_F64, 2, nc ? tsh : sh, nc ? vt : v);
+		tu_ok(sim, t);
+		epj_tensor *d = epj_cast(sim, t, dt);
+		tu_ok(sim, d);
+		hs[i] = nc ? epj_transpose(sim, d, 0, 1) : epj_tensor_ref(d);
+		tu_ok(sim, hs[i]);
+		free(v);
+		free(vt);
+		epj_tensor_free(t);
+		epj_tensor_free(d);
+	}
+	const char *const ctr[2] = { "kernels.launched.template",
+				     "kernels.launched.eager_cuda" };
+	int64_t l0[2];
+	for (int i = 0; i < 2; i++)
+		l0[i] = epj_counter_get(sim, ctr[i]);
+	epj_tensor *yc = ej_swiglu(cpu, hc[1], hc[2]);
+	epj_tensor *ys = ej_swiglu(sim, hs[1], hs[2]);
+	tu_ok(cpu, yc);
+	tu_ok(sim, ys);
+	epj_tensor *oc[2], *os[2];
+	ck_assert_int_eq(
+	    ej_dispatch(cpu, EJ_OP_SWIGLU_BACKWARD, hc, 3, NULL, oc, 2),
+	    EPJ_OK);
+	ck_assert_msg(ej_dispatch(sim, EJ_OP_SWIGLU_BACKWARD, hs, 3, NULL, os,
+				  2) == EPJ_OK,
+		      "%s", epj_ctx_error(sim));
+	if (!nc) { /* one kernel each way: no casts, no copies */
+		ck_assert_int_eq(epj_counter_get(sim, ctr[0]) - l0[0], 2);
+		ck_assert_int_eq(epj_counter_get(sim, ctr[1]) - l0[1], 0);
+	}
+	const double t = dt == EPJ_DTYPE_BF16  ? 1e-2
+			 : dt == EPJ_DTYPE_F32 ? 1e-5
+					       : 1e-12;
+	epj_tensor *pc[3] = { yc, oc[0], oc[1] }, *ps[3] = { ys, os[0], os[1] };
+	for (int q = 0; q < 3; q++) {
+		double *a = tu_values(cpu, pc[q]), *b = tu_values(sim, ps[q]);
+		for (int64_t i = 0; i < sh[0] * sh[1]; i++)
+			close_or_fail(b[i], a[i], t, t, "swiglu op", i);
+		free(a);
+		free(b);
+		epj_tensor_free(pc[q]);
+		epj_tensor_free(ps[q]);
+	}
+	for (int i = 0; i < 3; i++) {
+		epj_tensor_free(hc[i]);
+		epj_tensor_free(hs[i]);
+	}
+	epj_ctx_free(cpu);
+	epj_ctx_free(sim);
 }
 END_TEST
 
@@ -1156,7 +1303,9 @@ Suite *make_tmpl_moe_suite(void)
 	tcase_set_timeout(tc, 300);
 	tu_add_loop_test(tc, test_route, 36);
 	tcase_add_test(tc, test_sort);
-	tu_add_loop_test(tc, test_permute_combine, 36);
+	tu_add_loop_test(tc, test_swiglu, 24);
+	tu_add_loop_test(tc, test_swiglu_op, 6);
+	tu_add_loop_test(tc, test_permute_combine, 72);
 	tu_add_loop_test(tc, test_embedding, 18);
 	tu_add_loop_test(tc, test_cross_entropy, 9);
 	tu_add_loop_test(tc, test_optim, 6);

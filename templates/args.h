@@ -83,7 +83,9 @@ struct ej_moe_sort_args {
 	long long *offsets; /* [B + 1] */
 	long long *order;   /* [n] */
 	long long *pos;	    /* [n] */
-	long long *scratch; /* [blockDim.x * B] */
+	long long *scratch; /* [G * B]: each block's count of each key */
+	long long *base;    /* [G * B]: the counts of the blocks before it */
+	long long G;	    /* blocks of EJ_MOE_SORT_T keys each */
 };
 
 struct ej_moe_permute_args {
@@ -94,6 +96,8 @@ struct ej_moe_permute_args {
 	long long R, H;
 	int elem;  /* bytes per element: 2, 4 or 8 */
 	void *out; /* [R, H] contiguous */
+	int vec;   /* rows of 16-byte vectors: x, out, rows 16-byte aligned */
+	int i32;   /* every index fits 32-bit math */
 };
 
 struct ej_moe_permute_bw_args {
@@ -104,6 +108,8 @@ struct ej_moe_permute_bw_args {
 	long long H;
 	int dt;
 	void *dx; /* [N, H] contiguous, dtype dt */
+	int vec;  /* H a multiple of the 16-byte lanes, dxs and dx aligned */
+	int i32;  /* every index fits 32-bit math */
 };
 
 struct ej_moe_combine_args {
@@ -116,6 +122,21 @@ struct ej_moe_combine_args {
 	long long H;
 	int dt, wdt;
 	void *out; /* forward: [N, H] dt; bw_y: dy [R, H] dt; bw_w: dw [N, k] */
+	int vec;   /* H a multiple of the 16-byte lanes, rows aligned */
+	int i32;   /* every index fits 32-bit math */
+};
+
+/* SwiGLU forward (y = silu(g) u) and backward (dg, du from d, g, u): n
+ * elements of each contiguous buffer, dtype code dt */
+struct ej_swiglu_args {
+	const void *g, *u;
+	const void *d; /* backward: the gradient of y */
+	void *y;       /* forward: y; backward: dg */
+	void *du;      /* backward: du */
+	long long n;
+	int dt;
+	int vec; /* every buffer 16-byte aligned: 16-byte accesses */
+	int i32; /* n and the grid fit 32-bit index math */
 };
 
 struct ej_moe_route_bw_args {
