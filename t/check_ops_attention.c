@@ -25,6 +25,7 @@
 
 #include "check_util.h"
 #include "core_impl.h"
+#include "eager_cuda.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -1206,9 +1207,13 @@ static void make_delta(epj_ctx *ctx, epj_dtype dt, const int64_t *d,
  * on cuda-sim (templates/delta.cuh, no CPU fallback). */
 START_TEST(test_gated_delta_forward)
 {
+	/* the last two: Dk over 64 and over 128 (the kernels' register
+	 * tiers), Dv past a column tile and not a multiple of 8 */
 	const int64_t dims[][5] = { { 2, 9, 3, 5, 4 },
 				    { 1, 1, 1, 1, 1 },
-				    { 1, 70, 2, 3, 6 } };
+				    { 1, 70, 2, 3, 6 },
+				    { 2, 75, 3, 70, 45 },
+				    { 1, 20, 2, 131, 9 } };
 	for (int dev = 0; dev < 2; dev++) {
 		epj_ctx *ctx = NULL;
 		ck_assert_int_eq(epj_ctx_new(dev ? "cuda-sim" : "cpu", &ctx),
@@ -1296,18 +1301,22 @@ START_TEST(test_gated_delta_gradcheck)
 }
 END_TEST
 
-/* The backward on cuda-sim (templates/delta.cuh: one thread per (batch,
- * head), states kept every 64 steps) against the CPU kernel's, on the same
- * inputs and upstream gradient, T across a chunk boundary; f64 and f32. */
-START_TEST(test_gated_delta_backward_sim)
+/* The backward on cuda-sim (templates/delta.cuh: column tiles, states
+ * kept every 64 steps, the reverse sweep in segments of time) against the
+ * CPU kernel's, on the same inputs and upstream gradient; f64 and f32.
+ * Sizes: B > 1, several heads, T across chunks and segments and not a
+ * multiple of either (segments of 64 steps, set by the test hook, or the
+ * default of one), Dk != Dv, Dv across column tiles and not a multiple of
+ * 8 or 32, Dk in each register tier (<= 64, <= 128, <= 256). */
+static void delta_backward_case(const int64_t *d, int64_t seg)
 {
-	const int64_t d[5] = { 2, 67, 3, 4, 5 };
 	int64_t shp[6][4] = {
 		{ d[0], d[1], d[2], d[3] }, { d[0], d[1], d[2], d[3] },
 		{ d[0], d[1], d[2], d[4] }, { d[0], d[1], d[2] },
 		{ d[0], d[1], d[2] },	    { d[0], d[1], d[2], d[4] }
 	};
 	int nd[6] = { 4, 4, 4, 3, 3, 4 };
+	ej_cuda_delta_segment_hook(seg);
 	for (int f = 0; f < 2; f++) {
 		epj_dtype dt = f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
 		/* the inputs and the upstream weights, drawn once (cpu) */
@@ -1372,15 +1381,38 @@ START_TEST(test_gated_delta_backward_sim)
 			}
 			ck_assert(den > 0);
 			ck_assert_msg(sqrt(num / den) < (f ? 1e-5 : 1e-12),
-				      "%s input %d: cuda-sim's gradient %g "
-				      "(relative L2) from the cpu's",
-				      epj_dtype_name(dt), i, sqrt(num / den));
+				      "%s B=%lld T=%lld H=%lld Dk=%lld Dv=%lld "
+				      "segment %lld input %d: cuda-sim's "
+				      "gradient %g (relative L2) from the "
+				      "cpu's",
+				      epj_dtype_name(dt), (long long)d[0],
+				      (long long)d[1], (long long)d[2],
+				      (long long)d[3], (long long)d[4],
+				      (long long)seg, i, sqrt(num / den));
 			free(grads[0][i]);
 			free(grads[1][i]);
 		}
 		for (int i = 0; i < 6; i++)
 			free(vals[i]);
 	}
+	ej_cuda_delta_segment_hook(0);
+}
+
+START_TEST(test_gated_delta_backward_sim)
+{
+	const int64_t d[5] = { 2, 67, 3, 4, 5 };
+	delta_backward_case(d, 0);
+}
+END_TEST
+
+START_TEST(test_gated_delta_backward_odd)
+{
+	static const struct {
+		int64_t d[5], seg;
+	} cs[] = { { { 2, 150, 3, 19, 45 }, 64 },
+		   { { 1, 70, 2, 70, 11 }, 64 },
+		   { { 2, 9, 1, 131, 6 }, 0 } };
+	delta_backward_case(cs[_i].d, cs[_i].seg);
 }
 END_TEST
 
@@ -1431,6 +1463,7 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(td, test_gated_delta_forward);
 	tcase_add_test(td, test_gated_delta_gradcheck);
 	tcase_add_test(td, test_gated_delta_backward_sim);
+	tcase_add_loop_test(td, test_gated_delta_backward_odd, 0, 3);
 	tcase_add_test(td, test_gated_delta_errors);
 	suite_add_tcase(s, td);
 	TCase *tc = tcase_create("cross_entropy");
