@@ -26,6 +26,7 @@
 #include "ops_impl.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 /* EJ_DELTA_MAXK, EJ_DELTA_CK, EJ_DELTA_THREADS, EJ_DELTA_COLS */
@@ -77,13 +78,22 @@ static void drop(epj_tensor **t, int n)
 		epj_tensor_free(t[i]);
 }
 
+/* The template's instantiation for a's dtype and key width: f64 or f32
+ * arithmetic, the keys per lane (EJ_DELTA_NU: Dk <= 16 NU). */
 static epj_status launch1(epj_ctx *ctx, const char *kernel, unsigned grid,
 			  unsigned block, const struct ej_delta_args *a,
 			  const ej_launch_out *outs, int n_out)
 {
+	char defs[64];
+	snprintf(defs, sizeof defs,
+		 "#define EJ_DELTA_F64 %d\n#define EJ_DELTA_NU %d",
+		 a->dt == 2 ? 1 : 0,
+		 a->Dk <= 64	? 4
+		 : a->Dk <= 128 ? 8
+				: 16);
 	ej_tmpl *m;
 	epj_status st =
-	    ej_tmpl_get(ctx, ctx->dev->name, "delta", NULL, delta_kernels,
+	    ej_tmpl_get(ctx, ctx->dev->name, "delta", defs, delta_kernels,
 			(int)EJ_ARRAY_LEN(delta_kernels), &m);
 	if (st != EPJ_OK)
 		return st;

@@ -38,6 +38,21 @@
  * one back, so the partials take memory for one segment only.
  */
 
+/* The instantiation (the host's defines): EJ_DELTA_F64 1 computes in f64
+ * (f64 tensors), 0 in f32 (f32 and bf16); EJ_DELTA_NU keys per lane and
+ * column (4, 8 or 16: Dk up to 16 NU). */
+#ifndef EJ_DELTA_F64
+#define EJ_DELTA_F64 0
+#endif
+#ifndef EJ_DELTA_NU
+#define EJ_DELTA_NU 8
+#endif
+#if EJ_DELTA_F64
+typedef double ej_delta_t;
+#else
+typedef float ej_delta_t;
+#endif
+
 #define EJ_DELTA_MAXK	 256
 #define EJ_DELTA_CK	 64
 #define EJ_DELTA_KL	 16
@@ -173,34 +188,16 @@ static __device__ void ej_delta_fwd_all(const struct ej_delta_args &a,
 		ej_delta_fwd_col<A, NU>(a, ej_delta_place(a, it), kept);
 }
 
-template <class A>
-static __device__ void ej_delta_fwd_any(const struct ej_delta_args &a,
-					A *kept)
-{
-	if (a.Dk <= 4 * EJ_DELTA_KL)
-		ej_delta_fwd_all<A, 4>(a, kept);
-	else if (a.Dk <= 8 * EJ_DELTA_KL)
-		ej_delta_fwd_all<A, 8>(a, kept);
-	else
-		ej_delta_fwd_all<A, 16>(a, kept);
-}
-
 extern "C" __global__ void __launch_bounds__(EJ_DELTA_THREADS)
     ej_delta_fwd(const struct ej_delta_args a)
 {
-	if (a.dt == 2)
-		ej_delta_fwd_any<double>(a, (double *)0);
-	else
-		ej_delta_fwd_any<float>(a, (float *)0);
+	ej_delta_fwd_all<ej_delta_t, EJ_DELTA_NU>(a, (ej_delta_t *)0);
 }
 
 extern "C" __global__ void __launch_bounds__(EJ_DELTA_THREADS)
     ej_delta_bwd_keep(const struct ej_delta_args a)
 {
-	if (a.dt == 2)
-		ej_delta_fwd_any<double>(a, (double *)a.ws);
-	else
-		ej_delta_fwd_any<float>(a, (float *)a.ws);
+	ej_delta_fwd_all<ej_delta_t, EJ_DELTA_NU>(a, (ej_delta_t *)a.ws);
 }
 
 /* The sum of v over the warp's 2 columns into slot e of this warp's row
@@ -360,27 +357,17 @@ static __device__ void ej_delta_bwd_all(const struct ej_delta_args &a, A *red)
 					par);
 }
 
-template <class A>
-static __device__ void ej_delta_bwd_any(const struct ej_delta_args &a, A *red)
+/* at least 4 blocks an SM in f32 (2 in f64): without the hint, ptxas
+ * (NVRTC 13, sm_90) squeezed the f32 Dk <= 64 kernel into 64 registers
+ * and spilled */
+extern "C" __global__ void
+    __launch_bounds__(EJ_DELTA_THREADS, EJ_DELTA_F64 ? 2 : 4)
+	ej_delta_bwd_seg(const struct ej_delta_args a)
 {
-	if (a.Dk <= 4 * EJ_DELTA_KL)
-		ej_delta_bwd_all<A, 4>(a, red);
-	else if (a.Dk <= 8 * EJ_DELTA_KL)
-		ej_delta_bwd_all<A, 8>(a, red);
-	else
-		ej_delta_bwd_all<A, 16>(a, red);
-}
-
-extern "C" __global__ void __launch_bounds__(EJ_DELTA_THREADS)
-    ej_delta_bwd_seg(const struct ej_delta_args a)
-{
-	/* the block sums' buffers, sized for f64 (f32 uses half) */
-	__shared__ double red[2 * (EJ_DELTA_THREADS / 32) *
-			      (2 * EJ_DELTA_MAXK + 2)];
-	if (a.dt == 2)
-		ej_delta_bwd_any<double>(a, red);
-	else
-		ej_delta_bwd_any<float>(a, (float *)red);
+	/* the block sums' buffers: by step parity, 4 warps */
+	__shared__ ej_delta_t red[2 * (EJ_DELTA_THREADS / 32) *
+				  (2 * EJ_DELTA_MAXK + 2)];
+	ej_delta_bwd_all<ej_delta_t, EJ_DELTA_NU>(a, red);
 }
 
 /* dq, dk, dbeta, dg of the segment's rows from the tiles' partials. */
@@ -412,8 +399,5 @@ template <class A> static __device__ void ej_delta_sum(const struct ej_delta_arg
 
 extern "C" __global__ void ej_delta_bwd_sum(const struct ej_delta_args a)
 {
-	if (a.dt == 2)
-		ej_delta_sum<double>(a);
-	else
-		ej_delta_sum<float>(a);
+	ej_delta_sum<ej_delta_t>(a);
 }
