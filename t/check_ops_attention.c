@@ -1203,8 +1203,8 @@ static void make_delta(epj_ctx *ctx, epj_dtype dt, const int64_t *d,
 	free(bv);
 }
 
-/* The op against the reference on odd sizes, f64 and f32, on the cpu and
- * on cuda-sim (templates/delta.cuh, no CPU fallback). */
+/* The op against the reference on odd sizes, f64, f32 and bf16, on the
+ * cpu and on cuda-sim (templates/delta.cuh, no CPU fallback). */
 START_TEST(test_gated_delta_forward)
 {
 	/* the last two: Dk over 64 and over 128 (the kernels' register
@@ -1220,9 +1220,10 @@ START_TEST(test_gated_delta_forward)
 				 EPJ_OK);
 		epj_ctx_seed(ctx, tu_seed() + (uint64_t)dev);
 		for (size_t c = 0; c < LEN(dims); c++)
-			for (int f = 0; f < 2; f++) {
-				epj_dtype dt =
-				    f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
+			for (int f = 0; f < 3; f++) {
+				epj_dtype dt = f == 2	? EPJ_DTYPE_BF16
+					       : f == 1 ? EPJ_DTYPE_F32
+							: EPJ_DTYPE_F64;
 				const int64_t *d = dims[c];
 				epj_tensor *in[5];
 				make_delta(ctx, dt, d, in);
@@ -1248,7 +1249,10 @@ START_TEST(test_gated_delta_forward)
 					  x[1], x[2], x[3], x[4], want);
 				double *got = tu_values(ctx, o), nz = 0;
 				for (int64_t i = 0; i < no; i++) {
-					double tl = f ? 2e-5 : 1e-11;
+					/* bf16: the output's rounding */
+					double tl = f == 2   ? 1e-2
+						    : f == 1 ? 2e-5
+							     : 1e-11;
 					ck_assert_msg(
 					    fabs(got[i] - want[i]) <=
 						tl * (1 + fabs(want[i])),
@@ -1303,7 +1307,7 @@ END_TEST
 
 /* The backward on cuda-sim (templates/delta.cuh: column tiles, states
  * kept every 64 steps, the reverse sweep in segments of time) against the
- * CPU kernel's, on the same inputs and upstream gradient; f64 and f32.
+ * CPU kernel's, on the same inputs and upstream gradient; f64, f32, bf16.
  * Sizes: B > 1, several heads, T across chunks and segments and not a
  * multiple of either (segments of 64 steps, set by the test hook, or the
  * default of one), Dk != Dv, Dv across column tiles and not a multiple of
@@ -1317,8 +1321,10 @@ static void delta_backward_case(const int64_t *d, int64_t seg)
 	};
 	int nd[6] = { 4, 4, 4, 3, 3, 4 };
 	ej_cuda_delta_segment_hook(seg);
-	for (int f = 0; f < 2; f++) {
-		epj_dtype dt = f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
+	for (int f = 0; f < 3; f++) {
+		epj_dtype dt = f == 2	? EPJ_DTYPE_BF16
+			       : f == 1 ? EPJ_DTYPE_F32
+					: EPJ_DTYPE_F64;
 		/* the inputs and the upstream weights, drawn once (cpu) */
 		double *vals[6];
 		epj_ctx *c0 = tu_ctx();
@@ -1380,7 +1386,11 @@ static void delta_backward_case(const int64_t *d, int64_t seg)
 				den += grads[0][i][j] * grads[0][i][j];
 			}
 			ck_assert(den > 0);
-			ck_assert_msg(sqrt(num / den) < (f ? 1e-5 : 1e-12),
+			/* bf16: the outputs' rounding, f32 sums against
+			 * the CPU's double ones */
+			ck_assert_msg(sqrt(num / den) < (f == 2	  ? 1e-2
+							 : f == 1 ? 1e-5
+								  : 1e-12),
 				      "%s B=%lld T=%lld H=%lld Dk=%lld Dv=%lld "
 				      "segment %lld input %d: cuda-sim's "
 				      "gradient %g (relative L2) from the "

@@ -11,10 +11,11 @@
  * state by columns: a block of EJ_DELTA_THREADS (128) threads holds
  * EJ_DELTA_COLS (8) columns of one (batch, head), 2 per warp, each column
  * shared by EJ_DELTA_KL (16) lanes that hold its keys i = lane + 16 u in
- * registers (u < NU, NU = 4, 8 or 16 for Dk up to 64, 128, 256 =
- * EJ_DELTA_MAXK; fully unrolled, so no local memory).  Dot products over
- * the keys are 16-lane butterflies (__shfl_xor_sync).  Work items are
- * (batch, head, column tile), B H ceil(Dv / 8) of them, grid-stride.
+ * registers (u < NU: the host builds one instantiation per NU = 4, 8 or
+ * 16, for Dk up to 64, 128, 256 = EJ_DELTA_MAXK; fully unrolled, so no
+ * local memory).  Dot products over the keys are 16-lane butterflies
+ * (__shfl_xor_sync).  Work items are (batch, head, column tile), B H
+ * ceil(Dv / 8) of them, grid-stride.
  *
  *  ej_delta_fwd       o [B, T, H, Dv]: the recurrence, o written per step
  *                     by lane 0 of each column.
@@ -371,7 +372,8 @@ extern "C" __global__ void
 }
 
 /* dq, dk, dbeta, dg of the segment's rows from the tiles' partials. */
-template <class A> static __device__ void ej_delta_sum(const struct ej_delta_args &a)
+template <class A>
+static __device__ void ej_delta_sum(const struct ej_delta_args &a)
 {
 	const long long nt = (a.Dv + EJ_DELTA_COLS - 1) / EJ_DELTA_COLS;
 	const long long nw = 2 * a.Dk + 2, L = a.t1 - a.t0;
