@@ -15,8 +15,8 @@
  * and one written) and ej_delta_bwd_sum adds the column tiles' partial
  * sums of dq, dk, dbeta and dg.  The segment is as long as keeps the
  * partials under PART_BUDGET bytes (at least CK steps).  Its scratch, from
- * the template scratch cache: (ceil(T / CK) + CK + 2) B H Dk Dv elements of
- * states and the partials, in the compute type.
+ * the template scratch cache: (ceil(T / CK) + CK + 2) B H states (each Dk x
+ * Dv padded to multiples of 16 x 8) and the partials, in the compute type.
  */
 #include "eager_cuda.h"
 #include "templates/args.h"
@@ -170,7 +170,9 @@ static bwd_plan plan_of(int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
 {
 	bwd_plan p = { .nt = (Dv + COLS - 1) / COLS,
 		       .nck = (T + CK - 1) / CK,
-		       .ss = Dk * Dv,
+		       /* a state as the kernels store it, padded */
+		       .ss = (Dk + 15) / 16 * 16 *
+			     ((Dv + COLS - 1) / COLS * COLS),
 		       .nw = 2 * Dk + 2,
 		       .cs = cs };
 	int64_t per = p.nt * B * H * p.nw * (int64_t)cs; /* bytes a step */

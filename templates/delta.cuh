@@ -20,12 +20,14 @@
  *  ej_delta_fwd       o [B, T, H, Dv]: the recurrence, o written per step
  *                     by lane 0 of each column.
  *  ej_delta_bwd_keep  the states before steps 0, CK, 2 CK, ... (CK =
- *                     EJ_DELTA_CK) into ws, [B H][ceil(T / CK)][Dk][Dv].
+ *                     EJ_DELTA_CK) into ws, [B H][ceil(T / CK)][state]
+ *                     (a state padded to 16 ceil(Dk / 16) x 8 ceil(Dv /
+ *                     8) elements: ej_delta_el).
  *  ej_delta_bwd_seg   the reverse sweep over steps [t0, t1) (a segment,
  *                     t0 a multiple of CK), dS carried in from dsin (zero
- *                     when t1 = T) and out to dsout, [B H][Dk][Dv]: per
+ *                     when t1 = T) and out to dsout, [B H][state]: per
  *                     chunk of CK steps the states are recomputed from
- *                     the kept one into chunk ([B H][CK][Dk][Dv]), then
+ *                     the kept one into chunk ([B H][CK][state]), then
  *                     walked backwards.  dv is complete per column; dq,
  *                     dk (sums over the columns) and dbeta, dg's inner
  *                     product (sums over columns and keys) are summed
@@ -81,6 +83,7 @@ template <class A> static __device__ A ej_delta_sum16(A v)
 /* One thread's place: column j of (b, h), keys kl + 16 u. */
 struct ej_delta_at {
 	long long bh, b, h, j;
+	long long nu, dvp; /* the scratch states' key groups and columns */
 	int kl;
 	bool jv; /* j < Dv */
 };
@@ -97,6 +100,8 @@ static __device__ ej_delta_at ej_delta_place(const struct ej_delta_args &a,
 	p.j = (item % nt) * EJ_DELTA_COLS + 2 * w + (lane >> 4);
 	p.kl = lane & (EJ_DELTA_KL - 1);
 	p.jv = p.j < a.Dv;
+	p.nu = (a.Dk + EJ_DELTA_KL - 1) / EJ_DELTA_KL;
+	p.dvp = nt * EJ_DELTA_COLS;
 	return p;
 }
 
@@ -131,14 +136,18 @@ static __device__ A ej_delta_step(A *s, const A *kk, A al, A be, A vj)
 	return d;
 }
 
-/* Element (i, j) of state number n of a [..][Dk][Dv] buffer; -1 when the
- * thread's key u or column is outside the state. */
+/* This thread's element u of state number n of a scratch buffer of
+ * states (kept, chunk, dS), or -1 past the state's key groups.  A state is
+ * stored padded, [ceil(Dk / 16)][8 ceil(Dv / 8)][16]: key group u, column
+ * j, key lane, so that a warp's 32 lanes touch 32 consecutive elements;
+ * the padding holds zeros (the kernels' keys and values there are 0). */
 static __device__ long long ej_delta_el(const struct ej_delta_args &a,
 					const ej_delta_at &p, long long n,
 					int u)
 {
-	const long long i = p.kl + EJ_DELTA_KL * u;
-	return i < a.Dk && p.jv ? (n * a.Dk + i) * a.Dv + p.j : -1;
+	return u < p.nu
+		   ? ((n * p.nu + u) * p.dvp + p.j) * EJ_DELTA_KL + p.kl
+		   : -1;
 }
 
 /* The forward of one column; with kept, no output but the states before
