@@ -33,5 +33,8 @@ int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
  * template templates/delta.cuh. */
 epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c);
+/* Test hook: the gated delta backward's segment length in steps (rounded
+ * down to a multiple of 64, at least 64); 0 restores the default. */
+void ej_cuda_delta_segment_hook(int64_t steps);
 
 #endif

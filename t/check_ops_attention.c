@@ -25,6 +25,7 @@
 
 #include "check_util.h"
 #include "core_impl.h"
+#include "eager_cuda.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -1202,22 +1203,27 @@ static void make_delta(epj_ctx *ctx, epj_dtype dt, const int64_t *d,
 	free(bv);
 }
 
-/* The op against the reference on odd sizes, f64 and f32, on the cpu and
- * on cuda-sim (templates/delta.cuh, no CPU fallback). */
+/* The op against the reference on odd sizes, f64, f32 and bf16, on the
+ * cpu and on cuda-sim (templates/delta.cuh, no CPU fallback). */
 START_TEST(test_gated_delta_forward)
 {
+	/* the last two: Dk over 64 and over 128 (the kernels' register
+	 * tiers), Dv past a column tile and not a multiple of 8 */
 	const int64_t dims[][5] = { { 2, 9, 3, 5, 4 },
 				    { 1, 1, 1, 1, 1 },
-				    { 1, 70, 2, 3, 6 } };
+				    { 1, 70, 2, 3, 6 },
+				    { 2, 75, 3, 70, 45 },
+				    { 1, 20, 2, 131, 9 } };
 	for (int dev = 0; dev < 2; dev++) {
 		epj_ctx *ctx = NULL;
 		ck_assert_int_eq(epj_ctx_new(dev ? "cuda-sim" : "cpu", &ctx),
 				 EPJ_OK);
 		epj_ctx_seed(ctx, tu_seed() + (uint64_t)dev);
 		for (size_t c = 0; c < LEN(dims); c++)
-			for (int f = 0; f < 2; f++) {
-				epj_dtype dt =
-				    f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
+			for (int f = 0; f < 3; f++) {
+				epj_dtype dt = f == 2	? EPJ_DTYPE_BF16
+					       : f == 1 ? EPJ_DTYPE_F32
+							: EPJ_DTYPE_F64;
 				const int64_t *d = dims[c];
 				epj_tensor *in[5];
 				make_delta(ctx, dt, d, in);
@@ -1243,7 +1249,10 @@ START_TEST(test_gated_delta_forward)
 					  x[1], x[2], x[3], x[4], want);
 				double *got = tu_values(ctx, o), nz = 0;
 				for (int64_t i = 0; i < no; i++) {
-					double tl = f ? 2e-5 : 1e-11;
+					/* bf16: the output's rounding */
+					double tl = f == 2   ? 1e-2
+						    : f == 1 ? 2e-5
+							     : 1e-11;
 					ck_assert_msg(
 					    fabs(got[i] - want[i]) <=
 						tl * (1 + fabs(want[i])),
@@ -1296,20 +1305,26 @@ START_TEST(test_gated_delta_gradcheck)
 }
 END_TEST
 
-/* The backward on cuda-sim (templates/delta.cuh: one thread per (batch,
- * head), states kept every 64 steps) against the CPU kernel's, on the same
- * inputs and upstream gradient, T across a chunk boundary; f64 and f32. */
-START_TEST(test_gated_delta_backward_sim)
+/* The backward on cuda-sim (templates/delta.cuh: column tiles, states
+ * kept every 64 steps, the reverse sweep in segments of time) against the
+ * CPU kernel's, on the same inputs and upstream gradient; f64, f32, bf16.
+ * Sizes: B > 1, several heads, T across chunks and segments and not a
+ * multiple of either (segments of 64 steps, set by the test hook, or the
+ * default of one), Dk != Dv, Dv across column tiles and not a multiple of
+ * 8 or 32, Dk in each register tier (<= 64, <= 128, <= 256). */
+static void delta_backward_case(const int64_t *d, int64_t seg)
 {
-	const int64_t d[5] = { 2, 67, 3, 4, 5 };
 	int64_t shp[6][4] = {
 		{ d[0], d[1], d[2], d[3] }, { d[0], d[1], d[2], d[3] },
 		{ d[0], d[1], d[2], d[4] }, { d[0], d[1], d[2] },
 		{ d[0], d[1], d[2] },	    { d[0], d[1], d[2], d[4] }
 	};
 	int nd[6] = { 4, 4, 4, 3, 3, 4 };
-	for (int f = 0; f < 2; f++) {
-		epj_dtype dt = f ? EPJ_DTYPE_F32 : EPJ_DTYPE_F64;
+	ej_cuda_delta_segment_hook(seg);
+	for (int f = 0; f < 3; f++) {
+		epj_dtype dt = f == 2	? EPJ_DTYPE_BF16
+			       : f == 1 ? EPJ_DTYPE_F32
+					: EPJ_DTYPE_F64;
 		/* the inputs and the upstream weights, drawn once (cpu) */
 		double *vals[6];
 		epj_ctx *c0 = tu_ctx();
@@ -1371,16 +1386,43 @@ START_TEST(test_gated_delta_backward_sim)
 				den += grads[0][i][j] * grads[0][i][j];
 			}
 			ck_assert(den > 0);
-			ck_assert_msg(sqrt(num / den) < (f ? 1e-5 : 1e-12),
-				      "%s input %d: cuda-sim's gradient %g "
-				      "(relative L2) from the cpu's",
-				      epj_dtype_name(dt), i, sqrt(num / den));
+			/* bf16: the outputs' rounding, f32 sums against
+			 * the CPU's double ones */
+			ck_assert_msg(sqrt(num / den) < (f == 2	  ? 1e-2
+							 : f == 1 ? 1e-5
+								  : 1e-12),
+				      "%s B=%lld T=%lld H=%lld Dk=%lld Dv=%lld "
+				      "segment %lld input %d: cuda-sim's "
+				      "gradient %g (relative L2) from the "
+				      "cpu's",
+				      epj_dtype_name(dt), (long long)d[0],
+				      (long long)d[1], (long long)d[2],
+				      (long long)d[3], (long long)d[4],
+				      (long long)seg, i, sqrt(num / den));
 			free(grads[0][i]);
 			free(grads[1][i]);
 		}
 		for (int i = 0; i < 6; i++)
 			free(vals[i]);
 	}
+	ej_cuda_delta_segment_hook(0);
+}
+
+START_TEST(test_gated_delta_backward_sim)
+{
+	const int64_t d[5] = { 2, 67, 3, 4, 5 };
+	delta_backward_case(d, 0);
+}
+END_TEST
+
+START_TEST(test_gated_delta_backward_odd)
+{
+	static const struct {
+		int64_t d[5], seg;
+	} cs[] = { { { 2, 140, 2, 19, 45 }, 64 },
+		   { { 1, 70, 2, 70, 11 }, 64 },
+		   { { 2, 9, 1, 131, 6 }, 0 } };
+	delta_backward_case(cs[_i].d, cs[_i].seg);
 }
 END_TEST
 
@@ -1427,10 +1469,11 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_docs_errors);
 	suite_add_tcase(s, ts);
 	TCase *td = tcase_create("gated_delta");
-	tcase_set_timeout(td, 60);
+	tcase_set_timeout(td, 300);
 	tcase_add_test(td, test_gated_delta_forward);
 	tcase_add_test(td, test_gated_delta_gradcheck);
 	tcase_add_test(td, test_gated_delta_backward_sim);
+	tcase_add_loop_test(td, test_gated_delta_backward_odd, 0, 3);
 	tcase_add_test(td, test_gated_delta_errors);
 	suite_add_tcase(s, td);
 	TCase *tc = tcase_create("cross_entropy");

@@ -48,6 +48,14 @@ static const struct {
 	int dt, dl;
 } attn_inst[] = { { 0, 4 }, { 1, 4 }, { 2, 4 }, { 1, 1 }, { 1, 2 }, { 1, 3 } };
 
+/* Gated delta rule instantiations (EJ_DELTA_F64, EJ_DELTA_NU: keys per
+ * lane, Dk up to 16 NU): every one the host builds. */
+static const struct {
+	int f64, nu;
+} delta_inst[] = {
+	{ 0, 4 }, { 0, 8 }, { 0, 16 }, { 1, 4 }, { 1, 8 }, { 1, 16 }
+};
+
 static bool have_nvrtc(const char *test)
 {
 	int maj = 0, min = 0;
@@ -170,8 +178,9 @@ static void template_unit(epj_ctx *ctx, const char *name, const char *defines,
 	ej_arena *A = ej_arena_new();
 	const char *src = ej_tmpl_source(ctx, A, name, defines);
 	ck_assert_msg(src != NULL, "%s: %s", name, epj_ctx_error(ctx));
-	bool strict =
-	    strcmp(name, "gemm") == 0 || strcmp(name, "attention") == 0;
+	bool strict = strcmp(name, "gemm") == 0 ||
+		      strcmp(name, "attention") == 0 ||
+		      strcmp(name, "delta") == 0;
 	int entries = ptxas_unit(ctx, unit, src, strict, fails, n);
 	ck_assert_msg(entries >= 1, "%s: no entry function reported", unit);
 	ej_arena_free(A);
@@ -186,6 +195,21 @@ START_TEST(test_templates)
 	table_head("templates");
 	int n_attn = 0;
 	for (const char *const *t = ej_tmpl_names(); *t; t++) {
+		if (strcmp(*t, "delta") == 0) {
+			for (size_t i = 0; i < EJ_ARRAY_LEN(delta_inst); i++) {
+				char defs[96], unit[64];
+				snprintf(defs, sizeof defs,
+					 "#define EJ_DELTA_F64 %d\n"
+					 "#define EJ_DELTA_NU %d",
+					 delta_inst[i].f64, delta_inst[i].nu);
+				snprintf(unit, sizeof unit, "delta %s dk<=%d",
+					 delta_inst[i].f64 ? "f64" : "f32",
+					 16 * delta_inst[i].nu);
+				template_unit(ctx, *t, defs, unit, fails,
+					      sizeof fails);
+			}
+			continue;
+		}
 		if (strcmp(*t, "attention") != 0) {
 			template_unit(ctx, *t, NULL, *t, fails, sizeof fails);
 			continue;

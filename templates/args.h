@@ -348,7 +348,12 @@ struct ej_delta_args {
 	int dt;
 	void *o;		    /* fwd: o; bwd: dq */
 	void *dk, *dv, *dg, *dbeta; /* bwd */
-	void *ws;		    /* bwd scratch */
+	void *ws;		    /* bwd: the kept states */
+	void *chunk;		    /* bwd: a chunk's recomputed states */
+	const void *dsin;	    /* bwd: dS after the segment */
+	void *dsout;		    /* bwd: dS before the segment */
+	void *part;		    /* bwd: the column tiles' partial sums */
+	long long t0, t1;	    /* bwd: the segment [t0, t1) */
 };
 
 #endif

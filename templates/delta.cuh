@@ -3,26 +3,64 @@
  * recurrence and its backward).  Inputs are contiguous (the host adapter
  * copies strided ones): q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta
  * [B, T, H], one dtype (code 0 f32, 1 bf16, 2 f64); arithmetic in f32
- * (f64 for f64).  Deterministic: no atomics, every sum in index order.
+ * (f64 for f64).  Deterministic: no atomics, every sum in a fixed order.
  *
- *  ej_delta_fwd  o [B, T, H, Dv]: one block per (b, h) (grid-stride),
- *                threads over the columns j of the state; a column
- *                S[:, j] evolves on its own (its read S~^T k and its write
- *                k d_j touch only that column), so each thread keeps its
- *                column in registers (Dk <= EJ_DELTA_MAXK) and writes
- *                o[.., j] at every step.
- *  ej_delta_bwd  dq, dk [B, T, H, Dk], dv [.., Dv], dg, dbeta [B, T, H]:
- *                one thread per (b, h), the CPU kernel's reverse sweep
- *                (states kept every EJ_DELTA_CK steps, the chunk between
- *                recomputed) in the scratch `ws` the host allocates,
- *                ej_delta_ws_elems(T, Dk, Dv) elements of the compute type
- *                per (b, h).  Correct, not fast: its sums over the state's
- *                columns would need cross-thread reductions, and this is
- *                the first CUDA form of the op.
+ * A column S[:, j] of the Dk x Dv state evolves on its own, forwards and
+ * backwards: its read S~^T k and its write k d_j touch only that column,
+ * and so do the backward's dS[:, j] updates.  So every kernel splits the
+ * state by columns: a block of EJ_DELTA_THREADS (128) threads holds
+ * EJ_DELTA_COLS (8) columns of one (batch, head), 2 per warp, each column
+ * shared by EJ_DELTA_KL (16) lanes that hold its keys i = lane + 16 u in
+ * registers (u < NU: the host builds one instantiation per NU = 4, 8 or
+ * 16, for Dk up to 64, 128, 256 = EJ_DELTA_MAXK; fully unrolled, so no
+ * local memory).  Dot products over the keys are 16-lane butterflies
+ * (__shfl_xor_sync).  Work items are (batch, head, column tile), B H
+ * ceil(Dv / 8) of them, grid-stride.
+ *
+ *  ej_delta_fwd       o [B, T, H, Dv]: the recurrence, o written per step
+ *                     by lane 0 of each column.
+ *  ej_delta_bwd_keep  the states before steps 0, CK, 2 CK, ... (CK =
+ *                     EJ_DELTA_CK) into ws, [B H][ceil(T / CK)][state]
+ *                     (a state padded to 16 ceil(Dk / 16) x 8 ceil(Dv /
+ *                     8) elements: ej_delta_el).
+ *  ej_delta_bwd_seg   the reverse sweep over steps [t0, t1) (a segment,
+ *                     t0 a multiple of CK), dS carried in from dsin (zero
+ *                     when t1 = T) and out to dsout, [B H][state]: per
+ *                     chunk of CK steps the states are recomputed from
+ *                     the kept one into chunk ([B H][CK][state]), then
+ *                     walked backwards.  dv is complete per column; dq,
+ *                     dk (sums over the columns) and dbeta, dg's inner
+ *                     product (sums over columns and keys) are summed
+ *                     over the block's columns (warp pairs by shuffle,
+ *                     the 4 warps in shared memory, in warp order) and
+ *                     written as one partial per column tile, part
+ *                     [tile][B][t1 - t0][H][2 Dk + 2].
+ *  ej_delta_bwd_sum   dq, dk, dbeta, dg of the segment: the partials
+ *                     summed over the tiles in tile order.
+ * The host launches keep once, then seg and sum per segment from the last
+ * one back, so the partials take memory for one segment only.
  */
 
-#define EJ_DELTA_MAXK 256
-#define EJ_DELTA_CK 64
+/* The instantiation (the host's defines): EJ_DELTA_F64 1 computes in f64
+ * (f64 tensors), 0 in f32 (f32 and bf16); EJ_DELTA_NU keys per lane and
+ * column (4, 8 or 16: Dk up to 16 NU). */
+#ifndef EJ_DELTA_F64
+#define EJ_DELTA_F64 0
+#endif
+#ifndef EJ_DELTA_NU
+#define EJ_DELTA_NU 8
+#endif
+#if EJ_DELTA_F64
+typedef double ej_delta_t;
+#else
+typedef float ej_delta_t;
+#endif
+
+#define EJ_DELTA_MAXK	 256
+#define EJ_DELTA_CK	 64
+#define EJ_DELTA_KL	 16
+#define EJ_DELTA_COLS	 8
+#define EJ_DELTA_THREADS 128
 
 static __device__ float ej_delta_exp(float x)
 {
@@ -33,174 +71,344 @@ static __device__ double ej_delta_exp(double x)
 	return exp(x);
 }
 
-template <class A>
-static __device__ void ej_delta_fwd_bh(const struct ej_delta_args &a,
-				       long long b, long long h)
+/* the sum over the 16 lanes of a column (every lane gets the same bits) */
+template <class A> static __device__ A ej_delta_sum16(A v)
 {
-	A s[EJ_DELTA_MAXK];
-	for (long long j = threadIdx.x; j < a.Dv; j += blockDim.x) {
-		for (long long i = 0; i < a.Dk; i++)
-			s[i] = (A)0;
-		for (long long t = 0; t < a.T; t++) {
-			const long long r = (b * a.T + t) * a.H + h;
-			const A al = ej_delta_exp(ej_fld<A>(a.g, r, a.dt));
-			const A be = ej_fld<A>(a.beta, r, a.dt);
-			A m = (A)0;
-			for (long long i = 0; i < a.Dk; i++) {
-				s[i] *= al;
-				m += s[i] * ej_fld<A>(a.k, r * a.Dk + i, a.dt);
-			}
-			const A d =
-			    be * (ej_fld<A>(a.v, r * a.Dv + j, a.dt) - m);
-			A y = (A)0;
-			for (long long i = 0; i < a.Dk; i++) {
-				s[i] += ej_fld<A>(a.k, r * a.Dk + i, a.dt) * d;
-				y += s[i] * ej_fld<A>(a.q, r * a.Dk + i, a.dt);
-			}
-			ej_fst<A>(a.o, r * a.Dv + j, a.dt, y);
-		}
+#pragma unroll
+	for (int o = 1; o < EJ_DELTA_KL; o <<= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* One thread's place: column j of (b, h), keys kl + 16 u. */
+struct ej_delta_at {
+	long long bh, b, h, j;
+	long long nu, dvp; /* the scratch states' key groups and columns */
+	int kl;
+	bool jv; /* j < Dv */
+};
+
+static __device__ ej_delta_at ej_delta_place(const struct ej_delta_args &a,
+					     long long item)
+{
+	const long long nt = (a.Dv + EJ_DELTA_COLS - 1) / EJ_DELTA_COLS;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_delta_at p;
+	p.bh = item / nt;
+	p.b = p.bh / a.H;
+	p.h = p.bh % a.H;
+	p.j = (item % nt) * EJ_DELTA_COLS + 2 * w + (lane >> 4);
+	p.kl = lane & (EJ_DELTA_KL - 1);
+	p.jv = p.j < a.Dv;
+	p.nu = (a.Dk + EJ_DELTA_KL - 1) / EJ_DELTA_KL;
+	p.dvp = nt * EJ_DELTA_COLS;
+	return p;
+}
+
+/* Row r's keys of this thread (zero past Dk). */
+template <class A, int NU>
+static __device__ void ej_delta_keys(const struct ej_delta_args &a,
+				     const void *x, long long r, int kl, A *o)
+{
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		const long long i = kl + EJ_DELTA_KL * u;
+		o[u] = i < a.Dk ? ej_fld<A>(x, r * a.Dk + i, a.dt) : (A)0;
 	}
 }
 
-extern "C" __global__ void ej_delta_fwd(const struct ej_delta_args a)
+/* One forward step of a column: s <- al s + k d, d = be (v_j - (al s).k);
+ * returns d. */
+template <class A, int NU>
+static __device__ A ej_delta_step(A *s, const A *kk, A al, A be, A vj)
 {
-	for (long long bh = blockIdx.x; bh < a.B * a.H; bh += gridDim.x) {
-		if (a.dt == 2)
-			ej_delta_fwd_bh<double>(a, bh / a.H, bh % a.H);
-		else
-			ej_delta_fwd_bh<float>(a, bh / a.H, bh % a.H);
+	A m = (A)0;
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		s[u] *= al;
+		m += s[u] * kk[u];
+	}
+	m = ej_delta_sum16(m);
+	const A d = be * (vj - m);
+#pragma unroll
+	for (int u = 0; u < NU; u++)
+		s[u] += kk[u] * d;
+	return d;
+}
+
+/* This thread's element u of state number n of a scratch buffer of
+ * states (kept, chunk, dS), or -1 past the state's key groups.  A state is
+ * stored padded, [ceil(Dk / 16)][8 ceil(Dv / 8)][16]: key group u, column
+ * j, key lane, so that a warp's 32 lanes touch 32 consecutive elements;
+ * the padding holds zeros (the kernels' keys and values there are 0). */
+static __device__ long long ej_delta_el(const struct ej_delta_args &a,
+					const ej_delta_at &p, long long n,
+					int u)
+{
+	return u < p.nu
+		   ? ((n * p.nu + u) * p.dvp + p.j) * EJ_DELTA_KL + p.kl
+		   : -1;
+}
+
+/* The forward of one column; with kept, no output but the states before
+ * every CK-th step. */
+template <class A, int NU>
+static __device__ void ej_delta_fwd_col(const struct ej_delta_args &a,
+					const ej_delta_at &p, A *kept)
+{
+	const long long nck = (a.T + EJ_DELTA_CK - 1) / EJ_DELTA_CK;
+	A s[NU], kk[NU], qq[NU];
+#pragma unroll
+	for (int u = 0; u < NU; u++)
+		s[u] = (A)0;
+	for (long long t = 0; t < a.T; t++) {
+		const long long r = (p.b * a.T + t) * a.H + p.h;
+		if (kept && t % EJ_DELTA_CK == 0)
+#pragma unroll
+			for (int u = 0; u < NU; u++) {
+				long long e = ej_delta_el(
+				    a, p, p.bh * nck + t / EJ_DELTA_CK, u);
+				if (e >= 0)
+					kept[e] = s[u];
+			}
+		const A al = ej_delta_exp(ej_fld<A>(a.g, r, a.dt));
+		const A be = ej_fld<A>(a.beta, r, a.dt);
+		const A vj = p.jv ? ej_fld<A>(a.v, r * a.Dv + p.j, a.dt) : (A)0;
+		ej_delta_keys<A, NU>(a, a.k, r, p.kl, kk);
+		ej_delta_step<A, NU>(s, kk, al, be, vj);
+		if (kept)
+			continue;
+		ej_delta_keys<A, NU>(a, a.q, r, p.kl, qq);
+		A y = (A)0;
+#pragma unroll
+		for (int u = 0; u < NU; u++)
+			y += s[u] * qq[u];
+		y = ej_delta_sum16(y);
+		if (p.jv && p.kl == 0)
+			ej_fst<A>(a.o, r * a.Dv + p.j, a.dt, y);
 	}
 }
 
-/* One forward step of (b, h) at time t on S [Dk, Dv]; the delta into dl. */
-template <class A>
-static __device__ void ej_delta_step(const struct ej_delta_args &a,
-				     long long r, A *S, A *dl)
+template <class A, int NU>
+static __device__ void ej_delta_fwd_all(const struct ej_delta_args &a,
+					A *kept)
 {
-	const long long Dk = a.Dk, Dv = a.Dv;
+	const long long nt = (a.Dv + EJ_DELTA_COLS - 1) / EJ_DELTA_COLS;
+	for (long long it = blockIdx.x; it < a.B * a.H * nt; it += gridDim.x)
+		ej_delta_fwd_col<A, NU>(a, ej_delta_place(a, it), kept);
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_DELTA_THREADS)
+    ej_delta_fwd(const struct ej_delta_args a)
+{
+	ej_delta_fwd_all<ej_delta_t, EJ_DELTA_NU>(a, (ej_delta_t *)0);
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_DELTA_THREADS)
+    ej_delta_bwd_keep(const struct ej_delta_args a)
+{
+	ej_delta_fwd_all<ej_delta_t, EJ_DELTA_NU>(a, (ej_delta_t *)a.ws);
+}
+
+/* The sum of v over the warp's 2 columns into slot e of this warp's row
+ * of the block sums (by lane 0-15, the column pair's first). */
+template <class A>
+static __device__ void ej_delta_put(A *rw, long long e, bool ok, A v)
+{
+	v += __shfl_xor_sync(0xffffffffu, v, 16);
+	if (ok && (threadIdx.x & 31) < EJ_DELTA_KL)
+		rw[e] = v;
+}
+
+/* The block's sums of one step (the warps' rows of red, 2 MAXK + 2 each,
+ * filled by ej_delta_put: dq at 0, dk at Dk, dbeta at 2 Dk, dg's inner
+ * product at 2 Dk + 1) summed over the 4 warps in order into the partial
+ * row `row` of tile `tile`. */
+template <class A>
+static __device__ void ej_delta_block_sum(const struct ej_delta_args &a,
+					  const A *red, long long tile,
+					  long long row)
+{
+	const int W = 2 * EJ_DELTA_MAXK + 2;
+	__syncthreads();
+	const long long nw = 2 * a.Dk + 2;
+	const long long rows = a.B * (a.t1 - a.t0) * a.H;
+	for (long long e = threadIdx.x; e < nw; e += blockDim.x) {
+		A s = (A)0;
+		for (int x = 0; x < EJ_DELTA_THREADS / 32; x++)
+			s += red[x * W + e];
+		((A *)a.part)[(tile * rows + row) * nw + e] = s;
+	}
+}
+
+/* One reverse step at row r of a column: Sp = the state before the step;
+ * dS updated in place; dv stored; the block's partial row written (red:
+ * this step's buffer of block sums, 4 warps x (2 MAXK + 2)). */
+template <class A, int NU>
+static __device__ void ej_delta_back_step(const struct ej_delta_args &a,
+					  const ej_delta_at &p, long long r,
+					  const A *Sp, A *dS, A *red,
+					  long long tile, long long row)
+{
+	A kk[NU];
+	A *rw = red + (threadIdx.x >> 5) * (2 * EJ_DELTA_MAXK + 2);
+	ej_delta_keys<A, NU>(a, a.k, r, p.kl, kk);
 	const A al = ej_delta_exp(ej_fld<A>(a.g, r, a.dt));
 	const A be = ej_fld<A>(a.beta, r, a.dt);
-	for (long long i = 0; i < Dk * Dv; i++)
-		S[i] *= al;
-	for (long long j = 0; j < Dv; j++) {
-		A m = (A)0;
-		for (long long i = 0; i < Dk; i++)
-			m += S[i * Dv + j] * ej_fld<A>(a.k, r * Dk + i, a.dt);
-		dl[j] = be * (ej_fld<A>(a.v, r * Dv + j, a.dt) - m);
+	const A vj = p.jv ? ej_fld<A>(a.v, r * a.Dv + p.j, a.dt) : (A)0;
+	const A gj = p.jv ? ej_fld<A>(a.go, r * a.Dv + p.j, a.dt) : (A)0;
+	A m = (A)0;
+#pragma unroll
+	for (int u = 0; u < NU; u++)
+		m += al * Sp[u] * kk[u];
+	m = ej_delta_sum16(m);
+	const A dl = be * (vj - m);
+	A dd = (A)0;
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		const long long i = p.kl + EJ_DELTA_KL * u;
+		const A qi = i < a.Dk ? ej_fld<A>(a.q, r * a.Dk + i, a.dt) : (A)0;
+		/* dq = S_t do, S_t = S~ + k dl */
+		ej_delta_put(rw, i, i < a.Dk, (al * Sp[u] + kk[u] * dl) * gj);
+		dS[u] += qi * gj;
+		dd += dS[u] * kk[u];
 	}
-	for (long long i = 0; i < Dk; i++) {
-		const A ki = ej_fld<A>(a.k, r * Dk + i, a.dt);
-		for (long long j = 0; j < Dv; j++)
-			S[i * Dv + j] += ki * dl[j];
+	dd = ej_delta_sum16(dd);
+	if (p.jv && p.kl == 0)
+		ej_fst<A>(a.dv, r * a.Dv + p.j, a.dt, be * dd);
+	const A dm = -be * dd;
+	A da = (A)0;
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		const long long i = p.kl + EJ_DELTA_KL * u;
+		ej_delta_put(rw, a.Dk + i, i < a.Dk,
+			     dS[u] * dl + al * Sp[u] * dm);
+		dS[u] += kk[u] * dm;
+		da += dS[u] * Sp[u];
+		dS[u] *= al;
 	}
+	da = ej_delta_sum16(da);
+	ej_delta_put(rw, 2 * a.Dk, p.kl == 0, dd * (vj - m));
+	ej_delta_put(rw, 2 * a.Dk + 1, p.kl == 0, da);
+	ej_delta_block_sum<A>(a, red, tile, row);
 }
 
-template <class A>
-static __device__ void ej_delta_bwd_bh(const struct ej_delta_args &a,
-				       long long b, long long h, A *w)
+/* The reverse sweep of one column over the segment [t0, t1). */
+template <class A, int NU>
+static __device__ void ej_delta_bwd_col(const struct ej_delta_args &a,
+					const ej_delta_at &p, long long tile,
+					A *red, unsigned &par)
 {
-	const long long T = a.T, Dk = a.Dk, Dv = a.Dv, SS = Dk * Dv;
-	const long long nck = T / EJ_DELTA_CK + 1;
-	A *kept = w, *chunk = kept + SS * nck;
-	A *dS = chunk + SS * (EJ_DELTA_CK + 1), *St = dS + SS;
-	A *dl = St + SS, *mm = dl + Dv, *dd = mm + Dv, *dm = dd + Dv;
-	for (long long i = 0; i < SS; i++)
-		chunk[i] = (A)0;
-	for (long long t = 0; t < T; t++) {
-		if (t % EJ_DELTA_CK == 0)
-			for (long long i = 0; i < SS; i++)
-				kept[SS * (t / EJ_DELTA_CK) + i] = chunk[i];
-		ej_delta_step<A>(a, (b * T + t) * a.H + h, chunk, dl);
+	const long long nck = (a.T + EJ_DELTA_CK - 1) / EJ_DELTA_CK;
+	const long long W = 2 * EJ_DELTA_MAXK + 2;
+	const A *kept = (const A *)a.ws;
+	A *chunk = (A *)a.chunk;
+	A dS[NU], s[NU], kk[NU];
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		const long long e = ej_delta_el(a, p, p.bh, u);
+		dS[u] = e >= 0 && a.t1 < a.T ? ((const A *)a.dsin)[e] : (A)0;
 	}
-	for (long long i = 0; i < SS; i++)
-		dS[i] = (A)0;
-	for (long long c0 = T > 0 ? ((T - 1) / EJ_DELTA_CK) * EJ_DELTA_CK : -1;
-	     c0 >= 0; c0 -= EJ_DELTA_CK) {
+	for (long long c0 = (a.t1 - 1) / EJ_DELTA_CK * EJ_DELTA_CK;
+	     c0 >= a.t0; c0 -= EJ_DELTA_CK) {
 		const long long len =
-		    T - c0 < EJ_DELTA_CK ? T - c0 : EJ_DELTA_CK;
-		for (long long i = 0; i < SS; i++)
-			chunk[i] = kept[SS * (c0 / EJ_DELTA_CK) + i];
-		for (long long j = 0; j < len; j++) {
-			for (long long i = 0; i < SS; i++)
-				chunk[SS * (j + 1) + i] = chunk[SS * j + i];
-			ej_delta_step<A>(a, (b * T + c0 + j) * a.H + h,
-					 chunk + SS * (j + 1), dl);
+		    a.T - c0 < EJ_DELTA_CK ? a.T - c0 : EJ_DELTA_CK;
+#pragma unroll
+		for (int u = 0; u < NU; u++) {
+			const long long e =
+			    ej_delta_el(a, p, p.bh * nck + c0 / EJ_DELTA_CK, u);
+			s[u] = e >= 0 ? kept[e] : (A)0;
+		}
+		for (long long jt = 0; jt < len; jt++) {
+			const long long r = (p.b * a.T + c0 + jt) * a.H + p.h;
+#pragma unroll
+			for (int u = 0; u < NU; u++) {
+				const long long e = ej_delta_el(
+				    a, p, p.bh * EJ_DELTA_CK + jt, u);
+				if (e >= 0)
+					chunk[e] = s[u];
+			}
+			ej_delta_keys<A, NU>(a, a.k, r, p.kl, kk);
+			const A vj =
+			    p.jv ? ej_fld<A>(a.v, r * a.Dv + p.j, a.dt) : (A)0;
+			ej_delta_step<A, NU>(
+			    s, kk, ej_delta_exp(ej_fld<A>(a.g, r, a.dt)),
+			    ej_fld<A>(a.beta, r, a.dt), vj);
 		}
 		for (long long jt = len - 1; jt >= 0; jt--) {
-			const long long r = (b * T + c0 + jt) * a.H + h;
-			const A *Sp = chunk + SS * jt, *Sn = Sp + SS;
-			const A al = ej_delta_exp(ej_fld<A>(a.g, r, a.dt));
-			const A be = ej_fld<A>(a.beta, r, a.dt);
-			for (long long i = 0; i < SS; i++)
-				St[i] = al * Sp[i];
-			for (long long j = 0; j < Dv; j++) {
-				A s2 = (A)0;
-				for (long long i = 0; i < Dk; i++)
-					s2 += St[i * Dv + j] *
-					      ej_fld<A>(a.k, r * Dk + i, a.dt);
-				mm[j] = s2;
-				dl[j] = be *
-					(ej_fld<A>(a.v, r * Dv + j, a.dt) - s2);
+			const long long t = c0 + jt;
+			const long long r = (p.b * a.T + t) * a.H + p.h;
+#pragma unroll
+			for (int u = 0; u < NU; u++) {
+				const long long e = ej_delta_el(
+				    a, p, p.bh * EJ_DELTA_CK + jt, u);
+				s[u] = e >= 0 ? chunk[e] : (A)0;
 			}
-			for (long long i = 0; i < Dk; i++) {
-				const A qi = ej_fld<A>(a.q, r * Dk + i, a.dt);
-				A y = (A)0;
-				for (long long j = 0; j < Dv; j++) {
-					const A go =
-					    ej_fld<A>(a.go, r * Dv + j, a.dt);
-					dS[i * Dv + j] += qi * go;
-					y += Sn[i * Dv + j] * go;
-				}
-				ej_fst<A>(a.o, r * Dk + i, a.dt, y);
-			}
-			for (long long j = 0; j < Dv; j++) {
-				A s2 = (A)0;
-				for (long long i = 0; i < Dk; i++)
-					s2 += dS[i * Dv + j] *
-					      ej_fld<A>(a.k, r * Dk + i, a.dt);
-				dd[j] = s2;
-			}
-			A dbeta = (A)0;
-			for (long long j = 0; j < Dv; j++) {
-				const A vj = ej_fld<A>(a.v, r * Dv + j, a.dt);
-				dbeta += dd[j] * (vj - mm[j]);
-				ej_fst<A>(a.dv, r * Dv + j, a.dt, be * dd[j]);
-				dm[j] = -be * dd[j];
-			}
-			ej_fst<A>(a.dbeta, r, a.dt, dbeta);
-			for (long long i = 0; i < Dk; i++) {
-				const A ki = ej_fld<A>(a.k, r * Dk + i, a.dt);
-				A s1 = (A)0, s2 = (A)0;
-				for (long long j = 0; j < Dv; j++) {
-					s1 += dS[i * Dv + j] * dl[j];
-					s2 += St[i * Dv + j] * dm[j];
-					dS[i * Dv + j] += ki * dm[j];
-				}
-				ej_fst<A>(a.dk, r * Dk + i, a.dt, s1 + s2);
-			}
-			A da = (A)0;
-			for (long long i = 0; i < SS; i++) {
-				da += dS[i] * Sp[i];
-				dS[i] *= al;
-			}
-			ej_fst<A>(a.dg, r, a.dt, da * al);
+			ej_delta_back_step<A, NU>(
+			    a, p, r, s, dS, red + (par++ & 1) * 4 * W, tile,
+			    (p.b * (a.t1 - a.t0) + t - a.t0) * a.H + p.h);
 		}
+	}
+#pragma unroll
+	for (int u = 0; u < NU; u++) {
+		const long long e = ej_delta_el(a, p, p.bh, u);
+		if (e >= 0)
+			((A *)a.dsout)[e] = dS[u];
 	}
 }
 
-extern "C" __global__ void ej_delta_bwd(const struct ej_delta_args a)
+template <class A, int NU>
+static __device__ void ej_delta_bwd_all(const struct ej_delta_args &a, A *red)
 {
-	const long long n = a.B * a.H;
-	const long long per =
-	    (a.T / EJ_DELTA_CK + 1 + EJ_DELTA_CK + 1 + 2) * a.Dk * a.Dv +
-	    4 * a.Dv;
-	for (long long bh = blockIdx.x * blockDim.x + threadIdx.x; bh < n;
-	     bh += gridDim.x * blockDim.x) {
-		if (a.dt == 2)
-			ej_delta_bwd_bh<double>(a, bh / a.H, bh % a.H,
-						(double *)a.ws + bh * per);
+	const long long nt = (a.Dv + EJ_DELTA_COLS - 1) / EJ_DELTA_COLS;
+	unsigned par = 0;
+	for (long long it = blockIdx.x; it < a.B * a.H * nt; it += gridDim.x)
+		ej_delta_bwd_col<A, NU>(a, ej_delta_place(a, it), it % nt, red,
+					par);
+}
+
+/* at least 4 blocks an SM in f32 (2 in f64): without the hint, ptxas
+ * (NVRTC 13, sm_90) squeezed the f32 Dk <= 64 kernel into 64 registers
+ * and spilled */
+extern "C" __global__ void
+    __launch_bounds__(EJ_DELTA_THREADS, EJ_DELTA_F64 ? 2 : 4)
+	ej_delta_bwd_seg(const struct ej_delta_args a)
+{
+	/* the block sums' buffers: by step parity, 4 warps */
+	__shared__ ej_delta_t red[2 * (EJ_DELTA_THREADS / 32) *
+				  (2 * EJ_DELTA_MAXK + 2)];
+	ej_delta_bwd_all<ej_delta_t, EJ_DELTA_NU>(a, red);
+}
+
+/* dq, dk, dbeta, dg of the segment's rows from the tiles' partials. */
+template <class A>
+static __device__ void ej_delta_sum(const struct ej_delta_args &a)
+{
+	const long long nt = (a.Dv + EJ_DELTA_COLS - 1) / EJ_DELTA_COLS;
+	const long long nw = 2 * a.Dk + 2, L = a.t1 - a.t0;
+	const long long rows = a.B * L * a.H;
+	const A *part = (const A *)a.part;
+	for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+	     x < rows * nw; x += (long long)gridDim.x * blockDim.x) {
+		const long long row = x / nw, e = x % nw;
+		A s = (A)0;
+		for (long long tl = 0; tl < nt; tl++)
+			s += part[(tl * rows + row) * nw + e];
+		const long long b = row / (L * a.H), rest = row % (L * a.H);
+		const long long r = (b * a.T + a.t0) * a.H + rest;
+		if (e < a.Dk)
+			ej_fst<A>(a.o, r * a.Dk + e, a.dt, s);
+		else if (e < 2 * a.Dk)
+			ej_fst<A>(a.dk, r * a.Dk + e - a.Dk, a.dt, s);
+		else if (e == 2 * a.Dk)
+			ej_fst<A>(a.dbeta, r, a.dt, s);
 		else
-			ej_delta_bwd_bh<float>(a, bh / a.H, bh % a.H,
-					       (float *)a.ws + bh * per);
+			ej_fst<A>(a.dg, r, a.dt,
+				  s * ej_delta_exp(ej_fld<A>(a.g, r, a.dt)));
 	}
+}
+
+extern "C" __global__ void ej_delta_bwd_sum(const struct ej_delta_args a)
+{
+	ej_delta_sum<ej_delta_t>(a);
 }
