@@ -62,13 +62,15 @@ typedef float ej_delta_t;
 #define EJ_DELTA_COLS	 8
 #define EJ_DELTA_THREADS 128
 
-static __device__ float ej_delta_exp(float x)
+/* exp in the instantiation's compute type (one definition: NVRTC warns of
+ * an unreferenced one) */
+static __device__ ej_delta_t ej_delta_exp(ej_delta_t x)
 {
-	return expf(x);
-}
-static __device__ double ej_delta_exp(double x)
-{
+#if EJ_DELTA_F64
 	return exp(x);
+#else
+	return expf(x);
+#endif
 }
 
 /* the sum over the 16 lanes of a column (every lane gets the same bits) */
