@@ -522,9 +522,8 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 	if (st == EPJ_OK)
 		st = expert_load_forward(e, false, false);
 	/* per-token: the backward of the micro-batch's sum of token losses
-	 * (runtime/batch.c); none counted, no gradient.  The router losses'
-	 * gradient is that of the loss logged: weighted by the micro-batch's
-	 * counted tokens too (doc/trainer.md, "Router losses") */
+	 * (runtime/batch.c); none counted, no gradient (the router losses'
+	 * too: ej_rloss_add_to_loss) */
 	epj_tensor *bl = NULL;
 	if (st == EPJ_OK) {
 		bl = e->batch.per_token_loss
@@ -533,8 +532,6 @@ static epj_status train_step(epj_engine *e, epj_tensor *input_ids,
 		if (!bl)
 			st = ctx->status;
 	}
-	ej_rloss_set_grad_scale(e->model->rloss,
-				e->batch.per_token_loss ? (double)ntok : 1.0);
 	ej_prof_end(ctx, &pf, "forward");
 	if (st != EPJ_OK) {
 		epj_tensor_free(logits);

@@ -1374,12 +1374,12 @@ epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
 	 * guards see the count) */
 	m->docs_pos = position_ids != NULL;
 	m->docs_attn = doc_ids != NULL;
-	int n = labels ? 2 : 1;
+	const int nout = labels ? 2 : 1;
+	int n = nout;
 	if (position_ids)
 		in[n++] = position_ids;
 	if (doc_ids)
 		in[n++] = doc_ids;
-	int nout = labels ? 2 : 1;
 	/* the router losses of this forward (runtime/router_loss.c): counted
 	 * by the MoE layers, added to the loss, as transformers adds its
 	 * auxiliary loss when labels are given */
@@ -1388,17 +1388,11 @@ epj_status epj_model_forward_docs(epj_ctx *ctx, epj_model *m,
 	epj_status st = ej_module_call(ctx, m->root, in, n, out, nout);
 	if (st == EPJ_OK)
 		st = ej_rloss_end(ctx, m->rloss, &add);
-	if (st == EPJ_OK && add != 0 && nout == 2 && out[1]) {
-		epj_tensor *l2 = epj_add_scalar(ctx, out[1], add);
-		epj_tensor_free(out[1]);
-		out[1] = l2;
-		if (!l2)
-			st = ctx->status;
-	}
+	if (st == EPJ_OK && out[1] && ej_rloss_on(m->rloss))
+		st = ej_rloss_add_to_loss(ctx, m->rloss, add, &out[1]);
 	if (st != EPJ_OK) {
 		epj_tensor_free(out[0]);
-		if (nout == 2)
-			epj_tensor_free(out[1]);
+		epj_tensor_free(out[1]);
 		return st;
 	}
 	if (logits)

@@ -77,7 +77,10 @@ struct ej_rloss {
 	double step_sum[EJ_RLOSS_N];
 	int64_t step_n;
 	double metric[EJ_RLOSS_N];
-	double gscale; /* ej_rloss_set_grad_scale */
+	/* the gradient that reached the training loss of the current forward
+	 * (ej_rloss_add_to_loss's node; NULL before its backward): the
+	 * router losses' gradient is scaled by it */
+	epj_tensor *gout;
 };
 
 ej_rloss *ej_rloss_new(int n_layers, int E, int k, ej_route_scoring scoring,
@@ -88,7 +91,6 @@ ej_rloss *ej_rloss_new(int n_layers, int E, int k, ej_route_scoring scoring,
 	if (!rl)
 		return NULL;
 	rl->L = n_layers;
-	rl->gscale = 1;
 	rl->E = E;
 	rl->k = k;
 	rl->scoring = scoring;
@@ -116,6 +118,7 @@ void ej_rloss_free(ej_rloss *rl)
 		epj_tensor_free(rl->lay[l].lse2);
 	}
 	free(rl->lay);
+	epj_tensor_free(rl->gout);
 	free(rl);
 }
 
@@ -186,15 +189,44 @@ void ej_rloss_begin(ej_rloss *rl, bool training)
 	if (!ej_rloss_on(rl))
 		return;
 	rl->serial++;
-	rl->gscale = 1;
+	epj_tensor_free(rl->gout);
+	rl->gout = NULL;
 	rl->N = rl->B = rl->T = 0;
 	memset(rl->value, 0, sizeof rl->value);
 }
 
-void ej_rloss_set_grad_scale(ej_rloss *rl, double scale)
+/* The loss node's backward: the gradient passes through, and is kept for
+ * the router logits' nodes, which run after it (they are upstream of the
+ * loss). */
+static epj_status total_backward(epj_ctx *ctx, ej_node *n,
+				 epj_tensor *const *grad_out,
+				 epj_tensor **grad_in)
 {
-	if (rl)
-		rl->gscale = scale;
+	ej_rloss *rl = n->custom;
+	(void)ctx;
+	epj_tensor_free(rl->gout);
+	rl->gout = epj_tensor_ref(grad_out[0]);
+	grad_in[0] = epj_tensor_ref(grad_out[0]);
+	return EPJ_OK;
+}
+
+epj_status ej_rloss_add_to_loss(epj_ctx *ctx, ej_rloss *rl, double add,
+				epj_tensor **loss)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *sum = epj_add_scalar(ctx, *loss, add);
+	epj_no_grad_exit(ctx, prev);
+	if (!sum)
+		return ctx->status;
+	if (epj_grad_enabled(ctx) && epj_tensor_requires_grad(*loss) &&
+	    !ej_node_custom(ctx, "router_loss_total", loss, 1, &sum, 1,
+			    total_backward, rl, NULL)) {
+		epj_tensor_free(sum);
+		return ctx->status;
+	}
+	epj_tensor_free(*loss);
+	*loss = sum;
+	return EPJ_OK;
 }
 
 bool ej_rloss_training(const epj_ctx *ctx, const ej_rloss *rl)
@@ -337,8 +369,15 @@ static epj_status rl_backward(epj_ctx *ctx, ej_node *n,
 	const epj_dtype rdt = wide_of(d->z);
 	epj_tensor *zr = epj_cast(ctx, d->z, rdt);
 	epj_tensor *dz = zr ? loss_grad(ctx, rl, ly, zr, d->B, d->T) : NULL;
-	if (dz && rl->gscale != 1) {
-		epj_tensor *sc = epj_mul_scalar(ctx, dz, rl->gscale);
+	if (dz && rl->gout) {
+		/* the loss's own gradient (the per-token loss backpropagates
+		 * the sum of a micro-batch's token losses) */
+		const int64_t one[2] = { 1, 1 };
+		epj_tensor *g1 = epj_reshape(ctx, rl->gout, 2, one);
+		epj_tensor *gr = g1 ? epj_cast(ctx, g1, rdt) : NULL;
+		epj_tensor *sc = gr ? epj_mul(ctx, dz, gr) : NULL;
+		epj_tensor_free(g1);
+		epj_tensor_free(gr);
 		epj_tensor_free(dz);
 		dz = sc;
 	}

@@ -58,12 +58,13 @@ bool ej_rloss_training(const epj_ctx *ctx, const ej_rloss *rl);
  * losses times their coefficients (to add to the training loss), and
  * the gradient coefficients of every counted layer. */
 epj_status ej_rloss_end(epj_ctx *ctx, ej_rloss *rl, double *add);
-/* The factor of the gradient the backward of the last forward adds (1 from
- * ej_rloss_begin): the engine's per-token loss backpropagates a
- * micro-batch's sum of token losses, and the router losses' gradient is
- * weighted as their value is in the loss it logs, by the micro-batch's
- * counted tokens.  A no-op on NULL. */
-void ej_rloss_set_grad_scale(ej_rloss *rl, double scale);
+/* *loss (the forward's training loss, replaced) plus add, ej_rloss_end's
+ * sum, through a node whose backward keeps the gradient that reaches the
+ * loss: the router losses' gradient is scaled by it, as the rest of the
+ * loss's is (the engine's per-token loss backpropagates a micro-batch's
+ * sum of token losses, the loss times its counted tokens). */
+epj_status ej_rloss_add_to_loss(epj_ctx *ctx, ej_rloss *rl, double add,
+				epj_tensor **loss);
 
 /* Layer `layer`'s router logits [N, E] (N = B T tokens, T per sequence)
  * before routing: *out the tensor to route with, logits itself (a new
