@@ -40,13 +40,16 @@
  *  log:    the NVRTC program log, NUL-terminated ("" when quiet); on a PTX
  *          fallback it begins with a "note:" line saying so.
  *  target: the -arch value actually used ("sm_90", or "compute_121" on a
- *          fallback); part of the cache key. */
+ *          fallback); part of the cache key.
+ *  ptx:    with EJ_NVRTC_OPT_KEEP_PTX among the options, the PTX the cubin
+ *          was made from (NUL-terminated); else NULL. */
 typedef struct ej_nvrtc_result {
 	void *image;
 	size_t size;
 	bool is_ptx;
 	char *log;
 	char target[16];
+	char *ptx;
 } ej_nvrtc_result;
 
 /* Frees the members and zeroes *r; NULL ok. */
@@ -54,7 +57,8 @@ void ej_nvrtc_result_free(ej_nvrtc_result *r);
 
 /* Compiles one CUDA C translation unit `source` (program name `name`, used
  * in the log as "<name>.cu") for `arch` ("sm_80", "sm_90a", ...).  Options:
- * -arch=<target>, then extra_opts[0..n_opts) verbatim (e.g. "-lineinfo").
+ * -arch=<target>, then extra_opts[0..n_opts) verbatim (e.g. "-lineinfo"),
+ * but EJ_NVRTC_OPT_KEEP_PTX, which only keeps the PTX.
  *  - arch newer than every arch this NVRTC supports: PTX for the newest
  *    supported compute_XX (is_ptx = true; the log says so);
  *  - arch older than the oldest, or between supported ones but not one of
@@ -108,6 +112,11 @@ bool ej_nvrtc_log_has_warning(const char *log);
  * (and "Compile time" lines).  A cubin compile only: PTX output runs no
  * ptxas. */
 #define EJ_NVRTC_OPT_PTXAS_REPORT "--ptxas-options=-v"
+
+/* Not an NVRTC option: in extra_opts it is taken out of what NVRTC sees and
+ * keeps the PTX of a cubin compile in result->ptx (t/check_ptxas.c reads
+ * the instructions a kernel uses from it). */
+#define EJ_NVRTC_OPT_KEEP_PTX "epjit:keep-ptx"
 
 /* What ptxas reports for one function. */
 typedef struct ej_ptxas_usage {

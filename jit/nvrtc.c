@@ -282,6 +282,7 @@ void ej_nvrtc_result_free(ej_nvrtc_result *r)
 		return;
 	free(r->image);
 	free(r->log);
+	free(r->ptx);
 	memset(r, 0, sizeof *r);
 }
 
@@ -495,19 +496,25 @@ epj_status ej_nvrtc_compile(epj_ctx *ctx, const char *source, const char *name,
 	snprintf(prog_name, sizeof prog_name, "%s.cu",
 		 ej_safe_name(name, safe, sizeof safe));
 	nv_job job = { ctx, NULL, source, name, target };
-	char *log = NULL;
+	char *log = NULL, *ptx = NULL;
 	void *image = NULL;
 	size_t log_size = 0, size = 0;
 	const char **opts = malloc(sizeof *opts * (size_t)(n_opts + 1));
 	if (!opts)
 		return ej_error(ctx, EPJ_ERR_NOMEM, "nvrtc: out of memory");
 	opts[0] = arch_opt;
-	for (int i = 0; i < n_opts; i++)
-		opts[i + 1] = extra_opts[i];
+	int n_nv = 1;
+	bool keep_ptx = false;
+	for (int i = 0; i < n_opts; i++) {
+		if (strcmp(extra_opts[i], EJ_NVRTC_OPT_KEEP_PTX) == 0)
+			keep_ptx = true;
+		else
+			opts[n_nv++] = extra_opts[i];
+	}
 
 	NVRTC_CHECK(&job, nvrtcCreateProgram(&job.prog, source, prog_name, 0,
 					     NULL, NULL));
-	NVRTC_CHECK(&job, nvrtcCompileProgram(job.prog, n_opts + 1, opts));
+	NVRTC_CHECK(&job, nvrtcCompileProgram(job.prog, n_nv, opts));
 	NVRTC_CHECK(&job, nvrtcGetProgramLogSize(job.prog, &log_size));
 	size_t note_len = strlen(note);
 	log = malloc(note_len + log_size + 1);
@@ -541,6 +548,19 @@ epj_status ej_nvrtc_compile(epj_ctx *ctx, const char *source, const char *name,
 		NVRTC_CHECK(&job, nvrtcGetPTX(job.prog, image));
 	else
 		NVRTC_CHECK(&job, nvrtcGetCUBIN(job.prog, image));
+	if (keep_ptx && !is_ptx) {
+		size_t n = 0;
+		NVRTC_CHECK(&job, nvrtcGetPTXSize(job.prog, &n));
+		if (!(ptx = malloc(n + 1))) {
+			st = ej_error(ctx, EPJ_ERR_NOMEM,
+				      "nvrtc: out of memory for %zu bytes of "
+				      "PTX",
+				      n);
+			goto out;
+		}
+		ptx[n] = '\0';
+		NVRTC_CHECK(&job, nvrtcGetPTX(job.prog, ptx));
+	}
 
 out:
 	if (job.prog) {
@@ -556,8 +576,10 @@ out:
 	if (st != EPJ_OK) {
 		free(image);
 		free(log);
+		free(ptx);
 		return st;
 	}
+	out->ptx = ptx;
 	out->image = image;
 	out->size = size;
 	out->is_ptx = is_ptx;

@@ -3,10 +3,12 @@
  * ptxas's resource report (EJ_NVRTC_OPT_PTXAS_REPORT), read back with
  * ej_ptxas_report_parse.  Prints one table row per kernel (registers, stack
  * frame, spill stores and loads, bytes per thread) and fails on any stack
- * frame or spill in a GEMM, attention or fused kernel: per-thread arrays
- * that ptxas cannot index statically, or registers it runs out of, land in
- * local memory, which the cuda-sim tests cannot see and which costs the
- * kernel its speed on a GPU.  The other templates are reported only.
+ * frame or spill in a GEMM, attention, gated delta, MoE, optimizer or
+ * fused kernel: per-thread arrays that ptxas cannot index statically, or
+ * registers it runs out of, land in local memory, which the cuda-sim tests
+ * cannot see and which costs the kernel its speed on a GPU.  The other
+ * templates are reported only.  Case widths counts the 16-byte global
+ * accesses of the MoE copy kernels in their PTX.
  *
  * What is compiled:
  *  - every template of ej_tmpl_names() as the library builds it; attention
@@ -180,7 +182,8 @@ static void template_unit(epj_ctx *ctx, const char *name, const char *defines,
 	ck_assert_msg(src != NULL, "%s: %s", name, epj_ctx_error(ctx));
 	bool strict = strcmp(name, "gemm") == 0 ||
 		      strcmp(name, "attention") == 0 ||
-		      strcmp(name, "delta") == 0;
+		      strcmp(name, "delta") == 0 || strcmp(name, "moe") == 0 ||
+		      strcmp(name, "optim") == 0;
 	int entries = ptxas_unit(ctx, unit, src, strict, fails, n);
 	ck_assert_msg(entries >= 1, "%s: no entry function reported", unit);
 	ej_arena_free(A);
@@ -231,6 +234,123 @@ START_TEST(test_templates)
 	ck_assert_int_eq(n_attn, (int)EJ_ARRAY_LEN(attn_inst));
 	ck_assert_msg(!fails[0], "local memory in strict kernels:%s", fails);
 	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* ---- load and store widths of the MoE copy kernels -------------------------
+ */
+
+/* The 16-byte global loads and stores in the PTX of entry `fn` of ptx
+ * (ld.global[.nc][.vN].<type><bits>, st.global likewise).  Returns false
+ * when the entry is not in ptx. */
+static bool ptx_widths(const char *ptx, const char *fn, int *ld, int *st)
+{
+	char head[160];
+	snprintf(head, sizeof head, ".entry %s(", fn);
+	const char *p = strstr(ptx, head);
+	if (!p)
+		return false;
+	const char *end = strstr(p + 1, ".entry ");
+	*ld = *st = 0;
+	for (const char *q = p;
+	     (q = strstr(q, ".global.")) && (!end || q < end); q++) {
+		const char *op = q;
+		while (op > p && op[-1] != '\t' && op[-1] != ' ' &&
+		       op[-1] != '\n')
+			op--;
+		bool is_ld = strncmp(op, "ld.", 3) == 0;
+		bool is_st = strncmp(op, "st.", 3) == 0;
+		if (!is_ld && !is_st)
+			continue;
+		int vec = 1, bits = 0;
+		const char *t = q + strlen(".global");
+		while (*t == '.') {
+			t++;
+			if (t[0] == 'v' && (t[1] == '2' || t[1] == '4'))
+				vec = t[1] - '0';
+			else if (strchr("ubsf", t[0]) && t[1] >= '0' &&
+				 t[1] <= '9')
+				bits = atoi(t + 1);
+			while (*t && *t != '.' && *t != ' ' && *t != '\t')
+				t++;
+		}
+		if (vec * bits / 8 == 16)
+			++*(is_ld ? ld : st);
+	}
+	return true;
+}
+
+/* The kernels that move rows or elements of activations: each has a path
+ * of 16-byte loads and stores for aligned data (the host takes it when
+ * rows and buffers allow, counting moe.rows.vec16).  Narrower accesses
+ * there would cost the copy most of its bandwidth on a GPU, and cuda-sim
+ * cannot see it: this case counts the 16-byte accesses in the PTX.  The
+ * least each kernel must have: one per array it moves in every
+ * instantiation, 3 dtypes x 2 index widths (the permute moves raw 16-byte
+ * words: 2 instantiations); unrolling only adds to these. */
+static const struct {
+	const char *fn;
+	int ld, st; /* arrays loaded and stored */
+	int inst;
+} moe_copy_kernels[] = {
+	{ "ej_moe_permute", 1, 1, 2 }, { "ej_moe_permute_bw", 1, 1, 6 },
+	{ "ej_moe_combine", 1, 1, 6 }, { "ej_moe_combine_bw_y", 1, 1, 6 },
+	{ "ej_swiglu_fwd", 2, 1, 6 },  { "ej_swiglu_bwd", 3, 2, 6 },
+};
+
+START_TEST(test_widths)
+{
+	if (!have_nvrtc("test_widths"))
+		return;
+	epj_ctx *ctx = tu_ctx();
+	ej_arena *A = ej_arena_new();
+	const char *src = ej_tmpl_source(ctx, A, "moe", NULL);
+	ck_assert_msg(src != NULL, "moe: %s", epj_ctx_error(ctx));
+	const char *opts[] = { EJ_NVRTC_OPT_KEEP_PTX };
+	ej_nvrtc_result r = { 0 };
+	ck_assert_msg(ej_nvrtc_compile(ctx, src, "moe", PTXAS_ARCH, opts, 1,
+				       &r) == EPJ_OK,
+		      "moe: %s", epj_ctx_error(ctx));
+	ck_assert_msg(r.ptx != NULL, "moe: no PTX kept");
+	printf("\n16-byte global loads and stores, moe, PTX for %s\n",
+	       PTXAS_ARCH);
+	char fails[1024] = "";
+	for (size_t i = 0; i < EJ_ARRAY_LEN(moe_copy_kernels); i++) {
+		int ld = 0, st = 0;
+		const char *fn = moe_copy_kernels[i].fn;
+		const int n = moe_copy_kernels[i].inst;
+		const int want_ld = moe_copy_kernels[i].ld * n;
+		const int want_st = moe_copy_kernels[i].st * n;
+		ck_assert_msg(ptx_widths(r.ptx, fn, &ld, &st),
+			      "%s: not in the PTX", fn);
+		printf("%-22s %3d %3d (at least %d %d)\n", fn, ld, st, want_ld,
+		       want_st);
+		if (ld < want_ld || st < want_st)
+			tu_report(fails, sizeof fails,
+				  "\n  %s: %d 16-byte loads, %d stores; "
+				  "expected at least %d and %d",
+				  fn, ld, st, want_ld, want_st);
+	}
+	/* the parser itself, on lines of the forms it reads */
+	static const char probe[] =
+	    ".visible .entry k(\n\tld.global.nc.v4.u32 {%r1, %r2, %r3, "
+	    "%r4}, [%rd1];\n\tld.global.u16 %rs1, [%rd2];\n\t"
+	    "st.global.v2.f64 [%rd3], {%fd1, %fd2};\n\tst.global.b8 [%rd4], "
+	    "%rs2;\n}\n.visible .entry k2(\n\tld.global.v2.u64 {%rd5, "
+	    "%rd6}, [%rd7];\n}\n";
+	int ld = 0, st = 0;
+	ck_assert(ptx_widths(probe, "k", &ld, &st));
+	ck_assert_int_eq(ld, 1);
+	ck_assert_int_eq(st, 1);
+	ck_assert(ptx_widths(probe, "k2", &ld, &st));
+	ck_assert_int_eq(ld, 1);
+	ck_assert_int_eq(st, 0);
+	ck_assert(!ptx_widths(probe, "k3", &ld, &st));
+	ej_nvrtc_result_free(&r);
+	ej_arena_free(A);
+	epj_ctx_free(ctx);
+	ck_assert_msg(!fails[0], "MoE copy kernels short of 16-byte access:%s",
+		      fails);
 }
 END_TEST
 
@@ -359,6 +479,10 @@ Suite *make_ptxas_suite(void)
 	tc = tcase_create("fused");
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_fused);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("widths");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_widths);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -169,20 +169,25 @@ static double route_loss(const double *x, int E, int k, bool norm,
 
 /* loop index -> (N, E, k, norm, logits dtype) */
 static const int64_t route_N[3] = { 1, 7, 33 };
-static const int route_E[2] = { 3, 8 };
+/* 45 experts: more than a warp's lanes, each lane scans two */
+static const int route_E[3] = { 3, 8, 45 };
+#define RT_MAX 64 /* the largest E and k of these tests */
 
 START_TEST(test_route)
 {
 	int i = _i;
 	const int64_t N = route_N[i % 3];
-	const int E = route_E[(i / 3) % 2];
-	const bool norm = (i / 6) % 2;
-	const epj_dtype ldt = fdt[i / 12];
+	const int E = route_E[(i / 3) % 3];
+	const bool norm = (i / 9) % 2;
+	const epj_dtype ldt = fdt[i / 18];
 	const epj_dtype rdt =
 	    ldt == EPJ_DTYPE_F64 ? EPJ_DTYPE_F64 : EPJ_DTYPE_F32;
 	const size_t rs = epj_dtype_size(rdt);
 	epj_ctx *ctx = tu_ctx();
-	for (int k = 1; k <= 2; k++) {
+	/* k = 1, 2 and a last one that takes every expert (or 9 of 45) */
+	const int ks[3] = { 1, 2, E > 9 ? 9 : E };
+	for (int ki = 0; ki < 3; ki++) {
+		const int k = ks[ki];
 		/* logits with row padding (stride E + 2); every other row
 		 * drawn from few values, so that ties are common */
 		const int64_t sl0 = E + 2;
@@ -202,8 +207,8 @@ START_TEST(test_route)
 						idx) == EPJ_OK,
 			      "%s", epj_ctx_error(ctx));
 		for (int64_t n = 0; n < N; n++) {
-			double x[8], p[8], rw[2], sum = 0;
-			int64_t ri[2];
+			double x[RT_MAX], p[RT_MAX], rw[RT_MAX], sum = 0;
+			int64_t ri[RT_MAX];
 			for (int e = 0; e < E; e++)
 				x[e] = ld(lg, n * sl0 + e, ldt);
 			ref_route(x, E, k, norm, p, rw, ri);
@@ -233,8 +238,8 @@ START_TEST(test_route)
 			      "%s", epj_ctx_error(ctx));
 		const double tol = rdt == EPJ_DTYPE_F64 ? 1e-12 : 2e-6;
 		for (int64_t n = 0; n < N; n++) {
-			double x[8], p[8], rw[2], dwd[2];
-			int64_t ri[2];
+			double x[RT_MAX], p[RT_MAX], rw[RT_MAX], dwd[RT_MAX];
+			int64_t ri[RT_MAX];
 			for (int e = 0; e < E; e++)
 				x[e] = ld(lg, n * sl0 + e, ldt);
 			ref_route(x, E, k, norm, p, rw, ri);
@@ -256,7 +261,7 @@ START_TEST(test_route)
 			/* central differences in double */
 			for (int e = 0; e < E; e++) {
 				const double h = 1e-5;
-				double xp[8], xm[8];
+				double xp[RT_MAX], xm[RT_MAX];
 				memcpy(xp, x, sizeof xp);
 				memcpy(xm, x, sizeof xm);
 				xp[e] += h;
@@ -1301,7 +1306,7 @@ Suite *make_tmpl_moe_suite(void)
 	 * first test compiles each template, the others load it */
 	tcase_add_unchecked_fixture(tc, cache_setup, cache_teardown);
 	tcase_set_timeout(tc, 300);
-	tu_add_loop_test(tc, test_route, 36);
+	tu_add_loop_test(tc, test_route, 54);
 	tcase_add_test(tc, test_sort);
 	tu_add_loop_test(tc, test_swiglu, 24);
 	tu_add_loop_test(tc, test_swiglu_op, 6);

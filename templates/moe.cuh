@@ -18,7 +18,9 @@
  *                    when `norm` (norm_topk_prob); idx [N, k] i64.  With
  *                    `fixed`, the experts are (n k + j) % E instead
  *                    (expert_parallel.fixed_routing), weighted the same.
- *                    k <= EJ_MOE_MAX_K.  Logits have any row/column strides.
+ *                    Any k <= E (no per-thread list: the experts taken are
+ *                    those ordered before the last one taken).  Logits
+ *                    have any row/column strides.
  *  ej_moe_sort_*     stable counting sort of n keys in [0, B) over blocks of
  *                    EJ_MOE_SORT_T keys, one a thread: _count writes each
  *                    block's count of each key (a thread's rank among the
@@ -62,10 +64,6 @@
  * that the CPU rounds before adding use ej_mul_* so that NVRTC does not
  * contract them into an FMA.
  */
-#ifndef EJ_MOE_MAX_K
-#define EJ_MOE_MAX_K 32
-#endif
-
 #ifdef EJ_CUDA_SIM
 #define ej_mul_f(a, b) ((a) * (b))
 #define ej_mul_d(a, b) ((a) * (b))
@@ -195,50 +193,54 @@ static __device__ void ej_moe_route_tok(const struct ej_moe_route_args &a,
 	for (int i = lane; i < E; i += 32)
 		p[i] = ej_mul(p[i], inv);
 	/* top-k: k rounds of a warp arg-max over the unselected experts; or
-	 * the fixed assignment, each probability from the lane that wrote it */
-	long long sel[EJ_MOE_MAX_K];
-	T val[EJ_MOE_MAX_K];
-	for (int j = 0; a.fixed && j < a.k; j++) {
-		sel[j] = (n * a.k + j) % E;
-		const int owner = (int)(sel[j] & 31);
-		val[j] = __shfl_sync(0xffffffffu,
-				     lane == owner ? p[sel[j]] : (T)0, owner);
-	}
-	for (int j = 0; !a.fixed && j < a.k; j++) {
+	 * the fixed assignment, each probability from the lane that wrote it.
+	 * ej_moe_before is a strict total order, so the experts taken in the
+	 * rounds before are those ordered before the last one taken (pv, pi):
+	 * no per-thread list, nothing in local memory.  Lane 0 writes each
+	 * slot as it is chosen, then divides by the sum (in slot order). */
+	T *w = (T *)a.w + n * a.k;
+	long long *idx = a.idx + n * a.k;
+	T sum = (T)0, pv = (T)0;
+	long long pi = -1;
+	for (int j = 0; j < a.k; j++) {
 		T bv = (T)0;
 		long long bi = -1;
-		for (int i = lane; i < E; i += 32) {
-			bool taken = false;
-			for (int q = 0; q < j; q++)
-				taken |= sel[q] == i;
-			if (taken)
-				continue;
-			if (bi < 0 || ej_moe_before(p[i], (long long)i, bv, bi)) {
-				bv = p[i];
-				bi = i;
+		if (a.fixed) {
+			bi = (n * a.k + j) % E;
+			const int owner = (int)(bi & 31);
+			bv = __shfl_sync(0xffffffffu,
+					 lane == owner ? p[bi] : (T)0, owner);
+		} else {
+			for (int i = lane; i < E && (j == 0 || pi >= 0);
+			     i += 32) {
+				const long long li = i;
+				if (j > 0 && !ej_moe_before(pv, pi, p[i], li))
+					continue;
+				if (bi < 0 || ej_moe_before(p[i], li, bv, bi)) {
+					bv = p[i];
+					bi = i;
+				}
 			}
-		}
-		for (int o = 16; o > 0; o >>= 1) {
-			T ov = __shfl_xor_sync(0xffffffffu, bv, o);
-			long long oi = __shfl_xor_sync(0xffffffffu, bi, o);
-			if (oi >= 0 && (bi < 0 || ej_moe_before(ov, oi, bv, bi))) {
-				bv = ov;
-				bi = oi;
+			for (int o = 16; o > 0; o >>= 1) {
+				T ov = __shfl_xor_sync(0xffffffffu, bv, o);
+				long long oi = __shfl_xor_sync(0xffffffffu, bi, o);
+				if (oi >= 0 &&
+				    (bi < 0 || ej_moe_before(ov, oi, bv, bi))) {
+					bv = ov;
+					bi = oi;
+				}
 			}
+			pv = bv;
+			pi = bi;
 		}
-		sel[j] = bi;
-		val[j] = bv;
-	}
-	if (lane == 0) {
-		T sum = (T)0;
-		for (int j = 0; j < a.k; j++)
-			sum += val[j];
-		for (int j = 0; j < a.k; j++) {
-			T wj = a.norm ? val[j] / sum : val[j];
-			((T *)a.w)[n * a.k + j] = wj;
-			a.idx[n * a.k + j] = sel[j];
+		sum += bv;
+		if (lane == 0) {
+			w[j] = bv;
+			idx[j] = bi;
 		}
 	}
+	for (int j = 0; a.norm && lane == 0 && j < a.k; j++)
+		w[j] = w[j] / sum;
 }
 
 extern "C" __global__ void ej_moe_route(const struct ej_moe_route_args a)
@@ -598,30 +600,25 @@ static __device__ void ej_moe_route_bw_tok(const struct ej_moe_route_bw_args &a,
 	const T *p = (const T *)a.probs + n * a.E;
 	const long long *id = a.idx + n * a.k;
 	const T *dw = (const T *)a.dw + n * a.k;
-	T dp[EJ_MOE_MAX_K];
-	T S = (T)0;
+	/* dp_j = (dw_j - c) / S when renormalised, else dw_j: recomputed
+	 * where used (no per-thread array in local memory) */
+	T S = (T)0, c = (T)0;
 	for (int j = 0; j < a.k; j++)
 		S += p[id[j]];
-	if (a.norm) {
-		T c = (T)0;
-		for (int j = 0; j < a.k; j++)
-			c += dw[j] * (p[id[j]] / S);
-		for (int j = 0; j < a.k; j++)
-			dp[j] = (dw[j] - c) / S;
-	} else {
-		for (int j = 0; j < a.k; j++)
-			dp[j] = dw[j];
-	}
+	for (int j = 0; a.norm && j < a.k; j++)
+		c += dw[j] * (p[id[j]] / S);
+#define EJ_MOE_DP(j) (a.norm ? (dw[j] - c) / S : dw[j])
 	T inner = (T)0;
 	for (int j = 0; j < a.k; j++)
-		inner += p[id[j]] * dp[j];
+		inner += p[id[j]] * EJ_MOE_DP(j);
 	for (int i = lane; i < a.E; i += 32) {
 		T d = (T)0;
 		for (int j = 0; j < a.k; j++)
 			if (id[j] == i)
-				d += dp[j];
+				d += EJ_MOE_DP(j);
 		((T *)a.dlogits)[n * a.E + i] = p[i] * (d - inner);
 	}
+#undef EJ_MOE_DP
 }
 
 extern "C" __global__ void ej_moe_route_bw(const struct ej_moe_route_bw_args a)
