@@ -2822,8 +2822,8 @@ static void banner(run *r, const opts *o)
 	printf(PROG ": world %d rank%s, expert parallel %d, ZeRO stage %d, "
 		    "device %s\n",
 	       epj_dist_size(), epj_dist_size() == 1 ? "" : "s",
-	       epj_engine_ep_size(r->engine), epj_engine_zero_stage(r->engine),
-	       run_device());
+	       (int)cfg_int(r, "expert_parallel.autoep_size"),
+	       (int)cfg_int(r, "zero_optimization.stage"), run_device());
 	if (o->compile) {
 		printf(PROG ": compiled: mode %s, %d region%s",
 		       epj_engine_compile_mode(r->engine),

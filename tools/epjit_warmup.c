@@ -348,7 +348,8 @@ typedef struct warm {
 	epj_engine *engine;
 	ej_warm_plan plan;
 	int64_t B, T;
-	int world; /* the run's ranks this warm-up stands for */
+	int world;   /* the run's ranks this warm-up stands for */
+	int ep_size; /* the config's expert_parallel.autoep_size */
 	int n_variants;
 	double trace_s;
 } warm;
@@ -406,6 +407,11 @@ static epj_status make_plan(warm *w, const opts *o)
 			     "run with it loads no C artifacts (warming them "
 			     "anyway)\n",
 			ej_backend_name(jit->backend));
+	int64_t ep = 1;
+	if ((st = epj_config_int(ctx, w->cfg, "expert_parallel.autoep_size",
+				 &ep)) != EPJ_OK)
+		return st;
+	w->ep_size = (int)ep;
 	w->B = epj_engine_micro_batch_size(w->engine);
 	/* the world the batch sizes were resolved for */
 	w->world = (int)(w->engine->cfg.train_batch_size /
@@ -430,8 +436,7 @@ static void print_header(const warm *w, const opts *o)
 	    o->model_path ? o->model_path : "built-in tiny model",
 	    w->model->cfg.num_hidden_layers,
 	    w->model->cfg.num_hidden_layers == 1 ? "" : "s", w->B, w->T,
-	    w->world, epj_engine_ep_size(w->engine),
-	    epj_engine_compile_mode(w->engine),
+	    w->world, w->ep_size, epj_engine_compile_mode(w->engine),
 	    epj_engine_num_regions(w->engine),
 	    epj_engine_num_regions(w->engine) == 1 ? "" : "s", w->n_variants,
 	    w->n_variants == 1 ? "" : "s", w->plan.n_segments,
