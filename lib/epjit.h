@@ -431,6 +431,64 @@ void epj_module_set_checkpoint(epj_module *m, bool on);
  * borrowed), NULL for other modules or before the first call. */
 epj_tensor *epj_module_routing(const epj_module *m);
 
+/* ---- training config
+ * ---------------------------------------------------------
+ * A DeepSpeed-style training config (ds.json, doc/config.md), parsed and
+ * checked once: unknown keys, wrong types and out-of-range values are
+ * EPJ_ERR_CONFIG naming the key and what it takes ("config error in
+ * SOURCE: ..."; every error of the file is reported).  The object is a
+ * plain value once made: read it from any thread, hand it to any number
+ * of engines (epj_engine_new copies it), free it when done.  Values are
+ * read by the key's dotted path ("seed", "bf16.enabled",
+ * "compile.backend"), so a key added to the config is readable with no
+ * new function. */
+
+typedef struct epj_config epj_config;
+
+/* Parses json (NULL: "{}", all defaults); source names it in messages
+ * (NULL: "<string>").  A value "auto" takes the value at the same dotted
+ * path of auto_json, a JSON object of the caller's own settings (a
+ * trainer's flags and defaults); auto_json NULL, or a path it lacks: the
+ * library's rule (doc/config.md, the "auto" column).  *out is NULL on
+ * failure. */
+epj_status epj_config_parse(epj_ctx *ctx, const char *json, const char *source,
+			    const char *auto_json, epj_config **out);
+/* As epj_config_parse on the file at path (NULL: all defaults); an
+ * unreadable file is EPJ_ERR_IO naming it. */
+epj_status epj_config_load(epj_ctx *ctx, const char *path,
+			   const char *auto_json, epj_config **out);
+void epj_config_free(epj_config *c);
+/* The source name of its messages (the path, or epj_config_parse's). */
+const char *epj_config_source(const epj_config *c);
+/* The value of key (a dotted path) as the config holds it: the file's
+ * value, "auto" resolved, else the default (doc/config.md).
+ *  - _int: an integer key;
+ *  - _real: a number or an integer key (a null number reads as 0);
+ *  - _bool: a boolean key;
+ *  - _str: a string or choice key ("" when absent and not defaulted), or
+ *    a true/false/null key as "true", "false" or "null"; *out lives as
+ *    long as c.
+ * A path that is no key, a section, a key that is accepted and not kept
+ * (no effect in epjit) or a key of another type is EPJ_ERR_INVALID, the
+ * message (in ctx, which may be NULL) naming the key, what it holds and,
+ * for a likely typo, the nearest key; *out is then unchanged.
+ * Batch sizes are as given (0 when not): the engine resolves them for its
+ * world size (epj_engine_micro_batch_size, epj_engine_grad_accum_steps). */
+epj_status epj_config_int(epj_ctx *ctx, const epj_config *c, const char *key,
+			  int64_t *out);
+epj_status epj_config_real(epj_ctx *ctx, const epj_config *c, const char *key,
+			   double *out);
+epj_status epj_config_bool(epj_ctx *ctx, const epj_config *c, const char *key,
+			   bool *out);
+epj_status epj_config_str(epj_ctx *ctx, const epj_config *c, const char *key,
+			  const char **out);
+/* Whether the config's text sets key (a dotted path) to a value other
+ * than null ("auto" included); false for any other path. */
+bool epj_config_given(const epj_config *c, const char *key);
+/* The effective config as JSON text that epj_config_parse reads back to
+ * the same values; malloc'ed (free()), NULL when out of memory. */
+char *epj_config_to_json(const epj_config *c);
+
 /* ---- engine
  * ------------------------------------------------------------------
  * DeepSpeed-style training engine over a model (borrowed: the model must
@@ -451,6 +509,11 @@ typedef struct epj_step_info {
 			 was skipped (config "skip_nonfinite_steps") */
 } epj_step_info;
 
+/* The engine of model under cfg (copied: cfg may be freed after).  The
+ * config is read here and nowhere else; the epj_engine_initialize*
+ * functions below are epj_config_load / _parse, then this. */
+epj_status epj_engine_new(epj_ctx *ctx, epj_model *model, const epj_config *cfg,
+			  epj_engine **out);
 /* ds_config_path NULL: all defaults. */
 epj_status epj_engine_initialize(epj_ctx *ctx, epj_model *model,
 				 const char *ds_config_path, epj_engine **out);

@@ -4082,3 +4082,246 @@ char *ej_config_reference(void)
 	}
 	return buf;
 }
+
+/* ==== the public config object (epj_config) ============================== */
+
+/* The row of dotted path `path` and the base of its section in c (NULL
+ * when no row has that path).  A K_BY_TYPE section's row is the one its
+ * parent's type takes, else the first of that name. */
+static const key *find_key(const ej_config *c, const char *path,
+			   const char **base)
+{
+	int sec = SEC_ROOT, t = -1;
+	const char *b = (const char *)c;
+	const char *seg = path;
+	for (;;) {
+		const char *dot = strchr(seg, '.');
+		size_t len = dot ? (size_t)(dot - seg) : strlen(seg);
+		const key *hit = NULL;
+		for (size_t i = 0; i < EJ_ARRAY_LEN(keys); i++) {
+			const key *k = &keys[i];
+			if (k->sec != sec || strlen(k->name) != len ||
+			    strncmp(k->name, seg, len) != 0)
+				continue;
+			if (!hit || (t >= 0 && (k->applies & (1u << t)) &&
+				     !(hit->applies & (1u << t))))
+				hit = k;
+		}
+		if (!hit || !dot) {
+			*base = b;
+			return hit;
+		}
+		if (hit->type != K_SECTION)
+			return NULL;
+		t = (hit->flags & K_BY_TYPE) ? (int)get_int(type_key(sec), b)
+					     : -1;
+		b += hit->off;
+		sec = hit->child;
+		seg = dot + 1;
+	}
+}
+
+/* "the nearest key is X" for an unknown path, or "". */
+static void nearest_path(const char *path, char *buf, size_t n)
+{
+	char cand[160], best[160] = "";
+	int bd = 4; /* a likely typo: at most 3 edits */
+	for (int i = 0; ej_config_key_at(i, cand, sizeof cand); i++) {
+		int d = ej_edit_distance(path, cand);
+		if (d < bd) {
+			bd = d;
+			snprintf(best, sizeof best, "%s", cand);
+		}
+	}
+	if (best[0])
+		snprintf(buf, n, " (did you mean \"%s\"?)", best);
+	else
+		buf[0] = '\0';
+}
+
+static const char *const stored_names[] = {
+	[K_BOOL] = "a boolean",	   [K_INT] = "an integer",
+	[K_NUM] = "a number",	   [K_PAIR] = "a pair of numbers",
+	[K_ENUM] = "a string",	   [K_NAME] = "a string",
+	[K_STR] = "a string",	   [K_TRISTATE] = "true, false or null",
+	[K_SECTION] = "a section",
+};
+
+/* The row of path in c as the getter `want` (its name) reads it, with
+ * its base; NULL after an error naming the key and what it holds. */
+static const key *getter_key(epj_ctx *ctx, const epj_config *c,
+			     const char *path, const char *want,
+			     const key_type *ok, int nok, const char **base)
+{
+	EJ_ASSERT(c && path);
+	const key *k = find_key(&c->cfg, path, base);
+	if (!k) {
+		char hint[200];
+		nearest_path(path, hint, sizeof hint);
+		if (ctx)
+			ej_error(ctx, EPJ_ERR_INVALID,
+				 "epj_config_%s: \"%s\" is not a key of the "
+				 "training config (doc/config.md)%s",
+				 want, path, hint);
+		return NULL;
+	}
+	if (k->type != K_SECTION && k->off < 0) {
+		if (ctx)
+			ej_error(ctx, EPJ_ERR_INVALID,
+				 "epj_config_%s: \"%s\" is accepted and not "
+				 "kept (it has no effect in epjit, "
+				 "doc/config.md)",
+				 want, path);
+		return NULL;
+	}
+	key_type st = stored_type(k);
+	for (int i = 0; i < nok; i++)
+		if (st == ok[i])
+			return k;
+	const char *what =
+	    (size_t)st < EJ_ARRAY_LEN(stored_names) && stored_names[st]
+		? stored_names[st]
+		: "not a plain value";
+	if (ctx)
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "epj_config_%s: \"%s\" is %s%s, not what "
+			 "epj_config_%s reads",
+			 want, path, what,
+			 st == K_SECTION ? " (name one of its keys)" : "",
+			 want);
+	return NULL;
+}
+
+epj_status epj_config_int(epj_ctx *ctx, const epj_config *c, const char *key,
+			  int64_t *out)
+{
+	static const key_type ok[] = { K_INT };
+	const char *base;
+	const struct key *k = getter_key(ctx, c, key, "int", ok, 1, &base);
+	if (!k)
+		return EPJ_ERR_INVALID;
+	*out = get_int(k, base);
+	return EPJ_OK;
+}
+
+epj_status epj_config_real(epj_ctx *ctx, const epj_config *c, const char *key,
+			   double *out)
+{
+	static const key_type ok[] = { K_NUM, K_INT };
+	const char *base;
+	const struct key *k = getter_key(ctx, c, key, "real", ok, 2, &base);
+	if (!k)
+		return EPJ_ERR_INVALID;
+	*out = stored_type(k) == K_INT ? (double)get_int(k, base)
+				       : get_num(k, base, 0);
+	return EPJ_OK;
+}
+
+epj_status epj_config_bool(epj_ctx *ctx, const epj_config *c, const char *key,
+			   bool *out)
+{
+	static const key_type ok[] = { K_BOOL };
+	const char *base;
+	const struct key *k = getter_key(ctx, c, key, "bool", ok, 1, &base);
+	if (!k)
+		return EPJ_ERR_INVALID;
+	*out = get_bool(k, base);
+	return EPJ_OK;
+}
+
+epj_status epj_config_str(epj_ctx *ctx, const epj_config *c, const char *key,
+			  const char **out)
+{
+	static const key_type ok[] = { K_NAME, K_STR, K_ENUM, K_TRISTATE };
+	static const char *const tri[] = { "false", "true", "null" };
+	const char *base;
+	const struct key *k = getter_key(ctx, c, key, "str", ok, 4, &base);
+	if (!k)
+		return EPJ_ERR_INVALID;
+	int64_t x;
+	switch (stored_type(k)) {
+	case K_ENUM:
+		x = get_int(k, base) - k->enum_base;
+		EJ_ASSERT(x >= 0 && x < k->nchoices);
+		*out = k->choices[x];
+		break;
+	case K_TRISTATE:
+		x = get_int(k, base);
+		EJ_ASSERT(x >= 0 && x < 3);
+		*out = tri[x];
+		break;
+	default:
+		*out = field(k, base);
+		break;
+	}
+	return EPJ_OK;
+}
+
+bool epj_config_given(const epj_config *c, const char *key)
+{
+	EJ_ASSERT(c && key);
+	char buf[300];
+	snprintf(buf, sizeof buf, "%s", key);
+	json_t *o = c->file;
+	char *save = NULL;
+	for (char *t = strtok_r(buf, ".", &save); t && o;
+	     t = strtok_r(NULL, ".", &save))
+		o = json_is_object(o) ? json_object_get(o, t) : NULL;
+	return o && !json_is_null(o);
+}
+
+const char *epj_config_source(const epj_config *c)
+{
+	return c->cfg.source;
+}
+
+char *epj_config_to_json(const epj_config *c)
+{
+	return ej_config_to_json(&c->cfg);
+}
+
+epj_status epj_config_parse(epj_ctx *ctx, const char *json, const char *source,
+			    const char *auto_json, epj_config **out)
+{
+	EJ_ASSERT(out);
+	*out = NULL;
+	if (!json)
+		json = "{}";
+	epj_config *c = calloc(1, sizeof *c);
+	if (!c)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "out of memory");
+	epj_status st =
+	    ej_config_parse_auto(ctx, json, source, auto_json, &c->cfg);
+	/* the file's own keys, for epj_config_given */
+	if (st == EPJ_OK)
+		st = ej_config_json_object(ctx, json, c->cfg.source, &c->file);
+	if (st != EPJ_OK) {
+		epj_config_free(c);
+		return st;
+	}
+	*out = c;
+	return EPJ_OK;
+}
+
+epj_status epj_config_load(epj_ctx *ctx, const char *path,
+			   const char *auto_json, epj_config **out)
+{
+	EJ_ASSERT(out);
+	*out = NULL;
+	if (!path)
+		return epj_config_parse(ctx, "{}", "<defaults>", NULL, out);
+	char *text = ej_config_read_file(ctx, path);
+	if (!text)
+		return epj_ctx_status(ctx);
+	epj_status st = epj_config_parse(ctx, text, path, auto_json, out);
+	free(text);
+	return st;
+}
+
+void epj_config_free(epj_config *c)
+{
+	if (!c)
+		return;
+	json_decref(c->file);
+	free(c);
+}

@@ -251,6 +251,14 @@ typedef struct ej_config {
 	char auto_keys[1024];
 } ej_config;
 
+/* The public config object (epjit.h: epj_config): the parsed and checked
+ * values, and the file's own JSON object (what epj_config_given asks).
+ * The engine copies cfg (epj_engine_new); the object stays the caller's. */
+struct epj_config {
+	ej_config cfg;
+	json_t *file; /* a reference; never NULL once parsed */
+};
+
 /* Fills every field with its documented default. */
 void ej_config_defaults(ej_config *cfg);
 

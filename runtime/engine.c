@@ -339,47 +339,54 @@ static epj_status engine_new(epj_ctx *ctx, epj_model *model,
 	return EPJ_OK;
 }
 
+epj_status epj_engine_new(epj_ctx *ctx, epj_model *model, const epj_config *cfg,
+			  epj_engine **out)
+{
+	EJ_ASSERT(out);
+	*out = NULL;
+	if (!cfg)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"engine_new: config is NULL");
+	return engine_new(ctx, model, &cfg->cfg, out);
+}
+
+/* epj_engine_new on a config made by load(ctx, ...) (freed after). */
+static epj_status engine_from(epj_ctx *ctx, epj_model *model, epj_status st,
+			      epj_config *cfg, epj_engine **out)
+{
+	*out = NULL;
+	if (st == EPJ_OK)
+		st = epj_engine_new(ctx, model, cfg, out);
+	epj_config_free(cfg);
+	return st;
+}
+
 epj_status epj_engine_initialize(epj_ctx *ctx, epj_model *model,
 				 const char *ds_config_path, epj_engine **out)
 {
-	ej_config cfg;
-	epj_status st;
-	*out = NULL;
-	if (ds_config_path)
-		st = ej_config_load(ctx, ds_config_path, &cfg);
-	else
-		st = ej_config_parse(ctx, "{}", "<defaults>", &cfg);
-	if (st != EPJ_OK)
-		return st;
-	return engine_new(ctx, model, &cfg, out);
+	epj_config *cfg = NULL;
+	epj_status st = epj_config_load(ctx, ds_config_path, NULL, &cfg);
+	return engine_from(ctx, model, st, cfg, out);
 }
 
 epj_status epj_engine_initialize_auto(epj_ctx *ctx, epj_model *model,
 				      const char *ds_config_path,
 				      const char *auto_json, epj_engine **out)
 {
-	ej_config cfg;
-	epj_status st;
-	*out = NULL;
-	if (ds_config_path)
-		st = ej_config_load_auto(ctx, ds_config_path, auto_json, &cfg);
-	else
-		st = ej_config_parse(ctx, "{}", "<defaults>", &cfg);
-	if (st != EPJ_OK)
-		return st;
-	return engine_new(ctx, model, &cfg, out);
+	epj_config *cfg = NULL;
+	epj_status st = epj_config_load(ctx, ds_config_path, auto_json, &cfg);
+	return engine_from(ctx, model, st, cfg, out);
 }
 
 epj_status epj_engine_initialize_json(epj_ctx *ctx, epj_model *model,
 				      const char *json, const char *source,
 				      epj_engine **out)
 {
-	ej_config cfg;
-	*out = NULL;
-	epj_status st = ej_config_parse(ctx, json, source, &cfg);
-	if (st != EPJ_OK)
-		return st;
-	return engine_new(ctx, model, &cfg, out);
+	epj_config *cfg = NULL;
+	epj_status st = json ? epj_config_parse(ctx, json, source, NULL, &cfg)
+			     : ej_error(ctx, EPJ_ERR_INVALID,
+					"engine_initialize_json: json is NULL");
+	return engine_from(ctx, model, st, cfg, out);
 }
 
 void epj_engine_free(epj_engine *e)

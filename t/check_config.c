@@ -1394,6 +1394,293 @@ START_TEST(test_load_errors)
 }
 END_TEST
 
+/* ---- the public config object (epj_config) ------------------------------
+ */
+
+/* Walks the JSON object o (the config written back) and checks that every
+ * value at a key path reads back through the getter of its JSON type:
+ * the getters and the writer see the same fields. */
+static int check_getters_at(epj_ctx *ctx, const epj_config *c, json_t *o,
+			    const char *prefix)
+{
+	int n = 0;
+	const char *k;
+	json_t *v;
+	json_object_foreach(o, k, v)
+	{
+		char path[256];
+		snprintf(path, sizeof path, "%s%s%s", prefix,
+			 *prefix ? "." : "", k);
+		int64_t i = -7;
+		double d = -7;
+		bool b;
+		const char *str = NULL;
+		if (json_is_object(v)) {
+			ck_assert_int_eq(epj_config_int(ctx, c, path, &i),
+					 EPJ_ERR_INVALID);
+			ck_assert_msg(
+			    strstr(epj_ctx_error(ctx), "is a section"),
+			    "%s: %s", path, epj_ctx_error(ctx));
+			n += check_getters_at(ctx, c, v, path);
+			continue;
+		}
+		if (json_is_string(v) && !strcmp(json_string_value(v), "auto"))
+			continue; /* a stored "auto" (top_k 0, ...) */
+		if (json_is_integer(v)) {
+			ck_assert_msg(epj_config_int(ctx, c, path, &i) ==
+					  EPJ_OK,
+				      "%s: %s", path, epj_ctx_error(ctx));
+			ck_assert_int_eq(i, json_integer_value(v));
+			ck_assert_int_eq(epj_config_bool(ctx, c, path, &b),
+					 EPJ_ERR_INVALID);
+			ck_assert_msg(strstr(epj_ctx_error(ctx),
+					     "is an integer, not what "
+					     "epj_config_bool reads"),
+				      "%s", epj_ctx_error(ctx));
+		} else if (json_is_real(v)) {
+			ck_assert_msg(epj_config_real(ctx, c, path, &d) ==
+					  EPJ_OK,
+				      "%s: %s", path, epj_ctx_error(ctx));
+			ck_assert(d == json_real_value(v));
+		} else if (json_is_boolean(v)) {
+			/* a true/false/null key reads as a string */
+			if (epj_config_bool(ctx, c, path, &b) == EPJ_OK) {
+				ck_assert(b == json_is_true(v));
+			} else {
+				ck_assert_msg(epj_config_str(ctx, c, path,
+							     &str) == EPJ_OK,
+					      "%s: %s", path,
+					      epj_ctx_error(ctx));
+				ck_assert_str_eq(
+				    str, json_is_true(v) ? "true" : "false");
+			}
+		} else if (json_is_string(v)) {
+			ck_assert_msg(epj_config_str(ctx, c, path, &str) ==
+					  EPJ_OK,
+				      "%s: %s", path, epj_ctx_error(ctx));
+			ck_assert_str_eq(str, json_string_value(v));
+		} else {
+			continue; /* null, pairs */
+		}
+		n++;
+	}
+	return n;
+}
+
+/* Every key the config writes back reads the same through the getters,
+ * on the defaults and on a config with drawn values. */
+START_TEST(test_public_getters_every_key)
+{
+	epj_ctx *ctx = tu_ctx();
+	char js[1024];
+	int64_t seed = tu_randint(0, 1 << 30), mb = tu_randint(1, 64);
+	double lr = (double)tu_randint(1, 1000) / 1e5;
+	snprintf(js, sizeof js,
+		 "{\"seed\": %" PRId64 ", \"train_micro_batch_size_per_gpu\": "
+		 "%" PRId64 ", \"bf16\": {\"enabled\": true}, "
+		 "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": "
+		 "%.17g}}, \"device\": \"cuda-sim\", \"compile\": "
+		 "{\"dynamic\": null}, \"zero_optimization\": {\"stage\": 1, "
+		 "\"offload_optimizer\": {\"device\": \"none\"}}, "
+		 "\"data\": {\"path\": \"x.txt\", \"seed\": 5}, "
+		 "\"checkpoint\": {\"writer\": {\"decoupled\": true}}}",
+		 seed, mb, lr);
+	const char *texts[] = { NULL, js };
+	for (int t = 0; t < 2; t++) {
+		epj_config *c = NULL;
+		ck_assert_msg(epj_config_parse(ctx, texts[t], "ds", NULL, &c) ==
+				  EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		char *text = epj_config_to_json(c);
+		ck_assert_ptr_nonnull(text);
+		json_t *root = json_loads(text, 0, NULL);
+		ck_assert_ptr_nonnull(root);
+		ck_assert_int_ge(check_getters_at(ctx, c, root, ""), 40);
+		json_decref(root);
+		free(text);
+		epj_config_free(c);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The values the trainer and the warm-up read, by name; what the file
+ * sets; a config that fails to parse makes no object. */
+START_TEST(test_public_getters_values)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t seed = tu_randint(0, 1 << 30), gas = tu_randint(1, 16);
+	char js[512];
+	snprintf(
+	    js, sizeof js,
+	    "{\"seed\": %" PRId64 ", \"gradient_accumulation_steps\": "
+	    "%" PRId64 ", \"device\": \"cuda-sim\", \"bf16\": "
+	    "{\"enabled\": \"auto\"}, \"compile\": {\"backend\": "
+	    "\"interpreter\"}, \"zero_optimization\": "
+	    "{\"offload_optimizer\": {\"device\": \"none\", "
+	    "\"pin_memory\": true}}, \"expert_parallel\": {\"autoep_size\": "
+	    "1}, \"activation_checkpointing\": {\"enabled\": true}}",
+	    seed, gas);
+	epj_config *c = NULL;
+	ck_assert_int_eq(epj_config_parse(ctx, js, "a.json",
+					  "{\"bf16\": {\"enabled\": true}}",
+					  &c),
+			 EPJ_OK);
+	int64_t i = 0;
+	double d = 0;
+	bool b = false;
+	const char *s = NULL;
+	ck_assert_str_eq(epj_config_source(c), "a.json");
+	ck_assert_int_eq(epj_config_int(ctx, c, "seed", &i), EPJ_OK);
+	ck_assert_int_eq(i, seed);
+	ck_assert_int_eq(
+	    epj_config_int(ctx, c, "gradient_accumulation_steps", &i), EPJ_OK);
+	ck_assert_int_eq(i, gas);
+	/* not given: 0 until the engine resolves it for its world */
+	ck_assert_int_eq(
+	    epj_config_int(ctx, c, "train_micro_batch_size_per_gpu", &i),
+	    EPJ_OK);
+	ck_assert_int_eq(i, 0);
+	ck_assert_int_eq(epj_config_str(ctx, c, "device", &s), EPJ_OK);
+	ck_assert_str_eq(s, "cuda-sim");
+	ck_assert_int_eq(epj_config_bool(ctx, c, "bf16.enabled", &b), EPJ_OK);
+	ck_assert(b); /* "auto" took the caller's value */
+	ck_assert_int_eq(epj_config_str(ctx, c, "compile.backend", &s), EPJ_OK);
+	ck_assert_str_eq(s, "interpreter");
+	ck_assert_int_eq(epj_config_str(ctx, c, "compile.dynamic", &s), EPJ_OK);
+	ck_assert_str_eq(s, "false");
+	ck_assert_int_eq(epj_config_str(ctx, c, "optimizer.type", &s), EPJ_OK);
+	ck_assert_str_eq(s, "AdamW");
+	ck_assert_int_eq(epj_config_real(ctx, c, "optimizer.params.lr", &d),
+			 EPJ_OK);
+	ck_assert(d == 1e-3);
+	/* an offload section's keys are at its own base */
+	ck_assert_int_eq(
+	    epj_config_bool(
+		ctx, c, "zero_optimization.offload_optimizer.pin_memory", &b),
+	    EPJ_OK);
+	ck_assert(b);
+	ck_assert_int_eq(
+	    epj_config_bool(ctx, c,
+			    "zero_optimization.offload_param.pin_memory", &b),
+	    EPJ_OK);
+	ck_assert(!b);
+	ck_assert_int_eq(
+	    epj_config_int(ctx, c, "expert_parallel.autoep_size", &i), EPJ_OK);
+	ck_assert_int_eq(i, 1);
+	ck_assert_int_eq(
+	    epj_config_bool(ctx, c, "activation_checkpointing.enabled", &b),
+	    EPJ_OK);
+	ck_assert(b);
+	ck_assert(epj_config_given(c, "seed"));
+	ck_assert(epj_config_given(c, "bf16.enabled"));
+	ck_assert(!epj_config_given(c, "steps_per_print"));
+	ck_assert(!epj_config_given(c, "data.seed"));
+	ck_assert(!epj_config_given(c, "no.such.key"));
+	epj_config_free(c);
+
+	/* a bad file makes no object and names the key */
+	c = (epj_config *)&c;
+	ck_assert_int_eq(
+	    epj_config_parse(ctx, "{\"seed\": \"x\"}", "b.json", NULL, &c),
+	    EPJ_ERR_CONFIG);
+	ck_assert_ptr_null(c);
+	ck_assert(strstr(epj_ctx_error(ctx), "config error in b.json: "));
+	ck_assert(strstr(epj_ctx_error(ctx), "\"seed\""));
+	ck_assert_int_eq(
+	    epj_config_load(ctx, "/nonexistent-epjit/ds.json", NULL, &c),
+	    EPJ_ERR_IO);
+	ck_assert_ptr_null(c);
+	ck_assert(strstr(epj_ctx_error(ctx), "/nonexistent-epjit/ds.json"));
+	ck_assert_int_eq(epj_config_load(ctx, NULL, NULL, &c), EPJ_OK);
+	ck_assert_int_eq(epj_config_int(ctx, c, "seed", &i), EPJ_OK);
+	ck_assert_int_eq(i, 42);
+	epj_config_free(c);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* A getter's mistakes: each names the key and what it holds. */
+START_TEST(test_public_getter_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_config *c = NULL;
+	ck_assert_int_eq(epj_config_parse(ctx, "{}", NULL, NULL, &c), EPJ_OK);
+	int64_t i = 99;
+	double d = 99;
+	bool b = true;
+	const char *s = "unchanged";
+	ck_assert_int_eq(epj_config_int(ctx, c, "sed", &i), EPJ_ERR_INVALID);
+	ck_assert_str_eq(epj_ctx_error(ctx),
+			 "epj_config_int: \"sed\" is not a key of the training "
+			 "config (doc/config.md) (did you mean \"seed\"?)");
+	ck_assert_int_eq(i, 99);
+	ck_assert_int_eq(epj_config_int(ctx, c, "bf16.enable", &i),
+			 EPJ_ERR_INVALID);
+	ck_assert(
+	    strstr(epj_ctx_error(ctx), "(did you mean \"bf16.enabled\"?)"));
+	ck_assert_int_eq(epj_config_int(ctx, c, "seed.x", &i), EPJ_ERR_INVALID);
+	ck_assert(strstr(epj_ctx_error(ctx), "\"seed.x\" is not a key"));
+	ck_assert_int_eq(epj_config_bool(ctx, c, "seed", &b), EPJ_ERR_INVALID);
+	ck_assert_str_eq(epj_ctx_error(ctx),
+			 "epj_config_bool: \"seed\" is an integer, not what "
+			 "epj_config_bool reads");
+	ck_assert(b);
+	ck_assert_int_eq(epj_config_int(ctx, c, "device", &i), EPJ_ERR_INVALID);
+	ck_assert(strstr(epj_ctx_error(ctx), "\"device\" is a string"));
+	ck_assert_int_eq(epj_config_str(ctx, c, "optimizer.params.betas", &s),
+			 EPJ_ERR_INVALID);
+	ck_assert(strstr(epj_ctx_error(ctx), "is a pair of numbers"));
+	ck_assert_str_eq(s, "unchanged");
+	ck_assert_int_eq(epj_config_real(ctx, c, "bf16", &d), EPJ_ERR_INVALID);
+	ck_assert(strstr(epj_ctx_error(ctx),
+			 "\"bf16\" is a section (name one of its keys)"));
+	ck_assert_int_eq(epj_config_bool(ctx, c, "flops_profiler.enabled", &b),
+			 EPJ_ERR_INVALID);
+	ck_assert(
+	    strstr(epj_ctx_error(ctx),
+		   "\"flops_profiler.enabled\" is accepted and not kept"));
+	/* no context: the status alone */
+	ck_assert_int_eq(epj_config_int(NULL, c, "sed", &i), EPJ_ERR_INVALID);
+	ck_assert(d == 99);
+	epj_config_free(c);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* epj_engine_new copies the config: the engine keeps its values after the
+ * object is freed, and resolves the batch for its world. */
+START_TEST(test_engine_new_from_config)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t seed = tu_randint(0, 1 << 30), mb = tu_randint(1, 8),
+		gas = tu_randint(1, 4);
+	char js[256];
+	snprintf(js, sizeof js,
+		 "{\"seed\": %" PRId64 ", \"train_micro_batch_size_per_gpu\": "
+		 "%" PRId64 ", \"gradient_accumulation_steps\": %" PRId64 "}",
+		 seed, mb, gas);
+	epj_config *c = NULL;
+	ck_assert_int_eq(epj_config_parse(ctx, js, "e.json", NULL, &c), EPJ_OK);
+	epj_model_opts mo = { .seed = 1, .dtype = EPJ_DTYPE_F32 };
+	epj_model *m = NULL;
+	ck_assert_int_eq(epj_model_new(ctx, NULL, &mo, &m), EPJ_OK);
+	epj_engine *e = NULL;
+	ck_assert_msg(epj_engine_new(ctx, m, c, &e) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	epj_config_free(c);
+	ck_assert_int_eq(epj_engine_seed(e), seed);
+	ck_assert_int_eq(epj_engine_micro_batch_size(e), mb);
+	ck_assert_int_eq(epj_engine_grad_accum_steps(e), gas);
+	epj_engine_free(e);
+	e = (epj_engine *)&e;
+	ck_assert_int_eq(epj_engine_new(ctx, m, NULL, &e), EPJ_ERR_INVALID);
+	ck_assert_ptr_null(e);
+	epj_model_free(m);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_config_suite(void)
 {
 	Suite *s = suite_create("config");
@@ -1416,6 +1703,10 @@ Suite *make_config_suite(void)
 	tcase_add_test(tc, test_auto_library_values);
 	tcase_add_test(tc, test_all_errors_reported);
 	tcase_add_test(tc, test_moe_losses);
+	tcase_add_test(tc, test_public_getters_every_key);
+	tcase_add_test(tc, test_public_getters_values);
+	tcase_add_test(tc, test_public_getter_errors);
+	tcase_add_test(tc, test_engine_new_from_config);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -21,7 +21,12 @@
 #     the one no-effect warning; the Qwen3-MoE preset on it exits 1 naming
 #     both families; on DeepSeek-V3 a route_scale that DeepSpeed overrides
 #     by the model's routed_scaling_factor is a warning, and training goes
-#     on (t/configs/autoep_* hold every key's case).
+#     on (t/configs/autoep_* hold every key's case);
+#  6. the config is read once, before anything is built: a config that
+#     names a seed and the cuda-sim device (no --seed, no EPJIT_DEVICE)
+#     builds the model once (one log line per --model-override), on that
+#     device with that seed, and trains as the same run given both on the
+#     command line.
 # Exit 77 (SKIP) when the trainer was not built.
 
 builddir=$(cd "${top_builddir:-.}" && pwd) || exit 1
@@ -201,4 +206,26 @@ printf '{"train_micro_batch_size_per_gpu": 2, "expert_parallel": {"preset_model"
 	--seq 8 >out11 2>err11 || { cat out11 err11 >&2; fail "route_scale on DeepSeek-V3"; }
 grep -qF "ep3.json: expert_parallel.route_scale=3 is overridden by the model's routed_scaling_factor (2.5), as in DeepSpeed" err11 ||
 	{ cat err11 >&2; fail "route_scale on DeepSeek-V3: no override warning"; }
+# ---- 6. the config read once: its seed and device before the model
+seed=$(awk 'BEGIN { srand(); print 43 + int(rand() * 100000) }')
+printf '{"seed": %s, "device": "cuda-sim", "train_micro_batch_size_per_gpu": 2}\n' \
+	"$seed" >once.json
+# shellcheck disable=SC2086
+env -u EPJIT_DEVICE EPJIT_LOG=info "$TRAIN" --model "$big" $small \
+	--config once.json --steps 1 --seq 8 >out12 2>err12 ||
+	{ cat out12 err12 >&2; fail "the config's seed and device"; }
+builds=$(grep -c 'override num_hidden_layers=1$' err12)
+[ "$builds" = 1 ] || { cat err12 >&2; fail "the model was built $builds times"; }
+grep -q "seed $seed, steps" out12 || { cat out12 >&2; fail "not the config's seed"; }
+grep -q "device cuda-sim$" out12 || { cat out12 >&2; fail "not the config's device"; }
+printf '{"train_micro_batch_size_per_gpu": 2}\n' >plain.json
+# shellcheck disable=SC2086
+EPJIT_DEVICE=cuda-sim "$TRAIN" --model "$big" $small --config plain.json \
+	--seed "$seed" --steps 1 --seq 8 >out13 2>err13 ||
+	{ cat out13 err13 >&2; fail "--seed and EPJIT_DEVICE"; }
+for f in out12 out13; do
+	sed -n 's/^\(step .*grad_norm [^ ]*\).*/\1/p; /^summary: eval loss/p' $f >$f.loss
+done
+[ -s out12.loss ] && cmp -s out12.loss out13.loss ||
+	{ cat out12 out13 >&2; fail "the config's seed and device train otherwise than the flags"; }
 echo "ok: ds_compat"

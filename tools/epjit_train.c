@@ -148,6 +148,7 @@ typedef struct opts {
 /* Everything a run owns; run_free() releases it in reverse order. */
 typedef struct run {
 	epj_ctx *ctx;
+	epj_config *cfg; /* the training config, read once (setup) */
 	epj_model *model;
 	epj_engine *engine;
 	epj_corpus *corpus;
@@ -773,8 +774,58 @@ static int list_safetensors(const char *path)
 
 /* ---- setup ---- */
 
-/* Model + engine for `seed`.  On failure the context holds the message. */
-static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
+/* The run's training config: --config (its "auto" values take this run's
+ * own), else the built-in one.  On failure the context holds the message. */
+static epj_status load_config(run *r, const opts *o)
+{
+	if (o->config_path) {
+		char autos[1024];
+		auto_config_prec(autos, sizeof autos, o->steps, o->bf16);
+		return epj_config_load(r->ctx, o->config_path, autos, &r->cfg);
+	}
+	char json[1024];
+	default_config_prec(json, sizeof json, o->bf16);
+	return epj_config_parse(r->ctx, json, "<built-in ds config>", NULL,
+				&r->cfg);
+}
+
+/* A value of the run's config.  The keys named here are keys of the
+ * config's table, of the getter's type: a failure is a bug of this
+ * program, reported and aborted. */
+static void cfg_bug(const run *r)
+{
+	fprintf(stderr, PROG ": internal error: %s\n", epj_ctx_error(r->ctx));
+	abort();
+}
+
+static const char *cfg_str(const run *r, const char *key)
+{
+	const char *v = "";
+	if (epj_config_str(r->ctx, r->cfg, key, &v) != EPJ_OK)
+		cfg_bug(r);
+	return v;
+}
+
+static int64_t cfg_int(const run *r, const char *key)
+{
+	int64_t v = 0;
+	if (epj_config_int(r->ctx, r->cfg, key, &v) != EPJ_OK)
+		cfg_bug(r);
+	return v;
+}
+
+static bool cfg_bool(const run *r, const char *key)
+{
+	bool v = false;
+	if (epj_config_bool(r->ctx, r->cfg, key, &v) != EPJ_OK)
+		cfg_bug(r);
+	return v;
+}
+
+/* Model + engine for `seed` under cfg (the run's config: one parse for
+ * every engine of the run).  On failure the context holds the message. */
+static epj_status build_model_engine(run *r, const opts *o,
+				     const epj_config *cfg, uint64_t seed)
 {
 	epj_model_opts mo = { .layout = o->layout,
 			      .seed = seed,
@@ -788,18 +839,7 @@ static epj_status build_model_engine(run *r, const opts *o, uint64_t seed)
 		return st;
 	if (o->checkpointing)
 		epj_model_set_checkpointing(r->model, true);
-	if (o->config_path) {
-		/* the config's "auto" values take this run's own */
-		char autos[1024];
-		auto_config_prec(autos, sizeof autos, o->steps, o->bf16);
-		st = epj_engine_initialize_auto(
-		    r->ctx, r->model, o->config_path, autos, &r->engine);
-	} else {
-		char json[1024];
-		default_config_prec(json, sizeof json, o->bf16);
-		st = epj_engine_initialize_json(
-		    r->ctx, r->model, json, "<built-in ds config>", &r->engine);
-	}
+	st = epj_engine_new(r->ctx, r->model, cfg, &r->engine);
 
 	/* packed documents: the flags add to the config's data section */
 	if (st == EPJ_OK) {
@@ -886,47 +926,34 @@ static int setup(run *r, const opts *o)
 				run_device(), epj_device_names());
 	if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
 		return fail_msg("cannot create a %s context", run_device());
-	/* The run seed: --seed, else the config's.  The config is only known
-	 * after the engine has read it, so a config seed other than the
-	 * model's default means building model and engine once more. */
-	uint64_t seed = o->seed_given ? o->seed : 42;
-	if (build_model_engine(r, o, seed) != EPJ_OK)
+	/* The config first, once: the device, seed and precision that the
+	 * model and engine are built with come from it. */
+	if (load_config(r, o) != EPJ_OK)
 		return fail(r->ctx);
 	/* "device": "cuda-sim" or "cuda" in the config with no EPJIT_DEVICE /
-	 * --device: the run's contexts move there (eager ops included), so
-	 * model and engine are built once more there */
-	if (!getenv("EPJIT_DEVICE") && epj_engine_device(r->engine)[0] &&
-	    strcmp(epj_engine_device(r->engine), run_device()) != 0) {
-		setenv("EPJIT_DEVICE", epj_engine_device(r->engine), 1);
-		epj_engine_free(r->engine);
-		epj_model_free(r->model);
+	 * --device: the run's contexts move there (eager ops included) */
+	const char *dev = cfg_str(r, "device");
+	if (!getenv("EPJIT_DEVICE") && dev[0] &&
+	    strcmp(dev, run_device()) != 0) {
+		setenv("EPJIT_DEVICE", dev, 1);
 		epj_ctx_free(r->ctx);
-		r->engine = NULL;
-		r->model = NULL;
 		r->ctx = NULL;
 		if (epj_ctx_new(run_device(), &r->ctx) != EPJ_OK || !r->ctx)
 			return fail_msg("cannot create a %s context",
 					run_device());
-		if (build_model_engine(r, o, seed) != EPJ_OK)
-			return fail(r->ctx);
 	}
-	if (!o->seed_given && (uint64_t)epj_engine_seed(r->engine) != seed) {
-		seed = (uint64_t)epj_engine_seed(r->engine);
-		epj_engine_free(r->engine);
-		epj_model_free(r->model);
-		r->engine = NULL;
-		r->model = NULL;
-		if (build_model_engine(r, o, seed) != EPJ_OK)
-			return fail(r->ctx);
-	}
+	/* The run seed: --seed, else the config's. */
+	uint64_t seed = o->seed_given ? o->seed : (uint64_t)cfg_int(r, "seed");
 	/* --bf16 is the config's bf16.enabled ("auto" takes it): a config
 	 * that says false is refused, not overruled */
-	if (o->bf16 && !epj_engine_bf16(r->engine))
+	if (o->bf16 && !cfg_bool(r, "bf16.enabled"))
 		return fail_msg("--bf16: %s does not enable bf16 (bf16.enabled "
 				"is false or absent); write \"bf16\": "
 				"{\"enabled\": true} or \"auto\", or leave "
 				"--bf16 off",
 				o->config_path);
+	if (build_model_engine(r, o, r->cfg, seed) != EPJ_OK)
+		return fail(r->ctx);
 	r->seed = seed;
 	epj_ctx_seed(r->ctx, seed);
 	r->B = epj_engine_micro_batch_size(r->engine);
@@ -944,11 +971,13 @@ static int setup(run *r, const opts *o)
 
 	int vocab = epj_model_vocab_size(r->model);
 	/* --data and --split, else the config's "data" section */
-	const char *data = o->data ? o->data : epj_engine_data_path(r->engine);
-	const char *split =
-	    o->split ? o->split : epj_engine_data_split(r->engine);
+	const char *cdata = cfg_str(r, "data.path"),
+		   *csplit = cfg_str(r, "data.split");
+	const char *data = o->data ? o->data : *cdata ? cdata : NULL;
+	const char *split = o->split ? o->split : *csplit ? csplit : NULL;
 	uint64_t dseed = mix64(seed);
-	epj_engine_data_seed(r->engine, &dseed); /* when the config has one */
+	if (epj_config_given(r->cfg, "data.seed")) /* the config's */
+		dseed = (uint64_t)cfg_int(r, "data.seed");
 	r->data = data ? data : "synthetic";
 	if (!data || !strcmp(data, "synthetic")) {
 		r->corpus =
@@ -1230,7 +1259,7 @@ static int dump_state(run *r, const char *path, const char *batch)
 		st = epj_st_writer_set_metadata(w, "seed", seed);
 	if (st == EPJ_OK)
 		st = epj_st_writer_set_metadata(
-		    w, "bf16", epj_engine_bf16(r->engine) ? "true" : "false");
+		    w, "bf16", cfg_bool(r, "bf16.enabled") ? "true" : "false");
 	if (st == EPJ_OK)
 		st = epj_st_writer_save(w, path);
 	int rc = st == EPJ_OK ? 0 : fail(ctx);
@@ -1611,7 +1640,7 @@ static int finish_save(run *r, const opts *o)
  * printed (an error of the run: agreed at the next boundary). */
 static int periodic_save(run *r, const opts *o)
 {
-	if (!o->save_async && !epj_engine_save_decoupled(r->engine))
+	if (!o->save_async && !cfg_bool(r, "checkpoint.writer.decoupled"))
 		return save_checkpoint(r, o->save, where_to());
 	if (finish_save(r, o)) /* at most one in flight */
 		return 1;
@@ -2296,7 +2325,7 @@ static int train(run *r, const opts *o, train_stats *ts)
 	epj_ctx *ctx = r->ctx;
 	epj_engine *e = r->engine;
 	loop_state ls = {
-		.print_every = epj_engine_steps_per_print(e),
+		.print_every = cfg_int(r, "steps_per_print"),
 		.tok_per_step = r->B * r->T * r->gas,
 		.compile_us = epj_counter_get(ctx, "compile.us"),
 		.t_start = now_s(),
@@ -2617,8 +2646,9 @@ static int compare_eager(run *r, const opts *o)
 	cmp_arm arm[2] = { { .a = &e }, { .a = r } };
 	double le = 0, lc = 0, ratio[COMPARE_ROUNDS], ms;
 	int64_t step = epj_engine_step_count(r->engine);
-	int rc =
-	    build_model_engine(&e, &eo, r->seed) != EPJ_OK ? fail(e.ctx) : 0;
+	int rc = build_model_engine(&e, &eo, r->cfg, r->seed) != EPJ_OK
+		     ? fail(e.ctx)
+		     : 0;
 	if (rc == 0)
 		rc = copy_state(r, &e);
 	if (rc == 0)
@@ -2738,6 +2768,7 @@ static void run_free(run *r)
 	epj_corpus_free(r->corpus);
 	epj_engine_free(r->engine);
 	epj_model_free(r->model);
+	epj_config_free(r->cfg);
 	epj_ctx_free(r->ctx);
 }
 
@@ -2780,7 +2811,7 @@ static void banner(run *r, const opts *o)
 		    ", grad accum %" PRId64 ", %s, seed %" PRIu64
 		    ", steps %" PRId64 " -> %ld%s\n",
 	       o->config_path ? o->config_path : "<built-in>", r->B, r->T,
-	       r->gas, epj_engine_bf16(r->engine) ? "bf16" : "f32", r->seed,
+	       r->gas, cfg_bool(r, "bf16.enabled") ? "bf16" : "f32", r->seed,
 	       epj_engine_step_count(r->engine), o->steps,
 	       o->checkpointing ? ", checkpointing" : "");
 	char key[300], val[300];
@@ -2791,8 +2822,8 @@ static void banner(run *r, const opts *o)
 	printf(PROG ": world %d rank%s, expert parallel %d, ZeRO stage %d, "
 		    "device %s\n",
 	       epj_dist_size(), epj_dist_size() == 1 ? "" : "s",
-	       epj_engine_ep_size(r->engine), epj_engine_zero_stage(r->engine),
-	       run_device());
+	       (int)cfg_int(r, "expert_parallel.autoep_size"),
+	       (int)cfg_int(r, "zero_optimization.stage"), run_device());
 	if (o->compile) {
 		printf(PROG ": compiled: mode %s, %d region%s",
 		       epj_engine_compile_mode(r->engine),

@@ -343,11 +343,13 @@ static void print_cache(epj_ctx *ctx)
 
 typedef struct warm {
 	epj_ctx *ctx;
+	epj_config *cfg;
 	epj_model *model;
 	epj_engine *engine;
 	ej_warm_plan plan;
 	int64_t B, T;
-	int world; /* the run's ranks this warm-up stands for */
+	int world;   /* the run's ranks this warm-up stands for */
+	int ep_size; /* the config's expert_parallel.autoep_size */
 	int n_variants;
 	double trace_s;
 } warm;
@@ -357,6 +359,7 @@ static void warm_free(warm *w)
 	ej_warm_plan_free(&w->plan);
 	epj_engine_free(w->engine);
 	epj_model_free(w->model);
+	epj_config_free(w->cfg);
 }
 
 /* Shape-only model and engine, every region traced, the artifact plan. */
@@ -369,24 +372,27 @@ static epj_status make_plan(warm *w, const opts *o)
 			      .dtype = EPJ_DTYPE_F32,
 			      .config_overrides = o->model_overrides,
 			      .n_config_overrides = o->n_model_overrides };
+	/* the config as epjit-train reads it: "auto" as it resolves it (the
+	 * schedule's length changes no kernel), else the built-in one */
+	char text[1024];
+	epj_status st;
+	if (o->config_path) {
+		auto_config(text, sizeof text, DEFAULT_STEPS);
+		st = epj_config_load(ctx, o->config_path, text, &w->cfg);
+	} else {
+		default_config(text, sizeof text);
+		st = epj_config_parse(ctx, text, "<built-in ds config>", NULL,
+				      &w->cfg);
+	}
+	if (st != EPJ_OK)
+		return st;
 	ctx->meta = true; /* no storage for parameters or optimizer state */
 	ctx->meta_world = (int)o->world; /* one rank of it, none started */
-	epj_status st = epj_model_new(ctx, o->model_path, &mo, &w->model);
+	st = epj_model_new(ctx, o->model_path, &mo, &w->model);
 	if (st == EPJ_OK && o->checkpointing)
 		epj_model_set_checkpointing(w->model, true);
-	if (st == EPJ_OK && o->config_path) {
-		/* "auto" as epjit-train resolves it (the schedule's length
-		 * changes no kernel) */
-		char autos[1024];
-		auto_config(autos, sizeof autos, DEFAULT_STEPS);
-		st = epj_engine_initialize_auto(ctx, w->model, o->config_path,
-						autos, &w->engine);
-	} else if (st == EPJ_OK) {
-		char json[1024];
-		default_config(json, sizeof json);
-		st = epj_engine_initialize_json(
-		    ctx, w->model, json, "<built-in ds config>", &w->engine);
-	}
+	if (st == EPJ_OK)
+		st = epj_engine_new(ctx, w->model, w->cfg, &w->engine);
 	/* tracing computes small constants (RoPE tables) for real */
 	ctx->meta = false;
 	if (st == EPJ_OK)
@@ -401,6 +407,11 @@ static epj_status make_plan(warm *w, const opts *o)
 			     "run with it loads no C artifacts (warming them "
 			     "anyway)\n",
 			ej_backend_name(jit->backend));
+	int64_t ep = 1;
+	if ((st = epj_config_int(ctx, w->cfg, "expert_parallel.autoep_size",
+				 &ep)) != EPJ_OK)
+		return st;
+	w->ep_size = (int)ep;
 	w->B = epj_engine_micro_batch_size(w->engine);
 	/* the world the batch sizes were resolved for */
 	w->world = (int)(w->engine->cfg.train_batch_size /
@@ -425,8 +436,7 @@ static void print_header(const warm *w, const opts *o)
 	    o->model_path ? o->model_path : "built-in tiny model",
 	    w->model->cfg.num_hidden_layers,
 	    w->model->cfg.num_hidden_layers == 1 ? "" : "s", w->B, w->T,
-	    w->world, epj_engine_ep_size(w->engine),
-	    epj_engine_compile_mode(w->engine),
+	    w->world, w->ep_size, epj_engine_compile_mode(w->engine),
 	    epj_engine_num_regions(w->engine),
 	    epj_engine_num_regions(w->engine) == 1 ? "" : "s", w->n_variants,
 	    w->n_variants == 1 ? "" : "s", w->plan.n_segments,
