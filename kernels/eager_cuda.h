@@ -1,6 +1,6 @@
 /* eager_cuda.h -- the eager kernels of the devices that run CUDA C (the
  * cuda-sim device today): one entry per op of the op table, installed in
- * lib/'s dispatcher with ej_eager_install (see jit/eager_cuda.c).
+ * lib/'s dispatcher with ej_eager_install (see kernels/eager_cuda.c).
  */
 #ifndef EPJIT_EAGER_CUDA_H
 #define EPJIT_EAGER_CUDA_H
@@ -29,7 +29,7 @@ int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
 					 const char *cuda),
 			      void *user);
 
-/* jit/tmpl_delta.c: the gated delta rule and its backward on the CUDA
+/* kernels/tmpl_delta.c: the gated delta rule and its backward on the CUDA
  * template templates/delta.cuh. */
 epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c);
