@@ -21,7 +21,6 @@
 #include "eager_cuda.h"
 #include "templates/args.h"
 #include "tmpl.h"
-#include "tmpl_moe.h"
 
 #include "ops_impl.h"
 

@@ -16,6 +16,7 @@
 #include "check_util.h"
 
 #include "config_impl.h"
+#include "kernels.h"
 #include "ops_moe.h"
 #include "optim_impl.h"
 #include "tmpl.h"

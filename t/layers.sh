@@ -11,7 +11,7 @@
 # and may include anything.  The runtime uses the jit and the kernels
 # through their interface headers, never jit_impl.h (the jit's private
 # structures): not directly, and not through a jit or kernels header it
-# includes.
+# includes; of kernels/ it includes kernels.h alone.
 srcdir=$(cd "${top_srcdir:-.}" && pwd) || exit 1
 cd "$srcdir" || exit 1
 
@@ -68,10 +68,14 @@ for f in runtime/*.c runtime/*.h; do
 				echo "FAIL: $f includes $d/$inc, which includes jit/jit_impl.h"
 				bad=$((bad + 1))
 			fi
+			if [ "$d" = kernels ] && [ "$inc" != kernels.h ]; then
+				echo "FAIL: $f includes kernels/$inc: the runtime uses the kernels through kernels/kernels.h"
+				bad=$((bad + 1))
+			fi
 		done
 	done
 done
 [ "$n" -gt 100 ] || { echo "FAIL: only $n includes read"; exit 1; }
 [ "$bad" -eq 0 ] || exit 1
 echo "layers: $n includes of lib/, jit/, kernels/, runtime/, none upward," \
-	"no jit_impl.h in runtime/"
+	"no jit_impl.h in runtime/, only kernels.h of kernels/"
