@@ -2,7 +2,7 @@
 # bench/delta_kernels.sh -- what the GPU would run for the gated delta rule
 # (templates/delta.cuh): ptxas's registers, stack frame and spills of every
 # instantiation at sm_90 (NVRTC, through the ptxas suite), then the launch
-# geometry of jit/tmpl_delta.c at Qwen3.5-MoE's linear attention shapes
+# geometry of kernels/tmpl_delta.c at Qwen3.5-MoE's linear attention shapes
 # (32 value heads, Dk = Dv = 128) for a few batches and sequence lengths:
 # blocks of each kernel, the blocks an SM holds by registers (65536 a
 # SM, 128 threads a block, at most 16 blocks), the backward's segment

@@ -46,6 +46,7 @@ int main(int argc, char **argv)
 }
 C
 ${CC:-gcc} -std=gnu11 -fopenmp -I"$B" -I"$SRC/lib" -I"$SRC/jit" \
+	-I"$SRC/kernels" \
 	-I"$SRC/runtime" -I"$SRC" "$T/dump.c" "$B/.libs/libepjit.a" \
 	$LIBS -ldl -lpthread -o "$T/dump"
 "$T/dump" moe "$T/moe.cubin" | grep -E "Compiling entry|registers|stack frame" |
@@ -94,6 +95,7 @@ int main(void)
 C
 echo
 ${CC:-gcc} -std=gnu11 -fopenmp -I"$B" -I"$SRC/lib" -I"$SRC/jit" \
+	-I"$SRC/kernels" \
 	"$T/swiglu.c" -Wl,--whole-archive "$B/.libs/libepjit.a" \
 	-Wl,--no-whole-archive $LIBS -ldl -lpthread -o "$T/swiglu"
 EPJIT_CACHE_DIR="$T/cache" "$T/swiglu"

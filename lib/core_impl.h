@@ -141,7 +141,7 @@ typedef struct ej_device_desc {
 	 * host's (MPI) */
 	const char *comm;
 	/* its kernels are CUDA C: the templates and the eager CUDA table
-	 * serve it (jit/tmpl*.c, jit/eager_cuda.c) */
+	 * serve it (kernels/tmpl*.c, kernels/eager_cuda.c) */
 	bool runs_cuda;
 	ej_module_form modules;
 	/* it runs each grid twice and compares the outputs a launch names
@@ -149,7 +149,7 @@ typedef struct ej_device_desc {
 	 * also read must be read from a copy (cuda-sim's race check) */
 	bool reruns_grids;
 	/* its GEMMs may go to cuBLASLt, the expert GEMMs of an AutoEP layer
-	 * grouped into one call (lib/cublaslt.c, jit/tmpl_gemm.c) */
+	 * grouped into one call (lib/cublaslt.c, kernels/tmpl_gemm.c) */
 	bool gemm_library;
 	/* Opens the device for a new context: *out is the device (a static
 	 * one, or the process's GPU); errors go to probe. */
@@ -479,7 +479,7 @@ void ej_attrs_push_f(ej_attrs *a, double v);
 /* ---- eager kernels of devices that run CUDA C ------------------------------
  * A device whose kernels are CUDA C (cuda-sim, cuda: ej_dev_runs_cuda)
  * runs eager ops through a table indexed by op id (EJ_OP_*), installed by
- * the layer that generates and compiles CUDA C (jit/eager_cuda.c): lib/
+ * the layer that generates and compiles CUDA C (kernels/eager_cuda.c): lib/
  * never calls into the compiler, it only consults what was installed.
  *
  * An entry runs op c->op on the device: c->out[] are allocated already
@@ -646,7 +646,7 @@ struct epj_ctx {
 	 * whose memory the host cannot address (cuda); made at the first
 	 * fallback (ej_eager_fallback). */
 	ej_allocator *host_alloc;
-	/* The GEMM path of a CUDA C device (jit/tmpl_gemm.c): the per-shape
+	/* The GEMM path of a CUDA C device (kernels/tmpl_gemm.c): the per-shape
 	 * choice between cuBLASLt and the NVRTC template and the cuBLASLt
 	 * handle, made at the first GEMM; freed first by epj_ctx_free. */
 	void *gemm_sel;

@@ -19,7 +19,7 @@
  *    $EPJIT_CUBLASLT (and $EPJIT_CUBLAS for the grouped GEMM) names the
  *    library to load; "0" turns it off.  Without cuBLASLt, ej_cublaslt_new
  *    fails with EPJ_ERR_UNSUPPORTED and ej_cublaslt_available says false:
- *    the caller uses the NVRTC GEMM template (jit/tmpl_gemm.c) instead.
+ *    the caller uses the NVRTC GEMM template (kernels/tmpl_gemm.c) instead.
  *  - Every library call goes through one check macro: a failure reads
  *    "cublaslt: <call> failed at cublaslt.c:<line>: <cublasLtGetStatusName>
  *    (<code>): <cublasLtGetStatusString>" plus the GEMM's shape.

@@ -32,7 +32,7 @@
  * reference the CUDA side and the compiled regions are held to); outputs
  * are written in the inputs' dtype.  The op is an extern node in compiled
  * regions (an op-table call); the CUDA devices run templates/delta.cuh
- * (jit/tmpl_delta.c), held to these kernels by the tests.
+ * (kernels/tmpl_delta.c), held to these kernels by the tests.
  */
 #include "ops_impl.h"
 

@@ -51,10 +51,10 @@
  * Routing math runs in f32 for f32 and bf16 layers (as HF's router does) and
  * in f64 for f64 layers, so that the layer can be gradient-checked.
  */
+#include "kernels.h" /* ej_index_pin */
 #include "ops_moe.h"
 #include "router_loss_impl.h"
 #include "runtime_impl.h"
-#include "tmpl_gemm.h" /* ej_index_pin */
 
 #include <inttypes.h>
 #include <math.h>

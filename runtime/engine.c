@@ -22,7 +22,7 @@
 #include "runtime_impl.h"
 
 #include "cuda_driver.h"
-#include "eager_cuda.h"
+#include "kernels.h"
 
 #include <errno.h>
 #include <inttypes.h>

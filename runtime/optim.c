@@ -33,9 +33,9 @@
  * strided bf16 parameter is still written through epj_tensor_copy_'s host
  * copies).  cuda-sim sums on the host as above (its memory is host memory).
  */
+#include "kernels.h"
 #include "optim_impl.h"
 #include "runtime_impl.h"
-#include "tmpl_moe.h"
 
 #include "ops_impl.h" /* ej_bf16_load / ej_bf16_store */
 

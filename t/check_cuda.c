@@ -44,7 +44,7 @@
 extern const void *ej_backend_cuda_test_state(const void *module);
 extern void ej_backend_cuda_test_reset(void);
 extern void ej_cuda_test_reset(void);
-/* of jit/tmpl.c: a template module's unit, kernels and argument sizes */
+/* of kernels/tmpl.c: a template module's unit, kernels and argument sizes */
 extern int ej_tmpl_test_module(const void *module, const char **source,
 			       const char *const **kernels,
 			       const char *const **arg_types);
@@ -178,7 +178,7 @@ static void *sim_for(const void *module)
 	for (int i = 0; i < H.n; i++)
 		if (H.m[i].module == module && !strcmp(H.m[i].src, src))
 			return H.m[i].sim;
-	if (!state) { /* a template module (jit/tmpl.c) */
+	if (!state) { /* a template module (kernels/tmpl.c) */
 		void *sim = NULL;
 		epj_status st = ej_sim_build_module(H.ctx, tsrc, tk, tt, tn,
 						    "fake_tmpl", &sim);
@@ -1054,7 +1054,7 @@ END_TEST
 /* The module the nvrtc backend loads is a real NVRTC cubin for the
  * device's arch, stored in the kernel cache: a second jit loads it from
  * the cache without NVRTC. */
-/* The CUDA templates (jit/tmpl.c) on the cuda device: NVRTC cubins loaded
+/* The CUDA templates (kernels/tmpl.c) on the cuda device: NVRTC cubins loaded
  * by the driver, device buffers, launches through cuLaunchKernel (the fake
  * runs them on cuda-sim), against the same template on cuda-sim and a
  * double reference, on the same fresh inputs: a bf16 tensor-core GEMM with

@@ -37,8 +37,9 @@
 
 #include "config_impl.h"
 #include "core_impl.h"
+#include "kernels.h"
+#include "ops_impl.h"
 #include "optim_impl.h"
-#include "tmpl_moe.h"
 
 #include "templates/args.h"
 

@@ -9,7 +9,7 @@
  * SYNCS_PER_MOE_LAYER times per MoE layer plus SYNCS_PER_STEP.  The AutoEP
  * layer reads its routing from the device once per call (runtime/autoep.c:
  * index_pair_to_host); the expert GEMMs take their group counts from the
- * host copy the layer pinned (jit/tmpl_gemm.c: ej_index_pin) instead of
+ * host copy the layer pinned (kernels/tmpl_gemm.c: ej_index_pin) instead of
  * reading them back, which was three GEMMs forward, three in the replay,
  * three dgrad and three wgrad per layer, each a full synchronization and a
  * blocking copy; the rope tables are the model's, built once.

@@ -1,5 +1,5 @@
 /* check_eager_sim.c -- eager ops on a cuda-sim context run as CUDA kernels
- * (jit/eager_cuda.c through lib/dispatch.c's eager table) and match the
+ * (kernels/eager_cuda.c through lib/dispatch.c's eager table) and match the
  * same ops on a cpu context.
  *
  * Every case draws fresh random inputs on a cpu context, copies their

@@ -1,4 +1,4 @@
-/* check_gemm_cuda.c -- the GEMM path of a "cuda" context (jit/tmpl_gemm.c):
+/* check_gemm_cuda.c -- the GEMM path of a "cuda" context (kernels/tmpl_gemm.c):
  * cuBLASLt where it loaded and takes the problem, the NVRTC template
  * otherwise.
  *

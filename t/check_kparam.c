@@ -10,7 +10,7 @@
  *  - epjit's own template kernels (each takes its argument struct by
  *    value): the struct's sizeof from the host C++ compiler that builds
  *    the cuda-sim modules of the same unit (cuda-sim and cuLaunchKernel
- *    see one layout: jit/tmpl.h);
+ *    see one layout: kernels/tmpl.h);
  * each read from NVRTC's sm_90 cubin and from NVRTC's PTX.  Damaged images
  * (every truncation of a cubin's headers and of the kernel's .nv.info
  * section, bytes of those overwritten, junk) give -1, or at worst a wrong

@@ -1,5 +1,5 @@
 /* check_templates.c -- the CUDA C templates (templates/<name>.cuh through
- * jit/tmpl.c): each runs on cuda-sim against a CPU reference on fresh
+ * kernels/tmpl.c): each runs on cuda-sim against a CPU reference on fresh
  * random inputs at odd sizes (race check and poisoned outputs on), and
  * every embedded template compiles under NVRTC for sm_80, sm_90 and sm_100
  * without a warning.

@@ -1,5 +1,5 @@
 /* check_tmpl_attention.c -- the flash-style attention template
- * (templates/attention.cuh through jit/tmpl_attention.c) executed on
+ * (templates/attention.cuh through kernels/tmpl_attention.c) executed on
  * cuda-sim, race check and poisoned outputs on (the defaults).
  *
  * - forward (out, lse) and backward (dq, dk, dv, from the kernel's own out

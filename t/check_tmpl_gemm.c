@@ -1,5 +1,5 @@
 /* check_tmpl_gemm.c -- the GEMM template (templates/gemm.cuh through
- * jit/tmpl_gemm.c) on cuda-sim, and the simulator's emulations of the
+ * kernels/tmpl_gemm.c) on cuda-sim, and the simulator's emulations of the
  * tensor-core helpers it is built on.
  *
  * Emulations: mma.sync m16n8k16 against a hand-computed 16x8x16 product

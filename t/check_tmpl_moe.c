@@ -1,5 +1,5 @@
 /* check_tmpl_moe.c -- the MoE, embedding, cross-entropy and optimizer
- * templates (jit/tmpl_moe.c) on cuda-sim, race check and poisoned outputs
+ * templates (kernels/tmpl_moe.c) on cuda-sim, race check and poisoned outputs
  * on: every kernel against a reference computed in double (finite
  * differences for the router's backward) on fresh random inputs at odd
  * sizes, with ties in the router logits and empty experts; the eager
@@ -16,6 +16,7 @@
 #include "check_util.h"
 
 #include "config_impl.h"
+#include "kernels.h"
 #include "ops_moe.h"
 #include "optim_impl.h"
 #include "tmpl.h"

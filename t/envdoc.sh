@@ -7,7 +7,7 @@
 # helper or a macro, e.g. sim_flag("EPJIT_SIM_POISON")), a name the
 # trainer setenv()s for a library that reads it, or a literal of a
 # `vars[]` table that a loop hands to getenv.  Scanned: lib/, jit/,
-# runtime/ and the sources of the tools with a man page
+# kernels/, runtime/ and the sources of the tools with a man page
 # (tools/epjit_*.c).  gpu-check's probe documents its own in its --help.
 # A name is listed when the section names it; each item's tag must be
 # a variable the code reads (no stale entries).
@@ -15,7 +15,8 @@ srcdir=${top_srcdir:-${srcdir:-.}}
 page=$srcdir/doc/epjit-train.1
 [ -f "$page" ] || { echo "FAIL: no $page"; exit 1; }
 srcs=$(ls "$srcdir"/lib/*.c "$srcdir"/lib/*.h "$srcdir"/jit/*.c \
-	"$srcdir"/runtime/*.c "$srcdir"/tools/epjit_*.c 2>/dev/null)
+	"$srcdir"/kernels/*.c "$srcdir"/runtime/*.c "$srcdir"/tools/epjit_*.c \
+	2>/dev/null)
 [ -n "$srcs" ] || { echo "FAIL: no sources under $srcdir"; exit 1; }
 tmp=${TMPDIR:-/tmp}/envdoc.$$
 trap 'rm -f "$tmp".*' EXIT

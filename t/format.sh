@@ -1,12 +1,13 @@
 #!/bin/sh
 # t/format.sh -- every C source of the tree is clang-format clean.
 #
-# Checks the *.c and *.h files under lib/ runtime/ jit/ tools/ t/ bench/ that
-# git tracks or that are untracked but not ignored (in a tarball without .git:
-# every such file) with `clang-format --dry-run -Werror` against the repo's
-# .clang-format.  Fails (exit 1) listing the files that are not clean; exit 77
-# (SKIP) when clang-format is absent.  Works from a VPATH build: the sources
-# are found through $top_srcdir, which `make check` sets.
+# Checks the *.c and *.h files under lib/ runtime/ jit/ kernels/ tools/ t/
+# bench/ that git tracks or that are untracked but not ignored (in a tarball
+# without .git: every such file) with `clang-format --dry-run -Werror`
+# against the repo's .clang-format.  Fails (exit 1) listing the files that
+# are not clean; exit 77 (SKIP) when clang-format is absent.  Works from a
+# VPATH build: the sources are found through $top_srcdir, which `make check`
+# sets.
 # Fix a file with: clang-format -i FILE (from the source tree).
 
 srcdir="${top_srcdir:-.}"
@@ -20,7 +21,7 @@ if [ ! -f .clang-format ]; then
 	exit 1
 fi
 
-dirs="lib runtime jit tools t bench"
+dirs="lib runtime jit kernels tools t bench"
 list=
 # git only when $srcdir is the top of a work tree: a tarball unpacked inside
 # another checkout (make distcheck in a build folder) is not that checkout.
@@ -29,8 +30,8 @@ if command -v git >/dev/null 2>&1 &&
 	[ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
 	# Pathspec '*' also matches '/', so subfolders are included.
 	list=$(git ls-files --cached --others --exclude-standard -- \
-		'lib/*.[ch]' 'runtime/*.[ch]' 'jit/*.[ch]' 'tools/*.[ch]' \
-		't/*.[ch]' 'bench/*.[ch]' | sort -u)
+		'lib/*.[ch]' 'runtime/*.[ch]' 'jit/*.[ch]' 'kernels/*.[ch]' \
+		'tools/*.[ch]' 't/*.[ch]' 'bench/*.[ch]' | sort -u)
 else
 	for d in $dirs; do
 		[ -d "$d" ] || continue

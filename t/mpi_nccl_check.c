@@ -45,7 +45,7 @@
 #include <string.h>
 #include <time.h>
 
-/* test hooks of jit/backend_cuda.c and jit/tmpl.c (in no header) */
+/* test hooks of jit/backend_cuda.c and kernels/tmpl.c (in no header) */
 extern const void *ej_backend_cuda_test_state(const void *module);
 extern int ej_tmpl_test_module(const void *module, const char **source,
 			       const char *const **kernels,

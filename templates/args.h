@@ -1,8 +1,8 @@
 /* args.h -- the argument structs of the CUDA C templates, declared once.
  *
  * Every template kernel takes one of these by value.  The host side
- * (jit/tmpl_*.c, jit/eager_cuda.c) includes this header and fills the
- * struct; jit/tmpl.c pastes the same text in front of every template
+ * (kernels/tmpl_*.c, kernels/eager_cuda.c) includes this header and fills the
+ * struct; kernels/tmpl.c pastes the same text in front of every template
  * before NVRTC or the host C++ compiler (cuda-sim) sees it, so both sides
  * lay out one declaration.  Plain C that is also C++: pointers, long long,
  * int, double; no references, no templates.

@@ -1,5 +1,5 @@
 /* copy.cuh -- data movement kernels of the eager ops on the CUDA devices
- * (jit/eager_cuda.c): strided copies with dtype conversion (contiguous,
+ * (kernels/eager_cuda.c): strided copies with dtype conversion (contiguous,
  * reshape and view materialisation, expand copies, casts that involve an
  * integer dtype), concatenation, slice backward, and the integer pointwise
  * ops (add, sub, mul, eq, neg on i32/i64).

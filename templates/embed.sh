@@ -2,7 +2,7 @@
 # templates/embed.sh FILE.cuh... -- prints a C header embedding each CUDA C
 # template as a string (ej_templates[]: name = the file's base name without
 # .cuh, text = its contents), and templates/args.h, the argument structs
-# every template is compiled with (ej_tmpl_args_text), for jit/tmpl.c.  Run
+# every template is compiled with (ej_tmpl_args_text), for kernels/tmpl.c.  Run
 # by make from the source folder.
 echo '/* generated from the templates (*.cuh) by templates/embed.sh */'
 echo "static const char ej_tmpl_args_text[] ="

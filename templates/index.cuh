@@ -1,5 +1,5 @@
 /* index.cuh -- indexing kernels of the eager ops on the CUDA devices
- * (jit/eager_cuda.c): index_select, gather, index_add, scatter_add, max
+ * (kernels/eager_cuda.c): index_select, gather, index_add, scatter_add, max
  * with indices along an axis, topk along the last axis and a stable
  * ascending argsort along an axis.
  *

@@ -1,7 +1,7 @@
 /* optim.cuh -- SGD and AdamW/Adam steps over FP32 master weights on the CUDA
  * devices, multi-tensor: one launch updates a whole group of parameters.
  *
- * The host (jit/tmpl_moe.c) passes an array of tensor descriptors, each
+ * The host (kernels/tmpl_optim.c) passes an array of tensor descriptors, each
  * with its first block: block b belongs to the last tensor t whose first
  * block is <= b (a binary search, ej_optim_find) and updates elements
  * [(b - first_t) chunk, + chunk) of it (clipped to its length), its threads

@@ -23,7 +23,7 @@ fi
 	exit 1
 }
 flags="-std=c11 -D_GNU_SOURCE -g -O1 -fno-omit-frame-pointer -fopenmp
-	-I$src/lib -I$src/jit -I$src/runtime -I$src/t/fuzz -I$tree
+	-I$src/lib -I$src/jit -I$src/kernels -I$src/runtime -I$src/t/fuzz -I$tree
 	$(pkg-config --cflags jansson)"
 clang $flags -fsanitize=fuzzer-no-link,address,undefined \
 	-c "$src/t/fuzz/fuzz_util.c" -o "$out/fuzz_util.o"

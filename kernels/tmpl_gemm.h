@@ -11,7 +11,7 @@
 #define EPJIT_TMPL_GEMM_H
 
 #include "core_impl.h"
-
+#include "kernels.h" /* ej_index_pin */
 #include "ops_impl.h"
 
 typedef enum ej_gemm_act {
@@ -93,15 +93,6 @@ epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
  * the pinned values (ej_index_pin), else read back to the host. */
 epj_status ej_cuda_op_moe_grouped_mm(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_moe_grouped_mm_wgrad(epj_ctx *ctx, ej_call *c);
-/* Pins the host copy v of an index tensor t (i64 or i32, dense; e.g. the
- * group counts of the expert GEMMs) on a cuda or cuda-sim context: v holds
- * t's numel values in order, which the caller built t from.  Until t's
- * storage is freed, the grouped GEMMs take their counts and the eager index
- * ops validate their index from v instead of reading t (or a dense alias of
- * the same elements) back.  The caller must not write t afterwards nor hand
- * it to anyone who might.  Does nothing on other devices.  Errors:
- * EPJ_ERR_NOMEM. */
-epj_status ej_index_pin(epj_ctx *ctx, const epj_tensor *t, const int64_t *v);
 /* The pinned host copy of t (flat, in t's element order), or NULL. */
 const int64_t *ej_index_pinned(const epj_ctx *ctx, const epj_tensor *t);
 

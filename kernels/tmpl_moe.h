@@ -1,6 +1,7 @@
-/* tmpl_moe.h -- host API of the MoE, embedding, loss and optimizer
- * templates (templates/moe.cuh, embedding.cuh, optim.cuh), and the eager
- * adapters of the op-table ops they implement.
+/* tmpl_moe.h -- host API of the MoE, embedding and loss templates
+ * (templates/moe.cuh, embedding.cuh), and the eager adapters of the
+ * op-table ops they implement.  The optimizer template's API is in
+ * kernels.h (the runtime's).
  *
  * Every function takes the device name ("cuda-sim" or "cuda"), device
  * pointers (host pointers on cuda-sim), sizes and dtypes, picks the
@@ -21,23 +22,6 @@
 
 /* The most slots per token the router kernel takes. */
 #define EJ_TMPL_MOE_MAX_K 32
-
-/* ---- scratch of the template host APIs ---------------------------------- */
-
-/* Scratch buffers that a template launch needs on dev, the device of its
- * module (ej_tmpl_device): from ctx's caching allocator when ctx's memory
- * is dev's memory (the same device name, or both host memory), so that a
- * training step reuses cached blocks and never reaches the driver's
- * allocation (cuMemAlloc / cuMemFree, which synchronizes the whole
- * device); the device's own alloc otherwise (a context of another device
- * driving templates directly: tests).  A freed block goes back to the
- * cache at once: the next user of the block is ordered after the kernels
- * that read it by the one compute stream.  alloc: NULL with an
- * EPJ_ERR_NOMEM error naming `what`; free takes the same ctx and dev (NULL
- * ok). */
-void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
-			    const char *what);
-void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p);
 
 /* ---- MoE (templates/moe.cuh) ------------------------------------------- */
 
@@ -141,70 +125,6 @@ epj_status ej_tmpl_cross_entropy_backward(
     epj_ctx *ctx, const char *device, const void *g, epj_dtype gdt,
     const void *logits, epj_dtype dt, int64_t s0, int64_t s1,
     const int64_t *tgt, int64_t N, int64_t V, int64_t ign, void *dlogits);
-
-/* ---- optimizer (templates/optim.cuh) ------------------------------------ */
-
-/* One parameter of a multi-tensor step: device pointers, n elements each.
- * master, s1, s2 are updated in place; model (NULL: none) receives the
- * updated master in model_dtype (f32 or bf16). */
-typedef struct ej_tmpl_optim_tensor {
-	float *master;
-	const void *grad; /* dtype of ej_tmpl_optim.grad_dtype */
-	float *s1;	  /* momentum (SGD, NULL: no momentum) or exp_avg */
-	float *s2;	  /* exp_avg_sq (Adam), else NULL */
-	void *model;
-	int64_t n;
-} ej_tmpl_optim_tensor;
-
-/* The step's hyper-parameters, as runtime/optim.c takes them. */
-typedef struct ej_tmpl_optim {
-	bool adam;	/* false: SGD */
-	bool decoupled; /* AdamW-style weight decay (Adam only) */
-	bool nesterov;	/* SGD */
-	double lr, grad_scale, weight_decay, momentum, beta1, beta2, eps;
-	int64_t step; /* t: the step count after this step (>= 1) */
-	epj_dtype grad_dtype, model_dtype; /* f32 or bf16 each */
-} ej_tmpl_optim;
-
-/* A device copy of the descriptors of a multi-tensor launch, kept by the
- * caller from step to step: one per launch site (the step, the norm).
- * The descriptors are copied to the device only when they differ from the
- * last call's (the parameters moved, or were added), so a steady-state
- * step copies none (counters optim.table_uploads, optim.table_reused).
- * _free releases the device block through ctx's allocator (NULL ok). */
-typedef struct ej_tmpl_optim_table ej_tmpl_optim_table;
-/* Room for n descriptors on ctx's device is taken now (grown later when a
- * call needs more, or moved when its module is on another device); NULL
- * with the error in ctx. */
-ej_tmpl_optim_table *ej_tmpl_optim_table_new(epj_ctx *ctx, int n);
-void ej_tmpl_optim_table_free(epj_ctx *ctx, ej_tmpl_optim_table *tab);
-
-/* One launch updates all n tensors t[0..n): SGD or Adam/AdamW with
- * runtime/optim.c's formulas (same bits on cuda-sim).  Its descriptors
- * (n of them, whatever the number of blocks) live in tab (NULL: copied
- * for this call only); its scratch comes from ctx's allocator. */
-epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
-			      const ej_tmpl_optim *o,
-			      const ej_tmpl_optim_tensor *t, int n,
-			      ej_tmpl_optim_table *tab);
-
-/* n gradient spans on the device: n elements (f32 or bf16) from grad. */
-typedef struct ej_tmpl_optim_span {
-	const void *grad;
-	int64_t n;
-} ej_tmpl_optim_span;
-
-/* *ss = the sum of the squares of every element of s[0..n), in double:
- * one partial sum per 2048-element chunk, then the partials in order (two
- * launches, a fixed order: the same value for any block order).  The sum
- * is the one value copied back to the host (8 bytes; the copy waits for
- * the kernels; its descriptors live in tab as for the step).  It differs
- * from runtime/optim.c's chunked CPU sum by
- * rounding only.  *ss = 0 for no elements. */
-epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
-			       epj_dtype grad_dtype,
-			       const ej_tmpl_optim_span *s, int n,
-			       ej_tmpl_optim_table *tab, double *ss);
 
 /* ---- eager adapters (op table) ----------------------------------------- */
 

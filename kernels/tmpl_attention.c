@@ -12,7 +12,6 @@
  */
 #include "tmpl_attention.h"
 #include "templates/args.h"
-#include "tmpl_moe.h" /* ej_tmpl_scratch_alloc */
 
 #include <limits.h>
 #include <math.h>

@@ -1,21 +1,18 @@
-/* eager_cuda.h -- the eager kernels of the devices that run CUDA C (the
- * cuda-sim device today): one entry per op of the op table, installed in
- * lib/'s dispatcher with ej_eager_install (see jit/eager_cuda.c).
+/* eager_cuda.h -- the eager kernels of the devices that run CUDA C
+ * (cuda-sim and cuda): one entry per op of the op table, installed in
+ * lib/'s dispatcher with ej_eager_install (see kernels/eager_cuda.c;
+ * kernels.h declares the installation, which the engine calls).
  */
 #ifndef EPJIT_EAGER_CUDA_H
 #define EPJIT_EAGER_CUDA_H
 
 #include "core_impl.h"
+#include "kernels.h"
 #include "ops_impl.h"
 
 /* Entry per op id (EJ_OP_*); NULL where the op still runs its CPU reference
  * kernel (counted as a fallback by the dispatcher). */
 extern const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT];
-
-/* Installs ej_eager_cuda_table for the cuda-sim device.  Idempotent; runs
- * at library load and again from the engine (runtime/engine.c), so a
- * statically linked program that uses the engine gets it too. */
-void ej_eager_cuda_install(void);
 
 /* Single-op modules of the process table (kernel-IR lowerings), built so
  * far (tests: a repeated eager call builds nothing). */
@@ -29,7 +26,7 @@ int ej_eager_cuda_each_source(void (*fn)(void *user, const char *name,
 					 const char *cuda),
 			      void *user);
 
-/* jit/tmpl_delta.c: the gated delta rule and its backward on the CUDA
+/* kernels/tmpl_delta.c: the gated delta rule and its backward on the CUDA
  * template templates/delta.cuh. */
 epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c);

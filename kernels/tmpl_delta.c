@@ -21,7 +21,6 @@
 #include "eager_cuda.h"
 #include "templates/args.h"
 #include "tmpl.h"
-#include "tmpl_moe.h"
 
 #include "ops_impl.h"
 
@@ -46,14 +45,6 @@ static _Atomic int64_t segment_hook;
 void ej_cuda_delta_segment_hook(int64_t steps)
 {
 	atomic_store(&segment_hook, steps);
-}
-
-static int dcode(epj_dtype dt)
-{
-	return dt == EPJ_DTYPE_F32    ? 0
-	       : dt == EPJ_DTYPE_BF16 ? 1
-	       : dt == EPJ_DTYPE_F64  ? 2
-				      : -1;
 }
 
 /* Contiguous views of the call's inputs from `first` on (n of them): new
@@ -142,13 +133,13 @@ epj_status ej_cuda_op_gated_delta(epj_ctx *ctx, ej_call *c)
 	const epj_tensor *q = c->in[0], *v = c->in[2];
 	const int64_t B = q->shape[0], T = q->shape[1], H = q->shape[2];
 	const int64_t Dk = q->shape[3], Dv = v->shape[3];
-	if (Dk > MAXK || dcode(q->dtype) < 0)
+	if (Dk > MAXK || ej_tmpl_dcode(q->dtype) < 0)
 		return ej_eager_fallback(ctx, c);
 	epj_tensor *in[5] = { 0 };
 	epj_status st = dense_inputs(ctx, c, 0, 5, in);
 	if (st == EPJ_OK && B * T * H * Dv > 0) {
 		struct ej_delta_args a =
-		    delta_args(in, B, T, H, Dk, Dv, dcode(q->dtype));
+		    delta_args(in, B, T, H, Dk, Dv, ej_tmpl_dcode(q->dtype));
 		a.o = ej_data(c->out[0]);
 		size_t es = ej_dtype_size(q->dtype);
 		ej_launch_out o = { a.o, (size_t)(B * T * H * Dv) * es, es };
@@ -249,7 +240,7 @@ epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c)
 	const epj_tensor *q = c->in[1], *v = c->in[3];
 	const int64_t B = q->shape[0], T = q->shape[1], H = q->shape[2];
 	const int64_t Dk = q->shape[3], Dv = v->shape[3];
-	if (Dk > MAXK || dcode(q->dtype) < 0)
+	if (Dk > MAXK || ej_tmpl_dcode(q->dtype) < 0)
 		return ej_eager_fallback(ctx, c);
 	epj_tensor *in[6] = { 0 };
 	epj_status st = dense_inputs(ctx, c, 0, 6, in);
@@ -266,8 +257,8 @@ epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c)
 			st = epj_ctx_status(ctx);
 	}
 	if (st == EPJ_OK && B * T * H > 0) {
-		struct ej_delta_args a =
-		    delta_args(in + 1, B, T, H, Dk, Dv, dcode(q->dtype));
+		struct ej_delta_args a = delta_args(in + 1, B, T, H, Dk, Dv,
+						    ej_tmpl_dcode(q->dtype));
 		a.go = ej_data(in[0]);
 		a.o = ej_data(c->out[0]);
 		a.dk = ej_data(c->out[1]);

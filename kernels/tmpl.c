@@ -300,6 +300,73 @@ epj_status ej_tmpl_launch(epj_ctx *ctx, ej_tmpl *m, const char *kernel,
 			kernel);
 }
 
+/* ---- what the host APIs of the templates share (tmpl.h) ----------------- */
+
+/* ctx's allocator hands out memory that dev's kernels address. */
+static bool ctx_memory_p(const epj_ctx *ctx, const ej_device *dev)
+{
+	const ej_device *c = ctx->dev;
+	return c == dev || strcmp(c->name, dev->name) == 0 ||
+	       (c->host_visible && dev->host_visible);
+}
+
+void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
+			    const char *what)
+{
+	if (!bytes)
+		bytes = 1;
+	void *p = ctx_memory_p(ctx, dev) ? ej_alloc(ctx->alloc, bytes)
+					 : dev->alloc(dev->self, bytes);
+	if (!p)
+		ej_error(ctx, EPJ_ERR_NOMEM,
+			 "%s: out of %s memory for %zu bytes of scratch", what,
+			 dev->name, bytes);
+	return p;
+}
+
+void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p)
+{
+	if (!p)
+		return;
+	if (ctx_memory_p(ctx, dev))
+		ej_dealloc(ctx->alloc, p);
+	else
+		dev->free(dev->self, p);
+}
+
+int ej_tmpl_dcode(epj_dtype dt)
+{
+	switch (dt) {
+	case EPJ_DTYPE_F32:
+		return 0;
+	case EPJ_DTYPE_BF16:
+		return 1;
+	case EPJ_DTYPE_F64:
+		return 2;
+	default:
+		return -1;
+	}
+}
+
+ej_launch_out ej_tmpl_out(void *p, int64_t n, size_t elem)
+{
+	ej_launch_out o = { p, (size_t)n * elem, elem };
+	return o;
+}
+
+epj_status ej_tmpl_launch_1d(epj_ctx *ctx, ej_tmpl *m, const char *kernel,
+			     unsigned grid, unsigned block, const void *args,
+			     size_t size, const ej_launch_out *outs, int n_out)
+{
+	ej_launch l = { .grid = { grid, 1, 1 },
+			.block = { block, 1, 1 },
+			.args = args,
+			.args_size = size,
+			.outs = outs,
+			.n_out = n_out };
+	return ej_tmpl_launch(ctx, m, kernel, &l);
+}
+
 /* Test hooks, deliberately in no header (t/check_cuda.c: the stand-in
  * driver runs a launch of a template module on cuda-sim, so it needs the
  * module's unit, kernels and argument sizes). */

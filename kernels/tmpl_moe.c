@@ -1,15 +1,13 @@
-/* tmpl_moe.c -- host side of the MoE, embedding, loss and optimizer
- * templates: their arguments (the structs of templates/args.h, which the
- * templates are compiled with too), geometry, scratch buffers on the
- * module's device, and the eager adapters of EMBEDDING,
- * EMBEDDING_BACKWARD, CROSS_ENTROPY, CROSS_ENTROPY_BACKWARD and the fused
- * MoE ops.
+/* tmpl_moe.c -- host side of the MoE, embedding and loss templates: their
+ * arguments (the structs of templates/args.h, which the templates are
+ * compiled with too), geometry, scratch buffers on the module's device,
+ * and the eager adapters of EMBEDDING, EMBEDDING_BACKWARD, CROSS_ENTROPY,
+ * CROSS_ENTROPY_BACKWARD and the fused MoE ops.  The optimizer template's
+ * host side is tmpl_optim.c.
  *
  * Every launch lists its outputs (ej_launch_out) so that cuda-sim poisons
  * them, checks that each element is written and compares two block/thread
- * orders bit for bit.  The optimizer updates in place on cuda; on cuda-sim
- * the inputs are first copied to scratch so that the updated buffers are
- * plain outputs the checks can cover.
+ * orders bit for bit.
  */
 #include "tmpl_moe.h"
 
@@ -17,7 +15,6 @@
 #include "tmpl.h"
 #include "tmpl_gemm.h" /* ej_index_pinned */
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,12 +43,6 @@ static const ej_tmpl_kernel embed_kernels[] = {
 	{ "ej_ce_count", "struct ej_ce_args" },
 	{ "ej_ce_bwd", "struct ej_ce_args" },
 };
-static const ej_tmpl_kernel optim_kernels[] = {
-	{ "ej_optim_step", "struct ej_optim_args" },
-	{ "ej_optim_sumsq", "struct ej_optim_sumsq_args" },
-	{ "ej_optim_sumsq_total", "struct ej_optim_sumsq_args" },
-};
-
 #define NK(a) ((int)(sizeof(a) / sizeof((a)[0])))
 
 static epj_status get_moe(epj_ctx *ctx, const char *dev, ej_tmpl **m)
@@ -65,25 +56,10 @@ static epj_status get_embed(epj_ctx *ctx, const char *dev, ej_tmpl **m)
 			   NK(embed_kernels), m);
 }
 
-/* dtype code of the templates: 0 f32, 1 bf16, 2 f64; -1 otherwise */
-static int dcode(epj_dtype dt)
-{
-	switch (dt) {
-	case EPJ_DTYPE_F32:
-		return 0;
-	case EPJ_DTYPE_BF16:
-		return 1;
-	case EPJ_DTYPE_F64:
-		return 2;
-	default:
-		return -1;
-	}
-}
-
 static epj_status need_float(epj_ctx *ctx, const char *what, const char *arg,
 			     epj_dtype dt)
 {
-	if (dcode(dt) >= 0)
+	if (ej_tmpl_dcode(dt) >= 0)
 		return EPJ_OK;
 	return ej_error(ctx, EPJ_ERR_DTYPE,
 			"%s: %s has dtype %s, expected f32, bf16 or f64", what,
@@ -111,59 +87,6 @@ static unsigned row_threads(int64_t h)
 {
 	int64_t t = (h + 31) / 32 * 32;
 	return t < 32 ? 32u : t > 256 ? 256u : (unsigned)t;
-}
-
-static ej_launch_out out_of(void *p, int64_t n, size_t elem)
-{
-	ej_launch_out o = { p, (size_t)n * elem, elem };
-	return o;
-}
-
-static epj_status launch(epj_ctx *ctx, ej_tmpl *m, const char *k, unsigned grid,
-			 unsigned block, const void *args, size_t size,
-			 const ej_launch_out *outs, int n_out)
-{
-	ej_launch l = { .grid = { grid, 1, 1 },
-			.block = { block, 1, 1 },
-			.args = args,
-			.args_size = size,
-			.outs = outs,
-			.n_out = n_out };
-	return ej_tmpl_launch(ctx, m, k, &l);
-}
-
-/* ---- scratch (tmpl_moe.h) ------------------------------------------------ */
-
-/* ctx's allocator hands out memory that dev's kernels address. */
-static bool ctx_memory_p(const epj_ctx *ctx, const ej_device *dev)
-{
-	const ej_device *c = ctx->dev;
-	return c == dev || strcmp(c->name, dev->name) == 0 ||
-	       (c->host_visible && dev->host_visible);
-}
-
-void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
-			    const char *what)
-{
-	if (!bytes)
-		bytes = 1;
-	void *p = ctx_memory_p(ctx, dev) ? ej_alloc(ctx->alloc, bytes)
-					 : dev->alloc(dev->self, bytes);
-	if (!p)
-		ej_error(ctx, EPJ_ERR_NOMEM,
-			 "%s: out of %s memory for %zu bytes of scratch", what,
-			 dev->name, bytes);
-	return p;
-}
-
-void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p)
-{
-	if (!p)
-		return;
-	if (ctx_memory_p(ctx, dev))
-		ej_dealloc(ctx->alloc, p);
-	else
-		dev->free(dev->self, p);
 }
 
 /* scratch on the module's device; NULL with an error */
@@ -233,7 +156,7 @@ epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 	struct ej_moe_route_args a = { .logits = logits,
 				       .sl0 = sl0,
 				       .sl1 = sl1,
-				       .ldt = dcode(ldt),
+				       .ldt = ej_tmpl_dcode(ldt),
 				       .rdt = f64 ? 2 : 0,
 				       .N = N,
 				       .E = E,
@@ -243,10 +166,12 @@ epj_status ej_tmpl_moe_route(epj_ctx *ctx, const char *device,
 				       .probs = probs,
 				       .w = w,
 				       .idx = (long long *)idx };
-	ej_launch_out o[3] = { out_of(probs, N * E, rs), out_of(w, N * k, rs),
-			       out_of(idx, N * k, 8) };
-	return launch(ctx, m, "ej_moe_route", clamp_grid((N + 3) / 4), 128, &a,
-		      sizeof a, o, 3);
+	ej_launch_out o[3] = { ej_tmpl_out(probs, N * E, rs),
+			       ej_tmpl_out(w, N * k, rs),
+			       ej_tmpl_out(idx, N * k, 8) };
+	return ej_tmpl_launch_1d(ctx, m, "ej_moe_route",
+				 clamp_grid((N + 3) / 4), 128, &a, sizeof a, o,
+				 3);
 }
 
 epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
@@ -281,21 +206,25 @@ epj_status ej_tmpl_moe_sort(epj_ctx *ctx, const char *device,
 				      .G = G };
 	epj_counter_add(ctx, "moe.sort.blocks", G);
 	if (G > 0) {
-		ej_launch_out o = out_of(a.scratch, GB, 8);
-		st = launch(ctx, m, "ej_moe_sort_count", clamp_grid(G),
-			    MOE_SORT_T, &a, sizeof a, &o, 1);
+		ej_launch_out o = ej_tmpl_out(a.scratch, GB, 8);
+		st = ej_tmpl_launch_1d(ctx, m, "ej_moe_sort_count",
+				       clamp_grid(G), MOE_SORT_T, &a, sizeof a,
+				       &o, 1);
 	}
 	if (st == EPJ_OK) {
-		ej_launch_out o[3] = { out_of(counts, B, 8),
-				       out_of(offsets, B + 1, 8),
-				       out_of(a.base, GB, 8) };
-		st = launch(ctx, m, "ej_moe_sort_scan", 1, row_threads(B), &a,
-			    sizeof a, o, G > 0 ? 3 : 2);
+		ej_launch_out o[3] = { ej_tmpl_out(counts, B, 8),
+				       ej_tmpl_out(offsets, B + 1, 8),
+				       ej_tmpl_out(a.base, GB, 8) };
+		st = ej_tmpl_launch_1d(ctx, m, "ej_moe_sort_scan", 1,
+				       row_threads(B), &a, sizeof a, o,
+				       G > 0 ? 3 : 2);
 	}
 	if (st == EPJ_OK && G > 0) {
-		ej_launch_out o[2] = { out_of(order, n, 8), out_of(pos, n, 8) };
-		st = launch(ctx, m, "ej_moe_sort_scatter", clamp_grid(G),
-			    MOE_SORT_T, &a, sizeof a, o, 2);
+		ej_launch_out o[2] = { ej_tmpl_out(order, n, 8),
+				       ej_tmpl_out(pos, n, 8) };
+		st = ej_tmpl_launch_1d(ctx, m, "ej_moe_sort_scatter",
+				       clamp_grid(G), MOE_SORT_T, &a, sizeof a,
+				       o, 2);
 	}
 	dev_free(ctx, m, scratch);
 	return st;
@@ -341,10 +270,10 @@ epj_status ej_tmpl_moe_permute(epj_ctx *ctx, const char *device, const void *x,
 		.i32 = fits_i32(R * H) &&
 		       fits_i32((R - 1) / k * ax0 + (H - 1) * ax1 + 1)
 	};
-	ej_launch_out o = out_of(out, R * H, es);
-	return launch(ctx, m, "ej_moe_permute", clamp_grid(R),
-		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
-		      sizeof a, &o, 1);
+	ej_launch_out o = ej_tmpl_out(out, R * H, es);
+	return ej_tmpl_launch_1d(ctx, m, "ej_moe_permute", clamp_grid(R),
+				 row_threads(a.vec ? H * (int64_t)es / 16 : H),
+				 &a, sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
@@ -373,15 +302,15 @@ epj_status ej_tmpl_moe_permute_backward(epj_ctx *ctx, const char *device,
 		.N = N,
 		.k = k,
 		.H = H,
-		.dt = dcode(dt),
+		.dt = ej_tmpl_dcode(dt),
 		.dx = dx,
 		.vec = rows_vec16(ctx, true, H, es, vp, 2),
 		.i32 = fits_i32(N * k * H),
 	};
-	ej_launch_out o = out_of(dx, N * H, es);
-	return launch(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
-		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
-		      sizeof a, &o, 1);
+	ej_launch_out o = ej_tmpl_out(dx, N * H, es);
+	return ej_tmpl_launch_1d(ctx, m, "ej_moe_permute_bw", clamp_grid(N),
+				 row_threads(a.vec ? H * (int64_t)es / 16 : H),
+				 &a, sizeof a, &o, 1);
 }
 
 static epj_status combine_check(epj_ctx *ctx, const char *what, epj_dtype dt,
@@ -416,16 +345,16 @@ epj_status ej_tmpl_moe_combine(epj_ctx *ctx, const char *device, const void *y,
 					 .N = N,
 					 .k = k,
 					 .H = H,
-					 .dt = dcode(dt),
-					 .wdt = dcode(wdt),
+					 .dt = ej_tmpl_dcode(dt),
+					 .wdt = ej_tmpl_dcode(wdt),
 					 .out = out,
 					 .vec = rows_vec16(ctx, true, H, es, vp,
 							   2),
 					 .i32 = fits_i32(N * k * H) };
-	ej_launch_out o = out_of(out, N * H, es);
-	return launch(ctx, m, "ej_moe_combine", clamp_grid(N),
-		      row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
-		      sizeof a, &o, 1);
+	ej_launch_out o = ej_tmpl_out(out, N * H, es);
+	return ej_tmpl_launch_1d(ctx, m, "ej_moe_combine", clamp_grid(N),
+				 row_threads(a.vec ? H * (int64_t)es / 16 : H),
+				 &a, sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
@@ -451,24 +380,26 @@ epj_status ej_tmpl_moe_combine_backward(epj_ctx *ctx, const char *device,
 					 .N = N,
 					 .k = k,
 					 .H = H,
-					 .dt = dcode(dt),
-					 .wdt = dcode(wdt),
+					 .dt = ej_tmpl_dcode(dt),
+					 .wdt = ej_tmpl_dcode(wdt),
 					 .out = dy,
 					 .i32 = fits_i32(R * H) };
 	if (dy && H > 0) {
 		const void *vp[2] = { dout, dy };
 		a.vec = rows_vec16(ctx, true, H, es, vp, 2);
-		ej_launch_out o = out_of(dy, R * H, es);
-		st = launch(ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
-			    row_threads(a.vec ? H * (int64_t)es / 16 : H), &a,
-			    sizeof a, &o, 1);
+		ej_launch_out o = ej_tmpl_out(dy, R * H, es);
+		st = ej_tmpl_launch_1d(
+		    ctx, m, "ej_moe_combine_bw_y", clamp_grid(R),
+		    row_threads(a.vec ? H * (int64_t)es / 16 : H), &a, sizeof a,
+		    &o, 1);
 	}
 	if (st == EPJ_OK && dw) {
 		a.vec = 0;
 		a.out = dw;
-		ej_launch_out o = out_of(dw, R, ej_dtype_size(wdt));
-		st = launch(ctx, m, "ej_moe_combine_bw_w",
-			    clamp_grid((R + 3) / 4), 128, &a, sizeof a, &o, 1);
+		ej_launch_out o = ej_tmpl_out(dw, R, ej_dtype_size(wdt));
+		st = ej_tmpl_launch_1d(ctx, m, "ej_moe_combine_bw_w",
+				       clamp_grid((R + 3) / 4), 128, &a,
+				       sizeof a, &o, 1);
 	}
 	return st;
 }
@@ -493,12 +424,13 @@ epj_status ej_tmpl_moe_route_backward(epj_ctx *ctx, const char *device,
 	if ((st = get_moe(ctx, device, &m)) != EPJ_OK)
 		return st;
 	struct ej_moe_route_bw_args a = {
-		probs,	(const long long *)idx, dw, N, E, k, norm, dcode(rdt),
-		dlogits
+		probs, (const long long *)idx, dw,     N, E, k,
+		norm,  ej_tmpl_dcode(rdt),     dlogits
 	};
-	ej_launch_out o = out_of(dlogits, N * E, ej_dtype_size(rdt));
-	return launch(ctx, m, "ej_moe_route_bw", clamp_grid((N + 3) / 4), 128,
-		      &a, sizeof a, &o, 1);
+	ej_launch_out o = ej_tmpl_out(dlogits, N * E, ej_dtype_size(rdt));
+	return ej_tmpl_launch_1d(ctx, m, "ej_moe_route_bw",
+				 clamp_grid((N + 3) / 4), 128, &a, sizeof a, &o,
+				 1);
 }
 
 /* One pass over n elements: SwiGLU forward (d NULL: y = silu(g) u) or
@@ -528,17 +460,17 @@ static epj_status swiglu_launch(epj_ctx *ctx, const char *device, const void *d,
 				    .y = y,
 				    .du = du,
 				    .n = n,
-				    .dt = dcode(dt),
+				    .dt = ej_tmpl_dcode(dt),
 				    .vec = aligned16(ptrs, 5),
 				    .i32 = fits_i32(n) };
 	epj_counter_add(ctx, a.vec ? "moe.swiglu.vec16" : "moe.swiglu.scalar",
 			1);
 	const int64_t lanes = 16 / (int64_t)es;
 	const int64_t items = a.vec ? n / lanes + lanes : n;
-	ej_launch_out o[2] = { out_of(y, n, es), out_of(du, n, es) };
-	return launch(ctx, m, d ? "ej_swiglu_bwd" : "ej_swiglu_fwd",
-		      clamp_grid((items + 255) / 256), 256, &a, sizeof a, o,
-		      d ? 2 : 1);
+	ej_launch_out o[2] = { ej_tmpl_out(y, n, es), ej_tmpl_out(du, n, es) };
+	return ej_tmpl_launch_1d(ctx, m, d ? "ej_swiglu_bwd" : "ej_swiglu_fwd",
+				 clamp_grid((items + 255) / 256), 256, &a,
+				 sizeof a, o, d ? 2 : 1);
 }
 
 epj_status ej_tmpl_swiglu(epj_ctx *ctx, const char *device, const void *g,
@@ -577,12 +509,13 @@ epj_status ej_tmpl_embedding(epj_ctx *ctx, const char *device, const void *w,
 	epj_status st = get_embed(ctx, device, &m);
 	if (st != EPJ_OK)
 		return st;
-	struct ej_embed_args a = { w,	      sw0, sw1, (const long long *)ids,
-				   n,	      0,   D,	(int)es,
-				   dcode(dt), out };
-	ej_launch_out o = out_of(out, n * D, es);
-	return launch(ctx, m, "ej_embed_fwd", clamp_grid(n), row_threads(D), &a,
-		      sizeof a, &o, 1);
+	struct ej_embed_args a = {
+		w, sw0, sw1,	 (const long long *)ids, n,
+		0, D,	(int)es, ej_tmpl_dcode(dt),	 out
+	};
+	ej_launch_out o = ej_tmpl_out(out, n * D, es);
+	return ej_tmpl_launch_1d(ctx, m, "ej_embed_fwd", clamp_grid(n),
+				 row_threads(D), &a, sizeof a, &o, 1);
 }
 
 epj_status ej_tmpl_embedding_backward(epj_ctx *ctx, const char *device,
@@ -603,12 +536,11 @@ epj_status ej_tmpl_embedding_backward(epj_ctx *ctx, const char *device,
 	ej_tmpl *m;
 	if ((st = get_embed(ctx, device, &m)) != EPJ_OK)
 		return st;
-	struct ej_embed_args a = { g,	      sg0, sg1, (const long long *)ids,
-				   n,	      V,   D,	(int)0,
-				   dcode(dt), dw };
-	ej_launch_out o = out_of(dw, V * D, ej_dtype_size(dt));
-	return launch(ctx, m, "ej_embed_bwd", clamp_grid(V), row_threads(D), &a,
-		      sizeof a, &o, 1);
+	struct ej_embed_args a = { g, sg0, sg1,	   (const long long *)ids, n,
+				   V, D,   (int)0, ej_tmpl_dcode(dt),	   dw };
+	ej_launch_out o = ej_tmpl_out(dw, V * D, ej_dtype_size(dt));
+	return ej_tmpl_launch_1d(ctx, m, "ej_embed_bwd", clamp_grid(V),
+				 row_threads(D), &a, sizeof a, &o, 1);
 }
 
 static epj_status ce_check(epj_ctx *ctx, const char *what, epj_dtype dt,
@@ -642,21 +574,22 @@ epj_status ej_tmpl_cross_entropy(epj_ctx *ctx, const char *device,
 		logits,	     s0,
 		s1,	     (const long long *)tgt,
 		N,	     V,
-		ign,	     dcode(dt),
+		ign,	     ej_tmpl_dcode(dt),
 		(double *)s, (long long *)(s + sizeof(double) * (size_t)N),
 		NULL,	     0,
 		loss
 	};
 	if (N > 0) {
-		ej_launch_out o = out_of(s, N, 8);
-		st = launch(ctx, m, "ej_ce_rows", clamp_grid(N), row_threads(V),
-			    &a, sizeof a, &o, 1);
+		ej_launch_out o = ej_tmpl_out(s, N, 8);
+		st = ej_tmpl_launch_1d(ctx, m, "ej_ce_rows", clamp_grid(N),
+				       row_threads(V), &a, sizeof a, &o, 1);
 	}
 	if (st == EPJ_OK) {
-		ej_launch_out o[2] = { out_of(loss, 1,
-					      dt == EPJ_DTYPE_F64 ? 8 : 4),
-				       out_of(a.cnt, 1, 8) };
-		st = launch(ctx, m, "ej_ce_reduce", 1, 256, &a, sizeof a, o, 2);
+		ej_launch_out o[2] = { ej_tmpl_out(loss, 1,
+						   dt == EPJ_DTYPE_F64 ? 8 : 4),
+				       ej_tmpl_out(a.cnt, 1, 8) };
+		st = ej_tmpl_launch_1d(ctx, m, "ej_ce_reduce", 1, 256, &a,
+				       sizeof a, o, 2);
 	}
 	dev_free(ctx, m, s);
 	return st;
@@ -681,372 +614,19 @@ epj_status ej_tmpl_cross_entropy_backward(epj_ctx *ctx, const char *device,
 	if (!cnt)
 		return EPJ_ERR_NOMEM;
 	struct ej_ce_args a = { logits, s0,  s1,  (const long long *)tgt,
-				N,	V,   ign, dcode(dt),
-				NULL,	cnt, g,	  dcode(gdt),
+				N,	V,   ign, ej_tmpl_dcode(dt),
+				NULL,	cnt, g,	  ej_tmpl_dcode(gdt),
 				dlogits };
-	ej_launch_out oc = out_of(cnt, 1, 8);
-	st = launch(ctx, m, "ej_ce_count", 1, 256, &a, sizeof a, &oc, 1);
+	ej_launch_out oc = ej_tmpl_out(cnt, 1, 8);
+	st = ej_tmpl_launch_1d(ctx, m, "ej_ce_count", 1, 256, &a, sizeof a, &oc,
+			       1);
 	if (st == EPJ_OK) {
-		ej_launch_out o = out_of(dlogits, N * V, ej_dtype_size(dt));
-		st = launch(ctx, m, "ej_ce_bwd", clamp_grid(N), row_threads(V),
-			    &a, sizeof a, &o, 1);
+		ej_launch_out o =
+		    ej_tmpl_out(dlogits, N * V, ej_dtype_size(dt));
+		st = ej_tmpl_launch_1d(ctx, m, "ej_ce_bwd", clamp_grid(N),
+				       row_threads(V), &a, sizeof a, &o, 1);
 	}
 	dev_free(ctx, m, cnt);
-	return st;
-}
-
-/* ---- optimizer ----------------------------------------------------------- */
-
-/* Elements per block of the multi-tensor step. */
-#define OPTIM_CHUNK 2048
-
-/* The blocks of n elements. */
-static int64_t optim_blocks(int64_t n)
-{
-	return (n + OPTIM_CHUNK - 1) / OPTIM_CHUNK;
-}
-
-/* A device copy of a descriptor table, kept from call to call: the host
- * bytes it was made from, and the device block (on dev) that holds them. */
-struct ej_tmpl_optim_table {
-	const ej_device *dev;
-	void *dmem;
-	char *host;
-	size_t bytes, cap;
-};
-
-ej_tmpl_optim_table *ej_tmpl_optim_table_new(epj_ctx *ctx, int n)
-{
-	ej_tmpl_optim_table *tab = calloc(1, sizeof *tab);
-	if (!tab) {
-		ej_error(ctx, EPJ_ERR_NOMEM, "optimizer table: out of memory");
-		return NULL;
-	}
-	if (n > 0) { /* reserved now, so a step never allocates it */
-		size_t bytes = sizeof(struct ej_optim_tensor) * (size_t)n;
-		tab->host = malloc(bytes);
-		tab->dmem = tab->host
-				? ej_tmpl_scratch_alloc(ctx, ctx->dev, bytes,
-							"optimizer table")
-				: NULL;
-		if (!tab->dmem) {
-			if (!tab->host)
-				ej_error(ctx, EPJ_ERR_NOMEM,
-					 "optimizer table: out of memory");
-			free(tab->host);
-			free(tab);
-			return NULL;
-		}
-		tab->dev = ctx->dev;
-		tab->cap = bytes;
-	}
-	return tab;
-}
-
-void ej_tmpl_optim_table_free(epj_ctx *ctx, ej_tmpl_optim_table *tab)
-{
-	if (!tab)
-		return;
-	if (tab->dmem)
-		ej_tmpl_scratch_free(ctx, tab->dev, tab->dmem);
-	free(tab->host);
-	free(tab);
-}
-
-/* The device copy of the descriptors hbuf[0..bytes) on m's device: tab's
- * block when it already holds these bytes (nothing is copied), else the
- * bytes copied into it (grown as needed; one H2D copy on the compute
- * stream, after the kernels that read the old table).  tab NULL: a block
- * of this call, which the caller frees (*owned).  NULL with an error. */
-static void *optim_table(epj_ctx *ctx, ej_tmpl *m, ej_tmpl_optim_table *tab,
-			 const void *hbuf, size_t bytes, const char *what,
-			 void **owned)
-{
-	const ej_device *d = ej_tmpl_device(m);
-	*owned = NULL;
-	if (!tab) {
-		void *p = dev_alloc(ctx, m, bytes, what);
-		if (p) {
-			d->copy(d->self, p, hbuf, bytes);
-			*owned = p;
-		}
-		return p;
-	}
-	if (tab->bytes && tab->dev == d && tab->bytes == bytes &&
-	    memcmp(tab->host, hbuf, bytes) == 0) {
-		epj_counter_add(ctx, "optim.table_reused", 1);
-		return tab->dmem;
-	}
-	if (!tab->dmem || tab->dev != d || tab->cap < bytes) {
-		if (tab->dmem)
-			ej_tmpl_scratch_free(ctx, tab->dev, tab->dmem);
-		tab->dmem = NULL;
-		char *h = realloc(tab->host, bytes);
-		if (!h) {
-			ej_error(ctx, EPJ_ERR_NOMEM, "%s: out of memory", what);
-			return NULL;
-		}
-		tab->host = h;
-		tab->dmem = dev_alloc(ctx, m, bytes, what);
-		if (!tab->dmem)
-			return NULL;
-		tab->dev = d;
-		tab->cap = bytes;
-	}
-	memcpy(tab->host, hbuf, bytes);
-	tab->bytes = bytes;
-	d->copy(d->self, tab->dmem, hbuf, bytes);
-	epj_counter_add(ctx, "optim.table_uploads", 1);
-	return tab->dmem;
-}
-
-/* The optimizer module for a launch over `items` chunks (what: the
- * caller's name for messages); *m is NULL when there is nothing to do. */
-static epj_status optim_module(epj_ctx *ctx, const char *device,
-			       const char *what, int64_t items, ej_tmpl **m)
-{
-	*m = NULL;
-	if (items == 0)
-		return EPJ_OK;
-	if (items > 0x7fffffff)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"%s: %lld blocks of %d elements exceed one "
-				"launch",
-				what, (long long)items, OPTIM_CHUNK);
-	return ej_tmpl_get(ctx, device, "optim", NULL, optim_kernels,
-			   NK(optim_kernels), m);
-}
-
-static epj_status optim_check(epj_ctx *ctx, const ej_tmpl_optim *o,
-			      const ej_tmpl_optim_tensor *t, int n,
-			      int64_t *items, int64_t *total)
-{
-	if ((o->grad_dtype != EPJ_DTYPE_F32 &&
-	     o->grad_dtype != EPJ_DTYPE_BF16) ||
-	    (o->model_dtype != EPJ_DTYPE_F32 &&
-	     o->model_dtype != EPJ_DTYPE_BF16))
-		return ej_error(ctx, EPJ_ERR_DTYPE,
-				"optimizer step: gradient %s, model copy %s: "
-				"expected f32 or bf16 each",
-				epj_dtype_name(o->grad_dtype),
-				epj_dtype_name(o->model_dtype));
-	if (n < 0 || (o->adam && o->step < 1))
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"optimizer step: %d tensors, step %lld: "
-				"expected n >= 0 and step >= 1",
-				n, (long long)o->step);
-	*items = *total = 0;
-	for (int i = 0; i < n; i++) {
-		if (t[i].n < 0 || (t[i].n > 0 && (!t[i].master || !t[i].grad)))
-			return ej_error(ctx, EPJ_ERR_INVALID,
-					"optimizer step: tensor %d: %lld "
-					"elements, master %p, grad %p",
-					i, (long long)t[i].n,
-					(void *)t[i].master, t[i].grad);
-		if (o->adam && t[i].n > 0 && (!t[i].s1 || !t[i].s2))
-			return ej_error(ctx, EPJ_ERR_INVALID,
-					"optimizer step: tensor %d: Adam "
-					"needs exp_avg and exp_avg_sq",
-					i);
-		*items += optim_blocks(t[i].n);
-		*total += t[i].n;
-	}
-	return EPJ_OK;
-}
-
-static void optim_args(struct ej_optim_args *a, const ej_tmpl_optim *o)
-{
-	a->chunk = OPTIM_CHUNK;
-	a->adam = o->adam;
-	a->gdt = dcode(o->grad_dtype);
-	a->mdt = dcode(o->model_dtype);
-	a->nesterov = o->nesterov;
-	a->lr = o->lr;
-	a->gs = o->grad_scale;
-	a->wd = o->weight_decay;
-	a->mom = o->momentum;
-	if (o->adam) {
-		/* runtime/optim.c, adam_kernel */
-		a->b1 = o->beta1;
-		a->omb1 = 1.0 - o->beta1;
-		a->b2 = o->beta2;
-		a->omb2 = 1.0 - o->beta2;
-		a->eps = o->eps;
-		a->l2 = o->decoupled ? 0.0 : o->weight_decay;
-		a->decay = o->decoupled ? 1.0 - o->lr * o->weight_decay : 1.0;
-		a->step_size = o->lr / (1.0 - pow(o->beta1, (double)o->step));
-		a->bc2_sqrt = sqrt(1.0 - pow(o->beta2, (double)o->step));
-	}
-}
-
-epj_status ej_tmpl_optim_step(epj_ctx *ctx, const char *device,
-			      const ej_tmpl_optim *o,
-			      const ej_tmpl_optim_tensor *t, int n,
-			      ej_tmpl_optim_table *tab)
-{
-	int64_t items = 0, total = 0;
-	epj_status st = optim_check(ctx, o, t, n, &items, &total);
-	if (st != EPJ_OK)
-		return st;
-	ej_tmpl *m;
-	st = optim_module(ctx, device, "optimizer step", items, &m);
-	if (st != EPJ_OK || !m)
-		return st;
-	const ej_device *d = ej_tmpl_device(m);
-	const bool sim = ej_dev_reruns_grids(d);
-	/* the descriptors (kept on the device in tab), then (cuda-sim) the
-	 * input snapshots, scratch of this call */
-	size_t tbytes = sizeof(struct ej_optim_tensor) * (size_t)n;
-	struct ej_optim_tensor *ht = calloc((size_t)(n ? n : 1), sizeof *ht);
-	ej_launch_out *outs = sim ? calloc((size_t)n * 4, sizeof *outs) : NULL;
-	size_t snap = sim ? sizeof(float) * (size_t)total * 3 : 0;
-	float *sp = NULL;
-	void *owned = NULL;
-	if (!ht || (sim && !outs)) {
-		st = ej_error(ctx, EPJ_ERR_NOMEM,
-			      "optimizer step: out of memory");
-		goto done;
-	}
-	if (snap) {
-		sp = dev_alloc(ctx, m, snap, "optimizer step");
-		if (!sp) {
-			st = EPJ_ERR_NOMEM;
-			goto done;
-		}
-	}
-	float *spn = sp;
-	int n_out = 0;
-	int64_t q = 0;
-	for (int i = 0; i < n; i++) {
-		const ej_tmpl_optim_tensor *s = &t[i];
-		struct ej_optim_tensor *h = &ht[i];
-		h->master = s->master;
-		h->grad = s->grad;
-		h->s1 = s->s1;
-		h->s2 = o->adam ? s->s2 : NULL;
-		h->model = s->model;
-		h->n = s->n;
-		h->first = q;
-		h->master_in = s->master;
-		h->s1_in = s->s1;
-		h->s2_in = h->s2;
-		if (sim && s->n > 0) {
-			size_t b = sizeof(float) * (size_t)s->n;
-			float *bufs[3] = { s->master, s->s1, h->s2 };
-			const float **ins[3] = { &h->master_in, &h->s1_in,
-						 &h->s2_in };
-			for (int j = 0; j < 3; j++) {
-				if (!bufs[j])
-					continue;
-				d->copy(d->self, spn, bufs[j], b);
-				*ins[j] = spn;
-				spn += s->n;
-				outs[n_out++] = out_of(bufs[j], s->n, 4);
-			}
-			if (s->model)
-				outs[n_out++] =
-				    out_of(s->model, s->n,
-					   ej_dtype_size(o->model_dtype));
-		}
-		q += optim_blocks(s->n);
-	}
-	struct ej_optim_args a = { 0 };
-	a.t = optim_table(ctx, m, tab, ht, tbytes, "optimizer step", &owned);
-	if (!a.t) {
-		st = EPJ_ERR_NOMEM;
-		goto done;
-	}
-	a.n_t = n;
-	optim_args(&a, o);
-	st = launch(ctx, m, "ej_optim_step", (unsigned)items, 256, &a, sizeof a,
-		    outs, n_out);
-done:
-	dev_free(ctx, m, sp);
-	dev_free(ctx, m, owned);
-	free(ht);
-	free(outs);
-	return st;
-}
-
-epj_status ej_tmpl_optim_sumsq(epj_ctx *ctx, const char *device,
-			       epj_dtype grad_dtype,
-			       const ej_tmpl_optim_span *s, int n,
-			       ej_tmpl_optim_table *tab, double *ss)
-{
-	*ss = 0;
-	if (grad_dtype != EPJ_DTYPE_F32 && grad_dtype != EPJ_DTYPE_BF16)
-		return ej_error(ctx, EPJ_ERR_DTYPE,
-				"gradient norm: gradient %s: expected f32 or "
-				"bf16",
-				epj_dtype_name(grad_dtype));
-	if (n < 0)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"gradient norm: %d tensors", n);
-	int64_t items = 0;
-	for (int i = 0; i < n; i++) {
-		if (s[i].n < 0 || (s[i].n > 0 && !s[i].grad))
-			return ej_error(ctx, EPJ_ERR_INVALID,
-					"gradient norm: tensor %d: %lld "
-					"elements, grad %p",
-					i, (long long)s[i].n, s[i].grad);
-		items += optim_blocks(s[i].n);
-	}
-	ej_tmpl *m;
-	epj_status st = optim_module(ctx, device, "gradient norm", items, &m);
-	if (st != EPJ_OK || !m)
-		return st;
-	const ej_device *d = ej_tmpl_device(m);
-	/* the descriptors (kept in tab); scratch: partial sums [items], the
-	 * sum [1] */
-	size_t tbytes = sizeof(struct ej_optim_tensor) * (size_t)n;
-	struct ej_optim_tensor *ht = calloc((size_t)(n ? n : 1), sizeof *ht);
-	double *part = NULL;
-	void *owned = NULL;
-	if (!ht) {
-		st = ej_error(ctx, EPJ_ERR_NOMEM,
-			      "gradient norm: out of memory");
-		goto done;
-	}
-	int64_t q = 0;
-	for (int i = 0; i < n; i++) {
-		ht[i].grad = s[i].grad;
-		ht[i].n = s[i].n;
-		ht[i].first = q;
-		q += optim_blocks(s[i].n);
-	}
-	part = dev_alloc(ctx, m, sizeof(double) * (size_t)(items + 1),
-			 "gradient norm");
-	const struct ej_optim_tensor *dt =
-	    part ? optim_table(ctx, m, tab, ht, tbytes, "gradient norm", &owned)
-		 : NULL;
-	if (!dt) {
-		st = EPJ_ERR_NOMEM;
-		goto done;
-	}
-	struct ej_optim_sumsq_args a = {
-		.t = dt,
-		.n_t = n,
-		.chunk = OPTIM_CHUNK,
-		.gdt = dcode(grad_dtype),
-		.n_items = items,
-		.partial = part,
-		.out = part + items,
-	};
-	ej_launch_out op = out_of(a.partial, items, 8);
-	st = launch(ctx, m, "ej_optim_sumsq", (unsigned)items, 256, &a,
-		    sizeof a, &op, 1);
-	if (st == EPJ_OK) {
-		ej_launch_out oo = out_of(a.out, 1, 8);
-		st = launch(ctx, m, "ej_optim_sumsq_total", 1, 256, &a,
-			    sizeof a, &oo, 1);
-	}
-	if (st == EPJ_OK) /* the one value that comes back (a synchronous
-			     copy: the kernels are done) */
-		d->copy(d->self, ss, a.out, sizeof *ss);
-done:
-	dev_free(ctx, m, part);
-	dev_free(ctx, m, owned);
-	free(ht);
 	return st;
 }
 

@@ -74,4 +74,33 @@ const ej_device *ej_tmpl_device(const ej_tmpl *m);
  * concurrent launches). */
 void ej_tmpl_clear(void);
 
+/* ---- what the host APIs of the templates share -------------------------- */
+
+/* Scratch buffers that a template launch needs on dev, the device of its
+ * module (ej_tmpl_device): from ctx's caching allocator when ctx's memory
+ * is dev's memory (the same device name, or both host memory), so that a
+ * training step reuses cached blocks and never reaches the driver's
+ * allocation (cuMemAlloc / cuMemFree, which synchronizes the whole
+ * device); the device's own alloc otherwise (a context of another device
+ * driving templates directly: tests).  A freed block goes back to the
+ * cache at once: the next user of the block is ordered after the kernels
+ * that read it by the one compute stream.  alloc: NULL with an
+ * EPJ_ERR_NOMEM error naming `what`; free takes the same ctx and dev (NULL
+ * ok). */
+void *ej_tmpl_scratch_alloc(epj_ctx *ctx, const ej_device *dev, size_t bytes,
+			    const char *what);
+void ej_tmpl_scratch_free(epj_ctx *ctx, const ej_device *dev, void *p);
+
+/* The dtype code of the templates' arguments: 0 f32, 1 bf16, 2 f64; -1
+ * for any other dtype. */
+int ej_tmpl_dcode(epj_dtype dt);
+/* An output of a launch: n elements of elem bytes at p. */
+ej_launch_out ej_tmpl_out(void *p, int64_t n, size_t elem);
+/* ej_tmpl_launch of a one-dimensional grid of `grid` blocks of `block`
+ * threads, with the argument struct args (size bytes) and outputs
+ * outs[0..n_out). */
+epj_status ej_tmpl_launch_1d(epj_ctx *ctx, ej_tmpl *m, const char *kernel,
+			     unsigned grid, unsigned block, const void *args,
+			     size_t size, const ej_launch_out *outs, int n_out);
+
 #endif

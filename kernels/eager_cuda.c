@@ -21,23 +21,23 @@
  *    dtypes, shapes: all the generated code depends on; strides are launch
  *    arguments), so a repeated call builds nothing.
  *  - template kernels (templates/copy.cuh, templates/index.cuh,
- *    templates/fill.cuh through jit/tmpl.h): strided copies (contiguous,
+ *    templates/fill.cuh through kernels/tmpl.h): strided copies (contiguous,
  *    reshape copies, view materialisation, expand copies, casts involving
  *    integers), cat, slice_backward, full, integer pointwise ops,
  *    index_select, index_add, gather, scatter_add, max with indices, topk,
  *    argsort.  Index ranges are checked on the host before the launch with
  *    the CPU kernels' message (in place on cuda-sim, whose memory is host
  *    memory; from a host copy on cuda).
- *  - adapters of the GEMM (jit/tmpl_gemm.c: matmul, linear, the expert
+ *  - adapters of the GEMM (kernels/tmpl_gemm.c: matmul, linear, the expert
  *    GEMMs moe_grouped_mm and its weight gradient), attention
- *    (jit/tmpl_attention.c: sdpa and its backward), embedding / loss and
- *    the fused MoE ops (jit/tmpl_moe.c: embedding, cross_entropy,
+ *    (kernels/tmpl_attention.c: sdpa and its backward), embedding / loss and
+ *    the fused MoE ops (kernels/tmpl_moe.c: embedding, cross_entropy,
  *    moe_route, moe_permute, moe_unpermute, swiglu and their backwards)
- *    and the gated delta rule (jit/tmpl_delta.c) templates.
+ *    and the gated delta rule (kernels/tmpl_delta.c) templates.
  *
  * Every launch of this file's kernels counts in
  * kernels.launched.eager_cuda, every template launch in
- * kernels.launched.template (jit/tmpl.c).  An entry that meets
+ * kernels.launched.template (kernels/tmpl.c).  An entry that meets
  * a case it has no kernel for (integer reductions, empty inputs of a
  * reduction, k above 32 in moe_route) calls ej_eager_fallback (CPU
  * kernel, counted).  Every op has an entry; a NULL row would run the CPU
@@ -71,7 +71,7 @@ static int64_t numel_of(const epj_tensor *t)
 	return ej_numel(t->ndim, t->shape);
 }
 
-/* The CUDA C device ctx runs on, as jit/tmpl.h names it. */
+/* The CUDA C device ctx runs on, as kernels/tmpl.h names it. */
 static const char *dev_name(const epj_ctx *ctx)
 {
 	return ctx->dev->name;
@@ -134,7 +134,7 @@ typedef struct kop {
 	ej_graph *g;
 	ej_arena *A;
 	const ej_kernel *k;
-	void *module, *fn;	 /* cuda-sim (cuda: NULL, jit/tmpl.c has it) */
+	void *module, *fn; /* cuda-sim (cuda: NULL, kernels/tmpl.c has it) */
 	const char *name, *cuda; /* in A: the kernel's unit, as NVRTC gets it */
 	struct kop *next;
 } kop;
@@ -1115,7 +1115,7 @@ static epj_status eg_argsort(epj_ctx *ctx, ej_call *c)
 }
 
 /* ---- GEMM_ADD: r copied into the output, then the GEMM accumulates onto
- * it (jit/tmpl_gemm.c) ------------------------------------------------- */
+ * it (kernels/tmpl_gemm.c) ------------------------------------------------- */
 static epj_status eg_gemm_add(epj_ctx *ctx, ej_call *c)
 {
 	epj_tensor *o = c->out[0];
@@ -1181,8 +1181,8 @@ static epj_status eg_rope(epj_ctx *ctx, ej_call *c)
 
 /* ---- the table ----------------------------------------------------------
  * Every op has an entry: the single-op lowerings and copy/index templates
- * of this file, and the adapters of the GEMM (jit/tmpl_gemm.c), attention
- * (jit/tmpl_attention.c) and embedding/loss (jit/tmpl_moe.c) templates.
+ * of this file, and the adapters of the GEMM (kernels/tmpl_gemm.c), attention
+ * (kernels/tmpl_attention.c) and embedding/loss (kernels/tmpl_moe.c) templates.
  * A NULL row would run the CPU reference kernel (counted). */
 
 const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {

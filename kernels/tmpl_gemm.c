@@ -906,7 +906,7 @@ epj_status ej_cuda_gemm_acc(epj_ctx *ctx, const ej_call *c, epj_tensor *out,
  * counts tensor that it built from host values.  The layer pins that
  * tensor (ej_index_pin) with the values it was built from; a GEMM over a
  * pinned tensor takes them from here instead of the device, and the eager
- * index ops (jit/eager_cuda.c) validate a pinned index from here.
+ * index ops (kernels/eager_cuda.c) validate a pinned index from here.
  *
  * An entry is keyed by the storage, element offset and element count of a
  * dense tensor (autograd saves its inputs as aliases: same storage, new
