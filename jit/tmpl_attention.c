@@ -2,7 +2,8 @@
  * tmpl_attention.h): checks the sizes, picks the module (dtype, head-dim
  * registers) and the tile sizes that fit the shared memory, and launches
  *
- *   forward:  ej_attn_fwd                  -> out, lse
+ *   forward:  ej_attn_fwd (f32, f64)       -> out, lse
+ *             ej_attn_fwd_tc (bf16: tensor cores)
  *   backward: ej_attn_bwd_dq   -> dq, di   (di = rowsum(dO * O), scratch
  *                                           from the context's allocator)
  *             ej_attn_bwd_dkdv -> dk, dv   (reads di)
@@ -31,7 +32,24 @@ static const ej_tmpl_kernel attn_kernels[] = {
 	{ "ej_attn_fwd", "struct ej_attn_args" },
 	{ "ej_attn_bwd_dq", "struct ej_attn_args" },
 	{ "ej_attn_bwd_dkdv", "struct ej_attn_args" },
+	{ "ej_attn_fwd_tc", "struct ej_attn_args" }, /* bf16 modules only */
 };
+
+/* The tensor-core forward's geometry (attention.cuh: EJ_TC_BQ, EJ_TC_BK). */
+#define TC_BQ 64
+static int tc_bk(int dl)
+{
+	return dl <= 4 ? 64 : 32;
+}
+
+/* Launches of ej_attn_fwd_tc so far (the tests check that the bf16 forward
+ * took the tensor-core path): a test hook in no header. */
+static unsigned long tc_launches;
+unsigned long ej_attn_test_tc_launches(void);
+unsigned long ej_attn_test_tc_launches(void)
+{
+	return tc_launches;
+}
 
 static epj_dtype acc_dtype(epj_dtype dt)
 {
@@ -84,18 +102,25 @@ static epj_status check_shape(epj_ctx *ctx, const char *what, epj_dtype dt,
 	return EPJ_OK;
 }
 
-/* The module for dtype dt with registers for head dims up to 32 * dl. */
+/* Registers for head dims up to 32 * dl (EJ_ATTN_DL). */
+static int head_dl(const ej_attn_shape *m)
+{
+	int64_t hd = m->d > m->dv ? m->d : m->dv;
+	return hd <= 32 ? 1 : (int)((hd + 31) / 32);
+}
+
+/* The module for dtype dt with registers for head dims up to 32 * dl; the
+ * bf16 one has the tensor-core forward too. */
 static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 			     const ej_attn_shape *m, ej_tmpl **out)
 {
-	int64_t hd = m->d > m->dv ? m->d : m->dv;
-	int dl = hd <= 32 ? 1 : (int)((hd + 31) / 32);
+	int dl = head_dl(m);
 	int code = dt == EPJ_DTYPE_F64 ? 2 : dt == EPJ_DTYPE_BF16 ? 1 : 0;
 	char defs[96];
 	snprintf(defs, sizeof defs,
 		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
-	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels, 3,
-			   out);
+	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels,
+			   dt == EPJ_DTYPE_BF16 ? 4 : 3, out);
 }
 
 static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
@@ -145,6 +170,16 @@ static size_t smem_dkdv(const ej_attn_shape *m, int bq, size_t es)
 	       es;
 }
 
+/* Shared bytes of ej_attn_fwd_tc: bf16 tiles q [64][ld(D)], k [bk][ld(D)],
+ * v [bk][ld(Dv)], ld(n) = n rounded up to 16, plus 8 (ej_tc_ld). */
+static size_t smem_tc(const ej_attn_shape *m)
+{
+	size_t ldq = (size_t)(m->d + 15) / 16 * 16 + 8;
+	size_t ldv = (size_t)(m->dv + 15) / 16 * 16 + 8;
+	size_t bk = (size_t)tc_bk(head_dl(m));
+	return ((TC_BQ + bk) * ldq + bk * ldv) * 2;
+}
+
 /* The largest tile of 32, 16, 8 whose shared memory fits the soft limit
  * (8 otherwise). */
 static int pick_tile(size_t (*smem)(const ej_attn_shape *, int, size_t),
@@ -190,15 +225,21 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 	for (int i = 0; i < 2; i++)
 		if (lo[i].bytes)
 			outs[n_out++] = lo[i];
+	/* bf16: the tensor-core kernel, 64 queries a block */
+	bool tc = dt == EPJ_DTYPE_BF16;
+	int bq = tc ? TC_BQ : AT_BQ;
 	ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
-				  (unsigned)((m->t + AT_BQ - 1) / AT_BQ), 1 },
+				  (unsigned)((m->t + bq - 1) / bq), 1 },
 			.block = { AT_NT, 1, 1 },
-			.smem = smem_fwd(m, a.bk, es),
+			.smem = tc ? smem_tc(m) : smem_fwd(m, a.bk, es),
 			.args = &a,
 			.args_size = sizeof a,
 			.outs = outs,
 			.n_out = n_out };
-	return ej_tmpl_launch(ctx, mod, "ej_attn_fwd", &l);
+	if (tc)
+		tc_launches++;
+	return ej_tmpl_launch(ctx, mod, tc ? "ej_attn_fwd_tc" : "ej_attn_fwd",
+			      &l);
 }
 
 epj_status

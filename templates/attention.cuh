@@ -14,8 +14,8 @@
  *
  * Types: EJ_ATTN_DT 0 = f32, 1 = bf16 (storage; math in f32), 2 = f64 (math
  * in f64).  EJ_ATTN_DL = ceil(max(D, Dv) / 32): head dims up to 32 * DL are
- * held in registers, DL per lane (the host picks it; at most 4, so D and Dv
- * up to 128).  All kernels use blocks of EJ_AT_NT = 128 threads (4 warps)
+ * held in registers, DL per lane (the host picks it; at most 8, so D and Dv
+ * up to 256).  All kernels use blocks of EJ_AT_NT = 128 threads (4 warps)
  * and the launch's dynamic shared memory (sizes below, in compute-type
  * elements; the host computes them).  Every output element is written by
  * exactly one thread, and every sum runs in a fixed order: no atomics, so
@@ -48,6 +48,28 @@
  *                 thread recomputes some P and dS elements of the tile;
  *                 then dV += P^T dO and dK += dS^T (q scale) accumulate in
  *                 registers.  Reads di of ej_attn_bwd_dq.
+ *
+ * Tensor cores (the bf16 module; the host runs the bf16 forward here):
+ * ej_attn_fwd_tc  grid (B * Hq, ceil(T / 64)), the query blocks in reverse
+ *                 (blockIdx.y 0 owns the last 64 queries: under the causal
+ *                 mask the blocks with the most keys start first and the
+ *                 light ones fill in behind them).  A block owns 64 queries
+ *                 of one (b, h), 16 rows per warp; key tiles of EJ_TC_BK =
+ *                 64 keys (32 past head dim 128).  Shared (bf16, as
+ *                 stored): qs [64][ld(D)], ks [BK][ld(D)], vs [BK][ld(Dv)],
+ *                 ld(n) = n rounded up to 16 plus 8 (rows 16 bytes apart
+ *                 in the banks for ldmatrix), zero past D, Dv and the
+ *                 last row (16-byte loads where a row is contiguous and
+ *                 aligned).  Per tile and warp: S = Q K^T on mma.sync
+ *                 m16n8k16 (bf16 in, f32 accumulate; fragments by
+ *                 ldmatrix .x4), masked (causal, documents) and scaled in
+ *                 f32; the online softmax keeps m and l of the lane's two
+ *                 rows in registers (max and sum over the 4 lanes of a row
+ *                 by shuffles; l adds p in f32); P, rounded to bf16, is
+ *                 the A operand of O += P V (V by ldmatrix .trans), O in
+ *                 f32 registers, 4 ceil(Dv / 16) n-tiles of 8 dims
+ *                 (compile-time bound 4 DL).  out = O / l, lse = m + log l;
+ *                 a row that sees no key: out 0, lse -inf.
  */
 
 #ifndef EJ_ATTN_DT
@@ -501,3 +523,233 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 		}
 	}
 }
+
+/* ---- tensor cores (bf16) --------------------------------------------------
+ * ej_attn_fwd_tc: the forward on mma.sync m16n8k16 (bf16 in, f32
+ * accumulate); the bf16 module only.  See the header. */
+#if EJ_ATTN_DT == 1
+#define EJ_TC_BQ   64 /* queries per block: 16 per warp */
+#define EJ_TC_BK   (EJ_ATTN_DL <= 4 ? 64 : 32) /* keys per tile */
+#define EJ_TC_NS   (EJ_TC_BK / 8)	       /* score n-tiles of 8 keys */
+#define EJ_TC_KD   (2 * EJ_ATTN_DL) /* k-steps of 16 over D, at most */
+#define EJ_TC_NO   (4 * EJ_ATTN_DL) /* n-tiles of 8 over Dv, at most */
+#define EJ_TC_MINB 2
+
+/* Row stride (elements) of a [rows][n] bf16 tile in shared memory: n
+ * rounded up to 16, plus 8 (16 bytes), so that the 8 rows an ldmatrix reads
+ * fall in different banks. */
+EJ_D int ej_tc_ld(int n)
+{
+	return (n + 15) / 16 * 16 + 8;
+}
+
+/* Rows [n] of a bf16 [B, H, rows, cols] operand (row r0 + r) into sh[n][ld]
+ * as they are, 8 elements per step: one 16-byte load where the 8 are
+ * contiguous and aligned, else one at a time; past `rows` or `cols` (up to
+ * the next multiple of 16) zeros. */
+EJ_D void ej_tc_stage(ej_bf16 *sh, int ld, const void *p, const long long *st,
+		      int b, int h, int r0, int n, int rows, int cols)
+{
+	const ej_bf16 *src = (const ej_bf16 *)p;
+	int nc = (cols + 15) / 16 * 2; /* chunks of 8 per row */
+	for (int e = threadIdx.x; e < n * nc; e += EJ_AT_NT) {
+		int r = e / nc, c = (e - r * nc) * 8;
+		ej_bf16 *dst = sh + r * ld + c;
+		if (r0 + r >= rows || c >= cols) {
+			*(uint4 *)dst = make_uint4(0, 0, 0, 0);
+			continue;
+		}
+		const ej_bf16 *s = src + ej_at_off(st, b, h, r0 + r, c);
+		if (st[3] == 1 && c + 8 <= cols && ((size_t)s & 15) == 0) {
+			*(uint4 *)dst = *(const uint4 *)s;
+			continue;
+		}
+		for (int u = 0; u < 8; u++) {
+			ej_bf16 x;
+			x.x = 0;
+			if (c + u < cols)
+				x = s[(long long)u * st[3]];
+			dst[u] = x;
+		}
+	}
+}
+
+/* S (16 rows of the warp x EJ_TC_BK keys) = Q K^T over nkd k-steps. */
+EJ_D void ej_tc_qk(float (*s)[4], const ej_bf16 *qw, const ej_bf16 *ks, int ld,
+		   int nkd, int lane)
+{
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0;
+	/* ldmatrix rows: A matrix j = lane / 8 is rows 8 (j & 1), columns
+	 * 8 (j >> 1); B matrices are keys 8 (j >> 1), dims 8 (j & 1) */
+	const int ra = (lane & 7) + 8 * ((lane >> 3) & 1), ca = 8 * (lane >> 4);
+	const int rb = (lane & 7) + 8 * (lane >> 4), cb = 8 * ((lane >> 3) & 1);
+	EJ_AT_UNROLL
+	for (int kd = 0; kd < EJ_TC_KD; kd++) {
+		if (kd >= nkd)
+			continue; /* warp-uniform; no break: see EJ_AT_UNROLL */
+		unsigned qa[4];
+		ej_ldmatrix_x4(qa, qw + ra * ld + kd * 16 + ca);
+		EJ_AT_UNROLL
+		for (int np = 0; np < EJ_TC_NS / 2; np++) {
+			unsigned kb[4];
+			ej_ldmatrix_x4(kb,
+				       ks + (np * 16 + rb) * ld + kd * 16 + cb);
+			ej_mma_bf16_16816(s[2 * np], qa, kb, s[2 * np]);
+			ej_mma_bf16_16816(s[2 * np + 1], qa, kb + 2,
+					  s[2 * np + 1]);
+		}
+	}
+}
+
+/* o (16 rows x 8 EJ_TC_NO dims) += P V: p in the accumulator layout of S
+ * (rounded to bf16 here), V tile vs [EJ_TC_BK][ldv], nvo n-tiles used. */
+EJ_D void ej_tc_pv(float (*o)[4], float (*p)[4], const ej_bf16 *vs, int ldv,
+		   int nvo, int lane)
+{
+	/* V matrices (ldmatrix .trans): keys 8 (j & 1), dims 8 (j >> 1) */
+	const int rv = (lane & 7) + 8 * ((lane >> 3) & 1), cv = 8 * (lane >> 4);
+	EJ_AT_UNROLL
+	for (int kk = 0; kk < EJ_TC_NS / 2; kk++) {
+		unsigned pa[4];
+		pa[0] = ej_pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+		pa[1] = ej_pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+		pa[2] = ej_pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+		pa[3] = ej_pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+		EJ_AT_UNROLL
+		for (int np = 0; np < EJ_TC_NO / 2; np++) {
+			if (2 * np >= nvo)
+				continue; /* warp-uniform */
+			unsigned vb[4];
+			ej_ldmatrix_x4_trans(vb, vs + (kk * 16 + rv) * ldv +
+						     np * 16 + cv);
+			ej_mma_bf16_16816(o[2 * np], pa, vb, o[2 * np]);
+			ej_mma_bf16_16816(o[2 * np + 1], pa, vb + 2,
+					  o[2 * np + 1]);
+		}
+	}
+}
+
+/* max (sum) over the 4 lanes of a quad: the lanes that hold one row */
+EJ_D float ej_tc_qmax(float v)
+{
+	for (int o = 1; o < 4; o <<= 1) {
+		float x = __shfl_xor_sync(0xffffffffu, v, o);
+		v = x > v ? x : v;
+	}
+	return v;
+}
+
+EJ_D float ej_tc_qsum(float v)
+{
+	for (int o = 1; o < 4; o <<= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* Online softmax of one key tile: s (scores of rows i and i + 8 of this
+ * lane, keys k0 + 8 nt + 2 (lane % 4) + {0, 1}) is masked and scaled, m and
+ * l are updated, o is rescaled and s becomes P. */
+EJ_D void ej_tc_softmax(const struct ej_attn_args &a, float (*s)[4],
+			float (*o)[4], float *m, float *l, int b, int i, int k0,
+			const int *ke, int lane)
+{
+	const float ninf = -ej_inf_f(), scale = (float)a.scale;
+	float mx[2] = { ninf, ninf };
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int rw = e >> 1, j = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+		bool vis = j < ke[rw] &&
+			   (!a.seg || ej_at_same_doc(a, b, i + 8 * rw, j));
+		float x = vis ? s[nt][e] * scale : ninf;
+		s[nt][e] = x;
+		mx[rw] = x > mx[rw] ? x : mx[rw];
+	}
+	float alpha[2], sum[2] = { 0, 0 };
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		float mn = ej_tc_qmax(mx[rw]);
+		mn = m[rw] > mn ? m[rw] : mn;
+		alpha[rw] = mn == ninf ? 1.0f : expf(m[rw] - mn);
+		m[rw] = mn;
+	}
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int rw = e >> 1;
+		float x = s[nt][e];
+		/* l sums p in f32 (lse as exact as the f32 kernel's); the
+		 * P V product rounds p to bf16 */
+		float p = x == ninf ? 0.0f : expf(x - m[rw]);
+		s[nt][e] = p;
+		sum[rw] += p;
+	}
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++)
+		l[rw] = l[rw] * alpha[rw] + ej_tc_qsum(sum[rw]);
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++)
+		o[nt][e] *= alpha[e >> 1];
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
+    ej_attn_fwd_tc(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
+	const int nkd = (D + 15) / 16, nvo = (DV + 15) / 16 * 2;
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	/* the last query blocks (the most keys under the causal mask) first */
+	const int i0 = (int)(gridDim.y - 1 - blockIdx.y) * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_bf16 *qs = (ej_bf16 *)ej_dyn_smem();
+	ej_bf16 *ks = qs + EJ_TC_BQ * ldq;
+	ej_bf16 *vs = ks + EJ_TC_BK * ldq;
+	const int i = i0 + 16 * w + (lane >> 2); /* rows i and i + 8 */
+	const int ke[2] = { ej_at_kend(a, i), ej_at_kend(a, i + 8) };
+
+	ej_tc_stage(qs, ldq, a.q, a.qs, b, h, i0, EJ_TC_BQ, a.t, D);
+	float m[2] = { -ej_inf_f(), -ej_inf_f() }, l[2] = { 0, 0 };
+	float o[EJ_TC_NO][4], s[EJ_TC_NS][4];
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
+	int ilast = i0 + EJ_TC_BQ < a.t ? i0 + EJ_TC_BQ - 1 : a.t - 1;
+	int kmax = ej_at_kend(a, ilast); /* keys any row of the block sees */
+	for (int k0 = 0; k0 < kmax; k0 += EJ_TC_BK) {
+		__syncthreads(); /* the previous tile is consumed */
+		ej_tc_stage(ks, ldq, a.k, a.ks, b, g, k0, EJ_TC_BK, a.s, D);
+		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
+		__syncthreads();
+		ej_tc_qk(s, qs + 16 * w * ldq, ks, ldq, nkd, lane);
+		ej_tc_softmax(a, s, o, m, l, b, i, k0, ke, lane);
+		ej_tc_pv(o, s, vs, ldv, nvo, lane);
+	}
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int r = i + 8 * rw;
+		if (r >= a.t)
+			continue; /* no break: see EJ_AT_UNROLL */
+		long long row = (long long)bh * a.t + r;
+		float inv = l[rw] > 0 ? 1.0f / l[rw] : 0.0f;
+		ej_bf16 *dst = (ej_bf16 *)a.out + row * DV;
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			int d = nt * 8 + 2 * (lane & 3);
+			if (d < DV)
+				dst[d] = ej_f2bf(o[nt][2 * rw] * inv);
+			if (d + 1 < DV)
+				dst[d + 1] = ej_f2bf(o[nt][2 * rw + 1] * inv);
+		}
+		if ((lane & 3) == 0)
+			((float *)a.lse)[row] =
+			    l[rw] > 0 ? m[rw] + logf(l[rw]) : -ej_inf_f();
+	}
+}
+#endif
