@@ -6,7 +6,7 @@
  * v [B, Hkv, S, Dv], Hq a multiple of Hkv (query head h reads kv head
  * h / (Hq / Hkv)); out [B, Hq, T, Dv] in the inputs' dtype, lse [B, Hq, T]
  * in f32 (f64 for f64 inputs).  Inputs are strided operands; outputs are
- * contiguous.  dtypes f32, bf16 (math in f32; the forward on tensor cores)
+ * contiguous.  dtypes f32, bf16 (math in f32; on tensor cores)
  * and f64 (math in f64); D and Dv up to 256, different allowed (MLA: 192
  * and 128).
  */

@@ -348,10 +348,10 @@ START_TEST(test_fused)
 END_TEST
 
 /* ---- tensor cores in the attention template ------------------------------
- * The bf16 attention module's ej_attn_fwd_tc issues mma.sync m16n8k16 and
- * ldmatrix: its PTX (NVRTC's PTX for an arch newer than it knows, which is
- * what ptxas reads for sm_90 too) is searched between its .entry and the
- * next one.  Head dims up to 128, 192 (MLA) and 256. */
+ * The bf16 attention module's tensor-core kernels (forward, dq, dk/dv)
+ * issue mma.sync m16n8k16 and ldmatrix: the PTX (NVRTC's PTX for an arch newer
+ * than it knows, which is what ptxas reads for sm_90 too) is searched between
+ * its .entry and the next one.  Head dims up to 128, 192 (MLA) and 256. */
 static int count_in(const char *from, const char *to, const char *what)
 {
 	int n = 0;
@@ -379,20 +379,27 @@ START_TEST(test_attn_tensor_cores)
 					       NULL, 0, &r) == EPJ_OK,
 			      "DL %d: %s", dls[i], epj_ctx_error(ctx));
 		ck_assert_msg(r.is_ptx, "DL %d: no PTX", dls[i]);
-		const char *ptx = r.image;
-		const char *e = strstr(ptx, ".entry ej_attn_fwd_tc");
-		ck_assert_msg(e != NULL, "DL %d: no ej_attn_fwd_tc", dls[i]);
-		const char *next = strstr(e + 1, ".entry ");
-		int mma = count_in(
-		    e, next, "mma.sync.aligned.m16n8k16.row.col.f32.bf16");
-		int ldm = count_in(e, next, "ldmatrix.sync.aligned");
-		printf("attention bf16 hd<=%d ej_attn_fwd_tc: %d mma.sync, "
-		       "%d ldmatrix in the PTX\n",
-		       32 * dls[i], mma, ldm);
-		ck_assert_msg(mma > 0 && ldm > 0,
-			      "DL %d: ej_attn_fwd_tc has %d mma.sync and %d "
-			      "ldmatrix",
-			      dls[i], mma, ldm);
+		static const char *const kn[] = { "ej_attn_fwd_tc",
+						  "ej_attn_bwd_dq_tc",
+						  "ej_attn_bwd_dkdv_tc" };
+		for (size_t k = 0; k < EJ_ARRAY_LEN(kn); k++) {
+			char entry[64];
+			snprintf(entry, sizeof entry, ".entry %s(", kn[k]);
+			const char *e = strstr(r.image, entry);
+			ck_assert_msg(e != NULL, "DL %d: no %s", dls[i], kn[k]);
+			const char *next = strstr(e + 1, ".entry ");
+			int mma = count_in(
+			    e, next,
+			    "mma.sync.aligned.m16n8k16.row.col.f32.bf16");
+			int ldm = count_in(e, next, "ldmatrix.sync.aligned");
+			printf("attention bf16 hd<=%d %s: %d mma.sync, %d "
+			       "ldmatrix in the PTX\n",
+			       32 * dls[i], kn[k], mma, ldm);
+			ck_assert_msg(mma > 0 && ldm > 0,
+				      "DL %d: %s has %d mma.sync and %d "
+				      "ldmatrix",
+				      dls[i], kn[k], mma, ldm);
+		}
 		ej_nvrtc_result_free(&r);
 		ej_arena_free(A);
 	}
