@@ -20,6 +20,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 /* Geometry of the template (attention.cuh: EJ_AT_NT, EJ_AT_BQ, EJ_AT_BKB). */
@@ -51,11 +52,11 @@ static int tc_bk(int dl)
 
 /* Launches of the tensor-core kernels (ej_attn_*_tc) so far (the tests
  * check that bf16 took the tensor-core path): a test hook in no header. */
-static unsigned long tc_launches;
+static atomic_ulong tc_launches;
 unsigned long ej_attn_test_tc_launches(void);
 unsigned long ej_attn_test_tc_launches(void)
 {
-	return tc_launches;
+	return atomic_load(&tc_launches);
 }
 
 /* Does dtype dt run on the tensor-core kernels? */
@@ -260,7 +261,7 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 			.outs = outs,
 			.n_out = n_out };
 	if (tc)
-		tc_launches++;
+		atomic_fetch_add(&tc_launches, 1);
 	return ej_tmpl_launch(ctx, mod, tc ? "ej_attn_fwd_tc" : "ej_attn_fwd",
 			      &l);
 }
@@ -291,7 +292,7 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			.outs = m->d > 0 ? lo : lo + 1,
 			.n_out = m->d > 0 ? 2 : 1
 		};
-		tc_launches++;
+		atomic_fetch_add(&tc_launches, 1);
 		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dq_tc", &l);
 	}
 	if (st != EPJ_OK || krows == 0)
@@ -324,7 +325,7 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			.outs = &lo,
 			.n_out = lo.bytes ? 1 : 0
 		};
-		tc_launches++;
+		atomic_fetch_add(&tc_launches, 1);
 		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv_tc", &l);
 	}
 	if (st == EPJ_OK && a->kv_part) {

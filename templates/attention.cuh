@@ -654,6 +654,20 @@ EJ_D void ej_tc_pv(float (*o)[4], float (*p)[4], const ej_bf16 *vs, int ldv,
 	}
 }
 
+/* p[d] = x0 and p[d + 1] = x1 (if d + 1 < n) in bf16: one 4-byte store
+ * where both are written and the address is aligned. */
+EJ_D void ej_tc_st2(ej_bf16 *p, int d, int n, float x0, float x1)
+{
+	if (d + 1 < n && ((size_t)(p + d) & 3) == 0) {
+		*(unsigned *)(p + d) = ej_pack_bf16(x0, x1);
+		return;
+	}
+	if (d < n)
+		p[d] = ej_f2bf(x0);
+	if (d + 1 < n)
+		p[d + 1] = ej_f2bf(x1);
+}
+
 /* max (sum) over the 4 lanes of a quad: the lanes that hold one row */
 EJ_D float ej_tc_qmax(float v)
 {
@@ -764,11 +778,8 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		ej_bf16 *dst = (ej_bf16 *)a.out + row * DV;
 		EJ_AT_UNROLL
 		for (int nt = 0; nt < EJ_TC_NO; nt++) {
-			int d = nt * 8 + 2 * (lane & 3);
-			if (d < DV)
-				dst[d] = ej_f2bf(o[nt][2 * rw] * inv);
-			if (d + 1 < DV)
-				dst[d + 1] = ej_f2bf(o[nt][2 * rw + 1] * inv);
+			ej_tc_st2(dst, nt * 8 + 2 * (lane & 3), DV,
+				  o[nt][2 * rw] * inv, o[nt][2 * rw + 1] * inv);
 		}
 		if ((lane & 3) == 0)
 			((float *)a.lse)[row] =
@@ -867,12 +878,9 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		    (ej_bf16 *)a.grad_q + ((long long)bh * a.t + r) * D;
 		EJ_AT_UNROLL
 		for (int nt = 0; nt < EJ_TC_NO; nt++) {
-			int d = nt * 8 + 2 * (lane & 3);
-			if (d < D)
-				dst[d] = ej_f2bf(scale * dq[nt][2 * rw]);
-			if (d + 1 < D)
-				dst[d + 1] =
-				    ej_f2bf(scale * dq[nt][2 * rw + 1]);
+			ej_tc_st2(dst, nt * 8 + 2 * (lane & 3), D,
+				  scale * dq[nt][2 * rw],
+				  scale * dq[nt][2 * rw + 1]);
 		}
 	}
 }
@@ -973,25 +981,26 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		int jj = j + 8 * rw;
 		if (jj >= a.s)
 			continue; /* no break: see EJ_AT_UNROLL */
+		long long row = ((long long)bh * a.s + jj) * W;
 		EJ_AT_UNROLL
-		for (int nt = 0; nt < EJ_TC_NO; nt++)
-			EJ_AT_UNROLL
-		for (int u = 0; u < 2; u++) {
-			int d = nt * 8 + 2 * (lane & 3) + u;
-			if (d >= W)
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			int d = nt * 8 + 2 * (lane & 3);
+			float x0 = mul * acc[nt][2 * rw];
+			float x1 = mul * acc[nt][2 * rw + 1];
+			if (!a.kv_part) {
+				ej_tc_st2(
+				    (ej_bf16 *)(a.part ? a.grad_k : a.grad_v) +
+					row,
+				    d, W, x0, x1);
 				continue;
-			float x = mul * acc[nt][2 * rw + u];
-			if (a.kv_part) {
-				float *p = (float *)a.kv_part;
-				if (!a.part)
-					p += (long long)a.b * a.hq * a.s * D;
-				p[((long long)bh * a.s + jj) * W + d] = x;
-			} else {
-				ej_bf16 *p =
-				    (ej_bf16 *)(a.part ? a.grad_k : a.grad_v);
-				p[((long long)bh * a.s + jj) * W + d] =
-				    ej_f2bf(x);
 			}
+			float *p = (float *)a.kv_part + row;
+			if (!a.part)
+				p += (long long)a.b * a.hq * a.s * D;
+			if (d < W)
+				p[d] = x0;
+			if (d + 1 < W)
+				p[d + 1] = x1;
 		}
 	}
 }
