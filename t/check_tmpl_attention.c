@@ -427,14 +427,18 @@ START_TEST(test_bf16_tc)
 END_TEST
 
 /* Document ids: key j hidden from query i when their ids differ.  Runs of
- * 1..12 positions (packed documents, across the 32-key tiles) and ids in
- * any order, i64 and i32 ids, causal and not; f32 and bf16. */
+ * 1..12 positions (packed documents, across the 32-key tiles and the
+ * 64-query blocks and 64-key tiles of the bf16 tensor-core kernels) and
+ * ids in any order, i64 and i32 ids, causal and not; f32 and bf16. */
 START_TEST(test_docs)
 {
 	epj_ctx *ctx = tu_ctx();
 	static const cfg dc[] = {
 		{ 2, 4, 2, 37, 37, 24, 24, true, 0 },
 		{ 1, 2, 1, 20, 20, 8, 8, false, 0 },
+		/* past one 64-query block and 64-key tile of the
+		 * tensor-core kernels (bf16: random ids, causal) */
+		{ 1, 2, 1, 70, 70, 40, 40, true, 0 },
 	};
 	/* f32 and bf16: f64 takes the f32 paths (two modules built) */
 	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16 };
