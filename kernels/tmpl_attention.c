@@ -2,10 +2,14 @@
  * tmpl_attention.h): checks the sizes, picks the module (dtype, head-dim
  * registers) and the tile sizes that fit the shared memory, and launches
  *
- *   forward:  ej_attn_fwd                  -> out, lse
+ *   forward:  ej_attn_fwd (f32, f64)       -> out, lse
+ *             ej_attn_fwd_tc (bf16: tensor cores)
  *   backward: ej_attn_bwd_dq   -> dq, di   (di = rowsum(dO * O), scratch
  *                                           from the context's allocator)
  *             ej_attn_bwd_dkdv -> dk, dv   (reads di)
+ *   bf16 backward on tensor cores: ej_attn_bwd_dq_tc (dq, di), then
+ *             ej_attn_bwd_dkdv_tc twice (dv, dk; per query head, summed
+ *             by ej_attn_bwd_kv_sum when Hq > Hkv)
  *
  * The eager adapters of SDPA and SDPA_BACKWARD validate a call with the op
  * table's own shape inference and hand the tensors' strides to the kernels.
@@ -15,6 +19,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 /* Geometry of the template (attention.cuh: EJ_AT_NT, EJ_AT_BQ, EJ_AT_BKB). */
@@ -30,7 +35,34 @@ static const ej_tmpl_kernel attn_kernels[] = {
 	{ "ej_attn_fwd", "struct ej_attn_args" },
 	{ "ej_attn_bwd_dq", "struct ej_attn_args" },
 	{ "ej_attn_bwd_dkdv", "struct ej_attn_args" },
+	/* bf16 modules only: */
+	{ "ej_attn_fwd_tc", "struct ej_attn_args" },
+	{ "ej_attn_bwd_dq_tc", "struct ej_attn_args" },
+	{ "ej_attn_bwd_dkdv_tc", "struct ej_attn_args" },
+	{ "ej_attn_bwd_kv_sum", "struct ej_attn_args" },
 };
+
+/* The tensor-core forward's geometry (attention.cuh: EJ_TC_BQ, EJ_TC_BK). */
+#define TC_BQ 64
+static int tc_bk(int dl)
+{
+	return dl <= 4 ? 64 : 32;
+}
+
+/* Launches of the tensor-core kernels (ej_attn_*_tc) so far (the tests
+ * check that bf16 took the tensor-core path): a test hook in no header. */
+static atomic_ulong tc_launches;
+unsigned long ej_attn_test_tc_launches(void);
+unsigned long ej_attn_test_tc_launches(void)
+{
+	return atomic_load(&tc_launches);
+}
+
+/* Does dtype dt run on the tensor-core kernels? */
+static bool use_tc(epj_dtype dt)
+{
+	return dt == EPJ_DTYPE_BF16;
+}
 
 static epj_dtype acc_dtype(epj_dtype dt)
 {
@@ -83,18 +115,25 @@ static epj_status check_shape(epj_ctx *ctx, const char *what, epj_dtype dt,
 	return EPJ_OK;
 }
 
-/* The module for dtype dt with registers for head dims up to 32 * dl. */
+/* Registers for head dims up to 32 * dl (EJ_ATTN_DL). */
+static int head_dl(const ej_attn_shape *m)
+{
+	int64_t hd = m->d > m->dv ? m->d : m->dv;
+	return hd <= 32 ? 1 : (int)((hd + 31) / 32);
+}
+
+/* The module for dtype dt with registers for head dims up to 32 * dl; the
+ * bf16 one has the tensor-core forward too. */
 static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 			     const ej_attn_shape *m, ej_tmpl **out)
 {
-	int64_t hd = m->d > m->dv ? m->d : m->dv;
-	int dl = hd <= 32 ? 1 : (int)((hd + 31) / 32);
+	int dl = head_dl(m);
 	int code = dt == EPJ_DTYPE_F64 ? 2 : dt == EPJ_DTYPE_BF16 ? 1 : 0;
 	char defs[96];
 	snprintf(defs, sizeof defs,
 		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
-	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels, 3,
-			   out);
+	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels,
+			   dt == EPJ_DTYPE_BF16 ? 7 : 3, out);
 }
 
 static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
@@ -144,6 +183,26 @@ static size_t smem_dkdv(const ej_attn_shape *m, int bq, size_t es)
 	       es;
 }
 
+/* Shared bytes of ej_attn_fwd_tc: bf16 tiles q [64][ld(D)], k [bk][ld(D)],
+ * v [bk][ld(Dv)], ld(n) = n rounded up to 16, plus 8 (ej_tc_ld). */
+static size_t smem_tc(const ej_attn_shape *m)
+{
+	size_t ldq = (size_t)(m->d + 15) / 16 * 16 + 8;
+	size_t ldv = (size_t)(m->dv + 15) / 16 * 16 + 8;
+	size_t bk = (size_t)tc_bk(head_dl(m));
+	return ((TC_BQ + bk) * ldq + bk * ldv) * 2;
+}
+
+/* Shared bytes of ej_attn_bwd_dq_tc (q and dO [64], k and v [bk]) and of
+ * ej_attn_bwd_dkdv_tc (k and v [64], q and dO [bk], lse and Di [bk] f32). */
+static size_t smem_tc_bwd(const ej_attn_shape *m)
+{
+	size_t ldq = (size_t)(m->d + 15) / 16 * 16 + 8;
+	size_t ldv = (size_t)(m->dv + 15) / 16 * 16 + 8;
+	size_t bk = (size_t)tc_bk(head_dl(m));
+	return (TC_BQ + bk) * (ldq + ldv) * 2 + 2 * bk * 4;
+}
+
 /* The largest tile of 32, 16, 8 whose shared memory fits the soft limit
  * (8 otherwise). */
 static int pick_tile(size_t (*smem)(const ej_attn_shape *, int, size_t),
@@ -189,15 +248,104 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 	for (int i = 0; i < 2; i++)
 		if (lo[i].bytes)
 			outs[n_out++] = lo[i];
+	/* bf16: the tensor-core kernel, 64 queries a block */
+	bool tc = use_tc(dt);
+	int bq = tc ? TC_BQ : AT_BQ;
 	ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
-				  (unsigned)((m->t + AT_BQ - 1) / AT_BQ), 1 },
+				  (unsigned)((m->t + bq - 1) / bq), 1 },
 			.block = { AT_NT, 1, 1 },
-			.smem = smem_fwd(m, a.bk, es),
+			.smem = tc ? smem_tc(m) : smem_fwd(m, a.bk, es),
 			.args = &a,
 			.args_size = sizeof a,
 			.outs = outs,
 			.n_out = n_out };
-	return ej_tmpl_launch(ctx, mod, "ej_attn_fwd", &l);
+	if (tc)
+		atomic_fetch_add(&tc_launches, 1);
+	return ej_tmpl_launch(ctx, mod, tc ? "ej_attn_fwd_tc" : "ej_attn_fwd",
+			      &l);
+}
+
+/* The backward on the tensor-core kernels (a filled in, di allocated):
+ * dq and di, then dv and dk in two passes over the keys (a block per 64
+ * keys and query head: B * Hq * ceil(S / 64) blocks); with Hq > Hkv the
+ * passes write f32 partials per query head, which ej_attn_bwd_kv_sum adds
+ * up in head order (no atomics: the same bits for any schedule). */
+static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
+			 struct ej_attn_args *a)
+{
+	const ej_device *dev = ej_tmpl_device(mod);
+	int64_t rows = m->b * m->hq * m->t, krows = m->b * m->hkv * m->s;
+	size_t smem = smem_tc_bwd(m);
+	epj_status st = EPJ_OK;
+	if (rows > 0) {
+		ej_launch_out lo[2] = { { a->grad_q, (size_t)(rows * m->d) * 2,
+					  2 },
+					{ a->di, (size_t)rows * 4, 4 } };
+		ej_launch l = {
+			.grid = { (unsigned)(m->b * m->hq),
+				  (unsigned)((m->t + TC_BQ - 1) / TC_BQ), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem,
+			.args = a,
+			.args_size = sizeof *a,
+			.outs = m->d > 0 ? lo : lo + 1,
+			.n_out = m->d > 0 ? 2 : 1
+		};
+		atomic_fetch_add(&tc_launches, 1);
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dq_tc", &l);
+	}
+	if (st != EPJ_OK || krows == 0)
+		return st;
+	bool split = m->hq > m->hkv;
+	size_t np = (size_t)(m->b * m->hq * m->s);
+	size_t pbytes = np * (size_t)(m->d + m->dv) * 4;
+	if (split && pbytes > 0) {
+		a->kv_part = ej_tmpl_scratch_alloc(
+		    ctx, dev, pbytes, "attention backward: dk, dv per head");
+		if (!a->kv_part)
+			return EPJ_ERR_NOMEM;
+	}
+	for (int part = 0; part < 2 && st == EPJ_OK; part++) {
+		a->part = part;
+		size_t w = (size_t)(part ? m->d : m->dv);
+		ej_launch_out lo = { part ? a->grad_k : a->grad_v,
+				     (size_t)krows * w * 2, 2 };
+		if (a->kv_part)
+			lo = (ej_launch_out){ (char *)a->kv_part +
+						  (part ? 0 : np * m->d * 4),
+					      np * w * 4, 4 };
+		ej_launch l = {
+			.grid = { (unsigned)(m->b * m->hq),
+				  (unsigned)((m->s + TC_BQ - 1) / TC_BQ), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem,
+			.args = a,
+			.args_size = sizeof *a,
+			.outs = &lo,
+			.n_out = lo.bytes ? 1 : 0
+		};
+		atomic_fetch_add(&tc_launches, 1);
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv_tc", &l);
+	}
+	if (st == EPJ_OK && a->kv_part) {
+		ej_launch_out lo[2] = {
+			{ a->grad_k, (size_t)(krows * m->d) * 2, 2 },
+			{ a->grad_v, (size_t)(krows * m->dv) * 2, 2 }
+		};
+		int64_t n = krows * (m->d + m->dv),
+			nb = (n + AT_NT - 1) / AT_NT;
+		ej_launch l = { .grid = { (unsigned)(nb < 65535 ? nb : 65535),
+					  1, 1 },
+				.block = { AT_NT, 1, 1 },
+				.args = a,
+				.args_size = sizeof *a,
+				.outs = m->d > 0 ? lo : lo + 1,
+				.n_out = m->d > 0 ? 2 : 1 };
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_kv_sum", &l);
+	}
+	ej_tmpl_scratch_free(ctx, dev, a->kv_part);
+	a->kv_part = NULL;
+	return st;
 }
 
 epj_status
@@ -244,6 +392,13 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 		if (!di)
 			return EPJ_ERR_NOMEM;
 		a.di = di;
+	}
+	if (use_tc(dt)) {
+		st = bwd_tc(ctx, mod, m, &a);
+		ej_tmpl_scratch_free(ctx, dev, di);
+		return st;
+	}
+	if (rows > 0) {
 		/* dq and di: one block per 16 queries of a (b, h) */
 		a.bk = pick_tile(smem_dq, m, es);
 		ej_launch_out lo[2] = { { dq, (size_t)(rows * m->d) * eo, eo },

@@ -6,8 +6,9 @@
  * v [B, Hkv, S, Dv], Hq a multiple of Hkv (query head h reads kv head
  * h / (Hq / Hkv)); out [B, Hq, T, Dv] in the inputs' dtype, lse [B, Hq, T]
  * in f32 (f64 for f64 inputs).  Inputs are strided operands; outputs are
- * contiguous.  dtypes f32, bf16 (math in f32) and f64 (math in f64); D and
- * Dv up to 128.
+ * contiguous.  dtypes f32, bf16 (math in f32; on tensor cores)
+ * and f64 (math in f64); D and Dv up to 256, different allowed (MLA: 192
+ * and 128).
  */
 #ifndef EPJIT_TMPL_ATTENTION_H
 #define EPJIT_TMPL_ATTENTION_H
@@ -15,7 +16,7 @@
 #include "tmpl.h"
 
 /* Largest head dim (D and Dv) the kernels hold in registers. */
-#define EJ_ATTN_MAX_HEAD_DIM 128
+#define EJ_ATTN_MAX_HEAD_DIM 256
 
 /* A strided input: the address of element 0 (a device pointer; on cuda-sim
  * a host pointer) and the element strides of its dims (3 used for lse). */

@@ -41,14 +41,15 @@ Suite *make_ptxas_suite(void);
 #define MAX_FNS	   64
 
 /* Attention instantiations compiled (EJ_ATTN_DT: 0 f32, 1 bf16, 2 f64;
- * EJ_ATTN_DL: head dims up to 32 * DL): head dim 128, where the
- * accumulators are largest, in every dtype, and the smaller head dims in
- * bf16, the training dtype.  The other six (f32 and f64 at DL 1-3), a
- * few seconds of ptxas each, were clean too when this list was made
- * (doc/templates.md has all twelve). */
+ * EJ_ATTN_DL: head dims up to 32 * DL): head dim 128 in every dtype, and
+ * the other head dims in bf16, the training dtype, up to 256 (MLA's 192
+ * at DL 6), where the tensor-core forward's accumulators are largest.  The
+ * other six (f32 and f64 at DL 1-3), a few seconds of ptxas each, were clean
+ * too when this list was made (doc/templates.md has all twelve). */
 static const struct {
 	int dt, dl;
-} attn_inst[] = { { 0, 4 }, { 1, 4 }, { 2, 4 }, { 1, 1 }, { 1, 2 }, { 1, 3 } };
+} attn_inst[] = { { 0, 4 }, { 1, 4 }, { 2, 4 }, { 1, 1 },
+		  { 1, 2 }, { 1, 3 }, { 1, 6 }, { 1, 8 } };
 
 /* Gated delta rule instantiations (EJ_DELTA_F64, EJ_DELTA_NU: keys per
  * lane, Dk up to 16 NU): every one the host builds. */
@@ -466,6 +467,69 @@ START_TEST(test_fused)
 }
 END_TEST
 
+/* ---- tensor cores in the attention template ------------------------------
+ * The bf16 attention module's tensor-core kernels (forward, dq, dk/dv)
+ * issue mma.sync m16n8k16 and ldmatrix: the PTX of the sm_90 compile (kept
+ * with EJ_NVRTC_OPT_KEEP_PTX, what ptxas read) is searched between each
+ * kernel's .entry and the next one.  Head dims up to 128, 192 (MLA) and
+ * 256. */
+static int count_in(const char *from, const char *to, const char *what)
+{
+	int n = 0;
+	for (const char *p = strstr(from, what); p && (!to || p < to);
+	     p = strstr(p + 1, what))
+		n++;
+	return n;
+}
+
+START_TEST(test_attn_tensor_cores)
+{
+	if (!have_nvrtc("test_attn_tensor_cores"))
+		return;
+	epj_ctx *ctx = tu_ctx();
+	static const int dls[] = { 4, 6, 8 };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(dls); i++) {
+		char defs[96];
+		snprintf(defs, sizeof defs,
+			 "#define EJ_ATTN_DT 1\n#define EJ_ATTN_DL %d", dls[i]);
+		ej_arena *A = ej_arena_new();
+		const char *src = ej_tmpl_source(ctx, A, "attention", defs);
+		ck_assert_msg(src != NULL, "%s", epj_ctx_error(ctx));
+		ej_nvrtc_result r = { 0 };
+		const char *opts[] = { EJ_NVRTC_OPT_KEEP_PTX };
+		ck_assert_msg(ej_nvrtc_compile(ctx, src, "attention",
+					       PTXAS_ARCH, opts, 1,
+					       &r) == EPJ_OK,
+			      "DL %d: %s", dls[i], epj_ctx_error(ctx));
+		ck_assert_msg(r.ptx != NULL, "DL %d: no PTX", dls[i]);
+		static const char *const kn[] = { "ej_attn_fwd_tc",
+						  "ej_attn_bwd_dq_tc",
+						  "ej_attn_bwd_dkdv_tc" };
+		for (size_t k = 0; k < EJ_ARRAY_LEN(kn); k++) {
+			char entry[64];
+			snprintf(entry, sizeof entry, ".entry %s(", kn[k]);
+			const char *e = strstr(r.ptx, entry);
+			ck_assert_msg(e != NULL, "DL %d: no %s", dls[i], kn[k]);
+			const char *next = strstr(e + 1, ".entry ");
+			int mma = count_in(
+			    e, next,
+			    "mma.sync.aligned.m16n8k16.row.col.f32.bf16");
+			int ldm = count_in(e, next, "ldmatrix.sync.aligned");
+			printf("attention bf16 hd<=%d %s: %d mma.sync, %d "
+			       "ldmatrix in the PTX\n",
+			       32 * dls[i], kn[k], mma, ldm);
+			ck_assert_msg(mma > 0 && ldm > 0,
+				      "DL %d: %s has %d mma.sync and %d "
+				      "ldmatrix",
+				      dls[i], kn[k], mma, ldm);
+		}
+		ej_nvrtc_result_free(&r);
+		ej_arena_free(A);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_ptxas_suite(void)
 {
 	Suite *s = suite_create("ptxas");
@@ -475,6 +539,7 @@ Suite *make_ptxas_suite(void)
 	tc = tcase_create("templates");
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_templates);
+	tcase_add_test(tc, test_attn_tensor_cores);
 	suite_add_tcase(s, tc);
 	tc = tcase_create("fused");
 	tcase_set_timeout(tc, 300);

@@ -59,6 +59,11 @@ struct ej_attn_args {
 	int bk; /* key tile of fwd and dq, 1..32 */
 	int bq; /* query tile of dkdv, >= 1 */
 	double scale;
+	/* tensor-core backward: ej_attn_bwd_dkdv_tc's pass (0 dv, 1 dk) and,
+	 * with Hq > Hkv, its f32 partials per query head ([B, Hq, S, D] dk,
+	 * then [B, Hq, S, Dv] dv; NULL: written to grad_k/grad_v) */
+	int part;
+	void *kv_part;
 };
 
 /* ---- templates/moe.cuh ---- */

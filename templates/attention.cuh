@@ -14,8 +14,8 @@
  *
  * Types: EJ_ATTN_DT 0 = f32, 1 = bf16 (storage; math in f32), 2 = f64 (math
  * in f64).  EJ_ATTN_DL = ceil(max(D, Dv) / 32): head dims up to 32 * DL are
- * held in registers, DL per lane (the host picks it; at most 4, so D and Dv
- * up to 128).  All kernels use blocks of EJ_AT_NT = 128 threads (4 warps)
+ * held in registers, DL per lane (the host picks it; at most 8, so D and Dv
+ * up to 256).  All kernels use blocks of EJ_AT_NT = 128 threads (4 warps)
  * and the launch's dynamic shared memory (sizes below, in compute-type
  * elements; the host computes them).  Every output element is written by
  * exactly one thread, and every sum runs in a fixed order: no atomics, so
@@ -48,6 +48,51 @@
  *                 thread recomputes some P and dS elements of the tile;
  *                 then dV += P^T dO and dK += dS^T (q scale) accumulate in
  *                 registers.  Reads di of ej_attn_bwd_dq.
+ *
+ * Tensor cores (the bf16 module; the host runs every bf16 call here):
+ * ej_attn_fwd_tc  grid (B * Hq, ceil(T / 64)), the query blocks in reverse
+ *                 (blockIdx.y 0 owns the last 64 queries: under the causal
+ *                 mask the blocks with the most keys start first and the
+ *                 light ones fill in behind them).  A block owns 64 queries
+ *                 of one (b, h), 16 rows per warp; key tiles of EJ_TC_BK =
+ *                 64 keys (32 past head dim 128).  Shared (bf16, as
+ *                 stored): qs [64][ld(D)], ks [BK][ld(D)], vs [BK][ld(Dv)],
+ *                 ld(n) = n rounded up to 16 plus 8 (rows 16 bytes apart
+ *                 in the banks for ldmatrix), zero past D, Dv and the
+ *                 last row (16-byte loads where a row is contiguous and
+ *                 aligned).  Per tile and warp: S = Q K^T on mma.sync
+ *                 m16n8k16 (bf16 in, f32 accumulate; fragments by
+ *                 ldmatrix .x4), masked (causal, documents) and scaled in
+ *                 f32; the online softmax keeps m and l of the lane's two
+ *                 rows in registers (max and sum over the 4 lanes of a row
+ *                 by shuffles; l adds p in f32); P, rounded to bf16, is
+ *                 the A operand of O += P V (V by ldmatrix .trans), O in
+ *                 f32 registers, 4 ceil(Dv / 16) n-tiles of 8 dims
+ *                 (compile-time bound 4 DL).  out = O / l, lse = m + log l;
+ *                 a row that sees no key: out 0, lse -inf.
+ * ej_attn_bwd_dq_tc grid and rows as ej_attn_fwd_tc.  Shared: qs, gos
+ *                 [64][ld], ks, vs [BK][ld].  Di = rowsum(dO * O) per row
+ *                 (to di); per key tile S = Q K^T and dP = dO V^T on mma,
+ *                 dS = exp(S scale - lse) (dP - Di) in f32, dq += dS K on
+ *                 mma (dS rounded to bf16); dq = scale dq.
+ * ej_attn_bwd_dkdv_tc grid (B * Hq, ceil(S / 64)): a block owns 64 keys
+ *                 (16 per warp) and ONE query head, so the grid has Hq / Hkv
+ *                 times the blocks of one per kv head (Qwen3's B 1, Hq 32,
+ *                 S 1024: 512 blocks; DeepSeek's Hq 128: 2048), and loops
+ *                 over tiles of BK queries from the first query that sees
+ *                 its first key (key block 0, the heaviest under the causal
+ *                 mask, is launched first).  Shared: ks, vs [64][ld], qs,
+ *                 gos [BK][ld], lses, dis [BK] (f32).  Two launches, one
+ *                 accumulator each (a.part): dv += P^T dO, then dk +=
+ *                 dS^T q scale, with S^T = K Q^T and dP^T = V dO^T on mma:
+ *                 the dk pass recomputes S^T, which keeps the registers of
+ *                 one accumulator (head dim 256 fits without spills).
+ *                 With Hq == Hkv the passes write grad_k and grad_v; else
+ *                 f32 partials per query head to kv_part (scratch [B, Hq,
+ *                 S, D + Dv]) and
+ * ej_attn_bwd_kv_sum adds the heads of each kv group in head order (one
+ *                 thread an element).  No atomics anywhere: every output
+ *                 is the same bit for bit for any block schedule.
  */
 
 #ifndef EJ_ATTN_DT
@@ -501,3 +546,488 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 		}
 	}
 }
+
+/* ---- tensor cores (bf16) --------------------------------------------------
+ * ej_attn_fwd_tc: the forward on mma.sync m16n8k16 (bf16 in, f32
+ * accumulate); the bf16 module only.  See the header. */
+#if EJ_ATTN_DT == 1
+#define EJ_TC_BQ   64 /* queries per block: 16 per warp */
+#define EJ_TC_BK   (EJ_ATTN_DL <= 4 ? 64 : 32) /* keys per tile */
+#define EJ_TC_NS   (EJ_TC_BK / 8)	       /* score n-tiles of 8 keys */
+#define EJ_TC_KD   (2 * EJ_ATTN_DL) /* k-steps of 16 over D, at most */
+#define EJ_TC_NO   (4 * EJ_ATTN_DL) /* n-tiles of 8 over Dv, at most */
+#define EJ_TC_MINB 2
+
+/* Row stride (elements) of a [rows][n] bf16 tile in shared memory: n
+ * rounded up to 16, plus 8 (16 bytes), so that the 8 rows an ldmatrix reads
+ * fall in different banks. */
+EJ_D int ej_tc_ld(int n)
+{
+	return (n + 15) / 16 * 16 + 8;
+}
+
+/* Rows [n] of a bf16 [B, H, rows, cols] operand (row r0 + r) into sh[n][ld]
+ * as they are, 8 elements per step: one 16-byte load where the 8 are
+ * contiguous and aligned, else one at a time; past `rows` or `cols` (up to
+ * the next multiple of 16) zeros. */
+EJ_D void ej_tc_stage(ej_bf16 *sh, int ld, const void *p, const long long *st,
+		      int b, int h, int r0, int n, int rows, int cols)
+{
+	const ej_bf16 *src = (const ej_bf16 *)p;
+	int nc = (cols + 15) / 16 * 2; /* chunks of 8 per row */
+	for (int e = threadIdx.x; e < n * nc; e += EJ_AT_NT) {
+		int r = e / nc, c = (e - r * nc) * 8;
+		ej_bf16 *dst = sh + r * ld + c;
+		if (r0 + r >= rows || c >= cols) {
+			*(uint4 *)dst = make_uint4(0, 0, 0, 0);
+			continue;
+		}
+		const ej_bf16 *s = src + ej_at_off(st, b, h, r0 + r, c);
+		if (st[3] == 1 && c + 8 <= cols && ((size_t)s & 15) == 0) {
+			*(uint4 *)dst = *(const uint4 *)s;
+			continue;
+		}
+		for (int u = 0; u < 8; u++) {
+			ej_bf16 x;
+			x.x = 0;
+			if (c + u < cols)
+				x = s[(long long)u * st[3]];
+			dst[u] = x;
+		}
+	}
+}
+
+/* S (16 rows of the warp x EJ_TC_BK keys) = Q K^T over nkd k-steps. */
+EJ_D void ej_tc_qk(float (*s)[4], const ej_bf16 *qw, const ej_bf16 *ks, int ld,
+		   int nkd, int lane)
+{
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0;
+	/* ldmatrix rows: A matrix j = lane / 8 is rows 8 (j & 1), columns
+	 * 8 (j >> 1); B matrices are keys 8 (j >> 1), dims 8 (j & 1) */
+	const int ra = (lane & 7) + 8 * ((lane >> 3) & 1), ca = 8 * (lane >> 4);
+	const int rb = (lane & 7) + 8 * (lane >> 4), cb = 8 * ((lane >> 3) & 1);
+	EJ_AT_UNROLL
+	for (int kd = 0; kd < EJ_TC_KD; kd++) {
+		if (kd >= nkd)
+			continue; /* warp-uniform; no break: see EJ_AT_UNROLL */
+		unsigned qa[4];
+		ej_ldmatrix_x4(qa, qw + ra * ld + kd * 16 + ca);
+		EJ_AT_UNROLL
+		for (int np = 0; np < EJ_TC_NS / 2; np++) {
+			unsigned kb[4];
+			ej_ldmatrix_x4(kb,
+				       ks + (np * 16 + rb) * ld + kd * 16 + cb);
+			ej_mma_bf16_16816(s[2 * np], qa, kb, s[2 * np]);
+			ej_mma_bf16_16816(s[2 * np + 1], qa, kb + 2,
+					  s[2 * np + 1]);
+		}
+	}
+}
+
+/* o (16 rows x 8 EJ_TC_NO dims) += P V: p in the accumulator layout of S
+ * (rounded to bf16 here), V tile vs [EJ_TC_BK][ldv], nvo n-tiles used. */
+EJ_D void ej_tc_pv(float (*o)[4], float (*p)[4], const ej_bf16 *vs, int ldv,
+		   int nvo, int lane)
+{
+	/* V matrices (ldmatrix .trans): keys 8 (j & 1), dims 8 (j >> 1) */
+	const int rv = (lane & 7) + 8 * ((lane >> 3) & 1), cv = 8 * (lane >> 4);
+	EJ_AT_UNROLL
+	for (int kk = 0; kk < EJ_TC_NS / 2; kk++) {
+		unsigned pa[4];
+		pa[0] = ej_pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+		pa[1] = ej_pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+		pa[2] = ej_pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+		pa[3] = ej_pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+		EJ_AT_UNROLL
+		for (int np = 0; np < EJ_TC_NO / 2; np++) {
+			if (2 * np >= nvo)
+				continue; /* warp-uniform */
+			unsigned vb[4];
+			ej_ldmatrix_x4_trans(vb, vs + (kk * 16 + rv) * ldv +
+						     np * 16 + cv);
+			ej_mma_bf16_16816(o[2 * np], pa, vb, o[2 * np]);
+			ej_mma_bf16_16816(o[2 * np + 1], pa, vb + 2,
+					  o[2 * np + 1]);
+		}
+	}
+}
+
+/* p[d] = x0 and p[d + 1] = x1 (if d + 1 < n) in bf16: one 4-byte store
+ * where both are written and the address is aligned. */
+EJ_D void ej_tc_st2(ej_bf16 *p, int d, int n, float x0, float x1)
+{
+	if (d + 1 < n && ((size_t)(p + d) & 3) == 0) {
+		*(unsigned *)(p + d) = ej_pack_bf16(x0, x1);
+		return;
+	}
+	if (d < n)
+		p[d] = ej_f2bf(x0);
+	if (d + 1 < n)
+		p[d + 1] = ej_f2bf(x1);
+}
+
+/* max (sum) over the 4 lanes of a quad: the lanes that hold one row */
+EJ_D float ej_tc_qmax(float v)
+{
+	for (int o = 1; o < 4; o <<= 1) {
+		float x = __shfl_xor_sync(0xffffffffu, v, o);
+		v = x > v ? x : v;
+	}
+	return v;
+}
+
+EJ_D float ej_tc_qsum(float v)
+{
+	for (int o = 1; o < 4; o <<= 1)
+		v += __shfl_xor_sync(0xffffffffu, v, o);
+	return v;
+}
+
+/* Online softmax of one key tile: s (scores of rows i and i + 8 of this
+ * lane, keys k0 + 8 nt + 2 (lane % 4) + {0, 1}) is masked and scaled, m and
+ * l are updated, o is rescaled and s becomes P. */
+EJ_D void ej_tc_softmax(const struct ej_attn_args &a, float (*s)[4],
+			float (*o)[4], float *m, float *l, int b, int i, int k0,
+			const int *ke, int lane)
+{
+	const float ninf = -ej_inf_f(), scale = (float)a.scale;
+	float mx[2] = { ninf, ninf };
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int rw = e >> 1, j = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+		bool vis = j < ke[rw] &&
+			   (!a.seg || ej_at_same_doc(a, b, i + 8 * rw, j));
+		float x = vis ? s[nt][e] * scale : ninf;
+		s[nt][e] = x;
+		mx[rw] = x > mx[rw] ? x : mx[rw];
+	}
+	float alpha[2], sum[2] = { 0, 0 };
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		float mn = ej_tc_qmax(mx[rw]);
+		mn = m[rw] > mn ? m[rw] : mn;
+		alpha[rw] = mn == ninf ? 1.0f : expf(m[rw] - mn);
+		m[rw] = mn;
+	}
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int rw = e >> 1;
+		float x = s[nt][e];
+		/* l sums p in f32 (lse as exact as the f32 kernel's); the
+		 * P V product rounds p to bf16 */
+		float p = x == ninf ? 0.0f : expf(x - m[rw]);
+		s[nt][e] = p;
+		sum[rw] += p;
+	}
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++)
+		l[rw] = l[rw] * alpha[rw] + ej_tc_qsum(sum[rw]);
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++)
+		o[nt][e] *= alpha[e >> 1];
+}
+
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
+    ej_attn_fwd_tc(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
+	const int nkd = (D + 15) / 16, nvo = (DV + 15) / 16 * 2;
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	/* the last query blocks (the most keys under the causal mask) first */
+	const int i0 = (int)(gridDim.y - 1 - blockIdx.y) * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_bf16 *qs = (ej_bf16 *)ej_dyn_smem();
+	ej_bf16 *ks = qs + EJ_TC_BQ * ldq;
+	ej_bf16 *vs = ks + EJ_TC_BK * ldq;
+	const int i = i0 + 16 * w + (lane >> 2); /* rows i and i + 8 */
+	const int ke[2] = { ej_at_kend(a, i), ej_at_kend(a, i + 8) };
+
+	ej_tc_stage(qs, ldq, a.q, a.qs, b, h, i0, EJ_TC_BQ, a.t, D);
+	float m[2] = { -ej_inf_f(), -ej_inf_f() }, l[2] = { 0, 0 };
+	float o[EJ_TC_NO][4], s[EJ_TC_NS][4];
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
+	int ilast = i0 + EJ_TC_BQ < a.t ? i0 + EJ_TC_BQ - 1 : a.t - 1;
+	int kmax = ej_at_kend(a, ilast); /* keys any row of the block sees */
+	for (int k0 = 0; k0 < kmax; k0 += EJ_TC_BK) {
+		__syncthreads(); /* the previous tile is consumed */
+		ej_tc_stage(ks, ldq, a.k, a.ks, b, g, k0, EJ_TC_BK, a.s, D);
+		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
+		__syncthreads();
+		ej_tc_qk(s, qs + 16 * w * ldq, ks, ldq, nkd, lane);
+		ej_tc_softmax(a, s, o, m, l, b, i, k0, ke, lane);
+		ej_tc_pv(o, s, vs, ldv, nvo, lane);
+	}
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int r = i + 8 * rw;
+		if (r >= a.t)
+			continue; /* no break: see EJ_AT_UNROLL */
+		long long row = (long long)bh * a.t + r;
+		float inv = l[rw] > 0 ? 1.0f / l[rw] : 0.0f;
+		ej_bf16 *dst = (ej_bf16 *)a.out + row * DV;
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			ej_tc_st2(dst, nt * 8 + 2 * (lane & 3), DV,
+				  o[nt][2 * rw] * inv, o[nt][2 * rw + 1] * inv);
+		}
+		if ((lane & 3) == 0)
+			((float *)a.lse)[row] =
+			    l[rw] > 0 ? m[rw] + logf(l[rw]) : -ej_inf_f();
+	}
+}
+
+/* lse and Di = rowsum(dO * O) of rows i and i + 8 of this lane (gw: the
+ * warp's 16 rows of dO in shared memory); Di is written to a.di. */
+EJ_D void ej_tc_lse_di(const struct ej_attn_args &a, const ej_bf16 *gw, int ldv,
+		       int b, int h, int i, int lane, float *lse, float *di)
+{
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int r = i + 8 * rw;
+		float part = 0;
+		lse[rw] = -ej_inf_f();
+		if (r < a.t) {
+			const ej_bf16 *o = (const ej_bf16 *)a.o;
+			const ej_bf16 *gr = gw + ((lane >> 2) + 8 * rw) * ldv;
+			for (int d = lane & 3; d < a.dv; d += 4)
+				part += ej_bf2f(gr[d]) *
+					ej_bf2f(o[ej_at_off(a.os, b, h, r, d)]);
+			lse[rw] =
+			    ((const float *)a.lse_in)[(long long)b * a.ls[0] +
+						      (long long)h * a.ls[1] +
+						      (long long)r * a.ls[2]];
+		}
+		di[rw] = ej_tc_qsum(part);
+		if (r < a.t && (lane & 3) == 0)
+			((float *)a.di)[((long long)b * a.hq + h) * a.t + r] =
+			    di[rw];
+	}
+}
+
+/* dq on tensor cores: grid (B * Hq, ceil(T / 64)), query blocks in reverse
+ * as in the forward; per key tile S = Q K^T, dP = dO V^T, dS = P (dP - Di)
+ * and dq += dS K (dS rounded to bf16); dq = scale dq.  Shared: qs
+ * [64][ld(D)], gos [64][ld(Dv)], ks [BK][ld(D)], vs [BK][ld(Dv)]. */
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
+    ej_attn_bwd_dq_tc(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
+	const int nkd = (D + 15) / 16, nkv = (DV + 15) / 16;
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	const int i0 = (int)(gridDim.y - 1 - blockIdx.y) * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_bf16 *qs = (ej_bf16 *)ej_dyn_smem();
+	ej_bf16 *gos = qs + EJ_TC_BQ * ldq;
+	ej_bf16 *ks = gos + EJ_TC_BQ * ldv;
+	ej_bf16 *vs = ks + EJ_TC_BK * ldq;
+	const int i = i0 + 16 * w + (lane >> 2); /* rows i and i + 8 */
+	const int ke[2] = { ej_at_kend(a, i), ej_at_kend(a, i + 8) };
+	const float scale = (float)a.scale;
+
+	ej_tc_stage(qs, ldq, a.q, a.qs, b, h, i0, EJ_TC_BQ, a.t, D);
+	ej_tc_stage(gos, ldv, a.go, a.gs, b, h, i0, EJ_TC_BQ, a.t, DV);
+	__syncthreads();
+	float lse[2], di[2];
+	ej_tc_lse_di(a, gos + 16 * w * ldv, ldv, b, h, i, lane, lse, di);
+	float dq[EJ_TC_NO][4], s[EJ_TC_NS][4], dp[EJ_TC_NS][4];
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0;
+	int ilast = i0 + EJ_TC_BQ < a.t ? i0 + EJ_TC_BQ - 1 : a.t - 1;
+	int kmax = ej_at_kend(a, ilast);
+	for (int k0 = 0; k0 < kmax; k0 += EJ_TC_BK) {
+		__syncthreads();
+		ej_tc_stage(ks, ldq, a.k, a.ks, b, g, k0, EJ_TC_BK, a.s, D);
+		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
+		__syncthreads();
+		ej_tc_qk(s, qs + 16 * w * ldq, ks, ldq, nkd, lane);
+		ej_tc_qk(dp, gos + 16 * w * ldv, vs, ldv, nkv, lane);
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NS; nt++)
+			EJ_AT_UNROLL
+		for (int e = 0; e < 4; e++) {
+			int rw = e >> 1;
+			int j = k0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+			float ds = 0;
+			if (j < ke[rw] && ej_at_finite(lse[rw]) &&
+			    (!a.seg || ej_at_same_doc(a, b, i + 8 * rw, j)))
+				ds = expf(s[nt][e] * scale - lse[rw]) *
+				     (dp[nt][e] - di[rw]);
+			s[nt][e] = ds;
+		}
+		ej_tc_pv(dq, s, ks, ldq, 2 * nkd, lane);
+	}
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int r = i + 8 * rw;
+		if (r >= a.t)
+			continue; /* no break: see EJ_AT_UNROLL */
+		ej_bf16 *dst =
+		    (ej_bf16 *)a.grad_q + ((long long)bh * a.t + r) * D;
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			ej_tc_st2(dst, nt * 8 + 2 * (lane & 3), D,
+				  scale * dq[nt][2 * rw],
+				  scale * dq[nt][2 * rw + 1]);
+		}
+	}
+}
+
+/* One pass of dk or dv (a.part 1 or 0) for the 16 keys of a warp over
+ * query tile q0 (staged): P^T = exp(K Q^T scale - lse), and dV += P^T dO,
+ * or dP^T = V dO^T, dS^T = P^T (dP^T - Di) and dK += dS^T Q. */
+EJ_D void ej_tc_kv_tile(const struct ej_attn_args &a, float (*acc)[4],
+			const ej_bf16 *kw, const ej_bf16 *vw, const ej_bf16 *qs,
+			const ej_bf16 *gos, const float *lses, const float *dis,
+			int b, int j, int q0, int lane)
+{
+	const int ldq = ej_tc_ld(a.d), ldv = ej_tc_ld(a.dv);
+	const int nkd = (a.d + 15) / 16, nkv = (a.dv + 15) / 16;
+	float s[EJ_TC_NS][4], dp[EJ_TC_NS][4];
+	ej_tc_qk(s, kw, qs, ldq, nkd, lane);
+	if (a.part)
+		ej_tc_qk(dp, vw, gos, ldv, nkv, lane);
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int jj = j + 8 * (e >> 1),
+		    r = nt * 8 + 2 * (lane & 3) + (e & 1);
+		float x = 0;
+		if (jj < ej_at_kend(a, q0 + r) && ej_at_finite(lses[r]) &&
+		    (!a.seg || ej_at_same_doc(a, b, q0 + r, jj))) {
+			x = expf(s[nt][e] * (float)a.scale - lses[r]);
+			if (a.part)
+				x *= dp[nt][e] - dis[r];
+		}
+		s[nt][e] = x;
+	}
+	if (a.part)
+		ej_tc_pv(acc, s, qs, ldq, 2 * nkd, lane);
+	else
+		ej_tc_pv(acc, s, gos, ldv, 2 * nkv, lane);
+}
+
+/* dk or dv on tensor cores (a.part 1 or 0): grid (B * Hq, ceil(S / 64)),
+ * a block owns 64 keys (16 per warp) and ONE query head h, and loops over
+ * tiles of EJ_TC_BK queries from the first that sees its first key.
+ * Shared: ks [64][ld(D)], vs [64][ld(Dv)], qs [BK][ld(D)], gos
+ * [BK][ld(Dv)], lses [BK], dis [BK] (f32).  With Hq == Hkv it writes
+ * grad_k or grad_v; else f32 partials of head h to kv_part, which
+ * ej_attn_bwd_kv_sum adds up. */
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
+    ej_attn_bwd_dkdv_tc(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	const int j0 = blockIdx.y * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_bf16 *ks = (ej_bf16 *)ej_dyn_smem();
+	ej_bf16 *vs = ks + EJ_TC_BQ * ldq;
+	ej_bf16 *qs = vs + EJ_TC_BQ * ldv;
+	ej_bf16 *gos = qs + EJ_TC_BK * ldq;
+	float *lses = (float *)(gos + EJ_TC_BK * ldv);
+	float *dis = lses + EJ_TC_BK;
+	const int j = j0 + 16 * w + (lane >> 2); /* keys j and j + 8 */
+
+	ej_tc_stage(ks, ldq, a.k, a.ks, b, g, j0, EJ_TC_BQ, a.s, D);
+	ej_tc_stage(vs, ldv, a.v, a.vs, b, g, j0, EJ_TC_BQ, a.s, DV);
+	float acc[EJ_TC_NO][4];
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++)
+		acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+	int imin = a.causal ? j0 - (a.s - a.t) : 0; /* first query seeing j0 */
+	for (int q0 = imin < 0 ? 0 : imin; q0 < a.t; q0 += EJ_TC_BK) {
+		__syncthreads(); /* the previous tile is consumed */
+		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
+		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
+		for (int r = threadIdx.x; r < EJ_TC_BK; r += EJ_AT_NT) {
+			int i = q0 + r;
+			float ls = -ej_inf_f(), d0 = 0;
+			if (i < a.t) {
+				ls = ((const float *)
+					  a.lse_in)[(long long)b * a.ls[0] +
+						    (long long)h * a.ls[1] +
+						    (long long)i * a.ls[2]];
+				d0 =
+				    ((const float *)
+					 a.di)[((long long)b * a.hq + h) * a.t +
+					       i];
+			}
+			lses[r] = ls;
+			dis[r] = d0;
+		}
+		__syncthreads();
+		ej_tc_kv_tile(a, acc, ks + 16 * w * ldq, vs + 16 * w * ldv, qs,
+			      gos, lses, dis, b, j, q0, lane);
+	}
+	const int W = a.part ? D : DV;
+	const float mul = a.part ? (float)a.scale : 1.0f;
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int jj = j + 8 * rw;
+		if (jj >= a.s)
+			continue; /* no break: see EJ_AT_UNROLL */
+		long long row = ((long long)bh * a.s + jj) * W;
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			int d = nt * 8 + 2 * (lane & 3);
+			float x0 = mul * acc[nt][2 * rw];
+			float x1 = mul * acc[nt][2 * rw + 1];
+			if (!a.kv_part) {
+				ej_tc_st2(
+				    (ej_bf16 *)(a.part ? a.grad_k : a.grad_v) +
+					row,
+				    d, W, x0, x1);
+				continue;
+			}
+			float *p = (float *)a.kv_part + row;
+			if (!a.part)
+				p += (long long)a.b * a.hq * a.s * D;
+			if (d < W)
+				p[d] = x0;
+			if (d + 1 < W)
+				p[d + 1] = x1;
+		}
+	}
+}
+
+/* dk and dv with Hq > Hkv: the sum of the query heads' partials of
+ * ej_attn_bwd_dkdv_tc (kv_part), head by head in order; one thread per
+ * element of dk then dv, grid-stride. */
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+    ej_attn_bwd_kv_sum(const struct ej_attn_args a)
+{
+	const int rep = a.hq / a.hkv;
+	const long long nk = (long long)a.b * a.hkv * a.s * a.d;
+	const long long nv = (long long)a.b * a.hkv * a.s * a.dv;
+	const float *pk = (const float *)a.kv_part;
+	const float *pv = pk + (long long)a.b * a.hq * a.s * a.d;
+	for (long long e = (long long)blockIdx.x * EJ_AT_NT + threadIdx.x;
+	     e < nk + nv; e += (long long)gridDim.x * EJ_AT_NT) {
+		bool isk = e < nk;
+		long long x = isk ? e : e - nk;
+		long long row =
+		    isk ? a.s * (long long)a.d : a.s * (long long)a.dv;
+		long long bg = x / row, in = x - bg * row; /* (b, g), within */
+		const float *p = (isk ? pk : pv) + bg * rep * row + in;
+		float sum = 0;
+		for (int hh = 0; hh < rep; hh++)
+			sum += p[hh * row];
+		((ej_bf16 *)(isk ? a.grad_k : a.grad_v))[x] = ej_f2bf(sum);
+	}
+}
+#endif
