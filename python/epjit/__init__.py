@@ -77,6 +77,7 @@ def dump():
     _lib.check(_lib._ctx, _lib.lib.epj_debug_dump(_lib._ctx), "debug dump")
     c = counters()
     c.pop("raw")
+    os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "torch_counters.json"), "w") as f:
         json.dump(c, f, indent=1, sort_keys=True)
 

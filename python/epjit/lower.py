@@ -529,15 +529,22 @@ def _slice_backward(L, node):
 
 
 def _cat_check(node):
-    if len(node.args[0]) > 60:
-        return "cat of %d tensors" % len(node.args[0])
-    return None
+    xs = [x for x in node.args[0]
+          if not (_val(x).ndim == 1 and _val(x).shape[0] == 0)]
+    if len(xs) > 60:
+        return "cat of %d tensors" % len(xs)
+    return None if xs else "cat of empty tensors"
 
 
 @rule(aten.cat.default, check=_cat_check)
 def _cat(L, node):
     m = _out_meta(node)
-    ins = [_pointwise_in(L, node, x, m[1]) for x in node.args[0]]
+    # torch.cat skips legacy empty 1-D tensors
+    xs = [x for x in node.args[0]
+          if not (_val(x).ndim == 1 and _val(x).shape[0] == 0)]
+    if len(xs) == 1 and _shape(xs[0]) == m[0]:
+        return L.cast(L.arg(xs[0]), m[1])
+    ins = [_pointwise_in(L, node, x, m[1]) for x in xs]
     d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(m[0]))
     return L.op("cat", ins, [d], metas=[m])
 
