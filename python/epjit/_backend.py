@@ -14,6 +14,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from . import _lib, lower
 
 _lock = threading.Lock()
+# one context serves the process: a graph runs under this lock
+_run_lock = threading.RLock()
 # (op, reason) -> nodes left to torch, counted once per compiled FX graph
 fallback = collections.Counter()
 stats = collections.Counter()
@@ -24,7 +26,7 @@ _NON_COMPUTE = {
     "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
     "aten.squeeze.default", "aten.permute.default", "aten.transpose.int",
     "aten.t.default", "aten.expand.default", "aten.alias.default",
-    "aten.detach.default", "aten.slice.Tensor", "_operator.getitem",
+    "aten.detach.default", "aten.slice.Tensor", "getitem",
 }
 
 
@@ -146,6 +148,10 @@ class EpjitGraph(torch.nn.Module):
             self.graph = None
 
     def forward(self, *args):
+        with _run_lock:
+            return self._run(args)
+
+    def _run(self, args):
         L = _lib.lib
         ins, keep = [], []
         n_in = len(args)
@@ -211,7 +217,7 @@ def compile_graph(gm, example_inputs):
     counted = collections.Counter()
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in in_part or \
-                _op_name(node) == "_operator.getitem":
+                _op_name(node) == "getitem":
             continue
         if node in alone:
             why = "no compute around it"

@@ -145,3 +145,19 @@ def test_qwen3_moe_model_with_eager_moe_blocks():
     check_same(ref, got)
     c = epjit.counters()
     assert c["kernels"] > 0 and c["graphs"] > 0
+
+
+def test_qwen3_layer_bf16():
+    """bf16 parameters and activations: within bf16's rounding (2e-2 of the
+    largest magnitude) of eager torch."""
+    m = Layers(qwen3_config(), 1).to(torch.bfloat16)
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    ref = grads_and_out(m, x)
+    m.layers[0] = torch.compile(m.layers[0], backend="epjit")
+    got = grads_and_out(m, x)
+    assert rel_err(got[0], ref[0]) <= 2e-2
+    assert rel_err(got[1], ref[1]) <= 2e-2
+    for n in ref[2]:
+        assert rel_err(got[2][n], ref[2][n]) <= 2e-2, n
+    c = epjit.counters()
+    assert c["kernels"] > 0 and c["fallback_nodes"] == 0, c["fallback"]
