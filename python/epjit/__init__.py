@@ -28,9 +28,9 @@ def counters():
     lookups of that cache; kernels: kernels run by compiled graphs;
     compiles: host C compiler runs; cache_hits / cache_misses: the kernel
     cache (memory and disk); fallback: {op: {reason: nodes}} left to torch,
-    counted per compiled FX graph; fallback_nodes: their total; input_copies
-    / output_copies: tensors copied at a graph's boundary (non-contiguous
-    inputs, outputs viewing an input); raw: every libepjit counter."""
+    counted per compiled FX graph; fallback_nodes: their total;
+    input_copies: inputs torch copied before a graph read them (a layout
+    other than the first call's); raw: every libepjit counter."""
     from . import _backend as be
     raw = _lib.counters_raw()
     fb = {}
@@ -49,7 +49,6 @@ def counters():
         "fallback": fb,
         "fallback_nodes": sum(be.fallback.values()),
         "input_copies": be.stats["input_copies"],
-        "output_copies": be.stats["output_copies"],
         "raw": raw,
     }
 

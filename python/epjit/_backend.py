@@ -5,6 +5,7 @@ epjit compiles and what stays in torch, the former lowered to epjit graphs
 import collections
 import ctypes
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -90,6 +91,33 @@ def _to_torch(handle, dtype):
     return t
 
 
+def _memory_order(val):
+    """The dims of val from the largest stride down when val is a dense
+    permutation of a contiguous tensor other than itself, else None."""
+    if val.is_contiguous() or val.dim() < 2 or 0 in val.shape:
+        return None
+    st = val.stride()
+    order = sorted(range(val.dim()), key=lambda d: (-st[d], d))
+    if order == list(range(val.dim())):
+        return None
+    return order if val.permute(order).is_contiguous() else None
+
+
+def _view_of(handle, base):
+    """The torch view of base that the epjit tensor `handle` (a view of
+    base's borrowed memory) is; drops the reference."""
+    L = _lib.lib
+    nd = L.epj_tensor_ndim(handle)
+    shape = [L.epj_tensor_shape(handle)[i] for i in range(nd)]
+    strides = [L.epj_tensor_strides(handle)[i] for i in range(nd)]
+    off = (L.epj_tensor_data(handle) or 0) - base.data_ptr()
+    L.epj_tensor_free(handle)
+    size = base.element_size()
+    if off % size:
+        raise _lib.EpjitError("output view not aligned to its input")
+    return base.as_strided(shape, strides, base.storage_offset() + off // size)
+
+
 # ---- one lowered partition ----------------------------------------------------
 
 
@@ -98,6 +126,16 @@ class EpjitGraph(torch.nn.Module):
 
     def __init__(self, sub):
         super().__init__()
+        self.sub = sub
+        self.graph = None
+        self.failed = None  # the error when epjit could not compile it
+
+    def _build(self, args):
+        """Lowers and compiles the partition for the layouts of args (the
+        first call's): a dense permutation of a contiguous tensor (a
+        transposed weight) is read in its memory order and permuted back
+        inside the graph, with no copy."""
+        sub = self.sub
         self.ctx = _lib.context()
         self.compiler = _lib.compiler()  # keeps it alive while we live
         g = ctypes.c_void_p()
@@ -107,12 +145,21 @@ class EpjitGraph(torch.nn.Module):
         self.in_dtypes = []
         L = lower.Lowering(self.ctx, g)
         out_node = None
-        for node in sub.graph.nodes:
-            if node.op == "placeholder":
+        places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        self.orders = [_memory_order(a) for a in args]
+        for node, order in zip(places, self.orders):
+            val = node.meta["val"]
+            L.input(node, val.permute(order) if order else val)
+            self.in_dtypes.append(val.dtype)
+        for node, order in zip(places, self.orders):
+            if order:
+                inv = sorted(range(len(order)), key=order.__getitem__)
                 val = node.meta["val"]
-                L.input(node, val)
-                self.in_dtypes.append(val.dtype)
-            elif node.op == "call_function":
+                L.env[node] = L.op("permute", [L.env[node]], inv,
+                                   metas=[(list(val.shape), val.dtype)])
+        index = {n: i for i, n in enumerate(places)}
+        for node in sub.graph.nodes:
+            if node.op == "call_function":
                 lower.lower_node(L, node)
             elif node.op == "output":
                 out_node = node
@@ -124,6 +171,9 @@ class EpjitGraph(torch.nn.Module):
         # j-th epjit output
         self.plan, values, self.out_dtypes = [], [], []
         for o in outs:
+            if o in index:
+                self.plan.append(("in", index[o]))
+                continue
             v = L.env[o]
             if v < n_in:
                 self.plan.append(("in", v))
@@ -149,7 +199,29 @@ class EpjitGraph(torch.nn.Module):
 
     def forward(self, *args):
         with _run_lock:
+            if self.graph is None and self.failed is None:
+                try:
+                    self._build(args)
+                except _lib.EpjitError as e:
+                    self._give_up(e)
+            if self.failed is not None:
+                return self.sub(*args)
             return self._run(args)
+
+    def _give_up(self, err):
+        """The partition runs in torch from now on; its nodes are counted
+        as left to torch with the reason."""
+        self.failed = str(err)
+        if self.graph:
+            _lib.lib.epj_graph_free(self.graph)
+            self.graph = None
+        warnings.warn("epjit: a graph runs in torch: %s" % err)
+        counted = collections.Counter(
+            (_op_name(n), "epjit compile failed")
+            for n in self.sub.graph.nodes
+            if n.op == "call_function" and _op_name(n) != "getitem")
+        with _lock:
+            fallback.update(counted)
 
     def _run(self, args):
         L = _lib.lib
@@ -158,6 +230,8 @@ class EpjitGraph(torch.nn.Module):
         handles = (ctypes.c_void_p * max(1, n_in))()
         try:
             for i, a in enumerate(args):
+                if self.orders[i]:
+                    a = a.permute(self.orders[i])
                 if not a.is_contiguous():
                     a = a.contiguous()
                     stats["input_copies"] += 1
@@ -177,12 +251,12 @@ class EpjitGraph(torch.nn.Module):
             res = []
             for j in range(self.n_out):
                 h = outs[j]
-                alias = any(L.epj_tensor_shares_storage(h, x) for x in ins)
-                t = _to_torch(h, self.out_dtypes[j])
-                if alias:  # a view of torch's input: copy out
-                    t = t.clone()
-                    stats["output_copies"] += 1
-                res.append(t)
+                src = [i for i, x in enumerate(ins)
+                       if L.epj_tensor_shares_storage(h, x)]
+                if src:  # a view of torch's input: the same view in torch
+                    res.append(_view_of(h, keep[src[0]]))
+                else:
+                    res.append(_to_torch(h, self.out_dtypes[j]))
         finally:
             for h in ins:
                 L.epj_tensor_free(h)

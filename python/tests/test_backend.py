@@ -113,3 +113,20 @@ def test_debug_dump(tmp_path, monkeypatch):
     names = os.listdir(tmp_path)
     assert "counters.json" in names and "torch_counters.json" in names
     assert "graphs.jsonl" in names, names
+
+
+def test_graph_epjit_cannot_compile_runs_in_torch(monkeypatch):
+    """A partition whose lowering the library rejects runs in torch, with a
+    warning, its nodes counted with the reason."""
+    import epjit.lower as lower
+
+    def bad(L, node):
+        return L.op("no_such_op", [L.arg(node.args[0])])
+
+    monkeypatch.setitem(lower.RULES, torch.ops.aten.silu.default, bad)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.SiLU())
+    with pytest.warns(UserWarning, match="no_such_op"):
+        compare(m, [torch.randn(3, 6)], lambda y: y.square().sum(),
+                torch.compile(m, backend="epjit"))
+    fb = epjit.counters()["fallback"]
+    assert fb["aten.silu.default"] == {"epjit compile failed": 1}, fb

@@ -76,6 +76,8 @@ def test_qwen3_layers_compiled_per_layer(depth):
     assert c["kernels"] > 0 and c["graphs"] > 0
     # forward and backward of one layer, whatever the depth
     assert c["unique_graphs"] == UNIQUE.setdefault("layers", c["unique_graphs"])
+    # transposed weights are read in place, not copied
+    assert c["input_copies"] == 0
     # the sdpa pair and the GEMMs ran in epjit; nothing fell back
     assert c["fallback_nodes"] == 0, c["fallback"]
 
