@@ -666,6 +666,114 @@ def _full(L, node):
                 metas=[m])
 
 
+_FILL = {
+    aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0,
+    aten.empty_like.default: 0.0, aten.new_zeros.default: 0.0,
+    aten.new_ones.default: 1.0, aten.new_empty.default: 0.0,
+    aten.new_empty_strided.default: 0.0, aten.full_like.default: None,
+    aten.zeros.default: 0.0, aten.ones.default: 1.0,
+    aten.empty.memory_format: 0.0, aten.empty_strided.default: 0.0,
+}
+
+
+def _fill_check(node):
+    if node.target == aten.full_like.default and not isinstance(
+            node.args[1], (int, float)):
+        return "fill value"
+    return None
+
+
+@rule(*_FILL, check=_fill_check)
+def _fill(L, node):
+    """A new tensor of the node's meta filled with a constant (the contents
+    of the empty ones are undefined: zeros)."""
+    m = _out_meta(node)
+    v = _FILL[node.target]
+    if v is None:
+        v = node.args[1]
+    return L.op("full", [], [DTYPES[m[1]]] + m[0], [float(v)], metas=[m])
+
+
+def _split_check(node):
+    return None if _val(node.args[0]).ndim > 0 else "split of a scalar"
+
+
+@rule(aten.split_with_sizes.default, aten.split.Tensor, check=_split_check)
+def _split(L, node):
+    v = L.arg(node.args[0])
+    shape = L.shape(v)
+    d = _norm_dim(node.args[2] if len(node.args) > 2 else
+                  node.kwargs.get("dim", 0), len(shape))
+    outs, start = [], 0
+    for o in _val(node):
+        n = o.shape[d]
+        if start == 0 and n == shape[d]:
+            outs.append(v)
+        else:
+            outs.append(L.op("slice", [v], [d, start, start + n, 1],
+                             metas=[(list(o.shape), o.dtype)]))
+        start += n
+    return tuple(outs)
+
+
+def _copy_check(node):
+    a, b = _val(node.args[0]), _val(node.args[1])
+    if a.ndim < b.ndim:
+        return "copy from a higher rank"
+    return None
+
+
+@rule(aten.copy.default, check=_copy_check)
+def _copy(L, node):
+    """Functional copy_: src in dst's dtype, broadcast to dst's shape."""
+    m = _out_meta(node)
+    src = L.cast(L.arg(node.args[1]), m[1])
+    shape = L.shape(src)
+    if shape == m[0]:
+        return L.op("contiguous", [src], metas=[m])
+    if len(shape) < len(m[0]):
+        shape = [1] * (len(m[0]) - len(shape)) + shape
+        src = L.op("reshape", [src], shape, metas=[(shape, m[1])])
+    return L.op("contiguous", [L.op("expand", [src], m[0], metas=[m])],
+                metas=[m])
+
+
+def _slice_scatter_check(node):
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    return None if step == 1 else "slice_scatter step"
+
+
+@rule(aten.slice_scatter.default, check=_slice_scatter_check)
+def _slice_scatter(L, node):
+    """base with src at [start, end) along dim: a cat of base's pieces
+    around src."""
+    m = _out_meta(node)
+    base = L.arg(node.args[0])
+    src = L.cast(L.arg(node.args[1]), m[1])
+    shape = L.shape(base)
+    d = _norm_dim(node.args[2] if len(node.args) > 2 else
+                  node.kwargs.get("dim", 0), len(shape))
+    size = shape[d]
+    start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
+    end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    parts = []
+    for a, b in ((0, start), (None, None), (end, size)):
+        if a is None:
+            parts.append(src)
+        elif b > a:
+            ps = list(shape)
+            ps[d] = b - a
+            parts.append(L.op("slice", [base], [d, a, b, 1],
+                              metas=[(ps, m[1])]))
+    if len(parts) == 1:
+        return L.op("contiguous", [src], metas=[m])
+    return L.op("cat", parts, [d], metas=[m])
+
+
 def lower_node(L, node):
     """Lowers node into L; records its value(s) in L.env."""
     if node.target is operator.getitem:
