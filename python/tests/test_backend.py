@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import epjit
-from conftest import rel_err
+from backend_util import fresh, rel_err  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh")
 
 TOL = 1e-5
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import epjit
-from conftest import rel_err
+from backend_util import fresh, rel_err  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh")
 
 tf = pytest.importorskip("transformers")
 

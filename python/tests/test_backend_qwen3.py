@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import epjit
-from conftest import rel_err
+from backend_util import fresh, rel_err  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh")
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3Config, Qwen3MoeConfig  # noqa: E402

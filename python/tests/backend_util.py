@@ -1,10 +1,13 @@
+"""Shared by the backend tests: a fresh Dynamo and epjit per test, and
+the relative error the tests compare with."""
+
 import pytest
 import torch
 
 import epjit
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh():
     """Each test starts with Dynamo's caches and epjit's counters empty."""
     torch._dynamo.reset()
