@@ -271,6 +271,44 @@ def _has_compute(nodes):
     return any(_op_name(n) not in _NON_COMPUTE for n in nodes)
 
 
+def _convex(group):
+    """No path leaves the node set `group` and comes back into it (fusing
+    it into one call keeps the graph acyclic)."""
+    seen, todo = set(), [u for n in group for u in n.users if u not in group]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in group:
+                return False
+            todo.append(u)
+    return True
+
+
+def _merge(partitions):
+    """Greedily merges partitions whose union stays convex: independent
+    parts of one layer (the partitioner fuses along edges) become one
+    epjit graph, so the compiler fuses and schedules across them."""
+    from torch.fx.passes.infra.partitioner import Partition
+    groups = []
+    for p in partitions:
+        for g in groups:
+            union = set(g) | set(p.nodes)
+            if _convex(union):
+                g.update(p.nodes)
+                break
+        else:
+            groups.append(set(p.nodes))
+    order = {}
+    for p in partitions:
+        for n in p.nodes:
+            order[n] = len(order)
+    return [Partition(id=i, nodes=sorted(g, key=order.__getitem__))
+            for i, g in enumerate(groups)]
+
+
 def compile_graph(gm, example_inputs):
     """Partitions gm, lowers the supported partitions to epjit graphs and
     returns the GraphModule that calls them (the rest runs in torch)."""
@@ -285,6 +323,7 @@ def compile_graph(gm, example_inputs):
             kept.append(p)
         else:
             alone.update(p.nodes)
+    kept = _merge(kept)
     in_part = set()
     for p in kept:
         in_part.update(p.nodes)
