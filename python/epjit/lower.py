@@ -774,6 +774,101 @@ def _slice_scatter(L, node):
     return L.op("cat", parts, [d], metas=[m])
 
 
+@rule(aten.select.int)
+def _select(L, node):
+    """x[..., index, ...]: a slice of one, reshaped to drop the dim."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    d = _norm_dim(node.args[1], len(shape))
+    i = node.args[2] + shape[d] if node.args[2] < 0 else node.args[2]
+    one = list(shape)
+    one[d] = 1
+    s = L.op("slice", [v], [d, i, i + 1, 1], metas=[(one, m[1])])
+    return L.op("reshape", [s], m[0], metas=[m])
+
+
+@rule(aten.select_backward.default)
+def _select_backward(L, node):
+    """The gradient of select: grad placed at index, zeros elsewhere."""
+    m = _out_meta(node)
+    g = L.arg(node.args[0])
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    i = node.args[3] + in_shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(in_shape)
+    one[d] = 1
+    g1 = L.op("reshape", [g], one, metas=[(one, m[1])])
+    return L.op("slice_backward", [g1], [d, i, i + 1, 1] + in_shape,
+                metas=[m])
+
+
+@rule(aten.select_scatter.default)
+def _select_scatter(L, node):
+    """base with src at index along dim: a cat around src as a slab of
+    one."""
+    m = _out_meta(node)
+    base = L.arg(node.args[0])
+    shape = list(L.shape(base))
+    d = _norm_dim(node.args[2], len(shape))
+    i = node.args[3] + shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(shape)
+    one[d] = 1
+    src = L.cast(L.arg(node.args[1]), m[1])
+    parts = []
+    if i > 0:
+        ps = list(shape)
+        ps[d] = i
+        parts.append(L.op("slice", [base], [d, 0, i, 1], metas=[(ps, m[1])]))
+    parts.append(L.op("reshape", [src], one, metas=[(one, m[1])]))
+    if i + 1 < shape[d]:
+        ps = list(shape)
+        ps[d] = shape[d] - i - 1
+        parts.append(L.op("slice", [base], [d, i + 1, shape[d], 1],
+                          metas=[(ps, m[1])]))
+    if len(parts) == 1:
+        return L.op("contiguous", [parts[0]], metas=[m])
+    return L.op("cat", parts, [d], metas=[m])
+
+
+def _pad_check(node):
+    value = node.args[2] if len(node.args) > 2 else 0
+    if value != 0:
+        return "pad with a value"
+    if _val(node).dtype not in FLOATS:
+        return "integer pad"
+    return None
+
+
+@rule(aten.constant_pad_nd.default, check=_pad_check)
+def _pad(L, node):
+    """Zero padding (pad pairs run from the last dim backwards): a slice
+    where a pad is negative (a crop), then a slice_backward that places the
+    result among zeros."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    pad = list(node.args[1])
+    shape = list(L.shape(v))
+    for k in range(len(pad) // 2):
+        lo, hi = pad[2 * k], pad[2 * k + 1]
+        d = len(shape) - 1 - k
+        if lo < 0 or hi < 0:
+            a, b = max(-lo, 0), shape[d] - max(-hi, 0)
+            new = list(shape)
+            new[d] = b - a
+            v = L.op("slice", [v], [d, a, b, 1], metas=[(new, m[1])])
+            shape = new
+            lo, hi = max(lo, 0), max(hi, 0)
+        if lo == 0 and hi == 0:
+            continue
+        new = list(shape)
+        new[d] = shape[d] + lo + hi
+        v = L.op("slice_backward", [v], [d, lo, lo + shape[d], 1] + new,
+                 metas=[(new, m[1])])
+        shape = new
+    return v
+
+
 def lower_node(L, node):
     """Lowers node into L; records its value(s) in L.env."""
     if node.target is operator.getitem:

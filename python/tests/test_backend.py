@@ -132,3 +132,30 @@ def test_graph_epjit_cannot_compile_runs_in_torch(monkeypatch):
                 torch.compile(m, backend="epjit"))
     fb = epjit.counters()["fallback"]
     assert fb["aten.silu.default"] == {"epjit compile failed": 1}, fb
+
+
+def test_indexing_and_scatter_lowered():
+    """select, pad, split and the scatters functionalisation makes of
+    in-place writes compile, forward and backward, with nothing left to
+    torch."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)  # [4, 6, 8]
+            a = h[:, 2]
+            b = torch.nn.functional.pad(a, (1, 2))
+            p, q = torch.split(h, [2, 4], dim=1)
+            y = h.clone()
+            y[:, 1] = a * 2
+            y[:, 2:4] = p * 3
+            return b.sum(dim=-1) + (y * h).sum(dim=(1, 2)) + q.mean(dim=(1, 2))
+
+    m = M()
+    compare(m, [torch.randn(4, 6, 8)], lambda y: (y * y).sum(),
+            torch.compile(m, backend="epjit"))
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
