@@ -68,7 +68,8 @@ class _Owner:
 
     def __del__(self):
         if self.handle:
-            _lib.lib.epj_tensor_free(self.handle)
+            with _run_lock:  # the context's allocator is not thread-safe
+                _lib.lib.epj_tensor_free(self.handle)
             self.handle = None
 
 
@@ -194,7 +195,8 @@ class EpjitGraph(torch.nn.Module):
 
     def __del__(self):
         if getattr(self, "graph", None):
-            _lib.lib.epj_graph_free(self.graph)
+            with _run_lock:
+                _lib.lib.epj_graph_free(self.graph)
             self.graph = None
 
     def forward(self, *args):

@@ -159,3 +159,31 @@ def test_indexing_and_scatter_lowered():
     c = epjit.counters()
     assert c["kernels"] > 0
     assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+def test_threads_share_the_context():
+    """Compiled graphs called from several threads (one context serves the
+    process) give eager's results."""
+    import threading
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU(),
+                            torch.nn.Linear(16, 16))
+    cm = torch.compile(m, backend="epjit")
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        ref = m(x)
+        cm(x)
+    bad = []
+
+    def work():
+        with torch.no_grad():
+            for _ in range(50):
+                if rel_err(cm(x), ref) > 1e-5:
+                    bad.append(1)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
+    assert epjit.counters()["kernels"] > 0
