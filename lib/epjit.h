@@ -157,6 +157,14 @@ epj_tensor *epj_rand_uniform(epj_ctx *ctx, epj_dtype dt, int ndim,
 epj_tensor *epj_randint(epj_ctx *ctx, epj_dtype dt, int ndim,
 			const int64_t *shape, int64_t lo, int64_t hi);
 
+/* A contiguous row-major tensor over memory the caller owns (`data`: host
+ * memory on the cpu device, device memory on cuda): no copy, and the memory
+ * is never freed or reallocated by the library.  The caller keeps it alive
+ * and unmoved while the tensor or any view of it lives.  A bad dtype, rank
+ * or shape, or NULL data with elements, is EPJ_ERR_INVALID / EPJ_ERR_SHAPE
+ * (NULL result, message in the context). */
+epj_tensor *epj_tensor_borrow(epj_ctx *ctx, epj_dtype dt, int ndim,
+			      const int64_t *shape, void *data);
 epj_tensor *epj_tensor_ref(epj_tensor *t); /* returns t, one more ref */
 void epj_tensor_free(epj_tensor *t);	   /* drops one ref; NULL ok */
 
@@ -316,6 +324,56 @@ epj_tensor *epj_gated_delta(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
  * f64 logits).  All ignored -> NaN, as in PyTorch. */
 epj_tensor *epj_cross_entropy(epj_ctx *ctx, epj_tensor *logits,
 			      epj_tensor *targets, int64_t ignore_index);
+
+/* ---- graphs from other frameworks (jit/graph_api.c) --------------------
+ * A graph described node by node (the Python package lowers PyTorch's FX
+ * graphs of ATen ops to it; doc/torch.md) and compiled by the same tracer,
+ * passes, code generators, kernel cache and signatures as a native region.
+ * Values are numbered in order of definition: inputs first (0, 1, ...), then
+ * each node's outputs, consecutively.  Graphs are forward-only: traced and
+ * run with gradient mode off.  Every tensor is an input (weights included),
+ * so graphs of identical layers share one compiled graph. */
+
+typedef struct epj_compiler epj_compiler;
+typedef struct epj_graph epj_graph;
+
+/* A compiler: a cache of compiled graphs by signature and a backend
+ * ("c", "interpreter", "nvrtc", ...; NULL or "" = the device's default;
+ * an unknown name is EPJ_ERR_CONFIG). */
+epj_status epj_compiler_new(epj_ctx *ctx, const char *backend,
+			    epj_compiler **out);
+void epj_compiler_free(epj_compiler *c);
+
+epj_status epj_graph_new(epj_ctx *ctx, epj_graph **out);
+void epj_graph_free(epj_graph *g);
+/* Declares the next input (all inputs before the first node); *value gets
+ * its value number. */
+epj_status epj_graph_input(epj_ctx *ctx, epj_graph *g, epj_dtype dt, int ndim,
+			   const int64_t *shape, int *value);
+/* Appends a node: op by its name in the op table (lib/ops.def: "add",
+ * "matmul", "sdpa", ...), in[n_in] earlier values, the int and float
+ * attributes in the op's layout (normalised: axes >= 0, shapes without
+ * -1), n_out = the op's outputs.  *first_value: the value of output 0.
+ * An unknown op, a wrong count or an undefined value is an error naming the
+ * node; shapes are checked when the graph is compiled. */
+epj_status epj_graph_node(epj_ctx *ctx, epj_graph *g, const char *op,
+			  const int *in, int n_in, const int64_t *ints,
+			  int n_ints, const double *floats, int n_floats,
+			  int n_out, int *first_value);
+/* Appends `value` to the graph's outputs. */
+epj_status epj_graph_output(epj_ctx *ctx, epj_graph *g, int value);
+int epj_graph_n_outputs(const epj_graph *g);
+/* Traces and compiles g through c (its cache of graphs by signature).  A
+ * shape or dtype error names the node and its op. */
+epj_status epj_graph_compile(epj_ctx *ctx, epj_compiler *c, epj_graph *g);
+/* Runs a compiled graph on in[n_in] (e.g. epj_tensor_borrow of the
+ * caller's memory, with the dtypes and shapes declared; else
+ * EPJ_ERR_SHAPE); out[n_out] receive new references (library memory). */
+epj_status epj_graph_run(epj_ctx *ctx, epj_graph *g, epj_tensor *const *in,
+			 int n_in, epj_tensor **out, int n_out);
+/* With EPJIT_DEBUG_DUMP set, writes the context's counters to
+ * $EPJIT_DEBUG_DUMP/counters.json (else does nothing). */
+epj_status epj_debug_dump(epj_ctx *ctx);
 
 /* ---- counters ------------------------------------------------------------ */
 

@@ -174,6 +174,43 @@ epj_tensor *ej_tensor_meta(epj_ctx *ctx, epj_dtype dt, int ndim,
 	return header_new(ctx, dt, ndim, shape);
 }
 
+epj_tensor *epj_tensor_borrow(epj_ctx *ctx, epj_dtype dt, int ndim,
+			      const int64_t *shape, void *data)
+{
+	size_t nbytes;
+	if (!ctx)
+		return NULL;
+	if ((unsigned)dt >= EPJ_DTYPE_COUNT || ndim < 0 ||
+	    ndim > EPJ_MAX_DIMS || (ndim > 0 && !shape)) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "tensor_borrow: bad dtype %d or rank %d (at most %d)",
+			 (int)dt, ndim, EPJ_MAX_DIMS);
+		return NULL;
+	}
+	if (check_new_shape(ctx, "tensor_borrow", dt, ndim, shape, &nbytes) !=
+	    EPJ_OK)
+		return NULL;
+	if (!data && nbytes > 0) {
+		ej_error(ctx, EPJ_ERR_INVALID,
+			 "tensor_borrow: NULL data for %zu bytes", nbytes);
+		return NULL;
+	}
+	epj_tensor *t = header_new(ctx, dt, ndim, shape);
+	ej_storage *s = t ? calloc(1, sizeof *s) : NULL;
+	if (!s) {
+		free(t);
+		ej_error(ctx, EPJ_ERR_NOMEM,
+			 "out of memory borrowing a tensor");
+		return NULL;
+	}
+	s->refcount = 1;
+	s->data = data;
+	s->bytes = nbytes;
+	s->alloc = NULL; /* borrowed: never freed here */
+	t->storage = s;
+	return t;
+}
+
 epj_tensor *ej_tensor_view(epj_tensor *t, int ndim, const int64_t *shape,
 			   const int64_t *stride, int64_t offset)
 {

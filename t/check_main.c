@@ -64,6 +64,7 @@ static const struct {
 	{ "cc", make_cc_suite },
 	{ "codegen", make_codegen_suite },
 	{ "keys", make_keys_suite },
+	{ "graph_api", make_graph_api_suite },
 	{ "sim", make_sim_suite },
 	{ "cuda", make_cuda_suite },
 	{ "gpu", make_gpu_suite },

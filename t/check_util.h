@@ -42,6 +42,7 @@ Suite *make_kcache_suite(void);
 Suite *make_cc_suite(void);
 Suite *make_codegen_suite(void);
 Suite *make_keys_suite(void);
+Suite *make_graph_api_suite(void);
 Suite *make_sim_suite(void);
 Suite *make_cuda_suite(void);
 Suite *make_gpu_suite(void);

@@ -1,0 +1,367 @@
+"""The Dynamo backend: AOTAutograd's ATen graphs, partitioned into what
+epjit compiles and what stays in torch, the former lowered to epjit graphs
+(lower.py) and compiled by libepjit."""
+
+import collections
+import ctypes
+import threading
+import warnings
+
+import numpy as np
+import torch
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from . import _lib, lower
+
+_lock = threading.Lock()
+# one context serves the process: a graph runs under this lock
+_run_lock = threading.RLock()
+# (op, reason) -> nodes left to torch, counted once per compiled FX graph
+fallback = collections.Counter()
+stats = collections.Counter()
+
+# ops that compute nothing: a partition of only these is left to torch
+_NON_COMPUTE = {
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+    "aten.squeeze.default", "aten.permute.default", "aten.transpose.int",
+    "aten.t.default", "aten.expand.default", "aten.alias.default",
+    "aten.detach.default", "aten.slice.Tensor", "getitem",
+}
+
+
+def _op_name(node):
+    t = node.target
+    return str(t) if not callable(t) or isinstance(
+        t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self):
+        super().__init__()
+        self.reasons = {}
+
+    def is_node_supported(self, submodules, node):
+        why = lower.why_unsupported(node)
+        if why:
+            self.reasons[node] = why
+        return why is None
+
+
+# ---- torch tensors over epjit memory ----------------------------------------
+
+_TYPESTR = {_lib.F32: "<f4", _lib.BF16: "<u2", _lib.F64: "<f8",
+            _lib.I32: "<i4", _lib.I64: "<i8"}
+_SIZE = {_lib.F32: 4, _lib.BF16: 2, _lib.F64: 8, _lib.I32: 4, _lib.I64: 8}
+
+
+class _Owner:
+    """Keeps one epjit tensor alive while numpy/torch view its memory."""
+
+    def __init__(self, handle, ptr, shape, strides, dt):
+        self.handle = handle
+        self.__array_interface__ = {
+            "data": (ptr, False), "shape": tuple(shape),
+            "strides": tuple(s * _SIZE[dt] for s in strides),
+            "typestr": _TYPESTR[dt], "version": 3}
+
+    def __del__(self):
+        if self.handle:
+            with _run_lock:  # the context's allocator is not thread-safe
+                _lib.lib.epj_tensor_free(self.handle)
+            self.handle = None
+
+
+def _to_torch(handle, dtype):
+    """A torch tensor viewing the epjit tensor `handle` (no copy); owns the
+    reference."""
+    L = _lib.lib
+    dt = L.epj_tensor_dtype(handle)
+    nd = L.epj_tensor_ndim(handle)
+    shape = [L.epj_tensor_shape(handle)[i] for i in range(nd)]
+    strides = [L.epj_tensor_strides(handle)[i] for i in range(nd)]
+    if 0 in shape:
+        L.epj_tensor_free(handle)
+        return torch.empty(shape, dtype=dtype)
+    ptr = L.epj_tensor_data(handle)
+    arr = np.asarray(_Owner(handle, ptr, shape, strides, dt))
+    t = torch.from_numpy(arr)
+    if dt == _lib.BF16:
+        t = t.view(torch.bfloat16)
+    return t
+
+
+def _memory_order(val):
+    """The dims of val from the largest stride down when val is a dense
+    permutation of a contiguous tensor other than itself, else None."""
+    if val.is_contiguous() or val.dim() < 2 or 0 in val.shape:
+        return None
+    st = val.stride()
+    order = sorted(range(val.dim()), key=lambda d: (-st[d], d))
+    if order == list(range(val.dim())):
+        return None
+    return order if val.permute(order).is_contiguous() else None
+
+
+def _view_of(handle, base):
+    """The torch view of base that the epjit tensor `handle` (a view of
+    base's borrowed memory) is; drops the reference."""
+    L = _lib.lib
+    nd = L.epj_tensor_ndim(handle)
+    shape = [L.epj_tensor_shape(handle)[i] for i in range(nd)]
+    strides = [L.epj_tensor_strides(handle)[i] for i in range(nd)]
+    off = (L.epj_tensor_data(handle) or 0) - base.data_ptr()
+    L.epj_tensor_free(handle)
+    size = base.element_size()
+    if off % size:
+        raise _lib.EpjitError("output view not aligned to its input")
+    return base.as_strided(shape, strides, base.storage_offset() + off // size)
+
+
+# ---- one lowered partition ----------------------------------------------------
+
+
+class EpjitGraph(torch.nn.Module):
+    """An FX partition compiled by epjit; called like the partition."""
+
+    def __init__(self, sub):
+        super().__init__()
+        self.sub = sub
+        self.graph = None
+        self.failed = None  # the error when epjit could not compile it
+
+    def _build(self, args):
+        """Lowers and compiles the partition for the layouts of args (the
+        first call's): a dense permutation of a contiguous tensor (a
+        transposed weight) is read in its memory order and permuted back
+        inside the graph, with no copy."""
+        sub = self.sub
+        self.ctx = _lib.context()
+        self.compiler = _lib.compiler()  # keeps it alive while we live
+        g = ctypes.c_void_p()
+        _lib.check(self.ctx, _lib.lib.epj_graph_new(self.ctx, ctypes.byref(g)),
+                   "epj_graph_new")
+        self.graph = g
+        self.in_dtypes = []
+        L = lower.Lowering(self.ctx, g)
+        out_node = None
+        places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        self.orders = [_memory_order(a) for a in args]
+        for node, order in zip(places, self.orders):
+            val = node.meta["val"]
+            L.input(node, val.permute(order) if order else val)
+            self.in_dtypes.append(val.dtype)
+        for node, order in zip(places, self.orders):
+            if order:
+                inv = sorted(range(len(order)), key=order.__getitem__)
+                val = node.meta["val"]
+                L.env[node] = L.op("permute", [L.env[node]], inv,
+                                   metas=[(list(val.shape), val.dtype)])
+        index = {n: i for i, n in enumerate(places)}
+        for node in sub.graph.nodes:
+            if node.op == "call_function":
+                lower.lower_node(L, node)
+            elif node.op == "output":
+                out_node = node
+        res = out_node.args[0]
+        self.tuple_out = isinstance(res, (tuple, list))
+        outs = list(res) if self.tuple_out else [res]
+        n_in = len(self.in_dtypes)
+        # per output: ("in", i) an input passed through, ("out", j) the
+        # j-th epjit output
+        self.plan, values, self.out_dtypes = [], [], []
+        for o in outs:
+            if o in index:
+                self.plan.append(("in", index[o]))
+                continue
+            v = L.env[o]
+            if v < n_in:
+                self.plan.append(("in", v))
+                continue
+            if v not in values:
+                values.append(v)
+                self.out_dtypes.append(L.dtype(v))
+            self.plan.append(("out", values.index(v)))
+        for v in values:
+            _lib.check(self.ctx, _lib.lib.epj_graph_output(self.ctx, g, v),
+                       "graph output")
+        self.n_out = len(values)
+        if self.n_out:
+            _lib.check(self.ctx, _lib.lib.epj_graph_compile(
+                self.ctx, self.compiler, g), "epjit compile")
+        with _lock:
+            stats["graphs"] += 1
+
+    def __del__(self):
+        if getattr(self, "graph", None):
+            with _run_lock:
+                _lib.lib.epj_graph_free(self.graph)
+            self.graph = None
+
+    def forward(self, *args):
+        with _run_lock:
+            if self.graph is None and self.failed is None:
+                try:
+                    self._build(args)
+                except _lib.EpjitError as e:
+                    self._give_up(e)
+            if self.failed is not None:
+                return self.sub(*args)
+            return self._run(args)
+
+    def _give_up(self, err):
+        """The partition runs in torch from now on; its nodes are counted
+        as left to torch with the reason."""
+        self.failed = str(err)
+        if self.graph:
+            _lib.lib.epj_graph_free(self.graph)
+            self.graph = None
+        warnings.warn("epjit: a graph runs in torch: %s" % err)
+        counted = collections.Counter(
+            (_op_name(n), "epjit compile failed")
+            for n in self.sub.graph.nodes
+            if n.op == "call_function" and _op_name(n) != "getitem")
+        with _lock:
+            fallback.update(counted)
+
+    def _run(self, args):
+        L = _lib.lib
+        ins, keep = [], []
+        n_in = len(args)
+        handles = (ctypes.c_void_p * max(1, n_in))()
+        try:
+            for i, a in enumerate(args):
+                if self.orders[i]:
+                    a = a.permute(self.orders[i])
+                if not a.is_contiguous():
+                    a = a.contiguous()
+                    stats["input_copies"] += 1
+                keep.append(a)
+                shape = (ctypes.c_int64 * max(1, a.dim()))(*a.shape)
+                h = L.epj_tensor_borrow(self.ctx, lower.DTYPES[a.dtype],
+                                        a.dim(), shape, a.data_ptr())
+                if not h:
+                    _lib.check(self.ctx, 1, "epj_tensor_borrow")
+                handles[i] = h
+                ins.append(h)
+            outs = (ctypes.c_void_p * max(1, self.n_out))()
+            if self.n_out:
+                st = L.epj_graph_run(self.ctx, self.graph, handles, n_in,
+                                     outs, self.n_out)
+                _lib.check(self.ctx, st, "epjit run")
+            res = []
+            for j in range(self.n_out):
+                h = outs[j]
+                src = [i for i, x in enumerate(ins)
+                       if L.epj_tensor_shares_storage(h, x)]
+                if src:  # a view of torch's input: the same view in torch
+                    res.append(_view_of(h, keep[src[0]]))
+                else:
+                    res.append(_to_torch(h, self.out_dtypes[j]))
+        finally:
+            for h in ins:
+                L.epj_tensor_free(h)
+        final = [args[i] if kind == "in" else res[i] for kind, i in self.plan]
+        return tuple(final) if self.tuple_out else final[0]
+
+
+# ---- compile an FX graph ------------------------------------------------------
+
+
+def _has_compute(nodes):
+    return any(_op_name(n) not in _NON_COMPUTE for n in nodes)
+
+
+def _convex(group):
+    """No path leaves the node set `group` and comes back into it (fusing
+    it into one call keeps the graph acyclic)."""
+    seen, todo = set(), [u for n in group for u in n.users if u not in group]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in group:
+                return False
+            todo.append(u)
+    return True
+
+
+def _merge(partitions):
+    """Greedily merges partitions whose union stays convex: independent
+    parts of one layer (the partitioner fuses along edges) become one
+    epjit graph, so the compiler fuses and schedules across them."""
+    from torch.fx.passes.infra.partitioner import Partition
+    groups = []
+    for p in partitions:
+        for g in groups:
+            union = set(g) | set(p.nodes)
+            if _convex(union):
+                g.update(p.nodes)
+                break
+        else:
+            groups.append(set(p.nodes))
+    order = {}
+    for p in partitions:
+        for n in p.nodes:
+            order[n] = len(order)
+    return [Partition(id=i, nodes=sorted(g, key=order.__getitem__))
+            for i, g in enumerate(groups)]
+
+
+def compile_graph(gm, example_inputs):
+    """Partitions gm, lowers the supported partitions to epjit graphs and
+    returns the GraphModule that calls them (the rest runs in torch)."""
+    support = _Support()
+    part = CapabilityBasedPartitioner(gm, support,
+                                      allows_single_node_partition=True)
+    partitions = part.propose_partitions()
+    alone = set()
+    kept = []
+    for p in partitions:
+        if _has_compute(p.nodes):
+            kept.append(p)
+        else:
+            alone.update(p.nodes)
+    kept = _merge(kept)
+    in_part = set()
+    for p in kept:
+        in_part.update(p.nodes)
+    counted = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in in_part or \
+                _op_name(node) == "getitem":
+            continue
+        if node in alone:
+            why = "no compute around it"
+        else:
+            why = support.reasons.get(node, "not partitioned")
+        counted[(_op_name(node), why)] += 1
+    fused = part.fuse_partitions(kept) if kept else gm
+    for node in fused.graph.nodes:
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            sub = getattr(fused, node.target)
+            setattr(fused, node.target, EpjitGraph(sub))
+    with _lock:
+        fallback.update(counted)
+        stats["fx_graphs"] += 1
+    fused.recompile()
+    return fused
+
+
+def _boxed(fn):
+    from functorch.compile import make_boxed_func
+    return make_boxed_func(fn)
+
+
+def backend(gm, example_inputs, **kwargs):
+    """The Dynamo backend ("epjit"): AOTAutograd with epjit compiling the
+    forward and the backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(g, ex):
+        return _boxed(compile_graph(g, ex))
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=fw)(gm, example_inputs)

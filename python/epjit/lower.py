@@ -1,0 +1,877 @@
+"""Lowering of ATen FX nodes to epjit graph nodes (the op table of
+lib/ops.def), and the support test the partitioner asks.
+
+Each rule takes the lowering state, the FX node and returns the epjit value
+(or a tuple of values for multi-output ops).  `why_unsupported(node)` returns
+None when a rule exists and the node's arguments fit it, else the reason the
+node stays in torch.
+"""
+
+import operator
+
+import torch
+
+from . import _lib
+
+aten = torch.ops.aten
+
+DTYPES = {
+    torch.float32: _lib.F32,
+    torch.bfloat16: _lib.BF16,
+    torch.float64: _lib.F64,
+    torch.int32: _lib.I32,
+    torch.int64: _lib.I64,
+}
+FLOATS = (torch.float32, torch.bfloat16, torch.float64)
+
+
+class Unsupported(Exception):
+    """A node the rules cannot lower (its message is the reason)."""
+
+
+def _val(x):
+    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return v
+
+
+def _norm_dim(d, ndim):
+    return d + ndim if d < 0 else d
+
+
+def _shape(x):
+    return list(_val(x).shape)
+
+
+# ---- support --------------------------------------------------------------
+
+
+def _tensor_ok(v):
+    if not isinstance(v, torch.Tensor):
+        return "no tensor meta"
+    if v.dtype not in DTYPES:
+        return "dtype %s" % str(v.dtype).replace("torch.", "")
+    if v.device.type != "cpu":
+        return "device %s" % v.device.type
+    if any(not isinstance(s, int) for s in v.shape):
+        return "symbolic shape"
+    if v.ndim > 8:
+        return "rank %d" % v.ndim
+    return None
+
+
+def _metas_ok(node):
+    vals = []
+    for a in node.all_input_nodes:
+        vals.append(_val(a))
+    out = _val(node)
+    vals.extend(out if isinstance(out, (tuple, list)) else [out])
+    for v in vals:
+        if v is None and node.target is operator.getitem:
+            continue
+        why = _tensor_ok(v)
+        if why:
+            return why
+    return None
+
+
+def why_unsupported(node):
+    """None when node lowers, else the reason it runs in torch."""
+    if node.op != "call_function":
+        return "not a call"
+    if node.target is operator.getitem:
+        src = node.args[0]
+        if src.op == "call_function" and src.target in RULES:
+            return _metas_ok(node)
+        return "getitem of an unsupported node"
+    rule = RULES.get(node.target)
+    if rule is None:
+        return "no rule"
+    why = _metas_ok(node)
+    if why:
+        return why
+    check = CHECKS.get(node.target)
+    return check(node) if check else None
+
+
+# ---- the lowering state ------------------------------------------------------
+
+
+class Lowering:
+    """Builds one epjit graph from the nodes of an FX partition."""
+
+    def __init__(self, ctx, graph):
+        self.ctx = ctx
+        self.g = graph
+        self.env = {}  # fx node -> value (or tuple of values)
+        self.meta = {}  # value -> (shape list, torch dtype)
+
+    def input(self, node, val):
+        shape = list(val.shape)
+        arr = (ctypes_int64 * max(1, len(shape)))(*shape)
+        out = _lib.ctypes.c_int()
+        _lib.check(self.ctx, _lib.lib.epj_graph_input(
+            self.ctx, self.g, DTYPES[val.dtype], len(shape), arr,
+            _lib.ctypes.byref(out)), "graph input %s" % node.name)
+        self.env[node] = out.value
+        self.meta[out.value] = (shape, val.dtype)
+        return out.value
+
+    def op(self, name, ins, ints=(), floats=(), n_out=1, metas=None):
+        """Appends op `name`; metas: [(shape, dtype)] of its outputs."""
+        ci = (_lib.ctypes.c_int * max(1, len(ins)))(*ins)
+        cl = (ctypes_int64 * max(1, len(ints)))(*[int(i) for i in ints])
+        cf = (_lib.ctypes.c_double * max(1, len(floats)))(
+            *[float(f) for f in floats])
+        out = _lib.ctypes.c_int()
+        _lib.check(self.ctx, _lib.lib.epj_graph_node(
+            self.ctx, self.g, name.encode(), ci, len(ins), cl, len(ints), cf,
+            len(floats), n_out, _lib.ctypes.byref(out)), "graph node %s" % name)
+        vals = list(range(out.value, out.value + n_out))
+        for v, m in zip(vals, metas or []):
+            self.meta[v] = m
+        return vals[0] if n_out == 1 else tuple(vals)
+
+    def arg(self, x):
+        return self.env[x]
+
+    def shape(self, v):
+        return self.meta[v][0]
+
+    def dtype(self, v):
+        return self.meta[v][1]
+
+    def cast(self, v, dtype):
+        if self.dtype(v) == dtype:
+            return v
+        return self.op("cast", [v], [DTYPES[dtype]],
+                       metas=[(self.shape(v), dtype)])
+
+
+ctypes_int64 = _lib.ctypes.c_int64
+
+
+def _out_meta(node):
+    v = _val(node)
+    return (list(v.shape), v.dtype)
+
+
+# ---- rules ----------------------------------------------------------------
+
+RULES = {}
+CHECKS = {}
+
+
+def rule(*targets, check=None):
+    def deco(fn):
+        for t in targets:
+            RULES[t] = fn
+            if check:
+                CHECKS[t] = check
+        return fn
+    return deco
+
+
+def _is_tensor_arg(x):
+    return isinstance(x, torch.fx.Node)
+
+
+def _pointwise_in(L, node, x, dtype):
+    """x as a value of dtype (a tensor argument, cast when needed)."""
+    return L.cast(L.arg(x), dtype)
+
+
+_BINARY = {
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul",
+    aten.div.Tensor: "div", aten.add.Scalar: "add", aten.sub.Scalar: "sub",
+    aten.mul.Scalar: "mul", aten.div.Scalar: "div",
+}
+
+
+def _binary_check(node):
+    if node.kwargs.get("rounding_mode") is not None:
+        return "rounding_mode"
+    a, b = node.args[0], node.args[1]
+    if not _is_tensor_arg(a):
+        return "scalar first operand"
+    if not (_is_tensor_arg(b) or isinstance(b, (int, float))):
+        return "operand of type %s" % type(b).__name__
+    if _val(node).dtype not in FLOATS:
+        return "integer arithmetic"
+    return None
+
+
+@rule(*_BINARY, check=_binary_check)
+def _binary(L, node):
+    name = _BINARY[node.target]
+    m = _out_meta(node)
+    dt = m[1]
+    a = _pointwise_in(L, node, node.args[0], dt)
+    b = node.args[1]
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2
+                            else 1)
+    if not _is_tensor_arg(b):
+        s = float(b) * float(alpha)
+        if name == "add":
+            return L.op("add_scalar", [a], floats=[s], metas=[m])
+        if name == "sub":
+            return L.op("add_scalar", [a], floats=[-s], metas=[m])
+        if name == "mul":
+            return L.op("mul_scalar", [a], floats=[s], metas=[m])
+        return L.op("mul_scalar", [a], floats=[1.0 / s], metas=[m])
+    bv = _pointwise_in(L, node, b, dt)
+    if alpha != 1:
+        bv = L.op("mul_scalar", [bv], floats=[float(alpha)],
+                  metas=[(L.shape(bv), dt)])
+    return L.op(name, [a, bv], metas=[m])
+
+
+_UNARY = {
+    aten.neg.default: "neg", aten.exp.default: "exp",
+    aten.log.default: "log", aten.sqrt.default: "sqrt",
+    aten.rsqrt.default: "rsqrt", aten.silu.default: "silu",
+    aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
+    aten.gelu.default: "gelu",
+}
+
+
+def _unary_check(node):
+    if node.kwargs.get("approximate", "none") != "none":
+        return "gelu approximate=%s" % node.kwargs["approximate"]
+    if _val(node).dtype not in FLOATS:
+        return "integer input"
+    return None
+
+
+@rule(*_UNARY, check=_unary_check)
+def _unary(L, node):
+    m = _out_meta(node)
+    a = _pointwise_in(L, node, node.args[0], m[1])
+    return L.op(_UNARY[node.target], [a], metas=[m])
+
+
+def _pow_check(node):
+    if not isinstance(node.args[1], (int, float)):
+        return "tensor exponent"
+    return None if _val(node).dtype in FLOATS else "integer input"
+
+
+@rule(aten.pow.Tensor_Scalar, check=_pow_check)
+def _pow(L, node):
+    m = _out_meta(node)
+    a = _pointwise_in(L, node, node.args[0], m[1])
+    e = float(node.args[1])
+    if e == 1.0:
+        return a
+    if e == 2.0:
+        return L.op("mul", [a, a], metas=[m])
+    return L.op("pow_scalar", [a], floats=[e], metas=[m])
+
+
+@rule(aten.silu_backward.default, aten.gelu_backward.default,
+      check=_unary_check)
+def _act_backward(L, node):
+    m = _out_meta(node)
+    g = _pointwise_in(L, node, node.args[0], m[1])
+    x = _pointwise_in(L, node, node.args[1], m[1])
+    name = ("silu_backward" if node.target == aten.silu_backward.default
+            else "gelu_backward")
+    return L.op(name, [g, x], metas=[m])
+
+
+@rule(aten.sigmoid_backward.default, aten.tanh_backward.default)
+def _sat_backward(L, node):
+    m = _out_meta(node)
+    g = _pointwise_in(L, node, node.args[0], m[1])
+    y = _pointwise_in(L, node, node.args[1], m[1])
+    if node.target == aten.sigmoid_backward.default:
+        ny = L.op("neg", [y], metas=[(L.shape(y), m[1])])
+        one_m = L.op("add_scalar", [ny], floats=[1.0],
+                     metas=[(L.shape(y), m[1])])
+        d = L.op("mul", [y, one_m], metas=[(L.shape(y), m[1])])
+    else:
+        yy = L.op("mul", [y, y], metas=[(L.shape(y), m[1])])
+        ny = L.op("neg", [yy], metas=[(L.shape(y), m[1])])
+        d = L.op("add_scalar", [ny], floats=[1.0],
+                 metas=[(L.shape(y), m[1])])
+    return L.op("mul", [g, d], metas=[m])
+
+
+def _reduce_dims(node):
+    nd = len(_shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(nd))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({_norm_dim(d, nd) for d in dims}, reverse=True)
+
+
+def _keepdim(node):
+    if len(node.args) > 2:
+        return bool(node.args[2])
+    return bool(node.kwargs.get("keepdim", False))
+
+
+def _reduce_check(node):
+    if _val(node).dtype not in FLOATS:
+        return "integer reduction"
+    if len(_shape(node.args[0])) == 0:
+        return "reduction of a scalar"
+    return None
+
+
+@rule(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
+      check=_reduce_check)
+def _reduce(L, node):
+    name = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean",
+            aten.amax.default: "amax"}[node.target]
+    m = _out_meta(node)
+    v = _pointwise_in(L, node, node.args[0], m[1])
+    keep = _keepdim(node)
+    shape = list(L.shape(v))
+    for d in _reduce_dims(node):
+        if keep:
+            shape[d] = 1
+        else:
+            del shape[d]
+        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), m[1])])
+    return v
+
+
+@rule(aten.sum.default, check=_reduce_check)
+def _sum_all(L, node):
+    m = _out_meta(node)
+    v = _pointwise_in(L, node, node.args[0], m[1])
+    return L.op("sum_all", [v], metas=[m])
+
+
+def _softmax_check(node):
+    if len(node.args) > 2 and node.args[2]:
+        return "half_to_float"
+    return _reduce_check(node)
+
+
+@rule(aten._softmax.default, aten._log_softmax.default,
+      check=_softmax_check)
+def _softmax(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    d = _norm_dim(node.args[1], len(L.shape(v)))
+    name = ("softmax" if node.target == aten._softmax.default
+            else "log_softmax")
+    return L.op(name, [v], [d], metas=[m])
+
+
+@rule(aten._softmax_backward_data.default,
+      aten._log_softmax_backward_data.default)
+def _softmax_backward(L, node):
+    m = _out_meta(node)
+    g = _pointwise_in(L, node, node.args[0], m[1])
+    y = _pointwise_in(L, node, node.args[1], m[1])
+    shape = L.shape(g)
+    d = _norm_dim(node.args[2], len(shape))
+    red = list(shape)
+    red[d] = 1
+    full = (list(shape), m[1])
+    if node.target == aten._softmax_backward_data.default:
+        gy = L.op("mul", [g, y], metas=[full])
+        s = L.op("sum", [gy], [d, 1], metas=[(red, m[1])])
+        diff = L.op("sub", [g, s], metas=[full])
+        return L.op("mul", [y, diff], metas=[m])
+    s = L.op("sum", [g], [d, 1], metas=[(red, m[1])])
+    e = L.op("exp", [y], metas=[full])
+    es = L.op("mul", [e, s], metas=[full])
+    return L.op("sub", [g, es], metas=[m])
+
+
+# ---- linear algebra ------------------------------------------------------
+
+
+@rule(aten.mm.default, aten.bmm.default)
+def _mm(L, node):
+    m = _out_meta(node)
+    a = _pointwise_in(L, node, node.args[0], m[1])
+    b = _pointwise_in(L, node, node.args[1], m[1])
+    return L.op("matmul", [a, b], metas=[m])
+
+
+def _addmm_check(node):
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return "addmm with beta or alpha"
+    return None
+
+
+@rule(aten.addmm.default, check=_addmm_check)
+def _addmm(L, node):
+    m = _out_meta(node)
+    bias = _pointwise_in(L, node, node.args[0], m[1])
+    a = _pointwise_in(L, node, node.args[1], m[1])
+    b = _pointwise_in(L, node, node.args[2], m[1])
+    p = L.op("matmul", [a, b], metas=[m])
+    return L.op("add", [p, bias], metas=[m])
+
+
+# ---- shape and movement -----------------------------------------------------
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+      aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+      aten.squeeze.default)
+def _reshape(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    if L.shape(v) == m[0]:
+        return v
+    return L.op("reshape", [v], m[0], metas=[m])
+
+
+@rule(aten.permute.default)
+def _permute(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    nd = len(L.shape(v))
+    perm = [_norm_dim(d, nd) for d in node.args[1]]
+    if perm == list(range(nd)):
+        return v
+    return L.op("permute", [v], perm, metas=[m])
+
+
+@rule(aten.transpose.int, aten.t.default)
+def _transpose(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    nd = len(L.shape(v))
+    if node.target == aten.t.default:
+        if nd < 2:
+            return v
+        d0, d1 = 0, 1
+    else:
+        d0 = _norm_dim(node.args[1], nd)
+        d1 = _norm_dim(node.args[2], nd)
+    if d0 == d1:
+        return v
+    return L.op("transpose", [v], [d0, d1], metas=[m])
+
+
+@rule(aten.expand.default)
+def _expand(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    if L.shape(v) == m[0]:
+        return v
+    return L.op("expand", [v], m[0], metas=[m])
+
+
+def _clone_check(node):
+    mf = node.kwargs.get("memory_format")
+    if mf not in (None, torch.contiguous_format, torch.preserve_format):
+        return "memory_format %s" % mf
+    return None
+
+
+@rule(aten.clone.default, check=_clone_check)
+def _clone(L, node):
+    return L.op("contiguous", [L.arg(node.args[0])], metas=[_out_meta(node)])
+
+
+@rule(aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default)
+def _alias(L, node):
+    return L.arg(node.args[0])
+
+
+def _slice_args(node, size):
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else None
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return dim, start, end, step
+
+
+def _slice_check(node):
+    step = node.args[4] if len(node.args) > 4 else 1
+    return None if isinstance(step, int) and step >= 1 else "slice step"
+
+
+@rule(aten.slice.Tensor, check=_slice_check)
+def _slice(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = L.shape(v)
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    _, start, end, step = _slice_args(node, shape[d])
+    if start == 0 and end == shape[d] and step == 1:
+        return v
+    return L.op("slice", [v], [d, start, end, step], metas=[m])
+
+
+@rule(aten.slice_backward.default)
+def _slice_backward(L, node):
+    m = _out_meta(node)
+    g = L.arg(node.args[0])
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    size = in_shape[d]
+    start, end, step = node.args[3], node.args[4], node.args[5]
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return L.op("slice_backward", [g], [d, start, end, step] + in_shape,
+                metas=[m])
+
+
+def _cat_check(node):
+    xs = [x for x in node.args[0]
+          if not (_val(x).ndim == 1 and _val(x).shape[0] == 0)]
+    if len(xs) > 60:
+        return "cat of %d tensors" % len(xs)
+    return None if xs else "cat of empty tensors"
+
+
+@rule(aten.cat.default, check=_cat_check)
+def _cat(L, node):
+    m = _out_meta(node)
+    # torch.cat skips legacy empty 1-D tensors
+    xs = [x for x in node.args[0]
+          if not (_val(x).ndim == 1 and _val(x).shape[0] == 0)]
+    if len(xs) == 1 and _shape(xs[0]) == m[0]:
+        return L.cast(L.arg(xs[0]), m[1])
+    ins = [_pointwise_in(L, node, x, m[1]) for x in xs]
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(m[0]))
+    return L.op("cat", ins, [d], metas=[m])
+
+
+def _to_copy_check(node):
+    for k in ("layout", "device"):
+        v = node.kwargs.get(k)
+        if v is not None and k == "device" and torch.device(v).type != "cpu":
+            return "copy to %s" % v
+    if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
+                                                torch.contiguous_format):
+        return "memory_format"
+    return None
+
+
+@rule(aten._to_copy.default, check=_to_copy_check)
+def _to_copy(L, node):
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    if L.dtype(v) == m[1]:
+        return L.op("contiguous", [v], metas=[m])
+    return L.op("cast", [v], [DTYPES[m[1]]], metas=[m])
+
+
+# ---- indexing ----------------------------------------------------------------
+
+
+def _embedding_check(node):
+    pad = node.args[2] if len(node.args) > 2 else -1
+    return None if pad == -1 else "padding_idx"
+
+
+@rule(aten.embedding.default, check=_embedding_check)
+def _embedding(L, node):
+    return L.op("embedding", [L.arg(node.args[0]), L.arg(node.args[1])],
+                metas=[_out_meta(node)])
+
+
+def _embedding_bw_check(node):
+    pad = node.args[3] if len(node.args) > 3 else -1
+    scale = node.args[4] if len(node.args) > 4 else False
+    return None if pad == -1 and not scale else "padding_idx or scale_grad"
+
+
+@rule(aten.embedding_dense_backward.default, check=_embedding_bw_check)
+def _embedding_backward(L, node):
+    return L.op("embedding_backward",
+                [L.arg(node.args[0]), L.arg(node.args[1])],
+                [int(node.args[2])], metas=[_out_meta(node)])
+
+
+# ---- attention ----------------------------------------------------------------
+
+
+def _sdpa_check(node):
+    dropout = node.args[3] if len(node.args) > 3 else 0.0
+    mask = node.kwargs.get("attn_mask")
+    if dropout:
+        return "dropout"
+    if mask is not None:
+        return "attn_mask"
+    q, k = _val(node.args[0]), _val(node.args[1])
+    if q.ndim != 4 or k.ndim != 4 or q.shape[1] % k.shape[1]:
+        return "sdpa shapes"
+    return None
+
+
+def _scale(node, default_pos):
+    s = node.kwargs.get("scale")
+    if s is None and len(node.args) > default_pos:
+        s = node.args[default_pos]
+    return 0.0 if s is None else float(s)
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu.default,
+      check=_sdpa_check)
+def _sdpa(L, node):
+    outs = _val(node)
+    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get(
+        "is_causal", False)
+    ins = [L.arg(x) for x in node.args[:3]]
+    return L.op("sdpa", ins, [int(bool(causal))], [_scale(node, 99)],
+                n_out=2, metas=[(list(o.shape), o.dtype) for o in outs])
+
+
+def _sdpa_bw_check(node):
+    dropout = node.args[6] if len(node.args) > 6 else 0.0
+    if dropout:
+        return "dropout"
+    if node.kwargs.get("attn_mask") is not None:
+        return "attn_mask"
+    return None
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+      check=_sdpa_bw_check)
+def _sdpa_backward(L, node):
+    outs = _val(node)
+    causal = node.args[7] if len(node.args) > 7 else node.kwargs.get(
+        "is_causal", False)
+    ins = [L.arg(x) for x in node.args[:6]]
+    return L.op("sdpa_backward", ins, [int(bool(causal))],
+                [_scale(node, 99)], n_out=3,
+                metas=[(list(o.shape), o.dtype) for o in outs])
+
+
+# ---- creation -----------------------------------------------------------------
+
+
+def _full_check(node):
+    v = node.args[1]
+    return None if isinstance(v, (int, float)) else "fill value"
+
+
+@rule(aten.full.default, check=_full_check)
+def _full(L, node):
+    m = _out_meta(node)
+    return L.op("full", [], [DTYPES[m[1]]] + m[0], [float(node.args[1])],
+                metas=[m])
+
+
+_FILL = {
+    aten.zeros_like.default: 0.0, aten.ones_like.default: 1.0,
+    aten.empty_like.default: 0.0, aten.new_zeros.default: 0.0,
+    aten.new_ones.default: 1.0, aten.new_empty.default: 0.0,
+    aten.new_empty_strided.default: 0.0, aten.full_like.default: None,
+    aten.zeros.default: 0.0, aten.ones.default: 1.0,
+    aten.empty.memory_format: 0.0, aten.empty_strided.default: 0.0,
+}
+
+
+def _fill_check(node):
+    if node.target == aten.full_like.default and not isinstance(
+            node.args[1], (int, float)):
+        return "fill value"
+    return None
+
+
+@rule(*_FILL, check=_fill_check)
+def _fill(L, node):
+    """A new tensor of the node's meta filled with a constant (the contents
+    of the empty ones are undefined: zeros)."""
+    m = _out_meta(node)
+    v = _FILL[node.target]
+    if v is None:
+        v = node.args[1]
+    return L.op("full", [], [DTYPES[m[1]]] + m[0], [float(v)], metas=[m])
+
+
+def _split_check(node):
+    return None if _val(node.args[0]).ndim > 0 else "split of a scalar"
+
+
+@rule(aten.split_with_sizes.default, aten.split.Tensor, check=_split_check)
+def _split(L, node):
+    v = L.arg(node.args[0])
+    shape = L.shape(v)
+    d = _norm_dim(node.args[2] if len(node.args) > 2 else
+                  node.kwargs.get("dim", 0), len(shape))
+    outs, start = [], 0
+    for o in _val(node):
+        n = o.shape[d]
+        if start == 0 and n == shape[d]:
+            outs.append(v)
+        else:
+            outs.append(L.op("slice", [v], [d, start, start + n, 1],
+                             metas=[(list(o.shape), o.dtype)]))
+        start += n
+    return tuple(outs)
+
+
+def _copy_check(node):
+    a, b = _val(node.args[0]), _val(node.args[1])
+    if a.ndim < b.ndim:
+        return "copy from a higher rank"
+    return None
+
+
+@rule(aten.copy.default, check=_copy_check)
+def _copy(L, node):
+    """Functional copy_: src in dst's dtype, broadcast to dst's shape."""
+    m = _out_meta(node)
+    src = L.cast(L.arg(node.args[1]), m[1])
+    shape = L.shape(src)
+    if shape == m[0]:
+        return L.op("contiguous", [src], metas=[m])
+    if len(shape) < len(m[0]):
+        shape = [1] * (len(m[0]) - len(shape)) + shape
+        src = L.op("reshape", [src], shape, metas=[(shape, m[1])])
+    return L.op("contiguous", [L.op("expand", [src], m[0], metas=[m])],
+                metas=[m])
+
+
+def _slice_scatter_check(node):
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    return None if step == 1 else "slice_scatter step"
+
+
+@rule(aten.slice_scatter.default, check=_slice_scatter_check)
+def _slice_scatter(L, node):
+    """base with src at [start, end) along dim: a cat of base's pieces
+    around src."""
+    m = _out_meta(node)
+    base = L.arg(node.args[0])
+    src = L.cast(L.arg(node.args[1]), m[1])
+    shape = L.shape(base)
+    d = _norm_dim(node.args[2] if len(node.args) > 2 else
+                  node.kwargs.get("dim", 0), len(shape))
+    size = shape[d]
+    start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
+    end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    parts = []
+    for a, b in ((0, start), (None, None), (end, size)):
+        if a is None:
+            parts.append(src)
+        elif b > a:
+            ps = list(shape)
+            ps[d] = b - a
+            parts.append(L.op("slice", [base], [d, a, b, 1],
+                              metas=[(ps, m[1])]))
+    if len(parts) == 1:
+        return L.op("contiguous", [src], metas=[m])
+    return L.op("cat", parts, [d], metas=[m])
+
+
+@rule(aten.select.int)
+def _select(L, node):
+    """x[..., index, ...]: a slice of one, reshaped to drop the dim."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    d = _norm_dim(node.args[1], len(shape))
+    i = node.args[2] + shape[d] if node.args[2] < 0 else node.args[2]
+    one = list(shape)
+    one[d] = 1
+    s = L.op("slice", [v], [d, i, i + 1, 1], metas=[(one, m[1])])
+    return L.op("reshape", [s], m[0], metas=[m])
+
+
+@rule(aten.select_backward.default)
+def _select_backward(L, node):
+    """The gradient of select: grad placed at index, zeros elsewhere."""
+    m = _out_meta(node)
+    g = L.arg(node.args[0])
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    i = node.args[3] + in_shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(in_shape)
+    one[d] = 1
+    g1 = L.op("reshape", [g], one, metas=[(one, m[1])])
+    return L.op("slice_backward", [g1], [d, i, i + 1, 1] + in_shape,
+                metas=[m])
+
+
+@rule(aten.select_scatter.default)
+def _select_scatter(L, node):
+    """base with src at index along dim: a cat around src as a slab of
+    one."""
+    m = _out_meta(node)
+    base = L.arg(node.args[0])
+    shape = list(L.shape(base))
+    d = _norm_dim(node.args[2], len(shape))
+    i = node.args[3] + shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(shape)
+    one[d] = 1
+    src = L.cast(L.arg(node.args[1]), m[1])
+    parts = []
+    if i > 0:
+        ps = list(shape)
+        ps[d] = i
+        parts.append(L.op("slice", [base], [d, 0, i, 1], metas=[(ps, m[1])]))
+    parts.append(L.op("reshape", [src], one, metas=[(one, m[1])]))
+    if i + 1 < shape[d]:
+        ps = list(shape)
+        ps[d] = shape[d] - i - 1
+        parts.append(L.op("slice", [base], [d, i + 1, shape[d], 1],
+                          metas=[(ps, m[1])]))
+    if len(parts) == 1:
+        return L.op("contiguous", [parts[0]], metas=[m])
+    return L.op("cat", parts, [d], metas=[m])
+
+
+def _pad_check(node):
+    value = node.args[2] if len(node.args) > 2 else 0
+    if value != 0:
+        return "pad with a value"
+    if _val(node).dtype not in FLOATS:
+        return "integer pad"
+    return None
+
+
+@rule(aten.constant_pad_nd.default, check=_pad_check)
+def _pad(L, node):
+    """Zero padding (pad pairs run from the last dim backwards): a slice
+    where a pad is negative (a crop), then a slice_backward that places the
+    result among zeros."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    pad = list(node.args[1])
+    shape = list(L.shape(v))
+    for k in range(len(pad) // 2):
+        lo, hi = pad[2 * k], pad[2 * k + 1]
+        d = len(shape) - 1 - k
+        if lo < 0 or hi < 0:
+            a, b = max(-lo, 0), shape[d] - max(-hi, 0)
+            new = list(shape)
+            new[d] = b - a
+            v = L.op("slice", [v], [d, a, b, 1], metas=[(new, m[1])])
+            shape = new
+            lo, hi = max(lo, 0), max(hi, 0)
+        if lo == 0 and hi == 0:
+            continue
+        new = list(shape)
+        new[d] = shape[d] + lo + hi
+        v = L.op("slice_backward", [v], [d, lo, lo + shape[d], 1] + new,
+                 metas=[(new, m[1])])
+        shape = new
+    return v
+
+
+def lower_node(L, node):
+    """Lowers node into L; records its value(s) in L.env."""
+    if node.target is operator.getitem:
+        L.env[node] = L.env[node.args[0]][node.args[1]]
+        return
+    L.env[node] = RULES[node.target](L, node)

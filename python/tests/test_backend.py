@@ -1,0 +1,189 @@
+"""The epjit Dynamo backend against eager torch: outputs, losses and every
+gradient (f32 to 1e-5 relative), and the counters that show epjit ran."""
+
+import os
+
+import pytest
+import torch
+
+import epjit
+from backend_util import fresh, rel_err  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("fresh")
+
+TOL = 1e-5
+
+
+def run(model, inputs, loss_fn):
+    """Output, loss and gradients of params and inputs (cloned)."""
+    for p in model.parameters():
+        p.grad = None
+    xs = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = model(*xs)
+    loss = loss_fn(out)
+    loss.backward()
+    grads = {n.replace("_orig_mod.", ""): p.grad.clone()
+             for n, p in model.named_parameters()
+             if p.grad is not None}
+    for i, x in enumerate(xs):
+        if x.grad is not None:
+            grads["input%d" % i] = x.grad.clone()
+    return out.detach(), loss.detach(), grads
+
+
+def compare(model, inputs, loss_fn, compiled):
+    ref = run(model, inputs, loss_fn)
+    got = run(compiled, inputs, loss_fn)
+    assert rel_err(got[0], ref[0]) <= TOL, "output"
+    assert rel_err(got[1], ref[1]) <= TOL, "loss"
+    assert set(got[2]) == set(ref[2])
+    assert len(ref[2]) > 0
+    for name in ref[2]:
+        assert rel_err(got[2][name], ref[2][name]) <= TOL, name
+    return ref, got
+
+
+def test_registered_backend():
+    assert "epjit" in torch._dynamo.list_backends()
+    assert callable(epjit.backend)
+
+
+def test_mlp_matches_eager_and_runs_kernels():
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(),
+                            torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                            torch.nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    compare(m, [x], lambda y: (y * y).mean(),
+            torch.compile(m, backend="epjit"))
+    c = epjit.counters()
+    assert c["graphs"] >= 2  # forward and backward
+    assert c["kernels"] > 0
+    assert c["unique_graphs"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+def test_backend_callable_and_softmax():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(12, 10)
+
+        def forward(self, x):
+            h = torch.softmax(self.lin(x), dim=-1)
+            return torch.log_softmax(h * 3.0 - 1.0, dim=-1).sum(dim=0)
+
+    m = M()
+    compare(m, [torch.randn(5, 12)], lambda y: (y * torch.arange(10.)).sum(),
+            torch.compile(m, backend=epjit.backend))
+    assert epjit.counters()["kernels"] > 0
+
+
+def test_unsupported_op_falls_back_and_is_counted():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.b(torch.cumsum(torch.relu(self.a(x)), dim=-1))
+
+    m = M()
+    compare(m, [torch.randn(3, 8)], lambda y: y.square().sum(),
+            torch.compile(m, backend="epjit"))
+    c = epjit.counters()
+    # forward and backward (the gradient of cumsum is a cumsum)
+    assert c["fallback"]["aten.cumsum.default"] == {"no rule": 2}, c
+    assert c["fallback_nodes"] >= 1
+    assert c["kernels"] > 0
+
+
+def test_reset_zeroes_counters():
+    m = torch.nn.Linear(4, 4)
+    torch.compile(m, backend="epjit")(torch.randn(2, 4)).sum().backward()
+    assert epjit.counters()["kernels"] > 0
+    epjit.reset()
+    c = epjit.counters()
+    assert c["kernels"] == 0 and c["graphs"] == 0 and c["fallback"] == {}
+
+
+def test_debug_dump(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPJIT_DEBUG_DUMP", str(tmp_path))
+    m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU())
+    torch.compile(m, backend="epjit")(torch.randn(2, 4)).sum().backward()
+    epjit.dump()
+    names = os.listdir(tmp_path)
+    assert "counters.json" in names and "torch_counters.json" in names
+    assert "graphs.jsonl" in names, names
+
+
+def test_graph_epjit_cannot_compile_runs_in_torch(monkeypatch):
+    """A partition whose lowering the library rejects runs in torch, with a
+    warning, its nodes counted with the reason."""
+    import epjit.lower as lower
+
+    def bad(L, node):
+        return L.op("no_such_op", [L.arg(node.args[0])])
+
+    monkeypatch.setitem(lower.RULES, torch.ops.aten.silu.default, bad)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.SiLU())
+    with pytest.warns(UserWarning, match="no_such_op"):
+        compare(m, [torch.randn(3, 6)], lambda y: y.square().sum(),
+                torch.compile(m, backend="epjit"))
+    fb = epjit.counters()["fallback"]
+    assert fb["aten.silu.default"] == {"epjit compile failed": 1}, fb
+
+
+def test_indexing_and_scatter_lowered():
+    """select, pad, split and the scatters functionalisation makes of
+    in-place writes compile, forward and backward, with nothing left to
+    torch."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)  # [4, 6, 8]
+            a = h[:, 2]
+            b = torch.nn.functional.pad(a, (1, 2))
+            p, q = torch.split(h, [2, 4], dim=1)
+            y = h.clone()
+            y[:, 1] = a * 2
+            y[:, 2:4] = p * 3
+            return b.sum(dim=-1) + (y * h).sum(dim=(1, 2)) + q.mean(dim=(1, 2))
+
+    m = M()
+    compare(m, [torch.randn(4, 6, 8)], lambda y: (y * y).sum(),
+            torch.compile(m, backend="epjit"))
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+def test_threads_share_the_context():
+    """Compiled graphs called from several threads (one context serves the
+    process) give eager's results."""
+    import threading
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU(),
+                            torch.nn.Linear(16, 16))
+    cm = torch.compile(m, backend="epjit")
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        ref = m(x)
+        cm(x)
+    bad = []
+
+    def work():
+        with torch.no_grad():
+            for _ in range(50):
+                if rel_err(cm(x), ref) > 1e-5:
+                    bad.append(1)
+
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
+    assert epjit.counters()["kernels"] > 0
