@@ -89,9 +89,11 @@ class K:
     """One kernel launch (or a library call) at one shape."""
 
     def __init__(self, name, sym, unit, kind, flops, bytes_min, bytes_moved,
-                 grid, threads, width=16, smem=0, calls=1):
+                 grid, threads, width=16, smem=0, calls=1, flops_min=None):
         self.__dict__.update(locals())
         del self.__dict__["self"]
+        if flops_min is None:
+            self.flops_min = flops
 
     def time(self, facts):
         regs = stack = None
@@ -110,7 +112,7 @@ class K:
             tc = self.flops / (TC_PEAK * EFF[self.kind])
         tm = self.bytes_moved / (HBM * EFF_MEM[self.width])
         t = max(tc, tm) / max(fill, 1e-3) + LAUNCH_S
-        roof = max(self.flops / TC_PEAK, self.bytes_min / HBM)
+        roof = max(self.flops_min / TC_PEAK, self.bytes_min / HBM)
         return t * self.calls, roof * self.calls, regs, stack, bps
 
     def row(self, facts):
@@ -137,36 +139,54 @@ def gemm(name, m, n, k, calls=1):
 
 
 def attention(tag, B, Hq, Hkv, T, D, Dv, tc):
-    """Causal flash attention, forward and backward (dq, dk/dv)."""
+    """Causal flash attention, forward and backward, as kernels/
+    tmpl_attention.c launches it (bench/RESULTS.md, the attention kernels
+    at sm_90: shared memory and grids)."""
     work = B * Hq * T * T / 2  # causal: half the score matrix
-    # forward: S = Q K^T (D) and P V (Dv); backward dq: S again, dP = dO
-    # V^T (Dv), dS K (D); dk/dv: S again, P^T dO (Dv), dP (Dv), dS^T Q (D)
+    # forward: S = Q K^T (D) and P V (Dv).  dq: S again, dP = dO V^T (Dv),
+    # dS K (D).  dk/dv in two passes of one accumulator each: dv (S, P^T
+    # dO) and dk (S, dP, dS^T Q).
     f_fwd = 2.0 * work * (D + Dv)
     f_dq = 2.0 * work * (2 * D + Dv)
-    f_dkdv = 2.0 * work * (2 * D + 2 * Dv)
+    f_dv = 2.0 * work * (D + Dv)
+    f_dk = 2.0 * work * (2 * D + Dv)
     io = 2 * (B * Hq * T * D + B * Hkv * T * (D + Dv) + B * Hq * T * Dv)
-    unit = "attention bf16 hd<=128" if D <= 128 else None
+    unit = "attention bf16 hd<=%d" % (32 * math.ceil(max(D, Dv) / 32))
     rows = []
     if tc:
-        bm = 64  # ASSUME (kernels/tmpl_attention.c): 64 queries a block
-        g = B * Hq * math.ceil(T / bm)
+        g = B * Hq * math.ceil(T / 64)  # 64 queries (or keys) a block
+        sm_f = (51 if D <= 128 else 46) * 1024
+        sm_b = (68 if D <= 128 else 63) * 1024
         rows.append(K("attention fwd " + tag, "ej_attn_fwd_tc", unit,
-                      "mma_fwd", f_fwd, io, io, g, 128, smem=48 * 1024))
+                      "mma_fwd", f_fwd, io, io, g, 128, smem=sm_f))
         rows.append(K("attention bwd dq " + tag, "ej_attn_bwd_dq_tc", unit,
-                      "mma_bwd", f_dq, io, 2 * io, g, 128,
-                      smem=64 * 1024))
-        rows.append(K("attention bwd dk/dv " + tag, "ej_attn_bwd_dkdv_tc",
-                      unit, "mma_bwd", f_dkdv, io, 2 * io, g, 128,
-                      smem=64 * 1024))
+                      "mma_bwd", f_dq, io, 2 * io, g, 128, smem=sm_b))
+        # the minimum backward is 3 D + 2 Dv (S once, dV, dP, dQ, dK): the
+        # dq kernel's own, dV's and dK's products; the passes' recomputed S
+        # count against the kernels, not the roofline
+        rows.append(K("attention bwd dv pass " + tag, "ej_attn_bwd_dkdv_tc",
+                      unit, "mma_bwd", f_dv, io, 2 * io, g, 128,
+                      smem=sm_b, flops_min=2.0 * work * Dv))
+        rows.append(K("attention bwd dk pass " + tag, "ej_attn_bwd_dkdv_tc",
+                      unit, "mma_bwd", f_dk, io, 2 * io, g, 128,
+                      smem=sm_b, flops_min=2.0 * work * D))
+        if Hq > Hkv:  # f32 partials per query head, summed in head order
+            part = 4 * B * Hq * T * (D + Dv)
+            rows.append(K("attention bwd kv sum " + tag,
+                          "ej_attn_bwd_kv_sum", unit, "mem", 0,
+                          2 * B * Hkv * T * (D + Dv), 2 * part,
+                          B * Hkv * T, 128, width=4))
     else:
         g = B * Hq * math.ceil(T / 16)
+        unit = "attention bf16 hd<=128"
         rows.append(K("attention fwd (FMA) " + tag, "ej_attn_fwd", unit,
                       "fma", f_fwd, io, io, g, 128))
         rows.append(K("attention bwd dq (FMA) " + tag, "ej_attn_bwd_dq",
                       unit, "fma", f_dq, io, 2 * io, g, 128))
         rows.append(K("attention bwd dk/dv (FMA) " + tag,
-                      "ej_attn_bwd_dkdv", unit, "fma", f_dkdv, io,
-                      2 * io, B * Hkv * math.ceil(T / 16), 128))
+                      "ej_attn_bwd_dkdv", unit, "fma", 2.0 * work * (
+                          2 * D + 2 * Dv), io, 2 * io,
+                      B * Hkv * math.ceil(T / 16), 128))
     return rows
 
 
@@ -250,6 +270,8 @@ def table(rows, facts, title):
     print("\n### " + title + "\n")
     print("| kernel | symbol | regs | stack | blocks/SM | grid | GFLOP | "
           "MB moved / min | est. ms | roofline ms |")
+    # GFLOP: what the kernel computes (recomputation included); roofline:
+    # the minimum FLOPs at peak or the minimum bytes at full bandwidth
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     t_sum = r_sum = 0.0
     for r in rows:
