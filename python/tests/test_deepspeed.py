@@ -270,10 +270,11 @@ def check_rank(result, backend):
         assert e0 is not None and e1 is not None
         # Regions compiled by epjit in the first step, their kernels run in
         # every step after it, and nothing compiled again.
-        assert e0["graphs"] >= 1 and e0["unique_graphs"] >= 1, e0
+        # (forward and backward: at least two graphs).
+        assert e0["graphs"] >= 2 and e0["unique_graphs"] >= 1, e0
         assert e1["kernels"] > e0["kernels"], (e0, e1)
-        assert e1["compiles"] == e0["compiles"], (e0, e1)
-        assert e1["unique_graphs"] == e0["unique_graphs"], (e0, e1)
+        for key in ("graphs", "unique_graphs", "compiles", "cache_misses"):
+            assert e1[key] == e0[key], (key, e0, e1)
 
 
 def _need(module, why):
