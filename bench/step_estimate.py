@@ -120,7 +120,8 @@ class K:
         na = "n/a"
         return ("| %s | %s | %s | %s | %s | %s | %.2f | %.1f / %.1f | "
                 "%.3f | %.3f |" % (
-                    self.name,
+                    self.name + (" (x%d)" % self.calls
+                                 if self.calls > 1 else ""),
                     self.sym or ("(cuBLASLt)" if self.kind == "lt" else
                                  "(fused region)"),
                     na if regs is None else regs,
@@ -270,8 +271,9 @@ def table(rows, facts, title):
     print("\n### " + title + "\n")
     print("| kernel | symbol | regs | stack | blocks/SM | grid | GFLOP | "
           "MB moved / min | est. ms | roofline ms |")
-    # GFLOP: what the kernel computes (recomputation included); roofline:
-    # the minimum FLOPs at peak or the minimum bytes at full bandwidth
+    # GFLOP and MB: one call's, what the kernel computes (recomputation
+    # included); the times: all its calls; roofline: the minimum FLOPs at
+    # peak or the minimum bytes at full bandwidth, whichever binds
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     t_sum = r_sum = 0.0
     for r in rows:
