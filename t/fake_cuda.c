@@ -710,8 +710,9 @@ static CUresult run(func *f, const unsigned *g, const unsigned *b,
 				    : "unknown parameter size");
 			rc = 1;
 		} else {
-			rc = fake_exec_launch(&mod->sim, mod->src, f->name, g,
-					      b, smem, args, (size_t)kp);
+			rc = fake_exec_launch(&mod->sim, mod->src, mod->image,
+					      mod->size, f->name, g, b, smem,
+					      args, (size_t)kp);
 		}
 	}
 	guard_close();

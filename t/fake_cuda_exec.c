@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "core_impl.h"
+#include "fake_kparam.h"
 #include "kir.h"
 
 typedef const char *(*source_fn)(const void *, size_t);
@@ -199,7 +200,28 @@ static epj_ctx *exec_ctx(void)
 	return ctx;
 }
 
-int fake_exec_launch(void **sim, const char *src, const char *kernel,
+/* Drops the kernels of names/types that are not in the module's image: a
+ * __global__ the preprocessor left out (the attention template's
+ * tensor-core kernels outside its bf16 module) is in the source text but
+ * not in what NVRTC compiled, and a cuda-sim module must not name it. */
+static void keep_compiled(const unsigned char *image, size_t size, char **names,
+			  char **types, int *n)
+{
+	int k = 0;
+	for (int i = 0; i < *n; i++) {
+		if (fake_kparam_size(image, size, names[i]) < 0) {
+			free(names[i]);
+			free(types[i]);
+			continue;
+		}
+		names[k] = names[i];
+		types[k++] = types[i];
+	}
+	*n = k;
+}
+
+int fake_exec_launch(void **sim, const char *src, const void *image,
+		     size_t image_size, const char *kernel,
 		     const unsigned *grid, const unsigned *block, unsigned smem,
 		     const void *args, size_t args_size)
 {
@@ -217,6 +239,7 @@ int fake_exec_launch(void **sim, const char *src, const char *kernel,
 			free_list(types, n);
 			return 1;
 		}
+		keep_compiled(image, image_size, names, types, &n);
 		epj_status st = ej_sim_build_module(
 		    ctx, src, (const char *const *)names,
 		    (const char *const *)types, n, "fake_exec", sim);

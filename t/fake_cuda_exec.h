@@ -14,9 +14,11 @@ bool fake_exec_available(void);
 /* The CUDA C of an image NVRTC produced in this process, or NULL. */
 const char *fake_exec_source(const void *image, size_t size);
 /* Runs kernel `kernel` of the module built from src (*sim: built at the
- * first launch, kept by the caller) on cuda-sim; 0 when it ran, else 1
- * with a line on stderr. */
-int fake_exec_launch(void **sim, const char *src, const char *kernel,
+ * first launch, kept by the caller; of the kernels of src, those in the
+ * module's image[0..image_size)) on cuda-sim; 0 when it ran, else 1 with
+ * a line on stderr. */
+int fake_exec_launch(void **sim, const char *src, const void *image,
+		     size_t image_size, const char *kernel,
 		     const unsigned *grid, const unsigned *block, unsigned smem,
 		     const void *args, size_t args_size);
 void fake_exec_unload(void *sim);
