@@ -1188,7 +1188,12 @@ START_TEST(test_engine_sim)
 	 * bf16 activations and weights (a step of 2^-8 of the value), and
 	 * the steps carry those on, so elements cannot be held to f32
 	 * rounding; each parameter's update (from the common initial
-	 * weights a0) must agree to 5% in L2 instead. */
+	 * weights a0) must agree in L2 instead: to 12%, since on cuda-sim
+	 * the bf16 attention runs on the tensor-core kernels, which round P
+	 * and dS to bf16 before their products where the CPU keeps f32, and
+	 * Adam's normalised step turns the gradients' small differences into
+	 * up to ~8% of a projection's update (seed 117739811378643: 7.9%); a
+	 * wrong kernel moves updates by their own size. */
 	epj_model *m0 = NULL;
 	int64_t outliers = 0, total = 0;
 	if (_i == 1) {
@@ -1214,7 +1219,7 @@ START_TEST(test_engine_sim)
 				dn += (a[k] - b[k]) * (a[k] - b[k]);
 				un += (a[k] - w0) * (a[k] - w0);
 			}
-			ck_assert_msg(sqrt(dn) <= 0.05 * sqrt(un) + 1e-6,
+			ck_assert_msg(sqrt(dn) <= 0.12 * sqrt(un) + 1e-6,
 				      "parameter %d: updates %.3g apart in L2, "
 				      "the update is %.3g",
 				      i, sqrt(dn), sqrt(un));
