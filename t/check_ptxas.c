@@ -241,17 +241,25 @@ END_TEST
 /* ---- load and store widths of the MoE copy kernels -------------------------
  */
 
+/* The PTX of kernel fn in ptx: from its ".entry fn(" to the next entry
+ * (*end; NULL when it is the last), or NULL when ptx has no such entry. */
+static const char *ptx_entry(const char *ptx, const char *fn, const char **end)
+{
+	char head[160];
+	snprintf(head, sizeof head, ".entry %s(", fn);
+	const char *p = strstr(ptx, head);
+	*end = p ? strstr(p + 1, ".entry ") : NULL;
+	return p;
+}
+
 /* The 16-byte global loads and stores in the PTX of entry `fn` of ptx
  * (ld.global[.nc][.vN].<type><bits>, st.global likewise).  Returns false
  * when the entry is not in ptx. */
 static bool ptx_widths(const char *ptx, const char *fn, int *ld, int *st)
 {
-	char head[160];
-	snprintf(head, sizeof head, ".entry %s(", fn);
-	const char *p = strstr(ptx, head);
+	const char *end, *p = ptx_entry(ptx, fn, &end);
 	if (!p)
 		return false;
-	const char *end = strstr(p + 1, ".entry ");
 	*ld = *st = 0;
 	for (const char *q = p;
 	     (q = strstr(q, ".global.")) && (!end || q < end); q++) {
@@ -506,11 +514,8 @@ START_TEST(test_attn_tensor_cores)
 						  "ej_attn_bwd_dq_tc",
 						  "ej_attn_bwd_dkdv_tc" };
 		for (size_t k = 0; k < EJ_ARRAY_LEN(kn); k++) {
-			char entry[64];
-			snprintf(entry, sizeof entry, ".entry %s(", kn[k]);
-			const char *e = strstr(r.ptx, entry);
+			const char *next, *e = ptx_entry(r.ptx, kn[k], &next);
 			ck_assert_msg(e != NULL, "DL %d: no %s", dls[i], kn[k]);
-			const char *next = strstr(e + 1, ".entry ");
 			int mma = count_in(
 			    e, next,
 			    "mma.sync.aligned.m16n8k16.row.col.f32.bf16");
