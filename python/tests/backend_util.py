@@ -1,5 +1,5 @@
-"""Shared by the backend tests: a fresh Dynamo and epjit per test, and
-the relative error the tests compare with."""
+"""Shared by the backend tests: a fresh Dynamo and epjit per test, the
+relative error the tests compare with, and the MoE models' helpers."""
 
 import pytest
 import torch
@@ -22,3 +22,26 @@ def rel_err(a, b):
     d = (a.detach().double() - b.detach().double()).abs().max().item()
     m = b.detach().double().abs().max().item()
     return d / m if m > 0 else d
+
+
+def disable_moe_blocks(model, block_name):
+    """Puts every module of class block_name under torch.compiler.disable
+    (the MoE blocks stay eager, as DeepSpeed's AutoEP layers do); returns
+    how many there were."""
+    n = 0
+    for mod in model.modules():
+        if type(mod).__name__ == block_name:
+            mod.forward = torch.compiler.disable(mod.forward)
+            n += 1
+    return n
+
+
+def lm_step(model, m, ids):
+    """One forward and backward of m (model or its compiled form) on ids as
+    inputs and labels: (logits, loss, {name: grad}) of model's parameters."""
+    model.zero_grad(set_to_none=True)
+    out = m(input_ids=ids, labels=ids)
+    out.loss.backward()
+    g = {n: p.grad.clone() for n, p in model.named_parameters()
+         if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), g

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import epjit
-from backend_util import fresh, rel_err  # noqa: F401
+from backend_util import (disable_moe_blocks, fresh,  # noqa: F401
+                          lm_step, rel_err)
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -67,24 +68,11 @@ def test_family_matches_eager(family, dtype):
     cfg._attn_implementation = "sdpa"
     model = getattr(tf, model_name)(cfg).to(dtype)
     f32 = dtype == torch.float32
-    n_moe = 0
-    for mod in model.modules():
-        if type(mod).__name__ == moe:
-            mod.forward = torch.compiler.disable(mod.forward)
-            n_moe += 1
-    assert n_moe == 2
+    assert disable_moe_blocks(model, moe) == 2
     ids = torch.randint(0, 128, (2, 16))
 
-    def step(m):
-        model.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        g = {n: p.grad.clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-        return out.logits.detach(), out.loss.detach(), g
-
-    ref = step(model)
-    got = step(torch.compile(model, backend="epjit"))
+    ref = lm_step(model, model, ids)
+    got = lm_step(model, torch.compile(model, backend="epjit"), ids)
     tol_out = 1e-5 if f32 else 3e-2
     assert rel_err(got[0], ref[0]) <= tol_out
     assert rel_err(got[1], ref[1]) <= tol_out

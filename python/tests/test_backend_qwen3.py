@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import epjit
-from backend_util import fresh, rel_err  # noqa: F401
+from backend_util import (disable_moe_blocks, fresh,  # noqa: F401
+                          lm_step, rel_err)
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -131,24 +132,11 @@ def test_qwen3_moe_model_with_eager_moe_blocks():
                          decoder_sparse_step=1, mlp_only_layers=[])
     cfg._attn_implementation = "sdpa"
     model = Qwen3MoeForCausalLM(cfg)
-    n_moe = 0
-    for mod in model.modules():
-        if type(mod).__name__ == "Qwen3MoeSparseMoeBlock":
-            mod.forward = torch.compiler.disable(mod.forward)
-            n_moe += 1
-    assert n_moe == 2
+    assert disable_moe_blocks(model, "Qwen3MoeSparseMoeBlock") == 2
     ids = torch.randint(0, 128, (2, 16))
 
-    def step(m):
-        m.zero_grad(set_to_none=True)
-        out = m(input_ids=ids, labels=ids)
-        out.loss.backward()
-        g = {n: p.grad.clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-        return out.logits.detach(), out.loss.detach(), g
-
-    ref = step(model)
-    got = step(torch.compile(model, backend="epjit"))
+    ref = lm_step(model, model, ids)
+    got = lm_step(model, torch.compile(model, backend="epjit"), ids)
     check_same(ref, got)
     c = epjit.counters()
     assert c["kernels"] > 0 and c["graphs"] > 0
