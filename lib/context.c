@@ -50,6 +50,8 @@ epj_status epj_ctx_new(const char *backend, epj_ctx **out)
 	const char *wc = getenv("EPJIT_BF16_WEIGHT_CACHE");
 	ctx->no_wcache = wc && !strcmp(wc, "0");
 	ctx->wepoch = 1;
+	const char *amx = getenv("EPJIT_CPU_AMX");
+	ctx->no_amx = amx && !strcmp(amx, "0");
 	const char *sdpa = getenv("EPJIT_SDPA");
 	if (sdpa && *sdpa && strcmp(sdpa, "flash") != 0) {
 		if (strcmp(sdpa, "reference") != 0) {

@@ -609,6 +609,7 @@ struct epj_ctx {
 	 * stale.  Starts at 1. */
 	uint64_t wepoch;
 	bool no_wcache; /* EPJIT_BF16_WEIGHT_CACHE=0 */
+	bool no_amx;	/* EPJIT_CPU_AMX=0 (lib/gemm_amx.c) */
 	epj_status status;
 	char errmsg[1024];
 	bool grad_enabled;

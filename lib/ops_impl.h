@@ -111,6 +111,17 @@ void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
 		    int64_t k, double alpha, const void *a, int64_t lda,
 		    const void *b, int64_t ldb, double beta, void *c,
 		    int64_t ldc);
+/* bf16 GEMM on AMX tiles (lib/gemm_amx.c): c[m, n] (row stride ldc) =
+ * alpha * A B + beta * c in f32, A [m, k] element (i, p) at
+ * a[i * sam + p * sak], B [k, n] element (p, j) at b[p * sbk + j * sbn];
+ * k > 0, ej_amx_usable(), and scratch holds ej_amx_scratch(m, n, k) bytes
+ * aligned to 64. */
+bool ej_amx_usable(void);
+size_t ej_amx_scratch(int64_t m, int64_t n, int64_t k);
+void ej_gemm_bf16_amx(int64_t m, int64_t n, int64_t k, float alpha,
+		      const uint16_t *a, int64_t sam, int64_t sak,
+		      const uint16_t *b, int64_t sbk, int64_t sbn, float beta,
+		      float *c, int64_t ldc, void *scratch);
 int ej_linalg_blas_serial_begin(void);
 void ej_linalg_blas_serial_end(int prev);
 int ej_linalg_max_threads(void);

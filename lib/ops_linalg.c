@@ -377,6 +377,29 @@ static void batch_strides(const epj_tensor *t, const int64_t *tstride, int nbd,
 	}
 }
 
+/* Whether the bf16 product of a [.., m, k] and b on this context runs on
+ * the AMX tiles (lib/gemm_amx.c): both operands bf16, computed in f32, the
+ * context not opted out (EPJIT_CPU_AMX=0), the CPU able, and the product
+ * big enough for 32 x 32 blocks to pay (m n k >= 16 x 16 x 32). */
+static bool amx_product(epj_ctx *ctx, const epj_tensor *a, const epj_tensor *b,
+			epj_dtype cdt, int64_t m, int64_t n, int64_t k)
+{
+	return cdt == EPJ_DTYPE_F32 && a->dtype == EPJ_DTYPE_BF16 &&
+	       b->dtype == EPJ_DTYPE_BF16 && !ctx->no_amx && k > 0 &&
+	       m * n * k >= 16 * 16 * 32 && ej_amx_usable();
+}
+
+/* The scratch of ej_gemm_bf16_amx, counted as one AMX product; NULL when
+ * memory is short (the caller takes the f32 path). */
+static void *amx_begin(epj_ctx *ctx, int64_t m, int64_t n, int64_t k)
+{
+	size_t bytes = (ej_amx_scratch(m, n, k) + 63) / 64 * 64;
+	void *scratch = aligned_alloc(64, bytes);
+	if (scratch)
+		epj_counter_add(ctx, "kernels.cpu_amx", 1);
+	return scratch;
+}
+
 /* The product a @ b into pc, a dense [nbatch, m, n] array of the compute
  * dtype of o's dtype (o: the product's shape), C = a @ b + beta * C. */
 static epj_status matmul_run(epj_ctx *ctx, const ej_call *c,
@@ -393,6 +416,31 @@ static epj_status matmul_run(epj_ctx *ctx, const ej_call *c,
 		    "matrix sizes exceed the BLAS integer range");
 	epj_dtype cdt = compute_dtype(o->dtype);
 	size_t es = ej_dtype_size(cdt);
+	void *scratch = amx_product(ctx, a, b, cdt, m, n, k)
+			    ? amx_begin(ctx, m, n, k)
+			    : NULL;
+	if (scratch) {
+		int64_t sa[EPJ_MAX_DIMS], sb[EPJ_MAX_DIMS];
+		batch_strides(a, a->stride, nbd, sa);
+		batch_strides(b, b->stride, nbd, sb);
+		for (int64_t p = 0; p < nbatch; p++) {
+			int64_t rem = p, oa = 0, ob = 0;
+			for (int d = nbd - 1; d >= 0; d--) {
+				int64_t i = rem % o->shape[d];
+				rem /= o->shape[d];
+				oa += i * sa[d];
+				ob += i * sb[d];
+			}
+			ej_gemm_bf16_amx(
+			    m, n, k, 1.0f, (const uint16_t *)ej_data(a) + oa,
+			    a->stride[a->ndim - 2], a->stride[a->ndim - 1],
+			    (const uint16_t *)ej_data(b) + ob,
+			    b->stride[b->ndim - 2], b->stride[b->ndim - 1],
+			    (float)beta, (float *)pc + p * m * n, n, scratch);
+		}
+		free(scratch);
+		return EPJ_OK;
+	}
 
 	const void *pa = NULL, *pb = NULL;
 	void *owned_a = NULL, *owned_b = NULL;
@@ -577,11 +625,51 @@ static epj_status linear_run(epj_ctx *ctx, const ej_call *c,
 	void *owned_x = NULL, *owned_w = NULL, *owned_b = NULL;
 	epj_status s = EPJ_OK;
 
+	/* bias: fill every output row with it (beta = 0), or add it to every
+	 * row (beta = 1), then let the GEMM accumulate onto it, so the bias
+	 * costs no extra pass over C */
+	if (bias && beta == 0.0) {
+		ej_linalg_pack(bias, cdt, pc);
+		for (int64_t r = 1; r < rows; r++)
+			memcpy((char *)pc + (size_t)(r * fout) * es, pc,
+			       (size_t)fout * es);
+		beta = 1.0;
+	} else if (bias) {
+		owned_b = malloc((size_t)fout * es);
+		if (!owned_b) {
+			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+					"out of memory for the bias");
+			goto done;
+		}
+		ej_linalg_pack(bias, cdt, owned_b);
+		for (int64_t r = 0; r < rows; r++)
+			for (int64_t j = 0; j < fout; j++) {
+				if (cdt == EPJ_DTYPE_F64)
+					((double *)pc)[r * fout + j] +=
+					    ((double *)owned_b)[j];
+				else
+					((float *)pc)[r * fout + j] +=
+					    ((float *)owned_b)[j];
+			}
+	}
+	int64_t srow;
+	void *scratch = amx_product(ctx, x, w, cdt, rows, fout, fin) &&
+				rows_stride(x, &srow)
+			    ? amx_begin(ctx, rows, fout, fin)
+			    : NULL;
+	if (scratch) { /* B = w^T: element (i, j) is w[j, i] */
+		ej_gemm_bf16_amx(rows, fout, fin, 1.0f, ej_data(x), srow,
+				 x->stride[x->ndim - 1], ej_data(w),
+				 w->stride[1], w->stride[0], (float)beta, pc,
+				 fout, scratch);
+		free(scratch);
+		goto done;
+	}
 	/* x as A [rows, in]: in place when its rows merge and BLAS can read
 	 * them, else a packed copy */
 	const void *px = ej_data(x);
 	bool tx = false;
-	int64_t ldx = max1(fin), srow;
+	int64_t ldx = max1(fin);
 	if (!(x->dtype == cdt && rows_stride(x, &srow) &&
 	      ej_linalg_layout(rows, fin, srow, x->stride[x->ndim - 1], &tx,
 			       &ldx))) {
@@ -618,33 +706,6 @@ static epj_status linear_run(epj_ctx *ctx, const ej_call *c,
 		pw = owned_w;
 		tw = true; /* dense w [out, in] is w^T transposed */
 		ldw = max1(fin);
-	}
-	/* bias: fill every output row with it (beta = 0), or add it to every
-	 * row (beta = 1), then let the GEMM accumulate onto it, so the bias
-	 * costs no extra pass over C */
-	if (bias && beta == 0.0) {
-		ej_linalg_pack(bias, cdt, pc);
-		for (int64_t r = 1; r < rows; r++)
-			memcpy((char *)pc + (size_t)(r * fout) * es, pc,
-			       (size_t)fout * es);
-		beta = 1.0;
-	} else if (bias) {
-		owned_b = malloc((size_t)fout * es);
-		if (!owned_b) {
-			s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-					"out of memory for the bias");
-			goto done;
-		}
-		ej_linalg_pack(bias, cdt, owned_b);
-		for (int64_t r = 0; r < rows; r++)
-			for (int64_t j = 0; j < fout; j++) {
-				if (cdt == EPJ_DTYPE_F64)
-					((double *)pc)[r * fout + j] +=
-					    ((double *)owned_b)[j];
-				else
-					((float *)pc)[r * fout + j] +=
-					    ((float *)owned_b)[j];
-			}
 	}
 	ej_linalg_gemm(cdt, tx, tw, rows, fout, fin, 1.0, px, ldx, pw, ldw,
 		       beta, pc, fout);

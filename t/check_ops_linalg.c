@@ -15,6 +15,8 @@
 #include <string.h>
 
 #include "check_util.h"
+#include "core_impl.h"
+#include "ops_impl.h"
 
 #define LEN(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -453,6 +455,197 @@ START_TEST(test_linear_errors)
 }
 END_TEST
 
+/* ---- bf16 products on AMX tiles (lib/gemm_amx.c) --------------------------
+ * The tiles form each bf16 product exactly and add in f32, so against a
+ * double reference an element may be off by (k + 2) f32 roundings of the
+ * magnitudes it sums: |err| <= (k + 2) 2^-24 (|alpha| sum |a b| + |beta c|).
+ * A wrong pair order, a lost block edge or a dropped beta is off by the
+ * terms themselves. */
+
+static uint16_t rand_bf16(void)
+{
+	return epj_f32_to_bf16((float)tu_uniform(-2, 2));
+}
+
+/* C = alpha op(A) op(B) + beta C through ej_gemm_bf16_amx for every layout
+ * of A and B (row-major, transposed, every other column), checked against
+ * double sums, the elements between n and ldc untouched. */
+static void check_amx_gemm(int64_t m, int64_t n, int64_t k, float alpha,
+			   float beta)
+{
+	int64_t big = (m > k ? m : k) * 2 + 2, bign = (n > k ? n : k) * 2 + 2;
+	uint16_t *a = malloc(sizeof *a * (size_t)(big * big));
+	uint16_t *b = malloc(sizeof *b * (size_t)(bign * bign));
+	for (int64_t i = 0; i < big * big; i++)
+		a[i] = rand_bf16();
+	for (int64_t i = 0; i < bign * bign; i++)
+		b[i] = rand_bf16();
+	int64_t ldc = n + 3;
+	float *c = malloc(sizeof *c * (size_t)(m * ldc));
+	float *c0 = malloc(sizeof *c0 * (size_t)(m * ldc));
+	void *scratch =
+	    aligned_alloc(64, (ej_amx_scratch(m, n, k) + 63) / 64 * 64);
+	/* A: [m, k] row-major (ld k + 1), transposed (ld m), every other
+	 * column; B likewise with n */
+	const int64_t sa[3][2] = { { k + 1, 1 }, { 1, m }, { 2 * k, 2 } };
+	const int64_t sb[3][2] = { { n + 1, 1 }, { 1, k }, { 2 * n, 2 } };
+	for (int la = 0; la < 3; la++)
+		for (int lb = 0; lb < 3; lb++) {
+			for (int64_t i = 0; i < m * ldc; i++)
+				c[i] = c0[i] = (float)tu_uniform(-1, 1);
+			ej_gemm_bf16_amx(m, n, k, alpha, a, sa[la][0],
+					 sa[la][1], b, sb[lb][0], sb[lb][1],
+					 beta, c, ldc, scratch);
+			for (int64_t i = 0; i < m; i++)
+				for (int64_t j = 0; j < ldc; j++) {
+					double got = c[i * ldc + j];
+					if (j >= n) {
+						ck_assert_msg(
+						    got == c0[i * ldc + j],
+						    "amx %lldx%lldx%lld: C "
+						    "(%lld, %lld) past n "
+						    "written",
+						    (long long)m, (long long)n,
+						    (long long)k, (long long)i,
+						    (long long)j);
+						continue;
+					}
+					double sum = 0, mag = 0;
+					for (int64_t p = 0; p < k; p++) {
+						double x = epj_bf16_to_f32(
+						    a[i * sa[la][0] +
+						      p * sa[la][1]]);
+						double y = epj_bf16_to_f32(
+						    b[p * sb[lb][0] +
+						      j * sb[lb][1]]);
+						sum += x * y;
+						mag += fabs(x * y);
+					}
+					double ref = alpha * sum +
+						     beta * c0[i * ldc + j];
+					double tol =
+					    (double)(k + 2) * 0x1p-24 *
+						(fabs(alpha) * mag +
+						 fabs(beta * c0[i * ldc + j])) +
+					    1e-30;
+					ck_assert_msg(
+					    fabs(got - ref) <= tol,
+					    "amx %lldx%lldx%lld layouts %d,%d "
+					    "alpha %g beta %g: C(%lld, %lld) "
+					    "%.9g, reference %.9g",
+					    (long long)m, (long long)n,
+					    (long long)k, la, lb, alpha, beta,
+					    (long long)i, (long long)j, got,
+					    ref);
+				}
+		}
+	free(scratch);
+	free(a);
+	free(b);
+	free(c);
+	free(c0);
+}
+
+START_TEST(test_amx_gemm)
+{
+	if (!ej_amx_usable()) {
+		fprintf(stderr, "ops_linalg amx: this CPU or kernel offers no "
+				"AMX-BF16 tiles; the AMX GEMM is not run\n");
+		return;
+	}
+	/* edges of the 16-row tiles, 32 x 32 blocks and 32-deep k steps;
+	 * alpha 1 with beta 0 or 1 has whole blocks load and store C in
+	 * their tiles, other scales go through the block's own buffer */
+	static const struct {
+		int64_t m, n, k;
+		float alpha, beta;
+	} cases[] = {
+		{ 1, 1, 1, 1, 0 },	  { 16, 16, 32, 1, 0.75f },
+		{ 17, 15, 33, 0.5f, 0 },  { 31, 33, 31, 1, 0 },
+		{ 32, 32, 64, 1, 1 },	  { 5, 70, 3, 0.5f, 0.75f },
+		{ 65, 9, 97, 1, 0 },	  { 40, 47, 1, 0.5f, 1 },
+		{ 64, 64, 40, 1, 1 },	  { 96, 64, 64, 1, 0 },
+		{ 64, 96, 32, -1.5f, 0 },
+	};
+	for (size_t i = 0; i < LEN(cases); i++)
+		check_amx_gemm(cases[i].m, cases[i].n, cases[i].k,
+			       cases[i].alpha, cases[i].beta);
+	int64_t m = tu_randint(1, 80), n = tu_randint(1, 80),
+		k = tu_randint(1, 150);
+	check_amx_gemm(m, n, k, (float)tu_uniform(-2, 2),
+		       (float)tu_uniform(-1, 1));
+}
+END_TEST
+
+/* bf16 matmul and linear, forward and backward, at sizes that take the
+ * AMX path: on the tiles where the CPU has them (counted in
+ * kernels.cpu_amx), never with EPJIT_CPU_AMX=0, and the same products
+ * within bf16 rounding either way. */
+START_TEST(test_amx_ops)
+{
+	setenv("EPJIT_CPU_AMX", "0", 1);
+	epj_ctx *off = tu_ctx();
+	unsetenv("EPJIT_CPU_AMX");
+	epj_ctx *on = tu_ctx();
+	epj_ctx *ctxs[2] = { on, off };
+	int64_t as[3] = { 3, 37, 41 }, bs[2] = { 41, 29 };
+	int64_t xs[3] = { 2, 45, 33 }, ws[2] = { 40, 33 }, bias_s[1] = { 40 };
+	for (int v = 0; v < 2; v++) {
+		epj_ctx *ctx = ctxs[v];
+		check_matmul_shapes(ctx, EPJ_DTYPE_BF16, 3, as, 2, bs,
+				    "amx matmul [3,37,41] @ [41,29]");
+		epj_tensor *x = tu_randn(ctx, EPJ_DTYPE_BF16, 3, xs);
+		epj_tensor *w = tu_randn(ctx, EPJ_DTYPE_BF16, 2, ws);
+		epj_tensor *bias = tu_randn(ctx, EPJ_DTYPE_BF16, 1, bias_s);
+		check_linear(ctx, x, w, bias, "amx linear with bias");
+		epj_tensor *wt0 =
+		    tu_randn(ctx, EPJ_DTYPE_BF16, 2, (int64_t[2]){ 33, 19 });
+		epj_tensor *wt = epj_transpose(ctx, wt0, 0, 1);
+		check_linear(ctx, x, wt, NULL, "amx linear transposed w");
+		/* backward: dx = g w, dw = g^T x, against the f64 products */
+		epj_tensor_set_requires_grad(x, true);
+		epj_tensor_set_requires_grad(w, true);
+		epj_tensor *y = epj_linear(ctx, x, w, bias);
+		tu_ok(ctx, y);
+		epj_tensor *g =
+		    tu_randn(ctx, EPJ_DTYPE_BF16, 3, (int64_t[3]){ 2, 45, 40 });
+		ck_assert_int_eq(epj_backward(ctx, y, g), EPJ_OK);
+		double *xv = tu_values(ctx, x), *wv = tu_values(ctx, w),
+		       *gv = tu_values(ctx, g);
+		double *dx = calloc(90 * 33, sizeof *dx),
+		       *dw = calloc(40 * 33, sizeof *dw);
+		for (int r = 0; r < 90; r++)
+			for (int o = 0; o < 40; o++)
+				for (int i = 0; i < 33; i++) {
+					dx[r * 33 + i] +=
+					    gv[r * 40 + o] * wv[o * 33 + i];
+					dw[o * 33 + i] +=
+					    gv[r * 40 + o] * xv[r * 33 + i];
+				}
+		tu_assert_close(ctx, epj_tensor_grad(x), dx, 1.0 / 250, 1e-2,
+				"amx linear dx");
+		tu_assert_close(ctx, epj_tensor_grad(w), dw, 1.0 / 250, 1e-2,
+				"amx linear dw");
+		free(xv);
+		free(wv);
+		free(gv);
+		free(dx);
+		free(dw);
+		epj_tensor *all[] = { x, w, bias, wt0, wt, y, g };
+		for (size_t j = 0; j < LEN(all); j++)
+			epj_tensor_free(all[j]);
+	}
+	ck_assert_int_eq(epj_counter_get(off, "kernels.cpu_amx"), 0);
+	if (ej_amx_usable())
+		/* matmul, two linears, the backward's dx and dw */
+		ck_assert_int_ge(epj_counter_get(on, "kernels.cpu_amx"), 5);
+	else
+		ck_assert_int_eq(epj_counter_get(on, "kernels.cpu_amx"), 0);
+	epj_ctx_free(on);
+	epj_ctx_free(off);
+}
+END_TEST
+
 Suite *make_ops_linalg_suite(void)
 {
 	Suite *s = suite_create("ops_linalg");
@@ -471,5 +664,10 @@ Suite *make_ops_linalg_suite(void)
 	tcase_add_test(tl, test_linear_grad);
 	tcase_add_test(tl, test_linear_errors);
 	suite_add_tcase(s, tl);
+	TCase *ta = tcase_create("amx");
+	tcase_set_timeout(ta, 60);
+	tcase_add_test(ta, test_amx_gemm);
+	tcase_add_test(ta, test_amx_ops);
+	suite_add_tcase(s, ta);
 	return s;
 }
