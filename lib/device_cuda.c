@@ -1,6 +1,8 @@
 /* device_cuda.c -- the cuda device: the CUDA Driver API loaded with dlopen
  * (cuda_driver.h), one primary context per process on the GPU chosen by the
- * local rank, a compute stream and a side stream, device memory under the
+ * local rank, a compute stream, a side stream and a communication stream
+ * (NCCL's all-to-all exchanges, ordered with the compute stream by events),
+ * device memory under the
  * shared caching allocator (alloc.c), modules (cubins or PTX) loaded from
  * bytes, kernel launches, events and CUDA graph capture.
  *
@@ -391,7 +393,7 @@ struct ej_cuda_dev {
 	int ordinal;
 	ej_CUdevice dev;
 	ej_CUcontext cu;
-	ej_CUstream compute, side;
+	ej_CUstream compute, side, comm;
 	int sm_count, cc_major, cc_minor, max_threads, smem_optin;
 	size_t total_mem;
 	char name[128];
@@ -485,6 +487,9 @@ static void cu_memzero(void *self, void *ptr, size_t bytes)
 static void cu_sync(void *self)
 {
 	ej_cuda_dev *c = self;
+	/* not the communication stream: the compute stream waits for each
+	 * exchange there (all_to_all_v_wait) before anything reads its
+	 * buffers, so its work that matters is behind the compute stream's */
 	DEV_CALL(c, cuStreamSynchronize(c->side));
 	DEV_CALL(c, cuStreamSynchronize(c->compute));
 }
@@ -649,6 +654,7 @@ static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
 	EJ_CU(ctx, d, cuCtxSetCurrent(c->cu));
 	EJ_CU(ctx, d, cuStreamCreate(&c->compute, EJ_CU_STREAM_NON_BLOCKING));
 	EJ_CU(ctx, d, cuStreamCreate(&c->side, EJ_CU_STREAM_NON_BLOCKING));
+	EJ_CU(ctx, d, cuStreamCreate(&c->comm, EJ_CU_STREAM_NON_BLOCKING));
 	c->vt = (ej_device){ .name = ej_desc_cuda.name,
 			     .desc = &ej_desc_cuda,
 			     .self = c,
@@ -847,6 +853,7 @@ epj_status ej_cuda_copy_async(epj_ctx *ctx, ej_cuda_dev *c, void *dst,
 epj_status ej_cuda_sync(epj_ctx *ctx, ej_cuda_dev *c)
 {
 	EJ_CU(ctx, c->d, cuStreamSynchronize(c->side));
+	EJ_CU(ctx, c->d, cuStreamSynchronize(c->comm));
 	EJ_CU(ctx, c->d, cuStreamSynchronize(c->compute));
 	return EPJ_OK;
 }
@@ -897,4 +904,9 @@ void ej_cuda_graph_free(ej_cuda_dev *c, void *exec)
 void *ej_cuda_compute_stream(const ej_cuda_dev *c)
 {
 	return c->compute;
+}
+
+void *ej_cuda_comm_stream(const ej_cuda_dev *c)
+{
+	return c->comm;
 }

@@ -216,6 +216,35 @@ static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
  * also for zero rows, so the collectives match.  In a world of one every
  * row stays here in the same order, so no data moves and no node is
  * needed: the result is x itself (a new reference). */
+/* An exchange on the device's communication stream whose end the compute
+ * stream has not waited for yet (a2a_finish): nothing on the compute
+ * stream may read the received rows, or reuse the send buffer's memory,
+ * before then.  send holds the send buffer until the wait (the caching
+ * allocator would otherwise hand its memory to the next kernel while the
+ * exchange still reads it); ops: eager launches at the start. */
+typedef struct a2a_pending {
+	ej_comm *dev_comm; /* NULL: nothing in flight */
+	const char *what;
+	epj_tensor *send;
+	int64_t ops;
+} a2a_pending;
+
+/* The compute stream waits for the pending exchange (no host
+ * synchronization); the eager kernels issued since its start, which ran
+ * while it did, are counted in autoep.a2a.overlapped_ops. */
+static epj_status a2a_finish(epj_ctx *ctx, a2a_pending *pd)
+{
+	if (!pd || !pd->dev_comm)
+		return EPJ_OK;
+	epj_counter_add(ctx, "autoep.a2a.overlapped_ops",
+			epj_counter_get(ctx, "kernels.launched.eager") -
+			    pd->ops);
+	epj_status s = ej_comm_a2av_wait(ctx, pd->dev_comm, pd->what);
+	epj_tensor_free(pd->send);
+	*pd = (a2a_pending){ 0 };
+	return s;
+}
+
 typedef struct a2a_node {
 	ej_comm *comm, *dev_comm;
 	int P;
@@ -236,7 +265,7 @@ static void a2a_node_free(void *p)
 static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			    const char *what, epj_tensor *x,
 			    const int64_t *send_counts,
-			    const int64_t *recv_counts);
+			    const int64_t *recv_counts, a2a_pending *pd);
 
 static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			       epj_tensor *const *grad_out,
@@ -254,17 +283,22 @@ static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			return epj_ctx_status(ctx);
 	}
 	bool prev = epj_no_grad_enter(ctx);
-	grad_in[0] =
-	    a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv, a->send);
+	/* the gradient's consumer is the next node the autograd engine
+	 * runs: the compute stream waits for the exchange at once (pd NULL) */
+	grad_in[0] = a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv,
+			      a->send, NULL);
 	epj_no_grad_exit(ctx, prev);
 	epj_tensor_free(g);
 	return grad_in[0] ? EPJ_OK : epj_ctx_status(ctx);
 }
 
+/* pd: where an exchange on the communication stream is left pending for
+ * the caller to finish before its first reader of the result; NULL: the
+ * compute stream waits for it here. */
 static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			    const char *what, epj_tensor *x,
 			    const int64_t *send_counts,
-			    const int64_t *recv_counts)
+			    const int64_t *recv_counts, a2a_pending *pd)
 {
 	const int P = comm->size;
 	EJ_ASSERT(epj_tensor_ndim(x) == 2);
@@ -300,10 +334,25 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			     "\"nccl\"; the engine sets it up)",
 			     what, P);
 	} else if (!ctx->dev->host_visible) {
-		/* device rows over NCCL, on the compute stream */
+		/* device rows over NCCL, on the communication stream after
+		 * the compute stream's work so far; the compute stream waits
+		 * for its end before the first kernel that reads y */
 		EJ_ASSERT(dev_comm->size == P && dev_comm->rank == comm->rank);
-		s = ej_comm_a2av(ctx, dev_comm, what, ej_data(xc), send_counts,
-				 ej_data(y), recv_counts, row);
+		EJ_ASSERT(!pd || !pd->dev_comm);
+		int64_t ops = epj_counter_get(ctx, "kernels.launched.eager");
+		bool started = false;
+		s = ej_comm_a2av_start(ctx, dev_comm, what, ej_data(xc),
+				       send_counts, ej_data(y), recv_counts,
+				       row, &started);
+		if (s == EPJ_OK && started && pd) {
+			*pd = (a2a_pending){ .dev_comm = dev_comm,
+					     .what = what,
+					     .send = xc,
+					     .ops = ops };
+			xc = NULL; /* held until the wait */
+		} else if (s == EPJ_OK && started) {
+			s = ej_comm_a2av_wait(ctx, dev_comm, what);
+		}
 	} else {
 		s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
 				 ej_data(y), recv_counts, row);
@@ -349,7 +398,7 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 				 ej_comm *comm, ej_comm *dev_comm,
 				 const char *what, epj_tensor *x,
 				 const int64_t *send_counts,
-				 const int64_t *recv_counts)
+				 const int64_t *recv_counts, a2a_pending *pd)
 {
 	if (!x)
 		return NULL;
@@ -358,8 +407,8 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 			  send_counts[0] == epj_tensor_dim(x, 0));
 		return epj_tensor_ref(x);
 	}
-	epj_tensor *y =
-	    a2a_rows(ctx, comm, dev_comm, what, x, send_counts, recv_counts);
+	epj_tensor *y = a2a_rows(ctx, comm, dev_comm, what, x, send_counts,
+				 recv_counts, pd);
 	if (!y)
 		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 	return y;
@@ -919,11 +968,16 @@ typedef struct fwd {
 	split_plan sp;
 	epj_tensor *x, *w, *idx, *order, *tok, *pos, *routing, *x_sorted,
 	    *y_sorted, *out;
+	/* the dispatch, then the combine, in flight on the communication
+	 * stream (finished before the first kernel that reads their rows) */
+	a2a_pending pd;
 	bool named;
 } fwd;
 
-static void fwd_free(fwd *f)
+static void fwd_free(epj_ctx *ctx, fwd *f)
 {
+	/* after a failure: still ordered before the buffers' reuse */
+	a2a_finish(ctx, &f->pd);
 	free(f->idx_h); /* order_h with it */
 	free(f->counts);
 	free(f->local_counts);
@@ -1180,9 +1234,23 @@ static epj_status group_by_expert(epj_ctx *ctx, const epj_module *m, fwd *f,
 	epj_tensor *perm =
 	    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, perm_h);
 	*inv = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, inv_h);
-	*x_grp = perm && *inv ? epj_index_select(ctx, x_recv, 0, perm) : NULL;
+	/* the index ops validate the permutations from these host values
+	 * instead of a copy back (a device synchronization, which would
+	 * also wait for the exchange in flight) */
+	if (perm && *inv && ej_dev_runs_cuda(ctx->dev)) {
+		s = ej_index_pin(ctx, perm, perm_h);
+		if (s == EPJ_OK)
+			s = ej_index_pin(ctx, *inv, inv_h);
+	}
+	/* the first kernel that reads the received rows: the compute stream
+	 * waits for the dispatch here, after the permutation's upload */
+	if (perm && *inv && s == EPJ_OK)
+		s = a2a_finish(ctx, &f->pd);
+	*x_grp = s == EPJ_OK && perm && *inv
+		     ? epj_index_select(ctx, x_recv, 0, perm)
+		     : NULL;
 	epj_tensor_free(perm);
-	if (!*x_grp)
+	if (!*x_grp && s == EPJ_OK)
 		s = op_failed(ctx);
 done:
 	free(perm_h);
@@ -1215,9 +1283,9 @@ static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 			f->local_counts[e] +=
 			    sp->recv_plan[(int64_t)p * f->L + e];
 	}
-	epj_tensor *x_recv =
-	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.dispatch",
-			  f->x_sorted, sp->send_counts, sp->recv_counts);
+	epj_tensor *x_recv = ep_all_to_all(
+	    ctx, m, im->comm, im->dev_comm, "autoep.dispatch", f->x_sorted,
+	    sp->send_counts, sp->recv_counts, &f->pd);
 	if (!x_recv) {
 		f->named = true; /* the message names the layer already */
 		return op_failed(ctx);
@@ -1238,9 +1306,9 @@ static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 	if (s == EPJ_OK && !y_recv)
 		s = op_failed(ctx);
 	if (s == EPJ_OK) {
-		f->y_sorted = ep_all_to_all(ctx, m, im->comm, im->dev_comm,
-					    "autoep.combine", y_recv,
-					    sp->recv_counts, sp->send_counts);
+		f->y_sorted = ep_all_to_all(
+		    ctx, m, im->comm, im->dev_comm, "autoep.combine", y_recv,
+		    sp->recv_counts, sp->send_counts, &f->pd);
 		if (!f->y_sorted) {
 			f->named = true;
 			s = op_failed(ctx);
@@ -1333,6 +1401,9 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		s = fwd_permute(ctx, im, &f);
 	if (s == EPJ_OK)
 		s = fwd_experts(ctx, m, im, &f);
+	/* the combine's rows are read from here on */
+	if (s == EPJ_OK && (s = a2a_finish(ctx, &f.pd)) != EPJ_OK)
+		f.named = true;
 	if (s == EPJ_OK) {
 		/* one op summed in rdt over each token's slots in slot order,
 		 * written in the layer's dtype; or the sequence's same sum */
@@ -1354,7 +1425,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	if (s != EPJ_OK && !f.named)
 		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 	plan_drain(ctx, im, &f.sp);
-	fwd_free(&f);
+	fwd_free(ctx, &f);
 	return s;
 }
 

@@ -318,6 +318,19 @@ typedef struct ej_comm {
 					   int64_t *recv, int n_per,
 					   ej_comm_req **req);
 	epj_status (*wait)(void *self, ej_comm_req *req);
+	/* all_to_all_v off the compute stream (the `nccl` comm): issued on
+	 * the device's communication stream after the compute stream's work
+	 * so far (the send buffer is written), returning at once;
+	 * all_to_all_v_wait makes the compute stream wait for its end without
+	 * blocking the host.  Neither buffer may be read or reused on the
+	 * compute stream before that wait.  One in flight per comm.  NULL:
+	 * all_to_all_v is ordered with the caller already (host buffers). */
+	epj_status (*all_to_all_v_start)(void *self, const void *sendbuf,
+					 const int64_t *send_counts,
+					 void *recvbuf,
+					 const int64_t *recv_counts,
+					 size_t row);
+	epj_status (*all_to_all_v_wait)(void *self);
 	/* A sub-communicator of the ranks passing the same color, ordered by
 	 * key (MPI_Comm_split); group names it.  NULL on failure. */
 	struct ej_comm *(*split)(void *self, int color, int key,
@@ -364,6 +377,17 @@ epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,
 			void *recv, const int64_t *recv_counts, size_t row);
 epj_status ej_comm_a2a_i64(epj_ctx *ctx, ej_comm *c, const char *what,
 			   const int64_t *send, int64_t *recv);
+/* The all-to-all-v of ej_comm_a2av off the compute stream where the comm
+ * has all_to_all_v_start (*started true: ej_comm_a2av_wait must follow
+ * before the buffers are read or reused on the compute stream; counted in
+ * comm.a2av.started), else ej_comm_a2av itself (*started false). */
+epj_status ej_comm_a2av_start(epj_ctx *ctx, ej_comm *c, const char *what,
+			      const void *send, const int64_t *send_counts,
+			      void *recv, const int64_t *recv_counts,
+			      size_t row, bool *started);
+/* The compute stream waits for the exchange ej_comm_a2av_start started
+ * (comm.a2av.waits); no host synchronization. */
+epj_status ej_comm_a2av_wait(epj_ctx *ctx, ej_comm *c, const char *what);
 epj_status ej_comm_a2a_i64_start(epj_ctx *ctx, ej_comm *c, const char *what,
 				 const int64_t *send, int64_t *recv, int n_per,
 				 ej_comm_req **req);

@@ -23,7 +23,10 @@
  *           (bf16) tolerances, the updates non-zero; the counters show
  *           that the expert rows and the gradients went over NCCL
  *           (comm.nccl.*.bytes > 0) and the host comm carried none of
- *           them (comm.mpi.<purpose>.bytes == 0).
+ *           them (comm.mpi.<purpose>.bytes == 0); the rows' exchanges ran
+ *           on the communication stream, each waited for by the compute
+ *           stream, and no kernel or copy touched their buffers before
+ *           (the stand-in driver's stream order check would fail it).
  *  refuse   comm.backend "host" on the cuda device with 2 ranks fails at
  *           engine creation, saying why.
  *
@@ -645,6 +648,15 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 		/* the split plan's counts: host scalars on the host comm */
 		CHECK(ctr(ca, "comm.mpi.autoep.split_plan.bytes") > 0,
 		      "%s: split plan not on the host comm", label);
+		/* every exchange ran on the communication stream and the
+		 * compute stream waited for each (the stand-in driver
+		 * refuses a kernel that reads rows before that wait) */
+		int64_t st = ctr(ca, "comm.a2av.started");
+		CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
+		      "%s: %lld exchanges off the compute stream, %lld "
+		      "waits",
+		      label, (long long)st,
+		      (long long)ctr(ca, "comm.a2av.waits"));
 	}
 	CHECK(ctr(ca, "kernels.eager_cuda") > 0 &&
 		  ctr(ca, "optim.steps.device") == 2,
