@@ -251,4 +251,16 @@ void *ej_cuda_compute_stream(const ej_cuda_dev *c);
  * after the compute stream's wait for it). */
 void *ej_cuda_comm_stream(const ej_cuda_dev *c);
 
+/* The stream log: the order in which work reached the device's streams,
+ * process-wide, the last 8192 entries.  Each entry is "<stream>:<op>",
+ * stream c (compute), s (side), m (communication) or ? (another), op L
+ * (kernel launch), G (graph launch), C (async copy), R (event record), W
+ * (the stream waits for an event) or what ej_cuda_stream_note gave (N: a
+ * library's exchange, runtime/comm_nccl.c).  ej_cuda_stream_log writes
+ * them oldest first, separated by spaces, into out (at most n bytes with
+ * the NUL; out may be NULL) and returns the full text's length. */
+void ej_cuda_stream_note(void *stream, char op);
+size_t ej_cuda_stream_log(char *out, size_t n);
+void ej_cuda_stream_log_reset(void);
+
 #endif /* EPJIT_CUDA_DRIVER_H */

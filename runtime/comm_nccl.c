@@ -320,6 +320,7 @@ static epj_status nccl_a2av_start(void *self, const void *sendbuf,
 	n->stream = compute;
 	if (st != EPJ_OK)
 		return st;
+	ej_cuda_stream_note(n->cstream, 'N');
 	CUN(n, cuEventRecord(n->done, n->cstream));
 	n->in_flight = true;
 	return EPJ_OK;

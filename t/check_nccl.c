@@ -395,6 +395,24 @@ START_TEST(test_nccl_stream_order)
 	ck_assert_int_eq(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av"), EPJ_OK);
 	dev_expect(&e, recv, h_junk, n, "the second exchange");
 
+	/* the census: the order in which the work reached the streams.  The
+	 * exchange waits for the compute stream's event (c:R m:W), runs and
+	 * records its own (m:N m:R); the compute stream's copy of other
+	 * buffers is issued meanwhile (c:C), then the wait (c:W), then the
+	 * copy that reads the received rows (c:C) */
+	ej_cuda_stream_log_reset();
+	ck_assert_int_eq(ej_comm_a2av_start(e.ctx, e.c, "test.a2av", send,
+					    &rows, recv, &rows, row, &started),
+			 EPJ_OK);
+	e.vt->copy(e.vt->self, out, h_send, n); /* independent work */
+	ck_assert_int_eq(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av"), EPJ_OK);
+	e.vt->copy(e.vt->self, out, recv, n);
+	char log[256];
+	ej_cuda_stream_log(log, sizeof log);
+	ck_assert_str_eq(log, "c:R m:W m:N m:R c:C c:W c:C");
+	ck_assert_uint_eq(ej_cuda_stream_log(NULL, 0), strlen(log));
+	dev_expect(&e, out, h_junk, n, "the third exchange");
+
 	void *bufs[] = { send, recv, out };
 	unsigned char *hs[] = { h_send, h_junk, h_out };
 	for (int i = 0; i < 3; i++) {

@@ -516,6 +516,54 @@ static int64_t ctr(epj_ctx *ctx, const char *name)
 	return epj_counter_get(ctx, name);
 }
 
+/* The stream log of the last step (ej_cuda_stream_log): on the
+ * communication stream every exchange waits for an event of the compute
+ * stream, runs and records its completion (m:W m:N m:R), and the compute
+ * stream waits for each (c:W); work reached the compute stream between an
+ * exchange and its wait in at least one of them (the overlap). */
+static void check_stream_log(const char *label)
+{
+	size_t n = ej_cuda_stream_log(NULL, 0);
+	char *log = malloc(n + 1);
+	if (!log)
+		return;
+	ej_cuda_stream_log(log, n + 1);
+	int exchanges = 0, waits = 0, overlapped = 0, meanwhile = -1;
+	/* the next op expected on the comm stream (0: any, where the log
+	 * kept only a step's last entries) */
+	char want = 0;
+	bool ok = true;
+	for (const char *p = log; *p; p += p[3] ? 4 : 3) {
+		char s = p[0], op = p[2];
+		if (s == 'm') {
+			ok = ok && (!want || op == want);
+			want = op == 'W' ? 'N' : op == 'N' ? 'R' : 'W';
+			if (op == 'R') {
+				exchanges++;
+				meanwhile = 0;
+			}
+		} else if (s == 'c' && op == 'W') {
+			waits++;
+			overlapped += meanwhile > 0;
+			meanwhile = -1;
+		} else if (s == 'c' && meanwhile >= 0) {
+			meanwhile++;
+		}
+	}
+	CHECK(ok && want == 'W' && exchanges > 0 && waits >= exchanges &&
+		  overlapped > 0,
+	      "%s: stream log: comm stream in order %d, %d exchanges, %d "
+	      "compute waits, %d with work issued meanwhile (%zu bytes of "
+	      "log)",
+	      label, ok, exchanges, waits, overlapped, n);
+	if (rank == 0)
+		printf("mpi_nccl_check: %s: a step's stream log: %d exchanges "
+		       "on the communication stream, %d with compute work "
+		       "issued before the compute stream's wait\n",
+		       label, exchanges, overlapped);
+	free(log);
+}
+
 static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 {
 	const int P = w->size;
@@ -559,6 +607,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 	for (int step = 0; step < 2; step++) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		OK(cr, epj_corpus_next_batch(cr, corp, B * P, T, &ids, &lab));
+		if (step == 1)
+			ej_cuda_stream_log_reset(); /* the census of a step */
 		epj_tensor *ida = rows_of(ca, cr, ids, w->rank, B);
 		epj_tensor *laa = rows_of(ca, cr, lab, w->rank, B);
 		epj_step_info ia, ir;
@@ -651,6 +701,7 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 		/* every exchange ran on the communication stream and the
 		 * compute stream waited for each (the stand-in driver
 		 * refuses a kernel that reads rows before that wait) */
+		check_stream_log(label);
 		int64_t st = ctr(ca, "comm.a2av.started");
 		CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
 		      "%s: %lld exchanges off the compute stream, %lld "
