@@ -76,6 +76,9 @@ typedef struct autoep_impl {
 	 * borrowed from the engine) for the rows of a cuda context; NULL: none
 	 * (host memory, or one rank) */
 	ej_comm *dev_comm;
+	/* the shared expert (NULL: none), computed here while the dispatch
+	 * travels when dev_comm is set (ej_autoep_shared_in_layer) */
+	ej_autoep_shared_fn shared_fn;
 	int n_local;	 /* experts on this rank: num_experts / comm->size */
 	int first_local; /* global index of local expert 0 */
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
@@ -971,6 +974,9 @@ typedef struct fwd {
 	/* the dispatch, then the combine, in flight on the communication
 	 * stream (finished before the first kernel that reads their rows) */
 	a2a_pending pd;
+	/* the layer's input (borrowed) and its shared expert's contribution,
+	 * when the layer computes it (ej_autoep_shared_in_layer) */
+	epj_tensor *hidden, *shared;
 	bool named;
 } fwd;
 
@@ -986,7 +992,7 @@ static void fwd_free(epj_ctx *ctx, fwd *f)
 	free(f->sp.recv_plan);
 	epj_tensor *t[] = { f->x,	 f->w,	 f->idx,     f->order,
 			    f->tok,	 f->pos, f->routing, f->x_sorted,
-			    f->y_sorted, f->out };
+			    f->y_sorted, f->out, f->shared };
 	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
 		epj_tensor_free(t[i]);
 }
@@ -1290,6 +1296,16 @@ static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 		f->named = true; /* the message names the layer already */
 		return op_failed(ctx);
 	}
+	/* work that does not need the exchange, issued while it runs: the
+	 * shared expert (its GEMMs on the compute stream) */
+	if (ej_autoep_shared_in_layer(m)) {
+		f->shared = im->shared_fn(ctx, m, f->hidden);
+		if (!f->shared) {
+			epj_tensor_free(x_recv);
+			return op_failed(ctx);
+		}
+		epj_counter_add(ctx, "autoep.shared.in_layer", 1);
+	}
 	epj_tensor *x_grp = NULL, *inv = NULL, *y_grp = NULL, *y_recv = NULL;
 	s = group_by_expert(ctx, m, f, x_recv, &x_grp, &inv);
 	/* the fused ops or a device with a GEMM library: the expert GEMMs
@@ -1394,6 +1410,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	if (s != EPJ_OK)
 		return s;
 	fwd f = { 0 };
+	f.hidden = hidden;
 	s = fwd_init(ctx, m, im, hidden, &f);
 	if (s == EPJ_OK)
 		s = fwd_route(ctx, m, im, hidden, &f);
@@ -1414,6 +1431,11 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 			     ? epj_reshape(ctx, f.out, epj_tensor_ndim(hidden),
 					   epj_tensor_shape(hidden))
 			     : NULL;
+		if (out[0] && f.shared) {
+			epj_tensor *sum = epj_add(ctx, out[0], f.shared);
+			epj_tensor_free(out[0]);
+			out[0] = sum;
+		}
 		if (!out[0])
 			s = op_failed(ctx);
 	}
@@ -1862,6 +1884,22 @@ epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm)
 				dev_comm->rank == im->comm->rank));
 	im->dev_comm = dev_comm;
 	return EPJ_OK;
+}
+
+epj_status ej_autoep_set_shared(epj_module *m, ej_autoep_shared_fn fn)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return EPJ_ERR_INVALID;
+	((autoep_impl *)m->impl)->shared_fn = fn;
+	return EPJ_OK;
+}
+
+bool ej_autoep_shared_in_layer(const epj_module *m)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return false;
+	const autoep_impl *im = m->impl;
+	return im->shared_fn && im->dev_comm && im->comm->size > 1;
 }
 
 epj_status ej_autoep_set_fused(epj_module *m, bool fused)

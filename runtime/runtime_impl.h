@@ -544,6 +544,20 @@ epj_status ej_autoep_set_fused(epj_module *m, bool fused);
  * combine all-to-all of a cuda context's rows (forward and backward) go
  * over it, the split plan's host counts stay on the host group. */
 epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm);
+/* The layer's shared expert (Qwen2-MoE's gated one, DeepSeek's shared
+ * experts; children of the layer): fn(ctx, layer, hidden) returns its
+ * contribution to the output, in hidden's shape (NULL with ctx's error
+ * on failure).  When the layer's exchanges run off the compute stream
+ * (ej_autoep_shared_in_layer) the layer computes it itself, issued
+ * between the dispatch's start and its wait so that it runs while the
+ * rows travel, and adds it to its output; else the model's block does,
+ * in its compiled region. */
+typedef epj_tensor *(*ej_autoep_shared_fn)(epj_ctx *ctx, epj_module *layer,
+					   epj_tensor *hidden);
+epj_status ej_autoep_set_shared(epj_module *m, ej_autoep_shared_fn fn);
+/* True when the layer's output includes its shared expert: it has one
+ * (ej_autoep_set_shared) and a device comm over more than one rank. */
+bool ej_autoep_shared_in_layer(const epj_module *m);
 /* The router losses the layer feeds (runtime/router_loss.c; borrowed, it
  * must outlive the layer; NULL: none) as the model's MoE layer `layer`. */
 struct ej_rloss;

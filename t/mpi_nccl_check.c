@@ -27,6 +27,9 @@
  *           on the communication stream, each waited for by the compute
  *           stream, and no kernel or copy touched their buffers before
  *           (the stand-in driver's stream order check would fail it).
+ *           The same at EP 2 for the Qwen2-MoE golden model (a gated
+ *           shared expert, which the layer computes while its dispatch
+ *           travels: autoep.shared.in_layer) when $top_srcdir has it.
  *  refuse   comm.backend "host" on the cuda device with 2 ranks fails at
  *           engine creation, saying why.
  *
@@ -564,13 +567,15 @@ static void check_stream_log(const char *label)
 	free(log);
 }
 
-static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
+/* config: a model's config.json (NULL: the built-in tiny model) */
+static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16,
+			const char *config)
 {
 	const int P = w->size;
 	const int64_t B = 2, T = 6;
-	char label[96];
-	snprintf(label, sizeof label, "cuda ep %d zero %d %s", ep, zero,
-		 bf16 ? "bf16" : "f32");
+	char label[160];
+	snprintf(label, sizeof label, "cuda ep %d zero %d %s%s", ep, zero,
+		 bf16 ? "bf16" : "f32", config ? " (config.json)" : "");
 	epj_ctx *ca = NULL, *cr = NULL;
 	OK(ca, epj_ctx_new("cuda", &ca));
 	epj_ctx_new("cpu", &cr);
@@ -582,8 +587,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 			      .dtype = EPJ_DTYPE_F32 };
 	epj_model *ma = NULL, *mr = NULL;
 	epj_engine *ea = NULL, *er = NULL;
-	OK(ca, epj_model_new(ca, NULL, &mo, &ma));
-	OK(cr, epj_model_new(cr, NULL, &mo, &mr));
+	OK(ca, epj_model_new(ca, config, &mo, &ma));
+	OK(cr, epj_model_new(cr, config, &mo, &mr));
 	char *ja = ds_json(ep, zero, B, bf16, "auto");
 	char *jr = ds_json(1, 0, B * P, bf16, "auto");
 	OK(ca, epj_engine_initialize_json(ca, ma, ja, label, &ea));
@@ -702,6 +707,13 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 		 * compute stream waited for each (the stand-in driver
 		 * refuses a kernel that reads rows before that wait) */
 		check_stream_log(label);
+		/* a model with a shared expert: the layer computes it while
+		 * the dispatch travels (the reference, one rank, in the
+		 * block) */
+		if (config)
+			CHECK(ctr(ca, "autoep.shared.in_layer") > 0,
+			      "%s: the shared expert did not run in the layer",
+			      label);
 		int64_t st = ctr(ca, "comm.a2av.started");
 		CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
 		      "%s: %lld exchanges off the compute stream, %lld "
@@ -790,12 +802,26 @@ int main(void)
 		check_comm(ctx, w);
 	/* f32 (bf16's kernels would double the build time of the run;
 	 * MPI_NCCL_CHECK_BF16=1 adds a bf16 arm by hand) */
-	check_train(w, self, 2, 2, false);
-	check_train(w, self, 2, 1, false);
-	check_train(w, self, 1, 0, false);
-	check_train(w, self, 1, 2, false);
+	check_train(w, self, 2, 2, false, NULL);
+	check_train(w, self, 2, 1, false, NULL);
+	check_train(w, self, 1, 0, false, NULL);
+	check_train(w, self, 1, 2, false, NULL);
+	/* Qwen2-MoE's shared expert (t/mpi.sh exports top_srcdir) */
+	const char *src = getenv("top_srcdir");
+	char q2[4096];
+	snprintf(q2, sizeof q2, "%s/t/golden/hf/qwen2_moe/config.json",
+		 src ? src : ".");
+	FILE *fq = fopen(q2, "r");
+	if (fq) {
+		fclose(fq);
+		check_train(w, self, 2, 2, false, q2);
+	} else if (rank == 0) {
+		printf("mpi_nccl_check: %s not found: the shared-expert case "
+		       "skipped\n",
+		       q2);
+	}
 	if (getenv("MPI_NCCL_CHECK_BF16"))
-		check_train(w, self, 1, 2, true);
+		check_train(w, self, 1, 2, true, NULL);
 	check_refuse();
 
 	float f = (float)failures;
