@@ -27,6 +27,14 @@
  * reverse exchange of the gradient over the same group; the graph is the
  * same on every rank, so the backward exchanges match too.
  *
+ * On a cuda context with an NCCL EP group the exchanges run on the
+ * device's communication stream (ej_comm_a2av_start): forward, the
+ * compute stream waits for the dispatch right before the regrouping's
+ * index_select and for the combine right before the weighted combine, and
+ * meanwhile runs the shared expert (which the layer then computes itself,
+ * ej_autoep_shared_in_layer) and the regrouping's index upload; backward,
+ * each exchange's node waits at its end.  No host synchronization.
+ *
  * Everything that carries values is computed with ops, so autograd covers
  * the router, the experts and the input; only the index bookkeeping
  * (counts, the split plan, the local-expert regrouping) runs on the host
@@ -210,15 +218,6 @@ static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
 	return EPJ_OK;
 }
 
-/* Token AllToAll-v of the rows of x [R, H] with send_counts[p] rows going to
- * rank p and recv_counts[p] rows coming from it; returns the received rows
- * [sum recv_counts, H].  With grad enabled and x requiring grad, the result
- * carries one custom autograd node whose backward is the reverse exchange
- * of the gradient (counts swapped) over the same comm.  Every rank runs
- * that backward in the same order (the graph is the same on every rank),
- * also for zero rows, so the collectives match.  In a world of one every
- * row stays here in the same order, so no data moves and no node is
- * needed: the result is x itself (a new reference). */
 /* An exchange on the device's communication stream whose end the compute
  * stream has not waited for yet (a2a_finish): nothing on the compute
  * stream may read the received rows, or reuse the send buffer's memory,
@@ -248,6 +247,15 @@ static epj_status a2a_finish(epj_ctx *ctx, a2a_pending *pd)
 	return s;
 }
 
+/* Token AllToAll-v of the rows of x [R, H] with send_counts[p] rows going to
+ * rank p and recv_counts[p] rows coming from it; returns the received rows
+ * [sum recv_counts, H].  With grad enabled and x requiring grad, the result
+ * carries one custom autograd node whose backward is the reverse exchange
+ * of the gradient (counts swapped) over the same comm.  Every rank runs
+ * that backward in the same order (the graph is the same on every rank),
+ * also for zero rows, so the collectives match.  In a world of one every
+ * row stays here in the same order, so no data moves and no node is
+ * needed: the result is x itself (a new reference). */
 typedef struct a2a_node {
 	ej_comm *comm, *dev_comm;
 	int P;
@@ -374,6 +382,7 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 	}
 	if (!a || !a->send || !a->recv) {
 		a2a_node_free(a);
+		a2a_finish(ctx, pd); /* y's memory is free to reuse after */
 		epj_tensor_free(y);
 		ej_error(ctx, EPJ_ERR_NOMEM, "all_to_all_v: out of memory");
 		return NULL;
@@ -389,6 +398,7 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 				       a2a_backward, a, a2a_node_free);
 	if (!node) {
 		a2a_node_free(a);
+		a2a_finish(ctx, pd);
 		epj_tensor_free(y);
 		return NULL;
 	}
