@@ -567,6 +567,42 @@ static void check_stream_log(const char *label)
 	free(log);
 }
 
+/* EP > 1: the expert rows went over NCCL, off the compute stream, in
+ * order (the stream log), the split plan over the host comm; shared: the
+ * model has a shared expert, which the layer computed. */
+static void check_ep_rows(epj_ctx *ca, const char *label, bool shared)
+{
+	char name[128];
+	const char *rows[] = { "autoep.dispatch", "autoep.combine",
+			       "autoep.dispatch_grad", "autoep.combine_grad" };
+	for (int i = 0; i < 4; i++) {
+		snprintf(name, sizeof name, "comm.nccl.%s.bytes", rows[i]);
+		int64_t nb = ctr(ca, name);
+		snprintf(name, sizeof name, "comm.mpi.%s.bytes", rows[i]);
+		CHECK(nb > 0 && ctr(ca, name) == 0,
+		      "%s: %s: nccl %lld bytes, mpi %lld", label, rows[i],
+		      (long long)nb, (long long)ctr(ca, name));
+	}
+	/* the split plan's counts: host scalars on the host comm */
+	CHECK(ctr(ca, "comm.mpi.autoep.split_plan.bytes") > 0,
+	      "%s: split plan not on the host comm", label);
+	/* every exchange ran on the communication stream and the
+	 * compute stream waited for each (the stand-in driver
+	 * refuses a kernel that reads rows before that wait) */
+	check_stream_log(label);
+	/* a model with a shared expert: the layer computes it while
+	 * the dispatch travels (the reference, one rank, in the
+	 * block) */
+	if (shared)
+		CHECK(ctr(ca, "autoep.shared.in_layer") > 0,
+		      "%s: the shared expert did not run in the layer", label);
+	int64_t st = ctr(ca, "comm.a2av.started");
+	CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
+	      "%s: %lld exchanges off the compute stream, %lld "
+	      "waits",
+	      label, (long long)st, (long long)ctr(ca, "comm.a2av.waits"));
+}
+
 /* config: a model's config.json (NULL: the built-in tiny model) */
 static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16,
 			const char *config)
@@ -686,41 +722,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16,
 		CHECK(ctr(ca, "comm.nccl.zero.all_gather.bytes") > 0 &&
 			  ctr(ca, "comm.mpi.zero.all_gather.bytes") == 0,
 		      "%s: parameter all-gather not on nccl", label);
-	if (ep > 1) {
-		const char *rows[] = { "autoep.dispatch", "autoep.combine",
-				       "autoep.dispatch_grad",
-				       "autoep.combine_grad" };
-		for (int i = 0; i < 4; i++) {
-			snprintf(name, sizeof name, "comm.nccl.%s.bytes",
-				 rows[i]);
-			int64_t nb = ctr(ca, name);
-			snprintf(name, sizeof name, "comm.mpi.%s.bytes",
-				 rows[i]);
-			CHECK(nb > 0 && ctr(ca, name) == 0,
-			      "%s: %s: nccl %lld bytes, mpi %lld", label,
-			      rows[i], (long long)nb, (long long)ctr(ca, name));
-		}
-		/* the split plan's counts: host scalars on the host comm */
-		CHECK(ctr(ca, "comm.mpi.autoep.split_plan.bytes") > 0,
-		      "%s: split plan not on the host comm", label);
-		/* every exchange ran on the communication stream and the
-		 * compute stream waited for each (the stand-in driver
-		 * refuses a kernel that reads rows before that wait) */
-		check_stream_log(label);
-		/* a model with a shared expert: the layer computes it while
-		 * the dispatch travels (the reference, one rank, in the
-		 * block) */
-		if (config)
-			CHECK(ctr(ca, "autoep.shared.in_layer") > 0,
-			      "%s: the shared expert did not run in the layer",
-			      label);
-		int64_t st = ctr(ca, "comm.a2av.started");
-		CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
-		      "%s: %lld exchanges off the compute stream, %lld "
-		      "waits",
-		      label, (long long)st,
-		      (long long)ctr(ca, "comm.a2av.waits"));
-	}
+	if (ep > 1)
+		check_ep_rows(ca, label, config != NULL);
 	CHECK(ctr(ca, "kernels.eager_cuda") > 0 &&
 		  ctr(ca, "optim.steps.device") == 2,
 	      "%s: did not run on the device", label);
