@@ -594,8 +594,13 @@ static void check_ep_rows(epj_ctx *ca, const char *label, bool shared)
 	 * the dispatch travels (the reference, one rank, in the
 	 * block) */
 	if (shared)
-		CHECK(ctr(ca, "autoep.shared.in_layer") > 0,
-		      "%s: the shared expert did not run in the layer", label);
+		CHECK(ctr(ca, "autoep.shared.in_layer") > 0 &&
+			  ctr(ca, "autoep.a2a.overlapped_ops") > 0,
+		      "%s: the shared expert did not run in the layer (%lld "
+		      "calls) while an exchange was in flight (%lld eager "
+		      "ops)",
+		      label, (long long)ctr(ca, "autoep.shared.in_layer"),
+		      (long long)ctr(ca, "autoep.a2a.overlapped_ops"));
 	int64_t st = ctr(ca, "comm.a2av.started");
 	CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
 	      "%s: %lld exchanges off the compute stream, %lld "
