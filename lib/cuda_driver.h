@@ -171,8 +171,10 @@ epj_status ej_cuda_error(epj_ctx *ctx, const ej_cuda_driver *d, ej_CUresult r,
 /* ---- the device (device_cuda.c) ---------------------------------------- */
 
 /* The process's cuda device: one primary context on one GPU, a compute
- * stream and a side stream (for work that overlaps the compute stream, such
- * as split-plan copies). */
+ * stream, a side stream (for work that overlaps the compute stream, such
+ * as split-plan copies) and a communication stream (NCCL's all-to-all
+ * exchanges, runtime/comm_nccl.c, ordered with the compute stream by
+ * events so that the kernels issued meanwhile overlap them). */
 typedef struct ej_cuda_dev ej_cuda_dev;
 
 /* Opens (the first call) or returns the process's device: the GPU with
@@ -227,7 +229,7 @@ epj_status ej_cuda_event_elapsed_ms(epj_ctx *ctx, ej_cuda_dev *c, void *start,
 /* A copy on the compute stream that does not wait for its end. */
 epj_status ej_cuda_copy_async(epj_ctx *ctx, ej_cuda_dev *c, void *dst,
 			      const void *src, size_t bytes);
-/* Waits for both streams. */
+/* Waits for the three streams. */
 epj_status ej_cuda_sync(epj_ctx *ctx, ej_cuda_dev *c);
 
 /* CUDA graphs: launches on the compute stream between begin and end are
@@ -241,5 +243,24 @@ void ej_cuda_graph_free(ej_cuda_dev *c, void *exec);
 /* The compute stream (a CUstream, which is also the runtime's
  * cudaStream_t), for libraries that take a stream: cuBLASLt, NCCL. */
 void *ej_cuda_compute_stream(const ej_cuda_dev *c);
+/* The communication stream (a CUstream): NCCL's all-to-all exchanges run
+ * there, between an event of the compute stream (the send buffer is
+ * written) and an event the compute stream waits for before it reads the
+ * received rows (runtime/comm_nccl.c).  ej_cuda_sync waits for it too;
+ * the vtable's sync does not (whatever reads an exchange's buffers comes
+ * after the compute stream's wait for it). */
+void *ej_cuda_comm_stream(const ej_cuda_dev *c);
+
+/* The stream log: the order in which work reached the device's streams,
+ * process-wide, the last 8192 entries.  Each entry is "<stream>:<op>",
+ * stream c (compute), s (side), m (communication) or ? (another), op L
+ * (kernel launch), G (graph launch), C (async copy), R (event record), W
+ * (the stream waits for an event) or what ej_cuda_stream_note gave (N: a
+ * library's exchange, runtime/comm_nccl.c).  ej_cuda_stream_log writes
+ * them oldest first, separated by spaces, into out (at most n bytes with
+ * the NUL; out may be NULL) and returns the full text's length. */
+void ej_cuda_stream_note(void *stream, char op);
+size_t ej_cuda_stream_log(char *out, size_t n);
+void ej_cuda_stream_log_reset(void);
 
 #endif /* EPJIT_CUDA_DRIVER_H */

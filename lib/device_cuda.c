@@ -1,6 +1,8 @@
 /* device_cuda.c -- the cuda device: the CUDA Driver API loaded with dlopen
  * (cuda_driver.h), one primary context per process on the GPU chosen by the
- * local rank, a compute stream and a side stream, device memory under the
+ * local rank, a compute stream, a side stream and a communication stream
+ * (NCCL's all-to-all exchanges, ordered with the compute stream by events),
+ * device memory under the
  * shared caching allocator (alloc.c), modules (cubins or PTX) loaded from
  * bytes, kernel launches, events and CUDA graph capture.
  *
@@ -217,11 +219,93 @@ static ej_CUresult w_cuMemcpy(ej_CUdeviceptr dst, ej_CUdeviceptr src,
 	return raw.cuMemcpy(dst, src, bytes);
 }
 
+/* ---- the stream log --------------------------------------------------------
+ *
+ * The order in which work reached the device's streams (the census of the
+ * overlap): each launch, async copy, event record, stream wait and library
+ * exchange (ej_cuda_stream_note) is one entry, the stream's letter (c:
+ * compute, s: side, m: communication, ?: another) and the operation's. */
+#define SLOG_CAP 8192
+static struct {
+	pthread_mutex_t lock;
+	char ev[SLOG_CAP][2];
+	uint64_t n; /* entries ever logged (the ring keeps the last SLOG_CAP) */
+	ej_CUstream streams[3];
+} slog = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static void slog_add(ej_CUstream s, char op)
+{
+	static const char letter[3] = { 'c', 's', 'm' };
+	char who = '?';
+	for (int i = 0; i < 3; i++)
+		if (s && s == slog.streams[i])
+			who = letter[i];
+	pthread_mutex_lock(&slog.lock);
+	char *e = slog.ev[slog.n++ % SLOG_CAP];
+	e[0] = who;
+	e[1] = op;
+	pthread_mutex_unlock(&slog.lock);
+}
+
+void ej_cuda_stream_note(void *stream, char op)
+{
+	slog_add((ej_CUstream)stream, op);
+}
+
+size_t ej_cuda_stream_log(char *out, size_t n)
+{
+	pthread_mutex_lock(&slog.lock);
+	uint64_t first = slog.n > SLOG_CAP ? slog.n - SLOG_CAP : 0;
+	size_t k = 0, w = 0; /* the text's length, and what fits */
+	for (uint64_t i = first; i < slog.n; i++) {
+		const char *e = slog.ev[i % SLOG_CAP];
+		char tok[5] = { ' ', e[0], ':', e[1], 0 };
+		const char *t = k ? tok : tok + 1;
+		size_t len = strlen(t);
+		if (out && w == k && w + len < n) {
+			memcpy(out + w, t, len);
+			w += len;
+		}
+		k += len;
+	}
+	if (out && n)
+		out[w] = 0;
+	pthread_mutex_unlock(&slog.lock);
+	return k;
+}
+
+void ej_cuda_stream_log_reset(void)
+{
+	pthread_mutex_lock(&slog.lock);
+	slog.n = 0;
+	pthread_mutex_unlock(&slog.lock);
+}
+
+static ej_CUresult w_cuEventRecord(ej_CUevent ev, ej_CUstream stream)
+{
+	ej_CUresult r = raw.cuEventRecord(ev, stream);
+	if (r == EJ_CUDA_SUCCESS)
+		slog_add(stream, 'R');
+	return r;
+}
+
+static ej_CUresult w_cuStreamWaitEvent(ej_CUstream stream, ej_CUevent ev,
+				       unsigned flags)
+{
+	ej_CUresult r = raw.cuStreamWaitEvent(stream, ev, flags);
+	if (r == EJ_CUDA_SUCCESS)
+		slog_add(stream, 'W');
+	return r;
+}
+
 static ej_CUresult w_cuMemcpyAsync(ej_CUdeviceptr dst, ej_CUdeviceptr src,
 				   size_t bytes, ej_CUstream stream)
 {
 	count_copy(dst, src, bytes);
-	return raw.cuMemcpyAsync(dst, src, bytes, stream);
+	ej_CUresult r = raw.cuMemcpyAsync(dst, src, bytes, stream);
+	if (r == EJ_CUDA_SUCCESS)
+		slog_add(stream, 'C');
+	return r;
 }
 
 static ej_CUresult w_cuLaunchKernel(ej_CUfunction fn, unsigned gx, unsigned gy,
@@ -232,16 +316,20 @@ static ej_CUresult w_cuLaunchKernel(ej_CUfunction fn, unsigned gx, unsigned gy,
 {
 	ej_CUresult r = raw.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, smem,
 					   stream, params, extra);
-	if (r == EJ_CUDA_SUCCESS)
+	if (r == EJ_CUDA_SUCCESS) {
 		CNT_ADD(launches, 1);
+		slog_add(stream, 'L');
+	}
 	return r;
 }
 
 static ej_CUresult w_cuGraphLaunch(ej_CUgraphExec exec, ej_CUstream stream)
 {
 	ej_CUresult r = raw.cuGraphLaunch(exec, stream);
-	if (r == EJ_CUDA_SUCCESS)
+	if (r == EJ_CUDA_SUCCESS) {
 		CNT_ADD(graph_launches, 1);
+		slog_add(stream, 'G');
+	}
 	return r;
 }
 
@@ -366,6 +454,8 @@ static bool driver_load(char *err, size_t n, epj_status *st_out)
 	drv.cuStreamSynchronize = w_cuStreamSynchronize;
 	drv.cuCtxSynchronize = w_cuCtxSynchronize;
 	drv.cuEventSynchronize = w_cuEventSynchronize;
+	drv.cuEventRecord = w_cuEventRecord;
+	drv.cuStreamWaitEvent = w_cuStreamWaitEvent;
 	ej_CUresult r = drv.cuInit(0);
 	if (r != EJ_CUDA_SUCCESS) {
 		const char *name = NULL, *str = NULL;
@@ -391,7 +481,7 @@ struct ej_cuda_dev {
 	int ordinal;
 	ej_CUdevice dev;
 	ej_CUcontext cu;
-	ej_CUstream compute, side;
+	ej_CUstream compute, side, comm;
 	int sm_count, cc_major, cc_minor, max_threads, smem_optin;
 	size_t total_mem;
 	char name[128];
@@ -485,6 +575,9 @@ static void cu_memzero(void *self, void *ptr, size_t bytes)
 static void cu_sync(void *self)
 {
 	ej_cuda_dev *c = self;
+	/* not the communication stream: the compute stream waits for each
+	 * exchange there (all_to_all_v_wait) before anything reads its
+	 * buffers, so its work that matters is behind the compute stream's */
 	DEV_CALL(c, cuStreamSynchronize(c->side));
 	DEV_CALL(c, cuStreamSynchronize(c->compute));
 }
@@ -649,6 +742,12 @@ static epj_status dev_init(epj_ctx *ctx, const ej_cuda_driver *d,
 	EJ_CU(ctx, d, cuCtxSetCurrent(c->cu));
 	EJ_CU(ctx, d, cuStreamCreate(&c->compute, EJ_CU_STREAM_NON_BLOCKING));
 	EJ_CU(ctx, d, cuStreamCreate(&c->side, EJ_CU_STREAM_NON_BLOCKING));
+	EJ_CU(ctx, d, cuStreamCreate(&c->comm, EJ_CU_STREAM_NON_BLOCKING));
+	pthread_mutex_lock(&slog.lock);
+	slog.streams[0] = c->compute;
+	slog.streams[1] = c->side;
+	slog.streams[2] = c->comm;
+	pthread_mutex_unlock(&slog.lock);
 	c->vt = (ej_device){ .name = ej_desc_cuda.name,
 			     .desc = &ej_desc_cuda,
 			     .self = c,
@@ -847,6 +946,7 @@ epj_status ej_cuda_copy_async(epj_ctx *ctx, ej_cuda_dev *c, void *dst,
 epj_status ej_cuda_sync(epj_ctx *ctx, ej_cuda_dev *c)
 {
 	EJ_CU(ctx, c->d, cuStreamSynchronize(c->side));
+	EJ_CU(ctx, c->d, cuStreamSynchronize(c->comm));
 	EJ_CU(ctx, c->d, cuStreamSynchronize(c->compute));
 	return EPJ_OK;
 }
@@ -897,4 +997,9 @@ void ej_cuda_graph_free(ej_cuda_dev *c, void *exec)
 void *ej_cuda_compute_stream(const ej_cuda_dev *c)
 {
 	return c->compute;
+}
+
+void *ej_cuda_comm_stream(const ej_cuda_dev *c)
+{
+	return c->comm;
 }

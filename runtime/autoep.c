@@ -27,6 +27,14 @@
  * reverse exchange of the gradient over the same group; the graph is the
  * same on every rank, so the backward exchanges match too.
  *
+ * On a cuda context with an NCCL EP group the exchanges run on the
+ * device's communication stream (ej_comm_a2av_start): forward, the
+ * compute stream waits for the dispatch right before the regrouping's
+ * index_select and for the combine right before the weighted combine, and
+ * meanwhile runs the shared expert (which the layer then computes itself,
+ * ej_autoep_shared_in_layer) and the regrouping's index upload; backward,
+ * each exchange's node waits at its end.  No host synchronization.
+ *
  * Everything that carries values is computed with ops, so autograd covers
  * the router, the experts and the input; only the index bookkeeping
  * (counts, the split plan, the local-expert regrouping) runs on the host
@@ -76,6 +84,9 @@ typedef struct autoep_impl {
 	 * borrowed from the engine) for the rows of a cuda context; NULL: none
 	 * (host memory, or one rank) */
 	ej_comm *dev_comm;
+	/* the shared expert (NULL: none), computed here while the dispatch
+	 * travels when dev_comm is set (ej_autoep_shared_in_layer) */
+	ej_autoep_shared_fn shared_fn;
 	int n_local;	 /* experts on this rank: num_experts / comm->size */
 	int first_local; /* global index of local expert 0 */
 	epj_tensor *last_routing; /* [N, top_k] i64, owned, NULL before use */
@@ -207,6 +218,35 @@ static epj_status index_pair_to_host(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
 	return EPJ_OK;
 }
 
+/* An exchange on the device's communication stream whose end the compute
+ * stream has not waited for yet (a2a_finish): nothing on the compute
+ * stream may read the received rows, or reuse the send buffer's memory,
+ * before then.  send holds the send buffer until the wait (the caching
+ * allocator would otherwise hand its memory to the next kernel while the
+ * exchange still reads it); ops: eager launches at the start. */
+typedef struct a2a_pending {
+	ej_comm *dev_comm; /* NULL: nothing in flight */
+	const char *what;
+	epj_tensor *send;
+	int64_t ops;
+} a2a_pending;
+
+/* The compute stream waits for the pending exchange (no host
+ * synchronization); the eager kernels issued since its start, which ran
+ * while it did, are counted in autoep.a2a.overlapped_ops. */
+static epj_status a2a_finish(epj_ctx *ctx, a2a_pending *pd)
+{
+	if (!pd || !pd->dev_comm)
+		return EPJ_OK;
+	epj_counter_add(ctx, "autoep.a2a.overlapped_ops",
+			epj_counter_get(ctx, "kernels.launched.eager") -
+			    pd->ops);
+	epj_status s = ej_comm_a2av_wait(ctx, pd->dev_comm, pd->what);
+	epj_tensor_free(pd->send);
+	*pd = (a2a_pending){ 0 };
+	return s;
+}
+
 /* Token AllToAll-v of the rows of x [R, H] with send_counts[p] rows going to
  * rank p and recv_counts[p] rows coming from it; returns the received rows
  * [sum recv_counts, H].  With grad enabled and x requiring grad, the result
@@ -236,7 +276,7 @@ static void a2a_node_free(void *p)
 static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			    const char *what, epj_tensor *x,
 			    const int64_t *send_counts,
-			    const int64_t *recv_counts);
+			    const int64_t *recv_counts, a2a_pending *pd);
 
 static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			       epj_tensor *const *grad_out,
@@ -254,17 +294,22 @@ static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			return epj_ctx_status(ctx);
 	}
 	bool prev = epj_no_grad_enter(ctx);
-	grad_in[0] =
-	    a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv, a->send);
+	/* the gradient's consumer is the next node the autograd engine
+	 * runs: the compute stream waits for the exchange at once (pd NULL) */
+	grad_in[0] = a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv,
+			      a->send, NULL);
 	epj_no_grad_exit(ctx, prev);
 	epj_tensor_free(g);
 	return grad_in[0] ? EPJ_OK : epj_ctx_status(ctx);
 }
 
+/* pd: where an exchange on the communication stream is left pending for
+ * the caller to finish before its first reader of the result; NULL: the
+ * compute stream waits for it here. */
 static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			    const char *what, epj_tensor *x,
 			    const int64_t *send_counts,
-			    const int64_t *recv_counts)
+			    const int64_t *recv_counts, a2a_pending *pd)
 {
 	const int P = comm->size;
 	EJ_ASSERT(epj_tensor_ndim(x) == 2);
@@ -300,10 +345,25 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 			     "\"nccl\"; the engine sets it up)",
 			     what, P);
 	} else if (!ctx->dev->host_visible) {
-		/* device rows over NCCL, on the compute stream */
+		/* device rows over NCCL, on the communication stream after
+		 * the compute stream's work so far; the compute stream waits
+		 * for its end before the first kernel that reads y */
 		EJ_ASSERT(dev_comm->size == P && dev_comm->rank == comm->rank);
-		s = ej_comm_a2av(ctx, dev_comm, what, ej_data(xc), send_counts,
-				 ej_data(y), recv_counts, row);
+		EJ_ASSERT(!pd || !pd->dev_comm);
+		int64_t ops = epj_counter_get(ctx, "kernels.launched.eager");
+		bool started = false;
+		s = ej_comm_a2av_start(ctx, dev_comm, what, ej_data(xc),
+				       send_counts, ej_data(y), recv_counts,
+				       row, &started);
+		if (s == EPJ_OK && started && pd) {
+			*pd = (a2a_pending){ .dev_comm = dev_comm,
+					     .what = what,
+					     .send = xc,
+					     .ops = ops };
+			xc = NULL; /* held until the wait */
+		} else if (s == EPJ_OK && started) {
+			s = ej_comm_a2av_wait(ctx, dev_comm, what);
+		}
 	} else {
 		s = ej_comm_a2av(ctx, comm, what, ej_data(xc), send_counts,
 				 ej_data(y), recv_counts, row);
@@ -322,6 +382,7 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 	}
 	if (!a || !a->send || !a->recv) {
 		a2a_node_free(a);
+		a2a_finish(ctx, pd); /* y's memory is free to reuse after */
 		epj_tensor_free(y);
 		ej_error(ctx, EPJ_ERR_NOMEM, "all_to_all_v: out of memory");
 		return NULL;
@@ -337,6 +398,7 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 				       a2a_backward, a, a2a_node_free);
 	if (!node) {
 		a2a_node_free(a);
+		a2a_finish(ctx, pd);
 		epj_tensor_free(y);
 		return NULL;
 	}
@@ -349,7 +411,7 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 				 ej_comm *comm, ej_comm *dev_comm,
 				 const char *what, epj_tensor *x,
 				 const int64_t *send_counts,
-				 const int64_t *recv_counts)
+				 const int64_t *recv_counts, a2a_pending *pd)
 {
 	if (!x)
 		return NULL;
@@ -358,8 +420,8 @@ static epj_tensor *ep_all_to_all(epj_ctx *ctx, const epj_module *m,
 			  send_counts[0] == epj_tensor_dim(x, 0));
 		return epj_tensor_ref(x);
 	}
-	epj_tensor *y =
-	    a2a_rows(ctx, comm, dev_comm, what, x, send_counts, recv_counts);
+	epj_tensor *y = a2a_rows(ctx, comm, dev_comm, what, x, send_counts,
+				 recv_counts, pd);
 	if (!y)
 		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 	return y;
@@ -919,11 +981,19 @@ typedef struct fwd {
 	split_plan sp;
 	epj_tensor *x, *w, *idx, *order, *tok, *pos, *routing, *x_sorted,
 	    *y_sorted, *out;
+	/* the dispatch, then the combine, in flight on the communication
+	 * stream (finished before the first kernel that reads their rows) */
+	a2a_pending pd;
+	/* the layer's input (borrowed) and its shared expert's contribution,
+	 * when the layer computes it (ej_autoep_shared_in_layer) */
+	epj_tensor *hidden, *shared;
 	bool named;
 } fwd;
 
-static void fwd_free(fwd *f)
+static void fwd_free(epj_ctx *ctx, fwd *f)
 {
+	/* after a failure: still ordered before the buffers' reuse */
+	a2a_finish(ctx, &f->pd);
 	free(f->idx_h); /* order_h with it */
 	free(f->counts);
 	free(f->local_counts);
@@ -932,7 +1002,7 @@ static void fwd_free(fwd *f)
 	free(f->sp.recv_plan);
 	epj_tensor *t[] = { f->x,	 f->w,	 f->idx,     f->order,
 			    f->tok,	 f->pos, f->routing, f->x_sorted,
-			    f->y_sorted, f->out };
+			    f->y_sorted, f->out, f->shared };
 	for (size_t i = 0; i < EJ_ARRAY_LEN(t); i++)
 		epj_tensor_free(t[i]);
 }
@@ -1180,9 +1250,23 @@ static epj_status group_by_expert(epj_ctx *ctx, const epj_module *m, fwd *f,
 	epj_tensor *perm =
 	    epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, perm_h);
 	*inv = epj_tensor_from_data(ctx, EPJ_DTYPE_I64, 1, &R_recv, inv_h);
-	*x_grp = perm && *inv ? epj_index_select(ctx, x_recv, 0, perm) : NULL;
+	/* the index ops validate the permutations from these host values
+	 * instead of a copy back (a device synchronization, which would
+	 * also wait for the exchange in flight) */
+	if (perm && *inv && ej_dev_runs_cuda(ctx->dev)) {
+		s = ej_index_pin(ctx, perm, perm_h);
+		if (s == EPJ_OK)
+			s = ej_index_pin(ctx, *inv, inv_h);
+	}
+	/* the first kernel that reads the received rows: the compute stream
+	 * waits for the dispatch here, after the permutation's upload */
+	if (perm && *inv && s == EPJ_OK)
+		s = a2a_finish(ctx, &f->pd);
+	*x_grp = s == EPJ_OK && perm && *inv
+		     ? epj_index_select(ctx, x_recv, 0, perm)
+		     : NULL;
 	epj_tensor_free(perm);
-	if (!*x_grp)
+	if (!*x_grp && s == EPJ_OK)
 		s = op_failed(ctx);
 done:
 	free(perm_h);
@@ -1215,12 +1299,22 @@ static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 			f->local_counts[e] +=
 			    sp->recv_plan[(int64_t)p * f->L + e];
 	}
-	epj_tensor *x_recv =
-	    ep_all_to_all(ctx, m, im->comm, im->dev_comm, "autoep.dispatch",
-			  f->x_sorted, sp->send_counts, sp->recv_counts);
+	epj_tensor *x_recv = ep_all_to_all(
+	    ctx, m, im->comm, im->dev_comm, "autoep.dispatch", f->x_sorted,
+	    sp->send_counts, sp->recv_counts, &f->pd);
 	if (!x_recv) {
 		f->named = true; /* the message names the layer already */
 		return op_failed(ctx);
+	}
+	/* work that does not need the exchange, issued while it runs: the
+	 * shared expert (its GEMMs on the compute stream) */
+	if (ej_autoep_shared_in_layer(m)) {
+		f->shared = im->shared_fn(ctx, m, f->hidden);
+		if (!f->shared) {
+			epj_tensor_free(x_recv);
+			return op_failed(ctx);
+		}
+		epj_counter_add(ctx, "autoep.shared.in_layer", 1);
 	}
 	epj_tensor *x_grp = NULL, *inv = NULL, *y_grp = NULL, *y_recv = NULL;
 	s = group_by_expert(ctx, m, f, x_recv, &x_grp, &inv);
@@ -1238,9 +1332,9 @@ static epj_status fwd_experts(epj_ctx *ctx, epj_module *m, autoep_impl *im,
 	if (s == EPJ_OK && !y_recv)
 		s = op_failed(ctx);
 	if (s == EPJ_OK) {
-		f->y_sorted = ep_all_to_all(ctx, m, im->comm, im->dev_comm,
-					    "autoep.combine", y_recv,
-					    sp->recv_counts, sp->send_counts);
+		f->y_sorted = ep_all_to_all(
+		    ctx, m, im->comm, im->dev_comm, "autoep.combine", y_recv,
+		    sp->recv_counts, sp->send_counts, &f->pd);
 		if (!f->y_sorted) {
 			f->named = true;
 			s = op_failed(ctx);
@@ -1326,6 +1420,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	if (s != EPJ_OK)
 		return s;
 	fwd f = { 0 };
+	f.hidden = hidden;
 	s = fwd_init(ctx, m, im, hidden, &f);
 	if (s == EPJ_OK)
 		s = fwd_route(ctx, m, im, hidden, &f);
@@ -1333,6 +1428,9 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 		s = fwd_permute(ctx, im, &f);
 	if (s == EPJ_OK)
 		s = fwd_experts(ctx, m, im, &f);
+	/* the combine's rows are read from here on */
+	if (s == EPJ_OK && (s = a2a_finish(ctx, &f.pd)) != EPJ_OK)
+		f.named = true;
 	if (s == EPJ_OK) {
 		/* one op summed in rdt over each token's slots in slot order,
 		 * written in the layer's dtype; or the sequence's same sum */
@@ -1343,6 +1441,11 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 			     ? epj_reshape(ctx, f.out, epj_tensor_ndim(hidden),
 					   epj_tensor_shape(hidden))
 			     : NULL;
+		if (out[0] && f.shared) {
+			epj_tensor *sum = epj_add(ctx, out[0], f.shared);
+			epj_tensor_free(out[0]);
+			out[0] = sum;
+		}
 		if (!out[0])
 			s = op_failed(ctx);
 	}
@@ -1354,7 +1457,7 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 	if (s != EPJ_OK && !f.named)
 		ej_error_prefix(ctx, "%s (%s)", m->name, AUTOEP_KIND);
 	plan_drain(ctx, im, &f.sp);
-	fwd_free(&f);
+	fwd_free(ctx, &f);
 	return s;
 }
 
@@ -1791,6 +1894,22 @@ epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm)
 				dev_comm->rank == im->comm->rank));
 	im->dev_comm = dev_comm;
 	return EPJ_OK;
+}
+
+epj_status ej_autoep_set_shared(epj_module *m, ej_autoep_shared_fn fn)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return EPJ_ERR_INVALID;
+	((autoep_impl *)m->impl)->shared_fn = fn;
+	return EPJ_OK;
+}
+
+bool ej_autoep_shared_in_layer(const epj_module *m)
+{
+	if (!m || !m->impl || !m->kind || strcmp(m->kind, AUTOEP_KIND) != 0)
+		return false;
+	const autoep_impl *im = m->impl;
+	return im->shared_fn && im->dev_comm && im->comm->size > 1;
 }
 
 epj_status ej_autoep_set_fused(epj_module *m, bool fused)

@@ -317,6 +317,43 @@ epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,
 	return EPJ_OK;
 }
 
+epj_status ej_comm_a2av_start(epj_ctx *ctx, ej_comm *c, const char *what,
+			      const void *send, const int64_t *send_counts,
+			      void *recv, const int64_t *recv_counts,
+			      size_t row, bool *started)
+{
+	*started = false;
+	if (!c->all_to_all_v_start)
+		return ej_comm_a2av(ctx, c, what, send, send_counts, recv,
+				    recv_counts, row);
+	double t0 = wall_s();
+	epj_status s = c->all_to_all_v_start(c->self, send, send_counts, recv,
+					     recv_counts, row);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_to_all_v_start", what, s);
+	int64_t b = 0;
+	for (int p = 0; p < c->size; p++)
+		if (p != c->rank)
+			b += send_counts[p] * (int64_t)row;
+	account(ctx, c, what, b, t0);
+	if (ctx)
+		epj_counter_add(ctx, "comm.a2av.started", 1);
+	*started = true;
+	return EPJ_OK;
+}
+
+epj_status ej_comm_a2av_wait(epj_ctx *ctx, ej_comm *c, const char *what)
+{
+	if (!c->all_to_all_v_wait)
+		return missing(ctx, c, "all_to_all_v_wait", what);
+	epj_status s = c->all_to_all_v_wait(c->self);
+	if (s != EPJ_OK)
+		return comm_fail(ctx, c, "all_to_all_v_wait", what, s);
+	if (ctx)
+		epj_counter_add(ctx, "comm.a2av.waits", 1);
+	return EPJ_OK;
+}
+
 epj_status ej_comm_a2a_i64(epj_ctx *ctx, ej_comm *c, const char *what,
 			   const int64_t *send, int64_t *recv)
 {

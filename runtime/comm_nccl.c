@@ -13,8 +13,15 @@
  * reduce_scatter_f32, all_gather_v, broadcast) are device memory, and the
  * calls are issued on the cuda device's compute stream: they are ordered
  * with the kernels around them and return before they finish, as NCCL's
- * do.  all_to_all_v is one ncclSend and one ncclRecv per peer inside
- * ncclGroupStart/End; all-gather and reduce-scatter use ncclAllGather /
+ * do.  all_to_all_v_start issues the same all-to-all on the device's
+ * communication stream instead, between two events: the communication
+ * stream waits for `ready`, recorded on the compute stream (the send
+ * buffer is written), and records `done` after the exchange;
+ * all_to_all_v_wait makes the compute stream wait for `done`, so the
+ * kernels issued on the compute stream in between run while the exchange
+ * does, and no host thread waits for anything.  One exchange per comm is
+ * in flight at a time.  all_to_all_v is one ncclSend and one ncclRecv per peer
+ * inside ncclGroupStart/End; all-gather and reduce-scatter use ncclAllGather /
  * ncclReduceScatter when every rank has the same count, else one
  * ncclBroadcast / ncclReduce per rank inside a group.  The members whose
  * buffers are host memory by the vtable's contract -- the split plan's
@@ -177,8 +184,14 @@ typedef struct nccl_comm {
 	nc_comm comm;
 	ej_cuda_dev *dev;
 	ej_CUstream stream; /* the device's compute stream */
-	ej_comm *boot;	    /* host-buffer members and bootstrap */
-	bool own_boot;	    /* boot came from a split: freed with us */
+	/* all_to_all_v_start: the communication stream, the events (made
+	 * at the first start) and whether an exchange awaits its wait */
+	const ej_cuda_driver *d;
+	ej_CUstream cstream;
+	ej_CUevent ready, done;
+	bool in_flight;
+	ej_comm *boot; /* host-buffer members and bootstrap */
+	bool own_boot; /* boot came from a split: freed with us */
 	int rank, size;
 	char err[640];
 } nccl_comm;
@@ -265,6 +278,62 @@ static epj_status nccl_a2av(void *self, const void *sendbuf,
 		ro += rb;
 	}
 	return group_end(n, st);
+}
+
+/* A failed driver call of the exchange's ordering, into the comm's error. */
+static epj_status cu_fail(nccl_comm *n, ej_CUresult r, const char *what)
+{
+	const char *name = NULL;
+	n->d->cuGetErrorName(r, &name);
+	snprintf(n->err, sizeof n->err, "nccl: %s failed: %s (%d)", what,
+		 name ? name : "?", r);
+	return EPJ_ERR_BACKEND;
+}
+#define CUN(n, call)                                                           \
+	do {                                                                   \
+		ej_CUresult cu_r_ = (n)->d->call;                              \
+		if (cu_r_ != EJ_CUDA_SUCCESS)                                  \
+			return cu_fail((n), cu_r_, #call);                     \
+	} while (0)
+
+/* The all-to-all on the communication stream: ready (compute) -> wait
+ * (comm) -> the exchange (comm) -> done (comm).  The compute stream goes
+ * on; all_to_all_v_wait orders it after done. */
+static epj_status nccl_a2av_start(void *self, const void *sendbuf,
+				  const int64_t *send_counts, void *recvbuf,
+				  const int64_t *recv_counts, size_t row)
+{
+	nccl_comm *n = self;
+	if (n->in_flight)
+		return bad(n, "an exchange is in flight already (wait first)",
+			   "all_to_all_v_start");
+	if (!n->ready)
+		CUN(n, cuEventCreate(&n->ready, EJ_CU_EVENT_DEFAULT));
+	if (!n->done)
+		CUN(n, cuEventCreate(&n->done, EJ_CU_EVENT_DEFAULT));
+	CUN(n, cuEventRecord(n->ready, n->stream));
+	CUN(n, cuStreamWaitEvent(n->cstream, n->ready, 0));
+	ej_CUstream compute = n->stream;
+	n->stream = n->cstream; /* nccl_a2av issues on n->stream */
+	epj_status st =
+	    nccl_a2av(self, sendbuf, send_counts, recvbuf, recv_counts, row);
+	n->stream = compute;
+	if (st != EPJ_OK)
+		return st;
+	ej_cuda_stream_note(n->cstream, 'N');
+	CUN(n, cuEventRecord(n->done, n->cstream));
+	n->in_flight = true;
+	return EPJ_OK;
+}
+
+static epj_status nccl_a2av_wait(void *self)
+{
+	nccl_comm *n = self;
+	if (!n->in_flight)
+		return bad(n, "no exchange in flight", "all_to_all_v_wait");
+	n->in_flight = false;
+	CUN(n, cuStreamWaitEvent(n->stream, n->done, 0));
+	return EPJ_OK;
 }
 
 static epj_status nccl_a2a_i64(void *self, const int64_t *send, int64_t *recv)
@@ -429,6 +498,10 @@ static void nccl_destroy(void *self)
 	nccl_comm *n = self;
 	if (n->comm)
 		n->l->ncclCommDestroy(n->comm);
+	if (n->ready)
+		n->d->cuEventDestroy(n->ready);
+	if (n->done)
+		n->d->cuEventDestroy(n->done);
 	if (n->own_boot)
 		ej_comm_free(n->boot);
 	free(n);
@@ -445,6 +518,8 @@ static ej_comm *wrap(nccl_comm *n, const char *group)
 	c->size = n->size;
 	c->self = n;
 	c->all_to_all_v = nccl_a2av;
+	c->all_to_all_v_start = nccl_a2av_start;
+	c->all_to_all_v_wait = nccl_a2av_wait;
 	c->all_to_all_i64 = nccl_a2a_i64;
 	c->all_reduce_f32 = nccl_allreduce;
 	c->barrier = nccl_barrier;
@@ -477,7 +552,11 @@ static ej_comm *nccl_split(void *self, int color, int key, const char *group)
 	nccl_comm *s = calloc(1, sizeof *s);
 	if (!s)
 		return NULL;
-	*s = (nccl_comm){ .l = n->l, .dev = n->dev, .stream = n->stream };
+	*s = (nccl_comm){ .l = n->l,
+			  .dev = n->dev,
+			  .stream = n->stream,
+			  .d = n->d,
+			  .cstream = n->cstream };
 	/* both sides are collective over this comm's ranks, in this order */
 	s->boot = n->boot->split(n->boot->self, color, key, group);
 	nc_result r = n->l->ncclCommSplit(n->comm, color, key, &s->comm, NULL);
@@ -523,6 +602,8 @@ epj_status ej_comm_nccl_new(epj_ctx *ctx, ej_comm *boot, ej_cuda_dev *dev,
 	*n = (nccl_comm){ .l = l,
 			  .dev = dev,
 			  .stream = ej_cuda_compute_stream(dev),
+			  .d = ej_cuda_driver_get(ctx),
+			  .cstream = ej_cuda_comm_stream(dev),
 			  .boot = boot,
 			  .rank = boot->rank,
 			  .size = boot->size };

@@ -484,6 +484,28 @@ static epj_tensor *mla_attention(epj_ctx *ctx, epj_module *attn,
 	return y;
 }
 
+/* The shared expert's contribution for the MoE layer mlp on its input x:
+ * DeepSeek's shared experts (one SwiGLU MLP, ungated) or Qwen2-MoE's
+ * shared expert gated by sigmoid(x Wg^T); NULL with ctx's error on
+ * failure.  The layer calls it (ej_autoep_set_shared) when its exchanges
+ * run off the compute stream, else the block does. */
+static epj_tensor *shared_expert(epj_ctx *ctx, epj_module *mlp, epj_tensor *x)
+{
+	epj_module *ses = ej_module_child(mlp, "shared_experts");
+	if (ses)
+		return swiglu(ctx, ses, x);
+	epj_tensor *u[4] = { 0 };
+	u[0] = swiglu(ctx, ej_module_child(mlp, "shared_expert"), x);
+	u[1] = u[0] ? ej_linear_of(
+			  ctx, ej_module_child(mlp, "shared_expert_gate"), x)
+		    : NULL;
+	u[2] = epj_sigmoid(ctx, u[1]);
+	u[3] = epj_mul(ctx, u[2], u[0]);
+	epj_tensor *y = u[3] ? epj_tensor_ref(u[3]) : NULL;
+	ej_drop(u, 4);
+	return y;
+}
+
 epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 			   epj_tensor *cos, epj_tensor *sin, epj_tensor *docs)
 {
@@ -502,29 +524,17 @@ epj_tensor *ej_qwen3_block(epj_ctx *ctx, epj_module *blk, epj_tensor *h,
 	epj_tensor *y = NULL;
 	epj_module *mlp = ej_module_child(blk, names_of(cfg)->mlp);
 	if (t[X2] && ej_module_call(ctx, mlp, &t[X2], 1, &t[M], 1) == EPJ_OK) {
-		/* Qwen2-MoE's shared expert, gated by sigmoid(x Wg^T): dense
-		 * work, in the block (the compiled region), not in the MoE
-		 * layer's graph break */
-		epj_module *se = ej_module_child(mlp, "shared_expert");
-		epj_module *ses = ej_module_child(mlp, "shared_experts");
-		if (ses) {
-			/* DeepSeek's shared experts: one SwiGLU MLP,
-			 * ungated */
-			epj_tensor *u = swiglu(ctx, ses, t[X2]);
+		/* the shared expert (Qwen2-MoE's gated one, DeepSeek's):
+		 * dense work, in the block (the compiled region), not in the
+		 * MoE layer's graph break -- unless the layer's all-to-all
+		 * runs off the compute stream: then the layer computes it
+		 * while the dispatch travels and its output includes it */
+		bool shared = ej_module_child(mlp, "shared_experts") ||
+			      ej_module_child(mlp, "shared_expert");
+		if (shared && !ej_autoep_shared_in_layer(mlp)) {
+			epj_tensor *u = shared_expert(ctx, mlp, t[X2]);
 			epj_tensor *sum = u ? epj_add(ctx, t[M], u) : NULL;
 			epj_tensor_free(u);
-			epj_tensor_free(t[M]);
-			t[M] = sum;
-		} else if (se) {
-			epj_tensor *u[4] = { 0 };
-			u[0] = swiglu(ctx, se, t[X2]);
-			u[1] = ej_linear_of(
-			    ctx, ej_module_child(mlp, "shared_expert_gate"),
-			    t[X2]);
-			u[2] = epj_sigmoid(ctx, u[1]);
-			u[3] = epj_mul(ctx, u[2], u[0]);
-			epj_tensor *sum = epj_add(ctx, t[M], u[3]);
-			ej_drop(u, 4);
 			epj_tensor_free(t[M]);
 			t[M] = sum;
 		}
@@ -1120,6 +1130,7 @@ norms:
 			se->region_owned = true;
 			ej_module_child(moe, "shared_expert_gate")
 			    ->region_owned = true;
+			ej_autoep_set_shared(moe, shared_expert);
 		}
 		if (c->n_shared_experts > 0) {
 			/* DeepSeek: mlp.shared_experts, a SwiGLU MLP of
@@ -1133,6 +1144,7 @@ norms:
 				return st;
 			ej_module_child(moe, "shared_experts")->region_owned =
 			    true;
+			ej_autoep_set_shared(moe, shared_expert);
 		}
 		epj_module **nm = realloc(
 		    model->moe, sizeof *nm * (size_t)(model->n_moe + 1));

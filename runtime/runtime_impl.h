@@ -318,6 +318,19 @@ typedef struct ej_comm {
 					   int64_t *recv, int n_per,
 					   ej_comm_req **req);
 	epj_status (*wait)(void *self, ej_comm_req *req);
+	/* all_to_all_v off the compute stream (the `nccl` comm): issued on
+	 * the device's communication stream after the compute stream's work
+	 * so far (the send buffer is written), returning at once;
+	 * all_to_all_v_wait makes the compute stream wait for its end without
+	 * blocking the host.  Neither buffer may be read or reused on the
+	 * compute stream before that wait.  One in flight per comm.  NULL:
+	 * all_to_all_v is ordered with the caller already (host buffers). */
+	epj_status (*all_to_all_v_start)(void *self, const void *sendbuf,
+					 const int64_t *send_counts,
+					 void *recvbuf,
+					 const int64_t *recv_counts,
+					 size_t row);
+	epj_status (*all_to_all_v_wait)(void *self);
 	/* A sub-communicator of the ranks passing the same color, ordered by
 	 * key (MPI_Comm_split); group names it.  NULL on failure. */
 	struct ej_comm *(*split)(void *self, int color, int key,
@@ -364,6 +377,17 @@ epj_status ej_comm_a2av(epj_ctx *ctx, ej_comm *c, const char *what,
 			void *recv, const int64_t *recv_counts, size_t row);
 epj_status ej_comm_a2a_i64(epj_ctx *ctx, ej_comm *c, const char *what,
 			   const int64_t *send, int64_t *recv);
+/* The all-to-all-v of ej_comm_a2av off the compute stream where the comm
+ * has all_to_all_v_start (*started true: ej_comm_a2av_wait must follow
+ * before the buffers are read or reused on the compute stream; counted in
+ * comm.a2av.started), else ej_comm_a2av itself (*started false). */
+epj_status ej_comm_a2av_start(epj_ctx *ctx, ej_comm *c, const char *what,
+			      const void *send, const int64_t *send_counts,
+			      void *recv, const int64_t *recv_counts,
+			      size_t row, bool *started);
+/* The compute stream waits for the exchange ej_comm_a2av_start started
+ * (comm.a2av.waits); no host synchronization. */
+epj_status ej_comm_a2av_wait(epj_ctx *ctx, ej_comm *c, const char *what);
 epj_status ej_comm_a2a_i64_start(epj_ctx *ctx, ej_comm *c, const char *what,
 				 const int64_t *send, int64_t *recv, int n_per,
 				 ej_comm_req **req);
@@ -520,6 +544,20 @@ epj_status ej_autoep_set_fused(epj_module *m, bool fused);
  * combine all-to-all of a cuda context's rows (forward and backward) go
  * over it, the split plan's host counts stay on the host group. */
 epj_status ej_autoep_set_dev_comm(epj_module *m, ej_comm *dev_comm);
+/* The layer's shared expert (Qwen2-MoE's gated one, DeepSeek's shared
+ * experts; children of the layer): fn(ctx, layer, hidden) returns its
+ * contribution to the output, in hidden's shape (NULL with ctx's error
+ * on failure).  When the layer's exchanges run off the compute stream
+ * (ej_autoep_shared_in_layer) the layer computes it itself, issued
+ * between the dispatch's start and its wait so that it runs while the
+ * rows travel, and adds it to its output; else the model's block does,
+ * in its compiled region. */
+typedef epj_tensor *(*ej_autoep_shared_fn)(epj_ctx *ctx, epj_module *layer,
+					   epj_tensor *hidden);
+epj_status ej_autoep_set_shared(epj_module *m, ej_autoep_shared_fn fn);
+/* True when the layer's output includes its shared expert: it has one
+ * (ej_autoep_set_shared) and a device comm over more than one rank. */
+bool ej_autoep_shared_in_layer(const epj_module *m);
 /* The router losses the layer feeds (runtime/router_loss.c; borrowed, it
  * must outlive the layer; NULL: none) as the model's MoE layer `layer`. */
 struct ej_rloss;

@@ -17,6 +17,9 @@
  *  - errors carry the call, file:line and ncclGetErrorString (and
  *    ncclGetLastError), through comm.c's wrappers; a failure inside a group
  *    still ends it;
+ *  - the all-to-all off the compute stream: on the communication stream
+ *    between events; the stand-in driver refuses a copy that touches its
+ *    buffers before the compute stream waited for it;
  *  - comm.backend: refused off the cuda device, EPJIT_COMM overrides it,
  *    and the engine applies it at initialize.
  */
@@ -314,6 +317,112 @@ START_TEST(test_nccl_world1)
 }
 END_TEST
 
+/* The all-to-all off the compute stream: all_to_all_v_start runs the
+ * exchange on the communication stream, after the compute stream's writes
+ * of the send buffer; a copy on the compute stream that reads the received
+ * rows, or writes the send buffer, before all_to_all_v_wait is refused by
+ * the stand-in driver's stream order check (as its result would be garbage
+ * on a GPU); after the wait it runs, and the rows are right. */
+START_TEST(test_nccl_stream_order)
+{
+	nenv e;
+	if (!nenv_open(&e))
+		return;
+	ck_assert_msg(ej_comm_nccl_new(e.ctx, e.boot, e.dev, &e.c) == EPJ_OK,
+		      "%s", epj_ctx_error(e.ctx));
+	size_t row = (size_t)tu_randint(1, 40) | 1;
+	int64_t rows = tu_randint(1, 200);
+	const size_t n = (size_t)rows * row;
+	unsigned char *h_send, *h_junk, *h_out;
+	void *send = dev_random(&e, n, &h_send);
+	void *recv = dev_random(&e, n, &h_junk);
+	void *out = dev_random(&e, n, &h_out);
+	bool started = false;
+	fake_nccl_stats s0 = nstats();
+	ck_assert_msg(ej_comm_a2av_start(e.ctx, e.c, "test.a2av", send, &rows,
+					 recv, &rows, row, &started) == EPJ_OK,
+		      "%s", epj_ctx_error(e.ctx));
+	ck_assert(started);
+	fake_nccl_stats s1 = nstats();
+	ck_assert_int_eq(s1.sends, s0.sends + 1);
+	ck_assert_ptr_eq(s1.last_stream, ej_cuda_comm_stream(e.dev));
+	ck_assert_ptr_ne(s1.last_stream, ej_cuda_compute_stream(e.dev));
+	ck_assert_int_eq(epj_counter_get(e.ctx, "comm.a2av.started"), 1);
+	/* one exchange in flight at a time */
+	ck_assert_int_eq(ej_comm_a2av_start(e.ctx, e.c, "test.a2av", send,
+					    &rows, recv, &rows, row, &started),
+			 EPJ_ERR_INVALID);
+	ck_assert_msg(strstr(epj_ctx_error(e.ctx), "in flight"), "%s",
+		      epj_ctx_error(e.ctx));
+	epj_ctx_clear_error(e.ctx);
+
+	/* the missing wait: the compute stream reads the received rows, or
+	 * overwrites the send buffer, while the exchange may still run */
+	e.vt->copy(e.vt->self, out, recv, n);
+	ck_assert_msg(
+	    strstr(ej_cuda_last_error(e.dev), "CUDA_ERROR_ILLEGAL_STATE"),
+	    "a read of the received rows before the wait was not "
+	    "caught: '%s'",
+	    ej_cuda_last_error(e.dev));
+	e.vt->memzero(e.vt->self, send, n);
+	ck_assert_msg(
+	    strstr(ej_cuda_last_error(e.dev), "cuMemsetD8Async") &&
+		strstr(ej_cuda_last_error(e.dev), "CUDA_ERROR_ILLEGAL_STATE"),
+	    "a write of the send buffer before the wait was not "
+	    "caught: '%s'",
+	    ej_cuda_last_error(e.dev));
+
+	/* the wait: the compute stream is ordered after the exchange, with no
+	 * host synchronization */
+	ej_dev_counters c0, c1;
+	ej_cuda_counters(&c0);
+	ck_assert_msg(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av") == EPJ_OK,
+		      "%s", epj_ctx_error(e.ctx));
+	ej_cuda_counters(&c1);
+	ck_assert_int_eq(c1.syncs, c0.syncs);
+	ck_assert_int_eq(epj_counter_get(e.ctx, "comm.a2av.waits"), 1);
+	ck_assert_int_eq(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av"),
+			 EPJ_ERR_INVALID); /* nothing in flight */
+	epj_ctx_clear_error(e.ctx);
+	e.vt->copy(e.vt->self, out, recv, n); /* device to device: no sync */
+	dev_expect(&e, out, h_send, n, "rows read after the wait");
+	/* the next exchange reads a send buffer the compute stream wrote
+	 * after the last one: the ready event orders it */
+	e.vt->copy(e.vt->self, send, h_junk, n);
+	ck_assert_msg(ej_comm_a2av_start(e.ctx, e.c, "test.a2av", send, &rows,
+					 recv, &rows, row, &started) == EPJ_OK,
+		      "%s", epj_ctx_error(e.ctx));
+	ck_assert_int_eq(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av"), EPJ_OK);
+	dev_expect(&e, recv, h_junk, n, "the second exchange");
+
+	/* the census: the order in which the work reached the streams.  The
+	 * exchange waits for the compute stream's event (c:R m:W), runs and
+	 * records its own (m:N m:R); the compute stream's copy of other
+	 * buffers is issued meanwhile (c:C), then the wait (c:W), then the
+	 * copy that reads the received rows (c:C) */
+	ej_cuda_stream_log_reset();
+	ck_assert_int_eq(ej_comm_a2av_start(e.ctx, e.c, "test.a2av", send,
+					    &rows, recv, &rows, row, &started),
+			 EPJ_OK);
+	e.vt->copy(e.vt->self, out, h_send, n); /* independent work */
+	ck_assert_int_eq(ej_comm_a2av_wait(e.ctx, e.c, "test.a2av"), EPJ_OK);
+	e.vt->copy(e.vt->self, out, recv, n);
+	char log[256];
+	ej_cuda_stream_log(log, sizeof log);
+	ck_assert_str_eq(log, "c:R m:W m:N m:R c:C c:W c:C");
+	ck_assert_uint_eq(ej_cuda_stream_log(NULL, 0), strlen(log));
+	dev_expect(&e, out, h_junk, n, "the third exchange");
+
+	void *bufs[] = { send, recv, out };
+	unsigned char *hs[] = { h_send, h_junk, h_out };
+	for (int i = 0; i < 3; i++) {
+		ej_dealloc(e.a, bufs[i]);
+		free(hs[i]);
+	}
+	nenv_close(&e);
+}
+END_TEST
+
 /* Errors: the call, file:line, ncclGetErrorString, ncclGetLastError,
  * through the wrappers; a failure inside a group ends the group. */
 START_TEST(test_nccl_errors)
@@ -493,6 +602,7 @@ Suite *make_nccl_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_loop_test(tc, test_nccl_absent, 0, 2);
 	tcase_add_test(tc, test_nccl_world1);
+	tcase_add_test(tc, test_nccl_stream_order);
 	tcase_add_test(tc, test_nccl_errors);
 	tcase_add_test(tc, test_nccl_select);
 	tcase_add_test(tc, test_nccl_engine);

@@ -1,7 +1,7 @@
 #!/bin/sh
 # t/exports.sh -- the shared libepjit exports only the public epj_ prefix,
 # and the stand-in CUDA driver (t/fake_cuda.c) only what a real libcuda.so.1
-# exports, plus its two test hooks.
+# exports, plus its three test hooks.
 #
 # Lists the dynamic symbols the built .libs/libepjit.so defines (code and data;
 # the linker's own markers such as _init, _fini, _edata, _end, __bss_start are
@@ -46,7 +46,8 @@ echo "PASS: $total exported symbols, all epj_*"
 
 # The stand-in driver: cu* names of the Driver API (each one declared in
 # cuda.h where the toolkit is installed) and the test hooks
-# fake_cuda_set_hook and fake_cuda_device_access, nothing else, so that no
+# fake_cuda_set_hook, fake_cuda_device_access and fake_cuda_stream_access,
+# nothing else, so that no
 # test (and no library code) can lean on a symbol a real driver lacks.
 fake="${top_builddir:-.}/t/.libs/libfakecuda.so"
 if [ -f "$fake" ]; then
@@ -54,7 +55,7 @@ if [ -f "$fake" ]; then
 		grep -v -E '^(_init|_fini|_edata|_end|__bss_start|__data_start|__dso_handle|_DYNAMIC|_GLOBAL_OFFSET_TABLE_|__gmon_start__|__end__|__bss_end__|__bss_start__|_bss_end__)$' |
 		sort -u)
 	fbad=$(printf '%s\n' "$fnames" |
-		grep -v -E '^(cu[A-Z][A-Za-z0-9_]*|fake_cuda_set_hook|fake_cuda_device_access)$' || true)
+		grep -v -E '^(cu[A-Z][A-Za-z0-9_]*|fake_cuda_set_hook|fake_cuda_device_access|fake_cuda_stream_access)$' || true)
 	if [ -n "$fbad" ]; then
 		echo "FAIL: $fake exports symbols a real libcuda.so.1 lacks:"
 		printf '  %s\n' $fbad

@@ -23,7 +23,23 @@
  *    cuFuncSetAttribute raised that function's limit first;
  *  - launches between cuStreamBeginCapture and cuStreamEndCapture are
  *    recorded (kernel parameters copied, as the driver does) and replayed
- *    by cuGraphLaunch.
+ *    by cuGraphLaunch;
+ *  - stream order: streams are distinct, and the stand-in keeps for each
+ *    the position of its last operation and how far it is ordered after
+ *    every other stream (cuStreamWaitEvent on an event recorded there,
+ *    or a host synchronization: stream, event, context, cuMemFree).
+ *    Everything runs when issued, so work that a GPU would run in the
+ *    wrong order would still compute the right numbers here; instead,
+ *    the stand-in NCCL (t/fake_nccl.c) reports each buffer its sends and
+ *    receives touch on a stream (fake_cuda_stream_access), and a kernel
+ *    launch (a parameter word pointing into the buffer), an async copy or
+ *    a fill on another stream that is not ordered after that operation
+ *    fails with CUDA_ERROR_ILLEGAL_STATE and a "stream order" line on
+ *    stderr; so does an exchange whose send buffer was touched by a
+ *    kernel or copy of another stream it is not ordered after.  Kernels
+ *    that read the received rows before the compute stream waited for
+ *    the exchange's completion event fail as they would compute garbage
+ *    on a GPU.
  * A kernel "runs" through a hook the test installs (fake_cuda_set_hook):
  * the tests point it at cuda-sim running the same kernel's CUDA C, so
  * numbers computed through the cuda device's launch path are checked
@@ -41,6 +57,7 @@
  *
  * Test code: built only for make check, never installed.
  */
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,6 +81,7 @@ enum {
 	E_INVALID_DEVICE = 101,
 	E_INVALID_IMAGE = 200,
 	E_INVALID_HANDLE = 400,
+	E_ILLEGAL_STATE = 401,
 	E_NOT_FOUND = 500,
 	E_NOT_SUPPORTED = 801,
 	E_CAPTURE = 900, /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
@@ -91,6 +109,7 @@ typedef struct func {
 	void *module; /* the module handle it came from */
 	char name[128];
 	int max_dyn_smem;
+	long kp; /* parameter bytes (stream order checks); 0: not known yet */
 
 } func;
 
@@ -98,6 +117,7 @@ typedef struct rec {
 	func *f;
 	unsigned grid[3], block[3], smem;
 	unsigned char *args;
+	size_t n_args;
 } rec;
 
 static struct {
@@ -178,6 +198,9 @@ CUresult cuGetErrorName(CUresult e, const char **s)
 	case E_INVALID_HANDLE:
 		*s = "CUDA_ERROR_INVALID_HANDLE";
 		break;
+	case E_ILLEGAL_STATE:
+		*s = "CUDA_ERROR_ILLEGAL_STATE";
+		break;
 	case E_NOT_FOUND:
 		*s = "CUDA_ERROR_NOT_FOUND";
 		break;
@@ -224,6 +247,11 @@ CUresult cuGetErrorString(CUresult e, const char **s)
 		break;
 	case E_INVALID_HANDLE:
 		*s = "invalid resource handle";
+		break;
+	case E_ILLEGAL_STATE:
+		*s = "stream order violated: a buffer of an exchange on "
+		     "another stream was touched before its event was "
+		     "waited for";
 		break;
 	case E_NOT_FOUND:
 		*s = "named symbol not found";
@@ -345,8 +373,10 @@ static CUresult f_cuCtxSetCurrent(void *c)
 {
 	return c == &the_ctx || !c ? OK : E_INVALID_HANDLE;
 }
+static void host_waited(int s);
 static CUresult f_cuCtxSynchronize(void)
 {
+	host_waited(-1);
 	return OK;
 }
 
@@ -485,11 +515,13 @@ static CUresult f_cuMemAlloc(CUdeviceptr *d, size_t n)
 	return OK;
 }
 
+static void host_waited(int s);
 static CUresult f_cuMemFree(CUdeviceptr d)
 {
 	int i = find_alloc((void *)(uintptr_t)d);
 	if (!d || i < 0)
 		return E_INVALID_VALUE;
+	host_waited(-1); /* cuMemFree synchronizes the device */
 	if (G.on == 1)
 		guard_release(F.alloc[i].p, F.alloc[i].n);
 	else
@@ -547,26 +579,239 @@ static CUresult f_cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
 	copy(dst, src, n);
 	return OK;
 }
+static int sid(void *s);
+static CUresult order_copy(int t, uintptr_t dst, uintptr_t src,
+			   const char *who);
 static CUresult f_cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n,
 				void *s)
 {
-	(void)s;
 	ENTER("cuMemcpyAsync");
 	if (F.capturing)
 		return E_CAPTURE; /* not recorded by this fake */
+	CUresult r =
+	    order_copy(sid(s), (uintptr_t)dst, (uintptr_t)src, "cuMemcpyAsync");
+	if (r != OK)
+		return r;
 	copy(dst, src, n);
 	return OK;
 }
 static CUresult f_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n,
 				  void *s)
 {
-	(void)s;
+	CUresult r = order_copy(sid(s), (uintptr_t)dst, 0, "cuMemsetD8Async");
+	if (r != OK)
+		return r;
 	if (count_only == 1 && in_region(dst))
 		return OK;
 	guard_open();
 	memset((void *)(uintptr_t)dst, v, n);
 	guard_close();
 	return OK;
+}
+
+/* ---- stream order ---------------------------------------------------------
+ */
+
+/* Stream 0 is the legacy default stream (a NULL handle); created streams
+ * are 1..MAX_STREAMS-1.  pos[s]: operations issued on s; seen[t][s]: t is
+ * ordered after s's first seen[t][s] operations.  rng: the buffers the
+ * stand-in NCCL's operations touched (a ring; the oldest is forgotten);
+ * touch: the pointers that launches and copies passed, most recent last
+ * (a ring). */
+#define MAX_STREAMS 64
+#define MAX_RANGES  1024
+#define MAX_TOUCH   4096
+typedef struct fstream {
+	int id;
+} fstream;
+typedef struct fevent {
+	double t;		     /* cuEventRecord's time (elapsed time) */
+	int s;			     /* recorded on; -1: never recorded */
+	long long seen[MAX_STREAMS]; /* s's order at the record */
+} fevent;
+static struct {
+	fstream streams[MAX_STREAMS];
+	int next; /* the slot the next stream takes (round robin) */
+	long long pos[MAX_STREAMS];
+	long long seen[MAX_STREAMS][MAX_STREAMS];
+	struct orng {
+		uintptr_t lo, hi;
+		int s;
+		long long pos;
+		char what[48];
+	} rng[MAX_RANGES];
+	int n_rng, at_rng;
+	struct otouch {
+		uintptr_t p;
+		int s;
+		long long pos;
+	} touch[MAX_TOUCH];
+	int n_touch, at_touch;
+} O;
+
+static int sid(void *s)
+{
+	if (!s)
+		return 0;
+	fstream *f = s;
+	return f >= O.streams && f < O.streams + MAX_STREAMS ? f->id : 0;
+}
+
+/* t is ordered after s's first `pos` operations */
+static bool ordered(int t, int s, long long pos)
+{
+	return t == s || O.seen[t][s] >= pos;
+}
+
+/* The host waited for stream s's operations so far (or every stream's,
+ * s < 0): everything issued from now on comes after them. */
+static void host_waited(int s)
+{
+	for (int u = 0; u < MAX_STREAMS; u++) {
+		if (s >= 0 && u != s)
+			continue;
+		for (int t = 0; t < MAX_STREAMS; t++)
+			if (O.seen[t][u] < O.pos[u])
+				O.seen[t][u] = O.pos[u];
+	}
+}
+
+static CUresult order_fail(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+static CUresult order_fail(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	fputs("fake_cuda: stream order: ", stderr);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+	va_end(ap);
+	return E_ILLEGAL_STATE;
+}
+
+/* An operation on stream t touching the word p (a pointer, maybe):
+ * refused when p lies in a buffer an exchange of another stream touched
+ * and t is not ordered after that exchange. */
+static CUresult order_check(int t, uintptr_t p, const char *who)
+{
+	for (int i = 0; i < O.n_rng; i++) {
+		const struct orng *r = &O.rng[i];
+		if (p >= r->lo && p < r->hi && !ordered(t, r->s, r->pos))
+			return order_fail(
+			    "%s on stream %d touches %#lx, in the buffer "
+			    "[%#lx, %#lx) of %s on stream %d (its operation "
+			    "%lld), and stream %d has waited for none of its "
+			    "events since",
+			    who, t, (unsigned long)p, (unsigned long)r->lo,
+			    (unsigned long)r->hi, r->what, r->s, r->pos, t);
+	}
+	return OK;
+}
+
+static void order_touch(int t, uintptr_t p)
+{
+	if (p < 4096)
+		return; /* not a pointer */
+	O.touch[O.at_touch] = (struct otouch){ p, t, O.pos[t] };
+	O.at_touch = (O.at_touch + 1) % MAX_TOUCH;
+	if (O.n_touch < MAX_TOUCH)
+		O.n_touch++;
+}
+
+/* A launch's parameter words (8-byte aligned: where pointers are). */
+static CUresult order_launch(int t, const func *f, const void *args, size_t n)
+{
+	O.pos[t]++;
+	for (size_t off = 0; args && off + 8 <= n; off += 8) {
+		uintptr_t w;
+		memcpy(&w, (const char *)args + off, sizeof w);
+		CUresult r = order_check(t, w, f->name);
+		if (r != OK)
+			return r;
+		order_touch(t, w);
+	}
+	return OK;
+}
+
+static CUresult order_copy(int t, uintptr_t dst, uintptr_t src, const char *who)
+{
+	O.pos[t]++;
+	CUresult r = order_check(t, dst, who);
+	if (r == OK && src)
+		r = order_check(t, src, who);
+	order_touch(t, dst);
+	if (src)
+		order_touch(t, src);
+	return r;
+}
+
+/* The allocation holding p: [*lo, *hi); false when none does. */
+static bool alloc_of(uintptr_t p, uintptr_t *lo, uintptr_t *hi)
+{
+	for (int i = 0; i < MAX_ALLOCS; i++) {
+		uintptr_t a = (uintptr_t)F.alloc[i].p;
+		if (a && p >= a && p - a < F.alloc[i].n) {
+			*lo = a;
+			*hi = a + F.alloc[i].n;
+			return true;
+		}
+	}
+	return false;
+}
+
+/* For the stand-in NCCL: its operation `what` on stream `stream` reads
+ * (write 0) or writes [p, p + n).  0 when the order allows it, else -1
+ * with a "stream order" line on stderr: the buffer (or its allocation)
+ * was touched by an operation of another stream that this one is not
+ * ordered after.  The buffer is then remembered as the exchange's:
+ * other streams must wait for an event recorded after it before they
+ * touch it. */
+int fake_cuda_stream_access(void *stream, const void *p, size_t n, int write,
+			    const char *what);
+int fake_cuda_stream_access(void *stream, const void *p, size_t n, int write,
+			    const char *what)
+{
+	int t = sid(stream);
+	uintptr_t lo = (uintptr_t)p, hi = lo + n;
+	if (!n)
+		return 0;
+	O.pos[t]++;
+	for (int i = 0; i < O.n_rng; i++) { /* overlapping exchanges */
+		const struct orng *r = &O.rng[i];
+		if (lo < r->hi && r->lo < hi && !ordered(t, r->s, r->pos)) {
+			order_fail("%s on stream %d touches [%#lx, %#lx), "
+				   "which %s on stream %d (its operation "
+				   "%lld) touches, and stream %d has not "
+				   "waited for it",
+				   what, t, (unsigned long)lo,
+				   (unsigned long)hi, r->what, r->s, r->pos, t);
+			return -1;
+		}
+	}
+	uintptr_t a0, a1;
+	if (alloc_of(lo, &a0, &a1)) {
+		for (int i = 0; i < O.n_touch; i++) {
+			const struct otouch *k = &O.touch[i];
+			if (k->p >= a0 && k->p < a1 &&
+			    !ordered(t, k->s, k->pos)) {
+				order_fail("%s on stream %d %s [%#lx, %#lx), "
+					   "touched by stream %d (its "
+					   "operation %lld), which stream %d "
+					   "has not waited for",
+					   what, t, write ? "writes" : "reads",
+					   (unsigned long)lo, (unsigned long)hi,
+					   k->s, k->pos, t);
+				return -1;
+			}
+		}
+	}
+	struct orng *r = &O.rng[O.at_rng];
+	*r = (struct orng){ .lo = lo, .hi = hi, .s = t, .pos = O.pos[t] };
+	snprintf(r->what, sizeof r->what, "%s", what);
+	O.at_rng = (O.at_rng + 1) % MAX_RANGES;
+	if (O.n_rng < MAX_RANGES)
+		O.n_rng++;
+	return 0;
 }
 
 /* ---- modules and launches -------------------------------------------------
@@ -721,12 +966,25 @@ static CUresult run(func *f, const unsigned *g, const unsigned *b,
 	return OK;
 }
 
+/* A kernel's parameter bytes: from its image, else the test's callback
+ * (0: unknown). */
+static size_t args_size(func *f)
+{
+	if (!f->kp) {
+		const module *mod = f->module;
+		long kp = fake_kparam_size(mod->image, mod->size, f->name);
+		f->kp = kp > 0 ? kp : -1;
+	}
+	if (f->kp > 0)
+		return (size_t)f->kp;
+	return F.size ? F.size(F.hook_user, f->module, f->name) : 0;
+}
+
 static CUresult f_cuLaunchKernel(void *fp, unsigned gx, unsigned gy,
 				 unsigned gz, unsigned bx, unsigned by,
 				 unsigned bz, unsigned smem, void *s,
 				 void **params, void **extra)
 {
-	(void)s;
 	ENTER("cuLaunchKernel");
 	func *f = fp;
 	if (!f || extra || !params)
@@ -762,43 +1020,69 @@ static CUresult f_cuLaunchKernel(void *fp, unsigned gx, unsigned gy,
 		memcpy(r->block, b, sizeof b);
 		r->smem = smem;
 		r->args = malloc(n);
+		r->n_args = n;
 		memcpy(r->args, params[0], n);
 		return OK;
 	}
-	return run(f, g, b, smem, params[0]);
+	CUresult r = order_launch(sid(s), f, params[0], args_size(f));
+	return r != OK ? r : run(f, g, b, smem, params[0]);
 }
 
 /* ---- streams, events, graphs -------------------------------------------- */
 
-static int a_stream;
 static CUresult f_cuStreamCreate(void **s, unsigned flags)
 {
 	(void)flags;
-	*s = &a_stream;
+	/* slots are taken in turn (a test process that opens the device
+	 * again and again never destroys its old streams): a stream made
+	 * MAX_STREAMS - 1 creations ago is forgotten */
+	int i = O.next % (MAX_STREAMS - 1) + 1;
+	O.next = i;
+	O.streams[i].id = i;
+	O.pos[i] = 0;
+	for (int u = 0; u < MAX_STREAMS; u++)
+		O.seen[i][u] = O.seen[u][i] = 0;
+	for (int k = 0; k < O.n_rng; k++)
+		if (O.rng[k].s == i)
+			O.rng[k].hi = O.rng[k].lo; /* the old stream's */
+	for (int k = 0; k < O.n_touch; k++)
+		if (O.touch[k].s == i)
+			O.touch[k].p = 0;
+	*s = &O.streams[i];
 	return OK;
 }
 static CUresult f_cuStreamDestroy(void *s)
 {
-	(void)s;
-	return OK;
+	return sid(s) ? OK : E_INVALID_HANDLE;
 }
 static CUresult f_cuStreamSynchronize(void *s)
 {
-	(void)s;
-	return F.capturing ? E_CAPTURE : OK;
+	if (F.capturing)
+		return E_CAPTURE;
+	host_waited(sid(s));
+	return OK;
 }
 static CUresult f_cuStreamWaitEvent(void *s, void *e, unsigned fl)
 {
-	(void)s;
-	(void)e;
 	(void)fl;
+	const fevent *ev = e;
+	int t = sid(s);
+	if (!ev || ev->s < 0)
+		return OK; /* never recorded: nothing to wait for */
+	for (int u = 0; u < MAX_STREAMS; u++)
+		if (O.seen[t][u] < ev->seen[u])
+			O.seen[t][u] = ev->seen[u];
 	return OK;
 }
 
 static CUresult f_cuEventCreate(void **e, unsigned flags)
 {
 	(void)flags;
-	*e = calloc(1, sizeof(double));
+	fevent *ev = calloc(1, sizeof *ev);
+	if (!ev)
+		return E_OOM;
+	ev->s = -1;
+	*e = ev;
 	return OK;
 }
 static CUresult f_cuEventDestroy(void *e)
@@ -808,20 +1092,29 @@ static CUresult f_cuEventDestroy(void *e)
 }
 static CUresult f_cuEventRecord(void *e, void *s)
 {
-	(void)s;
+	fevent *ev = e;
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
-	*(double *)e = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+	ev->t = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+	/* what waiting for it orders after: s's operations so far, and what
+	 * s was ordered after itself */
+	ev->s = sid(s);
+	memcpy(ev->seen, O.seen[ev->s], sizeof ev->seen);
+	ev->seen[ev->s] = O.pos[ev->s];
 	return OK;
 }
 static CUresult f_cuEventSynchronize(void *e)
 {
-	(void)e;
+	const fevent *ev = e;
+	for (int u = 0; ev && ev->s >= 0 && u < MAX_STREAMS; u++)
+		for (int t = 0; t < MAX_STREAMS; t++)
+			if (O.seen[t][u] < ev->seen[u])
+				O.seen[t][u] = ev->seen[u];
 	return OK;
 }
 static CUresult f_cuEventElapsedTime(float *ms, void *a, void *b)
 {
-	*ms = (float)(*(double *)b - *(double *)a);
+	*ms = (float)(((fevent *)b)->t - ((fevent *)a)->t);
 	return OK;
 }
 
@@ -866,12 +1159,14 @@ static CUresult f_cuGraphInstantiateWithFlags(void **x, void *g,
 }
 static CUresult f_cuGraphLaunch(void *x, void *s)
 {
-	(void)s;
 	gexec *e = x;
 	F.st.graph_launches++;
 	for (int i = 0; i < e->n; i++) {
-		CUresult r = run(e->r[i].f, e->r[i].grid, e->r[i].block,
-				 e->r[i].smem, e->r[i].args);
+		CUresult r = order_launch(sid(s), e->r[i].f, e->r[i].args,
+					  e->r[i].n_args);
+		if (r == OK)
+			r = run(e->r[i].f, e->r[i].grid, e->r[i].block,
+				e->r[i].smem, e->r[i].args);
 		if (r != OK)
 			return r;
 		F.st.replayed++;

@@ -39,6 +39,17 @@
  * opened (fake_cuda_device_access, resolved in the already loaded
  * $EPJIT_CUDA_DRIVER) only while the stand-in reads or writes it.
  *
+ * Stream order: every send and receive reports its buffer and stream to
+ * the stand-in driver (fake_cuda_stream_access, when it is loaded), which
+ * refuses it -- ncclInvalidUsage, with a "stream order" line on stderr --
+ * when a kernel or copy of another stream touched the buffer and this
+ * stream is not ordered after it (a cuStreamWaitEvent on an event
+ * recorded after it, or a host synchronization), and then makes every
+ * later kernel, copy or fill of another stream that touches the buffer
+ * fail until that stream has waited for an event recorded after the send
+ * or receive: no kernel reads an exchange's rows before its completion
+ * event, and none overwrites its send buffer while it is read.
+ *
  * Test code: built only for make check, never installed.
  */
 #include <dirent.h>
@@ -203,6 +214,23 @@ static void dev_close(void)
 {
 	if (g_access)
 		g_access(0);
+}
+
+/* The stand-in driver's stream order check (0: allowed, or no driver). */
+static int (*g_order)(void *, const void *, size_t, int, const char *);
+static bool g_order_tried;
+
+static int stream_access(void *stream, const void *p, size_t n, int write,
+			 const char *what)
+{
+	if (!g_order_tried) {
+		g_order_tried = true;
+		const char *d = getenv("EPJIT_CUDA_DRIVER");
+		void *h = d && *d ? dlopen(d, RTLD_NOW | RTLD_NOLOAD) : NULL;
+		void *f = h ? dlsym(h, "fake_cuda_stream_access") : NULL;
+		memcpy(&g_order, &f, sizeof f);
+	}
+	return g_order ? g_order(stream, p, n, write, what) : 0;
 }
 
 static double now_s(void)
@@ -884,6 +912,10 @@ int ncclSend(const void *s, size_t n, int t, int peer, comm *c, void *stream)
 	int e = p2p(c, t, peer, stream, "send to self outside a group");
 	if (e)
 		return e;
+	if (stream_access(stream, s, n * type_size(t), 0, "ncclSend"))
+		return fail(c, E_USAGE,
+			    "stream order: the send buffer is "
+			    "not ordered after its writer");
 	S.sends++;
 	if (G.depth == 0) /* several ranks, outside a group: now */
 		return p2p_send(c, peer, s, n * type_size(t));
@@ -900,6 +932,10 @@ int ncclRecv(void *r, size_t n, int t, int peer, comm *c, void *stream)
 	int e = p2p(c, t, peer, stream, "receive from self outside a group");
 	if (e)
 		return e;
+	if (stream_access(stream, r, n * type_size(t), 1, "ncclRecv"))
+		return fail(c, E_USAGE,
+			    "stream order: the receive buffer is "
+			    "not ordered after its last user");
 	S.recvs++;
 	if (G.depth == 0)
 		return p2p_recv(c, peer, r, n * type_size(t));

@@ -23,7 +23,13 @@
  *           (bf16) tolerances, the updates non-zero; the counters show
  *           that the expert rows and the gradients went over NCCL
  *           (comm.nccl.*.bytes > 0) and the host comm carried none of
- *           them (comm.mpi.<purpose>.bytes == 0).
+ *           them (comm.mpi.<purpose>.bytes == 0); the rows' exchanges ran
+ *           on the communication stream, each waited for by the compute
+ *           stream, and no kernel or copy touched their buffers before
+ *           (the stand-in driver's stream order check would fail it).
+ *           The same at EP 2 for the Qwen2-MoE golden model (a gated
+ *           shared expert, which the layer computes while its dispatch
+ *           travels: autoep.shared.in_layer) when $top_srcdir has it.
  *  refuse   comm.backend "host" on the cuda device with 2 ranks fails at
  *           engine creation, saying why.
  *
@@ -513,13 +519,104 @@ static int64_t ctr(epj_ctx *ctx, const char *name)
 	return epj_counter_get(ctx, name);
 }
 
-static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
+/* The stream log of the last step (ej_cuda_stream_log): on the
+ * communication stream every exchange waits for an event of the compute
+ * stream, runs and records its completion (m:W m:N m:R), and the compute
+ * stream waits for each (c:W); work reached the compute stream between an
+ * exchange and its wait in at least one of them (the overlap). */
+static void check_stream_log(const char *label)
+{
+	size_t n = ej_cuda_stream_log(NULL, 0);
+	char *log = malloc(n + 1);
+	if (!log)
+		return;
+	ej_cuda_stream_log(log, n + 1);
+	int exchanges = 0, waits = 0, overlapped = 0, meanwhile = -1;
+	/* the next op expected on the comm stream (0: any, where the log
+	 * kept only a step's last entries) */
+	char want = 0;
+	bool ok = true;
+	for (const char *p = log; *p; p += p[3] ? 4 : 3) {
+		char s = p[0], op = p[2];
+		if (s == 'm') {
+			ok = ok && (!want || op == want);
+			want = op == 'W' ? 'N' : op == 'N' ? 'R' : 'W';
+			if (op == 'R') {
+				exchanges++;
+				meanwhile = 0;
+			}
+		} else if (s == 'c' && op == 'W') {
+			waits++;
+			overlapped += meanwhile > 0;
+			meanwhile = -1;
+		} else if (s == 'c' && meanwhile >= 0) {
+			meanwhile++;
+		}
+	}
+	CHECK(ok && want == 'W' && exchanges > 0 && waits >= exchanges &&
+		  overlapped > 0,
+	      "%s: stream log: comm stream in order %d, %d exchanges, %d "
+	      "compute waits, %d with work issued meanwhile (%zu bytes of "
+	      "log)",
+	      label, ok, exchanges, waits, overlapped, n);
+	if (rank == 0)
+		printf("mpi_nccl_check: %s: a step's stream log: %d exchanges "
+		       "on the communication stream, %d with compute work "
+		       "issued before the compute stream's wait\n",
+		       label, exchanges, overlapped);
+	free(log);
+}
+
+/* EP > 1: the expert rows went over NCCL, off the compute stream, in
+ * order (the stream log), the split plan over the host comm; shared: the
+ * model has a shared expert, which the layer computed. */
+static void check_ep_rows(epj_ctx *ca, const char *label, bool shared)
+{
+	char name[128];
+	const char *rows[] = { "autoep.dispatch", "autoep.combine",
+			       "autoep.dispatch_grad", "autoep.combine_grad" };
+	for (int i = 0; i < 4; i++) {
+		snprintf(name, sizeof name, "comm.nccl.%s.bytes", rows[i]);
+		int64_t nb = ctr(ca, name);
+		snprintf(name, sizeof name, "comm.mpi.%s.bytes", rows[i]);
+		CHECK(nb > 0 && ctr(ca, name) == 0,
+		      "%s: %s: nccl %lld bytes, mpi %lld", label, rows[i],
+		      (long long)nb, (long long)ctr(ca, name));
+	}
+	/* the split plan's counts: host scalars on the host comm */
+	CHECK(ctr(ca, "comm.mpi.autoep.split_plan.bytes") > 0,
+	      "%s: split plan not on the host comm", label);
+	/* every exchange ran on the communication stream and the
+	 * compute stream waited for each (the stand-in driver
+	 * refuses a kernel that reads rows before that wait) */
+	check_stream_log(label);
+	/* a model with a shared expert: the layer computes it while
+	 * the dispatch travels (the reference, one rank, in the
+	 * block) */
+	if (shared)
+		CHECK(ctr(ca, "autoep.shared.in_layer") > 0 &&
+			  ctr(ca, "autoep.a2a.overlapped_ops") > 0,
+		      "%s: the shared expert did not run in the layer (%lld "
+		      "calls) while an exchange was in flight (%lld eager "
+		      "ops)",
+		      label, (long long)ctr(ca, "autoep.shared.in_layer"),
+		      (long long)ctr(ca, "autoep.a2a.overlapped_ops"));
+	int64_t st = ctr(ca, "comm.a2av.started");
+	CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
+	      "%s: %lld exchanges off the compute stream, %lld "
+	      "waits",
+	      label, (long long)st, (long long)ctr(ca, "comm.a2av.waits"));
+}
+
+/* config: a model's config.json (NULL: the built-in tiny model) */
+static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16,
+			const char *config)
 {
 	const int P = w->size;
 	const int64_t B = 2, T = 6;
-	char label[96];
-	snprintf(label, sizeof label, "cuda ep %d zero %d %s", ep, zero,
-		 bf16 ? "bf16" : "f32");
+	char label[160];
+	snprintf(label, sizeof label, "cuda ep %d zero %d %s%s", ep, zero,
+		 bf16 ? "bf16" : "f32", config ? " (config.json)" : "");
 	epj_ctx *ca = NULL, *cr = NULL;
 	OK(ca, epj_ctx_new("cuda", &ca));
 	epj_ctx_new("cpu", &cr);
@@ -531,8 +628,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 			      .dtype = EPJ_DTYPE_F32 };
 	epj_model *ma = NULL, *mr = NULL;
 	epj_engine *ea = NULL, *er = NULL;
-	OK(ca, epj_model_new(ca, NULL, &mo, &ma));
-	OK(cr, epj_model_new(cr, NULL, &mo, &mr));
+	OK(ca, epj_model_new(ca, config, &mo, &ma));
+	OK(cr, epj_model_new(cr, config, &mo, &mr));
 	char *ja = ds_json(ep, zero, B, bf16, "auto");
 	char *jr = ds_json(1, 0, B * P, bf16, "auto");
 	OK(ca, epj_engine_initialize_json(ca, ma, ja, label, &ea));
@@ -556,6 +653,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 	for (int step = 0; step < 2; step++) {
 		epj_tensor *ids = NULL, *lab = NULL;
 		OK(cr, epj_corpus_next_batch(cr, corp, B * P, T, &ids, &lab));
+		if (step == 1)
+			ej_cuda_stream_log_reset(); /* the census of a step */
 		epj_tensor *ida = rows_of(ca, cr, ids, w->rank, B);
 		epj_tensor *laa = rows_of(ca, cr, lab, w->rank, B);
 		epj_step_info ia, ir;
@@ -628,24 +727,8 @@ static void check_train(ej_comm *w, ej_comm *self, int ep, int zero, bool bf16)
 		CHECK(ctr(ca, "comm.nccl.zero.all_gather.bytes") > 0 &&
 			  ctr(ca, "comm.mpi.zero.all_gather.bytes") == 0,
 		      "%s: parameter all-gather not on nccl", label);
-	if (ep > 1) {
-		const char *rows[] = { "autoep.dispatch", "autoep.combine",
-				       "autoep.dispatch_grad",
-				       "autoep.combine_grad" };
-		for (int i = 0; i < 4; i++) {
-			snprintf(name, sizeof name, "comm.nccl.%s.bytes",
-				 rows[i]);
-			int64_t nb = ctr(ca, name);
-			snprintf(name, sizeof name, "comm.mpi.%s.bytes",
-				 rows[i]);
-			CHECK(nb > 0 && ctr(ca, name) == 0,
-			      "%s: %s: nccl %lld bytes, mpi %lld", label,
-			      rows[i], (long long)nb, (long long)ctr(ca, name));
-		}
-		/* the split plan's counts: host scalars on the host comm */
-		CHECK(ctr(ca, "comm.mpi.autoep.split_plan.bytes") > 0,
-		      "%s: split plan not on the host comm", label);
-	}
+	if (ep > 1)
+		check_ep_rows(ca, label, config != NULL);
 	CHECK(ctr(ca, "kernels.eager_cuda") > 0 &&
 		  ctr(ca, "optim.steps.device") == 2,
 	      "%s: did not run on the device", label);
@@ -727,12 +810,26 @@ int main(void)
 		check_comm(ctx, w);
 	/* f32 (bf16's kernels would double the build time of the run;
 	 * MPI_NCCL_CHECK_BF16=1 adds a bf16 arm by hand) */
-	check_train(w, self, 2, 2, false);
-	check_train(w, self, 2, 1, false);
-	check_train(w, self, 1, 0, false);
-	check_train(w, self, 1, 2, false);
+	check_train(w, self, 2, 2, false, NULL);
+	check_train(w, self, 2, 1, false, NULL);
+	check_train(w, self, 1, 0, false, NULL);
+	check_train(w, self, 1, 2, false, NULL);
+	/* Qwen2-MoE's shared expert (t/mpi.sh exports top_srcdir) */
+	const char *src = getenv("top_srcdir");
+	char q2[4096];
+	snprintf(q2, sizeof q2, "%s/t/golden/hf/qwen2_moe/config.json",
+		 src ? src : ".");
+	FILE *fq = fopen(q2, "r");
+	if (fq) {
+		fclose(fq);
+		check_train(w, self, 2, 2, false, q2);
+	} else if (rank == 0) {
+		printf("mpi_nccl_check: %s not found: the shared-expert case "
+		       "skipped\n",
+		       q2);
+	}
 	if (getenv("MPI_NCCL_CHECK_BF16"))
-		check_train(w, self, 1, 2, true);
+		check_train(w, self, 1, 2, true, NULL);
 	check_refuse();
 
 	float f = (float)failures;
