@@ -1192,13 +1192,17 @@ START_TEST(test_engine_sim)
 	/* bf16: the arms' sums in other orders flip the RNE rounding of some
 	 * bf16 activations and weights (a step of 2^-8 of the value), and
 	 * the steps carry those on, so elements cannot be held to f32
-	 * rounding; each parameter's update (from the common initial
-	 * weights a0) must agree in L2 instead: to 12%, since on cuda-sim
-	 * the bf16 attention runs on the tensor-core kernels, which round P
-	 * and dS to bf16 before their products where the CPU keeps f32, and
-	 * Adam's normalised step turns the gradients' small differences into
-	 * up to ~8% of a projection's update (seed 117739811378643: 7.9%); a
-	 * wrong kernel moves updates by their own size. */
+	 * rounding; the updates (from the common initial weights a0) must
+	 * agree in L2 instead.  On cuda-sim the bf16 attention runs on the
+	 * tensor-core kernels, which round P and dS to bf16 before their
+	 * products where the CPU keeps f32, and a near tie of two experts'
+	 * router logits can flip a token's expert: over all parameters the
+	 * updates agree to 0.7% (13 seeds at most 0.68%), held to 3%; one
+	 * parameter whose gradient is a sum that cancels (a norm's 16
+	 * weights) or an expert that lost or gained a token differs by up to
+	 * 19% of its update (seed 2873124215), held to 50%.  A wrong kernel
+	 * moves the updates it touches by their own size. */
+	double dn_all = 0, un_all = 0;
 	epj_model *m0 = NULL;
 	int64_t outliers = 0, total = 0;
 	if (_i == 1) {
@@ -1224,10 +1228,12 @@ START_TEST(test_engine_sim)
 				dn += (a[k] - b[k]) * (a[k] - b[k]);
 				un += (a[k] - w0) * (a[k] - w0);
 			}
-			ck_assert_msg(sqrt(dn) <= 0.12 * sqrt(un) + 1e-6,
+			ck_assert_msg(sqrt(dn) <= 0.5 * sqrt(un) + 1e-6,
 				      "parameter %d: updates %.3g apart in L2, "
 				      "the update is %.3g",
 				      i, sqrt(dn), sqrt(un));
+			dn_all += dn;
+			un_all += un;
 			free(a0);
 		}
 		for (int64_t k = 0; _i == 0 && k < n; k++) {
@@ -1253,6 +1259,10 @@ START_TEST(test_engine_sim)
 		free(a);
 		free(b);
 	}
+	ck_assert_msg(sqrt(dn_all) <= 0.03 * sqrt(un_all),
+		      "all parameters: updates %.3g apart in L2, the update is "
+		      "%.3g",
+		      sqrt(dn_all), sqrt(un_all));
 	ck_assert_msg(outliers <= 2 + total / 250,
 		      "%lld of %lld parameters beyond f32 rounding",
 		      (long long)outliers, (long long)total);
