@@ -232,6 +232,21 @@ static void pack_b(const uint16_t *b, int64_t sbk, int64_t sbn, int64_t k,
 	}
 }
 
+bool ej_amx_wanted(epj_ctx *ctx, epj_dtype a, epj_dtype b, int64_t macs)
+{
+	return a == EPJ_DTYPE_BF16 && b == EPJ_DTYPE_BF16 && !ctx->no_amx &&
+	       macs >= 16 * 16 * 32 && ej_amx_usable();
+}
+
+void *ej_amx_begin(epj_ctx *ctx, int64_t m, int64_t n, int64_t k)
+{
+	size_t bytes = (ej_amx_scratch(m, n, k) + 63) / 64 * 64;
+	void *scratch = aligned_alloc(64, bytes);
+	if (scratch)
+		epj_counter_add(ctx, "kernels.cpu_amx", 1);
+	return scratch;
+}
+
 size_t ej_amx_scratch(int64_t m, int64_t n, int64_t k)
 {
 	int64_t kp = round_up(k > 0 ? k : 1, TK);

@@ -118,6 +118,15 @@ void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
  * aligned to 64. */
 bool ej_amx_usable(void);
 size_t ej_amx_scratch(int64_t m, int64_t n, int64_t k);
+/* Whether a product on ctx runs on the tiles: operands a and b
+ * both bf16, the context not opted out (EPJIT_CPU_AMX=0), the CPU able,
+ * and macs multiply-adds in all (>= 16 x 16 x 32, below which 32 x 32
+ * blocks do not pay). */
+bool ej_amx_wanted(epj_ctx *ctx, epj_dtype a, epj_dtype b, int64_t macs);
+/* Scratch for products of up to [m, k] x [k, n] (free() it), counted as
+ * one product on the tiles (kernels.cpu_amx); NULL when memory is short:
+ * the caller takes its f32 path. */
+void *ej_amx_begin(epj_ctx *ctx, int64_t m, int64_t n, int64_t k);
 void ej_gemm_bf16_amx(int64_t m, int64_t n, int64_t k, float alpha,
 		      const uint16_t *a, int64_t sam, int64_t sak,
 		      const uint16_t *b, int64_t sbk, int64_t sbn, float beta,

@@ -377,29 +377,6 @@ static void batch_strides(const epj_tensor *t, const int64_t *tstride, int nbd,
 	}
 }
 
-/* Whether the bf16 product of a [.., m, k] and b on this context runs on
- * the AMX tiles (lib/gemm_amx.c): both operands bf16, computed in f32, the
- * context not opted out (EPJIT_CPU_AMX=0), the CPU able, and the product
- * big enough for 32 x 32 blocks to pay (m n k >= 16 x 16 x 32). */
-static bool amx_product(epj_ctx *ctx, const epj_tensor *a, const epj_tensor *b,
-			epj_dtype cdt, int64_t m, int64_t n, int64_t k)
-{
-	return cdt == EPJ_DTYPE_F32 && a->dtype == EPJ_DTYPE_BF16 &&
-	       b->dtype == EPJ_DTYPE_BF16 && !ctx->no_amx && k > 0 &&
-	       m * n * k >= 16 * 16 * 32 && ej_amx_usable();
-}
-
-/* The scratch of ej_gemm_bf16_amx, counted as one AMX product; NULL when
- * memory is short (the caller takes the f32 path). */
-static void *amx_begin(epj_ctx *ctx, int64_t m, int64_t n, int64_t k)
-{
-	size_t bytes = (ej_amx_scratch(m, n, k) + 63) / 64 * 64;
-	void *scratch = aligned_alloc(64, bytes);
-	if (scratch)
-		epj_counter_add(ctx, "kernels.cpu_amx", 1);
-	return scratch;
-}
-
 /* The product a @ b into pc, a dense [nbatch, m, n] array of the compute
  * dtype of o's dtype (o: the product's shape), C = a @ b + beta * C. */
 static epj_status matmul_run(epj_ctx *ctx, const ej_call *c,
@@ -416,9 +393,11 @@ static epj_status matmul_run(epj_ctx *ctx, const ej_call *c,
 		    "matrix sizes exceed the BLAS integer range");
 	epj_dtype cdt = compute_dtype(o->dtype);
 	size_t es = ej_dtype_size(cdt);
-	void *scratch = amx_product(ctx, a, b, cdt, m, n, k)
-			    ? amx_begin(ctx, m, n, k)
-			    : NULL;
+	void *scratch =
+	    cdt == EPJ_DTYPE_F32 &&
+		    ej_amx_wanted(ctx, a->dtype, b->dtype, m * n * k)
+		? ej_amx_begin(ctx, m, n, k)
+		: NULL;
 	if (scratch) {
 		int64_t sa[EPJ_MAX_DIMS], sb[EPJ_MAX_DIMS];
 		batch_strides(a, a->stride, nbd, sa);
@@ -653,10 +632,12 @@ static epj_status linear_run(epj_ctx *ctx, const ej_call *c,
 			}
 	}
 	int64_t srow;
-	void *scratch = amx_product(ctx, x, w, cdt, rows, fout, fin) &&
-				rows_stride(x, &srow)
-			    ? amx_begin(ctx, rows, fout, fin)
-			    : NULL;
+	void *scratch =
+	    cdt == EPJ_DTYPE_F32 &&
+		    ej_amx_wanted(ctx, x->dtype, w->dtype, rows * fout * fin) &&
+		    rows_stride(x, &srow)
+		? ej_amx_begin(ctx, rows, fout, fin)
+		: NULL;
 	if (scratch) { /* B = w^T: element (i, j) is w[j, i] */
 		ej_gemm_bf16_amx(rows, fout, fin, 1.0f, ej_data(x), srow,
 				 x->stride[x->ndim - 1], ej_data(w),

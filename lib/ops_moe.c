@@ -863,6 +863,43 @@ static int64_t row_off(bool tr, int64_t ldm, int64_t r)
 	return tr ? r : r * ldm;
 }
 
+/* The grouped product on the CPU's AMX tiles (lib/gemm_amx.c) when x and
+ * every w_g are bf16 and the context wants it: y_g = x_g op(w_g) into the
+ * f32 rows y; false (y untouched) otherwise. */
+static bool grouped_mm_amx(epj_ctx *ctx, const ej_call *c, const int64_t *cnt,
+			   bool wtr, float *y)
+{
+	const epj_tensor *xt = c->in[0];
+	const int G = c->n_in - 2;
+	const int64_t R = xt->shape[0], K = xt->shape[1],
+		      M = c->out[0]->shape[1];
+	int64_t most = 0;
+	for (int g = 0; g < G; g++) {
+		if (c->in[2 + g]->dtype != EPJ_DTYPE_BF16)
+			return false;
+		most = cnt[g] > most ? cnt[g] : most;
+	}
+	void *scratch =
+	    K > 0 && ej_amx_wanted(ctx, xt->dtype, EPJ_DTYPE_BF16, R * M * K)
+		? ej_amx_begin(ctx, most, M, K)
+		: NULL;
+	if (!scratch)
+		return false;
+	const uint16_t *x = ej_data(xt);
+	int64_t r0 = 0;
+	for (int g = 0; g < G; r0 += cnt[g], g++) {
+		const epj_tensor *w = c->in[2 + g];
+		/* B [K, M] = w_g^T (w_g [M, K]) or w_g */
+		int64_t sbk = wtr ? w->stride[1] : w->stride[0];
+		int64_t sbn = wtr ? w->stride[0] : w->stride[1];
+		ej_gemm_bf16_amx(cnt[g], M, K, 1.0f, x + r0 * xt->stride[0],
+				 xt->stride[0], xt->stride[1], ej_data(w), sbk,
+				 sbn, 0.0f, y + r0 * M, M, scratch);
+	}
+	free(scratch);
+	return true;
+}
+
 epj_status ej_kernel_MOE_GROUPED_MM(epj_ctx *ctx, const ej_call *c)
 {
 	const epj_tensor *xt = c->in[0];
@@ -882,8 +919,6 @@ epj_status ej_kernel_MOE_GROUPED_MM(epj_ctx *ctx, const ej_call *c)
 		return s;
 	if (R == 0 || M == 0)
 		goto done;
-	if ((s = operand2(ctx, c, xt, cdt, &x, &xtr, &ldx, &ox)) != EPJ_OK)
-		goto done;
 	char *y = ej_data(o);
 	if (o->dtype != cdt) {
 		if (!(oc = malloc((size_t)(R * M) * es))) {
@@ -893,6 +928,12 @@ epj_status ej_kernel_MOE_GROUPED_MM(epj_ctx *ctx, const ej_call *c)
 		}
 		y = oc;
 	}
+	if (grouped_mm_amx(ctx, c, cnt, wtr, (float *)y)) {
+		ej_linalg_store(oc, cdt, ej_data(o), o->dtype, R * M);
+		goto done;
+	}
+	if ((s = operand2(ctx, c, xt, cdt, &x, &xtr, &ldx, &ox)) != EPJ_OK)
+		goto done;
 	int64_t r0 = 0;
 	for (int g = 0; g < G; r0 += cnt[g], g++) {
 		if (cnt[g] == 0)
@@ -988,6 +1029,44 @@ epj_status ej_infer_MOE_GROUPED_MM_WGRAD(epj_ctx *ctx, const ej_call *c,
 	return EPJ_OK;
 }
 
+/* The weight gradients on the CPU's AMX tiles (lib/gemm_amx.c) when a and
+ * b are bf16 and the context wants it: out_g = a_g^T b_g through the f32
+ * buffer y [A, B], rounded into each bf16 output; false (nothing written)
+ * otherwise. */
+static bool wgrad_amx(epj_ctx *ctx, const ej_call *c, const int64_t *cnt,
+		      float *y)
+{
+	const epj_tensor *at = c->in[0], *bt = c->in[1];
+	const int64_t R = at->shape[0], A = at->shape[1], B = bt->shape[1];
+	int64_t most = 0;
+	for (int g = 0; g < c->n_out; g++)
+		most = cnt[g] > most ? cnt[g] : most;
+	void *scratch =
+	    y && most > 0 && ej_amx_wanted(ctx, at->dtype, bt->dtype, R * A * B)
+		? ej_amx_begin(ctx, A, B, most)
+		: NULL;
+	if (!scratch)
+		return false;
+	const uint16_t *a = ej_data(at), *b = ej_data(bt);
+	int64_t r0 = 0;
+	for (int g = 0; g < c->n_out; r0 += cnt[g], g++) {
+		if (cnt[g] == 0) {
+			memset(ej_data(c->out[g]), 0,
+			       (size_t)(A * B) * ej_dtype_size(at->dtype));
+			continue;
+		}
+		/* a_g^T [A, cnt]: element (i, p) is a[r0 + p][i] */
+		ej_gemm_bf16_amx(A, B, cnt[g], 1.0f, a + r0 * at->stride[0],
+				 at->stride[1], at->stride[0],
+				 b + r0 * bt->stride[0], bt->stride[0],
+				 bt->stride[1], 0.0f, y, B, scratch);
+		ej_linalg_store(y, EPJ_DTYPE_F32, ej_data(c->out[g]), at->dtype,
+				A * B);
+	}
+	free(scratch);
+	return true;
+}
+
 epj_status ej_kernel_MOE_GROUPED_MM_WGRAD(epj_ctx *ctx, const ej_call *c)
 {
 	const epj_tensor *at = c->in[0], *bt = c->in[1];
@@ -1005,17 +1084,19 @@ epj_status ej_kernel_MOE_GROUPED_MM_WGRAD(epj_ctx *ctx, const ej_call *c)
 		return s;
 	if (A == 0 || B == 0)
 		goto done;
+	if (dt != cdt && !(oc = malloc((size_t)(A * B) * es))) {
+		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				"out of memory for the f32 result");
+		goto done;
+	}
+	if (wgrad_amx(ctx, c, cnt, oc))
+		goto done;
 	if (R > 0) {
 		s = operand2(ctx, c, at, cdt, &a, &atr, &lda, &oa);
 		if (s == EPJ_OK)
 			s = operand2(ctx, c, bt, cdt, &b, &btr, &ldb, &ob);
 		if (s != EPJ_OK)
 			goto done;
-	}
-	if (dt != cdt && !(oc = malloc((size_t)(A * B) * es))) {
-		s = ej_op_error(ctx, c, EPJ_ERR_NOMEM,
-				"out of memory for the f32 result");
-		goto done;
 	}
 	int64_t r0 = 0;
 	for (int g = 0; g < G; r0 += cnt[g], g++) {

@@ -10,6 +10,7 @@
  * the op.
  */
 #include "check_util.h"
+#include "ops_impl.h"
 #include "ops_moe.h"
 
 #include <math.h>
@@ -536,6 +537,89 @@ START_TEST(test_grouped_mm_grad)
 }
 END_TEST
 
+/* bf16 grouped products on the CPU's AMX tiles (lib/gemm_amx.c): forward
+ * and the weight gradients, w and w^T, strided operands and an empty
+ * group, against double sums, with and without EPJIT_CPU_AMX=0; on the
+ * tiles where the CPU has them (kernels.cpu_amx). */
+START_TEST(test_grouped_mm_amx)
+{
+	setenv("EPJIT_CPU_AMX", "0", 1);
+	epj_ctx *off = tu_ctx();
+	unsetenv("EPJIT_CPU_AMX");
+	epj_ctx *on = tu_ctx();
+	const int G = 4;
+	const int64_t K = 45, M = 37;
+	const int64_t cv[4] = { 31, 0, 40, 9 }, R = 80;
+	for (int v = 0; v < 4; v++) {
+		epj_ctx *ctx = v < 2 ? on : off;
+		const bool tr = v % 2 == 0;
+		int64_t xs[2] = { R, K }, gs[1] = { G }, ys[2] = { R, M };
+		int64_t wsh[2] = { tr ? M : K, tr ? K : M };
+		epj_tensor *x = tu_randn_nc(ctx, EPJ_DTYPE_BF16, 2, xs, tr);
+		epj_tensor *cnt = from_i64(ctx, 1, gs, cv);
+		epj_tensor *w[4];
+		double *wv[4];
+		for (int g = 0; g < G; g++) {
+			w[g] = tu_randn_nc(ctx, EPJ_DTYPE_BF16, 2, wsh, !tr);
+			epj_tensor_set_requires_grad(w[g], true);
+			wv[g] = tu_values(ctx, w[g]);
+		}
+		epj_tensor_set_requires_grad(x, true);
+		epj_tensor *y = ej_moe_grouped_mm(ctx, x, cnt, w, G, tr);
+		tu_ok(ctx, y);
+		epj_tensor *gy = tu_randn(ctx, EPJ_DTYPE_BF16, 2, ys);
+		ck_assert_int_eq(epj_backward(ctx, y, gy), EPJ_OK);
+		double *xv = tu_values(ctx, x), *gv = tu_values(ctx, gy);
+		double *ref = calloc((size_t)(R * M), sizeof *ref);
+		double *dw = calloc((size_t)(G * M * K), sizeof *dw);
+		double *dx = calloc((size_t)(R * K), sizeof *dx);
+		for (int g = 0, r0 = 0; g < G; r0 += (int)cv[g], g++)
+			for (int64_t r = r0; r < r0 + cv[g]; r++)
+				for (int64_t m = 0; m < M; m++)
+					for (int64_t q = 0; q < K; q++) {
+						int64_t wi =
+						    tr ? m * K + q : q * M + m;
+						ref[r * M + m] +=
+						    xv[r * K + q] * wv[g][wi];
+						dw[g * M * K + wi] +=
+						    gv[r * M + m] *
+						    xv[r * K + q];
+						dx[r * K + q] +=
+						    gv[r * M + m] * wv[g][wi];
+					}
+		/* one rounding to bf16 of f32 sums of exact products */
+		tu_assert_close(ctx, y, ref, 1.0 / 250, 1e-2,
+				"amx moe_grouped_mm");
+		tu_assert_close(ctx, epj_tensor_grad(x), dx, 1.0 / 250, 1e-2,
+				"amx moe_grouped_mm dx");
+		free(dx);
+		for (int g = 0; g < G; g++) {
+			char what[64];
+			snprintf(what, sizeof what, "amx moe_grouped_mm dw_%d",
+				 g);
+			tu_assert_close(ctx, epj_tensor_grad(w[g]),
+					dw + g * M * K, 1.0 / 250, 1e-2, what);
+			epj_tensor_free(w[g]);
+			free(wv[g]);
+		}
+		free(xv);
+		free(gv);
+		free(ref);
+		free(dw);
+		epj_tensor_free(x);
+		epj_tensor_free(cnt);
+		epj_tensor_free(y);
+		epj_tensor_free(gy);
+	}
+	ck_assert_int_eq(epj_counter_get(off, "kernels.cpu_amx"), 0);
+	/* two forwards, their dx and their weight gradients */
+	ck_assert_int_eq(epj_counter_get(on, "kernels.cpu_amx"),
+			 ej_amx_usable() ? 6 : 0);
+	epj_ctx_free(on);
+	epj_ctx_free(off);
+}
+END_TEST
+
 /* ---- swiglu ------------------------------------------------------------ */
 
 static epj_tensor *swiglu_fn(epj_ctx *ctx, epj_tensor *const *in, void *user)
@@ -728,6 +812,7 @@ Suite *make_ops_moe_suite(void)
 	tcase_add_test(tc, test_unpermute_grad);
 	tcase_add_test(tc, test_grouped_mm_forward);
 	tcase_add_test(tc, test_grouped_mm_grad);
+	tcase_add_test(tc, test_grouped_mm_amx);
 	tcase_add_test(tc, test_swiglu);
 	tcase_add_test(tc, test_swiglu_f32_kernels);
 	tcase_add_test(tc, test_errors);
