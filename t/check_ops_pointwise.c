@@ -1,6 +1,6 @@
 /* check_ops_pointwise.c -- elementwise ops: add sub mul div eq (numpy
  * broadcasting), add_scalar mul_scalar pow_scalar, neg exp log sqrt rsqrt
- * silu sigmoid tanh gelu, cast, and the silu/gelu backward helpers.
+ * silu sigmoid tanh gelu cos sin, cast, and the silu/gelu backward helpers.
  *
  * Every forward result is compared with a double-precision reference
  * written here (broadcast index mapping and math from libm, in forms that
@@ -238,6 +238,8 @@ enum uop {
 	U_SIGMOID,
 	U_TANH,
 	U_GELU,
+	U_COS,
+	U_SIN,
 	U_ADDS,
 	U_MULS,
 	U_POW,
@@ -260,6 +262,8 @@ static const un_op un_ops[] = {
 	{ "sigmoid", U_SIGMOID, G_NORMAL, 0 },
 	{ "tanh", U_TANH, G_NORMAL, 0 },
 	{ "gelu", U_GELU, G_NORMAL, 0 },
+	{ "cos", U_COS, G_NORMAL, 0 },
+	{ "sin", U_SIN, G_NORMAL, 0 },
 	{ "add_scalar", U_ADDS, G_NORMAL, 0.37 },
 	{ "mul_scalar", U_MULS, G_NORMAL, -1.7 },
 	{ "pow_scalar 2", U_POW, G_NORMAL, 2.0 },
@@ -290,6 +294,10 @@ static epj_tensor *run_un(epj_ctx *ctx, const un_op *u, epj_tensor *x)
 		return epj_tanh(ctx, x);
 	case U_GELU:
 		return epj_gelu(ctx, x);
+	case U_COS:
+		return epj_cos(ctx, x);
+	case U_SIN:
+		return epj_sin(ctx, x);
 	case U_ADDS:
 		return epj_add_scalar(ctx, x, u->s);
 	case U_MULS:
@@ -325,6 +333,10 @@ static double ref_un(const un_op *u, double x)
 		return tanh(x);
 	case U_GELU:
 		return 0.5 * x * erfc(-x / sqrt(2.0));
+	case U_COS: /* through sin, not the kernels' cos */
+		return sin(x + 1.57079632679489661923);
+	case U_SIN:
+		return -cos(x + 1.57079632679489661923);
 	case U_ADDS:
 		return x + u->s;
 	case U_MULS:
