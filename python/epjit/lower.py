@@ -230,7 +230,8 @@ _UNARY = {
     aten.log.default: "log", aten.sqrt.default: "sqrt",
     aten.rsqrt.default: "rsqrt", aten.silu.default: "silu",
     aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
-    aten.gelu.default: "gelu",
+    aten.gelu.default: "gelu", aten.cos.default: "cos",
+    aten.sin.default: "sin",
 }
 
 
@@ -596,6 +597,110 @@ def _embedding_backward(L, node):
                 [int(node.args[2])], metas=[_out_meta(node)])
 
 
+# ---- losses --------------------------------------------------------------------
+
+
+def _nll_check(node):
+    x, t = _val(node.args[1 if _is_bw(node) else 0]), _val(
+        node.args[2 if _is_bw(node) else 1])
+    w = node.args[3 if _is_bw(node) else 2]
+    if w is not None:
+        return "class weights"
+    if x.ndim != 2 or t.ndim != 1:
+        return "nll_loss of rank %d" % x.ndim
+    if t.dtype not in (torch.int64, torch.int32):
+        return "target dtype %s" % str(t.dtype).replace("torch.", "")
+    if x.dtype not in FLOATS:
+        return "integer input"
+    if _nll_reduction(node) not in (0, 1, 2):
+        return "reduction %s" % _nll_reduction(node)
+    return None
+
+
+def _is_bw(node):
+    return node.target == aten.nll_loss_backward.default
+
+
+def _nll_reduction(node):
+    return node.args[4 if _is_bw(node) else 3]
+
+
+def _nll_valid(L, t, ignore_index, dt):
+    """(safe target [N, 1], weight [N] in dt): the weight 1 where the target
+    is not ignore_index, else 0; the ignored targets read class 0."""
+    n = L.shape(t)[0]
+    it = L.dtype(t)
+    m_i = ([n], it)
+    ign = L.op("full", [], [DTYPES[it], n], [float(ignore_index)],
+               metas=[m_i])
+    one = L.op("full", [], [DTYPES[it], n], [1.0], metas=[m_i])
+    hit = L.op("eq", [t, ign], metas=[m_i])
+    valid = L.op("sub", [one, hit], metas=[m_i])
+    safe = L.op("mul", [t, valid], metas=[m_i])
+    safe = L.op("reshape", [safe], [n, 1], metas=[([n, 1], it)])
+    return safe, L.op("cast", [valid], [DTYPES[dt]], metas=[([n], dt)])
+
+
+@rule(aten.nll_loss_forward.default, check=_nll_check)
+def _nll_loss(L, node):
+    """-x[i, t_i] where t_i is not ignored; mean divides by the count of
+    those (total_weight), which is the second output."""
+    outs = _val(node)
+    dt = outs[0].dtype
+    x = L.cast(L.arg(node.args[0]), dt)
+    t = L.arg(node.args[1])
+    n = L.shape(x)[0]
+    safe, w = _nll_valid(L, t, node.args[4], dt)
+    picked = L.op("gather", [x, safe], [1], metas=[([n, 1], dt)])
+    picked = L.op("reshape", [picked], [n], metas=[([n], dt)])
+    pw = L.op("mul", [picked, w], metas=[([n], dt)])
+    loss = L.op("neg", [pw], metas=[([n], dt)])
+    tw_m = (list(outs[1].shape), outs[1].dtype)
+    red = node.args[3]
+    if red == 0:
+        tw = L.op("full", [], [DTYPES[tw_m[1]]] + tw_m[0], [0.0],
+                  metas=[tw_m])
+        return loss, tw
+    tw = L.cast(L.op("sum_all", [w], metas=[([], dt)]), tw_m[1])
+    if tw_m[0] != []:
+        tw = L.op("reshape", [tw], tw_m[0], metas=[tw_m])
+    total = L.op("sum_all", [loss], metas=[([], dt)])
+    if red == 1:
+        twd = L.cast(tw, dt)
+        if L.shape(twd) != []:
+            twd = L.op("reshape", [twd], [], metas=[([], dt)])
+        total = L.op("div", [total, twd], metas=[([], dt)])
+    m0 = (list(outs[0].shape), dt)
+    if m0[0] != []:
+        total = L.op("reshape", [total], m0[0], metas=[m0])
+    return total, tw
+
+
+@rule(aten.nll_loss_backward.default, check=_nll_check)
+def _nll_loss_backward(L, node):
+    """Zeros with -grad (/ total_weight for mean) at [i, t_i] where t_i is
+    not ignored: a scatter_add of one column."""
+    m = _out_meta(node)
+    dt = m[1]
+    g = L.cast(L.arg(node.args[0]), dt)
+    t = L.arg(node.args[2])
+    n, c = m[0]
+    safe, w = _nll_valid(L, t, node.args[5], dt)
+    src = L.op("neg", [w], metas=[([n], dt)])
+    if node.args[4] == 1:
+        tw = L.cast(L.arg(node.args[6]), dt)
+        if L.shape(tw) != []:
+            tw = L.op("reshape", [tw], [], metas=[([], dt)])
+        src = L.op("div", [src, tw], metas=[([n], dt)])
+    if L.shape(g) not in ([], [n]):
+        g = L.op("reshape", [g], [n] if node.args[4] == 0 else [],
+                 metas=[([n] if node.args[4] == 0 else [], dt)])
+    src = L.op("mul", [src, g], metas=[([n], dt)])
+    src = L.op("reshape", [src], [n, 1], metas=[([n, 1], dt)])
+    zeros = L.op("full", [], [DTYPES[dt], n, c], [0.0], metas=[m])
+    return L.op("scatter_add", [zeros, safe, src], [1], metas=[m])
+
+
 # ---- attention ----------------------------------------------------------------
 
 
@@ -833,20 +938,55 @@ def _select_scatter(L, node):
 
 def _pad_check(node):
     value = node.args[2] if len(node.args) > 2 else 0
-    if value != 0:
-        return "pad with a value"
-    if _val(node).dtype not in FLOATS:
-        return "integer pad"
+    if not isinstance(value, (int, float)) or value != value or abs(
+            value) == float("inf"):
+        return "pad with value %s" % value
     return None
+
+
+def _pad_value(L, node, v, value):
+    """Padding with a constant (pad pairs run from the last dim backwards):
+    a slice where a pad is negative (a crop), then a cat of full blocks of
+    the value on either side (any dtype; the values are exact)."""
+    m = _out_meta(node)
+    pad = list(node.args[1])
+    shape = list(L.shape(v))
+    for k in range(len(pad) // 2):
+        lo, hi = pad[2 * k], pad[2 * k + 1]
+        d = len(shape) - 1 - k
+        if lo < 0 or hi < 0:
+            a, b = max(-lo, 0), shape[d] - max(-hi, 0)
+            new = list(shape)
+            new[d] = b - a
+            v = L.op("slice", [v], [d, a, b, 1], metas=[(new, m[1])])
+            shape = new
+            lo, hi = max(lo, 0), max(hi, 0)
+        parts = []
+        for n in (lo, None, hi):
+            if n is None:
+                parts.append(v)
+            elif n > 0:
+                ps = list(shape)
+                ps[d] = n
+                parts.append(L.op("full", [], [DTYPES[m[1]]] + ps,
+                                  [float(value)], metas=[(ps, m[1])]))
+        if len(parts) > 1:
+            shape = list(shape)
+            shape[d] += lo + hi
+            v = L.op("cat", parts, [d], metas=[(list(shape), m[1])])
+    return v
 
 
 @rule(aten.constant_pad_nd.default, check=_pad_check)
 def _pad(L, node):
-    """Zero padding (pad pairs run from the last dim backwards): a slice
-    where a pad is negative (a crop), then a slice_backward that places the
-    result among zeros."""
+    """Zero padding of floats (pad pairs run from the last dim backwards): a
+    slice where a pad is negative (a crop), then a slice_backward that
+    places the result among zeros; other values and integers: _pad_value."""
     m = _out_meta(node)
     v = L.arg(node.args[0])
+    value = node.args[2] if len(node.args) > 2 else 0
+    if value != 0 or m[1] not in FLOATS:
+        return _pad_value(L, node, v, value)
     pad = list(node.args[1])
     shape = list(L.shape(v))
     for k in range(len(pad) // 2):

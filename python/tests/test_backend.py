@@ -187,3 +187,68 @@ def test_threads_share_the_context():
         t.join()
     assert not bad
     assert epjit.counters()["kernels"] > 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_loss_and_rotary_ops_lowered(reduction):
+    """cos and sin (the rotary tables) and the loss (log_softmax, then
+    nll_loss with ignored targets), forward and backward, compile with
+    nothing left to torch."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 10)
+            self.b = torch.nn.Linear(6, 10)
+
+        def forward(self, x, t):
+            h = torch.cos(self.a(x)) * 1.5 + torch.sin(self.b(x))
+            loss = torch.nn.functional.cross_entropy(
+                h, t, ignore_index=-100, reduction=reduction)
+            return h, loss
+
+    m = M()
+    x = torch.randn(7, 6)
+    t = torch.randint(0, 10, (7,))
+    t[2] = t[5] = -100
+    cm = torch.compile(m, backend="epjit")
+
+    def step(f):
+        m.zero_grad(set_to_none=True)
+        h, loss = f(x, t)
+        (loss * torch.linspace(0.5, 2.0, loss.numel()).reshape(
+            loss.shape)).sum().backward()
+        return h.detach(), loss.detach(), {
+            n: p.grad.clone() for n, p in m.named_parameters()}
+
+    ref, got = step(m), step(cm)
+    assert rel_err(got[0], ref[0]) <= TOL
+    assert rel_err(got[1], ref[1]) <= TOL
+    for n in ref[2]:
+        assert rel_err(got[2][n], ref[2][n]) <= TOL, n
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+def test_pad_with_a_value_lowered():
+    """constant_pad_nd with a value, of floats (crop and pad) and of
+    integer labels (transformers' shift of the labels, value -100)."""
+    def f(x, t):
+        y = torch.nn.functional.pad(x, (2, -1, 1, 3), value=-1.5)
+        lab = torch.nn.functional.pad(t, (0, 1), value=-100)[..., 1:]
+        return (y * 2).sum(dim=0), (lab + 1) * 2
+
+    x = torch.randn(4, 5, requires_grad=True)
+    t = torch.randint(0, 9, (3, 6))
+    ref = f(x, t)
+    gx = torch.autograd.grad(ref[0].square().sum(), x)[0]
+    cf = torch.compile(f, backend="epjit")
+    got = cf(x, t)
+    assert rel_err(got[0], ref[0]) <= TOL
+    assert torch.equal(got[1], ref[1])
+    assert rel_err(torch.autograd.grad(got[0].square().sum(), x)[0],
+                   gx) <= TOL
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert "aten.constant_pad_nd.default" not in c["fallback"], c["fallback"]
+
