@@ -1,6 +1,6 @@
 /* ops_pointwise.c -- elementwise ops: broadcasting binary arithmetic (add sub
  * mul div eq), scalar ops, unary math (neg exp log sqrt rsqrt silu sigmoid
- * tanh gelu cos sin), cast, and the silu/gelu backward helpers.
+ * tanh gelu cos sin log1p), cast, and the silu/gelu backward helpers.
  *
  * Dtypes.  Float ops accept f32, bf16 and f64; bf16 is loaded as f32,
  * computed in f32 and stored with round-to-nearest-even.  Integer inputs
@@ -148,6 +148,9 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 			break;                                                 \
 		case EJ_OP_SIN:                                                \
 			LOOP(y[i] = FM(sin, x[i]));                            \
+			break;                                                 \
+		case EJ_OP_LOG1P:                                              \
+			LOOP(y[i] = FM(log1p, x[i]));                          \
 			break;                                                 \
 		case EJ_OP_GELU:                                               \
 			LOOP(y[i] = half * x[i] *                              \
@@ -646,6 +649,7 @@ UNARY_FLOAT_INFER(TANH)
 UNARY_FLOAT_INFER(GELU)
 UNARY_FLOAT_INFER(COS)
 UNARY_FLOAT_INFER(SIN)
+UNARY_FLOAT_INFER(LOG1P)
 
 epj_status ej_infer_CAST(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 {
@@ -697,6 +701,7 @@ PW_KERNEL(TANH)
 PW_KERNEL(GELU)
 PW_KERNEL(COS)
 PW_KERNEL(SIN)
+PW_KERNEL(LOG1P)
 PW_KERNEL(SILU_BACKWARD)
 PW_KERNEL(GELU_BACKWARD)
 
@@ -1008,6 +1013,18 @@ epj_status ej_backward_SIN(BW_ARGS)
 	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
+/* log1p' = 1 / (1 + x). */
+epj_status ej_backward_LOG1P(BW_ARGS)
+{
+	BW_GRAD(g);
+	if (needs[0]) {
+		epj_tensor *d = epj_add_scalar(ctx, c->in[0], 1.0);
+		grad_in[0] = epj_div(ctx, g, d);
+		epj_tensor_free(d);
+	}
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
 /* The gradient goes back to the input's dtype (only float inputs can
  * require grad). */
 epj_status ej_backward_CAST(BW_ARGS)
@@ -1135,6 +1152,11 @@ epj_tensor *epj_cos(epj_ctx *ctx, epj_tensor *a)
 epj_tensor *epj_sin(epj_ctx *ctx, epj_tensor *a)
 {
 	return call_unary(ctx, EJ_OP_SIN, a);
+}
+
+epj_tensor *epj_log1p(epj_ctx *ctx, epj_tensor *a)
+{
+	return call_unary(ctx, EJ_OP_LOG1P, a);
 }
 
 /* A cast to the tensor's own dtype is the identity: a new reference, no op

@@ -72,6 +72,14 @@
 	"{\n"                                                                  \
 	"\treturn sin(x);\n"                                                   \
 	"}\n"                                                                  \
+	"EJ_SF float ej_log1p_f(float x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn log1pf(x);\n"                                                \
+	"}\n"                                                                  \
+	"EJ_SF double ej_log1p_d(double x)\n"                                  \
+	"{\n"                                                                  \
+	"\treturn log1p(x);\n"                                                 \
+	"}\n"                                                                  \
 	"EJ_SF float ej_tanh_f(float x)\n"                                     \
 	"{\n"                                                                  \
 	"\treturn tanhf(x);\n"                                                 \
