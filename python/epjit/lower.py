@@ -250,6 +250,64 @@ def _unary(L, node):
     return L.op(_UNARY[node.target], [a], metas=[m])
 
 
+def _softplus_args(node):
+    """(beta, threshold) of softplus or softplus_backward."""
+    k = 2 if node.target == aten.softplus_backward.default else 1
+    a = list(node.args[k:k + 2])
+    beta = a[0] if len(a) > 0 else node.kwargs.get("beta", 1)
+    th = a[1] if len(a) > 1 else node.kwargs.get("threshold", 20)
+    return beta, th
+
+
+def _softplus_check(node):
+    beta, th = _softplus_args(node)
+    if not isinstance(beta, (int, float)) or beta <= 0:
+        return "softplus beta %s" % beta
+    if not isinstance(th, (int, float)) or th < 20:
+        return "softplus threshold %s" % th
+    return None if _val(node).dtype in FLOATS else "integer input"
+
+
+def _max0(L, v, dt):
+    """max(v, 0): the amax of v and zeros stacked on a new last dim."""
+    shape = list(L.shape(v))
+    one = shape + [1]
+    a = L.op("reshape", [v], one, metas=[(one, dt)])
+    z = L.op("full", [], [DTYPES[dt]] + one, [0.0], metas=[(one, dt)])
+    two = shape + [2]
+    c = L.op("cat", [a, z], [len(shape)], metas=[(two, dt)])
+    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+
+
+@rule(aten.softplus.default, aten.softplus_backward.default,
+      check=_softplus_check)
+def _softplus(L, node):
+    """softplus(x) = (m + log1p(exp(b x - 2 m))) / b with m = max(b x, 0),
+    which never overflows and equals x above torch's threshold (>= 20,
+    where exp(-b x) is below the ulp); its backward is g * sigmoid(b x).
+    bf16 is computed in f32 and rounded once."""
+    m = _out_meta(node)
+    work = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    bw = node.target == aten.softplus_backward.default
+    x = L.cast(L.arg(node.args[1 if bw else 0]), work)
+    beta = float(_softplus_args(node)[0])
+    shape = list(L.shape(x))
+    w = (shape, work)
+    bx = x if beta == 1.0 else L.op("mul_scalar", [x], floats=[beta],
+                                    metas=[w])
+    if bw:
+        g = L.cast(L.arg(node.args[0]), work)
+        sg = L.op("sigmoid", [bx], metas=[w])
+        return L.cast(L.op("mul", [g, sg], metas=[w]), m[1])
+    mx = _max0(L, bx, work)
+    t = L.op("sub", [bx, L.op("add", [mx, mx], metas=[w])], metas=[w])
+    y = L.op("add", [mx, L.op("log1p", [L.op("exp", [t], metas=[w])],
+                                metas=[w])], metas=[w])
+    if beta != 1.0:
+        y = L.op("mul_scalar", [y], floats=[1.0 / beta], metas=[w])
+    return L.cast(y, m[1])
+
+
 def _pow_check(node):
     if not isinstance(node.args[1], (int, float)):
         return "tensor exponent"
@@ -595,6 +653,135 @@ def _embedding_backward(L, node):
     return L.op("embedding_backward",
                 [L.arg(node.args[0]), L.arg(node.args[1])],
                 [int(node.args[2])], metas=[_out_meta(node)])
+
+
+# ---- scans and reversals --------------------------------------------------------
+
+
+def _iota(L, n, dtype):
+    """[0, 1, ..., n-1] in dtype, doubled by cats (no op makes a range)."""
+    m = lambda k: ([k], dtype)  # noqa: E731
+    v = L.op("full", [], [DTYPES[dtype], 1], [0.0], metas=[m(1)])
+    k = 1
+    while k < n:
+        j = min(k, n - k)
+        head = v if j == k else L.op("slice", [v], [0, 0, j, 1],
+                                     metas=[m(j)])
+        off = L.op("full", [], [DTYPES[dtype], j], [float(k)], metas=[m(j)])
+        v = L.op("cat", [v, L.op("add", [head, off], metas=[m(j)])], [0],
+                 metas=[m(k + j)])
+        k += j
+    return v
+
+
+def _cumsum_check(node):
+    x = _val(node.args[0])
+    if x.ndim == 0:
+        return "cumsum of a scalar"
+    if x.dtype not in FLOATS or _val(node).dtype != x.dtype:
+        return "cumsum to %s" % str(_val(node).dtype).replace("torch.", "")
+    return None
+
+
+@rule(aten.cumsum.default, check=_cumsum_check)
+def _cumsum(L, node):
+    """An inclusive scan by doubling shifts (Hillis-Steele): y += y shifted
+    by s along the dim with zeros in front, s = 1, 2, 4, ...; bf16 is summed
+    in f32 and rounded once."""
+    m = _out_meta(node)
+    work = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    y = L.cast(L.arg(node.args[0]), work)
+    shape = list(L.shape(y))
+    d = _norm_dim(node.args[1], len(shape))
+    n, s = shape[d], 1
+    while s < n:
+        zs, keep = list(shape), list(shape)
+        zs[d], keep[d] = s, n - s
+        z = L.op("full", [], [DTYPES[work]] + zs, [0.0], metas=[(zs, work)])
+        head = L.op("slice", [y], [d, 0, n - s, 1], metas=[(keep, work)])
+        sh = L.op("cat", [z, head], [d], metas=[(shape, work)])
+        y = L.op("add", [y, sh], metas=[(shape, work)])
+        s *= 2
+    return L.cast(y, m[1])
+
+
+def _flip_check(node):
+    if _val(node.args[0]).ndim == 0:
+        return "flip of a scalar"
+    return None
+
+
+@rule(aten.flip.default, check=_flip_check)
+def _flip(L, node):
+    """A gather along each flipped dim with the index n-1, ..., 0 (an i64
+    range, broadcast to the tensor's shape)."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    for d in sorted({_norm_dim(d, len(shape)) for d in node.args[1]}):
+        n = shape[d]
+        if n <= 1:
+            continue
+        io = _iota(L, n, torch.int64)
+        last = L.op("full", [], [DTYPES[torch.int64], n], [float(n - 1)],
+                    metas=[([n], torch.int64)])
+        rev = L.op("sub", [last, io], metas=[([n], torch.int64)])
+        one = [1] * len(shape)
+        one[d] = n
+        rev = L.op("reshape", [rev], one, metas=[(one, torch.int64)])
+        rev = L.op("expand", [rev], shape, metas=[(shape, torch.int64)])
+        v = L.op("gather", [v, rev], [d], metas=[(shape, m[1])])
+    return v
+
+
+def _tri_check(node):
+    if _val(node.args[0]).ndim < 2:
+        return "tril of rank %d" % _val(node.args[0]).ndim
+    return None
+
+
+@rule(aten.tril.default, aten.triu.default, check=_tri_check)
+def _tri(L, node):
+    """tril / triu of the last two dims: a gather along the last dim from x
+    with a zero column appended, the removed elements reading that column
+    (exact for any value, inf and nan included).  The removed mask is d >=
+    0, d = j - i - k - 1 (tril) or i - j + k - 1 (triu), found as
+    max(d, 0) == d."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    nd = len(shape)
+    r, c = shape[-2], shape[-1]
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get(
+        "diagonal", 0)
+    f, i64 = torch.float32, torch.int64
+    ri = L.op("reshape", [_iota(L, r, f)], [r, 1], metas=[([r, 1], f)])
+    ci = L.op("reshape", [_iota(L, c, f)], [1, c], metas=[([1, c], f)])
+    if node.target == aten.tril.default:
+        d = L.op("sub", [ci, ri], metas=[([r, c], f)])
+        off = -(k + 1)
+    else:
+        d = L.op("sub", [ri, ci], metas=[([r, c], f)])
+        off = k - 1
+    if off:
+        d = L.op("add_scalar", [d], floats=[float(off)], metas=[([r, c], f)])
+    gone = L.op("eq", [_max0(L, d, f), d], metas=[([r, c], f)])
+    gone = L.op("cast", [gone], [DTYPES[i64]], metas=[([r, c], i64)])
+    cj = L.op("reshape", [_iota(L, c, i64)], [1, c], metas=[([1, c], i64)])
+    last = L.op("full", [], [DTYPES[i64], 1, c], [float(c)],
+                metas=[([1, c], i64)])
+    jump = L.op("mul", [gone, L.op("sub", [last, cj], metas=[([1, c], i64)])],
+                metas=[([r, c], i64)])
+    idx = L.op("add", [jump, cj], metas=[([r, c], i64)])
+    lead = [1] * (nd - 2) + [r, c]
+    if nd > 2:
+        idx = L.op("reshape", [idx], lead, metas=[(lead, i64)])
+        idx = L.op("expand", [idx], shape, metas=[(shape, i64)])
+    zs = shape[:-1] + [1]
+    z = L.op("full", [], [DTYPES[m[1]]] + zs, [0.0], metas=[(zs, m[1])])
+    wide = shape[:-1] + [c + 1]
+    xz = L.op("cat", [v, z], [nd - 1], metas=[(wide, m[1])])
+    return L.op("gather", [xz, idx], [nd - 1], metas=[m])
 
 
 # ---- losses --------------------------------------------------------------------
