@@ -1032,13 +1032,42 @@ def _copy(L, node):
 
 def _slice_scatter_check(node):
     step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
-    return None if step == 1 else "slice_scatter step"
+    return None if isinstance(step, int) and step >= 1 else "slice step"
+
+
+def _scatter_strided(L, m, base, src, d, start, step):
+    """base with src at start, start + step, ... along d: a gather from
+    cat(base, src) whose index is p, or n + k at the k-th written place
+    (exact for any value); the index is built from a range and two
+    slice_backward placements of ones and of the range 0..k-1."""
+    shape = list(L.shape(base))
+    n, k = shape[d], L.shape(src)[d]
+    f, i64 = torch.float32, torch.int64
+    at = [0, start, start + (k - 1) * step + 1, step, n]
+    ones = L.op("full", [], [DTYPES[f], k], [1.0], metas=[([k], f)])
+    hit = L.op("slice_backward", [ones], at, metas=[([n], f)])
+    kk = L.op("slice_backward", [_iota(L, k, f)], at, metas=[([n], f)])
+    p = _iota(L, n, f)
+    jump = L.op("sub", [L.op("add_scalar", [kk], floats=[float(n)],
+                             metas=[([n], f)]), p], metas=[([n], f)])
+    idx = L.op("add", [p, L.op("mul", [hit, jump], metas=[([n], f)])],
+               metas=[([n], f)])
+    idx = L.op("cast", [idx], [DTYPES[i64]], metas=[([n], i64)])
+    one = [1] * len(shape)
+    one[d] = n
+    idx = L.op("reshape", [idx], one, metas=[(one, i64)])
+    if one != shape:
+        idx = L.op("expand", [idx], shape, metas=[(shape, i64)])
+    wide = list(shape)
+    wide[d] = n + k
+    both = L.op("cat", [base, src], [d], metas=[(wide, m[1])])
+    return L.op("gather", [both, idx], [d], metas=[m])
 
 
 @rule(aten.slice_scatter.default, check=_slice_scatter_check)
 def _slice_scatter(L, node):
     """base with src at [start, end) along dim: a cat of base's pieces
-    around src."""
+    around src; with a step, _scatter_strided."""
     m = _out_meta(node)
     base = L.arg(node.args[0])
     src = L.cast(L.arg(node.args[1]), m[1])
@@ -1048,10 +1077,16 @@ def _slice_scatter(L, node):
     size = shape[d]
     start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
     end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
     start = 0 if start is None else start
     end = size if end is None else end
     start = min(max(start + size if start < 0 else start, 0), size)
     end = min(max(end + size if end < 0 else end, start), size)
+    if step != 1 and L.shape(src)[d] == 0:
+        return L.op("contiguous", [L.cast(base, m[1])], metas=[m])
+    if step != 1:
+        return _scatter_strided(L, m, L.cast(base, m[1]), src, d, start,
+                                step)
     parts = []
     for a, b in ((0, start), (None, None), (end, size)):
         if a is None:

@@ -61,7 +61,7 @@ LOWERED = ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
            "aten.constant_pad_nd.default", "aten.cos.default",
            "aten.sin.default", "aten.cumsum.default", "aten.flip.default",
            "aten.softplus.default", "aten.softplus_backward.default",
-           "aten.tril.default")
+           "aten.tril.default", "aten.slice_scatter.default")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
