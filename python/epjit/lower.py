@@ -21,6 +21,7 @@ DTYPES = {
     torch.float64: _lib.F64,
     torch.int32: _lib.I32,
     torch.int64: _lib.I64,
+    torch.bool: _lib.I32,  # 0 / 1; the backend converts at the boundary
 }
 FLOATS = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -616,6 +617,14 @@ def _to_copy_check(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
         return "memory_format"
+    return _to_bool_check(_val(node.args[0]), _val(node))
+
+
+def _to_bool_check(src, dst):
+    """A value becomes bool only from bool (a cast of the 0/1 int32 that
+    stands for bool would truncate, not test for nonzero)."""
+    if dst.dtype == torch.bool and src.dtype != torch.bool:
+        return "cast to bool"
     return None
 
 
@@ -1012,7 +1021,7 @@ def _copy_check(node):
     a, b = _val(node.args[0]), _val(node.args[1])
     if a.ndim < b.ndim:
         return "copy from a higher rank"
-    return None
+    return _to_bool_check(b, a)
 
 
 @rule(aten.copy.default, check=_copy_check)
@@ -1028,6 +1037,52 @@ def _copy(L, node):
         src = L.op("reshape", [src], shape, metas=[(shape, m[1])])
     return L.op("contiguous", [L.op("expand", [src], m[0], metas=[m])],
                 metas=[m])
+
+
+def _masked_fill_check(node):
+    v = node.args[2]
+    if not isinstance(v, (int, float)):
+        return "fill value"
+    if _val(node.args[1]).dtype != torch.bool:
+        return "mask of dtype %s" % str(_val(node.args[1]).dtype).replace(
+            "torch.", "")
+    if _val(node).dtype not in FLOATS:
+        return "integer masked_fill"
+    return None
+
+
+@rule(aten.masked_fill.Scalar, check=_masked_fill_check)
+def _masked_fill(L, node):
+    """x where the mask is false, the value where it is true: a gather from
+    x and the value stacked on a new last dim, the mask (0 / 1) its index
+    (exact for any value)."""
+    m = _out_meta(node)
+    shape = m[0]
+    x = L.cast(L.arg(node.args[0]), m[1])
+    if L.shape(x) != shape:
+        x = _bcast(L, x, shape)
+    mask = _bcast(L, L.arg(node.args[1]), shape)
+    one = shape + [1]
+    x1 = L.op("reshape", [x], one, metas=[(one, m[1])])
+    fill = L.op("full", [], [DTYPES[m[1]]] + one, [float(node.args[2])],
+                metas=[(one, m[1])])
+    both = L.op("cat", [x1, fill], [len(shape)],
+                metas=[(shape + [2], m[1])])
+    idx = L.op("reshape", [mask], one, metas=[(one, torch.bool)])
+    out = L.op("gather", [both, idx], [len(shape)], metas=[(one, m[1])])
+    return L.op("reshape", [out], shape, metas=[m])
+
+
+def _bcast(L, v, shape):
+    """v broadcast to shape (leading ones added, then expand)."""
+    vs = list(L.shape(v))
+    if vs == shape:
+        return v
+    dt = L.dtype(v)
+    if len(vs) < len(shape):
+        vs = [1] * (len(shape) - len(vs)) + vs
+        v = L.op("reshape", [v], vs, metas=[(vs, dt)])
+    return L.op("expand", [v], shape, metas=[(list(shape), dt)])
 
 
 def _slice_scatter_check(node):

@@ -373,3 +373,31 @@ def test_strided_slice_scatter_lowered(dtype):
     c = epjit.counters()
     assert c["kernels"] > 0
     assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_fill_and_bool_lowered(dtype):
+    """masked_fill with -inf through a triangular bool mask made in the
+    graph (Gated DeltaNet's chunk mask: ones(bool).triu(1)) and with a bool
+    mask from torch (a graph input, broadcast), and a bool output, forward
+    and backward; nothing left to torch."""
+    def f(x, keep):
+        upper = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        y = (x * 2).masked_fill(upper, float("-inf")).exp()
+        z = y.masked_fill(keep, 0.5) * x
+        return z, upper.unsqueeze(0).expand(3, 5, 5)
+
+    x = torch.randn(3, 5, 5, dtype=dtype, requires_grad=True)
+    keep = torch.rand(5, 5) > 0.5
+    ref = f(x, keep)
+    (gref,) = torch.autograd.grad(ref[0].square().sum(), x)
+    cf = torch.compile(f, backend="epjit")
+    got = cf(x, keep)
+    (ggot,) = torch.autograd.grad(got[0].square().sum(), x)
+    tol = TOL if dtype == torch.float32 else 1e-2
+    assert rel_err(got[0], ref[0]) <= tol
+    assert rel_err(ggot, gref) <= tol
+    assert got[1].dtype == torch.bool and torch.equal(got[1], ref[1])
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]

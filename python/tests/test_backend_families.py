@@ -57,11 +57,13 @@ LOOSE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a")
 
 # ops the families make that epjit compiles (none of them left to torch):
 # the loss, the labels' shift, the rotary tables, Gated DeltaNet's decay
+# and chunk mask
 LOWERED = ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
            "aten.constant_pad_nd.default", "aten.cos.default",
            "aten.sin.default", "aten.cumsum.default", "aten.flip.default",
            "aten.softplus.default", "aten.softplus_backward.default",
-           "aten.tril.default", "aten.slice_scatter.default")
+           "aten.tril.default", "aten.triu.default",
+           "aten.slice_scatter.default", "aten.masked_fill.Scalar")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
