@@ -196,9 +196,22 @@ def _binary_check(node):
         return "scalar first operand"
     if not (_is_tensor_arg(b) or isinstance(b, (int, float))):
         return "operand of type %s" % type(b).__name__
-    if _val(node).dtype not in FLOATS:
-        return "integer arithmetic"
+    dt = _val(node).dtype
+    if dt not in FLOATS:
+        if dt == torch.bool or _BINARY[node.target] == "div":
+            return "integer arithmetic"
+        alpha = node.kwargs.get("alpha", 1)
+        if not (isinstance(b, int) or _is_tensor_arg(b)) or not isinstance(
+                alpha, int):
+            return "integer arithmetic with a float"
     return None
+
+
+def _int_full(L, v, k):
+    """The integer k as a tensor of v's dtype and rank (ones as dims)."""
+    dt = L.dtype(v)
+    one = [1] * len(L.shape(v))
+    return L.op("full", [], [DTYPES[dt]] + one, [float(k)], metas=[(one, dt)])
 
 
 @rule(*_BINARY, check=_binary_check)
@@ -210,6 +223,13 @@ def _binary(L, node):
     b = node.args[1]
     alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2
                             else 1)
+    if dt not in FLOATS:  # integers: exact int64 arithmetic, no scalar ops
+        bv = (_pointwise_in(L, node, b, dt) if _is_tensor_arg(b)
+              else _int_full(L, a, b))
+        if alpha != 1:
+            bv = L.op("mul", [bv, _int_full(L, bv, alpha)],
+                      metas=[(L.shape(bv), dt)])
+        return L.op(name, [a, bv], metas=[m])
     if not _is_tensor_arg(b):
         s = float(b) * float(alpha)
         if name == "add":
@@ -224,6 +244,114 @@ def _binary(L, node):
         bv = L.op("mul_scalar", [bv], floats=[float(alpha)],
                   metas=[(L.shape(bv), dt)])
     return L.op(name, [a, bv], metas=[m])
+
+
+# ---- comparisons and logic (bool is int32 0 / 1) ----------------------------
+
+_CMP = {
+    aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne",
+    aten.ne.Scalar: "ne", aten.le.Tensor: "le", aten.le.Scalar: "le",
+    aten.ge.Tensor: "ge", aten.ge.Scalar: "ge", aten.lt.Tensor: "lt",
+    aten.lt.Scalar: "lt", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt",
+}
+
+
+def _cmp_check(node):
+    a, b = node.args[0], node.args[1]
+    if not _is_tensor_arg(a):
+        return "scalar first operand"
+    ints = (torch.int32, torch.int64)
+    if _val(a).dtype not in ints or not (
+            isinstance(b, int) and not isinstance(b, bool) or
+            _is_tensor_arg(b) and _val(b).dtype in ints):
+        return "comparison of non-integers"
+    return None
+
+
+@rule(*_CMP, check=_cmp_check)
+def _cmp(L, node):
+    """Integer comparisons, exact while the difference fits int64: a <= b is
+    max(a - b, 0) == 0 (in f64, which keeps an integer's sign), the others
+    by swapping sides and 1 - x; eq and ne through eq."""
+    m = _out_meta(node)
+    i64, f64 = torch.int64, torch.float64
+    a = L.cast(L.arg(node.args[0]), i64)
+    b = node.args[1]
+    b = L.cast(L.arg(b), i64) if _is_tensor_arg(b) else _int_full(L, a, b)
+    name = _CMP[node.target]
+    shape = list(m[0])
+    if name in ("lt", "ge"):
+        a, b = b, a
+    if name in ("eq", "ne"):
+        r = L.op("eq", [a, b], metas=[(shape, i64)])
+    else:
+        d = L.cast(L.op("sub", [a, b], metas=[(shape, i64)]), f64)
+        z = L.op("full", [], [DTYPES[f64]] + shape, [0.0],
+                 metas=[(shape, f64)])
+        r = L.op("eq", [_max0(L, d, f64), z], metas=[(shape, f64)])
+    r = L.op("cast", [r], [DTYPES[torch.bool]], metas=[m])
+    if name in ("ne", "gt", "lt"):
+        one = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0],
+                   metas=[m])
+        r = L.op("sub", [one, r], metas=[m])
+    return r
+
+
+def _logic_check(node):
+    for x in node.args[:2]:
+        if not _is_tensor_arg(x) or _val(x).dtype != torch.bool:
+            return "bitwise op of non-bools"
+    return None
+
+
+@rule(aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+      aten.logical_or.default, check=_logic_check)
+def _logic(L, node):
+    """and = a b, or = a + b - a b on bools (0 / 1)."""
+    m = _out_meta(node)
+    a, b = L.arg(node.args[0]), L.arg(node.args[1])
+    ab = L.op("mul", [a, b], metas=[m])
+    if node.target in (aten.bitwise_and.Tensor, aten.logical_and.default):
+        return ab
+    s = L.op("add", [a, b], metas=[m])
+    return L.op("sub", [s, ab], metas=[m])
+
+
+def _arange_check(node):
+    args = [a for a in node.args if a is not None]
+    if not all(isinstance(a, (int, float)) for a in args):
+        return "arange bounds"
+    if _val(node).dtype in FLOATS:
+        if not all(float(a).is_integer() for a in args):
+            return "arange with a fractional bound"
+        if max(abs(float(a)) for a in args) + _val(node).shape[0] * abs(
+                float(args[2] if len(args) > 2 else 1)) >= 1 << 24:
+            return "arange past 2^24"
+    return None
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step,
+      check=_arange_check)
+def _arange(L, node):
+    """start + step i: a range (doubling cats) scaled and shifted."""
+    m = _out_meta(node)
+    n = m[0][0]
+    start = node.args[0] if node.target != aten.arange.default else 0
+    step = node.args[2] if node.target == aten.arange.start_step else 1
+    if n == 0:
+        return L.op("full", [], [DTYPES[m[1]], 0], [0.0], metas=[m])
+    # floats: integers below 2^24, exact in f32 (bf16 rounds once at the end)
+    w = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    v = _iota(L, n, w)
+    if step != 1:
+        v = L.op("mul", [v, L.op("full", [], [DTYPES[w], 1],
+                                 [float(step)], metas=[([1], w)])],
+                 metas=[([n], w)])
+    if start != 0:
+        v = L.op("add", [v, L.op("full", [], [DTYPES[w], 1],
+                                 [float(start)], metas=[([1], w)])],
+                 metas=[([n], w)])
+    return L.cast(v, m[1])
 
 
 _UNARY = {
