@@ -65,7 +65,9 @@ def _metas_ok(node):
     for a in node.all_input_nodes:
         vals.append(_val(a))
     out = _val(node)
-    vals.extend(out if isinstance(out, (tuple, list)) else [out])
+    # a multi-output op's outputs it was asked not to make are None
+    vals.extend([o for o in out if o is not None]
+                if isinstance(out, (tuple, list)) else [out])
     for v in vals:
         if v is None and node.target is operator.getitem:
             continue
@@ -919,6 +921,115 @@ def _tri(L, node):
     wide = shape[:-1] + [c + 1]
     xz = L.op("cat", [v, z], [nd - 1], metas=[(wide, m[1])])
     return L.op("gather", [xz, idx], [nd - 1], metas=[m])
+
+
+# ---- depthwise convolution -------------------------------------------------------
+
+
+def _conv_check(node):
+    bw = node.target == aten.convolution_backward.default
+    x, w = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
+    stride, pad, dil, trans, _, groups = node.args[4 if bw else 3:
+                                                   10 if bw else 9]
+    if x.ndim != 3 or w.ndim != 3:
+        return "convolution of rank %d" % x.ndim
+    c = x.shape[1]
+    if groups != c or w.shape[0] != c or w.shape[1] != 1 or trans:
+        return "convolution not depthwise"
+    if list(stride) != [1] or list(dil) != [1]:
+        return "convolution stride or dilation"
+    if x.dtype not in FLOATS:
+        return "integer convolution"
+    return None
+
+
+def _conv_taps(L, x, w, pad, dt):
+    """(xp, taps, tout): x zero-padded on the time dim, the weight's taps
+    w[:, 0, k] as [C, 1], the output length."""
+    b, c, t = L.shape(x)
+    k = L.shape(w)[2]
+    tp = t + 2 * pad
+    xp = x
+    if pad:
+        xp = L.op("slice_backward", [x], [2, pad, pad + t, 1, b, c, tp],
+                  metas=[([b, c, tp], dt)])
+    taps = []
+    for j in range(k):
+        wj = L.op("slice", [w], [2, j, j + 1, 1], metas=[([c, 1, 1], dt)])
+        taps.append(L.op("reshape", [wj], [c, 1], metas=[([c, 1], dt)]))
+    return xp, taps, tp - k + 1
+
+
+@rule(aten.convolution.default, check=_conv_check)
+def _conv(L, node):
+    """A depthwise 1-D convolution (Gated DeltaNet's short causal conv):
+    the sum over the taps k of x padded, shifted by k, times w[:, 0, k]."""
+    m = _out_meta(node)
+    dt = m[1]
+    x = L.cast(L.arg(node.args[0]), dt)
+    w = L.cast(L.arg(node.args[1]), dt)
+    pad = list(node.args[4])[0]
+    b, c, _ = L.shape(x)
+    xp, taps, tout = _conv_taps(L, x, w, pad, dt)
+    acc = None
+    for j, wj in enumerate(taps):
+        xs = L.op("slice", [xp], [2, j, j + tout, 1], metas=[(m[0], dt)])
+        term = L.op("mul", [xs, wj], metas=[m])
+        acc = term if acc is None else L.op("add", [acc, term], metas=[m])
+    if node.args[2] is not None:
+        bias = L.op("reshape", [L.cast(L.arg(node.args[2]), dt)], [c, 1],
+                    metas=[([c, 1], dt)])
+        acc = L.op("add", [acc, bias], metas=[m])
+    return acc
+
+
+@rule(aten.convolution_backward.default, check=_conv_check)
+def _conv_backward(L, node):
+    """The depthwise convolution's gradients: the input's, the sum over k
+    of g w_k placed at k (slice_backward), cropped; the weight's, the sum
+    over batch and time of g times x padded and shifted by k; the bias's,
+    the sum of g."""
+    outs = _val(node)
+    mask = node.args[10]
+    dt = _val(node.args[0]).dtype
+    g = L.arg(node.args[0])
+    x = L.cast(L.arg(node.args[1]), dt)
+    w = L.cast(L.arg(node.args[2]), dt)
+    pad = list(node.args[5])[0]
+    b, c, t = L.shape(x)
+    k = L.shape(w)[2]
+    xp, taps, tout = _conv_taps(L, x, w, pad, dt)
+    tp = t + 2 * pad
+    res = [None, None, None]
+    if mask[0]:
+        acc = None
+        for j, wj in enumerate(taps):
+            gw = L.op("mul", [g, wj], metas=[([b, c, tout], dt)])
+            part = L.op("slice_backward", [gw], [2, j, j + tout, 1, b, c, tp],
+                        metas=[([b, c, tp], dt)])
+            acc = part if acc is None else L.op("add", [acc, part],
+                                                metas=[([b, c, tp], dt)])
+        if pad:
+            acc = L.op("slice", [acc], [2, pad, pad + t, 1],
+                       metas=[([b, c, t], dt)])
+        res[0] = L.cast(acc, outs[0].dtype)
+    if mask[1]:
+        cols = []
+        for j in range(k):
+            xs = L.op("slice", [xp], [2, j, j + tout, 1],
+                      metas=[([b, c, tout], dt)])
+            p = L.op("mul", [g, xs], metas=[([b, c, tout], dt)])
+            p = L.op("sum", [p], [2, 1], metas=[([b, c, 1], dt)])
+            cols.append(L.op("sum", [p], [0, 0], metas=[([c, 1], dt)]))
+        gw = cols[0] if k == 1 else L.op("cat", cols, [1],
+                                         metas=[([c, k], dt)])
+        gw = L.op("reshape", [gw], [c, 1, k], metas=[([c, 1, k], dt)])
+        res[1] = L.cast(gw, outs[1].dtype)
+    if mask[2]:
+        s = L.op("sum", [g], [2, 0], metas=[([b, c], dt)])
+        res[2] = L.cast(L.op("sum", [s], [0, 0], metas=[([c], dt)]),
+                        outs[2].dtype)
+    return tuple(res)
 
 
 # ---- losses --------------------------------------------------------------------

@@ -57,7 +57,7 @@ LOOSE = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a")
 
 # ops the families make that epjit compiles (none of them left to torch):
 # the loss, the labels' shift, the rotary tables, Gated DeltaNet's decay
-# and chunk mask, Qwen2-MoE's sliding-window mask
+# and chunk mask and short convolution, Qwen2-MoE's sliding-window mask
 LOWERED = ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
            "aten.constant_pad_nd.default", "aten.cos.default",
            "aten.sin.default", "aten.cumsum.default", "aten.flip.default",
@@ -65,7 +65,8 @@ LOWERED = ("aten.nll_loss_forward.default", "aten.nll_loss_backward.default",
            "aten.tril.default", "aten.triu.default",
            "aten.slice_scatter.default", "aten.masked_fill.Scalar",
            "aten.arange.default", "aten.le.Tensor", "aten.gt.Tensor",
-           "aten.bitwise_and.Tensor")
+           "aten.bitwise_and.Tensor", "aten.convolution.default",
+           "aten.convolution_backward.default")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
