@@ -235,6 +235,9 @@ epj_tensor *epj_silu(epj_ctx *ctx, epj_tensor *a);
 epj_tensor *epj_sigmoid(epj_ctx *ctx, epj_tensor *a);
 epj_tensor *epj_tanh(epj_ctx *ctx, epj_tensor *a);
 epj_tensor *epj_gelu(epj_ctx *ctx, epj_tensor *a); /* exact (erf) form */
+epj_tensor *epj_cos(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_sin(epj_ctx *ctx, epj_tensor *a);
+epj_tensor *epj_log1p(epj_ctx *ctx, epj_tensor *a); /* log(1 + a) */
 epj_tensor *epj_cast(epj_ctx *ctx, epj_tensor *a, epj_dtype dt);
 
 /* Reductions over one axis (negative counts back). */

@@ -1,6 +1,6 @@
 /* ops_pointwise.c -- elementwise ops: broadcasting binary arithmetic (add sub
  * mul div eq), scalar ops, unary math (neg exp log sqrt rsqrt silu sigmoid
- * tanh gelu), cast, and the silu/gelu backward helpers.
+ * tanh gelu cos sin log1p), cast, and the silu/gelu backward helpers.
  *
  * Dtypes.  Float ops accept f32, bf16 and f64; bf16 is loaded as f32,
  * computed in f32 and stored with round-to-nearest-even.  Integer inputs
@@ -142,6 +142,15 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 			break;                                                 \
 		case EJ_OP_TANH:                                               \
 			LOOP(y[i] = FM(tanh, x[i]));                           \
+			break;                                                 \
+		case EJ_OP_COS:                                                \
+			LOOP(y[i] = FM(cos, x[i]));                            \
+			break;                                                 \
+		case EJ_OP_SIN:                                                \
+			LOOP(y[i] = FM(sin, x[i]));                            \
+			break;                                                 \
+		case EJ_OP_LOG1P:                                              \
+			LOOP(y[i] = FM(log1p, x[i]));                          \
 			break;                                                 \
 		case EJ_OP_GELU:                                               \
 			LOOP(y[i] = half * x[i] *                              \
@@ -638,6 +647,9 @@ UNARY_FLOAT_INFER(SILU)
 UNARY_FLOAT_INFER(SIGMOID)
 UNARY_FLOAT_INFER(TANH)
 UNARY_FLOAT_INFER(GELU)
+UNARY_FLOAT_INFER(COS)
+UNARY_FLOAT_INFER(SIN)
+UNARY_FLOAT_INFER(LOG1P)
 
 epj_status ej_infer_CAST(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 {
@@ -687,6 +699,9 @@ PW_KERNEL(SILU)
 PW_KERNEL(SIGMOID)
 PW_KERNEL(TANH)
 PW_KERNEL(GELU)
+PW_KERNEL(COS)
+PW_KERNEL(SIN)
+PW_KERNEL(LOG1P)
 PW_KERNEL(SILU_BACKWARD)
 PW_KERNEL(GELU_BACKWARD)
 
@@ -972,6 +987,44 @@ epj_status ej_backward_GELU(BW_ARGS)
 	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
+/* cos' = -sin x. */
+epj_status ej_backward_COS(BW_ARGS)
+{
+	BW_GRAD(g);
+	if (needs[0]) {
+		epj_tensor *s = epj_sin(ctx, c->in[0]);
+		epj_tensor *gs = epj_mul(ctx, g, s);
+		grad_in[0] = epj_neg(ctx, gs);
+		epj_tensor_free(gs);
+		epj_tensor_free(s);
+	}
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
+/* sin' = cos x. */
+epj_status ej_backward_SIN(BW_ARGS)
+{
+	BW_GRAD(g);
+	if (needs[0]) {
+		epj_tensor *co = epj_cos(ctx, c->in[0]);
+		grad_in[0] = epj_mul(ctx, g, co);
+		epj_tensor_free(co);
+	}
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
+/* log1p' = 1 / (1 + x). */
+epj_status ej_backward_LOG1P(BW_ARGS)
+{
+	BW_GRAD(g);
+	if (needs[0]) {
+		epj_tensor *d = epj_add_scalar(ctx, c->in[0], 1.0);
+		grad_in[0] = epj_div(ctx, g, d);
+		epj_tensor_free(d);
+	}
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
 /* The gradient goes back to the input's dtype (only float inputs can
  * require grad). */
 epj_status ej_backward_CAST(BW_ARGS)
@@ -1089,6 +1142,21 @@ epj_tensor *epj_tanh(epj_ctx *ctx, epj_tensor *a)
 epj_tensor *epj_gelu(epj_ctx *ctx, epj_tensor *a)
 {
 	return call_unary(ctx, EJ_OP_GELU, a);
+}
+
+epj_tensor *epj_cos(epj_ctx *ctx, epj_tensor *a)
+{
+	return call_unary(ctx, EJ_OP_COS, a);
+}
+
+epj_tensor *epj_sin(epj_ctx *ctx, epj_tensor *a)
+{
+	return call_unary(ctx, EJ_OP_SIN, a);
+}
+
+epj_tensor *epj_log1p(epj_ctx *ctx, epj_tensor *a)
+{
+	return call_unary(ctx, EJ_OP_LOG1P, a);
 }
 
 /* A cast to the tensor's own dtype is the identity: a new reference, no op

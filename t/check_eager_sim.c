@@ -259,6 +259,12 @@ static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in, int op)
 		return epj_tanh(ctx, x);
 	case EJ_OP_GELU:
 		return epj_gelu(ctx, x);
+	case EJ_OP_COS:
+		return epj_cos(ctx, x);
+	case EJ_OP_SIN:
+		return epj_sin(ctx, x);
+	case EJ_OP_LOG1P:
+		return epj_log1p(ctx, x);
 	default: {
 		/* cast there and back */
 		epj_dtype dt = epj_tensor_dtype(x);
@@ -277,7 +283,8 @@ static const int pw_ops[] = {
 	EJ_OP_EQ,    EJ_OP_ADD_SCALAR, EJ_OP_MUL_SCALAR, EJ_OP_POW_SCALAR,
 	EJ_OP_NEG,   EJ_OP_EXP,	       EJ_OP_LOG,	 EJ_OP_SQRT,
 	EJ_OP_RSQRT, EJ_OP_SILU,       EJ_OP_SIGMOID,	 EJ_OP_TANH,
-	EJ_OP_GELU,  EJ_OP_CAST,
+	EJ_OP_GELU,  EJ_OP_COS,	       EJ_OP_SIN,	 EJ_OP_LOG1P,
+	EJ_OP_CAST,
 };
 
 /* x [R, C] (non-contiguous on cuda-sim), y broadcast [C] or [R, 1];

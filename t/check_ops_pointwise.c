@@ -1,6 +1,7 @@
 /* check_ops_pointwise.c -- elementwise ops: add sub mul div eq (numpy
  * broadcasting), add_scalar mul_scalar pow_scalar, neg exp log sqrt rsqrt
- * silu sigmoid tanh gelu, cast, and the silu/gelu backward helpers.
+ * silu sigmoid tanh gelu cos sin log1p, cast, and the silu/gelu backward
+ * helpers.
  *
  * Every forward result is compared with a double-precision reference
  * written here (broadcast index mapping and math from libm, in forms that
@@ -238,6 +239,9 @@ enum uop {
 	U_SIGMOID,
 	U_TANH,
 	U_GELU,
+	U_COS,
+	U_SIN,
+	U_LOG1P,
 	U_ADDS,
 	U_MULS,
 	U_POW,
@@ -260,6 +264,9 @@ static const un_op un_ops[] = {
 	{ "sigmoid", U_SIGMOID, G_NORMAL, 0 },
 	{ "tanh", U_TANH, G_NORMAL, 0 },
 	{ "gelu", U_GELU, G_NORMAL, 0 },
+	{ "cos", U_COS, G_NORMAL, 0 },
+	{ "sin", U_SIN, G_NORMAL, 0 },
+	{ "log1p", U_LOG1P, G_POS, 0 },
 	{ "add_scalar", U_ADDS, G_NORMAL, 0.37 },
 	{ "mul_scalar", U_MULS, G_NORMAL, -1.7 },
 	{ "pow_scalar 2", U_POW, G_NORMAL, 2.0 },
@@ -290,6 +297,12 @@ static epj_tensor *run_un(epj_ctx *ctx, const un_op *u, epj_tensor *x)
 		return epj_tanh(ctx, x);
 	case U_GELU:
 		return epj_gelu(ctx, x);
+	case U_COS:
+		return epj_cos(ctx, x);
+	case U_SIN:
+		return epj_sin(ctx, x);
+	case U_LOG1P:
+		return epj_log1p(ctx, x);
 	case U_ADDS:
 		return epj_add_scalar(ctx, x, u->s);
 	case U_MULS:
@@ -325,6 +338,12 @@ static double ref_un(const un_op *u, double x)
 		return tanh(x);
 	case U_GELU:
 		return 0.5 * x * erfc(-x / sqrt(2.0));
+	case U_COS: /* through sin, not the kernels' cos */
+		return sin(x + 1.57079632679489661923);
+	case U_SIN:
+		return -cos(x + 1.57079632679489661923);
+	case U_LOG1P: /* log(1 + x) = 2 atanh(x / (2 + x)), exact near 0 */
+		return 2.0 * atanh(x / (2.0 + x));
 	case U_ADDS:
 		return x + u->s;
 	case U_MULS:
@@ -402,6 +421,20 @@ START_TEST(test_unary_special)
 	epj_tensor_free(s);
 	epj_tensor_free(e);
 	epj_tensor_free(x);
+	/* log1p keeps the small values that log(1 + x) rounds to 0 in f32 */
+	const float small[3] = { 1e-10f, -3e-8f, 5e-9f };
+	int64_t n3 = 3;
+	epj_tensor *xs =
+	    epj_tensor_from_data(ctx, EPJ_DTYPE_F32, 1, &n3, small);
+	tu_ok(ctx, xs);
+	epj_tensor *l = epj_log1p(ctx, xs);
+	tu_ok(ctx, l);
+	double rl[3];
+	for (int i = 0; i < 3; i++)
+		rl[i] = 2.0 * atanh((double)small[i] / (2.0 + small[i]));
+	tu_assert_close(ctx, l, rl, 1e-6, 0, "log1p near 0");
+	epj_tensor_free(l);
+	epj_tensor_free(xs);
 	epj_ctx_free(ctx);
 }
 END_TEST

@@ -56,6 +56,30 @@
 	"{\n"                                                                  \
 	"\treturn 1.0 / sqrt(x);\n"                                            \
 	"}\n"                                                                  \
+	"EJ_SF float ej_cos_f(float x)\n"                                      \
+	"{\n"                                                                  \
+	"\treturn cosf(x);\n"                                                  \
+	"}\n"                                                                  \
+	"EJ_SF double ej_cos_d(double x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn cos(x);\n"                                                   \
+	"}\n"                                                                  \
+	"EJ_SF float ej_sin_f(float x)\n"                                      \
+	"{\n"                                                                  \
+	"\treturn sinf(x);\n"                                                  \
+	"}\n"                                                                  \
+	"EJ_SF double ej_sin_d(double x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn sin(x);\n"                                                   \
+	"}\n"                                                                  \
+	"EJ_SF float ej_log1p_f(float x)\n"                                    \
+	"{\n"                                                                  \
+	"\treturn log1pf(x);\n"                                                \
+	"}\n"                                                                  \
+	"EJ_SF double ej_log1p_d(double x)\n"                                  \
+	"{\n"                                                                  \
+	"\treturn log1p(x);\n"                                                 \
+	"}\n"                                                                  \
 	"EJ_SF float ej_tanh_f(float x)\n"                                     \
 	"{\n"                                                                  \
 	"\treturn tanhf(x);\n"                                                 \

@@ -234,6 +234,9 @@ class EpjitGraph(torch.nn.Module):
             for i, a in enumerate(args):
                 if self.orders[i]:
                     a = a.permute(self.orders[i])
+                if a.dtype == torch.bool:  # epjit's bool is int32 0 / 1
+                    a = a.to(torch.int32)
+                    stats["input_copies"] += 1
                 if not a.is_contiguous():
                     a = a.contiguous()
                     stats["input_copies"] += 1
@@ -256,9 +259,12 @@ class EpjitGraph(torch.nn.Module):
                 src = [i for i, x in enumerate(ins)
                        if L.epj_tensor_shares_storage(h, x)]
                 if src:  # a view of torch's input: the same view in torch
-                    res.append(_view_of(h, keep[src[0]]))
+                    t = _view_of(h, keep[src[0]])
                 else:
-                    res.append(_to_torch(h, self.out_dtypes[j]))
+                    t = _to_torch(h, self.out_dtypes[j])
+                if self.out_dtypes[j] == torch.bool:
+                    t = t.to(torch.bool)
+                res.append(t)
         finally:
             for h in ins:
                 L.epj_tensor_free(h)

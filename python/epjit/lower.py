@@ -21,6 +21,7 @@ DTYPES = {
     torch.float64: _lib.F64,
     torch.int32: _lib.I32,
     torch.int64: _lib.I64,
+    torch.bool: _lib.I32,  # 0 / 1; the backend converts at the boundary
 }
 FLOATS = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -64,7 +65,9 @@ def _metas_ok(node):
     for a in node.all_input_nodes:
         vals.append(_val(a))
     out = _val(node)
-    vals.extend(out if isinstance(out, (tuple, list)) else [out])
+    # a multi-output op's outputs it was asked not to make are None
+    vals.extend([o for o in out if o is not None]
+                if isinstance(out, (tuple, list)) else [out])
     for v in vals:
         if v is None and node.target is operator.getitem:
             continue
@@ -195,9 +198,22 @@ def _binary_check(node):
         return "scalar first operand"
     if not (_is_tensor_arg(b) or isinstance(b, (int, float))):
         return "operand of type %s" % type(b).__name__
-    if _val(node).dtype not in FLOATS:
-        return "integer arithmetic"
+    dt = _val(node).dtype
+    if dt not in FLOATS:
+        if dt == torch.bool or _BINARY[node.target] == "div":
+            return "integer arithmetic"
+        alpha = node.kwargs.get("alpha", 1)
+        if not (isinstance(b, int) or _is_tensor_arg(b)) or not isinstance(
+                alpha, int):
+            return "integer arithmetic with a float"
     return None
+
+
+def _int_full(L, v, k):
+    """The integer k as a tensor of v's dtype and rank (ones as dims)."""
+    dt = L.dtype(v)
+    one = [1] * len(L.shape(v))
+    return L.op("full", [], [DTYPES[dt]] + one, [float(k)], metas=[(one, dt)])
 
 
 @rule(*_BINARY, check=_binary_check)
@@ -209,6 +225,13 @@ def _binary(L, node):
     b = node.args[1]
     alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2
                             else 1)
+    if dt not in FLOATS:  # integers: exact int64 arithmetic, no scalar ops
+        bv = (_pointwise_in(L, node, b, dt) if _is_tensor_arg(b)
+              else _int_full(L, a, b))
+        if alpha != 1:
+            bv = L.op("mul", [bv, _int_full(L, bv, alpha)],
+                      metas=[(L.shape(bv), dt)])
+        return L.op(name, [a, bv], metas=[m])
     if not _is_tensor_arg(b):
         s = float(b) * float(alpha)
         if name == "add":
@@ -225,12 +248,121 @@ def _binary(L, node):
     return L.op(name, [a, bv], metas=[m])
 
 
+# ---- comparisons and logic (bool is int32 0 / 1) ----------------------------
+
+_CMP = {
+    aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne",
+    aten.ne.Scalar: "ne", aten.le.Tensor: "le", aten.le.Scalar: "le",
+    aten.ge.Tensor: "ge", aten.ge.Scalar: "ge", aten.lt.Tensor: "lt",
+    aten.lt.Scalar: "lt", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt",
+}
+
+
+def _cmp_check(node):
+    a, b = node.args[0], node.args[1]
+    if not _is_tensor_arg(a):
+        return "scalar first operand"
+    ints = (torch.int32, torch.int64)
+    if _val(a).dtype not in ints or not (
+            isinstance(b, int) and not isinstance(b, bool) or
+            _is_tensor_arg(b) and _val(b).dtype in ints):
+        return "comparison of non-integers"
+    return None
+
+
+@rule(*_CMP, check=_cmp_check)
+def _cmp(L, node):
+    """Integer comparisons, exact while the difference fits int64: a <= b is
+    max(a - b, 0) == 0 (in f64, which keeps an integer's sign), the others
+    by swapping sides and 1 - x; eq and ne through eq."""
+    m = _out_meta(node)
+    i64, f64 = torch.int64, torch.float64
+    a = L.cast(L.arg(node.args[0]), i64)
+    b = node.args[1]
+    b = L.cast(L.arg(b), i64) if _is_tensor_arg(b) else _int_full(L, a, b)
+    name = _CMP[node.target]
+    shape = list(m[0])
+    if name in ("lt", "ge"):
+        a, b = b, a
+    if name in ("eq", "ne"):
+        r = L.op("eq", [a, b], metas=[(shape, i64)])
+    else:
+        d = L.cast(L.op("sub", [a, b], metas=[(shape, i64)]), f64)
+        z = L.op("full", [], [DTYPES[f64]] + shape, [0.0],
+                 metas=[(shape, f64)])
+        r = L.op("eq", [_max0(L, d, f64), z], metas=[(shape, f64)])
+    r = L.op("cast", [r], [DTYPES[torch.bool]], metas=[m])
+    if name in ("ne", "gt", "lt"):
+        one = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0],
+                   metas=[m])
+        r = L.op("sub", [one, r], metas=[m])
+    return r
+
+
+def _logic_check(node):
+    for x in node.args[:2]:
+        if not _is_tensor_arg(x) or _val(x).dtype != torch.bool:
+            return "bitwise op of non-bools"
+    return None
+
+
+@rule(aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+      aten.logical_or.default, check=_logic_check)
+def _logic(L, node):
+    """and = a b, or = a + b - a b on bools (0 / 1)."""
+    m = _out_meta(node)
+    a, b = L.arg(node.args[0]), L.arg(node.args[1])
+    ab = L.op("mul", [a, b], metas=[m])
+    if node.target in (aten.bitwise_and.Tensor, aten.logical_and.default):
+        return ab
+    s = L.op("add", [a, b], metas=[m])
+    return L.op("sub", [s, ab], metas=[m])
+
+
+def _arange_check(node):
+    args = [a for a in node.args if a is not None]
+    if not all(isinstance(a, (int, float)) for a in args):
+        return "arange bounds"
+    if _val(node).dtype in FLOATS:
+        if not all(float(a).is_integer() for a in args):
+            return "arange with a fractional bound"
+        if max(abs(float(a)) for a in args) + _val(node).shape[0] * abs(
+                float(args[2] if len(args) > 2 else 1)) >= 1 << 24:
+            return "arange past 2^24"
+    return None
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step,
+      check=_arange_check)
+def _arange(L, node):
+    """start + step i: a range (doubling cats) scaled and shifted."""
+    m = _out_meta(node)
+    n = m[0][0]
+    start = node.args[0] if node.target != aten.arange.default else 0
+    step = node.args[2] if node.target == aten.arange.start_step else 1
+    if n == 0:
+        return L.op("full", [], [DTYPES[m[1]], 0], [0.0], metas=[m])
+    # floats: integers below 2^24, exact in f32 (bf16 rounds once at the end)
+    w = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    v = _iota(L, n, w)
+    if step != 1:
+        v = L.op("mul", [v, L.op("full", [], [DTYPES[w], 1],
+                                 [float(step)], metas=[([1], w)])],
+                 metas=[([n], w)])
+    if start != 0:
+        v = L.op("add", [v, L.op("full", [], [DTYPES[w], 1],
+                                 [float(start)], metas=[([1], w)])],
+                 metas=[([n], w)])
+    return L.cast(v, m[1])
+
+
 _UNARY = {
     aten.neg.default: "neg", aten.exp.default: "exp",
     aten.log.default: "log", aten.sqrt.default: "sqrt",
     aten.rsqrt.default: "rsqrt", aten.silu.default: "silu",
     aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
-    aten.gelu.default: "gelu",
+    aten.gelu.default: "gelu", aten.cos.default: "cos",
+    aten.sin.default: "sin",
 }
 
 
@@ -247,6 +379,64 @@ def _unary(L, node):
     m = _out_meta(node)
     a = _pointwise_in(L, node, node.args[0], m[1])
     return L.op(_UNARY[node.target], [a], metas=[m])
+
+
+def _softplus_args(node):
+    """(beta, threshold) of softplus or softplus_backward."""
+    k = 2 if node.target == aten.softplus_backward.default else 1
+    a = list(node.args[k:k + 2])
+    beta = a[0] if len(a) > 0 else node.kwargs.get("beta", 1)
+    th = a[1] if len(a) > 1 else node.kwargs.get("threshold", 20)
+    return beta, th
+
+
+def _softplus_check(node):
+    beta, th = _softplus_args(node)
+    if not isinstance(beta, (int, float)) or beta <= 0:
+        return "softplus beta %s" % beta
+    if not isinstance(th, (int, float)) or th < 20:
+        return "softplus threshold %s" % th
+    return None if _val(node).dtype in FLOATS else "integer input"
+
+
+def _max0(L, v, dt):
+    """max(v, 0): the amax of v and zeros stacked on a new last dim."""
+    shape = list(L.shape(v))
+    one = shape + [1]
+    a = L.op("reshape", [v], one, metas=[(one, dt)])
+    z = L.op("full", [], [DTYPES[dt]] + one, [0.0], metas=[(one, dt)])
+    two = shape + [2]
+    c = L.op("cat", [a, z], [len(shape)], metas=[(two, dt)])
+    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+
+
+@rule(aten.softplus.default, aten.softplus_backward.default,
+      check=_softplus_check)
+def _softplus(L, node):
+    """softplus(x) = (m + log1p(exp(b x - 2 m))) / b with m = max(b x, 0),
+    which never overflows and equals x above torch's threshold (>= 20,
+    where exp(-b x) is below the ulp); its backward is g * sigmoid(b x).
+    bf16 is computed in f32 and rounded once."""
+    m = _out_meta(node)
+    work = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    bw = node.target == aten.softplus_backward.default
+    x = L.cast(L.arg(node.args[1 if bw else 0]), work)
+    beta = float(_softplus_args(node)[0])
+    shape = list(L.shape(x))
+    w = (shape, work)
+    bx = x if beta == 1.0 else L.op("mul_scalar", [x], floats=[beta],
+                                    metas=[w])
+    if bw:
+        g = L.cast(L.arg(node.args[0]), work)
+        sg = L.op("sigmoid", [bx], metas=[w])
+        return L.cast(L.op("mul", [g, sg], metas=[w]), m[1])
+    mx = _max0(L, bx, work)
+    t = L.op("sub", [bx, L.op("add", [mx, mx], metas=[w])], metas=[w])
+    y = L.op("add", [mx, L.op("log1p", [L.op("exp", [t], metas=[w])],
+                                metas=[w])], metas=[w])
+    if beta != 1.0:
+        y = L.op("mul_scalar", [y], floats=[1.0 / beta], metas=[w])
+    return L.cast(y, m[1])
 
 
 def _pow_check(node):
@@ -557,6 +747,14 @@ def _to_copy_check(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
         return "memory_format"
+    return _to_bool_check(_val(node.args[0]), _val(node))
+
+
+def _to_bool_check(src, dst):
+    """A value becomes bool only from bool (a cast of the 0/1 int32 that
+    stands for bool would truncate, not test for nonzero)."""
+    if dst.dtype == torch.bool and src.dtype != torch.bool:
+        return "cast to bool"
     return None
 
 
@@ -594,6 +792,348 @@ def _embedding_backward(L, node):
     return L.op("embedding_backward",
                 [L.arg(node.args[0]), L.arg(node.args[1])],
                 [int(node.args[2])], metas=[_out_meta(node)])
+
+
+# ---- scans and reversals --------------------------------------------------------
+
+
+def _iota(L, n, dtype):
+    """[0, 1, ..., n-1] in dtype, doubled by cats (no op makes a range)."""
+    m = lambda k: ([k], dtype)  # noqa: E731
+    v = L.op("full", [], [DTYPES[dtype], 1], [0.0], metas=[m(1)])
+    k = 1
+    while k < n:
+        j = min(k, n - k)
+        head = v if j == k else L.op("slice", [v], [0, 0, j, 1],
+                                     metas=[m(j)])
+        off = L.op("full", [], [DTYPES[dtype], j], [float(k)], metas=[m(j)])
+        v = L.op("cat", [v, L.op("add", [head, off], metas=[m(j)])], [0],
+                 metas=[m(k + j)])
+        k += j
+    return v
+
+
+def _cumsum_check(node):
+    x = _val(node.args[0])
+    if x.ndim == 0:
+        return "cumsum of a scalar"
+    if x.dtype not in FLOATS or _val(node).dtype != x.dtype:
+        return "cumsum to %s" % str(_val(node).dtype).replace("torch.", "")
+    return None
+
+
+@rule(aten.cumsum.default, check=_cumsum_check)
+def _cumsum(L, node):
+    """An inclusive scan by doubling shifts (Hillis-Steele): y += y shifted
+    by s along the dim with zeros in front, s = 1, 2, 4, ...; bf16 is summed
+    in f32 and rounded once."""
+    m = _out_meta(node)
+    work = torch.float32 if m[1] == torch.bfloat16 else m[1]
+    y = L.cast(L.arg(node.args[0]), work)
+    shape = list(L.shape(y))
+    d = _norm_dim(node.args[1], len(shape))
+    n, s = shape[d], 1
+    while s < n:
+        zs, keep = list(shape), list(shape)
+        zs[d], keep[d] = s, n - s
+        z = L.op("full", [], [DTYPES[work]] + zs, [0.0], metas=[(zs, work)])
+        head = L.op("slice", [y], [d, 0, n - s, 1], metas=[(keep, work)])
+        sh = L.op("cat", [z, head], [d], metas=[(shape, work)])
+        y = L.op("add", [y, sh], metas=[(shape, work)])
+        s *= 2
+    return L.cast(y, m[1])
+
+
+def _flip_check(node):
+    if _val(node.args[0]).ndim == 0:
+        return "flip of a scalar"
+    return None
+
+
+@rule(aten.flip.default, check=_flip_check)
+def _flip(L, node):
+    """A gather along each flipped dim with the index n-1, ..., 0 (an i64
+    range, broadcast to the tensor's shape)."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    for d in sorted({_norm_dim(d, len(shape)) for d in node.args[1]}):
+        n = shape[d]
+        if n <= 1:
+            continue
+        io = _iota(L, n, torch.int64)
+        last = L.op("full", [], [DTYPES[torch.int64], n], [float(n - 1)],
+                    metas=[([n], torch.int64)])
+        rev = L.op("sub", [last, io], metas=[([n], torch.int64)])
+        one = [1] * len(shape)
+        one[d] = n
+        rev = L.op("reshape", [rev], one, metas=[(one, torch.int64)])
+        rev = L.op("expand", [rev], shape, metas=[(shape, torch.int64)])
+        v = L.op("gather", [v, rev], [d], metas=[(shape, m[1])])
+    return v
+
+
+def _tri_check(node):
+    if _val(node.args[0]).ndim < 2:
+        return "tril of rank %d" % _val(node.args[0]).ndim
+    return None
+
+
+@rule(aten.tril.default, aten.triu.default, check=_tri_check)
+def _tri(L, node):
+    """tril / triu of the last two dims: a gather along the last dim from x
+    with a zero column appended, the removed elements reading that column
+    (exact for any value, inf and nan included).  The removed mask is d >=
+    0, d = j - i - k - 1 (tril) or i - j + k - 1 (triu), found as
+    max(d, 0) == d."""
+    m = _out_meta(node)
+    v = L.arg(node.args[0])
+    shape = list(L.shape(v))
+    nd = len(shape)
+    r, c = shape[-2], shape[-1]
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get(
+        "diagonal", 0)
+    f, i64 = torch.float32, torch.int64
+    ri = L.op("reshape", [_iota(L, r, f)], [r, 1], metas=[([r, 1], f)])
+    ci = L.op("reshape", [_iota(L, c, f)], [1, c], metas=[([1, c], f)])
+    if node.target == aten.tril.default:
+        d = L.op("sub", [ci, ri], metas=[([r, c], f)])
+        off = -(k + 1)
+    else:
+        d = L.op("sub", [ri, ci], metas=[([r, c], f)])
+        off = k - 1
+    if off:
+        d = L.op("add_scalar", [d], floats=[float(off)], metas=[([r, c], f)])
+    gone = L.op("eq", [_max0(L, d, f), d], metas=[([r, c], f)])
+    gone = L.op("cast", [gone], [DTYPES[i64]], metas=[([r, c], i64)])
+    cj = L.op("reshape", [_iota(L, c, i64)], [1, c], metas=[([1, c], i64)])
+    last = L.op("full", [], [DTYPES[i64], 1, c], [float(c)],
+                metas=[([1, c], i64)])
+    jump = L.op("mul", [gone, L.op("sub", [last, cj], metas=[([1, c], i64)])],
+                metas=[([r, c], i64)])
+    idx = L.op("add", [jump, cj], metas=[([r, c], i64)])
+    lead = [1] * (nd - 2) + [r, c]
+    if nd > 2:
+        idx = L.op("reshape", [idx], lead, metas=[(lead, i64)])
+        idx = L.op("expand", [idx], shape, metas=[(shape, i64)])
+    zs = shape[:-1] + [1]
+    z = L.op("full", [], [DTYPES[m[1]]] + zs, [0.0], metas=[(zs, m[1])])
+    wide = shape[:-1] + [c + 1]
+    xz = L.op("cat", [v, z], [nd - 1], metas=[(wide, m[1])])
+    return L.op("gather", [xz, idx], [nd - 1], metas=[m])
+
+
+# ---- depthwise convolution -------------------------------------------------------
+
+
+def _conv_check(node):
+    bw = node.target == aten.convolution_backward.default
+    x, w = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
+    stride, pad, dil, trans, _, groups = node.args[4 if bw else 3:
+                                                   10 if bw else 9]
+    if x.ndim != 3 or w.ndim != 3:
+        return "convolution of rank %d" % x.ndim
+    c = x.shape[1]
+    if groups != c or w.shape[0] != c or w.shape[1] != 1 or trans:
+        return "convolution not depthwise"
+    if list(stride) != [1] or list(dil) != [1]:
+        return "convolution stride or dilation"
+    if x.dtype not in FLOATS:
+        return "integer convolution"
+    return None
+
+
+def _conv_taps(L, x, w, pad, dt):
+    """(xp, taps, tout): x zero-padded on the time dim, the weight's taps
+    w[:, 0, k] as [C, 1], the output length."""
+    b, c, t = L.shape(x)
+    k = L.shape(w)[2]
+    tp = t + 2 * pad
+    xp = x
+    if pad:
+        xp = L.op("slice_backward", [x], [2, pad, pad + t, 1, b, c, tp],
+                  metas=[([b, c, tp], dt)])
+    taps = []
+    for j in range(k):
+        wj = L.op("slice", [w], [2, j, j + 1, 1], metas=[([c, 1, 1], dt)])
+        taps.append(L.op("reshape", [wj], [c, 1], metas=[([c, 1], dt)]))
+    return xp, taps, tp - k + 1
+
+
+@rule(aten.convolution.default, check=_conv_check)
+def _conv(L, node):
+    """A depthwise 1-D convolution (Gated DeltaNet's short causal conv):
+    the sum over the taps k of x padded, shifted by k, times w[:, 0, k]."""
+    m = _out_meta(node)
+    dt = m[1]
+    x = L.cast(L.arg(node.args[0]), dt)
+    w = L.cast(L.arg(node.args[1]), dt)
+    pad = list(node.args[4])[0]
+    b, c, _ = L.shape(x)
+    xp, taps, tout = _conv_taps(L, x, w, pad, dt)
+    acc = None
+    for j, wj in enumerate(taps):
+        xs = L.op("slice", [xp], [2, j, j + tout, 1], metas=[(m[0], dt)])
+        term = L.op("mul", [xs, wj], metas=[m])
+        acc = term if acc is None else L.op("add", [acc, term], metas=[m])
+    if node.args[2] is not None:
+        bias = L.op("reshape", [L.cast(L.arg(node.args[2]), dt)], [c, 1],
+                    metas=[([c, 1], dt)])
+        acc = L.op("add", [acc, bias], metas=[m])
+    return acc
+
+
+@rule(aten.convolution_backward.default, check=_conv_check)
+def _conv_backward(L, node):
+    """The depthwise convolution's gradients: the input's, the sum over k
+    of g w_k placed at k (slice_backward), cropped; the weight's, the sum
+    over batch and time of g times x padded and shifted by k; the bias's,
+    the sum of g."""
+    outs = _val(node)
+    mask = node.args[10]
+    dt = _val(node.args[0]).dtype
+    g = L.arg(node.args[0])
+    x = L.cast(L.arg(node.args[1]), dt)
+    w = L.cast(L.arg(node.args[2]), dt)
+    pad = list(node.args[5])[0]
+    b, c, t = L.shape(x)
+    k = L.shape(w)[2]
+    xp, taps, tout = _conv_taps(L, x, w, pad, dt)
+    tp = t + 2 * pad
+    res = [None, None, None]
+    if mask[0]:
+        acc = None
+        for j, wj in enumerate(taps):
+            gw = L.op("mul", [g, wj], metas=[([b, c, tout], dt)])
+            part = L.op("slice_backward", [gw], [2, j, j + tout, 1, b, c, tp],
+                        metas=[([b, c, tp], dt)])
+            acc = part if acc is None else L.op("add", [acc, part],
+                                                metas=[([b, c, tp], dt)])
+        if pad:
+            acc = L.op("slice", [acc], [2, pad, pad + t, 1],
+                       metas=[([b, c, t], dt)])
+        res[0] = L.cast(acc, outs[0].dtype)
+    if mask[1]:
+        cols = []
+        for j in range(k):
+            xs = L.op("slice", [xp], [2, j, j + tout, 1],
+                      metas=[([b, c, tout], dt)])
+            p = L.op("mul", [g, xs], metas=[([b, c, tout], dt)])
+            p = L.op("sum", [p], [2, 1], metas=[([b, c, 1], dt)])
+            cols.append(L.op("sum", [p], [0, 0], metas=[([c, 1], dt)]))
+        gw = cols[0] if k == 1 else L.op("cat", cols, [1],
+                                         metas=[([c, k], dt)])
+        gw = L.op("reshape", [gw], [c, 1, k], metas=[([c, 1, k], dt)])
+        res[1] = L.cast(gw, outs[1].dtype)
+    if mask[2]:
+        s = L.op("sum", [g], [2, 0], metas=[([b, c], dt)])
+        res[2] = L.cast(L.op("sum", [s], [0, 0], metas=[([c], dt)]),
+                        outs[2].dtype)
+    return tuple(res)
+
+
+# ---- losses --------------------------------------------------------------------
+
+
+def _nll_check(node):
+    x, t = _val(node.args[1 if _is_bw(node) else 0]), _val(
+        node.args[2 if _is_bw(node) else 1])
+    w = node.args[3 if _is_bw(node) else 2]
+    if w is not None:
+        return "class weights"
+    if x.ndim != 2 or t.ndim != 1:
+        return "nll_loss of rank %d" % x.ndim
+    if t.dtype not in (torch.int64, torch.int32):
+        return "target dtype %s" % str(t.dtype).replace("torch.", "")
+    if x.dtype not in FLOATS:
+        return "integer input"
+    if _nll_reduction(node) not in (0, 1, 2):
+        return "reduction %s" % _nll_reduction(node)
+    return None
+
+
+def _is_bw(node):
+    return node.target == aten.nll_loss_backward.default
+
+
+def _nll_reduction(node):
+    return node.args[4 if _is_bw(node) else 3]
+
+
+def _nll_valid(L, t, ignore_index, dt):
+    """(safe target [N, 1], weight [N] in dt): the weight 1 where the target
+    is not ignore_index, else 0; the ignored targets read class 0."""
+    n = L.shape(t)[0]
+    it = L.dtype(t)
+    m_i = ([n], it)
+    ign = L.op("full", [], [DTYPES[it], n], [float(ignore_index)],
+               metas=[m_i])
+    one = L.op("full", [], [DTYPES[it], n], [1.0], metas=[m_i])
+    hit = L.op("eq", [t, ign], metas=[m_i])
+    valid = L.op("sub", [one, hit], metas=[m_i])
+    safe = L.op("mul", [t, valid], metas=[m_i])
+    safe = L.op("reshape", [safe], [n, 1], metas=[([n, 1], it)])
+    return safe, L.op("cast", [valid], [DTYPES[dt]], metas=[([n], dt)])
+
+
+@rule(aten.nll_loss_forward.default, check=_nll_check)
+def _nll_loss(L, node):
+    """-x[i, t_i] where t_i is not ignored; mean divides by the count of
+    those (total_weight), which is the second output."""
+    outs = _val(node)
+    dt = outs[0].dtype
+    x = L.cast(L.arg(node.args[0]), dt)
+    t = L.arg(node.args[1])
+    n = L.shape(x)[0]
+    safe, w = _nll_valid(L, t, node.args[4], dt)
+    picked = L.op("gather", [x, safe], [1], metas=[([n, 1], dt)])
+    picked = L.op("reshape", [picked], [n], metas=[([n], dt)])
+    pw = L.op("mul", [picked, w], metas=[([n], dt)])
+    loss = L.op("neg", [pw], metas=[([n], dt)])
+    tw_m = (list(outs[1].shape), outs[1].dtype)
+    red = node.args[3]
+    if red == 0:
+        tw = L.op("full", [], [DTYPES[tw_m[1]]] + tw_m[0], [0.0],
+                  metas=[tw_m])
+        return loss, tw
+    tw = L.cast(L.op("sum_all", [w], metas=[([], dt)]), tw_m[1])
+    if tw_m[0] != []:
+        tw = L.op("reshape", [tw], tw_m[0], metas=[tw_m])
+    total = L.op("sum_all", [loss], metas=[([], dt)])
+    if red == 1:
+        twd = L.cast(tw, dt)
+        if L.shape(twd) != []:
+            twd = L.op("reshape", [twd], [], metas=[([], dt)])
+        total = L.op("div", [total, twd], metas=[([], dt)])
+    m0 = (list(outs[0].shape), dt)
+    if m0[0] != []:
+        total = L.op("reshape", [total], m0[0], metas=[m0])
+    return total, tw
+
+
+@rule(aten.nll_loss_backward.default, check=_nll_check)
+def _nll_loss_backward(L, node):
+    """Zeros with -grad (/ total_weight for mean) at [i, t_i] where t_i is
+    not ignored: a scatter_add of one column."""
+    m = _out_meta(node)
+    dt = m[1]
+    g = L.cast(L.arg(node.args[0]), dt)
+    t = L.arg(node.args[2])
+    n, c = m[0]
+    safe, w = _nll_valid(L, t, node.args[5], dt)
+    src = L.op("neg", [w], metas=[([n], dt)])
+    if node.args[4] == 1:
+        tw = L.cast(L.arg(node.args[6]), dt)
+        if L.shape(tw) != []:
+            tw = L.op("reshape", [tw], [], metas=[([], dt)])
+        src = L.op("div", [src, tw], metas=[([n], dt)])
+    if L.shape(g) not in ([], [n]):
+        g = L.op("reshape", [g], [n] if node.args[4] == 0 else [],
+                 metas=[([n] if node.args[4] == 0 else [], dt)])
+    src = L.op("mul", [src, g], metas=[([n], dt)])
+    src = L.op("reshape", [src], [n, 1], metas=[([n, 1], dt)])
+    zeros = L.op("full", [], [DTYPES[dt], n, c], [0.0], metas=[m])
+    return L.op("scatter_add", [zeros, safe, src], [1], metas=[m])
 
 
 # ---- attention ----------------------------------------------------------------
@@ -720,7 +1260,7 @@ def _copy_check(node):
     a, b = _val(node.args[0]), _val(node.args[1])
     if a.ndim < b.ndim:
         return "copy from a higher rank"
-    return None
+    return _to_bool_check(b, a)
 
 
 @rule(aten.copy.default, check=_copy_check)
@@ -738,15 +1278,90 @@ def _copy(L, node):
                 metas=[m])
 
 
+def _masked_fill_check(node):
+    v = node.args[2]
+    if not isinstance(v, (int, float)):
+        return "fill value"
+    if _val(node.args[1]).dtype != torch.bool:
+        return "mask of dtype %s" % str(_val(node.args[1]).dtype).replace(
+            "torch.", "")
+    if _val(node).dtype not in FLOATS:
+        return "integer masked_fill"
+    return None
+
+
+@rule(aten.masked_fill.Scalar, check=_masked_fill_check)
+def _masked_fill(L, node):
+    """x where the mask is false, the value where it is true: a gather from
+    x and the value stacked on a new last dim, the mask (0 / 1) its index
+    (exact for any value)."""
+    m = _out_meta(node)
+    shape = m[0]
+    x = L.cast(L.arg(node.args[0]), m[1])
+    if L.shape(x) != shape:
+        x = _bcast(L, x, shape)
+    mask = _bcast(L, L.arg(node.args[1]), shape)
+    one = shape + [1]
+    x1 = L.op("reshape", [x], one, metas=[(one, m[1])])
+    fill = L.op("full", [], [DTYPES[m[1]]] + one, [float(node.args[2])],
+                metas=[(one, m[1])])
+    both = L.op("cat", [x1, fill], [len(shape)],
+                metas=[(shape + [2], m[1])])
+    idx = L.op("reshape", [mask], one, metas=[(one, torch.bool)])
+    out = L.op("gather", [both, idx], [len(shape)], metas=[(one, m[1])])
+    return L.op("reshape", [out], shape, metas=[m])
+
+
+def _bcast(L, v, shape):
+    """v broadcast to shape (leading ones added, then expand)."""
+    vs = list(L.shape(v))
+    if vs == shape:
+        return v
+    dt = L.dtype(v)
+    if len(vs) < len(shape):
+        vs = [1] * (len(shape) - len(vs)) + vs
+        v = L.op("reshape", [v], vs, metas=[(vs, dt)])
+    return L.op("expand", [v], shape, metas=[(list(shape), dt)])
+
+
 def _slice_scatter_check(node):
     step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
-    return None if step == 1 else "slice_scatter step"
+    return None if isinstance(step, int) and step >= 1 else "slice step"
+
+
+def _scatter_strided(L, m, base, src, d, start, step):
+    """base with src at start, start + step, ... along d: a gather from
+    cat(base, src) whose index is p, or n + k at the k-th written place
+    (exact for any value); the index is built from a range and two
+    slice_backward placements of ones and of the range 0..k-1."""
+    shape = list(L.shape(base))
+    n, k = shape[d], L.shape(src)[d]
+    f, i64 = torch.float32, torch.int64
+    at = [0, start, start + (k - 1) * step + 1, step, n]
+    ones = L.op("full", [], [DTYPES[f], k], [1.0], metas=[([k], f)])
+    hit = L.op("slice_backward", [ones], at, metas=[([n], f)])
+    kk = L.op("slice_backward", [_iota(L, k, f)], at, metas=[([n], f)])
+    p = _iota(L, n, f)
+    jump = L.op("sub", [L.op("add_scalar", [kk], floats=[float(n)],
+                             metas=[([n], f)]), p], metas=[([n], f)])
+    idx = L.op("add", [p, L.op("mul", [hit, jump], metas=[([n], f)])],
+               metas=[([n], f)])
+    idx = L.op("cast", [idx], [DTYPES[i64]], metas=[([n], i64)])
+    one = [1] * len(shape)
+    one[d] = n
+    idx = L.op("reshape", [idx], one, metas=[(one, i64)])
+    if one != shape:
+        idx = L.op("expand", [idx], shape, metas=[(shape, i64)])
+    wide = list(shape)
+    wide[d] = n + k
+    both = L.op("cat", [base, src], [d], metas=[(wide, m[1])])
+    return L.op("gather", [both, idx], [d], metas=[m])
 
 
 @rule(aten.slice_scatter.default, check=_slice_scatter_check)
 def _slice_scatter(L, node):
     """base with src at [start, end) along dim: a cat of base's pieces
-    around src."""
+    around src; with a step, _scatter_strided."""
     m = _out_meta(node)
     base = L.arg(node.args[0])
     src = L.cast(L.arg(node.args[1]), m[1])
@@ -756,10 +1371,16 @@ def _slice_scatter(L, node):
     size = shape[d]
     start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
     end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
     start = 0 if start is None else start
     end = size if end is None else end
     start = min(max(start + size if start < 0 else start, 0), size)
     end = min(max(end + size if end < 0 else end, start), size)
+    if step != 1 and L.shape(src)[d] == 0:
+        return L.op("contiguous", [L.cast(base, m[1])], metas=[m])
+    if step != 1:
+        return _scatter_strided(L, m, L.cast(base, m[1]), src, d, start,
+                                step)
     parts = []
     for a, b in ((0, start), (None, None), (end, size)):
         if a is None:
@@ -833,20 +1454,55 @@ def _select_scatter(L, node):
 
 def _pad_check(node):
     value = node.args[2] if len(node.args) > 2 else 0
-    if value != 0:
-        return "pad with a value"
-    if _val(node).dtype not in FLOATS:
-        return "integer pad"
+    if not isinstance(value, (int, float)) or value != value or abs(
+            value) == float("inf"):
+        return "pad with value %s" % value
     return None
+
+
+def _pad_value(L, node, v, value):
+    """Padding with a constant (pad pairs run from the last dim backwards):
+    a slice where a pad is negative (a crop), then a cat of full blocks of
+    the value on either side (any dtype; the values are exact)."""
+    m = _out_meta(node)
+    pad = list(node.args[1])
+    shape = list(L.shape(v))
+    for k in range(len(pad) // 2):
+        lo, hi = pad[2 * k], pad[2 * k + 1]
+        d = len(shape) - 1 - k
+        if lo < 0 or hi < 0:
+            a, b = max(-lo, 0), shape[d] - max(-hi, 0)
+            new = list(shape)
+            new[d] = b - a
+            v = L.op("slice", [v], [d, a, b, 1], metas=[(new, m[1])])
+            shape = new
+            lo, hi = max(lo, 0), max(hi, 0)
+        parts = []
+        for n in (lo, None, hi):
+            if n is None:
+                parts.append(v)
+            elif n > 0:
+                ps = list(shape)
+                ps[d] = n
+                parts.append(L.op("full", [], [DTYPES[m[1]]] + ps,
+                                  [float(value)], metas=[(ps, m[1])]))
+        if len(parts) > 1:
+            shape = list(shape)
+            shape[d] += lo + hi
+            v = L.op("cat", parts, [d], metas=[(list(shape), m[1])])
+    return v
 
 
 @rule(aten.constant_pad_nd.default, check=_pad_check)
 def _pad(L, node):
-    """Zero padding (pad pairs run from the last dim backwards): a slice
-    where a pad is negative (a crop), then a slice_backward that places the
-    result among zeros."""
+    """Zero padding of floats (pad pairs run from the last dim backwards): a
+    slice where a pad is negative (a crop), then a slice_backward that
+    places the result among zeros; other values and integers: _pad_value."""
     m = _out_meta(node)
     v = L.arg(node.args[0])
+    value = node.args[2] if len(node.args) > 2 else 0
+    if value != 0 or m[1] not in FLOATS:
+        return _pad_value(L, node, v, value)
     pad = list(node.args[1])
     shape = list(L.shape(v))
     for k in range(len(pad) // 2):
