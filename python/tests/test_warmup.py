@@ -176,3 +176,18 @@ def test_recording_is_off_by_default(tmp_path, monkeypatch):
     torch.compile(m, backend="epjit")(torch.randn(2, 4))
     assert epjit.counters()["graphs"] > 0
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_that_is_no_graph_file_is_left_alone(tmp_path):
+    path = tmp_path / "notes.json"
+    path.write_text('{"something": "else"}\n')
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
+    x = torch.randn(2, 4)
+    epjit.record_graphs(path)
+    try:
+        with pytest.warns(UserWarning, match="not an epjit graph file"):
+            y = torch.compile(m, backend="epjit")(x)
+    finally:
+        epjit.record_graphs(None)
+    assert rel_err(y, m(x)) <= 1e-5  # the run goes on
+    assert path.read_text() == '{"something": "else"}\n'
