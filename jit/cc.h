@@ -176,6 +176,11 @@ epj_status ej_cuda_driver_probe(epj_ctx *ctx);
  * one, modules are compiled without -fopenmp (serial).  gcc's GOMP calls
  * work with either runtime; clang's need libomp. */
 const char *ej_hostcc_openmp_runtime(void);
+/* Makes path the runtime of ej_hostcc_openmp_runtime() (modules link it and
+ * the identity names it) instead of the library's own: epjit-warmup builds
+ * the kernels of another process (a torch run whose libgomp is torch's).
+ * Call before the first compile or identity. */
+void ej_hostcc_set_openmp_runtime(const char *path);
 /* EJ_HOSTCC_FLAGS, plus " -march=<level>" for the instruction set of
  * ej_hostcc_isa() other than baseline, plus " -fopenmp" when there is a
  * runtime (static storage).  The flags are part of the compiler identity,

@@ -70,6 +70,11 @@ epj_status epj_compiler_new(epj_ctx *ctx, const char *backend,
 	return EPJ_OK;
 }
 
+ej_jit *ej_compiler_jit(epj_compiler *c)
+{
+	return c->jit;
+}
+
 void epj_compiler_free(epj_compiler *c)
 {
 	if (!c)

@@ -979,6 +979,12 @@ const char *ej_hostcc_openmp_runtime(void)
 	return omp_path[0] ? omp_path : NULL;
 }
 
+void ej_hostcc_set_openmp_runtime(const char *path)
+{
+	pthread_once(&omp_once, find_omp_runtime);
+	snprintf(omp_path, sizeof omp_path, "%s", path);
+}
+
 /* ---- instruction set of generated C --------------------------------------
  */
 

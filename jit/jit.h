@@ -51,6 +51,9 @@ const char *ej_backend_device(ej_backend_kind k);
 
 ej_jit *ej_jit_new(epj_ctx *ctx, ej_backend_kind backend);
 void ej_jit_free(ej_jit *jit);
+/* The jit behind a public compiler (jit/graph_api.c): epjit-warmup defers
+ * its builds and plans their artifacts. */
+ej_jit *ej_compiler_jit(epj_compiler *c);
 
 /* ---- tracing --------------------------------------------------------------
  */

@@ -12,6 +12,9 @@
  *   -> the jit's unique graphs -> sources + keys (jit/warmup.c) ->
  *   [--dry-run: list] -> missing ones compiled by -j forked workers
  *
+ * --graphs FILE replaces the model by the graphs a torch run compiled
+ * (recorded by the Python package; tools/warmup_graphs.c).
+ *
  * It links the convenience library (internal ej_* functions) because the
  * kernel cache and the jit are not part of the public API.
  * Exit status: 0 ok, 1 error, 2 bad command line.
@@ -40,6 +43,7 @@
 #include "runtime_impl.h"
 #include "train_defaults.h"
 #include "warmup.h"
+#include "warmup_graphs.h"
 
 #ifndef PACKAGE_VERSION
 #define PACKAGE_VERSION "0.1"
@@ -64,7 +68,8 @@ typedef struct opts {
 	long jobs;
 	bool dry_run;
 	const char *export_path, *import_path;
-	const char *kind; /* --kind: export entries of one kind only */
+	const char *kind;	 /* --kind: export entries of one kind only */
+	const char *graphs_path; /* --graphs: a torch run's graph file */
 } opts;
 
 static void usage(FILE *fp)
@@ -120,6 +125,10 @@ static void usage(FILE *fp)
 	    "add them all to\n"
 	    "                      the cache (nothing is added when any "
 	    "entry fails)\n"
+	    "  --graphs FILE       compile the graphs of FILE (the Python "
+	    "package records\n"
+	    "                      them: EPJIT_GRAPH_RECORD) instead of a "
+	    "model's\n"
 	    "  --help, --version\n"
 	    "Exit status: 0 ok, 1 error, 2 bad command line.  See "
 	    "epjit-warmup(1).\n",
@@ -206,7 +215,7 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 				"--layout", "--backend",	"--arch",
 				"-j",	    "--jobs",		"--export",
 				"--import", "--model-override", "--world",
-				"--kind",
+				"--kind",   "--graphs",
 			};
 			bool ok = false;
 			for (size_t k = 0; k < EJ_ARRAY_LEN(known); k++)
@@ -245,6 +254,8 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 			*model_given = true;
 		} else if (!strcmp(name, "--export")) {
 			o->export_path = val;
+		} else if (!strcmp(name, "--graphs")) {
+			o->graphs_path = val;
 		} else if (!strcmp(name, "--import")) {
 			o->import_path = val;
 		} else if (!strcmp(name, "--kind")) {
@@ -294,8 +305,14 @@ static int parse_args(int argc, char **argv, opts *o, bool *model_given)
 	}
 	if (o->archs && !o->cuda)
 		return bad_usage("--arch '%s' needs --backend cuda", o->archs);
-	if (o->import_path &&
-	    (o->export_path || *model_given || o->dry_run || o->kind))
+	if (o->graphs_path && *model_given)
+		return bad_usage("--graphs '%s' takes no model option "
+				 "(--model, --config, --seq, ...)",
+				 o->graphs_path);
+	if (o->graphs_path)
+		*model_given = true; /* --export: the entries it needs */
+	if (o->import_path && (o->export_path || *model_given || o->dry_run ||
+			       o->kind || o->graphs_path))
 		return bad_usage("--import '%s' takes no other option",
 				 o->import_path);
 	if (o->kind && !o->export_path)
@@ -343,6 +360,8 @@ static void print_cache(epj_ctx *ctx)
 
 typedef struct warm {
 	epj_ctx *ctx;
+	epj_compiler *compiler; /* --graphs */
+	int n_file_graphs;
 	epj_config *cfg;
 	epj_model *model;
 	epj_engine *engine;
@@ -358,6 +377,7 @@ static void warm_free(warm *w)
 {
 	ej_warm_plan_free(&w->plan);
 	epj_engine_free(w->engine);
+	epj_compiler_free(w->compiler);
 	epj_model_free(w->model);
 	epj_config_free(w->cfg);
 }
@@ -426,8 +446,36 @@ static epj_status make_plan(warm *w, const opts *o)
 	return st;
 }
 
+/* --graphs: the file's graphs compiled with the builds deferred
+ * (tools/warmup_graphs.c), then the artifact plan. */
+static epj_status make_graph_plan(warm *w, const opts *o)
+{
+	double t0 = now_s();
+	epj_status st = warm_graphs_compile(w->ctx, o->graphs_path,
+					    &w->compiler, &w->n_file_graphs);
+	if (st == EPJ_OK)
+		st = ej_warm_plan_build(w->ctx, ej_compiler_jit(w->compiler),
+					o->cuda ? EJ_BACKEND_NVRTC
+						: EJ_BACKEND_C,
+					o->archs, &w->plan);
+	w->trace_s = now_s() - t0;
+	return st;
+}
+
 static void print_header(const warm *w, const opts *o)
 {
+	if (o->graphs_path) {
+		printf(PROG ": %s: %d graph%s, %d unique segment%s, %d "
+			    "graph%s to build, backend %s%s%s (traced in %.2f "
+			    "s)\n",
+		       o->graphs_path, w->n_file_graphs,
+		       w->n_file_graphs == 1 ? "" : "s", w->plan.n_segments,
+		       w->plan.n_segments == 1 ? "" : "s", w->plan.n_graphs,
+		       w->plan.n_graphs == 1 ? "" : "s", o->cuda ? "cuda" : "c",
+		       o->cuda ? " " : "", o->cuda ? ej_nvrtc_identity() : "",
+		       w->trace_s);
+		return;
+	}
 	printf(
 	    PROG ": %s, %d layer%s, batch %" PRId64 " x %" PRId64
 		 " (a rank of %d, expert parallel %d), mode %s, %d region%s, "
@@ -458,7 +506,8 @@ static int run_warmup(warm *w, const opts *o)
 	if (!probe)
 		return fail(w->ctx);
 	ej_kcache_close(probe);
-	if (make_plan(w, o) != EPJ_OK)
+	if ((o->graphs_path ? make_graph_plan(w, o) : make_plan(w, o)) !=
+	    EPJ_OK)
 		return fail(w->ctx);
 	print_header(w, o);
 	if (o->dry_run) {

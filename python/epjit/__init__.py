@@ -15,7 +15,7 @@ import os
 from . import _lib
 from ._backend import backend  # noqa: F401
 
-__all__ = ["backend", "counters", "reset", "dump"]
+__all__ = ["backend", "counters", "reset", "dump", "record_graphs"]
 __version__ = "0.1.0"
 
 
@@ -51,6 +51,15 @@ def counters():
         "input_copies": be.stats["input_copies"],
         "raw": raw,
     }
+
+
+def record_graphs(path):
+    """From now on, adds every graph the backend compiles to the graph file
+    at path (created when missing; graphs already there are not added
+    again), for epjit-warmup --graphs to fill a kernel cache with.  Takes
+    precedence over EPJIT_GRAPH_RECORD; None stops recording."""
+    from . import _backend as be
+    be.record_path = os.fspath(path) if path is not None else ""
 
 
 def reset():

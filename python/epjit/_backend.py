@@ -4,6 +4,10 @@ epjit compiles and what stays in torch, the former lowered to epjit graphs
 
 import collections
 import ctypes
+import functools
+import json
+import math
+import os
 import threading
 import warnings
 
@@ -119,6 +123,119 @@ def _view_of(handle, base):
     return base.as_strided(shape, strides, base.storage_offset() + off // size)
 
 
+# ---- recording the compiled graphs (EPJIT_GRAPH_RECORD) --------------------
+
+# the file epjit.record_graphs() set ("": off); unset (None):
+# $EPJIT_GRAPH_RECORD
+record_path = None
+_recorded = set()  # (path, graph) already in the file, from this process
+_DT_NAME = {_lib.F32: "f32", _lib.BF16: "bf16", _lib.I32: "i32",
+            _lib.I64: "i64", _lib.F64: "f64"}
+
+
+def _record_file():
+    if record_path is not None:
+        return record_path or None
+    return os.environ.get("EPJIT_GRAPH_RECORD") or None
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+
+@functools.lru_cache(maxsize=None)
+def _openmp_runtime():
+    """The OpenMP runtime libepjit's kernels link and name in their cache
+    keys (the shared object that defines omp_get_max_threads for libepjit:
+    ej_hostcc_openmp_runtime, doc/compilers.md), or None."""
+    try:
+        fn = ctypes.cast(_lib.lib.omp_get_max_threads, ctypes.c_void_p)
+        dladdr = ctypes.CDLL(None).dladdr
+    except AttributeError:
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    info = _DlInfo()
+    if not dladdr(fn, ctypes.byref(info)) or not info.fname:
+        return None
+    path = info.fname.decode(errors="replace")
+    return path if path.startswith("/") and "omp" in path else None
+
+
+def _json_float(f):
+    f = float(f)
+    if math.isfinite(f):
+        return f
+    return "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf")
+
+
+class _Recording(lower.Lowering):
+    """A Lowering that also writes down its graph API calls (the graph
+    file's format: tools/warmup_graphs.c)."""
+
+    def __init__(self, ctx, graph):
+        super().__init__(ctx, graph)
+        self.rec = {"inputs": [], "nodes": [], "outputs": []}
+
+    def input(self, node, val):
+        v = super().input(node, val)
+        self.rec["inputs"].append({"dtype": _DT_NAME[lower.DTYPES[val.dtype]],
+                                   "shape": [int(d) for d in val.shape]})
+        return v
+
+    def op(self, name, ins, ints=(), floats=(), n_out=1, metas=None):
+        v = super().op(name, ins, ints, floats, n_out, metas)
+        self.rec["nodes"].append({
+            "op": name, "in": [int(i) for i in ins],
+            "ints": [int(i) for i in ints],
+            "floats": [_json_float(f) for f in floats], "n_out": int(n_out)})
+        return v
+
+
+def _save_graph(path, graph):
+    """Adds graph to the graph file at path unless it holds it already (the
+    file is locked while read and rewritten: ranks may share it)."""
+    import fcntl
+    key = json.dumps(graph, sort_keys=True, separators=(",", ":"))
+    with _lock:
+        if (path, key) in _recorded:
+            return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        with os.fdopen(fd, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            text = f.read()
+            data = json.loads(text) if text.strip() else {
+                "epjit_graphs": 1, "graphs": []}
+            if not isinstance(data, dict) or data.get("epjit_graphs") != 1 \
+                    or not isinstance(data.get("graphs"), list):
+                raise ValueError("not an epjit graph file")
+            rt = _openmp_runtime()
+            if data.get("openmp_runtime") != rt and data["graphs"]:
+                raise ValueError("recorded for the OpenMP runtime %s, this "
+                                 "process has %s" % (
+                                     data.get("openmp_runtime"), rt))
+            have = {json.dumps(g, sort_keys=True, separators=(",", ":"))
+                    for g in data["graphs"]}
+            if key not in have:
+                have.add(key)
+                data["graphs"].append(graph)
+                f.seek(0)
+                f.truncate()
+                head = {"epjit_graphs": 1}
+                if rt:
+                    head["openmp_runtime"] = rt
+                f.write(json.dumps(head)[:-1] + ', "graphs": [\n')
+                f.write(",\n".join(json.dumps(g, separators=(",", ":"))
+                                   for g in data["graphs"]))
+                f.write("\n]}\n")
+    except (OSError, ValueError) as e:
+        warnings.warn("epjit: graph file %s: not recorded: %s" % (path, e))
+        return
+    with _lock:
+        _recorded.update((path, k) for k in have)
+
+
 # ---- one lowered partition ----------------------------------------------------
 
 
@@ -144,7 +261,8 @@ class EpjitGraph(torch.nn.Module):
                    "epj_graph_new")
         self.graph = g
         self.in_dtypes = []
-        L = lower.Lowering(self.ctx, g)
+        record = _record_file()
+        L = (_Recording if record else lower.Lowering)(self.ctx, g)
         out_node = None
         places = [n for n in sub.graph.nodes if n.op == "placeholder"]
         self.orders = [_memory_order(a) for a in args]
@@ -190,6 +308,9 @@ class EpjitGraph(torch.nn.Module):
         if self.n_out:
             _lib.check(self.ctx, _lib.lib.epj_graph_compile(
                 self.ctx, self.compiler, g), "epjit compile")
+            if record:
+                L.rec["outputs"] = list(values)
+                _save_graph(record, L.rec)
         with _lock:
             stats["graphs"] += 1
 
