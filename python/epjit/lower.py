@@ -1126,6 +1126,11 @@ def _nll_loss_backward(L, node):
         tw = L.cast(L.arg(node.args[6]), dt)
         if L.shape(tw) != []:
             tw = L.op("reshape", [tw], [], metas=[([], dt)])
+        # every target ignored: total_weight is 0 and torch writes no
+        # gradient (every w is 0); dividing by 1 there keeps 0 / 0 out
+        zero = L.op("full", [], [DTYPES[dt]], [0.0], metas=[([], dt)])
+        none = L.op("eq", [tw, zero], metas=[([], dt)])
+        tw = L.op("add", [tw, none], metas=[([], dt)])
         src = L.op("div", [src, tw], metas=[([n], dt)])
     if L.shape(g) not in ([], [n]):
         g = L.op("reshape", [g], [n] if node.args[4] == 0 else [],

@@ -234,6 +234,28 @@ def test_loss_and_rotary_ops_lowered(reduction, dtype):
     assert c["fallback_nodes"] == 0, c["fallback"]
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_every_target_ignored(dtype):
+    """A batch whose targets are all ignore_index: the mean loss is nan as
+    in torch (0 / 0) and the gradient is zero, as torch's nll_loss_backward
+    writes none (0 / 0 there would make every logit's gradient nan)."""
+    def f(x, t):
+        return torch.nn.functional.cross_entropy(x, t, ignore_index=-100)
+
+    x = torch.randn(5, 9, dtype=dtype, requires_grad=True)
+    t = torch.full((5,), -100)
+    ref = f(x, t)
+    gref = torch.autograd.grad(ref, x)[0]
+    x2 = x.detach().clone().requires_grad_(True)
+    got = torch.compile(f, backend="epjit")(x2, t)
+    g = torch.autograd.grad(got, x2)[0]
+    assert torch.isnan(ref) and torch.isnan(got)
+    assert torch.equal(gref, torch.zeros_like(gref))
+    assert torch.equal(g, gref)
+    assert epjit.counters()["kernels"] > 0
+    assert epjit.counters()["fallback_nodes"] == 0
+
 def test_pad_with_a_value_lowered():
     """constant_pad_nd with a value, of floats (crop and pad) and of
     integer labels (transformers' shift of the labels, value -100)."""
