@@ -13,7 +13,8 @@
 # (OMP/BLAS/BLIS).  EPJIT_PROFILE=1 adds the time of the GEMM ops (linear,
 # matmul, gemm_add, moe_grouped_mm and its weight gradient; a bf16 linear's
 # input conversion included).  Prints per run the CPU time per step
-# (median) and the GEMM op time per step, then each arm's medians and B / A.
+# (median) and the GEMM op time per step, then each arm's medians, spread
+# and B / A (bench/ab_eager.sh).
 build=${1:?usage: bench/blas_ab.sh BUILD LIB [ROUNDS] [bench-eager flags...]}
 lib=${2:?usage: bench/blas_ab.sh BUILD LIB [ROUNDS] [bench-eager flags...]}
 rounds=${3:-2}
@@ -28,8 +29,7 @@ BLIS_NUM_THREADS=1
 export OMP_NUM_THREADS OPENBLAS_NUM_THREADS BLIS_NUM_THREADS
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/epjit-blas-ab.XXXXXX") || exit 1
 trap 'rm -rf "$tmp"' EXIT
-: >"$tmp/rows"
-arm() {
+run_arm() {
 	a=$1
 	shift
 	if [ "$a" = B ]; then
@@ -38,31 +38,8 @@ arm() {
 	else
 		LD_LIBRARY_PATH=$build/.libs EPJIT_PROFILE=1 \
 		    "$bin" "$@" >"$tmp/out" 2>&1
-	fi || { cat "$tmp/out" >&2; exit 1; }
-	cpu=$(sed -n 's/.*CPU time \/ step, median (ms) *| *\([0-9.]*\).*/\1/p' "$tmp/out")
-	gemm=$(sed -n 's/.*GEMM ops \/ step (ms) *| *\([0-9.]*\).*/\1/p' "$tmp/out")
-	echo "$a ${cpu:-?} ${gemm:-?}" | tee -a "$tmp/rows"
+	fi
 }
+. "$(dirname "$0")/ab_eager.sh"
 echo "A: as linked; B: LD_PRELOAD=$lib"
-echo "arm cpu_ms_per_step gemm_ms_per_step"
-r=0
-while [ "$r" -lt "$rounds" ]; do
-	r=$((r + 1))
-	arm A "$@"
-	arm B "$@"
-	arm B "$@"
-	arm A "$@"
-done
-awk '
-function med(v, n,   i, j, t) {
-	for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++)
-		if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t }
-	return n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2
-}
-{ if ($1 == "A") { ca[++na] = $2; ga[na] = $3 } else { cb[++nb] = $2; gb[nb] = $3 } }
-END {
-	mca = med(ca, na); mcb = med(cb, nb); mga = med(ga, na); mgb = med(gb, nb)
-	printf "median CPU ms/step: A %.1f  B %.1f  B/A %.3f\n", mca, mcb, mcb / mca
-	if (mga > 0)
-		printf "median GEMM op ms/step: A %.1f  B %.1f  B/A %.3f\n", mga, mgb, mgb / mga
-}' "$tmp/rows"
+ab_rounds "$rounds" "$@"
