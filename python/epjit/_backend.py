@@ -77,14 +77,19 @@ class _Owner:
             self.handle = None
 
 
+def _dims(handle):
+    """The shape and strides of the epjit tensor `handle`, as lists."""
+    L = _lib.lib
+    nd = L.epj_tensor_ndim(handle)
+    return L.epj_tensor_shape(handle)[:nd], L.epj_tensor_strides(handle)[:nd]
+
+
 def _to_torch(handle, dtype):
     """A torch tensor viewing the epjit tensor `handle` (no copy); owns the
     reference."""
     L = _lib.lib
     dt = L.epj_tensor_dtype(handle)
-    nd = L.epj_tensor_ndim(handle)
-    shape = [L.epj_tensor_shape(handle)[i] for i in range(nd)]
-    strides = [L.epj_tensor_strides(handle)[i] for i in range(nd)]
+    shape, strides = _dims(handle)
     if 0 in shape:
         L.epj_tensor_free(handle)
         return torch.empty(shape, dtype=dtype)
@@ -112,9 +117,7 @@ def _view_of(handle, base):
     """The torch view of base that the epjit tensor `handle` (a view of
     base's borrowed memory) is; drops the reference."""
     L = _lib.lib
-    nd = L.epj_tensor_ndim(handle)
-    shape = [L.epj_tensor_shape(handle)[i] for i in range(nd)]
-    strides = [L.epj_tensor_strides(handle)[i] for i in range(nd)]
+    shape, strides = _dims(handle)
     off = (L.epj_tensor_data(handle) or 0) - base.data_ptr()
     L.epj_tensor_free(handle)
     size = base.element_size()
@@ -375,10 +378,18 @@ class EpjitGraph(torch.nn.Module):
                                      outs, self.n_out)
                 _lib.check(self.ctx, st, "epjit run")
             res = []
+            # the memory of each input (dense now): an output whose data
+            # lies in it is a view of that input (the memory is torch's:
+            # epjit's allocations are never inside it)
+            spans = [(a.data_ptr(), a.data_ptr() + a.numel() *
+                      a.element_size()) for a in keep]
             for j in range(self.n_out):
                 h = outs[j]
-                src = [i for i, x in enumerate(ins)
-                       if L.epj_tensor_shares_storage(h, x)]
+                p = L.epj_tensor_data(h) or 0
+                src = [i for i, (lo, hi) in enumerate(spans) if lo <= p < hi]
+                if not src and L.epj_tensor_numel(h) == 0:  # no data to see
+                    src = [i for i, x in enumerate(ins)
+                           if L.epj_tensor_shares_storage(h, x)]
                 if src:  # a view of torch's input: the same view in torch
                     t = _view_of(h, keep[src[0]])
                 else:

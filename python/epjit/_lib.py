@@ -56,6 +56,7 @@ _SIGS = {
     "epj_tensor_strides": (c_int64_p, [vp]),
     "epj_tensor_data": (vp, [vp]),
     "epj_tensor_shares_storage": (ctypes.c_bool, [vp, vp]),
+    "epj_tensor_numel": (ctypes.c_int64, [vp]),
     "epj_compiler_new": (ctypes.c_int, [vp, ctypes.c_char_p,
                                         ctypes.POINTER(vp)]),
     "epj_compiler_free": (None, [vp]),
