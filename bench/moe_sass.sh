@@ -11,45 +11,8 @@
 # BUILD_DIR: a configured and built tree (its .libs/libepjit.a and config.h);
 # CUOBJDUMP: cuobjdump to use (default: first on PATH, else Triton's).
 set -eu
-B=$(cd "$1" && pwd)
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-OBJ=${2:-$(command -v cuobjdump || ls /work/venv-golden/lib/python3*/site-packages/triton/backends/nvidia/bin/cuobjdump 2>/dev/null | head -1)}
-T=$(mktemp -d)
-trap 'rm -rf "$T"' EXIT
-LIBS=$(sed -n "s/^dependency_libs='\(.*\)'/\1/p" "$B/libepjit.la" |
-	sed 's/-R\([^ ]*\)/-Wl,-rpath,\1/g')
-cat >"$T/dump.c" <<'C'
-#include "config.h"
-#include "cc.h"
-#include "jit_impl.h"
-#include "tmpl.h"
-#include <stdio.h>
-int main(int argc, char **argv)
-{
-	epj_ctx *ctx = NULL;
-	if (epj_ctx_new("cpu", &ctx) != EPJ_OK)
-		return 1;
-	ej_arena *A = ej_arena_new();
-	const char *src = ej_tmpl_source(ctx, A, argv[1], NULL);
-	const char *opts[] = { EJ_NVRTC_OPT_PTXAS_REPORT };
-	ej_nvrtc_result r = { 0 };
-	if (!src || ej_nvrtc_compile(ctx, src, argv[1], "sm_90", opts, 1,
-				     &r) != EPJ_OK || r.is_ptx) {
-		fprintf(stderr, "%s\n", epj_ctx_error(ctx));
-		return 1;
-	}
-	fputs(r.log, stdout);
-	FILE *f = fopen(argv[2], "wb");
-	if (!f || fwrite(r.image, 1, r.size, f) != r.size || fclose(f))
-		return 1;
-	return 0;
-}
-C
-${CC:-gcc} -std=gnu11 -fopenmp -I"$B" -I"$SRC/lib" -I"$SRC/jit" \
-	-I"$SRC/kernels" \
-	-I"$SRC/runtime" -I"$SRC" "$T/dump.c" "$B/.libs/libepjit.a" \
-	$LIBS -ldl -lpthread -o "$T/dump"
-"$T/dump" moe "$T/moe.cubin" | grep -E "Compiling entry|registers|stack frame" |
+. "$(dirname "$0")/sass_common.sh"
+"$T/tmpl_cubin" moe "" "$T/moe.cubin" | grep -E "Compiling entry|registers|stack frame" |
 	sed -e 's/ptxas info    : //' -e "s/for 'sm_90'//"
 echo
 echo "kernel: global loads/stores by width (SASS)"
