@@ -6,8 +6,9 @@
  *
  * DEFINES: source lines put before the template ("" for none), e.g.
  * "#define EJ_ATTN_DT 1\n#define EJ_ATTN_DL 4" with real newlines. */
-#include "cc.h"
 #include "config.h"
+
+#include "cc.h"
 #include "jit_impl.h"
 #include "tmpl.h"
 #include <stdio.h>
