@@ -747,7 +747,7 @@ def _to_copy_check(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
         return "memory_format"
-    return _to_bool_check(_val(node.args[0]), _val(node))
+    return None
 
 
 def _to_bool_check(src, dst):
@@ -764,6 +764,8 @@ def _to_copy(L, node):
     v = L.arg(node.args[0])
     if L.dtype(v) == m[1]:
         return L.op("contiguous", [v], metas=[m])
+    if m[1] == torch.bool:  # a test for nonzero, not a truncation
+        return _nonzero(L, v, m)
     return L.op("cast", [v], [DTYPES[m[1]]], metas=[m])
 
 
@@ -1371,6 +1373,105 @@ def _sdpa_masked_backward(L, node):
     dst = L.op("transpose", [ds], [2, 3], metas=[([b, hk, s, gt], w)])
     dk = L.op("matmul", [dst, q], metas=[([b, hk, s, d], w)])
     return tuple(L.cast(x, o.dtype) for x, o in zip((dq, dk, dvv), outs))
+
+
+# ---- attention masks: the ops transformers builds a padding mask with ------
+
+
+def _scalar_tensor_check(node):
+    v = node.args[0]
+    return None if isinstance(v, (int, float)) else "fill value"
+
+
+@rule(aten.scalar_tensor.default, check=_scalar_tensor_check)
+def _scalar_tensor(L, node):
+    m = _out_meta(node)
+    return L.op("full", [], [DTYPES[m[1]]] + m[0], [float(node.args[0])],
+                metas=[m])
+
+
+_WHERE = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+          aten.where.Scalar)
+
+
+def _where_check(node):
+    c = node.args[0]
+    if not _is_tensor_arg(c) or _val(c).dtype != torch.bool:
+        return "condition not bool"
+    for x in node.args[1:3]:
+        if not (_is_tensor_arg(x) or isinstance(x, (int, float))):
+            return "operand of type %s" % type(x).__name__
+    return None
+
+
+@rule(*_WHERE, check=_where_check)
+def _where(L, node):
+    """a where the condition holds, else b: _pick (exact for any value)."""
+    m = _out_meta(node)
+    ab = [L.arg(x) if _is_tensor_arg(x) else _const(L, x, m[1])
+          for x in node.args[1:3]]
+    return _pick(L, L.arg(node.args[0]), ab[0], ab[1], m[0], m[1])
+
+
+def _nonzero(L, v, m):
+    """bool(v): 1 - (v == 0) (NaN is true, -0.0 false, as in torch)."""
+    dt = L.dtype(v)
+    z = _const(L, 0.0, dt, len(L.shape(v)))
+    e = L.op("cast", [L.op("eq", [v, z], metas=[(L.shape(v), dt)])],
+             [DTYPES[torch.bool]], metas=[m])
+    return L.op("sub", [_const(L, 1, torch.bool, len(m[0])), e], metas=[m])
+
+
+def _index_check(node):
+    x, idx = _val(node.args[0]), node.args[1]
+    if any(i is None for i in idx) or not 0 < len(idx) <= x.ndim:
+        return "index with None"
+    for i in idx:
+        if _val(i).dtype not in (torch.int64, torch.int32):
+            return "index of dtype %s" % str(_val(i).dtype).replace(
+                "torch.", "")
+    return None
+
+
+def _wrap_index(L, i, size, shape):
+    """i (i64) with size added where negative, broadcast to shape."""
+    i64, f64 = torch.int64, torch.float64
+    f = L.cast(i, f64)
+    ok = L.op("eq", [_max0(L, f, f64), f], metas=[(L.shape(i), f64)])
+    add = L.op("add_scalar", [L.op("mul_scalar", [ok], floats=[-size],
+                                   metas=[(L.shape(i), f64)])],
+               floats=[float(size)], metas=[(L.shape(i), f64)])
+    i = L.op("add", [i, L.cast(add, i64)], metas=[(L.shape(i), i64)])
+    return _bcast(L, i, shape)
+
+
+@rule(aten.index.Tensor, check=_index_check)
+def _index(L, node):
+    """x[i0, i1, ...] over x's leading dims: the flat row i0 n1 ... + i1 ...
+    of x viewed as [n0 n1 ..., rest], an index_select of the rows."""
+    m = _out_meta(node)
+    x = L.arg(node.args[0])
+    xs, idx = list(L.shape(x)), node.args[1]
+    k, i64 = len(idx), torch.int64
+    bshape = m[0][:len(m[0]) - (len(xs) - k)]
+    lin, stride = None, 1
+    for j in reversed(range(k)):
+        i = _wrap_index(L, L.cast(L.arg(idx[j]), i64), xs[j], bshape)
+        if stride != 1:
+            i = L.op("mul", [i, _const(L, stride, i64, len(bshape))],
+                     metas=[(bshape, i64)])
+        lin = i if lin is None else L.op("add", [lin, i],
+                                         metas=[(bshape, i64)])
+        stride *= xs[j]
+    n = 1
+    for s in bshape:
+        n *= s
+    lin = L.op("reshape", [L.op("contiguous", [lin], metas=[(bshape, i64)])],
+               [n], metas=[([n], i64)])
+    rows = [stride] + xs[k:]
+    x = L.op("reshape", [x], rows, metas=[(rows, m[1])])
+    got = L.op("index_select", [x, lin], [0], metas=[([n] + xs[k:], m[1])])
+    return L.op("reshape", [got], m[0], metas=[m])
 
 
 # ---- creation -----------------------------------------------------------------
