@@ -1146,19 +1146,24 @@ def _nll_loss_backward(L, node):
 # ---- attention ----------------------------------------------------------------
 
 
+def _sdpa_is_backward(node):
+    return node.target == \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
 def _sdpa_mask(node):
     return node.kwargs.get("attn_mask")
 
 
 def _sdpa_causal(node):
-    bw = node.target != aten._scaled_dot_product_flash_attention_for_cpu.default
+    bw = _sdpa_is_backward(node)
     k = 7 if bw else 4
     return bool(node.args[k] if len(node.args) > k else node.kwargs.get(
         "is_causal", False))
 
 
 def _sdpa_check(node):
-    bw = node.target != aten._scaled_dot_product_flash_attention_for_cpu.default
+    bw = _sdpa_is_backward(node)
     k = 6 if bw else 3
     dropout = node.args[k] if len(node.args) > k else node.kwargs.get(
         "dropout_p", 0.0)
@@ -1183,7 +1188,7 @@ def _sdpa_check(node):
 def _sdpa_decomposed(node):
     """A mask, or a causal mask with T != S (torch aligns it top-left, the
     sdpa op bottom-right), takes the decomposed route."""
-    bw = node.target != aten._scaled_dot_product_flash_attention_for_cpu.default
+    bw = _sdpa_is_backward(node)
     q, k = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
     return _sdpa_mask(node) is not None or (
         _sdpa_causal(node) and q.shape[2] != k.shape[2])
@@ -1390,27 +1395,19 @@ def _scalar_tensor(L, node):
                 metas=[m])
 
 
-_WHERE = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
-          aten.where.Scalar)
-
-
 def _where_check(node):
     c = node.args[0]
     if not _is_tensor_arg(c) or _val(c).dtype != torch.bool:
         return "condition not bool"
-    for x in node.args[1:3]:
-        if not (_is_tensor_arg(x) or isinstance(x, (int, float))):
-            return "operand of type %s" % type(x).__name__
     return None
 
 
-@rule(*_WHERE, check=_where_check)
+@rule(aten.where.self, check=_where_check)
 def _where(L, node):
     """a where the condition holds, else b: _pick (exact for any value)."""
     m = _out_meta(node)
-    ab = [L.arg(x) if _is_tensor_arg(x) else _const(L, x, m[1])
-          for x in node.args[1:3]]
-    return _pick(L, L.arg(node.args[0]), ab[0], ab[1], m[0], m[1])
+    a, b = (L.arg(x) for x in node.args[1:3])
+    return _pick(L, L.arg(node.args[0]), a, b, m[0], m[1])
 
 
 def _nonzero(L, v, m):

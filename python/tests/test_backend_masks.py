@@ -194,3 +194,31 @@ def test_padded_batch_per_layer():
     c = epjit.counters()
     assert c["kernels"] > 0
     assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+def test_mask_ops_match_eager():
+    """where (tensors and numbers, broadcast), a cast to bool (NaN true,
+    -0.0 false), index with negative indices: exact."""
+    def f(x, am, i, j):
+        keep = am.bool()
+        sel = x[i, j]
+        a = torch.where(keep[:, None, :], x, float("-inf"))
+        b = torch.where(x.bool(), 2.0, x)
+        return a, b, sel, torch.where(keep, am, -3)
+
+    x = torch.randn(3, 4, 5)
+    x[0, 0, :3] = torch.tensor([float("nan"), -0.0, 0.0])
+    am = torch.tensor([[1, 0, 2, 0, 1], [0, 0, 0, 0, 0], [5, 1, 1, 1, 1]])
+    i = torch.tensor([[0], [-1], [1]])
+    j = torch.tensor([[-4, 3, 0]])
+    ref = f(x, am, i, j)
+    got = torch.compile(f, backend="epjit")(x, am, i, j)
+    for a, r in zip(got, ref):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        assert torch.equal(a, r) or torch.allclose(a, r, equal_nan=True,
+                                                   rtol=0, atol=0)
+    c = epjit.counters()
+    # the numbers arrive as scalar_tensor: where.self
+    for op in ("aten.where.self", "aten.scalar_tensor.default",
+               "aten._to_copy.default", "aten.index.Tensor"):
+        assert op not in c["fallback"], (op, c["fallback"])
