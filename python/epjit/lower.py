@@ -747,7 +747,7 @@ def _to_copy_check(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
         return "memory_format"
-    return _to_bool_check(_val(node.args[0]), _val(node))
+    return None
 
 
 def _to_bool_check(src, dst):
@@ -764,6 +764,8 @@ def _to_copy(L, node):
     v = L.arg(node.args[0])
     if L.dtype(v) == m[1]:
         return L.op("contiguous", [v], metas=[m])
+    if m[1] == torch.bool:  # a test for nonzero, not a truncation
+        return _nonzero(L, v, m)
     return L.op("cast", [v], [DTYPES[m[1]]], metas=[m])
 
 
@@ -1144,17 +1146,52 @@ def _nll_loss_backward(L, node):
 # ---- attention ----------------------------------------------------------------
 
 
+def _sdpa_is_backward(node):
+    return node.target == \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _sdpa_mask(node):
+    return node.kwargs.get("attn_mask")
+
+
+def _sdpa_causal(node):
+    bw = _sdpa_is_backward(node)
+    k = 7 if bw else 4
+    return bool(node.args[k] if len(node.args) > k else node.kwargs.get(
+        "is_causal", False))
+
+
 def _sdpa_check(node):
-    dropout = node.args[3] if len(node.args) > 3 else 0.0
-    mask = node.kwargs.get("attn_mask")
+    bw = _sdpa_is_backward(node)
+    k = 6 if bw else 3
+    dropout = node.args[k] if len(node.args) > k else node.kwargs.get(
+        "dropout_p", 0.0)
     if dropout:
         return "dropout"
-    if mask is not None:
-        return "attn_mask"
-    q, k = _val(node.args[0]), _val(node.args[1])
-    if q.ndim != 4 or k.ndim != 4 or q.shape[1] % k.shape[1]:
+    q, kk = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
+    if q.ndim != 4 or kk.ndim != 4 or q.shape[1] % kk.shape[1]:
         return "sdpa shapes"
+    mask = _sdpa_mask(node)
+    if mask is None:
+        return None
+    mv = _val(mask)
+    if mv.dtype != torch.bool and mv.dtype not in FLOATS:
+        return "attn_mask of dtype %s" % str(mv.dtype).replace("torch.", "")
+    full = [q.shape[0], q.shape[1], q.shape[2], kk.shape[2]]
+    if mv.ndim > 4 or any(a not in (1, b) for a, b in zip(
+            reversed(list(mv.shape)), reversed(full))):
+        return "attn_mask of shape %s" % list(mv.shape)
     return None
+
+
+def _sdpa_decomposed(node):
+    """A mask, or a causal mask with T != S (torch aligns it top-left, the
+    sdpa op bottom-right), takes the decomposed route."""
+    bw = _sdpa_is_backward(node)
+    q, k = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
+    return _sdpa_mask(node) is not None or (
+        _sdpa_causal(node) and q.shape[2] != k.shape[2])
 
 
 def _scale(node, default_pos):
@@ -1167,33 +1204,271 @@ def _scale(node, default_pos):
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default,
       check=_sdpa_check)
 def _sdpa(L, node):
+    if _sdpa_decomposed(node):
+        return _sdpa_masked(L, node)
     outs = _val(node)
-    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get(
-        "is_causal", False)
     ins = [L.arg(x) for x in node.args[:3]]
-    return L.op("sdpa", ins, [int(bool(causal))], [_scale(node, 99)],
+    return L.op("sdpa", ins, [int(_sdpa_causal(node))], [_scale(node, 99)],
                 n_out=2, metas=[(list(o.shape), o.dtype) for o in outs])
 
 
-def _sdpa_bw_check(node):
-    dropout = node.args[6] if len(node.args) > 6 else 0.0
-    if dropout:
-        return "dropout"
-    if node.kwargs.get("attn_mask") is not None:
-        return "attn_mask"
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+      check=_sdpa_check)
+def _sdpa_backward(L, node):
+    if _sdpa_decomposed(node):
+        return _sdpa_masked_backward(L, node)
+    outs = _val(node)
+    ins = [L.arg(x) for x in node.args[:6]]
+    return L.op("sdpa_backward", ins, [int(_sdpa_causal(node))],
+                [_scale(node, 99)], n_out=3,
+                metas=[(list(o.shape), o.dtype) for o in outs])
+
+
+# Attention with a mask, decomposed as torch's CPU flash kernel computes it:
+# s = scale q k^T + mask (bool: -inf where False), -inf above the causal
+# diagonal (top-left aligned), an exact softmax of each row in f32 (f64 for
+# f64), lse = max + log(sum) per row.  A row that sees no key gets out 0
+# and lse 0, as torch's kernel gives; its backward, P = exp(s - lse) = 0,
+# gives it no gradient.  Query heads of one kv group are rows of one GEMM
+# ([B, Hkv, G T, D] against [B, Hkv, S, D]), so k and v are never repeated.
+
+
+def _pick(L, cond, a, b, shape, dt):
+    """a where cond (0 / 1, any dtype) else b, all broadcast to shape: a
+    gather from b and a stacked on a new last dim (exact for any value)."""
+    one = list(shape) + [1]
+    idx = cond if L.dtype(cond) in (torch.bool, torch.int64) else L.op(
+        "cast", [cond], [DTYPES[torch.int64]],
+        metas=[(L.shape(cond), torch.int64)])
+    idx = L.op("reshape", [_bcast(L, idx, list(shape))], one,
+               metas=[(one, L.dtype(idx))])
+    ab = [L.op("reshape", [_bcast(L, L.cast(x, dt), list(shape))], one,
+               metas=[(one, dt)]) for x in (b, a)]
+    both = L.op("cat", ab, [len(shape)], metas=[(list(shape) + [2], dt)])
+    out = L.op("gather", [both, idx], [len(shape)], metas=[(one, dt)])
+    return L.op("reshape", [out], list(shape), metas=[(list(shape), dt)])
+
+
+def _const(L, value, dt, rank=0):
+    one = [1] * rank
+    return L.op("full", [], [DTYPES[dt]] + one, [float(value)],
+                metas=[(one, dt)])
+
+
+def _causal_bias(L, t, s, w):
+    """[1, 1, T, S] in w: -inf where key j > query i, else 0."""
+    f = torch.float32
+    ri = L.op("reshape", [_iota(L, t, f)], [t, 1], metas=[([t, 1], f)])
+    ci = L.op("reshape", [_iota(L, s, f)], [1, s], metas=[([1, s], f)])
+    d = L.op("sub", [ci, ri], metas=[([t, s], f)])
+    d = L.op("add_scalar", [d], floats=[-1.0], metas=[([t, s], f)])
+    hide = L.op("eq", [_max0(L, d, f), d], metas=[([t, s], f)])
+    bias = _pick(L, hide, _const(L, float("-inf"), w),
+                 _const(L, 0.0, w), [t, s], w)
+    return L.op("reshape", [bias], [1, 1, t, s], metas=[([1, 1, t, s], w)])
+
+
+def _sdpa_bias(L, node, t, s, w):
+    """The additive mask of the scores, broadcastable to [B, H, T, S] (rank
+    4), or None."""
+    bias = None
+    mask = _sdpa_mask(node)
+    if mask is not None:
+        mv = L.arg(mask)
+        shape = [1] * (4 - len(L.shape(mv))) + list(L.shape(mv))
+        if L.dtype(mv) == torch.bool:
+            bias = _pick(L, mv, _const(L, 0.0, w),
+                         _const(L, float("-inf"), w), shape, w)
+        else:
+            bias = L.cast(mv, w)
+        if L.shape(bias) != shape:
+            bias = L.op("reshape", [bias], shape, metas=[(shape, w)])
+    if _sdpa_causal(node):
+        cb = _causal_bias(L, t, s, w)
+        if bias is None:
+            return cb
+        shape = [max(a, b) for a, b in zip(L.shape(bias), L.shape(cb))]
+        bias = L.op("add", [bias, cb], metas=[(shape, w)])
+    return bias
+
+
+def _sdpa_qkv(L, node, first):
+    """(q [B, Hkv, G T, D], k, v, dims, w): the inputs in the work dtype
+    with the query heads of a kv group as rows."""
+    q, k, v = (L.arg(x) for x in node.args[first:first + 3])
+    w = torch.float64 if L.dtype(q) == torch.float64 else torch.float32
+    b, hq, t, d = L.shape(q)
+    hk, s = L.shape(k)[1], L.shape(k)[2]
+    g = [b, hk, hq // hk * t, d]
+    q = L.op("reshape", [L.cast(q, w)], g, metas=[(g, w)])
+    dims = (b, hq, hk, t, s, d, L.shape(v)[3])
+    return q, L.cast(k, w), L.cast(v, w), dims, w
+
+
+def _sdpa_scores(L, node, q, k, dims, w):
+    """s = scale q k^T + bias as [B, Hq, T, S] in w."""
+    b, hq, hk, t, s, d, _ = dims
+    kt = L.op("transpose", [k], [2, 3], metas=[([b, hk, d, s], w)])
+    sc = L.op("matmul", [q, kt], metas=[([b, hk, hq // hk * t, s], w)])
+    scale = _scale(node, 99) or 1.0 / d ** 0.5
+    full = [b, hq, t, s]
+    sc = L.op("mul_scalar", [sc], floats=[scale], metas=[(full, w)])
+    sc = L.op("reshape", [sc], full, metas=[(full, w)])
+    bias = _sdpa_bias(L, node, t, s, w)
+    if bias is not None:
+        sc = L.op("add", [sc, bias], metas=[(full, w)])
+    return sc, scale
+
+
+def _sdpa_masked(L, node):
+    outs = _val(node)
+    q, k, v, dims, w = _sdpa_qkv(L, node, 0)
+    b, hq, hk, t, s, d, dv = dims
+    sc, _ = _sdpa_scores(L, node, q, k, dims, w)
+    row = [b, hq, t, 1]
+    mx = L.op("amax", [sc], [3, 1], metas=[(row, w)])
+    none = L.op("eq", [mx, _const(L, float("-inf"), w, 4)],
+                metas=[(row, w)])
+    mx = _pick(L, none, _const(L, 0.0, w), mx, row, w)
+    e = L.op("exp", [L.op("sub", [sc, mx], metas=[([b, hq, t, s], w)])],
+             metas=[([b, hq, t, s], w)])
+    sm = L.op("sum", [e], [3, 1], metas=[(row, w)])
+    zero = L.op("eq", [sm, _const(L, 0.0, w, 4)], metas=[(row, w)])
+    sm = L.op("add", [sm, zero], metas=[(row, w)])  # no key: 0 / 1
+    p = L.op("div", [e, sm], metas=[([b, hq, t, s], w)])
+    gr = [b, hk, hq // hk * t, s]
+    p = L.op("reshape", [p], gr, metas=[(gr, w)])
+    o = L.op("matmul", [p, v], metas=[([b, hk, hq // hk * t, dv], w)])
+    o = L.op("reshape", [o], [b, hq, t, dv], metas=[([b, hq, t, dv], w)])
+    lse = L.op("add", [mx, L.op("log", [sm], metas=[(row, w)])],
+               metas=[(row, w)])
+    lse = L.op("reshape", [lse], [b, hq, t], metas=[([b, hq, t], w)])
+    return L.cast(o, outs[0].dtype), L.cast(lse, outs[1].dtype)
+
+
+def _sdpa_masked_backward(L, node):
+    """P = exp(s - lse); dv = P^T g, dS = P (g v^T - rowsum(g out)),
+    dq = scale dS k, dk = scale dS^T q."""
+    outs = _val(node)
+    q, k, v, dims, w = _sdpa_qkv(L, node, 1)
+    b, hq, hk, t, s, d, dv = dims
+    gt = hq // hk * t
+    sc, scale = _sdpa_scores(L, node, q, k, dims, w)
+    full, gr = [b, hq, t, s], [b, hk, gt, s]
+    lse = L.op("reshape", [L.cast(L.arg(node.args[5]), w)], [b, hq, t, 1],
+               metas=[([b, hq, t, 1], w)])
+    p = L.op("exp", [L.op("sub", [sc, lse], metas=[(full, w)])],
+             metas=[(full, w)])
+    g = L.op("reshape", [L.cast(L.arg(node.args[0]), w)], [b, hk, gt, dv],
+             metas=[([b, hk, gt, dv], w)])
+    out = L.op("reshape", [L.cast(L.arg(node.args[4]), w)],
+               [b, hk, gt, dv], metas=[([b, hk, gt, dv], w)])
+    pg = L.op("reshape", [p], gr, metas=[(gr, w)])
+    pt = L.op("transpose", [pg], [2, 3], metas=[([b, hk, s, gt], w)])
+    dvv = L.op("matmul", [pt, g], metas=[([b, hk, s, dv], w)])
+    vt = L.op("transpose", [v], [2, 3], metas=[([b, hk, dv, s], w)])
+    dp = L.op("matmul", [g, vt], metas=[(gr, w)])
+    go = L.op("mul", [g, out], metas=[([b, hk, gt, dv], w)])
+    di = L.op("sum", [go], [3, 1], metas=[([b, hk, gt, 1], w)])
+    ds = L.op("mul", [pg, L.op("sub", [dp, di], metas=[(gr, w)])],
+              metas=[(gr, w)])
+    ds = L.op("mul_scalar", [ds], floats=[scale], metas=[(gr, w)])
+    dq = L.op("matmul", [ds, k], metas=[([b, hk, gt, d], w)])
+    dq = L.op("reshape", [dq], [b, hq, t, d], metas=[([b, hq, t, d], w)])
+    dst = L.op("transpose", [ds], [2, 3], metas=[([b, hk, s, gt], w)])
+    dk = L.op("matmul", [dst, q], metas=[([b, hk, s, d], w)])
+    return tuple(L.cast(x, o.dtype) for x, o in zip((dq, dk, dvv), outs))
+
+
+# ---- attention masks: the ops transformers builds a padding mask with ------
+
+
+def _scalar_tensor_check(node):
+    v = node.args[0]
+    return None if isinstance(v, (int, float)) else "fill value"
+
+
+@rule(aten.scalar_tensor.default, check=_scalar_tensor_check)
+def _scalar_tensor(L, node):
+    m = _out_meta(node)
+    return L.op("full", [], [DTYPES[m[1]]] + m[0], [float(node.args[0])],
+                metas=[m])
+
+
+def _where_check(node):
+    c = node.args[0]
+    if not _is_tensor_arg(c) or _val(c).dtype != torch.bool:
+        return "condition not bool"
     return None
 
 
-@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-      check=_sdpa_bw_check)
-def _sdpa_backward(L, node):
-    outs = _val(node)
-    causal = node.args[7] if len(node.args) > 7 else node.kwargs.get(
-        "is_causal", False)
-    ins = [L.arg(x) for x in node.args[:6]]
-    return L.op("sdpa_backward", ins, [int(bool(causal))],
-                [_scale(node, 99)], n_out=3,
-                metas=[(list(o.shape), o.dtype) for o in outs])
+@rule(aten.where.self, check=_where_check)
+def _where(L, node):
+    """a where the condition holds, else b: _pick (exact for any value)."""
+    m = _out_meta(node)
+    a, b = (L.arg(x) for x in node.args[1:3])
+    return _pick(L, L.arg(node.args[0]), a, b, m[0], m[1])
+
+
+def _nonzero(L, v, m):
+    """bool(v): 1 - (v == 0) (NaN is true, -0.0 false, as in torch)."""
+    dt = L.dtype(v)
+    z = _const(L, 0.0, dt, len(L.shape(v)))
+    e = L.op("cast", [L.op("eq", [v, z], metas=[(L.shape(v), dt)])],
+             [DTYPES[torch.bool]], metas=[m])
+    return L.op("sub", [_const(L, 1, torch.bool, len(m[0])), e], metas=[m])
+
+
+def _index_check(node):
+    x, idx = _val(node.args[0]), node.args[1]
+    if any(i is None for i in idx) or not 0 < len(idx) <= x.ndim:
+        return "index with None"
+    for i in idx:
+        if _val(i).dtype not in (torch.int64, torch.int32):
+            return "index of dtype %s" % str(_val(i).dtype).replace(
+                "torch.", "")
+    return None
+
+
+def _wrap_index(L, i, size, shape):
+    """i (i64) with size added where negative, broadcast to shape."""
+    i64, f64 = torch.int64, torch.float64
+    f = L.cast(i, f64)
+    ok = L.op("eq", [_max0(L, f, f64), f], metas=[(L.shape(i), f64)])
+    add = L.op("add_scalar", [L.op("mul_scalar", [ok], floats=[-size],
+                                   metas=[(L.shape(i), f64)])],
+               floats=[float(size)], metas=[(L.shape(i), f64)])
+    i = L.op("add", [i, L.cast(add, i64)], metas=[(L.shape(i), i64)])
+    return _bcast(L, i, shape)
+
+
+@rule(aten.index.Tensor, check=_index_check)
+def _index(L, node):
+    """x[i0, i1, ...] over x's leading dims: the flat row i0 n1 ... + i1 ...
+    of x viewed as [n0 n1 ..., rest], an index_select of the rows."""
+    m = _out_meta(node)
+    x = L.arg(node.args[0])
+    xs, idx = list(L.shape(x)), node.args[1]
+    k, i64 = len(idx), torch.int64
+    bshape = m[0][:len(m[0]) - (len(xs) - k)]
+    lin, stride = None, 1
+    for j in reversed(range(k)):
+        i = _wrap_index(L, L.cast(L.arg(idx[j]), i64), xs[j], bshape)
+        if stride != 1:
+            i = L.op("mul", [i, _const(L, stride, i64, len(bshape))],
+                     metas=[(bshape, i64)])
+        lin = i if lin is None else L.op("add", [lin, i],
+                                         metas=[(bshape, i64)])
+        stride *= xs[j]
+    n = 1
+    for s in bshape:
+        n *= s
+    lin = L.op("reshape", [L.op("contiguous", [lin], metas=[(bshape, i64)])],
+               [n], metas=[([n], i64)])
+    rows = [stride] + xs[k:]
+    x = L.op("reshape", [x], rows, metas=[(rows, m[1])])
+    got = L.op("index_select", [x, lin], [0], metas=[([n] + xs[k:], m[1])])
+    return L.op("reshape", [got], m[0], metas=[m])
 
 
 # ---- creation -----------------------------------------------------------------
