@@ -11,6 +11,14 @@ from backend_util import disable_moe_blocks, fresh, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
+
+@pytest.fixture(autouse=True)
+def masked_sdpa_in_epjit(monkeypatch):
+    """A masked sdpa stays in torch by default (faster); these tests ask
+    epjit to compile it (EPJIT_MASKED_SDPA=epjit), but the one that checks
+    the default."""
+    monkeypatch.setenv("EPJIT_MASKED_SDPA", "epjit")
+
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
 
@@ -222,3 +230,20 @@ def test_mask_ops_match_eager():
     for op in ("aten.where.self", "aten.scalar_tensor.default",
                "aten._to_copy.default", "aten.index.Tensor"):
         assert op not in c["fallback"], (op, c["fallback"])
+
+
+def test_masked_sdpa_in_torch_by_default(monkeypatch):
+    """Without EPJIT_MASKED_SDPA=epjit a padded batch's sdpa (forward and
+    backward) runs in torch, counted with its reason, the mask's
+    construction still compiles, and the results match eager."""
+    monkeypatch.delenv("EPJIT_MASKED_SDPA")
+    model = _model("qwen3_moe", torch.float32)
+    batch = _padded_batch(True)
+    ref = _step(model, model, batch)
+    got = _step(model, torch.compile(model, backend="epjit"), batch)
+    _check(ref, got, 1e-5)
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    why = "attn_mask (EPJIT_MASKED_SDPA=epjit compiles it)"
+    layers = len(model.model.layers)
+    assert c["fallback"] == {op: {why: layers} for op in SDPA}, c["fallback"]
