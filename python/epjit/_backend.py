@@ -124,10 +124,14 @@ def _view_of(handle, base):
 
 
 def _as_real(t):
-    """A complex tensor as the real one epjit reads (view_as_real)."""
-    if not (isinstance(t, torch.Tensor) and t.is_complex()):
+    """A complex tensor as the real one epjit reads (view_as_real); a
+    lazily conjugated or negated tensor resolved (a copy)."""
+    if not isinstance(t, torch.Tensor):
         return t
-    return torch.view_as_real(t.resolve_conj())
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+        stats["input_copies"] += 1
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _out_as(t, real, cx):

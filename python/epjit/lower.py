@@ -1543,6 +1543,9 @@ def _pad(L, node):
 CPLX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 CX_RULES = {}
 CX_CHECKS = {}
+# how many leading arguments a rule takes as tensors (1 when not here)
+_CX_TENSOR_ARGS = {aten.polar.default: 2, aten.complex.default: 2,
+                   aten.cat.default: 0, aten._conj.default: 0}
 
 
 def _is_cx(x):
@@ -1591,6 +1594,9 @@ def why_complex(node):
         why = _cx_tensor_ok(v)
         if why:
             return why
+    n = _CX_TENSOR_ARGS.get(node.target, 1)
+    if not all(_is_tensor_arg(a) for a in node.args[:n]):
+        return "complex op of a scalar"
     check = CX_CHECKS.get(node.target)
     return check(node) if check else None
 
@@ -1781,7 +1787,10 @@ def _cx_to_copy(L, node):
 
 @cx_rule(aten._conj.default, aten.conj_physical.default)
 def _cx_conj(L, node):
-    return _conj(L, L.arg(node.args[0]))
+    x = node.args[0]
+    if not _is_tensor_arg(x):  # a scalar's conjugate, as a 0-dim tensor
+        return _scalar_pair(L, complex(x).conjugate(), _cm(node))
+    return _conj(L, L.arg(x))
 
 
 @cx_rule(aten.complex.default)
