@@ -1761,6 +1761,33 @@ def _cx_select(L, node):
     return L.op("reshape", [s], m[0], metas=[m])
 
 
+@cx_rule(aten.slice_backward.default)
+def _cx_slice_backward(L, node):
+    """slice_backward of the pairs: the input shape gains the pair dim."""
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    size = in_shape[d]
+    start, end, step = node.args[3], node.args[4], node.args[5]
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return L.op("slice_backward", [L.arg(node.args[0])],
+                [d, start, end, step] + in_shape + [2], metas=[_cm(node)])
+
+
+@cx_rule(aten.select_backward.default)
+def _cx_select_backward(L, node):
+    m = _cm(node)
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    i = node.args[3] + in_shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(m[0])
+    one[d] = 1
+    g1 = L.op("reshape", [L.arg(node.args[0])], one, metas=[(one, m[1])])
+    return L.op("slice_backward", [g1], [d, i, i + 1, 1] + m[0], metas=[m])
+
+
 @cx_rule(aten.cat.default, check=_cat_check)
 def _cx_cat(L, node):
     m = _cm(node)
@@ -1935,11 +1962,14 @@ def _cx_sum_check(node):
     return None
 
 
-@cx_rule(aten.sum.dim_IntList, aten.sum.default, check=_cx_sum_check)
+@cx_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim,
+         aten.mean.default, check=_cx_sum_check)
 def _cx_sum(L, node):
-    """Sums over the complex dims (never the pairs' last)."""
+    """Sums (means) over the complex dims (never the pairs' last)."""
     v = L.arg(node.args[0])
     shape, dt = list(L.shape(v)), L.dtype(v)
+    name = "sum" if node.target in (aten.sum.dim_IntList,
+                                    aten.sum.default) else "mean"
     keep = node.target != aten.sum.default and _keepdim(node)
     dims = (_reduce_dims(node) if node.target != aten.sum.default
             else range(len(shape) - 2, -1, -1))
@@ -1948,7 +1978,7 @@ def _cx_sum(L, node):
             shape[d] = 1
         else:
             del shape[d]
-        v = L.op("sum", [v], [d, int(keep)], metas=[(list(shape), dt)])
+        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), dt)])
     return v
 
 

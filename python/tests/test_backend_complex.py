@@ -66,11 +66,14 @@ def test_complex_ops_match_eager(dtype):
 
 def _boundary(z, x):
     """A complex input, complex outputs (a conjugate view of an
-    intermediate, a view of the input, a product of it)."""
+    intermediate, a view of the input, products of it); slices, selects
+    and means of complex tensors (their gradients: slice_backward and
+    select_backward of complex tensors)."""
     q = torch.view_as_complex(x)
     y = z * q
     return (y, y.conj(), (z.conj() * 3).sum(0),
-            z.unsqueeze(0).expand(2, 3, 5), z.t() * 1j)
+            z.unsqueeze(0).expand(2, 3, 5), z.t() * 1j,
+            z[:, 1::2] * q[1, 1:3], q.mean(0, keepdim=True) - z[2, 1:4].mean())
 
 
 def test_complex_inputs_and_outputs():
