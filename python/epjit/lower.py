@@ -1656,14 +1656,14 @@ def _const2(L, a, b, dt):
 
 
 def _cmul(L, a, b, m):
-    """(ar br - ai bi, ar bi + ai br) of the pairs a and b."""
-    ar, ai = _parts(L, a)
+    """(ar br - ai bi, ar bi + ai br) of the pairs a and b: the rotary op
+    on the pairs of a (rotate_half of (ar, ai) is (-ai, ar)) with cos br
+    and sin bi, a taken as the operand of the product's shape."""
+    if L.shape(a) != m[0]:
+        a, b = b, a
+    a = _bcast(L, a, m[0])
     br, bi = _parts(L, b)
-    h = (m[0][:-1] + [1], m[1])
-    mul = lambda x, y: L.op("mul", [x, y], metas=[h])  # noqa: E731
-    re = L.op("sub", [mul(ar, br), mul(ai, bi)], metas=[h])
-    im = L.op("add", [mul(ar, bi), mul(ai, br)], metas=[h])
-    return _join(L, re, im, m)
+    return L.op("rope", [a, br, bi], metas=[m])
 
 
 def _conj(L, v):
