@@ -492,7 +492,7 @@ def _reduce_dims(node):
     nd = len(_shape(node.args[0]))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(nd))
+        return list(range(nd - 1, -1, -1))
     if isinstance(dims, int):
         dims = [dims]
     return sorted({_norm_dim(d, nd) for d in dims}, reverse=True)

@@ -96,3 +96,16 @@ def test_complex_op_without_rule_runs_in_torch():
     c = _check(_with_exp, [x], 1e-5)
     assert c["fallback"] == {"aten.exp.default": {"complex: no rule": 1}}
     assert c["graphs"] > 0
+
+
+def _reduce_all(x):
+    """Reductions over every dim by an empty or no dim list, of real and
+    complex tensors (each dim reduced in turn, from the last)."""
+    z = torch.view_as_complex(x)
+    return (x.sum(dim=[]) * 2, torch.mean(x, dim=None) * 3,
+            z.sum(dim=[]) * 1j, z.mean() * 2)
+
+
+def test_reduce_over_every_dim():
+    c = _check(_reduce_all, [torch.randn(3, 4, 5, 2)], 1e-5)
+    assert c["fallback"] == {}
