@@ -1545,7 +1545,10 @@ CX_RULES = {}
 CX_CHECKS = {}
 # how many leading arguments a rule takes as tensors (1 when not here)
 _CX_TENSOR_ARGS = {aten.polar.default: 2, aten.complex.default: 2,
-                   aten.cat.default: 0, aten._conj.default: 0}
+                   aten.cat.default: 0, aten._conj.default: 0,
+                   aten.full.default: 0, aten.zeros.default: 0,
+                   aten.ones.default: 0, aten.empty.memory_format: 0,
+                   aten.empty_strided.default: 0}
 
 
 def _is_cx(x):
@@ -1980,6 +1983,24 @@ def _cx_sum(L, node):
             del shape[d]
         v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), dt)])
     return v
+
+
+def _cx_fill_check(node):
+    if node.target in (aten.full.default, aten.full_like.default) and \
+            not _cx_scalar_ok(node.args[1]):
+        return "fill value"
+    return None
+
+
+@cx_rule(aten.full.default, *_FILL, check=_cx_fill_check)
+def _cx_fill(L, node):
+    """A new complex tensor filled with a constant (the empty ones:
+    zeros): the constant pair expanded."""
+    m = _cm(node)
+    v = _FILL.get(node.target)
+    v = node.args[1] if v is None else v
+    pair = _bcast(L, _scalar_pair(L, v, m), m[0])
+    return L.op("contiguous", [pair], metas=[m])
 
 
 @cx_rule(aten.real.default, aten.imag.default)
