@@ -65,19 +65,19 @@ def test_complex_ops_match_eager(dtype):
 
 
 def _boundary(z, x):
-    """A complex input, complex outputs (a conjugate view of an
-    intermediate, a view of the input, products of it); slices, selects
-    and means of complex tensors (their gradients: slice_backward and
-    select_backward of complex tensors); complex tensors made full of a
-    constant."""
+    """A complex input; complex outputs: a conjugate view of an
+    intermediate, a view of the input, products of it and of two broadcast
+    operands, slices, selects and means (their gradients: slice_backward
+    and select_backward of complex tensors), tensors full of a constant."""
     q = torch.view_as_complex(x)
     y = z * q
     return (y, y.conj(), (z.conj() * 3).sum(0),
             z.unsqueeze(0).expand(2, 3, 5), z.t() * 1j,
-            z[:, 1::2] * q[1, 1:3], q.mean(0, keepdim=True) - z[2, 1:4].mean(),
+            z[:, 1::2] * q[1, 1:3],
+            q.mean(0, keepdim=True) - z[2, 1:4].mean(),
             torch.full_like(z, 1 - 2j) * z + torch.zeros(
                 3, 5, dtype=torch.complex64) + torch.ones_like(x[..., 0]),
-            y.new_ones((2, 3)) * 1j)
+            y.new_ones((2, 3)) * 1j, z[:, :1] * q[:1] / (z[:1] + 3))
 
 
 def test_complex_inputs_and_outputs():
