@@ -1566,7 +1566,7 @@ def involves_complex(node):
 
 def real_val(val):
     """The real meta tensor standing for val (complex S: S + [2])."""
-    if not val.is_complex():
+    if not (isinstance(val, torch.Tensor) and val.is_complex()):
         return val
     return torch.empty(list(val.shape) + [2], dtype=CPLX[val.dtype],
                        device="meta")
