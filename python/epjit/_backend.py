@@ -126,6 +126,30 @@ def _view_of(handle, base):
     return base.as_strided(shape, strides, base.storage_offset() + off // size)
 
 
+def _as_real(t):
+    """A complex tensor as the real one epjit reads (view_as_real); a
+    lazily conjugated or negated tensor resolved (a copy)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+        stats["input_copies"] += 1
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _out_as(t, real, cx):
+    """The output t (real: t as epjit sees it), complex when cx."""
+    if t.is_complex() == cx:
+        return t
+    if not cx:
+        return real
+    st = real.stride()
+    if st[-1] != 1 or real.storage_offset() % 2 or any(
+            s % 2 for s in st[:-1]):
+        real = real.contiguous()
+    return torch.view_as_complex(real)
+
+
 # ---- recording the compiled graphs (EPJIT_GRAPH_RECORD) --------------------
 
 # the file epjit.record_graphs() set ("": off); unset (None):
@@ -270,13 +294,13 @@ class EpjitGraph(torch.nn.Module):
         places = [n for n in sub.graph.nodes if n.op == "placeholder"]
         self.orders = [_memory_order(a) for a in args]
         for node, order in zip(places, self.orders):
-            val = node.meta["val"]
+            val = lower.real_val(node.meta["val"])
             L.input(node, val.permute(order) if order else val)
             self.in_dtypes.append(val.dtype)
         for node, order in zip(places, self.orders):
             if order:
                 inv = sorted(range(len(order)), key=order.__getitem__)
-                val = node.meta["val"]
+                val = lower.real_val(node.meta["val"])
                 L.env[node] = L.op("permute", [L.env[node]], inv,
                                    metas=[(list(val.shape), val.dtype)])
         index = {n: i for i, n in enumerate(places)}
@@ -288,6 +312,7 @@ class EpjitGraph(torch.nn.Module):
         res = out_node.args[0]
         self.tuple_out = isinstance(res, (tuple, list))
         outs = list(res) if self.tuple_out else [res]
+        self.out_cx = [lower._is_cx(o) for o in outs]
         n_in = len(self.in_dtypes)
         # per output: ("in", i) an input passed through, ("out", j) the
         # j-th epjit output
@@ -324,15 +349,16 @@ class EpjitGraph(torch.nn.Module):
             self.graph = None
 
     def forward(self, *args):
+        real = [_as_real(a) for a in args]
         with _run_lock:
             if self.graph is None and self.failed is None:
                 try:
-                    self._build(args)
+                    self._build(real)
                 except _lib.EpjitError as e:
                     self._give_up(e)
             if self.failed is not None:
                 return self.sub(*args)
-            return self._run(args)
+            return self._run(real, args)
 
     def _give_up(self, err):
         """The partition runs in torch from now on; its nodes are counted
@@ -349,7 +375,9 @@ class EpjitGraph(torch.nn.Module):
         with _lock:
             fallback.update(counted)
 
-    def _run(self, args):
+    def _run(self, args, orig):
+        """Runs the graph on args (complex tensors as view_as_real); orig:
+        the arguments as given."""
         L = _lib.lib
         ins, keep = [], []
         n_in = len(args)
@@ -400,7 +428,9 @@ class EpjitGraph(torch.nn.Module):
         finally:
             for h in ins:
                 L.epj_tensor_free(h)
-        final = [args[i] if kind == "in" else res[i] for kind, i in self.plan]
+        final = [_out_as(orig[i], args[i], cx) if kind == "in" else
+                 _out_as(res[i], res[i], cx)
+                 for (kind, i), cx in zip(self.plan, self.out_cx)]
         return tuple(final) if self.tuple_out else final[0]
 
 

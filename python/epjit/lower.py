@@ -82,6 +82,8 @@ def why_unsupported(node):
     """None when node lowers, else the reason it runs in torch."""
     if node.op != "call_function":
         return "not a call"
+    if involves_complex(node):
+        return why_complex(node)
     if node.target is operator.getitem:
         src = node.args[0]
         if src.op == "call_function" and src.target in RULES:
@@ -491,7 +493,7 @@ def _reduce_dims(node):
     nd = len(_shape(node.args[0]))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(nd))
+        return list(range(nd - 1, -1, -1))
     if isinstance(dims, int):
         dims = [dims]
     return sorted({_norm_dim(d, nd) for d in dims}, reverse=True)
@@ -1811,9 +1813,488 @@ def _pad(L, node):
     return v
 
 
+# ---- complex tensors ---------------------------------------------------------
+# A complex tensor of shape S is lowered as the real tensor of shape S + [2]
+# that view_as_real makes (re, im in the last dim): view_as_complex and
+# view_as_real are the same value, complex arithmetic is real arithmetic on
+# the pairs.  A node with a complex input or output takes a rule of
+# CX_RULES (or stays in torch); the graph's complex inputs and outputs
+# cross as view_as_real / view_as_complex (_backend.py).
+
+CPLX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+CX_RULES = {}
+CX_CHECKS = {}
+# how many leading arguments a rule takes as tensors (1 when not here)
+_CX_TENSOR_ARGS = {aten.polar.default: 2, aten.complex.default: 2,
+                   aten.cat.default: 0, aten._conj.default: 0,
+                   aten.full.default: 0, aten.zeros.default: 0,
+                   aten.ones.default: 0, aten.empty.memory_format: 0,
+                   aten.empty_strided.default: 0}
+
+
+def _is_cx(x):
+    v = _val(x)
+    return isinstance(v, torch.Tensor) and v.is_complex()
+
+
+def involves_complex(node):
+    """Whether node reads or makes a complex tensor."""
+    out = _val(node)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return any(isinstance(v, torch.Tensor) and v.is_complex()
+               for v in outs) or any(_is_cx(a) for a in node.all_input_nodes)
+
+
+def real_val(val):
+    """The real meta tensor standing for val (complex S: S + [2])."""
+    if not (isinstance(val, torch.Tensor) and val.is_complex()):
+        return val
+    return torch.empty(list(val.shape) + [2], dtype=CPLX[val.dtype],
+                       device="meta")
+
+
+def _cx_tensor_ok(v):
+    if not (isinstance(v, torch.Tensor) and v.is_complex()):
+        return _tensor_ok(v)
+    if v.dtype not in CPLX:
+        return "dtype %s" % str(v.dtype).replace("torch.", "")
+    if v.device.type != "cpu":
+        return "device %s" % v.device.type
+    if any(not isinstance(s, int) for s in v.shape):
+        return "symbolic shape"
+    return "complex rank %d" % v.ndim if v.ndim > 7 else None
+
+
+def why_complex(node):
+    """why_unsupported for a node that involves complex tensors."""
+    if node.target is operator.getitem:
+        return "getitem of a complex op"
+    if node.target not in CX_RULES:
+        return "complex: no rule"
+    out = _val(node)
+    vals = [_val(a) for a in node.all_input_nodes] + list(
+        out if isinstance(out, (tuple, list)) else [out])
+    for v in vals:
+        why = _cx_tensor_ok(v)
+        if why:
+            return why
+    n = _CX_TENSOR_ARGS.get(node.target, 1)
+    if not all(_is_tensor_arg(a) for a in node.args[:n]):
+        return "complex op of a scalar"
+    check = CX_CHECKS.get(node.target)
+    return check(node) if check else None
+
+
+def cx_rule(*targets, check=None):
+    def deco(fn):
+        for t in targets:
+            CX_RULES[t] = fn
+            if check:
+                CX_CHECKS[t] = check
+        return fn
+    return deco
+
+
+def _cm(node):
+    """The real (shape, dtype) of node's value (complex S: S + [2])."""
+    v = _val(node)
+    if v.is_complex():
+        return (list(v.shape) + [2], CPLX[v.dtype])
+    return (list(v.shape), v.dtype)
+
+
+def _pair(L, x, dt):
+    """The complex tensor argument x as pairs of dt (a real x gets a zero
+    imaginary part)."""
+    v = L.cast(L.arg(x), dt)
+    if _is_cx(x):
+        return v
+    s = list(L.shape(v))
+    one = s + [1]
+    r = L.op("reshape", [v], one, metas=[(one, dt)])
+    z = L.op("full", [], [DTYPES[dt]] + one, [0.0], metas=[(one, dt)])
+    return L.op("cat", [r, z], [len(s)], metas=[(s + [2], dt)])
+
+
+def _parts(L, v):
+    """(re, im) of the pairs v, each of shape S + [1]."""
+    s, dt = list(L.shape(v)), L.dtype(v)
+    one = s[:-1] + [1]
+    re = L.op("slice", [v], [len(s) - 1, 0, 1, 1], metas=[(one, dt)])
+    im = L.op("slice", [v], [len(s) - 1, 1, 2, 1], metas=[(one, dt)])
+    return re, im
+
+
+def _join(L, re, im, m):
+    """The pairs of meta m (S + [2]) from re and im (broadcast to S + [1])."""
+    one = m[0][:-1] + [1]
+    re, im = _bcast(L, re, one), _bcast(L, im, one)
+    return L.op("cat", [re, im], [len(one) - 1], metas=[m])
+
+
+def _const2(L, a, b, dt):
+    """The constant pair [a, b] (shape [2])."""
+    x = L.op("full", [], [DTYPES[dt], 1], [float(a)], metas=[([1], dt)])
+    y = L.op("full", [], [DTYPES[dt], 1], [float(b)], metas=[([1], dt)])
+    return L.op("cat", [x, y], [0], metas=[([2], dt)])
+
+
+def _cmul(L, a, b, m):
+    """(ar br - ai bi, ar bi + ai br) of the pairs a and b: the rotary op
+    on the pairs of a (rotate_half of (ar, ai) is (-ai, ar)) with cos br
+    and sin bi, a taken as the operand of the product's shape."""
+    if L.shape(a) != m[0]:
+        a, b = b, a
+    a = _bcast(L, a, m[0])
+    br, bi = _parts(L, b)
+    return L.op("rope", [a, br, bi], metas=[m])
+
+
+def _conj(L, v):
+    dt = L.dtype(v)
+    return L.op("mul", [v, _const2(L, 1, -1, dt)],
+                metas=[(L.shape(v), dt)])
+
+
+def _abs2(L, v):
+    """re^2 + im^2 of the pairs v, shape S + [1]."""
+    re, im = _parts(L, v)
+    h = (L.shape(re), L.dtype(v))
+    return L.op("add", [L.op("mul", [re, re], metas=[h]),
+                        L.op("mul", [im, im], metas=[h])], metas=[h])
+
+
+def _real_last(L, x, dt):
+    """The real tensor argument x (cast to dt) with a trailing dim of one,
+    to scale pairs."""
+    v = L.cast(L.arg(x), dt)
+    one = list(L.shape(v)) + [1]
+    return L.op("reshape", [v], one, metas=[(one, dt)])
+
+
+# ---- complex: views and copies ----
+
+
+@cx_rule(aten.view_as_complex.default, aten.view_as_real.default,
+         aten.alias.default, aten.detach.default,
+         aten.lift_fresh_copy.default, aten.resolve_conj.default)
+def _cx_same(L, node):
+    return L.arg(node.args[0])
+
+
+@cx_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+         aten.squeeze.default)
+def _cx_reshape(L, node):
+    m, v = _cm(node), L.arg(node.args[0])
+    return v if L.shape(v) == m[0] else L.op("reshape", [v], m[0],
+                                              metas=[m])
+
+
+@cx_rule(aten.permute.default)
+def _cx_permute(L, node):
+    nd = _val(node).ndim
+    perm = [_norm_dim(d, nd) for d in node.args[1]] + [nd]
+    return L.op("permute", [L.arg(node.args[0])], perm, metas=[_cm(node)])
+
+
+@cx_rule(aten.transpose.int, aten.t.default)
+def _cx_transpose(L, node):
+    nd, v = _val(node).ndim, L.arg(node.args[0])
+    if node.target == aten.t.default:
+        if nd < 2:
+            return v
+        d0, d1 = 0, 1
+    else:
+        d0, d1 = (_norm_dim(d, nd) for d in node.args[1:3])
+    if d0 == d1:
+        return v
+    return L.op("transpose", [v], [d0, d1], metas=[_cm(node)])
+
+
+@cx_rule(aten.expand.default)
+def _cx_expand(L, node):
+    return _bcast(L, L.arg(node.args[0]), _cm(node)[0])
+
+
+@cx_rule(aten.clone.default, check=_clone_check)
+def _cx_clone(L, node):
+    return L.op("contiguous", [L.arg(node.args[0])], metas=[_cm(node)])
+
+
+@cx_rule(aten.slice.Tensor, check=_slice_check)
+def _cx_slice(L, node):
+    v = L.arg(node.args[0])
+    shape = _shape(node.args[0])
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    _, start, end, step = _slice_args(node, shape[d])
+    if start == 0 and end == shape[d] and step == 1:
+        return v
+    return L.op("slice", [v], [d, start, end, step], metas=[_cm(node)])
+
+
+@cx_rule(aten.select.int)
+def _cx_select(L, node):
+    m, v = _cm(node), L.arg(node.args[0])
+    shape = list(L.shape(v))
+    d = _norm_dim(node.args[1], len(shape) - 1)
+    i = node.args[2] + shape[d] if node.args[2] < 0 else node.args[2]
+    one = list(shape)
+    one[d] = 1
+    s = L.op("slice", [v], [d, i, i + 1, 1], metas=[(one, m[1])])
+    return L.op("reshape", [s], m[0], metas=[m])
+
+
+@cx_rule(aten.slice_backward.default)
+def _cx_slice_backward(L, node):
+    """slice_backward of the pairs: the input shape gains the pair dim."""
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    size = in_shape[d]
+    start, end, step = node.args[3], node.args[4], node.args[5]
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start = min(max(start, 0), size)
+    end = min(max(end, start), size)
+    return L.op("slice_backward", [L.arg(node.args[0])],
+                [d, start, end, step] + in_shape + [2], metas=[_cm(node)])
+
+
+@cx_rule(aten.select_backward.default)
+def _cx_select_backward(L, node):
+    m = _cm(node)
+    in_shape = list(node.args[1])
+    d = _norm_dim(node.args[2], len(in_shape))
+    i = node.args[3] + in_shape[d] if node.args[3] < 0 else node.args[3]
+    one = list(m[0])
+    one[d] = 1
+    g1 = L.op("reshape", [L.arg(node.args[0])], one, metas=[(one, m[1])])
+    return L.op("slice_backward", [g1], [d, i, i + 1, 1] + m[0], metas=[m])
+
+
+@cx_rule(aten.cat.default, check=_cat_check)
+def _cx_cat(L, node):
+    m = _cm(node)
+    xs = [x for x in node.args[0]
+          if not (_val(x).ndim == 1 and _val(x).shape[0] == 0)]
+    ins = [_pair(L, x, m[1]) for x in xs]
+    if len(ins) == 1:
+        return ins[0]
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(m[0]) - 1)
+    return L.op("cat", ins, [d], metas=[m])
+
+
+@cx_rule(aten._to_copy.default, check=_to_copy_check)
+def _cx_to_copy(L, node):
+    """Complex to complex (a cast of the pairs), real to complex (a zero
+    imaginary part), complex to real (the real part, as torch)."""
+    m = _cm(node)
+    if _val(node).is_complex():
+        return L.op("contiguous", [_pair(L, node.args[0], m[1])], metas=[m])
+    re = _parts(L, L.arg(node.args[0]))[0]
+    re = L.op("reshape", [re], m[0], metas=[(m[0], L.dtype(re))])
+    return L.cast(re, m[1])
+
+
+@cx_rule(aten._conj.default, aten.conj_physical.default)
+def _cx_conj(L, node):
+    x = node.args[0]
+    if not _is_tensor_arg(x):  # a scalar's conjugate, as a 0-dim tensor
+        return _scalar_pair(L, complex(x).conjugate(), _cm(node))
+    return _conj(L, L.arg(x))
+
+
+@cx_rule(aten.complex.default)
+def _cx_complex(L, node):
+    m = _cm(node)
+    re, im = (_real_last(L, x, m[1]) for x in node.args[:2])
+    return _join(L, re, im, m)
+
+
+@cx_rule(aten.polar.default)
+def _cx_polar(L, node):
+    """abs cos(angle), abs sin(angle)."""
+    m = _cm(node)
+    a, t = (_real_last(L, x, m[1]) for x in node.args[:2])
+    h = (list(L.shape(t)), m[1])
+    c = L.op("cos", [t], metas=[h])
+    s = L.op("sin", [t], metas=[h])
+    one = (m[0][:-1] + [1], m[1])
+    return _join(L, L.op("mul", [a, c], metas=[one]),
+                 L.op("mul", [a, s], metas=[one]), m)
+
+
+# ---- complex: arithmetic ----
+
+
+def _cx_scalar_ok(x):
+    return isinstance(x, (int, float, complex)) and not isinstance(x, bool)
+
+
+def _cx_binary_check(node):
+    a, b = node.args[0], node.args[1]
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2
+                            else 1)
+    if node.kwargs.get("rounding_mode") is not None:
+        return "rounding_mode"
+    if not _is_tensor_arg(a):
+        return "scalar first operand"
+    if not (_is_tensor_arg(b) or _cx_scalar_ok(b)):
+        return "operand of type %s" % type(b).__name__
+    if not _val(node).is_complex():
+        return "complex arithmetic to %s" % _val(node).dtype
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        return "complex alpha"
+    if node.target in (aten.div.Tensor, aten.div.Scalar) and not \
+            _is_tensor_arg(b) and b == 0:
+        return "complex division by a zero scalar"
+    return None
+
+
+def _scalar_pair(L, s, m):
+    """The scalar s (real or complex) as a constant pair."""
+    s = complex(s)
+    return _const2(L, s.real, s.imag, m[1])
+
+
+@cx_rule(aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar,
+         aten.sub.Scalar, check=_cx_binary_check)
+def _cx_add(L, node):
+    m = _cm(node)
+    name = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) \
+        else "sub"
+    a, b = _pair(L, node.args[0], m[1]), node.args[1]
+    alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2
+                            else 1)
+    if not _is_tensor_arg(b):
+        return L.op(name, [a, _scalar_pair(L, complex(b) * alpha, m)],
+                    metas=[m])
+    bv = _pair(L, b, m[1])
+    if alpha != 1:
+        bv = L.op("mul_scalar", [bv], floats=[float(alpha)],
+                  metas=[(L.shape(bv), m[1])])
+    return L.op(name, [a, bv], metas=[m])
+
+
+def _cx_times(L, a, b, m):
+    """The pairs a times the argument b (a complex or real tensor or a
+    scalar)."""
+    if not _is_tensor_arg(b):
+        b = complex(b)
+        if b.imag == 0:
+            return L.op("mul_scalar", [a], floats=[b.real], metas=[m])
+        return _cmul(L, a, _scalar_pair(L, b, m), m)
+    if not _is_cx(b):
+        return L.op("mul", [a, _real_last(L, b, m[1])], metas=[m])
+    return _cmul(L, a, L.cast(L.arg(b), m[1]), m)
+
+
+@cx_rule(aten.mul.Tensor, aten.mul.Scalar, check=_cx_binary_check)
+def _cx_mul(L, node):
+    """The complex product; by a real tensor or scalar, a scaling of both
+    parts."""
+    m = _cm(node)
+    a, b = node.args[0], node.args[1]
+    if _is_tensor_arg(b) and _is_cx(b) and not _is_cx(a):
+        a, b = b, a
+    return _cx_times(L, _pair(L, a, m[1]), b, m)
+
+
+@cx_rule(aten.div.Tensor, aten.div.Scalar, check=_cx_binary_check)
+def _cx_div(L, node):
+    """a / b = a conj(b) / |b|^2 (a real b divides both parts)."""
+    m = _cm(node)
+    a, b = _pair(L, node.args[0], m[1]), node.args[1]
+    if not _is_tensor_arg(b):
+        return _cx_times(L, a, 1 / complex(b), m)
+    if not _is_cx(b):
+        return L.op("div", [a, _real_last(L, b, m[1])], metas=[m])
+    bv = L.cast(L.arg(b), m[1])
+    num = _cmul(L, a, _conj(L, bv), m)
+    return L.op("div", [num, _abs2(L, bv)], metas=[m])
+
+
+@cx_rule(aten.neg.default)
+def _cx_neg(L, node):
+    return L.op("neg", [L.arg(node.args[0])], metas=[_cm(node)])
+
+
+@cx_rule(aten.abs.default)
+def _cx_abs(L, node):
+    """|z| = sqrt(re^2 + im^2)."""
+    m = _cm(node)
+    v = L.arg(node.args[0])
+    r = L.op("sqrt", [_abs2(L, v)], metas=[(m[0] + [1], m[1])])
+    return L.op("reshape", [r], m[0], metas=[m])
+
+
+@cx_rule(aten.sgn.default)
+def _cx_sgn(L, node):
+    """z / |z|, 0 where z is 0 (divided by |z| + (|z| == 0))."""
+    m = _cm(node)
+    v = L.arg(node.args[0])
+    h = (m[0][:-1] + [1], m[1])
+    r = L.op("sqrt", [_abs2(L, v)], metas=[h])
+    z = L.op("full", [], [DTYPES[m[1]]] + h[0], [0.0], metas=[h])
+    r = L.op("add", [r, L.op("eq", [r, z], metas=[h])], metas=[h])
+    return L.op("div", [v, r], metas=[m])
+
+
+def _cx_sum_check(node):
+    if node.kwargs.get("dtype") is not None:
+        return "complex sum with a dtype"
+    return None
+
+
+@cx_rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim,
+         aten.mean.default, check=_cx_sum_check)
+def _cx_sum(L, node):
+    """Sums (means) over the complex dims (never the pairs' last)."""
+    v = L.arg(node.args[0])
+    shape, dt = list(L.shape(v)), L.dtype(v)
+    name = "sum" if node.target in (aten.sum.dim_IntList,
+                                    aten.sum.default) else "mean"
+    keep = node.target != aten.sum.default and _keepdim(node)
+    dims = (_reduce_dims(node) if node.target != aten.sum.default
+            else range(len(shape) - 2, -1, -1))
+    for d in dims:
+        if keep:
+            shape[d] = 1
+        else:
+            del shape[d]
+        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), dt)])
+    return v
+
+
+def _cx_fill_check(node):
+    if node.target in (aten.full.default, aten.full_like.default) and \
+            not _cx_scalar_ok(node.args[1]):
+        return "fill value"
+    return None
+
+
+@cx_rule(aten.full.default, *_FILL, check=_cx_fill_check)
+def _cx_fill(L, node):
+    """A new complex tensor filled with a constant (the empty ones:
+    zeros): the constant pair expanded."""
+    m = _cm(node)
+    v = _FILL.get(node.target)
+    v = node.args[1] if v is None else v
+    pair = _bcast(L, _scalar_pair(L, v, m), m[0])
+    return L.op("contiguous", [pair], metas=[m])
+
+
+@cx_rule(aten.real.default, aten.imag.default)
+def _cx_part(L, node):
+    m = _cm(node)
+    p = _parts(L, L.arg(node.args[0]))[node.target == aten.imag.default]
+    return L.op("reshape", [p], m[0], metas=[m])
+
+
 def lower_node(L, node):
     """Lowers node into L; records its value(s) in L.env."""
     if node.target is operator.getitem:
         L.env[node] = L.env[node.args[0]][node.args[1]]
         return
-    L.env[node] = RULES[node.target](L, node)
+    rules = CX_RULES if involves_complex(node) else RULES
+    L.env[node] = rules[node.target](L, node)
