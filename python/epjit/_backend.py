@@ -356,6 +356,10 @@ class EpjitGraph(torch.nn.Module):
                     self._build(real)
                 except _lib.EpjitError as e:
                     self._give_up(e)
+                except Exception as e:  # noqa: BLE001 (a rule's own bug)
+                    # what epjit cannot compile runs in torch, never fails
+                    self._give_up("%s in lowering: %s"
+                                  % (type(e).__name__, e))
             if self.failed is not None:
                 return self.sub(*args)
             return self._run(real, args)

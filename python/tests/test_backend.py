@@ -136,6 +136,24 @@ def test_graph_epjit_cannot_compile_runs_in_torch(monkeypatch):
     assert fb["aten.silu.default"] == {"epjit compile failed": 1}, fb
 
 
+def test_lowering_rule_that_raises_runs_in_torch(monkeypatch):
+    """A lowering rule that raises (a bug of the rule, not the library's
+    refusal) makes its partition run in torch with a warning naming the
+    error, counted like a rejected partition; results equal eager."""
+    import epjit.lower as lower
+
+    def broken(L, node):
+        raise IndexError("rule bug")
+
+    monkeypatch.setitem(lower.RULES, torch.ops.aten.silu.default, broken)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.SiLU())
+    with pytest.warns(UserWarning, match="IndexError in lowering: rule bug"):
+        compare(m, [torch.randn(3, 6)], lambda y: y.square().sum(),
+                torch.compile(m, backend="epjit"))
+    fb = epjit.counters()["fallback"]
+    assert fb["aten.silu.default"] == {"epjit compile failed": 1}, fb
+
+
 def test_indexing_and_scatter_lowered():
     """select, pad, split and the scatters functionalisation makes of
     in-place writes compile, forward and backward, with nothing left to
