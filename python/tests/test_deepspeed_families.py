@@ -13,7 +13,8 @@ epjit, on the same seed and batches (odd sequence length), and checks:
 - epjit compiled them and ran its kernels, nothing compiled after the
   first step, and no node of any region was left to torch;
 - every step's loss equals DeepSpeed eager's (f32 to 1e-5 relative; bf16
-  to 2e-3, the rounding of bf16 activations and weights).
+  to 1e-2: bf16 rounding, and a router near-tie may send a token to
+  another expert on one side; measured at most 9e-5 on these seeds).
 
 World 2 (two processes over gloo, ``autoep_size`` 2) runs DeepSeek-V3.
 The models are the family test models of test_backend_families.py.
@@ -34,7 +35,7 @@ from test_backend_families import COMMON, FAMILIES
 
 STEPS = 4
 BATCH, SEQ = 2, 37
-RTOL = {"f32": 1e-5, "bf16": 2e-3}
+RTOL = {"f32": 1e-5, "bf16": 1e-2}
 LAUNCH_TIMEOUT_S = 600
 
 
