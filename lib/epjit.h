@@ -322,6 +322,14 @@ epj_tensor *epj_sdpa_docs(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
  * o_t = S^T q_t (lib/ops_delta.c).  Differentiable in every input. */
 epj_tensor *epj_gated_delta(epj_ctx *ctx, epj_tensor *q, epj_tensor *k,
 			    epj_tensor *v, epj_tensor *g, epj_tensor *beta);
+/* X with A X = B for a triangular A [..., n, n] and B [..., n, k], batch
+ * dims broadcast (torch.linalg.solve_triangular): only A's upper (upper) or
+ * lower triangle is read, its diagonal taken as 1 when unitriangular.  f32,
+ * bf16 (solved in f32, rounded once) and f64; differentiable in A (within
+ * its triangle) and B.  left must be true (X A = B is not implemented: an
+ * EPJ_ERR_UNSUPPORTED error). */
+epj_tensor *epj_solve_triangular(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
+				 bool upper, bool unitriangular, bool left);
 /* Mean cross-entropy of logits [N, V] against targets [N] (i32/i64),
  * skipping targets equal to ignore_index.  Result shape [] in f32 (f64 for
  * f64 logits).  All ignored -> NaN, as in PyTorch. */

@@ -1,5 +1,6 @@
-/* ops_linalg.c -- MATMUL and LINEAR: shape inference, CPU reference kernels
- * on BLAS (OpenBLAS through <cblas.h>), backward formulas, public wrappers.
+/* ops_linalg.c -- MATMUL, LINEAR and SOLVE_TRIANGULAR: shape inference, CPU
+ * reference kernels on BLAS (OpenBLAS through <cblas.h>), backward formulas,
+ * public wrappers.
  *
  * Compute dtype: f64 inputs run dgemm; f32 runs sgemm; bf16 is converted to
  * f32 temporaries, multiplied with sgemm and rounded back (RNE) once at the
@@ -939,4 +940,365 @@ epj_status ej_gemm_add_inplace(epj_ctx *ctx, const ej_attrs *attrs,
 		epj_counter_add(ctx, "kernels.gemm_add.in_place", 1);
 	}
 	return s;
+}
+
+/* ---- SOLVE_TRIANGULAR: X with A X = B, A [..., n, n] triangular ----------
+ * Each batch's matrices are packed into dense buffers of the compute dtype
+ * (A read through any strides, so transposed views cost nothing more) and
+ * solved in place with BLAS trsm; bf16 is solved in f32 and rounded once.
+ * Batch dims broadcast as matmul's do.  Attrs: i[0] upper, i[1]
+ * unitriangular, i[2] left (left = 0, X A = B, is refused). */
+
+typedef struct trsm_attrs {
+	bool upper, unit;
+} trsm_attrs;
+
+static epj_status trsm_check_attrs(epj_ctx *ctx, const ej_call *c,
+				   trsm_attrs *ta)
+{
+	const ej_attrs *at = c->attrs;
+	if (at->n_i != 3)
+		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				   "expects 3 int attributes (upper, "
+				   "unitriangular, left), got %d",
+				   at->n_i);
+	for (int i = 0; i < 3; i++)
+		if (at->i[i] != 0 && at->i[i] != 1)
+			return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+					   "attribute %d (%s) must be 0 or 1, "
+					   "got %lld",
+					   i,
+					   i == 0   ? "upper"
+					   : i == 1 ? "unitriangular"
+						    : "left",
+					   (long long)at->i[i]);
+	if (!at->i[2])
+		return ej_op_error(ctx, c, EPJ_ERR_UNSUPPORTED,
+				   "left=false (X A = B) is not implemented; "
+				   "only A X = B");
+	ta->upper = at->i[0] != 0;
+	ta->unit = at->i[1] != 0;
+	return EPJ_OK;
+}
+
+/* The broadcast batch shape of a [..., n, n] and b [..., n, k] into shape
+ * (returns the number of batch dims, or -1 when they do not broadcast). */
+static int trsm_batch(const epj_tensor *a, const epj_tensor *b, int64_t *shape)
+{
+	int na = a->ndim - 2, nb = b->ndim - 2, n = na > nb ? na : nb;
+	for (int d = 0; d < n; d++) {
+		int da = d - (n - na), db = d - (n - nb);
+		int64_t ea = da >= 0 ? a->shape[da] : 1;
+		int64_t eb = db >= 0 ? b->shape[db] : 1;
+		if (ea != eb && ea != 1 && eb != 1)
+			return -1;
+		shape[d] = ea == 1 ? eb : ea;
+	}
+	return n;
+}
+
+/* Checks A (input ia) and B (input ib) and sets shape to the solution's
+ * shape [batch..., n, k]; returns its rank through *nd. */
+static epj_status trsm_shapes(epj_ctx *ctx, const ej_call *c, int ia, int ib,
+			      int64_t *shape, int *nd)
+{
+	epj_status s;
+	if ((s = ej_check_float(ctx, c, ia)) ||
+	    (s = ej_check_float(ctx, c, ib)) ||
+	    (s = ej_check_same_dtype(ctx, c, ia, ib)))
+		return s;
+	const epj_tensor *a = c->in[ia], *b = c->in[ib];
+	if (a->ndim < 2 || b->ndim < 2)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "A and B need at least 2 dims (A [..., n, "
+				   "n], B [..., n, k])");
+	int64_t n = a->shape[a->ndim - 1];
+	if (a->shape[a->ndim - 2] != n)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "A must be square in its last two dims, "
+				   "got %lld x %lld",
+				   (long long)a->shape[a->ndim - 2],
+				   (long long)n);
+	if (b->shape[b->ndim - 2] != n)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "B has %lld rows, A is %lld x %lld",
+				   (long long)b->shape[b->ndim - 2],
+				   (long long)n, (long long)n);
+	int nbd = trsm_batch(a, b, shape);
+	if (nbd < 0)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "batch dimensions of A and B do not "
+				   "broadcast");
+	if (!fits_int(n) || !fits_int(b->shape[b->ndim - 1]))
+		return ej_op_error(ctx, c, EPJ_ERR_UNSUPPORTED,
+				   "matrix sizes exceed the BLAS integer "
+				   "range");
+	shape[nbd] = n;
+	shape[nbd + 1] = b->shape[b->ndim - 1];
+	*nd = nbd + 2;
+	return EPJ_OK;
+}
+
+epj_status ej_infer_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c,
+				     ej_meta *out)
+{
+	trsm_attrs ta;
+	int64_t shape[EPJ_MAX_DIMS];
+	int nd;
+	epj_status s = trsm_check_attrs(ctx, c, &ta);
+	if (s == EPJ_OK)
+		s = trsm_shapes(ctx, c, 0, 1, shape, &nd);
+	if (s != EPJ_OK)
+		return s;
+	ej_meta_set(out, c->in[0]->dtype, nd, shape);
+	return EPJ_OK;
+}
+
+/* Packs batch p (of the nbd-dim batch shape bshape) of t [..., r, q],
+ * broadcast over it, into the dense [r, q] array dst of dtype cdt. */
+static void trsm_pack(const epj_tensor *t, int nbd, const int64_t *bshape,
+		      int64_t p, epj_dtype cdt, void *dst)
+{
+	int64_t bs[EPJ_MAX_DIMS];
+	batch_strides(t, t->stride, nbd, bs);
+	int64_t off = 0;
+	for (int d = nbd - 1; d >= 0; d--) {
+		off += (p % bshape[d]) * bs[d];
+		p /= bshape[d];
+	}
+	int nd = t->ndim;
+	int64_t r = t->shape[nd - 2], q = t->shape[nd - 1];
+	size_t es = ej_dtype_size(t->dtype), ed = ej_dtype_size(cdt);
+	for (int64_t i = 0; i < r; i++)
+		ej_linalg_convert((const char *)ej_data(t) +
+				      (size_t)(off + i * t->stride[nd - 2]) *
+					  es,
+				  t->dtype, t->stride[nd - 1],
+				  (char *)dst + (size_t)(i * q) * ed, cdt, q);
+}
+
+/* x [n, k] (dense, dtype cdt) := op(a)^-1 x for the dense triangular
+ * a [n, n] (op(a) = a^T when trans; upper names a's stored triangle). */
+static void trsm1(epj_dtype cdt, bool upper, bool trans, bool unit, int64_t n,
+		  int64_t k, const void *a, void *x)
+{
+	if (n == 0 || k == 0)
+		return;
+	enum CBLAS_UPLO ul = upper ? CblasUpper : CblasLower;
+	enum CBLAS_TRANSPOSE tr = trans ? CblasTrans : CblasNoTrans;
+	enum CBLAS_DIAG dg = unit ? CblasUnit : CblasNonUnit;
+	if (cdt == EPJ_DTYPE_F64)
+		cblas_dtrsm(CblasRowMajor, CblasLeft, ul, tr, dg, (int)n,
+			    (int)k, 1.0, a, (int)n, x, (int)k);
+	else
+		cblas_strsm(CblasRowMajor, CblasLeft, ul, tr, dg, (int)n,
+			    (int)k, 1.0f, a, (int)n, x, (int)k);
+}
+
+/* The output o of dtype dt from the dense compute array x (freed unless it
+ * is o's own data). */
+static void trsm_finish(epj_tensor *o, void *x, epj_dtype cdt)
+{
+	if (x == ej_data(o))
+		return;
+	ej_linalg_store(x, cdt, ej_data(o), o->dtype,
+			ej_numel(o->ndim, o->shape));
+	free(x);
+}
+
+/* A dense compute-dtype array for o: o's data when o has that dtype. */
+static void *trsm_dest(epj_tensor *o, epj_dtype cdt)
+{
+	if (o->dtype == cdt)
+		return ej_data(o);
+	return malloc((size_t)max1(ej_numel(o->ndim, o->shape)) *
+		      ej_dtype_size(cdt));
+}
+
+epj_status ej_kernel_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *a = c->in[0], *b = c->in[1];
+	epj_tensor *o = c->out[0];
+	EJ_ASSERT(ej_is_contiguous(o));
+	bool upper = c->attrs->i[0] != 0, unit = c->attrs->i[1] != 0;
+	int nbd = o->ndim - 2;
+	int64_t n = o->shape[nbd], k = o->shape[nbd + 1];
+	int64_t nbatch = ej_numel(nbd, o->shape);
+	if (nbatch * n * k == 0)
+		return EPJ_OK;
+	epj_dtype cdt = compute_dtype(o->dtype);
+	size_t ed = ej_dtype_size(cdt);
+	void *x = trsm_dest(o, cdt);
+	void *abuf = malloc((size_t)(nbatch * n * n) * ed);
+	if (!x || !abuf) {
+		if (x != ej_data(o))
+			free(x);
+		free(abuf);
+		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				   "out of memory for the packed operands");
+	}
+	bool par = batches_in_parallel(nbatch, n * n * k / 2);
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(static) if (par)
+	for (int64_t p = 0; p < nbatch; p++) {
+		char *ap = (char *)abuf + (size_t)(p * n * n) * ed;
+		char *xp = (char *)x + (size_t)(p * n * k) * ed;
+		trsm_pack(a, nbd, o->shape, p, cdt, ap);
+		trsm_pack(b, nbd, o->shape, p, cdt, xp);
+		trsm1(cdt, upper, false, unit, n, k, ap, xp);
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+	free(abuf);
+	trsm_finish(o, x, cdt);
+	return EPJ_OK;
+}
+
+/* dB = A^-T grad, dA = -dB X^T in A's triangle; each summed back over the
+ * batch dims its input was broadcast along. */
+epj_status ej_backward_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c,
+					epj_tensor *const *grad_out,
+					const bool *needs, epj_tensor **grad_in)
+{
+	epj_tensor *g = grad_out[0];
+	if (!g) {
+		for (int i = 0; i < 2; i++)
+			if (needs[i] &&
+			    !(grad_in[i] = zeros_like(ctx, c->in[i])))
+				return bw_status(ctx, "solve_triangular");
+		return EPJ_OK;
+	}
+	epj_tensor *in[3] = { g, c->in[0], c->out[0] }, *outs[2] = { 0 };
+	epj_status s = ej_dispatch(ctx, EJ_OP_SOLVE_TRIANGULAR_BACKWARD, in, 3,
+				   c->attrs, outs, 2);
+	if (s != EPJ_OK)
+		return s;
+	for (int i = 0; i < 2; i++) {
+		epj_tensor *d = outs[i], *x = c->in[i];
+		if (needs[i] && !same_shape(d, x)) {
+			d = epj_sum_to(ctx, outs[i], x->ndim, x->shape);
+			epj_tensor_free(outs[i]);
+			outs[i] = d;
+			if (!d) {
+				if (i == 0)
+					epj_tensor_free(outs[1]);
+				return bw_status(ctx, "solve_triangular");
+			}
+		}
+		if (needs[i])
+			grad_in[i] = outs[i];
+		else
+			epj_tensor_free(outs[i]);
+	}
+	return EPJ_OK;
+}
+
+epj_tensor *epj_solve_triangular(epj_ctx *ctx, epj_tensor *a, epj_tensor *b,
+				 bool upper, bool unitriangular, bool left)
+{
+	ej_attrs at = ej_attrs_none();
+	at.n_i = 3;
+	at.i[0] = upper;
+	at.i[1] = unitriangular;
+	at.i[2] = left;
+	epj_tensor *in[2] = { a, b };
+	return ej_call1(ctx, EJ_OP_SOLVE_TRIANGULAR, in, 2, &at);
+}
+
+/* ---- SOLVE_TRIANGULAR_BACKWARD: (grad, A, X) -> (dA, dB) -------------- */
+
+epj_status ej_infer_SOLVE_TRIANGULAR_BACKWARD(epj_ctx *ctx, const ej_call *c,
+					      ej_meta *out)
+{
+	trsm_attrs ta;
+	int64_t shape[EPJ_MAX_DIMS];
+	int nd;
+	epj_status s = trsm_check_attrs(ctx, c, &ta);
+	if (s == EPJ_OK)
+		s = trsm_shapes(ctx, c, 1, 2, shape, &nd);
+	if (s == EPJ_OK)
+		s = ej_check_same_dtype(ctx, c, 0, 1);
+	if (s != EPJ_OK)
+		return s;
+	const epj_tensor *g = c->in[0];
+	const epj_tensor *x = c->in[2];
+	size_t bytes = sizeof *shape * (size_t)nd;
+	if (g->ndim != nd || x->ndim != nd || memcmp(g->shape, shape, bytes) ||
+	    memcmp(x->shape, shape, bytes))
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "grad and X must have the solution's "
+				   "shape [batch..., n, k]");
+	ej_meta_set(&out[1], g->dtype, nd, shape);
+	shape[nd - 1] = shape[nd - 2];
+	ej_meta_set(&out[0], g->dtype, nd, shape);
+	return EPJ_OK;
+}
+
+/* Zeroes the part of the dense [n, n] da outside A's triangle (the
+ * diagonal too when unit). */
+static void trsm_mask(epj_dtype cdt, bool upper, bool unit, int64_t n, void *da)
+{
+	for (int64_t i = 0; i < n; i++)
+		for (int64_t j = 0; j < n; j++) {
+			bool keep = upper ? (unit ? j > i : j >= i)
+					  : (unit ? j < i : j <= i);
+			if (keep)
+				continue;
+			if (cdt == EPJ_DTYPE_F64)
+				((double *)da)[i * n + j] = 0;
+			else
+				((float *)da)[i * n + j] = 0;
+		}
+}
+
+epj_status ej_kernel_SOLVE_TRIANGULAR_BACKWARD(epj_ctx *ctx, const ej_call *c)
+{
+	const epj_tensor *g = c->in[0], *a = c->in[1], *xs = c->in[2];
+	epj_tensor *oa = c->out[0], *ob = c->out[1];
+	EJ_ASSERT(ej_is_contiguous(oa) && ej_is_contiguous(ob));
+	bool upper = c->attrs->i[0] != 0, unit = c->attrs->i[1] != 0;
+	int nbd = ob->ndim - 2;
+	int64_t n = ob->shape[nbd], k = ob->shape[nbd + 1];
+	int64_t nbatch = ej_numel(nbd, ob->shape);
+	if (nbatch * n == 0)
+		return EPJ_OK;
+	epj_dtype cdt = compute_dtype(ob->dtype);
+	size_t ed = ej_dtype_size(cdt);
+	void *da = trsm_dest(oa, cdt), *db = trsm_dest(ob, cdt);
+	void *abuf = malloc((size_t)(nbatch * n * n) * ed);
+	void *xbuf = malloc((size_t)max1(nbatch * n * k) * ed);
+	if (!da || !db || !abuf || !xbuf) {
+		if (da != ej_data(oa))
+			free(da);
+		if (db != ej_data(ob))
+			free(db);
+		free(abuf);
+		free(xbuf);
+		return ej_op_error(ctx, c, EPJ_ERR_NOMEM,
+				   "out of memory for the packed operands");
+	}
+	bool par = batches_in_parallel(nbatch, n * n * k);
+	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
+#pragma omp parallel for schedule(static) if (par)
+	for (int64_t p = 0; p < nbatch; p++) {
+		char *ap = (char *)abuf + (size_t)(p * n * n) * ed;
+		char *bp = (char *)db + (size_t)(p * n * k) * ed;
+		char *xp = (char *)xbuf + (size_t)(p * n * k) * ed;
+		char *dap = (char *)da + (size_t)(p * n * n) * ed;
+		trsm_pack(a, nbd, ob->shape, p, cdt, ap);
+		trsm_pack(g, nbd, ob->shape, p, cdt, bp);
+		trsm_pack(xs, nbd, ob->shape, p, cdt, xp);
+		/* dB = A^-T grad: the transposed solve of the same triangle */
+		trsm1(cdt, upper, true, unit, n, k, ap, bp);
+		ej_linalg_gemm(cdt, false, true, n, n, k, -1.0, bp, max1(k), xp,
+			       max1(k), 0.0, dap, n);
+		trsm_mask(cdt, upper, unit, n, dap);
+	}
+	if (par)
+		ej_linalg_blas_serial_end(blas_prev);
+	free(abuf);
+	free(xbuf);
+	trsm_finish(oa, da, cdt);
+	trsm_finish(ob, db, cdt);
+	return EPJ_OK;
 }

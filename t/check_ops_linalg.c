@@ -1,7 +1,7 @@
-/* check_ops_linalg.c -- MATMUL and LINEAR against double-precision
- * triple-loop references written here: odd sizes, broadcast batch dims,
- * transposed / strided / expanded views (the in-place BLAS layouts and the
- * packing path), f32 / f64 / bf16; gradients by finite differences in f64;
+/* check_ops_linalg.c -- MATMUL, LINEAR and SOLVE_TRIANGULAR against
+ * double-precision loop references written here: odd sizes, broadcast batch
+ * dims, transposed / strided / expanded views (the in-place BLAS layouts and
+ * the packing path), f32 / f64 / bf16; gradients by finite differences in f64;
  * bad shapes and dtypes.
  *
  * bf16 tolerance: the references read the bf16 inputs as stored (exact), the
@@ -646,6 +646,373 @@ START_TEST(test_amx_ops)
 }
 END_TEST
 
+/* ---- solve_triangular ---------------------------------------------------
+ * The references are written another way than the kernel's BLAS trsm: a
+ * plain substitution loop in double over the values the inputs hold, and
+ * the product A X multiplied back against B.  A is well conditioned (its
+ * diagonal 1.5 to 2.5 in magnitude, its other entries N(0, 1) / n) so that
+ * an f32 solve of 67 rows stays within 1e-4; the triangle A must not read
+ * holds large values (and the diagonal too when unitriangular), so that a
+ * kernel reading them fails. */
+
+typedef struct tri_case {
+	bool upper, unit;
+} tri_case;
+
+static bool tri_in(bool upper, bool unit, int64_t i, int64_t j)
+{
+	return upper ? (unit ? j > i : j >= i) : (unit ? j < i : j <= i);
+}
+
+/* Values of a batch of nb matrices A [n, n] for case tc (row-major). */
+static double *tri_values(int64_t nb, int64_t n, tri_case tc)
+{
+	double *v = malloc(sizeof *v * (size_t)(nb * n * n + 1));
+	for (int64_t p = 0; p < nb; p++)
+		for (int64_t i = 0; i < n; i++)
+			for (int64_t j = 0; j < n; j++) {
+				double *e = &v[(p * n + i) * n + j];
+				if (i == j && !tc.unit)
+					*e = (tu_uniform(0, 1) < 0.5 ? -1 : 1) *
+					     tu_uniform(1.5, 2.5);
+				else if (tri_in(tc.upper, tc.unit, i, j))
+					*e = tu_uniform(-1.7, 1.7) / (double)n;
+				else
+					*e = tu_uniform(50, 100);
+			}
+	return v;
+}
+
+/* A tensor of dtype dt holding nb [n, n] matrices for tc, shaped
+ * [shape..., n, n] (nd dims in all). */
+static epj_tensor *tri_tensor(epj_ctx *ctx, epj_dtype dt, int nd,
+			      const int64_t *shape, tri_case tc)
+{
+	int64_t n = shape[nd - 1], nb = tu_numel(nd - 2, shape);
+	double *v = tri_values(nb, n, tc);
+	epj_tensor *d = epj_tensor_from_data(ctx, EPJ_DTYPE_F64, nd, shape, v);
+	free(v);
+	tu_ok(ctx, d);
+	epj_tensor *t = epj_cast(ctx, d, dt);
+	tu_ok(ctx, t);
+	epj_tensor_free(d);
+	return t;
+}
+
+/* Row-major batch offset of output batch p in an input of batch shape
+ * ish (ni dims) broadcast to osh (no dims). */
+static int64_t tri_bcast(int64_t p, int no, const int64_t *osh, int ni,
+			 const int64_t *ish)
+{
+	int64_t idx[8], off = 0;
+	for (int d = no - 1; d >= 0; d--) {
+		idx[d] = p % osh[d];
+		p /= osh[d];
+	}
+	for (int d = 0; d < ni; d++) {
+		int od = d + no - ni;
+		off = off * ish[d] + (ish[d] == 1 ? 0 : idx[od]);
+	}
+	return off;
+}
+
+/* Checks X = solve_triangular(a, b) against a substitution in double and
+ * against A X = B (both on the values the inputs hold). */
+static void check_solve(epj_ctx *ctx, epj_tensor *a, epj_tensor *b, tri_case tc,
+			const char *what)
+{
+	epj_tensor *x =
+	    epj_solve_triangular(ctx, a, b, tc.upper, tc.unit, true);
+	tu_ok(ctx, x);
+	epj_dtype dt = epj_tensor_dtype(a);
+	ck_assert_int_eq(epj_tensor_dtype(x), dt);
+	int na = epj_tensor_ndim(a), nb = epj_tensor_ndim(b),
+	    no = epj_tensor_ndim(x);
+	const int64_t *ash = epj_tensor_shape(a), *bsh = epj_tensor_shape(b),
+		      *osh = epj_tensor_shape(x);
+	int64_t n = osh[no - 2], k = osh[no - 1];
+	ck_assert_int_eq(n, ash[na - 1]);
+	ck_assert_int_eq(k, bsh[nb - 1]);
+	double *av = tu_values(ctx, a), *bv = tu_values(ctx, b);
+	double *xv = tu_values(ctx, x);
+	int64_t nbatch = tu_numel(no - 2, osh);
+	double *ref = malloc(sizeof *ref * (size_t)(nbatch * n * k + 1));
+	double worst = 0;
+	for (int64_t p = 0; p < nbatch; p++) {
+		const double *am =
+		    av + tri_bcast(p, no - 2, osh, na - 2, ash) * n * n;
+		const double *bm =
+		    bv + tri_bcast(p, no - 2, osh, nb - 2, bsh) * n * k;
+		double *rm = ref + p * n * k, *xm = xv + p * n * k;
+		for (int64_t c = 0; c < k; c++)
+			for (int64_t s = 0; s < n; s++) {
+				int64_t i = tc.upper ? n - 1 - s : s;
+				double acc = bm[i * k + c];
+				for (int64_t j = 0; j < n; j++)
+					if (j != i &&
+					    tri_in(tc.upper, false, i, j))
+						acc -= am[i * n + j] *
+						       rm[j * k + c];
+				rm[i * k + c] =
+				    tc.unit ? acc : acc / am[i * n + i];
+			}
+		/* multiplied back: A X against B, from the kernel's X */
+		for (int64_t i = 0; i < n; i++)
+			for (int64_t c = 0; c < k; c++) {
+				double acc = 0;
+				for (int64_t j = 0; j < n; j++)
+					if (tri_in(tc.upper, false, i, j))
+						acc += (i == j && tc.unit
+							    ? 1
+							    : am[i * n + j]) *
+						       xm[j * k + c];
+				double e = fabs(acc - bm[i * k + c]);
+				worst = e > worst ? e : worst;
+			}
+	}
+	double back = dt == EPJ_DTYPE_F64   ? 1e-12
+		      : dt == EPJ_DTYPE_F32 ? 1e-4
+					    : 0.1;
+	ck_assert_msg(worst <= back, "%s: |A X - B| reaches %g (> %g)", what,
+		      worst, back);
+	double rtol = dt == EPJ_DTYPE_F64   ? 1e-10
+		      : dt == EPJ_DTYPE_F32 ? 1e-4
+					    : 1.0 / 128;
+	double atol = dt == EPJ_DTYPE_F64   ? 1e-12
+		      : dt == EPJ_DTYPE_F32 ? 1e-5
+					    : 1e-2;
+	tu_assert_close(ctx, x, ref, rtol, atol, what);
+	free(av);
+	free(bv);
+	free(xv);
+	free(ref);
+	epj_tensor_free(x);
+}
+
+static const tri_case tri_cases[] = {
+	{ false, false }, { false, true }, { true, false }, { true, true }
+};
+
+START_TEST(test_solve_tri_sizes)
+{
+	epj_ctx *ctx = tu_ctx();
+	const int64_t ns[] = { 1, 5, 64, 67 }, ks[] = { 1, 3, 33 };
+	for (size_t d = 0; d < LEN(float_dtypes); d++)
+		for (size_t c = 0; c < LEN(tri_cases); c++)
+			for (size_t i = 0; i < LEN(ns); i++)
+				for (size_t j = 0; j < LEN(ks); j++) {
+					epj_dtype dt = float_dtypes[d];
+					int64_t as[3] = { 2, ns[i], ns[i] };
+					int64_t bs[3] = { 2, ns[i], ks[j] };
+					epj_tensor *a = tri_tensor(
+					    ctx, dt, 3, as, tri_cases[c]);
+					epj_tensor *b =
+					    tu_randn(ctx, dt, 3, bs);
+					char what[96];
+					snprintf(
+					    what, sizeof what,
+					    "solve %s n=%lld k=%lld upper=%d "
+					    "unit=%d",
+					    epj_dtype_name(dt),
+					    (long long)ns[i], (long long)ks[j],
+					    tri_cases[c].upper,
+					    tri_cases[c].unit);
+					check_solve(ctx, a, b, tri_cases[c],
+						    what);
+					epj_tensor_free(a);
+					epj_tensor_free(b);
+				}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Broadcast batch dims, transposed and strided A and B, expanded batches. */
+START_TEST(test_solve_tri_views)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t d = 0; d < LEN(float_dtypes); d++)
+		for (size_t c = 0; c < LEN(tri_cases); c++) {
+			epj_dtype dt = float_dtypes[d];
+			tri_case tc = tri_cases[c];
+			/* A [2, 1, 5, 5] against B [3, 5, 4] -> [2, 3, 5, 4] */
+			int64_t as[4] = { 2, 1, 5, 5 }, bs[3] = { 3, 5, 4 };
+			epj_tensor *a = tri_tensor(ctx, dt, 4, as, tc);
+			epj_tensor *b = tu_randn(ctx, dt, 3, bs);
+			check_solve(ctx, a, b, tc, "solve broadcast batch");
+			/* A^T of the other triangle, B stored non-contiguous */
+			tri_case flip = { !tc.upper, tc.unit };
+			int64_t fs[3] = { 3, 7, 7 }, gs[3] = { 3, 7, 6 };
+			epj_tensor *f = tri_tensor(ctx, dt, 3, fs, flip);
+			epj_tensor *ft = epj_transpose(ctx, f, 1, 2);
+			ck_assert(!epj_tensor_is_contiguous(ft));
+			epj_tensor *g = tu_randn(ctx, dt, 3, gs);
+			epj_tensor *gn = tu_noncontig(ctx, g);
+			check_solve(ctx, ft, gn, tc, "solve transposed A");
+			/* one A expanded over a batch, a strided slice of B */
+			int64_t es[3] = { 4, 7, 7 }, hs[3] = { 4, 7, 13 };
+			epj_tensor *f0 = epj_slice(ctx, f, 0, 0, 1, 1);
+			epj_tensor *fe = epj_expand(ctx, f0, 3, es);
+			epj_tensor *h = tu_randn(ctx, dt, 3, hs);
+			epj_tensor *hs2 = epj_slice(ctx, h, 2, 0, 13, 2);
+			check_solve(ctx, fe, hs2, flip, "solve expanded A");
+			epj_tensor *all[] = {
+				a, b, f, ft, g, gn, f0, fe, h, hs2
+			};
+			for (size_t j = 0; j < LEN(all); j++)
+				epj_tensor_free(all[j]);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_solve(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	const tri_case *tc = user;
+	return epj_solve_triangular(ctx, in[0], in[1], tc->upper, tc->unit,
+				    true);
+}
+
+/* Central differences over every element of A (those outside its
+ * triangle, and its diagonal when unitriangular, must get no gradient) and
+ * of B. */
+static void gradcheck_solve(epj_ctx *ctx, int na, const int64_t *as, int nb,
+			    const int64_t *bs, tri_case tc, bool nc,
+			    const char *what)
+{
+	epj_tensor *a = tri_tensor(ctx, EPJ_DTYPE_F64, na, as, tc);
+	epj_tensor *b = tu_randn_nc(ctx, EPJ_DTYPE_F64, nb, bs, nc);
+	epj_tensor_set_requires_grad(a, true);
+	epj_tensor_set_requires_grad(b, true);
+	epj_tensor *in[2] = { a, b };
+	tu_gradcheck(ctx, fn_solve, in, 2, &tc, 1e-6, 1e-6, 1e-8, what);
+	tu_assert_shape(epj_tensor_grad(a), na, as);
+	tu_assert_shape(epj_tensor_grad(b), nb, bs);
+	epj_tensor_free(a);
+	epj_tensor_free(b);
+}
+
+START_TEST(test_solve_tri_grad)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t c = 0; c < LEN(tri_cases); c++) {
+		tri_case tc = tri_cases[c];
+		int64_t a2[2] = { 5, 5 }, b2[2] = { 5, 3 };
+		gradcheck_solve(ctx, 2, a2, 2, b2, tc, false, "solve grad 5x3");
+		int64_t a1[2] = { 1, 1 }, b1[2] = { 1, 2 };
+		gradcheck_solve(ctx, 2, a1, 2, b1, tc, false, "solve grad n=1");
+		int64_t a4[4] = { 2, 1, 4, 4 }, b3[3] = { 3, 4, 2 };
+		gradcheck_solve(ctx, 4, a4, 3, b3, tc, true,
+				"solve grad broadcast");
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The f32 and bf16 backward against the f64 backward on the same values. */
+START_TEST(test_solve_tri_grad_dtypes)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t c = 0; c < LEN(tri_cases); c++)
+		for (int d = 0; d < 2; d++) {
+			epj_dtype dt = d ? EPJ_DTYPE_BF16 : EPJ_DTYPE_F32;
+			int64_t as[3] = { 2, 67, 67 }, bs[3] = { 2, 67, 33 };
+			epj_tensor *a =
+			    tri_tensor(ctx, dt, 3, as, tri_cases[c]);
+			epj_tensor *b = tu_randn(ctx, dt, 3, bs);
+			epj_tensor *w = tu_randn(ctx, dt, 3, bs);
+			epj_tensor *grads[2][2];
+			for (int r = 0; r < 2; r++) {
+				epj_dtype rd = r ? EPJ_DTYPE_F64 : dt;
+				bool prev = epj_no_grad_enter(ctx);
+				epj_tensor *in[3] = { epj_cast(ctx, a, rd),
+						      epj_cast(ctx, b, rd),
+						      epj_cast(ctx, w, rd) };
+				epj_no_grad_exit(ctx, prev);
+				epj_tensor_set_requires_grad(in[0], true);
+				epj_tensor_set_requires_grad(in[1], true);
+				epj_tensor *x =
+				    fn_solve(ctx, in, (void *)&tri_cases[c]);
+				tu_ok(ctx, x);
+				ck_assert_int_eq(epj_backward(ctx, x, in[2]),
+						 EPJ_OK);
+				for (int i = 0; i < 2; i++) {
+					grads[r][i] = epj_cast(
+					    ctx, epj_tensor_grad(in[i]),
+					    EPJ_DTYPE_F64);
+					tu_ok(ctx, grads[r][i]);
+				}
+				epj_tensor_free(x);
+				for (int i = 0; i < 3; i++)
+					epj_tensor_free(in[i]);
+			}
+			/* bf16: each dA element sums k = 33 products of two
+			 * bf16-rounded factors of magnitude ~1 (dB and the
+			 * saved X), an error of about sqrt(33) 2^-8 = 0.02 per
+			 * element and 4x that at worst over 9000 of them */
+			double rtol = d ? 1.0 / 64 : 1e-4;
+			double atol = d ? 8e-2 : 1e-4;
+			tu_assert_tensors_close(ctx, grads[0][0], grads[1][0],
+						rtol, atol, "solve dA");
+			tu_assert_tensors_close(ctx, grads[0][1], grads[1][1],
+						rtol, atol, "solve dB");
+			for (int r = 0; r < 2; r++)
+				for (int i = 0; i < 2; i++)
+					epj_tensor_free(grads[r][i]);
+			epj_tensor_free(a);
+			epj_tensor_free(b);
+			epj_tensor_free(w);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_solve_tri_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t s55[2] = { 5, 5 }, s56[2] = { 5, 6 }, s63[2] = { 6, 3 };
+	int64_t s53[2] = { 5, 3 }, s5[1] = { 5 }, s255[3] = { 2, 5, 5 };
+	int64_t s353[3] = { 3, 5, 3 };
+	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 2, s55);
+	epj_tensor *rect = tu_randn(ctx, EPJ_DTYPE_F32, 2, s56);
+	epj_tensor *b = tu_randn(ctx, EPJ_DTYPE_F32, 2, s53);
+	epj_tensor *b6 = tu_randn(ctx, EPJ_DTYPE_F32, 2, s63);
+	epj_tensor *b64 = tu_randn(ctx, EPJ_DTYPE_F64, 2, s53);
+	epj_tensor *v = tu_randn(ctx, EPJ_DTYPE_F32, 1, s5);
+	epj_tensor *a3 = tu_randn(ctx, EPJ_DTYPE_F32, 3, s255);
+	epj_tensor *b3 = tu_randn(ctx, EPJ_DTYPE_F32, 3, s353);
+	epj_tensor *ia = epj_randint(ctx, EPJ_DTYPE_I64, 2, s55, 0, 5);
+	epj_tensor *ib = epj_randint(ctx, EPJ_DTYPE_I64, 2, s53, 0, 5);
+
+	const char *sq[] = { "solve_triangular", "square", "[5,6]" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, rect, b, 0, 0, 1),
+			EPJ_ERR_SHAPE, sq, 3);
+	const char *rows[] = { "solve_triangular", "B has 6 rows", "[6,3]" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, a, b6, 0, 0, 1),
+			EPJ_ERR_SHAPE, rows, 3);
+	const char *dtype[] = { "solve_triangular", "f64" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, a, b64, 0, 0, 1),
+			EPJ_ERR_DTYPE, dtype, 2);
+	const char *one_d[] = { "solve_triangular", "[5]" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, a, v, 0, 0, 1),
+			EPJ_ERR_SHAPE, one_d, 2);
+	const char *batch[] = { "solve_triangular", "broadcast", "[2,5,5]" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, a3, b3, 0, 0, 1),
+			EPJ_ERR_SHAPE, batch, 3);
+	const char *ints[] = { "solve_triangular", "i64" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, ia, ib, 0, 0, 1),
+			EPJ_ERR_DTYPE, ints, 2);
+	const char *left[] = { "solve_triangular", "left=false",
+			       "not implemented" };
+	tu_assert_error(ctx, epj_solve_triangular(ctx, a, b, 0, 0, 0),
+			EPJ_ERR_UNSUPPORTED, left, 3);
+
+	epj_tensor *all[] = { a, rect, b, b6, b64, v, a3, b3, ia, ib };
+	for (size_t j = 0; j < LEN(all); j++)
+		epj_tensor_free(all[j]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_ops_linalg_suite(void)
 {
 	Suite *s = suite_create("ops_linalg");
@@ -664,6 +1031,15 @@ Suite *make_ops_linalg_suite(void)
 	tcase_add_test(tl, test_linear_grad);
 	tcase_add_test(tl, test_linear_errors);
 	suite_add_tcase(s, tl);
+	TCase *ts = tcase_create("solve_triangular");
+	tcase_set_timeout(ts, 60);
+	tcase_add_test(ts, test_solve_tri_sizes);
+	tcase_add_test(ts, test_solve_tri_views);
+	tcase_add_test(ts, test_solve_tri_grad);
+	tcase_add_test(ts, test_solve_tri_grad_dtypes);
+	tcase_add_test(ts, test_solve_tri_errors);
+	suite_add_tcase(s, ts);
+
 	TCase *ta = tcase_create("amx");
 	tcase_set_timeout(ta, 60);
 	tcase_add_test(ta, test_amx_gemm);
