@@ -2291,6 +2291,39 @@ def _cx_part(L, node):
     return L.op("reshape", [p], m[0], metas=[m])
 
 
+# ---- triangular solve ---------------------------------------------------------
+
+
+def _solve_tri_flags(node):
+    """(upper, left, unitriangular) of a linalg_solve_triangular node."""
+    a, kw = node.args, node.kwargs
+    upper = a[2] if len(a) > 2 else kw.get("upper")
+    left = a[3] if len(a) > 3 else kw.get("left", True)
+    unit = a[4] if len(a) > 4 else kw.get("unitriangular", False)
+    return upper, left, unit
+
+
+def _solve_tri_check(node):
+    upper, left, unit = _solve_tri_flags(node)
+    if not all(isinstance(f, bool) for f in (upper, left, unit)):
+        return "solve_triangular flags"
+    if not left:
+        return "solve_triangular left=False"
+    if _val(node).dtype not in FLOATS:
+        return "solve_triangular dtype"
+    return None
+
+
+@rule(aten.linalg_solve_triangular.default, check=_solve_tri_check)
+def _solve_triangular(L, node):
+    upper, left, unit = _solve_tri_flags(node)
+    m = _out_meta(node)
+    a = _pointwise_in(L, node, node.args[0], m[1])
+    b = _pointwise_in(L, node, node.args[1], m[1])
+    return L.op("solve_triangular", [a, b],
+                [int(upper), int(unit), int(left)], metas=[m])
+
+
 def lower_node(L, node):
     """Lowers node into L; records its value(s) in L.env."""
     if node.target is operator.getitem:
