@@ -1247,6 +1247,9 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_MOE_GROUPED_MM_WGRAD] = ej_cuda_op_moe_grouped_mm_wgrad,
 	[EJ_OP_SWIGLU] = ej_cuda_op_swiglu,
 	[EJ_OP_SWIGLU_BACKWARD] = ej_cuda_op_swiglu_backward,
+	[EJ_OP_SOLVE_TRIANGULAR] = ej_cuda_op_solve_triangular,
+	[EJ_OP_SOLVE_TRIANGULAR_BACKWARD] =
+	    ej_cuda_op_solve_triangular_backward,
 };
 
 void ej_eager_cuda_install(void)

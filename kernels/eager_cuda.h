@@ -33,5 +33,9 @@ epj_status ej_cuda_op_gated_delta_backward(epj_ctx *ctx, ej_call *c);
 /* Test hook: the gated delta backward's segment length in steps (rounded
  * down to a multiple of 64, at least 64); 0 restores the default. */
 void ej_cuda_delta_segment_hook(int64_t steps);
+/* kernels/tmpl_trsm.c: the triangular solve and its backward on the CUDA
+ * template templates/trsm.cuh. */
+epj_status ej_cuda_op_solve_triangular(epj_ctx *ctx, ej_call *c);
+epj_status ej_cuda_op_solve_triangular_backward(epj_ctx *ctx, ej_call *c);
 
 #endif

@@ -966,6 +966,106 @@ START_TEST(test_solve_tri_grad_dtypes)
 }
 END_TEST
 
+/* t's values (a tensor of another context) in a new tensor of ctx. */
+static epj_tensor *tri_move(epj_ctx *from, epj_ctx *ctx, const epj_tensor *t)
+{
+	double *v = tu_values(from, t);
+	epj_tensor *d = epj_tensor_from_data(
+	    ctx, EPJ_DTYPE_F64, epj_tensor_ndim(t), epj_tensor_shape(t), v);
+	free(v);
+	tu_ok(ctx, d);
+	epj_tensor *r = epj_cast(ctx, d, epj_tensor_dtype(t));
+	tu_ok(ctx, r);
+	epj_tensor_free(d);
+	return r;
+}
+
+/* Solution and gradients of solve(a, b) weighted by w in ctx: out[0] = X,
+ * out[1] = dA, out[2] = dB.  transpose_a: solve with a^T (a strided A). */
+static void tri_run(epj_ctx *ctx, epj_tensor *a, epj_tensor *b, epj_tensor *w,
+		    tri_case tc, bool transpose_a, epj_tensor **out)
+{
+	epj_tensor_set_requires_grad(a, true);
+	epj_tensor_set_requires_grad(b, true);
+	int nd = epj_tensor_ndim(a);
+	epj_tensor *at = transpose_a ? epj_transpose(ctx, a, nd - 2, nd - 1)
+				     : epj_tensor_ref(a);
+	tu_ok(ctx, at);
+	out[0] = epj_solve_triangular(ctx, at, b, tc.upper, tc.unit, true);
+	tu_ok(ctx, out[0]);
+	ck_assert_int_eq(epj_backward(ctx, out[0], w), EPJ_OK);
+	out[1] = epj_tensor_ref(epj_tensor_grad(a));
+	out[2] = epj_tensor_ref(epj_tensor_grad(b));
+	tu_ok(ctx, out[1]);
+	tu_ok(ctx, out[2]);
+	epj_tensor_free(at);
+}
+
+/* The CUDA template (kernels/tmpl_trsm.c) on cuda-sim against the CPU
+ * kernel on the same values: forward and backward, every dtype and
+ * triangle, broadcast batches, a transposed A; no CPU fallback. */
+START_TEST(test_solve_tri_sim)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &sim), EPJ_OK);
+	const int64_t shapes[][2][3] = { { { 1, 5, 5 }, { 3, 5, 3 } },
+					 { { 2, 67, 67 }, { 2, 67, 33 } },
+					 { { 1, 1, 1 }, { 1, 1, 2 } } };
+	for (size_t d = 0; d < LEN(float_dtypes); d++)
+		for (size_t c = 0; c < LEN(tri_cases); c++)
+			for (size_t sh = 0; sh < LEN(shapes); sh++) {
+				epj_dtype dt = float_dtypes[d];
+				bool tr = sh == 0;
+				tri_case tc = tri_cases[c];
+				tri_case made = { tr ? !tc.upper : tc.upper,
+						  tc.unit };
+				epj_tensor *a =
+				    tri_tensor(cpu, dt, 3, shapes[sh][0], made);
+				epj_tensor *b =
+				    tu_randn(cpu, dt, 3, shapes[sh][1]);
+				epj_tensor *w =
+				    tu_randn(cpu, dt, 3, shapes[sh][1]);
+				epj_tensor *sa = tri_move(cpu, sim, a);
+				epj_tensor *sb = tri_move(cpu, sim, b);
+				epj_tensor *sw = tri_move(cpu, sim, w);
+				epj_tensor *want[3], *got[3];
+				tri_run(cpu, a, b, w, tc, tr, want);
+				int64_t fb0 = epj_counter_get(
+				    sim, "kernels.eager_cpu_fallback");
+				tri_run(sim, sa, sb, sw, tc, tr, got);
+				ck_assert_int_eq(
+				    epj_counter_get(
+					sim, "kernels.eager_cpu_fallback"),
+				    fb0);
+				double rtol = dt == EPJ_DTYPE_F64   ? 1e-10
+					      : dt == EPJ_DTYPE_F32 ? 1e-4
+								    : 1.0 / 64;
+				double atol = dt == EPJ_DTYPE_F64   ? 1e-12
+					      : dt == EPJ_DTYPE_F32 ? 1e-4
+								    : 8e-2;
+				static const char *const what[3] = {
+					"sim solve X", "sim solve dA",
+					"sim solve dB"
+				};
+				for (int i = 0; i < 3; i++) {
+					epj_tensor *g =
+					    tri_move(sim, cpu, got[i]);
+					tu_assert_tensors_close(cpu, g, want[i],
+								rtol, atol,
+								what[i]);
+					epj_tensor_free(g);
+					epj_tensor_free(got[i]);
+					epj_tensor_free(want[i]);
+				}
+				epj_tensor *all[] = { a, b, w, sa, sb, sw };
+				for (size_t j = 0; j < LEN(all); j++)
+					epj_tensor_free(all[j]);
+			}
+	epj_ctx_free(sim);
+	epj_ctx_free(cpu);
+}
+END_TEST
+
 START_TEST(test_solve_tri_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1039,6 +1139,11 @@ Suite *make_ops_linalg_suite(void)
 	tcase_add_test(ts, test_solve_tri_grad_dtypes);
 	tcase_add_test(ts, test_solve_tri_errors);
 	suite_add_tcase(s, ts);
+
+	TCase *tsim = tcase_create("solve_triangular_sim");
+	tcase_set_timeout(tsim, 240);
+	tcase_add_test(tsim, test_solve_tri_sim);
+	suite_add_tcase(s, tsim);
 
 	TCase *ta = tcase_create("amx");
 	tcase_set_timeout(ta, 60);

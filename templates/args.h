@@ -361,4 +361,15 @@ struct ej_delta_args {
 	long long t0, t1;	    /* bwd: the segment [t0, t1) */
 };
 
+/* ---- templates/trsm.cuh ---- */
+struct ej_trsm_args {
+	const void *a, *b; /* a [nb, n, n], b [nb, n, k], dense, dtype dt */
+	void *x;	   /* [nb, n, k] in the compute type (f32; f64) */
+	void *out;	   /* [nb, n, k] in dt; may be x */
+	const void *xs;	   /* ej_trsm_da: the solution [nb, n, k], dt */
+	void *da;	   /* ej_trsm_da: [nb, n, n], dt */
+	long long nb, n, k;
+	int dt, upper, unit, trans;
+};
+
 #endif
