@@ -279,6 +279,90 @@ START_TEST(graph_bad_input)
 }
 END_TEST
 
+/* A graph with a triangular solve (an extern node) of a transposed A and a
+ * scaled B, compiled by the device's default backend, equals the eager
+ * ops on the cpu and on cuda-sim (where nothing falls back to the CPU). */
+START_TEST(graph_solve_triangular)
+{
+	const int64_t as[3] = { 2, 5, 5 }, bs[3] = { 2, 5, 3 };
+	double av[50], bv[30];
+	for (int p = 0; p < 2; p++)
+		for (int i = 0; i < 5; i++)
+			for (int j = 0; j < 5; j++)
+				av[(p * 5 + i) * 5 + j] =
+				    i == j  ? 2 + 0.1 * p
+				    : j < i ? tu_uniform(-0.3, 0.3)
+					    : 60; /* never read */
+	for (int i = 0; i < 30; i++)
+		bv[i] = tu_uniform(-1, 1);
+	for (int dev = 0; dev < 2; dev++) {
+		epj_ctx *ctx = NULL;
+		ck_assert_int_eq(epj_ctx_new(dev ? "cuda-sim" : "cpu", &ctx),
+				 EPJ_OK);
+		epj_compiler *c = NULL;
+		ck_assert_int_eq(epj_compiler_new(ctx, NULL, &c), EPJ_OK);
+		epj_graph *g = NULL;
+		ck_assert_int_eq(epj_graph_new(ctx, &g), EPJ_OK);
+		int a, b, at, b2, x, y;
+		ck_assert_int_eq(
+		    epj_graph_input(ctx, g, EPJ_DTYPE_F32, 3, as, &a), EPJ_OK);
+		ck_assert_int_eq(
+		    epj_graph_input(ctx, g, EPJ_DTYPE_F32, 3, bs, &b), EPJ_OK);
+		int64_t dims[2] = { 1, 2 }, tri[3] = { 1, 0, 1 };
+		double two = 2;
+		ck_assert_int_eq(epj_graph_node(ctx, g, "transpose", &a, 1,
+						dims, 2, NULL, 0, 1, &at),
+				 EPJ_OK);
+		ck_assert_int_eq(epj_graph_node(ctx, g, "mul_scalar", &b, 1,
+						NULL, 0, &two, 1, 1, &b2),
+				 EPJ_OK);
+		int in_x[2] = { at, b2 };
+		ck_assert_int_eq(epj_graph_node(ctx, g, "solve_triangular",
+						in_x, 2, tri, 3, NULL, 0, 1,
+						&x),
+				 EPJ_OK);
+		int in_y[2] = { x, b };
+		ck_assert_int_eq(epj_graph_node(ctx, g, "add", in_y, 2, NULL, 0,
+						NULL, 0, 1, &y),
+				 EPJ_OK);
+		ck_assert_int_eq(epj_graph_output(ctx, g, y), EPJ_OK);
+		ck_assert_msg(epj_graph_compile(ctx, c, g) == EPJ_OK, "%s",
+			      epj_ctx_error(ctx));
+		epj_tensor *a64 =
+		    epj_tensor_from_data(ctx, EPJ_DTYPE_F64, 3, as, av);
+		epj_tensor *b64 =
+		    epj_tensor_from_data(ctx, EPJ_DTYPE_F64, 3, bs, bv);
+		epj_tensor *in[2] = { epj_cast(ctx, a64, EPJ_DTYPE_F32),
+				      epj_cast(ctx, b64, EPJ_DTYPE_F32) };
+		tu_ok(ctx, in[1]);
+		int64_t fb0 =
+		    epj_counter_get(ctx, "kernels.eager_cpu_fallback");
+		epj_tensor *out = NULL;
+		ck_assert_msg(epj_graph_run(ctx, g, in, 2, &out, 1) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+		ck_assert_int_eq(
+		    epj_counter_get(ctx, "kernels.eager_cpu_fallback"), fb0);
+		epj_tensor *ta = epj_transpose(ctx, in[0], 1, 2);
+		epj_tensor *tb = epj_mul_scalar(ctx, in[1], 2);
+		epj_tensor *ex =
+		    epj_solve_triangular(ctx, ta, tb, true, false, true);
+		epj_tensor *ey = epj_add(ctx, ex, in[1]);
+		tu_ok(ctx, ey);
+		tu_assert_tensors_close(ctx, out, ey, 1e-5, 1e-5,
+					dev ? "graph solve cuda-sim"
+					    : "graph solve cpu");
+		epj_tensor *t[] = {
+			a64, b64, in[0], in[1], out, ta, tb, ex, ey
+		};
+		for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+			epj_tensor_free(t[i]);
+		epj_graph_free(g);
+		epj_compiler_free(c);
+		epj_ctx_free(ctx);
+	}
+}
+END_TEST
+
 Suite *make_graph_api_suite(void)
 {
 	Suite *s = suite_create("graph_api");
@@ -289,6 +373,7 @@ Suite *make_graph_api_suite(void)
 	tcase_add_test(tc, graph_matches_eager);
 	tcase_add_test(tc, identical_graphs_share);
 	tcase_add_test(tc, graph_bad_input);
+	tcase_add_test(tc, graph_solve_triangular);
 	suite_add_tcase(s, tc);
 	return s;
 }
