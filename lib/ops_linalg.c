@@ -1101,18 +1101,20 @@ static void trsm_finish(epj_tensor *o, void *x, epj_dtype cdt)
 {
 	if (x == ej_data(o))
 		return;
-	ej_linalg_store(x, cdt, ej_data(o), o->dtype,
-			ej_numel(o->ndim, o->shape));
+	int64_t n = ej_numel(o->ndim, o->shape);
+	if (n > 0)
+		ej_linalg_store(x, cdt, ej_data(o), o->dtype, n);
 	free(x);
 }
 
-/* A dense compute-dtype array for o: o's data when o has that dtype. */
+/* A dense compute-dtype array for o: o's data when o has that dtype and
+ * elements (an empty o may have no data), else a new buffer. */
 static void *trsm_dest(epj_tensor *o, epj_dtype cdt)
 {
-	if (o->dtype == cdt)
+	int64_t n = ej_numel(o->ndim, o->shape);
+	if (o->dtype == cdt && n > 0)
 		return ej_data(o);
-	return malloc((size_t)max1(ej_numel(o->ndim, o->shape)) *
-		      ej_dtype_size(cdt));
+	return malloc((size_t)max1(n) * ej_dtype_size(cdt));
 }
 
 epj_status ej_kernel_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c)

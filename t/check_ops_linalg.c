@@ -1066,6 +1066,44 @@ START_TEST(test_solve_tri_sim)
 }
 END_TEST
 
+/* No columns (k = 0) and no rows (n = 0): empty solutions, and a dA of
+ * zeros when B has no columns. */
+START_TEST(test_solve_tri_empty)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t d = 0; d < LEN(float_dtypes); d++) {
+		epj_dtype dt = float_dtypes[d];
+		int64_t as[3] = { 2, 3, 3 }, bs[3] = { 2, 3, 0 };
+		int64_t zs[3] = { 2, 0, 0 }, ys[3] = { 2, 0, 4 };
+		epj_tensor *a = tu_randn(ctx, dt, 3, as);
+		epj_tensor *b = epj_zeros(ctx, dt, 3, bs);
+		epj_tensor *z = epj_zeros(ctx, dt, 3, zs);
+		epj_tensor *y = epj_zeros(ctx, dt, 3, ys);
+		tu_ok(ctx, y);
+		epj_tensor_set_requires_grad(a, true);
+		epj_tensor_set_requires_grad(b, true);
+		epj_tensor *x =
+		    epj_solve_triangular(ctx, a, b, false, false, 1);
+		tu_ok(ctx, x);
+		tu_assert_shape(x, 3, bs);
+		epj_tensor *w = epj_zeros(ctx, dt, 3, bs);
+		ck_assert_int_eq(epj_backward(ctx, x, w), EPJ_OK);
+		tu_assert_shape(epj_tensor_grad(a), 3, as);
+		tu_assert_shape(epj_tensor_grad(b), 3, bs);
+		double zero[18] = { 0 };
+		tu_assert_close(ctx, epj_tensor_grad(a), zero, 0, 0,
+				"solve dA with k = 0");
+		epj_tensor *x0 = epj_solve_triangular(ctx, z, y, true, true, 1);
+		tu_ok(ctx, x0);
+		tu_assert_shape(x0, 3, ys);
+		epj_tensor *all[] = { a, b, z, y, x, w, x0 };
+		for (size_t j = 0; j < LEN(all); j++)
+			epj_tensor_free(all[j]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_solve_tri_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1137,6 +1175,7 @@ Suite *make_ops_linalg_suite(void)
 	tcase_add_test(ts, test_solve_tri_views);
 	tcase_add_test(ts, test_solve_tri_grad);
 	tcase_add_test(ts, test_solve_tri_grad_dtypes);
+	tcase_add_test(ts, test_solve_tri_empty);
 	tcase_add_test(ts, test_solve_tri_errors);
 	suite_add_tcase(s, ts);
 
