@@ -943,9 +943,11 @@ epj_status ej_gemm_add_inplace(epj_ctx *ctx, const ej_attrs *attrs,
 }
 
 /* ---- SOLVE_TRIANGULAR: X with A X = B, A [..., n, n] triangular ----------
- * Each batch's matrices are packed into dense buffers of the compute dtype
- * (A read through any strides, so transposed views cost nothing more) and
- * solved in place with BLAS trsm; bf16 is solved in f32 and rounded once.
+ * BLAS trsm solves each batch's matrices in place in a dense buffer of the
+ * compute dtype (the output's own memory for f32 and f64) that B is packed
+ * into; A is read in place when it has the compute dtype and a BLAS layout
+ * (row-major or transposed, e.g. the backward's A^T), else packed through
+ * its strides.  bf16 is solved in f32 and rounded once.
  * Batch dims broadcast as matmul's do.  Attrs: i[0] upper, i[1]
  * unitriangular, i[2] left (left = 0, X A = B, is refused). */
 
@@ -1054,10 +1056,10 @@ epj_status ej_infer_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c,
 	return EPJ_OK;
 }
 
-/* Packs batch p (of the nbd-dim batch shape bshape) of t [..., r, q],
- * broadcast over it, into the dense [r, q] array dst of dtype cdt. */
-static void trsm_pack(const epj_tensor *t, int nbd, const int64_t *bshape,
-		      int64_t p, epj_dtype cdt, void *dst)
+/* Element offset of batch p (of the nbd-dim batch shape bshape) of t
+ * [..., r, q], broadcast over it. */
+static int64_t trsm_offset(const epj_tensor *t, int nbd, const int64_t *bshape,
+			   int64_t p)
 {
 	int64_t bs[EPJ_MAX_DIMS];
 	batch_strides(t, t->stride, nbd, bs);
@@ -1066,6 +1068,15 @@ static void trsm_pack(const epj_tensor *t, int nbd, const int64_t *bshape,
 		off += (p % bshape[d]) * bs[d];
 		p /= bshape[d];
 	}
+	return off;
+}
+
+/* Packs batch p of t [..., r, q] into the dense [r, q] array dst of dtype
+ * cdt. */
+static void trsm_pack(const epj_tensor *t, int nbd, const int64_t *bshape,
+		      int64_t p, epj_dtype cdt, void *dst)
+{
+	int64_t off = trsm_offset(t, nbd, bshape, p);
 	int nd = t->ndim;
 	int64_t r = t->shape[nd - 2], q = t->shape[nd - 1];
 	size_t es = ej_dtype_size(t->dtype), ed = ej_dtype_size(cdt);
@@ -1077,22 +1088,52 @@ static void trsm_pack(const epj_tensor *t, int nbd, const int64_t *bshape,
 				  (char *)dst + (size_t)(i * q) * ed, cdt, q);
 }
 
-/* x [n, k] (dense, dtype cdt) := op(a)^-1 x for the dense triangular
- * a [n, n] (op(a) = a^T when trans; upper names a's stored triangle). */
+/* How BLAS reads the matrices of A [..., n, n]: in place (true) when A has
+ * the compute dtype and a BLAS layout, each matrix row-major (*lt false)
+ * or the transpose of one (*lt true) with leading dimension *ld; else
+ * (false) packed per batch into a dense [n, n] buffer. */
+static bool trsm_a_in_place(const epj_tensor *a, epj_dtype cdt, bool *lt,
+			    int64_t *ld)
+{
+	int nd = a->ndim;
+	int64_t n = a->shape[nd - 1];
+	*lt = false;
+	*ld = max1(n);
+	return a->dtype == cdt && ej_linalg_layout(n, n, a->stride[nd - 2],
+						   a->stride[nd - 1], lt, ld);
+}
+
+/* Batch p's matrix of A for BLAS: in place, or packed into buf. */
+static const void *trsm_a(const epj_tensor *a, bool in_place, int nbd,
+			  const int64_t *bshape, int64_t p, epj_dtype cdt,
+			  void *buf)
+{
+	if (!in_place) {
+		trsm_pack(a, nbd, bshape, p, cdt, buf);
+		return buf;
+	}
+	return (const char *)ej_data(a) +
+	       (size_t)trsm_offset(a, nbd, bshape, p) * ej_dtype_size(cdt);
+}
+
+/* x [n, k] (dense, dtype cdt) := op(A)^-1 x for the triangular A [n, n]
+ * (op(A) = A^T when trans; upper names A's triangle) whose matrix a BLAS
+ * reads with leading dimension lda, stored transposed when lt. */
 static void trsm1(epj_dtype cdt, bool upper, bool trans, bool unit, int64_t n,
-		  int64_t k, const void *a, void *x)
+		  int64_t k, const void *a, bool lt, int64_t lda, void *x)
 {
 	if (n == 0 || k == 0)
 		return;
-	enum CBLAS_UPLO ul = upper ? CblasUpper : CblasLower;
-	enum CBLAS_TRANSPOSE tr = trans ? CblasTrans : CblasNoTrans;
+	/* A stored as M^T: M's triangle is the other one, op flips */
+	enum CBLAS_UPLO ul = upper != lt ? CblasUpper : CblasLower;
+	enum CBLAS_TRANSPOSE tr = trans != lt ? CblasTrans : CblasNoTrans;
 	enum CBLAS_DIAG dg = unit ? CblasUnit : CblasNonUnit;
 	if (cdt == EPJ_DTYPE_F64)
 		cblas_dtrsm(CblasRowMajor, CblasLeft, ul, tr, dg, (int)n,
-			    (int)k, 1.0, a, (int)n, x, (int)k);
+			    (int)k, 1.0, a, (int)lda, x, (int)k);
 	else
 		cblas_strsm(CblasRowMajor, CblasLeft, ul, tr, dg, (int)n,
-			    (int)k, 1.0f, a, (int)n, x, (int)k);
+			    (int)k, 1.0f, a, (int)lda, x, (int)k);
 }
 
 /* The output o of dtype dt from the dense compute array x (freed unless it
@@ -1130,9 +1171,12 @@ epj_status ej_kernel_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c)
 		return EPJ_OK;
 	epj_dtype cdt = compute_dtype(o->dtype);
 	size_t ed = ej_dtype_size(cdt);
+	bool lt;
+	int64_t lda;
+	bool in_place = trsm_a_in_place(a, cdt, &lt, &lda);
 	void *x = trsm_dest(o, cdt);
-	void *abuf = malloc((size_t)(nbatch * n * n) * ed);
-	if (!x || !abuf) {
+	void *abuf = in_place ? NULL : malloc((size_t)(nbatch * n * n) * ed);
+	if (!x || (!in_place && !abuf)) {
 		if (x != ej_data(o))
 			free(x);
 		free(abuf);
@@ -1143,11 +1187,12 @@ epj_status ej_kernel_SOLVE_TRIANGULAR(epj_ctx *ctx, const ej_call *c)
 	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
 #pragma omp parallel for schedule(static) if (par)
 	for (int64_t p = 0; p < nbatch; p++) {
-		char *ap = (char *)abuf + (size_t)(p * n * n) * ed;
 		char *xp = (char *)x + (size_t)(p * n * k) * ed;
-		trsm_pack(a, nbd, o->shape, p, cdt, ap);
+		const void *ap = trsm_a(
+		    a, in_place, nbd, o->shape, p, cdt,
+		    in_place ? NULL : (char *)abuf + (size_t)(p * n * n) * ed);
 		trsm_pack(b, nbd, o->shape, p, cdt, xp);
-		trsm1(cdt, upper, false, unit, n, k, ap, xp);
+		trsm1(cdt, upper, false, unit, n, k, ap, lt, lda, xp);
 	}
 	if (par)
 		ej_linalg_blas_serial_end(blas_prev);
@@ -1266,10 +1311,13 @@ epj_status ej_kernel_SOLVE_TRIANGULAR_BACKWARD(epj_ctx *ctx, const ej_call *c)
 		return EPJ_OK;
 	epj_dtype cdt = compute_dtype(ob->dtype);
 	size_t ed = ej_dtype_size(cdt);
+	bool lt;
+	int64_t lda;
+	bool in_place = trsm_a_in_place(a, cdt, &lt, &lda);
 	void *da = trsm_dest(oa, cdt), *db = trsm_dest(ob, cdt);
-	void *abuf = malloc((size_t)(nbatch * n * n) * ed);
+	void *abuf = in_place ? NULL : malloc((size_t)(nbatch * n * n) * ed);
 	void *xbuf = malloc((size_t)max1(nbatch * n * k) * ed);
-	if (!da || !db || !abuf || !xbuf) {
+	if (!da || !db || (!in_place && !abuf) || !xbuf) {
 		if (da != ej_data(oa))
 			free(da);
 		if (db != ej_data(ob))
@@ -1283,15 +1331,16 @@ epj_status ej_kernel_SOLVE_TRIANGULAR_BACKWARD(epj_ctx *ctx, const ej_call *c)
 	int blas_prev = par ? ej_linalg_blas_serial_begin() : 0;
 #pragma omp parallel for schedule(static) if (par)
 	for (int64_t p = 0; p < nbatch; p++) {
-		char *ap = (char *)abuf + (size_t)(p * n * n) * ed;
 		char *bp = (char *)db + (size_t)(p * n * k) * ed;
 		char *xp = (char *)xbuf + (size_t)(p * n * k) * ed;
 		char *dap = (char *)da + (size_t)(p * n * n) * ed;
-		trsm_pack(a, nbd, ob->shape, p, cdt, ap);
+		const void *ap = trsm_a(
+		    a, in_place, nbd, ob->shape, p, cdt,
+		    in_place ? NULL : (char *)abuf + (size_t)(p * n * n) * ed);
 		trsm_pack(g, nbd, ob->shape, p, cdt, bp);
 		trsm_pack(xs, nbd, ob->shape, p, cdt, xp);
 		/* dB = A^-T grad: the transposed solve of the same triangle */
-		trsm1(cdt, upper, true, unit, n, k, ap, bp);
+		trsm1(cdt, upper, true, unit, n, k, ap, lt, lda, bp);
 		ej_linalg_gemm(cdt, false, true, n, n, k, -1.0, bp, max1(k), xp,
 			       max1(k), 0.0, dap, n);
 		trsm_mask(cdt, upper, unit, n, dap);
