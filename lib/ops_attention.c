@@ -138,10 +138,11 @@ static epj_status mask_check(epj_ctx *ctx, const ej_call *c, int iq,
 {
 	const epj_tensor *x = c->in[m->mask_in];
 	epj_dtype qt = c->in[iq]->dtype;
-	if (x->dtype != qt && x->dtype != EPJ_DTYPE_F32)
+	if (x->dtype != qt && x->dtype != EPJ_DTYPE_F32 &&
+	    x->dtype != EPJ_DTYPE_I32)
 		return ej_op_error(ctx, c, EPJ_ERR_DTYPE,
 				   "the mask must be f32%s%s (the dtype of q "
-				   "or f32), got %s",
+				   "or f32, additive) or i32 (boolean), got %s",
 				   qt == EPJ_DTYPE_F32 ? "" : " or ",
 				   qt == EPJ_DTYPE_F32 ? ""
 						       : epj_dtype_name(qt),
@@ -327,7 +328,24 @@ DEFINE_SEG_MASK(f64, double)
 		for (int64_t r = 0; r < nr; r++) {                             \
 			REAL *row = sc + r * ld;                               \
 			int64_t o = o0 + (i0 + r) * st[2];                     \
-			if (x->dtype == EPJ_DTYPE_F64) {                       \
+			if (x->dtype == EPJ_DTYPE_I32) { /* 0 hides */         \
+				const int32_t *p =                             \
+				    (const int32_t *)(const void *)base + o;   \
+				if (st[3] == 1)                                \
+					for (int64_t j = 0; j < nk; j++)       \
+						row[j] =                       \
+						    p[j] ? row[j] : -INFINITY; \
+				else                                           \
+					for (int64_t j = 0; j < nk; j++)       \
+						row[j] = p[j * st[3]]          \
+							     ? row[j]          \
+							     : -INFINITY;      \
+			} else if (x->dtype == EPJ_DTYPE_F32 && st[3] == 1) {  \
+				const float *p =                               \
+				    (const float *)(const void *)base + o;     \
+				for (int64_t j = 0; j < nk; j++)               \
+					row[j] += p[j];                        \
+			} else if (x->dtype == EPJ_DTYPE_F64) {                \
 				const double *p =                              \
 				    (const double *)(const void *)base;        \
 				for (int64_t j = 0; j < nk; j++)               \
@@ -349,6 +367,39 @@ DEFINE_SEG_MASK(f64, double)
 DEFINE_MASK_ADD(f32, float)
 DEFINE_MASK_ADD(f64, double)
 #undef DEFINE_MASK_ADD
+
+/* True when the mask hides every key of [j0, j0 + nk) from every query of
+ * [i0, i0 + nr) of batch b, head h (-inf, or 0 in an i32 mask): the flash
+ * kernels skip such a tile, which adds nothing. */
+static bool mask_hides_tile(const sdpa_dims *m, int64_t b, int64_t h,
+			    int64_t i0, int64_t nr, int64_t j0, int64_t nk)
+{
+	const epj_tensor *x = m->mask;
+	if (!x)
+		return false;
+	const int64_t *st = m->mst;
+	const char *base = ej_data(x);
+	int64_t o0 = b * st[0] + h * st[1];
+	for (int64_t r = 0; r < (st[2] ? nr : 1); r++)
+		for (int64_t j = 0; j < (st[3] ? nk : 1); j++) {
+			int64_t o = o0 + (i0 + r) * st[2] + (j0 + j) * st[3];
+			double v;
+			if (x->dtype == EPJ_DTYPE_I32)
+				v = ((const int32_t *)(const void *)base)[o]
+					? 0.0
+					: -INFINITY;
+			else if (x->dtype == EPJ_DTYPE_F32)
+				v = ((const float *)(const void *)base)[o];
+			else if (x->dtype == EPJ_DTYPE_F64)
+				v = ((const double *)(const void *)base)[o];
+			else
+				v = ej_bf16_load(
+				    ((const uint16_t *)(const void *)base)[o]);
+			if (v != -INFINITY)
+				return false;
+		}
+	return true;
+}
 
 /* True when no query of [i0, i0 + nr) shares a document with a key of
  * [j0, j0 + nk) in batch b: their id ranges do not overlap (any ids; for
@@ -1156,8 +1207,9 @@ static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 	const char *qp = w->q.base + operand_at(&w->q, b, h, i0) * es;
 	for (int64_t j0 = 0; j0 < se; j0 += FK) {
 		int64_t nk = se - j0 < FK ? se - j0 : FK;
-		if (seg_disjoint(m, b, i0, nr, j0, nk))
-			continue; /* adds nothing: other documents */
+		if (seg_disjoint(m, b, i0, nr, j0, nk) ||
+		    mask_hides_tile(m, b, h, i0, nr, j0, nk))
+			continue; /* adds nothing: other documents, masked */
 		ej_linalg_gemm(cdt, w->q.trans, !w->k.trans, nr, nk, m->d,
 			       m->scale, qp, w->q.ld,
 			       w->k.base + operand_at(&w->k, b, g, j0) * es,
@@ -1351,8 +1403,9 @@ static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 			    (b * lse->stride[0] + h * lse->stride[1]) * es;
 			for (int64_t i0 = ifirst; i0 < m->t; i0 += FQ) {
 				int64_t nr = m->t - i0 < FQ ? m->t - i0 : FQ;
-				if (seg_disjoint(m, b, i0, nr, j0, nk))
-					continue; /* other documents */
+				if (seg_disjoint(m, b, i0, nr, j0, nk) ||
+				    mask_hides_tile(m, b, h, i0, nr, j0, nk))
+					continue; /* other documents, masked */
 				const char *qp =
 				    q->base + operand_at(q, b, h, i0) * es;
 				const char *gp =

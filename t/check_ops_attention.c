@@ -929,7 +929,8 @@ END_TEST
 typedef struct mcase {
 	cfg c;
 	int64_t ms[4]; /* the mask's shape: each dim 1 or the full size */
-	int kind;      /* 0: 0 / -inf (some rows fully hidden), 1: random */
+	int kind;      /* 0: 0 / -inf (some rows fully hidden), 1: random, 2:
+			* the first half of the keys of batch 0 hidden */
 	bool top_left;
 	epj_dtype mdt; /* EPJ_DTYPE_COUNT: the dtype of q */
 } mcase;
@@ -945,6 +946,11 @@ static double *mask_values(const mcase *mc)
 		tu_unflat(f, 4, mc->ms, ix);
 		if (mc->kind == 1) {
 			x[f] = tu_uniform(-2, 2);
+			continue;
+		}
+		if (mc->kind == 2) { /* batch 0: the first half padding */
+			x[f] = ix[0] == 0 && ix[3] < mc->ms[3] / 2 ? -INFINITY
+								   : 0.0;
 			continue;
 		}
 		bool row0 = ix[2] == mc->ms[2] - 1 && ix[0] == 0;
@@ -1087,7 +1093,12 @@ static epj_tensor *mask_tensor(epj_ctx *ctx, const mcase *mc, epj_dtype dt,
 	epj_dtype md = mc->mdt == EPJ_DTYPE_COUNT ? dt : mc->mdt;
 	epj_tensor *m = epj_zeros(ctx, md, 4, mc->ms);
 	tu_ok(ctx, m);
-	ck_assert_int_eq(epj_tensor_from_f64(ctx, m, x), EPJ_OK);
+	int64_t n = tu_numel(4, mc->ms);
+	double *keep = malloc(sizeof *keep * (size_t)n);
+	for (int64_t f = 0; f < n; f++) /* i32: 1 keeps, 0 hides */
+		keep[f] = md == EPJ_DTYPE_I32 ? x[f] == 0 : x[f];
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, m, keep), EPJ_OK);
+	free(keep);
 	if (!nc)
 		return m;
 	epj_tensor *view = tu_noncontig(ctx, m);
@@ -1108,6 +1119,10 @@ static void check_mask_case(epj_ctx *ctx, const mcase *mc, epj_dtype dt,
 	epj_tensor *mask = mask_tensor(ctx, mc, dt, mx, nc);
 	free(mx);
 	mx = tu_values(ctx, mask); /* as rounded to its dtype */
+	for (int64_t f = 0;
+	     epj_tensor_dtype(mask) == EPJ_DTYPE_I32 && f < tu_numel(4, mc->ms);
+	     f++)
+		mx[f] = mx[f] != 0 ? 0.0 : -INFINITY;
 	double *qv = tu_values(ctx, qkv[0]), *kv = tu_values(ctx, qkv[1]),
 	       *vv = tu_values(ctx, qkv[2]), *gv = tu_values(ctx, dout);
 	int64_t nq = epj_tensor_numel(qkv[0]), nk = epj_tensor_numel(qkv[1]);
@@ -1152,6 +1167,7 @@ static void check_mask_case(epj_ctx *ctx, const mcase *mc, epj_dtype dt,
 
 #define F EPJ_DTYPE_F32
 #define Q EPJ_DTYPE_COUNT
+#define I EPJ_DTYPE_I32
 static const mcase mask_cases[] = {
 	/* GQA 4:2, D 24 != Dv 8, T != S; [B, 1, T, S] 0 / -inf */
 	{ { 2, 4, 2, 5, 7, 24, 8, false, 0 }, { 2, 1, 5, 7 }, 0, false, Q },
@@ -1160,6 +1176,8 @@ static const mcase mask_cases[] = {
 	/* [B, 1, 1, S] padding: batch 0's last row... every key hidden for
 	 * the last key; causal bottom-right */
 	{ { 2, 4, 2, 6, 9, 8, 8, true, 0 }, { 2, 1, 1, 9 }, 0, false, Q },
+	/* the same as a boolean i32 mask (1 keeps a key, 0 hides it) */
+	{ { 2, 4, 2, 6, 9, 8, 8, true, 0 }, { 2, 1, 1, 9 }, 0, false, I },
 	/* [1, 1, T, S] random with causal top-left, T < S and T > S */
 	{ { 1, 4, 2, 5, 9, 8, 4, true, 0.4 }, { 1, 1, 5, 9 }, 1, true, Q },
 	{ { 1, 2, 1, 9, 5, 8, 4, true, 0 }, { 1, 1, 9, 5 }, 0, true, Q },
@@ -1177,9 +1195,18 @@ static const mcase mask_cases[] = {
 	  0,
 	  false,
 	  F },
+	{ { 2, 4, 2, 130, 70, 16, 24, true, 0 },
+	  { 2, 1, 130, 70 },
+	  0,
+	  false,
+	  I },
+	/* key tiles of padding that the flash kernels skip */
+	{ { 2, 2, 1, 70, 140, 8, 8, false, 0 }, { 2, 1, 1, 140 }, 2, false, Q },
+	{ { 2, 2, 1, 70, 140, 8, 8, true, 0 }, { 2, 1, 70, 140 }, 2, true, I },
 };
 #undef F
 #undef Q
+#undef I
 
 START_TEST(test_sdpa_mask)
 {
@@ -1329,7 +1356,8 @@ START_TEST(test_sdpa_mask_errors)
 		{ m3, 4, 1, EPJ_ERR_SHAPE, "broadcastable to [B, Hq, T, S]" },
 		{ mw, 4, 1, EPJ_ERR_SHAPE, "[1, 2, 3, 4]" },
 		{ mb, 4, 1, EPJ_ERR_DTYPE,
-		  "mask must be f32 (the dtype of q or f32), got bf16" },
+		  "mask must be f32 (the dtype of q or f32, additive) or i32 "
+		  "(boolean), got bf16" },
 		{ ok, 3, 1, EPJ_ERR_INVALID, "a mask follows" },
 		{ ok, 4, 4, EPJ_ERR_INVALID, "unknown flags 4" },
 		{ ok, 6, 1, EPJ_ERR_INVALID, "at most 5 inputs" },
