@@ -22,10 +22,13 @@
  * key id ranges do not overlap is skipped.  SDPA_BACKWARD takes the same
  * ids as its seventh input.
  *
- * Mask: with bit 1 of attr i[1] the last input is an additive mask (q's
- * dtype or f32), 4-D and broadcastable to [B, Hq, T, S], read through its
- * strides (0 on a broadcast dim), never expanded: it is added to the scaled
- * scores before the softmax, -inf hides a key.  With a mask, a query that
+ * Mask: with bit 1 of attr i[1] the last input is a mask, 4-D and
+ * broadcastable to [B, Hq, T, S], read through its strides (0 on a
+ * broadcast dim), never expanded: an additive one (q's dtype or f32) is
+ * added to the scaled scores before the softmax, -inf hides a key; a
+ * boolean one (i32, epjit's bool) hides the keys where it is 0.  The flash
+ * kernels skip a (query tile, key tile) pair that the mask hides entirely
+ * (padding), as they skip other documents.  With a mask, a query that
  * sees no key gets out 0 and lse 0 (not -inf), as PyTorch's CPU flash
  * kernel gives, and no gradient.  The mask gets no gradient; SDPA_BACKWARD
  * takes it as its last input, with the same attrs.  The CUDA kernels

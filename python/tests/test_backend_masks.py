@@ -228,8 +228,8 @@ def test_mask_ops_match_eager():
 
 def test_masked_sdpa_is_the_sdpa_op(monkeypatch):
     """A padded batch's masked sdpa (forward and backward) compiles by
-    default into the sdpa op itself, the mask its last input (no
-    decomposed attention: no [B, H, T, S] exp), and matches eager."""
+    default into the sdpa op itself, the mask its last input (not into a
+    decomposed attention), and matches eager."""
     from epjit import lower
     seen = []
     op = lower.Lowering.op
