@@ -26,6 +26,7 @@
 #include "check_util.h"
 #include "core_impl.h"
 #include "eager_cuda.h"
+#include "jit_impl.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -1331,6 +1332,83 @@ START_TEST(test_sdpa_mask_gradcheck)
 }
 END_TEST
 
+/* The masked op in a compiled region (traced with the mask an input, its
+ * backward through the region): the same out and gradients as eager. */
+static const mcase region_case = { { 2, 4, 2, 5, 9, 6, 4, true, 0 },
+				   { 2, 1, 5, 9 },
+				   0,
+				   true,
+				   EPJ_DTYPE_COUNT };
+
+static epj_tensor *region_masked(epj_ctx *ctx, epj_tensor *const *in)
+{
+	return fn_sdpa_mask(ctx, in, (void *)&region_case);
+}
+
+/* y = f(in), then the gradients of sum(y * w) w.r.t. in[0..3) into g. */
+static epj_tensor *region_grads(epj_ctx *ctx, ej_region_fn *f,
+				epj_tensor *const *in, epj_tensor *w,
+				epj_tensor **g)
+{
+	epj_tensor *y = NULL;
+	if (f)
+		ck_assert_msg(ej_region_run(ctx, f, in, 4, NULL, 0, NULL, NULL,
+					    &y, 1) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+	else
+		y = region_masked(ctx, in);
+	tu_ok(ctx, y);
+	epj_tensor *yw = epj_mul(ctx, y, w), *loss = epj_sum_all(ctx, yw);
+	tu_ok(ctx, loss);
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	for (int i = 0; i < 3; i++) {
+		g[i] = epj_detach(ctx, epj_tensor_grad(in[i]));
+		tu_ok(ctx, g[i]);
+		epj_tensor_set_grad(in[i], NULL);
+	}
+	epj_tensor_free(yw);
+	epj_tensor_free(loss);
+	return y;
+}
+
+START_TEST(test_sdpa_mask_region)
+{
+	epj_ctx *ctx = tu_ctx();
+	const mcase *mc = &region_case;
+	epj_tensor *in[4];
+	make_qkv(ctx, &mc->c, EPJ_DTYPE_F64, &in[0], &in[1], &in[2]);
+	double *x = mask_values(mc);
+	in[3] = mask_tensor(ctx, mc, EPJ_DTYPE_F64, x, false);
+	free(x);
+	for (int j = 0; j < 3; j++)
+		epj_tensor_set_requires_grad(in[j], true);
+	int64_t os[4] = { 2, 4, 5, 4 };
+	epj_tensor *w = tu_randn(ctx, EPJ_DTYPE_F64, 4, os);
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
+	ck_assert_ptr_nonnull(jit);
+	ej_region_fn *f = tu_compile_region(ctx, jit, region_masked, in, 4);
+	epj_tensor *ge[3], *gr[3];
+	epj_tensor *ye = region_grads(ctx, NULL, in, w, ge);
+	epj_tensor *yr = region_grads(ctx, f, in, w, gr);
+	tu_assert_tensors_close(ctx, yr, ye, 1e-12, 1e-12, "region out");
+	for (int i = 0; i < 3; i++) {
+		tu_assert_tensors_close(ctx, gr[i], ge[i], 1e-12, 1e-12,
+					"region grad");
+		epj_tensor_free(ge[i]);
+		epj_tensor_free(gr[i]);
+	}
+	epj_tensor_free(ye);
+	epj_tensor_free(yr);
+	ej_region_fn_free(f);
+	ej_jit_free(jit);
+	for (int i = 0; i < 4; i++)
+		epj_tensor_free(in[i]);
+	epj_tensor_free(w);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 START_TEST(test_sdpa_mask_errors)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -1935,6 +2013,7 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_mask_hidden_rows);
 	tcase_add_test(ts, test_sdpa_mask_gradcheck);
 	tcase_add_test(ts, test_sdpa_mask_errors);
+	tcase_add_test(ts, test_sdpa_mask_region);
 	suite_add_tcase(s, ts);
 	TCase *td = tcase_create("gated_delta");
 	tcase_set_timeout(td, 300);
