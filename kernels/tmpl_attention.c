@@ -493,8 +493,8 @@ static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
 			     int n_out)
 {
 	const char *name = ej_ops[op].name;
-	/* n_in, or one more: the document ids */
-	if ((c->n_in != n_in && c->n_in != n_in + 1) || c->n_out != n_out)
+	/* n_in, or one more: the document ids (or a mask, refused below) */
+	if (c->n_in < n_in || c->n_in > n_in + 2 || c->n_out != n_out)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s (cuda template): %d inputs and %d outputs "
 				"given, %d (or %d) and %d expected",
@@ -503,6 +503,24 @@ static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
 	epj_status st = ej_ops[op].infer(ctx, c, meta);
 	if (st != EPJ_OK)
 		return st;
+	/* attr i[1]: 1 = an additive mask input, 2 = causal top-left */
+	const ej_attrs *at = c->attrs;
+	int64_t flags = at && at->n_i > 1 ? at->i[1] : 0;
+	if (flags & 1)
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s (cuda template): an additive attention "
+				"mask is not supported on this device (the CPU "
+				"kernels take it)",
+				name);
+	int iq = op == EJ_OP_SDPA ? 0 : 1;
+	bool causal = at && at->n_i > 0 && at->i[0] != 0;
+	if ((flags & 2) && causal &&
+	    c->in[iq]->shape[2] != c->in[iq + 1]->shape[2])
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"%s (cuda template): causal attention aligned "
+				"top-left is not supported on this device (the "
+				"CPU kernels take it)",
+				name);
 	for (int i = 0; i < n_out; i++) {
 		const epj_tensor *t = c->out[i];
 		if (t->dtype != meta[i].dtype || t->ndim != meta[i].ndim ||

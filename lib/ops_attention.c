@@ -6,7 +6,8 @@
  * query head h reads kv head h / (Hq / Hkv).  Causal masks key j of query i
  * when j > i + (S - T) (bottom-right aligned, as in flash-attention; with
  * T > S the first T - S queries see no key at all: their output is 0 and
- * their lse -inf, where PyTorch's math kernel would give NaN).  Outputs:
+ * their lse -inf, where PyTorch's math kernel would give NaN), or, with
+ * bit 2 of attr i[1], when j > i (top-left aligned, as PyTorch).  Outputs:
  * out [B, Hq, T, Dv] in the inputs' dtype and lse [B, Hq, T] (f32, f64 for
  * f64 inputs), the log-sum-exp of each query's scaled, masked scores.  lse
  * exists for the backward op and is NOT differentiable: a gradient flowing
@@ -20,6 +21,18 @@
  * scores are -inf before the softmax; a flash tile pair whose query and
  * key id ranges do not overlap is skipped.  SDPA_BACKWARD takes the same
  * ids as its seventh input.
+ *
+ * Mask: with bit 1 of attr i[1] the last input is a mask, 4-D and
+ * broadcastable to [B, Hq, T, S], read through its strides (0 on a
+ * broadcast dim), never expanded: an additive one (q's dtype or f32) is
+ * added to the scaled scores before the softmax, -inf hides a key; a
+ * boolean one (i32, epjit's bool) hides the keys where it is 0.  The flash
+ * kernels skip a (query tile, key tile) pair that the mask hides entirely
+ * (padding), as they skip other documents.  With a mask, a query that
+ * sees no key gets out 0 and lse 0 (not -inf), as PyTorch's CPU flash
+ * kernel gives, and no gradient.  The mask gets no gradient; SDPA_BACKWARD
+ * takes it as its last input, with the same attrs.  The CUDA kernels
+ * (kernels/tmpl_attention.c) refuse it.
  *
  * Kernels work per (b, head, block of QB queries) with two small GEMMs
  * (scores = scale q k^T, then P v) and an exact row softmax in between, in
@@ -37,6 +50,7 @@
 #include "ops_impl.h"
 #include "ops_vexp.h"
 
+#include <assert.h>
 #include <limits.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -83,12 +97,20 @@ static epj_tensor *zeros_like(epj_ctx *ctx, const epj_tensor *t)
 /* Below this many multiply-adds (B*Hq*T*S*D) attention runs serially. */
 #define ATTN_PAR_MIN_WORK (1 << 18)
 
+/* Bits of attr i[1] (absent: 0): SDPA_MASK, an additive mask is the last
+ * input; SDPA_TOP_LEFT, causal aligned top-left (key j hidden when j > i). */
+#define SDPA_MASK     1
+#define SDPA_TOP_LEFT 2
+
 typedef struct sdpa_dims {
 	int64_t b, hq, t, d, hkv, s, dv;
-	bool causal;
+	bool causal, top_left;
 	double scale;
-	int seg_in;	    /* the input holding document ids; -1: none */
-	const int64_t *seg; /* [B, S] document ids (kernels only) */
+	int seg_in;		/* the input holding document ids; -1: none */
+	const int64_t *seg;	/* [B, S] document ids (kernels only) */
+	int mask_in;		/* the input holding the mask; -1: none */
+	const epj_tensor *mask; /* the mask (kernels only) */
+	int64_t mst[4];		/* its strides, 0 on broadcast dims */
 } sdpa_dims;
 
 /* Keys visible to query i: [0, key_end(i)). */
@@ -96,8 +118,15 @@ static int64_t key_end(const sdpa_dims *m, int64_t i)
 {
 	if (!m->causal)
 		return m->s;
-	int64_t e = i + 1 + m->s - m->t;
+	int64_t e = i + 1 + (m->top_left ? 0 : m->s - m->t);
 	return e < 0 ? 0 : (e > m->s ? m->s : e);
+}
+
+/* The lse of a query that sees no key: -inf, or 0 with a mask (as
+ * PyTorch's CPU flash kernel gives for a fully masked row). */
+static double empty_lse(const sdpa_dims *m)
+{
+	return m->mask_in >= 0 ? 0.0 : -INFINITY;
 }
 
 static double sdpa_scale(double scale, int64_t d)
@@ -105,21 +134,75 @@ static double sdpa_scale(double scale, int64_t d)
 	return scale > 0 ? scale : 1.0 / sqrt((double)max1(d));
 }
 
-/* The optional document ids seg (input m->seg_in): an index tensor
- * [B, S], and T == S (one id per query and key position). */
+/* The optional mask (input m->mask_in, the last one): float, the dtype of
+ * q or f32, rank 4 and broadcastable to [B, Hq, T, S]. */
+static epj_status mask_check(epj_ctx *ctx, const ej_call *c, int iq,
+			     sdpa_dims *m)
+{
+	const epj_tensor *x = c->in[m->mask_in];
+	epj_dtype qt = c->in[iq]->dtype;
+	if (x->dtype != qt && x->dtype != EPJ_DTYPE_F32 &&
+	    x->dtype != EPJ_DTYPE_I32)
+		return ej_op_error(ctx, c, EPJ_ERR_DTYPE,
+				   "the mask must be f32%s%s (the dtype of q "
+				   "or f32, additive) or i32 (boolean), got %s",
+				   qt == EPJ_DTYPE_F32 ? "" : " or ",
+				   qt == EPJ_DTYPE_F32 ? ""
+						       : epj_dtype_name(qt),
+				   epj_dtype_name(x->dtype));
+	int64_t full[4] = { m->b, m->hq, m->t, m->s };
+	bool ok = x->ndim == 4;
+	for (int i = 0; ok && i < 4; i++) {
+		ok = x->shape[i] == 1 || x->shape[i] == full[i];
+		m->mst[i] = x->shape[i] == 1 ? 0 : x->stride[i];
+	}
+	if (!ok)
+		return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+				   "the mask must be 4-D and broadcastable to "
+				   "[B, Hq, T, S] = [%lld, %lld, %lld, %lld]",
+				   (long long)m->b, (long long)m->hq,
+				   (long long)m->t, (long long)m->s);
+	return EPJ_OK;
+}
+
+/* The optional inputs after the op's own max_in - 1: the document ids seg
+ * (input m->seg_in: an index tensor [B, S], and T == S, one id per query
+ * and key position), then the mask when attr i[1] has SDPA_MASK. */
 static epj_status seg_check(epj_ctx *ctx, const ej_call *c, sdpa_dims *m,
 			    int max_in)
 {
-	m->seg_in = -1;
+	const ej_attrs *a = c->attrs;
+	int64_t flags = a && a->n_i > 1 ? a->i[1] : 0;
+	bool has_mask = (flags & SDPA_MASK) != 0;
+	m->top_left = (flags & SDPA_TOP_LEFT) != 0;
+	m->seg_in = m->mask_in = -1;
 	m->seg = NULL;
+	m->mask = NULL;
+	if (flags & ~(int64_t)(SDPA_MASK | SDPA_TOP_LEFT))
+		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+				   "unknown flags %lld in attr i[1]",
+				   (long long)flags);
+	if (has_mask) {
+		max_in++;
+		if (c->n_in < max_in - 1)
+			return ej_op_error(ctx, c, EPJ_ERR_INVALID,
+					   "attr i[1] says a mask follows the "
+					   "inputs, but there are only %d",
+					   c->n_in);
+		m->mask_in = c->n_in - 1;
+		epj_status s = mask_check(ctx, c, max_in == 5 ? 0 : 1, m);
+		if (s != EPJ_OK)
+			return s;
+	}
 	if (c->n_in > max_in)
 		return ej_op_error(ctx, c, EPJ_ERR_INVALID,
-				   "takes at most %d inputs (the last one the "
-				   "document ids), got %d",
-				   max_in, c->n_in);
+				   "takes at most %d inputs (the document "
+				   "ids%s), got %d",
+				   max_in, has_mask ? ", the mask" : "",
+				   c->n_in);
 	if (c->n_in < max_in)
 		return EPJ_OK;
-	m->seg_in = max_in - 1;
+	m->seg_in = max_in - 1 - has_mask;
 	epj_status s = ej_check_index_dtype(ctx, c, m->seg_in);
 	if (s != EPJ_OK)
 		return s;
@@ -232,6 +315,95 @@ DEFINE_SEG_MASK(f32, float)
 DEFINE_SEG_MASK(f64, double)
 #undef DEFINE_SEG_MASK
 
+/* Scores sc [nr, ld] of queries i0.. against keys j0..j0+nk of batch b,
+ * query head h: the mask added, read through its strides. */
+#define DEFINE_MASK_ADD(SFX, REAL)                                             \
+	static void mask_add_##SFX(const sdpa_dims *m, int64_t b, int64_t h,   \
+				   REAL *sc, int64_t nr, int64_t nk,           \
+				   int64_t ld, int64_t i0, int64_t j0)         \
+	{                                                                      \
+		const epj_tensor *x = m->mask;                                 \
+		if (!x)                                                        \
+			return;                                                \
+		const int64_t *st = m->mst;                                    \
+		int64_t o0 = b * st[0] + h * st[1] + j0 * st[3];               \
+		const char *base = ej_data(x);                                 \
+		for (int64_t r = 0; r < nr; r++) {                             \
+			REAL *row = sc + r * ld;                               \
+			int64_t o = o0 + (i0 + r) * st[2];                     \
+			if (x->dtype == EPJ_DTYPE_I32) { /* 0 hides */         \
+				const int32_t *p =                             \
+				    (const int32_t *)(const void *)base + o;   \
+				if (st[3] == 1)                                \
+					for (int64_t j = 0; j < nk; j++)       \
+						row[j] =                       \
+						    p[j] ? row[j] : -INFINITY; \
+				else                                           \
+					for (int64_t j = 0; j < nk; j++)       \
+						row[j] = p[j * st[3]]          \
+							     ? row[j]          \
+							     : -INFINITY;      \
+			} else if (x->dtype == EPJ_DTYPE_F32 && st[3] == 1) {  \
+				const float *p =                               \
+				    (const float *)(const void *)base + o;     \
+				for (int64_t j = 0; j < nk; j++)               \
+					row[j] += p[j];                        \
+			} else if (x->dtype == EPJ_DTYPE_F64) {                \
+				const double *p =                              \
+				    (const double *)(const void *)base;        \
+				for (int64_t j = 0; j < nk; j++)               \
+					row[j] += (REAL)p[o + j * st[3]];      \
+			} else if (x->dtype == EPJ_DTYPE_F32) {                \
+				const float *p =                               \
+				    (const float *)(const void *)base;         \
+				for (int64_t j = 0; j < nk; j++)               \
+					row[j] += p[o + j * st[3]];            \
+			} else {                                               \
+				const uint16_t *p =                            \
+				    (const uint16_t *)(const void *)base;      \
+				for (int64_t j = 0; j < nk; j++)               \
+					row[j] +=                              \
+					    ej_bf16_load(p[o + j * st[3]]);    \
+			}                                                      \
+		}                                                              \
+	}
+DEFINE_MASK_ADD(f32, float)
+DEFINE_MASK_ADD(f64, double)
+#undef DEFINE_MASK_ADD
+
+/* True when the mask hides every key of [j0, j0 + nk) from every query of
+ * [i0, i0 + nr) of batch b, head h (-inf, or 0 in an i32 mask): the flash
+ * kernels skip such a tile, which adds nothing. */
+static bool mask_hides_tile(const sdpa_dims *m, int64_t b, int64_t h,
+			    int64_t i0, int64_t nr, int64_t j0, int64_t nk)
+{
+	const epj_tensor *x = m->mask;
+	if (!x)
+		return false;
+	const int64_t *st = m->mst;
+	const char *base = ej_data(x);
+	int64_t o0 = b * st[0] + h * st[1];
+	for (int64_t r = 0; r < (st[2] ? nr : 1); r++)
+		for (int64_t j = 0; j < (st[3] ? nk : 1); j++) {
+			int64_t o = o0 + (i0 + r) * st[2] + (j0 + j) * st[3];
+			double v;
+			if (x->dtype == EPJ_DTYPE_I32)
+				v = ((const int32_t *)(const void *)base)[o]
+					? 0.0
+					: -INFINITY;
+			else if (x->dtype == EPJ_DTYPE_F32)
+				v = ((const float *)(const void *)base)[o];
+			else if (x->dtype == EPJ_DTYPE_F64)
+				v = ((const double *)(const void *)base)[o];
+			else
+				v = ej_bf16_load(
+				    ((const uint16_t *)(const void *)base)[o]);
+			if (v != -INFINITY)
+				return false;
+		}
+	return true;
+}
+
 /* True when no query of [i0, i0 + nr) shares a document with a key of
  * [j0, j0 + nk) in batch b: their id ranges do not overlap (any ids; for
  * packed documents, whose ids grow along the row, the usual case). */
@@ -295,17 +467,12 @@ static int64_t operand_at(const operand *op, int64_t b, int64_t h, int64_t r)
 			int64_t je = key_end(m, i0 + r);                       \
 			if (je > ncol)                                         \
 				je = ncol;                                     \
-			if (je <= 0) {                                         \
-				memset(row, 0, (size_t)ncol * sizeof *row);    \
-				lse[r] = -INFINITY;                            \
-				continue;                                      \
-			}                                                      \
-			REAL mx = row[0];                                      \
+			REAL mx = je > 0 ? row[0] : -INFINITY;                 \
 			for (int64_t j = 1; j < je; j++)                       \
 				mx = row[j] > mx ? row[j] : mx;                \
 			if (mx == -INFINITY) { /* every key masked */          \
 				memset(row, 0, (size_t)ncol * sizeof *row);    \
-				lse[r] = -INFINITY;                            \
+				lse[r] = (REAL)empty_lse(m);                   \
 				continue;                                      \
 			}                                                      \
 			double sum = 0;                                        \
@@ -393,6 +560,7 @@ static epj_status sdpa_run_seg(epj_ctx *ctx, const ej_call *c, sdpa_run *w)
 {
 	epj_status s = seg_load(ctx, c, &w->m, &w->seg);
 	w->m.seg = w->seg;
+	w->m.mask = w->m.mask_in >= 0 ? c->in[w->m.mask_in] : NULL;
 	return s;
 }
 
@@ -422,9 +590,11 @@ static void sdpa_fw_block(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 		       w->k.base + operand_at(&w->k, b, g, 0) * es, w->k.ld,
 		       0.0, sc, ldp);
 	if (w->cdt == EPJ_DTYPE_F64) {
+		mask_add_f64(m, b, h, (double *)sc, nr, se, ldp, i0, 0);
 		seg_mask_f64(m, b, (double *)sc, nr, se, ldp, i0, 0);
 		softmax_rows_f64(m, (double *)sc, nr, se, i0, lse);
 	} else {
+		mask_add_f32(m, b, h, (float *)sc, nr, se, ldp, i0, 0);
 		seg_mask_f32(m, b, (float *)sc, nr, se, ldp, i0, 0);
 		softmax_rows_f32(m, (float *)sc, nr, se, i0, lse);
 	}
@@ -508,17 +678,17 @@ epj_status ej_backward_SDPA(epj_ctx *ctx, const ej_call *c,
 				return bw_status(ctx, "sdpa");
 		return EPJ_OK;
 	}
-	/* the document ids, when given, follow the backward's own inputs */
-	epj_tensor *in[7] = { grad_out[0],
-			      c->in[0],
-			      c->in[1],
-			      c->in[2],
-			      c->out[0],
-			      c->out[1],
-			      c->n_in > 3 ? c->in[3] : NULL };
+	/* the document ids and the mask, when given, follow the backward's
+	 * own inputs (the mask gets no gradient) */
+	epj_tensor *in[8] = { grad_out[0], c->in[0],  c->in[1], c->in[2],
+			      c->out[0],   c->out[1], NULL,	NULL };
+	int extra = c->n_in - 3;
+	assert(extra >= 0 && extra <= 2);
+	for (int i = 0; i < extra; i++)
+		in[6 + i] = c->in[3 + i];
 	epj_tensor *outs[3] = { NULL, NULL, NULL };
-	epj_status s = ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in,
-				   c->n_in > 3 ? 7 : 6, c->attrs, outs, 3);
+	epj_status s = ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, in, 6 + extra,
+				   c->attrs, outs, 3);
 	if (s != EPJ_OK)
 		return s;
 	for (int i = 0; i < 3; i++) {
@@ -622,10 +792,13 @@ static void sdpa_bw_block(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 	/* P = exp(scale q k^T - lse); Di = rowsum(dO * O) */
 	ej_linalg_gemm(cdt, q->trans, !k->trans, nr, se, m->d, m->scale, qp,
 		       q->ld, kp, k->ld, 0.0, t->p, ldp);
-	if (cdt == EPJ_DTYPE_F64)
+	if (cdt == EPJ_DTYPE_F64) {
+		mask_add_f64(m, b, h, (double *)t->p, nr, se, ldp, i0, 0);
 		seg_mask_f64(m, b, (double *)t->p, nr, se, ldp, i0, 0);
-	else
+	} else {
+		mask_add_f32(m, b, h, (float *)t->p, nr, se, ldp, i0, 0);
 		seg_mask_f32(m, b, (float *)t->p, nr, se, ldp, i0, 0);
+	}
 	if (cdt == EPJ_DTYPE_F64) {
 		probs_rows_f64(m, (double *)t->p, nr, se, i0,
 			       (const double *)t->lse);
@@ -1037,16 +1210,20 @@ static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 	const char *qp = w->q.base + operand_at(&w->q, b, h, i0) * es;
 	for (int64_t j0 = 0; j0 < se; j0 += FK) {
 		int64_t nk = se - j0 < FK ? se - j0 : FK;
-		if (seg_disjoint(m, b, i0, nr, j0, nk))
-			continue; /* adds nothing: other documents */
+		if (seg_disjoint(m, b, i0, nr, j0, nk) ||
+		    mask_hides_tile(m, b, h, i0, nr, j0, nk))
+			continue; /* adds nothing: other documents, masked */
 		ej_linalg_gemm(cdt, w->q.trans, !w->k.trans, nr, nk, m->d,
 			       m->scale, qp, w->q.ld,
 			       w->k.base + operand_at(&w->k, b, g, j0) * es,
 			       w->k.ld, 0.0, sc, FK);
-		if (f64)
+		if (f64) {
+			mask_add_f64(m, b, h, (double *)sc, nr, nk, FK, i0, j0);
 			seg_mask_f64(m, b, (double *)sc, nr, nk, FK, i0, j0);
-		else
+		} else {
+			mask_add_f32(m, b, h, (float *)sc, nr, nk, FK, i0, j0);
 			seg_mask_f32(m, b, (float *)sc, nr, nk, FK, i0, j0);
+		}
 		if (f64)
 			fl_online_f64(m, (double *)sc, nr, nk, i0, j0,
 				      (double *)mx, (double *)l, (double *)al);
@@ -1079,10 +1256,11 @@ static void fl_fw_tile(const sdpa_run *w, int64_t b, int64_t h, int64_t i0,
 				    ((float *)acc)[r * dv + e] * (float)inv;
 		}
 		if (f64)
-			((double *)lse)[r] = lr > 0 ? mr + log(lr) : -INFINITY;
+			((double *)lse)[r] =
+			    lr > 0 ? mr + log(lr) : empty_lse(m);
 		else
-			((float *)lse)[r] =
-			    lr > 0 ? (float)mr + logf((float)lr) : -INFINITY;
+			((float *)lse)[r] = lr > 0 ? (float)mr + logf((float)lr)
+						   : (float)empty_lse(m);
 	}
 }
 
@@ -1162,8 +1340,21 @@ static int64_t first_query(const sdpa_dims *m, int64_t j0)
 {
 	if (!m->causal)
 		return 0;
-	int64_t i = j0 + m->t - m->s;
+	int64_t i = j0 + (m->top_left ? 0 : m->t - m->s);
 	return i < 0 ? 0 : (i > m->t ? m->t : i);
+}
+
+/* The mask and the document ids applied to a tile of scores p [nr, FK]. */
+static void fl_bw_masks(const sdpa_dims *m, bool f64, int64_t b, int64_t h,
+			char *p, int64_t nr, int64_t nk, int64_t i0, int64_t j0)
+{
+	if (f64) {
+		mask_add_f64(m, b, h, (double *)p, nr, nk, FK, i0, j0);
+		seg_mask_f64(m, b, (double *)p, nr, nk, FK, i0, j0);
+	} else {
+		mask_add_f32(m, b, h, (float *)p, nr, nk, FK, i0, j0);
+		seg_mask_f32(m, b, (float *)p, nr, nk, FK, i0, j0);
+	}
 }
 
 /* One work item: batch b, kv head g.  dq [B, Hq, T, D], dk [B, Hkv, S, D],
@@ -1215,8 +1406,9 @@ static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 			    (b * lse->stride[0] + h * lse->stride[1]) * es;
 			for (int64_t i0 = ifirst; i0 < m->t; i0 += FQ) {
 				int64_t nr = m->t - i0 < FQ ? m->t - i0 : FQ;
-				if (seg_disjoint(m, b, i0, nr, j0, nk))
-					continue; /* other documents */
+				if (seg_disjoint(m, b, i0, nr, j0, nk) ||
+				    mask_hides_tile(m, b, h, i0, nr, j0, nk))
+					continue; /* other documents, masked */
 				const char *qp =
 				    q->base + operand_at(q, b, h, i0) * es;
 				const char *gp =
@@ -1236,12 +1428,7 @@ static void fl_bw_item(const sdpa_run *w, const epj_tensor *lse, int64_t b,
 				ej_linalg_gemm(cdt, q->trans, !k->trans, nr, nk,
 					       m->d, m->scale, qp, q->ld, kp,
 					       k->ld, 0.0, p, FK);
-				if (f64)
-					seg_mask_f64(m, b, (double *)p, nr, nk,
-						     FK, i0, j0);
-				else
-					seg_mask_f32(m, b, (float *)p, nr, nk,
-						     FK, i0, j0);
+				fl_bw_masks(m, f64, b, h, p, nr, nk, i0, j0);
 				if (f64)
 					fl_probs_f64(m, (double *)p, nr, nk, i0,
 						     j0, (const double *)lr);

@@ -26,6 +26,7 @@
 #include "check_util.h"
 #include "core_impl.h"
 #include "eager_cuda.h"
+#include "jit_impl.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -919,6 +920,547 @@ START_TEST(test_sdpa_docs_errors)
 }
 END_TEST
 
+/* ---- additive masks
+ * ---------------------------------------------------------- The optional mask
+ * input (attr i[1] bit 1; bit 2 aligns causal top-left): both kernels against a
+ * double reference written from whole score rows (scale q k^T + mask, -inf
+ * above the diagonal, softmax; a row whose keys are all hidden gives out 0 and
+ * lse 0, as PyTorch's CPU flash kernel). */
+
+typedef struct mcase {
+	cfg c;
+	int64_t ms[4]; /* the mask's shape: each dim 1 or the full size */
+	int kind;      /* 0: 0 / -inf (some rows fully hidden), 1: random, 2:
+			* the first half of the keys of batch 0 hidden */
+	bool top_left;
+	epj_dtype mdt; /* EPJ_DTYPE_COUNT: the dtype of q */
+} mcase;
+
+/* Random mask values of shape ms: 0 or -inf (a third hidden, every key of
+ * one query row and of the last key hidden) or N(0, 1) * 2. */
+static double *mask_values(const mcase *mc)
+{
+	int64_t n = tu_numel(4, mc->ms);
+	double *x = malloc(sizeof *x * (size_t)n);
+	for (int64_t f = 0; f < n; f++) {
+		int64_t ix[4];
+		tu_unflat(f, 4, mc->ms, ix);
+		if (mc->kind == 1) {
+			x[f] = tu_uniform(-2, 2);
+			continue;
+		}
+		if (mc->kind == 2) { /* batch 0: the first half padding */
+			x[f] = ix[0] == 0 && ix[3] < mc->ms[3] / 2 ? -INFINITY
+								   : 0.0;
+			continue;
+		}
+		bool row0 = ix[2] == mc->ms[2] - 1 && ix[0] == 0;
+		bool hide = row0 || ix[3] == mc->ms[3] - 1 ||
+			    tu_uniform(0, 1) < 1.0 / 3;
+		x[f] = hide ? -INFINITY : 0.0;
+	}
+	return x;
+}
+
+/* The mask value of (b, h, i, j) from values of shape ms. */
+static double mask_at(const mcase *mc, const double *x, int64_t b, int64_t h,
+		      int64_t i, int64_t j)
+{
+	int64_t ix[4] = { b, h, i, j };
+	for (int a = 0; a < 4; a++)
+		ix[a] = mc->ms[a] == 1 ? 0 : ix[a];
+	return x[tu_flat(4, mc->ms, ix)];
+}
+
+/* out, lse and (when dout is given) dq, dk, dv of the masked attention,
+ * one score row at a time; Di from o (the kernel's out) when given. */
+static void ref_masked(const mcase *mc, const double *mk, const double *q,
+		       const double *k, const double *v, const double *dout,
+		       const double *o, double *out, double *lse, double *dq,
+		       double *dk, double *dv)
+{
+	const cfg *c = &mc->c;
+	double sc = cfg_scale(c), *p = calloc((size_t)c->s + 1, sizeof *p);
+	double *dp = calloc((size_t)c->s + 1, sizeof *dp);
+	if (dout) {
+		memset(dq, 0,
+		       sizeof *dq * (size_t)(c->b * c->hq * c->t * c->d));
+		memset(dk, 0,
+		       sizeof *dk * (size_t)(c->b * c->hkv * c->s * c->d));
+		memset(dv, 0,
+		       sizeof *dv * (size_t)(c->b * c->hkv * c->s * c->dv));
+	}
+	for (int64_t b = 0; b < c->b; b++)
+		for (int64_t h = 0; h < c->hq; h++)
+			for (int64_t i = 0; i < c->t; i++) {
+				int64_t g = h / (c->hq / c->hkv);
+				int64_t row = (b * c->hq + h) * c->t + i;
+				int64_t last =
+				    mc->top_left ? i : i + c->s - c->t;
+				double mx = -INFINITY, sum = 0;
+				for (int64_t j = 0; j < c->s; j++) {
+					const double *kj =
+					    k + ((b * c->hkv + g) * c->s + j) *
+						    c->d;
+					double s = 0;
+					for (int64_t e = 0; e < c->d; e++)
+						s += q[row * c->d + e] * kj[e];
+					p[j] = s * sc +
+					       mask_at(mc, mk, b, h, i, j);
+					if (c->causal && j > last)
+						p[j] = -INFINITY;
+					mx = fmax(mx, p[j]);
+				}
+				for (int64_t j = 0; j < c->s; j++)
+					sum += mx == -INFINITY ? 0
+							       : exp(p[j] - mx);
+				for (int64_t j = 0; j < c->s; j++)
+					p[j] =
+					    sum > 0 ? exp(p[j] - mx) / sum : 0;
+				lse[row] = sum > 0 ? mx + log(sum) : 0.0;
+				const double *vg =
+				    v + (b * c->hkv + g) * c->s * c->dv;
+				for (int64_t e = 0; e < c->dv; e++) {
+					double a = 0;
+					for (int64_t j = 0; j < c->s; j++)
+						a += p[j] * vg[j * c->dv + e];
+					out[row * c->dv + e] = a;
+				}
+				if (!dout)
+					continue;
+				const double *go = dout + row * c->dv;
+				const double *od = o ? o : out;
+				double di = 0;
+				for (int64_t e = 0; e < c->dv; e++)
+					di += go[e] * od[row * c->dv + e];
+				for (int64_t j = 0; j < c->s; j++) {
+					int64_t kv =
+					    (b * c->hkv + g) * c->s + j;
+					dp[j] = 0;
+					for (int64_t e = 0; e < c->dv; e++) {
+						dp[j] +=
+						    go[e] * vg[j * c->dv + e];
+						dv[kv * c->dv + e] +=
+						    p[j] * go[e];
+					}
+					double ds = p[j] * (dp[j] - di) * sc;
+					for (int64_t e = 0; e < c->d; e++) {
+						dq[row * c->d + e] +=
+						    ds * k[kv * c->d + e];
+						dk[kv * c->d + e] +=
+						    ds * q[row * c->d + e];
+					}
+				}
+			}
+	free(p);
+	free(dp);
+}
+
+static ej_attrs mask_attrs(const mcase *mc)
+{
+	ej_attrs at = ej_attrs_none();
+	ej_attrs_push_i(&at, mc->c.causal);
+	ej_attrs_push_i(&at, 1 | (mc->top_left ? 2 : 0));
+	ej_attrs_push_f(&at, cfg_scale(&mc->c));
+	return at;
+}
+
+/* out, lse, dq, dk, dv of one kernel with the mask. */
+static sdpa_res mask_run(epj_ctx *ctx, const mcase *mc, bool reference,
+			 epj_tensor *const *qkv, epj_tensor *mask,
+			 epj_tensor *dout)
+{
+	sdpa_res r;
+	bool prev = ctx->sdpa_reference;
+	ctx->sdpa_reference = reference;
+	ej_attrs at = mask_attrs(mc);
+	epj_tensor *in[8] = { qkv[0], qkv[1], qkv[2], mask };
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA, in, 4, &at, r.t, 2) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	epj_tensor *bin[8] = { dout,   qkv[0], qkv[1], qkv[2],
+			       r.t[0], r.t[1], mask };
+	ck_assert_msg(ej_dispatch(ctx, EJ_OP_SDPA_BACKWARD, bin, 7, &at,
+				  r.t + 2, 3) == EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	ctx->sdpa_reference = prev;
+	return r;
+}
+
+/* The case's mask tensor (a non-contiguous view when nc). */
+static epj_tensor *mask_tensor(epj_ctx *ctx, const mcase *mc, epj_dtype dt,
+			       const double *x, bool nc)
+{
+	epj_dtype md = mc->mdt == EPJ_DTYPE_COUNT ? dt : mc->mdt;
+	epj_tensor *m = epj_zeros(ctx, md, 4, mc->ms);
+	tu_ok(ctx, m);
+	int64_t n = tu_numel(4, mc->ms);
+	double *keep = malloc(sizeof *keep * (size_t)n);
+	for (int64_t f = 0; f < n; f++) /* i32: 1 keeps, 0 hides */
+		keep[f] = md == EPJ_DTYPE_I32 ? x[f] == 0 : x[f];
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, m, keep), EPJ_OK);
+	free(keep);
+	if (!nc)
+		return m;
+	epj_tensor *view = tu_noncontig(ctx, m);
+	epj_tensor_free(m);
+	return view;
+}
+
+/* Both kernels with the mask against ref_masked, in dtype dt. */
+static void check_mask_case(epj_ctx *ctx, const mcase *mc, epj_dtype dt,
+			    bool nc, const char *what)
+{
+	const cfg *c = &mc->c;
+	epj_tensor *qkv[3];
+	make_qkv(ctx, c, dt, &qkv[0], &qkv[1], &qkv[2]);
+	int64_t os[4] = { c->b, c->hq, c->t, c->dv };
+	epj_tensor *dout = tu_randn(ctx, dt, 4, os);
+	double *mx = mask_values(mc);
+	epj_tensor *mask = mask_tensor(ctx, mc, dt, mx, nc);
+	free(mx);
+	mx = tu_values(ctx, mask); /* as rounded to its dtype */
+	for (int64_t f = 0;
+	     epj_tensor_dtype(mask) == EPJ_DTYPE_I32 && f < tu_numel(4, mc->ms);
+	     f++)
+		mx[f] = mx[f] != 0 ? 0.0 : -INFINITY;
+	double *qv = tu_values(ctx, qkv[0]), *kv = tu_values(ctx, qkv[1]),
+	       *vv = tu_values(ctx, qkv[2]), *gv = tu_values(ctx, dout);
+	int64_t nq = epj_tensor_numel(qkv[0]), nk = epj_tensor_numel(qkv[1]);
+	int64_t nv = epj_tensor_numel(qkv[2]), no = c->b * c->hq * c->t;
+	double *ro = malloc(sizeof *ro * (size_t)(no * c->dv + 1));
+	double *rl = malloc(sizeof *rl * (size_t)(no + 1));
+	double *dq = malloc(sizeof *dq * (size_t)(nq + 1));
+	double *dk = malloc(sizeof *dk * (size_t)(nk + 1));
+	double *dv = malloc(sizeof *dv * (size_t)(nv + 1));
+	tol ft = fw_tol(dt), bt = bw_tol(dt);
+	double lt = dt == EPJ_DTYPE_F64 ? 1e-12 : 1e-5;
+	for (int a = 0; a < 2; a++) {
+		sdpa_res r = mask_run(ctx, mc, a == 1, qkv, mask, dout);
+		char w2[128];
+		snprintf(w2, sizeof w2, "%s %s %s", what,
+			 a ? "reference" : "flash", epj_dtype_name(dt));
+		double *ov =
+		    dt == EPJ_DTYPE_BF16 ? tu_values(ctx, r.t[0]) : NULL;
+		ref_masked(mc, mx, qv, kv, vv, gv, ov, ro, rl, dq, dk, dv);
+		tu_assert_close(ctx, r.t[0], ro, ft.rtol, ft.atol, w2);
+		tu_assert_close(ctx, r.t[1], rl, lt, lt, w2);
+		tu_assert_close(ctx, r.t[2], dq, bt.rtol, bt.atol, w2);
+		tu_assert_close(ctx, r.t[3], dk, bt.rtol, bt.atol, w2);
+		tu_assert_close(ctx, r.t[4], dv, bt.rtol, bt.atol, w2);
+		free(ov);
+		sdpa_res_free(&r);
+	}
+	free(mx);
+	free(qv);
+	free(kv);
+	free(vv);
+	free(gv);
+	free(ro);
+	free(rl);
+	free(dq);
+	free(dk);
+	free(dv);
+	epj_tensor *all[] = { qkv[0], qkv[1], qkv[2], dout, mask };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+}
+
+#define F EPJ_DTYPE_F32
+#define Q EPJ_DTYPE_COUNT
+#define I EPJ_DTYPE_I32
+static const mcase mask_cases[] = {
+	/* GQA 4:2, D 24 != Dv 8, T != S; [B, 1, T, S] 0 / -inf */
+	{ { 2, 4, 2, 5, 7, 24, 8, false, 0 }, { 2, 1, 5, 7 }, 0, false, Q },
+	/* [1, H, T, S] random, an f32 mask */
+	{ { 2, 4, 2, 5, 7, 24, 8, false, 0 }, { 1, 4, 5, 7 }, 1, false, F },
+	/* [B, 1, 1, S] padding: batch 0's last row... every key hidden for
+	 * the last key; causal bottom-right */
+	{ { 2, 4, 2, 6, 9, 8, 8, true, 0 }, { 2, 1, 1, 9 }, 0, false, Q },
+	/* the same as a boolean i32 mask (1 keeps a key, 0 hides it) */
+	{ { 2, 4, 2, 6, 9, 8, 8, true, 0 }, { 2, 1, 1, 9 }, 0, false, I },
+	/* [1, 1, T, S] random with causal top-left, T < S and T > S */
+	{ { 1, 4, 2, 5, 9, 8, 4, true, 0.4 }, { 1, 1, 5, 9 }, 1, true, Q },
+	{ { 1, 2, 1, 9, 5, 8, 4, true, 0 }, { 1, 1, 9, 5 }, 0, true, Q },
+	/* full [B, H, T, S], bottom-right causal T > S (rows with no key) */
+	{ { 2, 2, 2, 7, 4, 4, 4, true, 0 }, { 2, 2, 7, 4 }, 1, false, Q },
+	/* over the 64 x 64 tiles and the serial threshold: several query
+	 * and key tiles on threads; padding and top-left causal */
+	{ { 2, 4, 2, 130, 70, 16, 24, true, 0 },
+	  { 2, 1, 130, 70 },
+	  0,
+	  true,
+	  Q },
+	{ { 2, 4, 2, 70, 131, 16, 16, false, 0 },
+	  { 2, 1, 1, 131 },
+	  0,
+	  false,
+	  F },
+	{ { 2, 4, 2, 130, 70, 16, 24, true, 0 },
+	  { 2, 1, 130, 70 },
+	  0,
+	  false,
+	  I },
+	/* key tiles of padding that the flash kernels skip */
+	{ { 2, 2, 1, 70, 140, 8, 8, false, 0 }, { 2, 1, 1, 140 }, 2, false, Q },
+	{ { 2, 2, 1, 70, 140, 8, 8, true, 0 }, { 2, 1, 70, 140 }, 2, true, I },
+};
+#undef F
+#undef Q
+#undef I
+
+START_TEST(test_sdpa_mask)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t i = 0; i < LEN(mask_cases); i++)
+		for (size_t j = 0; j < LEN(float_dtypes); j++) {
+			char what[64];
+			snprintf(what, sizeof what, "mask case %zu", i);
+			check_mask_case(ctx, &mask_cases[i], float_dtypes[j],
+					i % 3 == 1, what);
+		}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* Rows whose keys are all hidden: out, lse, dq exactly 0, and keys no
+ * query sees get dk = dv = 0; the mask an expanded view (strides 0). */
+START_TEST(test_sdpa_mask_hidden_rows)
+{
+	epj_ctx *ctx = tu_ctx();
+	mcase mc = { { 2, 4, 2, 5, 70, 8, 8, false, 0 },
+		     { 2, 4, 5, 70 },
+		     0,
+		     false,
+		     EPJ_DTYPE_COUNT };
+	int64_t one[4] = { 2, 1, 1, 70 };
+	double x[140];
+	for (int j = 0; j < 140; j++) /* batch 1: every key hidden */
+		x[j] = j < 70 && j % 3 ? 0.0 : -INFINITY;
+	for (size_t d = 0; d < LEN(float_dtypes); d++) {
+		epj_dtype dt = float_dtypes[d];
+		epj_tensor *qkv[3];
+		make_qkv(ctx, &mc.c, dt, &qkv[0], &qkv[1], &qkv[2]);
+		int64_t os[4] = { 2, 4, 5, 8 };
+		epj_tensor *dout = tu_randn(ctx, dt, 4, os);
+		epj_tensor *m1 = epj_zeros(ctx, dt, 4, one);
+		tu_ok(ctx, m1);
+		ck_assert_int_eq(epj_tensor_from_f64(ctx, m1, x), EPJ_OK);
+		epj_tensor *mask = epj_expand(ctx, m1, 4, mc.ms);
+		tu_ok(ctx, mask);
+		for (int a = 0; a < 2; a++) {
+			sdpa_res r =
+			    mask_run(ctx, &mc, a == 1, qkv, mask, dout);
+			/* per output: elements per batch */
+			const int64_t per[5] = { 4 * 5 * 8, 4 * 5, 4 * 5 * 8,
+						 2 * 70 * 8, 2 * 70 * 8 };
+			for (int o = 0; o < 5; o++) {
+				double *v = tu_values(ctx, r.t[o]);
+				for (int64_t e = 0; e < per[o]; e++)
+					ck_assert_msg(v[per[o] + e] == 0,
+						      "%s output %d batch 1 "
+						      "element %lld: %g",
+						      epj_dtype_name(dt), o,
+						      (long long)e,
+						      v[per[o] + e]);
+				/* batch 0: hidden keys (j % 3 == 0) get no
+				 * dk, dv */
+				for (int64_t e = 0; o >= 3 && e < per[o]; e++)
+					if ((e / 8) % 70 % 3 == 0)
+						ck_assert(v[e] == 0);
+				free(v);
+			}
+			sdpa_res_free(&r);
+		}
+		epj_tensor *all[] = { qkv[0], qkv[1], qkv[2], dout, m1, mask };
+		for (size_t i = 0; i < LEN(all); i++)
+			epj_tensor_free(all[i]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_sdpa_mask(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	ej_attrs at = mask_attrs(user);
+	epj_tensor *outs[2] = { NULL, NULL };
+	if (ej_dispatch(ctx, EJ_OP_SDPA, (epj_tensor **)in, 4, &at, outs, 2) !=
+	    EPJ_OK)
+		return NULL;
+	epj_tensor_free(outs[1]);
+	return outs[0];
+}
+
+/* Central differences of q, k, v through the masked op (f64); the mask,
+ * which requires no gradient here, is an input of the recorded call. */
+START_TEST(test_sdpa_mask_gradcheck)
+{
+	epj_ctx *ctx = tu_ctx();
+	const mcase cs[] = {
+		{ { 1, 4, 2, 3, 5, 3, 2, false, 0 },
+		  { 1, 1, 3, 5 },
+		  1,
+		  false,
+		  EPJ_DTYPE_COUNT },
+		{ { 2, 2, 1, 4, 3, 3, 3, true, 0 },
+		  { 2, 1, 1, 3 },
+		  0,
+		  true,
+		  EPJ_DTYPE_COUNT },
+		{ { 1, 2, 1, 66, 67, 1, 1, true, 0 },
+		  { 1, 2, 66, 67 },
+		  0,
+		  false,
+		  EPJ_DTYPE_COUNT },
+	};
+	for (size_t i = 0; i < LEN(cs); i++) {
+		epj_tensor *in[4];
+		make_qkv(ctx, &cs[i].c, EPJ_DTYPE_F64, &in[0], &in[1], &in[2]);
+		double *x = mask_values(&cs[i]);
+		in[3] = mask_tensor(ctx, &cs[i], EPJ_DTYPE_F64, x, false);
+		free(x);
+		for (int j = 0; j < 3; j++)
+			epj_tensor_set_requires_grad(in[j], true);
+		char what[48];
+		snprintf(what, sizeof what, "masked sdpa gradcheck %zu", i);
+		tu_gradcheck(ctx, fn_sdpa_mask, in, 4, (void *)&cs[i], 1e-6,
+			     1e-5, 1e-7, what);
+		for (int j = 0; j < 4; j++)
+			epj_tensor_free(in[j]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* The masked op in a compiled region (traced with the mask an input, its
+ * backward through the region): the same out and gradients as eager. */
+static const mcase region_case = { { 2, 4, 2, 5, 9, 6, 4, true, 0 },
+				   { 2, 1, 5, 9 },
+				   0,
+				   true,
+				   EPJ_DTYPE_COUNT };
+
+static epj_tensor *region_masked(epj_ctx *ctx, epj_tensor *const *in)
+{
+	return fn_sdpa_mask(ctx, in, (void *)&region_case);
+}
+
+/* y = f(in), then the gradients of sum(y * w) w.r.t. in[0..3) into g. */
+static epj_tensor *region_grads(epj_ctx *ctx, ej_region_fn *f,
+				epj_tensor *const *in, epj_tensor *w,
+				epj_tensor **g)
+{
+	epj_tensor *y = NULL;
+	if (f)
+		ck_assert_msg(ej_region_run(ctx, f, in, 4, NULL, 0, NULL, NULL,
+					    &y, 1) == EPJ_OK,
+			      "%s", epj_ctx_error(ctx));
+	else
+		y = region_masked(ctx, in);
+	tu_ok(ctx, y);
+	epj_tensor *yw = epj_mul(ctx, y, w), *loss = epj_sum_all(ctx, yw);
+	tu_ok(ctx, loss);
+	ck_assert_msg(epj_backward(ctx, loss, NULL) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	for (int i = 0; i < 3; i++) {
+		g[i] = epj_detach(ctx, epj_tensor_grad(in[i]));
+		tu_ok(ctx, g[i]);
+		epj_tensor_set_grad(in[i], NULL);
+	}
+	epj_tensor_free(yw);
+	epj_tensor_free(loss);
+	return y;
+}
+
+START_TEST(test_sdpa_mask_region)
+{
+	epj_ctx *ctx = tu_ctx();
+	const mcase *mc = &region_case;
+	epj_tensor *in[4];
+	make_qkv(ctx, &mc->c, EPJ_DTYPE_F64, &in[0], &in[1], &in[2]);
+	double *x = mask_values(mc);
+	in[3] = mask_tensor(ctx, mc, EPJ_DTYPE_F64, x, false);
+	free(x);
+	for (int j = 0; j < 3; j++)
+		epj_tensor_set_requires_grad(in[j], true);
+	int64_t os[4] = { 2, 4, 5, 4 };
+	epj_tensor *w = tu_randn(ctx, EPJ_DTYPE_F64, 4, os);
+	ej_jit *jit = ej_jit_new(ctx, EJ_BACKEND_INTERPRETER);
+	ck_assert_ptr_nonnull(jit);
+	ej_region_fn *f = tu_compile_region(ctx, jit, region_masked, in, 4);
+	epj_tensor *ge[3], *gr[3];
+	epj_tensor *ye = region_grads(ctx, NULL, in, w, ge);
+	epj_tensor *yr = region_grads(ctx, f, in, w, gr);
+	tu_assert_tensors_close(ctx, yr, ye, 1e-12, 1e-12, "region out");
+	for (int i = 0; i < 3; i++) {
+		tu_assert_tensors_close(ctx, gr[i], ge[i], 1e-12, 1e-12,
+					"region grad");
+		epj_tensor_free(ge[i]);
+		epj_tensor_free(gr[i]);
+	}
+	epj_tensor_free(ye);
+	epj_tensor_free(yr);
+	ej_region_fn_free(f);
+	ej_jit_free(jit);
+	for (int i = 0; i < 4; i++)
+		epj_tensor_free(in[i]);
+	epj_tensor_free(w);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+START_TEST(test_sdpa_mask_errors)
+{
+	epj_ctx *ctx = tu_ctx();
+	mcase mc = { { 1, 2, 1, 3, 4, 2, 2, false, 0 },
+		     { 1, 1, 3, 4 },
+		     1,
+		     false,
+		     EPJ_DTYPE_COUNT };
+	epj_tensor *qkv[3];
+	make_qkv(ctx, &mc.c, EPJ_DTYPE_F32, &qkv[0], &qkv[1], &qkv[2]);
+	int64_t s3[3] = { 1, 3, 4 }, sw[4] = { 1, 1, 3, 5 },
+		s4[4] = { 1, 1, 3, 4 };
+	epj_tensor *m3 = tu_randn(ctx, EPJ_DTYPE_F32, 3, s3);
+	epj_tensor *mw = tu_randn(ctx, EPJ_DTYPE_F32, 4, sw);
+	epj_tensor *mb = tu_randn(ctx, EPJ_DTYPE_BF16, 4, s4);
+	epj_tensor *ok = tu_randn(ctx, EPJ_DTYPE_F32, 4, s4);
+	struct {
+		epj_tensor *m;
+		int n_in, flags;
+		epj_status st;
+		const char *needle;
+	} cases[] = {
+		{ m3, 4, 1, EPJ_ERR_SHAPE, "broadcastable to [B, Hq, T, S]" },
+		{ mw, 4, 1, EPJ_ERR_SHAPE, "[1, 2, 3, 4]" },
+		{ mb, 4, 1, EPJ_ERR_DTYPE,
+		  "mask must be f32 (the dtype of q or f32, additive) or i32 "
+		  "(boolean), got bf16" },
+		{ ok, 3, 1, EPJ_ERR_INVALID, "a mask follows" },
+		{ ok, 4, 4, EPJ_ERR_INVALID, "unknown flags 4" },
+		{ ok, 6, 1, EPJ_ERR_INVALID, "at most 5 inputs" },
+	};
+	for (size_t i = 0; i < LEN(cases); i++) {
+		ej_attrs at = ej_attrs_none();
+		ej_attrs_push_i(&at, 0);
+		ej_attrs_push_i(&at, cases[i].flags);
+		ej_attrs_push_f(&at, 0.5);
+		epj_tensor *in[6] = { qkv[0],	  qkv[1],     qkv[2],
+				      cases[i].m, cases[i].m, cases[i].m };
+		epj_tensor *outs[2] = { NULL, NULL };
+		ck_assert_int_eq(ej_dispatch(ctx, EJ_OP_SDPA, in, cases[i].n_in,
+					     &at, outs, 2),
+				 cases[i].st);
+		ck_assert_msg(strstr(epj_ctx_error(ctx), cases[i].needle),
+			      "case %zu: %s", i, epj_ctx_error(ctx));
+	}
+	epj_tensor *all[] = { qkv[0], qkv[1], qkv[2], m3, mw, mb, ok };
+	for (size_t i = 0; i < LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- cross entropy ----------------------------------------------------------
  */
 
@@ -1467,6 +2009,11 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(ts, test_sdpa_docs);
 	tcase_add_test(ts, test_sdpa_docs_alone);
 	tcase_add_test(ts, test_sdpa_docs_errors);
+	tcase_add_test(ts, test_sdpa_mask);
+	tcase_add_test(ts, test_sdpa_mask_hidden_rows);
+	tcase_add_test(ts, test_sdpa_mask_gradcheck);
+	tcase_add_test(ts, test_sdpa_mask_errors);
+	tcase_add_test(ts, test_sdpa_mask_region);
 	suite_add_tcase(s, ts);
 	TCase *td = tcase_create("gated_delta");
 	tcase_set_timeout(td, 300);

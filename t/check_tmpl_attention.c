@@ -758,6 +758,29 @@ START_TEST(test_errors)
 	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &c), EPJ_ERR_UNSUPPORTED);
 	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
 			    TU_STRS("sdpa", "output 0", "contiguous"));
+	/* an additive mask, and causal top-left with T != S: refused */
+	int64_t msh[4] = { 1, 1, 3, 3 }, k2sh[4] = { 1, 1, 4, 8 };
+	epj_tensor *mask = tu_randn(ctx, EPJ_DTYPE_F32, 4, msh);
+	epj_tensor *k2 = tu_randn(ctx, EPJ_DTYPE_F32, 4, k2sh);
+	epj_tensor *min[4] = { q, q, q, mask };
+	ej_attrs mat = ej_attrs_none();
+	ej_attrs_push_i(&mat, 0);
+	ej_attrs_push_i(&mat, 1);
+	outs[0] = out;
+	ej_call mc = { EJ_OP_SDPA, &mat, min, 4, outs, 2 };
+	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &mc), EPJ_ERR_UNSUPPORTED);
+	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
+			    TU_STRS("sdpa", "additive attention mask"));
+	epj_tensor *tin[3] = { q, k2, k2 };
+	ej_attrs tat = ej_attrs_none();
+	ej_attrs_push_i(&tat, 1);
+	ej_attrs_push_i(&tat, 2);
+	ej_call tc = { EJ_OP_SDPA, &tat, tin, 3, outs, 2 };
+	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &tc), EPJ_ERR_UNSUPPORTED);
+	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
+			    TU_STRS("sdpa", "top-left"));
+	epj_tensor_free(mask);
+	epj_tensor_free(k2);
 	epj_tensor_free(out_nc);
 	epj_ctx_free(sim);
 	epj_tensor_free(q);

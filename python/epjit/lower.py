@@ -8,7 +8,6 @@ node stays in torch.
 """
 
 import operator
-import os
 
 import torch
 
@@ -1178,11 +1177,6 @@ def _sdpa_check(node):
     mask = _sdpa_mask(node)
     if mask is None:
         return None
-    if os.environ.get("EPJIT_MASKED_SDPA", "torch") != "epjit":
-        # the decomposed attention below makes the [B, H, T, S] scores in
-        # memory and is slower than torch's kernel (3x measured at 4 x 8
-        # heads x 128), so by default a masked sdpa stays in torch
-        return "attn_mask (EPJIT_MASKED_SDPA=epjit compiles it)"
     mv = _val(mask)
     if mv.dtype != torch.bool and mv.dtype not in FLOATS:
         return "attn_mask of dtype %s" % str(mv.dtype).replace("torch.", "")
@@ -1193,15 +1187,6 @@ def _sdpa_check(node):
     return None
 
 
-def _sdpa_decomposed(node):
-    """A mask, or a causal mask with T != S (torch aligns it top-left, the
-    sdpa op bottom-right), takes the decomposed route."""
-    bw = _sdpa_is_backward(node)
-    q, k = _val(node.args[1 if bw else 0]), _val(node.args[2 if bw else 1])
-    return _sdpa_mask(node) is not None or (
-        _sdpa_causal(node) and q.shape[2] != k.shape[2])
-
-
 def _scale(node, default_pos):
     s = node.kwargs.get("scale")
     if s is None and len(node.args) > default_pos:
@@ -1209,36 +1194,52 @@ def _scale(node, default_pos):
     return 0.0 if s is None else float(s)
 
 
+def _sdpa_extra(L, node, n):
+    """(inputs, ints): the node's first n args (q, k, v at 0 in the
+    forward, at 1 in the backward) and torch's mask, made 4-D, as the op's
+    last input (bool: epjit's i32 0 / 1, which the op reads as keep or
+    hide; float: additive, in q's dtype or f32); ints = [causal, flags]:
+    1 a mask input follows, 2 causal aligned top-left (torch's alignment
+    when T != S)."""
+    ins = [L.arg(x) for x in node.args[:n]]
+    iq = 1 if _sdpa_is_backward(node) else 0
+    q, k = ins[iq], ins[iq + 1]
+    causal = _sdpa_causal(node)
+    flags = 2 if causal and L.shape(q)[2] != L.shape(k)[2] else 0
+    mask = _sdpa_mask(node)
+    if mask is not None:
+        mv = L.arg(mask)
+        shape = [1] * (4 - len(L.shape(mv))) + list(L.shape(mv))
+        w = L.dtype(mv)
+        if w != torch.bool and w not in (L.dtype(q), torch.float32):
+            w = torch.float32
+            mv = L.cast(mv, w)
+        if L.shape(mv) != shape:
+            mv = L.op("reshape", [mv], shape, metas=[(shape, w)])
+        ins.append(mv)
+        flags |= 1
+    return ins, [int(causal), flags]
+
+
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default,
       check=_sdpa_check)
 def _sdpa(L, node):
-    if _sdpa_decomposed(node):
-        return _sdpa_masked(L, node)
+    """sdpa, with torch's mask as the op's last input (no [B, H, T, S]
+    scores in memory); a row whose keys are all masked gets out 0 and lse
+    0, as torch's CPU flash kernel."""
     outs = _val(node)
-    ins = [L.arg(x) for x in node.args[:3]]
-    return L.op("sdpa", ins, [int(_sdpa_causal(node))], [_scale(node, 99)],
+    ins, ints = _sdpa_extra(L, node, 3)
+    return L.op("sdpa", ins, ints, [_scale(node, 99)],
                 n_out=2, metas=[(list(o.shape), o.dtype) for o in outs])
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
       check=_sdpa_check)
 def _sdpa_backward(L, node):
-    if _sdpa_decomposed(node):
-        return _sdpa_masked_backward(L, node)
     outs = _val(node)
-    ins = [L.arg(x) for x in node.args[:6]]
-    return L.op("sdpa_backward", ins, [int(_sdpa_causal(node))],
-                [_scale(node, 99)], n_out=3,
+    ins, ints = _sdpa_extra(L, node, 6)
+    return L.op("sdpa_backward", ins, ints, [_scale(node, 99)], n_out=3,
                 metas=[(list(o.shape), o.dtype) for o in outs])
-
-
-# Attention with a mask, decomposed as torch's CPU flash kernel computes it:
-# s = scale q k^T + mask (bool: -inf where False), -inf above the causal
-# diagonal (top-left aligned), an exact softmax of each row in f32 (f64 for
-# f64), lse = max + log(sum) per row.  A row that sees no key gets out 0
-# and lse 0, as torch's kernel gives; its backward, P = exp(s - lse) = 0,
-# gives it no gradient.  Query heads of one kv group are rows of one GEMM
-# ([B, Hkv, G T, D] against [B, Hkv, S, D]), so k and v are never repeated.
 
 
 def _pick(L, cond, a, b, shape, dt):
@@ -1261,131 +1262,6 @@ def _const(L, value, dt, rank=0):
     one = [1] * rank
     return L.op("full", [], [DTYPES[dt]] + one, [float(value)],
                 metas=[(one, dt)])
-
-
-def _causal_bias(L, t, s, w):
-    """[1, 1, T, S] in w: -inf where key j > query i, else 0."""
-    f = torch.float32
-    ri = L.op("reshape", [_iota(L, t, f)], [t, 1], metas=[([t, 1], f)])
-    ci = L.op("reshape", [_iota(L, s, f)], [1, s], metas=[([1, s], f)])
-    d = L.op("sub", [ci, ri], metas=[([t, s], f)])
-    d = L.op("add_scalar", [d], floats=[-1.0], metas=[([t, s], f)])
-    hide = L.op("eq", [_max0(L, d, f), d], metas=[([t, s], f)])
-    bias = _pick(L, hide, _const(L, float("-inf"), w),
-                 _const(L, 0.0, w), [t, s], w)
-    return L.op("reshape", [bias], [1, 1, t, s], metas=[([1, 1, t, s], w)])
-
-
-def _sdpa_bias(L, node, t, s, w):
-    """The additive mask of the scores, broadcastable to [B, H, T, S] (rank
-    4), or None."""
-    bias = None
-    mask = _sdpa_mask(node)
-    if mask is not None:
-        mv = L.arg(mask)
-        shape = [1] * (4 - len(L.shape(mv))) + list(L.shape(mv))
-        if L.dtype(mv) == torch.bool:
-            bias = _pick(L, mv, _const(L, 0.0, w),
-                         _const(L, float("-inf"), w), shape, w)
-        else:
-            bias = L.cast(mv, w)
-        if L.shape(bias) != shape:
-            bias = L.op("reshape", [bias], shape, metas=[(shape, w)])
-    if _sdpa_causal(node):
-        cb = _causal_bias(L, t, s, w)
-        if bias is None:
-            return cb
-        shape = [max(a, b) for a, b in zip(L.shape(bias), L.shape(cb))]
-        bias = L.op("add", [bias, cb], metas=[(shape, w)])
-    return bias
-
-
-def _sdpa_qkv(L, node, first):
-    """(q [B, Hkv, G T, D], k, v, dims, w): the inputs in the work dtype
-    with the query heads of a kv group as rows."""
-    q, k, v = (L.arg(x) for x in node.args[first:first + 3])
-    w = torch.float64 if L.dtype(q) == torch.float64 else torch.float32
-    b, hq, t, d = L.shape(q)
-    hk, s = L.shape(k)[1], L.shape(k)[2]
-    g = [b, hk, hq // hk * t, d]
-    q = L.op("reshape", [L.cast(q, w)], g, metas=[(g, w)])
-    dims = (b, hq, hk, t, s, d, L.shape(v)[3])
-    return q, L.cast(k, w), L.cast(v, w), dims, w
-
-
-def _sdpa_scores(L, node, q, k, dims, w):
-    """s = scale q k^T + bias as [B, Hq, T, S] in w."""
-    b, hq, hk, t, s, d, _ = dims
-    kt = L.op("transpose", [k], [2, 3], metas=[([b, hk, d, s], w)])
-    sc = L.op("matmul", [q, kt], metas=[([b, hk, hq // hk * t, s], w)])
-    scale = _scale(node, 99) or 1.0 / d ** 0.5
-    full = [b, hq, t, s]
-    sc = L.op("mul_scalar", [sc], floats=[scale], metas=[(full, w)])
-    sc = L.op("reshape", [sc], full, metas=[(full, w)])
-    bias = _sdpa_bias(L, node, t, s, w)
-    if bias is not None:
-        sc = L.op("add", [sc, bias], metas=[(full, w)])
-    return sc, scale
-
-
-def _sdpa_masked(L, node):
-    outs = _val(node)
-    q, k, v, dims, w = _sdpa_qkv(L, node, 0)
-    b, hq, hk, t, s, d, dv = dims
-    sc, _ = _sdpa_scores(L, node, q, k, dims, w)
-    row = [b, hq, t, 1]
-    mx = L.op("amax", [sc], [3, 1], metas=[(row, w)])
-    none = L.op("eq", [mx, _const(L, float("-inf"), w, 4)],
-                metas=[(row, w)])
-    mx = _pick(L, none, _const(L, 0.0, w), mx, row, w)
-    e = L.op("exp", [L.op("sub", [sc, mx], metas=[([b, hq, t, s], w)])],
-             metas=[([b, hq, t, s], w)])
-    sm = L.op("sum", [e], [3, 1], metas=[(row, w)])
-    zero = L.op("eq", [sm, _const(L, 0.0, w, 4)], metas=[(row, w)])
-    sm = L.op("add", [sm, zero], metas=[(row, w)])  # no key: 0 / 1
-    p = L.op("div", [e, sm], metas=[([b, hq, t, s], w)])
-    gr = [b, hk, hq // hk * t, s]
-    p = L.op("reshape", [p], gr, metas=[(gr, w)])
-    o = L.op("matmul", [p, v], metas=[([b, hk, hq // hk * t, dv], w)])
-    o = L.op("reshape", [o], [b, hq, t, dv], metas=[([b, hq, t, dv], w)])
-    lse = L.op("add", [mx, L.op("log", [sm], metas=[(row, w)])],
-               metas=[(row, w)])
-    lse = L.op("reshape", [lse], [b, hq, t], metas=[([b, hq, t], w)])
-    return L.cast(o, outs[0].dtype), L.cast(lse, outs[1].dtype)
-
-
-def _sdpa_masked_backward(L, node):
-    """P = exp(s - lse); dv = P^T g, dS = P (g v^T - rowsum(g out)),
-    dq = scale dS k, dk = scale dS^T q."""
-    outs = _val(node)
-    q, k, v, dims, w = _sdpa_qkv(L, node, 1)
-    b, hq, hk, t, s, d, dv = dims
-    gt = hq // hk * t
-    sc, scale = _sdpa_scores(L, node, q, k, dims, w)
-    full, gr = [b, hq, t, s], [b, hk, gt, s]
-    lse = L.op("reshape", [L.cast(L.arg(node.args[5]), w)], [b, hq, t, 1],
-               metas=[([b, hq, t, 1], w)])
-    p = L.op("exp", [L.op("sub", [sc, lse], metas=[(full, w)])],
-             metas=[(full, w)])
-    g = L.op("reshape", [L.cast(L.arg(node.args[0]), w)], [b, hk, gt, dv],
-             metas=[([b, hk, gt, dv], w)])
-    out = L.op("reshape", [L.cast(L.arg(node.args[4]), w)],
-               [b, hk, gt, dv], metas=[([b, hk, gt, dv], w)])
-    pg = L.op("reshape", [p], gr, metas=[(gr, w)])
-    pt = L.op("transpose", [pg], [2, 3], metas=[([b, hk, s, gt], w)])
-    dvv = L.op("matmul", [pt, g], metas=[([b, hk, s, dv], w)])
-    vt = L.op("transpose", [v], [2, 3], metas=[([b, hk, dv, s], w)])
-    dp = L.op("matmul", [g, vt], metas=[(gr, w)])
-    go = L.op("mul", [g, out], metas=[([b, hk, gt, dv], w)])
-    di = L.op("sum", [go], [3, 1], metas=[([b, hk, gt, 1], w)])
-    ds = L.op("mul", [pg, L.op("sub", [dp, di], metas=[(gr, w)])],
-              metas=[(gr, w)])
-    ds = L.op("mul_scalar", [ds], floats=[scale], metas=[(gr, w)])
-    dq = L.op("matmul", [ds, k], metas=[([b, hk, gt, d], w)])
-    dq = L.op("reshape", [dq], [b, hq, t, d], metas=[([b, hq, t, d], w)])
-    dst = L.op("transpose", [ds], [2, 3], metas=[([b, hk, s, gt], w)])
-    dk = L.op("matmul", [dst, q], metas=[([b, hk, s, d], w)])
-    return tuple(L.cast(x, o.dtype) for x, o in zip((dq, dk, dvv), outs))
 
 
 # ---- attention masks: the ops transformers builds a padding mask with ------
@@ -1412,10 +1288,26 @@ def _where_check(node):
 
 @rule(aten.where.self, check=_where_check)
 def _where(L, node):
-    """a where the condition holds, else b: _pick (exact for any value)."""
+    """a where the condition holds, else b: _pick (exact for any value);
+    where(c, 0, -inf), the additive mask torch's sdpa makes of a bool one,
+    is log(c) (log 1 = 0, log 0 = -inf exactly), a pointwise op that fuses
+    where _pick is a gather."""
     m = _out_meta(node)
+    a, b = (_scalar_of(x) for x in node.args[1:3])
+    if a == 0.0 and str(a) == "0.0" and b == float("-inf"):
+        c = L.cast(L.arg(node.args[0]), m[1])
+        c = L.op("log", [c], metas=[(L.shape(c), m[1])])
+        return c if L.shape(c) == m[0] else _bcast(L, c, m[0])
     a, b = (L.arg(x) for x in node.args[1:3])
     return _pick(L, L.arg(node.args[0]), a, b, m[0], m[1])
+
+
+def _scalar_of(x):
+    """The value of a scalar_tensor node, else None."""
+    if isinstance(x, torch.fx.Node) and \
+            x.target == aten.scalar_tensor.default:
+        return float(x.args[0])
+    return None
 
 
 def _nonzero(L, v, m):

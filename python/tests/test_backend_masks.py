@@ -11,14 +11,6 @@ from backend_util import disable_moe_blocks, fresh, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
-
-@pytest.fixture(autouse=True)
-def masked_sdpa_in_epjit(monkeypatch):
-    """A masked sdpa stays in torch by default (faster); these tests ask
-    epjit to compile it (EPJIT_MASKED_SDPA=epjit), but the one that checks
-    the default."""
-    monkeypatch.setenv("EPJIT_MASKED_SDPA", "epjit")
-
 SDPA = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
 
@@ -212,7 +204,9 @@ def test_mask_ops_match_eager():
         sel = x[i, j]
         a = torch.where(keep[:, None, :], x, float("-inf"))
         b = torch.where(x.bool(), 2.0, x)
-        return a, b, sel, torch.where(keep, am, -3)
+        # the additive mask sdpa makes of a bool one: log(keep)
+        c = torch.where(keep[:, None, :], 0.0, float("-inf"))
+        return a, b, sel, torch.where(keep, am, -3), c
 
     x = torch.randn(3, 4, 5)
     x[0, 0, :3] = torch.tensor([float("nan"), -0.0, 0.0])
@@ -232,11 +226,19 @@ def test_mask_ops_match_eager():
         assert op not in c["fallback"], (op, c["fallback"])
 
 
-def test_masked_sdpa_in_torch_by_default(monkeypatch):
-    """Without EPJIT_MASKED_SDPA=epjit a padded batch's sdpa (forward and
-    backward) runs in torch, counted with its reason, the mask's
-    construction still compiles, and the results match eager."""
-    monkeypatch.delenv("EPJIT_MASKED_SDPA")
+def test_masked_sdpa_is_the_sdpa_op(monkeypatch):
+    """A padded batch's masked sdpa (forward and backward) compiles by
+    default into the sdpa op itself, the mask its last input (not into a
+    decomposed attention), and matches eager."""
+    from epjit import lower
+    seen = []
+    op = lower.Lowering.op
+
+    def spy(self, name, *a, **kw):
+        seen.append(name)
+        return op(self, name, *a, **kw)
+
+    monkeypatch.setattr(lower.Lowering, "op", spy)
     model = _model("qwen3_moe", torch.float32)
     batch = _padded_batch(True)
     ref = _step(model, model, batch)
@@ -244,6 +246,7 @@ def test_masked_sdpa_in_torch_by_default(monkeypatch):
     _check(ref, got, 1e-5)
     c = epjit.counters()
     assert c["kernels"] > 0
-    why = "attn_mask (EPJIT_MASKED_SDPA=epjit compiles it)"
+    assert c["fallback_nodes"] == 0, c["fallback"]
     layers = len(model.model.layers)
-    assert c["fallback"] == {op: {why: layers} for op in SDPA}, c["fallback"]
+    assert seen.count("sdpa") >= layers
+    assert seen.count("sdpa_backward") == seen.count("sdpa")
