@@ -16,7 +16,8 @@ epjit, on the same seed and batches (odd sequence length), and checks:
   to 1e-2: bf16 rounding, and a router near-tie may send a token to
   another expert on one side; measured at most 9e-5 on these seeds).
 
-World 2 (two processes over gloo, ``autoep_size`` 2) runs DeepSeek-V3.
+World 2 (two processes over gloo, ``autoep_size`` 2) runs DeepSeek-V3;
+Mixtral also trains on padded batches (a padding ``attention_mask``).
 The models are the family test models of test_backend_families.py.
 """
 
@@ -54,7 +55,7 @@ def _ds_config(family, dtype, world):
     return cfg
 
 
-def _arm(backend, family, dtype, world, rank):
+def _arm(backend, family, dtype, world, rank, pad):
     import torch
     import transformers
     import deepspeed
@@ -94,7 +95,14 @@ def _arm(backend, family, dtype, world, rank):
             marks["before"] = dict(epjit.counters())
         ids = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ),
                             generator=g)
-        out = engine(input_ids=ids, labels=ids)
+        if pad:  # row 0 padded on the left, row 1 on the right
+            am = torch.ones_like(ids)
+            am[0, :9] = 0
+            am[1, -5:] = 0
+            out = engine(input_ids=ids, attention_mask=am,
+                         labels=ids.masked_fill(am == 0, -100))
+        else:
+            out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.item())
@@ -119,7 +127,8 @@ def _worker(args):
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     res = {"rank": rank, "world": world}
     for backend in ("eager", "epjit"):
-        res[backend] = _arm(backend, args.family, args.dtype, world, rank)
+        res[backend] = _arm(backend, args.family, args.dtype, world, rank,
+                            args.pad)
     with open(args.out, "w") as f:
         json.dump(res, f)
 
@@ -130,7 +139,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(family, dtype, world):
+def launch(family, dtype, world, pad=False):
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="epjit-dsfam-") as tmp:
         procs = []
@@ -143,6 +152,8 @@ def launch(family, dtype, world):
             logp = os.path.join(tmp, "rank%d.log" % rank)
             cmd = [sys.executable, os.path.abspath(__file__), "--worker",
                    "--family", family, "--dtype", dtype, "--out", out]
+            if pad:
+                cmd.append("--pad")
             with open(logp, "w") as log:
                 procs.append((subprocess.Popen(
                     cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -211,6 +222,14 @@ def test_family_world1(family, dtype):
     check(res, family, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_padded_batches_mixtral(dtype):
+    """Batches with a padding attention_mask (left and right): the masked
+    attention and the mask's construction compile too."""
+    (res,) = launch("mixtral", dtype, 1, pad=True)
+    check(res, "mixtral", dtype)
+
+
 def test_deepseek_v3_world2():
     results = launch("deepseek_v3", "f32", 2)
     assert [r["rank"] for r in results] == [0, 1]
@@ -224,4 +243,6 @@ if __name__ == "__main__":
     ap.add_argument("--family", required=True, choices=sorted(FAMILIES))
     ap.add_argument("--dtype", required=True, choices=sorted(RTOL))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--pad", action="store_true",
+                    help="batches with a padding attention_mask")
     _worker(ap.parse_args())
