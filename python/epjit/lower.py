@@ -166,14 +166,21 @@ RULES = {}
 CHECKS = {}
 
 
-def rule(*targets, check=None):
-    def deco(fn):
-        for t in targets:
-            RULES[t] = fn
-            if check:
-                CHECKS[t] = check
-        return fn
-    return deco
+def _registrar(rules, checks):
+    """A decorator that enters a rule (and its check) for each target into
+    the tables rules and checks."""
+    def register(*targets, check=None):
+        def deco(fn):
+            for t in targets:
+                rules[t] = fn
+                if check:
+                    checks[t] = check
+            return fn
+        return deco
+    return register
+
+
+rule = _registrar(RULES, CHECKS)
 
 
 def _is_tensor_arg(x):
@@ -1777,14 +1784,7 @@ def why_complex(node):
     return check(node) if check else None
 
 
-def cx_rule(*targets, check=None):
-    def deco(fn):
-        for t in targets:
-            CX_RULES[t] = fn
-            if check:
-                CX_CHECKS[t] = check
-        return fn
-    return deco
+cx_rule = _registrar(CX_RULES, CX_CHECKS)
 
 
 def _cm(node):
