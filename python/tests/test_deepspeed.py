@@ -191,8 +191,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(world, backend, steps=STEPS, eager=True, timeout=LAUNCH_TIMEOUT_S):
-    """Run `world` worker processes; return their results, by rank."""
+def launch_ranks(script, args, world, what, timeout=LAUNCH_TIMEOUT_S):
+    """Run `world` ranks of `script --worker ARGS --out FILE` over gloo on
+    this host (one thread each); return their JSON results, by rank.  A
+    rank that fails or runs past the timeout fails the test with the last
+    lines of its log; `what` names the run in that message."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="epjit-ds-") as tmp:
         procs = []
@@ -203,10 +206,8 @@ def launch(world, backend, steps=STEPS, eager=True, timeout=LAUNCH_TIMEOUT_S):
                        OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
             out = os.path.join(tmp, f"rank{rank}.json")
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-                   "--backend", backend, "--steps", str(steps), "--out", out]
-            if eager:
-                cmd.append("--eager")
+            cmd = [sys.executable, os.path.abspath(script), "--worker",
+                   *args, "--out", out]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log, out))
         deadline = time.monotonic() + timeout
@@ -230,12 +231,20 @@ def launch(world, backend, steps=STEPS, eager=True, timeout=LAUNCH_TIMEOUT_S):
                     tails.append(f"rank {rank} exited {rc}; its last lines:\n"
                                  + "".join(f.readlines()[-30:]))
             pytest.fail("DeepSpeed worker failed (%s world %d):\n%s"
-                        % (backend, world, "\n".join(tails)))
+                        % (what, world, "\n".join(tails)))
         results = []
         for _, _, out in procs:
             with open(out) as f:
                 results.append(json.load(f))
         return results
+
+
+def launch(world, backend, steps=STEPS, eager=True, timeout=LAUNCH_TIMEOUT_S):
+    """Run `world` worker processes; return their results, by rank."""
+    args = ["--backend", backend, "--steps", str(steps)]
+    if eager:
+        args.append("--eager")
+    return launch_ranks(__file__, args, world, backend, timeout)
 
 
 def check_rank(result, backend):

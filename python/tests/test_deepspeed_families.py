@@ -24,15 +24,12 @@ The models are the family test models of test_backend_families.py.
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 
 from test_backend_families import COMMON, FAMILIES
+from test_deepspeed import launch_ranks
 
 STEPS = 4
 BATCH, SEQ = 2, 37
@@ -133,58 +130,10 @@ def _worker(args):
         json.dump(res, f)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(family, dtype, world, pad=False):
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="epjit-dsfam-") as tmp:
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-            out = os.path.join(tmp, "rank%d.json" % rank)
-            logp = os.path.join(tmp, "rank%d.log" % rank)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-                   "--family", family, "--dtype", dtype, "--out", out]
-            if pad:
-                cmd.append("--pad")
-            with open(logp, "w") as log:
-                procs.append((subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    cwd=os.path.dirname(os.path.abspath(__file__))),
-                    logp, out))
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        failed = []
-        for rank, (p, logp, _) in enumerate(procs):
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if rc != 0:
-                failed.append((rank, rc, logp))
-        for p, _, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if failed:
-            tails = []
-            for rank, rc, logp in failed:
-                with open(logp) as f:
-                    tails.append("rank %d exited %s:\n%s"
-                                 % (rank, rc, "".join(f.readlines()[-30:])))
-            pytest.fail("DeepSpeed worker failed (%s %s world %d):\n%s"
-                        % (family, dtype, world, "\n".join(tails)))
-        results = []
-        for _, _, out in procs:
-            with open(out) as f:
-                results.append(json.load(f))
-        return results
+    args = ["--family", family, "--dtype", dtype] + (["--pad"] if pad else [])
+    return launch_ranks(__file__, args, world,
+                        "%s %s" % (family, dtype), LAUNCH_TIMEOUT_S)
 
 
 def check(res, family, dtype):
