@@ -54,6 +54,11 @@ epj_status epj_compiler_new(epj_ctx *ctx, const char *backend,
 	char msg[256] = "";
 	ej_backend_kind kind;
 	*out = NULL;
+	/* no backend: the context's device's own when it runs CUDA C
+	 * (cuda: nvrtc, cuda-sim: cuda-sim), as the engine picks; else the
+	 * default (EPJIT_DEVICE's, jit/pipeline.c) */
+	if ((!backend || !*backend) && ctx->dev->desc->runs_cuda)
+		backend = ctx->dev->desc->backend;
 	epj_status st =
 	    ej_backend_parse(backend ? backend : "", &kind, msg, sizeof msg);
 	if (st != EPJ_OK)

@@ -46,6 +46,7 @@ typedef struct ej_CUgraphExec_st *ej_CUgraphExec;
 #define EJ_CU_FUNC_ATTR_MAX_DYN_SMEM	    8
 #define EJ_CU_STREAM_NON_BLOCKING	    1
 #define EJ_CU_EVENT_DEFAULT		    0
+#define EJ_CU_EVENT_DISABLE_TIMING	    2
 #define EJ_CU_CAPTURE_MODE_THREAD_LOCAL	    1
 #define EJ_CU_MEMHOSTALLOC_PORTABLE	    1
 

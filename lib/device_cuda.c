@@ -1003,3 +1003,52 @@ void *ej_cuda_comm_stream(const ej_cuda_dev *c)
 {
 	return c->comm;
 }
+
+/* ---- ordering with a caller's stream (lib/epjit.h) ----------------------- */
+
+static ej_cuda_dev *ctx_gpu(const epj_ctx *ctx)
+{
+	return ctx && ctx->dev && ctx->dev->desc == &ej_desc_cuda
+		   ? ctx->dev->self
+		   : NULL;
+}
+
+/* `to` waits for what `from` holds now: an event recorded on `from` and
+ * waited for on `to`, then destroyed (the driver keeps it until the wait
+ * is over).  The device's context is made current first: the caller's
+ * thread (a framework's autograd thread) may have had none. */
+static epj_status join(epj_ctx *ctx, ej_cuda_dev *c, ej_CUstream from,
+		       ej_CUstream to)
+{
+	EJ_CU(ctx, c->d, cuCtxSetCurrent(c->cu));
+	ej_CUevent ev = NULL;
+	EJ_CU(ctx, c->d, cuEventCreate(&ev, EJ_CU_EVENT_DISABLE_TIMING));
+	ej_CUresult r = c->d->cuEventRecord(ev, from);
+	const char *what = "cuEventRecord";
+	if (r == EJ_CUDA_SUCCESS) {
+		r = c->d->cuStreamWaitEvent(to, ev, 0);
+		what = "cuStreamWaitEvent";
+	}
+	c->d->cuEventDestroy(ev);
+	if (r != EJ_CUDA_SUCCESS)
+		return ej_cuda_error(ctx, c->d, r, what, __FILE__, __LINE__);
+	return EPJ_OK;
+}
+
+epj_status epj_ctx_wait_stream(epj_ctx *ctx, void *stream)
+{
+	ej_cuda_dev *c = ctx_gpu(ctx);
+	return c ? join(ctx, c, (ej_CUstream)stream, c->compute) : EPJ_OK;
+}
+
+epj_status epj_stream_wait_ctx(epj_ctx *ctx, void *stream)
+{
+	ej_cuda_dev *c = ctx_gpu(ctx);
+	return c ? join(ctx, c, c->compute, (ej_CUstream)stream) : EPJ_OK;
+}
+
+int epj_ctx_cuda_ordinal(const epj_ctx *ctx)
+{
+	const ej_cuda_dev *c = ctx_gpu(ctx);
+	return c ? c->ordinal : -1;
+}

@@ -80,6 +80,22 @@ typedef struct epj_module epj_module;
  * *out owns it. */
 epj_status epj_ctx_new(const char *backend, epj_ctx **out);
 void epj_ctx_free(epj_ctx *ctx);
+/* Ordering with a stream of the caller's, for a framework that shares the
+ * GPU's primary context with the library (PyTorch: its current stream).
+ * `stream` is a CUstream (the runtime's cudaStream_t; NULL: the legacy
+ * default stream).  epj_ctx_wait_stream: the work the context issues from
+ * now on runs after the work queued on `stream` so far.
+ * epj_stream_wait_ctx: the work queued on `stream` from now on runs after
+ * the context's work queued so far.  Each records an event and makes the
+ * other stream wait for it (no host wait), and makes the context's GPU
+ * current in the calling thread.  On the cpu and cuda-sim devices a call's
+ * work is done when it returns: both do nothing and return EPJ_OK. */
+epj_status epj_ctx_wait_stream(epj_ctx *ctx, void *stream);
+epj_status epj_stream_wait_ctx(epj_ctx *ctx, void *stream);
+/* The ordinal of a cuda context's GPU (what the driver numbers it:
+ * EPJIT_CUDA_DEVICE, else the local rank modulo the device count); -1 on
+ * the other devices. */
+int epj_ctx_cuda_ordinal(const epj_ctx *ctx);
 /* Whether `name` is a device of this build (what epj_ctx_new takes; the
  * cuda device is known even where no GPU is there to open). */
 bool epj_device_known(const char *name);
@@ -178,6 +194,10 @@ int64_t epj_tensor_numel(const epj_tensor *t);
 bool epj_tensor_is_contiguous(const epj_tensor *t);
 /* Host pointer to element 0 (storage + offset) of a cpu tensor, else NULL. */
 void *epj_tensor_data(epj_tensor *t);
+/* Address of element 0 on the tensor's device: a device pointer on cuda,
+ * host memory on cpu and cuda-sim; NULL when it has no storage.  The
+ * caller may write through it. */
+void *epj_tensor_address(epj_tensor *t);
 /* True when both tensors view the same storage. */
 bool epj_tensor_shares_storage(const epj_tensor *a, const epj_tensor *b);
 /* Writes "f32[2,3]" into buf. Returns buf. */

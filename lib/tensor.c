@@ -306,6 +306,14 @@ void *epj_tensor_data(epj_tensor *t)
 	return ej_data(t);
 }
 
+void *epj_tensor_address(epj_tensor *t)
+{
+	if (!t || !t->storage || !t->storage->data)
+		return NULL;
+	ej_param_write(t->ctx, t); /* the caller may write through it */
+	return ej_data(t);
+}
+
 bool epj_tensor_shares_storage(const epj_tensor *a, const epj_tensor *b)
 {
 	return a && b && a->storage && a->storage == b->storage;

@@ -1692,6 +1692,115 @@ START_TEST(test_ctx_region)
 }
 END_TEST
 
+/* A stream of the caller's (PyTorch's current stream) and the context's
+ * work: epj_ctx_wait_stream orders the context's kernels after what the
+ * stream holds, epj_stream_wait_ctx the stream's later work after the
+ * context's.  The stand-in fails an operation on one stream that touches a
+ * buffer another stream used unless it is ordered after that use, as a GPU
+ * would compute garbage; fake_cuda_stream_access plays the caller's
+ * kernels.  The graph reads and writes the caller's memory in place
+ * (borrowed device pointers, epj_tensor_address).  _i: CUDA graphs off, on.
+ * On the cpu both calls do nothing. */
+START_TEST(test_ctx_stream_join)
+{
+	if (!tu_fake_cuda_usable())
+		return;
+	if (_i == 1)
+		unsetenv("EPJIT_CUDA_GRAPHS");
+	else
+		setenv("EPJIT_CUDA_GRAPHS", "0", 1);
+	epj_ctx *g = cuda_ctx_on();
+	ck_assert_int_ge(epj_ctx_cuda_ordinal(g), 0);
+	const char *path = getenv("EPJIT_CUDA_DRIVER");
+	void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+	ck_assert_msg(h, "%s not loaded", path);
+	int (*access)(void *, const void *, size_t, int, const char *);
+	void *sym = dlsym(h, "fake_cuda_stream_access");
+	ck_assert_ptr_nonnull(sym);
+	memcpy(&access, &sym, sizeof sym);
+	const ej_cuda_driver *d = ej_cuda_driver_get(g);
+	ej_CUstream s = NULL;
+	ck_assert_int_eq(d->cuStreamCreate(&s, EJ_CU_STREAM_NON_BLOCKING),
+			 EJ_CUDA_SUCCESS);
+	/* "the caller's" memory: device memory the library did not allocate
+	 * for the graph, borrowed through its address */
+	int64_t sh[2] = { tu_randint(1, 5), 2 * tu_randint(1, 40) + 1 };
+	int64_t n = sh[0] * sh[1];
+	size_t bytes = (size_t)n * 4;
+	epj_ctx *cpu = tu_ctx();
+	epj_tensor *hx = tu_randn(cpu, EPJ_DTYPE_F32, 2, sh);
+	epj_tensor *own = epj_tensor_from_data(g, EPJ_DTYPE_F32, 2, sh,
+					       epj_tensor_data(hx));
+	tu_ok(g, own);
+	void *xa = epj_tensor_address(own);
+	ck_assert_ptr_nonnull(xa);
+	ck_assert_ptr_null(epj_tensor_data(own)); /* not host memory */
+	epj_tensor *x = epj_tensor_borrow(g, EPJ_DTYPE_F32, 2, sh, xa);
+	tu_ok(g, x);
+	ck_assert_ptr_eq(epj_tensor_address(x), xa);
+	/* y = exp(x) + x, compiled */
+	epj_compiler *c = NULL;
+	ck_assert_int_eq(epj_compiler_new(g, NULL, &c), EPJ_OK);
+	epj_graph *gr = NULL;
+	ck_assert_int_eq(epj_graph_new(g, &gr), EPJ_OK);
+	int v0, v1, v2;
+	ck_assert_int_eq(epj_graph_input(g, gr, EPJ_DTYPE_F32, 2, sh, &v0),
+			 EPJ_OK);
+	ck_assert_int_eq(
+	    epj_graph_node(g, gr, "exp", &v0, 1, NULL, 0, NULL, 0, 1, &v1),
+	    EPJ_OK);
+	int ab[2] = { v1, v0 };
+	ck_assert_int_eq(
+	    epj_graph_node(g, gr, "add", ab, 2, NULL, 0, NULL, 0, 1, &v2),
+	    EPJ_OK);
+	ck_assert_int_eq(epj_graph_output(g, gr, v2), EPJ_OK);
+	ck_assert_msg(epj_graph_compile(g, c, gr) == EPJ_OK, "%s",
+		      epj_ctx_error(g));
+	/* the caller's stream reads x only after the copy that filled it */
+	ck_assert_int_ne(access(s, xa, bytes, 0, "caller read"), 0);
+	ck_assert_int_eq(epj_stream_wait_ctx(g, s), EPJ_OK);
+	ck_assert_int_eq(access(s, xa, bytes, 1, "caller write"), 0);
+	/* the graph reads x only after the caller's write (without the
+	 * wait the stand-in fails the graph's first touch of x) */
+	epj_tensor *y = NULL;
+	ck_assert_int_eq(epj_ctx_wait_stream(g, s), EPJ_OK);
+	ck_assert_msg(epj_graph_run(g, gr, &x, 1, &y, 1) == EPJ_OK, "%s",
+		      epj_ctx_error(g));
+	ck_assert_int_gt(epj_counter_get(g, "kernels.launched.compiled"), 0);
+	/* the caller reads y only after the graph's kernels */
+	void *ya = epj_tensor_address(y);
+	ck_assert_ptr_nonnull(ya);
+	ck_assert_int_ne(access(s, ya, bytes, 0, "caller read"), 0);
+	ck_assert_int_eq(epj_stream_wait_ctx(g, s), EPJ_OK);
+	ck_assert_int_eq(access(s, ya, bytes, 0, "caller read"), 0);
+	/* and the context's copy of y after the caller's read */
+	ck_assert_int_eq(epj_ctx_wait_stream(g, s), EPJ_OK);
+	epj_tensor *hy = epj_zeros(cpu, EPJ_DTYPE_F32, 2, sh);
+	ck_assert_int_eq(epj_tensor_copy_(cpu, hy, y), EPJ_OK);
+	for (int64_t i = 0; i < n; i++) {
+		double v = epj_tensor_get_f64(hx, i);
+		ck_assert_double_eq_tol(epj_tensor_get_f64(hy, i), exp(v) + v,
+					1e-5 * (1 + exp(v)));
+	}
+	/* the cpu device: nothing to order */
+	ck_assert_int_eq(epj_ctx_wait_stream(cpu, s), EPJ_OK);
+	ck_assert_int_eq(epj_stream_wait_ctx(cpu, s), EPJ_OK);
+	ck_assert_int_eq(epj_ctx_cuda_ordinal(cpu), -1);
+	ck_assert_ptr_eq(epj_tensor_address(hx), epj_tensor_data(hx));
+	epj_tensor *all[] = { hx, own, x, y, hy };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(all); i++)
+		epj_tensor_free(all[i]);
+	epj_graph_free(gr);
+	epj_compiler_free(c);
+	d->cuStreamDestroy(s);
+	dlclose(h);
+	epj_ctx_free(cpu);
+	epj_ctx_free(g);
+	tu_fake_cuda_end();
+	unsetenv("EPJIT_CUDA_GRAPHS");
+}
+END_TEST
+
 /* ---- the gpu suite: whatever driver this machine has -------------------
  * tools/gpu-check runs CK_RUN_SUITE=gpu on a machine with a GPU.  Where
  * EPJIT_CUDA_DRIVER names the fake, the kernels run on cuda-sim (so the
@@ -1936,6 +2045,7 @@ Suite *make_cuda_suite(void)
 	if (!fork || strcmp(fork, "no") != 0) /* a signal needs a fork */
 		tcase_add_test_raise_signal(tx, test_ctx_guard, SIGSEGV);
 	tu_add_loop_test(tx, test_ctx_region, 2);
+	tu_add_loop_test(tx, test_ctx_stream_join, 2);
 	suite_add_tcase(s, tx);
 	TCase *tt = tcase_create("cuda_train");
 	tcase_set_timeout(tt, 600);
