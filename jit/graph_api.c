@@ -64,6 +64,16 @@ epj_status epj_compiler_new(epj_ctx *ctx, const char *backend,
 	if (st != EPJ_OK)
 		return ej_error(ctx, st, "compiler: backend \"%s\": %s",
 				backend ? backend : "", msg);
+	/* generated C (and cuda-sim's kernels) run on the host: they cannot
+	 * read a context's device memory */
+	if (!ctx->dev->host_visible && kind != EJ_BACKEND_INTERPRETER &&
+	    !ej_backend_device(kind))
+		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
+				"compiler: backend \"%s\" runs on the host and "
+				"cannot read the %s device's memory (its own: "
+				"\"%s\")",
+				ej_backend_name(kind), ctx->dev->name,
+				ctx->dev->desc->backend);
 	epj_compiler *c = calloc(1, sizeof *c);
 	if (c)
 		c->jit = ej_jit_new(ctx, kind);

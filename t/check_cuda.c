@@ -1738,8 +1738,14 @@ START_TEST(test_ctx_stream_join)
 	epj_tensor *x = epj_tensor_borrow(g, EPJ_DTYPE_F32, 2, sh, xa);
 	tu_ok(g, x);
 	ck_assert_ptr_eq(epj_tensor_address(x), xa);
-	/* y = exp(x) + x, compiled */
+	/* host code cannot read device memory: refused, not run */
 	epj_compiler *c = NULL;
+	ck_assert_int_eq(epj_compiler_new(g, "c", &c), EPJ_ERR_UNSUPPORTED);
+	ck_assert_ptr_null(c);
+	ck_assert_msg(strstr(epj_ctx_error(g), "runs on the host"), "%s",
+		      epj_ctx_error(g));
+	epj_ctx_clear_error(g);
+	/* y = exp(x) + x, compiled (no backend: the device's own) */
 	ck_assert_int_eq(epj_compiler_new(g, NULL, &c), EPJ_OK);
 	epj_graph *gr = NULL;
 	ck_assert_int_eq(epj_graph_new(g, &gr), EPJ_OK);
