@@ -67,22 +67,27 @@ def reset():
     graph cache; the disk kernel cache stays).  Graphs compiled before keep
     working.  Does not reset Dynamo (torch._dynamo.reset())."""
     from . import _backend as be
-    ctx = _lib.context()
-    for name in _lib.counters_raw():
-        if not name.startswith("memory."):
-            _lib.lib.epj_counter_set(ctx, name.encode(), 0)
+    for ctx in _lib.contexts().values():
+        for name in _lib.counters_raw():
+            if not name.startswith("memory."):
+                _lib.lib.epj_counter_set(ctx, name.encode(), 0)
     be.fallback.clear()
     be.stats.clear()
-    _lib._compiler = None
+    _lib._compilers.clear()
 
 
 def dump():
     """With EPJIT_DEBUG_DUMP=dir: writes dir/counters.json (libepjit's
-    counters) and dir/torch_fallback.json (the nodes left to torch)."""
+    counters) and dir/torch_counters.json (what counters() returns, without
+    raw: the graphs and the nodes left to torch)."""
     d = os.environ.get("EPJIT_DEBUG_DUMP")
-    if not d or _lib._ctx is None:
+    ctxs = _lib.contexts()
+    if not d or not ctxs:
         return
-    _lib.check(_lib._ctx, _lib.lib.epj_debug_dump(_lib._ctx), "debug dump")
+    # counters.json: the context of the CPU tensors when there is one
+    # (a second context's file would replace it)
+    dev = "cpu" if "cpu" in ctxs else sorted(ctxs)[0]
+    _lib.check(ctxs[dev], _lib.lib.epj_debug_dump(ctxs[dev]), "debug dump")
     c = counters()
     c.pop("raw")
     os.makedirs(d, exist_ok=True)

@@ -77,6 +77,21 @@ class _Owner:
             self.handle = None
 
 
+class _CudaOwner:
+    """Keeps one epjit tensor in device memory alive while torch views it
+    (__cuda_array_interface__, version 2: no stream of its own; the graph's
+    work is ordered before torch's current stream already)."""
+
+    def __init__(self, handle, ptr, shape, strides, dt):
+        self.handle = handle
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False), "shape": tuple(shape),
+            "strides": tuple(s * _SIZE[dt] for s in strides),
+            "typestr": _TYPESTR[dt], "version": 2}
+
+    __del__ = _Owner.__del__
+
+
 def _dims(handle):
     """The shape and strides of the epjit tensor `handle`, as lists."""
     L = _lib.lib
@@ -84,18 +99,22 @@ def _dims(handle):
     return L.epj_tensor_shape(handle)[:nd], L.epj_tensor_strides(handle)[:nd]
 
 
-def _to_torch(handle, dtype):
-    """A torch tensor viewing the epjit tensor `handle` (no copy); owns the
-    reference."""
+def _to_torch(handle, dtype, device):
+    """A torch tensor on device viewing the epjit tensor `handle` (no
+    copy); owns the reference."""
     L = _lib.lib
     dt = L.epj_tensor_dtype(handle)
     shape, strides = _dims(handle)
     if 0 in shape:
         L.epj_tensor_free(handle)
-        return torch.empty(shape, dtype=dtype)
-    ptr = L.epj_tensor_data(handle)
-    arr = np.asarray(_Owner(handle, ptr, shape, strides, dt))
-    t = torch.from_numpy(arr)
+        return torch.empty(shape, dtype=dtype, device=device)
+    ptr = L.epj_tensor_address(handle)
+    if device.type == "cuda":
+        t = torch.as_tensor(_CudaOwner(handle, ptr, shape, strides, dt),
+                            device=device)
+    else:
+        t = torch.from_numpy(np.asarray(
+            _Owner(handle, ptr, shape, strides, dt)))
     if dt == _lib.BF16:
         t = t.view(torch.bfloat16)
     return t
@@ -118,7 +137,7 @@ def _view_of(handle, base):
     base's borrowed memory) is; drops the reference."""
     L = _lib.lib
     shape, strides = _dims(handle)
-    off = (L.epj_tensor_data(handle) or 0) - base.data_ptr()
+    off = (L.epj_tensor_address(handle) or 0) - base.data_ptr()
     L.epj_tensor_free(handle)
     size = base.element_size()
     if off % size:
@@ -281,8 +300,11 @@ class EpjitGraph(torch.nn.Module):
         transposed weight) is read in its memory order and permuted back
         inside the graph, with no copy."""
         sub = self.sub
-        self.ctx = _lib.context()
-        self.compiler = _lib.compiler()  # keeps it alive while we live
+        self.device = _graph_device(sub, args)
+        self.edev = lower.epjit_device(self.device)[0]
+        self.ctx = _lib.context(self.edev)
+        # keeps it alive while we live
+        self.compiler = _lib.compiler(self.edev)
         g = ctypes.c_void_p()
         _lib.check(self.ctx, _lib.lib.epj_graph_new(self.ctx, ctypes.byref(g)),
                    "epj_graph_new")
@@ -362,18 +384,27 @@ class EpjitGraph(torch.nn.Module):
                                   % (type(e).__name__, e))
             if self.failed is not None:
                 return self.sub(*args)
-            return self._run(real, args)
+            try:
+                return self._run(real, args)
+            except _lib.EpjitError as e:
+                # a kernel this device lacks (found at the first run): the
+                # partition runs in torch from now on; any other failure
+                # is the caller's
+                if e.status != _lib.ERR_UNSUPPORTED:
+                    raise
+                self._give_up(e, "epjit: not on device %s" % self.edev)
+                return self.sub(*args)
 
-    def _give_up(self, err):
+    def _give_up(self, err, why="epjit compile failed"):
         """The partition runs in torch from now on; its nodes are counted
-        as left to torch with the reason."""
+        as left to torch with the reason `why`."""
         self.failed = str(err)
         if self.graph:
             _lib.lib.epj_graph_free(self.graph)
             self.graph = None
         warnings.warn("epjit: a graph runs in torch: %s" % err)
         counted = collections.Counter(
-            (_op_name(n), "epjit compile failed")
+            (_op_name(n), why)
             for n in self.sub.graph.nodes
             if n.op == "call_function" and _op_name(n) != "getitem")
         with _lock:
@@ -381,11 +412,18 @@ class EpjitGraph(torch.nn.Module):
 
     def _run(self, args, orig):
         """Runs the graph on args (complex tensors as view_as_real); orig:
-        the arguments as given."""
+        the arguments as given.  On a GPU the graph's kernels come after
+        the work queued on torch's current stream, and torch's later work
+        after them."""
         L = _lib.lib
         ins, keep = [], []
         n_in = len(args)
         handles = (ctypes.c_void_p * max(1, n_in))()
+        stream = None
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            _lib.check(self.ctx, L.epj_ctx_wait_stream(self.ctx, stream),
+                       "epjit: waiting for torch's stream")
         try:
             for i, a in enumerate(args):
                 if self.orders[i]:
@@ -409,6 +447,10 @@ class EpjitGraph(torch.nn.Module):
                 st = L.epj_graph_run(self.ctx, self.graph, handles, n_in,
                                      outs, self.n_out)
                 _lib.check(self.ctx, st, "epjit run")
+                if stream is not None:
+                    _lib.check(self.ctx,
+                               L.epj_stream_wait_ctx(self.ctx, stream),
+                               "epjit: ordering torch's stream")
             res = []
             # the memory of each input (dense now): an output whose data
             # lies in it is a view of that input (the memory is torch's:
@@ -417,7 +459,7 @@ class EpjitGraph(torch.nn.Module):
                       a.element_size()) for a in keep]
             for j in range(self.n_out):
                 h = outs[j]
-                p = L.epj_tensor_data(h) or 0
+                p = L.epj_tensor_address(h) or 0
                 src = [i for i, (lo, hi) in enumerate(spans) if lo <= p < hi]
                 if not src and L.epj_tensor_numel(h) == 0:  # no data to see
                     src = [i for i, x in enumerate(ins)
@@ -425,7 +467,7 @@ class EpjitGraph(torch.nn.Module):
                 if src:  # a view of torch's input: the same view in torch
                     t = _view_of(h, keep[src[0]])
                 else:
-                    t = _to_torch(h, self.out_dtypes[j])
+                    t = _to_torch(h, self.out_dtypes[j], self.device)
                 if self.out_dtypes[j] == torch.bool:
                     t = t.to(torch.bool)
                 res.append(t)
@@ -436,6 +478,19 @@ class EpjitGraph(torch.nn.Module):
                  _out_as(res[i], res[i], cx)
                  for (kind, i), cx in zip(self.plan, self.out_cx)]
         return tuple(final) if self.tuple_out else final[0]
+
+
+def _graph_device(sub, args):
+    """The torch device an FX partition's tensors are on (one: the support
+    check keeps each node on one device, and _merge each partition)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    for n in sub.graph.nodes:
+        d = lower.node_device(n)
+        if d is not None:
+            return d
+    return torch.device("cpu")
 
 
 # ---- compile an FX graph ------------------------------------------------------
@@ -466,15 +521,20 @@ def _merge(partitions):
     parts of one layer (the partitioner fuses along edges) become one
     epjit graph, so the compiler fuses and schedules across them."""
     from torch.fx.passes.infra.partitioner import Partition
-    groups = []
+    groups = []  # [device, nodes]
     for p in partitions:
+        dev = next((d for d in map(lower.node_device, p.nodes)
+                    if d is not None), None)
         for g in groups:
-            union = set(g) | set(p.nodes)
+            if g[0] != dev:  # one graph runs on one device
+                continue
+            union = g[1] | set(p.nodes)
             if _convex(union):
-                g.update(p.nodes)
+                g[1].update(p.nodes)
                 break
         else:
-            groups.append(set(p.nodes))
+            groups.append([dev, set(p.nodes)])
+    groups = [g[1] for g in groups]
     order = {}
     for p in partitions:
         for n in p.nodes:

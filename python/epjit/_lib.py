@@ -15,8 +15,15 @@ vp = ctypes.c_void_p
 F32, BF16, I32, I64, F64 = 0, 1, 2, 3, 4
 
 
+# epj_status values the package acts on
+ERR_UNSUPPORTED = 9
+
+
 class EpjitError(RuntimeError):
-    """A failed libepjit call: status name and the library's message."""
+    """A failed libepjit call: status name and the library's message;
+    .status is the epj_status (0 when not from a call)."""
+
+    status = 0
 
 
 def _candidates():
@@ -55,6 +62,10 @@ _SIGS = {
     "epj_tensor_shape": (c_int64_p, [vp]),
     "epj_tensor_strides": (c_int64_p, [vp]),
     "epj_tensor_data": (vp, [vp]),
+    "epj_tensor_address": (vp, [vp]),
+    "epj_ctx_wait_stream": (ctypes.c_int, [vp, vp]),
+    "epj_stream_wait_ctx": (ctypes.c_int, [vp, vp]),
+    "epj_ctx_cuda_ordinal": (ctypes.c_int, [vp]),
     "epj_tensor_shares_storage": (ctypes.c_bool, [vp, vp]),
     "epj_tensor_numel": (ctypes.c_int64, [vp]),
     "epj_compiler_new": (ctypes.c_int, [vp, ctypes.c_char_p,
@@ -95,46 +106,103 @@ def check(ctx, status, what):
         msg = lib.epj_ctx_error(ctx).decode(errors="replace") if ctx else ""
         if ctx:
             lib.epj_ctx_clear_error(ctx)
-        raise EpjitError("%s: %s: %s" % (what, name, msg))
+        e = EpjitError("%s: %s: %s" % (what, name, msg))
+        e.status = status
+        raise e
 
 
-_ctx = None
-_compiler = None
+# epjit device name -> its context and compiler (created at first use)
+_ctxs = {}
+_compilers = {}
+# epjit device name -> why it cannot serve torch (None: it can)
+_unusable = {}
+CPU_DEVICES = ("cpu", "cuda-sim")
 
 
-def context():
-    """The process's cpu context (created at first use)."""
-    global _ctx
-    if _ctx is None:
-        c = vp()
-        st = lib.epj_ctx_new(b"cpu", ctypes.byref(c))
-        check(None, st, "epj_ctx_new(cpu)")
-        _ctx = c
-    return _ctx
+def cpu_device():
+    """The epjit device that runs graphs of CPU tensors: cpu, or cuda-sim
+    (EPJIT_TORCH_CPU_DEVICE=cuda-sim: the CUDA C a GPU would run, on the
+    CPU, over the same host memory; for tests)."""
+    d = os.environ.get("EPJIT_TORCH_CPU_DEVICE") or "cpu"
+    if d not in CPU_DEVICES:
+        raise EpjitError("EPJIT_TORCH_CPU_DEVICE=%r: not one of %s"
+                         % (d, ", ".join(CPU_DEVICES)))
+    return d
 
 
-def compiler():
-    """The process's compiler (the cache of compiled graphs)."""
-    global _compiler
-    if _compiler is None:
-        ctx = context()
+def context(device="cpu", ordinal=None):
+    """The process's context on the epjit device `device` (created at first
+    use).  cuda: the GPU torch numbers `ordinal` (EPJIT_CUDA_DEVICE, when
+    set, must name the same one)."""
+    c = _ctxs.get(device)
+    if c is not None:
+        return c
+    c = vp()
+    env = os.environ.get("EPJIT_CUDA_DEVICE")
+    if device == "cuda" and ordinal is not None and not env:
+        os.environ["EPJIT_CUDA_DEVICE"] = str(ordinal)
+    try:
+        st = lib.epj_ctx_new(device.encode(), ctypes.byref(c))
+    finally:
+        if device == "cuda" and ordinal is not None and not env:
+            del os.environ["EPJIT_CUDA_DEVICE"]
+    check(None, st, "epj_ctx_new(%s)" % device)
+    _ctxs[device] = c
+    return c
+
+
+def unusable(device, ordinal=None):
+    """None when graphs of torch tensors can run on the epjit device
+    `device`, else why not (kept: asked once per process)."""
+    key = (device, ordinal) if device == "cuda" else device
+    if key in _unusable:
+        return _unusable[key]
+    why = None
+    try:
+        c = context(device, ordinal)
+        if device == "cuda":
+            have = lib.epj_ctx_cuda_ordinal(c)
+            if ordinal is not None and have != ordinal:
+                why = "epjit's GPU is cuda:%d" % have
+    except EpjitError as e:
+        why = "no epjit %s device (%s)" % (device, e)
+    _unusable[key] = why
+    return why
+
+
+def compiler(device="cpu"):
+    """The process's compiler on `device` (its cache of compiled graphs).
+    EPJIT_TORCH_BACKEND picks the code generator (default: the device's
+    own)."""
+    c = _compilers.get(device)
+    if c is None:
+        ctx = context(device)
         c = vp()
         backend = os.environ.get("EPJIT_TORCH_BACKEND", "").encode()
         check(ctx, lib.epj_compiler_new(ctx, backend, ctypes.byref(c)),
               "epj_compiler_new")
-        _compiler = c
-    return _compiler
+        _compilers[device] = c
+    return c
+
+
+def contexts():
+    """The contexts made so far, by device name."""
+    return dict(_ctxs)
 
 
 def counters_raw():
-    """All counters of the context as {name: value}."""
-    ctx = context()
-    snap = lib.epj_counters_snapshot(ctx)
-    if not snap:
-        return {}
-    try:
-        n = lib.epj_counters_count(snap)
-        return {lib.epj_counters_name_at(snap, i).decode():
-                lib.epj_counters_value_at(snap, i) for i in range(n)}
-    finally:
-        lib.epj_counters_free(snap)
+    """All counters of the contexts as {name: value} (summed over
+    devices)."""
+    out = {}
+    for ctx in _ctxs.values():
+        snap = lib.epj_counters_snapshot(ctx)
+        if not snap:
+            continue
+        try:
+            n = lib.epj_counters_count(snap)
+            for i in range(n):
+                k = lib.epj_counters_name_at(snap, i).decode()
+                out[k] = out.get(k, 0) + lib.epj_counters_value_at(snap, i)
+        finally:
+            lib.epj_counters_free(snap)
+    return out

@@ -46,13 +46,43 @@ def _shape(x):
 # ---- support --------------------------------------------------------------
 
 
+def epjit_device(dev):
+    """The epjit device that runs graphs of torch device dev, and the GPU
+    ordinal (None off the GPU)."""
+    if dev.type == "cuda":
+        return "cuda", dev.index if dev.index is not None else \
+            torch.cuda.current_device()
+    return _lib.cpu_device(), None
+
+
+def node_device(node):
+    """The torch device of the first tensor node makes or reads, or
+    None."""
+    for x in [node] + list(node.all_input_nodes):
+        v = _val(x)
+        for t in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None
+
+
+def device_why(dev):
+    """None when epjit runs graphs of tensors on torch device dev, else
+    the reason."""
+    if dev.type not in ("cpu", "cuda"):
+        return "device %s" % dev.type
+    why = _lib.unusable(*epjit_device(dev))
+    return "device %s: %s" % (dev, why) if why else None
+
+
 def _tensor_ok(v):
     if not isinstance(v, torch.Tensor):
         return "no tensor meta"
     if v.dtype not in DTYPES:
         return "dtype %s" % str(v.dtype).replace("torch.", "")
-    if v.device.type != "cpu":
-        return "device %s" % v.device.type
+    why = device_why(v.device)
+    if why:
+        return why
     if any(not isinstance(s, int) for s in v.shape):
         return "symbolic shape"
     if v.ndim > 8:
@@ -68,13 +98,18 @@ def _metas_ok(node):
     # a multi-output op's outputs it was asked not to make are None
     vals.extend([o for o in out if o is not None]
                 if isinstance(out, (tuple, list)) else [out])
+    devs = set()
     for v in vals:
         if v is None and node.target is operator.getitem:
             continue
         why = _tensor_ok(v)
         if why:
             return why
-    return None
+        devs.add(str(v.device))
+    # one graph runs on one device: a node that moves or mixes them
+    # stays in torch
+    return "tensors on %s" % " and ".join(sorted(devs)) \
+        if len(devs) > 1 else None
 
 
 def why_unsupported(node):
@@ -749,10 +784,6 @@ def _cat(L, node):
 
 
 def _to_copy_check(node):
-    for k in ("layout", "device"):
-        v = node.kwargs.get(k)
-        if v is not None and k == "device" and torch.device(v).type != "cpu":
-            return "copy to %s" % v
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
         return "memory_format"
@@ -1757,8 +1788,9 @@ def _cx_tensor_ok(v):
         return _tensor_ok(v)
     if v.dtype not in CPLX:
         return "dtype %s" % str(v.dtype).replace("torch.", "")
-    if v.device.type != "cpu":
-        return "device %s" % v.device.type
+    why = device_why(v.device)
+    if why:
+        return why
     if any(not isinstance(s, int) for s in v.shape):
         return "symbolic shape"
     return "complex rank %d" % v.ndim if v.ndim > 7 else None
@@ -1777,6 +1809,9 @@ def why_complex(node):
         why = _cx_tensor_ok(v)
         if why:
             return why
+    devs = {str(v.device) for v in vals}
+    if len(devs) > 1:
+        return "tensors on %s" % " and ".join(sorted(devs))
     n = _CX_TENSOR_ARGS.get(node.target, 1)
     if not all(_is_tensor_arg(a) for a in node.args[:n]):
         return "complex op of a scalar"
