@@ -107,6 +107,12 @@ static epj_status check_shape(epj_ctx *ctx, const char *what, epj_dtype dt,
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s: scale %g must be finite and > 0", what,
 				m->scale);
+	if (m->mask && m->mask_dt != EPJ_DTYPE_I32 && m->mask_dt != dt &&
+	    m->mask_dt != EPJ_DTYPE_F32)
+		return ej_error(ctx, EPJ_ERR_DTYPE,
+				"%s: a mask of dtype %s (the dtype of q, f32 "
+				"or i32)",
+				what, epj_dtype_name(m->mask_dt));
 	if (m->seg && m->t != m->s)
 		return ej_error(ctx, EPJ_ERR_SHAPE,
 				"%s: document ids need T == S (T=%lld, "
@@ -152,6 +158,14 @@ static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
 	a->sgs[0] = (long long)m->seg_st[0];
 	a->sgs[1] = (long long)m->seg_st[1];
 	a->seg8 = m->seg_i64;
+	a->coff = m->top_left ? 0 : (int)(m->s - m->t);
+	a->mask = m->mask;
+	for (int i = 0; i < 4; i++)
+		a->mks[i] = (long long)m->mask_st[i];
+	a->mdt = m->mask_dt == EPJ_DTYPE_BF16  ? 1
+		 : m->mask_dt == EPJ_DTYPE_F64 ? 2
+		 : m->mask_dt == EPJ_DTYPE_I32 ? 3
+					       : 0;
 }
 
 static void strides(long long *dst, const ej_attn_operand *o, int n)
@@ -473,11 +487,21 @@ static ej_attn_shape shape_of(const ej_call *c, int iq)
 			    .dv = v->shape[3] };
 	const ej_attrs *at = c->attrs;
 	m.causal = at && at->n_i > 0 && at->i[0] != 0;
+	int64_t flags = at && at->n_i > 1 ? at->i[1] : 0;
+	m.top_left = (flags & 2) != 0;
 	double sc = at && at->n_f > 0 ? at->f[0] : 0.0;
 	m.scale = sc > 0 ? sc : 1.0 / sqrt((double)(m.d > 1 ? m.d : 1));
-	/* the document ids follow the op's other inputs */
+	/* the document ids, then the mask (flag 1), follow the op's other
+	 * inputs; a broadcast dim of the mask reads stride 0 */
 	int is = iq == 0 ? 3 : 6;
-	if (c->n_in > is) {
+	if (flags & 1) {
+		const epj_tensor *x = c->in[c->n_in - 1];
+		m.mask = data_of(x);
+		m.mask_dt = x->dtype;
+		for (int i = 0; i < 4; i++)
+			m.mask_st[i] = x->shape[i] == 1 ? 0 : x->stride[i];
+	}
+	if (c->n_in - ((flags & 1) ? 1 : 0) > is) {
 		const epj_tensor *g = c->in[is];
 		m.seg = data_of(g);
 		m.seg_st[0] = g->stride[0];
@@ -493,7 +517,8 @@ static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
 			     int n_out)
 {
 	const char *name = ej_ops[op].name;
-	/* n_in, or one more: the document ids (or a mask, refused below) */
+	/* n_in, or up to two more: the document ids, the mask (the op's
+	 * shape inference checks which) */
 	if (c->n_in < n_in || c->n_in > n_in + 2 || c->n_out != n_out)
 		return ej_error(ctx, EPJ_ERR_INVALID,
 				"%s (cuda template): %d inputs and %d outputs "
@@ -503,24 +528,6 @@ static epj_status check_call(epj_ctx *ctx, ej_call *c, int op, int n_in,
 	epj_status st = ej_ops[op].infer(ctx, c, meta);
 	if (st != EPJ_OK)
 		return st;
-	/* attr i[1]: 1 = an additive mask input, 2 = causal top-left */
-	const ej_attrs *at = c->attrs;
-	int64_t flags = at && at->n_i > 1 ? at->i[1] : 0;
-	if (flags & 1)
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s (cuda template): an additive attention "
-				"mask is not supported on this device (the CPU "
-				"kernels take it)",
-				name);
-	int iq = op == EJ_OP_SDPA ? 0 : 1;
-	bool causal = at && at->n_i > 0 && at->i[0] != 0;
-	if ((flags & 2) && causal &&
-	    c->in[iq]->shape[2] != c->in[iq + 1]->shape[2])
-		return ej_error(ctx, EPJ_ERR_UNSUPPORTED,
-				"%s (cuda template): causal attention aligned "
-				"top-left is not supported on this device (the "
-				"CPU kernels take it)",
-				name);
 	for (int i = 0; i < n_out; i++) {
 		const epj_tensor *t = c->out[i];
 		if (t->dtype != meta[i].dtype || t->ndim != meta[i].ndim ||

@@ -27,7 +27,9 @@ typedef struct ej_attn_operand {
 
 typedef struct ej_attn_shape {
 	int64_t b, hq, hkv, t, s, d, dv;
-	bool causal;  /* mask key j of query i when j > i + (S - T) */
+	/* mask key j of query i when j > i + (S - T) (bottom-right), or
+	 * j > i with top_left */
+	bool causal, top_left;
 	double scale; /* multiplies q k^T; > 0 */
 	/* document ids [B, S] (T == S; NULL: none), a device pointer with
 	 * element strides seg_st, i64 (seg_i64) or i32: key j is hidden
@@ -35,6 +37,13 @@ typedef struct ej_attn_shape {
 	const void *seg;
 	int64_t seg_st[2];
 	bool seg_i64;
+	/* a mask broadcast to [B, Hq, T, S] (NULL: none), element strides
+	 * mask_st (0 on a broadcast dim), dtype mask_dt: f32, bf16 or f64
+	 * are added to the scaled scores; i32 hides the keys where it is 0.
+	 * With a mask a query that sees no key gets lse 0 (not -inf). */
+	const void *mask;
+	int64_t mask_st[4];
+	epj_dtype mask_dt;
 } ej_attn_shape;
 
 /* out [B, Hq, T, Dv] (dtype dt) and lse [B, Hq, T] (f32; f64 for f64) of
@@ -63,10 +72,11 @@ ej_tmpl_attention_bwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 		      const ej_attn_operand *lse, void *dq, void *dk, void *dv);
 
 /* Eager adapters (the op table's calls, c->out allocated contiguous on the
- * ctx's device, inputs of any strides): SDPA (q, k, v[, seg]) -> (out, lse)
- * and SDPA_BACKWARD (grad_out, q, k, v, out, lse[, seg]) -> (dq, dk, dv),
- * attrs i[0] causal, f[0] scale (<= 0: 1 / sqrt(D)), run on the ctx's
- * device; seg, the document ids, is read in place. */
+ * ctx's device, inputs of any strides): SDPA (q, k, v[, seg][, mask]) ->
+ * (out, lse) and SDPA_BACKWARD (grad_out, q, k, v, out, lse[, seg][,
+ * mask]) -> (dq, dk, dv), attrs i[0] causal, i[1] flags (1: the mask, 2:
+ * causal top-left), f[0] scale (<= 0: 1 / sqrt(D)), run on the ctx's
+ * device; seg, the document ids, and the mask are read in place. */
 epj_status ej_cuda_op_sdpa(epj_ctx *ctx, ej_call *c);
 epj_status ej_cuda_op_sdpa_backward(epj_ctx *ctx, ej_call *c);
 

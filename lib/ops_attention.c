@@ -32,7 +32,7 @@
  * sees no key gets out 0 and lse 0 (not -inf), as PyTorch's CPU flash
  * kernel gives, and no gradient.  The mask gets no gradient; SDPA_BACKWARD
  * takes it as its last input, with the same attrs.  The CUDA kernels
- * (kernels/tmpl_attention.c) refuse it.
+ * (templates/attention.cuh) take the mask and top-left alignment too.
  *
  * Kernels work per (b, head, block of QB queries) with two small GEMMs
  * (scores = scale q k^T, then P v) and an exact row softmax in between, in

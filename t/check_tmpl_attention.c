@@ -539,12 +539,51 @@ END_TEST
 
 /* ---- the eager adapters against the op table's CPU kernels -------------- */
 
-static ej_attrs sdpa_attrs(const cfg *c)
+/* flags: attr i[1] (1: a mask is the last input, 2: causal top-left) */
+static ej_attrs sdpa_attrs(const cfg *c, int flags)
 {
 	ej_attrs at = ej_attrs_none();
 	ej_attrs_push_i(&at, c->causal);
+	if (flags)
+		ej_attrs_push_i(&at, flags);
 	ej_attrs_push_f(&at, c->scale);
 	return at;
+}
+
+/* Masks of the adapter cases: none; additive f32; additive in q's dtype;
+ * i32 (0 hides). */
+enum { MK_NONE, MK_F32, MK_QDT, MK_I32 };
+
+/* A mask for c on ctx, broadcast over B and/or Hq when bcast has bit 1 /
+ * bit 2 (stride 0 there), strided over T and S (a transposed view): random
+ * values (additive: uniform in [-4, 4], about a third -inf; i32: about a third
+ * 0) and query row 0 fully hidden. */
+static epj_tensor *make_mask(epj_ctx *ctx, const cfg *c, int kind,
+			     epj_dtype qdt, int bcast)
+{
+	epj_dtype dt = kind == MK_I32	? EPJ_DTYPE_I32
+		       : kind == MK_F32 ? EPJ_DTYPE_F32
+					: qdt;
+	int64_t sh[4] = { bcast & 1 ? 1 : c->b, bcast & 2 ? 1 : c->hq, c->s,
+			  c->t };
+	int64_t n = sh[0] * sh[1] * sh[2] * sh[3];
+	double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
+	for (int64_t e = 0; e < n; e++) {
+		int64_t i = e % c->t; /* [.., S, T]: the query is the last */
+		bool hide = i == 0 || tu_randint(0, 3) == 0;
+		if (kind == MK_I32)
+			v[e] = hide ? 0 : 1;
+		else
+			v[e] = hide ? -INFINITY : tu_uniform(-4, 4);
+	}
+	epj_tensor *st = epj_zeros(ctx, dt, 4, sh);
+	tu_ok(ctx, st);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, st, v), EPJ_OK);
+	free(v);
+	epj_tensor *m = epj_transpose(ctx, st, 2, 3);
+	tu_ok(ctx, m);
+	epj_tensor_free(st);
+	return m;
 }
 
 static tol adapter_tol(epj_dtype dt, bool bw)
@@ -556,7 +595,7 @@ static tol adapter_tol(epj_dtype dt, bool bw)
 }
 
 static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
-			   epj_dtype dt)
+			   epj_dtype dt, int mk, bool top_left)
 {
 	int64_t qsh[4] = { c->b, c->hq, c->t, c->d };
 	int64_t ksh[4] = { c->b, c->hkv, c->s, c->d };
@@ -571,19 +610,25 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 	tu_ok(sim, k);
 	tu_ok(sim, v);
 	tu_ok(sim, go);
-	ej_attrs at = sdpa_attrs(c);
-	char what[256];
+	int flags = (mk != MK_NONE ? 1 : 0) | (top_left ? 2 : 0);
+	ej_attrs at = sdpa_attrs(c, flags);
+	epj_tensor *mask =
+	    mk != MK_NONE ? make_mask(sim, c, mk, dt, (int)tu_randint(0, 4)) : NULL;
+	char what[300];
 
 	/* forward: CPU kernel on the cpu context, the adapter on cuda-sim */
 	epj_tensor *co[2] = { ej_tensor_alloc(cpu, dt, 4, osh, false),
 			      ej_tensor_alloc(cpu, acc_dt(dt), 3, osh, false) };
 	epj_tensor *so[2] = { ej_tensor_alloc(sim, dt, 4, osh, false),
 			      ej_tensor_alloc(sim, acc_dt(dt), 3, osh, false) };
-	epj_tensor *in[3] = { q, k, v };
-	ej_call call = { EJ_OP_SDPA, &at, in, 3, co, 2 };
-	ck_assert_int_eq(ej_ops[EJ_OP_SDPA].cpu_kernel(cpu, &call), EPJ_OK);
+	epj_tensor *in[4] = { q, k, v, mask };
+	ej_call call = { EJ_OP_SDPA, &at, in, mask ? 4 : 3, co, 2 };
+	ck_assert_msg(ej_ops[EJ_OP_SDPA].cpu_kernel(cpu, &call) == EPJ_OK,
+		      "%s", epj_ctx_error(cpu));
 	call.out = so;
 	describe(what, sizeof what, c, dt, "ej_cuda_op_sdpa");
+	snprintf(what + strlen(what), sizeof what - strlen(what),
+		 " mask %d top_left %d", mk, (int)top_left);
 	ck_assert_msg(ej_cuda_op_sdpa(sim, &call) == EPJ_OK, "%s: %s", what,
 		      epj_ctx_error(sim));
 	tol ft = adapter_tol(dt, false);
@@ -596,18 +641,20 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 	tu_ok(sim, lse_nc);
 	epj_tensor *o_nc = tu_noncontig(sim, co[0]);
 	tu_ok(sim, o_nc);
-	epj_tensor *bin[6] = { go, q, k, v, o_nc, lse_nc };
+	epj_tensor *bin[7] = { go, q, k, v, o_nc, lse_nc, mask };
 	epj_tensor *cg[3], *sg[3];
 	const int64_t *gsh[3] = { qsh, ksh, vsh };
 	for (int i = 0; i < 3; i++) {
 		cg[i] = ej_tensor_alloc(cpu, dt, 4, gsh[i], false);
 		sg[i] = ej_tensor_alloc(sim, dt, 4, gsh[i], false);
 	}
-	ej_call bcall = { EJ_OP_SDPA_BACKWARD, &at, bin, 6, cg, 3 };
+	ej_call bcall = { EJ_OP_SDPA_BACKWARD, &at, bin, mask ? 7 : 6, cg, 3 };
 	ck_assert_int_eq(ej_ops[EJ_OP_SDPA_BACKWARD].cpu_kernel(cpu, &bcall),
 			 EPJ_OK);
 	bcall.out = sg;
 	describe(what, sizeof what, c, dt, "ej_cuda_op_sdpa_backward");
+	snprintf(what + strlen(what), sizeof what - strlen(what),
+		 " mask %d top_left %d", mk, (int)top_left);
 	ck_assert_msg(ej_cuda_op_sdpa_backward(sim, &bcall) == EPJ_OK, "%s: %s",
 		      what, epj_ctx_error(sim));
 	tol bt = adapter_tol(dt, true);
@@ -620,7 +667,7 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 	}
 	epj_tensor *all[] = { q,     k,	    v,	    go,	  co[0], co[1],
 			      so[0], so[1], lse_nc, o_nc, cg[0], cg[1],
-			      cg[2], sg[0], sg[1],  sg[2] };
+			      cg[2], sg[0], sg[1],  sg[2], mask };
 	for (size_t i = 0; i < LEN(all); i++)
 		epj_tensor_free(all[i]);
 }
@@ -646,7 +693,40 @@ START_TEST(test_adapters)
 		for (size_t i = 0; i < LEN(acases); i++)
 			if ((i + d) % 2 == 0 || dts[d] == EPJ_DTYPE_F32 ||
 			    i >= 4)
-				check_adapters(cpu, sim, &acases[i], dts[d]);
+				check_adapters(cpu, sim, &acases[i], dts[d],
+					       MK_NONE, false);
+	epj_ctx_free(sim);
+	epj_ctx_free(cpu);
+}
+END_TEST
+
+/* The adapters with a mask (f32, q's dtype, i32; broadcast over B, Hq or
+ * neither; read through strides; a row all hidden: out 0, lse 0, no
+ * gradient) and causal aligned top-left, against the op table's CPU
+ * kernels.  _i: the dtype (f32, bf16 on tensor cores, f64). */
+START_TEST(test_adapters_mask)
+{
+	epj_ctx *cpu = tu_ctx(), *sim = NULL;
+	ck_assert_int_eq(epj_ctx_new("cuda-sim", &sim), EPJ_OK);
+	epj_ctx_seed(sim, tu_seed() + 11);
+	static const cfg mcases[] = {
+		{ 2, 4, 2, 17, 17, 8, 8, true, 0 },
+		{ 1, 6, 2, 7, 37, 24, 16, true, 0.25 },
+		{ 1, 3, 3, 37, 9, 16, 16, true, 0 },
+		{ 2, 2, 1, 5, 70, 32, 24, false, 0 },
+		{ 1, 2, 2, 66, 66, 16, 16, true, 0 },
+	};
+	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					 EPJ_DTYPE_F64 };
+	epj_dtype dt = dts[_i];
+	for (size_t i = 0; i < LEN(mcases); i++) {
+		int mk = (int)(i + (size_t)_i) % 3 + 1;
+		check_adapters(cpu, sim, &mcases[i], dt, mk, false);
+		/* top-left causal, with and without a mask */
+		if (mcases[i].causal)
+			check_adapters(cpu, sim, &mcases[i], dt,
+				       i % 2 ? MK_NONE : MK_I32, true);
+	}
 	epj_ctx_free(sim);
 	epj_ctx_free(cpu);
 }
@@ -758,29 +838,26 @@ START_TEST(test_errors)
 	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &c), EPJ_ERR_UNSUPPORTED);
 	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
 			    TU_STRS("sdpa", "output 0", "contiguous"));
-	/* an additive mask, and causal top-left with T != S: refused */
-	int64_t msh[4] = { 1, 1, 3, 3 }, k2sh[4] = { 1, 1, 4, 8 };
-	epj_tensor *mask = tu_randn(ctx, EPJ_DTYPE_F32, 4, msh);
-	epj_tensor *k2 = tu_randn(ctx, EPJ_DTYPE_F32, 4, k2sh);
+	/* a mask of a dtype the op refuses (the op's own check), and a host
+	 * API mask dtype that is neither q's, f32 nor i32 */
+	int64_t msh[4] = { 1, 1, 3, 3 };
+	epj_tensor *mask = epj_zeros(ctx, EPJ_DTYPE_I64, 4, msh);
 	epj_tensor *min[4] = { q, q, q, mask };
 	ej_attrs mat = ej_attrs_none();
 	ej_attrs_push_i(&mat, 0);
 	ej_attrs_push_i(&mat, 1);
 	outs[0] = out;
 	ej_call mc = { EJ_OP_SDPA, &mat, min, 4, outs, 2 };
-	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &mc), EPJ_ERR_UNSUPPORTED);
-	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
-			    TU_STRS("sdpa", "additive attention mask"));
-	epj_tensor *tin[3] = { q, k2, k2 };
-	ej_attrs tat = ej_attrs_none();
-	ej_attrs_push_i(&tat, 1);
-	ej_attrs_push_i(&tat, 2);
-	ej_call tc = { EJ_OP_SDPA, &tat, tin, 3, outs, 2 };
-	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &tc), EPJ_ERR_UNSUPPORTED);
-	tu_assert_ctx_error(sim, EPJ_ERR_UNSUPPORTED,
-			    TU_STRS("sdpa", "top-left"));
+	ck_assert_int_eq(ej_cuda_op_sdpa(sim, &mc), EPJ_ERR_DTYPE);
+	tu_assert_ctx_error(sim, EPJ_ERR_DTYPE, TU_STRS("sdpa", "mask"));
+	ej_attn_shape bad = m;
+	bad.mask = buf;
+	bad.mask_dt = EPJ_DTYPE_BF16;
+	st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &bad, &o,
+				   &o, &o, buf, buf);
+	ck_assert_int_eq(st, EPJ_ERR_DTYPE);
+	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("mask", "bf16"));
 	epj_tensor_free(mask);
-	epj_tensor_free(k2);
 	epj_tensor_free(out_nc);
 	epj_ctx_free(sim);
 	epj_tensor_free(q);
@@ -804,6 +881,7 @@ Suite *make_tmpl_attention_suite(void)
 	tcase_add_test(tc, test_bf16_tc);
 	tcase_add_test(tc, test_docs);
 	tcase_add_test(tc, test_adapters);
+	tcase_add_loop_test(tc, test_adapters_mask, 0, 3);
 	tcase_add_test(tc, test_errors);
 	tcase_add_test(tc, test_nvrtc_variants);
 	suite_add_tcase(s, tc);

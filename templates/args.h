@@ -64,6 +64,15 @@ struct ej_attn_args {
 	 * then [B, Hq, S, Dv] dv; NULL: written to grad_k/grad_v) */
 	int part;
 	void *kv_part;
+	/* key j is hidden from query i when j > i + coff under the causal
+	 * mask (S - T: bottom-right; 0: top-left) */
+	int coff;
+	/* a mask read through element strides mks (0 on broadcast dims),
+	 * NULL: none; mdt 0 f32, 1 bf16, 2 f64 (added to the scaled scores),
+	 * 3 i32 (0 hides the key) */
+	const void *mask;
+	long long mks[4];
+	int mdt;
 };
 
 /* ---- templates/moe.cuh ---- */

@@ -6,11 +6,14 @@
  *   q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]; query head h reads
  *   kv head h / (Hq / Hkv).  Outputs are contiguous: out [B, Hq, T, Dv] in
  *   the inputs' dtype, lse [B, Hq, T] in the compute type; dq, dk, dv shaped
- *   like q, k, v.  Causal masks key j of query i when j > i + (S - T)
- *   (bottom-right aligned); a query that sees no key gets out 0, lse -inf,
- *   dq 0, as the CPU op gives.  With document ids seg [B, S] (T == S; i64
- *   or i32, any strides) key j is also hidden from query i when
- *   seg[b, j] != seg[b, i]: packed documents do not see each other.
+ *   like q, k, v.  Causal masks key j of query i when j > i + coff (coff
+ *   = S - T: bottom-right aligned; 0: top-left); a query that sees no key
+ *   gets out 0, lse -inf, dq 0, as the CPU op gives.  With document ids
+ *   seg [B, S] (T == S; i64 or i32, any strides) key j is also hidden from
+ *   query i when seg[b, j] != seg[b, i]: packed documents do not see each
+ *   other.  A mask (any strides, 0 on broadcast dims) is added to the
+ *   scaled scores (f32, bf16, f64) or hides the keys where it is 0 (i32);
+ *   with a mask a query that sees no key gets lse 0, as the CPU op.
  *
  * Types: EJ_ATTN_DT 0 = f32, 1 = bf16 (storage; math in f32), 2 = f64 (math
  * in f64).  EJ_ATTN_DL = ceil(max(D, Dv) / 32): head dims up to 32 * DL are
@@ -162,7 +165,7 @@ EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
 		return 0;
 	if (!a.causal)
 		return a.s;
-	int e = i + 1 + a.s - a.t;
+	int e = i + 1 + a.coff;
 	return e < 0 ? 0 : (e > a.s ? a.s : e);
 }
 
@@ -178,6 +181,28 @@ EJ_D bool ej_at_same_doc(const struct ej_attn_args &a, int b, int i, int j)
 		return ((const long long *)a.seg)[oi] ==
 		       ((const long long *)a.seg)[oj];
 	return ((const int *)a.seg)[oi] == ((const int *)a.seg)[oj];
+}
+
+/* The mask of query i, key j of (b, h): what the scaled score adds (0
+ * where an i32 mask is nonzero, -inf where it is 0).  Only with a.mask. */
+EJ_D ej_at_acc ej_at_mask(const struct ej_attn_args &a, int b, int h, int i,
+			  int j)
+{
+	long long o = (long long)b * a.mks[0] + (long long)h * a.mks[1] +
+		      (long long)i * a.mks[2] + (long long)j * a.mks[3];
+	if (a.mdt == 3)
+		return ((const int *)a.mask)[o] ? (ej_at_acc)0 : EJ_AT_NINF;
+	if (a.mdt == 2)
+		return (ej_at_acc)((const double *)a.mask)[o];
+	if (a.mdt == 1)
+		return (ej_at_acc)ej_bf2f(((const ej_bf16 *)a.mask)[o]);
+	return (ej_at_acc)((const float *)a.mask)[o];
+}
+
+/* The lse of a query that sees no key: -inf, or 0 with a mask. */
+EJ_D ej_at_acc ej_at_empty_lse(const struct ej_attn_args &a)
+{
+	return a.mask ? (ej_at_acc)0 : EJ_AT_NINF;
 }
 
 EJ_D long long ej_at_off(const long long *st, int b, int h, int i, int c)
@@ -274,6 +299,9 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 				for (int c = 0; c < D; c++)
 					dot += qr[c] * kr[c];
 				sc = dot;
+				if (a.mask)
+					sc += ej_at_mask(a, b, h, i0 + r,
+							 k0 + lane);
 			}
 			ej_at_acc mn = ej_at_wmax(sc);
 			mn = m[rr] > mn ? m[rr] : mn;
@@ -319,7 +347,8 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 		}
 		if (lane == 0)
 			((ej_at_acc *)a.lse)[row] =
-			    any ? m[rr] + EJ_AT_LOG(l[rr]) : ninf;
+			    any ? m[rr] + EJ_AT_LOG(l[rr])
+				: ej_at_empty_lse(a);
 	}
 }
 
@@ -388,6 +417,9 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 					s += qr[c] * kr[c];
 				for (int c = 0; c < DV; c++)
 					dp += gr[c] * vr[c];
+				if (a.mask)
+					s += ej_at_mask(a, b, h, i0 + r,
+							k0 + lane);
 				ds = EJ_AT_EXP(s - lse[rr]) * (dp - di[rr]);
 			}
 			if (lane < BK)
@@ -451,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 			dk[kk][c] = dv[kk][c] = 0;
 	}
 	/* the first query that sees key j0 */
-	int imin = a.causal ? j0 - (a.s - a.t) : 0;
+	int imin = a.causal ? j0 - a.coff : 0;
 	if (imin < 0)
 		imin = 0;
 	for (int hh = 0; hh < rep; hh++) {
@@ -494,6 +526,9 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_AT_MINB)
 						s += qr[c] * kr[c];
 					for (int c = 0; c < DV; c++)
 						dp += gr[c] * vr[c];
+					if (a.mask)
+						s += ej_at_mask(a, b, h, q0 + r,
+								j0 + jj);
 					p = EJ_AT_EXP(s - lses[r]);
 					ds = p * (dp - dis[r]);
 				}
@@ -689,8 +724,8 @@ EJ_D float ej_tc_qsum(float v)
  * lane, keys k0 + 8 nt + 2 (lane % 4) + {0, 1}) is masked and scaled, m and
  * l are updated, o is rescaled and s becomes P. */
 EJ_D void ej_tc_softmax(const struct ej_attn_args &a, float (*s)[4],
-			float (*o)[4], float *m, float *l, int b, int i, int k0,
-			const int *ke, int lane)
+			float (*o)[4], float *m, float *l, int b, int h, int i,
+			int k0, const int *ke, int lane)
 {
 	const float ninf = -ej_inf_f(), scale = (float)a.scale;
 	float mx[2] = { ninf, ninf };
@@ -702,6 +737,8 @@ EJ_D void ej_tc_softmax(const struct ej_attn_args &a, float (*s)[4],
 		bool vis = j < ke[rw] &&
 			   (!a.seg || ej_at_same_doc(a, b, i + 8 * rw, j));
 		float x = vis ? s[nt][e] * scale : ninf;
+		if (vis && a.mask)
+			x += ej_at_mask(a, b, h, i + 8 * rw, j);
 		s[nt][e] = x;
 		mx[rw] = x > mx[rw] ? x : mx[rw];
 	}
@@ -765,7 +802,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
 		__syncthreads();
 		ej_tc_qk(s, qs + 16 * w * ldq, ks, ldq, nkd, lane);
-		ej_tc_softmax(a, s, o, m, l, b, i, k0, ke, lane);
+		ej_tc_softmax(a, s, o, m, l, b, h, i, k0, ke, lane);
 		ej_tc_pv(o, s, vs, ldv, nvo, lane);
 	}
 	EJ_AT_UNROLL
@@ -783,7 +820,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		}
 		if ((lane & 3) == 0)
 			((float *)a.lse)[row] =
-			    l[rw] > 0 ? m[rw] + logf(l[rw]) : -ej_inf_f();
+			    l[rw] > 0 ? m[rw] + logf(l[rw]) : ej_at_empty_lse(a);
 	}
 }
 
@@ -863,7 +900,11 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 			float ds = 0;
 			if (j < ke[rw] && ej_at_finite(lse[rw]) &&
 			    (!a.seg || ej_at_same_doc(a, b, i + 8 * rw, j)))
-				ds = expf(s[nt][e] * scale - lse[rw]) *
+				ds = expf(s[nt][e] * scale +
+					  (a.mask ? ej_at_mask(a, b, h,
+							       i + 8 * rw, j)
+						  : 0.0f) -
+					  lse[rw]) *
 				     (dp[nt][e] - di[rw]);
 			s[nt][e] = ds;
 		}
@@ -891,7 +932,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 EJ_D void ej_tc_kv_tile(const struct ej_attn_args &a, float (*acc)[4],
 			const ej_bf16 *kw, const ej_bf16 *vw, const ej_bf16 *qs,
 			const ej_bf16 *gos, const float *lses, const float *dis,
-			int b, int j, int q0, int lane)
+			int b, int h, int j, int q0, int lane)
 {
 	const int ldq = ej_tc_ld(a.d), ldv = ej_tc_ld(a.dv);
 	const int nkd = (a.d + 15) / 16, nkv = (a.dv + 15) / 16;
@@ -908,7 +949,10 @@ EJ_D void ej_tc_kv_tile(const struct ej_attn_args &a, float (*acc)[4],
 		float x = 0;
 		if (jj < ej_at_kend(a, q0 + r) && ej_at_finite(lses[r]) &&
 		    (!a.seg || ej_at_same_doc(a, b, q0 + r, jj))) {
-			x = expf(s[nt][e] * (float)a.scale - lses[r]);
+			x = expf(s[nt][e] * (float)a.scale +
+				 (a.mask ? ej_at_mask(a, b, h, q0 + r, jj)
+					 : 0.0f) -
+				 lses[r]);
 			if (a.part)
 				x *= dp[nt][e] - dis[r];
 		}
@@ -949,7 +993,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 	EJ_AT_UNROLL
 	for (int nt = 0; nt < EJ_TC_NO; nt++)
 		acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
-	int imin = a.causal ? j0 - (a.s - a.t) : 0; /* first query seeing j0 */
+	int imin = a.causal ? j0 - a.coff : 0; /* first query seeing j0 */
 	for (int q0 = imin < 0 ? 0 : imin; q0 < a.t; q0 += EJ_TC_BK) {
 		__syncthreads(); /* the previous tile is consumed */
 		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
@@ -972,7 +1016,7 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		}
 		__syncthreads();
 		ej_tc_kv_tile(a, acc, ks + 16 * w * ldq, vs + 16 * w * ldv, qs,
-			      gos, lses, dis, b, j, q0, lane);
+			      gos, lses, dis, b, h, j, q0, lane);
 	}
 	const int W = a.part ? D : DV;
 	const float mul = a.part ? (float)a.scale : 1.0f;
