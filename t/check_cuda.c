@@ -1729,8 +1729,8 @@ START_TEST(test_ctx_stream_join)
 	size_t bytes = (size_t)n * 4;
 	epj_ctx *cpu = tu_ctx();
 	epj_tensor *hx = tu_randn(cpu, EPJ_DTYPE_F32, 2, sh);
-	epj_tensor *own = epj_tensor_from_data(g, EPJ_DTYPE_F32, 2, sh,
-					       epj_tensor_data(hx));
+	epj_tensor *own =
+	    epj_tensor_from_data(g, EPJ_DTYPE_F32, 2, sh, epj_tensor_data(hx));
 	tu_ok(g, own);
 	void *xa = epj_tensor_address(own);
 	ck_assert_ptr_nonnull(xa);

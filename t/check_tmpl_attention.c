@@ -613,7 +613,8 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 	int flags = (mk != MK_NONE ? 1 : 0) | (top_left ? 2 : 0);
 	ej_attrs at = sdpa_attrs(c, flags);
 	epj_tensor *mask =
-	    mk != MK_NONE ? make_mask(sim, c, mk, dt, (int)tu_randint(0, 4)) : NULL;
+	    mk != MK_NONE ? make_mask(sim, c, mk, dt, (int)tu_randint(0, 4))
+			  : NULL;
 	char what[300];
 
 	/* forward: CPU kernel on the cpu context, the adapter on cuda-sim */
@@ -623,8 +624,8 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 			      ej_tensor_alloc(sim, acc_dt(dt), 3, osh, false) };
 	epj_tensor *in[4] = { q, k, v, mask };
 	ej_call call = { EJ_OP_SDPA, &at, in, mask ? 4 : 3, co, 2 };
-	ck_assert_msg(ej_ops[EJ_OP_SDPA].cpu_kernel(cpu, &call) == EPJ_OK,
-		      "%s", epj_ctx_error(cpu));
+	ck_assert_msg(ej_ops[EJ_OP_SDPA].cpu_kernel(cpu, &call) == EPJ_OK, "%s",
+		      epj_ctx_error(cpu));
 	call.out = so;
 	describe(what, sizeof what, c, dt, "ej_cuda_op_sdpa");
 	snprintf(what + strlen(what), sizeof what - strlen(what),
@@ -665,8 +666,8 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 		tu_assert_tensors_close(cpu, sg[i], cg[i], bt.rtol, bt.atol,
 					w2);
 	}
-	epj_tensor *all[] = { q,     k,	    v,	    go,	  co[0], co[1],
-			      so[0], so[1], lse_nc, o_nc, cg[0], cg[1],
+	epj_tensor *all[] = { q,     k,	    v,	    go,	   co[0], co[1],
+			      so[0], so[1], lse_nc, o_nc,  cg[0], cg[1],
 			      cg[2], sg[0], sg[1],  sg[2], mask };
 	for (size_t i = 0; i < LEN(all); i++)
 		epj_tensor_free(all[i]);
@@ -853,8 +854,8 @@ START_TEST(test_errors)
 	ej_attn_shape bad = m;
 	bad.mask = buf;
 	bad.mask_dt = EPJ_DTYPE_BF16;
-	st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &bad, &o,
-				   &o, &o, buf, buf);
+	st = ej_tmpl_attention_fwd(ctx, "cuda-sim", EPJ_DTYPE_F32, &bad, &o, &o,
+				   &o, buf, buf);
 	ck_assert_int_eq(st, EPJ_ERR_DTYPE);
 	tu_assert_ctx_error(ctx, EPJ_ERR_DTYPE, TU_STRS("mask", "bf16"));
 	epj_tensor_free(mask);
