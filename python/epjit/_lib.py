@@ -190,11 +190,13 @@ def contexts():
     return dict(_ctxs)
 
 
-def counters_raw():
+def counters_raw(device=None):
     """All counters of the contexts as {name: value} (summed over
-    devices)."""
+    devices), or of the context on `device` alone ({} when none)."""
     out = {}
-    for ctx in _ctxs.values():
+    ctxs = _ctxs.values() if device is None else \
+        [c for d, c in _ctxs.items() if d == device]
+    for ctx in ctxs:
         snap = lib.epj_counters_snapshot(ctx)
         if not snap:
             continue
