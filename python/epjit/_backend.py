@@ -11,7 +11,6 @@ import os
 import threading
 import warnings
 
-import numpy as np
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
@@ -113,6 +112,7 @@ def _to_torch(handle, dtype, device):
         t = torch.as_tensor(_CudaOwner(handle, ptr, shape, strides, dt),
                             device=device)
     else:
+        import numpy as np  # CPU outputs only: a GPU-only venv may lack it
         t = torch.from_numpy(np.asarray(
             _Owner(handle, ptr, shape, strides, dt)))
     if dt == _lib.BF16:
