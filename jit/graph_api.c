@@ -403,6 +403,58 @@ epj_status epj_graph_run(epj_ctx *ctx, epj_graph *g, epj_tensor *const *in,
 	return st;
 }
 
+epj_status epj_graph_run_data(epj_ctx *ctx, epj_graph *g, void *const *in_data,
+			      int n_in, epj_tensor **out, int n_out,
+			      int64_t *desc)
+{
+	for (int j = 0; j < n_out; j++)
+		out[j] = NULL;
+	if (n_in != g->n_inputs)
+		return ej_error(ctx, EPJ_ERR_INVALID,
+				"graph: run with %d inputs, the graph has %d",
+				n_in, g->n_inputs);
+	epj_tensor *stack[16] = { 0 };
+	epj_tensor **in = n_in <= 16 ? stack : calloc((size_t)n_in, sizeof *in);
+	if (!in)
+		return ej_error(ctx, EPJ_ERR_NOMEM, "graph: out of memory");
+	epj_status st = EPJ_OK;
+	int made = 0;
+	for (; made < n_in && st == EPJ_OK; made++) {
+		const graph_input *d = &g->inputs[made];
+		in[made] = epj_tensor_borrow(ctx, d->dtype, d->ndim, d->shape,
+					     in_data[made]);
+		if (!in[made]) {
+			ej_error_prefix(ctx, "graph: run: input %d", made);
+			st = epj_ctx_status(ctx);
+		}
+	}
+	if (st == EPJ_OK)
+		st = epj_graph_run(ctx, g, in, n_in, out, n_out);
+	for (int j = 0; st == EPJ_OK && desc && j < n_out; j++) {
+		int64_t *r = desc + (size_t)j * EPJ_GRAPH_DESC;
+		const epj_tensor *t = out[j];
+		memset(r, 0, sizeof(int64_t) * EPJ_GRAPH_DESC);
+		r[0] = t->storage && t->storage->data
+			   ? (int64_t)(intptr_t)ej_data(t)
+			   : 0;
+		r[1] = t->dtype;
+		r[2] = t->ndim;
+		r[3] = -1;
+		for (int i = 0; i < n_in && r[3] < 0; i++)
+			if (t->storage && t->storage == in[i]->storage)
+				r[3] = i;
+		for (int d = 0; d < t->ndim; d++) {
+			r[4 + d] = t->shape[d];
+			r[4 + EPJ_MAX_DIMS + d] = t->stride[d];
+		}
+	}
+	for (int i = 0; i < made; i++)
+		epj_tensor_free(in[i]);
+	if (in != stack)
+		free(in);
+	return st;
+}
+
 epj_status epj_debug_dump(epj_ctx *ctx)
 {
 	const char *dir = ej_debug_dump_dir();

@@ -402,6 +402,19 @@ epj_status epj_graph_compile(epj_ctx *ctx, epj_compiler *c, epj_graph *g);
  * EPJ_ERR_SHAPE); out[n_out] receive new references (library memory). */
 epj_status epj_graph_run(epj_ctx *ctx, epj_graph *g, epj_tensor *const *in,
 			 int n_in, epj_tensor **out, int n_out);
+/* epj_graph_run on the caller's memory in one call, for bindings where a
+ * call costs (Python): in_data[n_in] are the inputs' addresses (device
+ * pointers on cuda), dense row-major in the dtypes and shapes the graph
+ * declared, borrowed for the run (NULL only for an input without
+ * elements).  out[n_out] as epj_graph_run.  With desc (n_out rows of
+ * EPJ_GRAPH_DESC int64): per output [0] the address of element 0 (0 when
+ * it has no storage), [1] its dtype, [2] its rank, [3] the input whose
+ * memory it views (its storage is that input's; -1: memory of its own),
+ * [4 + d] its shape, [4 + EPJ_MAX_DIMS + d] its strides (elements). */
+#define EPJ_GRAPH_DESC (4 + 2 * EPJ_MAX_DIMS)
+epj_status epj_graph_run_data(epj_ctx *ctx, epj_graph *g, void *const *in_data,
+			      int n_in, epj_tensor **out, int n_out,
+			      int64_t *desc);
 /* With EPJIT_DEBUG_DUMP set, writes the context's counters to
  * $EPJIT_DEBUG_DUMP/counters.json (else does nothing). */
 epj_status epj_debug_dump(epj_ctx *ctx);

@@ -169,6 +169,107 @@ START_TEST(graph_matches_eager)
 }
 END_TEST
 
+/* epj_graph_run_data: the inputs' addresses in, the outputs and their
+ * descriptions out in one call.  An output that views an input (a reshape
+ * of x, a transpose of w) names that input and lies in its memory; a
+ * computed one names none; shapes, strides, dtypes and values as
+ * epj_graph_run gives them.  A wrong input count and NULL data for an
+ * input with elements are errors. */
+START_TEST(graph_run_data)
+{
+	epj_ctx *ctx = tu_ctx();
+	epj_compiler *c = NULL;
+	ck_assert_int_eq(epj_compiler_new(ctx, NULL, &c), EPJ_OK);
+	int64_t rows = tu_randint(1, 6), cols = 2 * tu_randint(1, 9) + 1;
+	int64_t xs[3] = { rows, 3, cols }, ws[2] = { 5, cols };
+	epj_graph *g = NULL;
+	ck_assert_int_eq(epj_graph_new(ctx, &g), EPJ_OK);
+	int x, w, h, y, r, t;
+	ck_assert_int_eq(epj_graph_input(ctx, g, EPJ_DTYPE_F32, 3, xs, &x),
+			 EPJ_OK);
+	ck_assert_int_eq(epj_graph_input(ctx, g, EPJ_DTYPE_F32, 2, ws, &w),
+			 EPJ_OK);
+	int xw[2] = { x, w };
+	ck_assert_int_eq(
+	    epj_graph_node(ctx, g, "linear", xw, 2, NULL, 0, NULL, 0, 1, &h),
+	    EPJ_OK);
+	ck_assert_int_eq(
+	    epj_graph_node(ctx, g, "silu", &h, 1, NULL, 0, NULL, 0, 1, &y),
+	    EPJ_OK);
+	int64_t flat[2] = { rows * 3, cols }, sw[2] = { 0, 1 };
+	ck_assert_int_eq(
+	    epj_graph_node(ctx, g, "reshape", &x, 1, flat, 2, NULL, 0, 1, &r),
+	    EPJ_OK);
+	ck_assert_int_eq(
+	    epj_graph_node(ctx, g, "transpose", &w, 1, sw, 2, NULL, 0, 1, &t),
+	    EPJ_OK);
+	int outs_v[3] = { y, r, t };
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(epj_graph_output(ctx, g, outs_v[i]), EPJ_OK);
+	ck_assert_msg(epj_graph_compile(ctx, c, g) == EPJ_OK, "%s",
+		      epj_ctx_error(ctx));
+	float *bx = random_buf(rows * 3 * cols), *bw = random_buf(5 * cols);
+	void *data[2] = { bx, bw };
+	epj_tensor *out[3], *ref[3];
+	int64_t desc[3 * EPJ_GRAPH_DESC];
+	ck_assert_msg(epj_graph_run_data(ctx, g, data, 2, out, 3, desc) ==
+			  EPJ_OK,
+		      "%s", epj_ctx_error(ctx));
+	epj_tensor *in[2] = { epj_tensor_borrow(ctx, EPJ_DTYPE_F32, 3, xs, bx),
+			      epj_tensor_borrow(ctx, EPJ_DTYPE_F32, 2, ws,
+						bw) };
+	ck_assert_int_eq(epj_graph_run(ctx, g, in, 2, ref, 3), EPJ_OK);
+	static const int views[3] = { -1, 0, 1 };
+	for (int j = 0; j < 3; j++) {
+		const int64_t *d = desc + j * EPJ_GRAPH_DESC;
+		char what[64];
+		snprintf(what, sizeof what, "output %d", j);
+		tu_assert_tensors_close(ctx, out[j], ref[j], 0, 0, what);
+		ck_assert_int_eq(d[0],
+				 (int64_t)(intptr_t)epj_tensor_data(out[j]));
+		ck_assert_int_eq(d[1], EPJ_DTYPE_F32);
+		ck_assert_int_eq(d[2], epj_tensor_ndim(out[j]));
+		ck_assert_int_eq(d[3], views[j]);
+		for (int k = 0; k < d[2]; k++) {
+			ck_assert_int_eq(d[4 + k], epj_tensor_dim(out[j], k));
+			ck_assert_int_eq(d[4 + EPJ_MAX_DIMS + k],
+					 epj_tensor_strides(out[j])[k]);
+		}
+	}
+	/* the views lie in the caller's memory, the computed output not */
+	ck_assert_int_eq(desc[EPJ_GRAPH_DESC], (int64_t)(intptr_t)bx);
+	ck_assert_int_eq(desc[2 * EPJ_GRAPH_DESC], (int64_t)(intptr_t)bw);
+	ck_assert_int_eq(desc[2 * EPJ_GRAPH_DESC + 4 + EPJ_MAX_DIMS], 1);
+	ck_assert_int_eq(desc[2 * EPJ_GRAPH_DESC + 5 + EPJ_MAX_DIMS], cols);
+	uintptr_t y0 = (uintptr_t)desc[0];
+	ck_assert(y0 + 4 <= (uintptr_t)bx ||
+		  y0 >= (uintptr_t)(bx + rows * 3 * cols));
+	/* errors */
+	epj_tensor *bad[3] = { NULL, NULL, NULL };
+	ck_assert_int_eq(epj_graph_run_data(ctx, g, data, 1, bad, 3, desc),
+			 EPJ_ERR_INVALID);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "1 inputs"));
+	epj_ctx_clear_error(ctx);
+	void *nodata[2] = { bx, NULL };
+	ck_assert_int_ne(epj_graph_run_data(ctx, g, nodata, 2, bad, 3, NULL),
+			 EPJ_OK);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "input 1"));
+	ck_assert_ptr_null(bad[0]);
+	epj_ctx_clear_error(ctx);
+	for (int j = 0; j < 3; j++) {
+		epj_tensor_free(out[j]);
+		epj_tensor_free(ref[j]);
+	}
+	epj_tensor_free(in[0]);
+	epj_tensor_free(in[1]);
+	free(bx);
+	free(bw);
+	epj_graph_free(g);
+	epj_compiler_free(c);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* Two graphs of the same description (weights are inputs, so the data
  * differs but not the graph) compile once: the second finds the first by
  * signature. */
@@ -371,6 +472,7 @@ Suite *make_graph_api_suite(void)
 	tcase_add_test(tc, borrow_in_place);
 	tcase_add_test(tc, borrow_bad_args);
 	tcase_add_test(tc, graph_matches_eager);
+	tcase_add_test(tc, graph_run_data);
 	tcase_add_test(tc, identical_graphs_share);
 	tcase_add_test(tc, graph_bad_input);
 	tcase_add_test(tc, graph_solve_triangular);

@@ -91,23 +91,15 @@ class _CudaOwner:
     __del__ = _Owner.__del__
 
 
-def _dims(handle):
-    """The shape and strides of the epjit tensor `handle`, as lists."""
+def _to_torch(handle, dtype, device, desc):
+    """A torch tensor on device viewing the epjit tensor `handle` (desc:
+    its address, epjit dtype, shape and strides; no copy); owns the
+    reference."""
     L = _lib.lib
-    nd = L.epj_tensor_ndim(handle)
-    return L.epj_tensor_shape(handle)[:nd], L.epj_tensor_strides(handle)[:nd]
-
-
-def _to_torch(handle, dtype, device):
-    """A torch tensor on device viewing the epjit tensor `handle` (no
-    copy); owns the reference."""
-    L = _lib.lib
-    dt = L.epj_tensor_dtype(handle)
-    shape, strides = _dims(handle)
+    ptr, dt, shape, strides = desc
     if 0 in shape:
         L.epj_tensor_free(handle)
         return torch.empty(shape, dtype=dtype, device=device)
-    ptr = L.epj_tensor_address(handle)
     if device.type == "cuda":
         t = torch.as_tensor(_CudaOwner(handle, ptr, shape, strides, dt),
                             device=device)
@@ -132,12 +124,13 @@ def _memory_order(val):
     return order if val.permute(order).is_contiguous() else None
 
 
-def _view_of(handle, base):
+def _view_of(handle, base, desc):
     """The torch view of base that the epjit tensor `handle` (a view of
-    base's borrowed memory) is; drops the reference."""
+    base's borrowed memory; desc: its address, shape and strides) is;
+    drops the reference."""
     L = _lib.lib
-    shape, strides = _dims(handle)
-    off = (L.epj_tensor_address(handle) or 0) - base.data_ptr()
+    ptr, shape, strides = desc
+    off = ptr - base.data_ptr() if ptr else 0
     L.epj_tensor_free(handle)
     size = base.element_size()
     if off % size:
@@ -416,64 +409,60 @@ class EpjitGraph(torch.nn.Module):
         the work queued on torch's current stream, and torch's later work
         after them."""
         L = _lib.lib
-        ins, keep = [], []
+        keep = []
         n_in = len(args)
-        handles = (ctypes.c_void_p * max(1, n_in))()
         stream = None
         if self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device).cuda_stream
             _lib.check(self.ctx, L.epj_ctx_wait_stream(self.ctx, stream),
                        "epjit: waiting for torch's stream")
-        try:
-            for i, a in enumerate(args):
-                if self.orders[i]:
-                    a = a.permute(self.orders[i])
-                if a.dtype == torch.bool:  # epjit's bool is int32 0 / 1
-                    a = a.to(torch.int32)
-                    stats["input_copies"] += 1
-                if not a.is_contiguous():
-                    a = a.contiguous()
-                    stats["input_copies"] += 1
-                keep.append(a)
-                shape = (ctypes.c_int64 * max(1, a.dim()))(*a.shape)
-                h = L.epj_tensor_borrow(self.ctx, lower.DTYPES[a.dtype],
-                                        a.dim(), shape, a.data_ptr())
-                if not h:
-                    _lib.check(self.ctx, 1, "epj_tensor_borrow")
-                handles[i] = h
-                ins.append(h)
-            outs = (ctypes.c_void_p * max(1, self.n_out))()
-            if self.n_out:
-                st = L.epj_graph_run(self.ctx, self.graph, handles, n_in,
-                                     outs, self.n_out)
-                _lib.check(self.ctx, st, "epjit run")
-                if stream is not None:
-                    _lib.check(self.ctx,
-                               L.epj_stream_wait_ctx(self.ctx, stream),
-                               "epjit: ordering torch's stream")
-            res = []
-            # the memory of each input (dense now): an output whose data
-            # lies in it is a view of that input (the memory is torch's:
-            # epjit's allocations are never inside it)
-            spans = [(a.data_ptr(), a.data_ptr() + a.numel() *
-                      a.element_size()) for a in keep]
-            for j in range(self.n_out):
-                h = outs[j]
-                p = L.epj_tensor_address(h) or 0
-                src = [i for i, (lo, hi) in enumerate(spans) if lo <= p < hi]
-                if not src and L.epj_tensor_numel(h) == 0:  # no data to see
-                    src = [i for i, x in enumerate(ins)
-                           if L.epj_tensor_shares_storage(h, x)]
-                if src:  # a view of torch's input: the same view in torch
-                    t = _view_of(h, keep[src[0]])
-                else:
-                    t = _to_torch(h, self.out_dtypes[j], self.device)
-                if self.out_dtypes[j] == torch.bool:
-                    t = t.to(torch.bool)
-                res.append(t)
-        finally:
-            for h in ins:
-                L.epj_tensor_free(h)
+        for i, a in enumerate(args):
+            if self.orders[i]:
+                a = a.permute(self.orders[i])
+            if a.dtype == torch.bool:  # epjit's bool is int32 0 / 1
+                a = a.to(torch.int32)
+                stats["input_copies"] += 1
+            if not a.is_contiguous():
+                a = a.contiguous()
+                stats["input_copies"] += 1
+            keep.append(a)
+        # one call: the inputs' addresses in, the outputs' descriptions out
+        ptrs = (ctypes.c_void_p * max(1, n_in))(
+            *[a.data_ptr() for a in keep])
+        outs = (ctypes.c_void_p * max(1, self.n_out))()
+        res = []
+        if self.n_out:
+            W = _lib.GRAPH_DESC
+            desc = (ctypes.c_int64 * (W * self.n_out))()
+            st = L.epj_graph_run_data(self.ctx, self.graph, ptrs, n_in,
+                                      outs, self.n_out, desc)
+            _lib.check(self.ctx, st, "epjit run")
+            if stream is not None:
+                _lib.check(self.ctx, L.epj_stream_wait_ctx(self.ctx, stream),
+                           "epjit: ordering torch's stream")
+            d = desc[:]
+            j = 0
+            try:
+                for j in range(self.n_out):
+                    r = d[W * j:W * (j + 1)]
+                    nd = r[2]
+                    shape = r[4:4 + nd]
+                    strides = r[4 + _lib.MAX_DIMS:4 + _lib.MAX_DIMS + nd]
+                    if r[3] >= 0:  # a view of torch's input: the same
+                        t = _view_of(outs[j], keep[r[3]],
+                                     (r[0], shape, strides))
+                    else:
+                        t = _to_torch(outs[j], self.out_dtypes[j],
+                                      self.device,
+                                      (r[0], r[1], shape, strides))
+                    outs[j] = None  # owned by t now
+                    if self.out_dtypes[j] == torch.bool:
+                        t = t.to(torch.bool)
+                    res.append(t)
+            finally:  # an error on the way: the rest are not leaked
+                for k in range(j, self.n_out):
+                    if outs[k]:
+                        L.epj_tensor_free(outs[k])
         final = [_out_as(orig[i], args[i], cx) if kind == "in" else
                  _out_as(res[i], res[i], cx)
                  for (kind, i), cx in zip(self.plan, self.out_cx)]

@@ -15,6 +15,11 @@ vp = ctypes.c_void_p
 F32, BF16, I32, I64, F64 = 0, 1, 2, 3, 4
 
 
+# lib/epjit.h: EPJ_MAX_DIMS, and the int64 per output of
+# epj_graph_run_data's description
+MAX_DIMS = 8
+GRAPH_DESC = 4 + 2 * MAX_DIMS
+
 # epj_status values the package acts on
 ERR_UNSUPPORTED = 9
 
@@ -84,6 +89,9 @@ _SIGS = {
     "epj_graph_run": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp),
                                      ctypes.c_int, ctypes.POINTER(vp),
                                      ctypes.c_int]),
+    "epj_graph_run_data": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp),
+                                          ctypes.c_int, ctypes.POINTER(vp),
+                                          ctypes.c_int, c_int64_p]),
     "epj_debug_dump": (ctypes.c_int, [vp]),
     "epj_counters_snapshot": (vp, [vp]),
     "epj_counters_free": (None, [vp]),

@@ -580,8 +580,8 @@ def test_outputs_that_view_inputs_alias_them(monkeypatch):
     import epjit._backend as backend
     seen = []
 
-    def view_of(handle, base):
-        t = real(handle, base)
+    def view_of(handle, base, desc):
+        t = real(handle, base, desc)
         seen.append((t, base))
         return t
     real = backend._view_of
