@@ -83,10 +83,13 @@ class _CudaOwner:
 
     def __init__(self, handle, ptr, shape, strides, dt):
         self.handle = handle
+        # bf16 as int16: the 2-byte integer every torch reads from the
+        # interface (then viewed as bf16)
         self.__cuda_array_interface__ = {
             "data": (ptr, False), "shape": tuple(shape),
             "strides": tuple(s * _SIZE[dt] for s in strides),
-            "typestr": _TYPESTR[dt], "version": 2}
+            "typestr": "<i2" if dt == _lib.BF16 else _TYPESTR[dt],
+            "version": 2}
 
     __del__ = _Owner.__del__
 
