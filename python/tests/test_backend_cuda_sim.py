@@ -31,11 +31,13 @@ def _ran_on_sim():
                                         0) == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_5_moe"])
+@pytest.mark.parametrize("family,dtype", [
+    ("deepseek_v2", torch.float32), ("deepseek_v2", torch.bfloat16),
+    ("qwen3_5_moe", torch.bfloat16)])
 def test_family_on_cuda_sim(family, dtype):
     """MLA with its complex rotary embedding, Gated DeltaNet with its
-    triangular solves: as on the CPU, nothing left to torch."""
+    triangular solves: as on the CPU, nothing left to torch (Qwen3.5-MoE
+    in bf16 only, for CI's time: 16 s a dtype on cuda-sim)."""
     _family(family, dtype)
     _ran_on_sim()
 
