@@ -1,5 +1,6 @@
 """ctypes bindings of libepjit's public C API (lib/epjit.h) used by the
-package: the context, borrowed tensors, graphs, counters."""
+package: contexts, graphs run on the caller's memory, stream joins,
+counters."""
 
 import ctypes
 import os
@@ -59,20 +60,10 @@ _SIGS = {
     "epj_ctx_free": (None, [vp]),
     "epj_ctx_error": (ctypes.c_char_p, [vp]),
     "epj_ctx_clear_error": (None, [vp]),
-    "epj_tensor_borrow": (vp, [vp, ctypes.c_int, ctypes.c_int, c_int64_p,
-                               vp]),
     "epj_tensor_free": (None, [vp]),
-    "epj_tensor_dtype": (ctypes.c_int, [vp]),
-    "epj_tensor_ndim": (ctypes.c_int, [vp]),
-    "epj_tensor_shape": (c_int64_p, [vp]),
-    "epj_tensor_strides": (c_int64_p, [vp]),
-    "epj_tensor_data": (vp, [vp]),
-    "epj_tensor_address": (vp, [vp]),
     "epj_ctx_wait_stream": (ctypes.c_int, [vp, vp]),
     "epj_stream_wait_ctx": (ctypes.c_int, [vp, vp]),
     "epj_ctx_cuda_ordinal": (ctypes.c_int, [vp]),
-    "epj_tensor_shares_storage": (ctypes.c_bool, [vp, vp]),
-    "epj_tensor_numel": (ctypes.c_int64, [vp]),
     "epj_compiler_new": (ctypes.c_int, [vp, ctypes.c_char_p,
                                         ctypes.POINTER(vp)]),
     "epj_compiler_free": (None, [vp]),
@@ -86,9 +77,6 @@ _SIGS = {
                                       ctypes.c_int, c_int_p]),
     "epj_graph_output": (ctypes.c_int, [vp, vp, ctypes.c_int]),
     "epj_graph_compile": (ctypes.c_int, [vp, vp, vp]),
-    "epj_graph_run": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp),
-                                     ctypes.c_int, ctypes.POINTER(vp),
-                                     ctypes.c_int]),
     "epj_graph_run_data": (ctypes.c_int, [vp, vp, ctypes.POINTER(vp),
                                           ctypes.c_int, ctypes.POINTER(vp),
                                           ctypes.c_int, c_int64_p]),
