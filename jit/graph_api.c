@@ -409,10 +409,11 @@ epj_status epj_graph_run_data(epj_ctx *ctx, epj_graph *g, void *const *in_data,
 {
 	for (int j = 0; j < n_out; j++)
 		out[j] = NULL;
-	if (n_in != g->n_inputs)
-		return ej_error(ctx, EPJ_ERR_INVALID,
-				"graph: run with %d inputs, the graph has %d",
-				n_in, g->n_inputs);
+	if (n_in != g->n_inputs || (n_in > 0 && !in_data))
+		return ej_error(
+		    ctx, EPJ_ERR_INVALID,
+		    "graph: run with %d inputs%s, the graph has %d", n_in,
+		    n_in > 0 && !in_data ? " (no addresses)" : "", g->n_inputs);
 	epj_tensor *stack[16] = { 0 };
 	epj_tensor **in = n_in <= 16 ? stack : calloc((size_t)n_in, sizeof *in);
 	if (!in)

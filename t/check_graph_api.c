@@ -250,6 +250,10 @@ START_TEST(graph_run_data)
 			 EPJ_ERR_INVALID);
 	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "1 inputs"));
 	epj_ctx_clear_error(ctx);
+	ck_assert_int_eq(epj_graph_run_data(ctx, g, NULL, 2, bad, 3, desc),
+			 EPJ_ERR_INVALID);
+	ck_assert_ptr_nonnull(strstr(epj_ctx_error(ctx), "no addresses"));
+	epj_ctx_clear_error(ctx);
 	void *nodata[2] = { bx, NULL };
 	ck_assert_int_ne(epj_graph_run_data(ctx, g, nodata, 2, bad, 3, NULL),
 			 EPJ_OK);
