@@ -4,6 +4,7 @@ counters."""
 
 import ctypes
 import os
+import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -107,7 +108,9 @@ def check(ctx, status, what):
         raise e
 
 
-# epjit device name -> its context and compiler (created at first use)
+# epjit device name -> its context and compiler (created at first use,
+# under _make_lock: threads may compile at once)
+_make_lock = threading.RLock()
 _ctxs = {}
 _compilers = {}
 # epjit device name -> why it cannot serve torch (None: it can)
@@ -133,6 +136,13 @@ def context(device="cpu", ordinal=None):
     c = _ctxs.get(device)
     if c is not None:
         return c
+    with _make_lock:
+        if device not in _ctxs:
+            _ctxs[device] = _new_context(device, ordinal)
+        return _ctxs[device]
+
+
+def _new_context(device, ordinal):
     c = vp()
     env = os.environ.get("EPJIT_CUDA_DEVICE")
     if device == "cuda" and ordinal is not None and not env:
@@ -143,7 +153,6 @@ def context(device="cpu", ordinal=None):
         if device == "cuda" and ordinal is not None and not env:
             del os.environ["EPJIT_CUDA_DEVICE"]
     check(None, st, "epj_ctx_new(%s)" % device)
-    _ctxs[device] = c
     return c
 
 
@@ -171,14 +180,17 @@ def compiler(device="cpu"):
     EPJIT_TORCH_BACKEND picks the code generator (default: the device's
     own)."""
     c = _compilers.get(device)
-    if c is None:
-        ctx = context(device)
-        c = vp()
-        backend = os.environ.get("EPJIT_TORCH_BACKEND", "").encode()
-        check(ctx, lib.epj_compiler_new(ctx, backend, ctypes.byref(c)),
-              "epj_compiler_new")
-        _compilers[device] = c
-    return c
+    if c is not None:
+        return c
+    with _make_lock:
+        if device not in _compilers:
+            ctx = context(device)
+            c = vp()
+            backend = os.environ.get("EPJIT_TORCH_BACKEND", "").encode()
+            check(ctx, lib.epj_compiler_new(ctx, backend, ctypes.byref(c)),
+                  "epj_compiler_new")
+            _compilers[device] = c
+        return _compilers[device]
 
 
 def contexts():
