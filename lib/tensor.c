@@ -298,20 +298,17 @@ bool epj_tensor_is_contiguous(const epj_tensor *t)
 	return t && ej_is_contiguous(t);
 }
 
-void *epj_tensor_data(epj_tensor *t)
-{
-	if (!t || !t->storage || !t->ctx->dev->host_visible)
-		return NULL;
-	ej_param_write(t->ctx, t); /* the caller may write through it */
-	return ej_data(t);
-}
-
 void *epj_tensor_address(epj_tensor *t)
 {
 	if (!t || !t->storage || !t->storage->data)
 		return NULL;
 	ej_param_write(t->ctx, t); /* the caller may write through it */
 	return ej_data(t);
+}
+
+void *epj_tensor_data(epj_tensor *t)
+{
+	return t && t->ctx->dev->host_visible ? epj_tensor_address(t) : NULL;
 }
 
 bool epj_tensor_shares_storage(const epj_tensor *a, const epj_tensor *b)

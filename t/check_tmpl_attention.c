@@ -673,6 +673,10 @@ static void check_adapters(epj_ctx *cpu, epj_ctx *sim, const cfg *c,
 		epj_tensor_free(all[i]);
 }
 
+/* The adapters' dtypes: f32, bf16 (on tensor cores), f64. */
+static const epj_dtype adapter_dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					 EPJ_DTYPE_F64 };
+
 START_TEST(test_adapters)
 {
 	epj_ctx *cpu = tu_ctx(), *sim = NULL;
@@ -688,14 +692,12 @@ START_TEST(test_adapters)
 		{ 1, 2, 1, 3, 0, 8, 8, false, 0 },
 		{ 2, 2, 1, 0, 4, 8, 8, true, 0 },
 	};
-	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
-					 EPJ_DTYPE_F64 };
-	for (size_t d = 0; d < LEN(dts); d++)
+	for (size_t d = 0; d < LEN(adapter_dts); d++)
 		for (size_t i = 0; i < LEN(acases); i++)
-			if ((i + d) % 2 == 0 || dts[d] == EPJ_DTYPE_F32 ||
-			    i >= 4)
-				check_adapters(cpu, sim, &acases[i], dts[d],
-					       MK_NONE, false);
+			if ((i + d) % 2 == 0 ||
+			    adapter_dts[d] == EPJ_DTYPE_F32 || i >= 4)
+				check_adapters(cpu, sim, &acases[i],
+					       adapter_dts[d], MK_NONE, false);
 	epj_ctx_free(sim);
 	epj_ctx_free(cpu);
 }
@@ -717,9 +719,7 @@ START_TEST(test_adapters_mask)
 		{ 2, 2, 1, 5, 70, 32, 24, false, 0 },
 		{ 1, 2, 2, 66, 66, 16, 16, true, 0 },
 	};
-	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
-					 EPJ_DTYPE_F64 };
-	epj_dtype dt = dts[_i];
+	epj_dtype dt = adapter_dts[_i];
 	for (size_t i = 0; i < LEN(mcases); i++) {
 		int mk = (int)(i + (size_t)_i) % 3 + 1;
 		check_adapters(cpu, sim, &mcases[i], dt, mk, false);
