@@ -67,10 +67,11 @@ def reset():
     graph cache; the disk kernel cache stays).  Graphs compiled before keep
     working.  Does not reset Dynamo (torch._dynamo.reset())."""
     from . import _backend as be
+    names = [n.encode() for n in _lib.counters_raw()
+             if not n.startswith("memory.")]
     for ctx in _lib.contexts().values():
-        for name in _lib.counters_raw():
-            if not name.startswith("memory."):
-                _lib.lib.epj_counter_set(ctx, name.encode(), 0)
+        for name in names:
+            _lib.lib.epj_counter_set(ctx, name, 0)
     be.fallback.clear()
     be.stats.clear()
     _lib._compilers.clear()

@@ -60,38 +60,30 @@ _SIZE = {_lib.F32: 4, _lib.BF16: 2, _lib.F64: 8, _lib.I32: 4, _lib.I64: 8}
 
 
 class _Owner:
-    """Keeps one epjit tensor alive while numpy/torch view its memory."""
+    """Keeps one epjit tensor alive while numpy or torch view its memory:
+    host memory through __array_interface__, device memory (cuda) through
+    __cuda_array_interface__ (version 2: no stream of its own; the graph's
+    work is ordered before torch's current stream already; bf16 as int16,
+    the 2-byte integer every torch reads from it, then viewed as bf16)."""
 
-    def __init__(self, handle, ptr, shape, strides, dt):
+    def __init__(self, handle, ptr, shape, strides, dt, cuda=False):
         self.handle = handle
-        self.__array_interface__ = {
-            "data": (ptr, False), "shape": tuple(shape),
-            "strides": tuple(s * _SIZE[dt] for s in strides),
-            "typestr": _TYPESTR[dt], "version": 3}
+        iface = {"data": (ptr, False), "shape": tuple(shape),
+                 "strides": tuple(s * _SIZE[dt] for s in strides),
+                 "typestr": _TYPESTR[dt], "version": 3}
+        if cuda:
+            if dt == _lib.BF16:
+                iface["typestr"] = "<i2"
+            iface["version"] = 2
+            self.__cuda_array_interface__ = iface
+        else:
+            self.__array_interface__ = iface
 
     def __del__(self):
         if self.handle:
             with _run_lock:  # the context's allocator is not thread-safe
                 _lib.lib.epj_tensor_free(self.handle)
             self.handle = None
-
-
-class _CudaOwner:
-    """Keeps one epjit tensor in device memory alive while torch views it
-    (__cuda_array_interface__, version 2: no stream of its own; the graph's
-    work is ordered before torch's current stream already)."""
-
-    def __init__(self, handle, ptr, shape, strides, dt):
-        self.handle = handle
-        # bf16 as int16: the 2-byte integer every torch reads from the
-        # interface (then viewed as bf16)
-        self.__cuda_array_interface__ = {
-            "data": (ptr, False), "shape": tuple(shape),
-            "strides": tuple(s * _SIZE[dt] for s in strides),
-            "typestr": "<i2" if dt == _lib.BF16 else _TYPESTR[dt],
-            "version": 2}
-
-    __del__ = _Owner.__del__
 
 
 def _to_torch(handle, dtype, device, desc):
@@ -104,7 +96,7 @@ def _to_torch(handle, dtype, device, desc):
         L.epj_tensor_free(handle)
         return torch.empty(shape, dtype=dtype, device=device)
     if device.type == "cuda":
-        t = torch.as_tensor(_CudaOwner(handle, ptr, shape, strides, dt),
+        t = torch.as_tensor(_Owner(handle, ptr, shape, strides, dt, True),
                             device=device)
     else:
         import numpy as np  # CPU outputs only: a GPU-only venv may lack it

@@ -75,6 +75,15 @@ def device_why(dev):
     return "device %s: %s" % (dev, why) if why else None
 
 
+def _mixed_devices(vals):
+    """The reason a node whose tensor values are vals stays in torch when
+    they are on more than one device (one graph runs on one device), else
+    None."""
+    devs = {str(v.device) for v in vals}
+    return "tensors on %s" % " and ".join(sorted(devs)) \
+        if len(devs) > 1 else None
+
+
 def _tensor_ok(v):
     if not isinstance(v, torch.Tensor):
         return "no tensor meta"
@@ -98,18 +107,13 @@ def _metas_ok(node):
     # a multi-output op's outputs it was asked not to make are None
     vals.extend([o for o in out if o is not None]
                 if isinstance(out, (tuple, list)) else [out])
-    devs = set()
+    vals = [v for v in vals
+            if not (v is None and node.target is operator.getitem)]
     for v in vals:
-        if v is None and node.target is operator.getitem:
-            continue
         why = _tensor_ok(v)
         if why:
             return why
-        devs.add(str(v.device))
-    # one graph runs on one device: a node that moves or mixes them
-    # stays in torch
-    return "tensors on %s" % " and ".join(sorted(devs)) \
-        if len(devs) > 1 else None
+    return _mixed_devices(vals)
 
 
 def why_unsupported(node):
@@ -1809,9 +1813,9 @@ def why_complex(node):
         why = _cx_tensor_ok(v)
         if why:
             return why
-    devs = {str(v.device) for v in vals}
-    if len(devs) > 1:
-        return "tensors on %s" % " and ".join(sorted(devs))
+    why = _mixed_devices(vals)
+    if why:
+        return why
     n = _CX_TENSOR_ARGS.get(node.target, 1)
     if not all(_is_tensor_arg(a) for a in node.args[:n]):
         return "complex op of a scalar"
