@@ -1178,11 +1178,16 @@ START_TEST(test_engine_sim)
 	 * f32; SGD with momentum carries each step's difference on, so the
 	 * loss of step s may move by 2e-4 x 4^s of it (25 seeds: at most
 	 * 2.2e-5, 1.4e-4, 3.6e-4 at steps 0, 1, 2; seed 117740062664954
-	 * sees 2.8e-4 at step 2); a wrong kernel moves it by 1e-2 and
-	 * more. */
+	 * sees 2.8e-4 at step 2).  f32: step 0 within 1e-6; from step 1 on,
+	 * Adam's normalised step turns a gradient that is all last bits into
+	 * up to 2 lr on its element (see the parameters below), which moves
+	 * the loss a little more (41 seeds: at most 1.1e-7; seed
+	 * 117742275807212 sees 1.9e-6 at step 1, its step 0 equal).  A wrong
+	 * kernel moves it by 1e-2 and more. */
 	for (int s = 0; s < 3; s++) {
-		const double ltol =
-		    _i == 1 ? 2e-4 * (double)(1 << (2 * s)) : 1e-6;
+		const double ltol = _i == 1  ? 2e-4 * (double)(1 << (2 * s))
+				    : s == 0 ? 1e-6
+					     : 1e-5;
 		ck_assert_msg(fabs(lc[s] - ls[s]) <= ltol * fabs(lc[s]),
 			      "step %d: loss %.9g on cpu, %.9g on cuda-sim", s,
 			      lc[s], ls[s]);
