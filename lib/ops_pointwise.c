@@ -28,6 +28,8 @@
 
 #include <stdint.h>
 
+#include "../templates/expf.h"
+
 /* Work below this many elements stays on one thread. */
 #define PW_PAR_MIN 32768
 /* elements per conversion call of a parallel cast */
@@ -87,7 +89,19 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
  * One body for f32 and f64 (instantiated twice below) so the two precisions
  * cannot drift apart.  FM picks expf/exp ... by the argument's type. */
 
-#define FM(fn, x)     _Generic((x), float : fn##f, double : fn)(x)
+/* The f32 exp of generated C too (templates/expf.h): arithmetic that `omp
+ * simd` vectorises, where a libm call per element is not. */
+static inline float ej_expf(float x)
+{
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+	EJ_EXPF_BODY
+}
+
+#define FM(fn, x) _Generic((x), float : fn##f, double : fn)(x)
+/* exp: templates/expf.h's in f32, libm's in f64 */
+#define FEXP(x)	      _Generic((x), float : ej_expf, double : exp)(x)
 #define FM2(fn, x, y) _Generic((x), float : fn##f, double : fn)(x, y)
 /* `omp simd` lets GCC vectorise at -O2 (its default cost model there
  * refuses loops that need an epilogue); no loop carries a dependence and
@@ -123,7 +137,7 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 			LOOP(y[i] = -x[i]);                                    \
 			break;                                                 \
 		case EJ_OP_EXP:                                                \
-			LOOP(y[i] = FM(exp, x[i]));                            \
+			LOOP(y[i] = FEXP(x[i]));                               \
 			break;                                                 \
 		case EJ_OP_LOG:                                                \
 			LOOP(y[i] = FM(log, x[i]));                            \
@@ -135,10 +149,10 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 			LOOP(y[i] = one / FM(sqrt, x[i]));                     \
 			break;                                                 \
 		case EJ_OP_SILU:                                               \
-			LOOP(y[i] = x[i] / (one + FM(exp, -x[i])));            \
+			LOOP(y[i] = x[i] / (one + FEXP(-x[i])));               \
 			break;                                                 \
 		case EJ_OP_SIGMOID:                                            \
-			LOOP(y[i] = one / (one + FM(exp, -x[i])));             \
+			LOOP(y[i] = one / (one + FEXP(-x[i])));                \
 			break;                                                 \
 		case EJ_OP_TANH:                                               \
 			LOOP(y[i] = FM(tanh, x[i]));                           \
@@ -184,13 +198,13 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 			LOOP(y[i] = a[i] == b[i] ? one : 0);                   \
 			break;                                                 \
 		case EJ_OP_SILU_BACKWARD: /* g * s * (1 + x (1 - s)) */        \
-			LOOP(T sg = one / (one + FM(exp, -b[i]));              \
+			LOOP(T sg = one / (one + FEXP(-b[i]));                 \
 			     y[i] = a[i] * sg * (one + b[i] * (one - sg)));    \
 			break;                                                 \
 		case EJ_OP_GELU_BACKWARD: /* g * (Phi(x) + x phi(x)) */        \
 			LOOP(T cdf =                                           \
 				 half * (one + FM(erf, b[i] * (T)PW_SQRT1_2)); \
-			     T pdf = FM(exp, -half * b[i] * b[i]) *            \
+			     T pdf = FEXP(-half * b[i] * b[i]) *               \
 				     (T)PW_INV_SQRT_2PI;                       \
 			     y[i] = a[i] * (cdf + b[i] * pdf));                \
 			break;                                                 \

@@ -1236,6 +1236,69 @@ START_TEST(test_fn_rows)
 }
 END_TEST
 
+/* The f32 exp of generated C (templates/expf.h in the C prelude) is the op
+ * table's, bit for bit: every f32 row of lib/ops.def that calls it (exp,
+ * silu, sigmoid, silu_backward, gelu_backward), compiled by the C backend as
+ * one kernel, gives the eager op's bits on [-100, 100] (both sides of the
+ * flush to 0 below -87.3 and of the overflow at 88.72, where a vector loop
+ * and its scalar tail must agree) and the specials: +-0, +-inf, NaN. */
+START_TEST(test_fn_rows_exp_bits)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	static const int ops[] = { EJ_OP_EXP, EJ_OP_SILU, EJ_OP_SIGMOID,
+				   EJ_OP_SILU_BACKWARD, EJ_OP_GELU_BACKWARD };
+	static const float special[] = { 0.0f,	       -0.0f,	    INFINITY,
+					 -INFINITY,    NAN,	    -87.3f,
+					 -87.30001f,   88.7228394f, 88.7228317f,
+					 -88.7228394f, 87.3f,	    1e-30f,
+					 -1e-30f,      0.5f };
+	int64_t sh[2] = { 7, 37 }; /* 259: vector bodies and a tail */
+	const int64_t n = sh[0] * sh[1];
+	ej_jit *jc = ej_jit_new(ctx, EJ_BACKEND_C);
+	for (size_t o = 0; o < EJ_ARRAY_LEN(ops); o++) {
+		fn_op = ops[o];
+		epj_tensor *in[2];
+		for (int i = 0; i < ej_ops[fn_op].n_in; i++) {
+			in[i] = epj_zeros(ctx, EPJ_DTYPE_F32, 2, sh);
+			for (int64_t e = 0; e < n; e++) {
+				double v = tu_uniform(-100, 100);
+				/* the specials at several places in a row */
+				if (e % 19 == 0)
+					v = special[(e / 19 + (size_t)i) %
+						    EJ_ARRAY_LEN(special)];
+				epj_tensor_set_f64(in[i], e, v);
+			}
+		}
+		run_out rc;
+		ej_region_fn *f = run_backend(ctx, jc, f_fn_row, in,
+					      ej_ops[fn_op].n_in, NULL, &rc);
+		ck_assert_int_eq(rc.launches_fwd, 1);
+		epj_tensor *y = f_fn_row(ctx, in);
+		tu_ok(ctx, y);
+		for (int64_t e = 0; e < n; e++) {
+			float a = (float)epj_tensor_get_f64(rc.y, e);
+			float b = (float)epj_tensor_get_f64(y, e);
+			ck_assert_msg(
+			    (isnan(a) && isnan(b)) ||
+				memcmp(&a, &b, sizeof a) == 0,
+			    "%s element %lld (x %.9g): %.9g compiled, "
+			    "%.9g eager",
+			    ej_ops[fn_op].name, (long long)e,
+			    epj_tensor_get_f64(in[0], e), a, b);
+		}
+		epj_tensor_free(y);
+		run_out_free(&rc);
+		ej_region_fn_free(f);
+		for (int i = 0; i < ej_ops[fn_op].n_in; i++)
+			epj_tensor_free(in[i]);
+	}
+	ej_jit_free(jc);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
 /* The CUDA C of a one-node graph, op applied to one f32 input of shape
  * [rows, cols], as ej_print_cuda prints it; malloc'ed. */
 static char *one_op_cuda(int op, int64_t rows, int64_t cols)
@@ -1384,6 +1447,7 @@ Suite *make_codegen_suite(void)
 	tcase_add_test(tc, test_large);
 	tcase_add_test(tc, test_special);
 	tcase_add_test(tc, test_fn_rows);
+	tcase_add_test(tc, test_fn_rows_exp_bits);
 	tcase_add_test(tc, test_index_width);
 	suite_add_tcase(s, tc);
 	return s;

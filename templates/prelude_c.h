@@ -6,8 +6,9 @@
  * f32 is the high half; f32 -> bf16 rounds to nearest even with NaN kept
  * quiet -- bit for bit lib/dtype.c's epj_f32_to_bf16), and the math of the
  * pointwise ops written exactly as lib/ops_pointwise.c writes them (same
- * expressions, same float/double functions), so generated kernels round
- * like the op table's kernels.  Every helper is `static inline`: unused ones
+ * expressions, same float/double functions, the f32 exp of
+ * templates/expf.h), so generated kernels round like the op table's
+ * kernels.  Every helper is `static inline`: unused ones
  * cost nothing and raise no warning.
  *
  * Edit the C text between the quotes; keep it free of anything that depends
@@ -16,6 +17,7 @@
 #ifndef EPJIT_PRELUDE_C_H
 #define EPJIT_PRELUDE_C_H
 
+#include "expf.h"
 #include "prelude_math.h"
 
 static const char ej_prelude_c_text[] =
@@ -49,7 +51,7 @@ static const char ej_prelude_c_text[] =
     "\treturn ej_bf2f(ej_f2bf(f));\n"
     "}\n"
     "\n"
-    "#define EJ_SF static inline\n" EJ_PRELUDE_MATH
+    "#define EJ_SF static inline\n" EJ_EXPF_TEXT EJ_PRELUDE_MATH
     "/* ---- end of prelude ---- */\n";
 
 #endif /* EPJIT_PRELUDE_C_H */

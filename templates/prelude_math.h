@@ -10,7 +10,9 @@
  * EJ_PRELUDE_MATH is a string literal the preludes paste where they want
  * it; each prelude defines EJ_SF, the qualifiers of a scalar function in
  * its language, before it (C: static inline; CUDA: __device__
- * __forceinline__).  Only what both languages compile goes here.
+ * __forceinline__), and ej_expf, the f32 exp every f32 function here calls
+ * (C: templates/expf.h's, as lib/ops_pointwise.c's; CUDA: the device's
+ * expf).  Only what both languages compile goes here.
  */
 #ifndef EPJIT_PRELUDE_MATH_H
 #define EPJIT_PRELUDE_MATH_H
@@ -26,7 +28,7 @@
 	"}\n"                                                                  \
 	"EJ_SF float ej_exp_f(float x)\n"                                      \
 	"{\n"                                                                  \
-	"\treturn expf(x);\n"                                                  \
+	"\treturn ej_expf(x);\n"                                               \
 	"}\n"                                                                  \
 	"EJ_SF double ej_exp_d(double x)\n"                                    \
 	"{\n"                                                                  \
@@ -90,7 +92,7 @@
 	"}\n"                                                                  \
 	"EJ_SF float ej_silu_f(float x)\n"                                     \
 	"{\n"                                                                  \
-	"\treturn x / (1.0f + expf(-x));\n"                                    \
+	"\treturn x / (1.0f + ej_expf(-x));\n"                                 \
 	"}\n"                                                                  \
 	"EJ_SF double ej_silu_d(double x)\n"                                   \
 	"{\n"                                                                  \
@@ -98,7 +100,7 @@
 	"}\n"                                                                  \
 	"EJ_SF float ej_sigmoid_f(float x)\n"                                  \
 	"{\n"                                                                  \
-	"\treturn 1.0f / (1.0f + expf(-x));\n"                                 \
+	"\treturn 1.0f / (1.0f + ej_expf(-x));\n"                              \
 	"}\n"                                                                  \
 	"EJ_SF double ej_sigmoid_d(double x)\n"                                \
 	"{\n"                                                                  \
@@ -117,7 +119,7 @@
 	"/* g s (1 + x (1 - s)), s = sigmoid(x) */\n"                          \
 	"EJ_SF float ej_silu_backward_f(float g, float x)\n"                   \
 	"{\n"                                                                  \
-	"\tfloat sg = 1.0f / (1.0f + expf(-x));\n"                             \
+	"\tfloat sg = 1.0f / (1.0f + ej_expf(-x));\n"                          \
 	"\treturn g * sg * (1.0f + x * (1.0f - sg));\n"                        \
 	"}\n"                                                                  \
 	"EJ_SF double ej_silu_backward_d(double g, double x)\n"                \
@@ -130,7 +132,8 @@
 	"{\n"                                                                  \
 	"\tfloat cdf = 0.5f * (1.0f + erff(x * "                               \
 	"(float)0.70710678118654752440));\n"                                   \
-	"\tfloat pdf = expf(-0.5f * x * x) * (float)0.39894228040143267794;\n" \
+	"\tfloat pdf = ej_expf(-0.5f * x * x) * "                              \
+	"(float)0.39894228040143267794;\n"                                     \
 	"\treturn g * (cdf + x * pdf);\n"                                      \
 	"}\n"                                                                  \
 	"EJ_SF double ej_gelu_backward_d(double g, double x)\n"                \
