@@ -28,7 +28,7 @@
 
 #include <stdint.h>
 
-#include "../templates/expf.h"
+#include "ops_expf.h"
 
 /* Work below this many elements stays on one thread. */
 #define PW_PAR_MIN 32768
@@ -89,7 +89,7 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
  * One body for f32 and f64 (instantiated twice below) so the two precisions
  * cannot drift apart.  FM picks expf/exp ... by the argument's type. */
 
-/* The f32 exp of generated C too (templates/expf.h): arithmetic that `omp
+/* The f32 exp of generated C too (lib/ops_expf.h): arithmetic that `omp
  * simd` vectorises, where a libm call per element is not. */
 static inline float ej_expf(float x)
 {
@@ -100,7 +100,7 @@ static inline float ej_expf(float x)
 }
 
 #define FM(fn, x) _Generic((x), float : fn##f, double : fn)(x)
-/* exp: templates/expf.h's in f32, libm's in f64 */
+/* exp: lib/ops_expf.h's in f32, libm's in f64 */
 #define FEXP(x)	      _Generic((x), float : ej_expf, double : exp)(x)
 #define FM2(fn, x, y) _Generic((x), float : fn##f, double : fn)(x, y)
 /* `omp simd` lets GCC vectorise at -O2 (its default cost model there

@@ -1236,7 +1236,7 @@ START_TEST(test_fn_rows)
 }
 END_TEST
 
-/* The f32 exp of generated C (templates/expf.h in the C prelude) is the op
+/* The f32 exp of generated C (lib/ops_expf.h in the C prelude) is the op
  * table's, bit for bit: every f32 row of lib/ops.def that calls it (exp,
  * silu, sigmoid, silu_backward, gelu_backward), compiled by the C backend as
  * one kernel, gives the eager op's bits on [-100, 100] (both sides of the

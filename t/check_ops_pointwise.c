@@ -19,8 +19,8 @@
  * rtol 1e-5, atol 1e-6 (truncation error ~eps^2, rounding ~1e-16/eps);
  * log/sqrt/rsqrt/div/pow inputs are kept in [0.5, 2.5], away from 0.
  */
-#include "../templates/expf.h"
 #include "check_util.h"
+#include "ops_expf.h"
 #include "ops_impl.h"
 #include "ops_vexp.h"
 
@@ -834,7 +834,7 @@ static int64_t ulp_dist(float a, float b)
 	return ia > ib ? (int64_t)ia - ib : (int64_t)ib - ia;
 }
 
-/* templates/expf.h's scalar exp, the one of the op table and generated C */
+/* lib/ops_expf.h's scalar exp, the one of the op table and generated C */
 static float scalar_expf(float x)
 {
 #ifdef __clang__

@@ -7,7 +7,7 @@
  * quiet -- bit for bit lib/dtype.c's epj_f32_to_bf16), and the math of the
  * pointwise ops written exactly as lib/ops_pointwise.c writes them (same
  * expressions, same float/double functions, the f32 exp of
- * templates/expf.h), so generated kernels round like the op table's
+ * lib/ops_expf.h), so generated kernels round like the op table's
  * kernels.  Every helper is `static inline`: unused ones
  * cost nothing and raise no warning.
  *
@@ -17,7 +17,7 @@
 #ifndef EPJIT_PRELUDE_C_H
 #define EPJIT_PRELUDE_C_H
 
-#include "expf.h"
+#include "../lib/ops_expf.h"
 #include "prelude_math.h"
 
 static const char ej_prelude_c_text[] =

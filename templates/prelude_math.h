@@ -11,7 +11,7 @@
  * it; each prelude defines EJ_SF, the qualifiers of a scalar function in
  * its language, before it (C: static inline; CUDA: __device__
  * __forceinline__), and ej_expf, the f32 exp every f32 function here calls
- * (C: templates/expf.h's, as lib/ops_pointwise.c's; CUDA: the device's
+ * (C: lib/ops_expf.h's, as lib/ops_pointwise.c's; CUDA: the device's
  * expf).  Only what both languages compile goes here.
  */
 #ifndef EPJIT_PRELUDE_MATH_H

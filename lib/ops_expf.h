@@ -1,5 +1,5 @@
-/* expf.h -- the f32 exp of the CPU's scalar pointwise code, one source in two
- * forms: EJ_EXPF_BODY is the body of `float ej_expf(float x)` as C code
+/* ops_expf.h -- the f32 exp of the CPU's scalar pointwise code, one source in
+ * two forms: EJ_EXPF_BODY is the body of `float ej_expf(float x)` as C code
  * (lib/ops_pointwise.c defines the function with it) and EJ_EXPF_TEXT the
  * same tokens as a string (templates/prelude_c.h pastes it into generated
  * C), so the op table's kernels and generated kernels compute the same bits.
