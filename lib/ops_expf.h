@@ -20,16 +20,9 @@
  * (NaN, infinities) overflows a signed integer.  Both compilers build with
  * -std=c11, so GCC contracts no product and sum into an FMA; clang would
  * within an expression, so the function turns contraction off for it (the
- * pragma holds to the end of the compound statement).
- * A definition:
- *
- *     static inline float ej_expf(float x)
- *     {
- *     #ifdef __clang__
- *     #pragma clang fp contract(off)
- *     #endif
- *             EJ_EXPF_BODY
- *     }
+ * pragma holds to the end of the compound statement).  C code defines the
+ * function with EJ_EXPF_DEFINE(qualifiers), e.g. EJ_EXPF_DEFINE(static
+ * inline).
  *
  * The CUDA prelude keeps the device's expf (templates/prelude_cuda.h).
  */
@@ -64,6 +57,21 @@
 	e_.u = (uint32_t)(ni_ - h_ + 127) << 23;                               \
 	p_ = p_ * e_.f;                                                        \
 	return huge_ ? __builtin_inff() : dead_ ? 0.0f : p_;
+
+/* clang: no contraction to the end of the enclosing compound statement */
+#ifdef __clang__
+#define EJ_EXPF_NO_CONTRACT _Pragma("clang fp contract(off)")
+#else
+#define EJ_EXPF_NO_CONTRACT
+#endif
+
+/* `QUAL float ej_expf(float x)`, defined */
+#define EJ_EXPF_DEFINE(QUAL)                                                   \
+	QUAL float ej_expf(float x)                                            \
+	{                                                                      \
+		EJ_EXPF_NO_CONTRACT                                            \
+		EJ_EXPF_BODY                                                   \
+	}
 
 /* the C text of the function; EJ_SF is the prelude's qualifiers */
 #define EJ_EXPF_TEXT                                                           \

@@ -91,13 +91,7 @@ static inline int64_t sat_i64(double v, int64_t lo, int64_t hi)
 
 /* The f32 exp of generated C too (lib/ops_expf.h): arithmetic that `omp
  * simd` vectorises, where a libm call per element is not. */
-static inline float ej_expf(float x)
-{
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-	EJ_EXPF_BODY
-}
+EJ_EXPF_DEFINE(static inline)
 
 #define FM(fn, x) _Generic((x), float : fn##f, double : fn)(x)
 /* exp: lib/ops_expf.h's in f32, libm's in f64 */

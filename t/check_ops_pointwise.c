@@ -835,13 +835,7 @@ static int64_t ulp_dist(float a, float b)
 }
 
 /* lib/ops_expf.h's scalar exp, the one of the op table and generated C */
-static float scalar_expf(float x)
-{
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-	EJ_EXPF_BODY
-}
+EJ_EXPF_DEFINE(static)
 
 /* The worst ulp distance of the vector exp from exp in double; the scalar
  * exp gives the vector's bits (NaN for NaN) lane by lane. */
@@ -856,7 +850,7 @@ static int64_t vexp_worst(const float *x, int64_t n, float *at)
 		memcpy(in, v, sizeof in);
 		vexp8(v);
 		for (int l = 0; l < 8; l++) {
-			float sc = scalar_expf(in[l]);
+			float sc = ej_expf(in[l]);
 			ck_assert_msg((isnan(sc) && isnan(v[l])) ||
 					  memcmp(&sc, &v[l], sizeof sc) == 0,
 				      "exp(%.9g): %.9g scalar, %.9g vector",
@@ -910,7 +904,7 @@ START_TEST(test_vexp)
 		       0.0f };
 	float es[8];
 	for (int l = 0; l < 8; l++)
-		es[l] = scalar_expf(e[l]);
+		es[l] = ej_expf(e[l]);
 	vexp8(e);
 	for (int l = 0; l < 8; l++)
 		ck_assert_msg((isnan(es[l]) && isnan(e[l])) ||
