@@ -131,6 +131,23 @@ void ej_gemm_bf16_amx(int64_t m, int64_t n, int64_t k, float alpha,
 		      const uint16_t *a, int64_t sam, int64_t sak,
 		      const uint16_t *b, int64_t sbk, int64_t sbn, float beta,
 		      float *c, int64_t ldc, void *scratch);
+/* OpenBLAS's kernels on CPUs newer than its release (lib/blas_core.c):
+ * ej_blas_ready() before a BLAS call (once a process; cheap after); the
+ * CPU's features (EJ_CPU_*, what the CPU and the OS support); the core
+ * worth selecting when OpenBLAS chose `chosen` on a CPU with feats (NULL:
+ * keep it); OpenBLAS's current core (NULL: not OpenBLAS); the test hook
+ * that makes the next ej_blas_ready() look again. */
+enum {
+	EJ_CPU_AVX = 1,
+	EJ_CPU_AVX2_FMA = 2,
+	EJ_CPU_AVX512 = 4, /* F, DQ, CD, BW, VL */
+	EJ_CPU_AVX512_BF16 = 8
+};
+void ej_blas_ready(void);
+unsigned ej_cpu_features(void);
+const char *ej_blas_core_pick(const char *chosen, unsigned feats);
+const char *ej_blas_core_name(void);
+void ej_blas_ready_reset(void);
 int ej_linalg_blas_serial_begin(void);
 void ej_linalg_blas_serial_end(int prev);
 int ej_linalg_max_threads(void);

@@ -211,6 +211,7 @@ void ej_linalg_gemm(epj_dtype cdt, bool ta, bool tb, int64_t m, int64_t n,
 	if (m <= 0 || n <= 0)
 		return;
 	EJ_ASSERT(ldc >= n);
+	ej_blas_ready();
 	if (k <= 0) {
 		for (int64_t i = 0; i < m; i++)
 			for (int64_t j = 0; j < n; j++) {
@@ -1124,6 +1125,7 @@ static void trsm1(epj_dtype cdt, bool upper, bool trans, bool unit, int64_t n,
 {
 	if (n == 0 || k == 0)
 		return;
+	ej_blas_ready();
 	/* A stored as M^T: M's triangle is the other one, op flips */
 	enum CBLAS_UPLO ul = upper != lt ? CblasUpper : CblasLower;
 	enum CBLAS_TRANSPOSE tr = trans != lt ? CblasTrans : CblasNoTrans;

@@ -10,6 +10,7 @@
  * (2^-8 plus a margin for the f32 sums), atol 1e-3; truncation instead of
  * rounding would fail it.
  */
+#include <dlfcn.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1151,6 +1152,180 @@ START_TEST(test_solve_tri_errors)
 }
 END_TEST
 
+/* ---- OpenBLAS's kernels on a CPU newer than its release ----------------- */
+
+START_TEST(test_blas_core_pick)
+{
+	const unsigned avx = EJ_CPU_AVX, avx2 = avx | EJ_CPU_AVX2_FMA,
+		       avx512 = avx2 | EJ_CPU_AVX512,
+		       bf16 = avx512 | EJ_CPU_AVX512_BF16;
+	static const struct {
+		const char *chosen;
+		unsigned feats;
+		const char *want; /* NULL: keep OpenBLAS's choice */
+	} cases[] = {
+		/* OpenBLAS's fallbacks without AVX, on CPUs that have more */
+		{ "Prescott", bf16, "Cooperlake" },
+		{ "Prescott", avx512, "SkylakeX" },
+		{ "PRESCOTT", avx2, "Haswell" },
+		{ "Nehalem", avx, "Sandybridge" },
+		{ "Core2", avx512, "SkylakeX" },
+		{ "Sandybridge", avx2, "Haswell" },
+		{ "Sandybridge", bf16, "Cooperlake" },
+		/* nothing better to pick */
+		{ "Prescott", 0, NULL },
+		{ "Sandybridge", avx, NULL },
+		/* features that need their base: no AVX2 without AVX, no
+		 * AVX-512 without AVX2, no BF16 without AVX-512 */
+		{ "Prescott", EJ_CPU_AVX2_FMA | EJ_CPU_AVX512, NULL },
+		{ "Prescott", avx | EJ_CPU_AVX512 | EJ_CPU_AVX512_BF16,
+		  "Sandybridge" },
+		{ "Prescott", avx2 | EJ_CPU_AVX512_BF16, "Haswell" },
+		/* OpenBLAS knew the CPU (AVX2 and better), or a core this file
+		 * does not rank (another architecture, a newer name) */
+		{ "Haswell", bf16, NULL },
+		{ "Zen", bf16, NULL },
+		{ "SkylakeX", bf16, NULL },
+		{ "Cooperlake", bf16, NULL },
+		{ "SapphireRapids", bf16, NULL },
+		{ "NeoverseN1", bf16, NULL },
+		{ "", bf16, NULL },
+		{ NULL, bf16, NULL },
+	};
+	for (size_t i = 0; i < LEN(cases); i++) {
+		const char *got =
+		    ej_blas_core_pick(cases[i].chosen, cases[i].feats);
+		if (!cases[i].want)
+			ck_assert_msg(!got, "case %zu (%s, %#x): picked %s", i,
+				      cases[i].chosen ? cases[i].chosen : "-",
+				      cases[i].feats, got);
+		else
+			ck_assert_msg(got && !strcmp(got, cases[i].want),
+				      "case %zu (%s, %#x): picked %s, want %s",
+				      i, cases[i].chosen, cases[i].feats,
+				      got ? got : "(none)", cases[i].want);
+	}
+	/* the CPU's features are each other's bases, as the pick assumes */
+	unsigned f = ej_cpu_features();
+	if (f & EJ_CPU_AVX512_BF16)
+		ck_assert(f & EJ_CPU_AVX512);
+	if (f & EJ_CPU_AVX512)
+		ck_assert(f & EJ_CPU_AVX2_FMA);
+	if (f & EJ_CPU_AVX2_FMA)
+		ck_assert(f & EJ_CPU_AVX);
+}
+END_TEST
+
+/* c = a[m, k] @ b[k, n] through ej_linalg_gemm (f32), against a double
+ * reference; the first GEMM after ej_blas_ready_reset selects the core. */
+static void blas_gemm_check(int64_t m, int64_t n, int64_t k)
+{
+	float *a = malloc(sizeof(float) * (size_t)(m * k));
+	float *b = malloc(sizeof(float) * (size_t)(k * n));
+	float *c = malloc(sizeof(float) * (size_t)(m * n));
+	ck_assert(a && b && c);
+	for (int64_t i = 0; i < m * k; i++)
+		a[i] = (float)tu_uniform(-1, 1);
+	for (int64_t i = 0; i < k * n; i++)
+		b[i] = (float)tu_uniform(-1, 1);
+	ej_linalg_gemm(EPJ_DTYPE_F32, false, false, m, n, k, 1.0, a, k, b, n,
+		       0.0, c, n);
+	for (int64_t i = 0; i < m; i++)
+		for (int64_t j = 0; j < n; j++) {
+			double r = 0;
+			for (int64_t p = 0; p < k; p++)
+				r += (double)a[i * k + p] * b[p * n + j];
+			ck_assert_msg(fabs(c[i * n + j] - r) <= 1e-5 * k,
+				      "gemm [%lld, %lld]: %g, want %g",
+				      (long long)i, (long long)j,
+				      (double)c[i * n + j], r);
+		}
+	free(a);
+	free(b);
+	free(c);
+}
+
+/* OpenBLAS re-selected with OPENBLAS_CORETYPE=name (what it would choose
+ * when loaded with it); false when this BLAS cannot be. */
+static bool blas_force_core(const char *name)
+{
+	void (*init)(void) =
+	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init");
+	void (*quit)(void) =
+	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit");
+	const char *(*config)(void) =
+	    (const char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
+	if (!init || !quit || !config || !strstr(config(), "DYNAMIC_ARCH"))
+		return false;
+	setenv("OPENBLAS_CORETYPE", name, 1);
+	quit();
+	init();
+	unsetenv("OPENBLAS_CORETYPE");
+	return true;
+}
+
+START_TEST(test_blas_core_select)
+{
+	const char *user = getenv("OPENBLAS_CORETYPE");
+	if (user && *user) {
+		/* the user's choice is OpenBLAS's and stays */
+		blas_gemm_check(37, 29, 41);
+		return;
+	}
+	unsetenv("EPJIT_OPENBLAS_CORE");
+	/* this process as it is: OpenBLAS's choice, re-selected when it
+	 * lacks what the CPU has */
+	ej_blas_ready_reset();
+	blas_gemm_check(37, 29, 41);
+	const char *name = ej_blas_core_name();
+	unsigned f = ej_cpu_features();
+	if (!name || !blas_force_core(name))
+		return; /* not a DYNAMIC_ARCH OpenBLAS: nothing to select */
+	ck_assert_msg(!ej_blas_core_pick(name, f),
+		      "after the first GEMM OpenBLAS runs %s; this CPU "
+		      "(features %#x) runs %s",
+		      name, f, ej_blas_core_pick(name, f));
+	const char *best = ej_blas_core_pick("Prescott", f);
+	char keep[32];
+	snprintf(keep, sizeof keep, "%s", name);
+
+	/* OpenBLAS fell back to Prescott (a model it does not know) */
+	ck_assert(blas_force_core("Prescott"));
+	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	ej_blas_ready_reset();
+	blas_gemm_check(64, 70, 130);
+	ck_assert_str_eq(ej_blas_core_name(), best ? best : "Prescott");
+	ck_assert_ptr_null(getenv("OPENBLAS_CORETYPE"));
+
+	/* EPJIT_OPENBLAS_CORE=0 keeps OpenBLAS's choice */
+	ck_assert(blas_force_core("Prescott"));
+	setenv("EPJIT_OPENBLAS_CORE", "0", 1);
+	ej_blas_ready_reset();
+	blas_gemm_check(64, 70, 130);
+	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	unsetenv("EPJIT_OPENBLAS_CORE");
+
+	/* so does the user's OPENBLAS_CORETYPE */
+	setenv("OPENBLAS_CORETYPE", "Prescott", 1);
+	ej_blas_ready_reset();
+	blas_gemm_check(64, 70, 130);
+	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	unsetenv("OPENBLAS_CORETYPE");
+
+	/* an unknown value is auto, with a warning */
+	setenv("EPJIT_OPENBLAS_CORE", "fastest", 1);
+	ej_blas_ready_reset();
+	blas_gemm_check(5, 3, 7);
+	ck_assert_str_eq(ej_blas_core_name(), best ? best : "Prescott");
+	unsetenv("EPJIT_OPENBLAS_CORE");
+
+	/* the process as it was */
+	ck_assert(blas_force_core(keep));
+	ej_blas_ready_reset();
+	blas_gemm_check(3, 5, 2);
+}
+END_TEST
+
 Suite *make_ops_linalg_suite(void)
 {
 	Suite *s = suite_create("ops_linalg");
@@ -1189,5 +1364,11 @@ Suite *make_ops_linalg_suite(void)
 	tcase_add_test(ta, test_amx_gemm);
 	tcase_add_test(ta, test_amx_ops);
 	suite_add_tcase(s, ta);
+
+	TCase *tb = tcase_create("blas_core");
+	tcase_set_timeout(tb, 60);
+	tcase_add_test(tb, test_blas_core_pick);
+	tcase_add_test(tb, test_blas_core_select);
+	suite_add_tcase(s, tb);
 	return s;
 }
