@@ -30,7 +30,10 @@ def counters():
     cache (memory and disk); fallback: {op: {reason: nodes}} left to torch,
     counted per compiled FX graph; fallback_nodes: their total;
     input_copies: inputs torch copied before a graph read them (a layout
-    other than the first call's); raw: every libepjit counter."""
+    other than the first call's); specialized: FX graphs traced with
+    symbolic shapes (torch.compile's default dynamic=None after a shape
+    changed, or dynamic=True) compiled for one concrete set of input
+    shapes; raw: every libepjit counter."""
     from . import _backend as be
     raw = _lib.counters_raw()
     fb = {}
@@ -49,6 +52,7 @@ def counters():
         "fallback": fb,
         "fallback_nodes": sum(be.fallback.values()),
         "input_copies": be.stats["input_copies"],
+        "specialized": be.stats["specialized"],
         "raw": raw,
     }
 

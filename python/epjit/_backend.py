@@ -527,9 +527,114 @@ def _merge(partitions):
             for i, g in enumerate(groups)]
 
 
+# ---- graphs with symbolic shapes ---------------------------------------------
+
+# distinct input shapes one graph with symbolic shapes is specialized to;
+# calls with shapes past them run the graph in torch
+MAX_SHAPES = 8
+
+
+def _symbolic(example_inputs):
+    """Whether Dynamo traced with dynamic shapes: a SymInt input or a
+    tensor whose sizes or strides are symbolic."""
+    for a in example_inputs:
+        if isinstance(a, torch.SymInt):
+            return True
+        if isinstance(a, torch.Tensor) and any(
+                not isinstance(d, int) for d in (*a.shape, *a.stride())):
+            return True
+    return False
+
+
+def _specialize(gm, args):
+    """A copy of gm whose shapes are those of args (concrete tensors and
+    ints): metadata propagated again with static fake tensors, and every
+    integer the graph computes from sizes (placeholders, sym_size, the
+    arithmetic on them) folded into its users' arguments as a constant."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    g = torch.fx.GraphModule(gm, graph)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(a, static_shapes=True)
+             if isinstance(a, torch.Tensor) else a for a in args]
+    FakeTensorProp(g, mode).propagate_dont_convert_inputs(*fakes)
+    for node in list(g.graph.nodes):
+        val = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or \
+                isinstance(val, bool) or not isinstance(val, int):
+            continue
+        for user in list(node.users):
+            user.args = torch.fx.node.map_arg(
+                user.args, lambda a: val if a is node else a)
+            user.kwargs = torch.fx.node.map_arg(
+                user.kwargs, lambda a: val if a is node else a)
+        if node.op == "call_function":
+            g.graph.erase_node(node)
+    g.graph.lint()
+    g.recompile()
+    return g
+
+
+class _Specialized:
+    """A graph traced with symbolic shapes, compiled once per distinct
+    set of input shapes (at most MAX_SHAPES; the rest run in torch,
+    counted), each compile that of a static graph."""
+
+    def __init__(self, gm):
+        self.gm = gm
+        self.by_shape = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device)
+                    if isinstance(a, torch.Tensor) else
+                    (type(a).__name__, a) for a in args)
+        fn = self.by_shape.get(key)
+        if fn is None:
+            with self.lock:
+                fn = self.by_shape.get(key)
+                if fn is None:
+                    fn = self._compile(args)
+                    self.by_shape[key] = fn
+        return fn(*args)
+
+    def _compile(self, args):
+        if len(self.by_shape) >= MAX_SHAPES:
+            counted = collections.Counter(
+                (_op_name(n), "symbolic shape: more than %d shapes"
+                 % MAX_SHAPES)
+                for n in self.gm.graph.nodes
+                if n.op == "call_function" and _op_name(n) != "getitem")
+            with _lock:
+                fallback.update(counted)
+            return self.gm
+        try:
+            g = _specialize(self.gm, args)
+        except Exception as e:  # noqa: BLE001 (never fails the step)
+            warnings.warn("epjit: a graph with symbolic shapes runs in "
+                          "torch: %s: %s" % (type(e).__name__, e))
+            counted = collections.Counter(
+                (_op_name(n), "symbolic shape: not specialized")
+                for n in self.gm.graph.nodes
+                if n.op == "call_function" and _op_name(n) != "getitem")
+            with _lock:
+                fallback.update(counted)
+            return self.gm
+        with _lock:
+            stats["specialized"] += 1
+        return compile_graph(g, args)
+
+
 def compile_graph(gm, example_inputs):
     """Partitions gm, lowers the supported partitions to epjit graphs and
-    returns the GraphModule that calls them (the rest runs in torch)."""
+    returns the GraphModule that calls them (the rest runs in torch).  A
+    graph traced with symbolic shapes is compiled per concrete shape at
+    its calls (_Specialized)."""
+    if _symbolic(example_inputs):
+        return _Specialized(gm)
     support = _Support()
     part = CapabilityBasedPartitioner(gm, support,
                                       allows_single_node_partition=True)
