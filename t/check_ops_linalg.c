@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "check_util.h"
 #include "core_impl.h"
@@ -1264,6 +1265,14 @@ static bool blas_force_core(const char *name)
 	return true;
 }
 
+/* OpenBLAS's core is `want` (its names' case as OpenBLAS spells them). */
+static void blas_core_is(const char *want)
+{
+	const char *now = ej_blas_core_name();
+	ck_assert_msg(now && !strcasecmp(now, want),
+		      "OpenBLAS core %s, want %s", now ? now : "(none)", want);
+}
+
 START_TEST(test_blas_core_select)
 {
 	const char *user = getenv("OPENBLAS_CORETYPE");
@@ -1291,10 +1300,10 @@ START_TEST(test_blas_core_select)
 
 	/* OpenBLAS fell back to Prescott (a model it does not know) */
 	ck_assert(blas_force_core("Prescott"));
-	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	blas_core_is("Prescott");
 	ej_blas_ready_reset();
 	blas_gemm_check(64, 70, 130);
-	ck_assert_str_eq(ej_blas_core_name(), best ? best : "Prescott");
+	blas_core_is(best ? best : "Prescott");
 	ck_assert_ptr_null(getenv("OPENBLAS_CORETYPE"));
 
 	/* EPJIT_OPENBLAS_CORE=0 keeps OpenBLAS's choice */
@@ -1302,21 +1311,21 @@ START_TEST(test_blas_core_select)
 	setenv("EPJIT_OPENBLAS_CORE", "0", 1);
 	ej_blas_ready_reset();
 	blas_gemm_check(64, 70, 130);
-	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	blas_core_is("Prescott");
 	unsetenv("EPJIT_OPENBLAS_CORE");
 
 	/* so does the user's OPENBLAS_CORETYPE */
 	setenv("OPENBLAS_CORETYPE", "Prescott", 1);
 	ej_blas_ready_reset();
 	blas_gemm_check(64, 70, 130);
-	ck_assert_str_eq(ej_blas_core_name(), "Prescott");
+	blas_core_is("Prescott");
 	unsetenv("OPENBLAS_CORETYPE");
 
 	/* an unknown value is auto, with a warning */
 	setenv("EPJIT_OPENBLAS_CORE", "fastest", 1);
 	ej_blas_ready_reset();
 	blas_gemm_check(5, 3, 7);
-	ck_assert_str_eq(ej_blas_core_name(), best ? best : "Prescott");
+	blas_core_is(best ? best : "Prescott");
 	unsetenv("EPJIT_OPENBLAS_CORE");
 
 	/* the process as it was */
