@@ -600,6 +600,33 @@ def _softmax(L, node):
     return L.op(name, [v], [d], metas=[m])
 
 
+def _safe_softmax_check(node):
+    dt = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+    if dt is not None and dt not in FLOATS:
+        return "softmax to %s" % str(dt).replace("torch.", "")
+    return _reduce_check(node)
+
+
+@rule(aten._safe_softmax.default, check=_safe_softmax_check)
+def _safe_softmax(L, node):
+    """softmax (of x in the output's dtype) with 0 in the rows whose
+    elements are all -inf (torch's sdpa math path: a query no key may
+    attend gets zeros, not nan); the row test is amax(x) == -inf, the
+    zeros picked in exactly."""
+    m = _out_meta(node)
+    v = L.cast(L.arg(node.args[0]), m[1])
+    shape = list(L.shape(v))
+    d = _norm_dim(node.args[1], len(shape))
+    s = L.op("softmax", [v], [d], metas=[m])
+    red = list(shape)
+    red[d] = 1
+    top = L.op("amax", [v], [d, 1], metas=[(red, m[1])])
+    ninf = L.op("full", [], [DTYPES[m[1]]] + red, [float("-inf")],
+                metas=[(red, m[1])])
+    gone = L.op("eq", [top, ninf], metas=[(red, m[1])])
+    return _pick(L, gone, _const(L, 0.0, m[1], len(shape)), s, shape, m[1])
+
+
 @rule(aten._softmax_backward_data.default,
       aten._log_softmax_backward_data.default)
 def _softmax_backward(L, node):
