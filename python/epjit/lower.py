@@ -890,16 +890,23 @@ def _cumsum_check(node):
     x = _val(node.args[0])
     if x.ndim == 0:
         return "cumsum of a scalar"
-    if x.dtype not in FLOATS or _val(node).dtype != x.dtype:
-        return "cumsum to %s" % str(_val(node).dtype).replace("torch.", "")
-    return None
+    out = _val(node).dtype
+    if x.dtype in FLOATS and out == x.dtype:
+        return None
+    # an integer or bool scan (transformers' packed-sequence test on
+    # position ids and masks), exact in the integer output dtype
+    ints = (torch.int32, torch.int64, torch.bool)
+    if x.dtype in ints and out in (torch.int32, torch.int64):
+        return None
+    return "cumsum to %s" % str(out).replace("torch.", "")
 
 
 @rule(aten.cumsum.default, check=_cumsum_check)
 def _cumsum(L, node):
     """An inclusive scan by doubling shifts (Hillis-Steele): y += y shifted
     by s along the dim with zeros in front, s = 1, 2, 4, ...; bf16 is summed
-    in f32 and rounded once."""
+    in f32 and rounded once, integers and bools in the integer output
+    dtype (exact)."""
     m = _out_meta(node)
     work = torch.float32 if m[1] == torch.bfloat16 else m[1]
     y = L.cast(L.arg(node.args[0]), work)

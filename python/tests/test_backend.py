@@ -327,6 +327,29 @@ def test_cumsum_and_flip_lowered(dtype):
     assert c["fallback_nodes"] == 0, c["fallback"]
 
 
+@pytest.mark.parametrize("shape", [(3, 7), (2, 129), (1, 1)])
+def test_integer_cumsum_lowered(shape):
+    """cumsum of a bool mask and of int64 values past 2^32 (to int64, as
+    torch promotes them), and of int32 to int32 (wrapping as torch's),
+    along either dim of odd lengths: exact, in torch's dtypes, compiled
+    with nothing left to torch (transformers' packed-sequence test)."""
+    def f(m, p):
+        a = torch.cumsum(m, -1)
+        b = torch.cumsum(p, 0)
+        c = torch.cumsum(p.to(torch.int32), -1, dtype=torch.int32)
+        return a, b, c, a * 2 + 1
+
+    m = torch.rand(shape) > 0.4
+    p = torch.randint(-1000, 1000, shape, dtype=torch.int64) * (1 << 33)
+    got = torch.compile(f, backend="epjit")(m, p)
+    for g, r in zip(got, f(m, p)):
+        assert g.dtype == r.dtype
+        assert torch.equal(g, r)
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softplus_lowered(dtype):
     """softplus and its backward (Gated DeltaNet's decay), with inputs from
