@@ -122,6 +122,24 @@ const char *ej_blas_core_name(void)
 	return corename ? corename() : NULL;
 }
 
+bool ej_blas_core_select(const char *name)
+{
+	const char *(*config)(void) =
+	    (const char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
+	void (*init)(void) =
+	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init");
+	void (*quit)(void) =
+	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit");
+	if (!config || !init || !quit || !strstr(config(), "DYNAMIC_ARCH"))
+		return false;
+	if (setenv("OPENBLAS_CORETYPE", name, 1) != 0)
+		return false;
+	quit();
+	init();
+	unsetenv("OPENBLAS_CORETYPE");
+	return true;
+}
+
 static pthread_mutex_t core_lock = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool core_done;
 
@@ -139,26 +157,15 @@ static void core_select(void)
 	const char *user = getenv("OPENBLAS_CORETYPE");
 	if (user && *user)
 		return;
-	const char *(*config)(void) =
-	    (const char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
-	void (*init)(void) =
-	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init");
-	void (*quit)(void) =
-	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit");
 	const char *chosen = ej_blas_core_name();
-	if (!config || !init || !quit || !chosen ||
-	    !strstr(config(), "DYNAMIC_ARCH"))
-		return;
-	const char *pick = ej_blas_core_pick(chosen, ej_cpu_features());
+	const char *pick =
+	    chosen ? ej_blas_core_pick(chosen, ej_cpu_features()) : NULL;
 	if (!pick)
 		return;
 	char was[32];
 	snprintf(was, sizeof was, "%s", chosen);
-	if (setenv("OPENBLAS_CORETYPE", pick, 1) != 0)
+	if (!ej_blas_core_select(pick))
 		return;
-	quit();
-	init();
-	unsetenv("OPENBLAS_CORETYPE");
 	const char *now = ej_blas_core_name();
 	if (now && !strcasecmp(now, pick))
 		epj_log_msg(EPJ_LOG_INFO,

@@ -135,7 +135,8 @@ void ej_gemm_bf16_amx(int64_t m, int64_t n, int64_t k, float alpha,
  * ej_blas_ready() before a BLAS call (once a process; cheap after); the
  * CPU's features (EJ_CPU_*, what the CPU and the OS support); the core
  * worth selecting when OpenBLAS chose `chosen` on a CPU with feats (NULL:
- * keep it); OpenBLAS's current core (NULL: not OpenBLAS); the test hook
+ * keep it); OpenBLAS's current core (NULL: not OpenBLAS); the
+ * re-selection itself; the test hook
  * that makes the next ej_blas_ready() look again. */
 enum {
 	EJ_CPU_AVX = 1,
@@ -147,6 +148,9 @@ void ej_blas_ready(void);
 unsigned ej_cpu_features(void);
 const char *ej_blas_core_pick(const char *chosen, unsigned feats);
 const char *ej_blas_core_name(void);
+/* Re-runs a DYNAMIC_ARCH OpenBLAS's selection with OPENBLAS_CORETYPE=name
+ * (unset again after); false when this BLAS cannot be re-selected. */
+bool ej_blas_core_select(const char *name);
 void ej_blas_ready_reset(void);
 int ej_linalg_blas_serial_begin(void);
 void ej_linalg_blas_serial_end(int prev);

@@ -10,7 +10,6 @@
  * (2^-8 plus a margin for the f32 sums), atol 1e-3; truncation instead of
  * rounding would fail it.
  */
-#include <dlfcn.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1246,25 +1245,6 @@ static void blas_gemm_check(int64_t m, int64_t n, int64_t k)
 	free(c);
 }
 
-/* OpenBLAS re-selected with OPENBLAS_CORETYPE=name (what it would choose
- * when loaded with it); false when this BLAS cannot be. */
-static bool blas_force_core(const char *name)
-{
-	void (*init)(void) =
-	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_init");
-	void (*quit)(void) =
-	    (void (*)(void))dlsym(RTLD_DEFAULT, "gotoblas_dynamic_quit");
-	const char *(*config)(void) =
-	    (const char *(*)(void))dlsym(RTLD_DEFAULT, "openblas_get_config");
-	if (!init || !quit || !config || !strstr(config(), "DYNAMIC_ARCH"))
-		return false;
-	setenv("OPENBLAS_CORETYPE", name, 1);
-	quit();
-	init();
-	unsetenv("OPENBLAS_CORETYPE");
-	return true;
-}
-
 /* OpenBLAS's core is `want` (its names' case as OpenBLAS spells them). */
 static void blas_core_is(const char *want)
 {
@@ -1288,7 +1268,7 @@ START_TEST(test_blas_core_select)
 	blas_gemm_check(37, 29, 41);
 	const char *name = ej_blas_core_name();
 	unsigned f = ej_cpu_features();
-	if (!name || !blas_force_core(name))
+	if (!name || !ej_blas_core_select(name))
 		return; /* not a DYNAMIC_ARCH OpenBLAS: nothing to select */
 	ck_assert_msg(!ej_blas_core_pick(name, f),
 		      "after the first GEMM OpenBLAS runs %s; this CPU "
@@ -1299,7 +1279,7 @@ START_TEST(test_blas_core_select)
 	snprintf(keep, sizeof keep, "%s", name);
 
 	/* OpenBLAS fell back to Prescott (a model it does not know) */
-	ck_assert(blas_force_core("Prescott"));
+	ck_assert(ej_blas_core_select("Prescott"));
 	blas_core_is("Prescott");
 	ej_blas_ready_reset();
 	blas_gemm_check(64, 70, 130);
@@ -1307,7 +1287,7 @@ START_TEST(test_blas_core_select)
 	ck_assert_ptr_null(getenv("OPENBLAS_CORETYPE"));
 
 	/* EPJIT_OPENBLAS_CORE=0 keeps OpenBLAS's choice */
-	ck_assert(blas_force_core("Prescott"));
+	ck_assert(ej_blas_core_select("Prescott"));
 	setenv("EPJIT_OPENBLAS_CORE", "0", 1);
 	ej_blas_ready_reset();
 	blas_gemm_check(64, 70, 130);
@@ -1329,7 +1309,7 @@ START_TEST(test_blas_core_select)
 	unsetenv("EPJIT_OPENBLAS_CORE");
 
 	/* the process as it was */
-	ck_assert(blas_force_core(keep));
+	ck_assert(ej_blas_core_select(keep));
 	ej_blas_ready_reset();
 	blas_gemm_check(3, 5, 2);
 }

@@ -40,6 +40,16 @@ def _op_name(node):
         t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
+def _left_to_torch(gm, why):
+    """Counts every node of gm (an FX graph that runs in torch) as left to
+    torch with the reason `why`."""
+    counted = collections.Counter(
+        (_op_name(n), why) for n in gm.graph.nodes
+        if n.op == "call_function" and _op_name(n) != "getitem")
+    with _lock:
+        fallback.update(counted)
+
+
 class _Support(OperatorSupportBase):
     def __init__(self):
         super().__init__()
@@ -391,12 +401,7 @@ class EpjitGraph(torch.nn.Module):
             _lib.lib.epj_graph_free(self.graph)
             self.graph = None
         warnings.warn("epjit: a graph runs in torch: %s" % err)
-        counted = collections.Counter(
-            (_op_name(n), why)
-            for n in self.sub.graph.nodes
-            if n.op == "call_function" and _op_name(n) != "getitem")
-        with _lock:
-            fallback.update(counted)
+        _left_to_torch(self.sub, why)
 
     def _run(self, args, orig):
         """Runs the graph on args (complex tensors as view_as_real); orig:
@@ -603,25 +608,15 @@ class _Specialized:
 
     def _compile(self, args):
         if len(self.by_shape) >= MAX_SHAPES:
-            counted = collections.Counter(
-                (_op_name(n), "symbolic shape: more than %d shapes"
-                 % MAX_SHAPES)
-                for n in self.gm.graph.nodes
-                if n.op == "call_function" and _op_name(n) != "getitem")
-            with _lock:
-                fallback.update(counted)
+            _left_to_torch(self.gm, "symbolic shape: more than %d shapes"
+                           % MAX_SHAPES)
             return self.gm
         try:
             g = _specialize(self.gm, args)
         except Exception as e:  # noqa: BLE001 (never fails the step)
             warnings.warn("epjit: a graph with symbolic shapes runs in "
                           "torch: %s: %s" % (type(e).__name__, e))
-            counted = collections.Counter(
-                (_op_name(n), "symbolic shape: not specialized")
-                for n in self.gm.graph.nodes
-                if n.op == "call_function" and _op_name(n) != "getitem")
-            with _lock:
-                fallback.update(counted)
+            _left_to_torch(self.gm, "symbolic shape: not specialized")
             return self.gm
         with _lock:
             stats["specialized"] += 1
