@@ -490,7 +490,10 @@ END_TEST
 /* Document ids: key j hidden from query i when their ids differ.  Runs of
  * 1..12 positions (packed documents, across the 32-key tiles and the
  * 64-query blocks and 64-key tiles of the bf16 tensor-core kernels) and
- * ids in any order, i64 and i32 ids, causal and not; f32 and bf16. */
+ * ids in any order, i64 and i32 ids, causal and not; f32 and bf16.  The
+ * tensor-core forward and dq skip the key tiles whose documents are apart
+ * from the block's (ej_tc_docs_apart): the runs of 200 positions, in bf16,
+ * leave each 64-query block only the key tiles of its own documents. */
 START_TEST(test_docs)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -500,13 +503,17 @@ START_TEST(test_docs)
 		/* past one 64-query block and 64-key tile of the
 		 * tensor-core kernels (bf16: random ids, causal) */
 		{ 1, 2, 1, 70, 70, 40, 40, true, 0 },
+		/* four 64-blocks, not causal (bf16: runs; tiles skipped) */
+		{ 2, 2, 1, 200, 200, 16, 24, false, 0 },
 	};
-	/* f32 and bf16: f64 takes the f32 paths (two modules built) */
+	/* f32 and bf16: f64 takes the f32 paths (two modules built); the
+	 * runs in f32 for even cases, in bf16 for odd ones */
 	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16 };
 	int n = 0;
 	for (size_t i = 0; i < LEN(dc); i++)
 		for (int runs = 1; runs >= 0; runs--, n++) {
 			const cfg *c = &dc[i];
+			const epj_dtype dt = dts[(i + (size_t)!runs) % 2];
 			int64_t *ids =
 			    malloc(sizeof *ids * (size_t)(c->b * c->s));
 			for (int64_t b = 0; b < c->b; b++) {
@@ -527,7 +534,11 @@ START_TEST(test_docs)
 			for (int64_t j = 0; j < c->b * c->s; j++)
 				epj_tensor_set_f64(docs_t, j, (double)ids[j]);
 			docs_ids = ids;
-			check_case(ctx, c, dts[n % 2], n == 1);
+			unsigned long n0 = ej_attn_test_tc_launches();
+			check_case(ctx, c, dt, n == 1);
+			/* bf16 ran on the tensor cores: fwd, dq, dk, dv */
+			ck_assert_uint_eq(ej_attn_test_tc_launches() - n0,
+					  dt == EPJ_DTYPE_BF16 ? 4 : 0);
 			epj_tensor_free(docs_t);
 			docs_t = NULL;
 			docs_ids = NULL;

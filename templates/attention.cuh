@@ -171,16 +171,19 @@ EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
 
 /* Does query i see key j by the documents (always without seg)?  j and i
  * must be positions of the row (< S = T). */
+EJ_D long long ej_at_doc(const struct ej_attn_args &a, int b, int i)
+{
+	long long o = (long long)b * a.sgs[0] + (long long)i * a.sgs[1];
+	if (a.seg8)
+		return ((const long long *)a.seg)[o];
+	return ((const int *)a.seg)[o];
+}
+
 EJ_D bool ej_at_same_doc(const struct ej_attn_args &a, int b, int i, int j)
 {
 	if (!a.seg)
 		return true;
-	long long oi = (long long)b * a.sgs[0] + (long long)i * a.sgs[1];
-	long long oj = (long long)b * a.sgs[0] + (long long)j * a.sgs[1];
-	if (a.seg8)
-		return ((const long long *)a.seg)[oi] ==
-		       ((const long long *)a.seg)[oj];
-	return ((const int *)a.seg)[oi] == ((const int *)a.seg)[oj];
+	return ej_at_doc(a, b, i) == ej_at_doc(a, b, j);
 }
 
 /* The mask of query i, key j of (b, h): what the scaled score adds (0
@@ -720,6 +723,44 @@ EJ_D float ej_tc_qsum(float v)
 	return v;
 }
 
+/* The document ids of positions [p0, p0 + n) of row b (n >= 1, every
+ * position < S) span [r[0], r[1]]: each lane reads every 32nd id and the
+ * warp reduces them, so every warp of the block gets the same range (a
+ * block-uniform skip needs no shared memory).  Only with a.seg. */
+EJ_D void ej_tc_doc_range(const struct ej_attn_args &a, int b, int p0, int n,
+			  int lane, long long *r)
+{
+	long long lo = ej_at_doc(a, b, p0), hi = lo;
+	for (int k = lane; k < n; k += 32) {
+		long long id = ej_at_doc(a, b, p0 + k);
+		lo = id < lo ? id : lo;
+		hi = id > hi ? id : hi;
+	}
+	for (int o = 1; o < 32; o <<= 1) {
+		long long x = __shfl_xor_sync(0xffffffffu, lo, o);
+		long long y = __shfl_xor_sync(0xffffffffu, hi, o);
+		lo = x < lo ? x : lo;
+		hi = y > hi ? y : hi;
+	}
+	r[0] = lo;
+	r[1] = hi;
+}
+
+/* Does a key tile of positions [p0, p0 + n) (n clipped at len) hold no
+ * document of the range qr, so that no query of qr's block sees any of
+ * its keys?  Packed documents, whose ids
+ * grow along the row, skip every tile outside the block's documents; any
+ * ids are safe (disjoint ranges share no id).  False without a.seg. */
+EJ_D bool ej_tc_docs_apart(const struct ej_attn_args &a, int b, int p0,
+			   int n, int len, const long long *qr, int lane)
+{
+	if (!a.seg)
+		return false;
+	long long kr[2];
+	ej_tc_doc_range(a, b, p0, p0 + n < len ? n : len - p0, lane, kr);
+	return kr[1] < qr[0] || qr[1] < kr[0];
+}
+
 /* Online softmax of one key tile: s (scores of rows i and i + 8 of this
  * lane, keys k0 + 8 nt + 2 (lane % 4) + {0, 1}) is masked and scaled, m and
  * l are updated, o is rescaled and s becomes P. */
@@ -796,7 +837,13 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0;
 	int ilast = i0 + EJ_TC_BQ < a.t ? i0 + EJ_TC_BQ - 1 : a.t - 1;
 	int kmax = ej_at_kend(a, ilast); /* keys any row of the block sees */
+	long long qr[2]; /* the block's documents (with a.seg) */
+	if (a.seg)
+		ej_tc_doc_range(a, b, i0, ilast - i0 + 1, lane, qr);
 	for (int k0 = 0; k0 < kmax; k0 += EJ_TC_BK) {
+		/* a tile of other documents adds nothing: skipped (uniform) */
+		if (ej_tc_docs_apart(a, b, k0, EJ_TC_BK, a.s, qr, lane))
+			continue;
 		__syncthreads(); /* the previous tile is consumed */
 		ej_tc_stage(ks, ldq, a.k, a.ks, b, g, k0, EJ_TC_BK, a.s, D);
 		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
@@ -884,7 +931,12 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0;
 	int ilast = i0 + EJ_TC_BQ < a.t ? i0 + EJ_TC_BQ - 1 : a.t - 1;
 	int kmax = ej_at_kend(a, ilast);
+	long long qr[2]; /* the block's documents (with a.seg) */
+	if (a.seg)
+		ej_tc_doc_range(a, b, i0, ilast - i0 + 1, lane, qr);
 	for (int k0 = 0; k0 < kmax; k0 += EJ_TC_BK) {
+		if (ej_tc_docs_apart(a, b, k0, EJ_TC_BK, a.s, qr, lane))
+			continue; /* other documents: dS is 0 there */
 		__syncthreads();
 		ej_tc_stage(ks, ldq, a.k, a.ks, b, g, k0, EJ_TC_BK, a.s, D);
 		ej_tc_stage(vs, ldv, a.v, a.vs, b, g, k0, EJ_TC_BK, a.s, DV);
