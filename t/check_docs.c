@@ -584,7 +584,7 @@ Suite *make_docs_suite(void)
 	Suite *s = suite_create("docs");
 	TCase *tc = tcase_create("docs");
 	tcase_set_timeout(tc, 600);
-	tcase_add_loop_test(tc, test_alone, 0, N_ALONE);
+	tu_add_loop_test(tc, test_alone, N_ALONE);
 	tcase_add_test(tc, test_batch_documents);
 	tcase_add_loop_test(tc, test_compiled, 0, 3);
 	tcase_add_test(tc, test_per_token);

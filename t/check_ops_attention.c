@@ -2020,7 +2020,7 @@ Suite *make_ops_attention_suite(void)
 	tcase_add_test(td, test_gated_delta_forward);
 	tcase_add_test(td, test_gated_delta_gradcheck);
 	tcase_add_test(td, test_gated_delta_backward_sim);
-	tcase_add_loop_test(td, test_gated_delta_backward_odd, 0, 3);
+	tu_add_loop_test(td, test_gated_delta_backward_odd, 3);
 	tcase_add_test(td, test_gated_delta_errors);
 	suite_add_tcase(s, td);
 	TCase *tc = tcase_create("cross_entropy");
