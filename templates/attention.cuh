@@ -169,8 +169,7 @@ EJ_D int ej_at_kend(const struct ej_attn_args &a, int i)
 	return e < 0 ? 0 : (e > a.s ? a.s : e);
 }
 
-/* Does query i see key j by the documents (always without seg)?  j and i
- * must be positions of the row (< S = T). */
+/* The document id of position i of row b (i < S = T).  Only with a.seg. */
 EJ_D long long ej_at_doc(const struct ej_attn_args &a, int b, int i)
 {
 	long long o = (long long)b * a.sgs[0] + (long long)i * a.sgs[1];
@@ -179,6 +178,8 @@ EJ_D long long ej_at_doc(const struct ej_attn_args &a, int b, int i)
 	return ((const int *)a.seg)[o];
 }
 
+/* Does query i see key j by the documents (always without seg)?  j and i
+ * must be positions of the row (< S = T). */
 EJ_D bool ej_at_same_doc(const struct ej_attn_args &a, int b, int i, int j)
 {
 	if (!a.seg)
@@ -748,9 +749,9 @@ EJ_D void ej_tc_doc_range(const struct ej_attn_args &a, int b, int p0, int n,
 
 /* Does a key tile of positions [p0, p0 + n) (n clipped at len) hold no
  * document of the range qr, so that no query of qr's block sees any of
- * its keys?  Packed documents, whose ids
- * grow along the row, skip every tile outside the block's documents; any
- * ids are safe (disjoint ranges share no id).  False without a.seg. */
+ * its keys?  Packed documents, whose ids grow along the row, skip every
+ * tile outside the block's documents; any ids are safe (disjoint ranges
+ * share no id).  False without a.seg. */
 EJ_D bool ej_tc_docs_apart(const struct ej_attn_args &a, int b, int p0,
 			   int n, int len, const long long *qr, int lane)
 {
