@@ -306,23 +306,82 @@ _CMP = {
 }
 
 
+def _cmp_dtype(node):
+    """The dtype torch compares node's operands in (None: neither integers
+    nor floats)."""
+    a, b = node.args[0], node.args[1]
+    if _is_tensor_arg(b):
+        dt = torch.result_type(_val(a), _val(b))
+    elif isinstance(b, (int, float)) and not isinstance(b, bool):
+        dt = torch.result_type(_val(a), b)
+    else:
+        return None
+    return dt if dt in FLOATS + (torch.int32, torch.int64) else None
+
+
 def _cmp_check(node):
     a, b = node.args[0], node.args[1]
     if not _is_tensor_arg(a):
         return "scalar first operand"
-    ints = (torch.int32, torch.int64)
-    if _val(a).dtype not in ints or not (
-            isinstance(b, int) and not isinstance(b, bool) or
-            _is_tensor_arg(b) and _val(b).dtype in ints):
-        return "comparison of non-integers"
+    dt = _cmp_dtype(node)
+    if dt is None:
+        return "comparison of %s" % str(_val(a).dtype).replace("torch.", "")
     return None
+
+
+def _fle(L, a, b, shape, dt):
+    """a <= b (1 / 0 in dt) of two floats of shape: amax(a, b) == b, false
+    where either is NaN (amax propagates it, and NaN equals nothing)."""
+    one, two = shape + [1], shape + [2]
+    ra = L.op("reshape", [a], one, metas=[(one, dt)])
+    rb = L.op("reshape", [b], one, metas=[(one, dt)])
+    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
+    mx = L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+    return L.op("eq", [mx, b], metas=[(shape, dt)])
+
+
+def _float_cmp(L, node, dt):
+    """Float comparisons as torch's, NaN included: a <= b is
+    amax(a, b) == b (amax propagates NaN, which equals nothing), a < b is
+    (a <= b) - (a == b), ge and gt swap the sides, ne is 1 - eq."""
+    m = _out_meta(node)
+    shape = list(m[0])
+    a = _bcast(L, L.cast(L.arg(node.args[0]), dt), shape)
+    b = node.args[1]
+    if _is_tensor_arg(b):
+        b = L.cast(L.arg(b), dt)
+    else:
+        one = [1] * len(shape)
+        b = L.op("full", [], [DTYPES[dt]] + one, [float(b)],
+                 metas=[(one, dt)])
+    b = _bcast(L, b, shape)
+    name = _CMP[node.target]
+    if name in ("ge", "gt"):
+        a, b = b, a
+    if name in ("eq", "ne"):
+        r = L.op("eq", [a, b], metas=[(shape, dt)])
+    else:
+        r = _fle(L, a, b, shape, dt)
+        if name in ("lt", "gt"):
+            eq = L.op("eq", [a, b], metas=[(shape, dt)])
+            r = L.op("sub", [r, eq], metas=[(shape, dt)])
+    r = L.op("cast", [r], [DTYPES[torch.bool]], metas=[m])
+    if name == "ne":
+        ones = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0],
+                    metas=[m])
+        r = L.op("sub", [ones, r], metas=[m])
+    return r
 
 
 @rule(*_CMP, check=_cmp_check)
 def _cmp(L, node):
     """Integer comparisons, exact while the difference fits int64: a <= b is
     max(a - b, 0) == 0 (in f64, which keeps an integer's sign), the others
-    by swapping sides and 1 - x; eq and ne through eq."""
+    by swapping sides and 1 - x; eq and ne through eq.  Floats:
+    _float_cmp."""
+    dt = _cmp_dtype(node)
+    if dt in FLOATS:
+        return _float_cmp(L, node, dt)
     m = _out_meta(node)
     i64, f64 = torch.int64, torch.float64
     a = L.cast(L.arg(node.args[0]), i64)
@@ -345,6 +404,22 @@ def _cmp(L, node):
                    metas=[m])
         r = L.op("sub", [one, r], metas=[m])
     return r
+
+
+def _isnan_check(node):
+    return None if _val(node.args[0]).dtype in FLOATS else "isnan of integers"
+
+
+@rule(aten.isnan.default, check=_isnan_check)
+def _isnan(L, node):
+    """1 - (x == x): only NaN differs from itself."""
+    m = _out_meta(node)
+    x = L.arg(node.args[0])
+    shape, dt = list(L.shape(x)), L.dtype(x)
+    r = L.op("cast", [L.op("eq", [x, x], metas=[(shape, dt)])],
+             [DTYPES[torch.bool]], metas=[m])
+    ones = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0], metas=[m])
+    return L.op("sub", [ones, r], metas=[m])
 
 
 def _logic_check(node):
@@ -436,6 +511,94 @@ def _softplus_args(node):
     beta = a[0] if len(a) > 0 else node.kwargs.get("beta", 1)
     th = a[1] if len(a) > 1 else node.kwargs.get("threshold", 20)
     return beta, th
+
+
+def _relu_check(node):
+    dt = _val(node).dtype
+    if dt not in FLOATS + (torch.int32, torch.int64):
+        return "relu of %s" % str(dt).replace("torch.", "")
+    return None
+
+
+@rule(aten.relu.default, check=_relu_check)
+def _relu(L, node):
+    """max(x, 0) (NaN stays NaN, as torch's)."""
+    m = _out_meta(node)
+    return _max0(L, L.arg(node.args[0]), m[1])
+
+
+def _stack_amax(L, a, b, shape, dt):
+    """max(a, b) of two values broadcast to shape, NaN-propagating: the
+    amax of the two stacked on a new last dim."""
+    one, two = shape + [1], shape + [2]
+    ra = L.op("reshape", [_bcast(L, a, shape)], one, metas=[(one, dt)])
+    rb = L.op("reshape", [_bcast(L, b, shape)], one, metas=[(one, dt)])
+    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
+    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+
+
+def _clamp_check(node):
+    dt = _val(node).dtype
+    if dt not in FLOATS + (torch.int32, torch.int64):
+        return "clamp of %s" % str(dt).replace("torch.", "")
+    for b in _clamp_bounds(node):
+        if b is not None and not isinstance(b, (int, float)):
+            return "clamp bound"
+        if isinstance(b, float) and dt not in FLOATS and b != int(b):
+            return "clamp of integers to a fraction"
+    return None
+
+
+def _clamp_bounds(node):
+    """(lo, hi) of clamp, clamp_min, clamp_max (None: no bound)."""
+    a = list(node.args[1:]) + [None, None]
+    if node.target == aten.clamp_min.default:
+        return a[0], None
+    if node.target == aten.clamp_max.default:
+        return None, a[0]
+    lo = a[0] if len(node.args) > 1 else node.kwargs.get("min")
+    hi = a[1] if len(node.args) > 2 else node.kwargs.get("max")
+    return lo, hi
+
+
+@rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+      check=_clamp_check)
+def _clamp(L, node):
+    """min(max(x, lo), hi) with amax of stacked pairs, the min through the
+    order-reversing map (NaN stays NaN, as torch's)."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    v = L.cast(L.arg(node.args[0]), dt)
+    lo, hi = _clamp_bounds(node)
+    r = len(shape)
+    if lo is not None:
+        v = _stack_amax(L, v, _const(L, lo, dt, r), shape, dt)
+    if hi is not None:
+        nv = _flip_order(L, v, dt, r)
+        nh = _flip_order(L, _const(L, hi, dt, r), dt, r)
+        v = _flip_order(L, _stack_amax(L, nv, nh, shape, dt), dt, r)
+    return v
+
+
+def _threshold_backward_check(node):
+    if _val(node).dtype not in FLOATS:
+        return "threshold_backward of integers"
+    if not isinstance(node.args[2], (int, float)):
+        return "threshold"
+    return None
+
+
+@rule(aten.threshold_backward.default, check=_threshold_backward_check)
+def _threshold_backward(L, node):
+    """grad where x > threshold, else exactly 0 (NaN x keeps the grad, as
+    torch's x <= threshold test is false there)."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    g = _bcast(L, L.cast(L.arg(node.args[0]), dt), shape)
+    x = _bcast(L, L.cast(L.arg(node.args[1]), dt), shape)
+    t = _bcast(L, _const(L, node.args[2], dt, len(shape)), shape)
+    le = _fle(L, x, t, shape, dt)
+    return _pick(L, le, _const(L, 0.0, dt, len(shape)), g, shape, dt)
 
 
 def _softplus_check(node):
@@ -550,21 +713,52 @@ def _keepdim(node):
     return bool(node.kwargs.get("keepdim", False))
 
 
+INTS = (torch.int32, torch.int64, torch.bool)
+
+
 def _reduce_check(node):
-    if _val(node).dtype not in FLOATS:
+    """Float reductions; sum, amax and amin (and max, min) also of integers
+    and bools, exact (sums wrap in the output dtype, as torch's)."""
+    out = _val(node)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    ints_ok = node.target not in (aten.mean.dim, aten.mean.default,
+                                  aten._softmax.default,
+                                  aten._log_softmax.default,
+                                  aten._safe_softmax.default)
+    if out.dtype not in FLOATS and not (ints_ok and out.dtype in INTS
+                                        and _val(node.args[0]).dtype in INTS):
         return "integer reduction"
     if len(_shape(node.args[0])) == 0:
         return "reduction of a scalar"
     return None
 
 
+def _flip_order(L, v, dt, rank):
+    """An order-reversing map of v, its own inverse and exact: -v for
+    floats (NaN stays NaN), -1 - v (~v) for integers, which never
+    overflows; bools (0/1) go through int32.  min(v) = f(max(f(v)))."""
+    if dt in FLOATS:
+        return L.op("neg", [v], metas=[(L.shape(v), dt)])
+    return L.op("sub", [_const(L, -1, dt, rank), v],
+                metas=[(L.shape(v), dt)])
+
+
+_MIN_OF = {aten.amin.default: aten.amax.default,
+           aten.min.default: aten.max.default}
+
+
 @rule(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default,
-      check=_reduce_check)
+      aten.amin.default, check=_reduce_check)
 def _reduce(L, node):
+    target = _MIN_OF.get(node.target, node.target)
     name = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean",
-            aten.amax.default: "amax"}[node.target]
+            aten.amax.default: "amax"}[target]
     m = _out_meta(node)
-    v = _pointwise_in(L, node, node.args[0], m[1])
+    work = torch.int32 if m[1] == torch.bool else m[1]
+    v = _pointwise_in(L, node, node.args[0], work)
+    rank = len(L.shape(v))
+    if target is not node.target:
+        v = _flip_order(L, v, work, rank)
     keep = _keepdim(node)
     shape = list(L.shape(v))
     for d in _reduce_dims(node):
@@ -572,8 +766,82 @@ def _reduce(L, node):
             shape[d] = 1
         else:
             del shape[d]
-        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), m[1])])
-    return v
+        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), work)])
+    if target is not node.target:
+        v = _flip_order(L, v, work, len(shape))
+    return L.cast(v, m[1])
+
+
+@rule(aten.max.default, aten.min.default, check=_reduce_check)
+def _max_all(L, node):
+    """The max (min) of every element, a 0-dim tensor: amax over each dim
+    in turn (NaN wins, as torch's)."""
+    m = _out_meta(node)
+    work = torch.int32 if m[1] == torch.bool else m[1]
+    v = L.cast(L.arg(node.args[0]), work)
+    shape = list(L.shape(v))
+    flip = node.target == aten.min.default
+    if flip:
+        v = _flip_order(L, v, work, len(shape))
+    for d in range(len(shape) - 1, -1, -1):
+        del shape[d]
+        v = L.op("amax", [v], [d, 0], metas=[(list(shape), work)])
+    if flip:
+        v = _flip_order(L, v, work, 0)
+    return L.cast(v, m[1])
+
+
+def _max_dim_check(node):
+    x = _val(node.args[0])
+    if x.dtype not in FLOATS + INTS:
+        return "max of %s" % str(x.dtype).replace("torch.", "")
+    if x.ndim == 0:
+        return "reduction of a scalar"
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if d is not None and x.shape[_norm_dim(d, x.ndim)] == 0:
+        return "reduction of an empty dim"
+    return None
+
+
+@rule(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default,
+      check=_max_dim_check)
+def _max_dim(L, node):
+    """Values and i64 indices of the max (min) along a dim: the max op,
+    whose index is the first occurrence (the first NaN's when there is
+    one), as torch's on the CPU; argmax/argmin without a dim flatten
+    first."""
+    x = _val(node.args[0])
+    arg = node.target in (aten.argmax.default, aten.argmin.default)
+    flip = node.target in (aten.min.dim, aten.argmin.default)
+    d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = (bool(node.args[2]) if len(node.args) > 2
+            else bool(node.kwargs.get("keepdim", False)))
+    dt = x.dtype
+    work = torch.int32 if dt == torch.bool else dt
+    v = L.cast(L.arg(node.args[0]), work)
+    shape = list(x.shape)
+    if d is None:  # argmax of the flattened tensor
+        n = x.numel()
+        v = L.op("reshape", [v], [n], metas=[([n], work)])
+        shape, d = [n], 0
+    d = _norm_dim(d, len(shape))
+    if flip:
+        v = _flip_order(L, v, work, len(shape))
+    out = list(shape)
+    if keep:
+        out[d] = 1
+    else:
+        del out[d]
+    val, idx = L.op("max", [v], [d, int(keep)], n_out=2,
+                    metas=[(list(out), work), (list(out), torch.int64)])
+    if arg:
+        if keep and len(x.shape) != len(out):  # flattened, keepdim
+            ones = [1] * x.ndim
+            idx = L.op("reshape", [idx], ones, metas=[(ones, torch.int64)])
+        return idx
+    if flip:
+        val = _flip_order(L, val, work, len(out))
+    return L.cast(val, dt), idx
 
 
 @rule(aten.sum.default, check=_reduce_check)
@@ -581,6 +849,17 @@ def _sum_all(L, node):
     m = _out_meta(node)
     v = _pointwise_in(L, node, node.args[0], m[1])
     return L.op("sum_all", [v], metas=[m])
+
+
+@rule(aten.mean.default, check=_reduce_check)
+def _mean_all(L, node):
+    """The mean of every element: the mean op over the flattened tensor
+    (summed in double, divided once)."""
+    m = _out_meta(node)
+    v = _pointwise_in(L, node, node.args[0], m[1])
+    n = _val(node.args[0]).numel()
+    v = L.op("reshape", [v], [n], metas=[([n], m[1])])
+    return L.op("mean", [v], [0, 0], metas=[m])
 
 
 def _softmax_check(node):
@@ -1219,6 +1498,44 @@ def _nll_loss_backward(L, node):
     src = L.op("reshape", [src], [n, 1], metas=[([n, 1], dt)])
     zeros = L.op("full", [], [DTYPES[dt], n, c], [0.0], metas=[m])
     return L.op("scatter_add", [zeros, safe, src], [1], metas=[m])
+
+
+def _scatter_check(node):
+    x, idx = _val(node.args[0]), _val(node.args[2])
+    if x.ndim == 0:
+        return "scatter into a scalar"
+    if x.dtype not in FLOATS + (torch.int32, torch.int64):
+        return "scatter of %s" % str(x.dtype).replace("torch.", "")
+    if idx.shape[_norm_dim(node.args[1], x.ndim)] != 1:
+        return "scatter with repeated positions"
+    if node.kwargs.get("reduce") is not None:
+        return "scatter reduce"
+    return None
+
+
+@rule(aten.scatter.src, check=_scatter_check)
+def _scatter(L, node):
+    """x with src written at index along dim, where index has one position
+    per slice (index.shape[dim] == 1, as in the backward of max.dim and
+    min.dim), so no position is written twice: the written mask and the
+    values are scatter_adds into zeros, the values picked in exactly."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    x = L.cast(L.arg(node.args[0]), dt)
+    d = _norm_dim(node.args[1], len(shape))
+    idx = L.arg(node.args[2])
+    ish = list(L.shape(idx))
+    src = L.cast(L.arg(node.args[3]), dt)
+    for k, n in enumerate(ish):
+        if L.shape(src)[k] != n:
+            sh = list(L.shape(src))
+            sh[k] = n
+            src = L.op("slice", [src], [k, 0, n, 1], metas=[(sh, dt)])
+    zeros = L.op("full", [], [DTYPES[dt]] + shape, [0.0], metas=[m])
+    ones = L.op("full", [], [DTYPES[dt]] + ish, [1.0], metas=[(ish, dt)])
+    hit = L.op("scatter_add", [zeros, idx, ones], [d], metas=[m])
+    val = L.op("scatter_add", [zeros, idx, src], [d], metas=[m])
+    return _pick(L, hit, val, x, shape, dt)
 
 
 # ---- attention ----------------------------------------------------------------

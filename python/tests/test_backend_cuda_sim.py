@@ -12,6 +12,10 @@ from epjit import _lib
 from backend_util import fresh, rel_err  # noqa: F401
 from test_backend_families import test_family_matches_eager as _family
 from test_backend_masks import test_padded_batch_whole_model as _padded
+from test_backend import test_float_comparisons_lowered as _cmp
+from test_backend import test_relu_clamp_max_min_gradients as _relu
+from test_backend import test_reductions_of_integers_and_bools_lowered \
+    as _reductions
 
 pytestmark = pytest.mark.usefixtures("fresh")
 
@@ -48,6 +52,20 @@ def test_padded_batch_on_cuda_sim(dtype):
     kernels)."""
     _padded("qwen3_moe", True, dtype)
     _ran_on_sim()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_comparisons_reductions_clamp_on_cuda_sim(dtype):
+    """Float comparisons, integer reductions, relu, clamp and the max/min
+    gradients as on the CPU, in generated CUDA C."""
+    _cmp(dtype)
+    _relu(dtype)
+    if dtype == torch.float32:
+        _reductions((2, 3, 5))
+    sim = _lib.counters_raw("cuda-sim")
+    assert sim.get("kernels.launched.compiled", 0) > 0, sim
+    assert _lib.counters_raw("cpu").get("kernels.launched.compiled",
+                                        0) == 0
 
 
 def test_unsupported_kernel_runs_in_torch():
