@@ -40,6 +40,7 @@ static const ej_tmpl_kernel attn_kernels[] = {
 	{ "ej_attn_bwd_dq_tc", "struct ej_attn_args" },
 	{ "ej_attn_bwd_dkdv_tc", "struct ej_attn_args" },
 	{ "ej_attn_bwd_kv_sum", "struct ej_attn_args" },
+	{ "ej_attn_doc_spans", "struct ej_attn_args" },
 };
 
 /* The tensor-core forward's geometry (attention.cuh: EJ_TC_BQ, EJ_TC_BK). */
@@ -51,11 +52,19 @@ static int tc_bk(int dl)
 
 /* Launches of the tensor-core kernels (ej_attn_*_tc) so far (the tests
  * check that bf16 took the tensor-core path): a test hook in no header. */
-static atomic_ulong tc_launches;
+static atomic_ulong tc_launches, span_launches;
 unsigned long ej_attn_test_tc_launches(void);
 unsigned long ej_attn_test_tc_launches(void)
 {
 	return atomic_load(&tc_launches);
+}
+
+/* Launches of ej_attn_doc_spans (the tensor-core backward with document
+ * ids), for the tests. */
+unsigned long ej_attn_test_span_launches(void);
+unsigned long ej_attn_test_span_launches(void)
+{
+	return atomic_load(&span_launches);
 }
 
 /* Does dtype dt run on the tensor-core kernels? */
@@ -139,7 +148,7 @@ static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 	snprintf(defs, sizeof defs,
 		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
 	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels,
-			   dt == EPJ_DTYPE_BF16 ? 7 : 3, out);
+			   dt == EPJ_DTYPE_BF16 ? 8 : 3, out);
 }
 
 static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
@@ -283,7 +292,9 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
  * dq and di, then dv and dk in two passes over the keys (a block per 64
  * keys and query head: B * Hq * ceil(S / 64) blocks); with Hq > Hkv the
  * passes write f32 partials per query head, which ej_attn_bwd_kv_sum adds
- * up in head order (no atomics: the same bits for any schedule). */
+ * up in head order (no atomics: the same bits for any schedule).  With
+ * document ids, ej_attn_doc_spans first finds the queries each block of
+ * keys can meet, and the passes visit only those. */
 static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			 struct ej_attn_args *a)
 {
@@ -319,6 +330,26 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 		if (!a->kv_part)
 			return EPJ_ERR_NOMEM;
 	}
+	int64_t nkb = (m->s + TC_BQ - 1) / TC_BQ;
+	if (a->seg && m->t > 0) {
+		/* the queries each block of keys meets (documents) */
+		size_t sbytes = (size_t)(m->b * nkb) * 2 * sizeof(int);
+		a->spans = ej_tmpl_scratch_alloc(ctx, dev, sbytes,
+						 "attention backward: spans");
+		if (!a->spans)
+			st = EPJ_ERR_NOMEM;
+		ej_launch_out lo = { a->spans, sbytes, 4 };
+		ej_launch l = { .grid = { (unsigned)m->b, (unsigned)nkb, 1 },
+				.block = { AT_NT, 1, 1 },
+				.args = a,
+				.args_size = sizeof *a,
+				.outs = &lo,
+				.n_out = 1 };
+		if (st == EPJ_OK) {
+			atomic_fetch_add(&span_launches, 1);
+			st = ej_tmpl_launch(ctx, mod, "ej_attn_doc_spans", &l);
+		}
+	}
 	for (int part = 0; part < 2 && st == EPJ_OK; part++) {
 		a->part = part;
 		size_t w = (size_t)(part ? m->d : m->dv);
@@ -330,7 +361,7 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 					      np * w * 4, 4 };
 		ej_launch l = {
 			.grid = { (unsigned)(m->b * m->hq),
-				  (unsigned)((m->s + TC_BQ - 1) / TC_BQ), 1 },
+				  (unsigned)nkb, 1 },
 			.block = { AT_NT, 1, 1 },
 			.smem = smem,
 			.args = a,
@@ -358,7 +389,9 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_kv_sum", &l);
 	}
 	ej_tmpl_scratch_free(ctx, dev, a->kv_part);
+	ej_tmpl_scratch_free(ctx, dev, a->spans);
 	a->kv_part = NULL;
+	a->spans = NULL;
 	return st;
 }
 

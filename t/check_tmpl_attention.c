@@ -492,8 +492,12 @@ END_TEST
  * 64-query blocks and 64-key tiles of the bf16 tensor-core kernels) and
  * ids in any order, i64 and i32 ids, causal and not; f32 and bf16.  The
  * tensor-core forward and dq skip the key tiles whose documents are apart
- * from the block's (ej_tc_docs_apart): the runs of 200 positions, in bf16,
- * leave each 64-query block only the key tiles of its own documents. */
+ * from the block's (ej_tc_docs_apart), and dk/dv visit only the queries of
+ * their keys' documents (ej_attn_doc_spans): the runs of 200 and 150
+ * positions, in bf16, leave each 64-block only the tiles of its own
+ * documents. */
+unsigned long ej_attn_test_span_launches(void);
+
 START_TEST(test_docs)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -505,15 +509,20 @@ START_TEST(test_docs)
 		{ 1, 2, 1, 70, 70, 40, 40, true, 0 },
 		/* four 64-blocks, not causal (bf16: runs; tiles skipped) */
 		{ 2, 2, 1, 200, 200, 16, 24, false, 0 },
+		/* causal, GQA 2:1 (dk/dv partials per head); runs in bf16
+		 * too, random ids in f32 */
+		{ 1, 4, 2, 150, 150, 32, 16, true, 0 },
 	};
 	/* f32 and bf16: f64 takes the f32 paths (two modules built); the
-	 * runs in f32 for even cases, in bf16 for odd ones */
+	 * runs in f32 for even cases but the last, in bf16 for the others */
 	static const epj_dtype dts[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16 };
 	int n = 0;
 	for (size_t i = 0; i < LEN(dc); i++)
 		for (int runs = 1; runs >= 0; runs--, n++) {
 			const cfg *c = &dc[i];
-			const epj_dtype dt = dts[(i + (size_t)!runs) % 2];
+			const bool last = i + 1 == LEN(dc);
+			const epj_dtype dt =
+			    dts[(i + (size_t)(runs ? last : 1)) % 2];
 			int64_t *ids =
 			    malloc(sizeof *ids * (size_t)(c->b * c->s));
 			for (int64_t b = 0; b < c->b; b++) {
@@ -534,11 +543,15 @@ START_TEST(test_docs)
 			for (int64_t j = 0; j < c->b * c->s; j++)
 				epj_tensor_set_f64(docs_t, j, (double)ids[j]);
 			docs_ids = ids;
-			unsigned long n0 = ej_attn_test_tc_launches();
+			unsigned long n0 = ej_attn_test_tc_launches(),
+				      s0 = ej_attn_test_span_launches();
 			check_case(ctx, c, dt, n == 1);
-			/* bf16 ran on the tensor cores: fwd, dq, dk, dv */
+			/* bf16 ran on the tensor cores: fwd, dq, dk, dv, and
+			 * the spans of dk/dv once */
 			ck_assert_uint_eq(ej_attn_test_tc_launches() - n0,
 					  dt == EPJ_DTYPE_BF16 ? 4 : 0);
+			ck_assert_uint_eq(ej_attn_test_span_launches() - s0,
+					  dt == EPJ_DTYPE_BF16);
 			epj_tensor_free(docs_t);
 			docs_t = NULL;
 			docs_ids = NULL;

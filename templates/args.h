@@ -73,6 +73,10 @@ struct ej_attn_args {
 	const void *mask;
 	long long mks[4];
 	int mdt;
+	/* with seg, for ej_attn_bwd_dkdv_tc: per (batch row, block of 64
+	 * keys) the queries [spans[0], spans[1]) that hold every query of
+	 * the keys' documents (ej_attn_doc_spans; NULL: every query) */
+	int *spans;
 };
 
 /* ---- templates/moe.cuh ---- */

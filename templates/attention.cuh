@@ -94,8 +94,13 @@
  *                 f32 partials per query head to kv_part (scratch [B, Hq,
  *                 S, D + Dv]) and
  * ej_attn_bwd_kv_sum adds the heads of each kv group in head order (one
- *                 thread an element).  No atomics anywhere: every output
- *                 is the same bit for bit for any block schedule.
+ *                 thread an element).  No atomic adds anywhere: every
+ *                 output is the same bit for bit for any block schedule.
+ * ej_attn_doc_spans grid (B, ceil(S / 64)), with document ids only, before
+ *                 the dk/dv passes: per block of 64 keys the span of
+ *                 queries whose ids fall in the keys' id range (atomic min
+ *                 and max in shared memory: the same span in any order);
+ *                 the passes visit only the query tiles in it.
  */
 
 #ifndef EJ_ATTN_DT
@@ -1017,9 +1022,59 @@ EJ_D void ej_tc_kv_tile(const struct ej_attn_args &a, float (*acc)[4],
 		ej_tc_pv(acc, s, gos, ldv, 2 * nkv, lane);
 }
 
+/* For ej_attn_bwd_dkdv_tc with document ids: grid (B, ceil(S / 64)), block
+ * (b, kb) writes to a.spans[2 (b gridDim.y + kb) + {0, 1}] the first
+ * query and one past the last query whose id is in the id range of keys
+ * [64 kb, 64 kb + 64) of row b ([T, 0): none).  A query outside that span
+ * shares no document with those keys, so dk/dv need not visit it; for
+ * packed documents (ids growing along the row) the span is exactly the
+ * keys' documents.  Any ids are safe: the span holds every query whose id
+ * is in the range.  O(T) reads a block, coalesced. */
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
+    ej_attn_doc_spans(const struct ej_attn_args a)
+{
+	__shared__ long long kr[2];
+	__shared__ int qr[2];
+	const int b = blockIdx.x, j0 = blockIdx.y * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	if (w == 0) {
+		long long r[2];
+		ej_tc_doc_range(a, b, j0, j0 + EJ_TC_BQ < a.s ? EJ_TC_BQ
+							     : a.s - j0,
+				lane, r);
+		if (lane == 0) {
+			kr[0] = r[0];
+			kr[1] = r[1];
+			qr[0] = a.t;
+			qr[1] = 0;
+		}
+	}
+	__syncthreads();
+	int lo = a.t, hi = -1;
+	for (int i = threadIdx.x; i < a.t; i += EJ_AT_NT) {
+		long long id = ej_at_doc(a, b, i);
+		if (id >= kr[0] && id <= kr[1]) {
+			lo = i < lo ? i : lo;
+			hi = i;
+		}
+	}
+	if (hi >= 0) {
+		atomicMin(&qr[0], lo);
+		atomicMax(&qr[1], hi + 1);
+	}
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		int *sp = a.spans + 2 * (b * gridDim.y + blockIdx.y);
+		sp[0] = qr[0];
+		sp[1] = qr[1];
+	}
+}
+
 /* dk or dv on tensor cores (a.part 1 or 0): grid (B * Hq, ceil(S / 64)),
  * a block owns 64 keys (16 per warp) and ONE query head h, and loops over
- * tiles of EJ_TC_BK queries from the first that sees its first key.
+ * tiles of EJ_TC_BK queries from the first that sees its first key (with
+ * document ids, within the span of queries of its keys' documents,
+ * ej_attn_doc_spans: the tiles of other documents are never loaded).
  * Shared: ks [64][ld(D)], vs [64][ld(Dv)], qs [BK][ld(D)], gos
  * [BK][ld(Dv)], lses [BK], dis [BK] (f32).  With Hq == Hkv it writes
  * grad_k or grad_v; else f32 partials of head h to kv_part, which
@@ -1047,7 +1102,13 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 	for (int nt = 0; nt < EJ_TC_NO; nt++)
 		acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 	int imin = a.causal ? j0 - a.coff : 0; /* first query seeing j0 */
-	for (int q0 = imin < 0 ? 0 : imin; q0 < a.t; q0 += EJ_TC_BK) {
+	int qend = a.t;
+	if (a.spans) { /* only the queries of the keys' documents */
+		const int *sp = a.spans + 2 * (b * gridDim.y + blockIdx.y);
+		imin = sp[0] > imin ? sp[0] : imin;
+		qend = sp[1] < qend ? sp[1] : qend;
+	}
+	for (int q0 = imin < 0 ? 0 : imin; q0 < qend; q0 += EJ_TC_BK) {
 		__syncthreads(); /* the previous tile is consumed */
 		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
 		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
