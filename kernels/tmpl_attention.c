@@ -359,16 +359,14 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			lo = (ej_launch_out){ (char *)a->kv_part +
 						  (part ? 0 : np * m->d * 4),
 					      np * w * 4, 4 };
-		ej_launch l = {
-			.grid = { (unsigned)(m->b * m->hq),
-				  (unsigned)nkb, 1 },
-			.block = { AT_NT, 1, 1 },
-			.smem = smem,
-			.args = a,
-			.args_size = sizeof *a,
-			.outs = &lo,
-			.n_out = lo.bytes ? 1 : 0
-		};
+		ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
+					  (unsigned)nkb, 1 },
+				.block = { AT_NT, 1, 1 },
+				.smem = smem,
+				.args = a,
+				.args_size = sizeof *a,
+				.outs = &lo,
+				.n_out = lo.bytes ? 1 : 0 };
 		atomic_fetch_add(&tc_launches, 1);
 		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv_tc", &l);
 	}
