@@ -742,6 +742,9 @@ static epj_status run_segment(epj_ctx *ctx, const ej_region_step *step,
 			st = ctx->status;
 			goto out;
 		}
+		/* a compiled segment never communicates: its backward may
+		 * run while an exchange's gradient travels */
+		node->bw_comm_free = true;
 	}
 	for (int j = 0; j < seg->n_seg_out; j++) {
 		env[step->out[j]] = res[j];

@@ -174,12 +174,28 @@ oom:
 typedef struct bw_slot {
 	ej_node *node;
 	epj_tensor **grad; /* n_out accumulated gradients (owned) */
+	ej_node *reads;	   /* the exchange whose gradient it got in flight */
 } bw_slot;
 
 typedef struct bw_run {
 	bw_slot *slots;
 	int n, cap;
+	ej_node *inflight; /* the exchange whose gradient is in flight */
 } bw_run;
+
+/* Waits for the exchange in flight, if any (its readers may run). */
+static epj_status finish_inflight(epj_ctx *ctx, bw_run *r)
+{
+	ej_node *n = r->inflight;
+	if (!n)
+		return EPJ_OK;
+	r->inflight = NULL;
+	epj_status st = n->bw_in_flight ? n->custom_finish(ctx, n) : EPJ_OK;
+	n->bw_in_flight = false;
+	if (st != EPJ_OK)
+		ej_error_prefix(ctx, "backward of %s", n->name);
+	return st;
+}
 
 static int run_add_slot(bw_run *r, ej_node *n)
 {
@@ -192,6 +208,7 @@ static int run_add_slot(bw_run *r, ej_node *n)
 		r->cap = ncap;
 	}
 	r->slots[r->n].node = n;
+	r->slots[r->n].reads = NULL;
 	r->slots[r->n].grad =
 	    calloc((size_t)n->n_out + 1, sizeof(epj_tensor *));
 	if (!r->slots[r->n].grad)
@@ -329,6 +346,20 @@ oom:
 	return ej_error(ctx, EPJ_ERR_NOMEM, "backward: out of memory");
 }
 
+/* The position in ready[] of the node to run next: the last one readied
+ * (depth first, which frees gradients soonest), passing over the nodes
+ * that read the gradient in flight while another node is ready, so that
+ * independent work runs while the exchange travels. */
+static int pick_ready(const bw_run *r, const int *ready, int n_ready)
+{
+	if (!r->inflight)
+		return n_ready - 1;
+	for (int k = n_ready - 1; k >= 0; k--)
+		if (r->slots[ready[k]].reads != r->inflight)
+			return k;
+	return n_ready - 1;
+}
+
 /* Runs one node's backward formula; delivers gradients to its inputs. */
 static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 			   int *n_ready)
@@ -360,10 +391,24 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 	bool any_grad = false;
 	for (int j = 0; j < n->n_out; j++)
 		any_grad |= slot->grad[j] != NULL;
+	/* the exchange in flight ends before a node that reads its
+	 * gradient, another exchange, or a custom node that may
+	 * communicate */
+	if (r->inflight &&
+	    (slot->reads == r->inflight ||
+	     (n->custom_backward && !n->bw_comm_free))) {
+		st = finish_inflight(ctx, r);
+		if (st != EPJ_OK)
+			goto out;
+	}
 	if (!any_grad) {
 		/* no gradient reached this node: nothing to compute */
 	} else if (n->custom_backward) {
+		n->bw_defer = n->custom_finish != NULL;
 		st = n->custom_backward(ctx, n, slot->grad, grad_in);
+		n->bw_defer = false;
+		if (n->bw_in_flight)
+			r->inflight = n;
 	} else {
 		const ej_op_info *info = &ej_ops[n->op];
 		epj_tensor **ins = meta_in, **outs = meta_out;
@@ -428,6 +473,20 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 					 n->in_meta[i].shape, b, sizeof b));
 			goto out;
 		}
+		/* a gradient in flight may be stored, not read: adding it
+		 * to another (or to a leaf's .grad), or another to it, waits
+		 * for it first */
+		if (r->inflight &&
+		    (n->leaf[i] ? r->inflight == n
+				: r->slots[n->next[i]->bw_slot]
+					  .grad[n->next_nr[i]] &&
+				      (r->inflight == n ||
+				       r->slots[n->next[i]->bw_slot].reads ==
+					   r->inflight))) {
+			st = finish_inflight(ctx, r);
+			if (st != EPJ_OK)
+				goto out;
+		}
 		if (n->leaf[i]) {
 			/* grad_in[i] is the formula's reference; the same
 			 * tensor may be another input's gradient too */
@@ -439,6 +498,8 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 			ej_node *y = n->next[i];
 			st = accumulate(
 			    ctx, &r->slots[y->bw_slot].grad[n->next_nr[i]], g);
+			if (r->inflight == n)
+				r->slots[y->bw_slot].reads = n;
 			if (st == EPJ_OK && --y->bw_pending == 0)
 				ready[(*n_ready)++] = y->bw_slot;
 		}
@@ -527,10 +588,19 @@ epj_status epj_backward(epj_ctx *ctx, epj_tensor *root, epj_tensor *grad)
 		if (root->grad_fn->bw_pending == 0)
 			ready[n_ready++] = root->grad_fn->bw_slot;
 		while (n_ready > 0 && st == EPJ_OK) {
-			int s = ready[--n_ready];
+			int k = pick_ready(&r, ready, n_ready);
+			int s = ready[k];
+			memmove(ready + k, ready + k + 1,
+				sizeof *ready * (size_t)(n_ready - k - 1));
+			n_ready--;
 			st =
 			    run_node(ctx, &r, r.slots[s].node, ready, &n_ready);
 		}
+	}
+	/* an exchange still in flight (the last node, or an error) */
+	if (r.inflight) {
+		epj_status fs = finish_inflight(ctx, &r);
+		st = st == EPJ_OK ? fs : st;
 	}
 	for (int s = 0; s < r.n; s++) {
 		ej_node *n = r.slots[s].node;

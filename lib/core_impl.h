@@ -537,6 +537,19 @@ struct ej_node {
 	void *custom;
 	const char *name; /* for errors and debug ("mul", "region ...") */
 	bool released;	  /* saved tensors freed after its backward ran */
+	/* An exchange whose backward may leave its gradient in flight on a
+	 * communication stream (custom_finish set): the engine sets
+	 * bw_defer before custom_backward; a node that then leaves its
+	 * result in flight sets bw_in_flight, and the engine calls
+	 * custom_finish before anything reads that gradient (and clears
+	 * bw_in_flight), meanwhile running the ready nodes that do not
+	 * read it. */
+	epj_status (*custom_finish)(epj_ctx *ctx, ej_node *n);
+	bool bw_defer, bw_in_flight;
+	/* a custom node whose backward never communicates (a compiled
+	 * segment): it may run while an exchange is in flight; any other
+	 * custom node waits for the exchange first */
+	bool bw_comm_free;
 	/* scratch of one epj_backward run */
 	int bw_pending; /* consumers still to deliver a gradient */
 	int bw_slot;	/* index in the run's gradient table, -1 if none */

@@ -261,6 +261,7 @@ typedef struct a2a_node {
 	int P;
 	int64_t *send, *recv; /* of the forward exchange */
 	const char *what;     /* counter / message name of the backward */
+	a2a_pending pd;	      /* the backward's exchange in flight */
 } a2a_node;
 
 static void a2a_node_free(void *p)
@@ -268,9 +269,27 @@ static void a2a_node_free(void *p)
 	a2a_node *a = p;
 	if (!a)
 		return;
+	EJ_ASSERT(!a->pd.dev_comm); /* the engine finished it */
 	free(a->send);
 	free(a->recv);
 	free(a);
+}
+
+/* The autograd engine's wait for the backward exchange left in flight
+ * (before the gradient's first reader); the kernels issued meanwhile are
+ * counted in autoep.a2a.backward_overlapped_ops. */
+static epj_status a2a_node_finish(epj_ctx *ctx, ej_node *n)
+{
+	a2a_node *a = n->custom;
+	if (!a->pd.dev_comm)
+		return EPJ_OK;
+	epj_counter_add(ctx, "autoep.a2a.backward_overlapped_ops",
+			epj_counter_get(ctx, "kernels.launched.eager") +
+			    epj_counter_get(ctx, "kernels.launched.compiled") -
+			    a->pd.ops);
+	/* counted here, not in the forward's overlapped_ops */
+	a->pd.ops = epj_counter_get(ctx, "kernels.launched.eager");
+	return a2a_finish(ctx, &a->pd);
 }
 
 static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
@@ -294,10 +313,18 @@ static epj_status a2a_backward(epj_ctx *ctx, ej_node *n,
 			return epj_ctx_status(ctx);
 	}
 	bool prev = epj_no_grad_enter(ctx);
-	/* the gradient's consumer is the next node the autograd engine
-	 * runs: the compute stream waits for the exchange at once (pd NULL) */
+	/* on the communication stream the exchange is left in flight when
+	 * the engine allows it (bw_defer): it calls a2a_node_finish before
+	 * the gradient's first reader and runs other nodes meanwhile;
+	 * otherwise the compute stream waits for it at once (pd NULL) */
+	int64_t ops = epj_counter_get(ctx, "kernels.launched.eager") +
+		      epj_counter_get(ctx, "kernels.launched.compiled");
 	grad_in[0] = a2a_rows(ctx, a->comm, a->dev_comm, a->what, g, a->recv,
-			      a->send, NULL);
+			      a->send, n->bw_defer ? &a->pd : NULL);
+	if (a->pd.dev_comm) {
+		a->pd.ops = ops;
+		n->bw_in_flight = true;
+	}
 	epj_no_grad_exit(ctx, prev);
 	epj_tensor_free(g);
 	return grad_in[0] ? EPJ_OK : epj_ctx_status(ctx);
@@ -402,6 +429,8 @@ static epj_tensor *a2a_rows(epj_ctx *ctx, ej_comm *comm, ej_comm *dev_comm,
 		epj_tensor_free(y);
 		return NULL;
 	}
+	if (dev_comm && !ctx->dev->host_visible)
+		node->custom_finish = a2a_node_finish;
 	if (y->grad_fn != node)
 		ej_node_unref(node);
 	return y;
@@ -1442,7 +1471,11 @@ static epj_status autoep_forward_body(epj_ctx *ctx, epj_module *m,
 					   epj_tensor_shape(hidden))
 			     : NULL;
 		if (out[0] && f.shared) {
-			epj_tensor *sum = epj_add(ctx, out[0], f.shared);
+			/* the shared expert first: the autograd engine
+			 * (depth first) then takes the experts' path first,
+			 * and runs the shared expert's backward while the
+			 * combine's gradient travels */
+			epj_tensor *sum = epj_add(ctx, f.shared, out[0]);
 			epj_tensor_free(out[0]);
 			out[0] = sum;
 		}

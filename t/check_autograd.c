@@ -1,6 +1,7 @@
 /* check_autograd.c -- the autograd machinery itself: fan-out accumulation,
  * accumulation into .grad across backward calls, no_grad scopes, detach,
- * retained intermediate gradients, release of saved tensors, errors. */
+ * retained intermediate gradients, release of saved tensors, errors, an
+ * exchange whose gradient travels while other nodes run. */
 #include "check_util.h"
 
 #include <math.h>
@@ -401,6 +402,191 @@ START_TEST(test_launch_counter)
 }
 END_TEST
 
+/* ---- an exchange whose gradient travels (custom_finish) ------------------
+ * The stand-in: the backward hands out a buffer of NaN as each input's
+ * gradient and keeps the true one (3 g) until its finish writes it there,
+ * as a device exchange's receive buffer holds its rows only after the
+ * compute stream's wait.  Any node that read the buffer before the finish
+ * would see NaN.  Events: E the exchange's backward, F its finish, I a
+ * comm-free custom node's backward, S another custom node's. */
+static char ev[64];
+static int nev;
+
+static void ev_add(char c)
+{
+	if (nev < (int)sizeof ev - 1)
+		ev[nev++] = c;
+	ev[nev] = 0;
+}
+
+typedef struct exch {
+	epj_tensor *buf[2], *val[2];
+} exch;
+
+static void exch_free(void *p)
+{
+	free(p);
+}
+
+static epj_status exch_bw(epj_ctx *ctx, ej_node *n, epj_tensor *const *g,
+			  epj_tensor **gin)
+{
+	exch *x = n->custom;
+	ev_add('E');
+	ck_assert(n->bw_defer);
+	for (int i = 0; i < n->n_in; i++) {
+		x->val[i] = epj_mul_scalar(ctx, g[0], 3.0);
+		gin[i] = epj_mul_scalar(ctx, g[0], NAN);
+		x->buf[i] = epj_tensor_ref(gin[i]);
+	}
+	n->bw_in_flight = true;
+	return EPJ_OK;
+}
+
+static epj_status exch_finish(epj_ctx *ctx, ej_node *n)
+{
+	exch *x = n->custom;
+	ev_add('F');
+	for (int i = 0; i < n->n_in; i++) {
+		ck_assert_int_eq(epj_tensor_copy_(ctx, x->buf[i], x->val[i]),
+				 EPJ_OK);
+		epj_tensor_free(x->buf[i]);
+		epj_tensor_free(x->val[i]);
+		x->buf[i] = x->val[i] = NULL;
+	}
+	return EPJ_OK;
+}
+
+/* e = a0 + a1 (+ ...) forward, de/da_i = 3 in backward, by exch_bw. */
+static epj_tensor *exchange(epj_ctx *ctx, epj_tensor **in, int n_in)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *y = epj_tensor_ref(in[0]);
+	for (int i = 1; i < n_in; i++) {
+		epj_tensor *s = epj_add(ctx, y, in[i]);
+		epj_tensor_free(y);
+		y = s;
+	}
+	epj_tensor *own = y ? epj_mul_scalar(ctx, y, 1.0) : NULL;
+	epj_tensor_free(y);
+	y = own;
+	epj_no_grad_exit(ctx, prev);
+	tu_ok(ctx, y);
+	ej_node *n = ej_node_custom(ctx, "exchange", in, n_in, &y, 1, exch_bw,
+				    calloc(1, sizeof(exch)), exch_free);
+	ck_assert_ptr_nonnull(n);
+	n->custom_finish = exch_finish;
+	return y;
+}
+
+static epj_status mark_bw(epj_ctx *ctx, ej_node *n, epj_tensor *const *g,
+			  epj_tensor **gin)
+{
+	(void)ctx;
+	ev_add(n->bw_comm_free ? 'I' : 'S');
+	gin[0] = epj_tensor_ref(g[0]);
+	return EPJ_OK;
+}
+
+/* x itself (a new tensor) behind a custom node that logs I or S. */
+static epj_tensor *mark(epj_ctx *ctx, epj_tensor *x, bool comm_free)
+{
+	bool prev = epj_no_grad_enter(ctx);
+	epj_tensor *y = epj_mul_scalar(ctx, x, 1.0);
+	epj_no_grad_exit(ctx, prev);
+	tu_ok(ctx, y);
+	ej_node *n =
+	    ej_node_custom(ctx, "mark", &x, 1, &y, 1, mark_bw, NULL, NULL);
+	ck_assert_ptr_nonnull(n);
+	n->bw_comm_free = comm_free;
+	return y;
+}
+
+/* loss = sum(b) + sum(e) (the engine, depth first, takes e's path first);
+ * returns x.grad as doubles. */
+static double *grad_of(epj_ctx *ctx, epj_tensor *x, epj_tensor *e,
+		       epj_tensor *b)
+{
+	epj_tensor *se = epj_sum_all(ctx, e), *sb = epj_sum_all(ctx, b);
+	epj_tensor *loss = epj_add(ctx, sb, se);
+	tu_ok(ctx, loss);
+	nev = 0;
+	ev[0] = 0;
+	ck_assert_int_eq(epj_backward(ctx, loss, NULL), EPJ_OK);
+	int64_t n = epj_tensor_numel(x);
+	double *g = malloc(sizeof *g * (size_t)n);
+	ck_assert_ptr_nonnull(x->grad);
+	ck_assert_int_eq(epj_tensor_to_f64(ctx, x->grad, g), EPJ_OK);
+	epj_tensor_free(x->grad);
+	x->grad = NULL;
+	epj_tensor *fr[] = { se, sb, loss, e, b };
+	for (size_t i = 0; i < 5; i++)
+		epj_tensor_free(fr[i]);
+	return g;
+}
+
+/* The engine leaves an exchange's gradient in flight and runs the ready
+ * nodes that do not read it meanwhile: a comm-free custom node runs
+ * before the finish, any other custom node after it; adding another
+ * gradient to the one in flight, the exchange adding its own twice, or
+ * handing it to a leaf waits for it; every exchange finishes once, and
+ * the gradients are exact. */
+START_TEST(test_exchange_in_flight)
+{
+	epj_ctx *ctx = tu_ctx();
+	int64_t n = tu_randint(2, 9);
+	epj_tensor *x = leaf(ctx, n);
+	double *xv = malloc(sizeof *xv * (size_t)n);
+	ck_assert_int_eq(epj_tensor_to_f64(ctx, x, xv), EPJ_OK);
+	for (int c = 0; c < 5; c++) {
+		epj_tensor *a = epj_mul_scalar(ctx, x, 2.0);
+		epj_tensor *xx = epj_mul(ctx, x, x);
+		epj_tensor *e = NULL, *b = NULL, *in2[2] = { a, a };
+		const char *want = NULL;
+		switch (c) {
+		case 0: /* independent comm-free work while it travels */
+		case 1: /* a custom node that may communicate waits */
+			e = exchange(ctx, &a, 1);
+			b = mark(ctx, xx, c == 0);
+			want = c == 0 ? "EIF" : "EFS";
+			break;
+		case 2: /* another gradient added to the one in flight */
+			e = exchange(ctx, &a, 1);
+			b = epj_mul(ctx, a, a);
+			want = "EF";
+			break;
+		case 3: /* the exchange adds its two gradients of a */
+			e = exchange(ctx, in2, 2);
+			b = epj_mul_scalar(ctx, xx, 0.0);
+			want = "EF";
+			break;
+		default: /* to a leaf */
+			e = exchange(ctx, &x, 1);
+			b = epj_mul_scalar(ctx, xx, 0.0);
+			want = "EF";
+		}
+		double *g = grad_of(ctx, x, e, b);
+		ck_assert_msg(!strcmp(ev, want), "case %d: events %s, want %s",
+			      c, ev, want);
+		for (int64_t i = 0; i < n; i++) {
+			double w = c < 2	? 6 + 2 * xv[i]
+				   : c == 2 ? 6 + 8 * xv[i]
+				   : c == 3 ? 12
+					    : 3;
+			ck_assert_msg(fabs(g[i] - w) <= 1e-12 * (1 + fabs(w)),
+				      "case %d: grad[%lld] %g want %g", c,
+				      (long long)i, g[i], w);
+		}
+		free(g);
+		epj_tensor_free(a);
+		epj_tensor_free(xx);
+	}
+	free(xv);
+	epj_tensor_free(x);
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 Suite *make_autograd_suite(void)
 {
 	Suite *s = suite_create("autograd");
@@ -416,6 +602,7 @@ Suite *make_autograd_suite(void)
 	tcase_add_test(tc, test_launch_counter);
 	tcase_add_test(tc, test_grad_adopted_or_copied);
 	tcase_add_test(tc, test_dispatch_into);
+	tcase_add_test(tc, test_exchange_in_flight);
 	suite_add_tcase(s, tc);
 	return s;
 }

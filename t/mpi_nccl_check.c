@@ -606,6 +606,19 @@ static void check_ep_rows(epj_ctx *ca, const char *label, bool shared)
 		      "ops)",
 		      label, (long long)ctr(ca, "autoep.shared.in_layer"),
 		      (long long)ctr(ca, "autoep.a2a.overlapped_ops"));
+	/* backward: the exchanges of the gradients are left in flight by
+	 * the autograd engine, which runs nodes that do not read them
+	 * meanwhile (the shared expert's backward) */
+	CHECK(!shared || ctr(ca, "autoep.a2a.backward_overlapped_ops") > 0,
+	      "%s: no kernel issued while a backward exchange travelled",
+	      label);
+	if (rank == 0)
+		printf("mpi_nccl_check: %s: %lld kernels issued while the "
+		       "backward's exchanges travelled, %lld while the "
+		       "forward's did\n",
+		       label,
+		       (long long)ctr(ca, "autoep.a2a.backward_overlapped_ops"),
+		       (long long)ctr(ca, "autoep.a2a.overlapped_ops"));
 	int64_t st = ctr(ca, "comm.a2av.started");
 	CHECK(st > 0 && st == ctr(ca, "comm.a2av.waits"),
 	      "%s: %lld exchanges off the compute stream, %lld "
