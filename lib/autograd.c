@@ -394,9 +394,8 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 	/* the exchange in flight ends before a node that reads its
 	 * gradient, another exchange, or a custom node that may
 	 * communicate */
-	if (r->inflight &&
-	    (slot->reads == r->inflight ||
-	     (n->custom_backward && !n->bw_comm_free))) {
+	if (r->inflight && (slot->reads == r->inflight ||
+			    (n->custom_backward && !n->bw_comm_free))) {
 		st = finish_inflight(ctx, r);
 		if (st != EPJ_OK)
 			goto out;
@@ -477,12 +476,12 @@ static epj_status run_node(epj_ctx *ctx, bw_run *r, ej_node *n, int *ready,
 		 * to another (or to a leaf's .grad), or another to it, waits
 		 * for it first */
 		if (r->inflight &&
-		    (n->leaf[i] ? r->inflight == n
-				: r->slots[n->next[i]->bw_slot]
-					  .grad[n->next_nr[i]] &&
-				      (r->inflight == n ||
-				       r->slots[n->next[i]->bw_slot].reads ==
-					   r->inflight))) {
+		    (n->leaf[i]
+			 ? r->inflight == n
+			 : r->slots[n->next[i]->bw_slot].grad[n->next_nr[i]] &&
+			       (r->inflight == n ||
+				r->slots[n->next[i]->bw_slot].reads ==
+				    r->inflight))) {
 			st = finish_inflight(ctx, r);
 			if (st != EPJ_OK)
 				goto out;

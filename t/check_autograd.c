@@ -569,7 +569,7 @@ START_TEST(test_exchange_in_flight)
 		ck_assert_msg(!strcmp(ev, want), "case %d: events %s, want %s",
 			      c, ev, want);
 		for (int64_t i = 0; i < n; i++) {
-			double w = c < 2	? 6 + 2 * xv[i]
+			double w = c < 2    ? 6 + 2 * xv[i]
 				   : c == 2 ? 6 + 8 * xv[i]
 				   : c == 3 ? 12
 					    : 3;
