@@ -316,7 +316,7 @@ def _cmp_dtype(node):
         dt = torch.result_type(_val(a), b)
     else:
         return None
-    return dt if dt in FLOATS + (torch.int32, torch.int64) else None
+    return dt if dt in FLOATS + INTS else None
 
 
 def _cmp_check(node):
@@ -580,6 +580,27 @@ def _clamp(L, node):
     return v
 
 
+def _threshold_check(node):
+    if _val(node).dtype not in FLOATS:
+        return "threshold of integers"
+    if not all(isinstance(a, (int, float)) for a in node.args[1:3]):
+        return "threshold"
+    return None
+
+
+@rule(aten.threshold.default, check=_threshold_check)
+def _threshold(L, node):
+    """x where x > threshold, else value (NaN x stays, as torch's x <=
+    threshold test is false there)."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    x = _bcast(L, L.cast(L.arg(node.args[0]), dt), shape)
+    t = _bcast(L, _const(L, node.args[1], dt, len(shape)), shape)
+    le = _fle(L, x, t, shape, dt)
+    return _pick(L, le, _const(L, node.args[2], dt, len(shape)), x, shape,
+                 dt)
+
+
 def _threshold_backward_check(node):
     if _val(node).dtype not in FLOATS:
         return "threshold_backward of integers"
@@ -728,7 +749,9 @@ def _reduce_check(node):
     if out.dtype not in FLOATS and not (ints_ok and out.dtype in INTS
                                         and _val(node.args[0]).dtype in INTS):
         return "integer reduction"
-    if len(_shape(node.args[0])) == 0:
+    if len(_shape(node.args[0])) == 0 and node.target in (
+            aten._softmax.default, aten._log_softmax.default,
+            aten._safe_softmax.default):
         return "reduction of a scalar"
     return None
 
@@ -757,6 +780,8 @@ def _reduce(L, node):
     work = torch.int32 if m[1] == torch.bool else m[1]
     v = _pointwise_in(L, node, node.args[0], work)
     rank = len(L.shape(v))
+    if rank == 0:  # a scalar reduces to itself
+        return L.cast(v, m[1])
     if target is not node.target:
         v = _flip_order(L, v, work, rank)
     keep = _keepdim(node)
@@ -789,6 +814,45 @@ def _max_all(L, node):
     if flip:
         v = _flip_order(L, v, work, 0)
     return L.cast(v, m[1])
+
+
+def _any_check(node):
+    if _val(node.args[0]).dtype not in FLOATS + INTS:
+        return "any of %s" % str(_val(node.args[0]).dtype).replace(
+            "torch.", "")
+    return None
+
+
+@rule(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default,
+      aten.all.dim, aten.all.dims, check=_any_check)
+def _any_all(L, node):
+    """any: the amax of bool(x) (1 - (x == 0): NaN is true) over the dims;
+    all: 1 - any(not bool(x))."""
+    m = _out_meta(node)
+    x = L.arg(node.args[0])
+    shape = list(L.shape(x))
+    b = _nonzero(L, x, (shape, torch.bool))
+    is_all = node.target in (aten.all.default, aten.all.dim, aten.all.dims)
+    one = _const(L, 1, torch.bool, len(shape))
+    if is_all:
+        b = L.op("sub", [one, b], metas=[(shape, torch.bool)])
+    if node.target in (aten.any.default, aten.all.default):
+        dims, keep = list(range(len(shape) - 1, -1, -1)), False
+    else:
+        d = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        d = [d] if isinstance(d, int) else list(d or range(len(shape)))
+        dims = sorted({_norm_dim(k, len(shape)) for k in d}, reverse=True)
+        keep = _keepdim(node)
+    for d in dims:
+        if keep:
+            shape[d] = 1
+        else:
+            del shape[d]
+        b = L.op("amax", [b], [d, int(keep)], metas=[(list(shape), torch.bool)])
+    if is_all:
+        b = L.op("sub", [_const(L, 1, torch.bool, len(shape)), b],
+                 metas=[(list(shape), torch.bool)])
+    return L.cast(b, m[1])
 
 
 def _max_dim_check(node):
@@ -848,6 +912,8 @@ def _max_dim(L, node):
 def _sum_all(L, node):
     m = _out_meta(node)
     v = _pointwise_in(L, node, node.args[0], m[1])
+    if len(L.shape(v)) == 0:
+        return v
     return L.op("sum_all", [v], metas=[m])
 
 
@@ -857,6 +923,8 @@ def _mean_all(L, node):
     (summed in double, divided once)."""
     m = _out_meta(node)
     v = _pointwise_in(L, node, node.args[0], m[1])
+    if len(L.shape(v)) == 0:
+        return v
     n = _val(node.args[0]).numel()
     v = L.op("reshape", [v], [n], metas=[([n], m[1])])
     return L.op("mean", [v], [0, 0], metas=[m])

@@ -752,3 +752,27 @@ def test_scatter_with_repeated_positions_left_to_torch():
     c = epjit.counters()
     assert c["fallback"] == {"aten.scatter.src": {
         "scatter with repeated positions": 1}}, c
+
+
+def test_any_all_threshold_bool_comparisons_and_scalars_lowered():
+    """any and all (of floats with NaN and -0.0, integers, bools; every
+    form: all dims, one, several, keepdim), threshold, comparisons of
+    bools, and reductions of 0-dim tensors: exact, nothing left to
+    torch."""
+    def f(x, i, b, s):
+        return (x.any(1), x.all(0), x.any(), x.all(), x.any(dim=(0, 1)),
+                x.all(1, keepdim=True), i.any(-1), i.all(-1), b.any(0),
+                b.all(), torch.nn.functional.threshold(x, 0.25, -2.0),
+                b < b.flip(0), b == b.flip(0), b != b.flip(0), s.sum(),
+                s.mean(), s.amax(), torch.min(s), s.sum(0))
+
+    x = torch.randn(5, 7).masked_fill(torch.rand(5, 7) > 0.5, 0.0)
+    x[0, 0], x[1, :], x[2, 3] = float("nan"), -0.0, float("inf")
+    x[3, :] = 1.0
+    i = torch.randint(0, 3, (4, 6))
+    b = torch.rand(4, 6) > 0.6
+    s = torch.tensor(2.5)
+    _same(torch.compile(f, backend="epjit")(x, i, b, s), f(x, i, b, s))
+    c = epjit.counters()
+    assert c["kernels"] > 0
+    assert c["fallback_nodes"] == 0, c["fallback"]
