@@ -145,7 +145,8 @@ def attention(tag, B, Hq, Hkv, T, D, Dv, tc):
     at sm_90: shared memory and grids)."""
     work = B * Hq * T * T / 2  # causal: half the score matrix
     # forward: S = Q K^T (D) and P V (Dv).  dq: S again, dP = dO V^T (Dv),
-    # dS K (D).  dk/dv in two passes of one accumulator each: dv (S, P^T
+    # dS K (D).  dk/dv up to head dim 128 in one pass (S^T, dP^T, P^T dO,
+    # dS^T Q); past it in two passes of one accumulator each: dv (S, P^T
     # dO) and dk (S, dP, dS^T Q).
     f_fwd = 2.0 * work * (D + Dv)
     f_dq = 2.0 * work * (2 * D + Dv)
@@ -165,12 +166,20 @@ def attention(tag, B, Hq, Hkv, T, D, Dv, tc):
         # the minimum backward is 3 D + 2 Dv (S once, dV, dP, dQ, dK): the
         # dq kernel's own, dV's and dK's products; the passes' recomputed S
         # count against the kernels, not the roofline
-        rows.append(K("attention bwd dv pass " + tag, "ej_attn_bwd_dkdv_tc",
-                      unit, "mma_bwd", f_dv, io, 2 * io, g, 128,
-                      smem=sm_b, flops_min=2.0 * work * Dv))
-        rows.append(K("attention bwd dk pass " + tag, "ej_attn_bwd_dkdv_tc",
-                      unit, "mma_bwd", f_dk, io, 2 * io, g, 128,
-                      smem=sm_b, flops_min=2.0 * work * D))
+        if max(D, Dv) <= 128:
+            rows.append(K("attention bwd dk/dv " + tag,
+                          "ej_attn_bwd_dkdv1_tc", unit, "mma_bwd",
+                          2.0 * work * (2 * D + 2 * Dv), io, 2 * io, g, 128,
+                          smem=sm_b, flops_min=2.0 * work * (D + Dv)))
+        else:
+            rows.append(K("attention bwd dv pass " + tag,
+                          "ej_attn_bwd_dkdv_tc", unit, "mma_bwd", f_dv, io,
+                          2 * io, g, 128, smem=sm_b,
+                          flops_min=2.0 * work * Dv))
+            rows.append(K("attention bwd dk pass " + tag,
+                          "ej_attn_bwd_dkdv_tc", unit, "mma_bwd", f_dk, io,
+                          2 * io, g, 128, smem=sm_b,
+                          flops_min=2.0 * work * D))
         if Hq > Hkv:  # f32 partials per query head, summed in head order
             part = 4 * B * Hq * T * (D + Dv)
             rows.append(K("attention bwd kv sum " + tag,

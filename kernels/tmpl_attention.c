@@ -41,10 +41,15 @@ static const ej_tmpl_kernel attn_kernels[] = {
 	{ "ej_attn_bwd_dkdv_tc", "struct ej_attn_args" },
 	{ "ej_attn_bwd_kv_sum", "struct ej_attn_args" },
 	{ "ej_attn_doc_spans", "struct ej_attn_args" },
+	/* bf16 modules for head dims up to 128 only: */
+	{ "ej_attn_bwd_dkdv1_tc", "struct ej_attn_args" },
 };
 
 /* The tensor-core forward's geometry (attention.cuh: EJ_TC_BQ, EJ_TC_BK). */
 #define TC_BQ 64
+/* dk and dv in one pass (ej_attn_bwd_dkdv1_tc) up to head dim 32 * this;
+ * past it the two accumulators would spill, and two passes run. */
+#define TC_ONE_PASS_DL 4
 static int tc_bk(int dl)
 {
 	return dl <= 4 ? 64 : 32;
@@ -148,7 +153,10 @@ static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 	snprintf(defs, sizeof defs,
 		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
 	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels,
-			   dt == EPJ_DTYPE_BF16 ? 8 : 3, out);
+			   dt != EPJ_DTYPE_BF16 ? 3
+			   : dl <= TC_ONE_PASS_DL ? 9
+						  : 8,
+			   out);
 }
 
 static void args_init(struct ej_attn_args *a, const ej_attn_shape *m)
@@ -292,9 +300,10 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
  * dq and di, then dv and dk in two passes over the keys (a block per 64
  * keys and query head: B * Hq * ceil(S / 64) blocks); with Hq > Hkv the
  * passes write f32 partials per query head, which ej_attn_bwd_kv_sum adds
- * up in head order (no atomics: the same bits for any schedule).  With
- * document ids, ej_attn_doc_spans first finds the queries each block of
- * keys can meet, and the passes visit only those. */
+ * up in head order (no atomics: the same bits for any schedule); up to
+ * head dim 128 one pass (ej_attn_bwd_dkdv1_tc) does both.  With document
+ * ids, ej_attn_doc_spans first finds the queries each block of keys can
+ * meet, and the passes visit only those. */
 static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			 struct ej_attn_args *a)
 {
@@ -350,7 +359,33 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			st = ej_tmpl_launch(ctx, mod, "ej_attn_doc_spans", &l);
 		}
 	}
-	for (int part = 0; part < 2 && st == EPJ_OK; part++) {
+	if (st == EPJ_OK && head_dl(m) <= TC_ONE_PASS_DL) {
+		/* one pass writes both (or both partials) */
+		ej_launch_out lo[2] = {
+			{ a->grad_k, (size_t)(krows * m->d) * 2, 2 },
+			{ a->grad_v, (size_t)(krows * m->dv) * 2, 2 }
+		};
+		if (a->kv_part)
+			lo[0] = (ej_launch_out){ a->kv_part, pbytes, 4 };
+		int n_out = a->kv_part ? 1 : 2;
+		ej_launch_out *o = lo;
+		if (!a->kv_part && m->d == 0) {
+			o = lo + 1;
+			n_out = 1;
+		}
+		ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
+					  (unsigned)nkb, 1 },
+				.block = { AT_NT, 1, 1 },
+				.smem = smem,
+				.args = a,
+				.args_size = sizeof *a,
+				.outs = o,
+				.n_out = o->bytes ? n_out : 0 };
+		atomic_fetch_add(&tc_launches, 1);
+		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv1_tc", &l);
+	}
+	for (int part = 0;
+	     part < 2 && st == EPJ_OK && head_dl(m) > TC_ONE_PASS_DL; part++) {
 		a->part = part;
 		size_t w = (size_t)(part ? m->d : m->dv);
 		ej_launch_out lo = { part ? a->grad_k : a->grad_v,

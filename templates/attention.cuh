@@ -85,11 +85,16 @@
  *                 over tiles of BK queries from the first query that sees
  *                 its first key (key block 0, the heaviest under the causal
  *                 mask, is launched first).  Shared: ks, vs [64][ld], qs,
- *                 gos [BK][ld], lses, dis [BK] (f32).  Two launches, one
- *                 accumulator each (a.part): dv += P^T dO, then dk +=
- *                 dS^T q scale, with S^T = K Q^T and dP^T = V dO^T on mma:
- *                 the dk pass recomputes S^T, which keeps the registers of
- *                 one accumulator (head dim 256 fits without spills).
+ *                 gos [BK][ld], lses, dis [BK] (f32).  Past head dim 128
+ *                 two launches, one accumulator each (a.part): dv += P^T
+ *                 dO, then dk += dS^T q scale, with S^T = K Q^T and dP^T
+ *                 = V dO^T on mma: the dk pass recomputes S^T, which keeps
+ *                 the registers of one accumulator (head dim 256 fits
+ *                 without spills).
+ * ej_attn_bwd_dkdv1_tc the same blocks, head dims up to 128 only: dv and dk
+ *                 in one pass, both accumulators (dV's product before dP^T
+ *                 is computed, so that dP^T's registers are not live
+ *                 across it: 250 registers at 128, no spill).
  *                 With Hq == Hkv the passes write grad_k and grad_v; else
  *                 f32 partials per query head to kv_part (scratch [B, Hq,
  *                 S, D + Dv]) and
@@ -1022,6 +1027,49 @@ EJ_D void ej_tc_kv_tile(const struct ej_attn_args &a, float (*acc)[4],
 		ej_tc_pv(acc, s, gos, ldv, 2 * nkv, lane);
 }
 
+#if EJ_ATTN_DL <= 4
+/* Both at once (ej_attn_bwd_dkdv1_tc): P^T and dP^T = V dO^T, dV += P^T
+ * dO, dS^T = P^T (dP^T - Di), dK += dS^T Q; four products a tile where
+ * the two passes take five, and Q and dO are staged once. */
+EJ_D void ej_tc_kv_tile1(const struct ej_attn_args &a, float (*dk)[4],
+			 float (*dv)[4], const ej_bf16 *kw, const ej_bf16 *vw,
+			 const ej_bf16 *qs, const ej_bf16 *gos,
+			 const float *lses, const float *dis, int b, int h,
+			 int j, int q0, int lane)
+{
+	const int ldq = ej_tc_ld(a.d), ldv = ej_tc_ld(a.dv);
+	const int nkd = (a.d + 15) / 16, nkv = (a.dv + 15) / 16;
+	float s[EJ_TC_NS][4], dp[EJ_TC_NS][4];
+	ej_tc_qk(s, kw, qs, ldq, nkd, lane);
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int jj = j + 8 * (e >> 1),
+		    r = nt * 8 + 2 * (lane & 3) + (e & 1);
+		float x = 0;
+		if (jj < ej_at_kend(a, q0 + r) && ej_at_finite(lses[r]) &&
+		    (!a.seg || ej_at_same_doc(a, b, q0 + r, jj)))
+			x = expf(s[nt][e] * (float)a.scale +
+				 (a.mask ? ej_at_mask(a, b, h, q0 + r, jj)
+					 : 0.0f) -
+				 lses[r]);
+		s[nt][e] = x;
+	}
+	/* dV first: dP^T's registers are not live during its product */
+	ej_tc_pv(dv, s, gos, ldv, 2 * nkv, lane);
+	ej_tc_qk(dp, vw, gos, ldv, nkv, lane);
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NS; nt++)
+		EJ_AT_UNROLL
+	for (int e = 0; e < 4; e++) {
+		int r = nt * 8 + 2 * (lane & 3) + (e & 1);
+		dp[nt][e] = s[nt][e] * (dp[nt][e] - dis[r]);
+	}
+	ej_tc_pv(dk, dp, qs, ldq, 2 * nkd, lane);
+}
+#endif
+
 /* For ej_attn_bwd_dkdv_tc with document ids: grid (B, ceil(S / 64)), block
  * (b, kb) writes to a.spans[2 (b gridDim.y + kb) + {0, 1}] the first
  * query and one past the last query whose id is in the id range of keys
@@ -1070,15 +1118,89 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT)
 	}
 }
 
-/* dk or dv on tensor cores (a.part 1 or 0): grid (B * Hq, ceil(S / 64)),
- * a block owns 64 keys (16 per warp) and ONE query head h, and loops over
- * tiles of EJ_TC_BK queries from the first that sees its first key (with
- * document ids, within the span of queries of its keys' documents,
- * ej_attn_doc_spans: the tiles of other documents are never loaded).
- * Shared: ks [64][ld(D)], vs [64][ld(Dv)], qs [BK][ld(D)], gos
- * [BK][ld(Dv)], lses [BK], dis [BK] (f32).  With Hq == Hkv it writes
- * grad_k or grad_v; else f32 partials of head h to kv_part, which
- * ej_attn_bwd_kv_sum adds up. */
+/* The lse and Di of query tile q0 to shared memory (-inf and 0 past T). */
+EJ_D void ej_tc_stage_rows(const struct ej_attn_args &a, float *lses,
+			   float *dis, int b, int h, int q0)
+{
+	for (int r = threadIdx.x; r < EJ_TC_BK; r += EJ_AT_NT) {
+		int i = q0 + r;
+		float ls = -ej_inf_f(), d0 = 0;
+		if (i < a.t) {
+			ls = ((const float *)a.lse_in)[(long long)b * a.ls[0] +
+						       (long long)h * a.ls[1] +
+						       (long long)i * a.ls[2]];
+			d0 = ((const float *)
+				  a.di)[((long long)b * a.hq + h) * a.t + i];
+		}
+		lses[r] = ls;
+		dis[r] = d0;
+	}
+}
+
+/* The queries [*qbeg, *qend) the keys j0.. of block row b visit: from the
+ * first that sees key j0 under the causal mask, within the span of their
+ * documents (a.spans) when there is one. */
+EJ_D void ej_tc_kv_span(const struct ej_attn_args &a, int b, int j0,
+			int *qbeg, int *qend)
+{
+	int imin = a.causal ? j0 - a.coff : 0; /* first query seeing j0 */
+	int qe = a.t;
+	if (a.spans) { /* only the queries of the keys' documents */
+		const int *sp = a.spans + 2 * (b * gridDim.y + blockIdx.y);
+		imin = sp[0] > imin ? sp[0] : imin;
+		qe = sp[1] < qe ? sp[1] : qe;
+	}
+	*qbeg = imin < 0 ? 0 : imin;
+	*qend = qe;
+}
+
+/* Writes the accumulator of dk (part 1, times the scale) or dv (part 0)
+ * of keys j and j + 8 of (b, h) = bh: to grad_k / grad_v in bf16, or as
+ * f32 partials to kv_part. */
+EJ_D void ej_tc_kv_store(const struct ej_attn_args &a, float (*acc)[4],
+			 int part, int bh, int j, int lane)
+{
+	const int W = part ? a.d : a.dv;
+	const float mul = part ? (float)a.scale : 1.0f;
+	EJ_AT_UNROLL
+	for (int rw = 0; rw < 2; rw++) {
+		int jj = j + 8 * rw;
+		if (jj >= a.s)
+			continue; /* no break: see EJ_AT_UNROLL */
+		long long row = ((long long)bh * a.s + jj) * W;
+		EJ_AT_UNROLL
+		for (int nt = 0; nt < EJ_TC_NO; nt++) {
+			int d = nt * 8 + 2 * (lane & 3);
+			float x0 = mul * acc[nt][2 * rw];
+			float x1 = mul * acc[nt][2 * rw + 1];
+			if (!a.kv_part) {
+				ej_tc_st2(
+				    (ej_bf16 *)(part ? a.grad_k : a.grad_v) +
+					row,
+				    d, W, x0, x1);
+				continue;
+			}
+			float *p = (float *)a.kv_part + row;
+			if (!part)
+				p += (long long)a.b * a.hq * a.s * a.d;
+			if (d < W)
+				p[d] = x0;
+			if (d + 1 < W)
+				p[d + 1] = x1;
+		}
+	}
+}
+
+/* dk or dv on tensor cores (a.part 1 or 0), for head dims past 128 (the
+ * two accumulators of ej_attn_bwd_dkdv1_tc would spill there): grid
+ * (B * Hq, ceil(S / 64)), a block owns 64 keys (16 per warp) and ONE query
+ * head h, and loops over tiles of EJ_TC_BK queries from the first that
+ * sees its first key (with document ids, within the span of queries of
+ * its keys' documents, ej_attn_doc_spans: the tiles of other documents
+ * are never loaded).  Shared: ks [64][ld(D)], vs [64][ld(Dv)], qs
+ * [BK][ld(D)], gos [BK][ld(Dv)], lses [BK], dis [BK] (f32).  With Hq ==
+ * Hkv it writes grad_k or grad_v; else f32 partials of head h to kv_part,
+ * which ej_attn_bwd_kv_sum adds up. */
 extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
     ej_attn_bwd_dkdv_tc(const struct ej_attn_args a)
 {
@@ -1101,67 +1223,64 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 	EJ_AT_UNROLL
 	for (int nt = 0; nt < EJ_TC_NO; nt++)
 		acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
-	int imin = a.causal ? j0 - a.coff : 0; /* first query seeing j0 */
-	int qend = a.t;
-	if (a.spans) { /* only the queries of the keys' documents */
-		const int *sp = a.spans + 2 * (b * gridDim.y + blockIdx.y);
-		imin = sp[0] > imin ? sp[0] : imin;
-		qend = sp[1] < qend ? sp[1] : qend;
-	}
-	for (int q0 = imin < 0 ? 0 : imin; q0 < qend; q0 += EJ_TC_BK) {
+	int qbeg, qend;
+	ej_tc_kv_span(a, b, j0, &qbeg, &qend);
+	for (int q0 = qbeg; q0 < qend; q0 += EJ_TC_BK) {
 		__syncthreads(); /* the previous tile is consumed */
 		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
 		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
-		for (int r = threadIdx.x; r < EJ_TC_BK; r += EJ_AT_NT) {
-			int i = q0 + r;
-			float ls = -ej_inf_f(), d0 = 0;
-			if (i < a.t) {
-				ls = ((const float *)
-					  a.lse_in)[(long long)b * a.ls[0] +
-						    (long long)h * a.ls[1] +
-						    (long long)i * a.ls[2]];
-				d0 =
-				    ((const float *)
-					 a.di)[((long long)b * a.hq + h) * a.t +
-					       i];
-			}
-			lses[r] = ls;
-			dis[r] = d0;
-		}
+		ej_tc_stage_rows(a, lses, dis, b, h, q0);
 		__syncthreads();
 		ej_tc_kv_tile(a, acc, ks + 16 * w * ldq, vs + 16 * w * ldv, qs,
 			      gos, lses, dis, b, h, j, q0, lane);
 	}
-	const int W = a.part ? D : DV;
-	const float mul = a.part ? (float)a.scale : 1.0f;
-	EJ_AT_UNROLL
-	for (int rw = 0; rw < 2; rw++) {
-		int jj = j + 8 * rw;
-		if (jj >= a.s)
-			continue; /* no break: see EJ_AT_UNROLL */
-		long long row = ((long long)bh * a.s + jj) * W;
-		EJ_AT_UNROLL
-		for (int nt = 0; nt < EJ_TC_NO; nt++) {
-			int d = nt * 8 + 2 * (lane & 3);
-			float x0 = mul * acc[nt][2 * rw];
-			float x1 = mul * acc[nt][2 * rw + 1];
-			if (!a.kv_part) {
-				ej_tc_st2(
-				    (ej_bf16 *)(a.part ? a.grad_k : a.grad_v) +
-					row,
-				    d, W, x0, x1);
-				continue;
-			}
-			float *p = (float *)a.kv_part + row;
-			if (!a.part)
-				p += (long long)a.b * a.hq * a.s * D;
-			if (d < W)
-				p[d] = x0;
-			if (d + 1 < W)
-				p[d + 1] = x1;
-		}
-	}
+	ej_tc_kv_store(a, acc, a.part, bh, j, lane);
 }
+
+#if EJ_ATTN_DL <= 4
+/* dk and dv in one pass, head dims up to 128: as ej_attn_bwd_dkdv_tc with
+ * both accumulators (255 registers at 128, no spill: the ptxas suite),
+ * so a query tile is staged and S^T and dP^T computed once. */
+extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
+    ej_attn_bwd_dkdv1_tc(const struct ej_attn_args a)
+{
+	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
+	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
+	const int g = h / (a.hq / a.hkv);
+	const int j0 = blockIdx.y * EJ_TC_BQ;
+	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+	ej_bf16 *ks = (ej_bf16 *)ej_dyn_smem();
+	ej_bf16 *vs = ks + EJ_TC_BQ * ldq;
+	ej_bf16 *qs = vs + EJ_TC_BQ * ldv;
+	ej_bf16 *gos = qs + EJ_TC_BK * ldq;
+	float *lses = (float *)(gos + EJ_TC_BK * ldv);
+	float *dis = lses + EJ_TC_BK;
+	const int j = j0 + 16 * w + (lane >> 2); /* keys j and j + 8 */
+
+	ej_tc_stage(ks, ldq, a.k, a.ks, b, g, j0, EJ_TC_BQ, a.s, D);
+	ej_tc_stage(vs, ldv, a.v, a.vs, b, g, j0, EJ_TC_BQ, a.s, DV);
+	float dk[EJ_TC_NO][4], dv[EJ_TC_NO][4];
+	EJ_AT_UNROLL
+	for (int nt = 0; nt < EJ_TC_NO; nt++) {
+		dk[nt][0] = dk[nt][1] = dk[nt][2] = dk[nt][3] = 0;
+		dv[nt][0] = dv[nt][1] = dv[nt][2] = dv[nt][3] = 0;
+	}
+	int qbeg, qend;
+	ej_tc_kv_span(a, b, j0, &qbeg, &qend);
+	for (int q0 = qbeg; q0 < qend; q0 += EJ_TC_BK) {
+		__syncthreads(); /* the previous tile is consumed */
+		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
+		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
+		ej_tc_stage_rows(a, lses, dis, b, h, q0);
+		__syncthreads();
+		ej_tc_kv_tile1(a, dk, dv, ks + 16 * w * ldq, vs + 16 * w * ldv,
+			       qs, gos, lses, dis, b, h, j, q0, lane);
+	}
+	EJ_AT_UNROLL
+	for (int part = 0; part < 2; part++)
+		ej_tc_kv_store(a, part ? dk : dv, part, bh, j, lane);
+}
+#endif
 
 /* dk and dv with Hq > Hkv: the sum of the query heads' partials of
  * ej_attn_bwd_dkdv_tc (kv_part), head by head in order; one thread per
