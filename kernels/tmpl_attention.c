@@ -153,7 +153,7 @@ static epj_status get_module(epj_ctx *ctx, const char *device, epj_dtype dt,
 	snprintf(defs, sizeof defs,
 		 "#define EJ_ATTN_DT %d\n#define EJ_ATTN_DL %d", code, dl);
 	return ej_tmpl_get(ctx, device, "attention", defs, attn_kernels,
-			   dt != EPJ_DTYPE_BF16 ? 3
+			   dt != EPJ_DTYPE_BF16	  ? 3
 			   : dl <= TC_ONE_PASS_DL ? 9
 						  : 8,
 			   out);

@@ -480,8 +480,7 @@ START_TEST(test_bf16_tc)
 		unsigned long n0 = ej_attn_test_tc_launches();
 		check_case(ctx, &tc[i], EPJ_DTYPE_BF16, i % 2 == 1);
 		/* forward, dq, and dk/dv in one pass or dv and dk */
-		unsigned long want =
-		    tc[i].d <= 128 && tc[i].dv <= 128 ? 3 : 4;
+		unsigned long want = tc[i].d <= 128 && tc[i].dv <= 128 ? 3 : 4;
 		ck_assert_msg(ej_attn_test_tc_launches() == n0 + want,
 			      "case %zu: %lu tensor-core launches, %lu "
 			      "expected",
