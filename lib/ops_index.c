@@ -69,6 +69,44 @@ epj_status ej_load_index(epj_ctx *ctx, const ej_call *c, int input,
 	int64_t idx[EPJ_MAX_DIMS] = { 0 };
 	const char *base = (const char *)ej_data(t);
 	bool i64 = t->dtype == EPJ_DTYPE_I64;
+	/* row by row over the last dim (any strides, 0 included), the rows
+	 * in parallel; the range is checked as a whole, and only a value out
+	 * of range takes the element walk below, which names its position */
+	const int nd = t->ndim;
+	const int64_t len = nd > 0 ? t->shape[nd - 1] : 1;
+	const int64_t rows = len > 0 ? n / len : 0;
+	const int64_t st = nd > 0 ? t->stride[nd - 1] : 0;
+	int bad = 0;
+#pragma omp parallel for if (n >= PAR_MIN_ELEMS) schedule(static)              \
+    reduction(|                                                                \
+	      : bad)
+	for (int64_t r = 0; r < rows; r++) {
+		int64_t rem = r, off = 0;
+		for (int d = nd - 2; d >= 0; d--) {
+			off += rem % t->shape[d] * t->stride[d];
+			rem /= t->shape[d];
+		}
+		int64_t *o = v + r * len;
+		if (i64) {
+			const int64_t *p = (const int64_t *)base + off;
+			for (int64_t k = 0; k < len; k++) {
+				int64_t x = p[k * st];
+				bad |= (uint64_t)x >= (uint64_t)limit;
+				o[k] = x;
+			}
+		} else {
+			const int32_t *p = (const int32_t *)base + off;
+			for (int64_t k = 0; k < len; k++) {
+				int64_t x = p[k * st];
+				bad |= (uint64_t)x >= (uint64_t)limit;
+				o[k] = x;
+			}
+		}
+	}
+	if (!bad) {
+		*out = v;
+		return EPJ_OK;
+	}
 	for (int64_t e = 0; e < n; e++) {
 		int64_t off = ej_offset_of(t->ndim, idx, t->stride);
 		int64_t x = i64 ? ((const int64_t *)base)[off]
@@ -595,12 +633,30 @@ epj_status ej_kernel_GATHER(epj_ctx *ctx, const ej_call *c)
 				if (d != axis)
 					base += m * a->stride[d];
 			}
-			for (int64_t k = 0; k < len; k++) {
-				int64_t e = r * len + k;
-				int64_t so = base + k * sl + idx[e] * sa;
-				copy_elem(out + (size_t)e * es,
-					  src + (size_t)so * es, es);
-			}
+			const int64_t *ix = idx + r * len;
+			char *o = out + (size_t)(r * len) * es;
+			/* one loop per element size: no per-element branch */
+#define GATHER_ROW(T)                                                          \
+	do {                                                                   \
+		const T *sp = (const T *)src + base;                           \
+		T *op = (T *)o;                                                \
+		for (int64_t k = 0; k < len; k++)                              \
+			memcpy(op + k, sp + k * sl + ix[k] * sa, sizeof(T));   \
+	} while (0)
+			if (es == 2)
+				GATHER_ROW(uint16_t);
+			else if (es == 4)
+				GATHER_ROW(uint32_t);
+			else if (es == 8)
+				GATHER_ROW(uint64_t);
+			else
+				for (int64_t k = 0; k < len; k++)
+					copy_elem(o + (size_t)k * es,
+						  src + (size_t)(base + k * sl +
+								 ix[k] * sa) *
+							    es,
+						  es);
+#undef GATHER_ROW
 		}
 	}
 	free(idx);

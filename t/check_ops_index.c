@@ -285,6 +285,10 @@ static void scatter_index_shape(const int64_t *ash, int axis, int64_t *ish)
 		    d == axis ? tu_randint(1, 9) : tu_randint(1, ash[d] + 1);
 }
 
+/* gather against a double reference: every axis, contiguous and strided
+ * inputs, i32 and i64 indices; every element size, a broadcast index, a
+ * large one (the rows in parallel); out-of-range values named by their
+ * first position. */
 START_TEST(test_gather)
 {
 	epj_ctx *ctx = tu_ctx();
@@ -317,12 +321,56 @@ START_TEST(test_gather)
 		epj_tensor_free(a);
 		epj_tensor_free(idx);
 	}
+	/* every element size (bf16, f64, i64), an index broadcast along two
+	 * dims (stride 0), and a gather past the parallel threshold */
+	static const epj_dtype gdts[] = { EPJ_DTYPE_BF16, EPJ_DTYPE_F64,
+					  EPJ_DTYPE_I64, EPJ_DTYPE_F32 };
+	for (int c = 0; c < 4; c++) {
+		bool big = c == 3;
+		int64_t bsh[3] = { 40, 50, 21 }, gsh[3] = { 4, 6, 5 };
+		int64_t *ash = big ? bsh : gsh;
+		epj_tensor *a = c == 2 ? rand_int(ctx, EPJ_DTYPE_I64, 3, ash,
+						  -1000000, 1000000, false)
+				       : tu_randn(ctx, gdts[c], 3, ash);
+		int64_t one[3] = { 1, ash[1], 1 },
+			full[3] = { ash[0], ash[1], ash[2] };
+		epj_tensor *i1 =
+		    rand_int(ctx, idx_dts[c & 1], 3, one, 0, ash[2], false);
+		epj_tensor *idx =
+		    big ? rand_int(ctx, EPJ_DTYPE_I64, 3, full, 0, ash[2], true)
+			: epj_expand(ctx, i1, 3, full);
+		tu_ok(ctx, idx);
+		epj_tensor *o = epj_gather(ctx, a, 2, idx);
+		tu_ok(ctx, o);
+		double *va = tu_values(ctx, a), *vi = tu_values(ctx, idx);
+		int64_t n = tu_numel(3, full);
+		double *ref = malloc(sizeof *ref * (size_t)n);
+		for (int64_t f = 0; f < n; f++) {
+			int64_t m[3];
+			tu_unflat(f, 3, full, m);
+			m[2] = (int64_t)vi[f];
+			ref[f] = va[tu_flat(3, ash, m)];
+		}
+		tu_assert_close(ctx, o, ref, 0, 0, "gather");
+		free(va);
+		free(vi);
+		free(ref);
+		epj_tensor_free(o);
+		epj_tensor_free(idx);
+		epj_tensor_free(i1);
+		epj_tensor_free(a);
+	}
 	epj_tensor *a = tu_randn(ctx, EPJ_DTYPE_F32, 3, sh);
 	int64_t ish[3] = { 4, 3, 5 };
 	epj_tensor *idx = rand_int(ctx, EPJ_DTYPE_I64, 3, ish, 0, 6, false);
 	epj_tensor_set_f64(idx, 17, 6);
 	tu_assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_INDEX,
-			TU_STRS("gather", "value 6"));
+			TU_STRS("gather", "value 6", "flat 17"));
+	epj_tensor_set_f64(idx, 17, 2);
+	epj_tensor_set_f64(idx, 40, -1); /* the first bad one is named */
+	epj_tensor_set_f64(idx, 50, 9);
+	tu_assert_error(ctx, epj_gather(ctx, a, 1, idx), EPJ_ERR_INDEX,
+			TU_STRS("gather", "value -1", "flat 40"));
 	epj_tensor_free(idx);
 	int64_t big[3] = { 5, 3, 5 };
 	idx = rand_int(ctx, EPJ_DTYPE_I64, 3, big, 0, 6, false);
