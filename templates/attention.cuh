@@ -1070,7 +1070,7 @@ EJ_D void ej_tc_kv_tile1(const struct ej_attn_args &a, float (*dk)[4],
 }
 #endif
 
-/* For ej_attn_bwd_dkdv_tc with document ids: grid (B, ceil(S / 64)), block
+/* For the dk/dv kernels with document ids: grid (B, ceil(S / 64)), block
  * (b, kb) writes to a.spans[2 (b gridDim.y + kb) + {0, 1}] the first
  * query and one past the last query whose id is in the id range of keys
  * [64 kb, 64 kb + 64) of row b ([T, 0): none).  A query outside that span
