@@ -296,6 +296,24 @@ epj_status ej_tmpl_attention_fwd(epj_ctx *ctx, const char *device, epj_dtype dt,
 			      &l);
 }
 
+/* One launch of a dk/dv kernel: a block per 64 keys and query head (grid
+ * B * Hq x ceil(S / 64)), writing outs (none when the first is empty). */
+static epj_status launch_kv(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
+			    struct ej_attn_args *a, const char *name,
+			    size_t smem, ej_launch_out *outs, int n_out)
+{
+	ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
+				  (unsigned)((m->s + TC_BQ - 1) / TC_BQ), 1 },
+			.block = { AT_NT, 1, 1 },
+			.smem = smem,
+			.args = a,
+			.args_size = sizeof *a,
+			.outs = outs,
+			.n_out = outs->bytes ? n_out : 0 };
+	atomic_fetch_add(&tc_launches, 1);
+	return ej_tmpl_launch(ctx, mod, name, &l);
+}
+
 /* The backward on the tensor-core kernels (a filled in, di allocated):
  * dq and di, then dv and dk in two passes over the keys (a block per 64
  * keys and query head: B * Hq * ceil(S / 64) blocks); with Hq > Hkv the
@@ -373,16 +391,8 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			o = lo + 1;
 			n_out = 1;
 		}
-		ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
-					  (unsigned)nkb, 1 },
-				.block = { AT_NT, 1, 1 },
-				.smem = smem,
-				.args = a,
-				.args_size = sizeof *a,
-				.outs = o,
-				.n_out = o->bytes ? n_out : 0 };
-		atomic_fetch_add(&tc_launches, 1);
-		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv1_tc", &l);
+		st = launch_kv(ctx, mod, m, a, "ej_attn_bwd_dkdv1_tc", smem, o,
+			       n_out);
 	}
 	for (int part = 0;
 	     part < 2 && st == EPJ_OK && head_dl(m) > TC_ONE_PASS_DL; part++) {
@@ -394,16 +404,8 @@ static epj_status bwd_tc(epj_ctx *ctx, ej_tmpl *mod, const ej_attn_shape *m,
 			lo = (ej_launch_out){ (char *)a->kv_part +
 						  (part ? 0 : np * m->d * 4),
 					      np * w * 4, 4 };
-		ej_launch l = { .grid = { (unsigned)(m->b * m->hq),
-					  (unsigned)nkb, 1 },
-				.block = { AT_NT, 1, 1 },
-				.smem = smem,
-				.args = a,
-				.args_size = sizeof *a,
-				.outs = &lo,
-				.n_out = lo.bytes ? 1 : 0 };
-		atomic_fetch_add(&tc_launches, 1);
-		st = ej_tmpl_launch(ctx, mod, "ej_attn_bwd_dkdv_tc", &l);
+		st = launch_kv(ctx, mod, m, a, "ej_attn_bwd_dkdv_tc", smem, &lo,
+			       1);
 	}
 	if (st == EPJ_OK && a->kv_part) {
 		ej_launch_out lo[2] = {

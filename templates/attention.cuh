@@ -94,7 +94,7 @@
  * ej_attn_bwd_dkdv1_tc the same blocks, head dims up to 128 only: dv and dk
  *                 in one pass, both accumulators (dV's product before dP^T
  *                 is computed, so that dP^T's registers are not live
- *                 across it: 250 registers at 128, no spill).
+ *                 across it: no spill at 128, the ptxas suite).
  *                 With Hq == Hkv the passes write grad_k and grad_v; else
  *                 f32 partials per query head to kv_part (scratch [B, Hq,
  *                 S, D + Dv]) and
@@ -1137,6 +1137,45 @@ EJ_D void ej_tc_stage_rows(const struct ej_attn_args &a, float *lses,
 	}
 }
 
+/* The dk/dv kernels' shared memory: ks [64][ldq], vs [64][ldv], qs
+ * [BK][ldq], gos [BK][ldv], lses [BK], dis [BK] (f32). */
+struct ej_tc_kv_smem {
+	int ldq, ldv;
+	ej_bf16 *ks, *vs, *qs, *gos;
+	float *lses, *dis;
+};
+
+/* Lays out the shared memory of a dk/dv block and stages its 64 keys and
+ * values (kv head of query head blockIdx.x % Hq). */
+EJ_D void ej_tc_kv_begin(const struct ej_attn_args &a, struct ej_tc_kv_smem *m)
+{
+	const int b = blockIdx.x / a.hq, h = blockIdx.x % a.hq;
+	const int g = h / (a.hq / a.hkv), j0 = blockIdx.y * EJ_TC_BQ;
+	m->ldq = ej_tc_ld(a.d);
+	m->ldv = ej_tc_ld(a.dv);
+	m->ks = (ej_bf16 *)ej_dyn_smem();
+	m->vs = m->ks + EJ_TC_BQ * m->ldq;
+	m->qs = m->vs + EJ_TC_BQ * m->ldv;
+	m->gos = m->qs + EJ_TC_BK * m->ldq;
+	m->lses = (float *)(m->gos + EJ_TC_BK * m->ldv);
+	m->dis = m->lses + EJ_TC_BK;
+	ej_tc_stage(m->ks, m->ldq, a.k, a.ks, b, g, j0, EJ_TC_BQ, a.s, a.d);
+	ej_tc_stage(m->vs, m->ldv, a.v, a.vs, b, g, j0, EJ_TC_BQ, a.s, a.dv);
+}
+
+/* Stages query tile q0 of (b, h) for a dk/dv block: q, dO, lse and Di,
+ * between the barriers that keep the previous tile until it is consumed. */
+EJ_D void ej_tc_kv_stage_tile(const struct ej_attn_args &a,
+			      const struct ej_tc_kv_smem *m, int b, int h,
+			      int q0)
+{
+	__syncthreads(); /* the previous tile is consumed */
+	ej_tc_stage(m->qs, m->ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, a.d);
+	ej_tc_stage(m->gos, m->ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, a.dv);
+	ej_tc_stage_rows(a, m->lses, m->dis, b, h, q0);
+	__syncthreads();
+}
+
 /* The queries [*qbeg, *qend) the keys j0.. of block row b visit: from the
  * first that sees key j0 under the causal mask, within the span of their
  * documents (a.spans) when there is one. */
@@ -1204,61 +1243,38 @@ EJ_D void ej_tc_kv_store(const struct ej_attn_args &a, float (*acc)[4],
 extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
     ej_attn_bwd_dkdv_tc(const struct ej_attn_args a)
 {
-	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
 	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
-	const int g = h / (a.hq / a.hkv);
-	const int j0 = blockIdx.y * EJ_TC_BQ;
 	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-	ej_bf16 *ks = (ej_bf16 *)ej_dyn_smem();
-	ej_bf16 *vs = ks + EJ_TC_BQ * ldq;
-	ej_bf16 *qs = vs + EJ_TC_BQ * ldv;
-	ej_bf16 *gos = qs + EJ_TC_BK * ldq;
-	float *lses = (float *)(gos + EJ_TC_BK * ldv);
-	float *dis = lses + EJ_TC_BK;
-	const int j = j0 + 16 * w + (lane >> 2); /* keys j and j + 8 */
-
-	ej_tc_stage(ks, ldq, a.k, a.ks, b, g, j0, EJ_TC_BQ, a.s, D);
-	ej_tc_stage(vs, ldv, a.v, a.vs, b, g, j0, EJ_TC_BQ, a.s, DV);
+	const int j = blockIdx.y * EJ_TC_BQ + 16 * w + (lane >> 2); /* j, j+8 */
+	struct ej_tc_kv_smem sm;
+	ej_tc_kv_begin(a, &sm);
 	float acc[EJ_TC_NO][4];
 	EJ_AT_UNROLL
 	for (int nt = 0; nt < EJ_TC_NO; nt++)
 		acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 	int qbeg, qend;
-	ej_tc_kv_span(a, b, j0, &qbeg, &qend);
+	ej_tc_kv_span(a, b, blockIdx.y * EJ_TC_BQ, &qbeg, &qend);
 	for (int q0 = qbeg; q0 < qend; q0 += EJ_TC_BK) {
-		__syncthreads(); /* the previous tile is consumed */
-		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
-		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
-		ej_tc_stage_rows(a, lses, dis, b, h, q0);
-		__syncthreads();
-		ej_tc_kv_tile(a, acc, ks + 16 * w * ldq, vs + 16 * w * ldv, qs,
-			      gos, lses, dis, b, h, j, q0, lane);
+		ej_tc_kv_stage_tile(a, &sm, b, h, q0);
+		ej_tc_kv_tile(a, acc, sm.ks + 16 * w * sm.ldq,
+			      sm.vs + 16 * w * sm.ldv, sm.qs, sm.gos, sm.lses,
+			      sm.dis, b, h, j, q0, lane);
 	}
 	ej_tc_kv_store(a, acc, a.part, bh, j, lane);
 }
 
 #if EJ_ATTN_DL <= 4
 /* dk and dv in one pass, head dims up to 128: as ej_attn_bwd_dkdv_tc with
- * both accumulators (255 registers at 128, no spill: the ptxas suite),
+ * both accumulators (no spill at 128: the ptxas suite),
  * so a query tile is staged and S^T and dP^T computed once. */
 extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
     ej_attn_bwd_dkdv1_tc(const struct ej_attn_args a)
 {
-	const int D = a.d, DV = a.dv, ldq = ej_tc_ld(D), ldv = ej_tc_ld(DV);
 	const int bh = blockIdx.x, b = bh / a.hq, h = bh % a.hq;
-	const int g = h / (a.hq / a.hkv);
-	const int j0 = blockIdx.y * EJ_TC_BQ;
 	const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-	ej_bf16 *ks = (ej_bf16 *)ej_dyn_smem();
-	ej_bf16 *vs = ks + EJ_TC_BQ * ldq;
-	ej_bf16 *qs = vs + EJ_TC_BQ * ldv;
-	ej_bf16 *gos = qs + EJ_TC_BK * ldq;
-	float *lses = (float *)(gos + EJ_TC_BK * ldv);
-	float *dis = lses + EJ_TC_BK;
-	const int j = j0 + 16 * w + (lane >> 2); /* keys j and j + 8 */
-
-	ej_tc_stage(ks, ldq, a.k, a.ks, b, g, j0, EJ_TC_BQ, a.s, D);
-	ej_tc_stage(vs, ldv, a.v, a.vs, b, g, j0, EJ_TC_BQ, a.s, DV);
+	const int j = blockIdx.y * EJ_TC_BQ + 16 * w + (lane >> 2); /* j, j+8 */
+	struct ej_tc_kv_smem sm;
+	ej_tc_kv_begin(a, &sm);
 	float dk[EJ_TC_NO][4], dv[EJ_TC_NO][4];
 	EJ_AT_UNROLL
 	for (int nt = 0; nt < EJ_TC_NO; nt++) {
@@ -1266,15 +1282,12 @@ extern "C" __global__ void __launch_bounds__(EJ_AT_NT, EJ_TC_MINB)
 		dv[nt][0] = dv[nt][1] = dv[nt][2] = dv[nt][3] = 0;
 	}
 	int qbeg, qend;
-	ej_tc_kv_span(a, b, j0, &qbeg, &qend);
+	ej_tc_kv_span(a, b, blockIdx.y * EJ_TC_BQ, &qbeg, &qend);
 	for (int q0 = qbeg; q0 < qend; q0 += EJ_TC_BK) {
-		__syncthreads(); /* the previous tile is consumed */
-		ej_tc_stage(qs, ldq, a.q, a.qs, b, h, q0, EJ_TC_BK, a.t, D);
-		ej_tc_stage(gos, ldv, a.go, a.gs, b, h, q0, EJ_TC_BK, a.t, DV);
-		ej_tc_stage_rows(a, lses, dis, b, h, q0);
-		__syncthreads();
-		ej_tc_kv_tile1(a, dk, dv, ks + 16 * w * ldq, vs + 16 * w * ldv,
-			       qs, gos, lses, dis, b, h, j, q0, lane);
+		ej_tc_kv_stage_tile(a, &sm, b, h, q0);
+		ej_tc_kv_tile1(a, dk, dv, sm.ks + 16 * w * sm.ldq,
+			       sm.vs + 16 * w * sm.ldv, sm.qs, sm.gos, sm.lses,
+			       sm.dis, b, h, j, q0, lane);
 	}
 	EJ_AT_UNROLL
 	for (int part = 0; part < 2; part++)
