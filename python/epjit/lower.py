@@ -329,15 +329,21 @@ def _cmp_check(node):
     return None
 
 
+def _stack_amax(L, a, b, shape, dt):
+    """max(a, b) of two values broadcast to shape, NaN-propagating: the
+    amax of the two stacked on a new last dim."""
+    one, two = shape + [1], shape + [2]
+    ra = L.op("reshape", [_bcast(L, a, shape)], one, metas=[(one, dt)])
+    rb = L.op("reshape", [_bcast(L, b, shape)], one, metas=[(one, dt)])
+    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
+    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+
+
 def _fle(L, a, b, shape, dt):
     """a <= b (1 / 0 in dt) of two floats of shape: amax(a, b) == b, false
     where either is NaN (amax propagates it, and NaN equals nothing)."""
-    one, two = shape + [1], shape + [2]
-    ra = L.op("reshape", [a], one, metas=[(one, dt)])
-    rb = L.op("reshape", [b], one, metas=[(one, dt)])
-    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
-    mx = L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
-    return L.op("eq", [mx, b], metas=[(shape, dt)])
+    return L.op("eq", [_stack_amax(L, a, b, shape, dt), b],
+                metas=[(shape, dt)])
 
 
 def _float_cmp(L, node, dt):
@@ -527,16 +533,6 @@ def _relu(L, node):
     return _max0(L, L.arg(node.args[0]), m[1])
 
 
-def _stack_amax(L, a, b, shape, dt):
-    """max(a, b) of two values broadcast to shape, NaN-propagating: the
-    amax of the two stacked on a new last dim."""
-    one, two = shape + [1], shape + [2]
-    ra = L.op("reshape", [_bcast(L, a, shape)], one, metas=[(one, dt)])
-    rb = L.op("reshape", [_bcast(L, b, shape)], one, metas=[(one, dt)])
-    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
-    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
-
-
 def _clamp_check(node):
     dt = _val(node).dtype
     if dt not in FLOATS + (torch.int32, torch.int64):
@@ -634,12 +630,8 @@ def _softplus_check(node):
 def _max0(L, v, dt):
     """max(v, 0): the amax of v and zeros stacked on a new last dim."""
     shape = list(L.shape(v))
-    one = shape + [1]
-    a = L.op("reshape", [v], one, metas=[(one, dt)])
-    z = L.op("full", [], [DTYPES[dt]] + one, [0.0], metas=[(one, dt)])
-    two = shape + [2]
-    c = L.op("cat", [a, z], [len(shape)], metas=[(two, dt)])
-    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+    z = L.op("full", [], [DTYPES[dt]] + shape, [0.0], metas=[(shape, dt)])
+    return _stack_amax(L, v, z, shape, dt)
 
 
 @rule(aten.softplus.default, aten.softplus_backward.default,
