@@ -733,7 +733,8 @@ END_TEST
 /* The adapters with a mask (f32, q's dtype, i32; broadcast over B, Hq or
  * neither; read through strides; a row all hidden: out 0, lse 0, no
  * gradient) and causal aligned top-left, against the op table's CPU
- * kernels.  _i: the dtype (f32, bf16 on tensor cores, f64). */
+ * kernels, at head dims up to 128 and past it (bf16: dk/dv in one pass,
+ * and in two).  _i: the dtype (f32, bf16 on tensor cores, f64). */
 START_TEST(test_adapters_mask)
 {
 	epj_ctx *cpu = tu_ctx(), *sim = NULL;
@@ -745,6 +746,8 @@ START_TEST(test_adapters_mask)
 		{ 1, 3, 3, 37, 9, 16, 16, true, 0 },
 		{ 2, 2, 1, 5, 70, 32, 24, false, 0 },
 		{ 1, 2, 2, 66, 66, 16, 16, true, 0 },
+		/* past head dim 128: bf16's two-pass dk/dv with the mask */
+		{ 1, 2, 1, 9, 21, 160, 144, true, 0 },
 	};
 	epj_dtype dt = adapter_dts[_i];
 	for (size_t i = 0; i < LEN(mcases); i++) {
