@@ -215,9 +215,19 @@ static int emit(kb *b, ej_kop op, ej_ktype t, int a, int c2, double c)
 	x->t = t;
 	x->a = a;
 	x->b = c2;
+	x->e = -1;
 	x->acc = -1;
 	x->c = c;
 	return b->n_v++;
+}
+
+/* cond != 0 ? x : y, in type t (of x and y; cond may be of the other) */
+static int emit_sel(kb *b, ej_ktype t, int cond, int x, int y)
+{
+	int r = emit(b, EJ_K_SEL, t, cond, x, 0);
+	if (r >= 0)
+		b->v[r].e = y;
+	return r;
 }
 
 static int emit_const(kb *b, ej_ktype t, double c)
@@ -226,11 +236,12 @@ static int emit_const(kb *b, ej_ktype t, double c)
 }
 
 /* After computing a value of dtype dt, round as the interpreter's store
- * would (bf16); f32/f64 values are exact in their compute type. */
+ * would (bf16); f32/f64 values are exact in their compute type, and a
+ * select picks one of two values of dt, each rounded already. */
 static int round_to(kb *b, int v, epj_dtype dt)
 {
 	if (v < 0 || dt != EPJ_DTYPE_BF16 || b->v[v].op == EJ_K_RBF16 ||
-	    b->v[v].op == EJ_K_LOAD)
+	    b->v[v].op == EJ_K_LOAD || b->v[v].op == EJ_K_SEL)
 		return v;
 	return emit(b, EJ_K_RBF16, EJ_KT_F32, v, -1, 0);
 }
@@ -396,8 +407,8 @@ static int lower_cast(kb *b, int a, epj_dtype from, epj_dtype to)
 static int lower_pointwise(kb *b, const ej_ir_node *n, const int *omap)
 {
 	const ej_value *o = &b->g->values[n->out[0]];
-	int args[2] = { -1, -1 };
-	for (int k = 0; k < n->n_in && k < 2; k++) {
+	int args[3] = { -1, -1, -1 };
+	for (int k = 0; k < n->n_in && k < 3; k++) {
 		const ej_value *x = &b->g->values[n->in[k]];
 		int imap[EPJ_MAX_DIMS];
 		if (x->ndim > o->ndim)
@@ -425,6 +436,9 @@ static int lower_pointwise(kb *b, const ej_ir_node *n, const int *omap)
 		break;
 	case EJ_OP_EQ:
 		r = emit(b, EJ_K_EQ, t, a, c, 0);
+		break;
+	case EJ_OP_WHERE: /* (cond, a, b): a and b in the output's type */
+		r = emit_sel(b, t, a, c, args[2]);
 		break;
 	case EJ_OP_ADD_SCALAR:
 		r = emit(b, EJ_K_ADD, t, a, emit_const(b, t, s), 0);
@@ -547,8 +561,8 @@ static void finish(ej_kernel *k, const kb *b)
 		}
 		x->elem = false;
 		x->dep = 0;
-		int args[2] = { x->a, x->b };
-		for (int j = 0; j < 2; j++) {
+		int args[3] = { x->a, x->b, x->e };
+		for (int j = 0; j < 3; j++) {
 			if (args[j] < 0)
 				continue;
 			x->elem |= k->v[args[j]].elem;
@@ -683,6 +697,7 @@ static const char *const kop_names[EJ_K_COUNT] = {
 	[EJ_K_MUL] = "mul",
 	[EJ_K_DIV] = "div",
 	[EJ_K_EQ] = "eq",
+	[EJ_K_SEL] = "sel",
 #define EJ_OP(ID, name, n_in, n_out, flags)
 #define EJ_OP_FN(ID, name, n_in, flags) [EJ_K_##ID] = name,
 #include "ops.def"
@@ -749,6 +764,8 @@ static void kernel_text(ej_sbuf *s, const ej_graph *g, const ej_kernel *k)
 			ej_sb_printf(s, " v%d", x->a);
 		if (x->b >= 0)
 			ej_sb_printf(s, " v%d", x->b);
+		if (x->e >= 0)
+			ej_sb_printf(s, " v%d", x->e);
 		ej_sb_printf(s, "   (%s, dep %d)\n", x->elem ? "elem" : "row",
 			     x->dep);
 	}
@@ -880,11 +897,13 @@ static void kpr_rhs(const ej_kpr *p, int v, char *buf, size_t n)
 	const char *f = d ? "" : "f";	 /* libm suffix */
 	const char *h = d ? "_d" : "_f"; /* prelude suffix */
 	const char *one = d ? "1.0" : "1.0f";
-	char a[32] = "", b[32] = "", lit[64];
+	char a[32] = "", b[32] = "", e[32] = "", lit[64];
 	if (x->a >= 0)
 		kpr_name(p, x->a, a, sizeof a);
 	if (x->b >= 0)
 		kpr_name(p, x->b, b, sizeof b);
+	if (x->e >= 0)
+		kpr_name(p, x->e, e, sizeof e);
 	switch (x->op) {
 	case EJ_K_LOAD:
 		kpr_load(p, x, buf, n);
@@ -907,6 +926,9 @@ static void kpr_rhs(const ej_kpr *p, int v, char *buf, size_t n)
 	case EJ_K_EQ:
 		snprintf(buf, n, "%s == %s ? %s : %s", a, b, one,
 			 d ? "0.0" : "0.0f");
+		return;
+	case EJ_K_SEL: /* a's own type: 0 converts exactly */
+		snprintf(buf, n, "%s != 0 ? %s : %s", a, b, e);
 		return;
 #define EJ_OP(ID, name, n_in, n_out, flags)
 #define EJ_OP_FN(ID, name, n_in, flags)                                        \
@@ -956,6 +978,8 @@ void ej_kpr_need_row(ej_kpr *p, int v)
 		ej_kpr_need_row(p, x->a);
 	if (x->b >= 0)
 		ej_kpr_need_row(p, x->b);
+	if (x->e >= 0)
+		ej_kpr_need_row(p, x->e);
 	int lane = p->lane;
 	p->lane = -1;
 	kpr_decl(p, v);
@@ -976,6 +1000,8 @@ void ej_kpr_need_elem(ej_kpr *p, int v)
 		ej_kpr_need_elem(p, x->a);
 	if (x->b >= 0)
 		ej_kpr_need_elem(p, x->b);
+	if (x->e >= 0)
+		ej_kpr_need_elem(p, x->e);
 	kpr_decl(p, v);
 	p->elem_done[v] = p->body;
 }
@@ -995,6 +1021,8 @@ void ej_kpr_pre_row(ej_kpr *p, int v)
 		ej_kpr_pre_row(p, x->a);
 	if (x->b >= 0)
 		ej_kpr_pre_row(p, x->b);
+	if (x->e >= 0)
+		ej_kpr_pre_row(p, x->e);
 }
 
 void ej_kpr_pre_loop(ej_kpr *p, int l)

@@ -55,7 +55,8 @@ typedef enum ej_kop {
 	EJ_K_SUB,
 	EJ_K_MUL,
 	EJ_K_DIV,
-	EJ_K_EQ, /* 1 or 0 */
+	EJ_K_EQ,  /* 1 or 0 */
+	EJ_K_SEL, /* a != 0 ? b : e (NaN a is true; a may be of another type) */
 /* the ops of lib/ops.def's EJ_OP_FN rows: ej_<name>_f/_d(a[, b]) of the
  * prelude (EJ_K_EXP, EJ_K_LOG, EJ_K_RSQRT, EJ_K_SILU_BACKWARD, ...) */
 #define EJ_OP(ID, name, n_in, n_out, flags)
@@ -81,6 +82,7 @@ typedef struct ej_kval {
 	ej_kop op;
 	ej_ktype t;
 	int a, b;  /* SSA args (-1 when absent) */
+	int e;	   /* SEL: the value where a is 0 (else -1) */
 	int acc;   /* LOAD: access index */
 	double c;  /* CONST / POWC */
 	bool elem; /* varies along the columns */

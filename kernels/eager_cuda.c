@@ -1191,6 +1191,7 @@ const ej_eager_fn ej_eager_cuda_table[EJ_OP_COUNT] = {
 	[EJ_OP_MUL] = eg_pointwise,
 	[EJ_OP_DIV] = eg_pointwise,
 	[EJ_OP_EQ] = eg_pointwise,
+	[EJ_OP_WHERE] = eg_pointwise,
 	[EJ_OP_ADD_SCALAR] = eg_pointwise,
 	[EJ_OP_MUL_SCALAR] = eg_pointwise,
 	[EJ_OP_POW_SCALAR] = eg_pointwise,

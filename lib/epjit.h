@@ -243,6 +243,13 @@ epj_tensor *epj_mul(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
 epj_tensor *epj_div(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
 /* 1.0 where a == b else 0.0, in a's dtype (no gradient). */
 epj_tensor *epj_eq(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
+/* a where cond != 0 (NaN counts as true), else b: the three broadcast
+ * together; a and b of one dtype (any), cond of any dtype; the result has
+ * a's dtype.  Exact (elements are copied, never computed with), so an Inf or
+ * NaN in the branch not taken does not reach the result.  Gradients: a's is
+ * grad where cond, b's grad where not, cond's zero. */
+epj_tensor *epj_where(epj_ctx *ctx, epj_tensor *cond, epj_tensor *a,
+		      epj_tensor *b);
 epj_tensor *epj_add_scalar(epj_ctx *ctx, epj_tensor *a, double s);
 epj_tensor *epj_mul_scalar(epj_ctx *ctx, epj_tensor *a, double s);
 epj_tensor *epj_pow_scalar(epj_ctx *ctx, epj_tensor *a, double exponent);

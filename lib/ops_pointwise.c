@@ -2,6 +2,9 @@
  * mul div eq), scalar ops, unary math (neg exp log sqrt rsqrt silu sigmoid
  * tanh gelu cos sin log1p), cast, and the silu/gelu backward helpers.
  *
+ * where (cond, a, b) copies elements whole, so it takes any dtypes (a and b
+ * of one, cond of any) and is exact.
+ *
  * Dtypes.  Float ops accept f32, bf16 and f64; bf16 is loaded as f32,
  * computed in f32 and stored with round-to-nearest-even.  Integer inputs
  * (i32/i64) are accepted only by add, sub, mul, eq and neg (exact int64
@@ -363,11 +366,13 @@ static void store(void *data, epj_dtype dt, int64_t off, int64_t n, pw_ctype ct,
 /* ---- the engine ----------------------------------------------------------
  */
 
+#define PW_MAX_IN 3 /* where's (cond, a, b) */
+
 /* Operand 0 is the output, 1..n_in the inputs; dims after coalescing. */
 typedef struct pw_plan {
 	int ndim, nops;
 	int64_t shape[EPJ_MAX_DIMS];
-	int64_t stride[3][EPJ_MAX_DIMS];
+	int64_t stride[PW_MAX_IN + 1][EPJ_MAX_DIMS];
 } pw_plan;
 
 /* Drops size-1 dims and merges dim d into the previous one when every
@@ -377,7 +382,7 @@ static void pw_plan_build(pw_plan *p, const epj_tensor *out,
 			  epj_tensor *const *in, int n_in)
 {
 	int nd = out->ndim;
-	int64_t st[3][EPJ_MAX_DIMS];
+	int64_t st[PW_MAX_IN + 1][EPJ_MAX_DIMS];
 	ej_contiguous_strides(nd, out->shape, st[0]);
 	for (int k = 0; k < n_in; k++)
 		ej_broadcast_strides(in[k], nd, out->shape, st[k + 1]);
@@ -420,8 +425,8 @@ typedef struct pw_job {
 	int op, n_in;
 	pw_ctype ct;
 	double s; /* scalar attribute (scalar ops) */
-	const void *in[2];
-	epj_dtype in_dt[2];
+	const void *in[PW_MAX_IN];
+	epj_dtype in_dt[PW_MAX_IN];
 	void *out;
 	epj_dtype out_dt;
 } pw_job;
@@ -483,6 +488,72 @@ static void pw_block(const pw_job *j, const int64_t *off, const int64_t *ist,
 	}
 }
 
+/* where: the condition's truth (x != 0; NaN is true, -0.0 false) of n
+ * elements at data[off + i * st]. */
+static void truth(const void *data, epj_dtype dt, int64_t off, int64_t st,
+		  int64_t n, uint8_t *t)
+{
+	switch (dt) {
+	case EPJ_DTYPE_F32: {
+		const float *s = (const float *)data + off;
+		LOOP(t[i] = s[i * st] != 0.0f);
+		break;
+	}
+	case EPJ_DTYPE_BF16: { /* any bit but the sign */
+		const uint16_t *s = (const uint16_t *)data + off;
+		LOOP(t[i] = (s[i * st] & 0x7fffu) != 0);
+		break;
+	}
+	case EPJ_DTYPE_F64: {
+		const double *s = (const double *)data + off;
+		LOOP(t[i] = s[i * st] != 0.0);
+		break;
+	}
+	case EPJ_DTYPE_I32: {
+		const int32_t *s = (const int32_t *)data + off;
+		LOOP(t[i] = s[i * st] != 0);
+		break;
+	}
+	case EPJ_DTYPE_I64: {
+		const int64_t *s = (const int64_t *)data + off;
+		LOOP(t[i] = s[i * st] != 0);
+		break;
+	}
+	default:
+		EJ_ASSERT(!"bad dtype");
+	}
+}
+
+/* where: elements are copied whole (any dtype, bit for bit), a's where the
+ * condition holds, else b's. */
+#define WHERE_COPY(T)                                                          \
+	do {                                                                   \
+		const T *a = (const T *)j->in[1] + off[2];                     \
+		const T *b = (const T *)j->in[2] + off[3];                     \
+		T *d = (T *)j->out + off[0];                                   \
+		int64_t sa = ist[1], sb = ist[2];                              \
+		LOOP(d[i] = t[i] ? a[i * sa] : b[i * sb]);                     \
+	} while (0)
+
+static void where_block(const pw_job *j, const int64_t *off, const int64_t *ist,
+			int64_t n)
+{
+	uint8_t t[PW_BLK];
+	truth(j->in[0], j->in_dt[0], off[1], ist[0], n, t);
+	switch (ej_dtype_size(j->out_dt)) {
+	case 2:
+		WHERE_COPY(uint16_t);
+		break;
+	case 4:
+		WHERE_COPY(uint32_t);
+		break;
+	default:
+		EJ_ASSERT(ej_dtype_size(j->out_dt) == 8);
+		WHERE_COPY(uint64_t);
+		break;
+	}
+}
+
 static void pw_run(const pw_job *j, const pw_plan *p)
 {
 	int nd = p->ndim;
@@ -493,7 +564,7 @@ static void pw_run(const pw_job *j, const pw_plan *p)
 	int64_t rows = numel / len;
 	int64_t nblk = (len + PW_BLK - 1) / PW_BLK;
 	int64_t units = rows * nblk;
-	int64_t ist[2] = { 0, 0 };
+	int64_t ist[PW_MAX_IN] = { 0, 0, 0 };
 	for (int k = 0; k < j->n_in; k++)
 		ist[k] = p->stride[k + 1][nd - 1];
 
@@ -501,7 +572,7 @@ static void pw_run(const pw_job *j, const pw_plan *p)
 	for (int64_t u = 0; u < units; u++) {
 		int64_t row = u / nblk, j0 = (u % nblk) * PW_BLK;
 		int64_t n = len - j0 < PW_BLK ? len - j0 : PW_BLK;
-		int64_t off[3];
+		int64_t off[PW_MAX_IN + 1];
 		for (int k = 0; k < p->nops; k++)
 			off[k] = j0 * p->stride[k][nd - 1];
 		for (int d = nd - 2; d >= 0; d--) {
@@ -510,7 +581,10 @@ static void pw_run(const pw_job *j, const pw_plan *p)
 			for (int k = 0; k < p->nops; k++)
 				off[k] += digit * p->stride[k][d];
 		}
-		pw_block(j, off, ist, n);
+		if (j->op == EJ_OP_WHERE)
+			where_block(j, off, ist, n);
+		else
+			pw_block(j, off, ist, n);
 	}
 }
 
@@ -523,7 +597,7 @@ static epj_status pw_kernel(epj_ctx *ctx, const ej_call *c, int op)
 		     .n_in = c->n_in,
 		     .out = ej_data(out),
 		     .out_dt = out->dtype };
-	EJ_ASSERT(c->n_in >= 1 && c->n_in <= 2);
+	EJ_ASSERT(c->n_in >= 1 && c->n_in <= (op == EJ_OP_WHERE ? 3 : 2));
 	for (int k = 0; k < c->n_in; k++) {
 		j.in[k] = ej_data(c->in[k]);
 		j.in_dt[k] = c->in[k]->dtype;
@@ -622,6 +696,35 @@ epj_status ej_infer_EQ(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	return infer_binary(ctx, c, out, true);
 }
 
+/* (cond, a, b): the three shapes broadcast; a and b of one dtype (any), cond
+ * of any dtype; the output a's dtype. */
+epj_status ej_infer_WHERE(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	int nd;
+	int64_t shape[EPJ_MAX_DIMS];
+	epj_status st = ej_broadcast_shape(ctx, c, 0, 1, &nd, shape);
+	if (st != EPJ_OK)
+		return st;
+	const epj_tensor *b = c->in[2];
+	int n = nd > b->ndim ? nd : b->ndim;
+	int64_t full[EPJ_MAX_DIMS];
+	for (int i = 0; i < n; i++) {
+		int ix = nd - n + i, ib = b->ndim - n + i;
+		int64_t dx = ix >= 0 ? shape[ix] : 1;
+		int64_t db = ib >= 0 ? b->shape[ib] : 1;
+		if (dx != db && dx != 1 && db != 1)
+			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
+					   "b does not broadcast with cond and "
+					   "a (dim %d: %lld vs %lld)",
+					   i, (long long)dx, (long long)db);
+		full[i] = dx == 1 ? db : dx;
+	}
+	st = ej_check_same_dtype(ctx, c, 1, 2);
+	if (st == EPJ_OK)
+		ej_meta_set(out, c->in[1]->dtype, n, full);
+	return st;
+}
+
 epj_status ej_infer_ADD_SCALAR(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 {
 	return infer_scalar(ctx, c, out);
@@ -695,6 +798,7 @@ PW_KERNEL(SUB)
 PW_KERNEL(MUL)
 PW_KERNEL(DIV)
 PW_KERNEL(EQ)
+PW_KERNEL(WHERE)
 PW_KERNEL(ADD_SCALAR)
 PW_KERNEL(MUL_SCALAR)
 PW_KERNEL(POW_SCALAR)
@@ -847,6 +951,29 @@ epj_status ej_backward_DIV(BW_ARGS)
 		epj_tensor_free(q);
 	}
 	epj_tensor_free(gb);
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
+/* a's gradient is grad where cond, b's grad where not (each summed back to
+ * its shape); the condition's is zero (the select is piecewise constant in
+ * it). */
+epj_status ej_backward_WHERE(BW_ARGS)
+{
+	BW_GRAD(g);
+	epj_tensor *cond = c->in[0];
+	if (needs[0])
+		grad_in[0] =
+		    epj_zeros(ctx, cond->dtype, cond->ndim, cond->shape);
+	if (needs[1] || needs[2]) {
+		epj_tensor *z = epj_zeros(ctx, g->dtype, 0, NULL);
+		if (z && needs[1])
+			grad_in[1] = reduce_to(ctx, epj_where(ctx, cond, g, z),
+					       c->in[1]);
+		if (z && needs[2])
+			grad_in[2] = reduce_to(ctx, epj_where(ctx, cond, z, g),
+					       c->in[2]);
+		epj_tensor_free(z);
+	}
 	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
@@ -1090,6 +1217,14 @@ epj_tensor *epj_div(epj_ctx *ctx, epj_tensor *a, epj_tensor *b)
 epj_tensor *epj_eq(epj_ctx *ctx, epj_tensor *a, epj_tensor *b)
 {
 	return call_binary(ctx, EJ_OP_EQ, a, b);
+}
+
+epj_tensor *epj_where(epj_ctx *ctx, epj_tensor *cond, epj_tensor *a,
+		      epj_tensor *b)
+{
+	epj_tensor *in[3] = { cond, a, b };
+	ej_attrs at = ej_attrs_none();
+	return ej_call1(ctx, EJ_OP_WHERE, in, 3, &at);
 }
 
 epj_tensor *epj_add_scalar(epj_ctx *ctx, epj_tensor *a, double s)

@@ -1120,6 +1120,62 @@ START_TEST(test_special)
 }
 END_TEST
 
+/* where in generated code: t = where(c, 2x, exp(y)) with c [R, 1] broadcast
+ * (zeros of both signs, NaN, non-zero), then out = where(x == amax(x),
+ * t, y) + t, the second condition an element value computed from a row
+ * reduction.  x holds NaN and y +Inf in rows the first condition does not
+ * pick.  Everything is one row kernel; the C backend against the
+ * interpreter (the op table's kernel), forward and backward, every kernel
+ * alone, NVRTC. */
+static epj_tensor *f_where(epj_ctx *ctx, epj_tensor *const *in)
+{
+	epj_tensor *x2 = epj_mul_scalar(ctx, in[0], 2.0);
+	epj_tensor *ey = epj_exp(ctx, in[1]);
+	epj_tensor *t = epj_where(ctx, in[2], x2, ey);
+	epj_tensor *m = epj_amax(ctx, in[0], -1, true);
+	epj_tensor *top = epj_eq(ctx, in[0], m);
+	epj_tensor *u = epj_where(ctx, top, t, in[1]);
+	epj_tensor *y = epj_add(ctx, u, t);
+	epj_tensor *x[] = { x2, ey, t, m, top, u };
+	for (size_t i = 0; i < EJ_ARRAY_LEN(x); i++)
+		epj_tensor_free(x[i]);
+	return y;
+}
+
+START_TEST(test_where)
+{
+	cache_setup();
+	epj_ctx *ctx = tu_ctx();
+	epj_dtype dt = dtypes[_i];
+	int64_t R = 2 * tu_randint(3, 6) + 1, C = 2 * tu_randint(2, 9) + 1;
+	int64_t sx[2] = { R, C }, sc[2] = { R, 1 };
+	epj_tensor *x = tu_randn(ctx, dt, 2, sx);
+	epj_tensor *y = tu_randn(ctx, dt, 2, sx);
+	epj_tensor *c = tu_randn(ctx, dt, 2, sc);
+	static const double cv[] = { 0.0, -0.0, NAN, 0.5 };
+	for (int64_t r = 0; r < R; r++) {
+		double v = cv[r % 4];
+		epj_tensor_set_f64(c, r, v);
+		if (v == 0) /* the branch not taken: NaN in x */
+			epj_tensor_set_f64(x, r * C + r % C, NAN);
+		else /* and +Inf in y */
+			epj_tensor_set_f64(y, r * C + (r + 1) % C, INFINITY);
+	}
+	epj_tensor *yn = tu_noncontig(ctx, y);
+	epj_tensor *in[3] = { x, yn, c };
+	case_res t = run_case(ctx, f_where, in, 3, true, "where");
+	ck_assert_int_eq(t.c_fwd, 1); /* one row kernel */
+	ck_assert_int_eq(t.i_fwd, 7);
+	ck_assert_int_lt(t.c_bwd, t.i_bwd);
+	epj_tensor_free(x);
+	epj_tensor_free(y);
+	epj_tensor_free(yn);
+	epj_tensor_free(c);
+	epj_ctx_free(ctx);
+	cache_teardown();
+}
+END_TEST
+
 /* The EJ_OP_FN rows of lib/ops.def: the compiler takes each from its row
  * alone (opcode, lowering, name and printing in jit/kir.c; the scalar
  * functions of the prelude).  For every row: its kernel-IR opcode carries
@@ -1441,6 +1497,7 @@ Suite *make_codegen_suite(void)
 	tcase_add_loop_test(tc, test_swiglu, 0, 3);
 	tcase_add_loop_test(tc, test_softmax, 0, 3);
 	tcase_add_loop_test(tc, test_residual, 0, 3);
+	tcase_add_loop_test(tc, test_where, 0, 3);
 	tcase_add_loop_test(tc, test_gemm_epilogue, 0, 3);
 	tcase_add_test(tc, test_schedule_dump);
 	tcase_add_test(tc, test_cache_hit);

@@ -235,6 +235,12 @@ static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in, int op)
 		return epj_div(ctx, x, y);
 	case EJ_OP_EQ:
 		return epj_eq(ctx, x, y);
+	case EJ_OP_WHERE: { /* x - 1.5 is 0 at x's first element */
+		epj_tensor *c = epj_add_scalar(ctx, x, -1.5);
+		epj_tensor *r = epj_where(ctx, c, x, y);
+		epj_tensor_free(c);
+		return r;
+	}
 	case EJ_OP_ADD_SCALAR:
 		return epj_add_scalar(ctx, x, 0.75);
 	case EJ_OP_MUL_SCALAR:
@@ -284,7 +290,7 @@ static const int pw_ops[] = {
 	EJ_OP_NEG,   EJ_OP_EXP,	       EJ_OP_LOG,	 EJ_OP_SQRT,
 	EJ_OP_RSQRT, EJ_OP_SILU,       EJ_OP_SIGMOID,	 EJ_OP_TANH,
 	EJ_OP_GELU,  EJ_OP_COS,	       EJ_OP_SIN,	 EJ_OP_LOG1P,
-	EJ_OP_CAST,
+	EJ_OP_CAST,  EJ_OP_WHERE,
 };
 
 /* x [R, C] (non-contiguous on cuda-sim), y broadcast [C] or [R, 1];
@@ -311,6 +317,8 @@ START_TEST(test_pointwise)
 			if (op == EJ_OP_EQ) /* some equal elements */
 				epj_tensor_set_f64(y, 0,
 						   epj_tensor_get_f64(x, 0));
+			if (op == EJ_OP_WHERE) /* one false condition */
+				epj_tensor_set_f64(x, 0, 1.5);
 			epj_tensor *in[2] = { x, y };
 			char what[96];
 			snprintf(what, sizeof what, "%s %s [%lld,%lld]",

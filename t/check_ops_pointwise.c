@@ -618,6 +618,196 @@ START_TEST(test_cast_bf16)
 }
 END_TEST
 
+/* ---- where ---------------------------------------------------------------
+ */
+
+/* A value of dtype dt as where's condition sees it: zeros (both signs), NaN
+ * (true), tiny and negative values; integers 0, 1 and -3. */
+static double cond_value(epj_dtype dt)
+{
+	static const double fv[] = { 0.0, -0.0, NAN, 1e-30, -2.5, 1.0 };
+	static const double iv[] = { 0.0, 1.0, -3.0 };
+	if (dt == EPJ_DTYPE_I32 || dt == EPJ_DTYPE_I64)
+		return iv[tu_randint(0, 3)];
+	return fv[tu_randint(0, 6)];
+}
+
+/* A value of a branch: normal, with Inf and NaN now and then (they must not
+ * leak from the branch not taken); integers up to 2^40 for i64. */
+static double branch_value(epj_dtype dt)
+{
+	int64_t r = tu_randint(0, 10);
+	if (dt == EPJ_DTYPE_I32)
+		return (double)tu_randint(-100000, 100000);
+	if (dt == EPJ_DTYPE_I64)
+		return (double)tu_randint(-(1ll << 40), 1ll << 40);
+	if (r == 0)
+		return INFINITY;
+	if (r == 1)
+		return NAN;
+	return gen_value(G_NORMAL);
+}
+
+static epj_tensor *mk_where(epj_ctx *ctx, epj_dtype dt, int nd,
+			    const int64_t *shape, bool cond, bool nc)
+{
+	int64_t n = tu_numel(nd, shape);
+	double *v = malloc(sizeof *v * (size_t)(n > 0 ? n : 1));
+	ck_assert_ptr_nonnull(v);
+	for (int64_t i = 0; i < n; i++)
+		v[i] = cond ? cond_value(dt) : branch_value(dt);
+	epj_tensor *t = epj_zeros(ctx, dt, nd, shape);
+	tu_ok(ctx, t);
+	ck_assert_int_eq(epj_tensor_from_f64(ctx, t, v), EPJ_OK);
+	free(v);
+	return tu_maybe_noncontig(ctx, t, nc);
+}
+
+typedef struct where_shapes {
+	int n[3];
+	int64_t s[3][3];
+} where_shapes;
+
+static const where_shapes where_cases[] = {
+	{ { 2, 2, 2 }, { { 5, 7 }, { 5, 7 }, { 5, 7 } } },
+	{ { 3, 3, 1 }, { { 3, 1, 5 }, { 1, 4, 5 }, { 5 } } },
+	{ { 2, 0, 2 }, { { 6, 1 }, { 0 }, { 1, 9 } } }, /* 0-d a */
+	{ { 1, 2, 2 }, { { 4 }, { 3, 1 }, { 3, 4 } } },
+	{ { 0, 0, 0 }, { { 0 }, { 0 }, { 0 } } },
+	{ { 2, 2, 2 }, { { 3, 0 }, { 1, 0 }, { 3, 1 } } }, /* empty */
+	{ { 2, 2, 2 }, { { 129, 1 }, { 1, 1031 }, { 129, 1031 } } },
+};
+
+static const epj_dtype all_dtypes[] = { EPJ_DTYPE_F32, EPJ_DTYPE_BF16,
+					EPJ_DTYPE_F64, EPJ_DTYPE_I32,
+					EPJ_DTYPE_I64 };
+
+/* where(c, a, b) against a reference that broadcasts by index: every
+ * element equal to the branch the condition picks (NaN to NaN), for every
+ * dtype of the branches and of the condition, layouts contiguous or not. */
+START_TEST(test_where)
+{
+	epj_ctx *ctx = tu_ctx();
+	int ncase = (int)(sizeof where_cases / sizeof where_cases[0]);
+	for (int w = 0; w < ncase; w++)
+		for (int di = 0; di < 5; di++)
+			for (int ci = 0; ci < 5; ci++) {
+				const where_shapes *ws = &where_cases[w];
+				epj_dtype dt = all_dtypes[di];
+				epj_dtype ct = all_dtypes[(di + ci) % 5];
+				bool nc = (w + ci) % 2 == 1;
+				epj_tensor *c = mk_where(ctx, ct, ws->n[0],
+							 ws->s[0], true, nc);
+				epj_tensor *a = mk_where(ctx, dt, ws->n[1],
+							 ws->s[1], false, !nc);
+				epj_tensor *b = mk_where(ctx, dt, ws->n[2],
+							 ws->s[2], false, nc);
+				epj_tensor *y = epj_where(ctx, c, a, b);
+				tu_ok(ctx, y);
+				ck_assert_int_eq(epj_tensor_dtype(y), dt);
+				int nd = 0;
+				for (int k = 0; k < 3; k++)
+					if (ws->n[k] > nd)
+						nd = ws->n[k];
+				int64_t shape[8] = { 0 };
+				for (int i = 0; i < nd; i++) {
+					shape[i] = 1;
+					for (int k = 0; k < 3; k++) {
+						int j = ws->n[k] - nd + i;
+						if (j >= 0 && ws->s[k][j] != 1)
+							shape[i] = ws->s[k][j];
+					}
+				}
+				tu_assert_shape(y, nd, shape);
+				double *vc = tu_values(ctx, c),
+				       *va = tu_values(ctx, a),
+				       *vb = tu_values(ctx, b),
+				       *vy = tu_values(ctx, y);
+				int64_t idx[8] = { 0 };
+				int64_t n = tu_numel(nd, shape);
+				for (int64_t i = 0; i < n; i++) {
+					double cv = vc[bcast_index(
+					    nd, idx, ws->n[0], ws->s[0])];
+					double want =
+					    cv != 0 ? va[bcast_index(nd, idx,
+								     ws->n[1],
+								     ws->s[1])]
+						    : vb[bcast_index(nd, idx,
+								     ws->n[2],
+								     ws->s[2])];
+					if (!(vy[i] == want ||
+					      (isnan(want) && isnan(vy[i]))))
+						ck_abort_msg(
+						    "where case %d %s cond %s "
+						    "elem %lld: %g, want %g "
+						    "(cond %g)",
+						    w, epj_dtype_name(dt),
+						    epj_dtype_name(ct),
+						    (long long)i, vy[i], want,
+						    cv);
+					tu_next_index(nd, shape, idx);
+				}
+				free(vc);
+				free(va);
+				free(vb);
+				free(vy);
+				epj_tensor_free(y);
+				epj_tensor_free(a);
+				epj_tensor_free(b);
+				epj_tensor_free(c);
+			}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+static epj_tensor *fn_where(epj_ctx *ctx, epj_tensor *const *in, void *user)
+{
+	return epj_where(ctx, user, in[0], in[1]);
+}
+
+/* Gradients of both branches through broadcasting (central differences in
+ * f64: where is linear in them), and a condition that requires grad gets
+ * zeros. */
+START_TEST(test_grad_where)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (int w = 0; w < 4; w++) {
+		const where_shapes *ws = &where_cases[w];
+		epj_tensor *c = mk_where(ctx, EPJ_DTYPE_F64, ws->n[0], ws->s[0],
+					 true, false);
+		epj_tensor *in[2] = {
+			mk(ctx, EPJ_DTYPE_F64, ws->n[1], ws->s[1], G_NORMAL,
+			   w == 1),
+			mk(ctx, EPJ_DTYPE_F64, ws->n[2], ws->s[2], G_NORMAL,
+			   false),
+		};
+		for (int i = 0; i < 2; i++)
+			epj_tensor_set_requires_grad(in[i], true);
+		char what[64];
+		snprintf(what, sizeof what, "grad where case %d", w);
+		tu_gradcheck(ctx, fn_where, in, 2, c, 1e-6, 1e-5, 1e-6, what);
+		epj_tensor_set_requires_grad(c, true);
+		epj_tensor *y = epj_where(ctx, c, in[0], in[1]);
+		epj_tensor *s = epj_sum_all(ctx, y);
+		tu_ok(ctx, s);
+		ck_assert_int_eq(epj_backward(ctx, s, NULL), EPJ_OK);
+		const epj_tensor *gc = epj_tensor_grad(c);
+		ck_assert_ptr_nonnull(gc);
+		tu_assert_shape(gc, ws->n[0], ws->s[0]);
+		double *v = tu_values(ctx, gc);
+		for (int64_t i = 0; i < tu_numel(ws->n[0], ws->s[0]); i++)
+			ck_assert(v[i] == 0.0);
+		free(v);
+		epj_tensor_free(s);
+		epj_tensor_free(y);
+		epj_tensor_free(c);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 /* ---- errors --------------------------------------------------------------
  */
 
@@ -640,6 +830,15 @@ START_TEST(test_errors)
 	ck_assert_ptr_null(epj_add(ctx, NULL, a));
 	ck_assert_ptr_null(epj_exp(ctx, NULL));
 	ck_assert_ptr_null(epj_cast(ctx, NULL, EPJ_DTYPE_F32));
+	/* where: b that does not broadcast, branches of two dtypes */
+	int64_t s31[2] = { 3, 1 };
+	epj_tensor *c31 = tu_randn(ctx, EPJ_DTYPE_F32, 2, s31);
+	tu_assert_error(ctx, epj_where(ctx, c31, b, a), EPJ_ERR_SHAPE,
+			TU_STRS("where", "[2,3]"));
+	tu_assert_error(ctx, epj_where(ctx, a, a, c), EPJ_ERR_DTYPE,
+			TU_STRS("where", "f32", "f64"));
+	ck_assert_ptr_null(epj_where(ctx, NULL, a, a));
+	epj_tensor_free(c31);
 	epj_tensor_free(a);
 	epj_tensor_free(b);
 	epj_tensor_free(c);
@@ -948,6 +1147,7 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tc, test_cast_values);
 	tcase_add_test(tc, test_cast_bf16);
 	tcase_add_test(tc, test_cvt_bits);
+	tcase_add_test(tc, test_where);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
 	TCase *tv = tcase_create("vexp");
@@ -960,6 +1160,7 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tg, test_grad_unary);
 	tcase_add_test(tg, test_grad_cast);
 	tcase_add_test(tg, test_silu_gelu_backward);
+	tcase_add_test(tg, test_grad_where);
 	suite_add_tcase(s, tg);
 	return s;
 }
