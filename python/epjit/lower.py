@@ -148,6 +148,16 @@ class Lowering:
         self.g = graph
         self.env = {}  # fx node -> value (or tuple of values)
         self.meta = {}  # value -> (shape list, torch dtype)
+        # bool value -> the float value (exactly 0 / 1) it was cast from,
+        # so a select reads the float and fuses with what computed it
+        self.fbool = {}
+
+    def to_bool(self, v, shape):
+        """v (a float of exact 0 / 1) as a bool, remembered in fbool."""
+        r = self.op("cast", [v], [DTYPES[torch.bool]],
+                    metas=[(list(shape), torch.bool)])
+        self.fbool[r] = v
+        return r
 
     def input(self, node, val):
         shape = list(val.shape)
@@ -366,17 +376,15 @@ def _float_cmp(L, node, dt):
         a, b = b, a
     if name in ("eq", "ne"):
         r = L.op("eq", [a, b], metas=[(shape, dt)])
+        if name == "ne":
+            r = L.op("add_scalar", [L.op("neg", [r], metas=[(shape, dt)])],
+                     floats=[1.0], metas=[(shape, dt)])
     else:
         r = _fle(L, a, b, shape, dt)
         if name in ("lt", "gt"):
             eq = L.op("eq", [a, b], metas=[(shape, dt)])
             r = L.op("sub", [r, eq], metas=[(shape, dt)])
-    r = L.op("cast", [r], [DTYPES[torch.bool]], metas=[m])
-    if name == "ne":
-        ones = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0],
-                    metas=[m])
-        r = L.op("sub", [ones, r], metas=[m])
-    return r
+    return L.to_bool(r, shape)
 
 
 @rule(*_CMP, check=_cmp_check)
@@ -1300,19 +1308,16 @@ def _tri_check(node):
 
 @rule(aten.tril.default, aten.triu.default, check=_tri_check)
 def _tri(L, node):
-    """tril / triu of the last two dims: a gather along the last dim from x
-    with a zero column appended, the removed elements reading that column
-    (exact for any value, inf and nan included).  The removed mask is d >=
-    0, d = j - i - k - 1 (tril) or i - j + k - 1 (triu), found as
-    max(d, 0) == d."""
+    """tril / triu of the last two dims: zero where d >= 0, d = j - i - k -
+    1 (tril) or i - j + k - 1 (triu), found as max(d, 0) == d; a select
+    (_pick, exact for any value, Inf and NaN included) that fuses."""
     m = _out_meta(node)
     v = L.arg(node.args[0])
     shape = list(L.shape(v))
-    nd = len(shape)
     r, c = shape[-2], shape[-1]
     k = node.args[1] if len(node.args) > 1 else node.kwargs.get(
         "diagonal", 0)
-    f, i64 = torch.float32, torch.int64
+    f = torch.float32
     ri = L.op("reshape", [_iota(L, r, f)], [r, 1], metas=[([r, 1], f)])
     ci = L.op("reshape", [_iota(L, c, f)], [1, c], metas=[([1, c], f)])
     if node.target == aten.tril.default:
@@ -1324,22 +1329,7 @@ def _tri(L, node):
     if off:
         d = L.op("add_scalar", [d], floats=[float(off)], metas=[([r, c], f)])
     gone = L.op("eq", [_max0(L, d, f), d], metas=[([r, c], f)])
-    gone = L.op("cast", [gone], [DTYPES[i64]], metas=[([r, c], i64)])
-    cj = L.op("reshape", [_iota(L, c, i64)], [1, c], metas=[([1, c], i64)])
-    last = L.op("full", [], [DTYPES[i64], 1, c], [float(c)],
-                metas=[([1, c], i64)])
-    jump = L.op("mul", [gone, L.op("sub", [last, cj], metas=[([1, c], i64)])],
-                metas=[([r, c], i64)])
-    idx = L.op("add", [jump, cj], metas=[([r, c], i64)])
-    lead = [1] * (nd - 2) + [r, c]
-    if nd > 2:
-        idx = L.op("reshape", [idx], lead, metas=[(lead, i64)])
-        idx = L.op("expand", [idx], shape, metas=[(shape, i64)])
-    zs = shape[:-1] + [1]
-    z = L.op("full", [], [DTYPES[m[1]]] + zs, [0.0], metas=[(zs, m[1])])
-    wide = shape[:-1] + [c + 1]
-    xz = L.op("cat", [v, z], [nd - 1], metas=[(wide, m[1])])
-    return L.op("gather", [xz, idx], [nd - 1], metas=[m])
+    return _pick(L, gone, _const(L, 0.0, m[1], len(shape)), v, shape, m[1])
 
 
 # ---- depthwise convolution -------------------------------------------------------
@@ -1695,20 +1685,32 @@ def _sdpa_backward(L, node):
                 metas=[(list(o.shape), o.dtype) for o in outs])
 
 
+def _bshape(*shapes):
+    """The numpy broadcast of shapes (they are known to broadcast)."""
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, d in enumerate(s):
+            if d != 1:
+                out[n - len(s) + i] = d
+    return out
+
+
 def _pick(L, cond, a, b, shape, dt):
-    """a where cond (0 / 1, any dtype) else b, all broadcast to shape: a
-    gather from b and a stacked on a new last dim (exact for any value)."""
-    one = list(shape) + [1]
-    idx = cond if L.dtype(cond) in (torch.bool, torch.int64) else L.op(
-        "cast", [cond], [DTYPES[torch.int64]],
-        metas=[(L.shape(cond), torch.int64)])
-    idx = L.op("reshape", [_bcast(L, idx, list(shape))], one,
-               metas=[(one, L.dtype(idx))])
-    ab = [L.op("reshape", [_bcast(L, L.cast(x, dt), list(shape))], one,
-               metas=[(one, dt)]) for x in (b, a)]
-    both = L.op("cat", ab, [len(shape)], metas=[(list(shape) + [2], dt)])
-    out = L.op("gather", [both, idx], [len(shape)], metas=[(one, dt)])
-    return L.op("reshape", [out], list(shape), metas=[(list(shape), dt)])
+    """a where cond (non-zero, any dtype) else b, broadcast to shape: the
+    where op, which copies elements (exact for any value, Inf and NaN in
+    the branch not taken included).  A bool condition is read through the
+    float 0 / 1 it was cast from (L.fbool), else cast to dt (0 / 1 exact),
+    so the select fuses with what computes its inputs (the fused kernels
+    take float values only)."""
+    if cond in L.fbool:
+        cond = L.fbool[cond]
+    elif L.dtype(cond) not in FLOATS:
+        cond = L.cast(cond, dt)
+    a, b = L.cast(a, dt), L.cast(b, dt)
+    bs = _bshape(L.shape(cond), L.shape(a), L.shape(b))
+    out = L.op("where", [cond, a, b], metas=[(bs, dt)])
+    return out if bs == list(shape) else _bcast(L, out, list(shape))
 
 
 def _const(L, value, dt, rank=0):
@@ -1741,16 +1743,8 @@ def _where_check(node):
 
 @rule(aten.where.self, check=_where_check)
 def _where(L, node):
-    """a where the condition holds, else b: _pick (exact for any value);
-    where(c, 0, -inf), the additive mask torch's sdpa makes of a bool one,
-    is log(c) (log 1 = 0, log 0 = -inf exactly), a pointwise op that fuses
-    where _pick is a gather."""
+    """a where the condition holds, else b: _pick (exact for any value)."""
     m = _out_meta(node)
-    a, b = (_scalar_of(x) for x in node.args[1:3])
-    if a == 0.0 and str(a) == "0.0" and b == float("-inf"):
-        c = L.cast(L.arg(node.args[0]), m[1])
-        c = L.op("log", [c], metas=[(L.shape(c), m[1])])
-        return c if L.shape(c) == m[0] else _bcast(L, c, m[0])
     a, b = (L.arg(x) for x in node.args[1:3])
     return _pick(L, L.arg(node.args[0]), a, b, m[0], m[1])
 
@@ -1925,24 +1919,11 @@ def _masked_fill_check(node):
 
 @rule(aten.masked_fill.Scalar, check=_masked_fill_check)
 def _masked_fill(L, node):
-    """x where the mask is false, the value where it is true: a gather from
-    x and the value stacked on a new last dim, the mask (0 / 1) its index
-    (exact for any value)."""
+    """x where the mask is false, the value where it is true: _pick."""
     m = _out_meta(node)
-    shape = m[0]
-    x = L.cast(L.arg(node.args[0]), m[1])
-    if L.shape(x) != shape:
-        x = _bcast(L, x, shape)
-    mask = _bcast(L, L.arg(node.args[1]), shape)
-    one = shape + [1]
-    x1 = L.op("reshape", [x], one, metas=[(one, m[1])])
-    fill = L.op("full", [], [DTYPES[m[1]]] + one, [float(node.args[2])],
-                metas=[(one, m[1])])
-    both = L.op("cat", [x1, fill], [len(shape)],
-                metas=[(shape + [2], m[1])])
-    idx = L.op("reshape", [mask], one, metas=[(one, torch.bool)])
-    out = L.op("gather", [both, idx], [len(shape)], metas=[(one, m[1])])
-    return L.op("reshape", [out], shape, metas=[m])
+    fill = _const(L, node.args[2], m[1], len(m[0]))
+    return _pick(L, L.arg(node.args[1]), fill, L.arg(node.args[0]), m[0],
+                 m[1])
 
 
 def _bcast(L, v, shape):

@@ -2,6 +2,7 @@
 gradient (f32 to 1e-5 relative), and the counters that show epjit ran."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -776,3 +777,69 @@ def test_any_all_threshold_bool_comparisons_and_scalars_lowered():
     c = epjit.counters()
     assert c["kernels"] > 0
     assert c["fallback_nodes"] == 0, c["fallback"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selects_fuse(dtype, tmp_path, monkeypatch):
+    """tril, triu, masked_fill (a mask from torch and one made in the
+    graph), where on a float comparison and relu's backward are epjit's
+    where op, never a gather: in the graphs epjit compiled (the debug
+    dump) there is no gather, the comparisons' bool casts are gone (the
+    select reads the float), and the generated C selects inside the fused
+    kernels.  NaN and Inf where torch has them (where copies elements: the
+    Inf and NaN of the branch not taken stay out), values and gradients to
+    1e-5 (bf16 1e-2)."""
+    monkeypatch.setenv("EPJIT_DEBUG_DUMP", str(tmp_path))
+
+    def f(x, y, keep):
+        a = torch.tril(x * 2, -1) + torch.triu(y, 1)
+        b = torch.where(x > 0.25, a, y * 3).masked_fill(keep, -7.0)
+        upper = torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool)
+        c = b.masked_fill(upper.triu(2), 0.5)
+        return torch.relu(c).exp() * y
+
+    x = torch.randn(2, 3, 9, 9, dtype=dtype, requires_grad=True)
+    y = torch.randn(2, 3, 9, 9, dtype=dtype)
+    with torch.no_grad():
+        x[0, 0, 4, 1] = float("nan")    # kept by tril(-1), where false
+        x[0, 1, 1, 4] = float("inf")    # removed by tril(-1)
+        y[1, 2, 3, 0] = float("inf")    # removed by triu(1)
+    y.requires_grad_(True)
+    keep = torch.rand(3, 1, 9) > 0.7
+    ref = f(x, y, keep)
+    gref = torch.autograd.grad(ref.nan_to_num().square().sum(), (x, y))
+    cf = torch.compile(f, backend="epjit")
+    got = cf(x, y, keep)
+    ggot = torch.autograd.grad(got.nan_to_num().square().sum(), (x, y))
+    tol = TOL if dtype == torch.float32 else 1e-2
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.isinf(), ref.isinf())
+    assert rel_err(got.nan_to_num(0, 0, 0), ref.nan_to_num(0, 0, 0)) <= tol
+    for g, r in zip(ggot, gref):
+        assert torch.equal(g.isnan(), r.isnan())
+        assert rel_err(g.nan_to_num(), r.nan_to_num()) <= tol
+    c = epjit.counters()
+    assert c["fallback_nodes"] == 0, c["fallback"]
+    epjit.dump()
+    finals = [os.path.join(tmp_path, "graphs", n)
+              for n in os.listdir(os.path.join(tmp_path, "graphs"))
+              if n.endswith("final.txt")]
+    assert finals
+    for p in finals:
+        text = open(p).read()
+        assert "gather(" not in text, p
+        # a select reads a comparison made in the graph as its float, never
+        # through a cast to bool and back
+        ops = dict(re.findall(r"^(%\d+) = ([a-z_]+\(%\d+)", text, re.M))
+        for c in re.findall(r"= where\((%\d+),", text):
+            v, casts = c, 0
+            while ops.get(v, "").startswith("cast("):
+                v, casts = ops[v][5:], casts + 1
+            src = ops.get(v, "")
+            assert not (casts and src.startswith(("eq(", "sub(", "add_"))), \
+                (p, c, src)
+    assert any("where(" in open(p).read() for p in finals)
+    src = "".join(open(os.path.join(tmp_path, "kernels", n)).read()
+                  for n in os.listdir(os.path.join(tmp_path, "kernels"))
+                  if n.endswith(".c"))
+    assert "!= 0 ?" in src
