@@ -502,6 +502,9 @@ static epj_status int_pointwise(epj_ctx *ctx, ej_call *c)
 	case EJ_OP_NEG:
 		code = 4;
 		break;
+	case EJ_OP_MAXIMUM:
+		code = 5;
+		break;
 	default:
 		return ej_eager_fallback(ctx, c);
 	}

@@ -250,6 +250,11 @@ epj_tensor *epj_eq(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
  * grad where cond, b's grad where not, cond's zero. */
 epj_tensor *epj_where(epj_ctx *ctx, epj_tensor *cond, epj_tensor *a,
 		      epj_tensor *b);
+/* The larger of a and b (broadcast, one dtype, integers too); NaN where
+ * either is NaN (a's where both are), a where they are equal (0 and -0
+ * included).  Gradients as torch's maximum: halved between equal inputs;
+ * both get it where either is NaN. */
+epj_tensor *epj_maximum(epj_ctx *ctx, epj_tensor *a, epj_tensor *b);
 epj_tensor *epj_add_scalar(epj_ctx *ctx, epj_tensor *a, double s);
 epj_tensor *epj_mul_scalar(epj_ctx *ctx, epj_tensor *a, double s);
 epj_tensor *epj_pow_scalar(epj_ctx *ctx, epj_tensor *a, double exponent);

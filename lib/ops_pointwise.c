@@ -1,15 +1,16 @@
 /* ops_pointwise.c -- elementwise ops: broadcasting binary arithmetic (add sub
- * mul div eq), scalar ops, unary math (neg exp log sqrt rsqrt silu sigmoid
- * tanh gelu cos sin log1p), cast, and the silu/gelu backward helpers.
+ * mul div eq maximum), the select where, scalar ops, unary math (neg exp log
+ * sqrt rsqrt silu sigmoid tanh gelu cos sin log1p), cast, and the silu/gelu
+ * backward helpers.
  *
  * where (cond, a, b) copies elements whole, so it takes any dtypes (a and b
  * of one, cond of any) and is exact.
  *
  * Dtypes.  Float ops accept f32, bf16 and f64; bf16 is loaded as f32,
  * computed in f32 and stored with round-to-nearest-even.  Integer inputs
- * (i32/i64) are accepted only by add, sub, mul, eq and neg (exact int64
- * arithmetic, wrapping on overflow, stored back in the input dtype) and by
- * cast; every other op rejects them with EPJ_ERR_DTYPE.  Binary inputs must
+ * (i32/i64) are accepted only by add, sub, mul, eq, maximum and neg (exact
+ * int64 arithmetic, wrapping on overflow, stored back in the input dtype) and
+ * by cast; every other op rejects them with EPJ_ERR_DTYPE.  Binary inputs must
  * share one dtype; the output has that dtype (eq: 1/0 in a's dtype).  cast
  * converts any dtype to any: float -> int truncates toward zero, NaN -> 0,
  * out-of-range values saturate.
@@ -194,6 +195,12 @@ EJ_EXPF_DEFINE(static inline)
 		case EJ_OP_EQ:                                                 \
 			LOOP(y[i] = a[i] == b[i] ? one : 0);                   \
 			break;                                                 \
+		case EJ_OP_MAXIMUM: /* the first NaN; a on ties */             \
+			LOOP(y[i] =                                            \
+				 (b[i] > a[i] || b[i] != b[i]) && a[i] == a[i] \
+				     ? b[i]                                    \
+				     : a[i]);                                  \
+			break;                                                 \
 		case EJ_OP_SILU_BACKWARD: /* g * s * (1 + x (1 - s)) */        \
 			LOOP(T sg = one / (one + FEXP(-b[i]));                 \
 			     y[i] = a[i] * sg * (one + b[i] * (one - sg)));    \
@@ -237,6 +244,9 @@ static void binary_i64(int op, const int64_t *restrict a,
 		break;
 	case EJ_OP_EQ:
 		LOOP(y[i] = a[i] == b[i]);
+		break;
+	case EJ_OP_MAXIMUM:
+		LOOP(y[i] = b[i] > a[i] ? b[i] : a[i]);
 		break;
 	default:
 		EJ_ASSERT(!"not an integer op");
@@ -696,6 +706,11 @@ epj_status ej_infer_EQ(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	return infer_binary(ctx, c, out, true);
 }
 
+epj_status ej_infer_MAXIMUM(epj_ctx *ctx, const ej_call *c, ej_meta *out)
+{
+	return infer_binary(ctx, c, out, true);
+}
+
 /* (cond, a, b): the three shapes broadcast; a and b of one dtype (any), cond
  * of any dtype; the output a's dtype. */
 epj_status ej_infer_WHERE(epj_ctx *ctx, const ej_call *c, ej_meta *out)
@@ -816,6 +831,7 @@ PW_KERNEL(SIN)
 PW_KERNEL(LOG1P)
 PW_KERNEL(SILU_BACKWARD)
 PW_KERNEL(GELU_BACKWARD)
+PW_KERNEL(MAXIMUM)
 
 /* cast: f32 <-> bf16 of a contiguous tensor (the mixed-precision hot case)
  * is a direct loop; everything else goes through the engine. */
@@ -974,6 +990,45 @@ epj_status ej_backward_WHERE(BW_ARGS)
 					       c->in[2]);
 		epj_tensor_free(z);
 	}
+	return ej_backward_done(ctx, c, needs, grad_in);
+}
+
+/* 1 where a < b, else 0 (0 where either is NaN): maximum(a, b) == b
+ * minus a == b. */
+static epj_tensor *less(epj_ctx *ctx, epj_tensor *a, epj_tensor *b)
+{
+	epj_tensor *m = epj_maximum(ctx, a, b);
+	epj_tensor *le = epj_eq(ctx, m, b);
+	epj_tensor *eq = epj_eq(ctx, a, b);
+	epj_tensor *r = epj_sub(ctx, le, eq);
+	epj_tensor_free(m);
+	epj_tensor_free(le);
+	epj_tensor_free(eq);
+	return r;
+}
+
+/* As torch's maximum: h = grad, halved where a == b; a gets h except
+ * where a < b, b gets h except where b < a (so where either is NaN both
+ * get the whole grad). */
+epj_status ej_backward_MAXIMUM(BW_ARGS)
+{
+	BW_GRAD(g);
+	epj_tensor *a = c->in[0], *b = c->in[1];
+	epj_tensor *eq = epj_eq(ctx, a, b);
+	epj_tensor *half = epj_mul_scalar(ctx, g, 0.5);
+	epj_tensor *h = epj_where(ctx, eq, half, g);
+	epj_tensor *z = epj_zeros(ctx, epj_tensor_dtype(g), 0, NULL);
+	for (int i = 0; i < 2; i++) {
+		if (!needs[i])
+			continue;
+		epj_tensor *lt = i == 0 ? less(ctx, a, b) : less(ctx, b, a);
+		grad_in[i] = reduce_to(ctx, epj_where(ctx, lt, z, h), c->in[i]);
+		epj_tensor_free(lt);
+	}
+	epj_tensor_free(eq);
+	epj_tensor_free(half);
+	epj_tensor_free(h);
+	epj_tensor_free(z);
 	return ej_backward_done(ctx, c, needs, grad_in);
 }
 
@@ -1225,6 +1280,11 @@ epj_tensor *epj_where(epj_ctx *ctx, epj_tensor *cond, epj_tensor *a,
 	epj_tensor *in[3] = { cond, a, b };
 	ej_attrs at = ej_attrs_none();
 	return ej_call1(ctx, EJ_OP_WHERE, in, 3, &at);
+}
+
+epj_tensor *epj_maximum(epj_ctx *ctx, epj_tensor *a, epj_tensor *b)
+{
+	return call_binary(ctx, EJ_OP_MAXIMUM, a, b);
 }
 
 epj_tensor *epj_add_scalar(epj_ctx *ctx, epj_tensor *a, double s)

@@ -1087,12 +1087,14 @@ static epj_tensor *f_special(epj_ctx *ctx, epj_tensor *const *in)
 	epj_tensor *b = epj_cast(ctx, in[0], EPJ_DTYPE_BF16);
 	epj_tensor *e = epj_exp(ctx, b);
 	epj_tensor *l = epj_log(ctx, b);
-	epj_tensor *s = epj_add(ctx, e, l);
+	/* NaN as maximum's second value where b < 0 (log), first where b is */
+	epj_tensor *mx = epj_maximum(ctx, b, l);
+	epj_tensor *s = epj_add(ctx, e, mx);
 	epj_tensor *m = epj_amax(ctx, s, -1, true);
 	epj_tensor *sm = epj_softmax(ctx, s, -1);
 	epj_tensor *t = epj_sub(ctx, sm, m);
 	epj_tensor *y = epj_cast(ctx, t, EPJ_DTYPE_F32);
-	epj_tensor *x[] = { b, e, l, s, m, sm, t };
+	epj_tensor *x[] = { b, e, l, mx, s, m, sm, t };
 	for (size_t i = 0; i < EJ_ARRAY_LEN(x); i++)
 		epj_tensor_free(x[i]);
 	return y;

@@ -241,6 +241,8 @@ static epj_tensor *f_pointwise(epj_ctx *ctx, epj_tensor *const *in, int op)
 		epj_tensor_free(c);
 		return r;
 	}
+	case EJ_OP_MAXIMUM:
+		return epj_maximum(ctx, x, y);
 	case EJ_OP_ADD_SCALAR:
 		return epj_add_scalar(ctx, x, 0.75);
 	case EJ_OP_MUL_SCALAR:
@@ -290,7 +292,7 @@ static const int pw_ops[] = {
 	EJ_OP_NEG,   EJ_OP_EXP,	       EJ_OP_LOG,	 EJ_OP_SQRT,
 	EJ_OP_RSQRT, EJ_OP_SILU,       EJ_OP_SIGMOID,	 EJ_OP_TANH,
 	EJ_OP_GELU,  EJ_OP_COS,	       EJ_OP_SIN,	 EJ_OP_LOG1P,
-	EJ_OP_CAST,  EJ_OP_WHERE,
+	EJ_OP_CAST,  EJ_OP_WHERE,      EJ_OP_MAXIMUM,
 };
 
 /* x [R, C] (non-contiguous on cuda-sim), y broadcast [C] or [R, 1];
@@ -357,6 +359,8 @@ static epj_tensor *f_int(epj_ctx *ctx, epj_tensor *const *in, int which)
 				epj_tensor_dtype(in[0]) == EPJ_DTYPE_I32
 				    ? EPJ_DTYPE_I64
 				    : EPJ_DTYPE_I32);
+	case 7:
+		return epj_maximum(ctx, in[0], in[1]);
 	default:
 		return epj_cast(ctx, in[2], EPJ_DTYPE_I64);
 	}
@@ -381,7 +385,7 @@ START_TEST(test_int_and_casts)
 			epj_tensor_set_f64(f, i, epj_tensor_get_f64(f, i) * 40);
 		epj_tensor_set_f64(f, 1, NAN);
 		epj_tensor *in[3] = { a, b, f };
-		for (int w = 0; w < 8; w++) {
+		for (int w = 0; w < 9; w++) {
 			char what[64];
 			snprintf(what, sizeof what, "int case %d (%s)", w,
 				 epj_dtype_name(dt));

@@ -111,10 +111,13 @@ static const bin_op bin_ops[] = {
 	{ "mul", epj_mul, G_NORMAL, G_NORMAL },
 	{ "div", epj_div, G_NORMAL, G_POS },
 	{ "eq", epj_eq, G_SMALLINT, G_SMALLINT },
+	{ "maximum", epj_maximum, G_SMALLINT, G_SMALLINT }, /* ties */
 };
 
 static double ref_bin(const char *name, double a, double b)
 {
+	if (strcmp(name, "maximum") == 0)
+		return isnan(a) || isnan(b) ? NAN : a < b ? b : a;
 	switch (name[0]) {
 	case 'a':
 		return a + b;
@@ -454,9 +457,9 @@ START_TEST(test_int_ops)
 		tu_ok(ctx, a);
 		tu_ok(ctx, b);
 		/* exact: the tolerance is zero */
-		const bin_op int_ops[4] = { bin_ops[0], bin_ops[1], bin_ops[2],
-					    bin_ops[4] };
-		for (int o = 0; o < 4; o++) {
+		const bin_op int_ops[5] = { bin_ops[0], bin_ops[1], bin_ops[2],
+					    bin_ops[4], bin_ops[5] };
+		for (int o = 0; o < 5; o++) {
 			epj_tensor *y = int_ops[o].fn(ctx, a, b);
 			tu_ok(ctx, y);
 			ck_assert_int_eq(epj_tensor_dtype(y), dts[d]);
@@ -881,6 +884,81 @@ START_TEST(test_grad_binary)
 }
 END_TEST
 
+static const bin_op max_normal = { "maximum", epj_maximum, G_NORMAL, G_NORMAL };
+
+/* maximum away from ties (normal inputs): the gradient goes to the larger
+ * input, through broadcasting. */
+START_TEST(test_grad_maximum)
+{
+	epj_ctx *ctx = tu_ctx();
+	for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+		const shape_pair *sp = &pairs[p];
+		epj_tensor *in[2] = {
+			mk(ctx, EPJ_DTYPE_F64, sp->na, sp->a, G_NORMAL, p == 5),
+			mk(ctx, EPJ_DTYPE_F64, sp->nb, sp->b, G_NORMAL, false),
+		};
+		for (int i = 0; i < 2; i++)
+			epj_tensor_set_requires_grad(in[i], true);
+		char what[64];
+		snprintf(what, sizeof what, "grad maximum pair %zu", p);
+		tu_gradcheck(ctx, fn_bin, in, 2, (void *)&max_normal, 1e-6,
+			     1e-5, 1e-6, what);
+		epj_tensor_free(in[0]);
+		epj_tensor_free(in[1]);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
+/* maximum at NaN, ties and signed zeros, forward (bits: a's zero on a tie)
+ * and backward (torch's: halves between equal inputs, the whole gradient
+ * to both where either is NaN), in every float dtype. */
+START_TEST(test_maximum_special)
+{
+	static const double va[7] = { NAN, 1, 2, 0.0, -0.0, 3, -4 };
+	static const double vb[7] = { 1, NAN, 2, -0.0, 0.0, NAN, 5 };
+	static const double want[7] = { NAN, NAN, 2, 0.0, -0.0, NAN, 5 };
+	static const double ga[7] = { 1, 1, 0.5, 0.5, 0.5, 1, 0 };
+	static const double gb[7] = { 1, 1, 0.5, 0.5, 0.5, 1, 1 };
+	epj_ctx *ctx = tu_ctx();
+	for (size_t d = 0; d < 3; d++) {
+		epj_dtype dt = float_dtypes[d];
+		int64_t n = 7;
+		epj_tensor *a = epj_zeros(ctx, dt, 1, &n);
+		epj_tensor *b = epj_zeros(ctx, dt, 1, &n);
+		ck_assert_int_eq(epj_tensor_from_f64(ctx, a, va), EPJ_OK);
+		ck_assert_int_eq(epj_tensor_from_f64(ctx, b, vb), EPJ_OK);
+		epj_tensor_set_requires_grad(a, true);
+		epj_tensor_set_requires_grad(b, true);
+		epj_tensor *y = epj_maximum(ctx, a, b);
+		tu_ok(ctx, y);
+		double *v = tu_values(ctx, y);
+		for (int i = 0; i < 7; i++) {
+			ck_assert_msg(
+			    isnan(want[i]) ? isnan(v[i]) : v[i] == want[i],
+			    "%s maximum[%d] = %g", epj_dtype_name(dt), i, v[i]);
+			ck_assert_msg(isnan(want[i]) ||
+					  signbit(v[i]) == signbit(want[i]),
+				      "%s maximum[%d]: the sign of zero",
+				      epj_dtype_name(dt), i);
+		}
+		free(v);
+		epj_tensor *s = epj_sum_all(ctx, y);
+		tu_ok(ctx, s);
+		ck_assert_int_eq(epj_backward(ctx, s, NULL), EPJ_OK);
+		tu_assert_close(ctx, epj_tensor_grad(a), ga, 0, 0,
+				"maximum grad a");
+		tu_assert_close(ctx, epj_tensor_grad(b), gb, 0, 0,
+				"maximum grad b");
+		epj_tensor_free(s);
+		epj_tensor_free(y);
+		epj_tensor_free(a);
+		epj_tensor_free(b);
+	}
+	epj_ctx_free(ctx);
+}
+END_TEST
+
 static epj_tensor *fn_un(epj_ctx *ctx, epj_tensor *const *in, void *user)
 {
 	return run_un(ctx, user, in[0]);
@@ -1148,6 +1226,7 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tc, test_cast_bf16);
 	tcase_add_test(tc, test_cvt_bits);
 	tcase_add_test(tc, test_where);
+	tcase_add_test(tc, test_maximum_special);
 	tcase_add_test(tc, test_errors);
 	suite_add_tcase(s, tc);
 	TCase *tv = tcase_create("vexp");
@@ -1161,6 +1240,7 @@ Suite *make_ops_pointwise_suite(void)
 	tcase_add_test(tg, test_grad_cast);
 	tcase_add_test(tg, test_silu_gelu_backward);
 	tcase_add_test(tg, test_grad_where);
+	tcase_add_test(tg, test_grad_maximum);
 	suite_add_tcase(s, tg);
 	return s;
 }

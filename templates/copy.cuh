@@ -202,7 +202,8 @@ extern "C" __global__ void ej_slice_bw(const struct ej_slice_bw_args a)
 
 /* ---- integer pointwise -----------------------------------------------------
  * dst (contiguous, shape) = a op b with a, b read through broadcast strides
- * (b unused for neg).  op: 0 add, 1 sub, 2 mul, 3 eq (1 / 0), 4 neg. */
+ * (b unused for neg).  op: 0 add, 1 sub, 2 mul, 3 eq (1 / 0), 4 neg,
+ * 5 maximum (signed). */
 
 extern "C" __global__ void ej_ipw(const struct ej_ipw_args a)
 {
@@ -232,6 +233,9 @@ extern "C" __global__ void ej_ipw(const struct ej_ipw_args a)
 			break;
 		case 3:
 			r = x == y ? 1ull : 0ull;
+			break;
+		case 5:
+			r = (long long)y > (long long)x ? y : x;
 			break;
 		default:
 			r = 0ull - x;

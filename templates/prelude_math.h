@@ -142,6 +142,15 @@
 	"\tdouble pdf = exp(-0.5 * x * x) * 0.39894228040143267794;\n"         \
 	"\treturn g * (cdf + x * pdf);\n"                                      \
 	"}\n"                                                                  \
+	"/* maximum(a, b): b where b > a or b is NaN, unless a is NaN */\n"   \
+	"EJ_SF float ej_maximum_f(float a, float b)\n"                         \
+	"{\n"                                                                  \
+	"\treturn (b > a || b != b) && a == a ? b : a;\n"                      \
+	"}\n"                                                                  \
+	"EJ_SF double ej_maximum_d(double a, double b)\n"                      \
+	"{\n"                                                                  \
+	"\treturn (b > a || b != b) && a == a ? b : a;\n"                      \
+	"}\n"                                                                  \
 	"/* amax: the first NaN wins */\n"                                     \
 	"EJ_SF float ej_maxnan_f(float m, float x)\n"                          \
 	"{\n"                                                                  \
