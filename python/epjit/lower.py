@@ -340,13 +340,11 @@ def _cmp_check(node):
 
 
 def _stack_amax(L, a, b, shape, dt):
-    """max(a, b) of two values broadcast to shape, NaN-propagating: the
-    amax of the two stacked on a new last dim."""
-    one, two = shape + [1], shape + [2]
-    ra = L.op("reshape", [_bcast(L, a, shape)], one, metas=[(one, dt)])
-    rb = L.op("reshape", [_bcast(L, b, shape)], one, metas=[(one, dt)])
-    c = L.op("cat", [ra, rb], [len(shape)], metas=[(two, dt)])
-    return L.op("amax", [c], [len(shape), 0], metas=[(shape, dt)])
+    """max(a, b) broadcast to shape, NaN-propagating (the first NaN; a on
+    ties): the maximum op, which fuses."""
+    bs = _bshape(L.shape(a), L.shape(b))
+    r = L.op("maximum", [a, b], metas=[(bs, dt)])
+    return r if bs == list(shape) else _bcast(L, r, list(shape))
 
 
 def _fle(L, a, b, shape, dt):
@@ -584,6 +582,30 @@ def _clamp(L, node):
     return v
 
 
+def _maximum_check(node):
+    dt = _val(node).dtype
+    if dt not in FLOATS + (torch.int32, torch.int64):
+        return "%s of %s" % (node.target.__name__.split(".")[0],
+                             str(dt).replace("torch.", ""))
+    if not all(_is_tensor_arg(a) for a in node.args[:2]):
+        return "maximum of a number"
+    return None
+
+
+@rule(aten.maximum.default, aten.minimum.default, check=_maximum_check)
+def _maximum(L, node):
+    """maximum: the maximum op (NaN-propagating); minimum through the
+    order-reversing map, min(a, b) = f(max(f(a), f(b)))."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    r = len(shape)
+    a, b = (L.cast(L.arg(x), dt) for x in node.args[:2])
+    if node.target == aten.maximum.default:
+        return _stack_amax(L, a, b, shape, dt)
+    fa, fb = (_flip_order(L, x, dt, len(L.shape(x))) for x in (a, b))
+    return _flip_order(L, _stack_amax(L, fa, fb, shape, dt), dt, r)
+
+
 def _threshold_check(node):
     if _val(node).dtype not in FLOATS:
         return "threshold of integers"
@@ -636,10 +658,9 @@ def _softplus_check(node):
 
 
 def _max0(L, v, dt):
-    """max(v, 0): the amax of v and zeros stacked on a new last dim."""
+    """max(v, 0): maximum with a zero that broadcasts (NaN stays NaN)."""
     shape = list(L.shape(v))
-    z = L.op("full", [], [DTYPES[dt]] + shape, [0.0], metas=[(shape, dt)])
-    return _stack_amax(L, v, z, shape, dt)
+    return _stack_amax(L, v, _const(L, 0.0, dt, len(shape)), shape, dt)
 
 
 @rule(aten.softplus.default, aten.softplus_backward.default,

@@ -843,3 +843,56 @@ def test_selects_fuse(dtype, tmp_path, monkeypatch):
                   for n in os.listdir(os.path.join(tmp_path, "kernels"))
                   if n.endswith(".c"))
     assert "!= 0 ?" in src
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_maximum_minimum_lowered(dtype, tmp_path, monkeypatch):
+    """maximum and minimum (broadcast, NaN, ties, signed zeros, integers)
+    and relu, clamp and a float comparison: values bitwise equal to
+    torch's (NaN where torch has it), gradients to 1e-5 (bf16 1e-2, ties
+    split as torch splits them); each is epjit's maximum op in the
+    compiled graphs, with no cat or amax left (the debug dump)."""
+    monkeypatch.setenv("EPJIT_DEBUG_DUMP", str(tmp_path))
+
+    def f(x, y):
+        a = torch.maximum(x, y) + torch.minimum(y, x * 2)
+        b = torch.relu(x) * torch.clamp(y, -0.5, 0.75)
+        return a, b, (x >= y).to(x.dtype)
+
+    x = torch.randn(3, 7, 11, dtype=dtype)
+    y = torch.randn(7, 1, dtype=dtype)
+    x[0, 0, :4] = torch.tensor([float("nan"), 0.0, -0.0, 1.0])
+    y[0, 0] = 0.0
+    x[1, 2, 3] = y[2, 0]            # a tie
+    y[4, 0] = float("nan")
+    x.requires_grad_(True)
+    y.requires_grad_(True)
+    ref = f(x, y)
+    cf = torch.compile(f, backend="epjit")
+    got = cf(x, y)
+    for g, r in zip(got, ref):
+        assert torch.equal(g.isnan(), r.isnan())
+        assert torch.equal(g.nan_to_num(), r.nan_to_num())
+    w = torch.randn(3, 7, 11, dtype=dtype)
+    gref = torch.autograd.grad(((ref[0] + ref[1]) * w).nan_to_num().sum(),
+                               (x, y))
+    ggot = torch.autograd.grad(((got[0] + got[1]) * w).nan_to_num().sum(),
+                               (x, y))
+    tol = TOL if dtype == torch.float32 else 1e-2
+    for g, r in zip(ggot, gref):
+        assert torch.equal(g.isnan(), r.isnan())
+        assert rel_err(g.nan_to_num(), r.nan_to_num()) <= tol
+    xi = torch.randint(-5, 5, (4, 6))
+    yi = torch.randint(-5, 5, (6,))
+    mi = torch.compile(lambda a, b: torch.minimum(a, b) * 3 +
+                       torch.maximum(b, a), backend="epjit")
+    assert torch.equal(mi(xi, yi), torch.minimum(xi, yi) * 3 +
+                       torch.maximum(yi, xi))
+    c = epjit.counters()
+    assert c["fallback_nodes"] == 0, c["fallback"]
+    epjit.dump()
+    text = "".join(open(os.path.join(tmp_path, "graphs", n)).read()
+                   for n in os.listdir(os.path.join(tmp_path, "graphs"))
+                   if n.endswith("final.txt"))
+    assert "maximum(" in text
+    assert "amax(" not in text and "cat(" not in text
