@@ -404,18 +404,19 @@ def _cmp(L, node):
     if name in ("lt", "ge"):
         a, b = b, a
     if name in ("eq", "ne"):
-        r = L.op("eq", [a, b], metas=[(shape, i64)])
-    else:
-        d = L.cast(L.op("sub", [a, b], metas=[(shape, i64)]), f64)
-        z = L.op("full", [], [DTYPES[f64]] + shape, [0.0],
-                 metas=[(shape, f64)])
-        r = L.op("eq", [_max0(L, d, f64), z], metas=[(shape, f64)])
-    r = L.op("cast", [r], [DTYPES[torch.bool]], metas=[m])
-    if name in ("ne", "gt", "lt"):
-        one = L.op("full", [], [DTYPES[torch.bool]] + shape, [1.0],
-                   metas=[m])
-        r = L.op("sub", [one, r], metas=[m])
-    return r
+        r = L.op("cast", [L.op("eq", [a, b], metas=[(shape, i64)])],
+                 [DTYPES[torch.bool]], metas=[m])
+        if name == "eq":
+            return r
+        one = _const(L, 1, torch.bool, len(shape))
+        return L.op("sub", [one, r], metas=[m])
+    d = L.cast(L.op("sub", [a, b], metas=[(shape, i64)]), f64)
+    z = _const(L, 0.0, f64, len(shape))
+    r = L.op("eq", [_max0(L, d, f64), z], metas=[(shape, f64)])
+    if name in ("gt", "lt"):
+        r = L.op("add_scalar", [L.op("neg", [r], metas=[(shape, f64)])],
+                 floats=[1.0], metas=[(shape, f64)])
+    return L.to_bool(r, shape)
 
 
 def _isnan_check(node):
@@ -444,14 +445,54 @@ def _logic_check(node):
 @rule(aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
       aten.logical_or.default, check=_logic_check)
 def _logic(L, node):
-    """and = a b, or = a + b - a b on bools (0 / 1)."""
+    """and = a b, or = a + b - a b on bools (0 / 1); in the float a
+    comparison made them from (L.fbool), so the mask fuses with the
+    comparisons and with a select on it, else in int32."""
     m = _out_meta(node)
     a, b = L.arg(node.args[0]), L.arg(node.args[1])
+    is_and = node.target in (aten.bitwise_and.Tensor,
+                             aten.logical_and.default)
+    if a in L.fbool or b in L.fbool:
+        fs = [L.fbool.get(x) for x in (a, b)]
+        kinds = {L.dtype(f) for f in fs if f is not None}
+        dt = kinds.pop() if len(kinds) == 1 else torch.float32
+        fa, fb = (L.cast(f if f is not None else x, dt)
+                  for f, x in zip(fs, (a, b)))
+        bs = _bshape(L.shape(fa), L.shape(fb))
+        r = L.op("mul", [fa, fb], metas=[(bs, dt)])
+        if not is_and:
+            r = L.op("sub", [L.op("add", [fa, fb], metas=[(bs, dt)]), r],
+                     metas=[(bs, dt)])
+        if bs != list(m[0]):
+            r = _bcast(L, r, list(m[0]))
+        return L.to_bool(r, m[0])
     ab = L.op("mul", [a, b], metas=[m])
-    if node.target in (aten.bitwise_and.Tensor, aten.logical_and.default):
+    if is_and:
         return ab
     s = L.op("add", [a, b], metas=[m])
     return L.op("sub", [s, ab], metas=[m])
+
+
+def _not_check(node):
+    if _val(node.args[0]).dtype != torch.bool:
+        return "bitwise_not of non-bools"
+    return None
+
+
+@rule(aten.bitwise_not.default, aten.logical_not.default, check=_not_check)
+def _not(L, node):
+    """1 - a on bools: in the float of a comparison when there is one."""
+    m = _out_meta(node)
+    a = L.arg(node.args[0])
+    f = L.fbool.get(a)
+    if f is not None:
+        dt = L.dtype(f)
+        r = L.op("add_scalar", [L.op("neg", [f], metas=[(L.shape(f), dt)])],
+                 floats=[1.0], metas=[(L.shape(f), dt)])
+        return L.to_bool(r, m[0])
+    one = L.op("full", [], [DTYPES[torch.bool]] + [1] * len(m[0]), [1.0],
+               metas=[([1] * len(m[0]), torch.bool)])
+    return L.op("sub", [one, a], metas=[m])
 
 
 def _arange_check(node):
@@ -1779,9 +1820,16 @@ def _scalar_of(x):
 
 
 def _nonzero(L, v, m):
-    """bool(v): 1 - (v == 0) (NaN is true, -0.0 false, as in torch)."""
+    """bool(v): 1 - (v == 0) (NaN is true, -0.0 false, as in torch), in
+    v's dtype when it is a float (a select on it fuses)."""
     dt = L.dtype(v)
     z = _const(L, 0.0, dt, len(L.shape(v)))
+    if dt in FLOATS:
+        sh = list(L.shape(v))
+        e = L.op("eq", [v, z], metas=[(sh, dt)])
+        r = L.op("add_scalar", [L.op("neg", [e], metas=[(sh, dt)])],
+                 floats=[1.0], metas=[(sh, dt)])
+        return L.to_bool(r, sh)
     e = L.op("cast", [L.op("eq", [v, z], metas=[(L.shape(v), dt)])],
              [DTYPES[torch.bool]], metas=[m])
     return L.op("sub", [_const(L, 1, torch.bool, len(m[0])), e], metas=[m])

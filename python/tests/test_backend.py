@@ -820,29 +820,69 @@ def test_selects_fuse(dtype, tmp_path, monkeypatch):
         assert rel_err(g.nan_to_num(), r.nan_to_num()) <= tol
     c = epjit.counters()
     assert c["fallback_nodes"] == 0, c["fallback"]
+    _assert_selects_read_floats(tmp_path)
+
+
+def _assert_selects_read_floats(dump):
+    """In the graphs of the debug dump: no gather; every select (where)
+    reads a comparison made in the graph as its float (never through a
+    cast to bool and back) and no int32 arithmetic is done on such bools;
+    the generated C selects."""
     epjit.dump()
-    finals = [os.path.join(tmp_path, "graphs", n)
-              for n in os.listdir(os.path.join(tmp_path, "graphs"))
+    finals = [os.path.join(dump, "graphs", n)
+              for n in os.listdir(os.path.join(dump, "graphs"))
               if n.endswith("final.txt")]
     assert finals
     for p in finals:
         text = open(p).read()
         assert "gather(" not in text, p
-        # a select reads a comparison made in the graph as its float, never
-        # through a cast to bool and back
         ops = dict(re.findall(r"^(%\d+) = ([a-z_]+\(%\d+)", text, re.M))
         for c in re.findall(r"= where\((%\d+),", text):
             v, casts = c, 0
             while ops.get(v, "").startswith("cast("):
                 v, casts = ops[v][5:], casts + 1
             src = ops.get(v, "")
-            assert not (casts and src.startswith(("eq(", "sub(", "add_"))), \
-                (p, c, src)
+            assert not (casts and src.startswith(("eq(", "sub(", "add_",
+                                                  "mul("))), (p, c, src)
+        assert not re.search(r"= (mul|add|sub)\(.*: i32\[", text), p
     assert any("where(" in open(p).read() for p in finals)
-    src = "".join(open(os.path.join(tmp_path, "kernels", n)).read()
-                  for n in os.listdir(os.path.join(tmp_path, "kernels"))
+    src = "".join(open(os.path.join(dump, "kernels", n)).read()
+                  for n in os.listdir(os.path.join(dump, "kernels"))
                   if n.endswith(".c"))
     assert "!= 0 ?" in src
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bool_logic_stays_float(dtype, tmp_path, monkeypatch):
+    """and, or, not of comparisons (and clamp's backward, which ands two of
+    them) stay in the comparisons' float: the masks fuse with the selects
+    on them; values and gradients as torch's (NaN where it has it)."""
+    monkeypatch.setenv("EPJIT_DEBUG_DUMP", str(tmp_path))
+
+    def f(x, y):
+        keep = ((x > 0) & ~(y < 0.5)) | (x == y) | torch.logical_not(
+            x <= -1)
+        return torch.where(keep, x * 3, y) + torch.clamp(x, -0.5, 0.5) * y
+
+    x = torch.randn(4, 33, dtype=dtype)
+    y = torch.randn(4, 33, dtype=dtype)
+    x[0, :3] = torch.tensor([float("nan"), 0.5, -1.0])
+    y[0, 1] = 0.5
+    x.requires_grad_(True)
+    y.requires_grad_(True)
+    ref = f(x, y)
+    got = torch.compile(f, backend="epjit")(x, y)
+    tol = TOL if dtype == torch.float32 else 1e-2
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert rel_err(got.nan_to_num(), ref.nan_to_num()) <= tol
+    gref = torch.autograd.grad(ref.nan_to_num().sum(), (x, y))
+    ggot = torch.autograd.grad(got.nan_to_num().sum(), (x, y))
+    for g, r in zip(ggot, gref):
+        assert torch.equal(g.isnan(), r.isnan())
+        assert rel_err(g.nan_to_num(), r.nan_to_num()) <= tol
+    c = epjit.counters()
+    assert c["fallback_nodes"] == 0, c["fallback"]
+    _assert_selects_read_floats(tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
