@@ -99,11 +99,13 @@ static bool loop_has_sum(const ej_kernel *k, int l)
 }
 
 /* The column loop(s) of one copy: a plain loop over j0..j1, or with row
- * sums the lane loop and its tail. */
+ * sums the lane loop and its tail.  Each carries EJ_IVDEP (the prelude):
+ * outputs never alias inputs, and without it GCC does not vectorise a
+ * kernel whose accesses need more than ten run-time alias checks. */
 static void column_copy(ej_kpr *c, int l, bool lanes)
 {
 	if (!lanes) {
-		ej_kpr_line(c, "for (int64_t j = j0; j < j1; j++) {");
+		ej_kpr_line(c, "EJ_IVDEP for (int64_t j = j0; j < j1; j++) {");
 		c->ind++;
 		ej_kpr_loop_body(c, l);
 		c->ind--;
@@ -114,7 +116,8 @@ static void column_copy(ej_kpr *c, int l, bool lanes)
 	ej_kpr_line(c, "for (; jb + %d <= j1; jb += %d) {", EJ_C_LANES,
 		    EJ_C_LANES);
 	c->ind++;
-	ej_kpr_line(c, "for (int64_t l = 0; l < %d; l++) {", EJ_C_LANES);
+	ej_kpr_line(c, "EJ_IVDEP for (int64_t l = 0; l < %d; l++) {",
+		    EJ_C_LANES);
 	c->ind++;
 	ej_kpr_line(c, "const int64_t j = jb + l;");
 	c->acc_at = "[l]";
@@ -123,7 +126,7 @@ static void column_copy(ej_kpr *c, int l, bool lanes)
 	ej_kpr_line(c, "}");
 	c->ind--;
 	ej_kpr_line(c, "}");
-	ej_kpr_line(c, "for (int64_t j = jb; j < j1; j++) {");
+	ej_kpr_line(c, "EJ_IVDEP for (int64_t j = jb; j < j1; j++) {");
 	c->ind++;
 	c->acc_at = "_t";
 	ej_kpr_loop_body(c, l);
