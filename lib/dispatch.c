@@ -108,24 +108,35 @@ epj_status ej_check_axis(epj_ctx *ctx, const ej_call *c, int64_t axis, int ndim,
 	return EPJ_OK;
 }
 
-epj_status ej_broadcast_shape(epj_ctx *ctx, const ej_call *c, int a, int b,
-			      int *ndim, int64_t *shape)
+epj_status ej_broadcast_more(epj_ctx *ctx, const ej_call *c, int b, int *ndim,
+			     int64_t *shape)
 {
-	const epj_tensor *x = c->in[a], *y = c->in[b];
-	int n = x->ndim > y->ndim ? x->ndim : y->ndim;
+	const epj_tensor *y = c->in[b];
+	int nx = *ndim, n = nx > y->ndim ? nx : y->ndim;
+	int64_t out[EPJ_MAX_DIMS];
 	for (int i = 0; i < n; i++) {
-		int ix = x->ndim - n + i, iy = y->ndim - n + i;
-		int64_t dx = ix >= 0 ? x->shape[ix] : 1;
+		int ix = nx - n + i, iy = y->ndim - n + i;
+		int64_t dx = ix >= 0 ? shape[ix] : 1;
 		int64_t dy = iy >= 0 ? y->shape[iy] : 1;
 		if (dx != dy && dx != 1 && dy != 1)
 			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
 					   "shapes are not broadcastable "
 					   "(dim %d: %lld vs %lld)",
 					   i, (long long)dx, (long long)dy);
-		shape[i] = dx == 1 ? dy : dx;
+		out[i] = dx == 1 ? dy : dx;
 	}
+	memcpy(shape, out, sizeof(int64_t) * (size_t)n);
 	*ndim = n;
 	return EPJ_OK;
+}
+
+epj_status ej_broadcast_shape(epj_ctx *ctx, const ej_call *c, int a, int b,
+			      int *ndim, int64_t *shape)
+{
+	const epj_tensor *x = c->in[a];
+	*ndim = x->ndim;
+	memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+	return ej_broadcast_more(ctx, c, b, ndim, shape);
 }
 
 void ej_broadcast_strides(const epj_tensor *t, int ndim, const int64_t *shape,

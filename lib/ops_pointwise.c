@@ -718,25 +718,13 @@ epj_status ej_infer_WHERE(epj_ctx *ctx, const ej_call *c, ej_meta *out)
 	int nd;
 	int64_t shape[EPJ_MAX_DIMS];
 	epj_status st = ej_broadcast_shape(ctx, c, 0, 1, &nd, shape);
+	if (st == EPJ_OK)
+		st = ej_broadcast_more(ctx, c, 2, &nd, shape);
 	if (st != EPJ_OK)
 		return st;
-	const epj_tensor *b = c->in[2];
-	int n = nd > b->ndim ? nd : b->ndim;
-	int64_t full[EPJ_MAX_DIMS];
-	for (int i = 0; i < n; i++) {
-		int ix = nd - n + i, ib = b->ndim - n + i;
-		int64_t dx = ix >= 0 ? shape[ix] : 1;
-		int64_t db = ib >= 0 ? b->shape[ib] : 1;
-		if (dx != db && dx != 1 && db != 1)
-			return ej_op_error(ctx, c, EPJ_ERR_SHAPE,
-					   "b does not broadcast with cond and "
-					   "a (dim %d: %lld vs %lld)",
-					   i, (long long)dx, (long long)db);
-		full[i] = dx == 1 ? db : dx;
-	}
 	st = ej_check_same_dtype(ctx, c, 1, 2);
 	if (st == EPJ_OK)
-		ej_meta_set(out, c->in[1]->dtype, n, full);
+		ej_meta_set(out, c->in[1]->dtype, nd, shape);
 	return st;
 }
 
