@@ -197,7 +197,9 @@ START_TEST(test_templates)
 	epj_ctx *ctx = tu_ctx();
 	char fails[4096] = "";
 	table_head("templates");
-	int n_attn = 0;
+	/* units: every template, every attention and delta instantiation
+	 * (a third of them under EPJIT_CHECK_QUICK: tu_quick_keep) */
+	int n_attn = 0, units = 0;
 	for (const char *const *t = ej_tmpl_names(); *t; t++) {
 		if (strcmp(*t, "delta") == 0) {
 			for (size_t i = 0; i < EJ_ARRAY_LEN(delta_inst); i++) {
@@ -209,13 +211,16 @@ START_TEST(test_templates)
 				snprintf(unit, sizeof unit, "delta %s dk<=%d",
 					 delta_inst[i].f64 ? "f64" : "f32",
 					 16 * delta_inst[i].nu);
-				template_unit(ctx, *t, defs, unit, fails,
-					      sizeof fails);
+				if (tu_quick_keep(units++))
+					template_unit(ctx, *t, defs, unit,
+						      fails, sizeof fails);
 			}
 			continue;
 		}
 		if (strcmp(*t, "attention") != 0) {
-			template_unit(ctx, *t, NULL, *t, fails, sizeof fails);
+			if (tu_quick_keep(units++))
+				template_unit(ctx, *t, NULL, *t, fails,
+					      sizeof fails);
 			continue;
 		}
 		for (size_t i = 0; i < EJ_ARRAY_LEN(attn_inst); i++) {
@@ -228,7 +233,9 @@ START_TEST(test_templates)
 				 : attn_inst[i].dt == 1 ? "bf16"
 							: "f32",
 				 32 * attn_inst[i].dl);
-			template_unit(ctx, *t, defs, unit, fails, sizeof fails);
+			if (tu_quick_keep(units++))
+				template_unit(ctx, *t, defs, unit, fails,
+					      sizeof fails);
 			n_attn++;
 		}
 	}
@@ -498,6 +505,8 @@ START_TEST(test_attn_tensor_cores)
 	epj_ctx *ctx = tu_ctx();
 	static const int dls[] = { 4, 6, 8 };
 	for (size_t i = 0; i < EJ_ARRAY_LEN(dls); i++) {
+		if (!tu_quick_keep((int)i))
+			continue;
 		char defs[96];
 		snprintf(defs, sizeof defs,
 			 "#define EJ_ATTN_DT 1\n#define EJ_ATTN_DL %d", dls[i]);

@@ -52,6 +52,14 @@ void tu_add_loop_test(TCase *tc, const TTest *fn, int n)
 	tcase_add_loop_test(tc, fn, lo, lo + k);
 }
 
+bool tu_quick_keep(int i)
+{
+	const char *q = getenv("EPJIT_CHECK_QUICK");
+	if (!q || !*q || !strcmp(q, "0"))
+		return true;
+	return (tu_seed() + (uint64_t)i) % 3 == 0;
+}
+
 static uint64_t next_u64(void)
 {
 	tu_seed();

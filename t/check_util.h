@@ -66,6 +66,12 @@ uint64_t tu_seed(void);
  * drawn from tu_seed(): every test still runs, on fewer variants (the
  * sanitizer phase of .ci/run; doc/testing.md). */
 void tu_add_loop_test(TCase *tc, const TTest *fn, int n);
+/* Whether item i of a test's own list runs: always, or, under
+ * EPJIT_CHECK_QUICK, every third item at an offset drawn from tu_seed()
+ * (for a test that loops over many slow units itself: NVRTC compiles of
+ * every template, where a sanitized build checks nothing more than the
+ * plain one). */
+bool tu_quick_keep(int i);
 /* A fresh context (cpu) seeded from tu_seed() and a per-call counter. */
 epj_ctx *tu_ctx(void);
 /* Uniform integer in [lo, hi) from the test RNG (seeded from tu_seed). */
