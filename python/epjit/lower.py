@@ -538,7 +538,7 @@ _UNARY = {
     aten.rsqrt.default: "rsqrt", aten.silu.default: "silu",
     aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
     aten.gelu.default: "gelu", aten.cos.default: "cos",
-    aten.sin.default: "sin",
+    aten.sin.default: "sin", aten.log1p.default: "log1p",
 }
 
 
@@ -555,6 +555,54 @@ def _unary(L, node):
     m = _out_meta(node)
     a = _pointwise_in(L, node, node.args[0], m[1])
     return L.op(_UNARY[node.target], [a], metas=[m])
+
+
+def _abs_check(node):
+    return None if _val(node).dtype in FLOATS + (torch.int32, torch.int64) \
+        else "abs of %s" % str(_val(node).dtype).replace("torch.", "")
+
+
+@rule(aten.abs.default, check=_abs_check)
+def _abs(L, node):
+    """maximum(x, -x) (NaN stays NaN), plus 0 for floats: -0 + 0 is +0, as
+    torch's abs(-0)."""
+    m = _out_meta(node)
+    x = _pointwise_in(L, node, node.args[0], m[1])
+    if m[1] in FLOATS:
+        nx = L.op("neg", [x], metas=[m])
+    else:
+        nx = L.op("sub", [_const(L, 0, m[1], len(m[0])), x], metas=[m])
+    r = L.op("maximum", [x, nx], metas=[m])
+    return L.op("add_scalar", [r], floats=[0.0], metas=[m]) \
+        if m[1] in FLOATS else r
+
+
+def _sign_check(node):
+    return None if _val(node).dtype in FLOATS else "sign of integers"
+
+
+@rule(aten.sign.default, aten.sgn.default, check=_sign_check)
+def _sign(L, node):
+    """(x > 0) - (x < 0) in x's float: 1, -1, or +0 for +-0 and NaN (as
+    torch's sign of real numbers)."""
+    m = _out_meta(node)
+    shape, dt = list(m[0]), m[1]
+    x = _pointwise_in(L, node, node.args[0], dt)
+    z = _bcast(L, _const(L, 0.0, dt, len(shape)), shape)
+
+    def lt(a, b):  # a < b: (a <= b) - (a == b), 0 where either is NaN
+        return L.op("sub", [_fle(L, a, b, shape, dt),
+                            L.op("eq", [a, b], metas=[(shape, dt)])],
+                    metas=[(shape, dt)])
+    return L.op("sub", [lt(z, x), lt(x, z)], metas=[(shape, dt)])
+
+
+@rule(aten.reciprocal.default, check=_unary_check)
+def _reciprocal(L, node):
+    """1 / x (a division, as torch's: 1 / 0 is Inf, 1 / -0 is -Inf)."""
+    m = _out_meta(node)
+    a = _pointwise_in(L, node, node.args[0], m[1])
+    return L.op("div", [_const(L, 1.0, m[1], len(m[0])), a], metas=[m])
 
 
 def _softplus_args(node):
@@ -857,6 +905,105 @@ def _reduce(L, node):
     if target is not node.target:
         v = _flip_order(L, v, work, len(shape))
     return L.cast(v, m[1])
+
+
+# ---- layer norm --------------------------------------------------------------
+
+
+def _layer_norm_check(node):
+    x = _val(node.args[0] if node.target == aten.native_layer_norm.default
+             else node.args[1])
+    return None if x.dtype in FLOATS else "integer input"
+
+
+def _ln_acc(dt):
+    """The dtype a layer norm computes in: f32 for bf16 (torch's
+    accumulate type), else dt itself."""
+    return torch.float32 if dt == torch.bfloat16 else dt
+
+
+def _reduce_each(L, name, v, dims, keep, dt):
+    """name (sum or mean) of v over dims (descending), one at a time."""
+    shape = list(L.shape(v))
+    for d in dims:
+        if keep:
+            shape[d] = 1
+        else:
+            del shape[d]
+        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), dt)])
+    return v
+
+
+def _ln_dims(x_rank, normalized):
+    """The normalized dims of a layer norm, descending: the last
+    len(normalized) of x's."""
+    return list(range(x_rank - 1, x_rank - 1 - len(normalized), -1))
+
+
+@rule(aten.native_layer_norm.default, check=_layer_norm_check)
+def _layer_norm(L, node):
+    """(y, mean, rstd): mean and the biased variance over the normalized
+    dims in the accumulate type, rstd = rsqrt(var + eps), y = (x - mean)
+    rstd w + b."""
+    x, normalized, w, b, eps = node.args[:5]
+    outs = _val(node)
+    acc = _ln_acc(_val(x).dtype)
+    xv = L.cast(L.arg(x), acc)
+    shape = list(L.shape(xv))
+    dims = _ln_dims(len(shape), normalized)
+    ms = list(shape)
+    for d in dims:
+        ms[d] = 1
+    mu = _reduce_each(L, "mean", xv, dims, True, acc)
+    xc = L.op("sub", [xv, mu], metas=[(shape, acc)])
+    sq = L.op("mul", [xc, xc], metas=[(shape, acc)])
+    var = _reduce_each(L, "mean", sq, dims, True, acc)
+    rstd = L.op("rsqrt", [L.op("add_scalar", [var], floats=[float(eps)],
+                                metas=[(ms, acc)])], metas=[(ms, acc)])
+    y = L.op("mul", [xc, rstd], metas=[(shape, acc)])
+    if w is not None:
+        y = L.op("mul", [y, L.cast(L.arg(w), acc)], metas=[(shape, acc)])
+    if b is not None:
+        y = L.op("add", [y, L.cast(L.arg(b), acc)], metas=[(shape, acc)])
+    return (L.cast(y, outs[0].dtype), L.cast(mu, outs[1].dtype),
+            L.cast(rstd, outs[2].dtype))
+
+
+@rule(aten.native_layer_norm_backward.default, check=_layer_norm_check)
+def _layer_norm_backward(L, node):
+    """With xhat = (x - mean) rstd and gw = g w: dx = rstd (gw - mean(gw) -
+    xhat mean(gw xhat)) over the normalized dims; dw = the sum of g xhat
+    and db the sum of g over the other dims."""
+    go, x, normalized, mean, rstd, w, b, mask = node.args[:8]
+    outs = _val(node)
+    acc = _ln_acc(_val(x).dtype)
+    g = L.cast(L.arg(go), acc)
+    xv = L.cast(L.arg(x), acc)
+    shape = list(L.shape(xv))
+    dims = _ln_dims(len(shape), normalized)
+    lead = list(range(len(shape) - len(normalized) - 1, -1, -1))
+    m = lambda: [(shape, acc)]  # noqa: E731
+    xc = L.op("sub", [xv, L.cast(L.arg(mean), acc)], metas=m())
+    rs = L.cast(L.arg(rstd), acc)
+    xhat = L.op("mul", [xc, rs], metas=m())
+    res = [None, None, None]
+    if mask[0]:
+        gw = g if w is None else L.op("mul", [g, L.cast(L.arg(w), acc)],
+                                      metas=m())
+        m1 = _reduce_each(L, "mean", gw, dims, True, acc)
+        m2 = _reduce_each(L, "mean", L.op("mul", [gw, xhat], metas=m()),
+                          dims, True, acc)
+        d = L.op("sub", [L.op("sub", [gw, m1], metas=m()),
+                         L.op("mul", [xhat, m2], metas=m())], metas=m())
+        res[0] = L.cast(L.op("mul", [d, rs], metas=m()), outs[0].dtype)
+    if mask[1] and w is not None:
+        gx = L.op("mul", [g, xhat], metas=m())
+        res[1] = L.cast(_reduce_each(L, "sum", gx, lead, False, acc),
+                        outs[1].dtype)
+    if mask[2] and b is not None:
+        res[2] = L.cast(_reduce_each(L, "sum", g, lead, False, acc),
+                        outs[2].dtype)
+    return tuple(res)
 
 
 @rule(aten.max.default, aten.min.default, check=_reduce_check)
@@ -1223,6 +1370,22 @@ def _cat(L, node):
     return L.op("cat", ins, [d], metas=[m])
 
 
+@rule(aten.stack.default, check=_cat_check)
+def _stack(L, node):
+    """A cat of the tensors, each with a dim of 1 inserted at dim."""
+    m = _out_meta(node)
+    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(m[0]))
+    ins = []
+    for x in node.args[0]:
+        v = _pointwise_in(L, node, x, m[1])
+        s = list(L.shape(v))
+        s.insert(d, 1)
+        ins.append(L.op("reshape", [v], s, metas=[(s, m[1])]))
+    if len(ins) == 1:
+        return ins[0]
+    return L.op("cat", ins, [d], metas=[m])
+
+
 def _to_copy_check(node):
     if node.kwargs.get("memory_format") not in (None, torch.preserve_format,
                                                 torch.contiguous_format):
@@ -1252,28 +1415,38 @@ def _to_copy(L, node):
 # ---- indexing ----------------------------------------------------------------
 
 
-def _embedding_check(node):
-    pad = node.args[2] if len(node.args) > 2 else -1
-    return None if pad == -1 else "padding_idx"
-
-
-@rule(aten.embedding.default, check=_embedding_check)
+@rule(aten.embedding.default)
 def _embedding(L, node):
+    """The lookup; padding_idx and scale_grad_by_freq change only the
+    backward."""
     return L.op("embedding", [L.arg(node.args[0]), L.arg(node.args[1])],
                 metas=[_out_meta(node)])
 
 
 def _embedding_bw_check(node):
-    pad = node.args[3] if len(node.args) > 3 else -1
     scale = node.args[4] if len(node.args) > 4 else False
-    return None if pad == -1 and not scale else "padding_idx or scale_grad"
+    return "scale_grad_by_freq" if scale else None
 
 
 @rule(aten.embedding_dense_backward.default, check=_embedding_bw_check)
 def _embedding_backward(L, node):
-    return L.op("embedding_backward",
-                [L.arg(node.args[0]), L.arg(node.args[1])],
-                [int(node.args[2])], metas=[_out_meta(node)])
+    """The rows' gradients summed per index; with padding_idx p, the rows
+    whose index is p add nothing (their gradient selected to zero, so an
+    Inf or NaN there stays out, as torch's)."""
+    g = L.arg(node.args[0])
+    ids = L.arg(node.args[1])
+    pad = node.args[3] if len(node.args) > 3 else -1
+    if pad >= 0:
+        i64 = torch.int64
+        iv = L.cast(ids, i64)
+        hit = L.op("eq", [iv, _int_full(L, iv, pad)],
+                   metas=[(list(L.shape(iv)), i64)])
+        hs = list(L.shape(iv)) + [1]
+        hit = L.op("reshape", [hit], hs, metas=[(hs, i64)])
+        gs, gdt = list(L.shape(g)), L.dtype(g)
+        g = _pick(L, hit, _const(L, 0.0, gdt, len(gs)), g, gs, gdt)
+    return L.op("embedding_backward", [g, ids], [int(node.args[2])],
+                metas=[_out_meta(node)])
 
 
 # ---- scans and reversals --------------------------------------------------------

@@ -24,6 +24,32 @@ def rel_err(a, b):
     return d / m if m > 0 else d
 
 
+def assert_same_nans_close(got, ref, tol):
+    """got and ref have NaN at the same places and agree to tol (rel_err)
+    elsewhere."""
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert rel_err(got.nan_to_num(), ref.nan_to_num()) <= tol
+
+
+def assert_grads_match(got, ref, inputs, tol, weight=None):
+    """The gradients of sum(out * weight) (NaN put to 0 first; weight 1 by
+    default) over inputs agree between the compiled outputs got and the
+    eager ones ref (tensors or tuples of tensors): NaN at the same places,
+    the rest to tol."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+
+    def loss(outs):
+        w = weight if weight is not None else 1.0
+        return sum((o * w).nan_to_num().sum() for o in outs)
+    gref = torch.autograd.grad(loss(ref), inputs, allow_unused=True)
+    ggot = torch.autograd.grad(loss(got), inputs, allow_unused=True)
+    for g, r in zip(ggot, gref):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert_same_nans_close(g, r, tol)
+
+
 def disable_moe_blocks(model, block_name):
     """Puts every module of class block_name under torch.compiler.disable
     (the MoE blocks stay eager, as DeepSpeed's AutoEP layers do); returns
