@@ -7,6 +7,7 @@ None when a rule exists and the node's arguments fit it, else the reason the
 node stays in torch.
 """
 
+import math
 import operator
 
 import torch
@@ -595,6 +596,59 @@ def _sign(L, node):
                             L.op("eq", [a, b], metas=[(shape, dt)])],
                     metas=[(shape, dt)])
     return L.op("sub", [lt(z, x), lt(x, z)], metas=[(shape, dt)])
+
+
+def _expm1_check(node):
+    dt = _val(node).dtype
+    return None if dt in (torch.float32, torch.bfloat16) else \
+        "expm1 of %s" % str(dt).replace("torch.", "")
+
+
+@rule(aten.expm1.default, check=_expm1_check)
+def _expm1(L, node):
+    """exp(x) - 1 in f64, which keeps an f32 result's digits for |x| >=
+    1e-5; below that x (1 + x / 2) (its error x^3 / 6 is under f64's
+    rounding of x; -0 stays -0); rounded once to the result's dtype.  NaN, Inf and -Inf
+    as torch's (NaN, Inf, -1)."""
+    m = _out_meta(node)
+    shape, f64 = list(m[0]), torch.float64
+    x = L.cast(L.arg(node.args[0]), f64)
+    w = (shape, f64)
+    t = L.op("add_scalar", [L.op("exp", [x], metas=[w])], floats=[-1.0],
+             metas=[w])
+    half = L.op("add_scalar", [L.op("mul_scalar", [x], floats=[0.5],
+                                    metas=[w])], floats=[1.0], metas=[w])
+    small = L.op("mul", [x, half], metas=[w])  # x (1 + x / 2): -0 stays
+    ax = L.op("maximum", [x, L.op("neg", [x], metas=[w])], metas=[w])
+    near0 = _fle(L, ax, _bcast(L, _const(L, 1e-5, f64, len(shape)), shape),
+                 shape, f64)
+    return L.cast(_pick(L, near0, small, t, shape, f64), m[1])
+
+
+def _pow_scalar_base_check(node):
+    base = node.args[0]
+    if _val(node).dtype not in FLOATS or \
+            _val(node.args[1]).dtype not in FLOATS:
+        return "pow of integers"
+    if not isinstance(base, (int, float)) or isinstance(base, bool) or \
+            not (0 < base < float("inf")):
+        return "pow base %r" % (base,)
+    return None
+
+
+@rule(aten.pow.Scalar, check=_pow_scalar_base_check)
+def _pow_scalar_base(L, node):
+    """base ** x for a finite base > 0: exp(x ln(base)) in f64, rounded
+    once (1 for base 1, whatever x, as torch's)."""
+    m = _out_meta(node)
+    base = float(node.args[0])
+    if base == 1.0:
+        return _bcast(L, _const(L, 1.0, m[1], len(m[0])), list(m[0]))
+    f64 = torch.float64
+    w = (list(m[0]), f64)
+    x = L.cast(L.arg(node.args[1]), f64)
+    e = L.op("mul_scalar", [x], floats=[math.log(base)], metas=[w])
+    return L.cast(L.op("exp", [e], metas=[w]), m[1])
 
 
 @rule(aten.reciprocal.default, check=_unary_check)

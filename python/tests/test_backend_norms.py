@@ -164,3 +164,37 @@ def test_stack_reciprocal_log1p_lowered(dtype):
     assert torch.equal(r.nan_to_num(), torch.reciprocal(s).nan_to_num())
     assert torch.equal(r.signbit(), torch.reciprocal(s).signbit())
     _no_fallback()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expm1_pow_scalar_lowered(dtype):
+    """expm1 near 0 (where exp(x) - 1 would lose every digit), at +-0, Inf,
+    -Inf and NaN, and a number to a tensor power (2 ** x, 0.5 ** x, 1 ** x
+    with Inf and NaN: 1, as torch's): values to 1e-6 relative element by
+    element in f32 (bf16: bitwise, one rounding of an exact-enough value),
+    gradients to 1e-5."""
+    x = torch.randn(5, 7, dtype=dtype) * 2
+    x[0, :7] = torch.tensor([1e-8, -3e-7, 0.0, -0.0, float("inf"),
+                             float("-inf"), float("nan")])
+    x[1, :5] = torch.tensor([2e-5, -9e-6, 1e-3, 1e-12, -1e-13])
+    x.requires_grad_(True)
+
+    def f(x):
+        return (torch.expm1(x), torch.pow(2.0, x), torch.pow(0.5, x * 3),
+                torch.pow(1.0, x))
+
+    ref = f(x)
+    got = torch.compile(f, backend="epjit")(x)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype
+        assert torch.equal(g.isnan(), r.isnan())
+        assert torch.equal(g.isinf(), r.isinf())
+        num = ~r.isnan()  # a NaN's sign bit means nothing
+        assert torch.equal(g.signbit() & num, r.signbit() & num)
+        gf, rf = g.double().nan_to_num(0, 0, 0), r.double().nan_to_num(0, 0, 0)
+        err = ((gf - rf).abs() / rf.abs().clamp_min(1e-30))
+        assert err.max() <= (1e-6 if dtype == torch.float32 else 8e-3), err
+    fin = torch.isfinite(x.detach())
+    w = torch.randn(5, 7, dtype=dtype) * fin
+    assert_grads_match(got[:3], ref[:3], (x,), _tol(dtype), w)
+    _no_fallback()
