@@ -608,8 +608,8 @@ def _expm1_check(node):
 def _expm1(L, node):
     """exp(x) - 1 in f64, which keeps an f32 result's digits for |x| >=
     1e-5; below that x (1 + x / 2) (its error x^3 / 6 is under f64's
-    rounding of x; -0 stays -0); rounded once to the result's dtype.  NaN, Inf and -Inf
-    as torch's (NaN, Inf, -1)."""
+    rounding of x; -0 stays -0); rounded once to the result's dtype.  NaN,
+    Inf and -Inf as torch's (NaN, Inf, -1)."""
     m = _out_meta(node)
     shape, f64 = list(m[0]), torch.float64
     x = L.cast(L.arg(node.args[0]), f64)
@@ -948,16 +948,9 @@ def _reduce(L, node):
         return L.cast(v, m[1])
     if target is not node.target:
         v = _flip_order(L, v, work, rank)
-    keep = _keepdim(node)
-    shape = list(L.shape(v))
-    for d in _reduce_dims(node):
-        if keep:
-            shape[d] = 1
-        else:
-            del shape[d]
-        v = L.op(name, [v], [d, int(keep)], metas=[(list(shape), work)])
+    v = _reduce_each(L, name, v, _reduce_dims(node), _keepdim(node), work)
     if target is not node.target:
-        v = _flip_order(L, v, work, len(shape))
+        v = _flip_order(L, v, work, len(L.shape(v)))
     return L.cast(v, m[1])
 
 
@@ -977,7 +970,8 @@ def _ln_acc(dt):
 
 
 def _reduce_each(L, name, v, dims, keep, dt):
-    """name (sum or mean) of v over dims (descending), one at a time."""
+    """name (sum, mean or amax) of v over dims, one at a time (dims
+    descending, so each index stays valid)."""
     shape = list(L.shape(v))
     for d in dims:
         if keep:
