@@ -41,10 +41,10 @@ const char *ej_dense_as(epj_ctx *ctx, const ej_call *c, const epj_tensor *t,
 epj_status ej_check_axis(epj_ctx *ctx, const ej_call *c, int64_t axis, int ndim,
 			 int *out_axis);
 
-/* Broadcast shape of inputs a and b of the call (numpy rules). */
 /* Broadcasts input b into the shape (*ndim, shape) in place. */
 epj_status ej_broadcast_more(epj_ctx *ctx, const ej_call *c, int b, int *ndim,
 			     int64_t *shape);
+/* Broadcast shape of inputs a and b of the call (numpy rules). */
 epj_status ej_broadcast_shape(epj_ctx *ctx, const ej_call *c, int a, int b,
 			      int *ndim, int64_t *shape);
 /* Strides that read t as if broadcast to (ndim, shape): 0 on broadcast

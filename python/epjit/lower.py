@@ -999,10 +999,8 @@ def _layer_norm(L, node):
     xv = L.cast(L.arg(x), acc)
     shape = list(L.shape(xv))
     dims = _ln_dims(len(shape), normalized)
-    ms = list(shape)
-    for d in dims:
-        ms[d] = 1
     mu = _reduce_each(L, "mean", xv, dims, True, acc)
+    ms = L.shape(mu)  # shape with the normalized dims 1
     xc = L.op("sub", [xv, mu], metas=[(shape, acc)])
     sq = L.op("mul", [xc, xc], metas=[(shape, acc)])
     var = _reduce_each(L, "mean", sq, dims, True, acc)

@@ -35,7 +35,7 @@ def assert_grads_match(got, ref, inputs, tol, weight=None):
     """The gradients of sum(out * weight) (NaN put to 0 first; weight 1 by
     default) over inputs agree between the compiled outputs got and the
     eager ones ref (tensors or tuples of tensors): NaN at the same places,
-    the rest to tol."""
+    the rest to tol; each of ref's gradients is non-zero."""
     got = got if isinstance(got, (tuple, list)) else (got,)
     ref = ref if isinstance(ref, (tuple, list)) else (ref,)
 
@@ -47,6 +47,7 @@ def assert_grads_match(got, ref, inputs, tol, weight=None):
     for g, r in zip(ggot, gref):
         assert (g is None) == (r is None)
         if r is not None:
+            assert r.nan_to_num().abs().max() > 0
             assert_same_nans_close(g, r, tol)
 
 
